@@ -1,0 +1,55 @@
+"""dask_ddict: a distributed dictionary for Dask, with Dragon DDict's semantics.
+
+``DDict`` shards keys over managers hosted by Dask workers, each keeping its
+shard in shared memory on its host.  Clients talk to managers directly;
+the scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
+
+``dask scheduler --preload dask_ddict`` installs the orchestrator at start.
+"""
+
+from __future__ import annotations
+
+from . import config  # noqa: F401  (loads the ddict.* defaults)
+from .client import DDict
+from .errors import (
+    DDictCheckpointSyncError,
+    DDictClosedError,
+    DDictError,
+    DDictFullError,
+    DDictFutureCheckpointError,
+    DDictKeyError,
+    DDictManagerUnavailableError,
+    DDictPersistCheckpointError,
+    DDictSerializationError,
+    DDictSyncError,
+    DDictTimeoutError,
+)
+from .orchestrator import DDictSchedulerPlugin
+from .stats import DDictManagerStats
+from .worker_plugin import DDictWorkerPlugin
+
+__all__ = [
+    "DDict",
+    "DDictCheckpointSyncError",
+    "DDictClosedError",
+    "DDictError",
+    "DDictFullError",
+    "DDictFutureCheckpointError",
+    "DDictKeyError",
+    "DDictManagerStats",
+    "DDictManagerUnavailableError",
+    "DDictPersistCheckpointError",
+    "DDictSchedulerPlugin",
+    "DDictSerializationError",
+    "DDictSyncError",
+    "DDictTimeoutError",
+    "DDictWorkerPlugin",
+]
+
+
+def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
+    """Preload hook: ``dask scheduler --preload dask_ddict`` installs the orchestrator.
+
+    Scheduler preloads run before plugins start, so ``start`` is still awaited.
+    """
+    scheduler.add_plugin(DDictSchedulerPlugin(), name=DDictSchedulerPlugin.name)

@@ -1,0 +1,192 @@
+"""Key and value serialization: pickle protocol 5 framing and custom picklers.
+
+A *value frame* is what travels on the wire and what a shard stores::
+
+    [u8 fmt][3 pad][u32 nbufs][u64 payload_len][u64 buf_len] * nbufs
+    [payload]  [pad][buf 0]  [pad][buf 1] ...
+
+``fmt`` is :data:`FMT_PICKLE` (``payload`` is a pickle-5 stream whose
+out-of-band buffers follow) or :data:`FMT_RAW` (``payload`` is whatever a
+custom value pickler wrote; no buffers).  Buffers are padded so that a frame
+placed at an address congruent to :data:`FRAME_BASE` modulo 64 has every
+buffer 64-byte aligned.  That base is chosen for where frames actually land:
+LMDB puts a large value in overflow pages right after a 16-byte page header,
+and the shard stores a 16-byte entry header before the frame, so a stored frame
+starts at 32 modulo 64; receivers allocate their buffers with the same offset
+(:func:`aligned_empty`).  Unpickling then builds numpy arrays as views of the
+frame, without copying.
+
+Keys are serialized with plain pickle (protocol 5, in-band), falling back to
+cloudpickle for objects pickle cannot handle.  Their bytes are their identity.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from typing import Any, NamedTuple, Protocol
+
+import cloudpickle
+import numpy as np
+
+from .errors import DDictSerializationError
+
+ALIGN = 64
+FRAME_BASE = 32
+FMT_PICKLE = 0
+FMT_RAW = 1
+
+_HEAD = struct.Struct("<BxxxIQ")
+_LEN = struct.Struct("<Q")
+
+
+class KeyPickler(Protocol):
+    def dumps(self, obj: Any) -> bytes: ...
+    def loads(self, data: bytes) -> Any: ...
+
+
+class ValuePickler(Protocol):
+    def dump(self, obj: Any, file: Any) -> None: ...
+    def load(self, file: Any) -> Any: ...
+
+
+class Framed(NamedTuple):
+    """A serialized value as a list of buffers (no joined copy) and its size."""
+
+    parts: list[Any]
+    nbytes: int
+
+    def join(self) -> bytes:
+        """One contiguous copy (what a store needs for a single put)."""
+        return b"".join(self.parts)
+
+
+def _pad(offset: int) -> int:
+    return (-(FRAME_BASE + offset)) % ALIGN
+
+
+def _describe(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
+    """Serialize a value into a frame, keeping large buffers out of band.
+
+    Raises
+    ------
+    DDictSerializationError
+        If the value cannot be pickled; the message names its type.
+    """
+    if pickler is not None:
+        bio = io.BytesIO()
+        try:
+            pickler.dump(obj, bio)
+        except Exception as e:
+            raise DDictSerializationError(
+                f"custom value pickler failed on a value of type {_describe(obj)}: {e}"
+            ) from e
+        payload = bio.getbuffer()
+        return Framed([_HEAD.pack(FMT_RAW, 0, len(payload)), payload], _HEAD.size + len(payload))
+
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        payload = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        buffers.clear()
+        try:
+            payload = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        except Exception as e:
+            raise DDictSerializationError(
+                f"cannot serialize a value of type {_describe(obj)}: {e}"
+            ) from e
+    raws = [b.raw() for b in buffers]
+    head = _HEAD.pack(FMT_PICKLE, len(raws), len(payload)) + b"".join(
+        _LEN.pack(r.nbytes) for r in raws
+    )
+    parts: list[Any] = [head, payload]
+    offset = len(head) + len(payload)
+    for r in raws:
+        pad = _pad(offset)
+        if pad:
+            parts.append(bytes(pad))
+        parts.append(r)
+        offset += pad + r.nbytes
+    return Framed(parts, offset)
+
+
+def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
+    """Deserialize a value frame; numpy buffers become views of ``frame``."""
+    mv = memoryview(frame).cast("B")
+    fmt, nbufs, plen = _HEAD.unpack_from(mv, 0)
+    offset = _HEAD.size
+    lens = [_LEN.unpack_from(mv, offset + 8 * i)[0] for i in range(nbufs)]
+    offset += 8 * nbufs
+    payload = mv[offset : offset + plen]
+    offset += plen
+    if fmt == FMT_RAW:
+        if pickler is None:
+            raise DDictSerializationError(
+                "value was stored with a custom value pickler; read it through d.pickler(...)"
+            )
+        return pickler.load(io.BytesIO(payload))
+    bufs = []
+    for n in lens:
+        offset += _pad(offset)
+        bufs.append(mv[offset : offset + n])
+        offset += n
+    try:
+        if pickler is not None:
+            return pickler.load(io.BytesIO(payload))
+        return pickle.loads(payload, buffers=bufs)
+    except Exception as e:
+        raise DDictSerializationError(f"cannot deserialize value: {e}") from e
+
+
+def dumps_key(key: Any, pickler: KeyPickler | None = None) -> bytes:
+    """Serialize a key; its bytes are its identity."""
+    try:
+        if pickler is not None:
+            data = pickler.dumps(key)
+            return bytes(data)
+        try:
+            return pickle.dumps(key, protocol=5)
+        except Exception:
+            return cloudpickle.dumps(key, protocol=5)
+    except Exception as e:
+        raise DDictSerializationError(f"cannot serialize a key of type {_describe(key)}: {e}") from e
+
+
+def loads_key(data: Any, pickler: KeyPickler | None = None) -> Any:
+    """Deserialize key bytes."""
+    if pickler is not None:
+        return pickler.loads(bytes(data))
+    return pickle.loads(data)
+
+
+SMALL_FRAME = 4096
+
+
+def copy_frame(frame: memoryview) -> Any:
+    """A private copy of a frame: aligned for large frames, plain bytes for small.
+
+    Small frames hold no buffers worth aligning, and ``bytes()`` is several
+    times cheaper than allocating an aligned numpy buffer.
+    """
+    if frame.nbytes < SMALL_FRAME:
+        return bytes(frame)
+    buf = aligned_empty(frame.nbytes)
+    buf[:] = frame
+    return buf
+
+
+def aligned_empty(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` whose start is :data:`FRAME_BASE` mod 64.
+
+    Receivers read a value frame into it so that out-of-band buffers come out
+    64-byte aligned, as they are in the shard.
+    """
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    addr = raw.__array_interface__["data"][0]
+    start = (FRAME_BASE - addr) % ALIGN
+    return memoryview(raw[start : start + nbytes])

@@ -1,0 +1,798 @@
+"""DDict: the user's handle on a distributed dictionary.
+
+A handle knows the dictionary's :class:`~dask_ddict.layout.Layout` and its own
+checkpoint id, serializes keys and values, hashes each key to its manager and
+talks to that manager through a channel (in-process, Unix socket or TCP):
+never through the scheduler.  Dask's comms are used only for control
+(create, destroy), through the orchestrator.
+
+Handles derived from one another (:meth:`DDict.manager`, :meth:`DDict.pickler`)
+share a :class:`_Core` (layout, channels, closed state) so that destroying
+through one closes them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import distributed
+from distributed import Client, LocalCluster
+
+from . import config
+from ._hashing import custom_placement, key_digest, manager_for_digest
+from ._serialize import Framed, KeyPickler, ValuePickler, dumps_key, dumps_value, loads_key, loads_value
+from .errors import (
+    DDictClosedError,
+    DDictError,
+    DDictKeyError,
+    DDictManagerUnavailableError,
+)
+from .layout import Layout, ManagerInfo, host_id
+from .options import DDictOptions, parse_total_mem
+from .stats import DDictManagerStats
+from .transport import InProcessChannel, SocketChannel
+from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
+from .worker_plugin import LOCAL_MANAGERS
+
+logger = logging.getLogger(__name__)
+
+_MISSING: Any = object()
+
+
+def _current_client() -> Client | None:
+    try:
+        return distributed.get_client()
+    except ValueError:
+        return None
+
+
+def _embedded_client() -> tuple[Client, LocalCluster]:
+    """Start the LocalCluster (worker processes) that ``DDict()`` owns."""
+    cluster = LocalCluster(
+        n_workers=config.get("embedded.n-workers"),
+        threads_per_worker=config.get("embedded.threads-per-worker"),
+        processes=True,
+        dashboard_address=":0",
+    )
+    return Client(cluster, set_as_default=False), cluster
+
+
+class _Core:
+    """What all handles of one attached dictionary share."""
+
+    layout: Layout
+    closed: bool
+
+    def __init__(
+        self,
+        layout: Layout,
+        client: Client | None = None,
+        cluster: LocalCluster | None = None,
+    ) -> None:
+        self.layout = layout
+        self._client = client
+        self.cluster = cluster
+        self.closed = False
+        self._channels: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._host = host_id()
+
+    def __repr__(self) -> str:
+        return f"<_Core {self.layout.name!r} managers={self.layout.num_managers} closed={self.closed}>"
+
+    @property
+    def client(self) -> Client:
+        """A Dask client for control operations, found lazily."""
+        if self._client is None:
+            self._client = _current_client()
+            if self._client is None:
+                raise DDictError(
+                    "this operation needs a dask Client: pass client= to DDict.attach or "
+                    "create one in this process",
+                    "INVALID_OPERATION",
+                )
+        return self._client
+
+    def _security(self) -> Any:
+        if self._client is not None:
+            return self._client.security
+        try:
+            return distributed.get_worker().security
+        except ValueError:
+            pass
+        client = _current_client()
+        if client is not None:
+            return client.security
+        return distributed.Security()
+
+    def is_local(self, info: ManagerInfo) -> bool:
+        """Whether a manager shares this host (and so its /dev/shm)."""
+        return info.host_id == self._host
+
+    def channel(self, mid: int) -> Any:
+        ch = self._channels.get(mid)
+        if ch is not None:
+            return ch
+        with self._lock:
+            if self.closed:
+                raise DDictClosedError("the DDict was destroyed or detached")
+            ch = self._channels.get(mid)
+            if ch is None:
+                ch = self._channels[mid] = self._make_channel(self.layout.managers[mid])
+        return ch
+
+    def _make_channel(self, info: ManagerInfo) -> Any:
+        if info.lost:
+            raise DDictManagerUnavailableError(
+                f"manager {info.manager_id} was lost with worker {info.worker}"
+            )
+        local_ok = config.get("local-transport")
+        if local_ok:
+            manager = LOCAL_MANAGERS.get((self.layout.uid, info.manager_id))
+            if manager is not None and not manager.closed:
+                return InProcessChannel(manager)
+            if self.is_local(info) and os.path.exists(info.uds_path):
+                return SocketChannel(
+                    info, self.layout.secret, use_uds=True,
+                    connect_timeout=config.get_seconds("transport.connect-timeout") or 10.0,
+                )  # fmt: skip
+        ssl_context = None
+        if self.layout.tls:
+            ssl_context = self._security().get_connection_args("client")["ssl_context"]
+            if ssl_context is None:
+                raise DDictError(
+                    "the cluster requires TLS but this process has no client certificate "
+                    "(configure distributed.comm.tls or pass a client with security=)",
+                    "INVALID_OPERATION",
+                )
+        return SocketChannel(
+            info, self.layout.secret, use_uds=False, ssl_context=ssl_context,
+            connect_timeout=config.get_seconds("transport.connect-timeout") or 10.0,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+
+
+class _Batch:
+    """Client-side buffers of a batch put: one list of records per manager."""
+
+    __slots__ = ("persist", "records", "sizes", "touched", "error")
+
+    def __init__(self, persist: bool) -> None:
+        self.persist = persist
+        self.records: dict[int, list[tuple[bytes, bytes, Framed]]] = {}
+        self.sizes: dict[int, int] = {}
+        self.touched: set[int] = set()
+        self.error: BaseException | None = None
+
+
+class DDict:
+    """A distributed dictionary sharded over managers hosted by Dask workers.
+
+    Parameters
+    ----------
+    managers_per_worker
+        Shards hosted by each chosen worker (default ``ddict.managers-per-worker``).
+    n_workers
+        How many workers host managers; ``None``: every connected worker.
+    total_mem
+        Bytes (int or a string such as ``"1 GiB"``) split evenly over the managers.
+    working_set_size, wait_for_keys, wait_for_writers
+        Checkpoint window and retirement rules (Dragon's model).
+    persist_freq, persist_count, persist_path, read_only, restore_from, restart
+        Persistence and restart (see the docs).
+    name
+        Name of the dictionary; generated when empty (:meth:`get_name`).
+    timeout
+        Seconds for every blocking operation of this handle; ``None``: forever.
+    manager_pool_full_thresh
+        Fraction of a shard above which puts raise ``DDictFullError``.
+    client
+        The Dask client; ``None``: the current client, else an embedded
+        ``LocalCluster`` that this handle owns and closes on :meth:`destroy`.
+    workers
+        Worker addresses to host managers (default: all, see ``n_workers``).
+
+    Notes
+    -----
+    All methods are synchronous and thread-safe.  From asyncio code use
+    :class:`~dask_ddict.AsyncDDict`.
+    """
+
+    _core: _Core
+    _creator: bool
+    _chkpt: int
+    _timeout: float | None
+    _client_id: int
+    _target: int | None
+    _kp: KeyPickler | None
+    _vp: ValuePickler | None
+    _batch: _Batch | None
+
+    def __init__(
+        self,
+        managers_per_worker: int | None = None,
+        n_workers: int | None = None,
+        total_mem: int | str | None = None,
+        *,
+        working_set_size: int = 1,
+        wait_for_keys: bool = False,
+        wait_for_writers: bool = False,
+        persist_freq: int = 0,
+        persist_count: int = 0,
+        persist_path: str = "",
+        name: str = "",
+        timeout: float | None = None,
+        restart: bool = False,
+        read_only: bool = False,
+        restore_from: int | None = None,
+        manager_pool_full_thresh: float | None = None,
+        client: Client | None = None,
+        workers: list[str] | None = None,
+    ) -> None:
+        mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
+        if isinstance(mpw, bool) or not isinstance(mpw, int):
+            raise TypeError(f"managers_per_worker must be an int, got {mpw!r}")
+        if mpw < 1:
+            raise ValueError(f"managers_per_worker must be >= 1, got {mpw}")
+        if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int)):
+            raise TypeError(f"n_workers must be an int or None, got {n_workers!r}")
+        if n_workers is not None and n_workers < 1:
+            raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+        mem = parse_total_mem(config.get("total-mem") if total_mem is None else total_mem)
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        _check_timeout(timeout)
+        thresh = (
+            config.get("manager-pool-full-thresh")
+            if manager_pool_full_thresh is None
+            else manager_pool_full_thresh
+        )
+        options = DDictOptions(
+            working_set_size=working_set_size,
+            wait_for_keys=wait_for_keys,
+            wait_for_writers=wait_for_writers,
+            persist_freq=persist_freq,
+            persist_count=persist_count,
+            persist_path=persist_path,
+            read_only=read_only,
+            restore_from=restore_from,
+            manager_pool_full_thresh=thresh,
+        )
+        options.validate(name=name, restart=restart)
+        if restart or read_only or restore_from is not None or persist_freq > 0:
+            raise NotImplementedError(
+                "restart, read_only, restore_from and persist_freq need checkpoint "
+                "persistence, which this version does not have yet"
+            )
+        if workers is not None and client is None and _current_client() is None:
+            raise ValueError("workers= names workers of a cluster: pass client= too")
+
+        cluster = None
+        if client is None:
+            client = _current_client()
+            if client is None:
+                client, cluster = _embedded_client()
+        if client.asynchronous:
+            raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
+        try:
+            from .orchestrator import DDictSchedulerPlugin
+
+            client.register_plugin(DDictSchedulerPlugin())
+            layout_d = client.sync(
+                client.scheduler.ddict_create,
+                name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
+                n_workers=n_workers, workers=workers, client=client.id,
+            )  # fmt: skip
+        except BaseException:
+            if cluster is not None:
+                client.close()
+                cluster.close()
+            raise
+        self._setup(_Core(Layout.from_dict(layout_d), client, cluster), creator=True,
+                    chkpt=0, timeout=timeout)  # fmt: skip
+
+    def _setup(self, core: _Core, *, creator: bool, chkpt: int, timeout: float | None,
+               client_id: int | None = None) -> None:  # fmt: skip
+        self._core = core
+        self._creator = creator
+        self._chkpt = chkpt
+        self._timeout = timeout
+        self._client_id = secrets.randbits(63) if client_id is None else client_id
+        self._target = None
+        self._kp = None
+        self._vp = None
+        self._batch = None
+
+    @classmethod
+    def _from_core(cls, core: _Core, **kwargs: Any) -> DDict:
+        self = cls.__new__(cls)
+        self._setup(core, **kwargs)
+        return self
+
+    # -- attach, pickle, lifecycle ------------------------------------------------
+
+    def serialize(self) -> str:
+        """A string from which any process that reaches the cluster can attach."""
+        return self._core.layout.serialize()
+
+    @classmethod
+    def attach(cls, serialized: str, *, timeout: float | None = None,
+               client: Client | None = None) -> DDict:  # fmt: skip
+        """Attach to a dictionary from :meth:`serialize`'s string.
+
+        No message goes to the scheduler: the string holds the layout.
+        """
+        _check_timeout(timeout)
+        return cls._from_core(
+            _Core(Layout.deserialize(serialized), client), creator=False, chkpt=0, timeout=timeout
+        )
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (self.serialize(), self._chkpt, self._timeout, self._target,
+                           self._kp, self._vp))  # fmt: skip
+
+    def detach(self) -> None:
+        """Stop using the dictionary from this handle (it stays alive)."""
+        if self._creator:
+            return
+        self._core.close()
+
+    def destroy(self, allow_restart: bool = False) -> None:
+        """Remove every manager and its shard; idempotent.
+
+        With an embedded cluster this also closes the cluster.
+        """
+        core = self._core
+        if core.closed:
+            return
+        if allow_restart:
+            raise NotImplementedError("destroy(allow_restart=True) needs warm restart support")
+        core.close()
+        try:
+            client = core.client
+            client.sync(
+                client.scheduler.ddict_destroy,
+                name=core.layout.name, uid=core.layout.uid, allow_restart=allow_restart,
+            )  # fmt: skip
+        finally:
+            if core.cluster is not None:
+                core.client.close()
+                core.cluster.close()
+                core.cluster = None
+
+    def __enter__(self) -> DDict:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._creator:
+            self.destroy()
+        else:
+            self.detach()
+
+    def __repr__(self) -> str:
+        lay = self._core.layout
+        state = "closed" if self._core.closed else f"checkpoint={self._chkpt}"
+        target = f" manager={self._target}" if self._target is not None else ""
+        return f"<DDict {lay.name!r} managers={lay.num_managers} {state}{target}>"
+
+    def get_name(self) -> str:
+        return self._core.layout.name
+
+    # -- routing ----------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._core.closed:
+            raise DDictClosedError(f"DDict {self._core.layout.name!r} was destroyed or detached")
+
+    def _route(self, key: Any) -> tuple[int, bytes, bytes]:
+        self._check()
+        kb = dumps_key(key, self._kp)
+        digest = key_digest(kb)
+        if self._target is not None:
+            return self._target, digest, kb
+        n = self._core.layout.num_managers
+        mid = custom_placement(key, n)
+        return (manager_for_digest(digest, n) if mid is None else mid), digest, kb
+
+    def _managers(self) -> list[int]:
+        self._check()
+        if self._target is not None:
+            return [self._target]
+        return list(range(self._core.layout.num_managers))
+
+    def which_manager(self, key: Any) -> int:
+        """Id of the manager that holds ``key``."""
+        return self._route(key)[0]
+
+    # -- the dict protocol ----------------------------------------------------------
+
+    def _put(self, key: Any, value: Any, persistent: bool) -> None:
+        mid, digest, kb = self._route(key)
+        framed = dumps_value(value, self._vp)
+        if self._batch is not None:
+            if self._batch.persist != persistent:
+                raise DDictError(
+                    f"{'pput' if persistent else 'put'} inside a batch started with "
+                    f"persist={self._batch.persist}",
+                    "INVALID_OPERATION",
+                )
+            self._batch_add(mid, digest, kb, framed)
+            return
+        self._core.channel(mid).put(
+            digest, kb, framed, self._chkpt, self._client_id, persistent, self._timeout
+        )
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._put(key, value, False)
+
+    def pput(self, key: Any, value: Any) -> None:
+        """Persistent put: survives retirement under ``wait_for_keys``."""
+        self._put(key, value, True)
+
+    def __getitem__(self, key: Any) -> Any:
+        mid, digest, _ = self._route(key)
+        try:
+            frame = self._core.channel(mid).get(digest, self._chkpt, self._timeout)
+        except DDictKeyError:
+            raise DDictKeyError(key) from None
+        return loads_value(frame, self._vp)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except DDictKeyError:
+            return default
+
+    def __contains__(self, key: Any) -> bool:
+        mid, digest, _ = self._route(key)
+        return self._core.channel(mid).contains(digest, self._chkpt)
+
+    def pop(self, key: Any, default: Any = _MISSING) -> Any:
+        """Remove ``key`` and return its value (``default`` if absent and given)."""
+        mid, digest, _ = self._route(key)
+        try:
+            frame = self._core.channel(mid).pop(digest, self._chkpt, self._client_id, self._timeout)
+        except DDictKeyError:
+            if default is not _MISSING:
+                return default
+            raise DDictKeyError(key) from None
+        return loads_value(frame, self._vp)
+
+    def __delitem__(self, key: Any) -> None:
+        self.pop(key)
+
+    def __len__(self) -> int:
+        return sum(self._core.channel(m).length(self._chkpt) for m in self._managers())
+
+    def clear(self) -> None:
+        """Empty the client's current checkpoint on every manager (or the chosen one)."""
+        for m in self._managers():
+            self._core.channel(m).clear(self._chkpt, self._client_id, self._timeout)
+
+    def keys(self) -> DDictKeysView:
+        return DDictKeysView(self, self._managers())
+
+    def values(self) -> DDictValuesView:
+        return DDictValuesView(self, self._managers())
+
+    def items(self) -> DDictItemsView:
+        return DDictItemsView(self, self._managers())
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.keys())
+
+    def update(self, other: Mapping[Any, Any] | Any = (), **kwargs: Any) -> None:
+        """Put every pair (as one batch unless a batch is already open)."""
+        pairs = other.items() if isinstance(other, Mapping) else other
+        own = self._batch is None
+        if own:
+            self.start_batch_put()
+        try:
+            for k, v in pairs:
+                self[k] = v
+            for k, v in kwargs.items():
+                self[k] = v
+        finally:
+            if own:
+                self.end_batch_put()
+
+    def popitem(self) -> Any:
+        raise NotImplementedError("DDict has no order, so popitem is not supported")
+
+    def fetch_add(self, key: Any, n: int = 1) -> int:
+        """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"fetch_add needs an int increment, got {n!r}")
+        mid, digest, kb = self._route(key)
+        frame = self._core.channel(mid).fetch_add(
+            digest, kb, self._chkpt, self._client_id, n, self._timeout
+        )
+        return loads_value(frame)
+
+    def wait_for(self, key: Any, value: Any, timeout: float | None = _MISSING) -> None:
+        """Block until ``self[key] == value`` (compared as serialized bytes)."""
+        timeout = self._timeout if timeout is _MISSING else timeout
+        _check_timeout(timeout)
+        mid, digest, _ = self._route(key)
+        frame = dumps_value(value, self._vp).join()
+        self._core.channel(mid).wait_for(digest, self._chkpt, frame, timeout)
+
+    def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]:
+        page = config.get("iteration.page-items")
+        for mid in managers:
+            self._check()
+            for k, v in iter_pages(self._core.channel(mid), self._chkpt, want, page):
+                yield (
+                    None if k is None else loads_key(k, self._kp),
+                    None if v is None else loads_value(v, self._vp),
+                )
+
+    # -- checkpoints --------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> int:
+        return self._chkpt
+
+    @checkpoint_id.setter
+    def checkpoint_id(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"checkpoint_id must be an int, got {value!r}")
+        if value < 0:
+            raise ValueError("checkpoint_id cannot be negative")
+        self._chkpt = value
+
+    def _no_batch(self, what: str) -> None:
+        if self._batch is not None:
+            raise DDictError(f"{what} is not allowed inside a batch put", "INVALID_OPERATION")
+
+    def checkpoint(self) -> None:
+        """Move this handle to the next checkpoint (no message is sent)."""
+        self._no_batch("checkpoint()")
+        self._chkpt += 1
+
+    def rollback(self) -> None:
+        """Move this handle to the previous checkpoint (floored at 0)."""
+        self._no_batch("rollback()")
+        self._chkpt = max(0, self._chkpt - 1)
+
+    def sync_to_newest_checkpoint(self) -> None:
+        """Move to the newest checkpoint any manager (or the chosen one) holds."""
+        self._chkpt = max(self._core.channel(m).newest_checkpoint() for m in self._managers())
+
+    # -- batch and broadcast ------------------------------------------------------------
+
+    def start_batch_put(self, persist: bool = False) -> None:
+        """Stream the following puts without per-put replies (until :meth:`end_batch_put`)."""
+        self._check()
+        self._no_batch("start_batch_put()")
+        self._batch = _Batch(bool(persist))
+
+    def _batch_add(self, mid: int, digest: bytes, kb: bytes, framed: Framed) -> None:
+        b = self._batch
+        assert b is not None
+        b.records.setdefault(mid, []).append((digest, kb, framed))
+        b.sizes[mid] = b.sizes.get(mid, 0) + framed.nbytes + len(kb) + 32
+        if b.sizes[mid] >= config.get_bytes("batch.flush-bytes"):
+            self._batch_flush(mid)
+
+    def _batch_flush(self, mid: int) -> None:
+        b = self._batch
+        assert b is not None
+        records = b.records.pop(mid, None)
+        b.sizes.pop(mid, None)
+        if not records:
+            return
+        b.touched.add(mid)
+        try:
+            self._core.channel(mid).batch_put(records, self._chkpt, self._client_id, b.persist)
+        except DDictError as e:
+            b.error = b.error or e
+
+    def end_batch_put(self) -> None:
+        """Send what is buffered and raise the first error any manager saw."""
+        b = self._batch
+        if b is None:
+            raise DDictError("end_batch_put() without start_batch_put()", "INVALID_OPERATION")
+        try:
+            for mid in list(b.records):
+                self._batch_flush(mid)
+            for mid in sorted(b.touched):
+                try:
+                    self._core.channel(mid).batch_end(self._client_id)
+                except DDictError as e:
+                    b.error = b.error or e
+        finally:
+            self._batch = None
+        if b.error is not None:
+            raise b.error
+
+    def bput(self, key: Any, value: Any) -> None:
+        """Store a copy of the pair on every manager (read it with :meth:`bget`)."""
+        if self._batch is not None and self._batch.persist:
+            raise DDictError("bput inside a persistent batch", "INVALID_OPERATION")
+        self._check()
+        kb = dumps_key(key, self._kp)
+        digest = key_digest(kb)
+        framed = dumps_value(value, self._vp)
+        for mid in range(self._core.layout.num_managers):
+            if self._batch is not None:
+                self._batch_add(mid, digest, kb, framed)
+            else:
+                self._core.channel(mid).put(
+                    digest, kb, framed, self._chkpt, self._client_id, False, self._timeout
+                )
+
+    def bget(self, key: Any) -> Any:
+        """Read a broadcast value from this handle's main manager."""
+        self._check()
+        kb = dumps_key(key, self._kp)
+        mid = self._target if self._target is not None else self.main_manager
+        try:
+            frame = self._core.channel(mid).get(key_digest(kb), self._chkpt, self._timeout)
+        except DDictKeyError:
+            raise DDictKeyError(key) from None
+        return loads_value(frame, self._vp)
+
+    def freeze(self) -> None:
+        """Make every manager read-only: writes raise ``DDictError`` (INVALID_OPERATION)."""
+        for m in self._managers():
+            self._core.channel(m).freeze()
+
+    def unfreeze(self) -> None:
+        for m in self._managers():
+            self._core.channel(m).unfreeze()
+
+    @property
+    def is_frozen(self) -> bool:
+        return all(self._core.channel(m).stats()["frozen"] for m in self._managers())
+
+    # -- handles, locality, introspection --------------------------------------------
+
+    def _derive(self) -> DDict:
+        h = DDict._from_core(self._core, creator=False, chkpt=self._chkpt,
+                             timeout=self._timeout, client_id=self._client_id)  # fmt: skip
+        h._target, h._kp, h._vp = self._target, self._kp, self._vp
+        return h
+
+    def manager(self, manager_id: int) -> DDict:
+        """A handle whose key operations, len, keys, clear and stats go to one manager."""
+        n = self._core.layout.num_managers
+        if isinstance(manager_id, bool) or not isinstance(manager_id, int) or not 0 <= manager_id < n:
+            raise DDictError(
+                f"manager id {manager_id!r} is not in [0, {n})", "INVALID_ARGUMENT"
+            )
+        h = self._derive()
+        h._target = manager_id
+        return h
+
+    def pickler(self, key_pickler: KeyPickler | None = None,
+                value_pickler: ValuePickler | None = None) -> DDict:  # fmt: skip
+        """A handle that serializes keys with ``key_pickler.dumps/loads`` and values
+        with ``value_pickler.dump(obj, file)/load(file)``."""
+        if key_pickler is not None and not (
+            hasattr(key_pickler, "dumps") and hasattr(key_pickler, "loads")
+        ):
+            raise TypeError("key_pickler needs dumps() and loads()")
+        if value_pickler is not None and not (
+            hasattr(value_pickler, "dump") and hasattr(value_pickler, "load")
+        ):
+            raise TypeError("value_pickler needs dump(obj, file) and load(file)")
+        h = self._derive()
+        h._kp, h._vp = key_pickler, value_pickler
+        return h
+
+    @property
+    def timeout(self) -> float | None:
+        return self._timeout
+
+    @property
+    def wait_for_keys(self) -> bool:
+        return self._core.layout.options.wait_for_keys
+
+    @property
+    def wait_for_writers(self) -> bool:
+        return self._core.layout.options.wait_for_writers
+
+    @property
+    def working_set_size(self) -> int:
+        return self._core.layout.options.working_set_size
+
+    @property
+    def num_managers(self) -> int:
+        return self._core.layout.num_managers
+
+    @property
+    def manager_workers(self) -> list[str]:
+        """Address of the worker hosting each manager."""
+        return self._core.layout.manager_workers
+
+    @property
+    def local_managers(self) -> list[int]:
+        """Managers on this host."""
+        return [m.manager_id for m in self._core.layout.managers if self._core.is_local(m)]
+
+    @property
+    def local_manager(self) -> int | None:
+        """The manager in this worker process, else one on this host, else ``None``."""
+        uid = self._core.layout.uid
+        for m in self._core.layout.managers:
+            if (uid, m.manager_id) in LOCAL_MANAGERS:
+                return m.manager_id
+        local = self.local_managers
+        return local[0] if local else None
+
+    @property
+    def main_manager(self) -> int:
+        """The local manager if any, else one chosen from this handle's client id."""
+        local = self.local_manager
+        return local if local is not None else self._client_id % self.num_managers
+
+    @property
+    def empty_managers(self) -> list[int]:
+        """Managers that came back empty after a restart (none without restart)."""
+        return list(self._core.layout.extra.get("empty_managers", []))
+
+    def local_keys(self) -> DDictKeysView:
+        return DDictKeysView(self, self._local_ids(), local=True)
+
+    def local_values(self) -> DDictValuesView:
+        return DDictValuesView(self, self._local_ids(), local=True)
+
+    def local_items(self) -> DDictItemsView:
+        return DDictItemsView(self, self._local_ids(), local=True)
+
+    def local_len(self) -> int:
+        return sum(self._core.channel(m).length(self._chkpt) for m in self._local_ids())
+
+    def _local_ids(self) -> list[int]:
+        self._check()
+        local = set(self.local_managers)
+        return [m for m in self._managers() if m in local]
+
+    @property
+    def stats(self) -> list[DDictManagerStats]:
+        """One entry per manager (or the chosen one), sorted by manager id."""
+        return [DDictManagerStats.from_dict(self._core.channel(m).stats()) for m in self._managers()]
+
+    @property
+    def dstats(self) -> dict[int, DDictManagerStats]:
+        return {s.manager_id: s for s in self.stats}
+
+    def copy(self, name: str = "") -> DDict:
+        raise NotImplementedError("copy() needs manager-to-manager replication (not yet built)")
+
+    def clone(self, clone_list: list[str]) -> None:
+        raise NotImplementedError("clone() needs manager-to-manager replication (not yet built)")
+
+    @classmethod
+    def synchronize_ddicts(cls, serialized_ddicts: list[str]) -> None:
+        raise NotImplementedError("synchronize_ddicts() needs restart support (not yet built)")
+
+
+def _check_timeout(timeout: Any) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout}")
+
+
+def _rebuild(serialized: str, chkpt: int, timeout: float | None, target: int | None,
+             kp: Any, vp: Any) -> DDict:  # fmt: skip
+    """Unpickling a handle attaches (a task starts at the parent's checkpoint)."""
+    h = DDict.attach(serialized, timeout=timeout)
+    h._chkpt = chkpt
+    h._target, h._kp, h._vp = target, kp, vp
+    return h

@@ -1,0 +1,192 @@
+"""The ``DDictError`` family and the one place where wire errors become exceptions.
+
+Every error a user can see is a :class:`DDictError` carrying a short string
+``code`` (Dragon's ``lib_err`` without the ``DRAGON_`` prefix).  Managers never
+raise across the wire: they answer with a numeric status and a message, and
+:func:`raise_for_status` is the only function that turns such an answer back
+into an exception.  Handlers therefore contain no error-mapping boilerplate.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NoReturn
+
+
+class Status(enum.IntEnum):
+    """Numeric status of a manager's reply (one byte on the wire)."""
+
+    OK = 0
+    MORE = 1  # a paged reply: more pages follow
+    KEY_NOT_FOUND = 2
+    INVALID_OPERATION = 3
+    INVALID_ARGUMENT = 4
+    CHECKPOINT_RETIRED = 5
+    FUTURE_CHECKPOINT = 6
+    PERSIST_CHECKPOINT_UNAVAILABLE = 7
+    POOL_FULL = 8
+    TIMEOUT = 9
+    CLOSED = 10
+    SYNC_ERROR = 11
+    MANAGER_UNAVAILABLE = 12
+    SERIALIZATION = 13
+    INTERNAL = 14
+
+
+class DDictError(Exception):
+    """Base class of every ``dask_ddict`` error.
+
+    Parameters
+    ----------
+    message
+        Human-readable description.
+    code
+        Short machine-readable code, e.g. ``"INVALID_OPERATION"``.  Subclasses
+        fix their own code; the base class defaults to ``"INVALID_OPERATION"``.
+    """
+
+    default_code = "INVALID_OPERATION"
+
+    def __init__(self, message: str = "", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+
+    @property
+    def lib_err(self) -> str:
+        """Dragon-compatible name of the code (``DRAGON_<code>``)."""
+        return f"DRAGON_{self.code}"
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.code}]" if self.message else self.code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.code, self.__dict__))
+
+
+def _rebuild(cls: type, message: str, code: str, state: dict[str, Any]) -> DDictError:
+    exc = cls.__new__(cls)
+    DDictError.__init__(exc, message, code)
+    exc.__dict__.update(state)
+    return exc
+
+
+class DDictKeyError(DDictError, KeyError):
+    """A key is not in the dictionary (at the client's checkpoint).
+
+    ``str()`` works for every key type (Dragon's version fails for non-str keys).
+    """
+
+    default_code = "KEY_NOT_FOUND"
+
+    def __init__(self, key: Any = None, message: str = "", code: str | None = None) -> None:
+        self.key = key
+        if not message:
+            try:
+                message = f"key {key!r} not found"
+            except Exception:  # a key whose repr itself fails
+                message = f"key of type {type(key).__name__} not found"
+        DDictError.__init__(self, message, code)
+
+    def __str__(self) -> str:
+        return DDictError.__str__(self)
+
+
+class DDictFullError(DDictError):
+    """A manager's shard is too full to take the value; nothing was stored."""
+
+    default_code = "POOL_FULL"
+
+
+class DDictTimeoutError(DDictError, TimeoutError):
+    """A blocking operation did not finish within its timeout."""
+
+    default_code = "TIMEOUT"
+
+
+class DDictCheckpointSyncError(DDictError):
+    """The operation's checkpoint has retired from the manager's working set."""
+
+    default_code = "CHECKPOINT_RETIRED"
+
+
+class DDictFutureCheckpointError(DDictError):
+    """A batch put targets a checkpoint the working set cannot advance to yet."""
+
+    default_code = "FUTURE_CHECKPOINT"
+
+
+class DDictPersistCheckpointError(DDictError):
+    """A persisted checkpoint id that the store does not have."""
+
+    default_code = "PERSIST_CHECKPOINT_UNAVAILABLE"
+
+
+class DDictSyncError(DDictError):
+    """Synchronizing or cloning dictionaries failed."""
+
+    default_code = "SYNC_ERROR"
+
+
+class DDictClosedError(DDictError):
+    """The dictionary was destroyed or this handle detached."""
+
+    default_code = "CLOSED"
+
+
+class DDictManagerUnavailableError(DDictError, ConnectionError):
+    """A manager cannot be reached (its worker died or left the cluster)."""
+
+    default_code = "MANAGER_UNAVAILABLE"
+
+
+class DDictSerializationError(DDictError, TypeError):
+    """A key or value could not be pickled or unpickled; nothing was stored."""
+
+    default_code = "SERIALIZATION"
+
+
+_CLASS_FOR_STATUS: dict[Status, type[DDictError]] = {
+    Status.KEY_NOT_FOUND: DDictKeyError,
+    Status.INVALID_OPERATION: DDictError,
+    Status.INVALID_ARGUMENT: DDictError,
+    Status.CHECKPOINT_RETIRED: DDictCheckpointSyncError,
+    Status.FUTURE_CHECKPOINT: DDictFutureCheckpointError,
+    Status.PERSIST_CHECKPOINT_UNAVAILABLE: DDictPersistCheckpointError,
+    Status.POOL_FULL: DDictFullError,
+    Status.TIMEOUT: DDictTimeoutError,
+    Status.CLOSED: DDictClosedError,
+    Status.SYNC_ERROR: DDictSyncError,
+    Status.MANAGER_UNAVAILABLE: DDictManagerUnavailableError,
+    Status.SERIALIZATION: DDictSerializationError,
+    Status.INTERNAL: DDictError,
+}
+
+
+def status_of(exc: BaseException) -> Status:
+    """The wire status that represents ``exc`` (``INTERNAL`` for foreign errors)."""
+    if isinstance(exc, DDictError):
+        try:
+            return Status[exc.code]
+        except KeyError:
+            return Status.INTERNAL
+    return Status.INTERNAL
+
+
+def raise_for_status(status: int, message: str, key: Any = None) -> NoReturn:
+    """Raise the exception that a non-OK manager reply stands for.
+
+    Parameters
+    ----------
+    status
+        The reply's status byte.
+    message
+        The reply's message text (from the manager).
+    key
+        The user's key, attached to :class:`DDictKeyError`.
+    """
+    st = Status(status)
+    cls = _CLASS_FOR_STATUS.get(st, DDictError)
+    if cls is DDictKeyError:
+        raise DDictKeyError(key, code=st.name)
+    raise cls(message, code=st.name)

@@ -1,0 +1,365 @@
+"""Manager: one shard of a dictionary, safe to call from any thread.
+
+A manager is the single owner of its :class:`~dask_ddict.store.ShardStore`.
+Its methods are called directly by tasks running in the hosting worker process
+(the in-process path) and by the threads of its socket server (same-host and
+remote clients), so it is thread-safe and never tied to the worker's event
+loop (see ``transport-notes.md``: hopping onto the loop costs ~100 µs).
+
+Concurrency: writes hold one lock (LMDB allows one writer anyway); reads run
+lock-free in their own snapshot transaction.  An operation the working set
+cannot do yet (:class:`~dask_ddict.working_set.MustWait`) waits on a condition
+variable that every successful write notifies, so deferred operations are
+retried whenever retirement may have become possible, use no CPU while they
+wait, and give up with ``DDictTimeoutError`` when their timeout expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import lmdb
+
+from ._serialize import dumps_value, loads_value
+from .errors import DDictClosedError, DDictError, DDictTimeoutError
+from .store import ShardStore
+from .working_set import MustWait, WorkingSet
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: What a page of a view carries per item: keys, values or both.
+WANT_KEYS, WANT_VALUES, WANT_ITEMS = 1, 2, 3
+
+
+class Manager:
+    """One shard: a store, its working set, and the rules of waiting.
+
+    Parameters
+    ----------
+    manager_id
+        Index of this manager in the dictionary's layout.
+    store
+        The shard (injected so tests can give a store in a temp directory).
+    working_set
+        Checkpoint rules over ``store``.
+    worker
+        Address of the hosting worker, reported in stats.
+    """
+
+    manager_id: int
+    store: ShardStore
+    working_set: WorkingSet
+    worker: str
+    frozen: bool
+    closed: bool
+
+    def __init__(
+        self,
+        manager_id: int,
+        store: ShardStore,
+        working_set: WorkingSet,
+        *,
+        worker: str = "",
+        frozen: bool = False,
+    ) -> None:
+        self.manager_id = manager_id
+        self.store = store
+        self.working_set = working_set
+        self.worker = worker
+        self.frozen = frozen
+        self.closed = False
+        self._cond = threading.Condition(threading.Lock())
+        self._batches: dict[int, list[Any]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"<Manager {self.manager_id} worker={self.worker!r} "
+            f"window=[{self.working_set.oldest}, {self.working_set.newest}]"
+            f"{' frozen' if self.frozen else ''}{' closed' if self.closed else ''}>"
+        )
+
+    # -- the two execution disciplines ------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DDictClosedError(f"manager {self.manager_id} is closed")
+
+    @staticmethod
+    def _deadline(timeout: float | None) -> float | None:
+        return None if timeout is None or timeout < 0 else time.monotonic() + timeout
+
+    def _wait(self, deadline: float | None, what: str, timeout: float | None) -> None:
+        """Wait for the next write (lock held); raise on timeout or close."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise DDictTimeoutError(
+                f"{what} on manager {self.manager_id} timed out after {timeout} s"
+            )
+        self._cond.wait(remaining)
+        self._check_open()
+
+    def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
+        """Run ``fn`` in a write transaction, waiting while it must wait."""
+        deadline = self._deadline(timeout)
+        ws = self.working_set
+        with self._cond:
+            while True:
+                self._check_open()
+                if self.frozen:
+                    raise DDictError(
+                        f"{what}: the dictionary is frozen (read-only)", "INVALID_OPERATION"
+                    )
+                snap = ws.snapshot()
+                try:
+                    with self.store.write() as txn:
+                        result = fn(txn)
+                except MustWait:
+                    ws.restore(snap)
+                    self._wait(deadline, what, timeout)
+                    continue
+                except BaseException:
+                    ws.restore(snap)
+                    raise
+                self._cond.notify_all()
+                return result
+
+    def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
+        """Run ``fn`` in a snapshot transaction, waiting while it must wait.
+
+        ``fn`` consumes zero-copy views itself (copies them, or sends them to a
+        socket): they are invalid once the transaction ends.
+        """
+        self._check_open()
+        with self.store.read() as txn:
+            try:
+                return fn(txn)
+            except MustWait:
+                pass
+        deadline = self._deadline(timeout)
+        with self._cond:  # re-check under the lock: no write can slip in between
+            while True:
+                with self.store.read() as txn:
+                    try:
+                        return fn(txn)
+                    except MustWait:
+                        pass
+                self._wait(deadline, what, timeout)
+
+    # -- reads ----------------------------------------------------------------
+
+    def get(
+        self,
+        digest: bytes,
+        chkpt: int,
+        consume: Callable[[memoryview], T],
+        timeout: float | None = None,
+    ) -> T:
+        """Hand the key's value frame to ``consume`` (a zero-copy view valid only
+        during the call) and return what it returns."""
+        ws = self.working_set
+        return self._read(lambda txn: consume(ws.get(txn, digest, chkpt).frame), timeout, "get")
+
+    def contains(self, digest: bytes, chkpt: int) -> bool:
+        return self._read(lambda txn: self.working_set.contains(txn, digest, chkpt), None, "in")
+
+    def length(self, chkpt: int) -> int:
+        return self._read(lambda txn: self.working_set.length(txn, chkpt), None, "len")
+
+    def page(
+        self,
+        chkpt: int,
+        after: bytes | None,
+        want: int,
+        max_items: int,
+        max_bytes: int,
+    ) -> tuple[list[tuple[bytes | None, bytes | None]], bytes | None, bool]:
+        """One page of a view: ``(items, last_digest, more)``.
+
+        Views are streamed as stateless pages resumed after the last digest, so
+        a client that stops iterating early leaves nothing behind.
+        """
+
+        def fn(txn: lmdb.Transaction) -> tuple[list[Any], bytes | None, bool]:
+            items: list[tuple[bytes | None, bytes | None]] = []
+            size = 0
+            last = None
+            for d, e in self.working_set.visible(txn, chkpt, after):
+                if len(items) >= max_items or (items and size >= max_bytes):
+                    return items, last, True
+                k = bytes(e.key) if want & WANT_KEYS else None
+                v = bytes(e.frame) if want & WANT_VALUES else None
+                size += (len(k) if k else 0) + (len(v) if v else 0)
+                items.append((k, v))
+                last = d
+            return items, last, False
+
+        return self._read(fn, None, "iteration")
+
+    def wait_for(self, digest: bytes, chkpt: int, frame: bytes, timeout: float | None) -> None:
+        """Block until the key's value at ``chkpt`` serializes to ``frame``."""
+        ws = self.working_set
+
+        def fn(txn: lmdb.Transaction) -> None:
+            ws.check_retired(chkpt)
+            e = ws.store.lookup(txn, digest, chkpt)
+            if not (ws.is_visible(e, chkpt) and e is not None and e.frame == frame):
+                raise MustWait
+
+        self._read(fn, timeout, "wait_for")
+
+    def newest_checkpoint(self) -> int:
+        return self.working_set.newest
+
+    def stats(self) -> dict[str, Any]:
+        with self.store.read() as txn:
+            used = self.store.used_bytes(txn)
+            entries = self.store.entries(txn)
+        total = self.store.capacity
+        return {
+            "manager_id": self.manager_id,
+            "worker": self.worker,
+            "hostname": socket.gethostname(),
+            "total_bytes": total,
+            "total_used_bytes": used,
+            "pool_free_space": max(0, total - used),
+            "pool_utilization": used / total if total else 0.0,
+            "num_keys": entries,
+            "oldest_checkpoint": self.working_set.oldest,
+            "newest_checkpoint": self.working_set.newest,
+            "frozen": self.frozen,
+            "pid": os.getpid(),
+        }
+
+    # -- writes ---------------------------------------------------------------
+
+    def put(
+        self,
+        digest: bytes,
+        key: bytes,
+        frame: Any,
+        chkpt: int,
+        client: int,
+        *,
+        persistent: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        ws = self.working_set
+        self._write(
+            lambda txn: ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent),
+            timeout,
+            "put",
+        )
+
+    def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None = None) -> bytes:
+        """Delete a key; return its old value frame."""
+        ws = self.working_set
+        return self._write(lambda txn: ws.pop(txn, digest, chkpt, client), timeout, "pop")
+
+    def clear(self, chkpt: int, client: int, timeout: float | None = None) -> None:
+        ws = self.working_set
+        self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear")
+
+    def fetch_add(
+        self,
+        digest: bytes,
+        key: bytes,
+        chkpt: int,
+        client: int,
+        n: int,
+        timeout: float | None = None,
+    ) -> bytes:
+        """Atomically add ``n`` to an int value (absent: 0); return the old value's frame."""
+        ws = self.working_set
+
+        def fn(txn: lmdb.Transaction) -> bytes:
+            ws.prepare_write(txn, chkpt, client)
+            e = ws.store.lookup(txn, digest, chkpt)
+            if ws.is_visible(e, chkpt):
+                assert e is not None
+                old = loads_value(e.frame)
+                if isinstance(old, bool) or not isinstance(old, int):
+                    raise DDictError(
+                        f"fetch_add needs an int value, the key holds a {type(old).__name__}",
+                        "INVALID_ARGUMENT",
+                    )
+                old_frame = bytes(e.frame)
+            else:
+                old, old_frame = 0, dumps_value(0).join()
+            ws.put(txn, digest, chkpt, key, dumps_value(old + n).join(), client, persistent=True)
+            return old_frame
+
+        return self._write(fn, timeout, "fetch_add")
+
+    def batch_put(
+        self,
+        records: list[tuple[bytes, bytes, Any]],
+        chkpt: int,
+        client: int,
+        *,
+        persistent: bool = False,
+    ) -> None:
+        """Store a batch of ``(digest, key, frame)`` without replying.
+
+        Batch puts are never deferred.  The first error is remembered for
+        :meth:`batch_end`; records before it in the message are kept, and so
+        are earlier messages.
+        """
+        state = self._batches.setdefault(client, [0, None])
+        if state[1] is not None:
+            return
+        ws = self.working_set
+
+        def fn(txn: lmdb.Transaction) -> None:
+            for digest, key, frame in records:
+                try:
+                    ws.put(
+                        txn, digest, chkpt, key, frame, client, persistent=persistent, batch=True
+                    )
+                except DDictError as e:
+                    state[1] = e
+                    return
+                state[0] += 1
+
+        done = state[0]
+        try:
+            self._write(fn, None, "batch put")
+        except DDictError as e:
+            state[0] = done
+            state[1] = e
+
+    def batch_end(self, client: int) -> int:
+        """Number of puts stored by the client's batch; raise its first error."""
+        count, err = self._batches.pop(client, (0, None))
+        if err is not None:
+            raise err
+        return count
+
+    def freeze(self) -> None:
+        with self._cond:
+            self.frozen = True
+
+    def unfreeze(self) -> None:
+        with self._cond:
+            self.frozen = False
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self, *, destroy: bool = True) -> None:
+        """Stop serving; wake waiters with ``DDictClosedError``; delete the shard."""
+        with self._cond:
+            if self.closed:
+                return
+            self.closed = True
+            self._cond.notify_all()
+        if destroy:
+            self.store.destroy()
+        else:
+            self.store.close()

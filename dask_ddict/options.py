@@ -1,0 +1,104 @@
+"""DDictOptions: the validated, immutable creation arguments of a dictionary.
+
+Validation follows Dragon's constructor rules (``dragon-ddict-notes.md``
+§1.1) but raises ``ValueError``/``TypeError`` as the spec asks, with messages
+that name the offending argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dask.utils import parse_bytes
+
+
+def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def parse_total_mem(total_mem: Any) -> int:
+    """``total_mem`` as bytes: an int, or a dask byte string such as ``"1 GiB"``."""
+    if isinstance(total_mem, bool):
+        raise TypeError(f"total_mem must be an int or a byte string, got {total_mem!r}")
+    if isinstance(total_mem, int):
+        value = total_mem
+    elif isinstance(total_mem, str):
+        try:
+            value = int(parse_bytes(total_mem))
+        except Exception as e:
+            raise ValueError(f"total_mem {total_mem!r} is not a byte size: {e}") from None
+    else:
+        raise TypeError(
+            f"total_mem must be an int or a byte string, got {type(total_mem).__name__}"
+        )
+    if value <= 0:
+        raise ValueError(f"total_mem must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class DDictOptions:
+    """What a dictionary was created with (shared by all its handles)."""
+
+    working_set_size: int = 1
+    wait_for_keys: bool = False
+    wait_for_writers: bool = False
+    persist_freq: int = 0
+    persist_count: int = 0
+    persist_path: str = ""
+    read_only: bool = False
+    restore_from: int | None = None
+    manager_pool_full_thresh: float = 0.9
+
+    def validate(self, *, name: str = "", restart: bool = False) -> None:
+        """Raise ``ValueError``/``TypeError`` for an invalid combination."""
+        _check_int("working_set_size", self.working_set_size)
+        _check_int("persist_freq", self.persist_freq)
+        _check_int("persist_count", self.persist_count)
+        _check_int("restore_from", self.restore_from, allow_none=True)
+        if self.working_set_size < 1:
+            raise ValueError("working_set_size cannot be less than 1")
+        if self.working_set_size == 1 and (self.wait_for_keys or self.wait_for_writers):
+            raise ValueError(
+                "working_set_size must be greater than 1 with wait_for_keys or wait_for_writers"
+            )
+        if self.persist_freq < 0:
+            raise ValueError("persist_freq must be non-negative")
+        if self.persist_count < -1:
+            raise ValueError("persist_count must be -1 (keep all) or >= 0")
+        if self.persist_freq > 0 and not self.persist_path:
+            raise ValueError("persist_freq > 0 needs a persist_path (a zarr store)")
+        if self.restore_from is not None and self.restore_from < 0:
+            raise ValueError("restore_from must be a checkpoint id >= 0")
+        if self.read_only:
+            if not name:
+                raise ValueError("read_only needs the name of the dictionary to replay")
+            if self.restore_from is None:
+                raise ValueError("read_only needs restore_from (the checkpoint id to replay)")
+            if self.wait_for_keys or self.wait_for_writers:
+                raise ValueError("read_only cannot be combined with wait_for_keys/wait_for_writers")
+            if self.working_set_size != 1:
+                raise ValueError("read_only needs working_set_size == 1")
+            if self.persist_count != 0:
+                raise ValueError("read_only needs persist_count == 0")
+        if self.restore_from is not None and not name:
+            raise ValueError("restore_from needs the name of the dictionary to restore")
+        if restart and not name:
+            raise ValueError("restart needs the name of the dictionary to restart")
+        thresh = self.manager_pool_full_thresh
+        if isinstance(thresh, bool) or not isinstance(thresh, (int, float)):
+            raise TypeError("manager_pool_full_thresh must be a number")
+        if not 0 < thresh <= 1:
+            raise ValueError(f"manager_pool_full_thresh must be in (0, 1], got {thresh}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DDictOptions:
+        return cls(**d)

@@ -1,0 +1,330 @@
+"""ShardStore: one manager's shard, an LMDB environment in shared memory.
+
+Why LMDB (see ``storage-notes.md``): a crash-consistent copy-on-write B+tree
+in a memory-mapped file.  Placed on ``/dev/shm`` (tmpfs) its pages are shared
+memory: a committed transaction survives the death of the writing process (so
+a shard can be re-attached after a worker restart), same-host processes can
+open the environment read-only and read with no IPC, and a full map raises
+``MapFullError`` without corrupting anything.
+
+Layout (named sub-databases)::
+
+    data   digest(16) + be64(MAX - chkpt)  ->  entry
+    index  be64(chkpt) + digest(16)        ->  b""       (keys written at chkpt)
+    meta   name                            ->  bytes     (working-set state, ...)
+
+Each version of a key is its own ``data`` entry.  The checkpoint id is stored
+inverted so that versions of one key sort newest first, and "the newest
+version at or below checkpoint c" is one ``set_range`` seek.  An entry is::
+
+    [u8 flags][3 pad][u32 key_len][u64 frame_len] [value frame] [key bytes]
+
+The 16-byte header puts the value frame at 32 modulo 64 inside LMDB's
+overflow pages (which start 16 bytes into a page), the alignment that
+:mod:`dask_ddict._serialize` plans buffers for.  This module knows nothing
+about checkpoint rules; :mod:`dask_ddict.working_set` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import lmdb
+
+from .errors import DDictFullError
+
+logger = logging.getLogger(__name__)
+
+TOMBSTONE = 1
+PERSISTENT = 2
+
+_MAXQ = (1 << 64) - 1
+_BE = struct.Struct(">Q")
+_ENTRY = struct.Struct("<BxxxIQ")
+ENTRY_HEADER = _ENTRY.size
+DIGEST = 16
+
+
+class Entry(NamedTuple):
+    """One stored version of a key (views valid while the transaction lives)."""
+
+    chkpt: int
+    flags: int
+    frame: memoryview
+    key: memoryview
+
+    @property
+    def tombstone(self) -> bool:
+        return bool(self.flags & TOMBSTONE)
+
+    @property
+    def persistent(self) -> bool:
+        return bool(self.flags & PERSISTENT)
+
+
+def data_key(digest: bytes, chkpt: int) -> bytes:
+    return digest + _BE.pack(_MAXQ - chkpt)
+
+
+def _split_data_key(k: Any) -> tuple[bytes, int]:
+    k = bytes(k)
+    return k[:DIGEST], _MAXQ - _BE.unpack_from(k, DIGEST)[0]
+
+
+def _decode(chkpt: int, raw: memoryview) -> Entry:
+    flags, klen, flen = _ENTRY.unpack_from(raw, 0)
+    start = ENTRY_HEADER
+    return Entry(chkpt, flags, raw[start : start + flen], raw[start + flen : start + flen + klen])
+
+
+class ShardStore:
+    """An LMDB environment holding one shard.
+
+    Parameters
+    ----------
+    path
+        Directory of the environment (created with mode 0700 if missing).
+    capacity
+        Bytes of data the shard may hold (the manager's share of ``total_mem``).
+        The map is a little larger so that deletes still find free pages when
+        the shard is at capacity.
+    full_thresh
+        Fraction of ``capacity`` above which :meth:`check_room` refuses puts.
+    indexed
+        Keep the ``index`` database (which keys were written at which
+        checkpoint).  Only ``wait_for_keys`` retirement needs it; without it a
+        put costs one B-tree insert instead of two.
+    readonly
+        Open an existing environment for reading only (same-host readers).
+    """
+
+    path: str
+    capacity: int
+    full_thresh: float
+    env: lmdb.Environment
+
+    def __init__(
+        self,
+        path: str,
+        capacity: int,
+        full_thresh: float = 0.9,
+        *,
+        indexed: bool = False,
+        readonly: bool = False,
+    ) -> None:
+        self.path = path
+        self.indexed = indexed
+        self._used_estimate = 0  # bytes; only ever over-estimates between exact checks
+        self.capacity = int(capacity)
+        self.full_thresh = float(full_thresh)
+        if not readonly:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        reserve = max(1 << 20, self.capacity // 16)
+        self.env = lmdb.open(
+            path,
+            map_size=self.capacity + reserve,
+            max_dbs=4,
+            max_readers=1024,
+            writemap=not readonly,
+            sync=False,
+            metasync=False,
+            readonly=readonly,
+            readahead=False,
+            meminit=False,
+        )
+        self._data = self.env.open_db(b"data", create=not readonly)
+        self._index = self.env.open_db(b"index", create=not readonly)
+        self._meta = self.env.open_db(b"meta", create=not readonly)
+        self._psize = self.env.stat()["psize"]
+
+    def __repr__(self) -> str:
+        return f"<ShardStore {self.path!r} capacity={self.capacity}>"
+
+    # -- transactions --------------------------------------------------------
+
+    def read(self) -> lmdb.Transaction:
+        """A read-only snapshot; values are zero-copy views valid inside it."""
+        return self.env.begin(buffers=True)
+
+    def write(self) -> lmdb.Transaction:
+        """A write transaction: all of one operation commits or nothing does."""
+        return self.env.begin(write=True, buffers=True)
+
+    # -- versions -------------------------------------------------------------
+
+    def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
+        """The newest version of a key at or below ``chkpt``."""
+        cur = txn.cursor(self._data)
+        if not cur.set_range(data_key(digest, chkpt)):
+            return None
+        k = cur.key()
+        if bytes(k[:DIGEST]) != digest:
+            return None
+        return _decode(_MAXQ - _BE.unpack_from(k, DIGEST)[0], cur.value())
+
+    def exact(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
+        """The version written at exactly ``chkpt``."""
+        raw = txn.get(data_key(digest, chkpt), db=self._data)
+        return None if raw is None else _decode(chkpt, raw)
+
+    def put(
+        self,
+        txn: lmdb.Transaction,
+        digest: bytes,
+        chkpt: int,
+        key: bytes,
+        frame: Any,
+        flags: int = 0,
+    ) -> None:
+        """Store a version (replacing one at the same checkpoint)."""
+        if frame is None:
+            frame = b""
+        nbytes = memoryview(frame).nbytes
+        buf = b"".join((_ENTRY.pack(flags, len(key), nbytes), frame, key))
+        try:
+            txn.put(data_key(digest, chkpt), buf, db=self._data)
+            if self.indexed:
+                txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
+        except lmdb.MapFullError as e:
+            raise DDictFullError(
+                f"shard {self.path} is full: a {nbytes}-byte value does not fit "
+                f"in {self.capacity} bytes"
+            ) from e
+
+    def delete(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
+        """Remove the version at ``chkpt`` (no-op if absent)."""
+        txn.delete(data_key(digest, chkpt), db=self._data)
+        if self.indexed:
+            txn.delete(_BE.pack(chkpt) + digest, db=self._index)
+
+    def delete_below(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
+        """Remove every version strictly older than ``chkpt``."""
+        if chkpt <= 0:
+            return
+        cur = txn.cursor(self._data)
+        if not cur.set_range(data_key(digest, chkpt - 1)):
+            return
+        while True:
+            k = cur.key()
+            if bytes(k[:DIGEST]) != digest:
+                return
+            if self.indexed:
+                _, c = _split_data_key(k)
+                txn.delete(_BE.pack(c) + digest, db=self._index)
+            if not cur.delete():  # moves to the next item
+                return
+
+    def collect(self, txn: lmdb.Transaction, digest: bytes, oldest: int) -> None:
+        """Drop versions of a key that no reader at ``>= oldest`` can see.
+
+        Readers at ``r >= oldest`` see the newest version ``<= r``, so every
+        version older than the newest one at or below ``oldest`` is dead.
+        Called on each write of the key, it keeps at most one version below
+        the window without any work at retirement time.
+        """
+        cur = txn.cursor(self._data)
+        if not cur.set_range(data_key(digest, oldest)):
+            return
+        if bytes(cur.key()[:DIGEST]) != digest or not cur.next():
+            return
+        while bytes(cur.key()[:DIGEST]) == digest:
+            if self.indexed:
+                _, c = _split_data_key(cur.key())
+                txn.delete(_BE.pack(c) + digest, db=self._index)
+            if not cur.delete():
+                return
+
+    def digests_at(self, txn: lmdb.Transaction, chkpt: int) -> list[bytes]:
+        """Digests of the keys that have a version at ``chkpt``."""
+        prefix = _BE.pack(chkpt)
+        cur = txn.cursor(self._index)
+        out = []
+        if cur.set_range(prefix):
+            for k in cur.iternext(keys=True, values=False):
+                k = bytes(k)
+                if k[:8] != prefix:
+                    break
+                out.append(k[8:])
+        return out
+
+    def scan(
+        self, txn: lmdb.Transaction, after: bytes | None = None
+    ) -> Iterator[tuple[bytes, Entry]]:
+        """Every version in key order (digest ascending, newest first)."""
+        cur = txn.cursor(self._data)
+        start = (after + b"\xff" * 8) if after is not None else b""
+        if not cur.set_range(start):
+            return
+        for k, v in cur.iternext():
+            digest, chkpt = _split_data_key(k)
+            if after is not None and digest == after:
+                continue
+            yield digest, _decode(chkpt, v)
+
+    def drop_all(self, txn: lmdb.Transaction) -> None:
+        """Remove every version of every key (metadata stays)."""
+        txn.drop(self._data, delete=False)
+        txn.drop(self._index, delete=False)
+
+    # -- metadata -------------------------------------------------------------
+
+    def get_meta(self, txn: lmdb.Transaction, name: bytes) -> bytes | None:
+        raw = txn.get(name, db=self._meta)
+        return None if raw is None else bytes(raw)
+
+    def put_meta(self, txn: lmdb.Transaction, name: bytes, value: bytes) -> None:
+        try:
+            txn.put(name, value, db=self._meta)
+        except lmdb.MapFullError as e:
+            raise DDictFullError(f"shard {self.path} is full (metadata)") from e
+
+    # -- capacity -------------------------------------------------------------
+
+    def used_bytes(self, txn: lmdb.Transaction) -> int:
+        """Bytes in pages that hold live data (free-list pages excluded)."""
+        pages = 0
+        for db in (self._data, self._index, self._meta):
+            st = txn.stat(db)
+            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return pages * self._psize
+
+    def check_room(self, txn: lmdb.Transaction, nbytes: int) -> None:
+        """Refuse a put of ``nbytes`` that would take the shard over its threshold.
+
+        Exact page counts cost three ``stat`` calls, so they are taken only
+        when a running over-estimate (bytes put since the last exact count,
+        doubled for B-tree overhead) comes near the limit.
+        """
+        nbytes += ENTRY_HEADER + 64
+        limit = self.full_thresh * self.capacity
+        if self._used_estimate + 2 * nbytes <= limit:
+            self._used_estimate += 2 * nbytes
+            return
+        used = self.used_bytes(txn)
+        self._used_estimate = used + 2 * nbytes
+        need = used + nbytes
+        if need > limit:
+            raise DDictFullError(
+                f"shard is full: {need} bytes needed, limit {int(limit)} "
+                f"({self.full_thresh:.0%} of {self.capacity})"
+            )
+
+    def entries(self, txn: lmdb.Transaction) -> int:
+        return txn.stat(self._data)["entries"]
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        self.env.close()
+
+    def destroy(self) -> None:
+        """Close and delete the environment's files."""
+        try:
+            self.env.close()
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,80 @@
+"""Lazy views of a DDict (``keys()``, ``values()``, ``items()``).
+
+Views stream each manager's entries in pages (see
+:meth:`~dask_ddict.manager.Manager.page`): a page is one request, resumed
+after the last digest seen, so breaking out of a loop early leaves no state
+on the manager and nothing unread on the connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .manager import WANT_ITEMS, WANT_KEYS, WANT_VALUES
+
+if TYPE_CHECKING:
+    from .client import DDict
+
+
+def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator[tuple[Any, Any]]:
+    """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page."""
+    after = None
+    while True:
+        items, last, more = channel.page(chkpt, after, want, page_items)
+        yield from items
+        if not more:
+            return
+        after = last
+
+
+class _View:
+    _want: int
+
+    def __init__(self, ddict: DDict, managers: list[int], local: bool = False) -> None:
+        self._ddict = ddict
+        self._managers = managers
+        self._local = local
+
+    def __len__(self) -> int:
+        d = self._ddict
+        return sum(d._core.channel(m).length(d._chkpt) for m in self._managers)
+
+    def __reversed__(self) -> Any:
+        raise NotImplementedError("DDict views have no order")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {self._ddict!r} managers={self._managers}>"
+
+    @property
+    def mapping(self) -> DDict:
+        return self._ddict
+
+
+class DDictKeysView(_View):
+    _want = WANT_KEYS
+
+    def __iter__(self) -> Iterator[Any]:
+        for k, _ in self._ddict._iter(self._managers, WANT_KEYS):
+            yield k
+
+    def __contains__(self, key: Any) -> bool:
+        d = self._ddict
+        if self._local and d.which_manager(key) not in self._managers:
+            return False
+        return key in d
+
+
+class DDictValuesView(_View):
+    _want = WANT_VALUES
+
+    def __iter__(self) -> Iterator[Any]:
+        for _, v in self._ddict._iter(self._managers, WANT_VALUES):
+            yield v
+
+
+class DDictItemsView(_View):
+    _want = WANT_ITEMS
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        yield from self._ddict._iter(self._managers, WANT_ITEMS)

@@ -1,0 +1,166 @@
+"""DDictWorkerPlugin: hosts managers inside a Dask worker process.
+
+The orchestrator installs this plugin on every worker.  On request it creates
+managers (a shard in ``/dev/shm`` plus a socket server each), registers them in
+:data:`LOCAL_MANAGERS` so that tasks in this process reach them by a direct
+call, and tears them down on destroy or when the worker closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+from typing import TYPE_CHECKING, Any
+
+from distributed.comm import get_address_host
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from . import config
+from .layout import host_id
+from .manager import Manager
+from .options import DDictOptions
+from .store import ShardStore
+from .transport import ManagerServer
+from .working_set import WorkingSet
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger(__name__)
+
+#: Managers living in this process, by ``(dict uid, manager id)``.  Client
+#: handles in this process look here first (the in-process path).
+LOCAL_MANAGERS: dict[tuple[str, int], Manager] = {}
+
+
+class _Hosted:
+    """A manager and its server, as one worker hosts them."""
+
+    __slots__ = ("uid", "manager", "server")
+
+    def __init__(self, uid: str, manager: Manager, server: ManagerServer) -> None:
+        self.uid = uid
+        self.manager = manager
+        self.server = server
+
+    def close(self, destroy: bool = True) -> None:
+        LOCAL_MANAGERS.pop((self.uid, self.manager.manager_id), None)
+        self.server.close()
+        self.manager.close(destroy=destroy)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
+
+
+class DDictWorkerPlugin(WorkerPlugin):
+    """Worker side of ``dask_ddict``: creates, serves and removes managers."""
+
+    name = "ddict"
+    idempotent = True
+
+    worker: Worker
+    hosted: dict[tuple[str, int], _Hosted]
+
+    def __init__(self) -> None:
+        self.hosted = {}
+
+    def __repr__(self) -> str:
+        return f"<DDictWorkerPlugin managers={sorted(self.hosted)}>"
+
+    def setup(self, worker: Worker) -> None:
+        self.worker = worker
+        worker.handlers["ddict_create_managers"] = self.create_managers
+        worker.handlers["ddict_destroy_managers"] = self.destroy_managers
+
+    def teardown(self, worker: Worker) -> None:
+        for key in list(self.hosted):
+            self.hosted.pop(key).close()
+
+    # -- Handlers (called through Dask comms by the orchestrator) ------------------
+
+    def create_managers(
+        self,
+        name: str,
+        uid: str,
+        secret: str,
+        tls: bool,
+        options: dict[str, Any],
+        capacity: int,
+        manager_ids: list[int],
+    ) -> list[dict[str, Any]]:
+        """Create managers ``manager_ids`` of dictionary ``uid``; return their infos."""
+        opts = DDictOptions.from_dict(options)
+        ssl_context = None
+        if tls:
+            ssl_context = self.worker.security.get_listen_args("worker")["ssl_context"]
+            if ssl_context is None:
+                raise RuntimeError("the cluster requires TLS but this worker has no certificate")
+        try:
+            tcp_host = get_address_host(self.worker.address)
+            socket.getaddrinfo(tcp_host, None)
+        except Exception:
+            tcp_host = "127.0.0.1"
+        infos = []
+        created: list[_Hosted] = []
+        try:
+            for mid in manager_ids:
+                path = os.path.join(
+                    config.get("store.directory") or "/dev/shm",
+                    f"ddict-{_safe(name)}-{mid}-{secrets.token_hex(8)}",
+                )
+                store = ShardStore(
+                    path, capacity, opts.manager_pool_full_thresh, indexed=opts.wait_for_keys
+                )
+                ws = WorkingSet(
+                    store,
+                    opts.working_set_size,
+                    wait_for_keys=opts.wait_for_keys,
+                    wait_for_writers=opts.wait_for_writers,
+                    start=opts.restore_from or 0,
+                )
+                manager = Manager(mid, store, ws, worker=self.worker.address,
+                                  frozen=opts.read_only)  # fmt: skip
+                server = ManagerServer(
+                    manager,
+                    secret,
+                    tcp_host,
+                    ssl_context=ssl_context,
+                    socket_dir=config.get("transport.socket-dir"),
+                    page_bytes=config.get_bytes("iteration.page-bytes"),
+                )
+                hosted = _Hosted(uid, manager, server)
+                created.append(hosted)
+                self.hosted[(uid, mid)] = hosted
+                LOCAL_MANAGERS[(uid, mid)] = manager
+                infos.append(
+                    {
+                        "manager_id": mid,
+                        "worker": self.worker.address,
+                        "hostname": socket.gethostname(),
+                        "host_id": host_id(),
+                        "pid": os.getpid(),
+                        "uds_path": server.uds_path,
+                        "tcp_host": server.tcp_host,
+                        "tcp_port": server.tcp_port,
+                        "store_path": path,
+                    }
+                )
+        except BaseException:
+            for h in created:
+                self.hosted.pop((uid, h.manager.manager_id), None)
+                h.close()
+            raise
+        logger.info("ddict %s: hosting managers %s on %s", name, manager_ids, self.worker.address)
+        return infos
+
+    def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
+        """Remove every manager of dictionary ``uid`` hosted here."""
+        n = 0
+        for key in [k for k in self.hosted if k[0] == uid]:
+            self.hosted.pop(key).close(destroy=not allow_restart)
+            n += 1
+        return n

@@ -1,0 +1,323 @@
+"""WorkingSet: Dragon's checkpoint rules over a versioned shard.
+
+This module is pure decision logic: it never blocks, never locks and never
+talks to a socket.  Every method takes an open store transaction; when an
+operation cannot proceed yet it raises :class:`MustWait` and the caller (the
+manager) decides whether to wait for a later write, to fail with a timeout, or
+(for batch puts) to raise :class:`~dask_ddict.errors.DDictFutureCheckpointError`.
+
+The model (``dragon-ddict-notes.md`` §3):
+
+* each manager keeps a window of ``size`` checkpoints ``[oldest, newest]``,
+  initially ``[0, size - 1]``; ``oldest == newest - size + 1`` always;
+* a write at ``c > newest`` advances the window one checkpoint at a time,
+  retiring the oldest; under ``wait_for_keys`` a checkpoint retires only once
+  every non-persistent key it holds is re-written in the next one, under
+  ``wait_for_writers`` only once every client that wrote into it has written
+  into a later one;
+* a read at ``c`` sees the newest version at or below ``c``; under
+  ``wait_for_keys`` a non-persistent version only at its own checkpoint;
+* deletes write tombstones that hide older versions at ``c`` and later, while
+  readers at older checkpoints still see them (Dragon lets an older version
+  reappear when a key written at ``c`` is deleted at ``c``; we do not);
+* any operation below ``oldest`` raises ``DDictCheckpointSyncError``.
+
+Storage: every version is its own store entry.  Retiring checkpoint ``p``
+keeps, per key written at ``p``, only the version at ``p`` (the new *base*,
+which is what "carrying keys forward" means here) and drops tombstones and,
+under ``wait_for_keys``, non-persistent versions.  So at most one version per
+key lives below ``oldest``, and retirement costs O(keys written at ``p``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lmdb
+
+from .errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
+from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
+
+_STATE = b"working_set"
+
+
+class MustWait(Exception):
+    """The operation cannot proceed until another write changes the shard."""
+
+
+class WorkingSet:
+    """Checkpoint window and per-operation rules of one manager.
+
+    Parameters
+    ----------
+    store
+        The shard the versions live in.
+    size
+        ``working_set_size``: checkpoints kept in the window (>= 1).
+    wait_for_keys, wait_for_writers
+        Dragon's retirement constraints.
+    start
+        Checkpoint id of the window's first checkpoint (``restore_from``).
+    on_retire
+        Called as ``on_retire(txn, chkpt)`` just before a checkpoint retires,
+        e.g. to persist it.  Injected so this class stays free of I/O policy.
+    """
+
+    store: ShardStore
+    size: int
+    wait_for_keys: bool
+    wait_for_writers: bool
+    newest: int
+    writers: dict[int, set[int]]
+    on_retire: Callable[[lmdb.Transaction, int], None] | None
+
+    def __init__(
+        self,
+        store: ShardStore,
+        size: int = 1,
+        *,
+        wait_for_keys: bool = False,
+        wait_for_writers: bool = False,
+        start: int = 0,
+        on_retire: Callable[[lmdb.Transaction, int], None] | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError("working_set_size must be >= 1")
+        self.store = store
+        self.size = size
+        self.wait_for_keys = wait_for_keys
+        self.wait_for_writers = wait_for_writers
+        self.newest = start + size - 1
+        self.writers = {}
+        self.on_retire = on_retire
+
+    def __repr__(self) -> str:
+        return (
+            f"<WorkingSet window=[{self.oldest}, {self.newest}] size={self.size} "
+            f"wait_for_keys={self.wait_for_keys} wait_for_writers={self.wait_for_writers}>"
+        )
+
+    @property
+    def oldest(self) -> int:
+        return max(0, self.newest - self.size + 1)
+
+    # -- state that must survive the process (restart) -------------------------
+
+    def save(self, txn: lmdb.Transaction) -> None:
+        state = {
+            "newest": self.newest,
+            "size": self.size,
+            "wait_for_keys": self.wait_for_keys,
+            "wait_for_writers": self.wait_for_writers,
+            "writers": self.writers,
+        }
+        self.store.put_meta(txn, _STATE, pickle.dumps(state))
+
+    @classmethod
+    def saved_state(cls, store: ShardStore) -> dict[str, Any] | None:
+        with store.read() as txn:
+            raw = store.get_meta(txn, _STATE)
+        return None if raw is None else pickle.loads(raw)
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.newest = state["newest"]
+        self.writers = {int(k): set(v) for k, v in state["writers"].items()}
+
+    # -- window -------------------------------------------------------------
+
+    def check_retired(self, chkpt: int) -> None:
+        if chkpt < self.oldest:
+            raise DDictCheckpointSyncError(
+                f"checkpoint {chkpt} has retired (this manager keeps "
+                f"[{self.oldest}, {self.newest}])"
+            )
+
+    def can_retire(self, txn: lmdb.Transaction, p: int, client: int | None = None) -> bool:
+        """Whether the oldest checkpoint ``p`` may retire now."""
+        if self.wait_for_keys:
+            for d in self.store.digests_at(txn, p):
+                e = self.store.exact(txn, d, p)
+                if e is None or e.tombstone or e.persistent:
+                    continue
+                child = self.store.exact(txn, d, p + 1)
+                if child is None or child.tombstone:
+                    return False
+        if self.wait_for_writers:
+            moved = set().union(*(self.writers.get(i, ()) for i in range(p + 1, self.newest + 1)))
+            if client is not None:
+                moved.add(client)
+            if self.writers.get(p, set()) - moved:
+                return False
+        return True
+
+    def advance_to(
+        self, txn: lmdb.Transaction, chkpt: int, client: int | None = None, *, batch: bool = False
+    ) -> None:
+        """Advance the window until ``chkpt`` is its newest checkpoint.
+
+        Raises
+        ------
+        MustWait
+            A retirement constraint holds (the caller may wait).
+        DDictFutureCheckpointError
+            The same, for batch puts, which are never deferred.
+        """
+        changed = False
+        try:
+            while self.newest < chkpt:
+                p = self.oldest
+                if self.newest - p + 1 >= self.size:
+                    if not self.can_retire(txn, p, client):
+                        if batch:
+                            raise DDictFutureCheckpointError(
+                                f"checkpoint {chkpt} is ahead of the working set "
+                                f"[{self.oldest}, {self.newest}] and checkpoint {p} "
+                                "cannot retire yet (batch puts are never deferred)"
+                            )
+                        raise MustWait
+                    self._retire(txn, p)
+                self.newest += 1
+                changed = True
+        finally:
+            if changed:
+                self.save(txn)
+
+    def _retire(self, txn: lmdb.Transaction, p: int) -> None:
+        if self.on_retire is not None:
+            self.on_retire(txn, p)
+        self.writers.pop(p, None)
+        if not self.wait_for_keys:
+            # Every version stays readable at later checkpoints (all keys carry
+            # forward); dead versions are collected when their key is written.
+            return
+        for d in self.store.digests_at(txn, p):
+            e = self.store.exact(txn, d, p)
+            self.store.delete_below(txn, d, p)
+            if e is not None and (e.tombstone or not e.persistent):
+                self.store.delete(txn, d, p)
+
+    def snapshot(self) -> tuple[int, dict[int, set[int]] | None]:
+        """In-memory state to restore if a write transaction is rolled back."""
+        writers = {c: set(w) for c, w in self.writers.items()} if self.writers else None
+        return self.newest, writers
+
+    def restore(self, snap: tuple[int, dict[int, set[int]] | None]) -> None:
+        self.newest = snap[0]
+        self.writers = snap[1] or {}
+
+    def prepare_write(
+        self, txn: lmdb.Transaction, chkpt: int, client: int, *, batch: bool = False
+    ) -> None:
+        """Checks and window moves every write does first (retired, advance, writers)."""
+        self.check_retired(chkpt)
+        self.advance_to(txn, chkpt, client, batch=batch)
+        if self.wait_for_writers:
+            ws = self.writers.setdefault(chkpt, set())
+            if client not in ws:
+                ws.add(client)
+                self.save(txn)
+
+    # -- reads ----------------------------------------------------------------
+
+    def is_visible(self, e: Entry | None, chkpt: int) -> bool:
+        """Whether version ``e`` (the newest at or below ``chkpt``) is seen at ``chkpt``."""
+        if e is None or e.tombstone:
+            return False
+        return not (self.wait_for_keys and not e.persistent and e.chkpt != chkpt)
+
+    def get(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry:
+        """The entry visible at ``chkpt``.
+
+        Raises ``DDictKeyError`` when absent, or :class:`MustWait` under
+        ``wait_for_keys`` (a reader of a key not yet written at its
+        checkpoint waits for the writer).
+        """
+        self.check_retired(chkpt)
+        e = self.store.lookup(txn, digest, chkpt)
+        if self.is_visible(e, chkpt):
+            assert e is not None
+            return e
+        if self.wait_for_keys:
+            raise MustWait
+        raise DDictKeyError()
+
+    def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
+        """Membership at ``chkpt``; never waits."""
+        self.check_retired(chkpt)
+        return self.is_visible(self.store.lookup(txn, digest, chkpt), chkpt)
+
+    def visible(
+        self, txn: lmdb.Transaction, chkpt: int, after: bytes | None = None
+    ) -> Iterator[tuple[bytes, Entry]]:
+        """Entries visible at ``chkpt`` in digest order, resuming after ``after``."""
+        self.check_retired(chkpt)
+        decided: bytes | None = None
+        for d, e in self.store.scan(txn, after):
+            if d == decided or e.chkpt > chkpt:
+                continue
+            decided = d
+            if self.is_visible(e, chkpt):
+                yield d, e
+
+    def length(self, txn: lmdb.Transaction, chkpt: int) -> int:
+        return sum(1 for _ in self.visible(txn, chkpt))
+
+    # -- writes ---------------------------------------------------------------
+
+    def put(
+        self,
+        txn: lmdb.Transaction,
+        digest: bytes,
+        chkpt: int,
+        key: bytes,
+        frame: Any,
+        client: int,
+        *,
+        persistent: bool = False,
+        batch: bool = False,
+    ) -> None:
+        """Store a value at ``chkpt`` (advancing the window if needed)."""
+        self.prepare_write(txn, chkpt, client, batch=batch)
+        self.store.check_room(txn, memoryview(frame).nbytes + len(key))
+        flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
+        self.store.put(txn, digest, chkpt, key, frame, flags)
+        self.store.collect(txn, digest, self.oldest)
+
+    def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
+        """Delete the key at ``chkpt`` and return (a copy of) its value frame."""
+        self.prepare_write(txn, chkpt, client)
+        e = self.store.lookup(txn, digest, chkpt)
+        if not self.is_visible(e, chkpt):
+            raise DDictKeyError()
+        assert e is not None
+        old, key, at = bytes(e.frame), bytes(e.key), e.chkpt
+        if at == chkpt:
+            self.store.delete(txn, digest, chkpt)
+            older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
+            if older is None or older.tombstone:
+                return old
+        self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)
+        self.store.collect(txn, digest, self.oldest)
+        return old
+
+    def clear(self, txn: lmdb.Transaction, chkpt: int, client: int) -> None:
+        """Empty checkpoint ``chkpt`` (Dragon: older checkpoints keep their keys).
+
+        At the oldest checkpoint the keys carried forward into it go too, so
+        with ``working_set_size=1`` the dictionary ends up empty.
+        """
+        self.prepare_write(txn, chkpt, client)
+        if chkpt == self.oldest == self.newest:
+            self.store.drop_all(txn)
+        elif chkpt == self.oldest:
+            doomed = [(d, e.chkpt) for d, e in self.store.scan(txn) if e.chkpt <= chkpt]
+            for d, c in doomed:
+                self.store.delete(txn, d, c)
+        else:
+            doomed = [d for d, e in self.store.scan(txn) if e.chkpt == chkpt]
+            for d in doomed:
+                self.store.delete(txn, d, chkpt)
+        if self.writers.pop(chkpt, None):
+            self.save(txn)

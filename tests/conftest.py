@@ -1,0 +1,49 @@
+"""Fixtures: one real process cluster per session, fresh shards per test."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+from distributed import Client, LocalCluster
+
+
+def shm_entries() -> set[str]:
+    return set(glob.glob("/dev/shm/ddict-*"))
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A LocalCluster with two worker processes (real spawn, real shared memory)."""
+    with LocalCluster(
+        n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0"
+    ) as cl:
+        yield cl
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def ddict(client):
+    """A fresh two-manager dictionary, destroyed after the test."""
+    from dask_ddict import DDict
+
+    d = DDict(total_mem="64 MiB", client=client)
+    yield d
+    d.destroy()
+
+
+@pytest.fixture
+def tmp_store(tmp_path):
+    """A shard store in a temp directory (unit tests need no cluster)."""
+    from dask_ddict.store import ShardStore
+
+    st = ShardStore(str(tmp_path / "shard"), 16 << 20)
+    yield st
+    st.destroy()
+    assert not os.path.exists(str(tmp_path / "shard"))

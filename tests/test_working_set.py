@@ -1,0 +1,208 @@
+"""Checkpoint rules (dragon-ddict-notes §3) on a real shard, without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from dask_ddict._hashing import key_digest
+from dask_ddict._serialize import dumps_key, dumps_value, loads_value
+from dask_ddict.errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
+from dask_ddict.store import ShardStore
+from dask_ddict.working_set import MustWait, WorkingSet
+
+
+@pytest.fixture
+def make_ws(tmp_path):
+    stores = []
+
+    def make(size=1, **kw):
+        st = ShardStore(str(tmp_path / f"s{len(stores)}"), 16 << 20, indexed=kw.get("wait_for_keys", False))
+        stores.append(st)
+        return WorkingSet(st, size, **kw)
+
+    yield make
+    for st in stores:
+        st.destroy()
+
+
+class Ops:
+    """Readable helpers over a WorkingSet."""
+
+    def __init__(self, ws):
+        self.ws = ws
+
+    def put(self, k, v, c, client=1, persistent=False, batch=False):
+        kb = dumps_key(k)
+        with self.ws.store.write() as txn:
+            self.ws.put(txn, key_digest(kb), c, kb, dumps_value(v).join(), client,
+                        persistent=persistent, batch=batch)
+
+    def get(self, k, c):
+        with self.ws.store.read() as txn:
+            return loads_value(bytes(self.ws.get(txn, key_digest(dumps_key(k)), c).frame))
+
+    def has(self, k, c):
+        with self.ws.store.read() as txn:
+            return self.ws.contains(txn, key_digest(dumps_key(k)), c)
+
+    def pop(self, k, c, client=1):
+        with self.ws.store.write() as txn:
+            return loads_value(self.ws.pop(txn, key_digest(dumps_key(k)), c, client))
+
+    def len(self, c):
+        with self.ws.store.read() as txn:
+            return self.ws.length(txn, c)
+
+    def clear(self, c):
+        with self.ws.store.write() as txn:
+            self.ws.clear(txn, c, 1)
+
+
+def test_initial_window(make_ws):
+    ws = make_ws(3)
+    assert (ws.oldest, ws.newest) == (0, 2)
+
+
+def test_versioned_reads_and_rollback(make_ws):
+    o = Ops(make_ws(3))
+    o.put("k", "v0", 0)
+    o.put("k", "v1", 1)
+    assert o.get("k", 0) == "v0"
+    assert o.get("k", 1) == "v1"
+    assert o.get("k", 2) == "v1"
+    assert o.get("k", 10) == "v1"  # future reads see the newest value
+
+
+def test_write_to_newer_checkpoint_retires_oldest(make_ws):
+    ws = make_ws(2)
+    o = Ops(ws)
+    o.put("a", 1, 0)
+    o.put("a", 2, 2)
+    assert (ws.oldest, ws.newest) == (1, 2)
+    with pytest.raises(DDictCheckpointSyncError):
+        o.get("a", 0)
+    with pytest.raises(DDictCheckpointSyncError):
+        o.put("a", 3, 0)
+    with pytest.raises(DDictCheckpointSyncError):
+        o.has("a", 0)
+    assert o.get("a", 1) == 1  # carried forward
+
+
+def test_working_set_size_1_carries_all_keys(make_ws):
+    o = Ops(make_ws(1))
+    o.put("a", 1, 0)
+    o.put("b", 2, 0)
+    o.put("c", 3, 1)
+    assert o.len(1) == 3
+    assert o.get("a", 1) == 1
+
+
+def test_reads_never_advance(make_ws):
+    ws = make_ws(2)
+    o = Ops(ws)
+    o.put("a", 1, 0)
+    with pytest.raises(DDictKeyError):
+        o.get("zz", 7)
+    assert ws.newest == 1
+
+
+def test_delete_hides_older_versions_but_not_for_older_readers(make_ws):
+    o = Ops(make_ws(3))
+    o.put("k", "old", 0)
+    assert o.pop("k", 1) == "old"
+    assert not o.has("k", 1)
+    assert not o.has("k", 2)
+    assert o.get("k", 0) == "old"
+    assert o.len(0) == 1 and o.len(1) == 0
+
+
+def test_delete_at_same_checkpoint_does_not_resurrect_older_value(make_ws):
+    # Dragon's bug: popping a key written at c lets the value from c-1 reappear.
+    o = Ops(make_ws(3))
+    o.put("k", "old", 0)
+    o.put("k", "new", 1)
+    assert o.pop("k", 1) == "new"
+    assert not o.has("k", 1)
+    assert o.get("k", 0) == "old"
+
+
+def test_pop_missing_raises(make_ws):
+    o = Ops(make_ws(1))
+    with pytest.raises(DDictKeyError):
+        o.pop("nope", 0)
+
+
+def test_len_across_checkpoints(make_ws):
+    o = Ops(make_ws(3))
+    o.put("a", 1, 0)
+    o.put("b", 1, 1)
+    o.put("c", 1, 2)
+    assert [o.len(c) for c in range(3)] == [1, 2, 3]
+
+
+def test_clear_empties_only_the_current_checkpoint(make_ws):
+    o = Ops(make_ws(3))
+    o.put("a", 1, 0)
+    o.put("b", 1, 1)
+    o.clear(1)
+    assert o.len(1) == 1  # "a" lives in checkpoint 0 (Dragon semantics)
+    o.clear(0)
+    assert o.len(0) == 0
+
+
+def test_clear_with_size_1_empties_everything(make_ws):
+    o = Ops(make_ws(1))
+    for i in range(5):
+        o.put(i, i, i)
+    o.clear(4)
+    assert o.len(4) == 0
+
+
+def test_wait_for_keys_visibility_and_waiting(make_ws):
+    o = Ops(make_ws(2, wait_for_keys=True))
+    o.put("np", 1, 0)
+    o.put("p", 1, 0, persistent=True)
+    assert o.has("np", 0) and o.has("p", 0)
+    assert not o.has("np", 1)  # non-persistent: only at its own checkpoint
+    assert o.has("p", 1)
+    assert o.len(1) == 1
+    with pytest.raises(MustWait):
+        o.get("np", 1)  # a reader of an unwritten non-persistent key waits
+    with pytest.raises(MustWait):
+        o.get("missing", 0)
+    assert o.get("p", 1) == 1
+
+
+def test_wait_for_keys_retirement_needs_rewrites(make_ws):
+    ws = make_ws(2, wait_for_keys=True)
+    o = Ops(ws)
+    o.put("np", 1, 0)
+    with pytest.raises(MustWait):
+        o.put("x", 1, 2)  # checkpoint 0 cannot retire: "np" not re-written at 1
+    assert ws.newest == 1
+    with pytest.raises(DDictFutureCheckpointError):
+        o.put("x", 1, 2, batch=True)  # batch puts are never deferred
+    o.put("np", 2, 1)
+    o.put("x", 1, 2)
+    assert (ws.oldest, ws.newest) == (1, 2)
+
+
+def test_wait_for_writers_retirement(make_ws):
+    ws = make_ws(2, wait_for_writers=True)
+    o = Ops(ws)
+    o.put("a", 1, 0, client=1)
+    o.put("b", 1, 0, client=2)
+    o.put("a", 2, 1, client=1)
+    with pytest.raises(MustWait):
+        o.put("a", 3, 2, client=1)  # client 2 has not moved past checkpoint 0
+    o.put("b", 2, 1, client=2)
+    o.put("a", 3, 2, client=1)
+    assert ws.oldest == 1
+
+
+def test_state_round_trip(make_ws):
+    ws = make_ws(3, wait_for_writers=True)
+    o = Ops(ws)
+    o.put("a", 1, 4, client=9)
+    state = WorkingSet.saved_state(ws.store)
+    assert state["newest"] == 4 and state["writers"] == {4: {9}}
