@@ -218,6 +218,8 @@ class DDict:
     _kp: KeyPickler | None
     _vp: ValuePickler | None
     _batch: _Batch | None
+    _derived: bool
+    _detached: bool
 
     def __init__(
         self,
@@ -313,6 +315,8 @@ class DDict:
         self._kp = None
         self._vp = None
         self._batch = None
+        self._derived = False
+        self._detached = False
 
     @classmethod
     def _from_core(cls, core: _Core, **kwargs: Any) -> DDict:
@@ -343,10 +347,17 @@ class DDict:
                            self._kp, self._vp))  # fmt: skip
 
     def detach(self) -> None:
-        """Stop using the dictionary from this handle (it stays alive)."""
+        """Stop using the dictionary from this handle (it stays alive).
+
+        The creator's handle stays attached (it should :meth:`destroy`); a handle
+        from :meth:`manager`/:meth:`pickler` detaches alone, not its parent.
+        """
         if self._creator:
             return
-        self._core.close()
+        if self._derived:
+            self._detached = True
+        else:
+            self._core.close()
 
     def destroy(self, allow_restart: bool = False) -> None:
         """Remove every manager and its shard; idempotent.
@@ -392,7 +403,7 @@ class DDict:
     # -- routing ----------------------------------------------------------------
 
     def _check(self) -> None:
-        if self._core.closed:
+        if self._core.closed or self._detached:
             raise DDictClosedError(f"DDict {self._core.layout.name!r} was destroyed or detached")
 
     def _route(self, key: Any) -> tuple[int, bytes, bytes]:
@@ -663,6 +674,7 @@ class DDict:
         h = DDict._from_core(self._core, creator=False, chkpt=self._chkpt,
                              timeout=self._timeout, client_id=self._client_id)  # fmt: skip
         h._target, h._kp, h._vp = self._target, self._kp, self._vp
+        h._derived = True
         return h
 
     def manager(self, manager_id: int) -> DDict:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -138,6 +140,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         del self.dicts[name]
         live = sorted({m.worker for m in layout.managers if not m.lost})
         await self._destroy_on(live, uid, allow_restart=allow_restart)
+        if not allow_restart:
+            await self._remove_lost(layout)
         return True
 
     def list(self) -> list[str]:
@@ -185,6 +189,20 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 )
             chosen = chosen[:n_workers]
         return chosen
+
+    async def _remove_lost(self, layout: Layout) -> None:
+        """Have a live worker on each lost manager's host delete what it left."""
+        for m in layout.managers:
+            if not m.lost:
+                continue
+            host = get_address_host(m.worker)
+            helpers = [a for a, ws in self.scheduler.workers.items() if ws.host == host]
+            paths = [m.store_path, os.path.dirname(m.uds_path)]
+            for helper in helpers[:1]:
+                try:
+                    await self.scheduler.rpc(helper).ddict_remove_paths(paths=paths)
+                except Exception as e:
+                    logger.info("ddict: cleanup of manager %d failed: %r", m.manager_id, e)
 
     async def _destroy_on(self, workers: list[str], uid: str, *, allow_restart: bool) -> None:
         async def on(worker: str) -> None:

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,7 @@ class DDictWorkerPlugin(WorkerPlugin):
         self.worker = worker
         worker.handlers["ddict_create_managers"] = self.create_managers
         worker.handlers["ddict_destroy_managers"] = self.destroy_managers
+        worker.handlers["ddict_remove_paths"] = self.remove_paths
 
     def teardown(self, worker: Worker) -> None:
         for key in list(self.hosted):
@@ -156,6 +158,18 @@ class DDictWorkerPlugin(WorkerPlugin):
             raise
         logger.info("ddict %s: hosting managers %s on %s", name, manager_ids, self.worker.address)
         return infos
+
+    def remove_paths(self, paths: list[str]) -> int:
+        """Delete shard and socket directories that a dead process left on this host."""
+        n = 0
+        for p in paths:
+            name = os.path.basename(p.rstrip("/"))
+            if not name.startswith("ddict-"):  # only ever our own directories
+                continue
+            if os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=True)
+                n += 1
+        return n
 
     def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
         """Remove every manager of dictionary ``uid`` hosted here."""

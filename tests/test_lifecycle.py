@@ -1,0 +1,98 @@
+"""Dead workers, TLS clusters, the embedded cluster, and cleanup on shutdown."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, Security
+
+from dask_ddict import DDict, DDictManagerUnavailableError
+from tests.conftest import shm_entries
+
+
+def test_dead_manager_worker_gives_clear_error():
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="16 MiB", client=c)
+        keys = {m: next(k for k in range(1000) if d.which_manager(k) == m) for m in (0, 1)}
+        for k in keys.values():
+            d[k] = k
+        victim = d.manager_workers[1]
+        before = shm_entries()
+        c.run(os._exit, 1, workers=[victim], on_error="ignore")  # abrupt death
+        t0 = time.monotonic()
+        with pytest.raises(DDictManagerUnavailableError, match="manager 1"):
+            d[keys[1]]
+        assert time.monotonic() - t0 < 30
+        assert d[keys[0]] == keys[0]  # the other shard still works
+        lost_dir = os.path.dirname(d._core.layout.managers[1].uds_path)
+        d.destroy()  # also removes what the dead process left on its host
+        assert not (shm_entries() & before)
+        assert not os.path.exists(lost_dir)
+
+
+def test_tls_cluster_uses_tls_tcp():
+    sec = Security.temporary()
+    with LocalCluster(n_workers=1, threads_per_worker=1, security=sec, dashboard_address=":0") \
+            as cl, Client(cl, security=sec) as c:  # fmt: skip
+        assert cl.scheduler_address.startswith("tls://")
+        with dask.config.set({"ddict.local-transport": False}):
+            d = DDict(total_mem="16 MiB", client=c)
+            try:
+                d["a"] = np.arange(100_000)
+                assert (d["a"] == np.arange(100_000)).all()
+                assert d._core.channel(0).kind == "tls"
+            finally:
+                d.destroy()
+
+
+def test_plain_tcp_path():
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c, dask.config.set({"ddict.local-transport": False}):  # fmt: skip
+        with DDict(total_mem="16 MiB", client=c) as d:
+            d["k"] = "v"
+            assert d["k"] == "v" and d._core.channel(0).kind == "tcp"
+
+
+def test_embedded_cluster_is_owned_and_closed():
+    before = shm_entries()
+    d = DDict(total_mem="16 MiB")
+    cluster = d._core.cluster
+    assert cluster is not None and d.num_managers >= 1
+    d["x"] = [1, 2]
+    assert d["x"] == [1, 2]
+    d.destroy()
+    assert cluster.status.name == "closed"
+    assert shm_entries() == before
+
+
+def test_worker_shutdown_removes_shards():
+    before = shm_entries()
+    cl = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0")
+    c = Client(cl)
+    d = DDict(total_mem="16 MiB", client=c)
+    d["a"] = 1
+    assert len(shm_entries() - before) == 2
+    c.close()
+    cl.close()  # no destroy(): worker teardown must clean up
+    assert shm_entries() == before
+
+
+def test_preload_installs_orchestrator():
+    from distributed import Scheduler
+
+    import dask_ddict
+
+    async def main():
+        async with Scheduler(dashboard_address=":0", preload=["dask_ddict"]) as s:
+            assert "ddict" in s.plugins
+            assert "ddict_create" in s.handlers
+
+    import asyncio
+
+    asyncio.run(main())
+    assert callable(dask_ddict.dask_setup)
