@@ -705,6 +705,11 @@ class DDict:
         return h
 
     @property
+    def client(self) -> Client:
+        """The Dask client of this handle (the embedded cluster's, if it owns one)."""
+        return self._core.client
+
+    @property
     def timeout(self) -> float | None:
         return self._timeout
 
