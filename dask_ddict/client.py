@@ -131,16 +131,15 @@ class _Core:
             raise DDictManagerUnavailableError(
                 f"manager {info.manager_id} was lost with worker {info.worker}"
             )
-        local_ok = config.get("local-transport")
-        if local_ok:
+        connect_timeout = config.get_seconds("transport.connect-timeout") or 10.0
+        if config.get("local-transport"):
             manager = LOCAL_MANAGERS.get((self.layout.uid, info.manager_id))
             if manager is not None and not manager.closed:
                 return InProcessChannel(manager)
             if self.is_local(info) and os.path.exists(info.uds_path):
                 return SocketChannel(
-                    info, self.layout.secret, use_uds=True,
-                    connect_timeout=config.get_seconds("transport.connect-timeout") or 10.0,
-                )  # fmt: skip
+                    info, self.layout.secret, use_uds=True, connect_timeout=connect_timeout
+                )
         ssl_context = None
         if self.layout.tls:
             ssl_context = self._security().get_connection_args("client")["ssl_context"]
@@ -152,7 +151,7 @@ class _Core:
                 )
         return SocketChannel(
             info, self.layout.secret, use_uds=False, ssl_context=ssl_context,
-            connect_timeout=config.get_seconds("transport.connect-timeout") or 10.0,
+            connect_timeout=connect_timeout,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -483,8 +482,12 @@ class DDict:
     def __delitem__(self, key: Any) -> None:
         self.pop(key)
 
+    def _length(self, managers: list[int]) -> int:
+        """Keys visible at this handle's checkpoint on ``managers``."""
+        return sum(self._core.channel(m).length(self._chkpt) for m in managers)
+
     def __len__(self) -> int:
-        return sum(self._core.channel(m).length(self._chkpt) for m in self._managers())
+        return self._length(self._managers())
 
     def clear(self) -> None:
         """Empty the client's current checkpoint on every manager (or the chosen one)."""
@@ -770,7 +773,7 @@ class DDict:
         return DDictItemsView(self, self._local_ids(), local=True)
 
     def local_len(self) -> int:
-        return sum(self._core.channel(m).length(self._chkpt) for m in self._local_ids())
+        return self._length(self._local_ids())
 
     def _local_ids(self) -> list[int]:
         self._check()

@@ -29,16 +29,13 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator
 
 
 class _View:
-    _want: int
-
     def __init__(self, ddict: DDict, managers: list[int], local: bool = False) -> None:
         self._ddict = ddict
         self._managers = managers
         self._local = local
 
     def __len__(self) -> int:
-        d = self._ddict
-        return sum(d._core.channel(m).length(d._chkpt) for m in self._managers)
+        return self._ddict._length(self._managers)
 
     def __reversed__(self) -> Any:
         raise NotImplementedError("DDict views have no order")
@@ -52,8 +49,6 @@ class _View:
 
 
 class DDictKeysView(_View):
-    _want = WANT_KEYS
-
     def __iter__(self) -> Iterator[Any]:
         for k, _ in self._ddict._iter(self._managers, WANT_KEYS):
             yield k
@@ -66,15 +61,11 @@ class DDictKeysView(_View):
 
 
 class DDictValuesView(_View):
-    _want = WANT_VALUES
-
     def __iter__(self) -> Iterator[Any]:
         for _, v in self._ddict._iter(self._managers, WANT_VALUES):
             yield v
 
 
 class DDictItemsView(_View):
-    _want = WANT_ITEMS
-
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         yield from self._ddict._iter(self._managers, WANT_ITEMS)
