@@ -10,6 +10,7 @@ the scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
 from __future__ import annotations
 
 from . import config  # noqa: F401  (loads the ddict.* defaults)
+from .async_client import AsyncDDict
 from .client import DDict
 from .errors import (
     DDictCheckpointSyncError,
@@ -29,6 +30,7 @@ from .stats import DDictManagerStats
 from .worker_plugin import DDictWorkerPlugin
 
 __all__ = [
+    "AsyncDDict",
     "DDict",
     "DDictCheckpointSyncError",
     "DDictClosedError",

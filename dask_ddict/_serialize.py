@@ -23,6 +23,7 @@ cloudpickle for objects pickle cannot handle.  Their bytes are their identity.
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
 import struct
 from typing import Any, NamedTuple, Protocol
@@ -100,6 +101,8 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
             raise DDictSerializationError(
                 f"cannot serialize a value of type {_describe(obj)}: {e}"
             ) from e
+    if not buffers:
+        return Framed([_HEAD.pack(FMT_PICKLE, 0, len(payload)), payload], _HEAD.size + len(payload))
     raws = [b.raw() for b in buffers]
     head = _HEAD.pack(FMT_PICKLE, len(raws), len(payload)) + b"".join(
         _LEN.pack(r.nbytes) for r in raws
@@ -180,13 +183,90 @@ def copy_frame(frame: memoryview) -> Any:
     return buf
 
 
+#: Buffers at least this big are mapped directly (with transparent huge pages
+#: where the kernel offers them): faulting in 4 KiB pages of fresh memory costs
+#: more than the copy itself on VMs (64 MiB: ~0.2-1.3 GB/s with 4 KiB faults,
+#: 3-5 GB/s with huge pages, see ``benchmarks/``).
+HUGE_BYTES = 2 << 20
+
+
+def empty_buffer(nbytes: int) -> memoryview:
+    """A writable, uninitialized byte buffer, page aligned when large."""
+    if nbytes < HUGE_BYTES:
+        return memoryview(np.empty(nbytes, dtype=np.uint8))
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            m.madvise(advice)
+        except OSError:
+            pass
+    # The numpy view keeps the mapping alive; it is unmapped with its last view.
+    return memoryview(np.frombuffer(m, dtype=np.uint8))
+
+
+class Scratch:
+    """A reusable buffer for transient copies (a received value, an entry being built).
+
+    Reusing warm memory turns a page-faulting copy into a plain ``memcpy``;
+    buffers above ``keep`` bytes are allocated per use and released after, so
+    an idle connection or store holds at most ``keep`` bytes.  Not
+    thread-safe: one per connection thread or per single-writer store.
+    """
+
+    __slots__ = ("keep", "_buf")
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._buf: memoryview | None = None
+
+    def __repr__(self) -> str:
+        size = 0 if self._buf is None else self._buf.nbytes
+        return f"<Scratch size={size} keep={self.keep}>"
+
+    def get(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes``, valid until the next ``get``."""
+        if nbytes > self.keep:
+            return empty_buffer(nbytes)
+        if self._buf is None or self._buf.nbytes < nbytes:
+            self._buf = empty_buffer(max(nbytes, HUGE_BYTES))
+        return self._buf[:nbytes]
+
+
 def aligned_empty(nbytes: int) -> memoryview:
     """A writable buffer of ``nbytes`` whose start is :data:`FRAME_BASE` mod 64.
 
     Receivers read a value frame into it so that out-of-band buffers come out
     64-byte aligned, as they are in the shard.
     """
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    addr = raw.__array_interface__["data"][0]
+    raw = empty_buffer(nbytes + ALIGN)
+    addr = np.frombuffer(raw, dtype=np.uint8).__array_interface__["data"][0]
     start = (FRAME_BASE - addr) % ALIGN
-    return memoryview(raw[start : start + nbytes])
+    return raw[start : start + nbytes]
+
+
+def frame_parts(frame: Any) -> tuple[list[Any], int]:
+    """``(parts, nbytes)`` of a frame given as a buffer, a :class:`Framed` or ``None``."""
+    if frame is None:
+        return [], 0
+    if isinstance(frame, Framed):
+        return frame.parts, frame.nbytes
+    return [frame], memoryview(frame).nbytes
+
+
+def gather(parts: list[Any], nbytes: int, head: bytes = b"", tail: bytes = b"",
+           scratch: Scratch | None = None) -> Any:  # fmt: skip
+    """``head + parts + tail`` as one buffer, copying each part once.
+
+    Large results are built in ``scratch`` when given (valid until its next use).
+    """
+    total = len(head) + nbytes + len(tail)
+    if total < HUGE_BYTES:
+        return b"".join((head, *parts, tail))
+    out = empty_buffer(total) if scratch is None else scratch.get(total)
+    off = 0
+    for p in (head, *parts, tail):
+        mv = memoryview(p).cast("B")
+        out[off : off + mv.nbytes] = mv
+        off += mv.nbytes
+    return out

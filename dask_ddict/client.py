@@ -165,10 +165,11 @@ class _Core:
 class _Batch:
     """Client-side buffers of a batch put: one list of records per manager."""
 
-    __slots__ = ("persist", "records", "sizes", "touched", "error")
+    __slots__ = ("persist", "records", "sizes", "touched", "error", "flush_bytes")
 
     def __init__(self, persist: bool) -> None:
         self.persist = persist
+        self.flush_bytes = config.get_bytes("batch.flush-bytes")
         self.records: dict[int, list[tuple[bytes, bytes, Framed]]] = {}
         self.sizes: dict[int, int] = {}
         self.touched: set[int] = set()
@@ -241,41 +242,14 @@ class DDict:
         client: Client | None = None,
         workers: list[str] | None = None,
     ) -> None:
-        mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
-        if isinstance(mpw, bool) or not isinstance(mpw, int):
-            raise TypeError(f"managers_per_worker must be an int, got {mpw!r}")
-        if mpw < 1:
-            raise ValueError(f"managers_per_worker must be >= 1, got {mpw}")
-        if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int)):
-            raise TypeError(f"n_workers must be an int or None, got {n_workers!r}")
-        if n_workers is not None and n_workers < 1:
-            raise ValueError(f"n_workers must be >= 1, got {n_workers}")
-        mem = parse_total_mem(config.get("total-mem") if total_mem is None else total_mem)
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {type(name).__name__}")
-        _check_timeout(timeout)
-        thresh = (
-            config.get("manager-pool-full-thresh")
-            if manager_pool_full_thresh is None
-            else manager_pool_full_thresh
-        )
-        options = DDictOptions(
-            working_set_size=working_set_size,
-            wait_for_keys=wait_for_keys,
-            wait_for_writers=wait_for_writers,
-            persist_freq=persist_freq,
-            persist_count=persist_count,
-            persist_path=persist_path,
-            read_only=read_only,
-            restore_from=restore_from,
-            manager_pool_full_thresh=thresh,
-        )
-        options.validate(name=name, restart=restart)
-        if restart or read_only or restore_from is not None or persist_freq > 0:
-            raise NotImplementedError(
-                "restart, read_only, restore_from and persist_freq need checkpoint "
-                "persistence, which this version does not have yet"
-            )
+        request = create_request(
+            managers_per_worker, n_workers, total_mem, working_set_size=working_set_size,
+            wait_for_keys=wait_for_keys, wait_for_writers=wait_for_writers,
+            persist_freq=persist_freq, persist_count=persist_count, persist_path=persist_path,
+            name=name, timeout=timeout, restart=restart, read_only=read_only,
+            restore_from=restore_from, manager_pool_full_thresh=manager_pool_full_thresh,
+            workers=workers,
+        )  # fmt: skip
         if workers is not None and client is None and _current_client() is None:
             raise ValueError("workers= names workers of a cluster: pass client= too")
 
@@ -290,11 +264,7 @@ class DDict:
             from .orchestrator import DDictSchedulerPlugin
 
             client.register_plugin(DDictSchedulerPlugin())
-            layout_d = client.sync(
-                client.scheduler.ddict_create,
-                name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
-                n_workers=n_workers, workers=workers, client=client.id,
-            )  # fmt: skip
+            layout_d = client.sync(client.scheduler.ddict_create, **request, client=client.id)
         except BaseException:
             if cluster is not None:
                 client.close()
@@ -596,8 +566,8 @@ class DDict:
         b = self._batch
         assert b is not None
         b.records.setdefault(mid, []).append((digest, kb, framed))
-        b.sizes[mid] = b.sizes.get(mid, 0) + framed.nbytes + len(kb) + 32
-        if b.sizes[mid] >= config.get_bytes("batch.flush-bytes"):
+        size = b.sizes[mid] = b.sizes.get(mid, 0) + framed.nbytes + len(kb) + 32
+        if size >= b.flush_bytes:
             self._batch_flush(mid)
 
     def _batch_flush(self, mid: int) -> None:
@@ -798,6 +768,51 @@ class DDict:
     @classmethod
     def synchronize_ddicts(cls, serialized_ddicts: list[str]) -> None:
         raise NotImplementedError("synchronize_ddicts() needs restart support (not yet built)")
+
+
+def create_request(
+    managers_per_worker: int | None,
+    n_workers: int | None,
+    total_mem: int | str | None,
+    *,
+    name: str,
+    timeout: float | None,
+    restart: bool,
+    manager_pool_full_thresh: float | None,
+    workers: list[str] | None,
+    **checkpoint_options: Any,
+) -> dict[str, Any]:
+    """Validate the constructor's arguments into the orchestrator's ``ddict_create`` call.
+
+    Shared by :class:`DDict` and :class:`~dask_ddict.AsyncDDict` so that both
+    reject the same mistakes, with the same messages, before any message is sent.
+    """
+    mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
+    if isinstance(mpw, bool) or not isinstance(mpw, int):
+        raise TypeError(f"managers_per_worker must be an int, got {mpw!r}")
+    if mpw < 1:
+        raise ValueError(f"managers_per_worker must be >= 1, got {mpw}")
+    if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int)):
+        raise TypeError(f"n_workers must be an int or None, got {n_workers!r}")
+    if n_workers is not None and n_workers < 1:
+        raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+    mem = parse_total_mem(config.get("total-mem") if total_mem is None else total_mem)
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    _check_timeout(timeout)
+    if manager_pool_full_thresh is None:
+        manager_pool_full_thresh = config.get("manager-pool-full-thresh")
+    options = DDictOptions(manager_pool_full_thresh=manager_pool_full_thresh, **checkpoint_options)
+    options.validate(name=name, restart=restart)
+    if restart or options.read_only or options.restore_from is not None or options.persist_freq > 0:
+        raise NotImplementedError(
+            "restart, read_only, restore_from and persist_freq need checkpoint "
+            "persistence, which this version does not have yet"
+        )
+    return dict(
+        name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
+        n_workers=n_workers, workers=workers,
+    )  # fmt: skip
 
 
 def _check_timeout(timeout: Any) -> None:

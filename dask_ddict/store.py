@@ -36,6 +36,8 @@ from typing import Any, NamedTuple
 
 import lmdb
 
+from . import config
+from ._serialize import Scratch, frame_parts, gather
 from .errors import DDictFullError
 
 logger = logging.getLogger(__name__)
@@ -141,6 +143,8 @@ class ShardStore:
         self._index = self.env.open_db(b"index", create=not readonly)
         self._meta = self.env.open_db(b"meta", create=not readonly)
         self._psize = self.env.stat()["psize"]
+        # LMDB has one writer at a time, so one scratch buffer serves every put.
+        self._scratch = Scratch(config.get_bytes("store.scratch-bytes"))
 
     def __repr__(self) -> str:
         return f"<ShardStore {self.path!r} capacity={self.capacity}>"
@@ -181,11 +185,13 @@ class ShardStore:
         frame: Any,
         flags: int = 0,
     ) -> None:
-        """Store a version (replacing one at the same checkpoint)."""
-        if frame is None:
-            frame = b""
-        nbytes = memoryview(frame).nbytes
-        buf = b"".join((_ENTRY.pack(flags, len(key), nbytes), frame, key))
+        """Store a version (replacing one at the same checkpoint).
+
+        ``frame`` is a buffer, a :class:`~dask_ddict._serialize.Framed` (its
+        parts are copied once, straight into the entry) or ``None`` (empty).
+        """
+        parts, nbytes = frame_parts(frame)
+        buf = gather(parts, nbytes, _ENTRY.pack(flags, len(key), nbytes), key, self._scratch)
         try:
             txn.put(data_key(digest, chkpt), buf, db=self._data)
             if self.indexed:

@@ -133,6 +133,7 @@ class DDictWorkerPlugin(WorkerPlugin):
                     ssl_context=ssl_context,
                     socket_dir=config.get("transport.socket-dir"),
                     page_bytes=config.get_bytes("iteration.page-bytes"),
+                    scratch_keep=config.get_bytes("store.scratch-bytes"),
                 )
                 hosted = _Hosted(uid, manager, server)
                 created.append(hosted)

@@ -37,6 +37,7 @@ from typing import Any
 
 import lmdb
 
+from ._serialize import frame_parts
 from .errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
 
@@ -280,7 +281,7 @@ class WorkingSet:
     ) -> None:
         """Store a value at ``chkpt`` (advancing the window if needed)."""
         self.prepare_write(txn, chkpt, client, batch=batch)
-        self.store.check_room(txn, memoryview(frame).nbytes + len(key))
+        self.store.check_room(txn, frame_parts(frame)[1] + len(key))
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
         self.store.put(txn, digest, chkpt, key, frame, flags)
         self.store.collect(txn, digest, self.oldest)

@@ -57,7 +57,7 @@ class InProcessChannel:
     def put(self, digest: bytes, key: bytes, framed: Framed, chkpt: int, client: int,
             persistent: bool, timeout: float | None) -> None:  # fmt: skip
         self.manager.put(
-            digest, key, framed.join(), chkpt, client, persistent=persistent, timeout=timeout
+            digest, key, framed, chkpt, client, persistent=persistent, timeout=timeout
         )
 
     def get(self, digest: bytes, chkpt: int, timeout: float | None) -> Any:
@@ -88,7 +88,7 @@ class InProcessChannel:
     def batch_put(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int, client: int,
                   persistent: bool) -> None:  # fmt: skip
         self.manager.batch_put(
-            [(d, k, f.join()) for d, k, f in records], chkpt, client, persistent=persistent
+            records, chkpt, client, persistent=persistent
         )
 
     def batch_end(self, client: int) -> int:
@@ -242,7 +242,7 @@ class SocketChannel:
             head = REQ.pack(
                 op, flags, len(keysec), chkpt, arg, client, encode_timeout(timeout), vlen
             )
-            send_parts(conn.sock, [head, keysec, *(value or ())])
+            send_parts(conn.sock, [head, keysec, *(value or ())], REQ.size + len(keysec) + vlen)
             if not reply:
                 return 0, None
             status, ival, plen = REP.unpack(conn.reader.read(REP.size))
@@ -321,7 +321,7 @@ class SocketChannel:
         parts: list[Any] = []
         total = 0
         for d, k, f in records:
-            parts += [RECORD.pack(16 + len(k), f.nbytes), d, k, *f.parts]
+            parts += [RECORD.pack(16 + len(k), f.nbytes) + d + k, *f.parts]
             total += RECORD.size + 16 + len(k) + f.nbytes
         flags = FLAG_NOREPLY | (FLAG_PERSIST if persistent else 0)
         self._call(

@@ -29,6 +29,7 @@ import tempfile
 import threading
 from typing import Any
 
+from .._serialize import Scratch
 from ..errors import status_of
 from ..manager import Manager
 from .protocol import (
@@ -88,8 +89,10 @@ class ManagerServer:
         ssl_context: ssl.SSLContext | None = None,
         socket_dir: str | None = None,
         page_bytes: int = 1 << 20,
+        scratch_keep: int = 128 << 20,
     ) -> None:
         self.manager = manager
+        self._scratch_keep = scratch_keep
         self._key = secret.encode()
         self._ssl = ssl_context
         self._page_bytes = page_bytes
@@ -175,8 +178,9 @@ class ManagerServer:
         try:
             conn = self._handshake(conn, kind)
             reader = Reader(conn)
+            scratch = Scratch(self._scratch_keep)
             while True:
-                self._one_request(conn, reader)
+                self._one_request(conn, reader, scratch)
         except (ConnectionError, OSError, ssl.SSLError, PermissionError) as e:
             if not self._closed and not isinstance(e, ConnectionResetError):
                 logger.debug("ddict connection ended: %r", e)
@@ -192,13 +196,13 @@ class ManagerServer:
 
     # -- requests ---------------------------------------------------------------
 
-    def _one_request(self, conn: socket.socket, reader: Reader) -> None:
+    def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch) -> None:
         op, flags, klen, chkpt, arg, client, timeout, vlen = REQ.unpack(reader.read(REQ.size))
         keysec = bytes(reader.read(klen))
         if vlen <= 1 << 20:
             value: Any = bytes(reader.read(vlen))
         else:
-            value = memoryview(bytearray(vlen))
+            value = scratch.get(vlen)
             reader.read_into(value)
         try:
             self._dispatch(conn, Op(op), flags, keysec, value, chkpt, arg, client, timeout)

@@ -1,0 +1,120 @@
+"""AsyncDDict with an ``asynchronous=True`` client on a real process cluster."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from distributed import Client
+
+from dask_ddict import AsyncDDict, DDict, DDictClosedError, DDictKeyError, DDictTimeoutError
+
+
+def run(cluster, body):
+    async def main():
+        async with Client(cluster.scheduler_address, asynchronous=True) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+def test_async_dict_protocol(cluster):
+    async def body(client):
+        ad = await AsyncDDict.create(total_mem="32 MiB", client=client)
+        assert ad.num_managers == 2
+        await ad.put("a", np.arange(5))
+        await ad.pput(("t", 1), {"x": 1})
+        assert (await ad["a"]).tolist() == [0, 1, 2, 3, 4]
+        assert await ad.get("missing", 7) == 7
+        with pytest.raises(DDictKeyError):
+            await ad["missing"]
+        assert await ad.contains(("t", 1))
+        assert await ad.length() == 2
+        await ad.update({i: i * i for i in range(50)})
+        assert sorted(k for k in await ad.keys() if isinstance(k, int)) == list(range(50))
+        seen = [k async for k in ad]
+        assert len(seen) == 52
+        assert await ad.pop(3) == 9
+        assert await ad.pop(3, None) is None
+        await ad.delete(4)
+        assert await ad.fetch_add("n", 5) == 0 and await ad.fetch_add("n") == 5
+        await ad.bput("b", "everywhere")
+        assert await ad.bget("b") == "everywhere"
+        stats = await ad.stats()
+        assert [s.manager_id for s in stats] == [0, 1]
+        assert sum(s.num_keys for s in stats) == await ad.length()
+        one = ad.manager(1)
+        assert await one.length() == stats[1].num_keys
+        await ad.freeze()
+        assert await ad.is_frozen()
+        await ad.unfreeze()
+        await ad.clear()
+        assert await ad.length() == 0
+        await ad.destroy()
+        await ad.destroy()  # idempotent
+        with pytest.raises(DDictClosedError):
+            await ad.put("x", 1)
+
+    run(cluster, body)
+
+
+def test_async_does_not_block_the_loop(cluster):
+    """A wait_for in a thread lets other coroutines (and a task's write) proceed."""
+
+    def writer(d):
+        d["flag"] = "go"
+
+    async def body(client):
+        async with await AsyncDDict.create(total_mem="32 MiB", client=client, timeout=30) as ad:
+            waiter = asyncio.create_task(ad.wait_for("flag", "go"))
+            ticks = 0
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 5 and not waiter.done()
+            # Pickling the async handle gives the task a synchronous DDict.
+            await client.submit(writer, ad, pure=False)
+            await asyncio.wait_for(waiter, 30)
+            assert await ad["flag"] == "go"
+            with pytest.raises(DDictTimeoutError):
+                await ad.wait_for("flag", "never", timeout=0.2)
+
+    run(cluster, body)
+
+
+def test_async_attach_and_batch(cluster, client):
+    d = DDict(total_mem="32 MiB", client=client)
+    try:
+        s = d.serialize()
+
+        async def body(aclient):
+            ad = AsyncDDict.attach(s, client=aclient)
+            ad.start_batch_put()
+            for i in range(100):
+                await ad.put(i, str(i))
+            await ad.end_batch_put()
+            ad.checkpoint()
+            assert ad.checkpoint_id == 1
+            ad.rollback()
+            assert isinstance(ad.ddict, DDict)
+            ad.detach()
+            return True
+
+        assert run(client.cluster, body)
+        assert len(d) == 100 and d[42] == "42"
+    finally:
+        d.destroy()
+
+
+def test_async_errors(cluster, client):
+    with pytest.raises(TypeError, match="asynchronous"):
+        asyncio.run(AsyncDDict.create(client=client))
+
+    async def body(aclient):
+        with pytest.raises(ValueError, match="working_set_size"):
+            await AsyncDDict.create(client=aclient, working_set_size=0)
+        with pytest.raises(TypeError, match="AsyncDDict"):
+            DDict(client=aclient)
+
+    run(cluster, body)
