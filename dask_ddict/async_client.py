@@ -30,7 +30,7 @@ from typing import Any
 
 from distributed import Client
 
-from .client import _MISSING, DDict, _check_timeout, _Core, create_request
+from .client import _MISSING, DDict, _check_timeout, _Core, create_request, initial_checkpoint
 from .layout import Layout
 from .stats import DDictManagerStats
 
@@ -89,7 +89,9 @@ class AsyncDDict:
         await client.register_plugin(DDictSchedulerPlugin())
         layout_d = await client.scheduler.ddict_create(**request, client=client.id)
         core = _Core(Layout.from_dict(layout_d), client)
-        return cls(DDict._from_core(core, creator=True, chkpt=0, timeout=timeout), client)
+        h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
+        await asyncio.to_thread(initial_checkpoint, h, request)
+        return cls(h, client)
 
     @classmethod
     def attach(cls, serialized: str, *, timeout: float | None = None,
@@ -127,8 +129,6 @@ class AsyncDDict:
         core = self._d._core
         if core.closed:
             return
-        if allow_restart:
-            raise NotImplementedError("destroy(allow_restart=True) needs warm restart support")
         core.close()
         client = self._client or core.client
         await client.scheduler.ddict_destroy(
@@ -238,6 +238,23 @@ class AsyncDDict:
 
     async def sync_to_newest_checkpoint(self) -> None:
         await self._run(self._d.sync_to_newest_checkpoint)
+
+    # -- persistence -------------------------------------------------------------------
+
+    async def persist(self) -> None:
+        await self._run(self._d.persist)
+
+    async def persisted_ids(self) -> list[int]:
+        return await self._run(self._d.persisted_ids)
+
+    async def sync(self) -> None:
+        await self._run(self._d.sync)
+
+    async def restore(self, chkpt: int) -> None:
+        await self._run(self._d.restore, chkpt)
+
+    async def advance(self) -> int:
+        return await self._run(self._d.advance)
 
     # -- batch, broadcast, freeze --------------------------------------------------------
 

@@ -31,6 +31,8 @@ from .errors import (
     DDictError,
     DDictKeyError,
     DDictManagerUnavailableError,
+    DDictPersistCheckpointError,
+    DDictSyncError,
 )
 from .layout import Layout, ManagerInfo, host_id
 from .options import DDictOptions, parse_total_mem
@@ -272,6 +274,7 @@ class DDict:
             raise
         self._setup(_Core(Layout.from_dict(layout_d), client, cluster), creator=True,
                     chkpt=0, timeout=timeout)  # fmt: skip
+        initial_checkpoint(self, request)
 
     def _setup(self, core: _Core, *, creator: bool, chkpt: int, timeout: float | None,
                client_id: int | None = None) -> None:  # fmt: skip
@@ -331,13 +334,20 @@ class DDict:
     def destroy(self, allow_restart: bool = False) -> None:
         """Remove every manager and its shard; idempotent.
 
-        With an embedded cluster this also closes the cluster.
+        With ``allow_restart=True`` every shard (the whole working set) stays
+        in shared memory on its host, and ``DDict(..., name=n, restart=True)``
+        brings it back, also after the worker processes were restarted.  With
+        an embedded cluster this also closes the cluster (and so its shards).
         """
         core = self._core
         if core.closed:
             return
-        if allow_restart:
-            raise NotImplementedError("destroy(allow_restart=True) needs warm restart support")
+        if allow_restart and core.cluster is not None:
+            raise DDictError(
+                "destroy(allow_restart=True) on the embedded cluster, which closes with the "
+                "dictionary: nothing could restart it (pass client= for a cluster that lives on)",
+                "INVALID_OPERATION",
+            )
         core.close()
         try:
             client = core.client
@@ -554,6 +564,63 @@ class DDict:
         """Move to the newest checkpoint any manager (or the chosen one) holds."""
         self._chkpt = max(self._core.channel(m).newest_checkpoint() for m in self._managers())
 
+    # -- persistence ---------------------------------------------------------------
+
+    def _admin(self, name: str, *args: Any, managers: list[int] | None = None) -> list[Any]:
+        ids = self._managers() if managers is None else managers
+        return [self._core.channel(m).admin(name, *args) for m in ids]
+
+    def persist(self) -> None:
+        """Persist this handle's current checkpoint to ``persist_path`` now.
+
+        Written in the background on every manager (see :meth:`sync`),
+        whatever ``persist_freq`` and ``persist_count`` say.
+        """
+        self._no_batch("persist()")
+        self._admin("persist", self._chkpt)
+
+    def persisted_ids(self) -> list[int]:
+        """Checkpoint ids persisted (and committed) on every manager, ascending."""
+        sets = [set(ids) for ids in self._admin("persisted_ids")]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    def sync(self) -> None:
+        """Wait until background persistence is done on every manager."""
+        self._admin("sync")
+
+    def restore(self, chkpt: int) -> None:
+        """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.
+
+        Outside read-only mode, persisted checkpoints newer than ``chkpt`` are
+        discarded (the history continues from it).  Other handles keep their
+        own checkpoint ids.
+
+        Raises
+        ------
+        DDictPersistCheckpointError
+            If some manager has not persisted ``chkpt``.
+        """
+        if isinstance(chkpt, bool) or not isinstance(chkpt, int) or chkpt < 0:
+            raise ValueError(f"restore needs a checkpoint id >= 0, got {chkpt!r}")
+        self._no_batch("restore()")
+        self.sync()
+        ids = self.persisted_ids()
+        if chkpt not in ids:
+            raise DDictPersistCheckpointError(
+                f"checkpoint {chkpt} is not persisted on every manager (persisted: {ids})"
+            )
+        self._admin("restore", chkpt)
+        self._chkpt = chkpt
+
+    def advance(self) -> int:
+        """Read-only replay: load the next persisted checkpoint (``+ persist_freq``).
+
+        Returns the new checkpoint id (this handle moves to it).
+        """
+        new = self._admin("advance")
+        self._chkpt = max(new)
+        return self._chkpt
+
     # -- batch and broadcast ------------------------------------------------------------
 
     def start_batch_put(self, persist: bool = False) -> None:
@@ -759,15 +826,115 @@ class DDict:
     def dstats(self) -> dict[int, DDictManagerStats]:
         return {s.manager_id: s for s in self.stats}
 
-    def copy(self, name: str = "") -> DDict:
-        raise NotImplementedError("copy() needs manager-to-manager replication (not yet built)")
+    # -- replication ----------------------------------------------------------------
 
     def clone(self, clone_list: list[str]) -> None:
-        raise NotImplementedError("clone() needs manager-to-manager replication (not yet built)")
+        """Make every dictionary in ``clone_list`` (serialized) an exact copy of this one.
+
+        Each target manager pulls its counterpart's whole shard (all
+        checkpoints of the working set) directly from this dictionary's
+        manager: no data goes through this process or the scheduler.  The
+        targets need the same number of managers and working-set size.
+        """
+        self._check()
+        if isinstance(clone_list, str) or not isinstance(clone_list, (list, tuple)):
+            raise TypeError("clone needs a list of serialized DDicts (DDict.serialize())")
+        source = self.serialize()
+        for s in clone_list:
+            target = _Core(Layout.deserialize(s), self._core._client)
+            try:
+                _check_parallel(self._core.layout, target.layout)
+                for mid in range(self.num_managers):
+                    target.channel(mid).admin("copy_from", source, mid)
+            finally:
+                target.close()
+
+    def copy(self, name: str = "") -> DDict:
+        """A new dictionary (creator: the caller) with this one's options and content.
+
+        It has the same managers on the same workers, and every checkpoint
+        of the working set is copied manager to manager.
+        """
+        self._check()
+        if not self._creator:
+            raise DDictError("copy() is for the creator's handle", "INVALID_OPERATION")
+        lay = self._core.layout
+        workers = list(dict.fromkeys(lay.manager_workers))
+        per_worker = {w: lay.manager_workers.count(w) for w in workers}
+        if len(set(per_worker.values())) != 1:
+            raise DDictError(
+                "copy() needs the same number of managers on every worker "
+                f"(this dictionary has {per_worker})",
+                "INVALID_OPERATION",
+            )
+        opts = lay.options
+        new = DDict(
+            next(iter(per_worker.values())), total_mem=lay.total_mem, workers=workers,
+            working_set_size=opts.working_set_size, wait_for_keys=opts.wait_for_keys,
+            wait_for_writers=opts.wait_for_writers, persist_freq=opts.persist_freq,
+            persist_count=opts.persist_count, persist_path=opts.persist_path, name=name,
+            timeout=self._timeout, manager_pool_full_thresh=opts.manager_pool_full_thresh,
+            client=self.client,
+        )  # fmt: skip
+        try:
+            self.clone([new.serialize()])
+        except BaseException:
+            new.destroy()
+            raise
+        new._chkpt = self._chkpt
+        return new
 
     @classmethod
     def synchronize_ddicts(cls, serialized_ddicts: list[str]) -> None:
-        raise NotImplementedError("synchronize_ddicts() needs restart support (not yet built)")
+        """Rebuild the empty managers of parallel dictionaries from the others.
+
+        After a restart, a manager whose shard was lost comes back empty
+        (``empty_managers``).  For each manager id, every dictionary whose
+        manager is empty pulls that manager from a dictionary where it is not.
+
+        Raises
+        ------
+        DDictSyncError
+            If a manager id is empty in every dictionary.
+        """
+        if isinstance(serialized_ddicts, str) or not isinstance(serialized_ddicts, (list, tuple)):
+            raise TypeError("synchronize_ddicts needs a list of serialized DDicts")
+        layouts = [Layout.deserialize(s) for s in serialized_ddicts]
+        if not layouts:
+            return
+        for lay in layouts[1:]:
+            _check_parallel(layouts[0], lay)
+        for mid in range(layouts[0].num_managers):
+            empty = [i for i, lay in enumerate(layouts) if mid in lay.extra.get("empty_managers", ())]
+            if not empty:
+                continue
+            full = [i for i in range(len(layouts)) if i not in empty]
+            if not full:
+                raise DDictSyncError(
+                    f"manager {mid} is empty in every dictionary: nothing to synchronize from"
+                )
+            for i in empty:
+                target = _Core(layouts[i])
+                try:
+                    target.channel(mid).admin("copy_from", serialized_ddicts[full[0]], mid)
+                finally:
+                    target.close()
+
+
+def _check_parallel(a: Layout, b: Layout) -> None:
+    """Two dictionaries whose managers correspond one to one."""
+    if a.num_managers != b.num_managers:
+        raise DDictError(
+            f"{b.name!r} has {b.num_managers} managers and {a.name!r} has {a.num_managers}: "
+            "replication copies manager i to manager i, so the counts must match",
+            "INVALID_ARGUMENT",
+        )
+    if a.options.working_set_size != b.options.working_set_size:
+        raise DDictError(
+            f"{b.name!r} has working_set_size={b.options.working_set_size} and {a.name!r} "
+            f"has {a.options.working_set_size}",
+            "INVALID_ARGUMENT",
+        )
 
 
 def create_request(
@@ -804,15 +971,22 @@ def create_request(
         manager_pool_full_thresh = config.get("manager-pool-full-thresh")
     options = DDictOptions(manager_pool_full_thresh=manager_pool_full_thresh, **checkpoint_options)
     options.validate(name=name, restart=restart)
-    if restart or options.read_only or options.restore_from is not None or options.persist_freq > 0:
-        raise NotImplementedError(
-            "restart, read_only, restore_from and persist_freq need checkpoint "
-            "persistence, which this version does not have yet"
-        )
+    if not isinstance(options.persist_path, str):
+        raise TypeError(f"persist_path must be a str, got {type(options.persist_path).__name__}")
     return dict(
         name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
-        n_workers=n_workers, workers=workers,
+        n_workers=n_workers, workers=workers, restart=bool(restart),
     )  # fmt: skip
+
+
+def initial_checkpoint(h: DDict, request: dict[str, Any]) -> None:
+    """Where a creator's handle starts: ``restore_from``, the newest restored
+    checkpoint after a restart, else 0."""
+    restore_from = request["options"]["restore_from"]
+    if request["restart"]:
+        h.sync_to_newest_checkpoint()
+    elif restore_from is not None:
+        h._chkpt = restore_from
 
 
 def _check_timeout(timeout: Any) -> None:

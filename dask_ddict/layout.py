@@ -32,6 +32,7 @@ class ManagerInfo:
     tcp_port: int
     store_path: str
     lost: bool = False
+    restarted: bool = False  # re-attached a shard kept by destroy(allow_restart=True)
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,11 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     scheduler: Scheduler
     dicts: dict[str, Layout]
+    kept: dict[str, Layout]  # destroyed with allow_restart=True: shards kept on their hosts
 
     def __init__(self) -> None:
         self.dicts = {}
+        self.kept = {}
 
     def __repr__(self) -> str:
         return f"<DDictSchedulerPlugin dicts={sorted(self.dicts)}>"
@@ -60,6 +62,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 "ddict_attach": self.attach,
                 "ddict_destroy": self.destroy,
                 "ddict_list": self.list,
+                "ddict_list_kept": self.list_kept,
             }
         )
         await scheduler.register_worker_plugin(
@@ -77,14 +80,25 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         n_workers: int | None = None,
         workers: list[str] | None = None,
         client: str = "",
+        restart: bool = False,
     ) -> dict[str, Any]:
-        """Create a dictionary's managers; return its layout."""
+        """Create a dictionary's managers (or re-attach kept shards); return its layout."""
         if not name:
             name = uuid.uuid4().hex[:10]
         if name in self.dicts:
             raise DDictError(f"a DDict named {name!r} already exists", "INVALID_ARGUMENT")
+        opts = DDictOptions.from_dict(options)
         chosen = self._choose_workers(n_workers, workers)
         num = len(chosen) * managers_per_worker
+        kept = self._kept_for_restart(name, opts, num) if restart else None
+        if kept is not None:
+            plan, restart_paths = self._restart_plan(kept)
+        else:
+            plan = {
+                w: list(range(i * managers_per_worker, (i + 1) * managers_per_worker))
+                for i, w in enumerate(chosen)
+            }
+            restart_paths = {}
         capacity = total_mem // num
         if capacity < 1 << 20:
             raise ValueError(
@@ -96,33 +110,36 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         tls = bool(self.scheduler.security.require_encryption) or self.scheduler.address.startswith(
             "tls://"
         )
-        opts = DDictOptions.from_dict(options)
-        plan = {
-            w: list(range(i * managers_per_worker, (i + 1) * managers_per_worker))
-            for i, w in enumerate(chosen)
-        }
 
         async def on(worker: str, mids: list[int]) -> list[dict[str, Any]]:
             return await self.scheduler.rpc(worker).ddict_create_managers(
                 name=name, uid=uid, secret=secret, tls=tls, options=opts.to_dict(),
-                capacity=capacity, manager_ids=mids,
+                capacity=capacity, manager_ids=mids, num_managers=num,
+                restart_paths={m: restart_paths[m] for m in mids if m in restart_paths},
             )  # fmt: skip
 
         results = await asyncio.gather(*(on(w, m) for w, m in plan.items()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await self._destroy_on(list(plan), uid, allow_restart=False)
+            # A failed restart leaves the kept shards where they were, for another try.
+            await self._destroy_on(list(plan), uid, allow_restart=kept is not None)
             raise errors[0]
         infos = sorted(
             (ManagerInfo(**i) for r in results for i in r),  # type: ignore[union-attr]
             key=lambda m: m.manager_id,
         )
+        extra: dict[str, Any] = {}
+        if kept is not None:
+            del self.kept[name]
+            extra["empty_managers"] = [m.manager_id for m in infos if not m.restarted]
+            await self._remove_abandoned(kept, infos)
         layout = Layout(
             name=name, uid=uid, secret=secret, tls=tls, options=opts, managers=tuple(infos),
-            total_mem=total_mem, scheduler=self.scheduler.address, creator=client,
+            total_mem=total_mem, scheduler=self.scheduler.address, creator=client, extra=extra,
         )  # fmt: skip
         self.dicts[name] = layout
-        logger.info("ddict %s: %d managers on %d workers", name, num, len(chosen))
+        logger.info("ddict %s: %d managers on %d workers%s", name, num, len(plan),
+                    " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
 
     def attach(self, name: str) -> dict[str, Any]:
@@ -133,19 +150,29 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
 
     async def destroy(self, name: str, uid: str, allow_restart: bool = False) -> bool:
-        """Remove a dictionary's managers; ``False`` if it was already gone."""
+        """Remove a dictionary's managers; ``False`` if it was already gone.
+
+        With ``allow_restart`` the managers stop but their shards stay in
+        shared memory, and the layout is kept until ``restart=True`` re-attaches.
+        """
         layout = self.dicts.get(name)
         if layout is None or layout.uid != uid:
             return False
         del self.dicts[name]
         live = sorted({m.worker for m in layout.managers if not m.lost})
         await self._destroy_on(live, uid, allow_restart=allow_restart)
-        if not allow_restart:
+        if allow_restart:
+            self.kept[name] = layout
+        else:
             await self._remove_lost(layout)
         return True
 
     def list(self) -> list[str]:
         return sorted(self.dicts)
+
+    def list_kept(self) -> list[str]:
+        """Names of dictionaries destroyed with ``allow_restart=True``."""
+        return sorted(self.kept)
 
     # -- Scheduler hooks ----------------------------------------------------------
 
@@ -189,6 +216,57 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 )
             chosen = chosen[:n_workers]
         return chosen
+
+    def _kept_for_restart(self, name: str, opts: DDictOptions, num: int) -> Layout:
+        kept = self.kept.get(name)
+        if kept is None:
+            raise DDictError(
+                f"no DDict named {name!r} was destroyed with allow_restart=True on this "
+                f"cluster (kept: {sorted(self.kept)})",
+                "INVALID_ARGUMENT",
+            )
+        if kept.num_managers != num:
+            raise ValueError(
+                f"restart of {name!r} needs {kept.num_managers} managers (it had that many); "
+                f"these arguments give {num}"
+            )
+        for field_name in ("working_set_size", "wait_for_keys", "wait_for_writers", "persist_freq"):
+            old, new = getattr(kept.options, field_name), getattr(opts, field_name)
+            if old != new:
+                raise ValueError(
+                    f"restart of {name!r}: {field_name}={new!r} but it was created with {old!r}"
+                )
+        return kept
+
+    def _restart_plan(self, kept: Layout) -> tuple[dict[str, list[int]], dict[int, str]]:
+        """Place each kept manager where its shard is: its old worker if still
+        connected, else a worker on the same host; managers whose host has no
+        worker left start empty on the least loaded worker."""
+        workers = sorted(self.scheduler.workers)
+        by_host: dict[str, list[str]] = {}
+        for w in workers:
+            by_host.setdefault(get_address_host(w), []).append(w)
+        plan: dict[str, list[int]] = {}
+        paths: dict[int, str] = {}
+        for m in kept.managers:
+            same_host = by_host.get(get_address_host(m.worker), [])
+            if m.worker in self.scheduler.workers:
+                target = m.worker
+            elif same_host:
+                target = min(same_host, key=lambda w: len(plan.get(w, ())))
+            else:
+                target = min(workers, key=lambda w: len(plan.get(w, ())))
+            if target in same_host:
+                paths[m.manager_id] = m.store_path
+            plan.setdefault(target, []).append(m.manager_id)
+        return plan, paths
+
+    async def _remove_abandoned(self, kept: Layout, infos: list[ManagerInfo]) -> None:
+        """After a restart, delete kept shards that no manager re-attached."""
+        reattached = {m.store_path for m in infos if m.restarted}
+        abandoned = [replace(m, lost=True) for m in kept.managers if m.store_path not in reattached]
+        if abandoned:
+            await self._remove_lost(replace(kept, managers=tuple(abandoned)))
 
     async def _remove_lost(self, layout: Layout) -> None:
         """Have a live worker on each lost manager's host delete what it left."""

@@ -272,6 +272,36 @@ class ShardStore:
                 continue
             yield digest, _decode(chkpt, v)
 
+    def raw_page(self, txn: lmdb.Transaction, after: bytes | None,
+                 max_bytes: int) -> tuple[list[tuple[bytes, bytes]], bool]:  # fmt: skip
+        """Raw ``data`` records after key ``after`` (replication), about ``max_bytes`` of them."""
+        cur = txn.cursor(self._data)
+        if after is None:
+            ok = cur.first()
+        else:
+            ok = cur.set_range(after) and (bytes(cur.key()) != after or cur.next())
+        out: list[tuple[bytes, bytes]] = []
+        size = 0
+        while ok:
+            if out and size >= max_bytes:
+                return out, True
+            k, v = bytes(cur.key()), bytes(cur.value())
+            out.append((k, v))
+            size += len(k) + len(v)
+            ok = cur.next()
+        return out, False
+
+    def put_raw(self, txn: lmdb.Transaction, records: list[tuple[bytes, bytes]]) -> None:
+        """Store records from :meth:`raw_page` of another shard."""
+        try:
+            for k, v in records:
+                txn.put(k, v, db=self._data)
+                if self.indexed:
+                    digest, chkpt = _split_data_key(k)
+                    txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
+        except lmdb.MapFullError as e:
+            raise DDictFullError(f"shard {self.path} is full while copying another shard") from e
+
     def drop_all(self, txn: lmdb.Transaction) -> None:
         """Remove every version of every key (metadata stays)."""
         txn.drop(self._data, delete=False)

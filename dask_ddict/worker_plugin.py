@@ -8,6 +8,7 @@ call, and tears them down on destroy or when the worker closes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -23,6 +24,8 @@ from . import config
 from .layout import host_id
 from .manager import Manager
 from .options import DDictOptions
+from .persistence import CheckpointStore, Persister
+from .replication import pull_shard
 from .store import ShardStore
 from .transport import ManagerServer
 from .working_set import WorkingSet
@@ -57,6 +60,66 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
 
 
+def _open_manager(name: str, mid: int, num_managers: int, opts: DDictOptions, capacity: int,
+                  worker: str, restart_path: str | None) -> tuple[Manager, bool]:  # fmt: skip
+    """A manager over a new shard, or over the kept shard at ``restart_path``.
+
+    Returns the manager and whether it re-attached a kept shard.
+    """
+    state = None
+    if restart_path and os.path.isfile(os.path.join(restart_path, "data.mdb")):
+        store = ShardStore(restart_path, capacity, opts.manager_pool_full_thresh,
+                           indexed=opts.wait_for_keys)  # fmt: skip
+        # A shard whose window never moved has no saved state: it is at the start.
+        state = WorkingSet.saved_state(store) or {
+            "newest": opts.working_set_size - 1, "size": opts.working_set_size,
+            "wait_for_keys": opts.wait_for_keys, "wait_for_writers": opts.wait_for_writers,
+            "writers": {},
+        }  # fmt: skip
+    if state is None:
+        path = os.path.join(
+            config.get("store.directory") or "/dev/shm",
+            f"ddict-{_safe(name)}-{mid}-{secrets.token_hex(8)}",
+        )
+        store = ShardStore(path, capacity, opts.manager_pool_full_thresh,
+                           indexed=opts.wait_for_keys)  # fmt: skip
+    try:
+        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
+                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
+        if state is not None:
+            mismatch = [k for k in ("size", "wait_for_keys", "wait_for_writers")
+                        if state[k] != getattr(ws, k)]  # fmt: skip
+            if mismatch:
+                raise ValueError(
+                    f"restart of {name!r}: manager {mid} was created with a different "
+                    f"{', '.join(mismatch)} (working_set_size/wait_for_keys/wait_for_writers "
+                    "must match the original)"
+                )
+            ws.load(state)
+        persister = None
+        if opts.persist_path:
+            persister = Persister(
+                CheckpointStore(opts.persist_path, name, mid, num_managers,
+                                chunk_bytes=config.get_bytes("persist.chunk-bytes")),
+                opts.persist_freq, opts.persist_count,
+            )  # fmt: skip
+        manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
+                          persister=persister, pull_shard=pull_shard)  # fmt: skip
+    except BaseException:
+        if state is None:
+            store.destroy()
+        else:
+            store.close()
+        raise
+    if opts.restore_from is not None and state is None:
+        try:
+            manager.restore(opts.restore_from, discard_newer=not opts.read_only)
+        except BaseException:
+            manager.close()
+            raise
+    return manager, state is not None
+
+
 class DDictWorkerPlugin(WorkerPlugin):
     """Worker side of ``dask_ddict``: creates, serves and removes managers."""
 
@@ -84,7 +147,7 @@ class DDictWorkerPlugin(WorkerPlugin):
 
     # -- Handlers (called through Dask comms by the orchestrator) ------------------
 
-    def create_managers(
+    async def create_managers(
         self,
         name: str,
         uid: str,
@@ -93,14 +156,30 @@ class DDictWorkerPlugin(WorkerPlugin):
         options: dict[str, Any],
         capacity: int,
         manager_ids: list[int],
+        num_managers: int = 0,
+        restart_paths: dict[int, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Create managers ``manager_ids`` of dictionary ``uid``; return their infos."""
-        opts = DDictOptions.from_dict(options)
+        """Create managers ``manager_ids`` of dictionary ``uid``; return their infos.
+
+        ``restart_paths`` maps manager ids to shards kept by
+        ``destroy(allow_restart=True)``: those are re-attached (an info says
+        ``"restarted": False`` when the shard is gone and the manager starts
+        empty).  Opening zarr stores and restoring checkpoints is I/O, so the
+        work runs in a thread, off the worker's event loop.
+        """
         ssl_context = None
         if tls:
             ssl_context = self.worker.security.get_listen_args("worker")["ssl_context"]
             if ssl_context is None:
                 raise RuntimeError("the cluster requires TLS but this worker has no certificate")
+        return await asyncio.to_thread(
+            self._create, name, uid, secret, ssl_context, DDictOptions.from_dict(options),
+            capacity, manager_ids, num_managers or len(manager_ids), restart_paths or {},
+        )  # fmt: skip
+
+    def _create(self, name: str, uid: str, secret: str, ssl_context: Any, opts: DDictOptions,
+                capacity: int, manager_ids: list[int], num_managers: int,
+                restart_paths: dict[int, str]) -> list[dict[str, Any]]:  # fmt: skip
         try:
             tcp_host = get_address_host(self.worker.address)
             socket.getaddrinfo(tcp_host, None)
@@ -110,31 +189,23 @@ class DDictWorkerPlugin(WorkerPlugin):
         created: list[_Hosted] = []
         try:
             for mid in manager_ids:
-                path = os.path.join(
-                    config.get("store.directory") or "/dev/shm",
-                    f"ddict-{_safe(name)}-{mid}-{secrets.token_hex(8)}",
-                )
-                store = ShardStore(
-                    path, capacity, opts.manager_pool_full_thresh, indexed=opts.wait_for_keys
-                )
-                ws = WorkingSet(
-                    store,
-                    opts.working_set_size,
-                    wait_for_keys=opts.wait_for_keys,
-                    wait_for_writers=opts.wait_for_writers,
-                    start=opts.restore_from or 0,
-                )
-                manager = Manager(mid, store, ws, worker=self.worker.address,
-                                  frozen=opts.read_only)  # fmt: skip
-                server = ManagerServer(
-                    manager,
-                    secret,
-                    tcp_host,
-                    ssl_context=ssl_context,
-                    socket_dir=config.get("transport.socket-dir"),
-                    page_bytes=config.get_bytes("iteration.page-bytes"),
-                    scratch_keep=config.get_bytes("store.scratch-bytes"),
-                )
+                manager, restarted = _open_manager(
+                    name, mid, num_managers, opts, capacity, self.worker.address,
+                    restart_paths.get(int(mid)),
+                )  # fmt: skip
+                try:
+                    server = ManagerServer(
+                        manager,
+                        secret,
+                        tcp_host,
+                        ssl_context=ssl_context,
+                        socket_dir=config.get("transport.socket-dir"),
+                        page_bytes=config.get_bytes("iteration.page-bytes"),
+                        scratch_keep=config.get_bytes("store.scratch-bytes"),
+                    )
+                except BaseException:
+                    manager.close(destroy=not restarted)
+                    raise
                 hosted = _Hosted(uid, manager, server)
                 created.append(hosted)
                 self.hosted[(uid, mid)] = hosted
@@ -149,13 +220,14 @@ class DDictWorkerPlugin(WorkerPlugin):
                         "uds_path": server.uds_path,
                         "tcp_host": server.tcp_host,
                         "tcp_port": server.tcp_port,
-                        "store_path": path,
+                        "store_path": manager.store.path,
+                        "restarted": restarted,
                     }
                 )
         except BaseException:
             for h in created:
                 self.hosted.pop((uid, h.manager.manager_id), None)
-                h.close()
+                h.close(destroy=not restart_paths)
             raise
         logger.info("ddict %s: hosting managers %s on %s", name, manager_ids, self.worker.address)
         return infos

@@ -37,6 +37,7 @@ from typing import Any
 
 import lmdb
 
+from ._hashing import key_digest
 from ._serialize import frame_parts
 from .errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
@@ -125,6 +126,24 @@ class WorkingSet:
     def load(self, state: dict[str, Any]) -> None:
         self.newest = state["newest"]
         self.writers = {int(k): set(v) for k, v in state["writers"].items()}
+
+    def reset_to(self, txn: lmdb.Transaction, chkpt: int,
+                 entries: Iterator[tuple[bytes, Any, int]]) -> int:  # fmt: skip
+        """Replace the whole shard by a persisted checkpoint ``chkpt``.
+
+        The window becomes ``[chkpt, chkpt + size - 1]`` (Dragon's restore);
+        ``entries`` yields ``(key bytes, value frame, flags)``.  Returns the
+        number of keys loaded.
+        """
+        self.store.drop_all(txn)
+        n = 0
+        for key, frame, flags in entries:
+            self.store.put(txn, key_digest(key), chkpt, key, frame, flags & PERSISTENT)
+            n += 1
+        self.newest = chkpt + self.size - 1
+        self.writers = {}
+        self.save(txn)
+        return n
 
     # -- window -------------------------------------------------------------
 
@@ -254,6 +273,16 @@ class WorkingSet:
     ) -> Iterator[tuple[bytes, Entry]]:
         """Entries visible at ``chkpt`` in digest order, resuming after ``after``."""
         self.check_retired(chkpt)
+        return self.state_at(txn, chkpt, after)
+
+    def state_at(
+        self, txn: lmdb.Transaction, chkpt: int, after: bytes | None = None
+    ) -> Iterator[tuple[bytes, Entry]]:
+        """:meth:`visible` without the retirement check.
+
+        The persister reads a retiring checkpoint from a snapshot taken just
+        before it retired: in that snapshot it is still the window's oldest.
+        """
         decided: bytes | None = None
         for d, e in self.store.scan(txn, after):
             if d == decided or e.chkpt > chkpt:

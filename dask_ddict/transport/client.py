@@ -106,6 +106,9 @@ class InProcessChannel:
     def unfreeze(self) -> None:
         self.manager.unfreeze()
 
+    def admin(self, name: str, *args: Any) -> Any:
+        return self.manager.admin(name, *args)
+
     def close(self) -> None:
         pass
 
@@ -343,6 +346,11 @@ class SocketChannel:
 
     def unfreeze(self) -> None:
         self._call(Op.UNFREEZE)
+
+    def admin(self, name: str, *args: Any) -> Any:
+        payload = pickle.dumps(args)
+        result = self._call(Op.ADMIN, keysec=name.encode(), value=[payload], vlen=len(payload))
+        return pickle.loads(result[1])
 
     def ping(self) -> int:
         return self._call(Op.PING)[0]

@@ -46,6 +46,7 @@ class Op(enum.IntEnum):
     FREEZE = 14
     UNFREEZE = 15
     PING = 16
+    ADMIN = 17  # rare control calls: keysec = method name, value = pickled args
 
 
 FLAG_PERSIST = 1

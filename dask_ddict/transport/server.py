@@ -281,6 +281,8 @@ class ManagerServer:
             reply()
         elif op == Op.PING:
             reply(os.getpid())
+        elif op == Op.ADMIN:
+            reply(0, pickle.dumps(m.admin(keysec.decode(), *pickle.loads(value))))
         else:  # pragma: no cover - Op() already rejected unknown values
             raise ValueError(f"unknown op {op}")
 

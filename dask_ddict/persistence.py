@@ -1,0 +1,310 @@
+"""Checkpoint persistence: a zarr v3 store of retired (or explicitly persisted) checkpoints.
+
+Layout (documented for users in ``docs/persistence.md``; plain
+``zarr.open_group(persist_path)`` reads it)::
+
+    <persist_path>/                     zarr group
+      <dict name>/                      group
+        manager_<i>/                    group, attrs {"num_managers": N, ...}
+          chkpt_<k>/                    group, attrs {"checkpoint": k, "num_keys": n,
+                                        #              "committed": true}  <- written last
+            keys            uint8[...]  serialized keys, concatenated
+            key_offsets     uint64[n+1] key i is keys[key_offsets[i]:key_offsets[i+1]]
+            values          uint8[...]  value frames (dask_ddict framing), concatenated
+            value_offsets   uint64[n+1]
+            flags           uint8[n]    bit 1: persistent (matters under wait_for_keys)
+
+A checkpoint is the full state visible at ``k`` (everything carried forward
+into it), so restoring ``k`` needs nothing else.  A checkpoint counts only
+once its ``committed`` attribute is true, and that attribute is written after
+every array: a persist interrupted half-way (a killed worker, a full disk) is
+never taken for complete, and the next persist of that id replaces it.
+
+:class:`CheckpointStore` is the I/O (testable without a cluster);
+:class:`Persister` is the policy (which ids, eviction) and the background
+thread that keeps zarr I/O off the manager's write path and off the worker's
+event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import zarr
+
+from .errors import DDictError, DDictPersistCheckpointError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dask_ddict.checkpoint/1"
+_ARRAY_CONFIG = {"write_empty_chunks": True}  # skip the per-chunk "all fill?" scan
+
+
+def _chkpt_name(chkpt: int) -> str:
+    return f"chkpt_{chkpt}"
+
+
+class CheckpointStore:
+    """One manager's persisted checkpoints in a zarr store.
+
+    Parameters
+    ----------
+    path
+        The zarr store: a local directory or an fsspec URL.
+    name
+        The dictionary's name (its group in the store).
+    manager_id, num_managers
+        Which shard this is, and of how many (a checkpoint only makes sense
+        with the key-to-manager mapping it was written with).
+    chunk_bytes
+        Chunk size of the ``values`` array (no compression: persisting runs
+        at disk speed).
+    storage_options
+        Passed to fsspec for URLs.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str,
+        manager_id: int,
+        num_managers: int,
+        *,
+        chunk_bytes: int = 64 << 20,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = path
+        self.name = name
+        self.manager_id = manager_id
+        self.num_managers = num_managers
+        self.chunk_bytes = chunk_bytes
+        kwargs = {"storage_options": storage_options} if storage_options else {}
+        root = zarr.open_group(path, mode="a", **kwargs)
+        dgroup = root.require_group(name)
+        self.group = dgroup.require_group(f"manager_{manager_id}")
+        found = self.group.attrs.get("num_managers")
+        if found is not None and found != num_managers:
+            raise DDictPersistCheckpointError(
+                f"the checkpoints of {name!r} in {path} were written by {found} managers, "
+                f"this dictionary has {num_managers}: keys would map to other managers"
+            )
+        if found is None:
+            self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,
+                                     "manager_id": manager_id})  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"<CheckpointStore {self.path!r} {self.name!r} manager={self.manager_id}>"
+
+    def ids(self) -> list[int]:
+        """Committed checkpoint ids, ascending (half-written ones are not listed)."""
+        out = []
+        for gname, g in self.group.groups():
+            if gname.startswith("chkpt_") and g.attrs.get("committed") is True:
+                out.append(int(gname[6:]))
+        return sorted(out)
+
+    def delete(self, chkpt: int) -> None:
+        name = _chkpt_name(chkpt)
+        if name in self.group:
+            del self.group[name]
+
+    def write(self, chkpt: int, entries: Callable[[], Iterable[tuple[Any, Any, int]]]) -> int:
+        """Write checkpoint ``chkpt`` from ``entries()`` (called twice: sizes, then data).
+
+        ``entries`` yields ``(key bytes, value frame, flags)``; frames may be
+        views that are valid only during iteration.  Returns the value bytes
+        written.
+        """
+        n = key_bytes = value_bytes = 0
+        for k, v, _ in entries():
+            n += 1
+            key_bytes += len(k)
+            value_bytes += memoryview(v).nbytes
+        self.delete(chkpt)
+        g = self.group.create_group(
+            _chkpt_name(chkpt),
+            attributes={"format": FORMAT, "checkpoint": chkpt, "manager_id": self.manager_id,
+                        "num_keys": n, "value_bytes": value_bytes, "committed": False},
+        )  # fmt: skip
+        chunk = max(1, min(self.chunk_bytes, value_bytes))
+        values = g.create_array(
+            "values", shape=(value_bytes,), dtype="uint8", chunks=(chunk,),
+            compressors=None, fill_value=0, config=_ARRAY_CONFIG,
+        )  # fmt: skip
+        keys = np.empty(key_bytes, dtype=np.uint8)
+        koff = np.zeros(n + 1, dtype=np.uint64)
+        voff = np.zeros(n + 1, dtype=np.uint64)
+        flags = np.zeros(n, dtype=np.uint8)
+        buf = np.empty(chunk, dtype=np.uint8)
+        filled = written = kpos = vpos = 0
+        i = -1
+        for i, (k, v, f) in enumerate(entries()):
+            if i >= n:
+                raise RuntimeError("checkpoint changed while it was being persisted")
+            keys[kpos : kpos + len(k)] = np.frombuffer(k, dtype=np.uint8)
+            kpos += len(k)
+            koff[i + 1] = kpos
+            flags[i] = f
+            mv = np.frombuffer(memoryview(v).cast("B"), dtype=np.uint8)
+            vpos += mv.nbytes
+            voff[i + 1] = vpos
+            pos = 0
+            while pos < mv.nbytes:  # stream through full chunks: no read-modify-write
+                take = min(chunk - filled, mv.nbytes - pos)
+                buf[filled : filled + take] = mv[pos : pos + take]
+                filled += take
+                pos += take
+                if filled == chunk:
+                    values[written : written + chunk] = buf
+                    written += chunk
+                    filled = 0
+        if i + 1 != n:
+            raise RuntimeError("checkpoint changed while it was being persisted")
+        if filled:
+            values[written : written + filled] = buf[:filled]
+        for aname, arr in (("keys", keys), ("key_offsets", koff), ("value_offsets", voff),
+                           ("flags", flags)):  # fmt: skip
+            g.create_array(aname, data=arr, chunks=(max(1, arr.size),), compressors=None,
+                           config=_ARRAY_CONFIG)  # fmt: skip
+        g.attrs["committed"] = True  # the commit marker, last
+        return value_bytes
+
+    def read(self, chkpt: int) -> Iterator[tuple[bytes, memoryview, int]]:
+        """``(key bytes, value frame, flags)`` of a committed checkpoint."""
+        name = _chkpt_name(chkpt)
+        if name not in self.group or self.group[name].attrs.get("committed") is not True:
+            raise DDictPersistCheckpointError(
+                f"checkpoint {chkpt} is not persisted for manager {self.manager_id} "
+                f"of {self.name!r} in {self.path} (persisted: {self.ids()})"
+            )
+        g = self.group[name]
+        keys = g["keys"][...]
+        koff = g["key_offsets"][...]
+        voff = g["value_offsets"][...]
+        flags = g["flags"][...]
+        values = g["values"]
+        chunk = values.chunks[0]
+        n = len(flags)
+        i = 0
+        # Read whole chunks' worth of values at a time; yield views into them.
+        while i < n:
+            start = int(voff[i])
+            j = i + 1
+            while j < n and int(voff[j + 1]) - start <= chunk:
+                j += 1
+            block = values[start : int(voff[j])]
+            mv = memoryview(block)
+            for t in range(i, j):
+                a, b = int(voff[t]) - start, int(voff[t + 1]) - start
+                yield bytes(keys[int(koff[t]) : int(koff[t + 1])]), mv[a:b], int(flags[t])
+            i = j
+
+
+class Persister:
+    """Which checkpoints to persist, and a background thread that writes them.
+
+    Parameters
+    ----------
+    store
+        Where checkpoints go.
+    persist_freq, persist_count
+        Dragon's policy: a retiring checkpoint ``k`` is persisted when
+        ``persist_freq > 0``, ``persist_count != 0`` and ``k % persist_freq == 0``;
+        the newest ``persist_count`` are kept (``-1``: all).
+    """
+
+    def __init__(self, store: CheckpointStore, persist_freq: int, persist_count: int) -> None:
+        self.store = store
+        self.persist_freq = persist_freq
+        self.persist_count = persist_count
+        self._ids = store.ids()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Persister {self.store!r} freq={self.persist_freq} count={self.persist_count} "
+            f"persisted={self._ids}>"
+        )
+
+    def wants(self, chkpt: int) -> bool:
+        """Whether retiring checkpoint ``chkpt`` is persisted."""
+        f = self.persist_freq
+        return f > 0 and self.persist_count != 0 and chkpt % f == 0
+
+    def ids(self) -> list[int]:
+        with self._lock:
+            return list(self._ids)
+
+    def submit(self, release: Callable[[], None],
+               jobs: list[tuple[int, Callable[[], Iterable[Any]]]]) -> None:  # fmt: skip
+        """Persist ``jobs`` (``(chkpt, entries)``) in the background, then call ``release``.
+
+        ``entries`` read from a snapshot that ``release`` ends.
+        """
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"ddict-persist-{self.store.manager_id}", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((release, jobs))
+
+    def sync(self) -> None:
+        """Wait until every submitted checkpoint is written; raise the first failure."""
+        self._queue.join()
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise DDictError(f"persisting a checkpoint failed: {err!r}", "INVALID_OPERATION")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
+        """Persist one checkpoint in this thread (evicting the oldest beyond the count)."""
+        with self._lock:
+            ids = [i for i in self._ids if i != chkpt]
+        self.store.delete(chkpt)
+        if self.persist_count > 0:
+            while len(ids) >= self.persist_count:
+                self.store.delete(ids.pop(0))
+        self.store.write(chkpt, entries)
+        with self._lock:
+            self._ids = sorted(ids + [chkpt])
+
+    def discard_above(self, chkpt: int) -> None:
+        """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""
+        with self._lock:
+            doomed = [i for i in self._ids if i > chkpt]
+            self._ids = [i for i in self._ids if i <= chkpt]
+        for i in doomed:
+            self.store.delete(i)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                release, jobs = item
+                try:
+                    for chkpt, entries in jobs:
+                        self.write_now(chkpt, entries)
+                except BaseException as e:
+                    logger.exception("ddict manager %d: persisting failed", self.store.manager_id)
+                    with self._lock:
+                        self._error = self._error or e
+                finally:
+                    release()
+            finally:
+                self._queue.task_done()

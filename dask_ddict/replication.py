@@ -1,0 +1,49 @@
+"""Manager-to-manager replication: what ``clone``, ``copy`` and ``synchronize_ddicts`` run.
+
+A target manager pulls a source manager's whole shard (every version of
+every key, so every checkpoint of the working set) page by page from one
+snapshot, straight over the key path (in-process, Unix socket or TCP+TLS,
+whatever reaches the source from the target's worker).  No data goes through
+the client or the scheduler: the client only tells each target manager
+which source to pull from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .layout import Layout
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+logger = logging.getLogger(__name__)
+
+
+def pull_shard(target: Manager, source: str, manager_id: int) -> int:
+    """Replace ``target``'s shard by manager ``manager_id`` of the serialized ``source``.
+
+    Returns the number of records copied.
+    """
+    from .client import _Core  # the client's channel selection (in-process/uds/tcp/tls)
+
+    core = _Core(Layout.deserialize(source))
+    try:
+        channel = core.channel(manager_id)
+
+        def pages() -> Iterator[tuple[list[tuple[bytes, bytes]], dict[str, Any]]]:
+            token, after, more = None, None, True
+            while more:
+                records, more, state, token = channel.admin("dump_page", token, after)
+                if records:
+                    after = records[-1][0]
+                yield records, state
+
+        n = target.replace_with(pages())
+    finally:
+        core.close()
+    logger.info("ddict: manager %d pulled %d records from %s", target.manager_id, n,
+                core.layout.name)  # fmt: skip
+    return n
