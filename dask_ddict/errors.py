@@ -190,3 +190,35 @@ def raise_for_status(status: int, message: str, key: Any = None) -> NoReturn:
     if cls is DDictKeyError:
         raise DDictKeyError(key, code=st.name)
     raise cls(message, code=st.name)
+
+
+# -- control-plane errors (worker -> scheduler -> client) ---------------------------
+#
+# The scheduler does not unpickle what workers send (its RPCs run with
+# ``deserialize=False``), so an exception raised in a worker handler reaches
+# the orchestrator as a bare ``Exception(text)``.  Worker handlers therefore
+# return expected errors as data, and the orchestrator re-raises them typed.
+
+_PLAIN = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+def error_to_wire(exc: BaseException) -> dict[str, Any] | None:
+    """``{"error": ...}`` for an error a user should see typed, else ``None``."""
+    if isinstance(exc, DDictError):
+        return {"error": [type(exc).__name__, exc.message, exc.code]}
+    if type(exc).__name__ in _PLAIN:
+        return {"error": [type(exc).__name__, str(exc), ""]}
+    return None
+
+
+def raise_from_wire(reply: Any) -> None:
+    """Re-raise an error that :func:`error_to_wire` encoded (no-op for other replies)."""
+    if not (isinstance(reply, dict) and "error" in reply):
+        return
+    name, message, code = reply["error"]
+    if name in _PLAIN:
+        raise _PLAIN[name](message)
+    cls = globals().get(name)
+    if not (isinstance(cls, type) and issubclass(cls, DDictError)):
+        cls = DDictError
+    raise cls(message, code or None)

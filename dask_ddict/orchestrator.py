@@ -25,7 +25,7 @@ from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from .errors import DDictError
+from .errors import DDictError, raise_from_wire
 from .layout import Layout, ManagerInfo
 from .options import DDictOptions
 from .worker_plugin import DDictWorkerPlugin
@@ -112,11 +112,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         )
 
         async def on(worker: str, mids: list[int]) -> list[dict[str, Any]]:
-            return await self.scheduler.rpc(worker).ddict_create_managers(
+            reply = await self.scheduler.rpc(worker).ddict_create_managers(
                 name=name, uid=uid, secret=secret, tls=tls, options=opts.to_dict(),
                 capacity=capacity, manager_ids=mids, num_managers=num,
                 restart_paths={m: restart_paths[m] for m in mids if m in restart_paths},
             )  # fmt: skip
+            raise_from_wire(reply)
+            return reply
 
         results = await asyncio.gather(*(on(w, m) for w, m in plan.items()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -21,6 +21,7 @@ from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from . import config
+from .errors import error_to_wire
 from .layout import host_id
 from .manager import Manager
 from .options import DDictOptions
@@ -100,7 +101,8 @@ def _open_manager(name: str, mid: int, num_managers: int, opts: DDictOptions, ca
         if opts.persist_path:
             persister = Persister(
                 CheckpointStore(opts.persist_path, name, mid, num_managers,
-                                chunk_bytes=config.get_bytes("persist.chunk-bytes")),
+                                chunk_bytes=config.get_bytes("persist.chunk-bytes"),
+                                fsync=bool(config.get("persist.fsync"))),
                 opts.persist_freq, opts.persist_count,
             )  # fmt: skip
         manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
@@ -158,7 +160,7 @@ class DDictWorkerPlugin(WorkerPlugin):
         manager_ids: list[int],
         num_managers: int = 0,
         restart_paths: dict[int, str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, Any]] | dict[str, Any]:
         """Create managers ``manager_ids`` of dictionary ``uid``; return their infos.
 
         ``restart_paths`` maps manager ids to shards kept by
@@ -172,10 +174,16 @@ class DDictWorkerPlugin(WorkerPlugin):
             ssl_context = self.worker.security.get_listen_args("worker")["ssl_context"]
             if ssl_context is None:
                 raise RuntimeError("the cluster requires TLS but this worker has no certificate")
-        return await asyncio.to_thread(
-            self._create, name, uid, secret, ssl_context, DDictOptions.from_dict(options),
-            capacity, manager_ids, num_managers or len(manager_ids), restart_paths or {},
-        )  # fmt: skip
+        try:
+            return await asyncio.to_thread(
+                self._create, name, uid, secret, ssl_context, DDictOptions.from_dict(options),
+                capacity, manager_ids, num_managers or len(manager_ids), restart_paths or {},
+            )  # fmt: skip
+        except Exception as e:
+            wire = error_to_wire(e)
+            if wire is None:
+                raise
+            return wire  # type: ignore[return-value]
 
     def _create(self, name: str, uid: str, secret: str, ssl_context: Any, opts: DDictOptions,
                 capacity: int, manager_ids: list[int], num_managers: int,

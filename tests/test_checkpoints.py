@@ -1,0 +1,372 @@
+"""Checkpoints on a real process cluster: persistence to zarr, restore, read-only
+replay, warm restart, clone/copy/synchronize, and clients at different checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+import zarr
+from distributed import wait
+
+from dask_ddict import (
+    DDict,
+    DDictCheckpointSyncError,
+    DDictError,
+    DDictKeyError,
+    DDictPersistCheckpointError,
+    DDictSyncError,
+    DDictTimeoutError,
+)
+
+from tests.conftest import shm_entries
+
+
+def rounds(d: DDict, n: int, start: int = 0) -> None:
+    """n checkpoints, each writing k<i> and overwriting "shared"."""
+    for i in range(start, start + n):
+        d[f"k{i}"] = np.full(4, i)
+        d["shared"] = i
+        d.checkpoint()
+
+
+def state(d: DDict) -> dict:
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
+
+
+# -- persistence ---------------------------------------------------------------------
+
+
+def test_retiring_checkpoints_are_persisted_and_restored(client, tmp_path):
+    path = str(tmp_path / "store")
+    d = DDict(total_mem="32 MiB", client=client, name="p1", working_set_size=2,
+              persist_freq=1, persist_count=-1, persist_path=path)  # fmt: skip
+    try:
+        rounds(d, 6)  # puts at 0..5: each manager retires what falls out of its window
+        d.sync()
+        ids = d.persisted_ids()
+        assert ids and ids == sorted(ids) and ids[0] == 0
+        expected_at = {}
+        for c in ids:
+            expected_at[c] = {f"k{i}": [i] * 4 for i in range(c + 1)} | {"shared": c}
+        d.restore(ids[-1])
+        assert d.checkpoint_id == ids[-1]
+        assert state(d) == expected_at[ids[-1]]
+        d.restore(0)  # outside read-only mode newer checkpoints are discarded
+        assert state(d) == expected_at[0]
+        assert d.persisted_ids() == [0]
+        with pytest.raises(DDictPersistCheckpointError):
+            d.restore(3)
+        # The history continues from 0: new writes retire and re-persist 0.
+        d["new"] = 1
+        d.checkpoint_id = 2
+        for m in range(d.num_managers):  # every manager retires 0 again
+            d.manager(m)[f"newer{m}"] = 2
+        d.sync()
+        d.checkpoint_id = 0
+        d.restore(0)
+        assert set(state(d)) == {"k0", "shared", "new"}
+    finally:
+        d.destroy()
+
+
+def test_explicit_persist_and_restore_from_at_creation(client, tmp_path):
+    path = str(tmp_path / "store")
+    d = DDict(total_mem="32 MiB", client=client, name="p2", working_set_size=3,
+              persist_path=path)  # fmt: skip
+    try:
+        with pytest.raises(DDictPersistCheckpointError):
+            d.restore(0)
+        rounds(d, 2)
+        d.checkpoint_id = 1
+        d.persist()  # checkpoint 1 now, although persist_freq=0
+        d["after"] = "not persisted"
+        d.sync()
+        assert d.persisted_ids() == [1]
+    finally:
+        d.destroy()
+    # A new dictionary of the same name starts from the persisted checkpoint.
+    e = DDict(total_mem="32 MiB", client=client, name="p2", working_set_size=3,
+              persist_path=path, restore_from=1)  # fmt: skip
+    try:
+        assert e.checkpoint_id == 1
+        assert state(e) == {"k0": [0] * 4, "k1": [1] * 4, "shared": 1}
+        e.rollback()
+        with pytest.raises(DDictCheckpointSyncError):
+            len(e)  # the window starts at the restored checkpoint
+    finally:
+        e.destroy()
+    with pytest.raises(DDictPersistCheckpointError):
+        DDict(total_mem="32 MiB", client=client, name="p2", persist_path=path, restore_from=7)
+    with pytest.raises(DDictPersistCheckpointError, match="managers"):
+        DDict(total_mem="32 MiB", client=client, name="p2", persist_path=path, restore_from=1,
+              n_workers=1)  # fmt: skip
+
+
+def test_read_only_replay(client, tmp_path):
+    path = str(tmp_path / "store")
+    d = DDict(total_mem="32 MiB", client=client, name="p3", persist_path=path,
+              persist_freq=2, persist_count=-1)  # fmt: skip
+    try:
+        rounds(d, 7)  # working_set_size=1: every put to c+1 retires c
+        for m in range(d.num_managers):  # make every manager retire 0..6
+            d.manager(m)["tick"] = 0
+        d.sync()
+        assert d.persisted_ids() == [0, 2, 4, 6]
+    finally:
+        d.destroy()
+    r = DDict(total_mem="32 MiB", client=client, name="p3", persist_path=path,
+              persist_freq=2, read_only=True, restore_from=2)  # fmt: skip
+    try:
+        assert r.checkpoint_id == 2 and r["shared"] == 2
+        with pytest.raises(DDictError) as info:
+            r["x"] = 1
+        assert info.value.code == "INVALID_OPERATION"
+        with pytest.raises(DDictError):
+            r.unfreeze()
+        assert r.advance() == 4 and r["shared"] == 4 and len(r) == 6
+        r.restore(0)  # jump back: read-only mode keeps every persisted checkpoint
+        assert r["shared"] == 0 and r.persisted_ids() == [0, 2, 4, 6]
+        r.restore(6)
+        with pytest.raises(DDictPersistCheckpointError):
+            r.advance()
+    finally:
+        r.destroy()
+
+
+def test_wait_for_keys_persists_what_was_visible(client, tmp_path):
+    """Non-persistent keys are deleted at retirement: they must be persisted first."""
+    path = str(tmp_path / "store")
+    d = DDict(total_mem="32 MiB", client=client, name="p4", n_workers=1, working_set_size=2,
+              wait_for_keys=True, persist_freq=1, persist_count=-1, persist_path=path,
+              timeout=20)  # fmt: skip
+    try:
+        d.pput("const", "p")
+        d["x"] = 0
+        d.checkpoint()
+        d["x"] = 1
+        d.checkpoint()
+        d["x"] = 2  # checkpoint 0 retires (x was re-written at 1); its x=0 is dropped
+        d.sync()
+        assert d.persisted_ids() == [0]
+        d.restore(0)
+        assert state(d) == {"const": "p", "x": 0}
+    finally:
+        d.destroy()
+
+
+def test_zarr_store_is_plain_zarr(client, tmp_path):
+    path = str(tmp_path / "store")
+    with DDict(total_mem="32 MiB", client=client, name="p5", persist_path=path) as d:
+        d["k"] = "v"
+        d.persist()
+        d.sync()
+        root = zarr.open_group(path, mode="r")
+        groups = sorted(n for n, _ in root["p5"].groups())
+        assert groups == [f"manager_{i}" for i in range(d.num_managers)]
+        m = d.which_manager("k")
+        g = root[f"p5/manager_{m}/chkpt_0"]
+        assert g.attrs["committed"] is True and g.attrs["num_keys"] == 1
+
+
+# -- warm restart -------------------------------------------------------------------------
+
+
+def test_restart_brings_back_every_checkpoint(client):
+    before = shm_entries()
+    d = DDict(total_mem="32 MiB", client=client, name="r1", working_set_size=3)
+    rounds(d, 4)  # checkpoints 0..3; window [1, 3] (or less on lazy managers)
+    d["extra"] = "at 4"
+    views = {}
+    for c in range(2, 5):
+        d.checkpoint_id = c
+        views[c] = state(d)
+    d.destroy(allow_restart=True)
+    assert len(shm_entries() - before) == d.num_managers  # the shards stayed
+    with pytest.raises(DDictError, match="no DDict named"):
+        DDict(total_mem="32 MiB", client=client, name="nope", restart=True)
+    with pytest.raises(ValueError, match="managers"):
+        DDict(total_mem="32 MiB", client=client, name="r1", restart=True, n_workers=1,
+              working_set_size=3)  # fmt: skip
+    with pytest.raises(ValueError, match="working_set_size"):
+        DDict(total_mem="32 MiB", client=client, name="r1", restart=True, working_set_size=2)
+    with pytest.raises(ValueError, match="restart needs the name"):
+        DDict(total_mem="32 MiB", client=client, restart=True)
+    r = DDict(total_mem="32 MiB", client=client, name="r1", restart=True, working_set_size=3)
+    try:
+        assert r.empty_managers == []
+        assert r.checkpoint_id == 4  # the newest checkpoint of the restored window
+        for c, view in views.items():
+            r.checkpoint_id = c
+            assert state(r) == view
+        r.checkpoint_id = 4
+        r["after"] = 1  # fully usable
+    finally:
+        r.destroy()
+    assert shm_entries() == before
+
+
+def test_restart_after_worker_processes_restart_and_empty_managers(client):
+    before = shm_entries()
+    d = DDict(total_mem="32 MiB", client=client, name="r2")
+    twin = DDict(total_mem="32 MiB", client=client, name="r2twin")
+    try:
+        for i in range(20):
+            d[i] = i * i
+        d.clone([twin.serialize()])
+        stores = [m.store_path for m in d._core.layout.managers]
+        d.destroy(allow_restart=True)
+        twin.destroy(allow_restart=True)
+        client.restart()  # new worker processes, same host
+        shutil.rmtree(stores[1])  # manager 1's shard is gone
+        r = DDict(total_mem="32 MiB", client=client, name="r2", restart=True)
+        t = DDict(total_mem="32 MiB", client=client, name="r2twin", restart=True)
+        assert r.empty_managers == [1] and t.empty_managers == []
+        assert set(r.keys()) == {i for i in range(20) if r.which_manager(i) == 0}
+        DDict.synchronize_ddicts([r.serialize(), t.serialize()])
+        assert dict(r.items()) == {i: i * i for i in range(20)}
+        with pytest.raises(DDictSyncError):
+            DDict.synchronize_ddicts([r.serialize(), r.serialize()])  # manager 1 empty in both
+        r.destroy()
+        t.destroy()
+    finally:
+        for x in (d, twin):
+            x.destroy()
+    assert shm_entries() == before
+
+
+# -- clone and copy -------------------------------------------------------------------------
+
+
+def test_clone_and_copy_replicate_every_checkpoint(client):
+    d = DDict(total_mem="32 MiB", client=client, working_set_size=2)
+    e = DDict(total_mem="32 MiB", client=client, working_set_size=2)
+    other = DDict(total_mem="32 MiB", client=client, working_set_size=2, n_workers=1)
+    try:
+        rounds(d, 3)
+        e["junk"] = 1
+        d.clone([e.serialize()])
+        for c in (1, 2, 3):
+            d.checkpoint_id = e.checkpoint_id = c
+            assert state(e) == state(d)
+        f = d.copy("copied")
+        try:
+            assert f.get_name() == "copied" and f.checkpoint_id == d.checkpoint_id
+            assert f.manager_workers == d.manager_workers
+            assert state(f) == state(d)
+            f["only_in_copy"] = 1
+            assert "only_in_copy" not in d
+        finally:
+            f.destroy()
+        with pytest.raises(DDictError, match="managers"):
+            d.clone([other.serialize()])
+        with pytest.raises(DDictError, match="creator"):
+            DDict.attach(d.serialize()).copy()
+    finally:
+        for x in (d, e, other):
+            x.destroy()
+
+
+# -- clients at different checkpoints --------------------------------------------------------
+
+
+def test_blocked_reader_released_by_writer_task(client):
+    with DDict(total_mem="32 MiB", client=client, working_set_size=2, wait_for_keys=True,
+              timeout=30) as d:  # fmt: skip
+
+        def reader(h, key):
+            return h[key]
+
+        def writer(h, key):
+            time.sleep(0.5)
+            h[key] = "written"
+
+        fut = client.submit(reader, d, "late", pure=False)
+        time.sleep(0.3)
+        assert not fut.done()
+        client.submit(writer, d, "late", pure=False).result()
+        assert fut.result(timeout=30) == "written"
+        d2 = DDict.attach(d.serialize(), timeout=0.3)
+        with pytest.raises(DDictTimeoutError):
+            d2["never"]
+        assert "never" not in d  # in never blocks
+
+
+def test_deferred_writer_until_retirement_possible(client):
+    """wait_for_keys: a put at a new checkpoint waits until the oldest can retire."""
+    with DDict(total_mem="32 MiB", client=client, n_workers=1, working_set_size=2,
+              wait_for_keys=True, timeout=30) as d:  # fmt: skip
+        d["a"] = 0
+        d["b"] = 0
+        d.checkpoint()
+        d["a"] = 1  # b not re-written at 1: checkpoint 0 cannot retire yet
+        late = DDict.attach(d.serialize(), timeout=30)
+        late.checkpoint_id = 2
+        done = threading.Event()
+        errors = []
+
+        def put_at_2():
+            try:
+                late["a"] = 2
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+            done.set()
+
+        threading.Thread(target=put_at_2).start()
+        assert not done.wait(0.5)  # deferred
+        d["b"] = 1  # now every key of 0 is re-written at 1: 0 retires
+        assert done.wait(20) and not errors
+        d.checkpoint_id = 0
+        for op in (lambda: d["a"], lambda: "a" in d, lambda: len(d), lambda: d.pop("a"),
+                   lambda: d.__setitem__("a", 9), lambda: list(d.keys()), d.clear):  # fmt: skip
+            with pytest.raises(DDictCheckpointSyncError):
+                op()
+        hurried = DDict.attach(d.serialize(), timeout=0.3)
+        hurried.checkpoint_id = 3
+        with pytest.raises(DDictTimeoutError):
+            hurried["a"] = 3  # "b" is not re-written at 2: 1 cannot retire
+
+
+def test_wait_for_writers(client):
+    with DDict(total_mem="32 MiB", client=client, n_workers=1, working_set_size=2,
+              wait_for_writers=True, timeout=30) as d:  # fmt: skip
+        w1 = DDict.attach(d.serialize(), timeout=30)
+        w2 = DDict.attach(d.serialize(), timeout=0.5)
+        w1["x"] = 1
+        w2["y"] = 1  # both wrote into 0
+        w1.checkpoint()
+        w1["x"] = 2  # 1 is in the window: no retirement needed
+        w1.checkpoint()
+        hurried = DDict.attach(d.serialize(), timeout=0.5)
+        hurried.checkpoint_id = 2
+        with pytest.raises(DDictTimeoutError):
+            hurried["x"] = 3  # 0 cannot retire: w2 has not moved on
+        w2.checkpoint()
+        w2["y"] = 2  # w2 moved on: 0 may retire
+        w1["x"] = 3
+        assert w1["x"] == 3 and w2["y"] == 2
+
+
+def test_tasks_each_at_their_own_checkpoint(client):
+    d = DDict(total_mem="32 MiB", client=client, working_set_size=4)
+
+    def run(h, c):
+        h.checkpoint_id = c
+        h[f"t{c}"] = c
+        return len(h)
+
+    try:
+        futs = [client.submit(run, d, c, pure=False) for c in range(4)]
+        wait(futs)
+        lens = [f.result() for f in futs]
+        assert lens == sorted(lens) and lens[-1] == 4  # newer checkpoints see more
+        d.checkpoint_id = 1
+        assert set(d.keys()) == {"t0", "t1"}
+        with pytest.raises(DDictKeyError):
+            d["t2"]
+    finally:
+        d.destroy()

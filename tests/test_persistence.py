@@ -1,0 +1,123 @@
+"""The zarr checkpoint store and the persister, on real zarr stores on disk (no cluster)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+
+from dask_ddict import DDictPersistCheckpointError
+from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict.persistence import CheckpointStore, Persister
+from dask_ddict.store import PERSISTENT
+
+
+def entries_of(d: dict, flags: int = PERSISTENT):
+    frames = {k: dumps_value(v).join() for k, v in d.items()}
+    return lambda: ((k, f, flags) for k, f in frames.items())
+
+
+def read_dict(store: CheckpointStore, chkpt: int) -> dict:
+    return {k: loads_value(bytes(v)) for k, v, _ in store.read(chkpt)}
+
+
+def test_round_trip_and_plain_zarr_layout(tmp_path):
+    st = CheckpointStore(str(tmp_path), "d", 1, 4, chunk_bytes=1 << 16)
+    big = np.arange(100_000, dtype="f8")  # 800 kB: spans several 64 kB chunks
+    data = {b"a": 1, b"b": "two", b"big": big, b"empty": b""}
+    assert st.write(3, entries_of(data)) > big.nbytes
+    assert st.ids() == [3]
+    got = read_dict(st, 3)
+    assert got[b"a"] == 1 and got[b"b"] == "two" and got[b"empty"] == b""
+    np.testing.assert_array_equal(got[b"big"], big)
+
+    # A user can open it with plain zarr and find what docs/persistence.md describes.
+    g = zarr.open_group(str(tmp_path), mode="r")["d/manager_1/chkpt_3"]
+    assert g.attrs["committed"] is True and g.attrs["num_keys"] == 4
+    koff = g["key_offsets"][...]
+    keys = g["keys"][...].tobytes()
+    assert sorted(keys[koff[i] : koff[i + 1]] for i in range(4)) == sorted(data)
+    assert g["values"].shape == (int(g["value_offsets"][-1]),)
+    assert zarr.open_group(str(tmp_path), mode="r")["d/manager_1"].attrs["num_managers"] == 4
+
+
+def test_empty_checkpoint(tmp_path):
+    st = CheckpointStore(str(tmp_path), "d", 0, 1)
+    st.write(0, entries_of({}))
+    assert st.ids() == [0] and read_dict(st, 0) == {}
+
+
+def test_uncommitted_checkpoint_is_ignored_and_replaced(tmp_path):
+    st = CheckpointStore(str(tmp_path), "d", 0, 1)
+    st.write(1, entries_of({b"k": 1}))
+
+    def crash():
+        yield b"k", dumps_value(2).join(), PERSISTENT
+        raise OSError("disk gone")
+
+    calls = iter([lambda: iter([(b"k", dumps_value(2).join(), PERSISTENT)]), crash])
+    with pytest.raises(OSError):
+        st.write(2, lambda: next(calls)())  # sizes pass fine, data pass dies
+    assert "chkpt_2" in st.group  # the half-written group exists ...
+    assert st.ids() == [1]  # ... but is not a checkpoint
+    with pytest.raises(DDictPersistCheckpointError, match="not persisted"):
+        list(st.read(2))
+    st.write(2, entries_of({b"k": 3}))
+    assert st.ids() == [1, 2] and read_dict(st, 2) == {b"k": 3}
+
+
+def test_manager_count_mismatch_is_refused(tmp_path):
+    CheckpointStore(str(tmp_path), "d", 0, 2)
+    with pytest.raises(DDictPersistCheckpointError, match="2 managers"):
+        CheckpointStore(str(tmp_path), "d", 0, 3)
+    CheckpointStore(str(tmp_path), "other", 0, 3)  # another dictionary: fine
+
+
+@pytest.mark.parametrize(
+    "freq,count,retiring,expected",
+    [
+        (1, -1, range(6), [0, 1, 2, 3, 4, 5]),
+        (2, -1, range(6), [0, 2, 4]),
+        (1, 2, range(6), [4, 5]),
+        (3, 1, range(7), [6]),
+        (1, 0, range(3), []),  # persist_count=0 keeps nothing
+        (0, -1, range(3), []),  # persist_freq=0 persists nothing
+    ],
+)
+def test_persister_policy_and_eviction(tmp_path, freq, count, retiring, expected):
+    p = Persister(CheckpointStore(str(tmp_path), "d", 0, 1), freq, count)
+    released = []
+    for c in retiring:
+        if p.wants(c):
+            p.submit(lambda c=c: released.append(c), [(c, entries_of({b"c": c}))])
+    p.sync()
+    assert p.ids() == expected == p.store.ids()
+    assert released == [c for c in retiring if p.wants(c)]
+    for c in expected:
+        assert read_dict(p.store, c) == {b"c": c}
+    p.close()
+
+
+def test_persister_reports_failures_at_sync(tmp_path):
+    p = Persister(CheckpointStore(str(tmp_path), "d", 0, 1), 1, -1)
+
+    def bad():
+        raise ValueError("boom")
+
+    released = []
+    p.submit(lambda: released.append(1), [(0, bad)])
+    with pytest.raises(Exception, match="boom"):
+        p.sync()
+    assert released == [1]  # the snapshot is released even on failure
+    p.sync()  # reported once
+    p.close()
+
+
+def test_discard_above(tmp_path):
+    p = Persister(CheckpointStore(str(tmp_path), "d", 0, 1), 1, -1)
+    for c in range(4):
+        p.write_now(c, entries_of({b"c": c}))
+    p.discard_above(1)
+    assert p.ids() == [0, 1] == p.store.ids()
+    # A new Persister (a restarted manager) finds the same ids on disk.
+    assert Persister(CheckpointStore(str(tmp_path), "d", 0, 1), 1, -1).ids() == [0, 1]
