@@ -13,12 +13,15 @@ put/get of 100 B values (ops/s) and of 1 MiB / 64 MiB numpy arrays (MB/s):
 plus batch put of 100 B values.  When ``redis-server`` is on the PATH it is
 started on a loopback port and redis-py (hiredis) does the same operations
 (and a pipeline of 1000 SETs for the batch row); the last column is the ratio.
+When a ``dragon`` launcher is found (``DDICT_BENCH_DRAGON``, else the PATH),
+``bench_dragon.py`` runs Dragon's DDict on the 100 B rows in the same run.
 Absolute numbers on 2-core VMs are noisy: read the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -140,6 +143,28 @@ def run_redis_pipeline(r: Any, seconds: float) -> float:
     return rate
 
 
+def run_dragon(seconds: float) -> dict[str, float] | None:
+    """Dragon's figures for the 100 B rows, from ``bench_dragon.py`` under ``dragon``."""
+    exe = os.environ.get("DDICT_BENCH_DRAGON") or shutil.which("dragon")
+    if not exe:
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_dragon.py")
+    workdir = tempfile.mkdtemp(prefix="ddict-bench-dragon-")
+    try:
+        out = subprocess.run([exe, script, str(seconds)], cwd=workdir, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"(Dragon run failed: {e!r})", file=sys.stderr)
+        return None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    print(f"(Dragon run gave no result: {out.stderr[-500:]})", file=sys.stderr)
+    return None
+
+
 def fmt(nbytes: int, rate: float) -> str:
     if nbytes < 1024:
         return f"{rate:,.0f} ops/s"
@@ -190,6 +215,19 @@ def main() -> None:
             redis_ctx[0].terminate()
             redis_ctx[0].wait()
             shutil.rmtree(redis_ctx[0].workdir, ignore_errors=True)
+
+    dragon = run_dragon(secs)
+    if dragon:
+        ours = {(r[0], r[1]): r[2] for r in rows}
+        print("operation       | DDict client (uds) | Dragon DDict (same run) | ratio")
+        print("-" * 72)
+        for op, theirs in dragon.items():
+            mine = ours.get((op, "client (uds)"))
+            if mine is None:
+                continue
+            value = float(mine.split()[0].replace(",", ""))
+            print(f"{op:15} | {mine:18} | {theirs:>15,.0f} ops/s | {value / theirs:.1f}x")
+        print()
 
     head = ("operation", "DDict client", "DDict", "redis-py (same run)", "ratio")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(5)]

@@ -118,3 +118,25 @@ def test_async_errors(cluster, client):
             DDict(client=aclient)
 
     run(cluster, body)
+
+
+def test_async_persistence_and_restart(cluster, tmp_path):
+    path = str(tmp_path / "store")
+
+    async def body(client):
+        ad = await AsyncDDict.create(total_mem="32 MiB", client=client, name="async-p",
+                                     working_set_size=2, persist_path=path)  # fmt: skip
+        await ad.put("k", 1)
+        await ad.persist()
+        await ad.sync()
+        assert await ad.persisted_ids() == [0]
+        await ad.put("k", 2)
+        await ad.restore(0)
+        assert await ad["k"] == 1
+        await ad.destroy(allow_restart=True)
+        again = await AsyncDDict.create(total_mem="32 MiB", client=client, name="async-p",
+                                        working_set_size=2, restart=True, persist_path=path)  # fmt: skip
+        assert again.empty_managers == [] and await again["k"] == 1
+        await again.destroy()
+
+    run(cluster, body)

@@ -206,3 +206,87 @@ def test_state_round_trip(make_ws):
     o.put("a", 1, 4, client=9)
     state = WorkingSet.saved_state(ws.store)
     assert state["newest"] == 4 and state["writers"] == {4: {9}}
+
+
+# Truth tables under wait_for_keys, working_set_size=3 (window [0, 2]).
+# Writes: "p" pput at 0, "n0" put at 0, "n1" put at 1, "d" pput at 0 and deleted at 1,
+# "r" put at 0 and re-put at 2.  Columns: checkpoints 0, 1, 2, 3 (3 is ahead of the window).
+IN_TABLE = {
+    "p": (True, True, True, True),  # persistent: carried forward, also into the future
+    "n0": (True, False, False, False),  # non-persistent: only at its own checkpoint
+    "n1": (False, True, False, False),
+    "d": (True, False, False, False),  # the tombstone at 1 hides it at 1 and later
+    "r": (True, False, True, False),
+    "never": (False, False, False, False),
+}
+
+
+def _truth_table_ws(make_ws):
+    o = Ops(make_ws(3, wait_for_keys=True))
+    o.put("p", 0, 0, persistent=True)
+    o.put("n0", 0, 0)
+    o.put("n1", 1, 1)
+    o.put("d", 0, 0, persistent=True)
+    o.pop("d", 1)
+    o.put("r", 0, 0)
+    o.put("r", 2, 2)
+    return o
+
+
+@pytest.mark.parametrize("key", sorted(IN_TABLE))
+def test_contains_truth_table_under_wait_for_keys(make_ws, key):
+    o = _truth_table_ws(make_ws)
+    assert tuple(o.has(key, c) for c in range(4)) == IN_TABLE[key]
+
+
+def test_len_truth_table_under_wait_for_keys(make_ws):
+    o = _truth_table_ws(make_ws)
+    expected = [sum(row[c] for row in IN_TABLE.values()) for c in range(4)]
+    assert [o.len(c) for c in range(4)] == expected == [4, 2, 2, 1]
+
+
+@pytest.mark.parametrize("key", sorted(IN_TABLE))
+def test_get_waits_exactly_where_in_is_false(make_ws, key):
+    """A read blocks (MustWait) where `in` says False, under wait_for_keys."""
+    o = _truth_table_ws(make_ws)
+    for c in range(4):
+        if IN_TABLE[key][c]:
+            o.get(key, c)
+        else:
+            with pytest.raises(MustWait):
+                o.get(key, c)
+
+
+def test_in_and_len_without_wait_for_keys(make_ws):
+    """Without wait_for_keys every key is visible from its checkpoint on, until deleted."""
+    o = Ops(make_ws(3))
+    o.put("a", 0, 0)
+    o.put("b", 1, 1)
+    o.pop("a", 2)
+    assert [o.has("a", c) for c in range(4)] == [True, True, False, False]
+    assert [o.has("b", c) for c in range(4)] == [False, True, True, True]
+    assert [o.len(c) for c in range(4)] == [1, 2, 1, 1]
+    with pytest.raises(DDictKeyError):
+        o.get("a", 3)  # fails fast instead of waiting
+
+
+def test_every_operation_on_a_retired_checkpoint_raises(make_ws):
+    o = Ops(make_ws(2))
+    o.put("a", 0, 0)
+    o.put("a", 1, 2)  # window [1, 2]: 0 retired
+    for op in (lambda: o.get("a", 0), lambda: o.has("a", 0), lambda: o.len(0),
+               lambda: o.put("a", 2, 0), lambda: o.pop("a", 0), lambda: o.clear(0)):  # fmt: skip
+        with pytest.raises(DDictCheckpointSyncError):
+            op()
+
+
+def test_reset_to_loads_a_checkpoint_as_the_window_start(make_ws):
+    ws = make_ws(3, wait_for_keys=True)
+    o = Ops(ws)
+    o.put("old", 1, 5)
+    kb = dumps_key("k")
+    with ws.store.write() as txn:
+        n = ws.reset_to(txn, 7, iter([(kb, dumps_value("v").join(), 2)]))
+    assert n == 1 and (ws.oldest, ws.newest) == (7, 9)
+    assert o.get("k", 7) == "v" and o.get("k", 9) == "v"  # persistent flag kept
+    assert not o.has("old", 7)
