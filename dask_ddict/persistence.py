@@ -172,7 +172,9 @@ class CheckpointStore:
         # fsync applies to local directories (fsspec stores have their own guarantees).
         self._local_root = path[7:] if path.startswith("file://") else path
         self.fsync = fsync and "://" not in self._local_root
-        self.group = _require_group(path, [name, f"manager_{manager_id}"], storage_options)
+        # file:// URLs are local directories: zarr's LocalStore creates parents and can fsync.
+        target = path[7:] if path.startswith("file://") else path
+        self.group = _require_group(target, [name, f"manager_{manager_id}"], storage_options)
         found = self.group.attrs.get("num_managers")
         if found is not None and found != num_managers:
             raise DDictPersistCheckpointError(

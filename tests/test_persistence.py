@@ -121,3 +121,23 @@ def test_discard_above(tmp_path):
     assert p.ids() == [0, 1] == p.store.ids()
     # A new Persister (a restarted manager) finds the same ids on disk.
     assert Persister(CheckpointStore(str(tmp_path), "d", 0, 1), 1, -1).ids() == [0, 1]
+
+
+def test_file_url_and_fsync(tmp_path):
+    st = CheckpointStore(f"file://{tmp_path}", "d", 0, 1, fsync=True)
+    assert st.fsync
+    st.write(0, entries_of({b"k": np.ones(10)}))
+    assert st.ids() == [0]
+    np.testing.assert_array_equal(read_dict(st, 0)[b"k"], np.ones(10))
+    assert (tmp_path / "d" / "manager_0" / "chkpt_0" / "zarr.json").exists()
+
+
+def test_fsspec_url_store():
+    """An fsspec URL (here the in-memory filesystem) works through zarr's FsspecStore."""
+    st = CheckpointStore("memory://ddict-test-store", "d", 0, 1, chunk_bytes=1 << 10)
+    big = np.arange(1000, dtype="f8")  # several 1 KiB chunks
+    st.write(2, entries_of({b"big": big, b"s": "x"}))
+    assert st.ids() == [2] and not st.fsync
+    got = read_dict(st, 2)
+    np.testing.assert_array_equal(got[b"big"], big)
+    assert got[b"s"] == "x"
