@@ -1,0 +1,28 @@
+"""dask_dap: the Distributed Array Protocol (DAP 0.10.0) for dask arrays.
+
+One DAP rank is one dask block; the process grid is ``x.numblocks`` and ranks
+are row-major over block coordinates.  ``to_dap``/``to_dap_futures`` export,
+``from_dap`` imports any producer's ranks, ``to_zarr``/``from_zarr`` keep the
+layout in a zarr store, and ``to_ddict`` keeps sections in a DDict.
+"""
+
+from __future__ import annotations
+
+from .errors import DAPValidationError
+from .export import to_dap, to_dap_futures
+from .ingest import from_dap
+from .protocol import VERSION, global_indices, normalize_dim, num_owned_indices, validate
+from .protocol import validate_distribution
+
+__all__ = [
+    "DAPValidationError",
+    "VERSION",
+    "from_dap",
+    "global_indices",
+    "normalize_dim",
+    "num_owned_indices",
+    "to_dap",
+    "to_dap_futures",
+    "validate",
+    "validate_distribution",
+]
