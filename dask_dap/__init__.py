@@ -13,16 +13,20 @@ from .export import to_dap, to_dap_futures
 from .ingest import from_dap
 from .protocol import VERSION, global_indices, normalize_dim, num_owned_indices, validate
 from .protocol import validate_distribution
+from .zarr_io import from_zarr, read_dap_layout, to_zarr
 
 __all__ = [
     "DAPValidationError",
     "VERSION",
     "from_dap",
+    "from_zarr",
     "global_indices",
     "normalize_dim",
     "num_owned_indices",
+    "read_dap_layout",
     "to_dap",
     "to_dap_futures",
+    "to_zarr",
     "validate",
     "validate_distribution",
 ]

@@ -25,7 +25,7 @@ import dask
 import dask.array as da
 import numpy as np
 
-from .layout import AxisLayout, _check_width, _per_axis, axis_from_spec
+from .layout import AxisLayout, _check_width, _per_axis, axis_from_spec, take_along
 from .protocol.validate import VERSION
 
 
@@ -72,7 +72,7 @@ def buffers_array(x: da.Array, layouts: list[AxisLayout]) -> da.Array:
     y = x
     for i, lay in enumerate(layouts):
         if lay.order is not None:
-            y = da.take(y, lay.order, axis=i)
+            y = take_along(y, lay.order, i)
             y = y.rechunk({i: lay.owned})
     depth = {i: lay.comm for i, lay in enumerate(layouts) if lay.comm and lay.procs > 1}
     if depth:

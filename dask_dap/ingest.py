@@ -25,7 +25,7 @@ import numpy as np
 from dask.highlevelgraph import HighLevelGraph
 
 from .errors import DAPValidationError
-from .layout import AxisLayout, layouts_from_dims
+from .layout import AxisLayout, layouts_from_dims, take_along
 from .protocol.dims import normalize_dim, owned_slice
 from .protocol.validate import VERSION, validate_distribution
 
@@ -172,5 +172,5 @@ def _to_global_order(x: da.Array, layouts: list[AxisLayout]) -> da.Array:
         _, first = np.unique(lay.order, return_index=True)  # lowest rank's copy of each index
         if np.array_equal(first, np.arange(len(first))):
             continue  # already in global order (e.g. one rank)
-        x = da.take(x, first, axis=i)
+        x = take_along(x, first, i)
     return x

@@ -200,3 +200,14 @@ def layouts_from_dims(dims_by_axis: Sequence[Sequence[Mapping[str, Any]]]) -> li
             raise DAPValidationError("indices outside [0, size)", dim=i, key="indices")
         out.append(AxisLayout(dims, owned, 0, order))
     return out
+
+
+def take_along(x: Any, positions: np.ndarray, axis: int) -> Any:
+    """``da.take`` that tolerates empty chunks (dask's ``take`` fails on them)."""
+    import dask.array as da
+
+    chunks = x.chunks[axis]
+    if 0 in chunks and len(chunks) > 1:
+        kept = tuple(c for c in chunks if c)
+        x = x.rechunk({axis: kept or (0,)})
+    return da.take(x, positions, axis=axis)
