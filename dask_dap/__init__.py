@@ -13,12 +13,15 @@ from .export import to_dap, to_dap_futures
 from .ingest import from_dap
 from .protocol import VERSION, global_indices, normalize_dim, num_owned_indices, validate
 from .protocol import validate_distribution
+from .resident import DDictArray, from_ddict, to_ddict
 from .zarr_io import from_zarr, read_dap_layout, to_zarr
 
 __all__ = [
     "DAPValidationError",
+    "DDictArray",
     "VERSION",
     "from_dap",
+    "from_ddict",
     "from_zarr",
     "global_indices",
     "normalize_dim",
@@ -26,6 +29,7 @@ __all__ = [
     "read_dap_layout",
     "to_dap",
     "to_dap_futures",
+    "to_ddict",
     "to_zarr",
     "validate",
     "validate_distribution",

@@ -143,14 +143,19 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
         else:
             blocks[coords] = _owned(locals_[p]["buffer"], slices)
     if any(remote):
-        x = da.block(_nest(blocks, grid)) if ndim else blocks[()]
+        x = assemble(blocks, grid)
     else:
         # The graph holds the producer's buffers (views of them): nothing is copied.
         name = name or f"from-dap-{uuid.uuid4().hex}"
         dsk = {(name, *coords): b for coords, b in blocks.items()}
         graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
         x = da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * ndim, dtype=dtype))
-    return _to_global_order(x, layouts)
+    return to_global_order(x, layouts)
+
+
+def assemble(blocks: dict[tuple[int, ...], Any], grid: tuple[int, ...]) -> da.Array:
+    """One dask array from per-coordinate dask blocks (C-order grid)."""
+    return da.block(_nest(blocks, grid)) if grid else blocks[()]
 
 
 def _nest(blocks: dict[tuple[int, ...], Any], grid: tuple[int, ...], prefix: tuple[int, ...] = ()) -> Any:
@@ -165,7 +170,7 @@ def _coord_on(grid: tuple[int, ...], axis: int, g: int) -> tuple[int, ...]:
     return tuple(g if i == axis else 0 for i in range(len(grid)))
 
 
-def _to_global_order(x: da.Array, layouts: list[AxisLayout]) -> da.Array:
+def to_global_order(x: da.Array, layouts: list[AxisLayout]) -> da.Array:
     for i, lay in enumerate(layouts):
         if lay.order is None:
             continue
