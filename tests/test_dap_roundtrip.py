@@ -307,3 +307,33 @@ def test_property_export_then_import_is_identity(case):
     parts = to_dap(da.from_array(a, chunks=chunks), dist=dists)
     validate_distribution(parts)
     np.testing.assert_array_equal(from_dap(parts).compute(), a)
+
+
+def test_cyclic_import_takes_the_reshape_path_when_sizes_allow():
+    a = np.arange(48.0).reshape(12, 4)
+    even = to_dap(da.from_array(a, chunks=(4, 4)), dist=[{"dist_type": "c", "block_size": 2}, None])
+    x = from_dap(even)  # 12 = 3 ranks x 2 blocks x 2: a reshape and a transpose
+    assert not any("take" in str(k) for k in x.__dask_graph__().layers)
+    np.testing.assert_array_equal(x.compute(), a)
+    # The source chunks do not matter (5, 5, 2 rows): 3 ranks and block_size 2 divide 12.
+    other = to_dap(da.from_array(a, chunks=(5, 4)), dist=[{"dist_type": "c", "block_size": 2}, None])
+    np.testing.assert_array_equal(from_dap(other).compute(), a)
+    odd = to_dap(da.from_array(a[:11], chunks=(4, 4)), dist=["c", None])  # 11 % 3: gather
+    np.testing.assert_array_equal(from_dap(odd).compute(), a[:11])
+
+
+def test_examples_on_3x1_and_1x3_grids():
+    """The 0.10 text's 5 x 9 array on 3 x 1 and 1 x 3 grids ('n' written as 'b', P=1)."""
+    full = np.arange(45.0).reshape(5, 9)
+    rows = to_dap(da.from_array(full, chunks=((2, 2, 1), 9)))
+    assert [p["dim_data"] for p in rows] == [
+        (B(5, 3, 0, 0, 2), B(9, 1, 0, 0, 9)),
+        (B(5, 3, 1, 2, 4), B(9, 1, 0, 0, 9)),
+        (B(5, 3, 2, 4, 5), B(9, 1, 0, 0, 9)),
+    ]
+    assert rows[2]["buffer"].tolist() == [list(range(36, 45))]
+    cols = to_dap(da.from_array(full, chunks=(5, 3)))
+    assert [p["dim_data"][1] for p in cols] == [B(9, 3, 0, 0, 3), B(9, 3, 1, 3, 6), B(9, 3, 2, 6, 9)]
+    assert cols[1]["buffer"][:, 0].tolist() == [3, 12, 21, 30, 39]
+    for parts in (rows, cols):
+        np.testing.assert_array_equal(from_dap(parts).compute(), full)
