@@ -5,9 +5,10 @@
 Measures, on a 2-worker LocalCluster (worker processes), sequential single-key
 put/get of 100 B values (ops/s) and of 1 MiB / 64 MiB numpy arrays (MB/s):
 
-* from the client process (Unix socket to the manager),
+* from the client process (same host: reads straight from the shard, writes
+  over the manager's Unix socket),
 * from a task on the manager's worker (in-process call),
-* from a task on the other worker (Unix socket),
+* from a task on the other worker (same host, as the client),
 * over TCP (same-host paths disabled: what another host would see),
 
 plus batch put of 100 B values.  When ``redis-server`` is on the PATH it is
@@ -189,10 +190,10 @@ def main() -> None:
             for label, nbytes in SIZES.items():
                 s = secs if nbytes < (64 << 20) else max(secs, 1.0)
                 res = {
-                    "client (uds)": run_ddict(m0, nbytes, s),
+                    "client (same host)": run_ddict(m0, nbytes, s),
                     "task, same worker (in-process)": c.submit(
                         task_bench, m0, nbytes, s, workers=[w0], pure=False).result(),
-                    "task, other worker (uds)": c.submit(
+                    "task, other worker (same host)": c.submit(
                         task_bench, m0, nbytes, s, workers=[w1], pure=False).result(),
                 }  # fmt: skip
                 with dask.config.set({"ddict.local-transport": False}):
@@ -206,7 +207,7 @@ def main() -> None:
                                      fmt(nbytes, base[op]) if base else "n/a", ratio))  # fmt: skip
             batch = run_batch(d, secs)
             pipe = run_redis_pipeline(redis_ctx[1], secs) if redis_ctx else None
-            rows.append(("batch put 100 B", "client (uds)", fmt(100, batch),
+            rows.append(("batch put 100 B", "client (same host)", fmt(100, batch),
                          fmt(100, pipe) if pipe else "n/a",
                          f"{batch / pipe:.2f}x" if pipe else "n/a"))  # fmt: skip
             d.destroy()
@@ -219,10 +220,10 @@ def main() -> None:
     dragon = run_dragon(secs)
     if dragon:
         ours = {(r[0], r[1]): r[2] for r in rows}
-        print("operation       | DDict client (uds) | Dragon DDict (same run) | ratio")
+        print("operation       | DDict (same host)  | Dragon DDict (same run) | ratio")
         print("-" * 72)
         for op, theirs in dragon.items():
-            mine = ours.get((op, "client (uds)"))
+            mine = ours.get((op, "client (same host)"))
             if mine is None:
                 continue
             value = float(mine.split()[0].replace(",", ""))

@@ -38,6 +38,7 @@ from .layout import Layout, ManagerInfo, host_id
 from .options import DDictOptions, parse_total_mem
 from .stats import DDictManagerStats
 from .transport import InProcessChannel, SocketChannel
+from .transport.shared import SharedReadChannel
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 from .worker_plugin import LOCAL_MANAGERS
 
@@ -139,9 +140,17 @@ class _Core:
             if manager is not None and not manager.closed:
                 return InProcessChannel(manager)
             if self.is_local(info) and os.path.exists(info.uds_path):
-                return SocketChannel(
+                sock = SocketChannel(
                     info, self.layout.secret, use_uds=True, connect_timeout=connect_timeout
                 )
+                if config.get("local-read") and os.path.isdir(info.store_path):
+                    capacity = self.layout.total_mem // self.layout.num_managers
+                    try:
+                        return SharedReadChannel(sock, info.store_path, capacity,
+                                                 self.layout.options)  # fmt: skip
+                    except Exception as e:  # e.g. no permission: reads go over the socket
+                        logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
+                return sock
         ssl_context = None
         if self.layout.tls:
             ssl_context = self._security().get_connection_args("client")["ssl_context"]

@@ -30,7 +30,7 @@ from ._serialize import dumps_value, loads_value
 from .errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
 from .persistence import Persister
 from .store import ShardStore
-from .working_set import MustWait, WorkingSet
+from .working_set import MustWait, WorkingSet, mark_closed
 
 logger = logging.getLogger(__name__)
 
@@ -555,6 +555,10 @@ class Manager:
             except DDictError as e:
                 logger.warning("manager %d: %s", self.manager_id, e)
             self.persister.close()
+        try:
+            mark_closed(self.store, self.working_set.newest)
+        except Exception as e:  # a full or broken shard: readers then see the stat check
+            logger.debug("manager %d: cannot mark the shard closed: %r", self.manager_id, e)
         if destroy:
             self.store.destroy()
         else:

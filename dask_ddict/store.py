@@ -309,6 +309,10 @@ class ShardStore:
 
     # -- metadata -------------------------------------------------------------
 
+    @property
+    def meta_db(self) -> Any:
+        return self._meta
+
     def get_meta(self, txn: lmdb.Transaction, name: bytes) -> bytes | None:
         raw = txn.get(name, db=self._meta)
         return None if raw is None else bytes(raw)

@@ -97,6 +97,8 @@ def _open_manager(name: str, mid: int, num_managers: int, opts: DDictOptions, ca
                     "must match the original)"
                 )
             ws.load(state)
+            with store.write() as txn:  # clears the closed mark the last manager left
+                ws.save(txn)
         persister = None
         if opts.persist_path:
             persister = Persister(

@@ -32,6 +32,7 @@ key lives below ``oldest``, and retirement costs O(keys written at ``p``).
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,6 +44,23 @@ from .errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictK
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
 
 _STATE = b"working_set"
+NEWEST = b"newest"
+_NEWEST = struct.Struct("<qB")  # newest checkpoint, closed flag
+
+
+def saved_newest(store: ShardStore, txn: lmdb.Transaction, size: int) -> tuple[int, bool]:
+    """``(newest checkpoint, closed)`` of a shard as of ``txn`` (for read-only readers)."""
+    raw = txn.get(NEWEST, db=store.meta_db)
+    if raw is None:
+        return size - 1, False
+    newest, closed = _NEWEST.unpack(raw)
+    return newest, bool(closed)
+
+
+def mark_closed(store: ShardStore, newest: int) -> None:
+    """Tell same-host readers that the manager is gone (they map the shard themselves)."""
+    with store.write() as txn:
+        store.put_meta(txn, NEWEST, _NEWEST.pack(newest, 1))
 
 
 class MustWait(Exception):
@@ -116,6 +134,8 @@ class WorkingSet:
             "writers": self.writers,
         }
         self.store.put_meta(txn, _STATE, pickle.dumps(state))
+        # The window's end on its own, for same-host readers (no unpickling per read).
+        self.store.put_meta(txn, NEWEST, _NEWEST.pack(self.newest, 0))
 
     @classmethod
     def saved_state(cls, store: ShardStore) -> dict[str, Any] | None:

@@ -357,15 +357,16 @@ def test_tasks_each_at_their_own_checkpoint(client):
     def run(h, c):
         h.checkpoint_id = c
         h[f"t{c}"] = c
-        return len(h)
+        return h[f"t{c}"]
 
     try:
         futs = [client.submit(run, d, c, pure=False) for c in range(4)]
         wait(futs)
-        lens = [f.result() for f in futs]
-        assert lens == sorted(lens) and lens[-1] == 4  # newer checkpoints see more
+        assert [f.result() for f in futs] == [0, 1, 2, 3]
+        for c in range(4):  # a reader at c sees what was written at c and before
+            d.checkpoint_id = c
+            assert len(d) == c + 1 and set(d.keys()) == {f"t{i}" for i in range(c + 1)}
         d.checkpoint_id = 1
-        assert set(d.keys()) == {"t0", "t1"}
         with pytest.raises(DDictKeyError):
             d["t2"]
     finally:

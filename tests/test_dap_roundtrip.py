@@ -337,3 +337,15 @@ def test_examples_on_3x1_and_1x3_grids():
     assert cols[1]["buffer"][:, 0].tolist() == [3, 12, 21, 30, 39]
     for parts in (rows, cols):
         np.testing.assert_array_equal(from_dap(parts).compute(), full)
+
+
+def test_unstructured_duplicates_read_from_the_lowest_rank():
+    g = np.arange(5.0) * 10
+    idx = [np.array([4, 0, 2]), np.array([2, 1, 3])]  # index 2 on both ranks
+    bufs = [g[idx[0]], g[idx[1]].copy()]
+    bufs[1][0] = -1.0  # rank 1's copy of index 2 disagrees: rank 0 wins
+    parts = [{"__version__": "0.10.0", "buffer": b,
+              "dim_data": ({"dist_type": "u", "size": 5, "proc_grid_size": 2,
+                            "proc_grid_rank": r, "indices": i},)}
+             for r, (b, i) in enumerate(zip(bufs, idx))]  # fmt: skip
+    np.testing.assert_array_equal(from_dap(parts).compute(), g)

@@ -364,7 +364,7 @@ def test_tasks_use_direct_and_socket_paths(client, ddict):
     results = client.gather(client.map(task, [ddict] * 8, range(8), pure=False))
     assert all(r[0] == 10 for r in results)
     for _, _, kind, same_worker in results:
-        assert kind == ("inprocess" if same_worker else "uds")
+        assert kind == ("inprocess" if same_worker else "shm")  # shm: direct reads, socket writes
     assert {ddict[("task", i)] for i in range(8)} == set(range(8))
 
 
@@ -495,3 +495,62 @@ def test_no_shared_memory_left(client):
     assert len(shm_entries() - before) == d.num_managers
     d.destroy()
     assert shm_entries() == before
+
+
+def test_same_host_reads_come_from_the_shard(client):
+    """The client process reads straight from the managers' shards (no round trip)."""
+    from dask_ddict import DDictCheckpointSyncError
+
+    with DDict(total_mem="512 MiB", client=client, working_set_size=2, wait_for_keys=True,
+               timeout=30) as d:  # fmt: skip
+        assert {d._core.channel(m).kind for m in range(d.num_managers)} == {"shm"}
+        big = np.random.default_rng(0).random(4 << 20)  # 32 MiB
+        d.pput("big", big)
+        got = d["big"]  # read-your-writes: the put committed before it returned
+        np.testing.assert_array_equal(got, big)
+        assert got.ctypes.data % 64 == 0  # aligned private copy
+        d.pput("big", big * 2)
+        np.testing.assert_array_equal(got, big)  # an earlier result never changes
+        assert "nope" not in d
+        d["np"] = 1  # non-persistent under wait_for_keys
+        d.checkpoint()
+        assert "np" not in d  # not visible at checkpoint 1 (Dragon's rule), from the shard
+
+        def writer(h):
+            import time
+
+            time.sleep(0.5)
+            h.checkpoint_id = 1
+            h["np"] = 2
+
+        fut = client.submit(writer, d, pure=False)
+        assert d["np"] == 2  # not in the shard yet: the read waited at the manager
+        fut.result()
+        d.checkpoint_id = 2
+        d["np"] = 3  # "np" was re-written at 1, so 0 retires on its manager
+        d.checkpoint_id = 0
+        m = d.which_manager("np")
+        with pytest.raises(DDictCheckpointSyncError):
+            d.manager(m)["np"]
+
+
+def test_direct_reads_can_be_disabled(client):
+    import dask
+
+    with dask.config.set({"ddict.local-read": False}):
+        with DDict(total_mem="32 MiB", client=client) as d:
+            d["k"] = 1
+            assert d["k"] == 1 and {d._core.channel(m).kind for m in range(2)} == {"uds"}
+
+
+def test_direct_reads_stop_when_the_dictionary_is_destroyed(client):
+    from dask_ddict import DDictManagerUnavailableError
+
+    d = DDict(total_mem="32 MiB", client=client)
+    d["k"] = 1
+    other = DDict.attach(d.serialize())
+    assert other["k"] == 1 and other._core.channel(d.which_manager("k")).kind == "shm"
+    d.destroy()
+    with pytest.raises(DDictManagerUnavailableError):
+        other["k"]  # never stale data from a removed shard
+    other.detach()
