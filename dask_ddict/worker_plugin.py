@@ -29,6 +29,7 @@ from .persistence import CheckpointStore, Persister
 from .replication import pull_shard
 from .store import ShardStore
 from .transport import ManagerServer
+from .transport.shared import forget
 from .working_set import WorkingSet
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ def _open_manager(name: str, mid: int, num_managers: int, opts: DDictOptions, ca
     """
     state = None
     if restart_path and os.path.isfile(os.path.join(restart_path, "data.mdb")):
+        forget(restart_path)  # this process may still map it read-only (a stale handle)
         store = ShardStore(restart_path, capacity, opts.manager_pool_full_thresh,
                            indexed=opts.wait_for_keys)  # fmt: skip
         # A shard whose window never moved has no saved state: it is at the start.

@@ -55,6 +55,18 @@ def _release(path: str) -> None:
             entry[0].close()
 
 
+def forget(path: str) -> None:
+    """Close this process's read-only view of a shard it is about to open for writing.
+
+    LMDB must not have one environment open twice in a process; a restart can
+    place a manager in a process that still maps the old shard read-only.
+    """
+    with _ENVS_LOCK:
+        entry = _ENVS.pop(path, None)
+    if entry is not None:
+        entry[0].close()
+
+
 class SharedReadChannel:
     """A :class:`SocketChannel` whose ``get``/``contains`` read the shard directly."""
 
