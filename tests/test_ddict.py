@@ -554,3 +554,16 @@ def test_direct_reads_stop_when_the_dictionary_is_destroyed(client):
     with pytest.raises(DDictManagerUnavailableError):
         other["k"]  # never stale data from a removed shard
     other.detach()
+
+
+def test_a_closed_shard_view_reads_as_unavailable(client):
+    from dask_ddict import DDictManagerUnavailableError
+    from dask_ddict.transport.shared import forget
+
+    with DDict(total_mem="32 MiB", client=client) as d:
+        d["k"] = 1
+        m = d.which_manager("k")
+        assert d._core.channel(m).kind == "shm" and d["k"] == 1
+        forget(d._core.layout.managers[m].store_path)  # what a restart in this process does
+        with pytest.raises(DDictManagerUnavailableError, match="shard closed"):
+            d["k"]

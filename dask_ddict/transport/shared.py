@@ -24,6 +24,8 @@ import os
 import threading
 from typing import Any
 
+import lmdb
+
 from .._serialize import copy_frame
 from ..errors import DDictCheckpointSyncError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
@@ -124,9 +126,18 @@ class SharedReadChannel:
             return False
         return e
 
+    def _snapshot(self) -> Any:
+        try:
+            return self._store.read()
+        except lmdb.Error as e:  # the view was closed (a restart reopened the shard here)
+            info = self._sock.info
+            raise DDictManagerUnavailableError(
+                f"manager {info.manager_id} on worker {info.worker}: shard closed ({e})"
+            ) from e
+
     def get(self, digest: bytes, chkpt: int, timeout: float | None) -> Any:
         self._check_alive()
-        with self._store.read() as txn:
+        with self._snapshot() as txn:
             e = self._visible(digest, chkpt, txn)
             if e:
                 return copy_frame(e.frame)
@@ -136,7 +147,7 @@ class SharedReadChannel:
 
     def contains(self, digest: bytes, chkpt: int) -> bool:
         self._check_alive()
-        with self._store.read() as txn:
+        with self._snapshot() as txn:
             return bool(self._visible(digest, chkpt, txn))
 
     def close(self) -> None:
