@@ -371,3 +371,36 @@ def test_tasks_each_at_their_own_checkpoint(client):
             d["t2"]
     finally:
         d.destroy()
+
+
+def test_multiple_restarts(client):
+    before = shm_entries()
+    d = DDict(total_mem="32 MiB", client=client, name="r3", working_set_size=2)
+    d["a"] = 0
+    for i in range(3):
+        d.destroy(allow_restart=True)
+        d = DDict(total_mem="32 MiB", client=client, name="r3", working_set_size=2, restart=True)
+        assert d["a"] == i and d.empty_managers == []
+        d["a"] = i + 1
+    d.destroy()
+    assert shm_entries() == before
+
+
+def test_only_retired_checkpoints_reach_the_store(client, tmp_path):
+    """Dragon: 17 put+checkpoint rounds with wss=2, freq=1, count=-1 persist exactly 0..14."""
+    d = DDict(total_mem="32 MiB", client=client, n_workers=1, working_set_size=2,
+              persist_freq=1, persist_count=-1, persist_path=str(tmp_path / "s"))  # fmt: skip
+    try:
+        for i in range(17):
+            d["k"] = i
+            d.checkpoint()
+        d.sync()
+        assert d.persisted_ids() == list(range(15))
+    finally:
+        d.destroy()  # a destroy does not persist the in-memory window
+    e = DDict(total_mem="32 MiB", client=client, n_workers=1, name=d.get_name(),
+              persist_path=str(tmp_path / "s"), restore_from=14)  # fmt: skip
+    try:
+        assert e["k"] == 14 and e.persisted_ids() == list(range(15))
+    finally:
+        e.destroy()
