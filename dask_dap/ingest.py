@@ -201,6 +201,10 @@ def _cyclic_by_reshape(x: da.Array, lay: AxisLayout, axis: int) -> da.Array | No
         return None
     nb = size // (procs * bs)
     pre, post = x.shape[:axis], x.shape[axis + 1 :]
+    empty = {i: tuple(c for c in cs if c) or (0,) for i, cs in enumerate(x.chunks)
+             if i != axis and 0 in cs and len(cs) > 1}  # fmt: skip
+    if empty:  # dask's reshape cannot carry empty blocks along
+        x = x.rechunk(empty)
     if x.chunks[axis] != (nb * bs,) * procs:
         x = x.rechunk({axis: (nb * bs,) * procs})
     split = x.reshape(pre + (procs, nb, bs) + post)

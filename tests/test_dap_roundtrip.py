@@ -349,3 +349,30 @@ def test_unstructured_duplicates_read_from_the_lowest_rank():
                             "proc_grid_rank": r, "indices": i},)}
              for r, (b, i) in enumerate(zip(bufs, idx))]  # fmt: skip
     np.testing.assert_array_equal(from_dap(parts).compute(), g)
+
+
+def test_cyclic_reshape_path_with_empty_blocks_elsewhere():
+    """Found by hypothesis: an empty block on another axis broke dask's reshape."""
+    a = np.arange(2.0).reshape(2, 1)
+    parts = to_dap(da.from_array(a, chunks=((0, 2), (1, 0))), dist=["c", None])
+    np.testing.assert_array_equal(from_dap(parts).compute(), a)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrays_and_dists(), st.data())
+def test_property_padded_export_then_import_is_identity(case, data):
+    chunks, dists = case
+    comm, bound = [], []
+    for c, dist in zip(chunks, dists):
+        if dist is None:  # padding applies to block axes
+            comm.append(data.draw(st.integers(0, min(c) if len(c) > 1 else 0)))
+            bound.append(data.draw(st.integers(0, min(c[0], c[-1]) if len(c) > 1 else sum(c) // 2)))
+        else:
+            comm.append(0)
+            bound.append(0)
+    shape = tuple(sum(c) for c in chunks)
+    a = np.arange(int(np.prod(shape)), dtype="f8").reshape(shape)
+    parts = to_dap(da.from_array(a, chunks=chunks), dist=dists, comm_padding=comm,
+                   boundary_padding=bound)  # fmt: skip
+    validate_distribution(parts)
+    np.testing.assert_array_equal(from_dap(parts).compute(), a)
