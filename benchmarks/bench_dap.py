@@ -45,8 +45,12 @@ def main() -> None:
         total = float(x.sum().compute())
 
         parts, t_export = timed(lambda: to_dap(x))
-        y, t_import = timed(lambda: wait(client.persist(from_dap(parts))) and None)
-        del parts, y
+
+        def import_moving(parts=parts):  # type: ignore[no-untyped-def]
+            wait(client.persist(from_dap(parts)))
+
+        _, t_import = timed(import_moving)
+        del parts, import_moving
 
         def export_inplace():  # type: ignore[no-untyped-def]
             futures = to_dap_futures(x, client)

@@ -3,7 +3,6 @@ replay, warm restart, clone/copy/synchronize, and clients at different checkpoin
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time

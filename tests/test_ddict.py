@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from distributed import wait
 
 from dask_ddict import (
     DDict,

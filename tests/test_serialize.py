@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import io
-import pickle
 import threading
 
 import numpy as np

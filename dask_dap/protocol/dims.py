@@ -93,7 +93,7 @@ def global_indices(dim: Mapping[str, Any]) -> np.ndarray:
         s = owned_slice(dim)
         return np.arange(dim["start"] + s.start, dim["start"] + s.stop, dtype=np.int64)
     if kind == "c":
-        size, procs, rank = dim["size"], dim["proc_grid_size"], dim["proc_grid_rank"]
+        procs, rank = dim["proc_grid_size"], dim["proc_grid_rank"]
         bs = dim.get("block_size", 1)
         n = num_owned_indices(dim)
         local = np.arange(n, dtype=np.int64)
