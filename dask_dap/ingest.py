@@ -25,12 +25,12 @@ import numpy as np
 from dask.highlevelgraph import HighLevelGraph
 
 from .errors import DAPValidationError
-from .layout import AxisLayout, layouts_from_dims, take_along
+from .layout import AxisLayout, layouts_from_ranks, take_along
 from .protocol.dims import normalize_dim, owned_slice
 from .protocol.validate import VERSION, validate_distribution
 
 
-def _resolve(part: Any) -> Any:
+def resolve_part(part: Any) -> Any:
     """A DAP dict from a dict or a ``__distarray__`` producer (futures pass through)."""
     if isinstance(part, Mapping):
         return part
@@ -60,7 +60,7 @@ def upgrade_legacy(dap: Mapping[str, Any]) -> dict[str, Any]:
 
 def _remote_meta(dap: Any, strict: bool) -> dict[str, Any]:
     """Run on the worker holding a DAP dict: what the client needs, without the buffer."""
-    dap = _resolve(dap)
+    dap = resolve_part(dap)
     if not strict:
         dap = upgrade_legacy(dap)
     arr = np.asarray(memoryview(dap["buffer"]))
@@ -81,7 +81,7 @@ def _owned(buffer: Any, slices: tuple[slice, ...]) -> np.ndarray:
 
 
 def _buffer_of(dap: Any) -> Any:
-    return _resolve(dap)["buffer"]
+    return resolve_part(dap)["buffer"]
 
 
 def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = None) -> da.Array:
@@ -101,7 +101,7 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
     DAPValidationError
         When the ranks do not form a valid DAP 0.10 distribution.
     """
-    parts = [_resolve(p) for p in parts]
+    parts = [resolve_part(p) for p in parts]
     if not parts:
         raise DAPValidationError("no DAP parts given")
     remote = [not isinstance(p, Mapping) for p in parts]
@@ -128,9 +128,7 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
     dtype = np.asarray(memoryview(locals_[0]["buffer"])).dtype
     by_coords = {tuple(dd[i]["proc_grid_rank"] for i in range(ndim)): p for p, dd in enumerate(dims)}
     grid = tuple(dims[0][i]["proc_grid_size"] for i in range(ndim))
-    columns = [[dims[by_coords[_coord_on(grid, i, g)]][i] for g in range(grid[i])]
-               for i in range(ndim)]  # fmt: skip
-    layouts = layouts_from_dims(columns)
+    layouts = layouts_from_ranks({c: dims[p] for c, p in by_coords.items()}, grid)
 
     chunks = tuple(lay.owned for lay in layouts)
     blocks = {}
@@ -163,11 +161,6 @@ def _nest(blocks: dict[tuple[int, ...], Any], grid: tuple[int, ...], prefix: tup
     if len(prefix) == len(grid):
         return blocks[prefix]
     return [_nest(blocks, grid, prefix + (g,)) for g in range(grid[len(prefix)])]
-
-
-def _coord_on(grid: tuple[int, ...], axis: int, g: int) -> tuple[int, ...]:
-    """Grid coordinates of the rank at grid rank ``g`` on ``axis`` (0 elsewhere)."""
-    return tuple(g if i == axis else 0 for i in range(len(grid)))
 
 
 def to_global_order(x: da.Array, layouts: list[AxisLayout]) -> da.Array:

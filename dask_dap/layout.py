@@ -184,6 +184,20 @@ def axis_from_spec(spec: Any, chunks: Sequence[int], *, comm: int, boundary: int
     return unstructured_axis(size, spec["indices"], bool(spec.get("one_to_one", True)))
 
 
+def layouts_from_ranks(dim_data: Mapping[tuple[int, ...], Sequence[Mapping[str, Any]]],
+                       grid: Sequence[int]) -> list[AxisLayout]:  # fmt: skip
+    """Axis layouts of a distribution given each rank's ``dim_data`` by grid coordinates.
+
+    Dimension dicts are identical along an axis, so axis ``i`` is read from the
+    ranks at coordinates ``(0, .., g, .., 0)``.
+    """
+    columns = [
+        [dim_data[tuple(g if a == i else 0 for a in range(len(grid)))][i] for g in range(procs)]
+        for i, procs in enumerate(grid)
+    ]
+    return layouts_from_dims(columns)
+
+
 def layouts_from_dims(dims_by_axis: Sequence[Sequence[Mapping[str, Any]]]) -> list[AxisLayout]:
     """Axis layouts of an imported distribution (one dim dict per grid rank per axis)."""
     out = []

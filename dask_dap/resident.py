@@ -30,7 +30,7 @@ import numpy as np
 
 from .export import _blocks, _make_dap, buffers_array, plan, rank_dim_data
 from .ingest import assemble, to_global_order
-from .layout import AxisLayout, layouts_from_dims
+from .layout import AxisLayout, layouts_from_ranks
 from .protocol.dims import owned_slice
 from .protocol.validate import VERSION
 
@@ -147,16 +147,8 @@ class DDictArray:
         return list(self._meta["managers"])
 
     def _layouts(self) -> list[AxisLayout]:
-        dd = self._meta["dim_data"]
         coords = list(np.ndindex(*self.grid)) if self.grid else [()]
-        columns = []
-        for i, procs in enumerate(self.grid):
-            column = []
-            for g in range(procs):
-                rank = coords.index(tuple(g if a == i else 0 for a in range(len(self.grid))))
-                column.append(dd[rank][i])
-            columns.append(column)
-        return layouts_from_dims(columns)
+        return layouts_from_ranks(dict(zip(coords, self._meta["dim_data"])), self.grid)
 
     @property
     def chunks(self) -> tuple[tuple[int, ...], ...]:

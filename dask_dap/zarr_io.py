@@ -20,7 +20,7 @@ import zarr
 
 from .errors import DAPValidationError
 from .export import plan, rank_dim_data
-from .ingest import from_dap
+from .ingest import from_dap, resolve_part
 from .protocol.validate import VERSION
 
 _ATTR = "dap"
@@ -63,7 +63,7 @@ def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | Non
         if dap_options:
             raise TypeError("layout options apply to dask arrays; DAP parts carry their own")
         x = from_dap(parts)
-        dicts = [p if isinstance(p, dict) else p.__distarray__() for p in parts]
+        dicts = [resolve_part(p) for p in parts]
         order = sorted(
             range(len(dicts)),
             key=lambda i: tuple(d.get("proc_grid_rank", 0) for d in dicts[i]["dim_data"]),

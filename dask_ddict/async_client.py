@@ -30,7 +30,7 @@ from typing import Any
 
 from distributed import Client
 
-from .client import _MISSING, DDict, _check_timeout, _Core, create_request, initial_checkpoint
+from .client import _MISSING, DDict, _Core, create_request, initial_checkpoint
 from .layout import Layout
 from .stats import DDictManagerStats
 
@@ -184,8 +184,6 @@ class AsyncDDict:
         return await self._run(self._d.fetch_add, key, n)
 
     async def wait_for(self, key: Any, value: Any, timeout: float | None = _MISSING) -> None:
-        if timeout is not _MISSING:
-            _check_timeout(timeout)
         await self._run(self._d.wait_for, key, value, timeout)
 
     def which_manager(self, key: Any) -> int:

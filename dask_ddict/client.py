@@ -575,9 +575,9 @@ class DDict:
 
     # -- persistence ---------------------------------------------------------------
 
-    def _admin(self, name: str, *args: Any, managers: list[int] | None = None) -> list[Any]:
-        ids = self._managers() if managers is None else managers
-        return [self._core.channel(m).admin(name, *args) for m in ids]
+    def _admin(self, name: str, *args: Any) -> list[Any]:
+        """Call a manager control method on every manager (or the chosen one)."""
+        return [self._core.channel(m).admin(name, *args) for m in self._managers()]
 
     def persist(self) -> None:
         """Persist this handle's current checkpoint to ``persist_path`` now.
@@ -850,13 +850,9 @@ class DDict:
             raise TypeError("clone needs a list of serialized DDicts (DDict.serialize())")
         source = self.serialize()
         for s in clone_list:
-            target = _Core(Layout.deserialize(s), self._core._client)
-            try:
-                _check_parallel(self._core.layout, target.layout)
-                for mid in range(self.num_managers):
-                    target.channel(mid).admin("copy_from", source, mid)
-            finally:
-                target.close()
+            target = Layout.deserialize(s)
+            _check_parallel(self._core.layout, target)
+            _pull_into(target, source, range(self.num_managers), self._core._client)
 
     def copy(self, name: str = "") -> DDict:
         """A new dictionary (creator: the caller) with this one's options and content.
@@ -923,11 +919,20 @@ class DDict:
                     f"manager {mid} is empty in every dictionary: nothing to synchronize from"
                 )
             for i in empty:
-                target = _Core(layouts[i])
-                try:
-                    target.channel(mid).admin("copy_from", serialized_ddicts[full[0]], mid)
-                finally:
-                    target.close()
+                _pull_into(layouts[i], serialized_ddicts[full[0]], [mid])
+
+
+def _pull_into(target: Layout, source: str, managers: Any, client: Client | None = None) -> None:
+    """Have ``target``'s managers pull their counterparts' shards from ``source``.
+
+    Only the request goes from here; the data flows manager to manager.
+    """
+    core = _Core(target, client)
+    try:
+        for mid in managers:
+            core.channel(mid).admin("copy_from", source, mid)
+    finally:
+        core.close()
 
 
 def _check_parallel(a: Layout, b: Layout) -> None:

@@ -83,7 +83,8 @@ class Manager:
         self.closed = False
         self.persister = persister
         self.pull_shard = pull_shard
-        self._dumps: dict[int, lmdb.Transaction] = {}
+        self._dumps: dict[int, lmdb.Transaction] = {}  # open replication snapshots
+        self._next_dump = 0
         self._cond = threading.Condition(threading.Lock())
         self._batches: dict[int, list[Any]] = {}
         # Checkpoints retiring in the current write transaction, to persist
@@ -281,7 +282,8 @@ class Manager:
         self._check_open()
         with self._cond:
             if token is None:
-                token = self._next_dump = getattr(self, "_next_dump", 0) + 1
+                self._next_dump += 1
+                token = self._next_dump
                 self._dumps[token] = self.store.read()
             txn = self._dumps.get(token)
             if txn is None:

@@ -169,12 +169,13 @@ class CheckpointStore:
         self.manager_id = manager_id
         self.num_managers = num_managers
         self.chunk_bytes = chunk_bytes
-        # fsync applies to local directories (fsspec stores have their own guarantees).
+        # file:// URLs are local directories: zarr's LocalStore creates parents and can
+        # fsync.  fsync applies to local directories (fsspec stores have their own guarantees).
         self._local_root = path[7:] if path.startswith("file://") else path
         self.fsync = fsync and "://" not in self._local_root
-        # file:// URLs are local directories: zarr's LocalStore creates parents and can fsync.
-        target = path[7:] if path.startswith("file://") else path
-        self.group = _require_group(target, [name, f"manager_{manager_id}"], storage_options)
+        self.group = _require_group(
+            self._local_root, [name, f"manager_{manager_id}"], storage_options
+        )
         found = self.group.attrs.get("num_managers")
         if found is not None and found != num_managers:
             raise DDictPersistCheckpointError(
@@ -384,10 +385,12 @@ class Persister:
             self._thread = None
 
     def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
-        """Persist one checkpoint in this thread (evicting the oldest beyond the count)."""
+        """Persist one checkpoint in this thread (evicting the oldest beyond the count).
+
+        :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt`` itself.
+        """
         with self._lock:
             ids = [i for i in self._ids if i != chkpt]
-        self.store.delete(chkpt)
         if self.persist_count > 0:
             while len(ids) >= self.persist_count:
                 self.store.delete(ids.pop(0))

@@ -68,37 +68,33 @@ def _open_manager(name: str, mid: int, num_managers: int, opts: DDictOptions, ca
 
     Returns the manager and whether it re-attached a kept shard.
     """
-    state = None
-    if restart_path and os.path.isfile(os.path.join(restart_path, "data.mdb")):
+    reattach = bool(restart_path) and os.path.isfile(os.path.join(restart_path, "data.mdb"))
+    if reattach:
         forget(restart_path)  # this process may still map it read-only (a stale handle)
-        store = ShardStore(restart_path, capacity, opts.manager_pool_full_thresh,
-                           indexed=opts.wait_for_keys)  # fmt: skip
-        # A shard whose window never moved has no saved state: it is at the start.
-        state = WorkingSet.saved_state(store) or {
-            "newest": opts.working_set_size - 1, "size": opts.working_set_size,
-            "wait_for_keys": opts.wait_for_keys, "wait_for_writers": opts.wait_for_writers,
-            "writers": {},
-        }  # fmt: skip
-    if state is None:
+        path = restart_path
+    else:
         path = os.path.join(
             config.get("store.directory") or "/dev/shm",
             f"ddict-{_safe(name)}-{mid}-{secrets.token_hex(8)}",
         )
-        store = ShardStore(path, capacity, opts.manager_pool_full_thresh,
-                           indexed=opts.wait_for_keys)  # fmt: skip
+    store = ShardStore(path, capacity, opts.manager_pool_full_thresh,
+                       indexed=opts.wait_for_keys)  # fmt: skip
     try:
         ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
                         wait_for_writers=opts.wait_for_writers)  # fmt: skip
-        if state is not None:
-            mismatch = [k for k in ("size", "wait_for_keys", "wait_for_writers")
-                        if state[k] != getattr(ws, k)]  # fmt: skip
-            if mismatch:
-                raise ValueError(
-                    f"restart of {name!r}: manager {mid} was created with a different "
-                    f"{', '.join(mismatch)} (working_set_size/wait_for_keys/wait_for_writers "
-                    "must match the original)"
-                )
-            ws.load(state)
+        if reattach:
+            # A shard whose window never moved has no saved state: it is at the start.
+            state = WorkingSet.saved_state(store)
+            if state is not None:
+                mismatch = [k for k in ("size", "wait_for_keys", "wait_for_writers")
+                            if state[k] != getattr(ws, k)]  # fmt: skip
+                if mismatch:
+                    raise ValueError(
+                        f"restart of {name!r}: manager {mid} was created with a different "
+                        f"{', '.join(mismatch)} (working_set_size/wait_for_keys/"
+                        "wait_for_writers must match the original)"
+                    )
+                ws.load(state)
             with store.write() as txn:  # clears the closed mark the last manager left
                 ws.save(txn)
         persister = None
@@ -112,18 +108,18 @@ def _open_manager(name: str, mid: int, num_managers: int, opts: DDictOptions, ca
         manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
                           persister=persister, pull_shard=pull_shard)  # fmt: skip
     except BaseException:
-        if state is None:
-            store.destroy()
-        else:
+        if reattach:
             store.close()
+        else:
+            store.destroy()
         raise
-    if opts.restore_from is not None and state is None:
+    if opts.restore_from is not None and not reattach:
         try:
             manager.restore(opts.restore_from, discard_newer=not opts.read_only)
         except BaseException:
             manager.close()
             raise
-    return manager, state is not None
+    return manager, reattach
 
 
 class DDictWorkerPlugin(WorkerPlugin):

@@ -63,6 +63,26 @@ def mark_closed(store: ShardStore, newest: int) -> None:
         store.put_meta(txn, NEWEST, _NEWEST.pack(newest, 1))
 
 
+def check_window(chkpt: int, newest: int, size: int) -> None:
+    """Raise ``DDictCheckpointSyncError`` if ``chkpt`` precedes the window ending at ``newest``."""
+    oldest = max(0, newest - size + 1)
+    if chkpt < oldest:
+        raise DDictCheckpointSyncError(
+            f"checkpoint {chkpt} has retired (this manager keeps [{oldest}, {newest}])"
+        )
+
+
+def entry_visible(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool:
+    """Whether version ``e`` (the newest at or below ``chkpt``) is seen at ``chkpt``.
+
+    Under ``wait_for_keys`` a non-persistent version is seen only at its own checkpoint.
+    Shared by the manager and by same-host readers of the shard.
+    """
+    if e is None or e.tombstone:
+        return False
+    return not (wait_for_keys and not e.persistent and e.chkpt != chkpt)
+
+
 class MustWait(Exception):
     """The operation cannot proceed until another write changes the shard."""
 
@@ -168,11 +188,7 @@ class WorkingSet:
     # -- window -------------------------------------------------------------
 
     def check_retired(self, chkpt: int) -> None:
-        if chkpt < self.oldest:
-            raise DDictCheckpointSyncError(
-                f"checkpoint {chkpt} has retired (this manager keeps "
-                f"[{self.oldest}, {self.newest}])"
-            )
+        check_window(chkpt, self.newest, self.size)
 
     def can_retire(self, txn: lmdb.Transaction, p: int, client: int | None = None) -> bool:
         """Whether the oldest checkpoint ``p`` may retire now."""
@@ -263,9 +279,7 @@ class WorkingSet:
 
     def is_visible(self, e: Entry | None, chkpt: int) -> bool:
         """Whether version ``e`` (the newest at or below ``chkpt``) is seen at ``chkpt``."""
-        if e is None or e.tombstone:
-            return False
-        return not (self.wait_for_keys and not e.persistent and e.chkpt != chkpt)
+        return entry_visible(e, chkpt, self.wait_for_keys)
 
     def get(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry:
         """The entry visible at ``chkpt``.

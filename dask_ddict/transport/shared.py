@@ -27,10 +27,10 @@ from typing import Any
 import lmdb
 
 from .._serialize import copy_frame
-from ..errors import DDictCheckpointSyncError, DDictKeyError, DDictManagerUnavailableError
+from ..errors import DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
 from ..store import ShardStore
-from ..working_set import saved_newest
+from ..working_set import check_window, entry_visible, saved_newest
 from .client import SocketChannel
 
 _ENVS: dict[str, list[Any]] = {}  # path -> [ShardStore, users]
@@ -114,17 +114,11 @@ class SharedReadChannel:
             raise DDictManagerUnavailableError(
                 f"manager {info.manager_id} on worker {info.worker} is closed"
             )
-        oldest = max(0, newest - self._size + 1)
-        if chkpt < oldest:
-            raise DDictCheckpointSyncError(
-                f"checkpoint {chkpt} has retired (this manager keeps [{oldest}, {newest}])"
-            )
+        check_window(chkpt, newest, self._size)
         e = self._store.lookup(txn, digest, chkpt)
-        if e is None or e.tombstone:
-            return False if self._wfk else None
-        if self._wfk and not e.persistent and e.chkpt != chkpt:
-            return False
-        return e
+        if entry_visible(e, chkpt, self._wfk):
+            return e
+        return False if self._wfk else None  # under wait_for_keys the manager waits
 
     def _snapshot(self) -> Any:
         try:
