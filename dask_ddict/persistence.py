@@ -394,7 +394,13 @@ class Persister:
         if self.persist_count > 0:
             while len(ids) >= self.persist_count:
                 self.store.delete(ids.pop(0))
-        self.store.write(chkpt, entries)
+        try:
+            self.store.write(chkpt, entries)
+        except BaseException:
+            # The old version may be gone and the new one is not committed: ask the store.
+            with self._lock:
+                self._ids = self.store.ids()
+            raise
         with self._lock:
             self._ids = sorted(ids + [chkpt])
 

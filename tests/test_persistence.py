@@ -100,15 +100,21 @@ def test_persister_policy_and_eviction(tmp_path, freq, count, retiring, expected
 
 def test_persister_reports_failures_at_sync(tmp_path):
     p = Persister(CheckpointStore(str(tmp_path), "d", 0, 1), 1, -1)
+    p.write_now(0, entries_of({b"c": 0}))
+    calls = iter([entries_of({b"c": 1}), None])
 
-    def bad():
-        raise ValueError("boom")
+    def bad():  # the sizes pass works, the data pass dies after the old version was removed
+        fn = next(calls)
+        if fn is None:
+            raise ValueError("boom")
+        return fn()
 
     released = []
     p.submit(lambda: released.append(1), [(0, bad)])
     with pytest.raises(Exception, match="boom"):
         p.sync()
     assert released == [1]  # the snapshot is released even on failure
+    assert p.ids() == [] == p.store.ids()  # a failed re-persist of 0 is not listed
     p.sync()  # reported once
     p.close()
 
