@@ -6,12 +6,14 @@ Measures, on a 2-worker LocalCluster (worker processes), sequential single-key
 put/get of 100 B values (ops/s) and of 1 MiB / 64 MiB numpy arrays (MB/s):
 
 * from the client process (same host: reads straight from the shard, writes
-  over the manager's Unix socket),
-* from a task on the manager's worker (in-process call),
-* from a task on the other worker (same host, as the client),
+  over the Unix socket of the manager's host process),
+* from a task on the manager's worker and from a task on the other worker
+  (both same host: managers run in host processes beside the workers),
 * over TCP (same-host paths disabled: what another host would see),
 
-plus batch put of 100 B values.  When ``redis-server`` is on the PATH it is
+plus batch put of 100 B values, and the p99 latency of 100 B puts from the
+client while the manager's worker runs a CPU-bound pure-Python task on its
+thread (target: at most 2 ms; the manager's host process is not the worker).  When ``redis-server`` is on the PATH it is
 started on a loopback port and redis-py (hiredis) does the same operations
 (and a pipeline of 1000 SETs for the batch row); the last column is the ratio.
 When a ``dragon`` launcher is found (``DDICT_BENCH_DRAGON``, else the PATH),
@@ -82,6 +84,32 @@ def run_batch(d: DDict, seconds: float) -> float:
 
 def task_bench(d: DDict, nbytes: int, seconds: float) -> dict[str, float]:
     return run_ddict(d, nbytes, seconds)
+
+
+def spin(seconds: float) -> int:
+    """A CPU-bound pure-Python task that holds its worker's GIL."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        n += sum(i * i for i in range(1000))
+    return n
+
+
+def put_latencies(d: DDict, seconds: float) -> list[float]:
+    v = _value(100)
+    out = []
+    t_end = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        d[i % 1000] = v
+        out.append(time.perf_counter() - t0)
+        i += 1
+    d.clear()
+    return out
+
+
+def p99(samples: list[float]) -> float:
+    return float(np.percentile(np.asarray(samples), 99))
 
 
 def start_redis() -> tuple[Any, Any] | None:
@@ -191,7 +219,7 @@ def main() -> None:
                 s = secs if nbytes < (64 << 20) else max(secs, 1.0)
                 res = {
                     "client (same host)": run_ddict(m0, nbytes, s),
-                    "task, same worker (in-process)": c.submit(
+                    "task on the manager's worker": c.submit(
                         task_bench, m0, nbytes, s, workers=[w0], pure=False).result(),
                     "task, other worker (same host)": c.submit(
                         task_bench, m0, nbytes, s, workers=[w1], pure=False).result(),
@@ -210,6 +238,12 @@ def main() -> None:
             rows.append(("batch put 100 B", "client (same host)", fmt(100, batch),
                          fmt(100, pipe) if pipe else "n/a",
                          f"{batch / pipe:.2f}x" if pipe else "n/a"))  # fmt: skip
+            busy = c.submit(spin, secs * 2 + 1, workers=[w0], pure=False)
+            time.sleep(0.5)
+            lat = put_latencies(m0, secs * 2)
+            busy.result()
+            rows.append(("p99 put 100 B", "client, manager's worker CPU-bound",
+                         f"{p99(lat) * 1e3:.2f} ms", "n/a", "target <= 2 ms"))  # fmt: skip
             d.destroy()
     finally:
         if redis_ctx:

@@ -1,8 +1,9 @@
 """dask_ddict: a distributed dictionary for Dask, with Dragon DDict's semantics.
 
-``DDict`` shards keys over managers hosted by Dask workers, each keeping its
-shard in shared memory on its host.  Clients talk to managers directly;
-the scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
+``DDict`` shards keys over managers served by a host process beside each Dask
+worker (supervised by the worker's nanny), each keeping its shard in shared
+memory on its host.  Clients talk to the host processes directly; the
+scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
 
 ``dask scheduler --preload dask_ddict`` installs the orchestrator at start.
 """
@@ -27,7 +28,7 @@ from .errors import (
 )
 from .orchestrator import DDictSchedulerPlugin
 from .stats import DDictManagerStats
-from .worker_plugin import DDictWorkerPlugin
+from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 __all__ = [
     "AsyncDDict",
@@ -40,6 +41,7 @@ __all__ = [
     "DDictKeyError",
     "DDictManagerStats",
     "DDictManagerUnavailableError",
+    "DDictNannyPlugin",
     "DDictPersistCheckpointError",
     "DDictSchedulerPlugin",
     "DDictSerializationError",

@@ -2,8 +2,9 @@
 
 A handle knows the dictionary's :class:`~dask_ddict.layout.Layout` and its own
 checkpoint id, serializes keys and values, hashes each key to its manager and
-talks to that manager through a channel (in-process, Unix socket or TCP):
-never through the scheduler.  Dask's comms are used only for control
+talks to that manager's host process through a channel (same host: the shard
+read directly and writes over a Unix socket; other hosts: TCP): never through
+the scheduler.  Dask's comms are used only for control
 (create, destroy), through the orchestrator.
 
 Handles derived from one another (:meth:`DDict.manager`, :meth:`DDict.pickler`)
@@ -17,6 +18,8 @@ import logging
 import os
 import secrets
 import threading
+import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,14 +40,20 @@ from .errors import (
 from .layout import Layout, ManagerInfo, host_id
 from .options import DDictOptions, parse_total_mem
 from .stats import DDictManagerStats
-from .transport import InProcessChannel, SocketChannel
+from .transport import HostLink, SocketChannel
 from .transport.shared import SharedReadChannel
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
-from .worker_plugin import LOCAL_MANAGERS
 
 logger = logging.getLogger(__name__)
 
 _MISSING: Any = object()
+_DEFAULT_SECURITY: Any = None
+
+
+def set_default_security(security: Any) -> None:
+    """TLS certificates for processes with neither a client nor a worker (host processes)."""
+    global _DEFAULT_SECURITY
+    _DEFAULT_SECURITY = security
 
 
 def _current_client() -> Client | None:
@@ -54,13 +63,24 @@ def _current_client() -> Client | None:
         return None
 
 
-def _embedded_client() -> tuple[Client, LocalCluster]:
-    """Start the LocalCluster (worker processes) that ``DDict()`` owns."""
+def _embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:
+    """Start the LocalCluster (worker processes) that ``DDict()`` owns.
+
+    Shards live beside the workers, not in them, so the workers' memory limits
+    share what the host has left after ``total_mem``.
+    """
+    from distributed.deploy.utils import nprocesses_nthreads
+    from distributed.system import MEMORY_LIMIT
+
+    n_workers = config.get("embedded.n-workers")
+    n = n_workers or nprocesses_nthreads()[0]
+    memory_limit = max(256 << 20, (MEMORY_LIMIT - total_mem) // max(1, n))
     cluster = LocalCluster(
-        n_workers=config.get("embedded.n-workers"),
+        n_workers=n_workers,
         threads_per_worker=config.get("embedded.threads-per-worker"),
         processes=True,
         dashboard_address=":0",
+        memory_limit=memory_limit,
     )
     return Client(cluster, set_as_default=False), cluster
 
@@ -82,7 +102,11 @@ class _Core:
         self.cluster = cluster
         self.closed = False
         self._channels: dict[int, Any] = {}
+        self._links: dict[tuple[str, ...], HostLink] = {}
         self._lock = threading.Lock()
+        # A handle that is dropped (e.g. at the end of a task) releases its
+        # connections and shard views, also without detach().
+        self._finalizer = weakref.finalize(self, _Core._release, self._channels, self._links)
         self._host = host_id()
 
     def __repr__(self) -> str:
@@ -104,6 +128,8 @@ class _Core:
     def _security(self) -> Any:
         if self._client is not None:
             return self._client.security
+        if _DEFAULT_SECURITY is not None:
+            return _DEFAULT_SECURITY
         try:
             return distributed.get_worker().security
         except ValueError:
@@ -129,28 +155,31 @@ class _Core:
                 ch = self._channels[mid] = self._make_channel(self.layout.managers[mid])
         return ch
 
+    def _link(self, info: ManagerInfo, use_uds: bool, ssl_context: Any = None) -> HostLink:
+        """The link to ``info``'s host process, shared by all managers it serves."""
+        key = ("uds", info.uds_path) if use_uds else ("tcp", info.tcp_host, str(info.tcp_port))
+        link = self._links.get(key)
+        if link is None:
+            lay = self.layout
+            link = self._links[key] = HostLink(info, lay.uid, lay.secret, lay.name,
+                                               use_uds=use_uds, ssl_context=ssl_context)  # fmt: skip
+        return link
+
     def _make_channel(self, info: ManagerInfo) -> Any:
         if info.lost:
             raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} was lost with worker {info.worker}"
+                f"manager {info.manager_id} of {self.layout.name!r} was lost with its host "
+                f"{info.hostname} ({info.worker})"
             )
-        connect_timeout = config.get_seconds("transport.connect-timeout") or 10.0
-        if config.get("local-transport"):
-            manager = LOCAL_MANAGERS.get((self.layout.uid, info.manager_id))
-            if manager is not None and not manager.closed:
-                return InProcessChannel(manager)
-            if self.is_local(info) and os.path.exists(info.uds_path):
-                sock = SocketChannel(
-                    info, self.layout.secret, use_uds=True, connect_timeout=connect_timeout
-                )
-                if config.get("local-read") and os.path.isdir(info.store_path):
-                    capacity = self.layout.total_mem // self.layout.num_managers
-                    try:
-                        return SharedReadChannel(sock, info.store_path, capacity,
-                                                 self.layout.options)  # fmt: skip
-                    except Exception as e:  # e.g. no permission: reads go over the socket
-                        logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
-                return sock
+        if config.get("local-transport") and self.is_local(info) and os.path.exists(info.uds_path):
+            sock = SocketChannel(self._link(info, use_uds=True), info)
+            if config.get("local-read") and os.path.isdir(info.store_path):
+                capacity = self.layout.total_mem // self.layout.num_managers
+                try:
+                    return SharedReadChannel(sock, info.store_path, capacity, self.layout.options)
+                except Exception as e:  # e.g. no permission: reads go over the socket
+                    logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
+            return sock
         ssl_context = None
         if self.layout.tls:
             ssl_context = self._security().get_connection_args("client")["ssl_context"]
@@ -160,30 +189,35 @@ class _Core:
                     "(configure distributed.comm.tls or pass a client with security=)",
                     "INVALID_OPERATION",
                 )
-        return SocketChannel(
-            info, self.layout.secret, use_uds=False, ssl_context=ssl_context,
-            connect_timeout=connect_timeout,
-        )  # fmt: skip
+        return SocketChannel(self._link(info, use_uds=False, ssl_context=ssl_context), info)
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            channels, self._channels = list(self._channels.values()), {}
-        for ch in channels:
+        self._finalizer()
+
+    @staticmethod
+    def _release(channels: dict[int, Any], links: dict[tuple[str, ...], HostLink]) -> None:
+        chans, hosts = list(channels.values()), list(links.values())
+        channels.clear()
+        links.clear()
+        for ch in chans:
             ch.close()
+        for link in hosts:
+            link.close()
 
 
 class _Batch:
     """Client-side buffers of a batch put: one list of records per manager."""
 
-    __slots__ = ("persist", "records", "sizes", "touched", "error", "flush_bytes")
+    __slots__ = ("persist", "records", "sizes", "sent", "error", "flush_bytes")
 
     def __init__(self, persist: bool) -> None:
         self.persist = persist
         self.flush_bytes = config.get_bytes("batch.flush-bytes")
         self.records: dict[int, list[tuple[bytes, bytes, Framed]]] = {}
         self.sizes: dict[int, int] = {}
-        self.touched: set[int] = set()
+        self.sent: dict[int, int] = {}  # puts sent per manager, checked at the end
         self.error: BaseException | None = None
 
 
@@ -268,7 +302,7 @@ class DDict:
         if client is None:
             client = _current_client()
             if client is None:
-                client, cluster = _embedded_client()
+                client, cluster = _embedded_client(request["total_mem"])
         if client.asynchronous:
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
@@ -653,7 +687,7 @@ class DDict:
         b.sizes.pop(mid, None)
         if not records:
             return
-        b.touched.add(mid)
+        b.sent[mid] = b.sent.get(mid, 0) + len(records)
         try:
             self._core.channel(mid).batch_put(records, self._chkpt, self._client_id, b.persist)
         except DDictError as e:
@@ -667,11 +701,19 @@ class DDict:
         try:
             for mid in list(b.records):
                 self._batch_flush(mid)
-            for mid in sorted(b.touched):
+            for mid in sorted(b.sent):
                 try:
-                    self._core.channel(mid).batch_end(self._client_id)
+                    stored = self._core.channel(mid).batch_end(self._client_id)
                 except DDictError as e:
                     b.error = b.error or e
+                    continue
+                if stored != b.sent[mid] and b.error is None:
+                    b.error = DDictError(
+                        f"batch put: manager {mid} stored {stored} of the {b.sent[mid]} puts "
+                        "sent to it (its host process restarted during the batch); the "
+                        "others may or may not have been applied: put them again",
+                        "MANAGER_UNAVAILABLE",
+                    )
         finally:
             self._batch = None
         if b.error is not None:
@@ -790,11 +832,19 @@ class DDict:
 
     @property
     def local_manager(self) -> int | None:
-        """The manager in this worker process, else one on this host, else ``None``."""
-        uid = self._core.layout.uid
-        for m in self._core.layout.managers:
-            if (uid, m.manager_id) in LOCAL_MANAGERS:
-                return m.manager_id
+        """A manager hosted for this worker (in a task), else one on this host, else ``None``.
+
+        Managers run in a host process beside their worker, not in it; "hosted
+        for" survives worker restarts (it follows the worker's nanny).
+        """
+        try:
+            w = distributed.get_worker()
+        except ValueError:
+            w = None
+        if w is not None:
+            for m in self._core.layout.managers:
+                if m.worker == w.address or (w.nanny and m.supervisor == w.nanny):
+                    return m.manager_id
         local = self.local_managers
         return local[0] if local else None
 
@@ -995,7 +1045,9 @@ def create_request(
 
 def initial_checkpoint(h: DDict, request: dict[str, Any]) -> None:
     """Where a creator's handle starts: ``restore_from``, the newest restored
-    checkpoint after a restart, else 0."""
+    checkpoint after a restart, else 0.  Also shows the orchestrator's warnings."""
+    for text in h._core.layout.extra.get("warnings", ()):
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
     restore_from = request["options"]["restore_from"]
     if request["restart"]:
         h.sync_to_newest_checkpoint()

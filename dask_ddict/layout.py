@@ -23,16 +23,17 @@ class ManagerInfo:
     """How to reach one manager."""
 
     manager_id: int
-    worker: str
+    worker: str  # the worker it is hosted for (locality); the key path never uses it
     hostname: str
     host_id: str  # hostname + boot id: equal iff same machine (and so same /dev/shm)
-    pid: int
+    pid: int  # the supervisor's: alive iff the manager is served or being restarted
     uds_path: str
     tcp_host: str
     tcp_port: int
     store_path: str
     lost: bool = False
     restarted: bool = False  # re-attached a shard kept by destroy(allow_restart=True)
+    supervisor: str = ""  # address of the nanny (or nanny-less worker) that supervises its host
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,18 @@ class Layout:
     def manager_workers(self) -> list[str]:
         return [m.worker for m in self.managers]
 
-    def with_lost(self, worker: str) -> Layout:
-        """The layout after ``worker`` left: its managers are marked lost."""
-        managers = tuple(replace(m, lost=True) if m.worker == worker else m for m in self.managers)
+    def with_lost(self, supervisor: str) -> Layout:
+        """The layout after ``supervisor`` (and so its host process) is gone."""
+        managers = tuple(
+            replace(m, lost=True) if m.supervisor == supervisor else m for m in self.managers
+        )
+        return replace(self, managers=managers, epoch=self.epoch + 1)
+
+    def with_worker(self, supervisor: str, worker: str) -> Layout:
+        """The layout after ``supervisor``'s worker restarted at a new address."""
+        managers = tuple(
+            replace(m, worker=worker) if m.supervisor == supervisor else m for m in self.managers
+        )
         return replace(self, managers=managers, epoch=self.epoch + 1)
 
     def to_dict(self) -> dict[str, Any]:

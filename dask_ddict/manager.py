@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from ._serialize import dumps_value, loads_value
 from .errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
 from .persistence import Persister
 from .store import ShardStore
-from .working_set import MustWait, WorkingSet, mark_closed
+from .working_set import CLOSED_DESTROYED, MustWait, WorkingSet, mark_closed
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,16 @@ T = TypeVar("T")
 
 #: What a page of a view carries per item: keys, values or both.
 WANT_KEYS, WANT_VALUES, WANT_ITEMS = 1, 2, 3
+
+_FROZEN = b"frozen"
+#: Replies of the last non-idempotent requests (by request id), kept in the
+#: shard beside the data they changed: a request retried after a host
+#: restart gets the first answer instead of being applied twice.
+_RID = b"rid:"
+_RID_SLOT = b"ridslot:"
+_RID_SEQ = b"ridseq"
+RID_KEEP = 4096
+_Q = struct.Struct("<Q")
 
 
 class Manager:
@@ -339,6 +350,32 @@ class Manager:
             raise DDictError(f"unknown manager call {name!r}", "INVALID_ARGUMENT")
         return getattr(self, name)(*args)
 
+    # -- at-most-once requests --------------------------------------------------
+
+    def _once(self, txn: lmdb.Transaction, rid: int, fn: Callable[[lmdb.Transaction], bytes]) -> bytes:
+        """``fn(txn)``, or the reply it gave when request ``rid`` was applied before.
+
+        The reply is stored in the same transaction as the change, so either
+        both are committed or neither is.  ``rid == 0``: no deduplication.
+        """
+        if not rid:
+            return fn(txn)
+        key = _RID + _Q.pack(rid)
+        done = self.store.get_meta(txn, key)
+        if done is not None:
+            return done
+        reply = fn(txn)
+        raw = self.store.get_meta(txn, _RID_SEQ)
+        seq = 0 if raw is None else _Q.unpack(raw)[0]
+        slot = _RID_SLOT + _Q.pack(seq % RID_KEEP)
+        old = self.store.get_meta(txn, slot)
+        if old is not None:
+            txn.delete(_RID + old, db=self.store.meta_db)
+        self.store.put_meta(txn, slot, _Q.pack(rid))
+        self.store.put_meta(txn, _RID_SEQ, _Q.pack(seq + 1))
+        self.store.put_meta(txn, key, reply)
+        return reply
+
     # -- reads ----------------------------------------------------------------
 
     def get(
@@ -444,10 +481,14 @@ class Manager:
             "put",
         )
 
-    def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None = None) -> bytes:
-        """Delete a key; return its old value frame."""
+    def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None = None,
+            rid: int = 0) -> bytes:  # fmt: skip
+        """Delete a key; return its old value frame (at most once per request id)."""
         ws = self.working_set
-        return self._write(lambda txn: ws.pop(txn, digest, chkpt, client), timeout, "pop")
+        return self._write(
+            lambda txn: self._once(txn, rid, lambda t: ws.pop(t, digest, chkpt, client)),
+            timeout, "pop",
+        )  # fmt: skip
 
     def clear(self, chkpt: int, client: int, timeout: float | None = None) -> None:
         ws = self.working_set
@@ -461,8 +502,12 @@ class Manager:
         client: int,
         n: int,
         timeout: float | None = None,
+        rid: int = 0,
     ) -> bytes:
-        """Atomically add ``n`` to an int value (absent: 0); return the old value's frame."""
+        """Atomically add ``n`` to an int value (absent: 0); return the old value's frame.
+
+        Applied at most once per request id ``rid`` (a retry after a host restart
+        gets the first answer)."""
         ws = self.working_set
 
         def fn(txn: lmdb.Transaction) -> bytes:
@@ -482,7 +527,7 @@ class Manager:
             ws.put(txn, digest, chkpt, key, dumps_value(old + n).join(), client, persistent=True)
             return old_frame
 
-        return self._write(fn, timeout, "fetch_add")
+        return self._write(lambda txn: self._once(txn, rid, fn), timeout, "fetch_add")
 
     def batch_put(
         self,
@@ -528,20 +573,35 @@ class Manager:
             raise err
         return count
 
-    def freeze(self) -> None:
+    def _set_frozen(self, frozen: bool) -> None:
         with self._cond:
-            self.frozen = True
+            self._check_open()
+            with self.store.write() as txn:  # survives a restart of the host process
+                self.store.put_meta(txn, _FROZEN, b"\x01" if frozen else b"\x00")
+            self.frozen = frozen or self.read_only
+
+    def freeze(self) -> None:
+        self._set_frozen(True)
 
     def unfreeze(self) -> None:
-        with self._cond:
-            if self.read_only:
-                raise DDictError("a read_only dictionary cannot be unfrozen", "INVALID_OPERATION")
-            self.frozen = False
+        if self.read_only:
+            raise DDictError("a read_only dictionary cannot be unfrozen", "INVALID_OPERATION")
+        self._set_frozen(False)
+
+    @staticmethod
+    def saved_frozen(store: ShardStore) -> bool:
+        """Whether the shard was frozen when its last manager stopped."""
+        with store.read() as txn:
+            return store.get_meta(txn, _FROZEN) == b"\x01"
 
     # -- lifecycle ------------------------------------------------------------
 
-    def close(self, *, destroy: bool = True) -> None:
-        """Stop serving; wake waiters with ``DDictClosedError``; delete the shard."""
+    def close(self, *, destroy: bool = True, why: int = CLOSED_DESTROYED) -> None:
+        """Stop serving; wake waiters with ``DDictClosedError``; delete the shard.
+
+        ``destroy=False`` keeps the shard (a restart re-attaches it); ``why``
+        is what same-host readers of the shard are told.
+        """
         with self._cond:
             if self.closed:
                 return
@@ -558,7 +618,7 @@ class Manager:
                 logger.warning("manager %d: %s", self.manager_id, e)
             self.persister.close()
         try:
-            mark_closed(self.store, self.working_set.newest)
+            mark_closed(self.store, self.working_set.newest, why)
         except Exception as e:  # a full or broken shard: readers then see the stat check
             logger.debug("manager %d: cannot mark the shard closed: %r", self.manager_id, e)
         if destroy:

@@ -1,10 +1,15 @@
 """DDictSchedulerPlugin: the orchestrator of every dictionary on a cluster.
 
 It owns the registry (name -> :class:`~dask_ddict.layout.Layout`), creates
-managers on the chosen workers through the worker plugin, answers attach with
-the layout, destroys, marks managers lost when their worker leaves, and keeps
-workers that host shards from being retired by adaptive scaling.  It never
-sees keys or values: those go from clients straight to managers.
+managers for the chosen workers through their host supervisors (in the
+nanny, or in a worker that has none), answers attach with the layout,
+destroys, marks managers lost when their host is gone, and keeps workers
+that host shards from being retired by adaptive scaling.  It never sees keys
+or values: those go from clients straight to the host processes.
+
+A worker restart (a crash, a memory kill, ``client.restart()``) is not a
+loss: its nanny and so the host process live on.  The orchestrator only
+notes the worker's new address (locality) in a new layout epoch.
 
 Install it with ``client.register_plugin(DDictSchedulerPlugin())`` or
 ``dask scheduler --preload dask_ddict``; ``DDict(...)`` registers it when it
@@ -25,10 +30,11 @@ from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from . import config
 from .errors import DDictError, raise_from_wire
 from .layout import Layout, ManagerInfo
 from .options import DDictOptions
-from .worker_plugin import DDictWorkerPlugin
+from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -50,6 +56,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.dicts = {}
         self.kept = {}
+        self._warned_hosts: set[str] = set()
+        self._gone: set[str] = set()  # supervisors (nannies) found gone
 
     def __repr__(self) -> str:
         return f"<DDictSchedulerPlugin dicts={sorted(self.dicts)}>"
@@ -64,6 +72,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 "ddict_list": self.list,
                 "ddict_list_kept": self.list_kept,
             }
+        )
+        # Bytes, not objects: an inproc transport would share one instance otherwise.
+        await scheduler.register_nanny_plugin(
+            None, dumps(DDictNannyPlugin()), name="ddict", idempotent=True
         )
         await scheduler.register_worker_plugin(
             None, dumps(DDictWorkerPlugin()), name="ddict", idempotent=True
@@ -112,25 +124,37 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         )
 
         async def on(worker: str, mids: list[int]) -> list[dict[str, Any]]:
-            reply = await self.scheduler.rpc(worker).ddict_create_managers(
-                name=name, uid=uid, secret=secret, tls=tls, options=opts.to_dict(),
+            supervisor = self._supervisor(worker)
+            reply = await self.scheduler.rpc(supervisor).ddict_create_managers(
+                name=name, uid=uid, secret=secret, options=opts.to_dict(),
                 capacity=capacity, manager_ids=mids, num_managers=num,
                 restart_paths={m: restart_paths[m] for m in mids if m in restart_paths},
+                worker=worker,
             )  # fmt: skip
+            if reply is None:
+                raise DDictError(f"worker {worker} has no ddict host supervisor (is its plugin "
+                                 "installed?)", "INVALID_OPERATION")  # fmt: skip
             raise_from_wire(reply)
-            return reply
+            return [{**i, "supervisor": supervisor} for i in reply]
 
         results = await asyncio.gather(*(on(w, m) for w, m in plan.items()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             # A failed restart leaves the kept shards where they were, for another try.
-            await self._destroy_on(list(plan), uid, allow_restart=kept is not None)
+            await self._destroy_on([self._supervisor(w) for w in plan], uid,
+                                   allow_restart=kept is not None)  # fmt: skip
             raise errors[0]
+        fields = set(ManagerInfo.__dataclass_fields__)
         infos = sorted(
-            (ManagerInfo(**i) for r in results for i in r),  # type: ignore[union-attr]
+            (ManagerInfo(**{k: v for k, v in i.items() if k in fields})
+             for r in results for i in r),  # type: ignore[union-attr]
             key=lambda m: m.manager_id,
-        )
+        )  # fmt: skip
+        memory = {i["host_id"]: i.get("memory", 0) for r in results for i in r}  # type: ignore[union-attr]
         extra: dict[str, Any] = {}
+        warnings = self._memory_warnings(infos, capacity, memory)
+        if warnings:
+            extra["warnings"] = warnings
         if kept is not None:
             del self.kept[name]
             extra["empty_managers"] = [m.manager_id for m in infos if not m.restarted]
@@ -161,7 +185,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         if layout is None or layout.uid != uid:
             return False
         del self.dicts[name]
-        live = sorted({m.worker for m in layout.managers if not m.lost})
+        live = sorted({m.supervisor for m in layout.managers if not m.lost})
         await self._destroy_on(live, uid, allow_restart=allow_restart)
         if allow_restart:
             self.kept[name] = layout
@@ -178,19 +202,49 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     # -- Scheduler hooks ----------------------------------------------------------
 
-    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
-                      **kwargs: Any) -> None:  # fmt: skip
-        for name, layout in list(self.dicts.items()):
-            if any(m.worker == worker for m in layout.managers):
-                self.dicts[name] = layout.with_lost(worker)
-                lost = [m.manager_id for m in layout.managers if m.worker == worker]
-                logger.warning("ddict %s: managers %s lost with worker %s", name, lost, worker)
+    async def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
+                            **kwargs: Any) -> None:  # fmt: skip
+        """A worker left.  Its managers are lost only if their host went with it."""
+        supervisors = {m.supervisor for lay in self.dicts.values() for m in lay.managers
+                       if m.worker == worker and not m.lost}  # fmt: skip
+        for sup in supervisors:
+            if sup != worker and await self._reachable(sup):
+                continue  # a nanny restarts the worker; the host process serves on
+            for name, layout in list(self.dicts.items()):
+                if any(m.supervisor == sup and not m.lost for m in layout.managers):
+                    self.dicts[name] = layout.with_lost(sup)
+                    lost = [m.manager_id for m in layout.managers if m.supervisor == sup]
+                    logger.warning("ddict %s: managers %s lost with their host (%s)", name,
+                                   lost, sup)  # fmt: skip
 
-    def restart(self, scheduler: Scheduler) -> None:
-        # Every worker process is replaced: their managers are gone.
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """A (re)started worker: its nanny's managers are hosted for it now (locality)."""
+        ws = scheduler.workers.get(worker)
+        nanny = getattr(ws, "nanny", None)
+        if not nanny:
+            return
         for name, layout in list(self.dicts.items()):
-            managers = tuple(replace(m, lost=True) for m in layout.managers)
-            self.dicts[name] = replace(layout, managers=managers, epoch=layout.epoch + 1)
+            if any(m.supervisor == nanny and m.worker != worker for m in layout.managers):
+                self.dicts[name] = layout.with_worker(nanny, worker)
+
+    async def _reachable(self, supervisor: str) -> bool:
+        """Whether a host supervisor still serves (a closed one answers ``None``).
+
+        Asked with a short timeout: Dask's comms retry a refused connection for
+        the whole connect timeout (30 s), far too long to learn that a host is gone.
+        A supervisor found gone stays gone (a nanny does not come back).
+        """
+        if supervisor in self._gone:
+            return False
+        try:
+            info = await asyncio.wait_for(self.scheduler.rpc(supervisor).ddict_host_info(),
+                                          config.get_seconds("host.probe-timeout"))  # fmt: skip
+        except Exception:
+            info = None
+        if not isinstance(info, dict):
+            self._gone.add(supervisor)
+            return False
+        return True
 
     def valid_workers_downscaling(
         self, scheduler: Scheduler, workers: list[WorkerState]
@@ -199,6 +253,35 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         return [ws for ws in workers if ws.address not in hosting]
 
     # -- helpers ----------------------------------------------------------------
+
+    def _supervisor(self, worker: str) -> str:
+        """Where ``worker``'s host supervisor takes control calls: its nanny, or itself."""
+        ws = self.scheduler.workers.get(worker)
+        return (getattr(ws, "nanny", None) or worker) if ws is not None else worker
+
+    def _memory_warnings(self, infos: list[ManagerInfo], capacity: int,
+                         memory: dict[str, int]) -> list[str]:  # fmt: skip
+        """Hosts whose shards plus workers' memory limits exceed their memory."""
+        out = []
+        hosts = {m.host_id: m.tcp_host for m in infos}
+        for hid, ip in hosts.items():
+            total = memory.get(hid, 0)
+            if not total or hid in self._warned_hosts:
+                continue
+            shards = sum(
+                lay.total_mem // lay.num_managers for lay in self.dicts.values()
+                for m in lay.managers if m.host_id == hid and not m.lost
+            ) + capacity * sum(1 for m in infos if m.host_id == hid)  # fmt: skip
+            limits = sum(ws.memory_limit or 0 for ws in self.scheduler.workers.values()
+                         if ws.host == ip)  # fmt: skip
+            if shards + limits > total:
+                self._warned_hosts.add(hid)  # once per host: the advice does not change
+                out.append(
+                    f"host {ip}: DDict shards ({shards} bytes) plus the workers' memory_limit "
+                    f"({limits} bytes) exceed its memory ({total} bytes); shards live outside "
+                    "the workers, so lower memory_limit or total_mem (see docs/ddict.md)"
+                )
+        return out
 
     def _choose_workers(self, n_workers: int | None, workers: list[str] | None) -> list[str]:
         known = sorted(self.scheduler.workers)
@@ -250,9 +333,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             by_host.setdefault(get_address_host(w), []).append(w)
         plan: dict[str, list[int]] = {}
         paths: dict[int, str] = {}
+        by_supervisor = {self._supervisor(w): w for w in workers}
         for m in kept.managers:
             same_host = by_host.get(get_address_host(m.worker), [])
-            if m.worker in self.scheduler.workers:
+            if m.supervisor in by_supervisor:
+                target = by_supervisor[m.supervisor]
+            elif m.worker in self.scheduler.workers:
                 target = m.worker
             elif same_host:
                 target = min(same_host, key=lambda w: len(plan.get(w, ())))
@@ -276,7 +362,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             if not m.lost:
                 continue
             host = get_address_host(m.worker)
-            helpers = [a for a, ws in self.scheduler.workers.items() if ws.host == host]
+            helpers = [self._supervisor(a) for a, ws in self.scheduler.workers.items()
+                       if ws.host == host]  # fmt: skip
             paths = [m.store_path, os.path.dirname(m.uds_path)]
             for helper in helpers[:1]:
                 try:
@@ -284,13 +371,15 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 except Exception as e:
                     logger.info("ddict: cleanup of manager %d failed: %r", m.manager_id, e)
 
-    async def _destroy_on(self, workers: list[str], uid: str, *, allow_restart: bool) -> None:
-        async def on(worker: str) -> None:
+    async def _destroy_on(self, supervisors: list[str], uid: str, *, allow_restart: bool) -> None:
+        async def on(supervisor: str) -> None:
+            if not await self._reachable(supervisor):
+                return  # a dead host has nothing left to destroy (and connecting would retry)
             try:
-                await self.scheduler.rpc(worker).ddict_destroy_managers(
+                await self.scheduler.rpc(supervisor).ddict_destroy_managers(
                     uid=uid, allow_restart=allow_restart
                 )
-            except Exception as e:  # a dead worker has nothing left to destroy
-                logger.info("ddict: destroy on %s failed: %r", worker, e)
+            except Exception as e:  # a dead host has nothing left to destroy
+                logger.info("ddict: destroy on %s failed: %r", supervisor, e)
 
-        await asyncio.gather(*(on(w) for w in workers))
+        await asyncio.gather(*(on(s) for s in supervisors))

@@ -126,10 +126,10 @@ class ShardStore:
         self.full_thresh = float(full_thresh)
         if not readonly:
             os.makedirs(path, mode=0o700, exist_ok=True)
-        reserve = max(1 << 20, self.capacity // 16)
+        self.map_size = self.map_size_for(self.capacity)
         self.env = lmdb.open(
             path,
-            map_size=self.capacity + reserve,
+            map_size=self.map_size,
             max_dbs=4,
             max_readers=1024,
             writemap=not readonly,
@@ -139,6 +139,8 @@ class ShardStore:
             readahead=False,
             meminit=False,
         )
+        if not readonly:
+            self.env.reader_check()  # free reader slots of processes that died
         self._data = self.env.open_db(b"data", create=not readonly)
         self._index = self.env.open_db(b"index", create=not readonly)
         self._meta = self.env.open_db(b"meta", create=not readonly)
@@ -148,6 +150,12 @@ class ShardStore:
 
     def __repr__(self) -> str:
         return f"<ShardStore {self.path!r} capacity={self.capacity}>"
+
+    @staticmethod
+    def map_size_for(capacity: int) -> int:
+        """Bytes of the map for ``capacity`` bytes of data: a little more, so that
+        deletes still find free pages when the shard is at capacity."""
+        return int(capacity) + max(1 << 20, int(capacity) // 16)
 
     # -- transactions --------------------------------------------------------
 

@@ -48,19 +48,27 @@ NEWEST = b"newest"
 _NEWEST = struct.Struct("<qB")  # newest checkpoint, closed flag
 
 
-def saved_newest(store: ShardStore, txn: lmdb.Transaction, size: int) -> tuple[int, bool]:
-    """``(newest checkpoint, closed)`` of a shard as of ``txn`` (for read-only readers)."""
+#: Why a shard's manager closed, as same-host readers see it in the shard.
+OPEN, CLOSED_DESTROYED, CLOSED_HOST_GONE = 0, 1, 2
+
+
+def saved_newest(store: ShardStore, txn: lmdb.Transaction, size: int) -> tuple[int, int]:
+    """``(newest checkpoint, closed)`` of a shard as of ``txn`` (for read-only readers).
+
+    ``closed`` is :data:`OPEN`, :data:`CLOSED_DESTROYED` (the dictionary was
+    destroyed) or :data:`CLOSED_HOST_GONE` (its host process shut down).
+    """
     raw = txn.get(NEWEST, db=store.meta_db)
     if raw is None:
-        return size - 1, False
+        return size - 1, OPEN
     newest, closed = _NEWEST.unpack(raw)
-    return newest, bool(closed)
+    return newest, closed
 
 
-def mark_closed(store: ShardStore, newest: int) -> None:
+def mark_closed(store: ShardStore, newest: int, why: int = CLOSED_DESTROYED) -> None:
     """Tell same-host readers that the manager is gone (they map the shard themselves)."""
     with store.write() as txn:
-        store.put_meta(txn, NEWEST, _NEWEST.pack(newest, 1))
+        store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
 
 
 def check_window(chkpt: int, newest: int, size: int) -> None:

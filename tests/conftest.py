@@ -13,6 +13,11 @@ def shm_entries() -> set[str]:
     return set(glob.glob("/dev/shm/ddict-*"))
 
 
+def shards(d) -> set[str]:  # noqa: ANN001
+    """The shard directories of a DDict: tests inspect only the files they created."""
+    return {m.store_path for m in d._core.layout.managers}
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """A LocalCluster with two worker processes (real spawn, real shared memory)."""

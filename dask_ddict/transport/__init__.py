@@ -1,17 +1,17 @@
-"""The key path: framing, the managers' socket servers, and client channels.
+"""The key path, client side: framing, links to host processes, channels to managers.
 
-Three ways to reach a manager, chosen per manager by the client handle:
+Two ways to reach a manager, chosen per manager by the client handle:
 
-* in-process (:class:`InProcessChannel`): a task on the hosting worker calls
-  the manager object directly;
-* same host (:class:`SocketChannel` over a Unix socket);
-* other hosts (:class:`SocketChannel` over TCP, HMAC-authenticated, TLS when
-  the cluster requires it).
+* same host: read the shard directly (:class:`~.shared.SharedReadChannel`) and
+  send writes through the host process's Unix socket;
+* other hosts: TCP to the host process (HMAC-authenticated, TLS when the
+  cluster requires it).
+
+The server side lives in :mod:`dask_ddict.host`.
 """
 
 from __future__ import annotations
 
-from .client import InProcessChannel, SocketChannel
-from .server import ManagerServer
+from .client import HostLink, SocketChannel
 
-__all__ = ["InProcessChannel", "ManagerServer", "SocketChannel"]
+__all__ = ["HostLink", "SocketChannel"]

@@ -1,116 +1,76 @@
-"""Client side of the key path: channels to managers.
+"""Client side of the key path: links to host processes and channels to managers.
 
-A *channel* reaches one manager.  :class:`InProcessChannel` calls a manager
-living in this process (a task on the hosting worker) directly;
-:class:`SocketChannel` talks to its server over a Unix socket (same host) or
-TCP (other hosts, optionally TLS).  Both have the same methods, so the
-``DDict`` handle never knows which one it holds.
+A :class:`HostLink` reaches one host process for one dictionary, over its
+Unix socket (same host) or TCP (other hosts, optionally TLS).  It keeps one
+blocking connection per thread (tasks of one worker run in several threads)
+and uses it from the calling thread: no event loop and no thread hand-off on
+the key path.  Every manager that the host serves shares the link.
 
-Socket channels keep one blocking connection per thread (tasks of one worker
-run in several threads) and use it from the calling thread: no event loop and
-no thread hand-off on the key path.
+A :class:`SocketChannel` is one manager seen through its host's link.
+
+Failures are handled here, once:
+
+* the connection breaks (the host process died; its supervisor restarts it
+  on the same listening sockets): the link reconnects and retries the request
+  while the operation's time lasts.  Requests that are not idempotent
+  (``pop``, ``fetch_add``) carry a request id, so the host applies them at most
+  once; a batch, which cannot be retried, fails with an error that says it may
+  or may not have been applied;
+* the connection is refused or the socket file is gone (the supervisor, and
+  so the host, is gone): ``DDictManagerUnavailableError`` at once, naming
+  manager and host;
+* no answer within the operation's ``timeout`` plus a small slack
+  (``ddict.transport.timeout-slack``): ``DDictTimeoutError``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import pickle
+import secrets
 import socket
 import ssl
 import threading
+import time
 from typing import Any
 
+from .. import config
 from .._serialize import SMALL_FRAME, Framed, aligned_empty, copy_frame
-from ..errors import DDictManagerUnavailableError, DDictTimeoutError, raise_for_status
+from ..errors import (
+    DDictClosedError,
+    DDictError,
+    DDictManagerUnavailableError,
+    DDictTimeoutError,
+    raise_for_status,
+)
 from ..layout import ManagerInfo
-from ..manager import Manager
 from .protocol import (
     AUTH_NONCE,
     FLAG_NOREPLY,
     FLAG_PERSIST,
+    HELLO,
+    HELLO_MAGIC,
     RECORD,
     REP,
     REQ,
+    Hello,
     Op,
     Reader,
     encode_timeout,
     send_parts,
 )
 
-#: Extra seconds a client waits beyond an operation's own timeout before it
-#: declares the manager unresponsive (the manager answers TIMEOUT itself).
-GRACE = 10.0
-
-
-class InProcessChannel:
-    """Direct calls into a manager of this process (~µs, no syscalls)."""
-
-    kind = "inprocess"
-
-    def __init__(self, manager: Manager) -> None:
-        self.manager = manager
-
-    def __repr__(self) -> str:
-        return f"<InProcessChannel manager={self.manager.manager_id}>"
-
-    def put(self, digest: bytes, key: bytes, framed: Framed, chkpt: int, client: int,
-            persistent: bool, timeout: float | None) -> None:  # fmt: skip
-        self.manager.put(
-            digest, key, framed, chkpt, client, persistent=persistent, timeout=timeout
-        )
-
-    def get(self, digest: bytes, chkpt: int, timeout: float | None) -> Any:
-        return self.manager.get(digest, chkpt, copy_frame, timeout)
-
-    def contains(self, digest: bytes, chkpt: int) -> bool:
-        return self.manager.contains(digest, chkpt)
-
-    def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None) -> Any:
-        return self.manager.pop(digest, chkpt, client, timeout)
-
-    def length(self, chkpt: int) -> int:
-        return self.manager.length(chkpt)
-
-    def clear(self, chkpt: int, client: int, timeout: float | None) -> None:
-        self.manager.clear(chkpt, client, timeout)
-
-    def page(self, chkpt: int, after: bytes | None, want: int, max_items: int) -> Any:
-        return self.manager.page(chkpt, after, want, max_items, 1 << 20)
-
-    def fetch_add(self, digest: bytes, key: bytes, chkpt: int, client: int, n: int,
-                  timeout: float | None) -> Any:  # fmt: skip
-        return self.manager.fetch_add(digest, key, chkpt, client, n, timeout)
-
-    def wait_for(self, digest: bytes, chkpt: int, frame: bytes, timeout: float | None) -> None:
-        self.manager.wait_for(digest, chkpt, frame, timeout)
-
-    def batch_put(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int, client: int,
-                  persistent: bool) -> None:  # fmt: skip
-        self.manager.batch_put(
-            records, chkpt, client, persistent=persistent
-        )
-
-    def batch_end(self, client: int) -> int:
-        return self.manager.batch_end(client)
-
-    def stats(self) -> dict[str, Any]:
-        return self.manager.stats()
-
-    def newest_checkpoint(self) -> int:
-        return self.manager.newest_checkpoint()
-
-    def freeze(self) -> None:
-        self.manager.freeze()
-
-    def unfreeze(self) -> None:
-        self.manager.unfreeze()
-
-    def admin(self, name: str, *args: Any) -> Any:
-        return self.manager.admin(name, *args)
-
-    def close(self) -> None:
-        pass
+#: Safe to send again after a broken connection (the same request, the same effect).
+IDEMPOTENT = frozenset({
+    Op.GET, Op.CONTAINS, Op.LEN, Op.PAGE, Op.STATS, Op.NEWEST, Op.PING, Op.PUT, Op.CLEAR,
+    Op.FREEZE, Op.UNFREEZE, Op.WAIT_FOR, Op.ADMIN,
+})  # fmt: skip
+#: Retried with their request id: the host applies them at most once.
+AT_MOST_ONCE = frozenset({Op.POP, Op.FETCH_ADD})
+#: Connection errors that mean nobody listens any more (the host is gone).
+_GONE = {errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 
 class _Conn:
@@ -122,83 +82,92 @@ class _Conn:
         self.timeout: float | None = None
 
 
-class SocketChannel:
-    """Blocking-socket requests to one manager's server.
+class HostLink:
+    """Blocking-socket requests to one host process, for one dictionary.
 
     Parameters
     ----------
     info
-        Where the manager is.
-    secret
-        The dictionary's secret (TCP authentication).
+        Any manager of the host (its addresses are the host's).
+    uid, secret, name
+        The dictionary: its handshake identity, TCP secret and name (messages).
     use_uds
-        Connect through the manager's Unix socket (same host) instead of TCP.
+        Connect through the host's Unix socket (same host) instead of TCP.
     ssl_context
         Client TLS context when the cluster requires TLS.
-    connect_timeout
-        Seconds to wait for a connection.
     """
 
-    def __init__(
-        self,
-        info: ManagerInfo,
-        secret: str,
-        *,
-        use_uds: bool,
-        ssl_context: ssl.SSLContext | None = None,
-        connect_timeout: float = 10.0,
-    ) -> None:
+    def __init__(self, info: ManagerInfo, uid: str, secret: str, name: str, *, use_uds: bool,
+                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
         self.info = info
         self.kind = "uds" if use_uds else ("tls" if ssl_context else "tcp")
+        self.name = name
+        self._hello = HELLO.pack(HELLO_MAGIC, bytes.fromhex(uid))
         self._secret = secret.encode()
         self._ssl = ssl_context
-        self._connect_timeout = connect_timeout
+        self._connect_timeout = config.get_seconds("transport.connect-timeout") or 10.0
+        self._reconnect = config.get_seconds("transport.reconnect-timeout") or 30.0
+        self._slack = config.get_seconds("transport.timeout-slack") or 0.0
         self._local = threading.local()
         self._all: list[_Conn] = []
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"<SocketChannel manager={self.info.manager_id} kind={self.kind}>"
+        where = self.info.uds_path if self.kind == "uds" else f"{self.info.tcp_host}:{self.info.tcp_port}"
+        return f"<HostLink {self.name!r} {self.kind} {where}>"
 
-    # -- connection management ---------------------------------------------------
+    def where(self, mid: int) -> str:
+        return f"manager {mid} of {self.name!r} on host {self.info.hostname} ({self.info.worker})"
 
-    def _unavailable(self, e: BaseException) -> DDictManagerUnavailableError:
-        return DDictManagerUnavailableError(
-            f"manager {self.info.manager_id} on worker {self.info.worker} is unreachable "
-            f"({type(e).__name__}: {e})"
-        )
+    # -- connections --------------------------------------------------------------
 
-    def _connect(self) -> _Conn:
+    def _connect(self, mid: int, deadline: float | None) -> _Conn:
+        wait = self._connect_timeout
+        if deadline is not None:
+            wait = max(0.001, min(wait, deadline - time.monotonic()))
         info = self.info
         try:
             if self.kind == "uds":
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self._connect_timeout)
+                sock.settimeout(wait)
                 sock.connect(info.uds_path)
             else:
-                sock = socket.create_connection(
-                    (info.tcp_host, info.tcp_port), timeout=self._connect_timeout
-                )
+                sock = socket.create_connection((info.tcp_host, info.tcp_port), timeout=wait)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=None)
-                nonce = _recv_exact(sock, AUTH_NONCE)
-                sock.sendall(hmac.new(self._secret, nonce, hashlib.sha256).digest())
-                if _recv_exact(sock, 1) != b"\x01":
-                    raise PermissionError("manager rejected the credentials")
-            sock.settimeout(None)
-        except (OSError, ssl.SSLError, PermissionError) as e:
-            raise self._unavailable(e) from e
+            try:
+                sock.sendall(self._hello)
+                if self.kind != "uds":
+                    nonce = _recv_exact(sock, AUTH_NONCE)
+                    sock.sendall(hmac.new(self._secret, nonce, hashlib.sha256).digest())
+                answer = _recv_exact(sock, 1)[0]
+            except BaseException:
+                sock.close()
+                raise
+        except TimeoutError as e:
+            raise DDictTimeoutError(f"{self.where(mid)}: no answer to connect within {wait:.1f} s"
+                                    ) from e  # fmt: skip
+        except (OSError, ssl.SSLError) as e:
+            if getattr(e, "errno", None) in _GONE or isinstance(e, ssl.SSLError):
+                raise self._unavailable(mid, e) from e
+            raise  # e.g. reset mid-handshake: the host is restarting, the caller retries
+        if answer != Hello.OK:
+            sock.close()
+            if answer == Hello.CLOSED:
+                raise DDictClosedError(f"DDict {self.name!r} was destroyed")
+            reason = "refused the credentials" if answer == Hello.DENIED else "does not serve it"
+            raise DDictManagerUnavailableError(f"{self.where(mid)}: the host {reason}")
+        sock.settimeout(None)
         conn = _Conn(sock)
         with self._lock:
             self._all.append(conn)
         return conn
 
-    def _conn(self) -> _Conn:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._connect()
-        return conn
+    def _unavailable(self, mid: int, e: BaseException) -> DDictManagerUnavailableError:
+        return DDictManagerUnavailableError(
+            f"{self.where(mid)} is unreachable ({type(e).__name__}: {e})"
+        )
 
     def _drop(self, conn: _Conn) -> None:
         self._local.conn = None
@@ -220,11 +189,12 @@ class SocketChannel:
                 pass
         self._local = threading.local()
 
-    # -- requests ---------------------------------------------------------------
+    # -- requests -------------------------------------------------------------------
 
-    def _call(
+    def call(
         self,
         op: Op,
+        mid: int,
         *,
         flags: int = 0,
         keysec: bytes = b"",
@@ -236,36 +206,78 @@ class SocketChannel:
         timeout: float | None = None,
         reply: bool = True,
     ) -> tuple[int, Any]:
-        conn = self._conn()
-        want = None if timeout is None else timeout + GRACE
-        try:
-            if want != conn.timeout:
-                conn.sock.settimeout(want)
-                conn.timeout = want
-            head = REQ.pack(
-                op, flags, len(keysec), chkpt, arg, client, encode_timeout(timeout), vlen
-            )
-            send_parts(conn.sock, [head, keysec, *(value or ())], REQ.size + len(keysec) + vlen)
-            if not reply:
-                return 0, None
-            status, ival, plen = REP.unpack(conn.reader.read(REP.size))
-            if plen >= SMALL_FRAME:
-                payload: Any = aligned_empty(plen)
-                conn.reader.read_into(payload)
-            else:
-                payload = bytes(conn.reader.read(plen))
-        except TimeoutError as e:
-            self._drop(conn)
-            raise DDictTimeoutError(
-                f"manager {self.info.manager_id} on {self.info.worker} did not answer "
-                f"within {want} s"
-            ) from e
-        except (OSError, ssl.SSLError) as e:
-            self._drop(conn)
-            raise self._unavailable(e) from e
-        if status:
-            raise_for_status(status, bytes(payload).decode(errors="replace"))
-        return ival, payload
+        """Send one request to manager ``mid``; return ``(ival, payload)``."""
+        want = None if timeout is None else timeout + self._slack
+        start = time.monotonic()
+        deadline = start + (self._reconnect if want is None else want)
+        rid = secrets.randbits(63) + 1 if op in AT_MOST_ONCE else 0
+        head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, encode_timeout(timeout),
+                        vlen, rid)  # fmt: skip
+        total = REQ.size + len(keysec) + vlen
+        attempt = 0
+        while True:
+            conn = getattr(self._local, "conn", None)
+            try:
+                if conn is None:
+                    conn = self._local.conn = self._connect(mid, deadline)
+                sock_timeout = None if want is None else max(0.001, start + want - time.monotonic())
+                if sock_timeout != conn.timeout:
+                    conn.sock.settimeout(sock_timeout)
+                    conn.timeout = sock_timeout
+                send_parts(conn.sock, [head, keysec, *(value or ())], total)
+                if not reply:
+                    return 0, None
+                status, ival, plen = REP.unpack(conn.reader.read(REP.size))
+                if plen >= SMALL_FRAME:
+                    payload: Any = aligned_empty(plen)
+                    conn.reader.read_into(payload)
+                else:
+                    payload = bytes(conn.reader.read(plen))
+            except DDictError:  # from connecting: already what the caller should see
+                raise
+            except TimeoutError as e:
+                if conn is not None:
+                    self._drop(conn)
+                maybe = "" if op in IDEMPOTENT and op is not Op.PUT else (
+                    "; the operation may or may not have been applied"
+                )
+                raise DDictTimeoutError(
+                    f"{self.where(mid)} did not answer {op.name} within {timeout} s "
+                    f"(+{self._slack} s slack){maybe}"
+                ) from e
+            except (OSError, ssl.SSLError) as e:
+                if conn is not None:
+                    self._drop(conn)
+                if op not in IDEMPOTENT and op not in AT_MOST_ONCE:
+                    raise DDictError(
+                        f"{self.where(mid)}: the connection broke during {op.name} "
+                        f"({type(e).__name__}); it may or may not have been applied",
+                        "MANAGER_UNAVAILABLE",
+                    ) from e
+                if time.monotonic() >= deadline:
+                    raise self._unavailable(mid, e) from e
+                time.sleep(min(0.5, 0.02 * 2**attempt))  # the host is restarting
+                attempt += 1
+                continue
+            if status:
+                raise_for_status(status, bytes(payload).decode(errors="replace"))
+            return ival, payload
+
+
+class SocketChannel:
+    """One manager, reached through its host's :class:`HostLink`."""
+
+    def __init__(self, link: HostLink, info: ManagerInfo) -> None:
+        self.link = link
+        self.info = info
+        self.mid = info.manager_id
+        self.kind = link.kind
+
+    def __repr__(self) -> str:
+        return f"<SocketChannel manager={self.mid} kind={self.kind}>"
+
+    def _call(self, op: Op, **kwargs: Any) -> tuple[int, Any]:
+        return self.link.call(op, self.mid, **kwargs)
 
     def put(self, digest: bytes, key: bytes, framed: Framed, chkpt: int, client: int,
             persistent: bool, timeout: float | None) -> None:  # fmt: skip
@@ -354,6 +366,9 @@ class SocketChannel:
 
     def ping(self) -> int:
         return self._call(Op.PING)[0]
+
+    def close(self) -> None:
+        pass  # the link is the core's, shared by the host's managers
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -6,9 +6,16 @@ round trip 20-80 µs (``transport-notes.md``).  Dask carries control only.
 Every request is a fixed header, then the key section, then the value
 section; every reply is a fixed header and a payload::
 
-    request  = REQ(op, flags, klen, chkpt, arg, client, timeout, vlen)
+    request  = REQ(op, flags, klen, manager, chkpt, arg, client, timeout, vlen, rid)
                [digest(16) + key bytes: klen] [value: vlen]
     reply    = REP(status, ival, plen) [payload: plen]
+
+One host process serves many managers, so every request names its manager;
+a connection is bound to one dictionary by its handshake (``HELLO``, then on
+TCP an HMAC challenge on that dictionary's secret), which is also where a
+destroyed dictionary is told apart from an unreachable one.  ``rid`` is a
+request id: non-idempotent operations (``pop``, ``fetch_add``) carry one so
+that a request retried after a host restart is applied at most once.
 
 Small messages go out in one ``sendall``; large values are sent part by part
 straight from their buffers and received with ``recv_into`` into a
@@ -22,7 +29,9 @@ import socket
 import struct
 from typing import Any
 
-REQ = struct.Struct("<BBxxIqqQdQ")
+REQ = struct.Struct("<BBxxIIxxxxqqQdQQ")
+HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
+HELLO_MAGIC = b"DDK2"
 REP = struct.Struct("<BxxxxxxxqQ")
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one batch/page record
 AUTH_NONCE = 32
@@ -51,6 +60,15 @@ class Op(enum.IntEnum):
 
 FLAG_PERSIST = 1
 FLAG_NOREPLY = 2
+
+
+class Hello(enum.IntEnum):
+    """The host's one-byte answer to a connection's ``HELLO``."""
+
+    OK = 1
+    CLOSED = 2  # the dictionary was destroyed
+    UNKNOWN = 3  # this host serves no such dictionary
+    DENIED = 4  # authentication failed
 
 
 def encode_timeout(timeout: float | None) -> float:

@@ -15,7 +15,12 @@ view of pages that a later write could reuse.
 
 LMDB forbids opening one environment twice in a process, so read-only
 environments are shared process-wide (:data:`_ENVS`) and released when the
-last channel using one closes.
+last channel using one closes (a handle's channels close with it, also when
+it is garbage-collected, e.g. at the end of a task), or as soon as a read
+finds the dictionary destroyed.  Readers give back the shard pages they
+touched (see :mod:`dask_ddict._memory`): at once for a large value, and for
+small ones after :data:`RELEASE_EVERY` bytes of pages, so a process that reads a
+lot and drops it does not keep the shards in its RSS.
 """
 
 from __future__ import annotations
@@ -26,35 +31,85 @@ from typing import Any
 
 import lmdb
 
+from .. import _memory
 from .._serialize import copy_frame
-from ..errors import DDictKeyError, DDictManagerUnavailableError
+from ..errors import DDictClosedError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
 from ..store import ShardStore
-from ..working_set import check_window, entry_visible, saved_newest
+from ..working_set import CLOSED_DESTROYED, OPEN, check_window, entry_visible, saved_newest
 from .client import SocketChannel
 
-_ENVS: dict[str, list[Any]] = {}  # path -> [ShardStore, users]
+#: A value this big is released from the reader's mapping right after its copy.
+RELEASE_LARGE = 1 << 20
+#: Smaller values: every mapping of the process is released after reads that may
+#: have touched this many bytes of pages (each read counts at least one page).
+RELEASE_EVERY = 64 << 20
+
+
+class _View:
+    """A process's read-only mapping of one shard, shared by its channels."""
+
+    __slots__ = ("store", "users", "span")
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+        self.users = 0
+        self.span: tuple[int, int] | None = None
+
+    def read(self, frame: memoryview) -> None:
+        """Account for a value copied out of the mapping; give pages back when due."""
+        global _unreleased
+        n = frame.nbytes
+        if n >= RELEASE_LARGE:
+            _memory.release(_memory.address_of(frame), n)
+            return
+        _unreleased += n + _memory.PAGE
+        if _unreleased >= RELEASE_EVERY:
+            _unreleased = 0
+            for view in list(_ENVS.values()):
+                view.release()
+
+    def release(self) -> None:
+        """Give back every page of this mapping (they stay in the shard)."""
+        if self.span is None:
+            self.span = _memory.mapping_of(self.store.path + "/data.mdb")
+        if self.span is not None:
+            _memory.release(self.span[0], self.span[1] - self.span[0])
+
+
+_unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
+_ENVS: dict[str, _View] = {}  # path -> the process's view of it
+_DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire(path: str, capacity: int) -> ShardStore:
+def _acquire(path: str, capacity: int) -> _View:
     with _ENVS_LOCK:
-        entry = _ENVS.get(path)
-        if entry is None:
-            entry = _ENVS[path] = [ShardStore(path, capacity, readonly=True), 0]
-        entry[1] += 1
-        return entry[0]
+        view = _ENVS.get(path)
+        if view is None:
+            view = _ENVS[path] = _View(ShardStore(path, capacity, readonly=True))
+        view.users += 1
+        return view
 
 
-def _release(path: str) -> None:
+def _release(path: str, view: _View) -> None:
     with _ENVS_LOCK:
-        entry = _ENVS.get(path)
-        if entry is None:
+        view.users -= 1
+        if view.users > 0 or _ENVS.get(path) is not view:
             return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _ENVS[path]
-            entry[0].close()
+        del _ENVS[path]
+    view.store.close()
+
+
+def _destroyed(path: str) -> None:
+    """The shard was destroyed: close this process's view now, for every channel."""
+    with _ENVS_LOCK:
+        view = _ENVS.pop(path, None)
+        _DESTROYED[path] = None
+        while len(_DESTROYED) > 4096:
+            del _DESTROYED[next(iter(_DESTROYED))]
+    if view is not None:
+        view.store.close()
 
 
 def forget(path: str) -> None:
@@ -64,9 +119,9 @@ def forget(path: str) -> None:
     place a manager in a process that still maps the old shard read-only.
     """
     with _ENVS_LOCK:
-        entry = _ENVS.pop(path, None)
-    if entry is not None:
-        entry[0].close()
+        view = _ENVS.pop(path, None)
+    if view is not None:
+        view.store.close()
 
 
 class SharedReadChannel:
@@ -78,7 +133,8 @@ class SharedReadChannel:
                  options: DDictOptions) -> None:  # fmt: skip
         self._sock = sock
         self._path = store_path
-        self._store = _acquire(store_path, capacity)
+        self._view = _acquire(store_path, capacity)
+        self._store = self._view.store
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
         self._closed = False
@@ -91,17 +147,20 @@ class SharedReadChannel:
         return getattr(self._sock, name)
 
     def _check_alive(self) -> None:
-        """A shard outlives its process: a dead manager must still read as unavailable,
-        as it does over a socket.  One ``kill(pid, 0)`` per read (about a microsecond);
-        a manager that closed says so in the shard itself (see :meth:`_visible`).
+        """A shard outlives its processes: a manager whose host is gone must read as
+        unavailable, as it does over a socket.  ``info.pid`` is the supervisor's: while
+        it lives the shard is served (its host process may be restarting, and the
+        shard holds every committed write), so one ``kill(pid, 0)`` per read (about a
+        microsecond) tells.  A manager that closed says so in the shard itself (see
+        :meth:`_visible`).
         """
         info = self._sock.info
         try:
             os.kill(info.pid, 0)
         except ProcessLookupError:
             raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} on worker {info.worker} is gone (process "
-                f"{info.pid} ended)"
+                f"manager {info.manager_id} on host {info.hostname} ({info.worker}) is gone "
+                f"(its supervisor, process {info.pid}, ended)"
             ) from None
         except PermissionError:
             pass  # alive, under another user
@@ -109,10 +168,12 @@ class SharedReadChannel:
     def _visible(self, digest: bytes, chkpt: int, txn: Any) -> Any:
         """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
         newest, closed = saved_newest(self._store, txn, self._size)
-        if closed:
+        if closed != OPEN:
             info = self._sock.info
+            if closed == CLOSED_DESTROYED:
+                raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed")
             raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} on worker {info.worker} is closed"
+                f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
             )
         check_window(chkpt, newest, self._size)
         e = self._store.lookup(txn, digest, chkpt)
@@ -124,28 +185,40 @@ class SharedReadChannel:
         try:
             return self._store.read()
         except lmdb.Error as e:  # the view was closed (a restart reopened the shard here)
+            if self._path in _DESTROYED:
+                raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed") from None
             info = self._sock.info
             raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} on worker {info.worker}: shard closed ({e})"
+                f"manager {info.manager_id} on host {info.hostname}: shard closed ({e})"
             ) from e
 
     def get(self, digest: bytes, chkpt: int, timeout: float | None) -> Any:
         self._check_alive()
-        with self._snapshot() as txn:
-            e = self._visible(digest, chkpt, txn)
-            if e:
-                return copy_frame(e.frame)
+        try:
+            with self._snapshot() as txn:
+                e = self._visible(digest, chkpt, txn)
+                if e:
+                    out = copy_frame(e.frame)
+                    self._view.read(e.frame)
+                    return out
+        except DDictClosedError:
+            _destroyed(self._path)  # after the snapshot ended: no reader left in the map
+            raise
         if e is None:
             raise DDictKeyError()
         return self._sock.get(digest, chkpt, timeout)  # the manager waits for the writer
 
     def contains(self, digest: bytes, chkpt: int) -> bool:
         self._check_alive()
-        with self._snapshot() as txn:
-            return bool(self._visible(digest, chkpt, txn))
+        try:
+            with self._snapshot() as txn:
+                return bool(self._visible(digest, chkpt, txn))
+        except DDictClosedError:
+            _destroyed(self._path)
+            raise
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            _release(self._path)
+            _release(self._path, self._view)
         self._sock.close()

@@ -1,0 +1,57 @@
+"""Giving back the pages of a shared mapping that a reader has touched.
+
+A same-host reader maps a shard read-only.  Every page it reads stays in its
+resident set (RSS) until it unmaps, although the data lives in the host's
+shared memory and is owned by the shard: a task that reads 1 GiB through a
+shard would look 1 GiB bigger to Dask's memory monitor, and be paused or
+killed for it.  ``madvise(MADV_DONTNEED)`` on a read-only shared file mapping
+only drops this process's page-table entries (the pages stay in the tmpfs,
+and a later read maps them again), so a reader can give them back once it
+has copied what it needs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+from typing import Any
+
+import numpy as np
+
+MADV_DONTNEED = 4
+PAGE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def address_of(buf: Any) -> int:
+    """Start address of a (read-only) buffer."""
+    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def release(start: int, nbytes: int) -> None:
+    """Drop this process's mapping of the pages covering ``[start, start + nbytes)``.
+
+    Only for read-only shared mappings of files (the data stays in the file).
+    """
+    if nbytes <= 0:
+        return
+    lo = start & ~(PAGE - 1)
+    hi = (start + nbytes + PAGE - 1) & ~(PAGE - 1)
+    _libc.madvise(lo, hi - lo, MADV_DONTNEED)
+
+
+def mapping_of(path: str) -> tuple[int, int] | None:
+    """``(start, end)`` of this process's mapping of file ``path`` (from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if line.rstrip().endswith(path):
+                    lo, hi = line.split(None, 1)[0].split("-")
+                    return int(lo, 16), int(hi, 16)
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,84 @@
+"""Control messages between a supervisor and its host process, over a pipe.
+
+The pipe is the host process's stdin (requests) and stdout (replies), so it
+is private to the two processes and carries the dictionaries' secrets, which
+therefore never appear in a command line.  The host process reads EOF on its
+stdin when the supervisor is gone, however it ended, and shuts down.
+
+Each message is a frozen dataclass, framed as ``[u64 length][pickle]``: both
+ends are this package, started by the same user, so pickle is safe here.
+Replies are ``(True, value)`` or ``(False, exception)``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from .opening import DictSpec
+
+_LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Init:
+    """First message to a new incarnation of the host process."""
+
+    security: Any  # distributed.Security (certificates for TLS), or None
+    supervisor_pid: int
+    socket_dir: str
+    closed: tuple[str, ...] = ()  # uids destroyed on this host: their clients get CLOSED
+    config: dict[str, Any] = field(default_factory=dict)  # the supervisor's ddict.* settings
+
+
+@dataclass(frozen=True)
+class OpenManagers:
+    """Serve managers ``manager_ids`` of a dictionary (re-attaching ``restart_paths``)."""
+
+    spec: DictSpec
+    manager_ids: tuple[int, ...]
+    restart_paths: dict[int, str] = field(default_factory=dict)
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class CloseManagers:
+    """Stop serving a dictionary; keep its shards when ``allow_restart``."""
+
+    uid: str
+    allow_restart: bool = False
+
+
+@dataclass(frozen=True)
+class Serve:
+    """Start accepting connections (the managers are open)."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Close every manager, delete their shards, exit."""
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Answer with the host process's pid."""
+
+
+def send(f: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    f.write(_LEN.pack(len(data)) + data)
+    f.flush()
+
+
+def recv(f: BinaryIO) -> Any:
+    """The next message, or ``None`` at EOF."""
+    head = f.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack(head)
+    data = f.read(n)
+    if len(data) < n:
+        return None
+    return pickle.loads(data)

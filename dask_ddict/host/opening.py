@@ -1,0 +1,174 @@
+"""Opening a manager in a host process: a new shard, or one that is already there.
+
+A shard is re-opened ("re-attached") in three cases, all with every committed
+write intact because LMDB's pages live in the host's shared memory:
+the host process restarted after a crash, ``restart=True`` after
+``destroy(allow_restart=True)``, and the supervisor replaying its managers.
+A new shard first reserves its whole size in the shard directory, so that a
+full tmpfs is an error at creation instead of a bus error on some later write.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+
+from .. import config
+from ..errors import DDictFullError
+from ..manager import Manager
+from ..options import DDictOptions
+from ..store import ShardStore
+from ..working_set import WorkingSet
+from . import hygiene
+
+
+@dataclass(frozen=True)
+class DictSpec:
+    """What a host process needs to serve a dictionary's managers (sent over its pipe)."""
+
+    name: str
+    uid: str
+    secret: str
+    options: DDictOptions
+    capacity: int
+    num_managers: int
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"DictSpec(name={self.name!r}, uid={self.uid!r}, managers={self.num_managers})"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
+
+
+def shard_directory() -> str:
+    return config.get("store.directory") or "/dev/shm"
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_room(directory: str, needed: int) -> None:
+    """Refuse a shard that its directory (or, for a tmpfs, the host's memory) cannot hold."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    limits = [("free space in " + directory, free)]
+    mem = _meminfo_available()
+    if mem is not None:
+        limits.append(("available memory", mem))
+    for what, available in limits:
+        if needed > available:
+            raise DDictFullError(
+                f"host {socket.gethostname()} cannot hold a {needed}-byte shard: "
+                f"{available} bytes of {what} (lower total_mem, add hosts, or set "
+                "ddict.store.directory)"
+            )
+
+
+def _reserve(store: ShardStore) -> None:
+    """Allocate the shard's whole map now (a tmpfs then never fills under a writer)."""
+    data = os.path.join(store.path, "data.mdb")
+    fd = os.open(data, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, store.map_size)
+    except OSError as e:
+        raise DDictFullError(
+            f"host {socket.gethostname()} cannot reserve {store.map_size} bytes for a shard "
+            f"in {os.path.dirname(store.path)}: {e.strerror}"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
+                 worker: str = "") -> tuple[Manager, bool, int]:  # fmt: skip
+    """A manager over a new shard, or over the existing shard at ``restart_path``.
+
+    Returns the manager, whether it re-attached a shard, and the fd of its
+    owner lock (see :mod:`.hygiene`), which the caller keeps while it serves it.
+    """
+    opts = spec.options
+    reattach = bool(restart_path) and os.path.isfile(os.path.join(restart_path, "data.mdb"))
+    if reattach:
+        assert restart_path is not None
+        from ..transport.shared import forget
+
+        forget(restart_path)  # this process may map it read-only (a replication pull)
+        path = restart_path
+    else:
+        base = shard_directory()
+        path = os.path.join(base, f"{hygiene.PREFIX}{_safe(spec.name)}-{mid}-{secrets.token_hex(8)}")
+        check_room(base, ShardStore.map_size_for(spec.capacity))
+        os.makedirs(path, mode=0o700)
+    lock = hygiene.claim(path)
+    store = None
+    try:
+        store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
+                           indexed=opts.wait_for_keys)  # fmt: skip
+        if not reattach and config.get("store.reserve"):
+            _reserve(store)
+        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
+                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
+        frozen = False
+        if reattach:
+            hygiene.mark_kept(path, False)
+            # A shard whose window never moved has no saved state: it is at the start.
+            state = WorkingSet.saved_state(store)
+            if state is not None:
+                mismatch = [k for k in ("size", "wait_for_keys", "wait_for_writers")
+                            if state[k] != getattr(ws, k)]  # fmt: skip
+                if mismatch:
+                    raise ValueError(
+                        f"restart of {spec.name!r}: manager {mid} was created with a different "
+                        f"{', '.join(mismatch)} (working_set_size/wait_for_keys/"
+                        "wait_for_writers must match the original)"
+                    )
+                ws.load(state)
+            frozen = Manager.saved_frozen(store)
+            with store.write() as txn:  # clears the closed mark the last manager left
+                ws.save(txn)
+        persister = None
+        if opts.persist_path:
+            from ..persistence import CheckpointStore, Persister  # zarr: only when persisting
+
+            persister = Persister(
+                CheckpointStore(opts.persist_path, spec.name, mid, spec.num_managers,
+                                chunk_bytes=config.get_bytes("persist.chunk-bytes"),
+                                fsync=bool(config.get("persist.fsync"))),
+                opts.persist_freq, opts.persist_count,
+            )  # fmt: skip
+        from ..replication import pull_shard
+
+        manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
+                          frozen=frozen, persister=persister, pull_shard=pull_shard)  # fmt: skip
+    except BaseException:
+        if store is not None:
+            if reattach:
+                store.close()
+            else:
+                store.destroy()
+        elif not reattach:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        hygiene.release(lock)
+        raise
+    if opts.restore_from is not None and not reattach:
+        try:
+            manager.restore(opts.restore_from, discard_newer=not opts.read_only)
+        except BaseException:
+            manager.close()
+            hygiene.release(lock)
+            raise
+    return manager, reattach, lock

@@ -1,0 +1,164 @@
+"""The host process: serves managers outside any Dask worker.
+
+Started by a :class:`~dask_ddict.host.supervisor.HostSupervisor` (in the
+worker's nanny, or in the worker itself when it has none) as
+``python -m dask_ddict.host UDS_FD TCP_FD``, in a session of its own: it is the
+worker's sibling, so the nanny's memory monitor, pause and restart never see
+its shard pages, and a worker restart leaves it serving.
+
+The main thread reads control messages from the supervisor's pipe (stdin);
+the :class:`~dask_ddict.host.server.HostServer` threads serve clients.  EOF on
+the pipe means the supervisor is gone: the host shuts down cleanly (readers
+see the shards marked closed, shards and socket directory are removed) rather
+than lingering as an orphan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+from typing import Any, BinaryIO
+
+import dask.config
+
+from .. import config
+from ..errors import DDictError
+from ..manager import Manager
+from ..working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
+from . import control, hygiene
+from .opening import open_manager
+from .server import HostedDict, HostServer
+
+logger = logging.getLogger(__name__)
+
+
+class Host:
+    """The managers of one host process and the server in front of them."""
+
+    def __init__(self, init: control.Init, uds: socket.socket, tcp: socket.socket) -> None:
+        self.init = init
+        self.dicts: dict[bytes, HostedDict] = {}
+        self.closed: set[bytes] = {bytes.fromhex(u) for u in init.closed}
+        self.locks: dict[tuple[str, int], int] = {}
+        ssl_context = None
+        if init.security is not None and tcp.family in (socket.AF_INET, socket.AF_INET6):
+            ssl_context = init.security.get_listen_args("worker").get("ssl_context")
+        if init.security is not None:
+            from .. import client
+
+            client.set_default_security(init.security)  # replication pulls over TLS
+        self.server = HostServer(
+            uds, tcp, self.dicts, self.closed, ssl_context=ssl_context,
+            page_bytes=config.get_bytes("iteration.page-bytes"),
+            scratch_keep=config.get_bytes("store.scratch-bytes"),
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"<Host pid={os.getpid()} dicts={len(self.dicts)}>"
+
+    def handle(self, msg: Any) -> Any:
+        if isinstance(msg, control.OpenManagers):
+            return self.open(msg)
+        if isinstance(msg, control.CloseManagers):
+            return self.close_dict(msg.uid, msg.allow_restart)
+        if isinstance(msg, control.Serve):
+            self.server.start()
+            return None
+        if isinstance(msg, control.Ping):
+            return os.getpid()
+        raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
+
+    def open(self, msg: control.OpenManagers) -> list[dict[str, Any]]:
+        spec = msg.spec
+        key = bytes.fromhex(spec.uid)
+        hosted = self.dicts.get(key) or HostedDict(spec.uid, spec.name, spec.secret)
+        infos = []
+        opened: list[int] = []
+        try:
+            for mid in msg.manager_ids:
+                manager, restarted, lock = open_manager(
+                    spec, mid, msg.restart_paths.get(mid), msg.worker
+                )
+                hosted.managers[mid] = manager
+                self.locks[(spec.uid, mid)] = lock
+                opened.append(mid)
+                infos.append({"manager_id": mid, "store_path": manager.store.path,
+                              "restarted": restarted})  # fmt: skip
+        except BaseException:
+            for mid in opened:
+                hosted.managers.pop(mid).close(destroy=not msg.restart_paths)
+                hygiene.release(self.locks.pop((spec.uid, mid), None))
+            raise
+        self.closed.discard(key)
+        self.dicts[key] = hosted
+        logger.info("ddict host %d: serving managers %s of %s", os.getpid(),
+                    list(msg.manager_ids), spec.name)  # fmt: skip
+        return infos
+
+    def close_dict(self, uid: str, allow_restart: bool, why: int = CLOSED_DESTROYED) -> int:
+        key = bytes.fromhex(uid)
+        hosted = self.dicts.pop(key, None)
+        if why == CLOSED_DESTROYED:
+            self.closed.add(key)
+        if hosted is None:
+            return 0
+        for mid, manager in list(hosted.managers.items()):
+            self._close_manager(manager, allow_restart, why)
+            hygiene.release(self.locks.pop((uid, mid), None))
+        n = len(hosted.managers)
+        hosted.managers.clear()
+        return n
+
+    @staticmethod
+    def _close_manager(manager: Manager, keep: bool, why: int) -> None:
+        try:
+            if keep:
+                hygiene.mark_kept(manager.store.path)
+            manager.close(destroy=not keep, why=why)
+        except Exception:
+            logger.exception("ddict host: closing manager %d failed", manager.manager_id)
+
+    def shutdown(self, supervisor_lost: bool) -> None:
+        """Close everything.  Shards are deleted: nothing could serve them any more."""
+        self.server.close()
+        why = CLOSED_HOST_GONE if supervisor_lost else CLOSED_DESTROYED
+        for hosted in list(self.dicts.values()):
+            self.close_dict(hosted.uid, False, why)
+        if supervisor_lost:
+            shutil.rmtree(self.init.socket_dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: ``python -m dask_ddict.host UDS_FD TCP_FD``."""
+    uds_fd, tcp_fd = int(argv[0]), int(argv[1])
+    ctl_in: BinaryIO = sys.stdin.buffer
+    ctl_out: BinaryIO = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints never corrupt the pipe
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s - ddict-host %(process)d - %(levelname)s - %(message)s")  # fmt: skip
+    init = control.recv(ctl_in)
+    if not isinstance(init, control.Init):
+        return 2
+    dask.config.update(dask.config.config, {"ddict": init.config}, priority="new")
+    uds = socket.socket(fileno=uds_fd)
+    tcp = socket.socket(fileno=tcp_fd)
+    host = Host(init, uds, tcp)
+    control.send(ctl_out, (True, os.getpid()))
+    while True:
+        msg = control.recv(ctl_in)
+        if msg is None or isinstance(msg, control.Shutdown):
+            host.shutdown(supervisor_lost=msg is None)
+            if msg is not None:
+                control.send(ctl_out, (True, None))
+            return 0
+        try:
+            reply: Any = (True, host.handle(msg))
+        except Exception as e:  # typed errors travel back to the supervisor
+            reply = (False, e)
+        try:
+            control.send(ctl_out, reply)
+        except Exception as e:  # e.g. an exception that does not pickle
+            control.send(ctl_out, (False, DDictError(f"{type(e).__name__}: {e}")))

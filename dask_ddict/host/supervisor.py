@@ -1,0 +1,348 @@
+"""HostSupervisor: starts a host process, restarts it when it dies, and speaks for it.
+
+One supervisor lives in each worker's nanny (:class:`~dask_ddict.DDictNannyPlugin`),
+or in the worker itself when it has no nanny.  It
+
+* binds the host's listening sockets (a Unix socket in a private directory,
+  and TCP on the worker's interface) and hands them to every incarnation of
+  the host process, so that clients keep their addresses across a restart
+  and wait in the backlog while it happens;
+* starts the host process in a session of its own (the worker's sibling: a
+  worker restart or a memory kill never touches it);
+* remembers which managers it serves, and when the host process dies,
+  starts a new one over the same shards (LMDB keeps every committed write);
+* holds an owner lock on each shard (see :mod:`.hygiene`), so a shard stays
+  claimed while its host process restarts;
+* answers the orchestrator's control calls (``ddict_create_managers``,
+  ``ddict_destroy_managers``, ``ddict_remove_paths``, ``ddict_host_info``),
+  which it installs as handlers of the nanny or worker.
+
+Control calls block on the host's pipe, so the async handlers run them in a
+thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import dask.config
+
+from .. import config
+from ..errors import DDictError, DDictManagerUnavailableError, error_to_wire
+from ..layout import host_id
+from ..options import DDictOptions
+from . import control, hygiene
+from .opening import DictSpec, shard_directory
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class HostDiedError(DDictManagerUnavailableError):
+    """The host process ended while answering a control message."""
+
+
+class HostSupervisor:
+    """Start, restart and control the host process of one worker.
+
+    Parameters
+    ----------
+    tcp_host
+        Interface for the host's TCP listener (the worker's host).
+    security
+        The cluster's ``distributed.Security`` (TLS certificates), or ``None``.
+    label
+        A name for logs (the nanny's or worker's address).
+    """
+
+    def __init__(self, tcp_host: str, security: Any = None, label: str = "") -> None:
+        self.tcp_host = tcp_host
+        self.security = security
+        self.label = label
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.socket_dir = ""
+        self.uds_path = ""
+        self.tcp_port = 0
+        self._uds: socket.socket | None = None
+        self._tcp: socket.socket | None = None
+        self._dir_lock: int | None = None
+        self._lock = threading.RLock()  # one control exchange at a time
+        self._closing = False
+        # What the host serves, to replay into a new incarnation.
+        self._dicts: dict[str, tuple[DictSpec, dict[int, str], str]] = {}
+        self._closed: list[str] = []
+        self._shard_locks: dict[tuple[str, int], int] = {}
+        self._restarts: collections.deque[float] = collections.deque()
+        self.restart_count = 0
+        self._watcher: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        pid = self.proc.pid if self.proc else None
+        return f"<HostSupervisor {self.label!r} host_pid={pid} dicts={len(self._dicts)}>"
+
+    # -- start and restart ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Sweep what dead processes left, bind the listeners, start the host process."""
+        for base in {shard_directory(), self._socket_base()}:
+            hygiene.sweep(base)
+        self.socket_dir = tempfile.mkdtemp(prefix=f"{hygiene.PREFIX}host-", dir=self._socket_base())
+        self._dir_lock = hygiene.claim(self.socket_dir)
+        self.uds_path = os.path.join(self.socket_dir, "host.sock")
+        self._uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._uds.bind(self.uds_path)
+        self._uds.listen(1024)
+        family = socket.AF_INET6 if ":" in self.tcp_host else socket.AF_INET
+        self._tcp = socket.socket(family, socket.SOCK_STREAM)
+        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._tcp.bind((self.tcp_host, 0))
+        self._tcp.listen(1024)
+        self.tcp_port = self._tcp.getsockname()[1]
+        with self._lock:
+            self._spawn()
+
+    @staticmethod
+    def _socket_base() -> str:
+        return config.get("transport.socket-dir") or tempfile.gettempdir()
+
+    def _spawn(self) -> None:
+        """Start an incarnation and replay every dictionary into it (lock held)."""
+        assert self._uds is not None and self._tcp is not None
+        fds = (self._uds.fileno(), self._tcp.fileno())
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dask_ddict.host", *map(str, fds)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
+            start_new_session=True, env=env, cwd=self.socket_dir,
+        )  # fmt: skip
+        self._send(control.Init(self.security, os.getpid(), self.socket_dir, tuple(self._closed),
+                                dask.config.get("ddict")))  # fmt: skip
+        self._recv(config.get_seconds("host.start-timeout"))
+        for uid, (spec, paths, worker) in list(self._dicts.items()):
+            try:
+                infos = self._exchange(control.OpenManagers(spec, tuple(paths), dict(paths), worker))
+            except Exception as e:
+                logger.error("ddict %s: re-opening managers %s failed: %r", spec.name, list(paths), e)
+                continue
+            for info in infos:
+                if not info["restarted"]:
+                    logger.error("ddict %s: manager %d came back empty (its shard was gone)",
+                                 spec.name, info["manager_id"])  # fmt: skip
+                paths[info["manager_id"]] = info["store_path"]
+        self._exchange(control.Serve())
+        if self._watcher is None or not self._watcher.is_alive():
+            self._watcher = threading.Thread(target=self._watch, name="ddict-host-watch",
+                                             daemon=True)  # fmt: skip
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """Wait for the host process to end (no polling); restart it unless closing."""
+        while True:
+            proc = self.proc
+            assert proc is not None
+            code = proc.wait()
+            with self._lock:
+                if self._closing:
+                    return
+                if proc is not self.proc:  # already replaced
+                    continue
+                now = time.monotonic()
+                window = config.get_seconds("host.restart-window") or 60.0
+                while self._restarts and now - self._restarts[0] > window:
+                    self._restarts.popleft()
+                if len(self._restarts) >= int(config.get("host.max-restarts")):
+                    logger.error("ddict host of %s died %d times in %.0f s; not restarting",
+                                 self.label, len(self._restarts) + 1, window)  # fmt: skip
+                    return
+                self._restarts.append(now)
+                self.restart_count += 1
+                logger.warning("ddict host process of %s ended (code %s); restarting it over "
+                               "its shards", self.label, code)  # fmt: skip
+                try:
+                    self._spawn()
+                except Exception:
+                    logger.exception("ddict: restarting the host process of %s failed", self.label)
+                    if self.proc is not None and self.proc.poll() is None:
+                        self.proc.kill()
+
+    # -- the pipe -----------------------------------------------------------------
+
+    def _send(self, msg: Any) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            control.send(self.proc.stdin, msg)  # type: ignore[arg-type]
+        except (BrokenPipeError, OSError) as e:
+            raise HostDiedError(f"the host process of {self.label} is gone ({e})") from None
+
+    def _recv(self, timeout: float | None) -> Any:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def read(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not select.select([fd], [], [], wait)[0]:
+                    raise DDictError(f"the host process of {self.label} did not answer "
+                                     f"within {timeout} s", "TIMEOUT")  # fmt: skip
+                chunk = os.read(fd, n - len(buf))
+                if not chunk:
+                    raise HostDiedError(f"the host process of {self.label} ended")
+                buf += chunk
+            return bytes(buf)
+
+        (n,) = control._LEN.unpack(read(control._LEN.size))
+        ok, value = control.pickle.loads(read(n))
+        if not ok:
+            raise value
+        return value
+
+    def _exchange(self, msg: Any) -> Any:
+        self._send(msg)
+        return self._recv(config.get_seconds("host.start-timeout"))
+
+    def call(self, msg: Any) -> Any:
+        """Send one control message and return the host's answer (thread-safe)."""
+        with self._lock:
+            if self._closing:
+                raise DDictError(f"the host of {self.label} is closing", "CLOSED")
+            return self._exchange(msg)
+
+    # -- control calls (the orchestrator's handlers) ------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """How to reach this host, and what it is."""
+        try:
+            import psutil
+
+            memory = int(psutil.virtual_memory().total)
+        except Exception:
+            memory = 0
+        return {
+            "supervisor_pid": os.getpid(),
+            "host_pid": self.proc.pid if self.proc else 0,
+            "host_id": host_id(),
+            "hostname": socket.gethostname(),
+            "uds_path": self.uds_path,
+            "tcp_host": self.tcp_host,
+            "tcp_port": self.tcp_port,
+            "memory": memory,
+            "restarts": self.restart_count,
+        }
+
+    def create_managers(self, name: str, uid: str, secret: str, options: dict[str, Any],
+                        capacity: int, manager_ids: list[int], num_managers: int,
+                        restart_paths: dict[int, str] | None = None,
+                        worker: str = "") -> list[dict[str, Any]]:  # fmt: skip
+        spec = DictSpec(name, uid, secret, DDictOptions.from_dict(options), int(capacity),
+                        int(num_managers))  # fmt: skip
+        paths = {int(k): v for k, v in (restart_paths or {}).items()}
+        with self._lock:
+            infos = self.call(control.OpenManagers(spec, tuple(int(m) for m in manager_ids),
+                                                   paths, worker))  # fmt: skip
+            known = self._dicts.setdefault(uid, (spec, {}, worker))[1]
+            for info in infos:
+                known[info["manager_id"]] = info["store_path"]
+                self._shard_locks[(uid, info["manager_id"])] = hygiene.claim(info["store_path"])
+            if uid in self._closed:
+                self._closed.remove(uid)
+        where = self.info()
+        return [{**i, "worker": worker, "pid": where["supervisor_pid"],
+                 "uds_path": self.uds_path, "tcp_host": self.tcp_host, "tcp_port": self.tcp_port,
+                 "host_id": where["host_id"], "hostname": where["hostname"],
+                 "memory": where["memory"]}
+                for i in infos]  # fmt: skip
+
+    def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
+        with self._lock:
+            self._dicts.pop(uid, None)
+            if uid not in self._closed:
+                self._closed.append(uid)
+                del self._closed[:-1024]  # a bounded memory of destroyed dictionaries
+            try:
+                return int(self.call(control.CloseManagers(uid, allow_restart)))
+            finally:
+                for key in [k for k in self._shard_locks if k[0] == uid]:
+                    hygiene.release(self._shard_locks.pop(key))
+
+    @staticmethod
+    def remove_paths(paths: list[str]) -> int:
+        """Delete shard and socket directories whose owners are provably dead."""
+        n = 0
+        for p in paths:
+            name = os.path.basename(p.rstrip("/"))
+            if name.startswith(hygiene.PREFIX) and os.path.isdir(p) and hygiene.is_abandoned(p):
+                shutil.rmtree(p, ignore_errors=True)
+                n += 1
+        return n
+
+    def handlers(self) -> dict[str, Any]:
+        """Async handlers for the nanny's or worker's server (blocking work in a thread)."""
+
+        def wrap(fn: Any) -> Any:
+            async def handler(**kwargs: Any) -> Any:
+                try:
+                    return await asyncio.to_thread(fn, **kwargs)
+                except Exception as e:
+                    wire = error_to_wire(e)
+                    if wire is None:
+                        raise
+                    return wire
+
+            return handler
+
+        return {
+            "ddict_create_managers": wrap(self.create_managers),
+            "ddict_destroy_managers": wrap(self.destroy_managers),
+            "ddict_remove_paths": wrap(self.remove_paths),
+            "ddict_host_info": wrap(self.info),
+        }
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the host process (deleting its shards, keeping kept ones) and the listeners."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            proc = self.proc
+            if proc is not None and proc.poll() is None:
+                try:
+                    self._send(control.Shutdown())
+                    self._recv(timeout)
+                except Exception as e:
+                    logger.info("ddict: host of %s did not shut down cleanly: %r", self.label, e)
+        if proc is not None:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for f in (proc.stdin, proc.stdout):
+                if f is not None:
+                    f.close()
+        for s in (self._uds, self._tcp):
+            if s is not None:
+                s.close()
+        for fd in self._shard_locks.values():
+            hygiene.release(fd)
+        self._shard_locks.clear()
+        hygiene.release(self._dir_lock)
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -1,0 +1,492 @@
+"""Managers outlive their Dask worker: host processes, supervision, faults (issue 10).
+
+Every test here kills, stops or starves real processes and then checks that
+no acknowledged write was lost and that errors name what happened.  Each test
+looks only at the files it created.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+
+from dask_ddict import (
+    DDict,
+    DDictClosedError,
+    DDictError,
+    DDictFullError,
+    DDictManagerUnavailableError,
+    DDictTimeoutError,
+)
+from tests.conftest import shards, shm_entries
+
+
+def _supervisor(cluster: LocalCluster, d: DDict, mid: int):  # noqa: ANN202
+    """The HostSupervisor (in a nanny of ``cluster``) that serves manager ``mid``."""
+    sup = d._core.layout.managers[mid].supervisor
+    for nanny in cluster.workers.values():
+        if nanny.address == sup:
+            return nanny.plugins["ddict"].supervisor
+    raise LookupError(sup)
+
+
+def _keys_on(d: DDict, mid: int, n: int, tag: str = "") -> list[tuple[str, int]]:
+    out, i = [], 0
+    while len(out) < n:
+        if d.which_manager((tag, i)) == mid:
+            out.append((tag, i))
+        i += 1
+    return out
+
+
+def _writers(d: DDict, n: int, stop: threading.Event) -> tuple[list[list[int]], list[BaseException], list[threading.Thread]]:
+    """``n`` threads putting ``(i, k) -> k`` until ``stop``; what each had acknowledged."""
+    acked: list[list[int]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        k = 0
+        while not stop.is_set() and k < 200_000:
+            try:
+                d[(i, k)] = k
+            except BaseException as e:  # noqa: BLE001 - the test reports every failure
+                errors.append(e)
+                return
+            acked[i].append(k)
+            k += 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return acked, errors, threads
+
+
+def _check_acked(d: DDict, acked: list[list[int]]) -> int:
+    held = dict(d.items())
+    n = 0
+    for i, ks in enumerate(acked):
+        for k in ks:
+            assert held.get((i, k)) == k, f"acknowledged write ({i}, {k}) lost"
+            n += 1
+    return n
+
+
+def test_worker_sigkill_during_writes_loses_no_acknowledged_write():
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c)
+        stop = threading.Event()
+        acked, errors, threads = _writers(d, 4, stop)
+        time.sleep(0.8)
+        victim = d.manager_workers[0]
+        pid = c.run(os.getpid, workers=[victim])[victim]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert errors == []  # no writer saw an exception
+        assert _check_acked(d, acked) > 100
+        c.wait_for_workers(2, timeout=60)
+        assert victim not in c.scheduler_info()["workers"]  # the worker really restarted
+
+        def read_back(h: DDict, acked: list[list[int]]) -> bool:
+            return all(h[(i, ks[-1])] == ks[-1] for i, ks in enumerate(acked) if ks)
+
+        assert c.submit(read_back, d, acked, pure=False).result()
+        mine = shards(d)
+        d.destroy()
+        assert not (mine & shm_entries())
+
+
+def test_host_process_sigkill_is_restarted_and_counts_stay_exact():
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="64 MiB", client=c)
+        m = d.which_manager("n")
+        host_pid = d.stats[m].pid
+        stop = threading.Event()
+        adds = [0, 0]
+        errors: list[BaseException] = []
+
+        def adder(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    d.fetch_add("n", 1)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+                    return
+                adds[i] += 1
+
+        adders = [threading.Thread(target=adder, args=(i,)) for i in range(2)]
+        for t in adders:
+            t.start()
+        acked, werrors, writers = _writers(d, 2, stop)
+        time.sleep(0.8)
+        os.kill(host_pid, signal.SIGKILL)
+        time.sleep(2.5)
+        stop.set()
+        for t in adders + writers:
+            t.join(60)
+        assert errors == [] and werrors == []
+        assert d["n"] == sum(adds) > 0  # every acknowledged add counted exactly once
+        assert _check_acked(d, acked) > 100
+        assert d.stats[m].pid != host_pid  # a new host process serves the same shard
+        assert _supervisor(cl, d, m).restart_count == 1
+        d.destroy()
+
+
+def test_client_restart_with_a_live_dict():
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="32 MiB", client=c, working_set_size=2)
+        d.update({i: np.full(10, i) for i in range(50)})
+        d.checkpoint()
+        d["at1"] = "one"
+        pids = {s.pid for s in d.stats}
+        c.restart()
+        assert {s.pid for s in d.stats} == pids  # the host processes never noticed
+        assert all((d[i] == i).all() for i in range(50)) and d["at1"] == "one"
+
+        def task(h: DDict) -> int:
+            h["from_task"] = h.local_manager
+            return len(h)
+
+        assert c.submit(task, d, pure=False).result() == 52
+        # the orchestrator follows the restarted workers (locality), losing nothing
+        layout = c.sync(c.scheduler.ddict_attach, name=d.get_name())
+        assert {m["worker"] for m in layout["managers"]} <= set(c.scheduler_info()["workers"])
+        assert not any(m["lost"] for m in layout["managers"])
+        d.destroy()
+
+
+def test_a_destroyed_dict_is_closed_in_every_process(client):
+    d = DDict(total_mem="32 MiB", client=client)
+    d["k"] = 1
+    s = d.serialize()
+    same_host = DDict.attach(s)
+    assert same_host["k"] == 1
+    import dask
+
+    with dask.config.set({"ddict.local-transport": False}):
+        over_tcp = DDict.attach(s)
+        assert over_tcp["k"] == 1
+    d.destroy()
+    for h in (same_host, over_tcp):
+        with pytest.raises(DDictClosedError):
+            h["k"]
+        with pytest.raises(DDictClosedError):
+            h["k"] = 2
+    code = textwrap.dedent(f"""
+        from dask_ddict import DDict, DDictClosedError
+        h = DDict.attach({s!r})
+        try:
+            h["k"] = 3
+        except DDictClosedError as e:
+            print("closed:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "closed:" in out.stdout, out.stderr
+
+    def in_task(h: DDict) -> str:
+        try:
+            h["k"]
+        except DDictClosedError:
+            return "closed"
+        return "open"
+
+    assert client.submit(in_task, same_host, pure=False).result() == "closed"
+
+
+def test_timeouts_hold_against_a_frozen_host(client):
+    from dask_ddict import config
+
+    slack = config.get_seconds("transport.timeout-slack")
+    d = DDict(total_mem="32 MiB", client=client, timeout=1)
+    try:
+        d["k"] = 0
+        m = d.which_manager("k")
+        host = psutil.Process(d.stats[m].pid)
+        host.suspend()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DDictTimeoutError, match="may or may not have been applied"):
+                d["k"] = 1
+            assert time.monotonic() - t0 < 1 + slack + 0.5
+            assert d["k"] in (0, 1)  # reads come from the shard, frozen host or not
+        finally:
+            host.resume()
+        d["k"] = 2
+        assert d["k"] == 2
+    finally:
+        d.destroy()
+
+
+def test_a_shard_directory_too_small_is_an_error_at_creation(client):
+    import glob
+    import uuid
+
+    name = f"toobig{uuid.uuid4().hex[:8]}"
+    with pytest.raises(DDictFullError, match=r"cannot hold a \d+-byte shard"):
+        DDict(total_mem="4000 GiB", client=client, name=name)
+    assert not glob.glob(f"/dev/shm/ddict-{name}-*")  # nothing left behind
+    with DDict(total_mem="16 MiB", client=client) as d:  # and the cluster is fine
+        d["k"] = 1
+        assert d["k"] == 1
+
+
+def test_small_worker_memory_limits_do_not_count_shard_pages():
+    """1.2 GiB of dict on workers limited to 600 MiB: no pause, no restart, nothing lost."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, memory_limit="600MiB",
+                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="3 GiB", client=c)
+        workers = set(c.scheduler_info()["workers"])
+        block = np.ones(1 << 17)  # 1 MiB
+        for i in range(1200):
+            d[i] = block
+        time.sleep(1)
+        assert set(c.scheduler_info()["workers"]) == workers  # nobody was restarted
+        statuses = c.run(lambda dask_worker: dask_worker.status.name)
+        assert set(statuses.values()) == {"running"}  # nobody paused
+        assert sum(s.num_keys for s in d.stats) == 1200
+        assert all(d[i][0] == 1.0 for i in range(0, 1200, 97))
+        d.destroy()
+
+
+def test_creation_warns_when_shards_and_memory_limits_exceed_the_host():
+    import dask
+
+    total = psutil.virtual_memory().total
+    with dask.config.set({"ddict.store.reserve": False}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, memory_limit=int(total * 0.9),
+                         dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+        with pytest.warns(RuntimeWarning, match="memory_limit"):
+            d = DDict(total_mem=int(total * 0.2), client=c)
+        d.destroy()
+
+
+def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", cl.scheduler_address,
+             "--nthreads", "1", "--no-dashboard", "--local-directory", str(tmp_path)],
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            c.wait_for_workers(2, timeout=60)
+            external = {w for w, info in c.scheduler_info()["workers"].items()
+                        if info["nanny"] not in {n.address for n in cl.workers.values()}}  # fmt: skip
+            d = DDict(total_mem="32 MiB", client=c)
+            lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
+            kept = 1 - lost
+            k_lost, k_kept = _keys_on(d, lost, 1)[0], _keys_on(d, kept, 1)[0]
+            d[k_lost], d[k_kept] = "lost", "kept"
+            host_pid = d.stats[lost].pid
+            lost_shard = d._core.layout.managers[lost].store_path
+            os.kill(proc.pid, signal.SIGKILL)  # the nanny: its worker and host follow it
+            proc.wait(30)
+            t0 = time.monotonic()
+            with pytest.raises(DDictManagerUnavailableError, match=f"manager {lost}"):
+                d[k_lost] = "again"  # the listener is gone with its supervisor: refused
+            with pytest.raises(DDictManagerUnavailableError, match=f"manager {lost}"):
+                d[k_lost]
+            assert time.monotonic() - t0 < 5  # as soon as the loss is known
+            assert d[k_kept] == "kept"  # the rest of the dict works
+            d[k_kept] = "still"
+            deadline = time.monotonic() + 30
+            while psutil.pid_exists(host_pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not psutil.pid_exists(host_pid)  # no orphan: it saw its supervisor go
+            assert not os.path.exists(lost_shard)  # and removed its shard
+            # repair: restart on the hosts that are left, then fill the lost manager
+            while external & set(c.scheduler_info()["workers"]) and time.monotonic() < deadline:
+                time.sleep(0.1)  # the scheduler notices the worker's end too
+            twin = DDict(managers_per_worker=2, total_mem="32 MiB", client=c)
+            twin[k_lost], twin[k_kept] = "lost", "kept"
+            name = d.get_name()
+            d.destroy(allow_restart=True)
+            r = DDict(managers_per_worker=2, total_mem="32 MiB", client=c, name=name,
+                      restart=True)  # fmt: skip
+            assert r.empty_managers == [lost] and r[k_kept] == "still"
+            DDict.synchronize_ddicts([r.serialize(), twin.serialize()])
+            assert r[k_lost] == "lost"
+            r.destroy()
+            twin.destroy()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # whatever is left of that host
+            except ProcessLookupError:
+                pass
+
+
+def test_killing_a_script_with_an_embedded_cluster_leaves_nothing(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from dask_ddict import DDict
+        if __name__ == "__main__":
+            d = DDict(total_mem="16 MiB")
+            d["x"] = 1
+            lay = d._core.layout
+            print(" ".join(m.store_path for m in lay.managers), flush=True)
+            print(" ".join(os.path.dirname(m.uds_path) for m in lay.managers), flush=True)
+            print(" ".join(str(s.pid) for s in d.stats), flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        stores = proc.stdout.readline().split()
+        sockets = proc.stdout.readline().split()
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert stores and all(os.path.isdir(p) for p in stores + sockets)
+        os.kill(proc.pid, signal.SIGKILL)  # the script, with the nannies in it
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+            any(os.path.exists(p) for p in stores + sockets) or any(map(psutil.pid_exists, pids))
+        ):
+            time.sleep(0.2)
+        assert not any(os.path.exists(p) for p in stores + sockets)
+        assert not any(map(psutil.pid_exists, pids))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # whatever of the cluster is left
+        except ProcessLookupError:
+            pass
+
+
+def _resources(pid: int) -> tuple[int, int, int]:
+    p = psutil.Process(pid)
+    maps = sum(1 for _ in open(f"/proc/{pid}/maps"))
+    return p.num_fds(), p.num_threads(), maps
+
+
+@pytest.mark.parametrize("cycles", [30, pytest.param(200, marks=pytest.mark.slow)])
+def test_create_destroy_cycles_keep_resources_flat(client, cycles):
+    def read(h: DDict) -> int:
+        return int(h["k"].sum())
+
+    def cycle() -> list[int]:
+        with DDict(total_mem="4 MiB", client=client) as d:
+            d["k"] = np.arange(1000)
+            assert d["k"].sum() == 499500
+            assert client.submit(read, d, pure=False).result() == 499500  # a task's handle
+            return sorted({s.pid for s in d.stats})
+
+    hosts = cycle()
+    for _ in range(3):
+        cycle()  # warm up (thread pools, buffers)
+    workers = list(client.run(os.getpid).values())
+    before = {p: _resources(p) for p in [os.getpid(), *hosts, *workers]}
+    for _ in range(cycles):
+        assert cycle() == hosts
+    after = {p: _resources(p) for p in before}
+    for p in before:
+        fds, threads, maps = (a - b for a, b in zip(after[p], before[p]))
+        assert fds <= 4 and threads <= 2 and maps <= 16, (p, before[p], after[p])
+
+
+def test_batch_interrupted_by_a_host_restart_says_so():
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="32 MiB", client=c)
+        d.start_batch_put()
+        for i in range(100):
+            d[i] = i
+        d._batch_flush(0)
+        os.kill(d.stats[0].pid, signal.SIGKILL)
+        with pytest.raises(DDictError, match="may or may not have been applied"):
+            d.end_batch_put()
+        d.update({i: i for i in range(100)})  # the dict works; the batch can be re-run
+        assert len(d) == 100
+        assert _supervisor(cl, d, 0).restart_count == 1
+        d.destroy()
+
+
+def test_frozen_state_survives_a_host_restart():
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="32 MiB", client=c)
+        d["k"] = 1
+        d.freeze()
+        os.kill(d.stats[0].pid, signal.SIGKILL)
+        with pytest.raises(DDictError, match="frozen"):
+            d["k"] = 2
+        assert d.is_frozen and d["k"] == 1
+        d.unfreeze()
+        d["k"] = 2
+        assert d["k"] == 2
+        d.destroy()
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_readers_do_not_keep_shard_pages(client):
+    """A process that reads 1 GiB through the shards and drops it stays small."""
+    with DDict(total_mem="1400 MiB", client=client) as d:
+        block = np.ones((4 << 20) // 8)  # 4 MiB
+        for i in range(256):  # 1 GiB
+            d[i] = block
+        assert d._core.channel(d.which_manager(0)).kind == "shm"
+        rss0 = _rss()
+        for i in range(256):
+            x = d[i]
+            assert x[-1] == 1.0
+            del x
+        assert _rss() - rss0 < 128 << 20
+
+        def read_all(h: DDict) -> int:
+            rss0 = _rss()
+            for i in range(256):
+                h[i]
+            return _rss() - rss0
+
+        assert client.submit(read_all, d, pure=False).result() < 128 << 20
+        d.clear()
+        d.update({i: bytes(2000) for i in range(60_000)})  # small values: 120 MB
+        rss0 = _rss()
+        for i in range(60_000):
+            d[i]
+        assert _rss() - rss0 < 96 << 20
+
+
+def test_an_idle_dict_uses_no_cpu(client):
+    with DDict(total_mem="16 MiB", client=client) as d:
+        d["k"] = 1
+        hosts = [psutil.Process(s.pid) for s in d.stats]
+        time.sleep(0.5)
+        before = sum(sum(p.cpu_times()[:2]) for p in hosts)
+        time.sleep(2)
+        after = sum(sum(p.cpu_times()[:2]) for p in hosts)
+        assert after - before < 0.05
+
+
+def test_workers_without_a_nanny_supervise_their_own_host():
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
+                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="16 MiB", client=c)
+        lay = d._core.layout.managers[0]
+        assert lay.supervisor == lay.worker  # the worker itself supervises
+        d["k"] = np.arange(10)
+        assert (d["k"] == np.arange(10)).all()
+        host = psutil.Process(d.stats[0].pid)
+        assert host.pid != os.getpid()  # a process of its own, even for an in-process worker
+        mine = shards(d)
+        d.destroy()
+        assert not (mine & shm_entries())
+    assert not host.is_running() or host.status() == psutil.STATUS_ZOMBIE
