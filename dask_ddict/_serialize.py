@@ -26,6 +26,8 @@ import io
 import mmap
 import pickle
 import struct
+import threading
+import weakref
 from typing import Any, NamedTuple, Protocol
 
 import cloudpickle
@@ -120,9 +122,16 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
 
 def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
     """Deserialize a value frame; numpy buffers become views of ``frame``."""
-    mv = memoryview(frame).cast("B")
+    mv = memoryview(frame)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
     fmt, nbufs, plen = _HEAD.unpack_from(mv, 0)
     offset = _HEAD.size
+    if not nbufs and fmt == FMT_PICKLE and pickler is None:  # small values: the common case
+        try:
+            return pickle.loads(mv[offset : offset + plen])
+        except Exception as e:
+            raise DDictSerializationError(f"cannot deserialize value: {e}") from e
     lens = [_LEN.unpack_from(mv, offset + 8 * i)[0] for i in range(nbufs)]
     offset += 8 * nbufs
     payload = mv[offset : offset + plen]
@@ -233,13 +242,77 @@ class Scratch:
         return self._buf[:nbytes]
 
 
+class BufferPool:
+    """Warm buffers for received values, given back when the user drops the value.
+
+    A value read by a client becomes the user's (numpy arrays are views of
+    its buffer), so its buffer cannot be reused while anything refers to it.
+    But a process that reads many values and drops them would pay page faults
+    on fresh memory for every one, and fresh pages fault slowly on VMs
+    (worse in Dask workers, whose ``MALLOC_TRIM_THRESHOLD_`` makes every
+    allocation above 128 KiB a new mapping).  So buffers come in a few sizes
+    per power of two from a free list, and a finalizer on the slice handed out returns
+    the buffer to the list once the last view of it is gone.  At most
+    ``keep`` bytes of free buffers are kept.
+    """
+
+    MIN = 64 << 10
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.held = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<BufferPool held={self.held} keep={self.keep}>"
+
+    def get(self, nbytes: int) -> memoryview:
+        """A buffer of at least ``nbytes`` (its own while the returned view lives)."""
+        octave = 1 << (max(nbytes, self.MIN) - 1).bit_length()
+        step = max(self.MIN, octave >> 3)  # eight sizes per power of two: little waste
+        size = -(-nbytes // step) * step
+        if size > self.keep:
+            return memoryview(np.frombuffer(empty_buffer(nbytes), dtype=np.uint8))
+        with self._lock:
+            free = self._free.get(size)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.held -= size
+        if buf is None:
+            buf = np.frombuffer(empty_buffer(size), dtype=np.uint8)
+        view = buf[:]  # the handle: when it and every view of it are gone, buf comes back
+        weakref.finalize(view, self._put, buf)
+        return memoryview(view)
+
+    def _put(self, buf: np.ndarray) -> None:
+        size = buf.nbytes
+        with self._lock:
+            if self.held + size <= self.keep:
+                self._free.setdefault(size, []).append(buf)
+                self.held += size
+
+
+_POOL: BufferPool | None = None
+
+
+def _pool() -> BufferPool:
+    global _POOL
+    if _POOL is None:
+        from . import config
+
+        _POOL = BufferPool(config.get_bytes("buffers.pool-bytes"))
+    return _POOL
+
+
 def aligned_empty(nbytes: int) -> memoryview:
     """A writable buffer of ``nbytes`` whose start is :data:`FRAME_BASE` mod 64.
 
     Receivers read a value frame into it so that out-of-band buffers come out
-    64-byte aligned, as they are in the shard.
+    64-byte aligned, as they are in the shard.  Large ones come warm from the
+    :class:`BufferPool`.
     """
-    raw = empty_buffer(nbytes + ALIGN)
+    raw = _pool().get(nbytes + ALIGN) if nbytes >= BufferPool.MIN else empty_buffer(nbytes + ALIGN)
     addr = np.frombuffer(raw, dtype=np.uint8).__array_interface__["data"][0]
     start = (FRAME_BASE - addr) % ALIGN
     return raw[start : start + nbytes]

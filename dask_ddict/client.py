@@ -41,7 +41,7 @@ from .layout import Layout, ManagerInfo, host_id
 from .options import DDictOptions, parse_total_mem
 from .stats import DDictManagerStats
 from .transport import HostLink, SocketChannel
-from .transport.shared import SharedReadChannel
+from .transport.shared import SharedChannel
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ class _Core:
             if config.get("local-read") and os.path.isdir(info.store_path):
                 capacity = self.layout.total_mem // self.layout.num_managers
                 try:
-                    return SharedReadChannel(sock, info.store_path, capacity, self.layout.options)
+                    return SharedChannel(sock, info.store_path, capacity, self.layout.options,
+                                         bool(config.get("local-write")))  # fmt: skip
                 except Exception as e:  # e.g. no permission: reads go over the socket
                     logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
             return sock
@@ -210,9 +211,10 @@ class _Core:
 class _Batch:
     """Client-side buffers of a batch put: one list of records per manager."""
 
-    __slots__ = ("persist", "records", "sizes", "sent", "error", "flush_bytes")
+    __slots__ = ("id", "persist", "records", "sizes", "sent", "error", "flush_bytes")
 
     def __init__(self, persist: bool) -> None:
+        self.id = secrets.randbits(63)  # the managers keep this batch's state under it
         self.persist = persist
         self.flush_bytes = config.get_bytes("batch.flush-bytes")
         self.records: dict[int, list[tuple[bytes, bytes, Framed]]] = {}
@@ -689,7 +691,8 @@ class DDict:
             return
         b.sent[mid] = b.sent.get(mid, 0) + len(records)
         try:
-            self._core.channel(mid).batch_put(records, self._chkpt, self._client_id, b.persist)
+            self._core.channel(mid).batch_put(records, self._chkpt, self._client_id, b.persist,
+                                              b.id)  # fmt: skip
         except DDictError as e:
             b.error = b.error or e
 
@@ -703,7 +706,7 @@ class DDict:
                 self._batch_flush(mid)
             for mid in sorted(b.sent):
                 try:
-                    stored = self._core.channel(mid).batch_end(self._client_id)
+                    stored = self._core.channel(mid).batch_end(self._client_id, b.id)
                 except DDictError as e:
                     b.error = b.error or e
                     continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import struct
 import threading
@@ -31,7 +32,7 @@ from ._serialize import dumps_value, loads_value
 from .errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
 from .persistence import Persister
 from .store import ShardStore
-from .working_set import CLOSED_DESTROYED, MustWait, WorkingSet, mark_closed
+from .working_set import FROZEN, CLOSED_DESTROYED, MustWait, WorkingSet, add_waiters, mark_closed
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ T = TypeVar("T")
 #: What a page of a view carries per item: keys, values or both.
 WANT_KEYS, WANT_VALUES, WANT_ITEMS = 1, 2, 3
 
-_FROZEN = b"frozen"
 #: Replies of the last non-idempotent requests (by request id), kept in the
 #: shard beside the data they changed: a request retried after a host
 #: restart gets the first answer instead of being applied twice.
+_BATCH = b"batch:"  # + client id: (count, first error) of an open batch
 _RID = b"rid:"
 _RID_SLOT = b"ridslot:"
 _RID_SEQ = b"ridseq"
@@ -97,7 +98,7 @@ class Manager:
         self._dumps: dict[int, lmdb.Transaction] = {}  # open replication snapshots
         self._next_dump = 0
         self._cond = threading.Condition(threading.Lock())
-        self._batches: dict[int, list[Any]] = {}
+        self._sleepers = 0  # threads waiting on _cond (changed with it held)
         # Checkpoints retiring in the current write transaction, to persist
         # from a snapshot taken before that transaction changed anything.
         self._retiring: list[int] = []
@@ -129,7 +130,11 @@ class Manager:
             raise DDictTimeoutError(
                 f"{what} on manager {self.manager_id} timed out after {timeout} s"
             )
-        self._cond.wait(remaining)
+        self._sleepers += 1
+        try:
+            self._cond.wait(remaining)
+        finally:
+            self._sleepers -= 1
         self._check_open()
 
     def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
@@ -158,7 +163,8 @@ class Manager:
                     raise
                 if self._retiring:
                     self._persist_retired()
-                self._cond.notify_all()
+                if self._sleepers:  # (notify_all is Python code: skip it when nobody waits)
+                    self._cond.notify_all()
                 return result
 
     def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
@@ -262,10 +268,10 @@ class Manager:
             try:
                 with self.store.write() as txn:
                     n = self.working_set.reset_to(txn, chkpt, persister.store.read(chkpt))
+                    self._clear_batches(txn)
             except BaseException:
                 self.working_set.restore(snap)
                 raise
-            self._batches.clear()
             self._cond.notify_all()
         if discard_newer and not self.read_only:
             persister.discard_above(chkpt)
@@ -331,10 +337,10 @@ class Manager:
                     if state:
                         self.working_set.load(state)
                         self.working_set.save(txn)
+                    self._clear_batches(txn)
             except BaseException:
                 self.working_set.restore(snap)
                 raise
-            self._batches.clear()
             self._cond.notify_all()
         return n
 
@@ -436,7 +442,24 @@ class Manager:
             if not (ws.is_visible(e, chkpt) and e is not None and e.frame == frame):
                 raise MustWait
 
-        self._read(fn, timeout, "wait_for")
+        with self.store.read() as txn:
+            try:
+                return fn(txn)
+            except MustWait:
+                pass
+        # Counted in the shard while it waits: same-host clients then send their
+        # puts here instead of committing them themselves (only this wakes it).
+        self._count_waiter(1)
+        try:
+            self._read(fn, timeout, "wait_for")
+        finally:
+            self._count_waiter(-1)
+
+    def _count_waiter(self, n: int) -> None:
+        with self._cond:
+            if not self.closed:
+                with self.store.write() as txn:
+                    add_waiters(self.store, txn, n)
 
     def newest_checkpoint(self) -> int:
         return self.working_set.newest
@@ -536,48 +559,71 @@ class Manager:
         client: int,
         *,
         persistent: bool = False,
+        batch: int = 0,
     ) -> None:
         """Store a batch of ``(digest, key, frame)`` without replying.
 
         Batch puts are never deferred.  The first error is remembered for
         :meth:`batch_end`; records before it in the message are kept, and so
-        are earlier messages.
+        are earlier messages.  The batch's count and error live in the shard,
+        written in the same transaction as its records, so they survive a
+        restart of the host process; ``batch`` (an id the client draws per
+        batch) keeps an abandoned batch of the same client from counting.
         """
-        state = self._batches.setdefault(client, [0, None])
-        if state[1] is not None:
-            return
+        key = _BATCH + _Q.pack(client)
         ws = self.working_set
 
         def fn(txn: lmdb.Transaction) -> None:
-            for digest, key, frame in records:
-                try:
-                    ws.put(
-                        txn, digest, chkpt, key, frame, client, persistent=persistent, batch=True
-                    )
-                except DDictError as e:
-                    state[1] = e
-                    return
-                state[0] += 1
+            count, err = self._batch_state(txn, key, batch)
+            if err is None:
+                for digest, k, frame in records:
+                    try:
+                        ws.put(txn, digest, chkpt, k, frame, client, persistent=persistent,
+                               batch=True)  # fmt: skip
+                    except DDictError as e:
+                        err = e
+                        break
+                    count += 1
+            self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))
 
-        done = state[0]
         try:
             self._write(fn, None, "batch put")
-        except DDictError as e:
-            state[0] = done
-            state[1] = e
+        except DDictError as e:  # nothing of this message was stored (frozen, full, ...)
+            with self._cond, self.store.write() as txn:
+                count, err = self._batch_state(txn, key, batch)
+                self.store.put_meta(txn, key, pickle.dumps((batch, count, err or e)))
 
-    def batch_end(self, client: int) -> int:
+    def _batch_state(self, txn: lmdb.Transaction, key: bytes,
+                     batch: int) -> tuple[int, DDictError | None]:  # fmt: skip
+        raw = self.store.get_meta(txn, key)
+        if raw is None:
+            return 0, None
+        stored, count, err = pickle.loads(raw)
+        return (count, err) if stored == batch else (0, None)
+
+    def batch_end(self, client: int, batch: int = 0) -> int:
         """Number of puts stored by the client's batch; raise its first error."""
-        count, err = self._batches.pop(client, (0, None))
+        key = _BATCH + _Q.pack(client)
+        with self._cond, self.store.write() as txn:
+            count, err = self._batch_state(txn, key, batch)
+            txn.delete(key, db=self.store.meta_db)
         if err is not None:
             raise err
         return count
+
+    def _clear_batches(self, txn: lmdb.Transaction) -> None:
+        """Forget every open batch (the shard was replaced under them)."""
+        cur = txn.cursor(self.store.meta_db)
+        if cur.set_range(_BATCH):
+            while bytes(cur.key()).startswith(_BATCH):
+                if not cur.delete():
+                    break
 
     def _set_frozen(self, frozen: bool) -> None:
         with self._cond:
             self._check_open()
             with self.store.write() as txn:  # survives a restart of the host process
-                self.store.put_meta(txn, _FROZEN, b"\x01" if frozen else b"\x00")
+                self.store.put_meta(txn, FROZEN, b"\x01" if frozen else b"\x00")
             self.frozen = frozen or self.read_only
 
     def freeze(self) -> None:
@@ -592,7 +638,7 @@ class Manager:
     def saved_frozen(store: ShardStore) -> bool:
         """Whether the shard was frozen when its last manager stopped."""
         with store.read() as txn:
-            return store.get_meta(txn, _FROZEN) == b"\x01"
+            return store.get_meta(txn, FROZEN) == b"\x01"
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -102,7 +102,10 @@ class ShardStore:
         checkpoint).  Only ``wait_for_keys`` retirement needs it; without it a
         put costs one B-tree insert instead of two.
     readonly
-        Open an existing environment for reading only (same-host readers).
+        Open an existing environment for reading only.
+    scratch
+        Keep a reusable buffer for large puts (the manager's store; same-host
+        clients, which only write small values, do without).
     """
 
     path: str
@@ -118,6 +121,7 @@ class ShardStore:
         *,
         indexed: bool = False,
         readonly: bool = False,
+        scratch: bool = True,
     ) -> None:
         self.path = path
         self.indexed = indexed
@@ -146,7 +150,7 @@ class ShardStore:
         self._meta = self.env.open_db(b"meta", create=not readonly)
         self._psize = self.env.stat()["psize"]
         # LMDB has one writer at a time, so one scratch buffer serves every put.
-        self._scratch = Scratch(config.get_bytes("store.scratch-bytes"))
+        self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if scratch else None
 
     def __repr__(self) -> str:
         return f"<ShardStore {self.path!r} capacity={self.capacity}>"
@@ -341,16 +345,19 @@ class ShardStore:
             pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
         return pages * self._psize
 
-    def check_room(self, txn: lmdb.Transaction, nbytes: int) -> None:
+    def check_room(self, txn: lmdb.Transaction, nbytes: int, *, exact: bool = False) -> None:
         """Refuse a put of ``nbytes`` that would take the shard over its threshold.
 
         Exact page counts cost three ``stat`` calls, so they are taken only
         when a running over-estimate (bytes put since the last exact count,
-        doubled for B-tree overhead) comes near the limit.
+        doubled for B-tree overhead) comes near the limit.  ``exact`` always
+        counts: for writers in other processes, which the estimate misses.
         """
         nbytes += ENTRY_HEADER + 64
         limit = self.full_thresh * self.capacity
-        if self._used_estimate + 2 * nbytes <= limit:
+        if exact and (self.env.info()["last_pgno"] + 4) * self._psize + 2 * nbytes <= limit:
+            return  # below the shard's high-water mark, which bounds what is used
+        if not exact and self._used_estimate + 2 * nbytes <= limit:
             self._used_estimate += 2 * nbytes
             return
         used = self.used_bytes(txn)

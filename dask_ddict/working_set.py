@@ -46,6 +46,9 @@ from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
 _STATE = b"working_set"
 NEWEST = b"newest"
 _NEWEST = struct.Struct("<qB")  # newest checkpoint, closed flag
+FROZEN = b"frozen"  # b"\x01" while frozen
+WAITERS = b"waiters"  # how many operations wait at the manager for other writes
+_COUNT = struct.Struct("<q")
 
 
 #: Why a shard's manager closed, as same-host readers see it in the shard.
@@ -69,6 +72,42 @@ def mark_closed(store: ShardStore, newest: int, why: int = CLOSED_DESTROYED) -> 
     """Tell same-host readers that the manager is gone (they map the shard themselves)."""
     with store.write() as txn:
         store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
+
+
+def waiters(store: ShardStore, txn: lmdb.Transaction) -> int:
+    raw = txn.get(WAITERS, db=store.meta_db)
+    return 0 if raw is None else _COUNT.unpack(raw)[0]
+
+
+def add_waiters(store: ShardStore, txn: lmdb.Transaction, n: int) -> None:
+    """Count operations waiting at the manager (``n`` may be negative; 0 resets)."""
+    count = 0 if n == 0 else max(0, waiters(store, txn) + n)
+    store.put_meta(txn, WAITERS, _COUNT.pack(count))
+
+
+def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: bytes,
+                  chkpt: int, key: bytes, frame: Any) -> bool:  # fmt: skip
+    """A put that a same-host client may commit in the shard itself; ``False``: ask the manager.
+
+    Only for dictionaries without ``wait_for_keys``/``wait_for_writers`` (no
+    per-write bookkeeping, no blocked readers).  The client may do it when
+    the put changes nothing but the key: its checkpoint is inside the window
+    (no retirement, so no persistence and no in-memory state of the manager
+    moves), the shard is open and not frozen, and no operation waits at the
+    manager for a write (only the manager could wake it).  LMDB's writer lock
+    orders it with the manager's own writes; its commit is the acknowledgement,
+    exactly as for a put that the manager commits.
+    """
+    newest, closed = saved_newest(store, txn, size)
+    if closed != OPEN or chkpt > newest:
+        return False
+    check_window(chkpt, newest, size)
+    if txn.get(FROZEN, db=store.meta_db) == b"\x01" or waiters(store, txn):
+        return False
+    store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
+    store.put(txn, digest, chkpt, key, frame, PERSISTENT)
+    store.collect(txn, digest, max(0, newest - size + 1))
+    return True
 
 
 def check_window(chkpt: int, newest: int, size: int) -> None:

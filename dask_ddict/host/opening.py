@@ -21,7 +21,7 @@ from ..errors import DDictFullError
 from ..manager import Manager
 from ..options import DDictOptions
 from ..store import ShardStore
-from ..working_set import WorkingSet
+from ..working_set import WorkingSet, add_waiters
 from . import hygiene
 
 
@@ -138,6 +138,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
             frozen = Manager.saved_frozen(store)
             with store.write() as txn:  # clears the closed mark the last manager left
                 ws.save(txn)
+                add_waiters(store, txn, 0)  # whoever waited, waited at the old process
         persister = None
         if opts.persist_path:
             from ..persistence import CheckpointStore, Persister  # zarr: only when persisting

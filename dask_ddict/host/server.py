@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._serialize import Scratch
-from ..errors import DDictClosedError, DDictManagerUnavailableError, status_of
+from ..errors import DDictClosedError, DDictError, DDictManagerUnavailableError, status_of
 from ..transport.protocol import (
     AUTH_NONCE,
     FLAG_NOREPLY,
@@ -84,7 +84,7 @@ class HostedDict:
 class Request(NamedTuple):
     """One decoded request (``value`` is a view valid until the next request)."""
 
-    op: Op
+    op: int
     flags: int
     manager: int
     chkpt: int
@@ -124,7 +124,7 @@ def _page(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> No
 
 def _batch_put(m: Manager, r: Request, reply: Reply) -> None:
     m.batch_put(list(iter_records(r.value)), r.chkpt, r.client,
-                persistent=bool(r.flags & FLAG_PERSIST))  # fmt: skip
+                persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
     if not r.flags & FLAG_NOREPLY:
         reply()
 
@@ -147,7 +147,7 @@ HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
     ),
     Op.WAIT_FOR: lambda m, r, reply: reply(m.wait_for(r.digest, r.chkpt, r.value, r.timeout) or 0),
     Op.BATCH_PUT: _batch_put,
-    Op.BATCH_END: lambda m, r, reply: reply(m.batch_end(r.client)),
+    Op.BATCH_END: lambda m, r, reply: reply(m.batch_end(r.client, r.arg)),
     Op.STATS: lambda m, r, reply: reply(0, pickle.dumps(m.stats())),
     Op.NEWEST: lambda m, r, reply: reply(m.newest_checkpoint()),
     Op.FREEZE: lambda m, r, reply: reply(m.freeze() or 0),
@@ -269,8 +269,13 @@ class HostServer:
             conn, hosted = self._handshake(conn, kind)
             reader = Reader(conn)
             scratch = Scratch(self._scratch_keep)
+            sock = conn
+
+            def reply(ival: int = 0, payload: Any = b"") -> None:
+                send_parts(sock, [REP.pack(0, ival, memoryview(payload).nbytes), payload])
+
             while True:
-                self._one_request(conn, reader, scratch, hosted)
+                self._one_request(conn, reader, scratch, hosted, reply)
         except (ConnectionError, OSError, ssl.SSLError, PermissionError) as e:
             if not self._closed and not isinstance(e, ConnectionResetError):
                 logger.debug("ddict connection ended: %r", e)
@@ -287,7 +292,7 @@ class HostServer:
     # -- requests ---------------------------------------------------------------
 
     def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch,
-                     hosted: HostedDict) -> None:  # fmt: skip
+                     hosted: HostedDict, reply: Reply) -> None:  # fmt: skip
         op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = REQ.unpack(
             reader.read(REQ.size)
         )
@@ -297,10 +302,6 @@ class HostServer:
         else:
             value = scratch.get(vlen)
             reader.read_into(value)
-
-        def reply(ival: int = 0, payload: Any = b"") -> None:
-            send_parts(conn, [REP.pack(0, ival, memoryview(payload).nbytes), payload])
-
         try:
             manager = hosted.managers.get(mid)
             if manager is None:
@@ -309,9 +310,12 @@ class HostServer:
                 raise DDictManagerUnavailableError(
                     f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
                 )
-            req = Request(Op(op), flags, mid, chkpt, arg, client, decode_timeout(timeout),
+            handler = self.handlers.get(op)  # IntEnum keys: a plain int finds them
+            if handler is None:
+                raise DDictError(f"unknown operation {op}", "INVALID_ARGUMENT")
+            req = Request(op, flags, mid, chkpt, arg, client, decode_timeout(timeout),
                           keysec[:16], keysec[16:], value, rid)  # fmt: skip
-            self.handlers[req.op](manager, req, reply)
+            handler(manager, req, reply)
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise

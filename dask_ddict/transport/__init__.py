@@ -2,8 +2,9 @@
 
 Two ways to reach a manager, chosen per manager by the client handle:
 
-* same host: read the shard directly (:class:`~.shared.SharedReadChannel`) and
-  send writes through the host process's Unix socket;
+* same host: read the shard, and commit small in-window puts, directly
+  (:class:`~.shared.SharedChannel`); everything else through the host
+  process's Unix socket;
 * other hosts: TCP to the host process (HMAC-authenticated, TLS when the
   cluster requires it).
 

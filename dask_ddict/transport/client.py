@@ -66,7 +66,11 @@ from .protocol import (
 IDEMPOTENT = frozenset({
     Op.GET, Op.CONTAINS, Op.LEN, Op.PAGE, Op.STATS, Op.NEWEST, Op.PING, Op.PUT, Op.CLEAR,
     Op.FREEZE, Op.UNFREEZE, Op.WAIT_FOR, Op.ADMIN,
+    Op.BATCH_END,  # the batch's state is in the shard; a lost answer shows as a short count
 })  # fmt: skip
+#: Operations that change nothing: a timed-out one needs no "may or may not" warning.
+READS = frozenset({Op.GET, Op.CONTAINS, Op.LEN, Op.PAGE, Op.STATS, Op.NEWEST, Op.PING,
+                   Op.WAIT_FOR})  # fmt: skip
 #: Retried with their request id: the host applies them at most once.
 AT_MOST_ONCE = frozenset({Op.POP, Op.FETCH_ADD})
 #: Connection errors that mean nobody listens any more (the host is gone).
@@ -238,9 +242,7 @@ class HostLink:
             except TimeoutError as e:
                 if conn is not None:
                     self._drop(conn)
-                maybe = "" if op in IDEMPOTENT and op is not Op.PUT else (
-                    "; the operation may or may not have been applied"
-                )
+                maybe = "" if op in READS else "; the operation may or may not have been applied"
                 raise DDictTimeoutError(
                     f"{self.where(mid)} did not answer {op.name} within {timeout} s "
                     f"(+{self._slack} s slack){maybe}"
@@ -332,7 +334,7 @@ class SocketChannel:
         )  # fmt: skip
 
     def batch_put(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int, client: int,
-                  persistent: bool) -> None:  # fmt: skip
+                  persistent: bool, batch: int) -> None:  # fmt: skip
         parts: list[Any] = []
         total = 0
         for d, k, f in records:
@@ -341,11 +343,11 @@ class SocketChannel:
         flags = FLAG_NOREPLY | (FLAG_PERSIST if persistent else 0)
         self._call(
             Op.BATCH_PUT, flags=flags, value=parts, vlen=total, chkpt=chkpt, client=client,
-            reply=False,
+            arg=batch, reply=False,
         )  # fmt: skip
 
-    def batch_end(self, client: int) -> int:
-        return self._call(Op.BATCH_END, client=client)[0]
+    def batch_end(self, client: int, batch: int) -> int:
+        return self._call(Op.BATCH_END, client=client, arg=batch)[0]
 
     def stats(self) -> dict[str, Any]:
         return pickle.loads(self._call(Op.STATS)[1])

@@ -1,12 +1,20 @@
-"""Same-host reads with no round trip: open the manager's shard read-only.
+"""Same-host access with no round trip: open the manager's shard directly.
 
 A shard is an LMDB environment in ``/dev/shm``: any process on the host can map
 it and read a committed snapshot while the manager keeps writing (LMDB's
 readers never block the writer and never see a half-written transaction).  So
-a client on the manager's host (another worker's task, or the user's process)
+a client on the manager's host (a task on any worker, or the user's process)
 serves ``d[k]`` and ``k in d`` from the shard itself, at memory speed, and uses
-the manager's Unix socket only for writes and for reads that must wait (a
-``wait_for_keys`` read of a key not yet written).
+the host process's Unix socket only for reads that must wait (a
+``wait_for_keys`` read of a key not yet written) and for most writes.
+
+Small puts that change nothing but their key (see
+:func:`~dask_ddict.working_set.put_in_window`) are committed by the client
+itself, in a write transaction that LMDB's cross-process writer lock orders
+with the manager's: no round trip either.  Everything else (a put that moves
+the window, large values, dictionaries with ``wait_for_keys`` or
+``wait_for_writers``, a frozen shard, a manager with waiters) goes to the
+manager.
 
 Checkpoint rules are applied from the same snapshot: the window's newest
 checkpoint is stored in the shard's metadata by every write that moves it.
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import lmdb
@@ -36,9 +45,20 @@ from .._serialize import copy_frame
 from ..errors import DDictClosedError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
 from ..store import ShardStore
-from ..working_set import CLOSED_DESTROYED, OPEN, check_window, entry_visible, saved_newest
+from ..working_set import (
+    CLOSED_DESTROYED,
+    OPEN,
+    check_window,
+    entry_visible,
+    put_in_window,
+    saved_newest,
+)
 from .client import SocketChannel
 
+#: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
+ALIVE_CHECK = 0.02
+#: Puts of frames up to this size may be committed by a same-host client itself.
+DIRECT_PUT_MAX = 64 << 10
 #: A value this big is released from the reader's mapping right after its copy.
 RELEASE_LARGE = 1 << 20
 #: Smaller values: every mapping of the process is released after reads that may
@@ -87,7 +107,7 @@ def _acquire(path: str, capacity: int) -> _View:
     with _ENVS_LOCK:
         view = _ENVS.get(path)
         if view is None:
-            view = _ENVS[path] = _View(ShardStore(path, capacity, readonly=True))
+            view = _ENVS[path] = _View(ShardStore(path, capacity, scratch=False))
         view.users += 1
         return view
 
@@ -124,23 +144,37 @@ def forget(path: str) -> None:
         view.store.close()
 
 
-class SharedReadChannel:
-    """A :class:`SocketChannel` whose ``get``/``contains`` read the shard directly."""
+class SharedChannel:
+    """A :class:`SocketChannel` whose reads, and small in-window puts, use the shard directly.
+
+    Parameters
+    ----------
+    sock
+        The manager's channel through its host's Unix socket (everything else).
+    store_path, capacity, options
+        The shard and the dictionary's options.
+    direct_writes
+        Whether small puts may be committed here (``ddict.local-write``).
+    """
 
     kind = "shm"
 
     def __init__(self, sock: SocketChannel, store_path: str, capacity: int,
-                 options: DDictOptions) -> None:  # fmt: skip
+                 options: DDictOptions, direct_writes: bool = True) -> None:  # fmt: skip
         self._sock = sock
         self._path = store_path
         self._view = _acquire(store_path, capacity)
         self._store = self._view.store
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
+        self._direct = direct_writes and not (
+            options.wait_for_keys or options.wait_for_writers or options.read_only
+        )
         self._closed = False
+        self._alive_until = 0.0
 
     def __repr__(self) -> str:
-        return f"<SharedReadChannel manager={self._sock.info.manager_id} path={self._path!r}>"
+        return f"<SharedChannel manager={self._sock.info.manager_id} path={self._path!r}>"
 
     def __getattr__(self, name: str) -> Any:
         # Writes, waits, views, stats, admin: the manager's socket.
@@ -150,13 +184,17 @@ class SharedReadChannel:
         """A shard outlives its processes: a manager whose host is gone must read as
         unavailable, as it does over a socket.  ``info.pid`` is the supervisor's: while
         it lives the shard is served (its host process may be restarting, and the
-        shard holds every committed write), so one ``kill(pid, 0)`` per read (about a
-        microsecond) tells.  A manager that closed says so in the shard itself (see
+        shard holds every committed write), so a ``kill(pid, 0)`` at most every
+        :data:`ALIVE_CHECK` seconds tells.  A manager that closed says so in the shard itself (see
         :meth:`_visible`).
         """
+        now = time.monotonic()
+        if now < self._alive_until:
+            return
         info = self._sock.info
         try:
             os.kill(info.pid, 0)
+            self._alive_until = now + ALIVE_CHECK
         except ProcessLookupError:
             raise DDictManagerUnavailableError(
                 f"manager {info.manager_id} on host {info.hostname} ({info.worker}) is gone "
@@ -207,6 +245,26 @@ class SharedReadChannel:
         if e is None:
             raise DDictKeyError()
         return self._sock.get(digest, chkpt, timeout)  # the manager waits for the writer
+
+    def put(self, digest: bytes, key: bytes, framed: Any, chkpt: int, client: int,
+            persistent: bool, timeout: float | None) -> None:  # fmt: skip
+        if self._direct and framed.nbytes <= DIRECT_PUT_MAX:
+            self._check_alive()
+            try:
+                txn = self._store.write()
+            except lmdb.Error:
+                txn = None  # the view was closed: the manager answers
+            if txn is not None:
+                try:
+                    done = put_in_window(self._store, txn, self._size, digest, chkpt, key, framed)
+                except BaseException:
+                    txn.abort()
+                    raise
+                if done:
+                    txn.commit()
+                    return
+                txn.abort()
+        self._sock.put(digest, key, framed, chkpt, client, persistent, timeout)
 
     def contains(self, digest: bytes, chkpt: int) -> bool:
         self._check_alive()

@@ -1,0 +1,138 @@
+"""Pieces of the host side tested alone: owner locks and sweeping, the control pipe's
+framing, the direct-put rule, the buffer pool (no cluster)."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dask_ddict._hashing import key_digest
+from dask_ddict._serialize import BufferPool, dumps_key, dumps_value
+from dask_ddict.host import control, hygiene
+from dask_ddict.host.opening import DictSpec
+from dask_ddict.options import DDictOptions
+from dask_ddict.working_set import (
+    CLOSED_DESTROYED,
+    FROZEN,
+    WorkingSet,
+    add_waiters,
+    mark_closed,
+    put_in_window,
+)
+
+
+def _dirs(tmp_path):  # noqa: ANN001, ANN202
+    made = {}
+    for name in ("ddict-dead", "ddict-live", "ddict-kept", "ddict-nolock", "other-dead"):
+        path = tmp_path / name
+        path.mkdir()
+        made[name] = str(path)
+    return made
+
+
+def test_sweep_removes_only_provably_abandoned_directories(tmp_path):
+    d = _dirs(tmp_path)
+    hygiene.release(hygiene.claim(d["ddict-dead"]))  # its owner is gone
+    live = hygiene.claim(d["ddict-live"])  # its owner lives (this process)
+    hygiene.release(hygiene.claim(d["ddict-kept"]))
+    hygiene.mark_kept(d["ddict-kept"])  # kept for a restart
+    hygiene.release(hygiene.claim(d["other-dead"]))  # not ours by name
+    # a lock held by another live process counts too
+    code = textwrap.dedent(f"""
+        import sys, time
+        from dask_ddict.host import hygiene
+        hygiene.claim({d['ddict-nolock']!r}); print("held", flush=True); time.sleep(60)
+    """)
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "held"
+        removed = hygiene.sweep(str(tmp_path))
+        assert removed == [d["ddict-dead"]]
+        assert all(os.path.isdir(d[n]) for n in d if n != "ddict-dead")
+    finally:
+        other.kill()
+        other.wait()
+    assert hygiene.sweep(str(tmp_path)) == [d["ddict-nolock"]]  # its owner died just now
+    hygiene.release(live)
+    os.unlink(os.path.join(d["ddict-kept"], hygiene.KEPT))
+    assert sorted(hygiene.sweep(str(tmp_path))) == sorted([d["ddict-live"], d["ddict-kept"]])
+    assert os.path.isdir(d["other-dead"])  # never another program's directory
+
+
+def test_a_directory_without_a_lock_file_is_never_touched(tmp_path):
+    (tmp_path / "ddict-foreign").mkdir()
+    assert hygiene.sweep(str(tmp_path)) == []
+
+
+def test_control_messages_round_trip_and_hide_the_secret():
+    spec = DictSpec("n", "ab" * 16, "s3cr3t", DDictOptions(), 1 << 20, 2)
+    buf = io.BytesIO()
+    msgs = [control.OpenManagers(spec, (0, 1), {1: "/dev/shm/x"}, "tcp://w"),
+            control.CloseManagers("ab" * 16, True), control.Serve(), control.Ping()]  # fmt: skip
+    for m in msgs:
+        control.send(buf, m)
+    buf.seek(0)
+    assert [control.recv(buf) for _ in msgs] == msgs
+    assert control.recv(buf) is None  # EOF: the supervisor is gone
+    assert "s3cr3t" not in repr(spec) and "s3cr3t" not in repr(msgs[0])
+
+
+@pytest.fixture
+def ws(tmp_store):  # noqa: ANN001, ANN201
+    w = WorkingSet(tmp_store, 2)
+    with tmp_store.write() as txn:
+        w.save(txn)
+    return w
+
+
+def _key(i: int) -> tuple[bytes, bytes]:
+    kb = dumps_key(i)
+    return key_digest(kb), kb
+
+
+def test_put_in_window_decides_like_the_manager(tmp_store, ws):
+    st = tmp_store
+    frame = dumps_value("v").join()
+    d0, k0 = _key(0)
+    with st.write() as txn:
+        assert put_in_window(st, txn, 2, d0, 1, k0, frame)  # inside [0, 1]
+        assert not put_in_window(st, txn, 2, d0, 2, k0, frame)  # would move the window
+    with st.read() as txn:
+        assert ws.get(txn, d0, 1).frame == frame and not ws.contains(txn, d0, 0)
+    with st.write() as txn:
+        st.put_meta(txn, FROZEN, b"\x01")
+        assert not put_in_window(st, txn, 2, d0, 1, k0, frame)  # frozen: the manager says so
+        st.put_meta(txn, FROZEN, b"\x00")
+        add_waiters(st, txn, 1)
+        assert not put_in_window(st, txn, 2, d0, 1, k0, frame)  # a waiter: the manager wakes it
+        add_waiters(st, txn, -1)
+        assert put_in_window(st, txn, 2, d0, 0, k0, frame)
+    mark_closed(st, 1, CLOSED_DESTROYED)
+    with st.write() as txn:
+        assert not put_in_window(st, txn, 2, d0, 1, k0, frame)  # closed: the manager answers
+
+
+def test_buffer_pool_gives_buffers_back_when_the_last_view_dies():
+    pool = BufferPool(8 << 20)
+    a = pool.get(1 << 20)
+    addr = np.frombuffer(a, np.uint8).ctypes.data
+    view = np.frombuffer(a, np.uint8)[10:20]
+    del a
+    gc.collect()
+    assert pool.held == 0  # a view still refers to it
+    del view
+    gc.collect()
+    assert pool.held >= 1 << 20
+    b = pool.get(1 << 20)
+    assert np.frombuffer(b, np.uint8).ctypes.data == addr  # the same, warm buffer
+    big = pool.get(16 << 20)  # above what the pool keeps: its own buffer
+    del big, b
+    gc.collect()
+    assert pool.held <= pool.keep
