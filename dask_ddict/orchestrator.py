@@ -150,7 +150,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
              for r in results for i in r),  # type: ignore[union-attr]
             key=lambda m: m.manager_id,
         )  # fmt: skip
-        memory = {i["host_id"]: i.get("memory", 0) for r in results for i in r}  # type: ignore[union-attr]
+        memory = {i["host_id"]: i.get("memory", 0)
+                  for r in results for i in r}  # type: ignore[union-attr]  # fmt: skip
         extra: dict[str, Any] = {}
         warnings = self._memory_warnings(infos, capacity, memory)
         if warnings:

@@ -59,8 +59,10 @@ class _Supervising:
         return f"<{type(self).__name__} {self.supervisor!r}>"
 
     async def _start(self, server: Any) -> None:
-        sup = self.supervisor = HostSupervisor(_tcp_host(server.address), server.security,
-                                               server.address)  # fmt: skip
+        security = server.security
+        tls = server.address.startswith("tls://") or bool(security.require_encryption)
+        sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
+                                               server.address, tls)  # fmt: skip
         await asyncio.to_thread(sup.start)  # starting a process: off the event loop
         server.handlers.update(sup.handlers())
 

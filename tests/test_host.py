@@ -402,7 +402,7 @@ def _resources(pid: int) -> tuple[int, int, int]:
     return p.num_fds(), p.num_threads(), maps
 
 
-@pytest.mark.parametrize("cycles", [30, pytest.param(200, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cycles", [200])
 def test_create_destroy_cycles_keep_resources_flat(client, cycles):
     def read(h: DDict) -> int:
         return int(h["k"].sum())
@@ -533,3 +533,32 @@ def test_workers_without_a_nanny_supervise_their_own_host():
         d.destroy()
         assert not (mine & shm_entries())
     assert not host.is_running() or host.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_small_tmpfs_shard_directory_is_refused_at_creation(tmp_path):
+    """A shard directory smaller than total_mem: a clear error when the dict is created,
+    never a bus error on a later write, and nothing left behind."""
+    import dask
+
+    mnt = tmp_path / "small-shm"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=1777", "tmpfs", str(mnt)],
+                   check=True)  # fmt: skip
+    try:
+        with dask.config.set({"ddict.store.directory": str(mnt)}), \
+                LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+                Client(cl) as c:  # fmt: skip
+            with pytest.raises(DDictFullError, match=rf"cannot hold a \d+-byte shard: \d+ bytes of free space in {mnt}"):  # noqa: E501
+                DDict(total_mem="64 MiB", client=c)
+            assert os.listdir(mnt) == []
+            d = DDict(total_mem="16 MiB", client=c)  # what fits is reserved whole
+            assert len(os.listdir(mnt)) == 1
+            with pytest.raises(DDictFullError):
+                for i in range(100):
+                    d[i] = np.ones(1 << 15)  # 256 KiB values until the shard is full
+            assert d[0][0] == 1.0  # full is an error, the dict stays usable
+            d.destroy()
+            assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -29,6 +29,7 @@ class Init:
     security: Any  # distributed.Security (certificates for TLS), or None
     supervisor_pid: int
     socket_dir: str
+    tls: bool = False  # serve TCP over TLS (the cluster's comms use TLS)
     closed: tuple[str, ...] = ()  # uids destroyed on this host: their clients get CLOSED
     config: dict[str, Any] = field(default_factory=dict)  # the supervisor's ddict.* settings
 

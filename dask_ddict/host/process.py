@@ -44,8 +44,10 @@ class Host:
         self.closed: set[bytes] = {bytes.fromhex(u) for u in init.closed}
         self.locks: dict[tuple[str, int], int] = {}
         ssl_context = None
-        if init.security is not None and tcp.family in (socket.AF_INET, socket.AF_INET6):
+        if init.tls:
             ssl_context = init.security.get_listen_args("worker").get("ssl_context")
+            if ssl_context is None:
+                raise RuntimeError("the cluster requires TLS but this host has no certificate")
         if init.security is not None:
             from .. import client
 

@@ -66,12 +66,16 @@ class HostSupervisor:
         The cluster's ``distributed.Security`` (TLS certificates), or ``None``.
     label
         A name for logs (the nanny's or worker's address).
+    tls
+        Serve TCP over TLS, as the cluster's own comms do.
     """
 
-    def __init__(self, tcp_host: str, security: Any = None, label: str = "") -> None:
+    def __init__(self, tcp_host: str, security: Any = None, label: str = "",
+                 tls: bool = False) -> None:  # fmt: skip
         self.tcp_host = tcp_host
         self.security = security
         self.label = label
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
         self.socket_dir = ""
         self.uds_path = ""
@@ -129,8 +133,8 @@ class HostSupervisor:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
             start_new_session=True, env=env, cwd=self.socket_dir,
         )  # fmt: skip
-        self._send(control.Init(self.security, os.getpid(), self.socket_dir, tuple(self._closed),
-                                dask.config.get("ddict")))  # fmt: skip
+        self._send(control.Init(self.security, os.getpid(), self.socket_dir, self.tls,
+                                tuple(self._closed), dask.config.get("ddict")))  # fmt: skip
         self._recv(config.get_seconds("host.start-timeout"))
         for uid, (spec, paths, worker) in list(self._dicts.items()):
             try:
@@ -270,12 +274,20 @@ class HostSupervisor:
 
     def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
         with self._lock:
-            self._dicts.pop(uid, None)
+            entry = self._dicts.pop(uid, None)
             if uid not in self._closed:
                 self._closed.append(uid)
                 del self._closed[:-1024]  # a bounded memory of destroyed dictionaries
             try:
                 return int(self.call(control.CloseManagers(uid, allow_restart)))
+            except HostDiedError:
+                # The next incarnation will not serve it: its shards go now, or are kept.
+                for path in entry[1].values() if entry is not None else ():
+                    if allow_restart:
+                        hygiene.mark_kept(path)
+                    else:
+                        shutil.rmtree(path, ignore_errors=True)
+                raise
             finally:
                 for key in [k for k in self._shard_locks if k[0] == uid]:
                     hygiene.release(self._shard_locks.pop(key))
