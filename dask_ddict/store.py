@@ -4,7 +4,7 @@ Why LMDB (see ``storage-notes.md``): a crash-consistent copy-on-write B+tree
 in a memory-mapped file.  Placed on ``/dev/shm`` (tmpfs) its pages are shared
 memory: a committed transaction survives the death of the writing process (so
 a shard can be re-attached after a worker restart), same-host processes can
-open the environment read-only and read with no IPC, and a full map raises
+open the environment and read with no IPC, and a full map raises
 ``MapFullError`` without corrupting anything.
 
 Layout (named sub-databases)::
@@ -104,11 +104,11 @@ class ShardStore:
         Keep the ``index`` database (which keys were written at which
         checkpoint).  Only ``wait_for_keys`` retirement needs it; without it a
         put costs one B-tree insert instead of two.
-    readonly
-        Open an existing environment for reading only.
-    scratch
-        Keep a reusable buffer for large puts (the manager's store; same-host
-        clients, which only write small values, do without).
+    create
+        Create the shard if missing (its manager).  ``False``: open an existing
+        shard, as same-host clients do (they never create one by accident, e.g.
+        for a dictionary destroyed meanwhile, and keep no buffer for large puts,
+        which they leave to the manager).
     """
 
     path: str
@@ -123,15 +123,14 @@ class ShardStore:
         full_thresh: float = 0.9,
         *,
         indexed: bool = False,
-        readonly: bool = False,
-        scratch: bool = True,
+        create: bool = True,
     ) -> None:
         self.path = path
         self.indexed = indexed
         self._used_estimate = 0  # bytes; only ever over-estimates between exact checks
         self.capacity = int(capacity)
         self.full_thresh = float(full_thresh)
-        if not readonly:
+        if create:
             os.makedirs(path, mode=0o700, exist_ok=True)
         self.map_size = self.map_size_for(self.capacity)
         self.env = lmdb.open(
@@ -139,21 +138,20 @@ class ShardStore:
             map_size=self.map_size,
             max_dbs=4,
             max_readers=1024,
-            writemap=not readonly,
+            writemap=True,
             sync=False,
             metasync=False,
-            readonly=readonly,
+            create=create,
             readahead=False,
             meminit=False,
         )
-        if not readonly:
-            self.env.reader_check()  # free reader slots of processes that died
-        self._data = self.env.open_db(b"data", create=not readonly)
-        self._index = self.env.open_db(b"index", create=not readonly)
-        self._meta = self.env.open_db(b"meta", create=not readonly)
+        self.env.reader_check()  # free reader slots of processes that died
+        self._data = self.env.open_db(b"data", create=create)
+        self._index = self.env.open_db(b"index", create=create)
+        self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
-        # LMDB has one writer at a time, so one scratch buffer serves every put.
-        self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if scratch else None
+        # LMDB has one writer at a time, so one scratch buffer serves every large put.
+        self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if create else None
 
     def __repr__(self) -> str:
         return f"<ShardStore {self.path!r} capacity={self.capacity}>"

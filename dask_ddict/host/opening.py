@@ -104,7 +104,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
         assert restart_path is not None
         from ..transport.shared import forget
 
-        forget(restart_path)  # this process may map it read-only (a replication pull)
+        forget(restart_path)  # this process may map it as a client (a replication pull)
         path = restart_path
     else:
         base = shard_directory()

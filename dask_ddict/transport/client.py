@@ -127,7 +127,7 @@ class HostLink:
 
     def _connect(self, mid: int, deadline: float | None) -> _Conn:
         wait = self._connect_timeout
-        if deadline is not None:
+        if deadline is not None:  # never past the operation's own deadline
             wait = max(0.001, min(wait, deadline - time.monotonic()))
         info = self.info
         try:
@@ -213,7 +213,9 @@ class HostLink:
         """Send one request to manager ``mid``; return ``(ival, payload)``."""
         want = None if timeout is None else timeout + self._slack
         start = time.monotonic()
-        deadline = start + (self._reconnect if want is None else want)
+        # With a timeout, everything (reconnecting included) fits in it; without one,
+        # reconnecting to a restarting host may take reconnect-timeout from a failure.
+        deadline = None if want is None else start + want
         rid = secrets.randbits(63) + 1 if op in AT_MOST_ONCE else 0
         head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, encode_timeout(timeout),
                         vlen, rid)  # fmt: skip
@@ -256,10 +258,17 @@ class HostLink:
                         f"({type(e).__name__}); it may or may not have been applied",
                         "MANAGER_UNAVAILABLE",
                     ) from e
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self._reconnect
+                if now >= deadline:
                     raise self._unavailable(mid, e) from e
-                time.sleep(min(0.5, 0.02 * 2**attempt))  # the host is restarting
+                time.sleep(min(0.5, 0.02 * 2**attempt, deadline - now))  # the host restarts
                 attempt += 1
+                if timeout is not None:  # a waiting operation waits only what is left
+                    left = max(0.0, timeout - (time.monotonic() - start))
+                    head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, left,
+                                    vlen, rid)  # fmt: skip
                 continue
             if status:
                 raise_for_status(status, bytes(payload).decode(errors="replace"))

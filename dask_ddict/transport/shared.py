@@ -21,7 +21,7 @@ checkpoint is stored in the shard's metadata by every write that moves it.
 The value is copied out while the snapshot is open, so a caller never holds a
 view of pages that a later write could reuse.
 
-LMDB forbids opening one environment twice in a process, so read-only
+LMDB forbids opening one environment twice in a process, so
 environments are shared process-wide (:data:`_ENVS`) and released when the
 last channel using one closes (a handle's channels close with it, also when
 it is garbage-collected, e.g. at the end of a task), or as soon as a read
@@ -116,7 +116,7 @@ def _acquire(path: str, capacity: int) -> _View:
     with _ENVS_LOCK:
         view = _ENVS.get(path)
         if view is None:
-            view = _ENVS[path] = _View(ShardStore(path, capacity, scratch=False))
+            view = _ENVS[path] = _View(ShardStore(path, capacity, create=False))
         view.users += 1
         return view
 
@@ -142,10 +142,10 @@ def _destroyed(path: str) -> None:
 
 
 def forget(path: str) -> None:
-    """Close this process's read-only view of a shard it is about to open for writing.
+    """Close this process's client view of a shard it is about to open as its manager.
 
     LMDB must not have one environment open twice in a process; a restart can
-    place a manager in a process that still maps the old shard read-only.
+    place a manager in a process that still maps the old shard as a client.
     """
     with _ENVS_LOCK:
         view = _ENVS.pop(path, None)
