@@ -161,8 +161,9 @@ class _Core:
         link = self._links.get(key)
         if link is None:
             lay = self.layout
-            link = self._links[key] = HostLink(info, lay.uid, lay.secret, lay.name,
-                                               use_uds=use_uds, ssl_context=ssl_context)  # fmt: skip
+            link = self._links[key] = HostLink(
+                info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context
+            )
         return link
 
     def _make_channel(self, info: ManagerInfo) -> Any:

@@ -358,7 +358,8 @@ class Manager:
 
     # -- at-most-once requests --------------------------------------------------
 
-    def _once(self, txn: lmdb.Transaction, rid: int, fn: Callable[[lmdb.Transaction], bytes]) -> bytes:
+    def _once(self, txn: lmdb.Transaction, rid: int,
+              fn: Callable[[lmdb.Transaction], bytes]) -> bytes:  # fmt: skip
         """``fn(txn)``, or the reply it gave when request ``rid`` was applied before.
 
         The reply is stored in the same transaction as the change, so either

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 
 import dask
 import numpy as np
-import pytest
 from distributed import Client, LocalCluster, Security
 
-from dask_ddict import DDict, DDictManagerUnavailableError
+from dask_ddict import DDict
 from tests.conftest import shm_entries
 
 

@@ -108,7 +108,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
         path = restart_path
     else:
         base = shard_directory()
-        path = os.path.join(base, f"{hygiene.PREFIX}{_safe(spec.name)}-{mid}-{secrets.token_hex(8)}")
+        name = f"{hygiene.PREFIX}{_safe(spec.name)}-{mid}-{secrets.token_hex(8)}"
+        path = os.path.join(base, name)
         check_room(base, ShardStore.map_size_for(spec.capacity))
         os.makedirs(path, mode=0o700)
     lock = hygiene.claim(path)

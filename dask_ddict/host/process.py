@@ -139,8 +139,10 @@ def main(argv: list[str]) -> int:
     ctl_in: BinaryIO = sys.stdin.buffer
     ctl_out: BinaryIO = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints never corrupt the pipe
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s - ddict-host %(process)d - %(levelname)s - %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s - ddict-host %(process)d - %(levelname)s - %(message)s",
+    )
     init = control.recv(ctl_in)
     if not isinstance(init, control.Init):
         return 2

@@ -138,9 +138,11 @@ class HostSupervisor:
         self._recv(config.get_seconds("host.start-timeout"))
         for uid, (spec, paths, worker) in list(self._dicts.items()):
             try:
-                infos = self._exchange(control.OpenManagers(spec, tuple(paths), dict(paths), worker))
+                msg = control.OpenManagers(spec, tuple(paths), dict(paths), worker)
+                infos = self._exchange(msg)
             except Exception as e:
-                logger.error("ddict %s: re-opening managers %s failed: %r", spec.name, list(paths), e)
+                logger.error("ddict %s: re-opening managers %s failed: %r", spec.name,
+                             list(paths), e)  # fmt: skip
                 continue
             for info in infos:
                 if not info["restarted"]:

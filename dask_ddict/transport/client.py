@@ -117,7 +117,8 @@ class HostLink:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        where = self.info.uds_path if self.kind == "uds" else f"{self.info.tcp_host}:{self.info.tcp_port}"
+        info = self.info
+        where = info.uds_path if self.kind == "uds" else f"{info.tcp_host}:{info.tcp_port}"
         return f"<HostLink {self.name!r} {self.kind} {where}>"
 
     def where(self, mid: int) -> str:
