@@ -562,3 +562,25 @@ def test_a_small_tmpfs_shard_directory_is_refused_at_creation(tmp_path):
             assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_host_that_keeps_dying_is_given_up_and_reported_at_once():
+    import dask
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="16 MiB", client=c)
+        d["k"] = np.ones(20_000)  # a value that goes through the host
+        mine = shards(d)
+        with dask.config.set({"ddict.host.max-restarts": 0}):  # read by the nanny's supervisor
+            os.kill(d.stats[0].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            sup = _supervisor(cl, d, 0)
+            while sup._uds is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            with pytest.raises(DDictManagerUnavailableError, match="manager 0"):
+                d["k"] = np.zeros(20_000)  # refused: not left waiting in a backlog
+            assert time.monotonic() - t0 < 5
+        d.destroy()
+        assert not (mine & shm_entries())

@@ -171,8 +171,10 @@ class HostSupervisor:
                 while self._restarts and now - self._restarts[0] > window:
                     self._restarts.popleft()
                 if len(self._restarts) >= int(config.get("host.max-restarts")):
-                    logger.error("ddict host of %s died %d times in %.0f s; not restarting",
-                                 self.label, len(self._restarts) + 1, window)  # fmt: skip
+                    logger.error("ddict host of %s died %d times in %.0f s; not restarting: "
+                                 "its managers are lost", self.label, len(self._restarts) + 1,
+                                 window)  # fmt: skip
+                    self._close_listeners()  # clients are refused now, instead of waiting
                     return
                 self._restarts.append(now)
                 self.restart_count += 1
@@ -329,6 +331,12 @@ class HostSupervisor:
 
     # -- shutdown -------------------------------------------------------------------
 
+    def _close_listeners(self) -> None:
+        for sock in (self._uds, self._tcp):
+            if sock is not None:
+                sock.close()
+        self._uds = self._tcp = None
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the host process (deleting its shards, keeping kept ones) and the listeners."""
         with self._lock:
@@ -351,9 +359,7 @@ class HostSupervisor:
             for f in (proc.stdin, proc.stdout):
                 if f is not None:
                     f.close()
-        for s in (self._uds, self._tcp):
-            if s is not None:
-                s.close()
+        self._close_listeners()
         for fd in self._shard_locks.values():
             hygiene.release(fd)
         self._shard_locks.clear()
