@@ -15,6 +15,7 @@ from __future__ import annotations
 import pickle
 import struct
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from .opening import DictSpec
@@ -73,13 +74,18 @@ def send(f: BinaryIO, obj: Any) -> None:
     f.flush()
 
 
-def recv(f: BinaryIO) -> Any:
-    """The next message, or ``None`` at EOF."""
-    head = f.read(_LEN.size)
+def read_message(read: Callable[[int], bytes]) -> Any:
+    """The next message from ``read(n)`` (which returns up to ``n`` bytes), or ``None`` at EOF."""
+    head = read(_LEN.size)
     if len(head) < _LEN.size:
         return None
     (n,) = _LEN.unpack(head)
-    data = f.read(n)
+    data = read(n)
     if len(data) < n:
         return None
     return pickle.loads(data)
+
+
+def recv(f: BinaryIO) -> Any:
+    """The next message from a file, or ``None`` at EOF."""
+    return read_message(f.read)

@@ -214,8 +214,7 @@ class HostSupervisor:
                 buf += chunk
             return bytes(buf)
 
-        (n,) = control._LEN.unpack(read(control._LEN.size))
-        ok, value = control.pickle.loads(read(n))
+        ok, value = control.read_message(read)  # read() raises at EOF: never None here
         if not ok:
             raise value
         return value
