@@ -32,7 +32,7 @@ from ._serialize import dumps_value, loads_value
 from .errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
 from .persistence import Persister
 from .store import ShardStore
-from .working_set import FROZEN, CLOSED_DESTROYED, MustWait, WorkingSet, add_waiters, mark_closed
+from .working_set import CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_waiters, mark_closed
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,10 @@ T = TypeVar("T")
 #: What a page of a view carries per item: keys, values or both.
 WANT_KEYS, WANT_VALUES, WANT_ITEMS = 1, 2, 3
 
+_BATCH = b"batch:"  # + client id: (batch id, count, first error) of an open batch
 #: Replies of the last non-idempotent requests (by request id), kept in the
 #: shard beside the data they changed: a request retried after a host
 #: restart gets the first answer instead of being applied twice.
-_BATCH = b"batch:"  # + client id: (count, first error) of an open batch
 _RID = b"rid:"
 _RID_SLOT = b"ridslot:"
 _RID_SEQ = b"ridseq"
@@ -167,11 +167,15 @@ class Manager:
                     self._cond.notify_all()
                 return result
 
-    def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
+    def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
+              *, counted: bool = False) -> T:  # fmt: skip
         """Run ``fn`` in a snapshot transaction, waiting while it must wait.
 
         ``fn`` consumes zero-copy views itself (copies them, or sends them to a
-        socket): they are invalid once the transaction ends.
+        socket): they are invalid once the transaction ends.  A ``counted``
+        wait is counted in the shard while it lasts: same-host clients then
+        send their puts here instead of committing them themselves, since only
+        a write through this manager wakes it.
         """
         self._check_open()
         with self.store.read() as txn:
@@ -180,14 +184,26 @@ class Manager:
             except MustWait:
                 pass
         deadline = self._deadline(timeout)
-        with self._cond:  # re-check under the lock: no write can slip in between
-            while True:
-                with self.store.read() as txn:
-                    try:
-                        return fn(txn)
-                    except MustWait:
-                        pass
-                self._wait(deadline, what, timeout)
+        if counted:
+            self._count_waiter(1)
+        try:
+            with self._cond:  # re-check under the lock: no write can slip in between
+                while True:
+                    with self.store.read() as txn:
+                        try:
+                            return fn(txn)
+                        except MustWait:
+                            pass
+                    self._wait(deadline, what, timeout)
+        finally:
+            if counted:
+                self._count_waiter(-1)
+
+    def _count_waiter(self, n: int) -> None:
+        with self._cond:
+            if not self.closed:
+                with self.store.write() as txn:
+                    add_waiters(self.store, txn, n)
 
     # -- persistence of retiring checkpoints ------------------------------------
 
@@ -443,24 +459,7 @@ class Manager:
             if not (ws.is_visible(e, chkpt) and e is not None and e.frame == frame):
                 raise MustWait
 
-        with self.store.read() as txn:
-            try:
-                return fn(txn)
-            except MustWait:
-                pass
-        # Counted in the shard while it waits: same-host clients then send their
-        # puts here instead of committing them themselves (only this wakes it).
-        self._count_waiter(1)
-        try:
-            self._read(fn, timeout, "wait_for")
-        finally:
-            self._count_waiter(-1)
-
-    def _count_waiter(self, n: int) -> None:
-        with self._cond:
-            if not self.closed:
-                with self.store.write() as txn:
-                    add_waiters(self.store, txn, n)
+        self._read(fn, timeout, "wait_for", counted=True)
 
     def newest_checkpoint(self) -> int:
         return self.working_set.newest
