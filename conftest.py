@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Fuzz tests (tests/fuzz.py) try ten times as many inputs in a --runslow run.
+    os.environ["DDICT_FUZZ_SCALE"] = "10" if config.getoption("--runslow") else "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,8 +16,7 @@ starts at 32 modulo 64; receivers allocate their buffers with the same offset
 (:func:`aligned_empty`).  Unpickling then builds numpy arrays as views of the
 frame, without copying.
 
-Keys are serialized with plain pickle (protocol 5, in-band), falling back to
-cloudpickle for objects pickle cannot handle.  Their bytes are their identity.
+Keys have their own canonical encoding (:mod:`dask_ddict._keys`).
 """
 
 from __future__ import annotations
@@ -45,6 +44,8 @@ _LEN = struct.Struct("<Q")
 
 
 class KeyPickler(Protocol):
+    """A custom key pickler: ``dumps`` must return bytes-like (the key's identity)."""
+
     def dumps(self, obj: Any) -> bytes: ...
     def loads(self, data: bytes) -> Any: ...
 
@@ -153,27 +154,6 @@ def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
         return pickle.loads(payload, buffers=bufs)
     except Exception as e:
         raise DDictSerializationError(f"cannot deserialize value: {e}") from e
-
-
-def dumps_key(key: Any, pickler: KeyPickler | None = None) -> bytes:
-    """Serialize a key; its bytes are its identity."""
-    try:
-        if pickler is not None:
-            data = pickler.dumps(key)
-            return bytes(data)
-        try:
-            return pickle.dumps(key, protocol=5)
-        except Exception:
-            return cloudpickle.dumps(key, protocol=5)
-    except Exception as e:
-        raise DDictSerializationError(f"cannot serialize a key of type {_describe(key)}: {e}") from e
-
-
-def loads_key(data: Any, pickler: KeyPickler | None = None) -> Any:
-    """Deserialize key bytes."""
-    if pickler is not None:
-        return pickler.loads(bytes(data))
-    return pickle.loads(data)
 
 
 SMALL_FRAME = 4096

@@ -27,8 +27,9 @@ import distributed
 from distributed import Client, LocalCluster
 
 from . import config
-from ._hashing import custom_placement, key_digest, manager_for_digest
-from ._serialize import Framed, KeyPickler, ValuePickler, dumps_key, dumps_value, loads_key, loads_value
+from ._hashing import custom_placement, key_digest, manager_for_digest, seed_warning
+from ._keys import dumps_key, loads_key
+from ._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
 from .errors import (
     DDictClosedError,
     DDictError,
@@ -108,6 +109,14 @@ class _Core:
         # connections and shard views, also without detach().
         self._finalizer = weakref.finalize(self, _Core._release, self._channels, self._links)
         self._host = host_id()
+        self.seed_checked = False
+
+    def check_hash_seed(self, cls: type) -> None:
+        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks."""
+        self.seed_checked = True
+        text = seed_warning(cls, {m.hash_seed for m in self.layout.managers})
+        if text is not None:
+            warnings.warn(text, RuntimeWarning, stacklevel=4)
 
     def __repr__(self) -> str:
         return f"<_Core {self.layout.name!r} managers={self.layout.num_managers} closed={self.closed}>"
@@ -439,7 +448,11 @@ class DDict:
             return self._target, digest, kb
         n = self._core.layout.num_managers
         mid = custom_placement(key, n)
-        return (manager_for_digest(digest, n) if mid is None else mid), digest, kb
+        if mid is None:
+            return manager_for_digest(digest, n), digest, kb
+        if not self._core.seed_checked:
+            self._core.check_hash_seed(type(key))
+        return mid, digest, kb
 
     def _managers(self) -> list[int]:
         self._check()

@@ -11,11 +11,18 @@ the layout (e.g. a manager's worker is lost).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .options import DDictOptions
+
+_PREFIX = "ddict2:"
+
+
+def _checksum(raw: bytes) -> str:
+    return hashlib.blake2b(raw, digest_size=16, person=b"ddict-layout").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class ManagerInfo:
     lost: bool = False
     restarted: bool = False  # re-attached a shard kept by destroy(allow_restart=True)
     supervisor: str = ""  # address of the nanny (or nanny-less worker) that supervises its host
+    hash_seed: str = ""  # its worker's str-hash seed (see _hashing.hash_seed)
 
 
 @dataclass(frozen=True)
@@ -87,18 +95,58 @@ class Layout:
         return cls(**d)
 
     def serialize(self) -> str:
-        """A printable string from which any process can attach."""
+        """A printable string from which any process can attach.
+
+        ``ddict2:<base64 JSON>.<checksum>``: the checksum (BLAKE2b of the JSON)
+        makes an edited or truncated string fail at attach instead of reading
+        the wrong shards.
+        """
         raw = json.dumps(self.to_dict(), separators=(",", ":")).encode()
-        return "ddict1:" + base64.urlsafe_b64encode(raw).decode()
+        return f"{_PREFIX}{base64.urlsafe_b64encode(raw).decode()}.{_checksum(raw)}"
 
     @classmethod
-    def deserialize(cls, s: str) -> Layout:
-        if not isinstance(s, str) or not s.startswith("ddict1:"):
-            raise ValueError("not a serialized DDict (expected a string from DDict.serialize())")
+    def deserialize(cls, s: Any) -> Layout:
+        """The layout in a :meth:`serialize` string, checked before any use.
+
+        Raises
+        ------
+        TypeError
+            ``serialized`` is not a string.
+        ValueError
+            It is not from :meth:`serialize`, was altered, or describes an
+            impossible layout (no managers, ids out of order, shared shards).
+        """
+        if not isinstance(s, str):
+            raise TypeError(f"serialized must be a str from DDict.serialize(), got {type(s).__name__}")
+        if s.startswith("ddict1:"):
+            raise ValueError("serialized is a handle of an older dask_ddict (format 1): "
+                             "re-create or re-attach the dictionary with this version")  # fmt: skip
+        body, _, digest = s[len(_PREFIX):].rpartition(".")
+        if not s.startswith(_PREFIX) or not body:
+            raise ValueError("serialized is not a DDict handle (expected DDict.serialize()'s string)")
         try:
-            return cls.from_dict(json.loads(base64.urlsafe_b64decode(s[7:].encode())))
+            raw = base64.urlsafe_b64decode(body.encode())
+        except Exception:
+            raise ValueError("serialized DDict handle is not valid base64") from None
+        if _checksum(raw) != digest:
+            raise ValueError("serialized DDict handle was altered or truncated (checksum mismatch)")
+        try:
+            layout = cls.from_dict(json.loads(raw))
         except Exception as e:
-            raise ValueError(f"corrupt serialized DDict: {e}") from None
+            raise ValueError(f"serialized DDict handle is malformed: {e}") from None
+        layout.check()
+        return layout
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for a layout no orchestrator builds."""
+        if not self.managers:
+            raise ValueError(f"DDict {self.name!r}: the layout has no managers")
+        ids = [m.manager_id for m in self.managers]
+        if ids != list(range(len(ids))):
+            raise ValueError(f"DDict {self.name!r}: manager ids {ids} are not 0..{len(ids) - 1}")
+        paths = [m.store_path for m in self.managers]
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"DDict {self.name!r}: two managers name the same shard")
 
 
 def host_id() -> str:

@@ -5,20 +5,32 @@ Layout (documented for users in ``docs/persistence.md``; plain
 
     <persist_path>/                     zarr group
       <dict name>/                      group
-        manager_<i>/                    group, attrs {"num_managers": N, ...}
-          chkpt_<k>/                    group, attrs {"checkpoint": k, "num_keys": n,
-                                        #              "committed": true}  <- written last
+        manager_<i>/                    group, attrs {"format", "num_managers", "manager_id"}
+          chkpt_<k>.g<gen>/             group: generation <gen> of checkpoint k, attrs
+                                        #   {"checkpoint", "generation", "num_keys", ...,
+                                        #    "crc32c": {...}, "committed": true}  <- last
             keys            uint8[...]  serialized keys, concatenated
             key_offsets     uint64[n+1] key i is keys[key_offsets[i]:key_offsets[i+1]]
             values          uint8[...]  value frames (dask_ddict framing), concatenated
             value_offsets   uint64[n+1]
             flags           uint8[n]    bit 1: persistent (matters under wait_for_keys)
 
-A checkpoint is the full state visible at ``k`` (everything carried forward
-into it), so restoring ``k`` needs nothing else.  A checkpoint counts only
-once its ``committed`` attribute is true, and that attribute is written after
-every array: a persist interrupted half-way (a killed worker, a full disk) is
-never taken for complete, and the next persist of that id replaces it.
+**Crash safety.**  A checkpoint counts once one of its generations is
+committed, and the newest committed generation is the checkpoint.  A persist
+writes a *new* generation, commits it (its ``committed`` attribute, written
+after every array), and only then removes older generations of that id and,
+under ``persist_count``, older ids.  So at every instant, whatever is killed
+and wherever, the newest completely written copy of each checkpoint is
+there: an interrupted persist leaves an uncommitted (or unreadable)
+generation that is never restored, and the next persist of that id removes it.
+
+**Integrity.**  Every array's chunks end with a CRC32C (zarr's ``crc32c``
+codec; chunks written directly as files get the same layout), and the commit
+records the CRC32C of every chunk.  zarr reads a missing chunk as zeros: a
+chunk whose checksum does not match the committed one is refused, as are
+offsets that do not fit the arrays.  Any of these raises
+:class:`~dask_ddict.errors.DDictPersistCheckpointError` naming the store,
+manager, checkpoint and what is wrong: never a wrong value.
 
 :class:`CheckpointStore` is the I/O (testable without a cluster);
 :class:`Persister` is the policy (which ids, eviction) and the background
@@ -28,24 +40,51 @@ event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec
 from zarr.errors import ContainsGroupError
 
+from ._keys import KEY_ENCODING
 from .errors import DDictError, DDictPersistCheckpointError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dask_ddict.checkpoint/1"
+#: The store format; changes with the layout or the key bytes (:data:`KEY_ENCODING`).
+FORMAT = f"dask_ddict.checkpoint/{KEY_ENCODING}"
 _ARRAY_CONFIG = {"write_empty_chunks": True}  # skip the per-chunk "all fill?" scan
+_CRC = [Crc32cCodec()]
+_GEN = re.compile(r"^chkpt_(\d+)\.g(\d+)$")
+_SMALL = ("keys", "key_offsets", "value_offsets", "flags")
+
+#: A hook called at named steps of a write (tests kill the process there): "chunk",
+#: "arrays", "commit", "committed", "cleanup".
+Step = Callable[[str], None]
+
+
+def crc32c(data: Any) -> int:
+    """CRC32C of a contiguous buffer (the library takes bytes and arrays, not memoryviews)."""
+    if not isinstance(data, (bytes, np.ndarray)):
+        data = np.frombuffer(data, dtype=np.uint8)
+    return int(google_crc32c.value(data))
+
+
+def _sync(coro: Any) -> Any:
+    from zarr.core.sync import sync
+
+    return sync(coro)
 
 
 def _require_group(path: str, names: list[str], storage_options: dict[str, Any] | None) -> Any:
@@ -70,27 +109,27 @@ def _require_group(path: str, names: list[str], storage_options: dict[str, Any] 
 
 
 class _ChunkWriter:
-    """Stores full chunks of a 1-D uncompressed uint8 array, overlapping copy and I/O.
+    """Stores full chunks of a 1-D uint8 array, overlapping copy and I/O.
 
-    For the plain layout (bytes codec only) a chunk's bytes are its file, so
-    they go straight to the store, with no codec pass and no extra copy, while
-    the caller fills the next buffer (two buffers in flight).  Any other
-    layout takes zarr's ordinary path.
+    For the plain layout (bytes codec, then crc32c) a chunk's file is its
+    bytes followed by their CRC32C, so full chunks go straight to the store
+    (the checksum is written into the buffer's 4 spare bytes: no codec pass,
+    no extra copy) while the caller fills the next buffer (two buffers in
+    flight).  Any other layout takes zarr's ordinary path.  Either way
+    :attr:`crcs` collects every chunk's checksum for the commit.
     """
 
-    def __init__(self, values: Any, chunk: int) -> None:
+    def __init__(self, values: Any, chunk: int, step: Step) -> None:
         self.values = values
         self.chunk = chunk
-        self.buffers = [np.empty(chunk, dtype=np.uint8) for _ in range(2)]
+        self.step = step
+        self.buffers = [np.empty(chunk + 4, dtype=np.uint8) for _ in range(2)]
         self.pending: list[Any] = [None, None]
         self.turn = 0
+        self.crcs: list[int] = []
         meta = values.metadata
-        codecs = getattr(meta, "codecs", ())
-        self.direct = (
-            len(codecs) == 1
-            and type(codecs[0]).__name__ == "BytesCodec"
-            and hasattr(meta, "encode_chunk_key")
-        )
+        names = [type(c).__name__ for c in getattr(meta, "codecs", ())]
+        self.direct = names == ["BytesCodec", "Crc32cCodec"] and hasattr(meta, "encode_chunk_key")
 
     @property
     def buffer(self) -> np.ndarray:
@@ -99,24 +138,27 @@ class _ChunkWriter:
         if fut is not None:
             fut.result()
             self.pending[self.turn] = None
-        return self.buffers[self.turn]
+        return self.buffers[self.turn][: self.chunk]
 
     def put(self, i: int, nbytes: int) -> None:
         """Store the current buffer's first ``nbytes`` as chunk ``i``; switch buffers."""
-        data = self.buffers[self.turn][:nbytes]
+        buf = self.buffers[self.turn]
+        crc = crc32c(buf[:nbytes])
+        self.crcs.append(crc)
         if self.direct and nbytes == self.chunk:
-            import asyncio
-
             from zarr.core.buffer import default_buffer_prototype
             from zarr.core.sync import _get_loop
 
+            buf[nbytes : nbytes + 4] = np.frombuffer(np.uint32(crc).tobytes(), dtype=np.uint8)
             sp = self.values.store_path
             name = self.values.metadata.encode_chunk_key((i,))
             key = f"{sp.path}/{name}" if sp.path else name
-            coro = sp.store.set(key, default_buffer_prototype().buffer.from_array_like(data))
+            data = default_buffer_prototype().buffer.from_array_like(buf[: nbytes + 4])
+            coro = sp.store.set(key, data)
             self.pending[self.turn] = asyncio.run_coroutine_threadsafe(coro, _get_loop())
         else:
-            self.values[i * self.chunk : i * self.chunk + nbytes] = data
+            self.values[i * self.chunk : i * self.chunk + nbytes] = buf[:nbytes]
+        self.step("chunk")
         self.turn ^= 1
 
     def finish(self) -> None:
@@ -126,8 +168,22 @@ class _ChunkWriter:
                 self.pending[t] = None
 
 
-def _chkpt_name(chkpt: int) -> str:
-    return f"chkpt_{chkpt}"
+@dataclass(frozen=True)
+class Generation:
+    """One written copy of a checkpoint, as found in the store."""
+
+    chkpt: int
+    gen: int
+    committed: bool
+    problem: str = ""  # why its metadata could not be read
+
+    @property
+    def name(self) -> str:
+        return f"chkpt_{self.chkpt}.g{self.gen}"
+
+
+def _nothing(step: str) -> None:
+    pass
 
 
 class CheckpointStore:
@@ -151,6 +207,8 @@ class CheckpointStore:
         Flush a local checkpoint's files to the disk before its commit marker
         is written (and the marker after): a checkpoint then survives a power
         loss, at disk speed instead of page-cache speed.
+    step
+        Called with the name of each step of a write (fault-injection tests).
     """
 
     def __init__(
@@ -163,20 +221,41 @@ class CheckpointStore:
         chunk_bytes: int = 64 << 20,
         storage_options: dict[str, Any] | None = None,
         fsync: bool = False,
+        step: Step = _nothing,
     ) -> None:
         self.path = path
         self.name = name
         self.manager_id = manager_id
         self.num_managers = num_managers
         self.chunk_bytes = chunk_bytes
+        self.step = step
         # file:// URLs are local directories: zarr's LocalStore creates parents and can
         # fsync.  fsync applies to local directories (fsspec stores have their own guarantees).
         self._local_root = path[7:] if path.startswith("file://") else path
+        if "://" not in self._local_root and os.path.exists(self._local_root) and not (
+            os.path.isdir(self._local_root)
+        ):
+            raise DDictPersistCheckpointError(
+                f"persist_path {path!r} is a file, not a directory (a zarr store)"
+            )
         self.fsync = fsync and "://" not in self._local_root
-        self.group = _require_group(
-            self._local_root, [name, f"manager_{manager_id}"], storage_options
-        )
-        found = self.group.attrs.get("num_managers")
+        where = f"manager {manager_id} of {name!r} in {path}"
+        try:
+            self.group = _require_group(
+                self._local_root, [name, f"manager_{manager_id}"], storage_options
+            )
+            attrs = dict(self.group.attrs)
+        except DDictError:
+            raise
+        except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+            raise DDictPersistCheckpointError(f"{where}: unreadable group metadata: {e}") from None
+        found = attrs.get("num_managers")
+        fmt = attrs.get("format")
+        if fmt is not None and fmt != FORMAT:
+            raise DDictPersistCheckpointError(
+                f"{where} has format {fmt!r}; this dask_ddict reads {FORMAT!r} (its key "
+                "bytes differ): restore it with the version that wrote it"
+            )
         if found is not None and found != num_managers:
             raise DDictPersistCheckpointError(
                 f"the checkpoints of {name!r} in {path} were written by {found} managers, "
@@ -189,43 +268,83 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"<CheckpointStore {self.path!r} {self.name!r} manager={self.manager_id}>"
 
+    def _where(self, chkpt: int) -> str:
+        return f"checkpoint {chkpt} of manager {self.manager_id} of {self.name!r} in {self.path}"
+
+    # -- generations ----------------------------------------------------------
+
+    def generations(self) -> list[Generation]:
+        """Every generation in the store, committed or not, readable or not."""
+        sp = self.group.store_path
+
+        async def names() -> list[str]:
+            return [n async for n in sp.store.list_dir(sp.path)]
+
+        out = []
+        for n in _sync(names()):
+            m = _GEN.match(n)
+            if m is None:
+                continue
+            chkpt, gen = int(m.group(1)), int(m.group(2))
+            try:
+                committed = self.group[n].attrs.get("committed") is True
+                out.append(Generation(chkpt, gen, committed))
+            except Exception as e:  # a torn or damaged zarr.json
+                out.append(Generation(chkpt, gen, False, f"{type(e).__name__}: {e}"))
+        return sorted(out, key=lambda g: (g.chkpt, g.gen))
+
+    def _newest(self, chkpt: int) -> Generation:
+        found = [g for g in self.generations() if g.chkpt == chkpt]
+        ok = [g for g in found if g.committed]
+        if ok:
+            return ok[-1]
+        broken = [f"{g.name}: {g.problem}" for g in found if g.problem]
+        detail = f" (unreadable: {'; '.join(broken)})" if broken else ""
+        raise DDictPersistCheckpointError(
+            f"{self._where(chkpt)} is not persisted{detail} (persisted: {self.ids()})"
+        )
+
     def ids(self) -> list[int]:
         """Committed checkpoint ids, ascending (half-written ones are not listed)."""
-        out = []
-        for gname, g in self.group.groups():
-            if gname.startswith("chkpt_") and g.attrs.get("committed") is True:
-                out.append(int(gname[6:]))
-        return sorted(out)
+        return sorted({g.chkpt for g in self.generations() if g.committed})
+
+    def _remove(self, gen: Generation) -> None:
+        sp = self.group.store_path
+        _sync(sp.store.delete_dir(f"{sp.path}/{gen.name}" if sp.path else gen.name))
 
     def delete(self, chkpt: int) -> None:
-        name = _chkpt_name(chkpt)
-        if name in self.group:
-            del self.group[name]
+        """Remove every generation of ``chkpt``."""
+        for g in self.generations():
+            if g.chkpt == chkpt:
+                self._remove(g)
+
+    # -- writing --------------------------------------------------------------
 
     def write(self, chkpt: int, entries: Callable[[], Iterable[tuple[Any, Any, int]]]) -> int:
         """Write checkpoint ``chkpt`` from ``entries()`` (called twice: sizes, then data).
 
         ``entries`` yields ``(key bytes, value frame, flags)``; frames may be
-        views that are valid only during iteration.  Returns the value bytes
-        written.
+        views that are valid only during iteration.  The new generation is
+        committed before older ones of ``chkpt`` are removed.  Returns the
+        value bytes written.
         """
         n = key_bytes = value_bytes = 0
         for k, v, _ in entries():
             n += 1
             key_bytes += len(k)
             value_bytes += memoryview(v).nbytes
-        self.delete(chkpt)
-        g = self.group.create_group(
-            _chkpt_name(chkpt),
-            attributes={"format": FORMAT, "checkpoint": chkpt, "manager_id": self.manager_id,
-                        "num_keys": n, "value_bytes": value_bytes, "committed": False},
-        )  # fmt: skip
+        older = [g for g in self.generations() if g.chkpt == chkpt]
+        gen = Generation(chkpt, max((g.gen for g in older), default=-1) + 1, False)
+        attrs = {"format": FORMAT, "checkpoint": chkpt, "generation": gen.gen,
+                 "manager_id": self.manager_id, "num_managers": self.num_managers,
+                 "num_keys": n, "key_bytes": key_bytes, "value_bytes": value_bytes}  # fmt: skip
+        g = self.group.create_group(gen.name, attributes={**attrs, "committed": False})
         chunk = max(1, min(self.chunk_bytes, value_bytes))
         values = g.create_array(
             "values", shape=(value_bytes,), dtype="uint8", chunks=(chunk,),
-            compressors=None, fill_value=0, config=_ARRAY_CONFIG,
+            compressors=_CRC, fill_value=0, config=_ARRAY_CONFIG,
         )  # fmt: skip
-        writer = _ChunkWriter(values, chunk)
+        writer = _ChunkWriter(values, chunk, self.step)
         keys = np.empty(key_bytes, dtype=np.uint8)
         koff = np.zeros(n + 1, dtype=np.uint64)
         voff = np.zeros(n + 1, dtype=np.uint64)
@@ -261,15 +380,22 @@ class CheckpointStore:
                 writer.put(written // chunk, filled)
         finally:
             writer.finish()
-        for aname, arr in (("keys", keys), ("key_offsets", koff), ("value_offsets", voff),
-                           ("flags", flags)):  # fmt: skip
-            g.create_array(aname, data=arr, chunks=(max(1, arr.size),), compressors=None,
+        crcs: dict[str, Any] = {"values": writer.crcs}
+        for aname, arr in zip(_SMALL, (keys, koff, voff, flags)):
+            g.create_array(aname, data=arr, chunks=(max(1, arr.size),), compressors=_CRC,
                            config=_ARRAY_CONFIG)  # fmt: skip
+            crcs[aname] = crc32c(arr)
+        self.step("arrays")
         if self.fsync:
-            self._fsync(_chkpt_name(chkpt))
-        g.attrs["committed"] = True  # the commit marker, last
+            self._fsync(gen.name)
+        self.step("commit")
+        g.attrs.update({"crc32c": crcs, "committed": True})  # the commit marker, last
         if self.fsync:
-            self._fsync(_chkpt_name(chkpt))
+            self._fsync(gen.name)
+        self.step("committed")
+        for old in older:  # only now: the new generation is the checkpoint
+            self._remove(old)
+            self.step("cleanup")
         return value_bytes
 
     def _fsync(self, name: str) -> None:
@@ -288,35 +414,90 @@ class CheckpointStore:
             finally:
                 os.close(fd)
 
+    # -- reading --------------------------------------------------------------
+
     def read(self, chkpt: int) -> Iterator[tuple[bytes, memoryview, int]]:
-        """``(key bytes, value frame, flags)`` of a committed checkpoint."""
-        name = _chkpt_name(chkpt)
-        if name not in self.group or self.group[name].attrs.get("committed") is not True:
-            raise DDictPersistCheckpointError(
-                f"checkpoint {chkpt} is not persisted for manager {self.manager_id} "
-                f"of {self.name!r} in {self.path} (persisted: {self.ids()})"
+        """``(key bytes, value frame, flags)`` of a committed checkpoint, verified.
+
+        Everything is checked before it is yielded, except the values, whose
+        chunks are checked as they are read: a consumer that must be
+        all-or-nothing (a restore: one LMDB transaction) aborts on the error.
+
+        Raises
+        ------
+        DDictPersistCheckpointError
+            The checkpoint is missing, or its data does not match its commit.
+        """
+        gen = self._newest(chkpt)
+        where = f"{self._where(chkpt)} ({gen.name})"
+
+        def bad(what: str) -> DDictPersistCheckpointError:
+            return DDictPersistCheckpointError(f"{where}: {what}")
+
+        try:
+            g = self.group[gen.name]
+            attrs = dict(g.attrs)
+            crcs = attrs["crc32c"]
+            n, value_bytes = int(attrs["num_keys"]), int(attrs["value_bytes"])
+            small = {a: g[a][...] for a in _SMALL}
+            values = g["values"]
+        except DDictError:
+            raise
+        except Exception as e:  # codec checksum, missing array, garbage metadata
+            raise bad(f"cannot read it ({type(e).__name__}: {e})") from None
+        if (attrs.get("manager_id"), attrs.get("num_managers")) != (
+            self.manager_id, self.num_managers,
+        ):  # fmt: skip
+            raise bad(
+                f"it was written by manager {attrs.get('manager_id')} of "
+                f"{attrs.get('num_managers')}, not {self.manager_id} of {self.num_managers}"
             )
-        g = self.group[name]
-        keys = g["keys"][...]
-        koff = g["key_offsets"][...]
-        voff = g["value_offsets"][...]
-        flags = g["flags"][...]
-        values = g["values"]
+        for a in _SMALL:
+            if crc32c(small[a]) != crcs.get(a):
+                raise bad(f"array {a!r} does not match its committed checksum (missing chunk?)")
+        keys, koff, voff, flags = (small[a] for a in _SMALL)
+        for aname, off, total in (("key_offsets", koff, keys.size), ("value_offsets", voff,
+                                                                      value_bytes)):  # fmt: skip
+            if off.shape != (n + 1,) or off[0] != 0 or off[-1] != total or np.any(
+                np.diff(off.astype(np.int64)) < 0
+            ):
+                raise bad(f"{aname} do not fit the data ({n} keys, {total} bytes)")
+        if flags.shape != (n,) or values.shape != (value_bytes,):
+            raise bad(f"array shapes do not match the commit ({n} keys, {value_bytes} bytes)")
         chunk = values.chunks[0]
-        n = len(flags)
-        i = 0
-        # Read whole chunks' worth of values at a time; yield views into them.
-        while i < n:
-            start = int(voff[i])
-            j = i + 1
-            while j < n and int(voff[j + 1]) - start <= chunk:
-                j += 1
-            block = values[start : int(voff[j])]
-            mv = memoryview(block)
-            for t in range(i, j):
-                a, b = int(voff[t]) - start, int(voff[t + 1]) - start
-                yield bytes(keys[int(koff[t]) : int(koff[t + 1])]), mv[a:b], int(flags[t])
-            i = j
+        if len(crcs["values"]) != -(-value_bytes // chunk):
+            raise bad(f"the commit lists {len(crcs['values'])} value chunks, the array has "
+                      f"{-(-value_bytes // chunk)}")  # fmt: skip
+        return self._entries(values, chunk, crcs["values"], keys, koff, voff, flags, bad)
+
+    @staticmethod
+    def _entries(values: Any, chunk: int, crcs: list[int], keys: np.ndarray, koff: np.ndarray,
+                 voff: np.ndarray, flags: np.ndarray,
+                 bad: Callable[[str], Exception]) -> Iterator[tuple[bytes, memoryview, int]]:  # fmt: skip
+        cache: dict[int, np.ndarray] = {}
+
+        def load(i: int) -> np.ndarray:
+            if i not in cache:
+                cache.clear()  # keep one: consecutive values share at most a boundary chunk
+                try:
+                    data = values[i * chunk : min((i + 1) * chunk, values.shape[0])]
+                except Exception as e:
+                    raise bad(f"chunk {i} of values: {type(e).__name__}: {e}") from None
+                if crc32c(data) != crcs[i]:
+                    raise bad(f"chunk {i} of values is missing or does not match its checksum")
+                cache[i] = data
+            return cache[i]
+
+        block, lo, hi = np.empty(0, np.uint8), 0, 0
+        for t in range(flags.size):
+            a, b = int(voff[t]), int(voff[t + 1])
+            if a < lo or b > hi:  # load the chunks that hold [a, b)
+                first, last = a // chunk, max(a, b - 1) // chunk
+                parts = [load(i) for i in range(first, last + 1)] if b > a else []
+                block = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else block
+                lo, hi = (first * chunk, first * chunk + block.size) if parts else (a, a)
+            mv = memoryview(block)[a - lo : b - lo]
+            yield bytes(keys[int(koff[t]) : int(koff[t + 1])]), mv, int(flags[t])
 
 
 class Persister:
@@ -385,24 +566,28 @@ class Persister:
             self._thread = None
 
     def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
-        """Persist one checkpoint in this thread (evicting the oldest beyond the count).
+        """Persist one checkpoint in this thread, then evict the oldest beyond the count.
 
-        :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt`` itself.
+        :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt``
+        itself, after committing the new one; eviction, too, only follows the
+        commit, so a crash at any point leaves the newest complete copies.
         """
-        with self._lock:
-            ids = [i for i in self._ids if i != chkpt]
-        if self.persist_count > 0:
-            while len(ids) >= self.persist_count:
-                self.store.delete(ids.pop(0))
         try:
             self.store.write(chkpt, entries)
         except BaseException:
-            # The old version may be gone and the new one is not committed: ask the store.
-            with self._lock:
+            with self._lock:  # the previous copy of chkpt is intact: ask the store
                 self._ids = self.store.ids()
             raise
         with self._lock:
-            self._ids = sorted(ids + [chkpt])
+            ids = sorted({*self._ids, chkpt})
+            self._ids = ids
+        if self.persist_count > 0:
+            doomed = [i for i in ids if i != chkpt][: max(0, len(ids) - self.persist_count)]
+            for i in doomed:
+                self.store.delete(i)
+                self.store.step("rotate")
+                with self._lock:
+                    self._ids = [j for j in self._ids if j != i]
 
     def discard_above(self, chkpt: int) -> None:
         """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""

@@ -38,7 +38,8 @@ import lmdb
 
 from . import config
 from ._serialize import Scratch, frame_parts, gather
-from .errors import DDictFullError
+from ._keys import KEY_ENCODING
+from .errors import DDictError, DDictFullError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ _BE = struct.Struct(">Q")
 _ENTRY = struct.Struct("<BxxxIQ")
 ENTRY_HEADER = _ENTRY.size
 DIGEST = 16
+#: Written into every shard's ``meta``; changes with the layout or the key bytes.
+FORMAT = f"dask_ddict.shard/{KEY_ENCODING}".encode()
 
 
 class Entry(NamedTuple):
@@ -335,6 +338,37 @@ class ShardStore:
             txn.put(name, value, db=self._meta)
         except lmdb.MapFullError as e:
             raise DDictFullError(f"shard {self.path} is full (metadata)") from e
+
+    def stamp(self, manager_id: int) -> None:
+        """Record this shard's format and manager (a new shard, before any use)."""
+        with self.write() as txn:
+            self.put_meta(txn, b"format", FORMAT)
+            self.put_meta(txn, b"manager", str(manager_id).encode())
+
+    def check_stamp(self, manager_id: int) -> None:
+        """Refuse a shard of another format or manager (re-attach, same-host reads).
+
+        Raises
+        ------
+        DDictError
+            Naming the shard, what it holds and what was expected.
+        """
+        with self.read() as txn:
+            found = self.get_meta(txn, b"format")
+            owner = self.get_meta(txn, b"manager")
+        if found != FORMAT:
+            was = found.decode(errors="replace") if found else "dask_ddict.shard/1 (unstamped)"
+            raise DDictError(
+                f"shard {self.path} has format {was}; this dask_ddict reads "
+                f"{FORMAT.decode()} (its key bytes differ): persist it with the version that "
+                "wrote it and restore it here",
+                "INVALID_OPERATION",
+            )
+        if owner != str(manager_id).encode():
+            raise DDictError(
+                f"shard {self.path} belongs to manager {owner!r}, not {manager_id}",
+                "INVALID_ARGUMENT",
+            )
 
     # -- capacity -------------------------------------------------------------
 

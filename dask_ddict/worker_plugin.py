@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
+from ._hashing import hash_seed
 from .host.supervisor import HostSupervisor
 
 if TYPE_CHECKING:
@@ -58,11 +59,11 @@ class _Supervising:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.supervisor!r}>"
 
-    async def _start(self, server: Any) -> None:
+    async def _start(self, server: Any, hash_seed: str) -> None:
         security = server.security
         tls = server.address.startswith("tls://") or bool(security.require_encryption)
         sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
-                                               server.address, tls)  # fmt: skip
+                                               server.address, tls, hash_seed)  # fmt: skip
         await asyncio.to_thread(sup.start)  # starting a process: off the event loop
         server.handlers.update(sup.handlers())
 
@@ -79,7 +80,8 @@ class DDictNannyPlugin(_Supervising, NannyPlugin):
     """Supervises the host process of a worker that has a nanny."""
 
     async def setup(self, nanny: Nanny) -> None:
-        await self._start(nanny)
+        # The nanny starts its workers with this seed (it sets one when none is configured).
+        await self._start(nanny, str(nanny.pre_spawn_env.get("PYTHONHASHSEED", "")))
 
     async def teardown(self, nanny: Nanny) -> None:
         await self._stop(nanny)
@@ -91,7 +93,7 @@ class DDictWorkerPlugin(_Supervising, WorkerPlugin):
     async def setup(self, worker: Worker) -> None:
         if worker.nanny:
             return  # the nanny's plugin supervises: the host outlives this process
-        await self._start(worker)
+        await self._start(worker, hash_seed())
 
     async def teardown(self, worker: Worker) -> None:
         await self._stop(worker)

@@ -168,7 +168,7 @@ def test_zarr_store_is_plain_zarr(client, tmp_path):
         groups = sorted(n for n, _ in root["p5"].groups())
         assert groups == [f"manager_{i}" for i in range(d.num_managers)]
         m = d.which_manager("k")
-        g = root[f"p5/manager_{m}/chkpt_0"]
+        g = root[f"p5/manager_{m}/chkpt_0.g0"]
         assert g.attrs["committed"] is True and g.attrs["num_keys"] == 1
 
 

@@ -5,7 +5,7 @@ import sys
 from dataclasses import dataclass
 
 from dask_ddict._hashing import custom_placement, key_digest, manager_for_digest
-from dask_ddict._serialize import dumps_key
+from dask_ddict._keys import dumps_key
 
 
 def test_digest_is_stable_across_processes():
@@ -13,7 +13,7 @@ def test_digest_is_stable_across_processes():
     here = [manager_for_digest(key_digest(dumps_key(k)), 7) for k in keys]
     code = (
         "from dask_ddict._hashing import key_digest, manager_for_digest;"
-        "from dask_ddict._serialize import dumps_key;"
+        "from dask_ddict._keys import dumps_key;"
         f"print([manager_for_digest(key_digest(dumps_key(k)), 7) for k in {keys!r}])"
     )
     # A different PYTHONHASHSEED changes hash(str) but must not change placement.

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dask_ddict._hashing import key_digest
-from dask_ddict._serialize import BufferPool, dumps_key, dumps_value
+from dask_ddict._keys import dumps_key
+from dask_ddict._serialize import BufferPool, dumps_value
 from dask_ddict.host import control, hygiene
 from dask_ddict.host.opening import DictSpec
 from dask_ddict.options import DDictOptions

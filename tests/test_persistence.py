@@ -32,8 +32,11 @@ def test_round_trip_and_plain_zarr_layout(tmp_path):
     np.testing.assert_array_equal(got[b"big"], big)
 
     # A user can open it with plain zarr and find what docs/persistence.md describes.
-    g = zarr.open_group(str(tmp_path), mode="r")["d/manager_1/chkpt_3"]
+    g = zarr.open_group(str(tmp_path), mode="r")["d/manager_1/chkpt_3.g0"]
     assert g.attrs["committed"] is True and g.attrs["num_keys"] == 4
+    for name in ("keys", "key_offsets", "values", "value_offsets", "flags"):  # zarr's own codec
+        assert [type(c).__name__ for c in g[name].metadata.codecs][-1] == "Crc32cCodec"
+    assert len(g.attrs["crc32c"]["values"]) == -(-g["values"].shape[0] // (1 << 16))
     koff = g["key_offsets"][...]
     keys = g["keys"][...].tobytes()
     assert sorted(keys[koff[i] : koff[i + 1]] for i in range(4)) == sorted(data)
@@ -58,12 +61,13 @@ def test_uncommitted_checkpoint_is_ignored_and_replaced(tmp_path):
     calls = iter([lambda: iter([(b"k", dumps_value(2).join(), PERSISTENT)]), crash])
     with pytest.raises(OSError):
         st.write(2, lambda: next(calls)())  # sizes pass fine, data pass dies
-    assert "chkpt_2" in st.group  # the half-written group exists ...
+    assert "chkpt_2.g0" in st.group  # the half-written generation exists ...
     assert st.ids() == [1]  # ... but is not a checkpoint
     with pytest.raises(DDictPersistCheckpointError, match="not persisted"):
         list(st.read(2))
     st.write(2, entries_of({b"k": 3}))
     assert st.ids() == [1, 2] and read_dict(st, 2) == {b"k": 3}
+    assert [g.name for g in st.generations()] == ["chkpt_1.g0", "chkpt_2.g1"]  # g0 removed
 
 
 def test_manager_count_mismatch_is_refused(tmp_path):
@@ -103,7 +107,7 @@ def test_persister_reports_failures_at_sync(tmp_path):
     p.write_now(0, entries_of({b"c": 0}))
     calls = iter([entries_of({b"c": 1}), None])
 
-    def bad():  # the sizes pass works, the data pass dies after the old version was removed
+    def bad():  # the sizes pass works, the data pass dies half-way
         fn = next(calls)
         if fn is None:
             raise ValueError("boom")
@@ -114,7 +118,8 @@ def test_persister_reports_failures_at_sync(tmp_path):
     with pytest.raises(Exception, match="boom"):
         p.sync()
     assert released == [1]  # the snapshot is released even on failure
-    assert p.ids() == [] == p.store.ids()  # a failed re-persist of 0 is not listed
+    assert p.ids() == [0] == p.store.ids()  # a failed re-persist of 0 keeps the old copy
+    assert read_dict(p.store, 0) == {b"c": 0}
     p.sync()  # reported once
     p.close()
 
@@ -135,7 +140,7 @@ def test_file_url_and_fsync(tmp_path):
     st.write(0, entries_of({b"k": np.ones(10)}))
     assert st.ids() == [0]
     np.testing.assert_array_equal(read_dict(st, 0)[b"k"], np.ones(10))
-    assert (tmp_path / "d" / "manager_0" / "chkpt_0" / "zarr.json").exists()
+    assert (tmp_path / "d" / "manager_0" / "chkpt_0.g0" / "zarr.json").exists()
 
 
 def test_fsspec_url_store():

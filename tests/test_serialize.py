@@ -10,10 +10,10 @@ from dask_ddict._serialize import (
     FRAME_BASE,
     aligned_empty,
     copy_frame,
-    dumps_key,
     dumps_value,
     loads_value,
 )
+from dask_ddict._keys import dumps_key
 from dask_ddict.errors import DDictSerializationError
 
 

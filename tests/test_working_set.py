@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dask_ddict._hashing import key_digest
-from dask_ddict._serialize import dumps_key, dumps_value, loads_value
+from dask_ddict._keys import dumps_key
+from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
 from dask_ddict.store import ShardStore
 from dask_ddict.working_set import MustWait, WorkingSet

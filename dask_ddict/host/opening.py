@@ -117,8 +117,12 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
     try:
         store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
                            indexed=opts.wait_for_keys)  # fmt: skip
-        if not reattach and config.get("store.reserve"):
-            _reserve(store)
+        if reattach:
+            store.check_stamp(mid)
+        else:
+            store.stamp(mid)
+            if config.get("store.reserve"):
+                _reserve(store)
         ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
                         wait_for_writers=opts.wait_for_writers)  # fmt: skip
         frozen = False

@@ -174,6 +174,11 @@ class SharedChannel:
         self._path = store_path
         self._view = _acquire(store_path, capacity)
         self._store = self._view.store
+        try:
+            self._store.check_stamp(sock.info.manager_id)  # never read another manager's shard
+        except BaseException:
+            _release(store_path, self._view)
+            raise
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
         self._direct = direct_writes and not (

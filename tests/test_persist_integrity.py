@@ -1,0 +1,233 @@
+"""Checkpoints survive crashes during a persist and refuse damaged data.
+
+Crash tests run the writer in a real process and SIGKILL it at named steps of
+a persist; damage tests flip, delete and overwrite real files of a zarr store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zarr
+from distributed import Client, LocalCluster
+
+from dask_ddict import DDict, DDictPersistCheckpointError
+from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict.persistence import FORMAT, CheckpointStore, Persister
+from dask_ddict.store import PERSISTENT
+
+CHUNK = 1 << 12
+
+
+def entries_of(d: dict):
+    frames = {k: dumps_value(v).join() for k, v in d.items()}
+    return lambda: ((k, f, PERSISTENT) for k, f in frames.items())
+
+
+def generation(tag: int) -> dict:
+    """A checkpoint's content whose every value says which write it came from."""
+    return {f"k{i}".encode(): np.full(1000 + 300 * i, tag, dtype="i4") for i in range(8)}
+
+
+def read_tags(store: CheckpointStore, chkpt: int) -> set[int]:
+    """The tags of a checkpoint's values: one tag means one complete write."""
+    got = {k: loads_value(bytes(v)) for k, v, _ in store.read(chkpt)}
+    assert set(got) == set(generation(0))
+    return {int(t) for v in got.values() for t in np.unique(v)}
+
+
+_CRASHER = """
+import os, signal, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_persist_integrity import entries_of, generation, CHUNK
+from dask_ddict.persistence import CheckpointStore, Persister
+
+path, chkpt, count, at, nth = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+seen = {}
+
+def step(name):
+    seen[name] = seen.get(name, 0) + 1
+    if name == at and seen[name] == nth:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK, step=step)
+Persister(store, 1, count).write_now(chkpt, entries_of(generation(1)))
+"""
+
+
+def crash(path: str, chkpt: int, count: int, at: str, nth: int = 1) -> int:
+    args = [sys.executable, "-c", _CRASHER, os.path.dirname(__file__), path, str(chkpt),
+            str(count), at, str(nth)]  # fmt: skip
+    return subprocess.run(args, capture_output=True, timeout=120).returncode
+
+
+@pytest.mark.parametrize("at,nth", [("chunk", 1), ("chunk", 3), ("arrays", 1), ("commit", 1),
+                                    ("committed", 1), ("cleanup", 1)])  # fmt: skip
+def test_killed_while_re_persisting_an_id_keeps_old_or_new(tmp_path, at, nth):
+    path = str(tmp_path)
+    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
+    assert crash(path, 0, -1, at, nth) == -signal.SIGKILL
+    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    assert store.ids() == [0]
+    tags = read_tags(store, 0)
+    assert tags == ({1} if at in ("committed", "cleanup") else {0})  # never a mix, never none
+    # The next persist of the id cleans up whatever the crash left.
+    Persister(store, 1, -1).write_now(0, entries_of(generation(2)))
+    assert read_tags(store, 0) == {2} and len(store.generations()) == 1
+
+
+@pytest.mark.parametrize("at", ["chunk", "commit", "committed", "rotate"])
+def test_killed_during_rotation_keeps_the_newest_complete_checkpoint(tmp_path, at):
+    path = str(tmp_path)
+    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
+    assert crash(path, 1, 1, at) == -signal.SIGKILL  # persist_count=1: 1 replaces 0
+    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    ids = store.ids()
+    if at in ("chunk", "commit"):
+        assert ids == [0] and read_tags(store, 0) == {0}
+    elif at == "committed":
+        assert ids == [0, 1] and read_tags(store, 1) == {1} and read_tags(store, 0) == {0}
+    else:
+        assert ids == [1] and read_tags(store, 1) == {1}
+
+
+def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path):
+    path = str(tmp_path)
+    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
+    assert crash(path, 0, -1, "commit") == -signal.SIGKILL
+    meta = tmp_path / "d" / "manager_0" / "chkpt_0.g1" / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[:40])  # the commit's write cut short
+    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    assert store.ids() == [0] and read_tags(store, 0) == {0}
+    assert any(g.problem for g in store.generations())
+
+
+# -- damaged stores ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def written(tmp_path):
+    store = CheckpointStore(str(tmp_path), "d", 0, 1, chunk_bytes=CHUNK)
+    store.write(3, entries_of(generation(0)))
+    return store, tmp_path / "d" / "manager_0" / "chkpt_3.g0"
+
+
+def refused(store: CheckpointStore, match: str) -> str:
+    with pytest.raises(DDictPersistCheckpointError, match=match) as info:
+        list(store.read(3))
+    text = str(info.value)
+    assert "checkpoint 3" in text and "manager 0" in text and store.path in text
+    return text
+
+
+def test_a_flipped_byte_in_a_value_chunk_is_refused(written):
+    store, g = written
+    chunk = g / "values" / "c" / "1"
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0x40
+    chunk.write_bytes(bytes(raw))
+    refused(store, "chunk 1 of values")
+
+
+def test_a_missing_chunk_is_refused(written):
+    store, g = written
+    (g / "values" / "c" / "2").unlink()
+    refused(store, "chunk 2 of values is missing")
+
+
+def test_overwritten_offsets_are_refused(written):
+    store, g = written
+    arr = zarr.open_array(str(g / "value_offsets"), mode="r+")
+    arr[3] = arr[3] + 8  # a valid chunk checksum, wrong content
+    refused(store, "value_offsets.*checksum")
+
+
+def test_garbage_checkpoint_metadata_is_refused(written):
+    store, g = written
+    (g / "zarr.json").write_bytes(b"\x00garbage{")
+    text = refused(store, "not persisted")
+    assert "unreadable" in text and "chkpt_3.g0" in text
+
+
+def test_garbage_array_metadata_is_refused(written):
+    store, g = written
+    (g / "keys" / "zarr.json").write_text("[1, 2")
+    refused(store, "cannot read it")
+
+
+def test_garbage_manager_metadata_and_old_formats_are_refused(tmp_path, written):
+    store, g = written
+    meta = tmp_path / "d" / "manager_0" / "zarr.json"
+    good = meta.read_text()
+    meta.write_text("{not json")
+    with pytest.raises(DDictPersistCheckpointError, match="manager 0 of 'd'.*unreadable"):
+        CheckpointStore(str(tmp_path), "d", 0, 1)
+    doc = json.loads(good)
+    doc["attributes"]["format"] = "dask_ddict.checkpoint/1"
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(DDictPersistCheckpointError, match=f"checkpoint/1.*{FORMAT}"):
+        CheckpointStore(str(tmp_path), "d", 0, 1)
+
+
+def test_a_store_path_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(DDictPersistCheckpointError, match="is a file"):
+        CheckpointStore(str(f), "d", 0, 1)
+
+
+def test_restore_of_a_damaged_checkpoint_changes_nothing(client, tmp_path):
+    path = str(tmp_path / "store")
+    with DDict(total_mem="32 MiB", client=client, name="dmg", persist_path=path,
+               working_set_size=2) as d:  # fmt: skip
+        big = np.arange(300_000, dtype="f8")
+        d["big"] = big
+        d["small"] = 1
+        d.persist()
+        d.sync()
+        d["small"] = 2
+        m = d.which_manager("big")
+        chunks = tmp_path / "store" / "dmg" / f"manager_{m}" / "chkpt_0.g0" / "values" / "c"
+        victim = chunks / "0"
+        raw = bytearray(victim.read_bytes())
+        raw[-10] ^= 1
+        victim.write_bytes(bytes(raw))
+        with pytest.raises(DDictPersistCheckpointError, match=f"manager {m}.*chunk 0 of values"):
+            d.restore(0)
+        np.testing.assert_array_equal(d["big"], big)  # the shard is as it was
+        assert d["small"] == 2
+
+
+def test_killing_the_host_while_it_persists_keeps_a_complete_checkpoint(tmp_path):
+    """The hosting process dies mid-persist; restore yields the old or the new copy."""
+    path = str(tmp_path / "store")
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="1 GiB", client=c, name="crash", persist_path=path)
+        for i in range(8):
+            d[f"k{i}"] = np.full(8 << 20, 0, dtype="u1")
+        d.persist()
+        d.sync()
+        for i in range(8):
+            d[f"k{i}"] = np.full(8 << 20, 1, dtype="u1")
+        d.persist()  # re-persists checkpoint 0 in the background ...
+        time.sleep(0.05)
+        os.kill(d.stats[0].pid, signal.SIGKILL)  # ... and its host dies
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                d.restore(0)
+                break
+            except Exception:  # noqa: BLE001 - the host is restarting
+                time.sleep(0.2)
+        tags = {int(np.unique(d[f"k{i}"])[0]) for i in range(8)}
+        assert tags in ({0}, {1})
+        d.destroy()
