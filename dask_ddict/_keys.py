@@ -183,7 +183,9 @@ def encode_key(key: Any) -> bytes:
         raise DDictSerializationError(
             f"a key of type {_describe(key)} is cyclic or nested too deeply"
         ) from None
-    except (pickle.PicklingError, ValueError, TypeError, AttributeError) as e:
+    except DDictSerializationError:
+        raise
+    except Exception as e:  # whatever a __reduce__ raises
         raise DDictSerializationError(
             f"cannot use a {_describe(key)} as a key: {e} (keys must pickle by reference, "
             "without cycles: define their classes at the top level of a module)"

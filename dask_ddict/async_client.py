@@ -30,6 +30,7 @@ from typing import Any
 
 from distributed import Client
 
+from .arguments import check_timeout
 from .client import _MISSING, DDict, _Core, create_request, initial_checkpoint
 from .layout import Layout
 from .stats import DDictManagerStats
@@ -79,6 +80,7 @@ class AsyncDDict:
         """
         if not isinstance(client, Client) or not client.asynchronous:
             raise TypeError("AsyncDDict.create needs client=<a Client(asynchronous=True)>")
+        timeout = check_timeout(timeout)
         request = create_request(
             managers_per_worker, n_workers, total_mem, name=name, timeout=timeout,
             restart=restart, manager_pool_full_thresh=manager_pool_full_thresh,

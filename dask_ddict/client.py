@@ -39,6 +39,14 @@ from .errors import (
     DDictSyncError,
 )
 from .layout import Layout, ManagerInfo, host_id
+from .arguments import (
+    MAX_MANAGERS,
+    check_bool,
+    check_client,
+    check_int,
+    check_name,
+    check_timeout,
+)
 from .options import DDictOptions, parse_total_mem
 from .stats import DDictManagerStats
 from .transport import HostLink, SocketChannel
@@ -299,6 +307,8 @@ class DDict:
         client: Client | None = None,
         workers: list[str] | None = None,
     ) -> None:
+        check_client(client)
+        timeout = check_timeout(timeout)
         request = create_request(
             managers_per_worker, n_workers, total_mem, working_set_size=working_set_size,
             wait_for_keys=wait_for_keys, wait_for_writers=wait_for_writers,
@@ -364,9 +374,10 @@ class DDict:
 
         No message goes to the scheduler: the string holds the layout.
         """
-        _check_timeout(timeout)
+        timeout = check_timeout(timeout)
+        layout = Layout.deserialize(serialized)
         return cls._from_core(
-            _Core(Layout.deserialize(serialized), client), creator=False, chkpt=0, timeout=timeout
+            _Core(layout, check_client(client)), creator=False, chkpt=0, timeout=timeout
         )
 
     def __reduce__(self) -> Any:
@@ -565,8 +576,7 @@ class DDict:
 
     def fetch_add(self, key: Any, n: int = 1) -> int:
         """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"fetch_add needs an int increment, got {n!r}")
+        check_int("n", n)
         mid, digest, kb = self._route(key)
         frame = self._core.channel(mid).fetch_add(
             digest, kb, self._chkpt, self._client_id, n, self._timeout
@@ -575,8 +585,7 @@ class DDict:
 
     def wait_for(self, key: Any, value: Any, timeout: float | None = _MISSING) -> None:
         """Block until ``self[key] == value`` (compared as serialized bytes)."""
-        timeout = self._timeout if timeout is _MISSING else timeout
-        _check_timeout(timeout)
+        timeout = self._timeout if timeout is _MISSING else check_timeout(timeout)
         mid, digest, _ = self._route(key)
         frame = dumps_value(value, self._vp).join()
         self._core.channel(mid).wait_for(digest, self._chkpt, frame, timeout)
@@ -599,11 +608,7 @@ class DDict:
 
     @checkpoint_id.setter
     def checkpoint_id(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"checkpoint_id must be an int, got {value!r}")
-        if value < 0:
-            raise ValueError("checkpoint_id cannot be negative")
-        self._chkpt = value
+        self._chkpt = check_int("checkpoint_id", value, 0)
 
     def _no_batch(self, what: str) -> None:
         if self._batch is not None:
@@ -659,8 +664,7 @@ class DDict:
         DDictPersistCheckpointError
             If some manager has not persisted ``chkpt``.
         """
-        if isinstance(chkpt, bool) or not isinstance(chkpt, int) or chkpt < 0:
-            raise ValueError(f"restore needs a checkpoint id >= 0, got {chkpt!r}")
+        check_int("chkpt", chkpt, 0)
         self._no_batch("restore()")
         self.sync()
         ids = self.persisted_ids()
@@ -788,10 +792,10 @@ class DDict:
     def manager(self, manager_id: int) -> DDict:
         """A handle whose key operations, len, keys, clear and stats go to one manager."""
         n = self._core.layout.num_managers
-        if isinstance(manager_id, bool) or not isinstance(manager_id, int) or not 0 <= manager_id < n:
-            raise DDictError(
-                f"manager id {manager_id!r} is not in [0, {n})", "INVALID_ARGUMENT"
-            )
+        check_int("manager_id", manager_id)
+        if not 0 <= manager_id < n:  # Dragon's error for a bad id
+            raise DDictError(f"manager_id must be in [0, {n - 1}], got {manager_id}",
+                             "INVALID_ARGUMENT")  # fmt: skip
         h = self._derive()
         h._target = manager_id
         return h
@@ -1036,27 +1040,25 @@ def create_request(
     reject the same mistakes, with the same messages, before any message is sent.
     """
     mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
-    if isinstance(mpw, bool) or not isinstance(mpw, int):
-        raise TypeError(f"managers_per_worker must be an int, got {mpw!r}")
-    if mpw < 1:
-        raise ValueError(f"managers_per_worker must be >= 1, got {mpw}")
-    if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int)):
-        raise TypeError(f"n_workers must be an int or None, got {n_workers!r}")
-    if n_workers is not None and n_workers < 1:
-        raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+    check_int("managers_per_worker", mpw, 1, MAX_MANAGERS)
+    check_int("n_workers", n_workers, 1, MAX_MANAGERS, allow_none=True)
+    if workers is not None and (
+        isinstance(workers, (str, bytes)) or not isinstance(workers, (list, tuple))
+        or not all(isinstance(w, str) for w in workers)
+    ):  # fmt: skip
+        raise TypeError(f"workers must be a list of worker addresses or None, got {workers!r:.80}")
     mem = parse_total_mem(config.get("total-mem") if total_mem is None else total_mem)
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    _check_timeout(timeout)
+    check_name(name)
+    check_timeout(timeout)
+    check_bool("restart", restart)
     if manager_pool_full_thresh is None:
         manager_pool_full_thresh = config.get("manager-pool-full-thresh")
     options = DDictOptions(manager_pool_full_thresh=manager_pool_full_thresh, **checkpoint_options)
     options.validate(name=name, restart=restart)
-    if not isinstance(options.persist_path, str):
-        raise TypeError(f"persist_path must be a str, got {type(options.persist_path).__name__}")
     return dict(
         name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
-        n_workers=n_workers, workers=workers, restart=bool(restart),
+        n_workers=n_workers, workers=None if workers is None else list(workers),
+        restart=restart,
     )  # fmt: skip
 
 
@@ -1070,15 +1072,6 @@ def initial_checkpoint(h: DDict, request: dict[str, Any]) -> None:
         h.sync_to_newest_checkpoint()
     elif restore_from is not None:
         h._chkpt = restore_from
-
-
-def _check_timeout(timeout: Any) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0, got {timeout}")
 
 
 def _rebuild(serialized: str, chkpt: int, timeout: float | None, target: int | None,

@@ -8,17 +8,13 @@ that name the offending argument.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from dask.utils import parse_bytes
 
-
-def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+from .arguments import INT64_MAX, check_bool, check_int
 
 
 def parse_total_mem(total_mem: Any) -> int:
@@ -36,8 +32,8 @@ def parse_total_mem(total_mem: Any) -> int:
         raise TypeError(
             f"total_mem must be an int or a byte string, got {type(total_mem).__name__}"
         )
-    if value <= 0:
-        raise ValueError(f"total_mem must be positive, got {value}")
+    if not 0 < value <= INT64_MAX:
+        raise ValueError(f"total_mem must be in [1, {INT64_MAX}] bytes, got {value}")
     return value
 
 
@@ -57,12 +53,18 @@ class DDictOptions:
 
     def validate(self, *, name: str = "", restart: bool = False) -> None:
         """Raise ``ValueError``/``TypeError`` for an invalid combination."""
-        _check_int("working_set_size", self.working_set_size)
-        _check_int("persist_freq", self.persist_freq)
-        _check_int("persist_count", self.persist_count)
-        _check_int("restore_from", self.restore_from, allow_none=True)
-        if self.working_set_size < 1:
-            raise ValueError("working_set_size cannot be less than 1")
+        check_int("working_set_size", self.working_set_size, 1)
+        check_int("persist_freq", self.persist_freq, 0)
+        check_int("persist_count", self.persist_count, -1)
+        check_int("restore_from", self.restore_from, 0, allow_none=True)
+        for flag in ("wait_for_keys", "wait_for_writers", "read_only"):
+            check_bool(flag, getattr(self, flag))
+        if not isinstance(self.persist_path, str):
+            raise TypeError(f"persist_path must be a str, got {type(self.persist_path).__name__}")
+        local = self.persist_path[7:] if self.persist_path.startswith("file://") else self.persist_path
+        if local and "://" not in local and os.path.isfile(local):
+            raise ValueError(f"persist_path {self.persist_path!r} is a file, not a zarr store "
+                             "(a directory or an fsspec URL)")  # fmt: skip
         if self.working_set_size == 1 and (self.wait_for_keys or self.wait_for_writers):
             raise ValueError(
                 "working_set_size must be greater than 1 with wait_for_keys or wait_for_writers"

@@ -247,8 +247,10 @@ class CheckpointStore:
             attrs = dict(self.group.attrs)
         except DDictError:
             raise
-        except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
-            raise DDictPersistCheckpointError(f"{where}: unreadable group metadata: {e}") from None
+        except Exception as e:  # JSONDecodeError, a node of the wrong kind, ...
+            raise DDictPersistCheckpointError(
+                f"{where}: unreadable group metadata ({type(e).__name__}: {e})"
+            ) from None
         found = attrs.get("num_managers")
         fmt = attrs.get("format")
         if fmt is not None and fmt != FORMAT:
@@ -258,8 +260,8 @@ class CheckpointStore:
             )
         if found is not None and found != num_managers:
             raise DDictPersistCheckpointError(
-                f"the checkpoints of {name!r} in {path} were written by {found} managers, "
-                f"this dictionary has {num_managers}: keys would map to other managers"
+                f"{where}: the checkpoints were written by {found!r} managers, this "
+                f"dictionary has {num_managers}: keys would map to other managers"
             )
         if found is None:
             self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,

@@ -263,7 +263,10 @@ def test_import_validates_first():
         from_dap(parts[:3])
     bad = [dict(p) for p in parts]
     bad[2] = dict(bad[2], __version__="0.10")
-    from_dap(bad)  # 'major.minor' is accepted (a version the reference checker parses)
+    with pytest.raises(DAPValidationError, match="rank 2, key '__version__'.*major.minor.patch"):
+        from_dap(bad)
+    bad[2] = dict(bad[2], __version__="0.10.3")
+    from_dap(bad)  # any 0.10.x
     bad[2] = dict(bad[2], dim_data=list(bad[2]["dim_data"]))
     with pytest.raises(DAPValidationError, match="rank 2, key 'dim_data'"):
         from_dap(bad)

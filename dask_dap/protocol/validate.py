@@ -6,14 +6,16 @@ never checks ``size``, accepts ``bool`` for ints, negative ranks and padding,
 and knows nothing across ranks.  Every message names the rank (when known),
 the dimension, the key and the value.
 
-Two readings of the text, documented in ``docs/dap.md``:
+Readings of the text, documented in ``docs/dap.md``:
 
 * a cyclic rank that owns nothing may give any ``start >= size`` (the
   reference ``test_utils.py`` vector) besides ``proc_grid_rank * block_size``;
-* :func:`validate` checks a cyclic or unstructured buffer's length only where
-  the protocol says it must be empty; :func:`validate_distribution` (and so
-  ``from_dap``) checks every length.  The reference validator's own vectors
-  (``test_cyclic``: 25 owned, buffer of 50) stay valid for one rank.
+* the buffer's extent along every axis must equal the count its dimension
+  dict implies, for every dist type, and ``__version__`` must be a full
+  ``0.10.x`` string.  ``strict=False`` accepts what the reference validator
+  accepts there: a cyclic or unstructured buffer longer than what the rank
+  owns (its ``test_cyclic`` vector: 25 owned, a buffer of 50) and a
+  ``"0.10"`` version.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ _KEYS = {
     "c": ({"start"}, {"block_size"}),
     "u": ({"indices"}, {"one_to_one"}),
 }
-_VERSION_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?$")
+_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+_LOOSE_VERSION_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?$")
 _INT_CODES = set("bBhHiIlLqQnN")
 
 
@@ -54,13 +57,15 @@ def _buffer_view(buf: Any, rank: int | None) -> memoryview:
         ) from None
 
 
-def check_version(version: Any, rank: int | None = None) -> None:
-    if not isinstance(version, str) or not _VERSION_RE.match(version):
+def check_version(version: Any, rank: int | None = None, strict: bool = True) -> None:
+    pattern = _VERSION_RE if strict else _LOOSE_VERSION_RE
+    match = pattern.match(version) if isinstance(version, str) else None
+    if match is None:
         raise DAPValidationError(
-            f"__version__ {version!r} is not a 'major.minor.patch' string", rank=rank,
-            key="__version__",
+            f"__version__ {version!r:.40} is not a 'major.minor.patch' string such as "
+            f"{VERSION!r}", rank=rank, key="__version__",
         )  # fmt: skip
-    major, minor = (int(x) for x in _VERSION_RE.match(version).groups()[:2])  # type: ignore[union-attr]
+    major, minor = (int(x) for x in match.groups()[:2])
     if (major, minor) == (0, 9):
         raise DAPValidationError(
             f"__version__ {version!r} is the legacy 0.9 protocol; this reader speaks 0.10 "
@@ -73,8 +78,12 @@ def check_version(version: Any, rank: int | None = None) -> None:
         )
 
 
-def validate(dap: Mapping[str, Any], *, rank: int | None = None) -> None:
+def validate(dap: Mapping[str, Any], *, rank: int | None = None, strict: bool = True) -> None:
     """Check one rank's DAP dict against every rule of DAP 0.10.0 that one rank can show.
+
+    ``strict=False`` accepts what the reference validator accepts beyond the
+    text: cyclic and unstructured buffers longer than the rank owns, and a
+    ``major.minor`` version.
 
     Raises
     ------
@@ -93,7 +102,7 @@ def validate(dap: Mapping[str, Any], *, rank: int | None = None) -> None:
             "a DAP dict has exactly '__version__', 'buffer' and 'dim_data': " + ", ".join(parts),
             rank=rank,
         )
-    check_version(dap["__version__"], rank)
+    check_version(dap["__version__"], rank, strict)
     view = _buffer_view(dap["buffer"], rank)
     dim_data = dap["dim_data"]
     if not isinstance(dim_data, tuple):
@@ -108,10 +117,10 @@ def validate(dap: Mapping[str, Any], *, rank: int | None = None) -> None:
             rank=rank, key="dim_data",
         )
     for i, dim in enumerate(dim_data):
-        _check_dim(dim, view.shape[i], i, rank)
+        _check_dim(dim, view.shape[i], i, rank, strict)
 
 
-def _check_dim(d: Any, shape_i: int, i: int, rank: int | None) -> None:
+def _check_dim(d: Any, shape_i: int, i: int, rank: int | None, strict: bool) -> None:
     def fail(msg: str, key: str | None = None) -> DAPValidationError:
         return DAPValidationError(msg, rank=rank, dim=i, key=key)
 
@@ -153,9 +162,9 @@ def _check_dim(d: Any, shape_i: int, i: int, rank: int | None) -> None:
     if kind == "b":
         _check_block(d, shape_i, fail)
     elif kind == "c":
-        _check_cyclic(d, shape_i, fail)
+        _check_cyclic(d, shape_i, fail, strict)
     else:
-        _check_unstructured(d, shape_i, fail)
+        _check_unstructured(d, shape_i, fail, strict)
 
 
 def _check_block(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
@@ -187,7 +196,14 @@ def _check_block(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
                    f"got start={start}, stop={stop}", "stop")  # fmt: skip
 
 
-def _check_cyclic(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
+def _check_extent(owned: int, shape_i: int, fail: Any, strict: bool, key: str) -> None:
+    """The buffer holds exactly what the rank owns (at least, when not strict)."""
+    if shape_i < owned or (strict and shape_i != owned):
+        raise fail(f"the rank owns {owned} indices along this axis but the buffer has {shape_i}",
+                   key)  # fmt: skip
+
+
+def _check_cyclic(d: Mapping[str, Any], shape_i: int, fail: Any, strict: bool) -> None:
     start, size, prank = d["start"], d["size"], d["proc_grid_rank"]
     bs = d.get("block_size", 1)
     if bs < 1:
@@ -201,12 +217,10 @@ def _check_cyclic(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
     if start >= size and shape_i != 0:
         raise fail(f"start = {start} >= size = {size}, so the buffer must be empty along this "
                    f"axis (length {shape_i})", "start")  # fmt: skip
-    if shape_i < owned:
-        raise fail(f"the rank owns {owned} indices but the buffer has {shape_i} along this axis",
-                   "start")  # fmt: skip
+    _check_extent(owned, shape_i, fail, strict, "start")
 
 
-def _check_unstructured(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
+def _check_unstructured(d: Mapping[str, Any], shape_i: int, fail: Any, strict: bool) -> None:
     try:
         view = memoryview(d["indices"])
     except TypeError:
@@ -223,9 +237,7 @@ def _check_unstructured(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
     if len(idx) == 0 and shape_i != 0:
         raise fail(f"no indices, so the buffer must be empty along this axis (length {shape_i})",
                    "indices")  # fmt: skip
-    if len(idx) > shape_i:
-        raise fail(f"{len(idx)} indices but the buffer has {shape_i} elements along this axis",
-                   "indices")  # fmt: skip
+    _check_extent(len(idx), shape_i, fail, strict, "indices")
 
 
 # -- across ranks -----------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Argument checks: every public argument is validated here, once.
+
+Each check raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value)
+with a message that names the argument and what it accepts, before anything
+is sent, created or written: a bad argument never reaches a manager, leaves
+nothing behind and does not disturb the dictionary.  The wire carries ids and
+increments as signed 64-bit integers, hence the default ranges.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from dask.utils import parse_timedelta
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+#: Longest timeout in seconds (about 31 years): anything longer is "forever", i.e. ``None``.
+MAX_TIMEOUT = 1e9
+#: Most managers per worker, and most workers hosting managers, of one dictionary.
+MAX_MANAGERS = 1 << 16
+#: A dictionary's name is a directory in its zarr store and part of shard file names.
+MAX_NAME_BYTES = 200
+_NAME_OK = re.compile(r"^[^/\\\x00]+$")
+
+
+def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX, *,
+              allow_none: bool = False) -> Any:  # fmt: skip
+    """``value`` if it is an int in ``[lo, hi]`` (or ``None`` when allowed)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        what = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r:.80}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (``"no"`` is not false: it is refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.80}")
+    return value
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float | None:
+    """Seconds as a float, from a number or a Dask duration string (``"10s"``); ``None`` waits forever.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming ``name`` and the range ``[0, 1e9]`` seconds.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = parse_timedelta(value)
+        except Exception:
+            raise ValueError(f"{name} {value!r} is not a duration (e.g. 10, 2.5, '10s', "
+                             "'5 minutes')") from None  # fmt: skip
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be seconds (a number or a string such as '10s') or None, "
+                        f"got {type(value).__name__} {value!r:.80}")  # fmt: skip
+    seconds = float(value)
+    if math.isnan(seconds) or not 0 <= seconds <= MAX_TIMEOUT:
+        raise ValueError(f"{name} must be in [0, {MAX_TIMEOUT:g}] seconds or None (wait "
+                         f"forever), got {value!r}")  # fmt: skip
+    return seconds
+
+
+def check_name(value: Any) -> str:
+    """A dictionary name: a string usable as one zarr group (directory) name, or ``""``."""
+    if not isinstance(value, str):
+        raise TypeError(f"name must be a str, got {type(value).__name__} {value!r:.80}")
+    if value == "":
+        return value
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"name must be at most {MAX_NAME_BYTES} bytes (it names a directory "
+                         f"of the zarr store), got {size}")  # fmt: skip
+    if not _NAME_OK.match(value) or value in (".", "..") or value.startswith("__"):
+        raise ValueError(f"name {value!r:.80} must not contain '/', '\\' or NUL, be '.' or "
+                         "'..', or start with '__' (zarr reserves it)")  # fmt: skip
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"name {value!r:.80} is not valid UTF-8 text") from None
+    return value
+
+
+def check_client(value: Any) -> Any:
+    """A ``distributed.Client`` or ``None``."""
+    from distributed import Client
+
+    if value is not None and not isinstance(value, Client):
+        raise TypeError(f"client must be a distributed.Client or None, got "
+                        f"{type(value).__name__} {value!r:.80}")  # fmt: skip
+    return value

@@ -1,0 +1,202 @@
+"""Bad arguments get a typed error naming the argument; nothing is left behind or lost."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import shm_entries
+from fuzz import fuzz
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dask_ddict import DDict, DDictError, DDictFullError, DDictPersistCheckpointError
+from dask_ddict.arguments import check_timeout
+from dask_ddict.client import create_request
+
+#: Anything a user might pass by mistake.
+garbage = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
+    st.floats(), st.text(max_size=12), st.binary(max_size=8),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
+                                                          max_size=2),
+    st.sampled_from(["10s", "1 GiB", "-1", "inf", "nan", "no", "", "x" * 300, "a/b", "__x"]),
+    st.just(float("inf")), st.just(np.int64(3)), st.just(object()),
+)  # fmt: skip
+
+ARGS = ["managers_per_worker", "n_workers", "total_mem", "working_set_size", "wait_for_keys",
+        "wait_for_writers", "persist_freq", "persist_count", "persist_path", "name", "timeout",
+        "restart", "read_only", "restore_from", "manager_pool_full_thresh", "workers"]  # fmt: skip
+DEFAULTS = dict(managers_per_worker=None, n_workers=None, total_mem="64 MiB", working_set_size=1,
+                wait_for_keys=False, wait_for_writers=False, persist_freq=0, persist_count=0,
+                persist_path="", name="", timeout=None, restart=False, read_only=False,
+                restore_from=None, manager_pool_full_thresh=None, workers=None)  # fmt: skip
+
+
+@fuzz(400)
+@given(st.dictionaries(st.sampled_from(ARGS), garbage, min_size=1, max_size=3))
+def test_constructor_arguments_are_checked_before_anything_is_sent(bad):
+    """Either a valid request (plain types, in range) or TypeError/ValueError naming one argument."""
+    kwargs = {**DEFAULTS, **bad}
+    mpw, nw, mem = (kwargs.pop(k) for k in ("managers_per_worker", "n_workers", "total_mem"))
+    try:
+        req = create_request(mpw, nw, mem, **kwargs)
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        assert any(a in text for a in ARGS), text
+        return
+    opts = req["options"]
+    for k in ("working_set_size", "persist_freq", "persist_count"):
+        assert type(opts[k]) is int and -1 <= opts[k] < 1 << 63
+    for k in ("wait_for_keys", "wait_for_writers", "read_only"):
+        assert type(opts[k]) is bool
+    assert type(req["restart"]) is bool and 0 < req["total_mem"] < 1 << 63
+    assert isinstance(req["name"], str) and "/" not in req["name"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(wait_for_keys="no", working_set_size=2), TypeError, "wait_for_keys must be True"),
+        (dict(client="tcp://127.0.0.1:1"), TypeError, "client must be a distributed.Client"),
+        (dict(name="n" * 300, persist_path="/tmp/x"), ValueError, "name must be at most 200"),
+        (dict(name="a/b"), ValueError, "name 'a/b' must not contain"),
+        (dict(timeout=float("inf")), ValueError, r"timeout must be in \[0, 1e\+09\]"),
+        (dict(timeout="soon"), ValueError, "timeout 'soon' is not a duration"),
+        (dict(working_set_size=1 << 64), ValueError, "working_set_size must be in"),
+        (dict(restore_from=1 << 64, name="x", persist_path="/tmp/x"), ValueError, "restore_from"),
+    ],
+)
+def test_constructor_mistakes_name_the_argument(client, kwargs, error, match):
+    before = shm_entries()
+    with pytest.raises(error, match=match):
+        DDict(total_mem="32 MiB", **{"client": client, **kwargs})
+    assert shm_entries() - before == set()
+
+
+def test_durations_as_strings():
+    assert check_timeout("10s") == 10.0
+    assert check_timeout("250ms") == 0.25
+    assert check_timeout(3) == 3.0 and check_timeout(None) is None
+    for bad in (-1, math.nan, math.inf, "-3s", True, [1]):
+        with pytest.raises((TypeError, ValueError), match="timeout"):
+            check_timeout(bad)
+
+
+def test_method_mistakes_name_the_argument_and_change_nothing(ddict):
+    ddict["n"] = 5
+    ddict["keep"] = "me"
+    cases = [
+        (lambda: ddict.fetch_add("n", 1 << 64), ValueError, r"n must be in \[-9223372036854775808"),
+        (lambda: ddict.fetch_add("n", 1.5), TypeError, "n must be an int"),
+        (lambda: setattr(ddict, "checkpoint_id", 1 << 64), ValueError, "checkpoint_id must be"),
+        (lambda: setattr(ddict, "checkpoint_id", -1), ValueError, "checkpoint_id must be"),
+        (lambda: ddict.wait_for("n", 5, timeout=float("inf")), ValueError, "timeout"),
+        (lambda: ddict.wait_for("n", 6, timeout="x"), ValueError, "timeout 'x'"),
+        (lambda: DDict.attach(ddict.serialize(), timeout=-2), ValueError, "timeout"),
+        (lambda: ddict.manager(1 << 64), ValueError, "manager_id"),
+        (lambda: ddict.manager(ddict.num_managers), DDictError, r"manager_id must be in \[0, 1\]"),
+        (lambda: ddict.manager("0"), TypeError, "manager_id must be an int"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+    assert ddict["n"] == 5 and ddict["keep"] == "me" and ddict.checkpoint_id == 0
+    ddict.wait_for("n", 5, timeout="1s")
+    assert ddict.fetch_add("n", (1 << 63) - 1) == 5
+
+
+def test_a_restore_path_that_is_a_file(client, tmp_path):
+    f = tmp_path / "not-a-store"
+    f.write_text("x")
+    before = shm_entries()
+    with pytest.raises((ValueError, DDictPersistCheckpointError), match="persist_path"):
+        DDict(total_mem="32 MiB", client=client, name="rf", persist_path=str(f), restore_from=0)
+    assert shm_entries() - before == set()
+    assert f.read_text() == "x"
+
+
+def test_total_mem_beyond_the_host_leaves_nothing(client, ddict):
+    ddict["k"] = 1
+    before = shm_entries()
+    with pytest.raises(DDictFullError, match="cannot hold"):
+        DDict(total_mem="1 PiB", client=client)
+    assert shm_entries() - before == set()
+    assert ddict["k"] == 1  # the cluster and other dictionaries carry on
+    with DDict(total_mem="32 MiB", client=client) as d:
+        d["x"] = 2
+        assert d["x"] == 2
+
+
+def _edits(s: str):
+    body, _, digest = s.rpartition(".")
+    yield s[:-1]  # truncated
+    yield s[:7] + s[8:]  # a character gone
+    yield body + "." + ("0" if digest[0] != "0" else "1") + digest[1:]  # checksum altered
+    yield s.replace("ddict2:", "ddict1:")  # an older format
+    yield ""
+    yield "ddict2:"
+
+
+def test_edited_handles_are_refused(ddict):
+    s = ddict.serialize()
+    for bad in _edits(s):
+        with pytest.raises(ValueError, match="serialized"):
+            DDict.attach(bad)
+    with pytest.raises(TypeError, match="serialized"):
+        DDict.attach(b"ddict2:")
+
+
+def _forged(ddict, edit) -> str:
+    """A handle re-serialized after an edit: a valid checksum over an impossible layout."""
+    import dataclasses
+
+    from dask_ddict.layout import Layout
+
+    lay = Layout.deserialize(ddict.serialize())
+    return dataclasses.replace(lay, managers=edit(lay.managers)).serialize()
+
+
+def test_impossible_layouts_are_refused_even_with_a_valid_checksum(ddict):
+    import dataclasses
+
+    with pytest.raises(ValueError, match="no managers"):
+        DDict.attach(_forged(ddict, lambda ms: ()))
+    with pytest.raises(ValueError, match="the same shard"):
+        DDict.attach(_forged(ddict, lambda ms: tuple(
+            dataclasses.replace(m, store_path=ms[0].store_path) for m in ms)))  # fmt: skip
+    with pytest.raises(ValueError, match="manager ids"):
+        DDict.attach(_forged(ddict, lambda ms: tuple(reversed(ms))))
+
+
+@fuzz(200)
+@given(st.data())
+def test_fuzzed_handles_are_refused_or_identical(ddict, data):
+    s = ddict.serialize()
+    pos = data.draw(st.integers(0, len(s) - 1))
+    ch = data.draw(st.characters(codec="ascii"))
+    bad = s[:pos] + ch + s[pos + 1 :]
+    if bad == s:
+        return
+    try:
+        lay = DDict.attach(bad)._core.layout
+    except (TypeError, ValueError):
+        return
+    # base64 has slack bits: a few edits decode to the very same layout, which is fine.
+    assert lay == ddict._core.layout
+
+
+def test_swapped_store_paths_never_read_another_managers_shard(ddict):
+    """Even a forged handle (valid checksum) cannot make same-host reads cross shards."""
+    for i in range(40):
+        ddict[f"k{i}"] = i
+    swapped = _forged(ddict, lambda ms: tuple(
+        __import__("dataclasses").replace(m, store_path=ms[(m.manager_id + 1) % len(ms)].store_path)
+        for m in ms))  # fmt: skip
+    h = DDict.attach(swapped)
+    try:
+        assert [h[f"k{i}"] for i in range(40)] == list(range(40))  # served by the right manager
+    finally:
+        h.detach()
+    assert ddict["k0"] == 0
