@@ -92,3 +92,17 @@ def test_tombstone_flag_and_drop_all(tmp_store):
         tmp_store.drop_all(txn)
     with tmp_store.read() as txn:
         assert tmp_store.entries(txn) == 0
+
+
+def test_shards_are_stamped_and_older_formats_refused(tmp_store):
+    """Key bytes changed with format 2: a format-1 shard (no stamp) is refused on re-attach."""
+    from dask_ddict.errors import DDictError
+    from dask_ddict.store import FORMAT
+
+    with pytest.raises(DDictError, match="dask_ddict.shard/1 .*reads dask_ddict.shard/2"):
+        tmp_store.check_stamp(0)  # what every shard written before format 2 looks like
+    tmp_store.stamp(3)
+    tmp_store.check_stamp(3)
+    with pytest.raises(DDictError, match="belongs to manager b'3', not 1"):
+        tmp_store.check_stamp(1)
+    assert FORMAT == b"dask_ddict.shard/2"
