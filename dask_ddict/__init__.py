@@ -11,8 +11,7 @@ scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
 from __future__ import annotations
 
 from . import config  # noqa: F401  (loads the ddict.* defaults)
-from .async_client import AsyncDDict
-from .client import DDict
+from .client import AsyncDDict, DDict
 from .errors import (
     DDictCheckpointSyncError,
     DDictClosedError,
@@ -26,9 +25,9 @@ from .errors import (
     DDictSyncError,
     DDictTimeoutError,
 )
-from .orchestrator import DDictSchedulerPlugin
+from .cluster.scheduler_plugin import DDictSchedulerPlugin
 from .stats import DDictManagerStats
-from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
+from .cluster.worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 __all__ = [
     "AsyncDDict",

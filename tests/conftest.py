@@ -46,7 +46,7 @@ def ddict(client):
 @pytest.fixture
 def tmp_store(tmp_path):
     """A shard store in a temp directory (unit tests need no cluster)."""
-    from dask_ddict.store import ShardStore
+    from dask_ddict.shard.store import ShardStore
 
     st = ShardStore(str(tmp_path / "shard"), 16 << 20)
     yield st

@@ -27,8 +27,8 @@ from dask_dap import DAPValidationError, validate
 from dask_dap.protocol.dims import num_owned_indices
 from dask_ddict import DDictError, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persistence import CheckpointStore
-from dask_ddict.store import PERSISTENT
+from dask_ddict.persist import CheckpointStore
+from dask_ddict.shard.store import PERSISTENT
 
 # -- DAP dicts -------------------------------------------------------------------------------
 

@@ -437,7 +437,7 @@ def test_batches_across_a_host_restart():
         d.start_batch_put()
         for i in range(100):
             d[i] = i
-        d._batch_flush(0)
+        d._batch.flush(0)
         assert len(d.manager(0)) == 100  # same connection: the batch message was applied
         os.kill(d.stats[0].pid, signal.SIGKILL)
         d.end_batch_put()  # retried at the new host process, which finds the batch's state
@@ -451,7 +451,7 @@ def test_batches_across_a_host_restart():
         deadline = time.monotonic() + 30
         while sup.restart_count < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        d._batch_flush(0)  # into the dead process's connection
+        d._batch.flush(0)  # into the dead process's connection
         with pytest.raises(DDictError, match="may or may not have been applied"):
             d.end_batch_put()
         d.update({i: i for i in range(200)})  # the dict works; the batch can be re-run

@@ -17,9 +17,9 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import BufferPool, dumps_value
 from dask_ddict.host import control, hygiene
-from dask_ddict.host.opening import DictSpec
+from dask_ddict.host.control import DictSpec
 from dask_ddict.options import DDictOptions
-from dask_ddict.working_set import (
+from dask_ddict.shard.working_set import (
     CLOSED_DESTROYED,
     FROZEN,
     WorkingSet,

@@ -20,8 +20,8 @@ from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persistence import FORMAT, CheckpointStore, Persister
-from dask_ddict.store import PERSISTENT
+from dask_ddict.persist import FORMAT, CheckpointStore, Persister
+from dask_ddict.shard.store import PERSISTENT
 
 CHUNK = 1 << 12
 
@@ -48,7 +48,7 @@ import os, signal, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_persist_integrity import entries_of, generation, CHUNK
-from dask_ddict.persistence import CheckpointStore, Persister
+from dask_ddict.persist import CheckpointStore, Persister
 
 path, chkpt, count, at, nth = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 seen = {}

@@ -8,8 +8,8 @@ import zarr
 
 from dask_ddict import DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persistence import CheckpointStore, Persister
-from dask_ddict.store import PERSISTENT
+from dask_ddict.persist import CheckpointStore, Persister
+from dask_ddict.shard.store import PERSISTENT
 
 
 def entries_of(d: dict, flags: int = PERSISTENT):

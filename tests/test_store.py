@@ -6,7 +6,7 @@ import pytest
 from dask_ddict._hashing import key_digest
 from dask_ddict._serialize import ALIGN, dumps_value, loads_value
 from dask_ddict.errors import DDictFullError
-from dask_ddict.store import PERSISTENT, TOMBSTONE, ShardStore
+from dask_ddict.shard.store import PERSISTENT, TOMBSTONE, ShardStore
 
 
 def test_versions_newest_at_or_below(tmp_store):
@@ -97,7 +97,7 @@ def test_tombstone_flag_and_drop_all(tmp_store):
 def test_shards_are_stamped_and_older_formats_refused(tmp_store):
     """Key bytes changed with format 2: a format-1 shard (no stamp) is refused on re-attach."""
     from dask_ddict.errors import DDictError
-    from dask_ddict.store import FORMAT
+    from dask_ddict.shard.store import FORMAT
 
     with pytest.raises(DDictError, match="dask_ddict.shard/1 .*reads dask_ddict.shard/2"):
         tmp_store.check_stamp(0)  # what every shard written before format 2 looks like

@@ -8,8 +8,8 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
-from dask_ddict.store import ShardStore
-from dask_ddict.working_set import MustWait, WorkingSet
+from dask_ddict.shard.store import ShardStore
+from dask_ddict.shard.working_set import MustWait, WorkingSet
 
 
 @pytest.fixture

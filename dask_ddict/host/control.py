@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import pickle
 import struct
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from .opening import DictSpec
+from ..options import DDictOptions
 
 _LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class DictSpec:
+    """What a host process needs to serve a dictionary's managers (sent over its pipe)."""
+
+    name: str
+    uid: str
+    secret: str
+    options: DDictOptions
+    capacity: int
+    num_managers: int
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"DictSpec(name={self.name!r}, uid={self.uid!r}, managers={self.num_managers})"
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,18 @@ import logging
 import os
 import shutil
 
+from .. import config
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "ddict-"
 LOCK = "owner.lock"
 KEPT = "kept"
+
+
+def shard_directory() -> str:
+    """Where this host keeps shards (``ddict.store.directory``, else ``/dev/shm``)."""
+    return config.get("store.directory") or "/dev/shm"
 
 
 def claim(directory: str) -> int:

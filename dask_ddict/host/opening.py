@@ -14,38 +14,19 @@ import os
 import re
 import secrets
 import socket
-from dataclasses import dataclass
 
 from .. import config
 from ..errors import DDictFullError
-from ..manager import Manager
-from ..options import DDictOptions
-from ..store import ShardStore
-from ..working_set import WorkingSet, add_waiters
+from ..shard.manager import Manager
+from ..shard.store import ShardStore
+from ..shard.working_set import WorkingSet, add_waiters
 from . import hygiene
-
-
-@dataclass(frozen=True)
-class DictSpec:
-    """What a host process needs to serve a dictionary's managers (sent over its pipe)."""
-
-    name: str
-    uid: str
-    secret: str
-    options: DDictOptions
-    capacity: int
-    num_managers: int
-
-    def __repr__(self) -> str:  # never print the secret
-        return f"DictSpec(name={self.name!r}, uid={self.uid!r}, managers={self.num_managers})"
+from .control import DictSpec
+from .hygiene import shard_directory
 
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
-
-
-def shard_directory() -> str:
-    return config.get("store.directory") or "/dev/shm"
 
 
 def _meminfo_available() -> int | None:
@@ -146,7 +127,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
                 add_waiters(store, txn, 0)  # whoever waited, waited at the old process
         persister = None
         if opts.persist_path:
-            from ..persistence import CheckpointStore, Persister  # zarr: only when persisting
+            from ..persist import CheckpointStore, Persister  # zarr: only when persisting
 
             persister = Persister(
                 CheckpointStore(opts.persist_path, spec.name, mid, spec.num_managers,
@@ -154,7 +135,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
                                 fsync=bool(config.get("persist.fsync"))),
                 opts.persist_freq, opts.persist_count,
             )  # fmt: skip
-        from ..replication import pull_shard
+        from .replication import pull_shard
 
         manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
                           frozen=frozen, persister=persister, pull_shard=pull_shard)  # fmt: skip

@@ -25,9 +25,10 @@ from typing import Any, BinaryIO
 import dask.config
 
 from .. import config
+from ..transport.connect import set_default_security
 from ..errors import DDictError
-from ..manager import Manager
-from ..working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
+from ..shard.manager import Manager
+from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from . import control, hygiene
 from .opening import open_manager
 from .server import HostedDict, HostServer
@@ -49,9 +50,7 @@ class Host:
             if ssl_context is None:
                 raise RuntimeError("the cluster requires TLS but this host has no certificate")
         if init.security is not None:
-            from .. import client
-
-            client.set_default_security(init.security)  # replication pulls over TLS
+            set_default_security(init.security)  # replication pulls over TLS
         self.server = HostServer(
             uds, tcp, self.dicts, self.closed, ssl_context=ssl_context,
             page_bytes=config.get_bytes("iteration.page-bytes"),

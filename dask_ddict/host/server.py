@@ -48,6 +48,8 @@ from ..transport.protocol import (
     RECORD,
     REP,
     REQ,
+    WANT_KEYS,
+    WANT_VALUES,
     Hello,
     Op,
     Reader,
@@ -56,7 +58,7 @@ from ..transport.protocol import (
 )
 
 if TYPE_CHECKING:
-    from ..manager import Manager
+    from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +116,9 @@ def _put(m: Manager, r: Request, reply: Reply) -> None:
 
 
 def _page(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> None:
-    items, last, more = m.page(r.chkpt, r.digest or None, r.arg & 0xFF, max(1, r.arg >> 8),
-                               page_bytes)  # fmt: skip
+    want = r.arg & 0xFF
+    items, last, more = m.page(r.chkpt, r.digest or None, bool(want & WANT_KEYS),
+                               bool(want & WANT_VALUES), max(1, r.arg >> 8), page_bytes)  # fmt: skip
     parts: list[Any] = [last or bytes(16)]
     for k, v in items:
         parts += [RECORD.pack(len(k or b""), len(v or b"")), k or b"", v or b""]

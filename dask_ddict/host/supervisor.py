@@ -44,7 +44,8 @@ from ..errors import DDictError, DDictManagerUnavailableError, error_to_wire
 from ..layout import host_id
 from ..options import DDictOptions
 from . import control, hygiene
-from .opening import DictSpec, shard_directory
+from .control import DictSpec
+from .hygiene import shard_directory
 
 logger = logging.getLogger(__name__)
 

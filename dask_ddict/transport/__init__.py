@@ -13,6 +13,6 @@ The server side lives in :mod:`dask_ddict.host`.
 
 from __future__ import annotations
 
-from .client import HostLink, SocketChannel
+from .links import HostLink, SocketChannel
 
 __all__ = ["HostLink", "SocketChannel"]

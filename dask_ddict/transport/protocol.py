@@ -61,6 +61,9 @@ class Op(enum.IntEnum):
 FLAG_PERSIST = 1
 FLAG_NOREPLY = 2
 
+#: What a PAGE request returns of each entry (bits).
+WANT_KEYS, WANT_VALUES, WANT_ITEMS = 1, 2, 3
+
 
 class Hello(enum.IntEnum):
     """The host's one-byte answer to a connection's ``HELLO``."""

@@ -9,7 +9,7 @@ the host process's Unix socket only for reads that must wait (a
 ``wait_for_keys`` read of a key not yet written) and for most writes.
 
 Small puts that change nothing but their key (see
-:func:`~dask_ddict.working_set.put_in_window`) are committed by the client
+:func:`~dask_ddict.shard.working_set.put_in_window`) are committed by the client
 itself, in a write transaction that LMDB's cross-process writer lock orders
 with the manager's: no round trip either.  Everything else (a put that moves
 the window, large values, dictionaries with ``wait_for_keys`` or
@@ -44,8 +44,8 @@ from .. import _memory
 from .._serialize import copy_frame
 from ..errors import DDictClosedError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
-from ..store import ShardStore
-from ..working_set import (
+from ..shard.store import ShardStore
+from ..shard.working_set import (
     CLOSED_DESTROYED,
     OPEN,
     check_window,
@@ -53,7 +53,7 @@ from ..working_set import (
     put_in_window,
     saved_newest,
 )
-from .client import SocketChannel
+from .links import SocketChannel
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
 ALIVE_CHECK = 0.02
@@ -109,7 +109,9 @@ class _View:
 _unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
 _ENVS: dict[str, _View] = {}  # path -> the process's view of it
 _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
-_ENVS_LOCK = threading.Lock()
+# Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
+# (the cyclic GC runs at any allocation, e.g. while LMDB opens an environment).
+_ENVS_LOCK = threading.RLock()
 
 
 def _acquire(path: str, capacity: int) -> _View:

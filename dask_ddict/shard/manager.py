@@ -1,6 +1,6 @@
 """Manager: one shard of a dictionary, safe to call from any thread.
 
-A manager is the single owner of its :class:`~dask_ddict.store.ShardStore`.
+A manager is the single owner of its :class:`~dask_ddict.shard.store.ShardStore`.
 Its methods are called directly by tasks running in the hosting worker process
 (the in-process path) and by the threads of its socket server (same-host and
 remote clients), so it is thread-safe and never tied to the worker's event
@@ -8,7 +8,7 @@ loop (see ``transport-notes.md``: hopping onto the loop costs ~100 µs).
 
 Concurrency: writes hold one lock (LMDB allows one writer anyway); reads run
 lock-free in their own snapshot transaction.  An operation the working set
-cannot do yet (:class:`~dask_ddict.working_set.MustWait`) waits on a condition
+cannot do yet (:class:`~dask_ddict.shard.working_set.MustWait`) waits on a condition
 variable that every successful write notifies, so deferred operations are
 retried whenever retirement may have become possible, use no CPU while they
 wait, and give up with ``DDictTimeoutError`` when their timeout expires.
@@ -24,22 +24,23 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
-from ._serialize import dumps_value, loads_value
-from .errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
-from .persistence import Persister
+from .._serialize import dumps_value, loads_value
+from ..errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
 from .store import ShardStore
 from .working_set import CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_waiters, mark_closed
+
+if TYPE_CHECKING:  # zarr loads only where a dictionary persists
+    from ..persist.persister import Persister
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 #: What a page of a view carries per item: keys, values or both.
-WANT_KEYS, WANT_VALUES, WANT_ITEMS = 1, 2, 3
 
 _BATCH = b"batch:"  # + client id: (batch id, count, first error) of an open batch
 #: Replies of the last non-idempotent requests (by request id), kept in the
@@ -423,11 +424,12 @@ class Manager:
         self,
         chkpt: int,
         after: bytes | None,
-        want: int,
+        keys: bool,
+        values: bool,
         max_items: int,
         max_bytes: int,
     ) -> tuple[list[tuple[bytes | None, bytes | None]], bytes | None, bool]:
-        """One page of a view: ``(items, last_digest, more)``.
+        """One page of a view: ``(items, last_digest, more)``, with keys and/or values.
 
         Views are streamed as stateless pages resumed after the last digest, so
         a client that stops iterating early leaves nothing behind.
@@ -440,8 +442,8 @@ class Manager:
             for d, e in self.working_set.visible(txn, chkpt, after):
                 if len(items) >= max_items or (items and size >= max_bytes):
                     return items, last, True
-                k = bytes(e.key) if want & WANT_KEYS else None
-                v = bytes(e.frame) if want & WANT_VALUES else None
+                k = bytes(e.key) if keys else None
+                v = bytes(e.frame) if values else None
                 size += (len(k) if k else 0) + (len(v) if v else 0)
                 items.append((k, v))
                 last = d

@@ -1,7 +1,7 @@
 """Lazy views of a DDict (``keys()``, ``values()``, ``items()``).
 
 Views stream each manager's entries in pages (see
-:meth:`~dask_ddict.manager.Manager.page`): a page is one request, resumed
+:meth:`~dask_ddict.shard.manager.Manager.page`): a page is one request, resumed
 after the last digest seen, so breaking out of a loop early leaves no state
 on the manager and nothing unread on the connection.
 """
@@ -9,12 +9,18 @@ on the manager and nothing unread on the connection.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .manager import WANT_ITEMS, WANT_KEYS, WANT_VALUES
+from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
 
-if TYPE_CHECKING:
-    from .client import DDict
+
+class Viewed(Protocol):
+    """What a view needs of its dictionary (a :class:`~dask_ddict.DDict`)."""
+
+    def _length(self, managers: list[int]) -> int: ...
+    def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]: ...
+    def which_manager(self, key: Any) -> int: ...
+    def __contains__(self, key: Any) -> bool: ...
 
 
 def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator[tuple[Any, Any]]:
@@ -29,7 +35,7 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator
 
 
 class _View:
-    def __init__(self, ddict: DDict, managers: list[int], local: bool = False) -> None:
+    def __init__(self, ddict: Viewed, managers: list[int], local: bool = False) -> None:
         self._ddict = ddict
         self._managers = managers
         self._local = local
@@ -44,7 +50,7 @@ class _View:
         return f"<{type(self).__name__} of {self._ddict!r} managers={self._managers}>"
 
     @property
-    def mapping(self) -> DDict:
+    def mapping(self) -> Viewed:
         return self._ddict
 
 

@@ -22,7 +22,7 @@ version at or below checkpoint c" is one ``set_range`` seek.  An entry is::
 The 16-byte header puts the value frame at 32 modulo 64 inside LMDB's
 overflow pages (which start 16 bytes into a page), the alignment that
 :mod:`dask_ddict._serialize` plans buffers for.  This module knows nothing
-about checkpoint rules; :mod:`dask_ddict.working_set` does.
+about checkpoint rules; :mod:`dask_ddict.shard.working_set` does.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from typing import Any, NamedTuple
 
 import lmdb
 
-from . import config
-from ._serialize import Scratch, frame_parts, gather
-from ._keys import KEY_ENCODING
-from .errors import DDictError, DDictFullError
+from .. import config
+from .._serialize import Scratch, frame_parts, gather
+from .._keys import KEY_ENCODING
+from ..errors import DDictError, DDictFullError
 
 logger = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from typing import Any
 
 import lmdb
 
-from ._hashing import key_digest
-from ._serialize import frame_parts
-from .errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
+from .._hashing import key_digest
+from .._serialize import frame_parts
+from ..errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
 
 _STATE = b"working_set"

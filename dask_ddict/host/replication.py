@@ -14,10 +14,11 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .layout import Layout
+from ..layout import Layout
+from ..transport.connect import Connections
 
 if TYPE_CHECKING:
-    from .manager import Manager
+    from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +28,7 @@ def pull_shard(target: Manager, source: str, manager_id: int) -> int:
 
     Returns the number of records copied.
     """
-    from .client import _Core  # the client's channel selection (in-process/uds/tcp/tls)
-
-    core = _Core(Layout.deserialize(source))
+    core = Connections(Layout.deserialize(source))
     try:
         channel = core.channel(manager_id)
 

@@ -5,243 +5,43 @@ checkpoint id, serializes keys and values, hashes each key to its manager and
 talks to that manager's host process through a channel (same host: the shard
 read directly and writes over a Unix socket; other hosts: TCP): never through
 the scheduler.  Dask's comms are used only for control
-(create, destroy), through the orchestrator.
+(create, destroy), through the scheduler plugin.
 
 Handles derived from one another (:meth:`DDict.manager`, :meth:`DDict.pickler`)
-share a :class:`_Core` (layout, channels, closed state) so that destroying
-through one closes them all.
+share a :class:`~dask_ddict.client.core._Core` (layout, channels, closed state)
+so that destroying through one closes them all.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import threading
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import distributed
-from distributed import Client, LocalCluster
+from distributed import Client
 
-from . import config
-from ._hashing import custom_placement, key_digest, manager_for_digest, seed_warning
-from ._keys import dumps_key, loads_key
-from ._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
-from .errors import (
-    DDictClosedError,
-    DDictError,
-    DDictKeyError,
-    DDictManagerUnavailableError,
-    DDictPersistCheckpointError,
-    DDictSyncError,
-)
-from .layout import Layout, ManagerInfo, host_id
-from .arguments import (
-    MAX_MANAGERS,
-    check_bool,
-    check_client,
-    check_int,
-    check_name,
-    check_timeout,
-)
-from .options import DDictOptions, parse_total_mem
-from .stats import DDictManagerStats
-from .transport import HostLink, SocketChannel
-from .transport.shared import SharedChannel
+from .. import config
+from .._hashing import custom_placement, key_digest, manager_for_digest
+from .._keys import dumps_key, loads_key
+from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
+from ..arguments import check_bool, check_client, check_int, check_timeout
+from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictPersistCheckpointError
+from ..layout import Layout
+from . import replicate
+from .batch import BatchPut
+from .core import MISSING, _Core, current_client, embedded_client
+from .creation import create_request
+from .introspection import Introspection
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 
 logger = logging.getLogger(__name__)
 
-_MISSING: Any = object()
-_DEFAULT_SECURITY: Any = None
+_MISSING = MISSING
 
 
-def set_default_security(security: Any) -> None:
-    """TLS certificates for processes with neither a client nor a worker (host processes)."""
-    global _DEFAULT_SECURITY
-    _DEFAULT_SECURITY = security
-
-
-def _current_client() -> Client | None:
-    try:
-        return distributed.get_client()
-    except ValueError:
-        return None
-
-
-def _embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:
-    """Start the LocalCluster (worker processes) that ``DDict()`` owns.
-
-    Shards live beside the workers, not in them, so the workers' memory limits
-    share what the host has left after ``total_mem``.
-    """
-    from distributed.deploy.utils import nprocesses_nthreads
-    from distributed.system import MEMORY_LIMIT
-
-    n_workers = config.get("embedded.n-workers")
-    n = n_workers or nprocesses_nthreads()[0]
-    memory_limit = max(256 << 20, (MEMORY_LIMIT - total_mem) // max(1, n))
-    cluster = LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=config.get("embedded.threads-per-worker"),
-        processes=True,
-        dashboard_address=":0",
-        memory_limit=memory_limit,
-    )
-    return Client(cluster, set_as_default=False), cluster
-
-
-class _Core:
-    """What all handles of one attached dictionary share."""
-
-    layout: Layout
-    closed: bool
-
-    def __init__(
-        self,
-        layout: Layout,
-        client: Client | None = None,
-        cluster: LocalCluster | None = None,
-    ) -> None:
-        self.layout = layout
-        self._client = client
-        self.cluster = cluster
-        self.closed = False
-        self._channels: dict[int, Any] = {}
-        self._links: dict[tuple[str, ...], HostLink] = {}
-        self._lock = threading.Lock()
-        # A handle that is dropped (e.g. at the end of a task) releases its
-        # connections and shard views, also without detach().
-        self._finalizer = weakref.finalize(self, _Core._release, self._channels, self._links)
-        self._host = host_id()
-        self.seed_checked = False
-
-    def check_hash_seed(self, cls: type) -> None:
-        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks."""
-        self.seed_checked = True
-        text = seed_warning(cls, {m.hash_seed for m in self.layout.managers})
-        if text is not None:
-            warnings.warn(text, RuntimeWarning, stacklevel=4)
-
-    def __repr__(self) -> str:
-        return f"<_Core {self.layout.name!r} managers={self.layout.num_managers} closed={self.closed}>"
-
-    @property
-    def client(self) -> Client:
-        """A Dask client for control operations, found lazily."""
-        if self._client is None:
-            self._client = _current_client()
-            if self._client is None:
-                raise DDictError(
-                    "this operation needs a dask Client: pass client= to DDict.attach or "
-                    "create one in this process",
-                    "INVALID_OPERATION",
-                )
-        return self._client
-
-    def _security(self) -> Any:
-        if self._client is not None:
-            return self._client.security
-        if _DEFAULT_SECURITY is not None:
-            return _DEFAULT_SECURITY
-        try:
-            return distributed.get_worker().security
-        except ValueError:
-            pass
-        client = _current_client()
-        if client is not None:
-            return client.security
-        return distributed.Security()
-
-    def is_local(self, info: ManagerInfo) -> bool:
-        """Whether a manager shares this host (and so its /dev/shm)."""
-        return info.host_id == self._host
-
-    def channel(self, mid: int) -> Any:
-        ch = self._channels.get(mid)
-        if ch is not None:
-            return ch
-        with self._lock:
-            if self.closed:
-                raise DDictClosedError("the DDict was destroyed or detached")
-            ch = self._channels.get(mid)
-            if ch is None:
-                ch = self._channels[mid] = self._make_channel(self.layout.managers[mid])
-        return ch
-
-    def _link(self, info: ManagerInfo, use_uds: bool, ssl_context: Any = None) -> HostLink:
-        """The link to ``info``'s host process, shared by all managers it serves."""
-        key = ("uds", info.uds_path) if use_uds else ("tcp", info.tcp_host, str(info.tcp_port))
-        link = self._links.get(key)
-        if link is None:
-            lay = self.layout
-            link = self._links[key] = HostLink(
-                info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context
-            )
-        return link
-
-    def _make_channel(self, info: ManagerInfo) -> Any:
-        if info.lost:
-            raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} of {self.layout.name!r} was lost with its host "
-                f"{info.hostname} ({info.worker})"
-            )
-        if config.get("local-transport") and self.is_local(info) and os.path.exists(info.uds_path):
-            sock = SocketChannel(self._link(info, use_uds=True), info)
-            if config.get("local-read") and os.path.isdir(info.store_path):
-                capacity = self.layout.total_mem // self.layout.num_managers
-                try:
-                    return SharedChannel(sock, info.store_path, capacity, self.layout.options,
-                                         bool(config.get("local-write")))  # fmt: skip
-                except Exception as e:  # e.g. no permission: reads go over the socket
-                    logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
-            return sock
-        ssl_context = None
-        if self.layout.tls:
-            ssl_context = self._security().get_connection_args("client")["ssl_context"]
-            if ssl_context is None:
-                raise DDictError(
-                    "the cluster requires TLS but this process has no client certificate "
-                    "(configure distributed.comm.tls or pass a client with security=)",
-                    "INVALID_OPERATION",
-                )
-        return SocketChannel(self._link(info, use_uds=False, ssl_context=ssl_context), info)
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-        self._finalizer()
-
-    @staticmethod
-    def _release(channels: dict[int, Any], links: dict[tuple[str, ...], HostLink]) -> None:
-        chans, hosts = list(channels.values()), list(links.values())
-        channels.clear()
-        links.clear()
-        for ch in chans:
-            ch.close()
-        for link in hosts:
-            link.close()
-
-
-class _Batch:
-    """Client-side buffers of a batch put: one list of records per manager."""
-
-    __slots__ = ("id", "persist", "records", "sizes", "sent", "error", "flush_bytes")
-
-    def __init__(self, persist: bool) -> None:
-        self.id = secrets.randbits(63)  # the managers keep this batch's state under it
-        self.persist = persist
-        self.flush_bytes = config.get_bytes("batch.flush-bytes")
-        self.records: dict[int, list[tuple[bytes, bytes, Framed]]] = {}
-        self.sizes: dict[int, int] = {}
-        self.sent: dict[int, int] = {}  # puts sent per manager, checked at the end
-        self.error: BaseException | None = None
-
-
-class DDict:
+class DDict(Introspection):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -282,7 +82,7 @@ class DDict:
     _target: int | None
     _kp: KeyPickler | None
     _vp: ValuePickler | None
-    _batch: _Batch | None
+    _batch: BatchPut | None
     _derived: bool
     _detached: bool
 
@@ -317,18 +117,18 @@ class DDict:
             restore_from=restore_from, manager_pool_full_thresh=manager_pool_full_thresh,
             workers=workers,
         )  # fmt: skip
-        if workers is not None and client is None and _current_client() is None:
+        if workers is not None and client is None and current_client() is None:
             raise ValueError("workers= names workers of a cluster: pass client= too")
 
         cluster = None
         if client is None:
-            client = _current_client()
+            client = current_client()
             if client is None:
-                client, cluster = _embedded_client(request["total_mem"])
+                client, cluster = embedded_client(request["total_mem"])
         if client.asynchronous:
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
-            from .orchestrator import DDictSchedulerPlugin
+            from ..cluster.scheduler_plugin import DDictSchedulerPlugin
 
             client.register_plugin(DDictSchedulerPlugin())
             layout_d = client.sync(client.scheduler.ddict_create, **request, client=client.id)
@@ -487,7 +287,7 @@ class DDict:
                     f"persist={self._batch.persist}",
                     "INVALID_OPERATION",
                 )
-            self._batch_add(mid, digest, kb, framed)
+            self._batch.add(mid, digest, kb, framed, self._chkpt)
             return
         self._core.channel(mid).put(
             digest, kb, framed, self._chkpt, self._client_id, persistent, self._timeout
@@ -690,55 +490,16 @@ class DDict:
         """Stream the following puts without per-put replies (until :meth:`end_batch_put`)."""
         self._check()
         self._no_batch("start_batch_put()")
-        self._batch = _Batch(bool(persist))
-
-    def _batch_add(self, mid: int, digest: bytes, kb: bytes, framed: Framed) -> None:
-        b = self._batch
-        assert b is not None
-        b.records.setdefault(mid, []).append((digest, kb, framed))
-        size = b.sizes[mid] = b.sizes.get(mid, 0) + framed.nbytes + len(kb) + 32
-        if size >= b.flush_bytes:
-            self._batch_flush(mid)
-
-    def _batch_flush(self, mid: int) -> None:
-        b = self._batch
-        assert b is not None
-        records = b.records.pop(mid, None)
-        b.sizes.pop(mid, None)
-        if not records:
-            return
-        b.sent[mid] = b.sent.get(mid, 0) + len(records)
-        try:
-            self._core.channel(mid).batch_put(records, self._chkpt, self._client_id, b.persist,
-                                              b.id)  # fmt: skip
-        except DDictError as e:
-            b.error = b.error or e
+        self._batch = BatchPut(check_bool("persist", persist), self._core.channel,
+                               self._client_id)  # fmt: skip
 
     def end_batch_put(self) -> None:
         """Send what is buffered and raise the first error any manager saw."""
         b = self._batch
         if b is None:
             raise DDictError("end_batch_put() without start_batch_put()", "INVALID_OPERATION")
-        try:
-            for mid in list(b.records):
-                self._batch_flush(mid)
-            for mid in sorted(b.sent):
-                try:
-                    stored = self._core.channel(mid).batch_end(self._client_id, b.id)
-                except DDictError as e:
-                    b.error = b.error or e
-                    continue
-                if stored != b.sent[mid] and b.error is None:
-                    b.error = DDictError(
-                        f"batch put: manager {mid} stored {stored} of the {b.sent[mid]} puts "
-                        "sent to it (its host process restarted during the batch); the "
-                        "others may or may not have been applied: put them again",
-                        "MANAGER_UNAVAILABLE",
-                    )
-        finally:
-            self._batch = None
-        if b.error is not None:
-            raise b.error
+        self._batch = None
+        b.end()
 
     def bput(self, key: Any, value: Any) -> None:
         """Store a copy of the pair on every manager (read it with :meth:`bget`)."""
@@ -750,7 +511,7 @@ class DDict:
         framed = dumps_value(value, self._vp)
         for mid in range(self._core.layout.num_managers):
             if self._batch is not None:
-                self._batch_add(mid, digest, kb, framed)
+                self._batch.add(mid, digest, kb, framed, self._chkpt)
             else:
                 self._core.channel(mid).put(
                     digest, kb, framed, self._chkpt, self._client_id, False, self._timeout
@@ -816,96 +577,6 @@ class DDict:
         h._kp, h._vp = key_pickler, value_pickler
         return h
 
-    @property
-    def client(self) -> Client:
-        """The Dask client of this handle (the embedded cluster's, if it owns one)."""
-        return self._core.client
-
-    @property
-    def timeout(self) -> float | None:
-        return self._timeout
-
-    @property
-    def wait_for_keys(self) -> bool:
-        return self._core.layout.options.wait_for_keys
-
-    @property
-    def wait_for_writers(self) -> bool:
-        return self._core.layout.options.wait_for_writers
-
-    @property
-    def working_set_size(self) -> int:
-        return self._core.layout.options.working_set_size
-
-    @property
-    def num_managers(self) -> int:
-        return self._core.layout.num_managers
-
-    @property
-    def manager_workers(self) -> list[str]:
-        """Address of the worker hosting each manager."""
-        return self._core.layout.manager_workers
-
-    @property
-    def local_managers(self) -> list[int]:
-        """Managers on this host."""
-        return [m.manager_id for m in self._core.layout.managers if self._core.is_local(m)]
-
-    @property
-    def local_manager(self) -> int | None:
-        """A manager hosted for this worker (in a task), else one on this host, else ``None``.
-
-        Managers run in a host process beside their worker, not in it; "hosted
-        for" survives worker restarts (it follows the worker's nanny).
-        """
-        try:
-            w = distributed.get_worker()
-        except ValueError:
-            w = None
-        if w is not None:
-            for m in self._core.layout.managers:
-                if m.worker == w.address or (w.nanny and m.supervisor == w.nanny):
-                    return m.manager_id
-        local = self.local_managers
-        return local[0] if local else None
-
-    @property
-    def main_manager(self) -> int:
-        """The local manager if any, else one chosen from this handle's client id."""
-        local = self.local_manager
-        return local if local is not None else self._client_id % self.num_managers
-
-    @property
-    def empty_managers(self) -> list[int]:
-        """Managers that came back empty after a restart (none without restart)."""
-        return list(self._core.layout.extra.get("empty_managers", []))
-
-    def local_keys(self) -> DDictKeysView:
-        return DDictKeysView(self, self._local_ids(), local=True)
-
-    def local_values(self) -> DDictValuesView:
-        return DDictValuesView(self, self._local_ids(), local=True)
-
-    def local_items(self) -> DDictItemsView:
-        return DDictItemsView(self, self._local_ids(), local=True)
-
-    def local_len(self) -> int:
-        return self._length(self._local_ids())
-
-    def _local_ids(self) -> list[int]:
-        self._check()
-        local = set(self.local_managers)
-        return [m for m in self._managers() if m in local]
-
-    @property
-    def stats(self) -> list[DDictManagerStats]:
-        """One entry per manager (or the chosen one), sorted by manager id."""
-        return [DDictManagerStats.from_dict(self._core.channel(m).stats()) for m in self._managers()]
-
-    @property
-    def dstats(self) -> dict[int, DDictManagerStats]:
-        return {s.manager_id: s for s in self.stats}
-
     # -- replication ----------------------------------------------------------------
 
     def clone(self, clone_list: list[str]) -> None:
@@ -917,13 +588,7 @@ class DDict:
         targets need the same number of managers and working-set size.
         """
         self._check()
-        if isinstance(clone_list, str) or not isinstance(clone_list, (list, tuple)):
-            raise TypeError("clone needs a list of serialized DDicts (DDict.serialize())")
-        source = self.serialize()
-        for s in clone_list:
-            target = Layout.deserialize(s)
-            _check_parallel(self._core.layout, target)
-            _pull_into(target, source, range(self.num_managers), self._core._client)
+        replicate.clone(self._core.layout, self.serialize(), clone_list, self._core._client)
 
     def copy(self, name: str = "") -> DDict:
         """A new dictionary (creator: the caller) with this one's options and content.
@@ -934,24 +599,8 @@ class DDict:
         self._check()
         if not self._creator:
             raise DDictError("copy() is for the creator's handle", "INVALID_OPERATION")
-        lay = self._core.layout
-        workers = list(dict.fromkeys(lay.manager_workers))
-        per_worker = {w: lay.manager_workers.count(w) for w in workers}
-        if len(set(per_worker.values())) != 1:
-            raise DDictError(
-                "copy() needs the same number of managers on every worker "
-                f"(this dictionary has {per_worker})",
-                "INVALID_OPERATION",
-            )
-        opts = lay.options
-        new = DDict(
-            next(iter(per_worker.values())), total_mem=lay.total_mem, workers=workers,
-            working_set_size=opts.working_set_size, wait_for_keys=opts.wait_for_keys,
-            wait_for_writers=opts.wait_for_writers, persist_freq=opts.persist_freq,
-            persist_count=opts.persist_count, persist_path=opts.persist_path, name=name,
-            timeout=self._timeout, manager_pool_full_thresh=opts.manager_pool_full_thresh,
-            client=self.client,
-        )  # fmt: skip
+        new = type(self)(name=name, timeout=self._timeout, client=self.client,
+                         **replicate.copy_arguments(self._core.layout))  # fmt: skip
         try:
             self.clone([new.serialize()])
         except BaseException:
@@ -973,93 +622,7 @@ class DDict:
         DDictSyncError
             If a manager id is empty in every dictionary.
         """
-        if isinstance(serialized_ddicts, str) or not isinstance(serialized_ddicts, (list, tuple)):
-            raise TypeError("synchronize_ddicts needs a list of serialized DDicts")
-        layouts = [Layout.deserialize(s) for s in serialized_ddicts]
-        if not layouts:
-            return
-        for lay in layouts[1:]:
-            _check_parallel(layouts[0], lay)
-        for mid in range(layouts[0].num_managers):
-            empty = [i for i, lay in enumerate(layouts) if mid in lay.extra.get("empty_managers", ())]
-            if not empty:
-                continue
-            full = [i for i in range(len(layouts)) if i not in empty]
-            if not full:
-                raise DDictSyncError(
-                    f"manager {mid} is empty in every dictionary: nothing to synchronize from"
-                )
-            for i in empty:
-                _pull_into(layouts[i], serialized_ddicts[full[0]], [mid])
-
-
-def _pull_into(target: Layout, source: str, managers: Any, client: Client | None = None) -> None:
-    """Have ``target``'s managers pull their counterparts' shards from ``source``.
-
-    Only the request goes from here; the data flows manager to manager.
-    """
-    core = _Core(target, client)
-    try:
-        for mid in managers:
-            core.channel(mid).admin("copy_from", source, mid)
-    finally:
-        core.close()
-
-
-def _check_parallel(a: Layout, b: Layout) -> None:
-    """Two dictionaries whose managers correspond one to one."""
-    if a.num_managers != b.num_managers:
-        raise DDictError(
-            f"{b.name!r} has {b.num_managers} managers and {a.name!r} has {a.num_managers}: "
-            "replication copies manager i to manager i, so the counts must match",
-            "INVALID_ARGUMENT",
-        )
-    if a.options.working_set_size != b.options.working_set_size:
-        raise DDictError(
-            f"{b.name!r} has working_set_size={b.options.working_set_size} and {a.name!r} "
-            f"has {a.options.working_set_size}",
-            "INVALID_ARGUMENT",
-        )
-
-
-def create_request(
-    managers_per_worker: int | None,
-    n_workers: int | None,
-    total_mem: int | str | None,
-    *,
-    name: str,
-    timeout: float | None,
-    restart: bool,
-    manager_pool_full_thresh: float | None,
-    workers: list[str] | None,
-    **checkpoint_options: Any,
-) -> dict[str, Any]:
-    """Validate the constructor's arguments into the orchestrator's ``ddict_create`` call.
-
-    Shared by :class:`DDict` and :class:`~dask_ddict.AsyncDDict` so that both
-    reject the same mistakes, with the same messages, before any message is sent.
-    """
-    mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
-    check_int("managers_per_worker", mpw, 1, MAX_MANAGERS)
-    check_int("n_workers", n_workers, 1, MAX_MANAGERS, allow_none=True)
-    if workers is not None and (
-        isinstance(workers, (str, bytes)) or not isinstance(workers, (list, tuple))
-        or not all(isinstance(w, str) for w in workers)
-    ):  # fmt: skip
-        raise TypeError(f"workers must be a list of worker addresses or None, got {workers!r:.80}")
-    mem = parse_total_mem(config.get("total-mem") if total_mem is None else total_mem)
-    check_name(name)
-    check_timeout(timeout)
-    check_bool("restart", restart)
-    if manager_pool_full_thresh is None:
-        manager_pool_full_thresh = config.get("manager-pool-full-thresh")
-    options = DDictOptions(manager_pool_full_thresh=manager_pool_full_thresh, **checkpoint_options)
-    options.validate(name=name, restart=restart)
-    return dict(
-        name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
-        n_workers=n_workers, workers=None if workers is None else list(workers),
-        restart=restart,
-    )  # fmt: skip
+        replicate.synchronize(serialized_ddicts)
 
 
 def initial_checkpoint(h: DDict, request: dict[str, Any]) -> None:

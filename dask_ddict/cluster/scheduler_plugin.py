@@ -30,10 +30,10 @@ from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from . import config
-from .errors import DDictError, raise_from_wire
-from .layout import Layout, ManagerInfo
-from .options import DDictOptions
+from .. import config
+from ..errors import DDictError, raise_from_wire
+from ..layout import Layout, ManagerInfo
+from ..options import DDictOptions
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:

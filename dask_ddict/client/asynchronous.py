@@ -30,10 +30,13 @@ from typing import Any
 
 from distributed import Client
 
-from .arguments import check_timeout
-from .client import _MISSING, DDict, _Core, create_request, initial_checkpoint
-from .layout import Layout
-from .stats import DDictManagerStats
+from ..arguments import check_timeout
+from ..layout import Layout
+from ..stats import DDictManagerStats
+from .core import MISSING as _MISSING
+from .core import _Core
+from .creation import create_request
+from .handle import DDict, initial_checkpoint
 
 
 class AsyncDDict:
@@ -86,7 +89,7 @@ class AsyncDDict:
             restart=restart, manager_pool_full_thresh=manager_pool_full_thresh,
             workers=workers, **checkpoint_options,
         )  # fmt: skip
-        from .orchestrator import DDictSchedulerPlugin
+        from ..cluster.scheduler_plugin import DDictSchedulerPlugin
 
         await client.register_plugin(DDictSchedulerPlugin())
         layout_d = await client.scheduler.ddict_create(**request, client=client.id)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
-from ._hashing import hash_seed
-from .host.supervisor import HostSupervisor
+from .._hashing import hash_seed
+from ..host.supervisor import HostSupervisor
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker

@@ -1,0 +1,94 @@
+"""What every handle of one attached dictionary shares: its channels and its Dask client.
+
+Handles derived from one another (:meth:`DDict.manager`, :meth:`DDict.pickler`)
+share one :class:`_Core`, so that destroying through one closes them all.
+The channels themselves come from :class:`~dask_ddict.transport.connect.Connections`;
+the core adds what only a user-facing handle has: the Dask client for control
+calls, an embedded cluster it may own, and the hash-seed check.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import distributed
+from distributed import Client, LocalCluster
+
+from .. import config
+from .._hashing import seed_warning
+from ..errors import DDictError
+from ..layout import Layout
+from ..transport.connect import Connections, default_security
+
+#: "No argument given" for methods whose ``None`` means something.
+MISSING: Any = object()
+
+
+def current_client() -> Client | None:
+    try:
+        return distributed.get_client()
+    except ValueError:
+        return None
+
+
+def embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:
+    """Start the LocalCluster (worker processes) that ``DDict()`` owns.
+
+    Shards live beside the workers, not in them, so the workers' memory limits
+    share what the host has left after ``total_mem``.
+    """
+    from distributed.deploy.utils import nprocesses_nthreads
+    from distributed.system import MEMORY_LIMIT
+
+    n_workers = config.get("embedded.n-workers")
+    n = n_workers or nprocesses_nthreads()[0]
+    memory_limit = max(256 << 20, (MEMORY_LIMIT - total_mem) // max(1, n))
+    cluster = LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=config.get("embedded.threads-per-worker"),
+        processes=True,
+        dashboard_address=":0",
+        memory_limit=memory_limit,
+    )
+    return Client(cluster, set_as_default=False), cluster
+
+
+class _Core(Connections):
+    """A dictionary's channels, plus the Dask client for control and an owned cluster."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        client: Client | None = None,
+        cluster: LocalCluster | None = None,
+    ) -> None:
+        super().__init__(layout)
+        self._client = client
+        self.cluster = cluster
+        self.seed_checked = False
+
+    def check_hash_seed(self, cls: type) -> None:
+        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks."""
+        self.seed_checked = True
+        text = seed_warning(cls, {m.hash_seed for m in self.layout.managers})
+        if text is not None:
+            warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+    @property
+    def client(self) -> Client:
+        """A Dask client for control operations, found lazily."""
+        if self._client is None:
+            self._client = current_client()
+            if self._client is None:
+                raise DDictError(
+                    "this operation needs a dask Client: pass client= to DDict.attach or "
+                    "create one in this process",
+                    "INVALID_OPERATION",
+                )
+        return self._client
+
+    def security(self) -> Any:
+        # No reference cycle through a stored bound method: the core must be freed as soon
+        # as its last handle is (its finalizer closes channels), not by the cyclic GC.
+        return self._client.security if self._client is not None else default_security()

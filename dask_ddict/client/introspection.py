@@ -1,0 +1,126 @@
+"""What a handle tells about its dictionary: options, locality, statistics.
+
+Read-only properties and the local views, shared by every handle
+(:class:`~dask_ddict.DDict` inherits them); nothing here changes state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import distributed
+from distributed import Client
+
+from ..stats import DDictManagerStats
+from .views import DDictItemsView, DDictKeysView, DDictValuesView
+
+if TYPE_CHECKING:
+    from .core import _Core
+
+
+class Introspection:
+    """Properties of a handle: options, where managers are, which are local, stats."""
+
+    _core: _Core
+    _timeout: float | None
+    _client_id: int
+
+    if TYPE_CHECKING:  # provided by the handle
+
+        def _managers(self) -> list[int]: ...
+        def _length(self, managers: list[int]) -> int: ...
+        def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]: ...
+        def _check(self) -> None: ...
+        def which_manager(self, key: Any) -> int: ...
+        def __contains__(self, key: Any) -> bool: ...
+
+    @property
+    def client(self) -> Client:
+        """The Dask client of this handle (the embedded cluster's, if it owns one)."""
+        return self._core.client
+
+    @property
+    def timeout(self) -> float | None:
+        return self._timeout
+
+    @property
+    def wait_for_keys(self) -> bool:
+        return self._core.layout.options.wait_for_keys
+
+    @property
+    def wait_for_writers(self) -> bool:
+        return self._core.layout.options.wait_for_writers
+
+    @property
+    def working_set_size(self) -> int:
+        return self._core.layout.options.working_set_size
+
+    @property
+    def num_managers(self) -> int:
+        return self._core.layout.num_managers
+
+    @property
+    def manager_workers(self) -> list[str]:
+        """Address of the worker hosting each manager."""
+        return self._core.layout.manager_workers
+
+    @property
+    def local_managers(self) -> list[int]:
+        """Managers on this host."""
+        return [m.manager_id for m in self._core.layout.managers if self._core.is_local(m)]
+
+    @property
+    def local_manager(self) -> int | None:
+        """A manager hosted for this worker (in a task), else one on this host, else ``None``.
+
+        Managers run in a host process beside their worker, not in it; "hosted
+        for" survives worker restarts (it follows the worker's nanny).
+        """
+        try:
+            w = distributed.get_worker()
+        except ValueError:
+            w = None
+        if w is not None:
+            for m in self._core.layout.managers:
+                if m.worker == w.address or (w.nanny and m.supervisor == w.nanny):
+                    return m.manager_id
+        local = self.local_managers
+        return local[0] if local else None
+
+    @property
+    def main_manager(self) -> int:
+        """The local manager if any, else one chosen from this handle's client id."""
+        local = self.local_manager
+        return local if local is not None else self._client_id % self.num_managers
+
+    @property
+    def empty_managers(self) -> list[int]:
+        """Managers that came back empty after a restart (none without restart)."""
+        return list(self._core.layout.extra.get("empty_managers", []))
+
+    def local_keys(self) -> DDictKeysView:
+        return DDictKeysView(self, self._local_ids(), local=True)
+
+    def local_values(self) -> DDictValuesView:
+        return DDictValuesView(self, self._local_ids(), local=True)
+
+    def local_items(self) -> DDictItemsView:
+        return DDictItemsView(self, self._local_ids(), local=True)
+
+    def local_len(self) -> int:
+        return self._length(self._local_ids())
+
+    def _local_ids(self) -> list[int]:
+        self._check()
+        local = set(self.local_managers)
+        return [m for m in self._managers() if m in local]
+
+    @property
+    def stats(self) -> list[DDictManagerStats]:
+        """One entry per manager (or the chosen one), sorted by manager id."""
+        return [DDictManagerStats.from_dict(self._core.channel(m).stats()) for m in self._managers()]
+
+    @property
+    def dstats(self) -> dict[int, DDictManagerStats]:
+        return {s.manager_id: s for s in self.stats}

@@ -1,0 +1,1 @@
+"""The Dask side: the scheduler plugin (orchestrator) and the nanny/worker plugins (host supervisors)."""

@@ -1,0 +1,138 @@
+"""Which checkpoints to persist, and the background thread that writes them.
+
+The policy half of persistence (Dragon's ``persist_freq``/``persist_count``):
+:class:`Persister` decides which retiring checkpoints go to the
+:class:`~dask_ddict.persist.zarr_store.CheckpointStore`, evicts old ones only
+after a new one is committed, and keeps zarr I/O off the manager's write path
+and off the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..errors import DDictError
+from .zarr_store import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+
+class Persister:
+    """Which checkpoints to persist, and a background thread that writes them.
+
+    Parameters
+    ----------
+    store
+        Where checkpoints go.
+    persist_freq, persist_count
+        Dragon's policy: a retiring checkpoint ``k`` is persisted when
+        ``persist_freq > 0``, ``persist_count != 0`` and ``k % persist_freq == 0``;
+        the newest ``persist_count`` are kept (``-1``: all).
+    """
+
+    def __init__(self, store: CheckpointStore, persist_freq: int, persist_count: int) -> None:
+        self.store = store
+        self.persist_freq = persist_freq
+        self.persist_count = persist_count
+        self._ids = store.ids()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Persister {self.store!r} freq={self.persist_freq} count={self.persist_count} "
+            f"persisted={self._ids}>"
+        )
+
+    def wants(self, chkpt: int) -> bool:
+        """Whether retiring checkpoint ``chkpt`` is persisted."""
+        f = self.persist_freq
+        return f > 0 and self.persist_count != 0 and chkpt % f == 0
+
+    def ids(self) -> list[int]:
+        with self._lock:
+            return list(self._ids)
+
+    def submit(self, release: Callable[[], None],
+               jobs: list[tuple[int, Callable[[], Iterable[Any]]]]) -> None:  # fmt: skip
+        """Persist ``jobs`` (``(chkpt, entries)``) in the background, then call ``release``.
+
+        ``entries`` read from a snapshot that ``release`` ends.
+        """
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"ddict-persist-{self.store.manager_id}", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((release, jobs))
+
+    def sync(self) -> None:
+        """Wait until every submitted checkpoint is written; raise the first failure."""
+        self._queue.join()
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise DDictError(f"persisting a checkpoint failed: {err!r}", "INVALID_OPERATION")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
+        """Persist one checkpoint in this thread, then evict the oldest beyond the count.
+
+        :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt``
+        itself, after committing the new one; eviction, too, only follows the
+        commit, so a crash at any point leaves the newest complete copies.
+        """
+        try:
+            self.store.write(chkpt, entries)
+        except BaseException:
+            with self._lock:  # the previous copy of chkpt is intact: ask the store
+                self._ids = self.store.ids()
+            raise
+        with self._lock:
+            ids = sorted({*self._ids, chkpt})
+            self._ids = ids
+        if self.persist_count > 0:
+            doomed = [i for i in ids if i != chkpt][: max(0, len(ids) - self.persist_count)]
+            for i in doomed:
+                self.store.delete(i)
+                self.store.step("rotate")
+                with self._lock:
+                    self._ids = [j for j in self._ids if j != i]
+
+    def discard_above(self, chkpt: int) -> None:
+        """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""
+        with self._lock:
+            doomed = [i for i in self._ids if i > chkpt]
+            self._ids = [i for i in self._ids if i <= chkpt]
+        for i in doomed:
+            self.store.delete(i)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                release, jobs = item
+                try:
+                    for chkpt, entries in jobs:
+                        self.write_now(chkpt, entries)
+                except BaseException as e:
+                    logger.exception("ddict manager %d: persisting failed", self.store.manager_id)
+                    with self._lock:
+                        self._error = self._error or e
+                finally:
+                    release()
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,159 @@
+"""Choosing and caching the channel to each manager of a dictionary.
+
+:class:`Connections` turns a :class:`~dask_ddict.layout.Layout` into one
+channel per manager, picked once per manager:
+
+* same host (same ``/dev/shm``): a :class:`~dask_ddict.transport.shared.SharedChannel`,
+  reading the shard directly and writing through the host's Unix socket
+  (or only the socket, when direct reads are off or not permitted);
+* another host: a :class:`~dask_ddict.transport.links.SocketChannel` over
+  TCP, with TLS when the cluster uses it.
+
+Channels to managers of one host process share one
+:class:`~dask_ddict.transport.links.HostLink`.  Clients use it (through the
+handle's core) and so do host processes, which pull shards from other
+managers for replication; neither needs the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+from .. import config
+from ..errors import DDictClosedError, DDictError, DDictManagerUnavailableError
+from ..layout import Layout, ManagerInfo, host_id
+from .links import HostLink, SocketChannel
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_SECURITY: Any = None
+
+
+def set_default_security(security: Any) -> None:
+    """TLS certificates for processes with neither a client nor a worker (host processes)."""
+    global _DEFAULT_SECURITY
+    _DEFAULT_SECURITY = security
+
+
+def default_security() -> Any:
+    """This process's TLS settings: set by its host process, else its worker's or client's."""
+    import distributed
+
+    if _DEFAULT_SECURITY is not None:
+        return _DEFAULT_SECURITY
+    try:
+        return distributed.get_worker().security
+    except ValueError:
+        pass
+    try:
+        return distributed.get_client().security
+    except ValueError:
+        return distributed.Security()
+
+
+class Connections:
+    """The channels of one attached dictionary, created on first use.
+
+    Parameters
+    ----------
+    layout
+        Where the managers are.
+    """
+
+    layout: Layout
+    closed: bool
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.closed = False
+        self._channels: dict[int, Any] = {}
+        self._links: dict[tuple[str, ...], HostLink] = {}
+        self._lock = threading.Lock()
+        # A handle that is dropped (e.g. at the end of a task) releases its
+        # connections and shard views, also without detach().
+        self._finalizer = weakref.finalize(self, Connections._release, self._channels,
+                                           self._links)  # fmt: skip
+        self._host = host_id()
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.layout.name!r} managers={self.layout.num_managers} "
+                f"closed={self.closed}>")  # fmt: skip
+
+    def security(self) -> Any:
+        """The TLS settings for TCP channels (a handle's core prefers its client's)."""
+        return default_security()
+
+    def is_local(self, info: ManagerInfo) -> bool:
+        """Whether a manager shares this host (and so its /dev/shm)."""
+        return info.host_id == self._host
+
+    def channel(self, mid: int) -> Any:
+        ch = self._channels.get(mid)
+        if ch is not None:
+            return ch
+        with self._lock:
+            if self.closed:
+                raise DDictClosedError("the DDict was destroyed or detached")
+            ch = self._channels.get(mid)
+            if ch is None:
+                ch = self._channels[mid] = self._make_channel(self.layout.managers[mid])
+        return ch
+
+    def _link(self, info: ManagerInfo, use_uds: bool, ssl_context: Any = None) -> HostLink:
+        """The link to ``info``'s host process, shared by all managers it serves."""
+        key = ("uds", info.uds_path) if use_uds else ("tcp", info.tcp_host, str(info.tcp_port))
+        link = self._links.get(key)
+        if link is None:
+            lay = self.layout
+            link = self._links[key] = HostLink(
+                info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context
+            )
+        return link
+
+    def _make_channel(self, info: ManagerInfo) -> Any:
+        if info.lost:
+            raise DDictManagerUnavailableError(
+                f"manager {info.manager_id} of {self.layout.name!r} was lost with its host "
+                f"{info.hostname} ({info.worker})"
+            )
+        if config.get("local-transport") and self.is_local(info) and os.path.exists(info.uds_path):
+            sock = SocketChannel(self._link(info, use_uds=True), info)
+            if config.get("local-read") and os.path.isdir(info.store_path):
+                from .shared import SharedChannel  # lmdb: only where a shard is read directly
+
+                capacity = self.layout.total_mem // self.layout.num_managers
+                try:
+                    return SharedChannel(sock, info.store_path, capacity, self.layout.options,
+                                         bool(config.get("local-write")))  # fmt: skip
+                except Exception as e:  # e.g. no permission: reads go over the socket
+                    logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
+            return sock
+        ssl_context = None
+        if self.layout.tls:
+            ssl_context = self.security().get_connection_args("client")["ssl_context"]
+            if ssl_context is None:
+                raise DDictError(
+                    "the cluster requires TLS but this process has no client certificate "
+                    "(configure distributed.comm.tls or pass a client with security=)",
+                    "INVALID_OPERATION",
+                )
+        return SocketChannel(self._link(info, use_uds=False, ssl_context=ssl_context), info)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        self._finalizer()
+
+    @staticmethod
+    def _release(channels: dict[int, Any], links: dict[tuple[str, ...], HostLink]) -> None:
+        chans, hosts = list(channels.values()), list(links.values())
+        channels.clear()
+        links.clear()
+        for ch in chans:
+            ch.close()
+        for link in hosts:
+            link.close()

@@ -1,0 +1,48 @@
+"""Channel selection (transport/connect.py) and the lifetime of a handle's core."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import dask
+
+from dask_ddict import DDict
+from dask_ddict.transport.connect import Connections
+from dask_ddict.transport.links import SocketChannel
+from dask_ddict.transport.shared import SharedChannel
+
+
+def test_same_host_channels_read_the_shard_unless_told_not_to(ddict):
+    ddict["k"] = 1
+    conns = Connections(ddict._core.layout)
+    try:
+        assert isinstance(conns.channel(0), SharedChannel)
+        assert conns.channel(0) is conns.channel(0)  # created once
+    finally:
+        conns.close()
+    with dask.config.set({"ddict.local-read": False}):
+        conns = Connections(ddict._core.layout)
+        try:
+            ch = conns.channel(ddict.which_manager("k"))
+            assert type(ch) is SocketChannel
+            assert ch.contains(ddict._route("k")[1], 0)
+        finally:
+            conns.close()
+
+
+def test_a_dropped_handle_is_freed_at_once_not_by_the_cyclic_gc(ddict):
+    """Its finalizer closes channels; run from the cyclic GC it could fire anywhere,
+    e.g. inside another channel's open (a deadlock found in a create/destroy soak)."""
+    gc.disable()
+    try:
+        h = DDict.attach(ddict.serialize())
+        h.start_batch_put()
+        h["a"] = 1
+        h.end_batch_put()
+        assert h["a"] == 1
+        core = weakref.ref(h._core)
+        del h
+        assert core() is None
+    finally:
+        gc.enable()

@@ -1,0 +1,110 @@
+"""The Manager alone: a real shard in a temp directory, no cluster, no sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dask_ddict._hashing import key_digest
+from dask_ddict._keys import dumps_key
+from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict.errors import DDictError, DDictKeyError, DDictTimeoutError
+from dask_ddict.persist import CheckpointStore, Persister
+from dask_ddict.shard.manager import Manager
+from dask_ddict.shard.store import ShardStore
+from dask_ddict.shard.working_set import WorkingSet
+
+CLIENT = 7
+
+
+@pytest.fixture
+def manager(tmp_path):
+    store = ShardStore(str(tmp_path / "shard"), 16 << 20)
+    persister = Persister(CheckpointStore(str(tmp_path / "store"), "m", 0, 1), 1, -1)
+    m = Manager(0, store, WorkingSet(store, 2), persister=persister)
+    yield m
+    m.close()
+
+
+def k(key):
+    kb = dumps_key(key)
+    return key_digest(kb), kb
+
+
+def put(m, key, value, chkpt=0, **kw):
+    d, kb = k(key)
+    m.put(d, kb, dumps_value(value).join(), chkpt, CLIENT, **kw)
+
+
+def get(m, key, chkpt=0, timeout=None):
+    return m.get(k(key)[0], chkpt, lambda f: loads_value(bytes(f)), timeout)
+
+
+def test_put_get_pop_len_and_pages(manager):
+    for i in range(5):
+        put(manager, f"k{i}", i)
+    assert get(manager, "k3") == 3 and manager.length(0) == 5
+    assert manager.contains(k("k1")[0], 0)
+    assert loads_value(manager.pop(k("k1")[0], 0, CLIENT)) == 1
+    with pytest.raises(DDictKeyError):
+        get(manager, "k1")
+    items, _, more = manager.page(0, None, True, True, 100, 1 << 20)
+    assert not more and sorted(loads_value(bytes(v)) for _, v in items) == [0, 2, 3, 4]
+
+
+def test_fetch_add_applies_each_request_id_once(manager):
+    d, kb = k("n")
+    assert loads_value(manager.fetch_add(d, kb, 0, CLIENT, 5, rid=11)) == 0
+    again = manager.fetch_add(d, kb, 0, CLIENT, 5, rid=11)  # a retried request
+    assert loads_value(again) == 0 and get(manager, "n") == 5
+    assert loads_value(manager.fetch_add(d, kb, 0, CLIENT, 1, rid=12)) == 5
+    put(manager, "s", "text")
+    with pytest.raises(DDictError, match="int value"):
+        manager.fetch_add(*k("s"), 0, CLIENT, 1)
+
+
+def test_wait_for_wakes_on_a_write_and_times_out(manager):
+    d, _ = k("flag")
+    with pytest.raises(DDictTimeoutError):
+        manager.wait_for(d, 0, dumps_value(1).join(), 0.05)
+    t = threading.Timer(0.1, lambda: put(manager, "flag", 1))
+    t.start()
+    start = time.monotonic()
+    manager.wait_for(d, 0, dumps_value(1).join(), 10)
+    assert time.monotonic() - start < 5
+    t.join()
+
+
+def test_frozen_refuses_writes_and_batches_count(manager):
+    records = [(*k(f"b{i}"), dumps_value(i).join()) for i in range(4)]
+    manager.batch_put(records, 0, CLIENT, batch=99)
+    assert manager.batch_end(CLIENT, 99) == 4 and get(manager, "b3") == 3
+    manager.freeze()
+    with pytest.raises(DDictError, match="frozen"):
+        put(manager, "x", 1)
+    manager.batch_put(records[:1], 0, CLIENT, batch=100)
+    with pytest.raises(DDictError, match="frozen"):
+        manager.batch_end(CLIENT, 100)
+    manager.unfreeze()
+    put(manager, "x", 1)
+    assert get(manager, "x") == 1
+
+
+def test_persist_and_restore_through_the_admin_table(manager):
+    put(manager, "a", "old")
+    manager.admin("persist", 0)
+    manager.admin("sync")
+    put(manager, "a", "new")
+    assert manager.admin("persisted_ids") == [0]
+    assert manager.admin("restore", 0) == 1 and get(manager, "a") == "old"
+    with pytest.raises(DDictError, match="unknown manager call"):
+        manager.admin("close")
+
+
+def test_a_closed_manager_refuses_everything(manager):
+    put(manager, "a", 1)
+    manager.close(destroy=False)
+    with pytest.raises(DDictError):
+        get(manager, "a")

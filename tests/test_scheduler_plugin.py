@@ -1,0 +1,166 @@
+"""The orchestrator's state machine alone, against a fake scheduler and fake supervisors."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin
+from dask_ddict.errors import DDictError, DDictFullError, error_to_wire
+from dask_ddict.layout import Layout
+from dask_ddict.options import DDictOptions
+
+
+class FakeSupervisors:
+    """The control handlers of every nanny: records calls, answers like the real ones."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.gone: set[str] = set()
+        self.full: set[str] = set()
+
+    def rpc(self, address: str) -> Any:
+        sup = self
+
+        class Handlers:
+            def __getattr__(self, op: str) -> Any:
+                async def call(**kwargs: Any) -> Any:
+                    sup.calls.append((op, address, kwargs))
+                    if address in sup.gone:
+                        raise OSError(f"{address} is gone")
+                    return getattr(sup, op)(address, **kwargs)
+
+                return call
+
+        return Handlers()
+
+    def ddict_create_managers(self, address: str, *, manager_ids: list[int], worker: str,
+                              **kw: Any) -> Any:  # fmt: skip
+        if address in self.full:
+            return error_to_wire(DDictFullError("no room on " + address))  # as supervisors do
+        return [{"manager_id": m, "worker": worker, "hostname": "h", "host_id": "h:boot",
+                 "pid": 1, "uds_path": f"/tmp/{address}.sock", "tcp_host": "127.0.0.1",
+                 "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40,
+                 "hash_seed": "6640"} for m in manager_ids]  # fmt: skip
+
+    def ddict_destroy_managers(self, address: str, **kw: Any) -> int:
+        return 1
+
+    def ddict_host_info(self, address: str) -> dict[str, Any]:
+        return {"host_pid": 1}
+
+    def ddict_remove_paths(self, address: str, paths: list[str]) -> int:
+        return len(paths)
+
+
+def worker(address: str, nanny: str) -> Any:
+    """What the plugin reads of a ``WorkerState``."""
+    return SimpleNamespace(address=address, nanny=nanny, host="127.0.0.1", memory_limit=0)
+
+
+def scheduler(n: int = 2) -> Any:
+    sups = FakeSupervisors()
+    workers = {f"tcp://w{i}": worker(f"tcp://w{i}", f"tcp://n{i}") for i in range(n)}
+
+    async def register(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    return SimpleNamespace(
+        handlers={}, workers=workers, address="tcp://s", rpc=sups.rpc, sups=sups,
+        security=SimpleNamespace(require_encryption=False),
+        register_nanny_plugin=register, register_worker_plugin=register,
+    )  # fmt: skip
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def started(n: int = 2) -> tuple[DDictSchedulerPlugin, Any]:
+    s = scheduler(n)
+    plugin = DDictSchedulerPlugin()
+    await plugin.start(s)
+    assert {"ddict_create", "ddict_attach", "ddict_destroy"} <= set(s.handlers)
+    return plugin, s
+
+
+async def create(plugin: DDictSchedulerPlugin, name: str = "d", **kw: Any) -> Layout:
+    opts = DDictOptions(**kw).to_dict()
+    return Layout.from_dict(await plugin.create(name, opts, 64 << 20, 2))
+
+
+def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
+    async def main() -> None:
+        plugin, s = await started()
+        lay = await create(plugin)
+        assert [m.manager_id for m in lay.managers] == [0, 1, 2, 3]
+        assert [m.supervisor for m in lay.managers] == ["tcp://n0"] * 2 + ["tcp://n1"] * 2
+        assert {m.hash_seed for m in lay.managers} == {"6640"}
+        assert plugin.attach("d")["uid"] == lay.uid
+        with pytest.raises(DDictError, match="already exists"):
+            await create(plugin)
+        anonymous = await plugin.create("", DDictOptions().to_dict(), 64 << 20, 1)
+        assert anonymous["name"] and anonymous["name"] != "d"
+
+    run(main())
+
+
+def test_a_failed_creation_undoes_itself():
+    async def main() -> None:
+        plugin, s = await started()
+        s.sups.full.add("tcp://n1")
+        with pytest.raises(DDictFullError, match="no room"):
+            await create(plugin)
+        undone = {a for op, a, _ in s.sups.calls if op == "ddict_destroy_managers"}
+        assert undone == {"tcp://n0", "tcp://n1"} and plugin.list() == []
+
+    run(main())
+
+
+def test_a_worker_restarted_by_its_nanny_loses_nothing():
+    async def main() -> None:
+        plugin, s = await started()
+        lay = await create(plugin)
+        await plugin.remove_worker(s, "tcp://w0", stimulus_id="x")
+        assert not any(m.lost for m in Layout.from_dict(plugin.attach("d")).managers)
+        s.workers["tcp://w9"] = worker("tcp://w9", "tcp://n0")
+        plugin.add_worker(s, "tcp://w9")  # the same nanny's new worker
+        now = Layout.from_dict(plugin.attach("d"))
+        assert [m.worker for m in now.managers[:2]] == ["tcp://w9"] * 2
+        assert now.epoch == lay.epoch + 1
+
+    run(main())
+
+
+def test_a_host_gone_with_its_nanny_marks_its_managers_lost_once():
+    async def main() -> None:
+        plugin, s = await started()
+        await create(plugin)
+        s.sups.gone.add("tcp://n1")
+        await plugin.remove_worker(s, "tcp://w1", stimulus_id="x")
+        lay = Layout.from_dict(plugin.attach("d"))
+        assert [m.lost for m in lay.managers] == [False, False, True, True]
+        probes = [c for c in s.sups.calls if c[0] == "ddict_host_info"]
+        await plugin.remove_worker(s, "tcp://w1", stimulus_id="y")  # remembered: no new probe
+        assert len([c for c in s.sups.calls if c[0] == "ddict_host_info"]) == len(probes)
+        hosting = plugin.valid_workers_downscaling(s, list(s.workers.values()))
+        assert [w.address for w in hosting] == ["tcp://w1"]  # w0 still hosts managers
+
+    run(main())
+
+
+def test_destroy_and_keep_for_restart():
+    async def main() -> None:
+        plugin, s = await started()
+        lay = await create(plugin)
+        assert not await plugin.destroy("d", "wrong-uid")
+        assert await plugin.destroy("d", lay.uid, allow_restart=True)
+        assert plugin.list() == [] and plugin.list_kept() == ["d"]
+        assert not await plugin.destroy("d", lay.uid)  # already gone: idempotent
+        with pytest.raises(DDictError, match="no DDict named 'd'"):
+            plugin.attach("d")
+
+    run(main())
