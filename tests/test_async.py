@@ -140,3 +140,24 @@ def test_async_persistence_and_restart(cluster, tmp_path):
         await again.destroy()
 
     run(cluster, body)
+
+
+def test_the_async_face_covers_every_operation_of_the_sync_handle():
+    """The twin is generated from one table: every public DDict operation has its
+    AsyncDDict counterpart (a coroutine where it talks to a manager)."""
+    import inspect
+
+    from dask_ddict import DDict
+    from dask_ddict.client.asynchronous import _AWAITABLE, _PASSTHROUGH
+
+    operators = {"__setitem__": "put", "__getitem__": "__getitem__", "__contains__": "contains",
+                 "__delitem__": "delete", "__len__": "length", "__iter__": "__aiter__",
+                 "__enter__": "__aenter__", "__exit__": "__aexit__"}  # fmt: skip
+    public = {n for n in dir(DDict) if not n.startswith("_")} | set(operators)
+    # class-level, or returning a new synchronous creator's handle, or the client itself:
+    sync_only = {"attach", "synchronize_ddicts", "copy", "client", "popitem"}
+    for name in sorted(public - sync_only):
+        twin = operators.get(name, name)
+        assert hasattr(AsyncDDict, twin) or twin in _PASSTHROUGH, name
+    for name in _AWAITABLE:
+        assert inspect.iscoroutinefunction(getattr(AsyncDDict, name)), name

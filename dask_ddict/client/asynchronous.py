@@ -25,15 +25,13 @@ which is what makes it fast), and the async twin is thin:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from distributed import Client
 
 from ..arguments import check_timeout
 from ..layout import Layout
-from ..stats import DDictManagerStats
-from .core import MISSING as _MISSING
 from .core import _Core
 from .creation import create_request
 from .handle import DDict, initial_checkpoint
@@ -115,8 +113,9 @@ class AsyncDDict:
     def __repr__(self) -> str:
         return "<Async" + repr(self._d)[1:]
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
+    def __getitem__(self, key: Any) -> Any:
+        """``await ad[key]``."""
+        return asyncio.to_thread(self._d.__getitem__, key)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -149,81 +148,10 @@ class AsyncDDict:
         else:
             self.detach()
 
-    # -- the dict protocol ----------------------------------------------------------
-
-    async def put(self, key: Any, value: Any) -> None:
-        """``d[key] = value``."""
-        await self._run(self._d.__setitem__, key, value)
-
-    async def pput(self, key: Any, value: Any) -> None:
-        await self._run(self._d.pput, key, value)
-
-    def __getitem__(self, key: Any) -> Any:
-        """``await ad[key]``: the value, or ``DDictKeyError``."""
-        return self._run(self._d.__getitem__, key)
-
-    async def get(self, key: Any, default: Any = None) -> Any:
-        return await self._run(self._d.get, key, default)
-
-    async def contains(self, key: Any) -> bool:
-        return await self._run(self._d.__contains__, key)
-
-    async def pop(self, key: Any, default: Any = _MISSING) -> Any:
-        return await self._run(self._d.pop, key, default)
-
-    async def delete(self, key: Any) -> None:
-        """``del d[key]``."""
-        await self._run(self._d.__delitem__, key)
-
-    async def length(self) -> int:
-        """``len(d)`` at this handle's checkpoint."""
-        return await self._run(self._d.__len__)
-
-    async def clear(self) -> None:
-        await self._run(self._d.clear)
-
-    async def update(self, other: Mapping[Any, Any] | Any = (), **kwargs: Any) -> None:
-        await self._run(lambda: self._d.update(other, **kwargs))
-
-    async def fetch_add(self, key: Any, n: int = 1) -> int:
-        return await self._run(self._d.fetch_add, key, n)
-
-    async def wait_for(self, key: Any, value: Any, timeout: float | None = _MISSING) -> None:
-        await self._run(self._d.wait_for, key, value, timeout)
+    # -- what sends no message: plain methods ----------------------------------------------
 
     def which_manager(self, key: Any) -> int:
         return self._d.which_manager(key)
-
-    async def keys(self) -> list[Any]:
-        return await self._run(lambda: list(self._d.keys()))
-
-    async def values(self) -> list[Any]:
-        return await self._run(lambda: list(self._d.values()))
-
-    async def items(self) -> list[tuple[Any, Any]]:
-        return await self._run(lambda: list(self._d.items()))
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        """``async for k in ad``: keys streamed page by page (one thread hop per page)."""
-        it = iter(self._d.keys())
-        page = 256
-
-        def chunk() -> list[Any]:
-            out = []
-            for k in it:
-                out.append(k)
-                if len(out) == page:
-                    break
-            return out
-
-        while True:
-            keys = await self._run(chunk)
-            for k in keys:
-                yield k
-            if len(keys) < page:
-                return
-
-    # -- checkpoints (no messages, except sync_to_newest_checkpoint) -------------------
 
     @property
     def checkpoint_id(self) -> int:
@@ -239,50 +167,8 @@ class AsyncDDict:
     def rollback(self) -> None:
         self._d.rollback()
 
-    async def sync_to_newest_checkpoint(self) -> None:
-        await self._run(self._d.sync_to_newest_checkpoint)
-
-    # -- persistence -------------------------------------------------------------------
-
-    async def persist(self) -> None:
-        await self._run(self._d.persist)
-
-    async def persisted_ids(self) -> list[int]:
-        return await self._run(self._d.persisted_ids)
-
-    async def sync(self) -> None:
-        await self._run(self._d.sync)
-
-    async def restore(self, chkpt: int) -> None:
-        await self._run(self._d.restore, chkpt)
-
-    async def advance(self) -> int:
-        return await self._run(self._d.advance)
-
-    # -- batch, broadcast, freeze --------------------------------------------------------
-
     def start_batch_put(self, persist: bool = False) -> None:
         self._d.start_batch_put(persist)
-
-    async def end_batch_put(self) -> None:
-        await self._run(self._d.end_batch_put)
-
-    async def bput(self, key: Any, value: Any) -> None:
-        await self._run(self._d.bput, key, value)
-
-    async def bget(self, key: Any) -> Any:
-        return await self._run(self._d.bget, key)
-
-    async def freeze(self) -> None:
-        await self._run(self._d.freeze)
-
-    async def unfreeze(self) -> None:
-        await self._run(self._d.unfreeze)
-
-    async def is_frozen(self) -> bool:
-        return await self._run(lambda: self._d.is_frozen)
-
-    # -- handles, locality, introspection ----------------------------------------------
 
     def manager(self, manager_id: int) -> AsyncDDict:
         return AsyncDDict(self._d.manager(manager_id), self._client)
@@ -290,11 +176,25 @@ class AsyncDDict:
     def pickler(self, key_pickler: Any = None, value_pickler: Any = None) -> AsyncDDict:
         return AsyncDDict(self._d.pickler(key_pickler, value_pickler), self._client)
 
-    async def stats(self) -> list[DDictManagerStats]:
-        return await self._run(lambda: self._d.stats)
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        """``async for k in ad``: keys streamed page by page (one thread hop per page)."""
+        it = iter(self._d.keys())
+        page = 256
 
-    async def dstats(self) -> dict[int, DDictManagerStats]:
-        return await self._run(lambda: self._d.dstats)
+        def chunk() -> list[Any]:
+            out = []
+            for k in it:
+                out.append(k)
+                if len(out) == page:
+                    break
+            return out
+
+        while True:
+            keys = await asyncio.to_thread(chunk)
+            for k in keys:
+                yield k
+            if len(keys) < page:
+                return
 
     def __getattr__(self, name: str) -> Any:
         # Plain properties that send no message (num_managers, manager_workers,
@@ -303,6 +203,40 @@ class AsyncDDict:
             return getattr(self._d, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+
+def _coroutine(name: str, call: Any) -> Any:
+    """``async def name(self, ...)``: ``call(sync_handle, ...)`` in a worker thread."""
+
+    async def method(self: AsyncDDict, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(call, self._d, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Awaitable :meth:`DDict.{name}` (run in a worker thread)."
+    return method
+
+
+#: The async face, declared once: every operation that talks to a manager, as the
+#: synchronous handle does it.  ``put``/``length``/... are the names of what ``DDict``
+#: spells with operators (``d[k] = v``, ``len(d)``, ...); views come back as lists.
+_AWAITABLE: dict[str, Any] = {
+    "put": DDict.__setitem__, "pput": DDict.pput, "get": DDict.get,
+    "contains": DDict.__contains__, "pop": DDict.pop, "delete": DDict.__delitem__,
+    "length": DDict.__len__, "clear": DDict.clear, "update": DDict.update,
+    "fetch_add": DDict.fetch_add, "wait_for": DDict.wait_for,
+    "keys": lambda d: list(d.keys()), "values": lambda d: list(d.values()),
+    "items": lambda d: list(d.items()),
+    "sync_to_newest_checkpoint": DDict.sync_to_newest_checkpoint, "persist": DDict.persist,
+    "persisted_ids": DDict.persisted_ids, "sync": DDict.sync, "restore": DDict.restore,
+    "advance": DDict.advance, "end_batch_put": DDict.end_batch_put, "bput": DDict.bput,
+    "bget": DDict.bget, "freeze": DDict.freeze, "unfreeze": DDict.unfreeze,
+    "is_frozen": lambda d: d.is_frozen, "stats": lambda d: d.stats,
+    "dstats": lambda d: d.dstats, "local_keys": lambda d: list(d.local_keys()),
+    "local_values": lambda d: list(d.local_values()),
+    "local_items": lambda d: list(d.local_items()), "local_len": DDict.local_len,
+    "clone": DDict.clone,
+}  # fmt: skip
+for _name, _call in _AWAITABLE.items():
+    setattr(AsyncDDict, _name, _coroutine(_name, _call))
 
 _PASSTHROUGH = frozenset(
     {
