@@ -44,6 +44,8 @@ from .errors import DDictSerializationError
 KEY_ENCODING = 2
 
 _ATOMS = frozenset({str, bytes, int, float, bool, type(None)})
+#: Key types that are encoded as plain pickles and never placed by a user ``__hash__``.
+PLAIN_KEYS = _ATOMS | {tuple}
 _NAMED = (type, types.FunctionType)
 _MAIN: dict[str, Any] = {}  # __main__ objects this process encoded, by qualname
 

@@ -10,6 +10,7 @@ import dask
 from dask_ddict import DDict
 from dask_ddict.transport.connect import Connections
 from dask_ddict.transport.links import SocketChannel
+from dask_ddict.transport.ops import Contains
 from dask_ddict.transport.shared import SharedChannel
 
 
@@ -26,7 +27,7 @@ def test_same_host_channels_read_the_shard_unless_told_not_to(ddict):
         try:
             ch = conns.channel(ddict.which_manager("k"))
             assert type(ch) is SocketChannel
-            assert ch.contains(ddict._route("k")[1], 0)
+            assert ch.call(Contains(ddict._route("k")[1], 0))
         finally:
             conns.close()
 

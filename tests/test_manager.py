@@ -92,15 +92,13 @@ def test_frozen_refuses_writes_and_batches_count(manager):
     assert get(manager, "x") == 1
 
 
-def test_persist_and_restore_through_the_admin_table(manager):
+def test_persist_and_restore(manager):
     put(manager, "a", "old")
-    manager.admin("persist", 0)
-    manager.admin("sync")
+    manager.persist(0)
+    manager.sync()
     put(manager, "a", "new")
-    assert manager.admin("persisted_ids") == [0]
-    assert manager.admin("restore", 0) == 1 and get(manager, "a") == "old"
-    with pytest.raises(DDictError, match="unknown manager call"):
-        manager.admin("close")
+    assert manager.persisted_ids() == [0]
+    assert manager.restore(0) == 1 and get(manager, "a") == "old"
 
 
 def test_a_closed_manager_refuses_everything(manager):

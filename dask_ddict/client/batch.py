@@ -16,6 +16,7 @@ from typing import Any
 from .. import config
 from .._serialize import Framed
 from ..errors import DDictError
+from ..transport import ops
 
 
 class BatchPut:
@@ -61,8 +62,8 @@ class BatchPut:
             return
         self.sent[mid] = self.sent.get(mid, 0) + len(records)
         try:
-            self._channel(mid).batch_put(records, self._chkpt, self._client_id, self.persist,
-                                         self.id)  # fmt: skip
+            self._channel(mid).call(ops.BatchPut(records, self._chkpt, self._client_id,
+                                                 self.persist, self.id))  # fmt: skip
         except DDictError as e:
             self.error = self.error or e
 
@@ -72,7 +73,7 @@ class BatchPut:
             self.flush(mid)
         for mid in sorted(self.sent):
             try:
-                stored = self._channel(mid).batch_end(self._client_id, self.id)
+                stored = self._channel(mid).call(ops.BatchEnd(self._client_id, self.id))
             except DDictError as e:
                 self.error = self.error or e
                 continue

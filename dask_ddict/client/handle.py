@@ -24,7 +24,7 @@ from distributed import Client
 
 from .. import config
 from .._hashing import custom_placement, key_digest, manager_for_digest
-from .._keys import dumps_key, loads_key
+from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import check_bool, check_client, check_int, check_timeout
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictPersistCheckpointError
@@ -33,6 +33,26 @@ from . import replicate
 from .batch import BatchPut
 from .core import MISSING, _Core, current_client, embedded_client
 from .creation import create_request
+from ..transport.ops import (
+    Advance,
+    Clear,
+    Contains,
+    FetchAdd,
+    Freeze,
+    Get,
+    Length,
+    Newest,
+    Operation,
+    Persist,
+    PersistedIds,
+    Pop,
+    Put,
+    Restore,
+    Stats,
+    Sync,
+    Unfreeze,
+    WaitFor,
+)
 from .introspection import Introspection
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 
@@ -252,17 +272,21 @@ class DDict(Introspection):
             raise DDictClosedError(f"DDict {self._core.layout.name!r} was destroyed or detached")
 
     def _route(self, key: Any) -> tuple[int, bytes, bytes]:
-        self._check()
+        core = self._core
+        if core.closed or self._detached:
+            self._check()
         kb = dumps_key(key, self._kp)
         digest = key_digest(kb)
         if self._target is not None:
             return self._target, digest, kb
-        n = self._core.layout.num_managers
+        n = core.num_managers
+        if type(key) in PLAIN_KEYS:  # the common case: no user __hash__ to consult
+            return manager_for_digest(digest, n), digest, kb
         mid = custom_placement(key, n)
         if mid is None:
             return manager_for_digest(digest, n), digest, kb
-        if not self._core.seed_checked:
-            self._core.check_hash_seed(type(key))
+        if not core.seed_checked:
+            core.check_hash_seed(type(key))
         return mid, digest, kb
 
     def _managers(self) -> list[int]:
@@ -289,8 +313,8 @@ class DDict(Introspection):
                 )
             self._batch.add(mid, digest, kb, framed, self._chkpt)
             return
-        self._core.channel(mid).put(
-            digest, kb, framed, self._chkpt, self._client_id, persistent, self._timeout
+        self._core.channel(mid).call(
+            Put(digest, kb, framed, self._chkpt, self._client_id, persistent, self._timeout)
         )
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -303,7 +327,7 @@ class DDict(Introspection):
     def __getitem__(self, key: Any) -> Any:
         mid, digest, _ = self._route(key)
         try:
-            frame = self._core.channel(mid).get(digest, self._chkpt, self._timeout)
+            frame = self._core.channel(mid).call(Get(digest, self._chkpt, self._timeout))
         except DDictKeyError:
             raise DDictKeyError(key) from None
         return loads_value(frame, self._vp)
@@ -316,13 +340,15 @@ class DDict(Introspection):
 
     def __contains__(self, key: Any) -> bool:
         mid, digest, _ = self._route(key)
-        return self._core.channel(mid).contains(digest, self._chkpt)
+        return self._core.channel(mid).call(Contains(digest, self._chkpt))
 
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
         """Remove ``key`` and return its value (``default`` if absent and given)."""
         mid, digest, _ = self._route(key)
         try:
-            frame = self._core.channel(mid).pop(digest, self._chkpt, self._client_id, self._timeout)
+            frame = self._core.channel(mid).call(
+                Pop(digest, self._chkpt, self._client_id, self._timeout)
+            )
         except DDictKeyError:
             if default is not _MISSING:
                 return default
@@ -334,7 +360,7 @@ class DDict(Introspection):
 
     def _length(self, managers: list[int]) -> int:
         """Keys visible at this handle's checkpoint on ``managers``."""
-        return sum(self._core.channel(m).length(self._chkpt) for m in managers)
+        return sum(self._core.channel(m).call(Length(self._chkpt)) for m in managers)
 
     def __len__(self) -> int:
         return self._length(self._managers())
@@ -342,7 +368,7 @@ class DDict(Introspection):
     def clear(self) -> None:
         """Empty the client's current checkpoint on every manager (or the chosen one)."""
         for m in self._managers():
-            self._core.channel(m).clear(self._chkpt, self._client_id, self._timeout)
+            self._core.channel(m).call(Clear(self._chkpt, self._client_id, self._timeout))
 
     def keys(self) -> DDictKeysView:
         return DDictKeysView(self, self._managers())
@@ -378,8 +404,8 @@ class DDict(Introspection):
         """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
         check_int("n", n)
         mid, digest, kb = self._route(key)
-        frame = self._core.channel(mid).fetch_add(
-            digest, kb, self._chkpt, self._client_id, n, self._timeout
+        frame = self._core.channel(mid).call(
+            FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)
         )
         return loads_value(frame)
 
@@ -388,7 +414,7 @@ class DDict(Introspection):
         timeout = self._timeout if timeout is _MISSING else check_timeout(timeout)
         mid, digest, _ = self._route(key)
         frame = dumps_value(value, self._vp).join()
-        self._core.channel(mid).wait_for(digest, self._chkpt, frame, timeout)
+        self._core.channel(mid).call(WaitFor(digest, self._chkpt, frame, timeout))
 
     def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]:
         page = config.get("iteration.page-items")
@@ -426,13 +452,13 @@ class DDict(Introspection):
 
     def sync_to_newest_checkpoint(self) -> None:
         """Move to the newest checkpoint any manager (or the chosen one) holds."""
-        self._chkpt = max(self._core.channel(m).newest_checkpoint() for m in self._managers())
+        self._chkpt = max(self._core.channel(m).call(Newest()) for m in self._managers())
 
     # -- persistence ---------------------------------------------------------------
 
-    def _admin(self, name: str, *args: Any) -> list[Any]:
-        """Call a manager control method on every manager (or the chosen one)."""
-        return [self._core.channel(m).admin(name, *args) for m in self._managers()]
+    def _each(self, o: Operation) -> list[Any]:
+        """Send ``o`` to every manager (or the chosen one); their results."""
+        return [self._core.channel(m).call(o) for m in self._managers()]
 
     def persist(self) -> None:
         """Persist this handle's current checkpoint to ``persist_path`` now.
@@ -441,16 +467,16 @@ class DDict(Introspection):
         whatever ``persist_freq`` and ``persist_count`` say.
         """
         self._no_batch("persist()")
-        self._admin("persist", self._chkpt)
+        self._each(Persist(self._chkpt))
 
     def persisted_ids(self) -> list[int]:
         """Checkpoint ids persisted (and committed) on every manager, ascending."""
-        sets = [set(ids) for ids in self._admin("persisted_ids")]
+        sets = [set(ids) for ids in self._each(PersistedIds())]
         return sorted(set.intersection(*sets)) if sets else []
 
     def sync(self) -> None:
         """Wait until background persistence is done on every manager."""
-        self._admin("sync")
+        self._each(Sync())
 
     def restore(self, chkpt: int) -> None:
         """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.
@@ -472,7 +498,7 @@ class DDict(Introspection):
             raise DDictPersistCheckpointError(
                 f"checkpoint {chkpt} is not persisted on every manager (persisted: {ids})"
             )
-        self._admin("restore", chkpt)
+        self._each(Restore(chkpt))
         self._chkpt = chkpt
 
     def advance(self) -> int:
@@ -480,7 +506,7 @@ class DDict(Introspection):
 
         Returns the new checkpoint id (this handle moves to it).
         """
-        new = self._admin("advance")
+        new = self._each(Advance())
         self._chkpt = max(new)
         return self._chkpt
 
@@ -513,8 +539,8 @@ class DDict(Introspection):
             if self._batch is not None:
                 self._batch.add(mid, digest, kb, framed, self._chkpt)
             else:
-                self._core.channel(mid).put(
-                    digest, kb, framed, self._chkpt, self._client_id, False, self._timeout
+                self._core.channel(mid).call(
+                    Put(digest, kb, framed, self._chkpt, self._client_id, False, self._timeout)
                 )
 
     def bget(self, key: Any) -> Any:
@@ -523,7 +549,7 @@ class DDict(Introspection):
         kb = dumps_key(key, self._kp)
         mid = self._target if self._target is not None else self.main_manager
         try:
-            frame = self._core.channel(mid).get(key_digest(kb), self._chkpt, self._timeout)
+            frame = self._core.channel(mid).call(Get(key_digest(kb), self._chkpt, self._timeout))
         except DDictKeyError:
             raise DDictKeyError(key) from None
         return loads_value(frame, self._vp)
@@ -531,15 +557,15 @@ class DDict(Introspection):
     def freeze(self) -> None:
         """Make every manager read-only: writes raise ``DDictError`` (INVALID_OPERATION)."""
         for m in self._managers():
-            self._core.channel(m).freeze()
+            self._core.channel(m).call(Freeze())
 
     def unfreeze(self) -> None:
         for m in self._managers():
-            self._core.channel(m).unfreeze()
+            self._core.channel(m).call(Unfreeze())
 
     @property
     def is_frozen(self) -> bool:
-        return all(self._core.channel(m).stats()["frozen"] for m in self._managers())
+        return all(self._core.channel(m).call(Stats())["frozen"] for m in self._managers())
 
     # -- handles, locality, introspection --------------------------------------------
 

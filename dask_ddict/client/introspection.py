@@ -13,6 +13,7 @@ import distributed
 from distributed import Client
 
 from ..stats import DDictManagerStats
+from ..transport.ops import Stats
 from .views import DDictItemsView, DDictKeysView, DDictValuesView
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class Introspection:
     @property
     def stats(self) -> list[DDictManagerStats]:
         """One entry per manager (or the chosen one), sorted by manager id."""
-        return [DDictManagerStats.from_dict(self._core.channel(m).stats()) for m in self._managers()]
+        return [DDictManagerStats.from_dict(self._core.channel(m).call(Stats())) for m in self._managers()]
 
     @property
     def dstats(self) -> dict[int, DDictManagerStats]:

@@ -15,6 +15,7 @@ from distributed import Client
 
 from ..errors import DDictError, DDictSyncError
 from ..layout import Layout
+from ..transport.ops import CopyFrom
 from .core import _Core
 
 
@@ -74,7 +75,7 @@ def _pull_into(target: Layout, source: str, managers: Any, client: Client | None
     core = _Core(target, client)
     try:
         for mid in managers:
-            core.channel(mid).admin("copy_from", source, mid)
+            core.channel(mid).call(CopyFrom(source, mid))
     finally:
         core.close()
 

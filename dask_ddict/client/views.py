@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from ..transport.ops import Page
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
 
 
@@ -27,7 +28,7 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator
     """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page."""
     after = None
     while True:
-        items, last, more = channel.page(chkpt, after, want, page_items)
+        items, last, more = channel.call(Page(chkpt, after, want, page_items))
         yield from items
         if not more:
             return

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..layout import Layout
 from ..transport.connect import Connections
+from ..transport.ops import DumpPage
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
@@ -35,7 +36,7 @@ def pull_shard(target: Manager, source: str, manager_id: int) -> int:
         def pages() -> Iterator[tuple[list[tuple[bytes, bytes]], dict[str, Any]]]:
             token, after, more = None, None, True
             while more:
-                records, more, state, token = channel.admin("dump_page", token, after)
+                records, more, state, token = channel.call(DumpPage(token, after))
                 if records:
                     after = records[-1][0]
                 yield records, state

@@ -16,7 +16,8 @@ A connection is bound to one dictionary by its handshake (``HELLO``); on TCP
 the peer then proves that it knows the dictionary's secret (HMAC over a
 nonce), optionally inside TLS with the cluster's certificates.  Unix-socket
 peers are checked with ``SO_PEERCRED``.  Each request names its manager, and
-:data:`HANDLERS` maps each operation to the manager call that serves it.
+:data:`~dask_ddict.transport.ops.HANDLERS` maps each operation to the manager
+call that serves it (each operation is declared once, in :mod:`~dask_ddict.transport.ops`).
 """
 
 from __future__ import annotations
@@ -27,29 +28,24 @@ import hashlib
 import hmac
 import logging
 import os
-import pickle
 import secrets
 import socket
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from .._serialize import Scratch
 from ..errors import DDictClosedError, DDictError, DDictManagerUnavailableError, status_of
+from ..transport.ops import HANDLERS, Page, Reply, Request
 from ..transport.protocol import (
     AUTH_NONCE,
     FLAG_NOREPLY,
-    FLAG_PERSIST,
     HELLO,
     HELLO_MAGIC,
-    RECORD,
     REP,
     REQ,
-    WANT_KEYS,
-    WANT_VALUES,
     Hello,
     Op,
     Reader,
@@ -81,83 +77,6 @@ class HostedDict:
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
-
-
-class Request(NamedTuple):
-    """One decoded request (``value`` is a view valid until the next request)."""
-
-    op: int
-    flags: int
-    manager: int
-    chkpt: int
-    arg: int
-    client: int
-    timeout: float | None
-    digest: bytes
-    key: bytes
-    value: Any
-    rid: int
-
-
-Reply = Callable[..., None]
-
-
-# -- the operation table: one handler per operation -----------------------------------
-
-
-def _get(m: Manager, r: Request, reply: Reply) -> None:
-    m.get(r.digest, r.chkpt, lambda frame: reply(0, frame), r.timeout)
-
-
-def _put(m: Manager, r: Request, reply: Reply) -> None:
-    m.put(r.digest, r.key, r.value, r.chkpt, r.client,
-          persistent=bool(r.flags & FLAG_PERSIST), timeout=r.timeout)  # fmt: skip
-    reply()
-
-
-def _page(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> None:
-    want = r.arg & 0xFF
-    items, last, more = m.page(r.chkpt, r.digest or None, bool(want & WANT_KEYS),
-                               bool(want & WANT_VALUES), max(1, r.arg >> 8), page_bytes)  # fmt: skip
-    parts: list[Any] = [last or bytes(16)]
-    for k, v in items:
-        parts += [RECORD.pack(len(k or b""), len(v or b"")), k or b"", v or b""]
-    reply(int(more), b"".join(parts))
-
-
-def _batch_put(m: Manager, r: Request, reply: Reply) -> None:
-    m.batch_put(list(iter_records(r.value)), r.chkpt, r.client,
-                persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
-    if not r.flags & FLAG_NOREPLY:
-        reply()
-
-
-def _admin(m: Manager, r: Request, reply: Reply) -> None:
-    name = (r.digest + r.key).decode()  # the whole key section names the call
-    reply(0, pickle.dumps(m.admin(name, *pickle.loads(r.value))))
-
-
-HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
-    Op.GET: _get,
-    Op.PUT: _put,
-    Op.CONTAINS: lambda m, r, reply: reply(int(m.contains(r.digest, r.chkpt))),
-    Op.POP: lambda m, r, reply: reply(0, m.pop(r.digest, r.chkpt, r.client, r.timeout, r.rid)),
-    Op.LEN: lambda m, r, reply: reply(m.length(r.chkpt)),
-    Op.CLEAR: lambda m, r, reply: reply(m.clear(r.chkpt, r.client, r.timeout) or 0),
-    Op.PAGE: _page,
-    Op.FETCH_ADD: lambda m, r, reply: reply(
-        0, m.fetch_add(r.digest, r.key, r.chkpt, r.client, r.arg, r.timeout, r.rid)
-    ),
-    Op.WAIT_FOR: lambda m, r, reply: reply(m.wait_for(r.digest, r.chkpt, r.value, r.timeout) or 0),
-    Op.BATCH_PUT: _batch_put,
-    Op.BATCH_END: lambda m, r, reply: reply(m.batch_end(r.client, r.arg)),
-    Op.STATS: lambda m, r, reply: reply(0, pickle.dumps(m.stats())),
-    Op.NEWEST: lambda m, r, reply: reply(m.newest_checkpoint()),
-    Op.FREEZE: lambda m, r, reply: reply(m.freeze() or 0),
-    Op.UNFREEZE: lambda m, r, reply: reply(m.unfreeze() or 0),
-    Op.PING: lambda m, r, reply: reply(os.getpid()),
-    Op.ADMIN: _admin,
-}
 
 
 class HostServer:
@@ -193,7 +112,7 @@ class HostServer:
         self.closed_dicts = closed
         self._uds, self._tcp = uds, tcp
         self._ssl = ssl_context
-        self.handlers = {**HANDLERS, Op.PAGE: functools.partial(_page, page_bytes=page_bytes)}
+        self.handlers = {**HANDLERS, Op.PAGE: functools.partial(Page.serve, page_bytes=page_bytes)}
         self._scratch_keep = scratch_keep
         self._closed = False
         self._conns: set[socket.socket] = set()
@@ -343,16 +262,3 @@ class HostServer:
                 s.close()
             except OSError:
                 pass
-
-
-def iter_records(data: Any) -> Any:
-    """Decode ``[RECORD][digest+key][frame]...`` batch records."""
-    mv = memoryview(data)
-    off, n = 0, mv.nbytes
-    while off < n:
-        klen, vlen = RECORD.unpack_from(mv, off)
-        off += RECORD.size
-        keysec = bytes(mv[off : off + klen])
-        off += klen
-        yield keysec[:16], keysec[16:], mv[off : off + vlen]
-        off += vlen

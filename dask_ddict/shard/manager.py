@@ -367,12 +367,6 @@ class Manager:
             raise DDictError("this manager cannot replicate (no puller)", "INVALID_OPERATION")
         return self.pull_shard(self, source, manager_id)
 
-    def admin(self, name: str, *args: Any) -> Any:
-        """Rare control calls that come over the key path (one wire op for all)."""
-        if name not in _ADMIN:
-            raise DDictError(f"unknown manager call {name!r}", "INVALID_ARGUMENT")
-        return getattr(self, name)(*args)
-
     # -- at-most-once requests --------------------------------------------------
 
     def _once(self, txn: lmdb.Transaction, rid: int,
@@ -674,7 +668,3 @@ class Manager:
         else:
             self.store.close()
 
-
-_ADMIN = frozenset(
-    {"persist", "persisted_ids", "sync", "restore", "advance", "dump_page", "copy_from"}
-)

@@ -69,6 +69,7 @@ class Connections:
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
+        self.num_managers = layout.num_managers
         self.closed = False
         self._channels: dict[int, Any] = {}
         self._links: dict[tuple[str, ...], HostLink] = {}

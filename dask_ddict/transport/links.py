@@ -6,16 +6,18 @@ blocking connection per thread (tasks of one worker run in several threads)
 and uses it from the calling thread: no event loop and no thread hand-off on
 the key path.  Every manager that the host serves shares the link.
 
-A :class:`SocketChannel` is one manager seen through its host's link.
+A :class:`SocketChannel` is one manager seen through its host's link; it
+sends any operation of :mod:`.ops` with one ``call(operation)``.
 
 Failures are handled here, once:
 
 * the connection breaks (the host process died; its supervisor restarts it
   on the same listening sockets): the link reconnects and retries the request
-  while the operation's time lasts.  Requests that are not idempotent
-  (``pop``, ``fetch_add``) carry a request id, so the host applies them at most
-  once; a batch, which cannot be retried, fails with an error that says it may
-  or may not have been applied;
+  while the operation's time lasts, as the operation's :class:`~.ops.Kind`
+  allows: reads and idempotent operations are resent, ``pop`` and ``fetch_add``
+  carry a request id so that the host applies them at most once, and a batch
+  (which cannot be resent) fails with an error that says it may or may not have
+  been applied;
 * the connection is refused or the socket file is gone (the supervisor, and
   so the host, is gone): ``DDictManagerUnavailableError`` at once, naming
   manager and host;
@@ -28,7 +30,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
-import pickle
 import secrets
 import socket
 import ssl
@@ -37,7 +38,7 @@ import time
 from typing import Any
 
 from .. import config
-from .._serialize import SMALL_FRAME, Framed, aligned_empty, copy_frame
+from .._serialize import SMALL_FRAME, aligned_empty
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -46,33 +47,19 @@ from ..errors import (
     raise_for_status,
 )
 from ..layout import ManagerInfo
+from .ops import Kind, Operation
 from .protocol import (
     AUTH_NONCE,
-    FLAG_NOREPLY,
-    FLAG_PERSIST,
     HELLO,
     HELLO_MAGIC,
-    RECORD,
     REP,
     REQ,
     Hello,
-    Op,
     Reader,
     encode_timeout,
     send_parts,
 )
 
-#: Safe to send again after a broken connection (the same request, the same effect).
-IDEMPOTENT = frozenset({
-    Op.GET, Op.CONTAINS, Op.LEN, Op.PAGE, Op.STATS, Op.NEWEST, Op.PING, Op.PUT, Op.CLEAR,
-    Op.FREEZE, Op.UNFREEZE, Op.WAIT_FOR, Op.ADMIN,
-    Op.BATCH_END,  # the batch's state is in the shard; a lost answer shows as a short count
-})  # fmt: skip
-#: Operations that change nothing: a timed-out one needs no "may or may not" warning.
-READS = frozenset({Op.GET, Op.CONTAINS, Op.LEN, Op.PAGE, Op.STATS, Op.NEWEST, Op.PING,
-                   Op.WAIT_FOR})  # fmt: skip
-#: Retried with their request id: the host applies them at most once.
-AT_MOST_ONCE = frozenset({Op.POP, Op.FETCH_ADD})
 #: Connection errors that mean nobody listens any more (the host is gone).
 _GONE = {errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
@@ -196,28 +183,16 @@ class HostLink:
 
     # -- requests -------------------------------------------------------------------
 
-    def call(
-        self,
-        op: Op,
-        mid: int,
-        *,
-        flags: int = 0,
-        keysec: bytes = b"",
-        value: list[Any] | None = None,
-        vlen: int = 0,
-        chkpt: int = 0,
-        arg: int = 0,
-        client: int = 0,
-        timeout: float | None = None,
-        reply: bool = True,
-    ) -> tuple[int, Any]:
-        """Send one request to manager ``mid``; return ``(ival, payload)``."""
+    def call(self, o: Operation, mid: int) -> tuple[int, Any]:
+        """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
+        flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
+        op, kind = o.op, o.kind
         want = None if timeout is None else timeout + self._slack
         start = time.monotonic()
         # With a timeout, everything (reconnecting included) fits in it; without one,
         # reconnecting to a restarting host may take reconnect-timeout from a failure.
         deadline = None if want is None else start + want
-        rid = secrets.randbits(63) + 1 if op in AT_MOST_ONCE else 0
+        rid = secrets.randbits(63) + 1 if kind is Kind.ONCE else 0
         head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, encode_timeout(timeout),
                         vlen, rid)  # fmt: skip
         total = REQ.size + len(keysec) + vlen
@@ -231,8 +206,8 @@ class HostLink:
                 if sock_timeout != conn.timeout:
                     conn.sock.settimeout(sock_timeout)
                     conn.timeout = sock_timeout
-                send_parts(conn.sock, [head, keysec, *(value or ())], total)
-                if not reply:
+                send_parts(conn.sock, [head, keysec, *value], total)
+                if not o.replies:
                     return 0, None
                 status, ival, plen = REP.unpack(conn.reader.read(REP.size))
                 if plen >= SMALL_FRAME:
@@ -245,7 +220,7 @@ class HostLink:
             except TimeoutError as e:
                 if conn is not None:
                     self._drop(conn)
-                maybe = "" if op in READS else "; the operation may or may not have been applied"
+                maybe = "" if kind is Kind.READ else "; the operation may or may not have been applied"
                 raise DDictTimeoutError(
                     f"{self.where(mid)} did not answer {op.name} within {timeout} s "
                     f"(+{self._slack} s slack){maybe}"
@@ -253,7 +228,7 @@ class HostLink:
             except (OSError, ssl.SSLError) as e:
                 if conn is not None:
                     self._drop(conn)
-                if op not in IDEMPOTENT and op not in AT_MOST_ONCE:
+                if kind is Kind.UNSAFE:
                     raise DDictError(
                         f"{self.where(mid)}: the connection broke during {op.name} "
                         f"({type(e).__name__}); it may or may not have been applied",
@@ -288,96 +263,9 @@ class SocketChannel:
     def __repr__(self) -> str:
         return f"<SocketChannel manager={self.mid} kind={self.kind}>"
 
-    def _call(self, op: Op, **kwargs: Any) -> tuple[int, Any]:
-        return self.link.call(op, self.mid, **kwargs)
-
-    def put(self, digest: bytes, key: bytes, framed: Framed, chkpt: int, client: int,
-            persistent: bool, timeout: float | None) -> None:  # fmt: skip
-        self._call(
-            Op.PUT, flags=FLAG_PERSIST if persistent else 0, keysec=digest + key,
-            value=framed.parts, vlen=framed.nbytes, chkpt=chkpt, client=client, timeout=timeout,
-        )  # fmt: skip
-
-    def get(self, digest: bytes, chkpt: int, timeout: float | None) -> Any:
-        return self._call(Op.GET, keysec=digest, chkpt=chkpt, timeout=timeout)[1]
-
-    def contains(self, digest: bytes, chkpt: int) -> bool:
-        return bool(self._call(Op.CONTAINS, keysec=digest, chkpt=chkpt)[0])
-
-    def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None) -> Any:
-        return self._call(Op.POP, keysec=digest, chkpt=chkpt, client=client, timeout=timeout)[1]
-
-    def length(self, chkpt: int) -> int:
-        return self._call(Op.LEN, chkpt=chkpt)[0]
-
-    def clear(self, chkpt: int, client: int, timeout: float | None) -> None:
-        self._call(Op.CLEAR, chkpt=chkpt, client=client, timeout=timeout)
-
-    def page(self, chkpt: int, after: bytes | None, want: int, max_items: int) -> Any:
-        more, payload = self._call(
-            Op.PAGE, keysec=after or b"", chkpt=chkpt, arg=want | (max_items << 8)
-        )
-        mv = memoryview(payload)
-        last = bytes(mv[:16])
-        items = []
-        off = 16
-        while off < mv.nbytes:
-            klen, vlen = RECORD.unpack_from(mv, off)
-            off += RECORD.size
-            k = bytes(mv[off : off + klen]) if want & 1 else None
-            off += klen
-            v = copy_frame(mv[off : off + vlen]) if want & 2 else None
-            off += vlen
-            items.append((k, v))
-        return items, (last if items else None), bool(more)
-
-    def fetch_add(self, digest: bytes, key: bytes, chkpt: int, client: int, n: int,
-                  timeout: float | None) -> Any:  # fmt: skip
-        return self._call(
-            Op.FETCH_ADD, keysec=digest + key, chkpt=chkpt, arg=n, client=client, timeout=timeout
-        )[1]
-
-    def wait_for(self, digest: bytes, chkpt: int, frame: bytes, timeout: float | None) -> None:
-        self._call(
-            Op.WAIT_FOR, keysec=digest, value=[frame], vlen=len(frame), chkpt=chkpt,
-            timeout=timeout,
-        )  # fmt: skip
-
-    def batch_put(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int, client: int,
-                  persistent: bool, batch: int) -> None:  # fmt: skip
-        parts: list[Any] = []
-        total = 0
-        for d, k, f in records:
-            parts += [RECORD.pack(16 + len(k), f.nbytes) + d + k, *f.parts]
-            total += RECORD.size + 16 + len(k) + f.nbytes
-        flags = FLAG_NOREPLY | (FLAG_PERSIST if persistent else 0)
-        self._call(
-            Op.BATCH_PUT, flags=flags, value=parts, vlen=total, chkpt=chkpt, client=client,
-            arg=batch, reply=False,
-        )  # fmt: skip
-
-    def batch_end(self, client: int, batch: int) -> int:
-        return self._call(Op.BATCH_END, client=client, arg=batch)[0]
-
-    def stats(self) -> dict[str, Any]:
-        return pickle.loads(self._call(Op.STATS)[1])
-
-    def newest_checkpoint(self) -> int:
-        return self._call(Op.NEWEST)[0]
-
-    def freeze(self) -> None:
-        self._call(Op.FREEZE)
-
-    def unfreeze(self) -> None:
-        self._call(Op.UNFREEZE)
-
-    def admin(self, name: str, *args: Any) -> Any:
-        payload = pickle.dumps(args)
-        result = self._call(Op.ADMIN, keysec=name.encode(), value=[payload], vlen=len(payload))
-        return pickle.loads(result[1])
-
-    def ping(self) -> int:
-        return self._call(Op.PING)[0]
+    def call(self, o: Operation) -> Any:
+        """Send an operation (:mod:`.ops`) to this manager; return its result."""
+        return o.result(*self.link.call(o, self.mid))
 
     def close(self) -> None:
         pass  # the link is the core's, shared by the host's managers

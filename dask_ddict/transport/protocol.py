@@ -55,7 +55,14 @@ class Op(enum.IntEnum):
     FREEZE = 14
     UNFREEZE = 15
     PING = 16
-    ADMIN = 17  # rare control calls: keysec = method name, value = pickled args
+    # 17 was ADMIN (string-named calls with pickled arguments), replaced by typed operations:
+    PERSIST = 18
+    PERSISTED_IDS = 19
+    SYNC = 20
+    RESTORE = 21
+    ADVANCE = 22
+    DUMP_PAGE = 23
+    COPY_FROM = 24
 
 
 FLAG_PERSIST = 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lmdb
@@ -54,6 +55,7 @@ from ..shard.working_set import (
     saved_newest,
 )
 from .links import SocketChannel
+from .ops import Contains, Get, Operation, Put
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
 ALIVE_CHECK = 0.02
@@ -193,7 +195,7 @@ class SharedChannel:
         return f"<SharedChannel manager={self._sock.info.manager_id} path={self._path!r}>"
 
     def __getattr__(self, name: str) -> Any:
-        # Writes, waits, views, stats, admin: the manager's socket.
+        # The link, the manager's info, the channel's kind: those of its socket.
         return getattr(self._sock, name)
 
     def _check_alive(self) -> None:
@@ -246,7 +248,13 @@ class SharedChannel:
                 f"manager {info.manager_id} on host {info.hostname}: shard closed ({e})"
             ) from e
 
-    def get(self, digest: bytes, chkpt: int, timeout: float | None) -> Any:
+    def call(self, o: Operation) -> Any:
+        """Serve ``o`` from the shard when it can be (reads, small puts), else send it."""
+        local = _LOCAL.get(o.__class__)
+        return self._sock.call(o) if local is None else local(self, o)
+
+    def _get(self, o: Get) -> Any:
+        digest, chkpt = o.digest, o.chkpt
         self._check_alive()
         try:
             with self._snapshot() as txn:
@@ -258,10 +266,10 @@ class SharedChannel:
             raise
         if e is None:
             raise DDictKeyError()
-        return self._sock.get(digest, chkpt, timeout)  # the manager waits for the writer
+        return self._sock.call(o)  # the manager waits for the writer
 
-    def put(self, digest: bytes, key: bytes, framed: Any, chkpt: int, client: int,
-            persistent: bool, timeout: float | None) -> None:  # fmt: skip
+    def _put(self, o: Put) -> None:
+        digest, key, framed, chkpt = o.digest, o.key, o.framed, o.chkpt
         if self._direct and framed.nbytes <= DIRECT_PUT_MAX:
             self._check_alive()
             try:
@@ -278,13 +286,13 @@ class SharedChannel:
                     txn.commit()
                     return
                 txn.abort()
-        self._sock.put(digest, key, framed, chkpt, client, persistent, timeout)
+        self._sock.call(o)
 
-    def contains(self, digest: bytes, chkpt: int) -> bool:
+    def _contains(self, o: Contains) -> bool:
         self._check_alive()
         try:
             with self._snapshot() as txn:
-                return bool(self._visible(digest, chkpt, txn))
+                return bool(self._visible(o.digest, o.chkpt, txn))
         except DDictClosedError:
             _destroyed(self._path)
             raise
@@ -294,3 +302,9 @@ class SharedChannel:
             self._closed = True
             _release(self._path, self._view)
         self._sock.close()
+
+
+#: What a same-host channel serves from the shard itself (everything else: the socket).
+_LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
+    Get: SharedChannel._get, Contains: SharedChannel._contains, Put: SharedChannel._put,
+}

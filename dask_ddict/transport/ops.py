@@ -1,0 +1,558 @@
+"""The operations of the key path, each declared once.
+
+An operation is one request class.  It says in one place:
+
+* what it carries (its fields) and how they travel (:meth:`Operation.encode`,
+  into the fixed request header of :mod:`.protocol` plus a key section and a value);
+* how safe it is to send again after a broken connection (:attr:`Operation.kind`);
+* how the host serves it (:meth:`Operation.serve`: the :class:`Manager` method
+  it calls, and what goes back);
+* what its reply means to the caller (:meth:`Operation.result`).
+
+Clients send operations through a channel's one ``call(operation)``; the host
+dispatches them through :data:`HANDLERS`, built from this module.  Adding an
+operation is one class here plus the manager method it calls.
+
+Requests are never changed after they are made, but they are not ``frozen``
+dataclasses: a frozen dataclass's ``__init__`` costs 1.9 µs (``Get``) to 3.2 µs
+(``Put``) here against 0.7 µs, a tenth of a same-host read.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from .._serialize import Framed, copy_frame
+from .protocol import FLAG_NOREPLY, FLAG_PERSIST, RECORD, WANT_KEYS, WANT_VALUES, Op
+
+if TYPE_CHECKING:
+    from ..shard.manager import Manager
+
+
+class Kind(enum.Enum):
+    """What may happen when an operation is sent again after a broken connection."""
+
+    READ = "read"  # changes nothing: resent freely; a timeout means only "no answer"
+    IDEMPOTENT = "idempotent"  # the same request has the same effect: resent
+    ONCE = "once"  # carries a request id: resent, and the host applies it at most once
+    UNSAFE = "unsafe"  # cannot be resent: a broken connection is reported as "maybe applied"
+
+
+class Encoded(NamedTuple):
+    """An operation in the request header's terms (see :data:`.protocol.REQ`)."""
+
+    flags: int = 0
+    keysec: bytes = b""
+    parts: tuple[Any, ...] = ()
+    vlen: int = 0
+    chkpt: int = 0
+    arg: int = 0
+    client: int = 0
+    timeout: float | None = None
+
+
+class Request(NamedTuple):
+    """A request as the host decoded it (``value`` is a view valid until the next request)."""
+
+    op: int
+    flags: int
+    manager: int
+    chkpt: int
+    arg: int
+    client: int
+    timeout: float | None
+    digest: bytes
+    key: bytes
+    value: Any
+    rid: int
+
+
+Reply = Callable[..., None]  # reply(ival=0, payload=b"")
+
+
+class Operation:
+    """Base of every operation: a request with its codec and its handler."""
+
+    __slots__ = ()
+    op: ClassVar[Op]
+    kind: ClassVar[Kind] = Kind.IDEMPOTENT
+    replies: ClassVar[bool] = True
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded()
+
+    def result(self, ival: int, payload: Any) -> Any:
+        """What the caller gets back from the host's ``(ival, payload)``."""
+        return None
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        raise NotImplementedError
+
+
+# -- the dict protocol ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Get(Operation):
+    op = Op.GET
+    kind = Kind.READ
+    digest: bytes
+    chkpt: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.digest, chkpt=self.chkpt, timeout=self.timeout)
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return payload
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.get(r.digest, r.chkpt, lambda frame: reply(0, frame), r.timeout)
+
+
+@dataclass(slots=True)
+class Put(Operation):
+    op = Op.PUT
+    digest: bytes
+    key: bytes
+    framed: Framed
+    chkpt: int
+    client: int
+    persistent: bool = False
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(FLAG_PERSIST if self.persistent else 0, self.digest + self.key,
+                       tuple(self.framed.parts), self.framed.nbytes, self.chkpt, 0, self.client,
+                       self.timeout)  # fmt: skip
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.put(r.digest, r.key, r.value, r.chkpt, r.client,
+              persistent=bool(r.flags & FLAG_PERSIST), timeout=r.timeout)  # fmt: skip
+        reply()
+
+
+@dataclass(slots=True)
+class Contains(Operation):
+    op = Op.CONTAINS
+    kind = Kind.READ
+    digest: bytes
+    chkpt: int
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.digest, chkpt=self.chkpt)
+
+    def result(self, ival: int, payload: Any) -> bool:
+        return bool(ival)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(int(m.contains(r.digest, r.chkpt)))
+
+
+@dataclass(slots=True)
+class Pop(Operation):
+    op = Op.POP
+    kind = Kind.ONCE
+    digest: bytes
+    chkpt: int
+    client: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.digest, chkpt=self.chkpt, client=self.client,
+                       timeout=self.timeout)  # fmt: skip
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return payload
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(0, m.pop(r.digest, r.chkpt, r.client, r.timeout, r.rid))
+
+
+@dataclass(slots=True)
+class Length(Operation):
+    op = Op.LEN
+    kind = Kind.READ
+    chkpt: int
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt)
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.length(r.chkpt))
+
+
+@dataclass(slots=True)
+class Clear(Operation):
+    op = Op.CLEAR
+    chkpt: int
+    client: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt, client=self.client, timeout=self.timeout)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.clear(r.chkpt, r.client, r.timeout)
+        reply()
+
+
+@dataclass(slots=True)
+class Page(Operation):
+    """One page of a view: ``(items, last digest, more)``, items ``(key bytes, frame)``."""
+
+    op = Op.PAGE
+    kind = Kind.READ
+    chkpt: int
+    after: bytes | None
+    want: int  # WANT_KEYS | WANT_VALUES
+    max_items: int
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.after or b"", chkpt=self.chkpt,
+                       arg=self.want | (self.max_items << 8))  # fmt: skip
+
+    def result(self, ival: int, payload: Any) -> Any:
+        mv = memoryview(payload)
+        last = bytes(mv[:16])
+        items = []
+        off = 16
+        while off < mv.nbytes:
+            klen, vlen = RECORD.unpack_from(mv, off)
+            off += RECORD.size
+            k = bytes(mv[off : off + klen]) if self.want & WANT_KEYS else None
+            off += klen
+            v = copy_frame(mv[off : off + vlen]) if self.want & WANT_VALUES else None
+            off += vlen
+            items.append((k, v))
+        return items, (last if items else None), bool(ival)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> None:
+        want = r.arg & 0xFF
+        items, last, more = m.page(r.chkpt, r.digest or None, bool(want & WANT_KEYS),
+                                   bool(want & WANT_VALUES), max(1, r.arg >> 8),
+                                   page_bytes)  # fmt: skip
+        parts: list[Any] = [last or bytes(16)]
+        for k, v in items:
+            parts += [RECORD.pack(len(k or b""), len(v or b"")), k or b"", v or b""]
+        reply(int(more), b"".join(parts))
+
+
+@dataclass(slots=True)
+class FetchAdd(Operation):
+    op = Op.FETCH_ADD
+    kind = Kind.ONCE
+    digest: bytes
+    key: bytes
+    chkpt: int
+    client: int
+    n: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.digest + self.key, chkpt=self.chkpt, arg=self.n,
+                       client=self.client, timeout=self.timeout)  # fmt: skip
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return payload
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(0, m.fetch_add(r.digest, r.key, r.chkpt, r.client, r.arg, r.timeout, r.rid))
+
+
+@dataclass(slots=True)
+class WaitFor(Operation):
+    op = Op.WAIT_FOR
+    kind = Kind.READ
+    digest: bytes
+    chkpt: int
+    frame: bytes
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.digest, parts=(self.frame,), vlen=len(self.frame),
+                       chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.wait_for(r.digest, r.chkpt, r.value, r.timeout)
+        reply()
+
+
+# -- batches ------------------------------------------------------------------------------
+
+
+def iter_records(value: Any) -> Iterator[tuple[bytes, bytes, memoryview]]:
+    """The ``(digest, key, frame)`` records of a batch message."""
+    mv = memoryview(value)
+    off = 0
+    while off < mv.nbytes:
+        klen, vlen = RECORD.unpack_from(mv, off)
+        off += RECORD.size
+        keysec = bytes(mv[off : off + klen])
+        off += klen
+        yield keysec[:16], keysec[16:], mv[off : off + vlen]
+        off += vlen
+
+
+@dataclass(slots=True)
+class BatchPut(Operation):
+    """Records streamed without a reply; :class:`BatchEnd` tells what was stored."""
+
+    op = Op.BATCH_PUT
+    kind = Kind.UNSAFE
+    replies = False
+    records: list[tuple[bytes, bytes, Framed]]
+    chkpt: int
+    client: int
+    persistent: bool
+    batch: int
+
+    def encode(self) -> Encoded:
+        parts: list[Any] = []
+        total = 0
+        for d, k, f in self.records:
+            parts += [RECORD.pack(16 + len(k), f.nbytes) + d + k, *f.parts]
+            total += RECORD.size + 16 + len(k) + f.nbytes
+        flags = FLAG_NOREPLY | (FLAG_PERSIST if self.persistent else 0)
+        return Encoded(flags, b"", tuple(parts), total, self.chkpt, self.batch, self.client)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.batch_put(list(iter_records(r.value)), r.chkpt, r.client,
+                    persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
+        if not r.flags & FLAG_NOREPLY:
+            reply()
+
+
+@dataclass(slots=True)
+class BatchEnd(Operation):
+    """The number of the batch's puts the manager stored (its state is in the shard)."""
+
+    op = Op.BATCH_END
+    client: int
+    batch: int
+
+    def encode(self) -> Encoded:
+        return Encoded(client=self.client, arg=self.batch)
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.batch_end(r.client, r.arg))
+
+
+# -- state of the manager ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Stats(Operation):
+    op = Op.STATS
+    kind = Kind.READ
+
+    def result(self, ival: int, payload: Any) -> dict[str, Any]:
+        return pickle.loads(payload)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(0, pickle.dumps(m.stats()))
+
+
+@dataclass(slots=True)
+class Newest(Operation):
+    op = Op.NEWEST
+    kind = Kind.READ
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.newest_checkpoint())
+
+
+@dataclass(slots=True)
+class Freeze(Operation):
+    op = Op.FREEZE
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.freeze()
+        reply()
+
+
+@dataclass(slots=True)
+class Unfreeze(Operation):
+    op = Op.UNFREEZE
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.unfreeze()
+        reply()
+
+
+@dataclass(slots=True)
+class Ping(Operation):
+    """The host process's pid (alive and answering)."""
+
+    op = Op.PING
+    kind = Kind.READ
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(os.getpid())
+
+
+# -- persistence ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Persist(Operation):
+    """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
+
+    op = Op.PERSIST
+    chkpt: int
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.persist(r.chkpt)
+        reply()
+
+
+@dataclass(slots=True)
+class PersistedIds(Operation):
+    op = Op.PERSISTED_IDS
+    kind = Kind.READ
+
+    def result(self, ival: int, payload: Any) -> list[int]:
+        return list(pickle.loads(payload))
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(0, pickle.dumps(m.persisted_ids()))
+
+
+@dataclass(slots=True)
+class Sync(Operation):
+    """Wait for the background persists; raise the first failure."""
+
+    op = Op.SYNC
+    kind = Kind.READ
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.sync()
+        reply()
+
+
+@dataclass(slots=True)
+class Restore(Operation):
+    """Load persisted checkpoint ``chkpt``; the reply is its key count."""
+
+    op = Op.RESTORE
+    chkpt: int
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt)
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.restore(r.chkpt))
+
+
+@dataclass(slots=True)
+class Advance(Operation):
+    """Read-only replay: load the next persisted checkpoint; the reply is its id."""
+
+    op = Op.ADVANCE
+    kind = Kind.UNSAFE  # sent again, it would advance twice
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.advance())
+
+
+# -- replication ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DumpPage(Operation):
+    """One page of the shard's raw records from one snapshot (see ``Manager.dump_page``)."""
+
+    op = Op.DUMP_PAGE
+    kind = Kind.READ  # the snapshot is the manager's, by token: a resent request resumes it
+    token: int | None
+    after: bytes | None
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.after or b"", arg=self.token or 0)
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return pickle.loads(payload)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        after = (r.digest + r.key) or None
+        reply(0, pickle.dumps(m.dump_page(r.arg or None, after)))
+
+
+@dataclass(slots=True)
+class CopyFrom(Operation):
+    """Replace the shard by manager ``manager_id`` of the serialized ``source``."""
+
+    op = Op.COPY_FROM
+    source: str
+    manager_id: int
+
+    def encode(self) -> Encoded:
+        data = self.source.encode()
+        return Encoded(parts=(data,), vlen=len(data), arg=self.manager_id)
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.copy_from(bytes(r.value).decode(), r.arg))
+
+
+#: Every operation, by wire code: what the host dispatches on.
+OPERATIONS: dict[Op, type[Operation]] = {
+    cls.op: cls for cls in Operation.__subclasses__()  # type: ignore[type-abstract]
+}
+#: The host's table: operation code -> handler(manager, request, reply).
+HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
+    code: cls.serve for code, cls in OPERATIONS.items()
+}
