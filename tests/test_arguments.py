@@ -38,10 +38,8 @@ DEFAULTS = dict(managers_per_worker=None, n_workers=None, total_mem="64 MiB", wo
 @given(st.dictionaries(st.sampled_from(ARGS), garbage, min_size=1, max_size=3))
 def test_constructor_arguments_are_checked_before_anything_is_sent(bad):
     """Either a valid request (plain types, in range) or TypeError/ValueError naming one argument."""
-    kwargs = {**DEFAULTS, **bad}
-    mpw, nw, mem = (kwargs.pop(k) for k in ("managers_per_worker", "n_workers", "total_mem"))
     try:
-        req = create_request(mpw, nw, mem, **kwargs)
+        req = create_request({**DEFAULTS, **bad})
     except (TypeError, ValueError) as e:
         text = str(e)
         assert any(a in text for a in ARGS), text

@@ -34,7 +34,7 @@ from ..arguments import check_timeout
 from ..layout import Layout
 from .core import _Core
 from .creation import create_request
-from .handle import DDict, initial_checkpoint
+from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict, initial_checkpoint
 
 
 class AsyncDDict:
@@ -60,33 +60,20 @@ class AsyncDDict:
         self._client = client
 
     @classmethod
-    async def create(
-        cls,
-        managers_per_worker: int | None = None,
-        n_workers: int | None = None,
-        total_mem: int | str | None = None,
-        *,
-        client: Client,
-        timeout: float | None = None,
-        name: str = "",
-        restart: bool = False,
-        manager_pool_full_thresh: float | None = None,
-        workers: list[str] | None = None,
-        **checkpoint_options: Any,
-    ) -> AsyncDDict:
+    async def create(cls, *args: Any, client: Client, **kwargs: Any) -> AsyncDDict:
         """Create a dictionary from an ``asynchronous=True`` client.
 
-        Takes :class:`DDict`'s arguments; ``client`` is required (an embedded
-        cluster would have to be started synchronously).
+        Takes :class:`DDict`'s arguments (bound to its signature, their one
+        declaration); ``client`` is required (an embedded cluster would have to
+        be started synchronously).
         """
         if not isinstance(client, Client) or not client.asynchronous:
             raise TypeError("AsyncDDict.create needs client=<a Client(asynchronous=True)>")
-        timeout = check_timeout(timeout)
-        request = create_request(
-            managers_per_worker, n_workers, total_mem, name=name, timeout=timeout,
-            restart=restart, manager_pool_full_thresh=manager_pool_full_thresh,
-            workers=workers, **checkpoint_options,
-        )  # fmt: skip
+        bound = CREATE_SIGNATURE.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        given = {k: v for k, v in bound.arguments.items() if k in CREATE_ARGUMENTS}
+        timeout = check_timeout(given["timeout"])
+        request = create_request(given)
         from ..cluster.scheduler_plugin import DDictSchedulerPlugin
 
         await client.register_plugin(DDictSchedulerPlugin())

@@ -7,29 +7,28 @@ messages before any message is sent.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from .. import config
 from ..arguments import MAX_MANAGERS, check_bool, check_int, check_name, check_timeout
 from ..options import DDictOptions, parse_total_mem
 
-def create_request(
-    managers_per_worker: int | None,
-    n_workers: int | None,
-    total_mem: int | str | None,
-    *,
-    name: str,
-    timeout: float | None,
-    restart: bool,
-    manager_pool_full_thresh: float | None,
-    workers: list[str] | None,
-    **checkpoint_options: Any,
-) -> dict[str, Any]:
+_OPTIONS = tuple(f.name for f in dataclasses.fields(DDictOptions))
+
+def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     """Validate the constructor's arguments into the orchestrator's ``ddict_create`` call.
 
-    Shared by :class:`DDict` and :class:`~dask_ddict.AsyncDDict` so that both
-    reject the same mistakes, with the same messages, before any message is sent.
+    ``args`` are :class:`~dask_ddict.DDict`'s constructor arguments by name (its
+    signature is their one declaration; ``AsyncDDict.create`` binds to it), the
+    client aside.  Both faces therefore reject the same mistakes, with the same
+    messages, before any message is sent.
     """
+    managers_per_worker, n_workers, total_mem, name, timeout, restart, workers = (
+        args[k] for k in ("managers_per_worker", "n_workers", "total_mem", "name", "timeout",
+                          "restart", "workers")
+    )  # fmt: skip
     mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
     check_int("managers_per_worker", mpw, 1, MAX_MANAGERS)
     check_int("n_workers", n_workers, 1, MAX_MANAGERS, allow_none=True)
@@ -42,9 +41,10 @@ def create_request(
     check_name(name)
     check_timeout(timeout)
     check_bool("restart", restart)
-    if manager_pool_full_thresh is None:
-        manager_pool_full_thresh = config.get("manager-pool-full-thresh")
-    options = DDictOptions(manager_pool_full_thresh=manager_pool_full_thresh, **checkpoint_options)
+    given = {k: args[k] for k in _OPTIONS if k in args}
+    if given.get("manager_pool_full_thresh") is None:
+        given["manager_pool_full_thresh"] = config.get("manager-pool-full-thresh")
+    options = DDictOptions(**given)
     options.validate(name=name, restart=restart)
     return dict(
         name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,

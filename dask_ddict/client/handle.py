@@ -14,6 +14,7 @@ so that destroying through one closes them all.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import secrets
 import warnings
@@ -127,16 +128,11 @@ class DDict(Introspection):
         client: Client | None = None,
         workers: list[str] | None = None,
     ) -> None:
+        # The signature is the constructor arguments' one declaration: take them by name.
+        args = {k: v for k, v in locals().items() if k in CREATE_ARGUMENTS}
         check_client(client)
         timeout = check_timeout(timeout)
-        request = create_request(
-            managers_per_worker, n_workers, total_mem, working_set_size=working_set_size,
-            wait_for_keys=wait_for_keys, wait_for_writers=wait_for_writers,
-            persist_freq=persist_freq, persist_count=persist_count, persist_path=persist_path,
-            name=name, timeout=timeout, restart=restart, read_only=read_only,
-            restore_from=restore_from, manager_pool_full_thresh=manager_pool_full_thresh,
-            workers=workers,
-        )  # fmt: skip
+        request = create_request(args)
         if workers is not None and client is None and current_client() is None:
             raise ValueError("workers= names workers of a cluster: pass client= too")
 
@@ -649,6 +645,11 @@ class DDict(Introspection):
             If a manager id is empty in every dictionary.
         """
         replicate.synchronize(serialized_ddicts)
+
+
+#: The constructor's arguments, the client aside (``AsyncDDict.create`` takes the same).
+CREATE_SIGNATURE = inspect.signature(DDict.__init__)
+CREATE_ARGUMENTS = frozenset(CREATE_SIGNATURE.parameters) - {"self", "client"}
 
 
 def initial_checkpoint(h: DDict, request: dict[str, Any]) -> None:

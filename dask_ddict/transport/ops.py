@@ -96,11 +96,48 @@ class Operation:
         raise NotImplementedError
 
 
+class IntReply(Operation):
+    """An operation whose answer is the reply's integer."""
+
+    __slots__ = ()
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+
+class FrameReply(Operation):
+    """An operation whose answer is the reply's payload (a value frame)."""
+
+    __slots__ = ()
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return payload
+
+
+class PickledReply(Operation):
+    """An operation whose answer is a pickled structure (stats, ids, replication pages)."""
+
+    __slots__ = ()
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return pickle.loads(payload)
+
+
+class AtCheckpoint(Operation):
+    """An operation whose only argument is a checkpoint id."""
+
+    __slots__ = ()
+    chkpt: int
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt)
+
+
 # -- the dict protocol ---------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class Get(Operation):
+class Get(FrameReply):
     op = Op.GET
     kind = Kind.READ
     digest: bytes
@@ -109,9 +146,6 @@ class Get(Operation):
 
     def encode(self) -> Encoded:
         return Encoded(keysec=self.digest, chkpt=self.chkpt, timeout=self.timeout)
-
-    def result(self, ival: int, payload: Any) -> Any:
-        return payload
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -160,7 +194,7 @@ class Contains(Operation):
 
 
 @dataclass(slots=True)
-class Pop(Operation):
+class Pop(FrameReply):
     op = Op.POP
     kind = Kind.ONCE
     digest: bytes
@@ -172,25 +206,16 @@ class Pop(Operation):
         return Encoded(keysec=self.digest, chkpt=self.chkpt, client=self.client,
                        timeout=self.timeout)  # fmt: skip
 
-    def result(self, ival: int, payload: Any) -> Any:
-        return payload
-
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(0, m.pop(r.digest, r.chkpt, r.client, r.timeout, r.rid))
 
 
 @dataclass(slots=True)
-class Length(Operation):
+class Length(AtCheckpoint, IntReply):
     op = Op.LEN
     kind = Kind.READ
     chkpt: int
-
-    def encode(self) -> Encoded:
-        return Encoded(chkpt=self.chkpt)
-
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -256,7 +281,7 @@ class Page(Operation):
 
 
 @dataclass(slots=True)
-class FetchAdd(Operation):
+class FetchAdd(FrameReply):
     op = Op.FETCH_ADD
     kind = Kind.ONCE
     digest: bytes
@@ -269,9 +294,6 @@ class FetchAdd(Operation):
     def encode(self) -> Encoded:
         return Encoded(keysec=self.digest + self.key, chkpt=self.chkpt, arg=self.n,
                        client=self.client, timeout=self.timeout)  # fmt: skip
-
-    def result(self, ival: int, payload: Any) -> Any:
-        return payload
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -344,7 +366,7 @@ class BatchPut(Operation):
 
 
 @dataclass(slots=True)
-class BatchEnd(Operation):
+class BatchEnd(IntReply):
     """The number of the batch's puts the manager stored (its state is in the shard)."""
 
     op = Op.BATCH_END
@@ -354,24 +376,17 @@ class BatchEnd(Operation):
     def encode(self) -> Encoded:
         return Encoded(client=self.client, arg=self.batch)
 
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
-
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.batch_end(r.client, r.arg))
-
 
 # -- state of the manager ------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class Stats(Operation):
+class Stats(PickledReply):
     op = Op.STATS
     kind = Kind.READ
-
-    def result(self, ival: int, payload: Any) -> dict[str, Any]:
-        return pickle.loads(payload)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -379,12 +394,9 @@ class Stats(Operation):
 
 
 @dataclass(slots=True)
-class Newest(Operation):
+class Newest(IntReply):
     op = Op.NEWEST
     kind = Kind.READ
-
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -412,32 +424,25 @@ class Unfreeze(Operation):
 
 
 @dataclass(slots=True)
-class Ping(Operation):
+class Ping(IntReply):
     """The host process's pid (alive and answering)."""
 
     op = Op.PING
     kind = Kind.READ
 
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
-
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(os.getpid())
-
 
 # -- persistence ---------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class Persist(Operation):
+class Persist(AtCheckpoint):
     """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
 
     op = Op.PERSIST
     chkpt: int
-
-    def encode(self) -> Encoded:
-        return Encoded(chkpt=self.chkpt)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -446,12 +451,9 @@ class Persist(Operation):
 
 
 @dataclass(slots=True)
-class PersistedIds(Operation):
+class PersistedIds(PickledReply):
     op = Op.PERSISTED_IDS
     kind = Kind.READ
-
-    def result(self, ival: int, payload: Any) -> list[int]:
-        return list(pickle.loads(payload))
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -472,17 +474,11 @@ class Sync(Operation):
 
 
 @dataclass(slots=True)
-class Restore(Operation):
+class Restore(AtCheckpoint, IntReply):
     """Load persisted checkpoint ``chkpt``; the reply is its key count."""
 
     op = Op.RESTORE
     chkpt: int
-
-    def encode(self) -> Encoded:
-        return Encoded(chkpt=self.chkpt)
-
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -490,25 +486,21 @@ class Restore(Operation):
 
 
 @dataclass(slots=True)
-class Advance(Operation):
+class Advance(IntReply):
     """Read-only replay: load the next persisted checkpoint; the reply is its id."""
 
     op = Op.ADVANCE
     kind = Kind.UNSAFE  # sent again, it would advance twice
 
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
-
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.advance())
-
 
 # -- replication ---------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class DumpPage(Operation):
+class DumpPage(PickledReply):
     """One page of the shard's raw records from one snapshot (see ``Manager.dump_page``)."""
 
     op = Op.DUMP_PAGE
@@ -519,9 +511,6 @@ class DumpPage(Operation):
     def encode(self) -> Encoded:
         return Encoded(keysec=self.after or b"", arg=self.token or 0)
 
-    def result(self, ival: int, payload: Any) -> Any:
-        return pickle.loads(payload)
-
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         after = (r.digest + r.key) or None
@@ -529,7 +518,7 @@ class DumpPage(Operation):
 
 
 @dataclass(slots=True)
-class CopyFrom(Operation):
+class CopyFrom(IntReply):
     """Replace the shard by manager ``manager_id`` of the serialized ``source``."""
 
     op = Op.COPY_FROM
@@ -540,18 +529,18 @@ class CopyFrom(Operation):
         data = self.source.encode()
         return Encoded(parts=(data,), vlen=len(data), arg=self.manager_id)
 
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
-
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.copy_from(bytes(r.value).decode(), r.arg))
 
 
+def _leaves(cls: type[Operation]) -> list[type[Operation]]:
+    subs = cls.__subclasses__()
+    return [c for sub in subs for c in _leaves(sub)] + [c for c in subs if "op" in c.__dict__]
+
+
 #: Every operation, by wire code: what the host dispatches on.
-OPERATIONS: dict[Op, type[Operation]] = {
-    cls.op: cls for cls in Operation.__subclasses__()  # type: ignore[type-abstract]
-}
+OPERATIONS: dict[Op, type[Operation]] = {cls.op: cls for cls in _leaves(Operation)}
 #: The host's table: operation code -> handler(manager, request, reply).
 HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
     code: cls.serve for code, cls in OPERATIONS.items()
