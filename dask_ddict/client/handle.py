@@ -28,32 +28,26 @@ from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import check_bool, check_client, check_int, check_timeout
-from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictPersistCheckpointError
+from ..errors import DDictClosedError, DDictError, DDictKeyError
 from ..layout import Layout
 from . import replicate
 from .batch import BatchPut
 from .core import MISSING, _Core, current_client, embedded_client
 from .creation import create_request
 from ..transport.ops import (
-    Advance,
     Clear,
     Contains,
     FetchAdd,
     Freeze,
     Get,
     Length,
-    Newest,
-    Operation,
-    Persist,
-    PersistedIds,
     Pop,
     Put,
-    Restore,
     Stats,
-    Sync,
     Unfreeze,
     WaitFor,
 )
+from .checkpoints import Checkpoints
 from .introspection import Introspection
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 
@@ -62,7 +56,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Introspection):
+class DDict(Checkpoints, Introspection):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -422,89 +416,9 @@ class DDict(Introspection):
                     None if v is None else loads_value(v, self._vp),
                 )
 
-    # -- checkpoints --------------------------------------------------------------
-
-    @property
-    def checkpoint_id(self) -> int:
-        return self._chkpt
-
-    @checkpoint_id.setter
-    def checkpoint_id(self, value: int) -> None:
-        self._chkpt = check_int("checkpoint_id", value, 0)
-
     def _no_batch(self, what: str) -> None:
         if self._batch is not None:
             raise DDictError(f"{what} is not allowed inside a batch put", "INVALID_OPERATION")
-
-    def checkpoint(self) -> None:
-        """Move this handle to the next checkpoint (no message is sent)."""
-        self._no_batch("checkpoint()")
-        self._chkpt += 1
-
-    def rollback(self) -> None:
-        """Move this handle to the previous checkpoint (floored at 0)."""
-        self._no_batch("rollback()")
-        self._chkpt = max(0, self._chkpt - 1)
-
-    def sync_to_newest_checkpoint(self) -> None:
-        """Move to the newest checkpoint any manager (or the chosen one) holds."""
-        self._chkpt = max(self._core.channel(m).call(Newest()) for m in self._managers())
-
-    # -- persistence ---------------------------------------------------------------
-
-    def _each(self, o: Operation) -> list[Any]:
-        """Send ``o`` to every manager (or the chosen one); their results."""
-        return [self._core.channel(m).call(o) for m in self._managers()]
-
-    def persist(self) -> None:
-        """Persist this handle's current checkpoint to ``persist_path`` now.
-
-        Written in the background on every manager (see :meth:`sync`),
-        whatever ``persist_freq`` and ``persist_count`` say.
-        """
-        self._no_batch("persist()")
-        self._each(Persist(self._chkpt))
-
-    def persisted_ids(self) -> list[int]:
-        """Checkpoint ids persisted (and committed) on every manager, ascending."""
-        sets = [set(ids) for ids in self._each(PersistedIds())]
-        return sorted(set.intersection(*sets)) if sets else []
-
-    def sync(self) -> None:
-        """Wait until background persistence is done on every manager."""
-        self._each(Sync())
-
-    def restore(self, chkpt: int) -> None:
-        """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.
-
-        Outside read-only mode, persisted checkpoints newer than ``chkpt`` are
-        discarded (the history continues from it).  Other handles keep their
-        own checkpoint ids.
-
-        Raises
-        ------
-        DDictPersistCheckpointError
-            If some manager has not persisted ``chkpt``.
-        """
-        check_int("chkpt", chkpt, 0)
-        self._no_batch("restore()")
-        self.sync()
-        ids = self.persisted_ids()
-        if chkpt not in ids:
-            raise DDictPersistCheckpointError(
-                f"checkpoint {chkpt} is not persisted on every manager (persisted: {ids})"
-            )
-        self._each(Restore(chkpt))
-        self._chkpt = chkpt
-
-    def advance(self) -> int:
-        """Read-only replay: load the next persisted checkpoint (``+ persist_freq``).
-
-        Returns the new checkpoint id (this handle moves to it).
-        """
-        new = self._each(Advance())
-        self._chkpt = max(new)
-        return self._chkpt
 
     # -- batch and broadcast ------------------------------------------------------------
 

@@ -23,14 +23,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
 from .._serialize import dumps_value, loads_value
-from ..errors import DDictClosedError, DDictError, DDictPersistCheckpointError, DDictTimeoutError
+from ..errors import DDictClosedError, DDictError, DDictTimeoutError
 from .store import ShardStore
+from .checkpoint_io import CheckpointIO
 from .working_set import CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_waiters, mark_closed
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
@@ -53,7 +54,7 @@ RID_KEEP = 4096
 _Q = struct.Struct("<Q")
 
 
-class Manager:
+class Manager(CheckpointIO):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters
@@ -205,167 +206,6 @@ class Manager:
             if not self.closed:
                 with self.store.write() as txn:
                     add_waiters(self.store, txn, n)
-
-    # -- persistence of retiring checkpoints ------------------------------------
-
-    def _on_retire(self, txn: lmdb.Transaction, chkpt: int) -> None:
-        """Working-set hook, inside the write transaction that retires ``chkpt``.
-
-        A read transaction begun now sees the last commit, i.e. the shard
-        before this write changed anything, where ``chkpt`` is still whole
-        (under ``wait_for_keys`` retirement deletes its non-persistent keys).
-        """
-        assert self.persister is not None
-        if self.persister.wants(chkpt):
-            if self._snapshot is None:
-                self._snapshot = self.store.read()
-            self._retiring.append(chkpt)
-
-    def _drop_retiring(self) -> None:
-        if self._snapshot is not None:
-            self._snapshot.abort()
-        self._snapshot, self._retiring = None, []
-
-    def _persist_retired(self) -> None:
-        snap, ids = self._snapshot, self._retiring
-        self._snapshot, self._retiring = None, []
-        assert snap is not None and self.persister is not None
-        self.persister.submit(snap.abort, [(c, self._entries_at(snap, c)) for c in ids])
-
-    def _entries_at(self, txn: lmdb.Transaction, chkpt: int) -> Callable[[], Iterator[Any]]:
-        ws = self.working_set
-
-        def entries() -> Iterator[tuple[memoryview, memoryview, int]]:
-            for _, e in ws.state_at(txn, chkpt):
-                yield e.key, e.frame, e.flags
-
-        return entries
-
-    def _need_persister(self, what: str) -> Persister:
-        if self.persister is None:
-            raise DDictError(
-                f"{what} needs persist_path= (a zarr store) at creation", "INVALID_OPERATION"
-            )
-        return self.persister
-
-    def persist(self, chkpt: int) -> None:
-        """Persist checkpoint ``chkpt`` now (in the background), whatever ``persist_freq``."""
-        persister = self._need_persister("persist()")
-        with self._cond:
-            self._check_open()
-            self.working_set.check_retired(chkpt)
-            snap = self.store.read()
-        persister.submit(snap.abort, [(chkpt, self._entries_at(snap, chkpt))])
-
-    def persisted_ids(self) -> list[int]:
-        return [] if self.persister is None else self.persister.ids()
-
-    def sync(self) -> None:
-        """Wait for background persistence to finish."""
-        if self.persister is not None:
-            self.persister.sync()
-
-    def restore(self, chkpt: int, *, discard_newer: bool = True) -> int:
-        """Replace the shard by persisted checkpoint ``chkpt``; return its key count.
-
-        The window becomes ``[chkpt, chkpt + working_set_size - 1]``.  Outside
-        read-only mode persisted checkpoints newer than ``chkpt`` are deleted
-        (the history continues from it, as in Dragon).
-        """
-        persister = self._need_persister("restore()")
-        persister.sync()
-        if chkpt not in persister.ids():
-            raise DDictPersistCheckpointError(
-                f"checkpoint {chkpt} is not persisted for manager {self.manager_id} "
-                f"(persisted: {persister.ids()})"
-            )
-        with self._cond:
-            self._check_open()
-            snap = self.working_set.snapshot()
-            try:
-                with self.store.write() as txn:
-                    n = self.working_set.reset_to(txn, chkpt, persister.store.read(chkpt))
-                    self._clear_batches(txn)
-            except BaseException:
-                self.working_set.restore(snap)
-                raise
-            self._cond.notify_all()
-        if discard_newer and not self.read_only:
-            persister.discard_above(chkpt)
-        return n
-
-    def advance(self) -> int:
-        """Read-only replay: load the checkpoint ``persist_freq`` after the current one."""
-        if not self.read_only:
-            raise DDictError("advance() is for read_only dictionaries", "INVALID_OPERATION")
-        persister = self._need_persister("advance()")
-        step = persister.persist_freq or 1
-        nxt = self.working_set.oldest + step
-        self.restore(nxt, discard_newer=False)
-        return nxt
-
-    # -- replication (clone, copy, synchronize_ddicts) ----------------------------------
-
-    def dump_page(self, token: int | None, after: bytes | None, max_bytes: int = 8 << 20) -> Any:
-        """One page of this shard's raw records, from one snapshot across pages.
-
-        The first call (``token=None``) opens the snapshot and returns its
-        token; the last page (``more=False``) closes it.  Returns
-        ``(records, more, working-set state, token)``.
-        """
-        self._check_open()
-        with self._cond:
-            if token is None:
-                self._next_dump += 1
-                token = self._next_dump
-                self._dumps[token] = self.store.read()
-            txn = self._dumps.get(token)
-            if txn is None:
-                raise DDictError(f"unknown or finished dump {token}", "INVALID_ARGUMENT")
-            ws = self.working_set
-            state = {"newest": ws.newest, "size": ws.size,
-                     "writers": {c: sorted(w) for c, w in ws.writers.items()}}  # fmt: skip
-        records, more = self.store.raw_page(txn, after, max_bytes)
-        if not more:
-            with self._cond:
-                self._dumps.pop(token, None)
-            txn.abort()
-        return records, more, state, token
-
-    def replace_with(self, pages: Iterator[tuple[list[tuple[bytes, bytes]], dict[str, Any]]]) -> int:
-        """Replace the whole shard (every checkpoint of the window) by another's pages."""
-        n = 0
-        with self._cond:
-            self._check_open()
-            snap = self.working_set.snapshot()
-            try:
-                with self.store.write() as txn:
-                    self.store.drop_all(txn)
-                    state: dict[str, Any] = {}
-                    for records, state in pages:
-                        self.store.put_raw(txn, records)
-                        n += len(records)
-                    if state.get("size", self.working_set.size) != self.working_set.size:
-                        raise DDictError(
-                            f"cannot copy a shard with working_set_size={state['size']} into "
-                            f"one with {self.working_set.size}",
-                            "INVALID_ARGUMENT",
-                        )
-                    if state:
-                        self.working_set.load(state)
-                        self.working_set.save(txn)
-                    self._clear_batches(txn)
-            except BaseException:
-                self.working_set.restore(snap)
-                raise
-            self._cond.notify_all()
-        return n
-
-    def copy_from(self, source: str, manager_id: int) -> int:
-        """Pull shard ``manager_id`` of the dictionary serialized as ``source`` (clone)."""
-        if self.pull_shard is None:
-            raise DDictError("this manager cannot replicate (no puller)", "INVALID_OPERATION")
-        return self.pull_shard(self, source, manager_id)
 
     # -- at-most-once requests --------------------------------------------------
 

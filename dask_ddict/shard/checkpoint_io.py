@@ -1,0 +1,209 @@
+"""Persisting, restoring and replicating a manager's checkpoints.
+
+The part of :class:`~dask_ddict.shard.manager.Manager` that moves whole
+checkpoints in and out of its shard, kept apart from the key operations:
+
+* retiring checkpoints are persisted from a read snapshot taken inside the
+  write that retires them (so the write path never waits for zarr);
+* ``persist``/``restore``/``advance`` and ``sync`` serve the dictionary's
+  persistence calls (the zarr I/O itself is :mod:`dask_ddict.persist`);
+* ``dump_page``/``replace_with``/``copy_from`` copy a whole shard, manager to
+  manager, for ``clone``, ``copy`` and ``synchronize_ddicts``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+
+from ..errors import DDictError, DDictPersistCheckpointError
+
+if TYPE_CHECKING:
+    from ..persist.persister import Persister
+    from .store import ShardStore
+    from .working_set import WorkingSet
+
+
+class CheckpointIO:
+    """Whole checkpoints in and out of a manager's shard (a base of ``Manager``)."""
+
+    manager_id: int
+    store: ShardStore
+    working_set: WorkingSet
+    read_only: bool
+    persister: Persister | None
+    pull_shard: Callable[[Any, str, int], int] | None  # (the manager, source, manager id)
+    _cond: threading.Condition
+    _dumps: dict[int, lmdb.Transaction]
+    _next_dump: int
+    _retiring: list[int]
+    _snapshot: lmdb.Transaction | None
+
+    if TYPE_CHECKING:  # provided by the manager
+
+        def _check_open(self) -> None: ...
+        def _clear_batches(self, txn: lmdb.Transaction) -> None: ...
+
+    # -- persistence of retiring checkpoints ------------------------------------
+
+    def _on_retire(self, txn: lmdb.Transaction, chkpt: int) -> None:
+        """Working-set hook, inside the write transaction that retires ``chkpt``.
+
+        A read transaction begun now sees the last commit, i.e. the shard
+        before this write changed anything, where ``chkpt`` is still whole
+        (under ``wait_for_keys`` retirement deletes its non-persistent keys).
+        """
+        assert self.persister is not None
+        if self.persister.wants(chkpt):
+            if self._snapshot is None:
+                self._snapshot = self.store.read()
+            self._retiring.append(chkpt)
+
+    def _drop_retiring(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.abort()
+        self._snapshot, self._retiring = None, []
+
+    def _persist_retired(self) -> None:
+        snap, ids = self._snapshot, self._retiring
+        self._snapshot, self._retiring = None, []
+        assert snap is not None and self.persister is not None
+        self.persister.submit(snap.abort, [(c, self._entries_at(snap, c)) for c in ids])
+
+    def _entries_at(self, txn: lmdb.Transaction, chkpt: int) -> Callable[[], Iterator[Any]]:
+        ws = self.working_set
+
+        def entries() -> Iterator[tuple[memoryview, memoryview, int]]:
+            for _, e in ws.state_at(txn, chkpt):
+                yield e.key, e.frame, e.flags
+
+        return entries
+
+    def _need_persister(self, what: str) -> Persister:
+        if self.persister is None:
+            raise DDictError(
+                f"{what} needs persist_path= (a zarr store) at creation", "INVALID_OPERATION"
+            )
+        return self.persister
+
+    def persist(self, chkpt: int) -> None:
+        """Persist checkpoint ``chkpt`` now (in the background), whatever ``persist_freq``."""
+        persister = self._need_persister("persist()")
+        with self._cond:
+            self._check_open()
+            self.working_set.check_retired(chkpt)
+            snap = self.store.read()
+        persister.submit(snap.abort, [(chkpt, self._entries_at(snap, chkpt))])
+
+    def persisted_ids(self) -> list[int]:
+        return [] if self.persister is None else self.persister.ids()
+
+    def sync(self) -> None:
+        """Wait for background persistence to finish."""
+        if self.persister is not None:
+            self.persister.sync()
+
+    def restore(self, chkpt: int, *, discard_newer: bool = True) -> int:
+        """Replace the shard by persisted checkpoint ``chkpt``; return its key count.
+
+        The window becomes ``[chkpt, chkpt + working_set_size - 1]``.  Outside
+        read-only mode persisted checkpoints newer than ``chkpt`` are deleted
+        (the history continues from it, as in Dragon).
+        """
+        persister = self._need_persister("restore()")
+        persister.sync()
+        if chkpt not in persister.ids():
+            raise DDictPersistCheckpointError(
+                f"checkpoint {chkpt} is not persisted for manager {self.manager_id} "
+                f"(persisted: {persister.ids()})"
+            )
+        with self._cond:
+            self._check_open()
+            snap = self.working_set.snapshot()
+            try:
+                with self.store.write() as txn:
+                    n = self.working_set.reset_to(txn, chkpt, persister.store.read(chkpt))
+                    self._clear_batches(txn)
+            except BaseException:
+                self.working_set.restore(snap)
+                raise
+            self._cond.notify_all()
+        if discard_newer and not self.read_only:
+            persister.discard_above(chkpt)
+        return n
+
+    def advance(self) -> int:
+        """Read-only replay: load the checkpoint ``persist_freq`` after the current one."""
+        if not self.read_only:
+            raise DDictError("advance() is for read_only dictionaries", "INVALID_OPERATION")
+        persister = self._need_persister("advance()")
+        step = persister.persist_freq or 1
+        nxt = self.working_set.oldest + step
+        self.restore(nxt, discard_newer=False)
+        return nxt
+
+    # -- replication (clone, copy, synchronize_ddicts) ----------------------------------
+
+    def dump_page(self, token: int | None, after: bytes | None, max_bytes: int = 8 << 20) -> Any:
+        """One page of this shard's raw records, from one snapshot across pages.
+
+        The first call (``token=None``) opens the snapshot and returns its
+        token; the last page (``more=False``) closes it.  Returns
+        ``(records, more, working-set state, token)``.
+        """
+        self._check_open()
+        with self._cond:
+            if token is None:
+                self._next_dump += 1
+                token = self._next_dump
+                self._dumps[token] = self.store.read()
+            txn = self._dumps.get(token)
+            if txn is None:
+                raise DDictError(f"unknown or finished dump {token}", "INVALID_ARGUMENT")
+            ws = self.working_set
+            state = {"newest": ws.newest, "size": ws.size,
+                     "writers": {c: sorted(w) for c, w in ws.writers.items()}}  # fmt: skip
+        records, more = self.store.raw_page(txn, after, max_bytes)
+        if not more:
+            with self._cond:
+                self._dumps.pop(token, None)
+            txn.abort()
+        return records, more, state, token
+
+    def replace_with(self, pages: Iterator[tuple[list[tuple[bytes, bytes]], dict[str, Any]]]) -> int:
+        """Replace the whole shard (every checkpoint of the window) by another's pages."""
+        n = 0
+        with self._cond:
+            self._check_open()
+            snap = self.working_set.snapshot()
+            try:
+                with self.store.write() as txn:
+                    self.store.drop_all(txn)
+                    state: dict[str, Any] = {}
+                    for records, state in pages:
+                        self.store.put_raw(txn, records)
+                        n += len(records)
+                    if state.get("size", self.working_set.size) != self.working_set.size:
+                        raise DDictError(
+                            f"cannot copy a shard with working_set_size={state['size']} into "
+                            f"one with {self.working_set.size}",
+                            "INVALID_ARGUMENT",
+                        )
+                    if state:
+                        self.working_set.load(state)
+                        self.working_set.save(txn)
+                    self._clear_batches(txn)
+            except BaseException:
+                self.working_set.restore(snap)
+                raise
+            self._cond.notify_all()
+        return n
+
+    def copy_from(self, source: str, manager_id: int) -> int:
+        """Pull shard ``manager_id`` of the dictionary serialized as ``source`` (clone)."""
+        if self.pull_shard is None:
+            raise DDictError("this manager cannot replicate (no puller)", "INVALID_OPERATION")
+        return self.pull_shard(self, source, manager_id)
