@@ -101,6 +101,11 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
     DAPValidationError
         When the ranks do not form a valid DAP 0.10 distribution.
     """
+    if isinstance(parts, (Mapping, str, bytes)) or hasattr(parts, "__distarray__"):
+        raise TypeError(
+            f"from_dap takes a list with one entry per rank, got a single "
+            f"{type(parts).__name__} (for one rank, pass [it])"
+        )
     parts = [resolve_part(p) for p in parts]
     if not parts:
         raise DAPValidationError("no DAP parts given")

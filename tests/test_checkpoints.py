@@ -290,8 +290,8 @@ def test_blocked_reader_released_by_writer_task(client):
         client.submit(writer, d, "late", pure=False).result()
         assert fut.result(timeout=30) == "written"
         d2 = DDict.attach(d.serialize(), timeout=0.3)
-        with pytest.raises(DDictTimeoutError):
-            d2["never"]
+        with pytest.raises(DDictTimeoutError, match="'never' at checkpoint 0.*no writer"):
+            d2["never"]  # the error names the key and what it waited for
         assert "never" not in d  # in never blocks
 
 

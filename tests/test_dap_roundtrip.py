@@ -259,6 +259,8 @@ def test_export_errors_say_what_to_do():
 
 def test_import_validates_first():
     parts = to_dap(da.from_array(FULL, chunks=(2, 4)))
+    with pytest.raises(TypeError, match="one entry per rank, got a single dict"):
+        from_dap(parts[0])  # one dict, not a list of them
     with pytest.raises(DAPValidationError, match="4 ranks but 3"):
         from_dap(parts[:3])
     bad = [dict(p) for p in parts]

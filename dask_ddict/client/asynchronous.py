@@ -220,7 +220,7 @@ _AWAITABLE: dict[str, Any] = {
     "dstats": lambda d: d.dstats, "local_keys": lambda d: list(d.local_keys()),
     "local_values": lambda d: list(d.local_values()),
     "local_items": lambda d: list(d.local_items()), "local_len": DDict.local_len,
-    "clone": DDict.clone,
+    "clone": DDict.clone, "setdefault": DDict.setdefault, "popitem": DDict.popitem,
 }  # fmt: skip
 for _name, _call in _AWAITABLE.items():
     setattr(AsyncDDict, _name, _coroutine(_name, _call))

@@ -18,7 +18,7 @@ import inspect
 import logging
 import secrets
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from distributed import Client
@@ -28,7 +28,7 @@ from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import check_bool, check_client, check_int, check_timeout
-from ..errors import DDictClosedError, DDictError, DDictKeyError
+from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
 from ..layout import Layout
 from . import replicate
 from .batch import BatchPut
@@ -43,12 +43,14 @@ from ..transport.ops import (
     Length,
     Pop,
     Put,
+    SetDefault,
     Stats,
     Unfreeze,
     WaitFor,
 )
 from .checkpoints import Checkpoints
 from .introspection import Introspection
+from .mapping import MappingMethods
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Checkpoints, Introspection):
+class DDict(Checkpoints, Introspection, MappingMethods):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -320,6 +322,14 @@ class DDict(Checkpoints, Introspection):
             frame = self._core.channel(mid).call(Get(digest, self._chkpt, self._timeout))
         except DDictKeyError:
             raise DDictKeyError(key) from None
+        except DDictTimeoutError as e:
+            if not self._core.layout.options.wait_for_keys:
+                raise
+            raise DDictTimeoutError(
+                f"reading {key!r:.80} at checkpoint {self._chkpt}: no writer put it there "
+                f"within {self._timeout} s (wait_for_keys=True: a non-persistent key is "
+                f"visible only once written at the reader's checkpoint; {e.message})"
+            ) from None
         return loads_value(frame, self._vp)
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -372,23 +382,13 @@ class DDict(Checkpoints, Introspection):
     def __iter__(self) -> Iterator[Any]:
         return iter(self.keys())
 
-    def update(self, other: Mapping[Any, Any] | Any = (), **kwargs: Any) -> None:
-        """Put every pair (as one batch unless a batch is already open)."""
-        pairs = other.items() if isinstance(other, Mapping) else other
-        own = self._batch is None
-        if own:
-            self.start_batch_put()
-        try:
-            for k, v in pairs:
-                self[k] = v
-            for k, v in kwargs.items():
-                self[k] = v
-        finally:
-            if own:
-                self.end_batch_put()
-
-    def popitem(self) -> Any:
-        raise NotImplementedError("DDict has no order, so popitem is not supported")
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        """``self[key]`` if present, else put ``default`` and return it, in one atomic step."""
+        self._no_batch("setdefault()")
+        mid, digest, kb = self._route(key)
+        op = SetDefault(digest, kb, dumps_value(default, self._vp), self._chkpt, self._client_id,
+                        self._timeout)  # fmt: skip
+        return loads_value(self._core.channel(mid).call(op), self._vp)
 
     def fetch_add(self, key: Any, n: int = 1) -> int:
         """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
@@ -559,6 +559,7 @@ class DDict(Checkpoints, Introspection):
             If a manager id is empty in every dictionary.
         """
         replicate.synchronize(serialized_ddicts)
+
 
 
 #: The constructor's arguments, the client aside (``AsyncDDict.create`` takes the same).

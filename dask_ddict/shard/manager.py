@@ -353,6 +353,26 @@ class Manager(CheckpointIO):
         ws = self.working_set
         self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear")
 
+    def setdefault(self, digest: bytes, key: bytes, frame: Any, chkpt: int, client: int,
+                   timeout: float | None = None) -> bytes:  # fmt: skip
+        """The key's value frame at ``chkpt``; if it has none, ``frame`` is put first.
+
+        One write transaction: two processes that race on the same key both get
+        the value that won.  Sent again (a host restart), it returns that value.
+        """
+        ws = self.working_set
+
+        def fn(txn: lmdb.Transaction) -> bytes:
+            ws.prepare_write(txn, chkpt, client)
+            e = ws.store.lookup(txn, digest, chkpt)
+            if ws.is_visible(e, chkpt):
+                assert e is not None
+                return bytes(e.frame)
+            ws.put(txn, digest, chkpt, key, frame, client)
+            return bytes(memoryview(frame).cast("B")) if not isinstance(frame, bytes) else frame
+
+        return self._write(fn, timeout, "setdefault")
+
     def fetch_add(
         self,
         digest: bytes,

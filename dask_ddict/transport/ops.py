@@ -176,6 +176,27 @@ class Put(Operation):
 
 
 @dataclass(slots=True)
+class SetDefault(FrameReply):
+    """The key's value; if it has none at ``chkpt``, ``framed`` is put first (atomically)."""
+
+    op = Op.SET_DEFAULT
+    digest: bytes
+    key: bytes
+    framed: Framed
+    chkpt: int
+    client: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(0, self.digest + self.key, tuple(self.framed.parts), self.framed.nbytes,
+                       self.chkpt, 0, self.client, self.timeout)  # fmt: skip
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(0, m.setdefault(r.digest, r.key, r.value, r.chkpt, r.client, r.timeout))
+
+
+@dataclass(slots=True)
 class Contains(Operation):
     op = Op.CONTAINS
     kind = Kind.READ

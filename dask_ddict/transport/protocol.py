@@ -63,6 +63,7 @@ class Op(enum.IntEnum):
     ADVANCE = 22
     DUMP_PAGE = 23
     COPY_FROM = 24
+    SET_DEFAULT = 25
 
 
 FLAG_PERSIST = 1

@@ -1,0 +1,71 @@
+"""DDict is a full ``collections.abc.MutableMapping``: CPython's own mapping tests, against
+live dictionaries on the test cluster."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import MutableMapping
+from test import mapping_tests
+
+import numpy as np
+import pytest
+
+from dask_ddict import DDict
+
+
+@pytest.fixture
+def made():
+    """Every dictionary a test made, destroyed at its end."""
+    dicts: list[DDict] = []
+    yield dicts
+    for d in dicts:
+        d.destroy()
+
+
+@pytest.fixture
+def protocol(client, made):
+    class DDictMappingProtocol(mapping_tests.BasicTestMappingProtocol):
+        def _empty_mapping(self):
+            d = DDict(total_mem="8 MiB", client=client)
+            made.append(d)
+            return d
+
+    return DDictMappingProtocol
+
+
+TESTS = [n for n in dir(mapping_tests.BasicTestMappingProtocol) if n.startswith("test_")]
+
+
+@pytest.mark.parametrize("name", TESTS)
+def test_cpython_mapping_protocol(protocol, name):
+    result = protocol(name).run()
+    problems = [str(e[1]) for e in result.errors + result.failures]
+    assert result.testsRun == 1 and problems == []
+
+
+def test_isinstance_equality_setdefault_and_popitem(ddict, client):
+    assert isinstance(ddict, MutableMapping)
+    ddict.update({"a": np.arange(3)}, b=2)
+    assert ddict == {"a": np.arange(3), "b": 2} and ddict != {"a": np.arange(3)}
+    with pytest.raises(TypeError):
+        hash(ddict)
+    got = []
+
+    def race():
+        h = DDict.attach(ddict.serialize())
+        got.append(h.setdefault("once", threading.get_ident()))
+        h.detach()
+
+    threads = [threading.Thread(target=race) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 1 and ddict["once"] == got[0]  # one winner, seen by all
+    seen = {}
+    while len(ddict):
+        k, v = ddict.popitem()
+        seen[k] = v
+    assert set(seen) == {"a", "b", "once"}
+    with pytest.raises(KeyError):
+        ddict.popitem()
