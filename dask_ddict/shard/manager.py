@@ -353,6 +353,13 @@ class Manager(CheckpointIO):
         ws = self.working_set
         self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear")
 
+    def _current(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> Any:
+        """Prepare a read-modify-write of a key at ``chkpt``: its visible entry, or ``None``."""
+        ws = self.working_set
+        ws.prepare_write(txn, chkpt, client)
+        e = ws.store.lookup(txn, digest, chkpt)
+        return e if ws.is_visible(e, chkpt) else None
+
     def setdefault(self, digest: bytes, key: bytes, frame: Any, chkpt: int, client: int,
                    timeout: float | None = None) -> bytes:  # fmt: skip
         """The key's value frame at ``chkpt``; if it has none, ``frame`` is put first.
@@ -363,10 +370,8 @@ class Manager(CheckpointIO):
         ws = self.working_set
 
         def fn(txn: lmdb.Transaction) -> bytes:
-            ws.prepare_write(txn, chkpt, client)
-            e = ws.store.lookup(txn, digest, chkpt)
-            if ws.is_visible(e, chkpt):
-                assert e is not None
+            e = self._current(txn, digest, chkpt, client)
+            if e is not None:
                 return bytes(e.frame)
             ws.put(txn, digest, chkpt, key, frame, client)
             return bytes(memoryview(frame).cast("B")) if not isinstance(frame, bytes) else frame
@@ -390,10 +395,8 @@ class Manager(CheckpointIO):
         ws = self.working_set
 
         def fn(txn: lmdb.Transaction) -> bytes:
-            ws.prepare_write(txn, chkpt, client)
-            e = ws.store.lookup(txn, digest, chkpt)
-            if ws.is_visible(e, chkpt):
-                assert e is not None
+            e = self._current(txn, digest, chkpt, client)
+            if e is not None:
                 old = loads_value(e.frame)
                 if isinstance(old, bool) or not isinstance(old, int):
                     raise DDictError(

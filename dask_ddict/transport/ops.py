@@ -133,6 +133,12 @@ class AtCheckpoint(Operation):
         return Encoded(chkpt=self.chkpt)
 
 
+def _key_and_value(o: Put | SetDefault, flags: int) -> Encoded:
+    """A write of one key: digest and key in the key section, the value's parts after."""
+    return Encoded(flags, o.digest + o.key, tuple(o.framed.parts), o.framed.nbytes, o.chkpt, 0,
+                   o.client, o.timeout)  # fmt: skip
+
+
 # -- the dict protocol ---------------------------------------------------------------------
 
 
@@ -164,9 +170,7 @@ class Put(Operation):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(FLAG_PERSIST if self.persistent else 0, self.digest + self.key,
-                       tuple(self.framed.parts), self.framed.nbytes, self.chkpt, 0, self.client,
-                       self.timeout)  # fmt: skip
+        return _key_and_value(self, FLAG_PERSIST if self.persistent else 0)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -188,8 +192,7 @@ class SetDefault(FrameReply):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(0, self.digest + self.key, tuple(self.framed.parts), self.framed.nbytes,
-                       self.chkpt, 0, self.client, self.timeout)  # fmt: skip
+        return _key_and_value(self, 0)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
