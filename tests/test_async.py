@@ -99,6 +99,10 @@ def test_async_attach_and_batch(cluster, client):
             ad.rollback()
             assert isinstance(ad.ddict, DDict)
             ad.detach()
+            assert d.get_name() in await AsyncDDict.list(aclient)
+            named = await AsyncDDict.from_name(d.get_name(), aclient)
+            assert await named.length() == 100
+            named.detach()
             return True
 
         assert run(client.cluster, body)

@@ -100,7 +100,7 @@ def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
         assert [m.supervisor for m in lay.managers] == ["tcp://n0"] * 2 + ["tcp://n1"] * 2
         assert {m.hash_seed for m in lay.managers} == {"6640"}
         assert plugin.attach("d")["uid"] == lay.uid
-        with pytest.raises(DDictError, match="already exists"):
+        with pytest.raises(DDictError, match="already exists: attach with DDict.from_name.*dask ddict destroy d"):
             await create(plugin)
         anonymous = await plugin.create("", DDictOptions().to_dict(), 64 << 20, 1)
         assert anonymous["name"] and anonymous["name"] != "d"

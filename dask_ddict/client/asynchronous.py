@@ -33,8 +33,8 @@ from distributed import Client
 from ..arguments import check_timeout
 from ..layout import Layout
 from .core import _Core
-from .creation import create_request
-from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict, initial_checkpoint
+from .creation import create_request, initial_checkpoint
+from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 
 
 class AsyncDDict:
@@ -88,6 +88,20 @@ class AsyncDDict:
                client: Client | None = None) -> AsyncDDict:  # fmt: skip
         """Attach from :meth:`serialize`'s string (no message is sent)."""
         return cls(DDict.attach(serialized, timeout=timeout, client=client), client)
+
+    @classmethod
+    async def from_name(cls, name: str, client: Client, *,
+                        timeout: float | None = None) -> AsyncDDict:  # fmt: skip
+        """Attach to the dictionary named ``name`` on ``client``'s cluster."""
+        layout = Layout.from_dict(await client.scheduler.ddict_attach(name=name))
+        h = DDict._from_core(_Core(layout, client), creator=False, chkpt=0,
+                             timeout=check_timeout(timeout))  # fmt: skip
+        return cls(h, client)
+
+    @staticmethod
+    async def list(client: Client) -> list[str]:
+        """Names of the dictionaries on ``client``'s cluster."""
+        return list(await client.scheduler.ddict_list())
 
     @property
     def ddict(self) -> DDict:

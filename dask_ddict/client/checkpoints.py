@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..arguments import check_int
 from ..errors import DDictPersistCheckpointError
-from ..transport.ops import Advance, Newest, Operation, Persist, PersistedIds, Restore, Sync
+from ..transport.ops import (
+    Advance,
+    Newest,
+    Operation,
+    Persist,
+    PersistedIds,
+    Restore,
+    Sync,
+)
 
 if TYPE_CHECKING:
     from .core import _Core

@@ -8,6 +8,7 @@ messages before any message is sent.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,3 +52,15 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
         n_workers=n_workers, workers=None if workers is None else list(workers),
         restart=restart,
     )  # fmt: skip
+
+
+def initial_checkpoint(h: Any, request: dict[str, Any]) -> None:
+    """Where a creator's handle starts: ``restore_from``, the newest restored
+    checkpoint after a restart, else 0.  Also shows the orchestrator's warnings."""
+    for text in h._core.layout.extra.get("warnings", ()):
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
+    restore_from = request["options"]["restore_from"]
+    if request["restart"]:
+        h.sync_to_newest_checkpoint()
+    elif restore_from is not None:
+        h._chkpt = restore_from

@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import logging
 import secrets
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,10 +29,6 @@ from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import check_bool, check_client, check_int, check_timeout
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
 from ..layout import Layout
-from . import replicate
-from .batch import BatchPut
-from .core import MISSING, _Core, current_client, embedded_client
-from .creation import create_request
 from ..transport.ops import (
     Clear,
     Contains,
@@ -48,7 +43,11 @@ from ..transport.ops import (
     Unfreeze,
     WaitFor,
 )
+from . import replicate
+from .batch import BatchPut
 from .checkpoints import Checkpoints
+from .core import MISSING, _Core, current_client, embedded_client
+from .creation import create_request, initial_checkpoint
 from .introspection import Introspection
 from .mapping import MappingMethods
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
@@ -191,6 +190,25 @@ class DDict(Checkpoints, Introspection, MappingMethods):
         return cls._from_core(
             _Core(layout, check_client(client)), creator=False, chkpt=0, timeout=timeout
         )
+
+    @classmethod
+    def from_name(cls, name: str, client: Client | None = None, *,
+                  timeout: float | None = None) -> DDict:  # fmt: skip
+        """Attach to the dictionary named ``name`` on ``client``'s cluster (one scheduler call)."""
+        client = check_client(client) or current_client()
+        if client is None:
+            raise ValueError("from_name needs client= (or a current dask Client)")
+        layout = Layout.from_dict(client.sync(client.scheduler.ddict_attach, name=name))
+        return cls._from_core(_Core(layout, client), creator=False, chkpt=0,
+                              timeout=check_timeout(timeout))  # fmt: skip
+
+    @staticmethod
+    def list(client: Client | None = None) -> list[str]:
+        """Names of the dictionaries on ``client``'s cluster."""
+        client = check_client(client) or current_client()
+        if client is None:
+            raise ValueError("list needs client= (or a current dask Client)")
+        return list(client.sync(client.scheduler.ddict_list))
 
     def __reduce__(self) -> Any:
         return (_rebuild, (self.serialize(), self._chkpt, self._timeout, self._target,
@@ -565,18 +583,6 @@ class DDict(Checkpoints, Introspection, MappingMethods):
 #: The constructor's arguments, the client aside (``AsyncDDict.create`` takes the same).
 CREATE_SIGNATURE = inspect.signature(DDict.__init__)
 CREATE_ARGUMENTS = frozenset(CREATE_SIGNATURE.parameters) - {"self", "client"}
-
-
-def initial_checkpoint(h: DDict, request: dict[str, Any]) -> None:
-    """Where a creator's handle starts: ``restore_from``, the newest restored
-    checkpoint after a restart, else 0.  Also shows the orchestrator's warnings."""
-    for text in h._core.layout.extra.get("warnings", ()):
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
-    restore_from = request["options"]["restore_from"]
-    if request["restart"]:
-        h.sync_to_newest_checkpoint()
-    elif restore_from is not None:
-        h._chkpt = restore_from
 
 
 def _rebuild(serialized: str, chkpt: int, timeout: float | None, target: int | None,

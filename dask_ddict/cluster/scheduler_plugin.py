@@ -98,7 +98,11 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         if not name:
             name = uuid.uuid4().hex[:10]
         if name in self.dicts:
-            raise DDictError(f"a DDict named {name!r} already exists", "INVALID_ARGUMENT")
+            raise DDictError(
+                f"a DDict named {name!r} already exists: attach with DDict.from_name({name!r}, "
+                f"client), or remove it with d.destroy() or `dask ddict destroy {name}`",
+                "INVALID_ARGUMENT",
+            )
         opts = DDictOptions.from_dict(options)
         chosen = self._choose_workers(n_workers, workers)
         num = len(chosen) * managers_per_worker

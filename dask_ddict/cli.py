@@ -1,0 +1,171 @@
+"""``dask ddict``: list, inspect, destroy and restore dictionaries from the command line.
+
+Registered in the ``dask_cli`` entry-point group, so it sits beside
+``dask scheduler`` and ``dask worker``; ``python -m dask_ddict`` runs it too.
+Commands that talk to a cluster take ``--scheduler`` (default: Dask's
+``scheduler-address`` config, i.e. ``DASK_SCHEDULER_ADDRESS``).  ``inspect``
+reads a zarr store directly and needs no cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import click
+import dask.config
+
+scheduler_option = click.option(
+    "--scheduler", "scheduler", default=None, metavar="ADDRESS",
+    help="Scheduler address (default: dask config 'scheduler-address').",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _client(address: str | None) -> Iterator[Any]:
+    from distributed import Client
+
+    address = address or dask.config.get("scheduler-address", None)
+    if not address:
+        raise click.UsageError("no scheduler: pass --scheduler ADDRESS or set DASK_SCHEDULER_ADDRESS")
+    from .errors import DDictError
+
+    with Client(address, timeout="10s") as client:
+        try:
+            yield client
+        except DDictError as e:  # e.g. no such dictionary: a message, not a traceback
+            raise click.ClickException(e.message) from None
+
+
+@click.group(name="ddict")
+def ddict() -> None:
+    """Distributed dictionaries (dask_ddict) on a Dask cluster."""
+
+
+@ddict.command(name="list")
+@scheduler_option
+def list_(scheduler: str | None) -> None:
+    """Dictionaries on the cluster (and those kept for restart)."""
+    with _client(scheduler) as client:
+        names = client.sync(client.scheduler.ddict_list)
+        kept = client.sync(client.scheduler.ddict_list_kept)
+    for name in names:
+        click.echo(name)
+    for name in kept:
+        click.echo(f"{name}  (kept for restart)")
+
+
+@ddict.command()
+@click.argument("name")
+@scheduler_option
+def stats(name: str, scheduler: str | None) -> None:
+    """One line per manager of dictionary NAME: host, keys, bytes, fill, window."""
+    from .client import DDict
+
+    with _client(scheduler) as client:
+        d = DDict.from_name(name, client)
+        try:
+            click.echo(f"{'manager':>7}  {'host':<24} {'keys':>10} {'bytes':>14} {'fill':>6}  window")
+            for s in d.stats:
+                window = f"[{s.oldest_checkpoint}, {s.newest_checkpoint}]"
+                click.echo(f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
+                           f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
+                           f"{window}")  # fmt: skip
+        finally:
+            d.detach()
+
+
+@ddict.command()
+@click.argument("name")
+@scheduler_option
+@click.option("--allow-restart", is_flag=True, help="Keep the shards for DDict(..., restart=True).")
+def destroy(name: str, scheduler: str | None, allow_restart: bool) -> None:
+    """Destroy dictionary NAME (every manager and its shard)."""
+    with _client(scheduler) as client:
+        layout = client.sync(client.scheduler.ddict_attach, name=name)
+        gone = client.sync(client.scheduler.ddict_destroy, name=name, uid=layout["uid"],
+                           allow_restart=allow_restart)  # fmt: skip
+    click.echo(f"destroyed {name}" if gone else f"{name} was already gone")
+
+
+@ddict.command()
+@click.argument("store")
+def inspect(store: str) -> None:
+    """The checkpoints persisted in zarr STORE, with their state and checksums."""
+    import zarr
+
+    from .errors import DDictPersistCheckpointError
+    from .persist import CheckpointStore
+
+    try:
+        root = zarr.open_group(store, mode="r")
+    except Exception as e:  # noqa: BLE001 - any reason the store cannot be opened
+        raise click.ClickException(f"{store} is not a readable zarr store: {e}") from None
+    bad = 0
+    for name, group in sorted(root.groups()):
+        managers = sorted(int(m[8:]) for m, _ in group.groups() if m.startswith("manager_"))
+        click.echo(f"{name}: {len(managers)} managers")
+        for mid in managers:
+            n = group[f"manager_{mid}"].attrs.get("num_managers", len(managers))
+            try:
+                cs = CheckpointStore(store, name, mid, n)
+            except DDictPersistCheckpointError as e:
+                click.echo(f"  manager {mid}: {e.message}")
+                bad += 1
+                continue
+            for g in cs.generations():
+                state = "committed" if g.committed else (g.problem or "not committed")
+                check = ""
+                if g.committed:  # the newest committed generation is the checkpoint
+                    try:
+                        size = sum(memoryview(v).nbytes for _, v, _ in cs.read(g.chkpt))
+                        check = f", {size} value bytes, checksums ok"
+                    except DDictPersistCheckpointError as e:
+                        check, bad = f", DAMAGED: {e.message}", bad + 1
+                click.echo(f"  manager {mid}: checkpoint {g.chkpt} ({g.name}): {state}{check}")
+    if bad:
+        raise click.ClickException(f"{bad} damaged or unreadable checkpoint(s) in {store}")
+
+
+@ddict.command()
+@click.argument("store")
+@click.option("--name", required=True, help="The dictionary's name in the store.")
+@click.option("--checkpoint", type=int, default=None, help="Checkpoint id (default: newest).")
+@click.option("--total-mem", default="1 GiB", show_default=True, help="Bytes over all managers.")
+@scheduler_option
+def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
+            scheduler: str | None) -> None:  # fmt: skip
+    """Create dictionary NAME on the cluster from its checkpoint in STORE; print its handle."""
+    import zarr
+
+    from .client import DDict
+
+    try:
+        group = zarr.open_group(store, mode="r")[name]
+        managers = sorted(int(m[8:]) for m, _ in group.groups() if m.startswith("manager_"))
+    except Exception as e:  # noqa: BLE001
+        raise click.ClickException(f"no dictionary {name!r} in {store}: {e}") from None
+    if checkpoint is None:
+        from .persist import CheckpointStore
+
+        ids = set.intersection(*(set(CheckpointStore(store, name, m, len(managers)).ids())
+                                 for m in managers))  # fmt: skip
+        if not ids:
+            raise click.ClickException(f"{name!r} has no checkpoint persisted on every manager")
+        checkpoint = max(ids)
+    with _client(scheduler) as client:
+        workers = len(client.scheduler_info()["workers"])
+        if not managers or len(managers) % max(1, workers):
+            raise click.ClickException(
+                f"{name!r} was persisted by {len(managers)} managers, which {workers} workers "
+                "cannot host evenly"
+            )
+        d = DDict(len(managers) // workers, total_mem=total_mem, name=name, persist_path=store,
+                  restore_from=checkpoint, client=client)  # fmt: skip
+        click.echo(d.serialize())
+        d._core.close()  # the dictionary lives on; this process lets go of its handle
+
+
+def main() -> None:
+    ddict()

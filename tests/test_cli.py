@@ -1,0 +1,68 @@
+"""``dask ddict``: the command line, through click's runner, against the test cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+from click.testing import CliRunner
+
+from dask_ddict import DDict
+from dask_ddict.cli import ddict as cli
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_list_stats_and_destroy(client):
+    address = client.scheduler.address
+    d = DDict(total_mem="16 MiB", client=client, name="cli-one")
+    d["k"] = 1
+    code, out = run("list", "--scheduler", address)
+    assert code == 0 and "cli-one" in out.split()
+    code, out = run("stats", "cli-one", "--scheduler", address)
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0].split()[:3] == ["manager", "host", "keys"]
+    assert len(lines) == 1 + d.num_managers and sum(int(x.split()[2]) for x in lines[1:]) == 1
+    code, out = run("destroy", "cli-one", "--scheduler", address)
+    assert code == 0 and "destroyed cli-one" in out
+    assert "cli-one" not in DDict.list(client)
+    code, out = run("destroy", "cli-one", "--scheduler", address)
+    assert code != 0 and "no DDict named 'cli-one'" in out
+
+
+def test_inspect_then_restore_a_store(client, tmp_path):
+    store = str(tmp_path / "store.zarr")
+    with DDict(total_mem="16 MiB", client=client, name="cli-two", persist_path=store) as d:
+        d["a"] = np.arange(1000)
+        d.persist()
+        d.sync()
+    code, out = run("inspect", store)
+    assert code == 0 and out.count("checksums ok") == 2 and "cli-two: 2 managers" in out
+    code, out = run("restore", store, "--name", "cli-two", "--total-mem", "16 MiB",
+                    "--scheduler", client.scheduler.address)  # fmt: skip
+    assert code == 0 and out.startswith("ddict2:")
+    restored = DDict.from_name("cli-two", client)
+    try:
+        np.testing.assert_array_equal(restored["a"], np.arange(1000))
+    finally:
+        restored.detach()
+        run("destroy", "cli-two", "--scheduler", client.scheduler.address)
+    chunk = next((tmp_path / "store.zarr" / "cli-two").glob("manager_*/chkpt_0.g0/values/c/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 1
+    chunk.write_bytes(bytes(raw))
+    code, out = run("inspect", store)
+    assert code == 1 and "DAMAGED" in out and "1 damaged" in out
+
+
+def test_no_scheduler_is_a_usage_error_and_python_m_runs_it(monkeypatch):
+    monkeypatch.delenv("DASK_SCHEDULER_ADDRESS", raising=False)
+    result = CliRunner().invoke(cli, ["list"])
+    assert result.exit_code == 2 and "no scheduler" in result.output
+    out = subprocess.run([sys.executable, "-m", "dask_ddict", "--help"], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert "inspect" in out.stdout and "restore" in out.stdout
