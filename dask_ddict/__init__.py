@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from . import config  # noqa: F401  (loads the ddict.* defaults)
 from .client import AsyncDDict, DDict
+from .cluster.scheduler_plugin import DDictSchedulerPlugin
+from .cluster.worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 from .errors import (
     DDictCheckpointSyncError,
     DDictClosedError,
@@ -25,9 +27,7 @@ from .errors import (
     DDictSyncError,
     DDictTimeoutError,
 )
-from .cluster.scheduler_plugin import DDictSchedulerPlugin
 from .stats import DDictManagerStats
-from .cluster.worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 __all__ = [
     "AsyncDDict",

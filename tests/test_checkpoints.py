@@ -404,3 +404,24 @@ def test_only_retired_checkpoints_reach_the_store(client, tmp_path):
         assert e["k"] == 14 and e.persisted_ids() == list(range(15))
     finally:
         e.destroy()
+
+
+def test_progress_bars_follow_the_managers_when_asked(client, tmp_path, capsys):
+    """``ddict.progress``: bars for persist/sync/restore/clone when on, nothing when off."""
+    import dask
+
+    with DDict(total_mem="16 MiB", client=client, persist_path=str(tmp_path / "s"),
+               name="bars") as d:  # fmt: skip
+        d["k"] = 1
+        with dask.config.set({"ddict.progress": False}):
+            d.persist()
+            d.sync()
+        assert "manager/s" not in capsys.readouterr().err  # no bar
+        with dask.config.set({"ddict.progress": True}):
+            d.restore(0)
+            with DDict(total_mem="16 MiB", client=client) as other:
+                d.clone([other.serialize()])
+                assert other["k"] == 1
+        err = capsys.readouterr().err
+        assert "restore 0" in err and f"copy into {other.get_name()}" in err
+        assert f"0/{d.num_managers} " in err and "manager/s" in err  # a bar over the managers

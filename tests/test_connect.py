@@ -47,3 +47,23 @@ def test_a_dropped_handle_is_freed_at_once_not_by_the_cyclic_gc(ddict):
         assert core() is None
     finally:
         gc.enable()
+
+
+def _use_in_task(d) -> list[str]:  # noqa: ANN001
+    import pickle
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            h = pickle.loads(pickle.dumps(d))  # what a task does with a handle argument
+            h["t"] = h["k"]
+            del h
+            gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_tasks_that_unpickle_handles_leave_no_unclosed_sockets(ddict, client):
+    ddict["k"] = 1
+    assert client.submit(_use_in_task, ddict, pure=False).result() == []
+    assert ddict["t"] == 1

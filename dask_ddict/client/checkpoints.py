@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..arguments import check_int
 from ..errors import DDictPersistCheckpointError
+from ..progress import track
 from ..transport.ops import (
     Advance,
     Newest,
@@ -62,9 +63,15 @@ class Checkpoints:
 
     # -- persistence ---------------------------------------------------------------
 
-    def _each(self, o: Operation) -> list[Any]:
-        """Send ``o`` to every manager (or the chosen one); their results."""
-        return [self._core.channel(m).call(o) for m in self._managers()]
+    def _each(self, o: Operation, progress: str = "") -> list[Any]:
+        """Send ``o`` to every manager (or the chosen one); their results.
+
+        With ``progress``, a bar of that name follows the managers (see
+        :mod:`dask_ddict.progress`).
+        """
+        managers = self._managers()
+        each = track(managers, progress, len(managers)) if progress else managers
+        return [self._core.channel(m).call(o) for m in each]
 
     def persist(self) -> None:
         """Persist this handle's current checkpoint to ``persist_path`` now.
@@ -73,7 +80,7 @@ class Checkpoints:
         whatever ``persist_freq`` and ``persist_count`` say.
         """
         self._no_batch("persist()")
-        self._each(Persist(self._chkpt))
+        self._each(Persist(self._chkpt), "persist")
 
     def persisted_ids(self) -> list[int]:
         """Checkpoint ids persisted (and committed) on every manager, ascending."""
@@ -82,7 +89,7 @@ class Checkpoints:
 
     def sync(self) -> None:
         """Wait until background persistence is done on every manager."""
-        self._each(Sync())
+        self._each(Sync(), "sync")
 
     def restore(self, chkpt: int) -> None:
         """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.
@@ -104,7 +111,7 @@ class Checkpoints:
             raise DDictPersistCheckpointError(
                 f"checkpoint {chkpt} is not persisted on every manager (persisted: {ids})"
             )
-        self._each(Restore(chkpt))
+        self._each(Restore(chkpt), f"restore {chkpt}")
         self._chkpt = chkpt
 
     def advance(self) -> int:
@@ -112,6 +119,6 @@ class Checkpoints:
 
         Returns the new checkpoint id (this handle moves to it).
         """
-        new = self._each(Advance())
+        new = self._each(Advance(), "advance")
         self._chkpt = max(new)
         return self._chkpt

@@ -15,6 +15,7 @@ from distributed import Client
 
 from ..errors import DDictError, DDictSyncError
 from ..layout import Layout
+from ..progress import track
 from ..transport.ops import CopyFrom
 from .core import _Core
 
@@ -73,8 +74,9 @@ def _pull_into(target: Layout, source: str, managers: Any, client: Client | None
     Only the request goes from here; the data flows manager to manager.
     """
     core = _Core(target, client)
+    managers = list(managers)
     try:
-        for mid in managers:
+        for mid in track(managers, f"copy into {target.name}", len(managers)):
             core.channel(mid).call(CopyFrom(source, mid))
     finally:
         core.close()

@@ -127,7 +127,10 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
                 add_waiters(store, txn, 0)  # whoever waited, waited at the old process
         persister = None
         if opts.persist_path:
-            from ..persist import CheckpointStore, Persister  # zarr: only when persisting
+            from ..persist import (  # zarr: only when persisting
+                CheckpointStore,
+                Persister,
+            )
 
             persister = Persister(
                 CheckpointStore(opts.persist_path, spec.name, mid, spec.num_managers,

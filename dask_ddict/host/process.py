@@ -25,10 +25,10 @@ from typing import Any, BinaryIO
 import dask.config
 
 from .. import config
-from ..transport.connect import set_default_security
 from ..errors import DDictError
 from ..shard.manager import Manager
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
+from ..transport.connect import set_default_security
 from . import control, hygiene
 from .opening import open_manager
 from .server import HostedDict, HostServer

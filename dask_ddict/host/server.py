@@ -37,7 +37,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import Scratch
-from ..errors import DDictClosedError, DDictError, DDictManagerUnavailableError, status_of
+from ..errors import (
+    DDictClosedError,
+    DDictError,
+    DDictManagerUnavailableError,
+    status_of,
+)
 from ..transport.ops import HANDLERS, Page, Reply, Request
 from ..transport.protocol import (
     AUTH_NONCE,

@@ -30,9 +30,16 @@ import lmdb
 
 from .._serialize import dumps_value, loads_value
 from ..errors import DDictClosedError, DDictError, DDictTimeoutError
-from .store import ShardStore
 from .checkpoint_io import CheckpointIO
-from .working_set import CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_waiters, mark_closed
+from .store import ShardStore
+from .working_set import (
+    CLOSED_DESTROYED,
+    FROZEN,
+    MustWait,
+    WorkingSet,
+    add_waiters,
+    mark_closed,
+)
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
     from ..persist.persister import Persister

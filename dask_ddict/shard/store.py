@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 import lmdb
 
 from .. import config
-from .._serialize import Scratch, frame_parts, gather
 from .._keys import KEY_ENCODING
+from .._serialize import Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
 
 logger = logging.getLogger(__name__)

@@ -124,7 +124,9 @@ class Connections:
         if config.get("local-transport") and self.is_local(info) and os.path.exists(info.uds_path):
             sock = SocketChannel(self._link(info, use_uds=True), info)
             if config.get("local-read") and os.path.isdir(info.store_path):
-                from .shared import SharedChannel  # lmdb: only where a shard is read directly
+                from .shared import (
+                    SharedChannel,  # lmdb: only where a shard is read directly
+                )
 
                 capacity = self.layout.total_mem // self.layout.num_managers
                 try:
