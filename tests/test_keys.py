@@ -177,3 +177,24 @@ def test_hash_seed_warning_names_the_fix(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert seed_warning(Seeded, {""}) is None  # no seed known: nothing to compare
+
+
+class KwNew:
+    """A key class built with keyword arguments (pickled through ``__newobj_ex__``)."""
+
+    def __new__(cls, *, tags):
+        self = super().__new__(cls)
+        self.tags = tags
+        return self
+
+    def __getnewargs_ex__(self):
+        return (), {"tags": self.tags}
+
+    def __eq__(self, other):
+        return type(other) is KwNew and other.tags == self.tags
+
+
+def test_keys_built_with_keyword_arguments(other_seed):
+    key = KwNew(tags=frozenset(f"t{i}" for i in range(10)))
+    b = encode_key(key)
+    assert loads_key(b) == key and other_seed(key) == b
