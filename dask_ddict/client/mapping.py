@@ -86,6 +86,7 @@ class MappingMethods(MutableMapping[Any, Any]):
 
     __hash__ = None  # type: ignore[assignment]  # a mutable mapping, as dict is
 
+
 #: How many times popitem() looks for another key after others took the one it found.
 _POPITEM_TRIES = 100
 
