@@ -92,6 +92,13 @@ def check_name(value: Any) -> str:
     return value
 
 
+def local_store(path: str) -> str | None:
+    """The local directory that a zarr store path names (``file://`` stripped), or
+    ``None`` for another fsspec URL (``s3://...``), which only its filesystem can check."""
+    local = path[7:] if path.startswith("file://") else path
+    return None if "://" in local else local
+
+
 def check_client(value: Any) -> Any:
     """A ``distributed.Client`` or ``None``."""
     from distributed import Client

@@ -14,7 +14,7 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
-from .arguments import INT64_MAX, check_bool, check_int
+from .arguments import INT64_MAX, check_bool, check_int, local_store
 
 
 def parse_total_mem(total_mem: Any) -> int:
@@ -61,8 +61,8 @@ class DDictOptions:
             check_bool(flag, getattr(self, flag))
         if not isinstance(self.persist_path, str):
             raise TypeError(f"persist_path must be a str, got {type(self.persist_path).__name__}")
-        local = self.persist_path[7:] if self.persist_path.startswith("file://") else self.persist_path
-        if local and "://" not in local and os.path.isfile(local):
+        local = local_store(self.persist_path)
+        if local and os.path.isfile(local):
             raise ValueError(f"persist_path {self.persist_path!r} is a file, not a zarr store "
                              "(a directory or an fsspec URL)")  # fmt: skip
         if self.working_set_size == 1 and (self.wait_for_keys or self.wait_for_writers):

@@ -39,7 +39,6 @@ manager, checkpoint and what is wrong: never a wrong value.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import re
 import time
@@ -54,9 +53,8 @@ from zarr.codecs import Crc32cCodec
 from zarr.errors import ContainsGroupError
 
 from .._keys import KEY_ENCODING
+from ..arguments import local_store
 from ..errors import DDictError, DDictPersistCheckpointError
-
-logger = logging.getLogger(__name__)
 
 #: The store format; changes with the layout or the key bytes (:data:`KEY_ENCODING`).
 FORMAT = f"dask_ddict.checkpoint/{KEY_ENCODING}"
@@ -227,14 +225,13 @@ class CheckpointStore:
         self.step = step
         # file:// URLs are local directories: zarr's LocalStore creates parents and can
         # fsync.  fsync applies to local directories (fsspec stores have their own guarantees).
-        self._local_root = path[7:] if path.startswith("file://") else path
-        if "://" not in self._local_root and os.path.exists(self._local_root) and not (
-            os.path.isdir(self._local_root)
-        ):
+        local = local_store(path)
+        self._local_root = path if local is None else local
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
             raise DDictPersistCheckpointError(
                 f"persist_path {path!r} is a file, not a directory (a zarr store)"
             )
-        self.fsync = fsync and "://" not in self._local_root
+        self.fsync = fsync and local is not None
         where = f"manager {manager_id} of {name!r} in {path}"
         try:
             self.group = _require_group(
