@@ -109,7 +109,7 @@ def inspect(store: str) -> None:
         for mid in managers:
             n = group[f"manager_{mid}"].attrs.get("num_managers", len(managers))
             try:
-                cs = CheckpointStore(store, name, mid, n)
+                cs = CheckpointStore(store, name, mid, n, writable=False)
             except DDictPersistCheckpointError as e:
                 click.echo(f"  manager {mid}: {e.message}")
                 bad += 1
@@ -149,7 +149,8 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
     if checkpoint is None:
         from .persist import CheckpointStore
 
-        ids = set.intersection(*(set(CheckpointStore(store, name, m, len(managers)).ids())
+        ids = set.intersection(*(set(CheckpointStore(store, name, m, len(managers),
+                                                     writable=False).ids())
                                  for m in managers))  # fmt: skip
         if not ids:
             raise click.ClickException(f"{name!r} has no checkpoint persisted on every manager")

@@ -34,14 +34,21 @@ def test_list_stats_and_destroy(client):
     assert code != 0 and "no DDict named 'cli-one'" in out
 
 
+def _files(root) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+            if p.is_file()}  # fmt: skip
+
+
 def test_inspect_then_restore_a_store(client, tmp_path):
     store = str(tmp_path / "store.zarr")
     with DDict(total_mem="16 MiB", client=client, name="cli-two", persist_path=store) as d:
         d["a"] = np.arange(1000)
         d.persist()
         d.sync()
+    before = _files(tmp_path)
     code, out = run("inspect", store)
     assert code == 0 and out.count("checksums ok") == 2 and "cli-two: 2 managers" in out
+    assert _files(tmp_path) == before  # inspecting writes nothing
     code, out = run("restore", store, "--name", "cli-two", "--total-mem", "16 MiB",
                     "--scheduler", client.scheduler.address)  # fmt: skip
     assert code == 0 and out.startswith("ddict2:")

@@ -203,6 +203,9 @@ class CheckpointStore:
         loss, at disk speed instead of page-cache speed.
     step
         Called with the name of each step of a write (fault-injection tests).
+    writable
+        ``False``: open an existing manager group read-only, creating and
+        stamping nothing (inspection).
     """
 
     def __init__(
@@ -216,6 +219,7 @@ class CheckpointStore:
         storage_options: dict[str, Any] | None = None,
         fsync: bool = False,
         step: Step = _nothing,
+        writable: bool = True,
     ) -> None:
         self.path = path
         self.name = name
@@ -234,9 +238,14 @@ class CheckpointStore:
         self.fsync = fsync and local is not None
         where = f"manager {manager_id} of {name!r} in {path}"
         try:
-            self.group = _require_group(
-                self._local_root, [name, f"manager_{manager_id}"], storage_options
-            )
+            if writable:
+                self.group = _require_group(
+                    self._local_root, [name, f"manager_{manager_id}"], storage_options
+                )
+            else:
+                kwargs = {"storage_options": storage_options} if storage_options else {}
+                root = zarr.open_group(self._local_root, mode="r", **kwargs)
+                self.group = root[f"{name}/manager_{manager_id}"]
             attrs = dict(self.group.attrs)
         except DDictError:
             raise
@@ -256,7 +265,7 @@ class CheckpointStore:
                 f"{where}: the checkpoints were written by {found!r} managers, this "
                 f"dictionary has {num_managers}: keys would map to other managers"
             )
-        if found is None:
+        if found is None and writable:
             self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,
                                      "manager_id": manager_id})  # fmt: skip
 
