@@ -13,6 +13,8 @@ import math
 import re
 from typing import Any
 
+import dask.config
+from dask.typing import NoDefault, no_default
 from dask.utils import parse_timedelta
 
 INT64_MIN = -(1 << 63)
@@ -23,6 +25,9 @@ MAX_TIMEOUT = 1e9
 MAX_MANAGERS = 1 << 16
 #: A dictionary's name is a directory in its zarr store and part of shard file names.
 MAX_NAME_BYTES = 200
+#: What a ``timeout`` argument accepts: seconds, a duration string, ``None``
+#: (forever), or ``no_default`` for the ``ddict.timeout`` configuration.
+Timeout = float | str | None | NoDefault
 _NAME_OK = re.compile(r"^[^/\\\x00]+$")
 
 
@@ -49,11 +54,18 @@ def check_bool(name: str, value: Any) -> bool:
 def check_timeout(value: Any, name: str = "timeout") -> float | None:
     """Seconds as a float, from a number or a Dask duration string (``"10s"``); ``None`` waits forever.
 
+    ``no_default`` (Dask's own sentinel, the default of every ``timeout``
+    argument) takes ``ddict.timeout`` from dask.config, so that a cluster's
+    configuration sets the timeout of handles whose code never names one, as
+    ``distributed.comm.timeouts`` does for Dask's clients.
+
     Raises
     ------
     TypeError, ValueError
         Naming ``name`` and the range ``[0, 1e9]`` seconds.
     """
+    if value is no_default:
+        value, name = dask.config.get("ddict.timeout"), "ddict.timeout"
     if value is None:
         return None
     if isinstance(value, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import dask.config
 import numpy as np
 import pytest
 from conftest import shm_entries
@@ -11,7 +12,13 @@ from fuzz import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dask_ddict import DDict, DDictError, DDictFullError, DDictPersistCheckpointError
+from dask_ddict import (
+    DDict,
+    DDictError,
+    DDictFullError,
+    DDictPersistCheckpointError,
+    DDictTimeoutError,
+)
 from dask_ddict.arguments import check_timeout
 from dask_ddict.client import create_request
 
@@ -80,6 +87,26 @@ def test_durations_as_strings():
     for bad in (-1, math.nan, math.inf, "-3s", True, [1]):
         with pytest.raises((TypeError, ValueError), match="timeout"):
             check_timeout(bad)
+
+
+def test_timeout_defaults_to_dask_config(client, ddict):
+    """``ddict.timeout`` is every handle's default; an explicit ``None`` still waits forever."""
+    assert ddict.timeout is None  # the shipped default: forever, as in Dragon
+    with dask.config.set({"ddict.timeout": "2.5s"}):
+        assert DDict.attach(ddict.serialize()).timeout == 2.5
+        assert DDict.from_name(ddict.get_name(), client).timeout == 2.5
+        assert DDict.attach(ddict.serialize(), timeout=None).timeout is None
+        assert DDict.attach(ddict.serialize(), timeout=7).timeout == 7.0
+        d = DDict(total_mem="32 MiB", client=client)
+        try:
+            assert d.timeout == 2.5
+            with pytest.raises(DDictTimeoutError, match="wait"):
+                d.wait_for("never", 1)  # the configured timeout applies to every operation
+        finally:
+            d.destroy()
+    with dask.config.set({"ddict.timeout": "soon"}):
+        with pytest.raises(ValueError, match="ddict.timeout 'soon'"):
+            DDict.attach(ddict.serialize())
 
 
 def test_method_mistakes_name_the_argument_and_change_nothing(ddict):

@@ -28,9 +28,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dask.typing import no_default
 from distributed import Client
 
-from ..arguments import check_timeout
+from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from .core import _Core
 from .creation import create_request, initial_checkpoint
@@ -84,14 +85,14 @@ class AsyncDDict:
         return cls(h, client)
 
     @classmethod
-    def attach(cls, serialized: str, *, timeout: float | None = None,
+    def attach(cls, serialized: str, *, timeout: Timeout = no_default,
                client: Client | None = None) -> AsyncDDict:  # fmt: skip
         """Attach from :meth:`serialize`'s string (no message is sent)."""
         return cls(DDict.attach(serialized, timeout=timeout, client=client), client)
 
     @classmethod
     async def from_name(cls, name: str, client: Client, *,
-                        timeout: float | None = None) -> AsyncDDict:  # fmt: skip
+                        timeout: Timeout = no_default) -> AsyncDDict:  # fmt: skip
         """Attach to the dictionary named ``name`` on ``client``'s cluster."""
         layout = Layout.from_dict(await client.scheduler.ddict_attach(name=name))
         h = DDict._from_core(_Core(layout, client), creator=False, chkpt=0,

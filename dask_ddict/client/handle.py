@@ -20,13 +20,14 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
+from dask.typing import no_default
 from distributed import Client
 
 from .. import config
 from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
-from ..arguments import check_bool, check_client, check_int, check_timeout
+from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
 from ..layout import Layout
 from ..transport.ops import (
@@ -75,7 +76,9 @@ class DDict(Checkpoints, Introspection, MappingMethods):
     name
         Name of the dictionary; generated when empty (:meth:`get_name`).
     timeout
-        Seconds for every blocking operation of this handle; ``None``: forever.
+        Seconds (or a duration such as ``"30s"``) for every blocking operation of
+        this handle; ``None``: forever.  Default: ``ddict.timeout`` from dask.config
+        (``null``, i.e. forever, unless configured).
     manager_pool_full_thresh
         Fraction of a shard above which puts raise ``DDictFullError``.
     client
@@ -115,7 +118,7 @@ class DDict(Checkpoints, Introspection, MappingMethods):
         persist_count: int = 0,
         persist_path: str = "",
         name: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = no_default,
         restart: bool = False,
         read_only: bool = False,
         restore_from: int | None = None,
@@ -179,7 +182,7 @@ class DDict(Checkpoints, Introspection, MappingMethods):
         return self._core.layout.serialize()
 
     @classmethod
-    def attach(cls, serialized: str, *, timeout: float | None = None,
+    def attach(cls, serialized: str, *, timeout: Timeout = no_default,
                client: Client | None = None) -> DDict:  # fmt: skip
         """Attach to a dictionary from :meth:`serialize`'s string.
 
@@ -193,7 +196,7 @@ class DDict(Checkpoints, Introspection, MappingMethods):
 
     @classmethod
     def from_name(cls, name: str, client: Client | None = None, *,
-                  timeout: float | None = None) -> DDict:  # fmt: skip
+                  timeout: Timeout = no_default) -> DDict:  # fmt: skip
         """Attach to the dictionary named ``name`` on ``client``'s cluster (one scheduler call)."""
         client = check_client(client) or current_client()
         if client is None:
