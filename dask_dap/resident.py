@@ -26,6 +26,7 @@ from typing import Any
 
 import dask
 import dask.array as da
+import markupsafe
 import numpy as np
 
 from .export import _blocks, _make_dap, buffers_array, plan, rank_dim_data
@@ -112,6 +113,18 @@ class DDictArray:
     def __repr__(self) -> str:
         return (f"<DDictArray {self.name!r} shape={self.shape} dtype={self.dtype} "
                 f"ranks={len(self._meta['managers'])}>")  # fmt: skip
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: shape, dtype, distribution, where each rank lives, and the DDict."""
+        from dask_ddict.display import render
+
+        axes = [", ".join(f"{k}={v}" for k, v in d.items() if k in ("dist_type", "size",
+                                                                     "proc_grid_size"))
+                for d in (self._meta["dim_data"][0] if self._meta["dim_data"] else ())]  # fmt: skip
+        ranks = [(r, m, self.ddict.manager_workers[m]) for r, m in enumerate(self.managers)]
+        return render("ddict_array.html.j2", package="dask_dap", a=self, axes=axes, ranks=ranks,
+                      nbytes=int(np.prod(self.shape)) * self.dtype.itemsize,
+                      ddict_html=markupsafe.Markup(self.ddict._repr_html_()))  # fmt: skip
 
     @classmethod
     def load(cls, ddict: Any, name: str) -> DDictArray:

@@ -23,6 +23,8 @@ INT64_MAX = (1 << 63) - 1
 MAX_TIMEOUT = 1e9
 #: Most managers per worker, and most workers hosting managers, of one dictionary.
 MAX_MANAGERS = 1 << 16
+#: The values of ``DDict(lifetime=...)`` (see ``dask_ddict.cluster.lifetime``).
+LIFETIMES = ("client", "cluster")
 #: A dictionary's name is a directory in its zarr store and part of shard file names.
 MAX_NAME_BYTES = 200
 #: What a ``timeout`` argument accepts: seconds, a duration string, ``None``
@@ -82,6 +84,14 @@ def check_timeout(value: Any, name: str = "timeout") -> float | None:
         raise ValueError(f"{name} must be in [0, {MAX_TIMEOUT:g}] seconds or None (wait "
                          f"forever), got {value!r}")  # fmt: skip
     return seconds
+
+
+def check_lifetime(value: Any) -> str:
+    """``"client"`` (released with the clients that hold it) or ``"cluster"`` (until destroy)."""
+    if value not in LIFETIMES or not isinstance(value, str):
+        raise ValueError(f"lifetime must be one of {', '.join(map(repr, LIFETIMES))}, "
+                         f"got {value!r:.80}")  # fmt: skip
+    return value
 
 
 def check_name(value: Any) -> str:

@@ -136,7 +136,11 @@ def inspect(store: str) -> None:
 @scheduler_option
 def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
             scheduler: str | None) -> None:  # fmt: skip
-    """Create dictionary NAME on the cluster from its checkpoint in STORE; print its handle."""
+    """Create dictionary NAME on the cluster from its checkpoint in STORE; print its handle.
+
+    The dictionary outlives this command (``lifetime="cluster"``): remove it with
+    ``dask ddict destroy NAME``.
+    """
     import zarr
 
     from .client import DDict
@@ -163,7 +167,7 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
                 "cannot host evenly"
             )
         d = DDict(len(managers) // workers, total_mem=total_mem, name=name, persist_path=store,
-                  restore_from=checkpoint, client=client)  # fmt: skip
+                  restore_from=checkpoint, client=client, lifetime="cluster")  # fmt: skip
         click.echo(d.serialize())
         d._core.close()  # the dictionary lives on; this process lets go of its handle
 

@@ -58,6 +58,7 @@ class Layout:
     scheduler: str = ""
     epoch: int = 0
     creator: str = ""
+    lifetime: str = "client"  # "client": released with its holders; "cluster": until destroy()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -21,6 +21,7 @@ from dask_ddict import (
 )
 from dask_ddict.arguments import check_timeout
 from dask_ddict.client import create_request
+from dask_ddict.client.handle import CREATE_ARGUMENTS, CREATE_SIGNATURE
 
 #: Anything a user might pass by mistake.
 garbage = st.one_of(
@@ -32,13 +33,9 @@ garbage = st.one_of(
     st.just(float("inf")), st.just(np.int64(3)), st.just(object()),
 )  # fmt: skip
 
-ARGS = ["managers_per_worker", "n_workers", "total_mem", "working_set_size", "wait_for_keys",
-        "wait_for_writers", "persist_freq", "persist_count", "persist_path", "name", "timeout",
-        "restart", "read_only", "restore_from", "manager_pool_full_thresh", "workers"]  # fmt: skip
-DEFAULTS = dict(managers_per_worker=None, n_workers=None, total_mem="64 MiB", working_set_size=1,
-                wait_for_keys=False, wait_for_writers=False, persist_freq=0, persist_count=0,
-                persist_path="", name="", timeout=None, restart=False, read_only=False,
-                restore_from=None, manager_pool_full_thresh=None, workers=None)  # fmt: skip
+#: Every constructor argument (its signature is their one declaration), with its default.
+ARGS = sorted(CREATE_ARGUMENTS)
+DEFAULTS = {k: CREATE_SIGNATURE.parameters[k].default for k in ARGS} | {"total_mem": "64 MiB"}
 
 
 @fuzz(400)
@@ -58,6 +55,7 @@ def test_constructor_arguments_are_checked_before_anything_is_sent(bad):
         assert type(opts[k]) is bool
     assert type(req["restart"]) is bool and 0 < req["total_mem"] < 1 << 63
     assert isinstance(req["name"], str) and "/" not in req["name"]
+    assert req["lifetime"] in ("client", "cluster")
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,9 @@ def test_sections_are_stored_beside_their_blocks(client, ddict):
     np.testing.assert_array_equal(from_ddict(ddict, "field").compute(), x.compute())
     again = DDictArray.load(ddict, "field")
     assert again.dim_data == arr.dim_data and again.managers == arr.managers
+    html = again._repr_html_()  # Jupyter: shape, dtype, where each rank lives, its DDict
+    assert "shape (8, 6)" in html and "float64" in html and "384 B" in html
+    assert html.count("<code>tcp://") == 8 + 2 and ddict.get_name() in html
 
 
 def test_map_blocks_runs_where_sections_live(client, ddict):

@@ -94,7 +94,7 @@ class AsyncDDict:
     async def from_name(cls, name: str, client: Client, *,
                         timeout: Timeout = no_default) -> AsyncDDict:  # fmt: skip
         """Attach to the dictionary named ``name`` on ``client``'s cluster."""
-        layout = Layout.from_dict(await client.scheduler.ddict_attach(name=name))
+        layout = Layout.from_dict(await client.scheduler.ddict_attach(name=name, client=client.id))
         h = DDict._from_core(_Core(layout, client), creator=False, chkpt=0,
                              timeout=check_timeout(timeout))  # fmt: skip
         return cls(h, client)
@@ -243,6 +243,7 @@ for _name, _call in _AWAITABLE.items():
 _PASSTHROUGH = frozenset(
     {
         "num_managers", "manager_workers", "local_managers", "local_manager", "main_manager",
-        "empty_managers", "timeout", "wait_for_keys", "wait_for_writers", "working_set_size",
+        "empty_managers", "timeout", "lifetime", "wait_for_keys", "wait_for_writers",
+        "working_set_size",
     }
 )  # fmt: skip

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import config
-from ..arguments import MAX_MANAGERS, check_bool, check_int, check_name, check_timeout
+from ..arguments import (
+    MAX_MANAGERS,
+    check_bool,
+    check_int,
+    check_lifetime,
+    check_name,
+    check_timeout,
+)
 from ..options import DDictOptions, parse_total_mem
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DDictOptions))
@@ -42,6 +49,8 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     check_name(name)
     check_timeout(timeout)
     check_bool("restart", restart)
+    lifetime = check_lifetime(config.get("lifetime") if args["lifetime"] is None
+                              else args["lifetime"])  # fmt: skip
     given = {k: args[k] for k in _OPTIONS if k in args}
     if given.get("manager_pool_full_thresh") is None:
         given["manager_pool_full_thresh"] = config.get("manager-pool-full-thresh")
@@ -50,7 +59,7 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     return dict(
         name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
         n_workers=n_workers, workers=None if workers is None else list(workers),
-        restart=restart,
+        restart=restart, lifetime=lifetime,
     )  # fmt: skip
 
 

@@ -44,7 +44,7 @@ from ..transport.ops import (
     Unfreeze,
     WaitFor,
 )
-from . import replicate
+from .replicate import Replication
 from .batch import BatchPut
 from .checkpoints import Checkpoints
 from .core import MISSING, _Core, current_client, embedded_client
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Checkpoints, Introspection, MappingMethods):
+class DDict(Checkpoints, Introspection, MappingMethods, Replication):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -81,6 +81,13 @@ class DDict(Checkpoints, Introspection, MappingMethods):
         (``null``, i.e. forever, unless configured).
     manager_pool_full_thresh
         Fraction of a shard above which puts raise ``DDictFullError``.
+    lifetime
+        ``"client"`` (default ``ddict.lifetime``): the dictionary is destroyed once
+        the client that created it, and every client that attached with
+        :meth:`from_name`, has left the scheduler (closed, crashed or killed) for
+        ``ddict.lifetime-grace-period``, as Dask releases a client's futures.
+        ``"cluster"``: it lives until :meth:`destroy`, whoever leaves; use it for
+        dictionaries that outlive their creator (``restart``, services).
     client
         The Dask client; ``None``: the current client, else an embedded
         ``LocalCluster`` that this handle owns and closes on :meth:`destroy`.
@@ -123,6 +130,7 @@ class DDict(Checkpoints, Introspection, MappingMethods):
         read_only: bool = False,
         restore_from: int | None = None,
         manager_pool_full_thresh: float | None = None,
+        lifetime: str | None = None,
         client: Client | None = None,
         workers: list[str] | None = None,
     ) -> None:
@@ -197,11 +205,16 @@ class DDict(Checkpoints, Introspection, MappingMethods):
     @classmethod
     def from_name(cls, name: str, client: Client | None = None, *,
                   timeout: Timeout = no_default) -> DDict:  # fmt: skip
-        """Attach to the dictionary named ``name`` on ``client``'s cluster (one scheduler call)."""
+        """Attach to the dictionary named ``name`` on ``client``'s cluster (one scheduler call).
+
+        ``client`` then holds the dictionary: one with ``lifetime="client"`` lives
+        while any of its holders is connected (see the constructor's ``lifetime``).
+        """
         client = check_client(client) or current_client()
         if client is None:
             raise ValueError("from_name needs client= (or a current dask Client)")
-        layout = Layout.from_dict(client.sync(client.scheduler.ddict_attach, name=name))
+        layout = Layout.from_dict(client.sync(client.scheduler.ddict_attach, name=name,
+                                              client=client.id))  # fmt: skip
         return cls._from_core(_Core(layout, client), creator=False, chkpt=0,
                               timeout=check_timeout(timeout))  # fmt: skip
 
@@ -533,54 +546,6 @@ class DDict(Checkpoints, Introspection, MappingMethods):
         h = self._derive()
         h._kp, h._vp = key_pickler, value_pickler
         return h
-
-    # -- replication ----------------------------------------------------------------
-
-    def clone(self, clone_list: list[str]) -> None:
-        """Make every dictionary in ``clone_list`` (serialized) an exact copy of this one.
-
-        Each target manager pulls its counterpart's whole shard (all
-        checkpoints of the working set) directly from this dictionary's
-        manager: no data goes through this process or the scheduler.  The
-        targets need the same number of managers and working-set size.
-        """
-        self._check()
-        replicate.clone(self._core.layout, self.serialize(), clone_list, self._core._client)
-
-    def copy(self, name: str = "") -> DDict:
-        """A new dictionary (creator: the caller) with this one's options and content.
-
-        It has the same managers on the same workers, and every checkpoint
-        of the working set is copied manager to manager.
-        """
-        self._check()
-        if not self._creator:
-            raise DDictError("copy() is for the creator's handle", "INVALID_OPERATION")
-        new = type(self)(name=name, timeout=self._timeout, client=self.client,
-                         **replicate.copy_arguments(self._core.layout))  # fmt: skip
-        try:
-            self.clone([new.serialize()])
-        except BaseException:
-            new.destroy()
-            raise
-        new._chkpt = self._chkpt
-        return new
-
-    @classmethod
-    def synchronize_ddicts(cls, serialized_ddicts: list[str]) -> None:
-        """Rebuild the empty managers of parallel dictionaries from the others.
-
-        After a restart, a manager whose shard was lost comes back empty
-        (``empty_managers``).  For each manager id, every dictionary whose
-        manager is empty pulls that manager from a dictionary where it is not.
-
-        Raises
-        ------
-        DDictSyncError
-            If a manager id is empty in every dictionary.
-        """
-        replicate.synchronize(serialized_ddicts)
-
 
 
 #: The constructor's arguments, the client aside (``AsyncDDict.create`` takes the same).

@@ -24,6 +24,7 @@ class Introspection:
     """Properties of a handle: options, where managers are, which are local, stats."""
 
     _core: _Core
+    _chkpt: int
     _timeout: float | None
     _client_id: int
 
@@ -44,6 +45,11 @@ class Introspection:
     @property
     def timeout(self) -> float | None:
         return self._timeout
+
+    @property
+    def lifetime(self) -> str:
+        """``"client"`` (released with the clients that hold it) or ``"cluster"``."""
+        return self._core.layout.lifetime
 
     @property
     def wait_for_keys(self) -> bool:
@@ -125,3 +131,22 @@ class Introspection:
     @property
     def dstats(self) -> dict[int, DDictManagerStats]:
         return {s.manager_id: s for s in self.stats}
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: name, managers, hosts, keys and bytes, checkpoint.
+
+        Never raises: a manager that cannot answer is shown with its error.
+        """
+        from ..display import dict_html, summarize
+
+        answers: dict[int, DDictManagerStats | BaseException] = {}
+        if not self._core.closed:
+            for info in self._core.layout.managers:
+                if info.lost:
+                    continue
+                try:
+                    reply = self._core.channel(info.manager_id).call(Stats())
+                    answers[info.manager_id] = DDictManagerStats.from_dict(reply)
+                except Exception as e:  # noqa: BLE001 - shown in its row
+                    answers[info.manager_id] = e
+        return dict_html(summarize(self._core.layout, answers, checkpoint=self._chkpt))

@@ -9,7 +9,7 @@ process or the scheduler.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import Client
 
@@ -32,7 +32,7 @@ def clone(source: Layout, serialized_source: str, clone_list: list[str],
 
 
 def copy_arguments(lay: Layout) -> dict[str, Any]:
-    """The constructor arguments of a dictionary like ``lay`` (same workers, options)."""
+    """The constructor arguments of a dictionary like ``lay`` (same workers, options, lifetime)."""
     workers = list(dict.fromkeys(lay.manager_workers))
     per_worker = {w: lay.manager_workers.count(w) for w in workers}
     if len(set(per_worker.values())) != 1:
@@ -43,7 +43,7 @@ def copy_arguments(lay: Layout) -> dict[str, Any]:
         )
     options = dataclasses.replace(lay.options, read_only=False, restore_from=None)
     return dict(managers_per_worker=next(iter(per_worker.values())), total_mem=lay.total_mem,
-                workers=workers, **options.to_dict())  # fmt: skip
+                workers=workers, lifetime=lay.lifetime, **options.to_dict())  # fmt: skip
 
 
 def synchronize(serialized_ddicts: list[str]) -> None:
@@ -96,3 +96,64 @@ def _check_parallel(a: Layout, b: Layout) -> None:
             f"has {a.options.working_set_size}",
             "INVALID_ARGUMENT",
         )
+
+
+class Replication:
+    """``clone``, ``copy`` and ``synchronize_ddicts`` (a base of :class:`~dask_ddict.DDict`)."""
+
+    _core: _Core
+    _chkpt: int
+    _creator: bool
+    _timeout: float | None
+
+    if TYPE_CHECKING:  # provided by the handle
+
+        def _check(self) -> None: ...
+        def serialize(self) -> str: ...
+        @property
+        def client(self) -> Client: ...
+
+    def clone(self, clone_list: list[str]) -> None:
+        """Make every dictionary in ``clone_list`` (serialized) an exact copy of this one.
+
+        Each target manager pulls its counterpart's whole shard (all
+        checkpoints of the working set) directly from this dictionary's
+        manager: no data goes through this process or the scheduler.  The
+        targets need the same number of managers and working-set size.
+        """
+        self._check()
+        clone(self._core.layout, self.serialize(), clone_list, self._core._client)
+
+    def copy(self, name: str = "") -> Any:
+        """A new dictionary (creator: the caller) with this one's options and content.
+
+        It has the same managers on the same workers, and every checkpoint
+        of the working set is copied manager to manager.
+        """
+        self._check()
+        if not self._creator:
+            raise DDictError("copy() is for the creator's handle", "INVALID_OPERATION")
+        new = type(self)(name=name, timeout=self._timeout, client=self.client,
+                         **copy_arguments(self._core.layout))  # fmt: skip
+        try:
+            self.clone([new.serialize()])
+        except BaseException:
+            new.destroy()
+            raise
+        new._chkpt = self._chkpt
+        return new
+
+    @classmethod
+    def synchronize_ddicts(cls, serialized_ddicts: list[str]) -> None:
+        """Rebuild the empty managers of parallel dictionaries from the others.
+
+        After a restart, a manager whose shard was lost comes back empty
+        (``empty_managers``).  For each manager id, every dictionary whose
+        manager is empty pulls that manager from a dictionary where it is not.
+
+        Raises
+        ------
+        DDictSyncError
+            If a manager id is empty in every dictionary.
+        """
+        synchronize(serialized_ddicts)

@@ -34,6 +34,8 @@ from .. import config
 from ..errors import DDictError, raise_from_wire
 from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
+from .dashboard import DashboardData, install
+from .lifetime import Holders
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:
@@ -58,6 +60,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self.kept = {}
         self._warned_hosts: set[str] = set()
         self._gone: set[str] = set()  # supervisors (nannies) found gone
+        self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
+        self.dashboard = DashboardData(self)
+        self.holders = Holders(self._release, self._call_later,
+                               lambda: config.get_seconds("lifetime-grace-period") or 0.0)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"<DDictSchedulerPlugin dicts={sorted(self.dicts)}>"
@@ -73,6 +79,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 "ddict_list_kept": self.list_kept,
             }
         )
+        install(scheduler, self.dashboard)
         # Bytes, not objects: an inproc transport would share one instance otherwise.
         await scheduler.register_nanny_plugin(
             None, dumps(DDictNannyPlugin()), name="ddict", idempotent=True
@@ -93,6 +100,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         workers: list[str] | None = None,
         client: str = "",
         restart: bool = False,
+        lifetime: str = "client",
     ) -> dict[str, Any]:
         """Create a dictionary's managers (or re-attach kept shards); return its layout."""
         if not name:
@@ -167,18 +175,23 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         layout = Layout(
             name=name, uid=uid, secret=secret, tls=tls, options=opts, managers=tuple(infos),
             total_mem=total_mem, scheduler=self.scheduler.address, creator=client, extra=extra,
+            lifetime=lifetime,
         )  # fmt: skip
         self.dicts[name] = layout
+        if lifetime == "client":
+            self.holders.created(name, uid, client)
         logger.info("ddict %s: %d managers on %d workers%s", name, num, len(plan),
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
 
-    def attach(self, name: str) -> dict[str, Any]:
-        """The current layout of a dictionary."""
+    def attach(self, name: str, client: str = "") -> dict[str, Any]:
+        """The current layout of a dictionary; ``client`` holds it from now on."""
         try:
-            return self.dicts[name].to_dict()
+            layout = self.dicts[name]
         except KeyError:
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
+        self.holders.attached(name, client)
+        return layout.to_dict()
 
     async def destroy(self, name: str, uid: str, allow_restart: bool = False) -> bool:
         """Remove a dictionary's managers; ``False`` if it was already gone.
@@ -190,6 +203,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         if layout is None or layout.uid != uid:
             return False
         del self.dicts[name]
+        self.holders.forget(name)
         live = sorted({m.supervisor for m in layout.managers if not m.lost})
         await self._destroy_on(live, uid, allow_restart=allow_restart)
         if allow_restart:
@@ -206,6 +220,15 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         return sorted(self.kept)
 
     # -- Scheduler hooks ----------------------------------------------------------
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.dashboard.close)
+
+    def add_client(self, scheduler: Scheduler, client: str) -> None:
+        self.holders.client_came_back(client)
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        self.holders.client_left(client)
 
     async def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                             **kwargs: Any) -> None:  # fmt: skip
@@ -258,6 +281,15 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         return [ws for ws in workers if ws.address not in hosting]
 
     # -- helpers ----------------------------------------------------------------
+
+    def _call_later(self, seconds: float, callback: Any) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(seconds, callback)
+
+    def _release(self, name: str, uid: str) -> None:
+        """Destroy a dictionary whose holders are gone (from the event loop)."""
+        task = asyncio.ensure_future(self.destroy(name, uid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _supervisor(self, worker: str) -> str:
         """Where ``worker``'s host supervisor takes control calls: its nanny, or itself."""

@@ -66,6 +66,9 @@ class Connections:
 
     layout: Layout
     closed: bool
+    #: Same-host reads straight from the shard (``ddict.local-read``); an observer
+    #: that must never map a shard (the scheduler's dashboard) turns it off.
+    direct_reads: bool = True
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
@@ -123,7 +126,7 @@ class Connections:
             )
         if config.get("local-transport") and self.is_local(info) and os.path.exists(info.uds_path):
             sock = SocketChannel(self._link(info, use_uds=True), info)
-            if config.get("local-read") and os.path.isdir(info.store_path):
+            if self.direct_reads and config.get("local-read") and os.path.isdir(info.store_path):
                 from .shared import (
                     SharedChannel,  # lmdb: only where a shard is read directly
                 )

@@ -1,0 +1,198 @@
+"""The dashboard page: ``/ddict`` and ``/ddict.json`` on the scheduler's HTTP server.
+
+:class:`DashboardData` asks every manager of every dictionary for its stats
+and persisted checkpoints, from the scheduler (the orchestrator knows each
+dictionary's secret), at most once per ``ddict.dashboard.refresh`` and one
+collection at a time, whatever the number of open pages.  The asking happens
+in threads with a per-manager deadline, so a hung host shows up as an error
+row and never blocks the scheduler's event loop.  It uses sockets only:
+no shard is ever mapped into the scheduler process.
+
+:func:`install` adds the routes to ``scheduler.http_application`` (so they
+are in ``/sitemap.json``) and, when bokeh serves the dashboard, a "DDict"
+entry to its navigation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tornado import web
+
+from .. import config
+from ..display import render, summarize
+from ..layout import Layout
+from ..stats import DDictManagerStats
+from ..transport.connect import Connections
+from ..transport.ops import PersistedIds, Stats
+from .lifetime import Holders
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
+
+#: The page's path below the dashboard's prefix; the JSON endpoint is this plus ".json".
+ROUTE = "ddict"
+
+
+class Registry(Protocol):
+    """What the page reads from the orchestrator (``DDictSchedulerPlugin``)."""
+
+    dicts: dict[str, Layout]
+    holders: Holders
+    scheduler: Scheduler
+
+
+class Observer(Connections):
+    """The orchestrator's connections to one dictionary's managers.
+
+    Sockets only (``direct_reads`` off: the scheduler never maps a shard, so a
+    destroyed dictionary's memory is freed at once), with the scheduler's own
+    TLS settings.
+    """
+
+    direct_reads = False
+
+    def __init__(self, layout: Layout, security: Any) -> None:
+        super().__init__(layout)
+        self._security = security
+
+    def security(self) -> Any:
+        return self._security
+
+
+class DashboardData:
+    """What the page shows, collected from the managers (see the module docstring).
+
+    Parameters
+    ----------
+    plugin
+        The orchestrator: its registry, holders and scheduler.
+    """
+
+    def __init__(self, plugin: Registry) -> None:
+        self._plugin = plugin
+        self._observers: dict[str, Observer] = {}  # uid -> connections
+        self._snapshot: list[dict[str, Any]] = []
+        self._taken = -float("inf")
+        self._pending: asyncio.Future[list[dict[str, Any]]] | None = None
+
+    def __repr__(self) -> str:
+        return f"<DashboardData dicts={len(self._snapshot)} observed={len(self._observers)}>"
+
+    async def snapshot(self) -> list[dict[str, Any]]:
+        """Every dictionary's summary (:func:`dask_ddict.display.summarize`), by name."""
+        if time.monotonic() - self._taken < (config.get_seconds("dashboard.refresh") or 0):
+            return self._snapshot
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._collect())
+            self._pending.add_done_callback(lambda _: setattr(self, "_pending", None))
+        return await asyncio.shield(self._pending)
+
+    async def _collect(self) -> list[dict[str, Any]]:
+        plugin = self._plugin
+        layouts = dict(plugin.dicts)
+        for uid in set(self._observers) - {lay.uid for lay in layouts.values()}:
+            await asyncio.to_thread(self._observers.pop(uid).close)
+        summaries = await asyncio.gather(*(self._one(lay) for _, lay in sorted(layouts.items())))
+        self._snapshot, self._taken = list(summaries), time.monotonic()
+        return self._snapshot
+
+    async def _one(self, layout: Layout) -> dict[str, Any]:
+        observer = self._observers.get(layout.uid)
+        if observer is None or observer.layout.epoch != layout.epoch:
+            if observer is not None:
+                await asyncio.to_thread(observer.close)
+            security = self._plugin.scheduler.security
+            observer = self._observers[layout.uid] = Observer(layout, security)
+        deadline = config.get_seconds("dashboard.manager-timeout")
+        live = [m.manager_id for m in layout.managers if not m.lost]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(asyncio.to_thread(_ask, observer, mid), deadline) for mid in live),
+            return_exceptions=True,
+        )
+        stats: dict[int, DDictManagerStats | BaseException] = {}
+        persisted: dict[int, list[int]] = {}
+        for mid, answer in zip(live, answers):
+            if isinstance(answer, BaseException):
+                if isinstance(answer, TimeoutError):
+                    answer = TimeoutError(f"no answer within {deadline:g} s")
+                stats[mid] = answer
+            else:
+                stats[mid], persisted[mid] = answer
+        holders = self._plugin.holders
+        return summarize(layout, stats, persisted, holders=holders.holders(layout.name),
+                         release_pending=holders.release_pending(layout.name))  # fmt: skip
+
+    def close(self) -> None:
+        for observer in self._observers.values():
+            observer.close()
+        self._observers.clear()
+
+
+def _ask(observer: Observer, mid: int) -> tuple[DDictManagerStats, list[int]]:
+    channel = observer.channel(mid)
+    stats = DDictManagerStats.from_dict(channel.call(Stats()))
+    return stats, sorted(channel.call(PersistedIds()))
+
+
+class _Handler(web.RequestHandler):
+    def initialize(self, data: DashboardData) -> None:
+        self.data = data
+
+
+class PageHandler(_Handler):
+    """``/ddict``: the page; ``?fragment=1`` gives just the dictionaries (live updates)."""
+
+    async def get(self) -> None:
+        dicts = await self.data.snapshot()
+        if self.get_argument("fragment", ""):
+            self.write(render("dicts.html.j2", dicts=dicts))
+            return
+        refresh = max(0.5, config.get_seconds("dashboard.refresh") or 0)
+        self.write(render("dashboard.html.j2", dicts=dicts, refresh_ms=int(refresh * 1000),
+                          updated=time.strftime("%H:%M:%S")))  # fmt: skip
+
+
+class JSONHandler(_Handler):
+    """``/ddict.json``: the same summaries, for programs."""
+
+    async def get(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps({"dicts": await self.data.snapshot()}))
+
+
+def install(scheduler: Scheduler, data: DashboardData) -> bool:
+    """Serve the page on the scheduler's HTTP server; ``False`` if it has none."""
+    app = getattr(scheduler, "http_application", None)
+    if app is None:
+        return False
+    prefix = _prefix(app)
+    app.add_handlers(r".*", [
+        (f"{prefix}{ROUTE}", PageHandler, {"data": data}),
+        (f"{prefix}{ROUTE}.json", JSONHandler, {"data": data}),
+    ])  # fmt: skip
+    try:  # the bokeh dashboard's "More..." menu (its template variables are shared lists)
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:  # no bokeh: the page still works, without a menu entry
+        return True
+    plots = template_variables(scheduler)["plots"]
+    if not any(p["url"] == ROUTE for p in plots):
+        plots.append({"url": ROUTE, "name": "DDict"})
+    return True
+
+
+def _prefix(app: web.Application) -> str:
+    """The dashboard's URL prefix (``/`` unless the scheduler was given one)."""
+    for rule in app.default_router.rules + app.wildcard_router.rules:
+        target = getattr(rule, "target", None)
+        for inner in getattr(target, "rules", [rule]):
+            pattern = getattr(getattr(inner, "matcher", None), "regex", None)
+            if pattern is not None and pattern.pattern.endswith("health$"):
+                return pattern.pattern[: -len("health$")]
+    return "/"
