@@ -239,7 +239,10 @@ def to_ddict(x: da.Array, ddict: Any, name: str, client: Any = None,
     """Store every block of ``x`` as a DAP section in the manager beside it.
 
     ``dap_options`` (``comm_padding``, ``dist``, ...) are :func:`~dask_dap.to_dap`'s.
+    Shows Dask's progress bar when ``ddict.progress`` says so.
     """
+    from dask_ddict.progress import compute
+
     if client is None:
         from distributed import get_client
 
@@ -250,7 +253,7 @@ def to_ddict(x: da.Array, ddict: Any, name: str, client: Any = None,
     store = dask.delayed(_store_section, pure=False)
     tasks = [store(b, ddict, name, r, rank_dim_data(layouts, c))
              for r, (c, b) in enumerate(zip(coords, blocks))]  # fmt: skip
-    managers = [int(m) for m in client.gather(client.compute(tasks))]
+    managers = [int(m) for m in compute(tasks, client)]
     meta = {
         "shape": [int(s) for s in x.shape],
         "dtype": x.dtype.str,

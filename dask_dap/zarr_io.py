@@ -47,12 +47,29 @@ def _from_json(dim: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | None = None,
-            overwrite: bool = False, **dap_options: Any) -> zarr.Array:  # fmt: skip
+            overwrite: bool = False, compute: bool = True,
+            **dap_options: Any) -> Any:  # fmt: skip
     """Write a dask array (or DAP parts) and its DAP layout to a zarr store.
 
-    ``dap_options`` (``comm_padding``, ``dist``, ...) describe the layout to
-    record for a dask array, as :func:`~dask_dap.to_dap` takes them.
+    Parameters
+    ----------
+    x_or_parts
+        A dask array, or the DAP parts (one dict per rank) of any producer.
+    store, path
+        The zarr store (a path, URL or zarr store object) and the array's path in it.
+    overwrite
+        Replace an existing array at ``path``.
+    compute
+        Write now and return the ``zarr.Array`` (with Dask's progress bar when
+        ``ddict.progress`` says so).  ``False``: create the array and its layout
+        attribute now, and return the dask collection that writes the data when
+        computed, as ``dask.array.to_zarr(..., compute=False)`` does.
+    **dap_options
+        ``comm_padding``, ``dist``, ...: the layout to record for a dask array,
+        as :func:`~dask_dap.to_dap` takes them.
     """
+    if not isinstance(compute, bool):
+        raise TypeError(f"compute must be True or False, got {compute!r:.80}")
     if isinstance(x_or_parts, da.Array):
         x = x_or_parts
         layouts = plan(x, **dap_options)
@@ -85,7 +102,12 @@ def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | Non
         "chunks": [list(map(int, c)) for c in x.chunks],
         "dim_data": [[_jsonable(d) for d in dd] for dd in dim_datas],
     }
-    da.store(y, arr, lock=False)
+    stored = da.store(y, arr, lock=False, compute=False)
+    if not compute:
+        return stored
+    from dask_ddict.progress import compute as compute_with_progress
+
+    compute_with_progress(stored)
     return arr
 
 

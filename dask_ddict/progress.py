@@ -1,6 +1,10 @@
-"""Progress bars for operations that visit every manager (persist, sync, restore, clone).
+"""Progress bars for long operations.
 
-``tqdm.auto`` draws a bar in a terminal and a widget in Jupyter.  Bars are
+Operations that visit every manager (persist, sync, restore, clone) draw a
+``tqdm.auto`` bar over the managers: a terminal bar, a widget in Jupyter.
+Operations that run Dask tasks (``dask_dap.to_zarr``, ``to_ddict``) show
+Dask's own progress for their futures, or ``dask.diagnostics.ProgressBar``
+without a distributed client (:func:`compute`).  Bars are
 shown when ``ddict.progress`` says so: ``auto`` (the default) shows them only
 when someone watches (stderr is a terminal, or the code runs in a Jupyter
 kernel), so logs and batch jobs stay clean; ``true``/``false`` force it.
@@ -23,6 +27,31 @@ def enabled() -> bool:
     if setting == "auto":
         return "ipykernel" in sys.modules or bool(getattr(sys.stderr, "isatty", bool)())
     return bool(setting)
+
+
+def compute(collection: Any, client: Any = None) -> Any:
+    """``collection.compute()`` (on ``client``, else the current Dask scheduler), with
+    Dask's progress bar when progress is on."""
+    if client is None:
+        from distributed import default_client
+
+        try:
+            client = default_client()
+        except ValueError:  # no distributed client: the local scheduler
+            client = None
+    if client is None:
+        if not enabled():
+            return collection.compute()
+        from dask.diagnostics import ProgressBar
+
+        with ProgressBar():
+            return collection.compute()
+    futures = client.compute(collection)
+    if enabled():
+        from distributed import progress
+
+        progress(futures)  # a bar in a terminal (returns when done), a widget in Jupyter
+    return client.gather(futures)
 
 
 def track(items: Iterable[T], desc: str, total: int | None = None) -> Iterable[T]:

@@ -3,6 +3,7 @@ imports from futures move only metadata, and zarr round trips on disk."""
 
 from __future__ import annotations
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from dask_dap import (
     read_dap_layout,
     to_dap,
     to_dap_futures,
+    to_ddict,
     to_zarr,
 )
 
@@ -102,3 +104,32 @@ def test_zarr_round_trips(tmp_path):
     zarr.create_array(str(tmp_path / "plain.zarr"), shape=(2,), dtype="f8")
     with pytest.raises(DAPValidationError, match="no DAP layout"):
         from_zarr(str(tmp_path / "plain.zarr"))
+
+
+def test_to_zarr_compute_false_writes_when_computed(client, tmp_path):
+    a = np.arange(48.0).reshape(6, 8)
+    path = str(tmp_path / "lazy.zarr")
+    stored = to_zarr(da.from_array(a, chunks=(3, 4)), path, compute=False)
+    assert dask.is_dask_collection(stored)
+    assert read_dap_layout(path)[0][0]["dist_type"] == "b"  # the layout is there already...
+    np.testing.assert_array_equal(zarr.open_array(path, mode="r")[:], 0)  # ...the data is not
+    stored.compute()
+    np.testing.assert_array_equal(from_zarr(path).compute(), a)
+    with pytest.raises(TypeError, match="compute must be True or False"):
+        to_zarr(da.from_array(a), str(tmp_path / "x.zarr"), compute="no")
+
+
+def test_to_zarr_and_to_ddict_show_dasks_progress(client, ddict, tmp_path, capsys):
+    x = da.from_array(np.arange(64.0).reshape(8, 8), chunks=(4, 4))
+    with dask.config.set({"ddict.progress": True}):
+        to_zarr(x, str(tmp_path / "shown.zarr"))
+        shown = capsys.readouterr()
+        to_ddict(x, ddict, "shown")
+        shown_ddict = capsys.readouterr()
+    with dask.config.set({"ddict.progress": False}):
+        to_zarr(x, str(tmp_path / "quiet.zarr"))
+    quiet = capsys.readouterr()
+    assert "100% Completed" in shown.out + shown.err
+    assert "100% Completed" in shown_ddict.out + shown_ddict.err
+    assert "Completed" not in quiet.out + quiet.err
+    np.testing.assert_array_equal(from_zarr(str(tmp_path / "shown.zarr")).compute(), x.compute())
