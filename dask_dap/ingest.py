@@ -26,7 +26,7 @@ from dask.highlevelgraph import HighLevelGraph
 
 from .errors import DAPValidationError
 from .layout import AxisLayout, layouts_from_ranks, take_along
-from .protocol.dims import normalize_dim, owned_slice
+from .protocol.dims import buffer_shape, normalize_dim, owned_slice
 from .protocol.validate import VERSION, validate_distribution
 
 
@@ -45,7 +45,7 @@ def upgrade_legacy(dap: Mapping[str, Any]) -> dict[str, Any]:
     ``'n'`` dimensions become undistributed block dimensions; lists become
     tuples and numpy integers Python ints.  Used by ``from_dap(strict=False)``.
     """
-    shape = memoryview(dap["buffer"]).shape
+    shape = buffer_shape(dap["buffer"])
     dims = []
     for i, d in enumerate(dap.get("dim_data", ())):
         d = {k: (int(v) if isinstance(v, np.integer) else v) for k, v in dict(d).items()}
@@ -126,7 +126,7 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
         locals_ = [p if strict else upgrade_legacy(p) for p in parts]
     validate_distribution(locals_)
 
-    shapes = [memoryview(d["buffer"]).shape for d in locals_]
+    shapes = [buffer_shape(d["buffer"]) for d in locals_]
     dims = [tuple(normalize_dim(dd, shapes[p][i]) for i, dd in enumerate(d["dim_data"]))
             for p, d in enumerate(locals_)]  # fmt: skip
     ndim = len(dims[0])
@@ -150,7 +150,7 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
     else:
         # The graph holds the producer's buffers (views of them): nothing is copied.
         name = name or f"from-dap-{uuid.uuid4().hex}"
-        dsk = {(name, *coords): b for coords, b in blocks.items()}
+        dsk: dict[Any, Any] = {(name, *coords): b for coords, b in blocks.items()}
         graph = HighLevelGraph.from_collections(name, dsk, dependencies=[])
         x = da.Array(graph, name, chunks, dtype=dtype, meta=np.empty((0,) * ndim, dtype=dtype))
     return to_global_order(x, layouts)

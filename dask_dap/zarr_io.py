@@ -94,7 +94,7 @@ def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | Non
     )
     y = x if regular else x.rechunk(zchunks)
     arr = zarr.create_array(
-        store, name=path, shape=x.shape, dtype=x.dtype, chunks=zchunks or None,
+        store, name=path, shape=x.shape, dtype=x.dtype, chunks=zchunks if zchunks else "auto",
         overwrite=overwrite, fill_value=0,
     )  # fmt: skip
     arr.attrs[_ATTR] = {
@@ -102,7 +102,8 @@ def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | Non
         "chunks": [list(map(int, c)) for c in x.chunks],
         "dim_data": [[_jsonable(d) for d in dd] for dd in dim_datas],
     }
-    stored = da.store(y, arr, lock=False, compute=False)
+    target: Any = arr  # a zarr array takes dask's block writes (``__setitem__``)
+    stored = da.store(y, target, lock=False, compute=False)
     if not compute:
         return stored
     from dask_ddict.progress import compute as compute_with_progress
@@ -122,12 +123,13 @@ def _open(store: Any, path: str | None) -> zarr.Array:
 
 def read_dap_layout(store: Any, path: str | None = None) -> list[tuple[dict[str, Any], ...]]:
     """The stored layout: each rank's ``dim_data`` tuple, in rank order."""
-    meta = _open(store, path).attrs[_ATTR]
+    meta: Any = _open(store, path).attrs[_ATTR]  # the JSON that to_zarr wrote
     return [tuple(_from_json(d) for d in dd) for dd in meta["dim_data"]]
 
 
 def from_zarr(store: Any, path: str | None = None) -> da.Array:
     """The array written by :func:`to_zarr`, with the chunks it was written from."""
     arr = _open(store, path)
-    chunks = tuple(tuple(c) for c in arr.attrs[_ATTR]["chunks"])
+    meta: Any = arr.attrs[_ATTR]
+    chunks = tuple(tuple(c) for c in meta["chunks"])
     return da.from_zarr(arr, chunks=chunks if chunks else ())

@@ -10,6 +10,8 @@ scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import config  # noqa: F401  (loads the ddict.* defaults)
 from .client import AsyncDDict, DDict
 from .cluster.scheduler_plugin import DDictSchedulerPlugin
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 
-def dask_setup(scheduler) -> None:  # type: ignore[no-untyped-def]
+def dask_setup(scheduler: Any) -> None:
     """Preload hook: ``dask scheduler --preload dask_ddict`` installs the orchestrator.
 
     Scheduler preloads run before plugins start, so ``start`` is still awaited.

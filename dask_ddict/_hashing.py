@@ -55,7 +55,8 @@ def _has_user_hash(cls: type) -> bool:
 
 def custom_placement(key: Any, num_managers: int) -> int | None:
     """``hash(key) % num_managers`` for user-defined ``__hash__``, else ``None``."""
-    if _has_user_hash(type(key)):
+    cls: type = type(key)
+    if _has_user_hash(cls):
         return hash(key) % num_managers
     return None
 

@@ -131,7 +131,7 @@ class _KeyPickler(pickle.Pickler):
         rv = list(rv)
         if isinstance(obj, (set, frozenset)) and len(rv) > 1:  # a set subclass
             rv[1] = (_sorted(obj),)
-        elif rv[0] is copyreg.__newobj_ex__:  # (cls, args, kwargs): kwargs must stay a dict
+        elif rv[0] is copyreg.__newobj_ex__:  # type: ignore[attr-defined]  # (not in typeshed)  # (cls, args, kwargs): kwargs must stay a dict
             cls, args, kwargs = rv[1]
             rv[1] = (cls, _canon(args), {k: _canon(kwargs[k]) for k in sorted(kwargs)})
         else:

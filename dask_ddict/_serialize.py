@@ -90,8 +90,8 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
             raise DDictSerializationError(
                 f"custom value pickler failed on a value of type {_describe(obj)}: {e}"
             ) from e
-        payload = bio.getbuffer()
-        return Framed([_HEAD.pack(FMT_RAW, 0, len(payload)), payload], _HEAD.size + len(payload))
+        raw = bio.getbuffer()
+        return Framed([_HEAD.pack(FMT_RAW, 0, len(raw)), raw], _HEAD.size + len(raw))
 
     buffers: list[pickle.PickleBuffer] = []
     try:
@@ -182,7 +182,7 @@ HUGE_BYTES = 2 << 20
 def empty_buffer(nbytes: int) -> memoryview:
     """A writable, uninitialized byte buffer, page aligned when large."""
     if nbytes < HUGE_BYTES:
-        return memoryview(np.empty(nbytes, dtype=np.uint8))
+        return np.empty(nbytes, dtype=np.uint8).data
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
@@ -191,7 +191,7 @@ def empty_buffer(nbytes: int) -> memoryview:
         except OSError:
             pass
     # The numpy view keeps the mapping alive; it is unmapped with its last view.
-    return memoryview(np.frombuffer(m, dtype=np.uint8))
+    return np.frombuffer(m, dtype=np.uint8).data
 
 
 class Scratch:
@@ -253,7 +253,7 @@ class BufferPool:
         step = max(self.MIN, octave >> 3)  # eight sizes per power of two: little waste
         size = -(-nbytes // step) * step
         if size > self.keep:
-            return memoryview(np.frombuffer(empty_buffer(nbytes), dtype=np.uint8))
+            return np.frombuffer(empty_buffer(nbytes), dtype=np.uint8).data
         with self._lock:
             free = self._free.get(size)
             buf = free.pop() if free else None
@@ -263,7 +263,7 @@ class BufferPool:
             buf = np.frombuffer(empty_buffer(size), dtype=np.uint8)
         view = buf[:]  # the handle: when it and every view of it are gone, buf comes back
         weakref.finalize(view, self._put, buf)
-        return memoryview(view)
+        return view.data
 
     def _put(self, buf: np.ndarray) -> None:
         size = buf.nbytes

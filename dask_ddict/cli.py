@@ -107,7 +107,7 @@ def inspect(store: str) -> None:
         managers = sorted(int(m[8:]) for m, _ in group.groups() if m.startswith("manager_"))
         click.echo(f"{name}: {len(managers)} managers")
         for mid in managers:
-            n = group[f"manager_{mid}"].attrs.get("num_managers", len(managers))
+            n = int(group[f"manager_{mid}"].attrs.get("num_managers", len(managers)))  # type: ignore[arg-type]
             try:
                 cs = CheckpointStore(store, name, mid, n, writable=False)
             except DDictPersistCheckpointError as e:
@@ -147,6 +147,8 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
 
     try:
         group = zarr.open_group(store, mode="r")[name]
+        if not isinstance(group, zarr.Group):
+            raise TypeError(f"{name!r} is an array, not a dictionary's group")
         managers = sorted(int(m[8:]) for m, _ in group.groups() if m.startswith("manager_"))
     except Exception as e:  # noqa: BLE001
         raise click.ClickException(f"no dictionary {name!r} in {store}: {e}") from None

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 from dask.utils import format_bytes
 
 from .layout import Layout
 from .stats import DDictManagerStats
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 def summarize(
@@ -93,6 +95,8 @@ def summarize(
 
 @cache
 def _environment(package: str) -> jinja2.Environment:
+    import jinja2  # on first render: importing dask_ddict stays light
+
     env = jinja2.Environment(
         loader=jinja2.PackageLoader(package, "templates"),
         autoescape=True,

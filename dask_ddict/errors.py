@@ -64,7 +64,8 @@ class DDictError(Exception):
         return (_rebuild, (type(self), self.message, self.code, self.__dict__))
 
 
-def _rebuild(cls: type, message: str, code: str, state: dict[str, Any]) -> DDictError:
+def _rebuild(cls: type[DDictError], message: str, code: str,
+             state: dict[str, Any]) -> DDictError:  # fmt: skip
     exc = cls.__new__(cls)
     DDictError.__init__(exc, message, code)
     exc.__dict__.update(state)

@@ -61,4 +61,4 @@ def track(items: Iterable[T], desc: str, total: int | None = None) -> Iterable[T
     from tqdm.auto import tqdm
 
     bar: Any = tqdm(items, desc=desc, total=total, unit="manager", leave=False)
-    return bar  # type: ignore[no-any-return]
+    return bar

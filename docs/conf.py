@@ -35,7 +35,6 @@ autodoc_typehints = "none"  # numpydoc's Parameters sections say it, once
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_validation_checks: set[str] = set()
-suppress_warnings = ["myst.xref_missing"]  # links to the repository's files (../README.md)
 
 html_theme = "pydata_sphinx_theme"
 html_title = "dask-ddict"

@@ -4,7 +4,7 @@ live dictionaries on the test cluster."""
 from __future__ import annotations
 
 import threading
-from collections.abc import MutableMapping
+from collections.abc import ItemsView, KeysView, MutableMapping, ValuesView
 from test import mapping_tests
 
 import numpy as np
@@ -69,3 +69,15 @@ def test_isinstance_equality_setdefault_and_popitem(ddict, client):
     assert set(seen) == {"a", "b", "once"}
     with pytest.raises(KeyError):
         ddict.popitem()
+
+
+def test_views_are_dict_views(ddict):
+    data = {f"k{i}": i for i in range(20)}
+    ddict.update(data)
+    assert isinstance(ddict.keys(), KeysView) and isinstance(ddict.items(), ItemsView)
+    assert isinstance(ddict.values(), ValuesView)
+    assert ddict.keys() == data.keys() and ddict.items() == data.items()
+    assert ddict.keys() & {"k1", "nope"} == {"k1"} and ddict.keys() - data.keys() == set()
+    assert ("k3", 3) in ddict.items() and ("k3", 4) not in ddict.items() and 19 in ddict.values()
+    assert set(ddict.local_managers) == {0, 1}  # one host: every manager is local
+    assert set(ddict.local_items()) == set(data.items()) and ("k3", 3) in ddict.local_items()

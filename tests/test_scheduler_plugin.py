@@ -115,7 +115,7 @@ def test_a_failed_creation_undoes_itself():
         with pytest.raises(DDictFullError, match="no room"):
             await create(plugin)
         undone = {a for op, a, _ in s.sups.calls if op == "ddict_destroy_managers"}
-        assert undone == {"tcp://n0", "tcp://n1"} and plugin.list() == []
+        assert undone == {"tcp://n0", "tcp://n1"} and plugin.names() == []
 
     run(main())
 
@@ -158,7 +158,7 @@ def test_destroy_and_keep_for_restart():
         lay = await create(plugin)
         assert not await plugin.destroy("d", "wrong-uid")
         assert await plugin.destroy("d", lay.uid, allow_restart=True)
-        assert plugin.list() == [] and plugin.list_kept() == ["d"]
+        assert plugin.names() == [] and plugin.names_kept() == ["d"]
         assert not await plugin.destroy("d", lay.uid)  # already gone: idempotent
         with pytest.raises(DDictError, match="no DDict named 'd'"):
             plugin.attach("d")

@@ -26,6 +26,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def buffer_shape(buffer: Any) -> tuple[int, ...]:
+    """The shape of anything with the buffer protocol (a 0-d buffer has shape ``()``)."""
+    return tuple(memoryview(buffer).shape or ())
+
+
 def normalize_dim(dim: Mapping[str, Any], shape_i: int) -> dict[str, Any]:
     """A complete dimension dict: the ``{}`` alias expanded and the optional keys filled.
 
@@ -37,7 +42,7 @@ def normalize_dim(dim: Mapping[str, Any], shape_i: int) -> dict[str, Any]:
         return {"dist_type": "b", "size": shape_i, "proc_grid_size": 1, "proc_grid_rank": 0,
                 "start": 0, "stop": shape_i, "padding": (0, 0), "periodic": False}  # fmt: skip
     out = dict(dim)
-    for k, v in _DEFAULTS.get(out.get("dist_type"), {}).items():
+    for k, v in _DEFAULTS.get(str(out.get("dist_type")), {}).items():
         out.setdefault(k, v)
     if "padding" in out and not isinstance(out["padding"], tuple):
         out["padding"] = tuple(out["padding"])

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DAPValidationError
-from .dims import global_indices, normalize_dim, num_owned_indices
+from .dims import buffer_shape, global_indices, normalize_dim, num_owned_indices
 
 VERSION = "0.10.0"
 _TOP = frozenset({"__version__", "buffer", "dim_data"})
@@ -117,7 +117,7 @@ def validate(dap: Mapping[str, Any], *, rank: int | None = None, strict: bool = 
             rank=rank, key="dim_data",
         )
     for i, dim in enumerate(dim_data):
-        _check_dim(dim, view.shape[i], i, rank, strict)
+        _check_dim(dim, (view.shape or ())[i], i, rank, strict)
 
 
 def _check_dim(d: Any, shape_i: int, i: int, rank: int | None, strict: bool) -> None:
@@ -263,7 +263,7 @@ def validate_distribution(daps: Sequence[Mapping[str, Any]]) -> None:
         raise DAPValidationError("no DAP dicts given (a distribution has at least one rank)")
     for pos, dap in enumerate(daps):
         validate(dap, rank=pos)
-    shapes = [memoryview(d["buffer"]).shape for d in daps]
+    shapes = [buffer_shape(d["buffer"]) for d in daps]
     dims = [
         tuple(normalize_dim(dd, shapes[p][i]) for i, dd in enumerate(d["dim_data"]))
         for p, d in enumerate(daps)

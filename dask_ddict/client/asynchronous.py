@@ -25,17 +25,62 @@ which is what makes it fast), and the async twin is thin:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from dask.typing import no_default
 from distributed import Client
 
 from ..arguments import Timeout, check_timeout
 from ..layout import Layout
+from ..stats import DDictManagerStats
 from .core import _Core
 from .creation import create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+def _awaitable(call: Callable[Concatenate[DDict, P], R]
+               ) -> Callable[Concatenate[AsyncDDict, P], Coroutine[Any, Any, R]]:  # fmt: skip
+    """``async def method(self, ...)``: ``call(sync_handle, ...)`` in a worker thread.
+
+    Typed through ``ParamSpec``: each coroutine has its synchronous twin's
+    signature, so ``await ad.get(k)`` type-checks like ``d.get(k)``.
+    """
+
+    async def method(self: AsyncDDict, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(call, self._d, *args, **kwargs)
+
+    name = call.__name__  # the DDict method (``_keys`` stands for ``keys()``)
+    method.__sync__ = name if name.startswith("__") else name.lstrip("_")  # type: ignore[attr-defined]
+    return method
+
+
+def _as_list(view: Callable[[DDict], Iterable[T]]) -> Callable[[DDict], list[T]]:
+    """``keys()`` and the other views, materialized in the worker thread."""
+
+    def listed(d: DDict) -> list[T]:
+        return list(view(d))
+
+    listed.__name__ = view.__name__
+    return listed
+
+
+# DDict's properties that ask the managers, as calls for the table below.
+def _is_frozen(d: DDict) -> bool:
+    return d.is_frozen
+
+
+def _stats(d: DDict) -> list[DDictManagerStats]:
+    return d.stats
+
+
+def _dstats(d: DDict) -> dict[int, DDictManagerStats]:
+    return d.dstats
 
 
 class AsyncDDict:
@@ -198,6 +243,45 @@ class AsyncDDict:
             if len(keys) < page:
                 return
 
+    # -- the async face, declared once: every operation that talks to a manager -----
+    # ``put``/``length``/... are the names of what DDict spells with operators
+    # (``d[k] = v``, ``len(d)``, ...); views come back as lists.
+    put = _awaitable(DDict.__setitem__)
+    pput = _awaitable(DDict.pput)
+    get = _awaitable(DDict.get)
+    contains = _awaitable(DDict.__contains__)
+    pop = _awaitable(DDict.pop)
+    delete = _awaitable(DDict.__delitem__)
+    length = _awaitable(DDict.__len__)
+    clear = _awaitable(DDict.clear)
+    update = _awaitable(DDict.update)
+    setdefault = _awaitable(DDict.setdefault)
+    popitem = _awaitable(DDict.popitem)
+    fetch_add = _awaitable(DDict.fetch_add)
+    wait_for = _awaitable(DDict.wait_for)
+    keys = _awaitable(_as_list(DDict.keys))
+    values = _awaitable(_as_list(DDict.values))
+    items = _awaitable(_as_list(DDict.items))
+    sync_to_newest_checkpoint = _awaitable(DDict.sync_to_newest_checkpoint)
+    persist = _awaitable(DDict.persist)
+    persisted_ids = _awaitable(DDict.persisted_ids)
+    sync = _awaitable(DDict.sync)
+    restore = _awaitable(DDict.restore)
+    advance = _awaitable(DDict.advance)
+    end_batch_put = _awaitable(DDict.end_batch_put)
+    bput = _awaitable(DDict.bput)
+    bget = _awaitable(DDict.bget)
+    freeze = _awaitable(DDict.freeze)
+    unfreeze = _awaitable(DDict.unfreeze)
+    is_frozen = _awaitable(_is_frozen)
+    stats = _awaitable(_stats)
+    dstats = _awaitable(_dstats)
+    local_keys = _awaitable(_as_list(DDict.local_keys))
+    local_values = _awaitable(_as_list(DDict.local_values))
+    local_items = _awaitable(_as_list(DDict.local_items))
+    local_len = _awaitable(DDict.local_len)
+    clone = _awaitable(DDict.clone)
+
     def __getattr__(self, name: str) -> Any:
         # Plain properties that send no message (num_managers, manager_workers,
         # local_managers, main_manager, timeout, wait_for_keys, ...).
@@ -206,39 +290,14 @@ class AsyncDDict:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-def _coroutine(name: str, call: Any) -> Any:
-    """``async def name(self, ...)``: ``call(sync_handle, ...)`` in a worker thread."""
-
-    async def method(self: AsyncDDict, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(call, self._d, *args, **kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"Awaitable :meth:`DDict.{name}` (run in a worker thread)."
-    return method
-
-
-#: The async face, declared once: every operation that talks to a manager, as the
-#: synchronous handle does it.  ``put``/``length``/... are the names of what ``DDict``
-#: spells with operators (``d[k] = v``, ``len(d)``, ...); views come back as lists.
-_AWAITABLE: dict[str, Any] = {
-    "put": DDict.__setitem__, "pput": DDict.pput, "get": DDict.get,
-    "contains": DDict.__contains__, "pop": DDict.pop, "delete": DDict.__delitem__,
-    "length": DDict.__len__, "clear": DDict.clear, "update": DDict.update,
-    "fetch_add": DDict.fetch_add, "wait_for": DDict.wait_for,
-    "keys": lambda d: list(d.keys()), "values": lambda d: list(d.values()),
-    "items": lambda d: list(d.items()),
-    "sync_to_newest_checkpoint": DDict.sync_to_newest_checkpoint, "persist": DDict.persist,
-    "persisted_ids": DDict.persisted_ids, "sync": DDict.sync, "restore": DDict.restore,
-    "advance": DDict.advance, "end_batch_put": DDict.end_batch_put, "bput": DDict.bput,
-    "bget": DDict.bget, "freeze": DDict.freeze, "unfreeze": DDict.unfreeze,
-    "is_frozen": lambda d: d.is_frozen, "stats": lambda d: d.stats,
-    "dstats": lambda d: d.dstats, "local_keys": lambda d: list(d.local_keys()),
-    "local_values": lambda d: list(d.local_values()),
-    "local_items": lambda d: list(d.local_items()), "local_len": DDict.local_len,
-    "clone": DDict.clone, "setdefault": DDict.setdefault, "popitem": DDict.popitem,
-}  # fmt: skip
-for _name, _call in _AWAITABLE.items():
-    setattr(AsyncDDict, _name, _coroutine(_name, _call))
+#: The names of the generated coroutines (``put``, ``get``, ...), set below the class.
+AWAITABLE: tuple[str, ...] = tuple(
+    name for name, value in vars(AsyncDDict).items() if hasattr(value, "__sync__")
+)
+for _name in AWAITABLE:
+    _method = vars(AsyncDDict)[_name]
+    _method.__name__, _method.__qualname__ = _name, f"AsyncDDict.{_name}"
+    _method.__doc__ = f"Awaitable :meth:`DDict.{_method.__sync__}` (run in a worker thread)."
 
 _PASSTHROUGH = frozenset(
     {

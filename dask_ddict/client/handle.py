@@ -14,6 +14,7 @@ so that destroying through one closes them all.
 
 from __future__ import annotations
 
+import builtins  # DDict.list shadows the builtin in the class body
 import inspect
 import logging
 import secrets
@@ -315,7 +316,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
             core.check_hash_seed(type(key))
         return mid, digest, kb
 
-    def _managers(self) -> list[int]:
+    def _managers(self) -> builtins.list[int]:
         self._check()
         if self._target is not None:
             return [self._target]
@@ -392,7 +393,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
     def __delitem__(self, key: Any) -> None:
         self.pop(key)
 
-    def _length(self, managers: list[int]) -> int:
+    def _length(self, managers: builtins.list[int]) -> int:
         """Keys visible at this handle's checkpoint on ``managers``."""
         return sum(self._core.channel(m).call(Length(self._chkpt)) for m in managers)
 
@@ -440,7 +441,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         frame = dumps_value(value, self._vp).join()
         self._core.channel(mid).call(WaitFor(digest, self._chkpt, frame, timeout))
 
-    def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]:
+    def _iter(self, managers: builtins.list[int], want: int) -> Iterator[tuple[Any, Any]]:
         page = config.get("iteration.page-items")
         for mid in managers:
             self._check()

@@ -1,5 +1,9 @@
 """Lazy views of a DDict (``keys()``, ``values()``, ``items()``).
 
+They are ``collections.abc`` views, as ``dict``'s are: key and item views are
+sets (``d.keys() & other``, ``d.items() == other.items()``), and ``in`` on a
+values view looks through the values.
+
 Views stream each manager's entries in pages (see
 :meth:`~dask_ddict.shard.manager.Manager.page`): a page is one request, resumed
 after the last digest seen, so breaking out of a loop early leaves no state
@@ -8,7 +12,7 @@ on the manager and nothing unread on the connection.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from typing import Any, Protocol
 
 from ..transport.ops import Page
@@ -22,6 +26,7 @@ class Viewed(Protocol):
     def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]: ...
     def which_manager(self, key: Any) -> int: ...
     def __contains__(self, key: Any) -> bool: ...
+    def __getitem__(self, key: Any) -> Any: ...
 
 
 def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator[tuple[Any, Any]]:
@@ -36,10 +41,16 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator
 
 
 class _View:
+    _mapping: Any  # the abc views' name for the dictionary
+
     def __init__(self, ddict: Viewed, managers: list[int], local: bool = False) -> None:
-        self._ddict = ddict
+        self._ddict = self._mapping = ddict
         self._managers = managers
         self._local = local
+
+    def _owns(self, key: Any) -> bool:
+        """Whether ``key`` lives in this view's managers (all, unless a local view)."""
+        return not self._local or self._ddict.which_manager(key) in self._managers
 
     def __len__(self) -> int:
         return self._ddict._length(self._managers)
@@ -55,24 +66,25 @@ class _View:
         return self._ddict
 
 
-class DDictKeysView(_View):
+class DDictKeysView(_View, KeysView[Any]):
     def __iter__(self) -> Iterator[Any]:
         for k, _ in self._ddict._iter(self._managers, WANT_KEYS):
             yield k
 
     def __contains__(self, key: Any) -> bool:
-        d = self._ddict
-        if self._local and d.which_manager(key) not in self._managers:
-            return False
-        return key in d
+        return self._owns(key) and key in self._ddict
 
 
-class DDictValuesView(_View):
+class DDictValuesView(_View, ValuesView[Any]):
     def __iter__(self) -> Iterator[Any]:
         for _, v in self._ddict._iter(self._managers, WANT_VALUES):
             yield v
 
 
-class DDictItemsView(_View):
+class DDictItemsView(_View, ItemsView[Any, Any]):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         yield from self._ddict._iter(self._managers, WANT_ITEMS)
+
+    def __contains__(self, item: Any) -> bool:
+        key, value = item
+        return self._owns(key) and super().__contains__(item)

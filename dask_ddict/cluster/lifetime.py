@@ -15,6 +15,7 @@ action are injected, so it is unit-tested without a cluster.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -93,7 +94,7 @@ class Holders:
                 grace = self._grace()
                 logger.info("ddict %s: its last client (%s) left; released in %g s unless "
                             "it comes back", name, client, grace)  # fmt: skip
-                self._timers[name] = self._call_later(grace, lambda n=name: self._expire(n))
+                self._timers[name] = self._call_later(grace, functools.partial(self._expire, name))
 
     def client_came_back(self, client: str) -> None:
         """A client (re)connected: it holds again what it held before leaving."""

@@ -75,8 +75,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 "ddict_create": self.create,
                 "ddict_attach": self.attach,
                 "ddict_destroy": self.destroy,
-                "ddict_list": self.list,
-                "ddict_list_kept": self.list_kept,
+                "ddict_list": self.names,
+                "ddict_list_kept": self.names_kept,
             }
         )
         install(scheduler, self.dashboard)
@@ -212,10 +212,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             await self._remove_lost(layout)
         return True
 
-    def list(self) -> list[str]:
+    def names(self) -> list[str]:
         return sorted(self.dicts)
 
-    def list_kept(self) -> list[str]:
+    def names_kept(self) -> list[str]:
         """Names of dictionaries destroyed with ``allow_restart=True``."""
         return sorted(self.kept)
 

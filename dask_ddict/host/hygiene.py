@@ -90,7 +90,7 @@ def is_abandoned(directory: str) -> bool:
 
 def sweep(base: str) -> list[str]:
     """Remove the abandoned ``ddict-*`` directories directly under ``base``."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(base)
     except OSError:

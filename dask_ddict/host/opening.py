@@ -80,7 +80,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
     owner lock (see :mod:`.hygiene`), which the caller keeps while it serves it.
     """
     opts = spec.options
-    reattach = bool(restart_path) and os.path.isfile(os.path.join(restart_path, "data.mdb"))
+    reattach = bool(restart_path) and os.path.isfile(os.path.join(str(restart_path), "data.mdb"))
     if reattach:
         assert restart_path is not None
         from ..transport.shared import forget

@@ -34,6 +34,7 @@ import ssl
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import Scratch
@@ -117,7 +118,7 @@ class HostServer:
         self.closed_dicts = closed
         self._uds, self._tcp = uds, tcp
         self._ssl = ssl_context
-        self.handlers = {**HANDLERS, Op.PAGE: functools.partial(Page.serve, page_bytes=page_bytes)}
+        self.handlers: dict[Any, Callable[..., None]] = {**HANDLERS, Op.PAGE: functools.partial(Page.serve, page_bytes=page_bytes)}
         self._scratch_keep = scratch_keep
         self._closed = False
         self._conns: set[socket.socket] = set()

@@ -88,10 +88,9 @@ def _require_group(path: str, names: list[str], storage_options: dict[str, Any] 
     from different processes; when two create a group at once, one finds it
     already created and simply opens it on the next try.
     """
-    kwargs = {"storage_options": storage_options} if storage_options else {}
     for attempt in range(10):
         try:
-            group = zarr.open_group(path, mode="a", **kwargs)
+            group = zarr.open_group(path, mode="a", storage_options=storage_options or None)
             for n in names:
                 group = group.require_group(n)
             return group
@@ -243,8 +242,8 @@ class CheckpointStore:
                     self._local_root, [name, f"manager_{manager_id}"], storage_options
                 )
             else:
-                kwargs = {"storage_options": storage_options} if storage_options else {}
-                root = zarr.open_group(self._local_root, mode="r", **kwargs)
+                root = zarr.open_group(self._local_root, mode="r",
+                                       storage_options=storage_options or None)  # fmt: skip
                 self.group = root[f"{name}/manager_{manager_id}"]
             attrs = dict(self.group.attrs)
         except DDictError:
@@ -385,7 +384,8 @@ class CheckpointStore:
         finally:
             writer.finish()
         crcs: dict[str, Any] = {"values": writer.crcs}
-        for aname, arr in zip(_SMALL, (keys, koff, voff, flags)):
+        small: tuple[np.ndarray, ...] = (keys, koff, voff, flags)
+        for aname, arr in zip(_SMALL, small):
             g.create_array(aname, data=arr, chunks=(max(1, arr.size),), compressors=_CRC,
                            config=_ARRAY_CONFIG)  # fmt: skip
             crcs[aname] = crc32c(arr)
@@ -500,5 +500,5 @@ class CheckpointStore:
                 parts = [load(i) for i in range(first, last + 1)] if b > a else []
                 block = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else block
                 lo, hi = (first * chunk, first * chunk + block.size) if parts else (a, a)
-            mv = memoryview(block)[a - lo : b - lo]
+            mv = block.data[a - lo : b - lo]
             yield bytes(keys[int(koff[t]) : int(koff[t + 1])]), mv, int(flags[t])

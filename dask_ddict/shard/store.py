@@ -84,7 +84,7 @@ def _split_data_key(k: Any) -> tuple[bytes, int]:
 _new_entry = tuple.__new__  # half the cost of Entry(...): reads build one per lookup
 
 
-def _decode(chkpt: int, raw: memoryview) -> Entry:
+def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
     flags, klen, flen = _ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
     return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))

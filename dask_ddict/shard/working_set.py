@@ -427,8 +427,8 @@ class WorkingSet:
             for d, c in doomed:
                 self.store.delete(txn, d, c)
         else:
-            doomed = [d for d, e in self.store.scan(txn) if e.chkpt == chkpt]
-            for d in doomed:
+            retired = [d for d, e in self.store.scan(txn) if e.chkpt == chkpt]
+            for d in retired:
                 self.store.delete(txn, d, chkpt)
         if self.writers.pop(chkpt, None):
             self.save(txn)
