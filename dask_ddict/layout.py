@@ -50,7 +50,7 @@ class Layout:
 
     name: str
     uid: str  # unique per creation: a re-created name never matches stale state
-    secret: str  # authenticates TCP connections to the managers
+    secret: str = field(repr=False)  # authenticates the key path: never printed
     tls: bool
     options: DDictOptions
     managers: tuple[ManagerInfo, ...]

@@ -127,6 +127,9 @@ def test_the_page_in_a_real_browser(cluster, client, ddict, tmp_path):
 
 
 def test_jupyter_repr(ddict):
+    assert repr(ddict) == (f"<DDict {ddict.get_name()!r} managers=2 hosts=1 total_mem=64.00 MiB "
+                           "checkpoint=0>")  # fmt: skip
+    assert "secret" not in repr(ddict._core.layout)
     ddict["k"] = "v"
     html = ddict._repr_html_()
     assert ddict.get_name() in html and "checkpoint 0" in html

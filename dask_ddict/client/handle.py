@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dask.typing import no_default
+from dask.utils import format_bytes
 from distributed import Client
 
 from .. import config
@@ -287,7 +288,9 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         lay = self._core.layout
         state = "closed" if self._core.closed else f"checkpoint={self._chkpt}"
         target = f" manager={self._target}" if self._target is not None else ""
-        return f"<DDict {lay.name!r} managers={lay.num_managers} {state}{target}>"
+        hosts = len({m.host_id for m in lay.managers})
+        return (f"<DDict {lay.name!r} managers={lay.num_managers} hosts={hosts} "
+                f"total_mem={format_bytes(lay.total_mem)} {state}{target}>")  # fmt: skip
 
     def get_name(self) -> str:
         return self._core.layout.name
