@@ -70,9 +70,19 @@ def _base(cluster: LocalCluster) -> str:
     return cluster.dashboard_link.rsplit("/", 1)[0]
 
 
+def _wait_listed(cluster: LocalCluster, name: str) -> None:
+    """Until the page's data (refreshed every ``ddict.dashboard.refresh``) lists ``name``."""
+    for _ in range(100):
+        if any(d["name"] == name for d in json.loads(_get(_base(cluster) + "/ddict.json"))["dicts"]):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} never listed")
+
+
 def test_page_and_json_show_the_dicts_live(cluster, client, ddict):
     for i in range(10):
         ddict[i] = i
+    _wait_listed(cluster, ddict.get_name())
     data = json.loads(_get(_base(cluster) + "/ddict.json"))
     (mine,) = [d for d in data["dicts"] if d["name"] == ddict.get_name()]
     assert mine["num_keys"] == 10 and mine["answered"] == 2
@@ -83,11 +93,8 @@ def test_page_and_json_show_the_dicts_live(cluster, client, ddict):
     assert ddict.get_name() in page and "<script>" in page
     other = DDict(total_mem="32 MiB", client=client, name="appears-later")
     try:
-        for _ in range(100):  # a new dict shows within ddict.dashboard.refresh (2 s)
-            fragment = _get(_base(cluster) + "/ddict?fragment=1").decode()
-            if 'data-ddict="appears-later"' in fragment:
-                break
-            time.sleep(0.1)
+        _wait_listed(cluster, "appears-later")  # within ddict.dashboard.refresh (2 s)
+        fragment = _get(_base(cluster) + "/ddict?fragment=1").decode()
         assert 'data-ddict="appears-later"' in fragment and "<html" not in fragment
     finally:
         other.destroy()
@@ -111,6 +118,7 @@ def test_the_routes_are_in_the_sitemap():
 def test_the_page_in_a_real_browser(cluster, client, ddict, tmp_path):
     ddict["shown"] = "in the browser"
     url = _base(cluster) + "/ddict"
+    _wait_listed(cluster, ddict.get_name())  # past the page's refresh interval
     common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
               f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
     dom = subprocess.run([*common, "--virtual-time-budget=6000", "--dump-dom", url],

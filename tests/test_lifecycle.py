@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 
 import dask
 import numpy as np
 from distributed import Client, LocalCluster, Security
 
 from dask_ddict import DDict
+from dask_ddict.transport.protocol import HELLO, HELLO_MAGIC
 from tests.conftest import shm_entries
 
 
@@ -41,8 +44,25 @@ def test_tls_cluster_uses_tls_tcp():
                 d["a"] = np.arange(100_000)
                 assert (d["a"] == np.arange(100_000)).all()
                 assert d._core.channel(0).kind == "tls"
+                _refuses_peers_without_certificates(d._core.layout.managers[0])
             finally:
                 d.destroy()
+
+
+def _refuses_peers_without_certificates(info) -> None:  # noqa: ANN001
+    """Plain TCP, and TLS without a client certificate: the host never answers the HELLO."""
+    hello = HELLO.pack(HELLO_MAGIC, b"u" * 16) + bytes(32)
+    no_cert = ssl.create_default_context()
+    no_cert.check_hostname, no_cert.verify_mode = False, ssl.CERT_NONE
+    for wrap in (lambda s: s, lambda s: no_cert.wrap_socket(s)):
+        answer = b""
+        try:
+            with wrap(socket.create_connection((info.tcp_host, info.tcp_port), timeout=10)) as s:
+                s.sendall(hello)
+                answer = s.recv(1)
+        except (ssl.SSLError, ConnectionError, TimeoutError):
+            pass
+        assert answer == b"", answer  # refused: no PROVE, no UNKNOWN, nothing
 
 
 def test_plain_tcp_path():

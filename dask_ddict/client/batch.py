@@ -50,8 +50,11 @@ class BatchPut:
 
     def add(self, mid: int, digest: bytes, kb: bytes, framed: Framed, chkpt: int) -> None:
         self._chkpt = chkpt
+        own = framed.nbytes + len(kb) + 32
+        if own >= self.flush_bytes and mid in self.records:
+            self.flush(mid)  # a large value travels alone: the puts before it never wait on it
         self.records.setdefault(mid, []).append((digest, kb, framed))
-        size = self.sizes[mid] = self.sizes.get(mid, 0) + framed.nbytes + len(kb) + 32
+        size = self.sizes[mid] = self.sizes.get(mid, 0) + own
         if size >= self.flush_bytes:
             self.flush(mid)
 

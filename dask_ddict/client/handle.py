@@ -306,6 +306,9 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         if core.closed or self._detached:
             self._check()
         kb = dumps_key(key, self._kp)
+        if len(kb) > core.max_key_bytes:
+            raise ValueError(f"key is {len(kb)} bytes pickled; keys may have at most "
+                             f"{core.max_key_bytes} (ddict.transport.max-key-bytes)")  # fmt: skip
         digest = key_digest(kb)
         if self._target is not None:
             return self._target, digest, kb

@@ -31,7 +31,7 @@ from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
 from . import control, hygiene
 from .opening import open_manager
-from .server import HostedDict, HostServer
+from .server import HostedDict, HostServer, Limits
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Host:
         self.server = HostServer(
             uds, tcp, self.dicts, self.closed, ssl_context=ssl_context,
             page_bytes=config.get_bytes("iteration.page-bytes"),
-            scratch_keep=config.get_bytes("store.scratch-bytes"),
+            scratch_keep=config.get_bytes("store.scratch-bytes"), limits=Limits.from_config(),
         )  # fmt: skip
 
     def __repr__(self) -> str:

@@ -12,10 +12,15 @@ and passes them to every incarnation of the host process.  Addresses therefore
 survive a host-process restart, and a client that connects while the host is
 restarting waits in the listen backlog instead of being refused.
 
-A connection is bound to one dictionary by its handshake (``HELLO``); on TCP
-the peer then proves that it knows the dictionary's secret (HMAC over a
-nonce), optionally inside TLS with the cluster's certificates.  Unix-socket
-peers are checked with ``SO_PEERCRED``.  Each request names its manager, and
+A connection is bound to one dictionary by its handshake
+(:mod:`~dask_ddict.transport.handshake`): on TCP the host and then the client
+prove that they know the dictionary's secret, bound to both nonces, the
+direction and this host process, inside TLS with the cluster's certificates
+when the cluster uses TLS; Unix-socket peers are checked with ``SO_PEERCRED``.
+A peer that has not finished its handshake within
+``ddict.transport.handshake-timeout`` is dropped, the connections of a host
+process are bounded (``ddict.host.max-connections``), and every length in a
+request is checked against its limit before a buffer is allocated.  Each request names its manager, and
 :data:`~dask_ddict.transport.ops.HANDLERS` maps each operation to the manager
 call that serves it (each operation is declared once, in :mod:`~dask_ddict.transport.ops`).
 """
@@ -35,24 +40,24 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import config
 from .._serialize import Scratch
 from ..errors import (
     DDictClosedError,
     DDictError,
+    DDictFullError,
     DDictManagerUnavailableError,
     status_of,
 )
 from ..transport.ops import HANDLERS, Page, Reply, Request
+from ..transport.handshake import host_side
 from ..transport.protocol import (
-    AUTH_NONCE,
     FLAG_NOREPLY,
-    HELLO,
-    HELLO_MAGIC,
     REP,
     REQ,
-    Hello,
     Op,
     Reader,
     decode_timeout,
@@ -64,9 +69,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_PEERCRED = struct.Struct("3i")
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one peer may make a host process hold, checked before anything is allocated.
+
+    A value may be at most its manager's shard size (a bigger one could never be
+    stored); a key at most ``max_key_bytes``.  A request over a limit is answered
+    with an error and its connection dropped (its body is never read).
+    """
+
+    handshake_timeout: float = 10.0  # ddict.transport.handshake-timeout
+    max_connections: int = 4096  # ddict.host.max-connections
+    max_key_bytes: int = 1 << 20  # ddict.transport.max-key-bytes
+
+    @classmethod
+    def from_config(cls) -> Limits:
+        return cls(config.get_seconds("transport.handshake-timeout") or 10.0,
+                   int(config.get("host.max-connections")),
+                   config.get_bytes("transport.max-key-bytes"))  # fmt: skip
 
 
 class HostedDict:
@@ -101,6 +125,8 @@ class HostServer:
         Server-side TLS context for TCP, or ``None``.
     page_bytes, scratch_keep
         Soft size of a view's page; receive buffer kept per connection.
+    limits
+        Handshake deadline, most connections, longest key: see :class:`Limits`.
     """
 
     def __init__(
@@ -113,6 +139,7 @@ class HostServer:
         ssl_context: ssl.SSLContext | None = None,
         page_bytes: int = 1 << 20,
         scratch_keep: int = 128 << 20,
+        limits: Limits | None = None,
     ) -> None:
         self.dicts = dicts
         self.closed_dicts = closed
@@ -124,6 +151,10 @@ class HostServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self.limits = limits or Limits()
+        host, port = tcp.getsockname()[:2]
+        self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
+        self._incarnation = secrets.token_bytes(16)  # new with every host process
 
     def __repr__(self) -> str:
         return f"<HostServer dicts={len(self.dicts)} connections={len(self._conns)}>"
@@ -153,18 +184,19 @@ class HostServer:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._conns) >= self.limits.max_connections:
+                    logger.warning("ddict host: %d connections, the most allowed "
+                                   "(ddict.host.max-connections); refusing one",
+                                   len(self._conns))  # fmt: skip
+                    conn.close()
+                    continue
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn, kind), name="ddict-conn",
                              daemon=True).start()  # fmt: skip
 
     def _handshake(self, conn: socket.socket, kind: str) -> tuple[socket.socket, HostedDict]:
-        if kind == "uds":
-            _, uid, _ = _PEERCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            )
-            if uid != os.getuid():
-                raise PermissionError(f"peer uid {uid} is not this host's uid")
-        else:
+        conn.settimeout(self.limits.handshake_timeout)  # an idle stranger is dropped
+        if kind == "tcp":
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 tls = self._ssl.wrap_socket(conn, server_side=True)
@@ -172,24 +204,11 @@ class HostServer:
                     self._conns.discard(conn)
                     self._conns.add(tls)
                 conn = tls
-        reader = Reader(conn, 64)
-        magic, dict_uid = HELLO.unpack(reader.read(HELLO.size))
-        if magic != HELLO_MAGIC:
-            raise PermissionError("not a DDict client")
-        hosted = self.dicts.get(dict_uid)
-        if hosted is None:
-            answer = Hello.CLOSED if dict_uid in self.closed_dicts else Hello.UNKNOWN
-            conn.sendall(bytes([answer]))
-            raise PermissionError(f"no dictionary {dict_uid.hex()} here ({answer.name})")
-        if kind == "tcp":
-            nonce = secrets.token_bytes(AUTH_NONCE)
-            conn.sendall(nonce)
-            answer_mac = bytes(reader.read(32))
-            expected = hmac.new(hosted.secret, nonce, hashlib.sha256).digest()
-            if not hmac.compare_digest(answer_mac, expected):
-                conn.sendall(bytes([Hello.DENIED]))
-                raise PermissionError("bad credentials")
-        conn.sendall(bytes([Hello.OK]))
+        reader = Reader(conn, 128)
+        hosted = host_side(conn, reader.read, self.dicts.get, self.closed_dicts.__contains__,
+                           tcp=kind == "tcp", target=self._target,
+                           incarnation=self._incarnation)  # fmt: skip
+        conn.settimeout(None)
         return conn, hosted
 
     def _serve(self, conn: socket.socket, kind: str) -> None:
@@ -224,6 +243,7 @@ class HostServer:
         op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = REQ.unpack(
             reader.read(REQ.size)
         )
+        self._check_lengths(conn, hosted, mid, klen, vlen)
         keysec = bytes(reader.read(klen))
         if vlen <= 1 << 20:
             value: Any = bytes(reader.read(vlen))
@@ -233,11 +253,7 @@ class HostServer:
         try:
             manager = hosted.managers.get(mid)
             if manager is None:
-                if hosted.key in self.closed_dicts:
-                    raise DDictClosedError(f"DDict {hosted.name!r} was destroyed")
-                raise DDictManagerUnavailableError(
-                    f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
-                )
+                raise self._not_hosted(hosted, mid)
             handler = self.handlers.get(op)  # IntEnum keys: a plain int finds them
             if handler is None:
                 raise DDictError(f"unknown operation {op}", "INVALID_ARGUMENT")
@@ -249,6 +265,34 @@ class HostServer:
                 raise
             msg = str(getattr(e, "message", "") or e).encode()
             send_parts(conn, [REP.pack(status_of(e), 0, len(msg)), msg])
+
+    def _not_hosted(self, hosted: HostedDict, mid: int) -> DDictError:
+        if hosted.key in self.closed_dicts:
+            return DDictClosedError(f"DDict {hosted.name!r} was destroyed")
+        return DDictManagerUnavailableError(
+            f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
+        )
+
+    def _check_lengths(self, conn: socket.socket, hosted: HostedDict, mid: int, klen: int,
+                       vlen: int) -> None:  # fmt: skip
+        """Refuse (and drop) a request whose key or value could never be stored."""
+        manager = hosted.managers.get(mid)
+        e: DDictError
+        if klen > self.limits.max_key_bytes + 16:
+            e = DDictError(f"a {klen}-byte key section is over the limit "
+                           "(ddict.transport.max-key-bytes)", "INVALID_ARGUMENT")  # fmt: skip
+        elif manager is None:
+            if vlen <= self.limits.max_key_bytes:
+                return  # a small body is read, then answered: not hosted here (or closed)
+            e = self._not_hosted(hosted, mid)
+        elif vlen > manager.store.capacity:
+            e = DDictFullError(f"a {vlen}-byte value cannot fit manager {mid}'s "
+                               f"{manager.store.capacity}-byte shard")  # fmt: skip
+        else:
+            return
+        msg = e.message.encode()
+        send_parts(conn, [REP.pack(status_of(e), 0, len(msg)), msg])
+        raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
     # -- lifecycle --------------------------------------------------------------
 

@@ -145,6 +145,7 @@ class ShardStore:
             sync=False,
             metasync=False,
             create=create,
+            mode=0o600,  # data.mdb and lock.mdb: the cluster's user only
             readahead=False,
             meminit=False,
         )

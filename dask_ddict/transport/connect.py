@@ -82,6 +82,8 @@ class Connections:
         self._finalizer = weakref.finalize(self, Connections._release, self._channels,
                                            self._links)  # fmt: skip
         self._host = host_id()
+        #: Longest pickled key a host accepts (checked here first, with a clear error).
+        self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.layout.name!r} managers={self.layout.num_managers} "
@@ -114,7 +116,8 @@ class Connections:
         if link is None:
             lay = self.layout
             link = self._links[key] = HostLink(
-                info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context
+                info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context,
+                capacity=lay.total_mem // lay.num_managers,
             )
         return link
 

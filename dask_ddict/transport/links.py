@@ -28,8 +28,6 @@ Failures are handled here, once:
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import secrets
 import socket
 import ssl
@@ -42,16 +40,15 @@ from .._serialize import SMALL_FRAME, aligned_empty
 from ..errors import (
     DDictClosedError,
     DDictError,
+    DDictFullError,
     DDictManagerUnavailableError,
     DDictTimeoutError,
     raise_for_status,
 )
 from ..layout import ManagerInfo
 from .ops import Kind, Operation
+from .handshake import HandshakeError, client_side
 from .protocol import (
-    AUTH_NONCE,
-    HELLO,
-    HELLO_MAGIC,
     REP,
     REQ,
     Hello,
@@ -89,11 +86,14 @@ class HostLink:
     """
 
     def __init__(self, info: ManagerInfo, uid: str, secret: str, name: str, *, use_uds: bool,
-                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+                 ssl_context: ssl.SSLContext | None = None,
+                 capacity: int = 1 << 62) -> None:  # fmt: skip
         self.info = info
+        self._capacity = capacity  # a shard's size: no value above it can be stored
         self.kind = "uds" if use_uds else ("tls" if ssl_context else "tcp")
         self.name = name
-        self._hello = HELLO.pack(HELLO_MAGIC, bytes.fromhex(uid))
+        self._uid = bytes.fromhex(uid)
+        self._target = info.uds_path if use_uds else f"{info.tcp_host}:{info.tcp_port}"
         self._secret = secret.encode()
         self._ssl = ssl_context
         self._connect_timeout = config.get_seconds("transport.connect-timeout") or 10.0
@@ -129,17 +129,16 @@ class HostLink:
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=None)
             try:
-                sock.sendall(self._hello)
-                if self.kind != "uds":
-                    nonce = _recv_exact(sock, AUTH_NONCE)
-                    sock.sendall(hmac.new(self._secret, nonce, hashlib.sha256).digest())
-                answer = _recv_exact(sock, 1)[0]
+                answer = client_side(sock, self._uid, self._secret, self._target,
+                                     tcp=self.kind != "uds")  # fmt: skip
             except BaseException:
                 sock.close()
                 raise
         except TimeoutError as e:
             raise DDictTimeoutError(f"{self.where(mid)}: no answer to connect within {wait:.1f} s"
                                     ) from e  # fmt: skip
+        except HandshakeError as e:  # never retried: this peer is not the dictionary's host
+            raise DDictManagerUnavailableError(f"{self.where(mid)}: {e}") from None
         except (OSError, ssl.SSLError) as e:
             if getattr(e, "errno", None) in _GONE or isinstance(e, ssl.SSLError):
                 raise self._unavailable(mid, e) from e
@@ -187,6 +186,9 @@ class HostLink:
         """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
+        if vlen > self._capacity:  # the host would refuse it unread: say why, send nothing
+            raise DDictFullError(f"{self.where(mid)}: a {vlen}-byte value cannot fit its "
+                                 f"{self._capacity}-byte shard")  # fmt: skip
         want = None if timeout is None else timeout + self._slack
         start = time.monotonic()
         # With a timeout, everything (reconnecting included) fits in it; without one,
@@ -269,15 +271,3 @@ class SocketChannel:
 
     def close(self) -> None:
         pass  # the link is the core's, shared by the host's managers
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    mv = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(mv[got:])
-        if not k:
-            raise ConnectionResetError("connection closed during handshake")
-        got += k
-    return bytes(buf)

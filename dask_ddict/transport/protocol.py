@@ -12,7 +12,7 @@ section; every reply is a fixed header and a payload::
 
 One host process serves many managers, so every request names its manager;
 a connection is bound to one dictionary by its handshake (``HELLO``, then on
-TCP an HMAC challenge on that dictionary's secret), which is also where a
+TCP mutual proofs of that dictionary's secret: :mod:`.handshake`), which is also where a
 destroyed dictionary is told apart from an unreachable one.  ``rid`` is a
 request id: non-idempotent operations (``pop``, ``fetch_add``) carry one so
 that a request retried after a host restart is applied at most once.
@@ -31,10 +31,9 @@ from typing import Any
 
 REQ = struct.Struct("<BBxxIIxxxxqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
-HELLO_MAGIC = b"DDK2"
+HELLO_MAGIC = b"DDK3"  # 3: mutual, connection-bound proofs (handshake.py)
 REP = struct.Struct("<BxxxxxxxqQ")
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one batch/page record
-AUTH_NONCE = 32
 SMALL = 64 * 1024
 
 
@@ -80,6 +79,7 @@ class Hello(enum.IntEnum):
     CLOSED = 2  # the dictionary was destroyed
     UNKNOWN = 3  # this host serves no such dictionary
     DENIED = 4  # authentication failed
+    PROVE = 5  # TCP: the host's proof follows; the client proves itself next
 
 
 def encode_timeout(timeout: float | None) -> float:

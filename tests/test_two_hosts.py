@@ -1,0 +1,164 @@
+"""A dictionary across two hosts: this one and a network namespace (see ``twohost.py``).
+
+Shared memory only between processes of one host; TCP between hosts; losing a
+host gives clear errors for its managers while the rest keeps working.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import twohost
+from distributed import Client
+
+from dask_ddict import DDict, DDictError
+
+pytestmark = pytest.mark.skipif(twohost.unavailable() is not None,
+                                reason=f"two-host fixture: {twohost.unavailable()}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with twohost.TwoHosts() as h:
+        with Client(h.scheduler_address) as c:
+            c.wait_for_workers(2, timeout=90)
+            yield h, c
+
+
+def _split(d: DDict) -> tuple[int, int]:
+    """(a manager on this host, a manager on host 2)."""
+    by_host = {m.worker.split("//")[1].split(":")[0]: m.manager_id for m in d._core.layout.managers}
+    return by_host[twohost.HOST1], by_host[twohost.HOST2]
+
+
+_ON_HOST2 = """
+import json, socket, sys
+from dask_ddict import DDict
+d = DDict.attach(sys.argv[1] if len(sys.argv) > 1 else {handle!r})
+d[("from", "host2")] = socket.gethostname()
+out = {{
+    "hostname": socket.gethostname(),
+    "local": d.local_managers, "main": d.main_manager,
+    "kinds": {{m: d._core.channel(m).kind for m in range(d.num_managers)}},
+    "seen": d.manager({m1})["written on host 1"],
+    "len": len(d),
+}}
+print(json.dumps(out))
+d.detach()
+"""
+
+
+def test_each_host_uses_shared_memory_only_for_its_own_managers(hosts):
+    h, c = hosts
+    d = DDict(total_mem="64 MiB", client=c, lifetime="cluster")
+    try:
+        m1, m2 = _split(d)
+        # This process is on host 1: its manager is local (shared memory), host 2's is TCP.
+        assert d.local_managers == [m1] and d.main_manager == m1
+        d.manager(m1)["written on host 1"] = "hello"
+        d.manager(m2)["written on host 1"] = "hello too"
+        kinds = {m: d._core.channel(m).kind for m in (m1, m2)}
+        assert kinds[m1] in ("shm", "uds") and kinds[m2] == "tcp"
+        host2_shard = d._core.layout.managers[m2].store_path
+        assert not os.path.exists(host2_shard)  # host 2's /dev/shm is its own
+        # A process on host 2: the mirror image.
+        out = h.on_host2(_ON_HOST2.format(handle=d.serialize(), m1=m1))
+        assert out.returncode == 0, out.stderr
+        seen = json.loads(out.stdout)
+        assert seen["hostname"] == twohost.HOSTNAME2
+        assert seen["local"] == [m2] and seen["main"] == m2
+        assert seen["kinds"][str(m1)] == "tcp" and seen["kinds"][str(m2)] in ("shm", "uds")
+        assert seen["seen"] == "hello" and seen["len"] == 3  # its own put included
+        assert d[("from", "host2")] == twohost.HOSTNAME2
+    finally:
+        d.destroy()
+
+
+def _in_a_task(d: DDict, n: int) -> dict:  # runs on host 2's worker
+    import socket
+
+    for i in range(n):
+        d[("task", i)] = i * i
+    d.checkpoint()
+    d["versioned"] = "new"
+    d.rollback()
+    return {"host": socket.gethostname(), "old": d["versioned"], "count": d.fetch_add("n", n)}
+
+
+def test_core_dict_and_checkpoint_operations_span_both_hosts(hosts, tmp_path):
+    h, c = hosts
+    d = DDict(total_mem="64 MiB", client=c, working_set_size=2, persist_path=str(tmp_path / "s"),
+              persist_count=-1, lifetime="cluster")  # fmt: skip
+    try:
+        m1, m2 = _split(d)
+        data = {f"k{i}": i for i in range(200)}
+        d.update(data)
+        assert {d.which_manager(k) for k in data} == {m1, m2}  # both hosts hold keys
+        d["versioned"] = "old"
+        worker2 = [w for w in c.scheduler_info()["workers"] if twohost.HOST2 in w]
+        got = c.submit(_in_a_task, d, 50, workers=worker2, pure=False).result(timeout=60)
+        assert got == {"host": twohost.HOSTNAME2, "old": "old", "count": 0}
+        assert d[("task", 7)] == 49 and d["n"] == 50 and d.fetch_add("n", 1) == 50
+        assert len(d) == 200 + 50 + 2 and dict((k, d[k]) for k in data) == data
+        assert d.pop("k3") == 3 and "k3" not in d
+        d.checkpoint()
+        assert d["versioned"] == "new"  # written by the task at checkpoint 1
+        d.persist()
+        d.sync()
+        assert d.persisted_ids() == [1]
+        assert sorted(s.manager_id for s in d.stats) == [m1, m2]
+        assert {s.hostname for s in d.stats} == {os.uname().nodename, twohost.HOSTNAME2}
+    finally:
+        d.destroy()
+
+
+def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
+    """Host 2 dies: its managers fail fast with clear errors, the rest works; a new host 2
+    restarts them empty, and ``synchronize_ddicts`` refills them from a parallel dict
+    whose copies of those managers lived on host 1."""
+    h, c = hosts
+    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: twohost.HOST2 in w)
+    data = {f"k{i}": i for i in range(300)}
+    a = DDict(total_mem="64 MiB", client=c, timeout=5, workers=[w1, w2], name="parallel-a",
+              lifetime="cluster")  # fmt: skip
+    b = DDict(total_mem="64 MiB", client=c, timeout=5, workers=[w2, w1], name="parallel-b",
+              lifetime="cluster")  # fmt: skip
+    for d in (a, b):
+        d.update(data)
+    a_on_2, b_on_2 = _split(a)[1], _split(b)[1]
+    assert (a_on_2, b_on_2) == (1, 0)  # manager i of one dict lives where the other's does not
+
+    h.kill("worker2", signal.SIGKILL)  # the whole host: nanny, worker, host process
+    start = time.monotonic()
+    with pytest.raises(DDictError) as info:
+        a.manager(a_on_2)["k0"]
+    assert time.monotonic() - start < 5 + 2  # within the timeout (and its slack)
+    text = str(info.value)
+    assert f"manager {a_on_2}" in text and twohost.HOST2 in text, text
+    a.manager(1 - a_on_2)["still"] = "served"  # the other host serves on
+    assert a.manager(1 - a_on_2)["still"] == "served"
+
+    for d in (a, b):
+        d.destroy(allow_restart=True)
+    h.start_host2()  # a new machine at the same address, with an empty /dev/shm
+    deadline = time.monotonic() + 90
+    while sum(twohost.HOST2 in w for w in c.scheduler_info()["workers"]) != 1:
+        assert time.monotonic() < deadline, h.log("worker2")
+        time.sleep(0.5)
+    a2 = DDict(total_mem="64 MiB", client=c, name="parallel-a", restart=True, lifetime="cluster")
+    b2 = DDict(total_mem="64 MiB", client=c, name="parallel-b", restart=True, lifetime="cluster")
+    try:
+        assert a2.empty_managers == [a_on_2] and b2.empty_managers == [b_on_2]
+        assert len(a2) < len(data) and len(b2) < len(data)  # each lost a shard
+        DDict.synchronize_ddicts([a2.serialize(), b2.serialize()])
+        # Manager 0 of both now comes from a's (it holds "still"), manager 1 from b's.
+        expected = {**data, "still": "served"}
+        for d in (a2, b2):
+            assert dict(d.items()) == expected
+    finally:
+        a2.destroy()
+        b2.destroy()

@@ -1,0 +1,176 @@
+"""Two hosts on one machine: a second "host" in a network namespace.
+
+:class:`TwoHosts` builds, and tears down completely:
+
+* a veth pair with the link-local addresses 169.254.77.1 (this host) and
+  169.254.77.2 (the second host); no other address is ever a target;
+* a network namespace holding the second end, entered with ``unshare --uts
+  --mount``: its own hostname (``ddict-host2``) and its own tmpfs on
+  ``/dev/shm``, so nothing is shared with this host but the wire;
+* a ``dask scheduler`` and one ``dask worker`` (with its nanny) on this host,
+  bound to 169.254.77.1, and one ``dask worker`` on the second host, bound to
+  169.254.77.2, joining that scheduler.
+
+Processes "on host 2" (:meth:`TwoHosts.on_host2`) join the second worker's
+namespaces with ``nsenter``: its network, hostname and ``/dev/shm``.
+
+Needs root (CI runs as root), ``ip`` and ``unshare``; :func:`unavailable` says
+why not otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HOST1, HOST2 = "169.254.77.1", "169.254.77.2"
+HOSTNAME2 = "ddict-host2"
+
+
+def unavailable() -> str | None:
+    """Why the two-host fixture cannot run here, or ``None``."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and veth pairs)"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"needs {tool!r} (iproute2, util-linux)"
+    return None
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+class TwoHosts:
+    """See the module docstring.  Use as a context manager."""
+
+    def __init__(self, *, security_args: tuple[str, ...] = ()) -> None:
+        tag = secrets.token_hex(3)
+        self.netns = f"ddict-h2-{tag}"
+        self.veth = (f"ddv{tag}a", f"ddv{tag}b")
+        self.tmp = Path(tempfile.mkdtemp(prefix="ddict-twohost-"))
+        self.scheduler_file = str(self.tmp / "scheduler.json")
+        self.security_args = security_args
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __repr__(self) -> str:
+        return f"<TwoHosts {self.netns} {sorted(self.procs)}>"
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def __enter__(self) -> TwoHosts:
+        try:
+            self._network()
+            self._start("scheduler", ["dask", "scheduler", "--host", HOST1, "--port", "0",
+                                      "--dashboard-address", f"{HOST1}:0", "--scheduler-file",
+                                      self.scheduler_file, *self.security_args])  # fmt: skip
+            self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
+            self._start("worker1", [*self._worker(), "--host", HOST1, "--name", "host1-worker"])
+            self.start_host2()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for name in ("worker2", "worker1", "scheduler"):
+            self.kill(name)
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.veth[0]], capture_output=True, timeout=30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Stop one of the processes (and everything it started)."""
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        time.sleep(0.5)  # its children (nanny, worker, host process) follow their group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def start_host2(self) -> None:
+        """(Re)start the second host: a fresh namespace mount, so an empty /dev/shm."""
+        self._start("worker2", [
+            "ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount",
+            "--propagation", "private", "sh", "-c",
+            f"hostname {HOSTNAME2} && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
+            f"exec {' '.join(self._worker())} --host {HOST2} --name host2-worker",
+        ])  # fmt: skip
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _worker(self) -> list[str]:
+        return ["dask", "worker", "--scheduler-file", self.scheduler_file, "--nworkers", "1",
+                "--nthreads", "2", "--memory-limit", "2GiB", *self.security_args]  # fmt: skip
+
+    def _network(self) -> None:
+        a, b = self.veth
+        _run("ip", "netns", "add", self.netns)
+        _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        _run("ip", "link", "set", b, "netns", self.netns)
+        _run("ip", "addr", "add", f"{HOST1}/30", "dev", a)
+        _run("ip", "link", "set", a, "up")
+        _run("ip", "netns", "exec", self.netns, "ip", "addr", "add", f"{HOST2}/30", "dev", b)
+        _run("ip", "netns", "exec", self.netns, "ip", "link", "set", b, "up")
+        _run("ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up")
+
+    def _start(self, name: str, cmd: list[str]) -> None:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, env=self._env())  # fmt: skip
+
+    def _wait(self, ready: Any, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"two-host fixture: no {what} within {timeout} s; logs in "
+                                   f"{self.tmp}")  # fmt: skip
+            time.sleep(0.2)
+
+    @property
+    def scheduler_address(self) -> str:
+        return str(json.loads(Path(self.scheduler_file).read_text())["address"])
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def host2_pid(self) -> int:
+        """A process inside the second host's namespaces (its worker's shell, then worker)."""
+        return self.procs["worker2"].pid
+
+    def on_host2(self, code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run Python ``code`` on the second host: its network, hostname and /dev/shm."""
+        return subprocess.run(
+            ["nsenter", "--target", str(self.host2_pid()), "--net", "--uts", "--mount",
+             sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=timeout, env=self._env(),
+        )  # fmt: skip
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        """Tests' modules importable everywhere (task functions are pickled by reference)."""
+        path = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
