@@ -11,9 +11,10 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import twohost
-from distributed import Client
+from distributed import Client, Security
 
 from dask_ddict import DDict, DDictError
 
@@ -162,3 +163,164 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
     finally:
         a2.destroy()
         b2.destroy()
+
+
+# -- TLS across both hosts ----------------------------------------------------------------
+
+_NO_CERTIFICATES = """
+import json, socket, ssl, sys
+from dask_ddict import DDict, DDictError
+d = DDict.attach({handle!r})
+out = {{}}
+try:
+    d.manager({m1})["k"]
+    out["library"] = "answered"
+except DDictError as e:
+    out["library"] = str(e)
+ctx = ssl.create_default_context()
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+answer = b""
+try:
+    with ctx.wrap_socket(socket.create_connection(({host!r}, {port}), timeout=10)) as s:
+        s.sendall(b"DDK3" + bytes(48))
+        answer = s.recv(1)
+except (ssl.SSLError, OSError):
+    pass
+out["raw"] = answer.hex()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def tls_hosts(tmp_path_factory):
+    sec = Security.temporary()
+    folder = tmp_path_factory.mktemp("tls")
+    files = {"ca": sec.tls_ca_file, "cert": sec.tls_worker_cert, "key": sec.tls_worker_key}
+    for name, pem in files.items():
+        (folder / f"{name}.pem").write_text(pem)
+    args = ("--protocol", "tls", "--tls-ca-file", str(folder / "ca.pem"),
+            "--tls-cert", str(folder / "cert.pem"), "--tls-key", str(folder / "key.pem"))  # fmt: skip
+    with twohost.TwoHosts(security_args=args) as h:
+        with Client(h.scheduler_address, security=sec) as c:
+            c.wait_for_workers(2, timeout=90)
+            yield h, c
+
+
+def test_a_tls_cluster_across_both_hosts_refuses_clients_without_certificates(tls_hosts):
+    h, c = tls_hosts
+    assert h.scheduler_address.startswith("tls://")
+    d = DDict(total_mem="64 MiB", client=c, lifetime="cluster")
+    try:
+        m1, m2 = _split(d)
+        d.manager(m2)["over tls"] = np.arange(10_000)
+        assert (d.manager(m2)["over tls"] == np.arange(10_000)).all()
+        assert d._core.channel(m2).kind == "tls"  # to the other host: TLS, never plain TCP
+        info = d._core.layout.managers[m1]
+        out = h.on_host2(_NO_CERTIFICATES.format(handle=d.serialize(), m1=m1,
+                                                 host=info.tcp_host, port=info.tcp_port))  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        seen = json.loads(out.stdout)
+        assert "requires TLS" in seen["library"] and "certificate" in seen["library"]
+        assert seen["raw"] == ""  # a TLS peer without a client certificate gets nothing
+    finally:
+        d.destroy()
+
+
+# -- soak ------------------------------------------------------------------------------------
+
+_SOAK_CLIENT = """
+import json, sys, time, zlib
+import numpy as np
+from dask_ddict import DDict, DDictCheckpointSyncError
+me, n_ops, seconds = {me}, {ops}, {seconds}
+plain, ckd = DDict.attach({plain!r}), DDict.attach({ckd!r})
+rng = np.random.default_rng(me)
+acked, popped, counted, retired = {{}}, set(), 0, 0
+def value(j):  # a torn value shows as a wrong length or a wrong fill
+    return np.full(int(rng.integers(1, 40_000)), (me * 7919 + j) % 251, dtype="u1")
+def check(v, j):
+    assert v.size and (v == (me * 7919 + j) % 251).all(), (me, j, v.size)
+start, j = time.monotonic(), 0
+while j < n_ops and time.monotonic() - start < seconds:
+    op = j % 6
+    if op in (0, 1, 2):
+        v = value(j)
+        plain[(me, j)] = v
+        acked[j] = v.size
+    elif op == 3:
+        k = int(rng.choice(list(acked)))
+        got = plain[(me, k)]
+        check(got, k)
+        assert got.size == acked[k]
+    elif op == 4:
+        counted += 1
+        plain.fetch_add(("count", me % 2), 1)
+    else:  # a checkpoint: write at the next one, read it back there
+        ckd.checkpoint()
+        try:
+            ckd[("ck", me)] = (ckd.checkpoint_id, j)
+        except DDictCheckpointSyncError:  # the others moved on: catch up, as Dragon's do
+            ckd.sync_to_newest_checkpoint()
+            ckd[("ck", me)] = (ckd.checkpoint_id, j)
+        try:
+            assert ckd[("ck", me)] == (ckd.checkpoint_id, j)
+        except DDictCheckpointSyncError:  # retired since (a window of 4): nothing to check
+            retired += 1
+        if acked and j % 12 == 5:  # and take one key back out
+            k = int(rng.choice(list(acked)))
+            check(plain.pop((me, k)), k)
+            del acked[k]
+            popped.add(k)
+    j += 1
+print(json.dumps({{"acked": acked, "popped": sorted(popped), "counted": counted,
+                  "checkpoint": ckd.checkpoint_id, "ops": j, "retired": retired}}))
+plain.detach(); ckd.detach()
+"""
+
+
+def _host_usage(pids: set[int]) -> dict[int, tuple[int, int]]:
+    import psutil
+
+    return {pid: (psutil.Process(pid).memory_info().rss, psutil.Process(pid).num_fds())
+            for pid in pids}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_soak_eight_clients_on_both_hosts(hosts):
+    """8 client processes (4 per host), mixed operations with checkpoints, bounded in
+    count and time.  Nothing acknowledged is lost or torn; the host processes' memory
+    and descriptors stay bounded; nothing is left over."""
+    h, c = hosts
+    plain = DDict(managers_per_worker=2, total_mem="512 MiB", client=c, lifetime="cluster")
+    ckd = DDict(total_mem="64 MiB", client=c, working_set_size=4, lifetime="cluster")
+    try:
+        pids = {s.pid for s in plain.stats}
+        before = _host_usage(pids)
+        ops, seconds = 3000, 120
+        procs = [h.popen(1 + i % 2, _SOAK_CLIENT.format(me=i, ops=ops, seconds=seconds,
+                                                        plain=plain.serialize(),
+                                                        ckd=ckd.serialize()))
+                 for i in range(8)]  # fmt: skip
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=seconds + 120)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out))
+        after = _host_usage(pids)
+        total_ops = sum(r["ops"] for r in results)
+        for me, r in enumerate(results):
+            for j, size in r["acked"].items():  # every acknowledged write, whole
+                v = plain[(me, int(j))]
+                assert v.size == size and (v == (me * 7919 + int(j)) % 251).all()
+            for j in r["popped"]:
+                assert (me, j) not in plain
+        assert plain[("count", 0)] + plain[("count", 1)] == sum(r["counted"] for r in results)
+        for pid, (rss, fds) in after.items():
+            assert rss - before[pid][0] < 512 << 20, (pid, rss, before[pid])
+            assert fds - before[pid][1] < 64, (pid, fds, before[pid])
+        print(f"soak: {total_ops} operations by 8 clients on 2 hosts; host processes "
+              f"{ {p: (round(a[0] / 2**20), a[1]) for p, a in after.items()} } (MiB, fds) after, "
+              f"{ {p: (round(b[0] / 2**20), b[1]) for p, b in before.items()} } before")
+    finally:
+        plain.destroy()
+        ckd.destroy()

@@ -163,11 +163,21 @@ class TwoHosts:
 
     def on_host2(self, code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run Python ``code`` on the second host: its network, hostname and /dev/shm."""
-        return subprocess.run(
-            ["nsenter", "--target", str(self.host2_pid()), "--net", "--uts", "--mount",
-             sys.executable, "-c", code],
-            capture_output=True, text=True, timeout=timeout, env=self._env(),
-        )  # fmt: skip
+        return subprocess.run(self.python_on(2, code), capture_output=True, text=True,
+                              timeout=timeout, env=self._env())  # fmt: skip
+
+    def python_on(self, host: int, code: str) -> list[str]:
+        """The command line that runs Python ``code`` on host 1 or 2."""
+        command = [sys.executable, "-c", code]
+        if host == 1:
+            return command
+        return ["nsenter", "--target", str(self.host2_pid()), "--net", "--uts", "--mount",
+                *command]  # fmt: skip
+
+    def popen(self, host: int, code: str) -> subprocess.Popen[str]:
+        """Start Python ``code`` on host 1 or 2 (stdout and stderr piped)."""
+        return subprocess.Popen(self.python_on(host, code), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=self._env())  # fmt: skip
 
     @staticmethod
     def _env() -> dict[str, str]:
