@@ -194,6 +194,29 @@ def run_dragon(seconds: float) -> dict[str, float] | None:
     return None
 
 
+def tls_rows(secs: float, bases: dict[str, dict[str, float] | None]
+             ) -> list[tuple[str, str, str, str, str]]:  # fmt: skip
+    """TCP with TLS on (a cluster with the cluster's certificates, as across hosts)."""
+    from distributed import Security
+
+    sec = Security.temporary()
+    rows = []
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                      security=sec) as cl, Client(cl, security=sec) as c, \
+            dask.config.set({"ddict.local-transport": False}):  # fmt: skip
+        d = DDict(total_mem="1 GiB", client=c)
+        for label in ("100 B", "1 MiB"):
+            nbytes, base = SIZES[label], bases.get(label)
+            r = run_ddict(d.manager(0), nbytes, secs)
+            for op in ("put", "get"):
+                ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
+                rows.append((f"{op} {label}", "client (tls, as from another host)",
+                             fmt(nbytes, r[op]), fmt(nbytes, base[op]) if base else "n/a",
+                             ratio))  # fmt: skip
+        d.destroy()
+    return rows
+
+
 def fmt(nbytes: int, rate: float) -> str:
     if nbytes < 1024:
         return f"{rate:,.0f} ops/s"
@@ -208,6 +231,7 @@ def main() -> None:
     secs = args.seconds or (0.5 if args.quick else 2.0)
 
     rows: list[tuple[str, str, str, str, str]] = []
+    bases: dict[str, dict[str, float] | None] = {}
     redis_ctx = start_redis()
     try:
         with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
@@ -227,7 +251,7 @@ def main() -> None:
                 with dask.config.set({"ddict.local-transport": False}):
                     tcp = DDict.attach(d.serialize(), client=c).manager(0)
                     res["client (tcp, as from another host)"] = run_ddict(tcp, nbytes, s)
-                base = run_redis(redis_ctx[1], nbytes, s) if redis_ctx else None
+                base = bases[label] = run_redis(redis_ctx[1], nbytes, s) if redis_ctx else None
                 for where, r in res.items():
                     for op in ("put", "get"):
                         ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
@@ -245,6 +269,7 @@ def main() -> None:
             rows.append(("p99 put 100 B", "client, manager's worker CPU-bound",
                          f"{p99(lat) * 1e3:.2f} ms", "n/a", "target <= 2 ms"))  # fmt: skip
             d.destroy()
+        rows += tls_rows(secs, bases)
     finally:
         if redis_ctx:
             redis_ctx[0].terminate()

@@ -18,9 +18,21 @@ def shards(d) -> set[str]:  # noqa: ANN001
     return {m.store_path for m in d._core.layout.managers}
 
 
+#: ``DDICT_TEST_TWO_HOSTS=1``: the session cluster spans two hosts (this one and a network
+#: namespace, see ``twohost.py``), so dictionaries of the core tests span both.
+TWO_HOSTS = os.environ.get("DDICT_TEST_TWO_HOSTS") == "1"
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """A LocalCluster with two worker processes (real spawn, real shared memory)."""
+    if TWO_HOSTS:
+        import twohost
+
+        with twohost.TwoHosts() as hosts, Client(hosts.scheduler_address) as c:
+            c.wait_for_workers(2, timeout=90)
+            yield hosts
+        return
     with LocalCluster(
         n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0"
     ) as cl:
@@ -29,7 +41,7 @@ def cluster():
 
 @pytest.fixture
 def client(cluster):
-    with Client(cluster) as c:
+    with Client(cluster.scheduler_address if TWO_HOSTS else cluster) as c:
         yield c
 
 

@@ -175,6 +175,7 @@ def test_zarr_store_is_plain_zarr(client, tmp_path):
 # -- warm restart -------------------------------------------------------------------------
 
 
+@pytest.mark.one_host
 def test_restart_brings_back_every_checkpoint(client):
     d = DDict(total_mem="32 MiB", client=client, name="r1", working_set_size=3)
     rounds(d, 4)  # checkpoints 0..3; window [1, 3] (or less on lazy managers)
@@ -208,6 +209,7 @@ def test_restart_brings_back_every_checkpoint(client):
     assert not ((shards(d) | shards(r)) & shm_entries())
 
 
+@pytest.mark.one_host
 def test_restart_after_worker_processes_restart_and_empty_managers(client):
     d = DDict(total_mem="32 MiB", client=client, name="r2")
     twin = DDict(total_mem="32 MiB", client=client, name="r2twin")

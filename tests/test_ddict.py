@@ -337,6 +337,7 @@ def test_stats(ddict):
     assert set(ddict.dstats) == {0, 1}
 
 
+@pytest.mark.one_host
 def test_locality(ddict):
     assert ddict.local_managers == [0, 1]  # all on this machine
     assert ddict.local_manager in (0, 1)
@@ -348,6 +349,7 @@ def test_locality(ddict):
     assert len(dict(ddict.local_items())) == 10
 
 
+@pytest.mark.one_host
 def test_tasks_use_the_same_host_path(client, ddict):
     """Managers live in host processes beside the workers: every task on the host reads
     the shard directly and writes over the host's Unix socket; its local manager is
@@ -486,6 +488,7 @@ def test_managers_per_worker_and_workers(client):
         assert len(d) == 20
 
 
+@pytest.mark.one_host
 def test_no_shared_memory_left(client):
     from tests.conftest import shards, shm_entries
 
@@ -497,6 +500,7 @@ def test_no_shared_memory_left(client):
     assert not (mine & shm_entries())
 
 
+@pytest.mark.one_host
 def test_same_host_reads_come_from_the_shard(client):
     """The client process reads straight from the managers' shards (no round trip)."""
     from dask_ddict import DDictCheckpointSyncError
@@ -534,6 +538,7 @@ def test_same_host_reads_come_from_the_shard(client):
             d.manager(m)["np"]
 
 
+@pytest.mark.one_host
 def test_direct_reads_can_be_disabled(client):
     import dask
 
@@ -543,6 +548,7 @@ def test_direct_reads_can_be_disabled(client):
             assert d["k"] == 1 and {d._core.channel(m).kind for m in range(2)} == {"uds"}
 
 
+@pytest.mark.one_host
 def test_direct_reads_stop_when_the_dictionary_is_destroyed(client):
     d = DDict(total_mem="32 MiB", client=client)
     d["k"] = 1
@@ -556,6 +562,7 @@ def test_direct_reads_stop_when_the_dictionary_is_destroyed(client):
     other.detach()
 
 
+@pytest.mark.one_host
 def test_a_closed_shard_view_reads_as_unavailable(client):
     from dask_ddict import DDictManagerUnavailableError
     from dask_ddict.transport.shared import forget

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -32,8 +34,10 @@ def hosts():
 
 def _split(d: DDict) -> tuple[int, int]:
     """(a manager on this host, a manager on host 2)."""
-    by_host = {m.worker.split("//")[1].split(":")[0]: m.manager_id for m in d._core.layout.managers}
-    return by_host[twohost.HOST1], by_host[twohost.HOST2]
+    by_host = {m.hostname: m.manager_id for m in d._core.layout.managers}
+    (m2,) = [m for name, m in by_host.items() if name == twohost.HOSTNAME2]
+    (m1,) = [m for name, m in by_host.items() if name != twohost.HOSTNAME2]
+    return m1, m2
 
 
 _ON_HOST2 = """
@@ -100,7 +104,7 @@ def test_core_dict_and_checkpoint_operations_span_both_hosts(hosts, tmp_path):
         d.update(data)
         assert {d.which_manager(k) for k in data} == {m1, m2}  # both hosts hold keys
         d["versioned"] = "old"
-        worker2 = [w for w in c.scheduler_info()["workers"] if twohost.HOST2 in w]
+        worker2 = [w for w in c.scheduler_info()["workers"] if f"//{h.host2}:" in w]
         got = c.submit(_in_a_task, d, 50, workers=worker2, pure=False).result(timeout=60)
         assert got == {"host": twohost.HOSTNAME2, "old": "old", "count": 0}
         assert d[("task", 7)] == 49 and d["n"] == 50 and d.fetch_add("n", 1) == 50
@@ -122,7 +126,7 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
     restarts them empty, and ``synchronize_ddicts`` refills them from a parallel dict
     whose copies of those managers lived on host 1."""
     h, c = hosts
-    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: twohost.HOST2 in w)
+    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
     data = {f"k{i}": i for i in range(300)}
     a = DDict(total_mem="64 MiB", client=c, timeout=5, workers=[w1, w2], name="parallel-a",
               lifetime="cluster")  # fmt: skip
@@ -139,7 +143,7 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
         a.manager(a_on_2)["k0"]
     assert time.monotonic() - start < 5 + 2  # within the timeout (and its slack)
     text = str(info.value)
-    assert f"manager {a_on_2}" in text and twohost.HOST2 in text, text
+    assert f"manager {a_on_2}" in text and h.host2 in text, text
     a.manager(1 - a_on_2)["still"] = "served"  # the other host serves on
     assert a.manager(1 - a_on_2)["still"] == "served"
 
@@ -147,7 +151,7 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
         d.destroy(allow_restart=True)
     h.start_host2()  # a new machine at the same address, with an empty /dev/shm
     deadline = time.monotonic() + 90
-    while sum(twohost.HOST2 in w for w in c.scheduler_info()["workers"]) != 1:
+    while sum(f"//{h.host2}:" in w for w in c.scheduler_info()["workers"]) != 1:
         assert time.monotonic() < deadline, h.log("worker2")
         time.sleep(0.5)
     a2 = DDict(total_mem="64 MiB", client=c, name="parallel-a", restart=True, lifetime="cluster")
@@ -324,3 +328,19 @@ def test_soak_eight_clients_on_both_hosts(hosts):
     finally:
         plain.destroy()
         ckd.destroy()
+
+
+@pytest.mark.slow
+def test_the_core_dict_and_checkpoint_tests_pass_across_two_hosts():
+    """``tests/test_ddict.py`` and ``tests/test_checkpoints.py``, with the session cluster
+    spanning two hosts: every dictionary they make has a manager on each."""
+    tests = os.path.dirname(__file__)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         os.path.join(tests, "test_ddict.py"), os.path.join(tests, "test_checkpoints.py")],
+        capture_output=True, text=True, timeout=900, cwd=os.path.dirname(tests),
+        env={**os.environ, "DDICT_TEST_TWO_HOSTS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout
+    assert "9 skipped" in out.stdout  # the one_host tests: test_two_hosts.py covers them

@@ -2,14 +2,16 @@
 
 :class:`TwoHosts` builds, and tears down completely:
 
-* a veth pair with the link-local addresses 169.254.77.1 (this host) and
-  169.254.77.2 (the second host); no other address is ever a target;
+* a veth pair with a link-local pair of addresses, ``169.254.77.(4k+1)`` (this
+  host) and ``169.254.77.(4k+2)`` (the second host), the first ``/30`` block of
+  169.254.77.0/24 that no interface uses yet (so fixtures can nest); no other
+  address is ever a target;
 * a network namespace holding the second end, entered with ``unshare --uts
   --mount``: its own hostname (``ddict-host2``) and its own tmpfs on
   ``/dev/shm``, so nothing is shared with this host but the wire;
 * a ``dask scheduler`` and one ``dask worker`` (with its nanny) on this host,
-  bound to 169.254.77.1, and one ``dask worker`` on the second host, bound to
-  169.254.77.2, joining that scheduler.
+  bound to the first address, and one ``dask worker`` on the second host, bound
+  to the second, joining that scheduler.
 
 Processes "on host 2" (:meth:`TwoHosts.on_host2`) join the second worker's
 namespaces with ``nsenter``: its network, hostname and ``/dev/shm``.
@@ -32,8 +34,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-HOST1, HOST2 = "169.254.77.1", "169.254.77.2"
 HOSTNAME2 = "ddict-host2"
+
+
+def _free_pair() -> tuple[str, str]:
+    """The first 169.254.77.x/30 block that no interface uses: (this host, host 2)."""
+    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                           check=True, timeout=30).stdout  # fmt: skip
+    for k in range(64):
+        first, second = f"169.254.77.{4 * k + 1}", f"169.254.77.{4 * k + 2}"
+        if f" {first}/" not in shown:
+            return first, second
+    raise RuntimeError("no free 169.254.77.x/30 block for the two-host fixture")
 
 
 def unavailable() -> str | None:
@@ -61,6 +73,7 @@ class TwoHosts:
         self.scheduler_file = str(self.tmp / "scheduler.json")
         self.security_args = security_args
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.host1 = self.host2 = ""
 
     def __repr__(self) -> str:
         return f"<TwoHosts {self.netns} {sorted(self.procs)}>"
@@ -70,11 +83,11 @@ class TwoHosts:
     def __enter__(self) -> TwoHosts:
         try:
             self._network()
-            self._start("scheduler", ["dask", "scheduler", "--host", HOST1, "--port", "0",
-                                      "--dashboard-address", f"{HOST1}:0", "--scheduler-file",
+            self._start("scheduler", ["dask", "scheduler", "--host", self.host1, "--port", "0",
+                                      "--dashboard-address", f"{self.host1}:0", "--scheduler-file",
                                       self.scheduler_file, *self.security_args])  # fmt: skip
             self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
-            self._start("worker1", [*self._worker(), "--host", HOST1, "--name", "host1-worker"])
+            self._start("worker1", [*self._worker(), "--host", self.host1, "--name", "host1-worker"])
             self.start_host2()
         except BaseException:
             self.close()
@@ -117,7 +130,7 @@ class TwoHosts:
             "ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount",
             "--propagation", "private", "sh", "-c",
             f"hostname {HOSTNAME2} && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
-            f"exec {' '.join(self._worker())} --host {HOST2} --name host2-worker",
+            f"exec {' '.join(self._worker())} --host {self.host2} --name host2-worker",
         ])  # fmt: skip
 
     # -- helpers -----------------------------------------------------------------------
@@ -128,12 +141,13 @@ class TwoHosts:
 
     def _network(self) -> None:
         a, b = self.veth
+        self.host1, self.host2 = _free_pair()
         _run("ip", "netns", "add", self.netns)
         _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
         _run("ip", "link", "set", b, "netns", self.netns)
-        _run("ip", "addr", "add", f"{HOST1}/30", "dev", a)
+        _run("ip", "addr", "add", f"{self.host1}/30", "dev", a)
         _run("ip", "link", "set", a, "up")
-        _run("ip", "netns", "exec", self.netns, "ip", "addr", "add", f"{HOST2}/30", "dev", b)
+        _run("ip", "netns", "exec", self.netns, "ip", "addr", "add", f"{self.host2}/30", "dev", b)
         _run("ip", "netns", "exec", self.netns, "ip", "link", "set", b, "up")
         _run("ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up")
 
