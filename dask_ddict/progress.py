@@ -54,11 +54,12 @@ def compute(collection: Any, client: Any = None) -> Any:
     return client.gather(futures)
 
 
-def track(items: Iterable[T], desc: str, total: int | None = None) -> Iterable[T]:
+def track(items: Iterable[T], desc: str, total: int | None = None,
+          unit: str = "manager") -> Iterable[T]:  # fmt: skip
     """``items``, with a bar named ``desc`` when progress is on."""
     if not enabled():
         return items
     from tqdm.auto import tqdm
 
-    bar: Any = tqdm(items, desc=desc, total=total, unit="manager", leave=False)
+    bar: Any = tqdm(items, desc=desc, total=total, unit=unit, leave=False)
     return bar

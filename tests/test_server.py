@@ -17,7 +17,7 @@ import pytest
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.errors import DDictClosedError, DDictError, DDictKeyError
+from dask_ddict.errors import DDictClosedError, DDictError, DDictKeyError, Status
 from dask_ddict.host.server import HostedDict, HostServer
 from dask_ddict.layout import ManagerInfo
 from dask_ddict.shard.manager import Manager
@@ -94,7 +94,25 @@ def test_every_operation_is_declared_once_and_served():
     """One class per wire code, each with a host handler: nothing is spelled elsewhere."""
     assert set(ops.OPERATIONS) == set(ops.HANDLERS) == set(Op)
     for code, cls in ops.OPERATIONS.items():
-        assert cls.op is code and isinstance(cls.kind, ops.Kind)
+        assert cls.op is code
+        assert isinstance(cls.kind, ops.Kind) or cls is ops.FanOut  # a fan-out has its inner's
+    assert ops.FanOut(ops.Length(0), (0,)).kind is ops.Length.kind
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_a_fan_out_answers_for_every_manager_in_one_request(served, use_uds):
+    channel, _, _ = served
+    ch = channel(use_uds)
+    kb = dumps_key("k")
+    ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
+    got = ch.call(ops.FanOut(ops.Length(0), (3, 9, 3)))  # 9 is not hosted here
+    assert [(mid, status, ival) for mid, status, ival, _ in got] == [
+        (3, 0, 1), (9, int(Status.MANAGER_UNAVAILABLE), 0), (3, 0, 1)]
+    assert b"not hosted" in got[1][3]
+    stats = ch.call(ops.FanOut(ops.Stats(), (3,)))
+    assert ops.Stats().result(stats[0][2], stats[0][3])["manager_id"] == 3
+    nested = ch.call(ops.FanOut(ops.FanOut(ops.Length(0), (3,)), (3,)))  # never served
+    assert nested[0][1] == Status.INVALID_ARGUMENT and b"unknown operation" in nested[0][3]
 
 
 def test_a_wrong_secret_is_refused_over_tcp_and_a_closed_dict_says_so(served):

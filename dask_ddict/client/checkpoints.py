@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..arguments import check_int
 from ..errors import DDictPersistCheckpointError
-from ..progress import track
 from ..transport.ops import (
     Advance,
     Newest,
@@ -59,7 +58,7 @@ class Checkpoints:
 
     def sync_to_newest_checkpoint(self) -> None:
         """Move to the newest checkpoint any manager (or the chosen one) holds."""
-        self._chkpt = max(self._core.channel(m).call(Newest()) for m in self._managers())
+        self._chkpt = max(self._core.each(Newest(), self._managers()))
 
     # -- persistence ---------------------------------------------------------------
 
@@ -69,9 +68,7 @@ class Checkpoints:
         With ``progress``, a bar of that name follows the managers (see
         :mod:`dask_ddict.progress`).
         """
-        managers = self._managers()
-        each = track(managers, progress, len(managers)) if progress else managers
-        return [self._core.channel(m).call(o) for m in each]
+        return self._core.each(o, self._managers(), progress)
 
     def persist(self) -> None:
         """Persist this handle's current checkpoint to ``persist_path`` now.

@@ -42,7 +42,6 @@ from ..transport.ops import (
     Pop,
     Put,
     SetDefault,
-    Stats,
     Unfreeze,
     WaitFor,
 )
@@ -401,15 +400,14 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
 
     def _length(self, managers: builtins.list[int]) -> int:
         """Keys visible at this handle's checkpoint on ``managers``."""
-        return sum(self._core.channel(m).call(Length(self._chkpt)) for m in managers)
+        return sum(self._core.each(Length(self._chkpt), managers)) if managers else 0
 
     def __len__(self) -> int:
         return self._length(self._managers())
 
     def clear(self) -> None:
         """Empty the client's current checkpoint on every manager (or the chosen one)."""
-        for m in self._managers():
-            self._core.channel(m).call(Clear(self._chkpt, self._client_id, self._timeout))
+        self._core.each(Clear(self._chkpt, self._client_id, self._timeout), self._managers())
 
     def keys(self) -> DDictKeysView:
         return DDictKeysView(self, self._managers())
@@ -486,13 +484,13 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         kb = dumps_key(key, self._kp)
         digest = key_digest(kb)
         framed = dumps_value(value, self._vp)
-        for mid in range(self._core.layout.num_managers):
-            if self._batch is not None:
+        every = list(range(self._core.layout.num_managers))
+        if self._batch is not None:
+            for mid in every:
                 self._batch.add(mid, digest, kb, framed, self._chkpt)
-            else:
-                self._core.channel(mid).call(
-                    Put(digest, kb, framed, self._chkpt, self._client_id, False, self._timeout)
-                )
+        else:  # one request per host process, all hosts at once
+            self._core.each(Put(digest, kb, framed, self._chkpt, self._client_id, False,
+                                self._timeout), every)  # fmt: skip
 
     def bget(self, key: Any) -> Any:
         """Read a broadcast value from this handle's main manager."""
@@ -507,16 +505,14 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
 
     def freeze(self) -> None:
         """Make every manager read-only: writes raise ``DDictError`` (INVALID_OPERATION)."""
-        for m in self._managers():
-            self._core.channel(m).call(Freeze())
+        self._core.each(Freeze(), self._managers())
 
     def unfreeze(self) -> None:
-        for m in self._managers():
-            self._core.channel(m).call(Unfreeze())
+        self._core.each(Unfreeze(), self._managers())
 
     @property
     def is_frozen(self) -> bool:
-        return all(self._core.channel(m).call(Stats())["frozen"] for m in self._managers())
+        return all(s.frozen for s in self.stats)
 
     # -- handles, locality, introspection --------------------------------------------
 

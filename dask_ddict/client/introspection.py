@@ -127,7 +127,7 @@ class Introspection:
     @property
     def stats(self) -> list[DDictManagerStats]:
         """One entry per manager (or the chosen one), sorted by manager id."""
-        return [DDictManagerStats.from_dict(self._core.channel(m).call(Stats())) for m in self._managers()]
+        return [DDictManagerStats.from_dict(s) for s in self._core.each(Stats(), self._managers())]
 
     @property
     def dstats(self) -> dict[int, DDictManagerStats]:

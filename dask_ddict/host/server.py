@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
-import hmac
 import logging
 import os
 import secrets
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -251,20 +248,27 @@ class HostServer:
             value = scratch.get(vlen)
             reader.read_into(value)
         try:
-            manager = hosted.managers.get(mid)
-            if manager is None:
-                raise self._not_hosted(hosted, mid)
-            handler = self.handlers.get(op)  # IntEnum keys: a plain int finds them
-            if handler is None:
-                raise DDictError(f"unknown operation {op}", "INVALID_ARGUMENT")
             req = Request(op, flags, mid, chkpt, arg, client, decode_timeout(timeout),
                           keysec[:16], keysec[16:], value, rid)  # fmt: skip
-            handler(manager, req, reply)
+            if op == Op.FANOUT:  # one operation on several of this dictionary's managers
+                self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply)
+            else:
+                self._dispatch(hosted, req, reply)
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise
             msg = str(getattr(e, "message", "") or e).encode()
             send_parts(conn, [REP.pack(status_of(e), 0, len(msg)), msg])
+
+    def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
+        """Serve ``req`` on its manager through the operation table."""
+        manager = hosted.managers.get(req.manager)
+        if manager is None:
+            raise self._not_hosted(hosted, req.manager)
+        handler = self.handlers.get(req.op)  # IntEnum keys: a plain int finds them
+        if handler is None or req.op == Op.FANOUT:
+            raise DDictError(f"unknown operation {req.op}", "INVALID_ARGUMENT")
+        handler(manager, req, reply)
 
     def _not_hosted(self, hosted: HostedDict, mid: int) -> DDictError:
         if hosted.key in self.closed_dicts:

@@ -19,14 +19,39 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from .. import config
-from ..errors import DDictClosedError, DDictError, DDictManagerUnavailableError
+from ..errors import (
+    DDictClosedError,
+    DDictError,
+    DDictManagerUnavailableError,
+    raise_for_status,
+    status_of,
+)
 from ..layout import Layout, ManagerInfo, host_id
+from ..progress import track
 from .links import HostLink, SocketChannel
+from .operation import Operation
+from .ops import FanOut
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that ask host processes at once in a broadcast (one pool per process,
+    ``ddict.transport.broadcast-threads`` of them, started on first use)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(int(config.get("transport.broadcast-threads")),
+                                       thread_name_prefix="ddict-broadcast")  # fmt: skip
+        return _POOL
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +176,51 @@ class Connections:
                     "INVALID_OPERATION",
                 )
         return SocketChannel(self._link(info, use_uds=False, ssl_context=ssl_context), info)
+
+    def each(self, o: Operation, mids: list[int], progress: str = "") -> list[Any]:
+        """``o``'s result on every manager of ``mids``, in that order (a broadcast).
+
+        One request per host process (:class:`~.ops.FanOut`: the host runs ``o``
+        on each of its managers), to every host at once: a broadcast costs about
+        one round trip, not one per manager.  The first manager's error (in
+        ``mids`` order) is raised, as a loop over the managers would.  With
+        ``progress``, a bar follows the hosts as they answer.
+        """
+        by_link: dict[Any, list[int]] = {}
+        for m in mids:  # a lost manager raises here, before anything is sent
+            by_link.setdefault(self.channel(m).link, []).append(m)
+        if len(mids) == 1:
+            return [self.channel(mids[0]).call(o)]
+        answers: dict[int, tuple[int, int, bytes]] = {}
+
+        def ask(link: Any, ms: list[int]) -> None:
+            if len(ms) == 1:  # one manager on this host: a plain request
+                try:
+                    answers[ms[0]] = (0, *link.call(o, ms[0]))
+                except DDictError as e:
+                    answers[ms[0]] = (int(status_of(e)), 0, e.message.encode())
+                return
+            _, payload = link.call(FanOut(o, tuple(ms)), ms[0])
+            for mid, status, ival, data in pickle.loads(payload):
+                answers[mid] = (status, ival, data)
+
+        groups = list(by_link.items())
+        if progress:
+            done = as_completed([_pool().submit(ask, link, ms) for link, ms in groups])
+            for future in track(done, progress, len(groups), unit="host"):
+                future.result()
+        else:  # the other hosts from the pool, the first from this thread: all at once
+            others = [_pool().submit(ask, link, ms) for link, ms in groups[1:]]
+            ask(*groups[0])
+            for future in others:
+                future.result()
+        out = []
+        for m in mids:
+            status, ival, data = answers[m]
+            if status:
+                raise_for_status(status, data.decode(errors="replace"))
+            out.append(o.result(ival, data))
+        return out
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,9 @@ An operation is one request class.  It says in one place:
 
 Clients send operations through a channel's one ``call(operation)``; the host
 dispatches them through :data:`HANDLERS`, built from this module.  Adding an
-operation is one class here plus the manager method it calls.
+operation is one class here plus the manager method it calls; what every
+operation shares (kinds, the request header's terms, reply shapes) is in
+:mod:`.operation`.
 
 Requests are never changed after they are made, but they are not ``frozen``
 dataclasses: a frozen dataclass's ``__init__`` costs 1.9 µs (``Get``) to 3.2 µs
@@ -21,117 +23,30 @@ of a same-host read (about 27 µs).
 
 from __future__ import annotations
 
-import enum
 import os
 import pickle
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed, copy_frame
+from ..errors import status_of
+from .operation import (
+    AtCheckpoint,
+    Encoded,
+    FrameReply,
+    IntReply,
+    Kind,
+    Operation,
+    PickledReply,
+    Reply,
+    Request,
+)
 from .protocol import FLAG_NOREPLY, FLAG_PERSIST, RECORD, WANT_KEYS, WANT_VALUES, Op
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
-
-
-class Kind(enum.Enum):
-    """What may happen when an operation is sent again after a broken connection."""
-
-    READ = "read"  # changes nothing: resent freely; a timeout means only "no answer"
-    IDEMPOTENT = "idempotent"  # the same request has the same effect: resent
-    ONCE = "once"  # carries a request id: resent, and the host applies it at most once
-    UNSAFE = "unsafe"  # cannot be resent: a broken connection is reported as "maybe applied"
-
-
-class Encoded(NamedTuple):
-    """An operation in the request header's terms (see :data:`.protocol.REQ`)."""
-
-    flags: int = 0
-    keysec: bytes = b""
-    parts: tuple[Any, ...] = ()
-    vlen: int = 0
-    chkpt: int = 0
-    arg: int = 0
-    client: int = 0
-    timeout: float | None = None
-
-
-class Request(NamedTuple):
-    """A request as the host decoded it (``value`` is a view valid until the next request)."""
-
-    op: int
-    flags: int
-    manager: int
-    chkpt: int
-    arg: int
-    client: int
-    timeout: float | None
-    digest: bytes
-    key: bytes
-    value: Any
-    rid: int
-
-
-Reply = Callable[..., None]  # reply(ival=0, payload=b"")
-
-
-class Operation:
-    """Base of every operation: a request with its codec and its handler."""
-
-    __slots__ = ()
-    op: ClassVar[Op]
-    kind: ClassVar[Kind] = Kind.IDEMPOTENT
-    replies: ClassVar[bool] = True
-    timeout: float | None = None
-
-    def encode(self) -> Encoded:
-        return Encoded()
-
-    def result(self, ival: int, payload: Any) -> Any:
-        """What the caller gets back from the host's ``(ival, payload)``."""
-        return None
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        raise NotImplementedError
-
-
-class IntReply(Operation):
-    """An operation whose answer is the reply's integer."""
-
-    __slots__ = ()
-
-    def result(self, ival: int, payload: Any) -> int:
-        return ival
-
-
-class FrameReply(Operation):
-    """An operation whose answer is the reply's payload (a value frame)."""
-
-    __slots__ = ()
-
-    def result(self, ival: int, payload: Any) -> Any:
-        return payload
-
-
-class PickledReply(Operation):
-    """An operation whose answer is a pickled structure (stats, ids, replication pages)."""
-
-    __slots__ = ()
-
-    def result(self, ival: int, payload: Any) -> Any:
-        return pickle.loads(payload)
-
-
-class AtCheckpoint(Operation):
-    """An operation whose only argument is a checkpoint id."""
-
-    __slots__ = ()
-    chkpt: int
-
-    def encode(self) -> Encoded:
-        return Encoded(chkpt=self.chkpt)
 
 
 def _key_and_value(o: Put | SetDefault, flags: int) -> Encoded:
@@ -557,6 +472,41 @@ class CopyFrom(IntReply):
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.copy_from(bytes(r.value).decode(), r.arg))
+
+
+@dataclass(slots=True)
+class FanOut(PickledReply):
+    """``inner`` on managers ``mids`` of one host process in one round trip (broadcasts);
+    ``serve`` gets the server's ``dispatch`` instead of a manager, and answers every
+    manager's ``(mid, status, ival, payload)``."""
+
+    op = Op.FANOUT
+    inner: Operation
+    mids: tuple[int, ...]
+
+    @property
+    def kind(self) -> Kind:  # type: ignore[override]
+        return self.inner.kind
+
+    def encode(self) -> Encoded:
+        e, n = self.inner.encode(), len(self.mids)
+        return e._replace(keysec=struct.pack(f"<I{n}I", n, *self.mids) + e.keysec,
+                          arg=int(self.inner.op))  # fmt: skip
+
+    @staticmethod
+    def serve(dispatch: Any, r: Request, reply: Reply) -> None:
+        keysec = r.digest + r.key
+        (n,), out = struct.unpack_from("<I", keysec), []
+        rest = keysec[4 + 4 * n :]
+        for mid in struct.unpack_from(f"<{n}I", keysec, 4):
+            got: list[tuple[int, bytes]] = []
+            try:
+                dispatch(r._replace(op=r.arg, manager=mid, arg=0, digest=rest[:16], key=rest[16:]),
+                         lambda ival=0, payload=b"": got.append((ival, bytes(payload))))  # fmt: skip
+                out.append((mid, 0, *got[0]) if got else (mid, 0, 0, b""))
+            except Exception as e:  # this manager's answer: the others still run
+                out.append((mid, int(status_of(e)), 0, str(getattr(e, "message", "") or e).encode()))
+        reply(0, pickle.dumps(out))
 
 
 def _leaves(cls: type[Operation]) -> list[type[Operation]]:

@@ -63,6 +63,7 @@ class Op(enum.IntEnum):
     DUMP_PAGE = 23
     COPY_FROM = 24
     SET_DEFAULT = 25
+    FANOUT = 26  # one request, the same operation on several managers of one host process
 
 
 FLAG_PERSIST = 1

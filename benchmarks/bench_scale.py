@@ -1,0 +1,97 @@
+"""How a dictionary's costs grow with its manager count: one command, one table.
+
+    python benchmarks/bench_scale.py [--managers 8,128,512] [--workers 2]
+
+For each manager count (spread over ``--workers`` workers of a LocalCluster,
+served by one host process per worker) it creates a dictionary and reports:
+
+* create and destroy time;
+* the pickled size of a handle (what every task that takes ``d`` carries);
+* warm broadcast times, median of repeated calls: ``len``, ``stats``, ``clear``,
+  ``bput``, ``persisted_ids`` (one ``FanOut`` request per host process, hosts at once);
+* the file descriptors this process holds after touching every manager.
+
+The ratio column divides each broadcast time by its time at the smallest
+manager count (target: at most 5x from 8 to 512 managers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from distributed import Client, LocalCluster
+
+from dask_ddict import DDict
+
+BROADCASTS: dict[str, Callable[[DDict], Any]] = {
+    "len": len,
+    "stats": lambda d: d.stats,
+    "clear": lambda d: d.clear(),
+    "bput": lambda d: d.bput("shared", 1),
+    "persisted_ids": lambda d: d.persisted_ids(),
+}
+
+
+def median_ms(fn: Callable[[], Any], n: int) -> float:
+    fn()  # warm: connections open
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure(client: Client, managers: int, workers: int, repeat: int) -> dict[str, float]:
+    per_worker = max(1, managers // workers)
+    start = time.perf_counter()
+    d = DDict(per_worker, total_mem=f"{2 * per_worker * workers} MiB", client=client,
+              lifetime="cluster")  # fmt: skip
+    row: dict[str, float] = {"managers": d.num_managers, "create_s": time.perf_counter() - start,
+                             "handle_bytes": len(pickle.dumps(d))}  # fmt: skip
+    for name, fn in BROADCASTS.items():
+        row[name] = median_ms(lambda fn=fn: fn(d), repeat)  # type: ignore[misc]
+    row["fds"] = len(os.listdir("/proc/self/fd"))
+    start = time.perf_counter()
+    d.destroy()
+    row["destroy_s"] = time.perf_counter() - start
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--managers", default="8,128,512", help="comma-separated manager counts")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=11)
+    args = ap.parse_args()
+    counts = [int(n) for n in args.managers.split(",")]
+    warnings.simplefilter("ignore", RuntimeWarning)  # shards + memory_limit vs. host memory
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        rows = [measure(c, n, args.workers, args.repeat) for n in counts]
+    base = rows[0]
+    head = ["managers", "create s", "destroy s", "handle B", "fds",
+            *[f"{b} ms (x)" for b in BROADCASTS]]  # fmt: skip
+    table = [[f"{r['managers']:.0f}", f"{r['create_s']:.2f}", f"{r['destroy_s']:.2f}",
+              f"{r['handle_bytes']:.0f}", f"{r['fds']:.0f}",
+              *[f"{r[b]:.2f} ({r[b] / base[b]:.1f}x)" for b in BROADCASTS]]
+             for r in rows]  # fmt: skip
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for line in table:
+        print(" | ".join(x.ljust(w) for x, w in zip(line, widths)))
+    print(f"\n({args.workers} workers, python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+          f"median of {args.repeat})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The base of every key-path operation: what a request is, on both ends of the wire.
+
+:mod:`.ops` declares the operations themselves, one class each; this module holds
+what they share: how safe a resend is (:class:`Kind`), the request header's
+terms (:class:`Encoded`), the host's decoded view (:class:`Request`), and the
+reply shapes (:class:`IntReply`, :class:`FrameReply`, :class:`PickledReply`).
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from .protocol import Op
+
+if TYPE_CHECKING:
+    from ..shard.manager import Manager
+
+
+class Kind(enum.Enum):
+    """What may happen when an operation is sent again after a broken connection."""
+
+    READ = "read"  # changes nothing: resent freely; a timeout means only "no answer"
+    IDEMPOTENT = "idempotent"  # the same request has the same effect: resent
+    ONCE = "once"  # carries a request id: resent, and the host applies it at most once
+    UNSAFE = "unsafe"  # cannot be resent: a broken connection is reported as "maybe applied"
+
+
+class Encoded(NamedTuple):
+    """An operation in the request header's terms (see :data:`.protocol.REQ`)."""
+
+    flags: int = 0
+    keysec: bytes = b""
+    parts: tuple[Any, ...] = ()
+    vlen: int = 0
+    chkpt: int = 0
+    arg: int = 0
+    client: int = 0
+    timeout: float | None = None
+
+
+class Request(NamedTuple):
+    """A request as the host decoded it (``value`` is a view valid until the next request)."""
+
+    op: int
+    flags: int
+    manager: int
+    chkpt: int
+    arg: int
+    client: int
+    timeout: float | None
+    digest: bytes
+    key: bytes
+    value: Any
+    rid: int
+
+
+Reply = Callable[..., None]  # reply(ival=0, payload=b"")
+
+
+class Operation:
+    """Base of every operation: a request with its codec and its handler."""
+
+    __slots__ = ()
+    op: ClassVar[Op]
+    kind: ClassVar[Kind] = Kind.IDEMPOTENT
+    replies: ClassVar[bool] = True
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded()
+
+    def result(self, ival: int, payload: Any) -> Any:
+        """What the caller gets back from the host's ``(ival, payload)``."""
+        return None
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        raise NotImplementedError
+
+
+class IntReply(Operation):
+    """An operation whose answer is the reply's integer."""
+
+    __slots__ = ()
+
+    def result(self, ival: int, payload: Any) -> int:
+        return ival
+
+
+class FrameReply(Operation):
+    """An operation whose answer is the reply's payload (a value frame)."""
+
+    __slots__ = ()
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return payload
+
+
+class PickledReply(Operation):
+    """An operation whose answer is a pickled structure (stats, ids, replication pages)."""
+
+    __slots__ = ()
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return pickle.loads(payload)
+
+
+class AtCheckpoint(Operation):
+    """An operation whose only argument is a checkpoint id."""
+
+    __slots__ = ()
+    chkpt: int
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt)
