@@ -400,7 +400,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
 
     def _length(self, managers: builtins.list[int]) -> int:
         """Keys visible at this handle's checkpoint on ``managers``."""
-        return sum(self._core.each(Length(self._chkpt), managers)) if managers else 0
+        return sum(self._core.each(Length(self._chkpt), managers))
 
     def __len__(self) -> int:
         return self._length(self._managers())

@@ -186,11 +186,11 @@ class Connections:
         ``mids`` order) is raised, as a loop over the managers would.  With
         ``progress``, a bar follows the hosts as they answer.
         """
+        if len(mids) <= 1:
+            return [self.channel(m).call(o) for m in mids]
         by_link: dict[Any, list[int]] = {}
         for m in mids:  # a lost manager raises here, before anything is sent
             by_link.setdefault(self.channel(m).link, []).append(m)
-        if len(mids) == 1:
-            return [self.channel(mids[0]).call(o)]
         answers: dict[int, tuple[int, int, bytes]] = {}
 
         def ask(link: Any, ms: list[int]) -> None:
