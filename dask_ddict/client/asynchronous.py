@@ -35,6 +35,7 @@ from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from ..stats import DDictManagerStats
 from .core import _Core
+from .layouts import forget
 from .creation import create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 
@@ -181,9 +182,10 @@ class AsyncDDict:
         if core.closed:
             return
         core.close()
+        forget(core.ref.uid)
         client = self._client or core.client
         await client.scheduler.ddict_destroy(
-            name=core.layout.name, uid=core.layout.uid, allow_restart=allow_restart
+            name=core.ref.name, uid=core.ref.uid, allow_restart=allow_restart
         )
 
     async def __aenter__(self) -> AsyncDDict:

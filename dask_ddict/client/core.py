@@ -20,6 +20,7 @@ from .._hashing import seed_warning
 from ..errors import DDictError
 from ..layout import Layout
 from ..transport.connect import Connections, default_security
+from .layouts import LayoutRef, remember, resolve
 
 #: "No argument given" for methods whose ``None`` means something.
 MISSING: Any = object()
@@ -59,14 +60,28 @@ class _Core(Connections):
 
     def __init__(
         self,
-        layout: Layout,
+        layout: Layout | LayoutRef,
         client: Client | None = None,
         cluster: LocalCluster | None = None,
     ) -> None:
-        super().__init__(layout)
+        if isinstance(layout, LayoutRef):  # from a pickled handle: resolved on first use
+            self.ref = layout
+            super().__init__(None)
+        else:
+            self.ref = LayoutRef.of(layout)
+            remember(layout)  # handles pickled here and unpickled here need no fetch
+            super().__init__(layout)
         self._client = client
         self.cluster = cluster
         self.seed_checked = False
+
+    def _resolve(self) -> Layout:
+        return resolve(self.ref, self._client)
+
+    @property
+    def name(self) -> str:
+        """The dictionary's name (known without resolving the layout)."""
+        return self.ref.name
 
     def check_hash_seed(self, cls: type) -> None:
         """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks."""

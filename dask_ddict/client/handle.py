@@ -49,6 +49,7 @@ from .replicate import Replication
 from .batch import BatchPut
 from .checkpoints import Checkpoints
 from .core import MISSING, _Core, current_client, embedded_client
+from .layouts import LayoutRef, forget
 from .creation import create_request, initial_checkpoint
 from .introspection import Introspection
 from .mapping import MappingMethods
@@ -228,7 +229,9 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         return list(client.sync(client.scheduler.ddict_list))
 
     def __reduce__(self) -> Any:
-        return (_rebuild, (self.serialize(), self._chkpt, self._timeout, self._target,
+        # A reference, not the layout: the size of a pickled handle does not grow with
+        # the managers (see client/layouts.py); serialize() stays self-contained.
+        return (_rebuild, (self._core.ref, self._chkpt, self._timeout, self._target,
                            self._kp, self._vp))  # fmt: skip
 
     def detach(self) -> None:
@@ -262,11 +265,12 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
                 "INVALID_OPERATION",
             )
         core.close()
+        forget(core.ref.uid)
         try:
             client = core.client
             client.sync(
                 client.scheduler.ddict_destroy,
-                name=core.layout.name, uid=core.layout.uid, allow_restart=allow_restart,
+                name=core.ref.name, uid=core.ref.uid, allow_restart=allow_restart,
             )  # fmt: skip
         finally:
             if core.cluster is not None:
@@ -284,21 +288,23 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
             self.detach()
 
     def __repr__(self) -> str:
-        lay = self._core.layout
+        lay = self._core._layout
         state = "closed" if self._core.closed else f"checkpoint={self._chkpt}"
         target = f" manager={self._target}" if self._target is not None else ""
+        if lay is None:  # unpickled, not used yet: no call to resolve it just for a repr
+            return f"<DDict {self._core.name!r} {state}{target} (attaches on first use)>"
         hosts = len({m.host_id for m in lay.managers})
         return (f"<DDict {lay.name!r} managers={lay.num_managers} hosts={hosts} "
                 f"total_mem={format_bytes(lay.total_mem)} {state}{target}>")  # fmt: skip
 
     def get_name(self) -> str:
-        return self._core.layout.name
+        return self._core.name
 
     # -- routing ----------------------------------------------------------------
 
     def _check(self) -> None:
         if self._core.closed or self._detached:
-            raise DDictClosedError(f"DDict {self._core.layout.name!r} was destroyed or detached")
+            raise DDictClosedError(f"DDict {self._core.name!r} was destroyed or detached")
 
     def _route(self, key: Any) -> tuple[int, bytes, bytes]:
         core = self._core
@@ -556,10 +562,12 @@ CREATE_SIGNATURE = inspect.signature(DDict.__init__)
 CREATE_ARGUMENTS = frozenset(CREATE_SIGNATURE.parameters) - {"self", "client"}
 
 
-def _rebuild(serialized: str, chkpt: int, timeout: float | None, target: int | None,
+def _rebuild(ref: LayoutRef, chkpt: int, timeout: float | None, target: int | None,
              kp: Any, vp: Any) -> DDict:  # fmt: skip
-    """Unpickling a handle attaches (a task starts at the parent's checkpoint)."""
-    h = DDict.attach(serialized, timeout=timeout)
-    h._chkpt = chkpt
+    """Unpickling a handle attaches (a task starts at the parent's checkpoint).
+
+    Nothing is sent here: the layout is resolved on the handle's first use.
+    """
+    h = DDict._from_core(_Core(ref), creator=False, chkpt=chkpt, timeout=timeout)
     h._target, h._kp, h._vp = target, kp, vp
     return h

@@ -89,15 +89,13 @@ class Connections:
         Where the managers are.
     """
 
-    layout: Layout
     closed: bool
     #: Same-host reads straight from the shard (``ddict.local-read``); an observer
     #: that must never map a shard (the scheduler's dashboard) turns it off.
     direct_reads: bool = True
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        self.num_managers = layout.num_managers
+    def __init__(self, layout: Layout | None) -> None:
+        self._layout = layout  # None: resolved on first use (see _resolve)
         self.closed = False
         self._channels: dict[int, Any] = {}
         self._links: dict[tuple[str, ...], HostLink] = {}
@@ -111,8 +109,24 @@ class Connections:
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
     def __repr__(self) -> str:
-        return (f"<{type(self).__name__} {self.layout.name!r} managers={self.layout.num_managers} "
-                f"closed={self.closed}>")  # fmt: skip
+        lay = self._layout
+        what = f"{lay.name!r} managers={lay.num_managers}" if lay else "(not resolved yet)"
+        return f"<{type(self).__name__} {what} closed={self.closed}>"
+
+    @property
+    def layout(self) -> Layout:
+        """Where the managers are."""
+        lay = self._layout
+        if lay is None:
+            lay = self._layout = self._resolve()
+        return lay
+
+    def _resolve(self) -> Layout:
+        raise RuntimeError("these connections were made without a layout")
+
+    @property
+    def num_managers(self) -> int:
+        return self.layout.num_managers
 
     def security(self) -> Any:
         """The TLS settings for TCP channels (a handle's core prefers its client's)."""

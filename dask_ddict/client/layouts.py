@@ -1,0 +1,105 @@
+"""The layouts this process knows: a pickled handle carries a reference, not the layout.
+
+A layout lists every manager (about 490 bytes each), so a handle that carried it
+would grow with the dictionary and travel with every task that takes it.  A
+pickled handle carries a :class:`LayoutRef` instead (a few dozen bytes), and
+each process resolves it at most once per layout epoch: from this cache, else
+with one call to the orchestrator.  Resolution happens on the handle's first
+use, in the thread that uses it, never while unpickling (a worker may unpickle
+on its event loop, where a blocking call to the scheduler would deadlock).
+Operations never contact the scheduler.  ``DDict.serialize()`` stays
+self-contained, for processes outside the cluster's Dask context.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DDictClosedError, DDictError
+from ..layout import Layout
+
+_KNOWN: dict[str, Layout] = {}  # uid -> the newest layout seen in this process
+_LOCK = threading.Lock()
+#: Layouts this process fetched from the orchestrator (the scale benchmark counts them).
+fetches = 0
+
+
+@dataclass(frozen=True)
+class LayoutRef:
+    """What a pickled handle carries: enough to find its layout again."""
+
+    name: str
+    uid: str
+    epoch: int
+    scheduler: str
+
+    @classmethod
+    def of(cls, layout: Layout) -> LayoutRef:
+        return cls(layout.name, layout.uid, layout.epoch, layout.scheduler)
+
+
+def remember(layout: Layout) -> None:
+    """Keep ``layout`` (unless a newer epoch of it is known)."""
+    with _LOCK:
+        known = _KNOWN.get(layout.uid)
+        if known is None or known.epoch <= layout.epoch:
+            _KNOWN[layout.uid] = layout
+
+
+def forget(uid: str) -> None:
+    """The dictionary was destroyed: drop its layout."""
+    with _LOCK:
+        _KNOWN.pop(uid, None)
+
+
+def resolve(ref: LayoutRef, client: Any = None) -> Layout:
+    """The layout ``ref`` names: known here, else fetched once (under a lock, so that
+    many tasks unpickling the same handle at once cause one fetch).
+
+    Raises
+    ------
+    DDictClosedError
+        The dictionary was destroyed (or its name now belongs to a new one).
+    """
+    global fetches
+    with _LOCK:
+        known = _KNOWN.get(ref.uid)
+        if known is not None and known.epoch >= ref.epoch:
+            return known
+        fetches += 1
+        try:
+            reply = _ask_orchestrator(ref, client)
+        except DDictError:  # "no DDict named ..."
+            raise DDictClosedError(f"DDict {ref.name!r} was destroyed") from None
+        layout = Layout.from_dict(reply)
+        if layout.uid != ref.uid:
+            raise DDictClosedError(f"DDict {ref.name!r} was destroyed (its name now belongs "
+                                   "to a new dictionary)")  # fmt: skip
+        _KNOWN[layout.uid] = layout
+        return layout
+
+
+def _ask_orchestrator(ref: LayoutRef, client: Any) -> Any:
+    """One ``ddict_attach`` call: through this worker's scheduler connection in a task,
+    else through a client of this process, else a short-lived client of its own."""
+    from distributed import Client, get_client, get_worker
+    from distributed.utils import sync
+
+    if client is not None:
+        return client.sync(client.scheduler.ddict_attach, name=ref.name)
+    try:
+        worker = get_worker()
+    except ValueError:
+        worker = None
+    if worker is not None:
+        return sync(worker.loop, worker.scheduler.ddict_attach, name=ref.name)
+    try:
+        client = get_client()
+    except ValueError:
+        client = None
+    if client is not None:
+        return client.sync(client.scheduler.ddict_attach, name=ref.name)
+    with Client(ref.scheduler, set_as_default=False) as own:
+        return own.sync(own.scheduler.ddict_attach, name=ref.name)

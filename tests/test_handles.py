@@ -1,0 +1,62 @@
+"""Pickled handles are O(1): a reference, resolved once per process on first use."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from distributed import get_worker
+
+from dask_ddict import DDict, DDictClosedError
+
+
+def _fetches_after_use(d: DDict, i: int) -> tuple[str, int]:
+    from dask_ddict.client import layouts
+
+    d[("task", i)] = i  # first use: the layout is resolved here, in the task's thread
+    return get_worker().address, layouts.fetches
+
+
+def test_a_pickled_handle_does_not_grow_with_the_managers(client):
+    small = DDict(1, total_mem="32 MiB", client=client)
+    big = DDict(32, total_mem="128 MiB", client=client)
+    try:
+        sizes = [len(pickle.dumps(d)) for d in (small, big)]
+        assert big.num_managers == 32 * small.num_managers
+        assert sizes[0] == sizes[1] - (len(big.get_name()) - len(small.get_name()))
+        assert max(sizes) <= 1024 + len(big.get_name())
+        assert big._core.layout.secret not in pickle.dumps(big).decode("latin-1")
+    finally:
+        small.destroy()
+        big.destroy()
+
+
+def test_many_tasks_cause_one_fetch_per_process(client, ddict):
+    before = dict(client.run(lambda: __import__("dask_ddict.client.layouts",
+                                                fromlist=["x"]).fetches))  # fmt: skip
+    futures = client.map(_fetches_after_use, [ddict] * 200, range(200), pure=False)
+    after = {}
+    for address, fetches in client.gather(futures):
+        after[address] = max(after.get(address, 0), fetches)
+    for address, fetches in after.items():
+        assert fetches - before[address] <= 1, (address, fetches, before[address])
+    assert len(ddict) == 200
+
+
+def test_an_unpickled_handle_of_a_destroyed_dict_is_closed(client):
+    d = DDict(total_mem="32 MiB", client=client, name="gone-soon")
+    blob = pickle.dumps(d)
+    d.destroy()
+    h = pickle.loads(blob)  # nothing is sent while unpickling...
+    assert "attaches on first use" in repr(h)
+    with pytest.raises(DDictClosedError):
+        h["k"]  # ...and the first use says what happened
+    again = DDict(total_mem="32 MiB", client=client, name="gone-soon")  # the name, reused
+    try:
+        from dask_ddict.client import layouts
+
+        layouts.forget(pickle.loads(blob)._core.ref.uid)  # as in a fresh process
+        with pytest.raises(DDictClosedError, match="new dictionary"):
+            pickle.loads(blob)["k"]
+    finally:
+        again.destroy()
