@@ -9,7 +9,11 @@ served by one host process per worker) it creates a dictionary and reports:
 * the pickled size of a handle (what every task that takes ``d`` carries);
 * warm broadcast times, median of repeated calls: ``len``, ``stats``, ``clear``,
   ``bput``, ``persisted_ids`` (one ``FanOut`` request per host process, hosts at once);
-* the file descriptors this process holds after touching every manager.
+* the file descriptors this process holds after touching every manager;
+* the orchestrator's side: the bytes of the dictionary's entry in its registry,
+  its handler calls during all the broadcasts plus 200 puts and gets (must be 0),
+  and its ``ddict_attach`` calls while 1,000 tasks use a pickled handle (at most
+  one per worker process).
 
 The ratio column divides each broadcast time by its time at the smallest
 manager count (target: at most 5x from 8 to 512 managers).
@@ -50,6 +54,18 @@ def median_ms(fn: Callable[[], Any], n: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _calls(dask_scheduler: Any) -> dict[str, int]:
+    return dict(dask_scheduler.plugins["ddict"].calls)
+
+
+def _registry_bytes(dask_scheduler: Any, name: str) -> int:
+    return len(pickle.dumps(dask_scheduler.plugins["ddict"].dicts[name].to_dict()))
+
+
+def _use(d: DDict, i: int) -> None:
+    d[("task", i)] = i
+
+
 def measure(client: Client, managers: int, workers: int, repeat: int) -> dict[str, float]:
     per_worker = max(1, managers // workers)
     start = time.perf_counter()
@@ -57,8 +73,17 @@ def measure(client: Client, managers: int, workers: int, repeat: int) -> dict[st
               lifetime="cluster")  # fmt: skip
     row: dict[str, float] = {"managers": d.num_managers, "create_s": time.perf_counter() - start,
                              "handle_bytes": len(pickle.dumps(d))}  # fmt: skip
+    row["registry_bytes"] = client.run_on_scheduler(_registry_bytes, name=d.get_name())
+    before = client.run_on_scheduler(_calls)
     for name, fn in BROADCASTS.items():
         row[name] = median_ms(lambda fn=fn: fn(d), repeat)  # type: ignore[misc]
+    for i in range(100):
+        d[i] = d.get(i, i)
+    row["scheduler_calls_ops"] = sum(client.run_on_scheduler(_calls).values()) - sum(before.values())
+    before = client.run_on_scheduler(_calls)
+    client.gather(client.map(_use, [d] * 1000, range(1000), pure=False))
+    row["attach_calls_1000_tasks"] = (client.run_on_scheduler(_calls).get("ddict_attach", 0)
+                                      - before.get("ddict_attach", 0))  # fmt: skip
     row["fds"] = len(os.listdir("/proc/self/fd"))
     start = time.perf_counter()
     d.destroy()
@@ -78,10 +103,12 @@ def main() -> None:
             Client(cl) as c:  # fmt: skip
         rows = [measure(c, n, args.workers, args.repeat) for n in counts]
     base = rows[0]
-    head = ["managers", "create s", "destroy s", "handle B", "fds",
-            *[f"{b} ms (x)" for b in BROADCASTS]]  # fmt: skip
+    head = ["managers", "create s", "destroy s", "handle B", "registry B", "sched calls/ops",
+            "attach calls/1000 tasks", "fds", *[f"{b} ms (x)" for b in BROADCASTS]]  # fmt: skip
     table = [[f"{r['managers']:.0f}", f"{r['create_s']:.2f}", f"{r['destroy_s']:.2f}",
-              f"{r['handle_bytes']:.0f}", f"{r['fds']:.0f}",
+              f"{r['handle_bytes']:.0f}", f"{r['registry_bytes']:.0f}",
+              f"{r['scheduler_calls_ops']:.0f}", f"{r['attach_calls_1000_tasks']:.0f}",
+              f"{r['fds']:.0f}",
               *[f"{r[b]:.2f} ({r[b] / base[b]:.1f}x)" for b in BROADCASTS]]
              for r in rows]  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(head, *table)]

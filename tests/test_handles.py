@@ -34,13 +34,13 @@ def test_a_pickled_handle_does_not_grow_with_the_managers(client):
 def test_many_tasks_cause_one_fetch_per_process(client, ddict):
     before = dict(client.run(lambda: __import__("dask_ddict.client.layouts",
                                                 fromlist=["x"]).fetches))  # fmt: skip
-    futures = client.map(_fetches_after_use, [ddict] * 200, range(200), pure=False)
+    futures = client.map(_fetches_after_use, [ddict] * 1000, range(1000), pure=False)
     after = {}
     for address, fetches in client.gather(futures):
         after[address] = max(after.get(address, 0), fetches)
     for address, fetches in after.items():
         assert fetches - before[address] <= 1, (address, fetches, before[address])
-    assert len(ddict) == 200
+    assert len(ddict) == 1000
 
 
 def test_an_unpickled_handle_of_a_destroyed_dict_is_closed(client):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
+from collections.abc import Callable
 import os
 import secrets
 import uuid
@@ -61,6 +63,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._warned_hosts: set[str] = set()
         self._gone: set[str] = set()  # supervisors (nannies) found gone
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
+        self.calls: Counter[str] = Counter()  # handler calls by name, since the start
         self.dashboard = DashboardData(self)
         self.holders = Holders(self._release, self._call_later,
                                lambda: config.get_seconds("lifetime-grace-period") or 0.0)  # fmt: skip
@@ -70,15 +73,14 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update(
-            {
-                "ddict_create": self.create,
-                "ddict_attach": self.attach,
-                "ddict_destroy": self.destroy,
-                "ddict_list": self.names,
-                "ddict_list_kept": self.names_kept,
-            }
-        )
+        handlers: dict[str, Callable[..., Any]] = {
+            "ddict_create": self.create,
+            "ddict_attach": self.attach,
+            "ddict_destroy": self.destroy,
+            "ddict_list": self.names,
+            "ddict_list_kept": self.names_kept,
+        }
+        scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
         install(scheduler, self.dashboard)
         # Bytes, not objects: an inproc transport would share one instance otherwise.
         await scheduler.register_nanny_plugin(
@@ -281,6 +283,16 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         return [ws for ws in workers if ws.address not in hosting]
 
     # -- helpers ----------------------------------------------------------------
+
+    def _counted(self, name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """``handler``, counting its calls in :attr:`calls` (the scale benchmark shows that
+        operations never reach the orchestrator, and attaches at most once per process)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return handler(*args, **kwargs)
+
+        return call
 
     def _call_later(self, seconds: float, callback: Any) -> asyncio.TimerHandle:
         return asyncio.get_running_loop().call_later(seconds, callback)
