@@ -10,6 +10,8 @@ served by one host process per worker) it creates a dictionary and reports:
 * warm broadcast times, median of repeated calls: ``len``, ``stats``, ``clear``,
   ``bput``, ``persisted_ids`` (one ``FanOut`` request per host process, hosts at once);
 * the file descriptors this process holds after touching every manager;
+* at the largest count, ``--clients PxN``: P processes, each N clients that unpickle a
+  handle and put once: time per client, layout fetches, orchestrator calls and growth;
 * the orchestrator's side: the bytes of the dictionary's entry in its registry,
   its handler calls during all the broadcasts plus 200 puts and gets (must be 0),
   and its ``ddict_attach`` calls while 1,000 tasks use a pickled handle (at most
@@ -66,7 +68,49 @@ def _use(d: DDict, i: int) -> None:
     d[("task", i)] = i
 
 
-def measure(client: Client, managers: int, workers: int, repeat: int) -> dict[str, float]:
+def _clients(blob: bytes, n: int) -> tuple[int, float, int]:
+    """In another process: ``n`` clients attach from a pickled handle and put once."""
+    from dask_ddict.client import layouts
+
+    start = time.perf_counter()
+    for i in range(n):
+        h = pickle.loads(blob)
+        h[("client", os.getpid(), i)] = i
+        h.detach()
+    return n, time.perf_counter() - start, layouts.fetches
+
+
+def measure_clients(client: Client, d: DDict, processes: int, per_process: int
+                    ) -> dict[str, float]:  # fmt: skip
+    """``processes`` x ``per_process`` clients attach and put; the orchestrator's view."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    blob = pickle.dumps(d)
+    calls, registry = client.run_on_scheduler(_calls), client.run_on_scheduler(_registry_all)
+    ctx = multiprocessing.get_context("spawn")
+    start = time.perf_counter()
+    with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        done = list(pool.map(_clients, [blob] * processes, [per_process] * processes))
+    wall = time.perf_counter() - start
+    after = client.run_on_scheduler(_calls)
+    return {
+        "clients": sum(n for n, _, _ in done), "processes": processes, "wall_s": wall,
+        "attach_put_ms": 1e3 * sum(t for _, t, _ in done) / sum(n for n, _, _ in done),
+        "fetches": sum(f for _, _, f in done),
+        "scheduler_calls": sum(after.values()) - sum(calls.values()),
+        "registry_growth_bytes": client.run_on_scheduler(_registry_all) - registry,
+        "keys": len(d),
+    }  # fmt: skip
+
+
+def _registry_all(dask_scheduler: Any) -> int:
+    plugin = dask_scheduler.plugins["ddict"]
+    return len(pickle.dumps({n: lay.to_dict() for n, lay in plugin.dicts.items()}))
+
+
+def measure(client: Client, managers: int, workers: int, repeat: int, max_managers: int = 0,
+            clients: tuple[int, int] | None = None) -> dict[str, float]:  # fmt: skip
     per_worker = max(1, managers // workers)
     start = time.perf_counter()
     d = DDict(per_worker, total_mem=f"{2 * per_worker * workers} MiB", client=client,
@@ -85,6 +129,8 @@ def measure(client: Client, managers: int, workers: int, repeat: int) -> dict[st
     row["attach_calls_1000_tasks"] = (client.run_on_scheduler(_calls).get("ddict_attach", 0)
                                       - before.get("ddict_attach", 0))  # fmt: skip
     row["fds"] = len(os.listdir("/proc/self/fd"))
+    if managers == max_managers and clients:
+        row.update({f"clients_{k}": v for k, v in measure_clients(client, d, *clients).items()})
     start = time.perf_counter()
     d.destroy()
     row["destroy_s"] = time.perf_counter() - start
@@ -96,12 +142,16 @@ def main() -> None:
     ap.add_argument("--managers", default="8,128,512", help="comma-separated manager counts")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=11)
+    ap.add_argument("--clients", default="4x250",
+                    help="processes x clients per process, attaching at the largest count")
     args = ap.parse_args()
     counts = [int(n) for n in args.managers.split(",")]
     warnings.simplefilter("ignore", RuntimeWarning)  # shards + memory_limit vs. host memory
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip
-        rows = [measure(c, n, args.workers, args.repeat) for n in counts]
+        procs, per = (int(x) for x in args.clients.split("x"))
+        rows = [measure(c, n, args.workers, args.repeat, max(counts), (procs, per))
+                for n in counts]  # fmt: skip
     base = rows[0]
     head = ["managers", "create s", "destroy s", "handle B", "registry B", "sched calls/ops",
             "attach calls/1000 tasks", "fds", *[f"{b} ms (x)" for b in BROADCASTS]]  # fmt: skip
@@ -116,6 +166,15 @@ def main() -> None:
     print("-+-".join("-" * w for w in widths))
     for line in table:
         print(" | ".join(x.ljust(w) for x, w in zip(line, widths)))
+    last = rows[-1]
+    if "clients_clients" in last:
+        print(f"\n{last['clients_clients']:.0f} clients from {last['clients_processes']:.0f} "
+              f"processes attached from a pickled handle and put once each, "
+              f"{last['managers']:.0f} managers: {last['clients_attach_put_ms']:.2f} ms per "
+              f"client, {last['clients_wall_s']:.1f} s in all; layouts fetched "
+              f"{last['clients_fetches']:.0f}, orchestrator calls "
+              f"{last['clients_scheduler_calls']:.0f}, registry growth "
+              f"{last['clients_registry_growth_bytes']:.0f} B; keys now {last['clients_keys']:.0f}")
     print(f"\n({args.workers} workers, python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"median of {args.repeat})")  # fmt: skip
 
