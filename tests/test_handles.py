@@ -60,3 +60,25 @@ def test_an_unpickled_handle_of_a_destroyed_dict_is_closed(client):
             pickle.loads(blob)["k"]
     finally:
         again.destroy()
+
+
+def test_shard_views_are_bounded_and_the_rest_read_over_sockets(client):
+    """A process maps at most ``ddict.transport.max-shard-views`` shards: managers beyond
+    that are read over their host's socket, with the same results."""
+    import dask.config
+
+    from dask_ddict.transport import shared
+
+    d = DDict(8, total_mem="64 MiB", client=client)  # 16 managers, all on this host
+    try:
+        with dask.config.set({"ddict.transport.max-shard-views": len(shared._ENVS) + 4}):
+            h = DDict.attach(d.serialize(), client=client)
+            for m in range(h.num_managers):
+                h.manager(m)[("k", m)] = m
+            assert [h.manager(m)[("k", m)] for m in range(h.num_managers)] == list(range(16))
+            kinds = [h._core.channel(m).kind for m in range(h.num_managers)]
+        assert kinds.count("shm") == 4 and kinds.count("uds") == 12, kinds
+        assert len(h) == 16
+        h.detach()
+    finally:
+        d.destroy()

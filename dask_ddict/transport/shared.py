@@ -41,7 +41,7 @@ from typing import Any
 
 import lmdb
 
-from .. import _memory
+from .. import _memory, config
 from .._serialize import copy_frame
 from ..errors import DDictClosedError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
@@ -116,10 +116,17 @@ _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (
 _ENVS_LOCK = threading.RLock()
 
 
+class ViewLimit(Exception):
+    """This process already keeps ``ddict.transport.max-shard-views`` shard views."""
+
+
 def _acquire(path: str, capacity: int) -> _View:
     with _ENVS_LOCK:
         view = _ENVS.get(path)
         if view is None:
+            most = int(config.get("transport.max-shard-views"))
+            if len(_ENVS) >= most:  # bounded descriptors: this manager is read over its socket
+                raise ViewLimit(f"{len(_ENVS)} shard views open (ddict.transport.max-shard-views)")
             view = _ENVS[path] = _View(ShardStore(path, capacity, create=False))
         view.users += 1
         return view
