@@ -21,7 +21,8 @@ from ..errors import DDictClosedError, DDictError
 from ..layout import Layout
 
 _KNOWN: dict[str, Layout] = {}  # uid -> the newest layout seen in this process
-_LOCK = threading.Lock()
+_FETCHING: dict[str, threading.Lock] = {}  # uid -> held while its layout is fetched
+_LOCK = threading.Lock()  # guards the two tables only: never held across a call
 #: Layouts this process fetched from the orchestrator (the scale benchmark counts them).
 fetches = 0
 
@@ -52,11 +53,12 @@ def forget(uid: str) -> None:
     """The dictionary was destroyed: drop its layout."""
     with _LOCK:
         _KNOWN.pop(uid, None)
+        _FETCHING.pop(uid, None)
 
 
 def resolve(ref: LayoutRef, client: Any = None) -> Layout:
-    """The layout ``ref`` names: known here, else fetched once (under a lock, so that
-    many tasks unpickling the same handle at once cause one fetch).
+    """The layout ``ref`` names: known here, else fetched once (under a lock per
+    dictionary, so that many tasks unpickling the same handle at once cause one fetch).
 
     Raises
     ------
@@ -68,7 +70,15 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
         known = _KNOWN.get(ref.uid)
         if known is not None and known.epoch >= ref.epoch:
             return known
-        fetches += 1
+        fetching = _FETCHING.setdefault(ref.uid, threading.Lock())
+    # One fetch per dictionary at a time; the table lock is free meanwhile (an event
+    # loop that a fetch waits on may need it, e.g. to remember a layout it created).
+    with fetching:
+        with _LOCK:
+            known = _KNOWN.get(ref.uid)
+            if known is not None and known.epoch >= ref.epoch:
+                return known  # fetched by another thread while this one waited
+            fetches += 1
         try:
             reply = _ask_orchestrator(ref, client)
         except DDictError:  # "no DDict named ..."
@@ -77,7 +87,7 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
         if layout.uid != ref.uid:
             raise DDictClosedError(f"DDict {ref.name!r} was destroyed (its name now belongs "
                                    "to a new dictionary)")  # fmt: skip
-        _KNOWN[layout.uid] = layout
+        remember(layout)
         return layout
 
 

@@ -74,20 +74,27 @@ _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECO
 class Limits:
     """What one peer may make a host process hold, checked before anything is allocated.
 
-    A value may be at most its manager's shard size (a bigger one could never be
-    stored); a key at most ``max_key_bytes``.  A request over a limit is answered
+    A request's value may be at most its manager's shard size (a bigger one could
+    never be stored), or ``min_value_limit`` for small shards (a replication request
+    carries a dictionary's serialized layout); a key at most ``max_key_bytes``.  A request over a limit is answered
     with an error and its connection dropped (its body is never read).
     """
 
     handshake_timeout: float = 10.0  # ddict.transport.handshake-timeout
     max_connections: int = 4096  # ddict.host.max-connections
     max_key_bytes: int = 1 << 20  # ddict.transport.max-key-bytes
+    min_value_limit: int = 64 << 20  # ddict.transport.min-value-limit
 
     @classmethod
     def from_config(cls) -> Limits:
         return cls(config.get_seconds("transport.handshake-timeout") or 10.0,
                    int(config.get("host.max-connections")),
-                   config.get_bytes("transport.max-key-bytes"))  # fmt: skip
+                   config.get_bytes("transport.max-key-bytes"),
+                   config.get_bytes("transport.min-value-limit"))  # fmt: skip
+
+    def most_value(self, capacity: int) -> int:
+        """The largest request body for a shard of ``capacity`` bytes."""
+        return max(capacity, self.min_value_limit)
 
 
 class HostedDict:
@@ -289,7 +296,7 @@ class HostServer:
             if vlen <= self.limits.max_key_bytes:
                 return  # a small body is read, then answered: not hosted here (or closed)
             e = self._not_hosted(hosted, mid)
-        elif vlen > manager.store.capacity:
+        elif vlen > self.limits.most_value(manager.store.capacity):
             e = DDictFullError(f"a {vlen}-byte value cannot fit manager {mid}'s "
                                f"{manager.store.capacity}-byte shard")  # fmt: skip
         else:

@@ -156,7 +156,8 @@ class Connections:
             lay = self.layout
             link = self._links[key] = HostLink(
                 info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context,
-                capacity=lay.total_mem // lay.num_managers,
+                capacity=max(lay.total_mem // lay.num_managers,
+                             config.get_bytes("transport.min-value-limit")),
             )
         return link
 

@@ -89,7 +89,7 @@ class HostLink:
                  ssl_context: ssl.SSLContext | None = None,
                  capacity: int = 1 << 62) -> None:  # fmt: skip
         self.info = info
-        self._capacity = capacity  # a shard's size: no value above it can be stored
+        self._capacity = capacity  # the host's limit for a request's value (its shard size)
         self.kind = "uds" if use_uds else ("tls" if ssl_context else "tcp")
         self.name = name
         self._uid = bytes.fromhex(uid)
