@@ -174,6 +174,12 @@ def status_of(exc: BaseException) -> Status:
     return Status.INTERNAL
 
 
+def wire_error(exc: BaseException) -> tuple[Status, bytes]:
+    """A failure as a manager's reply carries it: its status and its message text
+    (what :func:`raise_for_status` turns back into the exception)."""
+    return status_of(exc), str(getattr(exc, "message", "") or exc).encode()
+
+
 def raise_for_status(status: int, message: str, key: Any = None) -> NoReturn:
     """Raise the exception that a non-OK manager reply stands for.
 

@@ -35,10 +35,9 @@ from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from ..stats import DDictManagerStats
 from .core import _Core
-from .layouts import forget
 from .creation import create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
-
+from .layouts import forget
 
 P = ParamSpec("P")
 R = TypeVar("R")

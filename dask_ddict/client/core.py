@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import distributed
 from distributed import Client, LocalCluster
 
 from .. import config
@@ -20,17 +19,10 @@ from .._hashing import seed_warning
 from ..errors import DDictError
 from ..layout import Layout
 from ..transport.connect import Connections, default_security
-from .layouts import LayoutRef, remember, resolve
+from .layouts import LayoutRef, current_client, remember, resolve
 
 #: "No argument given" for methods whose ``None`` means something.
 MISSING: Any = object()
-
-
-def current_client() -> Client | None:
-    try:
-        return distributed.get_client()
-    except ValueError:
-        return None
 
 
 def embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:

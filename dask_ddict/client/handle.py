@@ -45,14 +45,14 @@ from ..transport.ops import (
     Unfreeze,
     WaitFor,
 )
-from .replicate import Replication
 from .batch import BatchPut
 from .checkpoints import Checkpoints
 from .core import MISSING, _Core, current_client, embedded_client
-from .layouts import LayoutRef, forget
 from .creation import create_request, initial_checkpoint
 from .introspection import Introspection
+from .layouts import LayoutRef, forget
 from .mapping import MappingMethods
+from .replicate import Replication
 from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
 
 logger = logging.getLogger(__name__)

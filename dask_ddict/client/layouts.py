@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from distributed import Client, get_client, get_worker
+
 from ..errors import DDictClosedError, DDictError
 from ..layout import Layout
 
@@ -91,10 +93,17 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
         return layout
 
 
+def current_client() -> Client | None:
+    """This process's Dask client (in a task: its worker's), or ``None``."""
+    try:
+        return get_client()
+    except ValueError:
+        return None
+
+
 def _ask_orchestrator(ref: LayoutRef, client: Any) -> Any:
     """One ``ddict_attach`` call: through this worker's scheduler connection in a task,
     else through a client of this process, else a short-lived client of its own."""
-    from distributed import Client, get_client, get_worker
     from distributed.utils import sync
 
     if client is not None:
@@ -105,10 +114,7 @@ def _ask_orchestrator(ref: LayoutRef, client: Any) -> Any:
         worker = None
     if worker is not None:
         return sync(worker.loop, worker.scheduler.ddict_attach, name=ref.name)
-    try:
-        client = get_client()
-    except ValueError:
-        client = None
+    client = current_client()
     if client is not None:
         return client.sync(client.scheduler.ddict_attach, name=ref.name)
     with Client(ref.scheduler, set_as_default=False) as own:

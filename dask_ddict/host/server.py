@@ -20,9 +20,10 @@ when the cluster uses TLS; Unix-socket peers are checked with ``SO_PEERCRED``.
 A peer that has not finished its handshake within
 ``ddict.transport.handshake-timeout`` is dropped, the connections of a host
 process are bounded (``ddict.host.max-connections``), and every length in a
-request is checked against its limit before a buffer is allocated.  Each request names its manager, and
-:data:`~dask_ddict.transport.ops.HANDLERS` maps each operation to the manager
-call that serves it (each operation is declared once, in :mod:`~dask_ddict.transport.ops`).
+request is checked against its limit before a buffer is allocated.  Each
+request names its manager, and :data:`~dask_ddict.transport.ops.HANDLERS` maps
+each operation to the manager call that serves it (each operation is declared
+once, in :mod:`~dask_ddict.transport.ops`).
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from ..errors import (
     DDictError,
     DDictFullError,
     DDictManagerUnavailableError,
-    status_of,
+    wire_error,
 )
-from ..transport.ops import HANDLERS, Page, Reply, Request
 from ..transport.handshake import host_side
+from ..transport.ops import HANDLERS, Page, Reply, Request
 from ..transport.protocol import (
     FLAG_NOREPLY,
     REP,
@@ -59,6 +60,7 @@ from ..transport.protocol import (
     Reader,
     decode_timeout,
     send_parts,
+    value_limit,
 )
 
 if TYPE_CHECKING:
@@ -76,8 +78,9 @@ class Limits:
 
     A request's value may be at most its manager's shard size (a bigger one could
     never be stored), or ``min_value_limit`` for small shards (a replication request
-    carries a dictionary's serialized layout); a key at most ``max_key_bytes``.  A request over a limit is answered
-    with an error and its connection dropped (its body is never read).
+    carries a dictionary's serialized layout); a key at most ``max_key_bytes``.  A
+    request over a limit is answered with an error and its connection dropped (its
+    body is never read).
     """
 
     handshake_timeout: float = 10.0  # ddict.transport.handshake-timeout
@@ -94,7 +97,7 @@ class Limits:
 
     def most_value(self, capacity: int) -> int:
         """The largest request body for a shard of ``capacity`` bytes."""
-        return max(capacity, self.min_value_limit)
+        return value_limit(capacity, self.min_value_limit)
 
 
 class HostedDict:
@@ -149,7 +152,9 @@ class HostServer:
         self.closed_dicts = closed
         self._uds, self._tcp = uds, tcp
         self._ssl = ssl_context
-        self.handlers: dict[Any, Callable[..., None]] = {**HANDLERS, Op.PAGE: functools.partial(Page.serve, page_bytes=page_bytes)}
+        self.handlers: dict[Any, Callable[..., None]] = {
+            **HANDLERS, Op.PAGE: functools.partial(Page.serve, page_bytes=page_bytes)
+        }
         self._scratch_keep = scratch_keep
         self._closed = False
         self._conns: set[socket.socket] = set()
@@ -264,8 +269,7 @@ class HostServer:
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise
-            msg = str(getattr(e, "message", "") or e).encode()
-            send_parts(conn, [REP.pack(status_of(e), 0, len(msg)), msg])
+            _send_error(conn, e)
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
@@ -301,8 +305,7 @@ class HostServer:
                                f"{manager.store.capacity}-byte shard")  # fmt: skip
         else:
             return
-        msg = e.message.encode()
-        send_parts(conn, [REP.pack(status_of(e), 0, len(msg)), msg])
+        _send_error(conn, e)
         raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
     # -- lifecycle --------------------------------------------------------------
@@ -323,3 +326,9 @@ class HostServer:
                 s.close()
             except OSError:
                 pass
+
+
+def _send_error(conn: socket.socket, e: BaseException) -> None:
+    """Answer the request with ``e`` (the client raises it again)."""
+    status, msg = wire_error(e)
+    send_parts(conn, [REP.pack(status, 0, len(msg)), msg])

@@ -31,13 +31,14 @@ from ..errors import (
     DDictError,
     DDictManagerUnavailableError,
     raise_for_status,
-    status_of,
+    wire_error,
 )
 from ..layout import Layout, ManagerInfo, host_id
 from ..progress import track
 from .links import HostLink, SocketChannel
 from .operation import Operation
 from .ops import FanOut
+from .protocol import value_limit
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -156,8 +157,8 @@ class Connections:
             lay = self.layout
             link = self._links[key] = HostLink(
                 info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context,
-                capacity=max(lay.total_mem // lay.num_managers,
-                             config.get_bytes("transport.min-value-limit")),
+                max_value=value_limit(lay.total_mem // lay.num_managers,
+                                      config.get_bytes("transport.min-value-limit")),
             )
         return link
 
@@ -216,7 +217,8 @@ class Connections:
                 try:
                     answers[ms[0]] = (0, *link.call(o, ms[0]))
                 except DDictError as e:
-                    answers[ms[0]] = (int(status_of(e)), 0, e.message.encode())
+                    status, msg = wire_error(e)
+                    answers[ms[0]] = (int(status), 0, msg)
                 return
             _, payload = link.call(FanOut(o, tuple(ms)), ms[0])
             for mid, status, ival, data in pickle.loads(payload):

@@ -46,8 +46,8 @@ from ..errors import (
     raise_for_status,
 )
 from ..layout import ManagerInfo
-from .ops import Kind, Operation
 from .handshake import HandshakeError, client_side
+from .ops import Kind, Operation
 from .protocol import (
     REP,
     REQ,
@@ -87,9 +87,9 @@ class HostLink:
 
     def __init__(self, info: ManagerInfo, uid: str, secret: str, name: str, *, use_uds: bool,
                  ssl_context: ssl.SSLContext | None = None,
-                 capacity: int = 1 << 62) -> None:  # fmt: skip
+                 max_value: int = 1 << 62) -> None:  # fmt: skip
         self.info = info
-        self._capacity = capacity  # the host's limit for a request's value (its shard size)
+        self._max_value = max_value  # the host's limit for a request's value (value_limit)
         self.kind = "uds" if use_uds else ("tls" if ssl_context else "tcp")
         self.name = name
         self._uid = bytes.fromhex(uid)
@@ -186,9 +186,10 @@ class HostLink:
         """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
-        if vlen > self._capacity:  # the host would refuse it unread: say why, send nothing
-            raise DDictFullError(f"{self.where(mid)}: a {vlen}-byte value cannot fit its "
-                                 f"{self._capacity}-byte shard")  # fmt: skip
+        if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
+            raise DDictFullError(f"{self.where(mid)}: a {vlen}-byte value cannot fit: its host "
+                                 f"takes at most {self._max_value} bytes (the shard's size, "
+                                 "or ddict.transport.min-value-limit)")  # fmt: skip
         want = None if timeout is None else timeout + self._slack
         start = time.monotonic()
         # With a timeout, everything (reconnecting included) fits in it; without one,

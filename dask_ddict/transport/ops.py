@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed, copy_frame
-from ..errors import status_of
+from ..errors import wire_error
 from .operation import (
     AtCheckpoint,
     Encoded,
@@ -320,6 +320,7 @@ class BatchEnd(IntReply):
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.batch_end(r.client, r.arg))
 
+
 # -- state of the manager ------------------------------------------------------------------
 
 
@@ -373,6 +374,7 @@ class Ping(IntReply):
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(os.getpid())
+
 
 # -- persistence ---------------------------------------------------------------------------
 
@@ -435,6 +437,7 @@ class Advance(IntReply):
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.advance())
+
 
 # -- replication ---------------------------------------------------------------------------
 
@@ -505,7 +508,8 @@ class FanOut(PickledReply):
                          lambda ival=0, payload=b"": got.append((ival, bytes(payload))))  # fmt: skip
                 out.append((mid, 0, *got[0]) if got else (mid, 0, 0, b""))
             except Exception as e:  # this manager's answer: the others still run
-                out.append((mid, int(status_of(e)), 0, str(getattr(e, "message", "") or e).encode()))
+                status, msg = wire_error(e)
+                out.append((mid, int(status), 0, msg))
         reply(0, pickle.dumps(out))
 
 

@@ -83,6 +83,15 @@ class Hello(enum.IntEnum):
     PROVE = 5  # TCP: the host's proof follows; the client proves itself next
 
 
+def value_limit(shard_bytes: int, floor: int) -> int:
+    """The largest request value a host takes for a manager whose shard holds
+    ``shard_bytes``: the shard's size (a bigger value could never be stored), but at
+    least ``floor`` (``ddict.transport.min-value-limit``: small shards still take
+    replication requests, which carry a serialized layout).  Hosts refuse larger
+    values unread; clients check first and send nothing."""
+    return max(shard_bytes, floor)
+
+
 def encode_timeout(timeout: float | None) -> float:
     return -1.0 if timeout is None else float(timeout)
 
