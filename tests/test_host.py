@@ -28,6 +28,7 @@ from dask_ddict import (
     DDictManagerUnavailableError,
     DDictTimeoutError,
 )
+from dask_ddict.transport.shared import ALIVE_CHECK
 from tests.conftest import shards, shm_entries
 
 
@@ -325,6 +326,9 @@ def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
             os.kill(proc.pid, signal.SIGKILL)  # the nanny: its worker and host follow it
             proc.wait(30)
             t0 = time.monotonic()
+            # A same-host client checks that a shard's supervisor lives at most every
+            # ALIVE_CHECK seconds: the loss is known to it after that.
+            time.sleep(2 * ALIVE_CHECK)
             with pytest.raises(DDictManagerUnavailableError, match=f"manager {lost}"):
                 d[k_lost] = "again"  # the listener is gone with its supervisor: refused
             with pytest.raises(DDictManagerUnavailableError, match=f"manager {lost}"):
