@@ -25,5 +25,26 @@ class DDictManagerStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DDictManagerStats:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """From a manager's record (fields it has and this version lacks are dropped).
+
+        Built without ``__init__`` (a frozen dataclass's sets each field through
+        ``object.__setattr__``): ``stats`` builds one per manager, thousands at scale.
+        """
+        s = object.__new__(cls)
+        s.__dict__.update(d if d.keys() == _FIELDS else {k: d[k] for k in _FIELDS if k in d})
+        return s
+
+    @classmethod
+    def from_record(cls, values: tuple[Any, ...]) -> DDictManagerStats:
+        """From :meth:`record`'s tuple (what a manager sends: no field names)."""
+        s = object.__new__(cls)
+        s.__dict__.update(zip(_FIELDS, values))
+        return s
+
+    @staticmethod
+    def record(d: dict[str, Any]) -> tuple[Any, ...]:
+        """A manager's stats as a tuple in field order (for :meth:`from_record`)."""
+        return tuple(d[k] for k in _FIELDS)
+
+
+_FIELDS = {f.name: None for f in fields(DDictManagerStats)}.keys()  # (fields() is slow: once)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -106,3 +109,66 @@ def test_a_closed_manager_refuses_everything(manager):
     manager.close(destroy=False)
     with pytest.raises(DDictError):
         get(manager, "a")
+
+
+# -- broadcasts: len and stats from kept counts and a per-shard generation -------------
+
+
+def test_len_reads_kept_counts_and_never_scans(tmp_path, monkeypatch):
+    store = ShardStore(str(tmp_path / "shard"), 16 << 20)
+    m = Manager(0, store, WorkingSet(store, 2))
+    try:
+        for i in range(300):
+            put(m, i, i, chkpt=i % 2)
+        m.pop(k(7)[0], 1, CLIENT)
+
+        def scan(*a, **kw):
+            raise AssertionError("len scanned the shard")
+
+        monkeypatch.setattr(store, "scan", scan)
+        monkeypatch.setattr(store, "version_flags", scan)
+        assert (m.length(0), m.length(1), m.length(5)) == (150, 299, 299)
+    finally:
+        m.close()
+
+
+def test_a_same_host_clients_direct_put_is_seen_by_cached_len_and_stats(tmp_path):
+    """A client commits small puts into the shard itself, without the manager: the
+    shard's generation changes, so the manager's cached ``len``/``stats`` do too."""
+    path = str(tmp_path / "shard")
+    store = ShardStore(path, 16 << 20)
+    m = Manager(0, store, WorkingSet(store, 1))
+    client = textwrap.dedent(f"""
+        from dask_ddict._hashing import key_digest
+        from dask_ddict._keys import dumps_key
+        from dask_ddict._serialize import dumps_value
+        from dask_ddict.shard.store import ShardStore
+        from dask_ddict.shard.working_set import put_in_window
+        s = ShardStore({path!r}, 16 << 20, create=False)  # as a same-host client opens it
+        kb = dumps_key("b")
+        txn = s.begin_write()
+        assert put_in_window(s, txn, 1, key_digest(kb), 0, kb, dumps_value(2).join())
+        s.commit(txn)
+    """)
+    try:
+        put(m, "a", 1)
+        assert m.length(0) == 1 and m.stats()["num_keys"] == 1
+        assert m.length(0) == 1  # (cached: the generation did not change)
+        gen = m.store.generation()
+        assert gen and m._cache["counts"][0][0] == gen
+        subprocess.run([sys.executable, "-c", client], check=True, timeout=60)
+        assert m.store.generation() != gen
+        assert m.length(0) == 2 and m.stats()["num_keys"] == 2
+        m.freeze()
+        assert m.stats()["frozen"] is True  # state of the manager's own is in the cache key
+    finally:
+        m.close()
+
+
+def test_clear_of_an_empty_shard_writes_nothing(manager):
+    gen = manager.store.generation()
+    manager.clear(0, CLIENT)
+    assert manager.store.generation() == gen  # no write transaction at all
+    put(manager, "a", 1)
+    manager.clear(0, CLIENT)
+    assert manager.length(0) == 0 and manager.store.generation() != gen

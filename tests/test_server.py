@@ -72,7 +72,7 @@ def test_every_table_operation_round_trips(served, use_uds):
     assert loads_value(ch.call(ops.FetchAdd(key_digest(n), n, 0, 1, 4))) == 0
     items, _, more = ch.call(ops.Page(0, None, 3, 10))
     assert len(items) == 2 and not more
-    assert ch.call(ops.Stats())["manager_id"] == 3 and ch.call(ops.Newest()) == 0
+    assert ch.call(ops.Stats()).manager_id == 3 and ch.call(ops.Newest()) == 0
     assert ch.call(ops.Ping()) == os.getpid()
     ch.call(ops.WaitFor(d, 0, dumps_value([1, 2]).join(), 1.0))
     assert loads_value(ch.call(ops.Pop(d, 0, 1))) == [1, 2]
@@ -110,7 +110,7 @@ def test_a_fan_out_answers_for_every_manager_in_one_request(served, use_uds):
         (3, 0, 1), (9, int(Status.MANAGER_UNAVAILABLE), 0), (3, 0, 1)]
     assert b"not hosted" in got[1][3]
     stats = ch.call(ops.FanOut(ops.Stats(), (3,)))
-    assert ops.Stats().result(stats[0][2], stats[0][3])["manager_id"] == 3
+    assert ops.Stats().result(stats[0][2], stats[0][3]).manager_id == 3
     nested = ch.call(ops.FanOut(ops.FanOut(ops.Length(0), (3,)), (3,)))  # never served
     assert nested[0][1] == Status.INVALID_ARGUMENT and b"unknown operation" in nested[0][3]
 
@@ -126,3 +126,20 @@ def test_a_wrong_secret_is_refused_over_tcp_and_a_closed_dict_says_so(served):
     with pytest.raises(DDictClosedError):
         channel(True).call(ops.Length(0))
     dicts[key] = hosted  # (for the fixture's teardown)
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_an_answer_never_collected_does_not_become_the_next_ones(served, use_uds):
+    """A broadcast sends to every host, then reads the answers; one it never reads
+    (its caller failed meanwhile) must not be read as the next request's answer."""
+    channel, _, _ = served
+    ch = channel(use_uds)
+    kb = dumps_key("k")
+    ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
+    pending = ch.link.send(ops.Stats(), 3)  # sent, never collected
+    del pending
+    assert ch.call(ops.Length(0)) == 1  # the right answer, on a fresh connection
+    answer = ch.link.send(ops.Length(0), 3)
+    with pytest.raises(RuntimeError, match="pending"):
+        ch.call(ops.Newest())  # its answer would be taken for the pending one's
+    assert answer() == (1, b"") and ch.call(ops.Newest()) == 0

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
 from dask_ddict.shard.store import ShardStore
-from dask_ddict.shard.working_set import MustWait, WorkingSet
+from dask_ddict.shard.working_set import MustWait, WorkingSet, put_in_window
 
 
 @pytest.fixture
@@ -291,3 +293,44 @@ def test_reset_to_loads_a_checkpoint_as_the_window_start(make_ws):
     assert n == 1 and (ws.oldest, ws.newest) == (7, 9)
     assert o.get("k", 7) == "v" and o.get("k", 9) == "v"  # persistent flag kept
     assert not o.has("old", 7)
+
+
+# -- len from the shard's counts: checked against a scan after every change ---------
+
+_COUNT_OPS = st.lists(
+    st.tuples(st.sampled_from(["put", "persistent", "pop", "clear", "direct"]),
+              st.integers(0, 5), st.integers(0, 7)),  # fmt: skip
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(size=st.integers(1, 3), wait_for_keys=st.booleans(), ops=_COUNT_OPS)
+def test_len_counts_match_a_scan_after_any_changes(tmp_path_factory, size, wait_for_keys, ops):
+    """``len`` reads kept counts; every mix of puts, pops, clears, window moves and
+    same-host direct puts leaves them equal to counting the visible keys."""
+    st_ = ShardStore(str(tmp_path_factory.mktemp("counts") / "s"), 16 << 20,
+                     indexed=wait_for_keys)  # fmt: skip
+    ws = WorkingSet(st_, size, wait_for_keys=wait_for_keys)
+    o = Ops(ws)
+    try:
+        for what, k, c in ops:
+            try:
+                if what in ("put", "persistent"):
+                    o.put(k, c, c, persistent=what == "persistent")
+                elif what == "pop":
+                    o.pop(k, c)
+                elif what == "clear":
+                    o.clear(c)
+                elif not wait_for_keys:  # direct puts are for dicts without it
+                    kb = dumps_key(k)
+                    with st_.write() as txn:
+                        put_in_window(st_, txn, size, key_digest(kb), c, kb, dumps_value(c).join())
+            except (MustWait, DDictKeyError, DDictCheckpointSyncError):
+                pass
+            for at in range(ws.oldest, ws.newest + 3):
+                with st_.read() as txn:
+                    scanned = sum(1 for _ in ws.visible(txn, at))
+                assert o.len(at) == scanned, (what, k, c, at)
+    finally:
+        st_.destroy()

@@ -127,7 +127,7 @@ class Introspection:
     @property
     def stats(self) -> list[DDictManagerStats]:
         """One entry per manager (or the chosen one), sorted by manager id."""
-        return [DDictManagerStats.from_dict(s) for s in self._core.each(Stats(), self._managers())]
+        return self._core.each(Stats(), self._managers())
 
     @property
     def dstats(self) -> dict[int, DDictManagerStats]:
@@ -146,8 +146,7 @@ class Introspection:
                 if info.lost:
                     continue
                 try:
-                    reply = self._core.channel(info.manager_id).call(Stats())
-                    answers[info.manager_id] = DDictManagerStats.from_dict(reply)
+                    answers[info.manager_id] = self._core.channel(info.manager_id).call(Stats())
                 except Exception as e:  # noqa: BLE001 - shown in its row
                     answers[info.manager_id] = e
         return dict_html(summarize(self._core.layout, answers, checkpoint=self._chkpt))

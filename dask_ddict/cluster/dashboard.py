@@ -137,7 +137,7 @@ class DashboardData:
 
 def _ask(observer: Observer, mid: int) -> tuple[DDictManagerStats, list[int]]:
     channel = observer.channel(mid)
-    stats = DDictManagerStats.from_dict(channel.call(Stats()))
+    stats: DDictManagerStats = channel.call(Stats())
     return stats, sorted(channel.call(PersistedIds()))
 
 

@@ -17,6 +17,7 @@ import socket
 
 from .. import config
 from ..errors import DDictFullError
+from ..shard import counts
 from ..shard.manager import Manager
 from ..shard.store import ShardStore
 from ..shard.working_set import WorkingSet, add_waiters
@@ -98,14 +99,16 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
     try:
         store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
                            indexed=opts.wait_for_keys)  # fmt: skip
+        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
+                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
         if reattach:
             store.check_stamp(mid)
         else:
             store.stamp(mid)
+            with store.write() as txn:  # an empty shard's counts: len never counts it
+                counts.ensure(store, txn, ws.window)
             if config.get("store.reserve"):
                 _reserve(store)
-        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
-                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
         frozen = False
         if reattach:
             hygiene.mark_kept(path, False)
@@ -124,6 +127,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
             frozen = Manager.saved_frozen(store)
             with store.write() as txn:  # clears the closed mark the last manager left
                 ws.save(txn)
+                counts.ensure(store, txn, ws.window)  # (shards of older versions had none)
                 add_waiters(store, txn, 0)  # whoever waited, waited at the old process
         persister = None
         if opts.persist_path:

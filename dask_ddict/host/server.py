@@ -263,7 +263,8 @@ class HostServer:
             req = Request(op, flags, mid, chkpt, arg, client, decode_timeout(timeout),
                           keysec[:16], keysec[16:], value, rid)  # fmt: skip
             if op == Op.FANOUT:  # one operation on several of this dictionary's managers
-                self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply)
+                self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
+                                         managers=hosted.managers)  # fmt: skip
             else:
                 self._dispatch(hosted, req, reply)
         except Exception as e:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from ..errors import DDictError, DDictPersistCheckpointError
+from . import counts
 
 if TYPE_CHECKING:
     from ..persist.persister import Persister
@@ -195,6 +196,7 @@ class CheckpointIO:
                     if state:
                         self.working_set.load(state)
                         self.working_set.save(txn)
+                    counts.store_recount(self.store, txn, self.working_set.window)
                     self._clear_batches(txn)
             except BaseException:
                 self.working_set.restore(snap)

@@ -30,7 +30,9 @@ import lmdb
 
 from .._serialize import dumps_value, loads_value
 from ..errors import DDictClosedError, DDictError, DDictTimeoutError
+from ..stats import DDictManagerStats
 from .checkpoint_io import CheckpointIO
+from . import counts
 from .store import ShardStore
 from .working_set import (
     CLOSED_DESTROYED,
@@ -38,6 +40,7 @@ from .working_set import (
     MustWait,
     WorkingSet,
     add_waiters,
+    check_window,
     mark_closed,
 )
 
@@ -59,6 +62,7 @@ _RID_SLOT = b"ridslot:"
 _RID_SEQ = b"ridseq"
 RID_KEEP = 4096
 _Q = struct.Struct("<Q")
+_HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
 
 
 class Manager(CheckpointIO):
@@ -112,6 +116,7 @@ class Manager(CheckpointIO):
         # from a snapshot taken before that transaction changed anything.
         self._retiring: list[int] = []
         self._snapshot: lmdb.Transaction | None = None
+        self._cache: dict[str, tuple[tuple[int, int, bool], Any]] = {}  # see _derived
         if persister is not None:
             working_set.on_retire = self._on_retire
 
@@ -258,8 +263,38 @@ class Manager(CheckpointIO):
     def contains(self, digest: bytes, chkpt: int) -> bool:
         return self._read(lambda txn: self.working_set.contains(txn, digest, chkpt), None, "in")
 
+    def _derived(self, what: str, compute: Callable[[lmdb.Transaction], T]) -> T:
+        """``compute`` on a snapshot, reused while the shard and this manager are unchanged.
+
+        Broadcasts (``len``, ``stats``) ask every manager; most shards have not
+        changed since the last one.  The shard's generation changes with every
+        commit, also a same-host client's direct put, and the window and the
+        frozen flag are this process's own: together they say when to compute again.
+        """
+        if self.closed:
+            self._check_open()
+        state = (self.store.generation(), self.working_set.newest, self.frozen)
+        hit = self._cache.get(what)
+        if hit is not None and hit[0] == state and state[0]:
+            return hit[1]
+        with self.store.read() as txn:  # (begun after reading the generation)
+            value = compute(txn)
+        self._cache[what] = (state, value)
+        return value
+
+    def _counts(self) -> tuple[counts.Window, list[int]]:
+        """The window and the keys seen at each of its checkpoints (see :mod:`.counts`)."""
+        return self._derived("counts", self._load_counts)
+
+    def _load_counts(self, txn: lmdb.Transaction) -> tuple[counts.Window, list[int]]:
+        w = self.working_set.window
+        return w, counts.load(self.store, txn, w)
+
     def length(self, chkpt: int) -> int:
-        return self._read(lambda txn: self.working_set.length(txn, chkpt), None, "len")
+        """Keys seen at ``chkpt``: kept counts, no scan (:mod:`.counts`), and never a wait."""
+        w, n = self._counts()
+        check_window(chkpt, w.newest, w.size)
+        return n[w.slot(chkpt)]
 
     def page(
         self,
@@ -308,14 +343,22 @@ class Manager(CheckpointIO):
         return self.working_set.newest
 
     def stats(self) -> dict[str, Any]:
-        with self.store.read() as txn:
-            used = self.store.used_bytes(txn)
-            entries = self.store.entries(txn)
+        return self._derived("stats", self._stats)
+
+    def stats_pickled(self) -> bytes:
+        """:meth:`stats` as a reply carries it: a pickled record (cached with it)."""
+        return self._derived("stats-pickled", self._stats_pickled)
+
+    def _stats_pickled(self, txn: lmdb.Transaction) -> bytes:
+        return pickle.dumps(DDictManagerStats.record(self._stats(txn)))
+
+    def _stats(self, txn: lmdb.Transaction) -> dict[str, Any]:
+        used, entries = self.store.usage(txn)
         total = self.store.capacity
         return {
             "manager_id": self.manager_id,
             "worker": self.worker,
-            "hostname": socket.gethostname(),
+            "hostname": _HOSTNAME,
             "total_bytes": total,
             "total_used_bytes": used,
             "pool_free_space": max(0, total - used),
@@ -358,6 +401,11 @@ class Manager(CheckpointIO):
 
     def clear(self, chkpt: int, client: int, timeout: float | None = None) -> None:
         ws = self.working_set
+        if ws.oldest <= chkpt <= ws.newest and not (self.frozen or ws.wait_for_writers):
+            self._check_open()
+            w, n = self._counts()
+            if w.newest == ws.newest and not any(n):
+                return  # nothing seen at any checkpoint: nothing to clear, no page written
         self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear")
 
     def _current(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> Any:

@@ -28,7 +28,9 @@ about checkpoint rules; :mod:`dask_ddict.shard.working_set` does.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import random
 import shutil
 import struct
 from collections.abc import Iterator
@@ -88,6 +90,43 @@ def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
     flags, klen, flen = _ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
     return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))
+
+
+CHANGES = "changes"  # the shard's change generation: 8 bytes, mapped by its writers
+_GEN = struct.Struct("<q")
+
+
+def _map_changes(path: str, create: bool) -> mmap.mmap | None:
+    """Map a shard's ``changes`` file (created by its manager; ``None`` if missing)."""
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        if os.fstat(fd).st_size < _GEN.size:
+            os.ftruncate(fd, _GEN.size)
+        return mmap.mmap(fd, _GEN.size)  # (the mapping keeps no descriptor)
+    finally:
+        os.close(fd)
+
+
+class _Write:
+    """``with store.write() as txn``: commit and a new generation, or abort."""
+
+    __slots__ = ("store", "txn")
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    def __enter__(self) -> lmdb.Transaction:
+        self.txn = self.store.env.begin(write=True, buffers=True)
+        return self.txn
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        if kind is None:
+            self.store.commit(self.txn)
+        else:
+            self.txn.abort()
 
 
 class ShardStore:
@@ -154,6 +193,7 @@ class ShardStore:
         self._index = self.env.open_db(b"index", create=create)
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
+        self._changes = _map_changes(os.path.join(path, CHANGES), create)
         # LMDB has one writer at a time, so one scratch buffer serves every large put.
         self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if create else None
 
@@ -172,9 +212,36 @@ class ShardStore:
         """A read-only snapshot; values are zero-copy views valid inside it."""
         return self.env.begin(buffers=True)
 
-    def write(self) -> lmdb.Transaction:
-        """A write transaction: all of one operation commits or nothing does."""
+    def write(self) -> _Write:
+        """A write transaction (``with store.write() as txn``): all of one operation
+        commits or nothing does; a commit changes :meth:`generation`."""
+        return _Write(self)
+
+    def begin_write(self) -> lmdb.Transaction:
+        """A write transaction to end with :meth:`commit` or ``abort()``."""
         return self.env.begin(write=True, buffers=True)
+
+    def commit(self, txn: lmdb.Transaction) -> None:
+        txn.commit()
+        self.changed()
+
+    # -- change generation ---------------------------------------------------
+
+    def changed(self) -> None:
+        """Give the shard a new generation (after every commit, by any process)."""
+        if self._changes is not None:
+            _GEN.pack_into(self._changes, 0, random.getrandbits(63) | 1)
+
+    def generation(self) -> int:
+        """A token that differs after every commit to the shard; 0 if not kept.
+
+        Managers cache what they derive from their shard (counts, stats) under
+        it: a same-host client's direct put commits without its manager, so
+        the manager could not know otherwise.  Written after the commit and
+        read before a snapshot begins, so a cached value is never older than
+        its token.
+        """
+        return 0 if self._changes is None else _GEN.unpack_from(self._changes)[0]
 
     # -- versions -------------------------------------------------------------
 
@@ -262,6 +329,34 @@ class ShardStore:
             if not cur.delete():
                 return
 
+    def put_over(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, key: bytes,
+                 frame: Any, flags: int) -> bool:  # fmt: skip
+        """:meth:`put` at ``chkpt`` and drop every older version: the key then has one.
+
+        For a window of one checkpoint (``chkpt`` is its oldest and newest): there
+        no reader sees an older version, and every write leaves its key with
+        one version, so a key that has a version at ``chkpt`` has no other
+        (one lookup, the common overwrite).  Returns whether the version it
+        shadows was a live one: what the key counts need, from the same lookup.
+        """
+        dk = digest + _BE.pack(_MAXQ - chkpt)
+        raw = txn.get(dk, db=self._data)
+        if raw is not None:
+            live = not raw[0] & TOMBSTONE
+        else:  # an older version (the window moved since the key was written), or none
+            live = False
+            cur = txn.cursor(self._data)
+            ok = cur.set_range(dk) and cur.key()[:DIGEST] == digest
+            if ok:
+                live = not cur.value()[0] & TOMBSTONE
+            while ok:
+                if self.indexed:
+                    _, c = _split_data_key(cur.key())
+                    txn.delete(_BE.pack(c) + digest, db=self._index)
+                ok = cur.delete() and cur.key()[:DIGEST] == digest  # (delete moves on)
+        self.put(txn, digest, chkpt, key, frame, flags)
+        return live
+
     def digests_at(self, txn: lmdb.Transaction, chkpt: int) -> list[bytes]:
         """Digests of the keys that have a version at ``chkpt``."""
         prefix = _BE.pack(chkpt)
@@ -288,6 +383,31 @@ class ShardStore:
             if after is not None and digest == after:
                 continue
             yield digest, _decode(chkpt, v)
+
+    def versions(self, txn: lmdb.Transaction, digest: bytes, hi: int,
+                 lo: int) -> list[tuple[int, int]]:  # fmt: skip
+        """``(checkpoint, flags)`` of a key's versions at or below ``hi``, newest first,
+        down to the first one at or below ``lo`` (what a reader in ``[lo, hi]`` may see)."""
+        cur = txn.cursor(self._data)
+        out: list[tuple[int, int]] = []
+        if not cur.set_range(digest + _BE.pack(_MAXQ - hi)):
+            return out
+        for k, v in cur.iternext():
+            if k[:DIGEST] != digest:
+                break
+            c = _MAXQ - _BE.unpack_from(k, DIGEST)[0]
+            out.append((c, v[0]))
+            if c <= lo:
+                break
+        return out
+
+    def version_flags(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
+        """``(digest, checkpoint, flags)`` of every version, in key order (no decoding)."""
+        cur = txn.cursor(self._data)
+        if not cur.first():
+            return
+        for k, v in cur.iternext():
+            yield bytes(k[:DIGEST]), _MAXQ - _BE.unpack_from(k, DIGEST)[0], v[0]
 
     def raw_page(self, txn: lmdb.Transaction, after: bytes | None,
                  max_bytes: int) -> tuple[list[tuple[bytes, bytes]], bool]:  # fmt: skip
@@ -373,13 +493,20 @@ class ShardStore:
 
     # -- capacity -------------------------------------------------------------
 
-    def used_bytes(self, txn: lmdb.Transaction) -> int:
-        """Bytes in pages that hold live data (free-list pages excluded)."""
-        pages = 0
-        for db in (self._data, self._index, self._meta):
+    def usage(self, txn: lmdb.Transaction) -> tuple[int, int]:
+        """``(bytes in pages that hold live data, entries)``: free-list pages excluded,
+        entries are stored versions (tombstones included)."""
+        pages = entries = 0
+        for db in (self._data, self._index, self._meta) if self.indexed else (self._data, self._meta):
             st = txn.stat(db)
             pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-        return pages * self._psize
+            if db is self._data:
+                entries = st["entries"]
+        return pages * self._psize, entries
+
+    def used_bytes(self, txn: lmdb.Transaction) -> int:
+        """Bytes in pages that hold live data (free-list pages excluded)."""
+        return self.usage(txn)[0]
 
     def check_room(self, txn: lmdb.Transaction, nbytes: int, *, exact: bool = False) -> None:
         """Refuse a put of ``nbytes`` that would take the shard over its threshold.
@@ -412,10 +539,13 @@ class ShardStore:
 
     def close(self) -> None:
         self.env.close()
+        changes, self._changes = self._changes, None
+        if changes is not None:
+            changes.close()
 
     def destroy(self) -> None:
         """Close and delete the environment's files."""
         try:
-            self.env.close()
+            self.close()
         finally:
             shutil.rmtree(self.path, ignore_errors=True)

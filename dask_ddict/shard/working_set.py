@@ -41,6 +41,8 @@ import lmdb
 from .._hashing import key_digest
 from .._serialize import frame_parts
 from ..errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
+from . import counts
+from .counts import Window
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
 
 _STATE = b"working_set"
@@ -105,8 +107,7 @@ def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: b
     if txn.get(FROZEN, db=store.meta_db) == b"\x01" or waiters(store, txn):
         return False
     store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
-    store.put(txn, digest, chkpt, key, frame, PERSISTENT)
-    store.collect(txn, digest, max(0, newest - size + 1))
+    counts.put(store, txn, counts.window(newest, size), digest, chkpt, key, frame, PERSISTENT)
     return True
 
 
@@ -158,6 +159,7 @@ class WorkingSet:
     wait_for_writers: bool
     newest: int
     writers: dict[int, set[int]]
+    _window: Window | None
     on_retire: Callable[[lmdb.Transaction, int], None] | None
 
     def __init__(
@@ -177,6 +179,7 @@ class WorkingSet:
         self.wait_for_keys = wait_for_keys
         self.wait_for_writers = wait_for_writers
         self.newest = start + size - 1
+        self._window: Window | None = None
         self.writers = {}
         self.on_retire = on_retire
 
@@ -189,6 +192,13 @@ class WorkingSet:
     @property
     def oldest(self) -> int:
         return max(0, self.newest - self.size + 1)
+
+    @property
+    def window(self) -> Window:
+        w = self._window
+        if w is None or w.newest != self.newest:  # (built once per window move)
+            w = self._window = counts.window(self.newest, self.size, self.wait_for_keys)
+        return w
 
     # -- state that must survive the process (restart) -------------------------
 
@@ -230,6 +240,7 @@ class WorkingSet:
         self.newest = chkpt + self.size - 1
         self.writers = {}
         self.save(txn)
+        counts.store_recount(self.store, txn, self.window)
         return n
 
     # -- window -------------------------------------------------------------
@@ -267,7 +278,7 @@ class WorkingSet:
         DDictFutureCheckpointError
             The same, for batch puts, which are never deferred.
         """
-        changed = False
+        changed, before = False, self.window
         try:
             while self.newest < chkpt:
                 p = self.oldest
@@ -286,6 +297,7 @@ class WorkingSet:
         finally:
             if changed:
                 self.save(txn)
+                counts.shifted(self.store, txn, before, self.newest)
 
     def _retire(self, txn: lmdb.Transaction, p: int) -> None:
         if self.on_retire is not None:
@@ -373,7 +385,9 @@ class WorkingSet:
                 yield d, e
 
     def length(self, txn: lmdb.Transaction, chkpt: int) -> int:
-        return sum(1 for _ in self.visible(txn, chkpt))
+        """Keys seen at ``chkpt``, from the shard's counts (no scan)."""
+        self.check_retired(chkpt)
+        return counts.count_at(self.store, txn, self.window, chkpt)
 
     # -- writes ---------------------------------------------------------------
 
@@ -393,8 +407,7 @@ class WorkingSet:
         self.prepare_write(txn, chkpt, client, batch=batch)
         self.store.check_room(txn, frame_parts(frame)[1] + len(key))
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
-        self.store.put(txn, digest, chkpt, key, frame, flags)
-        self.store.collect(txn, digest, self.oldest)
+        counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags)
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
         """Delete the key at ``chkpt`` and return (a copy of) its value frame."""
@@ -404,13 +417,17 @@ class WorkingSet:
             raise DDictKeyError()
         assert e is not None
         old, key, at = bytes(e.frame), bytes(e.key), e.chkpt
-        if at == chkpt:
-            self.store.delete(txn, digest, chkpt)
-            older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
-            if older is None or older.tombstone:
-                return old
-        self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)
-        self.store.collect(txn, digest, self.oldest)
+
+        def change() -> None:
+            if at == chkpt:
+                self.store.delete(txn, digest, chkpt)
+                older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
+                if older is None or older.tombstone:
+                    return
+            self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)
+            self.store.collect(txn, digest, self.oldest)
+
+        counts.tracked(self.store, txn, digest, self.window, change)
         return old
 
     def clear(self, txn: lmdb.Transaction, chkpt: int, client: int) -> None:
@@ -420,15 +437,20 @@ class WorkingSet:
         with ``working_set_size=1`` the dictionary ends up empty.
         """
         self.prepare_write(txn, chkpt, client)
-        if chkpt == self.oldest == self.newest:
+        if not self.store.entries(txn):
+            pass  # an empty shard: no page is written (a broadcast clear of an empty dict)
+        elif chkpt == self.oldest == self.newest:
             self.store.drop_all(txn)
-        elif chkpt == self.oldest:
-            doomed = [(d, e.chkpt) for d, e in self.store.scan(txn) if e.chkpt <= chkpt]
-            for d, c in doomed:
-                self.store.delete(txn, d, c)
+            counts.save(self.store, txn, self.window, [0] * self.window.slots)
         else:
-            retired = [d for d, e in self.store.scan(txn) if e.chkpt == chkpt]
-            for d in retired:
-                self.store.delete(txn, d, chkpt)
+            if chkpt == self.oldest:
+                doomed = [(d, e.chkpt) for d, e in self.store.scan(txn) if e.chkpt <= chkpt]
+                for d, c in doomed:
+                    self.store.delete(txn, d, c)
+            else:
+                retired = [d for d, e in self.store.scan(txn) if e.chkpt == chkpt]
+                for d in retired:
+                    self.store.delete(txn, d, chkpt)
+            counts.store_recount(self.store, txn, self.window)  # clear scans every key anyway
         if self.writers.pop(chkpt, None):
             self.save(txn)

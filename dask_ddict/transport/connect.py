@@ -22,7 +22,7 @@ import os
 import pickle
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable
 from typing import Any
 
 from .. import config
@@ -39,20 +39,6 @@ from .links import HostLink, SocketChannel
 from .operation import Operation
 from .ops import FanOut
 from .protocol import value_limit
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The threads that ask host processes at once in a broadcast (one pool per process,
-    ``ddict.transport.broadcast-threads`` of them, started on first use)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(int(config.get("transport.broadcast-threads")),
-                                       thread_name_prefix="ddict-broadcast")  # fmt: skip
-        return _POOL
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +86,7 @@ class Connections:
         self.closed = False
         self._channels: dict[int, Any] = {}
         self._links: dict[tuple[str, ...], HostLink] = {}
+        self._groups: dict[tuple[int, ...], list[tuple[HostLink, list[int]]]] = {}
         self._lock = threading.Lock()
         # A handle that is dropped (e.g. at the end of a task) releases its
         # connections and shard views, also without detach().
@@ -162,29 +149,20 @@ class Connections:
             )
         return link
 
-    def _make_channel(self, info: ManagerInfo) -> Any:
+    def _uses_uds(self, info: ManagerInfo) -> bool:
+        """Whether ``info``'s host process is reached over its Unix socket (same host)."""
+        return bool(config.get("local-transport")) and self.is_local(info) \
+            and os.path.exists(info.uds_path)  # fmt: skip
+
+    def _host_link(self, info: ManagerInfo) -> HostLink:
+        """The link that reaches ``info``'s manager: its host's Unix socket or TCP (TLS)."""
         if info.lost:
             raise DDictManagerUnavailableError(
                 f"manager {info.manager_id} of {self.layout.name!r} was lost with its host "
                 f"{info.hostname} ({info.worker})"
             )
-        if config.get("local-transport") and self.is_local(info) and os.path.exists(info.uds_path):
-            sock = SocketChannel(self._link(info, use_uds=True), info)
-            if self.direct_reads and config.get("local-read") and os.path.isdir(info.store_path):
-                from .shared import (  # lmdb: only where a shard is read directly
-                    SharedChannel,
-                    ViewLimit,
-                )
-
-                capacity = self.layout.total_mem // self.layout.num_managers
-                try:
-                    return SharedChannel(sock, info.store_path, capacity, self.layout.options,
-                                         bool(config.get("local-write")))  # fmt: skip
-                except ViewLimit:  # enough shards mapped here: this one over its socket
-                    pass
-                except Exception as e:  # e.g. no permission: reads go over the socket
-                    logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
-            return sock
+        if self._uses_uds(info):
+            return self._link(info, use_uds=True)
         ssl_context = None
         if self.layout.tls:
             ssl_context = self.security().get_connection_args("client")["ssl_context"]
@@ -194,57 +172,114 @@ class Connections:
                     "(configure distributed.comm.tls or pass a client with security=)",
                     "INVALID_OPERATION",
                 )
-        return SocketChannel(self._link(info, use_uds=False, ssl_context=ssl_context), info)
+        return self._link(info, use_uds=False, ssl_context=ssl_context)
+
+    def _make_channel(self, info: ManagerInfo) -> Any:
+        link = self._host_link(info)
+        sock = SocketChannel(link, info)
+        if link.kind == "uds" and self.direct_reads and config.get("local-read") \
+                and os.path.isdir(info.store_path):  # fmt: skip
+            from .shared import (  # lmdb: only where a shard is read directly
+                SharedChannel,
+                ViewLimit,
+            )
+
+            capacity = self.layout.total_mem // self.layout.num_managers
+            try:
+                return SharedChannel(sock, info.store_path, capacity, self.layout.options,
+                                     bool(config.get("local-write")))  # fmt: skip
+            except ViewLimit:  # enough shards mapped here: this one over its socket
+                pass
+            except Exception as e:  # e.g. no permission: reads go over the socket
+                logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
+        return sock
+
+    def _routes(self, mids: list[int]) -> list[tuple[HostLink, list[int]]]:
+        """``mids`` grouped by the host link that reaches them (cached per manager list:
+        a broadcast repeats the same one, and needs no channel, so no shard view)."""
+        key = tuple(mids)
+        groups = self._groups.get(key)
+        if groups is None:
+            by_link: dict[HostLink, list[int]] = {}
+            managers = self.layout.managers
+            with self._lock:  # (links are made under it, as channels are)
+                if self.closed:
+                    raise DDictClosedError("the DDict was destroyed or detached")
+                for m in mids:  # a lost manager raises here, before anything is sent
+                    ch = self._channels.get(m)
+                    link = ch.link if ch is not None else self._host_link(managers[m])
+                    by_link.setdefault(link, []).append(m)
+                groups = list(by_link.items())
+                if len(self._groups) >= 64:
+                    self._groups.clear()
+                self._groups[key] = groups
+        return groups
 
     def each(self, o: Operation, mids: list[int], progress: str = "") -> list[Any]:
         """``o``'s result on every manager of ``mids``, in that order (a broadcast).
 
         One request per host process (:class:`~.ops.FanOut`: the host runs ``o``
-        on each of its managers), to every host at once: a broadcast costs about
-        one round trip, not one per manager.  The first manager's error (in
-        ``mids`` order) is raised, as a loop over the managers would.  With
-        ``progress``, a bar follows the hosts as they answer.
+        on each of its managers), sent to every host before any answer is read:
+        the hosts work at once, and this thread collects their answers (no
+        thread per host, so no hand-off and no contention for the GIL).  A
+        broadcast costs about one round trip plus the busiest host's work.  The
+        first manager's error (in ``mids`` order) is raised, as a loop over the
+        managers would, once every host has answered.  With ``progress``, a bar
+        follows the hosts' answers.
         """
         if len(mids) <= 1:
             return [self.channel(m).call(o) for m in mids]
-        by_link: dict[Any, list[int]] = {}
-        for m in mids:  # a lost manager raises here, before anything is sent
-            by_link.setdefault(self.channel(m).link, []).append(m)
-        answers: dict[int, tuple[int, int, bytes]] = {}
+        if self.closed:
+            raise DDictClosedError("the DDict was destroyed or detached")
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[int, bytes]] = {}
+        result = o.result
+        failure: BaseException | None = None
 
-        def ask(link: Any, ms: list[int]) -> None:
-            if len(ms) == 1:  # one manager on this host: a plain request
-                try:
-                    answers[ms[0]] = (0, *link.call(o, ms[0]))
-                except DDictError as e:
-                    status, msg = wire_error(e)
-                    answers[ms[0]] = (int(status), 0, msg)
-                return
-            _, payload = link.call(FanOut(o, tuple(ms)), ms[0])
+        def sent(link: HostLink, ms: list[int]) -> Callable[[], tuple[int, Any]]:
+            try:
+                return link.send(o if len(ms) == 1 else FanOut(o, tuple(ms)), ms[0])
+            except Exception as e:  # (connecting): answered as the collection would
+
+                def failed() -> tuple[int, Any]:
+                    raise e
+
+                return failed
+
+        pending = [(ms, sent(link, ms)) for link, ms in self._routes(mids)]
+        for ms, answer in track(pending, progress, len(pending), unit="host") if progress \
+                else pending:  # fmt: skip
+            try:
+                if len(ms) == 1:  # one manager on this host: its own answer
+                    results[ms[0]] = result(*answer())
+                    continue
+                _, payload = answer()
+            except DDictError as e:
+                if len(ms) > 1:
+                    failure = failure or e
+                    continue
+                status, msg = wire_error(e)
+                errors[ms[0]] = (int(status), msg)
+                continue
+            except BaseException as e:  # the other answers are still read: links stay usable
+                failure = failure or e
+                continue
             for mid, status, ival, data in pickle.loads(payload):
-                answers[mid] = (status, ival, data)
-
-        groups = list(by_link.items())
-        if progress:
-            done = as_completed([_pool().submit(ask, link, ms) for link, ms in groups])
-            for future in track(done, progress, len(groups), unit="host"):
-                future.result()
-        else:  # the other hosts from the pool, the first from this thread: all at once
-            others = [_pool().submit(ask, link, ms) for link, ms in groups[1:]]
-            ask(*groups[0])
-            for future in others:
-                future.result()
-        out = []
-        for m in mids:
-            status, ival, data = answers[m]
-            if status:
-                raise_for_status(status, data.decode(errors="replace"))
-            out.append(o.result(ival, data))
-        return out
+                if status:
+                    errors[mid] = (status, data)
+                else:
+                    results[mid] = result(ival, data)
+        if failure is not None:
+            raise failure
+        if errors:
+            code, data = errors[next(m for m in mids if m in errors)]
+            raise_for_status(code, data.decode(errors="replace"))
+        return [results[m] for m in mids]
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            self._groups.clear()
         self._finalizer()
 
     @staticmethod

@@ -33,6 +33,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Generator
 from typing import Any
 
 from .. import config
@@ -62,12 +63,13 @@ _GONE = {errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH
 
 
 class _Conn:
-    __slots__ = ("sock", "reader", "timeout")
+    __slots__ = ("sock", "reader", "timeout", "pending")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.reader = Reader(sock)
         self.timeout: float | None = None
+        self.pending = False  # a request went out whose answer is not read yet
 
 
 class HostLink:
@@ -184,6 +186,40 @@ class HostLink:
 
     def call(self, o: Operation, mid: int) -> tuple[int, Any]:
         """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
+        exchange = self._exchange(o, mid)
+        try:
+            next(exchange)
+            next(exchange)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("an exchange yields once")
+
+    def send(self, o: Operation, mid: int) -> Callable[[], tuple[int, Any]]:
+        """Send ``o`` now; the returned function waits for the answer.
+
+        A broadcast sends to every host from one thread, then collects the
+        answers: the hosts work at once without a thread per host.  Failures
+        after the request went out are handled when the answer is collected
+        (a broken connection is retried there, as :meth:`call` retries).
+        """
+        exchange = self._exchange(o, mid)
+        try:
+            next(exchange)
+        except StopIteration as done:  # no reply expected, or answered while sending
+            result: tuple[int, Any] = done.value
+            return lambda: result
+
+        def answer() -> tuple[int, Any]:
+            try:
+                next(exchange)
+            except StopIteration as done:
+                return done.value
+            raise AssertionError("an exchange yields once")
+
+        return answer
+
+    def _exchange(self, o: Operation, mid: int) -> Generator[None, None, tuple[int, Any]]:
+        """Request and answer, with retries; yields once, when the request first went out."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
         if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
@@ -199,7 +235,7 @@ class HostLink:
         head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, encode_timeout(timeout),
                         vlen, rid)  # fmt: skip
         total = REQ.size + len(keysec) + vlen
-        attempt = 0
+        attempt, waited = 0, False
         while True:
             conn = getattr(self._local, "conn", None)
             try:
@@ -209,15 +245,27 @@ class HostLink:
                 if sock_timeout != conn.timeout:
                     conn.sock.settimeout(sock_timeout)
                     conn.timeout = sock_timeout
+                if conn.pending:  # (one exchange at a time per thread and host)
+                    raise RuntimeError(f"{self.where(mid)}: an answer is pending on this "
+                                       "thread's connection: collect it first")  # fmt: skip
                 send_parts(conn.sock, [head, keysec, *value], total)
                 if not o.replies:
                     return 0, None
+                conn.pending = True
+                if not waited:
+                    waited = True
+                    try:
+                        yield
+                    except GeneratorExit:  # never collected: its answer would be read
+                        self._drop(conn)  # as the next request's, so the connection goes
+                        raise
                 status, ival, plen = REP.unpack(conn.reader.read(REP.size))
                 if plen >= SMALL_FRAME:
                     payload: Any = aligned_empty(plen)
                     conn.reader.read_into(payload)
                 else:
                     payload = bytes(conn.reader.read(plen))
+                conn.pending = False
             except DDictError:  # from connecting: already what the caller should see
                 raise
             except TimeoutError as e:

@@ -81,6 +81,26 @@ class Operation:
         raise NotImplementedError
 
 
+class Answered(Operation):
+    """An operation whose handler only computes an answer: ``answer(m, r) -> (ival, payload)``.
+
+    A broadcast (:class:`~.ops.FanOut`) calls ``answer`` on each manager of a
+    host directly, without a reply callback per manager: the latency-bound
+    broadcasts (``len``, ``stats``, ``clear``) cost a few microseconds per manager.
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        """``m``'s answer to ``r`` (whose ``manager`` field, in a broadcast, is not ``m``'s)."""
+        raise NotImplementedError
+
+    @classmethod
+    def serve(cls, m: Manager, r: Request, reply: Reply) -> None:
+        reply(*cls.answer(m, r))
+
+
 class IntReply(Operation):
     """An operation whose answer is the reply's integer."""
 

@@ -26,13 +26,15 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .._serialize import Framed, copy_frame
 from ..errors import wire_error
+from ..stats import DDictManagerStats
 from .operation import (
+    Answered,
     AtCheckpoint,
     Encoded,
     FrameReply,
@@ -152,18 +154,18 @@ class Pop(FrameReply):
 
 
 @dataclass(slots=True)
-class Length(AtCheckpoint, IntReply):
+class Length(AtCheckpoint, IntReply, Answered):
     op = Op.LEN
     kind = Kind.READ
     chkpt: int
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(m.length(r.chkpt))
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return m.length(r.chkpt), b""
 
 
 @dataclass(slots=True)
-class Clear(Operation):
+class Clear(Answered):
     op = Op.CLEAR
     chkpt: int
     client: int
@@ -173,9 +175,9 @@ class Clear(Operation):
         return Encoded(chkpt=self.chkpt, client=self.client, timeout=self.timeout)
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
         m.clear(r.chkpt, r.client, r.timeout)
-        reply()
+        return 0, b""
 
 
 @dataclass(slots=True)
@@ -325,13 +327,16 @@ class BatchEnd(IntReply):
 
 
 @dataclass(slots=True)
-class Stats(PickledReply):
+class Stats(Answered):
     op = Op.STATS
     kind = Kind.READ
 
+    def result(self, ival: int, payload: Any) -> DDictManagerStats:
+        return DDictManagerStats.from_record(pickle.loads(payload))
+
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(0, pickle.dumps(m.stats()))
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return 0, m.stats_pickled()
 
 
 @dataclass(slots=True)
@@ -497,20 +502,43 @@ class FanOut(PickledReply):
                           arg=int(self.inner.op))  # fmt: skip
 
     @staticmethod
-    def serve(dispatch: Any, r: Request, reply: Reply) -> None:
+    def serve(dispatch: Any, r: Request, reply: Reply,
+              managers: Mapping[int, Manager] | None = None) -> None:  # fmt: skip
+        """Run the inner operation on each manager; ``dispatch(request, reply)`` serves
+        one as a plain request would, ``managers`` (the host's) lets an
+        :class:`~.operation.Answered` one be answered directly."""
         keysec = r.digest + r.key
         (n,), out = struct.unpack_from("<I", keysec), []
         rest = keysec[4 + 4 * n :]
+        # The inner request, built once; only its manager changes (field 2).
+        fields = list(r._replace(op=r.arg, arg=0, digest=rest[:16], key=rest[16:]))
+        inner = OPERATIONS.get(cast(Op, r.arg))  # (IntEnum keys: a plain int finds them)
+        direct: Callable[[Manager, Request], tuple[int, Any]] | None = (
+            inner.answer if inner is not None and issubclass(inner, Answered) else None
+        )
+        got: list[tuple[int, bytes]] = []
+
+        def answer(ival: int = 0, payload: Any = b"") -> None:
+            got.append((ival, payload if type(payload) is bytes else bytes(payload)))
+
+        shared = _new_request(Request, fields)  # what an Answered operation reads (not manager)
         for mid in struct.unpack_from(f"<{n}I", keysec, 4):
-            got: list[tuple[int, bytes]] = []
             try:
-                dispatch(r._replace(op=r.arg, manager=mid, arg=0, digest=rest[:16], key=rest[16:]),
-                         lambda ival=0, payload=b"": got.append((ival, bytes(payload))))  # fmt: skip
-                out.append((mid, 0, *got[0]) if got else (mid, 0, 0, b""))
+                m = None if direct is None or managers is None else managers.get(mid)
+                if m is not None and direct is not None:
+                    out.append((mid, 0, *direct(m, shared)))
+                    continue
+                fields[2] = mid
+                dispatch(_new_request(Request, fields), answer)
+                out.append((mid, 0, *got.pop()) if got else (mid, 0, 0, b""))
             except Exception as e:  # this manager's answer: the others still run
+                got.clear()
                 status, msg = wire_error(e)
                 out.append((mid, int(status), 0, msg))
         reply(0, pickle.dumps(out))
+
+
+_new_request = tuple.__new__  # a Request from its fields, without NamedTuple's checks
 
 
 def _leaves(cls: type[Operation]) -> list[type[Operation]]:

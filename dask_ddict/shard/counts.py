@@ -1,0 +1,221 @@
+"""How many keys each checkpoint of a shard's window sees, kept beside the data.
+
+``len(d)`` is a broadcast to every manager; without a count each manager
+would scan every version of every key to answer it (O(keys), and issue 14
+asks for ``len`` to be latency-bound).  So each shard keeps, in its ``meta``
+database and in the same transaction as every change, the number of keys
+visible at each checkpoint of its window, plus one slot for every checkpoint
+beyond ``newest`` (no version lives there yet, so they all see the same keys).
+
+A change of one key (put, pop, a same-host client's direct put) is
+accounted for by comparing the key's visibility over the window before and
+after it (:func:`tracked`): O(versions of that key), at most a few.  Moving
+the window shifts the slots (:func:`shifted`): the slot beyond ``newest``
+becomes the new ``newest``'s, and stays right for the checkpoints beyond it,
+because nothing is written above ``newest``.  Operations that touch
+everything anyway (``clear``, restore, a whole-shard copy) recount
+(:func:`recount`).
+
+Visibility is :func:`~dask_ddict.shard.working_set.entry_visible`'s rule,
+written again here over ``(checkpoint, flags)`` pairs so that no entry needs
+decoding: the newest version at or below ``c`` is seen unless it is a
+tombstone or, under ``wait_for_keys``, a non-persistent version of another
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import lmdb
+
+from .store import PERSISTENT, TOMBSTONE, ShardStore
+
+COUNTS = b"counts"  # meta: newest, then keys seen at oldest .. newest and beyond
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A shard's checkpoint window ``[newest - size + 1, newest]`` and its reading rule."""
+
+    newest: int
+    size: int
+    wait_for_keys: bool = False
+
+    @property
+    def oldest(self) -> int:
+        return self.newest - self.size + 1
+
+    @property
+    def slots(self) -> int:
+        return self.size + 1  # every checkpoint of the window, and one for those beyond
+
+    def slot(self, chkpt: int) -> int:
+        """The slot of ``chkpt`` (at or above ``oldest``)."""
+        return min(chkpt - self.newest, 1) + self.size - 1
+
+    def packer(self) -> struct.Struct:
+        return _packer(self.slots)
+
+
+@functools.cache
+def _packer(slots: int) -> struct.Struct:
+    return struct.Struct(f"<q{slots}q")
+
+
+@functools.lru_cache(maxsize=256)
+def window(newest: int, size: int, wait_for_keys: bool = False) -> Window:
+    """The (shared, immutable) :class:`Window`: puts name one per call, cheaply."""
+    return Window(newest, size, wait_for_keys)
+
+
+def visibility(versions: list[tuple[int, int]], w: Window) -> int:
+    """Bit ``i`` set iff the key is seen at slot ``i``; ``versions`` newest first."""
+    if not versions:
+        return 0
+    if not w.wait_for_keys and versions[0][0] <= w.oldest:  # one version decides every slot
+        return 0 if versions[0][1] & TOMBSTONE else (1 << w.slots) - 1
+    bits = 0
+    for i in range(w.slots):
+        c = w.oldest + i
+        for vc, flags in versions:
+            if vc <= c:
+                if not flags & TOMBSTONE and (
+                    vc == c or flags & PERSISTENT or not w.wait_for_keys
+                ):
+                    bits |= 1 << i
+                break
+    return bits
+
+
+def key_bits(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window) -> int:
+    return visibility(store.versions(txn, digest, w.newest, w.oldest), w)
+
+
+def load(store: ShardStore, txn: lmdb.Transaction, w: Window) -> list[int]:
+    """The counts of ``w`` as of ``txn`` (recounted if the shard has none: an empty one,
+    or one written before counts were kept)."""
+    raw = txn.get(COUNTS, db=store.meta_db)
+    if raw is not None:
+        p = w.packer()
+        if len(raw) == p.size:
+            newest, *counts = p.unpack(raw)
+            if newest == w.newest:
+                return counts
+    if store.entries(txn) == 0:
+        return [0] * w.slots
+    return recount(store, txn, w)
+
+
+_Q = struct.Struct("<q")
+
+
+def count_at(store: ShardStore, txn: lmdb.Transaction, w: Window, chkpt: int) -> int:
+    """Keys seen at ``chkpt`` (in or beyond the window): one meta read, one slot unpacked."""
+    raw = txn.get(COUNTS, db=store.meta_db)
+    if raw is not None and len(raw) == 8 * (w.slots + 1) and _Q.unpack_from(raw)[0] == w.newest:
+        return _Q.unpack_from(raw, 8 + 8 * w.slot(chkpt))[0]
+    return load(store, txn, w)[w.slot(chkpt)]
+
+
+def save(store: ShardStore, txn: lmdb.Transaction, w: Window, counts: list[int]) -> None:
+    store.put_meta(txn, COUNTS, w.packer().pack(w.newest, *counts))
+
+
+def _account(store: ShardStore, txn: lmdb.Transaction, w: Window, before: int,
+             after: int) -> None:  # fmt: skip
+    """One key's visibility went from bits ``before`` to ``after`` (already stored)."""
+    if before == after:
+        return
+    raw = txn.get(COUNTS, db=store.meta_db)
+    p = w.packer()
+    if raw is None or len(raw) != p.size or p.unpack_from(raw)[0] != w.newest:
+        save(store, txn, w, recount(store, txn, w))  # (no counts yet: counted with the change)
+        return
+    counts = list(p.unpack(raw)[1:])
+    for i in range(w.slots):
+        counts[i] += ((after >> i) & 1) - ((before >> i) & 1)
+    save(store, txn, w, counts)
+
+
+def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,
+            change: Callable[[], T]) -> T:  # fmt: skip
+    """Run ``change`` (which touches only the versions of ``digest``) and count it."""
+    before = key_bits(store, txn, digest, w)
+    out = change()
+    _account(store, txn, w, before, key_bits(store, txn, digest, w))
+    return out
+
+
+def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkpt: int,
+        key: bytes, frame: Any, flags: int) -> None:  # fmt: skip
+    """Store a version at ``chkpt`` (in the window) and drop the dead ones, counted.
+
+    The key's visibility after the put follows from its versions before it:
+    one walk of them, not two (a put is the hot path).
+    """
+    if w.size == 1 and not w.wait_for_keys:  # the default: one seek, as a plain put
+        was = store.put_over(txn, digest, chkpt, key, frame, flags)
+        if was == bool(flags & TOMBSTONE):  # seen before xor after: one key more or less
+            every = (1 << w.slots) - 1
+            _account(store, txn, w, every if was else 0, 0 if was else every)
+        return
+    versions = store.versions(txn, digest, w.newest, w.oldest)
+    store.put(txn, digest, chkpt, key, frame, flags)
+    store.collect(txn, digest, w.oldest)
+    if versions and versions[0][0] > chkpt:
+        merged = [v for v in versions if v[0] > chkpt] + [(chkpt, flags)] \
+            + [v for v in versions if v[0] < chkpt]  # fmt: skip
+    else:
+        merged = [(chkpt, flags), *(v for v in versions if v[0] < chkpt)]
+    _account(store, txn, w, visibility(versions, w), visibility(merged, w))
+
+
+def shifted(store: ShardStore, txn: lmdb.Transaction, w: Window, newest: int) -> Window:
+    """Move the counts from window ``w`` to the one ending at ``newest`` (> ``w.newest``)."""
+    counts = load(store, txn, w)
+    moved = Window(newest, w.size, w.wait_for_keys)
+    steps = min(newest - w.newest, w.slots)
+    save(store, txn, moved, counts[steps:] + [counts[-1]] * steps)
+    return moved
+
+
+def recount(store: ShardStore, txn: lmdb.Transaction, w: Window) -> list[int]:
+    """Count every key again (O(versions)): for changes that touch every key anyway."""
+    counts = [0] * w.slots
+    current: bytes | None = None
+    versions: list[tuple[int, int]] = []
+
+    def add() -> None:
+        bits = visibility(versions, w)
+        for i in range(w.slots):
+            counts[i] += (bits >> i) & 1
+
+    for digest, chkpt, flags in store.version_flags(txn):
+        if digest != current:
+            if versions:
+                add()
+            current, versions = digest, []
+        versions.append((chkpt, flags))
+    if versions:
+        add()
+    return counts
+
+
+def store_recount(store: ShardStore, txn: lmdb.Transaction, w: Window) -> None:
+    """Recount and save (after ``clear``, a restore, a copy)."""
+    save(store, txn, w, recount(store, txn, w))
+
+
+def ensure(store: ShardStore, txn: lmdb.Transaction, w: Window) -> None:
+    """Save counts for ``w`` unless the shard has them (a re-attached shard)."""
+    raw = txn.get(COUNTS, db=store.meta_db)
+    p = w.packer()
+    if raw is None or len(raw) != p.size or p.unpack(raw)[0] != w.newest:
+        store_recount(store, txn, w)
