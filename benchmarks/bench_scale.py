@@ -8,7 +8,8 @@ served by one host process per worker) it creates a dictionary and reports:
 * create and destroy time;
 * the pickled size of a handle (what every task that takes ``d`` carries);
 * warm broadcast times, median of repeated calls: ``len``, ``stats``, ``clear``,
-  ``bput``, ``persisted_ids`` (one ``FanOut`` request per host process, hosts at once);
+  ``sync_to_newest_checkpoint``, the first key of an iteration, ``bput``, ``bget``,
+  ``persisted_ids`` (one ``FanOut`` request per host process, hosts at once);
 * the file descriptors this client opened by touching every manager (shard views,
   at most ``ddict.transport.max-shard-views``, and sockets);
 * at the largest count, ``--clients PxN``: P processes, each N clients that unpickle a
@@ -42,7 +43,10 @@ BROADCASTS: dict[str, Callable[[DDict], Any]] = {
     "len": len,
     "stats": lambda d: d.stats,
     "clear": lambda d: d.clear(),
+    "sync": lambda d: d.sync_to_newest_checkpoint(),
+    "first key": lambda d: next(iter(d.keys()), None),
     "bput": lambda d: d.bput("shared", 1),
+    "bget": lambda d: d.bget("shared"),
     "persisted_ids": lambda d: d.persisted_ids(),
 }
 
@@ -133,7 +137,7 @@ def measure(client: Client, managers: int, workers: int, repeat: int, max_manage
     for m in range(d.num_managers):  # touch every manager: the views and sockets it opens
         d.manager(m).get(("absent", m))
     row["fds"] = len(os.listdir("/proc/self/fd")) - fds
-    if managers == max_managers and clients:
+    if managers == max_managers and clients and clients[0] > 0:
         row.update({f"clients_{k}": v for k, v in measure_clients(client, d, *clients).items()})
     start = time.perf_counter()
     d.destroy()

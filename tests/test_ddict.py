@@ -104,6 +104,42 @@ def test_views_page_through_many_items(ddict, monkeypatch):
         assert sorted(ddict.keys()) == list(range(50))
 
 
+def test_iteration_starts_with_one_broadcast_of_first_pages(client):
+    """Over many managers the first pages come in one request per host (each manager a
+    share of one page), then each manager's rest page by page: every item once,
+    empty managers answered from their counts, and large values still stream."""
+    import dask
+
+    from dask_ddict import DDict
+    from dask_ddict.transport.connect import Connections
+
+    d = DDict(managers_per_worker=8, total_mem="64 MiB", client=client)
+    try:
+        d.update({i: i for i in range(40)})
+        d.update({f"big{i}": np.ones(50_000) * i for i in range(3)})  # over a page's share
+        calls: list[str] = []
+        each = Connections.each
+
+        def counted(self, o, mids, progress=""):
+            calls.append(type(o).__name__)
+            return each(self, o, mids, progress)
+
+        with dask.config.set({"ddict.iteration.page-items": 4,
+                              "ddict.iteration.page-bytes": "64 KiB"}), \
+                pytest.MonkeyPatch.context() as mp:  # fmt: skip
+            mp.setattr(Connections, "each", counted)
+            it = iter(d.items())
+            next(it)
+            assert calls == ["Page"]  # the first item: one broadcast
+            items = [next(iter(d.items()))] and dict(d.items())
+        assert sorted(k for k in items if isinstance(k, int)) == list(range(40))
+        assert all(items[f"big{i}"][0] == i for i in range(3))
+        d.clear()
+        assert list(d.keys()) == [] and list(d.values()) == []
+    finally:
+        d.destroy()
+
+
 def test_clear(ddict):
     ddict.update({i: i for i in range(20)})
     ddict.clear()

@@ -146,9 +146,8 @@ def test_a_same_host_clients_direct_put_is_seen_by_cached_len_and_stats(tmp_path
         from dask_ddict.shard.working_set import put_in_window
         s = ShardStore({path!r}, 16 << 20, create=False)  # as a same-host client opens it
         kb = dumps_key("b")
-        txn = s.begin_write()
-        assert put_in_window(s, txn, 1, key_digest(kb), 0, kb, dumps_value(2).join())
-        s.commit(txn)
+        with s.write() as txn:
+            assert put_in_window(s, txn, 1, key_digest(kb), 0, kb, dumps_value(2).join())
     """)
     try:
         put(m, "a", 1)

@@ -15,6 +15,7 @@ so that destroying through one closes them all.
 from __future__ import annotations
 
 import builtins  # DDict.list shadows the builtin in the class body
+import itertools
 import inspect
 import logging
 import secrets
@@ -53,7 +54,7 @@ from .introspection import Introspection
 from .layouts import LayoutRef, forget
 from .mapping import MappingMethods
 from .replicate import Replication
-from .views import DDictItemsView, DDictKeysView, DDictValuesView, iter_pages
+from .views import DDictItemsView, DDictKeysView, DDictValuesView, first_pages, iter_pages
 
 logger = logging.getLogger(__name__)
 
@@ -453,9 +454,14 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
 
     def _iter(self, managers: builtins.list[int], want: int) -> Iterator[tuple[Any, Any]]:
         page = config.get("iteration.page-items")
-        for mid in managers:
+        self._check()
+        firsts = first_pages(self._core.each, managers, self._chkpt, want, page,
+                             config.get_bytes("iteration.page-bytes"))  # fmt: skip
+        for mid, (items, last, more) in zip(managers, firsts):
             self._check()
-            for k, v in iter_pages(self._core.channel(mid), self._chkpt, want, page):
+            rest = iter_pages(self._core.channel(mid), self._chkpt, want, page, last) if more \
+                else ()  # fmt: skip
+            for k, v in itertools.chain(items, rest):
                 yield (
                     None if k is None else loads_key(k, self._kp),
                     None if v is None else loads_value(v, self._vp),

@@ -29,15 +29,29 @@ class Viewed(Protocol):
     def __getitem__(self, key: Any) -> Any: ...
 
 
-def iter_pages(channel: Any, chkpt: int, want: int, page_items: int) -> Iterator[tuple[Any, Any]]:
-    """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page."""
-    after = None
+def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
+               after: bytes | None = None) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+    """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page
+    (after digest ``after``, when resuming)."""
     while True:
         items, last, more = channel.call(Page(chkpt, after, want, page_items))
         yield from items
         if not more:
             return
         after = last
+
+
+def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_items: int,
+                page_bytes: int) -> list[tuple[list[Any], bytes | None, bool]]:  # fmt: skip
+    """Every manager's first page, in one broadcast: together at most about one page.
+
+    So the first item of an iteration costs one broadcast however many managers
+    there are, and what is held at once stays bounded (``page_items`` items and
+    ``page_bytes`` bytes in all, at least one item per manager).
+    """
+    n = max(1, len(managers))
+    return each(Page(chkpt, None, want, max(1, page_items // n), max(1, page_bytes // n)),
+                managers)  # fmt: skip
 
 
 class _View:

@@ -267,17 +267,18 @@ class Manager(CheckpointIO):
         """``compute`` on a snapshot, reused while the shard and this manager are unchanged.
 
         Broadcasts (``len``, ``stats``) ask every manager; most shards have not
-        changed since the last one.  The shard's generation changes with every
-        commit, also a same-host client's direct put, and the window and the
-        frozen flag are this process's own: together they say when to compute again.
+        changed since the last one.  A snapshot's transaction id changes with
+        every commit to the shard, also a same-host client's direct put, and the
+        window and the frozen flag are this process's own: together they say
+        when to compute again (beginning a snapshot is cheap; reading is not).
         """
         if self.closed:
             self._check_open()
-        state = (self.store.generation(), self.working_set.newest, self.frozen)
-        hit = self._cache.get(what)
-        if hit is not None and hit[0] == state and state[0]:
-            return hit[1]
-        with self.store.read() as txn:  # (begun after reading the generation)
+        with self.store.read() as txn:
+            state = (txn.id(), self.working_set.newest, self.frozen)
+            hit = self._cache.get(what)
+            if hit is not None and hit[0] == state:
+                return hit[1]
             value = compute(txn)
         self._cache[what] = (state, value)
         return value
@@ -308,8 +309,12 @@ class Manager(CheckpointIO):
         """One page of a view: ``(items, last_digest, more)``, with keys and/or values.
 
         Views are streamed as stateless pages resumed after the last digest, so
-        a client that stops iterating early leaves nothing behind.
+        a client that stops iterating early leaves nothing behind.  A shard
+        that holds no key at ``chkpt`` answers from its counts, without a scan
+        (a broadcast of first pages asks every manager).
         """
+        if after is None and self.length(chkpt) == 0:
+            return [], None, False
 
         def fn(txn: lmdb.Transaction) -> tuple[list[Any], bytes | None, bool]:
             items: list[tuple[bytes | None, bytes | None]] = []

@@ -28,9 +28,7 @@ about checkpoint rules; :mod:`dask_ddict.shard.working_set` does.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import random
 import shutil
 import struct
 from collections.abc import Iterator
@@ -90,43 +88,6 @@ def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
     flags, klen, flen = _ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
     return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))
-
-
-CHANGES = "changes"  # the shard's change generation: 8 bytes, mapped by its writers
-_GEN = struct.Struct("<q")
-
-
-def _map_changes(path: str, create: bool) -> mmap.mmap | None:
-    """Map a shard's ``changes`` file (created by its manager; ``None`` if missing)."""
-    try:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-    except FileNotFoundError:
-        return None
-    try:
-        if os.fstat(fd).st_size < _GEN.size:
-            os.ftruncate(fd, _GEN.size)
-        return mmap.mmap(fd, _GEN.size)  # (the mapping keeps no descriptor)
-    finally:
-        os.close(fd)
-
-
-class _Write:
-    """``with store.write() as txn``: commit and a new generation, or abort."""
-
-    __slots__ = ("store", "txn")
-
-    def __init__(self, store: ShardStore) -> None:
-        self.store = store
-
-    def __enter__(self) -> lmdb.Transaction:
-        self.txn = self.store.env.begin(write=True, buffers=True)
-        return self.txn
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        if kind is None:
-            self.store.commit(self.txn)
-        else:
-            self.txn.abort()
 
 
 class ShardStore:
@@ -193,7 +154,6 @@ class ShardStore:
         self._index = self.env.open_db(b"index", create=create)
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
-        self._changes = _map_changes(os.path.join(path, CHANGES), create)
         # LMDB has one writer at a time, so one scratch buffer serves every large put.
         self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if create else None
 
@@ -212,36 +172,15 @@ class ShardStore:
         """A read-only snapshot; values are zero-copy views valid inside it."""
         return self.env.begin(buffers=True)
 
-    def write(self) -> _Write:
-        """A write transaction (``with store.write() as txn``): all of one operation
-        commits or nothing does; a commit changes :meth:`generation`."""
-        return _Write(self)
-
-    def begin_write(self) -> lmdb.Transaction:
-        """A write transaction to end with :meth:`commit` or ``abort()``."""
+    def write(self) -> lmdb.Transaction:
+        """A write transaction: all of one operation commits or nothing does."""
         return self.env.begin(write=True, buffers=True)
 
-    def commit(self, txn: lmdb.Transaction) -> None:
-        txn.commit()
-        self.changed()
-
-    # -- change generation ---------------------------------------------------
-
-    def changed(self) -> None:
-        """Give the shard a new generation (after every commit, by any process)."""
-        if self._changes is not None:
-            _GEN.pack_into(self._changes, 0, random.getrandbits(63) | 1)
-
     def generation(self) -> int:
-        """A token that differs after every commit to the shard; 0 if not kept.
-
-        Managers cache what they derive from their shard (counts, stats) under
-        it: a same-host client's direct put commits without its manager, so
-        the manager could not know otherwise.  Written after the commit and
-        read before a snapshot begins, so a cached value is never older than
-        its token.
-        """
-        return 0 if self._changes is None else _GEN.unpack_from(self._changes)[0]
+        """The last committed transaction id: it changes with every commit to the shard,
+        by any process (a same-host client's direct put included)."""
+        with self.read() as txn:
+            return int(txn.id())
 
     # -- versions -------------------------------------------------------------
 
@@ -539,9 +478,6 @@ class ShardStore:
 
     def close(self) -> None:
         self.env.close()
-        changes, self._changes = self._changes, None
-        if changes is not None:
-            changes.close()
 
     def destroy(self) -> None:
         """Close and delete the environment's files."""

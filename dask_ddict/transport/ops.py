@@ -182,7 +182,11 @@ class Clear(Answered):
 
 @dataclass(slots=True)
 class Page(Operation):
-    """One page of a view: ``(items, last digest, more)``, items ``(key bytes, frame)``."""
+    """One page of a view: ``(items, last digest, more)``, items ``(key bytes, frame)``.
+
+    ``max_bytes`` (0: the host's ``ddict.iteration.page-bytes``) is at most that:
+    a broadcast of first pages asks each manager for its share of one page.
+    """
 
     op = Op.PAGE
     kind = Kind.READ
@@ -190,10 +194,11 @@ class Page(Operation):
     after: bytes | None
     want: int  # WANT_KEYS | WANT_VALUES
     max_items: int
+    max_bytes: int = 0
 
     def encode(self) -> Encoded:
         return Encoded(keysec=self.after or b"", chkpt=self.chkpt,
-                       arg=self.want | (self.max_items << 8))  # fmt: skip
+                       arg=self.want | (self.max_items << 8), client=self.max_bytes)  # fmt: skip
 
     def result(self, ival: int, payload: Any) -> Any:
         mv = memoryview(payload)
@@ -215,7 +220,7 @@ class Page(Operation):
         want = r.arg & 0xFF
         items, last, more = m.page(r.chkpt, r.digest or None, bool(want & WANT_KEYS),
                                    bool(want & WANT_VALUES), max(1, r.arg >> 8),
-                                   page_bytes)  # fmt: skip
+                                   min(page_bytes, r.client or page_bytes))  # fmt: skip
         parts: list[Any] = [last or bytes(16)]
         for k, v in items:
             parts += [RECORD.pack(len(k or b""), len(v or b"")), k or b"", v or b""]
@@ -340,13 +345,13 @@ class Stats(Answered):
 
 
 @dataclass(slots=True)
-class Newest(IntReply):
+class Newest(IntReply, Answered):
     op = Op.NEWEST
     kind = Kind.READ
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(m.newest_checkpoint())
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return m.newest_checkpoint(), b""
 
 
 @dataclass(slots=True)
@@ -370,15 +375,15 @@ class Unfreeze(Operation):
 
 
 @dataclass(slots=True)
-class Ping(IntReply):
+class Ping(IntReply, Answered):
     """The host process's pid (alive and answering)."""
 
     op = Op.PING
     kind = Kind.READ
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(os.getpid())
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return os.getpid(), b""
 
 
 # -- persistence ---------------------------------------------------------------------------
@@ -398,13 +403,13 @@ class Persist(AtCheckpoint):
 
 
 @dataclass(slots=True)
-class PersistedIds(PickledReply):
+class PersistedIds(PickledReply, Answered):
     op = Op.PERSISTED_IDS
     kind = Kind.READ
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(0, pickle.dumps(m.persisted_ids()))
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return 0, pickle.dumps(m.persisted_ids())
 
 
 @dataclass(slots=True)
@@ -482,6 +487,9 @@ class CopyFrom(IntReply):
         reply(m.copy_from(bytes(r.value).decode(), r.arg))
 
 
+_FANOUT = struct.Struct("<qI")  # the inner operation's arg, how many managers (then their ids)
+
+
 @dataclass(slots=True)
 class FanOut(PickledReply):
     """``inner`` on managers ``mids`` of one host process in one round trip (broadcasts);
@@ -498,8 +506,8 @@ class FanOut(PickledReply):
 
     def encode(self) -> Encoded:
         e, n = self.inner.encode(), len(self.mids)
-        return e._replace(keysec=struct.pack(f"<I{n}I", n, *self.mids) + e.keysec,
-                          arg=int(self.inner.op))  # fmt: skip
+        return e._replace(keysec=_FANOUT.pack(e.arg, n) + struct.pack(f"<{n}I", *self.mids)
+                          + e.keysec, arg=int(self.inner.op))  # fmt: skip
 
     @staticmethod
     def serve(dispatch: Any, r: Request, reply: Reply,
@@ -508,10 +516,10 @@ class FanOut(PickledReply):
         one as a plain request would, ``managers`` (the host's) lets an
         :class:`~.operation.Answered` one be answered directly."""
         keysec = r.digest + r.key
-        (n,), out = struct.unpack_from("<I", keysec), []
-        rest = keysec[4 + 4 * n :]
+        (arg, n), out = _FANOUT.unpack_from(keysec), []
+        rest = keysec[_FANOUT.size + 4 * n :]
         # The inner request, built once; only its manager changes (field 2).
-        fields = list(r._replace(op=r.arg, arg=0, digest=rest[:16], key=rest[16:]))
+        fields = list(r._replace(op=r.arg, arg=arg, digest=rest[:16], key=rest[16:]))
         inner = OPERATIONS.get(cast(Op, r.arg))  # (IntEnum keys: a plain int finds them)
         direct: Callable[[Manager, Request], tuple[int, Any]] | None = (
             inner.answer if inner is not None and issubclass(inner, Answered) else None
@@ -522,7 +530,7 @@ class FanOut(PickledReply):
             got.append((ival, payload if type(payload) is bytes else bytes(payload)))
 
         shared = _new_request(Request, fields)  # what an Answered operation reads (not manager)
-        for mid in struct.unpack_from(f"<{n}I", keysec, 4):
+        for mid in struct.unpack_from(f"<{n}I", keysec, _FANOUT.size):
             try:
                 m = None if direct is None or managers is None else managers.get(mid)
                 if m is not None and direct is not None:

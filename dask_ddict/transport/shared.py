@@ -280,7 +280,7 @@ class SharedChannel:
         if self._direct and framed.nbytes <= DIRECT_PUT_MAX:
             self._check_alive()
             try:
-                txn = self._store.begin_write()
+                txn = self._store.write()
             except lmdb.Error:
                 txn = None  # the view was closed: the manager answers
             if txn is not None:
@@ -290,7 +290,7 @@ class SharedChannel:
                     txn.abort()
                     raise
                 if done:
-                    self._store.commit(txn)
+                    txn.commit()
                     return
                 txn.abort()
         self._sock.call(o)
