@@ -14,7 +14,8 @@ served by one host process per worker) it creates a dictionary and reports:
   at most ``ddict.transport.max-shard-views``, and sockets);
 * at the largest count, ``--clients PxN``: P processes, each N clients that unpickle a
   handle and put once: time per client, layout fetches, orchestrator calls and growth;
-* the orchestrator's side: the bytes of the dictionary's entry in its registry,
+* the orchestrator's side: the bytes of the dictionary's entry in its registry (per
+  manager), its bytes per Dask client holding a dictionary (``from_name``),
   its handler calls during all the broadcasts plus 200 puts and gets (must be 0),
   and its ``ddict_attach`` calls while 1,000 tasks use a pickled handle (at most
   one per worker process).
@@ -109,6 +110,29 @@ def measure_clients(client: Client, d: DDict, processes: int, per_process: int
     }  # fmt: skip
 
 
+def _holders_bytes(dask_scheduler: Any) -> int:
+    h = dask_scheduler.plugins["ddict"].holders
+    return len(pickle.dumps((h._uids, h._holders, h._departed)))
+
+
+def measure_holders(client: Client, k: int) -> float:
+    """Orchestrator bytes per Dask client that holds a dictionary (``from_name``): the
+    one thing it keeps per connected client (a pickled handle adds nothing)."""
+    d = DDict(1, total_mem="8 MiB", client=client)  # lifetime="client": it has holders
+    before = client.run_on_scheduler(_holders_bytes)
+    others = [Client(client.scheduler.address, set_as_default=False) for _ in range(k)]
+    try:
+        handles = [DDict.from_name(d.get_name(), client=c) for c in others]
+        grown = client.run_on_scheduler(_holders_bytes) - before
+        for h in handles:
+            h.detach()
+    finally:
+        for c in others:
+            c.close()
+        d.destroy()
+    return grown / k
+
+
 def _registry_all(dask_scheduler: Any) -> int:
     plugin = dask_scheduler.plugins["ddict"]
     return len(pickle.dumps({n: lay.to_dict() for n, lay in plugin.dicts.items()}))
@@ -160,6 +184,7 @@ def main() -> None:
         procs, per = (int(x) for x in args.clients.split("x"))
         rows = [measure(c, n, args.workers, args.repeat, max(counts), (procs, per))
                 for n in counts]  # fmt: skip
+        per_holder = measure_holders(c, 10)
     base = rows[0]
     head = ["managers", "create s", "destroy s", "handle B", "registry B", "sched calls/ops",
             "attach calls/1000 tasks", "client fds", *[f"{b} ms (x)" for b in BROADCASTS]]  # fmt: skip
@@ -183,6 +208,9 @@ def main() -> None:
               f"{last['clients_fetches']:.0f}, orchestrator calls "
               f"{last['clients_scheduler_calls']:.0f}, registry growth "
               f"{last['clients_registry_growth_bytes']:.0f} B; keys now {last['clients_keys']:.0f}")
+    print(f"\nOrchestrator memory: {last['registry_bytes'] / last['managers']:.0f} B per manager "
+          f"in its dictionary's registry entry; {per_holder:.0f} B per Dask client holding a "
+          "dictionary (from_name; 10 clients); 0 B per process or task using a pickled handle")
     print(f"\n({args.workers} workers, python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"median of {args.repeat})")  # fmt: skip
 

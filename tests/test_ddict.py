@@ -599,14 +599,16 @@ def test_direct_reads_stop_when_the_dictionary_is_destroyed(client):
 
 
 @pytest.mark.one_host
-def test_a_closed_shard_view_reads_as_unavailable(client):
-    from dask_ddict import DDictManagerUnavailableError
-    from dask_ddict.transport.shared import forget
+def test_a_shard_this_process_manages_is_read_over_its_socket(client):
+    from dask_ddict.transport.shared import _ENVS, forget
 
     with DDict(total_mem="32 MiB", client=client) as d:
         d["k"] = 1
         m = d.which_manager("k")
+        path = d._core.layout.managers[m].store_path
         assert d._core.channel(m).kind == "shm" and d["k"] == 1
-        forget(d._core.layout.managers[m].store_path)  # what a restart in this process does
-        with pytest.raises(DDictManagerUnavailableError, match="shard closed"):
-            d["k"]
+        forget(path)  # what a restart placing the manager in this process does
+        time.sleep(0.1)  # (past the channel's retry interval)
+        d["k"] = 2
+        assert d["k"] == 2 and "k" in d  # over the socket, never mapped here again
+        assert d._core.channel(m).kind == "uds" and path not in _ENVS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 from distributed import get_worker
@@ -82,3 +83,66 @@ def test_shard_views_are_bounded_and_the_rest_read_over_sockets(client):
         h.detach()
     finally:
         d.destroy()
+
+
+def test_idle_shard_views_rotate_to_the_managers_in_use(client):
+    """At the bound, a view idle for ``shard-view-idle`` is taken, least recently used
+    first, for a manager in use; its old channel reads over its socket meanwhile and
+    maps its shard again once a view is idle.  Never more views than the bound."""
+    import dask.config
+
+    from dask_ddict.transport import shared
+
+    d = DDict(4, total_mem="32 MiB", client=client)  # 8 managers, all on this host
+    try:
+        with dask.config.set({"ddict.transport.max-shard-views": len(shared._ENVS) + 2,
+                              "ddict.transport.shard-view-idle": "50 ms"}):  # fmt: skip
+            bound = len(shared._ENVS) + 2
+            h = DDict.attach(d.serialize(), client=client)
+            for m in range(4):
+                h.manager(m)[("k", m)] = m
+            kinds = lambda: [h._core.channel(m).kind for m in range(4)]  # noqa: E731
+            assert kinds() == ["shm", "shm", "uds", "uds"]
+            time.sleep(0.12)  # views of 0 and 1 idle; 2's channel past its retry interval
+            h.manager(1)[("k", 1)]  # 1 is in use again: 0 is the least recently used
+            assert h.manager(2)[("k", 2)] == 2
+            # 2 took an idle view (0's, or an older one of this process), 1 kept its own
+            assert kinds()[1:3] == ["shm", "shm"] and len(shared._ENVS) <= bound
+            assert h.manager(0)[("k", 0)] == 0
+            time.sleep(0.12)
+            for m in range(4):  # every value, whichever way each channel reads now
+                assert h.manager(m)[("k", m)] == m
+                assert len(shared._ENVS) <= bound
+            h.detach()
+    finally:
+        d.destroy()
+
+
+def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
+    """Rotation takes only idle views with no operation inside (closing one under a
+    reader would unmap pages it reads)."""
+    from collections import OrderedDict
+
+    import dask.config
+
+    from dask_ddict.shard.store import ShardStore
+    from dask_ddict.transport import shared
+
+    paths = [str(tmp_path / f"s{i}") for i in range(2)]
+    for p in paths:
+        ShardStore(p, 1 << 20).close()
+    monkeypatch.setattr(shared, "_ENVS", OrderedDict())  # (this process's other views aside)
+    with dask.config.set({"ddict.transport.max-shard-views": 1,
+                          "ddict.transport.shard-view-idle": "0 s"}):  # fmt: skip
+        first = shared._acquire(paths[0], 1 << 20)
+        first.active = 1  # an operation is inside it
+        try:
+            with pytest.raises(shared.ViewLimit):
+                shared._acquire(paths[1], 1 << 20)
+            first.active = 0
+            second = shared._acquire(paths[1], 1 << 20)  # now it may be taken
+            assert first.evicted and not second.evicted
+            shared._release(paths[1], second)
+        finally:
+            shared._release(paths[0], first)
+    assert not set(paths) & set(shared._ENVS)

@@ -179,17 +179,12 @@ class Connections:
         sock = SocketChannel(link, info)
         if link.kind == "uds" and self.direct_reads and config.get("local-read") \
                 and os.path.isdir(info.store_path):  # fmt: skip
-            from .shared import (  # lmdb: only where a shard is read directly
-                SharedChannel,
-                ViewLimit,
-            )
+            from .shared import SharedChannel  # lmdb: only where a shard is read directly
 
             capacity = self.layout.total_mem // self.layout.num_managers
             try:
                 return SharedChannel(sock, info.store_path, capacity, self.layout.options,
                                      bool(config.get("local-write")))  # fmt: skip
-            except ViewLimit:  # enough shards mapped here: this one over its socket
-                pass
             except Exception as e:  # e.g. no permission: reads go over the socket
                 logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
         return sock

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,8 @@ from .ops import Contains, Get, Operation, Put
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
 ALIVE_CHECK = 0.02
+#: Seconds between a channel's attempts to map its shard again after its view was taken.
+VIEW_RETRY = 0.05
 #: Puts of frames up to this size may be committed by a same-host client itself.
 DIRECT_PUT_MAX = 64 << 10
 #: A value this big is released from the reader's mapping right after its copy.
@@ -69,14 +72,22 @@ RELEASE_EVERY = 64 << 20
 
 
 class _View:
-    """A process's mapping of one shard, shared by its channels."""
+    """A process's mapping of one shard, shared by its channels.
 
-    __slots__ = ("store", "users", "span")
+    ``users`` counts the channels that hold it, ``active`` the operations inside
+    it right now (an evicted view is never closed under one), ``used`` is when
+    it was last used (for the least-recently-used rotation).
+    """
+
+    __slots__ = ("store", "users", "span", "active", "used", "evicted")
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
         self.users = 0
         self.span: tuple[int, int] | None = None
+        self.active = 0
+        self.used = time.monotonic()
+        self.evicted = False
 
     def copy(self, frame: memoryview) -> Any:
         """A private copy of a value frame; gives back the pages it touched when due.
@@ -105,12 +116,15 @@ class _View:
             _memory.release(self.span[0], self.span[1] - self.span[0])
 
     def close(self) -> None:
+        self.evicted = True
         self.store.close()
 
 
 _unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
-_ENVS: dict[str, _View] = {}  # path -> the process's view of it
+#: path -> the process's view of it, least recently used first.
+_ENVS: OrderedDict[str, _View] = OrderedDict()
 _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
+_MANAGED: dict[str, None] = {}  # paths of shards this process opened as their manager
 # Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
 # (the cyclic GC runs at any allocation, e.g. while LMDB opens an environment).
 _ENVS_LOCK = threading.RLock()
@@ -124,12 +138,33 @@ def _acquire(path: str, capacity: int) -> _View:
     with _ENVS_LOCK:
         view = _ENVS.get(path)
         if view is None:
+            if path in _MANAGED:
+                raise ViewLimit(f"{path} is served by this process: read over its socket")
             most = int(config.get("transport.max-shard-views"))
-            if len(_ENVS) >= most:  # bounded descriptors: this manager is read over its socket
+            if len(_ENVS) >= most and not _evict_idle():
+                # bounded descriptors: this manager is read over its socket for now
                 raise ViewLimit(f"{len(_ENVS)} shard views open (ddict.transport.max-shard-views)")
             view = _ENVS[path] = _View(ShardStore(path, capacity, create=False))
         view.users += 1
         return view
+
+
+def _evict_idle() -> bool:
+    """Close the least recently used view if it has been idle for ``shard-view-idle``
+    and no operation is inside it (``_ENVS_LOCK`` held).  Its channels read over
+    their sockets until they map their shard again.  Views in use more recently
+    are kept: a working set of shards larger than the bound does not thrash.
+    """
+    idle = config.get_seconds("transport.shard-view-idle") or 0.0
+    now = time.monotonic()
+    for path, view in _ENVS.items():  # least recently used first
+        if now - view.used < idle:
+            return False  # (every later one was used more recently)
+        if view.active == 0:
+            del _ENVS[path]
+            view.close()
+            return True
+    return False
 
 
 def _release(path: str, view: _View) -> None:
@@ -157,9 +192,14 @@ def forget(path: str) -> None:
 
     LMDB must not have one environment open twice in a process; a restart can
     place a manager in a process that still maps the old shard as a client.
+    Its channels read over the socket from then on: the shard is never mapped
+    as a client's here again.
     """
     with _ENVS_LOCK:
         view = _ENVS.pop(path, None)
+        _MANAGED[path] = None
+        while len(_MANAGED) > 4096:
+            del _MANAGED[next(iter(_MANAGED))]
     if view is not None:
         view.close()
 
@@ -175,21 +215,20 @@ class SharedChannel:
         The shard and the dictionary's options.
     direct_writes
         Whether small puts may be committed here (``ddict.local-write``).
-    """
 
-    kind = "shm"
+    The channel maps its shard while the process's views allow
+    (``ddict.transport.max-shard-views``); a view idle for
+    ``ddict.transport.shard-view-idle`` may be taken for another shard, and the
+    channel then reads over its socket until it can map its shard again.
+    """
 
     def __init__(self, sock: SocketChannel, store_path: str, capacity: int,
                  options: DDictOptions, direct_writes: bool = True) -> None:  # fmt: skip
         self._sock = sock
         self._path = store_path
-        self._view = _acquire(store_path, capacity)
-        self._store = self._view.store
-        try:
-            self._store.check_stamp(sock.info.manager_id)  # never read another manager's shard
-        except BaseException:
-            _release(store_path, self._view)
-            raise
+        self._capacity = capacity
+        self._view: _View | None = None
+        self._retry_at = 0.0
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
         self._direct = direct_writes and not (
@@ -197,13 +236,62 @@ class SharedChannel:
         )
         self._closed = False
         self._alive_until = 0.0
+        try:
+            self._attach()
+        except ViewLimit:  # over the socket until a view is free (see _enter)
+            pass
 
     def __repr__(self) -> str:
         return f"<SharedChannel manager={self._sock.info.manager_id} path={self._path!r}>"
 
     def __getattr__(self, name: str) -> Any:
-        # The link, the manager's info, the channel's kind: those of its socket.
+        # The link, the manager's info: those of its socket.
         return getattr(self._sock, name)
+
+    @property
+    def kind(self) -> str:
+        """``"shm"`` while the shard is mapped here, else the socket's kind."""
+        view = self._view
+        return "shm" if view is not None and not view.evicted else self._sock.kind
+
+    def _attach(self) -> _View:
+        """Map the shard (a view of this process's, possibly another's idle one)."""
+        view = _acquire(self._path, self._capacity)
+        try:
+            view.store.check_stamp(self._sock.info.manager_id)  # never another manager's shard
+        except BaseException:
+            _release(self._path, view)
+            raise
+        with _ENVS_LOCK:
+            old, self._view = self._view, view
+        if old is not None:
+            _release(self._path, old)
+        return view
+
+    def _enter(self) -> _View | None:
+        """The view for one operation (counted as active), or ``None``: use the socket."""
+        with _ENVS_LOCK:
+            view = self._view
+            if view is not None and not view.evicted:
+                view.active += 1
+                view.used = time.monotonic()
+                if _ENVS.get(self._path) is view:
+                    _ENVS.move_to_end(self._path)
+                return view
+        now = time.monotonic()
+        if self._closed or now < self._retry_at:
+            return None
+        self._retry_at = now + VIEW_RETRY  # (not on every operation while views are short)
+        try:
+            view = self._attach()
+        except Exception:  # noqa: BLE001 - e.g. ViewLimit, a shard gone: the socket answers
+            return None
+        return self._enter() if view is self._view else None
+
+    @staticmethod
+    def _exit(view: _View) -> None:
+        with _ENVS_LOCK:
+            view.active -= 1
 
     def _check_alive(self) -> None:
         """A shard outlives its processes: a manager whose host is gone must read as
@@ -228,9 +316,9 @@ class SharedChannel:
         except PermissionError:
             pass  # alive, under another user
 
-    def _visible(self, digest: bytes, chkpt: int, txn: Any) -> Any:
+    def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any) -> Any:
         """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
-        newest, closed = saved_newest(self._store, txn, self._size)
+        newest, closed = saved_newest(store, txn, self._size)
         if closed != OPEN:
             info = self._sock.info
             if closed == CLOSED_DESTROYED:
@@ -239,14 +327,14 @@ class SharedChannel:
                 f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
             )
         check_window(chkpt, newest, self._size)
-        e = self._store.lookup(txn, digest, chkpt)
+        e = store.lookup(txn, digest, chkpt)
         if entry_visible(e, chkpt, self._wfk):
             return e
         return False if self._wfk else None  # under wait_for_keys the manager waits
 
-    def _snapshot(self) -> Any:
+    def _snapshot(self, store: ShardStore) -> Any:
         try:
-            return self._store.read()
+            return store.read()
         except lmdb.Error as e:  # the view was closed (a restart reopened the shard here)
             if self._path in _DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed") from None
@@ -261,53 +349,73 @@ class SharedChannel:
         return self._sock.call(o) if local is None else local(self, o)
 
     def _get(self, o: Get) -> Any:
-        digest, chkpt = o.digest, o.chkpt
-        self._check_alive()
+        view = self._enter()
+        if view is None:
+            return self._sock.call(o)
         try:
-            with self._snapshot() as txn:
-                e = self._visible(digest, chkpt, txn)
+            self._check_alive()
+            with self._snapshot(view.store) as txn:
+                e = self._visible(view.store, o.digest, o.chkpt, txn)
                 if e:
-                    return self._view.copy(e.frame)
+                    return view.copy(e.frame)
         except DDictClosedError:
             _destroyed(self._path)  # after the snapshot ended: no reader left in the map
             raise
+        finally:
+            self._exit(view)
         if e is None:
             raise DDictKeyError()
         return self._sock.call(o)  # the manager waits for the writer
 
     def _put(self, o: Put) -> None:
-        digest, key, framed, chkpt = o.digest, o.key, o.framed, o.chkpt
-        if self._direct and framed.nbytes <= DIRECT_PUT_MAX:
+        framed = o.framed
+        if not (self._direct and framed.nbytes <= DIRECT_PUT_MAX):
+            return self._sock.call(o)
+        view = self._enter()
+        if view is None:
+            return self._sock.call(o)
+        try:
             self._check_alive()
+            store = view.store
             try:
-                txn = self._store.write()
+                txn = store.write()
             except lmdb.Error:
                 txn = None  # the view was closed: the manager answers
             if txn is not None:
                 try:
-                    done = put_in_window(self._store, txn, self._size, digest, chkpt, key, framed)
+                    done = put_in_window(store, txn, self._size, o.digest, o.chkpt, o.key,
+                                         framed)  # fmt: skip
                 except BaseException:
                     txn.abort()
                     raise
                 if done:
                     txn.commit()
-                    return
+                    return None
                 txn.abort()
-        self._sock.call(o)
+        finally:
+            self._exit(view)
+        return self._sock.call(o)
 
     def _contains(self, o: Contains) -> bool:
-        self._check_alive()
+        view = self._enter()
+        if view is None:
+            return bool(self._sock.call(o))
         try:
-            with self._snapshot() as txn:
-                return bool(self._visible(o.digest, o.chkpt, txn))
+            self._check_alive()
+            with self._snapshot(view.store) as txn:
+                return bool(self._visible(view.store, o.digest, o.chkpt, txn))
         except DDictClosedError:
             _destroyed(self._path)
             raise
+        finally:
+            self._exit(view)
 
     def close(self) -> None:
-        if not self._closed:
+        with _ENVS_LOCK:
+            view, self._view = self._view, None
             self._closed = True
-            _release(self._path, self._view)
+        if view is not None:
+            _release(self._path, view)
         self._sock.close()
 
 
