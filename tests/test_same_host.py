@@ -93,3 +93,27 @@ def test_tasks_write_directly_too(client):
 
         assert all(client.gather(client.map(task, [d] * 8, range(8), pure=False)))
         assert sorted(d[("t", i)] for i in range(8)) == list(range(8))
+
+
+def test_every_acknowledged_direct_put_is_in_the_next_broadcast(client):
+    """Hosts keep broadcast answers (``len``, ``stats``, first pages) while their
+    managers' generation words stay; a client's direct put changes its manager's word
+    before it returns, so the next broadcast counts it: nothing acknowledged is missed."""
+    d = DDict(managers_per_worker=4, total_mem="32 MiB", client=client)  # 8 managers
+    try:
+        assert d._core.channel(0).kind == "shm"
+        for i in range(40):
+            d[("k", i)] = i  # committed by this process into the shard
+            assert len(d) == i + 1
+            assert sum(s.num_keys for s in d.stats) == i + 1
+            if i % 8 == 0:
+                assert sorted(k[1] for k in d.keys()) == list(range(i + 1))
+        def task(n):
+            d[("task", n)] = n  # a task's direct put, on a worker
+            return len(d)
+        assert client.submit(task, 1, pure=False).result() == 41
+        assert len(d) == 41 and ("task", 1) in set(d.keys())
+        d.clear()
+        assert len(d) == 0 and next(iter(d.keys()), None) is None
+    finally:
+        d.destroy()

@@ -9,6 +9,7 @@ decode, and errors come back typed.
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import socket
 
@@ -143,3 +144,49 @@ def test_an_answer_never_collected_does_not_become_the_next_ones(served, use_uds
     with pytest.raises(RuntimeError, match="pending"):
         ch.call(ops.Newest())  # its answer would be taken for the pending one's
     assert answer() == (1, b"") and ch.call(ops.Newest()) == 0
+
+
+def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path, monkeypatch):
+    """A host answers a repeated ``len``/``stats``/first-page broadcast from what it kept,
+    until a commit (its own or a same-host client's) gives a manager a new word."""
+    from dask_ddict.shard.generations import Generations, path_for
+    from dask_ddict.shard.manager import Manager as M
+
+    gens = Generations(path_for(str(tmp_path), "ab" * 16), 4, create=True)
+    stores = {m: ShardStore(str(tmp_path / f"s{m}"), 4 << 20) for m in (1, 2)}
+    managers = {m: Manager(m, st, WorkingSet(st, 1)) for m, st in stores.items()}
+    for m, manager in managers.items():
+        manager.generations = gens
+        manager.store.on_commit = lambda m=m: gens.bump(m)
+        gens.bump(m)
+    answers: dict = {}
+
+    def broadcast(o):
+        got: list = []
+        flags, keysec, value, vlen, chkpt, arg, client, timeout = ops.FanOut(o, (1, 2)).encode()
+        req = ops.Request(Op.FANOUT, flags, 1, chkpt, arg, client, timeout, keysec[:16],
+                          keysec[16:], b"", 0)  # fmt: skip
+        ops.FanOut.serve(None, req, lambda ival=0, payload=b"": got.append(payload),
+                         managers=managers, generations=gens, answers=answers)  # fmt: skip
+        return [o.result(ival, data) for _, _, ival, data in pickle.loads(got[0])]
+
+    try:
+        kb = dumps_key("k")
+        managers[1].put(key_digest(kb), kb, dumps_value(1).join(), 0, 7)
+        assert broadcast(ops.Length(0)) == [1, 0]
+        monkeypatch.setattr(M, "length", lambda *a: pytest.fail("not kept"))
+        assert broadcast(ops.Length(0)) == [1, 0]  # kept: no manager asked
+        monkeypatch.undo()
+        managers[2].put(key_digest(kb), kb, dumps_value(2).join(), 0, 7)  # a commit: new word
+        assert broadcast(ops.Length(0)) == [1, 1]
+        gens.bump(1)  # what a same-host client's direct put does after its commit
+        first = broadcast(ops.Page(0, None, 3, 10))
+        assert [len(items) for items, _, _ in first] == [1, 1]
+        assert [s.num_keys for s in broadcast(ops.Stats())] == [1, 1]
+        assert broadcast(ops.Length(0)) == [1, 1]  # each operation its own kept answer
+        assert [s.manager_id for s in broadcast(ops.Stats())] == [1, 2]
+        assert broadcast(ops.Length(3)) == [1, 1] and broadcast(ops.Newest()) == [0, 0]
+    finally:
+        for manager in managers.values():
+            manager.close()
+        gens.close()

@@ -458,6 +458,8 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         firsts = first_pages(self._core.each, managers, self._chkpt, want, page,
                              config.get_bytes("iteration.page-bytes"))  # fmt: skip
         for mid, (items, last, more) in zip(managers, firsts):
+            if not (items or more):
+                continue  # (an empty manager)
             self._check()
             rest = iter_pages(self._core.channel(mid), self._chkpt, want, page, last) if more \
                 else ()  # fmt: skip

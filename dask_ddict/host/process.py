@@ -15,6 +15,8 @@ than lingering as an orphan.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -26,6 +28,7 @@ import dask.config
 
 from .. import config
 from ..errors import DDictError
+from ..shard.generations import Generations, path_for
 from ..shard.manager import Manager
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
@@ -75,7 +78,11 @@ class Host:
     def open(self, msg: control.OpenManagers) -> list[dict[str, Any]]:
         spec = msg.spec
         key = bytes.fromhex(spec.uid)
-        hosted = self.dicts.get(key) or HostedDict(spec.uid, spec.name, spec.secret)
+        hosted = self.dicts.get(key) or HostedDict(
+            spec.uid, spec.name, spec.secret,
+            Generations(path_for(self.init.socket_dir, spec.uid), spec.num_managers, create=True),
+        )
+        gens = hosted.generations
         infos = []
         opened: list[int] = []
         try:
@@ -83,6 +90,10 @@ class Host:
                 manager, restarted, lock = open_manager(
                     spec, mid, msg.restart_paths.get(mid), msg.worker
                 )
+                if gens is not None:  # every commit, then a new word (see shard.generations)
+                    manager.generations = gens
+                    manager.store.on_commit = functools.partial(gens.bump, mid)
+                    gens.bump(mid)
                 hosted.managers[mid] = manager
                 self.locks[(spec.uid, mid)] = lock
                 opened.append(mid)
@@ -92,6 +103,10 @@ class Host:
             for mid in opened:
                 hosted.managers.pop(mid).close(destroy=not msg.restart_paths)
                 hygiene.release(self.locks.pop((spec.uid, mid), None))
+            if key not in self.dicts and gens is not None:  # (a new dictionary here)
+                gens.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(gens.path)
             raise
         self.closed.discard(key)
         self.dicts[key] = hosted
@@ -111,6 +126,11 @@ class Host:
             hygiene.release(self.locks.pop((uid, mid), None))
         n = len(hosted.managers)
         hosted.managers.clear()
+        hosted.answers.clear()
+        if hosted.generations is not None:
+            hosted.generations.close()
+            with contextlib.suppress(OSError):
+                os.unlink(hosted.generations.path)
         return n
 
     @staticmethod

@@ -64,6 +64,7 @@ from ..transport.protocol import (
 )
 
 if TYPE_CHECKING:
+    from ..shard.generations import Generations
     from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
@@ -103,14 +104,18 @@ class Limits:
 class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
-    __slots__ = ("uid", "key", "name", "secret", "managers")
+    __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers")
 
-    def __init__(self, uid: str, name: str, secret: str) -> None:
+    def __init__(self, uid: str, name: str, secret: str,
+                 generations: Generations | None = None) -> None:  # fmt: skip
         self.uid = uid
         self.key = bytes.fromhex(uid)  # as clients name it in their HELLO
         self.name = name
         self.secret = secret.encode()
         self.managers: dict[int, Manager] = {}
+        #: Its managers' generation words here, and broadcast answers kept under them.
+        self.generations = generations
+        self.answers: dict[Any, Any] = {}
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
@@ -264,7 +269,9 @@ class HostServer:
                           keysec[:16], keysec[16:], value, rid)  # fmt: skip
             if op == Op.FANOUT:  # one operation on several of this dictionary's managers
                 self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
-                                         managers=hosted.managers)  # fmt: skip
+                                         managers=hosted.managers,
+                                         generations=hosted.generations,
+                                         answers=hosted.answers)  # fmt: skip
             else:
                 self._dispatch(hosted, req, reply)
         except Exception as e:

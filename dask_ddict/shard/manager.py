@@ -17,9 +17,7 @@ wait, and give up with ``DDictTimeoutError`` when their timeout expires.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import socket
 import struct
 import threading
 import time
@@ -30,22 +28,21 @@ import lmdb
 
 from .._serialize import dumps_value, loads_value
 from ..errors import DDictClosedError, DDictError, DDictTimeoutError
-from ..stats import DDictManagerStats
 from .checkpoint_io import CheckpointIO
-from . import counts
 from .store import ShardStore
+from .summaries import Summaries
 from .working_set import (
     CLOSED_DESTROYED,
     FROZEN,
     MustWait,
     WorkingSet,
     add_waiters,
-    check_window,
     mark_closed,
 )
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
     from ..persist.persister import Persister
+    from .generations import Generations
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +59,9 @@ _RID_SLOT = b"ridslot:"
 _RID_SEQ = b"ridseq"
 RID_KEEP = 4096
 _Q = struct.Struct("<Q")
-_HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
 
 
-class Manager(CheckpointIO):
+class Manager(Summaries, CheckpointIO):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters
@@ -116,7 +112,9 @@ class Manager(CheckpointIO):
         # from a snapshot taken before that transaction changed anything.
         self._retiring: list[int] = []
         self._snapshot: lmdb.Transaction | None = None
-        self._cache: dict[str, tuple[tuple[int, int, bool], Any]] = {}  # see _derived
+        self._cache: dict[str, tuple[tuple[int, int, int, bool], Any]] = {}  # see _derived
+        #: This dictionary's generation words on this host (set by the host process).
+        self.generations: Generations | None = None
         if persister is not None:
             working_set.on_retire = self._on_retire
 
@@ -263,40 +261,6 @@ class Manager(CheckpointIO):
     def contains(self, digest: bytes, chkpt: int) -> bool:
         return self._read(lambda txn: self.working_set.contains(txn, digest, chkpt), None, "in")
 
-    def _derived(self, what: str, compute: Callable[[lmdb.Transaction], T]) -> T:
-        """``compute`` on a snapshot, reused while the shard and this manager are unchanged.
-
-        Broadcasts (``len``, ``stats``) ask every manager; most shards have not
-        changed since the last one.  A snapshot's transaction id changes with
-        every commit to the shard, also a same-host client's direct put, and the
-        window and the frozen flag are this process's own: together they say
-        when to compute again (beginning a snapshot is cheap; reading is not).
-        """
-        if self.closed:
-            self._check_open()
-        with self.store.read() as txn:
-            state = (txn.id(), self.working_set.newest, self.frozen)
-            hit = self._cache.get(what)
-            if hit is not None and hit[0] == state:
-                return hit[1]
-            value = compute(txn)
-        self._cache[what] = (state, value)
-        return value
-
-    def _counts(self) -> tuple[counts.Window, list[int]]:
-        """The window and the keys seen at each of its checkpoints (see :mod:`.counts`)."""
-        return self._derived("counts", self._load_counts)
-
-    def _load_counts(self, txn: lmdb.Transaction) -> tuple[counts.Window, list[int]]:
-        w = self.working_set.window
-        return w, counts.load(self.store, txn, w)
-
-    def length(self, chkpt: int) -> int:
-        """Keys seen at ``chkpt``: kept counts, no scan (:mod:`.counts`), and never a wait."""
-        w, n = self._counts()
-        check_window(chkpt, w.newest, w.size)
-        return n[w.slot(chkpt)]
-
     def page(
         self,
         chkpt: int,
@@ -346,34 +310,6 @@ class Manager(CheckpointIO):
 
     def newest_checkpoint(self) -> int:
         return self.working_set.newest
-
-    def stats(self) -> dict[str, Any]:
-        return self._derived("stats", self._stats)
-
-    def stats_pickled(self) -> bytes:
-        """:meth:`stats` as a reply carries it: a pickled record (cached with it)."""
-        return self._derived("stats-pickled", self._stats_pickled)
-
-    def _stats_pickled(self, txn: lmdb.Transaction) -> bytes:
-        return pickle.dumps(DDictManagerStats.record(self._stats(txn)))
-
-    def _stats(self, txn: lmdb.Transaction) -> dict[str, Any]:
-        used, entries = self.store.usage(txn)
-        total = self.store.capacity
-        return {
-            "manager_id": self.manager_id,
-            "worker": self.worker,
-            "hostname": _HOSTNAME,
-            "total_bytes": total,
-            "total_used_bytes": used,
-            "pool_free_space": max(0, total - used),
-            "pool_utilization": used / total if total else 0.0,
-            "num_keys": entries,
-            "oldest_checkpoint": self.working_set.oldest,
-            "newest_checkpoint": self.working_set.newest,
-            "frozen": self.frozen,
-            "pid": os.getpid(),
-        }
 
     # -- writes ---------------------------------------------------------------
 
@@ -541,9 +477,14 @@ class Manager(CheckpointIO):
     def _set_frozen(self, frozen: bool) -> None:
         with self._cond:
             self._check_open()
-            with self.store.write() as txn:  # survives a restart of the host process
-                self.store.put_meta(txn, FROZEN, b"\x01" if frozen else b"\x00")
-            self.frozen = frozen or self.read_only
+            before = self.frozen
+            try:
+                with self.store.write() as txn:  # survives a restart of the host process
+                    self.store.put_meta(txn, FROZEN, b"\x01" if frozen else b"\x00")
+                    self.frozen = frozen or self.read_only  # (before the commit's new word)
+            except BaseException:
+                self.frozen = before
+                raise
 
     def freeze(self) -> None:
         self._set_frozen(True)

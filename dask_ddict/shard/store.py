@@ -31,7 +31,7 @@ import logging
 import os
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import lmdb
@@ -88,6 +88,25 @@ def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
     flags, klen, flen = _ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
     return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))
+
+
+class _Write:
+    """``with store.write() as txn``: commit, then the store's ``on_commit``; or abort."""
+
+    __slots__ = ("txn", "hook")
+
+    def __init__(self, txn: lmdb.Transaction, hook: Callable[[], None]) -> None:
+        self.txn, self.hook = txn, hook
+
+    def __enter__(self) -> lmdb.Transaction:
+        return self.txn
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        if kind is None:
+            self.txn.commit()
+            self.hook()
+        else:
+            self.txn.abort()
 
 
 class ShardStore:
@@ -154,6 +173,7 @@ class ShardStore:
         self._index = self.env.open_db(b"index", create=create)
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
+        self.on_commit: Callable[[], None] | None = None  # (its manager's generation, see write)
         # LMDB has one writer at a time, so one scratch buffer serves every large put.
         self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if create else None
 
@@ -172,9 +192,13 @@ class ShardStore:
         """A read-only snapshot; values are zero-copy views valid inside it."""
         return self.env.begin(buffers=True)
 
-    def write(self) -> lmdb.Transaction:
-        """A write transaction: all of one operation commits or nothing does."""
-        return self.env.begin(write=True, buffers=True)
+    def write(self) -> Any:
+        """A write transaction (``with store.write() as txn``): all of one operation
+        commits or nothing does; with an :attr:`on_commit` hook, it runs after
+        each commit (the shard's :mod:`~dask_ddict.shard.generations` word)."""
+        if self.on_commit is None:
+            return self.env.begin(write=True, buffers=True)
+        return _Write(self.env.begin(write=True, buffers=True), self.on_commit)
 
     def generation(self) -> int:
         """The last committed transaction id: it changes with every commit to the shard,

@@ -28,13 +28,14 @@ Failures are handled here, once:
 from __future__ import annotations
 
 import errno
+import os
 import secrets
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from .._serialize import SMALL_FRAME, aligned_empty
@@ -57,6 +58,9 @@ from .protocol import (
     encode_timeout,
     send_parts,
 )
+
+if TYPE_CHECKING:
+    from ..shard.generations import Generations
 
 #: Connection errors that mean nobody listens any more (the host is gone).
 _GONE = {errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH}
@@ -104,11 +108,25 @@ class HostLink:
         self._local = threading.local()
         self._all: list[_Conn] = []
         self._lock = threading.Lock()
+        self._generations: Generations | None = None
 
     def __repr__(self) -> str:
         info = self.info
         where = info.uds_path if self.kind == "uds" else f"{info.tcp_host}:{info.tcp_port}"
         return f"<HostLink {self.name!r} {self.kind} {where}>"
+
+    def generations(self) -> Generations | None:
+        """The dictionary's generation words on this (same) host, mapped once; ``None``
+        if they cannot be (then nothing may commit into its shards but the host)."""
+        if self._generations is None and self.kind == "uds":
+            from ..shard.generations import Generations, path_for
+
+            try:
+                self._generations = Generations(
+                    path_for(os.path.dirname(self.info.uds_path), self._uid.hex()))
+            except OSError:
+                return None
+        return self._generations
 
     def where(self, mid: int) -> str:
         return f"manager {mid} of {self.name!r} on host {self.info.hostname} ({self.info.worker})"

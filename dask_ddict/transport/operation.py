@@ -90,6 +90,9 @@ class Answered(Operation):
     """
 
     __slots__ = ()
+    #: Whether a host may keep a broadcast's answers under its managers' generations
+    #: (the answer depends only on the shard and on state that changes with a commit).
+    cacheable: ClassVar[bool] = False
 
     @staticmethod
     def answer(m: Manager, r: Request) -> tuple[int, Any]:

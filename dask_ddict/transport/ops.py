@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from .._serialize import Framed, copy_frame
 from ..errors import wire_error
 from ..stats import DDictManagerStats
@@ -48,6 +50,7 @@ from .operation import (
 from .protocol import FLAG_NOREPLY, FLAG_PERSIST, RECORD, WANT_KEYS, WANT_VALUES, Op
 
 if TYPE_CHECKING:
+    from ..shard.generations import Generations
     from ..shard.manager import Manager
 
 
@@ -156,6 +159,7 @@ class Pop(FrameReply):
 @dataclass(slots=True)
 class Length(AtCheckpoint, IntReply, Answered):
     op = Op.LEN
+    cacheable = True
     kind = Kind.READ
     chkpt: int
 
@@ -181,7 +185,7 @@ class Clear(Answered):
 
 
 @dataclass(slots=True)
-class Page(Operation):
+class Page(Answered):
     """One page of a view: ``(items, last digest, more)``, items ``(key bytes, frame)``.
 
     ``max_bytes`` (0: the host's ``ddict.iteration.page-bytes``) is at most that:
@@ -189,6 +193,7 @@ class Page(Operation):
     """
 
     op = Op.PAGE
+    cacheable = True
     kind = Kind.READ
     chkpt: int
     after: bytes | None
@@ -201,6 +206,8 @@ class Page(Operation):
                        arg=self.want | (self.max_items << 8), client=self.max_bytes)  # fmt: skip
 
     def result(self, ival: int, payload: Any) -> Any:
+        if len(payload) <= 16:  # an empty page (most managers', in a broadcast of first pages)
+            return [], None, bool(ival)
         mv = memoryview(payload)
         last = bytes(mv[:16])
         items = []
@@ -216,15 +223,22 @@ class Page(Operation):
         return items, (last if items else None), bool(ival)
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> None:
+    def answer(m: Manager, r: Request, page_bytes: int = 1 << 20) -> tuple[int, Any]:
+        """``page_bytes``: the host's limit (a broadcast's share is always below it)."""
         want = r.arg & 0xFF
         items, last, more = m.page(r.chkpt, r.digest or None, bool(want & WANT_KEYS),
                                    bool(want & WANT_VALUES), max(1, r.arg >> 8),
                                    min(page_bytes, r.client or page_bytes))  # fmt: skip
+        if not items:
+            return int(more), b""
         parts: list[Any] = [last or bytes(16)]
         for k, v in items:
             parts += [RECORD.pack(len(k or b""), len(v or b"")), k or b"", v or b""]
-        reply(int(more), b"".join(parts))
+        return int(more), b"".join(parts)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> None:
+        reply(*Page.answer(m, r, page_bytes))
 
 
 @dataclass(slots=True)
@@ -334,6 +348,7 @@ class BatchEnd(IntReply):
 @dataclass(slots=True)
 class Stats(Answered):
     op = Op.STATS
+    cacheable = True
     kind = Kind.READ
 
     def result(self, ival: int, payload: Any) -> DDictManagerStats:
@@ -347,6 +362,7 @@ class Stats(Answered):
 @dataclass(slots=True)
 class Newest(IntReply, Answered):
     op = Op.NEWEST
+    cacheable = True
     kind = Kind.READ
 
     @staticmethod
@@ -487,6 +503,8 @@ class CopyFrom(IntReply):
         reply(m.copy_from(bytes(r.value).decode(), r.arg))
 
 
+#: A host keeps at most this many broadcast answers per dictionary, each at most this big.
+ANSWERS_KEPT, ANSWER_KEEP_BYTES = 16, 256 << 10
 _FANOUT = struct.Struct("<qI")  # the inner operation's arg, how many managers (then their ids)
 
 
@@ -510,11 +528,14 @@ class FanOut(PickledReply):
                           + e.keysec, arg=int(self.inner.op))  # fmt: skip
 
     @staticmethod
-    def serve(dispatch: Any, r: Request, reply: Reply,
-              managers: Mapping[int, Manager] | None = None) -> None:  # fmt: skip
+    def serve(dispatch: Any, r: Request, reply: Reply, managers: Mapping[int, Manager] | None = None,
+              generations: Generations | None = None,
+              answers: dict[Any, Any] | None = None) -> None:  # fmt: skip
         """Run the inner operation on each manager; ``dispatch(request, reply)`` serves
         one as a plain request would, ``managers`` (the host's) lets an
-        :class:`~.operation.Answered` one be answered directly."""
+        :class:`~.operation.Answered` one be answered directly, and a
+        ``cacheable`` one is answered from ``answers`` while the managers'
+        ``generations`` words are those it was computed under."""
         keysec = r.digest + r.key
         (arg, n), out = _FANOUT.unpack_from(keysec), []
         rest = keysec[_FANOUT.size + 4 * n :]
@@ -524,6 +545,14 @@ class FanOut(PickledReply):
         direct: Callable[[Manager, Request], tuple[int, Any]] | None = (
             inner.answer if inner is not None and issubclass(inner, Answered) else None
         )
+        words = None
+        if generations is not None and answers is not None and getattr(inner, "cacheable", False):
+            ids = np.frombuffer(keysec, dtype="<u4", count=n, offset=_FANOUT.size)
+            words = generations.words[ids]  # (a copy: read before any manager answers)
+            kept = answers.get(key := (r.arg, r.chkpt, r.flags, r.client, r.timeout, keysec))
+            if kept is not None and np.array_equal(kept[0], words):
+                reply(0, kept[1])
+                return
         got: list[tuple[int, bytes]] = []
 
         def answer(ival: int = 0, payload: Any = b"") -> None:
@@ -543,7 +572,13 @@ class FanOut(PickledReply):
                 got.clear()
                 status, msg = wire_error(e)
                 out.append((mid, int(status), 0, msg))
-        reply(0, pickle.dumps(out))
+        payload = pickle.dumps(out)
+        if words is not None and answers is not None and words.all() \
+                and len(payload) <= ANSWER_KEEP_BYTES:  # (a word 0: a manager not here) # fmt: skip
+            if len(answers) >= ANSWERS_KEPT:
+                answers.clear()
+            answers[key] = (words, payload)
+        reply(0, payload)
 
 
 _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's checks

@@ -231,7 +231,9 @@ class SharedChannel:
         self._retry_at = 0.0
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
-        self._direct = direct_writes and not (
+        # A direct put must change its manager's generation word (see shard.generations).
+        self._words = sock.link.generations() if direct_writes else None
+        self._direct = self._words is not None and not (
             options.wait_for_keys or options.wait_for_writers or options.read_only
         )
         self._closed = False
@@ -390,6 +392,7 @@ class SharedChannel:
                     raise
                 if done:
                     txn.commit()
+                    self._words.bump(self._sock.info.manager_id)  # type: ignore[union-attr]
                     return None
                 txn.abort()
         finally:

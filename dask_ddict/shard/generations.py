@@ -1,0 +1,87 @@
+"""Generations: one word per manager that changes with every commit to its shard.
+
+A broadcast (``len``, ``stats``) asks every manager of a host; most shards have
+not changed since the last one.  To answer from what it computed before, a
+host must know, cheaply, which shards changed.  A commit by the manager
+itself it sees, but a same-host client commits small puts into the shard
+directly (see :func:`~dask_ddict.shard.working_set.put_in_window`).  So each
+dictionary has, on each host, a small shared file of one 64-bit word per
+manager (``gen-<uid>`` in the host's private socket directory): every commit,
+the manager's or a client's, writes a new random word for its manager after
+it committed and before it acknowledges.  A host reads the words of all its
+managers at once (one NumPy comparison), before it reads any shard: a cached
+answer is never older than the words it is kept under.
+
+Random words rather than a counter: two writers that raced would both write
+"old + 1" and one change would go unseen; two random 63-bit words collide
+with probability 2**-63.
+
+The file lives as long as the dictionary on that host: created (or reused,
+after a restart of the host process) when its managers open, removed when
+they close.  A client maps it once per host it writes to: one descriptor.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+
+import numpy as np
+
+
+def path_for(socket_dir: str, uid: str) -> str:
+    """Where a dictionary's generations live on a host (beside its Unix socket)."""
+    return os.path.join(socket_dir, f"gen-{uid}")
+
+
+class Generations:
+    """A mapped generations file: ``words[mid]`` for every manager of one dictionary.
+
+    Parameters
+    ----------
+    path
+        The file (see :func:`path_for`).
+    managers
+        How many managers the dictionary has (its manager ids index the words);
+        ``None``: as many as the file holds (a client opening the host's).
+    create
+        Create the file if missing (the host); a client only opens it.
+
+    A client never closes its mapping: a put that commits while its handle is
+    closed must still change the word, so the mapping lives as long as a
+    channel refers to it (one descriptor, freed with the last reference).
+    """
+
+    def __init__(self, path: str, managers: int | None = None, *, create: bool = False) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        try:
+            size = os.fstat(fd).st_size if managers is None else 8 * max(1, managers)
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            if size < 8:
+                raise OSError(f"{path}: empty")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.words = np.frombuffer(self._map, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"<Generations {self.path!r} managers={len(self.words)}>"
+
+    def bump(self, mid: int) -> None:
+        """A commit to manager ``mid``'s shard ended: give it a new word."""
+        self.words[mid] = random.getrandbits(63) | 1
+
+    def get(self, mid: int) -> int:
+        return int(self.words[mid])
+
+    def close(self) -> None:
+        """Unmap (the words of a closed mapping read as 0: never a cache hit)."""
+        words, self.words = self.words, np.zeros(len(self.words), dtype=np.int64)
+        del words
+        try:
+            self._map.close()
+        except BufferError:  # a view of it is still held somewhere: the GC unmaps it
+            pass
