@@ -63,6 +63,7 @@ def test_an_unpickled_handle_of_a_destroyed_dict_is_closed(client):
         again.destroy()
 
 
+@pytest.mark.one_host  # (shard views: this host's managers)
 def test_shard_views_are_bounded_and_the_rest_read_over_sockets(client):
     """A process maps at most ``ddict.transport.max-shard-views`` shards: managers beyond
     that are read over their host's socket, with the same results."""
@@ -85,6 +86,7 @@ def test_shard_views_are_bounded_and_the_rest_read_over_sockets(client):
         d.destroy()
 
 
+@pytest.mark.one_host  # (shard views: this host's managers)
 def test_idle_shard_views_rotate_to_the_managers_in_use(client):
     """At the bound, a view idle for ``shard-view-idle`` is taken, least recently used
     first, for a manager in use; its old channel reads over its socket meanwhile and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from dask_ddict import DDict, DDictCheckpointSyncError, DDictError, DDictFullError
+from dask_ddict.shard.generations import path_for
 
 
 def _over_socket(d: DDict) -> DDict:
@@ -95,6 +97,7 @@ def test_tasks_write_directly_too(client):
         assert sorted(d[("t", i)] for i in range(8)) == list(range(8))
 
 
+@pytest.mark.one_host  # (shard views: this host's managers)
 def test_every_acknowledged_direct_put_is_in_the_next_broadcast(client):
     """Hosts keep broadcast answers (``len``, ``stats``, first pages) while their
     managers' generation words stay; a client's direct put changes its manager's word
@@ -115,5 +118,9 @@ def test_every_acknowledged_direct_put_is_in_the_next_broadcast(client):
         assert len(d) == 41 and ("task", 1) in set(d.keys())
         d.clear()
         assert len(d) == 0 and next(iter(d.keys()), None) is None
+        words = {path_for(os.path.dirname(m.uds_path), d._core.layout.uid)
+                 for m in d._core.layout.managers}  # fmt: skip
+        assert len(words) == 2 and all(os.path.exists(w) for w in words)  # one per host process
     finally:
         d.destroy()
+    assert not any(os.path.exists(w) for w in words)  # removed with the dictionary
