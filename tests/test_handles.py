@@ -126,6 +126,7 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
     from collections import OrderedDict
 
     import dask.config
+    import lmdb
 
     from dask_ddict.shard.store import ShardStore
     from dask_ddict.transport import shared
@@ -144,7 +145,13 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
             first.active = 0
             second = shared._acquire(paths[1], 1 << 20)  # now it may be taken
             assert first.evicted and not second.evicted
+            second.active = 1  # its last channel closes while a read is inside...
             shared._release(paths[1], second)
+            with second.store.read() as txn:  # ...so the read may go on
+                assert second.store.entries(txn) == 0
+            shared.SharedChannel._exit(second)  # the last one out closes it
+            with pytest.raises(lmdb.Error):  # closed
+                second.store.read()
         finally:
             shared._release(paths[0], first)
     assert not set(paths) & set(shared._ENVS)

@@ -173,6 +173,9 @@ def _release(path: str, view: _View) -> None:
         if view.users > 0 or _ENVS.get(path) is not view:
             return
         del _ENVS[path]
+        view.evicted = True  # no new operation enters it
+        if view.active:  # (a channel closed under another thread's read:
+            return  # the last operation out closes it, see SharedChannel._exit)
     view.close()
 
 
@@ -294,6 +297,9 @@ class SharedChannel:
     def _exit(view: _View) -> None:
         with _ENVS_LOCK:
             view.active -= 1
+            last = view.active == 0 and view.evicted and view.users <= 0
+        if last:  # its channels all closed while this operation was inside
+            view.close()
 
     def _check_alive(self) -> None:
         """A shard outlives its processes: a manager whose host is gone must read as
