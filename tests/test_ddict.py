@@ -612,3 +612,30 @@ def test_a_shard_this_process_manages_is_read_over_its_socket(client):
         d["k"] = 2
         assert d["k"] == 2 and "k" in d  # over the socket, never mapped here again
         assert d._core.channel(m).kind == "uds" and path not in _ENVS
+
+
+def test_a_host_that_cannot_be_reached_fails_the_broadcast_with_its_own_error(client):
+    """A request that cannot even be sent (connecting failed) is raised as it was, once
+    the other hosts' answers are read; the links stay usable."""
+    from dask_ddict import DDictManagerUnavailableError
+    from dask_ddict.transport.links import HostLink
+
+    d = DDict(managers_per_worker=2, total_mem="32 MiB", client=client)  # 4 managers
+    try:
+        d.update({i: i for i in range(10)})
+        send = HostLink.send
+        hosts = {link for link, _ in d._core._routes(list(range(d.num_managers)))}
+        unreachable = next(iter(hosts))
+
+        def failing(self, o, mid):
+            if self is unreachable:
+                raise DDictManagerUnavailableError(f"manager {mid} is unreachable (test)")
+            return send(self, o, mid)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(HostLink, "send", failing)
+            with pytest.raises(DDictManagerUnavailableError, match=r"unreachable \(test\)"):
+                len(d)
+        assert len(d) == 10 and sum(s.num_keys for s in d.stats) == 10
+    finally:
+        d.destroy()

@@ -17,13 +17,14 @@ managers for replication; neither needs the other.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import config
 from ..errors import (
@@ -41,6 +42,10 @@ from .ops import FanOut
 from .protocol import value_limit
 
 logger = logging.getLogger(__name__)
+
+
+def _reraise(e: BaseException) -> NoReturn:
+    raise e
 
 _DEFAULT_SECURITY: Any = None
 
@@ -179,7 +184,9 @@ class Connections:
         sock = SocketChannel(link, info)
         if link.kind == "uds" and self.direct_reads and config.get("local-read") \
                 and os.path.isdir(info.store_path):  # fmt: skip
-            from .shared import SharedChannel  # lmdb: only where a shard is read directly
+            from .shared import (
+                SharedChannel,  # lmdb: only where a shard is read directly
+            )
 
             capacity = self.layout.total_mem // self.layout.num_managers
             try:
@@ -234,12 +241,8 @@ class Connections:
         def sent(link: HostLink, ms: list[int]) -> Callable[[], tuple[int, Any]]:
             try:
                 return link.send(o if len(ms) == 1 else FanOut(o, tuple(ms)), ms[0])
-            except Exception as e:  # (connecting): answered as the collection would
-
-                def failed() -> tuple[int, Any]:
-                    raise e
-
-                return failed
+            except Exception as e:  # (connecting): raised as the collection would raise it
+                return functools.partial(_reraise, e)
 
         pending = [(ms, sent(link, ms)) for link, ms in self._routes(mids)]
         for ms, answer in track(pending, progress, len(pending), unit="host") if progress \
