@@ -9,7 +9,11 @@ from hypothesis import strategies as st
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
+from dask_ddict.errors import (
+    DDictCheckpointSyncError,
+    DDictFutureCheckpointError,
+    DDictKeyError,
+)
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import MustWait, WorkingSet, put_in_window
 
@@ -24,8 +28,8 @@ def make_ws(tmp_path):
         return WorkingSet(st, size, **kw)
 
     yield make
-    for st in stores:
-        st.destroy()
+    for store in stores:
+        store.destroy()
 
 
 class Ops:

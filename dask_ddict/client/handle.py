@@ -15,8 +15,8 @@ so that destroying through one closes them all.
 from __future__ import annotations
 
 import builtins  # DDict.list shadows the builtin in the class body
-import itertools
 import inspect
+import itertools
 import logging
 import secrets
 from collections.abc import Iterator
@@ -54,7 +54,13 @@ from .introspection import Introspection
 from .layouts import LayoutRef, forget
 from .mapping import MappingMethods
 from .replicate import Replication
-from .views import DDictItemsView, DDictKeysView, DDictValuesView, first_pages, iter_pages
+from .views import (
+    DDictItemsView,
+    DDictKeysView,
+    DDictValuesView,
+    first_pages,
+    iter_pages,
+)
 
 logger = logging.getLogger(__name__)
 

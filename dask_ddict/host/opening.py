@@ -99,16 +99,14 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
     try:
         store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
                            indexed=opts.wait_for_keys)  # fmt: skip
-        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
-                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
         if reattach:
             store.check_stamp(mid)
         else:
             store.stamp(mid)
-            with store.write() as txn:  # an empty shard's counts: len never counts it
-                counts.ensure(store, txn, ws.window)
             if config.get("store.reserve"):
                 _reserve(store)
+        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
+                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
         frozen = False
         if reattach:
             hygiene.mark_kept(path, False)

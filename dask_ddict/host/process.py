@@ -15,7 +15,6 @@ than lingering as an orphan.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -104,9 +103,7 @@ class Host:
                 hosted.managers.pop(mid).close(destroy=not msg.restart_paths)
                 hygiene.release(self.locks.pop((spec.uid, mid), None))
             if key not in self.dicts and gens is not None:  # (a new dictionary here)
-                gens.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(gens.path)
+                gens.remove()
             raise
         self.closed.discard(key)
         self.dicts[key] = hosted
@@ -128,9 +125,7 @@ class Host:
         hosted.managers.clear()
         hosted.answers.clear()
         if hosted.generations is not None:
-            hosted.generations.close()
-            with contextlib.suppress(OSError):
-                os.unlink(hosted.generations.path)
+            hosted.generations.remove()
         return n
 
     @staticmethod

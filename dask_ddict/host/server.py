@@ -51,7 +51,8 @@ from ..errors import (
     wire_error,
 )
 from ..transport.handshake import host_side
-from ..transport.ops import HANDLERS, Page, Reply, Request
+from ..transport.operation import Answerer
+from ..transport.ops import ANSWERERS, HANDLERS, Page, Reply, Request
 from ..transport.protocol import (
     FLAG_NOREPLY,
     REP,
@@ -157,8 +158,11 @@ class HostServer:
         self.closed_dicts = closed
         self._uds, self._tcp = uds, tcp
         self._ssl = ssl_context
+        # Pages are at most this host's page_bytes, whether asked alone or in a broadcast.
+        page = functools.partial(Page.answer, page_bytes=page_bytes)
+        self.answerers: dict[Any, Answerer] = {**ANSWERERS, Op.PAGE: page}
         self.handlers: dict[Any, Callable[..., None]] = {
-            **HANDLERS, Op.PAGE: functools.partial(Page.serve, page_bytes=page_bytes)
+            **HANDLERS, Op.PAGE: lambda m, r, reply: reply(*page(m, r))
         }
         self._scratch_keep = scratch_keep
         self._closed = False
@@ -271,7 +275,8 @@ class HostServer:
                 self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
                                          managers=hosted.managers,
                                          generations=hosted.generations,
-                                         answers=hosted.answers)  # fmt: skip
+                                         answers=hosted.answers,
+                                         answerers=self.answerers)  # fmt: skip
             else:
                 self._dispatch(hosted, req, reply)
         except Exception as e:

@@ -7,9 +7,11 @@ database and in the same transaction as every change, the number of keys
 visible at each checkpoint of its window, plus one slot for every checkpoint
 beyond ``newest`` (no version lives there yet, so they all see the same keys).
 
-A change of one key (put, pop, a same-host client's direct put) is
-accounted for by comparing the key's visibility over the window before and
-after it (:func:`tracked`): O(versions of that key), at most a few.  Moving
+A change of one key is accounted for by comparing the key's visibility over
+the window before and after it: O(versions of that key), at most a few.  A
+put (:func:`put`, also a same-host client's direct put) derives the "after"
+from the versions it read for the "before"; a pop (:func:`tracked`) reads
+them again.  Moving
 the window shifts the slots (:func:`shifted`): the slot beyond ``newest``
 becomes the new ``newest``'s, and stays right for the checkpoints beyond it,
 because nothing is written above ``newest``.  Operations that touch
@@ -98,30 +100,21 @@ def key_bits(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window)
     return visibility(store.versions(txn, digest, w.newest, w.oldest), w)
 
 
+def _saved(store: ShardStore, txn: lmdb.Transaction, w: Window) -> list[int] | None:
+    """The counts the shard holds for ``w``, or ``None`` (none kept, or for another window)."""
+    raw = txn.get(COUNTS, db=store.meta_db)
+    p = w.packer()
+    if raw is None or len(raw) != p.size:
+        return None
+    newest, *counts = p.unpack(raw)
+    return counts if newest == w.newest else None
+
+
 def load(store: ShardStore, txn: lmdb.Transaction, w: Window) -> list[int]:
-    """The counts of ``w`` as of ``txn`` (recounted if the shard has none: an empty one,
+    """The counts of ``w`` as of ``txn`` (recounted if the shard has none: a new one,
     or one written before counts were kept)."""
-    raw = txn.get(COUNTS, db=store.meta_db)
-    if raw is not None:
-        p = w.packer()
-        if len(raw) == p.size:
-            newest, *counts = p.unpack(raw)
-            if newest == w.newest:
-                return counts
-    if store.entries(txn) == 0:
-        return [0] * w.slots
-    return recount(store, txn, w)
-
-
-_Q = struct.Struct("<q")
-
-
-def count_at(store: ShardStore, txn: lmdb.Transaction, w: Window, chkpt: int) -> int:
-    """Keys seen at ``chkpt`` (in or beyond the window): one meta read, one slot unpacked."""
-    raw = txn.get(COUNTS, db=store.meta_db)
-    if raw is not None and len(raw) == 8 * (w.slots + 1) and _Q.unpack_from(raw)[0] == w.newest:
-        return _Q.unpack_from(raw, 8 + 8 * w.slot(chkpt))[0]
-    return load(store, txn, w)[w.slot(chkpt)]
+    counts = _saved(store, txn, w)
+    return recount(store, txn, w) if counts is None else counts
 
 
 def save(store: ShardStore, txn: lmdb.Transaction, w: Window, counts: list[int]) -> None:
@@ -133,12 +126,10 @@ def _account(store: ShardStore, txn: lmdb.Transaction, w: Window, before: int,
     """One key's visibility went from bits ``before`` to ``after`` (already stored)."""
     if before == after:
         return
-    raw = txn.get(COUNTS, db=store.meta_db)
-    p = w.packer()
-    if raw is None or len(raw) != p.size or p.unpack_from(raw)[0] != w.newest:
+    counts = _saved(store, txn, w)
+    if counts is None:
         save(store, txn, w, recount(store, txn, w))  # (no counts yet: counted with the change)
         return
-    counts = list(p.unpack(raw)[1:])
     for i in range(w.slots):
         counts[i] += ((after >> i) & 1) - ((before >> i) & 1)
     save(store, txn, w, counts)
@@ -177,13 +168,12 @@ def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkp
     _account(store, txn, w, visibility(versions, w), visibility(merged, w))
 
 
-def shifted(store: ShardStore, txn: lmdb.Transaction, w: Window, newest: int) -> Window:
+def shifted(store: ShardStore, txn: lmdb.Transaction, w: Window, newest: int) -> None:
     """Move the counts from window ``w`` to the one ending at ``newest`` (> ``w.newest``)."""
     counts = load(store, txn, w)
-    moved = Window(newest, w.size, w.wait_for_keys)
     steps = min(newest - w.newest, w.slots)
-    save(store, txn, moved, counts[steps:] + [counts[-1]] * steps)
-    return moved
+    save(store, txn, window(newest, w.size, w.wait_for_keys),
+         counts[steps:] + [counts[-1]] * steps)  # fmt: skip
 
 
 def recount(store: ShardStore, txn: lmdb.Transaction, w: Window) -> list[int]:
@@ -215,7 +205,5 @@ def store_recount(store: ShardStore, txn: lmdb.Transaction, w: Window) -> None:
 
 def ensure(store: ShardStore, txn: lmdb.Transaction, w: Window) -> None:
     """Save counts for ``w`` unless the shard has them (a re-attached shard)."""
-    raw = txn.get(COUNTS, db=store.meta_db)
-    p = w.packer()
-    if raw is None or len(raw) != p.size or p.unpack(raw)[0] != w.newest:
+    if _saved(store, txn, w) is None:
         store_recount(store, txn, w)

@@ -23,6 +23,7 @@ they close.  A client maps it once per host it writes to: one descriptor.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
@@ -76,6 +77,12 @@ class Generations:
 
     def get(self, mid: int) -> int:
         return int(self.words[mid])
+
+    def remove(self) -> None:
+        """Unmap and delete the file (its dictionary left this host)."""
+        self.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
     def close(self) -> None:
         """Unmap (the words of a closed mapping read as 0: never a cache hit)."""

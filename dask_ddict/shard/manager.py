@@ -343,8 +343,7 @@ class Manager(Summaries, CheckpointIO):
     def clear(self, chkpt: int, client: int, timeout: float | None = None) -> None:
         ws = self.working_set
         if ws.oldest <= chkpt <= ws.newest and not (self.frozen or ws.wait_for_writers):
-            self._check_open()
-            w, n = self._counts()
+            w, n = self._counts()  # (raises if closed)
             if w.newest == ws.newest and not any(n):
                 return  # nothing seen at any checkpoint: nothing to clear, no page written
         self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear")

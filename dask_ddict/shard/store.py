@@ -200,12 +200,6 @@ class ShardStore:
             return self.env.begin(write=True, buffers=True)
         return _Write(self.env.begin(write=True, buffers=True), self.on_commit)
 
-    def generation(self) -> int:
-        """The last committed transaction id: it changes with every commit to the shard,
-        by any process (a same-host client's direct put included)."""
-        with self.read() as txn:
-            return int(txn.id())
-
     # -- versions -------------------------------------------------------------
 
     def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
@@ -302,21 +296,14 @@ class ShardStore:
         (one lookup, the common overwrite).  Returns whether the version it
         shadows was a live one: what the key counts need, from the same lookup.
         """
-        dk = digest + _BE.pack(_MAXQ - chkpt)
-        raw = txn.get(dk, db=self._data)
+        raw = txn.get(data_key(digest, chkpt), db=self._data)
         if raw is not None:
             live = not raw[0] & TOMBSTONE
         else:  # an older version (the window moved since the key was written), or none
-            live = False
-            cur = txn.cursor(self._data)
-            ok = cur.set_range(dk) and cur.key()[:DIGEST] == digest
-            if ok:
-                live = not cur.value()[0] & TOMBSTONE
-            while ok:
-                if self.indexed:
-                    _, c = _split_data_key(cur.key())
-                    txn.delete(_BE.pack(c) + digest, db=self._index)
-                ok = cur.delete() and cur.key()[:DIGEST] == digest  # (delete moves on)
+            e = self.lookup(txn, digest, chkpt)
+            live = e is not None and not e.tombstone
+            if e is not None:
+                self.delete_below(txn, digest, chkpt)
         self.put(txn, digest, chkpt, key, frame, flags)
         return live
 

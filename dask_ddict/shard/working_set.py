@@ -387,7 +387,8 @@ class WorkingSet:
     def length(self, txn: lmdb.Transaction, chkpt: int) -> int:
         """Keys seen at ``chkpt``, from the shard's counts (no scan)."""
         self.check_retired(chkpt)
-        return counts.count_at(self.store, txn, self.window, chkpt)
+        w = self.window
+        return counts.load(self.store, txn, w)[w.slot(chkpt)]
 
     # -- writes ---------------------------------------------------------------
 
@@ -437,13 +438,10 @@ class WorkingSet:
         with ``working_set_size=1`` the dictionary ends up empty.
         """
         self.prepare_write(txn, chkpt, client)
-        if not self.store.entries(txn):
-            pass  # an empty shard: no page is written (a broadcast clear of an empty dict)
-        elif chkpt == self.oldest == self.newest:
-            self.store.drop_all(txn)
-            counts.save(self.store, txn, self.window, [0] * self.window.slots)
-        else:
-            if chkpt == self.oldest:
+        if self.store.entries(txn):  # (an empty shard: no page is written)
+            if chkpt == self.oldest == self.newest:
+                self.store.drop_all(txn)
+            elif chkpt == self.oldest:
                 doomed = [(d, e.chkpt) for d, e in self.store.scan(txn) if e.chkpt <= chkpt]
                 for d, c in doomed:
                     self.store.delete(txn, d, c)

@@ -58,6 +58,7 @@ class Request(NamedTuple):
 
 
 Reply = Callable[..., None]  # reply(ival=0, payload=b"")
+Answerer = Callable[["Manager", Request], tuple[int, Any]]  # see Answered.answer
 
 
 class Operation:

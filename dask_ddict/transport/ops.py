@@ -37,6 +37,7 @@ from ..errors import wire_error
 from ..stats import DDictManagerStats
 from .operation import (
     Answered,
+    Answerer,
     AtCheckpoint,
     Encoded,
     FrameReply,
@@ -235,10 +236,6 @@ class Page(Answered):
         for k, v in items:
             parts += [RECORD.pack(len(k or b""), len(v or b"")), k or b"", v or b""]
         return int(more), b"".join(parts)
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply, page_bytes: int = 1 << 20) -> None:
-        reply(*Page.answer(m, r, page_bytes))
 
 
 @dataclass(slots=True)
@@ -529,26 +526,26 @@ class FanOut(PickledReply):
 
     @staticmethod
     def serve(dispatch: Any, r: Request, reply: Reply, managers: Mapping[int, Manager] | None = None,
-              generations: Generations | None = None,
-              answers: dict[Any, Any] | None = None) -> None:  # fmt: skip
+              generations: Generations | None = None, answers: dict[Any, Any] | None = None,
+              answerers: Mapping[int, Answerer] | None = None) -> None:  # fmt: skip
         """Run the inner operation on each manager; ``dispatch(request, reply)`` serves
         one as a plain request would, ``managers`` (the host's) lets an
-        :class:`~.operation.Answered` one be answered directly, and a
+        :class:`~.operation.Answered` one be answered directly (through the
+        host's ``answerers``, :data:`ANSWERERS` unless given), and a
         ``cacheable`` one is answered from ``answers`` while the managers'
         ``generations`` words are those it was computed under."""
         keysec = r.digest + r.key
         (arg, n), out = _FANOUT.unpack_from(keysec), []
+        mids = struct.unpack_from(f"<{n}I", keysec, _FANOUT.size)
         rest = keysec[_FANOUT.size + 4 * n :]
         # The inner request, built once; only its manager changes (field 2).
         fields = list(r._replace(op=r.arg, arg=arg, digest=rest[:16], key=rest[16:]))
-        inner = OPERATIONS.get(cast(Op, r.arg))  # (IntEnum keys: a plain int finds them)
-        direct: Callable[[Manager, Request], tuple[int, Any]] | None = (
-            inner.answer if inner is not None and issubclass(inner, Answered) else None
-        )
+        code = cast(Op, r.arg)  # (IntEnum keys: a plain int finds them)
+        direct = None if managers is None else (answerers or ANSWERERS).get(code)
         words = None
+        inner = OPERATIONS.get(code)
         if generations is not None and answers is not None and getattr(inner, "cacheable", False):
-            ids = np.frombuffer(keysec, dtype="<u4", count=n, offset=_FANOUT.size)
-            words = generations.words[ids]  # (a copy: read before any manager answers)
+            words = generations.words[list(mids)]  # (a copy: read before any manager answers)
             kept = answers.get(key := (r.arg, r.chkpt, r.flags, r.client, r.timeout, keysec))
             if kept is not None and np.array_equal(kept[0], words):
                 reply(0, kept[1])
@@ -559,7 +556,7 @@ class FanOut(PickledReply):
             got.append((ival, payload if type(payload) is bytes else bytes(payload)))
 
         shared = _new_request(Request, fields)  # what an Answered operation reads (not manager)
-        for mid in struct.unpack_from(f"<{n}I", keysec, _FANOUT.size):
+        for mid in mids:
             try:
                 m = None if direct is None or managers is None else managers.get(mid)
                 if m is not None and direct is not None:
@@ -594,4 +591,8 @@ OPERATIONS: dict[Op, type[Operation]] = {cls.op: cls for cls in _leaves(Operatio
 #: The host's table: operation code -> handler(manager, request, reply).
 HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
     code: cls.serve for code, cls in OPERATIONS.items()
+}
+#: The operations a broadcast answers directly: code -> answer(manager, request).
+ANSWERERS: dict[Op, Answerer] = {
+    code: cls.answer for code, cls in OPERATIONS.items() if issubclass(cls, Answered)
 }
