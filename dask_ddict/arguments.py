@@ -9,7 +9,9 @@ increments as signed 64-bit integers, hence the default ranges.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from typing import Any
 
@@ -119,6 +121,47 @@ def local_store(path: str) -> str | None:
     ``None`` for another fsspec URL (``s3://...``), which only its filesystem can check."""
     local = path[7:] if path.startswith("file://") else path
     return None if "://" in local else local
+
+
+def absolute_store(path: str) -> str:
+    """A zarr store path as it means in this process.
+
+    A local path is made absolute here (``~`` expanded), where the user wrote
+    it: the host processes that write the checkpoints run in directories of
+    their own, where a relative path would name a store that goes with the
+    cluster.  A URL (``s3://...``) is returned as it is.
+    """
+    local = local_store(path)
+    if not local:
+        return path
+    full = os.path.abspath(os.path.expanduser(local))
+    return f"file://{full}" if path.startswith("file://") else full
+
+
+def check_storage_options(value: Any, persist_path: str) -> dict[str, Any] | None:
+    """fsspec options for a URL ``persist_path``: ``None`` or a JSON-like dict with str keys.
+
+    They travel to every host process of the dictionary (never into its
+    serialized handle, logs or reprs: they hold credentials), so they must be
+    plain data.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"storage_options must be a dict with str keys or None, got "
+                        f"{type(value).__name__}")  # fmt: skip
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"storage_options must hold plain data (str, numbers, bools, None, "
+                        f"lists, dicts): {e}") from None  # fmt: skip
+    if value and not persist_path:
+        raise ValueError("storage_options needs a persist_path (an fsspec URL such as "
+                         "'s3://bucket/ckpt.zarr')")  # fmt: skip
+    if value and local_store(persist_path) is not None:
+        raise ValueError(f"storage_options are fsspec options for a URL persist_path; "
+                         f"{persist_path!r} is a local directory")  # fmt: skip
+    return dict(value)
 
 
 def check_client(value: Any) -> Any:

@@ -22,6 +22,18 @@ scheduler_option = click.option(
 )  # fmt: skip
 
 
+def _absolute_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from .arguments import absolute_store
+
+    return absolute_store(value)
+
+
+#: A zarr store: a relative path means what it means in the caller's working directory
+#: (the cluster's host processes run elsewhere); an fsspec URL takes its options from
+#: fsspec's environment variables (e.g. FSSPEC_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID).
+store_argument = click.argument("store", callback=_absolute_store)
+
+
 @contextlib.contextmanager
 def _client(address: str | None) -> Iterator[Any]:
     from distributed import Client
@@ -31,7 +43,10 @@ def _client(address: str | None) -> Iterator[Any]:
         raise click.UsageError("no scheduler: pass --scheduler ADDRESS or set DASK_SCHEDULER_ADDRESS")
     from .errors import DDictError
 
+    from .client.core import install_orchestrator
+
     with Client(address, timeout="10s") as client:
+        install_orchestrator(client)  # a cluster that never had a dictionary has none
         try:
             yield client
         except DDictError as e:  # e.g. no such dictionary: a message, not a traceback
@@ -50,6 +65,9 @@ def list_(scheduler: str | None) -> None:
     with _client(scheduler) as client:
         names = client.sync(client.scheduler.ddict_list)
         kept = client.sync(client.scheduler.ddict_list_kept)
+        where = client.scheduler.address
+    if not names and not kept:
+        click.echo(f"no dictionaries on {where}")
     for name in names:
         click.echo(name)
     for name in kept:
@@ -90,7 +108,7 @@ def destroy(name: str, scheduler: str | None, allow_restart: bool) -> None:
 
 
 @ddict.command()
-@click.argument("store")
+@store_argument
 def inspect(store: str) -> None:
     """The checkpoints persisted in zarr STORE, with their state and checksums."""
     import zarr
@@ -129,7 +147,7 @@ def inspect(store: str) -> None:
 
 
 @ddict.command()
-@click.argument("store")
+@store_argument
 @click.option("--name", required=True, help="The dictionary's name in the store.")
 @click.option("--checkpoint", type=int, default=None, help="Checkpoint id (default: newest).")
 @click.option("--total-mem", default="1 GiB", show_default=True, help="Bytes over all managers.")

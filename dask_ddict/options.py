@@ -14,7 +14,7 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
-from .arguments import INT64_MAX, check_bool, check_int, local_store
+from .arguments import INT64_MAX, absolute_store, check_bool, check_int, local_store
 
 
 def parse_total_mem(total_mem: Any) -> int:
@@ -97,6 +97,12 @@ class DDictOptions:
             raise TypeError("manager_pool_full_thresh must be a number")
         if not 0 < thresh <= 1:
             raise ValueError(f"manager_pool_full_thresh must be in (0, 1], got {thresh}")
+
+    def resolved(self) -> DDictOptions:
+        """These options as they mean in this process: a relative local
+        ``persist_path`` made absolute here, before it reaches a host process
+        (whose working directory is its own)."""
+        return dataclasses.replace(self, persist_path=absolute_store(self.persist_path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -64,3 +64,12 @@ def tmp_store(tmp_path):
     yield st
     st.destroy()
     assert not os.path.exists(str(tmp_path / "shard"))
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto_server) on a loopback port."""
+    from s3server import S3Server
+
+    with S3Server() as server:
+        yield server

@@ -166,7 +166,9 @@ def test_zarr_store_is_plain_zarr(client, tmp_path):
         d.sync()
         root = zarr.open_group(path, mode="r")
         groups = sorted(n for n, _ in root["p5"].groups())
-        assert groups == [f"manager_{i}" for i in range(d.num_managers)]
+        assert groups == ["committed"] + [f"manager_{i}" for i in range(d.num_managers)]
+        records = sorted(n for n, _ in root["p5/committed"].groups())  # the commit record
+        assert records == [f"chkpt_0.manager_{i}" for i in range(d.num_managers)]
         m = d.which_manager("k")
         g = root[f"p5/manager_{m}/chkpt_0.g0"]
         assert g.attrs["committed"] is True and g.attrs["num_keys"] == 1

@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
-from dask_ddict import DDict
+from dask_ddict import DDict, DDictError
 from dask_ddict.cli import ddict as cli
 
 
@@ -73,3 +74,16 @@ def test_no_scheduler_is_a_usage_error_and_python_m_runs_it(monkeypatch):
     out = subprocess.run([sys.executable, "-m", "dask_ddict", "--help"], capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert "inspect" in out.stdout and "restore" in out.stdout
+
+
+def test_list_on_a_cluster_without_dictionaries_says_so():
+    """A cluster that never had a dictionary (no scheduler plugin yet) answers, too."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cl:
+        code, out = run("list", "--scheduler", cl.scheduler_address)
+        assert code == 0 and out.strip() == f"no dictionaries on {cl.scheduler_address}"
+        with Client(cl) as c:
+            assert DDict.list(c) == []
+            with pytest.raises(DDictError, match="no DDict named 'nope'"):
+                DDict.from_name("nope", c)

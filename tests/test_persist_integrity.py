@@ -21,6 +21,7 @@ from distributed import Client, LocalCluster
 from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.persist import FORMAT, CheckpointStore, Persister
+import rotation
 from dask_ddict.shard.store import PERSISTENT
 
 CHUNK = 1 << 12
@@ -99,6 +100,22 @@ def test_killed_during_rotation_keeps_the_newest_complete_checkpoint(tmp_path, a
         assert ids == [1] and read_tags(store, 1) == {1}
 
 
+def test_a_removal_cut_short_is_never_listed_and_is_finished_later(tmp_path):
+    """Rotation removes a checkpoint's commit before its data: a crash part-way
+    through the data (a store deletes a directory file by file) leaves it unlisted."""
+    path = str(tmp_path)
+    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
+    assert crash(path, 1, 1, "uncommitted") == -signal.SIGKILL  # persist_count=1: 1 replaces 0
+    g0 = tmp_path / "d" / "manager_0" / "chkpt_0.g0"
+    for chunk in list((g0 / "values" / "c").iterdir())[:2]:  # as far as the removal got
+        chunk.unlink()
+    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    assert store.ids() == [1] == store.complete_ids() and read_tags(store, 1) == {1}
+    assert [(g.chkpt, g.committed) for g in store.generations()] == [(0, False), (1, True)]
+    Persister(store, 1, 1).write_now(2, entries_of(generation(2)))
+    assert store.ids() == [2] and not g0.exists()  # the next rotation finishes the removal
+
+
 def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path):
     path = str(tmp_path)
     CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
@@ -108,6 +125,73 @@ def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path):
     store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
     assert store.ids() == [0] and read_tags(store, 0) == {0}
     assert any(g.problem for g in store.generations())
+
+
+# -- rotation across managers ----------------------------------------------------------
+
+
+def _events(path: str, count: int, options: rotation.Options) -> list[rotation.Event]:
+    """Every step of the scenario, each chunk write but the first and last left out."""
+    rotation.setup(path, count, options)
+    events = rotation.run(path, count, options)
+    chunks = [e for e in events if e[1] == "chunk"]
+    skip = {e for e in chunks if e[2] != 1 and (e[0], e[1], e[2] + 1) in set(chunks)}
+    return [e for e in events if e not in skip]
+
+
+def crash_at_every_step(root: str, count: int, options: rotation.Options = None) -> None:
+    """Two managers persist a new checkpoint at their own pace under persist_count=count;
+    one is SIGKILLed at each step of each write and rotation in turn (chunks, arrays,
+    commit, record, cleanup; unrecord, uncommit, remove) while the other goes on with
+    its own persists.  After every crash the ids committed on both managers are not
+    empty, each of them reads back whole on both, the commit record names only those,
+    and the scenario run again from there (a restarted manager persists again) ends in
+    the same state as without a crash."""
+    events = _events(f"{root}/record", count, options)
+    names = {e[1] for e in events}
+    assert {"chunk", "arrays", "commit", "committed", "recorded", "unrecorded", "uncommitted",
+            "removed", "rotate"} <= names  # fmt: skip
+    assert {rotation.OPS[e[0]][0] for e in events if e[1] == "rotate"} == {0, 1}  # both rotate
+    cases = []
+    for i, (op, step, nth) in enumerate(events):
+        path = f"{root}/crash{i}"
+        rotation.setup(path, count, options)
+        cases.append(f"{path} {count} {op} {step} {nth}\n")
+    out = subprocess.run([sys.executable, "-c", rotation.FORKER, os.path.dirname(__file__),
+                          json.dumps(options)], input="".join(cases), capture_output=True,
+                         text=True, timeout=900, check=True).stdout.split()  # fmt: skip
+    assert out == [str(-signal.SIGKILL)] * len(events)
+    n = count
+    keep = list(range(n + 1 - count, n + 1))  # the newest `count` ids complete at the end
+    for i, event in enumerate(events):
+        path = f"{root}/crash{i}"
+        stores = rotation.stores(path, options)
+        persisted = sorted(set.intersection(*(set(s.ids()) for s in stores)))
+        assert persisted, f"killed at {event}: no checkpoint is restorable"
+        for c in persisted:
+            for s in stores:
+                assert rotation.tags(s, c) == {c}, f"killed at {event}: checkpoint {c}"
+        assert set(stores[0].complete_ids()) <= set(persisted), event
+        rotation.run(path, count, options)  # carry on: the crashed manager persists anew
+        stores = rotation.stores(path, options)
+        assert [s.ids() for s in stores] == [keep + [n + 1], keep], event
+        assert stores[0].complete_ids() == keep, event
+        for s in stores:
+            assert all(g.committed for g in s.generations()), event  # nothing left over
+            assert len(s.generations()) == len(s.ids()), event
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_crash_at_any_step_of_any_manager_leaves_the_newest_complete_id_restorable(
+    tmp_path, count
+):
+    crash_at_every_step(str(tmp_path), count)
+
+
+@pytest.mark.slow
+def test_the_same_on_an_object_store(s3):
+    """S3 cannot rename or delete a prefix atomically: the same guarantees hold."""
+    crash_at_every_step(f"{s3.bucket()}/steps", 1, s3.storage_options)
 
 
 # -- damaged stores ------------------------------------------------------------------------

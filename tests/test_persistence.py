@@ -72,8 +72,10 @@ def test_uncommitted_checkpoint_is_ignored_and_replaced(tmp_path):
 
 def test_manager_count_mismatch_is_refused(tmp_path):
     CheckpointStore(str(tmp_path), "d", 0, 2)
-    with pytest.raises(DDictPersistCheckpointError, match="2 managers"):
+    with pytest.raises(DDictPersistCheckpointError, match="2 managers") as info:
         CheckpointStore(str(tmp_path), "d", 0, 3)
+    assert "Restore into 2 managers" in str(info.value)
+    assert "managers_per_worker=2, n_workers=1" in str(info.value)  # what to do
     CheckpointStore(str(tmp_path), "other", 0, 3)  # another dictionary: fine
 
 

@@ -34,7 +34,7 @@ from distributed import Client
 from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from ..stats import DDictManagerStats
-from .core import _Core
+from .core import _Core, install_orchestrator
 from .creation import create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget
@@ -120,9 +120,7 @@ class AsyncDDict:
         given = {k: v for k, v in bound.arguments.items() if k in CREATE_ARGUMENTS}
         timeout = check_timeout(given["timeout"])
         request = create_request(given)
-        from ..cluster.scheduler_plugin import DDictSchedulerPlugin
-
-        await client.register_plugin(DDictSchedulerPlugin())
+        await install_orchestrator(client)
         layout_d = await client.scheduler.ddict_create(**request, client=client.id)
         core = _Core(Layout.from_dict(layout_d), client)
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
@@ -139,6 +137,7 @@ class AsyncDDict:
     async def from_name(cls, name: str, client: Client, *,
                         timeout: Timeout = no_default) -> AsyncDDict:  # fmt: skip
         """Attach to the dictionary named ``name`` on ``client``'s cluster."""
+        await install_orchestrator(client)
         layout = Layout.from_dict(await client.scheduler.ddict_attach(name=name, client=client.id))
         h = DDict._from_core(_Core(layout, client), creator=False, chkpt=0,
                              timeout=check_timeout(timeout))  # fmt: skip
@@ -147,6 +146,7 @@ class AsyncDDict:
     @staticmethod
     async def list(client: Client) -> list[str]:
         """Names of the dictionaries on ``client``'s cluster."""
+        await install_orchestrator(client)
         return list(await client.scheduler.ddict_list())
 
     @property

@@ -25,6 +25,19 @@ from .layouts import LayoutRef, current_client, remember, resolve
 MISSING: Any = object()
 
 
+def install_orchestrator(client: Client) -> Any:
+    """Install the scheduler plugin (idempotent) before a client's first control call.
+
+    A cluster that never had a dictionary has no ``ddict_*`` handlers yet: with
+    them, :meth:`DDict.list` answers ``[]`` and :meth:`DDict.from_name` "no DDict
+    named ...", instead of Dask's "no handler".  Returns what
+    ``client.register_plugin`` returns (a coroutine for an asynchronous client).
+    """
+    from ..cluster.scheduler_plugin import DDictSchedulerPlugin
+
+    return client.register_plugin(DDictSchedulerPlugin())
+
+
 def embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:
     """Start the LocalCluster (worker processes) that ``DDict()`` owns.
 
@@ -66,6 +79,7 @@ class _Core(Connections):
         self._client = client
         self.cluster = cluster
         self.seed_checked = False
+        self.storage_options: dict[str, Any] | None = None  # the creator's, for copy()
 
     def _resolve(self) -> Layout:
         return resolve(self.ref, self._client)

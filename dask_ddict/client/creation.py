@@ -19,6 +19,7 @@ from ..arguments import (
     check_int,
     check_lifetime,
     check_name,
+    check_storage_options,
     check_timeout,
 )
 from ..options import DDictOptions, parse_total_mem
@@ -56,16 +57,20 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
         given["manager_pool_full_thresh"] = config.get("manager-pool-full-thresh")
     options = DDictOptions(**given)
     options.validate(name=name, restart=restart)
+    storage_options = check_storage_options(args["storage_options"], options.persist_path)
     return dict(
-        name=name, options=options.to_dict(), total_mem=mem, managers_per_worker=mpw,
+        name=name, options=options.resolved().to_dict(), total_mem=mem, managers_per_worker=mpw,
         n_workers=n_workers, workers=None if workers is None else list(workers),
-        restart=restart, lifetime=lifetime,
+        restart=restart, lifetime=lifetime, storage_options=storage_options,
     )  # fmt: skip
 
 
 def initial_checkpoint(h: Any, request: dict[str, Any]) -> None:
     """Where a creator's handle starts: ``restore_from``, the newest restored
-    checkpoint after a restart, else 0.  Also shows the orchestrator's warnings."""
+    checkpoint after a restart, else 0.  Also shows the orchestrator's warnings,
+    and keeps ``storage_options`` in this process only, for :meth:`DDict.copy`
+    (they are credentials: never in the layout or a serialized handle)."""
+    h._core.storage_options = request["storage_options"]
     for text in h._core.layout.extra.get("warnings", ()):
         warnings.warn(text, RuntimeWarning, stacklevel=3)
     restore_from = request["options"]["restore_from"]

@@ -48,7 +48,7 @@ from ..transport.ops import (
 )
 from .batch import BatchPut
 from .checkpoints import Checkpoints
-from .core import MISSING, _Core, current_client, embedded_client
+from .core import MISSING, _Core, current_client, embedded_client, install_orchestrator
 from .creation import create_request, initial_checkpoint
 from .introspection import Introspection
 from .layouts import LayoutRef, forget
@@ -81,7 +81,12 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
     working_set_size, wait_for_keys, wait_for_writers
         Checkpoint window and retirement rules (Dragon's model).
     persist_freq, persist_count, persist_path, read_only, restore_from, restart
-        Persistence and restart (see the docs).
+        Persistence and restart (see the docs).  A relative local ``persist_path``
+        is made absolute in this process.
+    storage_options
+        fsspec options for a URL ``persist_path`` (credentials, ``endpoint_url``,
+        ...), passed to the filesystem in every host process.  They stay out of
+        the layout, serialized handles, logs and reprs.
     name
         Name of the dictionary; generated when empty (:meth:`get_name`).
     timeout
@@ -133,6 +138,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         persist_freq: int = 0,
         persist_count: int = 0,
         persist_path: str = "",
+        storage_options: dict[str, Any] | None = None,
         name: str = "",
         timeout: Timeout = no_default,
         restart: bool = False,
@@ -159,9 +165,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         if client.asynchronous:
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
-            from ..cluster.scheduler_plugin import DDictSchedulerPlugin
-
-            client.register_plugin(DDictSchedulerPlugin())
+            install_orchestrator(client)
             layout_d = client.sync(client.scheduler.ddict_create, **request, client=client.id)
         except BaseException:
             if cluster is not None:
@@ -222,6 +226,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         client = check_client(client) or current_client()
         if client is None:
             raise ValueError("from_name needs client= (or a current dask Client)")
+        install_orchestrator(client)
         layout = Layout.from_dict(client.sync(client.scheduler.ddict_attach, name=name,
                                               client=client.id))  # fmt: skip
         return cls._from_core(_Core(layout, client), creator=False, chkpt=0,
@@ -233,6 +238,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         client = check_client(client) or current_client()
         if client is None:
             raise ValueError("list needs client= (or a current dask Client)")
+        install_orchestrator(client)
         return list(client.sync(client.scheduler.ddict_list))
 
     def __reduce__(self) -> Any:

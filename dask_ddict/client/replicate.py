@@ -136,6 +136,7 @@ class Replication:
         if not self._creator:
             raise DDictError("copy() is for the creator's handle", "INVALID_OPERATION")
         new = type(self)(name=name, timeout=self._timeout, client=self.client,
+                         storage_options=self._core.storage_options,
                          **copy_arguments(self._core.layout))  # fmt: skip
         try:
             self.clone([new.serialize()])

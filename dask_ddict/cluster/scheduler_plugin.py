@@ -103,8 +103,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         client: str = "",
         restart: bool = False,
         lifetime: str = "client",
+        storage_options: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Create a dictionary's managers (or re-attach kept shards); return its layout."""
+        """Create a dictionary's managers (or re-attach kept shards); return its layout.
+
+        ``storage_options`` (credentials for the persist store) only pass
+        through, to the host processes: they are kept nowhere here.
+        """
         if not name:
             name = uuid.uuid4().hex[:10]
         if name in self.dicts:
@@ -143,7 +148,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 name=name, uid=uid, secret=secret, options=opts.to_dict(),
                 capacity=capacity, manager_ids=mids, num_managers=num,
                 restart_paths={m: restart_paths[m] for m in mids if m in restart_paths},
-                worker=worker,
+                worker=worker, storage_options=storage_options,
             )  # fmt: skip
             if reply is None:
                 raise DDictError(f"worker {worker} has no ddict host supervisor (is its plugin "

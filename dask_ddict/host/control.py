@@ -33,8 +33,9 @@ class DictSpec:
     options: DDictOptions
     capacity: int
     num_managers: int
+    storage_options: dict[str, Any] | None = None  # fsspec credentials: never printed
 
-    def __repr__(self) -> str:  # never print the secret
+    def __repr__(self) -> str:  # never print the secret or the storage options
         return f"DictSpec(name={self.name!r}, uid={self.uid!r}, managers={self.num_managers})"
 
 

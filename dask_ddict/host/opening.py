@@ -137,7 +137,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
             persister = Persister(
                 CheckpointStore(opts.persist_path, spec.name, mid, spec.num_managers,
                                 chunk_bytes=config.get_bytes("persist.chunk-bytes"),
-                                fsync=bool(config.get("persist.fsync"))),
+                                fsync=bool(config.get("persist.fsync")),
+                                storage_options=spec.storage_options),
                 opts.persist_freq, opts.persist_count,
             )  # fmt: skip
         from .replication import pull_shard

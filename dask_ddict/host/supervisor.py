@@ -258,9 +258,11 @@ class HostSupervisor:
     def create_managers(self, name: str, uid: str, secret: str, options: dict[str, Any],
                         capacity: int, manager_ids: list[int], num_managers: int,
                         restart_paths: dict[int, str] | None = None,
-                        worker: str = "") -> list[dict[str, Any]]:  # fmt: skip
+                        worker: str = "",
+                        storage_options: dict[str, Any] | None = None,
+                        ) -> list[dict[str, Any]]:  # fmt: skip
         spec = DictSpec(name, uid, secret, DDictOptions.from_dict(options), int(capacity),
-                        int(num_managers))  # fmt: skip
+                        int(num_managers), storage_options)  # fmt: skip
         paths = {int(k): v for k, v in (restart_paths or {}).items()}
         with self._lock:
             infos = self.call(control.OpenManagers(spec, tuple(int(m) for m in manager_ids),

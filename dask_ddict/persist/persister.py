@@ -3,8 +3,9 @@
 The policy half of persistence (Dragon's ``persist_freq``/``persist_count``):
 :class:`Persister` decides which retiring checkpoints go to the
 :class:`~dask_ddict.persist.zarr_store.CheckpointStore`, evicts old ones only
-after a new one is committed, and keeps zarr I/O off the manager's write path
-and off the worker's event loop.
+once a newer one is committed on *every* manager (:meth:`Persister.rotate`),
+and keeps zarr I/O off the manager's write path and off the worker's event
+loop.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Persister:
     persist_freq, persist_count
         Dragon's policy: a retiring checkpoint ``k`` is persisted when
         ``persist_freq > 0``, ``persist_count != 0`` and ``k % persist_freq == 0``;
-        the newest ``persist_count`` are kept (``-1``: all).
+        the newest ``persist_count`` checkpoints complete on every manager are
+        kept, with anything newer (``-1``: all; see :meth:`rotate`).
     """
 
     def __init__(self, store: CheckpointStore, persist_freq: int, persist_count: int) -> None:
@@ -87,11 +89,12 @@ class Persister:
             self._thread = None
 
     def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
-        """Persist one checkpoint in this thread, then evict the oldest beyond the count.
+        """Persist one checkpoint in this thread, then rotate (:meth:`rotate`).
 
         :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt``
-        itself, after committing the new one; eviction, too, only follows the
-        commit, so a crash at any point leaves the newest complete copies.
+        itself, after committing (and recording) the new one; rotation, too,
+        only follows the commit, so a crash at any point leaves the newest
+        complete copies.
         """
         try:
             self.store.write(chkpt, entries)
@@ -100,15 +103,37 @@ class Persister:
                 self._ids = self.store.ids()
             raise
         with self._lock:
-            ids = sorted({*self._ids, chkpt})
-            self._ids = ids
-        if self.persist_count > 0:
-            doomed = [i for i in ids if i != chkpt][: max(0, len(ids) - self.persist_count)]
-            for i in doomed:
-                self.store.delete(i)
-                self.store.step("rotate")
-                with self._lock:
-                    self._ids = [j for j in self._ids if j != i]
+            self._ids = sorted({*self._ids, chkpt})
+        self.rotate()
+
+    def rotate(self) -> None:
+        """Remove what ``persist_count`` no longer keeps, never a checkpoint still needed.
+
+        A checkpoint is only useful once *every* manager has committed it, and
+        each manager rotates on its own, at its own pace.  So the count is
+        taken over the dictionary's complete checkpoints
+        (:meth:`CheckpointStore.complete_ids`), not over this manager's: with
+        ``persist_count=K``, everything older than the K-th newest complete id
+        goes (uncommitted leftovers of those ids included), and this
+        manager's ids newer than it stay, complete or not.  So the newest
+        complete checkpoint is never removed, anywhere, and an older one only
+        once a newer one is complete.  A manager ahead of the others keeps
+        its newer ids until they are complete everywhere (at most one more
+        than ``persist_count`` in steady state).
+        """
+        k = self.persist_count
+        if k <= 0:
+            return
+        complete = self.store.complete_ids()
+        if len(complete) < k:
+            return
+        keep_from = complete[-k]
+        doomed = sorted({g.chkpt for g in self.store.generations() if g.chkpt < keep_from})
+        for i in doomed:
+            self.store.delete(i)
+            with self._lock:
+                self._ids = [j for j in self._ids if j != i]
+            self.store.step("rotate")
 
     def discard_above(self, chkpt: int) -> None:
         """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""

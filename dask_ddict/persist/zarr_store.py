@@ -14,15 +14,21 @@ Layout (documented for users in ``docs/persistence.md``; plain
             values          uint8[...]  value frames (dask_ddict framing), concatenated
             value_offsets   uint64[n+1]
             flags           uint8[n]    bit 1: persistent (matters under wait_for_keys)
+        committed/                      group: the dictionary's commit record
+          chkpt_<k>.manager_<i>/        empty group: manager i has committed checkpoint k
 
 **Crash safety.**  A checkpoint counts once one of its generations is
 committed, and the newest committed generation is the checkpoint.  A persist
 writes a *new* generation, commits it (its ``committed`` attribute, written
-after every array), and only then removes older generations of that id and,
-under ``persist_count``, older ids.  So at every instant, whatever is killed
-and wherever, the newest completely written copy of each checkpoint is
-there: an interrupted persist leaves an uncommitted (or unreadable)
-generation that is never restored, and the next persist of that id removes it.
+after every array), records the commit in ``committed/``, and only then
+removes older generations of that id.  Removing a checkpoint goes the other
+way round: its record first, then its generations' commit (their
+``zarr.json``), then their data.  So at every instant, whatever is killed and
+wherever, the newest completely written copy of each checkpoint is there, a
+partly removed one is never listed, and a record in ``committed/`` always
+names a complete copy: :meth:`CheckpointStore.complete_ids` (the ids that
+*every* manager has recorded) is what ``persist_count`` rotation trusts before
+it removes anything (see :mod:`dask_ddict.persist.persister`).
 
 **Integrity.**  Every array's chunks end with a CRC32C (zarr's ``crc32c``
 codec; chunks written directly as files get the same layout), and the commit
@@ -61,10 +67,14 @@ FORMAT = f"dask_ddict.checkpoint/{KEY_ENCODING}"
 _ARRAY_CONFIG = {"write_empty_chunks": True}  # skip the per-chunk "all fill?" scan
 _CRC = [Crc32cCodec()]
 _GEN = re.compile(r"^chkpt_(\d+)\.g(\d+)$")
+_RECORD = re.compile(r"^chkpt_(\d+)\.manager_(\d+)$")
+#: The group beside the managers' groups where each manager records its commits.
+COMMITTED = "committed"
 _SMALL = ("keys", "key_offsets", "value_offsets", "flags")
 
 #: A hook called at named steps of a write (tests kill the process there): "chunk",
-#: "arrays", "commit", "committed", "cleanup".
+#: "arrays", "commit", "committed", "recorded", "cleanup"; and of a removal:
+#: "unrecorded", "uncommitted", "removed".
 Step = Callable[[str], None]
 
 
@@ -79,6 +89,31 @@ def _sync(coro: Any) -> Any:
     from zarr.core.sync import sync
 
     return sync(coro)
+
+
+def _child(group: Any, name: str) -> str:
+    """The store key of ``name`` inside ``group``."""
+    sp = group.store_path
+    return f"{sp.path}/{name}" if sp.path else name
+
+
+def _list_dir(group: Any) -> list[str]:
+    """Names directly inside ``group``, as the store has them now.
+
+    fsspec filesystems (s3fs, gcsfs, ...) cache listings per process, so a
+    record written by another manager's process would stay unseen: the
+    cached listing of this prefix is dropped first.
+    """
+    sp = group.store_path
+    fs = getattr(sp.store, "fs", None)
+    if fs is not None:
+        root = getattr(sp.store, "path", "")
+        fs.invalidate_cache(f"{root}/{sp.path}".strip("/") if root else sp.path)
+
+    async def names() -> list[str]:
+        return [n async for n in sp.store.list_dir(sp.path)]
+
+    return list(_sync(names()))
 
 
 def _require_group(path: str, names: list[str], storage_options: dict[str, Any] | None) -> Any:
@@ -241,6 +276,8 @@ class CheckpointStore:
                 self.group = _require_group(
                     self._local_root, [name, f"manager_{manager_id}"], storage_options
                 )
+                self.record_group = _require_group(self._local_root, [name, COMMITTED],
+                                                   storage_options)  # fmt: skip
             else:
                 root = zarr.open_group(self._local_root, mode="r",
                                        storage_options=storage_options or None)  # fmt: skip
@@ -262,7 +299,10 @@ class CheckpointStore:
         if found is not None and found != num_managers:
             raise DDictPersistCheckpointError(
                 f"{where}: the checkpoints were written by {found!r} managers, this "
-                f"dictionary has {num_managers}: keys would map to other managers"
+                f"dictionary has {num_managers}: keys would map to other managers. Restore "
+                f"into {found!r} managers: managers_per_worker times the number of hosting "
+                f"workers (n_workers= or workers=) must be {found!r}, e.g. "
+                f"DDict(managers_per_worker={found!r}, n_workers=1, ...)"
             )
         if found is None and writable:
             self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,
@@ -278,13 +318,8 @@ class CheckpointStore:
 
     def generations(self) -> list[Generation]:
         """Every generation in the store, committed or not, readable or not."""
-        sp = self.group.store_path
-
-        async def names() -> list[str]:
-            return [n async for n in sp.store.list_dir(sp.path)]
-
         out = []
-        for n in _sync(names()):
+        for n in _list_dir(self.group):
             m = _GEN.match(n)
             if m is None:
                 continue
@@ -312,14 +347,56 @@ class CheckpointStore:
         return sorted({g.chkpt for g in self.generations() if g.committed})
 
     def _remove(self, gen: Generation) -> None:
-        sp = self.group.store_path
-        _sync(sp.store.delete_dir(f"{sp.path}/{gen.name}" if sp.path else gen.name))
+        """Remove one generation: its commit first, so that a removal cut short by a
+        crash (a store cannot delete a directory atomically) never leaves a
+        committed generation with missing data."""
+        path = _child(self.group, gen.name)
+        _sync(self.group.store_path.store.delete(f"{path}/zarr.json"))
+        self.step("uncommitted")
+        _sync(self.group.store_path.store.delete_dir(path))
+        self.step("removed")
 
     def delete(self, chkpt: int) -> None:
-        """Remove every generation of ``chkpt``."""
+        """Remove every generation of ``chkpt``, its commit record first."""
+        self.unrecord(chkpt)
+        self.step("unrecorded")
         for g in self.generations():
             if g.chkpt == chkpt:
                 self._remove(g)
+
+    # -- the dictionary's commit record ------------------------------------------
+
+    def _record_name(self, chkpt: int) -> str:
+        return f"chkpt_{chkpt}.manager_{self.manager_id}"
+
+    def record(self, chkpt: int) -> None:
+        """Record in ``committed/`` that this manager has committed ``chkpt``.
+
+        Written after the commit and removed before any removal, so a record
+        always names a complete copy (a crash between the two leaves a commit
+        without a record: never counted complete, never a loss).
+        """
+        self.record_group.create_group(self._record_name(chkpt), overwrite=True)
+
+    def unrecord(self, chkpt: int) -> None:
+        """Remove this manager's record of ``chkpt`` (before removing its data)."""
+        _sync(self.record_group.store_path.store.delete_dir(
+            _child(self.record_group, self._record_name(chkpt))))  # fmt: skip
+
+    def complete_ids(self) -> list[int]:
+        """Checkpoint ids that *every* manager of the dictionary has recorded, ascending.
+
+        One listing of ``committed/``, whatever the number of managers.  Each
+        of these ids is committed on every manager, so a restore of any of
+        them finds all its keys: rotation removes an older id only once a
+        newer one is in this list.
+        """
+        seen: dict[int, set[int]] = {}
+        for n in _list_dir(self.record_group):
+            m = _RECORD.match(n)
+            if m is not None and int(m.group(2)) < self.num_managers:
+                seen.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+        return sorted(c for c, managers in seen.items() if len(managers) == self.num_managers)
 
     # -- writing --------------------------------------------------------------
 
@@ -397,6 +474,8 @@ class CheckpointStore:
         if self.fsync:
             self._fsync(gen.name)
         self.step("committed")
+        self.record(chkpt)
+        self.step("recorded")
         for old in older:  # only now: the new generation is the checkpoint
             self._remove(old)
             self.step("cleanup")

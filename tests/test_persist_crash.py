@@ -1,0 +1,279 @@
+"""Persisted checkpoints are restorable as a whole after a real crash, and stores are
+where the user put them (real clusters, real host processes killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+
+from dask_ddict import DDict
+from dask_ddict.cli import ddict as cli
+from dask_ddict.persist import CheckpointStore
+
+#: Values of a checkpoint: large enough that persisting one takes a while, so that a
+#: host process can be killed in the middle of it.
+VALUE = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def crash_client():
+    """A cluster of its own: these tests kill its host processes."""
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        yield c
+
+
+def keys_on(d: DDict, mid: int, n: int) -> list[str]:
+    """``n`` keys that manager ``mid`` holds."""
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        if d.which_manager(f"k{i}") == mid:
+            out.append(f"k{i}")
+        i += 1
+    return out
+
+
+def value(tag: int) -> np.ndarray:
+    return np.full(VALUE, tag % 251, dtype="u1")
+
+
+def tag_of(v: np.ndarray) -> int:
+    (t,) = np.unique(v)
+    return int(t)
+
+
+def wait_for(what: str, ready: Callable[[], bool], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def retry(call: Callable[[], object], seconds: float = 60) -> object:
+    """``call()`` while a killed host process is being restarted."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except Exception:  # noqa: BLE001 - the host is restarting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a test persists: a local directory, or a bucket of a real S3 server."""
+
+    path: str
+    storage_options: dict[str, Any] | None = None
+
+    def ids(self, name: str, mid: int) -> list[int]:
+        return CheckpointStore(self.path, name, mid, 2, writable=False,
+                               storage_options=self.storage_options).ids()  # fmt: skip
+
+    def started(self, name: str, mid: int, chkpt: int) -> Callable[[], bool]:
+        """Whether manager ``mid`` has begun writing ``chkpt``."""
+        group = f"{self.path}/{name}/manager_{mid}/chkpt_{chkpt}.g0"
+        if self.storage_options is None:
+            return lambda: os.path.isdir(group)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
+                               **self.storage_options)  # fmt: skip
+        return lambda: bool(fs.exists(f"{group}/zarr.json"))
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    if request.param == "local":
+        return Place(str(tmp_path / "ckpt.zarr"))
+    s3 = request.getfixturevalue("s3")
+    return Place(f"{s3.bucket()}/ckpt.zarr", s3.storage_options)
+
+
+def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_on_every_manager(
+    crash_client, place
+):
+    """The defect of issue 21: persist_count=1, two managers, the host of manager 0 killed
+    while it persists checkpoint 1.  Manager 1 commits 1 but keeps 0, so 0 stays
+    restorable as a whole; nothing names 1 as persisted.  Then restore, and rotation."""
+    name = "crash-mid-persist"
+    store = dict(persist_path=place.path, storage_options=place.storage_options)
+    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_count=1,
+              working_set_size=2, lifetime="cluster", **store)  # fmt: skip
+    assert d.num_managers == 2 and len(set(d.manager_workers)) == 2
+    keys = {m: keys_on(d, m, 12) for m in range(2)}
+    for m in range(2):
+        for k in keys[m]:
+            d[k] = value(0)
+    d.persist()
+    d.sync()
+    d.checkpoint()
+    for m in range(2):
+        for k in keys[m]:
+            d[k] = value(1)
+    host = d.stats[0].pid
+    d.persist()
+    wait_for("manager 0 to start persisting checkpoint 1", place.started(name, 0, 1))
+    os.kill(host, signal.SIGKILL)
+    wait_for("manager 1 to commit checkpoint 1", lambda: 1 in place.ids(name, 1))
+    retry(d.sync)  # the supervisor restarts the host; manager 1's persist is done
+    assert d.stats[0].pid != host
+    assert place.ids(name, 0) == [0]
+    assert place.ids(name, 1) == [0, 1]  # 0 kept: 1 is not complete
+    assert d.persisted_ids() == [0]
+    d.destroy()
+
+    newest = 0
+    r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_count=1,
+              working_set_size=2, restore_from=newest, **store)  # fmt: skip
+    try:
+        got = {k: tag_of(r[k]) for m in range(2) for k in keys[m]}
+        assert got == {k: 0 for m in range(2) for k in keys[m]}  # every key, all of checkpoint 0
+        # Carrying on: once 1 is persisted on both, rotation drops 0 everywhere.
+        r.checkpoint()
+        for m in range(2):
+            for k in keys[m]:
+                r[k] = value(1)
+        r.persist()
+        r.sync()
+        assert r.persisted_ids() == [1]
+        assert place.ids(name, 0) == [1] or place.ids(name, 1) == [1]  # the last one rotated
+    finally:
+        r.destroy()
+
+
+def test_automatic_persistence_from_several_writers_survives_a_host_kill(crash_client, tmp_path):
+    """persist_freq=1, persist_count=1: tasks in both worker processes and this process
+    write every checkpoint; the host of manager 0 dies while it persists a retiring one.
+    The newest id in persisted_ids() restores with every key of that checkpoint."""
+    store = tmp_path / "auto.zarr"
+    name = "crash-auto"
+    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=str(store),
+              persist_freq=1, persist_count=1, working_set_size=2,
+              lifetime="cluster")  # fmt: skip
+    keys = keys_on(d, 0, 6) + keys_on(d, 1, 6)
+    writers = [keys[i::3] for i in range(3)]  # two tasks and this process
+
+    def write(h: DDict, chkpt: int, mine: list[str]) -> None:
+        h.checkpoint_id = chkpt
+        for k in mine:
+            h[k] = value(chkpt)
+
+    host = d.stats[0].pid
+    killed = False
+    for c in range(7):
+        futures = crash_client.map(write, [d, d], [c, c], writers[:2], pure=False)
+        write(d, c, writers[2])
+        if c == 4:  # writing 4 retires 2: kill manager 0 while it persists it
+            wait_for("manager 0 to start persisting checkpoint 2",
+                     Place(str(store)).started(name, 0, 2))  # fmt: skip
+            os.kill(host, signal.SIGKILL)
+            killed = True
+        crash_client.gather(futures)
+    assert killed
+    retry(d.sync)
+    ids = d.persisted_ids()
+    assert ids and ids[-1] == 4  # 5 retired 3 and 6 retired 4, on both managers
+    for m in range(2):  # rotation kept only what the newest complete checkpoint allows
+        assert Place(str(store)).ids(name, m)[0] >= ids[-1] - 1
+    d.destroy()
+    r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=str(store),
+              working_set_size=2, restore_from=ids[-1])  # fmt: skip
+    try:
+        assert {k: tag_of(r[k]) for k in keys} == {k: ids[-1] for k in keys}
+    finally:
+        r.destroy()
+
+
+def test_a_relative_persist_path_is_the_callers(client, tmp_path, monkeypatch):
+    """Persisted from a directory other than the workers', restored in a new cluster, and
+    read by the CLI, all through the same relative path."""
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    name = "relative"
+    with DDict(total_mem="32 MiB", client=client, name=name, persist_path="ckpt.zarr") as d:
+        assert d._core.layout.options.persist_path == str(project / "ckpt.zarr")
+        for i in range(20):
+            d[i] = np.arange(i + 1)
+        d.persist()
+        d.sync()
+        assert d.persisted_ids() == [0]
+    assert (project / "ckpt.zarr" / name / "manager_0" / "chkpt_0.g0").is_dir()
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        with DDict(2, total_mem="32 MiB", client=c, name=name, persist_path="ckpt.zarr",
+                   restore_from=0) as r:  # fmt: skip
+            assert all(np.array_equal(r[i], np.arange(i + 1)) for i in range(20))
+        runner = CliRunner()
+        out = runner.invoke(cli, ["inspect", "ckpt.zarr"], catch_exceptions=False).output
+        assert f"{name}: 2 managers" in out and out.count("checksums ok") == 2
+        res = runner.invoke(cli, ["restore", "ckpt.zarr", "--name", name, "--total-mem",
+                                  "32 MiB", "--scheduler", cl.scheduler_address],
+                            catch_exceptions=False)  # fmt: skip
+        assert res.exit_code == 0 and res.output.startswith("ddict2:"), res.output
+        r = DDict.from_name(name, c)
+        try:
+            assert all(np.array_equal(r[i], np.arange(i + 1)) for i in range(20))
+        finally:
+            r.destroy()
+
+
+def test_storage_options_reach_the_store_and_nothing_else(crash_client, s3):
+    """Credentials go to the host processes' filesystem, not into handles, reprs or logs;
+    copy() persists with them too; bad ones are refused before anything is created."""
+    import base64
+    import pickle
+    import secrets
+
+    secret = secrets.token_hex(16)
+    options = {**s3.storage_options, "key": f"AKIA{secret[:8].upper()}", "secret": secret}
+    url = f"{s3.bucket()}/ckpt.zarr"
+    before = DDict.list(crash_client)
+    with pytest.raises(TypeError, match="storage_options must be a dict"):
+        DDict(total_mem="32 MiB", client=crash_client, persist_path=url, storage_options=[1])
+    with pytest.raises(ValueError, match="storage_options.*local directory"):
+        DDict(total_mem="32 MiB", client=crash_client, persist_path="ckpt.zarr",
+              storage_options=options)  # fmt: skip
+    assert DDict.list(crash_client) == before
+    d = DDict(total_mem="32 MiB", client=crash_client, name="creds", persist_path=url,
+              storage_options=options)  # fmt: skip
+    try:
+        d["a"] = np.arange(10)
+        d.persist()
+        d.sync()
+        assert d.persisted_ids() == [0]
+        c = d.copy("creds-copy")  # the creator's handle keeps the options for copy()
+        try:
+            c.persist()
+            c.sync()
+            assert c.persisted_ids() == [0]
+        finally:
+            c.destroy()
+        assert any("creds-copy/manager_1/chkpt_0.g0" in k for k in s3.keys(url))
+        s = d.serialize()
+        texts = [s, base64.urlsafe_b64decode(s[7:].rpartition(".")[0]).decode(), repr(d),
+                 repr(d._core.layout), str(pickle.dumps(d)), d._repr_html_()]
+        logs = [crash_client.get_scheduler_logs(), crash_client.get_worker_logs()]
+        assert not any(secret in t for t in texts + [repr(logs)])
+    finally:
+        d.destroy()
+    r = DDict(total_mem="32 MiB", client=crash_client, name="creds", persist_path=url,
+              storage_options=options, restore_from=0)  # fmt: skip
+    try:
+        np.testing.assert_array_equal(r["a"], np.arange(10))
+    finally:
+        r.destroy()
