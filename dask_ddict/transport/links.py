@@ -1,10 +1,11 @@
 """Client side of the key path: links to host processes and channels to managers.
 
 A :class:`HostLink` reaches one host process for one dictionary, over its
-Unix socket (same host) or TCP (other hosts, optionally TLS).  It keeps one
-blocking connection per thread (tasks of one worker run in several threads)
-and uses it from the calling thread: no event loop and no thread hand-off on
-the key path.  Every manager that the host serves shares the link.
+Unix socket (same host) or TCP (other hosts, optionally TLS).  An operation
+takes one of its pooled connections (tasks of one worker run in several
+threads: each operation has one to itself) and uses it from the calling
+thread: no event loop and no thread hand-off on the key path.  Every manager
+that the host serves shares the link.
 
 A :class:`SocketChannel` is one manager seen through its host's link; it
 sends any operation of :mod:`.ops` with one ``call(operation)``.
