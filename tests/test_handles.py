@@ -160,15 +160,18 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
 
 
 @pytest.mark.one_host  # (shard views: this host's managers)
-def test_a_client_touching_256_managers_holds_at_most_128_more_descriptors(client):
+@pytest.mark.parametrize("per_worker", [128, pytest.param(1024, marks=pytest.mark.slow)])
+def test_a_client_touching_many_managers_holds_at_most_128_more_descriptors(client,
+                                                                            per_worker):
     """Default configuration: views and sockets together stay within 128 descriptors
-    whatever the number of managers (views rotate, sockets are pooled), and every
-    value still reads back, whichever way each manager is read now."""
+    whatever the number of managers (256, and 2,048 with --runslow; views rotate,
+    sockets are pooled), and every value still reads back, whichever way each manager
+    is read now."""
     from dask_ddict import config
 
     assert 2 * int(config.get("transport.max-shard-views")) \
         + int(config.get("transport.kept-connections")) <= 128  # fmt: skip
-    d = DDict(128, total_mem="256 MiB", client=client)  # 2 workers x 128 managers
+    d = DDict(per_worker, total_mem=f"{2 * per_worker} MiB", client=client)  # 2 workers
     try:
         h = DDict.attach(d.serialize(), client=client)
         before = len(os.listdir("/proc/self/fd"))
