@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,39 @@ PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]  # fmt: skip
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A shared read-write mapping of a file that holds no descriptor of it.
+
+    (Python's ``mmap`` keeps a duplicate of the file's descriptor for as long as the
+    map lives, until 3.13's ``trackfd=False``: one descriptor per small shared file a
+    process maps.)  NumPy arrays made from it keep it alive; the last one unmaps it.
+    """
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mmap: {os.strerror(e)}")
+        self.addr, self.nbytes = int(addr), nbytes
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (self.addr, False), "version": 3}  # fmt: skip
+
+    def __del__(self) -> None:
+        _libc.munmap(self.addr, self.nbytes)
+
+
+def map_file(fd: int, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of file ``fd``, mapped shared and writable, as bytes; ``fd``
+    may be closed at once (the mapping needs no descriptor)."""
+    return np.asarray(_Mapping(fd, nbytes))
 
 
 def address_of(buf: Any) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 
+import numpy as np
 import pytest
 from distributed import get_worker
 
@@ -155,3 +157,34 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
         finally:
             shared._release(paths[0], first)
     assert not set(paths) & set(shared._ENVS)
+
+
+@pytest.mark.one_host  # (shard views: this host's managers)
+@pytest.mark.parametrize("per_worker", [128, pytest.param(1024, marks=pytest.mark.slow)])
+def test_a_client_touching_many_managers_holds_at_most_128_more_descriptors(client,
+                                                                            per_worker):
+    """Default configuration: views and sockets together stay within 128 descriptors
+    whatever the number of managers (256, and 2,048 with --runslow; views rotate,
+    sockets are pooled), and every value still reads back, whichever way each manager
+    is read now."""
+    from dask_ddict import config
+
+    assert 2 * int(config.get("transport.max-shard-views")) \
+        + int(config.get("transport.kept-connections")) <= 128  # fmt: skip
+    d = DDict(per_worker, total_mem=f"{2 * per_worker} MiB", client=client)  # 2 workers
+    try:
+        h = DDict.attach(d.serialize(), client=client)
+        before = len(os.listdir("/proc/self/fd"))
+        big = np.arange(16_384, dtype=np.float64)  # 128 KiB: through the host's socket
+        for m in range(h.num_managers):
+            h.manager(m)[("k", m)] = m
+            h.manager(m)[("big", m)] = big + m
+        for m in range(h.num_managers):
+            assert h.manager(m)[("k", m)] == m
+            assert (h.manager(m)[("big", m)] == big + m).all()
+        grown = len(os.listdir("/proc/self/fd")) - before
+        assert grown <= 128, grown
+        assert len(h) == 2 * h.num_managers
+        h.detach()
+    finally:
+        d.destroy()

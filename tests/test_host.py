@@ -7,6 +7,7 @@ looks only at the files it created.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import psutil
@@ -59,6 +62,28 @@ def _over_tcp(d: DDict) -> DDict:
         for m in range(h.num_managers):
             h._core.channel(m)
     return h
+
+
+@contextlib.contextmanager
+def _external_worker(cl: LocalCluster, c: Client, tmp_path: Any
+                     ) -> Iterator[tuple[subprocess.Popen[bytes], set[str]]]:  # fmt: skip
+    """A nanny and worker of ``cl``'s scheduler in a process (and session) of their own:
+    killing that process kills the supervisor of its host.  Yields the process and its
+    worker's address (in a set); whatever is left of it is ended after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", cl.scheduler_address,
+         "--nthreads", "1", "--no-dashboard", "--local-directory", str(tmp_path)],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        c.wait_for_workers(len(cl.workers) + 1, timeout=60)
+        yield proc, {w for w, info in c.scheduler_info()["workers"].items()
+                     if info["nanny"] not in {n.address for n in cl.workers.values()}}  # fmt: skip
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # whatever is left of that host
+        except ProcessLookupError:
+            pass
 
 
 def _writers(d: DDict, n: int, stop: threading.Event) -> tuple[list[list[int]], list[BaseException], list[threading.Thread]]:
@@ -261,6 +286,84 @@ def test_timeouts_hold_against_a_frozen_host(client):
         d.destroy()
 
 
+def test_a_finite_timeout_bounds_connecting_to_a_frozen_host(client):
+    """A handle that never reached the host yet: its timeout bounds the connection and
+    the handshake too (the kernel queues the connection; the stopped host never answers)."""
+    from dask_ddict import config
+
+    slack = config.get_seconds("transport.timeout-slack")
+    d = DDict(total_mem="32 MiB", client=client, timeout=1)
+    big = np.ones(32_768)  # 256 KiB: through the host, whatever the path
+    try:
+        d["k"] = 0
+        fresh = [DDict.attach(d.serialize(), timeout=1), _over_tcp(d)]  # nothing connected
+        host = psutil.Process(d.stats[d.which_manager("k")].pid)
+        host.suspend()
+        try:
+            for h in fresh:
+                t0 = time.monotonic()
+                with pytest.raises(DDictTimeoutError, match="nothing was sent"):
+                    h["k"] = big
+                assert time.monotonic() - t0 < 1 + slack + 0.5
+        finally:
+            host.resume()
+        for h in fresh:
+            h["k"] = big
+            assert (h["k"] == big).all()
+            h.detach()
+    finally:
+        d.destroy()
+
+
+def test_without_a_timeout_a_stopped_host_is_waited_for_in_every_phase():
+    """``timeout=None`` never raises a timeout: puts of 256 KiB to a stopped host process,
+    from handles that must still connect (connect and handshake) and from connected ones
+    (request and answer), over its Unix socket and over TCP, wait for longer than every
+    internal timeout (set low here, the host's handshake timeout included), then
+    complete when it resumes."""
+    import dask
+
+    low = {"ddict.transport.alive-check": "50 ms",
+           "ddict.transport.handshake-timeout": "200 ms",  # (read by the host process)
+           "ddict.transport.timeout-slack": "50 ms"}  # fmt: skip
+    with dask.config.set(low), LocalCluster(n_workers=1, threads_per_worker=1,
+                                            dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="16 MiB", client=c, timeout=None)
+        connected = [DDict.attach(d.serialize(), timeout=None), _over_tcp(d)]
+        for h in connected:
+            h["warm"] = np.zeros(32_768)  # a connection to the host, kept for the next put
+        fresh = [DDict.attach(d.serialize(), timeout=None), _over_tcp(d)]  # none yet
+        handles = connected + fresh
+        errors: list[BaseException] = []
+
+        def put(h: DDict, i: int) -> None:
+            try:
+                h[("stopped", i)] = np.full(32_768, float(i))  # 256 KiB
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+
+        host = psutil.Process(d.stats[0].pid)
+        host.suspend()
+        try:
+            threads = [threading.Thread(target=put, args=(h, i)) for i, h in enumerate(handles)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)  # longer than every internal timeout above, 5x the longest
+            assert not errors, errors
+            assert all(t.is_alive() for t in threads)  # still waiting
+        finally:
+            host.resume()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads)
+        for i in range(len(handles)):
+            assert (d[("stopped", i)] == float(i)).all()
+        for h in handles:
+            h.detach()
+        d.destroy()
+
+
 def test_a_shard_directory_too_small_is_an_error_at_creation(client):
     import glob
     import uuid
@@ -307,15 +410,7 @@ def test_creation_warns_when_shards_and_memory_limits_exceed_the_host():
 def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", cl.scheduler_address,
-             "--nthreads", "1", "--no-dashboard", "--local-directory", str(tmp_path)],
-            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            c.wait_for_workers(2, timeout=60)
-            external = {w for w, info in c.scheduler_info()["workers"].items()
-                        if info["nanny"] not in {n.address for n in cl.workers.values()}}  # fmt: skip
+        with _external_worker(cl, c, tmp_path) as (proc, external):
             d = DDict(total_mem="32 MiB", client=c)
             lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
             kept = 1 - lost
@@ -355,11 +450,34 @@ def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
             assert r[k_lost] == "lost"
             r.destroy()
             twin.destroy()
-        finally:
+
+
+def test_a_stopped_host_whose_supervisor_ended_is_gone_not_waited_for(tmp_path):
+    """A stopped host process and a dead one look alike from a socket (the stopped one
+    still holds the listener: connections queue).  A same-host client without a
+    timeout tells them apart by the host's supervisor: gone, it raises
+    ``DDictManagerUnavailableError`` within ``alive-check``, instead of waiting forever."""
+    import dask
+
+    with dask.config.set({"ddict.transport.alive-check": "100 ms"}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        with _external_worker(cl, c, tmp_path) as (proc, external):
+            d = DDict(total_mem="32 MiB", client=c, timeout=None)
+            lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
+            key = _keys_on(d, lost, 1)[0]
+            host = psutil.Process(d.stats[lost].pid)
+            host.suspend()
             try:
-                os.killpg(proc.pid, signal.SIGTERM)  # whatever is left of that host
-            except ProcessLookupError:
-                pass
+                os.kill(proc.pid, signal.SIGKILL)  # its supervisor (in the nanny)
+                proc.wait(30)
+                t0 = time.monotonic()
+                with pytest.raises(DDictManagerUnavailableError, match="supervisor"):
+                    d[key] = np.ones(32_768)  # connects into the stopped host's backlog
+                assert time.monotonic() - t0 < 3
+            finally:
+                host.resume()  # it sees its supervisor gone and ends
+            d.destroy()
 
 
 def test_killing_a_script_with_an_embedded_cluster_leaves_nothing(tmp_path):

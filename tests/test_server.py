@@ -141,9 +141,38 @@ def test_an_answer_never_collected_does_not_become_the_next_ones(served, use_uds
     del pending
     assert ch.call(ops.Length(0)) == 1  # the right answer, on a fresh connection
     answer = ch.link.send(ops.Length(0), 3)
-    with pytest.raises(RuntimeError, match="pending"):
-        ch.call(ops.Newest())  # its answer would be taken for the pending one's
+    assert ch.call(ops.Newest()) == 0  # another connection: each request its own answer
     assert answer() == (1, b"") and ch.call(ops.Newest()) == 0
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_a_process_keeps_a_bounded_pool_of_idle_connections(served, use_uds):
+    """Connections are pooled per link (threads that take turns share one) and a process
+    keeps at most ``ddict.transport.kept-connections`` idle ones over all its links,
+    least recently used closed first: its descriptors do not grow with the hosts it uses."""
+    import threading
+
+    import dask.config
+
+    from dask_ddict.transport import links as links_module
+
+    channel, _, _ = served
+    with dask.config.set({"ddict.transport.kept-connections": 2}):
+        chans = [channel(use_uds) for _ in range(5)]  # as five host processes
+    kept = links_module._KEPT
+    open_now = lambda: sum(len(ch.link._all) for ch in chans)  # noqa: E731
+    for ch in chans:
+        assert ch.call(ops.Length(0)) == 0
+    kept_links = [link for link in kept.idle.values() if any(link is ch.link for ch in chans)]
+    assert len(kept_links) <= 2 and chans[-1].link in kept_links  # the most recent ones
+    assert open_now() <= 2  # (the others are closed; this process's server closes its ends)
+    for ch in chans:  # an evicted link simply connects again
+        assert ch.call(ops.Length(0)) == 0
+    threads = [threading.Thread(target=chans[0].call, args=(ops.Length(0),)) for _ in range(8)]
+    for t in threads:  # one after the other: one connection serves them all
+        t.start()
+        t.join()
+    assert len(chans[0].link._all) == 1 and open_now() <= 2
 
 
 def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path, monkeypatch):

@@ -18,17 +18,19 @@ with probability 2**-63.
 
 The file lives as long as the dictionary on that host: created (or reused,
 after a restart of the host process) when its managers open, removed when
-they close.  A client maps it once per host it writes to: one descriptor.
+they close.  A client maps it once per host it writes to, and keeps no
+descriptor of it (so a client's descriptors do not grow with the hosts it writes to).
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import random
 
 import numpy as np
+
+from .._memory import map_file
 
 
 def path_for(socket_dir: str, uid: str) -> str:
@@ -51,7 +53,7 @@ class Generations:
 
     A client never closes its mapping: a put that commits while its handle is
     closed must still change the word, so the mapping lives as long as a
-    channel refers to it (one descriptor, freed with the last reference).
+    channel refers to it (no descriptor: unmapped with the last reference).
     """
 
     def __init__(self, path: str, managers: int | None = None, *, create: bool = False) -> None:
@@ -63,10 +65,10 @@ class Generations:
                 os.ftruncate(fd, size)
             if size < 8:
                 raise OSError(f"{path}: empty")
-            self._map = mmap.mmap(fd, size)
+            # (no descriptor kept: a client maps one such file per dictionary and host)
+            self.words = map_file(fd, size).view(np.int64)
         finally:
             os.close(fd)
-        self.words = np.frombuffer(self._map, dtype=np.int64)
 
     def __repr__(self) -> str:
         return f"<Generations {self.path!r} managers={len(self.words)}>"
@@ -85,10 +87,6 @@ class Generations:
             os.unlink(self.path)
 
     def close(self) -> None:
-        """Unmap (the words of a closed mapping read as 0: never a cache hit)."""
-        words, self.words = self.words, np.zeros(len(self.words), dtype=np.int64)
-        del words
-        try:
-            self._map.close()
-        except BufferError:  # a view of it is still held somewhere: the GC unmaps it
-            pass
+        """Unmap (the words of a closed mapping read as 0: never a cache hit).  A view of
+        the words still held somewhere keeps the mapping until it is dropped."""
+        self.words = np.zeros(len(self.words), dtype=np.int64)

@@ -1,10 +1,11 @@
 """Client side of the key path: links to host processes and channels to managers.
 
 A :class:`HostLink` reaches one host process for one dictionary, over its
-Unix socket (same host) or TCP (other hosts, optionally TLS).  It keeps one
-blocking connection per thread (tasks of one worker run in several threads)
-and uses it from the calling thread: no event loop and no thread hand-off on
-the key path.  Every manager that the host serves shares the link.
+Unix socket (same host) or TCP (other hosts, optionally TLS).  An operation
+takes one of its pooled connections (tasks of one worker run in several
+threads: each operation has one to itself) and uses it from the calling
+thread: no event loop and no thread hand-off on the key path.  Every manager
+that the host serves shares the link.
 
 A :class:`SocketChannel` is one manager seen through its host's link; it
 sends any operation of :mod:`.ops` with one ``call(operation)``.
@@ -21,8 +22,24 @@ Failures are handled here, once:
 * the connection is refused or the socket file is gone (the supervisor, and
   so the host, is gone): ``DDictManagerUnavailableError`` at once, naming
   manager and host;
-* no answer within the operation's ``timeout`` plus a small slack
-  (``ddict.transport.timeout-slack``): ``DDictTimeoutError``.
+* a host that is stopped or busy (SIGSTOP, a long operation, a partition) is
+  waited for: an operation's ``timeout`` bounds the whole of it (connecting,
+  the handshake, the request and the answer) plus a small slack
+  (``ddict.transport.timeout-slack``), then ``DDictTimeoutError``; without a
+  timeout it waits as long as it takes.  No phase has a deadline of its own.
+  While it waits, a same-host client checks every ``ddict.transport.alive-check``
+  that the host's supervisor lives (a stopped process and a dead one look
+  alike from a socket: the supervisor tells them apart), so a host that is
+  gone still raises ``DDictManagerUnavailableError`` instead of a wait
+  forever.  Over TCP the host's kernel answers for a stopped process, and a
+  dead one's supervisor closes the listener (connections are then refused).
+
+Connections are pooled per link and bounded per process: an operation takes
+an idle connection of its link (or opens one) and gives it back when its
+answer is read, and a process keeps at most ``ddict.transport.kept-connections``
+idle ones over all its links, least recently used closed first (see
+:class:`_Kept`).  So its descriptors stay bounded whatever the number of
+host processes and threads that use them.
 """
 
 from __future__ import annotations
@@ -34,8 +51,9 @@ import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import config
 from .._serialize import SMALL_FRAME, aligned_empty
@@ -66,14 +84,161 @@ if TYPE_CHECKING:
 _GONE = {errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 
-class _Conn:
-    __slots__ = ("sock", "reader", "timeout", "pending")
+class _Deadline(Exception):
+    """The operation's own time ran out (reported by the link as ``DDictTimeoutError``)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+
+class _Conn:
+    """One connection to a host process, whose waits never outlast their operation.
+
+    The link reads and writes through this object (the handshake, :class:`Reader`,
+    :func:`send_parts`), so that every blocking call is cut at the operation's
+    deadline and, where the host's liveness can be checked, into slices of
+    ``ddict.transport.alive-check``: when a slice goes by with nothing to read (or
+    no room to write), :attr:`check` runs and the call is simply made again.  A
+    socket timeout leaves nothing half done (``recv_into``/``send`` either moved
+    bytes or raised before moving any), so waiting in slices loses no byte.
+    """
+
+    __slots__ = ("sock", "reader", "timeout", "deadline", "check", "every", "_recv_into", "_send")
+
+    def __init__(self, sock: socket.socket, every: float | None) -> None:
         self.sock = sock
-        self.reader = Reader(sock)
-        self.timeout: float | None = None
-        self.pending = False  # a request went out whose answer is not read yet
+        self.every = every  # the slice; None: nothing to check between them, one wait
+        self.timeout: float | None = None  # the socket's, as last set
+        self.deadline: float | None = None
+        self.check: Callable[[], None] | None = None
+        self._recv_into = sock.recv_into
+        self._send = sock.send
+        self.reader = Reader(self)
+
+    def begin(self, deadline: float | None, check: Callable[[], None] | None) -> None:
+        """Wait at most until ``deadline`` (``None``: as long as the host is not gone)."""
+        self.deadline = deadline
+        self.check = check
+        self._arm()
+
+    def _arm(self) -> None:
+        wait = self.every
+        if self.deadline is not None:
+            left = max(0.001, self.deadline - time.monotonic())
+            wait = left if wait is None else min(wait, left)
+        if wait != self.timeout:
+            self.sock.settimeout(wait)
+            self.timeout = wait
+
+    def waited(self, e: TimeoutError) -> None:
+        """A slice went by: raise :class:`_Deadline` past the deadline, or whatever
+        :attr:`check` raises (the host is gone); else wait again."""
+        if e.errno is not None:  # ETIMEDOUT from the kernel: the connection broke
+            raise e
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise _Deadline() from None
+        if self.check is not None:
+            self.check()
+        self._arm()
+
+    def recv_into(self, buf: Any, n: int = 0) -> int:
+        while True:
+            try:
+                return self._recv_into(buf, n)
+            except TimeoutError as e:
+                self.waited(e)
+
+    def recv(self, n: int) -> bytes:
+        buf = bytearray(n)
+        return bytes(buf[: self.recv_into(buf, n)])
+
+    def sendall(self, data: Any) -> None:
+        if self.timeout is None:  # a blocking socket: nothing to cut
+            self.sock.sendall(data)
+            return
+        view = memoryview(data).cast("B")
+        sent, n = 0, view.nbytes
+        while sent < n:
+            try:
+                sent += self._send(view[sent:])
+            except TimeoutError as e:
+                self.waited(e)
+
+    def tls_handshake(self) -> None:
+        """Finish the TLS handshake, its waits cut like every other (it goes on where a
+        slice left it)."""
+        tls = cast(ssl.SSLSocket, self.sock)
+        while True:
+            try:
+                tls.do_handshake()
+                return
+            except TimeoutError as e:
+                self.waited(e)
+
+    def getsockopt(self, *args: Any) -> Any:
+        return self.sock.getsockopt(*args)
+
+    def close(self) -> None:
+        self.check = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _Kept:
+    """The idle connections of this process, over all its links, least recently used
+    first: at most ``ddict.transport.kept-connections`` stay open between operations.
+
+    Each link's connections are its own (a connection is bound to one dictionary by
+    its handshake); an operation takes one of its link's idle connections, the most
+    recently used (warm), or opens a new one, and gives it back when its answer is
+    read.  A connection given back past the bound closes the process's least
+    recently used idle one, of any link: a client that touches many host processes,
+    from any number of threads, holds a bounded number of descriptors, and the
+    hosts in use keep theirs.  Connections in use are never in here, so none is
+    closed under an operation.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: OrderedDict[_Conn, HostLink] = OrderedDict()
+        # ddict.transport.kept-connections (each link sets it again when it connects)
+        self.most = int(config.get("transport.kept-connections"))
+
+    def take(self, link: HostLink) -> _Conn | None:
+        with self.lock:
+            if link.idle:
+                conn = link.idle.pop()
+                del self.idle[conn]
+                return conn
+        return None
+
+    def give(self, link: HostLink, conn: _Conn) -> None:
+        conn.check = None  # (no reference from an idle connection back to its link)
+        over: list[tuple[_Conn, HostLink]] = []
+        with self.lock:
+            if link.closed:
+                over.append((conn, link))
+            else:
+                link.idle.append(conn)
+                self.idle[conn] = link
+                while len(self.idle) > self.most:
+                    old, owner = self.idle.popitem(last=False)
+                    owner.idle.remove(old)
+                    over.append((old, owner))
+        for old, owner in over:
+            owner.forget(old)
+
+    def remove(self, link: HostLink, *, closing: bool) -> list[_Conn]:
+        """``link``'s idle connections, out of the pool (the link closes them); with
+        ``closing``, none is given back from then on (each closes instead)."""
+        with self.lock:
+            link.closed = link.closed or closing
+            idle, link.idle = link.idle, []
+            for conn in idle:
+                self.idle.pop(conn, None)
+        return idle
+
+
+_KEPT = _Kept()
 
 
 class HostLink:
@@ -102,12 +267,16 @@ class HostLink:
         self._target = info.uds_path if use_uds else f"{info.tcp_host}:{info.tcp_port}"
         self._secret = secret.encode()
         self._ssl = ssl_context
-        self._connect_timeout = config.get_seconds("transport.connect-timeout") or 10.0
-        self._reconnect = config.get_seconds("transport.reconnect-timeout") or 30.0
         self._slack = config.get_seconds("transport.timeout-slack") or 0.0
-        self._local = threading.local()
-        self._all: list[_Conn] = []
+        # Same host: while waiting, check the host's supervisor this often (over TCP
+        # there is nothing to check: one wait, cut only at the operation's deadline).
+        self._every = (config.get_seconds("transport.alive-check") or 1.0) if use_uds else None
+        self._most = int(config.get("transport.kept-connections"))
+        self._all: list[_Conn] = []  # every connection, idle or in use (closed with the link)
         self._lock = threading.Lock()
+        #: This link's idle connections, most recently used last (under ``_KEPT.lock``).
+        self.idle: list[_Conn] = []
+        self.closed = False
         self._generations: Generations | None = None
 
     def __repr__(self) -> str:
@@ -133,46 +302,80 @@ class HostLink:
 
     # -- connections --------------------------------------------------------------
 
-    def _connect(self, mid: int, deadline: float | None) -> _Conn:
-        wait = self._connect_timeout
-        if deadline is not None:  # never past the operation's own deadline
-            wait = max(0.001, min(wait, deadline - time.monotonic()))
+    def _checker(self, mid: int) -> Callable[[], None] | None:
+        """What a wait for this host checks between slices (same host: its supervisor)."""
+        if self._every is None:
+            return None
+        pid = self.info.pid
+
+        def check() -> None:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise DDictManagerUnavailableError(
+                    f"{self.where(mid)} is gone (its supervisor, process {pid}, ended)"
+                ) from None
+            except PermissionError:
+                pass  # alive, under another user
+
+        return check
+
+    def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
+                 ) -> _Conn:  # fmt: skip
+        """A new connection, its handshake done, by ``deadline`` (``None``: whenever the
+        host answers, if it is not gone).  Raises :class:`_Deadline` when time runs out."""
         info = self.info
         try:
             if self.kind == "uds":
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(wait)
-                sock.connect(info.uds_path)
+                conn = _Conn(sock, self._every)
+                conn.begin(deadline, check)
+                # (never waits: into the listen backlog, the supervisor's, also while the
+                # host process is stopped or restarting; a full one is EAGAIN, retried)
+                try:
+                    sock.connect(info.uds_path)
+                except BaseException:
+                    sock.close()
+                    raise
             else:
-                sock = socket.create_connection((info.tcp_host, info.tcp_port), timeout=wait)
+                left = None if deadline is None else max(0.001, deadline - time.monotonic())
+                try:
+                    sock = socket.create_connection((info.tcp_host, info.tcp_port), timeout=left)
+                except TimeoutError as e:
+                    if e.errno is None:  # (its timeout was the operation's)
+                        raise _Deadline() from None
+                    raise
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:
-                    sock = self._ssl.wrap_socket(sock, server_hostname=None)
+                    sock = self._ssl.wrap_socket(sock, server_hostname=None,
+                                                 do_handshake_on_connect=False)  # fmt: skip
+                conn = _Conn(sock, self._every)
+                conn.begin(deadline, check)
             try:
-                answer = client_side(sock, self._uid, self._secret, self._target,
+                if isinstance(sock, ssl.SSLSocket):
+                    conn.tls_handshake()
+                answer = client_side(conn, self._uid, self._secret, self._target,
                                      tcp=self.kind != "uds")  # fmt: skip
             except BaseException:
-                sock.close()
+                conn.close()
                 raise
-        except TimeoutError as e:
-            raise DDictTimeoutError(f"{self.where(mid)}: no answer to connect within {wait:.1f} s"
-                                    ) from e  # fmt: skip
         except HandshakeError as e:  # never retried: this peer is not the dictionary's host
             raise DDictManagerUnavailableError(f"{self.where(mid)}: {e}") from None
+        except (_Deadline, DDictError):
+            raise
         except (OSError, ssl.SSLError) as e:
             if getattr(e, "errno", None) in _GONE or isinstance(e, ssl.SSLError):
                 raise self._unavailable(mid, e) from e
             raise  # e.g. reset mid-handshake: the host is restarting, the caller retries
         if answer != Hello.OK:
-            sock.close()
+            conn.close()
             if answer == Hello.CLOSED:
                 raise DDictClosedError(f"DDict {self.name!r} was destroyed")
             reason = "refused the credentials" if answer == Hello.DENIED else "does not serve it"
             raise DDictManagerUnavailableError(f"{self.where(mid)}: the host {reason}")
-        sock.settimeout(None)
-        conn = _Conn(sock)
         with self._lock:
             self._all.append(conn)
+        _KEPT.most = self._most
         return conn
 
     def _unavailable(self, mid: int, e: BaseException) -> DDictManagerUnavailableError:
@@ -180,25 +383,25 @@ class HostLink:
             f"{self.where(mid)} is unreachable ({type(e).__name__}: {e})"
         )
 
-    def _drop(self, conn: _Conn) -> None:
-        self._local.conn = None
+    def forget(self, conn: _Conn) -> None:
+        """Close one of this link's connections (broken, or past the process's bound)."""
         with self._lock:
             if conn in self._all:
                 self._all.remove(conn)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
+        conn.close()
+
+    def _broken(self, conn: _Conn | None) -> None:
+        """``conn`` broke: the host process may have restarted, so its idle siblings are
+        likely broken too; all are closed (the next operation opens a fresh one)."""
+        for c in [*([conn] if conn is not None else []), *_KEPT.remove(self, closing=False)]:
+            self.forget(c)
 
     def close(self) -> None:
+        _KEPT.remove(self, closing=True)
         with self._lock:
             conns, self._all = self._all, []
         for c in conns:
-            try:
-                c.sock.close()
-            except OSError:
-                pass
-        self._local = threading.local()
+            c.close()
 
     # -- requests -------------------------------------------------------------------
 
@@ -237,45 +440,44 @@ class HostLink:
         return answer
 
     def _exchange(self, o: Operation, mid: int) -> Generator[None, None, tuple[int, Any]]:
-        """Request and answer, with retries; yields once, when the request first went out."""
+        """Request and answer, with retries; yields once, when the request first went out.
+
+        With a timeout, everything (connecting, the handshake, reconnecting to a
+        restarting host, the answer) fits in it plus the slack; without one, nothing
+        here gives up on a host that is not known to be gone.
+        """
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
         if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
             raise DDictFullError(f"{self.where(mid)}: a {vlen}-byte value cannot fit: its host "
                                  f"takes at most {self._max_value} bytes (the shard's size, "
                                  "or ddict.transport.min-value-limit)")  # fmt: skip
-        want = None if timeout is None else timeout + self._slack
         start = time.monotonic()
-        # With a timeout, everything (reconnecting included) fits in it; without one,
-        # reconnecting to a restarting host may take reconnect-timeout from a failure.
-        deadline = None if want is None else start + want
+        deadline = None if timeout is None else start + timeout + self._slack
+        check = self._checker(mid)
         rid = secrets.randbits(63) + 1 if kind is Kind.ONCE else 0
         head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, encode_timeout(timeout),
                         vlen, rid)  # fmt: skip
         total = REQ.size + len(keysec) + vlen
-        attempt, waited = 0, False
+        attempt, waited, sent = 0, False, False
         while True:
-            conn = getattr(self._local, "conn", None)
+            conn = None
             try:
+                conn = _KEPT.take(self)
                 if conn is None:
-                    conn = self._local.conn = self._connect(mid, deadline)
-                sock_timeout = None if want is None else max(0.001, start + want - time.monotonic())
-                if sock_timeout != conn.timeout:
-                    conn.sock.settimeout(sock_timeout)
-                    conn.timeout = sock_timeout
-                if conn.pending:  # (one exchange at a time per thread and host)
-                    raise RuntimeError(f"{self.where(mid)}: an answer is pending on this "
-                                       "thread's connection: collect it first")  # fmt: skip
-                send_parts(conn.sock, [head, keysec, *value], total)
+                    conn = self._connect(mid, deadline, check)
+                conn.begin(deadline, check)
+                sent = True  # (from here on, the host may have read it)
+                send_parts(conn, [head, keysec, *value], total)
                 if not o.replies:
+                    _KEPT.give(self, conn)
                     return 0, None
-                conn.pending = True
                 if not waited:
                     waited = True
                     try:
                         yield
                     except GeneratorExit:  # never collected: its answer would be read
-                        self._drop(conn)  # as the next request's, so the connection goes
+                        self.forget(conn)  # as the next request's, so the connection goes
                         raise
                 status, ival, plen = REP.unpack(conn.reader.read(REP.size))
                 if plen >= SMALL_FRAME:
@@ -283,20 +485,22 @@ class HostLink:
                     conn.reader.read_into(payload)
                 else:
                     payload = bytes(conn.reader.read(plen))
-                conn.pending = False
-            except DDictError:  # from connecting: already what the caller should see
-                raise
-            except TimeoutError as e:
+            except DDictError:  # connecting, or the host is gone: what the caller should see
                 if conn is not None:
-                    self._drop(conn)
-                maybe = "" if kind is Kind.READ else "; the operation may or may not have been applied"
+                    self.forget(conn)
+                raise
+            except _Deadline as e:
+                if conn is not None:
+                    self.forget(conn)
+                maybe = ("" if kind is Kind.READ else
+                         "; the operation may or may not have been applied" if sent else
+                         "; nothing was sent (connecting)")  # fmt: skip
                 raise DDictTimeoutError(
                     f"{self.where(mid)} did not answer {op.name} within {timeout} s "
                     f"(+{self._slack} s slack){maybe}"
                 ) from e
             except (OSError, ssl.SSLError) as e:
-                if conn is not None:
-                    self._drop(conn)
+                self._broken(conn)
                 if kind is Kind.UNSAFE:
                     raise DDictError(
                         f"{self.where(mid)}: the connection broke during {op.name} "
@@ -304,17 +508,20 @@ class HostLink:
                         "MANAGER_UNAVAILABLE",
                     ) from e
                 now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self._reconnect
-                if now >= deadline:
+                if deadline is not None and now >= deadline:
                     raise self._unavailable(mid, e) from e
-                time.sleep(min(0.5, 0.02 * 2**attempt, deadline - now))  # the host restarts
+                if check is not None:
+                    check()  # a same-host supervisor that ended: gone, no retry
+                # the host restarts (its supervisor keeps the listeners: no refusal)
+                pause = min(0.5, 0.02 * 2**attempt)
+                time.sleep(pause if deadline is None else min(pause, deadline - now))
                 attempt += 1
                 if timeout is not None:  # a waiting operation waits only what is left
                     left = max(0.0, timeout - (time.monotonic() - start))
                     head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, left,
                                     vlen, rid)  # fmt: skip
                 continue
+            _KEPT.give(self, conn)
             if status:
                 raise_for_status(status, bytes(payload).decode(errors="replace"))
             return ival, payload

@@ -25,9 +25,8 @@ preallocated buffer, never joined.
 from __future__ import annotations
 
 import enum
-import socket
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 REQ = struct.Struct("<BBxxIIxxxxqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
@@ -100,7 +99,16 @@ def decode_timeout(value: float) -> float | None:
     return None if value < 0 else value
 
 
-def send_parts(sock: socket.socket, parts: list[Any], total: int | None = None) -> None:
+class Stream(Protocol):
+    """What the key path reads and writes: a socket, or a client's connection that cuts
+    its waits at the operation's deadline (:class:`~.links._Conn`)."""
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, /) -> int: ...
+
+    def sendall(self, data: Any, /) -> Any: ...
+
+
+def send_parts(sock: Stream, parts: list[Any], total: int | None = None) -> None:
     """Send buffers in order: one syscall when small, no join when large.
 
     ``total`` (the bytes in ``parts``) saves measuring every part when known.
@@ -133,7 +141,7 @@ class Reader:
 
     __slots__ = ("sock", "_buf", "_mv", "_pos", "_end")
 
-    def __init__(self, sock: socket.socket, size: int = SMALL) -> None:
+    def __init__(self, sock: Stream, size: int = SMALL) -> None:
         self.sock = sock
         self._buf = bytearray(size)
         self._mv = memoryview(self._buf)

@@ -21,6 +21,16 @@ checkpoint is stored in the shard's metadata by every write that moves it.
 The value is copied out while the snapshot is open, so a caller never holds a
 view of pages that a later write could reuse.
 
+A view costs 2 descriptors, which it keeps: LMDB holds the data file's until
+the environment closes, and the lock file's, on which a POSIX record lock at
+this process's pid tells other processes that its reader slots are live (closing
+any descriptor of that file drops the lock; another process's ``reader_check``
+would then free the slots, and the manager could reuse pages a reader is
+copying).  A bare read-only ``mmap`` without a reader slot could read torn pages.
+So the descriptors are bounded by the number of views: at most
+``ddict.transport.max-shard-views`` (32) per process, taken from the least
+recently used idle one at the bound (:func:`_evict_idle`).
+
 LMDB forbids opening one environment twice in a process, so
 environments are shared process-wide (:data:`_ENVS`) and released when the
 last channel using one closes (a handle's channels close with it, also when
