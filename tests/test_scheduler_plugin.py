@@ -43,8 +43,8 @@ class FakeSupervisors:
             return error_to_wire(DDictFullError("no room on " + address))  # as supervisors do
         return [{"manager_id": m, "worker": worker, "hostname": "h", "host_id": "h:boot",
                  "pid": 1, "uds_path": f"/tmp/{address}.sock", "tcp_host": "127.0.0.1",
-                 "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40,
-                 "hash_seed": "6640"} for m in manager_ids]  # fmt: skip
+                 "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40}
+                for m in manager_ids]  # fmt: skip
 
     def ddict_destroy_managers(self, address: str, **kw: Any) -> int:
         return 1
@@ -95,11 +95,17 @@ async def create(plugin: DDictSchedulerPlugin, name: str = "d", **kw: Any) -> La
 def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
     async def main() -> None:
         plugin, s = await started()
+        for w in ("tcp://w0", "tcp://w1", "tcp://gone"):  # what each worker's plugin reports
+            s.handlers["ddict_hash_probe"](worker=w, probe=7 if w == "tcp://gone" else 5,
+                                           seed="6640")  # fmt: skip
         lay = await create(plugin)
         assert [m.manager_id for m in lay.managers] == [0, 1, 2, 3]
         assert [m.supervisor for m in lay.managers] == ["tcp://n0"] * 2 + ["tcp://n1"] * 2
-        assert {m.hash_seed for m in lay.managers} == {"6640"}
-        assert plugin.attach("d")["uid"] == lay.uid
+        assert (lay.hash_probes, lay.hash_seed) == ((5,), "6640")  # connected workers only
+        s.handlers["ddict_hash_probe"](worker="tcp://w1", probe=6, seed="")  # w1 restarted
+        attached = Layout.from_dict(plugin.attach("d"))
+        assert attached.uid == lay.uid
+        assert (attached.hash_probes, attached.hash_seed) == ((5, 6), "")
         with pytest.raises(DDictError, match="already exists: attach with DDict.from_name.*dask ddict destroy d"):
             await create(plugin)
         anonymous = await plugin.create("", DDictOptions().to_dict(), 64 << 20, 1)

@@ -24,6 +24,10 @@ from .layouts import LayoutRef, current_client, remember, resolve
 #: "No argument given" for methods whose ``None`` means something.
 MISSING: Any = object()
 
+#: Dictionaries (uids) whose hash-seed warning this process has shown: once per process
+#: and dictionary, however many handles it attaches.
+_SEED_WARNED: set[str] = set()
+
 
 def embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:
     """Start the LocalCluster (worker processes) that ``DDict()`` owns.
@@ -76,10 +80,19 @@ class _Core(Connections):
         return self.ref.name
 
     def check_hash_seed(self, cls: type) -> None:
-        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks."""
+        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks.
+
+        Called on the first such placement through this core: it compares this
+        process's ``hash()`` of the probe string with the workers' (carried by the
+        layout), so it costs nothing per operation and no message.
+        """
         self.seed_checked = True
-        text = seed_warning(cls, {m.hash_seed for m in self.layout.managers})
+        layout = self.layout
+        if layout.uid in _SEED_WARNED:
+            return
+        text = seed_warning(cls, layout.hash_probes, layout.hash_seed)
         if text is not None:
+            _SEED_WARNED.add(layout.uid)
             warnings.warn(text, RuntimeWarning, stacklevel=4)
 
     @property

@@ -61,6 +61,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self.dicts = {}
         self.kept = {}
         self._warned_hosts: set[str] = set()
+        #: worker address -> (its hash() of the probe string, its PYTHONHASHSEED if any)
+        self.hash_probes: dict[str, tuple[int, str]] = {}
         self._gone: set[str] = set()  # supervisors (nannies) found gone
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
         self.calls: Counter[str] = Counter()  # handler calls by name, since the start
@@ -79,6 +81,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             "ddict_destroy": self.destroy,
             "ddict_list": self.names,
             "ddict_list_kept": self.names_kept,
+            "ddict_hash_probe": self.hash_probe,
         }
         scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
         install(scheduler, self.dashboard)
@@ -177,7 +180,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         layout = Layout(
             name=name, uid=uid, secret=secret, tls=tls, options=opts, managers=tuple(infos),
             total_mem=total_mem, scheduler=self.scheduler.address, creator=client, extra=extra,
-            lifetime=lifetime,
+            lifetime=lifetime, **self._hash_fields(),
         )  # fmt: skip
         self.dicts[name] = layout
         if lifetime == "client":
@@ -193,6 +196,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         except KeyError:
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
         self.holders.attached(name, client)
+        fields = self._hash_fields()  # workers may have come (or gone) since the creation
+        if (layout.hash_probes, layout.hash_seed) != tuple(fields.values()):
+            layout = self.dicts[name] = replace(layout, **fields)
         return layout.to_dict()
 
     async def destroy(self, name: str, uid: str, allow_restart: bool = False) -> bool:
@@ -217,6 +223,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     def names(self) -> list[str]:
         return sorted(self.dicts)
 
+    def hash_probe(self, worker: str, probe: int, seed: str = "") -> None:
+        """A worker process's ``hash()`` of the probe string (see ``_hashing.probe_hash``)."""
+        self.hash_probes[worker] = (int(probe), str(seed))
+
     def names_kept(self) -> list[str]:
         """Names of dictionaries destroyed with ``allow_restart=True``."""
         return sorted(self.kept)
@@ -235,6 +245,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     async def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                             **kwargs: Any) -> None:  # fmt: skip
         """A worker left.  Its managers are lost only if their host went with it."""
+        self.hash_probes.pop(worker, None)
         supervisors = {m.supervisor for lay in self.dicts.values() for m in lay.managers
                        if m.worker == worker and not m.lost}  # fmt: skip
         for sup in supervisors:
@@ -302,6 +313,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         task = asyncio.ensure_future(self.destroy(name, uid))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _hash_fields(self) -> dict[str, Any]:
+        """The layout's ``hash_probes`` and ``hash_seed``: what the connected workers reported."""
+        reported = [v for w, v in self.hash_probes.items() if w in self.scheduler.workers]
+        seeds = {seed for _, seed in reported}
+        return {"hash_probes": tuple(sorted({probe for probe, _ in reported})),
+                "hash_seed": seeds.pop() if len(seeds) == 1 else ""}  # fmt: skip
 
     def _supervisor(self, worker: str) -> str:
         """Where ``worker``'s host supervisor takes control calls: its nanny, or itself."""

@@ -72,9 +72,8 @@ class HostSupervisor:
     """
 
     def __init__(self, tcp_host: str, security: Any = None, label: str = "",
-                 tls: bool = False, hash_seed: str = "") -> None:  # fmt: skip
+                 tls: bool = False) -> None:  # fmt: skip
         self.tcp_host = tcp_host
-        self.hash_seed = hash_seed  # the worker's str-hash seed (see _hashing.hash_seed)
         self.security = security
         self.label = label
         self.tls = tls
@@ -252,7 +251,6 @@ class HostSupervisor:
             "tcp_port": self.tcp_port,
             "memory": memory,
             "restarts": self.restart_count,
-            "hash_seed": self.hash_seed,
         }
 
     def create_managers(self, name: str, uid: str, secret: str, options: dict[str, Any],
@@ -275,7 +273,7 @@ class HostSupervisor:
         return [{**i, "worker": worker, "pid": where["supervisor_pid"],
                  "uds_path": self.uds_path, "tcp_host": self.tcp_host, "tcp_port": self.tcp_port,
                  "host_id": where["host_id"], "hostname": where["hostname"],
-                 "memory": where["memory"], "hash_seed": self.hash_seed}
+                 "memory": where["memory"]}
                 for i in infos]  # fmt: skip
 
     def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
