@@ -43,8 +43,9 @@ class FakeSupervisors:
             return error_to_wire(DDictFullError("no room on " + address))  # as supervisors do
         return [{"manager_id": m, "worker": worker, "hostname": "h", "host_id": "h:boot",
                  "pid": 1, "uds_path": f"/tmp/{address}.sock", "tcp_host": "127.0.0.1",
-                 "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40}
-                for m in manager_ids]  # fmt: skip
+                 "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40,
+                 "available": 1 << 39, "shard_dir_free": 1 << 39, "shard_bytes": 1 << 30,
+                 "unbacked": 0} for m in manager_ids]  # fmt: skip
 
     def ddict_destroy_managers(self, address: str, **kw: Any) -> int:
         return 1

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
@@ -38,6 +39,7 @@ from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
 from .dashboard import DashboardData, install
 from .lifetime import Holders
+from .sizing import HostMemory, memory_warnings, pause_fraction
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:
@@ -167,10 +169,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
              for r in results for i in r),  # type: ignore[union-attr]
             key=lambda m: m.manager_id,
         )  # fmt: skip
-        memory = {i["host_id"]: i.get("memory", 0)
-                  for r in results for i in r}  # type: ignore[union-attr]  # fmt: skip
         extra: dict[str, Any] = {}
-        warnings = self._memory_warnings(infos, capacity, memory)
+        warnings = self._memory_warnings(results)  # type: ignore[arg-type]
         if warnings:
             extra["warnings"] = warnings
         if kept is not None:
@@ -326,28 +326,39 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         ws = self.scheduler.workers.get(worker)
         return (getattr(ws, "nanny", None) or worker) if ws is not None else worker
 
-    def _memory_warnings(self, infos: list[ManagerInfo], capacity: int,
-                         memory: dict[str, int]) -> list[str]:  # fmt: skip
-        """Hosts whose shards plus workers' memory limits exceed their memory."""
+    def _memory_warnings(self, replies: list[list[dict[str, Any]]]) -> list[str]:
+        """What the hosts of a new dictionary's shards say about fitting them (once per host).
+
+        Each supervisor's reply carries its host's memory as measured after the
+        shards opened (:meth:`HostSupervisor.memory`); the workers' growth comes from
+        the scheduler's view of them.  The decision is :func:`.sizing.memory_warnings`.
+        """
+        measured: dict[str, HostMemory] = {}
+        pause = pause_fraction(dask.config.get("distributed.worker.memory"))
+        for reply in replies:
+            m = reply[0] if reply else {}
+            if "available" not in m or m["host_id"] in self._warned_hosts:
+                continue  # (not measured: a supervisor of an older version)
+            ip, seen = m["tcp_host"], measured.get(m["host_id"])
+            if seen is None:
+                growth = sum(max(0, int(ws.memory_limit * pause)
+                                 - int(getattr(ws, "metrics", {}).get("memory", 0)))
+                             for ws in self.scheduler.workers.values()
+                             if ws.host == ip and ws.memory_limit)  # fmt: skip
+                seen = HostMemory(ip, m["available"], m["shard_dir_free"], 0, 0, growth)
+            measured[m["host_id"]] = replace(
+                seen, available=min(seen.available, m["available"]),
+                shard_dir_free=min(seen.shard_dir_free, m["shard_dir_free"]),
+                shard_bytes=seen.shard_bytes + m["shard_bytes"],  # per supervisor: add up
+                unbacked=seen.unbacked + m["unbacked"],
+            )  # fmt: skip
         out = []
-        hosts = {m.host_id: m.tcp_host for m in infos}
-        for hid, ip in hosts.items():
-            total = memory.get(hid, 0)
-            if not total or hid in self._warned_hosts:
-                continue
-            shards = sum(
-                lay.total_mem // lay.num_managers for lay in self.dicts.values()
-                for m in lay.managers if m.host_id == hid and not m.lost
-            ) + capacity * sum(1 for m in infos if m.host_id == hid)  # fmt: skip
-            limits = sum(ws.memory_limit or 0 for ws in self.scheduler.workers.values()
-                         if ws.host == ip)  # fmt: skip
-            if shards + limits > total:
+        for hid, host in measured.items():
+            said = memory_warnings(host)
+            if said:
                 self._warned_hosts.add(hid)  # once per host: the advice does not change
-                out.append(
-                    f"host {ip}: DDict shards ({shards} bytes) plus the workers' memory_limit "
-                    f"({limits} bytes) exceed its memory ({total} bytes); shards live outside "
-                    "the workers, so lower memory_limit or total_mem (see docs/ddict.md)"
-                )
+                logger.info("ddict: %s", "; ".join(said))
+                out.extend(said)
         return out
 
     def _choose_workers(self, n_workers: int | None, workers: list[str] | None) -> list[str]:
