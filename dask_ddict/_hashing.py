@@ -81,7 +81,9 @@ def probe_hash() -> int:
 
 
 _FIX = ("or make __hash__ deterministic, e.g. int.from_bytes(hashlib.blake2b("
-        "repr(self).encode(), digest_size=8).digest(), 'little')")  # fmt: skip
+        "repr(self).encode(), digest_size=8).digest(), 'little').  (A __hash__ that hashes "
+        "no str or bytes, e.g. of ints alone, is the same everywhere: then this does not "
+        "apply.)")  # fmt: skip
 
 
 def seed_warning(cls: type, probes: Sequence[int], seed: str = "") -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin
-from dask_ddict.errors import DDictError, DDictFullError, error_to_wire
+from dask_ddict.errors import DDictError, DDictFullError, error_to_wire, raise_from_wire
 from dask_ddict.layout import Layout
 from dask_ddict.options import DDictOptions
 
@@ -169,5 +169,29 @@ def test_destroy_and_keep_for_restart():
         assert not await plugin.destroy("d", lay.uid)  # already gone: idempotent
         with pytest.raises(DDictError, match="no DDict named 'd'"):
             plugin.attach("d")
+
+    run(main())
+
+
+def test_a_refusal_is_a_reply_and_a_bug_still_raises():
+    """The ``ddict_create`` handler answers a user's mistake; a bug raises, so that Dask
+    logs it with its traceback."""
+
+    async def main() -> None:
+        plugin, s = await started()
+        await create(plugin)
+        args = dict(name="d", options=DDictOptions().to_dict(), total_mem=64 << 20,
+                    managers_per_worker=2)  # fmt: skip
+        reply = await s.handlers["ddict_create"](**args)
+        assert reply["error"][0] == "DDictError" and "already exists" in reply["error"][1]
+        with pytest.raises(DDictError, match="already exists"):
+            raise_from_wire(reply)
+
+        async def bug(**kwargs: Any) -> Any:
+            raise KeyError("a bug")
+
+        plugin.create = bug  # type: ignore[method-assign]
+        with pytest.raises(KeyError, match="a bug"):
+            await s.handlers["ddict_create"](**args)
 
     run(main())

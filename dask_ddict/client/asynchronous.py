@@ -35,7 +35,7 @@ from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from ..stats import DDictManagerStats
 from .core import _Core
-from .creation import create_request, initial_checkpoint
+from .creation import create_request, created_layout, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget
 
@@ -123,8 +123,8 @@ class AsyncDDict:
         from ..cluster.scheduler_plugin import DDictSchedulerPlugin
 
         await client.register_plugin(DDictSchedulerPlugin())
-        layout_d = await client.scheduler.ddict_create(**request, client=client.id)
-        core = _Core(Layout.from_dict(layout_d), client)
+        core = _Core(created_layout(await client.scheduler.ddict_create(**request,
+                                                                      client=client.id)), client)
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
         await asyncio.to_thread(initial_checkpoint, h, request)
         return cls(h, client)

@@ -21,6 +21,8 @@ from ..arguments import (
     check_name,
     check_timeout,
 )
+from ..errors import raise_from_wire
+from ..layout import Layout
 from ..options import DDictOptions, parse_total_mem
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DDictOptions))
@@ -61,6 +63,17 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
         n_workers=n_workers, workers=None if workers is None else list(workers),
         restart=restart, lifetime=lifetime,
     )  # fmt: skip
+
+
+def created_layout(reply: Any) -> Layout:
+    """The layout in the orchestrator's ``ddict_create`` reply, or its refusal raised.
+
+    A refusal (the user's mistake) comes back as an error reply rather than an
+    exception of the handler, so that the scheduler does not log it as a bug;
+    :func:`~dask_ddict.errors.raise_from_wire` raises it here with its type.
+    """
+    raise_from_wire(reply)
+    return Layout.from_dict(reply)
 
 
 def initial_checkpoint(h: Any, request: dict[str, Any]) -> None:

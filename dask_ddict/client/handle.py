@@ -49,7 +49,7 @@ from ..transport.ops import (
 from .batch import BatchPut
 from .checkpoints import Checkpoints
 from .core import MISSING, _Core, current_client, embedded_client
-from .creation import create_request, initial_checkpoint
+from .creation import create_request, created_layout, initial_checkpoint
 from .introspection import Introspection
 from .layouts import LayoutRef, forget
 from .mapping import MappingMethods
@@ -162,14 +162,15 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
             from ..cluster.scheduler_plugin import DDictSchedulerPlugin
 
             client.register_plugin(DDictSchedulerPlugin())
-            layout_d = client.sync(client.scheduler.ddict_create, **request, client=client.id)
+            layout = created_layout(client.sync(client.scheduler.ddict_create, **request,
+                                                client=client.id))  # fmt: skip
         except BaseException:
             if cluster is not None:
                 client.close()
                 cluster.close()
             raise
-        self._setup(_Core(Layout.from_dict(layout_d), client, cluster), creator=True,
-                    chkpt=0, timeout=timeout)  # fmt: skip
+        self._setup(_Core(layout, client, cluster), creator=True, chkpt=0,
+                    timeout=timeout)  # fmt: skip
         initial_checkpoint(self, request)
 
     def _setup(self, core: _Core, *, creator: bool, chkpt: int, timeout: float | None,

@@ -34,7 +34,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from .. import config
-from ..errors import DDictError, raise_from_wire
+from ..errors import DDictError, error_to_wire, raise_from_wire
 from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
 from .dashboard import DashboardData, install
@@ -78,7 +78,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         handlers: dict[str, Callable[..., Any]] = {
-            "ddict_create": self.create,
+            "ddict_create": self.create_or_refuse,
             "ddict_attach": self.attach,
             "ddict_destroy": self.destroy,
             "ddict_list": self.names,
@@ -188,6 +188,29 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         logger.info("ddict %s: %d managers on %d workers%s", name, num, len(plan),
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
+
+    async def create_or_refuse(self, **kwargs: Any) -> dict[str, Any]:
+        """:meth:`create` as the ``ddict_create`` handler: a refusal is a reply, not a raise.
+
+        Dask logs every exception that a handler raises at ERROR, with its traceback,
+        in the scheduler's log, which is the user's terminal when the cluster runs in
+        their process.  A creation refused for the user's own mistake (a name that
+        exists, ``restart=True`` for an unknown name, a checkpoint that is not
+        persisted, a ``total_mem`` the hosts cannot hold) is no bug of the scheduler's:
+        it goes back as an error reply (:func:`~dask_ddict.errors.error_to_wire`, which
+        the client raises typed through ``raise_from_wire``) and is logged at INFO.
+        Anything else is a bug and keeps its traceback.
+        """
+        try:
+            return await self.create(**kwargs)
+        except Exception as e:
+            wire = error_to_wire(e)
+            if wire is None or getattr(e, "code", "") == "INTERNAL":
+                raise
+            name = kwargs.get("name")
+            logger.info("ddict: creation of %s refused: %s", repr(name) if name else "a DDict", e)
+            logger.debug("ddict: the refusal's traceback", exc_info=True)
+            return wire
 
     def attach(self, name: str, client: str = "") -> dict[str, Any]:
         """The current layout of a dictionary; ``client`` holds it from now on."""
