@@ -35,9 +35,9 @@ from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from ..stats import DDictManagerStats
 from .core import _Core
-from .creation import create_request, created_layout, initial_checkpoint
+from .creation import check_keywords, create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
-from .layouts import forget
+from .layouts import created_layout, forget
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -115,6 +115,7 @@ class AsyncDDict:
         """
         if not isinstance(client, Client) or not client.asynchronous:
             raise TypeError("AsyncDDict.create needs client=<a Client(asynchronous=True)>")
+        check_keywords("AsyncDDict.create", kwargs, CREATE_ARGUMENTS)
         bound = CREATE_SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         given = {k: v for k, v in bound.arguments.items() if k in CREATE_ARGUMENTS}
