@@ -82,8 +82,8 @@ def probe_hash() -> int:
 
 _FIX = ("or make __hash__ deterministic, e.g. int.from_bytes(hashlib.blake2b("
         "repr(self).encode(), digest_size=8).digest(), 'little').  (A __hash__ that hashes "
-        "no str or bytes, e.g. of ints alone, is the same everywhere: then this does not "
-        "apply.)")  # fmt: skip
+        "no str or bytes, e.g. of ints alone, is the same everywhere: say so with "
+        "`ddict_stable_hash = True` in the class, and this check is skipped.)")  # fmt: skip
 
 
 def seed_warning(cls: type, probes: Sequence[int], seed: str = "") -> str | None:
@@ -103,12 +103,16 @@ def seed_warning(cls: type, probes: Sequence[int], seed: str = "") -> str | None
     Returns
     -------
     str or None
-        ``None`` when this process hashes as every worker does.  Otherwise the
+        ``None`` when this process hashes as every worker does, or when ``cls``
+        declares ``ddict_stable_hash = True`` (its ``__hash__`` uses no ``str`` or
+        ``bytes`` hash, e.g. it returns an int field, so no seed can change it).  Otherwise the
         warning: workers that disagree among themselves place such keys
         differently from one another (tasks miss each other's keys, whatever
         this process does); a process that differs from agreeing workers places
         them where tasks do not look.
     """
+    if getattr(cls, "ddict_stable_hash", False) is True:
+        return None  # the class says that its hash is the same in every process
     what = (f"key class {cls.__module__}.{cls.__qualname__} places keys by its __hash__ "
             "(hash(key) % managers)")  # fmt: skip
     distinct = set(probes)

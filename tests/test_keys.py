@@ -177,6 +177,10 @@ def test_hash_seed_warning_compares_real_hashes_and_names_the_fix(monkeypatch):
         warnings.simplefilter("error")
         assert seed_warning(Seeded, [mine], "977") is None  # same hash(): the hint is moot
         assert seed_warning(Seeded, []) is None  # the workers' hashes unknown: nothing to compare
+    # A class that declares its hash stable (no str/bytes hash in it) is never warned about.
+    stable = type("Stable", (Seeded,), {"ddict_stable_hash": True})
+    assert seed_warning(stable, [mine + 1], "6640") is None
+    assert seed_warning(stable, [mine, mine + 1]) is None
     # Workers that disagree among themselves: said even to a process equal to one of them.
     both = seed_warning(Seeded, [mine, mine + 1], "")
     assert "disagree" in both and "2 different" in both and "PYTHONHASHSEED" in both
