@@ -9,9 +9,8 @@ host restart is reported, never half-applied in silence.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from .. import config
@@ -76,15 +75,18 @@ class BatchPut:
         except DDictError as e:
             self._failed(e, mid)
 
-    @contextlib.contextmanager
-    def deferring(self) -> Iterator[None]:
+    def __enter__(self) -> None:
+        """``with batch:`` around a put: see :meth:`__exit__`."""
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
         """Keep a ``DDictFullError`` raised inside (a value the client refuses before
-        sending) for :meth:`end`, as a manager's own refusal would be: a batch's
-        errors surface at its end, and the puts around it go on."""
-        try:
-            yield
-        except DDictFullError as e:
-            self.error = self.error or e
+        sending) for :meth:`end`, as a manager's own refusal would be: a batch's errors
+        surface at its end, and the puts around it go on.  (A class, not a generator
+        context manager: it wraps every put of a batch.)"""
+        if isinstance(error, DDictFullError):
+            self.error = self.error or error
+            return True
+        return False
 
     def _failed(self, e: DDictError, mid: int) -> None:
         """Keep the batch's first error (a full shard's, naming its manager)."""

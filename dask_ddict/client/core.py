@@ -131,9 +131,16 @@ class _Core(Connections):
             "value in parts under several keys (which spread over the managers)"
         )
 
-    def named(self, e: DDictFullError, mid: int) -> DDictFullError:
+    def full(self, e: DDictFullError, mid: int) -> DDictFullError:
         """``e`` (a shard's own message, which cannot know it) naming dictionary and manager."""
         return DDictFullError(f"DDict {self.name!r} manager {mid}: {e.message}", e.code)
+
+    def write(self, mid: int, op: Any) -> Any:
+        """``op`` (a put) on manager ``mid``; a full shard says whose it is (:meth:`full`)."""
+        try:
+            return self.channel(mid).call(op)
+        except DDictFullError as e:
+            raise self.full(e, mid) from None
 
     @property
     def client(self) -> Client:

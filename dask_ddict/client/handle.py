@@ -31,13 +31,7 @@ from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
-from ..errors import (
-    DDictClosedError,
-    DDictError,
-    DDictFullError,
-    DDictKeyError,
-    DDictTimeoutError,
-)
+from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
 from ..layout import Layout
 from ..transport.ops import (
     Clear,
@@ -370,16 +364,11 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
                     f"persist={self._batch.persist}",
                     "INVALID_OPERATION",
                 )
-            with self._batch.deferring():  # a batch's errors surface at its end
+            with self._batch:  # a value refused here is said at the batch's end
                 self._batch.add(mid, digest, kb, self._framed(mid, kb, value), self._chkpt)
             return
-        framed = self._framed(mid, kb, value)
-        try:
-            self._core.channel(mid).call(
-                Put(digest, kb, framed, self._chkpt, self._client_id, persistent, self._timeout)
-            )
-        except DDictFullError as e:
-            raise self._core.named(e, mid) from None
+        self._core.write(mid, Put(digest, kb, self._framed(mid, kb, value), self._chkpt,
+                                  self._client_id, persistent, self._timeout))  # fmt: skip
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._put(key, value, False)
@@ -459,17 +448,14 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         mid, digest, kb = self._route(key)
         op = SetDefault(digest, kb, self._framed(mid, kb, default), self._chkpt, self._client_id,
                         self._timeout)  # fmt: skip
-        try:
-            return loads_value(self._core.channel(mid).call(op), self._vp)
-        except DDictFullError as e:
-            raise self._core.named(e, mid) from None
+        return loads_value(self._core.write(mid, op), self._vp)
 
     def fetch_add(self, key: Any, n: int = 1) -> int:
         """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
         check_int("n", n)
         mid, digest, kb = self._route(key)
-        frame = self._core.channel(mid).call(
-            FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)
+        frame = self._core.write(
+            mid, FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)
         )
         return loads_value(frame)
 
@@ -508,7 +494,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         self._check()
         self._no_batch("start_batch_put()")
         self._batch = BatchPut(check_bool("persist", persist), self._core.channel,
-                               self._client_id, self._core.named)  # fmt: skip
+                               self._client_id, self._core.full)  # fmt: skip
 
     def end_batch_put(self) -> None:
         """Send what is buffered and raise the first error any manager saw."""
@@ -527,7 +513,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         digest = key_digest(kb)
         every = list(range(self._core.layout.num_managers))
         if self._batch is not None:
-            with self._batch.deferring():
+            with self._batch:
                 framed = self._framed(None, kb, value)
                 for mid in every:
                     self._batch.add(mid, digest, kb, framed, self._chkpt)
