@@ -361,7 +361,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         for reply in replies:
             m = reply[0] if reply else {}
             if "available" not in m or m["host_id"] in self._warned_hosts:
-                continue  # (not measured: a supervisor of an older version)
+                continue  # warned about already, or not measured (an older supervisor)
             ip, seen = m["tcp_host"], measured.get(m["host_id"])
             if seen is None:
                 growth = sum(max(0, int(ws.memory_limit * pause)
