@@ -32,7 +32,6 @@ import pickle
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -178,7 +177,6 @@ def main() -> None:
                     help="processes x clients per process, attaching at the largest count")
     args = ap.parse_args()
     counts = [int(n) for n in args.managers.split(",")]
-    warnings.simplefilter("ignore", RuntimeWarning)  # shards + memory_limit vs. host memory
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip
         procs, per = (int(x) for x in args.clients.split("x"))

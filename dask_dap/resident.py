@@ -1,6 +1,6 @@
 """Distributed arrays resident in a DDict: each rank's DAP section kept beside the data.
 
-The split follows DAPHNE's distributed runtime (``004_*.txt``): the
+The split follows the DAPHNE project's distributed runtime: the
 coordinator (this process) distributes or broadcasts, asks the workers to
 compute on their local sections, and collects; the workers only ever see
 their own section, and what is already in place is never sent again.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import dask
 import dask.array as da
@@ -45,6 +45,8 @@ class SectionKey:
     array: str
     rank: int
     manager: int
+    #: An int is hashed alike in every process: dask_ddict's hash-seed check need not warn.
+    ddict_stable_hash: ClassVar[bool] = True
 
     def __hash__(self) -> int:  # dask_ddict places user-hashed keys on hash(k) % n
         return self.manager

@@ -12,18 +12,20 @@ A key whose class is user-defined and implements ``__hash__`` in Python goes
 to ``hash(key) % num_managers`` instead (Dragon's rule), so users can
 co-locate data with workers.  That hash must be the same in every process
 that touches the dictionary.  Python salts ``str`` and ``bytes`` hashes per
-process unless ``PYTHONHASHSEED`` fixes the seed; Dask's nanny fixes it for its
-workers (``6640`` unless configured), but the client process has its own.  So
-each manager records its worker's seed (:func:`hash_seed`), and a process
-whose seed differs is warned the first time it places a key by a user hash.
+process unless ``PYTHONHASHSEED`` fixes the seed when it starts; Dask's nanny fixes
+it for its workers (``6640`` unless configured), but the client process has its
+own.  So every worker reports ``hash()`` of one probe string (:func:`probe_hash`)
+to the orchestrator, the layout carries the values, and a process whose own probe
+differs (or whose cluster's workers disagree among themselves) is warned the first
+time it places a key by a user hash.  Environment variables are never trusted:
+they may change after a process started.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import os
-import sys
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -61,35 +63,74 @@ def custom_placement(key: Any, num_managers: int) -> int | None:
     return None
 
 
-def hash_seed() -> str:
-    """This process's ``str`` hash seed as text; equal text, equal ``hash()`` of strings.
+#: The string whose ``hash()`` every process compares (a str, as most user hashes hash one;
+#: ``bytes`` use the same seed).
+HASH_PROBE = "dask_ddict hash probe"
 
-    ``"0"`` when hashing is not randomized, the decimal seed when
-    ``PYTHONHASHSEED`` set it (Dask's nanny passes it to its workers that
-    way), else a value unique to this process.
+
+def probe_hash() -> int:
+    """``hash(HASH_PROBE)`` in this process.
+
+    Two processes place keys by a str-based ``__hash__`` alike exactly when their
+    probes are equal, whatever their environments say: ``PYTHONHASHSEED`` in
+    ``os.environ`` may have been set after the interpreter started (Dask's nanny
+    sets it in the process that starts a ``LocalCluster``, for its workers), and
+    then it does not describe this process's ``hash()`` at all.
     """
-    if not sys.flags.hash_randomization:
-        return "0"
-    seed = os.environ.get("PYTHONHASHSEED", "")
-    if seed.isdigit() and seed != "0":
-        return str(int(seed))
-    return f"random:{os.getpid()}@{os.uname().nodename}"
+    return hash(HASH_PROBE)
 
 
-def seed_warning(cls: type, seeds: set[str]) -> str | None:
-    """What to tell a process whose hash seed differs from the workers' (else ``None``)."""
-    mine = hash_seed()
-    others = sorted(s for s in seeds if s and s != mine)
-    if not others:
+_FIX = ("or make __hash__ deterministic, e.g. int.from_bytes(hashlib.blake2b("
+        "repr(self).encode(), digest_size=8).digest(), 'little').  (A __hash__ that hashes "
+        "no str or bytes, e.g. of ints alone, is the same everywhere: say so with "
+        "`ddict_stable_hash = True` in the class, and this check is skipped.)")  # fmt: skip
+
+
+def seed_warning(cls: type, probes: Sequence[int], seed: str = "") -> str | None:
+    """What to tell a process that places keys of ``cls`` by their ``__hash__``, if anything.
+
+    Parameters
+    ----------
+    cls
+        The key's class (named in the message).
+    probes
+        The distinct :func:`probe_hash` values of the cluster's workers, as the
+        orchestrator collected them (empty: not known, nothing to compare).
+    seed
+        The ``PYTHONHASHSEED`` that the workers' environment names when they all
+        name the same one: only a hint for the remedy, never for the decision.
+
+    Returns
+    -------
+    str or None
+        ``None`` when this process hashes as every worker does, or when ``cls``
+        declares ``ddict_stable_hash = True`` (its ``__hash__`` uses no ``str`` or
+        ``bytes`` hash, e.g. it returns an int field, so no seed can change it).  Otherwise the
+        warning: workers that disagree among themselves place such keys
+        differently from one another (tasks miss each other's keys, whatever
+        this process does); a process that differs from agreeing workers places
+        them where tasks do not look.
+    """
+    if getattr(cls, "ddict_stable_hash", False) is True:
+        return None  # the class says that its hash is the same in every process
+    what = (f"key class {cls.__module__}.{cls.__qualname__} places keys by its __hash__ "
+            "(hash(key) % managers)")  # fmt: skip
+    distinct = set(probes)
+    if len(distinct) > 1:
+        return (
+            f"{what}, but the workers disagree on hash() of a str ({len(distinct)} different "
+            "str-hash seeds among them): keys put by a task on one worker may not be found "
+            "by a task on another.  Start every worker with the same PYTHONHASHSEED (Dask's "
+            "nanny does: distributed.nanny.pre-spawn-environ; `dask worker --no-nanny` "
+            f"workers need it in their environment), {_FIX}"
+        )
+    if not distinct or probe_hash() in distinct:
         return None
-    shown = ", ".join(others[:3])
-    fix = others[0] if others[0].isdigit() else "<one fixed number, for the workers too>"
+    run = f"PYTHONHASHSEED={seed}" if seed.isdigit() else "PYTHONHASHSEED=<the workers' seed>"
     return (
-        f"key class {cls.__module__}.{cls.__qualname__} places keys by its __hash__, but this "
-        f"process hashes str/bytes with seed {mine!r} and the managers' workers with {shown}: "
-        "keys put here may not be found from tasks.  Run this process with "
-        f"PYTHONHASHSEED={fix} (the "
-        "workers' seed; Dask's nanny uses distributed.nanny.pre-spawn-environ), or make "
-        "__hash__ deterministic, e.g. int.from_bytes(hashlib.blake2b(repr(self).encode(), "
-        "digest_size=8).digest(), 'little')"
+        f"{what}, but this process's hash() of a str differs from the workers' (Python "
+        "salts str/bytes hashes per process unless PYTHONHASHSEED is set when it starts): "
+        "keys put here may not be found from tasks, nor keys put by tasks from here.  Run "
+        f"this process with {run} (the workers' seed; Dask's nanny uses 6640 unless "
+        f"distributed.nanny.pre-spawn-environ says otherwise), {_FIX}"
     )

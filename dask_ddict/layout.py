@@ -41,7 +41,6 @@ class ManagerInfo:
     lost: bool = False
     restarted: bool = False  # re-attached a shard kept by destroy(allow_restart=True)
     supervisor: str = ""  # address of the nanny (or nanny-less worker) that supervises its host
-    hash_seed: str = ""  # its worker's str-hash seed (see _hashing.hash_seed)
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,12 @@ class Layout:
     creator: str = ""
     lifetime: str = "client"  # "client": released with its holders; "cluster": until destroy()
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The distinct ``hash()`` of :data:`~dask_ddict._hashing.HASH_PROBE` in the cluster's
+    #: workers (where tasks place keys), for the hash-seed check; empty: not known.
+    hash_probes: tuple[int, ...] = ()
+    #: The workers' ``PYTHONHASHSEED`` when they all name the same one: a hint for the
+    #: warning's remedy, never used to decide.
+    hash_seed: str = ""
 
     @property
     def num_managers(self) -> int:
@@ -93,6 +98,7 @@ class Layout:
         d = dict(d)
         d["options"] = DDictOptions.from_dict(d["options"])
         d["managers"] = tuple(ManagerInfo(**m) for m in d["managers"])
+        d["hash_probes"] = tuple(d.get("hash_probes", ()))
         return cls(**d)
 
     def serialize(self) -> str:

@@ -17,6 +17,18 @@ restart: a *new* dictionary restores the newest persisted checkpoint
 there (``pput``: persistent keys survive retirement), so the estimate keeps
 converging instead of starting over.
 
+Which checkpoints end up in the store, e.g. ``[0, 1, 5]`` after the 6 checkpoints
+0..5 of phase 1:
+
+* ``persist_freq=1`` persists a checkpoint *when it retires*, i.e. when the window
+  of the newest ``working_set_size=4`` checkpoints moves past it.  Writing
+  checkpoint 5 moves the window to [2, 5], so 0 and 1 retired and were persisted;
+* 2, 3 and 4 are still in the window: they never retired, so nothing persisted
+  them (and nothing needs them: the restart starts from the newest);
+* 5, the newest, would retire only once a later checkpoint is written.  The
+  restart needs it, so ``d.persist()`` writes it explicitly before the dictionary
+  is destroyed.  ``persist_count=-1`` keeps every persisted id.
+
 Without ``--scheduler`` it runs on an embedded local cluster.
 """
 
@@ -101,10 +113,13 @@ def main() -> None:
         d.persist()  # the newest checkpoint too (retiring ones are persisted already)
         d.sync()
         saved = d.persisted_ids()
-        print(f"  persisted checkpoints: {saved}")
+        newest = saved[-1]
+        retired = [k for k in saved if k <= newest - opts["working_set_size"]]
+        print(f"  persisted checkpoints: {saved}: {retired or 'none'} retired from the window "
+              f"of the newest {opts['working_set_size']} (persist_freq=1), {newest} by "
+              "d.persist() (the newest, for the restart); the others are still in the window")
         d.destroy()  # the dictionary is gone; the zarr store stays
 
-        newest = saved[-1]
         print(f"phase 2: a new dictionary restored from checkpoint {newest}")
         d = DDict(total_mem="64 MiB", client=client, restore_from=newest, **opts)
         hits = [d[("counts", c)] for c in range(args.clients)]

@@ -69,6 +69,12 @@ def test_constructor_arguments_are_checked_before_anything_is_sent(bad):
         (dict(timeout="soon"), ValueError, "timeout 'soon' is not a duration"),
         (dict(working_set_size=1 << 64), ValueError, "working_set_size must be in"),
         (dict(restore_from=1 << 64, name="x", persist_path="/tmp/x"), ValueError, "restore_from"),
+        (dict(total_memory="1 GiB"), TypeError,
+         r"DDict\(\) got an unexpected keyword argument 'total_memory'; did you mean "
+         r"'total_mem'\?"),
+        (dict(managers_per_workers=2), TypeError, "did you mean 'managers_per_worker'"),
+        (dict(colour="red"), TypeError, "'colour'; it takes client, lifetime, .*workers, "
+                                        "working_set_size$"),
     ],
 )
 def test_constructor_mistakes_name_the_argument(client, kwargs, error, match):

@@ -118,6 +118,9 @@ def test_async_errors(cluster, client):
     async def body(aclient):
         with pytest.raises(ValueError, match="working_set_size"):
             await AsyncDDict.create(client=aclient, working_set_size=0)
+        with pytest.raises(TypeError, match=r"AsyncDDict.create\(\) got an unexpected keyword "
+                                            "argument 'total_memory'; did you mean 'total_mem'"):
+            await AsyncDDict.create(client=aclient, total_memory="64 MiB")
         with pytest.raises(TypeError, match="AsyncDDict"):
             DDict(client=aclient)
 

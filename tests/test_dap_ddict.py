@@ -67,3 +67,27 @@ def test_cyclic_resident_array(client, ddict):
     assert arr.dim_data[1][0]["start"] == 2
     np.testing.assert_array_equal(arr.to_dask().compute(), a)
     np.testing.assert_array_equal(arr.map_blocks(np.negative).to_dask().compute(), -a)
+
+
+def test_from_ddict_by_name_and_after_a_restore(client, tmp_path):
+    """docs/dap.md's example: an array stored and transformed in place, read back by name,
+    persisted, and read again from a new dictionary restored from the checkpoint."""
+    import uuid
+
+    from dask_ddict import DDict
+
+    store, name = str(tmp_path / "arrays.zarr"), f"fields-{uuid.uuid4().hex[:6]}"
+    x = client.persist(da.random.default_rng(2).random((64, 48), chunks=(16, 24)))
+    d = DDict(total_mem="64 MiB", client=client, name=name, persist_path=store)
+    arr = to_ddict(x, d, "field")
+    arr.map_blocks(np.sqrt)  # stored beside each section as "field-sqrt"
+    np.testing.assert_allclose(from_ddict(d, "field-sqrt").compute(), np.sqrt(x.compute()))
+    d.persist()  # the handle's checkpoint (0), on every manager
+    d.sync()
+    d.destroy()
+    d = DDict(total_mem="64 MiB", client=client, name=name, persist_path=store, restore_from=0)
+    try:
+        np.testing.assert_array_equal(from_ddict(d, "field").compute(), x.compute())
+        np.testing.assert_allclose(from_ddict(d, "field-sqrt").compute(), np.sqrt(x.compute()))
+    finally:
+        d.destroy()

@@ -48,7 +48,7 @@ VALID = {
 
 
 #: Reference vectors valid only for the reference's lenient reading: a buffer of 50 for
-#: the 25 indices the rank owns (dap-notes.md, test_validator.py).
+#: the 25 indices the rank owns (the reference's tests/test_validator.py; docs/dap.md).
 LENIENT = {"cyclic", "block_cyclic"}
 
 

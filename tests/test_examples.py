@@ -15,7 +15,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 RUNS = {
     "quickstart.py": ([], ["keys on", "steps:"]),
     "checkpoint_pi.py": (["--clients", "4", "--iterations", "3", "--points", "20000"],
-                         ["phase 1", "phase 2: a new dictionary restored", "pi ~ 3.1"]),
+                         ["phase 1", "by d.persist() (the newest, for the restart)",
+                          "phase 2: a new dictionary restored", "pi ~ 3.1"]),
 }  # fmt: skip
 
 

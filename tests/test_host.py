@@ -395,18 +395,6 @@ def test_small_worker_memory_limits_do_not_count_shard_pages():
         d.destroy()
 
 
-def test_creation_warns_when_shards_and_memory_limits_exceed_the_host():
-    import dask
-
-    total = psutil.virtual_memory().total
-    with dask.config.set({"ddict.store.reserve": False}), \
-            LocalCluster(n_workers=1, threads_per_worker=1, memory_limit=int(total * 0.9),
-                         dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
-        with pytest.warns(RuntimeWarning, match="memory_limit"):
-            d = DDict(total_mem=int(total * 0.2), client=c)
-        d.destroy()
-
-
 def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip

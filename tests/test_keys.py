@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from piped import PipeProcess
 
-from dask_ddict._hashing import hash_seed, seed_warning
+from dask_ddict._hashing import HASH_PROBE, probe_hash, seed_warning
 from dask_ddict._keys import dumps_key, encode_key, loads_key
 from dask_ddict.errors import DDictSerializationError
 
@@ -166,17 +166,24 @@ class Seeded:
         return hash(self.name)
 
 
-def test_hash_seed_warning_names_the_fix(monkeypatch):
-    monkeypatch.setenv("PYTHONHASHSEED", "6640")
-    assert sys.flags.hash_randomization  # pytest runs with randomized str hashes
-    assert hash_seed() == "6640"
-    assert seed_warning(Seeded, {"6640"}) is None
-    monkeypatch.delenv("PYTHONHASHSEED")
-    text = seed_warning(Seeded, {"6640"})
+def test_hash_seed_warning_compares_real_hashes_and_names_the_fix(monkeypatch):
+    mine = probe_hash()
+    assert mine == hash(HASH_PROBE)
+    monkeypatch.setenv("PYTHONHASHSEED", "6640")  # what the nanny writes into os.environ...
+    text = seed_warning(Seeded, [mine + 1], "6640")  # ...says nothing about this process
     assert "PYTHONHASHSEED=6640" in text and "hashlib" in text and "Seeded" in text
+    assert "<the workers' seed>" in seed_warning(Seeded, [mine + 1], "")  # no hint: no number
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert seed_warning(Seeded, {""}) is None  # no seed known: nothing to compare
+        assert seed_warning(Seeded, [mine], "977") is None  # same hash(): the hint is moot
+        assert seed_warning(Seeded, []) is None  # the workers' hashes unknown: nothing to compare
+    # A class that declares its hash stable (no str/bytes hash in it) is never warned about.
+    stable = type("Stable", (Seeded,), {"ddict_stable_hash": True})
+    assert seed_warning(stable, [mine + 1], "6640") is None
+    assert seed_warning(stable, [mine, mine + 1]) is None
+    # Workers that disagree among themselves: said even to a process equal to one of them.
+    both = seed_warning(Seeded, [mine, mine + 1], "")
+    assert "disagree" in both and "2 different" in both and "PYTHONHASHSEED" in both
 
 
 class KwNew:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin
-from dask_ddict.errors import DDictError, DDictFullError, error_to_wire
+from dask_ddict.errors import DDictError, DDictFullError, error_to_wire, raise_from_wire
 from dask_ddict.layout import Layout
 from dask_ddict.options import DDictOptions
 
@@ -44,7 +44,8 @@ class FakeSupervisors:
         return [{"manager_id": m, "worker": worker, "hostname": "h", "host_id": "h:boot",
                  "pid": 1, "uds_path": f"/tmp/{address}.sock", "tcp_host": "127.0.0.1",
                  "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40,
-                 "hash_seed": "6640"} for m in manager_ids]  # fmt: skip
+                 "available": 1 << 39, "shard_dir_free": 1 << 39, "shard_bytes": 1 << 30,
+                 "unbacked": 0} for m in manager_ids]  # fmt: skip
 
     def ddict_destroy_managers(self, address: str, **kw: Any) -> int:
         return 1
@@ -95,11 +96,17 @@ async def create(plugin: DDictSchedulerPlugin, name: str = "d", **kw: Any) -> La
 def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
     async def main() -> None:
         plugin, s = await started()
+        for w in ("tcp://w0", "tcp://w1", "tcp://gone"):  # what each worker's plugin reports
+            s.handlers["ddict_hash_probe"](worker=w, probe=7 if w == "tcp://gone" else 5,
+                                           seed="6640")  # fmt: skip
         lay = await create(plugin)
         assert [m.manager_id for m in lay.managers] == [0, 1, 2, 3]
         assert [m.supervisor for m in lay.managers] == ["tcp://n0"] * 2 + ["tcp://n1"] * 2
-        assert {m.hash_seed for m in lay.managers} == {"6640"}
-        assert plugin.attach("d")["uid"] == lay.uid
+        assert (lay.hash_probes, lay.hash_seed) == ((5,), "6640")  # connected workers only
+        s.handlers["ddict_hash_probe"](worker="tcp://w1", probe=6, seed="")  # w1 restarted
+        attached = Layout.from_dict(plugin.attach("d"))
+        assert attached.uid == lay.uid
+        assert (attached.hash_probes, attached.hash_seed) == ((5, 6), "")
         with pytest.raises(DDictError, match="already exists: attach with DDict.from_name.*dask ddict destroy d"):
             await create(plugin)
         anonymous = await plugin.create("", DDictOptions().to_dict(), 64 << 20, 1)
@@ -162,5 +169,29 @@ def test_destroy_and_keep_for_restart():
         assert not await plugin.destroy("d", lay.uid)  # already gone: idempotent
         with pytest.raises(DDictError, match="no DDict named 'd'"):
             plugin.attach("d")
+
+    run(main())
+
+
+def test_a_refusal_is_a_reply_and_a_bug_still_raises():
+    """The ``ddict_create`` handler answers a user's mistake; a bug raises, so that Dask
+    logs it with its traceback."""
+
+    async def main() -> None:
+        plugin, s = await started()
+        await create(plugin)
+        args = dict(name="d", options=DDictOptions().to_dict(), total_mem=64 << 20,
+                    managers_per_worker=2)  # fmt: skip
+        reply = await s.handlers["ddict_create"](**args)
+        assert reply["error"][0] == "DDictError" and "already exists" in reply["error"][1]
+        with pytest.raises(DDictError, match="already exists"):
+            raise_from_wire(reply)
+
+        async def bug(**kwargs: Any) -> Any:
+            raise KeyError("a bug")
+
+        plugin.create = bug  # type: ignore[method-assign]
+        with pytest.raises(KeyError, match="a bug"):
+            await s.handlers["ddict_create"](**args)
 
     run(main())

@@ -225,8 +225,8 @@ def test_clients_check_the_limits_first(guarded):
     _, d = guarded
     with pytest.raises(DDictFullError, match="cannot fit"):  # refused before sending
         d.manager(0)["big"] = np.zeros(65 << 20, dtype="u1")  # over the 64 MiB floor
-    with pytest.raises(DDictFullError):  # under it: sent, and refused by the manager
-        d.manager(0)["big"] = np.zeros(17 << 20, dtype="u1")  # a 16 MiB shard
+    with pytest.raises(DDictFullError, match="shards holds 16777216 bytes"):  # under it, but
+        d.manager(0)["big"] = np.zeros(17 << 20, dtype="u1")  # over the shard: refused too
     with pytest.raises(ValueError, match="max-key-bytes"):
         d["k" * (2 << 20)] = 1
     d.manager(0)["after"] = 2

@@ -1,7 +1,8 @@
 """Validation of DAP 0.10.0 dicts: one rank (:func:`validate`) and all ranks together
 (:func:`validate_distribution`).
 
-Stricter than the reference ``validator.py`` (``dap-notes.md`` §2.2), which
+Stricter than the reference ``validator.py`` (of the protocol's repository,
+enthought/distributed-array-protocol, release 0.10.0), which
 never checks ``size``, accepts ``bool`` for ints, negative ranks and padding,
 and knows nothing across ranks.  Every message names the rank (when known),
 the dimension, the key and the value.

@@ -35,9 +35,9 @@ from ..arguments import Timeout, check_timeout
 from ..layout import Layout
 from ..stats import DDictManagerStats
 from .core import _Core, install_orchestrator
-from .creation import create_request, initial_checkpoint
+from .creation import check_keywords, create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
-from .layouts import forget
+from .layouts import created_layout, forget
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -115,14 +115,15 @@ class AsyncDDict:
         """
         if not isinstance(client, Client) or not client.asynchronous:
             raise TypeError("AsyncDDict.create needs client=<a Client(asynchronous=True)>")
+        check_keywords("AsyncDDict.create", kwargs, CREATE_ARGUMENTS)
         bound = CREATE_SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         given = {k: v for k, v in bound.arguments.items() if k in CREATE_ARGUMENTS}
         timeout = check_timeout(given["timeout"])
         request = create_request(given)
         await install_orchestrator(client)
-        layout_d = await client.scheduler.ddict_create(**request, client=client.id)
-        core = _Core(Layout.from_dict(layout_d), client)
+        core = _Core(created_layout(await client.scheduler.ddict_create(**request,
+                                                                      client=client.id)), client)
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
         await asyncio.to_thread(initial_checkpoint, h, request)
         return cls(h, client)

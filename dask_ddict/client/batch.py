@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import config
 from .._serialize import Framed
-from ..errors import DDictError
+from ..errors import DDictError, DDictFullError
 from ..transport import ops
 
 
@@ -30,9 +30,13 @@ class BatchPut:
         The channel of a manager, by id.
     client_id
         The handle's client id (the managers' writer bookkeeping).
+    named
+        Makes a manager's ``DDictFullError`` name the dictionary and the manager.
     """
 
-    def __init__(self, persist: bool, channel: Callable[[int], Any], client_id: int) -> None:
+    def __init__(self, persist: bool, channel: Callable[[int], Any], client_id: int,
+                 named: Callable[[DDictFullError, int], DDictFullError] | None = None,
+                 ) -> None:  # fmt: skip
         self.id = secrets.randbits(63)  # the managers keep this batch's state under it
         self.persist = persist
         self.flush_bytes = config.get_bytes("batch.flush-bytes")
@@ -42,6 +46,7 @@ class BatchPut:
         self.error: BaseException | None = None
         self._channel = channel
         self._client_id = client_id
+        self._named = named
         self._chkpt = 0  # the handle's checkpoint at the latest put
 
     def __repr__(self) -> str:
@@ -68,7 +73,26 @@ class BatchPut:
             self._channel(mid).call(ops.BatchPut(records, self._chkpt, self._client_id,
                                                  self.persist, self.id))  # fmt: skip
         except DDictError as e:
-            self.error = self.error or e
+            self._failed(e, mid)
+
+    def __enter__(self) -> None:
+        """``with batch:`` around a put: see :meth:`__exit__`."""
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        """Keep a ``DDictFullError`` raised inside (a value the client refuses before
+        sending) for :meth:`end`, as a manager's own refusal would be: a batch's errors
+        surface at its end, and the puts around it go on.  (A class, not a generator
+        context manager: it wraps every put of a batch.)"""
+        if isinstance(error, DDictFullError):
+            self.error = self.error or error
+            return True
+        return False
+
+    def _failed(self, e: DDictError, mid: int) -> None:
+        """Keep the batch's first error (a full shard's, naming its manager)."""
+        if isinstance(e, DDictFullError) and self._named is not None:
+            e = self._named(e, mid)
+        self.error = self.error or e
 
     def end(self) -> None:
         """Send what is buffered, check every manager's count, raise the first error."""
@@ -78,7 +102,7 @@ class BatchPut:
             try:
                 stored = self._channel(mid).call(ops.BatchEnd(self._client_id, self.id))
             except DDictError as e:
-                self.error = self.error or e
+                self._failed(e, mid)
                 continue
             if stored != self.sent[mid] and self.error is None:
                 self.error = DDictError(

@@ -9,20 +9,26 @@ calls, an embedded cluster it may own, and the hash-seed check.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
+from dask.utils import format_bytes
 from distributed import Client, LocalCluster
 
 from .. import config
 from .._hashing import seed_warning
-from ..errors import DDictError
+from ..errors import DDictError, DDictFullError
 from ..layout import Layout
 from ..transport.connect import Connections, default_security
 from .layouts import LayoutRef, current_client, remember, resolve
 
 #: "No argument given" for methods whose ``None`` means something.
 MISSING: Any = object()
+
+#: Dictionaries (uids) whose hash-seed warning this process has shown: once per process
+#: and dictionary, however many handles it attaches.
+_SEED_WARNED: set[str] = set()
 
 
 def install_orchestrator(client: Client) -> Any:
@@ -80,6 +86,7 @@ class _Core(Connections):
         self.cluster = cluster
         self.seed_checked = False
         self.storage_options: dict[str, Any] | None = None  # the creator's, for copy()
+        self._room: int | None = None  # see value_room
 
     def _resolve(self) -> Layout:
         return resolve(self.ref, self._client)
@@ -90,11 +97,64 @@ class _Core(Connections):
         return self.ref.name
 
     def check_hash_seed(self, cls: type) -> None:
-        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks."""
+        """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks.
+
+        Called on the first such placement through this core: it compares this
+        process's ``hash()`` of the probe string with the workers' (carried by the
+        layout), so it costs nothing per operation and no message.
+        """
         self.seed_checked = True
-        text = seed_warning(cls, {m.hash_seed for m in self.layout.managers})
+        layout = self.layout
+        if layout.uid in _SEED_WARNED:
+            return
+        text = seed_warning(cls, layout.hash_probes, layout.hash_seed)
         if text is not None:
+            _SEED_WARNED.add(layout.uid)
             warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+    @property
+    def value_room(self) -> int:
+        """The most bytes a put's value and key may have to fit an empty shard at all.
+
+        Each shard holds ``total_mem / managers`` bytes and puts may fill
+        ``manager_pool_full_thresh`` of it: a bigger value is refused here, naming
+        the real shard size, before it is sent (the transport's own limit is the
+        host's, at least ``ddict.transport.min-value-limit``: too loose to explain).
+        """
+        if self._room is None:
+            lay = self.layout
+            shard = lay.total_mem // lay.num_managers
+            self._room = int(lay.options.manager_pool_full_thresh * shard)
+        return self._room
+
+    def too_large(self, mid: int | None, nbytes: int) -> DDictFullError:
+        """The error for a value of ``nbytes`` (with its key) over :attr:`value_room`.
+
+        ``mid`` is its manager (``None``: every manager, for ``bput``).
+        """
+        lay = self.layout
+        n, thresh = lay.num_managers, lay.options.manager_pool_full_thresh
+        at_least = math.ceil((nbytes + (1 << 20)) * n / thresh)  # (a MiB for LMDB's pages)
+        where = "every manager" if mid is None else f"manager {mid}"
+        return DDictFullError(
+            f"DDict {lay.name!r} {where}: a {nbytes}-byte value (with its key) cannot fit: "
+            f"each of its {n} managers' shards holds {lay.total_mem // n} bytes (total_mem "
+            f"{lay.total_mem} / {n}), and puts may fill {self.value_room} of them "
+            f"({thresh:.0%}: manager_pool_full_thresh).  Create the dictionary with a "
+            f"total_mem of at least {format_bytes(at_least)} for {n} managers, or store the "
+            "value in parts under several keys (which spread over the managers)"
+        )
+
+    def full(self, e: DDictFullError, mid: int) -> DDictFullError:
+        """``e`` (a shard's own message, which cannot know it) naming dictionary and manager."""
+        return DDictFullError(f"DDict {self.name!r} manager {mid}: {e.message}", e.code)
+
+    def write(self, mid: int, op: Any) -> Any:
+        """``op`` (a put) on manager ``mid``; a full shard says whose it is (:meth:`full`)."""
+        try:
+            return self.channel(mid).call(op)
+        except DDictFullError as e:
+            raise self.full(e, mid) from None
 
     @property
     def client(self) -> Client:

@@ -8,9 +8,12 @@ messages before any message is sent.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 from .. import config
 from ..arguments import (
@@ -25,6 +28,49 @@ from ..arguments import (
 from ..options import DDictOptions, parse_total_mem
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DDictOptions))
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def check_keywords(what: str, given: Iterable[str], valid: Collection[str]) -> None:
+    """Refuse a keyword that ``what`` does not take, naming the closest one it does.
+
+    Python's own message (``got an unexpected keyword argument 'total_memory'``) leaves
+    the user to find ``total_mem`` in the docs; ``difflib`` finds it for them.
+
+    Raises
+    ------
+    TypeError
+        Naming the first unknown keyword and its closest match (or every valid name
+        when none is close).
+    """
+    unknown = [k for k in given if k not in valid]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(sorted(valid))}"
+    raise TypeError(f"{what}() got an unexpected keyword argument {unknown[0]!r}; {hint}")
+
+
+def keywords_checked(init: Callable[P, R]) -> Callable[P, R]:
+    """``init``, with :func:`check_keywords` over its own signature (their one declaration).
+
+    The signature stays ``init``'s (``functools.wraps``: ``inspect.signature``, type
+    checkers and the docs see it unchanged).
+    """
+    sig = inspect.signature(init)
+    valid = frozenset(name for name, p in sig.parameters.items() if name != "self"
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))  # fmt: skip
+    what = init.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        check_keywords(what, kwargs, valid)
+        return init(*args, **kwargs)
+
+    return checked
+
 
 def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     """Validate the constructor's arguments into the orchestrator's ``ddict_create`` call.

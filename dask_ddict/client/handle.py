@@ -29,7 +29,7 @@ from distributed import Client
 from .. import config
 from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
-from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
+from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
 from ..layout import Layout
@@ -49,9 +49,9 @@ from ..transport.ops import (
 from .batch import BatchPut
 from .checkpoints import Checkpoints
 from .core import MISSING, _Core, current_client, embedded_client, install_orchestrator
-from .creation import create_request, initial_checkpoint
+from .creation import create_request, initial_checkpoint, keywords_checked
 from .introspection import Introspection
-from .layouts import LayoutRef, forget
+from .layouts import LayoutRef, created_layout, forget
 from .mapping import MappingMethods
 from .replicate import Replication
 from .views import (
@@ -126,6 +126,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
     _derived: bool
     _detached: bool
 
+    @keywords_checked  # DDict(total_memory=...): "did you mean 'total_mem'?"
     def __init__(
         self,
         managers_per_worker: int | None = None,
@@ -166,14 +167,15 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
             install_orchestrator(client)
-            layout_d = client.sync(client.scheduler.ddict_create, **request, client=client.id)
+            layout = created_layout(client.sync(client.scheduler.ddict_create, **request,
+                                                client=client.id))  # fmt: skip
         except BaseException:
             if cluster is not None:
                 client.close()
                 cluster.close()
             raise
-        self._setup(_Core(Layout.from_dict(layout_d), client, cluster), creator=True,
-                    chkpt=0, timeout=timeout)  # fmt: skip
+        self._setup(_Core(layout, client, cluster), creator=True, chkpt=0,
+                    timeout=timeout)  # fmt: skip
         initial_checkpoint(self, request)
 
     def _setup(self, core: _Core, *, creator: bool, chkpt: int, timeout: float | None,
@@ -352,9 +354,15 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
 
     # -- the dict protocol ----------------------------------------------------------
 
+    def _framed(self, mid: int | None, kb: bytes, value: Any) -> Framed:
+        """``value`` serialized, refused here if it cannot fit its shard at all."""
+        framed = dumps_value(value, self._vp)
+        if framed.nbytes + len(kb) > self._core.value_room:
+            raise self._core.too_large(mid, framed.nbytes + len(kb))
+        return framed
+
     def _put(self, key: Any, value: Any, persistent: bool) -> None:
         mid, digest, kb = self._route(key)
-        framed = dumps_value(value, self._vp)
         if self._batch is not None:
             if self._batch.persist != persistent:
                 raise DDictError(
@@ -362,11 +370,11 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
                     f"persist={self._batch.persist}",
                     "INVALID_OPERATION",
                 )
-            self._batch.add(mid, digest, kb, framed, self._chkpt)
+            with self._batch:  # a value refused here is said at the batch's end
+                self._batch.add(mid, digest, kb, self._framed(mid, kb, value), self._chkpt)
             return
-        self._core.channel(mid).call(
-            Put(digest, kb, framed, self._chkpt, self._client_id, persistent, self._timeout)
-        )
+        self._core.write(mid, Put(digest, kb, self._framed(mid, kb, value), self._chkpt,
+                                  self._client_id, persistent, self._timeout))  # fmt: skip
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._put(key, value, False)
@@ -444,16 +452,16 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         """``self[key]`` if present, else put ``default`` and return it, in one atomic step."""
         self._no_batch("setdefault()")
         mid, digest, kb = self._route(key)
-        op = SetDefault(digest, kb, dumps_value(default, self._vp), self._chkpt, self._client_id,
+        op = SetDefault(digest, kb, self._framed(mid, kb, default), self._chkpt, self._client_id,
                         self._timeout)  # fmt: skip
-        return loads_value(self._core.channel(mid).call(op), self._vp)
+        return loads_value(self._core.write(mid, op), self._vp)
 
     def fetch_add(self, key: Any, n: int = 1) -> int:
         """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
         check_int("n", n)
         mid, digest, kb = self._route(key)
-        frame = self._core.channel(mid).call(
-            FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)
+        frame = self._core.write(
+            mid, FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)
         )
         return loads_value(frame)
 
@@ -492,7 +500,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         self._check()
         self._no_batch("start_batch_put()")
         self._batch = BatchPut(check_bool("persist", persist), self._core.channel,
-                               self._client_id)  # fmt: skip
+                               self._client_id, self._core.full)  # fmt: skip
 
     def end_batch_put(self) -> None:
         """Send what is buffered and raise the first error any manager saw."""
@@ -509,14 +517,15 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         self._check()
         kb = dumps_key(key, self._kp)
         digest = key_digest(kb)
-        framed = dumps_value(value, self._vp)
         every = list(range(self._core.layout.num_managers))
         if self._batch is not None:
-            for mid in every:
-                self._batch.add(mid, digest, kb, framed, self._chkpt)
+            with self._batch:
+                framed = self._framed(None, kb, value)
+                for mid in every:
+                    self._batch.add(mid, digest, kb, framed, self._chkpt)
         else:  # one request per host process, all hosts at once
-            self._core.each(Put(digest, kb, framed, self._chkpt, self._client_id, False,
-                                self._timeout), every)  # fmt: skip
+            self._core.each(Put(digest, kb, self._framed(None, kb, value), self._chkpt,
+                                self._client_id, False, self._timeout), every)  # fmt: skip
 
     def bget(self, key: Any) -> Any:
         """Read a broadcast value from this handle's main manager."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed import Client, get_client, get_worker
 
-from ..errors import DDictClosedError, DDictError
+from ..errors import DDictClosedError, DDictError, raise_from_wire
 from ..layout import Layout
 
 _KNOWN: dict[str, Layout] = {}  # uid -> the newest layout seen in this process
@@ -91,6 +91,17 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
                                    "to a new dictionary)")  # fmt: skip
         remember(layout)
         return layout
+
+
+def created_layout(reply: Any) -> Layout:
+    """The layout in the orchestrator's ``ddict_create`` reply, or its refusal raised.
+
+    A refusal (the user's mistake) comes back as an error reply rather than an
+    exception of the handler, so that the scheduler does not log it as a bug;
+    :func:`~dask_ddict.errors.raise_from_wire` raises it here with its type.
+    """
+    raise_from_wire(reply)
+    return Layout.from_dict(reply)
 
 
 def current_client() -> Client | None:

@@ -28,16 +28,18 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from .. import config
-from ..errors import DDictError, raise_from_wire
+from ..errors import DDictError, error_to_wire, raise_from_wire
 from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
 from .dashboard import DashboardData, install
 from .lifetime import Holders
+from .sizing import HostMemory, memory_warnings, pause_fraction
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:
@@ -61,6 +63,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self.dicts = {}
         self.kept = {}
         self._warned_hosts: set[str] = set()
+        #: worker address -> (its hash() of the probe string, its PYTHONHASHSEED if any)
+        self.hash_probes: dict[str, tuple[int, str]] = {}
         self._gone: set[str] = set()  # supervisors (nannies) found gone
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
         self.calls: Counter[str] = Counter()  # handler calls by name, since the start
@@ -74,11 +78,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         handlers: dict[str, Callable[..., Any]] = {
-            "ddict_create": self.create,
+            "ddict_create": self.create_or_refuse,
             "ddict_attach": self.attach,
             "ddict_destroy": self.destroy,
             "ddict_list": self.names,
             "ddict_list_kept": self.names_kept,
+            "ddict_hash_probe": self.hash_probe,
         }
         scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
         install(scheduler, self.dashboard)
@@ -169,10 +174,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
              for r in results for i in r),  # type: ignore[union-attr]
             key=lambda m: m.manager_id,
         )  # fmt: skip
-        memory = {i["host_id"]: i.get("memory", 0)
-                  for r in results for i in r}  # type: ignore[union-attr]  # fmt: skip
         extra: dict[str, Any] = {}
-        warnings = self._memory_warnings(infos, capacity, memory)
+        warnings = self._memory_warnings(results)  # type: ignore[arg-type]
         if warnings:
             extra["warnings"] = warnings
         if kept is not None:
@@ -182,7 +185,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         layout = Layout(
             name=name, uid=uid, secret=secret, tls=tls, options=opts, managers=tuple(infos),
             total_mem=total_mem, scheduler=self.scheduler.address, creator=client, extra=extra,
-            lifetime=lifetime,
+            lifetime=lifetime, **self._hash_fields(),
         )  # fmt: skip
         self.dicts[name] = layout
         if lifetime == "client":
@@ -191,6 +194,29 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
 
+    async def create_or_refuse(self, **kwargs: Any) -> dict[str, Any]:
+        """:meth:`create` as the ``ddict_create`` handler: a refusal is a reply, not a raise.
+
+        Dask logs every exception that a handler raises at ERROR, with its traceback,
+        in the scheduler's log, which is the user's terminal when the cluster runs in
+        their process.  A creation refused for the user's own mistake (a name that
+        exists, ``restart=True`` for an unknown name, a checkpoint that is not
+        persisted, a ``total_mem`` the hosts cannot hold) is no bug of the scheduler's:
+        it goes back as an error reply (:func:`~dask_ddict.errors.error_to_wire`, which
+        the client raises typed through ``raise_from_wire``) and is logged at INFO.
+        Anything else is a bug and keeps its traceback.
+        """
+        try:
+            return await self.create(**kwargs)
+        except Exception as e:
+            wire = error_to_wire(e)
+            if wire is None or getattr(e, "code", "") == "INTERNAL":
+                raise
+            name = kwargs.get("name")
+            logger.info("ddict: creation of %s refused: %s", repr(name) if name else "a DDict", e)
+            logger.debug("ddict: the refusal's traceback", exc_info=True)
+            return wire
+
     def attach(self, name: str, client: str = "") -> dict[str, Any]:
         """The current layout of a dictionary; ``client`` holds it from now on."""
         try:
@@ -198,6 +224,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         except KeyError:
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
         self.holders.attached(name, client)
+        fields = self._hash_fields()  # workers may have come (or gone) since the creation
+        if (layout.hash_probes, layout.hash_seed) != tuple(fields.values()):
+            layout = self.dicts[name] = replace(layout, **fields)
         return layout.to_dict()
 
     async def destroy(self, name: str, uid: str, allow_restart: bool = False) -> bool:
@@ -222,6 +251,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     def names(self) -> list[str]:
         return sorted(self.dicts)
 
+    def hash_probe(self, worker: str, probe: int, seed: str = "") -> None:
+        """A worker process's ``hash()`` of the probe string (see ``_hashing.probe_hash``)."""
+        self.hash_probes[worker] = (int(probe), str(seed))
+
     def names_kept(self) -> list[str]:
         """Names of dictionaries destroyed with ``allow_restart=True``."""
         return sorted(self.kept)
@@ -240,6 +273,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     async def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                             **kwargs: Any) -> None:  # fmt: skip
         """A worker left.  Its managers are lost only if their host went with it."""
+        self.hash_probes.pop(worker, None)
         supervisors = {m.supervisor for lay in self.dicts.values() for m in lay.managers
                        if m.worker == worker and not m.lost}  # fmt: skip
         for sup in supervisors:
@@ -308,33 +342,51 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _hash_fields(self) -> dict[str, Any]:
+        """The layout's ``hash_probes`` and ``hash_seed``: what the connected workers reported."""
+        reported = [v for w, v in self.hash_probes.items() if w in self.scheduler.workers]
+        seeds = {seed for _, seed in reported}
+        return {"hash_probes": tuple(sorted({probe for probe, _ in reported})),
+                "hash_seed": seeds.pop() if len(seeds) == 1 else ""}  # fmt: skip
+
     def _supervisor(self, worker: str) -> str:
         """Where ``worker``'s host supervisor takes control calls: its nanny, or itself."""
         ws = self.scheduler.workers.get(worker)
         return (getattr(ws, "nanny", None) or worker) if ws is not None else worker
 
-    def _memory_warnings(self, infos: list[ManagerInfo], capacity: int,
-                         memory: dict[str, int]) -> list[str]:  # fmt: skip
-        """Hosts whose shards plus workers' memory limits exceed their memory."""
+    def _memory_warnings(self, replies: list[list[dict[str, Any]]]) -> list[str]:
+        """What the hosts of a new dictionary's shards say about fitting them (once per host).
+
+        Each supervisor's reply carries its host's memory as measured after the
+        shards opened (:meth:`HostSupervisor.memory`); the workers' growth comes from
+        the scheduler's view of them.  The decision is :func:`.sizing.memory_warnings`.
+        """
+        measured: dict[str, HostMemory] = {}
+        pause = pause_fraction(dask.config.get("distributed.worker.memory"))
+        for reply in replies:
+            m = reply[0] if reply else {}
+            if "available" not in m or m["host_id"] in self._warned_hosts:
+                continue  # warned about already, or not measured (an older supervisor)
+            ip, seen = m["tcp_host"], measured.get(m["host_id"])
+            if seen is None:
+                growth = sum(max(0, int(ws.memory_limit * pause)
+                                 - int(getattr(ws, "metrics", {}).get("memory", 0)))
+                             for ws in self.scheduler.workers.values()
+                             if ws.host == ip and ws.memory_limit)  # fmt: skip
+                seen = HostMemory(ip, m["available"], m["shard_dir_free"], 0, 0, growth)
+            measured[m["host_id"]] = replace(
+                seen, available=min(seen.available, m["available"]),
+                shard_dir_free=min(seen.shard_dir_free, m["shard_dir_free"]),
+                shard_bytes=seen.shard_bytes + m["shard_bytes"],  # per supervisor: add up
+                unbacked=seen.unbacked + m["unbacked"],
+            )  # fmt: skip
         out = []
-        hosts = {m.host_id: m.tcp_host for m in infos}
-        for hid, ip in hosts.items():
-            total = memory.get(hid, 0)
-            if not total or hid in self._warned_hosts:
-                continue
-            shards = sum(
-                lay.total_mem // lay.num_managers for lay in self.dicts.values()
-                for m in lay.managers if m.host_id == hid and not m.lost
-            ) + capacity * sum(1 for m in infos if m.host_id == hid)  # fmt: skip
-            limits = sum(ws.memory_limit or 0 for ws in self.scheduler.workers.values()
-                         if ws.host == ip)  # fmt: skip
-            if shards + limits > total:
+        for hid, host in measured.items():
+            said = memory_warnings(host)
+            if said:
                 self._warned_hosts.add(hid)  # once per host: the advice does not change
-                out.append(
-                    f"host {ip}: DDict shards ({shards} bytes) plus the workers' memory_limit "
-                    f"({limits} bytes) exceed its memory ({total} bytes); shards live outside "
-                    "the workers, so lower memory_limit or total_mem (see docs/ddict.md)"
-                )
+                logger.info("ddict: %s", "; ".join(said))
+                out.extend(said)
         return out
 
     def _choose_workers(self, n_workers: int | None, workers: list[str] | None) -> list[str]:

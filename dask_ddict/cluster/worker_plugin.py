@@ -12,19 +12,26 @@ worker:
 
 Either way the supervisor's control handlers are installed on that server, and
 the orchestrator addresses them there (``WorkerState.nanny`` or the worker).
+
+Every worker process also tells the orchestrator what its ``hash()`` of a probe
+string is (:func:`~dask_ddict._hashing.probe_hash`), once when the plugin starts
+in it: tasks run there and place keys by a user ``__hash__``, so clients compare
+their own against it.  Only the worker process can say: a nanny's own seed is not
+its worker's (a ``LocalCluster``'s nannies run in the client's process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
-from .._hashing import hash_seed
+from .._hashing import probe_hash
 from ..host.supervisor import HostSupervisor
 
 if TYPE_CHECKING:
@@ -48,6 +55,21 @@ async def _gone(**kwargs: Any) -> None:
     return None
 
 
+async def report_hash_probe(worker: Worker) -> None:
+    """Tell the orchestrator this worker process's :func:`probe_hash` (once per process).
+
+    ``PYTHONHASHSEED`` from the environment goes along as a hint for the warning's
+    remedy only; the check compares the probes.  A scheduler without the orchestrator
+    (the plugin set up by hand) has nothing to tell: that is not an error.
+    """
+    try:
+        seed = os.environ.get("PYTHONHASHSEED", "")
+        await worker.scheduler.ddict_hash_probe(worker=worker.address, probe=probe_hash(),
+                                                seed=seed)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a missing handler, a scheduler going away
+        logger.info("ddict: could not report this worker's hash probe: %r", e)
+
+
 class _Supervising:
     """What both plugins do: own a supervisor and expose its handlers on a server."""
 
@@ -59,11 +81,11 @@ class _Supervising:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.supervisor!r}>"
 
-    async def _start(self, server: Any, hash_seed: str) -> None:
+    async def _start(self, server: Any) -> None:
         security = server.security
         tls = server.address.startswith("tls://") or bool(security.require_encryption)
         sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
-                                               server.address, tls, hash_seed)  # fmt: skip
+                                               server.address, tls)  # fmt: skip
         await asyncio.to_thread(sup.start)  # starting a process: off the event loop
         server.handlers.update(sup.handlers())
 
@@ -80,8 +102,7 @@ class DDictNannyPlugin(_Supervising, NannyPlugin):
     """Supervises the host process of a worker that has a nanny."""
 
     async def setup(self, nanny: Nanny) -> None:
-        # The nanny starts its workers with this seed (it sets one when none is configured).
-        await self._start(nanny, str(nanny.pre_spawn_env.get("PYTHONHASHSEED", "")))
+        await self._start(nanny)
 
     async def teardown(self, nanny: Nanny) -> None:
         await self._stop(nanny)
@@ -91,9 +112,10 @@ class DDictWorkerPlugin(_Supervising, WorkerPlugin):
     """Supervises the host process of a worker without a nanny (else does nothing)."""
 
     async def setup(self, worker: Worker) -> None:
+        await report_hash_probe(worker)
         if worker.nanny:
             return  # the nanny's plugin supervises: the host outlives this process
-        await self._start(worker, hash_seed())
+        await self._start(worker)
 
     async def teardown(self, worker: Worker) -> None:
         await self._stop(worker)

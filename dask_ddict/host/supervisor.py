@@ -72,9 +72,8 @@ class HostSupervisor:
     """
 
     def __init__(self, tcp_host: str, security: Any = None, label: str = "",
-                 tls: bool = False, hash_seed: str = "") -> None:  # fmt: skip
+                 tls: bool = False) -> None:  # fmt: skip
         self.tcp_host = tcp_host
-        self.hash_seed = hash_seed  # the worker's str-hash seed (see _hashing.hash_seed)
         self.security = security
         self.label = label
         self.tls = tls
@@ -252,7 +251,6 @@ class HostSupervisor:
             "tcp_port": self.tcp_port,
             "memory": memory,
             "restarts": self.restart_count,
-            "hash_seed": self.hash_seed,
         }
 
     def create_managers(self, name: str, uid: str, secret: str, options: dict[str, Any],
@@ -274,11 +272,40 @@ class HostSupervisor:
             if uid in self._closed:
                 self._closed.remove(uid)
         where = self.info()
-        return [{**i, "worker": worker, "pid": where["supervisor_pid"],
+        memory = self.memory()  # measured after the shards opened (and were reserved)
+        return [{**i, **memory, "worker": worker, "pid": where["supervisor_pid"],
                  "uds_path": self.uds_path, "tcp_host": self.tcp_host, "tcp_port": self.tcp_port,
-                 "host_id": where["host_id"], "hostname": where["hostname"],
-                 "memory": where["memory"], "hash_seed": self.hash_seed}
+                 "host_id": where["host_id"], "hostname": where["hostname"]}
                 for i in infos]  # fmt: skip
+
+    def memory(self) -> dict[str, int]:
+        """This host's memory as the orchestrator's sizing check needs it, measured now.
+
+        ``memory`` and ``available`` are the host's (``psutil``), ``shard_dir_free`` the
+        free bytes of the shard directory (``/dev/shm``: its tmpfs size, not the RAM),
+        ``shard_bytes`` the size of every shard this supervisor serves and ``unbacked``
+        the part of it that holds no memory yet: nothing when shards are reserved at
+        creation (``ddict.store.reserve``), else what their writes will still take.
+        Measured rather than computed, so that the check sees what really is there.
+        """
+        import psutil
+
+        vm = psutil.virtual_memory()
+        st = os.statvfs(shard_directory())
+        shards = unbacked = 0
+        with self._lock:
+            known = [(spec.capacity, path) for spec, paths, _ in self._dicts.values()
+                     for path in paths.values()]  # fmt: skip
+        for capacity, path in known:
+            try:
+                allocated = os.stat(os.path.join(path, "data.mdb")).st_blocks * 512
+            except OSError:  # removed meanwhile
+                continue
+            shards += capacity
+            unbacked += max(0, capacity - allocated)
+        return {"memory": int(vm.total), "available": int(vm.available),
+                "shard_dir_free": st.f_bavail * st.f_frsize, "shard_bytes": shards,
+                "unbacked": unbacked}  # fmt: skip
 
     def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
         with self._lock:

@@ -43,6 +43,13 @@ from ..errors import DDictError, DDictFullError
 
 logger = logging.getLogger(__name__)
 
+#: What to do about a full shard, said with every :class:`DDictFullError` of a put.
+FULL_REMEDY = (
+    "Free space (pop, clear, or let old checkpoints retire), or create the dictionary "
+    "with a larger total_mem (each of its managers' shards is total_mem / managers; more "
+    "managers add room only with total_mem to match) or a higher manager_pool_full_thresh"
+)
+
 TOMBSTONE = 1
 PERSISTENT = 2
 
@@ -239,8 +246,8 @@ class ShardStore:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
             raise DDictFullError(
-                f"shard {self.path} is full: a {nbytes}-byte value does not fit "
-                f"in {self.capacity} bytes"
+                f"shard is full: a {nbytes}-byte value does not fit in its {self.capacity} "
+                f"bytes (its map is full).  {FULL_REMEDY}"
             ) from e
 
     def delete(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
@@ -478,8 +485,9 @@ class ShardStore:
         need = used + nbytes
         if need > limit:
             raise DDictFullError(
-                f"shard is full: {need} bytes needed, limit {int(limit)} "
-                f"({self.full_thresh:.0%} of {self.capacity})"
+                f"shard is full: this put needs {need} bytes, and puts may fill {int(limit)} "
+                f"of the shard's {self.capacity} ({self.full_thresh:.0%}: "
+                f"manager_pool_full_thresh={self.full_thresh:g}).  {FULL_REMEDY}"
             )
 
     def entries(self, txn: lmdb.Transaction) -> int:
