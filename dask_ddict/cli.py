@@ -100,9 +100,11 @@ def stats(name: str, scheduler: str | None) -> None:
 @click.option("--allow-restart", is_flag=True, help="Keep the shards for DDict(..., restart=True).")
 def destroy(name: str, scheduler: str | None, allow_restart: bool) -> None:
     """Destroy dictionary NAME (every manager and its shard)."""
+    from .client.layouts import layout_reply
+
     with _client(scheduler) as client:
-        layout = client.sync(client.scheduler.ddict_attach, name=name)
-        gone = client.sync(client.scheduler.ddict_destroy, name=name, uid=layout["uid"],
+        layout = layout_reply(client.sync(client.scheduler.ddict_attach, name=name))
+        gone = client.sync(client.scheduler.ddict_destroy, name=name, uid=layout.uid,
                            allow_restart=allow_restart)  # fmt: skip
     click.echo(f"destroyed {name}" if gone else f"{name} was already gone")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .options import DDictOptions
 
-_PREFIX = "ddict2:"
+_PREFIX = "ddict3:"  # 3: hash probes in the layout, not per manager
 
 
 def _checksum(raw: bytes) -> str:
@@ -104,7 +104,7 @@ class Layout:
     def serialize(self) -> str:
         """A printable string from which any process can attach.
 
-        ``ddict2:<base64 JSON>.<checksum>``: the checksum (BLAKE2b of the JSON)
+        ``ddict3:<base64 JSON>.<checksum>``: the checksum (BLAKE2b of the JSON)
         makes an edited or truncated string fail at attach instead of reading
         the wrong shards.
         """
@@ -125,8 +125,8 @@ class Layout:
         """
         if not isinstance(s, str):
             raise TypeError(f"serialized must be a str from DDict.serialize(), got {type(s).__name__}")
-        if s.startswith("ddict1:"):
-            raise ValueError("serialized is a handle of an older dask_ddict (format 1): "
+        if s.startswith(("ddict1:", "ddict2:")):
+            raise ValueError(f"serialized is a handle of an older dask_ddict (format {s[5]}): "
                              "re-create or re-attach the dictionary with this version")  # fmt: skip
         body, _, digest = s[len(_PREFIX):].rpartition(".")
         if not s.startswith(_PREFIX) or not body:

@@ -163,9 +163,10 @@ def _edits(s: str):
     yield s[:-1]  # truncated
     yield s[:7] + s[8:]  # a character gone
     yield body + "." + ("0" if digest[0] != "0" else "1") + digest[1:]  # checksum altered
-    yield s.replace("ddict2:", "ddict1:")  # an older format
+    yield s.replace("ddict3:", "ddict1:")  # older formats
+    yield s.replace("ddict3:", "ddict2:")
     yield ""
-    yield "ddict2:"
+    yield "ddict3:"
 
 
 def test_edited_handles_are_refused(ddict):
@@ -174,7 +175,7 @@ def test_edited_handles_are_refused(ddict):
         with pytest.raises(ValueError, match="serialized"):
             DDict.attach(bad)
     with pytest.raises(TypeError, match="serialized"):
-        DDict.attach(b"ddict2:")
+        DDict.attach(b"ddict3:")
 
 
 def _forged(ddict, edit) -> str:

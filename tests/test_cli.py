@@ -52,7 +52,7 @@ def test_inspect_then_restore_a_store(client, tmp_path):
     assert _files(tmp_path) == before  # inspecting writes nothing
     code, out = run("restore", store, "--name", "cli-two", "--total-mem", "16 MiB",
                     "--scheduler", client.scheduler.address)  # fmt: skip
-    assert code == 0 and out.startswith("ddict2:")
+    assert code == 0 and out.startswith("ddict3:")
     restored = DDict.from_name("cli-two", client)
     try:
         np.testing.assert_array_equal(restored["a"], np.arange(1000))

@@ -224,7 +224,7 @@ def test_a_relative_persist_path_is_the_callers(client, tmp_path, monkeypatch):
         res = runner.invoke(cli, ["restore", "ckpt.zarr", "--name", name, "--total-mem",
                                   "32 MiB", "--scheduler", cl.scheduler_address],
                             catch_exceptions=False)  # fmt: skip
-        assert res.exit_code == 0 and res.output.startswith("ddict2:"), res.output
+        assert res.exit_code == 0 and res.output.startswith("ddict3:"), res.output
         r = DDict.from_name(name, c)
         try:
             assert all(np.array_equal(r[i], np.arange(i + 1)) for i in range(20))

@@ -58,3 +58,12 @@ def test_a_refused_creation_is_an_error_reply_logged_at_info(in_process, logs, t
     assert len(said) == 1 and said[0].levelno == logging.INFO and text in said[0].message
     assert said[0].exc_info is None
     assert DDict.list(in_process) == ["taken"]  # and nothing was left half-created
+
+
+def test_attaching_to_an_unknown_name_is_an_error_reply_logged_at_info(in_process, logs):
+    with pytest.raises(DDictError, match="no DDict named 'nope'"):
+        DDict.from_name("nope", in_process)
+    loud = [r.getMessage() for r in logs.records if r.levelno >= logging.WARNING]
+    assert loud == []  # no "Exception while handling op ddict_attach"
+    said = [r for r in logs.records if r.name.startswith("dask_ddict") and "refused" in r.message]
+    assert len(said) == 1 and said[0].levelno == logging.INFO

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin
+from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin, refusing
 from dask_ddict.errors import DDictError, DDictFullError, error_to_wire, raise_from_wire
 from dask_ddict.layout import Layout
 from dask_ddict.options import DDictOptions
@@ -174,8 +174,8 @@ def test_destroy_and_keep_for_restart():
 
 
 def test_a_refusal_is_a_reply_and_a_bug_still_raises():
-    """The ``ddict_create`` handler answers a user's mistake; a bug raises, so that Dask
-    logs it with its traceback."""
+    """The ``ddict_create`` and ``ddict_attach`` handlers answer a user's mistake; a bug
+    raises, so that Dask logs it with its traceback."""
 
     async def main() -> None:
         plugin, s = await started()
@@ -187,11 +187,19 @@ def test_a_refusal_is_a_reply_and_a_bug_still_raises():
         with pytest.raises(DDictError, match="already exists"):
             raise_from_wire(reply)
 
+        reply = s.handlers["ddict_attach"](name="nope")  # attach answers the same way
+        with pytest.raises(DDictError, match="no DDict named 'nope'"):
+            raise_from_wire(reply)
+
         async def bug(**kwargs: Any) -> Any:
             raise KeyError("a bug")
 
-        plugin.create = bug  # type: ignore[method-assign]
+        def sync_bug(**kwargs: Any) -> Any:
+            raise KeyError("a sync bug")
+
         with pytest.raises(KeyError, match="a bug"):
-            await s.handlers["ddict_create"](**args)
+            await refusing(bug)(**args)
+        with pytest.raises(KeyError, match="a sync bug"):
+            refusing(sync_bug)(**args)
 
     run(main())

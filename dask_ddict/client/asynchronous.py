@@ -32,12 +32,11 @@ from dask.typing import no_default
 from distributed import Client
 
 from ..arguments import Timeout, check_timeout
-from ..layout import Layout
 from ..stats import DDictManagerStats
 from .core import _Core, install_orchestrator
 from .creation import check_keywords, create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
-from .layouts import created_layout, forget
+from .layouts import forget, layout_reply
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -122,8 +121,8 @@ class AsyncDDict:
         timeout = check_timeout(given["timeout"])
         request = create_request(given)
         await install_orchestrator(client)
-        core = _Core(created_layout(await client.scheduler.ddict_create(**request,
-                                                                      client=client.id)), client)
+        core = _Core(layout_reply(await client.scheduler.ddict_create(**request,
+                                                                    client=client.id)), client)
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
         await asyncio.to_thread(initial_checkpoint, h, request)
         return cls(h, client)
@@ -139,7 +138,7 @@ class AsyncDDict:
                         timeout: Timeout = no_default) -> AsyncDDict:  # fmt: skip
         """Attach to the dictionary named ``name`` on ``client``'s cluster."""
         await install_orchestrator(client)
-        layout = Layout.from_dict(await client.scheduler.ddict_attach(name=name, client=client.id))
+        layout = layout_reply(await client.scheduler.ddict_attach(name=name, client=client.id))
         h = DDict._from_core(_Core(layout, client), creator=False, chkpt=0,
                              timeout=check_timeout(timeout))  # fmt: skip
         return cls(h, client)

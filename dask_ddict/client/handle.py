@@ -30,28 +30,27 @@ from .. import config
 from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
-from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
+from ..arguments import Timeout, check_client, check_int, check_timeout
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
 from ..layout import Layout
 from ..transport.ops import (
     Clear,
     Contains,
     FetchAdd,
-    Freeze,
     Get,
     Length,
     Pop,
     Put,
     SetDefault,
-    Unfreeze,
     WaitFor,
 )
 from .batch import BatchPut
+from .bulk import Bulk
 from .checkpoints import Checkpoints
 from .core import MISSING, _Core, current_client, embedded_client, install_orchestrator
 from .creation import create_request, initial_checkpoint, keywords_checked
 from .introspection import Introspection
-from .layouts import LayoutRef, created_layout, forget
+from .layouts import LayoutRef, forget, layout_reply
 from .mapping import MappingMethods
 from .replicate import Replication
 from .views import (
@@ -67,7 +66,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Checkpoints, Introspection, MappingMethods, Replication):
+class DDict(Checkpoints, Introspection, MappingMethods, Replication, Bulk):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -167,7 +166,7 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
             install_orchestrator(client)
-            layout = created_layout(client.sync(client.scheduler.ddict_create, **request,
+            layout = layout_reply(client.sync(client.scheduler.ddict_create, **request,
                                                 client=client.id))  # fmt: skip
         except BaseException:
             if cluster is not None:
@@ -229,8 +228,8 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
         if client is None:
             raise ValueError("from_name needs client= (or a current dask Client)")
         install_orchestrator(client)
-        layout = Layout.from_dict(client.sync(client.scheduler.ddict_attach, name=name,
-                                              client=client.id))  # fmt: skip
+        layout = layout_reply(client.sync(client.scheduler.ddict_attach, name=name,
+                                          client=client.id))  # fmt: skip
         return cls._from_core(_Core(layout, client), creator=False, chkpt=0,
                               timeout=check_timeout(timeout))  # fmt: skip
 
@@ -492,62 +491,6 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication):
     def _no_batch(self, what: str) -> None:
         if self._batch is not None:
             raise DDictError(f"{what} is not allowed inside a batch put", "INVALID_OPERATION")
-
-    # -- batch and broadcast ------------------------------------------------------------
-
-    def start_batch_put(self, persist: bool = False) -> None:
-        """Stream the following puts without per-put replies (until :meth:`end_batch_put`)."""
-        self._check()
-        self._no_batch("start_batch_put()")
-        self._batch = BatchPut(check_bool("persist", persist), self._core.channel,
-                               self._client_id, self._core.full)  # fmt: skip
-
-    def end_batch_put(self) -> None:
-        """Send what is buffered and raise the first error any manager saw."""
-        b = self._batch
-        if b is None:
-            raise DDictError("end_batch_put() without start_batch_put()", "INVALID_OPERATION")
-        self._batch = None
-        b.end()
-
-    def bput(self, key: Any, value: Any) -> None:
-        """Store a copy of the pair on every manager (read it with :meth:`bget`)."""
-        if self._batch is not None and self._batch.persist:
-            raise DDictError("bput inside a persistent batch", "INVALID_OPERATION")
-        self._check()
-        kb = dumps_key(key, self._kp)
-        digest = key_digest(kb)
-        every = list(range(self._core.layout.num_managers))
-        if self._batch is not None:
-            with self._batch:
-                framed = self._framed(None, kb, value)
-                for mid in every:
-                    self._batch.add(mid, digest, kb, framed, self._chkpt)
-        else:  # one request per host process, all hosts at once
-            self._core.each(Put(digest, kb, self._framed(None, kb, value), self._chkpt,
-                                self._client_id, False, self._timeout), every)  # fmt: skip
-
-    def bget(self, key: Any) -> Any:
-        """Read a broadcast value from this handle's main manager."""
-        self._check()
-        kb = dumps_key(key, self._kp)
-        mid = self._target if self._target is not None else self.main_manager
-        try:
-            frame = self._core.channel(mid).call(Get(key_digest(kb), self._chkpt, self._timeout))
-        except DDictKeyError:
-            raise DDictKeyError(key) from None
-        return loads_value(frame, self._vp)
-
-    def freeze(self) -> None:
-        """Make every manager read-only: writes raise ``DDictError`` (INVALID_OPERATION)."""
-        self._core.each(Freeze(), self._managers())
-
-    def unfreeze(self) -> None:
-        self._core.each(Unfreeze(), self._managers())
-
-    @property
-    def is_frozen(self) -> bool:
-        return all(s.frozen for s in self.stats)
 
     # -- handles, locality, introspection --------------------------------------------
 

@@ -82,10 +82,9 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
                 return known  # fetched by another thread while this one waited
             fetches += 1
         try:
-            reply = _ask_orchestrator(ref, client)
+            layout = layout_reply(_ask_orchestrator(ref, client))
         except DDictError:  # "no DDict named ..."
             raise DDictClosedError(f"DDict {ref.name!r} was destroyed") from None
-        layout = Layout.from_dict(reply)
         if layout.uid != ref.uid:
             raise DDictClosedError(f"DDict {ref.name!r} was destroyed (its name now belongs "
                                    "to a new dictionary)")  # fmt: skip
@@ -93,8 +92,9 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
         return layout
 
 
-def created_layout(reply: Any) -> Layout:
-    """The layout in the orchestrator's ``ddict_create`` reply, or its refusal raised.
+def layout_reply(reply: Any) -> Layout:
+    """The layout in the orchestrator's ``ddict_create``/``ddict_attach`` reply, or its
+    refusal raised.
 
     A refusal (the user's mistake) comes back as an error reply rather than an
     exception of the handler, so that the scheduler does not log it as a bug;

@@ -19,12 +19,14 @@ is missing.  Registration is idempotent (fixed name ``"ddict"``).
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import os
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,52 @@ if TYPE_CHECKING:
     from distributed.scheduler import WorkerState
 
 logger = logging.getLogger(__name__)
+
+
+def refusing(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler``, whose refusals come back as error replies instead of raises.
+
+    Dask logs every exception that a handler raises at ERROR, with its traceback,
+    in the scheduler's log, which is the user's terminal when the cluster runs in
+    their process.  A call refused for the user's own mistake (a name that exists
+    or does not, ``restart=True`` for an unknown name, a checkpoint that is not
+    persisted, a ``total_mem`` the hosts cannot hold) is no bug of the scheduler's:
+    it goes back as an error reply (:func:`~dask_ddict.errors.error_to_wire`, which
+    the client raises typed through :func:`~dask_ddict.errors.raise_from_wire`) and
+    is logged at INFO.  Anything else is a bug and keeps its traceback.
+    """
+
+    def refused(e: Exception, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        wire = error_to_wire(e)
+        if wire is None or getattr(e, "code", "") == "INTERNAL":
+            return None
+        name = kwargs.get("name")
+        logger.info("ddict: %s of %s refused: %s", handler.__name__,
+                    repr(name) if name else "a DDict", e)  # fmt: skip
+        logger.debug("ddict: the refusal's traceback", exc_info=True)
+        return wire
+
+    async def later(result: Awaitable[Any], kwargs: dict[str, Any]) -> Any:
+        try:
+            return await result
+        except Exception as e:
+            wire = refused(e, kwargs)
+            if wire is None:
+                raise
+            return wire
+
+    @functools.wraps(handler)
+    def call(**kwargs: Any) -> Any:
+        try:
+            result = handler(**kwargs)
+        except Exception as e:
+            wire = refused(e, kwargs)
+            if wire is None:
+                raise
+            return wire
+        return later(result, kwargs) if inspect.isawaitable(result) else result
+
+    return call
 
 
 class DDictSchedulerPlugin(SchedulerPlugin):
@@ -78,8 +126,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         handlers: dict[str, Callable[..., Any]] = {
-            "ddict_create": self.create_or_refuse,
-            "ddict_attach": self.attach,
+            "ddict_create": refusing(self.create),
+            "ddict_attach": refusing(self.attach),
             "ddict_destroy": self.destroy,
             "ddict_list": self.names,
             "ddict_list_kept": self.names_kept,
@@ -193,29 +241,6 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         logger.info("ddict %s: %d managers on %d workers%s", name, num, len(plan),
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
-
-    async def create_or_refuse(self, **kwargs: Any) -> dict[str, Any]:
-        """:meth:`create` as the ``ddict_create`` handler: a refusal is a reply, not a raise.
-
-        Dask logs every exception that a handler raises at ERROR, with its traceback,
-        in the scheduler's log, which is the user's terminal when the cluster runs in
-        their process.  A creation refused for the user's own mistake (a name that
-        exists, ``restart=True`` for an unknown name, a checkpoint that is not
-        persisted, a ``total_mem`` the hosts cannot hold) is no bug of the scheduler's:
-        it goes back as an error reply (:func:`~dask_ddict.errors.error_to_wire`, which
-        the client raises typed through ``raise_from_wire``) and is logged at INFO.
-        Anything else is a bug and keeps its traceback.
-        """
-        try:
-            return await self.create(**kwargs)
-        except Exception as e:
-            wire = error_to_wire(e)
-            if wire is None or getattr(e, "code", "") == "INTERNAL":
-                raise
-            name = kwargs.get("name")
-            logger.info("ddict: creation of %s refused: %s", repr(name) if name else "a DDict", e)
-            logger.debug("ddict: the refusal's traceback", exc_info=True)
-            return wire
 
     def attach(self, name: str, client: str = "") -> dict[str, Any]:
         """The current layout of a dictionary; ``client`` holds it from now on."""
