@@ -261,11 +261,14 @@ while j < n_ops and time.monotonic() - start < seconds:
         plain.fetch_add(("count", me % 2), 1)
     else:  # a checkpoint: write at the next one, read it back there
         ckd.checkpoint()
-        try:
-            ckd[("ck", me)] = (ckd.checkpoint_id, j)
-        except DDictCheckpointSyncError:  # the others moved on: catch up, as Dragon's do
-            ckd.sync_to_newest_checkpoint()
-            ckd[("ck", me)] = (ckd.checkpoint_id, j)
+        for attempt in range(50):  # the others may move on again while this one catches up
+            try:
+                ckd[("ck", me)] = (ckd.checkpoint_id, j)
+                break
+            except DDictCheckpointSyncError:  # the others moved on: catch up, as Dragon's do
+                ckd.sync_to_newest_checkpoint()
+        else:
+            raise AssertionError("never caught up with the others' checkpoints")
         try:
             assert ckd[("ck", me)] == (ckd.checkpoint_id, j)
         except DDictCheckpointSyncError:  # retired since (a window of 4): nothing to check

@@ -18,6 +18,7 @@ from ..transport.ops import (
     Persist,
     PersistedIds,
     Restore,
+    Rotate,
     Sync,
 )
 
@@ -85,8 +86,15 @@ class Checkpoints:
         return sorted(set.intersection(*sets)) if sets else []
 
     def sync(self) -> None:
-        """Wait until background persistence is done on every manager."""
+        """Wait until background persistence is done on every manager.
+
+        Then every manager applies ``persist_count`` over the checkpoints now
+        complete on all of them (one more broadcast): after ``sync()``, each
+        holds the newest ``persist_count`` complete checkpoints and nothing older.
+        """
         self._each(Sync(), "sync")
+        if self._core.layout.options.persist_count > 0:
+            self._each(Rotate())
 
     def restore(self, chkpt: int) -> None:
         """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.

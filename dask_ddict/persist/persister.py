@@ -118,8 +118,8 @@ class Persister:
         manager's ids newer than it stay, complete or not.  So the newest
         complete checkpoint is never removed, anywhere, and an older one only
         once a newer one is complete.  A manager ahead of the others keeps
-        its newer ids until they are complete everywhere (at most one more
-        than ``persist_count`` in steady state).
+        older ids until the others catch up: it rotates again at its next
+        persist, and at ``sync()`` (every manager, once all are done).
         """
         k = self.persist_count
         if k <= 0:

@@ -107,6 +107,12 @@ class CheckpointIO:
         if self.persister is not None:
             self.persister.sync()
 
+    def rotate(self) -> None:
+        """Apply ``persist_count`` over the checkpoints complete on every manager now."""
+        if self.persister is not None and not self.read_only:
+            self.persister.sync()
+            self.persister.rotate()
+
     def restore(self, chkpt: int, *, discard_newer: bool = True) -> int:
         """Replace the shard by persisted checkpoint ``chkpt``; return its key count.
 

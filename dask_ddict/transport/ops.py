@@ -11,7 +11,8 @@ An operation is one request class.  It says in one place:
 
 Clients send operations through a channel's one ``call(operation)``; the host
 dispatches them through :data:`HANDLERS`, built from this module.  Adding an
-operation is one class here plus the manager method it calls; what every
+operation is one class here (or, for operations on whole checkpoints, in
+:mod:`.whole_checkpoints`) plus the manager method it calls; what every
 operation shares (kinds, the request header's terms, reply shapes) is in
 :mod:`.operation`.
 
@@ -49,6 +50,16 @@ from .operation import (
     Request,
 )
 from .protocol import FLAG_NOREPLY, FLAG_PERSIST, RECORD, WANT_KEYS, WANT_VALUES, Op
+from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints; in the tables)
+    Advance,
+    CopyFrom,
+    DumpPage,
+    Persist,
+    PersistedIds,
+    Restore,
+    Rotate,
+    Sync,
+)
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
@@ -397,107 +408,6 @@ class Ping(IntReply, Answered):
     @staticmethod
     def answer(m: Manager, r: Request) -> tuple[int, Any]:
         return os.getpid(), b""
-
-
-# -- persistence ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Persist(AtCheckpoint):
-    """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
-
-    op = Op.PERSIST
-    chkpt: int
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.persist(r.chkpt)
-        reply()
-
-
-@dataclass(slots=True)
-class PersistedIds(PickledReply, Answered):
-    op = Op.PERSISTED_IDS
-    kind = Kind.READ
-
-    @staticmethod
-    def answer(m: Manager, r: Request) -> tuple[int, Any]:
-        return 0, pickle.dumps(m.persisted_ids())
-
-
-@dataclass(slots=True)
-class Sync(Operation):
-    """Wait for the background persists; raise the first failure."""
-
-    op = Op.SYNC
-    kind = Kind.READ
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.sync()
-        reply()
-
-
-@dataclass(slots=True)
-class Restore(AtCheckpoint, IntReply):
-    """Load persisted checkpoint ``chkpt``; the reply is its key count."""
-
-    op = Op.RESTORE
-    chkpt: int
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(m.restore(r.chkpt))
-
-
-@dataclass(slots=True)
-class Advance(IntReply):
-    """Read-only replay: load the next persisted checkpoint; the reply is its id."""
-
-    op = Op.ADVANCE
-    kind = Kind.UNSAFE  # sent again, it would advance twice
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(m.advance())
-
-
-# -- replication ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class DumpPage(PickledReply):
-    """One page of the shard's raw records from one snapshot (see ``Manager.dump_page``)."""
-
-    op = Op.DUMP_PAGE
-    kind = Kind.READ  # the snapshot is the manager's, by token: a resent request resumes it
-    token: int | None
-    after: bytes | None
-
-    def encode(self) -> Encoded:
-        return Encoded(keysec=self.after or b"", arg=self.token or 0)
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        after = (r.digest + r.key) or None
-        reply(0, pickle.dumps(m.dump_page(r.arg or None, after)))
-
-
-@dataclass(slots=True)
-class CopyFrom(IntReply):
-    """Replace the shard by manager ``manager_id`` of the serialized ``source``."""
-
-    op = Op.COPY_FROM
-    source: str
-    manager_id: int
-
-    def encode(self) -> Encoded:
-        data = self.source.encode()
-        return Encoded(parts=(data,), vlen=len(data), arg=self.manager_id)
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(m.copy_from(bytes(r.value).decode(), r.arg))
 
 
 #: A host keeps at most this many broadcast answers per dictionary, each at most this big.

@@ -63,6 +63,7 @@ class Op(enum.IntEnum):
     COPY_FROM = 24
     SET_DEFAULT = 25
     FANOUT = 26  # one request, the same operation on several managers of one host process
+    ROTATE = 27
 
 
 FLAG_PERSIST = 1

@@ -1,0 +1,149 @@
+"""The operations on whole checkpoints: persistence and replication.
+
+Part of the one table of operations (:mod:`.ops` imports them into
+``OPERATIONS``/``HANDLERS``); each moves or names whole checkpoints of a
+shard rather than keys, and is sent to every manager (or the chosen one) by
+the client's persistence and replication calls.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .operation import (
+    Answered,
+    AtCheckpoint,
+    Encoded,
+    IntReply,
+    Kind,
+    Operation,
+    PickledReply,
+    Reply,
+    Request,
+)
+from .protocol import Op
+
+if TYPE_CHECKING:
+    from ..shard.manager import Manager
+
+
+# -- persistence ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Persist(AtCheckpoint):
+    """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
+
+    op = Op.PERSIST
+    chkpt: int
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.persist(r.chkpt)
+        reply()
+
+
+@dataclass(slots=True)
+class PersistedIds(PickledReply, Answered):
+    op = Op.PERSISTED_IDS
+    kind = Kind.READ
+
+    @staticmethod
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return 0, pickle.dumps(m.persisted_ids())
+
+
+@dataclass(slots=True)
+class Sync(Operation):
+    """Wait for the background persists; raise the first failure."""
+
+    op = Op.SYNC
+    kind = Kind.READ
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.sync()
+        reply()
+
+
+@dataclass(slots=True)
+class Rotate(Operation):
+    """Remove what ``persist_count`` no longer keeps (``Persister.rotate``), now.
+
+    Sent by ``sync()`` once every manager's background persists are done: a
+    manager rotates after each of its own persists, when the others may not have
+    finished theirs yet, so without this a manager ahead of the others would
+    hold more than ``persist_count`` checkpoints until its next persist.
+    """
+
+    op = Op.ROTATE
+    kind = Kind.IDEMPOTENT
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        m.rotate()
+        reply()
+
+
+@dataclass(slots=True)
+class Restore(AtCheckpoint, IntReply):
+    """Load persisted checkpoint ``chkpt``; the reply is its key count."""
+
+    op = Op.RESTORE
+    chkpt: int
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.restore(r.chkpt))
+
+
+@dataclass(slots=True)
+class Advance(IntReply):
+    """Read-only replay: load the next persisted checkpoint; the reply is its id."""
+
+    op = Op.ADVANCE
+    kind = Kind.UNSAFE  # sent again, it would advance twice
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.advance())
+
+
+# -- replication ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DumpPage(PickledReply):
+    """One page of the shard's raw records from one snapshot (see ``Manager.dump_page``)."""
+
+    op = Op.DUMP_PAGE
+    kind = Kind.READ  # the snapshot is the manager's, by token: a resent request resumes it
+    token: int | None
+    after: bytes | None
+
+    def encode(self) -> Encoded:
+        return Encoded(keysec=self.after or b"", arg=self.token or 0)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        after = (r.digest + r.key) or None
+        reply(0, pickle.dumps(m.dump_page(r.arg or None, after)))
+
+
+@dataclass(slots=True)
+class CopyFrom(IntReply):
+    """Replace the shard by manager ``manager_id`` of the serialized ``source``."""
+
+    op = Op.COPY_FROM
+    source: str
+    manager_id: int
+
+    def encode(self) -> Encoded:
+        data = self.source.encode()
+        return Encoded(parts=(data,), vlen=len(data), arg=self.manager_id)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        reply(m.copy_from(bytes(r.value).decode(), r.arg))
