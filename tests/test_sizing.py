@@ -51,6 +51,7 @@ def test_shards_that_leave_the_workers_too_little_warn():
     said = _sizing_warnings(list(caught))
     assert len(said) == 1, said
     assert "before Dask pauses them" in said[0] and "lower memory_limit or total_mem" in said[0]
+    assert {w.filename for w in caught} == {__file__}  # shown at the user's line
 
 
 def test_shards_larger_than_the_memory_warn():

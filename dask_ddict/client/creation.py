@@ -117,8 +117,8 @@ def initial_checkpoint(h: Any, request: dict[str, Any]) -> None:
     and keeps ``storage_options`` in this process only, for :meth:`DDict.copy`
     (they are credentials: never in the layout or a serialized handle)."""
     h._core.storage_options = request["storage_options"]
-    for text in h._core.layout.extra.get("warnings", ()):
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
+    for text in h._core.layout.extra.get("warnings", ()):  # at the line that called DDict(...)
+        warnings.warn(text, RuntimeWarning, stacklevel=4)  # (here, __init__, keywords_checked)
     restore_from = request["options"]["restore_from"]
     if request["restart"]:
         h.sync_to_newest_checkpoint()
