@@ -44,7 +44,10 @@ class Persister:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _ids and _error
+        # One writer of the store at a time: the background thread's persists and
+        # rotations, sync()'s rotation (from a request thread) and restore's discards.
+        self._io = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -96,17 +99,23 @@ class Persister:
         only follows the commit, so a crash at any point leaves the newest
         complete copies.
         """
-        try:
-            self.store.write(chkpt, entries)
-        except BaseException:
-            with self._lock:  # the previous copy of chkpt is intact: ask the store
-                self._ids = self.store.ids()
-            raise
-        with self._lock:
-            self._ids = sorted({*self._ids, chkpt})
-        self.rotate()
+        with self._io:
+            try:
+                self.store.write(chkpt, entries)
+            except BaseException:
+                with self._lock:  # the previous copy of chkpt is intact: ask the store
+                    self._ids = self.store.ids()
+                raise
+            with self._lock:
+                self._ids = sorted({*self._ids, chkpt})
+            self._rotate()
 
     def rotate(self) -> None:
+        """:meth:`_rotate` now (``sync()`` asks every manager once all are done)."""
+        with self._io:
+            self._rotate()
+
+    def _rotate(self) -> None:
         """Remove what ``persist_count`` no longer keeps, never a checkpoint still needed.
 
         A checkpoint is only useful once *every* manager has committed it, and
@@ -137,11 +146,12 @@ class Persister:
 
     def discard_above(self, chkpt: int) -> None:
         """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""
-        with self._lock:
-            doomed = [i for i in self._ids if i > chkpt]
-            self._ids = [i for i in self._ids if i <= chkpt]
-        for i in doomed:
-            self.store.delete(i)
+        with self._io:
+            with self._lock:
+                doomed = [i for i in self._ids if i > chkpt]
+                self._ids = [i for i in self._ids if i <= chkpt]
+            for i in doomed:
+                self.store.delete(i)
 
     def _run(self) -> None:
         while True:

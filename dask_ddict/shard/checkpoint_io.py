@@ -110,7 +110,6 @@ class CheckpointIO:
     def rotate(self) -> None:
         """Apply ``persist_count`` over the checkpoints complete on every manager now."""
         if self.persister is not None and not self.read_only:
-            self.persister.sync()
             self.persister.rotate()
 
     def restore(self, chkpt: int, *, discard_newer: bool = True) -> int:
