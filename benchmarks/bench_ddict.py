@@ -1,4 +1,4 @@
-"""DDict benchmark: one command, one table, ratios to redis-py in the same run.
+"""DDict benchmark: one command, one table, ratios to a reference measured in the same run.
 
     python benchmarks/bench_ddict.py [--quick]
 
@@ -11,19 +11,49 @@ put/get of 100 B values (ops/s) and of 1 MiB / 64 MiB numpy arrays (MB/s):
   (both same host: managers run in host processes beside the workers),
 * over TCP (same-host paths disabled: what another host would see),
 
-plus batch put of 100 B values, and the p99 latency of 100 B puts from the
-client while the manager's worker runs a CPU-bound pure-Python task on its
-thread (target: at most 2 ms; the manager's host process is not the worker).  When ``redis-server`` is on the PATH it is
-started on a loopback port and redis-py (hiredis) does the same operations
-(and a pipeline of 1000 SETs for the batch row); the last column is the ratio.
-When a ``dragon`` launcher is found (``DDICT_BENCH_DRAGON``, else the PATH),
-``bench_dragon.py`` runs Dragon's DDict on the 100 B rows in the same run.
-Absolute numbers on 2-core VMs are noisy: read the ratios.
+against redis-py doing the same operations (the reference column), and these
+rows, each against the reference its reference column names:
+
+* ``memcpy 64 MiB``: ``np.copyto`` between two warm 64 MiB buffers in this
+  process (best of a few): the reference of the next two rows.
+* ``get 64 MiB copy=False``: one ``d.manager(0).get(key, copy=False)`` of a
+  64 MiB float64 array from the client (a zero-copy view; median of a few),
+  in ms; ratio = that time / one memcpy (target <= 0.10).
+* ``get 64 MiB (copying)``: ``d.manager(0)[key]`` from the client, MB/s (best
+  of a few); ratio = fraction of memcpy's bandwidth (target >= 0.8).
+* ``get 64 MiB (tcp)``: the same get over TCP, MB/s (best of a few), against
+  loopback TCP: a child process sends 64 MiB messages over 127.0.0.1, this
+  process ``recv_into`` a preallocated buffer (best of a few); target >= 0.8.
+* ``get_many 1000 x 100 B``: keys/s of ``d.get_many(keys)``, 1,000 keys of
+  100 B spread over both managers, from the client (same host) and over TCP,
+  against redis-py ``r.mget`` of 1,000 keys.
+* ``batch put 1000 x 100 B``: keys/s of ``start_batch_put()``, 1,000 puts,
+  ``end_batch_put()`` on the whole dictionary, same host and over TCP, against
+  a redis-py pipeline of 1,000 SETs (``transaction=False``).
+* ``host CPU per get/put 100 B (tcp)``: CPU time (user + system, psutil) the
+  manager's host process (``d.stats[0].pid``) spends per 100 B get and per
+  100 B put from ``d.manager(0)`` over TCP, over 10,000 operations each
+  (30,000 without ``--quick``), against redis-server's CPU per GET/SET over as
+  many redis-py calls; ratio = ours / redis-server's (target <= 1.0).  The
+  kernel counts CPU time in 10 ms ticks: +-1 us per operation at 10,000.
+* ``p99 put 100 B``: the p99 latency of 100 B puts from the client while the
+  manager's worker runs a CPU-bound pure-Python task on its thread (target:
+  at most 2 ms; the manager's host process is not the worker).
+* TLS: the 100 B and 1 MiB put/get over TCP with TLS on.
+
+Rows needing an API not in this build yet (``get(..., copy=False)``,
+``get_many``) print ``n/a (not built)``.  When ``redis-server`` is on the PATH
+it is started on a loopback port and redis-py (hiredis) does the same
+operations; without it the redis cells are ``n/a``.  When a ``dragon``
+launcher is found (``DDICT_BENCH_DRAGON``, else the PATH), ``bench_dragon.py``
+runs Dragon's DDict on the 100 B rows in the same run.  Absolute numbers on
+2-core VMs are noisy: read the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -34,6 +64,7 @@ import tempfile
 import time
 from typing import Any
 
+import _bench_refs as refs  # beside this script (sys.path[0])
 import dask
 import numpy as np
 from distributed import Client, LocalCluster
@@ -41,6 +72,11 @@ from distributed import Client, LocalCluster
 from dask_ddict import DDict
 
 SIZES = {"100 B": 100, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
+BIG = 64 << 20
+KEYS = [f"k{i}" for i in range(1000)]  # the get_many / mget keys
+Row = tuple[str, str, str, str, str]
+DRAGON_ROWS = {"batch put 100 B": "batch put 1000 x 100 B"}  # bench_dragon's name -> ours
+SAME, TCP = "client (same host)", "client (tcp, as from another host)"
 
 
 def _value(nbytes: int) -> Any:
@@ -80,6 +116,136 @@ def run_batch(d: DDict, seconds: float) -> float:
     rate = n / (time.perf_counter() - t0)
     d.clear()
     return rate
+
+
+def has_copy_false() -> bool:
+    """Whether ``DDict.get`` takes ``copy=`` (the zero-copy get) in this build."""
+    return "copy" in inspect.signature(DDict.get).parameters
+
+
+def run_get_many(d: DDict, seconds: float) -> float:
+    """keys/s of ``d.get_many(KEYS)`` (1,000 keys of 100 B over all of ``d``'s managers)."""
+    v = _value(100)
+    d.start_batch_put()
+    for k in KEYS:
+        d[k] = v
+    d.end_batch_put()
+    assert len(d.get_many(KEYS)) == len(KEYS)
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n < 3:
+        d.get_many(KEYS)
+        n += len(KEYS)
+    rate = n / (time.perf_counter() - t0)
+    d.clear()
+    return rate
+
+
+def run_redis_mget(r: Any, seconds: float) -> float:
+    r.mset({k: b"x" * 100 for k in KEYS})
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n < 3:
+        r.mget(KEYS)
+        n += len(KEYS)
+    rate = n / (time.perf_counter() - t0)
+    r.flushall()
+    return rate
+
+
+def bulk_rows(handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
+    """get_many and batch put of 1,000 x 100 B through each handle, vs mget / a pipeline."""
+    mget = run_redis_mget(r, secs) if r is not None else None
+    pipe = run_redis_pipeline(r, secs) if r is not None else None
+    rows = []
+    for where, h in handles.items():
+        if hasattr(DDict, "get_many"):
+            rate = run_get_many(h, secs)
+            rows.append(("get_many 1000 x 100 B", where, f"{rate:,.0f} keys/s",
+                         f"mget: {mget:,.0f} keys/s" if mget else "n/a",
+                         f"{rate / mget:.2f}x" if mget else "n/a"))  # fmt: skip
+        else:
+            rows.append(("get_many 1000 x 100 B", where, "n/a (not built)",
+                         f"mget: {mget:,.0f} keys/s" if mget else "n/a", "n/a"))  # fmt: skip
+    for where, h in handles.items():
+        rate = run_batch(h, secs)
+        rows.append(("batch put 1000 x 100 B", where, f"{rate:,.0f} keys/s",
+                     f"pipeline: {pipe:,.0f} keys/s" if pipe else "n/a",
+                     f"{rate / pipe:.2f}x" if pipe else "n/a"))  # fmt: skip
+    return rows
+
+
+def big_get_rows(m0: DDict, reps: int) -> list[Row]:
+    """memcpy of 64 MiB, and same-host gets of a 64 MiB array as a fraction of it."""
+    mem = refs.memcpy_seconds(BIG, reps)
+    ref_ms, ref_bw = f"memcpy: {mem * 1e3:.1f} ms", f"memcpy: {BIG / mem / 1e6:,.0f} MB/s"
+    rows: list[Row] = [("memcpy 64 MiB", "client process (np.copyto, warm buffers)", "-",
+                        f"{BIG / mem / 1e6:,.0f} MB/s ({mem * 1e3:.1f} ms)", "reference")]
+    m0["big"] = _value(BIG)
+    try:
+        if has_copy_false():
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                view = m0.get("big", copy=False)
+                times.append(time.perf_counter() - t0)
+                assert view.nbytes == BIG, type(view)
+                del view
+            t = float(np.median(times))
+            rows.append(("get 64 MiB copy=False", SAME, f"{t * 1e3:.3f} ms", ref_ms,
+                         f"{t / mem:.3f} of memcpy (target <= 0.10)"))  # fmt: skip
+        else:
+            rows.append(("get 64 MiB copy=False", SAME, "n/a (not built)", ref_ms,
+                         "target <= 0.10 of memcpy"))  # fmt: skip
+        t = refs.best_of(lambda: m0["big"], reps, budget=10.0)
+        rows.append(("get 64 MiB (copying)", SAME, f"{BIG / t / 1e6:,.0f} MB/s", ref_bw,
+                     f"{mem / t:.2f} of memcpy (target >= 0.8)"))  # fmt: skip
+    finally:
+        del m0["big"]
+    return rows
+
+
+def tcp_big_row(tcp0: DDict, reps: int) -> Row:
+    """A 64 MiB get over TCP against loopback TCP's bandwidth (both best of ``reps``)."""
+    wire = refs.loopback_seconds(BIG, reps)
+    tcp0["big"] = _value(BIG)
+    try:
+        tcp0["big"]  # warm: the connection's buffers
+        t = refs.best_of(lambda: tcp0["big"], reps, budget=10.0)
+    finally:
+        del tcp0["big"]
+    return ("get 64 MiB (tcp)", TCP, f"{BIG / t / 1e6:,.0f} MB/s",
+            f"loopback TCP: {BIG / wire / 1e6:,.0f} MB/s",
+            f"{wire / t:.2f} of loopback (target >= 0.8)")  # fmt: skip
+
+
+def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
+    """CPU of the manager's host process per 100 B get/put over TCP, vs redis-server's."""
+    pid = tcp0.stats[0].pid
+    if not pid or pid == os.getpid():
+        raise RuntimeError(f"stats gave pid {pid}, not the host process's")
+    v = _value(100)
+
+    def put(i: int) -> None:
+        tcp0[i % 1000] = v
+
+    ours = {"put": refs.cpu_per_op(pid, put, n, cap=60.0),
+            "get": refs.cpu_per_op(pid, lambda i: tcp0[i % 1000], n, cap=60.0)}  # fmt: skip
+    tcp0.clear()
+    theirs: dict[str, tuple[float, int]] = {}
+    if redis_ctx:
+        rpid, r = redis_ctx[0].pid, redis_ctx[1]
+        theirs = {"put": refs.cpu_per_op(rpid, lambda i: r.set(i % 1000, v), n, cap=60.0),
+                  "get": refs.cpu_per_op(rpid, lambda i: r.get(i % 1000), n, cap=60.0)}
+        r.flushall()
+    rows = []
+    for op, rop in (("get", "GET"), ("put", "SET")):
+        (cpu, done), base = ours[op], theirs.get(op, (0.0, 0))[0]
+        rows.append((f"host CPU per {op} 100 B (tcp)", f"host process, {done:,} {op}s",
+                     f"{cpu * 1e6:.0f} us",
+                     f"redis-server per {rop}: {base * 1e6:.0f} us" if theirs else "n/a",
+                     f"{cpu / base:.2f} (target <= 1.0)" if base else "n/a"))  # fmt: skip
+    return rows
 
 
 def task_bench(d: DDict, nbytes: int, seconds: float) -> dict[str, float]:
@@ -223,6 +389,53 @@ def fmt(nbytes: int, rate: float) -> str:
     return f"{rate * nbytes / 1e6:,.0f} MB/s"
 
 
+def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], secs: float,
+                 reps: int, n_cpu: int) -> list[Row]:  # fmt: skip
+    """Every row measured on the 2-worker cluster (``bases`` gets redis-py's per size)."""
+    rows: list[Row] = []
+    r_py = redis_ctx[1] if redis_ctx else None
+    m0 = d.manager(0)  # every key on manager 0, hosted by worker 0
+    w0, w1 = d.manager_workers[0], d.manager_workers[1]
+    for label, nbytes in SIZES.items():
+        s = secs if nbytes < (64 << 20) else max(secs, 1.0)
+        res = {
+            SAME: run_ddict(m0, nbytes, s),
+            "task on the manager's worker": c.submit(
+                task_bench, m0, nbytes, s, workers=[w0], pure=False).result(),
+            "task, other worker (same host)": c.submit(
+                task_bench, m0, nbytes, s, workers=[w1], pure=False).result(),
+        }  # fmt: skip
+        with dask.config.set({"ddict.local-transport": False}):
+            tcp = DDict.attach(d.serialize(), client=c)
+            try:
+                res[TCP] = run_ddict(tcp.manager(0), nbytes, s)
+            finally:
+                tcp.detach()
+        base = bases[label] = run_redis(r_py, nbytes, s) if r_py else None
+        for where, r in res.items():
+            for op in ("put", "get"):
+                ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
+                rows.append((f"{op} {label}", where, fmt(nbytes, r[op]),
+                             fmt(nbytes, base[op]) if base else "n/a", ratio))  # fmt: skip
+    rows += big_get_rows(m0, reps)
+    # channels pick their transport when first used: every TCP call stays in this block
+    with dask.config.set({"ddict.local-transport": False}):
+        tcp = DDict.attach(d.serialize(), client=c)
+        try:
+            rows.append(tcp_big_row(tcp.manager(0), reps))
+            rows += bulk_rows({SAME: d, TCP: tcp}, r_py, secs)
+            rows += host_cpu_rows(tcp.manager(0), redis_ctx, n_cpu)
+        finally:
+            tcp.detach()
+    busy = c.submit(spin, secs * 2 + 1, workers=[w0], pure=False)
+    time.sleep(0.5)
+    lat = put_latencies(m0, secs * 2)
+    busy.result()
+    rows.append(("p99 put 100 B", "client, manager's worker CPU-bound",
+                 f"{p99(lat) * 1e3:.2f} ms", "n/a", "target <= 2 ms"))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
@@ -230,50 +443,28 @@ def main() -> None:
     args = ap.parse_args()
     secs = args.seconds or (0.5 if args.quick else 2.0)
 
-    rows: list[tuple[str, str, str, str, str]] = []
+    reps = 5 if args.quick else 10  # best-of / median counts of the 64 MiB rows
+    n_cpu = 10_000 if args.quick else 30_000  # operations per host-CPU cell
+    rows: list[Row] = []
     bases: dict[str, dict[str, float] | None] = {}
     redis_ctx = start_redis()
     try:
         with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
                 Client(cl) as c:  # fmt: skip
             d = DDict(total_mem="1 GiB", client=c, n_workers=2)
-            m0 = d.manager(0)  # every key on manager 0, hosted by worker 0
-            w0, w1 = d.manager_workers[0], d.manager_workers[1]
-            for label, nbytes in SIZES.items():
-                s = secs if nbytes < (64 << 20) else max(secs, 1.0)
-                res = {
-                    "client (same host)": run_ddict(m0, nbytes, s),
-                    "task on the manager's worker": c.submit(
-                        task_bench, m0, nbytes, s, workers=[w0], pure=False).result(),
-                    "task, other worker (same host)": c.submit(
-                        task_bench, m0, nbytes, s, workers=[w1], pure=False).result(),
-                }  # fmt: skip
-                with dask.config.set({"ddict.local-transport": False}):
-                    tcp = DDict.attach(d.serialize(), client=c).manager(0)
-                    res["client (tcp, as from another host)"] = run_ddict(tcp, nbytes, s)
-                base = bases[label] = run_redis(redis_ctx[1], nbytes, s) if redis_ctx else None
-                for where, r in res.items():
-                    for op in ("put", "get"):
-                        ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
-                        rows.append((f"{op} {label}", where, fmt(nbytes, r[op]),
-                                     fmt(nbytes, base[op]) if base else "n/a", ratio))  # fmt: skip
-            batch = run_batch(d, secs)
-            pipe = run_redis_pipeline(redis_ctx[1], secs) if redis_ctx else None
-            rows.append(("batch put 100 B", "client (same host)", fmt(100, batch),
-                         fmt(100, pipe) if pipe else "n/a",
-                         f"{batch / pipe:.2f}x" if pipe else "n/a"))  # fmt: skip
-            busy = c.submit(spin, secs * 2 + 1, workers=[w0], pure=False)
-            time.sleep(0.5)
-            lat = put_latencies(m0, secs * 2)
-            busy.result()
-            rows.append(("p99 put 100 B", "client, manager's worker CPU-bound",
-                         f"{p99(lat) * 1e3:.2f} ms", "n/a", "target <= 2 ms"))  # fmt: skip
-            d.destroy()
+            try:
+                rows += cluster_rows(c, d, redis_ctx, bases, secs, reps, n_cpu)
+            finally:
+                d.destroy()
         rows += tls_rows(secs, bases)
     finally:
         if redis_ctx:
             redis_ctx[0].terminate()
-            redis_ctx[0].wait()
+            try:
+                redis_ctx[0].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                redis_ctx[0].kill()
+                redis_ctx[0].wait()
             shutil.rmtree(redis_ctx[0].workdir, ignore_errors=True)
 
     dragon = run_dragon(secs)
@@ -282,14 +473,14 @@ def main() -> None:
         print("operation       | DDict (same host)  | Dragon DDict (same run) | ratio")
         print("-" * 72)
         for op, theirs in dragon.items():
-            mine = ours.get((op, "client (same host)"))
+            mine = ours.get((DRAGON_ROWS.get(op, op), SAME))
             if mine is None:
                 continue
             value = float(mine.split()[0].replace(",", ""))
             print(f"{op:15} | {mine:18} | {theirs:>15,.0f} ops/s | {value / theirs:.1f}x")
         print()
 
-    head = ("operation", "DDict client", "DDict", "redis-py (same run)", "ratio")
+    head = ("operation", "DDict client", "DDict", "reference (same run)", "ratio")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(5)]
     line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
     print(line)

@@ -1,0 +1,112 @@
+"""Reference measurements for ``bench_ddict.py`` (not DDict): memcpy, loopback TCP, CPU times.
+
+Each one is bounded in time and leaves nothing behind (the loopback child is
+reaped, its socket closed, also on errors).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import psutil
+
+
+def best_of(fn: Callable[[], Any], reps: int, budget: float) -> float:
+    """The shortest of ``reps`` timed calls of ``fn`` (fewer once ``budget`` seconds passed,
+    at least one)."""
+    best = float("inf")
+    t_end = time.perf_counter() + budget
+    for i in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+        del out  # freed after the clock stopped
+        if time.perf_counter() > t_end:
+            break
+    return best
+
+
+def memcpy_seconds(nbytes: int, reps: int) -> float:
+    """Best time of ``np.copyto`` of ``nbytes`` between two warm (already written) buffers."""
+    src = np.ones(nbytes // 8, dtype="f8")
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # fault every page of both buffers in before timing
+    return best_of(lambda: np.copyto(dst, src), reps, budget=5.0)
+
+
+# The child of loopback_seconds: for every byte it receives, it sends one message of
+# ``nbytes`` (a request/response, like a get); it exits when the socket closes.
+_CHILD = """
+import socket, sys
+port, nbytes = int(sys.argv[1]), int(sys.argv[2])
+data = b"\\x01" * nbytes
+s = socket.create_connection(("127.0.0.1", port), timeout=60)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while s.recv(1):
+    s.sendall(data)
+"""
+
+
+def loopback_seconds(nbytes: int, reps: int) -> float:
+    """Best time to receive one ``nbytes`` message over 127.0.0.1 TCP from a child process
+    (a 1-byte request, then ``recv_into`` a preallocated, warm buffer)."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    lsock.settimeout(30)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(lsock.getsockname()[1]),
+                              str(nbytes)])  # fmt: skip
+    conn = None
+    try:
+        conn, _ = lsock.accept()
+        conn.settimeout(30)  # every recv is bounded: a stuck child raises, not hangs
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+
+        def one() -> None:
+            conn.sendall(b"g")
+            got = 0
+            while got < nbytes:
+                k = conn.recv_into(view[got:])
+                if not k:
+                    raise ConnectionError("loopback child closed the socket")
+                got += k
+
+        one()  # warm: the child's message is built, socket buffers grown
+        return best_of(one, reps, budget=10.0)
+    finally:
+        if conn is not None:
+            conn.close()  # the child's recv sees EOF and it exits
+        lsock.close()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def cpu_per_op(pid: int, op: Callable[[int], Any], n: int, cap: float) -> tuple[float, int]:
+    """CPU seconds process ``pid`` spends per call of ``op(i)``, over ``n`` calls made from
+    here (fewer if ``cap`` seconds passed first), and the number of calls made."""
+    before = cpu_seconds(pid)
+    t_end = time.perf_counter() + cap
+    i = 0
+    while i < n:
+        op(i)
+        i += 1
+        if not i % 1000 and time.perf_counter() > t_end:
+            break
+    return (cpu_seconds(pid) - before) / i, i
