@@ -22,6 +22,10 @@ class DDictManagerStats:
     newest_checkpoint: int = 0
     frozen: bool = False
     pid: int = 0
+    #: Bytes of this shard that processes on its host hold as zero-copy values
+    #: (``get(copy=False)``, reads of a frozen dictionary), and how many such values.
+    pinned_bytes: int = 0
+    pinned_views: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DDictManagerStats:

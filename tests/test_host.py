@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import dask
 import numpy as np
 import psutil
 import pytest
@@ -539,15 +540,16 @@ def test_create_destroy_cycles_keep_resources_flat(client, cycles):
 
 def test_batches_across_a_host_restart():
     """An open batch's state lives in the shard: what the host stored before it died
-    counts; what it never got makes end_batch_put say so."""
+    counts; what it never got makes end_batch_put say so.  (Batches the manager
+    applies: this client commits none itself.)"""
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+            Client(cl) as c, dask.config.set({"ddict.local-write": False}):  # fmt: skip
         d = DDict(total_mem="32 MiB", client=c)
         sup = _supervisor(cl, d, 0)
         d.start_batch_put()
         for i in range(100):
             d[i] = i
-        d._batch.flush(0)
+        d._batch.flush_all()
         assert len(d.manager(0)) == 100  # same connection: the batch message was applied
         os.kill(d.stats[0].pid, signal.SIGKILL)
         d.end_batch_put()  # retried at the new host process, which finds the batch's state
@@ -561,7 +563,7 @@ def test_batches_across_a_host_restart():
         deadline = time.monotonic() + 30
         while sup.restart_count < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        d._batch.flush(0)  # into the dead process's connection
+        d._batch.flush_all()  # into the dead process's connection
         with pytest.raises(DDictError, match="may or may not have been applied"):
             d.end_batch_put()
         d.update({i: i for i in range(200)})  # the dict works; the batch can be re-run

@@ -79,8 +79,10 @@ def test_every_table_operation_round_trips(served, use_uds):
     assert loads_value(ch.call(ops.Pop(d, 0, 1))) == [1, 2]
     with pytest.raises(DDictKeyError):
         ch.call(ops.Get(d, 0))
-    ch.call(ops.BatchPut([(d, kb, dumps_value(5))], 0, 9, False, 77))
+    ch.call(ops.BatchPut([(3, d, kb, dumps_value(5))], 0, 9, False, 77))
     assert ch.call(ops.BatchEnd(9, 77)) == 1
+    (frames,) = ch.call(ops.GetMany(((3, [d, key_digest(dumps_key("absent"))]),), 0))
+    assert loads_value(frames[0]) == 5 and frames[1] is None
     ch.call(ops.Freeze())
     with pytest.raises(DDictError, match="frozen"):
         ch.call(ops.Put(d, kb, dumps_value(1), 0, 1))

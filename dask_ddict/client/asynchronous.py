@@ -15,7 +15,10 @@ which is what makes it fast), and the async twin is thin:
   ``await client.scheduler.ddict_create(...)``;
 - key operations run the synchronous handle's code in a worker thread
   (:func:`asyncio.to_thread`), so the event loop never blocks, even on a
-  ``wait_for_keys`` read that waits for a writer.
+  ``wait_for_keys`` read that waits for a writer;
+- gets awaited together (``asyncio.gather`` over a thousand) share one
+  :meth:`~dask_ddict.DDict.get_many`, one thread and one request per host
+  (:mod:`.coalesce`), not a thread and a round trip each.
 
 ``ad.ddict`` is the synchronous handle underneath; pickling an ``AsyncDDict``
 (e.g. as a ``client.submit`` argument) gives the task a synchronous
@@ -32,12 +35,15 @@ from dask.typing import no_default
 from distributed import Client
 
 from ..arguments import Timeout, check_timeout
+from ..errors import DDictKeyError
 from ..stats import DDictManagerStats
+from .coalesce import GetBatcher
 from .core import _Core, install_orchestrator
 from .creation import check_keywords, create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget, layout_reply
 
+_NO_DEFAULT: Any = object()
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
@@ -103,6 +109,7 @@ class AsyncDDict:
     def __init__(self, ddict: DDict, client: Client | None = None) -> None:
         self._d = ddict
         self._client = client
+        self._gets = GetBatcher(ddict)
 
     @classmethod
     async def create(cls, *args: Any, client: Client, **kwargs: Any) -> AsyncDDict:
@@ -161,8 +168,23 @@ class AsyncDDict:
         return "<Async" + repr(self._d)[1:]
 
     def __getitem__(self, key: Any) -> Any:
-        """``await ad[key]``."""
-        return asyncio.to_thread(self._d.__getitem__, key)
+        """``await ad[key]`` (batched with the gets of the same loop turn, see :meth:`get`)."""
+        return self._item(key)
+
+    async def _item(self, key: Any) -> Any:
+        got = await self._gets.get(key, _NO_DEFAULT, None)
+        if got is _NO_DEFAULT:
+            raise DDictKeyError(key)
+        return got
+
+    async def get(self, key: Any, default: Any = None, copy: bool | None = None) -> Any:
+        """Awaitable :meth:`DDict.get`.
+
+        Gets awaited in the same event-loop turn (``asyncio.gather`` over many)
+        are read together with one :meth:`DDict.get_many`: one request per host
+        process, in one worker thread (:mod:`~dask_ddict.client.coalesce`).
+        """
+        return await self._gets.get(key, default, copy)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -249,7 +271,7 @@ class AsyncDDict:
     # (``d[k] = v``, ``len(d)``, ...); views come back as lists.
     put = _awaitable(DDict.__setitem__)
     pput = _awaitable(DDict.pput)
-    get = _awaitable(DDict.get)
+    get_many = _awaitable(DDict.get_many)
     contains = _awaitable(DDict.__contains__)
     pop = _awaitable(DDict.pop)
     delete = _awaitable(DDict.__delitem__)

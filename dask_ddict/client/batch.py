@@ -1,10 +1,16 @@
-"""Batch put: puts streamed to each manager without a reply per put.
+"""Batch put: puts streamed to each host without a reply per put.
 
 Between :meth:`DDict.start_batch_put` and :meth:`DDict.end_batch_put`, puts
-are buffered per manager and sent in chunks of ``ddict.batch.flush-bytes``;
-the managers apply them as they arrive and keep the batch's state under its
-id.  The end asks every manager how many puts it stored, so a batch cut by a
-host restart is reported, never half-applied in silence.
+are buffered per host process (the managers it serves share one buffer)
+and sent in chunks of ``ddict.batch.flush-bytes``: one request per host per
+chunk, whatever the number of its managers.  The host applies each
+manager's records in one transaction and keeps the batch's state under its
+id.  On the manager's host, in-window records are committed by the client
+itself, in one LMDB transaction per shard and chunk (as a single small put
+is, see :mod:`~dask_ddict.transport.shared`); only what it may not commit
+goes to the manager.  The end asks every manager that received records how
+many it stored, so a batch cut by a host restart is reported, never
+half-applied in silence.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from .. import config
 from .._serialize import Framed
 from ..errors import DDictError, DDictFullError
 from ..transport import ops
+
+Record = tuple[bytes, bytes, Framed]  # (digest, key, frame)
 
 
 class BatchPut:
@@ -40,10 +48,12 @@ class BatchPut:
         self.id = secrets.randbits(63)  # the managers keep this batch's state under it
         self.persist = persist
         self.flush_bytes = config.get_bytes("batch.flush-bytes")
-        self.records: dict[int, list[tuple[bytes, bytes, Framed]]] = {}
-        self.sizes: dict[int, int] = {}
+        self.records: dict[int, list[Record]] = {}
+        self.sizes: dict[Any, int] = {}  # bytes buffered per route (a host link, or a shard)
         self.sent: dict[int, int] = {}  # puts sent per manager, checked at the end
         self.error: BaseException | None = None
+        self._failed_mids: set[int] = set()  # (a manager's first error ends its batch)
+        self._routes: dict[int, Any] = {}
         self._channel = channel
         self._client_id = client_id
         self._named = named
@@ -53,27 +63,65 @@ class BatchPut:
         pending = sum(len(r) for r in self.records.values())
         return f"<BatchPut persist={self.persist} sent={sum(self.sent.values())} pending={pending}>"
 
+    def _route(self, mid: int) -> Any:
+        """What ``mid``'s records travel with: its shard (committed here), or its host."""
+        route = self._routes.get(mid)
+        if route is None:
+            ch = self._channel(mid)
+            route = self._routes[mid] = ("shard", mid) if ch.kind == "shm" else ch.link
+        return route
+
     def add(self, mid: int, digest: bytes, kb: bytes, framed: Framed, chkpt: int) -> None:
         self._chkpt = chkpt
+        route = self._route(mid)
         own = framed.nbytes + len(kb) + 32
-        if own >= self.flush_bytes and mid in self.records:
-            self.flush(mid)  # a large value travels alone: the puts before it never wait on it
+        if own >= self.flush_bytes and self.sizes.get(route):
+            self.flush(route)  # a large value travels alone: the puts before it never wait on it
         self.records.setdefault(mid, []).append((digest, kb, framed))
-        size = self.sizes[mid] = self.sizes.get(mid, 0) + own
+        size = self.sizes[route] = self.sizes.get(route, 0) + own
         if size >= self.flush_bytes:
-            self.flush(mid)
+            self.flush(route)
 
-    def flush(self, mid: int) -> None:
-        records = self.records.pop(mid, None)
-        self.sizes.pop(mid, None)
+    def flush(self, route: Any) -> None:
+        """Send (or commit) what is buffered for ``route``."""
+        self.sizes.pop(route, None)
+        mids = [m for m in self.records if self._routes.get(m) == route]
+        if isinstance(route, tuple):  # a shard on this host: commit what may be
+            if not mids:
+                return
+            mid = mids[0]
+            records = self._direct(mid, self.records.pop(mid))
+            if records:
+                self._send(self._channel(mid).link, {mid: records})
+            return
+        self._send(route, {m: self.records.pop(m) for m in mids})
+
+    def _direct(self, mid: int, records: list[Record]) -> list[Record]:
+        """Commit ``records`` into ``mid``'s shard here; the ones left are the manager's."""
+        if mid in self._failed_mids:
+            return []
+        done, error = self._channel(mid).put_batch(records, self._chkpt)
+        if error is not None:
+            self._failed_mids.add(mid)
+            self._failed(error, mid)
+            return []
+        return records[done:]
+
+    def _send(self, link: Any, by_mid: dict[int, list[Record]]) -> None:
+        """One request to ``link``'s host with the records of its managers."""
+        records = [(mid, *r) for mid, rs in by_mid.items() if mid not in self._failed_mids
+                   for r in rs]  # fmt: skip
         if not records:
             return
-        self.sent[mid] = self.sent.get(mid, 0) + len(records)
+        for mid, rs in by_mid.items():
+            if mid not in self._failed_mids:
+                self.sent[mid] = self.sent.get(mid, 0) + len(rs)
+        first = records[0][0]
         try:
-            self._channel(mid).call(ops.BatchPut(records, self._chkpt, self._client_id,
-                                                 self.persist, self.id))  # fmt: skip
+            link.call(ops.BatchPut(records, self._chkpt, self._client_id, self.persist,
+                                   self.id), first)  # fmt: skip
         except DDictError as e:
-            self._failed(e, mid)
+            self._failed(e, first)
 
     def __enter__(self) -> None:
         """``with batch:`` around a put: see :meth:`__exit__`."""
@@ -94,10 +142,14 @@ class BatchPut:
             e = self._named(e, mid)
         self.error = self.error or e
 
+    def flush_all(self) -> None:
+        """Send (or commit) everything buffered."""
+        for route in {self._routes[m] for m in self.records}:
+            self.flush(route)
+
     def end(self) -> None:
         """Send what is buffered, check every manager's count, raise the first error."""
-        for mid in list(self.records):
-            self.flush(mid)
+        self.flush_all()
         for mid in sorted(self.sent):
             try:
                 stored = self._channel(mid).call(ops.BatchEnd(self._client_id, self.id))

@@ -31,13 +31,12 @@ from .._hashing import custom_placement, key_digest, manager_for_digest
 from .._keys import PLAIN_KEYS, dumps_key, loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import Timeout, check_client, check_int, check_timeout
-from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictTimeoutError
+from ..errors import DDictClosedError, DDictError, DDictKeyError
 from ..layout import Layout
 from ..transport.ops import (
     Clear,
     Contains,
     FetchAdd,
-    Get,
     Length,
     Pop,
     Put,
@@ -52,6 +51,7 @@ from .creation import create_request, initial_checkpoint, keywords_checked
 from .introspection import Introspection
 from .layouts import LayoutRef, forget, layout_reply
 from .mapping import MappingMethods
+from .reads import Reads
 from .replicate import Replication
 from .views import (
     DDictItemsView,
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Checkpoints, Introspection, MappingMethods, Replication, Bulk):
+class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -326,20 +326,48 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication, Bulk):
             self._check()
         kb = dumps_key(key, self._kp)
         if len(kb) > core.max_key_bytes:
-            raise ValueError(f"key is {len(kb)} bytes pickled; keys may have at most "
-                             f"{core.max_key_bytes} (ddict.transport.max-key-bytes)")  # fmt: skip
+            raise self._too_long(kb)
         digest = key_digest(kb)
         if self._target is not None:
             return self._target, digest, kb
         n = core.num_managers
         if type(key) in PLAIN_KEYS:  # the common case: no user __hash__ to consult
             return manager_for_digest(digest, n), digest, kb
+        return self._placed(key, digest, n), digest, kb
+
+    def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]:
+        """``(manager, digest)`` of each key: :meth:`_route` for many, its loop tight."""
+        core = self._core
+        if core.closed or self._detached:
+            self._check()
+        kp, most, target, plain = self._kp, core.max_key_bytes, self._target, PLAIN_KEYS
+        n = core.num_managers
+        out = []
+        for key in keys:
+            kb = dumps_key(key, kp)
+            if len(kb) > most:
+                raise self._too_long(kb)
+            digest = key_digest(kb)
+            if target is None:
+                mid = manager_for_digest(digest, n) if type(key) in plain \
+                    else self._placed(key, digest, n)  # fmt: skip
+            else:
+                mid = target
+            out.append((mid, digest))
+        return out
+
+    def _too_long(self, kb: bytes) -> ValueError:
+        return ValueError(f"key is {len(kb)} bytes pickled; keys may have at most "
+                          f"{self._core.max_key_bytes} (ddict.transport.max-key-bytes)")
+
+    def _placed(self, key: Any, digest: bytes, n: int) -> int:
+        """The manager of a key that is not a plain type: its user ``__hash__``'s, if any."""
         mid = custom_placement(key, n)
         if mid is None:
-            return manager_for_digest(digest, n), digest, kb
-        if not core.seed_checked:
-            core.check_hash_seed(type(key))
-        return mid, digest, kb
+            return manager_for_digest(digest, n)
+        if not self._core.seed_checked:
+            self._core.check_hash_seed(type(key))
+        return mid
 
     def _managers(self) -> builtins.list[int]:
         self._check()
@@ -381,28 +409,6 @@ class DDict(Checkpoints, Introspection, MappingMethods, Replication, Bulk):
     def pput(self, key: Any, value: Any) -> None:
         """Persistent put: survives retirement under ``wait_for_keys``."""
         self._put(key, value, True)
-
-    def __getitem__(self, key: Any) -> Any:
-        mid, digest, _ = self._route(key)
-        try:
-            frame = self._core.channel(mid).call(Get(digest, self._chkpt, self._timeout))
-        except DDictKeyError:
-            raise DDictKeyError(key) from None
-        except DDictTimeoutError as e:
-            if not self._core.layout.options.wait_for_keys:
-                raise
-            raise DDictTimeoutError(
-                f"reading {key!r:.80} at checkpoint {self._chkpt}: no writer put it there "
-                f"within {self._timeout} s (wait_for_keys=True: a non-persistent key is "
-                f"visible only once written at the reader's checkpoint; {e.message})"
-            ) from None
-        return loads_value(frame, self._vp)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except DDictKeyError:
-            return default
 
     def __contains__(self, key: Any) -> bool:
         mid, digest, _ = self._route(key)

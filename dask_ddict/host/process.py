@@ -28,6 +28,7 @@ import dask.config
 from .. import config
 from ..errors import DDictError
 from ..shard.generations import Generations, path_for
+from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
@@ -80,6 +81,7 @@ class Host:
         hosted = self.dicts.get(key) or HostedDict(
             spec.uid, spec.name, spec.secret,
             Generations(path_for(self.init.socket_dir, spec.uid), spec.num_managers, create=True),
+            BoardReader(self.init.socket_dir, spec.uid, spec.num_managers),
         )
         gens = hosted.generations
         infos = []
@@ -93,6 +95,8 @@ class Host:
                     manager.generations = gens
                     manager.store.on_commit = functools.partial(gens.bump, mid)
                     gens.bump(mid)
+                if hosted.pins is not None:
+                    manager.pinned = hosted.pins.of
                 hosted.managers[mid] = manager
                 self.locks[(spec.uid, mid)] = lock
                 opened.append(mid)
@@ -126,6 +130,7 @@ class Host:
         hosted.answers.clear()
         if hosted.generations is not None:
             hosted.generations.remove()
+        remove_boards(self.init.socket_dir, uid)
         return n
 
     @staticmethod

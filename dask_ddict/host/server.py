@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..transport.handshake import host_side
 from ..transport.operation import Answerer
-from ..transport.ops import ANSWERERS, HANDLERS, Page, Reply, Request
+from ..transport.ops import ANSWERERS, HANDLERS, HOST_WIDE, Page, Reply, Request
 from ..transport.protocol import (
     FLAG_NOREPLY,
     REP,
@@ -66,6 +66,7 @@ from ..transport.protocol import (
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
+    from ..shard.pinboard import BoardReader
     from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
@@ -105,10 +106,11 @@ class Limits:
 class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
-    __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers")
+    __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins")
 
     def __init__(self, uid: str, name: str, secret: str,
-                 generations: Generations | None = None) -> None:  # fmt: skip
+                 generations: Generations | None = None,
+                 pins: BoardReader | None = None) -> None:  # fmt: skip
         self.uid = uid
         self.key = bytes.fromhex(uid)  # as clients name it in their HELLO
         self.name = name
@@ -117,6 +119,8 @@ class HostedDict:
         #: Its managers' generation words here, and broadcast answers kept under them.
         self.generations = generations
         self.answers: dict[Any, Any] = {}
+        #: What processes of this host pin of its shards (zero-copy values).
+        self.pins = pins
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
@@ -276,7 +280,12 @@ class HostServer:
                                          managers=hosted.managers,
                                          generations=hosted.generations,
                                          answers=hosted.answers,
+                                         pins=None if hosted.pins is None
+                                         else hosted.pins.changes,
                                          answerers=self.answerers)  # fmt: skip
+            elif op in HOST_WIDE:  # (e.g. get_many: several managers, one request)
+                HOST_WIDE[op](hosted.managers, req, reply,
+                              functools.partial(self._not_hosted, hosted))  # fmt: skip
             else:
                 self._dispatch(hosted, req, reply)
         except Exception as e:

@@ -115,6 +115,7 @@ class Manager(Summaries, CheckpointIO):
         self._cache: dict[str, tuple[tuple[int, int, int, bool], Any]] = {}  # see _derived
         #: This dictionary's generation words on this host (set by the host process).
         self.generations: Generations | None = None
+        self.pinned: Callable[[int], tuple[int, int]] | None = None  # (set by its host)
         if persister is not None:
             working_set.on_retire = self._on_retire
 
@@ -257,6 +258,13 @@ class Manager(Summaries, CheckpointIO):
         during the call) and return what it returns."""
         ws = self.working_set
         return self._read(lambda txn: consume(ws.get(txn, digest, chkpt).frame), timeout, "get")
+
+    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
+                 ) -> list[memoryview | None | bool]:  # fmt: skip
+        """The keys' frames in snapshot ``txn`` (views valid while it lives): ``None``
+        where absent, ``False`` where the reader must wait (it then asks with :meth:`get`)."""
+        self._check_open()
+        return self.working_set.get_many(txn, digests, chkpt)
 
     def contains(self, digest: bytes, chkpt: int) -> bool:
         return self._read(lambda txn: self.working_set.contains(txn, digest, chkpt), None, "in")

@@ -219,6 +219,24 @@ class ShardStore:
             return None
         return _decode(_MAXQ - _BE.unpack_from(k, DIGEST)[0], cur.value())
 
+    def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
+                    ) -> list[Entry | None]:  # fmt: skip
+        """:meth:`lookup` of each digest, with one cursor."""
+        cur = txn.cursor(self._data)
+        seek, key, value = cur.set_range, cur.key, cur.value
+        tail = _BE.pack(_MAXQ - chkpt)
+        out: list[Entry | None] = []
+        for digest in digests:
+            if not seek(digest + tail):
+                out.append(None)
+                continue
+            k = key()
+            if k[:DIGEST] != digest:
+                out.append(None)
+                continue
+            out.append(_decode(_MAXQ - _BE.unpack_from(k, DIGEST)[0], value()))
+        return out
+
     def exact(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
         """The version written at exactly ``chkpt``."""
         raw = txn.get(data_key(digest, chkpt), db=self._data)

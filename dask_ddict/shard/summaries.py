@@ -42,6 +42,8 @@ class Summaries:
     frozen: bool
     closed: bool
     generations: Generations | None
+    #: ``pinned(mid) -> (bytes, views)`` from the host's pin boards (:mod:`.pinboard`).
+    pinned: Callable[[int], tuple[int, int]] | None
     _cache: dict[str, tuple[tuple[int, int, int, bool], Any]]
 
     def _check_open(self) -> None:
@@ -91,14 +93,22 @@ class Summaries:
         return n[w.slot(chkpt)]
 
     def stats(self) -> dict[str, Any]:
-        return self._derived("stats", self._stats)
+        out = self._derived("stats", self._stats)
+        if self.pinned is not None:
+            out = {**out}
+            out["pinned_bytes"], out["pinned_views"] = self.pinned(self.manager_id)
+        return out
 
     def stats_pickled(self) -> bytes:
-        """:meth:`stats` as a reply carries it: a pickled record (cached with it)."""
-        return self._derived("stats-pickled", self._stats_pickled)
+        """:meth:`stats` as a reply carries it: a pickled record (the shard's part
+        cached, the pins read now: they change without a commit)."""
+        record = self._derived("stats-record", self._stats_record)
+        if self.pinned is not None:
+            record = record[:-2] + self.pinned(self.manager_id)
+        return pickle.dumps(record)
 
-    def _stats_pickled(self, txn: lmdb.Transaction) -> bytes:
-        return pickle.dumps(DDictManagerStats.record(self._stats(txn)))
+    def _stats_record(self, txn: lmdb.Transaction) -> tuple[Any, ...]:
+        return DDictManagerStats.record(self._stats(txn))
 
     def _stats(self, txn: lmdb.Transaction) -> dict[str, Any]:
         used, entries = self.store.usage(txn)
@@ -116,5 +126,7 @@ class Summaries:
             "newest_checkpoint": self.working_set.newest,
             "frozen": self.frozen,
             "pid": os.getpid(),
+            "pinned_bytes": 0,  # (see stats_pickled: the host's pin boards)
+            "pinned_views": 0,
         }
 

@@ -40,7 +40,12 @@ import lmdb
 
 from .._hashing import key_digest
 from .._serialize import frame_parts
-from ..errors import DDictCheckpointSyncError, DDictFutureCheckpointError, DDictKeyError
+from ..errors import (
+    DDictCheckpointSyncError,
+    DDictError,
+    DDictFutureCheckpointError,
+    DDictKeyError,
+)
 from . import counts
 from .counts import Window
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
@@ -76,6 +81,11 @@ def mark_closed(store: ShardStore, newest: int, why: int = CLOSED_DESTROYED) -> 
         store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
 
 
+def frozen(store: ShardStore, txn: lmdb.Transaction) -> bool:
+    """Whether the shard is frozen as of ``txn`` (read-only: writes refused)."""
+    return bool(txn.get(FROZEN, db=store.meta_db) == b"\x01")
+
+
 def waiters(store: ShardStore, txn: lmdb.Transaction) -> int:
     raw = txn.get(WAITERS, db=store.meta_db)
     return 0 if raw is None else _COUNT.unpack(raw)[0]
@@ -100,15 +110,48 @@ def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: b
     orders it with the manager's own writes; its commit is the acknowledgement,
     exactly as for a put that the manager commits.
     """
-    newest, closed = saved_newest(store, txn, size)
-    if closed != OPEN or chkpt > newest:
-        return False
-    check_window(chkpt, newest, size)
-    if txn.get(FROZEN, db=store.meta_db) == b"\x01" or waiters(store, txn):
+    newest = _direct_window(store, txn, size, chkpt)
+    if newest is None:
         return False
     store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
     counts.put(store, txn, counts.window(newest, size), digest, chkpt, key, frame, PERSISTENT)
     return True
+
+
+def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int,
+                   records: list[tuple[bytes, bytes, Any]]) -> tuple[int, DDictError | None]:
+    """:func:`put_in_window` for many ``(digest, key, frame)`` records in one transaction
+    (the shard's state checked once): ``(how many were put, from the first; the error
+    that stopped them)``.  A record refused (e.g. a full shard) wrote nothing.
+    """
+    try:
+        newest = _direct_window(store, txn, size, chkpt)
+    except DDictError as e:
+        return 0, e
+    if newest is None:
+        return 0, None
+    window = counts.window(newest, size)
+    done = 0
+    for digest, key, frame in records:
+        try:
+            store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
+        except DDictError as e:
+            return done, e
+        counts.put(store, txn, window, digest, chkpt, key, frame, PERSISTENT)
+        done += 1
+    return done, None
+
+
+def _direct_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int
+                   ) -> int | None:  # fmt: skip
+    """The window's newest checkpoint if a client may put at ``chkpt`` itself, else ``None``."""
+    newest, closed = saved_newest(store, txn, size)
+    if closed != OPEN or chkpt > newest:
+        return None
+    check_window(chkpt, newest, size)
+    if frozen(store, txn) or waiters(store, txn):
+        return None
+    return newest
 
 
 def check_window(chkpt: int, newest: int, size: int) -> None:
@@ -355,6 +398,15 @@ class WorkingSet:
         if self.wait_for_keys:
             raise MustWait
         raise DDictKeyError()
+
+    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
+                 ) -> list[memoryview | None | bool]:  # fmt: skip
+        """The frames visible at ``chkpt`` in ``digests`` order: ``None`` where absent,
+        ``False`` where a reader must wait (``wait_for_keys``; see :meth:`get`)."""
+        self.check_retired(chkpt)
+        wfk = self.wait_for_keys
+        return [e.frame if entry_visible(e, chkpt, wfk) else  # type: ignore[union-attr]
+                (False if wfk else None) for e in self.store.lookup_many(txn, digests, chkpt)]
 
     def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
         """Membership at ``chkpt``; never waits."""

@@ -38,6 +38,7 @@ from ..layout import Layout, ManagerInfo, host_id
 from ..progress import track
 from .links import HostLink, SocketChannel
 from .operation import Operation
+from .many import GetMany
 from .ops import FanOut
 from .protocol import value_limit
 
@@ -273,6 +274,48 @@ class Connections:
             code, data = errors[next(m for m in mids if m in errors)]
             raise_for_status(code, data.decode(errors="replace"))
         return [results[m] for m in mids]
+
+    def get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
+                 lend: bool | None = False) -> dict[int, list[Any]]:  # fmt: skip
+        """The frames of many keys, by manager (:class:`~.many.GetMany`).
+
+        One request per host process, all sent before any answer is read (the
+        hosts work at once); managers on this host are read from their shards
+        meanwhile.  A frame is ``None`` for an absent key, ``False`` for one whose
+        reader must wait.  The first failure is raised once every host answered.
+        """
+        out: dict[int, list[Any]] = {}
+        local: list[tuple[Any, int, list[bytes]]] = []
+        remote: dict[HostLink, list[tuple[int, list[bytes]]]] = {}
+        for mid, digests in groups.items():
+            ch = self.channel(mid)
+            if ch.kind == "shm":
+                local.append((ch, mid, digests))
+            else:
+                remote.setdefault(ch.link, []).append((mid, digests))
+        pending = []
+        for link, gs in remote.items():
+            op = GetMany(tuple(gs), chkpt, timeout, lend)
+            try:
+                answer = link.send(op, gs[0][0])
+            except Exception as e:  # (connecting): raised with the answers
+                answer = functools.partial(_reraise, e)
+            pending.append((op, answer))
+        failure: BaseException | None = None
+        for ch, mid, digests in local:
+            try:
+                out[mid] = ch.call(GetMany(((mid, digests),), chkpt, timeout, lend))[0]
+            except BaseException as e:  # the hosts' answers are still read: links stay usable
+                failure = failure or e
+        for op, answer in pending:
+            try:
+                for (mid, _), frames in zip(op.groups, op.result(*answer())):
+                    out[mid] = frames
+            except BaseException as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return out
 
     def close(self) -> None:
         with self._lock:

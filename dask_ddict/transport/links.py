@@ -263,6 +263,7 @@ class HostLink:
         self._max_value = max_value  # the host's limit for a request's value (value_limit)
         self.kind = "uds" if use_uds else ("tls" if ssl_context else "tcp")
         self.name = name
+        self.uid = uid
         self._uid = bytes.fromhex(uid)
         self._target = info.uds_path if use_uds else f"{info.tcp_host}:{info.tcp_port}"
         self._secret = secret.encode()

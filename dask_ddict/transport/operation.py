@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .protocol import Op
@@ -103,6 +103,20 @@ class Answered(Operation):
     @classmethod
     def serve(cls, m: Manager, r: Request, reply: Reply) -> None:
         reply(*cls.answer(m, r))
+
+
+class HostWide(Operation):
+    """An operation on several managers of one host process in one request
+    (``get_many``, a batch of puts): the host serves it with all its managers,
+    ``serve_host(managers, request, reply)``, instead of one."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
+                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+        """Serve ``r``; ``missing(mid)`` is the error for a manager not hosted here."""
+        raise NotImplementedError
 
 
 class IntReply(Operation):

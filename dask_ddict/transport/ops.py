@@ -42,6 +42,7 @@ from .operation import (
     AtCheckpoint,
     Encoded,
     FrameReply,
+    HostWide,
     IntReply,
     Kind,
     Operation,
@@ -49,7 +50,16 @@ from .operation import (
     Reply,
     Request,
 )
-from .protocol import FLAG_NOREPLY, FLAG_PERSIST, RECORD, WANT_KEYS, WANT_VALUES, Op
+from .protocol import (
+    BATCH_RECORD,
+    FLAG_NOREPLY,
+    FLAG_PERSIST,
+    RECORD,
+    WANT_KEYS,
+    WANT_VALUES,
+    Op,
+)
+from .many import GetMany  # noqa: F401 (its module: many keys per request; in the tables)
 from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints; in the tables)
     Advance,
     CopyFrom,
@@ -77,11 +87,15 @@ def _key_and_value(o: Put | SetDefault, flags: int) -> Encoded:
 
 @dataclass(slots=True)
 class Get(FrameReply):
+    """The value's frame.  ``lend`` (a same-host reader's choice, never sent): ``True``
+    lends the shard's pages (zero-copy, :mod:`.pins`), ``None`` only a frozen shard's."""
+
     op = Op.GET
     kind = Kind.READ
     digest: bytes
     chkpt: int
     timeout: float | None = None
+    lend: bool | None = False
 
     def encode(self) -> Encoded:
         return Encoded(keysec=self.digest, chkpt=self.chkpt, timeout=self.timeout)
@@ -291,27 +305,29 @@ class WaitFor(Operation):
 # -- batches ------------------------------------------------------------------------------
 
 
-def iter_records(value: Any) -> Iterator[tuple[bytes, bytes, memoryview]]:
-    """The ``(digest, key, frame)`` records of a batch message."""
+def iter_records(value: Any) -> Iterator[tuple[int, bytes, bytes, memoryview]]:
+    """The ``(manager, digest, key, frame)`` records of a batch message."""
     mv = memoryview(value)
     off = 0
     while off < mv.nbytes:
-        klen, vlen = RECORD.unpack_from(mv, off)
-        off += RECORD.size
+        klen, mid, vlen = BATCH_RECORD.unpack_from(mv, off)
+        off += BATCH_RECORD.size
         keysec = bytes(mv[off : off + klen])
         off += klen
-        yield keysec[:16], keysec[16:], mv[off : off + vlen]
+        yield mid, keysec[:16], keysec[16:], mv[off : off + vlen]
         off += vlen
 
 
 @dataclass(slots=True)
-class BatchPut(Operation):
-    """Records streamed without a reply; :class:`BatchEnd` tells what was stored."""
+class BatchPut(HostWide):
+    """Records for managers of one host process, streamed without a reply;
+    :class:`BatchEnd` tells each manager's count.  ``records`` are
+    ``(manager, digest, key, frame)``."""
 
     op = Op.BATCH_PUT
     kind = Kind.UNSAFE
     replies = False
-    records: list[tuple[bytes, bytes, Framed]]
+    records: list[tuple[int, bytes, bytes, Framed]]
     chkpt: int
     client: int
     persistent: bool
@@ -320,18 +336,31 @@ class BatchPut(Operation):
     def encode(self) -> Encoded:
         parts: list[Any] = []
         total = 0
-        for d, k, f in self.records:
-            parts += [RECORD.pack(16 + len(k), f.nbytes) + d + k, *f.parts]
-            total += RECORD.size + 16 + len(k) + f.nbytes
+        for mid, d, k, f in self.records:
+            parts += [BATCH_RECORD.pack(16 + len(k), mid, f.nbytes) + d + k, *f.parts]
+            total += BATCH_RECORD.size + 16 + len(k) + f.nbytes
         flags = FLAG_NOREPLY | (FLAG_PERSIST if self.persistent else 0)
         return Encoded(flags, b"", tuple(parts), total, self.chkpt, self.batch, self.client)
 
     @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.batch_put(list(iter_records(r.value)), r.chkpt, r.client,
-                    persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
+    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
+                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+        """Each manager's records in one transaction of its own, in message order."""
+        by_mid: dict[int, list[tuple[bytes, bytes, memoryview]]] = {}
+        for mid, digest, key, frame in iter_records(r.value):
+            by_mid.setdefault(mid, []).append((digest, key, frame))
+        for mid, records in by_mid.items():
+            m = managers.get(mid)
+            if m is None:
+                raise missing(mid)
+            m.batch_put(records, r.chkpt, r.client, persistent=bool(r.flags & FLAG_PERSIST),
+                        batch=r.arg)  # fmt: skip
         if not r.flags & FLAG_NOREPLY:
             reply()
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        BatchPut.serve_host({r.manager: m}, r, reply)
 
 
 @dataclass(slots=True)
@@ -357,6 +386,7 @@ class BatchEnd(IntReply):
 class Stats(Answered):
     op = Op.STATS
     cacheable = True
+    pinned = True  # (its answer reports pinned memory: kept under the pin boards too)
     kind = Kind.READ
 
     def result(self, ival: int, payload: Any) -> DDictManagerStats:
@@ -437,13 +467,15 @@ class FanOut(PickledReply):
     @staticmethod
     def serve(dispatch: Any, r: Request, reply: Reply, managers: Mapping[int, Manager] | None = None,
               generations: Generations | None = None, answers: dict[Any, Any] | None = None,
-              answerers: Mapping[int, Answerer] | None = None) -> None:  # fmt: skip
+              answerers: Mapping[int, Answerer] | None = None,
+              pins: Callable[[], int] | None = None) -> None:  # fmt: skip
         """Run the inner operation on each manager; ``dispatch(request, reply)`` serves
         one as a plain request would, ``managers`` (the host's) lets an
         :class:`~.operation.Answered` one be answered directly (through the
         host's ``answerers``, :data:`ANSWERERS` unless given), and a
         ``cacheable`` one is answered from ``answers`` while the managers'
-        ``generations`` words are those it was computed under."""
+        ``generations`` words are those it was computed under (and, for an answer
+        that reports pinned memory, the host's ``pins`` boards too)."""
         keysec = r.digest + r.key
         (arg, n), out = _FANOUT.unpack_from(keysec), []
         mids = struct.unpack_from(f"<{n}I", keysec, _FANOUT.size)
@@ -456,6 +488,8 @@ class FanOut(PickledReply):
         inner = OPERATIONS.get(code)
         if generations is not None and answers is not None and getattr(inner, "cacheable", False):
             words = generations.words[list(mids)]  # (a copy: read before any manager answers)
+            if pins is not None and getattr(inner, "pinned", False):
+                words = np.append(words, pins() | 1)  # (| 1: never a word 0, see below)
             kept = answers.get(key := (r.arg, r.chkpt, r.flags, r.client, r.timeout, keysec))
             if kept is not None and np.array_equal(kept[0], words):
                 reply(0, kept[1])
@@ -501,6 +535,10 @@ OPERATIONS: dict[Op, type[Operation]] = {cls.op: cls for cls in _leaves(Operatio
 #: The host's table: operation code -> handler(manager, request, reply).
 HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
     code: cls.serve for code, cls in OPERATIONS.items()
+}
+#: The operations on several managers of a host in one request: code -> serve_host.
+HOST_WIDE: dict[Op, Callable[..., None]] = {
+    code: cls.serve_host for code, cls in OPERATIONS.items() if issubclass(cls, HostWide)
 }
 #: The operations a broadcast answers directly: code -> answer(manager, request).
 ANSWERERS: dict[Op, Answerer] = {

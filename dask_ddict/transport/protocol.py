@@ -32,7 +32,8 @@ REQ = struct.Struct("<BBxxIIxxxxqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
 HELLO_MAGIC = b"DDK3"  # 3: mutual, connection-bound proofs (handshake.py)
 REP = struct.Struct("<BxxxxxxxqQ")
-RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one batch/page record
+RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one page record
+BATCH_RECORD = struct.Struct("<IIQ")  # (klen, manager, vlen) of one batch record
 SMALL = 64 * 1024
 
 
@@ -64,6 +65,7 @@ class Op(enum.IntEnum):
     SET_DEFAULT = 25
     FANOUT = 26  # one request, the same operation on several managers of one host process
     ROTATE = 27
+    GET_MANY = 28  # many keys of several managers of one host process (transport.many)
 
 
 FLAG_PERSIST = 1

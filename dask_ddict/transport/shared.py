@@ -18,43 +18,23 @@ manager.
 
 Checkpoint rules are applied from the same snapshot: the window's newest
 checkpoint is stored in the shard's metadata by every write that moves it.
-The value is copied out while the snapshot is open, so a caller never holds a
-view of pages that a later write could reuse.
-
-A view costs 2 descriptors, which it keeps: LMDB holds the data file's until
-the environment closes, and the lock file's, on which a POSIX record lock at
-this process's pid tells other processes that its reader slots are live (closing
-any descriptor of that file drops the lock; another process's ``reader_check``
-would then free the slots, and the manager could reuse pages a reader is
-copying).  A bare read-only ``mmap`` without a reader slot could read torn pages.
-So the descriptors are bounded by the number of views: at most
-``ddict.transport.max-shard-views`` (32) per process, taken from the least
-recently used idle one at the bound (:func:`_evict_idle`).
-
-LMDB forbids opening one environment twice in a process, so
-environments are shared process-wide (:data:`_ENVS`) and released when the
-last channel using one closes (a handle's channels close with it, also when
-it is garbage-collected, e.g. at the end of a task), or as soon as a read
-finds the dictionary destroyed.  Readers give back the shard pages they
-touched (see :mod:`dask_ddict._memory`): at once for a large value, and for
-small ones after :data:`RELEASE_EVERY` bytes of pages, so a process that reads a
-lot and drops it does not keep the shards in its RSS.
+A value is copied out while the snapshot is open, so a caller never holds a
+view of pages that a later write could reuse; or, for a zero-copy read, the
+snapshot stays open for as long as the caller holds the value (:mod:`.pins`).
+The process's mappings of shards are :mod:`.mapped`'s.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import lmdb
 
-from .. import _memory, config
-from .._serialize import copy_frame
-from ..errors import DDictClosedError, DDictKeyError, DDictManagerUnavailableError
+from .._serialize import Framed
+from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
 from ..shard.store import ShardStore
 from ..shard.working_set import (
@@ -62,11 +42,25 @@ from ..shard.working_set import (
     OPEN,
     check_window,
     entry_visible,
-    put_in_window,
+    frozen,
+    puts_in_window,
     saved_newest,
 )
 from .links import SocketChannel
+from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests use them here)
+    _DESTROYED,
+    _ENVS,
+    _ENVS_LOCK,
+    ViewLimit,
+    _acquire,
+    _destroyed,
+    _release,
+    _View,
+    forget,
+)
+from .many import GetMany
 from .ops import Contains, Get, Operation, Put
+from .pins import Lender, lendable
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
 ALIVE_CHECK = 0.02
@@ -74,147 +68,7 @@ ALIVE_CHECK = 0.02
 VIEW_RETRY = 0.05
 #: Puts of frames up to this size may be committed by a same-host client itself.
 DIRECT_PUT_MAX = 64 << 10
-#: A value this big is released from the reader's mapping right after its copy.
-RELEASE_LARGE = 1 << 20
-#: Smaller values: every mapping of the process is released after reads that may
-#: have touched this many bytes of pages (each read counts at least one page).
-RELEASE_EVERY = 64 << 20
-
-
-class _View:
-    """A process's mapping of one shard, shared by its channels.
-
-    ``users`` counts the channels that hold it, ``active`` the operations inside
-    it right now (an evicted view is never closed under one), ``used`` is when
-    it was last used (for the least-recently-used rotation).
-    """
-
-    __slots__ = ("store", "users", "span", "active", "used", "evicted")
-
-    def __init__(self, store: ShardStore) -> None:
-        self.store = store
-        self.users = 0
-        self.span: tuple[int, int] | None = None
-        self.active = 0
-        self.used = time.monotonic()
-        self.evicted = False
-
-    def copy(self, frame: memoryview) -> Any:
-        """A private copy of a value frame; gives back the pages it touched when due.
-
-        (Reading a large value with ``preadv`` instead, which maps nothing, ran
-        at half the speed of this copy here.)
-        """
-        global _unreleased
-        out = copy_frame(frame)
-        n = frame.nbytes
-        if n >= RELEASE_LARGE:
-            _memory.release(_memory.address_of(frame), n)
-            return out
-        _unreleased += n + _memory.PAGE
-        if _unreleased >= RELEASE_EVERY:
-            _unreleased = 0
-            for view in list(_ENVS.values()):
-                view.release()
-        return out
-
-    def release(self) -> None:
-        """Give back every page of this mapping (they stay in the shard)."""
-        if self.span is None:
-            self.span = _memory.mapping_of(self.store.path + "/data.mdb")
-        if self.span is not None:
-            _memory.release(self.span[0], self.span[1] - self.span[0])
-
-    def close(self) -> None:
-        self.evicted = True
-        self.store.close()
-
-
-_unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
-#: path -> the process's view of it, least recently used first.
-_ENVS: OrderedDict[str, _View] = OrderedDict()
-_DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
-_MANAGED: dict[str, None] = {}  # paths of shards this process opened as their manager
-# Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
-# (the cyclic GC runs at any allocation, e.g. while LMDB opens an environment).
-_ENVS_LOCK = threading.RLock()
-
-
-class ViewLimit(Exception):
-    """This process already keeps ``ddict.transport.max-shard-views`` shard views."""
-
-
-def _acquire(path: str, capacity: int) -> _View:
-    with _ENVS_LOCK:
-        view = _ENVS.get(path)
-        if view is None:
-            if path in _MANAGED:
-                raise ViewLimit(f"{path} is served by this process: read over its socket")
-            most = int(config.get("transport.max-shard-views"))
-            if len(_ENVS) >= most and not _evict_idle():
-                # bounded descriptors: this manager is read over its socket for now
-                raise ViewLimit(f"{len(_ENVS)} shard views open (ddict.transport.max-shard-views)")
-            view = _ENVS[path] = _View(ShardStore(path, capacity, create=False))
-        view.users += 1
-        return view
-
-
-def _evict_idle() -> bool:
-    """Close the least recently used view if it has been idle for ``shard-view-idle``
-    and no operation is inside it (``_ENVS_LOCK`` held).  Its channels read over
-    their sockets until they map their shard again.  Views in use more recently
-    are kept: a working set of shards larger than the bound does not thrash.
-    """
-    idle = config.get_seconds("transport.shard-view-idle") or 0.0
-    now = time.monotonic()
-    for path, view in _ENVS.items():  # least recently used first
-        if now - view.used < idle:
-            return False  # (every later one was used more recently)
-        if view.active == 0:
-            del _ENVS[path]
-            view.close()
-            return True
-    return False
-
-
-def _release(path: str, view: _View) -> None:
-    with _ENVS_LOCK:
-        view.users -= 1
-        if view.users > 0 or _ENVS.get(path) is not view:
-            return
-        del _ENVS[path]
-        view.evicted = True  # no new operation enters it
-        if view.active:  # (a channel closed under another thread's read:
-            return  # the last operation out closes it, see SharedChannel._exit)
-    view.close()
-
-
-def _destroyed(path: str) -> None:
-    """The shard was destroyed: close this process's view now, for every channel."""
-    with _ENVS_LOCK:
-        view = _ENVS.pop(path, None)
-        _DESTROYED[path] = None
-        while len(_DESTROYED) > 4096:
-            del _DESTROYED[next(iter(_DESTROYED))]
-    if view is not None:
-        view.close()
-
-
-def forget(path: str) -> None:
-    """Close this process's client view of a shard it is about to open as its manager.
-
-    LMDB must not have one environment open twice in a process; a restart can
-    place a manager in a process that still maps the old shard as a client.
-    Its channels read over the socket from then on: the shard is never mapped
-    as a client's here again.
-    """
-    with _ENVS_LOCK:
-        view = _ENVS.pop(path, None)
-        _MANAGED[path] = None
-        while len(_MANAGED) > 4096:
-            del _MANAGED[next(iter(_MANAGED))]
-    if view is not None:
-        view.close()
+_LEND: Any = object()  # (a read to serve from a lent snapshot)
 
 
 class SharedChannel:
@@ -244,8 +98,10 @@ class SharedChannel:
         self._retry_at = 0.0
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
-        # A direct put must change its manager's generation word (see shard.generations).
-        self._words = sock.link.generations() if direct_writes else None
+        # A direct put must change its manager's generation word (see shard.generations);
+        # zero-copy reads share a snapshot while it has not changed (see .pins).
+        self._gens = sock.link.generations()
+        self._words = self._gens if direct_writes else None
         self._direct = self._words is not None and not (
             options.wait_for_keys or options.wait_for_writers or options.read_only
         )
@@ -336,6 +192,14 @@ class SharedChannel:
 
     def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any) -> Any:
         """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
+        self._check_state(store, chkpt, txn)
+        e = store.lookup(txn, digest, chkpt)
+        if entry_visible(e, chkpt, self._wfk):
+            return e
+        return False if self._wfk else None  # under wait_for_keys the manager waits
+
+    def _check_state(self, store: ShardStore, chkpt: int, txn: Any) -> None:
+        """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``."""
         newest, closed = saved_newest(store, txn, self._size)
         if closed != OPEN:
             info = self._sock.info
@@ -345,10 +209,6 @@ class SharedChannel:
                 f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
             )
         check_window(chkpt, newest, self._size)
-        e = store.lookup(txn, digest, chkpt)
-        if entry_visible(e, chkpt, self._wfk):
-            return e
-        return False if self._wfk else None  # under wait_for_keys the manager waits
 
     def _snapshot(self, store: ShardStore) -> Any:
         try:
@@ -372,48 +232,146 @@ class SharedChannel:
             return self._sock.call(o)
         try:
             self._check_alive()
-            with self._snapshot(view.store) as txn:
-                e = self._visible(view.store, o.digest, o.chkpt, txn)
-                if e:
-                    return view.copy(e.frame)
+            got: Any = _LEND
+            if not o.lend:
+                with self._snapshot(view.store) as txn:
+                    e = self._visible(view.store, o.digest, o.chkpt, txn)
+                    if not e:
+                        got = e
+                    elif not (o.lend is None and lendable(e.frame) and frozen(view.store, txn)):
+                        return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
+            if got is _LEND:
+                got = self._lend(view, o.digest, o.chkpt)
+                if got is not None and got is not False:
+                    return got
         except DDictClosedError:
             _destroyed(self._path)  # after the snapshot ended: no reader left in the map
             raise
         finally:
             self._exit(view)
-        if e is None:
+        if got is None:
             raise DDictKeyError()
         return self._sock.call(o)  # the manager waits for the writer
 
-    def _put(self, o: Put) -> None:
-        framed = o.framed
-        if not (self._direct and framed.nbytes <= DIRECT_PUT_MAX):
-            return self._sock.call(o)
+    def _lender(self, view: _View) -> Lender:
+        with _ENVS_LOCK:
+            if view.lender is None:
+                gens = self._gens
+                view.lender = Lender(view.store, self._sock.info.manager_id,
+                                     (os.path.dirname(self._sock.info.uds_path),
+                                      self._sock.link.uid,
+                                      len(gens.words) if gens is not None else 0),
+                                     view.idle)  # fmt: skip
+            return view.lender
+
+    def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
+        """The value's frame lent from a snapshot (see :mod:`.pins`), else copied; ``None``:
+        absent, ``False``: a reader must wait (the manager's)."""
+        lender = view.lender or self._lender(view)
+        gens = self._gens
+        snap = lender.begin(gens.get(self._sock.info.manager_id) if gens is not None else 0)
+        if snap is None:  # (max-snapshots open: this read copies)
+            with self._snapshot(view.store) as txn:
+                e = self._visible(view.store, digest, chkpt, txn)
+                return view.copy(e.frame) if e else e
+        try:
+            e = self._visible(view.store, digest, chkpt, snap.txn)
+            if not e:
+                return e
+            lent = lender.lend(snap, e.frame) if lendable(e.frame) else None
+            return view.copy(e.frame) if lent is None else lent
+        finally:
+            lender.end(snap)
+
+    def _get_many(self, o: GetMany) -> list[list[Any]]:
+        """This manager's keys of ``o`` (one group) from one snapshot of the shard."""
         view = self._enter()
         if view is None:
             return self._sock.call(o)
+        ((mid, digests),) = o.groups
+        try:
+            self._check_alive()
+            if not o.lend:
+                with self._snapshot(view.store) as txn:
+                    if o.lend is False or not frozen(view.store, txn):
+                        return [self._many(view, None, digests, o.chkpt, txn)]
+            lender = view.lender or self._lender(view)
+            gens = self._gens
+            snap = lender.begin(gens.get(mid) if gens is not None else 0)
+            if snap is None:  # (max-snapshots open: these reads copy)
+                with self._snapshot(view.store) as txn:
+                    return [self._many(view, None, digests, o.chkpt, txn)]
+            try:
+                return [self._many(view, (lender, snap), digests, o.chkpt, snap.txn)]
+            finally:
+                lender.end(snap)
+        except DDictClosedError:
+            _destroyed(self._path)
+            raise
+        finally:
+            self._exit(view)
+
+    def _many(self, view: _View, lending: tuple[Lender, Any] | None, digests: list[bytes],
+              chkpt: int, txn: Any) -> list[Any]:  # fmt: skip
+        """Frames (copied, or lent), ``None`` for absent keys, ``False`` to wait for."""
+        store = view.store
+        self._check_state(store, chkpt, txn)
+        out: list[Any] = []
+        for e in store.lookup_many(txn, digests, chkpt):
+            if not entry_visible(e, chkpt, self._wfk):
+                out.append(False if self._wfk else None)
+                continue
+            frame = e.frame  # type: ignore[union-attr]
+            lent = None
+            if lending is not None and lendable(frame):
+                lent = lending[0].lend(lending[1], frame)
+            out.append(view.copy(frame) if lent is None else lent)
+        return out
+
+    def _put(self, o: Put) -> None:
+        framed = o.framed
+        if self._direct and framed.nbytes <= DIRECT_PUT_MAX:
+            done, error = self.put_batch([(o.digest, o.key, framed)], o.chkpt)
+            if error is not None:
+                raise error
+            if done:
+                return None
+        return self._sock.call(o)  # (not one this client may commit: the manager's)
+
+    def put_batch(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int
+                  ) -> tuple[int, DDictError | None]:  # fmt: skip
+        """Commit the leading ``records`` that this client may commit itself (as
+        :meth:`_put` does one), all in one transaction; return how many, and the
+        error that stopped them, if one did.  The rest are the manager's to apply."""
+        if not self._direct:
+            return 0, None
+        view = self._enter()
+        if view is None:
+            return 0, None
+        done, error = 0, None
         try:
             self._check_alive()
             store = view.store
             try:
                 txn = store.write()
             except lmdb.Error:
-                txn = None  # the view was closed: the manager answers
-            if txn is not None:
-                try:
-                    done = put_in_window(store, txn, self._size, o.digest, o.chkpt, o.key,
-                                         framed)  # fmt: skip
-                except BaseException:
-                    txn.abort()
-                    raise
-                if done:
-                    txn.commit()
-                    self._words.bump(self._sock.info.manager_id)  # type: ignore[union-attr]
-                    return None
+                return 0, None  # the view was closed: the manager applies them
+            small = 0
+            while small < len(records) and records[small][2].nbytes <= DIRECT_PUT_MAX:
+                small += 1
+            try:
+                done, error = puts_in_window(store, txn, self._size, chkpt, records[:small])
+            except BaseException:
+                txn.abort()
+                raise
+            if done:
+                txn.commit()
+                self._words.bump(self._sock.info.manager_id)  # type: ignore[union-attr]
+            else:
                 txn.abort()
         finally:
             self._exit(view)
-        return self._sock.call(o)
+        return done, error
 
     def _contains(self, o: Contains) -> bool:
         view = self._enter()
@@ -441,4 +399,5 @@ class SharedChannel:
 #: What a same-host channel serves from the shard itself (everything else: the socket).
 _LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
     Get: SharedChannel._get, Contains: SharedChannel._contains, Put: SharedChannel._put,
+    GetMany: SharedChannel._get_many,
 }

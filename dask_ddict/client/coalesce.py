@@ -1,0 +1,109 @@
+"""Gets issued together on an event loop travel together (:class:`~dask_ddict.AsyncDDict`).
+
+``asyncio.gather(*(ad.get(k) for k in keys))`` must not cost a thousand
+threads or a thousand sequential round trips.  Each ``await ad.get(...)``
+joins the batch of its event-loop turn; at the end of the turn the batch is
+read with one :meth:`~dask_ddict.DDict.get_many` in one worker thread: one
+request per host process, and same-host shards read directly.  A single
+get is a batch of one, so a lone ``await ad.get(k)`` costs what it did.
+
+A key whose reader must wait (``wait_for_keys``, not yet written at the
+reader's checkpoint) leaves the batch and waits in a thread of its own, so
+it never holds up the others (whose writers may depend on them).  An error
+that concerns one key (an unpicklable key, say) fails only that key's get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DDictKeyError
+from .reads import _ABSENT, _WAIT
+
+if TYPE_CHECKING:
+    from .handle import DDict
+
+_Pending = list[tuple[Any, Any, "asyncio.Future[Any]"]]  # (key, default, future)
+
+
+class GetBatcher:
+    """The gets of one asynchronous handle waiting for the end of their loop turn."""
+
+    def __init__(self, d: DDict) -> None:
+        self._d = d
+        self._pending: dict[tuple[Any, bool | None], _Pending] = {}
+
+    def __repr__(self) -> str:
+        return f"<GetBatcher pending={sum(len(p) for p in self._pending.values())}>"
+
+    async def get(self, key: Any, default: Any, copy: bool | None) -> Any:
+        loop = asyncio.get_running_loop()
+        batch = self._pending.get((loop, copy))
+        if batch is None:
+            batch = self._pending[(loop, copy)] = []
+            loop.call_soon(self._flush, loop, copy)
+        fut: asyncio.Future[Any] = loop.create_future()
+        batch.append((key, default, fut))
+        return await fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop, copy: bool | None) -> None:
+        batch = self._pending.pop((loop, copy))
+        task = loop.create_task(asyncio.to_thread(self._read, batch, copy))
+        task.add_done_callback(lambda t: self._settle(loop, batch, copy, t))
+
+    def _read(self, batch: _Pending, copy: bool | None) -> list[tuple[bool, Any]]:
+        """``(ok, value or error)`` per get, in one ``get_many`` (each alone if it fails)."""
+        d = self._d
+        try:
+            return [(True, v) for _, v in d._many([k for k, _, _ in batch], copy)]
+        except Exception:  # noqa: BLE001 - which key? each alone says (and fails alone)
+            if len(batch) == 1:
+                raise
+        out: list[tuple[bool, Any]] = []
+        for key, _, _ in batch:
+            try:
+                out.append((True, d._many([key], copy)[0][1]))
+            except Exception as e:  # noqa: BLE001 - that get's own error
+                out.append((False, e))
+        return out
+
+    def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, copy: bool | None,
+                task: asyncio.Task[list[tuple[bool, Any]]]) -> None:  # fmt: skip
+        if task.cancelled() or task.exception() is not None:
+            error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(error)  # type: ignore[arg-type]
+            return
+        for (key, default, fut), (ok, got) in zip(batch, task.result()):
+            if fut.done():
+                continue  # (cancelled by its awaiter)
+            if not ok:
+                fut.set_exception(got)
+            elif got is _WAIT:  # waits alone: the others are not held up by its writer
+                self._wait(loop, key, default, copy, fut)
+            else:
+                fut.set_result(default if got is _ABSENT else got)
+
+    def _wait(self, loop: asyncio.AbstractEventLoop, key: Any, default: Any, copy: bool | None,
+              fut: asyncio.Future[Any]) -> None:  # fmt: skip
+        def read() -> Any:
+            try:
+                return self._d._get(key, None if copy is None else not copy)
+            except DDictKeyError:
+                return default
+
+        task = loop.create_task(asyncio.to_thread(read))
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if fut.done():
+                return
+            if t.cancelled():
+                fut.cancel()
+            elif t.exception() is not None:
+                fut.set_exception(t.exception())  # type: ignore[arg-type]
+            else:
+                fut.set_result(t.result())
+
+        task.add_done_callback(done)

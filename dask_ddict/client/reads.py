@@ -1,0 +1,131 @@
+"""Reads of a handle: one key, many keys per round trip, copied or zero-copy
+(a base of :class:`~dask_ddict.DDict`).
+
+``d[k]`` and ``d.get(k)`` read one key; ``d.get_many(keys)`` reads many with
+one request per host process (:mod:`~dask_ddict.transport.many`), and reads
+the shards of managers on this host directly.  ``copy=False`` lends the
+shard's pages on the manager's host (:mod:`~dask_ddict.transport.pins`):
+numpy arrays come back as read-only views that never change.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .._serialize import ValuePickler, loads_value
+from ..arguments import check_bool
+from ..errors import DDictKeyError, DDictTimeoutError
+from ..transport.ops import Get
+from .core import MISSING
+
+if TYPE_CHECKING:
+    from .core import _Core
+
+_MISSING = MISSING
+#: What :meth:`Reads._many` gives for an absent key, and for one whose reader must wait.
+_ABSENT: Any = object()
+_WAIT: Any = object()
+
+
+class Reads:
+    """``d[k]``, :meth:`get` and :meth:`get_many` of a handle."""
+
+    _core: _Core
+    _chkpt: int
+    _timeout: float | None
+    _vp: ValuePickler | None
+
+    if TYPE_CHECKING:  # provided by the handle
+
+        def _route(self, key: Any) -> tuple[int, bytes, bytes]: ...
+        def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]: ...
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._get(key, None)
+
+    def _get(self, key: Any, lend: bool | None) -> Any:
+        mid, digest, _ = self._route(key)
+        try:
+            frame = self._core.channel(mid).call(
+                Get(digest, self._chkpt, self._timeout, lend and self._vp is None)
+            )
+        except DDictKeyError:
+            raise DDictKeyError(key) from None
+        except DDictTimeoutError as e:
+            raise self._no_writer(key, e) from None
+        return loads_value(frame, self._vp)
+
+    def _no_writer(self, key: Any, e: DDictTimeoutError) -> DDictTimeoutError:
+        """A read's timeout, saying why under ``wait_for_keys``."""
+        if not self._core.layout.options.wait_for_keys:
+            return e
+        return DDictTimeoutError(
+            f"reading {key!r:.80} at checkpoint {self._chkpt}: no writer put it there "
+            f"within {self._timeout} s (wait_for_keys=True: a non-persistent key is "
+            f"visible only once written at the reader's checkpoint; {e.message})"
+        )
+
+    def get(self, key: Any, default: Any = None, copy: bool | None = None) -> Any:
+        """``self[key]`` if present, else ``default``.
+
+        ``copy=False``: on the manager's host, numpy arrays and other out-of-band
+        buffers of the value are read-only views of the shard's pages, with no
+        copy; they never change and stay valid whatever happens to the key or the
+        dictionary later (see "Zero-copy reads" in the docs).  ``None`` (and
+        ``d[key]``): zero-copy only when the dictionary is frozen, as in Dragon.
+        Over TCP the received buffer is the value's either way.
+        """
+        try:
+            return self._get(key, None if copy is None else not check_bool("copy", copy))
+        except DDictKeyError:
+            return default
+
+    def get_many(self, keys: Iterable[Any], default: Any = _MISSING,
+                 copy: bool | None = True) -> builtins.list[Any]:  # fmt: skip
+        """The values of ``keys``, in their order, with one request per host.
+
+        Keys are grouped by manager; each host process reads its managers' keys
+        in one pass, and managers on this host are read from their shards
+        directly.  A missing key gives ``default``, or, with no default, raises
+        :class:`DDictKeyError` naming it.  ``copy=False``: values read on the
+        manager's host are zero-copy views, as with :meth:`get` (``None``: only
+        a frozen dictionary's).  Under ``wait_for_keys``, a key not yet written
+        at this checkpoint is waited for as :meth:`get` waits.
+        """
+        out = self._many(keys, copy)
+        for i, (key, got) in enumerate(out):
+            if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone
+                try:
+                    got = self._get(key, None if copy is None else not copy)
+                except DDictKeyError:
+                    got = _ABSENT
+            if got is _ABSENT:
+                if default is _MISSING:
+                    raise DDictKeyError(key)
+                got = default
+            out[i] = got
+        return out
+
+    def _many(self, keys: Iterable[Any], copy: bool | None
+              ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
+        """``(key, value)`` for each key: the value, :data:`_ABSENT`, or :data:`_WAIT`
+        (a reader of it must wait for a writer: :meth:`_get` it alone)."""
+        lend = None if copy is None else not check_bool("copy", copy)
+        if self._vp is not None:
+            lend = False
+        keys = list(keys)
+        routes = self._routes(keys)
+        groups: dict[int, builtins.list[bytes]] = {}
+        for mid, digest in routes:
+            groups.setdefault(mid, []).append(digest)
+        got = self._core.get_many(groups, self._chkpt, self._timeout, lend) if groups else {}
+        frames = {mid: iter(fs) for mid, fs in got.items()}
+        vp = self._vp
+        out: builtins.list[tuple[Any, Any]] = []
+        for key, (mid, _) in zip(keys, routes):
+            frame = next(frames[mid])
+            out.append((key, _ABSENT if frame is None else _WAIT if frame is False
+                        else loads_value(frame, vp)))  # fmt: skip
+        return out

@@ -1,0 +1,133 @@
+"""Many keys per round trip: ``get_many`` as one request per host process.
+
+Redis answers ``MGET`` and pipelines, ``ray.get`` takes a list: reading a
+thousand keys must not cost a thousand round trips.  A :class:`GetMany`
+carries, for each manager of one host process, the digests of its keys; the
+host reads each manager's keys in one snapshot and answers every frame in
+one reply.  A same-host reader serves its managers' groups from the shards
+themselves (:mod:`.shared`).
+
+Wire (the request's value section, so that its size is bounded by the
+shard's rather than the key limit)::
+
+    request value = <u32 groups> (<u32 manager> <u32 count>) * groups  digests(16) ...
+    reply payload = <u32 n> <i64 length> * n  [pad]  (frame [pad]) * n
+
+A length of -1 is an absent key, -2 a key whose reader must wait
+(``wait_for_keys``: the client then asks for it alone, with its timeout).
+Frames start at multiples of 64 from the payload's start, which clients
+receive at :data:`~dask_ddict._serialize.FRAME_BASE` modulo 64: numpy buffers
+come out aligned, as from a single get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .operation import Encoded, HostWide, Kind, Reply, Request
+from .protocol import Op
+
+if TYPE_CHECKING:
+    from ..shard.manager import Manager
+
+_U32 = struct.Struct("<I")
+_GROUP = struct.Struct("<II")
+_LEN = struct.Struct("<q")
+ABSENT, WAIT = -1, -2
+_ALIGN = 64
+
+#: One manager's part of a many-key request: ``(manager id, digests)``.
+Group = tuple[int, list[bytes]]
+
+
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def pack_frames(frames: list[Any]) -> list[Any]:
+    """The reply's parts for ``frames`` (buffers, ``None`` absent, ``False`` wait)."""
+    lens = [ABSENT if f is None else WAIT if f is False else memoryview(f).nbytes for f in frames]
+    head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}q", *lens)
+    parts: list[Any] = [head, bytes(_pad(len(head)))]
+    for f, n in zip(frames, lens):
+        if n >= 0:
+            parts += [f, bytes(_pad(n))]
+    return parts
+
+
+def unpack_frames(payload: Any) -> list[Any]:
+    """The frames of a reply (views of ``payload``; ``None`` absent, ``False`` wait)."""
+    mv = memoryview(payload).cast("B")
+    (n,) = _U32.unpack_from(mv, 0)
+    lens = struct.unpack_from(f"<{n}q", mv, 4)
+    off = 4 + 8 * n
+    off += _pad(off)
+    out: list[Any] = []
+    for ln in lens:
+        if ln < 0:
+            out.append(None if ln == ABSENT else False)
+            continue
+        out.append(mv[off : off + ln])
+        off += ln + _pad(ln)
+    return out
+
+
+@dataclass(slots=True)
+class GetMany(HostWide):
+    """The frames of many keys on managers of one host process, in ``groups`` order.
+
+    ``lend`` is a same-host reader's choice (see :class:`~.ops.Get`: ``None`` lends
+    only a frozen shard's values), never sent.
+    """
+
+    op = Op.GET_MANY
+    kind = Kind.READ
+    groups: tuple[Group, ...]
+    chkpt: int
+    timeout: float | None = None
+    lend: bool | None = False
+
+    def encode(self) -> Encoded:
+        table = _U32.pack(len(self.groups)) + b"".join(
+            _GROUP.pack(mid, len(d)) for mid, d in self.groups
+        )
+        digests = b"".join(b"".join(d) for _, d in self.groups)
+        return Encoded(parts=(table, digests), vlen=len(table) + len(digests),
+                       chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
+
+    def result(self, ival: int, payload: Any) -> list[list[Any]]:
+        frames = iter(unpack_frames(payload))
+        return [[next(frames) for _ in d] for _, d in self.groups]
+
+    @staticmethod
+    def groups_of(value: Any) -> list[Group]:
+        mv = memoryview(value).cast("B")
+        (n,) = _U32.unpack_from(mv, 0)
+        off = 4 + _GROUP.size * n
+        out = []
+        for i in range(n):
+            mid, count = _GROUP.unpack_from(mv, 4 + _GROUP.size * i)
+            out.append((mid, [bytes(mv[off + 16 * j : off + 16 * j + 16]) for j in range(count)]))
+            off += 16 * count
+        return out
+
+    @staticmethod
+    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
+                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+        """Each manager's keys in one snapshot of its shard; one reply for all."""
+        frames: list[Any] = []
+        with contextlib.ExitStack() as snapshots:
+            for mid, digests in GetMany.groups_of(r.value):
+                m = managers.get(mid)
+                if m is None:
+                    raise missing(mid)
+                frames += m.get_many(snapshots.enter_context(m.store.read()), digests, r.chkpt)
+            reply(0, b"".join(pack_frames(frames)))  # (inside the snapshots: views are valid)
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        GetMany.serve_host({r.manager: m}, r, reply)

@@ -1,0 +1,203 @@
+"""A process's mappings of shards ("views"), shared by all its same-host channels.
+
+LMDB forbids opening one environment twice in a process, so environments
+are shared process-wide (:data:`_ENVS`) and released when the last channel
+using one closes (a handle's channels close with it, also when it is
+garbage-collected, e.g. at the end of a task), or as soon as a read finds
+the dictionary destroyed, but never while values lent from it live
+(zero-copy reads, :mod:`.pins`): those keep the mapping, and so the pages,
+until the last is gone.
+
+A view costs 2 descriptors, which it keeps: LMDB holds the data file's until
+the environment closes, and the lock file's, on which a POSIX record lock at
+this process's pid tells other processes that its reader slots are live (closing
+any descriptor of that file drops the lock; another process's ``reader_check``
+would then free the slots, and the manager could reuse pages a reader is
+copying).  A bare read-only ``mmap`` without a reader slot could read torn pages.
+So the descriptors are bounded by the number of views: at most
+``ddict.transport.max-shard-views`` (32) per process, taken from the least
+recently used idle one at the bound (:func:`_evict_idle`).
+
+Readers give back the shard pages they touched (see :mod:`dask_ddict._memory`)
+once they may have touched :data:`RELEASE_EVERY` bytes of distinct pages, so a
+process that reads a lot and drops it does not keep the shards in its RSS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from .. import _memory, config
+from .._serialize import copy_frame
+from ..shard.store import ShardStore
+from .pins import Lender
+
+#: Values this big count their own pages once until the next release (see _View.copy).
+RELEASE_LARGE = 1 << 20
+#: Every mapping of the process is released after reads that may have touched this
+#: many bytes of distinct pages (each small read counts at least one page).
+RELEASE_EVERY = 96 << 20
+
+
+class _View:
+    """A process's mapping of one shard, shared by its channels.
+
+    ``users`` counts the channels that hold it, ``active`` the operations inside
+    it right now (an evicted view is never closed under one), ``used`` is when
+    it was last used (for the least-recently-used rotation).
+    """
+
+    __slots__ = ("store", "users", "span", "active", "used", "evicted", "lender", "closed")
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+        self.users = 0
+        self.span: tuple[int, int] | None = None
+        self.active = 0
+        self.used = time.monotonic()
+        self.evicted = False
+        self.closed = False
+        self.lender: Lender | None = None  # its zero-copy snapshots (see .pins), once lent
+
+    @property
+    def lending(self) -> bool:
+        """Whether values lent from this mapping live on (it must stay open)."""
+        return self.lender is not None and self.lender.open > 0
+
+    def copy(self, frame: memoryview) -> Any:
+        """A private copy of a value frame; gives back the pages it touched when due.
+
+        (Reading a large value with ``preadv`` instead, which maps nothing, ran
+        at half the speed of this copy here.)  A large value's pages stay mapped
+        until the process has touched :data:`RELEASE_EVERY` bytes of distinct
+        pages: reading a hot value again then faults nothing, and its resident
+        set stays bounded.
+        """
+        global _unreleased
+        out = copy_frame(frame)
+        n = frame.nbytes
+        if n >= RELEASE_LARGE:
+            addr = _memory.address_of(frame)
+            if _touched.get(addr) == n:
+                return out  # (still mapped from an earlier read)
+            _touched[addr] = n
+        _unreleased += n + _memory.PAGE
+        if _unreleased >= RELEASE_EVERY:
+            _unreleased = 0
+            _touched.clear()
+            for view in list(_ENVS.values()):
+                view.release()
+        return out
+
+    def release(self) -> None:
+        """Give back every page of this mapping (they stay in the shard)."""
+        if self.span is None:
+            self.span = _memory.mapping_of(self.store.path + "/data.mdb")
+        if self.span is not None:
+            _memory.release(self.span[0], self.span[1] - self.span[0])
+
+    def close(self) -> None:
+        """Close the mapping, or, while values lent from it live, once the last is gone."""
+        self.evicted = True
+        if self.lending or self.closed:
+            return
+        self.closed = True
+        self.store.close()
+
+    def idle(self) -> None:
+        """The last lent value is gone: close now if the view was closed meanwhile."""
+        with _ENVS_LOCK:
+            last = self.evicted and self.active == 0  # (no operation enters an evicted one)
+        if last:
+            self.close()
+
+
+_unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
+_touched: dict[int, int] = {}  # large values read since then: address -> bytes
+#: path -> the process's view of it, least recently used first.
+_ENVS: OrderedDict[str, _View] = OrderedDict()
+_DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
+_MANAGED: dict[str, None] = {}  # paths of shards this process opened as their manager
+# Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
+# (the cyclic GC runs at any allocation, e.g. while LMDB opens an environment).
+_ENVS_LOCK = threading.RLock()
+
+
+class ViewLimit(Exception):
+    """This process already keeps ``ddict.transport.max-shard-views`` shard views."""
+
+
+def _acquire(path: str, capacity: int) -> _View:
+    with _ENVS_LOCK:
+        view = _ENVS.get(path)
+        if view is None:
+            if path in _MANAGED:
+                raise ViewLimit(f"{path} is served by this process: read over its socket")
+            most = int(config.get("transport.max-shard-views"))
+            if len(_ENVS) >= most and not _evict_idle():
+                # bounded descriptors: this manager is read over its socket for now
+                raise ViewLimit(f"{len(_ENVS)} shard views open (ddict.transport.max-shard-views)")
+            view = _ENVS[path] = _View(ShardStore(path, capacity, create=False))
+        view.users += 1
+        return view
+
+
+def _evict_idle() -> bool:
+    """Close the least recently used view if it has been idle for ``shard-view-idle``
+    and no operation is inside it (``_ENVS_LOCK`` held).  Its channels read over
+    their sockets until they map their shard again.  Views in use more recently
+    are kept: a working set of shards larger than the bound does not thrash.
+    """
+    idle = config.get_seconds("transport.shard-view-idle") or 0.0
+    now = time.monotonic()
+    for path, view in _ENVS.items():  # least recently used first
+        if now - view.used < idle:
+            return False  # (every later one was used more recently)
+        if view.active == 0 and not view.lending:
+            del _ENVS[path]
+            view.close()
+            return True
+    return False
+
+
+def _release(path: str, view: _View) -> None:
+    with _ENVS_LOCK:
+        view.users -= 1
+        if view.users > 0 or _ENVS.get(path) is not view:
+            return
+        del _ENVS[path]
+        view.evicted = True  # no new operation enters it
+        if view.active:  # (a channel closed under another thread's read:
+            return  # the last operation out closes it, see SharedChannel._exit)
+    view.close()
+
+
+def _destroyed(path: str) -> None:
+    """The shard was destroyed: close this process's view now, for every channel."""
+    with _ENVS_LOCK:
+        view = _ENVS.pop(path, None)
+        _DESTROYED[path] = None
+        while len(_DESTROYED) > 4096:
+            del _DESTROYED[next(iter(_DESTROYED))]
+    if view is not None:
+        view.close()
+
+
+def forget(path: str) -> None:
+    """Close this process's client view of a shard it is about to open as its manager.
+
+    LMDB must not have one environment open twice in a process; a restart can
+    place a manager in a process that still maps the old shard as a client.
+    Its channels read over the socket from then on: the shard is never mapped
+    as a client's here again.
+    """
+    with _ENVS_LOCK:
+        view = _ENVS.pop(path, None)
+        _MANAGED[path] = None
+        while len(_MANAGED) > 4096:
+            del _MANAGED[next(iter(_MANAGED))]
+    if view is not None:
+        view.close()

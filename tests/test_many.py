@@ -1,0 +1,167 @@
+"""Many keys per round trip: get_many, batches of puts, and gathered async gets.
+
+Counted where it matters: how many requests reach the host processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dask_ddict import AsyncDDict, DDict, DDictKeyError, DDictSerializationError
+from dask_ddict.transport import links, ops
+from dask_ddict.transport.many import GetMany
+
+
+def _tcp(d: DDict, client: Client) -> DDict:
+    """A handle that reaches every manager over TCP (as another host would)."""
+    with dask.config.set({"ddict.local-transport": False}):
+        t = DDict.attach(d.serialize(), client=client)
+        for m in range(d.num_managers):
+            t._core.channel(m)
+    return t
+
+
+@pytest.fixture
+def requests(monkeypatch):
+    """Every request sent to a host process, as ``(operation class, manager ids)``."""
+    sent: list[tuple[type, tuple[int, ...]]] = []
+    real = links.HostLink._exchange
+
+    def exchange(self, o, mid):  # noqa: ANN001, ANN202
+        mids = tuple(g[0] for g in o.groups) if isinstance(o, GetMany) else \
+            tuple(sorted({r[0] for r in o.records})) if isinstance(o, ops.BatchPut) else (mid,)
+        sent.append((type(o), mids))
+        return real(self, o, mid)
+
+    monkeypatch.setattr(links.HostLink, "_exchange", exchange)
+    return sent
+
+
+def _hosts(d: DDict) -> int:
+    return len({(m.tcp_host, m.tcp_port) for m in d._core.layout.managers})
+
+
+def test_get_many_returns_values_in_key_order_with_one_request_per_host(client, requests):
+    with DDict(total_mem="64 MiB", client=client, managers_per_worker=2) as d:
+        keys = [f"k{i}" for i in range(1000)]
+        d.update({k: i for i, k in enumerate(keys)})
+        d["arr"] = np.arange(10_000)
+        t = _tcp(d, client)
+        for h in (d, t):
+            requests.clear()
+            got = h.get_many(keys + ["arr", "k3"])
+            first = [r for r in requests if r[0] is GetMany]
+            assert got[:1000] == list(range(1000)) and got[-1] == 3
+            assert (got[1000] == np.arange(10_000)).all()
+            assert h.get_many([]) == []
+            assert h.get_many(iter(["k1", "nope", "k2"]), default=None) == [1, None, 2]
+            with pytest.raises(DDictKeyError) as e:
+                h.get_many(["k1", ("missing", 7)])
+            assert e.value.key == ("missing", 7) and "missing" in str(e.value)
+        # over TCP: one request per host process, each for all of its managers the keys are on
+        assert len(first) == _hosts(d) and all(len(mids) == 2 for _, mids in first)
+        t.detach()
+
+
+@pytest.mark.one_host
+def test_get_many_on_the_same_host_sends_nothing(client, requests):
+    with DDict(total_mem="64 MiB", client=client, managers_per_worker=2) as d:
+        d.update({i: i for i in range(100)})
+        requests.clear()
+        assert d.get_many(range(100)) == list(range(100))
+        assert not [r for r in requests if r[0] is GetMany]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(keys=st.lists(st.one_of(st.integers(-5, 40), st.text(max_size=3),
+                               st.tuples(st.integers(0, 3), st.booleans())), max_size=60))
+def test_get_many_agrees_with_get_key_by_key(ddict, keys):
+    ddict.update({k: [k, "v"] for k in keys[::2]})
+    assert ddict.get_many(keys, default="absent") == [ddict.get(k, "absent") for k in keys]
+    ddict.clear()
+
+
+def test_get_many_under_wait_for_keys_waits_for_the_writer(client):
+    with DDict(total_mem="32 MiB", client=client, wait_for_keys=True, working_set_size=2,
+               timeout=30) as d:  # fmt: skip
+        d.pput("p", "persistent")
+        d["a"] = 1
+        d.checkpoint()  # a task gets the handle at checkpoint 1, and writes there
+        fut = client.submit(lambda h: (time.sleep(0.5), h.__setitem__("a", 2)), d, pure=False)
+        assert d.get_many(["p", "a"]) == ["persistent", 2]  # "a" waited for checkpoint 1
+        fut.result()
+
+
+def test_a_batch_is_one_request_per_host_per_flush(client, requests):
+    with DDict(total_mem="64 MiB", client=client, managers_per_worker=2) as d:
+        t = _tcp(d, client)
+        requests.clear()
+        t.start_batch_put()
+        for i in range(200):
+            t[i] = i
+        t.end_batch_put()
+        batches = [mids for kind, mids in requests if kind is ops.BatchPut]
+        assert len(batches) == _hosts(d)  # 200 small puts: one flush, one request per host
+        assert all(len(mids) == 2 for mids in batches)  # each carries both of its managers
+        assert t.get_many(range(200)) == list(range(200)) and len(d) == 200
+        t.detach()
+
+
+@pytest.mark.one_host
+def test_a_same_host_batch_is_committed_by_the_client_in_one_transaction_per_shard(client,
+                                                                                   requests):  # fmt: skip
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d.update({i: i for i in range(500)})
+        assert not [r for r in requests if r[0] in (ops.BatchPut, ops.BatchEnd)]
+        t = _tcp(d, client)
+        assert t.get_many(range(500)) == list(range(500)) and len(t) == 500
+        d.freeze()  # the client may not commit into a frozen shard: the managers refuse
+        with pytest.raises(Exception, match="frozen"):
+            d.update({"x": 1})
+        d.unfreeze()
+        d.checkpoint()  # beyond the window: the managers move it, so they get the batch
+        d.update({"y": 2})
+        assert [r for r in requests if r[0] is ops.BatchPut]
+        assert d["y"] == 2
+        t.detach()
+
+
+def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch):
+    calls: Counter[int] = Counter()
+    real = DDict._many
+
+    def many(self, keys, copy):  # noqa: ANN001, ANN202
+        keys = list(keys)
+        calls[len(keys)] += 1
+        return real(self, keys, copy)
+
+    monkeypatch.setattr(DDict, "_many", many)
+
+    async def main() -> None:
+        async with Client(client.scheduler.address, asynchronous=True) as ac:
+            ad = await AsyncDDict.create(total_mem="32 MiB", client=ac)
+            await ad.update({i: i * i for i in range(1000)})
+            got = await asyncio.gather(*(ad.get(i) for i in range(1000)),
+                                       ad.get("nope", "dflt"))  # fmt: skip
+            assert list(got) == [i * i for i in range(1000)] + ["dflt"]
+            assert calls == {1001: 1}
+            assert await ad[5] == 25
+            with pytest.raises(DDictKeyError):
+                await ad["nope"]
+            bad = await asyncio.gather(ad.get(1), ad.get(threading.Lock()),
+                                       return_exceptions=True)  # fmt: skip
+            assert bad[0] == 1 and isinstance(bad[1], DDictSerializationError)  # only its get
+            assert await ad.get_many([1, 2]) == [1, 4]
+            await ad.destroy()
+
+    asyncio.run(main())

@@ -1,0 +1,226 @@
+"""Zero-copy reads on the manager's host: views of the shard that never change.
+
+Every test takes real views of real shards (LMDB in /dev/shm) and then does
+what could reuse their pages: overwrites, pops, clears, window moves,
+unfreeze, a SIGKILL of the host process, destroy.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import dask
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dask_ddict import DDict, _memory
+from dask_ddict.transport import pins
+
+#: Views of the shard need the shard on this host (the TCP test below does not).
+one_host = pytest.mark.one_host
+
+
+def _in_shard(d: DDict, key: object, arr: np.ndarray) -> bool:
+    """Whether ``arr``'s memory lies inside this process's mapping of ``key``'s shard."""
+    store = d._core.layout.managers[d.which_manager(key)].store_path
+    span = _memory.mapping_of(store + "/data.mdb")
+    addr = arr.__array_interface__["data"][0]
+    return span is not None and span[0] <= addr < span[1]
+
+
+def _settled(d: DDict) -> None:
+    """Drop the test's garbage and let the host's pin boards be read afresh."""
+    gc.collect()
+    time.sleep(0.01)
+
+
+@one_host
+def test_a_zero_copy_get_is_a_read_only_view_of_the_shard(client):
+    with DDict(total_mem="64 MiB", client=client) as d:
+        a = np.arange(1 << 20, dtype="f8")  # 8 MiB
+        d["a"] = a
+        v = d.get("a", copy=False)
+        assert not v.flags.writeable and _in_shard(d, "a", v)
+        assert (v == a).all()
+        with pytest.raises(ValueError, match="read-only"):
+            v[0] = 1.0
+        c = d.get("a")  # a copy by default (the dictionary is not frozen)
+        assert c.flags.writeable and not _in_shard(d, "a", c)
+        c2 = d.get_many(["a"])[0]
+        assert c2.flags.writeable and not _in_shard(d, "a", c2)
+        (v2,) = d.get_many(["a"], copy=False)
+        assert not v2.flags.writeable and _in_shard(d, "a", v2)
+        assert d.get("missing", "dflt", copy=False) == "dflt"
+        assert d.get("small", copy=False) is None
+        d["small"] = {"x": 1}  # no out-of-band buffer: nothing to lend, plain object
+        assert d.get("small", copy=False) == {"x": 1}
+        m = d.which_manager("a")
+        _settled(d)
+        st_ = d.stats[m]
+        assert st_.pinned_views == 2 and st_.pinned_bytes >= 2 * a.nbytes
+        del v, v2
+        _settled(d)
+        assert d.stats[m].pinned_views == 0 and d.stats[m].pinned_bytes == 0
+
+
+@one_host
+def test_a_frozen_dict_reads_zero_copy_and_views_outlive_unfreeze(client):
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d.update({i: np.full(50_000, i, dtype="i8") for i in range(4)})
+        d.freeze()
+        views = [d[i] for i in range(4)] + d.get_many(range(4), copy=None)
+        assert all(not v.flags.writeable and _in_shard(d, i % 4, v) for i, v in enumerate(views))
+        assert d.get(0, copy=True).flags.writeable  # copy=True copies, frozen or not
+        d.unfreeze()
+        for i in range(4):
+            d[i] = np.full(50_000, -1, dtype="i8")
+        d.clear()
+        assert all((v == i % 4).all() for i, v in enumerate(views))
+
+
+Step = st.one_of(
+    st.tuples(st.just("read"), st.integers(0, 5)),
+    st.tuples(st.just("put"), st.integers(0, 5)),
+    st.tuples(st.just("pop"), st.integers(0, 5)),
+    st.tuples(st.just("clear"), st.none()),
+    st.tuples(st.just("advance"), st.none()),  # the window moves: a checkpoint retires
+    st.tuples(st.just("freeze"), st.none()),
+    st.tuples(st.just("drop"), st.integers(0, 50)),
+)
+
+
+@one_host
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(steps=st.lists(Step, min_size=5, max_size=40))
+def test_live_views_never_change_whatever_happens_to_the_keys(client, steps):
+    d = DDict(total_mem="32 MiB", client=client, working_set_size=2)
+    live: list[tuple[np.ndarray, np.ndarray]] = []  # (view, what it showed when taken)
+    frozen = False
+    try:
+        for n, (what, arg) in enumerate(steps):
+            if what == "read":
+                v = d.get(arg, copy=False)
+                if v is not None:
+                    live.append((v, v.copy()))
+            elif what == "put" and not frozen:
+                d[arg] = np.full(16_384, n, dtype="i8")  # 128 KiB: LMDB overflow pages
+            elif what == "pop" and not frozen:
+                d.pop(arg, None)
+            elif what == "clear" and not frozen:
+                d.clear()
+            elif what == "advance" and not frozen:
+                d.checkpoint()
+                d["moved"] = np.zeros(10)  # the manager moves its window here
+            elif what == "freeze":
+                (d.unfreeze if frozen else d.freeze)()
+                frozen = not frozen
+            elif what == "drop" and live:
+                live.pop(arg % len(live))
+            for v, seen in live:
+                assert np.array_equal(v, seen), f"a view changed after step {n}: {what}"
+    finally:
+        d.destroy()
+    for v, seen in live:  # the shard is gone: the views are not
+        assert np.array_equal(v, seen)
+
+
+@one_host
+def test_ten_thousand_views_taken_and_dropped_leave_nothing_pinned(client):
+    with DDict(total_mem="64 MiB", client=client) as d:
+        m = d.manager(0)
+        for i in range(10):
+            m[i] = np.full(1000, i)
+        views = []
+        for n in range(10_000):
+            views.append(m.get(n % 10, copy=False))
+            if n % 2000 == 0:
+                m[n % 10] = np.full(1000, n % 10)  # the shard changes: a new snapshot
+        assert all(not v.flags.writeable for v in views)
+        lender = d._core.channel(0)._view.lender
+        assert 1 <= lender.open <= int(dask.config.get("ddict.zero-copy.max-snapshots"))
+        _settled(d)
+        s = d.stats[0]
+        assert s.pinned_views == 10_000 and s.pinned_bytes >= 10_000 * 8000
+        assert all((v == i % 10).all() for i, v in enumerate(views))
+        del views
+        _settled(d)
+        assert lender.open == 0 and pins.lent_bytes() == 0
+        s = d.stats[0]
+        assert s.pinned_views == 0 and s.pinned_bytes == 0
+        readers = d._core.channel(0)._view.store.env.readers()
+        assert f"{os.getpid()} " not in readers  # no reader slot of this process is held
+
+
+@one_host
+def test_pinned_memory_is_bounded_past_it_reads_copy(client):
+    with dask.config.set({"ddict.zero-copy.max-pinned": "1 MiB"}), \
+            DDict(total_mem="64 MiB", client=client) as d:  # fmt: skip
+        m = d.manager(0)
+        m["a"], m["b"] = np.ones(96 * 1024), np.zeros(96 * 1024)  # 768 KiB each
+        first = m.get("a", copy=False)
+        second = m.get("b", copy=False)
+        assert not first.flags.writeable and second.flags.writeable  # past the bound: a copy
+        del first
+        gc.collect()
+        third = m.get("b", copy=False)
+        assert not third.flags.writeable  # room again once the first was dropped
+    with dask.config.set({"ddict.zero-copy.max-snapshots": 1}), \
+            DDict(total_mem="64 MiB", client=client) as d:  # fmt: skip
+        m = d.manager(0)
+        m["a"] = np.ones(1000)
+        x = m.get("a", copy=False)
+        m["a"] = np.zeros(1000)  # changed: a second snapshot would be needed
+        y = m.get("a", copy=False)
+        assert not x.flags.writeable and y.flags.writeable and (x == 1).all() and (y == 0).all()
+
+
+@one_host
+def test_a_view_survives_the_sigkill_of_its_host_process(client):
+    with DDict(total_mem="64 MiB", client=client) as d:
+        m = d.manager(0)
+        m["a"] = np.arange(1 << 18)
+        v = m.get("a", copy=False)
+        seen = v.copy()
+        pid = d.stats[0].pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while d.stats[0].pid == pid:  # restarted by its supervisor over the same shard
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for i in range(5):  # (pages freed under the view are not reused: room for 5)
+            m["a"] = np.full(1 << 18, -i)
+            m[f"more{i}"] = np.full(1 << 14, i)
+        m.clear()
+        assert np.array_equal(v, seen) and _in_shard(m, "a", v)
+
+
+@one_host
+def test_views_outlive_destroy_then_the_memory_goes(client):
+    d = DDict(total_mem="64 MiB", client=client)
+    d["a"] = np.arange(1 << 20)
+    v = d.get("a", copy=False)
+    path = d._core.layout.managers[d.which_manager("a")].store_path
+    d.destroy()
+    assert not os.path.exists(path)
+    assert (v == np.arange(1 << 20)).all()  # the mapping keeps the deleted shard's pages
+    del v
+    gc.collect()
+    assert _memory.mapping_of(path + "/data.mdb") is None  # unmapped with the last view
+
+
+def test_over_tcp_copy_false_uses_the_received_buffer(client):
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d["a"] = np.arange(1 << 16)
+        with dask.config.set({"ddict.local-transport": False}):
+            t = DDict.attach(d.serialize(), client=client)
+            v = t.get("a", copy=False)
+            (w,) = t.get_many(["a"], copy=False)
+        assert t._core.channel(d.which_manager("a")).kind == "tcp"
+        assert (v == np.arange(1 << 16)).all() and (w == v).all()
+        assert v.base is not None  # a view of the received frame, not a second copy
+        t.detach()
