@@ -32,9 +32,14 @@ from typing import Any
 DIGEST_SIZE = 16
 
 
+_BLAKE2B = hashlib.blake2b(digest_size=DIGEST_SIZE)  # (copied per key: cheaper than a new one)
+
+
 def key_digest(key_bytes: bytes) -> bytes:
     """The 16-byte BLAKE2b digest of serialized key bytes."""
-    return hashlib.blake2b(key_bytes, digest_size=DIGEST_SIZE).digest()
+    h = _BLAKE2B.copy()
+    h.update(key_bytes)
+    return h.digest()
 
 
 def manager_for_digest(digest: bytes, num_managers: int) -> int:

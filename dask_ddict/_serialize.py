@@ -66,6 +66,11 @@ class Framed(NamedTuple):
         return b"".join(self.parts)
 
 
+_new_framed = tuple.__new__  # a Framed from its fields, without NamedTuple's __new__
+#: Types that pickle never writes out of band: their frame is one pickle, no buffers.
+_IN_BAND = frozenset({bytes, str, int, float, bool, type(None)})
+
+
 def _pad(offset: int) -> int:
     return (-(FRAME_BASE + offset)) % ALIGN
 
@@ -82,6 +87,10 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
     DDictSerializationError
         If the value cannot be pickled; the message names its type.
     """
+    if type(obj) in _IN_BAND and pickler is None:  # (small values, the common case)
+        payload = pickle.dumps(obj, 5)
+        n = len(payload)
+        return _new_framed(Framed, ([_HEAD.pack(FMT_PICKLE, 0, n), payload], _HEAD.size + n))
     if pickler is not None:
         bio = io.BytesIO()
         try:
@@ -123,6 +132,13 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
 
 def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
     """Deserialize a value frame; numpy buffers become views of ``frame``."""
+    if type(frame) is bytes and pickler is None:  # a small frame as received: the common case
+        fmt, nbufs, plen = _HEAD.unpack_from(frame, 0)
+        if not nbufs and fmt == FMT_PICKLE:
+            try:
+                return pickle.loads(memoryview(frame)[_HEAD.size : _HEAD.size + plen])
+            except Exception as e:
+                raise DDictSerializationError(f"cannot deserialize value: {e}") from e
     mv = memoryview(frame)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")

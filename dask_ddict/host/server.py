@@ -57,9 +57,9 @@ from ..transport.protocol import (
     FLAG_NOREPLY,
     REP,
     REQ,
+    SMALL,
     Op,
     Reader,
-    decode_timeout,
     send_parts,
     value_limit,
 )
@@ -70,6 +70,9 @@ if TYPE_CHECKING:
     from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
+
+_FANOUT = int(Op.FANOUT)  # (an enum member's lookup costs more than the comparison)
+_new_request = tuple.__new__  # a Request from its fields, without NamedTuple's __new__
 
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -174,6 +177,7 @@ class HostServer:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.limits = limits or Limits()
+        self._most_keysec = self.limits.max_key_bytes + 16  # a digest, then the key
         host, port = tcp.getsockname()[:2]
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
@@ -238,13 +242,22 @@ class HostServer:
             conn, hosted = self._handshake(conn, kind)
             reader = Reader(conn)
             scratch = Scratch(self._scratch_keep)
-            sock = conn
+            sock, send, head = conn, conn.sendall, REP.pack
 
             def reply(ival: int = 0, payload: Any = b"") -> None:
-                send_parts(sock, [REP.pack(0, ival, memoryview(payload).nbytes), payload])
+                t = type(payload)
+                if t is bytes or t is memoryview:  # (types whose "+" is a concatenation)
+                    n = len(payload) if t is bytes else payload.nbytes
+                    if n <= SMALL:  # one copy, one send (as send_parts, with less around it)
+                        send(head(0, ival, n) + payload)
+                        return
+                else:
+                    n = memoryview(payload).nbytes
+                send_parts(sock, [head(0, ival, n), payload], REP.size + n)
 
+            one = self._one_request
             while True:
-                self._one_request(conn, reader, scratch, hosted, reply)
+                one(conn, reader, scratch, hosted, reply)
         except (ConnectionError, OSError, ssl.SSLError, PermissionError) as e:
             if not self._closed and not isinstance(e, ConnectionResetError):
                 logger.debug("ddict connection ended: %r", e)
@@ -262,20 +275,23 @@ class HostServer:
 
     def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch,
                      hosted: HostedDict, reply: Reply) -> None:  # fmt: skip
-        op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = REQ.unpack(
-            reader.read(REQ.size)
-        )
-        self._check_lengths(conn, hosted, mid, klen, vlen)
-        keysec = bytes(reader.read(klen))
+        op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
+        manager = hosted.managers.get(mid)
+        if manager is None or klen > self._most_keysec or (
+            vlen > manager.store.capacity and vlen > self.limits.min_value_limit
+        ):  # (most_value, spelled out: this runs for every request)
+            self._check_lengths(conn, hosted, mid, klen, vlen)
+        keysec = reader.take(klen)
         if vlen <= 1 << 20:
-            value: Any = bytes(reader.read(vlen))
+            value: Any = reader.take(vlen)
         else:
             value = scratch.get(vlen)
             reader.read_into(value)
         try:
-            req = Request(op, flags, mid, chkpt, arg, client, decode_timeout(timeout),
-                          keysec[:16], keysec[16:], value, rid)  # fmt: skip
-            if op == Op.FANOUT:  # one operation on several of this dictionary's managers
+            req = _new_request(Request, (op, flags, mid, chkpt, arg, client,
+                                         None if timeout < 0 else timeout,  # (decode_timeout)
+                                         keysec[:16], keysec[16:], value, rid))  # fmt: skip
+            if op == _FANOUT:  # one operation on several of this dictionary's managers
                 self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
                                          managers=hosted.managers,
                                          generations=hosted.generations,
@@ -287,7 +303,12 @@ class HostServer:
                 HOST_WIDE[op](hosted.managers, req, reply,
                               functools.partial(self._not_hosted, hosted))  # fmt: skip
             else:
-                self._dispatch(hosted, req, reply)
+                manager = hosted.managers.get(mid)  # (again: it may have closed meanwhile)
+                handler = self.handlers.get(op)
+                if manager is None or handler is None:
+                    self._dispatch(hosted, req, reply)  # (raises what the client should see)
+                else:
+                    handler(manager, req, reply)
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise

@@ -106,7 +106,8 @@ class Manager(Summaries, CheckpointIO):
         self.pull_shard = pull_shard
         self._dumps: dict[int, lmdb.Transaction] = {}  # open replication snapshots
         self._next_dump = 0
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()  # (taken directly on the hot paths: a Condition's
+        self._cond = threading.Condition(self._mutex)  # own "with" is Python code)
         self._sleepers = 0  # threads waiting on _cond (changed with it held)
         # Checkpoints retiring in the current write transaction, to persist
         # from a snapshot taken before that transaction changed anything.
@@ -152,19 +153,19 @@ class Manager(Summaries, CheckpointIO):
 
     def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
         """Run ``fn`` in a write transaction, waiting while it must wait."""
-        deadline = self._deadline(timeout)
-        ws = self.working_set
-        with self._cond:
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        ws, store = self.working_set, self.store
+        with self._mutex:  # (the condition's lock)
             while True:
-                self._check_open()
+                if self.closed:
+                    self._check_open()
                 if self.frozen:
                     raise DDictError(
                         f"{what}: the dictionary is frozen (read-only)", "INVALID_OPERATION"
                     )
                 snap = ws.snapshot()
                 try:
-                    with self.store.write() as txn:
-                        result = fn(txn)
+                    result = store.transact(fn)
                 except MustWait:
                     ws.restore(snap)
                     self._drop_retiring()
@@ -196,6 +197,11 @@ class Manager(Summaries, CheckpointIO):
                 return fn(txn)
             except MustWait:
                 pass
+        return self._wait_read(fn, timeout, what, counted=counted)
+
+    def _wait_read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
+                   *, counted: bool = False) -> T:  # fmt: skip
+        """:meth:`_read` once ``fn`` had to wait: again under the lock, until it need not."""
         deadline = self._deadline(timeout)
         if counted:
             self._count_waiter(1)
@@ -256,8 +262,18 @@ class Manager(Summaries, CheckpointIO):
     ) -> T:
         """Hand the key's value frame to ``consume`` (a zero-copy view valid only
         during the call) and return what it returns."""
+        if self.closed:
+            self._check_open()
         ws = self.working_set
-        return self._read(lambda txn: consume(ws.get(txn, digest, chkpt).frame), timeout, "get")
+        with self.store.env.begin(buffers=True) as txn:  # (_read's first try, inlined)
+            try:
+                frame = ws.get(txn, digest, chkpt).frame
+            except MustWait:
+                pass
+            else:
+                return consume(frame)
+        return self._wait_read(lambda txn: consume(ws.get(txn, digest, chkpt).frame), timeout,
+                               "get")  # fmt: skip
 
     def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
                  ) -> list[memoryview | None | bool]:  # fmt: skip

@@ -32,16 +32,18 @@ import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 
 from .. import config
 from .._keys import KEY_ENCODING
-from .._serialize import Scratch, frame_parts, gather
+from .._serialize import HUGE_BYTES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: What to do about a full shard, said with every :class:`DDictFullError` of a put.
 FULL_REMEDY = (
@@ -207,6 +209,20 @@ class ShardStore:
             return self.env.begin(write=True, buffers=True)
         return _Write(self.env.begin(write=True, buffers=True), self.on_commit)
 
+    def transact(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """``fn(txn)`` in a write transaction, committed (then :attr:`on_commit`) if it
+        returns, aborted if it raises: :meth:`write` for one call, with less around it."""
+        txn = self.env.begin(write=True, buffers=True)
+        try:
+            result = fn(txn)
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
+        if self.on_commit is not None:
+            self.on_commit()
+        return result
+
     # -- versions -------------------------------------------------------------
 
     def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
@@ -214,10 +230,13 @@ class ShardStore:
         cur = txn.cursor(self._data)
         if not cur.set_range(digest + _BE.pack(_MAXQ - chkpt)):
             return None
-        k = cur.key()
+        k, raw = cur.item()
         if k[:DIGEST] != digest:
             return None
-        return _decode(_MAXQ - _BE.unpack_from(k, DIGEST)[0], cur.value())
+        flags, klen, flen = _ENTRY.unpack_from(raw, 0)  # (_decode, inlined: the read path)
+        end = ENTRY_HEADER + flen
+        return _new_entry(Entry, (_MAXQ - _BE.unpack_from(k, DIGEST)[0], flags,
+                                  raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
 
     def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
                     ) -> list[Entry | None]:  # fmt: skip
@@ -256,10 +275,19 @@ class ShardStore:
         ``frame`` is a buffer, a :class:`~dask_ddict._serialize.Framed` (its
         parts are copied once, straight into the entry) or ``None`` (empty).
         """
-        parts, nbytes = frame_parts(frame)
-        buf = gather(parts, nbytes, _ENTRY.pack(flags, len(key), nbytes), key, self._scratch)
+        self._put(txn, digest + _BE.pack(_MAXQ - chkpt), digest, chkpt, key, frame, flags)
+
+    def _put(self, txn: lmdb.Transaction, dk: bytes, digest: bytes, chkpt: int, key: bytes,
+             frame: Any, flags: int) -> None:  # fmt: skip
+        """:meth:`put` under its data key ``dk`` (``data_key(digest, chkpt)``)."""
+        nbytes = len(frame) if type(frame) is bytes else -1
+        if 0 <= nbytes < HUGE_BYTES - ENTRY_HEADER - len(key):  # (gather, for one buffer)
+            buf: Any = b"".join((_ENTRY.pack(flags, len(key), nbytes), frame, key))
+        else:
+            parts, nbytes = frame_parts(frame)
+            buf = gather(parts, nbytes, _ENTRY.pack(flags, len(key), nbytes), key, self._scratch)
         try:
-            txn.put(data_key(digest, chkpt), buf, db=self._data)
+            txn.put(dk, buf, db=self._data)
             if self.indexed:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
@@ -321,7 +349,8 @@ class ShardStore:
         (one lookup, the common overwrite).  Returns whether the version it
         shadows was a live one: what the key counts need, from the same lookup.
         """
-        raw = txn.get(data_key(digest, chkpt), db=self._data)
+        dk = digest + _BE.pack(_MAXQ - chkpt)
+        raw = txn.get(dk, db=self._data)
         if raw is not None:
             live = not raw[0] & TOMBSTONE
         else:  # an older version (the window moved since the key was written), or none
@@ -329,7 +358,7 @@ class ShardStore:
             live = e is not None and not e.tombstone
             if e is not None:
                 self.delete_below(txn, digest, chkpt)
-        self.put(txn, digest, chkpt, key, frame, flags)
+        self._put(txn, dk, digest, chkpt, key, frame, flags)
         return live
 
     def digests_at(self, txn: lmdb.Transaction, chkpt: int) -> list[bytes]:

@@ -369,8 +369,11 @@ class WorkingSet:
         self, txn: lmdb.Transaction, chkpt: int, client: int, *, batch: bool = False
     ) -> None:
         """Checks and window moves every write does first (retired, advance, writers)."""
-        self.check_retired(chkpt)
-        self.advance_to(txn, chkpt, client, batch=batch)
+        newest = self.newest
+        if chkpt > newest:
+            self.advance_to(txn, chkpt, client, batch=batch)
+        elif chkpt < newest - self.size + 1 or chkpt < 0:  # (below oldest: check_retired)
+            check_window(chkpt, newest, self.size)
         if self.wait_for_writers:
             ws = self.writers.setdefault(chkpt, set())
             if client not in ws:
@@ -390,8 +393,11 @@ class WorkingSet:
         ``wait_for_keys`` (a reader of a key not yet written at its
         checkpoint waits for the writer).
         """
-        self.check_retired(chkpt)
+        if chkpt < self.newest - self.size + 1 or chkpt < 0:  # (below oldest: check_retired)
+            self.check_retired(chkpt)
         e = self.store.lookup(txn, digest, chkpt)
+        if e is not None and not (e.flags & TOMBSTONE or self.wait_for_keys):  # (is_visible,
+            return e  # for the common case: then every version but a tombstone is seen)
         if self.is_visible(e, chkpt):
             assert e is not None
             return e
@@ -458,7 +464,8 @@ class WorkingSet:
     ) -> None:
         """Store a value at ``chkpt`` (advancing the window if needed)."""
         self.prepare_write(txn, chkpt, client, batch=batch)
-        self.store.check_room(txn, frame_parts(frame)[1] + len(key))
+        self.store.check_room(txn, (len(frame) if type(frame) is bytes else frame_parts(frame)[1])
+                              + len(key))  # fmt: skip
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
         counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags)
 

@@ -71,9 +71,9 @@ from .ops import Kind, Operation
 from .protocol import (
     REP,
     REQ,
+    SMALL,
     Hello,
     Reader,
-    encode_timeout,
     send_parts,
 )
 
@@ -116,7 +116,8 @@ class _Conn:
         """Wait at most until ``deadline`` (``None``: as long as the host is not gone)."""
         self.deadline = deadline
         self.check = check
-        self._arm()
+        if deadline is not None or self.timeout != self.every:  # (else _arm changes nothing)
+            self._arm()
 
     def _arm(self) -> None:
         wait = self.every
@@ -213,13 +214,15 @@ class _Kept:
 
     def give(self, link: HostLink, conn: _Conn) -> None:
         conn.check = None  # (no reference from an idle connection back to its link)
-        over: list[tuple[_Conn, HostLink]] = []
         with self.lock:
             if link.closed:
-                over.append((conn, link))
+                over = [(conn, link)]
             else:
                 link.idle.append(conn)
                 self.idle[conn] = link
+                if len(self.idle) <= self.most:
+                    return
+                over = []
                 while len(self.idle) > self.most:
                     old, owner = self.idle.popitem(last=False)
                     owner.idle.remove(old)
@@ -239,6 +242,7 @@ class _Kept:
 
 
 _KEPT = _Kept()
+_ONCE = Kind.ONCE  # (an enum member's lookup costs more than the comparison)
 
 
 class HostLink:
@@ -453,12 +457,14 @@ class HostLink:
             raise DDictFullError(f"{self.where(mid)}: a {vlen}-byte value cannot fit: its host "
                                  f"takes at most {self._max_value} bytes (the shard's size, "
                                  "or ddict.transport.min-value-limit)")  # fmt: skip
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout + self._slack
-        check = self._checker(mid)
-        rid = secrets.randbits(63) + 1 if kind is Kind.ONCE else 0
-        head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, encode_timeout(timeout),
-                        vlen, rid)  # fmt: skip
+        if timeout is None:
+            start, deadline, wire_timeout = 0.0, None, -1.0  # (encode_timeout)
+        else:
+            start = time.monotonic()
+            deadline, wire_timeout = start + timeout + self._slack, float(timeout)
+        check = None if self._every is None else self._checker(mid)
+        rid = secrets.randbits(63) + 1 if kind is _ONCE else 0
+        head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, wire_timeout, vlen, rid)
         total = REQ.size + len(keysec) + vlen
         attempt, waited, sent = 0, False, False
         while True:
@@ -469,7 +475,10 @@ class HostLink:
                     conn = self._connect(mid, deadline, check)
                 conn.begin(deadline, check)
                 sent = True  # (from here on, the host may have read it)
-                send_parts(conn, [head, keysec, *value], total)
+                if total <= SMALL and conn.timeout is None:  # (send_parts, for one small send)
+                    conn.sock.sendall(b"".join((head, keysec, *value)))
+                else:
+                    send_parts(conn, [head, keysec, *value], total)
                 if not o.replies:
                     _KEPT.give(self, conn)
                     return 0, None
@@ -480,12 +489,13 @@ class HostLink:
                     except GeneratorExit:  # never collected: its answer would be read
                         self.forget(conn)  # as the next request's, so the connection goes
                         raise
-                status, ival, plen = REP.unpack(conn.reader.read(REP.size))
+                reader = conn.reader
+                status, ival, plen = reader.unpack(REP)
                 if plen >= SMALL_FRAME:
                     payload: Any = aligned_empty(plen)
-                    conn.reader.read_into(payload)
+                    reader.read_into(payload)
                 else:
-                    payload = bytes(conn.reader.read(plen))
+                    payload = reader.take(plen)
             except DDictError:  # connecting, or the host is gone: what the caller should see
                 if conn is not None:
                     self.forget(conn)

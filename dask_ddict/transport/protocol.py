@@ -171,10 +171,30 @@ class Reader:
     def read(self, n: int) -> memoryview:
         if n == 0:
             return self._mv[0:0]
-        self._fill(n)
-        out = self._mv[self._pos : self._pos + n]
-        self._pos += n
-        return out
+        pos = self._pos
+        if self._end - pos < n:
+            self._fill(n)
+            pos = self._pos
+        self._pos = pos + n
+        return self._mv[pos : pos + n]
+
+    def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
+        """The next ``st.size`` bytes, unpacked (a header: no view, no copy)."""
+        n = st.size
+        if self._end - self._pos < n:
+            self._fill(n)
+        pos = self._pos
+        self._pos = pos + n
+        return st.unpack_from(self._buf, pos)
+
+    def take(self, n: int) -> bytes:
+        """A copy of the next ``n`` bytes (small sections: one copy, no view kept)."""
+        pos = self._pos
+        if self._end - pos < n:
+            self._fill(n)
+            pos = self._pos
+        self._pos = pos + n
+        return self._mv[pos : pos + n].tobytes()
 
     def read_into(self, dst: memoryview) -> None:
         n = dst.nbytes
