@@ -265,7 +265,7 @@ def test_timeouts_hold_against_a_frozen_host(client):
         for h in (d, tcp):
             h["k"] = big  # connected before the host stops (a handshake would time out too)
         host = psutil.Process(d.stats[m].pid)
-        host.suspend()
+        _stop(host)
         try:
             for h, value in ((d, big), (tcp, 1)):
                 t0 = time.monotonic()
@@ -299,7 +299,7 @@ def test_a_finite_timeout_bounds_connecting_to_a_frozen_host(client):
         d["k"] = 0
         fresh = [DDict.attach(d.serialize(), timeout=1), _over_tcp(d)]  # nothing connected
         host = psutil.Process(d.stats[d.which_manager("k")].pid)
-        host.suspend()
+        _stop(host)
         try:
             for h in fresh:
                 t0 = time.monotonic()
@@ -344,7 +344,7 @@ def test_without_a_timeout_a_stopped_host_is_waited_for_in_every_phase():
                 errors.append(e)
 
         host = psutil.Process(d.stats[0].pid)
-        host.suspend()
+        _stop(host)
         try:
             threads = [threading.Thread(target=put, args=(h, i)) for i, h in enumerate(handles)]
             for t in threads:
@@ -456,7 +456,7 @@ def test_a_stopped_host_whose_supervisor_ended_is_gone_not_waited_for(tmp_path):
             lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
             key = _keys_on(d, lost, 1)[0]
             host = psutil.Process(d.stats[lost].pid)
-            host.suspend()
+            _stop(host)
             try:
                 os.kill(proc.pid, signal.SIGKILL)  # its supervisor (in the nanny)
                 proc.wait(30)
@@ -585,6 +585,17 @@ def test_frozen_state_survives_a_host_restart():
         d["k"] = 2
         assert d["k"] == 2
         d.destroy()
+
+
+def _stop(host: psutil.Process) -> None:
+    """SIGSTOP ``host`` and wait until it is stopped (the signal is delivered
+    asynchronously: a request sent at once may still be served, or a write caught
+    half done, holding the shard's writer lock)."""
+    host.suspend()
+    deadline = time.monotonic() + 10
+    while host.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the host process did not stop"
+        time.sleep(0.001)
 
 
 def _rss() -> int:
