@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from dask_ddict import AsyncDDict, DDict, DDictKeyError, DDictSerializationError
 from dask_ddict.transport import links, ops
-from dask_ddict.transport.many import GetMany
+from dask_ddict.transport.many import GetMany, PutMany
 
 
 def _tcp(d: DDict, client: Client) -> DDict:
@@ -39,7 +39,8 @@ def requests(monkeypatch):
 
     def exchange(self, o, mid):  # noqa: ANN001, ANN202
         mids = tuple(g[0] for g in o.groups) if isinstance(o, GetMany) else \
-            tuple(sorted({r[0] for r in o.records})) if isinstance(o, ops.BatchPut) else (mid,)
+            tuple(sorted({r[0] for r in o.records})) if isinstance(o, (ops.BatchPut, PutMany)) \
+            else (mid,)  # fmt: skip
         sent.append((type(o), mids))
         return real(self, o, mid)
 
@@ -136,16 +137,22 @@ def test_a_same_host_batch_is_committed_by_the_client_in_one_transaction_per_sha
         t.detach()
 
 
-def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch):
+def _calls(monkeypatch: pytest.MonkeyPatch, method: str) -> Counter[int]:
+    """How many times ``DDict.<method>`` is called, by the length of its first argument."""
     calls: Counter[int] = Counter()
-    real = DDict._many
+    real = getattr(DDict, method)
 
-    def many(self, keys, copy):  # noqa: ANN001, ANN202
-        keys = list(keys)
-        calls[len(keys)] += 1
-        return real(self, keys, copy)
+    def counted(self, items, *args):  # noqa: ANN001, ANN002, ANN202
+        items = list(items)
+        calls[len(items)] += 1
+        return real(self, items, *args)
 
-    monkeypatch.setattr(DDict, "_many", many)
+    monkeypatch.setattr(DDict, method, counted)
+    return calls
+
+
+def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch):
+    calls = _calls(monkeypatch, "_many")
 
     async def main() -> None:
         async with Client(client.scheduler.address, asynchronous=True) as ac:
@@ -162,6 +169,46 @@ def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch
                                        return_exceptions=True)  # fmt: skip
             assert bad[0] == 1 and isinstance(bad[1], DDictSerializationError)  # only its get
             assert await ad.get_many([1, 2]) == [1, 4]
+            await ad.destroy()
+
+    asyncio.run(main())
+
+
+def test_many_puts_are_one_request_per_host_each_acknowledged_on_its_own(client, requests):
+    with DDict(total_mem="16 MiB", client=client, managers_per_worker=2) as d:
+        t = _tcp(d, client)
+        requests.clear()
+        pairs = [(i, i * 10) for i in range(300)] + [("big", np.zeros(2 << 20)), ("after", 1)]
+        errors = t._put_many(pairs)
+        sent = [mids for kind, mids in requests if kind is PutMany]
+        assert len(sent) == _hosts(d) and all(len(mids) == 2 for mids in sent)
+        assert [i for i, e in enumerate(errors) if e is not None] == [300]  # only "big"
+        assert "cannot fit" in str(errors[300])
+        assert t.get_many([p[0] for p in pairs[:300]] + ["after"]) == [i * 10 for i in
+                                                                     range(300)] + [1]
+        d.freeze()
+        errors = t._put_many([(1, 1), (2, 2)])
+        assert all(e is not None and "frozen" in str(e) for e in errors)
+        errors = d._put_many([(1, 1), (2, 2)])  # same host: the shard refuses as well
+        assert all(e is not None and "frozen" in str(e) for e in errors)
+        d.unfreeze()
+        assert d._put_many([(1, -1), (2, -2)]) == [None, None] and t.get_many([1, 2]) == [-1, -2]
+        t.detach()
+
+
+def test_asyncio_gather_over_a_thousand_puts_is_one_many_put(client, monkeypatch):
+    calls = _calls(monkeypatch, "_put_many")
+
+    async def main() -> None:
+        async with Client(client.scheduler.address, asynchronous=True) as ac:
+            ad = await AsyncDDict.create(total_mem="32 MiB", client=ac)
+            await asyncio.gather(*(ad.put(i, -i) for i in range(1000)))
+            assert calls == {1000: 1}
+            assert await ad.get_many(range(1000)) == [-i for i in range(1000)]
+            got = await asyncio.gather(ad.put("ok", 1), ad.put("big", np.zeros(8 << 20)),
+                                       ad.pput("p", 2), return_exceptions=True)  # fmt: skip
+            assert got[0] is None and got[2] is None and "cannot fit" in str(got[1])
+            assert await ad.get("ok") == 1 and await ad.get("p") == 2
             await ad.destroy()
 
     asyncio.run(main())

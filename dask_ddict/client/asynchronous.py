@@ -16,9 +16,9 @@ which is what makes it fast), and the async twin is thin:
 - key operations run the synchronous handle's code in a worker thread
   (:func:`asyncio.to_thread`), so the event loop never blocks, even on a
   ``wait_for_keys`` read that waits for a writer;
-- gets awaited together (``asyncio.gather`` over a thousand) share one
-  :meth:`~dask_ddict.DDict.get_many`, one thread and one request per host
-  (:mod:`.coalesce`), not a thread and a round trip each.
+- gets (and puts) awaited together (``asyncio.gather`` over a thousand) share
+  one :meth:`~dask_ddict.DDict.get_many` (one many-put), one thread and one
+  request per host (:mod:`.coalesce`), not a thread and a round trip each.
 
 ``ad.ddict`` is the synchronous handle underneath; pickling an ``AsyncDDict``
 (e.g. as a ``client.submit`` argument) gives the task a synchronous
@@ -37,7 +37,7 @@ from distributed import Client
 from ..arguments import Timeout, check_timeout
 from ..errors import DDictKeyError
 from ..stats import DDictManagerStats
-from .coalesce import GetBatcher
+from .coalesce import GetBatcher, PutBatcher
 from .core import _Core, install_orchestrator
 from .creation import check_keywords, create_request, initial_checkpoint
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
@@ -110,6 +110,7 @@ class AsyncDDict:
         self._d = ddict
         self._client = client
         self._gets = GetBatcher(ddict)
+        self._puts = PutBatcher(ddict)
 
     @classmethod
     async def create(cls, *args: Any, client: Client, **kwargs: Any) -> AsyncDDict:
@@ -176,6 +177,19 @@ class AsyncDDict:
         if got is _NO_DEFAULT:
             raise DDictKeyError(key)
         return got
+
+    async def put(self, key: Any, value: Any) -> None:
+        """Awaitable ``d[key] = value``.
+
+        Puts awaited in the same event-loop turn are sent together: one request
+        per host process, each put acknowledged (or failed) on its own
+        (:mod:`~dask_ddict.client.coalesce`).
+        """
+        await self._puts.put(key, value, False)
+
+    async def pput(self, key: Any, value: Any) -> None:
+        """Awaitable :meth:`DDict.pput` (sent together as :meth:`put`)."""
+        await self._puts.put(key, value, True)
 
     async def get(self, key: Any, default: Any = None, copy: bool | None = None) -> Any:
         """Awaitable :meth:`DDict.get`.
@@ -269,8 +283,6 @@ class AsyncDDict:
     # -- the async face, declared once: every operation that talks to a manager -----
     # ``put``/``length``/... are the names of what DDict spells with operators
     # (``d[k] = v``, ``len(d)``, ...); views come back as lists.
-    put = _awaitable(DDict.__setitem__)
-    pput = _awaitable(DDict.pput)
     get_many = _awaitable(DDict.get_many)
     contains = _awaitable(DDict.__contains__)
     pop = _awaitable(DDict.pop)

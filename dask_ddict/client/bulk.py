@@ -3,13 +3,17 @@ and freezing every manager (a base of :class:`~dask_ddict.DDict`)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._hashing import key_digest
 from .._keys import dumps_key
 from .._serialize import Framed, KeyPickler, ValuePickler, loads_value
 from ..arguments import check_bool
-from ..errors import DDictError, DDictKeyError
+from ..errors import DDictError, DDictFullError, DDictKeyError, raise_for_status
+from ..transport.connect import _reraise
+from ..transport.many import PutMany
 from ..transport.ops import Freeze, Get, Put, Unfreeze
 from .batch import BatchPut
 
@@ -32,6 +36,8 @@ class Bulk:
 
     if TYPE_CHECKING:  # provided by the handle
 
+        def _put(self, key: Any, value: Any, persistent: bool) -> None: ...
+        def _route(self, key: Any) -> tuple[int, bytes, bytes]: ...
         def _check(self) -> None: ...
         def _no_batch(self, what: str) -> None: ...
         def _managers(self) -> list[int]: ...
@@ -84,6 +90,68 @@ class Bulk:
             raise DDictKeyError(key) from None
         return loads_value(frame, self._vp)
 
+    def _put_many(self, pairs: list[tuple[Any, Any]], persistent: bool = False
+                  ) -> list[BaseException | None]:  # fmt: skip
+        """Put every pair with one request per host process (same-host shards: committed
+        here, one transaction each); each pair's error, or ``None``.  What
+        :class:`~dask_ddict.AsyncDDict` sends for the puts of one event-loop turn.
+
+        A manager puts its pairs in order until one fails; that pair gets the error,
+        and the pairs after it are put one by one (each then says its own error).
+        """
+        out: list[BaseException | None] = [None] * len(pairs)
+        if self._batch is not None:  # (inside a batch: each put joins it)
+            for i, (k, v) in enumerate(pairs):
+                out[i] = _error_of(self._put, k, v, persistent)
+            return out
+        core, chkpt = self._core, self._chkpt
+        groups: dict[int, list[tuple[int, bytes, bytes, Framed]]] = {}
+        for i, (k, v) in enumerate(pairs):
+            try:
+                mid, digest, kb = self._route(k)
+                groups.setdefault(mid, []).append((i, digest, kb, self._framed(mid, kb, v)))
+            except Exception as e:  # noqa: BLE001 - this pair's
+                out[i] = e
+        alone: list[int] = []  # pairs put one by one
+        remote: dict[Any, list[tuple[int, list[tuple[int, bytes, bytes, Framed]]]]] = {}
+        for mid, recs in groups.items():
+            ch = core.channel(mid)
+            done = 0
+            if ch.kind == "shm" and not persistent:
+                done, error = ch.put_batch([r[1:] for r in recs], chkpt)
+                if error is not None:
+                    out[recs[done][0]] = _named(core, error, mid)
+                    alone += [r[0] for r in recs[done + 1 :]]
+                    continue
+            if done < len(recs):
+                remote.setdefault(ch.link, []).append((mid, recs[done:]))
+        pending = []
+        for link, gs in remote.items():
+            op = PutMany([(mid, *r[1:]) for mid, recs in gs for r in recs], chkpt,
+                         self._client_id, persistent, self._timeout)  # fmt: skip
+            try:
+                answer = link.send(op, gs[0][0])
+            except Exception as e:  # noqa: BLE001 - (connecting) every pair of this host's
+                answer = functools.partial(_reraise, e)
+            pending.append((gs, op, answer))
+        for gs, op, answer in pending:
+            recs_of = dict(gs)
+            try:
+                answers = op.result(*answer())
+            except Exception as e:  # noqa: BLE001 - the request failed: all its pairs
+                for recs in recs_of.values():
+                    for r in recs:
+                        out[r[0]] = e
+                continue
+            for mid, done, status, msg in answers:
+                recs = recs_of[mid]
+                if status:
+                    out[recs[done][0]] = _named(core, _error(status, msg), mid)
+                    alone += [r[0] for r in recs[done + 1 :]]
+        for i in sorted(alone):
+            out[i] = _error_of(self._put, *pairs[i], persistent)
+        return out
+
     def freeze(self) -> None:
         """Make every manager read-only: writes raise ``DDictError`` (INVALID_OPERATION)."""
         self._core.each(Freeze(), self._managers())
@@ -94,3 +162,24 @@ class Bulk:
     @property
     def is_frozen(self) -> bool:
         return all(s.frozen for s in self.stats)
+
+
+def _error(status: int, msg: bytes) -> BaseException:
+    """The exception a manager's ``(status, message)`` stands for."""
+    try:
+        raise_for_status(status, msg.decode(errors="replace"))
+    except BaseException as e:  # noqa: BLE001 - (built by the one wire -> exception mapping)
+        return e
+
+
+def _named(core: _Core, e: BaseException, mid: int) -> BaseException:
+    """A full shard's error naming its dictionary and manager (as a single put's does)."""
+    return core.full(e, mid) if isinstance(e, DDictFullError) else e
+
+
+def _error_of(put: Callable[..., None], *args: Any) -> BaseException | None:
+    try:
+        put(*args)
+    except Exception as e:  # noqa: BLE001 - this pair's
+        return e
+    return None

@@ -1,4 +1,4 @@
-"""Gets issued together on an event loop travel together (:class:`~dask_ddict.AsyncDDict`).
+"""Operations issued together on an event loop travel together (:class:`~dask_ddict.AsyncDDict`).
 
 ``asyncio.gather(*(ad.get(k) for k in keys))`` must not cost a thousand
 threads or a thousand sequential round trips.  Each ``await ad.get(...)``
@@ -11,6 +11,10 @@ A key whose reader must wait (``wait_for_keys``, not yet written at the
 reader's checkpoint) leaves the batch and waits in a thread of its own, so
 it never holds up the others (whose writers may depend on them).  An error
 that concerns one key (an unpicklable key, say) fails only that key's get.
+
+Puts go the same way (:class:`PutBatcher`): the puts of one loop turn are
+sent with one request per host process (:meth:`DDict._put_many`), and each
+put gets its own acknowledgement or error.
 """
 
 from __future__ import annotations
@@ -24,28 +28,41 @@ from .reads import _ABSENT, _WAIT
 if TYPE_CHECKING:
     from .handle import DDict
 
-_Pending = list[tuple[Any, Any, "asyncio.Future[Any]"]]  # (key, default, future)
+_Pending = list[tuple[Any, Any, "asyncio.Future[Any]"]]  # (key, default or value, future)
 
 
-class GetBatcher:
-    """The gets of one asynchronous handle waiting for the end of their loop turn."""
+class _Batcher:
+    """Operations of one asynchronous handle waiting for the end of their loop turn,
+    by loop and by ``mode`` (operations of different modes travel apart)."""
 
     def __init__(self, d: DDict) -> None:
         self._d = d
-        self._pending: dict[tuple[Any, bool | None], _Pending] = {}
+        self._pending: dict[tuple[Any, Any], _Pending] = {}
 
     def __repr__(self) -> str:
-        return f"<GetBatcher pending={sum(len(p) for p in self._pending.values())}>"
+        pending = sum(len(p) for p in self._pending.values())
+        return f"<{type(self).__name__} pending={pending}>"
+
+    def _join(self, mode: Any, key: Any, arg: Any) -> asyncio.Future[Any]:
+        """This turn's batch of ``mode`` takes ``(key, arg)``; its future is the answer."""
+        loop = asyncio.get_running_loop()
+        batch = self._pending.get((loop, mode))
+        if batch is None:
+            batch = self._pending[(loop, mode)] = []
+            loop.call_soon(self._flush, loop, mode)
+        fut: asyncio.Future[Any] = loop.create_future()
+        batch.append((key, arg, fut))
+        return fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop, mode: Any) -> None:
+        raise NotImplementedError
+
+
+class GetBatcher(_Batcher):
+    """The gets of one asynchronous handle (mode: ``copy``)."""
 
     async def get(self, key: Any, default: Any, copy: bool | None) -> Any:
-        loop = asyncio.get_running_loop()
-        batch = self._pending.get((loop, copy))
-        if batch is None:
-            batch = self._pending[(loop, copy)] = []
-            loop.call_soon(self._flush, loop, copy)
-        fut: asyncio.Future[Any] = loop.create_future()
-        batch.append((key, default, fut))
-        return await fut
+        return await self._join(copy, key, default)
 
     def _flush(self, loop: asyncio.AbstractEventLoop, copy: bool | None) -> None:
         batch = self._pending.pop((loop, copy))
@@ -107,3 +124,32 @@ class GetBatcher:
                 fut.set_result(t.result())
 
         task.add_done_callback(done)
+
+
+class PutBatcher(_Batcher):
+    """The puts of one asynchronous handle (mode: ``persistent``)."""
+
+    async def put(self, key: Any, value: Any, persistent: bool) -> None:
+        await self._join(persistent, key, value)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop, persistent: bool) -> None:
+        batch = self._pending.pop((loop, persistent))
+        pairs = [(k, v) for k, v, _ in batch]
+        task = loop.create_task(asyncio.to_thread(self._d._put_many, pairs, persistent))
+
+        def settle(t: asyncio.Task[list[BaseException | None]]) -> None:
+            errors: list[BaseException | None]
+            if t.cancelled() or t.exception() is not None:
+                e = asyncio.CancelledError() if t.cancelled() else t.exception()
+                errors = [e] * len(batch)
+            else:
+                errors = t.result()
+            for (_, _, fut), error in zip(batch, errors):
+                if fut.done():
+                    continue
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+
+        task.add_done_callback(settle)

@@ -355,6 +355,27 @@ class Manager(Summaries, CheckpointIO):
             "put",
         )
 
+    def put_many(self, records: list[tuple[bytes, bytes, Any]], chkpt: int, client: int, *,
+                 persistent: bool = False, timeout: float | None = None,
+                 ) -> tuple[int, DDictError | None]:  # fmt: skip
+        """Put ``(digest, key, frame)`` records in order, in one transaction.
+
+        Returns how many were put and the error that stopped the next one (the
+        records after it are not put: the caller puts them alone).  A record that
+        must wait makes the whole call wait and start again, as a single put waits.
+        """
+        ws = self.working_set
+
+        def fn(txn: lmdb.Transaction) -> tuple[int, DDictError | None]:
+            for done, (digest, key, frame) in enumerate(records):
+                try:
+                    ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent)
+                except DDictError as e:  # (refused before it wrote anything, as batch_put)
+                    return done, e
+            return len(records), None
+
+        return self._write(fn, timeout, "put")
+
     def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None = None,
             rid: int = 0) -> bytes:  # fmt: skip
         """Delete a key; return its old value frame (at most once per request id)."""

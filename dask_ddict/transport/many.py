@@ -1,4 +1,4 @@
-"""Many keys per round trip: ``get_many`` as one request per host process.
+"""Many keys per round trip: ``get_many`` and many puts as one request per host process.
 
 Redis answers ``MGET`` and pipelines, ``ray.get`` takes a list: reading a
 thousand keys must not cost a thousand round trips.  A :class:`GetMany`
@@ -13,6 +13,10 @@ shard's rather than the key limit)::
     request value = <u32 groups> (<u32 manager> <u32 count>) * groups  digests(16) ...
     reply payload = <u32 n> <i64 length> * n  [pad]  (frame [pad]) * n
 
+A :class:`PutMany` carries records tagged with their manager (as a batch
+does, :data:`~.protocol.BATCH_RECORD`) and is answered, per manager, with how
+many records were put and the error that stopped the next one.
+
 A length of -1 is an absent key, -2 a key whose reader must wait
 (``wait_for_keys``: the client then asks for it alone, with its timeout).
 Frames start at multiples of 64 from the payload's start, which clients
@@ -23,13 +27,16 @@ come out aligned, as from a single get.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._serialize import Framed
+from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
-from .protocol import Op
+from .protocol import BATCH_RECORD, FLAG_PERSIST, Op
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
@@ -131,3 +138,72 @@ class GetMany(HostWide):
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         GetMany.serve_host({r.manager: m}, r, reply)
+
+
+def records_by_manager(value: Any) -> dict[int, list[tuple[bytes, bytes, memoryview]]]:
+    """A request's ``(digest, key, frame)`` records by manager, in message order."""
+    mv = memoryview(value)
+    by_mid: dict[int, list[tuple[bytes, bytes, memoryview]]] = {}
+    off = 0
+    while off < mv.nbytes:
+        klen, mid, vlen = BATCH_RECORD.unpack_from(mv, off)
+        off += BATCH_RECORD.size
+        keysec = bytes(mv[off : off + klen])
+        off += klen
+        by_mid.setdefault(mid, []).append((keysec[:16], keysec[16:], mv[off : off + vlen]))
+        off += vlen
+    return by_mid
+
+
+def encode_records(records: list[tuple[int, bytes, bytes, Framed]]) -> tuple[list[Any], int]:
+    """The request value of ``(manager, digest, key, frame)`` records, and its size."""
+    parts: list[Any] = []
+    total = 0
+    for mid, d, k, f in records:
+        parts += [BATCH_RECORD.pack(16 + len(k), mid, f.nbytes) + d + k, *f.parts]
+        total += BATCH_RECORD.size + 16 + len(k) + f.nbytes
+    return parts, total
+
+
+@dataclass(slots=True)
+class PutMany(HostWide):
+    """Puts for managers of one host process in one request, answered per manager:
+    ``[(manager, how many were put, error status, error message)]`` (status 0: all)."""
+
+    op = Op.PUT_MANY
+    kind = Kind.IDEMPOTENT  # (a put again has the same effect)
+    records: list[tuple[int, bytes, bytes, Framed]]
+    chkpt: int
+    client: int
+    persistent: bool = False
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        parts, total = encode_records(self.records)
+        return Encoded(FLAG_PERSIST if self.persistent else 0, b"", tuple(parts), total,
+                       self.chkpt, 0, self.client, self.timeout)  # fmt: skip
+
+    def result(self, ival: int, payload: Any) -> list[tuple[int, int, int, bytes]]:
+        return pickle.loads(payload)
+
+    @staticmethod
+    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
+                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+        out = []
+        for mid, records in records_by_manager(r.value).items():
+            m = managers.get(mid)
+            error: Exception | None
+            try:
+                if m is None:
+                    raise missing(mid)
+                done, error = m.put_many(records, r.chkpt, r.client, timeout=r.timeout,
+                                         persistent=bool(r.flags & FLAG_PERSIST))  # fmt: skip
+            except Exception as e:  # (the whole group: frozen, closed, not hosted, a timeout)
+                done, error = 0, e
+            status, msg = (0, b"") if error is None else wire_error(error)
+            out.append((mid, done, int(status), msg))
+        reply(0, pickle.dumps(out))
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        PutMany.serve_host({r.manager: m}, r, reply)

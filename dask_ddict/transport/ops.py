@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -51,7 +51,6 @@ from .operation import (
     Request,
 )
 from .protocol import (
-    BATCH_RECORD,
     FLAG_NOREPLY,
     FLAG_PERSIST,
     RECORD,
@@ -59,7 +58,12 @@ from .protocol import (
     WANT_VALUES,
     Op,
 )
-from .many import GetMany  # noqa: F401 (its module: many keys per request; in the tables)
+from .many import (  # noqa: F401 (GetMany, PutMany: their module; in the tables)
+    GetMany,
+    PutMany,
+    encode_records,
+    records_by_manager,
+)
 from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints; in the tables)
     Advance,
     CopyFrom,
@@ -305,19 +309,6 @@ class WaitFor(Operation):
 # -- batches ------------------------------------------------------------------------------
 
 
-def iter_records(value: Any) -> Iterator[tuple[int, bytes, bytes, memoryview]]:
-    """The ``(manager, digest, key, frame)`` records of a batch message."""
-    mv = memoryview(value)
-    off = 0
-    while off < mv.nbytes:
-        klen, mid, vlen = BATCH_RECORD.unpack_from(mv, off)
-        off += BATCH_RECORD.size
-        keysec = bytes(mv[off : off + klen])
-        off += klen
-        yield mid, keysec[:16], keysec[16:], mv[off : off + vlen]
-        off += vlen
-
-
 @dataclass(slots=True)
 class BatchPut(HostWide):
     """Records for managers of one host process, streamed without a reply;
@@ -334,11 +325,7 @@ class BatchPut(HostWide):
     batch: int
 
     def encode(self) -> Encoded:
-        parts: list[Any] = []
-        total = 0
-        for mid, d, k, f in self.records:
-            parts += [BATCH_RECORD.pack(16 + len(k), mid, f.nbytes) + d + k, *f.parts]
-            total += BATCH_RECORD.size + 16 + len(k) + f.nbytes
+        parts, total = encode_records(self.records)
         flags = FLAG_NOREPLY | (FLAG_PERSIST if self.persistent else 0)
         return Encoded(flags, b"", tuple(parts), total, self.chkpt, self.batch, self.client)
 
@@ -346,10 +333,7 @@ class BatchPut(HostWide):
     def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
                    missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
         """Each manager's records in one transaction of its own, in message order."""
-        by_mid: dict[int, list[tuple[bytes, bytes, memoryview]]] = {}
-        for mid, digest, key, frame in iter_records(r.value):
-            by_mid.setdefault(mid, []).append((digest, key, frame))
-        for mid, records in by_mid.items():
+        for mid, records in records_by_manager(r.value).items():
             m = managers.get(mid)
             if m is None:
                 raise missing(mid)

@@ -66,6 +66,7 @@ class Op(enum.IntEnum):
     FANOUT = 26  # one request, the same operation on several managers of one host process
     ROTATE = 27
     GET_MANY = 28  # many keys of several managers of one host process (transport.many)
+    PUT_MANY = 29  # many puts, answered per manager (transport.many)
 
 
 FLAG_PERSIST = 1

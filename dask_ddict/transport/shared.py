@@ -102,6 +102,8 @@ class SharedChannel:
         # zero-copy reads share a snapshot while it has not changed (see .pins).
         self._gens = sock.link.generations()
         self._words = self._gens if direct_writes else None
+        self._mid = sock.info.manager_id
+        self._seen = (0, 0)  # (generation word, newest checkpoint) last read from the shard
         self._direct = self._words is not None and not (
             options.wait_for_keys or options.wait_for_writers or options.read_only
         )
@@ -190,16 +192,31 @@ class SharedChannel:
         except PermissionError:
             pass  # alive, under another user
 
-    def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any) -> Any:
+    def _word(self) -> int:
+        """The manager's generation word (0: unknown), read *before* a snapshot begins."""
+        gens = self._gens
+        return 0 if gens is None else gens.words.item(self._mid)
+
+    def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any,
+                 word: int) -> Any:  # fmt: skip
         """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
-        self._check_state(store, chkpt, txn)
+        self._check_state(store, chkpt, txn, word)
         e = store.lookup(txn, digest, chkpt)
         if entry_visible(e, chkpt, self._wfk):
             return e
         return False if self._wfk else None  # under wait_for_keys the manager waits
 
-    def _check_state(self, store: ShardStore, chkpt: int, txn: Any) -> None:
-        """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``."""
+    def _check_state(self, store: ShardStore, chkpt: int, txn: Any, word: int) -> None:
+        """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``.
+
+        The shard's state (its window, whether it closed) changes only with a commit,
+        and every commit gives the manager a new generation word: while the word read
+        before ``txn`` began is the one the state was last read under, the state is
+        that one (a read then costs no lookup in the shard's metadata).
+        """
+        if word and word == self._seen[0]:
+            check_window(chkpt, self._seen[1], self._size)
+            return
         newest, closed = saved_newest(store, txn, self._size)
         if closed != OPEN:
             info = self._sock.info
@@ -208,6 +225,8 @@ class SharedChannel:
             raise DDictManagerUnavailableError(
                 f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
             )
+        if word:
+            self._seen = (word, newest)
         check_window(chkpt, newest, self._size)
 
     def _snapshot(self, store: ShardStore) -> Any:
@@ -234,8 +253,9 @@ class SharedChannel:
             self._check_alive()
             got: Any = _LEND
             if not o.lend:
+                word = self._word()
                 with self._snapshot(view.store) as txn:
-                    e = self._visible(view.store, o.digest, o.chkpt, txn)
+                    e = self._visible(view.store, o.digest, o.chkpt, txn, word)
                     if not e:
                         got = e
                     elif not (o.lend is None and lendable(e.frame) and frozen(view.store, txn)):
@@ -268,14 +288,14 @@ class SharedChannel:
         """The value's frame lent from a snapshot (see :mod:`.pins`), else copied; ``None``:
         absent, ``False``: a reader must wait (the manager's)."""
         lender = view.lender or self._lender(view)
-        gens = self._gens
-        snap = lender.begin(gens.get(self._sock.info.manager_id) if gens is not None else 0)
+        word = self._word()
+        snap = lender.begin(word)
         if snap is None:  # (max-snapshots open: this read copies)
             with self._snapshot(view.store) as txn:
-                e = self._visible(view.store, digest, chkpt, txn)
+                e = self._visible(view.store, digest, chkpt, txn, word)
                 return view.copy(e.frame) if e else e
         try:
-            e = self._visible(view.store, digest, chkpt, snap.txn)
+            e = self._visible(view.store, digest, chkpt, snap.txn, word)
             if not e:
                 return e
             lent = lender.lend(snap, e.frame) if lendable(e.frame) else None
@@ -288,21 +308,21 @@ class SharedChannel:
         view = self._enter()
         if view is None:
             return self._sock.call(o)
-        ((mid, digests),) = o.groups
+        ((_, digests),) = o.groups
         try:
             self._check_alive()
+            word = self._word()
             if not o.lend:
                 with self._snapshot(view.store) as txn:
                     if o.lend is False or not frozen(view.store, txn):
-                        return [self._many(view, None, digests, o.chkpt, txn)]
+                        return [self._many(view, None, digests, o.chkpt, txn, word)]
             lender = view.lender or self._lender(view)
-            gens = self._gens
-            snap = lender.begin(gens.get(mid) if gens is not None else 0)
+            snap = lender.begin(word)
             if snap is None:  # (max-snapshots open: these reads copy)
                 with self._snapshot(view.store) as txn:
-                    return [self._many(view, None, digests, o.chkpt, txn)]
+                    return [self._many(view, None, digests, o.chkpt, txn, word)]
             try:
-                return [self._many(view, (lender, snap), digests, o.chkpt, snap.txn)]
+                return [self._many(view, (lender, snap), digests, o.chkpt, snap.txn, word)]
             finally:
                 lender.end(snap)
         except DDictClosedError:
@@ -312,10 +332,10 @@ class SharedChannel:
             self._exit(view)
 
     def _many(self, view: _View, lending: tuple[Lender, Any] | None, digests: list[bytes],
-              chkpt: int, txn: Any) -> list[Any]:  # fmt: skip
+              chkpt: int, txn: Any, word: int) -> list[Any]:  # fmt: skip
         """Frames (copied, or lent), ``None`` for absent keys, ``False`` to wait for."""
         store = view.store
-        self._check_state(store, chkpt, txn)
+        self._check_state(store, chkpt, txn, word)
         out: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
@@ -379,8 +399,9 @@ class SharedChannel:
             return bool(self._sock.call(o))
         try:
             self._check_alive()
+            word = self._word()
             with self._snapshot(view.store) as txn:
-                return bool(self._visible(view.store, o.digest, o.chkpt, txn))
+                return bool(self._visible(view.store, o.digest, o.chkpt, txn, word))
         except DDictClosedError:
             _destroyed(self._path)
             raise
