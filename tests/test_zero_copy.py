@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dask_ddict import DDict, _memory
+from dask_ddict import DDict, DDictFullError, _memory
 from dask_ddict.transport import pins
 
 #: Views of the shard need the shard on this host (the TCP test below does not).
@@ -197,6 +197,9 @@ def test_a_view_survives_the_sigkill_of_its_host_process(client):
             m[f"more{i}"] = np.full(1 << 14, i)
         m.clear()
         assert np.array_equal(v, seen) and _in_shard(m, "a", v)
+        with pytest.raises(DDictFullError, match="zero-copy values"):  # the shard fills
+            for i in range(40):  # under the view, and the error says why
+                m["a"] = np.full(1 << 18, i)
 
 
 @one_host
