@@ -177,7 +177,6 @@ class HostServer:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.limits = limits or Limits()
-        self._most_keysec = self.limits.max_key_bytes + 16  # a digest, then the key
         host, port = tcp.getsockname()[:2]
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
@@ -276,10 +275,10 @@ class HostServer:
     def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch,
                      hosted: HostedDict, reply: Reply) -> None:  # fmt: skip
         op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
-        manager = hosted.managers.get(mid)
-        if manager is None or klen > self._most_keysec or (
-            vlen > manager.store.capacity and vlen > self.limits.min_value_limit
-        ):  # (most_value, spelled out: this runs for every request)
+        manager, limits = hosted.managers.get(mid), self.limits
+        if manager is None or klen > limits.max_key_bytes + 16 or (
+            vlen > manager.store.capacity and vlen > limits.min_value_limit
+        ):  # (what _check_lengths refuses, spelled out: this runs for every request)
             self._check_lengths(conn, hosted, mid, klen, vlen)
         keysec = reader.take(klen)
         if vlen <= 1 << 20:

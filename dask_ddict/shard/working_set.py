@@ -463,7 +463,10 @@ class WorkingSet:
         batch: bool = False,
     ) -> None:
         """Store a value at ``chkpt`` (advancing the window if needed)."""
-        self.prepare_write(txn, chkpt, client, batch=batch)
+        newest = self.newest
+        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
+                or self.wait_for_writers:  # (else prepare_write has nothing to do) # fmt: skip
+            self.prepare_write(txn, chkpt, client, batch=batch)
         self.store.check_room(txn, (len(frame) if type(frame) is bytes else frame_parts(frame)[1])
                               + len(key))  # fmt: skip
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
