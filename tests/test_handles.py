@@ -125,18 +125,16 @@ def test_idle_shard_views_rotate_to_the_managers_in_use(client):
 def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
     """Rotation takes only idle views with no operation inside (closing one under a
     reader would unmap pages it reads)."""
-    from collections import OrderedDict
-
     import dask.config
     import lmdb
 
     from dask_ddict.shard.store import ShardStore
-    from dask_ddict.transport import shared
+    from dask_ddict.transport import mapped, shared
 
     paths = [str(tmp_path / f"s{i}") for i in range(2)]
     for p in paths:
         ShardStore(p, 1 << 20).close()
-    monkeypatch.setattr(shared, "_ENVS", OrderedDict())  # (this process's other views aside)
+    monkeypatch.setattr(mapped, "_ENVS", {})  # (this process's other views aside)
     with dask.config.set({"ddict.transport.max-shard-views": 1,
                           "ddict.transport.shard-view-idle": "0 s"}):  # fmt: skip
         first = shared._acquire(paths[0], 1 << 20)
@@ -156,7 +154,7 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
                 second.store.read()
         finally:
             shared._release(paths[0], first)
-    assert not set(paths) & set(shared._ENVS)
+    assert not set(paths) & set(mapped._ENVS)
 
 
 @pytest.mark.one_host  # (shard views: this host's managers)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 from .. import _memory, config
@@ -117,8 +116,8 @@ class _View:
 
 _unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
 _touched: dict[int, int] = {}  # large values read since then: address -> bytes
-#: path -> the process's view of it, least recently used first.
-_ENVS: OrderedDict[str, _View] = OrderedDict()
+#: path -> the process's view of it.
+_ENVS: dict[str, _View] = {}
 _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
 _MANAGED: dict[str, None] = {}  # paths of shards this process opened as their manager
 # Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
@@ -153,7 +152,9 @@ def _evict_idle() -> bool:
     """
     idle = config.get_seconds("transport.shard-view-idle") or 0.0
     now = time.monotonic()
-    for path, view in _ENVS.items():  # least recently used first
+    # Least recently used first (operations stamp ``used``; sorting at the bound, which
+    # is rare, costs less than keeping the order on every operation).
+    for path, view in sorted(_ENVS.items(), key=lambda pv: pv[1].used):
         if now - view.used < idle:
             return False  # (every later one was used more recently)
         if view.active == 0 and not view.lending:

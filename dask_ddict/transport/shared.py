@@ -103,7 +103,8 @@ class SharedChannel:
         self._gens = sock.link.generations()
         self._words = self._gens if direct_writes else None
         self._mid = sock.info.manager_id
-        self._seen = (0, 0)  # (generation word, newest checkpoint) last read from the shard
+        # (generation word, newest checkpoint, frozen) last read from the shard's metadata
+        self._seen: tuple[int, int, bool] = (0, 0, False)
         self._direct = self._words is not None and not (
             options.wait_for_keys or options.wait_for_writers or options.read_only
         )
@@ -147,9 +148,7 @@ class SharedChannel:
             view = self._view
             if view is not None and not view.evicted:
                 view.active += 1
-                view.used = time.monotonic()
-                if _ENVS.get(self._path) is view:
-                    _ENVS.move_to_end(self._path)
+                view.used = time.monotonic()  # (the eviction's order: see mapped._evict_idle)
                 return view
         now = time.monotonic()
         if self._closed or now < self._retry_at:
@@ -226,8 +225,13 @@ class SharedChannel:
                 f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
             )
         if word:
-            self._seen = (word, newest)
+            self._seen = (word, newest, frozen(store, txn))
         check_window(chkpt, newest, self._size)
+
+    def _frozen(self, store: ShardStore, txn: Any, word: int) -> bool:
+        """Whether the shard is frozen as of ``txn`` (after :meth:`_check_state`)."""
+        seen = self._seen
+        return seen[2] if word and word == seen[0] else frozen(store, txn)
 
     def _snapshot(self, store: ShardStore) -> Any:
         try:
@@ -258,7 +262,8 @@ class SharedChannel:
                     e = self._visible(view.store, o.digest, o.chkpt, txn, word)
                     if not e:
                         got = e
-                    elif not (o.lend is None and lendable(e.frame) and frozen(view.store, txn)):
+                    elif not (o.lend is None and self._frozen(view.store, txn, word)
+                              and lendable(e.frame)):  # fmt: skip
                         return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
             if got is _LEND:
                 got = self._lend(view, o.digest, o.chkpt)
@@ -314,7 +319,7 @@ class SharedChannel:
             word = self._word()
             if not o.lend:
                 with self._snapshot(view.store) as txn:
-                    if o.lend is False or not frozen(view.store, txn):
+                    if o.lend is False or not self._frozen(view.store, txn, word):
                         return [self._many(view, None, digests, o.chkpt, txn, word)]
             lender = view.lender or self._lender(view)
             snap = lender.begin(word)
