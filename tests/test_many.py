@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 from collections import Counter
 
 import dask
 import numpy as np
+import psutil
 import pytest
 from distributed import Client
 from hypothesis import HealthCheck, given, settings
@@ -151,6 +153,19 @@ def _calls(monkeypatch: pytest.MonkeyPatch, method: str) -> Counter[int]:
     return calls
 
 
+@pytest.mark.one_host
+def test_a_batch_keeps_the_order_of_its_puts_to_one_key(client):
+    """A large value goes to the manager (no reply); a later small put of the same key
+    must not be committed here before it: the last put of a batch wins."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        for _ in range(10):
+            d.start_batch_put()
+            d["k"] = np.zeros(12_800)  # 100 KiB: the manager's to apply
+            d["k"] = "small"  # would be committed here, ahead of it
+            d.end_batch_put()
+            assert d["k"] == "small"
+
+
 def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch):
     calls = _calls(monkeypatch, "_many")
 
@@ -212,3 +227,38 @@ def test_asyncio_gather_over_a_thousand_puts_is_one_many_put(client, monkeypatch
             await ad.destroy()
 
     asyncio.run(main())
+
+
+def test_gathered_gets_of_a_stopped_host_time_out_once(client):
+    """A batch of gets that fails for a reason of the host's fails once, within the
+    timeout (plus its slack): not one timeout per key, one after another."""
+    from dask_ddict import DDictTimeoutError, config
+
+    slack = config.get_seconds("transport.timeout-slack") or 0.0
+    with DDict(total_mem="16 MiB", client=client) as d:
+        d.update({i: i for i in range(6)})
+        with dask.config.set({"ddict.local-transport": False}):
+            t = AsyncDDict(DDict.attach(d.serialize(), client=client, timeout=1))
+            t.ddict.get_many(range(6))  # connected before the hosts stop (a handshake waits)
+        hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
+        for h in hosts:
+            h.suspend()
+        try:
+            for h in hosts:
+                while h.status() != psutil.STATUS_STOPPED:
+                    time.sleep(0.001)
+
+            async def main() -> list[Any]:
+                return await asyncio.gather(*(t.get(i) for i in range(6)),
+                                            return_exceptions=True)  # fmt: skip
+
+            t0 = time.monotonic()
+            got = asyncio.run(main())
+            took = time.monotonic() - t0
+        finally:
+            for h in hosts:
+                h.resume()
+        assert all(isinstance(g, DDictTimeoutError) for g in got), got
+        assert took < 1 + slack + 1.5
+        assert asyncio.run(t.get_many(range(6))) == list(range(6))
+        t.detach()

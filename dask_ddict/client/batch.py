@@ -53,6 +53,9 @@ class BatchPut:
         self.sent: dict[int, int] = {}  # puts sent per manager, checked at the end
         self.error: BaseException | None = None
         self._failed_mids: set[int] = set()  # (a manager's first error ends its batch)
+        # Managers that were sent records of this batch: their later records go to them
+        # too, never committed here, so that none overtakes one still in flight.
+        self._managed: set[int] = set()
         self._routes: dict[int, Any] = {}
         self._channel = channel
         self._client_id = client_id
@@ -100,11 +103,15 @@ class BatchPut:
         """Commit ``records`` into ``mid``'s shard here; the ones left are the manager's."""
         if mid in self._failed_mids:
             return []
+        if mid in self._managed:
+            return records
         done, error = self._channel(mid).put_batch(records, self._chkpt)
         if error is not None:
             self._failed_mids.add(mid)
             self._failed(error, mid)
             return []
+        if done < len(records):
+            self._managed.add(mid)
         return records[done:]
 
     def _send(self, link: Any, by_mid: dict[int, list[Record]]) -> None:

@@ -10,7 +10,8 @@ get is a batch of one, so a lone ``await ad.get(k)`` costs what it did.
 A key whose reader must wait (``wait_for_keys``, not yet written at the
 reader's checkpoint) leaves the batch and waits in a thread of its own, so
 it never holds up the others (whose writers may depend on them).  An error
-that concerns one key (an unpicklable key, say) fails only that key's get.
+that concerns one key (an unpicklable key, say) fails only that key's get;
+any other (a host that does not answer in time) fails the batch's gets once.
 
 Puts go the same way (:class:`PutBatcher`): the puts of one loop turn are
 sent with one request per host process (:meth:`DDict._put_many`), and each
@@ -70,20 +71,26 @@ class GetBatcher(_Batcher):
         task.add_done_callback(lambda t: self._settle(loop, batch, copy, t))
 
     def _read(self, batch: _Pending, copy: bool | None) -> list[tuple[bool, Any]]:
-        """``(ok, value or error)`` per get, in one ``get_many`` (each alone if it fails)."""
+        """``(ok, value or error)`` per get, with one ``get_many``.
+
+        A key that cannot be routed (unpicklable, too long) fails its own get only;
+        any other failure (a host that does not answer in time, a retired
+        checkpoint, a closed dictionary) is the answer of every get of the batch,
+        once: never a retry per key, each with its own timeout.
+        """
         d = self._d
-        try:
-            return [(True, v) for _, v in d._many([k for k, _, _ in batch], copy)]
-        except Exception:  # noqa: BLE001 - which key? each alone says (and fails alone)
-            if len(batch) == 1:
-                raise
         out: list[tuple[bool, Any]] = []
+        keys = []
         for key, _, _ in batch:
             try:
-                out.append((True, d._many([key], copy)[0][1]))
-            except Exception as e:  # noqa: BLE001 - that get's own error
+                d._route(key)
+            except Exception as e:  # noqa: BLE001 - that key's own error
                 out.append((False, e))
-        return out
+                continue
+            out.append((True, None))
+            keys.append(key)
+        values = iter(d._many(keys, copy)) if keys else iter(())
+        return [(True, next(values)[1]) if ok else (ok, e) for ok, e in out]
 
     def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, copy: bool | None,
                 task: asyncio.Task[list[tuple[bool, Any]]]) -> None:  # fmt: skip

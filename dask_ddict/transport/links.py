@@ -489,6 +489,8 @@ class HostLink:
                     except GeneratorExit:  # never collected: its answer would be read
                         self.forget(conn)  # as the next request's, so the connection goes
                         raise
+                    if deadline is not None:  # (the socket's wait is relative: what is left
+                        conn._arm()  # now, after other hosts' answers were collected)
                 reader = conn.reader
                 status, ival, plen = reader.unpack(REP)
                 if plen >= SMALL_FRAME:
