@@ -216,14 +216,18 @@ def test_asyncio_gather_over_a_thousand_puts_is_one_many_put(client, monkeypatch
 
     async def main() -> None:
         async with Client(client.scheduler.address, asynchronous=True) as ac:
-            ad = await AsyncDDict.create(total_mem="32 MiB", client=ac)
+            ad = await AsyncDDict.create(total_mem="128 MiB", client=ac)
             await asyncio.gather(*(ad.put(i, -i) for i in range(1000)))
             assert calls == {1000: 1}
             assert await ad.get_many(range(1000)) == [-i for i in range(1000)]
-            got = await asyncio.gather(ad.put("ok", 1), ad.put("big", np.zeros(8 << 20)),
+            got = await asyncio.gather(ad.put("ok", 1), ad.put("big", np.zeros(16 << 20)),
                                        ad.pput("p", 2), return_exceptions=True)  # fmt: skip
             assert got[0] is None and got[2] is None and "cannot fit" in str(got[1])
             assert await ad.get("ok") == 1 and await ad.get("p") == 2
+            many = [np.full(1 << 20, i) for i in range(5)]  # 8 MiB each: 40 MiB together
+            await asyncio.gather(*(ad.put(("m", i), v) for i, v in enumerate(many)))
+            got = await ad.get_many([("m", i) for i in range(5)])
+            assert all((g == i).all() for i, g in enumerate(got))
             await ad.destroy()
 
     asyncio.run(main())
@@ -262,3 +266,18 @@ def test_gathered_gets_of_a_stopped_host_time_out_once(client):
         assert took < 1 + slack + 1.5
         assert asyncio.run(t.get_many(range(6))) == list(range(6))
         t.detach()
+
+
+def test_many_puts_are_cut_into_requests_a_host_takes():
+    from dask_ddict._serialize import Framed
+    from dask_ddict.client.bulk import _chunks
+
+    def rec(i: int, n: int) -> tuple[int, bytes, bytes, Framed]:
+        return i, bytes(16), b"k", Framed([bytes(n)], n)
+
+    groups = [(0, [rec(0, 60), rec(1, 60)]), (1, [rec(2, 30), rec(3, 500), rec(4, 10)])]
+    chunks = _chunks(groups, 100)
+    assert [[(mid, [r[0] for r in rs]) for mid, rs in c] for c in chunks] == [
+        [(0, [0])], [(0, [1]), (1, [2])], [(1, [3])], [(1, [4])]]  # 500 B travels alone
+    flat = [r[0] for c in chunks for _, rs in c for r in rs]
+    assert flat == [0, 1, 2, 3, 4]  # every record once, in order

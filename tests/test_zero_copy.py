@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import DDict, DDictFullError, _memory
-from dask_ddict.transport import pins
+from dask_ddict.transport import mapped, pins
 
 #: Views of the shard need the shard on this host (the TCP test below does not).
 one_host = pytest.mark.one_host
@@ -227,3 +227,25 @@ def test_over_tcp_copy_false_uses_the_received_buffer(client):
         assert (v == np.arange(1 << 16)).all() and (w == v).all()
         assert v.base is not None  # a view of the received frame, not a second copy
         t.detach()
+
+
+@one_host
+def test_a_closed_handles_lent_values_do_not_keep_new_handles_off_the_shard(client):
+    with dask.config.set({"ddict.local-read": False}):  # (this handle maps no shard)
+        d = DDict(total_mem="64 MiB", client=client)
+        d["a"] = np.arange(1000)
+    with d:
+        h = DDict.attach(d.serialize(), client=client)
+        v = h.get("a", copy=False)
+        path = d._core.layout.managers[d.which_manager("a")].store_path
+        h.detach()  # its mapping stays open while v lives...
+        assert path in mapped._LENDING and path not in mapped._ENVS
+        h2 = DDict.attach(d.serialize(), client=client)
+        w = h2.get("a", copy=False)  # ...and a new handle takes it up: still zero-copy
+        m = d.which_manager("a")
+        assert h2._core.channel(m).kind == "shm" and not w.flags.writeable
+        assert (v == w).all() and _in_shard(h2, "a", w) and path in mapped._ENVS
+        h2.detach()
+        del v, w
+        gc.collect()
+        assert pins.lent_bytes() == 0

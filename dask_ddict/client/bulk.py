@@ -118,7 +118,11 @@ class Bulk:
             ch = core.channel(mid)
             done = 0
             if ch.kind == "shm" and not persistent:
-                done, error = ch.put_batch([r[1:] for r in recs], chkpt)
+                try:
+                    done, error = ch.put_batch([r[1:] for r in recs], chkpt)
+                except Exception as e:  # noqa: BLE001 - nothing of this group was committed
+                    done, error = 0, e
+                    alone += [r[0] for r in recs[1:]]
                 if error is not None:
                     out[recs[done][0]] = _named(core, error, mid)
                     alone += [r[0] for r in recs[done + 1 :]]
@@ -127,21 +131,22 @@ class Bulk:
                 remote.setdefault(ch.link, []).append((mid, recs[done:]))
         pending = []
         for link, gs in remote.items():
-            op = PutMany([(mid, *r[1:]) for mid, recs in gs for r in recs], chkpt,
-                         self._client_id, persistent, self._timeout)  # fmt: skip
-            try:
-                answer = link.send(op, gs[0][0])
-            except Exception as e:  # noqa: BLE001 - (connecting) every pair of this host's
-                answer = functools.partial(_reraise, e)
-            pending.append((gs, op, answer))
-        for gs, op, answer in pending:
-            recs_of = dict(gs)
+            for chunk in _chunks(gs, PUT_MANY_BYTES):  # (a request stays within a host's limit)
+                op = PutMany([(mid, *r[1:]) for mid, recs in chunk for r in recs], chkpt,
+                             self._client_id, persistent, self._timeout)  # fmt: skip
+                try:
+                    answer = link.send(op, chunk[0][0])
+                except Exception as e:  # noqa: BLE001 - (connecting, too large) its pairs'
+                    answer = functools.partial(_reraise, e)
+                pending.append((chunk, op, answer))
+        for chunk, op, answer in pending:
+            recs_of = dict(chunk)
             try:
                 answers = op.result(*answer())
             except Exception as e:  # noqa: BLE001 - the request failed: all its pairs
-                for recs in recs_of.values():
+                for mid, recs in chunk:
                     for r in recs:
-                        out[r[0]] = e
+                        out[r[0]] = _named(core, e, mid)
                 continue
             for mid, done, status, msg in answers:
                 recs = recs_of[mid]
@@ -183,3 +188,29 @@ def _error_of(put: Callable[..., None], *args: Any) -> BaseException | None:
     except Exception as e:  # noqa: BLE001 - this pair's
         return e
     return None
+
+
+#: Most bytes of values in one many-put request (a host takes at most its shard's size).
+PUT_MANY_BYTES = 16 << 20
+
+_Group = tuple[int, list[tuple[int, bytes, bytes, Framed]]]
+
+
+def _chunks(groups: list[_Group], most: int) -> list[list[_Group]]:
+    """``groups`` (manager, records) cut into requests of at most ``most`` bytes of values,
+    in order; a record bigger than that travels alone."""
+    out: list[list[_Group]] = [[]]
+    size = 0
+    for mid, recs in groups:
+        for r in recs:
+            n = r[3].nbytes + len(r[2])
+            if size and size + n > most:
+                out.append([])
+                size = 0
+            chunk = out[-1]
+            if chunk and chunk[-1][0] == mid:
+                chunk[-1][1].append(r)
+            else:
+                chunk.append((mid, [r]))
+            size += n
+    return [c for c in out if c]

@@ -61,6 +61,13 @@ RID_KEEP = 4096
 _Q = struct.Struct("<Q")
 
 
+class _Refused(Exception):
+    """Record ``index`` of a many-put was refused with ``error`` (its transaction rolls back)."""
+
+    def __init__(self, index: int, error: DDictError) -> None:
+        self.index, self.error = index, error
+
+
 class Manager(Summaries, CheckpointIO):
     """One shard: a store, its working set, and the rules of waiting.
 
@@ -363,18 +370,27 @@ class Manager(Summaries, CheckpointIO):
         Returns how many were put and the error that stopped the next one (the
         records after it are not put: the caller puts them alone).  A record that
         must wait makes the whole call wait and start again, as a single put waits.
+        A refused record leaves nothing of itself: the transaction that met it is
+        rolled back, and the records before it are put again without it (what a
+        put does before it is refused, e.g. moving the window, is never kept).
         """
         ws = self.working_set
+        n, refused = len(records), None
 
-        def fn(txn: lmdb.Transaction) -> tuple[int, DDictError | None]:
-            for done, (digest, key, frame) in enumerate(records):
+        def fn(txn: lmdb.Transaction) -> None:
+            for i, (digest, key, frame) in enumerate(records[:n]):
                 try:
                     ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent)
-                except DDictError as e:  # (refused before it wrote anything, as batch_put)
-                    return done, e
-            return len(records), None
+                except DDictError as e:
+                    raise _Refused(i, e) from None
 
-        return self._write(fn, timeout, "put")
+        while n:
+            try:
+                self._write(fn, timeout, "put")
+                break
+            except _Refused as r:
+                n, refused = r.index, r.error
+        return n, refused
 
     def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None = None,
             rid: int = 0) -> bytes:  # fmt: skip

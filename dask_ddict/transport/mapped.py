@@ -87,8 +87,10 @@ class _View:
         if _unreleased >= RELEASE_EVERY:
             _unreleased = 0
             _touched.clear()
-            for view in list(_ENVS.values()):
-                view.release()
+            with _ENVS_LOCK:  # (a view closed meanwhile is skipped: its range may be reused)
+                for view in _ENVS.values():
+                    if not view.closed:
+                        view.release()
         return out
 
     def release(self) -> None:
@@ -99,18 +101,33 @@ class _View:
             _memory.release(self.span[0], self.span[1] - self.span[0])
 
     def close(self) -> None:
-        """Close the mapping, or, while values lent from it live, once the last is gone."""
-        self.evicted = True
-        if self.lending or self.closed:
-            return
-        self.closed = True
+        """Close the mapping: now, or once the operations inside it are done (the last
+        one out closes it, see ``SharedChannel._exit``) and the values lent from it
+        are gone (the last one closes it, :meth:`idle`).  No operation enters it again.
+
+        Decided under the lock that operations enter under: with none inside, no
+        snapshot can begin (one begins only inside an operation), so the lending
+        count can only fall.  A view kept for its lent values may be taken up again
+        by a channel of this process (see :func:`_acquire`): LMDB opens an
+        environment once per process.
+        """
+        path = self.store.path
+        with _ENVS_LOCK:
+            self.evicted = True
+            if self.closed:
+                return
+            if self.active or self.lending:
+                if self.lending and path not in _DESTROYED and path not in _MANAGED:
+                    _LENDING[path] = self
+                return
+            self.closed = True
+            if _LENDING.get(path) is self:
+                del _LENDING[path]
         self.store.close()
 
     def idle(self) -> None:
         """The last lent value is gone: close now if the view was closed meanwhile."""
-        with _ENVS_LOCK:
-            last = self.evicted and self.active == 0  # (no operation enters an evicted one)
-        if last:
+        if self.evicted:
             self.close()
 
 
@@ -120,6 +137,8 @@ _touched: dict[int, int] = {}  # large values read since then: address -> bytes
 _ENVS: dict[str, _View] = {}
 _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
 _MANAGED: dict[str, None] = {}  # paths of shards this process opened as their manager
+#: Views closed while values lent from them live (open until the last is gone).
+_LENDING: dict[str, _View] = {}
 # Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
 # (the cyclic GC runs at any allocation, e.g. while LMDB opens an environment).
 _ENVS_LOCK = threading.RLock()
@@ -132,6 +151,9 @@ class ViewLimit(Exception):
 def _acquire(path: str, capacity: int) -> _View:
     with _ENVS_LOCK:
         view = _ENVS.get(path)
+        if view is None and path in _LENDING:  # still open for its lent values: taken up
+            view = _ENVS[path] = _LENDING.pop(path)
+            view.evicted = False
         if view is None:
             if path in _MANAGED:
                 raise ViewLimit(f"{path} is served by this process: read over its socket")
@@ -170,10 +192,7 @@ def _release(path: str, view: _View) -> None:
         if view.users > 0 or _ENVS.get(path) is not view:
             return
         del _ENVS[path]
-        view.evicted = True  # no new operation enters it
-        if view.active:  # (a channel closed under another thread's read:
-            return  # the last operation out closes it, see SharedChannel._exit)
-    view.close()
+    view.close()  # (with an operation inside, the last one out closes it)
 
 
 def _destroyed(path: str) -> None:

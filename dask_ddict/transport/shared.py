@@ -164,8 +164,8 @@ class SharedChannel:
     def _exit(view: _View) -> None:
         with _ENVS_LOCK:
             view.active -= 1
-            last = view.active == 0 and view.evicted and view.users <= 0
-        if last:  # its channels all closed while this operation was inside
+            last = view.active == 0 and view.evicted
+        if last:  # it was closed while this operation was inside
             view.close()
 
     def _check_alive(self) -> None:
