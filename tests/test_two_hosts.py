@@ -186,7 +186,7 @@ ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
 answer = b""
 try:
     with ctx.wrap_socket(socket.create_connection(({host!r}, {port}), timeout=10)) as s:
-        s.sendall(b"DDK3" + bytes(48))
+        s.sendall(b"DDK4" + bytes(48))
         answer = s.recv(1)
 except (ssl.SSLError, OSError):
     pass

@@ -279,7 +279,7 @@ class HostServer:
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
         ):  # (what _check_lengths refuses, spelled out: this runs for every request)
-            self._check_lengths(conn, hosted, mid, klen, vlen)
+            self._check_lengths(conn, hosted, mid, klen, vlen, flags)
         keysec = reader.take(klen)
         if vlen <= 1 << 20:
             value: Any = reader.take(vlen)
@@ -331,8 +331,10 @@ class HostServer:
         )
 
     def _check_lengths(self, conn: socket.socket, hosted: HostedDict, mid: int, klen: int,
-                       vlen: int) -> None:  # fmt: skip
-        """Refuse (and drop) a request whose key or value could never be stored."""
+                       vlen: int, flags: int = 0) -> None:  # fmt: skip
+        """Refuse (and drop) a request whose key or value could never be stored (answered
+        unless it asked for no reply: its client reads the next answer as its next
+        request's, so it learns from the dropped connection instead)."""
         manager = hosted.managers.get(mid)
         e: DDictError
         if klen > self.limits.max_key_bytes + 16:
@@ -347,7 +349,8 @@ class HostServer:
                                f"{manager.store.capacity}-byte shard")  # fmt: skip
         else:
             return
-        _send_error(conn, e)
+        if not flags & FLAG_NOREPLY:
+            _send_error(conn, e)
         raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
     # -- lifecycle --------------------------------------------------------------

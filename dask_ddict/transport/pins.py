@@ -133,18 +133,27 @@ class Lender:
 
     def begin(self, word: int) -> Snapshot | None:
         """A snapshot for one read, no older than the commit that set ``word`` (read
-        before calling); ``None`` past ``max-snapshots`` (then the read copies)."""
-        with _LOCK:
-            s = self.current
-            if s is not None and word and s.word == word and not s.uses and s.txn is not None:
-                s.uses = 1
-                return s
-            if self.open >= self.max_snapshots:
-                return None
-            self.open += 1  # (counted before it opens: the bound holds)
+        before calling); ``None`` past ``max-snapshots`` or the shard's reader slots
+        (then the read copies)."""
+        try:
+            with _LOCK:
+                s = self.current
+                if s is not None and word and s.word == word and not s.uses \
+                        and s.txn is not None:  # fmt: skip
+                    s.uses = 1
+                    return s
+                if self.open >= self.max_snapshots:
+                    return None
+                self.open += 1  # (counted before it opens: the bound holds)
+        finally:
+            _drain()  # (work a finalizer queued while the lock was held)
         s = Snapshot(word)
         try:
             s.txn = self.store.read()
+        except lmdb.ReadersFullError:  # every reader slot of the shard is taken: copy
+            with _LOCK:
+                self.open -= 1
+            return None
         except BaseException:
             with _LOCK:
                 self.open -= 1
@@ -173,16 +182,19 @@ class Lender:
         view of it lives; ``None`` past ``max-pinned`` (then the read copies)."""
         global _lent
         n = frame.nbytes
-        with _LOCK:
-            if _lent + n > self.max_bytes:
-                return None
-            _lent += n
-            s.lent += 1
-            s.nbytes += n
+        try:
+            with _LOCK:
+                if _lent + n > self.max_bytes:
+                    return None
+                _lent += n
+                s.lent += 1
+                s.nbytes += n
+                board = self._board()
+                if board is not None:
+                    board.add(self.mid, n, 1)  # (under the lock: one writer of the board)
+        finally:
+            _drain()
         arr = np.frombuffer(frame, dtype=np.uint8)
-        board = self._board()
-        if board is not None:
-            board.add(self.mid, n, 1)
         weakref.finalize(arr, self._returned, s, n, board)
         return arr
 

@@ -30,7 +30,8 @@ from typing import Any, Protocol
 
 REQ = struct.Struct("<BBxxIIxxxxqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
-HELLO_MAGIC = b"DDK3"  # 3: mutual, connection-bound proofs (handshake.py)
+HELLO_MAGIC = b"DDK4"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
+# name their manager (BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY)
 REP = struct.Struct("<BxxxxxxxqQ")
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one page record
 BATCH_RECORD = struct.Struct("<IIQ")  # (klen, manager, vlen) of one batch record

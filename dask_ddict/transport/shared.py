@@ -103,8 +103,8 @@ class SharedChannel:
         self._gens = sock.link.generations()
         self._words = self._gens if direct_writes else None
         self._mid = sock.info.manager_id
-        # (generation word, newest checkpoint, frozen) last read from the shard's metadata
-        self._seen: tuple[int, int, bool] = (0, 0, False)
+        # (transaction id, newest checkpoint, frozen) last read from the shard's metadata
+        self._seen: tuple[int, int, bool] = (-1, 0, False)
         self._direct = self._words is not None and not (
             options.wait_for_keys or options.wait_for_writers or options.read_only
         )
@@ -192,29 +192,31 @@ class SharedChannel:
             pass  # alive, under another user
 
     def _word(self) -> int:
-        """The manager's generation word (0: unknown), read *before* a snapshot begins."""
+        """The manager's generation word (0: unknown), read *before* a snapshot begins
+        (snapshots are shared while it is unchanged, see :mod:`.pins`)."""
         gens = self._gens
         return 0 if gens is None else gens.words.item(self._mid)
 
-    def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any,
-                 word: int) -> Any:  # fmt: skip
+    def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any) -> Any:
         """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
-        self._check_state(store, chkpt, txn, word)
+        self._check_state(store, chkpt, txn)
         e = store.lookup(txn, digest, chkpt)
         if entry_visible(e, chkpt, self._wfk):
             return e
         return False if self._wfk else None  # under wait_for_keys the manager waits
 
-    def _check_state(self, store: ShardStore, chkpt: int, txn: Any, word: int) -> None:
+    def _check_state(self, store: ShardStore, chkpt: int, txn: Any) -> None:
         """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``.
 
-        The shard's state (its window, whether it closed) changes only with a commit,
-        and every commit gives the manager a new generation word: while the word read
-        before ``txn`` began is the one the state was last read under, the state is
-        that one (a read then costs no lookup in the shard's metadata).
+        The shard's state (its window, whether it closed or is frozen) changes only
+        with a commit, and every commit has a new transaction id: while snapshots
+        see the transaction the state was last read in, the state is that one (a
+        read then costs no lookup in the shard's metadata).
         """
-        if word and word == self._seen[0]:
-            check_window(chkpt, self._seen[1], self._size)
+        tid = txn.id()
+        seen = self._seen
+        if tid == seen[0]:
+            check_window(chkpt, seen[1], self._size)
             return
         newest, closed = saved_newest(store, txn, self._size)
         if closed != OPEN:
@@ -224,14 +226,13 @@ class SharedChannel:
             raise DDictManagerUnavailableError(
                 f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
             )
-        if word:
-            self._seen = (word, newest, frozen(store, txn))
+        self._seen = (tid, newest, frozen(store, txn))
         check_window(chkpt, newest, self._size)
 
-    def _frozen(self, store: ShardStore, txn: Any, word: int) -> bool:
-        """Whether the shard is frozen as of ``txn`` (after :meth:`_check_state`)."""
+    def _frozen(self, store: ShardStore, txn: Any) -> bool:
+        """Whether the shard is frozen as of ``txn``."""
         seen = self._seen
-        return seen[2] if word and word == seen[0] else frozen(store, txn)
+        return seen[2] if txn.id() == seen[0] else frozen(store, txn)
 
     def _snapshot(self, store: ShardStore) -> Any:
         try:
@@ -257,12 +258,11 @@ class SharedChannel:
             self._check_alive()
             got: Any = _LEND
             if not o.lend:
-                word = self._word()
                 with self._snapshot(view.store) as txn:
-                    e = self._visible(view.store, o.digest, o.chkpt, txn, word)
+                    e = self._visible(view.store, o.digest, o.chkpt, txn)
                     if not e:
                         got = e
-                    elif not (o.lend is None and self._frozen(view.store, txn, word)
+                    elif not (o.lend is None and self._frozen(view.store, txn)
                               and lendable(e.frame)):  # fmt: skip
                         return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
             if got is _LEND:
@@ -297,10 +297,10 @@ class SharedChannel:
         snap = lender.begin(word)
         if snap is None:  # (max-snapshots open: this read copies)
             with self._snapshot(view.store) as txn:
-                e = self._visible(view.store, digest, chkpt, txn, word)
+                e = self._visible(view.store, digest, chkpt, txn)
                 return view.copy(e.frame) if e else e
         try:
-            e = self._visible(view.store, digest, chkpt, snap.txn, word)
+            e = self._visible(view.store, digest, chkpt, snap.txn)
             if not e:
                 return e
             lent = lender.lend(snap, e.frame) if lendable(e.frame) else None
@@ -316,18 +316,17 @@ class SharedChannel:
         ((_, digests),) = o.groups
         try:
             self._check_alive()
-            word = self._word()
             if not o.lend:
                 with self._snapshot(view.store) as txn:
-                    if o.lend is False or not self._frozen(view.store, txn, word):
-                        return [self._many(view, None, digests, o.chkpt, txn, word)]
+                    if o.lend is False or not self._frozen(view.store, txn):
+                        return [self._many(view, None, digests, o.chkpt, txn)]
             lender = view.lender or self._lender(view)
-            snap = lender.begin(word)
+            snap = lender.begin(self._word())
             if snap is None:  # (max-snapshots open: these reads copy)
                 with self._snapshot(view.store) as txn:
-                    return [self._many(view, None, digests, o.chkpt, txn, word)]
+                    return [self._many(view, None, digests, o.chkpt, txn)]
             try:
-                return [self._many(view, (lender, snap), digests, o.chkpt, snap.txn, word)]
+                return [self._many(view, (lender, snap), digests, o.chkpt, snap.txn)]
             finally:
                 lender.end(snap)
         except DDictClosedError:
@@ -337,10 +336,10 @@ class SharedChannel:
             self._exit(view)
 
     def _many(self, view: _View, lending: tuple[Lender, Any] | None, digests: list[bytes],
-              chkpt: int, txn: Any, word: int) -> list[Any]:  # fmt: skip
+              chkpt: int, txn: Any) -> list[Any]:  # fmt: skip
         """Frames (copied, or lent), ``None`` for absent keys, ``False`` to wait for."""
         store = view.store
-        self._check_state(store, chkpt, txn, word)
+        self._check_state(store, chkpt, txn)
         out: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
@@ -404,9 +403,8 @@ class SharedChannel:
             return bool(self._sock.call(o))
         try:
             self._check_alive()
-            word = self._word()
             with self._snapshot(view.store) as txn:
-                return bool(self._visible(view.store, o.digest, o.chkpt, txn, word))
+                return bool(self._visible(view.store, o.digest, o.chkpt, txn))
         except DDictClosedError:
             _destroyed(self._path)
             raise
