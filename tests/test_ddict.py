@@ -629,10 +629,10 @@ def test_a_host_that_cannot_be_reached_fails_the_broadcast_with_its_own_error(cl
         hosts = {link for link, _ in d._core._routes(list(range(d.num_managers)))}
         unreachable = next(iter(hosts))
 
-        def failing(self, o, mid):
+        def failing(self, o, mid, *rest):
             if self is unreachable:
                 raise DDictManagerUnavailableError(f"manager {mid} is unreachable (test)")
-            return send(self, o, mid)
+            return send(self, o, mid, *rest)
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(HostLink, "send", failing)

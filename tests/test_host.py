@@ -287,6 +287,36 @@ def test_timeouts_hold_against_a_frozen_host(client):
         d.destroy()
 
 
+def test_a_handles_timeout_bounds_its_broadcasts_to_frozen_hosts(client):
+    """len, stats, iteration and sync_to_newest_checkpoint wait for the hosts' answers
+    at most the handle's timeout (plus its slack), whatever the number of hosts."""
+    from dask_ddict import config
+
+    slack = config.get_seconds("transport.timeout-slack")
+    d = DDict(total_mem="32 MiB", client=client, timeout=1)
+    tcp = _over_tcp(d)
+    try:
+        d.update({i: i for i in range(20)})
+        assert len(tcp) == 20 and len(tcp.stats) == 2 and len(list(tcp.keys())) == 20
+        hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
+        for host in hosts:
+            _stop(host)
+        try:
+            for what in (len, lambda h: h.stats, lambda h: list(h.keys()),
+                         lambda h: h.sync_to_newest_checkpoint()):
+                t0 = time.monotonic()
+                with pytest.raises(DDictTimeoutError):
+                    what(tcp)
+                assert time.monotonic() - t0 < 1 + slack + 0.5, what
+        finally:
+            for host in hosts:
+                host.resume()
+        assert len(tcp) == 20
+    finally:
+        tcp.detach()
+        d.destroy()
+
+
 def test_a_finite_timeout_bounds_connecting_to_a_frozen_host(client):
     """A handle that never reached the host yet: its timeout bounds the connection and
     the handshake too (the kernel queues the connection; the stopped host never answers)."""

@@ -39,12 +39,12 @@ def requests(monkeypatch):
     sent: list[tuple[type, tuple[int, ...]]] = []
     real = links.HostLink._exchange
 
-    def exchange(self, o, mid):  # noqa: ANN001, ANN202
+    def exchange(self, o, mid, *rest):  # noqa: ANN001, ANN002, ANN202
         mids = tuple(g[0] for g in o.groups) if isinstance(o, GetMany) else \
             tuple(sorted({r[0] for r in o.records})) if isinstance(o, (ops.BatchPut, PutMany)) \
             else (mid,)  # fmt: skip
         sent.append((type(o), mids))
-        return real(self, o, mid)
+        return real(self, o, mid, *rest)
 
     monkeypatch.setattr(links.HostLink, "_exchange", exchange)
     return sent

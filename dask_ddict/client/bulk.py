@@ -4,6 +4,7 @@ and freezing every manager (a base of :class:`~dask_ddict.DDict`)."""
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -130,12 +131,13 @@ class Bulk:
             if done < len(recs):
                 remote.setdefault(ch.link, []).append((mid, recs[done:]))
         pending = []
+        began = time.monotonic()  # (every host's time counts from here)
         for link, gs in remote.items():
             for chunk in _chunks(gs, PUT_MANY_BYTES):  # (a request stays within a host's limit)
                 op = PutMany([(mid, *r[1:]) for mid, recs in chunk for r in recs], chkpt,
                              self._client_id, persistent, self._timeout)  # fmt: skip
                 try:
-                    answer = link.send(op, chunk[0][0])
+                    answer = link.send(op, chunk[0][0], began)
                 except Exception as e:  # noqa: BLE001 - (connecting, too large) its pairs'
                     answer = functools.partial(_reraise, e)
                 pending.append((chunk, op, answer))

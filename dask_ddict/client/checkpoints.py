@@ -31,6 +31,7 @@ class Checkpoints:
 
     _core: _Core
     _chkpt: int
+    _timeout: float | None
 
     if TYPE_CHECKING:  # provided by the handle
 
@@ -59,7 +60,7 @@ class Checkpoints:
 
     def sync_to_newest_checkpoint(self) -> None:
         """Move to the newest checkpoint any manager (or the chosen one) holds."""
-        self._chkpt = max(self._core.each(Newest(), self._managers()))
+        self._chkpt = max(self._core.each(Newest(self._timeout), self._managers()))
 
     # -- persistence ---------------------------------------------------------------
 

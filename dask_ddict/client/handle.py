@@ -432,7 +432,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def _length(self, managers: builtins.list[int]) -> int:
         """Keys visible at this handle's checkpoint on ``managers``."""
-        return sum(self._core.each(Length(self._chkpt), managers))
+        return sum(self._core.each(Length(self._chkpt, self._timeout), managers))
 
     def __len__(self) -> int:
         return self._length(self._managers())
@@ -480,13 +480,14 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     def _iter(self, managers: builtins.list[int], want: int) -> Iterator[tuple[Any, Any]]:
         page = config.get("iteration.page-items")
         self._check()
-        firsts = first_pages(self._core.each, managers, self._chkpt, want, page,
+        firsts = first_pages(self._core.each, managers, self._chkpt, want, page, self._timeout,
                              config.get_bytes("iteration.page-bytes"))  # fmt: skip
         for mid, (items, last, more) in zip(managers, firsts):
             if not (items or more):
                 continue  # (an empty manager)
             self._check()
-            rest = iter_pages(self._core.channel(mid), self._chkpt, want, page, last) if more \
+            rest = iter_pages(self._core.channel(mid), self._chkpt, want, page, last,
+                              self._timeout) if more \
                 else ()  # fmt: skip
             for k, v in itertools.chain(items, rest):
                 yield (

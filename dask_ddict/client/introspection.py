@@ -127,7 +127,7 @@ class Introspection:
     @property
     def stats(self) -> list[DDictManagerStats]:
         """One entry per manager (or the chosen one), sorted by manager id."""
-        return self._core.each(Stats(), self._managers())
+        return self._core.each(Stats(self._timeout), self._managers())
 
     @property
     def dstats(self) -> dict[int, DDictManagerStats]:
@@ -146,7 +146,8 @@ class Introspection:
                 if info.lost:
                     continue
                 try:
-                    answers[info.manager_id] = self._core.channel(info.manager_id).call(Stats())
+                    answers[info.manager_id] = self._core.channel(info.manager_id).call(
+                        Stats(self._timeout))
                 except Exception as e:  # noqa: BLE001 - shown in its row
                     answers[info.manager_id] = e
         return dict_html(summarize(self._core.layout, answers, checkpoint=self._chkpt))

@@ -30,11 +30,12 @@ class Viewed(Protocol):
 
 
 def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
-               after: bytes | None = None) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+               after: bytes | None = None, timeout: float | None = None,
+               ) -> Iterator[tuple[Any, Any]]:  # fmt: skip
     """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page
-    (after digest ``after``, when resuming)."""
+    (after digest ``after``, when resuming); each page waited for at most ``timeout``."""
     while True:
-        items, last, more = channel.call(Page(chkpt, after, want, page_items))
+        items, last, more = channel.call(Page(chkpt, after, want, page_items, 0, timeout))
         yield from items
         if not more:
             return
@@ -42,7 +43,8 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
 
 
 def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_items: int,
-                page_bytes: int) -> list[tuple[list[Any], bytes | None, bool]]:  # fmt: skip
+                timeout: float | None, page_bytes: int,
+                ) -> list[tuple[list[Any], bytes | None, bool]]:  # fmt: skip
     """Every manager's first page, in one broadcast: together at most about one page.
 
     So the first item of an iteration costs one broadcast however many managers
@@ -50,8 +52,8 @@ def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_item
     ``page_bytes`` bytes in all, at least one item per manager).
     """
     n = max(1, len(managers))
-    return each(Page(chkpt, None, want, max(1, page_items // n), max(1, page_bytes // n)),
-                managers)  # fmt: skip
+    return each(Page(chkpt, None, want, max(1, page_items // n), max(1, page_bytes // n),
+                     timeout), managers)  # fmt: skip
 
 
 class _View:

@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -239,9 +240,11 @@ class Connections:
         result = o.result
         failure: BaseException | None = None
 
+        began = time.monotonic()  # (every host's time counts from here)
+
         def sent(link: HostLink, ms: list[int]) -> Callable[[], tuple[int, Any]]:
             try:
-                return link.send(o if len(ms) == 1 else FanOut(o, tuple(ms)), ms[0])
+                return link.send(o if len(ms) == 1 else FanOut(o, tuple(ms)), ms[0], began)
             except Exception as e:  # (connecting): raised as the collection would raise it
                 return functools.partial(_reraise, e)
 
@@ -294,10 +297,11 @@ class Connections:
             else:
                 remote.setdefault(ch.link, []).append((mid, digests))
         pending = []
+        began = time.monotonic()  # (every host's time counts from here)
         for link, gs in remote.items():
             op = GetMany(tuple(gs), chkpt, timeout, lend)
             try:
-                answer = link.send(op, gs[0][0])
+                answer = link.send(op, gs[0][0], began)
             except Exception as e:  # (connecting): raised with the answers
                 answer = functools.partial(_reraise, e)
             pending.append((op, answer))

@@ -420,15 +420,18 @@ class HostLink:
             return done.value
         raise AssertionError("an exchange yields once")
 
-    def send(self, o: Operation, mid: int) -> Callable[[], tuple[int, Any]]:
+    def send(self, o: Operation, mid: int, start: float | None = None
+             ) -> Callable[[], tuple[int, Any]]:  # fmt: skip
         """Send ``o`` now; the returned function waits for the answer.
 
         A broadcast sends to every host from one thread, then collects the
         answers: the hosts work at once without a thread per host.  Failures
         after the request went out are handled when the answer is collected
         (a broken connection is retried there, as :meth:`call` retries).
+        ``start``: when the broadcast began (its operations' time counts from
+        then, so that connecting to one host never lends another more time).
         """
-        exchange = self._exchange(o, mid)
+        exchange = self._exchange(o, mid, start)
         try:
             next(exchange)
         except StopIteration as done:  # no reply expected, or answered while sending
@@ -444,7 +447,8 @@ class HostLink:
 
         return answer
 
-    def _exchange(self, o: Operation, mid: int) -> Generator[None, None, tuple[int, Any]]:
+    def _exchange(self, o: Operation, mid: int, began: float | None = None
+                  ) -> Generator[None, None, tuple[int, Any]]:  # fmt: skip
         """Request and answer, with retries; yields once, when the request first went out.
 
         With a timeout, everything (connecting, the handshake, reconnecting to a
@@ -460,7 +464,7 @@ class HostLink:
         if timeout is None:
             start, deadline, wire_timeout = 0.0, None, -1.0  # (encode_timeout)
         else:
-            start = time.monotonic()
+            start = time.monotonic() if began is None else began
             deadline, wire_timeout = start + timeout + self._slack, float(timeout)
         check = None if self._every is None else self._checker(mid)
         rid = secrets.randbits(63) + 1 if kind is _ONCE else 0

@@ -39,7 +39,6 @@ from ..stats import DDictManagerStats
 from .operation import (
     Answered,
     Answerer,
-    AtCheckpoint,
     Encoded,
     FrameReply,
     HostWide,
@@ -187,11 +186,15 @@ class Pop(FrameReply):
 
 
 @dataclass(slots=True)
-class Length(AtCheckpoint, IntReply, Answered):
+class Length(IntReply, Answered):
     op = Op.LEN
     cacheable = True
     kind = Kind.READ
     chkpt: int
+    timeout: float | None = None  # (the handle's: bounds the wait for an answer)
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt, timeout=self.timeout)
 
     @staticmethod
     def answer(m: Manager, r: Request) -> tuple[int, Any]:
@@ -230,10 +233,12 @@ class Page(Answered):
     want: int  # WANT_KEYS | WANT_VALUES
     max_items: int
     max_bytes: int = 0
+    timeout: float | None = None
 
     def encode(self) -> Encoded:
         return Encoded(keysec=self.after or b"", chkpt=self.chkpt,
-                       arg=self.want | (self.max_items << 8), client=self.max_bytes)  # fmt: skip
+                       arg=self.want | (self.max_items << 8), client=self.max_bytes,
+                       timeout=self.timeout)  # fmt: skip
 
     def result(self, ival: int, payload: Any) -> Any:
         if len(payload) <= 16:  # an empty page (most managers', in a broadcast of first pages)
@@ -372,6 +377,10 @@ class Stats(Answered):
     cacheable = True
     pinned = True  # (its answer reports pinned memory: kept under the pin boards too)
     kind = Kind.READ
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(timeout=self.timeout)
 
     def result(self, ival: int, payload: Any) -> DDictManagerStats:
         return DDictManagerStats.from_record(pickle.loads(payload))
@@ -386,6 +395,10 @@ class Newest(IntReply, Answered):
     op = Op.NEWEST
     cacheable = True
     kind = Kind.READ
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(timeout=self.timeout)
 
     @staticmethod
     def answer(m: Manager, r: Request) -> tuple[int, Any]:
