@@ -80,16 +80,17 @@ class GetBatcher(_Batcher):
         """
         d = self._d
         out: list[tuple[bool, Any]] = []
-        keys = []
+        keys, routes = [], []
         for key, _, _ in batch:
             try:
-                d._route(key)
+                mid, digest, _ = d._route(key)
             except Exception as e:  # noqa: BLE001 - that key's own error
                 out.append((False, e))
                 continue
             out.append((True, None))
             keys.append(key)
-        values = iter(d._many(keys, copy)) if keys else iter(())
+            routes.append((mid, digest))
+        values = iter(d._many(keys, copy, routes)) if keys else iter(())
         return [(True, next(values)[1]) if ok else (ok, e) for ok, e in out]
 
     def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, copy: bool | None,

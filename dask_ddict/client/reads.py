@@ -108,15 +108,18 @@ class Reads:
             out[i] = got
         return out
 
-    def _many(self, keys: Iterable[Any], copy: bool | None
+    def _many(self, keys: Iterable[Any], copy: bool | None,
+              routes: builtins.list[tuple[int, bytes]] | None = None,
               ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
         """``(key, value)`` for each key: the value, :data:`_ABSENT`, or :data:`_WAIT`
-        (a reader of it must wait for a writer: :meth:`_get` it alone)."""
+        (a reader of it must wait for a writer: :meth:`_get` it alone).  ``routes``:
+        the keys' ``(manager, digest)`` when the caller has them already."""
         lend = None if copy is None else not check_bool("copy", copy)
         if self._vp is not None:
             lend = False
         keys = list(keys)
-        routes = self._routes(keys)
+        if routes is None:
+            routes = self._routes(keys)
         groups: dict[int, builtins.list[bytes]] = {}
         for mid, digest in routes:
             groups.setdefault(mid, []).append(digest)

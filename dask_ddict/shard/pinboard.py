@@ -69,12 +69,6 @@ class PinBoard:
             w[2 + 2 * mid] += views
             w[0] += 1
 
-    def remove(self) -> None:
-        """Delete the board (nothing pinned any more)."""
-        self.words = np.zeros(len(self.words), dtype=np.int64)
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
 
 def _alive(pid: int) -> bool:
     try:

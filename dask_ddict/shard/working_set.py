@@ -110,12 +110,10 @@ def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: b
     orders it with the manager's own writes; its commit is the acknowledgement,
     exactly as for a put that the manager commits.
     """
-    newest = _direct_window(store, txn, size, chkpt)
-    if newest is None:
-        return False
-    store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
-    counts.put(store, txn, counts.window(newest, size), digest, chkpt, key, frame, PERSISTENT)
-    return True
+    done, error = puts_in_window(store, txn, size, chkpt, [(digest, key, frame)])
+    if error is not None:
+        raise error
+    return bool(done)
 
 
 def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int,
