@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _bench_refs as refs  # beside this script (sys.path[0])
@@ -103,19 +104,29 @@ def run_ddict(d: DDict, nbytes: int, seconds: float) -> dict[str, float]:
     return {"put": put, "get": get}
 
 
-def run_batch(d: DDict, seconds: float) -> float:
-    v = _value(100)
+def items_per_second(call: Callable[[], object], per_call: int, seconds: float) -> float:
+    """Items per second of ``call()`` (``per_call`` items each), repeated for ``seconds``
+    and at least 3 times."""
     n = 0
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    while time.perf_counter() - t0 < seconds or n < 3:
+        call()
+        n += 1
+    return n * per_call / (time.perf_counter() - t0)
+
+
+def run_batch(d: DDict, seconds: float) -> float:
+    v = _value(100)
+
+    def batch() -> None:
         d.start_batch_put()
         for i in range(1000):
             d[i] = v
         d.end_batch_put()
-        n += 1000
-    rate = n / (time.perf_counter() - t0)
+
+    keys_per_s = items_per_second(batch, 1000, seconds)
     d.clear()
-    return rate
+    return keys_per_s
 
 
 def has_copy_false() -> bool:
@@ -131,26 +142,16 @@ def run_get_many(d: DDict, seconds: float) -> float:
         d[k] = v
     d.end_batch_put()
     assert len(d.get_many(KEYS)) == len(KEYS)
-    n = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 3:
-        d.get_many(KEYS)
-        n += len(KEYS)
-    rate = n / (time.perf_counter() - t0)
+    keys_per_s = items_per_second(lambda: d.get_many(KEYS), len(KEYS), seconds)
     d.clear()
-    return rate
+    return keys_per_s
 
 
 def run_redis_mget(r: Any, seconds: float) -> float:
     r.mset({k: b"x" * 100 for k in KEYS})
-    n = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 3:
-        r.mget(KEYS)
-        n += len(KEYS)
-    rate = n / (time.perf_counter() - t0)
+    keys_per_s = items_per_second(lambda: r.mget(KEYS), len(KEYS), seconds)
     r.flushall()
-    return rate
+    return keys_per_s
 
 
 def bulk_rows(handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
@@ -325,17 +326,16 @@ def run_redis(r: Any, nbytes: int, seconds: float) -> dict[str, float]:
 
 def run_redis_pipeline(r: Any, seconds: float) -> float:
     v = b"x" * 100
-    n = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+
+    def pipeline() -> None:
         p = r.pipeline(transaction=False)
         for i in range(1000):
             p.set(i, v)
         p.execute()
-        n += 1000
-    rate = n / (time.perf_counter() - t0)
+
+    keys_per_s = items_per_second(pipeline, 1000, seconds)
     r.flushall()
-    return rate
+    return keys_per_s
 
 
 def run_dragon(seconds: float) -> dict[str, float] | None:

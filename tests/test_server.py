@@ -98,6 +98,7 @@ def test_every_operation_is_declared_once_and_served():
     assert set(ops.OPERATIONS) == set(ops.HANDLERS) == set(Op)
     for code, cls in ops.OPERATIONS.items():
         assert cls.op is code
+        assert cls.serve.__qualname__ != "Operation.serve", cls  # (the base only raises)
         assert isinstance(cls.kind, ops.Kind) or cls is ops.FanOut  # a fan-out has its inner's
     assert ops.FanOut(ops.Length(0), (0,)).kind is ops.Length.kind
 

@@ -135,10 +135,6 @@ class GetMany(HostWide):
                 frames += m.get_many(snapshots.enter_context(m.store.read()), digests, r.chkpt)
             reply(0, b"".join(pack_frames(frames)))  # (inside the snapshots: views are valid)
 
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        GetMany.serve_host({r.manager: m}, r, reply)
-
 
 def records_by_manager(value: Any) -> dict[int, list[tuple[bytes, bytes, memoryview]]]:
     """A request's ``(digest, key, frame)`` records by manager, in message order."""
@@ -203,7 +199,3 @@ class PutMany(HostWide):
             status, msg = (0, b"") if error is None else wire_error(error)
             out.append((mid, done, int(status), msg))
         reply(0, pickle.dumps(out))
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        PutMany.serve_host({r.manager: m}, r, reply)

@@ -197,13 +197,7 @@ def _release(path: str, view: _View) -> None:
 
 def _destroyed(path: str) -> None:
     """The shard was destroyed: close this process's view now, for every channel."""
-    with _ENVS_LOCK:
-        view = _ENVS.pop(path, None)
-        _DESTROYED[path] = None
-        while len(_DESTROYED) > 4096:
-            del _DESTROYED[next(iter(_DESTROYED))]
-    if view is not None:
-        view.close()
+    _close_for_good(path, _DESTROYED)
 
 
 def forget(path: str) -> None:
@@ -214,10 +208,16 @@ def forget(path: str) -> None:
     Its channels read over the socket from then on: the shard is never mapped
     as a client's here again.
     """
+    _close_for_good(path, _MANAGED)
+
+
+def _close_for_good(path: str, why: dict[str, None]) -> None:
+    """Close ``path``'s view (see :meth:`_View.close`) and remember the path in ``why``
+    (``_DESTROYED`` or ``_MANAGED``, each bounded to its 4096 newest paths)."""
     with _ENVS_LOCK:
         view = _ENVS.pop(path, None)
-        _MANAGED[path] = None
-        while len(_MANAGED) > 4096:
-            del _MANAGED[next(iter(_MANAGED))]
+        why[path] = None
+        while len(why) > 4096:
+            del why[next(iter(why))]
     if view is not None:
         view.close()

@@ -105,6 +105,19 @@ class Answered(Operation):
         reply(*cls.answer(m, r))
 
 
+class Command(Operation):
+    """An operation that calls one manager method without arguments (``method``) and
+    answers nothing: freeze, unfreeze, sync, rotate."""
+
+    __slots__ = ()
+    method: ClassVar[str]
+
+    @classmethod
+    def serve(cls, m: Manager, r: Request, reply: Reply) -> None:
+        getattr(m, cls.method)()
+        reply()
+
+
 class HostWide(Operation):
     """An operation on several managers of one host process in one request
     (``get_many``, a batch of puts): the host serves it with all its managers,
@@ -117,6 +130,11 @@ class HostWide(Operation):
                    missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
         """Serve ``r``; ``missing(mid)`` is the error for a manager not hosted here."""
         raise NotImplementedError
+
+    @classmethod
+    def serve(cls, m: Manager, r: Request, reply: Reply) -> None:
+        """Served for the request's own manager alone (as any operation can be)."""
+        cls.serve_host({r.manager: m}, r, reply)
 
 
 class IntReply(Operation):

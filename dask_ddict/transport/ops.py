@@ -39,6 +39,7 @@ from ..stats import DDictManagerStats
 from .operation import (
     Answered,
     Answerer,
+    Command,
     Encoded,
     FrameReply,
     HostWide,
@@ -347,10 +348,6 @@ class BatchPut(HostWide):
         if not r.flags & FLAG_NOREPLY:
             reply()
 
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        BatchPut.serve_host({r.manager: m}, r, reply)
-
 
 @dataclass(slots=True)
 class BatchEnd(IntReply):
@@ -406,23 +403,15 @@ class Newest(IntReply, Answered):
 
 
 @dataclass(slots=True)
-class Freeze(Operation):
+class Freeze(Command):
     op = Op.FREEZE
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.freeze()
-        reply()
+    method = "freeze"
 
 
 @dataclass(slots=True)
-class Unfreeze(Operation):
+class Unfreeze(Command):
     op = Op.UNFREEZE
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.unfreeze()
-        reply()
+    method = "unfreeze"
 
 
 @dataclass(slots=True)

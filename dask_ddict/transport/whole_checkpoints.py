@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from .operation import (
     Answered,
     AtCheckpoint,
+    Command,
     Encoded,
     IntReply,
     Kind,
-    Operation,
     PickledReply,
     Reply,
     Request,
@@ -56,20 +56,16 @@ class PersistedIds(PickledReply, Answered):
 
 
 @dataclass(slots=True)
-class Sync(Operation):
+class Sync(Command):
     """Wait for the background persists; raise the first failure."""
 
     op = Op.SYNC
     kind = Kind.READ
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.sync()
-        reply()
+    method = "sync"
 
 
 @dataclass(slots=True)
-class Rotate(Operation):
+class Rotate(Command):
     """Remove what ``persist_count`` no longer keeps (``Persister.rotate``), now.
 
     Sent by ``sync()`` once every manager's background persists are done: a
@@ -80,11 +76,7 @@ class Rotate(Operation):
 
     op = Op.ROTATE
     kind = Kind.IDEMPOTENT
-
-    @staticmethod
-    def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.rotate()
-        reply()
+    method = "rotate"
 
 
 @dataclass(slots=True)
