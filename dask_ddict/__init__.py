@@ -6,11 +6,14 @@ memory on its host.  Clients talk to the host processes directly; the
 scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
 
 ``dask scheduler --preload dask_ddict`` installs the orchestrator at start.
+
+:class:`DDictStore` (a DDict as a zarr v3 store) is loaded on first use, so that
+``import dask_ddict`` does not import zarr.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import config  # noqa: F401  (loads the ddict.* defaults)
 from .client import AsyncDDict, DDict
@@ -31,6 +34,9 @@ from .errors import (
 )
 from .stats import DDictManagerStats
 
+if TYPE_CHECKING:
+    from .stores import DDictStore
+
 __all__ = [
     "AsyncDDict",
     "DDict",
@@ -46,10 +52,19 @@ __all__ = [
     "DDictPersistCheckpointError",
     "DDictSchedulerPlugin",
     "DDictSerializationError",
+    "DDictStore",
     "DDictSyncError",
     "DDictTimeoutError",
     "DDictWorkerPlugin",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DDictStore":  # (imports zarr: only when asked for)
+        from .stores import DDictStore
+
+        return DDictStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dask_setup(scheduler: Any) -> None:

@@ -6,8 +6,11 @@ A *value frame* is what travels on the wire and what a shard stores::
     [payload]  [pad][buf 0]  [pad][buf 1] ...
 
 ``fmt`` is :data:`FMT_PICKLE` (``payload`` is a pickle-5 stream whose
-out-of-band buffers follow) or :data:`FMT_RAW` (``payload`` is whatever a
-custom value pickler wrote; no buffers).  Buffers are padded so that a frame
+out-of-band buffers follow), :data:`FMT_RAW` (``payload`` is whatever a
+custom value pickler wrote; no buffers) or :data:`FMT_BYTES` (``payload`` is a
+``bytes`` value itself, or a ``memoryview``'s bytes: no pickle, so a chunk of a
+zarr store (:class:`~dask_ddict.DDictStore`) is framed without a copy and read
+back as a view of the frame with :func:`bytes_view`; it reads as ``bytes``).  Buffers are padded so that a frame
 placed at an address congruent to :data:`FRAME_BASE` modulo 64 has every
 buffer 64-byte aligned.  That base is chosen for where frames actually land:
 LMDB puts a large value in overflow pages right after a 16-byte page header,
@@ -38,6 +41,7 @@ ALIGN = 64
 FRAME_BASE = 32
 FMT_PICKLE = 0
 FMT_RAW = 1
+FMT_BYTES = 2
 
 _HEAD = struct.Struct("<BxxxIQ")
 _LEN = struct.Struct("<Q")
@@ -87,6 +91,8 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
     DDictSerializationError
         If the value cannot be pickled; the message names its type.
     """
+    if (type(obj) is bytes or type(obj) is memoryview) and pickler is None:
+        return _bytes_frame(obj)
     if type(obj) in _IN_BAND and pickler is None:  # (small values, the common case)
         payload = pickle.dumps(obj, 5)
         n = len(payload)
@@ -130,6 +136,17 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
     return Framed(parts, offset)
 
 
+def _bytes_frame(obj: bytes | memoryview) -> Framed:
+    """A :data:`FMT_BYTES` frame: the header and the bytes themselves (not copied)."""
+    if type(obj) is memoryview and (obj.format != "B" or obj.ndim != 1):
+        try:
+            obj = obj.cast("B")
+        except TypeError as e:  # (not C-contiguous)
+            raise DDictSerializationError(f"cannot store a memoryview as bytes: {e}") from e
+    n = len(obj)
+    return _new_framed(Framed, ([_HEAD.pack(FMT_BYTES, 0, n), obj], _HEAD.size + n))
+
+
 def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
     """Deserialize a value frame; numpy buffers become views of ``frame``."""
     if type(frame) is bytes and pickler is None:  # a small frame as received: the common case
@@ -144,6 +161,8 @@ def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
         mv = mv.cast("B")
     fmt, nbufs, plen = _HEAD.unpack_from(mv, 0)
     offset = _HEAD.size
+    if fmt == FMT_BYTES:
+        return bytes(mv[offset : offset + plen])
     if not nbufs and fmt == FMT_PICKLE and pickler is None:  # small values: the common case
         try:
             return pickle.loads(mv[offset : offset + plen])
@@ -170,6 +189,22 @@ def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
         return pickle.loads(payload, buffers=bufs)
     except Exception as e:
         raise DDictSerializationError(f"cannot deserialize value: {e}") from e
+
+
+def bytes_view(frame: Any) -> Any:
+    """The bytes of a :data:`FMT_BYTES` frame as a read-only view of ``frame`` (no copy);
+    any other frame's value (:func:`loads_value`).
+
+    What a reader that wants buffers, not ``bytes`` objects, decodes frames with:
+    the view keeps ``frame`` (and so a lent snapshot) alive as long as it lives.
+    """
+    mv = memoryview(frame)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    fmt, _, plen = _HEAD.unpack_from(mv, 0)
+    if fmt != FMT_BYTES:
+        return loads_value(frame)
+    return mv[_HEAD.size : _HEAD.size + plen].toreadonly()
 
 
 SMALL_FRAME = 4096

@@ -28,7 +28,8 @@ which is what makes it fast), and the async twin is thin:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+import itertools
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from dask.typing import no_default
@@ -86,6 +87,28 @@ def _stats(d: DDict) -> list[DDictManagerStats]:
 
 def _dstats(d: DDict) -> dict[int, DDictManagerStats]:
     return d.dstats
+
+
+async def in_thread(items: Callable[[], Iterable[T]], page: int) -> AsyncIterator[T]:
+    """``items()`` iterated in worker threads, ``page`` items per thread hop.
+
+    So a blocking iteration (a dictionary's key view) never runs on the event
+    loop; breaking out early leaves the rest unread.
+    """
+    it: Iterator[T] | None = None
+
+    def chunk() -> list[T]:
+        nonlocal it
+        if it is None:
+            it = iter(items())
+        return list(itertools.islice(it, page))
+
+    while True:
+        got = await asyncio.to_thread(chunk)
+        for x in got:
+            yield x
+        if len(got) < page:
+            return
 
 
 class AsyncDDict:
@@ -260,25 +283,9 @@ class AsyncDDict:
     def pickler(self, key_pickler: Any = None, value_pickler: Any = None) -> AsyncDDict:
         return AsyncDDict(self._d.pickler(key_pickler, value_pickler), self._client)
 
-    async def __aiter__(self) -> AsyncIterator[Any]:
+    def __aiter__(self) -> AsyncIterator[Any]:
         """``async for k in ad``: keys streamed page by page (one thread hop per page)."""
-        it = iter(self._d.keys())
-        page = 256
-
-        def chunk() -> list[Any]:
-            out = []
-            for k in it:
-                out.append(k)
-                if len(out) == page:
-                    break
-            return out
-
-        while True:
-            keys = await asyncio.to_thread(chunk)
-            for k in keys:
-                yield k
-            if len(keys) < page:
-                return
+        return in_thread(self._d.keys, 256)
 
     # -- the async face, declared once: every operation that talks to a manager -----
     # ``put``/``length``/... are the names of what DDict spells with operators

@@ -21,6 +21,7 @@ put gets its own acknowledgement or error.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDictKeyError
@@ -60,7 +61,16 @@ class _Batcher:
 
 
 class GetBatcher(_Batcher):
-    """The gets of one asynchronous handle (mode: ``copy``)."""
+    """The gets of one asynchronous handle (mode: ``copy``).
+
+    ``decode`` turns each frame into what a get gives (default: the value, see
+    :meth:`DDict._many`; a read that must wait for its writer gives the value itself);
+    :class:`~dask_ddict.DDictStore` reads raw bytes as views.
+    """
+
+    def __init__(self, d: DDict, decode: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(d)
+        self._decode = decode
 
     async def get(self, key: Any, default: Any, copy: bool | None) -> Any:
         return await self._join(copy, key, default)
@@ -90,7 +100,7 @@ class GetBatcher(_Batcher):
             out.append((True, None))
             keys.append(key)
             routes.append((mid, digest))
-        values = iter(d._many(keys, copy, routes)) if keys else iter(())
+        values = iter(d._many(keys, copy, routes, self._decode)) if keys else iter(())
         return [(True, next(values)[1]) if ok else (ok, e) for ok, e in out]
 
     def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, copy: bool | None,

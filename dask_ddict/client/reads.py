@@ -11,7 +11,7 @@ numpy arrays come back as read-only views that never change.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import ValuePickler, loads_value
@@ -110,10 +110,13 @@ class Reads:
 
     def _many(self, keys: Iterable[Any], copy: bool | None,
               routes: builtins.list[tuple[int, bytes]] | None = None,
+              decode: Callable[[Any], Any] | None = None,
               ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
         """``(key, value)`` for each key: the value, :data:`_ABSENT`, or :data:`_WAIT`
         (a reader of it must wait for a writer: :meth:`_get` it alone).  ``routes``:
-        the keys' ``(manager, digest)`` when the caller has them already."""
+        the keys' ``(manager, digest)`` when the caller has them already; ``decode``:
+        what turns a frame into the value (default: :func:`loads_value`, or the
+        handle's value pickler), e.g. :func:`~dask_ddict._serialize.bytes_view`."""
         lend = None if copy is None else not check_bool("copy", copy)
         if self._vp is not None:
             lend = False
@@ -130,5 +133,6 @@ class Reads:
         for key, (mid, _) in zip(keys, routes):
             frame = next(frames[mid])
             out.append((key, _ABSENT if frame is None else _WAIT if frame is False
-                        else loads_value(frame, vp)))  # fmt: skip
+                        else loads_value(frame, vp) if decode is None
+                        else decode(frame)))  # fmt: skip
         return out

@@ -45,7 +45,7 @@ import lmdb
 import numpy as np
 
 from .. import config
-from .._serialize import FMT_PICKLE
+from .._serialize import FMT_BYTES, FMT_PICKLE
 from ..shard.pinboard import PinBoard, board_path
 from ..shard.store import ShardStore
 
@@ -242,6 +242,17 @@ class Lender:
         return board
 
 
+#: Raw bytes frames (:data:`~dask_ddict._serialize.FMT_BYTES`, zarr chunks) at least this
+#: big are lent: below it a copy costs less than a pin.
+LEND_BYTES_MIN = 64 << 10
+
+
 def lendable(frame: Any) -> bool:
-    """Whether lending ``frame`` saves a copy: a pickle with out-of-band buffers."""
-    return frame.nbytes >= 16 and frame[0] == FMT_PICKLE and frame[4:8] != b"\0\0\0\0"
+    """Whether lending ``frame`` saves a copy: a pickle with out-of-band buffers, or large
+    raw bytes (which :func:`~dask_ddict._serialize.bytes_view` readers use as they are)."""
+    if frame.nbytes < 16:
+        return False
+    fmt = frame[0]
+    return (fmt == FMT_PICKLE and frame[4:8] != b"\0\0\0\0") or (
+        fmt == FMT_BYTES and frame.nbytes >= LEND_BYTES_MIN
+    )

@@ -1,0 +1,94 @@
+"""Pure helpers of :class:`~dask_ddict.DDictStore`: store keys, byte ranges, directory
+children.  No I/O here, so each rule is tested on its own (``tests/test_store_zarr.py``).
+
+A store key ``k`` is the dictionary's ``str`` key ``prefix + k``; every other key
+of the dictionary (another prefix, or not a ``str`` at all) is not the store's
+and is skipped by listing, never an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    SuffixByteRequest,
+)
+
+
+def check_key(key: Any, name: str = "key") -> str:
+    """``key`` if it is a ``str``; zarr's keys always are, so anything else is a caller's bug."""
+    if type(key) is not str:
+        raise TypeError(f"{name} must be a str (a zarr store key), got {type(key).__name__}")
+    return key
+
+
+def check_byte_range(byte_range: Any) -> ByteRequest | None:
+    """``byte_range`` if zarr defines it, else the ``TypeError`` zarr's own stores raise."""
+    if byte_range is None or isinstance(
+        byte_range, (RangeByteRequest, OffsetByteRequest, SuffixByteRequest)
+    ):
+        return byte_range
+    raise TypeError(f"Unexpected byte_range, got {byte_range}.")
+
+
+def byte_slice(view: memoryview, byte_range: ByteRequest | None) -> memoryview:
+    """The part of ``view`` that ``byte_range`` asks for, as a view (no copy).
+
+    Ranges past the end are cut at the end, as zarr's local and memory stores do.
+    """
+    n = len(view)
+    if byte_range is None:
+        return view
+    if isinstance(byte_range, RangeByteRequest):
+        return view[min(byte_range.start, n) : min(byte_range.end, n)]
+    if isinstance(byte_range, OffsetByteRequest):
+        return view[min(byte_range.offset, n) :]
+    if isinstance(byte_range, SuffixByteRequest):
+        return view[max(0, n - byte_range.suffix) :]
+    raise TypeError(f"Unexpected byte_range, got {byte_range}.")
+
+
+def as_bytes(key: str, got: Any) -> memoryview:
+    """A value read for ``key`` as a flat byte view: the store holds only bytes."""
+    if isinstance(got, memoryview):
+        return got
+    if isinstance(got, (bytes, bytearray)):
+        return memoryview(got)
+    raise TypeError(
+        f"DDict key {key!r} holds a {type(got).__module__}.{type(got).__qualname__} value, "
+        "not bytes: it is not a zarr store value (store values are written as bytes)"
+    )
+
+
+def store_names(keys: Iterable[Any], prefix: str, under: str) -> Iterator[str]:
+    """The store keys among dictionary ``keys`` that begin with ``under``.
+
+    A dictionary key is the store's when it is a ``str`` beginning with
+    ``prefix``; the store key is the rest.
+    """
+    start = prefix + under
+    cut = len(prefix)
+    for k in keys:
+        if type(k) is str and k.startswith(start):
+            yield k[cut:]
+
+
+def dir_base(prefix: str) -> str:
+    """``list_dir``'s prefix as the start of its children's keys (``""`` or ``"a/b/"``)."""
+    prefix = prefix.rstrip("/")
+    return prefix + "/" if prefix else ""
+
+
+def children(names: Iterable[str], base: str) -> Iterator[str]:
+    """Each direct child of directory ``base`` once: a key or a sub-directory's name."""
+    seen: set[str] = set()
+    cut = len(base)
+    for name in names:
+        child = name[cut:].split("/", 1)[0]
+        if child and child not in seen:
+            seen.add(child)
+            yield child

@@ -1,0 +1,369 @@
+"""DDictStore: a DDict as a zarr v3 store, on the session's real cluster.
+
+zarr's own conformance suite (``zarr.testing.store.StoreTests``, async: run by
+pytest-asyncio in strict mode, marked here only) and its hypothesis state
+machine; then the stack: dask.array and xarray round trips, tasks writing
+their chunks on the manager's host, checkpoints and persistence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import itertools
+import pickle
+from typing import Any
+
+import dask.array as da
+import numpy as np
+import pytest
+import pytest_asyncio
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import cpu, default_buffer_prototype
+from zarr.storage._utils import _normalize_byte_range_index
+from zarr.testing.stateful import ZarrStoreStateMachine
+from zarr.testing.store import StoreTests
+
+from dask_ddict import AsyncDDict, DDict, DDictStore
+from dask_ddict.stores.names import byte_slice, children, dir_base, store_names
+
+_ids = itertools.count()
+#: Keys of the same dictionary that are not any store's: listing must skip them.
+FOREIGN = {42: "an int key", ("tuple", 1): b"bytes under a tuple key", b"bytes-key": b"x"}
+
+
+@pytest.fixture(scope="module")
+def zd(cluster):
+    """One dictionary for the module (a store's namespace is its prefix)."""
+    from distributed import Client
+
+    from conftest import TWO_HOSTS
+
+    with Client(cluster.scheduler_address if TWO_HOSTS else cluster) as c:
+        d = DDict(total_mem="256 MiB", client=c)
+        yield d
+        d.destroy()
+
+
+def _fresh(zd: DDict, prefix: str) -> dict[str, Any]:
+    if not prefix:
+        zd.clear()
+    zd.update(FOREIGN)
+    zd["elsewhere/zarr.json"] = b"{}"  # (another store's key: ignored unless prefix is "")
+    return {"ddict": zd, "prefix": prefix}
+
+
+def _asyncio_marked(cls: type) -> type:
+    """Mark the suite's coroutine tests (only those) for pytest-asyncio's strict mode."""
+    for name in dir(cls):
+        f = getattr(cls, name)
+        if name.startswith("test_") and inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def test(*args: Any, __f: Any = f, **kwargs: Any) -> None:
+                await __f(*args, **kwargs)
+
+            setattr(cls, name, pytest.mark.asyncio(test))
+    return cls
+
+
+@_asyncio_marked
+class TestDDictStore(StoreTests[DDictStore, cpu.Buffer]):
+    """zarr's suite on a store whose prefix is unique per test (the namespace of one store)."""
+
+    store_cls = DDictStore
+    buffer_cls = cpu.Buffer
+
+    @pytest.fixture
+    def store_kwargs(self, zd: DDict) -> dict[str, Any]:
+        return _fresh(zd, f"suite{next(_ids)}/")
+
+    # (strict mode: async fixtures are pytest-asyncio's; the suite's plain ones are not run)
+    @pytest_asyncio.fixture
+    async def store(self, open_kwargs: dict[str, Any]) -> DDictStore:
+        return await self.store_cls.open(**open_kwargs)
+
+    @pytest_asyncio.fixture
+    async def store_not_open(self, store_kwargs: dict[str, Any]) -> DDictStore:
+        return self.store_cls(**store_kwargs)
+
+    async def set(self, store: DDictStore, key: str, value: cpu.Buffer) -> None:
+        # Straight into the dictionary: what a user's d[k] = b"..." writes.
+        await asyncio.to_thread(store.ddict.__setitem__, store.prefix + key, value.to_bytes())
+
+    async def get(self, store: DDictStore, key: str) -> cpu.Buffer:
+        raw = await asyncio.to_thread(store.ddict.__getitem__, store.prefix + key)
+        assert type(raw) is bytes  # the dictionary holds plain bytes
+        return self.buffer_cls.from_bytes(raw)
+
+    def test_store_repr(self, store: DDictStore) -> None:
+        text = repr(store)
+        assert text.startswith("<DDictStore ") and repr(store.prefix) in text
+        assert str(store) == f"ddict://{store.ddict.get_name()}/{store.prefix}"
+
+    def test_store_supports_writes(self, store: DDictStore) -> None:
+        assert store.supports_writes
+
+    def test_store_supports_listing(self, store: DDictStore) -> None:
+        assert store.supports_listing
+
+
+class TestDDictStoreNoPrefix(TestDDictStore):
+    """The same suite with ``prefix=""``: the whole dictionary's str keys are the store's."""
+
+    @pytest.fixture
+    def store_kwargs(self, zd: DDict) -> dict[str, Any]:
+        kwargs = _fresh(zd, "")
+        zd.pop("elsewhere/zarr.json")  # (with no prefix every str key is the store's)
+        return kwargs
+
+
+def test_zarr_store_state_machine(zd):
+    """zarr's hypothesis state machine: random sets, gets, deletes, clears and listings."""
+    kwargs = _fresh(zd, f"machine{next(_ids)}/")
+
+    def machine() -> ZarrStoreStateMachine:
+        return ZarrStoreStateMachine(DDictStore(**kwargs))
+
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=8, stateful_step_count=8, deadline=None,
+        suppress_health_check=list(HealthCheck)))  # fmt: skip
+    assert zd[42] == "an int key"  # clear() removed only the store's keys
+
+
+# -- the pure helpers ------------------------------------------------------------------
+
+_ranges = st.one_of(
+    st.none(),
+    st.tuples(st.integers(0, 40), st.integers(0, 40)).map(
+        lambda t: RangeByteRequest(min(t), max(t))
+    ),
+    st.integers(0, 40).map(OffsetByteRequest),
+    st.integers(0, 40).map(SuffixByteRequest),
+)
+
+
+@given(data=st.binary(max_size=32), byte_range=_ranges)
+def test_byte_slice_is_zarrs_local_store_semantics(data, byte_range):
+    got = bytes(byte_slice(memoryview(data), byte_range))
+    if isinstance(byte_range, SuffixByteRequest):  # (LocalStore's: a suffix past the start is all)
+        assert got == data[max(0, len(data) - byte_range.suffix) :]
+    else:
+        start, stop = _normalize_byte_range_index(cpu.Buffer.from_bytes(data), byte_range)
+        assert got == data[start:stop]
+
+
+def test_names_skip_foreign_keys_and_children_are_unique():
+    keys = [42, ("a/x",), b"p/a", "p/a/zarr.json", "p/a/c/0", "p/a/c/1", "p/b", "q/a", "p"]
+    assert list(store_names(keys, "p/", "")) == ["a/zarr.json", "a/c/0", "a/c/1", "b"]
+    assert list(store_names(keys, "p/", "a/")) == ["a/zarr.json", "a/c/0", "a/c/1"]
+    assert dir_base("") == dir_base("/") == "" and dir_base("a/b/") == dir_base("a/b") == "a/b/"
+    names = store_names(keys, "p/", "a/")
+    assert list(children(names, "a/")) == ["zarr.json", "c"]
+
+
+# -- arguments -------------------------------------------------------------------------
+
+_not_str = st.one_of(st.integers(), st.binary(), st.none(), st.lists(st.text(), max_size=2))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=_not_str)
+def test_bad_arguments_raise_typed_errors_naming_them(zd, bad):
+    with pytest.raises(TypeError, match="prefix"):
+        DDictStore(zd, prefix=bad)
+    with pytest.raises(TypeError, match="ddict"):
+        DDictStore(bad)
+    if not isinstance(bad, bool):
+        with pytest.raises(TypeError, match="read_only"):
+            DDictStore(zd, read_only=bad)
+    store = DDictStore(zd, prefix="args/")
+    proto = default_buffer_prototype()
+    with pytest.raises(TypeError, match="key"):
+        store.get_sync(bad, prototype=proto)
+    with pytest.raises(TypeError, match="key"):
+        zarr.core.sync.sync(store.get(bad, proto))
+    with pytest.raises(TypeError, match="value"):
+        zarr.core.sync.sync(store.set("k", bad))
+    with pytest.raises(TypeError, match="byte_range"):
+        store.get_sync("k", prototype=proto, byte_range=(0, 2))
+
+
+def test_custom_pickler_handles_and_non_bytes_values_are_refused(zd):
+    with pytest.raises(ValueError, match="ddict"):
+        DDictStore(zd.pickler(value_pickler=pickle))
+    zd["mixed/zarr.json"] = {"not": "bytes"}
+    store = DDictStore(zd, prefix="mixed/")
+    with pytest.raises(TypeError, match="not bytes"):
+        store.get_sync("zarr.json")
+    zd.pop("mixed/zarr.json")
+
+
+# -- the dictionary and the store see each other ---------------------------------------------
+
+
+def test_keys_are_the_dictionarys_str_keys_and_values_bytes(zd):
+    store = DDictStore(zd, prefix="both/")
+    g = zarr.create_group(store, zarr_format=3, attributes={"title": "t"})
+    raw = zd["both/zarr.json"]
+    assert type(raw) is bytes and b'"node_type": "group"' in raw and b'"title"' in raw
+    zd["both/sub/zarr.json"] = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
+    assert "sub" in list(g.group_keys())  # written to the dict, seen by the store
+    # A memoryview is stored as its bytes (no pickle), and reads back as bytes.
+    big = np.arange(1 << 16, dtype="u1")
+    zd["both/raw"] = memoryview(big)
+    assert zd["both/raw"] == big.tobytes()
+    assert bytes(store.get_sync("raw", byte_range=RangeByteRequest(3, 9)).to_bytes()) == \
+        big[3:9].tobytes()  # fmt: skip
+    zarr.core.sync.sync(store.delete_dir(""))
+    assert not any(type(k) is str and k.startswith("both/") for k in zd)
+
+
+def test_equality_pickling_and_modes(zd, client):
+    store = DDictStore(zd, prefix="eq/")
+    assert store == DDictStore(AsyncDDict(zd), prefix="eq/")
+    assert store != DDictStore(zd, prefix="eq2/")
+    assert store != store.with_read_only(True) and store.with_read_only(True).read_only
+    other = zd.manager(0)
+    assert DDictStore(other, prefix="eq/") != store  # (one manager's keys only)
+    at1 = DDict.attach(zd.serialize(), client=client)
+    at1.checkpoint_id = zd.checkpoint_id + 1
+    assert DDictStore(at1, prefix="eq/") != store  # (another checkpoint: other data)
+    blob = pickle.dumps(store)
+    assert pickle.loads(blob) == store
+    # By reference: no more than the handle's own reference, whatever the managers.
+    assert len(blob) < len(pickle.dumps(zd)) + 200
+    assert b"tcp://" not in blob.replace(zd._core.ref.scheduler.encode(), b"")
+
+
+# -- the stack: dask.array and xarray ------------------------------------------------------
+
+
+def test_dask_array_round_trip_from_tasks(zd, client):
+    x = da.random.default_rng(1).random((400, 300), chunks=(100, 75))
+    store = DDictStore(zd, prefix=f"dask{next(_ids)}/")
+    x.to_zarr(store, component="x", compute=True)  # (each task writes its own chunk)
+    assert sum(1 for k in zd if type(k) is str and k.startswith(store.prefix + "x/c/")) \
+        == 16  # fmt: skip
+    y = da.from_zarr(store, component="x")
+    assert y.chunks == x.chunks
+    np.testing.assert_array_equal(y.compute(), x.compute())
+    # The store travelled to the tasks: read there too, by handle.
+    got = client.submit(lambda s: float(zarr.open_array(s, path="x", mode="r")[:].sum()),
+                        store).result()  # fmt: skip
+    assert got == pytest.approx(float(x.sum().compute()))
+
+
+def _count_requests() -> None:
+    """In a worker: count the requests its handles send to host processes."""
+    from dask_ddict.transport import links
+
+    real = links.HostLink._exchange
+    links._COUNTED = {}  # type: ignore[attr-defined]
+
+    def exchange(self, o, *rest):
+        name = type(o).__name__
+        links._COUNTED[name] = links._COUNTED.get(name, 0) + 1  # type: ignore[attr-defined]
+        return real(self, o, *rest)
+
+    links.HostLink._real_exchange = real  # type: ignore[attr-defined]
+    links.HostLink._exchange = exchange
+
+
+def _counted() -> dict[str, int]:
+    from dask_ddict.transport import links
+
+    links.HostLink._exchange = links.HostLink._real_exchange  # type: ignore[attr-defined]
+    return links._COUNTED  # type: ignore[attr-defined]
+
+
+@pytest.mark.one_host
+def test_chunks_are_written_and_read_on_the_managers_host_without_a_request(zd, client):
+    """Tasks on the manager's host commit small chunks into the shard and read them from it:
+    no request reaches a host process (SharedChannel, the shard path)."""
+    store = DDictStore(zd, prefix=f"local{next(_ids)}/")
+    x = da.arange(8 * 1024, dtype="u4", chunks=1024)  # 8 chunks of 4 KiB
+    client.run(_count_requests)
+    try:
+        x.to_zarr(store, component="x")
+        y = da.from_zarr(store, component="x").compute()
+        np.testing.assert_array_equal(y, x.compute())
+    finally:
+        counts = client.run(_counted)
+    assert len(counts) == 2 and all(c == {} for c in counts.values()), counts
+    # (the counter counts: a chunk too large for a direct commit goes to its manager)
+    client.run(_count_requests)
+    try:
+        big = da.random.default_rng(0).random(1 << 15, chunks=1 << 14)  # (incompressible)
+        big.to_zarr(store, component="big")
+    finally:
+        counts = client.run(_counted)
+    assert sum(c.get("PutMany", 0) for c in counts.values()) == 2, counts
+    kinds = client.run(_channel_kinds, store)
+    assert all(k == ["shm"] for k in kinds.values()), kinds
+
+
+def _channel_kinds(store: DDictStore) -> list[str]:
+    d = store.ddict
+    return sorted({d._core.channel(m).kind for m in range(d.num_managers)})
+
+
+def test_xarray_round_trip_with_coordinates_attributes_and_consolidated_metadata(zd, monkeypatch):
+    xr = pytest.importorskip("xarray")
+    ds = xr.Dataset(
+        {"t": (("time", "x"), np.arange(24.0).reshape(6, 4), {"units": "K"}),
+         "flag": (("x",), np.array([1, 0, 1, 1], dtype="i2"))},
+        coords={"time": np.arange(6), "x": [10.0, 20.0, 30.0, 40.0], "label": ("x", list("abcd"))},
+        attrs={"title": "ddict", "version": 3},
+    ).chunk({"time": 3})  # fmt: skip
+    store = DDictStore(zd, prefix=f"xr{next(_ids)}/")
+    ds.to_zarr(store, consolidated=True, zarr_format=3)
+    assert b"consolidated_metadata" in zd[store.prefix + "zarr.json"]
+
+    # Consolidated metadata opens the dataset without listing the dictionary at all.
+    def no_listing(self, prefix):
+        raise AssertionError("listed")
+
+    monkeypatch.setattr(DDictStore, "list_dir", no_listing)
+    back = xr.open_zarr(store, consolidated=True)
+    xr.testing.assert_identical(back.compute(), ds.compute())
+    assert back.attrs == {"title": "ddict", "version": 3} and back["t"].attrs["units"] == "K"
+    monkeypatch.undo()
+    again = xr.open_zarr(store, consolidated=False)  # (this one lists)
+    xr.testing.assert_identical(again.compute(), ds.compute())
+
+
+# -- checkpoints and persistence --------------------------------------------------------
+
+
+def test_a_store_at_checkpoint_k_reads_the_arrays_as_of_k(client):
+    with DDict(total_mem="64 MiB", client=client, working_set_size=2) as d:
+        store = DDictStore(d)
+        z = zarr.create_array(store, name="a", shape=(8,), chunks=(4,), dtype="i8")
+        z[:] = np.arange(8)
+        d.checkpoint()  # the store's handle moves on: writes now go to checkpoint 1
+        zarr.open_array(DDictStore(d), path="a")[:4] = -1
+        old = DDict.attach(d.serialize(), client=client)  # a handle at checkpoint 0
+        np.testing.assert_array_equal(zarr.open_array(DDictStore(old), path="a", mode="r")[:],
+                                      np.arange(8))  # fmt: skip
+        np.testing.assert_array_equal(zarr.open_array(DDictStore(d), path="a", mode="r")[:],
+                                      [-1] * 4 + [4, 5, 6, 7])  # fmt: skip
+        old.detach()
+
+
+def test_a_persisted_and_restored_dictionary_brings_its_arrays_back(client, tmp_path):
+    path, name = str(tmp_path / "ckpt"), f"zarr-persist-{next(_ids)}"
+    x = np.random.default_rng(0).random((50, 40))
+    with DDict(total_mem="64 MiB", client=client, name=name, persist_path=path) as d:
+        da.from_array(x, chunks=(25, 20)).to_zarr(DDictStore(d, prefix="p/"), component="x")
+        d.persist()
+        d.sync()
+        assert d.persisted_ids() == [0]
+    with DDict(total_mem="64 MiB", client=client, name=name, persist_path=path,
+               restore_from=0) as e:  # fmt: skip
+        np.testing.assert_array_equal(da.from_zarr(DDictStore(e, prefix="p/"), "x").compute(), x)
