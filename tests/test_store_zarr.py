@@ -284,10 +284,10 @@ def _counted() -> dict[str, int]:
 
 @pytest.mark.one_host
 def test_chunks_are_written_and_read_on_the_managers_host_without_a_request(zd, client):
-    """Tasks on the manager's host commit small chunks into the shard and read them from it:
-    no request reaches a host process (SharedChannel, the shard path)."""
+    """Tasks on the manager's host commit their chunks into the shard and read them from
+    it: no request reaches a host process (SharedChannel, the shard path)."""
     store = DDictStore(zd, prefix=f"local{next(_ids)}/")
-    x = da.arange(8 * 1024, dtype="u4", chunks=1024)  # 8 chunks of 4 KiB
+    x = da.random.default_rng(0).random(1 << 16, chunks=1 << 14)  # 4 incompressible 128 KiB
     client.run(_count_requests)
     try:
         x.to_zarr(store, component="x")
@@ -296,16 +296,26 @@ def test_chunks_are_written_and_read_on_the_managers_host_without_a_request(zd, 
     finally:
         counts = client.run(_counted)
     assert len(counts) == 2 and all(c == {} for c in counts.values()), counts
-    # (the counter counts: a chunk too large for a direct commit goes to its manager)
-    client.run(_count_requests)
-    try:
-        big = da.random.default_rng(0).random(1 << 15, chunks=1 << 14)  # (incompressible)
-        big.to_zarr(store, component="big")
-    finally:
-        counts = client.run(_counted)
-    assert sum(c.get("PutMany", 0) for c in counts.values()) == 2, counts
     kinds = client.run(_channel_kinds, store)
     assert all(k == ["shm"] for k in kinds.values()), kinds
+    # (the counter counts: over ddict.zarr-store.direct-write-max a chunk goes to its manager)
+    client.run(_count_requests)
+    client.run(_direct_write_max, "64 KiB")
+    try:
+        x.to_zarr(store, component="again")
+    finally:
+        client.run(_direct_write_max, None)
+        counts = client.run(_counted)
+    assert sum(c.get("PutMany", 0) for c in counts.values()) == 4, counts
+
+
+def _direct_write_max(value: str | None) -> None:
+    import dask
+
+    from dask_ddict import config
+
+    dask.config.set({"ddict.zarr-store.direct-write-max": value or "256 MiB"})
+    assert config.get_bytes("zarr-store.direct-write-max") in (64 << 10, 256 << 20)
 
 
 def _channel_kinds(store: DDictStore) -> list[str]:

@@ -91,11 +91,13 @@ class Bulk:
             raise DDictKeyError(key) from None
         return loads_value(frame, self._vp)
 
-    def _put_many(self, pairs: list[tuple[Any, Any]], persistent: bool = False
-                  ) -> list[BaseException | None]:  # fmt: skip
+    def _put_many(self, pairs: list[tuple[Any, Any]], persistent: bool = False,
+                  direct_max: int | None = None) -> list[BaseException | None]:  # fmt: skip
         """Put every pair with one request per host process (same-host shards: committed
         here, one transaction each); each pair's error, or ``None``.  What
         :class:`~dask_ddict.AsyncDDict` sends for the puts of one event-loop turn.
+        ``direct_max``: the largest value committed here (default: the same-host
+        channel's, see :meth:`~dask_ddict.transport.shared.SharedChannel.put_batch`).
 
         A manager puts its pairs in order until one fails; that pair gets the error,
         and the pairs after it are put one by one (each then says its own error).
@@ -120,7 +122,7 @@ class Bulk:
             done = 0
             if ch.kind == "shm" and not persistent:
                 try:
-                    done, error = ch.put_batch([r[1:] for r in recs], chkpt)
+                    done, error = ch.put_batch([r[1:] for r in recs], chkpt, direct_max)
                 except Exception as e:  # noqa: BLE001 - nothing of this group was committed
                     done, error = 0, e
                     alone += [r[0] for r in recs[1:]]

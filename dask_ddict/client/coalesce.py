@@ -145,7 +145,16 @@ class GetBatcher(_Batcher):
 
 
 class PutBatcher(_Batcher):
-    """The puts of one asynchronous handle (mode: ``persistent``)."""
+    """The puts of one asynchronous handle (mode: ``persistent``).
+
+    ``direct_max``: the largest value a same-host shard takes from this process
+    directly (see :meth:`DDict._put_many`; :class:`~dask_ddict.DDictStore` raises it
+    for the chunks tasks write beside their shard).
+    """
+
+    def __init__(self, d: DDict, direct_max: int | None = None) -> None:
+        super().__init__(d)
+        self._direct_max = direct_max
 
     async def put(self, key: Any, value: Any, persistent: bool) -> None:
         await self._join(persistent, key, value)
@@ -153,7 +162,8 @@ class PutBatcher(_Batcher):
     def _flush(self, loop: asyncio.AbstractEventLoop, persistent: bool) -> None:
         batch = self._pending.pop((loop, persistent))
         pairs = [(k, v) for k, v, _ in batch]
-        task = loop.create_task(asyncio.to_thread(self._d._put_many, pairs, persistent))
+        task = loop.create_task(asyncio.to_thread(self._d._put_many, pairs, persistent,
+                                                  self._direct_max))  # fmt: skip
 
         def settle(t: asyncio.Task[list[BaseException | None]]) -> None:
             errors: list[BaseException | None]

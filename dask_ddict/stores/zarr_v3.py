@@ -12,9 +12,10 @@ Why each choice:
 
 - **No copies beyond the shard's own.**  A chunk is put as a ``memoryview`` of
   zarr's buffer, which the dictionary frames as raw bytes (no pickle, see
-  :data:`~dask_ddict._serialize.FMT_BYTES`); a chunk read on the manager's host
-  is lent from the shard (zero-copy, :mod:`~dask_ddict.transport.pins`) and
-  handed to zarr as a view.
+  :data:`~dask_ddict._serialize.FMT_BYTES`); a task on the manager's host
+  commits it into the shard itself up to ``ddict.zarr-store.direct-write-max``
+  (no socket); a chunk read on the manager's host is lent from the shard
+  (zero-copy, :mod:`~dask_ddict.transport.pins`) and handed to zarr as a view.
 - **Nothing blocks zarr's event loop.**  zarr awaits stores on one loop thread
   per process; every dictionary call runs in a worker thread, through the
   dictionary's async face (:class:`~dask_ddict.AsyncDDict`): the gets (and the
@@ -43,11 +44,12 @@ from typing import Any
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
+from .. import config
 from .._serialize import bytes_view
 from ..arguments import check_bool
 from ..client import AsyncDDict, DDict
 from ..client.asynchronous import in_thread
-from ..client.coalesce import GetBatcher
+from ..client.coalesce import GetBatcher, PutBatcher
 from ..client.reads import _ABSENT, _WAIT
 from .names import (
     as_bytes,
@@ -117,6 +119,8 @@ class DDictStore(Store):
         self._prefix = prefix
         self._async = AsyncDDict(ddict)
         self._reads = GetBatcher(ddict, decode=bytes_view)
+        self._direct_max = config.get_bytes("zarr-store.direct-write-max")
+        self._writes = PutBatcher(ddict, direct_max=self._direct_max)
 
     # -- identity -------------------------------------------------------------------
 
@@ -205,7 +209,7 @@ class DDictStore(Store):
         """
         self._check_writable()
         name = self._prefix + check_key(key)
-        await self._async.put(name, _payload(value))
+        await self._writes.put(name, _payload(value), False)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         """Put ``value`` unless ``key`` exists, in one atomic step (``setdefault``)."""
@@ -264,7 +268,10 @@ class DDictStore(Store):
     def set_sync(self, key: str, value: Buffer) -> None:
         """:meth:`set` in the calling thread."""
         self._check_writable()
-        self._d[self._prefix + check_key(key)] = _payload(value)
+        name = self._prefix + check_key(key)
+        (error,) = self._d._put_many([(name, _payload(value))], False, self._direct_max)
+        if error is not None:
+            raise error
 
     def delete_sync(self, key: str) -> None:
         """:meth:`delete` in the calling thread."""

@@ -362,11 +362,17 @@ class SharedChannel:
                 return None
         return self._sock.call(o)  # (not one this client may commit: the manager's)
 
-    def put_batch(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int
-                  ) -> tuple[int, DDictError | None]:  # fmt: skip
+    def put_batch(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int,
+                  most: int | None = None) -> tuple[int, DDictError | None]:  # fmt: skip
         """Commit the leading ``records`` that this client may commit itself (as
         :meth:`_put` does one), all in one transaction; return how many, and the
-        error that stopped them, if one did.  The rest are the manager's to apply."""
+        error that stopped them, if one did.  The rest are the manager's to apply.
+
+        ``most``: the largest frame committed here (default :data:`DIRECT_PUT_MAX`;
+        a caller that writes large
+        values from beside the shard, such as :class:`~dask_ddict.DDictStore`'s
+        chunk writes, raises it: the value is then copied once, into the shard,
+        and crosses no socket)."""
         if not self._direct:
             return 0, None
         view = self._enter()
@@ -381,7 +387,8 @@ class SharedChannel:
             except lmdb.Error:
                 return 0, None  # the view was closed: the manager applies them
             small = 0
-            while small < len(records) and records[small][2].nbytes <= DIRECT_PUT_MAX:
+            most = DIRECT_PUT_MAX if most is None else most
+            while small < len(records) and records[small][2].nbytes <= most:
                 small += 1
             try:
                 done, error = puts_in_window(store, txn, self._size, chkpt, records[:small])
