@@ -109,3 +109,23 @@ def test_custom_value_pickler_failure_is_wrapped():
 
     with pytest.raises(DDictSerializationError, match="nope"):
         dumps_value(1, Bad())
+
+
+def test_bytes_and_memoryviews_are_framed_raw_without_a_copy():
+    """A bytes value is its own payload (FMT_BYTES: no pickle); a memoryview is stored as
+    its bytes; bytes_view reads the payload as a view of the frame, loads_value as bytes."""
+    from dask_ddict._serialize import FMT_BYTES, bytes_view
+
+    data = np.arange(1 << 16, dtype="f8")
+    framed = dumps_value(memoryview(data))
+    assert any(p.obj is data for p in framed.parts if isinstance(p, memoryview))  # not copied
+    frame = framed.join()
+    assert frame[0] == FMT_BYTES and framed.nbytes == len(frame) == 16 + data.nbytes
+    assert loads_value(frame) == data.tobytes() and type(loads_value(frame)) is bytes
+    view = bytes_view(frame)
+    assert isinstance(view, memoryview) and view.readonly and view.obj is frame
+    assert view == data.tobytes()
+    assert bytes_view(dumps_value(b"").join()) == b""
+    assert bytes_view(dumps_value({"a": 1}).join()) == {"a": 1}  # other frames: the value
+    with pytest.raises(DDictSerializationError, match="memoryview"):
+        dumps_value(memoryview(np.zeros((4, 4))[:, ::2]))  # not contiguous
