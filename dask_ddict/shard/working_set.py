@@ -172,6 +172,18 @@ def entry_visible(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool:
     return not (wait_for_keys and not e.persistent and e.chkpt != chkpt)
 
 
+def unseen(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool | None:
+    """What a reader at ``chkpt`` gets for a version ``e`` it does not see: ``None``
+    (absent) or, under ``wait_for_keys``, ``False`` (it waits for the key's writer).
+
+    A key deleted at the reader's own checkpoint is known to be absent there: it
+    reads as absent at once, also under ``wait_for_keys`` (Dragon's deleted set).
+    """
+    if not wait_for_keys or (e is not None and e.chkpt == chkpt and e.tombstone):
+        return None
+    return False
+
+
 class MustWait(Exception):
     """The operation cannot proceed until another write changes the shard."""
 
@@ -399,7 +411,7 @@ class WorkingSet:
         if self.is_visible(e, chkpt):
             assert e is not None
             return e
-        if self.wait_for_keys:
+        if unseen(e, chkpt, self.wait_for_keys) is False:
             raise MustWait
         raise DDictKeyError()
 
@@ -410,7 +422,7 @@ class WorkingSet:
         self.check_retired(chkpt)
         wfk = self.wait_for_keys
         return [e.frame if entry_visible(e, chkpt, wfk) else  # type: ignore[union-attr]
-                (False if wfk else None) for e in self.store.lookup_many(txn, digests, chkpt)]
+                unseen(e, chkpt, wfk) for e in self.store.lookup_many(txn, digests, chkpt)]
 
     def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
         """Membership at ``chkpt``; never waits."""
@@ -471,10 +483,17 @@ class WorkingSet:
         counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags)
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
-        """Delete the key at ``chkpt`` and return (a copy of) its value frame."""
+        """Delete the key at ``chkpt`` and return (a copy of) its value frame.
+
+        Under ``wait_for_keys`` a key not yet written at ``chkpt`` is waited for
+        (:class:`MustWait`), as a read waits, and a delete always leaves a
+        tombstone at ``chkpt``: the key is then known to be absent there.
+        """
         self.prepare_write(txn, chkpt, client)
         e = self.store.lookup(txn, digest, chkpt)
         if not self.is_visible(e, chkpt):
+            if unseen(e, chkpt, self.wait_for_keys) is False:
+                raise MustWait
             raise DDictKeyError()
         assert e is not None
         old, key, at = bytes(e.frame), bytes(e.key), e.chkpt
@@ -483,7 +502,7 @@ class WorkingSet:
             if at == chkpt:
                 self.store.delete(txn, digest, chkpt)
                 older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
-                if older is None or older.tombstone:
+                if (older is None or older.tombstone) and not self.wait_for_keys:
                     return
             self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)
             self.store.collect(txn, digest, self.oldest)

@@ -45,6 +45,7 @@ from ..shard.working_set import (
     frozen,
     puts_in_window,
     saved_newest,
+    unseen,
 )
 from .links import SocketChannel
 from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests use them here)
@@ -203,7 +204,7 @@ class SharedChannel:
         e = store.lookup(txn, digest, chkpt)
         if entry_visible(e, chkpt, self._wfk):
             return e
-        return False if self._wfk else None  # under wait_for_keys the manager waits
+        return unseen(e, chkpt, self._wfk)  # (False: the manager waits)
 
     def _check_state(self, store: ShardStore, chkpt: int, txn: Any) -> None:
         """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``.
@@ -343,7 +344,7 @@ class SharedChannel:
         out: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
-                out.append(False if self._wfk else None)
+                out.append(unseen(e, chkpt, self._wfk))
                 continue
             frame = e.frame  # type: ignore[union-attr]
             lent = None
