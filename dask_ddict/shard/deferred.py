@@ -67,14 +67,15 @@ class DeferredQueue:
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
-        self._queue: list[Deferred[Any]] = []
+        #: The waiting operations, oldest first (a plain list: its truth is a cheap test).
+        self.waiting: list[Deferred[Any]] = []
         self._closed: Callable[[], DDictError] | None = None
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self.waiting)
 
     def __repr__(self) -> str:
-        return f"<DeferredQueue waiting={len(self._queue)}{' closed' if self._closed else ''}>"
+        return f"<DeferredQueue waiting={len(self.waiting)}{' closed' if self._closed else ''}>"
 
     def wait(self, attempt: Callable[[], T], timeout: float | None, what: str) -> T:
         """Queue an operation that must wait and sleep until a drain has done it.
@@ -97,7 +98,7 @@ class DeferredQueue:
         if self._closed is not None:
             raise self._closed()
         op: Deferred[T] = Deferred(attempt, self._lock)
-        self._queue.append(op)
+        self.waiting.append(op)
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
         try:
             while not op.done:
@@ -107,7 +108,7 @@ class DeferredQueue:
                 op.wake.wait(remaining)
         finally:
             if not op.done:
-                self._queue.remove(op)
+                self.waiting.remove(op)
         if op.error is not None:
             raise op.error
         return op.result  # type: ignore[return-value]
@@ -119,19 +120,19 @@ class DeferredQueue:
         late in the queue may unblock an older one.
         """
         for _ in range(_MAX_PASSES):
-            if not self._queue:
+            if not self.waiting:
                 return
             progressed = False
-            for op in list(self._queue):
+            for op in list(self.waiting):
                 try:
                     result = op.attempt()
                 except MustWait:
                     continue
                 except BaseException as e:  # the operation's own failure: its caller's
-                    self._queue.remove(op)
+                    self.waiting.remove(op)
                     op.finish(error=e)
                 else:
-                    self._queue.remove(op)
+                    self.waiting.remove(op)
                     op.finish(result)
                     progressed = True  # (a failure changed nothing: no new pass for it)
             if not progressed:
@@ -141,6 +142,6 @@ class DeferredQueue:
         """Fail every queued operation and all later ones with a new ``error()`` each
         (lock held): one exception object is never raised in two threads."""
         self._closed = error
-        queue, self._queue = self._queue, []
+        queue, self.waiting[:] = list(self.waiting), []
         for op in queue:
             op.finish(error=error())

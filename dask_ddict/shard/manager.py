@@ -173,13 +173,14 @@ class Manager(Summaries, CheckpointIO):
             except MustWait:
                 return self._deferred.wait(lambda: self._attempt(fn, what), timeout,
                                            f"{what} on manager {self.manager_id}")  # fmt: skip
-            self._changed()
+            if self._deferred.waiting:  # (inlined _changed: the hot path)
+                self._deferred.drain()
             return result
 
     def _changed(self) -> None:
         """A write outside :meth:`_write` changed the shard (lock held): retry the
         deferred operations it may have unblocked."""
-        if self._deferred:
+        if self._deferred.waiting:
             self._deferred.drain()
 
     def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
