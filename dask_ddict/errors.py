@@ -147,6 +147,19 @@ class DDictSerializationError(DDictError, TypeError):
     default_code = "SERIALIZATION"
 
 
+class DDictTaskError(DDictError):
+    """Code run beside a shard failed (``mgr_code`` of :meth:`~dask_ddict.DDict.filter`
+    raised, or its task was lost); ``manager_id`` names the manager (``None``: a merge
+    node of the filter's tree), and ``__cause__`` is the original exception."""
+
+    default_code = "TASK_FAILED"
+
+    def __init__(self, message: str = "", code: str | None = None,
+                 manager_id: int | None = None) -> None:  # fmt: skip
+        super().__init__(message, code)
+        self.manager_id = manager_id
+
+
 _CLASS_FOR_STATUS: dict[Status, type[DDictError]] = {
     Status.KEY_NOT_FOUND: DDictKeyError,
     Status.INVALID_OPERATION: DDictError,
