@@ -65,7 +65,7 @@ def read_shard(dd: DDict, want: int) -> list[Any]:
     scan pages through the shard's snapshots in this process (no socket).
     """
     view = dd.items() if want == WANT_ITEMS else dd.keys() if want == WANT_KEYS else dd.values()
-    return list(view)
+    return list(iter(view))  # (not list(view): that asks the manager for len() first)
 
 
 class Compute:
