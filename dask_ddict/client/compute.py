@@ -20,13 +20,12 @@ from distributed.comm import get_address_host
 from ..errors import DDictError
 from ..layout import Layout
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
-from .filtering import Filter
+from .filtering import DDict, Filter
 
 if TYPE_CHECKING:
     import dask.bag
 
     from .core import _Core
-    from .handle import DDict
 
 _WANT = {"items": WANT_ITEMS, "keys": WANT_KEYS, "values": WANT_VALUES}
 
@@ -111,7 +110,7 @@ class Compute:
         ``out_queue.put`` raises ``EOFError`` in them, and the tasks are waited
         for (``ddict.compute.exit-timeout``), then cancelled.
         """
-        return Filter(self, mgr_code, mgr_code_args, comparator, branching_factor,  # type: ignore[arg-type]
+        return Filter(self, mgr_code, mgr_code_args, comparator, branching_factor,
                       self._placement())  # fmt: skip
 
     def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Future]:

@@ -23,7 +23,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import distributed
 from distributed.comm import get_address_host
@@ -50,8 +50,8 @@ from .streams import (
     send_frame,
 )
 
-if TYPE_CHECKING:
-    from .handle import DDict
+#: A DDict handle (not imported: the handle imports this module).
+DDict = Any
 
 logger = logging.getLogger(__name__)
 
