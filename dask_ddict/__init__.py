@@ -27,6 +27,7 @@ from .errors import (
     DDictPersistCheckpointError,
     DDictSerializationError,
     DDictSyncError,
+    DDictTaskError,
     DDictTimeoutError,
 )
 from .stats import DDictManagerStats
@@ -47,6 +48,7 @@ __all__ = [
     "DDictSchedulerPlugin",
     "DDictSerializationError",
     "DDictSyncError",
+    "DDictTaskError",
     "DDictTimeoutError",
     "DDictWorkerPlugin",
 ]

@@ -53,6 +53,7 @@ DRAGON_LIB_ERR: dict[str, str] = {
     "MANAGER_UNAVAILABLE": "DRAGON_FAILURE",
     "SERIALIZATION": "DRAGON_INVALID_ARGUMENT",
     "INTERNAL": "DRAGON_FAILURE",
+    "TASK_FAILED": "DRAGON_FAILURE",  # (filter's mgr_code raised: Dragon's filter fails so)
 }
 
 
@@ -169,6 +170,19 @@ class DDictSerializationError(DDictError, TypeError):
     """A key or value could not be pickled or unpickled; nothing was stored."""
 
     default_code = "SERIALIZATION"
+
+
+class DDictTaskError(DDictError):
+    """Code run beside a shard failed (``mgr_code`` of :meth:`~dask_ddict.DDict.filter`
+    raised, or its task was lost); ``manager_id`` names the manager (``None``: a merge
+    node of the filter's tree), and ``__cause__`` is the original exception."""
+
+    default_code = "TASK_FAILED"
+
+    def __init__(self, message: str = "", code: str | None = None,
+                 manager_id: int | None = None) -> None:  # fmt: skip
+        super().__init__(message, code)
+        self.manager_id = manager_id
 
 
 _CLASS_FOR_STATUS: dict[Status, type[DDictError]] = {

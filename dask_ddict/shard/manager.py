@@ -40,6 +40,7 @@ from .working_set import (
     WorkingSet,
     add_waiters,
     mark_closed,
+    take_page,
 )
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
@@ -312,18 +313,8 @@ class Manager(Summaries, CheckpointIO):
             return [], None, False
 
         def fn(txn: lmdb.Transaction) -> tuple[list[Any], bytes | None, bool]:
-            items: list[tuple[bytes | None, bytes | None]] = []
-            size = 0
-            last = None
-            for d, e in self.working_set.visible(txn, chkpt, after):
-                if len(items) >= max_items or (items and size >= max_bytes):
-                    return items, last, True
-                k = bytes(e.key) if keys else None
-                v = bytes(e.frame) if values else None
-                size += (len(k) if k else 0) + (len(v) if v else 0)
-                items.append((k, v))
-                last = d
-            return items, last, False
+            return take_page(self.working_set.visible(txn, chkpt, after), keys, values,
+                             max_items, max_bytes)  # fmt: skip
 
         return self._read(fn, None, "iteration")
 

@@ -184,6 +184,44 @@ def unseen(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool | None:
     return False
 
 
+def visible_entries(store: ShardStore, txn: lmdb.Transaction, chkpt: int, after: bytes | None,
+                    wait_for_keys: bool) -> Iterator[tuple[bytes, Entry]]:  # fmt: skip
+    """Entries seen at ``chkpt`` in digest order, after digest ``after`` (no window check).
+
+    Shared by the manager (views, persistence) and by same-host readers that
+    scan the shard themselves (a scan beside the shard sends no value anywhere).
+    """
+    decided: bytes | None = None
+    for d, e in store.scan(txn, after):
+        if d == decided or e.chkpt > chkpt:
+            continue
+        decided = d
+        if entry_visible(e, chkpt, wait_for_keys):
+            yield d, e
+
+
+def take_page(entries: Iterator[tuple[bytes, Entry]], keys: bool, values: bool, max_items: int,
+              max_bytes: int, copy: Callable[[Any], Any] = bytes,
+              ) -> tuple[list[tuple[Any, Any]], bytes | None, bool]:  # fmt: skip
+    """One page of a view from ``entries``: ``(items, last digest, more)``.
+
+    At most ``max_items`` items and about ``max_bytes`` bytes (at least one item);
+    values are copied out with ``copy`` while the snapshot lives.
+    """
+    items: list[tuple[Any, Any]] = []
+    size = 0
+    last = None
+    for d, e in entries:
+        if len(items) >= max_items or (items and size >= max_bytes):
+            return items, last, True
+        k = bytes(e.key) if keys else None
+        v = copy(e.frame) if values else None
+        size += (len(k) if k else 0) + (len(e.frame) if values else 0)
+        items.append((k, v))
+        last = d
+    return items, last, False
+
+
 class MustWait(Exception):
     """The operation cannot proceed until another write changes the shard."""
 
@@ -444,13 +482,7 @@ class WorkingSet:
         The persister reads a retiring checkpoint from a snapshot taken just
         before it retired: in that snapshot it is still the window's oldest.
         """
-        decided: bytes | None = None
-        for d, e in self.store.scan(txn, after):
-            if d == decided or e.chkpt > chkpt:
-                continue
-            decided = d
-            if self.is_visible(e, chkpt):
-                yield d, e
+        return visible_entries(self.store, txn, chkpt, after, self.wait_for_keys)
 
     def length(self, txn: lmdb.Transaction, chkpt: int) -> int:
         """Keys seen at ``chkpt``, from the shard's counts (no scan)."""
