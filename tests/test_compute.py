@@ -13,7 +13,7 @@ import time
 import pytest
 from distributed import Client, LocalCluster, get_worker
 
-from dask_ddict import DDict, DDictError, DDictTaskError
+from dask_ddict import DDict, DDictTaskError
 
 N_MANAGERS = 8
 
@@ -160,10 +160,16 @@ def test_leaving_early_stops_every_task_and_leaves_nothing_running(d, client):
 
 
 def test_filter_arguments_are_checked(d):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="mgr_code"):
         d.filter("not callable")
-    with pytest.raises(DDictError, match="branching_factor"):
+    with pytest.raises(TypeError, match="comparator"):
+        d.filter(_forever, comparator=3)
+    with pytest.raises(ValueError, match="branching_factor"):
         d.filter(_forever, branching_factor=1)
+    with pytest.raises(TypeError, match="branching_factor"):
+        d.filter(_forever, branching_factor=2.0)
+    with pytest.raises(TypeError, match="func"):
+        d.map_shards(None)
 
 
 def test_filter_of_one_manager_and_at_a_checkpoint(d):
@@ -214,7 +220,7 @@ def test_to_bag_reads_each_partition_beside_its_shard(d):
     where = d.to_bag("keys").map_partitions(_worker_of).compute()
     assert [w for w, _ in where] == d.manager_workers
     assert [n for _, n in where] == [len(d.manager(m)) for m in range(N_MANAGERS)]
-    with pytest.raises(DDictError, match="what"):
+    with pytest.raises(ValueError, match="what"):
         d.to_bag("pairs")
 
 

@@ -17,7 +17,6 @@ from dask.utils import funcname
 from distributed import Future
 from distributed.comm import get_address_host
 
-from ..errors import DDictError
 from ..layout import Layout
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
 from .filtering import DDict, Filter
@@ -78,10 +77,12 @@ class Compute:
         def _managers(self) -> list[int]: ...
         def manager(self, manager_id: int) -> DDict: ...
 
-    def _placement(self) -> list[list[str] | None]:
-        """:func:`placement` of this handle's managers (one scheduler-info read)."""
-        everywhere = placement(self._core.layout,
-                               self._core.client.scheduler_info(n_workers=-1)["workers"])  # fmt: skip
+    def _placement(self, workers: dict[str, Any] | None = None) -> list[list[str] | None]:
+        """:func:`placement` of this handle's managers, from the scheduler's ``workers``
+        (read here if not given: an asynchronous client's caller reads it first)."""
+        if workers is None:
+            workers = self._core.client.scheduler_info(n_workers=-1)["workers"]
+        everywhere = placement(self._core.layout, workers)
         return [everywhere[m] for m in self._managers()]
 
     def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),
@@ -121,10 +122,14 @@ class Compute:
         come from the shard's shared memory.  The handles are at this handle's
         checkpoint.
         """
+        return self._map_shards(func, args, kwargs, None)
+
+    def _map_shards(self, func: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any], workers: dict[str, Any] | None) -> list[Future]:  # fmt: skip
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}")
         client = self._core.client
-        where = self._placement()
+        where = self._placement(workers)
         tag = uuid.uuid4().hex[:8]
         name = funcname(func)
         futures = []
@@ -144,26 +149,34 @@ class Compute:
         Dask runs a task where its dependencies are (the read then fuses with
         what the bag maps over it).  Compute it on the dictionary's cluster.
         """
+        scatters = self._bag_scatters(what, None)
+        return self._bag(what, [(idx, self._core.client.scatter(handles, workers=workers,
+                                                                 hash=False))
+                                for idx, handles, workers in scatters])  # fmt: skip
+
+    def _bag_scatters(self, what: str, workers: dict[str, Any] | None,
+                      ) -> list[tuple[list[int], list[DDict], list[str] | None]]:  # fmt: skip
+        """What :meth:`to_bag` scatters: ``(partitions, their handles, onto which
+        workers)`` per placement (checks ``what`` first)."""
+        if what not in _WANT:
+            raise ValueError(f"what must be 'items', 'keys' or 'values', got {what!r}")
+        mids = self._managers()
+        groups: dict[tuple[str, ...] | None, list[int]] = defaultdict(list)
+        for i, w in enumerate(self._placement(workers)):
+            groups[tuple(w) if w else None].append(i)
+        return [(idx, [self.manager(mids[i]) for i in idx], list(g) if g else None)
+                for g, idx in groups.items()]  # fmt: skip
+
+    def _bag(self, what: str, scattered: list[tuple[list[int], list[Future]]]) -> dask.bag.Bag:
+        """The bag over the scattered handles: partition ``i`` reads handle ``i``'s shard."""
         import dask.bag as db
         from dask.highlevelgraph import HighLevelGraph
 
-        want = _WANT.get(what)
-        if want is None:
-            raise DDictError(f"what must be 'items', 'keys' or 'values', got {what!r}",
-                             "INVALID_ARGUMENT")  # fmt: skip
-        client = self._core.client
-        mids = self._managers()
-        where = self._placement()
-        groups: dict[tuple[str, ...] | None, list[int]] = defaultdict(list)
-        for i, w in enumerate(where):
-            groups[tuple(w) if w else None].append(i)
-        handles: list[Any] = [None] * len(mids)
-        for group, idx in groups.items():
-            scattered = client.scatter([self.manager(mids[i]) for i in idx],
-                                       workers=list(group) if group else None, hash=False)  # fmt: skip
-            for i, fut in zip(idx, scattered):
-                handles[i] = fut
+        handles: dict[int, Future] = {}
+        for idx, futures in scattered:
+            handles.update(zip(idx, futures))
         name = f"ddict-{what}-{self._core.name}-{uuid.uuid4().hex[:8]}"
-        dsk: dict[Any, Any] = {(name, i): (read_shard, h, want) for i, h in enumerate(handles)}
+        dsk: dict[Any, Any] = {(name, i): (read_shard, h, _WANT[what])
+                               for i, h in sorted(handles.items())}  # fmt: skip
         graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
-        return db.Bag(graph, name, len(mids))
+        return db.Bag(graph, name, len(handles))

@@ -16,16 +16,18 @@ filter of any number of managers runs on workers with one thread each.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import pickle
 import secrets
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import distributed
+from distributed.client import _wait
 from distributed.comm import get_address_host
 from distributed.utils import get_ip
 
@@ -33,6 +35,7 @@ from .. import config
 from ..errors import DDictError, DDictTaskError
 from .streams import (
     HELLO,
+    IDLE,
     PARENT,
     ROOT,
     TASK,
@@ -158,7 +161,10 @@ def run_merge(plan: Plan, node: int, comparator: Callable[[Any, Any], bool] | No
         out = Sender(sock, plan.limits)
         try:
             for _, blob in hub.merged(comparator, out.gone):
-                out.put_pickled(blob)
+                if blob is None:  # (IDLE: its children have nothing yet)
+                    out.flush()
+                else:
+                    out.put_pickled(blob)
             out.end()
         except (EOFError, Stopped):
             pass  # the caller left
@@ -191,15 +197,15 @@ class Filter:
 
     def __init__(self, d: DDict, mgr_code: Callable[..., Any], mgr_code_args: Any,
                  comparator: Callable[[Any, Any], bool] | None, branching_factor: int,
-                 placement: list[list[str] | None]) -> None:  # fmt: skip
+                 placement: list[list[str] | None] | None) -> None:  # fmt: skip
         if not callable(mgr_code):
             raise TypeError(f"mgr_code must be callable, got {type(mgr_code).__name__}")
         if comparator is not None and not callable(comparator):
             raise TypeError(f"comparator must be callable or None, got {type(comparator).__name__}")
-        if isinstance(branching_factor, bool) or not isinstance(branching_factor, int) \
-                or branching_factor < 2:  # fmt: skip
-            raise DDictError(f"branching_factor must be an int >= 2, got {branching_factor!r}",
-                             "INVALID_ARGUMENT")  # fmt: skip
+        if isinstance(branching_factor, bool) or not isinstance(branching_factor, int):
+            raise TypeError(f"branching_factor must be an int, got {branching_factor!r}")
+        if branching_factor < 2:
+            raise ValueError(f"branching_factor must be >= 2, got {branching_factor}")
         self._d = d
         self._code = mgr_code
         self._args = tuple(mgr_code_args)
@@ -213,12 +219,20 @@ class Filter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._hub is not None else "ready"
         return (f"<Filter {getattr(self._code, '__name__', self._code)!r} on "
-                f"{len(self._placement)} managers fan-in={self._fan_in} {state}>")  # fmt: skip
+                f"{len(self._d._managers())} managers fan-in={self._fan_in} {state}>")  # fmt: skip
 
     def __enter__(self) -> Iterator[Any]:
+        self._start()
+        return self._results()
+
+    def _start(self) -> None:
+        """Listen, plan the tree and submit its tasks (no blocking call to the client:
+        an asynchronous client's filter starts the same way)."""
         if self._hub is not None:
             raise DDictError("a filter runs once: call d.filter(...) again", "INVALID_OPERATION")
         d = self._d
+        if self._placement is None:
+            self._placement = d._placement()
         client = d._core.client
         mids = d._managers()
         limits = Limits.from_config()
@@ -244,16 +258,20 @@ class Filter:
             for node, fut in self._futures.items():
                 fut.add_done_callback(lambda f, node=node: hub.event(node, TASK, f))
         except BaseException:
-            self.close()
+            self._stop()
             raise
         self._mids = mids
-        return self._results()
 
-    def _results(self) -> Iterator[Any]:
+    def _results(self, idle: bool = False) -> Iterator[Any]:
+        """The merged results; with ``idle``, also :data:`IDLE` whenever no result is
+        ready (the async iterator hands on its batch then)."""
         assert self._hub is not None
         try:
             for item, blob in self._hub.merged(self._cmp, lambda: self._closed, self._ended):
-                yield pickle.loads(blob) if item is None else item
+                if blob is not None:
+                    yield pickle.loads(blob) if item is None else item
+                elif idle:
+                    yield IDLE
         except Failed as f:
             failure = f.failure
             if failure.manager_id is not None:  # a leaf's node number: its manager's id
@@ -280,20 +298,87 @@ class Filter:
 
     def close(self) -> None:
         """Close the streams; wait for the tasks to end, then cancel any left."""
+        futures = self._stop()
+        if futures:
+            client = self._d._core.client
+            try:
+                client.sync(_wait, futures, timeout=config.get_seconds("compute.exit-timeout"))
+            except TimeoutError:
+                _still_running(futures)
+            client.cancel(futures)
+
+    def _stop(self) -> list[distributed.Future]:
+        """Close the streams (the tasks see ``EOFError`` at their next put); the
+        futures to wait for and cancel (none if already stopped)."""
         if self._closed:
-            return
+            return []
         self._closed = True
         if self._hub is not None:
             self._hub.close()
         futures = list(self._futures.values())
-        if not futures:
-            return
-        try:
-            distributed.wait(futures, timeout=config.get_seconds("compute.exit-timeout"))
-        except TimeoutError:
-            logger.warning("ddict filter: %d tasks still run %s after the caller left (a "
-                           "mgr_code that never puts again cannot be told); cancelling them",
-                           sum(not f.done() for f in futures),
-                           config.get("compute.exit-timeout"))  # fmt: skip
-        self._d._core.client.cancel(futures)
         self._futures.clear()
+        return futures
+
+
+def _still_running(futures: list[distributed.Future]) -> None:
+    logger.warning("ddict filter: %d tasks still run %s after the caller left (a mgr_code "
+                   "that never puts again cannot be told); cancelling them",
+                   sum(not f.done() for f in futures), config.get("compute.exit-timeout"))  # fmt: skip
+
+
+class AsyncFilter:
+    """``async with ad.filter(mgr_code, ...) as results: async for x in results: ...``.
+
+    The same tree as :class:`Filter`, started from an asynchronous client.  The
+    merged results are taken in a worker thread in batches (as many as are
+    ready, up to :data:`ASYNC_BATCH`), so the event loop never blocks on a
+    socket and a flood costs a thread hop per batch, not per result.
+    """
+
+    def __init__(self, f: Filter, workers: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self._f = f
+        self._workers = workers  # the scheduler's workers, read when the filter starts
+
+    def __repr__(self) -> str:
+        return "<Async" + repr(self._f)[1:]
+
+    async def __aenter__(self) -> AsyncIterator[Any]:
+        f = self._f
+        if f._placement is None:
+            f._placement = f._d._placement(await self._workers())
+        f._start()
+        return self._batches()
+
+    async def _batches(self) -> AsyncIterator[Any]:
+        it = self._f._results(idle=True)
+
+        def ready() -> list[Any]:
+            out: list[Any] = []
+            for x in it:
+                if x is IDLE:
+                    if out:
+                        break
+                    continue
+                out.append(x)
+                if len(out) >= ASYNC_BATCH:
+                    break
+            return out
+
+        while batch := await asyncio.to_thread(ready):
+            for x in batch:
+                yield x
+
+    async def __aexit__(self, *exc: object) -> None:
+        futures = self._f._stop()
+        if futures:
+            client = self._f._d._core.client
+            try:
+                await client.sync(_wait, futures,
+                                  timeout=config.get_seconds("compute.exit-timeout"))  # fmt: skip
+            except TimeoutError:
+                _still_running(futures)
+            await client.cancel(futures)
+
+
+#: At most this many results per thread hop of :class:`AsyncFilter`.
+ASYNC_BATCH = 1024

@@ -50,6 +50,10 @@ _NODE = struct.Struct("!q")
 HELLO, PARENT, ITEMS, END, ERROR = 1, 2, 3, 4, 5
 LOST, TASK = 6, 7  # (events of a hub's queue, not frames)
 ROOT = -1
+#: What :meth:`Hub.merged` yields when it is about to wait for its children: whoever
+#: batches the merged results hands on what it holds (a merge task flushes, the
+#: async iterator returns its batch) instead of keeping it until more come.
+IDLE: tuple[Any, Any] = (None, None)
 TOKEN_BYTES = 32
 _CREDIT = b"\x01"
 _POLL = 0.1  # seconds between checks that the other end is still there, while waiting
@@ -469,10 +473,13 @@ class Hub:
                on_task: Callable[[int, Any], None] = lambda node, what: None,
                ) -> Iterator[tuple[Any, bytes]]:  # fmt: skip
         """``(item or None, pickled item)`` of every child: in arrival order, or merged in
-        ``comparator`` order (items are unpickled here only to be compared)."""
+        ``comparator`` order (items are unpickled here only to be compared); and
+        :data:`IDLE` each time it is about to wait for a child."""
         if comparator is None:
             live = set(self._children)
             while live:
+                if self._q.empty():
+                    yield IDLE
                 node, kind, payload = self._next(stop, on_task)
                 if kind == ITEMS:
                     for blob in split_items(payload):
@@ -504,9 +511,14 @@ class Hub:
                 self._credit(node)
             return blob
 
+        def waits(node: int) -> bool:
+            return not batches[node] and node not in ended and self._q.empty()
+
         heap: list[_Ordered] = []
         seq = 0
         for node in sorted(self._children):
+            if waits(node):
+                yield IDLE
             blob = take(node)
             if blob is not None:
                 heapq.heappush(heap, _Ordered(pickle.loads(blob), blob, node, seq, cmp))
@@ -514,6 +526,8 @@ class Hub:
         while heap:
             top = heapq.heappop(heap)
             yield top.item, top.blob
+            if waits(top.node):
+                yield IDLE
             blob = take(top.node)
             if blob is not None:
                 heapq.heappush(heap, _Ordered(pickle.loads(blob), blob, top.node, seq, cmp))
