@@ -30,6 +30,7 @@ from .errors import (
     DDictPersistCheckpointError,
     DDictSerializationError,
     DDictSyncError,
+    DDictTaskError,
     DDictTimeoutError,
 )
 from .stats import DDictManagerStats
@@ -54,6 +55,7 @@ __all__ = [
     "DDictSerializationError",
     "DDictStore",
     "DDictSyncError",
+    "DDictTaskError",
     "DDictTimeoutError",
     "DDictWorkerPlugin",
 ]

@@ -79,19 +79,20 @@ def list_(scheduler: str | None) -> None:
 @scheduler_option
 def stats(name: str, scheduler: str | None) -> None:
     """One line per manager of dictionary NAME: host, keys, bytes, fill, window, and
-    the bytes its host's processes hold as zero-copy values (pinned)."""
+    the bytes its host's processes hold as zero-copy values (pinned), and the
+    operations waiting at it (``wait_for_keys``/``wait_for_writers``)."""
     from .client import DDict
 
     with _client(scheduler) as client:
         d = DDict.from_name(name, client)
         try:
             click.echo(f"{'manager':>7}  {'host':<24} {'keys':>10} {'bytes':>14} {'fill':>6}  "
-                       f"{'window':<12} {'pinned':>14}")  # fmt: skip
+                       f"{'window':<12} {'pinned':>14} {'waiting':>7}")  # fmt: skip
             for s in d.stats:
                 window = f"[{s.oldest_checkpoint}, {s.newest_checkpoint}]"
                 click.echo(f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
                            f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
-                           f"{window:<12} {s.pinned_bytes:>14}")  # fmt: skip
+                           f"{window:<12} {s.pinned_bytes:>14} {s.deferred_ops:>7}")  # fmt: skip
         finally:
             d.detach()
 

@@ -1,7 +1,9 @@
 """The ``DDictError`` family and the one place where wire errors become exceptions.
 
 Every error a user can see is a :class:`DDictError` carrying a short string
-``code`` (Dragon's ``lib_err`` without the ``DRAGON_`` prefix).  Managers never
+``code`` and, as ``lib_err``, the name of Dragon's return code for it
+(:data:`DRAGON_LIB_ERR`: Dragon programs compare ``ex.lib_err`` with these
+strings).  Managers never
 raise across the wire: they answer with a numeric status and a message, and
 :func:`raise_for_status` is the only function that turns such an answer back
 into an exception.  Handlers therefore contain no error-mapping boilerplate.
@@ -33,6 +35,28 @@ class Status(enum.IntEnum):
     INTERNAL = 14
 
 
+#: Dragon's return-code name (``lib_err``) for each code: what Dragon's DDict raises
+#: with in the same case.  Codes Dragon has no case for (a closed handle, an
+#: unreachable manager, a value that does not pickle, an internal failure) take
+#: the nearest of Dragon's names; docs/dragon.md lists them.
+DRAGON_LIB_ERR: dict[str, str] = {
+    "KEY_NOT_FOUND": "DRAGON_KEY_NOT_FOUND",
+    "INVALID_OPERATION": "DRAGON_INVALID_OPERATION",
+    "INVALID_ARGUMENT": "DRAGON_INVALID_ARGUMENT",
+    "CHECKPOINT_RETIRED": "DRAGON_DDICT_CHECKPOINT_RETIRED",
+    "FUTURE_CHECKPOINT": "DRAGON_DDICT_FUTURE_CHECKPOINT",
+    "PERSIST_CHECKPOINT_UNAVAILABLE": "DRAGON_DDICT_PERSIST_CHECKPOINT_UNAVAILABLE",
+    "POOL_FULL": "DRAGON_MEMORY_POOL_FULL",
+    "TIMEOUT": "DRAGON_TIMEOUT",
+    "SYNC_ERROR": "DRAGON_FAILURE",  # (Dragon's manager answers a failed sync with FAILURE)
+    "CLOSED": "DRAGON_OBJECT_DESTROYED",
+    "MANAGER_UNAVAILABLE": "DRAGON_FAILURE",
+    "SERIALIZATION": "DRAGON_INVALID_ARGUMENT",
+    "INTERNAL": "DRAGON_FAILURE",
+    "TASK_FAILED": "DRAGON_FAILURE",  # (filter's mgr_code raised: Dragon's filter fails so)
+}
+
+
 class DDictError(Exception):
     """Base class of every ``dask_ddict`` error.
 
@@ -54,8 +78,9 @@ class DDictError(Exception):
 
     @property
     def lib_err(self) -> str:
-        """Dragon-compatible name of the code (``DRAGON_<code>``)."""
-        return f"DRAGON_{self.code}"
+        """The name of Dragon's return code for this error, e.g.
+        ``"DRAGON_DDICT_CHECKPOINT_RETIRED"`` (see :data:`DRAGON_LIB_ERR`)."""
+        return DRAGON_LIB_ERR.get(self.code, "DRAGON_FAILURE")
 
     def __str__(self) -> str:
         return f"{self.message} [{self.code}]" if self.message else self.code
@@ -145,6 +170,19 @@ class DDictSerializationError(DDictError, TypeError):
     """A key or value could not be pickled or unpickled; nothing was stored."""
 
     default_code = "SERIALIZATION"
+
+
+class DDictTaskError(DDictError):
+    """Code run beside a shard failed (``mgr_code`` of :meth:`~dask_ddict.DDict.filter`
+    raised, or its task was lost); ``manager_id`` names the manager (``None``: a merge
+    node of the filter's tree), and ``__cause__`` is the original exception."""
+
+    default_code = "TASK_FAILED"
+
+    def __init__(self, message: str = "", code: str | None = None,
+                 manager_id: int | None = None) -> None:  # fmt: skip
+        super().__init__(message, code)
+        self.manager_id = manager_id
 
 
 _CLASS_FOR_STATUS: dict[Status, type[DDictError]] = {

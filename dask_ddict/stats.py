@@ -26,6 +26,9 @@ class DDictManagerStats:
     #: (``get(copy=False)``, reads of a frozen dictionary), and how many such values.
     pinned_bytes: int = 0
     pinned_views: int = 0
+    #: Operations waiting at the manager (``wait_for_keys``/``wait_for_writers``: a
+    #: put to a checkpoint that cannot be created yet, a read of a key not yet written).
+    deferred_ops: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DDictManagerStats:

@@ -170,3 +170,62 @@ def test_the_async_face_covers_every_operation_of_the_sync_handle():
     assert len(AWAITABLE) + len(written) >= 35
     for name in (*AWAITABLE, *written):
         assert inspect.iscoroutinefunction(getattr(AsyncDDict, name)), name
+
+
+def _keys_of(dd, out, tag):
+    for k in dd.keys():
+        out.put((tag, k))
+
+
+def _sorted_keys(dd, out):
+    for k in sorted(dd.keys()):
+        out.put(k)
+
+
+def _boom(dd, out):
+    out.put("one")
+    raise ValueError("boom in mgr_code")
+
+
+def _forever(dd, out):
+    i = 0
+    while True:  # ends with EOFError once the caller has left
+        out.put(i)
+        i += 1
+
+
+def test_async_computing_beside_the_shards(cluster):
+    """filter (async with / async for), map_shards and to_bag from an asynchronous client."""
+    from distributed import get_worker
+
+    from dask_ddict import DDictTaskError
+
+    async def body(client):
+        ad = await AsyncDDict.create(total_mem="32 MiB", client=client)
+        try:
+            await ad.update({i: i for i in range(500)})
+            async with ad.filter(_keys_of, ("k",)) as results:
+                got = [x async for x in results]
+            assert sorted(k for _, k in got) == list(range(500))
+            async with ad.filter(_sorted_keys, comparator=lambda x, y: x < y) as res:
+                ordered = [k async for k in res]
+            assert ordered == list(range(500))  # the managers' sorted keys, merged
+            with pytest.raises(DDictTaskError, match="boom in mgr_code") as info:
+                async with ad.filter(_boom) as results:
+                    [x async for x in results]
+            assert info.value.manager_id in range(ad.num_managers)
+            async with ad.filter(_forever) as results:
+                async for x in results:
+                    if x >= 3000:
+                        break  # leaving early: the tasks stop, nothing runs on
+            assert not any((await client.processing()).values())
+
+            futures = await ad.map_shards(lambda dd: (get_worker().address, len(dd)))
+            where = await client.gather(futures)
+            assert [w for w, _ in where] == ad.manager_workers and sum(n for _, n in where) == 500
+            bag = await ad.to_bag("values")
+            assert await client.compute(bag.sum()) == sum(range(500))
+        finally:
+            await ad.destroy()
+
+    run(cluster, body)

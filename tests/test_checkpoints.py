@@ -200,7 +200,11 @@ def test_restart_brings_back_every_checkpoint(client):
     r = DDict(total_mem="32 MiB", client=client, name="r1", restart=True, working_set_size=3)
     try:
         assert r.empty_managers == []
-        assert r.checkpoint_id == 4  # the newest checkpoint of the restored window
+        assert r.checkpoint_id == 0  # a new handle starts at 0, as in Dragon
+        with pytest.raises(DDictCheckpointSyncError):
+            r["extra"]  # (0 has retired: the restored window is [2, 4])
+        r.sync_to_newest_checkpoint()  # how a program continues from the newest
+        assert r.checkpoint_id == 4
         for c, view in views.items():
             r.checkpoint_id = c
             assert state(r) == view

@@ -121,6 +121,50 @@ def test_core_dict_and_checkpoint_operations_span_both_hosts(hosts, tmp_path):
         d.destroy()
 
 
+def _host_and_keys(dd: DDict, out) -> None:  # noqa: ANN001 - a filter's mgr_code
+    import socket
+
+    mid = dd._target
+    out.put((mid, socket.gethostname(), dd._core.channel(mid).kind))
+    for k in sorted(dd.keys()):
+        out.put(k)
+
+
+def _sorted_keys(dd: DDict, out) -> None:  # noqa: ANN001
+    for k in sorted(dd.keys()):
+        out.put(k)
+
+
+def _hostname(dd_or_part) -> list[str]:  # noqa: ANN001 - a map_shards task, a bag partition
+    import socket
+
+    return [socket.gethostname()]
+
+
+def test_filter_map_shards_and_to_bag_run_beside_the_shards_on_both_hosts(hosts):
+    h, c = hosts
+    d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, lifetime="cluster")
+    try:
+        data = {f"k{i}": i for i in range(300)}
+        d.update(data)
+        host_of = [m.hostname for m in d._core.layout.managers]
+        assert set(host_of) == {os.uname().nodename, twohost.HOSTNAME2}
+        with d.filter(_host_and_keys, branching_factor=2) as results:  # merge tasks on both
+            got = list(results)
+        assert sorted(x for x in got if not isinstance(x, tuple)) == sorted(data)
+        where = sorted(x for x in got if isinstance(x, tuple))
+        assert [mid for mid, _, _ in where] == list(range(d.num_managers))
+        for mid, host, kind in where:  # each ran on its manager's host, reading its shard
+            assert host == host_of[mid] and kind == "shm", where
+        with d.filter(_sorted_keys, comparator=lambda x, y: x < y, branching_factor=3) as results:
+            assert list(results) == sorted(data)
+        assert [w[0] for w in c.gather(d.map_shards(_hostname))] == host_of
+        assert sum(d.to_bag("values").compute()) == sum(data.values())
+        assert d.to_bag("keys").map_partitions(_hostname).compute() == host_of
+    finally:
+        d.destroy()
+
+
 def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
     """Host 2 dies: its managers fail fast with clear errors, the rest works; a new host 2
     restarts them empty, and ``synchronize_ddicts`` refills them from a parallel dict

@@ -254,11 +254,15 @@ def test_len_truth_table_under_wait_for_keys(make_ws):
 
 @pytest.mark.parametrize("key", sorted(IN_TABLE))
 def test_get_waits_exactly_where_in_is_false(make_ws, key):
-    """A read blocks (MustWait) where `in` says False, under wait_for_keys."""
+    """A read blocks (MustWait) where `in` says False, under wait_for_keys, except at
+    the checkpoint where the key was deleted: there it is known to be absent."""
     o = _truth_table_ws(make_ws)
     for c in range(4):
         if IN_TABLE[key][c]:
             o.get(key, c)
+        elif (key, c) == ("d", 1):
+            with pytest.raises(DDictKeyError):
+                o.get(key, c)
         else:
             with pytest.raises(MustWait):
                 o.get(key, c)

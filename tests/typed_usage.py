@@ -5,8 +5,11 @@ Not a test module (no ``test_`` prefix): it is only type-checked, never run.
 
 from __future__ import annotations
 
+from typing import Any
+
+import dask.bag
 import numpy as np
-from distributed import Client
+from distributed import Client, Future
 
 from dask_ddict import AsyncDDict, DDict, DDictManagerStats
 
@@ -20,8 +23,19 @@ def sync_use(client: Client) -> int:
     view = d.get("x", copy=False)
     values: list[object] = d.get_many(["x", "n"], default=None, copy=False)
     pinned: int = stats[0].pinned_bytes
+    waiting: int = stats[0].deferred_ops
+    with d.filter(_shard_sums, (2,), comparator=lambda x, y: x < y, branching_factor=4) as res:
+        total = sum(res)
+    futures: list[Future] = d.map_shards(len)
+    bag: dask.bag.Bag = d.to_bag("values")
     d.destroy()
-    return n + len(stats) + len(names) + len(values) + pinned + len(view)
+    return n + len(stats) + len(names) + len(values) + pinned + len(view) + waiting + int(total) \
+        + len(futures) + bag.npartitions
+
+
+def _shard_sums(dd: DDict, out: Any, scale: int) -> None:
+    for v in dd.values():
+        out.put(scale * float(np.sum(v)))
 
 
 async def async_use(client: Client) -> int:
@@ -32,5 +46,10 @@ async def async_use(client: Client) -> int:
     length: int = await ad.length()
     keys: list[object] = await ad.keys()
     stats: list[DDictManagerStats] = await ad.stats()
+    async with ad.filter(_shard_sums, (1,)) as results:
+        sums = [x async for x in results]
+    futures: list[Future] = await ad.map_shards(len)
+    bag: dask.bag.Bag = await ad.to_bag()
     await ad.destroy()
-    return length + len(keys) + len(stats) + int(value) + len(many)
+    return length + len(keys) + len(stats) + int(value) + len(many) + len(sums) + len(futures) \
+        + bag.npartitions

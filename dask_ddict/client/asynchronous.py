@@ -28,12 +28,13 @@ which is what makes it fast), and the async twin is thin:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from dask.typing import no_default
-from distributed import Client
+from distributed import Client, Future
 
 from ..arguments import Timeout, check_timeout
 from ..errors import DDictKeyError
@@ -41,8 +42,12 @@ from ..stats import DDictManagerStats
 from .coalesce import GetBatcher, PutBatcher
 from .core import _Core, install_orchestrator
 from .creation import check_keywords, create_request, initial_checkpoint
+from .filtering import AsyncFilter, Filter
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget, layout_reply
+
+if TYPE_CHECKING:
+    import dask.bag
 
 _NO_DEFAULT: Any = object()
 P = ParamSpec("P")
@@ -282,6 +287,34 @@ class AsyncDDict:
 
     def pickler(self, key_pickler: Any = None, value_pickler: Any = None) -> AsyncDDict:
         return AsyncDDict(self._d.pickler(key_pickler, value_pickler), self._client)
+
+    # -- computing beside the shards (the asynchronous client places the tasks) ------------
+
+    async def _workers(self) -> dict[str, Any]:
+        """The scheduler's workers (an asynchronous client caches none of them)."""
+        client = self._client or self._d._core.client
+        return dict((await client.scheduler.identity(n_workers=-1))["workers"])
+
+    async def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any,
+                         ) -> builtins.list[Future]:  # fmt: skip
+        """Awaitable :meth:`DDict.map_shards`: one future per manager, placed beside it."""
+        return self._d._map_shards(func, args, kwargs, await self._workers())
+
+    async def to_bag(self, what: str = "items") -> dask.bag.Bag:
+        """Awaitable :meth:`DDict.to_bag` (compute it with ``await client.compute(...)``)."""
+        client = self._client or self._d._core.client
+        scatters = self._d._bag_scatters(what, await self._workers())
+        return self._d._bag(what, [(idx, await client.scatter(handles, workers=workers,
+                                                                hash=False))
+                                   for idx, handles, workers in scatters])  # fmt: skip
+
+    def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),
+               comparator: Callable[[Any, Any], bool] | None = None,
+               branching_factor: int = 5) -> AsyncFilter:  # fmt: skip
+        """:meth:`DDict.filter` for ``async with ad.filter(...) as results: async for x in
+        results``: the same tree of tasks, results taken in a thread, a batch per hop."""
+        return AsyncFilter(Filter(self._d, mgr_code, mgr_code_args, comparator,
+                                  branching_factor, None), self._workers)  # fmt: skip
 
     def __aiter__(self) -> AsyncIterator[Any]:
         """``async for k in ad``: keys streamed page by page (one thread hop per page)."""

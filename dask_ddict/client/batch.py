@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import config
 from .._serialize import Framed
-from ..errors import DDictError, DDictFullError
+from ..errors import DDictError, DDictFullError, DDictManagerUnavailableError
 from ..transport import ops
 
 Record = tuple[bytes, bytes, Framed]  # (digest, key, frame)
@@ -164,11 +164,9 @@ class BatchPut:
                 self._failed(e, mid)
                 continue
             if stored != self.sent[mid] and self.error is None:
-                self.error = DDictError(
+                self.error = DDictManagerUnavailableError(
                     f"batch put: manager {mid} stored {stored} of the {self.sent[mid]} puts "
                     "sent to it (its host process restarted during the batch); the "
-                    "others may or may not have been applied: put them again",
-                    "MANAGER_UNAVAILABLE",
-                )
+                    "others may or may not have been applied: put them again")
         if self.error is not None:
             raise self.error

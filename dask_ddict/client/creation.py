@@ -112,15 +112,15 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def initial_checkpoint(h: Any, request: dict[str, Any]) -> None:
-    """Where a creator's handle starts: ``restore_from``, the newest restored
-    checkpoint after a restart, else 0.  Also shows the orchestrator's warnings,
+    """Where a creator's handle starts: ``restore_from``, else 0, also after a
+    restart (as in Dragon: a program reads what it wrote at 0 and moves on with
+    ``checkpoint()``; ``sync_to_newest_checkpoint()`` continues from the newest
+    checkpoint instead).  Also shows the orchestrator's warnings,
     and keeps ``storage_options`` in this process only, for :meth:`DDict.copy`
     (they are credentials: never in the layout or a serialized handle)."""
     h._core.storage_options = request["storage_options"]
     for text in h._core.layout.extra.get("warnings", ()):  # at the line that called DDict(...)
         warnings.warn(text, RuntimeWarning, stacklevel=4)  # (here, __init__, keywords_checked)
     restore_from = request["options"]["restore_from"]
-    if request["restart"]:
-        h.sync_to_newest_checkpoint()
-    elif restore_from is not None:
+    if restore_from is not None:
         h._chkpt = restore_from

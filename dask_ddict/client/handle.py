@@ -46,6 +46,7 @@ from ..transport.ops import (
 from .batch import BatchPut
 from .bulk import Bulk
 from .checkpoints import Checkpoints
+from .compute import Compute
 from .core import MISSING, _Core, current_client, embedded_client, install_orchestrator
 from .creation import create_request, initial_checkpoint, keywords_checked
 from .introspection import Introspection
@@ -66,7 +67,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk):
+class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk, Compute):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters

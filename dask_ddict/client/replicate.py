@@ -134,7 +134,7 @@ class Replication:
         """
         self._check()
         if not self._creator:
-            raise DDictError("copy() is for the creator's handle", "INVALID_OPERATION")
+            raise DDictError("copy() is for the creator's handle", "INVALID_ARGUMENT")  # (Dragon's)
         new = type(self)(name=name, timeout=self._timeout, client=self.client,
                          storage_options=self._core.storage_options,
                          **copy_arguments(self._core.layout))  # fmt: skip

@@ -38,6 +38,7 @@ class CheckpointIO:
     persister: Persister | None
     pull_shard: Callable[[Any, str, int], int] | None  # (the manager, source, manager id)
     _cond: threading.Condition
+    _changed: Callable[[], None]
     _dumps: dict[int, lmdb.Transaction]
     _next_dump: int
     _retiring: list[int]
@@ -136,7 +137,7 @@ class CheckpointIO:
             except BaseException:
                 self.working_set.restore(snap)
                 raise
-            self._cond.notify_all()
+            self._changed()
         if discard_newer and not self.read_only:
             persister.discard_above(chkpt)
         return n
@@ -206,7 +207,7 @@ class CheckpointIO:
             except BaseException:
                 self.working_set.restore(snap)
                 raise
-            self._cond.notify_all()
+            self._changed()
         return n
 
     def copy_from(self, source: str, manager_id: int) -> int:

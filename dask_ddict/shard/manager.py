@@ -8,9 +8,11 @@ loop (see ``transport-notes.md``: hopping onto the loop costs ~100 µs).
 
 Concurrency: writes hold one lock (LMDB allows one writer anyway); reads run
 lock-free in their own snapshot transaction.  An operation the working set
-cannot do yet (:class:`~dask_ddict.shard.working_set.MustWait`) waits on a condition
-variable that every successful write notifies, so deferred operations are
-retried whenever retirement may have become possible, use no CPU while they
+cannot do yet (:class:`~dask_ddict.shard.working_set.MustWait`) is deferred
+(:mod:`~dask_ddict.shard.deferred`): every successful write, before it releases
+the lock and answers, retries the deferred operations in the order they
+arrived.  So they are retried whenever retirement may have become possible,
+applied in arrival order and before any later request, use no CPU while they
 wait, and give up with ``DDictTimeoutError`` when their timeout expires.
 """
 
@@ -20,15 +22,15 @@ import logging
 import pickle
 import struct
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
 from .._serialize import dumps_value, loads_value
-from ..errors import DDictClosedError, DDictError, DDictTimeoutError
+from ..errors import DDictClosedError, DDictError
 from .checkpoint_io import CheckpointIO
+from .deferred import DeferredQueue
 from .store import ShardStore
 from .summaries import Summaries
 from .working_set import (
@@ -38,6 +40,7 @@ from .working_set import (
     WorkingSet,
     add_waiters,
     mark_closed,
+    take_page,
 )
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
@@ -115,7 +118,7 @@ class Manager(Summaries, CheckpointIO):
         self._next_dump = 0
         self._mutex = threading.Lock()  # (taken directly on the hot paths: a Condition's
         self._cond = threading.Condition(self._mutex)  # own "with" is Python code)
-        self._sleepers = 0  # threads waiting on _cond (changed with it held)
+        self._deferred = DeferredQueue(self._mutex)  # operations that wait (under the lock)
         # Checkpoints retiring in the current write transaction, to persist
         # from a snapshot taken before that transaction changed anything.
         self._retiring: list[int] = []
@@ -140,63 +143,56 @@ class Manager(Summaries, CheckpointIO):
         if self.closed:
             raise DDictClosedError(f"manager {self.manager_id} is closed")
 
-    @staticmethod
-    def _deadline(timeout: float | None) -> float | None:
-        return None if timeout is None or timeout < 0 else time.monotonic() + timeout
-
-    def _wait(self, deadline: float | None, what: str, timeout: float | None) -> None:
-        """Wait for the next write (lock held); raise on timeout or close."""
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            raise DDictTimeoutError(
-                f"{what} on manager {self.manager_id} timed out after {timeout} s"
-            )
-        self._sleepers += 1
+    def _attempt(self, fn: Callable[[lmdb.Transaction], T], what: str) -> T:
+        """Try a write once (lock held): its result, or an exception with nothing
+        changed (:class:`MustWait` if it must wait for another write)."""
+        if self.closed:
+            self._check_open()
+        if self.frozen:
+            raise DDictError(f"{what}: the dictionary is frozen (read-only)", "INVALID_OPERATION")
+        ws = self.working_set
+        snap = ws.snapshot()
         try:
-            self._cond.wait(remaining)
-        finally:
-            self._sleepers -= 1
-        self._check_open()
+            result = self.store.transact(fn)
+        except BaseException:
+            ws.restore(snap)
+            self._drop_retiring()
+            raise
+        if self._retiring:
+            self._persist_retired()
+        return result
 
     def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
-        """Run ``fn`` in a write transaction, waiting while it must wait."""
-        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-        ws, store = self.working_set, self.store
-        with self._mutex:  # (the condition's lock)
-            while True:
-                if self.closed:
-                    self._check_open()
-                if self.frozen:
-                    raise DDictError(
-                        f"{what}: the dictionary is frozen (read-only)", "INVALID_OPERATION"
-                    )
-                snap = ws.snapshot()
-                try:
-                    result = store.transact(fn)
-                except MustWait:
-                    ws.restore(snap)
-                    self._drop_retiring()
-                    self._wait(deadline, what, timeout)
-                    continue
-                except BaseException:
-                    ws.restore(snap)
-                    self._drop_retiring()
-                    raise
-                if self._retiring:
-                    self._persist_retired()
-                if self._sleepers:  # (notify_all is Python code: skip it when nobody waits)
-                    self._cond.notify_all()
-                return result
+        """Run ``fn`` in a write transaction, deferred while it must wait.
+
+        Once it is done, the operations deferred before it are retried (it may
+        have unblocked them) before the lock is released and it returns.
+        """
+        with self._mutex:
+            try:
+                result = self._attempt(fn, what)
+            except MustWait:
+                return self._deferred.wait(lambda: self._attempt(fn, what), timeout,
+                                           f"{what} on manager {self.manager_id}")  # fmt: skip
+            if self._deferred.waiting:  # (inlined _changed: the hot path)
+                self._deferred.drain()
+            return result
+
+    def _changed(self) -> None:
+        """A write outside :meth:`_write` changed the shard (lock held): retry the
+        deferred operations it may have unblocked."""
+        if self._deferred.waiting:
+            self._deferred.drain()
 
     def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
               *, counted: bool = False) -> T:  # fmt: skip
-        """Run ``fn`` in a snapshot transaction, waiting while it must wait.
+        """Run ``fn`` in a snapshot transaction, deferred while it must wait.
 
-        ``fn`` consumes zero-copy views itself (copies them, or sends them to a
-        socket): they are invalid once the transaction ends.  A ``counted``
-        wait is counted in the shard while it lasts: same-host clients then
-        send their puts here instead of committing them themselves, since only
-        a write through this manager wakes it.
+        ``fn`` returns nothing that refers to the snapshot (it copies what it
+        keeps): a deferred read is tried by whichever thread's write unblocks it.
+        A ``counted`` wait is counted in the shard while it lasts: same-host
+        clients then send their puts here instead of committing them themselves,
+        since only a write through this manager retries it.
         """
         self._check_open()
         with self.store.read() as txn:
@@ -206,21 +202,25 @@ class Manager(Summaries, CheckpointIO):
                 pass
         return self._wait_read(fn, timeout, what, counted=counted)
 
+    def _read_once(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        self._check_open()
+        with self.store.read() as txn:
+            return fn(txn)
+
     def _wait_read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
                    *, counted: bool = False) -> T:  # fmt: skip
-        """:meth:`_read` once ``fn`` had to wait: again under the lock, until it need not."""
-        deadline = self._deadline(timeout)
+        """:meth:`_read` once ``fn`` had to wait: again under the lock (no write can
+        slip in between), then deferred until a write lets it through."""
         if counted:
             self._count_waiter(1)
         try:
-            with self._cond:  # re-check under the lock: no write can slip in between
-                while True:
-                    with self.store.read() as txn:
-                        try:
-                            return fn(txn)
-                        except MustWait:
-                            pass
-                    self._wait(deadline, what, timeout)
+            with self._mutex:
+                try:
+                    return self._read_once(fn)
+                except MustWait:
+                    pass
+                return self._deferred.wait(lambda: self._read_once(fn), timeout,
+                                           f"{what} on manager {self.manager_id}")  # fmt: skip
         finally:
             if counted:
                 self._count_waiter(-1)
@@ -279,8 +279,9 @@ class Manager(Summaries, CheckpointIO):
                 pass
             else:
                 return consume(frame)
-        return self._wait_read(lambda txn: consume(ws.get(txn, digest, chkpt).frame), timeout,
-                               "get")  # fmt: skip
+        copy = self._wait_read(lambda txn: bytes(ws.get(txn, digest, chkpt).frame), timeout,
+                               "get")  # (a copy: the snapshot ends with the try) # fmt: skip
+        return consume(memoryview(copy))
 
     def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
                  ) -> list[memoryview | None | bool]:  # fmt: skip
@@ -312,18 +313,8 @@ class Manager(Summaries, CheckpointIO):
             return [], None, False
 
         def fn(txn: lmdb.Transaction) -> tuple[list[Any], bytes | None, bool]:
-            items: list[tuple[bytes | None, bytes | None]] = []
-            size = 0
-            last = None
-            for d, e in self.working_set.visible(txn, chkpt, after):
-                if len(items) >= max_items or (items and size >= max_bytes):
-                    return items, last, True
-                k = bytes(e.key) if keys else None
-                v = bytes(e.frame) if values else None
-                size += (len(k) if k else 0) + (len(v) if v else 0)
-                items.append((k, v))
-                last = d
-            return items, last, False
+            return take_page(self.working_set.visible(txn, chkpt, after), keys, values,
+                             max_items, max_bytes)  # fmt: skip
 
         return self._read(fn, None, "iteration")
 
@@ -572,7 +563,8 @@ class Manager(Summaries, CheckpointIO):
             if self.closed:
                 return
             self.closed = True
-            self._cond.notify_all()
+            self._deferred.close(
+                lambda: DDictClosedError(f"manager {self.manager_id} is closed"))
         with self._cond:
             dumps, self._dumps = list(self._dumps.values()), {}
         for txn in dumps:

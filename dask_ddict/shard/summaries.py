@@ -23,6 +23,7 @@ from . import counts
 from .working_set import check_window
 
 if TYPE_CHECKING:
+    from .deferred import DeferredQueue
     from .generations import Generations
     from .store import ShardStore
     from .working_set import WorkingSet
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
+_FIELD_NAMES = tuple(DDictManagerStats.__dataclass_fields__)
 
 
 class Summaries:
@@ -45,6 +47,7 @@ class Summaries:
     #: ``pinned(mid) -> (bytes, views)`` from the host's pin boards (:mod:`.pinboard`).
     pinned: Callable[[int], tuple[int, int]] | None
     _cache: dict[str, tuple[tuple[int, int, int, bool], Any]]
+    _deferred: DeferredQueue
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -93,19 +96,17 @@ class Summaries:
         return n[w.slot(chkpt)]
 
     def stats(self) -> dict[str, Any]:
-        out = self._derived("stats", self._stats)
-        if self.pinned is not None:
-            out = {**out}
-            out["pinned_bytes"], out["pinned_views"] = self.pinned(self.manager_id)
-        return out
+        return dict(zip(_FIELD_NAMES, self._live(self._derived("stats-record", self._stats_record))))
 
     def stats_pickled(self) -> bytes:
-        """:meth:`stats` as a reply carries it: a pickled record (the shard's part
-        cached, the pins read now: they change without a commit)."""
-        record = self._derived("stats-record", self._stats_record)
-        if self.pinned is not None:
-            record = record[:-2] + self.pinned(self.manager_id)
-        return pickle.dumps(record)
+        """:meth:`stats` as a reply carries it: a pickled record."""
+        return pickle.dumps(self._live(self._derived("stats-record", self._stats_record)))
+
+    def _live(self, record: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The shard's cached part of a stats record and the counts read now (pins,
+        deferred operations: they change without a commit)."""
+        pinned = (0, 0) if self.pinned is None else self.pinned(self.manager_id)
+        return record[:-3] + pinned + (len(self._deferred),)
 
     def _stats_record(self, txn: lmdb.Transaction) -> tuple[Any, ...]:
         return DDictManagerStats.record(self._stats(txn))
@@ -126,7 +127,8 @@ class Summaries:
             "newest_checkpoint": self.working_set.newest,
             "frozen": self.frozen,
             "pid": os.getpid(),
-            "pinned_bytes": 0,  # (see stats_pickled: the host's pin boards)
+            "pinned_bytes": 0,  # (see _live: the host's pin boards)
             "pinned_views": 0,
+            "deferred_ops": 0,
         }
 

@@ -172,6 +172,56 @@ def entry_visible(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool:
     return not (wait_for_keys and not e.persistent and e.chkpt != chkpt)
 
 
+def unseen(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool | None:
+    """What a reader at ``chkpt`` gets for a version ``e`` it does not see: ``None``
+    (absent) or, under ``wait_for_keys``, ``False`` (it waits for the key's writer).
+
+    A key deleted at the reader's own checkpoint is known to be absent there: it
+    reads as absent at once, also under ``wait_for_keys`` (Dragon's deleted set).
+    """
+    if not wait_for_keys or (e is not None and e.chkpt == chkpt and e.tombstone):
+        return None
+    return False
+
+
+def visible_entries(store: ShardStore, txn: lmdb.Transaction, chkpt: int, after: bytes | None,
+                    wait_for_keys: bool) -> Iterator[tuple[bytes, Entry]]:  # fmt: skip
+    """Entries seen at ``chkpt`` in digest order, after digest ``after`` (no window check).
+
+    Shared by the manager (views, persistence) and by same-host readers that
+    scan the shard themselves (a scan beside the shard sends no value anywhere).
+    """
+    decided: bytes | None = None
+    for d, e in store.scan(txn, after):
+        if d == decided or e.chkpt > chkpt:
+            continue
+        decided = d
+        if entry_visible(e, chkpt, wait_for_keys):
+            yield d, e
+
+
+def take_page(entries: Iterator[tuple[bytes, Entry]], keys: bool, values: bool, max_items: int,
+              max_bytes: int, copy: Callable[[Any], Any] = bytes,
+              ) -> tuple[list[tuple[Any, Any]], bytes | None, bool]:  # fmt: skip
+    """One page of a view from ``entries``: ``(items, last digest, more)``.
+
+    At most ``max_items`` items and about ``max_bytes`` bytes (at least one item);
+    values are copied out with ``copy`` while the snapshot lives.
+    """
+    items: list[tuple[Any, Any]] = []
+    size = 0
+    last = None
+    for d, e in entries:
+        if len(items) >= max_items or (items and size >= max_bytes):
+            return items, last, True
+        k = bytes(e.key) if keys else None
+        v = copy(e.frame) if values else None
+        size += (len(k) if k else 0) + (len(e.frame) if values else 0)
+        items.append((k, v))
+        last = d
+    return items, last, False
+
+
 class MustWait(Exception):
     """The operation cannot proceed until another write changes the shard."""
 
@@ -399,7 +449,7 @@ class WorkingSet:
         if self.is_visible(e, chkpt):
             assert e is not None
             return e
-        if self.wait_for_keys:
+        if unseen(e, chkpt, self.wait_for_keys) is False:
             raise MustWait
         raise DDictKeyError()
 
@@ -410,7 +460,7 @@ class WorkingSet:
         self.check_retired(chkpt)
         wfk = self.wait_for_keys
         return [e.frame if entry_visible(e, chkpt, wfk) else  # type: ignore[union-attr]
-                (False if wfk else None) for e in self.store.lookup_many(txn, digests, chkpt)]
+                unseen(e, chkpt, wfk) for e in self.store.lookup_many(txn, digests, chkpt)]
 
     def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
         """Membership at ``chkpt``; never waits."""
@@ -432,13 +482,7 @@ class WorkingSet:
         The persister reads a retiring checkpoint from a snapshot taken just
         before it retired: in that snapshot it is still the window's oldest.
         """
-        decided: bytes | None = None
-        for d, e in self.store.scan(txn, after):
-            if d == decided or e.chkpt > chkpt:
-                continue
-            decided = d
-            if self.is_visible(e, chkpt):
-                yield d, e
+        return visible_entries(self.store, txn, chkpt, after, self.wait_for_keys)
 
     def length(self, txn: lmdb.Transaction, chkpt: int) -> int:
         """Keys seen at ``chkpt``, from the shard's counts (no scan)."""
@@ -471,10 +515,17 @@ class WorkingSet:
         counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags)
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
-        """Delete the key at ``chkpt`` and return (a copy of) its value frame."""
+        """Delete the key at ``chkpt`` and return (a copy of) its value frame.
+
+        Under ``wait_for_keys`` a key not yet written at ``chkpt`` is waited for
+        (:class:`MustWait`), as a read waits, and a delete always leaves a
+        tombstone at ``chkpt``: the key is then known to be absent there.
+        """
         self.prepare_write(txn, chkpt, client)
         e = self.store.lookup(txn, digest, chkpt)
         if not self.is_visible(e, chkpt):
+            if unseen(e, chkpt, self.wait_for_keys) is False:
+                raise MustWait
             raise DDictKeyError()
         assert e is not None
         old, key, at = bytes(e.frame), bytes(e.key), e.chkpt
@@ -483,7 +534,7 @@ class WorkingSet:
             if at == chkpt:
                 self.store.delete(txn, digest, chkpt)
                 older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
-                if older is None or older.tombstone:
+                if (older is None or older.tombstone) and not self.wait_for_keys:
                     return
             self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)
             self.store.collect(txn, digest, self.oldest)

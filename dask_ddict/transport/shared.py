@@ -33,6 +33,7 @@ from typing import Any
 
 import lmdb
 
+from .. import config
 from .._serialize import Framed
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
@@ -45,6 +46,9 @@ from ..shard.working_set import (
     frozen,
     puts_in_window,
     saved_newest,
+    take_page,
+    unseen,
+    visible_entries,
 )
 from .links import SocketChannel
 from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests use them here)
@@ -59,8 +63,9 @@ from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests
     forget,
 )
 from .many import GetMany
-from .ops import Contains, Get, Operation, Put
+from .ops import Contains, Get, Operation, Page, Put
 from .pins import Lender, lendable
+from .protocol import WANT_KEYS, WANT_VALUES
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
 ALIVE_CHECK = 0.02
@@ -203,7 +208,7 @@ class SharedChannel:
         e = store.lookup(txn, digest, chkpt)
         if entry_visible(e, chkpt, self._wfk):
             return e
-        return False if self._wfk else None  # under wait_for_keys the manager waits
+        return unseen(e, chkpt, self._wfk)  # (False: the manager waits)
 
     def _check_state(self, store: ShardStore, chkpt: int, txn: Any) -> None:
         """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``.
@@ -343,7 +348,7 @@ class SharedChannel:
         out: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
-                out.append(False if self._wfk else None)
+                out.append(unseen(e, chkpt, self._wfk))
                 continue
             frame = e.frame  # type: ignore[union-attr]
             lent = None
@@ -418,6 +423,29 @@ class SharedChannel:
         finally:
             self._exit(view)
 
+    def _page(self, o: Page) -> Any:
+        """One page of a view scanned from a snapshot of the shard: iterating a same-host
+        manager (a task beside its shard, ``to_bag``, ``filter``) sends no value through
+        a socket."""
+        view = self._enter()
+        if view is None:
+            return self._sock.call(o)
+        try:
+            self._check_alive()
+            store = view.store
+            with self._snapshot(store) as txn:
+                self._check_state(store, o.chkpt, txn)
+                page_bytes = config.get_bytes("iteration.page-bytes")
+                return take_page(visible_entries(store, txn, o.chkpt, o.after, self._wfk),
+                                 bool(o.want & WANT_KEYS), bool(o.want & WANT_VALUES),
+                                 max(1, o.max_items), min(page_bytes, o.max_bytes or page_bytes),
+                                 view.copy)  # fmt: skip
+        except DDictClosedError:
+            _destroyed(self._path)
+            raise
+        finally:
+            self._exit(view)
+
     def close(self) -> None:
         with _ENVS_LOCK:
             view, self._view = self._view, None
@@ -430,5 +458,5 @@ class SharedChannel:
 #: What a same-host channel serves from the shard itself (everything else: the socket).
 _LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
     Get: SharedChannel._get, Contains: SharedChannel._contains, Put: SharedChannel._put,
-    GetMany: SharedChannel._get_many,
+    GetMany: SharedChannel._get_many, Page: SharedChannel._page,
 }

@@ -1,0 +1,182 @@
+"""Computing beside the data: ``filter``, ``map_shards`` and ``to_bag`` (a base of DDict).
+
+Each runs code in Dask tasks placed on the worker that hosts each manager, so
+that the task's handle (``d.manager(i)`` at the caller's checkpoint) reads its
+shard from shared memory: no value crosses a socket.  Any Dask cluster works,
+across hosts too; the scheduler only places the tasks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask.utils import funcname
+from distributed import Future
+from distributed.comm import get_address_host
+
+from ..layout import Layout
+from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
+from .filtering import DDict, Filter
+
+if TYPE_CHECKING:
+    import dask.bag
+
+    from .core import _Core
+
+_WANT = {"items": WANT_ITEMS, "keys": WANT_KEYS, "values": WANT_VALUES}
+
+
+def placement(layout: Layout, workers: dict[str, Any]) -> list[list[str] | None]:
+    """Where each manager's tasks run: ``[its worker]``; if that worker is gone, the
+    worker its nanny restarted, else the workers on its host; else anywhere (``None``).
+
+    ``workers`` is the scheduler's view (``client.scheduler_info()["workers"]``).
+    """
+    by_nanny = {info.get("nanny"): addr for addr, info in workers.items() if info.get("nanny")}
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for addr in sorted(workers):
+        by_host[get_address_host(addr)].append(addr)
+    out: list[list[str] | None] = []
+    for m in layout.managers:
+        if m.worker in workers:
+            out.append([m.worker])
+        elif m.supervisor in by_nanny:
+            out.append([by_nanny[m.supervisor]])
+        else:
+            out.append(by_host.get(get_address_host(m.worker)) or None)
+    return out
+
+
+def call_on_shard(func: Callable[..., Any], dd: DDict, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """A :meth:`Compute.map_shards` task (the user's keywords never meet ``submit``'s)."""
+    return func(dd, *args, **kwargs)
+
+
+def read_shard(dd: DDict, want: int) -> list[Any]:
+    """A :meth:`Compute.to_bag` partition: the manager's items, keys or values.
+
+    ``dd`` is directed to its manager, whose shard this task's host maps: the
+    scan pages through the shard's snapshots in this process (no socket).
+    """
+    view = dd.items() if want == WANT_ITEMS else dd.keys() if want == WANT_KEYS else dd.values()
+    return list(iter(view))  # (not list(view): that asks the manager for len() first)
+
+
+class Compute:
+    """``filter``, ``map_shards``, ``to_bag``: tasks beside their shards."""
+
+    _core: _Core
+    _chkpt: int
+
+    if TYPE_CHECKING:  # provided by the handle
+
+        def _managers(self) -> list[int]: ...
+        def manager(self, manager_id: int) -> DDict: ...
+
+    def _placement(self, workers: dict[str, Any] | None = None) -> list[list[str] | None]:
+        """:func:`placement` of this handle's managers, from the scheduler's ``workers``
+        (read here if not given: an asynchronous client's caller reads it first)."""
+        if workers is None:
+            workers = self._core.client.scheduler_info(n_workers=-1)["workers"]
+        everywhere = placement(self._core.layout, workers)
+        return [everywhere[m] for m in self._managers()]
+
+    def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),
+               comparator: Callable[[Any, Any], bool] | None = None,
+               branching_factor: int = 5) -> Filter:  # fmt: skip
+        """Run ``mgr_code`` beside every shard and stream its results back (Dragon's filter).
+
+        ``mgr_code(dd, out_queue, *mgr_code_args)`` runs once per manager, in a Dask
+        task on the worker hosting it, with ``dd`` a handle directed to that manager
+        at this handle's checkpoint (its reads come from the shard, on its host) and
+        ``out_queue.put(x)`` sending ``x`` to this process.  Results are merged up a
+        tree of tasks of fan-in at most ``branching_factor``: in ``comparator``
+        order (``comparator(x, y)`` true: ``x`` comes first; each manager must put
+        its results in that order), else as they come.  They stream, with memory
+        bounded by a few batches per task (``ddict.compute.*``).
+
+        Use it as a context manager::
+
+            with d.filter(code, (arg,), comparator=lambda x, y: x < y) as results:
+                for x in results:
+                    ...
+
+        An exception in ``mgr_code`` is raised here as
+        :class:`~dask_ddict.DDictTaskError` naming the manager (its ``__cause__``
+        is the original).  Leaving the ``with`` block early stops the tasks:
+        ``out_queue.put`` raises ``EOFError`` in them, and the tasks are waited
+        for (``ddict.compute.exit-timeout``), then cancelled.
+        """
+        return Filter(self, mgr_code, mgr_code_args, comparator, branching_factor,
+                      self._placement())  # fmt: skip
+
+    def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Future]:
+        """``func(d.manager(i), *args, **kwargs)`` in a task beside each manager's shard.
+
+        One Dask future per manager, in manager order; each task is placed on the
+        worker hosting its manager (see :func:`placement`), so the handle's reads
+        come from the shard's shared memory.  The handles are at this handle's
+        checkpoint.
+        """
+        return self._map_shards(func, args, kwargs, None)
+
+    def _map_shards(self, func: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any], workers: dict[str, Any] | None) -> list[Future]:  # fmt: skip
+        if not callable(func):
+            raise TypeError(f"func must be callable, got {type(func).__name__}")
+        client = self._core.client
+        where = self._placement(workers)
+        tag = uuid.uuid4().hex[:8]
+        name = funcname(func)
+        futures = []
+        for i, mid in enumerate(self._managers()):
+            futures.append(client.submit(call_on_shard, func, self.manager(mid), args, kwargs,
+                                         key=f"{name}-shard-{mid}-{tag}", workers=where[i],
+                                         allow_other_workers=True, pure=False))  # fmt: skip
+        return futures
+
+    def to_bag(self, what: str = "items") -> dask.bag.Bag:
+        """A ``dask.bag.Bag`` of the dictionary: one partition per manager.
+
+        ``what``: ``"items"`` (``(key, value)`` pairs, the default), ``"keys"`` or
+        ``"values"``.  Each partition is read lazily, at this handle's checkpoint,
+        by a task beside its shard: the partition's task depends on the manager's
+        handle, which this call places on the worker hosting the manager, and
+        Dask runs a task where its dependencies are (the read then fuses with
+        what the bag maps over it).  Compute it on the dictionary's cluster.
+        """
+        scatters = self._bag_scatters(what, None)
+        return self._bag(what, [(idx, self._core.client.scatter(handles, workers=workers,
+                                                                 hash=False))
+                                for idx, handles, workers in scatters])  # fmt: skip
+
+    def _bag_scatters(self, what: str, workers: dict[str, Any] | None,
+                      ) -> list[tuple[list[int], list[DDict], list[str] | None]]:  # fmt: skip
+        """What :meth:`to_bag` scatters: ``(partitions, their handles, onto which
+        workers)`` per placement (checks ``what`` first)."""
+        if what not in _WANT:
+            raise ValueError(f"what must be 'items', 'keys' or 'values', got {what!r}")
+        mids = self._managers()
+        groups: dict[tuple[str, ...] | None, list[int]] = defaultdict(list)
+        for i, w in enumerate(self._placement(workers)):
+            groups[tuple(w) if w else None].append(i)
+        return [(idx, [self.manager(mids[i]) for i in idx], list(g) if g else None)
+                for g, idx in groups.items()]  # fmt: skip
+
+    def _bag(self, what: str, scattered: list[tuple[list[int], list[Future]]]) -> dask.bag.Bag:
+        """The bag over the scattered handles: partition ``i`` reads handle ``i``'s shard."""
+        import dask.bag as db
+        from dask.highlevelgraph import HighLevelGraph
+
+        handles: dict[int, Future] = {}
+        for idx, futures in scattered:
+            handles.update(zip(idx, futures))
+        name = f"ddict-{what}-{self._core.name}-{uuid.uuid4().hex[:8]}"
+        dsk: dict[Any, Any] = {(name, i): (read_shard, h, _WANT[what])
+                               for i, h in sorted(handles.items())}  # fmt: skip
+        graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
+        return db.Bag(graph, name, len(handles))

@@ -1,0 +1,233 @@
+"""Computing beside the data: ``filter`` (Dragon's), ``map_shards``, ``to_bag``.
+
+One cluster for the module, two workers with one thread each: long-running
+filter tasks must not need a thread each (they secede), and placement is
+checked against ``d.manager_workers``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from distributed import Client, LocalCluster, get_worker
+
+from dask_ddict import DDict, DDictTaskError
+
+N_MANAGERS = 8
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+        yield c
+
+
+@pytest.fixture(scope="module")
+def d(client):
+    d = DDict(managers_per_worker=N_MANAGERS // 2, total_mem="256 MiB", working_set_size=2,
+              client=client)  # fmt: skip
+    d.update({f"k{i}": i for i in range(2000)})
+    yield d
+    d.destroy()
+
+
+def _filter_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ddict-filter")]
+
+
+def _nothing_left(client: Client) -> None:
+    """No filter task in the scheduler, no filter thread in any process."""
+    left = client.run_on_scheduler(
+        lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks if "ddict-filter" in str(k)])
+    assert left == []
+    assert all(not ts for ts in client.processing().values())
+    deadline = time.monotonic() + 10
+    while (_filter_threads() or any(client.run(_filter_threads).values())) \
+            and time.monotonic() < deadline:  # fmt: skip
+        time.sleep(0.1)
+    assert _filter_threads() == []
+    assert client.run(_filter_threads) == {w: [] for w in client.scheduler_info()["workers"]}
+
+
+# -- filter --------------------------------------------------------------------------
+
+
+def _where_and_keys(dd, out, tag):
+    """Each manager: where it ran, how its handle reads, then its keys."""
+    mid = dd._target
+    out.put((tag, mid, get_worker().address, dd._core.channel(mid).kind))
+    for k in dd.keys():
+        out.put(k)
+
+
+@pytest.mark.parametrize("fan_in", [5, 2])
+def test_filter_gives_every_managers_results_from_beside_its_shard(d, client, fan_in):
+    with d.filter(_where_and_keys, ("where",), branching_factor=fan_in) as results:
+        got = list(results)
+    where = [x for x in got if isinstance(x, tuple)]
+    keys = [x for x in got if not isinstance(x, tuple)]
+    assert sorted(keys) == sorted(d.keys()) and len(keys) == 2000
+    assert sorted(mid for _, mid, _, _ in where) == list(range(N_MANAGERS))
+    for _, mid, worker, kind in where:
+        assert worker == d.manager_workers[mid]  # beside its shard
+        assert kind == "shm"  # its reads come from the shard's shared memory
+    _nothing_left(client)
+
+
+def _sorted_values(dd, out):
+    for v in sorted(dd.values()):
+        out.put(v)
+
+
+@pytest.mark.parametrize("fan_in", [5, 2])
+def test_filter_merges_in_comparator_order(d, fan_in):
+    with d.filter(_sorted_values, comparator=lambda x, y: x < y,
+                  branching_factor=fan_in) as results:  # fmt: skip
+        got = list(results)
+    assert got == list(range(2000))
+    with d.filter(_sorted_values_desc, comparator=lambda x, y: x > y) as results:
+        assert list(results) == list(range(1999, -1, -1))
+
+
+def _sorted_values_desc(dd, out):
+    for v in sorted(dd.values(), reverse=True):
+        out.put(v)
+
+
+def _flood(dd, out, n):
+    mid = dd._target
+    for i in range(n):
+        out.put((mid, i))
+        if i % 64 == 0:
+            dd["progress"] = i  # (the test reads how far each producer got)
+
+
+def test_a_flood_streams_with_bounded_memory(d):
+    n = 20_000  # per manager: many batches, many more than the window holds
+    with d.filter(_flood, (n,), branching_factor=2) as results:
+        first = next(results)
+        time.sleep(1.0)  # producers run ahead only as far as their credit windows allow
+        ahead = [d.manager(m).get("progress", 0) for m in range(N_MANAGERS)]
+        rest = list(results)
+    assert max(ahead) < 2_000, ahead  # window + batch per hop, not the whole result
+    got = [first, *rest]
+    assert len(got) == N_MANAGERS * n
+    for m in range(N_MANAGERS):  # each manager's results arrive in its put order
+        assert [i for mid, i in got if mid == m] == list(range(n))
+    for m in range(N_MANAGERS):
+        d.manager(m).pop("progress")
+
+
+def _raises_on_3(dd, out):
+    out.put(dd._target)
+    if dd._target == 3:
+        raise ValueError("boom on three")
+
+
+def test_an_error_in_mgr_code_is_raised_naming_its_manager(d, client):
+    with pytest.raises(DDictTaskError, match="manager 3.*ValueError: boom on three") as info:
+        with d.filter(_raises_on_3, branching_factor=2) as results:
+            list(results)
+    assert info.value.manager_id == 3
+    assert isinstance(info.value.__cause__, ValueError)
+    _nothing_left(client)
+
+
+def _forever(dd, out):
+    dd["started"] = True
+    i = 0
+    try:
+        while True:
+            out.put(i)
+            i += 1
+    except EOFError:
+        dd["saw-eof"] = i
+        raise
+
+
+def test_leaving_early_stops_every_task_and_leaves_nothing_running(d, client):
+    with d.filter(_forever, branching_factor=3) as results:
+        first = [next(results) for _ in range(10)]
+    assert len(first) == 10
+    started = [m for m in range(N_MANAGERS) if d.manager(m).pop("started", False)]
+    assert started  # (tasks that had not started when the caller left never run mgr_code)
+    for m in started:  # every producer was told: its put raised EOFError
+        assert d.manager(m).pop("saw-eof") > 0
+    _nothing_left(client)
+
+
+def test_filter_arguments_are_checked(d):
+    with pytest.raises(TypeError, match="mgr_code"):
+        d.filter("not callable")
+    with pytest.raises(TypeError, match="comparator"):
+        d.filter(_forever, comparator=3)
+    with pytest.raises(ValueError, match="branching_factor"):
+        d.filter(_forever, branching_factor=1)
+    with pytest.raises(TypeError, match="branching_factor"):
+        d.filter(_forever, branching_factor=2.0)
+    with pytest.raises(TypeError, match="func"):
+        d.map_shards(None)
+
+
+def test_filter_of_one_manager_and_at_a_checkpoint(d):
+    one = d.manager(5)
+    with one.filter(_where_and_keys, ("w",)) as results:
+        got = list(results)
+    assert got[0][1] == 5 and sorted(got[1:]) == sorted(one.keys())
+    c = d.manager(0)
+    c.checkpoint()  # a handle at checkpoint 1 sees what it writes there; d (at 0) does not
+    key = next(iter(c.keys()))
+    c[key] = "new"
+    with c.filter(_values_of, (key,)) as results:
+        assert list(results) == ["new"]
+    with d.manager(0).filter(_values_of, (key,)) as results:
+        assert list(results) == [int(key[1:])]
+
+
+def _values_of(dd, out, key):
+    out.put(dd[key])
+
+
+# -- map_shards, to_bag --------------------------------------------------------------------
+
+
+def _where(dd, scale=1):
+    return dd._target, get_worker().address, len(dd) * scale
+
+
+def test_map_shards_runs_one_task_per_manager_beside_it(d, client):
+    futures = d.map_shards(_where, scale=2)
+    got = client.gather(futures)
+    assert [mid for mid, _, _ in got] == list(range(N_MANAGERS))
+    assert [w for _, w, _ in got] == d.manager_workers
+    assert sum(n for _, _, n in got) == 2 * len(d)
+
+
+def _worker_of(part):
+    return [(get_worker().address, len(part))]
+
+
+def test_to_bag_reads_each_partition_beside_its_shard(d):
+    bag = d.to_bag()
+    assert bag.npartitions == N_MANAGERS
+    assert dict(bag.compute()) == dict(d.items())
+    assert bag.map(lambda kv: kv[1]).sum().compute() == sum(range(2000))
+    assert sorted(d.to_bag("keys").compute()) == sorted(d.keys())
+    assert sorted(d.to_bag("values").compute()) == list(range(2000))
+    where = d.to_bag("keys").map_partitions(_worker_of).compute()
+    assert [w for w, _ in where] == d.manager_workers
+    assert [n for _, n in where] == [len(d.manager(m)) for m in range(N_MANAGERS)]
+    with pytest.raises(ValueError, match="what"):
+        d.to_bag("pairs")
+
+
+def test_to_bag_reads_at_the_handles_checkpoint(d):
+    c = d.manager(1)
+    c.checkpoint()
+    key = next(iter(c.keys()))
+    c[key] = -1
+    old, new = dict(d.manager(1).to_bag().compute()), dict(c.to_bag().compute())
+    assert old[key] == int(key[1:]) and new[key] == -1

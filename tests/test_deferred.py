@@ -1,0 +1,125 @@
+"""DeferredQueue alone: arrival order, passes, errors, timeouts and close (no shard)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dask_ddict.errors import DDictClosedError, DDictKeyError, DDictTimeoutError
+from dask_ddict.shard.deferred import DeferredQueue
+from dask_ddict.shard.working_set import MustWait
+
+
+class Harness:
+    """A queue, its lock, and threads that defer operations on it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.q = DeferredQueue(self.lock)
+        self.out: dict[str, object] = {}
+        self.threads: list[threading.Thread] = []
+
+    def defer(self, name: str, attempt, timeout: float | None = 10) -> None:
+        """Start a thread whose operation waits in the queue; return once it is queued."""
+        n = len(self.q) + 1
+
+        def run() -> None:
+            with self.lock:
+                try:
+                    self.out[name] = self.q.wait(attempt, timeout, name)
+                except Exception as e:
+                    self.out[name] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        self.threads.append(t)
+        deadline = time.monotonic() + 10
+        while True:
+            with self.lock:
+                if len(self.q) == n or name in self.out:
+                    return
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    def drain(self) -> None:
+        with self.lock:
+            self.q.drain()
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(10)
+            assert not t.is_alive()
+
+
+def gate(state: dict, need: str, then=None):
+    """An attempt that must wait until ``state[need]`` is set, then runs ``then``."""
+
+    def attempt():
+        if not state.get(need):
+            raise MustWait
+        return then() if then else need
+
+    return attempt
+
+
+def test_operations_run_in_arrival_order_and_a_pass_repeats_after_progress():
+    h, state, order = Harness(), {}, []
+
+    def record(name, sets=None):
+        def run():
+            order.append(name)
+            if sets:
+                state[sets] = True
+            return name
+
+        return run
+
+    h.defer("first", gate(state, "late", record("first")))  # unblocked only by "third"
+    h.defer("second", gate(state, "go", record("second")))
+    h.defer("third", gate(state, "go", record("third", sets="late")))
+    state["go"] = True
+    h.drain()
+    h.join()
+    assert order == ["second", "third", "first"]  # a second pass took "first"
+    assert h.out == {"first": "first", "second": "second", "third": "third"} and not len(h.q)
+
+
+def test_an_operations_own_error_reaches_its_caller_only():
+    h, state = Harness(), {}
+
+    def fail():
+        raise DDictKeyError("k")
+
+    h.defer("bad", gate(state, "go", fail))
+    h.defer("good", gate(state, "go"))
+    state["go"] = True
+    h.drain()
+    h.join()
+    assert isinstance(h.out["bad"], DDictKeyError) and h.out["good"] == "go"
+
+
+def test_a_timed_out_operation_leaves_the_queue_and_is_never_applied():
+    h, state, applied = Harness(), {}, []
+    h.defer("slow", gate(state, "go", lambda: applied.append(1)), timeout=0.05)
+    h.join()
+    assert isinstance(h.out["slow"], DDictTimeoutError) and "slow" in str(h.out["slow"])
+    assert not len(h.q)
+    state["go"] = True
+    h.drain()
+    assert applied == []
+
+
+def test_close_fails_every_waiting_and_later_operation_with_its_own_error():
+    h = Harness()
+    h.defer("a", gate({}, "never"), timeout=None)
+    h.defer("b", gate({}, "never"), timeout=None)
+    with h.lock:
+        h.q.close(lambda: DDictClosedError("manager 0 is closed"))
+    h.join()
+    assert all(isinstance(h.out[n], DDictClosedError) for n in "ab")
+    assert h.out["a"] is not h.out["b"]  # one exception object per thread
+    with h.lock, pytest.raises(DDictClosedError):
+        h.q.wait(gate({}, "never"), 1, "late")
+    assert "closed" in repr(h.q)
