@@ -309,6 +309,31 @@ def test_chunks_are_written_and_read_on_the_managers_host_without_a_request(zd, 
     assert sum(c.get("PutMany", 0) for c in counts.values()) == 4, counts
 
 
+def _write_in_task(store: DDictStore) -> int:
+    """In a task: write 256 MiB of chunks through ``store``; the growth of this process's
+    resident shared memory (pages of the shards it wrote through its mappings)."""
+    def shmem() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem"))
+
+    z = zarr.create_array(store, name="rss", shape=(1 << 25,), chunks=(1 << 22,), dtype="f8",
+                          compressors=None)  # fmt: skip
+    before = shmem()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        z[i << 22 : (i + 1) << 22] = rng.random(1 << 22)
+    return shmem() - before
+
+
+def test_chunks_written_from_a_task_leave_its_resident_set(client):
+    """A task's direct writes map shard pages into it; they are given back as reads' are
+    (every 96 MiB), so Dask's memory monitor does not see the shards in the worker."""
+    with DDict(total_mem="768 MiB", client=client) as d:
+        grown = client.submit(_write_in_task, DDictStore(d)).result()
+        assert grown < 160 << 20, grown >> 20
+        assert zarr.open_array(DDictStore(d), path="rss", mode="r")[-1] > 0
+
+
 def _direct_write_max(value: str | None) -> None:
     import dask
 

@@ -41,6 +41,21 @@ RELEASE_LARGE = 1 << 20
 RELEASE_EVERY = 96 << 20
 
 
+def touched(nbytes: int) -> None:
+    """Count ``nbytes`` of shard pages this process has touched (a copy out of a shard,
+    or a value a client committed into one); give every mapping's pages back when
+    :data:`RELEASE_EVERY` bytes were counted."""
+    global _unreleased
+    _unreleased += nbytes + _memory.PAGE
+    if _unreleased >= RELEASE_EVERY:
+        _unreleased = 0
+        _touched.clear()
+        with _ENVS_LOCK:  # (a view closed meanwhile is skipped: its range may be reused)
+            for view in _ENVS.values():
+                if not view.closed:
+                    view.release()
+
+
 class _View:
     """A process's mapping of one shard, shared by its channels.
 
@@ -75,7 +90,6 @@ class _View:
         pages: reading a hot value again then faults nothing, and its resident
         set stays bounded.
         """
-        global _unreleased
         out = copy_frame(frame)
         n = frame.nbytes
         if n >= RELEASE_LARGE:
@@ -83,14 +97,7 @@ class _View:
             if _touched.get(addr) == n:
                 return out  # (still mapped from an earlier read)
             _touched[addr] = n
-        _unreleased += n + _memory.PAGE
-        if _unreleased >= RELEASE_EVERY:
-            _unreleased = 0
-            _touched.clear()
-            with _ENVS_LOCK:  # (a view closed meanwhile is skipped: its range may be reused)
-                for view in _ENVS.values():
-                    if not view.closed:
-                        view.release()
+        touched(n)
         return out
 
     def release(self) -> None:

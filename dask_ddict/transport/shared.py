@@ -61,6 +61,7 @@ from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests
     _release,
     _View,
     forget,
+    touched,
 )
 from .many import GetMany
 from .ops import Contains, Get, Operation, Page, Put
@@ -407,6 +408,9 @@ class SharedChannel:
                 txn.abort()
         finally:
             self._exit(view)
+        large = sum(r[2].nbytes for r in records[:done] if r[2].nbytes > DIRECT_PUT_MAX)
+        if large:  # (written through this process's mapping: out of its RSS when due)
+            touched(large)
         return done, error
 
     def _contains(self, o: Contains) -> bool:
