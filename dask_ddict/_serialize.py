@@ -42,6 +42,10 @@ FRAME_BASE = 32
 FMT_PICKLE = 0
 FMT_RAW = 1
 FMT_BYTES = 2
+#: Part of every shard's and checkpoint store's format: bump when a frame format is
+#: added that an older reader would misread (2: :data:`FMT_BYTES`, which an older
+#: version would unpickle).  Frames of every earlier version still decode.
+VALUE_FRAMES = 2
 
 _HEAD = struct.Struct("<BxxxIQ")
 _LEN = struct.Struct("<Q")
@@ -136,8 +140,21 @@ def dumps_value(obj: Any, pickler: ValuePickler | None = None) -> Framed:
     return Framed(parts, offset)
 
 
+def older_frame(frame: bytes) -> bytes | None:
+    """How a version before :data:`FMT_BYTES` framed the ``bytes`` value of ``frame``
+    (a pickle in band), or ``None`` if ``frame`` is not a raw-bytes frame: a value
+    restored from an older checkpoint compares equal in either form (``wait_for``)."""
+    if len(frame) < _HEAD.size or frame[0] != FMT_BYTES:
+        return None
+    payload = pickle.dumps(bytes(memoryview(frame)[_HEAD.size:]), 5)
+    return _HEAD.pack(FMT_PICKLE, 0, len(payload)) + payload
+
+
 def _bytes_frame(obj: bytes | memoryview) -> Framed:
     """A :data:`FMT_BYTES` frame: the header and the bytes themselves (not copied)."""
+    if type(obj) is memoryview and not obj.c_contiguous:
+        raise DDictSerializationError("cannot store a memoryview that is not C-contiguous "
+                                      "as bytes: pass bytes(view) or a contiguous view")
     if type(obj) is memoryview and (obj.format != "B" or obj.ndim != 1):
         try:
             obj = obj.cast("B")

@@ -259,6 +259,12 @@ def test_garbage_manager_metadata_and_old_formats_are_refused(tmp_path, written)
     meta.write_text(json.dumps(doc))
     with pytest.raises(DDictPersistCheckpointError, match=f"checkpoint/1.*{FORMAT}"):
         CheckpointStore(str(tmp_path), "d", 0, 1)
+    doc["attributes"]["format"] = "dask_ddict.checkpoint/2"  # same key bytes, older frames
+    meta.write_text(json.dumps(doc))
+    CheckpointStore(str(tmp_path), "d", 0, 1, writable=False)  # read as it is
+    CheckpointStore(str(tmp_path), "d", 0, 1)  # and, opened to write, marked as ours
+    assert json.loads(meta.read_text())["attributes"]["format"] == FORMAT == \
+        "dask_ddict.checkpoint/2.2"
 
 
 def test_a_store_path_that_is_a_file_is_refused(tmp_path):

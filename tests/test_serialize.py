@@ -12,6 +12,7 @@ from dask_ddict._serialize import (
     copy_frame,
     dumps_value,
     loads_value,
+    older_frame,
 )
 from dask_ddict._keys import dumps_key
 from dask_ddict.errors import DDictSerializationError
@@ -129,3 +130,41 @@ def test_bytes_and_memoryviews_are_framed_raw_without_a_copy():
     assert bytes_view(dumps_value({"a": 1}).join()) == {"a": 1}  # other frames: the value
     with pytest.raises(DDictSerializationError, match="memoryview"):
         dumps_value(memoryview(np.zeros((4, 4))[:, ::2]))  # not contiguous
+
+
+def test_a_noncontiguous_memoryview_is_refused_when_put():
+    view = memoryview(b"abcdef")[::2]
+    with pytest.raises(DDictSerializationError, match="C-contiguous"):
+        dumps_value(view)
+    assert loads_value(dumps_value(memoryview(b"abcdef")[1:4]).join()) == b"bcd"
+
+
+def test_a_raw_bytes_frame_knows_its_older_pickled_form():
+    """What a version before raw frames stored for b"..." (a pickle in band), so that
+    wait_for matches a value restored from an older checkpoint."""
+    import pickle
+    import struct
+
+    value = b"ready" * 3
+    payload = pickle.dumps(value, 5)
+    legacy = struct.pack("<BxxxIQ", 0, 0, len(payload)) + payload  # the old framing
+    assert older_frame(dumps_value(value).join()) == legacy
+    assert loads_value(legacy) == value
+    assert older_frame(dumps_value("not bytes").join()) is None
+
+
+def test_wait_for_matches_a_bytes_value_in_its_older_frame(tmp_path):
+    from dask_ddict.shard.manager import Manager
+    from dask_ddict.shard.store import ShardStore
+    from dask_ddict.shard.working_set import WorkingSet
+    from tests.test_manager import k
+
+    store = ShardStore(str(tmp_path / "shard"), 16 << 20)
+    m = Manager(0, store, WorkingSet(store, 1))
+    try:
+        digest, kb = k("flag")
+        new = dumps_value(b"ready").join()
+        m.put(digest, kb, older_frame(new), 0, 1)  # as an older writer stored it
+        m.wait_for(digest, 0, new, timeout=2)  # returns at once, no timeout
+    finally:
+        m.close()

@@ -99,10 +99,14 @@ def test_shards_are_stamped_and_older_formats_refused(tmp_store):
     from dask_ddict.errors import DDictError
     from dask_ddict.shard.store import FORMAT
 
-    with pytest.raises(DDictError, match="dask_ddict.shard/1 .*reads dask_ddict.shard/2"):
+    with pytest.raises(DDictError, match="dask_ddict.shard/1 .*reads dask_ddict.shard/2.2"):
         tmp_store.check_stamp(0)  # what every shard written before format 2 looks like
     tmp_store.stamp(3)
     tmp_store.check_stamp(3)
     with pytest.raises(DDictError, match="belongs to manager b'3', not 1"):
         tmp_store.check_stamp(1)
-    assert FORMAT == b"dask_ddict.shard/2"
+    assert FORMAT == b"dask_ddict.shard/2.2"  # key bytes 2, value frames 2 (raw bytes)
+    tmp_store.stamp(3)
+    with tmp_store.write() as txn:  # a shard of the previous version (same key bytes)
+        tmp_store.put_meta(txn, b"format", b"dask_ddict.shard/2")
+    tmp_store.check_stamp(3)  # re-attached (its frames are a subset of ours)

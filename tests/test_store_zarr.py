@@ -204,6 +204,43 @@ def test_custom_pickler_handles_and_non_bytes_values_are_refused(zd):
     zd.pop("mixed/zarr.json")
 
 
+def _listed(store: DDictStore) -> list[str]:
+    async def names() -> list[str]:
+        return [k async for k in store.list()]
+
+    return sorted(zarr.core.sync.sync(names()))
+
+
+def test_a_prefix_is_a_directory_and_clear_keeps_to_it(zd):
+    """``prefix="run1"`` is ``"run1/"``: it never takes ``run10/...`` for its own."""
+    zd["run10/zarr.json"] = b"{}"
+    zd["run1/zarr.json"] = b"{}"
+    store = DDictStore(zd, prefix="run1")
+    assert store.prefix == "run1/" and _listed(store) == ["zarr.json"]
+    zarr.core.sync.sync(store.clear())
+    assert "run10/zarr.json" in zd and "run1/zarr.json" not in zd
+    zd.pop("run10/zarr.json")
+
+
+def test_keys_of_a_custom_key_pickler_are_skipped_by_listing(zd):
+    class Upper:
+        @staticmethod
+        def dumps(key):
+            return key.upper().encode()
+
+        @staticmethod
+        def loads(data):
+            return bytes(data).decode().lower()
+
+    zd.pickler(key_pickler=Upper)["custom/odd"] = b"v"  # key bytes that are not a pickle
+    zd["custom/zarr.json"] = b"{}"
+    store = DDictStore(zd, prefix="custom/")
+    assert _listed(store) == ["zarr.json"]  # no error: the odd key is not the store's
+    assert not zarr.core.sync.sync(store.is_empty(""))
+    zd.pickler(key_pickler=Upper).pop("custom/odd")
+    zd.pop("custom/zarr.json")
+
+
 # -- the dictionary and the store see each other ---------------------------------------------
 
 
@@ -312,10 +349,7 @@ def test_chunks_are_written_and_read_on_the_managers_host_without_a_request(zd, 
 def _write_in_task(store: DDictStore) -> int:
     """In a task: write 256 MiB of chunks through ``store``; the growth of this process's
     resident shared memory (pages of the shards it wrote through its mappings)."""
-    def shmem() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem"))
-
+    shmem = _shmem
     z = zarr.create_array(store, name="rss", shape=(1 << 25,), chunks=(1 << 22,), dtype="f8",
                           compressors=None)  # fmt: skip
     before = shmem()
@@ -325,13 +359,32 @@ def _write_in_task(store: DDictStore) -> int:
     return shmem() - before
 
 
-def test_chunks_written_from_a_task_leave_its_resident_set(client):
-    """A task's direct writes map shard pages into it; they are given back as reads' are
-    (every 96 MiB), so Dask's memory monitor does not see the shards in the worker."""
+def _read_in_task(store: DDictStore) -> int:
+    """In a task: read the 256 MiB array back four times (its chunks lent zero-copy from
+    the shards); the growth of the process's resident shared memory."""
+    before = _shmem()
+    z = zarr.open_array(store, path="rss", mode="r")
+    for _ in range(4):
+        for i in range(8):
+            assert z[i << 22 : (i + 1) << 22][-1] >= 0
+    return _shmem() - before
+
+
+def _shmem() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem"))
+
+
+def test_chunks_written_and_read_from_a_task_leave_its_resident_set(client):
+    """A task's direct writes map shard pages into it, and so do its reads of lent chunks;
+    they are given back every 96 MiB, so Dask's memory monitor does not see the shards
+    in the worker."""
     with DDict(total_mem="768 MiB", client=client) as d:
         grown = client.submit(_write_in_task, DDictStore(d)).result()
         assert grown < 160 << 20, grown >> 20
         assert zarr.open_array(DDictStore(d), path="rss", mode="r")[-1] > 0
+        grown = client.submit(_read_in_task, DDictStore(d), pure=False).result()
+        assert grown < 160 << 20, grown >> 20
 
 
 def _direct_write_max(value: str | None) -> None:

@@ -100,9 +100,9 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
         store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
                            indexed=opts.wait_for_keys)  # fmt: skip
         if reattach:
-            store.check_stamp(mid)
-        else:
-            store.stamp(mid)
+            store.check_stamp(mid)  # (a readable older stamp is renewed: it may now hold
+        store.stamp(mid)  # frames an older version would misread)
+        if not reattach:
             if config.get("store.reserve"):
                 _reserve(store)
         ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,

@@ -59,11 +59,15 @@ from zarr.codecs import Crc32cCodec
 from zarr.errors import ContainsGroupError
 
 from .._keys import KEY_ENCODING
+from .._serialize import VALUE_FRAMES
 from ..arguments import local_store
 from ..errors import DDictError, DDictPersistCheckpointError
 
-#: The store format; changes with the layout or the key bytes (:data:`KEY_ENCODING`).
-FORMAT = f"dask_ddict.checkpoint/{KEY_ENCODING}"
+#: The store format; changes with the layout, the key bytes (:data:`KEY_ENCODING`) or
+#: the value frames (:data:`VALUE_FRAMES`): an older version refuses what it would misread.
+FORMAT = f"dask_ddict.checkpoint/{KEY_ENCODING}.{VALUE_FRAMES}"
+#: The formats this version reads: its own, and the same key bytes with older frames.
+READABLE = frozenset({FORMAT, f"dask_ddict.checkpoint/{KEY_ENCODING}"})
 _ARRAY_CONFIG = {"write_empty_chunks": True}  # skip the per-chunk "all fill?" scan
 _CRC = [Crc32cCodec()]
 _GEN = re.compile(r"^chkpt_(\d+)\.g(\d+)$")
@@ -291,7 +295,7 @@ class CheckpointStore:
             ) from None
         found = attrs.get("num_managers")
         fmt = attrs.get("format")
-        if fmt is not None and fmt != FORMAT:
+        if fmt is not None and fmt not in READABLE:
             raise DDictPersistCheckpointError(
                 f"{where} has format {fmt!r}; this dask_ddict reads {FORMAT!r} (its key "
                 "bytes differ): restore it with the version that wrote it"
@@ -307,6 +311,8 @@ class CheckpointStore:
         if found is None and writable:
             self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,
                                      "manager_id": manager_id})  # fmt: skip
+        elif writable and fmt != FORMAT:  # an older readable store: what we add may hold
+            self.group.attrs.update({"format": FORMAT})  # frames its writer would misread
 
     def __repr__(self) -> str:
         return f"<CheckpointStore {self.path!r} {self.name!r} manager={self.manager_id}>"

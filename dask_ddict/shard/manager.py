@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
-from .._serialize import dumps_value, loads_value
+from .._serialize import dumps_value, loads_value, older_frame
 from ..errors import DDictClosedError, DDictError
 from .checkpoint_io import CheckpointIO
 from .deferred import DeferredQueue
@@ -319,13 +319,16 @@ class Manager(Summaries, CheckpointIO):
         return self._read(fn, None, "iteration")
 
     def wait_for(self, digest: bytes, chkpt: int, frame: bytes, timeout: float | None) -> None:
-        """Block until the key's value at ``chkpt`` serializes to ``frame``."""
+        """Block until the key's value at ``chkpt`` serializes to ``frame`` (a raw
+        ``bytes`` frame also matches the value as an older version framed it)."""
         ws = self.working_set
+        older = older_frame(frame)
 
         def fn(txn: lmdb.Transaction) -> None:
             ws.check_retired(chkpt)
             e = ws.store.lookup(txn, digest, chkpt)
-            if not (ws.is_visible(e, chkpt) and e is not None and e.frame == frame):
+            if not (ws.is_visible(e, chkpt) and e is not None
+                    and (e.frame == frame or (older is not None and e.frame == older))):
                 raise MustWait
 
         self._read(fn, timeout, "wait_for", counted=True)

@@ -38,7 +38,7 @@ import lmdb
 
 from .. import config
 from .._keys import KEY_ENCODING
-from .._serialize import HUGE_BYTES, Scratch, frame_parts, gather
+from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ _ENTRY = struct.Struct("<BxxxIQ")
 ENTRY_HEADER = _ENTRY.size
 DIGEST = 16
 #: Written into every shard's ``meta``; changes with the layout or the key bytes.
-FORMAT = f"dask_ddict.shard/{KEY_ENCODING}".encode()
+FORMAT = f"dask_ddict.shard/{KEY_ENCODING}.{VALUE_FRAMES}".encode()
+#: Older stamps this version re-attaches (same key bytes, older frames: restamped).
+_READABLE = frozenset({FORMAT, f"dask_ddict.shard/{KEY_ENCODING}".encode()})
 
 
 class Entry(NamedTuple):
@@ -481,7 +483,7 @@ class ShardStore:
         with self.read() as txn:
             found = self.get_meta(txn, b"format")
             owner = self.get_meta(txn, b"manager")
-        if found != FORMAT:
+        if found not in _READABLE:
             was = found.decode(errors="replace") if found else "dask_ddict.shard/1 (unstamped)"
             raise DDictError(
                 f"shard {self.path} has format {was}; this dask_ddict reads "

@@ -1,9 +1,10 @@
 """Pure helpers of :class:`~dask_ddict.DDictStore`: store keys, byte ranges, directory
 children.  No I/O here, so each rule is tested on its own (``tests/test_store_zarr.py``).
 
-A store key ``k`` is the dictionary's ``str`` key ``prefix + k``; every other key
-of the dictionary (another prefix, or not a ``str`` at all) is not the store's
-and is skipped by listing, never an error.
+A store key ``k`` is the dictionary's ``str`` key ``prefix + k`` (a non-empty
+prefix ends with ``/``); every other key of the dictionary (another prefix, not
+a ``str`` at all, or key bytes that are not a pickle: written through a custom
+key pickler) is not the store's and is skipped by listing, never an error.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def check_key(key: Any, name: str = "key") -> str:
     if type(key) is not str:
         raise TypeError(f"{name} must be a str (a zarr store key), got {type(key).__name__}")
     return key
+
+
+def directory(prefix: str) -> str:
+    """A store's ``prefix`` as a directory: ``"run1"`` is ``"run1/"`` (so a store under
+    ``"run1"`` never takes ``"run10/..."`` for its own), ``""`` stays the whole dictionary."""
+    return prefix if not prefix or prefix.endswith("/") else prefix + "/"
 
 
 def check_byte_range(byte_range: Any) -> ByteRequest | None:

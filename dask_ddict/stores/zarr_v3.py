@@ -45,14 +45,17 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from .. import config
+from .._keys import dumps_key, loads_key
 from .._serialize import bytes_view
 from ..arguments import check_bool
+from ..errors import DDictSerializationError
 from ..client import AsyncDDict, DDict
 from ..client.asynchronous import in_thread
 from ..client.coalesce import GetBatcher, PutBatcher
 from ..client.reads import _ABSENT, _WAIT
 from .names import (
     as_bytes,
+    directory,
     byte_slice,
     check_byte_range,
     check_key,
@@ -80,7 +83,8 @@ class DDictStore(Store):
     prefix
         Prepended to every store key to make the dictionary's key: several
         stores (or a store and other data) share one dictionary under
-        different prefixes, such as ``"run1/"``.
+        different prefixes, such as ``"run1/"``.  A prefix is a directory:
+        ``"run1"`` means ``"run1/"`` (the :attr:`prefix` attribute says so).
     read_only
         Refuse writes (``ValueError``, as every zarr store does).
 
@@ -116,7 +120,8 @@ class DDictStore(Store):
         check_key(prefix, "prefix")
         super().__init__(read_only=check_bool("read_only", read_only))
         self._d = ddict
-        self._prefix = prefix
+        self._prefix = directory(prefix)
+        self._names = ddict.pickler(key_pickler=_ListedKeys)  # (listing only)
         self._async = AsyncDDict(ddict)
         self._reads = GetBatcher(ddict, decode=bytes_view)
         self._direct_max = config.get_bytes("zarr-store.direct-write-max")
@@ -230,7 +235,7 @@ class DDictStore(Store):
 
     def _delete_under(self, base: str) -> None:
         d, head = self._d, self._prefix
-        names = list(store_names(d.keys(), head, base))  # (listed before the first pop)
+        names = list(store_names(self._names.keys(), head, base))  # (listed before the first pop)
         for name in names:
             d.pop(head + name, None)
         logger.debug("%r: deleted %d keys under %r", self, len(names), base)
@@ -238,16 +243,16 @@ class DDictStore(Store):
     # -- listing --------------------------------------------------------------------
 
     def list(self) -> AsyncIterator[str]:
-        return in_thread(lambda: store_names(self._d.keys(), self._prefix, ""), LIST_PAGE)
+        return in_thread(lambda: store_names(self._names.keys(), self._prefix, ""), LIST_PAGE)
 
     def list_prefix(self, prefix: str) -> AsyncIterator[str]:
         check_key(prefix, "prefix")
-        return in_thread(lambda: store_names(self._d.keys(), self._prefix, prefix), LIST_PAGE)
+        return in_thread(lambda: store_names(self._names.keys(), self._prefix, prefix), LIST_PAGE)
 
     def list_dir(self, prefix: str) -> AsyncIterator[str]:
         base = dir_base(check_key(prefix, "prefix"))
         return in_thread(
-            lambda: children(store_names(self._d.keys(), self._prefix, base), base), LIST_PAGE
+            lambda: children(store_names(self._names.keys(), self._prefix, base), base), LIST_PAGE
         )
 
     # -- the synchronous protocols (SupportsGetSync, SupportsSetSync, SupportsDeleteSync) ----
@@ -277,6 +282,23 @@ class DDictStore(Store):
         """:meth:`delete` in the calling thread."""
         self._check_writable()
         self._d.pop(self._prefix + check_key(key), None)
+
+
+class _ListedKeys:
+    """The key pickler of a store's listings: key bytes that are not a pickle (a key
+    written through a custom key pickler) list as ``None``, which no store name is,
+    instead of failing the listing."""
+
+    @staticmethod
+    def dumps(key: Any) -> bytes:
+        return dumps_key(key)
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        try:
+            return loads_key(data)
+        except DDictSerializationError:
+            return None
 
 
 def _payload(value: Any) -> memoryview:

@@ -115,10 +115,16 @@ class Lender:
         ``(socket_dir, uid, managers)`` of its host and dictionary, for the pin board.
     on_idle
         Called once no snapshot is open any more (the view may then be closed).
+    on_lent
+        Called with each lent value's size: the reader will touch its pages, which
+        the process gives back in time as it does for copies (``mapped.touched``),
+        so lent values never pile up in its resident memory.
     """
 
     def __init__(self, store: ShardStore, mid: int, board: tuple[str, str, int],
-                 on_idle: Callable[[], None]) -> None:  # fmt: skip
+                 on_idle: Callable[[], None],
+                 on_lent: Callable[[int], None] = lambda n: None) -> None:  # fmt: skip
+        self._on_lent = on_lent
         self.store = store
         self.mid = mid
         self.open = 0  # snapshots alive
@@ -196,6 +202,7 @@ class Lender:
             _drain()
         arr = np.frombuffer(frame, dtype=np.uint8)
         weakref.finalize(arr, self._returned, s, n, board)
+        self._on_lent(n)
         return arr
 
     def _returned(self, s: Snapshot, n: int, board: PinBoard | None) -> None:

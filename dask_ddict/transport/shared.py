@@ -292,7 +292,7 @@ class SharedChannel:
                                      (os.path.dirname(self._sock.info.uds_path),
                                       self._sock.link.uid,
                                       len(gens.words) if gens is not None else 0),
-                                     view.idle)  # fmt: skip
+                                     view.idle, touched)  # fmt: skip
             return view.lender
 
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
