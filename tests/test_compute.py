@@ -231,3 +231,41 @@ def test_to_bag_reads_at_the_handles_checkpoint(d):
     c[key] = -1
     old, new = dict(d.manager(1).to_bag().compute()), dict(c.to_bag().compute())
     assert old[key] == int(key[1:]) and new[key] == -1
+
+
+def _lent_or_copied(part, stores):
+    """For each array of a partition: (read-only, inside this process's mapping of one of
+    the shards ``stores``, a view of something)."""
+    from dask_ddict import _memory
+
+    spans = [s for s in (_memory.mapping_of(p + "/data.mdb") for p in stores) if s is not None]
+    out = []
+    for a in part:
+        addr = a.__array_interface__["data"][0]
+        base = a
+        while getattr(base, "base", None) is not None:  # (a view's chain ends at the shard's)
+            base = base.base
+        out.append((not a.flags.writeable, any(lo <= addr < hi for lo, hi in spans),
+                    base is not a))  # fmt: skip
+    return out
+
+
+def test_to_bag_values_are_zero_copy_views_unless_copy(client):
+    import numpy as np
+
+    with DDict(managers_per_worker=2, total_mem="64 MiB", client=client) as e:
+        e.update({f"a{i}": np.full(1 << 14, float(i)) for i in range(32)})
+        stores = [m.store_path for m in e._core.layout.managers]
+        lent = e.to_bag("values").map_partitions(_lent_or_copied, stores).compute()
+        assert len(lent) == 32 and all(ro and inside and chained for ro, inside, chained in lent)
+        copied = e.to_bag("values", copy=True).map_partitions(_lent_or_copied, stores).compute()
+        assert len(copied) == 32 and not any(ro or inside for ro, inside, _ in copied)
+        assert e.to_bag("values").map(np.sum).sum().compute() == sum(i * (1 << 14) for i in range(32))
+        items = dict(e.to_bag().compute())  # (sent here: copies of the views)
+        assert items["a3"][0] == 3.0
+        deadline = time.monotonic() + 10  # the partitions are gone: so are their pins
+        while any(s.pinned_views for s in e.stats) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [s.pinned_views for s in e.stats] == [0] * e.num_managers
+        with pytest.raises(TypeError, match="copy"):
+            e.to_bag("values", copy="no")
