@@ -121,6 +121,24 @@ def test_a_flood_streams_with_bounded_memory(d):
         d.manager(m).pop("progress")
 
 
+def _many_sorted(dd, out, n):
+    for i in range(n):
+        out.put((i, dd._target))
+
+
+@pytest.mark.parametrize("fan_in", [N_MANAGERS, 2])
+def test_leaves_blocked_on_credits_leave_the_pool_no_deadlock(d, fan_in):
+    """Leaves run in the pool of one-thread workers until they would wait: each fills
+    its credit window while the caller reads slowly, and must then give the thread to
+    the next leaf (a comparator needs every leaf's first item before any result)."""
+    n = 2_000  # per manager: far more than a window of batches
+    with d.filter(_many_sorted, (n,), comparator=lambda x, y: x < y,
+                  branching_factor=fan_in) as results:  # fmt: skip
+        time.sleep(0.5)  # every leaf blocks on its credits meanwhile
+        got = list(results)
+    assert got == sorted((i, m) for i in range(n) for m in range(N_MANAGERS))
+
+
 def _raises_on_3(dd, out):
     out.put(dd._target)
     if dd._target == 3:

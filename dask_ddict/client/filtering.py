@@ -9,9 +9,11 @@ iterates.  Every hop is a socket between two processes (:mod:`.streams`) with a
 credit window, so memory stays bounded by a few batches per task; the
 scheduler only places the tasks and never sees a result.
 
-Tasks that stream for long would hold worker threads: every task of a filter
-leaves its worker's thread pool (:func:`distributed.secede`) as it starts, so a
-filter of any number of managers runs on workers with one thread each.
+Tasks that stream for long would hold worker threads: a merge task leaves its
+worker's thread pool (:func:`distributed.secede`) as it starts, and a leaf just
+before it would first wait (see :func:`run_leaf`), so a filter of any number of
+managers runs on workers with one thread each, and a worker's leaves scan one
+at a time per thread until they wait.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
             host, port = payload.decode().rsplit("|", 1)
             sock = connect((host, int(port)), timeout)
             send_frame(sock, HELLO, hello(plan.token, node, None))
-    except (ConnectionRefusedError, EOFError) as e:  # the caller has left: nothing to do
+    except (ConnectionError, EOFError) as e:  # the caller has left (refused, reset): nothing to do
         logger.debug("ddict filter: node %d starts after its caller left (%r)", node, e)
         return None
     except OSError as e:
@@ -130,12 +132,29 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
 
 def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], plan: Plan,
              node: int) -> None:  # fmt: skip
-    """A manager's task: ``mgr_code(dd, out_queue, *args)``, its results sent up."""
-    distributed.secede()  # streams for as long as the caller reads: not a pool thread
-    sock = _join(plan, node, None)
-    if sock is None:
-        return
-    out = Sender(sock, plan.limits)
+    """A manager's task: ``mgr_code(dd, out_queue, *args)``, its results sent up.
+
+    It runs in its worker's thread pool, so a worker's leaves scan one after
+    another per thread, and leaves the pool (once) only just before it would
+    wait: before it joins a merge task (which may not have started: holding
+    the only thread while waiting for it would deadlock), or for a credit.  It
+    joins its parent at its first flush: a leaf whose results fit one batch
+    never waits in the pool.
+    """
+    seceded = False
+
+    def leave_pool() -> None:
+        nonlocal seceded
+        if not seceded:
+            seceded = True
+            distributed.secede()
+
+    def join() -> Any:
+        if plan.parents[node] != ROOT:
+            leave_pool()
+        return _join(plan, node, None)
+
+    out = Sender(None, plan.limits, join, leave_pool)
     try:
         mgr_code(dd, out, *args)
         out.end()
@@ -145,7 +164,7 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
     except Exception as e:  # noqa: BLE001 - raised in the caller, naming the manager
         out.fail(Failure.of(node, node, e))
     finally:
-        _close(sock)
+        out.close()
 
 
 def run_merge(plan: Plan, node: int, comparator: Callable[[Any, Any], bool] | None) -> None:
@@ -244,17 +263,18 @@ class Filter:
                               tuple(parents))  # fmt: skip
         plan = Plan(token, hub.address, tuple(parents), len(mids), limits)
         tag = token[:4].hex()
-        try:
+        try:  # (merge tasks first and before the leaves: they leave the pool as they start)
+            for j, worker in enumerate(merge_workers):
+                node = len(mids) + j
+                self._futures[node] = client.submit(
+                    run_merge, plan, node, self._cmp, key=f"ddict-filter-{tag}-merge-{node}",
+                    workers=[worker] if worker else None, allow_other_workers=True, pure=False,
+                    priority=1)  # fmt: skip
             for node, mid in enumerate(mids):
                 self._futures[node] = client.submit(
                     run_leaf, d.manager(mid), self._code, self._args, plan, node,
                     key=f"ddict-filter-{tag}-manager-{mid}", workers=self._placement[node],
                     allow_other_workers=True, pure=False)  # fmt: skip
-            for j, worker in enumerate(merge_workers):
-                node = len(mids) + j
-                self._futures[node] = client.submit(
-                    run_merge, plan, node, self._cmp, key=f"ddict-filter-{tag}-merge-{node}",
-                    workers=[worker] if worker else None, allow_other_workers=True, pure=False)  # fmt: skip
             for node, fut in self._futures.items():
                 fut.add_done_callback(lambda f, node=node: hub.event(node, TASK, f))
         except BaseException:
