@@ -287,3 +287,35 @@ def test_to_bag_values_are_zero_copy_views_unless_copy(client):
         assert [s.pinned_views for s in e.stats] == [0] * e.num_managers
         with pytest.raises(TypeError, match="copy"):
             e.to_bag("values", copy="no")
+
+
+def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
+    """``_join`` calls ``before_wait`` (a leaf secedes) only when the caller cannot yet say
+    where the leaf's parent listens; it then still joins it once the merge task starts."""
+    import secrets
+
+    from dask_ddict.client.filtering import Plan, _join
+    from dask_ddict.client.streams import ROOT, Hub, Limits, _close
+
+    limits = Limits(64, 1 << 20, 2, 0.05, 5.0)
+    token = secrets.token_bytes(32)
+    parents = (2, 2, ROOT)  # leaves 0 and 1 under merge node 2
+    root = Hub("127.0.0.1", token, [2], 2, limits, parents)
+    merge = Hub("127.0.0.1", token, [0, 1], 2, limits)
+    plan = Plan(token, root.address, parents, 2, limits)
+    waited: list[int] = []
+    got: dict[int, object] = {}
+    early = threading.Thread(target=lambda: got.update({0: _join(plan, 0, None,
+                                                                 lambda: waited.append(0))}))
+    early.start()
+    time.sleep(0.2)
+    assert waited == [0]  # the merge task has not said where it listens: the leaf secedes
+    up = _join(plan, 2, merge.address)  # the merge task starts
+    early.join(5)
+    late = _join(plan, 1, None, lambda: waited.append(1))
+    assert waited == [0]  # its merge task runs: the leaf joins it without leaving the pool
+    assert got[0] is not None and late is not None and up is not None
+    for s in (got[0], late, up):
+        _close(s)
+    root.close()
+    merge.close()

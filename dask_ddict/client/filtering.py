@@ -23,6 +23,7 @@ import logging
 import math
 import pickle
 import secrets
+import select
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,6 +60,10 @@ from .streams import (
 DDict = Any
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a leaf waits in its worker's thread pool for the caller to tell it where
+#: its parent merge task listens (known as soon as that task runs); then it secedes.
+ANSWER_SOON = 0.01
 
 
 @dataclass(frozen=True)
@@ -104,13 +109,18 @@ def tree(workers: list[str], fan_in: int) -> tuple[list[int], list[str]]:
     return parents, [where[i] for i in range(n, len(parents))]
 
 
-def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
+def _join(plan: Plan, node: int, address: tuple[str, int] | None,
+          before_wait: Callable[[], None] | None = None) -> Any:  # fmt: skip
     """A socket to ``node``'s parent: asked of the caller, which may be the parent;
-    ``None`` if the caller has left (a task that starts late has nothing to do)."""
+    ``None`` if the caller has left (a task that starts late has nothing to do).
+    ``before_wait`` is called if the caller does not answer within :data:`ANSWER_SOON`
+    (the parent, a merge task, has not said where it listens yet)."""
     timeout = plan.limits.connect_timeout
     try:
         sock = connect(plan.root, timeout)
         send_frame(sock, HELLO, hello(plan.token, node, address))
+        if before_wait is not None and not select.select([sock], [], [], ANSWER_SOON)[0]:
+            before_wait()
         kind, payload = recv_frame(sock)
         if kind != PARENT:
             raise EOFError(f"unexpected frame {kind}")
@@ -136,10 +146,10 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
 
     It runs in its worker's thread pool, so a worker's leaves scan one after
     another per thread, and leaves the pool (once) only just before it would
-    wait: before it joins a merge task (which may not have started: holding
-    the only thread while waiting for it would deadlock), or for a credit.  It
-    joins its parent at its first flush: a leaf whose results fit one batch
-    never waits in the pool.
+    wait: for a merge task to say where it listens (one that has not started
+    yet: holding the only thread while waiting for it would deadlock), or for a
+    credit.  It joins its parent at its first flush: a leaf whose results fit
+    its credit window never leaves the pool (merge tasks start first).
     """
     seceded = False
 
@@ -150,9 +160,7 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
             distributed.secede()
 
     def join() -> Any:
-        if plan.parents[node] != ROOT:
-            leave_pool()
-        return _join(plan, node, None)
+        return _join(plan, node, None, None if plan.parents[node] == ROOT else leave_pool)
 
     out = Sender(None, plan.limits, join, leave_pool)
     try:
