@@ -1,8 +1,8 @@
 """Computing beside the data: ``filter`` (Dragon's), ``map_shards``, ``to_bag``.
 
 One cluster for the module, two workers with one thread each: long-running
-filter tasks must not need a thread each (they secede), and placement is
-checked against ``d.manager_workers``.
+filter tasks must not need a thread each (they secede when they would wait), and
+placement is checked against ``d.manager_workers``.
 """
 
 from __future__ import annotations
@@ -278,7 +278,8 @@ def test_to_bag_values_are_zero_copy_views_unless_copy(client):
         assert len(lent) == 32 and all(ro and inside and chained for ro, inside, chained in lent)
         copied = e.to_bag("values", copy=True).map_partitions(_lent_or_copied, stores).compute()
         assert len(copied) == 32 and not any(ro or inside for ro, inside, _ in copied)
-        assert e.to_bag("values").map(np.sum).sum().compute() == sum(i * (1 << 14) for i in range(32))
+        total = e.to_bag("values").map(np.sum).sum().compute()
+        assert total == sum(i * (1 << 14) for i in range(32))
         items = dict(e.to_bag().compute())  # (sent here: copies of the views)
         assert items["a3"][0] == 3.0
         deadline = time.monotonic() + 10  # the partitions are gone: so are their pins
