@@ -291,11 +291,12 @@ def test_to_bag_values_are_zero_copy_views_unless_copy(client):
 
 
 def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
-    """``_join`` calls ``before_wait`` (a leaf secedes) only when the caller cannot yet say
-    where the leaf's parent listens; it then still joins it once the merge task starts."""
+    """A leaf's join (begun as it starts) calls ``before_wait`` (the leaf secedes) only
+    when it is not joined within ANSWER_SOON: its parent merge task has not started; it
+    still joins it once the merge task starts."""
     import secrets
 
-    from dask_ddict.client.filtering import Plan, _join
+    from dask_ddict.client.filtering import Plan, _join, _Joining
     from dask_ddict.client.streams import ROOT, Hub, Limits, _close
 
     limits = Limits(64, 1 << 20, 2, 0.05, 5.0)
@@ -305,18 +306,17 @@ def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
     merge = Hub("127.0.0.1", token, [0, 1], 2, limits)
     plan = Plan(token, root.address, parents, 2, limits)
     waited: list[int] = []
-    got: dict[int, object] = {}
-    early = threading.Thread(target=lambda: got.update({0: _join(plan, 0, None,
-                                                                 lambda: waited.append(0))}))
-    early.start()
-    time.sleep(0.2)
-    assert waited == [0]  # the merge task has not said where it listens: the leaf secedes
-    up = _join(plan, 2, merge.address)  # the merge task starts
-    early.join(5)
-    late = _join(plan, 1, None, lambda: waited.append(1))
-    assert waited == [0]  # its merge task runs: the leaf joins it without leaving the pool
-    assert got[0] is not None and late is not None and up is not None
-    for s in (got[0], late, up):
-        _close(s)
+    up: list[object] = []
+    threading.Timer(0.3, lambda: up.append(_join(plan, 2, merge.address))).start()
+    early = _Joining(plan, 0).result(lambda: waited.append(0))  # (the merge starts later)
+    assert waited == [0] and early is not None and up
+    joining = _Joining(plan, 1)
+    time.sleep(0.2)  # (a leaf's mgr_code runs meanwhile)
+    late = joining.result(lambda: waited.append(1))
+    assert waited == [0] and late is not None  # its merge task runs: no need to secede
+    dropped = _Joining(plan, 1)  # (a leaf that ends without its socket: closed for it)
+    dropped.drop()
+    for sock in (early, late, up[0]):
+        _close(sock)
     root.close()
     merge.close()

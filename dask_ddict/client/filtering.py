@@ -23,7 +23,7 @@ import logging
 import math
 import pickle
 import secrets
-import select
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,8 +61,9 @@ DDict = Any
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a leaf waits in its worker's thread pool for the caller to tell it where
-#: its parent merge task listens (known as soon as that task runs); then it secedes.
+#: Seconds a leaf waits in its worker's thread pool, at its first flush, for its join
+#: to its parent (begun as it started) to end; then it secedes (a merge task that has
+#: not started yet: the caller can say where it listens only once it runs).
 ANSWER_SOON = 0.01
 
 
@@ -109,18 +110,13 @@ def tree(workers: list[str], fan_in: int) -> tuple[list[int], list[str]]:
     return parents, [where[i] for i in range(n, len(parents))]
 
 
-def _join(plan: Plan, node: int, address: tuple[str, int] | None,
-          before_wait: Callable[[], None] | None = None) -> Any:  # fmt: skip
+def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
     """A socket to ``node``'s parent: asked of the caller, which may be the parent;
-    ``None`` if the caller has left (a task that starts late has nothing to do).
-    ``before_wait`` is called if the caller does not answer within :data:`ANSWER_SOON`
-    (the parent, a merge task, has not said where it listens yet)."""
+    ``None`` if the caller has left (a task that starts late has nothing to do)."""
     timeout = plan.limits.connect_timeout
     try:
         sock = connect(plan.root, timeout)
         send_frame(sock, HELLO, hello(plan.token, node, address))
-        if before_wait is not None and not select.select([sock], [], [], ANSWER_SOON)[0]:
-            before_wait()
         kind, payload = recv_frame(sock)
         if kind != PARENT:
             raise EOFError(f"unexpected frame {kind}")
@@ -140,16 +136,64 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None,
     return sock
 
 
+class _Joining:
+    """A leaf's join to its parent (:func:`_join`), in a thread of its own while
+    ``mgr_code`` runs: the leaf's first flush then finds it joined."""
+
+    def __init__(self, plan: Plan, node: int) -> None:
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._sock: Any = None
+        self.error: BaseException | None = None
+        self._taken = self._dropped = False
+        threading.Thread(target=self._run, args=(plan, node), daemon=True,
+                         name=f"ddict-filter-join-{node}").start()  # fmt: skip
+
+    def _run(self, plan: Plan, node: int) -> None:
+        try:
+            sock = _join(plan, node, None)
+        except BaseException as e:  # noqa: BLE001 - raised in the leaf, at its first flush
+            sock, self.error = None, e
+        with self._lock:
+            self._sock = sock
+            self._done.set()
+            if not self._dropped:
+                return
+        if sock is not None:  # (the leaf ended without it)
+            _close(sock)
+
+    def result(self, before_wait: Callable[[], None] | None) -> Any:
+        """The socket (``None``: the caller has left); ``before_wait`` is called if it
+        is not there within :data:`ANSWER_SOON` (its parent has not started yet)."""
+        if not self._done.wait(ANSWER_SOON):
+            if before_wait is not None:
+                before_wait()
+            self._done.wait()
+        self._taken = True
+        if self.error is not None:
+            raise self.error
+        return self._sock
+
+    def drop(self) -> None:
+        """The leaf ends: a socket it never took is closed (now, or once joined)."""
+        with self._lock:
+            self._dropped = True
+            sock = self._sock if self._done.is_set() and not self._taken else None
+        if sock is not None:
+            _close(sock)
+
+
 def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], plan: Plan,
              node: int) -> None:  # fmt: skip
     """A manager's task: ``mgr_code(dd, out_queue, *args)``, its results sent up.
 
     It runs in its worker's thread pool, so a worker's leaves scan one after
     another per thread, and leaves the pool (once) only just before it would
-    wait: for a merge task to say where it listens (one that has not started
-    yet: holding the only thread while waiting for it would deadlock), or for a
-    credit.  It joins its parent at its first flush: a leaf whose results fit
-    its credit window never leaves the pool (merge tasks start first).
+    wait: for its parent merge task to say where it listens (one that has not
+    started yet: holding the only thread while waiting for it would deadlock),
+    or for a credit.  It joins its parent in a thread while ``mgr_code`` runs,
+    and takes the socket at its first flush: a leaf whose results fit its
+    credit window never leaves the pool (merge tasks start first).
     """
     seceded = False
 
@@ -159,10 +203,10 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
             seceded = True
             distributed.secede()
 
-    def join() -> Any:
-        return _join(plan, node, None, None if plan.parents[node] == ROOT else leave_pool)
-
-    out = Sender(None, plan.limits, join, leave_pool)
+    joining = _Joining(plan, node)
+    out = Sender(None, plan.limits,
+                 lambda: joining.result(None if plan.parents[node] == ROOT else leave_pool),
+                 leave_pool)  # fmt: skip
     try:
         mgr_code(dd, out, *args)
         out.end()
@@ -171,8 +215,11 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
             out.fail(Failure.of(node, node, e))
     except Exception as e:  # noqa: BLE001 - raised in the caller, naming the manager
         out.fail(Failure.of(node, node, e))
+        if out.left and joining.error is not None:
+            raise joining.error from None  # (its parent unreachable: the task fails instead)
     finally:
         out.close()
+        joining.drop()
 
 
 def run_merge(plan: Plan, node: int, comparator: Callable[[Any, Any], bool] | None) -> None:
