@@ -1,8 +1,8 @@
 """Computing beside the data: ``filter`` (Dragon's), ``map_shards``, ``to_bag``.
 
 One cluster for the module, two workers with one thread each: long-running
-filter tasks must not need a thread each (they secede), and placement is
-checked against ``d.manager_workers``.
+filter tasks must not need a thread each (they secede when they would wait), and
+placement is checked against ``d.manager_workers``.
 """
 
 from __future__ import annotations
@@ -121,6 +121,24 @@ def test_a_flood_streams_with_bounded_memory(d):
         d.manager(m).pop("progress")
 
 
+def _many_sorted(dd, out, n):
+    for i in range(n):
+        out.put((i, dd._target))
+
+
+@pytest.mark.parametrize("fan_in", [N_MANAGERS, 2])
+def test_leaves_blocked_on_credits_leave_the_pool_no_deadlock(d, fan_in):
+    """Leaves run in the pool of one-thread workers until they would wait: each fills
+    its credit window while the caller reads slowly, and must then give the thread to
+    the next leaf (a comparator needs every leaf's first item before any result)."""
+    n = 2_000  # per manager: far more than a window of batches
+    with d.filter(_many_sorted, (n,), comparator=lambda x, y: x < y,
+                  branching_factor=fan_in) as results:  # fmt: skip
+        time.sleep(0.5)  # every leaf blocks on its credits meanwhile
+        got = list(results)
+    assert got == sorted((i, m) for i in range(n) for m in range(N_MANAGERS))
+
+
 def _raises_on_3(dd, out):
     out.put(dd._target)
     if dd._target == 3:
@@ -231,3 +249,74 @@ def test_to_bag_reads_at_the_handles_checkpoint(d):
     c[key] = -1
     old, new = dict(d.manager(1).to_bag().compute()), dict(c.to_bag().compute())
     assert old[key] == int(key[1:]) and new[key] == -1
+
+
+def _lent_or_copied(part, stores):
+    """For each array of a partition: (read-only, inside this process's mapping of one of
+    the shards ``stores``, a view of something)."""
+    from dask_ddict import _memory
+
+    spans = [s for s in (_memory.mapping_of(p + "/data.mdb") for p in stores) if s is not None]
+    out = []
+    for a in part:
+        addr = a.__array_interface__["data"][0]
+        base = a
+        while getattr(base, "base", None) is not None:  # (a view's chain ends at the shard's)
+            base = base.base
+        out.append((not a.flags.writeable, any(lo <= addr < hi for lo, hi in spans),
+                    base is not a))  # fmt: skip
+    return out
+
+
+def test_to_bag_values_are_zero_copy_views_unless_copy(client):
+    import numpy as np
+
+    with DDict(managers_per_worker=2, total_mem="64 MiB", client=client) as e:
+        e.update({f"a{i}": np.full(1 << 14, float(i)) for i in range(32)})
+        stores = [m.store_path for m in e._core.layout.managers]
+        lent = e.to_bag("values").map_partitions(_lent_or_copied, stores).compute()
+        assert len(lent) == 32 and all(ro and inside and chained for ro, inside, chained in lent)
+        copied = e.to_bag("values", copy=True).map_partitions(_lent_or_copied, stores).compute()
+        assert len(copied) == 32 and not any(ro or inside for ro, inside, _ in copied)
+        total = e.to_bag("values").map(np.sum).sum().compute()
+        assert total == sum(i * (1 << 14) for i in range(32))
+        items = dict(e.to_bag().compute())  # (sent here: copies of the views)
+        assert items["a3"][0] == 3.0
+        deadline = time.monotonic() + 10  # the partitions are gone: so are their pins
+        while any(s.pinned_views for s in e.stats) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [s.pinned_views for s in e.stats] == [0] * e.num_managers
+        with pytest.raises(TypeError, match="copy"):
+            e.to_bag("values", copy="no")
+
+
+def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
+    """A leaf's join (begun as it starts) calls ``before_wait`` (the leaf secedes) only
+    when it is not joined within ANSWER_SOON: its parent merge task has not started; it
+    still joins it once the merge task starts."""
+    import secrets
+
+    from dask_ddict.client.filtering import Plan, _join, _Joining
+    from dask_ddict.client.streams import ROOT, Hub, Limits, _close
+
+    limits = Limits(64, 1 << 20, 2, 0.05, 5.0)
+    token = secrets.token_bytes(32)
+    parents = (2, 2, ROOT)  # leaves 0 and 1 under merge node 2
+    root = Hub("127.0.0.1", token, [2], 2, limits, parents)
+    merge = Hub("127.0.0.1", token, [0, 1], 2, limits)
+    plan = Plan(token, root.address, parents, 2, limits)
+    waited: list[int] = []
+    up: list[object] = []
+    threading.Timer(0.3, lambda: up.append(_join(plan, 2, merge.address))).start()
+    early = _Joining(plan, 0).result(lambda: waited.append(0))  # (the merge starts later)
+    assert waited == [0] and early is not None and up
+    joining = _Joining(plan, 1)
+    time.sleep(0.2)  # (a leaf's mgr_code runs meanwhile)
+    late = joining.result(lambda: waited.append(1))
+    assert waited == [0] and late is not None  # its merge task runs: no need to secede
+    dropped = _Joining(plan, 1)  # (a leaf that ends without its socket: closed for it)
+    dropped.drop()
+    for sock in (early, late, up[0]):
+        _close(sock)
+    root.close()
+    merge.close()

@@ -27,7 +27,7 @@ def sync_use(client: Client) -> int:
     with d.filter(_shard_sums, (2,), comparator=lambda x, y: x < y, branching_factor=4) as res:
         total = sum(res)
     futures: list[Future] = d.map_shards(len)
-    bag: dask.bag.Bag = d.to_bag("values")
+    bag: dask.bag.Bag = d.to_bag("values", copy=True)
     d.destroy()
     return n + len(stats) + len(names) + len(values) + pinned + len(view) + waiting + int(total) \
         + len(futures) + bag.npartitions
@@ -49,7 +49,7 @@ async def async_use(client: Client) -> int:
     async with ad.filter(_shard_sums, (1,)) as results:
         sums = [x async for x in results]
     futures: list[Future] = await ad.map_shards(len)
-    bag: dask.bag.Bag = await ad.to_bag()
+    bag: dask.bag.Bag = await ad.to_bag(copy=False)
     await ad.destroy()
     return length + len(keys) + len(stats) + int(value) + len(many) + len(sums) + len(futures) \
         + bag.npartitions

@@ -300,13 +300,13 @@ class AsyncDDict:
         """Awaitable :meth:`DDict.map_shards`: one future per manager, placed beside it."""
         return self._d._map_shards(func, args, kwargs, await self._workers())
 
-    async def to_bag(self, what: str = "items") -> dask.bag.Bag:
+    async def to_bag(self, what: str = "items", copy: bool = False) -> dask.bag.Bag:
         """Awaitable :meth:`DDict.to_bag` (compute it with ``await client.compute(...)``)."""
         client = self._client or self._d._core.client
-        scatters = self._d._bag_scatters(what, await self._workers())
-        return self._d._bag(what, [(idx, await client.scatter(handles, workers=workers,
-                                                                hash=False))
-                                   for idx, handles, workers in scatters])  # fmt: skip
+        scatters = self._d._bag_scatters(what, await self._workers(), copy)
+        return self._d._bag(what, copy, [(idx, await client.scatter(handles, workers=workers,
+                                                                      hash=False))
+                                         for idx, handles, workers in scatters])  # fmt: skip
 
     def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),
                comparator: Callable[[Any, Any], bool] | None = None,

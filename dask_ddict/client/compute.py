@@ -17,6 +17,7 @@ from dask.utils import funcname
 from distributed import Future
 from distributed.comm import get_address_host
 
+from ..arguments import check_bool
 from ..layout import Layout
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
 from .filtering import DDict, Filter
@@ -56,14 +57,18 @@ def call_on_shard(func: Callable[..., Any], dd: DDict, args: tuple[Any, ...],
     return func(dd, *args, **kwargs)
 
 
-def read_shard(dd: DDict, want: int) -> list[Any]:
+def read_shard(dd: DDict, want: int, copy: bool = True) -> list[Any]:
     """A :meth:`Compute.to_bag` partition: the manager's items, keys or values.
 
     ``dd`` is directed to its manager, whose shard this task's host maps: the
     scan pages through the shard's snapshots in this process (no socket).
+    ``copy=False``: values are lent from the shard (read-only numpy arrays, as
+    ``dd.get(k, copy=False)``), held for as long as the partition lives.
     """
-    view = dd.items() if want == WANT_ITEMS else dd.keys() if want == WANT_KEYS else dd.values()
-    return list(iter(view))  # (not list(view): that asks the manager for len() first)
+    got = dd._iter(dd._managers(), want, lend=not copy)
+    if want == WANT_ITEMS:
+        return list(got)
+    return [k for k, _ in got] if want == WANT_KEYS else [v for _, v in got]
 
 
 class Compute:
@@ -139,7 +144,7 @@ class Compute:
                                          allow_other_workers=True, pure=False))  # fmt: skip
         return futures
 
-    def to_bag(self, what: str = "items") -> dask.bag.Bag:
+    def to_bag(self, what: str = "items", copy: bool = False) -> dask.bag.Bag:
         """A ``dask.bag.Bag`` of the dictionary: one partition per manager.
 
         ``what``: ``"items"`` (``(key, value)`` pairs, the default), ``"keys"`` or
@@ -148,18 +153,25 @@ class Compute:
         handle, which this call places on the worker hosting the manager, and
         Dask runs a task where its dependencies are (the read then fuses with
         what the bag maps over it).  Compute it on the dictionary's cluster.
-        """
-        scatters = self._bag_scatters(what, None)
-        return self._bag(what, [(idx, self._core.client.scatter(handles, workers=workers,
-                                                                 hash=False))
-                                for idx, handles, workers in scatters])  # fmt: skip
 
-    def _bag_scatters(self, what: str, workers: dict[str, Any] | None,
+        ``copy=False`` (the default): values read beside their shard are
+        zero-copy, as with ``get(copy=False)``: numpy arrays are read-only views
+        of the shard, which hold its pages only while the partition lives (a
+        bag's steps make new objects; map a copy to change one in place).
+        ``copy=True``: every value is a private, writeable copy.
+        """
+        scatters = self._bag_scatters(what, None, copy)
+        return self._bag(what, copy, [(idx, self._core.client.scatter(handles, workers=workers,
+                                                                       hash=False))
+                                      for idx, handles, workers in scatters])  # fmt: skip
+
+    def _bag_scatters(self, what: str, workers: dict[str, Any] | None, copy: bool,
                       ) -> list[tuple[list[int], list[DDict], list[str] | None]]:  # fmt: skip
         """What :meth:`to_bag` scatters: ``(partitions, their handles, onto which
-        workers)`` per placement (checks ``what`` first)."""
+        workers)`` per placement (checks ``what`` and ``copy`` first)."""
         if what not in _WANT:
             raise ValueError(f"what must be 'items', 'keys' or 'values', got {what!r}")
+        check_bool("copy", copy)
         mids = self._managers()
         groups: dict[tuple[str, ...] | None, list[int]] = defaultdict(list)
         for i, w in enumerate(self._placement(workers)):
@@ -167,7 +179,8 @@ class Compute:
         return [(idx, [self.manager(mids[i]) for i in idx], list(g) if g else None)
                 for g, idx in groups.items()]  # fmt: skip
 
-    def _bag(self, what: str, scattered: list[tuple[list[int], list[Future]]]) -> dask.bag.Bag:
+    def _bag(self, what: str, copy: bool,
+             scattered: list[tuple[list[int], list[Future]]]) -> dask.bag.Bag:  # fmt: skip
         """The bag over the scattered handles: partition ``i`` reads handle ``i``'s shard."""
         import dask.bag as db
         from dask.highlevelgraph import HighLevelGraph
@@ -176,7 +189,7 @@ class Compute:
         for idx, futures in scattered:
             handles.update(zip(idx, futures))
         name = f"ddict-{what}-{self._core.name}-{uuid.uuid4().hex[:8]}"
-        dsk: dict[Any, Any] = {(name, i): (read_shard, h, _WANT[what])
+        dsk: dict[Any, Any] = {(name, i): (read_shard, h, _WANT[what], copy)
                                for i, h in sorted(handles.items())}  # fmt: skip
         graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
         return db.Bag(graph, name, len(handles))

@@ -9,9 +9,11 @@ iterates.  Every hop is a socket between two processes (:mod:`.streams`) with a
 credit window, so memory stays bounded by a few batches per task; the
 scheduler only places the tasks and never sees a result.
 
-Tasks that stream for long would hold worker threads: every task of a filter
-leaves its worker's thread pool (:func:`distributed.secede`) as it starts, so a
-filter of any number of managers runs on workers with one thread each.
+Tasks that stream for long would hold worker threads: a merge task leaves its
+worker's thread pool (:func:`distributed.secede`) as it starts, and a leaf just
+before it would first wait (see :func:`run_leaf`), so a filter of any number of
+managers runs on workers with one thread each, and a worker's leaves scan one
+at a time per thread until they wait.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import math
 import pickle
 import secrets
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +60,11 @@ from .streams import (
 DDict = Any
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a leaf waits in its worker's thread pool, at its first flush, for its join
+#: to its parent (begun as it started) to end; then it secedes (a merge task that has
+#: not started yet: the caller can say where it listens only once it runs).
+ANSWER_SOON = 0.01
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
             host, port = payload.decode().rsplit("|", 1)
             sock = connect((host, int(port)), timeout)
             send_frame(sock, HELLO, hello(plan.token, node, None))
-    except (ConnectionRefusedError, EOFError) as e:  # the caller has left: nothing to do
+    except (ConnectionError, EOFError) as e:  # the caller has left (refused, reset): nothing to do
         logger.debug("ddict filter: node %d starts after its caller left (%r)", node, e)
         return None
     except OSError as e:
@@ -128,14 +136,77 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
     return sock
 
 
+class _Joining:
+    """A leaf's join to its parent (:func:`_join`), in a thread of its own while
+    ``mgr_code`` runs: the leaf's first flush then finds it joined."""
+
+    def __init__(self, plan: Plan, node: int) -> None:
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._sock: Any = None
+        self.error: BaseException | None = None
+        self._taken = self._dropped = False
+        threading.Thread(target=self._run, args=(plan, node), daemon=True,
+                         name=f"ddict-filter-join-{node}").start()  # fmt: skip
+
+    def _run(self, plan: Plan, node: int) -> None:
+        try:
+            sock = _join(plan, node, None)
+        except BaseException as e:  # noqa: BLE001 - raised in the leaf, at its first flush
+            sock, self.error = None, e
+        with self._lock:
+            self._sock = sock
+            self._done.set()
+            if not self._dropped:
+                return
+        if sock is not None:  # (the leaf ended without it)
+            _close(sock)
+
+    def result(self, before_wait: Callable[[], None] | None) -> Any:
+        """The socket (``None``: the caller has left); ``before_wait`` is called if it
+        is not there within :data:`ANSWER_SOON` (its parent has not started yet)."""
+        if not self._done.wait(ANSWER_SOON):
+            if before_wait is not None:
+                before_wait()
+            self._done.wait()
+        self._taken = True
+        if self.error is not None:
+            raise self.error
+        return self._sock
+
+    def drop(self) -> None:
+        """The leaf ends: a socket it never took is closed (now, or once joined)."""
+        with self._lock:
+            self._dropped = True
+            sock = self._sock if self._done.is_set() and not self._taken else None
+        if sock is not None:
+            _close(sock)
+
+
 def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], plan: Plan,
              node: int) -> None:  # fmt: skip
-    """A manager's task: ``mgr_code(dd, out_queue, *args)``, its results sent up."""
-    distributed.secede()  # streams for as long as the caller reads: not a pool thread
-    sock = _join(plan, node, None)
-    if sock is None:
-        return
-    out = Sender(sock, plan.limits)
+    """A manager's task: ``mgr_code(dd, out_queue, *args)``, its results sent up.
+
+    It runs in its worker's thread pool, so a worker's leaves scan one after
+    another per thread, and leaves the pool (once) only just before it would
+    wait: for its parent merge task to say where it listens (one that has not
+    started yet: holding the only thread while waiting for it would deadlock),
+    or for a credit.  It joins its parent in a thread while ``mgr_code`` runs,
+    and takes the socket at its first flush: a leaf whose results fit its
+    credit window never leaves the pool (merge tasks start first).
+    """
+    seceded = False
+
+    def leave_pool() -> None:
+        nonlocal seceded
+        if not seceded:
+            seceded = True
+            distributed.secede()
+
+    joining = _Joining(plan, node)
+    out = Sender(None, plan.limits,
+                 lambda: joining.result(None if plan.parents[node] == ROOT else leave_pool),
+                 leave_pool)  # fmt: skip
     try:
         mgr_code(dd, out, *args)
         out.end()
@@ -144,8 +215,11 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
             out.fail(Failure.of(node, node, e))
     except Exception as e:  # noqa: BLE001 - raised in the caller, naming the manager
         out.fail(Failure.of(node, node, e))
+        if out.left and joining.error is not None:
+            raise joining.error from None  # (its parent unreachable: the task fails instead)
     finally:
-        _close(sock)
+        out.close()
+        joining.drop()
 
 
 def run_merge(plan: Plan, node: int, comparator: Callable[[Any, Any], bool] | None) -> None:
@@ -244,17 +318,18 @@ class Filter:
                               tuple(parents))  # fmt: skip
         plan = Plan(token, hub.address, tuple(parents), len(mids), limits)
         tag = token[:4].hex()
-        try:
+        try:  # (merge tasks first and before the leaves: they leave the pool as they start)
+            for j, worker in enumerate(merge_workers):
+                node = len(mids) + j
+                self._futures[node] = client.submit(
+                    run_merge, plan, node, self._cmp, key=f"ddict-filter-{tag}-merge-{node}",
+                    workers=[worker] if worker else None, allow_other_workers=True, pure=False,
+                    priority=1)  # fmt: skip
             for node, mid in enumerate(mids):
                 self._futures[node] = client.submit(
                     run_leaf, d.manager(mid), self._code, self._args, plan, node,
                     key=f"ddict-filter-{tag}-manager-{mid}", workers=self._placement[node],
                     allow_other_workers=True, pure=False)  # fmt: skip
-            for j, worker in enumerate(merge_workers):
-                node = len(mids) + j
-                self._futures[node] = client.submit(
-                    run_merge, plan, node, self._cmp, key=f"ddict-filter-{tag}-merge-{node}",
-                    workers=[worker] if worker else None, allow_other_workers=True, pure=False)  # fmt: skip
             for node, fut in self._futures.items():
                 fut.add_done_callback(lambda f, node=node: hub.event(node, TASK, f))
         except BaseException:

@@ -478,17 +478,21 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         frame = dumps_value(value, self._vp).join()
         self._core.channel(mid).call(WaitFor(digest, self._chkpt, frame, timeout))
 
-    def _iter(self, managers: builtins.list[int], want: int) -> Iterator[tuple[Any, Any]]:
+    def _iter(self, managers: builtins.list[int], want: int,
+              lend: bool = False) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+        """``(key, value)`` of ``managers`` (``None`` for what ``want`` leaves out);
+        ``lend``: values of a same-host shard zero-copy, as ``get(copy=False)``."""
         page = config.get("iteration.page-items")
+        lend = lend and self._vp is None
         self._check()
         firsts = first_pages(self._core.each, managers, self._chkpt, want, page, self._timeout,
-                             config.get_bytes("iteration.page-bytes"))  # fmt: skip
+                             config.get_bytes("iteration.page-bytes"), lend)  # fmt: skip
         for mid, (items, last, more) in zip(managers, firsts):
             if not (items or more):
                 continue  # (an empty manager)
             self._check()
             rest = iter_pages(self._core.channel(mid), self._chkpt, want, page, last,
-                              self._timeout) if more \
+                              self._timeout, lend) if more \
                 else ()  # fmt: skip
             for k, v in itertools.chain(items, rest):
                 yield (

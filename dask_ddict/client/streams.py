@@ -213,10 +213,19 @@ class Sender:
     batch only with a credit from the parent: a producer faster than the
     caller reads blocks in :meth:`put`.  Once the parent has gone (the caller
     left the ``with`` block), :meth:`put` raises ``EOFError``.
+
+    Without a socket, the sender connects at its first flush, with ``join``
+    (a socket, or ``None``: the caller has left); ``before_wait`` is called
+    once, just before it first waits for a credit (a leaf leaves its worker's
+    thread pool then).
     """
 
-    def __init__(self, sock: socket.socket, limits: Limits) -> None:
+    def __init__(self, sock: socket.socket | None, limits: Limits,
+                 join: Callable[[], socket.socket | None] | None = None,
+                 before_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
         self._sock = sock
+        self._join = join
+        self._before_wait = before_wait
         self._limits = limits
         self._batch: list[bytes] = []
         self._bytes = 0
@@ -249,7 +258,11 @@ class Sender:
         """Send the batch, waiting for a credit (the parent's room) if needed."""
         if not self._batch:
             return
+        self._connected()
         self._poll(block=False)
+        if self._credits == 0 and self._before_wait is not None:
+            self._before_wait()
+            self._before_wait = None
         while self._credits == 0:
             self._poll(block=True)
         parts = []
@@ -263,14 +276,32 @@ class Sender:
     def end(self) -> None:
         """All sent: flush and say so."""
         self.flush()
+        self._connected()
         self._send(END)
 
     def fail(self, failure: Failure) -> None:
         """Send ``failure`` up (best effort: no credit needed, a gone parent ignored)."""
         try:
-            send_frame(self._sock, ERROR, pickle.dumps(failure))
-        except OSError:
+            send_frame(self._connected(), ERROR, pickle.dumps(failure))
+        except (OSError, EOFError):
             self.left = True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            _close(self._sock)
+
+    def _connected(self) -> socket.socket:
+        """The socket to the parent, joined now if not yet (its first credits read:
+        the parent gives its window as it attaches); ``EOFError`` if the caller left."""
+        if self._sock is None:
+            join, self._join = self._join, None
+            sock = None if join is None else join()
+            if sock is None:
+                self._left()
+            self._sock = sock
+            self._poll(block=True)
+        assert self._sock is not None
+        return self._sock
 
     def gone(self) -> bool:
         """Whether the parent has left (checked without waiting)."""
@@ -283,11 +314,13 @@ class Sender:
 
     def _send(self, kind: int, payload: bytes = b"") -> None:
         try:
-            send_frame(self._sock, kind, payload)
+            send_frame(self._connected(), kind, payload)
         except OSError:
             self._left()
 
     def _poll(self, block: bool) -> None:
+        if self._sock is None:
+            return  # (not joined yet: no credit to read)
         try:
             data = self._sock.recv(4096, 0 if block else socket.MSG_DONTWAIT)
         except BlockingIOError:

@@ -30,12 +30,13 @@ class Viewed(Protocol):
 
 
 def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
-               after: bytes | None = None, timeout: float | None = None,
+               after: bytes | None = None, timeout: float | None = None, lend: bool = False,
                ) -> Iterator[tuple[Any, Any]]:  # fmt: skip
     """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page
-    (after digest ``after``, when resuming); each page waited for at most ``timeout``."""
+    (after digest ``after``, when resuming); each page waited for at most ``timeout``;
+    ``lend``: a same-host manager's frames zero-copy (:class:`~.ops.Page`)."""
     while True:
-        items, last, more = channel.call(Page(chkpt, after, want, page_items, 0, timeout))
+        items, last, more = channel.call(Page(chkpt, after, want, page_items, 0, timeout, lend))
         yield from items
         if not more:
             return
@@ -43,7 +44,7 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
 
 
 def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_items: int,
-                timeout: float | None, page_bytes: int,
+                timeout: float | None, page_bytes: int, lend: bool = False,
                 ) -> list[tuple[list[Any], bytes | None, bool]]:  # fmt: skip
     """Every manager's first page, in one broadcast: together at most about one page.
 
@@ -53,7 +54,7 @@ def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_item
     """
     n = max(1, len(managers))
     return each(Page(chkpt, None, want, max(1, page_items // n), max(1, page_bytes // n),
-                     timeout), managers)  # fmt: skip
+                     timeout, lend), managers)  # fmt: skip
 
 
 class _View:

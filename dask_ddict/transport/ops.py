@@ -224,6 +224,8 @@ class Page(Answered):
 
     ``max_bytes`` (0: the host's ``ddict.iteration.page-bytes``) is at most that:
     a broadcast of first pages asks each manager for its share of one page.
+    ``lend`` (a same-host reader's choice, never sent, as :class:`Get`'s): the
+    values' frames are lent from a snapshot of the shard (zero-copy, :mod:`.pins`).
     """
 
     op = Op.PAGE
@@ -235,6 +237,7 @@ class Page(Answered):
     max_items: int
     max_bytes: int = 0
     timeout: float | None = None
+    lend: bool = False
 
     def encode(self) -> Encoded:
         return Encoded(keysec=self.after or b"", chkpt=self.chkpt,

@@ -26,6 +26,7 @@ The process's mappings of shards are :mod:`.mapped`'s.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -65,7 +66,7 @@ from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests
 )
 from .many import GetMany
 from .ops import Contains, Get, Operation, Page, Put
-from .pins import Lender, lendable
+from .pins import Lender, Snapshot, lendable
 from .protocol import WANT_KEYS, WANT_VALUES
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
@@ -309,8 +310,7 @@ class SharedChannel:
             e = self._visible(view.store, digest, chkpt, snap.txn)
             if not e:
                 return e
-            lent = lender.lend(snap, e.frame) if lendable(e.frame) else None
-            return view.copy(e.frame) if lent is None else lent
+            return _lent_or_copied(view, lender, snap, e.frame)
         finally:
             lender.end(snap)
 
@@ -352,10 +352,8 @@ class SharedChannel:
                 out.append(unseen(e, chkpt, self._wfk))
                 continue
             frame = e.frame  # type: ignore[union-attr]
-            lent = None
-            if lending is not None and lendable(frame):
-                lent = lending[0].lend(lending[1], frame)
-            out.append(view.copy(frame) if lent is None else lent)
+            out.append(view.copy(frame) if lending is None
+                       else _lent_or_copied(view, *lending, frame))  # fmt: skip
         return out
 
     def _put(self, o: Put) -> None:
@@ -430,25 +428,38 @@ class SharedChannel:
     def _page(self, o: Page) -> Any:
         """One page of a view scanned from a snapshot of the shard: iterating a same-host
         manager (a task beside its shard, ``to_bag``, ``filter``) sends no value through
-        a socket."""
+        a socket.  With ``o.lend``, the values' frames are lent from a shared snapshot
+        (as :meth:`_get_many`'s), or copied when none is free."""
         view = self._enter()
         if view is None:
             return self._sock.call(o)
         try:
             self._check_alive()
-            store = view.store
-            with self._snapshot(store) as txn:
-                self._check_state(store, o.chkpt, txn)
-                page_bytes = config.get_bytes("iteration.page-bytes")
-                return take_page(visible_entries(store, txn, o.chkpt, o.after, self._wfk),
-                                 bool(o.want & WANT_KEYS), bool(o.want & WANT_VALUES),
-                                 max(1, o.max_items), min(page_bytes, o.max_bytes or page_bytes),
-                                 view.copy)  # fmt: skip
+            if o.lend and o.want & WANT_VALUES:
+                lender = view.lender or self._lender(view)
+                snap = lender.begin(self._word())
+                if snap is not None:
+                    try:
+                        return self._take_page(view, o, snap.txn, functools.partial(
+                            _lent_or_copied, view, lender, snap))  # fmt: skip
+                    finally:
+                        lender.end(snap)
+            with self._snapshot(view.store) as txn:
+                return self._take_page(view, o, txn, view.copy)
         except DDictClosedError:
             _destroyed(self._path)
             raise
         finally:
             self._exit(view)
+
+    def _take_page(self, view: _View, o: Page, txn: Any, copy: Callable[[Any], Any]) -> Any:
+        store = view.store
+        self._check_state(store, o.chkpt, txn)
+        page_bytes = config.get_bytes("iteration.page-bytes")
+        return take_page(visible_entries(store, txn, o.chkpt, o.after, self._wfk),
+                         bool(o.want & WANT_KEYS), bool(o.want & WANT_VALUES),
+                         max(1, o.max_items), min(page_bytes, o.max_bytes or page_bytes),
+                         copy)  # fmt: skip
 
     def close(self) -> None:
         with _ENVS_LOCK:
@@ -457,6 +468,13 @@ class SharedChannel:
         if view is not None:
             _release(self._path, view)
         self._sock.close()
+
+
+def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> Any:
+    """``frame`` lent from ``snap`` (see :mod:`.pins`), or copied when lending it saves
+    nothing or is past ``max-pinned``."""
+    lent = lender.lend(snap, frame) if lendable(frame) else None
+    return view.copy(frame) if lent is None else lent
 
 
 #: What a same-host channel serves from the shard itself (everything else: the socket).
