@@ -49,6 +49,39 @@ def test_tls_cluster_uses_tls_tcp():
                 d.destroy()
 
 
+def _sorted_keys(dd, out) -> None:  # noqa: ANN001
+    for k in sorted(dd.keys()):
+        out.put(k)
+
+
+def test_a_filter_on_a_tls_cluster_streams_over_tls():
+    """Every stream of a filter is TLS with the cluster's certificates (leaf to merge task
+    to caller); a plain TCP peer gets nothing from the caller's end."""
+    sec = Security.temporary()
+    with LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") \
+            as cl, Client(cl, security=sec) as c:  # fmt: skip
+        with dask.config.set({"ddict.local-transport": False}):
+            d = DDict(total_mem="32 MiB", managers_per_worker=3, client=c)
+            try:
+                d.update({i: i for i in range(300)})
+                f = d.filter(_sorted_keys, comparator=lambda x, y: x < y, branching_factor=2)
+                with f as results:
+                    root = f._hub.address
+                    with socket.create_connection(root, timeout=10) as plain:  # no TLS: refused
+                        plain.sendall(b"\x01" + bytes(64))
+                        plain.settimeout(10)
+                        try:
+                            got = plain.recv(1)
+                        except (ConnectionError, TimeoutError):
+                            got = b""
+                        assert got == b""
+                    assert list(results) == list(range(300))
+                    children = list(f._hub._socks.values())
+                    assert children and all(isinstance(x, ssl.SSLSocket) for x in children)
+            finally:
+                d.destroy()
+
+
 def _refuses_peers_without_certificates(info) -> None:  # noqa: ANN001
     """Plain TCP, and TLS without a client certificate: the host never answers the HELLO."""
     hello = HELLO.pack(HELLO_MAGIC, b"u" * 16) + bytes(32)

@@ -23,6 +23,7 @@ import logging
 import math
 import pickle
 import secrets
+import ssl
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -54,6 +55,7 @@ from .streams import (
     hello,
     recv_frame,
     send_frame,
+    tls_context,
 )
 
 #: A DDict handle (not imported: the handle imports this module).
@@ -78,6 +80,13 @@ class Plan:
     parents: tuple[int, ...]
     leaves: int
     limits: Limits
+    tls: bool = False  # the cluster's TLS: every stream is TLS, with its certificates
+
+    def ssl_context(self, listen: bool) -> ssl.SSLContext | None:
+        """A task's TLS context (``None`` without TLS); in the task's own thread."""
+        if not self.tls:
+            return None
+        return tls_context(distributed.get_worker().security, "worker", listen)
 
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
@@ -110,12 +119,13 @@ def tree(workers: list[str], fan_in: int) -> tuple[list[int], list[str]]:
     return parents, [where[i] for i in range(n, len(parents))]
 
 
-def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
+def _join(plan: Plan, node: int, address: tuple[str, int] | None,
+          ssl_context: ssl.SSLContext | None = None) -> Any:  # fmt: skip
     """A socket to ``node``'s parent: asked of the caller, which may be the parent;
     ``None`` if the caller has left (a task that starts late has nothing to do)."""
     timeout = plan.limits.connect_timeout
     try:
-        sock = connect(plan.root, timeout)
+        sock = connect(plan.root, timeout, ssl_context)
         send_frame(sock, HELLO, hello(plan.token, node, address))
         kind, payload = recv_frame(sock)
         if kind != PARENT:
@@ -123,7 +133,7 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None) -> Any:
         if payload:
             _close(sock)
             host, port = payload.decode().rsplit("|", 1)
-            sock = connect((host, int(port)), timeout)
+            sock = connect((host, int(port)), timeout, ssl_context)
             send_frame(sock, HELLO, hello(plan.token, node, None))
     except (ConnectionError, EOFError) as e:  # the caller has left (refused, reset): nothing to do
         logger.debug("ddict filter: node %d starts after its caller left (%r)", node, e)
@@ -140,18 +150,18 @@ class _Joining:
     """A leaf's join to its parent (:func:`_join`), in a thread of its own while
     ``mgr_code`` runs: the leaf's first flush then finds it joined."""
 
-    def __init__(self, plan: Plan, node: int) -> None:
+    def __init__(self, plan: Plan, node: int, ssl_context: ssl.SSLContext | None = None) -> None:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._sock: Any = None
         self.error: BaseException | None = None
         self._taken = self._dropped = False
-        threading.Thread(target=self._run, args=(plan, node), daemon=True,
+        threading.Thread(target=self._run, args=(plan, node, ssl_context), daemon=True,
                          name=f"ddict-filter-join-{node}").start()  # fmt: skip
 
-    def _run(self, plan: Plan, node: int) -> None:
+    def _run(self, plan: Plan, node: int, ssl_context: ssl.SSLContext | None) -> None:
         try:
-            sock = _join(plan, node, None)
+            sock = _join(plan, node, None, ssl_context)
         except BaseException as e:  # noqa: BLE001 - raised in the leaf, at its first flush
             sock, self.error = None, e
         with self._lock:
@@ -203,7 +213,7 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
             seceded = True
             distributed.secede()
 
-    joining = _Joining(plan, node)
+    joining = _Joining(plan, node, plan.ssl_context(listen=False))
     out = Sender(None, plan.limits,
                  lambda: joining.result(None if plan.parents[node] == ROOT else leave_pool),
                  leave_pool)  # fmt: skip
@@ -226,10 +236,11 @@ def run_merge(plan: Plan, node: int, comparator: Callable[[Any, Any], bool] | No
     """A merge task: its children's results, merged, sent up."""
     distributed.secede()
     host = get_address_host(distributed.get_worker().address)
-    hub = Hub(host, plan.token, plan.children(node), plan.leaves, plan.limits)
+    hub = Hub(host, plan.token, plan.children(node), plan.leaves, plan.limits,
+              ssl_context=plan.ssl_context(listen=True))  # fmt: skip
     sock = None
     try:
-        sock = _join(plan, node, hub.address)
+        sock = _join(plan, node, hub.address, plan.ssl_context(listen=False))
         if sock is None:
             return
         out = Sender(sock, plan.limits)
@@ -313,10 +324,12 @@ class Filter:
         token = secrets.token_bytes(TOKEN_BYTES)
         targets = [(p or [""])[0] for p in self._placement]
         parents, merge_workers = tree([targets[i] for i in range(len(mids))], self._fan_in)
+        tls = d._core.layout.tls  # (a TLS cluster: its certificates protect the streams too)
         self._hub = hub = Hub(caller_host(client), token,
                               [i for i, p in enumerate(parents) if p == ROOT], len(mids), limits,
-                              tuple(parents))  # fmt: skip
-        plan = Plan(token, hub.address, tuple(parents), len(mids), limits)
+                              tuple(parents), ssl_context=tls_context(
+                                  d._core.security(), "client", listen=True) if tls else None)  # fmt: skip
+        plan = Plan(token, hub.address, tuple(parents), len(mids), limits, tls)
         tag = token[:4].hex()
         try:  # (merge tasks first and before the leaves: they leave the pool as they start)
             for j, worker in enumerate(merge_workers):

@@ -30,6 +30,7 @@ import logging
 import pickle
 import queue
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import config
-from ..errors import DDictTaskError
+from ..errors import DDictError, DDictTaskError
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +175,31 @@ def parse_hello(payload: bytes, token: bytes) -> tuple[int, tuple[str, int] | No
     return node, (host, int(port))
 
 
-def connect(address: tuple[str, int], timeout: float) -> socket.socket:
+def connect(address: tuple[str, int], timeout: float,
+            ssl_context: ssl.SSLContext | None = None) -> socket.socket:  # fmt: skip
+    """A stream's socket to ``address`` (TLS with ``ssl_context``: the cluster's)."""
     sock = socket.create_connection(address, timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if ssl_context is not None:
+        try:
+            return ssl_context.wrap_socket(sock)
+        except BaseException:
+            sock.close()
+            raise
     return sock
+
+
+def tls_context(security: Any, role: str, listen: bool) -> ssl.SSLContext:
+    """The cluster's TLS context for a filter's streams, in ``role`` (``"client"``: the
+    caller, ``"worker"``: a task): the certificates the cluster's own comms use, so a
+    filter's results travel encrypted and only between members of the cluster."""
+    args = security.get_listen_args(role) if listen else security.get_connection_args(role)
+    ctx = args.get("ssl_context")
+    if ctx is None:
+        raise DDictError(f"the cluster requires TLS but this process has no {role} "
+                         "certificate (configure distributed.comm.tls or pass a client with "
+                         "security=)", "INVALID_OPERATION")  # fmt: skip
+    return ctx
 
 
 def _close(sock: socket.socket) -> None:
@@ -321,12 +343,18 @@ class Sender:
     def _poll(self, block: bool) -> None:
         if self._sock is None:
             return  # (not joined yet: no credit to read)
+        sock = self._sock
         try:
-            data = self._sock.recv(4096, 0 if block else socket.MSG_DONTWAIT)
-        except BlockingIOError:
+            if not block:  # (no MSG_DONTWAIT: a TLS socket takes no flags)
+                sock.settimeout(0.0)
+            data = sock.recv(4096)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             self._left()
+        finally:
+            if not block:
+                sock.settimeout(None)
         if not data:
             self._left()
         self._credits += len(data)
@@ -366,7 +394,9 @@ class Hub:
     """
 
     def __init__(self, host: str, token: bytes, children: list[int], leaves: int,
-                 limits: Limits, parents: tuple[int, ...] | None = None) -> None:  # fmt: skip
+                 limits: Limits, parents: tuple[int, ...] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+        self._ssl = ssl_context  # (TLS clusters: every child's connection is TLS)
         self._token = token
         self._leaves = leaves  # nodes below this number are managers
         self._children = set(children)
@@ -404,6 +434,8 @@ class Hub:
         try:
             conn.settimeout(self._limits.connect_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                conn = self._ssl.wrap_socket(conn, server_side=True)
             kind, payload = recv_frame(conn)
             said = parse_hello(payload, self._token) if kind == HELLO else None
             if said is None:
