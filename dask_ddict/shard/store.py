@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
@@ -120,6 +121,19 @@ class _Write:
             self.txn.abort()
 
 
+_THREAD = threading.local()
+
+
+def _client_scratch() -> Scratch:
+    """The calling thread's scratch for large puts into shards this process does not own
+    (``ddict.store.client-scratch-bytes``): warm memory, so assembling an entry is a
+    plain copy, not a page-faulting one, and one buffer per thread whatever the shards."""
+    scratch = getattr(_THREAD, "scratch", None)
+    if scratch is None:
+        scratch = _THREAD.scratch = Scratch(config.get_bytes("store.client-scratch-bytes"))
+    return scratch
+
+
 class ShardStore:
     """An LMDB environment holding one shard.
 
@@ -185,7 +199,8 @@ class ShardStore:
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
         self.on_commit: Callable[[], None] | None = None  # (its manager's generation, see write)
-        # LMDB has one writer at a time, so one scratch buffer serves every large put.
+        # LMDB has one writer at a time, so one scratch buffer serves every large put
+        # (a client's: its writing thread's, see _client_scratch).
         self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if create else None
 
     def __repr__(self) -> str:
@@ -287,7 +302,8 @@ class ShardStore:
             buf: Any = b"".join((_ENTRY.pack(flags, len(key), nbytes), frame, key))
         else:
             parts, nbytes = frame_parts(frame)
-            buf = gather(parts, nbytes, _ENTRY.pack(flags, len(key), nbytes), key, self._scratch)
+            buf = gather(parts, nbytes, _ENTRY.pack(flags, len(key), nbytes), key,
+                         self._scratch or _client_scratch())  # fmt: skip
         try:
             txn.put(dk, buf, db=self._data)
             if self.indexed:
