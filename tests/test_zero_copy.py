@@ -249,3 +249,34 @@ def test_a_closed_handles_lent_values_do_not_keep_new_handles_off_the_shard(clie
         del v, w
         gc.collect()
         assert pins.lent_bytes() == 0
+
+
+def test_populate_maps_a_values_pages_and_release_gives_them_back(tmp_path):
+    """``_memory.populate`` maps a large value's pages in one call (what a lent or copied
+    large read does first); ``release`` drops them again; the data is untouched."""
+    import os
+
+    from dask_ddict import _memory
+
+    def shmem() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem"))
+
+    n = 32 << 20
+    path = f"/dev/shm/ddict-test-populate-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, n)
+        os.write(fd, b"\x07" * 4096)
+        m = _memory.map_file(fd, n)
+        addr = _memory.address_of(m)
+        before = shmem()
+        _memory.populate(addr, n)
+        assert shmem() - before >= n - (1 << 20)  # every page mapped, none read yet
+        _memory.release(addr, n)
+        assert shmem() - before < 1 << 20
+        assert m[0] == 7 and m[-1] == 0  # (the data stays in the file)
+        del m
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -90,13 +90,14 @@ class _View:
         pages: reading a hot value again then faults nothing, and its resident
         set stays bounded.
         """
-        out = copy_frame(frame)
         n = frame.nbytes
         if n >= RELEASE_LARGE:
             addr = _memory.address_of(frame)
             if _touched.get(addr) == n:
-                return out  # (still mapped from an earlier read)
+                return copy_frame(frame)  # (still mapped from an earlier read)
+            _memory.populate(addr, n)
             _touched[addr] = n
+        out = copy_frame(frame)
         touched(n)
         return out
 

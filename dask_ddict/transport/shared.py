@@ -34,7 +34,7 @@ from typing import Any
 
 import lmdb
 
-from .. import config
+from .. import _memory, config
 from .._serialize import Framed
 from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictManagerUnavailableError
 from ..options import DDictOptions
@@ -54,6 +54,7 @@ from ..shard.working_set import (
 from .links import SocketChannel
 from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests use them here)
     _DESTROYED,
+    RELEASE_LARGE,
     _ENVS,
     _ENVS_LOCK,
     ViewLimit,
@@ -474,7 +475,11 @@ def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> 
     """``frame`` lent from ``snap`` (see :mod:`.pins`), or copied when lending it saves
     nothing or is past ``max-pinned``."""
     lent = lender.lend(snap, frame) if lendable(frame) else None
-    return view.copy(frame) if lent is None else lent
+    if lent is None:
+        return view.copy(frame)
+    if lent.nbytes >= RELEASE_LARGE:  # (its reader will read it all, most likely)
+        _memory.populate(_memory.address_of(frame), lent.nbytes)
+    return lent
 
 
 #: What a same-host channel serves from the shard itself (everything else: the socket).
