@@ -297,7 +297,8 @@ def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
     import secrets
 
     from dask_ddict.client.filtering import Plan, _join, _Joining
-    from dask_ddict.client.streams import ROOT, Hub, Limits, _close
+    from dask_ddict.client.hub import Hub
+    from dask_ddict.client.streams import ROOT, Limits, _close
 
     limits = Limits(64, 1 << 20, 2, 0.05, 5.0)
     token = secrets.token_bytes(32)
@@ -320,3 +321,54 @@ def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
         _close(sock)
     root.close()
     merge.close()
+
+
+def test_a_leaf_whose_merge_task_never_starts_fails_loudly():
+    """The caller gives up on a merge node after ``connect-timeout``: its waiting leaf is
+    told so (an ERROR frame) and fails its task, instead of taking it for the caller's
+    leaving and ending quietly (which left the merge node, and the caller, waiting)."""
+    import secrets
+
+    from dask_ddict.client.filtering import Plan, _join
+    from dask_ddict.client.hub import Hub
+    from dask_ddict.client.streams import ROOT, Limits
+
+    limits = Limits(64, 1 << 20, 2, 0.05, 0.5)
+    token = secrets.token_bytes(32)
+    parents = (1, ROOT)  # leaf 0 under merge node 1, which never starts
+    root = Hub("127.0.0.1", token, [1], 1, limits, parents)
+    try:
+        with pytest.raises(DDictTaskError, match="merge node 1 did not start") as info:
+            _join(Plan(token, root.address, parents, 1, limits), 0, None)
+        assert info.value.manager_id == 0
+    finally:
+        root.close()
+
+
+def test_a_hub_refuses_strangers_before_allocating_and_closes_their_connections():
+    """A first frame that is not a HELLO of a sane size is refused before its claimed
+    length is allocated; connections still being greeted close with the hub."""
+    import secrets
+    import socket
+    import struct
+
+    from dask_ddict.client.hub import Hub
+    from dask_ddict.client.streams import HELLO, Limits
+
+    limits = Limits(64, 1 << 20, 2, 0.05, 30.0)
+    hub = Hub("127.0.0.1", secrets.token_bytes(32), [0], 1, limits)
+    try:
+        with socket.create_connection(hub.address, timeout=10) as s:
+            s.sendall(struct.pack("!BQ", HELLO, 1 << 50))  # claims a petabyte
+            assert s.recv(1) == b""  # closed at once (no MemoryError, no allocation)
+        idle = [socket.create_connection(hub.address, timeout=10) for _ in range(20)]
+        time.sleep(0.2)  # (each is being greeted: it waits for a HELLO)
+    finally:
+        hub.close()
+    for s in idle:
+        assert s.recv(1) == b""  # closed with the hub, not after connect-timeout
+        s.close()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("ddict-filter-greet") for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -37,16 +37,16 @@ from distributed.utils import get_ip
 
 from .. import config
 from ..errors import DDictError, DDictTaskError
+from .hub import IDLE, Hub
 from .streams import (
+    ERROR,
     HELLO,
-    IDLE,
     PARENT,
     ROOT,
     TASK,
     TOKEN_BYTES,
     Failed,
     Failure,
-    Hub,
     Limits,
     Sender,
     Stopped,
@@ -128,6 +128,11 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None,
         sock = connect(plan.root, timeout, ssl_context)
         send_frame(sock, HELLO, hello(plan.token, node, address))
         kind, payload = recv_frame(sock)
+        if kind == ERROR:  # the caller gave up on this node's parent: it fails, loudly
+            _close(sock)
+            raise DDictTaskError(f"filter: node {node} cannot join its parent: "
+                                 f"{payload.decode(errors='replace')}",
+                                 manager_id=node if node < plan.leaves else None)  # fmt: skip
         if kind != PARENT:
             raise EOFError(f"unexpected frame {kind}")
         if payload:
