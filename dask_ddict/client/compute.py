@@ -20,7 +20,7 @@ from distributed.comm import get_address_host
 from ..arguments import check_bool
 from ..layout import Layout
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
-from .filtering import DDict, Filter
+from .filtering import DDict, Filter, by_placement, map_placed
 
 if TYPE_CHECKING:
     import dask.bag
@@ -137,12 +137,11 @@ class Compute:
         where = self._placement(workers)
         tag = uuid.uuid4().hex[:8]
         name = funcname(func)
-        futures = []
-        for i, mid in enumerate(self._managers()):
-            futures.append(client.submit(call_on_shard, func, self.manager(mid), args, kwargs,
-                                         key=f"{name}-shard-{mid}-{tag}", workers=where[i],
-                                         allow_other_workers=True, pure=False))  # fmt: skip
-        return futures
+        mids = self._managers()
+        futures = map_placed(client, call_on_shard, by_placement(where),
+                             lambda i: (func, self.manager(mids[i]), args, kwargs),
+                             lambda i: f"{name}-shard-{mids[i]}-{tag}")  # fmt: skip
+        return [futures[i] for i in range(len(mids))]
 
     def to_bag(self, what: str = "items", copy: bool = False) -> dask.bag.Bag:
         """A ``dask.bag.Bag`` of the dictionary: one partition per manager.
@@ -173,11 +172,8 @@ class Compute:
             raise ValueError(f"what must be 'items', 'keys' or 'values', got {what!r}")
         check_bool("copy", copy)
         mids = self._managers()
-        groups: dict[tuple[str, ...] | None, list[int]] = defaultdict(list)
-        for i, w in enumerate(self._placement(workers)):
-            groups[tuple(w) if w else None].append(i)
-        return [(idx, [self.manager(mids[i]) for i in idx], list(g) if g else None)
-                for g, idx in groups.items()]  # fmt: skip
+        return [(idx, [self.manager(mids[i]) for i in idx], list(g) or None)
+                for g, idx in by_placement(self._placement(workers)).items()]  # fmt: skip
 
     def _bag(self, what: str, copy: bool,
              scattered: list[tuple[list[int], list[Future]]]) -> dask.bag.Bag:  # fmt: skip

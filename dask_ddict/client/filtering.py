@@ -337,17 +337,15 @@ class Filter:
         plan = Plan(token, hub.address, tuple(parents), len(mids), limits, tls)
         tag = token[:4].hex()
         try:  # (merge tasks first and before the leaves: they leave the pool as they start)
-            for j, worker in enumerate(merge_workers):
-                node = len(mids) + j
-                self._futures[node] = client.submit(
-                    run_merge, plan, node, self._cmp, key=f"ddict-filter-{tag}-merge-{node}",
-                    workers=[worker] if worker else None, allow_other_workers=True, pure=False,
-                    priority=1)  # fmt: skip
-            for node, mid in enumerate(mids):
-                self._futures[node] = client.submit(
-                    run_leaf, d.manager(mid), self._code, self._args, plan, node,
-                    key=f"ddict-filter-{tag}-manager-{mid}", workers=self._placement[node],
-                    allow_other_workers=True, pure=False)  # fmt: skip
+            merges = {w: [len(mids) + j for j in nodes] for w, nodes in
+                      by_placement([[w] if w else None for w in merge_workers]).items()}
+            self._futures.update(map_placed(
+                client, run_merge, merges, lambda n: (plan, n, self._cmp),
+                lambda n: f"ddict-filter-{tag}-merge-{n}", priority=1))  # fmt: skip
+            self._futures.update(map_placed(
+                client, run_leaf, by_placement(self._placement),
+                lambda n: (d.manager(mids[n]), self._code, self._args, plan, n),
+                lambda n: f"ddict-filter-{tag}-manager-{mids[n]}"))  # fmt: skip
             for node, fut in self._futures.items():
                 fut.add_done_callback(lambda f, node=node: hub.event(node, TASK, f))
         except BaseException:
@@ -411,6 +409,29 @@ class Filter:
         futures = list(self._futures.values())
         self._futures.clear()
         return futures
+
+
+def by_placement(where: list[list[str] | None]) -> dict[tuple[str, ...], list[int]]:
+    """The indices of ``where`` grouped by placement (``()``: anywhere), in order."""
+    out: dict[tuple[str, ...], list[int]] = {}
+    for i, w in enumerate(where):
+        out.setdefault(tuple(w or ()), []).append(i)
+    return out
+
+
+def map_placed(client: distributed.Client, fn: Callable[..., Any],
+                placed: dict[tuple[str, ...], list[int]], args: Callable[[int], tuple[Any, ...]],
+                key: Callable[[int], str], **kwargs: Any) -> dict[int, distributed.Future]:  # fmt: skip
+    """``fn(*args(node))`` per node, one ``client.map`` (one message to the scheduler)
+    per placement (the workers it may run on; ``()``: anywhere)."""
+    out: dict[int, distributed.Future] = {}
+    for where, nodes in placed.items():
+        columns = list(zip(*(args(n) for n in nodes)))
+        futures = client.map(fn, *columns, key=[key(n) for n in nodes],
+                             workers=list(where) or None, allow_other_workers=True, pure=False,
+                             **kwargs)  # fmt: skip
+        out.update(zip(nodes, futures))
+    return out
 
 
 def _still_running(futures: list[distributed.Future]) -> None:
