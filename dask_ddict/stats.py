@@ -38,20 +38,21 @@ class DDictManagerStats:
         ``object.__setattr__``): ``stats`` builds one per manager, thousands at scale.
         """
         s = object.__new__(cls)
-        s.__dict__.update(d if d.keys() == _FIELDS else {k: d[k] for k in _FIELDS if k in d})
+        s.__dict__.update(d if d.keys() == FIELDS else {k: d[k] for k in FIELDS if k in d})
         return s
 
     @classmethod
     def from_record(cls, values: tuple[Any, ...]) -> DDictManagerStats:
         """From :meth:`record`'s tuple (what a manager sends: no field names)."""
         s = object.__new__(cls)
-        s.__dict__.update(zip(_FIELDS, values))
+        s.__dict__.update(zip(FIELDS, values))
         return s
 
     @staticmethod
     def record(d: dict[str, Any]) -> tuple[Any, ...]:
         """A manager's stats as a tuple in field order (for :meth:`from_record`)."""
-        return tuple(d[k] for k in _FIELDS)
+        return tuple(d[k] for k in FIELDS)
 
 
-_FIELDS = {f.name: None for f in fields(DDictManagerStats)}.keys()  # (fields() is slow: once)
+#: The field names in order (``fields()`` is slow: once).
+FIELDS = {f.name: None for f in fields(DDictManagerStats)}.keys()

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import itertools
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from dask.typing import no_default
@@ -45,6 +44,7 @@ from .creation import check_keywords, create_request, initial_checkpoint
 from .filtering import AsyncFilter, Filter
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget, layout_reply
+from .threaded import in_thread
 
 if TYPE_CHECKING:
     import dask.bag
@@ -92,28 +92,6 @@ def _stats(d: DDict) -> list[DDictManagerStats]:
 
 def _dstats(d: DDict) -> dict[int, DDictManagerStats]:
     return d.dstats
-
-
-async def in_thread(items: Callable[[], Iterable[T]], page: int) -> AsyncIterator[T]:
-    """``items()`` iterated in worker threads, ``page`` items per thread hop.
-
-    So a blocking iteration (a dictionary's key view) never runs on the event
-    loop; breaking out early leaves the rest unread.
-    """
-    it: Iterator[T] | None = None
-
-    def chunk() -> list[T]:
-        nonlocal it
-        if it is None:
-            it = iter(items())
-        return list(itertools.islice(it, page))
-
-    while True:
-        got = await asyncio.to_thread(chunk)
-        for x in got:
-            yield x
-        if len(got) < page:
-            return
 
 
 class AsyncDDict:

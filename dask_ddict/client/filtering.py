@@ -18,7 +18,6 @@ at a time per thread until they wait.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import pickle
@@ -57,6 +56,7 @@ from .streams import (
     send_frame,
     tls_context,
 )
+from .threaded import in_thread
 
 #: A DDict handle (not imported: the handle imports this module).
 DDict = Any
@@ -463,24 +463,8 @@ class AsyncFilter:
         f._start()
         return self._batches()
 
-    async def _batches(self) -> AsyncIterator[Any]:
-        it = self._f._results(idle=True)
-
-        def ready() -> list[Any]:
-            out: list[Any] = []
-            for x in it:
-                if x is IDLE:
-                    if out:
-                        break
-                    continue
-                out.append(x)
-                if len(out) >= ASYNC_BATCH:
-                    break
-            return out
-
-        while batch := await asyncio.to_thread(ready):
-            for x in batch:
-                yield x
+    def _batches(self) -> AsyncIterator[Any]:
+        return in_thread(lambda: self._f._results(idle=True), ASYNC_BATCH, IDLE)
 
     async def __aexit__(self, *exc: object) -> None:
         futures = self._f._stop()

@@ -18,6 +18,7 @@ wait, and give up with ``DDictTimeoutError`` when their timeout expires.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import struct
@@ -194,13 +195,10 @@ class Manager(Summaries, CheckpointIO):
         clients then send their puts here instead of committing them themselves,
         since only a write through this manager retries it.
         """
-        self._check_open()
-        with self.store.read() as txn:
-            try:
-                return fn(txn)
-            except MustWait:
-                pass
-        return self._wait_read(fn, timeout, what, counted=counted)
+        try:
+            return self._read_once(fn)
+        except MustWait:
+            return self._wait_read(fn, timeout, what, counted=counted)
 
     def _read_once(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         self._check_open()
@@ -322,13 +320,13 @@ class Manager(Summaries, CheckpointIO):
         """Block until the key's value at ``chkpt`` serializes to ``frame`` (a raw
         ``bytes`` frame also matches the value as an older version framed it)."""
         ws = self.working_set
-        older = older_frame(frame)
+        older = functools.cache(lambda: older_frame(frame))  # (only if the formats differ)
 
         def fn(txn: lmdb.Transaction) -> None:
             ws.check_retired(chkpt)
             e = ws.store.lookup(txn, digest, chkpt)
-            if not (ws.is_visible(e, chkpt) and e is not None
-                    and (e.frame == frame or (older is not None and e.frame == older))):
+            if not (ws.is_visible(e, chkpt) and e is not None and (
+                    e.frame == frame or (e.frame[0] != frame[0] and e.frame == older()))):
                 raise MustWait
 
         self._read(fn, timeout, "wait_for", counted=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
-from ..stats import DDictManagerStats
+from ..stats import FIELDS, DDictManagerStats
 from . import counts
 from .working_set import check_window
 
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
-_FIELD_NAMES = tuple(DDictManagerStats.__dataclass_fields__)
 
 
 class Summaries:
@@ -96,7 +95,7 @@ class Summaries:
         return n[w.slot(chkpt)]
 
     def stats(self) -> dict[str, Any]:
-        return dict(zip(_FIELD_NAMES, self._live(self._derived("stats-record", self._stats_record))))
+        return dict(zip(FIELDS, self._live(self._derived("stats-record", self._stats_record))))
 
     def stats_pickled(self) -> bytes:
         """:meth:`stats` as a reply carries it: a pickled record."""

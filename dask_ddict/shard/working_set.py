@@ -531,12 +531,12 @@ class WorkingSet:
         old, key, at = bytes(e.frame), bytes(e.key), e.chkpt
 
         def change() -> None:
-            if at == chkpt:
+            if at == chkpt and not self.wait_for_keys:  # (under it: always a tombstone)
                 self.store.delete(txn, digest, chkpt)
                 older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
-                if (older is None or older.tombstone) and not self.wait_for_keys:
+                if older is None or older.tombstone:
                     return
-            self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)
+            self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)  # (replaces one at chkpt)
             self.store.collect(txn, digest, self.oldest)
 
         counts.tracked(self.store, txn, digest, self.window, change)

@@ -48,19 +48,19 @@ from .. import config
 from .._keys import dumps_key, loads_key
 from .._serialize import bytes_view
 from ..arguments import check_bool
-from ..errors import DDictSerializationError
 from ..client import AsyncDDict, DDict
-from ..client.asynchronous import in_thread
 from ..client.coalesce import GetBatcher, PutBatcher
 from ..client.reads import _ABSENT, _WAIT
+from ..client.threaded import in_thread
+from ..errors import DDictSerializationError
 from .names import (
     as_bytes,
-    directory,
     byte_slice,
     check_byte_range,
     check_key,
     children,
     dir_base,
+    directory,
     store_names,
 )
 

@@ -26,17 +26,23 @@ The process's mappings of shards are :mod:`.mapped`'s.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lmdb
 
 from .. import _memory, config
 from .._serialize import Framed
-from ..errors import DDictClosedError, DDictError, DDictKeyError, DDictManagerUnavailableError
+from ..errors import (
+    DDictClosedError,
+    DDictError,
+    DDictKeyError,
+    DDictManagerUnavailableError,
+)
 from ..options import DDictOptions
 from ..shard.store import ShardStore
 from ..shard.working_set import (
@@ -52,11 +58,12 @@ from ..shard.working_set import (
     visible_entries,
 )
 from .links import SocketChannel
+from .many import GetMany
 from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests use them here)
     _DESTROYED,
-    RELEASE_LARGE,
     _ENVS,
     _ENVS_LOCK,
+    RELEASE_LARGE,
     ViewLimit,
     _acquire,
     _destroyed,
@@ -65,7 +72,6 @@ from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests
     forget,
     touched,
 )
-from .many import GetMany
 from .ops import Contains, Get, Operation, Page, Put
 from .pins import Lender, Snapshot, lendable
 from .protocol import WANT_KEYS, WANT_VALUES
@@ -253,6 +259,23 @@ class SharedChannel:
                 f"manager {info.manager_id} on host {info.hostname}: shard closed ({e})"
             ) from e
 
+    @contextlib.contextmanager
+    def _reading(self, view: _View, lend: bool) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
+        """A snapshot of the shard and how a value's frame leaves it: lent from a shared
+        lending snapshot (``lend``, see :mod:`.pins`), or copied (without ``lend``, or
+        when ``max-snapshots`` are open)."""
+        if lend:
+            lender = view.lender or self._lender(view)
+            snap = lender.begin(self._word())
+            if snap is not None:
+                try:
+                    yield snap.txn, functools.partial(_lent_or_copied, view, lender, snap)
+                finally:
+                    lender.end(snap)
+                return
+        with self._snapshot(view.store) as txn:
+            yield txn, view.copy
+
     def call(self, o: Operation) -> Any:
         """Serve ``o`` from the shard when it can be (reads, small puts), else send it."""
         local = _LOCAL.get(o.__class__)
@@ -300,20 +323,9 @@ class SharedChannel:
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
         """The value's frame lent from a snapshot (see :mod:`.pins`), else copied; ``None``:
         absent, ``False``: a reader must wait (the manager's)."""
-        lender = view.lender or self._lender(view)
-        word = self._word()
-        snap = lender.begin(word)
-        if snap is None:  # (max-snapshots open: this read copies)
-            with self._snapshot(view.store) as txn:
-                e = self._visible(view.store, digest, chkpt, txn)
-                return view.copy(e.frame) if e else e
-        try:
-            e = self._visible(view.store, digest, chkpt, snap.txn)
-            if not e:
-                return e
-            return _lent_or_copied(view, lender, snap, e.frame)
-        finally:
-            lender.end(snap)
+        with self._reading(view, True) as (txn, out):
+            e = self._visible(view.store, digest, chkpt, txn)
+            return out(e.frame) if e else e
 
     def _get_many(self, o: GetMany) -> list[list[Any]]:
         """This manager's keys of ``o`` (one group) from one snapshot of the shard."""
@@ -326,36 +338,28 @@ class SharedChannel:
             if not o.lend:
                 with self._snapshot(view.store) as txn:
                     if o.lend is False or not self._frozen(view.store, txn):
-                        return [self._many(view, None, digests, o.chkpt, txn)]
-            lender = view.lender or self._lender(view)
-            snap = lender.begin(self._word())
-            if snap is None:  # (max-snapshots open: these reads copy)
-                with self._snapshot(view.store) as txn:
-                    return [self._many(view, None, digests, o.chkpt, txn)]
-            try:
-                return [self._many(view, (lender, snap), digests, o.chkpt, snap.txn)]
-            finally:
-                lender.end(snap)
+                        return [self._many(view, view.copy, digests, o.chkpt, txn)]
+            with self._reading(view, True) as (txn, out):
+                return [self._many(view, out, digests, o.chkpt, txn)]
         except DDictClosedError:
             _destroyed(self._path)
             raise
         finally:
             self._exit(view)
 
-    def _many(self, view: _View, lending: tuple[Lender, Any] | None, digests: list[bytes],
+    def _many(self, view: _View, out: Callable[[Any], Any], digests: list[bytes],
               chkpt: int, txn: Any) -> list[Any]:  # fmt: skip
-        """Frames (copied, or lent), ``None`` for absent keys, ``False`` to wait for."""
+        """Frames (taken out of ``txn`` with ``out``: copied, or lent), ``None`` for absent
+        keys, ``False`` to wait for."""
         store = view.store
         self._check_state(store, chkpt, txn)
-        out: list[Any] = []
+        got: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
-                out.append(unseen(e, chkpt, self._wfk))
+                got.append(unseen(e, chkpt, self._wfk))
                 continue
-            frame = e.frame  # type: ignore[union-attr]
-            out.append(view.copy(frame) if lending is None
-                       else _lent_or_copied(view, *lending, frame))  # fmt: skip
-        return out
+            got.append(out(e.frame))  # type: ignore[union-attr]
+        return got
 
     def _put(self, o: Put) -> None:
         framed = o.framed
@@ -436,17 +440,8 @@ class SharedChannel:
             return self._sock.call(o)
         try:
             self._check_alive()
-            if o.lend and o.want & WANT_VALUES:
-                lender = view.lender or self._lender(view)
-                snap = lender.begin(self._word())
-                if snap is not None:
-                    try:
-                        return self._take_page(view, o, snap.txn, functools.partial(
-                            _lent_or_copied, view, lender, snap))  # fmt: skip
-                    finally:
-                        lender.end(snap)
-            with self._snapshot(view.store) as txn:
-                return self._take_page(view, o, txn, view.copy)
+            with self._reading(view, bool(o.lend and o.want & WANT_VALUES)) as (txn, out):
+                return self._take_page(view, o, txn, out)
         except DDictClosedError:
             _destroyed(self._path)
             raise
