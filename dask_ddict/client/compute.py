@@ -117,7 +117,7 @@ class Compute:
         for (``ddict.compute.exit-timeout``), then cancelled.
         """
         return Filter(self, mgr_code, mgr_code_args, comparator, branching_factor,
-                      self._placement())  # fmt: skip
+                      None)  # (placed when it starts)  # fmt: skip
 
     def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Future]:
         """``func(d.manager(i), *args, **kwargs)`` in a task beside each manager's shard.

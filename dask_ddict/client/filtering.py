@@ -119,21 +119,30 @@ def tree(workers: list[str], fan_in: int) -> tuple[list[int], list[str]]:
     return parents, [where[i] for i in range(n, len(parents))]
 
 
+#: Seconds a task waits for the caller's answer beyond ``connect-timeout``, which is how
+#: long the caller waits for the task's parent merge task to start: so the caller's
+#: word that it gave up (an ``ERROR``) arrives before the task's own timeout.
+ANSWER_GRACE = 5.0
+
+
 def _join(plan: Plan, node: int, address: tuple[str, int] | None,
           ssl_context: ssl.SSLContext | None = None) -> Any:  # fmt: skip
     """A socket to ``node``'s parent: asked of the caller, which may be the parent;
     ``None`` if the caller has left (a task that starts late has nothing to do)."""
     timeout = plan.limits.connect_timeout
+    leaf = node if node < plan.leaves else None  # (a leaf's node number is its manager's)
     try:
         sock = connect(plan.root, timeout, ssl_context)
         send_frame(sock, HELLO, hello(plan.token, node, address))
+        sock.settimeout(timeout + ANSWER_GRACE)  # (the caller gives up first, and says so)
         kind, payload = recv_frame(sock)
         if kind == ERROR:  # the caller gave up on this node's parent: it fails, loudly
             _close(sock)
             raise DDictTaskError(f"filter: node {node} cannot join its parent: "
                                  f"{payload.decode(errors='replace')}",
-                                 manager_id=node if node < plan.leaves else None)  # fmt: skip
+                                 manager_id=leaf)  # fmt: skip
         if kind != PARENT:
+            _close(sock)
             raise EOFError(f"unexpected frame {kind}")
         if payload:
             _close(sock)
@@ -146,7 +155,7 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None,
     except OSError as e:
         raise DDictTaskError(f"filter: node {node} cannot reach its parent (the caller at "
                              f"{plan.root[0]}:{plan.root[1]} left, or is unreachable): {e}",
-                             manager_id=node if node < plan.leaves else None) from e  # fmt: skip
+                             manager_id=leaf) from e  # fmt: skip
     sock.settimeout(None)
     return sock
 

@@ -139,6 +139,10 @@ class DDictStore(Store):
         """What every store key is prefixed with in the dictionary."""
         return self._prefix
 
+    def _name(self, key: str) -> str:
+        """The dictionary's key of store key ``key`` (checked: zarr's keys are ``str``)."""
+        return self._prefix + check_key(key)
+
     def _identity(self) -> tuple[Any, ...]:
         d = self._d
         return (d._core.ref.uid, d._chkpt, d._target, self._prefix, self.read_only)
@@ -173,7 +177,7 @@ class DDictStore(Store):
         zarr as a view (no copy); gets awaited together are read with one
         request per host.
         """
-        name = self._prefix + check_key(key)
+        name = self._name(key)
         check_byte_range(byte_range)
         got = await self._reads.get(name, _ABSENT, False)
         if got is _ABSENT:
@@ -195,11 +199,11 @@ class DDictStore(Store):
             yield key, value
 
     async def exists(self, key: str) -> bool:
-        return bool(await self._async.contains(self._prefix + check_key(key)))
+        return bool(await self._async.contains(self._name(key)))
 
     async def getsize(self, key: str) -> int:
         """Bytes of ``key``'s value (read lent on the manager's host: no copy)."""
-        name = self._prefix + check_key(key)
+        name = self._name(key)
         got = await self._reads.get(name, _ABSENT, False)
         if got is _ABSENT:
             raise FileNotFoundError(key)
@@ -213,19 +217,19 @@ class DDictStore(Store):
         Puts awaited in one loop turn are sent together, one request per host.
         """
         self._check_writable()
-        name = self._prefix + check_key(key)
+        name = self._name(key)
         await self._writes.put(name, _payload(value), False)
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         """Put ``value`` unless ``key`` exists, in one atomic step (``setdefault``)."""
         self._check_writable()
-        name = self._prefix + check_key(key)
+        name = self._name(key)
         await self._async.setdefault(name, _payload(value))
 
     async def delete(self, key: str) -> None:
         """Remove ``key``; an absent key is no error."""
         self._check_writable()
-        await self._async.pop(self._prefix + check_key(key), None)
+        await self._async.pop(self._name(key), None)
 
     async def delete_dir(self, prefix: str) -> None:
         """Remove every key under directory ``prefix`` (one worker thread for them all)."""
@@ -260,7 +264,7 @@ class DDictStore(Store):
     def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
                  byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip
         """:meth:`get` in the calling thread (not on an event loop)."""
-        name = self._prefix + check_key(key)
+        name = self._name(key)
         check_byte_range(byte_range)
         ((_, got),) = self._d._many([name], False, decode=bytes_view)
         if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet)
@@ -273,7 +277,7 @@ class DDictStore(Store):
     def set_sync(self, key: str, value: Buffer) -> None:
         """:meth:`set` in the calling thread."""
         self._check_writable()
-        name = self._prefix + check_key(key)
+        name = self._name(key)
         (error,) = self._d._put_many([(name, _payload(value))], False, self._direct_max)
         if error is not None:
             raise error
@@ -281,7 +285,7 @@ class DDictStore(Store):
     def delete_sync(self, key: str) -> None:
         """:meth:`delete` in the calling thread."""
         self._check_writable()
-        self._d.pop(self._prefix + check_key(key), None)
+        self._d.pop(self._name(key), None)
 
 
 class _ListedKeys:
