@@ -44,7 +44,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .. import config
+from .. import _memory, config
 from .._serialize import FMT_BYTES, FMT_PICKLE
 from ..shard.pinboard import PinBoard, board_path
 from ..shard.store import ShardStore
@@ -115,16 +115,10 @@ class Lender:
         ``(socket_dir, uid, managers)`` of its host and dictionary, for the pin board.
     on_idle
         Called once no snapshot is open any more (the view may then be closed).
-    on_lent
-        Called with each lent value's size: the reader will touch its pages, which
-        the process gives back in time as it does for copies (``mapped.touched``),
-        so lent values never pile up in its resident memory.
     """
 
     def __init__(self, store: ShardStore, mid: int, board: tuple[str, str, int],
-                 on_idle: Callable[[], None],
-                 on_lent: Callable[[int], None] = lambda n: None) -> None:  # fmt: skip
-        self._on_lent = on_lent
+                 on_idle: Callable[[], None]) -> None:  # fmt: skip
         self.store = store
         self.mid = mid
         self.open = 0  # snapshots alive
@@ -201,12 +195,24 @@ class Lender:
         finally:
             _drain()
         arr = np.frombuffer(frame, dtype=np.uint8)
-        weakref.finalize(arr, self._returned, s, n, board)
-        self._on_lent(n)
+        # Raw bytes (a zarr chunk) are lent to readers that copy them out and drop them:
+        # their pages go back with the view, so a task reading many chunks does not
+        # grow its resident memory by them.  Arrays lent to user code keep theirs: a
+        # value read again then maps nothing (giving them back makes the next lend of
+        # the value an order of magnitude slower here).
+        addr = _memory.address_of(arr) if frame[0] == FMT_BYTES else 0
+        weakref.finalize(arr, self._returned, s, addr, n, board)
         return arr
 
-    def _returned(self, s: Snapshot, n: int, board: PinBoard | None) -> None:
-        """The last view of a lent value is gone (a finalizer: any thread, any time)."""
+    def _returned(self, s: Snapshot, addr: int, n: int, board: PinBoard | None) -> None:
+        """The last view of a lent value is gone (a finalizer: any thread, any time).
+
+        With ``addr``, the pages its readers touched are given back at once (only this
+        process's page-table entries go: the data stays in the shard, and the
+        snapshot still holds it here).
+        """
+        if addr:
+            _memory.release(addr, n)
 
         def back() -> Follow:
             global _lent

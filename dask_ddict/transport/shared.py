@@ -35,7 +35,7 @@ from typing import Any
 
 import lmdb
 
-from .. import _memory, config
+from .. import config
 from .._serialize import Framed
 from ..errors import (
     DDictClosedError,
@@ -317,7 +317,7 @@ class SharedChannel:
                                      (os.path.dirname(self._sock.info.uds_path),
                                       self._sock.link.uid,
                                       len(gens.words) if gens is not None else 0),
-                                     view.idle, touched)  # fmt: skip
+                                     view.idle)  # fmt: skip
             return view.lender
 
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
@@ -470,11 +470,7 @@ def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> 
     """``frame`` lent from ``snap`` (see :mod:`.pins`), or copied when lending it saves
     nothing or is past ``max-pinned``."""
     lent = lender.lend(snap, frame) if lendable(frame) else None
-    if lent is None:
-        return view.copy(frame)
-    if lent.nbytes >= RELEASE_LARGE:  # (its reader will read it all, most likely)
-        _memory.populate(_memory.address_of(frame), lent.nbytes)
-    return lent
+    return view.copy(frame) if lent is None else lent
 
 
 #: What a same-host channel serves from the shard itself (everything else: the socket).
