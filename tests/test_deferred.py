@@ -15,20 +15,20 @@ from dask_ddict.shard.working_set import MustWait
 class Harness:
     """A queue, its lock, and threads that defer operations on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: float | None = None) -> None:
         self.lock = threading.Lock()
-        self.q = DeferredQueue(self.lock)
+        self.q = DeferredQueue(self.lock, quiet)
         self.out: dict[str, object] = {}
         self.threads: list[threading.Thread] = []
 
-    def defer(self, name: str, attempt, timeout: float | None = 10) -> None:
+    def defer(self, name: str, attempt, timeout: float | None = 10, chkpt: int = 0) -> None:
         """Start a thread whose operation waits in the queue; return once it is queued."""
         n = len(self.q) + 1
 
         def run() -> None:
             with self.lock:
                 try:
-                    self.out[name] = self.q.wait(attempt, timeout, name)
+                    self.out[name] = self.q.wait(attempt, timeout, name, chkpt)
                 except Exception as e:
                     self.out[name] = e
 
@@ -43,9 +43,9 @@ class Harness:
             assert time.monotonic() < deadline
             time.sleep(0.001)
 
-    def drain(self) -> None:
+    def drain(self, chkpt: int | None = None) -> None:
         with self.lock:
-            self.q.drain()
+            self.q.drain(chkpt)
 
     def join(self) -> None:
         for t in self.threads:
@@ -98,6 +98,39 @@ def test_an_operations_own_error_reaches_its_caller_only():
     h.drain()
     h.join()
     assert isinstance(h.out["bad"], DDictKeyError) and h.out["good"] == "go"
+
+
+def test_a_write_retries_only_the_operations_at_its_own_checkpoint():
+    """Dragon's trigger: a drain for checkpoint 1 leaves those waiting at 2 queued."""
+    h, state = Harness(), {"go": True}
+    h.defer("at 2", gate(state, "go"), chkpt=2)  # (could run: only a trigger is missing)
+    h.defer("at 1", gate(state, "go"), chkpt=1)
+    h.drain(1)
+    with h.lock:
+        assert len(h.q) == 1 and h.q.waiting_at(2) and not h.q.waiting_at(1)
+    h.drain(2)
+    h.join()
+    assert h.out == {"at 1": "go", "at 2": "go"}
+
+
+def test_with_no_write_for_the_quiet_period_an_operation_retries_itself():
+    """The write that unblocked it went elsewhere (or came from outside the queue):
+    it does not wait for its timeout (60 s) for lack of a write to its checkpoint."""
+    h, state = Harness(quiet=0.2), {}
+    began = time.monotonic()
+    h.defer("waits", gate(state, "go"), timeout=60, chkpt=3)
+    state["go"] = True  # (no drain)
+    h.join()
+    assert h.out == {"waits": "go"} and time.monotonic() - began < 30
+
+
+def test_an_operation_tries_once_more_when_its_timeout_expires():
+    """Never a timeout for an operation that could have been applied (no quiet retry)."""
+    h, state = Harness(quiet=None), {}
+    h.defer("late", gate(state, "go"), timeout=0.3, chkpt=1)
+    state["go"] = True  # (no drain, no quiet retry: only its own last try)
+    h.join()
+    assert h.out == {"late": "go"}
 
 
 def test_a_timed_out_operation_leaves_the_queue_and_is_never_applied():

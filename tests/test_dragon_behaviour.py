@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import dask.config
 import pytest
 
 import dask_ddict
@@ -187,8 +188,11 @@ def wait_deferred(d: DDict, mid: int, n: int, limit: float = 20.0) -> None:
 
 @pytest.fixture
 def wfk_manager(tmp_path):
+    """A manager under wait_for_keys whose deferred operations are retried only by writes
+    to their own checkpoint (no quiet-period retry: the tests decide every trigger)."""
     store = ShardStore(str(tmp_path / "shard"), 16 << 20, indexed=True)
-    m = Manager(0, store, WorkingSet(store, 2, wait_for_keys=True))
+    with dask.config.set({"ddict.deferred.quiet-retry": None}):
+        m = Manager(0, store, WorkingSet(store, 2, wait_for_keys=True))
     yield m
     m.close()
 
@@ -202,7 +206,9 @@ def wait_queued(m: Manager, n: int) -> None:
 
 def test_a_manager_applies_deferred_operations_in_arrival_order(wfk_manager):
     """200 rounds: two deferred puts to one key, a deferred get of it, then the write
-    that unblocks them and a later put.  The first put is applied first, the get
+    (to the checkpoint before theirs) that unblocks them, and a later put to theirs.
+    As in Dragon, the write to another checkpoint does not retry them; the later put
+    to theirs does, before it applies itself: the first put is applied first, the get
     sees the second, and the later put is never overwritten by a deferred one."""
     m = wfk_manager
     put(m, "j", 0, 0)  # "j" at 0 has no successor at 1: checkpoint 0 cannot retire
@@ -223,9 +229,10 @@ def test_a_manager_applies_deferred_operations_in_arrival_order(wfk_manager):
         wait_queued(m, 2)
         threads.append(later("C", lambda: get(m, "k", w + 2, timeout=10)))
         wait_queued(m, 3)
-        put(m, "j", w, w + 1)  # unblocks: w retires; A, B and C run before this returns
+        put(m, "j", w, w + 1)  # unblocks (w may retire), at another checkpoint: no retry
+        assert len(m._deferred) == 3
+        put(m, "k", ("D", w), w + 2)  # A, B and C first, in arrival order, then D
         assert len(m._deferred) == 0
-        put(m, "k", ("D", w), w + 2)
         for t in threads:
             t.join(10)
         assert outcome["C"] == ("B", w), w
@@ -252,11 +259,141 @@ def test_deferred_puts_from_four_clients_apply_in_arrival_order(client):
                     gc = pool.submit(c.__getitem__, "k")
                     wait_deferred(x, 0, 3)
                     x.checkpoint_id = w + 1
-                    x["j"] = w  # unblocks A, B, C: applied before this returns
-                    dd["k"] = ("D", w)
+                    x["j"] = w  # lets checkpoint w retire (a write to w + 1)
+                    dd["k"] = ("D", w)  # to w + 2: applies A, B, C first, then itself
                     pa.result(20), pb.result(20)
                     assert gc.result(20) == ("B", w), w
                     assert dd["k"] == ("D", w), w
         finally:
             for h in (a, b, c, dd):
                 h.detach()
+
+
+# -- Dragon's test_wait_keys_defer_put_get_same_key, ported ------------------------------
+# Its three clients, as Dragon's test/native/test_ddict.py writes them (one manager,
+# wait_for_keys=True, working_set_size=2).  The comments are Dragon's: client 1's put at 2
+# and client 2's read at 2 are deferred (checkpoint 0 cannot retire while
+# "nonpersist_key0" is not written at 1); client 3's put at 1 makes the retirement
+# possible, and its put at 2 "flushes" them: they are applied before it, so client 2 reads
+# client 1's value first and client 3's value after.
+
+
+def _dragon_client_1(d: DDict, ev: threading.Event) -> None:
+    d.pput("persist_key0", "persist_val0")  # at 0
+    d["nonpersist_key0"] = "nonpersist_val0"
+    d.checkpoint()  # 1
+    d.pput("persist_key0", "persist_val0_ckpt1")
+    ev.set()
+    d.checkpoint()  # 2
+    d["nonpersist_key0"] = "nonpersist_val0_ckpt2"  # deferred 1
+    d.detach()
+
+
+def _dragon_client_2(d: DDict, ev: threading.Event) -> None:
+    d.checkpoint()  # 1
+    ev.set()
+    d.checkpoint()  # 2
+    x = d["nonpersist_key0"]  # deferred 2
+    assert x == "nonpersist_val0_ckpt2", x
+    x = d["nonpersist_key0"]
+    assert x == "nonpersist_val0_ckpt2_client3", x
+    d.detach()
+
+
+def _dragon_client_3(d: DDict) -> None:
+    d.checkpoint()  # 1
+    d["nonpersist_key0"] = "nonpersist_val0_ckpt1"
+    d.checkpoint()  # 2
+    d["nonpersist_key0"] = "nonpersist_val0_ckpt2_client3"  # flush
+    d.detach()
+
+
+def _run_dragon_defer_put_get_same_key(client, start, wait_deferred_first: bool) -> None:
+    """One run of Dragon's test: ``start(fn, *args)`` runs a client (a thread or a
+    process) and returns something with ``join()`` and an exit code or error."""
+    d = DDict(total_mem="16 MiB", client=client, n_workers=1, managers_per_worker=1,
+              wait_for_keys=True, working_set_size=2, timeout=30)  # fmt: skip
+    try:
+        s = d.serialize()
+        ev = start.event()
+        c1 = start(_dragon_client_1, s, ev)
+        assert ev.wait(30)
+        ev.clear()
+        c2 = start(_dragon_client_2, s, ev)
+        assert ev.wait(30)
+        if wait_deferred_first:  # (a thread starts at once, a process takes a second:
+            wait_deferred(d, 0, 2)  # both deferred, as Dragon's comments say they are)
+        c3 = start(_dragon_client_3, s)
+        for c in (c1, c2, c3):
+            start.check(c)
+    finally:
+        d.destroy()
+
+
+class _Threads:
+    """Dragon's clients as threads, each with its own attached handle."""
+
+    event = staticmethod(threading.Event)
+
+    def __call__(self, fn, serialized: str, *args):
+        out: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                fn(DDict.attach(serialized), *args)
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                out["error"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t, out
+
+    @staticmethod
+    def check(c) -> None:
+        t, out = c
+        t.join(60)
+        assert not t.is_alive()
+        if "error" in out:
+            raise out["error"]
+
+
+def test_dragons_defer_put_get_same_key_passes_every_time(client):
+    """20 runs of Dragon's test, its clients as threads (each its own handle)."""
+    for _ in range(20):
+        _run_dragon_defer_put_get_same_key(client, _Threads(), wait_deferred_first=True)
+
+
+def _in_process(fn, serialized: str, *args) -> None:
+    fn(DDict.attach(serialized), *args)
+
+
+class _Processes:
+    """Dragon's clients as processes, as Dragon's test runs them."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.mp = multiprocessing.get_context("spawn")
+        self.manager = self.mp.Manager()
+        self.event = self.manager.Event
+
+    def __call__(self, fn, serialized: str, *args):
+        p = self.mp.Process(target=_in_process, args=(fn, serialized, *args))
+        p.start()
+        return p
+
+    @staticmethod
+    def check(p) -> None:
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+
+
+@pytest.mark.slow
+def test_dragons_defer_put_get_same_key_in_processes(client):
+    """Dragon's test as it is, three processes, 10 runs (each process attaches)."""
+    procs = _Processes()
+    try:
+        for _ in range(10):
+            _run_dragon_defer_put_get_same_key(client, procs, wait_deferred_first=False)
+    finally:
+        procs.manager.shutdown()

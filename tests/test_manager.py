@@ -177,3 +177,25 @@ def test_clear_of_an_empty_shard_writes_nothing(manager):
     put(manager, "a", 1)
     manager.clear(0, CLIENT)
     assert manager.length(0) == 0 and last_txn(manager.store) != gen
+
+
+def test_a_large_pop_reply_is_kept_for_a_resend_until_its_client_read_it(manager):
+    """A resend of a pop (the same request id, after a broken connection) gets the value
+    again; once the host saw the client read the reply, the kept copy is dropped, and
+    small replies stay in the ring of the last request ids."""
+    import numpy as np
+
+    big = np.arange(1 << 17, dtype="u8")  # 1 MiB
+    put(manager, "big", big)
+    put(manager, "small", 1)
+    used = manager.store.transact(manager.store.used_bytes)
+    first = manager.pop(k("big")[0], 0, CLIENT, rid=21)
+    again = manager.pop(k("big")[0], 0, CLIENT, rid=21)  # resent: not applied twice
+    assert bytes(again) == bytes(first) and (loads_value(first) == big).all()
+    kept = manager.store.transact(manager.store.used_bytes)
+    assert kept > used - (1 << 20) + (1 << 19)  # the reply still holds the value's bytes
+    manager.delivered(21)
+    assert manager.store.transact(manager.store.used_bytes) < used - (1 << 19)
+    assert loads_value(manager.pop(k("small")[0], 0, CLIENT, rid=22)) == 1
+    manager.delivered(22)
+    assert loads_value(manager.pop(k("small")[0], 0, CLIENT, rid=22)) == 1  # small: kept

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
 
-from dask_ddict import DDict
+from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict.cli import ddict as cli
 from dask_ddict.persist import CheckpointStore
 
@@ -60,14 +60,16 @@ def wait_for(what: str, ready: Callable[[], bool], seconds: float = 60) -> None:
         time.sleep(0.001)
 
 
-def retry(call: Callable[[], object], seconds: float = 60) -> object:
-    """``call()`` while a killed host process is being restarted."""
+def retry(call: Callable[[], object], seconds: float = 60,
+          quietly: type[Exception] | None = None) -> object:  # fmt: skip
+    """``call()`` while a killed host process is being restarted (an error of type
+    ``quietly`` is raised at once: what the test waits for)."""
     deadline = time.monotonic() + seconds
     while True:
         try:
             return call()
-        except Exception:  # noqa: BLE001 - the host is restarting
-            if time.monotonic() > deadline:
+        except Exception as e:  # noqa: BLE001 - the host is restarting
+            if time.monotonic() > deadline or (quietly is not None and isinstance(e, quietly)):
                 raise
             time.sleep(0.2)
 
@@ -103,12 +105,15 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
     return Place(f"{s3.bucket()}/ckpt.zarr", s3.storage_options)
 
 
-def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_on_every_manager(
+def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_and_sync_redoes_it(
     crash_client, place
 ):
-    """The defect of issue 21: persist_count=1, two managers, the host of manager 0 killed
-    while it persists checkpoint 1.  Manager 1 commits 1 but keeps 0, so 0 stays
-    restorable as a whole; nothing names 1 as persisted.  Then restore, and rotation."""
+    """Issue 21's defect, and issue 30's: persist_count=1, two managers, the host of
+    manager 0 killed while it persists checkpoint 1.  Manager 1 commits 1 but keeps 0,
+    so 0 stays restorable as a whole while 1 is not complete.  The restarted host
+    process persists 1 again (it is still in the window), so sync() is true when it
+    returns: 1 is committed on both, rotation drops 0, and restoring 1 brings back every
+    key."""
     name = "crash-mid-persist"
     store = dict(persist_path=place.path, storage_options=place.storage_options)
     d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_count=1,
@@ -129,30 +134,59 @@ def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_on_every_ma
     wait_for("manager 0 to start persisting checkpoint 1", place.started(name, 0, 1))
     os.kill(host, signal.SIGKILL)
     wait_for("manager 1 to commit checkpoint 1", lambda: 1 in place.ids(name, 1))
-    retry(d.sync)  # the supervisor restarts the host; manager 1's persist is done
+    assert place.ids(name, 1) == [0, 1]  # 0 kept: 1 is not complete yet
+    retry(d.sync)  # the supervisor restarts the host, which persists 1 again
     assert d.stats[0].pid != host
-    assert place.ids(name, 0) == [0]
-    assert place.ids(name, 1) == [0, 1]  # 0 kept: 1 is not complete
-    assert d.persisted_ids() == [0]
+    assert d.persisted_ids() == [1]
+    assert place.ids(name, 0) == [1] == place.ids(name, 1)  # sync() rotates every manager
     d.destroy()
 
-    newest = 0
     r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_count=1,
-              working_set_size=2, restore_from=newest, **store)  # fmt: skip
+              working_set_size=2, restore_from=1, **store)  # fmt: skip
     try:
         got = {k: tag_of(r[k]) for m in range(2) for k in keys[m]}
-        assert got == {k: 0 for m in range(2) for k in keys[m]}  # every key, all of checkpoint 0
-        # Carrying on: once 1 is persisted on both, rotation drops 0 everywhere.
-        r.checkpoint()
-        for m in range(2):
-            for k in keys[m]:
-                r[k] = value(1)
-        r.persist()
-        r.sync()
-        assert r.persisted_ids() == [1]
-        assert place.ids(name, 0) == [1] == place.ids(name, 1)  # sync() rotates every manager
+        assert got == {k: 1 for m in range(2) for k in keys[m]}  # every key, all of 1
     finally:
         r.destroy()
+
+
+def test_a_persist_that_cannot_be_redone_makes_sync_raise_naming_it(crash_client, tmp_path):
+    """wait_for_keys: retiring checkpoint 0 drops its versions, so once its host process
+    dies while persisting it, 0 cannot be read again.  sync() raises naming checkpoint
+    0, manager 0 and why, every time, never a silent success; a later checkpoint
+    committed on that manager ends the report."""
+    store = tmp_path / "lost.zarr"
+    name = "crash-lost"
+    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=str(store),
+              persist_freq=1, persist_count=-1, working_set_size=2, wait_for_keys=True,
+              lifetime="cluster", timeout=60)  # fmt: skip
+    keys = keys_on(d, 0, 12) + keys_on(d, 1, 12)
+    try:
+        for c in range(2):  # every key at 0 and 1 (non-persistent): 0 may retire
+            d.checkpoint_id = c
+            for k in keys:
+                d[k] = value(c)
+        host = d.stats[0].pid
+        d.checkpoint_id = 2
+        d[keys[0]] = value(2)  # retires 0 on manager 0: persisted in the background
+        wait_for("manager 0 to start persisting checkpoint 0",
+                 Place(str(store)).started(name, 0, 0))  # fmt: skip
+        os.kill(host, signal.SIGKILL)
+        for _ in range(2):  # said again: reading the failures changes nothing
+            with pytest.raises(DDictPersistCheckpointError) as e:
+                retry(d.sync, quietly=DDictPersistCheckpointError)
+            text = str(e.value)
+            assert "checkpoint 0 on manager 0:" in text and "died" in text and "retired" in text
+        assert 0 not in d.persisted_ids()
+        for k in keys:  # retire 1 everywhere: committed on manager 0, it ends the report
+            d[k] = value(2)
+        d.checkpoint_id = 3
+        for k in keys:
+            d[k] = value(3)
+        d.sync()
+        assert 1 in d.persisted_ids()
+    finally:
+        d.destroy()
 
 
 def test_automatic_persistence_from_several_writers_survives_a_host_kill(crash_client, tmp_path):

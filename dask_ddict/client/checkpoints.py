@@ -89,11 +89,26 @@ class Checkpoints:
     def sync(self) -> None:
         """Wait until background persistence is done on every manager.
 
-        Then every manager applies ``persist_count`` over the checkpoints now
-        complete on all of them (one more broadcast): after ``sync()``, each
-        holds the newest ``persist_count`` complete checkpoints and nothing older.
+        When it returns, every checkpoint that was asked to be persisted
+        (``persist()``, or a retirement under ``persist_freq``) is committed on
+        every manager.  A host process that died while persisting leaves its
+        successor to redo it, which ``sync()`` waits for too.  Then every manager
+        applies ``persist_count`` over the checkpoints now complete on all of
+        them (one more broadcast): after ``sync()``, each holds the newest
+        ``persist_count`` complete checkpoints and nothing older.
+
+        Raises
+        ------
+        DDictPersistCheckpointError
+            Naming each checkpoint that some manager failed to persist, those
+            managers, and why (the store refused it, or its host process died
+            and the checkpoint had retired since, so it could not be read
+            again).  A manager reports a failed checkpoint until it commits it
+            or a newer one.
         """
-        self._each(Sync(), "sync")
+        failed = self._each(Sync(), "sync")
+        if any(failed):
+            raise DDictPersistCheckpointError(not_persisted(self._managers(), failed))
         if self._core.layout.options.persist_count > 0:
             self._each(Rotate())
 
@@ -128,3 +143,18 @@ class Checkpoints:
         new = self._each(Advance(), "advance")
         self._chkpt = max(new)
         return self._chkpt
+
+
+def not_persisted(mids: list[int], failed: list[list[tuple[int, str]]]) -> str:
+    """What ``sync()`` says of the checkpoints that managers ``mids`` failed to persist
+    (``failed[i]``: manager ``mids[i]``'s ``[(chkpt, why)]``): one line per checkpoint
+    and reason, naming the managers."""
+    by: dict[tuple[int, str], list[int]] = {}
+    for mid, items in zip(mids, failed, strict=True):
+        for chkpt, why in items:
+            by.setdefault((chkpt, why), []).append(mid)
+    lines = [f"checkpoint {c} on manager{'s' if len(ms) > 1 else ''} "
+             f"{', '.join(map(str, ms))}: {why}" for (c, why), ms in sorted(by.items())]  # fmt: skip
+    return ("sync(): some persisted checkpoints are not committed on every manager:\n  "
+            + "\n  ".join(lines) + "\nPersist a checkpoint still in the working set again "
+            "(d.persist() at it), or restore from one that persisted_ids() lists.")

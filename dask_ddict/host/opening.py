@@ -145,6 +145,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
 
         manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
                           frozen=frozen, persister=persister, pull_shard=pull_shard)  # fmt: skip
+        if reattach:
+            manager.resume_persists()  # (what a dead host process accepted and left undone)
     except BaseException:
         if store is not None:
             if reattach:

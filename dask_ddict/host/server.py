@@ -255,8 +255,9 @@ class HostServer:
                 send_parts(sock, [head(0, ival, n), payload], REP.size + n)
 
             one = self._one_request
+            owed: list[Any] = [None]  # (manager, request id) whose reply was sent last
             while True:
-                one(conn, reader, scratch, hosted, reply)
+                one(conn, reader, scratch, hosted, reply, owed)
         except (ConnectionError, OSError, ssl.SSLError, PermissionError) as e:
             if not self._closed and not isinstance(e, ConnectionResetError):
                 logger.debug("ddict connection ended: %r", e)
@@ -273,8 +274,18 @@ class HostServer:
     # -- requests ---------------------------------------------------------------
 
     def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch,
-                     hosted: HostedDict, reply: Reply) -> None:  # fmt: skip
+                     hosted: HostedDict, reply: Reply, owed: list[Any]) -> None:  # fmt: skip
+        """Read and serve one request of ``conn``.
+
+        ``owed`` holds the manager and request id of the connection's last
+        at-most-once request: a new request proves its reply was read (a client
+        sends the next one only after reading the last reply whole), so the
+        manager may drop a large kept reply (:meth:`Manager.delivered`).
+        """
         op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
+        if owed[0] is not None:
+            last, owed[0] = owed[0], None
+            last[0].delivered(last[1])
         manager, limits = hosted.managers.get(mid), self.limits
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
@@ -308,6 +319,8 @@ class HostServer:
                     self._dispatch(hosted, req, reply)  # (raises what the client should see)
                 else:
                     handler(manager, req, reply)
+                    if rid:
+                        owed[0] = (manager, rid)
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise

@@ -45,6 +45,10 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # guards _ids and _error
+        #: Told each job's outcome, ``report(chkpt, error or None)``, in the persisting
+        #: thread (the manager records it in its shard, see ``CheckpointIO``); without
+        #: it, :meth:`sync` raises the first failure.
+        self.report: Callable[[int, BaseException | None], None] | None = None
         # One writer of the store at a time: the background thread's persists and
         # rotations, sync()'s rotation (from a request thread) and restore's discards.
         self._io = threading.Lock()
@@ -153,6 +157,25 @@ class Persister:
             for i in doomed:
                 self.store.delete(i)
 
+    def _one(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
+        failure: BaseException | None = None
+        try:
+            self.write_now(chkpt, entries)
+        except BaseException as e:
+            logger.exception("ddict manager %d: persisting checkpoint %d failed",
+                             self.store.manager_id, chkpt)  # fmt: skip
+            failure = e
+        if self.report is None:
+            if failure is not None:
+                with self._lock:
+                    self._error = self._error or failure
+            return
+        try:
+            self.report(chkpt, failure)
+        except Exception:  # (the manager closed meanwhile: nothing left to record it in)
+            logger.debug("ddict manager %d: persist of %d not recorded", self.store.manager_id,
+                         chkpt, exc_info=True)  # fmt: skip
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -161,12 +184,8 @@ class Persister:
                     return
                 release, jobs = item
                 try:
-                    for chkpt, entries in jobs:
-                        self.write_now(chkpt, entries)
-                except BaseException as e:
-                    logger.exception("ddict manager %d: persisting failed", self.store.manager_id)
-                    with self._lock:
-                        self._error = self._error or e
+                    for chkpt, entries in jobs:  # (each on its own: one failing stops none)
+                        self._one(chkpt, entries)
                 finally:
                     release()
             finally:

@@ -13,6 +13,8 @@ checkpoints in and out of its shard, kept apart from the key operations:
 
 from __future__ import annotations
 
+import logging
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,19 @@ if TYPE_CHECKING:
     from ..persist.persister import Persister
     from .store import ShardStore
     from .working_set import WorkingSet
+
+logger = logging.getLogger(__name__)
+
+#: The shard's record of its persists (in ``meta``, beside the data, so that it outlives
+#: the host process): ``{"pending": {chkpt}, "failed": {chkpt: why}}``.  A checkpoint is
+#: pending from the write that accepts it (``persist()``, or the retirement that wants
+#: it) until its store commits it; a failed one stays failed until this manager commits
+#: it or a newer one.
+_PERSISTS = b"persists"
+#: Why a persist is failed when the host process that accepted it died before it was
+#: committed and the checkpoint can no longer be read as it was.
+LOST = ("the host process that accepted it died before committing it, and the checkpoint "
+        "has retired since, so it cannot be read again")  # fmt: skip
 
 
 class CheckpointIO:
@@ -63,6 +78,7 @@ class CheckpointIO:
             if self._snapshot is None:
                 self._snapshot = self.store.read()
             self._retiring.append(chkpt)
+            self._note(txn, accepted=chkpt)
 
     def _drop_retiring(self) -> None:
         if self._snapshot is not None:
@@ -97,16 +113,97 @@ class CheckpointIO:
         with self._cond:
             self._check_open()
             self.working_set.check_retired(chkpt)
+            self.store.transact(lambda txn: self._note(txn, accepted=chkpt))
             snap = self.store.read()
         persister.submit(snap.abort, [(chkpt, self._entries_at(snap, chkpt))])
 
     def persisted_ids(self) -> list[int]:
         return [] if self.persister is None else self.persister.ids()
 
-    def sync(self) -> None:
-        """Wait for background persistence to finish."""
-        if self.persister is not None:
-            self.persister.sync()
+    def sync(self) -> list[tuple[int, str]]:
+        """Wait for background persistence to finish; the checkpoints that failed.
+
+        ``[(chkpt, why), ...]``: accepted for persistence here (by ``persist()`` or
+        a retirement) and not committed, for good: the store refused them, or the
+        host process that accepted them died and they could not be read again
+        (:meth:`resume_persists`).  Reading them changes nothing (a resent sync
+        says the same); they stay failed until this manager commits them or a
+        newer checkpoint.
+        """
+        if self.persister is None:
+            return []
+        self.persister.sync()
+        with self.store.read() as txn:
+            return sorted(self._persists(txn)["failed"].items())
+
+    # -- the shard's record of its persists -----------------------------------------
+
+    def _persists(self, txn: lmdb.Transaction) -> dict[str, Any]:
+        raw = self.store.get_meta(txn, _PERSISTS)
+        return {"pending": set(), "failed": {}} if raw is None else pickle.loads(raw)
+
+    def _note(self, txn: lmdb.Transaction, *, accepted: int | None = None,
+              done: int | None = None, failed: tuple[int, str] | None = None) -> None:  # fmt: skip
+        """Record a persist accepted, committed (``done``) or failed, in ``txn``."""
+        state = self._persists(txn)
+        if accepted is not None:
+            state["pending"].add(accepted)
+        if done is not None:
+            state["pending"].discard(done)
+            state["failed"] = {c: why for c, why in state["failed"].items() if c > done}
+        if failed is not None:
+            state["pending"].discard(failed[0])
+            state["failed"][failed[0]] = failed[1]
+        self.store.put_meta(txn, _PERSISTS, pickle.dumps(state))
+
+    def _persisted(self, chkpt: int, error: BaseException | None) -> None:
+        """The persister's report of one job (its thread): recorded in the shard."""
+        with self._cond:  # (a closing manager too: its store closes after its persists)
+            if error is None:
+                self.store.transact(lambda txn: self._note(txn, done=chkpt))
+            else:
+                why = f"{type(error).__name__}: {error}"
+                self.store.transact(lambda txn: self._note(txn, failed=(chkpt, why)))
+
+    def resume_persists(self) -> None:
+        """Redo the persists a dead host process accepted and did not commit.
+
+        Called when a new host process re-attaches the shard.  A checkpoint still
+        in the window, or (without ``wait_for_keys``, whose retirement drops
+        versions) the one that retired last, reads exactly as it did: it is
+        persisted again.  Any other is recorded as failed (:data:`LOST`), which
+        ``sync()`` then reports.
+        """
+        if self.persister is None:
+            return
+        with self.store.read() as txn:
+            pending = sorted(self._persists(txn)["pending"])
+        if not pending:
+            return
+        committed = set(self.persister.ids())  # (committed, but not recorded before it died)
+        ws = self.working_set
+        floor = ws.oldest - (0 if ws.wait_for_keys else 1)
+        redo = [c for c in pending if c not in committed and c >= floor]
+
+        def settle(txn: lmdb.Transaction) -> None:
+            for c in pending:
+                if c in committed:
+                    self._note(txn, done=c)
+                elif c < floor:
+                    logger.warning("ddict manager %d: checkpoint %d was not persisted: %s",
+                                   self.manager_id, c, LOST)  # fmt: skip
+                    self._note(txn, failed=(c, LOST))
+
+        with self._cond:
+            self.store.transact(settle)
+            snap = self.store.read()
+        if redo:
+            logger.info("ddict manager %d: persisting again checkpoints %s, which the previous "
+                        "host process accepted and did not commit", self.manager_id, redo)
+            assert self.persister is not None
+            self.persister.submit(snap.abort, [(c, self._entries_at(snap, c)) for c in redo])
+        else:
+            snap.abort()
 
     def rotate(self) -> None:
         """Apply ``persist_count`` over the checkpoints complete on every manager now."""

@@ -4,21 +4,30 @@ An operation that the working set cannot do yet (it raised
 :class:`~dask_ddict.shard.working_set.MustWait`: a put to a checkpoint that
 cannot be created before an older one retires, or a read under
 ``wait_for_keys`` of a key not yet written) is queued here with a function
-that tries it once.  After every change of the shard, the thread that made
-the change, still holding the manager's lock, tries the queued operations in
-arrival order (:meth:`DeferredQueue.drain`), so that
+that tries it once, and the checkpoint it is at.  As in Dragon's manager, the
+operations deferred at checkpoint ``c`` are retried when a write to ``c``
+comes (:meth:`DeferredQueue.drain`), still holding the manager's lock:
+first, in arrival order, before that write is applied (they arrived before
+it), and again after it (it may be what they waited for).  So
 
 - two deferred puts to one key are applied in the order they arrived, never
-  the other way round, and
+  the other way round, and a write to ``c`` that arrives after them lands
+  after them (Dragon's test ``test_wait_keys_defer_put_get_same_key``: the
+  write that "flushes" the deferred ones is the final value);
 - a request that arrives after the write that unblocked them finds them
   applied: the lock is not released between that write and the last of them,
-  and the write's own reply is sent only after the drain (Dragon's manager
-  retries its deferred operations before it answers the request that
-  unblocked them).
+  and the write's own reply is sent only after the drain.
 
-Waiting threads do nothing but sleep on their own condition until their
-operation is done, failed, timed out or the manager closed.  This is a pure
-data structure over a lock; the manager supplies the tries.
+Unlike Dragon, an operation never waits past its timeout for lack of such a
+write (Dragon's would, when the write that unblocked it went to another
+checkpoint, e.g. under ``wait_for_writers``): once no write at all has come for
+``ddict.deferred.quiet-retry``, the oldest waiting operation retries its
+checkpoint's queue, and each retries once more when its timeout expires,
+before it gives up.
+
+Waiting threads otherwise sleep on their own condition until their operation
+is done, failed, timed out or the manager closed.  This is a pure data
+structure over a lock; the manager supplies the tries.
 """
 
 from __future__ import annotations
@@ -39,12 +48,13 @@ _MAX_PASSES = 1 << 16
 
 
 class Deferred(Generic[T]):
-    """One waiting operation: its try and, once done, its outcome."""
+    """One waiting operation: its try, its checkpoint and, once done, its outcome."""
 
-    __slots__ = ("attempt", "wake", "done", "result", "error")
+    __slots__ = ("attempt", "chkpt", "wake", "done", "result", "error")
 
-    def __init__(self, attempt: Callable[[], T], lock: threading.Lock) -> None:
+    def __init__(self, attempt: Callable[[], T], chkpt: int, lock: threading.Lock) -> None:
         self.attempt = attempt
+        self.chkpt = chkpt
         self.wake = threading.Condition(lock)
         self.done = False
         self.result: T | None = None
@@ -63,13 +73,19 @@ class DeferredQueue:
     ----------
     lock
         The manager's lock: every method is called with it held.
+    quiet
+        Seconds without any write after which the oldest waiting operation of a
+        checkpoint retries that checkpoint's queue itself (``None``: never).
     """
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, quiet: float | None = 1.0) -> None:
         self._lock = lock
+        self._quiet = quiet
         #: The waiting operations, oldest first (a plain list: its truth is a cheap test).
         self.waiting: list[Deferred[Any]] = []
         self._closed: Callable[[], DDictError] | None = None
+        #: When the last write came while operations waited (:meth:`wrote`).
+        self.last_write = time.monotonic()
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -77,7 +93,8 @@ class DeferredQueue:
     def __repr__(self) -> str:
         return f"<DeferredQueue waiting={len(self.waiting)}{' closed' if self._closed else ''}>"
 
-    def wait(self, attempt: Callable[[], T], timeout: float | None, what: str) -> T:
+    def wait(self, attempt: Callable[[], T], timeout: float | None, what: str,
+             chkpt: int = 0) -> T:  # fmt: skip
         """Queue an operation that must wait and sleep until a drain has done it.
 
         Parameters
@@ -85,6 +102,8 @@ class DeferredQueue:
         attempt
             Tries the operation once: returns its result, raises
             :class:`MustWait` to stay queued, or raises its error.
+        chkpt
+            The checkpoint it is at: writes to it retry it.
         timeout
             Seconds to wait (``None`` or negative: no limit).
         what
@@ -97,14 +116,27 @@ class DeferredQueue:
         """
         if self._closed is not None:
             raise self._closed()
-        op: Deferred[T] = Deferred(attempt, self._lock)
+        op: Deferred[T] = Deferred(attempt, chkpt, self._lock)
         self.waiting.append(op)
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        quiet = self._quiet
         try:
             while not op.done:
-                remaining = None if deadline is None else deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
+                    self.drain(chkpt)  # a last try (in order) before giving up
+                    if op.done:
+                        break
                     raise DDictTimeoutError(f"{what} timed out after {timeout} s")
+                if quiet is not None:
+                    idle = now - self.last_write
+                    if idle >= quiet and self._first_at(chkpt) is op:
+                        self.last_write = now  # (one retry per quiet period)
+                        self.drain(chkpt)
+                        continue
+                    step = quiet - idle if idle < quiet else quiet
+                    remaining = step if remaining is None else min(remaining, step)
                 op.wake.wait(remaining)
         finally:
             if not op.done:
@@ -113,8 +145,19 @@ class DeferredQueue:
             raise op.error
         return op.result  # type: ignore[return-value]
 
-    def drain(self) -> None:
-        """Try the queued operations in arrival order, after a change (lock held).
+    def _first_at(self, chkpt: int) -> Deferred[Any] | None:
+        for op in self.waiting:
+            if op.chkpt == chkpt:
+                return op
+        return None
+
+    def wrote(self) -> None:
+        """A write came (lock held): the quiet period starts again."""
+        self.last_write = time.monotonic()
+
+    def drain(self, chkpt: int | None = None) -> None:
+        """Try the operations queued at ``chkpt`` (``None``: all) in arrival order,
+        after a change (lock held).
 
         Passes repeat while one completes something: an operation applied
         late in the queue may unblock an older one.
@@ -123,7 +166,7 @@ class DeferredQueue:
             if not self.waiting:
                 return
             progressed = False
-            for op in list(self.waiting):
+            for op in [o for o in self.waiting if chkpt is None or o.chkpt == chkpt]:
                 try:
                     result = op.attempt()
                 except MustWait:
@@ -137,6 +180,10 @@ class DeferredQueue:
                     progressed = True  # (a failure changed nothing: no new pass for it)
             if not progressed:
                 return
+
+    def waiting_at(self, chkpt: int) -> bool:
+        """Whether an operation waits at ``chkpt`` (lock held)."""
+        return any(op.chkpt == chkpt for op in self.waiting)
 
     def close(self, error: Callable[[], DDictError]) -> None:
         """Fail every queued operation and all later ones with a new ``error()`` each

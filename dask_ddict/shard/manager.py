@@ -29,9 +29,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import lmdb
 
 from .._serialize import dumps_value, loads_value, older_frame
-from ..errors import DDictClosedError, DDictError
+from .. import config
+from ..errors import DDictClosedError, DDictError, DDictFullError
 from .checkpoint_io import CheckpointIO
 from .deferred import DeferredQueue
+from .replies import AtMostOnce
+from .room import NoRoom, Room
 from .store import ShardStore
 from .summaries import Summaries
 from .working_set import (
@@ -55,13 +58,6 @@ T = TypeVar("T")
 #: What a page of a view carries per item: keys, values or both.
 
 _BATCH = b"batch:"  # + client id: (batch id, count, first error) of an open batch
-#: Replies of the last non-idempotent requests (by request id), kept in the
-#: shard beside the data they changed: a request retried after a host
-#: restart gets the first answer instead of being applied twice.
-_RID = b"rid:"
-_RID_SLOT = b"ridslot:"
-_RID_SEQ = b"ridseq"
-RID_KEEP = 4096
 _Q = struct.Struct("<Q")
 
 
@@ -72,7 +68,7 @@ class _Refused(Exception):
         self.index, self.error = index, error
 
 
-class Manager(Summaries, CheckpointIO):
+class Manager(Summaries, CheckpointIO, AtMostOnce, Room):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters
@@ -119,17 +115,21 @@ class Manager(Summaries, CheckpointIO):
         self._next_dump = 0
         self._mutex = threading.Lock()  # (taken directly on the hot paths: a Condition's
         self._cond = threading.Condition(self._mutex)  # own "with" is Python code)
-        self._deferred = DeferredQueue(self._mutex)  # operations that wait (under the lock)
+        # Operations that wait (under the lock).
+        self._deferred = DeferredQueue(self._mutex, config.get_seconds("deferred.quiet-retry"))
         # Checkpoints retiring in the current write transaction, to persist
         # from a snapshot taken before that transaction changed anything.
         self._retiring: list[int] = []
         self._snapshot: lmdb.Transaction | None = None
         self._cache: dict[str, tuple[tuple[int, int, int, bool], Any]] = {}  # see _derived
+        self._big_replies: set[int] = set()  # request ids whose kept reply is large
+        self._collected = 0  # the window's oldest checkpoint when dead versions were dropped
         #: This dictionary's generation words on this host (set by the host process).
         self.generations: Generations | None = None
         self.pinned: Callable[[int], tuple[int, int]] | None = None  # (set by its host)
         if persister is not None:
             working_set.on_retire = self._on_retire
+            persister.report = self._persisted
 
     def __repr__(self) -> str:
         return (
@@ -144,49 +144,74 @@ class Manager(Summaries, CheckpointIO):
         if self.closed:
             raise DDictClosedError(f"manager {self.manager_id} is closed")
 
-    def _attempt(self, fn: Callable[[lmdb.Transaction], T], what: str) -> T:
+    def _attempt(self, fn: Callable[[lmdb.Transaction], T], what: str,
+                 at: tuple[int, int] | None = None) -> T:  # fmt: skip
         """Try a write once (lock held): its result, or an exception with nothing
-        changed (:class:`MustWait` if it must wait for another write)."""
+        changed (:class:`MustWait` if it must wait for another write).
+
+        ``at``, the write's ``(checkpoint, client)``: when the shard refused a
+        put for room (even one that ``fn`` kept as a batch's error) and versions
+        that no reader can see any more may be taking it, the write is rolled
+        back, they are collected in a transaction of their own (LMDB reuses freed
+        pages only once that commits) and the write is tried once more
+        (:meth:`_make_room`).
+        """
         if self.closed:
             self._check_open()
         if self.frozen:
             raise DDictError(f"{what}: the dictionary is frozen (read-only)", "INVALID_OPERATION")
-        ws = self.working_set
+        ws, store = self.working_set, self.store
         snap = ws.snapshot()
+        store.refused = False
         try:
-            result = self.store.transact(fn)
-        except BaseException:
+            result = store.transact(fn if at is None else functools.partial(self._roomy, fn))
+        except BaseException as e:
             ws.restore(snap)
             self._drop_retiring()
+            if at is not None and isinstance(e, (DDictFullError, NoRoom)) and store.refused:
+                if self._make_room(*at) or isinstance(e, NoRoom):
+                    return self._attempt(fn, what)  # (once: no second collection)
             raise
         if self._retiring:
             self._persist_retired()
         return result
 
-    def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str) -> T:
+    def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
+               at: tuple[int, int] | None = None) -> T:  # fmt: skip
         """Run ``fn`` in a write transaction, deferred while it must wait.
 
-        Once it is done, the operations deferred before it are retried (it may
-        have unblocked them) before the lock is released and it returns.
+        ``at`` is the write's ``(checkpoint, client)``.  As in Dragon, operations
+        deferred at that checkpoint are retried first (they arrived before this
+        write, so they land before it) and again once it is done (it may have
+        unblocked them), before the lock is released and it returns.  A write
+        without ``at`` retries every deferred operation after it.
         """
+        chkpt = None if at is None else at[0]
         with self._mutex:
+            deferred = self._deferred
+            if deferred.waiting:
+                deferred.wrote()
+                if chkpt is not None and deferred.waiting_at(chkpt):
+                    deferred.drain(chkpt)
             try:
-                result = self._attempt(fn, what)
+                result = self._attempt(fn, what, at)
             except MustWait:
-                return self._deferred.wait(lambda: self._attempt(fn, what), timeout,
-                                           f"{what} on manager {self.manager_id}")  # fmt: skip
-            if self._deferred.waiting:  # (inlined _changed: the hot path)
-                self._deferred.drain()
+                return deferred.wait(lambda: self._attempt(fn, what, at), timeout,
+                                     f"{what} on manager {self.manager_id}",
+                                     -1 if chkpt is None else chkpt)  # fmt: skip
+            if deferred.waiting:
+                deferred.drain(chkpt)
             return result
 
     def _changed(self) -> None:
         """A write outside :meth:`_write` changed the shard (lock held): retry the
         deferred operations it may have unblocked."""
         if self._deferred.waiting:
+            self._deferred.wrote()
             self._deferred.drain()
 
     def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
-              *, counted: bool = False) -> T:  # fmt: skip
+              *, counted: bool = False, chkpt: int = -1) -> T:  # fmt: skip
         """Run ``fn`` in a snapshot transaction, deferred while it must wait.
 
         ``fn`` returns nothing that refers to the snapshot (it copies what it
@@ -198,7 +223,7 @@ class Manager(Summaries, CheckpointIO):
         try:
             return self._read_once(fn)
         except MustWait:
-            return self._wait_read(fn, timeout, what, counted=counted)
+            return self._wait_read(fn, timeout, what, counted=counted, chkpt=chkpt)
 
     def _read_once(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         self._check_open()
@@ -206,9 +231,9 @@ class Manager(Summaries, CheckpointIO):
             return fn(txn)
 
     def _wait_read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
-                   *, counted: bool = False) -> T:  # fmt: skip
+                   *, counted: bool = False, chkpt: int = -1) -> T:  # fmt: skip
         """:meth:`_read` once ``fn`` had to wait: again under the lock (no write can
-        slip in between), then deferred until a write lets it through."""
+        slip in between), then deferred at ``chkpt`` until a write lets it through."""
         if counted:
             self._count_waiter(1)
         try:
@@ -218,7 +243,8 @@ class Manager(Summaries, CheckpointIO):
                 except MustWait:
                     pass
                 return self._deferred.wait(lambda: self._read_once(fn), timeout,
-                                           f"{what} on manager {self.manager_id}")  # fmt: skip
+                                           f"{what} on manager {self.manager_id}",
+                                           chkpt)  # fmt: skip
         finally:
             if counted:
                 self._count_waiter(-1)
@@ -228,33 +254,6 @@ class Manager(Summaries, CheckpointIO):
             if not self.closed:
                 with self.store.write() as txn:
                     add_waiters(self.store, txn, n)
-
-    # -- at-most-once requests --------------------------------------------------
-
-    def _once(self, txn: lmdb.Transaction, rid: int,
-              fn: Callable[[lmdb.Transaction], bytes]) -> bytes:  # fmt: skip
-        """``fn(txn)``, or the reply it gave when request ``rid`` was applied before.
-
-        The reply is stored in the same transaction as the change, so either
-        both are committed or neither is.  ``rid == 0``: no deduplication.
-        """
-        if not rid:
-            return fn(txn)
-        key = _RID + _Q.pack(rid)
-        done = self.store.get_meta(txn, key)
-        if done is not None:
-            return done
-        reply = fn(txn)
-        raw = self.store.get_meta(txn, _RID_SEQ)
-        seq = 0 if raw is None else _Q.unpack(raw)[0]
-        slot = _RID_SLOT + _Q.pack(seq % RID_KEEP)
-        old = self.store.get_meta(txn, slot)
-        if old is not None:
-            txn.delete(_RID + old, db=self.store.meta_db)
-        self.store.put_meta(txn, slot, _Q.pack(rid))
-        self.store.put_meta(txn, _RID_SEQ, _Q.pack(seq + 1))
-        self.store.put_meta(txn, key, reply)
-        return reply
 
     # -- reads ----------------------------------------------------------------
 
@@ -278,7 +277,7 @@ class Manager(Summaries, CheckpointIO):
             else:
                 return consume(frame)
         copy = self._wait_read(lambda txn: bytes(ws.get(txn, digest, chkpt).frame), timeout,
-                               "get")  # (a copy: the snapshot ends with the try) # fmt: skip
+                               "get", chkpt=chkpt)  # (a copy: the snapshot ends with the try) # fmt: skip
         return consume(memoryview(copy))
 
     def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
@@ -329,7 +328,7 @@ class Manager(Summaries, CheckpointIO):
                     e.frame == frame or (e.frame[0] != frame[0] and e.frame == older()))):
                 raise MustWait
 
-        self._read(fn, timeout, "wait_for", counted=True)
+        self._read(fn, timeout, "wait_for", counted=True, chkpt=chkpt)
 
     def newest_checkpoint(self) -> int:
         return self.working_set.newest
@@ -352,6 +351,7 @@ class Manager(Summaries, CheckpointIO):
             lambda txn: ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent),
             timeout,
             "put",
+            (chkpt, client),
         )
 
     def put_many(self, records: list[tuple[bytes, bytes, Any]], chkpt: int, client: int, *,
@@ -378,7 +378,7 @@ class Manager(Summaries, CheckpointIO):
 
         while n:
             try:
-                self._write(fn, timeout, "put")
+                self._write(fn, timeout, "put", (chkpt, client))
                 break
             except _Refused as r:
                 n, refused = r.index, r.error
@@ -390,7 +390,7 @@ class Manager(Summaries, CheckpointIO):
         ws = self.working_set
         return self._write(
             lambda txn: self._once(txn, rid, lambda t: ws.pop(t, digest, chkpt, client)),
-            timeout, "pop",
+            timeout, "pop", (chkpt, client),
         )  # fmt: skip
 
     def clear(self, chkpt: int, client: int, timeout: float | None = None) -> None:
@@ -399,7 +399,7 @@ class Manager(Summaries, CheckpointIO):
             w, n = self._counts()  # (raises if closed)
             if w.newest == ws.newest and not any(n):
                 return  # nothing seen at any checkpoint: nothing to clear, no page written
-        self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear")
+        self._write(lambda txn: ws.clear(txn, chkpt, client), timeout, "clear", (chkpt, client))
 
     def _current(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> Any:
         """Prepare a read-modify-write of a key at ``chkpt``: its visible entry, or ``None``."""
@@ -424,7 +424,7 @@ class Manager(Summaries, CheckpointIO):
             ws.put(txn, digest, chkpt, key, frame, client)
             return bytes(memoryview(frame).cast("B")) if not isinstance(frame, bytes) else frame
 
-        return self._write(fn, timeout, "setdefault")
+        return self._write(fn, timeout, "setdefault", (chkpt, client))
 
     def fetch_add(
         self,
@@ -457,7 +457,8 @@ class Manager(Summaries, CheckpointIO):
             ws.put(txn, digest, chkpt, key, dumps_value(old + n).join(), client, persistent=True)
             return old_frame
 
-        return self._write(lambda txn: self._once(txn, rid, fn), timeout, "fetch_add")
+        return self._write(lambda txn: self._once(txn, rid, fn), timeout, "fetch_add",
+                           (chkpt, client))
 
     def batch_put(
         self,
@@ -494,7 +495,7 @@ class Manager(Summaries, CheckpointIO):
             self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))
 
         try:
-            self._write(fn, None, "batch put")
+            self._write(fn, None, "batch put", (chkpt, client))
         except DDictError as e:  # nothing of this message was stored (frozen, full, ...)
             with self._cond, self.store.write() as txn:
                 count, err = self._batch_state(txn, key, batch)

@@ -199,6 +199,9 @@ class ShardStore:
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
         self.on_commit: Callable[[], None] | None = None  # (its manager's generation, see write)
+        #: Set when a put is refused for room (its manager resets it per write: a write
+        #: that keeps the refusal as a batch's error still shows it).
+        self.refused = False
         # LMDB has one writer at a time, so one scratch buffer serves every large put
         # (a client's: its writing thread's, see _client_scratch).
         self._scratch = Scratch(config.get_bytes("store.scratch-bytes")) if create else None
@@ -309,6 +312,7 @@ class ShardStore:
             if self.indexed:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
+            self.refused = True
             raise DDictFullError(
                 f"shard is full: a {nbytes}-byte value does not fit in its {self.capacity} "
                 f"bytes (its map is full).  {FULL_REMEDY}"
@@ -356,6 +360,15 @@ class ShardStore:
                 txn.delete(_BE.pack(c) + digest, db=self._index)
             if not cur.delete():
                 return
+
+    def collect_all(self, txn: lmdb.Transaction, oldest: int) -> int:
+        """:meth:`collect` for every key; the number of versions dropped.  A scan of the
+        shard: its manager runs it only when a put is refused room (``shard/room.py``)."""
+        before = self.entries(txn)
+        digests = {bytes(k[:DIGEST]) for k in txn.cursor(self._data).iternext(values=False)}
+        for digest in sorted(digests):
+            self.collect(txn, digest, oldest)
+        return before - self.entries(txn)
 
     def put_over(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, key: bytes,
                  frame: Any, flags: int) -> bool:  # fmt: skip
@@ -549,6 +562,7 @@ class ShardStore:
         self._used_estimate = used + 2 * nbytes
         need = used + nbytes
         if need > limit:
+            self.refused = True
             raise DDictFullError(
                 f"shard is full: this put needs {need} bytes, and puts may fill {int(limit)} "
                 f"of the shard's {self.capacity} ({self.full_thresh:.0%}: "

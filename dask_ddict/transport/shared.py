@@ -40,6 +40,7 @@ from .._serialize import Framed
 from ..errors import (
     DDictClosedError,
     DDictError,
+    DDictFullError,
     DDictKeyError,
     DDictManagerUnavailableError,
 )
@@ -404,6 +405,8 @@ class SharedChannel:
             except BaseException:
                 txn.abort()
                 raise
+            if isinstance(error, DDictFullError):
+                error = None  # the manager's to apply: it can drop versions no one sees
             if done:
                 txn.commit()
                 self._words.bump(self._sock.info.manager_id)  # type: ignore[union-attr]

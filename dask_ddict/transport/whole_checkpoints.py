@@ -56,12 +56,19 @@ class PersistedIds(PickledReply, Answered):
 
 
 @dataclass(slots=True)
-class Sync(Command):
-    """Wait for the background persists; raise the first failure."""
+class Sync(PickledReply, Answered):
+    """Wait for the background persists; answer those that failed, ``[(chkpt, why)]``.
+
+    An answer, not an error: ``sync()`` names every manager's failures at once.
+    Reading them changes nothing, so a resend is harmless.
+    """
 
     op = Op.SYNC
     kind = Kind.READ
-    method = "sync"
+
+    @staticmethod
+    def answer(m: Manager, r: Request) -> tuple[int, Any]:
+        return 0, pickle.dumps(m.sync())
 
 
 @dataclass(slots=True)

@@ -1,0 +1,86 @@
+"""At-most-once requests: the replies a manager keeps so that a resend is not applied twice.
+
+A request that is not idempotent (``pop``, ``fetch_add``) carries a request id.
+Its reply is stored in the shard in the same transaction as the change it
+made, so a request resent after a broken connection (a host process restarted
+between its commit and its answer) gets the first answer instead of being
+applied again.  Replies are kept for the last ``RID_KEEP`` request ids; a large
+one (a popped value) only until its client has read it (:meth:`AtMostOnce.delivered`),
+so that the popped value's bytes are free for other keys at once.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import lmdb
+
+if TYPE_CHECKING:
+    from .store import ShardStore
+
+_RID = b"rid:"
+_RID_SLOT = b"ridslot:"
+_RID_SEQ = b"ridseq"
+#: How many request ids' replies a shard keeps.
+RID_KEEP = 4096
+#: Replies larger than this are kept only until their client shows it read them.
+BIG_REPLY = 4096
+_Q = struct.Struct("<Q")
+
+
+class AtMostOnce:
+    """The kept replies of a manager (a base of ``Manager``)."""
+
+    store: ShardStore
+    closed: bool
+    _mutex: threading.Lock
+    _big_replies: set[int]
+
+    def _once(self, txn: lmdb.Transaction, rid: int,
+              fn: Callable[[lmdb.Transaction], bytes]) -> bytes:  # fmt: skip
+        """``fn(txn)``, or the reply it gave when request ``rid`` was applied before.
+
+        The reply is stored in the same transaction as the change, so either
+        both are committed or neither is.  ``rid == 0``: no deduplication.
+        """
+        if not rid:
+            return fn(txn)
+        key = _RID + _Q.pack(rid)
+        done = self.store.get_meta(txn, key)
+        if done is not None:  # a resend: the reply its first try got, kept until read
+            if len(done) > BIG_REPLY:
+                self._big_replies.add(rid)
+            return done
+        reply = fn(txn)
+        raw = self.store.get_meta(txn, _RID_SEQ)
+        seq = 0 if raw is None else _Q.unpack(raw)[0]
+        slot = _RID_SLOT + _Q.pack(seq % RID_KEEP)
+        old = self.store.get_meta(txn, slot)
+        if old is not None:
+            txn.delete(_RID + old, db=self.store.meta_db)
+        self.store.put_meta(txn, slot, _Q.pack(rid))
+        self.store.put_meta(txn, _RID_SEQ, _Q.pack(seq + 1))
+        self.store.put_meta(txn, key, reply)
+        if len(reply) > BIG_REPLY:
+            self._big_replies.add(rid)
+        return reply
+
+    def delivered(self, rid: int) -> None:
+        """Request ``rid``'s client read its reply: a large kept reply is dropped now.
+
+        The host learns it from the connection (the next request on a connection
+        comes only after its previous reply was read whole), so a resend, which
+        only follows a connection that broke before its reply was read, still finds
+        the reply.  Small replies stay in the ring of the last ``RID_KEEP``.
+        """
+        if rid not in self._big_replies:
+            return
+        with self._mutex:
+            self._big_replies.discard(rid)
+            if not self.closed:
+                self.store.transact(lambda txn: txn.delete(_RID + _Q.pack(rid),
+                                                           db=self.store.meta_db))  # fmt: skip
+
