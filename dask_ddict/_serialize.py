@@ -208,6 +208,16 @@ def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
         raise DDictSerializationError(f"cannot deserialize value: {e}") from e
 
 
+def _raw_payload(frame: Any) -> memoryview | None:
+    """The bytes of a :data:`FMT_BYTES` frame as a view of ``frame``; ``None`` for any
+    other frame."""
+    mv = memoryview(frame)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    fmt, _, plen = _HEAD.unpack_from(mv, 0)
+    return mv[_HEAD.size : _HEAD.size + plen] if fmt == FMT_BYTES else None
+
+
 def bytes_view(frame: Any) -> Any:
     """The bytes of a :data:`FMT_BYTES` frame as a read-only view of ``frame`` (no copy);
     any other frame's value (:func:`loads_value`).
@@ -215,13 +225,30 @@ def bytes_view(frame: Any) -> Any:
     What a reader that wants buffers, not ``bytes`` objects, decodes frames with:
     the view keeps ``frame`` (and so a lent snapshot) alive as long as it lives.
     """
-    mv = memoryview(frame)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    fmt, _, plen = _HEAD.unpack_from(mv, 0)
-    if fmt != FMT_BYTES:
-        return loads_value(frame)
-    return mv[_HEAD.size : _HEAD.size + plen].toreadonly()
+    payload = _raw_payload(frame)
+    return loads_value(frame) if payload is None else payload.toreadonly()
+
+
+def raw_range(frame: Any, start: int, stop: int) -> tuple[int, memoryview]:
+    """``(size, part)`` of a :data:`FMT_BYTES` frame: how many bytes the value has, and
+    ``value[start:stop]`` (a Python slice: a negative bound counts from the end, a
+    bound past the end is cut there) as a view of ``frame``, no copy.
+
+    What a ranged read (:class:`~dask_ddict.transport.ops.GetRange`) takes out of a
+    value where it lives, so that only the part travels; an empty slice
+    (``start == stop``) answers the size alone.
+
+    Raises
+    ------
+    DDictSerializationError
+        If the frame is not raw bytes: a pickle's bytes are not the value's, and the
+        host that serves the range never unpickles (the caller reads the value whole).
+    """
+    payload = _raw_payload(frame)
+    if payload is None:
+        raise DDictSerializationError("a byte range of a value that is not raw bytes (a "
+                                      "pickled value): read it whole")  # fmt: skip
+    return payload.nbytes, payload[start:stop]
 
 
 SMALL_FRAME = 4096

@@ -222,3 +222,48 @@ def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path
         for manager in managers.values():
             manager.close()
         gens.close()
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_a_byte_range_is_cut_by_the_values_host_and_only_it_travels(served, use_uds):
+    """``GetRange``: the host answers ``value[start:stop]`` (a Python slice) of a raw-bytes
+    value and its size, served as ``Manager.get`` serves a whole value (``wait_for_keys``
+    included); a pickled value is refused with a typed error, never unpickled."""
+    import threading
+
+    from dask_ddict.errors import DDictSerializationError
+
+    channel, dicts, _ = served
+    ch = channel(use_uds)
+    value = bytes(range(256)) * 400  # (100 KiB: received into an aligned buffer)
+    kb, pb = dumps_key("raw"), dumps_key("pickled")
+    d = key_digest(kb)
+    ch.call(ops.Put(d, kb, dumps_value(value), 0, 1))
+    ch.call(ops.Put(key_digest(pb), pb, dumps_value(bytearray(b"abc")), 0, 1))
+    n = len(value)
+    spans = [(0, 10), (5, 5), (n - 3, n + 99), (-7, n << 1), (-(n + 9), 4), (3, -2), (9, 2),
+             (n + 1, n + 5), (-(1 << 70), 1 << 70)]  # (beyond 64 bits: clamped, same slice)
+    for start, stop in spans:
+        size, part = ch.call(ops.GetRange(d, 0, start, stop))
+        assert size == n and bytes(part) == value[start:stop], (start, stop)
+    moved = ch.link.call(ops.GetRange(d, 0, 1000, 1100), 3)  # what came over the socket
+    assert moved[0] == n and memoryview(moved[1]).nbytes == 100
+    assert ch.call(ops.GetRange(d, 0, 0, 0)) == (n, b"")  # the size alone
+    with pytest.raises(DDictSerializationError, match="not raw bytes"):
+        ch.call(ops.GetRange(key_digest(pb), 0, 0, 2))
+    with pytest.raises(DDictKeyError):
+        ch.call(ops.GetRange(key_digest(dumps_key("absent")), 0, 0, 2))
+    (hosted,) = dicts.values()
+    ws = hosted.managers[3].working_set
+    ws.wait_for_keys = True  # a reader of a key not written at its checkpoint waits for it
+    try:
+        lb = dumps_key("late")
+        writer = threading.Timer(0.3, ch.call, (ops.Put(key_digest(lb), lb,
+                                                        dumps_value(b"written late"), 0, 1),))
+        writer.start()
+        try:
+            assert ch.call(ops.GetRange(key_digest(lb), 0, -4, 99, 30.0)) == (12, b"late")
+        finally:
+            writer.join(30)
+    finally:
+        ws.wait_for_keys = False

@@ -15,6 +15,7 @@ import itertools
 import pickle
 from typing import Any
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -25,11 +26,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import cpu, default_buffer_prototype
+from zarr.storage import LocalStore, MemoryStore
 from zarr.storage._utils import _normalize_byte_range_index
 from zarr.testing.stateful import ZarrStoreStateMachine
 from zarr.testing.store import StoreTests
 
-from dask_ddict import AsyncDDict, DDict, DDictStore
+from dask_ddict import AsyncDDict, DDict, DDictSerializationError, DDictStore
 from dask_ddict.stores.names import byte_slice, children, dir_base, store_names
 
 _ids = itertools.count()
@@ -276,6 +278,180 @@ def test_equality_pickling_and_modes(zd, client):
     # By reference: no more than the handle's own reference, whatever the managers.
     assert len(blob) < len(pickle.dumps(zd)) + 200
     assert b"tcp://" not in blob.replace(zd._core.ref.scheduler.encode(), b"")
+
+
+# -- byte ranges, cut where the value lives -------------------------------------------------
+
+
+def _attached(d: DDict, client: Any, **settings: Any) -> DDict:
+    """A handle of ``d`` whose channels are made under ``ddict.<settings>``."""
+    with dask.config.set({f"ddict.{k}": v for k, v in settings.items()}):
+        h = DDict.attach(d.serialize(), client=client)
+        for m in range(d.num_managers):
+            h._core.channel(m)
+    return h
+
+
+@pytest.fixture
+def paths(zd, client):
+    """The three ways to a value: its shard beside this process, the host process's Unix
+    socket (direct reads off), TCP (as from another host)."""
+    handles = {"shm": zd, "uds": _attached(zd, client, **{"local-read": False}),
+               "tcp": _attached(zd, client, **{"local-transport": False})}  # fmt: skip
+    for kind, h in handles.items():
+        assert {h._core.channel(m).kind for m in range(h.num_managers)} == {kind}
+    yield handles
+    for h in handles.values():
+        if h is not zd:
+            h.detach()
+
+
+@pytest.fixture
+def wire(monkeypatch):
+    """Every request this process sends a host process: ``(operation, bytes of its reply)``."""
+    from dask_ddict.transport import links
+
+    sent: list[tuple[str, int]] = []
+    real = links.HostLink._exchange
+
+    def exchange(self, o, *rest):  # noqa: ANN001, ANN002, ANN202
+        got = yield from real(self, o, *rest)
+        sent.append((type(o).__name__, 0 if got[1] is None else memoryview(got[1]).nbytes))
+        return got
+
+    monkeypatch.setattr(links.HostLink, "_exchange", exchange)
+    return sent
+
+
+_proto = default_buffer_prototype()
+_SIZES = (0, 1, 7, 300, 70_000)  # (70 000: past the sizes copied and received as bytes)
+
+
+def _value(n: int) -> bytes:
+    return np.random.default_rng(n).integers(0, 256, n, dtype="u1").tobytes()
+
+
+def _zarrs(local: LocalStore, n: int, byte_range: Any) -> bytes:
+    """What zarr's own stores read: ``MemoryStore``'s bytes, but ``LocalStore``'s for a
+    suffix longer than the value (the whole value; ``MemoryStore`` wraps around)."""
+    data = _value(n)
+    if isinstance(byte_range, SuffixByteRequest) and byte_range.suffix > n:
+        got = zarr.core.sync.sync(local.get(f"v{n}", _proto, byte_range))
+    else:
+        mem = MemoryStore({"v": cpu.Buffer.from_bytes(data)})
+        got = zarr.core.sync.sync(mem.get("v", _proto, byte_range))
+    return got.to_bytes()
+
+
+def _any_range(n: int) -> st.SearchStrategy[Any]:
+    """Any request of zarr's, in and around a value of ``n`` bytes (negative bounds too)."""
+    bound = st.integers(-(n + 3), n + 3) | st.sampled_from([0, n, n + 1, 1 << 40, -(1 << 40)])
+    return st.one_of(st.tuples(bound, bound).map(lambda t: RangeByteRequest(*t)),
+                     bound.map(OffsetByteRequest), bound.map(SuffixByteRequest))  # fmt: skip
+
+
+@pytest.mark.one_host
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_byte_ranges_read_what_zarrs_own_stores_read_on_every_path(zd, paths, tmp_path, data):
+    prefix = "ranges/"
+    local = LocalStore(str(tmp_path))
+    for n in _SIZES:
+        if not (tmp_path / f"v{n}").exists():
+            (tmp_path / f"v{n}").write_bytes(_value(n))
+            zd[f"{prefix}v{n}"] = _value(n)
+    n = data.draw(st.sampled_from(_SIZES))
+    byte_range = data.draw(_any_range(n))
+    expected = _zarrs(local, n, byte_range)
+    for kind, h in paths.items():
+        store = DDictStore(h, prefix=prefix)
+        got = store.get_sync(f"v{n}", byte_range=byte_range)
+        assert got.to_bytes() == expected, (kind, n, byte_range)
+        got = zarr.core.sync.sync(store.get(f"v{n}", _proto, byte_range))
+        assert got.to_bytes() == expected, (kind, n, byte_range)
+        assert zarr.core.sync.sync(store.getsize(f"v{n}")) == n, kind
+
+
+@pytest.mark.one_host
+def test_a_byte_range_moves_its_bytes_only_and_getsize_none(zd, paths, wire, monkeypatch):
+    """Beside the shard nothing is sent and only the range is copied out of it; over a
+    socket one ``GetRange`` brings the range back (or, for ``getsize``, nothing of the
+    value)."""
+    from dask_ddict.transport import mapped
+
+    copied: list[int] = []
+    real = mapped._View.copy
+    monkeypatch.setattr(mapped._View, "copy",
+                        lambda self, frame: copied.append(frame.nbytes) or real(self, frame))
+    value = _value(1 << 20)
+    zd["moved/v"] = value
+    for kind, h in paths.items():
+        store = DDictStore(h, prefix="moved/")
+        wire.clear()
+        copied.clear()
+        got = zarr.core.sync.sync(store.get("v", _proto, RangeByteRequest(1000, 1100)))
+        assert got.to_bytes() == value[1000:1100]
+        assert store.get_sync("v", byte_range=SuffixByteRequest(5)).to_bytes() == value[-5:]
+        assert zarr.core.sync.sync(store.getsize("v")) == 1 << 20
+        expected = [] if kind == "shm" else [("GetRange", 100), ("GetRange", 5), ("GetRange", 0)]
+        assert wire == expected, kind
+        assert copied == ([100, 5, 0] if kind == "shm" else []), kind
+    zd.pop("moved/v")
+
+
+@pytest.mark.one_host
+def test_a_byte_range_of_a_value_that_is_not_raw_bytes(zd, paths):
+    """The value's host refuses to cut a pickled value (typed), and the store reads it
+    whole: a ``bytearray`` (bytes-like, pickled) is cut here, anything else is no store
+    value (``TypeError``, as a whole read says); an absent key is ``None``."""
+    zd["pickled/ba"] = bytearray(b"0123456789")
+    zd["pickled/obj"] = {"not": "bytes"}
+    for kind, h in paths.items():
+        with pytest.raises(DDictSerializationError, match="not raw bytes"):
+            h._get_range("pickled/ba", 0, 2)
+        store = DDictStore(h, prefix="pickled/")
+        assert store.get_sync("ba", byte_range=RangeByteRequest(2, 5)).to_bytes() == b"234"
+        assert zarr.core.sync.sync(store.getsize("ba")) == 10
+        with pytest.raises(TypeError, match="not bytes"):
+            store.get_sync("obj", byte_range=OffsetByteRequest(1))
+        with pytest.raises(TypeError, match="not bytes"):
+            zarr.core.sync.sync(store.getsize("obj"))
+        assert store.get_sync("absent", byte_range=OffsetByteRequest(1)) is None
+        with pytest.raises(FileNotFoundError):
+            zarr.core.sync.sync(store.getsize("absent"))
+    zd.pop("pickled/ba")
+    zd.pop("pickled/obj")
+
+
+#: A sharded array: one 16 MiB shard of 64 inner chunks of 256 KiB (incompressible).
+_SHARD, _INNER = 1 << 21, 1 << 15  # (float64 elements)
+
+
+def _sharded(store: DDictStore) -> np.ndarray:
+    x = np.random.default_rng(3).random(_SHARD)
+    z = zarr.create_array(store, name="s", shape=x.shape, shards=(_SHARD,), chunks=(_INNER,),
+                          dtype="f8", compressors=None)  # fmt: skip
+    z[:] = x
+    return x
+
+
+@pytest.mark.one_host
+def test_one_inner_chunk_of_a_shard_moves_the_chunk_not_the_shard(zd, paths, wire):
+    store = DDictStore(zd, prefix=f"sharded{next(_ids)}/")
+    x = _sharded(store)
+    assert len(zd[store.prefix + "s/c/0"]) > _SHARD * 8  # one value: the whole shard
+    inner = _INNER * 8
+    for kind, h in paths.items():
+        z = zarr.open_array(DDictStore(h, prefix=store.prefix), path="s", mode="r")
+        wire.clear()
+        np.testing.assert_array_equal(z[5 * _INNER : 6 * _INNER], x[5 * _INNER : 6 * _INNER])
+        moved = sum(n for _, n in wire)
+        if kind == "shm":
+            assert wire == [], wire  # (read from the shard: nothing sent)
+        else:  # the shard's index (a suffix) and the chunk: a little over one inner chunk
+            assert [op for op, _ in wire] == ["GetRange", "GetRange"], wire
+            assert inner <= moved < inner + 4096, (moved, inner)
+    zarr.core.sync.sync(store.delete_dir(""))
 
 
 # -- the stack: dask.array and xarray ------------------------------------------------------

@@ -213,6 +213,48 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
         b2.destroy()
 
 
+def _received(h: twohost.TwoHosts) -> int:
+    """Bytes this host has received from host 2: the counter of its end of the veth pair
+    (every frame that crossed, headers included)."""
+    with open(f"/sys/class/net/{h.veth[0]}/statistics/rx_bytes") as f:
+        return int(f.read())
+
+
+def test_one_inner_chunk_of_a_shard_on_host2_moves_the_chunk_not_the_shard(hosts):
+    """zarr's sharding codec reads an inner chunk by byte range: host 2 cuts it out of
+    the 16 MiB shard, and only it (and the shard's index) crosses the wire."""
+    import zarr
+
+    from dask_ddict import DDictStore
+
+    h, c = hosts
+    d = DDict(total_mem="128 MiB", client=c, lifetime="cluster")
+    try:
+        _, m2 = _split(d)
+        store = DDictStore(d.manager(m2))  # (every key on host 2's manager)
+        n, inner = 1 << 21, 1 << 15  # float64: a 16 MiB shard of 64 inner chunks of 256 KiB
+        x = np.random.default_rng(0).random(n)
+        z = zarr.create_array(store, name="s", shape=(n,), shards=(n,), chunks=(inner,),
+                              dtype="f8", compressors=None)  # fmt: skip
+        z[:] = x
+        assert d._core.channel(m2).kind == "tcp"
+        z = zarr.open_array(store, path="s", mode="r")  # (its metadata: read before counting)
+        before = _received(h)
+        part = z[7 * inner : 8 * inner]
+        moved = _received(h) - before
+        before = _received(h)
+        whole = z[:]  # (every chunk: zarr reads the shard whole)
+        whole_moved = _received(h) - before
+        np.testing.assert_array_equal(part, x[7 * inner : 8 * inner])
+        np.testing.assert_array_equal(whole, x)
+        print(f"host 2 -> host 1: one {inner * 8} B inner chunk moved {moved} B; "
+              f"the whole {n * 8} B shard {whole_moved} B")
+        assert whole_moved >= n * 8  # (the counter counts what crosses)
+        assert inner * 8 <= moved < 2 * inner * 8, (moved, inner * 8)
+    finally:
+        d.destroy()
+
+
 # -- TLS across both hosts ----------------------------------------------------------------
 
 _NO_CERTIFICATES = """

@@ -37,6 +37,7 @@ from ..transport.ops import (
     Clear,
     Contains,
     FetchAdd,
+    GetRange,
     Length,
     Pop,
     Put,
@@ -410,6 +411,15 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     def pput(self, key: Any, value: Any) -> None:
         """Persistent put: survives retirement under ``wait_for_keys``."""
         self._put(key, value, True)
+
+    def _get_range(self, key: Any, start: int, stop: int) -> tuple[int, Any]:
+        """``(size, value[start:stop])`` of ``key``'s raw-bytes value, sliced where it
+        lives: only the part crosses a socket (:class:`~..transport.ops.GetRange`, for
+        :class:`~dask_ddict.DDictStore`'s byte ranges and sizes).  Raises
+        ``DDictKeyError`` if absent, ``DDictSerializationError`` if not raw bytes."""
+        mid, digest, _ = self._route(key)
+        return self._core.channel(mid).call(GetRange(digest, self._chkpt, start, stop,
+                                                     self._timeout))  # fmt: skip
 
     def __contains__(self, key: Any) -> bool:
         mid, digest, _ = self._route(key)

@@ -42,21 +42,33 @@ def check_byte_range(byte_range: Any) -> ByteRequest | None:
     raise TypeError(f"Unexpected byte_range, got {byte_range}.")
 
 
-def byte_slice(view: memoryview, byte_range: ByteRequest | None) -> memoryview:
-    """The part of ``view`` that ``byte_range`` asks for, as a view (no copy).
+#: A slice's stop past the end of any value (the largest a
+#: :class:`~dask_ddict.transport.ops.GetRange` carries).
+_TO_END = (1 << 63) - 1
 
-    Ranges past the end are cut at the end, as zarr's local and memory stores do.
+
+def byte_span(byte_range: ByteRequest) -> tuple[int, int]:
+    """``byte_range`` as the ``(start, stop)`` of a Python slice of the value, which the
+    value's host takes without knowing zarr
+    (:class:`~dask_ddict.transport.ops.GetRange`).
+
+    The bytes are those of zarr's own stores (``value[start:stop]`` after zarr's
+    ``_normalize_byte_range_index``, as its ``MemoryStore`` cuts them), but for a
+    suffix longer than the value, which is the whole value, as zarr's ``LocalStore``
+    reads it (``MemoryStore``'s negative start wraps around instead).
     """
-    n = len(view)
-    if byte_range is None:
-        return view
     if isinstance(byte_range, RangeByteRequest):
-        return view[min(byte_range.start, n) : min(byte_range.end, n)]
+        return byte_range.start, byte_range.end
     if isinstance(byte_range, OffsetByteRequest):
-        return view[min(byte_range.offset, n) :]
-    if isinstance(byte_range, SuffixByteRequest):
-        return view[max(0, n - byte_range.suffix) :]
+        return byte_range.offset, _TO_END
+    if isinstance(byte_range, SuffixByteRequest):  # (-0 would be the whole value: none is)
+        return (-byte_range.suffix, _TO_END) if byte_range.suffix > 0 else (0, 0)
     raise TypeError(f"Unexpected byte_range, got {byte_range}.")
+
+
+def byte_slice(view: memoryview, byte_range: ByteRequest | None) -> memoryview:
+    """The part of ``view`` that ``byte_range`` asks for (:func:`byte_span`), as a view."""
+    return view if byte_range is None else view[slice(*byte_span(byte_range))]
 
 
 def as_bytes(key: str, got: Any) -> memoryview:

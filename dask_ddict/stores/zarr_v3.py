@@ -16,6 +16,11 @@ Why each choice:
   commits it into the shard itself up to ``ddict.zarr-store.direct-write-max``
   (no socket); a chunk read on the manager's host is lent from the shard
   (zero-copy, :mod:`~dask_ddict.transport.pins`) and handed to zarr as a view.
+- **Byte ranges are cut where the value lives.**  zarr's sharding codec reads
+  one inner chunk out of a shard by byte range: the shard's host (or, beside
+  the shard, the reader itself) slices the value, so only the range crosses a
+  socket, and ``getsize`` moves none of the value
+  (:class:`~dask_ddict.transport.ops.GetRange`).
 - **Nothing blocks zarr's event loop.**  zarr awaits stores on one loop thread
   per process; every dictionary call runs in a worker thread, through the
   dictionary's async face (:class:`~dask_ddict.AsyncDDict`): the gets (and the
@@ -41,7 +46,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
-from zarr.abc.store import ByteRequest, Store
+from zarr.abc.store import ByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from .. import config
@@ -52,10 +57,11 @@ from ..client import AsyncDDict, DDict
 from ..client.coalesce import GetBatcher, PutBatcher
 from ..client.reads import _ABSENT, _WAIT
 from ..client.threaded import in_thread
-from ..errors import DDictSerializationError
+from ..errors import DDictKeyError, DDictSerializationError
 from .names import (
     as_bytes,
     byte_slice,
+    byte_span,
     check_byte_range,
     check_key,
     children,
@@ -68,6 +74,8 @@ logger = logging.getLogger(__name__)
 
 #: Names listed per worker-thread hop (a page of ``d.keys()`` is read in the thread).
 LIST_PAGE = 1024
+#: An empty range: what ``getsize`` reads (the size alone, none of the value).
+_SIZE = RangeByteRequest(0, 0)
 
 
 class DDictStore(Store):
@@ -175,14 +183,37 @@ class DDictStore(Store):
 
         On the manager's host a large value is lent by the shard and handed to
         zarr as a view (no copy); gets awaited together are read with one
-        request per host.
+        request per host.  A byte range is cut where the value lives, and only
+        its bytes travel (:meth:`_part`).
         """
         name = self._name(key)
-        check_byte_range(byte_range)
+        if (ranged := check_byte_range(byte_range)) is not None:
+            return _buffer(prototype, await asyncio.to_thread(self._part, name, ranged))
         got = await self._reads.get(name, _ABSENT, False)
         if got is _ABSENT:
             return None
-        return prototype.buffer.from_bytes(byte_slice(as_bytes(name, got), byte_range))
+        return prototype.buffer.from_bytes(as_bytes(name, got))
+
+    def _part(self, name: str, byte_range: ByteRequest) -> tuple[int, Any] | None:
+        """``(size, bytes)`` of dictionary key ``name``'s value: how many it has, and those
+        ``byte_range`` asks for; ``None`` if absent.
+
+        The value's host (or, on its host, this process from the shard) cuts the
+        range, so reading one inner chunk of a 256 MiB zarr shard from another host
+        moves the chunk, not the shard.  A value that is not raw bytes (a pickle:
+        ``bytes`` as a version before raw frames stored them, or not bytes at all)
+        is read whole, and judged here as a whole read is.
+        """
+        try:
+            return self._d._get_range(name, *byte_span(byte_range))
+        except DDictKeyError:
+            return None
+        except DDictSerializationError:  # (not raw bytes: the host never unpickles)
+            got = self._d.get(name, _ABSENT)
+            if got is _ABSENT:
+                return None
+            view = as_bytes(name, got)
+            return len(view), byte_slice(view, byte_range)
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
@@ -202,12 +233,11 @@ class DDictStore(Store):
         return bool(await self._async.contains(self._name(key)))
 
     async def getsize(self, key: str) -> int:
-        """Bytes of ``key``'s value (read lent on the manager's host: no copy)."""
-        name = self._name(key)
-        got = await self._reads.get(name, _ABSENT, False)
-        if got is _ABSENT:
+        """Bytes of ``key``'s value: its host answers the size, none of the value moves."""
+        got = await asyncio.to_thread(self._part, self._name(key), _SIZE)
+        if got is None:
             raise FileNotFoundError(key)
-        return len(as_bytes(name, got))
+        return got[0]
 
     # -- writes ---------------------------------------------------------------------
 
@@ -265,14 +295,15 @@ class DDictStore(Store):
                  byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip
         """:meth:`get` in the calling thread (not on an event loop)."""
         name = self._name(key)
-        check_byte_range(byte_range)
+        prototype = default_buffer_prototype() if prototype is None else prototype
+        if (ranged := check_byte_range(byte_range)) is not None:
+            return _buffer(prototype, self._part(name, ranged))
         ((_, got),) = self._d._many([name], False, decode=bytes_view)
         if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet)
             got = self._d.get(name, _ABSENT)
         if got is _ABSENT:
             return None
-        prototype = default_buffer_prototype() if prototype is None else prototype
-        return prototype.buffer.from_bytes(byte_slice(as_bytes(name, got), byte_range))
+        return prototype.buffer.from_bytes(as_bytes(name, got))
 
     def set_sync(self, key: str, value: Buffer) -> None:
         """:meth:`set` in the calling thread."""
@@ -303,6 +334,11 @@ class _ListedKeys:
             return loads_key(data)
         except DDictSerializationError:
             return None
+
+
+def _buffer(prototype: BufferPrototype, part: tuple[int, Any] | None) -> Buffer | None:
+    """A zarr buffer of a :meth:`DDictStore._part`'s bytes (``None``: absent)."""
+    return None if part is None else prototype.buffer.from_bytes(part[1])
 
 
 def _payload(value: Any) -> memoryview:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .._serialize import Framed, copy_frame
+from .._serialize import Framed, copy_frame, raw_range
 from ..errors import wire_error
 from ..stats import DDictManagerStats
 from .operation import (
@@ -107,6 +107,48 @@ class Get(FrameReply):
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         m.get(r.digest, r.chkpt, lambda frame: reply(0, frame), r.timeout)
+
+
+#: A :class:`GetRange`'s bounds in its key section, after the digest (signed: a Python
+#: slice's; bounds beyond 64 bits are clamped, which cuts no value shorter than that).
+_SPAN = struct.Struct("<qq")
+_BOUND = (-(1 << 63), (1 << 63) - 1)
+
+
+@dataclass(slots=True)
+class GetRange(Operation):
+    """``(size, part)`` of a raw-bytes value: its length, and ``value[start:stop]`` (a
+    Python slice, see :func:`~dask_ddict._serialize.raw_range`); an empty slice asks for
+    the size alone.
+
+    Read where the value lives (a same-host reader's shard, else the manager, which
+    serves it as :meth:`Manager.get <dask_ddict.shard.manager.Manager.get>` serves a
+    whole value: same snapshot, checkpoint and ``wait_for_keys`` rules), so only the
+    part travels: zarr's sharding codec reads one inner chunk out of a large shard.  A
+    value that is not raw bytes raises :class:`~dask_ddict.errors.DDictSerializationError`
+    (its bytes are a pickle's, not the value's): the caller reads it whole.
+    """
+
+    op = Op.GET_RANGE
+    kind = Kind.READ
+    digest: bytes
+    chkpt: int
+    start: int
+    stop: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        low, high = _BOUND
+        span = _SPAN.pack(min(max(self.start, low), high), min(max(self.stop, low), high))
+        return Encoded(keysec=self.digest + span, chkpt=self.chkpt, timeout=self.timeout)
+
+    def result(self, ival: int, payload: Any) -> tuple[int, Any]:
+        return ival, payload
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        start, stop = _SPAN.unpack(r.key)
+        m.get(r.digest, r.chkpt, lambda frame: reply(*raw_range(frame, start, stop)), r.timeout)
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ from typing import Any
 import lmdb
 
 from .. import config
-from .._serialize import Framed
+from .._serialize import Framed, raw_range
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -73,7 +73,7 @@ from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests
     forget,
     touched,
 )
-from .ops import Contains, Get, Operation, Page, Put
+from .ops import Contains, Get, GetRange, Operation, Page, Put
 from .pins import Lender, Snapshot, lendable
 from .protocol import WANT_KEYS, WANT_VALUES
 
@@ -261,6 +261,20 @@ class SharedChannel:
             ) from e
 
     @contextlib.contextmanager
+    def _inside(self, view: _View) -> Iterator[None]:
+        """One operation in ``view`` (from :meth:`_enter`): the host must live, and a
+        dictionary found destroyed is forgotten here (after the operation's snapshot
+        ended: no reader is left in the map)."""
+        try:
+            self._check_alive()
+            yield
+        except DDictClosedError:
+            _destroyed(self._path)
+            raise
+        finally:
+            self._exit(view)
+
+    @contextlib.contextmanager
     def _reading(self, view: _View, lend: bool) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
         """A snapshot of the shard and how a value's frame leaves it: lent from a shared
         lending snapshot (``lend``, see :mod:`.pins`), or copied (without ``lend``, or
@@ -327,6 +341,23 @@ class SharedChannel:
         with self._reading(view, True) as (txn, out):
             e = self._visible(view.store, digest, chkpt, txn)
             return out(e.frame) if e else e
+
+    def _get_range(self, o: GetRange) -> Any:
+        """Part of a raw-bytes value from a snapshot of the shard: only the part is copied
+        out (a range is mostly a small part of a large value, such as one inner chunk of
+        a zarr shard, which zarr decodes at once; lending the whole value would hold it,
+        and give back all its pages, for that)."""
+        view = self._enter()
+        if view is None:
+            return self._sock.call(o)
+        with self._inside(view), self._reading(view, False) as (txn, copy):
+            e = self._visible(view.store, o.digest, o.chkpt, txn)
+            if e:
+                size, part = raw_range(e.frame, o.start, o.stop)
+                return size, copy(part)
+        if e is None:
+            raise DDictKeyError()
+        return self._sock.call(o)  # the manager waits for the writer
 
     def _get_many(self, o: GetMany) -> list[list[Any]]:
         """This manager's keys of ``o`` (one group) from one snapshot of the shard."""
@@ -423,15 +454,8 @@ class SharedChannel:
         view = self._enter()
         if view is None:
             return bool(self._sock.call(o))
-        try:
-            self._check_alive()
-            with self._snapshot(view.store) as txn:
-                return bool(self._visible(view.store, o.digest, o.chkpt, txn))
-        except DDictClosedError:
-            _destroyed(self._path)
-            raise
-        finally:
-            self._exit(view)
+        with self._inside(view), self._snapshot(view.store) as txn:
+            return bool(self._visible(view.store, o.digest, o.chkpt, txn))
 
     def _page(self, o: Page) -> Any:
         """One page of a view scanned from a snapshot of the shard: iterating a same-host
@@ -480,4 +504,5 @@ def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> 
 _LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
     Get: SharedChannel._get, Contains: SharedChannel._contains, Put: SharedChannel._put,
     GetMany: SharedChannel._get_many, Page: SharedChannel._page,
+    GetRange: SharedChannel._get_range,
 }
