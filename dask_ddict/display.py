@@ -56,14 +56,15 @@ def summarize(
             "manager_id": m.manager_id, "worker": m.worker, "hostname": m.hostname,
             "lost": m.lost, "error": None, "num_keys": None, "bytes": None, "capacity": None,
             "fill": None, "window": None, "frozen": None, "pinned_bytes": None,
-            "pinned_views": None, "deferred_ops": None,
-            "persisted": list((persisted or {}).get(m.manager_id, ())),
+            "pinned_views": None, "deferred_ops": None, "ops_served": None,
+            "host_restarts": None, "persisted": list((persisted or {}).get(m.manager_id, ())),
         }  # fmt: skip
         if isinstance(s, DDictManagerStats):
             row.update(num_keys=s.num_keys, bytes=s.total_used_bytes, capacity=s.total_bytes,
                        fill=s.pool_utilization, frozen=s.frozen,
                        pinned_bytes=s.pinned_bytes, pinned_views=s.pinned_views,
-                       deferred_ops=s.deferred_ops,
+                       deferred_ops=s.deferred_ops, ops_served=dict(s.ops_served),
+                       host_restarts=s.host_restarts,
                        window=[s.oldest_checkpoint, s.newest_checkpoint])  # fmt: skip
         elif m.lost:
             row["error"] = "lost with its host"

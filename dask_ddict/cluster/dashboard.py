@@ -4,9 +4,11 @@
 and persisted checkpoints, from the scheduler (the orchestrator knows each
 dictionary's secret), at most once per ``ddict.dashboard.refresh`` and one
 collection at a time, whatever the number of open pages.  The asking happens
-in threads with a per-manager deadline, so a hung host shows up as an error
-row and never blocks the scheduler's event loop.  It uses sockets only:
-no shard is ever mapped into the scheduler process.
+in threads with a per-manager deadline (which the request itself carries too,
+so that a hung host keeps no thread waiting), so a hung host shows up as an
+error row and never blocks the scheduler's event loop.  It uses sockets only:
+no shard is ever mapped into the scheduler process.  The scheduler's
+Prometheus metrics (:mod:`.metrics`) are read from the same snapshots.
 
 :func:`install` adds the routes to ``scheduler.http_application`` (so they
 are in ``/sitemap.json``) and, when bokeh serves the dashboard, a "DDict"
@@ -87,12 +89,35 @@ class DashboardData:
 
     async def snapshot(self) -> list[dict[str, Any]]:
         """Every dictionary's summary (:func:`dask_ddict.display.summarize`), by name."""
-        if time.monotonic() - self._taken < (config.get_seconds("dashboard.refresh") or 0):
+        if not self._stale():
             return self._snapshot
+        return await asyncio.shield(self._collecting())
+
+    def refresh(self) -> None:
+        """Start a collection if the snapshot is stale and none is under way, without
+        waiting for it: for callers that cannot wait (the Prometheus collector).
+        Call it on the scheduler's event loop."""
+        if self._stale():
+            self._collecting()
+
+    def latest(self) -> tuple[list[dict[str, Any]], float]:
+        """The newest snapshot as it is and its age in seconds (``inf`` before the first)."""
+        return self._snapshot, time.monotonic() - self._taken
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self._taken >= (config.get_seconds("dashboard.refresh") or 0)
+
+    def _collecting(self) -> asyncio.Future[list[dict[str, Any]]]:
+        """The collection under way, started if there is none."""
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._collect())
-            self._pending.add_done_callback(lambda _: setattr(self, "_pending", None))
-        return await asyncio.shield(self._pending)
+            self._pending.add_done_callback(self._collected)
+        return self._pending
+
+    def _collected(self, done: asyncio.Future[list[dict[str, Any]]]) -> None:
+        self._pending = None
+        if not done.cancelled() and done.exception() is not None:  # (nobody may wait for it)
+            logger.warning("ddict dashboard: collecting the stats failed: %r", done.exception())
 
     async def _collect(self) -> list[dict[str, Any]]:
         plugin = self._plugin
@@ -113,7 +138,8 @@ class DashboardData:
         deadline = config.get_seconds("dashboard.manager-timeout")
         live = [m.manager_id for m in layout.managers if not m.lost]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.to_thread(_ask, observer, mid), deadline) for mid in live),
+            *(asyncio.wait_for(asyncio.to_thread(_ask, observer, mid, deadline), deadline)
+              for mid in live),
             return_exceptions=True,
         )
         stats: dict[int, DDictManagerStats | BaseException] = {}
@@ -135,9 +161,10 @@ class DashboardData:
         self._observers.clear()
 
 
-def _ask(observer: Observer, mid: int) -> tuple[DDictManagerStats, list[int]]:
+def _ask(observer: Observer, mid: int, deadline: float | None
+         ) -> tuple[DDictManagerStats, list[int]]:  # fmt: skip
     channel = observer.channel(mid)
-    stats: DDictManagerStats = channel.call(Stats())
+    stats: DDictManagerStats = channel.call(Stats(deadline))  # (a hung host: given up, too)
     return stats, sorted(channel.call(PersistedIds()))
 
 

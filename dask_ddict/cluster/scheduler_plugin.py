@@ -39,6 +39,7 @@ from .. import config
 from ..errors import DDictError, error_to_wire, raise_from_wire
 from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
+from . import metrics
 from .dashboard import DashboardData, install
 from .lifetime import Holders
 from .sizing import HostMemory, memory_warnings, pause_fraction
@@ -117,6 +118,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
         self.calls: Counter[str] = Counter()  # handler calls by name, since the start
         self.dashboard = DashboardData(self)
+        self._metrics: metrics.DDictCollector | None = None  # on /metrics while started
         self.holders = Holders(self._release, self._call_later,
                                lambda: config.get_seconds("lifetime-grace-period") or 0.0)  # fmt: skip
 
@@ -135,6 +137,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         }
         scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
         install(scheduler, self.dashboard)
+        self._metrics = metrics.register(self.dashboard, asyncio.get_running_loop())
         # Bytes, not objects: an inproc transport would share one instance otherwise.
         await scheduler.register_nanny_plugin(
             None, dumps(DDictNannyPlugin()), name="ddict", idempotent=True
@@ -287,6 +290,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     # -- Scheduler hooks ----------------------------------------------------------
 
     async def close(self) -> None:
+        metrics.unregister(self._metrics)
+        self._metrics = None
         await asyncio.to_thread(self.dashboard.close)
 
     def add_client(self, scheduler: Scheduler, client: str) -> None:

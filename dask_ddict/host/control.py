@@ -49,6 +49,7 @@ class Init:
     tls: bool = False  # serve TCP over TLS (the cluster's comms use TLS)
     closed: tuple[str, ...] = ()  # uids destroyed on this host: their clients get CLOSED
     config: dict[str, Any] = field(default_factory=dict)  # the supervisor's ddict.* settings
+    restarts: int = 0  # how many incarnations the supervisor restarted (the managers' stats)
 
 
 @dataclass(frozen=True)

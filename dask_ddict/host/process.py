@@ -97,6 +97,8 @@ class Host:
                     gens.bump(mid)
                 if hosted.pins is not None:
                     manager.pinned = hosted.pins.of
+                manager.served = hosted.served.of
+                manager.host_restarts = self.init.restarts
                 hosted.managers[mid] = manager
                 self.locks[(spec.uid, mid)] = lock
                 opened.append(mid)

@@ -23,7 +23,8 @@ process are bounded (``ddict.host.max-connections``), and every length in a
 request is checked against its limit before a buffer is allocated.  Each
 request names its manager, and :data:`~dask_ddict.transport.ops.HANDLERS` maps
 each operation to the manager call that serves it (each operation is declared
-once, in :mod:`~dask_ddict.transport.ops`).
+once, in :mod:`~dask_ddict.transport.ops`).  Every request is counted for its
+managers and operation (:mod:`.served`: the managers' stats report the counts).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from ..transport.protocol import (
     send_parts,
     value_limit,
 )
+from .served import Counting, Served, Table, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
@@ -109,7 +111,8 @@ class Limits:
 class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
-    __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins")
+    __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins",
+                 "served")
 
     def __init__(self, uid: str, name: str, secret: str,
                  generations: Generations | None = None,
@@ -124,9 +127,17 @@ class HostedDict:
         self.answers: dict[Any, Any] = {}
         #: What processes of this host pin of its shards (zero-copy values).
         self.pins = pins
+        #: The requests served for its managers here (their stats report them).
+        self.served = Served()
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
+
+    def changes(self) -> int:
+        """What a kept ``stats`` answer holds besides its shards: a number that moves
+        with the pin boards and with the requests served (``FanOut``'s ``pins``)."""
+        pinned = 0 if self.pins is None else int(self.pins.changes())
+        return (pinned + self.served.moves()) & ((1 << 62) - 1)
 
 
 class HostServer:
@@ -237,8 +248,10 @@ class HostServer:
         return conn, hosted
 
     def _serve(self, conn: socket.socket, kind: str) -> None:
+        served: Table | None = None
         try:
             conn, hosted = self._handshake(conn, kind)
+            served = hosted.served.connection()
             reader = Reader(conn)
             scratch = Scratch(self._scratch_keep)
             sock, send, head = conn, conn.sendall, REP.pack
@@ -257,13 +270,15 @@ class HostServer:
             one = self._one_request
             owed: list[Any] = [None]  # (manager, request id) whose reply was sent last
             while True:
-                one(conn, reader, scratch, hosted, reply, owed)
+                one(conn, reader, scratch, hosted, reply, served, owed)
         except (ConnectionError, OSError, ssl.SSLError, PermissionError) as e:
             if not self._closed and not isinstance(e, ConnectionResetError):
                 logger.debug("ddict connection ended: %r", e)
         except Exception:  # a bug: log it, drop only this connection
             logger.exception("ddict host: connection failed")
         finally:
+            if served is not None:
+                hosted.served.release(served)
             with self._lock:
                 self._conns.discard(conn)
             try:
@@ -274,8 +289,9 @@ class HostServer:
     # -- requests ---------------------------------------------------------------
 
     def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch,
-                     hosted: HostedDict, reply: Reply, owed: list[Any]) -> None:  # fmt: skip
-        """Read and serve one request of ``conn``.
+                     hosted: HostedDict, reply: Reply, served: Table,
+                     owed: list[Any]) -> None:  # fmt: skip
+        """Read and serve one request of ``conn``, counted in ``served``.
 
         ``owed`` holds the manager and request id of the connection's last
         at-most-once request: a new request proves its reply was read (a client
@@ -302,15 +318,15 @@ class HostServer:
                                          None if timeout < 0 else timeout,  # (decode_timeout)
                                          keysec[:16], keysec[16:], value, rid))  # fmt: skip
             if op == _FANOUT:  # one operation on several of this dictionary's managers
+                count_fanout(served, hosted.managers, keysec, arg)
                 self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
                                          managers=hosted.managers,
                                          generations=hosted.generations,
                                          answers=hosted.answers,
-                                         pins=None if hosted.pins is None
-                                         else hosted.pins.changes,
+                                         pins=hosted.changes,
                                          answerers=self.answerers)  # fmt: skip
             elif op in HOST_WIDE:  # (e.g. get_many: several managers, one request)
-                HOST_WIDE[op](hosted.managers, req, reply,
+                HOST_WIDE[op](Counting(hosted.managers, served, op), req, reply,
                               functools.partial(self._not_hosted, hosted))  # fmt: skip
             else:
                 manager = hosted.managers.get(mid)  # (again: it may have closed meanwhile)
@@ -318,6 +334,8 @@ class HostServer:
                 if manager is None or handler is None:
                     self._dispatch(hosted, req, reply)  # (raises what the client should see)
                 else:
+                    counts = served[mid]  # (served.count, inlined: every request)
+                    counts[op] = counts.get(op, 0) + 1
                     handler(manager, req, reply)
                     if rid:
                         owed[0] = (manager, rid)

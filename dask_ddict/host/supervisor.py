@@ -135,7 +135,8 @@ class HostSupervisor:
             start_new_session=True, env=env, cwd=self.socket_dir,
         )  # fmt: skip
         self._send(control.Init(self.security, os.getpid(), self.socket_dir, self.tls,
-                                tuple(self._closed), dask.config.get("ddict")))  # fmt: skip
+                                tuple(self._closed), dask.config.get("ddict"),
+                                self.restart_count))  # fmt: skip
         self._recv(config.get_seconds("host.start-timeout"))
         for uid, (spec, paths, worker) in list(self._dicts.items()):
             try:

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
+#: The fields at the end of a stats record that :meth:`Summaries._live` reads at each ask.
+_LIVE = 5
 
 
 class Summaries:
@@ -45,6 +47,10 @@ class Summaries:
     generations: Generations | None
     #: ``pinned(mid) -> (bytes, views)`` from the host's pin boards (:mod:`.pinboard`).
     pinned: Callable[[int], tuple[int, int]] | None
+    #: ``served(mid) -> {operation: requests}`` from the host's server, and how many times
+    #: the host process was restarted: both set by the host process that serves it.
+    served: Callable[[int], dict[str, int]] | None = None
+    host_restarts: int = 0
     _cache: dict[str, tuple[tuple[int, int, int, bool], Any]]
     _deferred: DeferredQueue
 
@@ -102,10 +108,12 @@ class Summaries:
         return pickle.dumps(self._live(self._derived("stats-record", self._stats_record)))
 
     def _live(self, record: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The shard's cached part of a stats record and the counts read now (pins,
-        deferred operations: they change without a commit)."""
-        pinned = (0, 0) if self.pinned is None else self.pinned(self.manager_id)
-        return record[:-3] + pinned + (len(self._deferred),)
+        """The shard's cached part of a stats record and what is read now (pins,
+        deferred operations, requests served: they change without a commit)."""
+        mid = self.manager_id
+        pinned = (0, 0) if self.pinned is None else self.pinned(mid)
+        served = {} if self.served is None else self.served(mid)
+        return record[:-_LIVE] + pinned + (len(self._deferred), served, self.host_restarts)
 
     def _stats_record(self, txn: lmdb.Transaction) -> tuple[Any, ...]:
         return DDictManagerStats.record(self._stats(txn))
@@ -129,5 +137,7 @@ class Summaries:
             "pinned_bytes": 0,  # (see _live: the host's pin boards)
             "pinned_views": 0,
             "deferred_ops": 0,
+            "ops_served": {},
+            "host_restarts": 0,
         }
 
