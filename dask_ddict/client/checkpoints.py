@@ -129,8 +129,11 @@ class Checkpoints:
         self.sync()
         ids = self.persisted_ids()
         if chkpt not in ids:
+            opts = self._core.layout.options
             raise DDictPersistCheckpointError(
-                f"checkpoint {chkpt} is not persisted on every manager (persisted: {ids})"
+                f"restore({chkpt}) of {self._core.name!r}: checkpoint {chkpt} is not persisted "
+                f"on every manager in the store {opts.persist_path!r} (persisted on every "
+                f"manager: {ids}); nothing was changed"
             )
         self._each(Restore(chkpt), f"restore {chkpt}")
         self._chkpt = chkpt

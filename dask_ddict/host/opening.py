@@ -134,6 +134,12 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
                 Persister,
             )
 
+            if opts.restore_from is not None and not reattach:  # (reads only: a failed
+                from ..persist.restorable import check_restorable  # restore writes nothing)
+
+                check_restorable(opts.persist_path, spec.name, mid, spec.num_managers,
+                                 opts.restore_from, spec.storage_options)  # fmt: skip
+
             persister = Persister(
                 CheckpointStore(opts.persist_path, spec.name, mid, spec.num_managers,
                                 chunk_bytes=config.get_bytes("persist.chunk-bytes"),

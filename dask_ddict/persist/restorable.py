@@ -1,0 +1,61 @@
+"""Whether a persisted checkpoint can be restored, found by reading the store only.
+
+A restore (``DDict(..., restore_from=k)``, ``dask ddict restore``) first checks,
+in each manager's host process, that its checkpoint is committed in the store.
+It only reads: a wrong ``name=`` or a ``persist_path`` that does not exist must
+leave the store and the path exactly as they were (opening the store for
+writing, as persisting does, would create the dictionary's groups), and the
+error says what was looked for, where, and what is there instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zarr
+
+from ..arguments import local_store
+from ..errors import DDictPersistCheckpointError
+from .zarr_store import CheckpointStore
+
+
+def check_restorable(path: str, name: str, manager_id: int, num_managers: int, chkpt: int,
+                     storage_options: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Raise :class:`DDictPersistCheckpointError` unless checkpoint ``chkpt`` of manager
+    ``manager_id`` of dictionary ``name`` is committed in the zarr store ``path``.
+
+    The message names the store, the dictionary and what the store holds (the
+    dictionaries in it, or this manager's persisted ids).
+    """
+    what = f"restore_from={chkpt} of {name!r} (manager {manager_id})"
+    local = local_store(path)
+    if local is not None and not os.path.isdir(local):
+        raise DDictPersistCheckpointError(
+            f"{what}: persist_path {path!r} does not exist (nothing was created there); "
+            "pass the path the dictionary was persisted to"
+        )
+    try:
+        root = zarr.open_group(local or path, mode="r", storage_options=storage_options or None)
+        names = sorted(n for n, _ in root.groups())
+    except Exception as e:  # noqa: BLE001 - any reason the store cannot be read
+        raise DDictPersistCheckpointError(
+            f"{what}: {path!r} is not a readable zarr store ({type(e).__name__}: {e})"
+        ) from None
+    if name not in names:
+        held = ", ".join(repr(n) for n in names) or "none"
+        raise DDictPersistCheckpointError(
+            f"{what}: the store {path!r} holds no dictionary named {name!r} (it holds: "
+            f"{held}); pass the name it was persisted under (name=...)"
+        )
+    if f"manager_{manager_id}" not in {n for n, _ in root[name].groups()}:  # type: ignore[union-attr]
+        raise DDictPersistCheckpointError(
+            f"{what}: the store {path!r} holds {name!r} but nothing of manager {manager_id}"
+        )
+    ids = CheckpointStore(path, name, manager_id, num_managers, writable=False,
+                          storage_options=storage_options).ids()  # fmt: skip
+    if chkpt not in ids:
+        raise DDictPersistCheckpointError(
+            f"{what}: checkpoint {chkpt} is not persisted in the store {path!r} (this "
+            f"manager's persisted checkpoints there: {ids})"
+        )
