@@ -37,6 +37,11 @@ from typing import Any
 HOSTNAME2 = "ddict-host2"
 
 
+#: Dask's command line in the environment that runs the tests (not whatever ``dask`` is on
+#: PATH: a virtual environment need not be activated).
+DASK = (sys.executable, "-m", "dask")
+
+
 def _free_pair() -> tuple[str, str]:
     """The first 169.254.77.x/30 block that no interface uses: (this host, host 2)."""
     shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
@@ -83,7 +88,7 @@ class TwoHosts:
     def __enter__(self) -> TwoHosts:
         try:
             self._network()
-            self._start("scheduler", ["dask", "scheduler", "--host", self.host1, "--port", "0",
+            self._start("scheduler", [*DASK, "scheduler", "--host", self.host1, "--port", "0",
                                       "--dashboard-address", f"{self.host1}:0", "--scheduler-file",
                                       self.scheduler_file, *self.security_args])  # fmt: skip
             self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
@@ -136,7 +141,7 @@ class TwoHosts:
     # -- helpers -----------------------------------------------------------------------
 
     def _worker(self) -> list[str]:
-        return ["dask", "worker", "--scheduler-file", self.scheduler_file, "--nworkers", "1",
+        return [*DASK, "worker", "--scheduler-file", self.scheduler_file, "--nworkers", "1",
                 "--nthreads", "2", "--memory-limit", "2GiB", *self.security_args]  # fmt: skip
 
     def _network(self) -> None:
