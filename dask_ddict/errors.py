@@ -230,11 +230,17 @@ def raise_for_status(status: int, message: str, key: Any = None) -> NoReturn:
     key
         The user's key, attached to :class:`DDictKeyError`.
     """
+    raise error_for_status(status, message, key)
+
+
+def error_for_status(status: int, message: str, key: Any = None) -> DDictError:
+    """The exception that a non-OK manager reply stands for (:func:`raise_for_status`
+    raises it; a broadcast that shows every manager's outcome keeps it)."""
     st = Status(status)
     cls = _CLASS_FOR_STATUS.get(st, DDictError)
     if cls is DDictKeyError:
-        raise DDictKeyError(key, code=st.name)
-    raise cls(message, code=st.name)
+        return DDictKeyError(key, code=st.name)
+    return cls(message, code=st.name)
 
 
 # -- control-plane errors (worker -> scheduler -> client) ---------------------------

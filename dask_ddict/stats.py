@@ -37,6 +37,9 @@ class DDictManagerStats:
     ops_served: dict[str, int] = field(default_factory=dict, hash=False)
     #: How many times the supervisor restarted this manager's host process.
     host_restarts: int = 0
+    #: Checkpoint ids this manager has committed to ``persist_path``, ascending
+    #: (``persisted_ids()`` is those committed on every manager).
+    persisted_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DDictManagerStats:

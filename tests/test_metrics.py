@@ -213,9 +213,9 @@ def test_a_restarted_host_is_counted_and_its_shard_reported(
 
 
 def test_an_older_managers_stats_record_gets_the_new_fields_defaults() -> None:
-    old = tuple(range(len(FIELDS) - 2))  # a record from before ops_served and host_restarts
+    old = tuple(range(len(FIELDS) - 3))  # from before ops_served, host_restarts, persisted_ids
     s = DDictManagerStats.from_record(old)
-    assert (s.deferred_ops, s.ops_served, s.host_restarts) == (old[-1], {}, 0)
+    assert (s.deferred_ops, s.ops_served, s.host_restarts, s.persisted_ids) == (old[-1], {}, 0, ())
     t = DDictManagerStats.from_record(old)
     assert s.ops_served is not t.ops_served  # each its own dict
     assert DDictManagerStats.from_dict({"manager_id": 3}).ops_served == {}

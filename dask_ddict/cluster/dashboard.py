@@ -3,10 +3,11 @@
 :class:`DashboardData` asks every manager of every dictionary for its stats
 and persisted checkpoints, from the scheduler (the orchestrator knows each
 dictionary's secret), at most once per ``ddict.dashboard.refresh`` and one
-collection at a time, whatever the number of open pages.  The asking happens
-in threads with a per-manager deadline (which the request itself carries too,
-so that a hung host keeps no thread waiting), so a hung host shows up as an
-error row and never blocks the scheduler's event loop.  It uses sockets only:
+collection at a time, whatever the number of open pages.  The asking is one
+broadcast per dictionary (a request per host process, answered by each of its
+managers; their persisted ids come with their stats), sent from a thread with a
+deadline that the requests carry, so a hung host shows up as error rows for its
+managers and never blocks the scheduler's event loop.  It uses sockets only:
 no shard is ever mapped into the scheduler process.  The scheduler's
 Prometheus metrics (:mod:`.metrics`) are read from the same snapshots.
 
@@ -30,7 +31,7 @@ from ..display import render, summarize
 from ..layout import Layout
 from ..stats import DDictManagerStats
 from ..transport.connect import Connections
-from ..transport.ops import PersistedIds, Stats
+from ..transport.ops import Stats
 from .lifetime import Holders
 
 if TYPE_CHECKING:
@@ -137,11 +138,12 @@ class DashboardData:
             observer = self._observers[layout.uid] = Observer(layout, security)
         deadline = config.get_seconds("dashboard.manager-timeout")
         live = [m.manager_id for m in layout.managers if not m.lost]
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.to_thread(_ask, observer, mid, deadline), deadline)
-              for mid in live),
-            return_exceptions=True,
-        )
+        try:  # one broadcast: a request per host process, each with the deadline
+            answers = await asyncio.wait_for(
+                asyncio.to_thread(observer.each_settled, Stats(deadline), live),
+                None if deadline is None else 2 * deadline + 1)  # fmt: skip
+        except TimeoutError as e:  # (the broadcast itself hung: every manager unknown)
+            answers = [e] * len(live)
         stats: dict[int, DDictManagerStats | BaseException] = {}
         persisted: dict[int, list[int]] = {}
         for mid, answer in zip(live, answers):
@@ -150,7 +152,7 @@ class DashboardData:
                     answer = TimeoutError(f"no answer within {deadline:g} s")
                 stats[mid] = answer
             else:
-                stats[mid], persisted[mid] = answer
+                stats[mid], persisted[mid] = answer, list(answer.persisted_ids)
         holders = self._plugin.holders
         return summarize(layout, stats, persisted, holders=holders.holders(layout.name),
                          release_pending=holders.release_pending(layout.name))  # fmt: skip
@@ -159,13 +161,6 @@ class DashboardData:
         for observer in self._observers.values():
             observer.close()
         self._observers.clear()
-
-
-def _ask(observer: Observer, mid: int, deadline: float | None
-         ) -> tuple[DDictManagerStats, list[int]]:  # fmt: skip
-    channel = observer.channel(mid)
-    stats: DDictManagerStats = channel.call(Stats(deadline))  # (a hung host: given up, too)
-    return stats, sorted(channel.call(PersistedIds()))
 
 
 class _Handler(web.RequestHandler):

@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 _HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
 #: The fields at the end of a stats record that :meth:`Summaries._live` reads at each ask.
-_LIVE = 5
+_LIVE = 6
 
 
 class Summaries:
@@ -56,6 +56,10 @@ class Summaries:
 
     def _check_open(self) -> None:
         raise NotImplementedError
+
+    if TYPE_CHECKING:  # provided by the manager (CheckpointIO)
+
+        def persisted_ids(self) -> list[int]: ...
 
     def _derived(self, what: str, compute: Callable[[lmdb.Transaction], T]) -> T:
         """``compute`` on a snapshot, reused while the shard and this manager are unchanged.
@@ -113,7 +117,8 @@ class Summaries:
         mid = self.manager_id
         pinned = (0, 0) if self.pinned is None else self.pinned(mid)
         served = {} if self.served is None else self.served(mid)
-        return record[:-_LIVE] + pinned + (len(self._deferred), served, self.host_restarts)
+        return record[:-_LIVE] + pinned + (len(self._deferred), served, self.host_restarts,
+                                           tuple(self.persisted_ids()))  # fmt: skip
 
     def _stats_record(self, txn: lmdb.Transaction) -> tuple[Any, ...]:
         return DDictManagerStats.record(self._stats(txn))
@@ -139,5 +144,6 @@ class Summaries:
             "deferred_ops": 0,
             "ops_served": {},
             "host_restarts": 0,
+            "persisted_ids": (),
         }
 

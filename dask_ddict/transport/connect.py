@@ -32,6 +32,7 @@ from ..errors import (
     DDictClosedError,
     DDictError,
     DDictManagerUnavailableError,
+    error_for_status,
     raise_for_status,
     wire_error,
 )
@@ -233,6 +234,34 @@ class Connections:
         """
         if len(mids) <= 1:
             return [self.channel(m).call(o) for m in mids]
+        results, failure, errors = self._broadcast(o, mids, progress)
+        if failure is not None:
+            raise failure
+        if errors:
+            code, data = errors[next(m for m in mids if m in errors)]
+            raise_for_status(code, data.decode(errors="replace"))
+        return [results[m] for m in mids]
+
+    def each_settled(self, o: Operation, mids: list[int]) -> list[Any]:
+        """:meth:`each`, with each manager's error in its place instead of raised (a
+        host that did not answer: its error for each of its managers), for observers
+        that show every manager, answering or not (the dashboard, the metrics)."""
+        results, failure, errors = self._broadcast(o, mids, "", settle=True)
+        out: list[Any] = []
+        for m in mids:
+            if m in results:
+                out.append(results[m])
+            elif m in errors:
+                out.append(error_for_status(errors[m][0], errors[m][1].decode(errors="replace")))
+            else:
+                out.append(failure or DDictError(f"manager {m}: no answer", "INTERNAL"))
+        return out
+
+    def _broadcast(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False
+                   ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
+        """Send ``o`` to every host of ``mids`` and read every answer: the results, a
+        failure that cost whole hosts' answers, and managers' errors (``settle``: a
+        failed host's managers each get its error)."""
         if self.closed:
             raise DDictClosedError("the DDict was destroyed or detached")
         results: dict[int, Any] = {}
@@ -257,11 +286,11 @@ class Connections:
                     continue
                 _, payload = answer()
             except DDictError as e:
-                if len(ms) > 1:
+                if len(ms) > 1 and not settle:
                     failure = failure or e
                     continue
                 status, msg = wire_error(e)
-                errors[ms[0]] = (int(status), msg)
+                errors.update((m, (int(status), msg)) for m in ms)
                 continue
             except BaseException as e:  # the other answers are still read: links stay usable
                 failure = failure or e
@@ -271,12 +300,7 @@ class Connections:
                     errors[mid] = (status, data)
                 else:
                     results[mid] = result(ival, data)
-        if failure is not None:
-            raise failure
-        if errors:
-            code, data = errors[next(m for m in mids if m in errors)]
-            raise_for_status(code, data.decode(errors="replace"))
-        return [results[m] for m in mids]
+        return results, failure, errors
 
     def get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
                  lend: bool | None = False) -> dict[int, list[Any]]:  # fmt: skip
