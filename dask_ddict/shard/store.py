@@ -309,9 +309,10 @@ class ShardStore:
             if self.indexed:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
+            reach = (self.env.info()["last_pgno"] + 1) * self._psize  # (its high-water mark)
             raise DDictFullError(
-                f"shard is full: a {nbytes}-byte value does not fit in its {self.capacity} "
-                f"bytes (its map is full).  {FULL_REMEDY}"
+                f"shard is full: a {nbytes + len(key)}-byte put does not fit: the shard's map "
+                f"of {self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}"
             ) from e
 
     def delete(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
@@ -538,7 +539,7 @@ class ShardStore:
         doubled for B-tree overhead) comes near the limit.  ``exact`` always
         counts: for writers in other processes, which the estimate misses.
         """
-        nbytes += ENTRY_HEADER + 64
+        put, nbytes = nbytes, nbytes + ENTRY_HEADER + 64
         limit = self.full_thresh * self.capacity
         if exact and (self.env.info()["last_pgno"] + 4) * self._psize + 2 * nbytes <= limit:
             return  # below the shard's high-water mark, which bounds what is used
@@ -550,9 +551,9 @@ class ShardStore:
         need = used + nbytes
         if need > limit:
             raise DDictFullError(
-                f"shard is full: this put needs {need} bytes, and puts may fill {int(limit)} "
-                f"of the shard's {self.capacity} ({self.full_thresh:.0%}: "
-                f"manager_pool_full_thresh={self.full_thresh:g}).  {FULL_REMEDY}"
+                f"shard is full: a {put}-byte put does not fit: the shard holds {used} of the "
+                f"{int(limit)} bytes puts may fill ({self.full_thresh:.0%} of its "
+                f"{self.capacity}: manager_pool_full_thresh={self.full_thresh:g}).  {FULL_REMEDY}"
             )
 
     def entries(self, txn: lmdb.Transaction) -> int:
