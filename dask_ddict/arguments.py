@@ -13,11 +13,13 @@ import json
 import math
 import os
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import dask.config
 from dask.typing import NoDefault, no_default
 from dask.utils import parse_timedelta
+
+T = TypeVar("T")
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -52,6 +54,28 @@ def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool (``"no"`` is not false: it is refused)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.80}")
+    return value
+
+
+#: What iterates over its own characters or bytes: never an iterable of keys (or handles).
+_TEXT = (str, bytes, bytearray, memoryview)
+
+
+def check_keys(name: str, value: T, of: str = "keys", one: str = "key") -> T:
+    """``value``, refused if it is text or bytes where an iterable of ``of`` is meant.
+
+    A ``str`` is an iterable of its characters (``bytes``, of ints): without this,
+    ``d.get_many("abc")`` would look up ``'a'``, ``'b'`` and ``'c'`` and answer
+    something, and ``d.clone(s)`` would read each character as a handle.  One
+    check, for every argument that takes many: the mistake is common (a single
+    key where a list is meant) and its symptom is far from its cause.  ``one``
+    names a single item, for the hint (``""``: no hint).
+    """
+    if isinstance(value, _TEXT):
+        each = "character" if isinstance(value, str) else "byte"
+        hint = f" (for one {one}, pass it in a list: [{one}])" if one else ""
+        raise TypeError(f"{name} must be an iterable of {of}, not a {type(value).__name__}: "
+                        f"each of its {each}s would be taken as one{hint}")
     return value
 
 

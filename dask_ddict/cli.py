@@ -10,16 +10,33 @@ reads a zarr store directly and needs no cluster.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 import dask.config
 
-scheduler_option = click.option(
-    "--scheduler", "scheduler", default=None, metavar="ADDRESS",
-    help="Scheduler address (default: dask config 'scheduler-address').",
-)  # fmt: skip
+def _seconds(ctx: click.Context, param: click.Parameter, value: str) -> float | None:
+    from .arguments import check_timeout
+
+    try:
+        return check_timeout(value)
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def scheduler_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--scheduler ADDRESS`` and ``--timeout DURATION``: where the cluster is, and how
+    long to try to reach it (an address where nothing listens is said at once, in one
+    line, rather than after Dask's connect timeout and with its traceback)."""
+    command = click.option(
+        "--timeout", "timeout", default="5 s", show_default=True, metavar="DURATION",
+        callback=_seconds, help="How long to try to reach the scheduler.",
+    )(command)  # fmt: skip
+    return click.option(
+        "--scheduler", "scheduler", default=None, metavar="ADDRESS",
+        help="Scheduler address (default: dask config 'scheduler-address').",
+    )(command)  # fmt: skip
 
 
 def _absolute_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -35,7 +52,7 @@ store_argument = click.argument("store", callback=_absolute_store)
 
 
 @contextlib.contextmanager
-def _client(address: str | None) -> Iterator[Any]:
+def _client(address: str | None, timeout: float | None) -> Iterator[Any]:
     from distributed import Client
 
     address = address or dask.config.get("scheduler-address", None)
@@ -45,7 +62,12 @@ def _client(address: str | None) -> Iterator[Any]:
 
     from .client.core import install_orchestrator
 
-    with Client(address, timeout="10s") as client:
+    try:
+        client = Client(address, timeout=timeout)
+    except (OSError, TimeoutError, ValueError) as e:  # (ValueError: an address Dask cannot read)
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise click.ClickException(f"cannot reach the scheduler at {address}: {said}") from None
+    with client:
         install_orchestrator(client)  # a cluster that never had a dictionary has none
         try:
             yield client
@@ -60,9 +82,9 @@ def ddict() -> None:
 
 @ddict.command(name="list")
 @scheduler_option
-def list_(scheduler: str | None) -> None:
+def list_(scheduler: str | None, timeout: float | None) -> None:
     """Dictionaries on the cluster (and those kept for restart)."""
-    with _client(scheduler) as client:
+    with _client(scheduler, timeout) as client:
         names = client.sync(client.scheduler.ddict_list)
         kept = client.sync(client.scheduler.ddict_list_kept)
         where = client.scheduler.address
@@ -77,13 +99,13 @@ def list_(scheduler: str | None) -> None:
 @ddict.command()
 @click.argument("name")
 @scheduler_option
-def stats(name: str, scheduler: str | None) -> None:
+def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
     """One line per manager of dictionary NAME: host, keys, bytes, fill, window, and
     the bytes its host's processes hold as zero-copy values (pinned), and the
     operations waiting at it (``wait_for_keys``/``wait_for_writers``)."""
     from .client import DDict
 
-    with _client(scheduler) as client:
+    with _client(scheduler, timeout) as client:
         d = DDict.from_name(name, client)
         try:
             click.echo(f"{'manager':>7}  {'host':<24} {'keys':>10} {'bytes':>14} {'fill':>6}  "
@@ -101,11 +123,12 @@ def stats(name: str, scheduler: str | None) -> None:
 @click.argument("name")
 @scheduler_option
 @click.option("--allow-restart", is_flag=True, help="Keep the shards for DDict(..., restart=True).")
-def destroy(name: str, scheduler: str | None, allow_restart: bool) -> None:
+def destroy(name: str, scheduler: str | None, timeout: float | None,
+            allow_restart: bool) -> None:  # fmt: skip
     """Destroy dictionary NAME (every manager and its shard)."""
     from .client.layouts import layout_reply
 
-    with _client(scheduler) as client:
+    with _client(scheduler, timeout) as client:
         layout = layout_reply(client.sync(client.scheduler.ddict_attach, name=name))
         gone = client.sync(client.scheduler.ddict_destroy, name=name, uid=layout.uid,
                            allow_restart=allow_restart)  # fmt: skip
@@ -158,7 +181,7 @@ def inspect(store: str) -> None:
 @click.option("--total-mem", default="1 GiB", show_default=True, help="Bytes over all managers.")
 @scheduler_option
 def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
-            scheduler: str | None) -> None:  # fmt: skip
+            scheduler: str | None, timeout: float | None) -> None:  # fmt: skip
     """Create dictionary NAME on the cluster from its checkpoint in STORE; print its handle.
 
     The dictionary outlives this command (``lifetime="cluster"``): remove it with
@@ -184,7 +207,7 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
         if not ids:
             raise click.ClickException(f"{name!r} has no checkpoint persisted on every manager")
         checkpoint = max(ids)
-    with _client(scheduler) as client:
+    with _client(scheduler, timeout) as client:
         workers = len(client.scheduler_info()["workers"])
         if not managers or len(managers) % max(1, workers):
             raise click.ClickException(

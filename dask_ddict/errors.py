@@ -166,6 +166,26 @@ class DDictManagerUnavailableError(DDictError, ConnectionError):
     default_code = "MANAGER_UNAVAILABLE"
 
 
+def manager_lost(name: str, manager_id: int, hostname: str, worker: str,
+                 why: str = "") -> DDictManagerUnavailableError:  # fmt: skip
+    """The error of an operation on a manager whose host is gone, as the orchestrator knows it.
+
+    Said in one place, whoever finds the loss (a refused connection, a shard marked
+    closed, the layout): the user learns which manager, where it was, why its host
+    is gone (``why``: "its worker was retired", "its nanny closed", ...) and the way
+    back, which is not obvious (the dictionary lives on, without that manager's keys).
+    """
+    why = why or "the orchestrator found it gone"
+    return DDictManagerUnavailableError(
+        f"manager {manager_id} of DDict {name!r} is unavailable: its host {hostname} "
+        f"(worker {worker}) is gone: {why}.  The other managers work on; this one's keys are "
+        f"out of reach.  To recreate it: d.destroy(allow_restart=True), then "
+        f"DDict(..., name={name!r}, restart=True) on the workers left (it comes back empty, "
+        "listed in empty_managers), then d.restore(<a persisted checkpoint>) or "
+        "DDict.synchronize_ddicts from a copy"
+    )
+
+
 class DDictSerializationError(DDictError, TypeError):
     """A key or value could not be pickled or unpickled; nothing was stored."""
 

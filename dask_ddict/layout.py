@@ -41,6 +41,7 @@ class ManagerInfo:
     lost: bool = False
     restarted: bool = False  # re-attached a shard kept by destroy(allow_restart=True)
     supervisor: str = ""  # address of the nanny (or nanny-less worker) that supervises its host
+    lost_why: str = ""  # why its host is gone, as the orchestrator knows it (when lost)
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,12 @@ class Layout:
     def manager_workers(self) -> list[str]:
         return [m.worker for m in self.managers]
 
-    def with_lost(self, supervisor: str) -> Layout:
-        """The layout after ``supervisor`` (and so its host process) is gone."""
+    def with_lost(self, supervisor: str, why: str = "") -> Layout:
+        """The layout after ``supervisor`` (and so its host process) is gone, ``why``."""
         managers = tuple(
-            replace(m, lost=True) if m.supervisor == supervisor else m for m in self.managers
-        )
+            replace(m, lost=True, lost_why=why) if m.supervisor == supervisor and not m.lost
+            else m for m in self.managers
+        )  # fmt: skip
         return replace(self, managers=managers, epoch=self.epoch + 1)
 
     def with_worker(self, supervisor: str, worker: str) -> Layout:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -87,3 +88,29 @@ def test_list_on_a_cluster_without_dictionaries_says_so():
             assert DDict.list(c) == []
             with pytest.raises(DDictError, match="no DDict named 'nope'"):
                 DDict.from_name("nope", c)
+
+
+@pytest.mark.parametrize("command", [["list"], ["stats", "x"], ["destroy", "x"]])
+def test_an_unreachable_scheduler_is_one_line_and_quick(command):
+    """Nothing listens at the address: one line that names it, a non-zero exit, within
+    --timeout (not Dask's 60-line traceback after its connect timeout)."""
+    address = "tcp://127.0.0.1:1"
+    t0 = time.monotonic()
+    result = CliRunner().invoke(cli, [*command, "--scheduler", address, "--timeout", "0.5 s"])
+    assert time.monotonic() - t0 < 5
+    assert result.exit_code == 1 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: cannot reach the scheduler at {address}")
+
+
+def test_an_unreachable_scheduler_from_the_shell_is_one_line_on_stderr():
+    out = subprocess.run([sys.executable, "-m", "dask_ddict", "list", "--scheduler",
+                          "tcp://127.0.0.1:1", "--timeout", "1s"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "Error: cannot reach the scheduler at tcp://127.0.0.1:1: Timed out trying to connect "
+        "to tcp://127.0.0.1:1 after 1 s"
+    ]
+    bad = CliRunner().invoke(cli, ["list", "--scheduler", "tcp://127.0.0.1:1", "--timeout", "x"])
+    assert bad.exit_code == 2 and "timeout 'x' is not a duration" in bad.stderr

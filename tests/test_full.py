@@ -3,6 +3,8 @@ shard's real size, and what to do about it."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -50,9 +52,15 @@ def test_a_full_shard_names_dictionary_manager_threshold_and_remedy(client, valu
             for i in range(4 * MiB // value_bytes + 2):
                 one[i] = np.ones(value_bytes // 8)
         text = str(e.value)
-        assert f"DDict {d.get_name()!r} manager 1: shard is full: this put needs" in text
-        assert "puts may fill 3774873 of the shard's 4194304" in text
-        assert "manager_pool_full_thresh=0.9" in text
+        said = re.search(f"DDict {d.get_name()!r} manager 1: shard is full: a (\\d+)-byte put "
+                         r"does not fit: the shard holds (\d+) of the 3774873 bytes puts may fill "
+                         r"\(90% of its 4194304: manager_pool_full_thresh=0.9\)", text)  # fmt: skip
+        assert said, text
+        put, held = map(int, said.groups())
+        # The put's own size (its value, pickled, and its key), not the shard's total after it...
+        assert value_bytes < put < value_bytes + 512
+        # ...and what the shard holds: too much for this put to fit under the threshold.
+        assert 3774873 - 2 * value_bytes < held and held + put > 3774873 - 1024
         assert "larger total_mem" in text and "higher manager_pool_full_thresh" in text
         assert len(d.manager(0)) == 0 and len(one) == i  # every put before it stored
     finally:
@@ -71,3 +79,23 @@ def test_a_full_shard_in_a_batch_names_its_manager(client):
             zero.end_batch_put()
     finally:
         d.destroy()
+
+
+def test_a_full_map_names_the_puts_size_and_the_map(tmp_path):
+    """Beyond the threshold's check, LMDB's map itself may fill (a put sent by a writer
+    that skipped it): the message names the put and the map, not a total."""
+    from dask_ddict._hashing import key_digest
+    from dask_ddict.shard.store import ShardStore
+
+    st = ShardStore(str(tmp_path / "s"), 1 << 20)
+    try:
+        with pytest.raises(DDictFullError) as e, st.write() as txn:
+            st.put(txn, key_digest(b"b"), 0, b"b", bytes(3 << 20))
+        text = str(e.value)
+        said = re.search(r"shard is full: a (\d+)-byte put does not fit: the shard's map of "
+                         r"1048576 bytes is full \(its pages reach (\d+) bytes\)", text)  # fmt: skip
+        assert said, text
+        put, reach = map(int, said.groups())
+        assert put == (3 << 20) + 1 and 0 < reach <= ShardStore.map_size_for(1 << 20)
+    finally:
+        st.destroy()

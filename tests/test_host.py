@@ -32,6 +32,7 @@ from dask_ddict import (
     DDictManagerUnavailableError,
     DDictTimeoutError,
 )
+from dask_ddict.client.core import ASK_EVERY
 from dask_ddict.transport.shared import ALIVE_CHECK
 from tests.conftest import shards, shm_entries
 
@@ -735,5 +736,15 @@ def test_a_host_that_keeps_dying_is_given_up_and_reported_at_once():
             with pytest.raises(DDictManagerUnavailableError, match="manager 0"):
                 d["k"] = np.zeros(20_000)  # refused: not left waiting in a backlog
             assert time.monotonic() - t0 < 5
+            # The supervisor tells the orchestrator it gave up; from then on the error says so.
+            name = d.get_name()
+            while time.monotonic() < deadline and not c.sync(
+                    c.scheduler.ddict_attach, name=name)["managers"][0]["lost"]:  # fmt: skip
+                time.sleep(0.05)
+            time.sleep(ASK_EVERY)  # (the handle asked the orchestrator at the put above)
+            said = (f"manager 0 of DDict '{name}' is unavailable: .* is gone: its host process "
+                    r"died too often \(1 time within .* supervisor gave up")  # fmt: skip
+            with pytest.raises(DDictManagerUnavailableError, match=said):
+                d["k"] = np.zeros(20_000)
         d.destroy()
         assert not (mine & shm_entries())

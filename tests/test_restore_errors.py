@@ -82,11 +82,14 @@ def test_a_failed_restore_of_a_handle_names_the_store_and_changes_nothing(client
 
 
 def test_check_restorable_reads_only(tmp_path):
-    """Without a cluster: an empty directory, a file, a non-zarr directory."""
+    """Without a cluster: an empty directory, a damaged store, a file, nothing."""
     (tmp_path / "plain").mkdir()
     (tmp_path / "file").write_text("x")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "zarr.json").write_text("{not json")
     before = tree(tmp_path)
-    for path, says in [(tmp_path / "plain", "not a readable zarr store"),
+    for path, says in [(tmp_path / "plain", "holds no dictionary named 'd' .it holds: none."),
+                       (tmp_path / "junk", "not a readable zarr store"),
                        (tmp_path / "file", "does not exist"),
                        (tmp_path / "nothing", "does not exist")]:  # fmt: skip
         with pytest.raises(DDictPersistCheckpointError, match=says):

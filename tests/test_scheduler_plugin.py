@@ -203,3 +203,45 @@ def test_a_refusal_is_a_reply_and_a_bug_still_raises():
             refusing(sync_bug)(**args)
 
     run(main())
+
+
+def test_why_a_host_is_gone_reaches_the_layout():
+    """Clients read in the layout why managers were lost: the supervisor's word that it
+    closes, made precise by how its worker left (retired), or the scheduler's own view."""
+
+    async def main() -> None:
+        plugin, s = await started(3)
+        await create(plugin)  # managers 0-1 on n0, 2-3 on n1, 4-5 on n2
+
+        def why() -> list[str]:
+            return [m.lost_why for m in Layout.from_dict(plugin.attach("d")).managers]
+
+        await plugin.remove_worker(s, "tcp://w0", stimulus_id="retire-workers-1.5")
+        assert why() == [""] * 6  # its nanny still serves: nothing lost yet
+        s.handlers["ddict_host_gone"](supervisor="tcp://n0", why="its nanny closed")
+        assert why()[:2] == ["its worker was retired"] * 2 and why()[2:] == [""] * 4
+        s.handlers["ddict_host_gone"](supervisor="tcp://n1", why="its nanny closed")
+        assert why()[2:4] == ["its nanny closed"] * 2
+        s.sups.gone.add("tcp://n2")
+        await plugin.remove_worker(s, "tcp://w2", stimulus_id="handle-worker-cleanup-2.5")
+        assert why()[4:] == ["its worker's connection to the scheduler broke, and its nanny "
+                             "tcp://n2 does not answer"] * 2  # fmt: skip
+        s.handlers["ddict_host_gone"](supervisor="tcp://n2", why="later")
+        assert why()[4:] == [why()[4]] * 2  # the first reason stays
+
+    run(main())
+
+
+def test_a_supervisor_that_gave_up_is_lost_but_still_cleans_up():
+    async def main() -> None:
+        plugin, s = await started()
+        lay = await create(plugin)
+        s.handlers["ddict_host_gone"](supervisor="tcp://n1", why="it gave up", closing=False)
+        now = Layout.from_dict(plugin.attach("d"))
+        assert [m.lost for m in now.managers] == [False, False, True, True]
+        assert now.managers[2].lost_why == "it gave up" and now.epoch == lay.epoch + 1
+        assert await plugin.destroy("d", lay.uid, allow_restart=True)
+        destroyed = {a for op, a, _ in s.sups.calls if op == "ddict_destroy_managers"}
+        assert destroyed == {"tcp://n0", "tcp://n1"}  # (it lives: it keeps or removes its shards)
+
+    run(main())

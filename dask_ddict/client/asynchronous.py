@@ -276,10 +276,12 @@ class AsyncDDict:
     async def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any,
                          ) -> builtins.list[Future]:  # fmt: skip
         """Awaitable :meth:`DDict.map_shards`: one future per manager, placed beside it."""
+        self._d._check()  # (before asking the scheduler anything)
         return self._d._map_shards(func, args, kwargs, await self._workers())
 
     async def to_bag(self, what: str = "items", copy: bool = False) -> dask.bag.Bag:
         """Awaitable :meth:`DDict.to_bag` (compute it with ``await client.compute(...)``)."""
+        self._d._check()
         client = self._client or self._d._core.client
         scatters = self._d._bag_scatters(what, await self._workers(), copy)
         return self._d._bag(what, copy, [(idx, await client.scatter(handles, workers=workers,
@@ -291,6 +293,7 @@ class AsyncDDict:
                branching_factor: int = 5) -> AsyncFilter:  # fmt: skip
         """:meth:`DDict.filter` for ``async with ad.filter(...) as results: async for x in
         results``: the same tree of tasks, results taken in a thread, a batch per hop."""
+        self._d._check()
         return AsyncFilter(Filter(self._d, mgr_code, mgr_code_args, comparator,
                                   branching_factor, None), self._workers)  # fmt: skip
 

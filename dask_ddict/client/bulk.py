@@ -57,6 +57,7 @@ class Bulk:
 
     def end_batch_put(self) -> None:
         """Send what is buffered and raise the first error any manager saw."""
+        self._check()
         b = self._batch
         if b is None:
             raise DDictError("end_batch_put() without start_batch_put()", "INVALID_OPERATION")

@@ -35,6 +35,7 @@ class Checkpoints:
 
     if TYPE_CHECKING:  # provided by the handle
 
+        def _check(self) -> None: ...
         def _managers(self) -> list[int]: ...
         def _no_batch(self, what: str) -> None: ...
 
@@ -42,19 +43,23 @@ class Checkpoints:
 
     @property
     def checkpoint_id(self) -> int:
+        self._check()
         return self._chkpt
 
     @checkpoint_id.setter
     def checkpoint_id(self, value: int) -> None:
+        self._check()
         self._chkpt = check_int("checkpoint_id", value, 0)
 
     def checkpoint(self) -> None:
         """Move this handle to the next checkpoint (no message is sent)."""
+        self._check()
         self._no_batch("checkpoint()")
         self._chkpt += 1
 
     def rollback(self) -> None:
         """Move this handle to the previous checkpoint (floored at 0)."""
+        self._check()
         self._no_batch("rollback()")
         self._chkpt = max(0, self._chkpt - 1)
 

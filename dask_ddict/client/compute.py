@@ -79,6 +79,7 @@ class Compute:
 
     if TYPE_CHECKING:  # provided by the handle
 
+        def _check(self) -> None: ...
         def _managers(self) -> list[int]: ...
         def manager(self, manager_id: int) -> DDict: ...
 
@@ -116,6 +117,7 @@ class Compute:
         ``out_queue.put`` raises ``EOFError`` in them, and the tasks are waited
         for (``ddict.compute.exit-timeout``), then cancelled.
         """
+        self._check()
         return Filter(self, mgr_code, mgr_code_args, comparator, branching_factor,
                       None)  # (placed when it starts)  # fmt: skip
 
@@ -131,6 +133,7 @@ class Compute:
 
     def _map_shards(self, func: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any], workers: dict[str, Any] | None) -> list[Future]:  # fmt: skip
+        self._check()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}")
         client = self._core.client
@@ -168,6 +171,7 @@ class Compute:
                       ) -> list[tuple[list[int], list[DDict], list[str] | None]]:  # fmt: skip
         """What :meth:`to_bag` scatters: ``(partitions, their handles, onto which
         workers)`` per placement (checks ``what`` and ``copy`` first)."""
+        self._check()
         if what not in _WANT:
             raise ValueError(f"what must be 'items', 'keys' or 'values', got {what!r}")
         check_bool("copy", copy)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -19,10 +20,20 @@ from distributed import Client, LocalCluster
 
 from .. import config
 from .._hashing import seed_warning
-from ..errors import DDictError, DDictFullError
-from ..layout import Layout
+from ..errors import (
+    DDictClosedError,
+    DDictError,
+    DDictFullError,
+    DDictManagerUnavailableError,
+    manager_lost,
+)
+from ..layout import Layout, ManagerInfo
 from ..transport.connect import Connections, default_security
-from .layouts import LayoutRef, current_client, remember, resolve
+from .layouts import LayoutRef, current_client, current_layout, remember, resolve
+
+#: Seconds between two questions of one handle to the orchestrator about unreachable
+#: managers (see :meth:`_Core.explain`).
+ASK_EVERY = 0.5
 
 #: "No argument given" for methods whose ``None`` means something.
 MISSING: Any = object()
@@ -88,6 +99,8 @@ class _Core(Connections):
         self.seed_checked = False
         self.storage_options: dict[str, Any] | None = None  # the creator's, for copy()
         self._room: int | None = None  # see value_room
+        self._lost: dict[int, ManagerInfo] = {}  # managers the orchestrator said lost
+        self._asked = 0.0  # when explain() may ask the orchestrator again
 
     def _resolve(self) -> Layout:
         return resolve(self.ref, self._client)
@@ -112,6 +125,36 @@ class _Core(Connections):
         if text is not None:
             _SEED_WARNED.add(layout.uid)
             warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+    def explain(self, mid: int, e: DDictManagerUnavailableError) -> DDictError:
+        """Why manager ``mid`` cannot be reached, as the orchestrator knows it.
+
+        This process sees only a refused connection, a socket file gone or a shard
+        marked closed; the orchestrator knows which hosts are gone and why (a
+        retired worker, a closed nanny, a supervisor that gave up).  It is asked
+        here, when an operation failed (never on the way of one that works), and
+        its answer is kept: every later failure of that manager says the same,
+        with what to do (:func:`~dask_ddict.errors.manager_lost`).  A dictionary
+        destroyed meanwhile is :class:`DDictClosedError`.  An orchestrator that
+        does not know (yet) leaves ``e`` as it is; it is asked at most every
+        :data:`ASK_EVERY` seconds, so a loop of failures does not flood it.
+        """
+        info = self._lost.get(mid)
+        now = time.monotonic()
+        if info is None and now >= self._asked:
+            self._asked = now + ASK_EVERY
+            try:
+                layout = current_layout(self.ref, self._client,
+                                        config.get_seconds("host.probe-timeout"))  # fmt: skip
+            except DDictClosedError as closed:
+                return closed
+            if layout is not None:
+                self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
+                info = self._lost.get(mid)
+        if info is None:
+            return e
+        return manager_lost(self.name, mid, info.hostname, info.worker,
+                            info.lost_why)  # fmt: skip
 
     @property
     def value_room(self) -> int:

@@ -203,6 +203,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def serialize(self) -> str:
         """A string from which any process that reaches the cluster can attach."""
+        self._check()
         return self._core.layout.serialize()
 
     @classmethod
@@ -247,6 +248,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     def __reduce__(self) -> Any:
         # A reference, not the layout: the size of a pickled handle does not grow with
         # the managers (see client/layouts.py); serialize() stays self-contained.
+        self._check()  # (a closed handle's task would fail far from the cause)
         return (_rebuild, (self._core.ref, self._chkpt, self._timeout, self._target,
                            self._kp, self._vp))  # fmt: skip
 
@@ -305,7 +307,8 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def __repr__(self) -> str:
         lay = self._core._layout
-        state = "closed" if self._core.closed else f"checkpoint={self._chkpt}"
+        state = "closed" if self._core.closed else "detached" if self._detached \
+            else f"checkpoint={self._chkpt}"  # fmt: skip
         target = f" manager={self._target}" if self._target is not None else ""
         if lay is None:  # unpickled, not used yet: no call to resolve it just for a repr
             return f"<DDict {self._core.name!r} {state}{target} (attaches on first use)>"
@@ -319,6 +322,11 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     # -- routing ----------------------------------------------------------------
 
     def _check(self) -> None:
+        """Raise :class:`DDictClosedError` if this handle was destroyed or detached: every
+        operation of a closed handle does, including those that send nothing (moving
+        its checkpoint, reading its options), so that using one is always an error
+        at the line that does it (only :meth:`get_name`, :meth:`destroy`,
+        :meth:`detach` and ``repr`` work on)."""
         if self._core.closed or self._detached:
             raise DDictClosedError(f"DDict {self._core.name!r} was destroyed or detached")
 
@@ -473,7 +481,26 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         return loads_value(self._core.write(mid, op), self._vp)
 
     def fetch_add(self, key: Any, n: int = 1) -> int:
-        """Atomically add ``n`` to an int value (absent: starts at 0); return the old value."""
+        """Atomically add ``n`` to the int at ``key`` and return its previous value.
+
+        The previous value, not the new one, as C's ``atomic_fetch_add``: of
+        processes that race on a counter with ``n=1``, each gets a distinct value
+        (a ticket), and the new value is ``returned + n``.  An absent key
+        starts at 0: the first ``d.fetch_add("c", 5)`` returns 0 and leaves 5.  The
+        manager applies it once, also when it is retried across a host restart.
+
+        Parameters
+        ----------
+        key
+            The counter's key; its value must be an int.
+        n
+            What to add (a signed 64-bit int; negative subtracts).
+
+        Returns
+        -------
+        int
+            The value before the addition (0 for an absent key).
+        """
         check_int("n", n)
         mid, digest, kb = self._route(key)
         frame = self._core.write(
@@ -517,6 +544,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     # -- handles, locality, introspection --------------------------------------------
 
     def _derive(self) -> DDict:
+        self._check()
         h = DDict._from_core(self._core, creator=False, chkpt=self._chkpt,
                              timeout=self._timeout, client_id=self._client_id)  # fmt: skip
         h._target, h._kp, h._vp = self._target, self._kp, self._vp
@@ -525,6 +553,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def manager(self, manager_id: int) -> DDict:
         """A handle whose key operations, len, keys, clear and stats go to one manager."""
+        self._check()
         n = self._core.layout.num_managers
         check_int("manager_id", manager_id)
         if not 0 <= manager_id < n:  # Dragon's error for a bad id

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import distributed
 from distributed import Client
 
+from ..layout import Layout
 from ..stats import DDictManagerStats
 from ..transport.ops import Stats
 from .views import DDictItemsView, DDictKeysView, DDictValuesView
@@ -39,44 +40,52 @@ class Introspection:
         def __getitem__(self, key: Any) -> Any: ...
 
     @property
+    def _layout(self) -> Layout:
+        """The dictionary's layout, read by an open handle (a closed one raises)."""
+        self._check()
+        return self._core.layout
+
+    @property
     def client(self) -> Client:
         """The Dask client of this handle (the embedded cluster's, if it owns one)."""
+        self._check()
         return self._core.client
 
     @property
     def timeout(self) -> float | None:
+        self._check()
         return self._timeout
 
     @property
     def lifetime(self) -> str:
         """``"client"`` (released with the clients that hold it) or ``"cluster"``."""
-        return self._core.layout.lifetime
+        return self._layout.lifetime
 
     @property
     def wait_for_keys(self) -> bool:
-        return self._core.layout.options.wait_for_keys
+        return self._layout.options.wait_for_keys
 
     @property
     def wait_for_writers(self) -> bool:
-        return self._core.layout.options.wait_for_writers
+        return self._layout.options.wait_for_writers
 
     @property
     def working_set_size(self) -> int:
-        return self._core.layout.options.working_set_size
+        return self._layout.options.working_set_size
 
     @property
     def num_managers(self) -> int:
-        return self._core.layout.num_managers
+        return self._layout.num_managers
 
     @property
     def manager_workers(self) -> list[str]:
         """Address of the worker hosting each manager."""
-        return self._core.layout.manager_workers
+        return self._layout.manager_workers
 
     @property
     def local_managers(self) -> list[int]:
         """Managers on this host."""
-        return [m.manager_id for m in self._core.layout.managers if self._core.is_local(m)]
+        return [m.manager_id for m in self._layout.managers if self._core.is_local(m)]
 
     @property
     def local_manager(self) -> int | None:
@@ -90,7 +99,7 @@ class Introspection:
         except ValueError:
             w = None
         if w is not None:
-            for m in self._core.layout.managers:
+            for m in self._layout.managers:
                 if m.worker == w.address or (w.nanny and m.supervisor == w.nanny):
                     return m.manager_id
         local = self.local_managers
@@ -105,7 +114,7 @@ class Introspection:
     @property
     def empty_managers(self) -> list[int]:
         """Managers that came back empty after a restart (none without restart)."""
-        return list(self._core.layout.extra.get("empty_managers", []))
+        return list(self._layout.extra.get("empty_managers", []))
 
     def local_keys(self) -> DDictKeysView:
         return DDictKeysView(self, self._local_ids(), local=True)

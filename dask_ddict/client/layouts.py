@@ -81,15 +81,45 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
             if known is not None and known.epoch >= ref.epoch:
                 return known  # fetched by another thread while this one waited
             fetches += 1
-        try:
-            layout = layout_reply(_ask_orchestrator(ref, client))
-        except DDictError:  # "no DDict named ..."
-            raise DDictClosedError(f"DDict {ref.name!r} was destroyed") from None
-        if layout.uid != ref.uid:
-            raise DDictClosedError(f"DDict {ref.name!r} was destroyed (its name now belongs "
-                                   "to a new dictionary)")  # fmt: skip
+        layout = _fetched(ref, _ask_orchestrator(ref, client))
         remember(layout)
         return layout
+
+
+def _fetched(ref: LayoutRef, reply: Any) -> Layout:
+    """The layout in the orchestrator's ``ddict_attach`` ``reply`` for ``ref``.
+
+    Raises
+    ------
+    DDictClosedError
+        The dictionary was destroyed (or its name now belongs to a new one).
+    """
+    try:
+        layout = layout_reply(reply)
+    except DDictError:  # "no DDict named ..."
+        raise DDictClosedError(f"DDict {ref.name!r} was destroyed") from None
+    if layout.uid != ref.uid:
+        raise DDictClosedError(f"DDict {ref.name!r} was destroyed (its name now belongs "
+                               "to a new dictionary)")  # fmt: skip
+    return layout
+
+
+def current_layout(ref: LayoutRef, client: Any, timeout: float | None) -> Layout | None:
+    """The orchestrator's layout of ``ref`` now (which managers it knows lost, and why),
+    asked within ``timeout`` through a client or worker of this process; ``None`` if it
+    cannot be asked (no client here, a scheduler that does not answer, an event loop's
+    thread, which must not wait for itself).
+
+    Raises
+    ------
+    DDictClosedError
+        The dictionary was destroyed.
+    """
+    try:
+        reply = _ask_orchestrator(ref, client, timeout, own=False)
+    except Exception:  # noqa: BLE001 - no answer: the caller says what it saw itself
+        return None
+    return None if reply is None else _fetched(ref, reply)
 
 
 def layout_reply(reply: Any) -> Layout:
@@ -112,21 +142,28 @@ def current_client() -> Client | None:
         return None
 
 
-def _ask_orchestrator(ref: LayoutRef, client: Any) -> Any:
+def _ask_orchestrator(ref: LayoutRef, client: Any, timeout: float | None = None,
+                      own: bool = True) -> Any:  # fmt: skip
     """One ``ddict_attach`` call: through this worker's scheduler connection in a task,
-    else through a client of this process, else a short-lived client of its own."""
+    else through a client of this process, else (``own``) a short-lived client of its
+    own; ``None`` if none may be made.  ``timeout``: seconds for the answer."""
     from distributed.utils import sync
 
     if client is not None:
-        return client.sync(client.scheduler.ddict_attach, name=ref.name)
+        return client.sync(client.scheduler.ddict_attach, name=ref.name,
+                           asynchronous=False, callback_timeout=timeout)  # fmt: skip
     try:
         worker = get_worker()
     except ValueError:
         worker = None
     if worker is not None:
-        return sync(worker.loop, worker.scheduler.ddict_attach, name=ref.name)
+        return sync(worker.loop, worker.scheduler.ddict_attach, name=ref.name,
+                    callback_timeout=timeout)  # fmt: skip
     client = current_client()
     if client is not None:
-        return client.sync(client.scheduler.ddict_attach, name=ref.name)
-    with Client(ref.scheduler, set_as_default=False) as own:
-        return own.sync(own.scheduler.ddict_attach, name=ref.name)
+        return client.sync(client.scheduler.ddict_attach, name=ref.name,
+                           asynchronous=False, callback_timeout=timeout)  # fmt: skip
+    if not own:
+        return None
+    with Client(ref.scheduler, set_as_default=False) as mine:
+        return mine.sync(mine.scheduler.ddict_attach, name=ref.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+from ..arguments import check_keys
 from ..errors import DDictError, DDictKeyError
 
 
@@ -35,7 +36,7 @@ class MappingMethods(MutableMapping[Any, Any]):
         elif hasattr(other, "keys"):
             pairs = ((k, other[k]) for k in other.keys())
         else:
-            pairs = _pairs(other)
+            pairs = _pairs(check_keys("other", other, "(key, value) pairs (or a mapping)", ""))
         own = self._batch is None
         if own:
             self.start_batch_put()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import ValuePickler, loads_value
-from ..arguments import check_bool
+from ..arguments import check_bool, check_keys
 from ..errors import DDictKeyError, DDictTimeoutError
 from ..transport.ops import Get
 from .core import MISSING
@@ -94,7 +94,7 @@ class Reads:
         a frozen dictionary's).  Under ``wait_for_keys``, a key not yet written
         at this checkpoint is waited for as :meth:`get` waits.
         """
-        out = self._many(keys, copy)
+        out = self._many(check_keys("keys", keys), copy)
         for i, (key, got) in enumerate(out):
             if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone
                 try:

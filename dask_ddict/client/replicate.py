@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client
 
+from ..arguments import check_keys
 from ..errors import DDictError, DDictSyncError
 from ..layout import Layout
 from ..progress import track
@@ -98,6 +99,10 @@ def _check_parallel(a: Layout, b: Layout) -> None:
         )
 
 
+#: What ``clone`` and ``synchronize_ddicts`` take many of.
+_HANDLES = "serialized handles (DDict.serialize())"
+
+
 class Replication:
     """``clone``, ``copy`` and ``synchronize_ddicts`` (a base of :class:`~dask_ddict.DDict`)."""
 
@@ -124,6 +129,7 @@ class Replication:
         targets need the same number of managers and working-set size.
         """
         self._check()
+        check_keys("clone_list", clone_list, _HANDLES, "handle")
         clone(self._core.layout, self.serialize(), clone_list, self._core._client)
 
     def copy(self, name: str = "") -> Any:
@@ -159,4 +165,4 @@ class Replication:
         DDictSyncError
             If a manager id is empty in every dictionary.
         """
-        synchronize(serialized_ddicts)
+        synchronize(check_keys("serialized_ddicts", serialized_ddicts, _HANDLES, "handle"))

@@ -98,6 +98,26 @@ def refusing(handler: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+#: Why a manager's host is gone when its worker was retired (scaled down, ``lifetime``).
+RETIRED = "its worker was retired"
+
+#: What a worker's removal says, by the prefix of Dask's ``stimulus_id`` for it.
+_LEFT = {
+    "retire-workers": RETIRED,
+    "worker-close-gracefully": RETIRED,
+    "nanny-close": "its nanny closed",
+    "handle-worker-cleanup": "its worker's connection to the scheduler broke",
+}
+
+
+def why_left(stimulus_id: str) -> str:
+    """Why a worker left, in words, from the ``stimulus_id`` Dask removed it with."""
+    for prefix, why in _LEFT.items():
+        if stimulus_id.startswith(prefix):
+            return why
+    return f"its worker was removed ({stimulus_id.rsplit('-', 1)[0] or 'unknown'})"
+
+
 class DDictSchedulerPlugin(SchedulerPlugin):
     """Scheduler side of ``dask_ddict``: the registry and the control plane."""
 
@@ -115,6 +135,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         #: worker address -> (its hash() of the probe string, its PYTHONHASHSEED if any)
         self.hash_probes: dict[str, tuple[int, str]] = {}
         self._gone: set[str] = set()  # supervisors (nannies) found gone
+        #: worker address -> why it left the scheduler (see :func:`why_left`), for a
+        #: loss its supervisor reports later; bounded (the newest kept)
+        self._left: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
         self.calls: Counter[str] = Counter()  # handler calls by name, since the start
         self.dashboard = DashboardData(self)
@@ -134,6 +157,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             "ddict_list": self.names,
             "ddict_list_kept": self.names_kept,
             "ddict_hash_probe": self.hash_probe,
+            "ddict_host_gone": self.host_gone,
         }
         scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
         install(scheduler, self.dashboard)
@@ -268,7 +292,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             return False
         del self.dicts[name]
         self.holders.forget(name)
-        live = sorted({m.supervisor for m in layout.managers if not m.lost})
+        # (a supervisor that gave up its host lives on: it removes what is left of the shards)
+        live = sorted({m.supervisor for m in layout.managers if m.supervisor not in self._gone})
         await self._destroy_on(live, uid, allow_restart=allow_restart)
         if allow_restart:
             self.kept[name] = layout
@@ -282,6 +307,28 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     def hash_probe(self, worker: str, probe: int, seed: str = "") -> None:
         """A worker process's ``hash()`` of the probe string (see ``_hashing.probe_hash``)."""
         self.hash_probes[worker] = (int(probe), str(seed))
+
+    def host_gone(self, supervisor: str, why: str, closing: bool = True) -> None:
+        """A supervisor's word that its host goes away, before it does: its nanny (or
+        nanny-less worker) closes (``closing``), or it gave up restarting its host process.
+
+        The scheduler alone cannot always tell: a retired worker's nanny still answers
+        when the worker leaves, and closes only later.  So the supervisor says it, and
+        clients that fail to reach its managers learn from the layout which are lost
+        and why (:func:`~dask_ddict.errors.manager_lost`).  ``why`` is the supervisor's
+        view ("its nanny closed"); why its worker left, if known here, says more.
+        """
+        if closing:
+            self._gone.add(supervisor)
+            workers = {m.worker for lay in self.dicts.values() for m in lay.managers
+                       if m.supervisor == supervisor}  # fmt: skip
+            for w in sorted(workers):
+                ws = self.scheduler.workers.get(w)
+                if getattr(getattr(ws, "status", None), "name", "") == "closing_gracefully":
+                    why = RETIRED
+                    break
+                why = self._left.get(w, why)
+        self._lose(supervisor, why)
 
     def names_kept(self) -> list[str]:
         """Names of dictionaries destroyed with ``allow_restart=True``."""
@@ -304,17 +351,26 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                             **kwargs: Any) -> None:  # fmt: skip
         """A worker left.  Its managers are lost only if their host went with it."""
         self.hash_probes.pop(worker, None)
+        left = self._left[worker] = why_left(stimulus_id)
+        while len(self._left) > 1024:
+            del self._left[next(iter(self._left))]
         supervisors = {m.supervisor for lay in self.dicts.values() for m in lay.managers
                        if m.worker == worker and not m.lost}  # fmt: skip
         for sup in supervisors:
             if sup != worker and await self._reachable(sup):
                 continue  # a nanny restarts the worker; the host process serves on
-            for name, layout in list(self.dicts.items()):
-                if any(m.supervisor == sup and not m.lost for m in layout.managers):
-                    self.dicts[name] = layout.with_lost(sup)
-                    lost = [m.manager_id for m in layout.managers if m.supervisor == sup]
-                    logger.warning("ddict %s: managers %s lost with their host (%s)", name,
-                                   lost, sup)  # fmt: skip
+            self._lose(sup, left if sup == worker else
+                       f"{left}, and its nanny {sup} does not answer")  # fmt: skip
+
+    def _lose(self, supervisor: str, why: str) -> None:
+        """Mark the managers of ``supervisor``'s host lost, ``why`` (a new layout epoch)."""
+        for name, layout in list(self.dicts.items()):
+            lost = [m.manager_id for m in layout.managers
+                    if m.supervisor == supervisor and not m.lost]  # fmt: skip
+            if lost:
+                self.dicts[name] = layout.with_lost(supervisor, why)
+                logger.warning("ddict %s: managers %s lost with their host (%s): %s", name,
+                               lost, supervisor, why)  # fmt: skip
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """A (re)started worker: its nanny's managers are hosted for it now (locality)."""

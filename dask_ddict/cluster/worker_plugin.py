@@ -23,6 +23,7 @@ its worker's (a ``LocalCluster``'s nannies run in the client's process).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
+from .. import config
 from .._hashing import probe_hash
 from ..host.supervisor import HostSupervisor
 
@@ -70,6 +72,30 @@ async def report_hash_probe(worker: Worker) -> None:
         logger.info("ddict: could not report this worker's hash probe: %r", e)
 
 
+async def tell_host_gone(server: Any, why: str, closing: bool = True) -> None:
+    """Tell the orchestrator that this server's host goes away, ``why`` (see
+    :meth:`~dask_ddict.cluster.scheduler_plugin.DDictSchedulerPlugin.host_gone`).
+
+    Waits at most ``ddict.host.probe-timeout``: a scheduler that is closing, or
+    gone, must not hold up the close of a nanny (nor is it an error).
+    """
+    try:
+        await asyncio.wait_for(
+            server.scheduler.ddict_host_gone(supervisor=server.address, why=why, closing=closing),
+            config.get_seconds("host.probe-timeout"),
+        )
+    except Exception as e:  # noqa: BLE001 - a scheduler going away, a missing handler
+        logger.info("ddict: could not tell the scheduler that this host goes (%s): %r", why, e)
+
+
+def _gave_up(server: Any, loop: asyncio.AbstractEventLoop, why: str) -> None:
+    """The supervisor gave its host up (from its watching thread): tell the orchestrator."""
+    try:
+        asyncio.run_coroutine_threadsafe(tell_host_gone(server, why, closing=False), loop)
+    except RuntimeError:  # the server's loop is closed: nobody to tell
+        pass
+
+
 class _Supervising:
     """What both plugins do: own a supervisor and expose its handlers on a server."""
 
@@ -86,15 +112,24 @@ class _Supervising:
         tls = server.address.startswith("tls://") or bool(security.require_encryption)
         sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
                                                server.address, tls)  # fmt: skip
+        sup.on_give_up = functools.partial(_gave_up, server, asyncio.get_running_loop())
         await asyncio.to_thread(sup.start)  # starting a process: off the event loop
         server.handlers.update(sup.handlers())
 
-    async def _stop(self, server: Any) -> None:
+    async def _stop(self, server: Any, why: str) -> None:
+        """Close the supervisor, and so its host: its managers' keys go with it.
+
+        The orchestrator hears it first (``why``: what closes), so that clients of
+        those managers are told their host is gone, and why, rather than meeting a
+        refused connection or a shard marked closed.
+        """
         sup, self.supervisor = self.supervisor, None
         if sup is None:
             return
         for name in sup.handlers():
             server.handlers[name] = _gone
+        if sup.serving:
+            await tell_host_gone(server, why)
         await asyncio.to_thread(sup.close)
 
 
@@ -105,7 +140,7 @@ class DDictNannyPlugin(_Supervising, NannyPlugin):
         await self._start(nanny)
 
     async def teardown(self, nanny: Nanny) -> None:
-        await self._stop(nanny)
+        await self._stop(nanny, "its nanny closed")
 
 
 class DDictWorkerPlugin(_Supervising, WorkerPlugin):
@@ -118,4 +153,4 @@ class DDictWorkerPlugin(_Supervising, WorkerPlugin):
         await self._start(worker)
 
     async def teardown(self, worker: Worker) -> None:
-        await self._stop(worker)
+        await self._stop(worker, "its worker (which supervised it: no nanny) closed")

@@ -145,11 +145,14 @@ class Host:
             logger.exception("ddict host: closing manager %d failed", manager.manager_id)
 
     def shutdown(self, supervisor_lost: bool) -> None:
-        """Close everything.  Shards are deleted: nothing could serve them any more."""
+        """Close everything.  Shards are deleted: nothing could serve them any more.
+
+        Each shard is marked closed because its host is gone, never "destroyed": the
+        dictionaries live on without these managers (their same-host readers say so).
+        """
         self.server.close()
-        why = CLOSED_HOST_GONE if supervisor_lost else CLOSED_DESTROYED
         for hosted in list(self.dicts.values()):
-            self.close_dict(hosted.uid, False, why)
+            self.close_dict(hosted.uid, False, CLOSED_HOST_GONE)
         if supervisor_lost:
             shutil.rmtree(self.init.socket_dir, ignore_errors=True)
 

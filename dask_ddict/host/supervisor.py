@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import dask.config
@@ -93,6 +94,9 @@ class HostSupervisor:
         self._restarts: collections.deque[float] = collections.deque()
         self.restart_count = 0
         self._watcher: threading.Thread | None = None
+        #: Called (from the watching thread, never blocking) with why, when this
+        #: supervisor gives its host up: the plugin tells the orchestrator.
+        self.on_give_up: Callable[[str], None] | None = None
 
     def __repr__(self) -> str:
         pid = self.proc.pid if self.proc else None
@@ -177,6 +181,12 @@ class HostSupervisor:
                                  "its managers are lost", self.label, len(self._restarts) + 1,
                                  window)  # fmt: skip
                     self._close_listeners()  # clients are refused now, instead of waiting
+                    if self.on_give_up is not None:
+                        n = len(self._restarts) + 1
+                        self.on_give_up(f"its host process died too often ({n} time"
+                                        f"{'s' if n > 1 else ''} within {window:.0f} s) and its "
+                                        "supervisor gave up restarting it "
+                                        "(ddict.host.max-restarts)")  # fmt: skip
                     return
                 self._restarts.append(now)
                 self.restart_count += 1
@@ -338,6 +348,11 @@ class HostSupervisor:
                 shutil.rmtree(p, ignore_errors=True)
                 n += 1
         return n
+
+    @property
+    def serving(self) -> bool:
+        """Whether this host serves managers of any dictionary (that its going would lose)."""
+        return bool(self._dicts)
 
     def handlers(self) -> dict[str, Any]:
         """Async handlers for the nanny's or worker's server (blocking work in a thread)."""

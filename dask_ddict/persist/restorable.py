@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import zarr
+from zarr.errors import GroupNotFoundError
 
 from ..arguments import local_store
 from ..errors import DDictPersistCheckpointError
@@ -28,7 +29,7 @@ def check_restorable(path: str, name: str, manager_id: int, num_managers: int, c
     The message names the store, the dictionary and what the store holds (the
     dictionaries in it, or this manager's persisted ids).
     """
-    what = f"restore_from={chkpt} of {name!r} (manager {manager_id})"
+    what = f"restore_from={chkpt} of {name!r} (manager {manager_id}): checkpoint {chkpt} is not persisted"
     local = local_store(path)
     if local is not None and not os.path.isdir(local):
         raise DDictPersistCheckpointError(
@@ -38,7 +39,9 @@ def check_restorable(path: str, name: str, manager_id: int, num_managers: int, c
     try:
         root = zarr.open_group(local or path, mode="r", storage_options=storage_options or None)
         names = sorted(n for n, _ in root.groups())
-    except Exception as e:  # noqa: BLE001 - any reason the store cannot be read
+    except (FileNotFoundError, GroupNotFoundError):  # (an empty directory or bucket)
+        names = []
+    except Exception as e:  # noqa: BLE001 - any other reason the store cannot be read
         raise DDictPersistCheckpointError(
             f"{what}: {path!r} is not a readable zarr store ({type(e).__name__}: {e})"
         ) from None
@@ -56,6 +59,5 @@ def check_restorable(path: str, name: str, manager_id: int, num_managers: int, c
                           storage_options=storage_options).ids()  # fmt: skip
     if chkpt not in ids:
         raise DDictPersistCheckpointError(
-            f"{what}: checkpoint {chkpt} is not persisted in the store {path!r} (this "
-            f"manager's persisted checkpoints there: {ids})"
+            f"{what} in the store {path!r} (this manager's persisted checkpoints there: {ids})"
         )

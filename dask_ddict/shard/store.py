@@ -199,6 +199,7 @@ class ShardStore:
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
         self.on_commit: Callable[[], None] | None = None  # (its manager's generation, see write)
+        self._next_own = 0  # the id of the next write transaction if no other process commits
         #: Set when a put is refused for room (its manager resets it per write: a write
         #: that keeps the refusal as a batch's error still shows it).
         self.refused = False
@@ -233,12 +234,19 @@ class ShardStore:
         """``fn(txn)`` in a write transaction, committed (then :attr:`on_commit`) if it
         returns, aborted if it raises: :meth:`write` for one call, with less around it."""
         txn = self.env.begin(write=True, buffers=True)
+        tid = txn.id()
         try:
             result = fn(txn)
+            txn.commit()
+        except lmdb.MapFullError as e:  # (a commit writes the free list: it can fill the map)
+            txn.abort()
+            self.refused = True
+            raise DDictFullError(f"shard is full: its map of {self.capacity} bytes has no room "
+                                 f"left for this write's pages.  {FULL_REMEDY}") from e  # fmt: skip
         except BaseException:
             txn.abort()
             raise
-        txn.commit()
+        self._next_own = tid + 1
         if self.on_commit is not None:
             self.on_commit()
         return result
@@ -313,9 +321,10 @@ class ShardStore:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
             self.refused = True
+            reach = (self.env.info()["last_pgno"] + 1) * self._psize  # (its high-water mark)
             raise DDictFullError(
-                f"shard is full: a {nbytes}-byte value does not fit in its {self.capacity} "
-                f"bytes (its map is full).  {FULL_REMEDY}"
+                f"shard is full: a {nbytes + len(key)}-byte put does not fit: the shard's map "
+                f"of {self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}"
             ) from e
 
     def delete(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
@@ -548,13 +557,17 @@ class ShardStore:
 
         Exact page counts cost three ``stat`` calls, so they are taken only
         when a running over-estimate (bytes put since the last exact count,
-        doubled for B-tree overhead) comes near the limit.  ``exact`` always
-        counts: for writers in other processes, which the estimate misses.
+        doubled for B-tree overhead) comes near the limit, or when another
+        process committed since this one's last commit (:meth:`transact` notes
+        the id of its own: a same-host client's direct puts, which the estimate
+        misses).  ``exact`` always counts: for writers in other processes.
         """
-        nbytes += ENTRY_HEADER + 64
+        put, nbytes = nbytes, nbytes + ENTRY_HEADER + 64
         limit = self.full_thresh * self.capacity
         if exact and (self.env.info()["last_pgno"] + 4) * self._psize + 2 * nbytes <= limit:
             return  # below the shard's high-water mark, which bounds what is used
+        if not exact and txn.id() != self._next_own:
+            exact = True  # another process committed since this one's last commit: count
         if not exact and self._used_estimate + 2 * nbytes <= limit:
             self._used_estimate += 2 * nbytes
             return
@@ -564,9 +577,9 @@ class ShardStore:
         if need > limit:
             self.refused = True
             raise DDictFullError(
-                f"shard is full: this put needs {need} bytes, and puts may fill {int(limit)} "
-                f"of the shard's {self.capacity} ({self.full_thresh:.0%}: "
-                f"manager_pool_full_thresh={self.full_thresh:g}).  {FULL_REMEDY}"
+                f"shard is full: a {put}-byte put does not fit: the shard holds {used} of the "
+                f"{int(limit)} bytes puts may fill ({self.full_thresh:.0%} of its "
+                f"{self.capacity}: manager_pool_full_thresh={self.full_thresh:g}).  {FULL_REMEDY}"
             )
 
     def entries(self, txn: lmdb.Transaction) -> int:

@@ -33,6 +33,7 @@ from ..errors import (
     DDictError,
     DDictManagerUnavailableError,
     error_for_status,
+    manager_lost,
     raise_for_status,
     wire_error,
 )
@@ -101,6 +102,11 @@ class Connections:
         self._finalizer = weakref.finalize(self, Connections._release, self._channels,
                                            self._links)  # fmt: skip
         self._host = host_id()
+        # What each link calls to explain a manager it cannot reach: weakly bound (the
+        # links must not keep these connections alive, see _finalizer).
+        ref = weakref.WeakMethod(self.explain)
+        self._explain: Callable[[int, DDictManagerUnavailableError], DDictError] = \
+            lambda mid, e: e if (f := ref()) is None else f(mid, e)  # fmt: skip
         #: Longest pickled key a host accepts (checked here first, with a clear error).
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
@@ -127,6 +133,11 @@ class Connections:
     def security(self) -> Any:
         """The TLS settings for TCP channels (a handle's core prefers its client's)."""
         return default_security()
+
+    def explain(self, mid: int, e: DDictManagerUnavailableError) -> DDictError:
+        """What a failure to reach manager ``mid`` should say: ``e`` (what this process
+        saw), unless more is known (a client's core asks the orchestrator)."""
+        return e
 
     def is_local(self, info: ManagerInfo) -> bool:
         """Whether a manager shares this host (and so its /dev/shm)."""
@@ -155,6 +166,7 @@ class Connections:
                 max_value=value_limit(lay.total_mem // lay.num_managers,
                                       config.get_bytes("transport.min-value-limit")),
             )
+            link.explain = self._explain
         return link
 
     def _uses_uds(self, info: ManagerInfo) -> bool:
@@ -165,10 +177,8 @@ class Connections:
     def _host_link(self, info: ManagerInfo) -> HostLink:
         """The link that reaches ``info``'s manager: its host's Unix socket or TCP (TLS)."""
         if info.lost:
-            raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} of {self.layout.name!r} was lost with its host "
-                f"{info.hostname} ({info.worker})"
-            )
+            raise manager_lost(self.layout.name, info.manager_id, info.hostname, info.worker,
+                               info.lost_why)  # fmt: skip
         if self._uses_uds(info):
             return self._link(info, use_uds=True)
         ssl_context = None

@@ -80,8 +80,13 @@ from .protocol import (
 if TYPE_CHECKING:
     from ..shard.generations import Generations
 
-#: Connection errors that mean nobody listens any more (the host is gone).
-_GONE = {errno.ECONNREFUSED, errno.ENOENT, errno.EHOSTUNREACH, errno.ENETUNREACH}
+#: Connection errors that mean nobody listens any more (the host is gone), in words.
+_GONE = {
+    errno.ECONNREFUSED: "it refuses connections: its supervisor closed its listeners",
+    errno.ENOENT: "its socket file is gone: its supervisor closed",
+    errno.EHOSTUNREACH: "its machine cannot be reached",
+    errno.ENETUNREACH: "its machine's network cannot be reached",
+}
 
 
 class _Deadline(Exception):
@@ -283,6 +288,10 @@ class HostLink:
         self.idle: list[_Conn] = []
         self.closed = False
         self._generations: Generations | None = None
+        #: What turns "manager ``mid`` cannot be reached" into what its user should read
+        #: (a client's connections ask the orchestrator why the host is gone: see
+        #: :meth:`~.connect.Connections.explain`); ``None``: this process's own view.
+        self.explain: Callable[[int, DDictManagerUnavailableError], DDictError] | None = None
 
     def __repr__(self) -> str:
         info = self.info
@@ -317,13 +326,19 @@ class HostLink:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                raise DDictManagerUnavailableError(
-                    f"{self.where(mid)} is gone (its supervisor, process {pid}, ended)"
-                ) from None
+                raise self.unavailable(mid, f"is gone (its supervisor, process {pid}, ended)"
+                                       ) from None  # fmt: skip
             except PermissionError:
                 pass  # alive, under another user
 
         return check
+
+    def unavailable(self, mid: int, detail: str) -> DDictError:
+        """The error for manager ``mid``, which cannot be reached: ``detail`` is what this
+        process saw ("is gone (its supervisor ... ended)"); :attr:`explain` may know why
+        its host is gone, and what to do (see :func:`~dask_ddict.errors.manager_lost`)."""
+        e = DDictManagerUnavailableError(f"{self.where(mid)} {detail}")
+        return e if self.explain is None else self.explain(mid, e)
 
     def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
                  ) -> _Conn:  # fmt: skip
@@ -365,7 +380,7 @@ class HostLink:
                 conn.close()
                 raise
         except HandshakeError as e:  # never retried: this peer is not the dictionary's host
-            raise DDictManagerUnavailableError(f"{self.where(mid)}: {e}") from None
+            raise self.unavailable(mid, f"cannot be reached: {e}") from None
         except (_Deadline, DDictError):
             raise
         except (OSError, ssl.SSLError) as e:
@@ -376,17 +391,18 @@ class HostLink:
             conn.close()
             if answer == Hello.CLOSED:
                 raise DDictClosedError(f"DDict {self.name!r} was destroyed")
-            reason = "refused the credentials" if answer == Hello.DENIED else "does not serve it"
-            raise DDictManagerUnavailableError(f"{self.where(mid)}: the host {reason}")
+            if answer == Hello.DENIED:
+                raise DDictManagerUnavailableError(
+                    f"{self.where(mid)}: the host refused the credentials")
+            raise self.unavailable(mid, "is not served by its host any more")
         with self._lock:
             self._all.append(conn)
         _KEPT.most = self._most
         return conn
 
-    def _unavailable(self, mid: int, e: BaseException) -> DDictManagerUnavailableError:
-        return DDictManagerUnavailableError(
-            f"{self.where(mid)} is unreachable ({type(e).__name__}: {e})"
-        )
+    def _unavailable(self, mid: int, e: BaseException) -> DDictError:
+        said = _GONE.get(getattr(e, "errno", None) or 0, f"{type(e).__name__}: {e}")
+        return self.unavailable(mid, f"is unreachable ({said})")
 
     def forget(self, conn: _Conn) -> None:
         """Close one of this link's connections (broken, or past the process's bound)."""

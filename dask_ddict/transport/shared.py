@@ -42,7 +42,6 @@ from ..errors import (
     DDictError,
     DDictFullError,
     DDictKeyError,
-    DDictManagerUnavailableError,
 )
 from ..options import DDictOptions
 from ..shard.store import ShardStore
@@ -199,9 +198,8 @@ class SharedChannel:
             os.kill(info.pid, 0)
             self._alive_until = now + ALIVE_CHECK
         except ProcessLookupError:
-            raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} on host {info.hostname} ({info.worker}) is gone "
-                f"(its supervisor, process {info.pid}, ended)"
+            raise self._sock.link.unavailable(
+                self._mid, f"is gone (its supervisor, process {info.pid}, ended)"
             ) from None
         except PermissionError:
             pass  # alive, under another user
@@ -235,12 +233,9 @@ class SharedChannel:
             return
         newest, closed = saved_newest(store, txn, self._size)
         if closed != OPEN:
-            info = self._sock.info
             if closed == CLOSED_DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed")
-            raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} on host {info.hostname} is closed (its host shut down)"
-            )
+            raise self._sock.link.unavailable(self._mid, "is closed (its host shut down)")
         self._seen = (tid, newest, frozen(store, txn))
         check_window(chkpt, newest, self._size)
 
@@ -255,10 +250,8 @@ class SharedChannel:
         except lmdb.Error as e:  # the view was closed (a restart reopened the shard here)
             if self._path in _DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed") from None
-            info = self._sock.info
-            raise DDictManagerUnavailableError(
-                f"manager {info.manager_id} on host {info.hostname}: shard closed ({e})"
-            ) from e
+            raise self._sock.link.unavailable(self._mid, f"cannot be read: its shard closed ({e})"
+                                              ) from e  # fmt: skip
 
     @contextlib.contextmanager
     def _inside(self, view: _View) -> Iterator[None]:
