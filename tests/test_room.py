@@ -64,10 +64,12 @@ def test_a_clear_gives_the_space_to_new_keys(client):
         d.destroy()
 
 
-def test_versions_a_retired_checkpoint_left_give_their_space_to_new_keys(client):
+@pytest.mark.parametrize("how", ["one by one", "update"])
+def test_versions_a_retired_checkpoint_left_give_their_space_to_new_keys(client, how):
     """working_set_size=2: 40% written at 0 and again at 1 (80% in all), then 40% of new
-    keys at 2.  Writing at 2 retires 0, whose versions no reader can see any more: they
-    make the room, and every reader still sees what it should."""
+    keys at 2 (single puts, or many per request).  Writing at 2 retires 0, whose versions
+    no reader can see any more: they make the room, and every reader still sees what it
+    should."""
     d = one_shard(client, working_set_size=2)
     try:
         n = count_for(d, 0.4)
@@ -76,8 +78,11 @@ def test_versions_a_retired_checkpoint_left_give_their_space_to_new_keys(client)
             for i in range(n):
                 d[f"a{i}"] = value(c)
         d.checkpoint_id = 2
-        for i in range(n):
-            d[f"b{i}"] = value(2)
+        if how == "update":
+            d.update({f"b{i}": value(2) for i in range(n)})
+        else:
+            for i in range(n):
+                d[f"b{i}"] = value(2)
         assert {int(d[f"a{i}"][0]) for i in range(n)} == {1}  # (the version at 1, seen at 2)
         assert {int(d[f"b{i}"][0]) for i in range(n)} == {2}
         d.checkpoint_id = 1

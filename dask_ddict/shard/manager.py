@@ -9,11 +9,16 @@ loop (see ``transport-notes.md``: hopping onto the loop costs ~100 µs).
 Concurrency: writes hold one lock (LMDB allows one writer anyway); reads run
 lock-free in their own snapshot transaction.  An operation the working set
 cannot do yet (:class:`~dask_ddict.shard.working_set.MustWait`) is deferred
-(:mod:`~dask_ddict.shard.deferred`): every successful write, before it releases
-the lock and answers, retries the deferred operations in the order they
-arrived.  So they are retried whenever retirement may have become possible,
+(:mod:`~dask_ddict.shard.deferred`) at its checkpoint: as in Dragon, a write
+to that checkpoint retries them, in the order they arrived, before it applies
+itself and again after, before it releases the lock and answers.  So they are
 applied in arrival order and before any later request, use no CPU while they
-wait, and give up with ``DDictTimeoutError`` when their timeout expires.
+wait, are retried anyway after a quiet period without writes, and give up with
+``DDictTimeoutError`` when their timeout expires (after a last try).
+
+A put refused for room makes room first when versions no reader can see may
+be taking it (:mod:`.room`); at-most-once requests keep their replies
+(:mod:`.replies`).
 """
 
 from __future__ import annotations
@@ -313,7 +318,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room):
             return take_page(self.working_set.visible(txn, chkpt, after), keys, values,
                              max_items, max_bytes)  # fmt: skip
 
-        return self._read(fn, None, "iteration")
+        return self._read(fn, None, "iteration", chkpt=chkpt)
 
     def wait_for(self, digest: bytes, chkpt: int, frame: bytes, timeout: float | None) -> None:
         """Block until the key's value at ``chkpt`` serializes to ``frame`` (a raw

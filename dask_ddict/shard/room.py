@@ -48,7 +48,12 @@ class Room:
     def _roomy(self, fn: Callable[[lmdb.Transaction], T], txn: lmdb.Transaction) -> T:
         """``fn(txn)``, rolled back (:class:`NoRoom`) if it was refused room that
         collecting dead versions may give (see :meth:`_attempt`)."""
-        result = fn(txn)
+        try:
+            result = fn(txn)
+        except BaseException:  # (whatever fn made of the refusal: a many-put's _Refused)
+            if self.store.refused and self._collectable():
+                raise NoRoom from None
+            raise
         if self.store.refused and self._collectable():
             raise NoRoom
         return result
