@@ -189,6 +189,7 @@ def test_a_crash_at_any_step_of_any_manager_leaves_the_newest_complete_id_restor
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # (as its subprocess: every step on S3 took 384 s on 2 cores)
 def test_the_same_on_an_object_store(s3):
     """S3 cannot rename or delete a prefix atomically: the same guarantees hold."""
     crash_at_every_step(f"{s3.bucket()}/steps", 1, s3.storage_options)
