@@ -11,6 +11,7 @@ so that the popped value's bytes are free for other keys at once.
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 from collections.abc import Callable
@@ -20,6 +21,8 @@ import lmdb
 
 if TYPE_CHECKING:
     from .store import ShardStore
+
+logger = logging.getLogger(__name__)
 
 _RID = b"rid:"
 _RID_SLOT = b"ridslot:"
@@ -80,7 +83,11 @@ class AtMostOnce:
             return
         with self._mutex:
             self._big_replies.discard(rid)
-            if not self.closed:
+            if self.closed:
+                return
+            try:
                 self.store.transact(lambda txn: txn.delete(_RID + _Q.pack(rid),
                                                            db=self.store.meta_db))  # fmt: skip
+            except Exception:  # (the ring drops it later: never the connection's failure)
+                logger.debug("kept reply %d not dropped", rid, exc_info=True)
 
