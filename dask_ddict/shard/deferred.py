@@ -183,7 +183,7 @@ class DeferredQueue:
 
     def waiting_at(self, chkpt: int) -> bool:
         """Whether an operation waits at ``chkpt`` (lock held)."""
-        return any(op.chkpt == chkpt for op in self.waiting)
+        return self._first_at(chkpt) is not None
 
     def close(self, error: Callable[[], DDictError]) -> None:
         """Fail every queued operation and all later ones with a new ``error()`` each
