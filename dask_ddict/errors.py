@@ -33,6 +33,7 @@ class Status(enum.IntEnum):
     MANAGER_UNAVAILABLE = 12
     SERIALIZATION = 13
     INTERNAL = 14
+    MOVED = 15  # the manager moved to another host process (clients follow it)
 
 
 #: Dragon's return-code name (``lib_err``) for each code: what Dragon's DDict raises
@@ -53,6 +54,7 @@ DRAGON_LIB_ERR: dict[str, str] = {
     "MANAGER_UNAVAILABLE": "DRAGON_FAILURE",
     "SERIALIZATION": "DRAGON_INVALID_ARGUMENT",
     "INTERNAL": "DRAGON_FAILURE",
+    "MOVED": "DRAGON_FAILURE",  # (seen only where a move could not be followed)
     "TASK_FAILED": "DRAGON_FAILURE",  # (filter's mgr_code raised: Dragon's filter fails so)
 }
 
@@ -186,6 +188,17 @@ def manager_lost(name: str, manager_id: int, hostname: str, worker: str,
     )
 
 
+class DDictManagerMovedError(DDictManagerUnavailableError):
+    """A manager moved to another host process (a worker retired, ``rebalance()``).
+
+    Clients follow a move by themselves (they ask the orchestrator where the manager
+    is now and send the operation there, within its own time): a user sees this
+    only when that cannot be done, e.g. a process with no way to reach the scheduler.
+    """
+
+    default_code = "MOVED"
+
+
 class DDictSerializationError(DDictError, TypeError):
     """A key or value could not be pickled or unpickled; nothing was stored."""
 
@@ -219,6 +232,7 @@ _CLASS_FOR_STATUS: dict[Status, type[DDictError]] = {
     Status.MANAGER_UNAVAILABLE: DDictManagerUnavailableError,
     Status.SERIALIZATION: DDictSerializationError,
     Status.INTERNAL: DDictError,
+    Status.MOVED: DDictManagerMovedError,
 }
 
 

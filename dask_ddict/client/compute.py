@@ -88,7 +88,7 @@ class Compute:
         (read here if not given: an asynchronous client's caller reads it first)."""
         if workers is None:
             workers = self._core.client.scheduler_info(n_workers=-1)["workers"]
-        everywhere = placement(self._core.layout, workers)
+        everywhere = placement(self._core.fresh(), workers)
         return [everywhere[m] for m in self._managers()]
 
     def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),

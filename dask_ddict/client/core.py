@@ -24,6 +24,7 @@ from ..errors import (
     DDictClosedError,
     DDictError,
     DDictFullError,
+    DDictManagerMovedError,
     DDictManagerUnavailableError,
     manager_lost,
 )
@@ -101,6 +102,7 @@ class _Core(Connections):
         self._room: int | None = None  # see value_room
         self._lost: dict[int, ManagerInfo] = {}  # managers the orchestrator said lost
         self._asked = 0.0  # when explain() may ask the orchestrator again
+        self._fresh_at = 0.0  # when fresh() may ask it again
 
     def _resolve(self) -> Layout:
         return resolve(self.ref, self._client)
@@ -151,10 +153,42 @@ class _Core(Connections):
             if layout is not None:
                 self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
                 info = self._lost.get(mid)
+                now_at, was_at = layout.managers[mid], self.layout.managers[mid]
+                if info is None and (now_at.uds_path, now_at.tcp_port, now_at.store_path) != (
+                        was_at.uds_path, was_at.tcp_port, was_at.store_path):  # fmt: skip
+                    self._asked = 0.0  # (followed at once: see follow)
+                    return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
+                                                  f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
         if info is None:
             return e
         return manager_lost(self.name, mid, info.hostname, info.worker,
                             info.lost_why)  # fmt: skip
+
+    def current(self, deadline: float | None) -> Layout | None:
+        """The orchestrator's layout once its moves of this dictionary are done, asked
+        within the operation's time (else ``ddict.move.timeout``)."""
+        wait = config.get_seconds("move.timeout") if deadline is None else \
+            max(0.05, deadline - time.monotonic())  # fmt: skip
+        return current_layout(self.ref, self._client, wait, settled=True)
+
+    def fresh(self, force: bool = False) -> Layout:
+        """The layout as the orchestrator has it now (managers move when workers leave or
+        join), asked at most every :data:`ASK_EVERY` seconds (``force``: now), by a
+        handle that has a client (the user's); others (a task's) keep the layout of
+        their epoch, and follow a manager's move when they meet it."""
+        now = time.monotonic()
+        if (force or now >= self._fresh_at) and not self.closed and self._client is not None:
+            self._fresh_at = now + ASK_EVERY
+            layout = current_layout(self.ref, self._client, config.get_seconds("host.probe-timeout"))
+            if layout is not None and layout.epoch > self.layout.epoch:
+                self.adopt(layout)
+        return self.layout
+
+    def adopt(self, layout: Layout) -> None:
+        super().adopt(layout)
+        remember(layout)
+        self._lost = {m.manager_id: m for m in layout.managers if m.lost}
+        self._room = None
 
     @property
     def value_room(self) -> int:

@@ -53,6 +53,7 @@ from .creation import create_request, initial_checkpoint, keywords_checked
 from .introspection import Introspection
 from .layouts import LayoutRef, forget, layout_reply
 from .mapping import MappingMethods
+from .placement import Placement
 from .reads import Reads
 from .replicate import Replication
 from .views import (
@@ -68,7 +69,8 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk, Compute):
+class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk, Compute,
+            Placement):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters

@@ -79,13 +79,16 @@ class Introspection:
 
     @property
     def manager_workers(self) -> list[str]:
-        """Address of the worker hosting each manager."""
-        return self._layout.manager_workers
+        """Address of the worker hosting each manager (as the orchestrator has it now:
+        managers move when workers leave or join)."""
+        self._check()
+        return self._core.fresh().manager_workers
 
     @property
     def local_managers(self) -> list[int]:
-        """Managers on this host."""
-        return [m.manager_id for m in self._layout.managers if self._core.is_local(m)]
+        """Managers on this host (now: see :attr:`manager_workers`)."""
+        self._check()
+        return [m.manager_id for m in self._core.fresh().managers if self._core.is_local(m)]
 
     @property
     def local_manager(self) -> int | None:
@@ -99,7 +102,7 @@ class Introspection:
         except ValueError:
             w = None
         if w is not None:
-            for m in self._layout.managers:
+            for m in self._core.fresh().managers:
                 if m.worker == w.address or (w.nanny and m.supervisor == w.nanny):
                     return m.manager_id
         local = self.local_managers

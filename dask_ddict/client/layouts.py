@@ -104,11 +104,13 @@ def _fetched(ref: LayoutRef, reply: Any) -> Layout:
     return layout
 
 
-def current_layout(ref: LayoutRef, client: Any, timeout: float | None) -> Layout | None:
+def current_layout(ref: LayoutRef, client: Any, timeout: float | None,
+                   settled: bool = False) -> Layout | None:  # fmt: skip
     """The orchestrator's layout of ``ref`` now (which managers it knows lost, and why),
     asked within ``timeout`` through a client or worker of this process; ``None`` if it
     cannot be asked (no client here, a scheduler that does not answer, an event loop's
-    thread, which must not wait for itself).
+    thread, which must not wait for itself).  ``settled``: once no move of it is
+    under way (the orchestrator answers when its moves are done).
 
     Raises
     ------
@@ -116,7 +118,7 @@ def current_layout(ref: LayoutRef, client: Any, timeout: float | None) -> Layout
         The dictionary was destroyed.
     """
     try:
-        reply = _ask_orchestrator(ref, client, timeout, own=False)
+        reply = _ask_orchestrator(ref, client, timeout, own=False, settled=settled)
     except Exception:  # noqa: BLE001 - no answer: the caller says what it saw itself
         return None
     return None if reply is None else _fetched(ref, reply)
@@ -143,25 +145,26 @@ def current_client() -> Client | None:
 
 
 def _ask_orchestrator(ref: LayoutRef, client: Any, timeout: float | None = None,
-                      own: bool = True) -> Any:  # fmt: skip
+                      own: bool = True, settled: bool = False) -> Any:  # fmt: skip
     """One ``ddict_attach`` call: through this worker's scheduler connection in a task,
     else through a client of this process, else (``own``) a short-lived client of its
     own; ``None`` if none may be made.  ``timeout``: seconds for the answer."""
     from distributed.utils import sync
 
+    ask = {"name": ref.name, "settled": True} if settled else {"name": ref.name}
     if client is not None:
-        return client.sync(client.scheduler.ddict_attach, name=ref.name,
+        return client.sync(client.scheduler.ddict_attach, **ask,
                            asynchronous=False, callback_timeout=timeout)  # fmt: skip
     try:
         worker = get_worker()
     except ValueError:
         worker = None
     if worker is not None:
-        return sync(worker.loop, worker.scheduler.ddict_attach, name=ref.name,
+        return sync(worker.loop, worker.scheduler.ddict_attach, **ask,
                     callback_timeout=timeout)  # fmt: skip
     client = current_client()
     if client is not None:
-        return client.sync(client.scheduler.ddict_attach, name=ref.name,
+        return client.sync(client.scheduler.ddict_attach, **ask,
                            asynchronous=False, callback_timeout=timeout)  # fmt: skip
     if not own:
         return None

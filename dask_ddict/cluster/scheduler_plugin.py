@@ -41,13 +41,13 @@ from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
 from . import metrics
 from .dashboard import DashboardData, install
+from .elastic import Elastic
 from .lifetime import Holders
 from .sizing import HostMemory, memory_warnings, pause_fraction
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed import Scheduler
-    from distributed.scheduler import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._metrics: metrics.DDictCollector | None = None  # on /metrics while started
         self.holders = Holders(self._release, self._call_later,
                                lambda: config.get_seconds("lifetime-grace-period") or 0.0)  # fmt: skip
+        self.elastic = Elastic(self)  # managers move when workers leave or join
 
     def __repr__(self) -> str:
         return f"<DDictSchedulerPlugin dicts={sorted(self.dicts)}>"
@@ -158,6 +159,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             "ddict_list_kept": self.names_kept,
             "ddict_hash_probe": self.hash_probe,
             "ddict_host_gone": self.host_gone,
+            **{name: refusing(h) for name, h in self.elastic.handlers().items()},
         }
         scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
         install(scheduler, self.dashboard)
@@ -223,7 +225,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         )
 
         async def on(worker: str, mids: list[int]) -> list[dict[str, Any]]:
-            supervisor = self._supervisor(worker)
+            supervisor = self.supervisor_of(worker)
             reply = await self.scheduler.rpc(supervisor).ddict_create_managers(
                 name=name, uid=uid, secret=secret, options=opts.to_dict(),
                 capacity=capacity, manager_ids=mids, num_managers=num,
@@ -240,7 +242,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             # A failed restart leaves the kept shards where they were, for another try.
-            await self._destroy_on([self._supervisor(w) for w in plan], uid,
+            await self._destroy_on([self.supervisor_of(w) for w in plan], uid,
                                    allow_restart=kept is not None)  # fmt: skip
             raise errors[0]
         fields = set(ManagerInfo.__dataclass_fields__)
@@ -269,8 +271,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
 
-    def attach(self, name: str, client: str = "") -> dict[str, Any]:
-        """The current layout of a dictionary; ``client`` holds it from now on."""
+    async def attach(self, name: str, client: str = "", settled: bool = False) -> dict[str, Any]:
+        """The current layout of a dictionary; ``client`` holds it from now on.
+
+        ``settled``: once no move of it is under way (a client that met a moved
+        manager asks so, and then finds it where it went)."""
+        if settled:
+            await self.elastic.moves.settled(name, config.get_seconds("move.timeout"))
         try:
             layout = self.dicts[name]
         except KeyError:
@@ -320,15 +327,20 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """
         if closing:
             self._gone.add(supervisor)
-            workers = {m.worker for lay in self.dicts.values() for m in lay.managers
-                       if m.supervisor == supervisor}  # fmt: skip
-            for w in sorted(workers):
-                ws = self.scheduler.workers.get(w)
-                if getattr(getattr(ws, "status", None), "name", "") == "closing_gracefully":
-                    why = RETIRED
-                    break
-                why = self._left.get(w, why)
+            why = self.why_leaving(supervisor, why)
         self._lose(supervisor, why)
+
+    def why_leaving(self, supervisor: str, why: str) -> str:
+        """Why ``supervisor``'s host goes, as the scheduler knows it (its worker retired,
+        left, ...), else ``why`` (the supervisor's own view)."""
+        workers = {m.worker for lay in self.dicts.values() for m in lay.managers
+                   if m.supervisor == supervisor}  # fmt: skip
+        for w in sorted(workers):
+            ws = self.scheduler.workers.get(w)
+            if getattr(getattr(ws, "status", None), "name", "") == "closing_gracefully":
+                return RETIRED
+            why = self._left.get(w, why)
+        return why
 
     def names_kept(self) -> list[str]:
         """Names of dictionaries destroyed with ``allow_restart=True``."""
@@ -373,9 +385,11 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                                lost, supervisor, why)  # fmt: skip
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        """A (re)started worker: its nanny's managers are hosted for it now (locality)."""
+        """A (re)started worker: its nanny's managers are hosted for it now (locality);
+        a new one takes managers when ``ddict.move.rebalance-on-join`` says so."""
         ws = scheduler.workers.get(worker)
         nanny = getattr(ws, "nanny", None)
+        self.elastic.worker_joined()
         if not nanny:
             return
         for name, layout in list(self.dicts.items()):
@@ -401,12 +415,6 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             return False
         return True
 
-    def valid_workers_downscaling(
-        self, scheduler: Scheduler, workers: list[WorkerState]
-    ) -> list[WorkerState]:
-        hosting = {m.worker for lay in self.dicts.values() for m in lay.managers if not m.lost}
-        return [ws for ws in workers if ws.address not in hosting]
-
     # -- helpers ----------------------------------------------------------------
 
     def _counted(self, name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
@@ -424,7 +432,11 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     def _release(self, name: str, uid: str) -> None:
         """Destroy a dictionary whose holders are gone (from the event loop)."""
-        task = asyncio.ensure_future(self.destroy(name, uid))
+        self.spawn(self.destroy(name, uid))
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run ``work`` on the event loop, kept until done."""
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -435,7 +447,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         return {"hash_probes": tuple(sorted({probe for probe, _ in reported})),
                 "hash_seed": seeds.pop() if len(seeds) == 1 else ""}  # fmt: skip
 
-    def _supervisor(self, worker: str) -> str:
+    @property
+    def gone(self) -> set[str]:
+        """Supervisors found gone (they do not come back)."""
+        return self._gone
+
+    def supervisor_of(self, worker: str) -> str:
         """Where ``worker``'s host supervisor takes control calls: its nanny, or itself."""
         ws = self.scheduler.workers.get(worker)
         return (getattr(ws, "nanny", None) or worker) if ws is not None else worker
@@ -525,7 +542,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             by_host.setdefault(get_address_host(w), []).append(w)
         plan: dict[str, list[int]] = {}
         paths: dict[int, str] = {}
-        by_supervisor = {self._supervisor(w): w for w in workers}
+        by_supervisor = {self.supervisor_of(w): w for w in workers}
         for m in kept.managers:
             same_host = by_host.get(get_address_host(m.worker), [])
             if m.supervisor in by_supervisor:
@@ -554,7 +571,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             if not m.lost:
                 continue
             host = get_address_host(m.worker)
-            helpers = [self._supervisor(a) for a, ws in self.scheduler.workers.items()
+            helpers = [self.supervisor_of(a) for a, ws in self.scheduler.workers.items()
                        if ws.host == host]  # fmt: skip
             paths = [m.store_path, os.path.dirname(m.uds_path)]
             for helper in helpers[:1]:

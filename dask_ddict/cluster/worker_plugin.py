@@ -88,6 +88,22 @@ async def tell_host_gone(server: Any, why: str, closing: bool = True) -> None:
         logger.info("ddict: could not tell the scheduler that this host goes (%s): %r", why, e)
 
 
+async def evacuate(server: Any, why: str) -> None:
+    """Ask the orchestrator to move this host's managers to the remaining workers, and
+    wait until it did (at most ``ddict.move.timeout``): the host process, and with it
+    any shard still here, ends right after.  A scheduler that closes moves nothing."""
+    try:
+        said = await asyncio.wait_for(server.scheduler.ddict_evacuate(supervisor=server.address,
+                                                                      why=why),
+                                      config.get_seconds("move.timeout"))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a scheduler going away, a missing handler
+        logger.info("ddict: could not move this host's managers away (%s): %r", why, e)
+        return
+    if isinstance(said, dict) and said.get("moved"):
+        logger.info("ddict: %d managers moved off this host before it closes (%s)",
+                    said["moved"], why)  # fmt: skip
+
+
 def _gave_up(server: Any, loop: asyncio.AbstractEventLoop, why: str) -> None:
     """The supervisor gave its host up (from its watching thread): tell the orchestrator."""
     try:
@@ -117,15 +133,21 @@ class _Supervising:
         server.handlers.update(sup.handlers())
 
     async def _stop(self, server: Any, why: str) -> None:
-        """Close the supervisor, and so its host: its managers' keys go with it.
+        """Close the supervisor, and so its host, once its managers moved away.
 
-        The orchestrator hears it first (``why``: what closes), so that clients of
-        those managers are told their host is gone, and why, rather than meeting a
-        refused connection or a shard marked closed.
+        A graceful close (a retired worker, a cluster scaling down, SIGTERM) first
+        asks the orchestrator to move this host's managers to the remaining workers
+        (:func:`evacuate`); the control handlers serve meanwhile.  Then the
+        orchestrator hears that the host goes (``why``: what closes), so that clients
+        of any manager left here are told their host is gone, and why, rather than
+        meeting a refused connection or a shard marked closed.
         """
-        sup, self.supervisor = self.supervisor, None
+        sup = self.supervisor
         if sup is None:
             return
+        if sup.serving:
+            await evacuate(server, why)
+        self.supervisor = None
         for name in sup.handlers():
             server.handlers[name] = _gone
         if sup.serving:

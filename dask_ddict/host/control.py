@@ -71,6 +71,47 @@ class CloseManagers:
 
 
 @dataclass(frozen=True)
+class MoveOut:
+    """Pause manager ``manager_id`` of ``uid`` for a move (``copy``: to another machine)."""
+
+    uid: str
+    manager_id: int
+    copy: bool
+
+
+@dataclass(frozen=True)
+class MoveIn:
+    """Serve a moving manager: over its shard at ``path`` (same machine), or over a copy
+    received from ``source`` (the old place's :class:`~dask_ddict.layout.ManagerInfo`
+    fields) of ``used`` bytes in a map of ``map_size``."""
+
+    spec: DictSpec
+    manager_id: int
+    worker: str = ""
+    path: str = ""
+    source: dict[str, Any] | None = None
+    used: int = 0
+    map_size: int = 0
+
+
+@dataclass(frozen=True)
+class MoveDone:
+    """Manager ``manager_id`` of ``uid`` serves at ``where`` now: stop serving it here."""
+
+    uid: str
+    manager_id: int
+    where: str
+
+
+@dataclass(frozen=True)
+class MoveAbort:
+    """The move of ``manager_id`` failed: resume its writes here."""
+
+    uid: str
+    manager_id: int
+
+
+@dataclass(frozen=True)
 class Serve:
     """Start accepting connections (the managers are open)."""
 

@@ -58,17 +58,28 @@ def check_room(directory: str, needed: int) -> None:
             )
 
 
-def _reserve(store: ShardStore) -> None:
-    """Allocate the shard's whole map now (a tmpfs then never fills under a writer)."""
-    data = os.path.join(store.path, "data.mdb")
-    fd = os.open(data, os.O_RDWR | os.O_CLOEXEC)
+def shard_name(name: str, mid: int) -> str:
+    """A new shard directory's name (``ddict-<name>-<manager>-<random>``)."""
+    return f"{hygiene.PREFIX}{_safe(name)}-{mid}-{secrets.token_hex(8)}"
+
+
+def reserve_file(fd: int, size: int, where: str) -> None:
+    """Allocate ``size`` bytes of the open file ``fd`` now (a tmpfs then never fills
+    under a writer): :class:`DDictFullError` naming the host if ``where`` cannot."""
     try:
-        os.posix_fallocate(fd, 0, store.map_size)
+        os.posix_fallocate(fd, 0, size)
     except OSError as e:
         raise DDictFullError(
-            f"host {socket.gethostname()} cannot reserve {store.map_size} bytes for a shard "
-            f"in {os.path.dirname(store.path)}: {e.strerror}"
+            f"host {socket.gethostname()} cannot reserve {size} bytes for a shard "
+            f"in {where}: {e.strerror}"
         ) from None
+
+
+def _reserve(store: ShardStore) -> None:
+    """Allocate the shard's whole map now."""
+    fd = os.open(os.path.join(store.path, "data.mdb"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        reserve_file(fd, store.map_size, os.path.dirname(store.path))
     finally:
         os.close(fd)
 
@@ -90,8 +101,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
         path = restart_path
     else:
         base = shard_directory()
-        name = f"{hygiene.PREFIX}{_safe(spec.name)}-{mid}-{secrets.token_hex(8)}"
-        path = os.path.join(base, name)
+        path = os.path.join(base, shard_name(spec.name, mid))
         check_room(base, ShardStore.map_size_for(spec.capacity))
         os.makedirs(path, mode=0o700)
     lock = hygiene.claim(path)

@@ -32,7 +32,7 @@ from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
-from . import control, hygiene
+from . import control, hygiene, moves
 from .opening import open_manager
 from .server import HostedDict, HostServer, Limits
 
@@ -73,6 +73,14 @@ class Host:
             return None
         if isinstance(msg, control.Ping):
             return os.getpid()
+        if isinstance(msg, control.MoveOut):
+            return moves.move_out(self, msg.uid, msg.manager_id, msg.copy)
+        if isinstance(msg, control.MoveIn):
+            return self.move_in(msg)
+        if isinstance(msg, control.MoveDone):
+            return moves.move_done(self, msg.uid, msg.manager_id, msg.where)
+        if isinstance(msg, control.MoveAbort):
+            return moves.move_abort(self, msg.uid, msg.manager_id)
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
 
     def open(self, msg: control.OpenManagers) -> list[dict[str, Any]]:
@@ -112,10 +120,26 @@ class Host:
                 gens.remove()
             raise
         self.closed.discard(key)
+        for mid in msg.manager_ids:
+            hosted.moved.pop(mid, None)  # (moved away once, back now)
         self.dicts[key] = hosted
         logger.info("ddict host %d: serving managers %s of %s", os.getpid(),
                     list(msg.manager_ids), spec.name)  # fmt: skip
         return infos
+
+    def move_in(self, msg: control.MoveIn) -> list[dict[str, Any]]:
+        """Serve a manager that moves here (see :mod:`.moves`)."""
+        path = msg.path
+        if msg.source is not None:
+            path = moves.receive(msg.spec, msg.manager_id, msg.source, msg.used, msg.map_size,
+                                 self.init.tls)  # fmt: skip
+        try:
+            return self.open(control.OpenManagers(msg.spec, (msg.manager_id,),
+                                                  {msg.manager_id: path}, msg.worker))  # fmt: skip
+        except BaseException:
+            if msg.source is not None:  # (a copy of ours; the same machine's shard is not)
+                shutil.rmtree(path, ignore_errors=True)
+            raise
 
     def close_dict(self, uid: str, allow_restart: bool, why: int = CLOSED_DESTROYED) -> int:
         key = bytes.fromhex(uid)

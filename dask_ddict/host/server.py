@@ -48,6 +48,7 @@ from ..errors import (
     DDictClosedError,
     DDictError,
     DDictFullError,
+    DDictManagerMovedError,
     DDictManagerUnavailableError,
     wire_error,
 )
@@ -112,7 +113,7 @@ class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
     __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins",
-                 "served")
+                 "served", "moved")
 
     def __init__(self, uid: str, name: str, secret: str,
                  generations: Generations | None = None,
@@ -129,6 +130,8 @@ class HostedDict:
         self.pins = pins
         #: The requests served for its managers here (their stats report them).
         self.served = Served()
+        #: Managers that moved to another host process: where to (answered ``MOVED``).
+        self.moved: dict[int, str] = {}
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
@@ -357,6 +360,9 @@ class HostServer:
     def _not_hosted(self, hosted: HostedDict, mid: int) -> DDictError:
         if hosted.key in self.closed_dicts:
             return DDictClosedError(f"DDict {hosted.name!r} was destroyed")
+        if mid in hosted.moved:
+            return DDictManagerMovedError(f"manager {mid} of {hosted.name!r} moved to "
+                                          f"{hosted.moved[mid]}")  # fmt: skip
         return DDictManagerUnavailableError(
             f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
         )

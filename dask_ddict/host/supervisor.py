@@ -90,6 +90,9 @@ class HostSupervisor:
         # What the host serves, to replay into a new incarnation.
         self._dicts: dict[str, tuple[DictSpec, dict[int, str], str]] = {}
         self._closed: list[str] = []
+        #: Managers paused for a move out: their shard paths, until done or aborted.
+        self._moving: dict[tuple[str, int], str] = {}
+        self._moving_specs: dict[str, tuple[DictSpec, dict[int, str], str]] = {}
         self._shard_locks: dict[tuple[str, int], int] = {}
         self._restarts: collections.deque[float] = collections.deque()
         self.restart_count = 0
@@ -282,12 +285,82 @@ class HostSupervisor:
                 self._shard_locks[(uid, info["manager_id"])] = hygiene.claim(info["store_path"])
             if uid in self._closed:
                 self._closed.remove(uid)
+        return self._described(infos, worker)
+
+    def _described(self, infos: list[dict[str, Any]], worker: str) -> list[dict[str, Any]]:
+        """The host's answer for managers it opened, with how to reach them (layout fields)."""
         where = self.info()
         memory = self.memory()  # measured after the shards opened (and were reserved)
         return [{**i, **memory, "worker": worker, "pid": where["supervisor_pid"],
                  "uds_path": self.uds_path, "tcp_host": self.tcp_host, "tcp_port": self.tcp_port,
                  "host_id": where["host_id"], "hostname": where["hostname"]}
                 for i in infos]  # fmt: skip
+
+    # -- moves (see dask_ddict.host.moves) -------------------------------------------
+
+    def move_out(self, uid: str, manager_id: int, copy: bool) -> dict[str, Any]:
+        """Pause a manager that leaves this host.  It is no longer replayed into a new
+        incarnation from now on (the new host may serve its shard already)."""
+        mid = int(manager_id)
+        with self._lock:
+            entry = self._dicts.get(uid)
+            if entry is None or mid not in entry[1]:
+                raise DDictError(f"manager {mid} of {uid} is not hosted here", "INVALID_ARGUMENT")
+            reply = self.call(control.MoveOut(uid, mid, bool(copy)))
+            self._moving[(uid, mid)] = entry[1].pop(mid)
+            if not entry[1]:
+                del self._dicts[uid]
+                self._moving_specs[uid] = entry
+        return {**reply, "storage_options": entry[0].storage_options}
+
+    def move_in(self, name: str, uid: str, secret: str, options: dict[str, Any],
+                capacity: int, num_managers: int, manager_id: int, worker: str = "",
+                path: str = "", source: dict[str, Any] | None = None, used: int = 0,
+                map_size: int = 0, storage_options: dict[str, Any] | None = None,
+                ) -> list[dict[str, Any]]:  # fmt: skip
+        """Serve a manager that moves here (its shard at ``path``, or copied from ``source``)."""
+        spec = DictSpec(name, uid, secret, DDictOptions.from_dict(options), int(capacity),
+                        int(num_managers), storage_options)  # fmt: skip
+        mid = int(manager_id)
+        with self._lock:
+            infos = self.call(control.MoveIn(spec, mid, worker, path, source, int(used),
+                                             int(map_size)))  # fmt: skip
+            known = self._dicts.setdefault(uid, (spec, {}, worker))[1]
+            for info in infos:
+                known[mid] = info["store_path"]
+                self._shard_locks[(uid, mid)] = hygiene.claim(info["store_path"])
+            if uid in self._closed:
+                self._closed.remove(uid)
+        return self._described(infos, worker)
+
+    def move_done(self, uid: str, manager_id: int, where: str) -> None:
+        """The manager serves at ``where`` now: this host stops serving it."""
+        mid = int(manager_id)
+        with self._lock:
+            self._moving.pop((uid, mid), None)
+            self._moving_specs.pop(uid, None)
+            hygiene.release(self._shard_locks.pop((uid, mid), None))
+            try:
+                self.call(control.MoveDone(uid, mid, where))
+            except HostDiedError:  # (its next incarnation does not serve it)
+                logger.info("ddict: the host of %s ended during a move", self.label)
+
+    def move_abort(self, uid: str, manager_id: int) -> None:
+        """The move failed: the manager serves on here (re-opened if the host restarted)."""
+        mid = int(manager_id)
+        with self._lock:
+            path = self._moving.pop((uid, mid), None)
+            if path is None:
+                return
+            entry = self._dicts.get(uid) or self._moving_specs.pop(uid, None)
+            if entry is None:
+                return
+            self._dicts.setdefault(uid, entry)[1][mid] = path
+            try:
+                self.call(control.MoveAbort(uid, mid))
+            except DDictError:  # a new incarnation, which did not open it: open it now
+                spec, _, worker = entry
+                self.call(control.OpenManagers(spec, (mid,), {mid: path}, worker))
 
     def memory(self) -> dict[str, int]:
         """This host's memory as the orchestrator's sizing check needs it, measured now.
@@ -352,7 +425,7 @@ class HostSupervisor:
     @property
     def serving(self) -> bool:
         """Whether this host serves managers of any dictionary (that its going would lose)."""
-        return bool(self._dicts)
+        return bool(self._dicts or self._moving)
 
     def handlers(self) -> dict[str, Any]:
         """Async handlers for the nanny's or worker's server (blocking work in a thread)."""
@@ -374,6 +447,10 @@ class HostSupervisor:
             "ddict_destroy_managers": wrap(self.destroy_managers),
             "ddict_remove_paths": wrap(self.remove_paths),
             "ddict_host_info": wrap(self.info),
+            "ddict_move_out": wrap(self.move_out),
+            "ddict_move_in": wrap(self.move_in),
+            "ddict_move_done": wrap(self.move_done),
+            "ddict_move_abort": wrap(self.move_abort),
         }
 
     # -- shutdown -------------------------------------------------------------------

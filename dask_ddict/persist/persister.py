@@ -89,6 +89,11 @@ class Persister:
         if err is not None:
             raise DDictError(f"persisting a checkpoint failed: {err!r}", "INVALID_OPERATION")
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or under way (a move waits for it: see ``shard.moving``)."""
+        return self._queue.unfinished_tasks == 0
+
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)

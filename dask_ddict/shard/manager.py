@@ -39,6 +39,7 @@ from ..errors import DDictClosedError, DDictError, DDictFullError
 from .checkpoint_io import CheckpointIO
 from .deferred import DeferredQueue
 from .replies import AtMostOnce
+from .moving import Moving
 from .room import NoRoom, Room
 from .store import ShardStore
 from .summaries import Summaries
@@ -73,7 +74,7 @@ class _Refused(Exception):
         self.index, self.error = index, error
 
 
-class Manager(Summaries, CheckpointIO, AtMostOnce, Room):
+class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters
@@ -147,6 +148,8 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room):
 
     def _check_open(self) -> None:
         if self.closed:
+            if self.moved:
+                raise self.moved_error()
             raise DDictClosedError(f"manager {self.manager_id} is closed")
 
     def _attempt(self, fn: Callable[[lmdb.Transaction], T], what: str,

@@ -58,8 +58,9 @@ WAITERS = b"waiters"  # how many operations wait at the manager for other writes
 _COUNT = struct.Struct("<q")
 
 
-#: Why a shard's manager closed, as same-host readers see it in the shard.
-OPEN, CLOSED_DESTROYED, CLOSED_HOST_GONE = 0, 1, 2
+#: Why a shard's manager closed, as same-host readers see it in the shard
+#: (``CLOSED_MOVED``: copied to another host; the manager answers there).
+OPEN, CLOSED_DESTROYED, CLOSED_HOST_GONE, CLOSED_MOVED = 0, 1, 2, 3
 
 
 def saved_newest(store: ShardStore, txn: lmdb.Transaction, size: int) -> tuple[int, int]:
@@ -79,6 +80,12 @@ def mark_closed(store: ShardStore, newest: int, why: int = CLOSED_DESTROYED) -> 
     """Tell same-host readers that the manager is gone (they map the shard themselves)."""
     with store.write() as txn:
         store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
+
+
+def mark_in(store: ShardStore, txn: lmdb.Transaction, size: int, why: int) -> None:
+    """Set the shard's closed mark to ``why`` in ``txn``, keeping its newest checkpoint."""
+    newest, _ = saved_newest(store, txn, size)
+    store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
 
 
 def frozen(store: ShardStore, txn: lmdb.Transaction) -> bool:

@@ -31,7 +31,9 @@ from .. import config
 from ..errors import (
     DDictClosedError,
     DDictError,
+    DDictManagerMovedError,
     DDictManagerUnavailableError,
+    Status,
     error_for_status,
     manager_lost,
     raise_for_status,
@@ -50,6 +52,16 @@ logger = logging.getLogger(__name__)
 
 def _reraise(e: BaseException) -> NoReturn:
     raise e
+
+
+#: How many moves one operation follows (a manager that moves again while it is followed).
+MOST_FOLLOWS = 8
+_MOVED = int(Status.MOVED)
+
+
+def _place(info: ManagerInfo) -> tuple[Any, ...]:
+    """Where a manager is served: equal iff the same host process serves the same shard."""
+    return (info.uds_path, info.tcp_host, info.tcp_port, info.store_path, info.lost)
 
 _DEFAULT_SECURITY: Any = None
 
@@ -107,6 +119,10 @@ class Connections:
         ref = weakref.WeakMethod(self.explain)
         self._explain: Callable[[int, DDictManagerUnavailableError], DDictError] = \
             lambda mid, e: e if (f := ref()) is None else f(mid, e)  # fmt: skip
+        follow = weakref.WeakMethod(self.follow)
+        self._follow: Callable[[int, float | None], HostLink] = \
+            lambda mid, d: _reraise(DDictClosedError("the DDict was detached")) \
+            if (f := follow()) is None else f(mid, d)  # fmt: skip
         #: Longest pickled key a host accepts (checked here first, with a clear error).
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
@@ -139,6 +155,44 @@ class Connections:
         saw), unless more is known (a client's core asks the orchestrator)."""
         return e
 
+    def current(self, deadline: float | None) -> Layout | None:
+        """The orchestrator's layout now, once no move of this dictionary is under way
+        (asked by :meth:`follow`); ``None``: no orchestrator to ask (a host process's
+        connections, the dashboard's)."""
+        return None
+
+    def follow(self, mid: int, deadline: float | None) -> HostLink:
+        """The link to manager ``mid``'s host now that it moved from where this process
+        knew it.  The new layout is taken whole (other managers may have moved too):
+        every channel of a manager that moved is made again on its next use.
+
+        Raises
+        ------
+        DDictManagerMovedError
+            Nobody can say where it went (no orchestrator here, or it has not moved).
+        """
+        before = self.layout.managers[mid]
+        layout = self.current(deadline)
+        if layout is None or _place(layout.managers[mid]) == _place(before):
+            raise DDictManagerMovedError(f"manager {mid} of {self.layout.name!r} moved from "
+                                         f"{before.hostname} ({before.worker}), and where to "
+                                         "is not known here")  # fmt: skip
+        self.adopt(layout)
+        return self._host_link(layout.managers[mid])
+
+    def adopt(self, layout: Layout) -> None:
+        """Use ``layout`` from now on: the channels of managers that moved are dropped."""
+        with self._lock:
+            old, self._layout = self._layout, layout
+            gone = [] if old is None else [
+                self._channels.pop(m.manager_id) for m in layout.managers
+                if m.manager_id in self._channels
+                and _place(m) != _place(old.managers[m.manager_id])
+            ]  # fmt: skip
+            self._groups.clear()
+        for ch in gone:
+            ch.close()
+
     def is_local(self, info: ManagerInfo) -> bool:
         """Whether a manager shares this host (and so its /dev/shm)."""
         return info.host_id == self._host
@@ -167,6 +221,7 @@ class Connections:
                                       config.get_bytes("transport.min-value-limit")),
             )
             link.explain = self._explain
+            link.follow = self._follow
         return link
 
     def _uses_uds(self, info: ManagerInfo) -> bool:
@@ -244,7 +299,7 @@ class Connections:
         """
         if len(mids) <= 1:
             return [self.channel(m).call(o) for m in mids]
-        results, failure, errors = self._broadcast(o, mids, progress)
+        results, failure, errors = self._following(o, mids, progress)
         if failure is not None:
             raise failure
         if errors:
@@ -256,7 +311,7 @@ class Connections:
         """:meth:`each`, with each manager's error in its place instead of raised (a
         host that did not answer: its error for each of its managers), for observers
         that show every manager, answering or not (the dashboard, the metrics)."""
-        results, failure, errors = self._broadcast(o, mids, "", settle=True)
+        results, failure, errors = self._following(o, mids, "", settle=True)
         out: list[Any] = []
         for m in mids:
             if m in results:
@@ -266,6 +321,32 @@ class Connections:
             else:
                 out.append(failure or DDictError(f"manager {m}: no answer", "INTERNAL"))
         return out
+
+    def _following(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False
+                   ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
+        """:meth:`_broadcast`, sent again to the managers that moved meanwhile (their
+        hosts answered ``MOVED``, or were gone and the orchestrator knows where they
+        went), where they are now."""
+        results, failure, errors = self._broadcast(o, mids, progress, settle=settle)
+        for _ in range(MOST_FOLLOWS):
+            lost_host = type(failure) is DDictManagerMovedError
+            moved = [m for m in mids if m not in results and (
+                errors[m][0] == _MOVED if m in errors else lost_host)]  # fmt: skip
+            if not moved:
+                break
+            try:
+                self.follow(moved[0], None)
+            except DDictError:
+                break
+            if lost_host:
+                failure = None
+            again, fail, errs = self._broadcast(o, moved, "", settle=settle)
+            for m in moved:
+                errors.pop(m, None)
+            results.update(again)
+            errors.update(errs)
+            failure = failure or fail
+        return results, failure, errors
 
     def _broadcast(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False
                    ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
@@ -313,7 +394,7 @@ class Connections:
         return results, failure, errors
 
     def get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
-                 lend: bool | None = False) -> dict[int, list[Any]]:  # fmt: skip
+                 lend: bool | None = False, follows: int = 0) -> dict[int, list[Any]]:  # fmt: skip
         """The frames of many keys, by manager (:class:`~.many.GetMany`).
 
         One request per host process, all sent before any answer is read (the
@@ -351,6 +432,14 @@ class Connections:
                     out[mid] = frames
             except BaseException as e:
                 failure = failure or e
+        if type(failure) is DDictManagerMovedError and follows < MOST_FOLLOWS:
+            rest = {m: g for m, g in groups.items() if m not in out}
+            try:
+                self.follow(next(iter(rest)), None)
+            except DDictError:
+                raise failure from None
+            out.update(self.get_many(rest, chkpt, timeout, lend, follows + 1))
+            return out
         if failure is not None:
             raise failure
         return out

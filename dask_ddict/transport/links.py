@@ -56,15 +56,17 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import config
-from .._serialize import SMALL_FRAME, aligned_empty
+from .._serialize import SMALL_FRAME
 from ..errors import (
     DDictClosedError,
     DDictError,
     DDictFullError,
+    DDictManagerMovedError,
     DDictManagerUnavailableError,
     DDictTimeoutError,
     raise_for_status,
 )
+from ..errors import Status
 from ..layout import ManagerInfo
 from .handshake import HandshakeError, client_side
 from .ops import Kind, Operation
@@ -248,6 +250,7 @@ class _Kept:
 
 _KEPT = _Kept()
 _ONCE = Kind.ONCE  # (an enum member's lookup costs more than the comparison)
+_MOVED = int(Status.MOVED)
 
 
 class HostLink:
@@ -292,6 +295,10 @@ class HostLink:
         #: (a client's connections ask the orchestrator why the host is gone: see
         #: :meth:`~.connect.Connections.explain`); ``None``: this process's own view.
         self.explain: Callable[[int, DDictManagerUnavailableError], DDictError] | None = None
+        #: Where manager ``mid`` is served now that it moved: ``follow(mid, deadline)``
+        #: returns the link to its new host (see :meth:`~.connect.Connections.follow`);
+        #: ``None``: a move is an error here.
+        self.follow: Callable[[int, float | None], HostLink] | None = None
 
     def __repr__(self) -> str:
         info = self.info
@@ -463,13 +470,17 @@ class HostLink:
 
         return answer
 
-    def _exchange(self, o: Operation, mid: int, began: float | None = None
-                  ) -> Generator[None, None, tuple[int, Any]]:  # fmt: skip
+    def _exchange(self, o: Operation, mid: int, began: float | None = None, rid: int = 0,
+                  waited: bool = False) -> Generator[None, None, tuple[int, Any]]:  # fmt: skip
         """Request and answer, with retries; yields once, when the request first went out.
 
         With a timeout, everything (connecting, the handshake, reconnecting to a
         restarting host, the answer) fits in it plus the slack; without one, nothing
-        here gives up on a host that is not known to be gone.
+        here gives up on a host that is not known to be gone.  A manager that moved
+        (its old host answers ``MOVED``, or is gone and the orchestrator knows where it
+        went) is followed: the same request, with the same request id, goes to its new
+        host within the same time (operations on several managers are followed by
+        their callers instead, see ``Operation.follows``).
         """
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
@@ -483,10 +494,11 @@ class HostLink:
             start = time.monotonic() if began is None else began
             deadline, wire_timeout = start + timeout + self._slack, float(timeout)
         check = None if self._every is None else self._checker(mid)
-        rid = secrets.randbits(63) + 1 if kind is _ONCE else 0
+        if not rid and kind is _ONCE:
+            rid = secrets.randbits(63) + 1
         head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, wire_timeout, vlen, rid)
         total = REQ.size + len(keysec) + vlen
-        attempt, waited, sent = 0, False, False
+        attempt, sent = 0, False
         while True:
             conn = None
             try:
@@ -514,13 +526,17 @@ class HostLink:
                 reader = conn.reader
                 status, ival, plen = reader.unpack(REP)
                 if plen >= SMALL_FRAME:
-                    payload: Any = aligned_empty(plen)
+                    payload: Any = o.buffer(plen)
                     reader.read_into(payload)
                 else:
                     payload = reader.take(plen)
-            except DDictError:  # connecting, or the host is gone: what the caller should see
+            except DDictError as e:  # connecting, or the host is gone: what the caller should see
                 if conn is not None:
                     self.forget(conn)
+                if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
+                        and (kind is not Kind.UNSAFE or not sent):  # fmt: skip
+                    new = self.follow(mid, deadline)
+                    return (yield from new._exchange(o, mid, start, rid, waited))
                 raise
             except _Deadline as e:
                 if conn is not None:
@@ -556,6 +572,9 @@ class HostLink:
                 continue
             _KEPT.give(self, conn)
             if status:
+                if status == _MOVED and self.follow is not None and o.follows:
+                    new = self.follow(mid, deadline)  # (not applied here: sent there)
+                    return (yield from new._exchange(o, mid, start, rid, waited))
                 raise_for_status(status, bytes(payload).decode(errors="replace"))
             return ival, payload
 

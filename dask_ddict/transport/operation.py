@@ -68,6 +68,9 @@ class Operation:
     op: ClassVar[Op]
     kind: ClassVar[Kind] = Kind.IDEMPOTENT
     replies: ClassVar[bool] = True
+    #: A moved manager is followed by the link (one manager's operation); ``False`` for
+    #: those on several managers of a host, which their callers send again instead.
+    follows: ClassVar[bool] = True
     timeout: float | None = None
 
     def encode(self) -> Encoded:
@@ -76,6 +79,12 @@ class Operation:
     def result(self, ival: int, payload: Any) -> Any:
         """What the caller gets back from the host's ``(ival, payload)``."""
         return None
+
+    def buffer(self, nbytes: int) -> Any:
+        """Where a large reply's ``nbytes`` are received (a shard's copy: its file)."""
+        from .._serialize import aligned_empty
+
+        return aligned_empty(nbytes)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -124,6 +133,7 @@ class HostWide(Operation):
     ``serve_host(managers, request, reply)``, instead of one."""
 
     __slots__ = ()
+    follows = False
 
     @staticmethod
     def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,

@@ -72,6 +72,7 @@ from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints;
     PersistedIds,
     Restore,
     Rotate,
+    ShardPages,
     Sync,
 )
 
@@ -482,6 +483,7 @@ class FanOut(PickledReply):
     ``serve`` gets the server's ``dispatch`` instead of a manager, and answers every
     manager's ``(mid, status, ival, payload)``."""
 
+    follows = False  # (its caller sends the moved managers' part again)
     op = Op.FANOUT
     inner: Operation
     mids: tuple[int, ...]

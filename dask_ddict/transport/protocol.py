@@ -69,6 +69,7 @@ class Op(enum.IntEnum):
     GET_MANY = 28  # many keys of several managers of one host process (transport.many)
     PUT_MANY = 29  # many puts, answered per manager (transport.many)
     GET_RANGE = 30  # part of a raw-bytes value, and its size (zarr's byte ranges, getsize)
+    SHARD_PAGES = 31  # a moving manager's whole shard, to its new host (host.moves)
 
 
 FLAG_PERSIST = 1

@@ -47,6 +47,7 @@ from ..options import DDictOptions
 from ..shard.store import ShardStore
 from ..shard.working_set import (
     CLOSED_DESTROYED,
+    CLOSED_MOVED,
     OPEN,
     check_window,
     entry_visible,
@@ -83,6 +84,10 @@ VIEW_RETRY = 0.05
 #: Puts of frames up to this size may be committed by a same-host client itself.
 DIRECT_PUT_MAX = 64 << 10
 _LEND: Any = object()  # (a read to serve from a lent snapshot)
+
+
+class _OverSocket(Exception):
+    """The shard is moving to another machine: this operation goes to its manager."""
 
 
 class SharedChannel:
@@ -233,6 +238,8 @@ class SharedChannel:
             return
         newest, closed = saved_newest(store, txn, self._size)
         if closed != OPEN:
+            if closed == CLOSED_MOVED:  # (to another machine: its host answers, then says where)
+                raise _OverSocket()
             if closed == CLOSED_DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed")
             raise self._sock.link.unavailable(self._mid, "is closed (its host shut down)")
@@ -287,7 +294,12 @@ class SharedChannel:
     def call(self, o: Operation) -> Any:
         """Serve ``o`` from the shard when it can be (reads, small puts), else send it."""
         local = _LOCAL.get(o.__class__)
-        return self._sock.call(o) if local is None else local(self, o)
+        if local is None:
+            return self._sock.call(o)
+        try:
+            return local(self, o)
+        except _OverSocket:
+            return self._sock.call(o)
 
     def _get(self, o: Get) -> Any:
         view = self._enter()

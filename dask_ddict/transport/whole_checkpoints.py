@@ -1,4 +1,4 @@
-"""The operations on whole checkpoints: persistence and replication.
+"""The operations on whole checkpoints: persistence, replication, a moving shard.
 
 Part of the one table of operations (:mod:`.ops` imports them into
 ``OPERATIONS``/``HANDLERS``); each moves or names whole checkpoints of a
@@ -19,6 +19,7 @@ from .operation import (
     Encoded,
     IntReply,
     Kind,
+    Operation,
     PickledReply,
     Reply,
     Request,
@@ -146,3 +147,36 @@ class CopyFrom(IntReply):
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
         reply(m.copy_from(bytes(r.value).decode(), r.arg))
+
+
+# -- moves -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ShardPages(Operation):
+    """A moving manager's whole shard (its used pages), received straight into the file
+    of its copy on the new host (see :mod:`dask_ddict.host.moves`)."""
+
+    op = Op.SHARD_PAGES
+    kind = Kind.READ  # nothing writes the shard while it moves: a resend reads the same
+    into: Any = None  # (receiving end) nbytes -> a writable view of the copy's file
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(timeout=self.timeout)
+
+    def buffer(self, nbytes: int) -> Any:
+        return self.into(nbytes)
+
+    def result(self, ival: int, payload: Any) -> Any:
+        return payload
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        pages = m.shard_pages()
+        try:
+            reply(0, pages)
+        finally:
+            mm: Any = pages.obj
+            pages.release()
+            mm.close()

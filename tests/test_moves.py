@@ -1,0 +1,288 @@
+"""Managers move when the cluster changes shape: retirement, scaling, SIGTERM, rebalance.
+
+Real clusters with worker processes; writers (client threads and tasks) put and
+``fetch_add`` throughout, and afterwards every acknowledged write reads back,
+counters are exact, and every manager takes new puts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+from dask_ddict import DDict
+from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
+from dask_ddict.layout import Layout, ManagerInfo
+from dask_ddict.options import DDictOptions
+
+# -- pure placement ----------------------------------------------------------------------
+
+
+def _layout(workers: list[str]) -> Layout:
+    managers = tuple(
+        ManagerInfo(i, w, "h", "h:1", 1, f"/s/{i}", "127.0.0.1", 1, f"/d/{i}")
+        for i, w in enumerate(workers)
+    )
+    return Layout("n", "00" * 16, "s", False, DDictOptions(), managers, 64 << 20)
+
+
+def test_rebalance_plan_evens_counts_with_the_fewest_moves():
+    lay = _layout(["a"] * 6)
+    plan = rebalance_plan(lay, ["a", "b", "c"])
+    assert len(plan) == 4  # a keeps 2, b and c take 2 each
+    got = Counter(w for _, w in plan)
+    assert got == {"b": 2, "c": 2}
+    assert rebalance_plan(_layout(["a", "b", "c"]), ["a", "b", "c"]) == []
+    # 7 over 3: counts 3, 2, 2; the busiest keeps the extra one
+    start = ["a"] * 5 + ["b"] * 2
+    plan = rebalance_plan(_layout(start), ["a", "b", "c"])
+    after = Counter(start)
+    for mid, w in plan:
+        after[start[mid]] -= 1
+        after[w] += 1
+    assert sorted(after.values()) == [2, 2, 3] and len(plan) == 2
+
+
+def test_rebalance_plan_moves_the_smallest_managers_and_places_orphans():
+    lay = _layout(["a", "a", "a", "gone"])
+    plan = rebalance_plan(lay, ["a", "b"], used={0: 10, 1: 1, 2: 5, 3: 7})
+    moved = dict(plan)
+    assert moved[3] in ("a", "b")  # a manager whose worker is gone is placed
+    assert 1 in moved and 0 not in moved  # a gives up its smallest one
+
+
+def test_targets_prefer_the_least_loaded_then_the_same_machine():
+    c = [Candidate("w1", "s1", "other", 1, 1), Candidate("w2", "s2", "here", 1, 1),
+         Candidate("w3", "s3", "other", 0, 5)]  # fmt: skip
+    assert [t.worker for t in targets(c, "here")] == ["w3", "w2", "w1"]
+
+
+# -- writers -------------------------------------------------------------------------------
+
+
+def _write(d: DDict, tag: str, stop: threading.Event | Any, bound: float = 60.0
+           ) -> tuple[dict[Any, int], int]:  # fmt: skip
+    """Put ``(tag, i) -> i`` and fetch_add ``("count", tag)`` until ``stop``; return the
+    acknowledged puts and increments (an exception is a failure of the test)."""
+    acked: dict[Any, int] = {}
+    adds = 0
+    end = time.monotonic() + bound
+    i = 0
+    while not stop() and time.monotonic() < end:
+        d[(tag, i % 200)] = i
+        acked[(tag, i % 200)] = i
+        d.fetch_add(("count", tag), 1)
+        adds += 1
+        i += 1
+    return acked, adds
+
+
+def _task_writer(d: DDict, tag: str) -> tuple[dict[Any, int], int]:
+    return _write(d, tag, lambda: "stop" in d)
+
+
+def _check(d: DDict, results: list[tuple[dict[Any, int], int]], tags: list[str]) -> None:
+    for (acked, adds), tag in zip(results, tags):
+        assert adds > 0
+        for k, v in acked.items():
+            assert d[k] == v, (k, v)
+        assert d[("count", tag)] == adds
+    for m in range(d.num_managers):  # every manager takes new puts
+        d.manager(m)[("after", m)] = m
+        assert d.manager(m)[("after", m)] == m
+
+
+def _wait_gone(d: DDict, worker: str, bound: float = 60.0) -> None:
+    """Wait until no manager is hosted for ``worker`` (its nanny closes after the
+    retirement returns, and moves its managers then)."""
+    deadline = time.monotonic() + bound
+    while worker in d._core.fresh(force=True).manager_workers:
+        assert time.monotonic() < deadline, f"managers still on {worker}"
+        time.sleep(0.2)
+
+
+def _with_writers(c: Client, d: DDict, stay: list[str], change: Any) -> None:
+    """Run 2 client threads and 2 tasks (on ``stay`` workers) writing while ``change()``."""
+    stop = threading.Event()
+    results: list[Any] = [None, None]
+    threads = [threading.Thread(target=lambda j=j: results.__setitem__(
+        j, _write(d, f"t{j}", stop.is_set))) for j in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    futures = [c.submit(_task_writer, d, f"task{j}", workers=[stay[j % len(stay)]], pure=False)
+               for j in range(2)]  # fmt: skip
+    time.sleep(1.0)
+    change()
+    time.sleep(1.0)
+    stop.set()
+    d["stop"] = True
+    for t in threads:
+        t.join(90)
+    task_results = c.gather(futures)
+    _check(d, [*results, *task_results], ["t0", "t1", "task0", "task1"])
+
+
+@pytest.fixture
+def cluster3():
+    with LocalCluster(n_workers=3, threads_per_worker=2, dashboard_address=":0",
+                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+        yield cl, c
+
+
+def test_retire_workers_moves_managers_first_with_writers_running(cluster3):
+    cl, c = cluster3
+    d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, timeout=60)
+    try:
+        d.update({i: i for i in range(600)})
+        leaving = d.manager_workers[0]
+        stay = sorted(set(d.manager_workers) - {leaving})
+        _with_writers(c, d, stay, lambda: (c.retire_workers([leaving]), _wait_gone(d, leaving)))
+        assert leaving not in d.manager_workers
+        assert all(d[i] == i for i in range(600))
+        moves = d.moves
+        assert {m["manager_id"] for m in moves} == {0, 1}
+        assert all(m["source"] == leaving and m["target"] in stay and not m["copied"]
+                   and "retired" in m["why"] for m in moves), moves  # fmt: skip
+        assert Counter(d.manager_workers) == Counter({stay[0]: 3, stay[1]: 3})
+    finally:
+        d.destroy()
+
+
+def test_scale_down_and_up_then_rebalance(cluster3):
+    cl, c = cluster3
+    d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, timeout=60)
+    try:
+        d.update({i: i for i in range(300)})
+        cl.scale(2)
+        deadline = time.monotonic() + 60
+        while len(c.scheduler_info()["workers"]) != 2 or \
+                len(set(d.manager_workers)) != 2:  # fmt: skip
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert all(d[i] == i for i in range(300))
+        cl.scale(3)
+        c.wait_for_workers(3, timeout=60)
+        moves = d.rebalance()
+        assert len(moves) == 2
+        assert sorted(Counter(d.manager_workers).values()) == [2, 2, 2]
+        assert all(d[i] == i for i in range(300))
+        new = set(c.scheduler_info()["workers"]) - {m["source"] for m in moves}
+        assert {m["target"] for m in moves} <= new | set(d.manager_workers)
+        for m in range(d.num_managers):
+            d.manager(m)["new"] = m
+            assert d.manager(m)["new"] == m
+    finally:
+        d.destroy()
+
+
+def _waiting_reader(d: DDict, key: str) -> Any:
+    d.checkpoint()  # a key of checkpoint 1 that is not written yet: waits (wait_for_keys)
+    return d[key]
+
+
+def test_a_move_under_a_waiting_reader_a_view_and_a_batch(cluster3):
+    cl, c = cluster3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60,
+              wait_for_keys=True, working_set_size=2)  # fmt: skip
+    try:
+        m = d.which_manager("later")
+        leaving = d.manager_workers[m]
+        stay = sorted(set(d.manager_workers) - {leaving})
+        # a reader waits for a key that is not there yet (wait_for_keys)
+        reader = c.submit(_waiting_reader, d, "later", workers=stay, pure=False)
+        arr = np.arange(1 << 16, dtype=np.float64)
+        d[("arr", m)] = arr
+        view = d.get(("arr", m), copy=False) if d.which_manager(("arr", m)) in \
+            d.local_managers else None  # fmt: skip
+        time.sleep(0.5)
+        d.start_batch_put()
+        for i in range(50):
+            d[("batch", i)] = i
+        c.retire_workers([leaving])
+        _wait_gone(d, leaving)
+        for i in range(50, 100):
+            d[("batch", i)] = i
+        d.end_batch_put()
+        assert leaving not in d.manager_workers
+        assert all(d[("batch", i)] == i for i in range(100))
+        if view is not None:
+            assert np.array_equal(view, arr)  # a zero-copy view taken before stays valid
+        assert np.array_equal(d[("arr", m)], arr)
+        d.checkpoint()
+        d["later"] = "here"
+        assert reader.result(timeout=60) == "here"
+    finally:
+        d.destroy()
+
+
+def test_sigterm_of_a_dask_worker_moves_its_managers(cluster3):
+    """A ``dask worker`` process (its nanny) that gets SIGTERM closes gracefully: its
+    managers move to the other workers before its host process ends."""
+    cl, c = cluster3
+    proc = subprocess.Popen([sys.executable, "-m", "dask", "worker", cl.scheduler_address,
+                             "--nthreads", "1", "--memory-limit", "1GiB", "--no-dashboard"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    try:
+        c.wait_for_workers(4, timeout=60)
+        mine = [w for w, info in c.scheduler_info()["workers"].items()
+                if info.get("nanny") and "127.0.0.1" in w and
+                w not in {ws.worker_address for ws in cl.workers.values()}]  # fmt: skip
+        assert len(mine) == 1, mine
+        d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60)
+        try:
+            d.update({i: i for i in range(400)})
+            assert mine[0] in d.manager_workers
+            stay = sorted(set(d.manager_workers) - {mine[0]})
+            _with_writers(c, d, stay, lambda: (os.killpg(proc.pid, signal.SIGTERM),
+                                               _wait_gone(d, mine[0])))
+            proc.wait(60)
+            assert mine[0] not in d.manager_workers
+            assert all(d[i] == i for i in range(400))
+        finally:
+            d.destroy()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _slow(x: int) -> int:
+    time.sleep(0.2)
+    return x
+
+
+def test_adaptive_scale_down_moves_managers(cluster3):
+    cl, c = cluster3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60)
+    try:
+        d.update({i: i for i in range(300)})
+        wait(c.map(_slow, range(12)))  # a real workload, then idle: adapt scales down
+        adaptive = cl.adapt(minimum=1, maximum=3, interval="200ms", wait_count=2)
+        stop = threading.Event()
+        results: list[Any] = [None]
+        t = threading.Thread(target=lambda: results.__setitem__(0, _write(d, "a", stop.is_set)))
+        t.start()
+        deadline = time.monotonic() + 90
+        while len(c.scheduler_info()["workers"]) > 1:
+            assert time.monotonic() < deadline, "adapt did not scale down"
+            time.sleep(0.3)
+        time.sleep(1.0)
+        stop.set()
+        t.join(60)
+        adaptive.stop()
+        assert len(set(d.manager_workers)) == 1
+        _check(d, results, ["a"])
+        assert all(d[i] == i for i in range(300))
+    finally:
+        d.destroy()
