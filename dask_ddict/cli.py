@@ -102,7 +102,8 @@ def list_(scheduler: str | None, timeout: float | None) -> None:
 def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
     """One line per manager of dictionary NAME: host, keys, bytes, fill, window, and
     the bytes its host's processes hold as zero-copy values (pinned), and the
-    operations waiting at it (``wait_for_keys``/``wait_for_writers``)."""
+    operations waiting at it (``wait_for_keys``/``wait_for_writers``); then a line per
+    move of its managers (which, from where, to where, why)."""
     from .client import DDict
 
     with _client(scheduler, timeout) as client:
@@ -115,6 +116,10 @@ def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
                 click.echo(f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
                            f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
                            f"{window:<12} {s.pinned_bytes:>14} {s.deferred_ops:>7}")  # fmt: skip
+            for mv in d.moves:  # (the orchestrator's memory of its managers' moves)
+                to = mv["target"] or "nowhere (could not move)"
+                click.echo(f"moved: manager {mv['manager_id']} from {mv['source']} to {to}: "
+                           f"{mv['why']}")  # fmt: skip
         finally:
             d.detach()
 

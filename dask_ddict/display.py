@@ -30,6 +30,7 @@ def summarize(
     holders: Sequence[str] | None = None,
     release_pending: bool = False,
     checkpoint: int | None = None,
+    moves: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """A dictionary's state as JSON-ready data.
 
@@ -48,6 +49,9 @@ def summarize(
         ``None`` where only the orchestrator knows (a handle's repr).
     checkpoint
         The checkpoint of the handle that shows it (a repr), if any.
+    moves
+        Its managers' moves the orchestrator remembers, oldest first (see
+        :mod:`dask_ddict.cluster.moves`): the last 10 are shown.
     """
     managers = []
     for m in layout.managers:
@@ -94,6 +98,8 @@ def summarize(
         "persist_freq": opts.persist_freq,
         "read_only": opts.read_only,
         "managers": managers,
+        "moves_total": len(moves),
+        "moves": [dict(m) for m in list(moves)[-10:]],
     }
 
 

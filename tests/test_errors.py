@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import dask.config
 import pytest
 from distributed import Client, LocalCluster
 
@@ -45,8 +46,9 @@ def test_a_lost_host_is_named_with_why_and_the_remedy_never_destroyed(how):
     """Three workers, the dictionary spread over them; one worker's host goes.  Reads
     (same host: from the shard itself), writes and broadcasts on its manager say which
     manager, which host, why, and how to recreate it, from the first operation on, and
-    keep saying it; the other managers work on."""
-    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl, \
+    keep saying it; the other managers work on.  (Its managers would move away first:
+    ``ddict.move.on-retire`` is off here, as for a host lost with them.)"""
+    with dask.config.set({"ddict.move.on-retire": False}), LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip
         d = DDict(total_mem="48 MiB", client=c, name="r")
         keys = {m: next(k for k in range(1000) if d.which_manager(k) == m) for m in range(3)}

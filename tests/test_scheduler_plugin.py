@@ -153,8 +153,9 @@ def test_a_host_gone_with_its_nanny_marks_its_managers_lost_once():
         probes = [c for c in s.sups.calls if c[0] == "ddict_host_info"]
         await plugin.remove_worker(s, "tcp://w1", stimulus_id="y")  # remembered: no new probe
         assert len([c for c in s.sups.calls if c[0] == "ddict_host_info"]) == len(probes)
-        hosting = plugin.valid_workers_downscaling(s, list(s.workers.values()))
-        assert [w.address for w in hosting] == ["tcp://w1"]  # w0 still hosts managers
+        # every worker may be retired by adaptive scaling: its managers move first
+        retirable = plugin.valid_workers_downscaling(s, list(s.workers.values()))
+        assert [w.address for w in retirable] == sorted(s.workers)
 
     run(main())
 

@@ -433,3 +433,48 @@ def test_the_core_dict_and_checkpoint_tests_pass_across_two_hosts():
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "failed" not in out.stdout
     assert "9 skipped" in out.stdout  # the one_host tests: test_two_hosts.py covers them
+
+
+def test_retiring_host2_copies_its_managers_to_host1_and_rebalance_brings_them_back(hosts):
+    """The worker on host 2 retires: its managers' shards are copied to host 1 over TCP
+    (writers on both hosts keep going), nothing acknowledged is lost; a new worker on
+    host 2 then gets managers back with ``rebalance()``."""
+    h, c = hosts
+    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c, timeout=60,
+              workers=[w1, w2], lifetime="cluster")  # fmt: skip
+    try:
+        big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB per manager: pages to copy
+        for m in range(d.num_managers):
+            d.manager(m)[("big", m)] = big + m
+        d.update({i: i for i in range(500)})
+        on2 = [m.manager_id for m in d._core.layout.managers if m.hostname == twohost.HOSTNAME2]
+        assert len(on2) == 2
+        c.retire_workers([w2])
+        deadline = time.monotonic() + 120
+        while w2 in d._core.fresh(force=True).manager_workers:
+            assert time.monotonic() < deadline, h.log("worker2")
+            d[("during", time.monotonic())] = 1  # writes go on meanwhile
+            time.sleep(0.1)
+        moves = [m for m in d.moves if m["source"] == w2]
+        assert {m["manager_id"] for m in moves} == set(on2)
+        assert all(m["copied"] and m["target"] == w1 and m["nbytes"] > 8 << 20 for m in moves)
+        assert all(d[i] == i for i in range(500))
+        for m in range(d.num_managers):
+            assert np.array_equal(d.manager(m)[("big", m)], big + m)
+            d.manager(m)["after"] = m  # every manager takes writes on host 1
+        assert set(d.local_managers) == set(range(d.num_managers))
+        h.start_host2()
+        c.wait_for_workers(2, timeout=90)
+        back = d.rebalance()
+        assert len(back) == 2 and all(m["copied"] for m in back)
+        assert sum(m.hostname == twohost.HOSTNAME2 for m in d._core.layout.managers) == 2
+        assert all(d[i] == i for i in range(500))
+        for m in range(d.num_managers):
+            assert np.array_equal(d.manager(m)[("big", m)], big + m)
+            assert d.manager(m)["after"] == m
+    finally:
+        d.destroy()
+        if len(c.scheduler_info()["workers"]) < 2:
+            h.start_host2()
+            c.wait_for_workers(2, timeout=90)

@@ -32,6 +32,7 @@ from ..layout import Layout
 from ..stats import DDictManagerStats
 from ..transport.connect import Connections
 from ..transport.ops import Stats
+from .elastic import Elastic
 from .lifetime import Holders
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Registry(Protocol):
     dicts: dict[str, Layout]
     holders: Holders
     scheduler: Scheduler
+    elastic: Elastic
 
 
 class Observer(Connections):
@@ -155,7 +157,8 @@ class DashboardData:
                 stats[mid], persisted[mid] = answer, list(answer.persisted_ids)
         holders = self._plugin.holders
         return summarize(layout, stats, persisted, holders=holders.holders(layout.name),
-                         release_pending=holders.release_pending(layout.name))  # fmt: skip
+                         release_pending=holders.release_pending(layout.name),
+                         moves=self._plugin.elastic.moves_of(layout.name))  # fmt: skip
 
     def close(self) -> None:
         for observer in self._observers.values():

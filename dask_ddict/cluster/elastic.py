@@ -20,25 +20,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.core import Status
 
 from .. import config
 from ..errors import DDictError
+from ..layout import Layout
 from .moves import Candidate, Move, Moves, rebalance_plan, targets
 
 if TYPE_CHECKING:
-    from .scheduler_plugin import DDictSchedulerPlugin
+    from distributed import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class Orchestrator(Protocol):
+    """What moves need of the orchestrator (``DDictSchedulerPlugin``)."""
+
+    dicts: dict[str, Layout]
+    scheduler: Scheduler
+
+    @property
+    def gone(self) -> set[str]: ...
+    def supervisor_of(self, worker: str) -> str: ...
+    def why_leaving(self, supervisor: str, why: str) -> str: ...
+    def spawn(self, work: Awaitable[Any]) -> None: ...
 
 
 class Elastic:
     """Evacuations and rebalances of every dictionary of one orchestrator."""
 
-    def __init__(self, plugin: DDictSchedulerPlugin) -> None:
+    def __init__(self, plugin: Orchestrator) -> None:
         self.plugin = plugin
         self.moves = Moves(lambda address: plugin.scheduler.rpc(address), plugin.dicts)
         self._host_ids: dict[str, str] = {}  # supervisor -> its machine's host id

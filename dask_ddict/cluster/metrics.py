@@ -128,7 +128,11 @@ def families(snapshot: Iterable[dict[str, Any]], age: float | None) -> Iterator[
     served = CounterMetricFamily(name("operations_served"), "Requests the manager's host "
                                  "process served for it, by operation, since it started",
                                  labels=[*LABELS, "op"])  # fmt: skip
+    moves = CounterMetricFamily(name("manager_moves"), "Moves of the dictionary's managers "
+                                "between host processes the orchestrator remembers (a worker "
+                                "retired, rebalance())", labels=["ddict"])  # fmt: skip
     for d in snapshot:
+        moves.add_metric([d["name"]], d.get("moves_total", 0))
         for row in d["managers"]:
             labels = [d["name"], str(row["manager_id"]), row["worker"], row["hostname"]]
             answered = row["num_keys"] is not None
@@ -145,7 +149,7 @@ def families(snapshot: Iterable[dict[str, Any]], age: float | None) -> Iterator[
                 served.add_metric([*labels, op], n)
     yield up
     yield from (family for family, _ in gauges)
-    yield from (newest, persisted, restarts, served)
+    yield from (newest, persisted, restarts, served, moves)
     snapshot_age = GaugeMetricFamily(name("snapshot_age_seconds"), "Seconds since the "
                                      "managers were asked for the values shown")  # fmt: skip
     if age is not None:

@@ -271,13 +271,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
 
-    async def attach(self, name: str, client: str = "", settled: bool = False) -> dict[str, Any]:
+    def attach(self, name: str, client: str = "", settled: bool = False) -> Any:
         """The current layout of a dictionary; ``client`` holds it from now on.
 
-        ``settled``: once no move of it is under way (a client that met a moved
-        manager asks so, and then finds it where it went)."""
+        ``settled``: once no move of it is under way (awaitable then: a client that
+        met a moved manager asks so, and then finds it where it went)."""
         if settled:
-            await self.elastic.moves.settled(name, config.get_seconds("move.timeout"))
+            return self._settled(name, client)
         try:
             layout = self.dicts[name]
         except KeyError:
@@ -287,6 +287,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         if (layout.hash_probes, layout.hash_seed) != tuple(fields.values()):
             layout = self.dicts[name] = replace(layout, **fields)
         return layout.to_dict()
+
+    async def _settled(self, name: str, client: str) -> dict[str, Any]:
+        await self.elastic.moves.settled(name, config.get_seconds("move.timeout"))
+        return self.attach(name, client)
 
     async def destroy(self, name: str, uid: str, allow_restart: bool = False) -> bool:
         """Remove a dictionary's managers; ``False`` if it was already gone.

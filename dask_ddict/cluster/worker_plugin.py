@@ -145,7 +145,7 @@ class _Supervising:
         sup = self.supervisor
         if sup is None:
             return
-        if sup.serving:
+        if sup.serving and config.get("move.on-retire"):
             await evacuate(server, why)
         self.supervisor = None
         for name in sup.handlers():

@@ -19,7 +19,7 @@ import mmap
 import os
 import secrets
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
 from ..layout import ManagerInfo
@@ -33,7 +33,14 @@ from .opening import check_room, reserve_file, shard_name
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
-    from .process import Host
+    from .server import HostedDict
+
+
+class Host(Protocol):
+    """What a move needs of the host process (``process.Host``)."""
+
+    dicts: dict[bytes, HostedDict]
+    locks: dict[tuple[str, int], int]
 
 logger = logging.getLogger(__name__)
 
