@@ -94,6 +94,10 @@ def _dstats(d: DDict) -> dict[int, DDictManagerStats]:
     return d.dstats
 
 
+def _moves(d: DDict) -> list[dict[str, Any]]:
+    return d.moves
+
+
 class AsyncDDict:
     """An asyncio handle on a distributed dictionary.
 
@@ -337,6 +341,8 @@ class AsyncDDict:
     local_items = _awaitable(_as_list(DDict.local_items))
     local_len = _awaitable(DDict.local_len)
     clone = _awaitable(DDict.clone)
+    rebalance = _awaitable(DDict.rebalance)
+    moves = _awaitable(_moves)
 
     def __getattr__(self, name: str) -> Any:
         # Plain properties that send no message (num_managers, manager_workers,

@@ -153,9 +153,9 @@ class _Core(Connections):
             if layout is not None:
                 self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
                 info = self._lost.get(mid)
-                now_at, was_at = layout.managers[mid], self.layout.managers[mid]
-                if info is None and (now_at.uds_path, now_at.tcp_port, now_at.store_path) != (
-                        was_at.uds_path, was_at.tcp_port, was_at.store_path):  # fmt: skip
+                now_at, was_at = layout.managers[mid], getattr(e, "place", None)
+                if info is None and was_at is not None and \
+                        (now_at.uds_path, now_at.tcp_host, now_at.tcp_port) != was_at:  # fmt: skip
                     self._asked = 0.0  # (followed at once: see follow)
                     return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
                                                   f"{now_at.hostname} ({now_at.worker})")  # fmt: skip

@@ -30,7 +30,7 @@ from ..errors import DDictError
 from ..shard.generations import Generations, path_for
 from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
-from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
+from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE, set_owner
 from ..transport.connect import set_default_security
 from . import control, hygiene, moves
 from .opening import open_manager
@@ -103,6 +103,7 @@ class Host:
                     manager.generations = gens
                     manager.store.on_commit = functools.partial(gens.bump, mid)
                     gens.bump(mid)
+                set_owner(manager.store, self.init.socket_dir)  # (direct writers check it)
                 if hosted.pins is not None:
                     manager.pinned = hosted.pins.of
                 manager.served = hosted.served.of

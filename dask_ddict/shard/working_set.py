@@ -123,12 +123,26 @@ def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: b
     return bool(done)
 
 
+#: Which host process serves the shard (its socket directory): a client that commits
+#: into a shard itself does so only for the host it knows (a manager may have moved).
+OWNER = b"owner"
+
+
+def set_owner(store: ShardStore, owner: str) -> None:
+    with store.write() as txn:
+        store.put_meta(txn, OWNER, owner.encode())
+
+
 def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int,
-                   records: list[tuple[bytes, bytes, Any]]) -> tuple[int, DDictError | None]:
+                   records: list[tuple[bytes, bytes, Any]],
+                   owner: bytes | None = None) -> tuple[int, DDictError | None]:  # fmt: skip
     """:func:`put_in_window` for many ``(digest, key, frame)`` records in one transaction
     (the shard's state checked once): ``(how many were put, from the first; the error
-    that stopped them)``.  A record refused (e.g. a full shard) wrote nothing.
+    that stopped them)``.  A record refused (e.g. a full shard) wrote nothing.  With
+    ``owner``, none is put unless that host process serves the shard (see :data:`OWNER`).
     """
+    if owner is not None and txn.get(OWNER, db=store.meta_db) not in (owner, None):
+        return 0, None  # (moved to another host process: its manager's to apply)
     try:
         newest = _direct_window(store, txn, size, chkpt)
     except DDictError as e:

@@ -340,11 +340,15 @@ class HostLink:
 
         return check
 
-    def unavailable(self, mid: int, detail: str) -> DDictError:
+    def unavailable(self, mid: int, detail: str, followable: bool = True) -> DDictError:
         """The error for manager ``mid``, which cannot be reached: ``detail`` is what this
         process saw ("is gone (its supervisor ... ended)"); :attr:`explain` may know why
-        its host is gone, and what to do (see :func:`~dask_ddict.errors.manager_lost`)."""
+        its host is gone, and what to do (see :func:`~dask_ddict.errors.manager_lost`),
+        or that the manager moved from this host (``followable``: not for a peer that
+        failed the handshake, which is no host of the dictionary's at all)."""
         e = DDictManagerUnavailableError(f"{self.where(mid)} {detail}")
+        place = (self.info.uds_path, self.info.tcp_host, self.info.tcp_port)
+        e.place = place if followable else None  # type: ignore[attr-defined]
         return e if self.explain is None else self.explain(mid, e)
 
     def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
@@ -387,7 +391,7 @@ class HostLink:
                 conn.close()
                 raise
         except HandshakeError as e:  # never retried: this peer is not the dictionary's host
-            raise self.unavailable(mid, f"cannot be reached: {e}") from None
+            raise self.unavailable(mid, f"cannot be reached: {e}", followable=False) from None
         except (_Deadline, DDictError):
             raise
         except (OSError, ssl.SSLError) as e:

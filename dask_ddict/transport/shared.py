@@ -122,6 +122,7 @@ class SharedChannel:
         self._gens = sock.link.generations()
         self._words = self._gens if direct_writes else None
         self._mid = sock.info.manager_id
+        self._owner = os.path.dirname(sock.info.uds_path).encode()  # (its host's socket dir)
         # (transaction id, newest checkpoint, frozen) last read from the shard's metadata
         self._seen: tuple[int, int, bool] = (-1, 0, False)
         self._direct = self._words is not None and not (
@@ -437,7 +438,8 @@ class SharedChannel:
             while small < len(records) and records[small][2].nbytes <= most:
                 small += 1
             try:
-                done, error = puts_in_window(store, txn, self._size, chkpt, records[:small])
+                done, error = puts_in_window(store, txn, self._size, chkpt, records[:small],
+                                             self._owner)  # fmt: skip
             except BaseException:
                 txn.abort()
                 raise
