@@ -295,9 +295,8 @@ class HostLink:
         #: (a client's connections ask the orchestrator why the host is gone: see
         #: :meth:`~.connect.Connections.explain`); ``None``: this process's own view.
         self.explain: Callable[[int, DDictManagerUnavailableError], DDictError] | None = None
-        #: Where manager ``mid`` is served now that it moved: ``follow(mid, deadline)``
-        #: returns the link to its new host (see :meth:`~.connect.Connections.follow`);
-        #: ``None``: a move is an error here.
+        #: ``follow(mid, deadline)``: the link to a moved manager's new host (see
+        #: :meth:`~.connect.Connections.follow`); ``None``: a move is an error here.
         self.follow: Callable[[int, float | None], HostLink] | None = None
 
     def __repr__(self) -> str:
@@ -343,9 +342,7 @@ class HostLink:
     def unavailable(self, mid: int, detail: str, followable: bool = True) -> DDictError:
         """The error for manager ``mid``, which cannot be reached: ``detail`` is what this
         process saw ("is gone (its supervisor ... ended)"); :attr:`explain` may know why
-        its host is gone, and what to do (see :func:`~dask_ddict.errors.manager_lost`),
-        or that the manager moved from this host (``followable``: not for a peer that
-        failed the handshake, which is no host of the dictionary's at all)."""
+        its host is gone, or that it moved (``followable``: not after a failed handshake)."""
         e = DDictManagerUnavailableError(f"{self.where(mid)} {detail}")
         place = (self.info.uds_path, self.info.tcp_host, self.info.tcp_port)
         e.place = place if followable else None  # type: ignore[attr-defined]
