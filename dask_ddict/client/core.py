@@ -128,7 +128,8 @@ class _Core(Connections):
             _SEED_WARNED.add(layout.uid)
             warnings.warn(text, RuntimeWarning, stacklevel=4)
 
-    def explain(self, mid: int, e: DDictManagerUnavailableError) -> DDictError:
+    def explain(self, mid: int, e: DDictManagerUnavailableError,
+                place: tuple[str, str, int] | None = None) -> DDictError:  # fmt: skip
         """Why manager ``mid`` cannot be reached, as the orchestrator knows it.
 
         This process sees only a refused connection, a socket file gone or a shard
@@ -153,9 +154,9 @@ class _Core(Connections):
             if layout is not None:
                 self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
                 info = self._lost.get(mid)
-                now_at, was_at = layout.managers[mid], getattr(e, "place", None)
-                if info is None and was_at is not None and \
-                        (now_at.uds_path, now_at.tcp_host, now_at.tcp_port) != was_at:  # fmt: skip
+                now_at = layout.managers[mid]
+                if info is None and place is not None and \
+                        (now_at.uds_path, now_at.tcp_host, now_at.tcp_port) != place:  # fmt: skip
                     self._asked = 0.0  # (followed at once: see follow)
                     return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
                                                   f"{now_at.hostname} ({now_at.worker})")  # fmt: skip

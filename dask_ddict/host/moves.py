@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import secrets
+import shutil
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -75,7 +75,7 @@ def move_done(host: Host, uid: str, mid: int, where: str) -> None:
     serves the same shard, deleted if it serves a copy)."""
     hosted = host.dicts[bytes.fromhex(uid)]
     manager = _manager(host, uid, mid)
-    copied = manager._copying
+    copied = manager.copying
     hosted.moved[mid] = where
     del hosted.managers[mid]
     manager.move_done(where)
@@ -131,10 +131,12 @@ def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_siz
             return view
 
         try:
-            got = link.call(ShardPages(into, config.get_seconds("move.timeout")), mid)
-            if got[1].nbytes != used and used:
+            _, pages = link.call(ShardPages(into, config.get_seconds("move.timeout")), mid)
+            if not views:  # (a reply under SMALL_FRAME arrives as bytes, not into the file)
+                mm[: len(pages)] = pages
+            if len(memoryview(pages)) != used:
                 logger.info("ddict: manager %d's shard: %d bytes copied, %d announced", mid,
-                            got[1].nbytes, used)  # fmt: skip
+                            len(memoryview(pages)), used)  # fmt: skip
         finally:
             link.close()
             for v in views:
@@ -142,8 +144,6 @@ def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_siz
             mm.close()
     except BaseException:
         hygiene.release(lock)
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
         raise
     hygiene.release(lock)  # (the manager that opens it claims it again)

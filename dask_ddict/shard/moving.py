@@ -65,7 +65,7 @@ class Moving:
     #: Paused for a move: the control thread holds the manager's lock.
     moving: bool = False
     #: The move copies the shard (to another machine): the shard is marked moved.
-    _copying: bool = False
+    copying: bool = False
 
     def move_out(self, copy: bool) -> dict[str, Any]:
         """Pause this manager's writes for a move (step 1); with ``copy``, mark the
@@ -79,7 +79,7 @@ class Moving:
             with store.write() as txn:  # (LMDB's writer lock: no write is under way after it)
                 if copy:
                     mark_in(store, txn, self.working_set.size, CLOSED_MOVED)
-            self.moving, self._copying = True, copy
+            self.moving, self.copying = True, copy
             used = (store.env.info()["last_pgno"] + 1) * store.env.stat()["psize"]
         except BaseException:
             self._mutex.release()
@@ -105,7 +105,7 @@ class Moving:
     def shard_pages(self) -> memoryview:
         """The shard's used pages, read-only, while paused for a copy (step 2): nothing
         writes them, so they are a consistent environment as they are."""
-        if not (self.moving and self._copying):
+        if not (self.moving and self.copying):
             raise DDictError(f"manager {self.manager_id} is not moving to another machine",
                              "INVALID_OPERATION")  # fmt: skip
         store = self.store
@@ -122,11 +122,11 @@ class Moving:
         if not self.moving:
             return
         try:
-            if self._copying:
+            if self.copying:
                 with self.store.write() as txn:  # (same-host clients may commit again)
                     mark_in(self.store, txn, self.working_set.size, OPEN)
         finally:
-            self.moving = self._copying = False
+            self.moving = self.copying = False
             self._mutex.release()
 
     def move_done(self, where: str) -> None:

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..layout import Layout, ManagerInfo, host_id
 from ..progress import track
-from .links import HostLink, SocketChannel
+from .links import Explain, HostLink, SocketChannel
 from .operation import Operation
 from .many import GetMany
 from .ops import FanOut
@@ -117,8 +117,8 @@ class Connections:
         # What each link calls to explain a manager it cannot reach: weakly bound (the
         # links must not keep these connections alive, see _finalizer).
         ref = weakref.WeakMethod(self.explain)
-        self._explain: Callable[[int, DDictManagerUnavailableError], DDictError] = \
-            lambda mid, e: e if (f := ref()) is None else f(mid, e)  # fmt: skip
+        self._explain: Explain = \
+            lambda mid, e, place: e if (f := ref()) is None else f(mid, e, place)  # fmt: skip
         follow = weakref.WeakMethod(self.follow)
         self._follow: Callable[[int, float | None], HostLink] = \
             lambda mid, d: _reraise(DDictClosedError("the DDict was detached")) \
@@ -150,9 +150,12 @@ class Connections:
         """The TLS settings for TCP channels (a handle's core prefers its client's)."""
         return default_security()
 
-    def explain(self, mid: int, e: DDictManagerUnavailableError) -> DDictError:
-        """What a failure to reach manager ``mid`` should say: ``e`` (what this process
-        saw), unless more is known (a client's core asks the orchestrator)."""
+    def explain(self, mid: int, e: DDictManagerUnavailableError,
+                place: tuple[str, str, int] | None = None) -> DDictError:  # fmt: skip
+        """What a failure to reach manager ``mid`` at ``place`` (its host's ``(uds_path,
+        tcp_host, tcp_port)``; ``None``: a peer that is no host of the dictionary's) should
+        say: ``e`` (what this process saw), unless more is known (a client's core asks the
+        orchestrator: the host is gone, and why, or the manager moved from ``place``)."""
         return e
 
     def current(self, deadline: float | None) -> Layout | None:

@@ -91,6 +91,10 @@ _GONE = {
 }
 
 
+#: ``explain(mid, error, place)``: see :meth:`~.connect.Connections.explain`.
+Explain = Callable[[int, DDictManagerUnavailableError, "tuple[str, str, int] | None"], DDictError]
+
+
 class _Deadline(Exception):
     """The operation's own time ran out (reported by the link as ``DDictTimeoutError``)."""
 
@@ -292,9 +296,8 @@ class HostLink:
         self.closed = False
         self._generations: Generations | None = None
         #: What turns "manager ``mid`` cannot be reached" into what its user should read
-        #: (a client's connections ask the orchestrator why the host is gone: see
-        #: :meth:`~.connect.Connections.explain`); ``None``: this process's own view.
-        self.explain: Callable[[int, DDictManagerUnavailableError], DDictError] | None = None
+        #: (:meth:`~.connect.Connections.explain`); ``None``: this process's own view.
+        self.explain: Explain | None = None
         #: ``follow(mid, deadline)``: the link to a moved manager's new host (see
         #: :meth:`~.connect.Connections.follow`); ``None``: a move is an error here.
         self.follow: Callable[[int, float | None], HostLink] | None = None
@@ -344,9 +347,10 @@ class HostLink:
         process saw ("is gone (its supervisor ... ended)"); :attr:`explain` may know why
         its host is gone, or that it moved (``followable``: not after a failed handshake)."""
         e = DDictManagerUnavailableError(f"{self.where(mid)} {detail}")
-        place = (self.info.uds_path, self.info.tcp_host, self.info.tcp_port)
-        e.place = place if followable else None  # type: ignore[attr-defined]
-        return e if self.explain is None else self.explain(mid, e)
+        if self.explain is None:
+            return e
+        return self.explain(mid, e, (self.info.uds_path, self.info.tcp_host,
+                                     self.info.tcp_port) if followable else None)  # fmt: skip
 
     def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
                  ) -> _Conn:  # fmt: skip
@@ -477,12 +481,10 @@ class HostLink:
 
         With a timeout, everything (connecting, the handshake, reconnecting to a
         restarting host, the answer) fits in it plus the slack; without one, nothing
-        here gives up on a host that is not known to be gone.  A manager that moved
-        (its old host answers ``MOVED``, or is gone and the orchestrator knows where it
-        went) is followed: the same request, with the same request id, goes to its new
-        host within the same time (operations on several managers are followed by
-        their callers instead, see ``Operation.follows``).
-        """
+        here gives up on a host that is not known to be gone.  A manager that moved (its
+        old host answers ``MOVED``: not applied; or is gone, and the orchestrator knows
+        where it went) is followed: the same request and id, in the same time (callers
+        follow operations on several managers: ``Operation.follows``)."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
         if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
@@ -536,8 +538,7 @@ class HostLink:
                     self.forget(conn)
                 if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
                         and (kind is not Kind.UNSAFE or not sent):  # fmt: skip
-                    new = self.follow(mid, deadline)
-                    return (yield from new._exchange(o, mid, start, rid, waited))
+                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited))
                 raise
             except _Deadline as e:
                 if conn is not None:
@@ -574,8 +575,7 @@ class HostLink:
             _KEPT.give(self, conn)
             if status:
                 if status == _MOVED and self.follow is not None and o.follows:
-                    new = self.follow(mid, deadline)  # (not applied here: sent there)
-                    return (yield from new._exchange(o, mid, start, rid, waited))
+                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited))
                 raise_for_status(status, bytes(payload).decode(errors="replace"))
             return ival, payload
 
