@@ -286,3 +286,30 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         assert all(d[i] == i for i in range(300))
     finally:
         d.destroy()
+
+
+def test_a_stale_handle_follows_with_a_large_put_and_a_manager_moves_straight_back(cluster3):
+    """A handle that has not seen a move sends a large value to the old place first: it is
+    answered MOVED (its body read, the connection kept) and followed.  A manager moves
+    back to the host process it left a moment ago (which held its shard open)."""
+    cl, c = cluster3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=30)
+    try:
+        stale = DDict.attach(d.serialize())  # the layout as it is now, never asked again
+        d[("small", 0)] = 0
+        home = d.manager_workers[0]
+        away = next(w for w in d.manager_workers if w != home)
+        name = d.get_name()
+        there = c.sync(c.scheduler.ddict_move, name=name, manager_id=0, worker=away)
+        assert there["target"] == away and not there["copied"]
+        big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: over the host's small-body size
+        stale.manager(0)["big"] = big
+        assert np.array_equal(d.manager(0)["big"], big)
+        back = c.sync(c.scheduler.ddict_move, name=name, manager_id=0, worker=home)
+        assert back["target"] == home  # (within LET_GO_AFTER of leaving it)
+        assert np.array_equal(stale.manager(0)["big"], big) and d[("small", 0)] == 0
+        stale.manager(0)["big2"] = big + 1
+        assert np.array_equal(d.manager(0)["big2"], big + 1)
+        stale.detach()
+    finally:
+        d.destroy()

@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 #: Seconds a moved manager's shard stays open here after the move, for reads that
 #: were under way in this process (its copy, if any, is deleted then).
 LET_GO_AFTER = 5.0
+#: The shards of managers that moved away, held until :func:`let_go`: path ->
+#: (dictionary uid, manager, whether to delete it, its timer).
+_LETTING_GO: dict[str, tuple[str, Manager, bool, threading.Timer]] = {}
+_LOCK = threading.Lock()
 
 
 def _manager(host: Host, uid: str, mid: int) -> Manager:
@@ -76,18 +80,30 @@ def move_done(host: Host, uid: str, mid: int, where: str) -> None:
     hosted = host.dicts[bytes.fromhex(uid)]
     manager = _manager(host, uid, mid)
     copied = manager.copying
-    hosted.moved[mid] = where
+    hosted.moved[mid] = (where, manager.store.capacity)
     del hosted.managers[mid]
     manager.move_done(where)
     hygiene.release(host.locks.pop((uid, mid), None))
-    timer = threading.Timer(LET_GO_AFTER, _let_go, (manager, copied))
+    timer = threading.Timer(LET_GO_AFTER, let_go, (manager.store.path,))
     timer.daemon = True
+    with _LOCK:
+        _LETTING_GO[manager.store.path] = (uid, manager, copied, timer)
     timer.start()
     logger.info("ddict host %d: manager %d of %s moved to %s", os.getpid(), mid, hosted.name,
                 where)  # fmt: skip
 
 
-def _let_go(manager: Manager, delete: bool) -> None:
+def let_go(path: str) -> None:
+    """Close (or, for a copy's original, delete) the moved manager's shard at ``path`` now,
+    if it is still held here: after :data:`LET_GO_AFTER`, or at once when the shard
+    moves back to this process (LMDB opens an environment once per process) or its
+    dictionary is destroyed (its space comes back)."""
+    with _LOCK:
+        held = _LETTING_GO.pop(path, None)
+    if held is None:
+        return
+    _, manager, delete, timer = held
+    timer.cancel()
     try:
         if manager.persister is not None:
             manager.persister.close()
@@ -97,6 +113,14 @@ def _let_go(manager: Manager, delete: bool) -> None:
             manager.store.close()
     except Exception:  # noqa: BLE001 - nothing waits for it
         logger.exception("ddict host: letting go of moved manager %d failed", manager.manager_id)
+
+
+def let_go_of(uid: str) -> None:
+    """:func:`let_go` of every moved manager of dictionary ``uid`` still held here."""
+    with _LOCK:
+        paths = [p for p, held in _LETTING_GO.items() if held[0] == uid]
+    for path in paths:
+        let_go(path)
 
 
 def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_size: int,

@@ -131,6 +131,8 @@ class Host:
     def move_in(self, msg: control.MoveIn) -> list[dict[str, Any]]:
         """Serve a manager that moves here (see :mod:`.moves`)."""
         path = msg.path
+        if path:
+            moves.let_go(path)  # (it left this process a moment ago: closed here first)
         if msg.source is not None:
             path = moves.receive(msg.spec, msg.manager_id, msg.source, msg.used, msg.map_size,
                                  self.init.tls)  # fmt: skip
@@ -144,6 +146,7 @@ class Host:
 
     def close_dict(self, uid: str, allow_restart: bool, why: int = CLOSED_DESTROYED) -> int:
         key = bytes.fromhex(uid)
+        moves.let_go_of(uid)  # (shards of managers that moved away: their space comes back)
         hosted = self.dicts.pop(key, None)
         if why == CLOSED_DESTROYED:
             self.closed.add(key)

@@ -130,8 +130,9 @@ class HostedDict:
         self.pins = pins
         #: The requests served for its managers here (their stats report them).
         self.served = Served()
-        #: Managers that moved to another host process: where to (answered ``MOVED``).
-        self.moved: dict[int, str] = {}
+        #: Managers that moved to another host process: where to (answered ``MOVED``),
+        #: and their shard's size (a request's body up to it is read, then answered).
+        self.moved: dict[int, tuple[str, int]] = {}
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
@@ -362,7 +363,7 @@ class HostServer:
             return DDictClosedError(f"DDict {hosted.name!r} was destroyed")
         if mid in hosted.moved:
             return DDictManagerMovedError(f"manager {mid} of {hosted.name!r} moved to "
-                                          f"{hosted.moved[mid]}")  # fmt: skip
+                                          f"{hosted.moved[mid][0]}")  # fmt: skip
         return DDictManagerUnavailableError(
             f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
         )
@@ -378,8 +379,10 @@ class HostServer:
             e = DDictError(f"a {klen}-byte key section is over the limit "
                            "(ddict.transport.max-key-bytes)", "INVALID_ARGUMENT")  # fmt: skip
         elif manager is None:
-            if vlen <= self.limits.max_key_bytes:
-                return  # a small body is read, then answered: not hosted here (or closed)
+            moved = hosted.moved.get(mid)
+            if vlen <= self.limits.max_key_bytes or (
+                    moved is not None and vlen <= self.limits.most_value(moved[1])):  # fmt: skip
+                return  # the body is read, then answered: not hosted here, closed, or MOVED
             e = self._not_hosted(hosted, mid)
         elif vlen > self.limits.most_value(manager.store.capacity):
             e = DDictFullError(f"a {vlen}-byte value cannot fit manager {mid}'s "
