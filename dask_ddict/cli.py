@@ -102,8 +102,9 @@ def list_(scheduler: str | None, timeout: float | None) -> None:
 def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
     """One line per manager of dictionary NAME: host, keys, bytes, fill, window, and
     the bytes its host's processes hold as zero-copy values (pinned), and the
-    operations waiting at it (``wait_for_keys``/``wait_for_writers``); then a line per
-    move of its managers (which, from where, to where, why)."""
+    operations waiting at it (``wait_for_keys``/``wait_for_writers``); a line per
+    manager that is parked or lost (why); then a line per move of its managers
+    (which, from where, to where, why)."""
     from .client import DDict
 
     with _client(scheduler, timeout) as client:
@@ -111,13 +112,18 @@ def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
         try:
             click.echo(f"{'manager':>7}  {'host':<24} {'keys':>10} {'bytes':>14} {'fill':>6}  "
                        f"{'window':<12} {'pinned':>14} {'waiting':>7}")  # fmt: skip
-            for s in d.stats:
+            lost = {m.manager_id: m for m in d._core.fresh(force=True).managers if m.lost}
+            for mid, info in sorted(lost.items()):  # (parked, or lost with their host)
+                click.echo(f"{mid:>7}  {info.hostname[:24]:<24} "
+                           f"{'parked' if info.parked else 'lost'}: {info.lost_why}")  # fmt: skip
+            live = [m for m in range(d.num_managers) if m not in lost]
+            for s in d.stats if not lost else [d.manager(m).stats[0] for m in live]:
                 window = f"[{s.oldest_checkpoint}, {s.newest_checkpoint}]"
                 click.echo(f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
                            f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
                            f"{window:<12} {s.pinned_bytes:>14} {s.deferred_ops:>7}")  # fmt: skip
             for mv in d.moves:  # (the orchestrator's memory of its managers' moves)
-                to = mv["target"] or "nowhere (could not move)"
+                to = mv["target"] or "nowhere (parked on its machine)"
                 click.echo(f"moved: manager {mv['manager_id']} from {mv['source']} to {to}: "
                            f"{mv['why']}")  # fmt: skip
         finally:

@@ -12,7 +12,10 @@ into an exception.  Handlers therefore contain no error-mapping boilerplate.
 from __future__ import annotations
 
 import enum
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from .layout import ManagerInfo
 
 
 class Status(enum.IntEnum):
@@ -168,20 +171,29 @@ class DDictManagerUnavailableError(DDictError, ConnectionError):
     default_code = "MANAGER_UNAVAILABLE"
 
 
-def manager_lost(name: str, manager_id: int, hostname: str, worker: str,
-                 why: str = "") -> DDictManagerUnavailableError:  # fmt: skip
+def manager_lost(name: str, info: ManagerInfo) -> DDictManagerUnavailableError:
     """The error of an operation on a manager whose host is gone, as the orchestrator knows it.
 
     Said in one place, whoever finds the loss (a refused connection, a shard marked
     closed, the layout): the user learns which manager, where it was, why its host
     is gone (``why``: "its worker was retired", "its nanny closed", ...) and the way
     back, which is not obvious (the dictionary lives on, without that manager's keys).
+    A *parked* manager (one that no worker could take when its host left) is not
+    lost: its shard waits in that machine's shared memory for a worker to join there.
     """
-    why = why or "the orchestrator found it gone"
+    mid, why = info.manager_id, info.lost_why or "the orchestrator found it gone"
+    if info.parked:
+        return DDictManagerUnavailableError(
+            f"manager {mid} of DDict {name!r} is parked: {why}.  Its keys are kept in the "
+            f"shared memory of {info.hostname} ({info.store_path}); it serves again, with "
+            "all of them, as soon as a worker with a ddict host runs on that machine (one "
+            "that joins takes it at once; d.rebalance() asks again).  The other managers "
+            "work on"
+        )
     return DDictManagerUnavailableError(
-        f"manager {manager_id} of DDict {name!r} is unavailable: its host {hostname} "
-        f"(worker {worker}) is gone: {why}.  The other managers work on; this one's keys are "
-        f"out of reach.  To recreate it: d.destroy(allow_restart=True), then "
+        f"manager {mid} of DDict {name!r} is unavailable: its host {info.hostname} "
+        f"(worker {info.worker}) is gone: {why}.  The other managers work on; this one's keys "
+        f"are out of reach.  To recreate it: d.destroy(allow_restart=True), then "
         f"DDict(..., name={name!r}, restart=True) on the workers left (it comes back empty, "
         "listed in empty_managers), then d.restore(<a persisted checkpoint>) or "
         "DDict.synchronize_ddicts from a copy"

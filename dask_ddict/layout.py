@@ -42,6 +42,9 @@ class ManagerInfo:
     restarted: bool = False  # re-attached a shard kept by destroy(allow_restart=True)
     supervisor: str = ""  # address of the nanny (or nanny-less worker) that supervises its host
     lost_why: str = ""  # why its host is gone, as the orchestrator knows it (when lost)
+    #: Lost but kept: no worker could take it when its host left, so its shard waits in
+    #: its machine's shared memory for a worker there (see ``cluster.elastic``).
+    parked: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from distributed import Client, LocalCluster, wait
 
 from dask_ddict import DDict
 from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
+from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
 
@@ -163,12 +164,19 @@ def test_scale_down_and_up_then_rebalance(cluster3):
     d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, timeout=60)
     try:
         d.update({i: i for i in range(300)})
-        cl.scale(2)
-        deadline = time.monotonic() + 60
-        while len(c.scheduler_info()["workers"]) != 2 or \
-                len(set(d.manager_workers)) != 2:  # fmt: skip
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        leaving = cl.workers[max(cl.workers)].worker_address  # (scale closes the newest)
+        stay = sorted(set(d.manager_workers) - {leaving})
+
+        def scale_down() -> None:
+            cl.scale(2)
+            deadline = time.monotonic() + 60
+            while len(c.scheduler_info()["workers"]) != 2 or \
+                    len(set(d._core.fresh(force=True).manager_workers)) != 2:  # fmt: skip
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+
+        _with_writers(c, d, stay, scale_down)
+        assert leaving not in d.manager_workers
         assert all(d[i] == i for i in range(300))
         cl.scale(3)
         c.wait_for_workers(3, timeout=60)
@@ -270,19 +278,22 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         wait(c.map(_slow, range(12)))  # a real workload, then idle: adapt scales down
         adaptive = cl.adapt(minimum=1, maximum=3, interval="200ms", wait_count=2)
         stop = threading.Event()
-        results: list[Any] = [None]
-        t = threading.Thread(target=lambda: results.__setitem__(0, _write(d, "a", stop.is_set)))
-        t.start()
+        results: list[Any] = [None] * 4  # 4 client threads (tasks would keep workers busy)
+        threads = [threading.Thread(target=lambda j=j: results.__setitem__(
+            j, _write(d, f"a{j}", stop.is_set))) for j in range(4)]  # fmt: skip
+        for t in threads:
+            t.start()
         deadline = time.monotonic() + 90
         while len(c.scheduler_info()["workers"]) > 1:
             assert time.monotonic() < deadline, "adapt did not scale down"
             time.sleep(0.3)
         time.sleep(1.0)
         stop.set()
-        t.join(60)
+        for t in threads:
+            t.join(60)
         adaptive.stop()
         assert len(set(d.manager_workers)) == 1
-        _check(d, results, ["a"])
+        _check(d, results, [f"a{j}" for j in range(4)])
         assert all(d[i] == i for i in range(300))
     finally:
         d.destroy()
@@ -311,5 +322,148 @@ def test_a_stale_handle_follows_with_a_large_put_and_a_manager_moves_straight_ba
         stale.manager(0)["big2"] = big + 1
         assert np.array_equal(d.manager(0)["big2"], big + 1)
         stale.detach()
+    finally:
+        d.destroy()
+
+
+def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker():
+    """The last worker leaves: its managers are parked (their shards kept in this
+    machine's shared memory), said in the errors, moves and CLI; a worker that joins
+    takes them with every key; destroy() removes a parked shard with no worker left."""
+    from click.testing import CliRunner
+
+    from dask_ddict.cli import ddict as cli
+    from dask_ddict.errors import DDictManagerUnavailableError
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+        d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, timeout=30)
+        e = DDict(managers_per_worker=1, total_mem="32 MiB", client=c, timeout=30)
+        try:
+            d.update({i: i for i in range(300)})
+            d.fetch_add("count", 7)
+            e["x"] = 1
+            paths = [m.store_path for m in d._core.layout.managers]
+            e_path = e._core.layout.managers[0].store_path
+            cl.scale(0)
+            deadline = time.monotonic() + 60
+            while c.scheduler_info()["workers"] or \
+                    not all(m.parked for m in d._core.fresh(force=True).managers):  # fmt: skip
+                assert time.monotonic() < deadline, "not parked"
+                time.sleep(0.2)
+            assert all(os.path.exists(p) for p in paths + [e_path])  # kept, not deleted
+            with pytest.raises(DDictManagerUnavailableError, match="parked") as info:
+                d[0]
+            assert "shared memory" in str(info.value) and "joins" in str(info.value)
+            assert [m["target"] for m in d.moves] == ["", ""]
+            assert all("no worker could take it" in m["why"] for m in d.moves)
+            out = CliRunner().invoke(cli, ["stats", d.get_name(), "--scheduler",
+                                           cl.scheduler_address])  # fmt: skip
+            assert out.exit_code == 0, out.output
+            assert out.output.count("parked:") == 2 and "nowhere (parked" in out.output
+            e.destroy()  # no worker there: the orchestrator (this machine) removes it
+            assert not os.path.exists(e_path)
+            stale = DDict.attach(d.serialize())  # a handle that knows them parked
+            cl.scale(1)
+            c.wait_for_workers(1, timeout=60)
+            deadline = time.monotonic() + 60
+            while True:  # (the handles ask again, at most twice a second)
+                try:
+                    assert [d[i] for i in range(300)] == list(range(300))
+                    break
+                except DDictManagerUnavailableError:
+                    assert time.monotonic() < deadline, "parked managers not taken"
+                    time.sleep(0.2)
+            time.sleep(0.6)
+            assert all(stale[i] == i for i in range(300))
+            stale.detach()
+            assert d.fetch_add("count", 1) == 7 and d["count"] == 8
+            for m in range(d.num_managers):
+                d.manager(m)[("new", m)] = m
+                assert d.manager(m)[("new", m)] == m
+            assert [m["target"] for m in d.moves][2:] == list(d.manager_workers)
+        finally:
+            d.destroy()
+            e.destroy()
+        assert not any(os.path.exists(p) for p in paths)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_stale_handles_batch_across_a_move_is_completed_where_the_manager_went(
+        cluster3, transport):  # fmt: skip
+    """A handle that has not seen a move sends batch records to the old place: they are
+    not stored there (the connection stays up), and the batch's end sends them again
+    where the manager went, so it ends without an error and with every put."""
+    import dask.config
+
+    cl, c = cluster3
+    local = {"ddict.local-transport": transport == "shm", "ddict.batch.flush-bytes": "1 KiB"}
+    with dask.config.set(local):
+        d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=30)
+        stale = DDict.attach(d.serialize())  # the layout as it is now, never asked again
+        try:
+            stale.start_batch_put()
+            for i in range(300):
+                stale[("b", i)] = i
+            for mid in range(d.num_managers):  # every manager moves, to the next worker
+                to = d.manager_workers[(mid + 1) % d.num_managers]
+                raise_from_wire(c.sync(c.scheduler.ddict_move, name=d.get_name(),
+                                       manager_id=mid, worker=to))  # fmt: skip
+            for i in range(300, 600):
+                stale[("b", i)] = i
+            stale.end_batch_put()
+            assert len(d.moves) == d.num_managers
+            assert all(d[("b", i)] == i for i in range(600))
+            assert len(d) == 600
+        finally:
+            stale.detach()
+            d.destroy()
+
+
+def _slow_keys(dd: DDict, out: Any) -> None:  # a filter's mgr_code, beside its shard
+    for k in dd.keys():
+        out.put(k)
+        time.sleep(0.001)
+
+
+def test_a_move_during_a_filter_and_while_checkpoints_persist(cluster3, tmp_path):
+    """Every manager moves while a filter streams its keys and while checkpoints
+    persist (retiring ones, and one asked with ``persist()``): the filter yields every
+    key, and every checkpoint asked to persist before the moves is restorable."""
+    cl, c = cluster3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60,
+              working_set_size=2, persist_freq=1, persist_count=-1,
+              persist_path=str(tmp_path / "store"))  # fmt: skip
+    try:
+        for chkpt in range(4):  # 0 and 1 retire (and persist) as 2 and 3 are written
+            d.checkpoint_id = chkpt
+            d.update({("k", chkpt, i): i for i in range(300)})
+        expected = sorted(d.keys())
+        d.persist()  # checkpoint 3, in the background: the moves drain it or carry it
+        got: list[Any] = []
+        errors: list[BaseException] = []
+
+        def run_filter() -> None:
+            try:
+                with d.filter(_slow_keys) as results:
+                    got.extend(results)
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                errors.append(e)
+
+        t = threading.Thread(target=run_filter)
+        t.start()
+        time.sleep(0.3)
+        for mid in range(d.num_managers):  # every manager moves to the next worker
+            to = d.manager_workers[(mid + 1) % d.num_managers]
+            raise_from_wire(c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=mid,
+                                   worker=to))  # fmt: skip
+        t.join(120)
+        assert not errors, errors
+        assert sorted(got) == expected
+        assert len(d.moves) == d.num_managers
+        d.sync()
+        assert d.persisted_ids() == [0, 1, 3]
+        d.restore(3)
+        assert sorted(d.keys()) == expected
     finally:
         d.destroy()

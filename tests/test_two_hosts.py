@@ -19,6 +19,7 @@ import twohost
 from distributed import Client, Security
 
 from dask_ddict import DDict, DDictError
+from dask_ddict.errors import raise_from_wire
 
 pytestmark = pytest.mark.skipif(twohost.unavailable() is not None,
                                 reason=f"two-host fixture: {twohost.unavailable()}")  # fmt: skip
@@ -260,6 +261,7 @@ def test_one_inner_chunk_of_a_shard_on_host2_moves_the_chunk_not_the_shard(hosts
 _NO_CERTIFICATES = """
 import json, socket, ssl, sys
 from dask_ddict import DDict, DDictError
+from dask_ddict.errors import raise_from_wire
 d = DDict.attach({handle!r})
 out = {{}}
 try:
@@ -478,3 +480,29 @@ def test_retiring_host2_copies_its_managers_to_host1_and_rebalance_brings_them_b
         if len(c.scheduler_info()["workers"]) < 2:
             h.start_host2()
             c.wait_for_workers(2, timeout=90)
+
+
+def test_a_manager_persisting_to_a_host_local_path_does_not_move_to_another_machine(hosts):
+    """Each host has its own /dev/shm: a persist path there is host-local.  A move of a
+    manager that persists there to the other host is refused (its persisted checkpoints
+    would stay behind), saying why and what to do; the manager serves on where it was."""
+    h, c = hosts
+    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    path = f"/dev/shm/persist-{os.getpid()}-{time.monotonic_ns()}"
+    d = DDict(managers_per_worker=1, total_mem="64 MiB", client=c, timeout=60,
+              workers=[w1, w2], persist_path=path, persist_freq=1)  # fmt: skip
+    try:
+        m1, m2 = _split(d)
+        d.update({i: i for i in range(100)})
+        with pytest.raises(DDictError, match="persisted checkpoints behind") as info:
+            raise_from_wire(c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=m2,
+                                   worker=w1))  # fmt: skip
+        assert path in str(info.value) and "object store" in str(info.value)
+        assert d.manager_workers[m2] == w2 and not d.moves  # nothing paused, nothing moved
+        assert all(d[i] == i for i in range(100))
+        d.manager(m2)["after"] = 2
+        assert d.manager(m2)["after"] == 2
+    finally:
+        d.destroy()
+        h.on_host2(f"import shutil; shutil.rmtree({path!r}, ignore_errors=True)")
+        subprocess.run(["rm", "-rf", path], check=False)

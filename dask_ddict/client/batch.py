@@ -10,7 +10,9 @@ itself, in one LMDB transaction per shard and chunk (as a single small put
 is, see :mod:`~dask_ddict.transport.shared`); only what it may not commit
 goes to the manager.  The end asks every manager that received records how
 many it stored, so a batch cut by a host restart is reported, never
-half-applied in silence.
+half-applied in silence.  A manager that moved during the batch stored a prefix
+of its records where it was (its old host stores none after the move, and keeps
+the connection for the others'): the rest are sent again where it went.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from typing import Any
 
 from .. import config
 from .._serialize import Framed
-from ..errors import DDictError, DDictFullError, DDictManagerUnavailableError
+from ..errors import (
+    DDictError,
+    DDictFullError,
+    DDictManagerMovedError,
+    DDictManagerUnavailableError,
+)
 from ..transport import ops
 
 Record = tuple[bytes, bytes, Framed]  # (digest, key, frame)
@@ -61,6 +68,13 @@ class BatchPut:
         self._client_id = client_id
         self._named = named
         self._chkpt = 0  # the handle's checkpoint at the latest put
+        # Records sent to each manager's host, in order, while they fit in
+        # ``ddict.batch.resend-bytes``: a manager that moves during the batch stores a
+        # prefix of them where it was, and the rest are sent again where it went.
+        self._kept: dict[int, list[Record]] | None = {}
+        self._kept_bytes = 0
+        self._sent_via: dict[int, Any] = {}  # the link that took each manager's latest records
+        self._resend_bytes = config.get_bytes("batch.resend-bytes")
 
     def __repr__(self) -> str:
         pending = sum(len(r) for r in self.records.values())
@@ -123,12 +137,58 @@ class BatchPut:
         for mid, rs in by_mid.items():
             if mid not in self._failed_mids:
                 self.sent[mid] = self.sent.get(mid, 0) + len(rs)
+                self._sent_via[mid] = link
+                self._keep(mid, rs)
         first = records[0][0]
         try:
             link.call(ops.BatchPut(records, self._chkpt, self._client_id, self.persist,
                                    self.id), first)  # fmt: skip
+        except DDictManagerMovedError as e:
+            # Its host is gone and its managers moved (a retired worker): this message
+            # is sent again where they went, at the end (kept), and the next ones too.
+            for mid in by_mid:
+                self._routes.pop(mid, None)
+            try:
+                if self._kept is None:
+                    raise e
+                link.follow(first, None)
+            except DDictError as gone:
+                self._failed(gone, first)
         except DDictError as e:
             self._failed(e, first)
+
+    def _keep(self, mid: int, records: list[Record]) -> None:
+        if self._kept is None:
+            return
+        self._kept_bytes += sum(f.nbytes + len(k) for _, k, f in records)
+        if self._kept_bytes > self._resend_bytes:
+            self._kept = None  # (too much to hold: a move during the batch is reported)
+        else:
+            self._kept.setdefault(mid, []).extend(records)
+
+    def _resend(self, mid: int, stored: int) -> int:
+        """Send manager ``mid``'s records that it did not store again, if it moved since
+        they were sent (it stored a prefix of them where it was); its new count."""
+        kept = None if self._kept is None else self._kept.get(mid)
+        if kept is None or len(kept) != self.sent[mid] or not 0 <= stored < len(kept):
+            return stored
+        link = self._channel(mid).link  # (the channel follows the move: see BatchEnd)
+        if link is None or link is self._sent_via.get(mid):
+            return stored  # (not moved: something else cut the batch)
+        n, self.sent[mid] = len(kept), stored
+        chunk: list[Record] = []
+        size = 0
+        for r in kept[stored:n]:  # (in messages of flush-bytes, as they were sent)
+            chunk.append(r)
+            size += r[2].nbytes + len(r[1]) + 32
+            if size >= self.flush_bytes:
+                self._send(link, {mid: chunk})
+                chunk, size = [], 0
+        if chunk:
+            self._send(link, {mid: chunk})
+        del kept[n:]  # (_send kept them again)
+        # (its count restarted at the first end: what it stores now comes on top)
+        return stored + int(self._channel(mid).call(ops.BatchEnd(self._client_id, self.id)))
 
     def __enter__(self) -> None:
         """``with batch:`` around a put: see :meth:`__exit__`."""
@@ -151,7 +211,7 @@ class BatchPut:
 
     def flush_all(self) -> None:
         """Send (or commit) everything buffered."""
-        for route in {self._routes[m] for m in self.records}:
+        for route in {self._route(m) for m in self.records}:
             self.flush(route)
 
     def end(self) -> None:
@@ -163,6 +223,12 @@ class BatchPut:
             except DDictError as e:
                 self._failed(e, mid)
                 continue
+            if stored < self.sent[mid]:
+                try:
+                    stored = self._resend(mid, stored)
+                except DDictError as e:
+                    self._failed(e, mid)
+                    continue
             if stored != self.sent[mid] and self.error is None:
                 self.error = DDictManagerUnavailableError(
                     f"batch put: manager {mid} stored {stored} of the {self.sent[mid]} puts "

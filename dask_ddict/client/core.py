@@ -162,8 +162,7 @@ class _Core(Connections):
                                                   f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
         if info is None:
             return e
-        return manager_lost(self.name, mid, info.hostname, info.worker,
-                            info.lost_why)  # fmt: skip
+        return manager_lost(self.name, info)
 
     def current(self, deadline: float | None) -> Layout | None:
         """The orchestrator's layout once its moves of this dictionary are done, asked

@@ -437,8 +437,8 @@ def map_placed(client: distributed.Client, fn: Callable[..., Any],
     for where, nodes in placed.items():
         columns = list(zip(*(args(n) for n in nodes)))
         futures = client.map(fn, *columns, key=[key(n) for n in nodes],
-                             workers=list(where) or None, allow_other_workers=True, pure=False,
-                             **kwargs)  # fmt: skip
+                             workers=list(where) or None, allow_other_workers=bool(where),
+                             pure=False, **kwargs)  # fmt: skip
         out.update(zip(nodes, futures))
     return out
 

@@ -7,12 +7,17 @@ moves themselves (:mod:`.moves`):
   nanny-less worker) closes gracefully, before the host process ends: every
   manager there moves to the remaining workers, spread evenly (each to the worker
   with the fewest of its dictionary's managers, on the same machine when tied),
-  trying the next worker when one cannot take it (no room).  A manager that no
-  worker can take stays where it is and is lost with its host, said at WARNING
-  with why, and named in ``stats``' moves and the dashboard;
+  trying the next worker when one cannot take it (no room, a persist path the
+  other machine cannot see).  A manager that no worker can take (the last
+  worker left, no room anywhere) is *parked*, never dropped: its shard stays in
+  its machine's shared memory, kept, and its operations fail with an error that
+  says so (said at WARNING, in ``stats``' moves, on the dashboard).  A worker that
+  joins on that machine takes it at once, and ``d.rebalance()`` asks again;
+  ``destroy()`` and the orchestrator's close remove it;
 * ``ddict_rebalance`` (``d.rebalance()``), and each worker that joins when
   ``ddict.move.rebalance-on-join`` is set: managers move until every worker's
-  count differs by at most one (:func:`.moves.rebalance_plan`);
+  count differs by at most one (:func:`.moves.rebalance_plan`), moving the
+  fewest bytes;
 * ``ddict_move``: one manager to a chosen worker.
 """
 
@@ -20,14 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.core import Status
 
 from .. import config
-from ..errors import DDictError
+from ..errors import DDictError, DDictManagerUnavailableError
 from ..layout import Layout
 from .moves import Candidate, Move, Moves, rebalance_plan, targets
 
@@ -57,10 +63,9 @@ class Elastic:
         self.plugin = plugin
         self.moves = Moves(lambda address: plugin.scheduler.rpc(address), plugin.dicts)
         self._host_ids: dict[str, str] = {}  # supervisor -> its machine's host id
-        self.stranded: list[dict[str, Any]] = []  # managers no worker could take (newest last)
 
     def __repr__(self) -> str:
-        return f"<Elastic {self.moves!r} stranded={len(self.stranded)}>"
+        return f"<Elastic {self.moves!r}>"
 
     def handlers(self) -> dict[str, Any]:
         return {"ddict_evacuate": self.evacuate, "ddict_rebalance": self.rebalance,
@@ -72,9 +77,9 @@ class Elastic:
         """Move every manager of ``supervisor``'s host to the remaining workers."""
         plugin = self.plugin
         if plugin.scheduler.status != Status.running:
-            return {"moved": 0, "stranded": 0}  # the cluster is closing: nothing to keep
+            return {"moved": 0, "parked": 0}  # the cluster is closing: nothing to keep
         why = plugin.why_leaving(supervisor, why)
-        moved, stranded = 0, 0
+        moved, parked = 0, 0
         for name, layout in list(plugin.dicts.items()):
             for m in layout.managers:
                 if m.supervisor != supervisor or m.lost:
@@ -89,19 +94,25 @@ class Elastic:
                     moved += 1
                     break
                 else:
-                    stranded += 1
-                    self._strand(name, m.manager_id, m.worker, why, tried)
-        return {"moved": moved, "stranded": stranded}
+                    parked += 1
+                    await self._park(name, m.manager_id, m.worker, why, tried)
+        return {"moved": moved, "parked": parked}
 
     async def rebalance(self, name: str) -> list[dict[str, Any]]:
         """Move ``name``'s managers so that the workers' counts differ by at most one."""
         layout = self.plugin.dicts.get(name)
         if layout is None:
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
+        done = await self.adopt_parked(name)
         candidates = {c.worker: c for c in await self._candidates(name, "")}
-        done = []
-        for mid, worker in rebalance_plan(layout, sorted(candidates)):
-            move = await self.moves.move(name, mid, candidates[worker], "rebalance()")
+        used = await self._used(self.plugin.dicts[name])
+        for mid, worker in rebalance_plan(self.plugin.dicts[name], sorted(candidates), used):
+            try:
+                move = await self.moves.move(name, mid, candidates[worker], "rebalance()")
+            except DDictError as e:  # (e.g. a local persist path the worker cannot see)
+                logger.warning("ddict %s: rebalance left manager %d where it is: %s", name,
+                               mid, e.message)  # fmt: skip
+                continue
             if move is not None:
                 done.append(asdict(move))
         return done
@@ -115,10 +126,35 @@ class Elastic:
         move = await self.moves.move(name, int(manager_id), candidates[worker], "moved on request")
         return None if move is None else asdict(move)
 
+    async def adopt_parked(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Serve the parked managers (of ``name``, else of every dictionary) at workers
+        on the machines where their shards wait; the moves made."""
+        done = []
+        for n in [k for k in self.plugin.dicts if name in (None, k)]:
+            await self.moves.settled(n, config.get_seconds("move.timeout"))
+            layout = self.plugin.dicts.get(n)
+            parked = [] if layout is None else [m for m in layout.managers if m.parked]
+            for m in parked:
+                here = [c for c in await self._candidates(n, "") if c.host_id == m.host_id]
+                for c in targets(here, m.host_id):
+                    try:
+                        move = await self.moves.adopt(n, m.manager_id, c, "parked manager "
+                                                      "taken by a worker on its machine")
+                    except DDictManagerUnavailableError as e:  # its shard is gone
+                        self.moves.unpark(n, m.manager_id, f"{m.lost_why}; then {e.message}")
+                        break
+                    except Exception as e:  # noqa: BLE001 - the next worker may take it
+                        logger.warning("ddict %s: %s could not take parked manager %d: %r", n,
+                                       c.worker, m.manager_id, e)  # fmt: skip
+                        continue
+                    if move is not None:
+                        done.append(asdict(move))
+                    break
+        return done
+
     def moves_of(self, name: str) -> list[dict[str, Any]]:
-        """The remembered moves of ``name`` (and managers it could not move), oldest first."""
-        return [asdict(m) for m in self.moves.of(name)] + \
-            [s for s in self.stranded if s["name"] == name]  # fmt: skip
+        """The remembered moves of ``name`` (parkings too: no target), oldest first."""
+        return [asdict(m) for m in self.moves.of(name)]
 
     async def rebalance_all(self) -> None:
         """``ddict.move.rebalance-on-join``: a worker joined; spread every dictionary."""
@@ -128,19 +164,51 @@ class Elastic:
             except Exception as e:  # noqa: BLE001 - logged; the next join tries again
                 logger.warning("ddict %s: rebalancing onto a new worker failed: %r", name, e)
 
-    def worker_joined(self) -> None:
+    def worker_joined(self, worker: str) -> None:
+        """A worker joined: once it runs, it takes the parked managers of its machine,
+        and managers from the others when ``ddict.move.rebalance-on-join`` says so."""
         if config.get("move.rebalance-on-join") and self.plugin.dicts:
-            self.plugin.spawn(self.rebalance_all())
+            self.plugin.spawn(self._once_running(worker, self.rebalance_all))
+        elif self.moves.busy or any(m.parked for layout in self.plugin.dicts.values()
+                                    for m in layout.managers):  # (a move may end parked)
+            self.plugin.spawn(self._once_running(worker, self.adopt_parked))
+
+    async def _once_running(self, worker: str, then: Callable[[], Awaitable[Any]]) -> None:
+        """``then()`` once ``worker`` runs (it registers before it does), or never if it
+        leaves first or takes longer than ``ddict.move.timeout``."""
+        scheduler = self.plugin.scheduler
+        deadline = time.monotonic() + (config.get_seconds("move.timeout") or 600.0)
+        while (ws := scheduler.workers.get(worker)) is not None and time.monotonic() < deadline:
+            if ws.status == Status.running:
+                await then()
+                return
+            await asyncio.sleep(0.1)  # (a few rounds: the worker says it runs at once)
 
     # -- helpers --------------------------------------------------------------------
 
-    def _strand(self, name: str, mid: int, worker: str, why: str, tried: list[str]) -> None:
+    async def _park(self, name: str, mid: int, worker: str, why: str, tried: list[str]) -> None:
         where = "; ".join(tried) or "no other worker runs a ddict host"
-        self.stranded.append({"name": name, "manager_id": mid, "source": worker, "target": "",
-                              "why": f"{why}: could not move ({where})"})  # fmt: skip
-        del self.stranded[:-256]
-        logger.warning("ddict %s: manager %d could not move off %s (%s): %s; its keys go with "
-                       "its host", name, mid, worker, why, where)  # fmt: skip
+        why = f"{why}, and no worker could take it ({where})"
+        try:
+            await self.moves.park(name, mid, why)
+        except Exception as e:  # noqa: BLE001 - said; its keys go with its host
+            logger.warning("ddict %s: manager %d of %s could neither move nor be parked (%s; "
+                           "%r): its keys go with its host", name, mid, worker, why, e)  # fmt: skip
+
+    async def _used(self, layout: Layout) -> dict[int, int]:
+        """Each manager's bytes as its host sees them (0 where it does not answer)."""
+        async def of(supervisor: str) -> dict[int, int]:
+            try:
+                return {int(k): int(v) for k, v in (await self.plugin.scheduler.rpc(
+                    supervisor).ddict_shard_bytes(uid=layout.uid)).items()}  # fmt: skip
+            except Exception:  # noqa: BLE001 - a plan without sizes is still a plan
+                return {}
+
+        used: dict[int, int] = {}
+        for part in await asyncio.gather(*map(of, {m.supervisor for m in layout.managers
+                                                    if not m.lost})):  # fmt: skip
+            used.update(part)
+        return used
 
     async def _candidates(self, name: str, leaving: str) -> list[Candidate]:
         """Running workers with a ddict host, other than ``leaving``'s supervisor."""

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
+from ..arguments import local_store
 from ..errors import DDictError, raise_from_wire
 from ..layout import Layout, ManagerInfo
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Moves remembered for ``stats``, the dashboard and the metrics (the newest kept).
 KEEP_MOVES = 256
@@ -123,9 +127,19 @@ class Moves:
         self._under_way: Counter[str] = Counter()
         self._locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Condition()
+        #: (uid, manager) -> the storage options of a parked manager (credentials for its
+        #: persist store, which are otherwise kept nowhere here), for its adoption
+        self.parked_options: dict[tuple[str, int], Any] = {}
+        #: (machine, other machine, local persist path) -> whether the other sees it
+        self._sees: dict[tuple[str, str, str], bool] = {}
 
     def __repr__(self) -> str:
         return f"<Moves done={len(self.log)} under_way={dict(+self._under_way)}>"
+
+    @property
+    def busy(self) -> bool:
+        """Whether a move of any dictionary is under way."""
+        return bool(self._under_way)
 
     async def settled(self, name: str, timeout: float | None) -> None:
         """Return once no move of ``name`` is under way (or after ``timeout``)."""
@@ -141,11 +155,33 @@ class Moves:
 
     async def move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         """Move manager ``mid`` of ``name`` to ``target``'s host; ``None`` if it is there."""
+        return await self._serially(name, self._move(name, mid, target, why))
+
+    async def park(self, name: str, mid: int, why: str) -> Move:
+        """Stop serving manager ``mid`` of ``name`` where it is but keep its shard in its
+        machine's shared memory (no worker can take it): see :meth:`adopt`."""
+        return await self._serially(name, self._park(name, mid, why))
+
+    async def adopt(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
+        """Serve parked manager ``mid`` of ``name`` at ``target``'s host, on the machine
+        where its shard waits; ``None`` if it is not parked (any more)."""
+        return await self._serially(name, self._adopt(name, mid, target, why))
+
+    def unpark(self, name: str, mid: int, why: str) -> None:
+        """Parked manager ``mid``'s shard is gone from its machine: it is lost, ``why``."""
+        layout = self.layouts.get(name)
+        if layout is not None and layout.managers[mid].parked:
+            self.parked_options.pop((layout.uid, mid), None)
+            self._place(name, replace(layout.managers[mid], parked=False, lost_why=why))
+            logger.warning("ddict %s: parked manager %d is lost: %s", name, mid, why)
+
+    async def _serially(self, name: str, step: Awaitable[T]) -> T:
+        """Run ``step``, one at a time per dictionary, counted as under way meanwhile."""
         lock = self._locks.setdefault(name, asyncio.Lock())
         self._under_way[name] += 1
         try:
             async with lock:
-                return await self._move(name, mid, target, why)
+                return await step
         finally:
             self._under_way[name] -= 1
             if not self._under_way[name]:
@@ -153,10 +189,14 @@ class Moves:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
+    def _layout(self, name: str) -> Layout:
         layout = self.layouts.get(name)
         if layout is None:
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
+        return layout
+
+    async def _move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
+        layout = self._layout(name)
         old = layout.managers[mid]
         if old.lost:
             raise DDictError(f"manager {mid} of {name!r} is lost: it cannot move",
@@ -164,23 +204,13 @@ class Moves:
         if old.supervisor == target.supervisor:
             return None
         copy = old.host_id != target.host_id
+        if copy:
+            await self._check_persist_path(layout, old, target)
         began = time.monotonic()
-        out = await self.rpc(old.supervisor).ddict_move_out(uid=layout.uid, manager_id=mid,
-                                                            copy=copy)  # fmt: skip
-        raise_from_wire(out)
+        out = await self._out(layout, old, copy)
         try:
-            reply = await self.rpc(target.supervisor).ddict_move_in(
-                name=name, uid=layout.uid, secret=layout.secret,
-                options=layout.options.to_dict(), capacity=layout.total_mem // layout.num_managers,
-                num_managers=layout.num_managers, manager_id=mid, worker=target.worker,
-                path="" if copy else out["store_path"], source=asdict(old) if copy else None,
-                used=out["used_bytes"], map_size=out["map_size"],
-                storage_options=out.get("storage_options"),
-            )  # fmt: skip
-            if reply is None:
-                raise DDictError(f"worker {target.worker} has no ddict host supervisor",
-                                 "INVALID_OPERATION")  # fmt: skip
-            raise_from_wire(reply)
+            info = await self._in(layout, mid, target, out, path="" if copy else out["store_path"],
+                                  source=asdict(old) if copy else None)  # fmt: skip
         except BaseException:
             try:
                 raise_from_wire(await self.rpc(old.supervisor).ddict_move_abort(
@@ -189,12 +219,7 @@ class Moves:
                 logger.warning("ddict %s: resuming manager %d after a failed move: %r", name,
                                mid, e)  # fmt: skip
             raise
-        fields = set(ManagerInfo.__dataclass_fields__)
-        info = ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                           supervisor=target.supervisor)  # fmt: skip
-        layout = self.layouts.get(name, layout)  # (its epoch may have moved meanwhile)
-        managers = tuple(info if m.manager_id == mid else m for m in layout.managers)
-        self.layouts[name] = replace(layout, managers=managers, epoch=layout.epoch + 1)
+        self._place(name, info)
         where = f"{info.hostname} (worker {target.worker})"
         try:
             raise_from_wire(await self.rpc(old.supervisor).ddict_move_done(
@@ -202,13 +227,118 @@ class Moves:
         except Exception as e:  # noqa: BLE001 - the new place serves: the move is done
             logger.warning("ddict %s: the old host of manager %d did not let it go: %r", name,
                            mid, e)  # fmt: skip
-        done = Move(name, mid, old.worker, target.worker, why, copy, int(out["used_bytes"]),
-                    time.monotonic() - began, time.time())  # fmt: skip
-        self.log.append(done)
-        logger.info("ddict %s: manager %d moved from %s to %s (%s; %s, %d bytes, writes paused "
-                    "%.3f s)", name, mid, old.worker, target.worker, why,
-                    "copied" if copy else "handed over", done.nbytes, done.seconds)  # fmt: skip
-        return done
+        return self._done(Move(name, mid, old.worker, target.worker, why, copy,
+                               int(out["used_bytes"]), time.monotonic() - began, time.time()))
+
+    async def _park(self, name: str, mid: int, why: str) -> Move:
+        layout = self._layout(name)
+        old = layout.managers[mid]
+        if old.lost:
+            raise DDictError(f"manager {mid} of {name!r} is lost: it cannot be parked",
+                             "INVALID_OPERATION")  # fmt: skip
+        began = time.monotonic()
+        # (marked as copied away: same-host clients stop using the shard)
+        out = await self._out(layout, old, copy=True)
+        self.parked_options[(layout.uid, mid)] = out.get("storage_options")
+        info = replace(old, lost=True, parked=True, lost_why=why)
+        self._place(name, info)
+        try:
+            raise_from_wire(await self.rpc(old.supervisor).ddict_move_done(
+                uid=layout.uid, manager_id=mid, where="nowhere (parked)", park=True))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - parked as far as is known: a worker there
+            # finds its shard or not (then it is lost, see unpark)
+            self._place(name, replace(info, lost_why=f"{why} (its host did not confirm: "
+                                                     f"{e!r})"))  # fmt: skip
+        return self._done(Move(name, mid, old.worker, "", why, False, int(out["used_bytes"]),
+                               time.monotonic() - began, time.time()))  # fmt: skip
+
+    async def _adopt(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
+        layout = self._layout(name)
+        old = layout.managers[mid]
+        if not old.parked:
+            return None
+        began = time.monotonic()
+        out = {"used_bytes": 0, "map_size": 0,
+               "storage_options": self.parked_options.get((layout.uid, mid))}  # fmt: skip
+        info = await self._in(layout, mid, target, out, path=old.store_path, source=None)
+        self.parked_options.pop((layout.uid, mid), None)
+        self._place(name, info)
+        return self._done(Move(name, mid, old.worker, target.worker, why, False, 0,
+                               time.monotonic() - began, time.time()))  # fmt: skip
+
+    async def _check_persist_path(self, layout: Layout, old: ManagerInfo,
+                                  target: Candidate) -> None:  # fmt: skip
+        """Refuse to move a manager to another machine that does not see its local
+        ``persist_path`` (its persisted checkpoints would stay behind); a probe file
+        left by the old machine tells, once per pair of machines and path."""
+        directory = local_store(layout.options.persist_path)
+        if not layout.options.persist_path or directory is None:
+            return  # (nothing persisted, or an object store: seen from everywhere)
+        key = (old.host_id, target.host_id, directory)
+        if key not in self._sees:
+            token = secrets.token_hex(8)
+            src, dst = self.rpc(old.supervisor), self.rpc(target.supervisor)
+            raise_from_wire(await src.ddict_probe(directory=directory, token=token, step="leave"))
+            try:
+                seen = await dst.ddict_probe(directory=directory, token=token, step="find")
+                raise_from_wire(seen)
+            finally:
+                await src.ddict_probe(directory=directory, token=token, step="clear")
+            self._sees[key] = seen is True
+        if not self._sees[key]:
+            raise DDictError(
+                f"manager {old.manager_id} of {layout.name!r} persists to {directory}, a path "
+                f"that {old.hostname} has and {target.worker}'s machine does not see: moved "
+                "there it would leave its persisted checkpoints behind.  It moves only to "
+                "workers on its own machine (else it is parked there); to let managers move "
+                "between machines, persist to a shared file system or an object store "
+                "(persist_path='s3://...')", "INVALID_OPERATION")  # fmt: skip
+
+    async def _out(self, layout: Layout, old: ManagerInfo, copy: bool) -> dict[str, Any]:
+        """Step 1: pause manager ``old`` at its host (``copy``: its shard marked moved)."""
+        out = await self.rpc(old.supervisor).ddict_move_out(uid=layout.uid,
+                                                            manager_id=old.manager_id, copy=copy)
+        raise_from_wire(out)
+        return dict(out)
+
+    async def _in(self, layout: Layout, mid: int, target: Candidate, out: dict[str, Any],
+                  path: str, source: dict[str, Any] | None) -> ManagerInfo:  # fmt: skip
+        """Step 2: ``target``'s host serves manager ``mid`` over its shard at ``path`` (this
+        machine's), or over a copy from ``source``; returns where it is served."""
+        reply = await self.rpc(target.supervisor).ddict_move_in(
+            name=layout.name, uid=layout.uid, secret=layout.secret,
+            options=layout.options.to_dict(), capacity=layout.total_mem // layout.num_managers,
+            num_managers=layout.num_managers, manager_id=mid, worker=target.worker,
+            path=path, source=source, used=out["used_bytes"], map_size=out["map_size"],
+            storage_options=out.get("storage_options"),
+        )  # fmt: skip
+        if reply is None:
+            raise DDictError(f"worker {target.worker} has no ddict host supervisor",
+                             "INVALID_OPERATION")  # fmt: skip
+        raise_from_wire(reply)
+        fields = set(ManagerInfo.__dataclass_fields__)
+        return ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
+                           supervisor=target.supervisor)  # fmt: skip
+
+    def _place(self, name: str, info: ManagerInfo) -> None:
+        """The layout with ``info`` for its manager, in a new epoch (clients follow)."""
+        layout = self.layouts.get(name)  # (its epoch may have moved meanwhile)
+        if layout is None:
+            return  # (destroyed meanwhile)
+        managers = tuple(info if m.manager_id == info.manager_id else m for m in layout.managers)
+        self.layouts[name] = replace(layout, managers=managers, epoch=layout.epoch + 1)
+
+    def _done(self, move: Move) -> Move:
+        self.log.append(move)
+        if move.target:
+            logger.info("ddict %s: manager %d moved from %s to %s (%s; %s, %d bytes, writes "
+                        "paused %.3f s)", move.name, move.manager_id, move.source or "(parked)",
+                        move.target, move.why, "copied" if move.copied else "handed over",
+                        move.nbytes, move.seconds)  # fmt: skip
+        else:
+            logger.warning("ddict %s: manager %d parked on the machine of %s: %s", move.name,
+                           move.manager_id, move.source, move.why)  # fmt: skip
+        return move
 
     def of(self, name: str) -> list[Move]:
         """The moves of dictionary ``name`` that are remembered, oldest first."""

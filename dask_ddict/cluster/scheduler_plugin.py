@@ -22,7 +22,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import os
 import secrets
 import uuid
 from collections import Counter
@@ -42,6 +41,7 @@ from ..options import DDictOptions
 from . import metrics
 from .dashboard import DashboardData, install
 from .elastic import Elastic
+from .leftovers import remove_lost
 from .lifetime import Holders
 from .sizing import HostMemory, memory_warnings, pause_fraction
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
@@ -309,7 +309,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         if allow_restart:
             self.kept[name] = layout
         else:
-            await self._remove_lost(layout)
+            await remove_lost(self, layout)
         return True
 
     def names(self) -> list[str]:
@@ -353,6 +353,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     # -- Scheduler hooks ----------------------------------------------------------
 
     async def close(self) -> None:
+        for layout in list(self.dicts.values()):  # (live dictionaries' shards end with
+            await remove_lost(self, layout, only_parked=True)  # their hosts; parked ones not)
         metrics.unregister(self._metrics)
         self._metrics = None
         await asyncio.to_thread(self.dashboard.close)
@@ -393,7 +395,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         a new one takes managers when ``ddict.move.rebalance-on-join`` says so."""
         ws = scheduler.workers.get(worker)
         nanny = getattr(ws, "nanny", None)
-        self.elastic.worker_joined()
+        self.elastic.worker_joined(worker)
         if not nanny:
             return
         for name, layout in list(self.dicts.items()):
@@ -567,22 +569,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         reattached = {m.store_path for m in infos if m.restarted}
         abandoned = [replace(m, lost=True) for m in kept.managers if m.store_path not in reattached]
         if abandoned:
-            await self._remove_lost(replace(kept, managers=tuple(abandoned)))
-
-    async def _remove_lost(self, layout: Layout) -> None:
-        """Have a live worker on each lost manager's host delete what it left."""
-        for m in layout.managers:
-            if not m.lost:
-                continue
-            host = get_address_host(m.worker)
-            helpers = [self.supervisor_of(a) for a, ws in self.scheduler.workers.items()
-                       if ws.host == host]  # fmt: skip
-            paths = [m.store_path, os.path.dirname(m.uds_path)]
-            for helper in helpers[:1]:
-                try:
-                    await self.scheduler.rpc(helper).ddict_remove_paths(paths=paths)
-                except Exception as e:
-                    logger.info("ddict: cleanup of manager %d failed: %r", m.manager_id, e)
+            await remove_lost(self, replace(kept, managers=tuple(abandoned)), kept=True)
 
     async def _destroy_on(self, supervisors: list[str], uid: str, *, allow_restart: bool) -> None:
         async def on(supervisor: str) -> None:

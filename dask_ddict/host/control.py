@@ -96,11 +96,13 @@ class MoveIn:
 
 @dataclass(frozen=True)
 class MoveDone:
-    """Manager ``manager_id`` of ``uid`` serves at ``where`` now: stop serving it here."""
+    """Manager ``manager_id`` of ``uid`` serves at ``where`` now: stop serving it here
+    (``park``: nowhere; keep its shard for a worker on this machine to take)."""
 
     uid: str
     manager_id: int
     where: str
+    park: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,13 @@ class MoveAbort:
 
     uid: str
     manager_id: int
+
+
+@dataclass(frozen=True)
+class ShardBytes:
+    """The used bytes of each manager of ``uid`` served here (what a move would copy)."""
+
+    uid: str
 
 
 @dataclass(frozen=True)

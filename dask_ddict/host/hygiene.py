@@ -71,9 +71,14 @@ def mark_kept(directory: str, kept: bool = True) -> None:
             pass
 
 
-def is_abandoned(directory: str) -> bool:
-    """Whether every process that owned ``directory`` is dead (and it is not kept)."""
-    if os.path.exists(os.path.join(directory, KEPT)):
+def is_kept(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, KEPT))
+
+
+def is_abandoned(directory: str, kept: bool = False) -> bool:
+    """Whether every process that owned ``directory`` is dead (and it is not kept, unless
+    ``kept`` says that a kept one goes too)."""
+    if not kept and is_kept(directory):
         return False
     try:
         fd = os.open(os.path.join(directory, LOCK), os.O_RDONLY | os.O_CLOEXEC)
@@ -90,16 +95,25 @@ def is_abandoned(directory: str) -> bool:
 
 def sweep(base: str) -> list[str]:
     """Remove the abandoned ``ddict-*`` directories directly under ``base``."""
-    removed: list[str] = []
     try:
         names = os.listdir(base)
     except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(base, name)
-        if name.startswith(PREFIX) and os.path.isdir(path) and is_abandoned(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        return []
+    removed = [p for p in (os.path.join(base, n) for n in names) if _remove_abandoned(p, False)]
     if removed:
         logger.info("ddict: removed %d abandoned directories under %s", len(removed), base)
     return removed
+
+
+def remove(paths: list[str], kept: bool = False) -> int:
+    """Remove those of ``paths`` that are abandoned ``ddict-*`` directories (see
+    :func:`is_abandoned`); return how many."""
+    return sum(_remove_abandoned(p, kept) for p in paths)
+
+
+def _remove_abandoned(path: str, kept: bool) -> bool:
+    name = os.path.basename(path.rstrip("/"))
+    if name.startswith(PREFIX) and os.path.isdir(path) and is_abandoned(path, kept):
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    return False

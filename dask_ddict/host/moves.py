@@ -73,13 +73,14 @@ def move_abort(host: Host, uid: str, mid: int) -> None:
     _manager(host, uid, mid).move_abort()
 
 
-def move_done(host: Host, uid: str, mid: int, where: str) -> None:
+def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) -> None:
     """Manager ``mid`` serves at ``where`` now: requests for it here are answered
     ``MOVED``; its shard is let go after :data:`LET_GO_AFTER` (closed if the new host
-    serves the same shard, deleted if it serves a copy)."""
+    serves the same shard, deleted if it serves a copy).  ``park``: it serves nowhere
+    now; its shard is kept (see :mod:`.hygiene`) for a host on this machine to open."""
     hosted = host.dicts[bytes.fromhex(uid)]
     manager = _manager(host, uid, mid)
-    copied = manager.copying
+    copied = manager.copying and not park  # (a parked shard is kept: see the supervisor)
     hosted.moved[mid] = (where, manager.store.capacity)
     del hosted.managers[mid]
     manager.move_done(where)

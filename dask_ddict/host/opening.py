@@ -105,6 +105,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
         check_room(base, ShardStore.map_size_for(spec.capacity))
         os.makedirs(path, mode=0o700)
     lock = hygiene.claim(path)
+    kept = reattach and hygiene.is_kept(path)  # (kept again if it cannot be opened)
     store = None
     try:
         store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
@@ -164,6 +165,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
         if reattach:
             manager.resume_persists()  # (what a dead host process accepted and left undone)
     except BaseException:
+        if kept:
+            hygiene.mark_kept(path)
         if store is not None:
             if reattach:
                 store.close()

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 import dask.config
 
 from .. import config
-from ..errors import DDictError
+from ..errors import DDictError, DDictManagerUnavailableError
 from ..shard.generations import Generations, path_for
 from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
@@ -78,7 +78,11 @@ class Host:
         if isinstance(msg, control.MoveIn):
             return self.move_in(msg)
         if isinstance(msg, control.MoveDone):
-            return moves.move_done(self, msg.uid, msg.manager_id, msg.where)
+            return moves.move_done(self, msg.uid, msg.manager_id, msg.where, msg.park)
+        if isinstance(msg, control.ShardBytes):
+            hosted = self.dicts.get(bytes.fromhex(msg.uid))
+            return {} if hosted is None else {m: mg.used_bytes() for m, mg in
+                                              hosted.managers.items()}  # fmt: skip
         if isinstance(msg, control.MoveAbort):
             return moves.move_abort(self, msg.uid, msg.manager_id)
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
@@ -133,6 +137,10 @@ class Host:
         path = msg.path
         if path:
             moves.let_go(path)  # (it left this process a moment ago: closed here first)
+            if msg.source is None and not os.path.isfile(os.path.join(path, "data.mdb")):
+                raise DDictManagerUnavailableError(
+                    f"manager {msg.manager_id}'s shard {path} is not on this machine any more "
+                    "(its shared memory was emptied)")  # fmt: skip
         if msg.source is not None:
             path = moves.receive(msg.spec, msg.manager_id, msg.source, msg.used, msg.map_size,
                                  self.init.tls)  # fmt: skip

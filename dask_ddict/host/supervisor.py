@@ -14,8 +14,10 @@ or in the worker itself when it has no nanny.  It
 * holds an owner lock on each shard (see :mod:`.hygiene`), so a shard stays
   claimed while its host process restarts;
 * answers the orchestrator's control calls (``ddict_create_managers``,
-  ``ddict_destroy_managers``, ``ddict_remove_paths``, ``ddict_host_info``),
-  which it installs as handlers of the nanny or worker.
+  ``ddict_destroy_managers``, ``ddict_remove_paths``, ``ddict_host_info``, the
+  ``ddict_move_*`` steps of a move, ``ddict_shard_bytes`` and ``ddict_probe``), which
+  it installs
+  as handlers of the nanny or worker.
 
 Control calls block on the host's pipe, so the async handlers run them in a
 thread, off the event loop.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import select
@@ -333,15 +336,18 @@ class HostSupervisor:
                 self._closed.remove(uid)
         return self._described(infos, worker)
 
-    def move_done(self, uid: str, manager_id: int, where: str) -> None:
-        """The manager serves at ``where`` now: this host stops serving it."""
+    def move_done(self, uid: str, manager_id: int, where: str, park: bool = False) -> None:
+        """The manager serves at ``where`` now (``park``: nowhere, its shard kept here):
+        this host stops serving it."""
         mid = int(manager_id)
         with self._lock:
-            self._moving.pop((uid, mid), None)
+            path = self._moving.pop((uid, mid), None)
             self._moving_specs.pop(uid, None)
+            if park and path:
+                hygiene.mark_kept(path)  # (before its owner lock goes: no sweep takes it)
             hygiene.release(self._shard_locks.pop((uid, mid), None))
             try:
-                self.call(control.MoveDone(uid, mid, where))
+                self.call(control.MoveDone(uid, mid, where, bool(park)))
             except HostDiedError:  # (its next incarnation does not serve it)
                 logger.info("ddict: the host of %s ended during a move", self.label)
 
@@ -361,6 +367,28 @@ class HostSupervisor:
             except DDictError:  # a new incarnation, which did not open it: open it now
                 spec, _, worker = entry
                 self.call(control.OpenManagers(spec, (mid,), {mid: path}, worker))
+
+    @staticmethod
+    def probe(directory: str, token: str, step: str) -> bool:
+        """Whether this machine sees what another wrote in ``directory`` (a persist path):
+        ``step`` "leave" writes a probe file named by ``token``, "find" says whether it is
+        there, "clear" removes it."""
+        path = os.path.join(directory, f".ddict-probe-{token}")
+        if step == "leave":
+            os.makedirs(directory, exist_ok=True)
+            with open(path, "w"):
+                pass
+            return True
+        if step == "clear":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return True
+        return os.path.exists(path)
+
+    def shard_bytes(self, uid: str) -> dict[int, int]:
+        """The used bytes of each of ``uid``'s managers here (rebalance moves the fewest)."""
+        with self._lock:
+            return dict(self.call(control.ShardBytes(uid))) if uid in self._dicts else {}
 
     def memory(self) -> dict[str, int]:
         """This host's memory as the orchestrator's sizing check needs it, measured now.
@@ -412,15 +440,10 @@ class HostSupervisor:
                     hygiene.release(self._shard_locks.pop(key))
 
     @staticmethod
-    def remove_paths(paths: list[str]) -> int:
-        """Delete shard and socket directories whose owners are provably dead."""
-        n = 0
-        for p in paths:
-            name = os.path.basename(p.rstrip("/"))
-            if name.startswith(hygiene.PREFIX) and os.path.isdir(p) and hygiene.is_abandoned(p):
-                shutil.rmtree(p, ignore_errors=True)
-                n += 1
-        return n
+    def remove_paths(paths: list[str], kept: bool = False) -> int:
+        """Delete shard and socket directories whose owners are provably dead (``kept``:
+        also shards kept for a restart or parked, which nothing will re-attach now)."""
+        return hygiene.remove(paths, kept)
 
     @property
     def serving(self) -> bool:
@@ -451,6 +474,8 @@ class HostSupervisor:
             "ddict_move_in": wrap(self.move_in),
             "ddict_move_done": wrap(self.move_done),
             "ddict_move_abort": wrap(self.move_abort),
+            "ddict_shard_bytes": wrap(self.shard_bytes),
+            "ddict_probe": wrap(self.probe),
         }
 
     # -- shutdown -------------------------------------------------------------------

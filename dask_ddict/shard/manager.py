@@ -35,7 +35,7 @@ import lmdb
 
 from .._serialize import dumps_value, loads_value, older_frame
 from .. import config
-from ..errors import DDictClosedError, DDictError, DDictFullError
+from ..errors import DDictClosedError, DDictError, DDictFullError, DDictManagerMovedError
 from .checkpoint_io import CheckpointIO
 from .deferred import DeferredQueue
 from .replies import AtMostOnce
@@ -504,6 +504,8 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
 
         try:
             self._write(fn, None, "batch put", (chkpt, client))
+        except DDictManagerMovedError:
+            raise  # (stored nowhere: its new place's count tells the client what to resend)
         except DDictError as e:  # nothing of this message was stored (frozen, full, ...)
             with self._cond, self.store.write() as txn:
                 count, err = self._batch_state(txn, key, batch)
@@ -520,9 +522,11 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
     def batch_end(self, client: int, batch: int = 0) -> int:
         """Number of puts stored by the client's batch; raise its first error."""
         key = _BATCH + _Q.pack(client)
-        with self._cond, self.store.write() as txn:
-            count, err = self._batch_state(txn, key, batch)
-            txn.delete(key, db=self.store.meta_db)
+        with self._cond:
+            self._check_open()  # (a manager that moved answers where it went)
+            with self.store.write() as txn:
+                count, err = self._batch_state(txn, key, batch)
+                txn.delete(key, db=self.store.meta_db)
         if err is not None:
             raise err
         return count

@@ -80,11 +80,15 @@ class Moving:
                 if copy:
                     mark_in(store, txn, self.working_set.size, CLOSED_MOVED)
             self.moving, self.copying = True, copy
-            used = (store.env.info()["last_pgno"] + 1) * store.env.stat()["psize"]
+            used = self.used_bytes()
         except BaseException:
             self._mutex.release()
             raise
-        return {"store_path": store.path, "used_bytes": int(used), "map_size": store.map_size}
+        return {"store_path": store.path, "used_bytes": used, "map_size": store.map_size}
+
+    def used_bytes(self) -> int:
+        """The bytes of the shard's pages in use (what a copy of it takes)."""
+        return int((self.store.env.info()["last_pgno"] + 1) * self.store.env.stat()["psize"])
 
     def _drain_and_lock(self) -> None:
         """Take the manager's lock with no persist under way or queued.
@@ -108,11 +112,9 @@ class Moving:
         if not (self.moving and self.copying):
             raise DDictError(f"manager {self.manager_id} is not moving to another machine",
                              "INVALID_OPERATION")  # fmt: skip
-        store = self.store
-        used = (store.env.info()["last_pgno"] + 1) * store.env.stat()["psize"]
-        fd = os.open(os.path.join(store.path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(self.store.path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            mm = mmap.mmap(fd, used, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, self.used_bytes(), prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         return memoryview(mm)

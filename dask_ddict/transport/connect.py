@@ -54,9 +54,16 @@ def _reraise(e: BaseException) -> NoReturn:
     raise e
 
 
+#: Seconds between two questions to the orchestrator about a parked manager.
+ASK_PARKED = 0.5
 #: How many moves one operation follows (a manager that moves again while it is followed).
 MOST_FOLLOWS = 8
 _MOVED = int(Status.MOVED)
+
+
+def _address(info: ManagerInfo) -> tuple[str, str, int]:
+    """The address of the host process that serves a manager."""
+    return (info.uds_path, info.tcp_host, info.tcp_port)
 
 
 def _place(info: ManagerInfo) -> tuple[Any, ...]:
@@ -114,15 +121,16 @@ class Connections:
         self._finalizer = weakref.finalize(self, Connections._release, self._channels,
                                            self._links)  # fmt: skip
         self._host = host_id()
+        self._parked_asked = 0.0  # (see _unparked)
         # What each link calls to explain a manager it cannot reach: weakly bound (the
         # links must not keep these connections alive, see _finalizer).
         ref = weakref.WeakMethod(self.explain)
         self._explain: Explain = \
             lambda mid, e, place: e if (f := ref()) is None else f(mid, e, place)  # fmt: skip
         follow = weakref.WeakMethod(self.follow)
-        self._follow: Callable[[int, float | None], HostLink] = \
-            lambda mid, d: _reraise(DDictClosedError("the DDict was detached")) \
-            if (f := follow()) is None else f(mid, d)  # fmt: skip
+        self._follow: Callable[..., HostLink] = \
+            lambda mid, d, via=None: _reraise(DDictClosedError("the DDict was detached")) \
+            if (f := follow()) is None else f(mid, d, via)  # fmt: skip
         #: Longest pickled key a host accepts (checked here first, with a clear error).
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
@@ -164,10 +172,12 @@ class Connections:
         connections, the dashboard's)."""
         return None
 
-    def follow(self, mid: int, deadline: float | None) -> HostLink:
+    def follow(self, mid: int, deadline: float | None,
+               via: tuple[str, str, int] | None = None) -> HostLink:  # fmt: skip
         """The link to manager ``mid``'s host now that it moved from where this process
-        knew it.  The new layout is taken whole (other managers may have moved too):
-        every channel of a manager that moved is made again on its next use.
+        sent it an operation (``via``: that host's address, else where the layout this
+        process uses has it).  The new layout is taken whole (other managers may have
+        moved too): every channel of a manager that moved is made again on its next use.
 
         Raises
         ------
@@ -176,7 +186,9 @@ class Connections:
         """
         before = self.layout.managers[mid]
         layout = self.current(deadline)
-        if layout is None or _place(layout.managers[mid]) == _place(before):
+        now = None if layout is None else layout.managers[mid]
+        if layout is None or now is None or \
+                (_address(now) == (via or _address(before)) and not now.lost):  # fmt: skip
             raise DDictManagerMovedError(f"manager {mid} of {self.layout.name!r} moved from "
                                          f"{before.hostname} ({before.worker}), and where to "
                                          "is not known here")  # fmt: skip
@@ -204,6 +216,7 @@ class Connections:
         ch = self._channels.get(mid)
         if ch is not None:
             return ch
+        self._unpark([mid])
         with self._lock:
             if self.closed:
                 raise DDictClosedError("the DDict was destroyed or detached")
@@ -224,8 +237,21 @@ class Connections:
                                       config.get_bytes("transport.min-value-limit")),
             )
             link.explain = self._explain
-            link.follow = self._follow
+            link.follow = functools.partial(self._follow, via=_address(info))
         return link
+
+    def _unpark(self, mids: list[int]) -> None:
+        """Take the orchestrator's layout now if one of ``mids`` is parked here: a worker
+        that joined its machine may serve it again (asked at most every
+        :data:`ASK_PARKED` seconds; never with the lock held)."""
+        now = time.monotonic()
+        managers = self.layout.managers
+        if now < self._parked_asked or not any(managers[m].parked for m in mids):
+            return
+        self._parked_asked = now + ASK_PARKED
+        layout = self.current(now + (config.get_seconds("host.probe-timeout") or 5.0))
+        if layout is not None and layout.epoch > self.layout.epoch:
+            self.adopt(layout)
 
     def _uses_uds(self, info: ManagerInfo) -> bool:
         """Whether ``info``'s host process is reached over its Unix socket (same host)."""
@@ -235,8 +261,7 @@ class Connections:
     def _host_link(self, info: ManagerInfo) -> HostLink:
         """The link that reaches ``info``'s manager: its host's Unix socket or TCP (TLS)."""
         if info.lost:
-            raise manager_lost(self.layout.name, info.manager_id, info.hostname, info.worker,
-                               info.lost_why)  # fmt: skip
+            raise manager_lost(self.layout.name, info)
         if self._uses_uds(info):
             return self._link(info, use_uds=True)
         ssl_context = None
@@ -273,6 +298,7 @@ class Connections:
         key = tuple(mids)
         groups = self._groups.get(key)
         if groups is None:
+            self._unpark(mids)
             by_link: dict[HostLink, list[int]] = {}
             managers = self.layout.managers
             with self._lock:  # (links are made under it, as channels are)
@@ -330,6 +356,7 @@ class Connections:
         """:meth:`_broadcast`, sent again to the managers that moved meanwhile (their
         hosts answered ``MOVED``, or were gone and the orchestrator knows where they
         went), where they are now."""
+        sent = self.layout
         results, failure, errors = self._broadcast(o, mids, progress, settle=settle)
         for _ in range(MOST_FOLLOWS):
             lost_host = type(failure) is DDictManagerMovedError
@@ -338,11 +365,12 @@ class Connections:
             if not moved:
                 break
             try:
-                self.follow(moved[0], None)
+                self.follow(moved[0], None, _address(sent.managers[moved[0]]))
             except DDictError:
                 break
             if lost_host:
                 failure = None
+            sent = self.layout
             again, fail, errs = self._broadcast(o, moved, "", settle=settle)
             for m in moved:
                 errors.pop(m, None)
@@ -406,6 +434,7 @@ class Connections:
         reader must wait.  The first failure is raised once every host answered.
         """
         out: dict[int, list[Any]] = {}
+        sent = self.layout
         local: list[tuple[Any, int, list[bytes]]] = []
         remote: dict[HostLink, list[tuple[int, list[bytes]]]] = {}
         for mid, digests in groups.items():
@@ -438,7 +467,8 @@ class Connections:
         if type(failure) is DDictManagerMovedError and follows < MOST_FOLLOWS:
             rest = {m: g for m, g in groups.items() if m not in out}
             try:
-                self.follow(next(iter(rest)), None)
+                first = next(iter(rest))
+                self.follow(first, None, _address(sent.managers[first]))
             except DDictError:
                 raise failure from None
             out.update(self.get_many(rest, chkpt, timeout, lend, follows + 1))

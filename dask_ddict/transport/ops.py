@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from .._serialize import Framed, copy_frame, raw_range
-from ..errors import wire_error
+from ..errors import DDictManagerMovedError, wire_error
 from ..stats import DDictManagerStats
 from .operation import (
     Answered,
@@ -384,13 +384,23 @@ class BatchPut(HostWide):
     @staticmethod
     def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
                    missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
-        """Each manager's records in one transaction of its own, in message order."""
+        """Each manager's records in one transaction of its own, in message order.
+
+        A manager that moved away stores none of them (nor of later messages): its
+        batch count, at its new place, tells the client which to send again there,
+        and the connection stays up for the other managers' records."""
         for mid, records in records_by_manager(r.value).items():
             m = managers.get(mid)
             if m is None:
-                raise missing(mid)
-            m.batch_put(records, r.chkpt, r.client, persistent=bool(r.flags & FLAG_PERSIST),
-                        batch=r.arg)  # fmt: skip
+                e = missing(mid)
+                if isinstance(e, DDictManagerMovedError):
+                    continue
+                raise e
+            try:
+                m.batch_put(records, r.chkpt, r.client,
+                            persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
+            except DDictManagerMovedError:
+                continue  # (it moved while these waited for its writes to resume)
         if not r.flags & FLAG_NOREPLY:
             reply()
 

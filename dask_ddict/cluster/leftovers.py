@@ -1,0 +1,63 @@
+"""Removing what lost and parked managers left on their machines.
+
+A manager whose host process ended without destroying it (a lost host) leaves
+its socket directory, and a parked one (see :mod:`.elastic`) its whole shard,
+kept on purpose.  Only a process on that machine can remove them: a live
+worker's host supervisor there, else the orchestrator itself when it runs on
+that machine (a ``LocalCluster`` scaled down to nothing), else nobody until a
+host starts there again and sweeps (see :mod:`dask_ddict.host.hygiene`; a
+parked shard's ``kept`` marker keeps it from sweeps, so it is said at INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+from distributed.comm import get_address_host
+
+from ..host import hygiene
+from ..layout import Layout, host_id
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Orchestrator(Protocol):
+    scheduler: Scheduler
+
+    def supervisor_of(self, worker: str) -> str: ...
+
+
+async def remove_lost(plugin: Orchestrator, layout: Layout, kept: bool = False,
+                      only_parked: bool = False) -> None:  # fmt: skip
+    """Delete what ``layout``'s lost managers left (``kept``: shards kept for a restart
+    too; parked shards always; ``only_parked``: nothing else)."""
+    here = host_id()
+    for m in layout.managers:
+        if not m.lost or (only_parked and not m.parked):
+            continue
+        paths = [m.store_path, os.path.dirname(m.uds_path)]
+        host = get_address_host(m.worker) if m.worker else ""
+        helpers = [plugin.supervisor_of(a) for a, ws in plugin.scheduler.workers.items()
+                   if ws.host == host]  # fmt: skip
+        removed = False
+        for helper in helpers[:1]:
+            try:
+                await _remove_at(plugin.scheduler.rpc(helper), paths, kept or m.parked)
+                removed = True
+            except Exception as e:  # noqa: BLE001 - tried here next, else said
+                logger.info("ddict: cleanup of manager %d failed: %r", m.manager_id, e)
+        if not removed and m.host_id == here:
+            removed = hygiene.remove(paths, kept or m.parked) > 0
+        if not removed and m.parked:
+            logger.info("ddict %s: parked manager %d's shard %s stays on %s (no process "
+                        "there to remove it)", layout.name, m.manager_id, m.store_path,
+                        m.hostname)  # fmt: skip
+
+
+async def _remove_at(rpc: Any, paths: list[str], kept: bool) -> None:
+    await rpc.ddict_remove_paths(paths=paths, kept=kept)
