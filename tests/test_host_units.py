@@ -137,3 +137,25 @@ def test_buffer_pool_gives_buffers_back_when_the_last_view_dies():
     del big, b
     gc.collect()
     assert pool.held <= pool.keep
+
+
+def test_a_prepared_copy_is_mapped_ahead_and_removed_if_no_move_takes_it(tmp_path):
+    """``prepare`` makes a moving manager's copy ready before the pause (a shard file of
+    the whole map, its used part mapped); unused, it goes with its expiry."""
+    import dask.config
+
+    from dask_ddict.host import moves
+    from dask_ddict.shard.store import ShardStore
+
+    with dask.config.set({"ddict.store.directory": str(tmp_path), "ddict.store.reserve": True}):
+        path = moves.prepare("d", 3, 8 << 20, 1 << 20)
+        assert os.path.dirname(path) == str(tmp_path) and "ddict-d-3-" in path
+        data = os.path.join(path, "data.mdb")
+        assert os.path.getsize(data) == ShardStore.map_size_for(8 << 20)
+        assert os.stat(data).st_blocks * 512 >= ShardStore.map_size_for(8 << 20)  # reserved
+        assert not hygiene.is_abandoned(path)  # (claimed while it waits)
+        mm = moves._PREPARED[path][0]
+        assert len(mm) == ShardStore.map_size_for(8 << 20)  # (1 MiB used + room to grow)
+        moves._unprepare(path)
+        assert not os.path.exists(path) and path not in moves._PREPARED
+        moves._unprepare(path)  # (twice: nothing left to do)

@@ -4,11 +4,13 @@ Puts, pops, deletes, ``fetch_add`` and ``update`` from the client and from a sta
 handle (one that never asks where managers are, so it meets every move at the old
 place and follows it), interleaved with moves of a random manager to a random
 worker, evacuations of a worker's host (what its retirement does before it
-leaves), moves of every manager at once and batches that span a move.  After every step the dictionary equals a plain dict.
+leaves), moves of every manager at once and batches that span a move; and, in a second
+machine, the cluster scaling down (a real retirement) and back up.  After every step the dictionary equals a plain dict.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -24,10 +26,14 @@ keys = st.one_of(st.integers(-50, 50), st.text(max_size=4))
 values = st.one_of(st.integers(), st.binary(max_size=64), st.text(max_size=8))
 
 
+def _cluster() -> LocalCluster:
+    return LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0",
+                        memory_limit="1GiB")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with _cluster() as cl, Client(cl) as c:
         yield cl, c
 
 
@@ -115,3 +121,35 @@ def test_the_dictionary_with_moves_as_steps(cluster):
         max_examples=6, stateful_step_count=30, deadline=None,
         suppress_health_check=list(HealthCheck))  # fmt: skip
     MovingDict.TestCase().runTest()
+
+
+class ScalingDict(MovingDict):
+    """:class:`MovingDict`, and the cluster scales down (a worker retires: its managers
+    move first) and back up (the new worker gets managers with ``rebalance()``)."""
+
+    cluster: LocalCluster
+
+    @rule(rebalance=st.booleans())
+    def scale_down_and_up(self, rebalance: bool) -> None:
+        c = self.client
+        self.cluster.scale(2)
+        deadline = time.monotonic() + 60
+        while len(c.scheduler_info()["workers"]) != 2 or \
+                len(set(self.d._core.fresh(force=True).manager_workers)) != 2:  # fmt: skip
+            assert time.monotonic() < deadline, "did not scale down"
+            time.sleep(0.1)
+        self.cluster.scale(3)
+        c.wait_for_workers(3, timeout=60)
+        self.workers = sorted(c.scheduler_info()["workers"])
+        if rebalance:
+            self.d.rebalance()
+            assert len(set(self.d.manager_workers)) == 3
+
+
+def test_the_dictionary_with_scaling_as_steps():
+    with _cluster() as cl, Client(cl) as c:
+        ScalingDict.client, ScalingDict.cluster = c, cl
+        ScalingDict.TestCase.settings = settings(
+            max_examples=5, stateful_step_count=12, deadline=None,
+            suppress_health_check=list(HealthCheck))  # fmt: skip
+        ScalingDict.TestCase().runTest()

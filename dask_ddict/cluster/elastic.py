@@ -63,6 +63,7 @@ class Elastic:
         self.plugin = plugin
         self.moves = Moves(lambda address: plugin.scheduler.rpc(address), plugin.dicts)
         self._host_ids: dict[str, str] = {}  # supervisor -> its machine's host id
+        self._evacuating: dict[str, asyncio.Lock] = {}  # one evacuation per supervisor
 
     def __repr__(self) -> str:
         return f"<Elastic {self.moves!r}>"
@@ -73,16 +74,23 @@ class Elastic:
 
     # -- handlers -------------------------------------------------------------------
 
-    async def evacuate(self, supervisor: str, why: str = "") -> dict[str, Any]:
-        """Move every manager of ``supervisor``'s host to the remaining workers."""
+    async def evacuate(self, supervisor: str, why: str = "", park: bool = True
+                       ) -> dict[str, Any]:  # fmt: skip
+        """Move every manager of ``supervisor``'s host to the remaining workers (and park
+        those that none can take, unless not ``park``: they stay where they are)."""
         plugin = self.plugin
         if plugin.scheduler.status != Status.running:
             return {"moved": 0, "parked": 0}  # the cluster is closing: nothing to keep
-        why = plugin.why_leaving(supervisor, why)
+        async with self._evacuating.setdefault(supervisor, asyncio.Lock()):
+            return await self._evacuate(supervisor, plugin.why_leaving(supervisor, why), park)
+
+    async def _evacuate(self, supervisor: str, why: str, park: bool) -> dict[str, Any]:
         moved, parked = 0, 0
-        for name, layout in list(plugin.dicts.items()):
-            for m in layout.managers:
-                if m.supervisor != supervisor or m.lost:
+        for name, first in list(self.plugin.dicts.items()):
+            for mid in range(first.num_managers):
+                layout = self.plugin.dicts.get(name)  # (as the moves leave it)
+                m = None if layout is None else layout.managers[mid]
+                if m is None or m.supervisor != supervisor or m.lost:
                     continue
                 tried = []
                 for c in targets(await self._candidates(name, supervisor), m.host_id):
@@ -94,9 +102,21 @@ class Elastic:
                     moved += 1
                     break
                 else:
-                    parked += 1
-                    await self._park(name, m.manager_id, m.worker, why, tried)
+                    if park:
+                        parked += 1
+                        await self._park(name, m.manager_id, m.worker, why, tried)
         return {"moved": moved, "parked": parked}
+
+    def worker_retiring(self, worker: str) -> None:
+        """Dask started to retire ``worker`` (its status is ``closing_gracefully``): its
+        host's managers move now, while Dask drains its data, instead of when its nanny
+        closes; one that no worker can take yet is left to that final evacuation."""
+        if not config.get("move.on-retire"):
+            return
+        supervisor = self.plugin.supervisor_of(worker)
+        if any(m.supervisor == supervisor and not m.lost
+               for layout in self.plugin.dicts.values() for m in layout.managers):  # fmt: skip
+            self.plugin.spawn(self.evacuate(supervisor, park=False))
 
     async def rebalance(self, name: str) -> list[dict[str, Any]]:
         """Move ``name``'s managers so that the workers' counts differ by at most one."""

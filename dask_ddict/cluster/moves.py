@@ -204,12 +204,15 @@ class Moves:
         if old.supervisor == target.supervisor:
             return None
         copy = old.host_id != target.host_id
+        prepared = ""
         if copy:
             await self._check_persist_path(layout, old, target)
+            prepared = await self._prepare(layout, old, target)
         began = time.monotonic()
         out = await self._out(layout, old, copy)
         try:
-            info = await self._in(layout, mid, target, out, path="" if copy else out["store_path"],
+            info = await self._in(layout, mid, target, out,
+                                  path=prepared if copy else out["store_path"],
                                   source=asdict(old) if copy else None)  # fmt: skip
         except BaseException:
             try:
@@ -293,6 +296,26 @@ class Moves:
                 "workers on its own machine (else it is parked there); to let managers move "
                 "between machines, persist to a shared file system or an object store "
                 "(persist_path='s3://...')", "INVALID_OPERATION")  # fmt: skip
+
+    async def _prepare(self, layout: Layout, old: ManagerInfo, target: Candidate) -> str:
+        """Step 0 of a copy, while the manager still works: ``target``'s host makes the
+        file of its copy ready, sized by what it uses now (allocating and mapping pages
+        costs about as much as receiving them, and the pause is left with the transfer).
+        Its path, or "" if it could not (the copy is then made during the pause)."""
+        mid = old.manager_id
+        try:
+            used = await self.rpc(old.supervisor).ddict_shard_bytes(uid=layout.uid)
+            raise_from_wire(used)
+            nbytes = {int(k): int(v) for k, v in used.items()}.get(mid, 0)
+            path = await self.rpc(target.supervisor).ddict_move_prepare(
+                name=layout.name, manager_id=mid, nbytes=nbytes,
+                capacity=layout.total_mem // layout.num_managers)  # fmt: skip
+            raise_from_wire(path)
+            return str(path)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the move goes on without it
+            logger.info("ddict %s: preparing manager %d's copy on %s failed: %r", layout.name,
+                        mid, target.worker, e)  # fmt: skip
+            return ""
 
     async def _out(self, layout: Layout, old: ManagerInfo, copy: bool) -> dict[str, Any]:
         """Step 1: pause manager ``old`` at its host (``copy``: its shard marked moved)."""

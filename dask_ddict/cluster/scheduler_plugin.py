@@ -359,6 +359,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._metrics = None
         await asyncio.to_thread(self.dashboard.close)
 
+    def log_event(self, topic: Any, msg: Any) -> None:
+        """Dask's events: a worker that begins to retire has its managers moved then."""
+        if isinstance(topic, str) and isinstance(msg, dict) and \
+                msg.get("action") == "worker-status-change" and \
+                msg.get("status") == "closing_gracefully":  # fmt: skip
+            self.elastic.worker_retiring(topic)
+
     def add_client(self, scheduler: Scheduler, client: str) -> None:
         self.holders.client_came_back(client)
 

@@ -83,7 +83,8 @@ class MoveOut:
 class MoveIn:
     """Serve a moving manager: over its shard at ``path`` (same machine), or over a copy
     received from ``source`` (the old place's :class:`~dask_ddict.layout.ManagerInfo`
-    fields) of ``used`` bytes in a map of ``map_size``."""
+    fields) of ``used`` bytes in a map of ``map_size`` (into the file that
+    :class:`MovePrepare` made at ``path``, if one is given)."""
 
     spec: DictSpec
     manager_id: int
@@ -92,6 +93,18 @@ class MoveIn:
     source: dict[str, Any] | None = None
     used: int = 0
     map_size: int = 0
+
+
+@dataclass(frozen=True)
+class MovePrepare:
+    """Make room for a copy of manager ``manager_id`` of dictionary ``name`` before its
+    move pauses it: the file of a shard of ``capacity`` bytes whose first ``nbytes``
+    (about what it uses now) are allocated and mapped already.  Returns its path."""
+
+    name: str
+    manager_id: int
+    capacity: int
+    nbytes: int
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@ The orchestrator drives a move (:mod:`dask_ddict.cluster.moves`) through both
 hosts' supervisors; the manager's own steps are :mod:`dask_ddict.shard.moving`.
 On one machine the new host process opens the old one's shard in ``/dev/shm``
 as it is: nothing is copied, and the manager pauses only while its shard is
-re-opened.  To another machine the new host receives the shard's used pages
-(:class:`~dask_ddict.transport.whole_checkpoints.ShardPages`, over TCP, TLS when
-the cluster uses it) straight into the file of its copy, while the manager's
-writes pause (reads go on); a copy of 1 GiB takes about as long as the network
-needs for 1 GiB.  Pausing writes for the copy, rather than copying while they go
+re-opened.  To another machine the new host first makes the file of its copy
+ready while the manager still works (:func:`prepare`: allocating and mapping a
+shard's pages costs about as much as receiving them), then receives the shard's
+used pages (:class:`~dask_ddict.transport.whole_checkpoints.ShardPages`, over
+TCP, TLS when the cluster uses it) straight into that file, while the manager's
+writes pause (reads go on): the pause is about the network's time for the bytes.  Pausing writes for the copy, rather than copying while they go
 on and catching up, keeps a move one consistent snapshot with no log to replay.
 """
 
@@ -22,7 +23,9 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
+from ..errors import DDictError
 from ..layout import ManagerInfo
+from ..shard.store import ShardStore
 from ..transport.connect import default_security
 from ..transport.links import HostLink
 from ..transport.whole_checkpoints import ShardPages
@@ -51,14 +54,16 @@ LET_GO_AFTER = 5.0
 #: (dictionary uid, manager, whether to delete it, its timer).
 _LETTING_GO: dict[str, tuple[str, Manager, bool, threading.Timer]] = {}
 _LOCK = threading.Lock()
+#: Seconds a copy's file made ready by :func:`prepare` waits for its move.
+PREPARED_FOR = 60.0
+#: Those files: path -> (its map, the shard's map size, its owner lock, its expiry).
+_PREPARED: dict[str, tuple[mmap.mmap, int, int, threading.Timer]] = {}
 
 
 def _manager(host: Host, uid: str, mid: int) -> Manager:
     hosted = host.dicts.get(bytes.fromhex(uid))
     manager = None if hosted is None else hosted.managers.get(mid)
     if manager is None:
-        from ..errors import DDictError
-
         raise DDictError(f"manager {mid} of {uid} is not served by this host process",
                          "INVALID_ARGUMENT")  # fmt: skip
     return manager
@@ -124,25 +129,84 @@ def let_go_of(uid: str) -> None:
         let_go(path)
 
 
-def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_size: int,
-            tls: bool) -> str:  # fmt: skip
-    """Copy moving manager ``mid``'s shard from ``source`` (its old place) into a new
-    shard directory here; returns its path (opened by the caller as a kept shard)."""
+def prepare(name: str, mid: int, capacity: int, nbytes: int) -> str:
+    """Make the file of a copy of manager ``mid`` ready before its move pauses it (see
+    :class:`~.control.MovePrepare`): allocating and mapping a shard's pages costs about
+    as much as receiving them, so the pause is left with the transfer alone.  Kept for
+    :data:`PREPARED_FOR` seconds; returns its path."""
+    map_size = ShardStore.map_size_for(capacity)
+    length = min(map_size, nbytes + max(nbytes // 4, 64 << 20))  # (room to grow meanwhile)
+    path, mm, lock = _new_copy(name, mid, map_size, length, populate=True)
+    timer = threading.Timer(PREPARED_FOR, _unprepare, (path,))
+    timer.daemon = True
+    with _LOCK:
+        _PREPARED[path] = (mm, map_size, lock, timer)
+    timer.start()
+    return path
+
+
+def _unprepare(path: str) -> None:
+    """Drop a prepared copy's file that no move used (in time)."""
+    with _LOCK:
+        held = _PREPARED.pop(path, None)
+    if held is not None:
+        held[3].cancel()
+        held[0].close()
+        hygiene.release(held[2])
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _new_copy(name: str, mid: int, map_size: int, length: int, populate: bool
+              ) -> tuple[str, mmap.mmap, int]:  # fmt: skip
+    """A new shard directory here for a copy of manager ``mid``: its path, the map of its
+    data file (see :func:`_copy_file`) and its owner lock."""
     base = shard_directory()
     check_room(base, map_size)
-    path = os.path.join(base, shard_name(spec.name, mid))
+    path = os.path.join(base, shard_name(name, mid))
     os.makedirs(path, mode=0o700)
     lock = hygiene.claim(path)
     try:
-        data = os.path.join(path, "data.mdb")
-        fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, map_size)
-            if config.get("store.reserve"):
-                reserve_file(fd, map_size, base)
-            mm = mmap.mmap(fd, map_size)
-        finally:
-            os.close(fd)
+        return path, _copy_file(path, map_size, length, populate), lock
+    except BaseException:
+        hygiene.release(lock)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _copy_file(path: str, map_size: int, length: int, populate: bool) -> mmap.mmap:
+    """The data file of a copy at ``path``: ``map_size`` bytes (reserved whole with
+    ``ddict.store.reserve``), its first ``length`` mapped (``populate``: its pages
+    allocated and mapped now, not one by one as they are written)."""
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, map_size)
+        if config.get("store.reserve"):
+            reserve_file(fd, map_size, os.path.dirname(path))
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(fd, length, flags=flags)
+    finally:
+        os.close(fd)
+
+
+def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_size: int,
+            tls: bool, prepared: str = "") -> str:  # fmt: skip
+    """Copy moving manager ``mid``'s shard from ``source`` (its old place) into the file
+    :func:`prepare` made at ``prepared``, else into a new shard directory here; returns
+    its path (opened by the caller as a kept shard)."""
+    with _LOCK:
+        held = _PREPARED.pop(prepared, None) if prepared else None
+    if held is not None:
+        held[3].cancel()
+        if len(held[0]) >= used and held[1] == map_size:
+            path, mm, lock = prepared, held[0], held[2]
+        else:  # (it grew past the room made for it: made again)
+            held[0].close()
+            hygiene.release(held[2])
+            shutil.rmtree(prepared, ignore_errors=True)
+            held = None
+    if held is None:
+        path, mm, lock = _new_copy(spec.name, mid, map_size, map_size, populate=False)
+    try:
         ssl_context = None
         if tls:
             ssl_context = default_security().get_connection_args("client")["ssl_context"]
@@ -151,6 +215,9 @@ def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_siz
         views: list[memoryview] = []
 
         def into(nbytes: int) -> memoryview:
+            if nbytes > len(mm):
+                raise DDictError(f"manager {mid}'s shard sent {nbytes} bytes, over its "
+                                 f"{len(mm)}-byte map", "INTERNAL")  # fmt: skip
             view = memoryview(mm)[:nbytes]
             views.append(view)
             return view

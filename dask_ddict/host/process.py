@@ -77,6 +77,8 @@ class Host:
             return moves.move_out(self, msg.uid, msg.manager_id, msg.copy)
         if isinstance(msg, control.MoveIn):
             return self.move_in(msg)
+        if isinstance(msg, control.MovePrepare):
+            return moves.prepare(msg.name, msg.manager_id, msg.capacity, msg.nbytes)
         if isinstance(msg, control.MoveDone):
             return moves.move_done(self, msg.uid, msg.manager_id, msg.where, msg.park)
         if isinstance(msg, control.ShardBytes):
@@ -135,15 +137,15 @@ class Host:
     def move_in(self, msg: control.MoveIn) -> list[dict[str, Any]]:
         """Serve a manager that moves here (see :mod:`.moves`)."""
         path = msg.path
-        if path:
+        if path and msg.source is None:
             moves.let_go(path)  # (it left this process a moment ago: closed here first)
-            if msg.source is None and not os.path.isfile(os.path.join(path, "data.mdb")):
+            if not os.path.isfile(os.path.join(path, "data.mdb")):
                 raise DDictManagerUnavailableError(
                     f"manager {msg.manager_id}'s shard {path} is not on this machine any more "
                     "(its shared memory was emptied)")  # fmt: skip
         if msg.source is not None:
             path = moves.receive(msg.spec, msg.manager_id, msg.source, msg.used, msg.map_size,
-                                 self.init.tls)  # fmt: skip
+                                 self.init.tls, prepared=path)  # fmt: skip
         try:
             return self.open(control.OpenManagers(msg.spec, (msg.manager_id,),
                                                   {msg.manager_id: path}, msg.worker))  # fmt: skip

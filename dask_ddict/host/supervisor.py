@@ -336,6 +336,12 @@ class HostSupervisor:
                 self._closed.remove(uid)
         return self._described(infos, worker)
 
+    def move_prepare(self, name: str, manager_id: int, capacity: int, nbytes: int) -> str:
+        """Make the file of a manager's copy ready before its move pauses it (its path)."""
+        with self._lock:
+            return str(self.call(control.MovePrepare(name, int(manager_id), int(capacity),
+                                                     int(nbytes))))  # fmt: skip
+
     def move_done(self, uid: str, manager_id: int, where: str, park: bool = False) -> None:
         """The manager serves at ``where`` now (``park``: nowhere, its shard kept here):
         this host stops serving it."""
@@ -471,6 +477,7 @@ class HostSupervisor:
             "ddict_remove_paths": wrap(self.remove_paths),
             "ddict_host_info": wrap(self.info),
             "ddict_move_out": wrap(self.move_out),
+            "ddict_move_prepare": wrap(self.move_prepare),
             "ddict_move_in": wrap(self.move_in),
             "ddict_move_done": wrap(self.move_done),
             "ddict_move_abort": wrap(self.move_abort),
