@@ -6,9 +6,11 @@ reaped, its socket closed, also on errors).
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,11 +87,7 @@ def loopback_seconds(nbytes: int, reps: int) -> float:
         if conn is not None:
             conn.close()  # the child's recv sees EOF and it exits
         lsock.close()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        reap(child)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -110,3 +108,70 @@ def cpu_per_op(pid: int, op: Callable[[int], Any], n: int, cap: float) -> tuple[
         if not i % 1000 and time.perf_counter() > t_end:
             break
     return (cpu_seconds(pid) - before) / i, i
+
+
+def start_redis(k: int, *args: str) -> list[tuple[Any, int, str]]:
+    """``k`` redis-servers on loopback ports (``args``: more of their options), each in
+    a temporary directory, answering: [(Popen, port, dir)]; [] when ``redis-server`` is
+    not on the PATH."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return []
+    import redis
+
+    servers = []
+    try:
+        for _ in range(k):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            workdir = tempfile.mkdtemp(prefix="ddict-bench-redis-")
+            proc = subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", workdir, *args],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            servers.append((proc, port, workdir))
+            r = redis.Redis(host="127.0.0.1", port=port)
+            for _ in range(200):
+                try:
+                    r.ping()
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    time.sleep(0.05)
+            else:
+                raise RuntimeError(f"redis-server on port {port} did not answer in 10 s")
+            r.close()
+    except BaseException:
+        stop_redis(servers)
+        raise
+    return servers
+
+
+def stop_redis(servers: list[tuple[Any, int, str]]) -> None:
+    for proc, _, workdir in servers:
+        proc.terminate()
+        reap(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def reap(proc: Any) -> None:
+    """Wait for child ``proc`` to exit (10 s, then it is killed)."""
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def print_table(rows: list[tuple[str, str, str, str, str]], tail: str) -> None:
+    """The rows ``measurement | value | target | result | notes``, aligned, then ``tail``."""
+    head = ("measurement", "value", "target", "result", "notes")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(4)]
+    line = " | ".join(h.ljust(w) for h, w in zip(head[:4], widths)) + " | " + head[4]
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print(" | ".join(str(x).ljust(w) for x, w in zip(r[:4], widths)) + " | " + r[4])
+    print(tail)

@@ -57,7 +57,6 @@ import inspect
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -280,30 +279,15 @@ def p99(samples: list[float]) -> float:
 
 
 def start_redis() -> tuple[Any, Any] | None:
-    exe = shutil.which("redis-server")
-    if exe is None:
+    """A redis-server (see ``_bench_refs.start_redis``) and a redis-py client of it."""
+    servers = refs.start_redis(1, "--proto-max-bulk-len", "1gb")
+    if not servers:
         return None
     import redis
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    workdir = tempfile.mkdtemp(prefix="ddict-bench-redis-")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, "--proto-max-bulk-len", "1gb"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    r = redis.Redis(host="127.0.0.1", port=port)
-    for _ in range(100):
-        try:
-            r.ping()
-            break
-        except Exception:
-            time.sleep(0.05)
-    proc.workdir = workdir  # type: ignore[attr-defined]
-    return proc, r
+    proc, port, workdir = servers[0]
+    proc.workdir = workdir
+    return proc, redis.Redis(host="127.0.0.1", port=port)
 
 
 def run_redis(r: Any, nbytes: int, seconds: float) -> dict[str, float]:
@@ -459,13 +443,7 @@ def main() -> None:
         rows += tls_rows(secs, bases)
     finally:
         if redis_ctx:
-            redis_ctx[0].terminate()
-            try:
-                redis_ctx[0].wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                redis_ctx[0].kill()
-                redis_ctx[0].wait()
-            shutil.rmtree(redis_ctx[0].workdir, ignore_errors=True)
+            refs.stop_redis([(redis_ctx[0], 0, redis_ctx[0].workdir)])
 
     dragon = run_dragon(secs)
     if dragon:

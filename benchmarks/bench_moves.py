@@ -63,12 +63,14 @@ import time
 import traceback
 from typing import Any
 
+
 import numpy as np
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.host.moves import LET_GO_AFTER
+from _bench_refs import print_table  # beside this script (sys.path[0])
 
 MiB, GiB = 1 << 20, 1 << 30
 VALUE = 16 * MiB  # the arrays that fill a manager
@@ -588,14 +590,7 @@ def main() -> None:
             rows.append((what, "error", "-", "FAILED", f"{type(e).__name__}: "
                          f"{' '.join(str(e).split())[:300]}"))  # fmt: skip
 
-    head = ("measurement", "value", "target", "result", "notes")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(4)]
-    line = " | ".join(h.ljust(w) for h, w in zip(head[:4], widths)) + " | " + head[4]
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print(" | ".join(str(x).ljust(w) for x, w in zip(r[:4], widths)) + " | " + r[4])
-    print(f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+    print_table(rows, f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"{time.perf_counter() - started:.0f} s in all{', --quick' if args.quick else ''})")
     if any(r[3] == "FAILED" for r in rows):
         sys.exit(1)  # (a section did not run to its end: its trace is on stderr)

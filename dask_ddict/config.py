@@ -22,9 +22,24 @@ with open(_fn) as f:
 dask.config.update_defaults(defaults)
 
 
+_MISSING = object()
+
+
 def get(key: str, default: Any = None) -> Any:
-    """Read ``ddict.<key>`` from dask's configuration."""
-    return dask.config.get(f"ddict.{key}", default=default)
+    """Read ``ddict.<key>`` from dask's configuration, else its default from the YAML.
+
+    The fallback matters: a ``dask.config.set({"ddict.…": …})`` block entered before
+    this package was imported removes the whole ``ddict`` section when it exits
+    (dask restores the section as it found it: absent), defaults included.
+    """
+    value = dask.config.get(f"ddict.{key}", default=_MISSING)
+    if value is _MISSING:
+        value = defaults.get("ddict", {})
+        for part in key.split("."):
+            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is _MISSING:
+            return default
+    return value
 
 
 def get_bytes(key: str) -> int:

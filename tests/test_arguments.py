@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import dask.config
 import numpy as np
@@ -230,3 +232,22 @@ def test_swapped_store_paths_never_read_another_managers_shard(ddict):
     finally:
         h.detach()
     assert ddict["k0"] == 0
+
+
+def test_settings_survive_a_config_block_entered_before_the_import():
+    """dask restores a section it did not find by removing it: a ``dask.config.set``
+    block around the first import of the package takes the ``ddict`` defaults with
+    it when it exits; every setting then reads its default (a fresh process)."""
+    code = (
+        "import dask.config\n"
+        "with dask.config.set({'ddict.batch.flush-bytes': '1 KiB'}):\n"
+        "    from dask_ddict import config\n"
+        "    assert config.get_bytes('batch.flush-bytes') == 1024\n"
+        "assert dask.config.get('ddict', None) is None\n"
+        "assert config.get_bytes('batch.flush-bytes') == 64 * 1024\n"
+        "assert config.get('move.on-retire') is True and config.get('no.such', 3) == 3\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.stdout.strip() == "ok", out.stderr

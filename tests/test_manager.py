@@ -199,3 +199,14 @@ def test_a_large_pop_reply_is_kept_for_a_resend_until_its_client_read_it(manager
     assert loads_value(manager.pop(k("small")[0], 0, CLIENT, rid=22)) == 1
     manager.delivered(22)
     assert loads_value(manager.pop(k("small")[0], 0, CLIENT, rid=22)) == 1  # small: kept
+
+
+def test_a_manager_paused_for_a_move_closes_without_waiting_for_itself(manager):
+    """A dictionary destroyed while one of its managers is paused for a move (its lock
+    held by the control thread that closes it too): closing ends the pause."""
+    out = manager.move_out(copy=False)
+    assert out["used_bytes"] > 0 and manager.moving
+    closer = threading.Thread(target=manager.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive() and manager.closed and not manager.moving

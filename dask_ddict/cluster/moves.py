@@ -339,6 +339,12 @@ class Moves:
             raise DDictError(f"worker {target.worker} has no ddict host supervisor",
                              "INVALID_OPERATION")  # fmt: skip
         raise_from_wire(reply)
+        now = self.layouts.get(layout.name)
+        if now is None or now.uid != layout.uid:  # destroyed meanwhile: served nowhere
+            raise_from_wire(await self.rpc(target.supervisor).ddict_destroy_managers(
+                uid=layout.uid))  # fmt: skip
+            raise DDictError(f"DDict {layout.name!r} was destroyed while manager {mid} "
+                             "moved", "INVALID_OPERATION")  # fmt: skip
         fields = set(ManagerInfo.__dataclass_fields__)
         return ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
                            supervisor=target.supervisor)  # fmt: skip

@@ -428,6 +428,9 @@ class HostSupervisor:
     def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
         with self._lock:
             entry = self._dicts.pop(uid, None)
+            self._moving_specs.pop(uid, None)  # (a move under way is not resumed here)
+            for key in [k for k in self._moving if k[0] == uid]:
+                del self._moving[key]
             if uid not in self._closed:
                 self._closed.append(uid)
                 del self._closed[:-1024]  # a bounded memory of destroyed dictionaries

@@ -570,9 +570,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
     def close(self, *, destroy: bool = True, why: int = CLOSED_DESTROYED) -> None:
         """Stop serving; wake waiters with ``DDictClosedError``; delete the shard.
 
-        ``destroy=False`` keeps the shard (a restart re-attaches it); ``why``
-        is what same-host readers of the shard are told.
+        ``destroy=False`` keeps the shard (a restart re-attaches it); ``why``: what readers see.
         """
+        self.end_pause()
         with self._cond:
             if self.closed:
                 return

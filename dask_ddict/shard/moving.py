@@ -131,6 +131,13 @@ class Moving:
             self.moving = self.copying = False
             self._mutex.release()
 
+    def end_pause(self) -> None:
+        """A manager paused for a move closes (its dictionary destroyed meanwhile): the
+        pause ends, so that closing it can take its lock."""
+        if self.moving:
+            self.moving = self.copying = False
+            self._mutex.release()
+
     def move_done(self, where: str) -> None:
         """The manager serves at ``where`` now: it closes here as moved (step 3).
 
