@@ -46,6 +46,11 @@ class ManagerInfo:
     #: its machine's shared memory for a worker there (see ``cluster.elastic``).
     parked: bool = False
 
+    @property
+    def address(self) -> tuple[str, str, int]:
+        """The address of the host process that serves it (its sockets)."""
+        return (self.uds_path, self.tcp_host, self.tcp_port)
+
 
 @dataclass(frozen=True)
 class Layout:

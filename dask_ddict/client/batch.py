@@ -34,6 +34,11 @@ from ..transport import ops
 Record = tuple[bytes, bytes, Framed]  # (digest, key, frame)
 
 
+def _cost(kb: bytes, framed: Framed) -> int:
+    """A record's bytes in a request (its key, its value and their framing)."""
+    return framed.nbytes + len(kb) + 32
+
+
 class BatchPut:
     """One open batch of a handle: client-side buffers, one list of records per manager.
 
@@ -91,7 +96,7 @@ class BatchPut:
     def add(self, mid: int, digest: bytes, kb: bytes, framed: Framed, chkpt: int) -> None:
         self._chkpt = chkpt
         route = self._route(mid)
-        own = framed.nbytes + len(kb) + 32
+        own = _cost(kb, framed)
         if own >= self.flush_bytes and self.sizes.get(route):
             self.flush(route)  # a large value travels alone: the puts before it never wait on it
         self.records.setdefault(mid, []).append((digest, kb, framed))
@@ -101,7 +106,7 @@ class BatchPut:
 
     def flush(self, route: Any) -> None:
         """Send (or commit) what is buffered for ``route``."""
-        self.sizes.pop(route, None)
+        size = self.sizes.pop(route, 0)
         mids = [m for m in self.records if self._routes.get(m) == route]
         if isinstance(route, tuple):  # a shard on this host: commit what may be
             if not mids:
@@ -109,9 +114,9 @@ class BatchPut:
             mid = mids[0]
             records = self._direct(mid, self.records.pop(mid))
             if records:
-                self._send(self._channel(mid).link, {mid: records})
+                self._send(self._channel(mid).link, {mid: records}, size)
             return
-        self._send(route, {m: self.records.pop(m) for m in mids})
+        self._send(route, {m: self.records.pop(m) for m in mids}, size)
 
     def _direct(self, mid: int, records: list[Record]) -> list[Record]:
         """Commit ``records`` into ``mid``'s shard here; the ones left are the manager's."""
@@ -128,17 +133,19 @@ class BatchPut:
             self._managed.add(mid)
         return records[done:]
 
-    def _send(self, link: Any, by_mid: dict[int, list[Record]]) -> None:
-        """One request to ``link``'s host with the records of its managers."""
-        records = [(mid, *r) for mid, rs in by_mid.items() if mid not in self._failed_mids
-                   for r in rs]  # fmt: skip
+    def _send(self, link: Any, by_mid: dict[int, list[Record]], keep: int | None = None
+              ) -> None:  # fmt: skip
+        """One request to ``link``'s host with the records of its managers (``keep``: their
+        buffered bytes, kept for a resend; ``None``: a resend, of records kept already)."""
+        by_mid = {mid: rs for mid, rs in by_mid.items() if mid not in self._failed_mids}
+        records = [(mid, *r) for mid, rs in by_mid.items() for r in rs]
         if not records:
             return
         for mid, rs in by_mid.items():
-            if mid not in self._failed_mids:
-                self.sent[mid] = self.sent.get(mid, 0) + len(rs)
-                self._sent_via[mid] = link
-                self._keep(mid, rs)
+            self.sent[mid] = self.sent.get(mid, 0) + len(rs)
+            self._sent_via[mid] = link
+        if keep is not None:
+            self._keep(by_mid, keep)
         first = records[0][0]
         try:
             link.call(ops.BatchPut(records, self._chkpt, self._client_id, self.persist,
@@ -157,14 +164,15 @@ class BatchPut:
         except DDictError as e:
             self._failed(e, first)
 
-    def _keep(self, mid: int, records: list[Record]) -> None:
+    def _keep(self, by_mid: dict[int, list[Record]], nbytes: int) -> None:
         if self._kept is None:
             return
-        self._kept_bytes += sum(f.nbytes + len(k) for _, k, f in records)
+        self._kept_bytes += nbytes
         if self._kept_bytes > self._resend_bytes:
             self._kept = None  # (too much to hold: a move during the batch is reported)
-        else:
-            self._kept.setdefault(mid, []).extend(records)
+            return
+        for mid, rs in by_mid.items():
+            self._kept.setdefault(mid, []).extend(rs)
 
     def _resend(self, mid: int, stored: int) -> int:
         """Send manager ``mid``'s records that it did not store again, if it moved since
@@ -175,18 +183,17 @@ class BatchPut:
         link = self._channel(mid).link  # (the channel follows the move: see BatchEnd)
         if link is None or link is self._sent_via.get(mid):
             return stored  # (not moved: something else cut the batch)
-        n, self.sent[mid] = len(kept), stored
+        self.sent[mid] = stored
         chunk: list[Record] = []
         size = 0
-        for r in kept[stored:n]:  # (in messages of flush-bytes, as they were sent)
+        for r in kept[stored:]:  # (in messages of flush-bytes, as they were sent)
             chunk.append(r)
-            size += r[2].nbytes + len(r[1]) + 32
+            size += _cost(r[1], r[2])
             if size >= self.flush_bytes:
                 self._send(link, {mid: chunk})
                 chunk, size = [], 0
         if chunk:
             self._send(link, {mid: chunk})
-        del kept[n:]  # (_send kept them again)
         # (its count restarted at the first end: what it stores now comes on top)
         return stored + int(self._channel(mid).call(ops.BatchEnd(self._client_id, self.id)))
 

@@ -155,8 +155,7 @@ class _Core(Connections):
                 self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
                 info = self._lost.get(mid)
                 now_at = layout.managers[mid]
-                if info is None and place is not None and \
-                        (now_at.uds_path, now_at.tcp_host, now_at.tcp_port) != place:  # fmt: skip
+                if info is None and place is not None and now_at.address != place:
                     self._asked = 0.0  # (followed at once: see follow)
                     return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
                                                   f"{now_at.hostname} ({now_at.worker})")  # fmt: skip

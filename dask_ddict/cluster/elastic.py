@@ -219,8 +219,7 @@ class Elastic:
         """Each manager's bytes as its host sees them (0 where it does not answer)."""
         async def of(supervisor: str) -> dict[int, int]:
             try:
-                return {int(k): int(v) for k, v in (await self.plugin.scheduler.rpc(
-                    supervisor).ddict_shard_bytes(uid=layout.uid)).items()}  # fmt: skip
+                return await self.moves.shard_bytes(supervisor, layout.uid)
             except Exception:  # noqa: BLE001 - a plan without sizes is still a plan
                 return {}
 

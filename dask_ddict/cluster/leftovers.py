@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from distributed.comm import get_address_host
 
@@ -47,7 +47,8 @@ async def remove_lost(plugin: Orchestrator, layout: Layout, kept: bool = False,
         removed = False
         for helper in helpers[:1]:
             try:
-                await _remove_at(plugin.scheduler.rpc(helper), paths, kept or m.parked)
+                await plugin.scheduler.rpc(helper).ddict_remove_paths(paths=paths,
+                                                                      kept=kept or m.parked)
                 removed = True
             except Exception as e:  # noqa: BLE001 - tried here next, else said
                 logger.info("ddict: cleanup of manager %d failed: %r", m.manager_id, e)
@@ -57,7 +58,3 @@ async def remove_lost(plugin: Orchestrator, layout: Layout, kept: bool = False,
             logger.info("ddict %s: parked manager %d's shard %s stays on %s (no process "
                         "there to remove it)", layout.name, m.manager_id, m.store_path,
                         m.hostname)  # fmt: skip
-
-
-async def _remove_at(rpc: Any, paths: list[str], kept: bool) -> None:
-    await rpc.ddict_remove_paths(paths=paths, kept=kept)

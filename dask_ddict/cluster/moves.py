@@ -304,9 +304,7 @@ class Moves:
         Its path, or "" if it could not (the copy is then made during the pause)."""
         mid = old.manager_id
         try:
-            used = await self.rpc(old.supervisor).ddict_shard_bytes(uid=layout.uid)
-            raise_from_wire(used)
-            nbytes = {int(k): int(v) for k, v in used.items()}.get(mid, 0)
+            nbytes = (await self.shard_bytes(old.supervisor, layout.uid)).get(mid, 0)
             path = await self.rpc(target.supervisor).ddict_move_prepare(
                 name=layout.name, manager_id=mid, nbytes=nbytes,
                 capacity=layout.total_mem // layout.num_managers)  # fmt: skip
@@ -316,6 +314,12 @@ class Moves:
             logger.info("ddict %s: preparing manager %d's copy on %s failed: %r", layout.name,
                         mid, target.worker, e)  # fmt: skip
             return ""
+
+    async def shard_bytes(self, supervisor: str, uid: str) -> dict[int, int]:
+        """The used bytes of each of dictionary ``uid``'s managers at ``supervisor``'s host."""
+        used = await self.rpc(supervisor).ddict_shard_bytes(uid=uid)
+        raise_from_wire(used)
+        return {int(k): int(v) for k, v in used.items()}
 
     async def _out(self, layout: Layout, old: ManagerInfo, copy: bool) -> dict[str, Any]:
         """Step 1: pause manager ``old`` at its host (``copy``: its shard marked moved)."""

@@ -61,14 +61,9 @@ MOST_FOLLOWS = 8
 _MOVED = int(Status.MOVED)
 
 
-def _address(info: ManagerInfo) -> tuple[str, str, int]:
-    """The address of the host process that serves a manager."""
-    return (info.uds_path, info.tcp_host, info.tcp_port)
-
-
 def _place(info: ManagerInfo) -> tuple[Any, ...]:
     """Where a manager is served: equal iff the same host process serves the same shard."""
-    return (info.uds_path, info.tcp_host, info.tcp_port, info.store_path, info.lost)
+    return (*info.address, info.store_path, info.lost)
 
 _DEFAULT_SECURITY: Any = None
 
@@ -188,7 +183,7 @@ class Connections:
         layout = self.current(deadline)
         now = None if layout is None else layout.managers[mid]
         if layout is None or now is None or \
-                (_address(now) == (via or _address(before)) and not now.lost):  # fmt: skip
+                (now.address == (via or before.address) and not now.lost):  # fmt: skip
             raise DDictManagerMovedError(f"manager {mid} of {self.layout.name!r} moved from "
                                          f"{before.hostname} ({before.worker}), and where to "
                                          "is not known here")  # fmt: skip
@@ -237,7 +232,7 @@ class Connections:
                                       config.get_bytes("transport.min-value-limit")),
             )
             link.explain = self._explain
-            link.follow = functools.partial(self._follow, via=_address(info))
+            link.follow = functools.partial(self._follow, via=info.address)
         return link
 
     def _unpark(self, mids: list[int]) -> None:
@@ -365,7 +360,7 @@ class Connections:
             if not moved:
                 break
             try:
-                self.follow(moved[0], None, _address(sent.managers[moved[0]]))
+                self.follow(moved[0], None, sent.managers[moved[0]].address)
             except DDictError:
                 break
             if lost_host:
@@ -468,7 +463,7 @@ class Connections:
             rest = {m: g for m, g in groups.items() if m not in out}
             try:
                 first = next(iter(rest))
-                self.follow(first, None, _address(sent.managers[first]))
+                self.follow(first, None, sent.managers[first].address)
             except DDictError:
                 raise failure from None
             out.update(self.get_many(rest, chkpt, timeout, lend, follows + 1))

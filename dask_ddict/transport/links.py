@@ -349,8 +349,7 @@ class HostLink:
         e = DDictManagerUnavailableError(f"{self.where(mid)} {detail}")
         if self.explain is None:
             return e
-        return self.explain(mid, e, (self.info.uds_path, self.info.tcp_host,
-                                     self.info.tcp_port) if followable else None)  # fmt: skip
+        return self.explain(mid, e, self.info.address if followable else None)
 
     def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
                  ) -> _Conn:  # fmt: skip
