@@ -27,6 +27,8 @@ INT64_MAX = (1 << 63) - 1
 MAX_TIMEOUT = 1e9
 #: Most managers per worker, and most workers hosting managers, of one dictionary.
 MAX_MANAGERS = 1 << 16
+#: Most replicas of each manager (``DDict(replicas=...)``): each costs a shard's memory.
+MAX_REPLICAS = 8
 #: The values of ``DDict(lifetime=...)`` (see ``dask_ddict.cluster.lifetime``).
 LIFETIMES = ("client", "cluster")
 #: A dictionary's name is a directory in its zarr store and part of shard file names.

@@ -103,7 +103,7 @@ def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
     """One line per manager of dictionary NAME: host, keys, bytes, fill, window, and
     the bytes its host's processes hold as zero-copy values (pinned), and the
     operations waiting at it (``wait_for_keys``/``wait_for_writers``); a line per
-    manager that is parked or lost (why); then a line per move of its managers
+    manager that is parked or lost (why), or short of its replicas; then a line per move of its managers
     (which, from where, to where, why)."""
     from .client import DDict
 
@@ -122,6 +122,10 @@ def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
                 click.echo(f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
                            f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
                            f"{window:<12} {s.pinned_bytes:>14} {s.deferred_ops:>7}")  # fmt: skip
+            asked = d._core.layout.options.replicas
+            for s in [s for s in d.stats if asked and s.replicas < asked] if not lost else []:
+                click.echo(f"short of replicas: manager {s.manager_id} has {s.replicas} of "
+                           f"{asked} (a new one is made when a worker can keep it)")  # fmt: skip
             for mv in d.moves:  # (the orchestrator's memory of its managers' moves)
                 to = mv["target"] or "nowhere (parked on its machine)"
                 click.echo(f"moved: manager {mv['manager_id']} from {mv['source']} to {to}: "
@@ -183,6 +187,37 @@ def inspect(store: str) -> None:
                 click.echo(f"  manager {mid}: checkpoint {g.chkpt} ({g.name}): {state}{check}")
     if bad:
         raise click.ClickException(f"{bad} damaged or unreadable checkpoint(s) in {store}")
+
+
+@ddict.command()
+@click.argument("name")
+@click.option("--total-mem", default="256 MiB", show_default=True, help="Bytes over all managers.")
+@click.option("--managers-per-worker", type=int, default=None,
+              help="Shards per worker (default: ddict.managers-per-worker).")
+@click.option("--working-set-size", type=int, default=1, show_default=True,
+              help="Checkpoints kept (Dragon's working set).")
+@click.option("--replicas", type=int, default=0, show_default=True,
+              help="Copies of each shard kept by other workers' hosts (a host lost suddenly "
+                   "loses nothing acknowledged).")
+@scheduler_option
+def create(name: str, total_mem: str, managers_per_worker: int | None, working_set_size: int,
+           replicas: int, scheduler: str | None, timeout: float | None) -> None:  # fmt: skip
+    """Create dictionary NAME on the cluster; print its handle (``DDict.attach``).
+
+    It outlives this command (``lifetime="cluster"``): remove it with ``dask ddict
+    destroy NAME``.
+    """
+    from .client import DDict
+
+    with _client(scheduler, timeout) as client:
+        try:
+            d = DDict(managers_per_worker, total_mem=total_mem, name=name, client=client,
+                      working_set_size=working_set_size, replicas=replicas,
+                      lifetime="cluster")  # fmt: skip
+        except (TypeError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(d.serialize())
+        d._core.close()  # the dictionary lives on; this process lets go of its handle
 
 
 @ddict.command()

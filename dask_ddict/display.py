@@ -62,13 +62,14 @@ def summarize(
             "fill": None, "window": None, "frozen": None, "pinned_bytes": None,
             "pinned_views": None, "deferred_ops": None, "ops_served": None,
             "host_restarts": None, "persisted": list((persisted or {}).get(m.manager_id, ())),
+            "replicas": None,
         }  # fmt: skip
         if isinstance(s, DDictManagerStats):
             row.update(num_keys=s.num_keys, bytes=s.total_used_bytes, capacity=s.total_bytes,
                        fill=s.pool_utilization, frozen=s.frozen,
                        pinned_bytes=s.pinned_bytes, pinned_views=s.pinned_views,
                        deferred_ops=s.deferred_ops, ops_served=dict(s.ops_served),
-                       host_restarts=s.host_restarts,
+                       host_restarts=s.host_restarts, replicas=s.replicas,
                        window=[s.oldest_checkpoint, s.newest_checkpoint])  # fmt: skip
         elif m.lost:
             row["error"] = "lost with its host"
@@ -97,6 +98,7 @@ def summarize(
         "persist_path": opts.persist_path,
         "persist_freq": opts.persist_freq,
         "read_only": opts.read_only,
+        "replicas": opts.replicas,
         "managers": managers,
         "moves_total": len(moves),
         "moves": [dict(m) for m in list(moves)[-10:]],

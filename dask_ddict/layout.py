@@ -83,11 +83,12 @@ class Layout:
     def manager_workers(self) -> list[str]:
         return [m.worker for m in self.managers]
 
-    def with_lost(self, supervisor: str, why: str = "") -> Layout:
-        """The layout after ``supervisor`` (and so its host process) is gone, ``why``."""
+    def with_lost(self, supervisor: str, why: str = "", only: list[int] | None = None) -> Layout:
+        """The layout after ``supervisor`` (and so its host process) is gone, ``why``
+        (``only``: those of its managers; the others' replicas take over)."""
         managers = tuple(
             replace(m, lost=True, lost_why=why) if m.supervisor == supervisor and not m.lost
-            else m for m in self.managers
+            and (only is None or m.manager_id in only) else m for m in self.managers
         )  # fmt: skip
         return replace(self, managers=managers, epoch=self.epoch + 1)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
-from .arguments import INT64_MAX, absolute_store, check_bool, check_int, local_store
+from .arguments import INT64_MAX, MAX_REPLICAS, absolute_store, check_bool, check_int, local_store
 
 
 def parse_total_mem(total_mem: Any) -> int:
@@ -50,6 +50,7 @@ class DDictOptions:
     read_only: bool = False
     restore_from: int | None = None
     manager_pool_full_thresh: float = 0.9
+    replicas: int = 0
 
     def validate(self, *, name: str = "", restart: bool = False) -> None:
         """Raise ``ValueError``/``TypeError`` for an invalid combination."""
@@ -57,6 +58,7 @@ class DDictOptions:
         check_int("persist_freq", self.persist_freq, 0)
         check_int("persist_count", self.persist_count, -1)
         check_int("restore_from", self.restore_from, 0, allow_none=True)
+        check_int("replicas", self.replicas, 0, MAX_REPLICAS)
         for flag in ("wait_for_keys", "wait_for_writers", "read_only"):
             check_bool(flag, getattr(self, flag))
         if not isinstance(self.persist_path, str):
@@ -88,6 +90,9 @@ class DDictOptions:
                 raise ValueError("read_only needs working_set_size == 1")
             if self.persist_count != 0:
                 raise ValueError("read_only needs persist_count == 0")
+            if self.replicas:
+                raise ValueError("read_only cannot be combined with replicas (a replay writes "
+                                 "nothing that a replica would keep)")
         if self.restore_from is not None and not name:
             raise ValueError("restore_from needs the name of the dictionary to restore")
         if restart and not name:

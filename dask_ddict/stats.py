@@ -40,6 +40,9 @@ class DDictManagerStats:
     #: Checkpoint ids this manager has committed to ``persist_path``, ascending
     #: (``persisted_ids()`` is those committed on every manager).
     persisted_ids: tuple[int, ...] = ()
+    #: The live replicas this manager ships its writes to (``DDict(..., replicas=k)``);
+    #: fewer than ``k`` while one is being made again after a loss.
+    replicas: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DDictManagerStats:

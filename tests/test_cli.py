@@ -114,3 +114,20 @@ def test_an_unreachable_scheduler_from_the_shell_is_one_line_on_stderr():
     ]
     bad = CliRunner().invoke(cli, ["list", "--scheduler", "tcp://127.0.0.1:1", "--timeout", "x"])
     assert bad.exit_code == 2 and "timeout 'x' is not a duration" in bad.stderr
+
+
+def test_create_with_replicas_then_stats_and_destroy(client):
+    address = client.scheduler.address
+    code, out = run("create", "cli-rep", "--total-mem", "32 MiB", "--replicas", "1",
+                    "--scheduler", address)  # fmt: skip
+    assert code == 0 and out.startswith("ddict3:"), out
+    d = DDict.attach(out.strip())
+    try:
+        d["k"] = 1
+        assert d.lifetime == "cluster" and [s.replicas for s in d.stats] == [1] * d.num_managers
+        code, out = run("stats", "cli-rep", "--scheduler", address)
+        assert code == 0 and "short of replicas" not in out
+        code, out = run("create", "cli-bad", "--replicas", "-1", "--scheduler", address)
+        assert code != 0 and "replicas" in out
+    finally:
+        d.destroy()

@@ -213,9 +213,10 @@ def test_a_restarted_host_is_counted_and_its_shard_reported(
 
 
 def test_an_older_managers_stats_record_gets_the_new_fields_defaults() -> None:
-    old = tuple(range(len(FIELDS) - 3))  # from before ops_served, host_restarts, persisted_ids
-    s = DDictManagerStats.from_record(old)
-    assert (s.deferred_ops, s.ops_served, s.host_restarts, s.persisted_ids) == (old[-1], {}, 0, ())
+    old = tuple(range(len(FIELDS) - 4))  # from before ops_served, host_restarts, persisted_ids
+    s = DDictManagerStats.from_record(old)  # and replicas
+    assert (s.deferred_ops, s.ops_served, s.host_restarts, s.persisted_ids, s.replicas) == \
+        (old[-1], {}, 0, (), 0)  # fmt: skip
     t = DDictManagerStats.from_record(old)
     assert s.ops_served is not t.ops_served  # each its own dict
     assert DDictManagerStats.from_dict({"manager_id": 3}).ops_served == {}

@@ -25,6 +25,7 @@ from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
+from writers import _check, _wait_gone, _with_writers, _write
 
 # -- pure placement ----------------------------------------------------------------------
 
@@ -66,71 +67,6 @@ def test_targets_prefer_the_least_loaded_then_the_same_machine():
     c = [Candidate("w1", "s1", "other", 1, 1), Candidate("w2", "s2", "here", 1, 1),
          Candidate("w3", "s3", "other", 0, 5)]  # fmt: skip
     assert [t.worker for t in targets(c, "here")] == ["w3", "w2", "w1"]
-
-
-# -- writers -------------------------------------------------------------------------------
-
-
-def _write(d: DDict, tag: str, stop: threading.Event | Any, bound: float = 60.0
-           ) -> tuple[dict[Any, int], int]:  # fmt: skip
-    """Put ``(tag, i) -> i`` and fetch_add ``("count", tag)`` until ``stop``; return the
-    acknowledged puts and increments (an exception is a failure of the test)."""
-    acked: dict[Any, int] = {}
-    adds = 0
-    end = time.monotonic() + bound
-    i = 0
-    while not stop() and time.monotonic() < end:
-        d[(tag, i % 200)] = i
-        acked[(tag, i % 200)] = i
-        d.fetch_add(("count", tag), 1)
-        adds += 1
-        i += 1
-    return acked, adds
-
-
-def _task_writer(d: DDict, tag: str) -> tuple[dict[Any, int], int]:
-    return _write(d, tag, lambda: "stop" in d)
-
-
-def _check(d: DDict, results: list[tuple[dict[Any, int], int]], tags: list[str]) -> None:
-    for (acked, adds), tag in zip(results, tags):
-        assert adds > 0
-        for k, v in acked.items():
-            assert d[k] == v, (k, v)
-        assert d[("count", tag)] == adds
-    for m in range(d.num_managers):  # every manager takes new puts
-        d.manager(m)[("after", m)] = m
-        assert d.manager(m)[("after", m)] == m
-
-
-def _wait_gone(d: DDict, worker: str, bound: float = 60.0) -> None:
-    """Wait until no manager is hosted for ``worker`` (its nanny closes after the
-    retirement returns, and moves its managers then)."""
-    deadline = time.monotonic() + bound
-    while worker in d._core.fresh(force=True).manager_workers:
-        assert time.monotonic() < deadline, f"managers still on {worker}"
-        time.sleep(0.2)
-
-
-def _with_writers(c: Client, d: DDict, stay: list[str], change: Any) -> None:
-    """Run 2 client threads and 2 tasks (on ``stay`` workers) writing while ``change()``."""
-    stop = threading.Event()
-    results: list[Any] = [None, None]
-    threads = [threading.Thread(target=lambda j=j: results.__setitem__(
-        j, _write(d, f"t{j}", stop.is_set))) for j in range(2)]  # fmt: skip
-    for t in threads:
-        t.start()
-    futures = [c.submit(_task_writer, d, f"task{j}", workers=[stay[j % len(stay)]], pure=False)
-               for j in range(2)]  # fmt: skip
-    time.sleep(1.0)
-    change()
-    time.sleep(1.0)
-    stop.set()
-    d["stop"] = True
-    for t in threads:
-        t.join(90)
-    task_results = c.gather(futures)
-    _check(d, [*results, *task_results], ["t0", "t1", "task0", "task1"])
 
 
 @pytest.fixture

@@ -506,3 +506,35 @@ def test_a_manager_persisting_to_a_host_local_path_does_not_move_to_another_mach
         d.destroy()
         h.on_host2(f"import shutil; shutil.rmtree({path!r}, ignore_errors=True)")
         subprocess.run(["rm", "-rf", path], check=False)
+
+
+def test_with_a_replica_on_the_other_host_losing_host2_loses_nothing(hosts):
+    """``replicas=1`` across two machines: each manager's replica is on the other host.
+    Every process of host 2 is SIGKILLed (and its /dev/shm goes with its namespace):
+    host 2's managers answer again from their replicas on host 1, with every key and
+    the exact counters, and writers on this host keep going."""
+    h, c = hosts
+    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c, timeout=60,
+              workers=[w1, w2], replicas=1, lifetime="cluster")  # fmt: skip
+    try:
+        reps = c.sync(c.scheduler.ddict_replicas, name=d.get_name())
+        for m in d._core.layout.managers:  # on the other machine
+            assert list(reps[m.manager_id]) == [w2 if m.worker == w1 else w1], (m, reps)
+        d.update({i: i for i in range(400)})
+        on2 = [m.manager_id for m in d._core.layout.managers if m.worker == w2]
+        for m in on2:
+            d.manager(m).fetch_add("n", 5)
+        h.kill("worker2", signal.SIGKILL)  # the whole host: nanny, worker, host process
+        for m in on2:  # (the first operation waits for the failover)
+            assert d.manager(m).fetch_add("n", 1) == 5
+        assert all(d[i] == i for i in range(400))
+        assert set(d._core.fresh(force=True).manager_workers) == {w1}
+        assert {m["manager_id"] for m in d.moves if m["why"].startswith("failover")} == set(on2)
+        for m in range(d.num_managers):
+            d.manager(m)["after"] = m
+            assert d.manager(m)["after"] == m
+    finally:
+        d.destroy()
+        h.start_host2()
+        c.wait_for_workers(2, timeout=90)

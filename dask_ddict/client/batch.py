@@ -148,11 +148,15 @@ class BatchPut:
             self._keep(by_mid, keep)
         first = records[0][0]
         try:
-            link.call(ops.BatchPut(records, self._chkpt, self._client_id, self.persist,
-                                   self.id), first)  # fmt: skip
+            try:
+                link.call(ops.BatchPut(records, self._chkpt, self._client_id, self.persist,
+                                       self.id), first)  # fmt: skip
+            except DDictError as broke:  # (a replicated manager's host lost: its replica
+                raise self._taken_over(link, first, broke) from None  # takes over)
         except DDictManagerMovedError as e:
-            # Its host is gone and its managers moved (a retired worker): this message
-            # is sent again where they went, at the end (kept), and the next ones too.
+            # Its host is gone and its managers moved (a retired worker, a replica that
+            # took over from a lost host): this message is sent again where they went, at
+            # the end (kept), and the next ones too.
             for mid in by_mid:
                 self._routes.pop(mid, None)
             try:
@@ -163,6 +167,16 @@ class BatchPut:
                 self._failed(gone, first)
         except DDictError as e:
             self._failed(e, first)
+
+    def _taken_over(self, link: Any, mid: int, e: DDictError) -> DDictError:
+        """``e``, or ``MOVED`` when the connection to a replicated manager's host broke
+        and a replica took over from it (asked of the orchestrator, see
+        ``_Core.explain``): a batch's records are not answered one by one, so a broken
+        connection is all it sees of a lost host."""
+        if type(e) is not DDictError or e.code != "MANAGER_UNAVAILABLE" or \
+                self._kept is None or link.explain is None:  # fmt: skip
+            return e
+        return link.explain(mid, DDictManagerUnavailableError(e.message), link.info.address)
 
     def _keep(self, by_mid: dict[int, list[Record]], nbytes: int) -> None:
         if self._kept is None:

@@ -35,6 +35,8 @@ from .layouts import LayoutRef, current_client, current_layout, remember, resolv
 #: Seconds between two questions of one handle to the orchestrator about unreachable
 #: managers (see :meth:`_Core.explain`).
 ASK_EVERY = 0.5
+#: How often a client waiting for a replica to take over asks the orchestrator (seconds).
+FAILOVER_POLL = 0.2
 
 #: "No argument given" for methods whose ``None`` means something.
 MISSING: Any = object()
@@ -143,6 +145,8 @@ class _Core(Connections):
         :data:`ASK_EVERY` seconds, so a loop of failures does not flood it.
         """
         info = self._lost.get(mid)
+        if info is None and place is not None and self.layout.options.replicas:
+            return self._await_failover(mid, place) or e
         now = time.monotonic()
         if info is None and now >= self._asked:
             self._asked = now + ASK_EVERY
@@ -162,6 +166,29 @@ class _Core(Connections):
         if info is None:
             return e
         return manager_lost(self.name, info)
+
+    def _await_failover(self, mid: int, place: tuple[str, str, int]) -> DDictError | None:
+        """A replicated manager that cannot be reached at ``place``: its host may be lost,
+        and a replica about to take over.  The orchestrator is asked (once its moves
+        are done) until the manager serves elsewhere (``MOVED``: followed), is lost, or
+        ``ddict.failover-timeout`` passes (``None``)."""
+        deadline = time.monotonic() + (config.get_seconds("failover-timeout") or 0.0)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                layout = current_layout(self.ref, self._client, max(0.05, left), settled=True)
+            except DDictClosedError as closed:
+                return closed
+            now_at = None if layout is None else layout.managers[mid]
+            if now_at is not None and now_at.lost:
+                self._lost[mid] = now_at
+                return manager_lost(self.name, now_at)
+            if now_at is not None and now_at.address != place:
+                return DDictManagerMovedError(f"manager {mid} of {self.name!r} failed over to "
+                                              f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
+            if left <= 0:
+                return None
+            time.sleep(min(FAILOVER_POLL, max(0.0, left)))
 
     def current(self, deadline: float | None) -> Layout | None:
         """The orchestrator's layout once its moves of this dictionary are done, asked

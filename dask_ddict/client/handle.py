@@ -110,6 +110,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         ``LocalCluster`` that this handle owns and closes on :meth:`destroy`.
     workers
         Worker addresses to host managers (default: all, see ``n_workers``).
+    replicas
+        Copies of each shard kept by other workers' hosts, written before a write is
+        acknowledged: a host lost suddenly loses nothing acknowledged (docs: "Replicas").
 
     Notes
     -----
@@ -152,6 +155,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         lifetime: str | None = None,
         client: Client | None = None,
         workers: list[str] | None = None,
+        replicas: int = 0,
     ) -> None:
         # The signature is the constructor arguments' one declaration: take them by name.
         args = {k: v for k, v in locals().items() if k in CREATE_ARGUMENTS}
@@ -573,9 +577,8 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
             hasattr(key_pickler, "dumps") and hasattr(key_pickler, "loads")
         ):
             raise TypeError("key_pickler needs dumps() and loads()")
-        if value_pickler is not None and not (
-            hasattr(value_pickler, "dump") and hasattr(value_pickler, "load")
-        ):
+        if value_pickler is not None and not (hasattr(value_pickler, "dump")
+                                              and hasattr(value_pickler, "load")):  # fmt: skip
             raise TypeError("value_pickler needs dump(obj, file) and load(file)")
         h = self._derive()
         h._kp, h._vp = key_pickler, value_pickler
@@ -589,10 +592,8 @@ CREATE_ARGUMENTS = frozenset(CREATE_SIGNATURE.parameters) - {"self", "client"}
 
 def _rebuild(ref: LayoutRef, chkpt: int, timeout: float | None, target: int | None,
              kp: Any, vp: Any) -> DDict:  # fmt: skip
-    """Unpickling a handle attaches (a task starts at the parent's checkpoint).
-
-    Nothing is sent here: the layout is resolved on the handle's first use.
-    """
+    """Unpickling a handle attaches (a task starts at the parent's checkpoint); nothing
+    is sent here: the layout is resolved on the handle's first use."""
     h = DDict._from_core(_Core(ref), creator=False, chkpt=chkpt, timeout=timeout)
     h._target, h._kp, h._vp = target, kp, vp
     return h

@@ -24,6 +24,7 @@ moves themselves (:mod:`.moves`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +36,9 @@ from distributed.core import Status
 from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
 from ..layout import Layout
+from .leftovers import remove_paths_on
 from .moves import Candidate, Move, Moves, rebalance_plan, targets
+from .replicas import Replicas
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -64,13 +67,17 @@ class Elastic:
         self.moves = Moves(lambda address: plugin.scheduler.rpc(address), plugin.dicts)
         self._host_ids: dict[str, str] = {}  # supervisor -> its machine's host id
         self._evacuating: dict[str, asyncio.Lock] = {}  # one evacuation per supervisor
+        self.replicas = Replicas(self.moves.rpc, plugin.dicts, self.moves, self._candidates,
+                                 plugin.spawn, functools.partial(remove_paths_on, plugin))  # fmt: skip
 
     def __repr__(self) -> str:
         return f"<Elastic {self.moves!r}>"
 
     def handlers(self) -> dict[str, Any]:
         return {"ddict_evacuate": self.evacuate, "ddict_rebalance": self.rebalance,
-                "ddict_move": self.move_one, "ddict_moves": self.moves_of}  # fmt: skip
+                "ddict_move": self.move_one, "ddict_moves": self.moves_of,
+                "ddict_replicas": self.replicas_of,
+                "ddict_host_restarted": self.replicas.host_restarted}  # fmt: skip
 
     # -- handlers -------------------------------------------------------------------
 
@@ -93,7 +100,9 @@ class Elastic:
                 if m is None or m.supervisor != supervisor or m.lost:
                     continue
                 tried = []
-                for c in targets(await self._candidates(name, supervisor), m.host_id):
+                keeping = {r.supervisor for r in self.replicas.of(name).get(mid, ())}
+                for c in sorted(targets(await self._candidates(name, supervisor), m.host_id),
+                                key=lambda c: c.supervisor in keeping):  # (not with its replica)
                     try:
                         await self.moves.move(name, m.manager_id, c, why)
                     except Exception as e:  # noqa: BLE001 - the next worker may take it
@@ -105,7 +114,8 @@ class Elastic:
                     if park:
                         parked += 1
                         await self._park(name, m.manager_id, m.worker, why, tried)
-        return {"moved": moved, "parked": parked}
+        replicas = await self.replicas.evacuate(supervisor)
+        return {"moved": moved, "parked": parked, "replicas": replicas}
 
     def worker_retiring(self, worker: str) -> None:
         """Dask started to retire ``worker`` (its status is ``closing_gracefully``): its
@@ -172,6 +182,18 @@ class Elastic:
                     break
         return done
 
+    def replicas_of(self, name: str) -> dict[int, list[str]]:
+        """The workers that keep each manager's replicas of ``name``."""
+        return {mid: [r.worker for r in reps] for mid, reps in self.replicas.of(name).items()}
+
+    async def repair_all(self) -> None:
+        """Replicas for every manager short of them (a worker joined)."""
+        for name in [n for n in list(self.plugin.dicts) if self.replicas.short(n)]:
+            try:
+                await self.replicas.place(name)
+            except Exception as e:  # noqa: BLE001 - said; the next join tries again
+                logger.warning("ddict %s: making its missing replicas failed: %r", name, e)
+
     def moves_of(self, name: str) -> list[dict[str, Any]]:
         """The remembered moves of ``name`` (parkings too: no target), oldest first."""
         return [asdict(m) for m in self.moves.of(name)]
@@ -187,6 +209,8 @@ class Elastic:
     def worker_joined(self, worker: str) -> None:
         """A worker joined: once it runs, it takes the parked managers of its machine,
         and managers from the others when ``ddict.move.rebalance-on-join`` says so."""
+        if any(self.replicas.short(n) for n in self.plugin.dicts):
+            self.plugin.spawn(self._once_running(worker, self.repair_all))
         if config.get("move.rebalance-on-join") and self.plugin.dicts:
             self.plugin.spawn(self._once_running(worker, self.rebalance_all))
         elif self.moves.busy or any(m.parked for layout in self.plugin.dicts.values()

@@ -36,25 +36,32 @@ async def remove_lost(plugin: Orchestrator, layout: Layout, kept: bool = False,
                       only_parked: bool = False) -> None:  # fmt: skip
     """Delete what ``layout``'s lost managers left (``kept``: shards kept for a restart
     too; parked shards always; ``only_parked``: nothing else)."""
-    here = host_id()
     for m in layout.managers:
         if not m.lost or (only_parked and not m.parked):
             continue
-        paths = [m.store_path, os.path.dirname(m.uds_path)]
-        host = get_address_host(m.worker) if m.worker else ""
-        helpers = [plugin.supervisor_of(a) for a, ws in plugin.scheduler.workers.items()
-                   if ws.host == host]  # fmt: skip
-        removed = False
-        for helper in helpers[:1]:
-            try:
-                await plugin.scheduler.rpc(helper).ddict_remove_paths(paths=paths,
-                                                                      kept=kept or m.parked)
-                removed = True
-            except Exception as e:  # noqa: BLE001 - tried here next, else said
-                logger.info("ddict: cleanup of manager %d failed: %r", m.manager_id, e)
-        if not removed and m.host_id == here:
-            removed = hygiene.remove(paths, kept or m.parked) > 0
+        removed = await remove_paths_on(plugin, m.worker, m.host_id,
+                                        [m.store_path, os.path.dirname(m.uds_path)],
+                                        kept or m.parked)  # fmt: skip
         if not removed and m.parked:
             logger.info("ddict %s: parked manager %d's shard %s stays on %s (no process "
                         "there to remove it)", layout.name, m.manager_id, m.store_path,
                         m.hostname)  # fmt: skip
+
+
+async def remove_paths_on(plugin: Orchestrator, worker: str, machine: str, paths: list[str],
+                          kept: bool = False) -> bool:  # fmt: skip
+    """Remove ``paths`` (abandoned ``ddict-*`` directories: see ``hygiene.remove``) on the
+    machine of ``worker`` (host id ``machine``) through a live worker's supervisor there,
+    else here if this is that machine; whether someone could."""
+    host = get_address_host(worker) if worker else ""
+    helpers = [plugin.supervisor_of(a) for a, ws in plugin.scheduler.workers.items()
+               if ws.host == host]  # fmt: skip
+    for helper in helpers[:1]:
+        try:
+            await plugin.scheduler.rpc(helper).ddict_remove_paths(paths=paths, kept=kept)
+            return True
+        except Exception as e:  # noqa: BLE001 - tried here next, else said
+            logger.info("ddict: removing %s failed: %r", paths, e)
+    if machine == host_id():
+        return hygiene.remove(paths, kept) > 0
+    return False

@@ -66,6 +66,8 @@ GAUGES = [
      "pinned_views"),
     ("deferred_operations", "Operations waiting at the manager (wait_for_keys/writers)",
      "deferred_ops"),
+    ("replicas", "Live replicas of the manager (DDict(replicas=k)); fewer than k while one "
+     "is made again after a loss", "replicas"),
 ]  # fmt: skip
 
 

@@ -132,6 +132,9 @@ class Moves:
         self.parked_options: dict[tuple[str, int], Any] = {}
         #: (machine, other machine, local persist path) -> whether the other sees it
         self._sees: dict[tuple[str, str, str], bool] = {}
+        #: ``await on_served(name, info)``: a manager is served at its new place, before
+        #: the layout says so (its replicas follow it there, see ``replicas``).
+        self.on_served: Callable[[str, ManagerInfo], Awaitable[None]] | None = None
 
     def __repr__(self) -> str:
         return f"<Moves done={len(self.log)} under_way={dict(+self._under_way)}>"
@@ -155,17 +158,17 @@ class Moves:
 
     async def move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         """Move manager ``mid`` of ``name`` to ``target``'s host; ``None`` if it is there."""
-        return await self._serially(name, self._move(name, mid, target, why))
+        return await self.serially(name, self._move(name, mid, target, why))
 
     async def park(self, name: str, mid: int, why: str) -> Move:
         """Stop serving manager ``mid`` of ``name`` where it is but keep its shard in its
         machine's shared memory (no worker can take it): see :meth:`adopt`."""
-        return await self._serially(name, self._park(name, mid, why))
+        return await self.serially(name, self._park(name, mid, why))
 
     async def adopt(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         """Serve parked manager ``mid`` of ``name`` at ``target``'s host, on the machine
         where its shard waits; ``None`` if it is not parked (any more)."""
-        return await self._serially(name, self._adopt(name, mid, target, why))
+        return await self.serially(name, self._adopt(name, mid, target, why))
 
     def unpark(self, name: str, mid: int, why: str) -> None:
         """Parked manager ``mid``'s shard is gone from its machine: it is lost, ``why``."""
@@ -175,19 +178,27 @@ class Moves:
             self._place(name, replace(layout.managers[mid], parked=False, lost_why=why))
             logger.warning("ddict %s: parked manager %d is lost: %s", name, mid, why)
 
-    async def _serially(self, name: str, step: Awaitable[T]) -> T:
+    async def serially(self, name: str, step: Awaitable[T]) -> T:
         """Run ``step``, one at a time per dictionary, counted as under way meanwhile."""
         lock = self._locks.setdefault(name, asyncio.Lock())
-        self._under_way[name] += 1
+        self.begin(name)
         try:
             async with lock:
                 return await step
         finally:
-            self._under_way[name] -= 1
-            if not self._under_way[name]:
-                del self._under_way[name]
-            async with self._changed:
-                self._changed.notify_all()
+            await self.end(name)
+
+    def begin(self, name: str) -> None:
+        """A change of ``name``'s layout is under way (clients asking for it wait)."""
+        self._under_way[name] += 1
+
+    async def end(self, name: str) -> None:
+        """:meth:`begin`'s change is done."""
+        self._under_way[name] -= 1
+        if not self._under_way[name]:
+            del self._under_way[name]
+        async with self._changed:
+            self._changed.notify_all()
 
     def _layout(self, name: str) -> Layout:
         layout = self.layouts.get(name)
@@ -222,7 +233,7 @@ class Moves:
                 logger.warning("ddict %s: resuming manager %d after a failed move: %r", name,
                                mid, e)  # fmt: skip
             raise
-        self._place(name, info)
+        await self._served(name, info)
         where = f"{info.hostname} (worker {target.worker})"
         try:
             raise_from_wire(await self.rpc(old.supervisor).ddict_move_done(
@@ -265,7 +276,7 @@ class Moves:
                "storage_options": self.parked_options.get((layout.uid, mid))}  # fmt: skip
         info = await self._in(layout, mid, target, out, path=old.store_path, source=None)
         self.parked_options.pop((layout.uid, mid), None)
-        self._place(name, info)
+        await self._served(name, info)
         return self._done(Move(name, mid, old.worker, target.worker, why, False, 0,
                                time.monotonic() - began, time.time()))  # fmt: skip
 
@@ -352,6 +363,12 @@ class Moves:
         fields = set(ManagerInfo.__dataclass_fields__)
         return ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
                            supervisor=target.supervisor)  # fmt: skip
+
+    async def _served(self, name: str, info: ManagerInfo) -> None:
+        """``info``'s manager serves at its new place: :attr:`on_served`, then the layout."""
+        if self.on_served is not None:
+            await self.on_served(name, info)
+        self._place(name, info)
 
     def _place(self, name: str, info: ManagerInfo) -> None:
         """The layout with ``info`` for its manager, in a new epoch (clients follow)."""

@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import dask.config
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
@@ -43,7 +42,7 @@ from .dashboard import DashboardData, install
 from .elastic import Elastic
 from .leftovers import remove_lost
 from .lifetime import Holders
-from .sizing import HostMemory, memory_warnings, pause_fraction
+from .sizing import hosts_warnings
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
 
 if TYPE_CHECKING:
@@ -202,6 +201,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             )
         opts = DDictOptions.from_dict(options)
         chosen = self._choose_workers(n_workers, workers)
+        if opts.replicas >= len(self.scheduler.workers):
+            raise ValueError(f"replicas={opts.replicas} needs at least {opts.replicas + 1} "
+                             f"workers (each replica in another worker's host process); the "
+                             f"cluster has {len(self.scheduler.workers)}")  # fmt: skip
         num = len(chosen) * managers_per_worker
         kept = self._kept_for_restart(name, opts, num) if restart else None
         if kept is not None:
@@ -252,7 +255,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             key=lambda m: m.manager_id,
         )  # fmt: skip
         extra: dict[str, Any] = {}
-        warnings = self._memory_warnings(results)  # type: ignore[arg-type]
+        warnings = hosts_warnings(self.scheduler, results, self._warned_hosts)  # type: ignore[arg-type]
         if warnings:
             extra["warnings"] = warnings
         if kept is not None:
@@ -267,6 +270,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self.dicts[name] = layout
         if lifetime == "client":
             self.holders.created(name, uid, client)
+        if opts.replicas and kept is None:  # (a restart's managers: placed again below too)
+            await self.elastic.replicas.place(name)
+        elif opts.replicas:
+            self.spawn(self.elastic.replicas.place(name))
         logger.info("ddict %s: %d managers on %d workers%s", name, num, len(plan),
                     " (restarted)" if kept else "")  # fmt: skip
         return layout.to_dict()
@@ -304,7 +311,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         del self.dicts[name]
         self.holders.forget(name)
         # (a supervisor that gave up its host lives on: it removes what is left of the shards)
-        live = sorted({m.supervisor for m in layout.managers if m.supervisor not in self._gone})
+        live = sorted(({m.supervisor for m in layout.managers} | self.elastic.replicas.supervisors(
+            name)) - self._gone)  # fmt: skip
+        self.elastic.replicas.forget(name)
         await self._destroy_on(live, uid, allow_restart=allow_restart)
         if allow_restart:
             self.kept[name] = layout
@@ -389,11 +398,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     def _lose(self, supervisor: str, why: str) -> None:
         """Mark the managers of ``supervisor``'s host lost, ``why`` (a new layout epoch)."""
+        failing = self.elastic.replicas.host_lost(supervisor, why)  # (their replicas take over)
         for name, layout in list(self.dicts.items()):
-            lost = [m.manager_id for m in layout.managers
-                    if m.supervisor == supervisor and not m.lost]  # fmt: skip
+            lost = [m.manager_id for m in layout.managers if m.supervisor == supervisor
+                    and not m.lost and m.manager_id not in failing.get(name, ())]  # fmt: skip
             if lost:
-                self.dicts[name] = layout.with_lost(supervisor, why)
+                self.dicts[name] = layout.with_lost(supervisor, why, only=lost)
                 logger.warning("ddict %s: managers %s lost with their host (%s): %s", name,
                                lost, supervisor, why)  # fmt: skip
 
@@ -469,41 +479,6 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """Where ``worker``'s host supervisor takes control calls: its nanny, or itself."""
         ws = self.scheduler.workers.get(worker)
         return (getattr(ws, "nanny", None) or worker) if ws is not None else worker
-
-    def _memory_warnings(self, replies: list[list[dict[str, Any]]]) -> list[str]:
-        """What the hosts of a new dictionary's shards say about fitting them (once per host).
-
-        Each supervisor's reply carries its host's memory as measured after the
-        shards opened (:meth:`HostSupervisor.memory`); the workers' growth comes from
-        the scheduler's view of them.  The decision is :func:`.sizing.memory_warnings`.
-        """
-        measured: dict[str, HostMemory] = {}
-        pause = pause_fraction(dask.config.get("distributed.worker.memory"))
-        for reply in replies:
-            m = reply[0] if reply else {}
-            if "available" not in m or m["host_id"] in self._warned_hosts:
-                continue  # warned about already, or not measured (an older supervisor)
-            ip, seen = m["tcp_host"], measured.get(m["host_id"])
-            if seen is None:
-                growth = sum(max(0, int(ws.memory_limit * pause)
-                                 - int(getattr(ws, "metrics", {}).get("memory", 0)))
-                             for ws in self.scheduler.workers.values()
-                             if ws.host == ip and ws.memory_limit)  # fmt: skip
-                seen = HostMemory(ip, m["available"], m["shard_dir_free"], 0, 0, growth)
-            measured[m["host_id"]] = replace(
-                seen, available=min(seen.available, m["available"]),
-                shard_dir_free=min(seen.shard_dir_free, m["shard_dir_free"]),
-                shard_bytes=seen.shard_bytes + m["shard_bytes"],  # per supervisor: add up
-                unbacked=seen.unbacked + m["unbacked"],
-            )  # fmt: skip
-        out = []
-        for hid, host in measured.items():
-            said = memory_warnings(host)
-            if said:
-                self._warned_hosts.add(hid)  # once per host: the advice does not change
-                logger.info("ddict: %s", "; ".join(said))
-                out.extend(said)
-        return out
 
     def _choose_workers(self, n_workers: int | None, workers: list[str] | None) -> list[str]:
         known = sorted(self.scheduler.workers)

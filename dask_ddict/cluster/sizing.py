@@ -18,9 +18,18 @@ of memory with or without any dictionary is not the dictionary's to report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
+import logging
+
+import dask.config
 from dask.utils import format_bytes
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HostMemory", "memory_warnings", "pause_fraction"]
 
@@ -105,4 +114,42 @@ def memory_warnings(h: HostMemory) -> list[str]:
             "does not count shard pages, so the host runs out before Dask spills or pauses a "
             "worker: lower memory_limit or total_mem (docs/ddict.md, Sizing memory)"
         )
+    return out
+
+
+def hosts_warnings(scheduler: Scheduler, replies: list[list[dict[str, Any]]],
+                   warned_hosts: set[str]) -> list[str]:  # fmt: skip
+    """What the hosts of a new dictionary's shards say about fitting them (once per host).
+
+    Each supervisor's reply carries its host's memory as measured after the
+    shards opened (:meth:`HostSupervisor.memory`); the workers' growth comes from
+    the scheduler's view of them.  The decision is :func:`memory_warnings`; ``warned_hosts``
+    (updated) are warned once.
+    """
+    measured: dict[str, HostMemory] = {}
+    pause = pause_fraction(dask.config.get("distributed.worker.memory"))
+    for reply in replies:
+        m = reply[0] if reply else {}
+        if "available" not in m or m["host_id"] in warned_hosts:
+            continue  # warned about already, or not measured (an older supervisor)
+        ip, seen = m["tcp_host"], measured.get(m["host_id"])
+        if seen is None:
+            growth = sum(max(0, int(ws.memory_limit * pause)
+                             - int(getattr(ws, "metrics", {}).get("memory", 0)))
+                         for ws in scheduler.workers.values()
+                         if ws.host == ip and ws.memory_limit)  # fmt: skip
+            seen = HostMemory(ip, m["available"], m["shard_dir_free"], 0, 0, growth)
+        measured[m["host_id"]] = replace(
+            seen, available=min(seen.available, m["available"]),
+            shard_dir_free=min(seen.shard_dir_free, m["shard_dir_free"]),
+            shard_bytes=seen.shard_bytes + m["shard_bytes"],  # per supervisor: add up
+            unbacked=seen.unbacked + m["unbacked"],
+        )  # fmt: skip
+    out = []
+    for hid, host in measured.items():
+        said = memory_warnings(host)
+        if said:
+            warned_hosts.add(hid)  # once per host: the advice does not change
+            logger.info("ddict: %s", "; ".join(said))
+            out.extend(said)
     return out

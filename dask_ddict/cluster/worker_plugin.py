@@ -104,6 +104,22 @@ async def evacuate(server: Any, why: str) -> None:
                     said["moved"], why)  # fmt: skip
 
 
+def _restarted(server: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """The supervisor restarted a host with replicas (from its watching thread): tell the
+    orchestrator, which makes them again."""
+    async def tell() -> None:
+        try:
+            await server.scheduler.ddict_host_restarted(supervisor=server.address)
+        except Exception as e:  # noqa: BLE001 - a scheduler going away
+            logger.warning("ddict: could not tell the scheduler that this host restarted "
+                           "(its replicas are made again at the next change): %r", e)  # fmt: skip
+
+    try:
+        asyncio.run_coroutine_threadsafe(tell(), loop)
+    except RuntimeError:  # the server's loop is closed: nobody to tell
+        pass
+
+
 def _gave_up(server: Any, loop: asyncio.AbstractEventLoop, why: str) -> None:
     """The supervisor gave its host up (from its watching thread): tell the orchestrator."""
     try:
@@ -129,6 +145,7 @@ class _Supervising:
         sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
                                                server.address, tls)  # fmt: skip
         sup.on_give_up = functools.partial(_gave_up, server, asyncio.get_running_loop())
+        sup.on_restart = functools.partial(_restarted, server, asyncio.get_running_loop())
         await asyncio.to_thread(sup.start)  # starting a process: off the event loop
         server.handlers.update(sup.handlers())
 

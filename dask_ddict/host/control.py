@@ -38,6 +38,15 @@ class DictSpec:
     def __repr__(self) -> str:  # never print the secret or the storage options
         return f"DictSpec(name={self.name!r}, uid={self.uid!r}, managers={self.num_managers})"
 
+    def to_wire(self) -> dict[str, Any]:
+        """As plain data, for a control call through the scheduler (a replica's seed)."""
+        return {**{f: getattr(self, f) for f in self.__dataclass_fields__},
+                "options": self.options.to_dict()}  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> DictSpec:
+        return cls(**{**d, "options": DDictOptions.from_dict(d["options"])})
+
 
 @dataclass(frozen=True)
 class Init:
@@ -131,6 +140,57 @@ class ShardBytes:
     """The used bytes of each manager of ``uid`` served here (what a move would copy)."""
 
     uid: str
+
+
+@dataclass(frozen=True)
+class ReplicaHold:
+    """Pause manager ``manager_id`` of ``uid`` while a new replica copies its shard."""
+
+    uid: str
+    manager_id: int
+
+
+@dataclass(frozen=True)
+class ReplicaSeed:
+    """Keep a replica of manager ``manager_id``: its shard copied from ``source`` (the
+    primary's layout fields; held), ``used`` bytes of a map of ``map_size``."""
+
+    spec: DictSpec
+    manager_id: int
+    source: dict[str, Any]
+    used: int
+    map_size: int
+
+
+@dataclass(frozen=True)
+class ReplicaTargets:
+    """Change manager ``manager_id``'s replicas: ``add`` one (its host's layout fields),
+    ``remove`` those at these host addresses; ``release`` ends a :class:`ReplicaHold`."""
+
+    spec: DictSpec
+    manager_id: int
+    add: dict[str, Any] | None = None
+    remove: tuple[Any, ...] = ()
+    release: bool = False
+
+
+@dataclass(frozen=True)
+class ReplicaDrop:
+    """Stop keeping the replica of manager ``manager_id`` of ``uid`` here."""
+
+    uid: str
+    manager_id: int
+
+
+@dataclass(frozen=True)
+class ReplicaPromote:
+    """Serve manager ``manager_id`` over the replica kept here: its primary is lost
+    (``old_path``, its shard: removed if it is on this machine)."""
+
+    spec: DictSpec
+    manager_id: int
+    worker: str = ""
+    old_path: str = ""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ PREPARED_FOR = 60.0
 _PREPARED: dict[str, tuple[mmap.mmap, int, int, threading.Timer]] = {}
 
 
-def _manager(host: Host, uid: str, mid: int) -> Manager:
+def served_manager(host: Host, uid: str, mid: int) -> Manager:
     hosted = host.dicts.get(bytes.fromhex(uid))
     manager = None if hosted is None else hosted.managers.get(mid)
     if manager is None:
@@ -71,11 +71,11 @@ def _manager(host: Host, uid: str, mid: int) -> Manager:
 
 def move_out(host: Host, uid: str, mid: int, copy: bool) -> dict[str, Any]:
     """Pause manager ``mid`` for a move (see ``Moving.move_out``)."""
-    return _manager(host, uid, mid).move_out(copy)
+    return served_manager(host, uid, mid).move_out(copy)
 
 
 def move_abort(host: Host, uid: str, mid: int) -> None:
-    _manager(host, uid, mid).move_abort()
+    served_manager(host, uid, mid).move_abort()
 
 
 def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) -> None:
@@ -84,19 +84,44 @@ def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) ->
     serves the same shard, deleted if it serves a copy).  ``park``: it serves nowhere
     now; its shard is kept (see :mod:`.hygiene`) for a host on this machine to open."""
     hosted = host.dicts[bytes.fromhex(uid)]
-    manager = _manager(host, uid, mid)
+    manager = served_manager(host, uid, mid)
     copied = manager.copying and not park  # (a parked shard is kept: see the supervisor)
+    _stop_serving(host, hosted, uid, manager, where, copied)
+    manager.move_done(where)
+    logger.info("ddict host %d: manager %d of %s moved to %s", os.getpid(), mid, hosted.name,
+                where)  # fmt: skip
+
+
+def depose(host: Host, uid: str, manager: Manager, where: str) -> None:
+    """A replica of ``manager`` took over at ``where`` (the orchestrator took this host for
+    lost): from now on its requests here are answered ``MOVED`` (not applied), as after
+    a move; its shard is deleted after :data:`LET_GO_AFTER` (the replica's is the one).
+    Called by the manager's own write, its lock held."""
+    hosted = host.dicts.get(bytes.fromhex(uid))
+    if hosted is None or hosted.managers.get(manager.manager_id) is not manager:
+        return
+    _stop_serving(host, hosted, uid, manager, where, True)
+    manager.moved, manager.closed = where, True
+    manager._deferred.close(manager.moved_error)
+    logger.warning("ddict host %d: manager %d of %s was taken over by its replica at %s",
+                   os.getpid(), manager.manager_id, hosted.name, where)  # fmt: skip
+
+
+def _stop_serving(host: Host, hosted: HostedDict, uid: str, manager: Manager, where: str,
+                  delete: bool) -> None:  # fmt: skip
+    """Requests for ``manager`` here are answered ``MOVED`` (to ``where``) from now on; its
+    shard is let go after :data:`LET_GO_AFTER` (deleted if ``delete``: a copy serves)."""
+    mid = manager.manager_id
     hosted.moved[mid] = (where, manager.store.capacity)
     del hosted.managers[mid]
-    manager.move_done(where)
+    if manager.shipper is not None:  # (its replicas follow a move: the orchestrator says so)
+        manager.shipper.close()
     hygiene.release(host.locks.pop((uid, mid), None))
     timer = threading.Timer(LET_GO_AFTER, let_go, (manager.store.path,))
     timer.daemon = True
     with _LOCK:
-        _LETTING_GO[manager.store.path] = (uid, manager, copied, timer)
+        _LETTING_GO[manager.store.path] = (uid, manager, delete, timer)
     timer.start()
-    logger.info("ddict host %d: manager %d of %s moved to %s", os.getpid(), mid, hosted.name,
-                where)  # fmt: skip
 
 
 def let_go(path: str) -> None:

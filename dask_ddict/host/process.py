@@ -32,7 +32,7 @@ from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE, set_owner
 from ..transport.connect import set_default_security
-from . import control, hygiene, moves
+from . import control, hygiene, moves, replicas
 from .opening import open_manager
 from .server import HostedDict, HostServer, Limits
 
@@ -87,16 +87,40 @@ class Host:
                                               hosted.managers.items()}  # fmt: skip
         if isinstance(msg, control.MoveAbort):
             return moves.move_abort(self, msg.uid, msg.manager_id)
+        return self._replicas(msg)
+
+    def _replicas(self, msg: Any) -> Any:
+        """The control messages of replicas (see :mod:`.replicas`)."""
+        if isinstance(msg, control.ReplicaHold):
+            return replicas.hold(moves.served_manager(self, msg.uid, msg.manager_id))
+        if isinstance(msg, control.ReplicaSeed):
+            return replicas.seed(self, msg.spec, msg.manager_id, msg.source, msg.used,
+                                 msg.map_size, self.init.tls)  # fmt: skip
+        if isinstance(msg, control.ReplicaTargets):
+            manager = moves.served_manager(self, msg.spec.uid, msg.manager_id)
+            return replicas.targets(manager, msg.spec, self.init.tls, msg.add, list(msg.remove),
+                                    msg.release, functools.partial(moves.depose, self,
+                                                                   msg.spec.uid, manager))  # fmt: skip
+        if isinstance(msg, control.ReplicaDrop):
+            return replicas.drop(self, msg.uid, msg.manager_id)
+        if isinstance(msg, control.ReplicaPromote):
+            mid = msg.manager_id
+            path = replicas.take_replica(self, msg.spec.uid, mid, msg.old_path)
+            return self.open(control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker))
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
 
-    def open(self, msg: control.OpenManagers) -> list[dict[str, Any]]:
-        spec = msg.spec
-        key = bytes.fromhex(spec.uid)
-        hosted = self.dicts.get(key) or HostedDict(
+    def hosted(self, spec: control.DictSpec) -> HostedDict:
+        """The dictionary ``spec`` as this host serves it (new: not served yet)."""
+        return self.dicts.get(bytes.fromhex(spec.uid)) or HostedDict(
             spec.uid, spec.name, spec.secret,
             Generations(path_for(self.init.socket_dir, spec.uid), spec.num_managers, create=True),
             BoardReader(self.init.socket_dir, spec.uid, spec.num_managers),
         )
+
+    def open(self, msg: control.OpenManagers) -> list[dict[str, Any]]:
+        spec = msg.spec
+        key = bytes.fromhex(spec.uid)
+        hosted = self.hosted(spec)
         gens = hosted.generations
         infos = []
         opened: list[int] = []
@@ -167,6 +191,9 @@ class Host:
             hygiene.release(self.locks.pop((uid, mid), None))
         n = len(hosted.managers)
         hosted.managers.clear()
+        for replica in hosted.replicas.values():
+            replica.close()  # (a replica is kept for a live primary only)
+        hosted.replicas.clear()
         hosted.answers.clear()
         if hosted.generations is not None:
             hosted.generations.remove()
@@ -175,6 +202,8 @@ class Host:
 
     @staticmethod
     def _close_manager(manager: Manager, keep: bool, why: int) -> None:
+        if manager.shipper is not None:
+            manager.shipper.close()
         try:
             if keep:
                 hygiene.mark_kept(manager.store.path)

@@ -65,16 +65,19 @@ from ..transport.protocol import (
     send_parts,
     value_limit,
 )
+from .replica_store import serve as serve_replica
 from .served import Counting, Served, Table, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
+    from .replica_store import Replica
     from ..shard.pinboard import BoardReader
     from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
 
-_FANOUT = int(Op.FANOUT)  # (an enum member's lookup costs more than the comparison)
+_FANOUT = int(Op.FANOUT)
+_REPLICATE = int(Op.REPLICATE)  # (an enum member's lookup costs more than the comparison)
 _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's __new__
 
 #: accept() errors that end when resources come back: wait and accept again.
@@ -113,7 +116,7 @@ class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
     __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins",
-                 "served", "moved")
+                 "served", "moved", "replicas")
 
     def __init__(self, uid: str, name: str, secret: str,
                  generations: Generations | None = None,
@@ -133,6 +136,8 @@ class HostedDict:
         #: Managers that moved to another host process: where to (answered ``MOVED``),
         #: and their shard's size (a request's body up to it is read, then answered).
         self.moved: dict[int, tuple[str, int]] = {}
+        #: Replicas of other host processes' managers kept here (see :mod:`.replicas`).
+        self.replicas: dict[int, Replica] = {}
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
@@ -329,6 +334,8 @@ class HostServer:
                                          answers=hosted.answers,
                                          pins=hosted.changes,
                                          answerers=self.answerers)  # fmt: skip
+            elif op == _REPLICATE:  # (a replica's, not a manager's)
+                serve_replica(hosted, req, reply)
             elif op in HOST_WIDE:  # (e.g. get_many: several managers, one request)
                 HOST_WIDE[op](Counting(hosted.managers, served, op), req, reply,
                               functools.partial(self._not_hosted, hosted))  # fmt: skip
@@ -380,8 +387,11 @@ class HostServer:
                            "(ddict.transport.max-key-bytes)", "INVALID_ARGUMENT")  # fmt: skip
         elif manager is None:
             moved = hosted.moved.get(mid)
+            replica = hosted.replicas.get(mid)  # (a change set: up to twice a shard's value)
             if vlen <= self.limits.max_key_bytes or (
-                    moved is not None and vlen <= self.limits.most_value(moved[1])):  # fmt: skip
+                    moved is not None and vlen <= self.limits.most_value(moved[1])) or (
+                    replica is not None and vlen <= 2 * self.limits.most_value(
+                        replica.store.capacity)):  # fmt: skip
                 return  # the body is read, then answered: not hosted here, closed, or MOVED
             e = self._not_hosted(hosted, mid)
         elif vlen > self.limits.most_value(manager.store.capacity):

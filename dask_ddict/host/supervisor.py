@@ -97,12 +97,19 @@ class HostSupervisor:
         self._moving: dict[tuple[str, int], str] = {}
         self._moving_specs: dict[str, tuple[DictSpec, dict[int, str], str]] = {}
         self._shard_locks: dict[tuple[str, int], int] = {}
+        #: The replicas kept by the host: the dictionary each belongs to (for a promotion),
+        #: and its path.
+        self._replicas: dict[tuple[str, int], tuple[DictSpec, str]] = {}
         self._restarts: collections.deque[float] = collections.deque()
         self.restart_count = 0
         self._watcher: threading.Thread | None = None
         #: Called (from the watching thread, never blocking) with why, when this
         #: supervisor gives its host up: the plugin tells the orchestrator.
         self.on_give_up: Callable[[str], None] | None = None
+        #: Called (from the watching thread, never blocking) when a new incarnation of a
+        #: host with replicas (kept, or of its managers) serves: they were lost with the
+        #: old one, and the orchestrator makes them again.
+        self.on_restart: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         pid = self.proc.pid if self.proc else None
@@ -198,12 +205,20 @@ class HostSupervisor:
                 self.restart_count += 1
                 logger.warning("ddict host process of %s ended (code %s); restarting it over "
                                "its shards", self.label, code)  # fmt: skip
+                replicated = bool(self._replicas) or any(
+                    spec.options.replicas for spec, _, _ in self._dicts.values())  # fmt: skip
+                for _, path in self._replicas.values():  # (their registry died with it)
+                    shutil.rmtree(path, ignore_errors=True)
+                self._replicas.clear()
                 try:
                     self._spawn()
                 except Exception:
                     logger.exception("ddict: restarting the host process of %s failed", self.label)
                     if self.proc is not None and self.proc.poll() is None:
                         self.proc.kill()
+                    continue
+                if replicated and self.on_restart is not None:
+                    self.on_restart()
 
     # -- the pipe -----------------------------------------------------------------
 
@@ -374,6 +389,59 @@ class HostSupervisor:
                 spec, _, worker = entry
                 self.call(control.OpenManagers(spec, (mid,), {mid: path}, worker))
 
+    # -- replicas (see dask_ddict.host.replicas) -----------------------------------------
+
+    def replica_hold(self, uid: str, manager_id: int) -> dict[str, Any]:
+        """Pause a manager here while a new replica copies its shard (what that needs)."""
+        with self._lock:
+            entry = self._dicts.get(uid)
+            if entry is None:
+                raise DDictError(f"no manager of {uid} is hosted here", "INVALID_ARGUMENT")
+            reply = self.call(control.ReplicaHold(uid, int(manager_id)))
+        return {**reply, "spec": entry[0].to_wire()}
+
+    def replica_seed(self, spec: dict[str, Any], manager_id: int, source: dict[str, Any],
+                     used: int, map_size: int, worker: str = "") -> dict[str, Any]:  # fmt: skip
+        """Keep a new replica of a manager (held at ``source``); how to reach it."""
+        mid, dspec = int(manager_id), DictSpec.from_wire(spec)
+        with self._lock:
+            path = self.call(control.ReplicaSeed(dspec, mid, source, int(used), int(map_size)))
+            self._replicas[(dspec.uid, mid)] = (dspec, path)
+            if dspec.uid in self._closed:
+                self._closed.remove(dspec.uid)
+        return self._described([{"manager_id": mid, "store_path": path}], worker)[0]
+
+    def replica_targets(self, uid: str, manager_id: int, add: dict[str, Any] | None = None,
+                        remove: list[Any] | None = None, release: bool = False) -> int:  # fmt: skip
+        """Change the replicas of a manager here (``add`` one, ``remove`` some, end a hold)."""
+        with self._lock:
+            entry = self._dicts.get(uid)
+            if entry is None:
+                raise DDictError(f"no manager of {uid} is hosted here", "INVALID_ARGUMENT")
+            return int(self.call(control.ReplicaTargets(entry[0], int(manager_id), add,
+                                                        tuple(remove or ()), bool(release))))  # fmt: skip
+
+    def replica_drop(self, uid: str, manager_id: int) -> bool:
+        """Stop keeping a replica here."""
+        with self._lock:
+            self._replicas.pop((uid, int(manager_id)), None)
+            return bool(self.call(control.ReplicaDrop(uid, int(manager_id))))
+
+    def replica_promote(self, uid: str, manager_id: int, worker: str = "",
+                        old_path: str = "") -> list[dict[str, Any]]:  # fmt: skip
+        """Serve a manager whose primary is lost over the replica kept here."""
+        mid = int(manager_id)
+        with self._lock:
+            kept = self._replicas.pop((uid, mid), None)
+            if kept is None:
+                raise DDictError(f"no replica of manager {mid} of {uid} is kept here",
+                                 "MANAGER_UNAVAILABLE")  # fmt: skip
+            spec = kept[0]
+            infos = self.call(control.ReplicaPromote(spec, mid, worker, old_path))
+            self._dicts.setdefault(uid, (spec, {}, worker))[1][mid] = infos[0]["store_path"]
+            self._shard_locks[(uid, mid)] = hygiene.claim(infos[0]["store_path"])
+        return self._described(infos, worker)
+
     @staticmethod
     def probe(directory: str, token: str, step: str) -> bool:
         """Whether this machine sees what another wrote in ``directory`` (a persist path):
@@ -429,6 +497,8 @@ class HostSupervisor:
         with self._lock:
             entry = self._dicts.pop(uid, None)
             self._moving_specs.pop(uid, None)  # (a move under way is not resumed here)
+            for key in [k for k in self._replicas if k[0] == uid]:
+                del self._replicas[key]
             for key in [k for k in self._moving if k[0] == uid]:
                 del self._moving[key]
             if uid not in self._closed:
@@ -486,6 +556,8 @@ class HostSupervisor:
             "ddict_move_abort": wrap(self.move_abort),
             "ddict_shard_bytes": wrap(self.shard_bytes),
             "ddict_probe": wrap(self.probe),
+            **{f"ddict_replica_{n}": wrap(getattr(self, f"replica_{n}"))
+               for n in ("hold", "seed", "targets", "drop", "promote")},
         }
 
     # -- shutdown -------------------------------------------------------------------

@@ -66,6 +66,10 @@ class Moving:
     moving: bool = False
     #: The move copies the shard (to another machine): the shard is marked moved.
     copying: bool = False
+    #: Paused while a new replica copies the shard (see :meth:`hold`).
+    holding: bool = False
+    #: A replicated manager's replicas (``host.replicas.Shipper``, set by its host).
+    shipper: Any = None
 
     def move_out(self, copy: bool) -> dict[str, Any]:
         """Pause this manager's writes for a move (step 1); with ``copy``, mark the
@@ -85,6 +89,29 @@ class Moving:
             self._mutex.release()
             raise
         return {"store_path": store.path, "used_bytes": used, "map_size": store.map_size}
+
+    def hold(self) -> dict[str, Any]:
+        """Pause this manager's writes while a new replica copies its shard (the copy half
+        of a move to another machine, without leaving): :meth:`shard_pages` serves the
+        copy, and :meth:`unhold` resumes once the primary ships to the new replica too."""
+        if self.moving:
+            raise DDictError(f"manager {self.manager_id} is moving", "INVALID_OPERATION")
+        self._drain_and_lock()
+        try:
+            with self.store.write():  # (LMDB's writer lock: no write is under way after it)
+                pass
+            self.moving = self.copying = self.holding = True
+            used = self.used_bytes()
+        except BaseException:
+            self._mutex.release()
+            raise
+        return {"store_path": self.store.path, "used_bytes": used, "map_size": self.store.map_size}
+
+    def unhold(self) -> None:
+        """End a :meth:`hold`: writes resume."""
+        if self.holding:
+            self.moving = self.copying = self.holding = False
+            self._mutex.release()
 
     def used_bytes(self) -> int:
         """The bytes of the shard's pages in use (what a copy of it takes)."""
@@ -135,7 +162,7 @@ class Moving:
         """A manager paused for a move closes (its dictionary destroyed meanwhile): the
         pause ends, so that closing it can take its lock."""
         if self.moving:
-            self.moving = self.copying = False
+            self.moving = self.copying = self.holding = False
             self._mutex.release()
 
     def move_done(self, where: str) -> None:

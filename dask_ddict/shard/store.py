@@ -41,6 +41,7 @@ from .. import config
 from .._keys import KEY_ENCODING
 from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
+from . import changes
 
 logger = logging.getLogger(__name__)
 
@@ -100,25 +101,6 @@ def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
     flags, klen, flen = _ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
     return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))
-
-
-class _Write:
-    """``with store.write() as txn``: commit, then the store's ``on_commit``; or abort."""
-
-    __slots__ = ("txn", "hook")
-
-    def __init__(self, txn: lmdb.Transaction, hook: Callable[[], None]) -> None:
-        self.txn, self.hook = txn, hook
-
-    def __enter__(self) -> lmdb.Transaction:
-        return self.txn
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        if kind is None:
-            self.txn.commit()
-            self.hook()
-        else:
-            self.txn.abort()
 
 
 _THREAD = threading.local()
@@ -199,6 +181,9 @@ class ShardStore:
         self._meta = self.env.open_db(b"meta", create=create)
         self._psize = self.env.stat()["psize"]
         self.on_commit: Callable[[], None] | None = None  # (its manager's generation, see write)
+        #: A replicated shard's: ships each commit's changes to the replicas (see changes).
+        self.replicate: Callable[[list[Any]], None] | None = None
+        self.shipping = threading.Lock()  # (held from a replicated write's start to its ship)
         self._next_own = 0  # the id of the next write transaction if no other process commits
         #: Set when a put is refused for room (its manager resets it per write: a write
         #: that keeps the refusal as a batch's error still shows it).
@@ -226,13 +211,20 @@ class ShardStore:
         """A write transaction (``with store.write() as txn``): all of one operation
         commits or nothing does; with an :attr:`on_commit` hook, it runs after
         each commit (the shard's :mod:`~dask_ddict.shard.generations` word)."""
+        if self.replicate is not None:
+            return changes.Shipped(self)
         if self.on_commit is None:
             return self.env.begin(write=True, buffers=True)
-        return _Write(self.env.begin(write=True, buffers=True), self.on_commit)
+        return changes.Hooked(self.env.begin(write=True, buffers=True), self.on_commit)
 
     def transact(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """``fn(txn)`` in a write transaction, committed (then :attr:`on_commit`) if it
         returns, aborted if it raises: :meth:`write` for one call, with less around it."""
+        if self.replicate is not None:
+            return changes.transact(self, fn, self._transact)
+        return self._transact(fn)
+
+    def _transact(self, fn: Callable[[lmdb.Transaction], T], hook: bool = True) -> T:
         txn = self.env.begin(write=True, buffers=True)
         tid = txn.id()
         try:
@@ -247,7 +239,7 @@ class ShardStore:
             txn.abort()
             raise
         self._next_own = tid + 1
-        if self.on_commit is not None:
+        if hook and self.on_commit is not None:
             self.on_commit()
         return result
 

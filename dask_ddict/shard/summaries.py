@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 _HOSTNAME = socket.gethostname()  # (a syscall per stats record otherwise)
 #: The fields at the end of a stats record that :meth:`Summaries._live` reads at each ask.
-_LIVE = 6
+_LIVE = 7
 
 
 class Summaries:
@@ -117,8 +117,10 @@ class Summaries:
         mid = self.manager_id
         pinned = (0, 0) if self.pinned is None else self.pinned(mid)
         served = {} if self.served is None else self.served(mid)
+        shipper: Any = getattr(self, "shipper", None)
         return record[:-_LIVE] + pinned + (len(self._deferred), served, self.host_restarts,
-                                           tuple(self.persisted_ids()))  # fmt: skip
+                                           tuple(self.persisted_ids()),
+                                           0 if shipper is None else len(shipper.targets))  # fmt: skip
 
     def _stats_record(self, txn: lmdb.Transaction) -> tuple[Any, ...]:
         return DDictManagerStats.record(self._stats(txn))
@@ -145,5 +147,6 @@ class Summaries:
             "ops_served": {},
             "host_restarts": 0,
             "persisted_ids": (),
+            "replicas": 0,
         }
 

@@ -504,6 +504,8 @@ class HostLink:
         while True:
             conn = None
             try:
+                if attempt and check is not None:  # (after a broken connection)
+                    check()  # a same-host supervisor that ended: gone, no retry
                 conn = _KEPT.take(self)
                 if conn is None:
                     conn = self._connect(mid, deadline, check)
@@ -560,8 +562,6 @@ class HostLink:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise self._unavailable(mid, e) from e
-                if check is not None:
-                    check()  # a same-host supervisor that ended: gone, no retry
                 # the host restarts (its supervisor keeps the listeners: no refusal)
                 pause = min(0.5, 0.02 * 2**attempt)
                 time.sleep(pause if deadline is None else min(pause, deadline - now))

@@ -70,6 +70,7 @@ from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints;
     DumpPage,
     Persist,
     PersistedIds,
+    Replicate,
     Restore,
     Rotate,
     ShardPages,

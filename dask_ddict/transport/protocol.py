@@ -70,6 +70,7 @@ class Op(enum.IntEnum):
     PUT_MANY = 29  # many puts, answered per manager (transport.many)
     GET_RANGE = 30  # part of a raw-bytes value, and its size (zarr's byte ranges, getsize)
     SHARD_PAGES = 31  # a moving manager's whole shard, to its new host (host.moves)
+    REPLICATE = 32  # a primary's committed changes, to a replica's host (host.replicas)
 
 
 FLAG_PERSIST = 1

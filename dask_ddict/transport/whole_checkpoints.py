@@ -12,6 +12,7 @@ import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import DDictError
 from .operation import (
     Answered,
     AtCheckpoint,
@@ -180,3 +181,31 @@ class ShardPages(Operation):
             mm: Any = pages.obj
             pages.release()
             mm.close()
+
+
+# -- replicas --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Replicate(IntReply):
+    """A replicated manager's committed change set (:mod:`dask_ddict.shard.changes`), to
+    the host process of one of its replicas, number ``seq`` of that replica's: applied
+    there in one transaction, in order.  The host serves it from its replicas
+    (:func:`dask_ddict.host.replicas.serve`), not from a manager."""
+
+    op = Op.REPLICATE
+    kind = Kind.IDEMPOTENT  # a replica takes a resent change set (the same seq) once
+    follows = False  # (a replica does not move: its primary drops it and a new one is made)
+    seq: int
+    parts: list[Any]
+    nbytes: int
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(parts=tuple(self.parts), vlen=self.nbytes, arg=self.seq,
+                       timeout=self.timeout)  # fmt: skip
+
+    @staticmethod
+    def serve(m: Manager, r: Request, reply: Reply) -> None:
+        raise DDictError(f"manager {r.manager} is served here: it is not a replica",
+                         "INVALID_OPERATION")  # fmt: skip

@@ -1,0 +1,380 @@
+"""Replicas: the orchestrator's side.
+
+A dictionary created with ``replicas=k`` keeps, for each manager (the *primary*),
+``k`` copies of its shard in other host processes, on other machines when the
+cluster has several (:func:`replica_targets`).  Every write a primary commits
+is applied on each live replica before it is answered
+(:mod:`dask_ddict.host.replicas`), so when a primary's host is lost suddenly
+(SIGKILL, a dead machine) nothing acknowledged is lost:
+
+* **failover** (:meth:`Replicas.host_lost`): the orchestrator has a replica's
+  host serve the manager over the replica's shard (a promotion), the layout's
+  epoch moves, and clients that fail to reach the lost host wait for it
+  (``ddict.failover-timeout``) and send their operation again there, with its
+  request id (applied exactly once);
+* **repair** (:meth:`Replicas.place`): a manager with fewer live replicas than
+  asked gets new ones, seeded from a consistent copy of its primary (the copy
+  half of a move: its writes pause meanwhile), after a failover, after a
+  replica's host is lost or leaves, and when a worker joins;
+* replicas **follow moves**: a primary that moves ships to its replicas from its
+  new place before the layout names it (``Moves.on_served``), and a replica
+  whose host retires is made again elsewhere first.
+
+With ``replicas=1``, two hosts lost at once (the primary's and its replica's)
+lose that manager as without replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..errors import raise_from_wire
+from ..layout import Layout, ManagerInfo
+from .moves import Candidate, Move, Moves
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One replica of a manager: the worker whose host process keeps it, and how the
+    primary reaches that host (its layout fields)."""
+
+    manager_id: int
+    worker: str
+    supervisor: str
+    host_id: str
+    info: dict[str, Any]
+
+
+def replica_targets(candidates: Iterable[Candidate], primary: ManagerInfo,
+                    have: list[Replica], load: dict[str, int]) -> list[Candidate]:  # fmt: skip
+    """Where a new replica of ``primary`` should go, best first: never the primary's host
+    process or one that keeps a replica of it already; another machine than the
+    primary's and its replicas' first; then the host process that keeps the fewest
+    replicas (``load``, by supervisor) and managers; then by address."""
+    taken = {primary.supervisor} | {r.supervisor for r in have}
+    machines = {primary.host_id} | {r.host_id for r in have}
+    return sorted((c for c in candidates if c.supervisor not in taken),
+                  key=lambda c: (c.host_id in machines, load.get(c.supervisor, 0), c.total,
+                                 c.worker))  # fmt: skip
+
+
+class Replicas:
+    """The replicas of every dictionary of one orchestrator.
+
+    Parameters
+    ----------
+    rpc
+        ``rpc(address)``: the scheduler's RPC to a host supervisor.
+    layouts
+        The orchestrator's registry (name -> layout).
+    moves
+        The orchestrator's moves (a replica is seeded, and a primary promoted, as one
+        of its dictionary's moves: one at a time, followed by its clients).
+    candidates
+        ``await candidates(name, leaving)``: the workers that may keep a replica.
+    spawn
+        Runs a coroutine in the background (repairs).
+    remove_left
+        ``await remove_left(worker, machine, paths)``: removes what a lost host left on
+        its machine (``leftovers.remove_paths_on``).
+    """
+
+    def __init__(self, rpc: Callable[[str], Any], layouts: dict[str, Layout], moves: Moves,
+                 candidates: Callable[[str, str], Awaitable[list[Candidate]]],
+                 spawn: Callable[[Awaitable[Any]], None],
+                 remove_left: Callable[[str, str, list[str]], Awaitable[Any]] | None = None,
+                 ) -> None:  # fmt: skip
+        self.rpc = rpc
+        self.layouts = layouts
+        self.moves = moves
+        self.candidates = candidates
+        self.spawn = spawn
+        self.remove_left = remove_left
+        #: name -> manager -> its replicas
+        self.placed: dict[str, dict[int, list[Replica]]] = {}
+        moves.on_served = self.follow
+
+    def __repr__(self) -> str:
+        n = sum(len(r) for per in self.placed.values() for r in per.values())
+        return f"<Replicas dicts={len(self.placed)} replicas={n}>"
+
+    # -- what is where ------------------------------------------------------------------
+
+    def of(self, name: str) -> dict[int, list[Replica]]:
+        return self.placed.setdefault(name, {})
+
+    def live(self, name: str) -> dict[int, int]:
+        """How many replicas each manager of ``name`` has now."""
+        layout = self.layouts.get(name)
+        if layout is None:
+            return {}
+        per = self.placed.get(name, {})
+        return {m.manager_id: len(per.get(m.manager_id, ())) for m in layout.managers}
+
+    def short(self, name: str) -> dict[int, int]:
+        """The managers of ``name`` with fewer live replicas than asked: how many they have."""
+        layout = self.layouts.get(name)
+        if layout is None or not layout.options.replicas:
+            return {}
+        return {mid: n for mid, n in self.live(name).items() if n < layout.options.replicas}
+
+    def supervisors(self, name: str) -> set[str]:
+        """The host supervisors that keep replicas of ``name``."""
+        return {r.supervisor for reps in self.placed.get(name, {}).values() for r in reps}
+
+    def forget(self, name: str) -> None:
+        """``name`` was destroyed (its replicas with it, by their hosts)."""
+        self.placed.pop(name, None)
+
+    def _load(self) -> dict[str, int]:
+        load: dict[str, int] = {}
+        for per in self.placed.values():
+            for reps in per.values():
+                for r in reps:
+                    load[r.supervisor] = load.get(r.supervisor, 0) + 1
+        return load
+
+    # -- seeding (create, repair) -------------------------------------------------------------
+
+    async def place(self, name: str, leaving: str = "") -> int:
+        """Give every manager of ``name`` the replicas it is short of (none on ``leaving``'s
+        host); how many were made.  One that finds no worker stays short (said in stats)."""
+        return await self.moves.serially(name, self._place(name, leaving))
+
+    async def _place(self, name: str, leaving: str) -> int:
+        layout = self.layouts.get(name)
+        if layout is None or not layout.options.replicas:
+            return 0
+        made = 0
+        for m in layout.managers:
+            if m.lost:
+                continue
+            have = self.of(name).setdefault(m.manager_id, [])
+            while len(have) < layout.options.replicas:
+                choice = replica_targets(await self.candidates(name, leaving), m, have,
+                                         self._load())  # fmt: skip
+                if not choice:
+                    logger.warning("ddict %s: manager %d has %d of its %d replicas: no other "
+                                   "worker can keep one", name, m.manager_id, len(have),
+                                   layout.options.replicas)  # fmt: skip
+                    break
+                try:
+                    have.append(await self._seed(layout, m, choice[0]))
+                except Exception as e:  # noqa: BLE001 - said; stays short until the next try
+                    logger.warning("ddict %s: seeding a replica of manager %d on %s failed: %r",
+                                   name, m.manager_id, choice[0].worker, e)  # fmt: skip
+                    break
+                made += 1
+        return made
+
+    async def _seed(self, layout: Layout, primary: ManagerInfo, target: Candidate) -> Replica:
+        """Copy ``primary``'s shard to ``target``'s host as a new replica (the primary's
+        writes paused meanwhile) and have the primary ship to it."""
+        mid, uid = primary.manager_id, layout.uid
+        src = self.rpc(primary.supervisor)
+        held = await src.ddict_replica_hold(uid=uid, manager_id=mid)
+        raise_from_wire(held)
+        seeded = False
+        try:
+            info = await self.rpc(target.supervisor).ddict_replica_seed(
+                spec=held["spec"], manager_id=mid, source=asdict(primary),
+                used=held["used_bytes"], map_size=held["map_size"], worker=target.worker)  # fmt: skip
+            raise_from_wire(info)
+            seeded = True
+            raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid, add=info,
+                                                            release=True))  # fmt: skip
+        except BaseException:
+            raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid,
+                                                            release=True))  # fmt: skip
+            if seeded:
+                await self._drop(uid, Replica(mid, target.worker, target.supervisor,
+                                              target.host_id, {}))  # fmt: skip
+            raise
+        logger.info("ddict %s: manager %d has a replica on %s (%d bytes copied)", layout.name,
+                    mid, target.worker, held["used_bytes"])  # fmt: skip
+        return Replica(mid, target.worker, target.supervisor, target.host_id, info)
+
+    async def _drop(self, uid: str, r: Replica) -> None:
+        try:
+            await self.rpc(r.supervisor).ddict_replica_drop(uid=uid, manager_id=r.manager_id)
+        except Exception as e:  # noqa: BLE001 - its host is gone, or its shard is swept later
+            logger.info("ddict: dropping the replica of manager %d on %s failed: %r",
+                        r.manager_id, r.worker, e)  # fmt: skip
+
+    # -- failover -------------------------------------------------------------------------------
+
+    def host_lost(self, supervisor: str, why: str) -> dict[str, list[int]]:
+        """``supervisor``'s host is gone: its replicas are forgotten, and each primary there
+        that has a replica fails over to it (in the background, counted as a move of its
+        dictionary at once, so clients asking for the layout wait for it).  Returns those
+        primaries, by dictionary: not lost."""
+        gone: list[tuple[str, Replica]] = []
+        for name, per in self.placed.items():
+            for reps in per.values():
+                gone += [(name, r) for r in reps if r.supervisor == supervisor]
+                reps[:] = [r for r in reps if r.supervisor != supervisor]
+        failing: dict[str, list[int]] = {}
+        for name, layout in self.layouts.items():
+            for m in layout.managers:
+                if m.supervisor == supervisor and not m.lost and \
+                        self.placed.get(name, {}).get(m.manager_id):  # fmt: skip
+                    failing.setdefault(name, []).append(m.manager_id)
+        for name in failing:
+            self.moves.begin(name)
+        # what the lost host leaves on its machine: the failed-over shards, the replicas
+        left = [(m.worker, m.host_id, [m.store_path, os.path.dirname(m.uds_path)])
+                for name, mids in failing.items() for m in self.layouts[name].managers
+                if m.manager_id in mids] + [(r.worker, r.host_id, [r.info.get("store_path", "")])
+                                            for _, r in gone]  # fmt: skip
+        if failing or gone:
+            self.spawn(self._fail_over(failing, gone, supervisor, why, left))
+        return failing
+
+    async def _fail_over(self, failing: dict[str, list[int]], gone: list[tuple[str, Replica]],
+                         supervisor: str, why: str,
+                         left: list[tuple[str, str, list[str]]]) -> None:  # fmt: skip
+        for name, mids in failing.items():
+            try:
+                for mid in mids:
+                    await self._promote(name, mid, why)
+            finally:
+                await self.moves.end(name)
+        if left and self.remove_left is not None:
+            paths = sorted({p for _, _, ps in left for p in ps if p})
+            await self.remove_left(left[0][0], left[0][1], paths)
+        for name, r in gone:  # (their primaries would drop them at their next write)
+            if name in self.layouts:
+                await self._detach(self.layouts[name], r)
+        for name in sorted(set(failing) | {name for name, _ in gone}):
+            if name in self.layouts:
+                try:
+                    await self.place(name, leaving=supervisor)
+                except Exception as e:  # noqa: BLE001 - said; the next change tries again
+                    logger.warning("ddict %s: repairing its replicas failed: %r", name, e)
+
+    async def _promote(self, name: str, mid: int, why: str) -> None:
+        layout = self.layouts.get(name)
+        if layout is None:
+            return
+        old = layout.managers[mid]
+        began = time.monotonic()
+        reps = self.of(name).pop(mid, [])
+        for i, r in enumerate(reps):
+            try:
+                reply = await self.rpc(r.supervisor).ddict_replica_promote(
+                    uid=layout.uid, manager_id=mid, worker=r.worker, old_path=old.store_path)
+                raise_from_wire(reply)
+            except Exception as e:  # noqa: BLE001 - the next replica may take it
+                logger.warning("ddict %s: replica of manager %d on %s could not take over: %r",
+                               name, mid, r.worker, e)  # fmt: skip
+                continue
+            fields = set(ManagerInfo.__dataclass_fields__)
+            info = ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
+                               supervisor=r.supervisor)  # fmt: skip
+            self.moves._place(name, info)
+            for other in reps[i + 1:]:  # (they may lag the one promoted: made again)
+                await self._drop(layout.uid, other)
+            self.moves._done(Move(name, mid, old.worker, r.worker, f"failover: {why}", False, 0,
+                                  time.monotonic() - began, time.time()))  # fmt: skip
+            logger.warning("ddict %s: manager %d failed over to its replica on %s (%s)", name,
+                           mid, r.worker, why)  # fmt: skip
+            return
+        self.moves._place(name, replace(old, lost=True, lost_why=f"{why}; and none of its "
+                                        f"{len(reps)} replicas could take over"))  # fmt: skip
+        logger.warning("ddict %s: manager %d is lost with its host and its replicas", name, mid)
+
+    def host_restarted(self, supervisor: str) -> None:
+        """``supervisor`` restarted its host process: the replicas it kept died with the
+        old one, and those of its managers may lack the last write the old one committed
+        (it died before shipping it): all are made again."""
+        stale: list[tuple[str, Replica]] = []
+        for name, per in self.placed.items():
+            layout = self.layouts.get(name)
+            for mid, reps in per.items():
+                here = layout is not None and layout.managers[mid].supervisor == supervisor
+                stale += [(name, r) for r in reps if here or r.supervisor == supervisor]
+                reps[:] = [] if here else [r for r in reps if r.supervisor != supervisor]
+        if stale:
+            logger.warning("ddict: the host process of %s restarted: %d replicas are made "
+                           "again", supervisor, len(stale))  # fmt: skip
+            self.spawn(self._remake(stale))
+
+    async def _remake(self, stale: list[tuple[str, Replica]]) -> None:
+        for name, r in stale:
+            layout = self.layouts.get(name)
+            if layout is not None:
+                await self._detach(layout, r)
+                await self._drop(layout.uid, r)
+        for name in sorted({name for name, _ in stale}):
+            await self._repair_later(name)
+
+    # -- moves -----------------------------------------------------------------------------------
+
+    async def follow(self, name: str, info: ManagerInfo) -> None:
+        """Manager ``info`` serves at a new place (a move): its replicas are shipped to from
+        there on, before any client is told where it is.  A replica kept by its new host
+        process is dropped (made again elsewhere)."""
+        layout = self.layouts.get(name)
+        reps = self.placed.get(name, {}).get(info.manager_id, [])
+        if layout is None or not reps:
+            return
+        keep = []
+        for r in reps:
+            if r.supervisor == info.supervisor:
+                await self._drop(layout.uid, r)
+                continue
+            try:
+                raise_from_wire(await self.rpc(info.supervisor).ddict_replica_targets(
+                    uid=layout.uid, manager_id=info.manager_id, add=r.info))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - dropped: made again elsewhere
+                logger.warning("ddict %s: manager %d's replica on %s did not follow its move: "
+                               "%r", name, info.manager_id, r.worker, e)  # fmt: skip
+                await self._drop(layout.uid, r)
+                continue
+            keep.append(r)
+        reps[:] = keep
+        if len(keep) < layout.options.replicas:
+            self.spawn(self._repair_later(name))
+
+    async def _repair_later(self, name: str) -> None:
+        try:
+            await self.place(name)
+        except Exception as e:  # noqa: BLE001 - said; the next change tries again
+            logger.warning("ddict %s: repairing its replicas failed: %r", name, e)
+
+    async def evacuate(self, supervisor: str) -> int:
+        """Make the replicas kept by ``supervisor``'s host (which retires) again on other
+        hosts first, then drop them there; how many were made."""
+        made = 0
+        for name, per in list(self.placed.items()):
+            leaving = [r for reps in per.values() for r in reps if r.supervisor == supervisor]
+            layout = self.layouts.get(name)
+            if not leaving or layout is None:
+                continue
+            for r in leaving:  # (short now: placed again below, while they still ship)
+                per[r.manager_id].remove(r)
+            made += await self.place(name, leaving=supervisor)
+            for r in leaving:
+                await self._detach(layout, r)
+                await self._drop(layout.uid, r)
+        return made
+
+    async def _detach(self, layout: Layout, r: Replica) -> None:
+        """The primary stops shipping to replica ``r``."""
+        primary = layout.managers[r.manager_id]
+        if primary.lost:
+            return
+        try:
+            raise_from_wire(await self.rpc(primary.supervisor).ddict_replica_targets(
+                uid=layout.uid, manager_id=r.manager_id,
+                remove=[[r.info["uds_path"], r.info["tcp_host"], r.info["tcp_port"]]]))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - it drops the replica when it fails to ship
+            logger.info("ddict %s: manager %d kept shipping to %s: %r", layout.name,
+                        r.manager_id, r.worker, e)  # fmt: skip

@@ -1,0 +1,79 @@
+"""The replicas a host process keeps of other host processes' managers.
+
+Each is a copy of a primary's shard to which the primary's committed change sets
+(:mod:`dask_ddict.shard.changes`) are applied, one transaction each, in their
+order; :func:`serve` is the host's handler of
+:class:`~dask_ddict.transport.whole_checkpoints.Replicate`.  How replicas are
+made, fed and promoted: :mod:`.replicas`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Protocol
+
+from ..errors import DDictError, DDictManagerMovedError, DDictManagerUnavailableError
+from ..shard import changes
+from ..shard.store import ShardStore
+from ..transport.operation import Reply, Request
+from . import hygiene
+
+
+class Hosted(Protocol):
+    """What :func:`serve` needs of a ``server.HostedDict``."""
+
+    name: str
+    replicas: dict[int, Replica]
+    managers: dict[int, Any]
+
+
+class Replica:
+    """A replica of manager ``manager_id`` kept here: a copy of its shard, to which the
+    primary's change sets are applied in their order."""
+
+    def __init__(self, manager_id: int, store: ShardStore, lock: int) -> None:
+        self.manager_id = manager_id
+        self.store = store
+        self.lock = lock  # (its owner lock: no sweep removes it while it is kept here)
+        self.seq = 0  # the last change set applied
+        self._mutex = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Replica manager={self.manager_id} seq={self.seq} {self.store.path!r}>"
+
+    def apply(self, seq: int, payload: Any) -> None:
+        """Apply change set ``seq`` (a resend of the last one is taken once; 0: a new
+        primary ships from now on, numbering from 1)."""
+        with self._mutex:
+            if seq == 0 or seq == self.seq:
+                self.seq = seq if seq == 0 else self.seq
+                return
+            if seq != self.seq + 1:
+                raise DDictError(f"replica of manager {self.manager_id} is out of step: it got "
+                                 f"change set {seq} after {self.seq}", "INVALID_OPERATION")  # fmt: skip
+            with self.store.env.begin(write=True, buffers=True) as txn:
+                changes.apply(self.store, txn, payload)
+            self.seq = seq
+
+    def close(self, destroy: bool = True) -> None:
+        try:
+            if destroy:
+                self.store.destroy()
+            else:
+                self.store.close()
+        finally:
+            hygiene.release(self.lock)
+
+
+def serve(hosted: Hosted, r: Request, reply: Reply) -> None:
+    """Serve a :class:`Replicate` request: apply its change set to the replica here."""
+    replica = hosted.replicas.get(r.manager)
+    if replica is None and r.manager in hosted.managers:  # (it took over: the sender is
+        raise DDictManagerMovedError(f"manager {r.manager} of {hosted.name!r} failed over to "
+                                     f"process {os.getpid()}")  # deposed)  # fmt: skip
+    if replica is None:
+        raise DDictManagerUnavailableError(f"process {os.getpid()} keeps no replica of manager "
+                                           f"{r.manager} of {hosted.name!r}")  # fmt: skip
+    replica.apply(r.arg, r.value)
+    reply()

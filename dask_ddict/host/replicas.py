@@ -1,0 +1,220 @@
+"""A host process's half of replicas: the replicas it keeps, and its managers' shipping.
+
+A dictionary created with ``replicas=k`` has each manager's shard copied to ``k``
+other host processes (on other machines when the cluster has several; the
+orchestrator places them, see :mod:`dask_ddict.cluster.replicas`):
+
+* **seeding** a replica is the copy half of a move: the primary's writes pause
+  (:func:`hold`), the replica's host copies its used pages
+  (:class:`~dask_ddict.transport.whole_checkpoints.ShardPages`, :func:`seed`), the
+  primary adds the replica to its :class:`Shipper` and resumes (:func:`targets`);
+* **shipping**: every write transaction that a replicated manager commits is
+  recorded (:mod:`dask_ddict.shard.changes`) and sent to each replica
+  (:class:`~dask_ddict.transport.whole_checkpoints.Replicate`, numbered) before
+  the write is answered, so an acknowledged write is in every live replica's
+  shared memory.  A replica that does not take it (its host gone, out of step)
+  is dropped, said in the log and in the manager's stats;
+* **promotion**: when the primary's host is lost, the orchestrator has a replica's
+  host serve the manager over the replica's shard (:func:`promote`), as a move
+  to this machine would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .. import config
+from ..errors import DDictManagerMovedError, DDictManagerUnavailableError
+from ..layout import ManagerInfo, host_id
+from ..shard import changes
+from ..shard.store import ShardStore
+from ..transport.connect import default_security
+from ..transport.links import HostLink
+from ..transport.whole_checkpoints import Replicate
+from . import hygiene, moves
+from .control import DictSpec
+from .replica_store import Replica
+
+if TYPE_CHECKING:
+    from ..shard.manager import Manager
+    from .server import HostedDict
+
+logger = logging.getLogger(__name__)
+
+
+class Host(Protocol):
+    """What replicas need of the host process (``process.Host``)."""
+
+    dicts: dict[bytes, HostedDict]
+
+    def hosted(self, spec: DictSpec) -> HostedDict: ...
+
+
+def seed(host: Host, spec: DictSpec, mid: int, source: dict[str, Any], used: int,
+         map_size: int, tls: bool) -> str:  # fmt: skip
+    """Keep a new replica of manager ``mid``: its shard copied from ``source`` (the primary,
+    held by :func:`hold`).  Returns the replica's path."""
+    path = moves.receive(spec, mid, source, used, map_size, tls)
+    lock = hygiene.claim(path)
+    try:
+        store = ShardStore(path, spec.capacity, spec.options.manager_pool_full_thresh,
+                           indexed=spec.options.wait_for_keys, create=False)  # fmt: skip
+    except BaseException:
+        hygiene.release(lock)
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    hosted = host.dicts[bytes.fromhex(spec.uid)] = host.hosted(spec)
+    old = hosted.replicas.pop(mid, None)
+    hosted.replicas[mid] = Replica(mid, store, lock)
+    if old is not None:
+        old.close()
+    logger.info("ddict host %d: keeps a replica of manager %d of %s (%d bytes)", os.getpid(),
+                mid, spec.name, used)  # fmt: skip
+    return path
+
+
+def drop(host: Host, uid: str, mid: int) -> bool:
+    """Stop keeping the replica of manager ``mid`` of ``uid`` here (its shard deleted)."""
+    hosted = host.dicts.get(bytes.fromhex(uid))
+    replica = None if hosted is None else hosted.replicas.pop(mid, None)
+    if replica is None:
+        return False
+    replica.close()
+    return True
+
+
+def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
+    """The path of the replica of manager ``mid`` here, closed as a replica so that the
+    host can serve it as the manager (a promotion).  The lost primary's shard, if it
+    is on this machine, is removed (no process serves it any more)."""
+    hosted = host.dicts.get(bytes.fromhex(uid))
+    replica = None if hosted is None else hosted.replicas.pop(mid, None)
+    if replica is None:
+        raise DDictManagerUnavailableError(f"process {os.getpid()} keeps no replica of manager "
+                                           f"{mid} of {uid}")  # fmt: skip
+    replica.close(destroy=False)
+    if old_path and old_path != replica.store.path:
+        hygiene.remove([old_path])  # (only if every process that owned it is dead)
+    return replica.store.path
+
+
+# -- a primary's side ---------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """One replica of a primary: where it is kept, and the last change set sent to it."""
+
+    info: ManagerInfo
+    link: HostLink
+    seq: int = 0
+
+
+class Shipper:
+    """A replicated manager's replicas: every commit's changes are sent to each of them
+    before the write is answered (``ShardStore.replicate``)."""
+
+    def __init__(self, spec: DictSpec, manager_id: int, tls: bool) -> None:
+        self.spec = spec
+        self.manager_id = manager_id
+        self.tls = tls
+        self.targets: list[Target] = []
+        #: Replicas dropped since the last time the orchestrator placed them: why.
+        self.dropped: list[str] = []
+        #: ``deposed(where)``: a replica took over from this primary (its host was taken
+        #: for lost): the host stops serving it here (set by the host).
+        self.deposed: Callable[[str], None] | None = None
+        self.shipped = 0  # change sets sent (to each replica)
+
+    def __repr__(self) -> str:
+        return (f"<Shipper manager={self.manager_id} replicas={len(self.targets)} "
+                f"shipped={self.shipped}>")  # fmt: skip
+
+    def add(self, info: ManagerInfo) -> None:
+        ssl_context = None
+        if self.tls:
+            ssl_context = default_security().get_connection_args("client")["ssl_context"]
+        spec = self.spec
+        link = HostLink(info, spec.uid, spec.secret, spec.name,
+                        use_uds=bool(config.get("local-transport")) and info.host_id == host_id()
+                        and os.path.exists(info.uds_path),
+                        ssl_context=ssl_context, max_value=1 << 62)  # fmt: skip
+        self.remove(info.address)
+        try:  # (change set 0: the replica numbers this primary's from 1)
+            link.call(Replicate(0, [], 0, config.get_seconds("replica.timeout")), self.manager_id)
+        except BaseException:
+            link.close()
+            raise
+        self.targets.append(Target(info, link))
+
+    def remove(self, address: tuple[str, str, int] | list[Any]) -> None:
+        keep = []
+        for t in self.targets:
+            if list(t.info.address) == list(address):
+                t.link.close()
+            else:
+                keep.append(t)
+        self.targets = keep
+
+    def ship(self, recorded: list[changes.Change]) -> None:
+        """Send one commit's changes to every replica (in order; a failed one is dropped)."""
+        parts, nbytes = changes.encode(recorded)
+        timeout = config.get_seconds("replica.timeout")
+        self.shipped += 1
+        for t in list(self.targets):
+            t.seq += 1
+            try:
+                t.link.call(Replicate(t.seq, parts, nbytes, timeout), self.manager_id)
+            except DDictManagerMovedError as e:  # a replica serves it now: this write and
+                if self.deposed is not None:  # the next ones are answered MOVED, not here
+                    self.deposed(f"{t.info.hostname} ({t.info.worker})")
+                raise DDictManagerMovedError(f"manager {self.manager_id} {e.message}") from None
+            except Exception as e:  # noqa: BLE001 - a replica that cannot follow is dropped
+                self.targets.remove(t)
+                t.link.close()
+                why = f"{t.info.hostname} ({t.info.worker}): {e}"
+                self.dropped.append(why)
+                logger.warning("ddict %s: manager %d dropped its replica on %s", self.spec.name,
+                               self.manager_id, why)  # fmt: skip
+
+    def close(self) -> None:
+        for t in self.targets:
+            t.link.close()
+        self.targets = []
+
+
+def hold(manager: Manager) -> dict[str, Any]:
+    """Pause ``manager``'s writes while a replica copies its shard (see ``Moving.hold``)."""
+    return manager.hold()
+
+
+def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | None,
+            remove: list[Any], release: bool,
+            deposed: Callable[[str], None] | None = None) -> int:  # fmt: skip
+    """Change ``manager``'s replicas: ``add`` one (its host's layout fields), ``remove``
+    those at these host addresses; then end a :func:`hold` (``release``).  Returns how
+    many replicas it has."""
+    shipper = manager.shipper
+    try:
+        with manager.store.shipping:  # (no commit is being shipped meanwhile)
+            if shipper is None and add is not None:
+                shipper = manager.shipper = Shipper(spec, manager.manager_id, tls)
+                shipper.deposed = deposed
+            if shipper is not None:
+                for address in remove:
+                    shipper.remove(address)
+                if add is not None:
+                    fields = set(ManagerInfo.__dataclass_fields__)
+                    shipper.add(ManagerInfo(**{k: v for k, v in add.items() if k in fields}))
+                    shipper.dropped.clear()
+                manager.store.replicate = shipper.ship if shipper.targets else None
+    finally:
+        if release:
+            manager.unhold()
+    return 0 if shipper is None else len(shipper.targets)

@@ -1,0 +1,164 @@
+"""A replica holds what its primary holds: the recorded changes of every write transaction,
+applied in order, leave a copy of the shard identical record for record (no cluster: a
+real manager and a real replica store in a temp directory)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dask_ddict._hashing import key_digest
+from dask_ddict._keys import dumps_key
+from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict.errors import DDictError
+from dask_ddict.host import hygiene
+from dask_ddict.host.replica_store import Replica
+from dask_ddict.shard import changes
+from dask_ddict.shard.manager import Manager
+from dask_ddict.shard.store import ShardStore
+from dask_ddict.shard.working_set import WorkingSet
+
+CLIENT = 3
+
+
+def join_parts(parts: list) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def _k(key):
+    kb = dumps_key(key)
+    return key_digest(kb), kb
+
+
+def records(store: ShardStore) -> list[list[tuple[bytes, bytes]]]:
+    """Every record of every database of ``store``."""
+    with store.env.begin(buffers=False) as txn:
+        return [list(txn.cursor(db)) for db in changes.databases(store)]
+
+
+class Pair:
+    """A manager whose every commit is shipped to a replica store (as a host does)."""
+
+    def __init__(self, path: str, *, size: int = 3, wait_for_keys: bool = True) -> None:
+        os.makedirs(path + "/p")
+        self.store = ShardStore(path + "/p", 64 << 20, indexed=wait_for_keys)
+        self.manager = Manager(0, self.store, WorkingSet(self.store, size,
+                                                         wait_for_keys=wait_for_keys))
+        os.makedirs(path + "/r")
+        self.store.env.copy(path + "/r")  # (the seed: a consistent copy)
+        rstore = ShardStore(path + "/r", 64 << 20, indexed=wait_for_keys, create=False)
+        self.replica = Replica(0, rstore, hygiene.claim(path + "/r"))
+        self.shipped = 0
+        self.store.replicate = self._ship
+
+    def _ship(self, recorded: list[changes.Change]) -> None:
+        parts, n = changes.encode(recorded)
+        payload = join_parts(parts)
+        assert len(payload) == n
+        self.shipped += 1
+        self.replica.apply(self.shipped, payload)
+
+    def same(self) -> bool:
+        return records(self.store) == records(self.replica.store)
+
+    def close(self) -> None:
+        self.manager.close()
+        self.replica.close()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    p = Pair(str(tmp_path), wait_for_keys=False)
+    yield p
+    p.close()
+
+
+def test_every_kind_of_write_reaches_the_replica(pair):
+    m = pair.manager
+    for i in range(20):
+        d, kb = _k(i)
+        m.put(d, kb, dumps_value(i).join(), 0, CLIENT)
+    big = bytes(range(256)) * 8192  # 2 MiB: assembled in the store's scratch buffer
+    m.put(*_k("big"), dumps_value(big).join(), 0, CLIENT)
+    m.pop(_k(3)[0], 0, CLIENT)
+    m.fetch_add(*_k("n"), 0, CLIENT, 5, rid=99)
+    m.put(*_k(4), dumps_value("at 1").join(), 1, CLIENT)  # a new checkpoint
+    m.put(*_k(5), dumps_value("at 4").join(), 4, CLIENT)  # the window moves: retirement
+    m.freeze()
+    m.unfreeze()
+    m.clear(4, CLIENT)
+    assert pair.shipped > 20
+    assert pair.same()
+
+
+def test_a_resend_is_taken_once_and_a_gap_is_refused(pair):
+    m = pair.manager
+    m.put(*_k("a"), dumps_value(1).join(), 0, CLIENT)
+    before = records(pair.replica.store)
+    parts, _ = changes.encode([(changes.PUT, 0, b"x" * 24, b"junk")])
+    pair.replica.apply(pair.shipped, join_parts(parts))  # (the same number again: ignored)
+    assert records(pair.replica.store) == before
+    with pytest.raises(DDictError, match="out of step"):
+        pair.replica.apply(pair.shipped + 2, join_parts(parts))
+    pair.replica.apply(0, b"")  # a new primary numbers from 1 again
+    assert pair.replica.seq == 0
+
+
+def test_a_failed_write_ships_nothing(pair):
+    m = pair.manager
+    m.put(*_k("s"), dumps_value("text").join(), 0, CLIENT)
+    shipped = pair.shipped
+    with pytest.raises(DDictError, match="int value"):
+        m.fetch_add(*_k("s"), 0, CLIENT, 1)  # (refused: its transaction rolls back)
+    assert pair.shipped == shipped and pair.same()
+
+
+_KEYS = st.integers(0, 12)
+_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("put"), _KEYS, st.integers(0, 3), st.binary(max_size=3000)),
+    st.tuples(st.just("pop"), _KEYS, st.integers(0, 3), st.none()),
+    st.tuples(st.just("add"), _KEYS, st.integers(0, 3), st.none()),
+    st.tuples(st.just("clear"), st.just(0), st.integers(0, 3), st.none()),
+    st.tuples(st.just("persistent"), _KEYS, st.integers(0, 3), st.binary(max_size=40)),
+), min_size=1, max_size=40)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=_STEPS, wfk=st.booleans())
+def test_any_sequence_of_writes_leaves_an_identical_replica(tmp_path_factory, steps, wfk):
+    pair = Pair(str(tmp_path_factory.mktemp("pair")), wait_for_keys=wfk)
+    m = pair.manager
+    base = 0
+    try:
+        for what, key, dc, value in steps:
+            chkpt = base + dc
+            d, kb = _k(key)
+            try:
+                if what == "put":
+                    m.put(d, kb, dumps_value(value).join(), chkpt, CLIENT, timeout=0)
+                elif what == "persistent":
+                    m.put(d, kb, dumps_value(value).join(), chkpt, CLIENT, timeout=0,
+                          persistent=True)  # fmt: skip
+                elif what == "pop":
+                    m.pop(d, chkpt, CLIENT, timeout=0)
+                elif what == "add":
+                    m.fetch_add(d, kb, chkpt, CLIENT, 1, timeout=0)
+                else:
+                    m.clear(chkpt, CLIENT, timeout=0)
+            except DDictError:
+                pass  # (a refused write: nothing to ship)
+            base = max(base, m.working_set.oldest)
+            assert pair.same()
+        for key in range(13):  # reads agree too
+            d, _ = _k(key)
+            try:
+                a = loads_value(bytes(m.pop(d, m.working_set.newest, CLIENT, timeout=0)))
+            except DDictError:
+                a = None
+            assert a is None or isinstance(a, (bytes, int))
+        assert pair.same()
+    finally:
+        pair.close()

@@ -1,0 +1,321 @@
+"""Replicas: a host killed suddenly loses nothing acknowledged.
+
+Real clusters whose workers are ``dask worker`` processes (each with its own nanny,
+so that every process of a worker's host can be SIGKILLed: nanny, worker, host
+process and its supervisor); writers (client threads and tasks) put and
+``fetch_add`` throughout, and afterwards every acknowledged write reads back and
+counters are exact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+
+from dask_ddict import DDict
+from dask_ddict.cluster.moves import Candidate
+from dask_ddict.cluster.replicas import Replica, replica_targets
+from dask_ddict.errors import DDictManagerUnavailableError
+from dask_ddict.layout import ManagerInfo
+from writers import _check, _with_writers
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# -- pure placement ----------------------------------------------------------------------
+
+
+def _primary(supervisor: str, host: str) -> ManagerInfo:
+    return ManagerInfo(0, "w-" + supervisor, "h", host, 1, "/s", "127.0.0.1", 1, "/d",
+                       supervisor=supervisor)  # fmt: skip
+
+
+def test_replicas_go_to_other_machines_then_the_least_loaded_host_processes():
+    c = [Candidate("wa", "a", "m1", 0, 3), Candidate("wb", "b", "m1", 0, 0),
+         Candidate("wc", "c", "m2", 0, 9), Candidate("wd", "d", "m3", 0, 1)]  # fmt: skip
+    # never the primary's own host process; another machine first, the least loaded
+    got = replica_targets(c, _primary("a", "m1"), [], {"d": 2})
+    assert [t.supervisor for t in got] == ["c", "d", "b"]
+    # a second replica avoids the machine of the first too
+    first = Replica(0, "wc", "c", "m2", {})
+    assert [t.supervisor for t in replica_targets(c, _primary("a", "m1"), [first], {})] == \
+        ["d", "b"]  # fmt: skip
+    # one machine: other host processes, the least loaded first
+    one = [Candidate(f"w{i}", f"s{i}", "m", 0, 0) for i in range(3)]
+    assert [t.supervisor for t in replica_targets(one, _primary("s0", "m"), [], {"s1": 4})] == \
+        ["s2", "s1"]  # fmt: skip
+
+
+# -- a cluster of dask worker processes ----------------------------------------------------
+
+
+class Workers:
+    """``dask worker`` processes (nanny and worker each) attached to a local scheduler."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dask", "worker", self.address, "--nthreads", "2",
+                 "--memory-limit", "1GiB", "--no-dashboard"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                    [TESTS, os.environ.get("PYTHONPATH", "")])}))  # (tasks of tests' helpers)
+
+    def of(self, c: Client, worker: str) -> subprocess.Popen[bytes]:
+        """The ``dask worker`` process (its nanny) of ``worker``."""
+        nanny = c.scheduler_info()["workers"][worker]["nanny"]
+        port = int(nanny.rsplit(":", 1)[1])
+        for p in self.procs:
+            if p.poll() is None and any(
+                    s.status == "LISTEN" and s.laddr.port == port
+                    for s in psutil.Process(p.pid).net_connections()):  # fmt: skip
+                return p
+        raise AssertionError(f"no process serves nanny {nanny}")
+
+    @staticmethod
+    def kill(proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL every process of that worker's host: nanny (and its host supervisor),
+        worker, host process."""
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:  # (multiprocessing's resource tracker lives on: it removes the nanny's
+                if "resource_tracker" not in " ".join(p.cmdline()):  # semaphores, as a
+                    p.send_signal(signal.SIGKILL)  # dead machine's /dev/shm would go)
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(30)
+
+    def close(self) -> None:
+        """Close the workers that live gracefully (their hosts remove what they hold)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill(p)
+
+
+@pytest.fixture
+def workers3():
+    with LocalCluster(n_workers=0, dashboard_address=":0") as cl, Client(cl) as c:
+        w = Workers(cl.scheduler_address)
+        try:
+            w.start(3)
+            c.wait_for_workers(3, timeout=120)
+            yield c, w
+        finally:
+            w.close()
+
+
+def _failed_over(d: DDict, worker: str, bound: float = 60.0) -> None:
+    """Wait until no manager is served for ``worker`` and every manager has a replica."""
+    deadline = time.monotonic() + bound
+    while True:
+        layout = d._core.fresh(force=True)
+        assert not any(m.lost for m in layout.managers), layout.managers
+        if worker not in layout.manager_workers and all(s.replicas >= 1 for s in d.stats):
+            return
+        assert time.monotonic() < deadline, f"no failover and repair from {worker}"
+        time.sleep(0.2)
+
+
+def test_a_host_killed_under_writers_loses_nothing_acknowledged(workers3):
+    c, w = workers3
+    d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, timeout=60, replicas=1)
+    try:
+        assert all(s.replicas == 1 for s in d.stats)
+        d.update({i: i for i in range(300)})
+        rng = random.Random()
+        first = rng.choice(sorted(set(d.manager_workers)))
+        stay = sorted(set(c.scheduler_info()["workers"]) - {first})
+        proc = w.of(c, first)
+
+        def kill() -> None:
+            time.sleep(rng.uniform(0.0, 1.0))  # (at a random moment of the writes)
+            began = time.monotonic()
+            w.kill(proc)
+            _failed_over(d, first)
+            assert time.monotonic() - began < 30  # (ddict.failover-timeout)
+
+        _with_writers(c, d, stay, kill)
+        assert all(d[i] == i for i in range(300))
+        assert [m for m in d.moves if m["why"].startswith("failover")]
+        # after the repair, a second host's loss is survived too
+        second = d.manager_workers[0]
+        w.kill(w.of(c, second))
+        _failed_over_to_one(d, second)
+        assert all(d[i] == i for i in range(300))
+        _check(d, [], [])  # every manager takes new puts
+    finally:
+        d.destroy()
+
+
+def _failed_over_to_one(d: DDict, worker: str, bound: float = 60.0) -> None:
+    """The last worker serves every manager (no other can keep a replica)."""
+    deadline = time.monotonic() + bound
+    while worker in d._core.fresh(force=True).manager_workers:
+        assert time.monotonic() < deadline, f"no failover from {worker}"
+        time.sleep(0.2)
+    assert not any(m.lost for m in d._core.layout.managers)
+
+
+def test_without_replicas_a_killed_host_loses_its_managers(workers3):
+    """The baseline the replicas remove: the same kill, and the managers are lost."""
+    c, w = workers3
+    d = DDict(managers_per_worker=1, total_mem="48 MiB", client=c, timeout=30)
+    try:
+        d.update({i: i for i in range(60)})
+        victim = d.manager_workers[0]
+        w.kill(w.of(c, victim))
+        deadline = time.monotonic() + 60
+        while not d._core.fresh(force=True).managers[0].lost:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with pytest.raises(DDictManagerUnavailableError):
+            d.manager(0)["x"] = 1
+    finally:
+        d.destroy()
+
+
+def test_replicas_are_checked_against_the_cluster(workers3):
+    c, _ = workers3
+    with pytest.raises(ValueError, match="replicas=3 needs at least 4 workers"):
+        DDict(total_mem="48 MiB", client=c, replicas=3)
+    for bad, err in [(-1, ValueError), (9, ValueError), ("1", TypeError), (True, TypeError)]:
+        with pytest.raises(err, match="replicas"):
+            DDict(total_mem="48 MiB", client=c, replicas=bad)
+
+
+def _key_on(d: DDict, mid: int, prefix: str) -> str:
+    """A key that manager ``mid`` holds."""
+    for i in range(10_000):
+        if d.which_manager(f"{prefix}{i}") == mid:
+            return f"{prefix}{i}"
+    raise AssertionError(f"no key of manager {mid}")
+
+
+def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
+    """A reader waiting at the lost primary (``wait_for_keys``) is answered by the new
+    one; a batch whose records went to the lost host is completed; persisted checkpoints
+    and pending persists survive."""
+    c, w = workers3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60, replicas=1,
+              working_set_size=2, wait_for_keys=True, persist_path=str(tmp_path / "store"),
+              persist_count=-1)  # fmt: skip
+    try:
+        victim = d.manager_workers[0]
+        late = _key_on(d, 0, "late")
+        d.pput("const", "kept")
+        d.update({("before", i): i for i in range(200)})
+        d.persist()
+        d.sync()
+        waiting = c.submit(lambda h, k: h[k], d, late, pure=False,
+                           workers=[d.manager_workers[1]])  # fmt: skip
+        d.start_batch_put()
+        for i in range(300):
+            d[("batch", i)] = i
+            if i == 150:
+                time.sleep(0.3)
+                assert not waiting.done()
+                w.kill(w.of(c, victim))
+        d.end_batch_put()
+        d[late] = "written after the failover"
+        assert waiting.result(timeout=60) == "written after the failover"
+        assert all(d[("batch", i)] == i for i in range(300))
+        assert all(d[("before", i)] == i for i in range(200)) and d["const"] == "kept"
+        assert victim not in d.manager_workers
+        d.sync()
+        assert d.persisted_ids() == [0]
+        d.restore(0)  # the new primary reads the checkpoint its predecessor persisted
+        assert d[("before", 7)] == 7 and ("batch", 7) not in d
+    finally:
+        d.destroy()
+
+
+def test_a_restarted_host_process_gets_its_replicas_again(workers3):
+    """The host process alone dies (its supervisor restarts it over its shards): the
+    replicas it kept, and those of its managers (which may lack its last write), are made
+    again, so a later loss of the whole host still loses nothing."""
+    c, w = workers3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60, replicas=1)
+    try:
+        d.update({i: i for i in range(200)})
+        victim = d.manager_workers[0]
+        old = d.stats[0].pid
+        psutil.Process(old).kill()
+        deadline = time.monotonic() + 60
+        while True:  # a new incarnation, and every manager with its replica again
+            try:
+                stats = d.stats
+            except Exception:  # noqa: BLE001 - (restarting)
+                stats = []
+            if stats and stats[0].pid != old and all(s.replicas == 1 for s in stats):
+                break
+            assert time.monotonic() < deadline, [(s.pid, s.replicas) for s in stats]
+            time.sleep(0.3)
+        d.update({i: -i for i in range(200)})
+        w.kill(w.of(c, victim))
+        _failed_over(d, victim)
+        assert all(d[i] == -i for i in range(200))
+    finally:
+        d.destroy()
+
+
+def test_retirement_keeps_primaries_and_replicas_on_different_hosts(workers3):
+    c, w = workers3
+    d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, timeout=60, replicas=1)
+    try:
+        d.update({i: i for i in range(300)})
+        leaving = d.manager_workers[0]
+        stay = sorted(set(c.scheduler_info()["workers"]) - {leaving})
+
+        def retire() -> None:
+            c.retire_workers([leaving])
+            deadline = time.monotonic() + 60
+            while leaving in c.scheduler_info()["workers"] or \
+                    any(leaving in ws for ws in _replica_workers(c, d).values()):  # fmt: skip
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+
+        _with_writers(c, d, stay, retire)
+        assert all(d[i] == i for i in range(300))
+        _apart(c, d)
+        w.start(1)  # a new worker: the managers spread again, still apart
+        c.wait_for_workers(3, timeout=120)
+        d.rebalance()
+        _apart(c, d)
+        assert len(set(d.manager_workers)) == 3
+        assert all(d[i] == i for i in range(300))
+    finally:
+        d.destroy()
+
+
+def _replica_workers(c: Client, d: DDict) -> dict[int, tuple[str, ...]]:
+    return {int(k): tuple(v) for k, v in
+            c.sync(c.scheduler.ddict_replicas, name=d.get_name()).items()}  # fmt: skip
+
+
+def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
+    """Every manager has its replica, on another worker than its primary."""
+    deadline = time.monotonic() + bound
+    while True:
+        reps = _replica_workers(c, d)
+        primaries = d._core.fresh(force=True).manager_workers
+        if all(len(reps.get(m, ())) == 1 and primaries[m] not in reps[m]
+               for m in range(d.num_managers)) and all(s.replicas == 1 for s in d.stats):  # fmt: skip
+            return
+        assert time.monotonic() < deadline, (primaries, reps)
+        time.sleep(0.2)

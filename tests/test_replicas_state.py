@@ -1,0 +1,81 @@
+"""The replicated dictionary as a hypothesis state machine: the moves' machine
+(:mod:`test_moves_state`) on ``dask worker`` processes with ``replicas=1``, plus a step
+that SIGKILLs every process of a random worker's host and starts a new worker in its
+place.  After every step the dictionary equals the model: nothing acknowledged lost,
+counters exact."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
+
+from dask_ddict import DDict
+from test_moves_state import MovingDict
+from test_replicas import Workers
+
+
+class ReplicatedDict(MovingDict):
+    workers_: Workers
+    kills = 0  # (how many hosts were killed in all examples)
+
+    @initialize()
+    def start(self) -> None:  # (MovingDict's, with a replica per manager)
+        self.d = DDict(managers_per_worker=1, total_mem="48 MiB", client=self.client,
+                       timeout=60, replicas=1)  # fmt: skip
+        self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
+        self.model = {}
+        self.workers = sorted(self.client.scheduler_info()["workers"])
+
+    @rule(seed=st.integers(0, 2**16))
+    def kill_a_host(self, seed: int) -> None:
+        """SIGKILL a whole worker host (a primary's, a replica's, or both), then start a
+        new worker; wait until every manager has its replica again."""
+        c = self.client
+        victim = random.Random(seed).choice(self.workers)
+        ReplicatedDict.kills += 1
+        self.workers_.kill(self.workers_.of(c, victim))
+        self.workers_.start(1)
+        deadline = time.monotonic() + 90
+        while True:
+            now = sorted(c.scheduler_info()["workers"])
+            layout = self.d._core.fresh(force=True)
+            if len(now) == 3 and victim not in now and victim not in layout.manager_workers \
+                    and all(s.replicas == 1 for s in self.d.stats):  # fmt: skip
+                break
+            assert not any(m.lost for m in layout.managers), layout.managers
+            assert time.monotonic() < deadline, "no failover and repair"
+            time.sleep(0.2)
+        self.workers = now
+
+
+
+def _run(max_examples: int, steps: int) -> None:
+    with LocalCluster(n_workers=0, dashboard_address=":0") as cl, Client(cl) as c:
+        w = Workers(cl.scheduler_address)
+        try:
+            w.start(3)
+            c.wait_for_workers(3, timeout=120)
+            ReplicatedDict.client, ReplicatedDict.workers_ = c, w
+            ReplicatedDict.TestCase.settings = settings(
+                max_examples=max_examples, stateful_step_count=steps, deadline=None,
+                suppress_health_check=list(HealthCheck))  # fmt: skip
+            ReplicatedDict.TestCase().runTest()
+        finally:
+            w.close()
+
+
+def test_the_replicated_dictionary_with_host_kills_as_steps():
+    _run(max_examples=2, steps=12)
+
+
+@pytest.mark.slow
+def test_the_replicated_dictionary_with_host_kills_as_steps_longer():
+    ReplicatedDict.kills = 0
+    _run(max_examples=6, steps=30)
+    assert ReplicatedDict.kills > 0
