@@ -5,7 +5,7 @@
 A scheduler in this process and 3 ``dask worker`` processes (each with its own
 nanny, so a host can be SIGKILLed whole); two dictionaries of the same shape
 (one manager per worker), ``replicas=0`` and ``replicas=1``, measured in the
-same run, best of ``--runs``:
+same run, best of ``--runs`` (5) interleaved:
 
 * ``put 100 B over TCP``: sequential puts from this process, everything over TCP
   (this process's ``ddict.local-transport`` is off, and so is the workers', so a
@@ -14,14 +14,17 @@ same run, best of ``--runs``:
 * ``batch put 1,000 x 100 B``: ``start_batch_put``/``end_batch_put``; target >= 0.7x.
 * ``get 100 B over TCP``: reads go to the primary alone; target: no slower (>= 0.95x,
   the noise of these machines).
+* ``put 100 B from 4 client threads``: informative (the replica's round trips of
+  several writers overlap).
 * ``same host`` put and get (the default transport): informative.  A replicated
   dictionary is read and written through its host (no direct shard access, see
   ``docs/ddict.md`` "Replicas"), so these rows show what that costs.
 * ``keys of a lost host readable again``: a reader loops on a key of manager 0
-  while every process of its worker's host is SIGKILLed; the time from the kill
-  to the first read that answers (the loss is detected when the worker's
-  connection breaks, at once for a killed process), and the promotion's own
-  seconds (``d.moves``).  Target <= 5 s.
+  while every process of its worker's host is SIGKILLed; the longest time the
+  reader waited for an answer across the kill (the loss is detected when the
+  worker's connection breaks, at once for a killed process), the time to answer of
+  the first read asked after the kill, and the promotion's own seconds
+  (``d.moves``).  Target <= 5 s.
 
 Absolute numbers on 2-core VMs are noisy: read the ratios.
 """
@@ -86,9 +89,25 @@ def rate(fn: Any, n: int, runs: int) -> float:
     return best
 
 
+def threads_rate(d: DDict, n: int, threads: int, value: bytes) -> float:
+    """Aggregate puts per second of ``threads`` client threads, ``n`` puts in all."""
+    def work(j: int) -> None:
+        for i in range(j, n, threads):
+            d[i] = value
+
+    ts = [threading.Thread(target=work, args=(j,)) for j in range(threads)]
+    t = time.perf_counter()
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+    return n / (time.perf_counter() - t)
+
+
 def batch_rate(d: DDict, n: int, runs: int) -> float:
     best = 0.0
-    for r in range(runs):
+    for _ in range(runs):
+        r = time.monotonic_ns()  # (new keys each time)
         t = time.perf_counter()
         d.start_batch_put()
         for i in range(n):
@@ -107,18 +126,23 @@ def pair_rows(c: Client, n: int, runs: int, where: str) -> list[Row]:
         for d in (d0, d1):
             d.update({i: value for i in range(n)})  # (the keys exist: overwrites below)
         targets = {"put": (0.5, "put 100 B"), "batch": (0.7, "batch put 1,000 x 100 B"),
-                   "get": (0.95, "get 100 B")}  # fmt: skip
-        got: dict[str, list[float]] = {k: [] for k in targets}
-        for d in (d0, d1):
-            got["put"].append(rate(lambda i, d=d: d.__setitem__(i, value), n, runs))
-            got["batch"].append(batch_rate(d, 1000, runs))
-            got["get"].append(rate(lambda i, d=d: d[i], n, runs))
+                   "get": (0.95, "get 100 B"),
+                   "put4": (0.0, "put 100 B from 4 client threads (aggregate)")}  # fmt: skip
+        got: dict[str, list[float]] = {k: [0.0, 0.0] for k in targets}
+        for _ in range(runs):  # (interleaved: a slow moment of the machine hits both)
+            for j, d in enumerate((d0, d1)):
+                for k, r in (("put", rate(lambda i, d=d: d.__setitem__(i, value), n, 1)),
+                             ("batch", batch_rate(d, 1000, 1)),
+                             ("get", rate(lambda i, d=d: d[i], n, 1)),
+                             ("put4", threads_rate(d, n, 4, value))):  # fmt: skip
+                    got[k][j] = max(got[k][j], r)
         for k, (target, what) in targets.items():
             r0, r1 = got[k]
             ratio = r1 / r0
+            scored = where == "TCP" and target > 0
             rows.append((f"{what}, {where}", f"{r1:,.0f} / {r0:,.0f} per s = {ratio:.2f}x",
-                         f">= {target}x" if where == "TCP" else "(informative)",
-                         ("met" if ratio >= target else "MISSED") if where == "TCP" else "-",
+                         f">= {target}x" if scored else "(informative)",
+                         ("met" if ratio >= target else "MISSED") if scored else "-",
                          "replicas=1 / replicas=0, same run"))  # fmt: skip
     finally:
         d0.destroy()
@@ -132,33 +156,39 @@ def failover_row(c: Client, procs: list[subprocess.Popen[bytes]]) -> Row:
         d.manager(0)["probe"] = "there"
         d.update({i: i for i in range(1000)})
         victim = proc_of(c, procs, d.manager_workers[0])
-        answered: list[float] = []
+        answered: list[tuple[float, float]] = []  # (asked, answered) of each read
         stop = threading.Event()
 
         def reader() -> None:
             h = d.manager(0)
             while not stop.is_set():
+                asked = time.monotonic()
                 assert h["probe"] == "there"
-                answered.append(time.monotonic())
+                answered.append((asked, time.monotonic()))
 
         t = threading.Thread(target=reader)
         t.start()
         time.sleep(0.5)
         killed = time.monotonic()
         kill_tree(victim)
-        deadline = killed + 60
-        while not [a for a in answered if a > killed + 0.001] and time.monotonic() < deadline:
+        dead = time.monotonic()  # (every process of the host is gone)
+        deadline = dead + 60
+        while not [a for a in answered if a[0] > dead] and time.monotonic() < deadline:
             time.sleep(0.01)
+        time.sleep(0.2)
         stop.set()
         t.join(60)
-        after = [a for a in answered if a > killed]
-        seconds = (after[0] - killed) if after else float("inf")
+        # the longest the reader went without an answer, across the kill
+        ends = [b for _, b in answered]
+        gap = max((b2 - b1 for b1, b2 in zip(ends, ends[1:]) if b2 > killed), default=float("inf"))
+        first = min((b - dead for a, b in answered if a > dead), default=float("inf"))
         promoted = [m for m in d.moves if m["why"].startswith("failover")]
         lost_ok = all(d[i] == i for i in range(1000))
-        note = (f"promotion itself {promoted[0]['seconds']:.3f} s; all 1,000 keys read back: "
-                f"{lost_ok}") if promoted else "no failover recorded"  # fmt: skip
-        return ("keys of a lost host readable again (kill -> first answer)", f"{seconds:.2f} s",
-                "<= 5 s", "met" if seconds <= 5 and lost_ok else "MISSED", note)  # fmt: skip
+        note = (f"first read asked after the kill answered in {first:.3f} s; promotion itself "
+                f"{promoted[0]['seconds']:.3f} s; all 1,000 keys read back: {lost_ok}"
+                if promoted else "no failover recorded")  # fmt: skip
+        return ("keys of a lost host readable again (a reader's longest wait across the kill)",
+                f"{gap:.3f} s", "<= 5 s", "met" if gap <= 5 and lost_ok else "MISSED", note)  # fmt: skip
     finally:
         d.destroy()
 
@@ -166,7 +196,7 @@ def failover_row(c: Client, procs: list[subprocess.Popen[bytes]]) -> Row:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     n = 1000 if args.quick else 4000
     runs = 2 if args.quick else args.runs

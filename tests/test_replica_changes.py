@@ -15,6 +15,7 @@ from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictError
 from dask_ddict.host import hygiene
+from dask_ddict.host import replica_store
 from dask_ddict.host.replica_store import Replica
 from dask_ddict.shard import changes
 from dask_ddict.shard.manager import Manager
@@ -54,7 +55,7 @@ class Pair:
         self.shipped = 0
         self.store.replicate = self._ship
 
-    def _ship(self, recorded: list[changes.Change]) -> None:
+    def _ship(self, recorded: list[changes.Change], later: bool = False) -> None:
         parts, n = changes.encode(recorded)
         payload = join_parts(parts)
         assert len(payload) == n
@@ -94,7 +95,8 @@ def test_every_kind_of_write_reaches_the_replica(pair):
     assert pair.same()
 
 
-def test_a_resend_is_taken_once_and_a_gap_is_refused(pair):
+def test_a_resend_is_taken_once_and_a_gap_is_refused(pair, monkeypatch):
+    monkeypatch.setattr(replica_store, "OUT_OF_STEP_AFTER", 0.2)
     m = pair.manager
     m.put(*_k("a"), dumps_value(1).join(), 0, CLIENT)
     before = records(pair.replica.store)
@@ -105,6 +107,7 @@ def test_a_resend_is_taken_once_and_a_gap_is_refused(pair):
         pair.replica.apply(pair.shipped + 2, join_parts(parts))
     pair.replica.apply(0, b"")  # a new primary numbers from 1 again
     assert pair.replica.seq == 0
+    pair.shipped = 0
 
 
 def test_a_failed_write_ships_nothing(pair):
@@ -162,3 +165,40 @@ def test_any_sequence_of_writes_leaves_an_identical_replica(tmp_path_factory, st
         assert pair.same()
     finally:
         pair.close()
+
+
+def test_change_sets_sent_without_waiting_are_applied_in_their_order(pair):
+    """A primary sends a batch's change sets without waiting, over several connections:
+    a replica applies each once its predecessor is applied, whatever the arrival order."""
+    import threading
+
+    sets = []
+    for i in range(5):
+        parts, _ = changes.encode([(changes.PUT, 2, b"order", str(i).encode())])
+        sets.append(join_parts(parts))
+    start = pair.replica.seq
+    threads = [threading.Thread(target=pair.replica.apply, args=(start + i + 1, sets[i]))
+               for i in reversed(range(5))]  # (the last first)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert pair.replica.seq == start + 5
+    with pair.replica.store.env.begin() as txn:
+        assert txn.get(b"order", db=changes.databases(pair.replica.store)[2]) == b"4"
+
+
+def test_a_write_that_its_replica_took_over_is_refused_as_moved():
+    """A replica's host that serves the manager itself now answers a change set MOVED:
+    the primary that sent it was deposed (its host was taken for lost)."""
+    from types import SimpleNamespace
+
+    from dask_ddict.errors import DDictManagerMovedError, DDictManagerUnavailableError
+
+    hosted = SimpleNamespace(name="d", replicas={}, managers={0: object()})
+    request = SimpleNamespace(manager=0, arg=1, value=b"")
+    with pytest.raises(DDictManagerMovedError, match="failed over"):
+        replica_store.serve(hosted, request, lambda *a: None)
+    hosted.managers = {}
+    with pytest.raises(DDictManagerUnavailableError, match="keeps no replica"):
+        replica_store.serve(hosted, request, lambda *a: None)

@@ -245,6 +245,7 @@ def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
         d.destroy()
 
 
+@pytest.mark.slow
 def test_a_restarted_host_process_gets_its_replicas_again(workers3):
     """The host process alone dies (its supervisor restarts it over its shards): the
     replicas it kept, and those of its managers (which may lack its last write), are made

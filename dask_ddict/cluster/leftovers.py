@@ -11,11 +11,13 @@ parked shard's ``kept`` marker keeps it from sweeps, so it is said at INFO).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from distributed.comm import get_address_host
+from distributed.comm import get_address_host, get_address_host_port
 
 from ..host import hygiene
 from ..layout import Layout, host_id
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
     from distributed import Scheduler
 
 logger = logging.getLogger(__name__)
+
+#: How often a probe of a supervisor checks whether its port refuses connections.
+REFUSED_EVERY = 0.1
 
 
 class Orchestrator(Protocol):
@@ -65,3 +70,43 @@ async def remove_paths_on(plugin: Orchestrator, worker: str, machine: str, paths
     if machine == host_id():
         return hygiene.remove(paths, kept) > 0
     return False
+
+
+async def refused(address: str) -> bool:
+    """Whether a TCP connection to ``address`` (a Dask address) is refused: nothing listens
+    there, its process is gone.  Dask's own comms retry a refused connection for their
+    whole connect timeout; this answers at once."""
+    try:
+        host, port = get_address_host_port(address)
+    except Exception:  # noqa: BLE001 - not a TCP address (inproc://): not known here
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+    except ConnectionRefusedError:
+        return True
+    except Exception:  # noqa: BLE001 - a timeout, an unreachable network: not known here
+        return False
+    writer.close()
+    return False
+
+
+async def answer_unless_gone(call: Awaitable[Any], address: str, timeout: float | None
+                             ) -> Any:  # fmt: skip
+    """``call``'s answer, or ``None`` once ``address`` refuses connections (its process is
+    gone: checked every :data:`REFUSED_EVERY` s meanwhile, since a process killed while
+    a connection to it was being accepted never answers it) or ``timeout`` passes."""
+    task = asyncio.ensure_future(call)
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+    try:
+        while not task.done():
+            if await refused(address):
+                return None
+            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            if left is not None and left <= 0:
+                return None
+            await asyncio.wait([task], timeout=REFUSED_EVERY if left is None
+                               else min(REFUSED_EVERY, left))  # fmt: skip
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()

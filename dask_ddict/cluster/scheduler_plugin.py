@@ -40,7 +40,7 @@ from ..options import DDictOptions
 from . import metrics
 from .dashboard import DashboardData, install
 from .elastic import Elastic
-from .leftovers import remove_lost
+from .leftovers import answer_unless_gone, remove_lost
 from .lifetime import Holders
 from .sizing import hosts_warnings
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
@@ -428,9 +428,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """
         if supervisor in self._gone:
             return False
-        try:
-            info = await asyncio.wait_for(self.scheduler.rpc(supervisor).ddict_host_info(),
-                                          config.get_seconds("host.probe-timeout"))  # fmt: skip
+        try:  # (a dead process's port refuses at once; Dask's comms would retry it)
+            info = await answer_unless_gone(self.scheduler.rpc(supervisor).ddict_host_info(),
+                                            supervisor, config.get_seconds("host.probe-timeout"))
         except Exception:
             info = None
         if not isinstance(info, dict):

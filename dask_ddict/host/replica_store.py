@@ -20,6 +20,10 @@ from ..transport.operation import Reply, Request
 from . import hygiene
 
 
+#: Seconds a change set waits for its predecessor (sent over another connection).
+OUT_OF_STEP_AFTER = 10.0
+
+
 class Hosted(Protocol):
     """What :func:`serve` needs of a ``server.HostedDict``."""
 
@@ -37,24 +41,30 @@ class Replica:
         self.store = store
         self.lock = lock  # (its owner lock: no sweep removes it while it is kept here)
         self.seq = 0  # the last change set applied
-        self._mutex = threading.Lock()
+        self._cond = threading.Condition()
 
     def __repr__(self) -> str:
         return f"<Replica manager={self.manager_id} seq={self.seq} {self.store.path!r}>"
 
     def apply(self, seq: int, payload: Any) -> None:
-        """Apply change set ``seq`` (a resend of the last one is taken once; 0: a new
-        primary ships from now on, numbering from 1)."""
-        with self._mutex:
-            if seq == 0 or seq == self.seq:
-                self.seq = seq if seq == 0 else self.seq
+        """Apply change set ``seq`` once its predecessor is (a primary sends some without
+        waiting, over several connections: their order is the numbers'); a resend of one
+        applied is taken once; 0: a new primary ships from now on, numbering from 1."""
+        with self._cond:
+            if seq == 0:
+                self.seq = 0
+                self._cond.notify_all()
                 return
-            if seq != self.seq + 1:
+            if seq <= self.seq:
+                return
+            if not self._cond.wait_for(lambda: self.seq >= seq - 1, OUT_OF_STEP_AFTER) or \
+                    self.seq != seq - 1:  # fmt: skip
                 raise DDictError(f"replica of manager {self.manager_id} is out of step: it got "
                                  f"change set {seq} after {self.seq}", "INVALID_OPERATION")  # fmt: skip
             with self.store.env.begin(write=True, buffers=True) as txn:
                 changes.apply(self.store, txn, payload)
             self.seq = seq
+            self._cond.notify_all()
 
     def close(self, destroy: bool = True) -> None:
         try:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -107,13 +108,20 @@ def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
 # -- a primary's side ---------------------------------------------------------------------------
 
 
+#: Change sets sent to a replica without waiting (a batch's) before the oldest is awaited.
+MOST_PENDING = 16
+
+
 @dataclass
 class Target:
-    """One replica of a primary: where it is kept, and the last change set sent to it."""
+    """One replica of a primary: where it is kept, the last change set sent to it, and the
+    answers of those sent without waiting (collected before the next acknowledged write
+    is answered)."""
 
     info: ManagerInfo
     link: HostLink
     seq: int = 0
+    pending: deque[Callable[[], Any]] = field(default_factory=deque)
 
 
 class Shipper:
@@ -131,6 +139,7 @@ class Shipper:
         #: for lost): the host stops serving it here (set by the host).
         self.deposed: Callable[[str], None] | None = None
         self.shipped = 0  # change sets sent (to each replica)
+        self.timeout = config.get_seconds("replica.timeout")  # (read once: every write waits)
 
     def __repr__(self) -> str:
         return (f"<Shipper manager={self.manager_id} replicas={len(self.targets)} "
@@ -147,7 +156,7 @@ class Shipper:
                         ssl_context=ssl_context, max_value=1 << 62)  # fmt: skip
         self.remove(info.address)
         try:  # (change set 0: the replica numbers this primary's from 1)
-            link.call(Replicate(0, [], 0, config.get_seconds("replica.timeout")), self.manager_id)
+            link.call(Replicate(0, [], 0, self.timeout), self.manager_id)
         except BaseException:
             link.close()
             raise
@@ -162,29 +171,47 @@ class Shipper:
                 keep.append(t)
         self.targets = keep
 
-    def ship(self, recorded: list[changes.Change]) -> None:
-        """Send one commit's changes to every replica (in order; a failed one is dropped)."""
+    def ship(self, recorded: list[changes.Change], later: bool = False) -> None:
+        """Send one commit's changes to every replica, in order; wait until each applied
+        them (and every change set sent before), unless ``later`` (a batch's records,
+        answered at its end, when the next write waits for them all).  A replica that
+        fails is dropped; one that took over deposes this primary (``MOVED``)."""
         parts, nbytes = changes.encode(recorded)
-        timeout = config.get_seconds("replica.timeout")
         self.shipped += 1
         for t in list(self.targets):
             t.seq += 1
-            try:
-                t.link.call(Replicate(t.seq, parts, nbytes, timeout), self.manager_id)
-            except DDictManagerMovedError as e:  # a replica serves it now: this write and
-                if self.deposed is not None:  # the next ones are answered MOVED, not here
-                    self.deposed(f"{t.info.hostname} ({t.info.worker})")
-                raise DDictManagerMovedError(f"manager {self.manager_id} {e.message}") from None
-            except Exception as e:  # noqa: BLE001 - a replica that cannot follow is dropped
-                self.targets.remove(t)
-                t.link.close()
-                why = f"{t.info.hostname} ({t.info.worker}): {e}"
-                self.dropped.append(why)
-                logger.warning("ddict %s: manager %d dropped its replica on %s", self.spec.name,
-                               self.manager_id, why)  # fmt: skip
+            self._step(t, lambda t=t: t.pending.append(  # type: ignore[misc]
+                t.link.send(Replicate(t.seq, parts, nbytes, self.timeout), self.manager_id)))
+            while len(t.pending) > MOST_PENDING and t in self.targets:
+                self._step(t, t.pending.popleft())
+        if not later:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait until every replica applied every change set sent to it."""
+        for t in list(self.targets):
+            while t.pending and t in self.targets:
+                self._step(t, t.pending.popleft())
+
+    def _step(self, t: Target, step: Callable[[], Any]) -> None:
+        try:
+            step()
+        except DDictManagerMovedError as e:  # a replica serves it now: this write and
+            if self.deposed is not None:  # the next ones are answered MOVED, not here
+                self.deposed(f"{t.info.hostname} ({t.info.worker})")
+            raise DDictManagerMovedError(f"manager {self.manager_id} {e.message}") from None
+        except Exception as e:  # noqa: BLE001 - a replica that cannot follow is dropped
+            self.targets.remove(t)
+            t.link.close()
+            t.pending.clear()
+            why = f"{t.info.hostname} ({t.info.worker}): {e}"
+            self.dropped.append(why)
+            logger.warning("ddict %s: manager %d dropped its replica on %s", self.spec.name,
+                           self.manager_id, why)  # fmt: skip
 
     def close(self) -> None:
         for t in self.targets:
+            t.pending.clear()
             t.link.close()
         self.targets = []
 

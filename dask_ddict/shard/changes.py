@@ -37,8 +37,9 @@ class ShardStore(Protocol):
     _index: Any
     _meta: Any
     shipping: Any
-    replicate: Callable[[list[Any]], None] | None
+    replicate: Callable[[list[Any], bool], None] | None
     on_commit: Callable[[], None] | None
+    later: bool
 
 PUT, DELETE, DROP = 1, 2, 3
 _HEAD = struct.Struct("<BBIQ")
@@ -52,11 +53,12 @@ def databases(store: ShardStore) -> list[Any]:
     return [store._data, store._index, store._meta]
 
 
-def _number(dbs: list[Any], db: Any) -> int:
-    for i, d in enumerate(dbs):
-        if d is db:
-            return i
-    raise DDictError("a replicated write used a database the replicas do not know", "INTERNAL")
+def _number(dbs: dict[Any, int], db: Any) -> int:
+    try:
+        return dbs[db]
+    except KeyError:
+        raise DDictError("a replicated write used a database the replicas do not know",
+                         "INTERNAL") from None
 
 
 class _Cursor:
@@ -89,11 +91,12 @@ class _Cursor:
 class Recording:
     """A write transaction that notes its changes in :attr:`changes` (reads pass through)."""
 
-    __slots__ = ("_txn", "_dbs", "changes")
+    __slots__ = ("_txn", "_dbs", "changes", "get", "id")
 
     def __init__(self, txn: lmdb.Transaction, dbs: list[Any]) -> None:
-        self._txn, self._dbs = txn, dbs
+        self._txn, self._dbs = txn, {db: i for i, db in enumerate(dbs)}
         self.changes: list[Change] = []
+        self.get, self.id = txn.get, txn.id  # (the reads of every write: no indirection)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._txn, name)
@@ -121,11 +124,30 @@ class Recording:
         return _Cursor(self._txn.cursor(db), self.changes, _number(self._dbs, db))
 
 
+def compact(changes: list[Change]) -> list[Change]:
+    """``changes`` without those a later one of the same record makes moot (a key's count
+    rewritten for every put of a batch travels once), in order: the same end state."""
+    last: dict[tuple[int, bytes], int] = {}
+    keep: list[Change | None] = list(changes)
+    for i, (code, db, key, _) in enumerate(changes):
+        if code == DROP:  # (everything of that database before it is gone)
+            for (d, k), j in list(last.items()):
+                if d == db:
+                    keep[j] = None
+                    del last[(d, k)]
+            continue
+        prior = last.get((db, key))
+        if prior is not None:
+            keep[prior] = None
+        last[(db, key)] = i
+    return [c for c in keep if c is not None]
+
+
 def encode(changes: list[Change]) -> tuple[list[Any], int]:
-    """The wire parts of ``changes`` and their total length."""
+    """The wire parts of ``changes`` (compacted) and their total length."""
     parts: list[Any] = []
     total = 0
-    for code, db, key, value in changes:
+    for code, db, key, value in compact(changes) if len(changes) > 2 else changes:
         n = len(value)
         parts += (_HEAD.pack(code, db, len(key), n), key, value)
         total += _HEAD.size + len(key) + n
@@ -137,14 +159,25 @@ def apply(store: ShardStore, txn: lmdb.Transaction, payload: Any) -> int:
     view = memoryview(payload).cast("B")
     dbs = databases(store)
     at, n, end = 0, 0, len(view)
+    run: list[tuple[Any, Any]] = []  # consecutive puts into one database: one putmulti
+    run_db = -1
+    head, unpack = _HEAD.size, _HEAD.unpack_from
     try:
         while at < end:
-            code, db, klen, vlen = _HEAD.unpack_from(view, at)
-            at += _HEAD.size
+            code, db, klen, vlen = unpack(view, at)
+            at += head
             key = view[at:at + klen]
             at += klen
+            if code == PUT and db == run_db:
+                run.append((key, view[at:at + vlen]))
+                at += vlen
+                n += 1
+                continue
+            if run:
+                txn.cursor(dbs[run_db]).putmulti(run)
+                run, run_db = [], -1
             if code == PUT:
-                txn.put(key, view[at:at + vlen], db=dbs[db])
+                run, run_db = [(key, view[at:at + vlen])], db
                 at += vlen
             elif code == DELETE:
                 txn.delete(key, db=dbs[db])
@@ -153,6 +186,8 @@ def apply(store: ShardStore, txn: lmdb.Transaction, payload: Any) -> int:
             else:
                 raise DDictError(f"unknown replicated change {code}", "INTERNAL")
             n += 1
+        if run:
+            txn.cursor(dbs[run_db]).putmulti(run)
     except lmdb.MapFullError as e:
         raise DDictFullError(f"replica {store.path} is full: it cannot take its primary's "
                              "write (a replica's shard is as large as its primary's)") from e
@@ -192,6 +227,7 @@ class Shipped:
     def __enter__(self) -> Recording:
         store = self.store
         store.shipping.acquire()
+        store.later = False
         try:
             self.txn = store.env.begin(write=True, buffers=True)
         except BaseException:
@@ -213,10 +249,11 @@ class Shipped:
 
 
 def ship(store: ShardStore, changes: list[Change]) -> None:
-    """After a commit: the changes to the replicas, then the commit's own hook."""
+    """After a commit: the changes to the replicas (waiting for them unless the write set
+    ``store.later``), then the commit's own hook."""
     replicate = store.replicate
     if changes and replicate is not None:
-        replicate(changes)
+        replicate(changes, store.later)
     if store.on_commit is not None:
         store.on_commit()
 
@@ -226,6 +263,7 @@ def transact(store: ShardStore, fn: Callable[[Any], T], run: Callable[..., Any])
     transaction runner) with a recording transaction, then the changes shipped, all
     under the store's shipping lock."""
     with store.shipping:
+        store.later = False
         rec: list[Recording] = []
 
         def recorded(txn: lmdb.Transaction) -> T:

@@ -43,15 +43,8 @@ from .moving import Moving
 from .room import NoRoom, Room
 from .store import ShardStore
 from .summaries import Summaries
-from .working_set import (
-    CLOSED_DESTROYED,
-    FROZEN,
-    MustWait,
-    WorkingSet,
-    add_waiters,
-    mark_closed,
-    take_page,
-)
+from .working_set import (CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_waiters,
+                          mark_closed, take_page)  # fmt: skip
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
     from ..persist.persister import Persister
@@ -501,6 +494,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
                         break
                     count += 1
             self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))
+            self.store.later = True  # (answered at batch_end: replicas need not have it yet)
 
         try:
             self._write(fn, None, "batch put", (chkpt, client))

@@ -127,6 +127,12 @@ class Moving:
                 self.persister.close()  # (runs what is queued, then stops its thread)
             self._mutex.acquire()
             if self.persister is None or self.persister.idle:
+                try:
+                    if self.shipper is not None:  # (a batch's changes sent without waiting)
+                        self.shipper.drain()
+                except BaseException:
+                    self._mutex.release()
+                    raise
                 return
             self._mutex.release()
             time.sleep(0.01)

@@ -182,8 +182,11 @@ class ShardStore:
         self._psize = self.env.stat()["psize"]
         self.on_commit: Callable[[], None] | None = None  # (its manager's generation, see write)
         #: A replicated shard's: ships each commit's changes to the replicas (see changes).
-        self.replicate: Callable[[list[Any]], None] | None = None
+        self.replicate: Callable[[list[Any], bool], None] | None = None
         self.shipping = threading.Lock()  # (held from a replicated write's start to its ship)
+        #: Set by a replicated write whose writer answers nobody now (a batch's records,
+        #: answered at its end): its changes are sent without waiting (see changes.ship).
+        self.later = False
         self._next_own = 0  # the id of the next write transaction if no other process commits
         #: Set when a put is refused for room (its manager resets it per write: a write
         #: that keeps the refusal as a batch's error still shows it).

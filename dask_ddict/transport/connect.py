@@ -274,9 +274,7 @@ class Connections:
         link = self._host_link(info)
         sock = SocketChannel(link, info)
         if link.kind == "uds" and self.direct_reads and config.get("local-read") \
-                and os.path.isdir(info.store_path) and not self.layout.options.replicas:
-            # (a replicated shard is read and written through its host only: a same-host
-            # process must not commit past the replicas, nor read a lost primary's shard)
+                and os.path.isdir(info.store_path):  # fmt: skip
             from .shared import (
                 SharedChannel,  # lmdb: only where a shard is read directly
             )

@@ -127,7 +127,11 @@ class SharedChannel:
         self._seen: tuple[int, int, bool] = (-1, 0, False)
         self._direct = self._words is not None and not (
             options.wait_for_keys or options.wait_for_writers or options.read_only
+            or options.replicas  # (a replicated write goes through its primary's host)
         )
+        # A replicated shard is read here only while its host lives (a replica may take
+        # over once it is gone): checked at every read, not every ALIVE_CHECK seconds.
+        self._alive_for = 0.0 if options.replicas else ALIVE_CHECK
         self._closed = False
         self._alive_until = 0.0
         try:
@@ -202,7 +206,7 @@ class SharedChannel:
         info = self._sock.info
         try:
             os.kill(info.pid, 0)
-            self._alive_until = now + ALIVE_CHECK
+            self._alive_until = now + self._alive_for
         except ProcessLookupError:
             raise self._sock.link.unavailable(
                 self._mid, f"is gone (its supervisor, process {info.pid}, ended)"
