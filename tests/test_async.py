@@ -229,3 +229,16 @@ def test_async_computing_beside_the_shards(cluster):
             await ad.destroy()
 
     run(cluster, body)
+
+
+def test_async_create_with_replicas(cluster):
+    async def body(client):
+        ad = await AsyncDDict.create(total_mem="32 MiB", client=client, replicas=1)
+        try:
+            await ad.put("a", 1)
+            assert await ad["a"] == 1
+            assert [s.replicas for s in await ad.stats()] == [1] * ad.num_managers
+        finally:
+            await ad.destroy()
+
+    run(cluster, body)

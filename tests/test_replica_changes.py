@@ -103,11 +103,17 @@ def test_a_resend_is_taken_once_and_a_gap_is_refused(pair, monkeypatch):
     parts, _ = changes.encode([(changes.PUT, 0, b"x" * 24, b"junk")])
     pair.replica.apply(pair.shipped, join_parts(parts))  # (the same number again: ignored)
     assert records(pair.replica.store) == before
-    with pytest.raises(DDictError, match="out of step"):
-        pair.replica.apply(pair.shipped + 2, join_parts(parts))
     pair.replica.apply(0, b"")  # a new primary numbers from 1 again
     assert pair.replica.seq == 0
     pair.shipped = 0
+    m.put(*_k("b"), dumps_value(2).join(), 0, CLIENT)
+    assert pair.replica.seq == 1 and pair.same()
+    with pytest.raises(DDictError, match="out of step"):  # (a gap: it missed one)
+        pair.replica.apply(pair.shipped + 2, join_parts(parts))
+    assert "out of step" in pair.replica.stale  # never promoted, takes nothing more
+    with pytest.raises(DDictError, match="stale"):
+        pair.replica.apply(0, b"")
+    pair.store.replicate = None
 
 
 def test_a_failed_write_ships_nothing(pair):
@@ -202,3 +208,37 @@ def test_a_write_that_its_replica_took_over_is_refused_as_moved():
     hosted.managers = {}
     with pytest.raises(DDictManagerUnavailableError, match="keeps no replica"):
         replica_store.serve(hosted, request, lambda *a: None)
+
+
+def test_a_replica_that_missed_a_change_set_is_stale_and_never_promoted(tmp_path):
+    """A replica whose change set failed (or whose primary dropped it) may lack
+    acknowledged writes: it takes nothing more, and a promotion of it is refused."""
+    from types import SimpleNamespace
+
+    from dask_ddict.errors import DDictManagerUnavailableError
+    from dask_ddict.host.replicas import take_replica
+
+    p = Pair(str(tmp_path), wait_for_keys=False)
+    try:
+        with pytest.raises(DDictError, match="unknown replicated change"):
+            p.replica.apply(p.shipped + 1, bytes(changes._HEAD.pack(9, 0, 0, 0)))
+        assert p.replica.stale
+        with pytest.raises(DDictError, match="stale"):
+            p.manager.put(*_k("after"), dumps_value(1).join(), 0, CLIENT)  # (shipped to it)
+        uid = "ab" * 16
+        host = SimpleNamespace(dicts={bytes.fromhex(uid): SimpleNamespace(
+            name="d", replicas={0: p.replica})})  # fmt: skip
+        with pytest.raises(DDictManagerUnavailableError, match="stale"):
+            take_replica(host, uid, 0, "")
+        assert host.dicts[bytes.fromhex(uid)].replicas == {}
+        assert not os.path.exists(p.replica.store.path)  # (its shard is gone)
+    finally:
+        p.store.replicate = None
+        p.manager.close()
+        p.replica.lock = None  # (released by take_replica's close)
+
+
+def test_a_replica_told_it_was_dropped_is_stale(pair):
+    pair.replica.apply(-1, b"")
+    assert pair.replica.stale == "its primary dropped it"
+    pair.store.replicate = None  # (the primary ships to it no more)

@@ -172,6 +172,7 @@ def _failed_over_to_one(d: DDict, worker: str, bound: float = 60.0) -> None:
     assert not any(m.lost for m in d._core.layout.managers)
 
 
+@pytest.mark.slow
 def test_without_replicas_a_killed_host_loses_its_managers(workers3):
     """The baseline the replicas remove: the same kill, and the managers are lost."""
     c, w = workers3
@@ -224,6 +225,8 @@ def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
         d.sync()
         waiting = c.submit(lambda h, k: h[k], d, late, pure=False,
                            workers=[d.manager_workers[1]])  # fmt: skip
+        probe = DDict.attach(d.serialize(), timeout=60)  # reads the shard here directly
+        assert late not in probe and ("before", 3) in probe
         d.start_batch_put()
         for i in range(300):
             d[("batch", i)] = i
@@ -234,6 +237,8 @@ def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
         d.end_batch_put()
         d[late] = "written after the failover"
         assert waiting.result(timeout=60) == "written after the failover"
+        assert late in probe and probe[late] == "written after the failover"  # (followed)
+        probe.detach()
         assert all(d[("batch", i)] == i for i in range(300))
         assert all(d[("before", i)] == i for i in range(200)) and d["const"] == "kept"
         assert victim not in d.manager_workers
@@ -320,3 +325,40 @@ def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
             return
         assert time.monotonic() < deadline, (primaries, reps)
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_replica_its_primary_dropped_is_made_again_at_the_next_join(workers3):
+    """A primary that stopped shipping to a replica (here: told to, as a timeout or a full
+    replica would make it) reports one replica fewer; the orchestrator, which still
+    counts it, finds out at its next placement (a worker joins) and makes a new one."""
+    from distributed.core import rpc
+
+    c, w = workers3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60, replicas=1)
+    try:
+        d.update({i: i for i in range(100)})
+        (old,) = _replica_workers(c, d)[0]
+        layout = d._core.layout
+        primary = layout.managers[0]
+        info = c.scheduler_info()["workers"][old]
+        nanny = info["nanny"]
+
+        async def drop() -> None:
+            async with rpc(primary.supervisor) as r:
+                # the replica's host address, as the primary names it
+                infos = await rpc(nanny).ddict_host_info()
+                await r.ddict_replica_targets(uid=layout.uid, manager_id=0, remove=[
+                    [infos["uds_path"], infos["tcp_host"], infos["tcp_port"]]])
+
+        c.sync(drop)
+        assert d.stats[0].replicas == 0
+        w.start(1)
+        c.wait_for_workers(4, timeout=120)
+        deadline = time.monotonic() + 60
+        while d.stats[0].replicas != 1 or len(_replica_workers(c, d)[0]) != 1:
+            assert time.monotonic() < deadline, (d.stats[0].replicas, _replica_workers(c, d))
+            time.sleep(0.3)
+        assert all(d[i] == i for i in range(100))
+    finally:
+        d.destroy()

@@ -187,8 +187,9 @@ class Elastic:
         return {mid: [r.worker for r in reps] for mid, reps in self.replicas.of(name).items()}
 
     async def repair_all(self) -> None:
-        """Replicas for every manager short of them (a worker joined)."""
-        for name in [n for n in list(self.plugin.dicts) if self.replicas.short(n)]:
+        """Replicas for every manager short of them (a worker joined), also those whose
+        primary dropped one without the orchestrator knowing."""
+        for name in [n for n, lay in list(self.plugin.dicts.items()) if lay.options.replicas]:
             try:
                 await self.replicas.place(name)
             except Exception as e:  # noqa: BLE001 - said; the next join tries again
@@ -209,7 +210,7 @@ class Elastic:
     def worker_joined(self, worker: str) -> None:
         """A worker joined: once it runs, it takes the parked managers of its machine,
         and managers from the others when ``ddict.move.rebalance-on-join`` says so."""
-        if any(self.replicas.short(n) for n in self.plugin.dicts):
+        if any(lay.options.replicas for lay in self.plugin.dicts.values()):
             self.plugin.spawn(self._once_running(worker, self.repair_all))
         if config.get("move.rebalance-on-join") and self.plugin.dicts:
             self.plugin.spawn(self._once_running(worker, self.rebalance_all))

@@ -52,6 +52,11 @@ class Replica:
     info: dict[str, Any]
 
 
+def _address(r: Replica) -> tuple[Any, ...]:
+    """The address of the host process that keeps replica ``r`` (as a primary names it)."""
+    return (r.info.get("uds_path"), r.info.get("tcp_host"), r.info.get("tcp_port"))
+
+
 def replica_targets(candidates: Iterable[Candidate], primary: ManagerInfo,
                     have: list[Replica], load: dict[str, int]) -> list[Candidate]:  # fmt: skip
     """Where a new replica of ``primary`` should go, best first: never the primary's host
@@ -110,21 +115,6 @@ class Replicas:
     def of(self, name: str) -> dict[int, list[Replica]]:
         return self.placed.setdefault(name, {})
 
-    def live(self, name: str) -> dict[int, int]:
-        """How many replicas each manager of ``name`` has now."""
-        layout = self.layouts.get(name)
-        if layout is None:
-            return {}
-        per = self.placed.get(name, {})
-        return {m.manager_id: len(per.get(m.manager_id, ())) for m in layout.managers}
-
-    def short(self, name: str) -> dict[int, int]:
-        """The managers of ``name`` with fewer live replicas than asked: how many they have."""
-        layout = self.layouts.get(name)
-        if layout is None or not layout.options.replicas:
-            return {}
-        return {mid: n for mid, n in self.live(name).items() if n < layout.options.replicas}
-
     def supervisors(self, name: str) -> set[str]:
         """The host supervisors that keep replicas of ``name``."""
         return {r.supervisor for reps in self.placed.get(name, {}).values() for r in reps}
@@ -157,6 +147,7 @@ class Replicas:
             if m.lost:
                 continue
             have = self.of(name).setdefault(m.manager_id, [])
+            await self._reckon(layout, m, have)
             while len(have) < layout.options.replicas:
                 choice = replica_targets(await self.candidates(name, leaving), m, have,
                                          self._load())  # fmt: skip
@@ -173,6 +164,25 @@ class Replicas:
                     break
                 made += 1
         return made
+
+    async def _reckon(self, layout: Layout, primary: ManagerInfo, have: list[Replica]) -> None:
+        """Forget (and drop) the replicas of ``have`` that ``primary`` no longer ships to: it
+        dropped them (a timeout, a full shard; they are stale, never promoted) without the
+        orchestrator knowing."""
+        if not have:
+            return
+        try:
+            live = await self.rpc(primary.supervisor).ddict_replica_targets(
+                uid=layout.uid, manager_id=primary.manager_id)  # fmt: skip
+            raise_from_wire(live)
+        except Exception:  # noqa: BLE001 - not known now: left as they are
+            return
+        shipping = {tuple(a) for a in live}
+        for r in [r for r in have if _address(r) not in shipping]:
+            have.remove(r)
+            logger.warning("ddict %s: manager %d no longer ships to its replica on %s: it is "
+                           "made again", layout.name, primary.manager_id, r.worker)  # fmt: skip
+            await self._drop(layout.uid, r)
 
     async def _seed(self, layout: Layout, primary: ManagerInfo, target: Candidate) -> Replica:
         """Copy ``primary``'s shard to ``target``'s host as a new replica (the primary's
@@ -191,8 +201,12 @@ class Replicas:
             raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid, add=info,
                                                             release=True))  # fmt: skip
         except BaseException:
-            raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid,
-                                                            release=True))  # fmt: skip
+            try:  # (the primary's writes resume; its host may be what failed)
+                raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid,
+                                                                release=True))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the first failure is the one to report
+                logger.warning("ddict %s: resuming manager %d after a failed seed: %r",
+                               layout.name, mid, e)  # fmt: skip
             if seeded:
                 await self._drop(uid, Replica(mid, target.worker, target.supervisor,
                                               target.host_id, {}))  # fmt: skip
@@ -373,8 +387,7 @@ class Replicas:
             return
         try:
             raise_from_wire(await self.rpc(primary.supervisor).ddict_replica_targets(
-                uid=layout.uid, manager_id=r.manager_id,
-                remove=[[r.info["uds_path"], r.info["tcp_host"], r.info["tcp_port"]]]))  # fmt: skip
+                uid=layout.uid, manager_id=r.manager_id, remove=[list(_address(r))]))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - it drops the replica when it fails to ship
             logger.info("ddict %s: manager %d kept shipping to %s: %r", layout.name,
                         r.manager_id, r.worker, e)  # fmt: skip

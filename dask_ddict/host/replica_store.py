@@ -42,6 +42,7 @@ class Replica:
         self.lock = lock  # (its owner lock: no sweep removes it while it is kept here)
         self.seq = 0  # the last change set applied
         self._cond = threading.Condition()
+        self.stale = ""  # why it must not be promoted ("": it holds what its primary does)
 
     def __repr__(self) -> str:
         return f"<Replica manager={self.manager_id} seq={self.seq} {self.store.path!r}>"
@@ -49,20 +50,34 @@ class Replica:
     def apply(self, seq: int, payload: Any) -> None:
         """Apply change set ``seq`` once its predecessor is (a primary sends some without
         waiting, over several connections: their order is the numbers'); a resend of one
-        applied is taken once; 0: a new primary ships from now on, numbering from 1."""
+        applied is taken once; 0: a new primary ships from now on, numbering from 1; -1:
+        the primary dropped this replica.  A replica that missed or failed a change set is
+        *stale* from then on: it takes nothing more and is never promoted."""
         with self._cond:
+            if self.stale:
+                raise DDictError(f"replica of manager {self.manager_id} is stale "
+                                 f"({self.stale})", "INVALID_OPERATION")  # fmt: skip
+            if seq < 0:
+                self.stale = "its primary dropped it"
+                return
             if seq == 0:
                 self.seq = 0
                 self._cond.notify_all()
                 return
             if seq <= self.seq:
                 return
-            if not self._cond.wait_for(lambda: self.seq >= seq - 1, OUT_OF_STEP_AFTER) or \
-                    self.seq != seq - 1:  # fmt: skip
-                raise DDictError(f"replica of manager {self.manager_id} is out of step: it got "
-                                 f"change set {seq} after {self.seq}", "INVALID_OPERATION")  # fmt: skip
-            with self.store.env.begin(write=True, buffers=True) as txn:
-                changes.apply(self.store, txn, payload)
+            try:
+                if not self._cond.wait_for(lambda: self.seq >= seq - 1 or bool(self.stale),
+                                           OUT_OF_STEP_AFTER) or self.seq != seq - 1:  # fmt: skip
+                    raise DDictError(f"replica of manager {self.manager_id} is out of step: it "
+                                     f"got change set {seq} after {self.seq}",
+                                     "INVALID_OPERATION")  # fmt: skip
+                with self.store.env.begin(write=True, buffers=True) as txn:
+                    changes.apply(self.store, txn, payload)
+            except BaseException as e:
+                self.stale = self.stale or f"change set {seq} failed: {e}"
+                self._cond.notify_all()
+                raise
             self.seq = seq
             self._cond.notify_all()
 

@@ -95,10 +95,16 @@ def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
     host can serve it as the manager (a promotion).  The lost primary's shard, if it
     is on this machine, is removed (no process serves it any more)."""
     hosted = host.dicts.get(bytes.fromhex(uid))
-    replica = None if hosted is None else hosted.replicas.pop(mid, None)
+    replica = None if hosted is None else hosted.replicas.get(mid)
     if replica is None:
         raise DDictManagerUnavailableError(f"process {os.getpid()} keeps no replica of manager "
                                            f"{mid} of {uid}")  # fmt: skip
+    if replica.stale:  # (it may lack acknowledged writes: never the primary)
+        hosted.replicas.pop(mid, None)  # type: ignore[union-attr]
+        replica.close()
+        raise DDictManagerUnavailableError(f"the replica of manager {mid} of {uid} here is "
+                                           f"stale: {replica.stale}")  # fmt: skip
+    hosted.replicas.pop(mid, None)  # type: ignore[union-attr]
     replica.close(destroy=False)
     if old_path and old_path != replica.store.path:
         hygiene.remove([old_path])  # (only if every process that owned it is dead)
@@ -202,8 +208,12 @@ class Shipper:
             raise DDictManagerMovedError(f"manager {self.manager_id} {e.message}") from None
         except Exception as e:  # noqa: BLE001 - a replica that cannot follow is dropped
             self.targets.remove(t)
-            t.link.close()
             t.pending.clear()
+            try:  # (and told so if it can hear it: it must never be promoted now)
+                t.link.call(Replicate(-1, [], 0, 1.0), self.manager_id)
+            except Exception:  # noqa: BLE001 - gone, or unreachable: said below
+                pass
+            t.link.close()
             why = f"{t.info.hostname} ({t.info.worker}): {e}"
             self.dropped.append(why)
             logger.warning("ddict %s: manager %d dropped its replica on %s", self.spec.name,
@@ -223,10 +233,11 @@ def hold(manager: Manager) -> dict[str, Any]:
 
 def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | None,
             remove: list[Any], release: bool,
-            deposed: Callable[[str], None] | None = None) -> int:  # fmt: skip
+            deposed: Callable[[str], None] | None = None) -> list[list[Any]]:  # fmt: skip
     """Change ``manager``'s replicas: ``add`` one (its host's layout fields), ``remove``
-    those at these host addresses; then end a :func:`hold` (``release``).  Returns how
-    many replicas it has."""
+    those at these host addresses; then end a :func:`hold` (``release``).  Returns the
+    host addresses of the replicas it ships to now (without ``add`` or ``remove``: which
+    are live, for the orchestrator's reckoning)."""
     shipper = manager.shipper
     try:
         with manager.store.shipping:  # (no commit is being shipped meanwhile)
@@ -244,4 +255,4 @@ def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | N
     finally:
         if release:
             manager.unhold()
-    return 0 if shipper is None else len(shipper.targets)
+    return [] if shipper is None else [list(t.info.address) for t in shipper.targets]

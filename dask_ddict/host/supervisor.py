@@ -412,14 +412,16 @@ class HostSupervisor:
         return self._described([{"manager_id": mid, "store_path": path}], worker)[0]
 
     def replica_targets(self, uid: str, manager_id: int, add: dict[str, Any] | None = None,
-                        remove: list[Any] | None = None, release: bool = False) -> int:  # fmt: skip
-        """Change the replicas of a manager here (``add`` one, ``remove`` some, end a hold)."""
+                        remove: list[Any] | None = None, release: bool = False,
+                        ) -> list[list[Any]]:  # fmt: skip
+        """Change the replicas of a manager here (``add`` one, ``remove`` some, end a hold);
+        the addresses of those it ships to now."""
         with self._lock:
             entry = self._dicts.get(uid)
             if entry is None:
                 raise DDictError(f"no manager of {uid} is hosted here", "INVALID_ARGUMENT")
-            return int(self.call(control.ReplicaTargets(entry[0], int(manager_id), add,
-                                                        tuple(remove or ()), bool(release))))  # fmt: skip
+            return list(self.call(control.ReplicaTargets(entry[0], int(manager_id), add,
+                                                         tuple(remove or ()), bool(release))))  # fmt: skip
 
     def replica_drop(self, uid: str, manager_id: int) -> bool:
         """Stop keeping a replica here."""

@@ -42,6 +42,7 @@ from ..errors import (
     DDictError,
     DDictFullError,
     DDictKeyError,
+    DDictManagerMovedError,
 )
 from ..options import DDictOptions
 from ..shard.store import ShardStore
@@ -303,8 +304,8 @@ class SharedChannel:
             return self._sock.call(o)
         try:
             return local(self, o)
-        except _OverSocket:
-            return self._sock.call(o)
+        except (_OverSocket, DDictManagerMovedError):  # (moved: the socket's link follows
+            return self._sock.call(o)  # it, as it does a manager that answers MOVED)
 
     def _get(self, o: Get) -> Any:
         view = self._enter()
