@@ -412,9 +412,8 @@ class HostSupervisor:
         return self._described([{"manager_id": mid, "store_path": path}], worker)[0]
 
     def replica_targets(self, uid: str, manager_id: int, add: dict[str, Any] | None = None,
-                        remove: list[Any] | None = None, release: bool = False,
-                        ) -> list[list[Any]]:  # fmt: skip
-        """Change the replicas of a manager here (``add`` one, ``remove`` some, end a hold);
+                        remove: list[Any] | None = None, release: bool = False) -> list[Any]:
+        """Change the replicas of a manager here (``add`` one, ``remove`` some, end a hold):
         the addresses of those it ships to now."""
         with self._lock:
             entry = self._dicts.get(uid)
@@ -423,8 +422,7 @@ class HostSupervisor:
             return list(self.call(control.ReplicaTargets(entry[0], int(manager_id), add,
                                                          tuple(remove or ()), bool(release))))  # fmt: skip
 
-    def replica_drop(self, uid: str, manager_id: int) -> bool:
-        """Stop keeping a replica here."""
+    def replica_drop(self, uid: str, manager_id: int) -> bool:  # (stop keeping one here)
         with self._lock:
             self._replicas.pop((uid, int(manager_id)), None)
             return bool(self.call(control.ReplicaDrop(uid, int(manager_id))))
