@@ -92,7 +92,7 @@ class Host:
     def _replicas(self, msg: Any) -> Any:
         """The control messages of replicas (see :mod:`.replicas`)."""
         if isinstance(msg, control.ReplicaHold):
-            return replicas.hold(moves.served_manager(self, msg.uid, msg.manager_id))
+            return moves.served_manager(self, msg.uid, msg.manager_id).hold()
         if isinstance(msg, control.ReplicaSeed):
             return replicas.seed(self, msg.spec, msg.manager_id, msg.source, msg.used,
                                  msg.map_size, self.init.tls)  # fmt: skip

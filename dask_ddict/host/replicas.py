@@ -5,7 +5,7 @@ other host processes (on other machines when the cluster has several; the
 orchestrator places them, see :mod:`dask_ddict.cluster.replicas`):
 
 * **seeding** a replica is the copy half of a move: the primary's writes pause
-  (:func:`hold`), the replica's host copies its used pages
+  (``Moving.hold``), the replica's host copies its used pages
   (:class:`~dask_ddict.transport.whole_checkpoints.ShardPages`, :func:`seed`), the
   primary adds the replica to its :class:`Shipper` and resumes (:func:`targets`);
 * **shipping**: every write transaction that a replicated manager commits is
@@ -58,7 +58,7 @@ class Host(Protocol):
 def seed(host: Host, spec: DictSpec, mid: int, source: dict[str, Any], used: int,
          map_size: int, tls: bool) -> str:  # fmt: skip
     """Keep a new replica of manager ``mid``: its shard copied from ``source`` (the primary,
-    held by :func:`hold`).  Returns the replica's path."""
+    held by ``Moving.hold``).  Returns the replica's path."""
     path = moves.receive(spec, mid, source, used, map_size, tls)
     lock = hygiene.claim(path)
     try:
@@ -95,16 +95,14 @@ def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
     host can serve it as the manager (a promotion).  The lost primary's shard, if it
     is on this machine, is removed (no process serves it any more)."""
     hosted = host.dicts.get(bytes.fromhex(uid))
-    replica = None if hosted is None else hosted.replicas.get(mid)
+    replica = None if hosted is None else hosted.replicas.pop(mid, None)
     if replica is None:
         raise DDictManagerUnavailableError(f"process {os.getpid()} keeps no replica of manager "
                                            f"{mid} of {uid}")  # fmt: skip
     if replica.stale:  # (it may lack acknowledged writes: never the primary)
-        hosted.replicas.pop(mid, None)  # type: ignore[union-attr]
         replica.close()
         raise DDictManagerUnavailableError(f"the replica of manager {mid} of {uid} here is "
                                            f"stale: {replica.stale}")  # fmt: skip
-    hosted.replicas.pop(mid, None)  # type: ignore[union-attr]
     replica.close(destroy=False)
     if old_path and old_path != replica.store.path:
         hygiene.remove([old_path])  # (only if every process that owned it is dead)
@@ -139,8 +137,6 @@ class Shipper:
         self.manager_id = manager_id
         self.tls = tls
         self.targets: list[Target] = []
-        #: Replicas dropped since the last time the orchestrator placed them: why.
-        self.dropped: list[str] = []
         #: ``deposed(where)``: a replica took over from this primary (its host was taken
         #: for lost): the host stops serving it here (set by the host).
         self.deposed: Callable[[str], None] | None = None
@@ -214,10 +210,9 @@ class Shipper:
             except Exception:  # noqa: BLE001 - gone, or unreachable: said below
                 pass
             t.link.close()
-            why = f"{t.info.hostname} ({t.info.worker}): {e}"
-            self.dropped.append(why)
-            logger.warning("ddict %s: manager %d dropped its replica on %s", self.spec.name,
-                           self.manager_id, why)  # fmt: skip
+            logger.warning("ddict %s: manager %d dropped its replica on %s (%s): %s",
+                           self.spec.name, self.manager_id, t.info.hostname, t.info.worker,
+                           e)  # fmt: skip
 
     def close(self) -> None:
         for t in self.targets:
@@ -226,16 +221,11 @@ class Shipper:
         self.targets = []
 
 
-def hold(manager: Manager) -> dict[str, Any]:
-    """Pause ``manager``'s writes while a replica copies its shard (see ``Moving.hold``)."""
-    return manager.hold()
-
-
 def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | None,
             remove: list[Any], release: bool,
             deposed: Callable[[str], None] | None = None) -> list[list[Any]]:  # fmt: skip
     """Change ``manager``'s replicas: ``add`` one (its host's layout fields), ``remove``
-    those at these host addresses; then end a :func:`hold` (``release``).  Returns the
+    those at these host addresses; then end a ``Moving.hold`` (``release``).  Returns the
     host addresses of the replicas it ships to now (without ``add`` or ``remove``: which
     are live, for the orchestrator's reckoning)."""
     shipper = manager.shipper
@@ -250,7 +240,6 @@ def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | N
                 if add is not None:
                     fields = set(ManagerInfo.__dataclass_fields__)
                     shipper.add(ManagerInfo(**{k: v for k, v in add.items() if k in fields}))
-                    shipper.dropped.clear()
                 manager.store.replicate = shipper.ship if shipper.targets else None
     finally:
         if release:
