@@ -58,6 +58,7 @@ class Host:
             uds, tcp, self.dicts, self.closed, ssl_context=ssl_context,
             page_bytes=config.get_bytes("iteration.page-bytes"),
             scratch_keep=config.get_bytes("store.scratch-bytes"), limits=Limits.from_config(),
+            event_loop=bool(config.get("host.event-loop")),
         )  # fmt: skip
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Any, Protocol
 
+from .._blocking import will_block
 from ..errors import DDictError, DDictManagerMovedError, DDictManagerUnavailableError
 from ..shard import changes
 from ..shard.store import ShardStore
@@ -66,6 +67,8 @@ class Replica:
                 return
             if seq <= self.seq:
                 return
+            if seq > self.seq + 1:
+                will_block()  # (its predecessor comes on another connection of this loop's)
             try:
                 if not self._cond.wait_for(lambda: self.seq >= seq - 1 or bool(self.stale),
                                            OUT_OF_STEP_AFTER) or self.seq != seq - 1:  # fmt: skip

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
+from .._blocking import will_block
 from ..errors import DDictManagerMovedError, DDictManagerUnavailableError
 from ..layout import ManagerInfo, host_id
 from ..shard import changes
@@ -180,6 +181,8 @@ class Shipper:
         fails is dropped; one that took over deposes this primary (``MOVED``)."""
         parts, nbytes = changes.encode(recorded)
         self.shipped += 1
+        if self.targets and not later:
+            will_block()  # (each replica's answer: a host's event loop moves on meanwhile)
         for t in list(self.targets):
             t.seq += 1
             self._step(t, lambda t=t: t.pending.append(  # type: ignore[misc]
@@ -191,6 +194,8 @@ class Shipper:
 
     def drain(self) -> None:
         """Wait until every replica applied every change set sent to it."""
+        if any(t.pending for t in self.targets):
+            will_block()
         for t in list(self.targets):
             while t.pending and t in self.targets:
                 self._step(t, t.pending.popleft())

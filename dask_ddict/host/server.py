@@ -1,11 +1,13 @@
 """HostServer: the key-path server of one host process, serving many managers.
 
-One accept thread per listener and one thread per connection, each using
-blocking ``recv_into``/``sendall``: the fastest design measured on these
-machines (``transport-notes.md``, D'/C'), with no event-loop hop and no busy
-waiting (threads sleep in ``accept``/``recv`` or on a manager's condition
-variable).  The host process runs no Dask tasks, so no task holds the GIL that
-these threads need.
+One accept thread per listener; a connection's handshake on a thread of its
+own; then its requests from the host's event loop (:mod:`.loop`: one ``epoll``
+thread for every idle connection, which hands itself on to another thread when
+a request must sleep), or, for TLS and with ``ddict.host.event-loop: false``, on
+that thread, with blocking ``recv_into``/``sendall`` (``transport-notes.md``,
+D'/C').  Nothing busy-waits: threads sleep in ``accept``, ``epoll_wait`` or
+``recv``, or on a manager's condition variable.  The host process runs no Dask
+tasks, so no task holds the GIL that these threads need.
 
 The listening sockets are not this process's own: the supervisor bound them
 and passes them to every incarnation of the host process.  Addresses therefore
@@ -54,7 +56,7 @@ from ..errors import (
 )
 from ..transport.handshake import host_side
 from ..transport.operation import Answerer
-from ..transport.ops import ANSWERERS, HANDLERS, HOST_WIDE, Page, Reply, Request
+from ..transport.ops import ANSWERERS, HANDLERS, HOST_WIDE, INLINE, Page, Reply, Request
 from ..transport.protocol import (
     FLAG_NOREPLY,
     REP,
@@ -62,11 +64,13 @@ from ..transport.protocol import (
     SMALL,
     Op,
     Reader,
+    Sink,
     send_parts,
     value_limit,
 )
+from .loop import Connection, EventLoop, NoWait
 from .replica_store import serve as serve_replica
-from .served import Counting, Served, Table, count_fanout
+from .served import Counting, Served, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
@@ -79,6 +83,10 @@ logger = logging.getLogger(__name__)
 _FANOUT = int(Op.FANOUT)
 _REPLICATE = int(Op.REPLICATE)  # (an enum member's lookup costs more than the comparison)
 _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's __new__
+
+#: The largest request the event loop receives itself: a value of up to 1 MiB and its key
+#: (larger values are received straight into a buffer of their own, off the loop).
+_MOST_INLINE = REQ.size + (1 << 20) + (64 << 10)
 
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -180,6 +188,7 @@ class HostServer:
         page_bytes: int = 1 << 20,
         scratch_keep: int = 128 << 20,
         limits: Limits | None = None,
+        event_loop: bool = True,
     ) -> None:
         self.dicts = dicts
         self.closed_dicts = closed
@@ -200,12 +209,17 @@ class HostServer:
         host, port = tcp.getsockname()[:2]
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
+        #: Serves the connections that are not TLS (``None``: a thread each, as TLS's).
+        self.loop = EventLoop(self._serve_one, _inline, self._end,
+                              most_inline=_MOST_INLINE) if event_loop else None  # fmt: skip
 
     def __repr__(self) -> str:
         return f"<HostServer dicts={len(self.dicts)} connections={len(self._conns)}>"
 
     def start(self) -> None:
         """Start accepting (after the host process has re-opened its managers)."""
+        if self.loop is not None:
+            self.loop.start()
         for lsock, kind in ((self._uds, "uds"), (self._tcp, "tcp")):
             t = threading.Thread(target=self._accept_loop, args=(lsock, kind),
                                  name=f"ddict-accept-{kind}", daemon=True)  # fmt: skip
@@ -257,56 +271,55 @@ class HostServer:
         return conn, hosted
 
     def _serve(self, conn: socket.socket, kind: str) -> None:
-        served: Table | None = None
+        """Handshake, then serve ``conn`` from the event loop, or on this thread (TLS)."""
         try:
             conn, hosted = self._handshake(conn, kind)
-            served = hosted.served.connection()
-            reader = Reader(conn)
-            scratch = Scratch(self._scratch_keep)
-            sock, send, head = conn, conn.sendall, REP.pack
-
-            def reply(ival: int = 0, payload: Any = b"") -> None:
-                t = type(payload)
-                if t is bytes or t is memoryview:  # (types whose "+" is a concatenation)
-                    n = len(payload) if t is bytes else payload.nbytes
-                    if n <= SMALL:  # one copy, one send (as send_parts, with less around it)
-                        send(head(0, ival, n) + payload)
-                        return
-                else:
-                    n = memoryview(payload).nbytes
-                send_parts(sock, [head(0, ival, n), payload], REP.size + n)
-
-            one = self._one_request
-            owed: list[Any] = [None]  # (manager, request id) whose reply was sent last
+            tls = isinstance(conn, ssl.SSLSocket)
+            c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
+                           hosted.served.connection(),
+                           _replier(conn, NoWait(conn) if not tls else conn))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped
+            self._ended(conn, e)
+            return
+        if self.loop is not None and not tls:
+            self.loop.add(c)
+            return
+        try:
             while True:
-                one(conn, reader, scratch, hosted, reply, served, owed)
-        except (ConnectionError, OSError, ssl.SSLError, PermissionError) as e:
+                self._serve_one(c)
+        except Exception as e:  # noqa: BLE001 - see _ended
+            self._end(c, e)
+
+    def _end(self, c: Connection, e: BaseException | None) -> None:
+        """``c`` ended (``e``: why): forget it and close it."""
+        c.hosted.served.release(c.served)
+        self._ended(c.sock, e)
+
+    def _ended(self, conn: socket.socket, e: BaseException | None) -> None:
+        if isinstance(e, (ConnectionError, OSError, ssl.SSLError, PermissionError)):
             if not self._closed and not isinstance(e, ConnectionResetError):
                 logger.debug("ddict connection ended: %r", e)
-        except Exception:  # a bug: log it, drop only this connection
-            logger.exception("ddict host: connection failed")
-        finally:
-            if served is not None:
-                hosted.served.release(served)
-            with self._lock:
-                self._conns.discard(conn)
-            try:
-                conn.close()
-            except OSError:
-                pass
+        elif e is not None:  # a bug: logged, and only this connection dropped
+            logger.error("ddict host: connection failed", exc_info=e)
+        with self._lock:
+            self._conns.discard(conn)
+        try:
+            conn.close()
+        except OSError:
+            pass
 
     # -- requests ---------------------------------------------------------------
 
-    def _one_request(self, conn: socket.socket, reader: Reader, scratch: Scratch,
-                     hosted: HostedDict, reply: Reply, served: Table,
-                     owed: list[Any]) -> None:  # fmt: skip
-        """Read and serve one request of ``conn``, counted in ``served``.
+    def _serve_one(self, c: Connection) -> None:
+        """Read and serve one request of ``c``, counted in its ``served``.
 
-        ``owed`` holds the manager and request id of the connection's last
+        ``c.owed`` holds the manager and request id of the connection's last
         at-most-once request: a new request proves its reply was read (a client
         sends the next one only after reading the last reply whole), so the
         manager may drop a large kept reply (:meth:`Manager.delivered`).
         """
+        conn, reader, scratch, hosted = c.sock, c.reader, c.scratch, c.hosted
+        reply, served, owed = c.reply, c.served, c.owed
         op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
         if owed[0] is not None:
             last, owed[0] = owed[0], None
@@ -412,6 +425,8 @@ class HostServer:
                 return
             self._closed = True
             conns = list(self._conns)
+        if self.loop is not None:
+            self.loop.close()
         for s in conns:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -427,3 +442,26 @@ def _send_error(conn: socket.socket, e: BaseException) -> None:
     """Answer the request with ``e`` (the client raises it again)."""
     status, msg = wire_error(e)
     send_parts(conn, [REP.pack(status, 0, len(msg)), msg])
+
+
+def _inline(op: int, arg: int) -> bool:
+    """Whether the event loop serves a request itself (a broadcast: its inner operation's)."""
+    return op in INLINE and (op != _FANOUT or arg in INLINE)
+
+
+def _replier(sock: socket.socket, out: Sink) -> Reply:
+    """The reply function of a connection on ``sock``, its sends made through ``out``."""
+    send, head = out.sendall, REP.pack
+
+    def reply(ival: int = 0, payload: Any = b"") -> None:
+        t = type(payload)
+        if t is bytes or t is memoryview:  # (types whose "+" is a concatenation)
+            n = len(payload) if t is bytes else payload.nbytes
+            if n <= SMALL:  # one copy, one send (as send_parts, with less around it)
+                send(head(0, ival, n) + payload)
+                return
+        else:
+            n = memoryview(payload).nbytes
+        send_parts(out, [head(0, ival, n), payload], REP.size + n)
+
+    return reply

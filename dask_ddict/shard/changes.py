@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import lmdb
 
+from .._blocking import acquire
 from ..errors import DDictError, DDictFullError
 
 T = TypeVar("T")
@@ -226,7 +227,7 @@ class Shipped:
 
     def __enter__(self) -> Recording:
         store = self.store
-        store.shipping.acquire()
+        acquire(store.shipping)  # (a host's event loop moves on rather than wait for it)
         store.later = False
         try:
             self.txn = store.env.begin(write=True, buffers=True)

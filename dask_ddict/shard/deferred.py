@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .._blocking import will_block
 from ..errors import DDictError, DDictTimeoutError
 from .working_set import MustWait
 
@@ -120,6 +121,7 @@ class DeferredQueue:
         self.waiting.append(op)
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
         quiet = self._quiet
+        will_block()  # (a host's event loop moves to another thread meanwhile)
         try:
             while not op.done:
                 now = time.monotonic()

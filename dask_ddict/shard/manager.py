@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
+from .._blocking import acquire, locked, will_block
 from .._serialize import dumps_value, loads_value, older_frame
 from .. import config
 from ..errors import DDictClosedError, DDictError, DDictFullError, DDictManagerMovedError
@@ -188,7 +189,8 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
         without ``at`` retries every deferred operation after it.
         """
         chkpt = None if at is None else at[0]
-        with self._mutex:
+        acquire(self._mutex)  # (a host's event loop moves on rather than wait for it)
+        try:
             deferred = self._deferred
             if deferred.waiting:
                 deferred.wrote()
@@ -203,6 +205,8 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
             if deferred.waiting:
                 deferred.drain(chkpt)
             return result
+        finally:
+            self._mutex.release()
 
     def _changed(self) -> None:
         """A write outside :meth:`_write` changed the shard (lock held): retry the
@@ -235,6 +239,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
                    *, counted: bool = False, chkpt: int = -1) -> T:  # fmt: skip
         """:meth:`_read` once ``fn`` had to wait: again under the lock (no write can
         slip in between), then deferred at ``chkpt`` until a write lets it through."""
+        will_block()  # (it is likely to: a host's event loop moves to another thread)
         if counted:
             self._count_waiter(1)
         try:
@@ -501,7 +506,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
         except DDictManagerMovedError:
             raise  # (stored nowhere: its new place's count tells the client what to resend)
         except DDictError as e:  # nothing of this message was stored (frozen, full, ...)
-            with self._cond, self.store.write() as txn:
+            with locked(self._mutex), self.store.write() as txn:
                 count, err = self._batch_state(txn, key, batch)
                 self.store.put_meta(txn, key, pickle.dumps((batch, count, err or e)))
 
@@ -516,7 +521,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
     def batch_end(self, client: int, batch: int = 0) -> int:
         """Number of puts stored by the client's batch; raise its first error."""
         key = _BATCH + _Q.pack(client)
-        with self._cond:
+        with locked(self._mutex):
             self._check_open()  # (a manager that moved answers where it went)
             with self.store.write() as txn:
                 count, err = self._batch_state(txn, key, batch)

@@ -150,10 +150,10 @@ class _Conn:
             self.check()
         self._arm()
 
-    def recv_into(self, buf: Any, n: int = 0) -> int:
+    def recv_into(self, buf: Any, n: int = 0, flags: int = 0) -> int:
         while True:
             try:
-                return self._recv_into(buf, n)
+                return self._recv_into(buf, n, flags)
             except TimeoutError as e:
                 self.waited(e)
 

@@ -71,6 +71,10 @@ class Operation:
     #: A moved manager is followed by the link (one manager's operation); ``False`` for
     #: those on several managers of a host, which their callers send again instead.
     follows: ClassVar[bool] = True
+    #: Whether a host's event loop serves it on its own thread: it takes microseconds.
+    #: ``False``: it may take long (a disk, a whole shard, another host), so it is
+    #: served on a thread of its own (:mod:`dask_ddict._blocking`).
+    inline: ClassVar[bool] = True
     timeout: float | None = None
 
     def encode(self) -> Encoded:

@@ -343,6 +343,7 @@ class FetchAdd(FrameReply):
 @dataclass(slots=True)
 class WaitFor(Operation):
     op = Op.WAIT_FOR
+    inline = False  # (see Operation.inline)
     kind = Kind.READ
     digest: bytes
     chkpt: int
@@ -462,12 +463,14 @@ class Newest(IntReply, Answered):
 @dataclass(slots=True)
 class Freeze(Command):
     op = Op.FREEZE
+    inline = False  # (see Operation.inline)
     method = "freeze"
 
 
 @dataclass(slots=True)
 class Unfreeze(Command):
     op = Op.UNFREEZE
+    inline = False  # (see Operation.inline)
     method = "unfreeze"
 
 
@@ -588,3 +591,6 @@ HOST_WIDE: dict[Op, Callable[..., None]] = {
 ANSWERERS: dict[Op, Answerer] = {
     code: cls.answer for code, cls in OPERATIONS.items() if issubclass(cls, Answered)
 }
+#: The operations a host's event loop serves on its own thread (``Operation.inline``); a
+#: broadcast is one of them when its inner operation is.
+INLINE: frozenset[int] = frozenset(code for code, cls in OPERATIONS.items() if cls.inline)

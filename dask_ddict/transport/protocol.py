@@ -25,6 +25,7 @@ preallocated buffer, never joined.
 from __future__ import annotations
 
 import enum
+import socket
 import struct
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ REP = struct.Struct("<BxxxxxxxqQ")
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one page record
 BATCH_RECORD = struct.Struct("<IIQ")  # (klen, manager, vlen) of one batch record
 SMALL = 64 * 1024
+_DONTWAIT = socket.MSG_DONTWAIT
 
 
 class Op(enum.IntEnum):
@@ -107,16 +109,20 @@ def decode_timeout(value: float) -> float | None:
     return None if value < 0 else value
 
 
-class Stream(Protocol):
-    """What the key path reads and writes: a socket, or a client's connection that cuts
-    its waits at the operation's deadline (:class:`~.links._Conn`)."""
-
-    def recv_into(self, buffer: Any, nbytes: int = 0, /) -> int: ...
+class Sink(Protocol):
+    """Where the key path writes: a socket, or a wrapper that decides how to wait."""
 
     def sendall(self, data: Any, /) -> Any: ...
 
 
-def send_parts(sock: Stream, parts: list[Any], total: int | None = None) -> None:
+class Stream(Sink, Protocol):
+    """What the key path reads and writes: a socket, or a client's connection that cuts
+    its waits at the operation's deadline (:class:`~.links._Conn`)."""
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int: ...
+
+
+def send_parts(sock: Sink, parts: list[Any], total: int | None = None) -> None:
     """Send buffers in order: one syscall when small, no join when large.
 
     ``total`` (the bytes in ``parts``) saves measuring every part when known.
@@ -156,7 +162,9 @@ class Reader:
         self._pos = 0
         self._end = 0
 
-    def _fill(self, need: int) -> None:
+    def reserve(self, need: int) -> None:
+        """Make room for ``need`` bytes from the read position (moved to the start,
+        or a bigger buffer)."""
         if self._pos + need > len(self._buf):
             n = self._end - self._pos
             if need > len(self._buf):
@@ -167,11 +175,38 @@ class Reader:
             else:
                 self._mv[:n] = self._mv[self._pos : self._end]
             self._pos, self._end = 0, n
+
+    def _fill(self, need: int) -> None:
+        self.reserve(need)
         while self._end - self._pos < need:
             got = self.sock.recv_into(self._mv[self._end :])
             if not got:
                 raise ConnectionResetError("connection closed by peer")
             self._end += got
+
+    def buffered(self) -> int:
+        """Bytes received and not read yet."""
+        return self._end - self._pos
+
+    def fill_nowait(self) -> int:
+        """Receive what the socket has now, without waiting (an event loop's read);
+        the bytes received (0: none ready).  Raises ``ConnectionResetError`` at EOF."""
+        if self._end == len(self._buf):
+            self.reserve(len(self._buf) - self._pos + 1)  # (moved down, or grown)
+        try:
+            got = self.sock.recv_into(self._mv[self._end :], 0, _DONTWAIT)
+        except BlockingIOError:
+            return 0
+        if not got:
+            raise ConnectionResetError("connection closed by peer")
+        self._end += got
+        return got
+
+    def peek(self, st: struct.Struct) -> tuple[Any, ...] | None:
+        """The next ``st.size`` bytes unpacked, left unread; ``None`` if not all here."""
+        if self._end - self._pos < st.size:
+            return None
+        return st.unpack_from(self._buf, self._pos)
 
     def read(self, n: int) -> memoryview:
         if n == 0:

@@ -39,6 +39,7 @@ class Persist(AtCheckpoint):
     """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
 
     op = Op.PERSIST
+    inline = False  # (see Operation.inline)
     chkpt: int
 
     @staticmethod
@@ -50,6 +51,7 @@ class Persist(AtCheckpoint):
 @dataclass(slots=True)
 class PersistedIds(PickledReply, Answered):
     op = Op.PERSISTED_IDS
+    inline = False  # (see Operation.inline)
     kind = Kind.READ
 
     @staticmethod
@@ -66,6 +68,7 @@ class Sync(PickledReply, Answered):
     """
 
     op = Op.SYNC
+    inline = False  # (see Operation.inline)
     kind = Kind.READ
 
     @staticmethod
@@ -84,6 +87,7 @@ class Rotate(Command):
     """
 
     op = Op.ROTATE
+    inline = False  # (see Operation.inline)
     kind = Kind.IDEMPOTENT
     method = "rotate"
 
@@ -93,6 +97,7 @@ class Restore(AtCheckpoint, IntReply):
     """Load persisted checkpoint ``chkpt``; the reply is its key count."""
 
     op = Op.RESTORE
+    inline = False  # (see Operation.inline)
     chkpt: int
 
     @staticmethod
@@ -105,6 +110,7 @@ class Advance(IntReply):
     """Read-only replay: load the next persisted checkpoint; the reply is its id."""
 
     op = Op.ADVANCE
+    inline = False  # (see Operation.inline)
     kind = Kind.UNSAFE  # sent again, it would advance twice
 
     @staticmethod
@@ -120,6 +126,7 @@ class DumpPage(PickledReply):
     """One page of the shard's raw records from one snapshot (see ``Manager.dump_page``)."""
 
     op = Op.DUMP_PAGE
+    inline = False  # (see Operation.inline)
     kind = Kind.READ  # the snapshot is the manager's, by token: a resent request resumes it
     token: int | None
     after: bytes | None
@@ -138,6 +145,7 @@ class CopyFrom(IntReply):
     """Replace the shard by manager ``manager_id`` of the serialized ``source``."""
 
     op = Op.COPY_FROM
+    inline = False  # (see Operation.inline)
     source: str
     manager_id: int
 
@@ -159,6 +167,7 @@ class ShardPages(Operation):
     of its copy on the new host (see :mod:`dask_ddict.host.moves`)."""
 
     op = Op.SHARD_PAGES
+    inline = False  # (see Operation.inline)
     kind = Kind.READ  # nothing writes the shard while it moves: a resend reads the same
     into: Any = None  # (receiving end) nbytes -> a writable view of the copy's file
     timeout: float | None = None

@@ -1,0 +1,268 @@
+"""EventLoop: one epoll thread serving every idle connection of a host process.
+
+A thread per connection, each sleeping in ``recv``, costs a wake-up and an
+interpreter-lock hand-over per request; with many clients the host's CPU per
+request grew with their number (issue 33: 48 µs with one client, 82 µs with
+twelve).  Here one thread waits in ``epoll_wait`` for all connections, reads
+what is ready without waiting, and serves each complete request on the spot:
+under load one wake-up finds several requests.
+
+The loop's thread never sleeps on anything but ``epoll_wait``
+(:mod:`dask_ddict._blocking`).  A request that may take long
+(``Operation.inline`` is ``False``), whose body is larger than
+``most_inline`` bytes, or that turns out to wait (a checkpoint, a lock, a
+replica, a peer slow to read its reply) hands the loop on: an idle thread (or a
+new one) takes over ``epoll_wait``, and this thread finishes the request
+blocking, serves whatever that connection has sent meanwhile, gives the
+connection back to the loop and becomes an idle thread itself.  A connection is
+either in the loop or on one thread, never both, so its requests are served in
+order; only this thread reads it while it is out.
+
+TLS connections stay on a thread each (an ``SSLSocket`` cannot read without
+waiting); so does everything when ``ddict.host.event-loop`` is ``false``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import _blocking
+from ..transport.protocol import REQ
+
+if TYPE_CHECKING:
+    from .._serialize import Scratch
+    from ..transport.protocol import Reader
+    from .served import Table
+
+logger = logging.getLogger(__name__)
+
+_IN = select.EPOLLIN
+_DONTWAIT = socket.MSG_DONTWAIT
+#: Idle threads kept to take the loop over (more are started when needed, and end).
+MOST_IDLE = 4
+
+
+class Connection:
+    """One client connection's serving state, bound to a dictionary by its handshake."""
+
+    __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "reply")
+
+    def __init__(self, sock: socket.socket, hosted: Any, reader: Reader,
+                 scratch: Scratch, served: Table,
+                 reply: Callable[..., None]) -> None:  # fmt: skip
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.hosted = hosted  # (the server's HostedDict: named here, not imported)
+        self.reader = reader
+        self.scratch = scratch
+        self.served = served
+        #: (manager, request id) of the last at-most-once reply sent (``_one_request``).
+        self.owed: list[Any] = [None]
+        self.reply = reply
+
+    def __repr__(self) -> str:
+        return f"<Connection fd={self.fd} {self.hosted.name!r}>"
+
+
+class NoWait:
+    """A loop connection's sends: what the socket takes now, the rest after handing the
+    loop on (a peer slow to read its reply holds up its own connection only)."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def sendall(self, data: Any) -> None:
+        try:
+            sent = self.sock.send(data, _DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent < (len(data) if type(data) is bytes else memoryview(data).nbytes):
+            _blocking.will_block()
+            view = memoryview(data)
+            self.sock.sendall((view if view.ndim == 1 and view.itemsize == 1
+                               else view.cast("B"))[sent:])  # fmt: skip
+
+
+class EventLoop:
+    """Serve connections from one polling thread at a time (see the module's doc).
+
+    Parameters
+    ----------
+    serve
+        Serves one request of a connection, reading (and waiting for) what it needs.
+    inline
+        ``inline(op, arg)``: whether the loop may serve a request of operation ``op``
+        (with header field ``arg``) on its own thread.
+    end
+        Closes a connection that failed or ended, given the exception (or ``None``).
+    most_inline
+        Largest request (header, key section and value) the loop receives itself.
+    """
+
+    def __init__(self, serve: Callable[[Connection], None], inline: Callable[[int, int], bool],
+                 end: Callable[[Connection, BaseException | None], None],
+                 most_inline: int) -> None:  # fmt: skip
+        self._serve = serve
+        self._inline = inline
+        self._end = end
+        self.most_inline = most_inline
+        self._ep = select.epoll()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ep.register(self._wake, _IN)
+        self._conns: dict[int, Connection] = {}
+        self._cond = threading.Condition()
+        self._idle = 0  # threads waiting to take the loop over
+        self._called = 0  # of those, how many were called to
+        self._closed = False
+        self._serving: Connection | None = None  # (the polling thread's, while it serves one)
+        self.handoffs = 0  # times the loop moved to another thread
+
+    def __repr__(self) -> str:
+        return (f"<EventLoop connections={len(self._conns)} idle={self._idle} "
+                f"handoffs={self.handoffs}{' closed' if self._closed else ''}>")  # fmt: skip
+
+    def start(self) -> None:
+        self._spawn()
+
+    def add(self, c: Connection) -> None:
+        """Serve ``c`` from the loop (from any thread)."""
+        self._conns[c.fd] = c
+        try:
+            self._ep.register(c.fd, _IN)
+        except (OSError, ValueError) as e:  # (the loop closed meanwhile)
+            self._conns.pop(c.fd, None)
+            self._end(c, e)
+
+    def close(self) -> None:
+        """Stop polling and wake every idle thread (connections are the server's to close)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        os.eventfd_write(self._wake, 1)
+
+    # -- threads ----------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        threading.Thread(target=self._run, name="ddict-loop", daemon=True).start()
+
+    def _run(self) -> None:
+        """A thread's life: poll while it is the loop; when it handed the loop on while
+        serving a connection, finish that connection; then wait to be called again."""
+        while True:
+            c = self._poll()
+            if c is None:
+                return
+            self._finish(c)
+            with self._cond:
+                if self._closed or self._idle >= MOST_IDLE:
+                    return
+                self._idle += 1
+                while not self._called and not self._closed:
+                    self._cond.wait()
+                self._idle -= 1
+                if self._closed:
+                    return
+                self._called -= 1
+
+    def _hand_on(self) -> None:
+        """(The polling thread, about to sleep while serving ``_serving``.)  Take that
+        connection out of the loop and let another thread poll."""
+        _blocking.serving(None)
+        c = self._serving
+        if c is not None:
+            self._ep.unregister(c.fd)
+        self.handoffs += 1
+        with self._cond:
+            if self._idle > self._called:
+                self._called += 1
+                self._cond.notify()
+                return
+        self._spawn()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _poll(self) -> Connection | None:
+        """Poll and serve until this thread hands the loop on (returns the connection
+        it was serving) or the loop closes (returns ``None``)."""
+        _blocking.serving(self._hand_on)
+        try:
+            while not self._closed:
+                for fd, _ in self._ep.poll():
+                    c = self._conns.get(fd)
+                    if c is None:
+                        continue  # (the wake-up)
+                    self._serving = c
+                    try:
+                        self._ready(c)
+                    except BaseException as e:  # noqa: BLE001 - this connection's end
+                        self._drop(c, e)
+                    if not _blocking.is_serving():
+                        return c
+                    self._serving = None
+        except (OSError, ValueError) as e:  # (closed under it)
+            if not self._closed:
+                logger.error("ddict host: the event loop failed; its connections end",
+                             exc_info=e)  # fmt: skip
+                self._closed = True
+                for c in list(self._conns.values()):
+                    self._drop(c, e)
+        finally:
+            _blocking.serving(None)
+        self._shut()
+        return None
+
+    def _ready(self, c: Connection) -> None:
+        """Receive what ``c`` sent and serve each complete request; hand the loop on for
+        one it must not serve itself (then serve that one here, blocking)."""
+        r = c.reader
+        r.fill_nowait()
+        while _blocking.is_serving():
+            head = r.peek(REQ)
+            if head is None:
+                return
+            op, _, klen, _, _, arg, _, _, vlen, _ = head
+            need = REQ.size + klen + vlen
+            if need > self.most_inline or not self._inline(op, arg):
+                self._hand_on()
+            elif r.buffered() < need:
+                r.reserve(need)
+                return
+            self._serve(c)
+
+    def _finish(self, c: Connection) -> None:
+        """Serve what ``c`` has sent (off the loop), then give it back to the loop.
+        (``_serving`` is the polling thread's: not touched here.)"""
+        if self._conns.get(c.fd) is not c:
+            return  # (it ended while served)
+        try:
+            while c.reader.buffered():
+                self._serve(c)
+            if not self._closed:
+                self._ep.register(c.fd, _IN)
+        except BaseException as e:  # noqa: BLE001 - this connection's end
+            self._drop(c, e)
+
+    def _drop(self, c: Connection, e: BaseException | None) -> None:
+        if self._conns.get(c.fd) is not c:
+            return  # (ended already)
+        del self._conns[c.fd]
+        try:
+            self._ep.unregister(c.fd)
+        except (OSError, ValueError):
+            pass  # (out of the loop already, or the loop closed)
+        self._end(c, e)
+
+    def _shut(self) -> None:
+        try:
+            self._ep.close()
+            os.close(self._wake)
+        except OSError:
+            pass
