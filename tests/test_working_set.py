@@ -11,9 +11,11 @@ from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import (
     DDictCheckpointSyncError,
+    DDictError,
     DDictFutureCheckpointError,
     DDictKeyError,
 )
+from dask_ddict.shard import counts
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import MustWait, WorkingSet, put_in_window
 
@@ -306,10 +308,38 @@ def test_reset_to_loads_a_checkpoint_as_the_window_start(make_ws):
 # -- len from the shard's counts: checked against a scan after every change ---------
 
 _COUNT_OPS = st.lists(
-    st.tuples(st.sampled_from(["put", "persistent", "pop", "clear", "direct"]),
+    st.tuples(st.sampled_from(["put", "persistent", "pop", "clear", "direct", "batch"]),
               st.integers(0, 5), st.integers(0, 7)),  # fmt: skip
     max_size=40,
 )
+
+
+def _batch(ws: WorkingSet, puts: list[tuple[int, int]]) -> None:
+    """Puts ``(key, checkpoint)`` as a batch does: one transaction, the key counts in a
+    :class:`counts.Tally` (settled before the window moves and at the end), stopping at
+    the first refused put and keeping those before it."""
+    with ws.store.write() as txn:
+        tally = counts.Tally(ws.store, txn)
+        for k, c in puts:
+            kb = dumps_key(k)
+            try:
+                ws.put(txn, key_digest(kb), c, kb, dumps_value(c).join(), 1, batch=True,
+                       tally=tally)  # fmt: skip
+            except (MustWait, DDictError):
+                break
+        tally.settle()
+
+
+def test_a_batchs_tallied_counts_are_saved_once_and_exact(make_ws):
+    ws = make_ws(1)
+    o = Ops(ws)
+    o.put("a", 1, 0)  # (the shard has counts: a tally adds to them)
+    _batch(ws, [("b", 0), ("c", 0), ("a", 0), ("d", 0)])  # three new keys, one overwrite
+    assert o.len(0) == 4
+    o.pop("b", 0)
+    _batch(ws, [("b", 0), ("e", 0), ("e", 1), ("f", 1)])  # the window moves mid-run
+    with ws.store.read() as txn:
+        assert o.len(ws.newest) == sum(1 for _ in ws.visible(txn, ws.newest))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -330,6 +360,8 @@ def test_len_counts_match_a_scan_after_any_changes(tmp_path_factory, size, wait_
                     o.pop(k, c)
                 elif what == "clear":
                     o.clear(c)
+                elif what == "batch":  # a run of puts in one transaction, counts tallied
+                    _batch(ws, [((k + j) % 6, ws.newest) for j in range(3)] + [(k, c)])
                 elif not wait_for_keys:  # direct puts are for dicts without it
                     kb = dumps_key(k)
                     with st_.write() as txn:

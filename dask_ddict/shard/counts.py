@@ -135,6 +135,37 @@ def _account(store: ShardStore, txn: lmdb.Transaction, w: Window, before: int,
     save(store, txn, w, counts)
 
 
+class Tally:
+    """The key-count changes of a run of puts in one transaction, saved once at its end
+    (:meth:`settle`): a batch of a thousand puts reads and writes the counts once, not a
+    thousand times.  Only a put that changes every slot alike (a window of one
+    checkpoint, no ``wait_for_keys``: one key more or less) is tallied."""
+
+    __slots__ = ("store", "txn", "w", "n")
+
+    def __init__(self, store: ShardStore, txn: lmdb.Transaction) -> None:
+        self.store, self.txn = store, txn
+        self.w: Window | None = None
+        self.n = 0
+
+    def add(self, w: Window, n: int) -> None:
+        if w is not self.w:
+            self.settle()
+            self.w = w
+        self.n += n
+
+    def settle(self) -> None:
+        """Save what was tallied (before the window moves, and at the run's end)."""
+        n, w, self.n = self.n, self.w, 0
+        if not n or w is None:
+            return
+        counts = _saved(self.store, self.txn, w)
+        if counts is None:  # (no counts yet: a recount sees the tallied puts already)
+            save(self.store, self.txn, w, recount(self.store, self.txn, w))
+            return
+        save(self.store, self.txn, w, [c + n for c in counts])
+
+
 def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,
             change: Callable[[], T]) -> T:  # fmt: skip
     """Run ``change`` (which touches only the versions of ``digest``) and count it."""
@@ -145,8 +176,9 @@ def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,
 
 
 def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkpt: int,
-        key: bytes, frame: Any, flags: int) -> None:  # fmt: skip
-    """Store a version at ``chkpt`` (in the window) and drop the dead ones, counted.
+        key: bytes, frame: Any, flags: int, tally: Tally | None = None) -> None:  # fmt: skip
+    """Store a version at ``chkpt`` (in the window) and drop the dead ones, counted
+    (in ``tally`` when given: saved by its :meth:`Tally.settle`).
 
     The key's visibility after the put follows from its versions before it:
     one walk of them, not two (a put is the hot path).
@@ -154,6 +186,9 @@ def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkp
     if w.size == 1 and not w.wait_for_keys:  # the default: one seek, as a plain put
         was = store.put_over(txn, digest, chkpt, key, frame, flags)
         if was == bool(flags & TOMBSTONE):  # seen before xor after: one key more or less
+            if tally is not None:
+                tally.add(w, -1 if was else 1)
+                return
             every = (1 << w.slots) - 1
             _account(store, txn, w, every if was else 0, 0 if was else every)
         return

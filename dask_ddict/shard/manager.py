@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
-import struct
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
-from .._blocking import acquire, locked, will_block
+from .._blocking import acquire, will_block
 from .._serialize import dumps_value, loads_value, older_frame
 from .. import config
-from ..errors import DDictClosedError, DDictError, DDictFullError, DDictManagerMovedError
+from ..errors import DDictClosedError, DDictError, DDictFullError
+from .batches import Batches
 from .checkpoint_io import CheckpointIO
+from .counts import Tally
 from .deferred import DeferredQueue
 from .replies import AtMostOnce
 from .moving import Moving
@@ -57,8 +57,6 @@ T = TypeVar("T")
 
 #: What a page of a view carries per item: keys, values or both.
 
-_BATCH = b"batch:"  # + client id: (batch id, count, first error) of an open batch
-_Q = struct.Struct("<Q")
 
 
 class _Refused(Exception):
@@ -68,7 +66,7 @@ class _Refused(Exception):
         self.index, self.error = index, error
 
 
-class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
+class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters
@@ -376,11 +374,14 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
         n, refused = len(records), None
 
         def fn(txn: lmdb.Transaction) -> None:
+            tally = Tally(self.store, txn)
             for i, (digest, key, frame) in enumerate(records[:n]):
                 try:
-                    ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent)
+                    ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent,
+                           tally=tally)  # fmt: skip
                 except DDictError as e:
                     raise _Refused(i, e) from None
+            tally.settle()
 
         while n:
             try:
@@ -465,78 +466,6 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Room, Moving):
 
         return self._write(lambda txn: self._once(txn, rid, fn), timeout, "fetch_add",
                            (chkpt, client))
-
-    def batch_put(
-        self,
-        records: list[tuple[bytes, bytes, Any]],
-        chkpt: int,
-        client: int,
-        *,
-        persistent: bool = False,
-        batch: int = 0,
-    ) -> None:
-        """Store a batch of ``(digest, key, frame)`` without replying.
-
-        Batch puts are never deferred.  The first error is remembered for
-        :meth:`batch_end`; records before it in the message are kept, and so
-        are earlier messages.  The batch's count and error live in the shard,
-        written in the same transaction as its records, so they survive a
-        restart of the host process; ``batch`` (an id the client draws per
-        batch) keeps an abandoned batch of the same client from counting.
-        """
-        key = _BATCH + _Q.pack(client)
-        ws = self.working_set
-
-        def fn(txn: lmdb.Transaction) -> None:
-            count, err = self._batch_state(txn, key, batch)
-            if err is None:
-                for digest, k, frame in records:
-                    try:
-                        ws.put(txn, digest, chkpt, k, frame, client, persistent=persistent,
-                               batch=True)  # fmt: skip
-                    except DDictError as e:
-                        err = e
-                        break
-                    count += 1
-            self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))
-            self.store.later = True  # (answered at batch_end: replicas need not have it yet)
-
-        try:
-            self._write(fn, None, "batch put", (chkpt, client))
-        except DDictManagerMovedError:
-            raise  # (stored nowhere: its new place's count tells the client what to resend)
-        except DDictError as e:  # nothing of this message was stored (frozen, full, ...)
-            with locked(self._mutex), self.store.write() as txn:
-                count, err = self._batch_state(txn, key, batch)
-                self.store.put_meta(txn, key, pickle.dumps((batch, count, err or e)))
-
-    def _batch_state(self, txn: lmdb.Transaction, key: bytes,
-                     batch: int) -> tuple[int, DDictError | None]:  # fmt: skip
-        raw = self.store.get_meta(txn, key)
-        if raw is None:
-            return 0, None
-        stored, count, err = pickle.loads(raw)
-        return (count, err) if stored == batch else (0, None)
-
-    def batch_end(self, client: int, batch: int = 0) -> int:
-        """Number of puts stored by the client's batch; raise its first error."""
-        key = _BATCH + _Q.pack(client)
-        with locked(self._mutex):
-            self._check_open()  # (a manager that moved answers where it went)
-            with self.store.write() as txn:
-                count, err = self._batch_state(txn, key, batch)
-                txn.delete(key, db=self.store.meta_db)
-        if err is not None:
-            raise err
-        return count
-
-    def _clear_batches(self, txn: lmdb.Transaction) -> None:
-        """Forget every open batch (the shard was replaced under them)."""
-        cur = txn.cursor(self.store.meta_db)
-        if cur.set_range(_BATCH):
-            while bytes(cur.key()).startswith(_BATCH):
-                if not cur.delete():
-                    break
 
     def _set_frozen(self, frozen: bool) -> None:
         with self._cond:

@@ -261,22 +261,24 @@ class ShardStore:
         return _new_entry(Entry, (_MAXQ - _BE.unpack_from(k, DIGEST)[0], flags,
                                   raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
 
-    def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
-                    ) -> list[Entry | None]:  # fmt: skip
-        """:meth:`lookup` of each digest, with one cursor."""
+    def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
+                    frames: bool = False) -> list[Any]:  # fmt: skip
+        """:meth:`lookup` of each digest (an ``Entry`` or ``None``), with one cursor;
+        ``frames``: the frames of live versions, ``None`` for the others (no ``Entry``
+        made: ``get_many``'s path where every live version is seen)."""
         cur = txn.cursor(self._data)
-        seek, key, value = cur.set_range, cur.key, cur.value
+        seek, key, value, unpack = cur.set_range, cur.key, cur.value, _ENTRY.unpack_from
         tail = _BE.pack(_MAXQ - chkpt)
-        out: list[Entry | None] = []
+        out: list[Any] = []
         for digest in digests:
-            if not seek(digest + tail):
+            if not seek(digest + tail) or key()[:DIGEST] != digest:
                 out.append(None)
-                continue
-            k = key()
-            if k[:DIGEST] != digest:
-                out.append(None)
-                continue
-            out.append(_decode(_MAXQ - _BE.unpack_from(k, DIGEST)[0], value()))
+            elif frames:
+                raw = value()
+                flags, _, n = unpack(raw, 0)
+                out.append(None if flags & TOMBSTONE else raw[ENTRY_HEADER : ENTRY_HEADER + n])
+            else:
+                out.append(_decode(_MAXQ - _BE.unpack_from(key(), DIGEST)[0], value()))
         return out
 
     def exact(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:

@@ -150,15 +150,18 @@ def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: i
     if newest is None:
         return 0, None
     window = counts.window(newest, size)
-    done = 0
-    for digest, key, frame in records:
-        try:
-            store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
-        except DDictError as e:
-            return done, e
-        counts.put(store, txn, window, digest, chkpt, key, frame, PERSISTENT)
-        done += 1
-    return done, None
+    done, tally = 0, counts.Tally(store, txn)
+    try:
+        for digest, key, frame in records:
+            try:
+                store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
+            except DDictError as e:
+                return done, e
+            counts.put(store, txn, window, digest, chkpt, key, frame, PERSISTENT, tally)
+            done += 1
+        return done, None
+    finally:
+        tally.settle()
 
 
 def _direct_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int
@@ -480,7 +483,9 @@ class WorkingSet:
         ``False`` where a reader must wait (``wait_for_keys``; see :meth:`get`)."""
         self.check_retired(chkpt)
         wfk = self.wait_for_keys
-        return [e.frame if entry_visible(e, chkpt, wfk) else  # type: ignore[union-attr]
+        if not wfk:  # (every live version is seen: the frames straight from the cursor)
+            return self.store.lookup_many(txn, digests, chkpt, frames=True)
+        return [e.frame if entry_visible(e, chkpt, wfk) else
                 unseen(e, chkpt, wfk) for e in self.store.lookup_many(txn, digests, chkpt)]
 
     def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
@@ -524,16 +529,20 @@ class WorkingSet:
         *,
         persistent: bool = False,
         batch: bool = False,
+        tally: counts.Tally | None = None,
     ) -> None:
-        """Store a value at ``chkpt`` (advancing the window if needed)."""
+        """Store a value at ``chkpt`` (advancing the window if needed); its key count
+        changes in ``tally`` if given (a run of puts in one transaction settles it)."""
         newest = self.newest
         if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
                 or self.wait_for_writers:  # (else prepare_write has nothing to do) # fmt: skip
+            if tally is not None:
+                tally.settle()  # (the counts move with the window)
             self.prepare_write(txn, chkpt, client, batch=batch)
         self.store.check_room(txn, (len(frame) if type(frame) is bytes else frame_parts(frame)[1])
                               + len(key))  # fmt: skip
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
-        counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags)
+        counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags, tally)
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
         """Delete the key at ``chkpt`` and return (a copy of) its value frame.

@@ -55,14 +55,20 @@ def _pad(n: int) -> int:
     return -n % _ALIGN
 
 
+_PADS = [bytes(_pad(i)) for i in range(_ALIGN)]  # _PADS[n % 64]: the padding after n bytes
+
+
 def pack_frames(frames: list[Any]) -> list[Any]:
     """The reply's parts for ``frames`` (buffers, ``None`` absent, ``False`` wait)."""
-    lens = [ABSENT if f is None else WAIT if f is False else memoryview(f).nbytes for f in frames]
+    lens = [f.nbytes if type(f) is memoryview else ABSENT if f is None else WAIT if f is False
+            else memoryview(f).nbytes for f in frames]  # fmt: skip
     head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}q", *lens)
-    parts: list[Any] = [head, bytes(_pad(len(head)))]
+    parts: list[Any] = [head, _PADS[len(head) % _ALIGN]]
+    add = parts.append
     for f, n in zip(frames, lens):
         if n >= 0:
-            parts += [f, bytes(_pad(n))]
+            add(f)
+            add(_PADS[n % _ALIGN])
     return parts
 
 
@@ -112,14 +118,15 @@ class GetMany(HostWide):
 
     @staticmethod
     def groups_of(value: Any) -> list[Group]:
-        mv = memoryview(value).cast("B")
-        (n,) = _U32.unpack_from(mv, 0)
+        raw = value if type(value) is bytes else memoryview(value).cast("B").tobytes()
+        (n,) = _U32.unpack_from(raw, 0)
         off = 4 + _GROUP.size * n
         out = []
         for i in range(n):
-            mid, count = _GROUP.unpack_from(mv, 4 + _GROUP.size * i)
-            out.append((mid, [bytes(mv[off + 16 * j : off + 16 * j + 16]) for j in range(count)]))
-            off += 16 * count
+            mid, count = _GROUP.unpack_from(raw, 4 + _GROUP.size * i)
+            end = off + 16 * count
+            out.append((mid, [raw[j : j + 16] for j in range(off, end, 16)]))
+            off = end
         return out
 
     @staticmethod

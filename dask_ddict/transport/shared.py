@@ -396,12 +396,15 @@ class SharedChannel:
         keys, ``False`` to wait for."""
         store = view.store
         self._check_state(store, chkpt, txn)
+        if not self._wfk:  # (every live version is seen: the frames straight from the cursor)
+            return [f if f is None else out(f) for f in store.lookup_many(txn, digests, chkpt,
+                                                                         frames=True)]
         got: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
                 got.append(unseen(e, chkpt, self._wfk))
                 continue
-            got.append(out(e.frame))  # type: ignore[union-attr]
+            got.append(out(e.frame))
         return got
 
     def _put(self, o: Put) -> None:
