@@ -305,7 +305,8 @@ class ShardStore:
     def _put(self, txn: lmdb.Transaction, dk: bytes, digest: bytes, chkpt: int, key: bytes,
              frame: Any, flags: int) -> None:  # fmt: skip
         """:meth:`put` under its data key ``dk`` (``data_key(digest, chkpt)``)."""
-        nbytes = len(frame) if type(frame) is bytes else -1
+        t = type(frame)  # (bytes, or a batch record's byte view: joined as they are)
+        nbytes = len(frame) if t is bytes else frame.nbytes if t is memoryview else -1
         if 0 <= nbytes < HUGE_BYTES - ENTRY_HEADER - len(key):  # (gather, for one buffer)
             buf: Any = b"".join((_ENTRY.pack(flags, len(key), nbytes), frame, key))
         else:

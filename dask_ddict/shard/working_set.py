@@ -539,8 +539,9 @@ class WorkingSet:
             if tally is not None:
                 tally.settle()  # (the counts move with the window)
             self.prepare_write(txn, chkpt, client, batch=batch)
-        self.store.check_room(txn, (len(frame) if type(frame) is bytes else frame_parts(frame)[1])
-                              + len(key))  # fmt: skip
+        t = type(frame)
+        self.store.check_room(txn, (len(frame) if t is bytes else frame.nbytes if t is memoryview
+                                    else frame_parts(frame)[1]) + len(key))  # fmt: skip
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
         counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags, tally)
 

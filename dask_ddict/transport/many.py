@@ -146,12 +146,13 @@ class GetMany(HostWide):
 def records_by_manager(value: Any) -> dict[int, list[tuple[bytes, bytes, memoryview]]]:
     """A request's ``(digest, key, frame)`` records by manager, in message order."""
     mv = memoryview(value)
+    raw = value if type(value) is bytes else mv  # (key sections: sliced from bytes, copied)
     by_mid: dict[int, list[tuple[bytes, bytes, memoryview]]] = {}
-    off = 0
-    while off < mv.nbytes:
-        klen, mid, vlen = BATCH_RECORD.unpack_from(mv, off)
-        off += BATCH_RECORD.size
-        keysec = bytes(mv[off : off + klen])
+    off, end, unpack, head = 0, mv.nbytes, BATCH_RECORD.unpack_from, BATCH_RECORD.size
+    while off < end:
+        klen, mid, vlen = unpack(raw, off)
+        off += head
+        keysec = bytes(raw[off : off + klen])
         off += klen
         by_mid.setdefault(mid, []).append((keysec[:16], keysec[16:], mv[off : off + vlen]))
         off += vlen
