@@ -1,10 +1,10 @@
 """The one rule of a thread that runs an event loop: it never sleeps.
 
-A host process serves its idle connections from one event-loop thread
-(:mod:`.host.loop`): under many clients one ``epoll_wait`` finds several
-requests ready, where a thread per connection paid a wake-up and an
-interpreter-lock hand-over for each.  Most requests take microseconds and are
-served on that thread.  Code that may sleep while serving one (a read or write
+A host process can serve its idle connections from one event-loop thread
+(:mod:`.host.loop`, ``ddict.host.event-loop``): under many clients one
+``epoll_wait`` finds several requests ready, where a thread per connection pays
+a wake-up and an interpreter-lock hand-over for each.  Most requests take
+microseconds and are served on that thread.  Code that may sleep while serving one (a read or write
 that must wait for a checkpoint, a manager lock held by a move, a replica's
 acknowledgement, a peer slow to read its reply) calls :func:`will_block` first:
 on the loop's thread, that hands the loop on to another thread, and this one
@@ -54,7 +54,3 @@ def serving(hand_on: Callable[[], None] | None) -> None:
     (``None``).  ``hand_on`` must clear it: it is called at most once."""
     _local.hand_on = hand_on
 
-
-def is_serving() -> bool:
-    """Whether this thread runs an event loop (it has not handed it on)."""
-    return getattr(_local, "hand_on", None) is not None

@@ -1,11 +1,11 @@
 """HostServer: the key-path server of one host process, serving many managers.
 
 One accept thread per listener; a connection's handshake on a thread of its
-own; then its requests from the host's event loop (:mod:`.loop`: one ``epoll``
-thread for every idle connection, which hands itself on to another thread when
-a request must sleep), or, for TLS and with ``ddict.host.event-loop: false``, on
-that thread, with blocking ``recv_into``/``sendall`` (``transport-notes.md``,
-D'/C').  Nothing busy-waits: threads sleep in ``accept``, ``epoll_wait`` or
+own; then its requests on that thread, with blocking ``recv_into``/``sendall``
+(``transport-notes.md``, D'/C'), or, with ``ddict.host.event-loop: true`` and
+without TLS, from the host's event loop (:mod:`.loop`: one ``epoll`` thread for
+every idle connection, which hands itself on to another thread when a request
+must sleep).  Nothing busy-waits: threads sleep in ``accept``, ``epoll_wait`` or
 ``recv``, or on a manager's condition variable.  The host process runs no Dask
 tasks, so no task holds the GIL that these threads need.
 
@@ -175,6 +175,9 @@ class HostServer:
         Soft size of a view's page; receive buffer kept per connection.
     limits
         Handshake deadline, most connections, longest key: see :class:`Limits`.
+    event_loop
+        Serve connections other than TLS ones from an :class:`~.loop.EventLoop`
+        (``ddict.host.event-loop``) rather than a thread each.
     """
 
     def __init__(
@@ -188,7 +191,7 @@ class HostServer:
         page_bytes: int = 1 << 20,
         scratch_keep: int = 128 << 20,
         limits: Limits | None = None,
-        event_loop: bool = True,
+        event_loop: bool = False,
     ) -> None:
         self.dicts = dicts
         self.closed_dicts = closed
