@@ -68,7 +68,7 @@ class Connection:
         self.reader = reader
         self.scratch = scratch
         self.served = served
-        #: (manager, request id) of the last at-most-once reply sent (``_one_request``).
+        #: (manager, request id) of the last at-most-once reply sent (``_serve_one``).
         self.owed: list[Any] = [None]
         self.reply = reply
 

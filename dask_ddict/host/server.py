@@ -277,14 +277,14 @@ class HostServer:
         """Handshake, then serve ``conn`` from the event loop, or on this thread (TLS)."""
         try:
             conn, hosted = self._handshake(conn, kind)
-            tls = isinstance(conn, ssl.SSLSocket)
+            looped = self.loop is not None and not isinstance(conn, ssl.SSLSocket)
             c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
                            hosted.served.connection(),
-                           _replier(conn, NoWait(conn) if not tls else conn))  # fmt: skip
+                           _replier(NoWait(conn) if looped else conn))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped
             self._ended(conn, e)
             return
-        if self.loop is not None and not tls:
+        if looped and self.loop is not None:
             self.loop.add(c)
             return
         try:
@@ -452,8 +452,9 @@ def _inline(op: int, arg: int) -> bool:
     return op in INLINE and (op != _FANOUT or arg in INLINE)
 
 
-def _replier(sock: socket.socket, out: Sink) -> Reply:
-    """The reply function of a connection on ``sock``, its sends made through ``out``."""
+def _replier(out: Sink) -> Reply:
+    """The reply function of a connection whose sends go through ``out`` (its socket, or
+    the event loop's :class:`~.loop.NoWait` over it)."""
     send, head = out.sendall, REP.pack
 
     def reply(ival: int = 0, payload: Any = b"") -> None:
