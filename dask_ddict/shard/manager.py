@@ -55,9 +55,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: What a page of a view carries per item: keys, values or both.
-
-
 
 class _Refused(Exception):
     """Record ``index`` of a many-put was refused with ``error`` (its transaction rolls back)."""
