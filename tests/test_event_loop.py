@@ -23,6 +23,7 @@ import pytest
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict.errors import DDictTimeoutError
 from dask_ddict.host.server import HostedDict, HostServer
 from dask_ddict.layout import ManagerInfo
 from dask_ddict.shard.manager import Manager
@@ -94,8 +95,8 @@ def _get(ch: SocketChannel, name: str, timeout: float | None = None):
     return loads_value(ch.call(ops.Get(_key(name)[0], 0, timeout)))
 
 
-def _loop_threads() -> int:
-    return sum(t.name == "ddict-loop" and t.is_alive() for t in threading.enumerate())
+def _loop_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "ddict-loop" and t.is_alive()}
 
 
 @pytest.mark.parametrize("event_loop", [True, False])
@@ -188,18 +189,19 @@ def test_a_peer_that_does_not_read_its_reply_holds_up_only_itself(served):
 
 
 def test_the_loops_threads_end_with_the_server(tmp_path):
-    before = _loop_threads()
+    before = _loop_threads()  # (other tests' servers: theirs may still be ending)
     s = Served(tmp_path, wait_for_keys=True)
     ch, other = s.channel(), s.channel()
-    with pytest.raises(Exception):  # noqa: B017 - a timeout: the read waited, on a thread
+    with pytest.raises(DDictTimeoutError):  # the read waited, on a thread of its own
         _get(ch, "never", timeout=0.3)
     _put(other, "k", 1)
-    assert s.server.loop.handoffs >= 1 and _loop_threads() > before
+    ours = _loop_threads() - before
+    assert s.server.loop.handoffs >= 1 and len(ours) >= 2  # (the loop's, and the waiter's)
     s.close()
     deadline = time.monotonic() + BOUND
-    while _loop_threads() > before and time.monotonic() < deadline:
+    while any(t.is_alive() for t in ours) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _loop_threads() == before
+    assert not any(t.is_alive() for t in ours)
 
 
 def test_reader_reads_without_waiting_and_peeks_whole_headers():

@@ -128,6 +128,7 @@ class EventLoop:
         self._idle = 0  # threads waiting to take the loop over
         self._called = 0  # of those, how many were called to
         self._closed = False
+        self._shut_down = False  # (the epoll object and the wake-up descriptor are closed)
         self._serving: Connection | None = None  # (the polling thread's, while it serves one)
         self.handoffs = 0  # times the loop moved to another thread
 
@@ -152,7 +153,8 @@ class EventLoop:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        os.eventfd_write(self._wake, 1)
+            if not self._shut_down:  # (the poller may have seen _closed and shut already)
+                os.eventfd_write(self._wake, 1)
 
     # -- threads ----------------------------------------------------------------
 
@@ -269,8 +271,11 @@ class EventLoop:
         self._end(c, e)
 
     def _shut(self) -> None:
-        try:
+        """Close the epoll object and the wake-up descriptor (once; under the lock that
+        :meth:`close` writes the wake-up under, so it never writes a closed descriptor)."""
+        with self._cond:
+            if self._shut_down:
+                return
+            self._shut_down = True
             self._ep.close()
             os.close(self._wake)
-        except OSError:
-            pass
