@@ -308,8 +308,10 @@ def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
     plan = Plan(token, root.address, parents, 2, limits)
     waited: list[int] = []
     up: list[object] = []
-    threading.Timer(0.3, lambda: up.append(_join(plan, 2, merge.address))).start()
+    starts = threading.Timer(0.3, lambda: up.append(_join(plan, 2, merge.address)))
+    starts.start()
     early = _Joining(plan, 0).result(lambda: waited.append(0))  # (the merge starts later)
+    starts.join(10.0)  # (the leaf can be joined before the merge's own _join has returned)
     assert waited == [0] and early is not None and up
     joining = _Joining(plan, 1)
     time.sleep(0.2)  # (a leaf's mgr_code runs meanwhile)
