@@ -84,9 +84,12 @@ _FANOUT = int(Op.FANOUT)
 _REPLICATE = int(Op.REPLICATE)  # (an enum member's lookup costs more than the comparison)
 _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's __new__
 
-#: The largest request the event loop receives itself: a value of up to 1 MiB and its key
-#: (larger values are received straight into a buffer of their own, off the loop).
-_MOST_INLINE = REQ.size + (1 << 20) + (64 << 10)
+#: Values up to this size are copied out of a connection's receive buffer; larger ones are
+#: received straight into a buffer of their own (the connection's scratch).
+_TAKEN = 1 << 20
+#: The largest request the event loop receives itself: a taken value and its key (larger
+#: ones are received off the loop).
+_MOST_INLINE = REQ.size + _TAKEN + (64 << 10)
 
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -333,7 +336,7 @@ class HostServer:
         ):  # (what _check_lengths refuses, spelled out: this runs for every request)
             self._check_lengths(conn, hosted, mid, klen, vlen, flags)
         keysec = reader.take(klen)
-        if vlen <= 1 << 20:
+        if vlen <= _TAKEN:
             value: Any = reader.take(vlen)
         else:
             value = scratch.get(vlen)
