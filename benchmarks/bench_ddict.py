@@ -21,6 +21,11 @@ rows, each against the reference its reference column names:
   in ms; ratio = that time / one memcpy (target <= 0.10).
 * ``get 64 MiB (copying)``: ``d.manager(0)[key]`` from the client, MB/s (best
   of a few); ratio = fraction of memcpy's bandwidth (target >= 0.8).
+* ``live bytes under a 32 MiB view``: a dictionary of one 512 MiB manager; a
+  32 MiB value is read with ``copy=False`` and popped, 40 keys of 8 MiB are
+  overwritten six times, then new 8 MiB keys are put until the shard is full;
+  the live bytes then, against the room puts may fill (90 %) less the view
+  (target about 1: a view costs its bytes, not the shard's garbage).
 * ``get 64 MiB (tcp)``: the same get over TCP, MB/s (best of a few), against
   loopback TCP: a child process sends 64 MiB messages over 127.0.0.1, this
   process ``recv_into`` a preallocated buffer (best of a few); target >= 0.8.
@@ -69,7 +74,7 @@ import dask
 import numpy as np
 from distributed import Client, LocalCluster
 
-from dask_ddict import DDict
+from dask_ddict import DDict, DDictFullError
 
 SIZES = {"100 B": 100, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 BIG = 64 << 20
@@ -203,6 +208,33 @@ def big_get_rows(m0: DDict, reps: int) -> list[Row]:
     finally:
         del m0["big"]
     return rows
+
+
+def view_room_row(c: Client) -> Row:
+    """What a shard takes while a 32 MiB zero-copy view of it is held: one manager of
+    512 MiB, the view's key popped, 40 keys of 8 MiB overwritten six times, then new 8 MiB
+    keys until the shard is full.  Live bytes at the end over the room less the view."""
+    held, size, capacity = 32 << 20, 8 << 20, 512 << 20
+    with DDict(1, 1, total_mem=capacity, client=c) as d:
+        m = d.manager(0)
+        m["w"] = np.ones(held // 8)
+        view = m.get("w", copy=False)
+        m.pop("w")
+        v = _value(size)
+        try:
+            for _ in range(6):
+                for k in range(40):
+                    m[f"k{k}"] = v
+            for k in range(40, capacity // size):
+                m[f"k{k}"] = v
+        except DDictFullError:
+            pass
+        assert view.nbytes == held
+        room = 0.9 * capacity - held  # (manager_pool_full_thresh 0.9, less the view)
+        live = len(m) * size
+    return ("live bytes under a 32 MiB view", "one 512 MiB shard, 240 overwrites of 8 MiB",
+            f"{live >> 20} MiB", f"room less the view: {room / 2**20:.0f} MiB",
+            f"{live / room:.2f} of it (target ~1: capacity - P - overhead)")  # fmt: skip
 
 
 def tcp_big_row(tcp0: DDict, reps: int) -> Row:
@@ -402,6 +434,7 @@ def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], sec
                 rows.append((f"{op} {label}", where, fmt(nbytes, r[op]),
                              fmt(nbytes, base[op]) if base else "n/a", ratio))  # fmt: skip
     rows += big_get_rows(m0, reps)
+    rows.append(view_room_row(c))
     # channels pick their transport when first used: every TCP call stays in this block
     with dask.config.set({"ddict.local-transport": False}):
         tcp = DDict.attach(d.serialize(), client=c)

@@ -80,16 +80,27 @@ def release(start: int, nbytes: int) -> None:
 
 
 def mapping_of(path: str) -> tuple[int, int] | None:
-    """``(start, end)`` of this process's mapping of file ``path`` (from /proc/self/maps)."""
+    """``(start, end)`` of this process's largest mapping of file ``path`` from its start
+    (from /proc/self/maps): an environment's own map, whose pieces (the kernel may split
+    it) map the file at ``address - start``, not the smaller maps of lent values."""
+    runs: dict[int, tuple[int, int]] = {}  # start address of the file -> (start, end)
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                if line.rstrip().endswith(path):
-                    lo, hi = line.split(None, 1)[0].split("-")
-                    return int(lo, 16), int(hi, 16)
-    except OSError:
-        pass
-    return None
+                if not line.rstrip().endswith(path):
+                    continue
+                fields = line.split(None, 3)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                base = lo - int(fields[2], 16)
+                run = runs.get(base)
+                if run is None:
+                    runs[base] = (lo, hi)
+                elif run[1] == lo:  # (the next piece of the same map)
+                    runs[base] = (run[0], hi)
+    except (OSError, ValueError, IndexError):
+        return None
+    whole = [run for base, run in runs.items() if run[0] == base]  # (from the file's start)
+    return max(whole, key=lambda r: r[1] - r[0], default=None)
 
 
 def populate(start: int, nbytes: int) -> None:
@@ -101,3 +112,81 @@ def populate(start: int, nbytes: int) -> None:
     lo = start & ~(PAGE - 1)
     hi = (start + nbytes + PAGE - 1) & ~(PAGE - 1)
     _libc.madvise(lo, hi - lo, MADV_POPULATE_READ)  # (a failure only costs the faults)
+
+
+# -- lent mappings ---------------------------------------------------------------------------
+
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                         ctypes.c_void_p]  # fmt: skip
+_libc.mremap.restype = ctypes.c_void_p
+MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
+
+
+def _check(addr: Any, what: str) -> int:
+    if addr is None or addr == _MAP_FAILED:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return int(addr)
+
+
+class Lent:
+    """A read-only mapping of part of a file, made for one lent value (see
+    :mod:`dask_ddict.transport.pins`): the value's pages, mapped apart from the
+    environment's own map so that they can be swapped for a private copy at the same
+    addresses (:meth:`privatize`) without touching the environment's.  NumPy arrays made
+    from it keep it alive; the last one unmaps it."""
+
+    __slots__ = ("addr", "nbytes", "private", "__array_interface__", "__weakref__")
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        """Map ``nbytes`` of file ``fd`` from ``offset`` (both multiples of :data:`PAGE`)."""
+        self.addr = _check(_libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset),
+                           "mmap")  # fmt: skip
+        self.nbytes = nbytes
+        self.private = False
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (self.addr, True), "version": 3}  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"<Lent {self.nbytes} bytes at {self.addr:#x}{' (private)' if self.private else ''}>"
+
+    def privatize(self) -> None:
+        """Swap the mapped pages for a private copy of them at the same addresses, in one
+        step (``mremap``): a reader never sees the range unmapped or different, and the
+        file's pages are no longer held by this mapping."""
+        if self.private:
+            return
+        rw = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        new = _check(_libc.mmap(None, self.nbytes, rw, flags, -1, 0), "mmap")
+        try:
+            ctypes.memmove(new, self.addr, self.nbytes)
+            if _libc.mprotect(new, self.nbytes, mmap.PROT_READ):
+                _check(None, "mprotect")
+            _check(_libc.mremap(new, self.nbytes, self.nbytes, MREMAP_MAYMOVE | MREMAP_FIXED,
+                                self.addr), "mremap")  # fmt: skip
+        except BaseException:
+            _libc.munmap(new, self.nbytes)
+            raise
+        self.private = True
+
+    def __del__(self) -> None:
+        _libc.munmap(self.addr, self.nbytes)
+
+
+def file_span(addr: int) -> tuple[int, int, int, str] | None:
+    """``(start, end, file offset of start, path)`` of this process's mapping that holds
+    address ``addr`` (from /proc/self/maps); ``None`` if it maps no file."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    path = parts[5].rstrip("\n") if len(parts) > 5 else ""
+                    return (lo, hi, int(parts[2], 16), path) if path.startswith("/") else None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -252,18 +252,18 @@ def test_to_bag_reads_at_the_handles_checkpoint(d):
 
 
 def _lent_or_copied(part, stores):
-    """For each array of a partition: (read-only, inside this process's mapping of one of
-    the shards ``stores``, a view of something)."""
+    """For each array of a partition: (read-only, a mapping of one of the shards
+    ``stores``, a view of something)."""
     from dask_ddict import _memory
 
-    spans = [s for s in (_memory.mapping_of(p + "/data.mdb") for p in stores) if s is not None]
+    files = {p + "/data.mdb" for p in stores}
     out = []
     for a in part:
-        addr = a.__array_interface__["data"][0]
+        span = _memory.file_span(a.__array_interface__["data"][0])
         base = a
         while getattr(base, "base", None) is not None:  # (a view's chain ends at the shard's)
             base = base.base
-        out.append((not a.flags.writeable, any(lo <= addr < hi for lo, hi in spans),
+        out.append((not a.flags.writeable, span is not None and span[3] in files,
                     base is not a))  # fmt: skip
     return out
 

@@ -10,7 +10,6 @@ calls, an embedded cluster it may own, and the hash-seed check.
 from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
 from typing import Any
@@ -250,15 +249,9 @@ class _Core(Connections):
         )
 
     def full(self, e: DDictFullError, mid: int) -> DDictFullError:
-        """``e`` (a shard's own message, which cannot know it) naming dictionary and manager,
-        and what this process pins as zero-copy values (pages writes cannot reuse)."""
-        pins = sys.modules.get("dask_ddict.transport.pins")  # (loaded once it lent anything)
-        lent = pins.lent_bytes() if pins is not None else 0
-        held = (f"  This process holds {format_bytes(lent)} of zero-copy values "
-                "(get(..., copy=False), reads of a frozen dictionary): while they live, the "
-                "pages that writes free in their shards cannot be reused; drop them to give "
-                "the room back") if lent else ""  # fmt: skip
-        return DDictFullError(f"DDict {self.name!r} manager {mid}: {e.message}{held}", e.code)
+        """``e`` (a shard's own message, which cannot know it) naming dictionary and manager
+        (the manager's names the zero-copy views that held its room, if any did)."""
+        return DDictFullError(f"DDict {self.name!r} manager {mid}: {e.message}", e.code)
 
     def write(self, mid: int, op: Any) -> Any:
         """``op`` (a put) on manager ``mid``; a full shard says whose it is (:meth:`full`)."""

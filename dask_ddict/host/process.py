@@ -136,7 +136,7 @@ class Host:
                     gens.bump(mid)
                 set_owner(manager.store, self.init.socket_dir)  # (direct writers check it)
                 if hosted.pins is not None:
-                    manager.pinned = hosted.pins.of
+                    manager.pins = hosted.pins
                 manager.served = hosted.served.of
                 manager.host_restarts = self.init.restarts
                 hosted.managers[mid] = manager

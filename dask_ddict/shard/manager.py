@@ -50,6 +50,7 @@ from .working_set import (CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_wa
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
     from ..persist.persister import Persister
     from .generations import Generations
+    from .pinboard import BoardReader
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         self._collected = 0  # the window's oldest checkpoint when dead versions were dropped
         #: This dictionary's generation words on this host (set by the host process).
         self.generations: Generations | None = None
-        self.pinned: Callable[[int], tuple[int, int]] | None = None  # (set by its host)
+        #: What this host's processes hold of the shard as zero-copy values, and how to
+        #: ask for it back (set by its host, see room.py).
+        self.pins: BoardReader | None = None
         if persister is not None:
             working_set.on_retire = self._on_retire
             persister.report = self._persisted
@@ -166,8 +169,13 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             ws.restore(snap)
             self._drop_retiring()
             if at is not None and isinstance(e, (DDictFullError, NoRoom)) and store.refused:
-                if self._make_room(*at) or isinstance(e, NoRoom):
-                    return self._attempt(fn, what)  # (once: no second collection)
+                try:
+                    if self._make_room(*at) or isinstance(e, NoRoom):
+                        return self._attempt(fn, what)  # (once: no second collection)
+                except DDictFullError as full:
+                    self._note_unreleased(full)
+                    raise
+                self._note_unreleased(e)
             raise
         if self._retiring:
             self._persist_retired()

@@ -17,19 +17,34 @@ processes when asked (:func:`read_boards`) and removes those of processes
 that died; the dictionary's boards go with it when it leaves the host
 (:func:`remove_boards`).  Only the owner writes its board, so no lock is
 needed; a reader may see a total one update old.
+
+The boards also say whom to ask for the room back.  A process that lends
+values listens on a datagram socket of its own in the same directory
+(``unpin-<pid>``, :func:`request_path`); when a write is refused room while
+views pin its shard, the manager asks the processes whose boards show bytes
+of that shard to copy them out (:func:`ask_release`; each answers with the
+bytes it released, see :meth:`dask_ddict.transport.pins.Lender.release`), and
+tries the write once more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import struct
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
+from .._blocking import will_block
 from .._memory import map_file
 
 _PREFIX = "pins-"
+_REQUESTS = "unpin-"
+_ANSWER = struct.Struct("<qq")  # pid, bytes released (-1: failed)
 
 
 def board_path(socket_dir: str, uid: str, pid: int) -> str:
@@ -70,49 +85,130 @@ class PinBoard:
             w[0] += 1
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not: its
+    views and snapshots ended with it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
-def read_boards(socket_dir: str, uid: str, managers: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """``(changes, bytes, views)``: the boards' update counts summed, and the bytes
-    and views per manager pinned by the live processes of this host.
-
-    Boards of processes that ended are removed (their pins ended with them).
-    """
-    changes = 0
-    nbytes = np.zeros(managers, dtype=np.int64)
-    views = np.zeros(managers, dtype=np.int64)
+def _boards(socket_dir: str, uid: str) -> Iterator[tuple[int, np.ndarray]]:
+    """``(pid, words)`` of each live process's board of dictionary ``uid`` (the boards
+    and request sockets of processes that ended are removed: their pins ended too)."""
     prefix = f"{_PREFIX}{uid}."
     try:
         names = [n for n in os.listdir(socket_dir) if n.startswith(prefix)]
     except OSError:
-        return changes, nbytes, views
+        return
     for name in names:
         path = os.path.join(socket_dir, name)
         pid = name[len(prefix):]
-        if not pid.isdigit() or not _alive(int(pid)):
+        if not pid.isdigit() or not alive(int(pid)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            if pid.isdigit():
+                with contextlib.suppress(OSError):
+                    os.unlink(request_path(socket_dir, int(pid)))
             continue
         try:
             with open(path, "rb") as f:
                 w = np.frombuffer(f.read(), dtype=np.int64)
         except OSError:
             continue
-        if not len(w):
-            continue
+        if len(w):
+            yield int(pid), w
+
+
+def read_boards(socket_dir: str, uid: str, managers: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(changes, bytes, views)``: the boards' update counts summed, and the bytes
+    and views per manager pinned by the live processes of this host."""
+    changes = 0
+    nbytes = np.zeros(managers, dtype=np.int64)
+    views = np.zeros(managers, dtype=np.int64)
+    for pid, w in _boards(socket_dir, uid):
         n = min(managers, (len(w) - 1) // 2)
-        changes += int(w[0]) + int(pid) * 7919  # (a board that goes away changes it too)
+        changes += int(w[0]) + pid * 7919  # (a board that goes away changes it too)
         nbytes[:n] += w[1 : 1 + 2 * n : 2]
         views[:n] += w[2 : 2 + 2 * n : 2]
     return changes, nbytes, views
+
+
+def holders(socket_dir: str, uid: str, mid: int) -> dict[int, int]:
+    """``{pid: bytes}`` of the live processes that pin manager ``mid``'s shard."""
+    return {pid: int(w[1 + 2 * mid]) for pid, w in _boards(socket_dir, uid)
+            if 1 + 2 * mid < len(w) and w[1 + 2 * mid] > 0}  # fmt: skip
+
+
+# -- release requests ------------------------------------------------------------------------
+
+
+def request_path(socket_dir: str, pid: int) -> str:
+    """Where process ``pid`` listens for release requests of this host's managers."""
+    return os.path.join(socket_dir, f"{_REQUESTS}{pid}")
+
+
+def encode_request(uid: str, mid: int) -> bytes:
+    return f"{uid} {mid}".encode()
+
+
+def decode_request(data: bytes) -> tuple[str, int]:
+    uid, mid = data.decode().split()
+    return uid, int(mid)
+
+
+def encode_answer(pid: int, freed: int) -> bytes:
+    return _ANSWER.pack(pid, freed)
+
+
+_ASKS = 0
+_ASKS_LOCK = threading.Lock()
+
+
+def ask_release(socket_dir: str, uid: str, mid: int, pids: list[int],
+                timeout: float) -> tuple[int, list[int]]:  # fmt: skip
+    """Ask processes ``pids`` to copy out the values they hold of manager ``mid``'s shard
+    and wait for their answers, at most ``timeout`` seconds: ``(bytes released, pids that
+    did not answer in time)``."""
+    global _ASKS
+    with _ASKS_LOCK:
+        _ASKS += 1
+        path = os.path.join(socket_dir, f"{_REQUESTS}ask.{os.getpid()}.{_ASKS}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    freed, waiting = 0, set()
+    try:
+        sock.bind(path)
+        request = encode_request(uid, mid)
+        for pid in pids:
+            try:
+                sock.sendto(request, request_path(socket_dir, pid))
+                waiting.add(pid)
+            except OSError:  # (it listens no more: it ended, and its pins with it)
+                pass
+        will_block()  # (a host's event loop moves on rather than wait here)
+        deadline = time.monotonic() + timeout
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                data = sock.recv(_ANSWER.size)
+            except TimeoutError:
+                break
+            pid, n = _ANSWER.unpack(data)
+            waiting.discard(pid)
+            freed += max(n, 0)
+    finally:
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return freed, sorted(waiting)
 
 
 class BoardReader:
@@ -142,6 +238,12 @@ class BoardReader:
     def changes(self) -> int:
         """A number that moves whenever any board does (kept answers check it)."""
         return self.totals()[0]
+
+    def release(self, mid: int, timeout: float) -> tuple[int, list[int]]:
+        """:func:`ask_release` of every process that pins manager ``mid``'s shard."""
+        pids = list(holders(self.socket_dir, self.uid, mid))
+        self._at = -1.0  # (the boards change: read them again next time)
+        return ask_release(self.socket_dir, self.uid, mid, pids, timeout) if pids else (0, [])
 
 
 def remove_boards(socket_dir: str, uid: str) -> None:

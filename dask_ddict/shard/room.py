@@ -1,4 +1,5 @@
-"""Making room: dropping the versions that no reader can see any more, when a put needs it.
+"""Making room when a put needs it: zero-copy views copied out, and the versions that no
+reader can see any more dropped.
 
 Every write collects its own key's dead versions (``ShardStore.collect``); a
 retired checkpoint leaves those of keys not written since, which only a scan
@@ -6,6 +7,14 @@ finds.  Rather than scan at every retirement, a manager scans when a put is
 refused room (:meth:`Room._make_room`): the write is rolled back, the scan
 commits in a transaction of its own (LMDB reuses freed pages only once that
 commits), and the write is tried once more.
+
+Zero-copy views (``get(..., copy=False)``) hold LMDB read snapshots, and LMDB
+reuses no page that a snapshot can see: every page freed after it began.  So
+before that scan, the manager asks the processes that hold views of its shard
+to copy them out (:meth:`Room._release_pins`, :mod:`.pinboard`): each swaps its
+views' pages for private copies at the same addresses and ends its snapshots
+(:meth:`dask_ddict.transport.pins.Lender.release`).  A view then costs its own
+bytes, in its process, and nothing of the shard.
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import lmdb
 
-from ..errors import DDictError
+from .. import config
+from ..errors import DDictError, DDictFullError
+from .pinboard import BoardReader, alive
 from .working_set import MustWait
 
 if TYPE_CHECKING:
@@ -39,6 +50,8 @@ class Room:
     store: ShardStore
     working_set: WorkingSet
     _collected: int  # the window's oldest checkpoint when dead versions were last dropped
+    pins: BoardReader | None
+    _late: str = ""  # (why views held the room, for the error of a write still refused)
 
     if TYPE_CHECKING:  # provided by the manager
 
@@ -51,10 +64,10 @@ class Room:
         try:
             result = fn(txn)
         except BaseException:  # (whatever fn made of the refusal: a many-put's _Refused)
-            if self.store.refused and self._collectable():
+            if self.store.refused and (self._collectable() or self._pinned()):
                 raise NoRoom from None
             raise
-        if self.store.refused and self._collectable():
+        if self.store.refused and (self._collectable() or self._pinned()):
             raise NoRoom
         return result
 
@@ -65,9 +78,51 @@ class Room:
         ws = self.working_set
         return not ws.wait_for_keys and ws.oldest > self._collected
 
+    def _pinned(self) -> bool:
+        """Whether processes of this host hold zero-copy views of the shard."""
+        return self.pins is not None and self.pins.of(self.manager_id)[0] > 0
+
+    def _release_pins(self) -> bool:
+        """Ask the processes that hold views of the shard to copy them out (see the module's
+        docstring), waiting ``ddict.zero-copy.release-timeout`` at most; whether any did."""
+        if self.pins is None or not self._pinned():
+            return False
+        timeout = config.get_seconds("zero-copy.release-timeout") or 0.0
+        freed, late = self.pins.release(self.manager_id, timeout)
+        if late and self.store.env.reader_check() > 0:  # (some died meanwhile: their
+            freed += 1  # snapshots end with them)
+            late = [pid for pid in late if alive(pid)]
+        if late:
+            self._late = (
+                f"  Processes {', '.join(map(str, late))} of this host hold zero-copy views of "
+                f"this shard (get(..., copy=False), reads of a frozen dictionary) and did not "
+                f"copy them out within {timeout:g} s (ddict.zero-copy.release-timeout): the "
+                "pages that writes free stay held while they live"
+            )
+            logger.warning("ddict manager %d: processes %s did not copy out their zero-copy "
+                           "views of its shard in time: the pages writes freed stay held",
+                           self.manager_id, late)  # fmt: skip
+        elif freed:
+            logger.info("ddict manager %d: zero-copy views of %d bytes copied out to make room",
+                        self.manager_id, freed)  # fmt: skip
+        return freed > 0
+
+    def _note_unreleased(self, e: BaseException) -> None:
+        """Name in ``e``, a write still refused room, the views that were not copied out
+        for it (if some were not)."""
+        late, self._late = self._late, ""
+        if late and isinstance(e, DDictFullError):
+            e.message += late
+            e.args = (e.message,)
+
     def _make_room(self, chkpt: int, client: int) -> bool:
-        """Move the window as the refused write to ``chkpt`` would, then drop every
-        version that no reader can see any more; whether anything was dropped."""
+        """Have zero-copy views of the shard copied out, move the window as the refused
+        write to ``chkpt`` would, then drop every version that no reader can see any
+        more; whether any room was made."""
+        # The snapshots of processes that died hold pages until their slots are cleared.
+        self._late = ""
+        released = self.store.env.reader_check() > 0
+        released = self._release_pins() or released
         ws = self.working_set
 
         def fn(txn: lmdb.Transaction) -> int:
@@ -81,11 +136,11 @@ class Room:
         try:
             dropped = self._attempt(fn, "making room")
         except DDictError:
-            return False
+            return released
         self._collected = ws.oldest
         if dropped:
             logger.info("ddict manager %d: dropped %d versions no reader can see to make "
                         "room (window [%d, %d])", self.manager_id, dropped, ws.oldest,
                         ws.newest)  # fmt: skip
-        return bool(dropped)
+        return bool(dropped) or released
 

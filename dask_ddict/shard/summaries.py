@@ -25,6 +25,7 @@ from .working_set import check_window
 if TYPE_CHECKING:
     from .deferred import DeferredQueue
     from .generations import Generations
+    from .pinboard import BoardReader
     from .store import ShardStore
     from .working_set import WorkingSet
 
@@ -45,8 +46,8 @@ class Summaries:
     frozen: bool
     closed: bool
     generations: Generations | None
-    #: ``pinned(mid) -> (bytes, views)`` from the host's pin boards (:mod:`.pinboard`).
-    pinned: Callable[[int], tuple[int, int]] | None
+    #: The host's pin boards (:mod:`.pinboard`): ``pins.of(mid) -> (bytes, views)``.
+    pins: BoardReader | None
     #: ``served(mid) -> {operation: requests}`` from the host's server, and how many times
     #: the host process was restarted: both set by the host process that serves it.
     served: Callable[[int], dict[str, int]] | None = None
@@ -115,7 +116,7 @@ class Summaries:
         """The shard's cached part of a stats record and what is read now (pins,
         deferred operations, requests served: they change without a commit)."""
         mid = self.manager_id
-        pinned = (0, 0) if self.pinned is None else self.pinned(mid)
+        pinned = (0, 0) if self.pins is None else self.pins.of(mid)
         served = {} if self.served is None else self.served(mid)
         shipper: Any = getattr(self, "shipper", None)
         return record[:-_LIVE] + pinned + (len(self._deferred), served, self.host_restarts,

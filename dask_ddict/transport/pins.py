@@ -3,16 +3,22 @@
 A same-host reader maps the shard (:mod:`.shared`).  A value it reads with
 ``copy=False`` (or from a frozen dictionary) is not copied out: its numpy
 arrays and other out-of-band pickle-5 buffers are read-only views of the
-shard's own pages.  What keeps those pages unchanged is an LMDB read
-snapshot: LMDB never reuses a page that an open snapshot can see, so no
-later write (overwrite, pop, clear, a checkpoint's retirement, a restore)
-touches them, and the manager's restart does not either (the snapshot's
-reader slot belongs to this process, which is alive, so the new host
-process keeps it).  Destroying the dictionary deletes the shard's files,
-but this process's mapping keeps their pages until the last view is gone:
-the memory then goes back to the host.  A view therefore never changes and
-never dangles; the price is that the pages writes free while it lives cannot
-be reused, so the shard may fill sooner.  So it is bounded:
+shard's own pages, mapped for it alone (:class:`~dask_ddict._memory.Lent`).
+What keeps those pages unchanged is an LMDB read snapshot: LMDB never reuses
+a page that an open snapshot can see, so no later write (overwrite, pop,
+clear, a checkpoint's retirement, a restore) touches them, and the manager's
+restart does not either (the snapshot's reader slot belongs to this process,
+which is alive, so the new host process keeps it).  Destroying the
+dictionary deletes the shard's files, but this process's mapping keeps their
+pages until the last view is gone: the memory then goes back to the host.  A
+view therefore never changes and never dangles.
+
+The snapshot keeps every page freed after it began, not only the view's.  So
+when the shard needs that room, its manager asks this process to give it
+back (:func:`listen`, ``shard/room.py``): :meth:`Lender.release` swaps each
+view's pages for a private copy at the same addresses and the snapshots end.
+A view then costs its own bytes, here, and nothing of the shard.  Lending is
+bounded too:
 
 * snapshots are shared: a read whose shard has not changed since the current
   snapshot began (the manager's generation word, :mod:`~dask_ddict.shard.generations`,
@@ -34,7 +40,11 @@ wait for the lock, but queue their work for whoever holds it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import logging
 import os
+import socket
 import threading
 import weakref
 from collections import deque
@@ -46,13 +56,17 @@ import numpy as np
 
 from .. import _memory, config
 from .._serialize import FMT_BYTES, FMT_PICKLE
-from ..shard.pinboard import PinBoard, board_path
+from ..shard.pinboard import PinBoard, board_path, decode_request, encode_answer, request_path
 from ..shard.store import ShardStore
+
+logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _PENDING: deque[Callable[[], Callable[[], None] | None]] = deque()
 _BOARDS: dict[str, PinBoard] = {}  # path -> this process's board (per dictionary and host)
 _lent = 0  # bytes lent by this process, over every shard
+_LENDERS: weakref.WeakSet[Lender] = weakref.WeakSet()  # (what a release request looks in)
+_LISTENERS: dict[str, socket.socket] = {}  # host socket dir -> its release requests' socket
 
 
 def lent_bytes() -> int:
@@ -89,14 +103,16 @@ def _queue(work: Callable[[], Follow]) -> None:
 class Snapshot:
     """One open read transaction of a shard and what is lent from it."""
 
-    __slots__ = ("txn", "word", "uses", "lent", "nbytes")
+    __slots__ = ("txn", "word", "uses", "lent", "nbytes", "maps")
 
     def __init__(self, word: int) -> None:
         self.txn: lmdb.Transaction | None = None
         self.word = word  # the shard's generation word read before it began (0: unknown)
         self.uses = 1  # reads inside it right now (one at a time: LMDB's rule)
-        self.lent = 0  # live views
+        self.lent = 0  # live views that still share the shard's pages
         self.nbytes = 0
+        #: The mappings lent from it, with their values' sizes (see Lender.release).
+        self.maps: list[tuple[weakref.ref[_memory.Lent], int]] = []
 
     def __repr__(self) -> str:
         return f"<Snapshot word={self.word:#x} uses={self.uses} lent={self.lent}>"
@@ -127,6 +143,11 @@ class Lender:
         self._on_idle = on_idle
         self.max_snapshots = int(config.get("zero-copy.max-snapshots"))
         self.max_bytes = config.get_bytes("zero-copy.max-pinned")
+        self.snapshots: set[Snapshot] = set()  # (open ones: what release() looks through)
+        self._span: tuple[int, int, int, str] | None = None  # (the environment's map)
+        with _LOCK:
+            _LENDERS.add(self)
+        listen(board[0])
 
     def __repr__(self) -> str:
         return f"<Lender manager={self.mid} snapshots={self.open}>"
@@ -159,6 +180,7 @@ class Lender:
                 self.open -= 1
             raise
         with _LOCK:
+            self.snapshots.add(s)
             old = self.current
             if word:
                 self.current = s
@@ -178,10 +200,19 @@ class Lender:
             follow()
 
     def lend(self, s: Snapshot, frame: memoryview) -> np.ndarray | None:
-        """``frame`` as a read-only array of the shard's pages, held by ``s`` while any
-        view of it lives; ``None`` past ``max-pinned`` (then the read copies)."""
+        """``frame`` as a read-only array of the shard's pages, held by ``s`` until the
+        view is gone or :meth:`release` copies it out; ``None`` past ``max-pinned`` (then
+        the read copies).
+
+        The pages are mapped again, apart from the environment's map (one ``mmap``: no
+        copy, no page touched), so that :meth:`release` can swap them for a private
+        copy without changing what this process's environment reads.
+        """
         global _lent
         n = frame.nbytes
+        m, skip = self._map(frame)
+        if m is None:
+            return None
         try:
             with _LOCK:
                 if _lent + n > self.max_bytes:
@@ -189,33 +220,56 @@ class Lender:
                 _lent += n
                 s.lent += 1
                 s.nbytes += n
+                if len(s.maps) > 2 * s.lent + 16:  # (views gone meanwhile: not kept forever)
+                    s.maps = [(r, k) for r, k in s.maps if r() is not None]
+                s.maps.append((weakref.ref(m), n))
                 board = self._board()
                 if board is not None:
                     board.add(self.mid, n, 1)  # (under the lock: one writer of the board)
         finally:
             _drain()
-        arr = np.frombuffer(frame, dtype=np.uint8)
-        # Raw bytes (a zarr chunk) are lent to readers that copy them out and drop them:
-        # their pages go back with the view, so a task reading many chunks does not
-        # grow its resident memory by them.  Arrays lent to user code keep theirs: a
-        # value read again then maps nothing (giving them back makes the next lend of
-        # the value an order of magnitude slower here).
-        addr = _memory.address_of(arr) if frame[0] == FMT_BYTES else 0
-        weakref.finalize(arr, self._returned, s, addr, n, board)
+        arr = np.asarray(m)[skip : skip + n]  # (read-only: it cannot be made writable)
+        weakref.finalize(arr, self._returned, s, m, n, board)
+        if frame[0] == FMT_BYTES:
+            # Reading a large value through LMDB maps its pages into the environment's
+            # map here too.  Raw bytes (a zarr chunk) are lent to readers that copy them
+            # out and drop them, so those pages are given back now, and a task reading
+            # many chunks does not grow its resident memory by them.  Arrays lent to user
+            # code keep them: a value lent again then maps nothing (giving them back makes
+            # the next lend of the value several times slower here).
+            _memory.release(_memory.address_of(frame), n)
         return arr
 
-    def _returned(self, s: Snapshot, addr: int, n: int, board: PinBoard | None) -> None:
-        """The last view of a lent value is gone (a finalizer: any thread, any time).
+    def _map(self, frame: memoryview) -> tuple[_memory.Lent | None, int]:
+        """A mapping of the pages of the shard's file that hold ``frame`` (a value in the
+        environment's map), and where in it the value starts; ``None`` if the file is not
+        found (a dictionary destroyed meanwhile: the read copies)."""
+        addr = _memory.address_of(frame)
+        span = self._span
+        if span is None or not span[0] <= addr < span[1]:
+            span = self._span = _memory.file_span(addr)
+            if span is None:
+                return None, 0
+        lo, _, offset, path = span
+        at = offset + addr - lo
+        start = at & ~(_memory.PAGE - 1)
+        end = (at + frame.nbytes + _memory.PAGE - 1) & ~(_memory.PAGE - 1)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None, 0
+        try:
+            return _memory.Lent(fd, start, end - start), at - start
+        finally:
+            os.close(fd)
 
-        With ``addr``, the pages its readers touched are given back at once (only this
-        process's page-table entries go: the data stays in the shard, and the
-        snapshot still holds it here).
-        """
-        if addr:
-            _memory.release(addr, n)
+    def _returned(self, s: Snapshot, m: _memory.Lent, n: int, board: PinBoard | None) -> None:
+        """The last view of a lent value is gone (a finalizer: any thread, any time)."""
 
         def back() -> Follow:
             global _lent
+            if m.private:  # (released: it was counted off then)
+                return None
             _lent -= n
             s.lent -= 1
             s.nbytes -= n
@@ -225,6 +279,39 @@ class Lender:
 
         _queue(back)
 
+    def release(self) -> int:
+        """Swap every value lent from this shard that still shares its pages for a private
+        copy (:meth:`~dask_ddict._memory.Lent.privatize`): the views stay as they are, at
+        the same addresses, but no longer hold a snapshot, which then ends.  The host asks
+        for it when a write needs the room (:func:`listen`); the bytes released."""
+        global _lent
+        freed = 0
+        follows: list[Callable[[], None]] = []
+        try:
+            with _LOCK:
+                board = self._board()
+                for s in list(self.snapshots):
+                    for ref, n in s.maps:
+                        m = ref()
+                        if m is None or m.private:
+                            continue
+                        m.privatize()
+                        _lent -= n
+                        s.lent -= 1
+                        s.nbytes -= n
+                        freed += n
+                        if board is not None:
+                            board.add(self.mid, -n, -1)
+                    s.maps = []
+                    follow = self._close_if_idle(s)
+                    if follow is not None:
+                        follows.append(follow)
+        finally:
+            _drain()
+        for follow in follows:
+            follow()
+        return freed
+
     def _close_if_idle(self, s: Snapshot) -> Follow:
         """(Under the lock.) End ``s`` if nothing reads in it or holds a view of it;
         returns what ends it, to run once the lock is released."""
@@ -232,6 +319,7 @@ class Lender:
             return None
         if self.current is s:
             self.current = None
+        self.snapshots.discard(s)
         txn, s.txn = s.txn, None
         self.open -= 1
         idle = self.open == 0
@@ -253,6 +341,66 @@ class Lender:
             except OSError:  # (the host's directory is gone: nothing to tell it)
                 return None
         return board
+
+
+def release(uid: str, mid: int) -> int:
+    """:meth:`Lender.release` of every lender of manager ``mid`` of dictionary ``uid`` in
+    this process; the bytes released."""
+    with _LOCK:
+        lenders = [x for x in _LENDERS if x.mid == mid and x._board_at[1] == uid]
+    return sum(lender.release() for lender in lenders)
+
+
+def listen(socket_dir: str) -> None:
+    """Answer the release requests of the host whose socket directory is ``socket_dir``
+    (once per process and host): a thread waits on a datagram socket of this process's
+    there (:func:`~dask_ddict.shard.pinboard.request_path`) and runs :func:`release`
+    for each request, so that a view held for hours gives its shard's room back when a
+    write needs it, whatever this process is doing meanwhile."""
+    with _LOCK:
+        if socket_dir in _LISTENERS:
+            return
+        path = request_path(socket_dir, os.getpid())
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            sock.bind(path)
+        except OSError as e:  # (the host's directory is gone: nobody to answer)
+            sock.close()
+            logger.debug("ddict: no release requests from %s: %s", socket_dir, e)
+            return
+        _LISTENERS[socket_dir] = sock
+    threading.Thread(target=_serve_requests, args=(sock,), daemon=True,
+                     name=f"ddict-release-{os.path.basename(socket_dir)}").start()  # fmt: skip
+
+
+def _serve_requests(sock: socket.socket) -> None:
+    while True:
+        try:
+            data, sender = sock.recvfrom(1024)
+        except OSError:  # (closed at exit or after a fork)
+            return
+        try:
+            uid, mid = decode_request(data)
+            freed = release(uid, mid)
+        except Exception:  # (a request this process cannot serve: answered, not fatal)
+            logger.exception("ddict: a release request failed")
+            freed = -1
+        with contextlib.suppress(OSError):
+            sock.sendto(encode_answer(os.getpid(), freed), sender)
+
+
+@atexit.register
+def _stop_listening() -> None:
+    for socket_dir, sock in list(_LISTENERS.items()):
+        with contextlib.suppress(OSError):
+            os.unlink(request_path(socket_dir, os.getpid()))
+        sock.close()
+    _LISTENERS.clear()
+
+
+os.register_at_fork(after_in_child=_LISTENERS.clear)  # (the parent's sockets, not ours)
 
 
 #: Raw bytes frames (:data:`~dask_ddict._serialize.FMT_BYTES`, zarr chunks) at least this
