@@ -1,4 +1,5 @@
-"""Giving back the pages of a shared mapping that a reader has touched.
+"""Shared mappings of shard files: giving back the pages a reader touched, and the
+mappings of lent values (:class:`Lent`), which can be swapped for private copies.
 
 A same-host reader maps a shard read-only.  Every page it reads stays in its
 resident set (RSS) until it unmaps, although the data lives in the host's
