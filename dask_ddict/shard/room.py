@@ -84,7 +84,8 @@ class Room:
 
     def _release_pins(self) -> bool:
         """Ask the processes that hold views of the shard to copy them out (see the module's
-        docstring), waiting ``ddict.zero-copy.release-timeout`` at most; whether any did."""
+        docstring), waiting ``ddict.zero-copy.release-timeout`` at most; whether the room
+        they held may be free now."""
         if self.pins is None or not self._pinned():
             return False
         timeout = config.get_seconds("zero-copy.release-timeout") or 0.0
@@ -105,7 +106,7 @@ class Room:
         elif freed:
             logger.info("ddict manager %d: zero-copy views of %d bytes copied out to make room",
                         self.manager_id, freed)  # fmt: skip
-        return freed > 0
+        return freed > 0 or not late  # (all answered: one may have released just before)
 
     def _note_unreleased(self, e: BaseException) -> None:
         """Name in ``e``, a write still refused room, the views that were not copied out

@@ -285,11 +285,10 @@ class Lender:
         the same addresses, but no longer hold a snapshot, which then ends.  The host asks
         for it when a write needs the room (:func:`listen`); the bytes released."""
         global _lent
-        freed = 0
+        freed = views = 0
         follows: list[Callable[[], None]] = []
         try:
             with _LOCK:
-                board = self._board()
                 for s in list(self.snapshots):
                     for ref, n in s.maps:
                         m = ref()
@@ -300,8 +299,7 @@ class Lender:
                         s.lent -= 1
                         s.nbytes -= n
                         freed += n
-                        if board is not None:
-                            board.add(self.mid, -n, -1)
+                        views += 1
                     s.maps = []
                     follow = self._close_if_idle(s)
                     if follow is not None:
@@ -310,6 +308,14 @@ class Lender:
             _drain()
         for follow in follows:
             follow()
+        if views:  # (only now that the snapshots ended: a board at 0 means the room is free)
+            try:
+                with _LOCK:
+                    board = self._board()
+                    if board is not None:
+                        board.add(self.mid, -freed, -views)
+            finally:
+                _drain()
         return freed
 
     def _close_if_idle(self, s: Snapshot) -> Follow:
