@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,22 +37,28 @@ _libc.munmap.restype = ctypes.c_int
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+def _check(addr: Any, what: str) -> int:
+    """``addr`` from a libc call that returns an address, or the ``OSError`` it set."""
+    if addr is None or addr == _MAP_FAILED:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return int(addr)
+
+
 class _Mapping:
-    """A shared read-write mapping of a file that holds no descriptor of it.
+    """A shared mapping of (part of) a file that holds no descriptor of it.
 
     (Python's ``mmap`` keeps a duplicate of the file's descriptor for as long as the
     map lives, until 3.13's ``trackfd=False``: one descriptor per small shared file a
     process maps.)  NumPy arrays made from it keep it alive; the last one unmaps it.
     """
 
-    def __init__(self, fd: int, nbytes: int) -> None:
-        addr = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
-            e = ctypes.get_errno()
-            raise OSError(e, f"mmap: {os.strerror(e)}")
-        self.addr, self.nbytes = int(addr), nbytes
+    def __init__(self, fd: int, nbytes: int, offset: int = 0, writable: bool = True) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.addr = _check(_libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, offset), "mmap")
+        self.nbytes = nbytes
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                    "data": (self.addr, False), "version": 3}  # fmt: skip
+                                    "data": (self.addr, not writable), "version": 3}  # fmt: skip
 
     def __del__(self) -> None:
         _libc.munmap(self.addr, self.nbytes)
@@ -80,24 +87,30 @@ def release(start: int, nbytes: int) -> None:
     _libc.madvise(lo, hi - lo, MADV_DONTNEED)
 
 
+def _maps() -> Iterator[tuple[int, int, int, str]]:
+    """``(start, end, file offset of start, path)`` of each of this process's mappings
+    (from /proc/self/maps; ``path`` is empty for anonymous ones)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            yield lo, hi, int(fields[2], 16), fields[5].rstrip("\n") if len(fields) > 5 else ""
+
+
 def mapping_of(path: str) -> tuple[int, int] | None:
-    """``(start, end)`` of this process's largest mapping of file ``path`` from its start
-    (from /proc/self/maps): an environment's own map, whose pieces (the kernel may split
-    it) map the file at ``address - start``, not the smaller maps of lent values."""
+    """``(start, end)`` of this process's largest mapping of file ``path`` from its start:
+    an environment's own map, whose pieces (the kernel may split it) map the file at
+    ``address - start``, not the smaller maps of lent values."""
     runs: dict[int, tuple[int, int]] = {}  # start address of the file -> (start, end)
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if not line.rstrip().endswith(path):
-                    continue
-                fields = line.split(None, 3)
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                base = lo - int(fields[2], 16)
-                run = runs.get(base)
-                if run is None:
-                    runs[base] = (lo, hi)
-                elif run[1] == lo:  # (the next piece of the same map)
-                    runs[base] = (run[0], hi)
+        for lo, hi, offset, name in _maps():
+            if not name.endswith(path):
+                continue
+            run = runs.get(lo - offset)
+            if run is None:
+                runs[lo - offset] = (lo, hi)
+            elif run[1] == lo:  # (the next piece of the same map)
+                runs[lo - offset] = (run[0], hi)
     except (OSError, ValueError, IndexError):
         return None
     whole = [run for base, run in runs.items() if run[0] == base]  # (from the file's start)
@@ -125,30 +138,16 @@ _libc.mremap.restype = ctypes.c_void_p
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 
 
-def _check(addr: Any, what: str) -> int:
-    if addr is None or addr == _MAP_FAILED:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-    return int(addr)
-
-
-class Lent:
+class Lent(_Mapping):
     """A read-only mapping of part of a file, made for one lent value (see
     :mod:`dask_ddict.transport.pins`): the value's pages, mapped apart from the
     environment's own map so that they can be swapped for a private copy at the same
-    addresses (:meth:`privatize`) without touching the environment's.  NumPy arrays made
-    from it keep it alive; the last one unmaps it."""
-
-    __slots__ = ("addr", "nbytes", "private", "__array_interface__", "__weakref__")
+    addresses (:meth:`privatize`) without touching the environment's."""
 
     def __init__(self, fd: int, offset: int, nbytes: int) -> None:
         """Map ``nbytes`` of file ``fd`` from ``offset`` (both multiples of :data:`PAGE`)."""
-        self.addr = _check(_libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset),
-                           "mmap")  # fmt: skip
-        self.nbytes = nbytes
+        super().__init__(fd, nbytes, offset, writable=False)
         self.private = False
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                    "data": (self.addr, True), "version": 3}  # fmt: skip
 
     def __repr__(self) -> str:
         return f"<Lent {self.nbytes} bytes at {self.addr:#x}{' (private)' if self.private else ''}>"
@@ -173,21 +172,14 @@ class Lent:
             raise
         self.private = True
 
-    def __del__(self) -> None:
-        _libc.munmap(self.addr, self.nbytes)
-
 
 def file_span(addr: int) -> tuple[int, int, int, str] | None:
     """``(start, end, file offset of start, path)`` of this process's mapping that holds
-    address ``addr`` (from /proc/self/maps); ``None`` if it maps no file."""
+    address ``addr``; ``None`` if it maps no file."""
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= addr < hi:
-                    path = parts[5].rstrip("\n") if len(parts) > 5 else ""
-                    return (lo, hi, int(parts[2], 16), path) if path.startswith("/") else None
+        for span in _maps():
+            if span[0] <= addr < span[1]:
+                return span if span[3].startswith("/") else None
     except (OSError, ValueError, IndexError):
         pass
     return None

@@ -90,8 +90,9 @@ class Room:
             return False
         timeout = config.get_seconds("zero-copy.release-timeout") or 0.0
         freed, late = self.pins.release(self.manager_id, timeout)
-        if late and self.store.env.reader_check() > 0:  # (some died meanwhile: their
-            freed += 1  # snapshots end with them)
+        # Holders that died meanwhile hold nothing once their reader slots are cleared.
+        died = bool(late) and self.store.env.reader_check() > 0
+        if died:
             late = [pid for pid in late if alive(pid)]
         if late:
             self._late = (
@@ -106,7 +107,8 @@ class Room:
         elif freed:
             logger.info("ddict manager %d: zero-copy views of %d bytes copied out to make room",
                         self.manager_id, freed)  # fmt: skip
-        return freed > 0 or not late  # (all answered: one may have released just before)
+        # (All answered: one may have released its views just before it was asked.)
+        return freed > 0 or died or not late
 
     def _note_unreleased(self, e: BaseException) -> None:
         """Name in ``e``, a write still refused room, the views that were not copied out

@@ -210,7 +210,8 @@ class Lender:
         """
         global _lent
         n = frame.nbytes
-        m, skip = self._map(frame)
+        addr = _memory.address_of(frame)
+        m, skip = self._map(addr, n)
         if m is None:
             return None
         try:
@@ -237,14 +238,13 @@ class Lender:
             # many chunks does not grow its resident memory by them.  Arrays lent to user
             # code keep them: a value lent again then maps nothing (giving them back makes
             # the next lend of the value several times slower here).
-            _memory.release(_memory.address_of(frame), n)
+            _memory.release(addr, n)
         return arr
 
-    def _map(self, frame: memoryview) -> tuple[_memory.Lent | None, int]:
-        """A mapping of the pages of the shard's file that hold ``frame`` (a value in the
-        environment's map), and where in it the value starts; ``None`` if the file is not
-        found (a dictionary destroyed meanwhile: the read copies)."""
-        addr = _memory.address_of(frame)
+    def _map(self, addr: int, n: int) -> tuple[_memory.Lent | None, int]:
+        """A mapping of the pages of the shard's file that hold the ``n`` bytes at ``addr``
+        (a value in the environment's map), and where in it the value starts; ``None`` if
+        the file is not found (a dictionary destroyed meanwhile: the read copies)."""
         span = self._span
         if span is None or not span[0] <= addr < span[1]:
             span = self._span = _memory.file_span(addr)
@@ -253,7 +253,7 @@ class Lender:
         lo, _, offset, path = span
         at = offset + addr - lo
         start = at & ~(_memory.PAGE - 1)
-        end = (at + frame.nbytes + _memory.PAGE - 1) & ~(_memory.PAGE - 1)
+        end = (at + n + _memory.PAGE - 1) & ~(_memory.PAGE - 1)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
