@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
 
-from dask_ddict import DDict
+from dask_ddict import DDict, DDictError
 from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
@@ -257,6 +257,11 @@ def test_a_stale_handle_follows_with_a_large_put_and_a_manager_moves_straight_ba
         assert np.array_equal(stale.manager(0)["big"], big) and d[("small", 0)] == 0
         stale.manager(0)["big2"] = big + 1
         assert np.array_equal(d.manager(0)["big2"], big + 1)
+        for wrong in (-1, d.num_managers):  # a typed refusal that names the argument
+            with pytest.raises(DDictError, match=f"manager_id {wrong} of .* is not one"):
+                raise_from_wire(c.sync(c.scheduler.ddict_move, name=name, manager_id=wrong,
+                                       worker=away))  # fmt: skip
+        assert d.manager_workers[0] == home
         stale.detach()
     finally:
         d.destroy()

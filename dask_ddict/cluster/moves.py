@@ -208,6 +208,9 @@ class Moves:
 
     async def _move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         layout = self._layout(name)
+        if not 0 <= mid < len(layout.managers):
+            raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
+                             f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
         old = layout.managers[mid]
         if old.lost:
             raise DDictError(f"manager {mid} of {name!r} is lost: it cannot move",
@@ -246,6 +249,9 @@ class Moves:
 
     async def _park(self, name: str, mid: int, why: str) -> Move:
         layout = self._layout(name)
+        if not 0 <= mid < len(layout.managers):
+            raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
+                             f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
         old = layout.managers[mid]
         if old.lost:
             raise DDictError(f"manager {mid} of {name!r} is lost: it cannot be parked",
@@ -268,6 +274,9 @@ class Moves:
 
     async def _adopt(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         layout = self._layout(name)
+        if not 0 <= mid < len(layout.managers):
+            raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
+                             f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
         old = layout.managers[mid]
         if not old.parked:
             return None
