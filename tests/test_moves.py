@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -231,6 +232,57 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         assert len(set(d.manager_workers)) == 1
         _check(d, results, [f"a{j}" for j in range(4)])
         assert all(d[i] == i for i in range(300))
+    finally:
+        d.destroy()
+
+
+def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster3, monkeypatch):
+    """Threads of one handle whose requests find a retired host's listener closed at the
+    same moment each learn where its manager went.  One of them asks the orchestrator
+    (slowed here, as on a loaded machine); the others used to be within the question's
+    rate limit and raised the bare "refuses connections" (a writer's failure, 1 run in ~15
+    of the adaptive scale-down test under CPU load): they now wait for its answer."""
+    import dask
+
+    from dask_ddict.client import core
+
+    cl, c = cluster3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=30)
+    try:
+        with dask.config.set({"ddict.local-transport": False}):  # (sockets, never the shard)
+            stale = DDict.attach(d.serialize())  # the layout as it is now, never asked again
+        leaving = d.manager_workers[0]
+        _, host, port = stale._core.layout.managers[0].address
+        c.retire_workers([leaving])
+        _wait_gone(d, leaving)
+        deadline = time.monotonic() + 60
+        while True:  # until the leaving host's listener is closed
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline, "the retired host still listens"
+            time.sleep(0.1)
+        real = core.current_layout
+        monkeypatch.setattr(core, "current_layout",
+                            lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1])  # fmt: skip
+        barrier, errors = threading.Barrier(4), []
+
+        def put(j: int) -> None:
+            barrier.wait()
+            try:
+                stale.manager(0)[("after", j)] = j
+            except Exception as e:  # noqa: BLE001 - the test's failure, reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=put, args=(j,)) for j in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert [d.manager(0)[("after", j)] for j in range(4)] == [0, 1, 2, 3]
+        stale.detach()
     finally:
         d.destroy()
 

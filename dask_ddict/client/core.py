@@ -10,6 +10,7 @@ calls, an embedded cluster it may own, and the hash-seed check.
 from __future__ import annotations
 
 import math
+import threading
 import time
 import warnings
 from typing import Any
@@ -103,6 +104,7 @@ class _Core(Connections):
         self._room: int | None = None  # see value_room
         self._lost: dict[int, ManagerInfo] = {}  # managers the orchestrator said lost
         self._asked = 0.0  # when explain() may ask the orchestrator again
+        self._asking = threading.Lock()  # (one explain() asks at a time)
         self._fresh_at = 0.0  # when fresh() may ask it again
 
     def _resolve(self) -> Layout:
@@ -141,27 +143,34 @@ class _Core(Connections):
         with what to do (:func:`~dask_ddict.errors.manager_lost`).  A dictionary
         destroyed meanwhile is :class:`DDictClosedError`.  An orchestrator that
         does not know (yet) leaves ``e`` as it is; it is asked at most every
-        :data:`ASK_EVERY` seconds, so a loop of failures does not flood it.
+        :data:`ASK_EVERY` seconds, so a loop of failures does not flood it.  Threads
+        that fail together (a retired host's listener closed under all of them) ask one
+        at a time: each waits for the answer of the one asking, rather than find the
+        rate limit set and no answer yet, and raise ``e`` for a manager that moved.
         """
         info = self._lost.get(mid)
         if info is None and place is not None and self.layout.options.replicas:
             return self._await_failover(mid, place) or e
-        now = time.monotonic()
-        if info is None and now >= self._asked:
-            self._asked = now + ASK_EVERY
-            try:
-                layout = current_layout(self.ref, self._client,
-                                        config.get_seconds("host.probe-timeout"))  # fmt: skip
-            except DDictClosedError as closed:
-                return closed
-            if layout is not None:
-                self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
+        if info is None:
+            with self._asking:
                 info = self._lost.get(mid)
-                now_at = layout.managers[mid]
-                if info is None and place is not None and now_at.address != place:
-                    self._asked = 0.0  # (followed at once: see follow)
-                    return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
-                                                  f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
+                now = time.monotonic()
+                if info is None and now >= self._asked:
+                    self._asked = now + ASK_EVERY
+                    try:
+                        layout = current_layout(self.ref, self._client,
+                                                config.get_seconds("host.probe-timeout"))  # fmt: skip
+                    except DDictClosedError as closed:
+                        return closed
+                    if layout is not None:
+                        self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
+                        info = self._lost.get(mid)
+                        now_at = layout.managers[mid]
+                        if info is None and place is not None and now_at.address != place:
+                            self._asked = 0.0  # (followed at once, by every thread: see follow)
+                            return DDictManagerMovedError(
+                                f"manager {mid} of {self.name!r} moved to {now_at.hostname} "
+                                f"({now_at.worker})")  # fmt: skip
         if info is None:
             return e
         return manager_lost(self.name, info)
