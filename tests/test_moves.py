@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
 
-from dask_ddict import DDict, DDictError
+from dask_ddict import DDict, DDictError, DDictManagerUnavailableError
 from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
@@ -282,6 +282,27 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
             t.join(60)
         assert not errors, errors
         assert [d.manager(0)[("after", j)] for j in range(4)] == [0, 1, 2, 3]
+        # an orchestrator that cannot answer (None, slower than the rate limit) is asked
+        # once for all 4, not once by each in turn
+        asked: list[int] = []
+        slow = core.ASK_EVERY + 0.3
+        monkeypatch.setattr(core, "current_layout",
+                            lambda *a, **k: (asked.append(1), time.sleep(slow), None)[2])  # fmt: skip
+        stale._core._asked = 0.0
+        bare = DDictManagerUnavailableError("manager 1 is unreachable (as seen here)")
+        place = stale._core.layout.managers[1].address
+        said: list[Any] = []
+
+        def explain() -> None:
+            barrier.wait()
+            said.append(stale._core.explain(1, bare, place))
+
+        threads = [threading.Thread(target=explain) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(asked) == 1 and said == [bare] * 4, (asked, said)
         stale.detach()
     finally:
         d.destroy()

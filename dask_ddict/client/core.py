@@ -104,7 +104,9 @@ class _Core(Connections):
         self._room: int | None = None  # see value_room
         self._lost: dict[int, ManagerInfo] = {}  # managers the orchestrator said lost
         self._asked = 0.0  # when explain() may ask the orchestrator again
-        self._asking = threading.Lock()  # (one explain() asks at a time)
+        self._asking = threading.Lock()  # (one explain() asks at a time...)
+        self._answer: Layout | DDictClosedError | None = None  # (...and the others share it)
+        self._answers = 0  # answers got so far
         self._fresh_at = 0.0  # when fresh() may ask it again
 
     def _resolve(self) -> Layout:
@@ -144,36 +146,40 @@ class _Core(Connections):
         destroyed meanwhile is :class:`DDictClosedError`.  An orchestrator that
         does not know (yet) leaves ``e`` as it is; it is asked at most every
         :data:`ASK_EVERY` seconds, so a loop of failures does not flood it.  Threads
-        that fail together (a retired host's listener closed under all of them) ask one
-        at a time: each waits for the answer of the one asking, rather than find the
-        rate limit set and no answer yet, and raise ``e`` for a manager that moved.
+        that fail together (a retired host's listener closed under all of them) share
+        one answer: one asks while the others wait for it (before, they found the rate
+        limit set and no answer yet, and raised ``e`` for a manager that had moved).
         """
         info = self._lost.get(mid)
-        if info is None and place is not None and self.layout.options.replicas:
+        if info is not None:
+            return manager_lost(self.name, info)
+        if place is not None and self.layout.options.replicas:
             return self._await_failover(mid, place) or e
-        if info is None:
-            with self._asking:
-                info = self._lost.get(mid)
-                now = time.monotonic()
-                if info is None and now >= self._asked:
-                    self._asked = now + ASK_EVERY
-                    try:
-                        layout = current_layout(self.ref, self._client,
-                                                config.get_seconds("host.probe-timeout"))  # fmt: skip
-                    except DDictClosedError as closed:
-                        return closed
-                    if layout is not None:
-                        self._lost.update((m.manager_id, m) for m in layout.managers if m.lost)
-                        info = self._lost.get(mid)
-                        now_at = layout.managers[mid]
-                        if info is None and place is not None and now_at.address != place:
-                            self._asked = 0.0  # (followed at once, by every thread: see follow)
-                            return DDictManagerMovedError(
-                                f"manager {mid} of {self.name!r} moved to {now_at.hostname} "
-                                f"({now_at.worker})")  # fmt: skip
-        if info is None:
-            return e
-        return manager_lost(self.name, info)
+        seen = self._answers
+        with self._asking:
+            if self._answers == seen and time.monotonic() >= self._asked:
+                self._asked = time.monotonic() + ASK_EVERY
+                try:
+                    self._answer = current_layout(self.ref, self._client,
+                                                  config.get_seconds("host.probe-timeout"))  # fmt: skip
+                except DDictClosedError as closed:
+                    self._answer = closed
+                self._answers += 1
+                if isinstance(self._answer, Layout):
+                    self._lost.update((m.manager_id, m) for m in self._answer.managers if m.lost)
+                    if place is not None and self._answer.managers[mid].address != place:
+                        self._asked = 0.0  # (a failure after the move is followed asks again)
+            answer = self._answer  # (this thread's, or one that a thread got meanwhile)
+        if isinstance(answer, DDictClosedError):
+            return answer
+        info = self._lost.get(mid)
+        if info is not None:
+            return manager_lost(self.name, info)
+        if answer is not None and place is not None and answer.managers[mid].address != place:
+            now_at = answer.managers[mid]
+            return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
+                                          f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
+        return e
 
     def _await_failover(self, mid: int, place: tuple[str, str, int]) -> DDictError | None:
         """A replicated manager that cannot be reached at ``place``: its host may be lost,
