@@ -206,12 +206,16 @@ class Moves:
             raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
         return layout
 
-    async def _move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
+    def _manager(self, name: str, mid: int) -> tuple[Layout, ManagerInfo]:
+        """``name``'s layout and its manager ``mid`` (a typed refusal for any other id)."""
         layout = self._layout(name)
         if not 0 <= mid < len(layout.managers):
             raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
                              f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
-        old = layout.managers[mid]
+        return layout, layout.managers[mid]
+
+    async def _move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
+        layout, old = self._manager(name, mid)
         if old.lost:
             raise DDictError(f"manager {mid} of {name!r} is lost: it cannot move",
                              "INVALID_OPERATION")  # fmt: skip
@@ -248,11 +252,7 @@ class Moves:
                                int(out["used_bytes"]), time.monotonic() - began, time.time()))
 
     async def _park(self, name: str, mid: int, why: str) -> Move:
-        layout = self._layout(name)
-        if not 0 <= mid < len(layout.managers):
-            raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
-                             f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
-        old = layout.managers[mid]
+        layout, old = self._manager(name, mid)
         if old.lost:
             raise DDictError(f"manager {mid} of {name!r} is lost: it cannot be parked",
                              "INVALID_OPERATION")  # fmt: skip
@@ -273,11 +273,7 @@ class Moves:
                                time.monotonic() - began, time.time()))  # fmt: skip
 
     async def _adopt(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
-        layout = self._layout(name)
-        if not 0 <= mid < len(layout.managers):
-            raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
-                             f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
-        old = layout.managers[mid]
+        layout, old = self._manager(name, mid)
         if not old.parked:
             return None
         began = time.monotonic()
