@@ -236,6 +236,30 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         d.destroy()
 
 
+class _Gate:
+    """Counts the threads that reach ``core``'s explain() lock (each has read the number
+    of answers by then); :meth:`wait` returns once ``n`` have, or after 10 s."""
+
+    def __init__(self, core: Any, n: int) -> None:
+        lock = core._asking
+        self._lock, self._count, self._n = getattr(lock, "_lock", lock), 0, n  # (unwrapped)
+        self._all_in, self._counting = threading.Event(), threading.Lock()
+        core._asking = self
+
+    def __enter__(self) -> None:
+        with self._counting:
+            self._count += 1
+            if self._count >= self._n:
+                self._all_in.set()
+        self._lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    def wait(self) -> None:
+        self._all_in.wait(10)
+
+
 def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster3, monkeypatch):
     """Threads of one handle whose requests find a retired host's listener closed at the
     same moment each learn where its manager went.  One of them asks the orchestrator
@@ -264,8 +288,9 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
             assert time.monotonic() < deadline, "the retired host still listens"
             time.sleep(0.1)
         real = core.current_layout
+        gate = _Gate(stale._core, 4)  # (its question waits until all 4 threads are in)
         monkeypatch.setattr(core, "current_layout",
-                            lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1])  # fmt: skip
+                            lambda *a, **k: (gate.wait(), time.sleep(0.5), real(*a, **k))[2])  # fmt: skip
         barrier, errors = threading.Barrier(4), []
 
         def put(j: int) -> None:
@@ -280,14 +305,16 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
             t.start()
         for t in threads:
             t.join(60)
+            assert not t.is_alive()
         assert not errors, errors
         assert [d.manager(0)[("after", j)] for j in range(4)] == [0, 1, 2, 3]
         # an orchestrator that cannot answer (None, slower than the rate limit) is asked
         # once for all 4, not once by each in turn
         asked: list[int] = []
         slow = core.ASK_EVERY + 0.3
-        monkeypatch.setattr(core, "current_layout",
-                            lambda *a, **k: (asked.append(1), time.sleep(slow), None)[2])  # fmt: skip
+        gate = _Gate(stale._core, 4)
+        monkeypatch.setattr(core, "current_layout", lambda *a, **k: (
+            asked.append(1), gate.wait(), time.sleep(slow), None)[3])  # fmt: skip
         stale._core._asked = 0.0
         bare = DDictManagerUnavailableError("manager 1 is unreachable (as seen here)")
         place = stale._core.layout.managers[1].address
@@ -302,6 +329,7 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
             t.start()
         for t in threads:
             t.join(60)
+            assert not t.is_alive()
         assert len(asked) == 1 and said == [bare] * 4, (asked, said)
         stale.detach()
     finally:

@@ -148,7 +148,8 @@ class _Core(Connections):
         :data:`ASK_EVERY` seconds, so a loop of failures does not flood it.  Threads
         that fail together (a retired host's listener closed under all of them) share
         one answer: one asks while the others wait for it (before, they found the rate
-        limit set and no answer yet, and raised ``e`` for a manager that had moved).
+        limit set and no answer yet, and raised ``e`` for a manager that had moved), so
+        a failure waits for at most one question (``ddict.host.probe-timeout``).
         """
         info = self._lost.get(mid)
         if info is not None:
@@ -159,12 +160,14 @@ class _Core(Connections):
         with self._asking:
             if self._answers == seen and time.monotonic() >= self._asked:
                 self._asked = time.monotonic() + ASK_EVERY
+                self._answer = None  # (a question that raises leaves no older answer)
                 try:
                     self._answer = current_layout(self.ref, self._client,
                                                   config.get_seconds("host.probe-timeout"))  # fmt: skip
                 except DDictClosedError as closed:
                     self._answer = closed
-                self._answers += 1
+                finally:
+                    self._answers += 1
                 if isinstance(self._answer, Layout):
                     self._lost.update((m.manager_id, m) for m in self._answer.managers if m.lost)
                     if place is not None and self._answer.managers[mid].address != place:
