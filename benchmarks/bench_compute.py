@@ -59,7 +59,7 @@ def count_socket_bytes() -> None:
     """
     from dask_ddict.transport import links
 
-    conn: Any = links._Conn
+    conn: Any = links.Conn
     if "_bench_received" in vars(conn):
         return
     conn._bench_received = count = [0]
@@ -81,7 +81,7 @@ def count_socket_bytes() -> None:
 def received() -> int:
     from dask_ddict.transport import links
 
-    return int(vars(links._Conn).get("_bench_received", [0])[0])
+    return int(vars(links.Conn).get("_bench_received", [0])[0])
 
 
 def transfers(dask_worker: Any) -> int:

@@ -167,7 +167,7 @@ def test_a_batch_keeps_the_order_of_its_puts_to_one_key(client):
 
 
 def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch):
-    calls = _calls(monkeypatch, "_many")
+    calls = _calls(monkeypatch, "_many_async")
 
     async def main() -> None:
         async with Client(client.scheduler.address, asynchronous=True) as ac:

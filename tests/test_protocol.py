@@ -23,7 +23,8 @@ from dask_ddict.transport.protocol import (
 
 heads = st.tuples(
     st.sampled_from(list(Op)), st.integers(0, 255), st.integers(0, 2**32 - 1),
-    st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1),
+    st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+    st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1),
     st.integers(0, 2**64 - 1), st.one_of(st.none(), st.floats(0, 1e9)),
     st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
 )  # fmt: skip
@@ -32,21 +33,22 @@ heads = st.tuples(
 @fuzz(200)
 @given(heads)
 def test_request_headers_round_trip(head):
-    op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = head
-    raw = REQ.pack(op, flags, klen, mid, chkpt, arg, client, encode_timeout(timeout), vlen, rid)
+    op, flags, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = head
+    raw = REQ.pack(op, flags, klen, mid, tag, chkpt, arg, client, encode_timeout(timeout), vlen,
+                   rid)  # fmt: skip
     out = REQ.unpack(raw)
-    assert out[:7] == (op, flags, klen, mid, chkpt, arg, client)
-    assert decode_timeout(out[7]) == timeout and out[8:] == (vlen, rid)
+    assert out[:8] == (op, flags, klen, mid, tag, chkpt, arg, client)
+    assert decode_timeout(out[8]) == timeout and out[9:] == (vlen, rid)
 
 
 def test_frames_small_and_large_arrive_whole_and_in_order():
     a, b = socket.socketpair()
     big = np.arange(3 * SMALL, dtype="u1")  # sent part by part, never joined
-    parts = [REP.pack(0, 7, 5), b"hello", big, b"tail"]
+    parts = [REP.pack(0, 9, 7, 5), b"hello", big, b"tail"]
     sender = threading.Thread(target=send_parts, args=(a, parts))
     sender.start()
     r = Reader(b)
-    assert REP.unpack(r.read(REP.size)) == (0, 7, 5)
+    assert REP.unpack(r.read(REP.size)) == (0, 9, 7, 5)
     assert bytes(r.read(5)) == b"hello"
     dst = memoryview(bytearray(big.nbytes))
     r.read_into(dst)  # what was buffered is copied, the rest received straight into dst

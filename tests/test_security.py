@@ -211,9 +211,9 @@ def test_lengths_are_checked_before_any_allocation(guarded, klen, vlen, status, 
     host = psutil.Process(_host_pid(d, 0))
     rss = host.memory_info().rss
     with _authenticated(d, 0) as s:
-        s.sendall(REQ.pack(Op.PUT, 0, klen, 0, 0, 0, 1, -1.0, vlen, 0))
-        got, ival, plen = REP.unpack(handshake.recv_exact(s, REP.size))
-        assert got == status and text in handshake.recv_exact(s, plen).decode()
+        s.sendall(REQ.pack(Op.PUT, 0, klen, 0, 5, 0, 0, 1, -1.0, vlen, 0))
+        got, tag, ival, plen = REP.unpack(handshake.recv_exact(s, REP.size))
+        assert got == status and tag == 5 and text in handshake.recv_exact(s, plen).decode()
         start = time.monotonic()
         d.manager(0)["meanwhile"] = 1  # another connection is served at once
         assert time.monotonic() - start < 2

@@ -157,12 +157,12 @@ def test_a_process_keeps_a_bounded_pool_of_idle_connections(served, use_uds):
 
     import dask.config
 
-    from dask_ddict.transport import links as links_module
+    from dask_ddict.transport.kept import KEPT
 
     channel, _, _ = served
     with dask.config.set({"ddict.transport.kept-connections": 2}):
         chans = [channel(use_uds) for _ in range(5)]  # as five host processes
-    kept = links_module._KEPT
+    kept = KEPT
     open_now = lambda: sum(len(ch.link._all) for ch in chans)  # noqa: E731
     for ch in chans:
         assert ch.call(ops.Length(0)) == 0

@@ -20,6 +20,7 @@ from distributed import Client, Security
 
 from dask_ddict import DDict, DDictError
 from dask_ddict.errors import raise_from_wire
+from dask_ddict.transport.protocol import HELLO_MAGIC
 
 pytestmark = pytest.mark.skipif(twohost.unavailable() is not None,
                                 reason=f"two-host fixture: {twohost.unavailable()}")  # fmt: skip
@@ -274,7 +275,7 @@ ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
 answer = b""
 try:
     with ctx.wrap_socket(socket.create_connection(({host!r}, {port}), timeout=10)) as s:
-        s.sendall(b"DDK4" + bytes(48))
+        s.sendall({magic!r} + bytes(48))
         answer = s.recv(1)
 except (ssl.SSLError, OSError):
     pass
@@ -309,7 +310,8 @@ def test_a_tls_cluster_across_both_hosts_refuses_clients_without_certificates(tl
         assert d._core.channel(m2).kind == "tls"  # to the other host: TLS, never plain TCP
         info = d._core.layout.managers[m1]
         out = h.on_host2(_NO_CERTIFICATES.format(handle=d.serialize(), m1=m1,
-                                                 host=info.tcp_host, port=info.tcp_port))  # fmt: skip
+                                                 host=info.tcp_host, port=info.tcp_port,
+                                                 magic=HELLO_MAGIC))  # fmt: skip
         assert out.returncode == 0, out.stderr
         seen = json.loads(out.stdout)
         assert "requires TLS" in seen["library"] and "certificate" in seen["library"]

@@ -13,12 +13,15 @@ which is what makes it fast), and the async twin is thin:
 
 - control (create, destroy) goes through the asynchronous Dask client:
   ``await client.scheduler.ddict_create(...)``;
-- key operations run the synchronous handle's code in a worker thread
-  (:func:`asyncio.to_thread`), so the event loop never blocks, even on a
-  ``wait_for_keys`` read that waits for a writer;
 - gets (and puts) awaited together (``asyncio.gather`` over a thousand) share
-  one :meth:`~dask_ddict.DDict.get_many` (one many-put), one thread and one
-  request per host (:mod:`.coalesce`), not a thread and a round trip each.
+  one :meth:`~dask_ddict.DDict.get_many` (one many-put): one request per host
+  (:mod:`.coalesce`), not a thread and a round trip each.  Those to other hosts
+  are written on the loop's own connections, several in flight on each and
+  answered by tag (:mod:`~dask_ddict.transport.pipelined`): no thread at all;
+- every other key operation (and what a pipe cannot send: same-host shards,
+  TLS, a moved manager) runs the synchronous handle's code in a worker thread
+  (:func:`asyncio.to_thread`), so the event loop never blocks, even on a
+  ``wait_for_keys`` read that waits for a writer.
 
 ``ad.ddict`` is the synchronous handle underneath; pickling an ``AsyncDDict``
 (e.g. as a ``client.submit`` argument) gives the task a synchronous
@@ -206,7 +209,8 @@ class AsyncDDict:
 
         Gets awaited in the same event-loop turn (``asyncio.gather`` over many)
         are read together with one :meth:`DDict.get_many`: one request per host
-        process, in one worker thread (:mod:`~dask_ddict.client.coalesce`).
+        process, pipelined on the loop's connections to other hosts
+        (:mod:`~dask_ddict.client.coalesce`).
         """
         return await self._gets.get(key, default, copy)
 

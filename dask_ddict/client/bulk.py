@@ -3,6 +3,7 @@ and freezing every manager (a base of :class:`~dask_ddict.DDict`)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Callable
@@ -12,9 +13,10 @@ from .._hashing import key_digest
 from .._keys import dumps_key
 from .._serialize import Framed, KeyPickler, ValuePickler, loads_value
 from ..arguments import check_bool
-from ..errors import DDictError, DDictFullError, DDictKeyError, raise_for_status
+from ..errors import DDictError, DDictFullError, DDictKeyError, Status, raise_for_status
 from ..transport.connect import _reraise
 from ..transport.many import PutMany
+from ..transport.pipelined import Unpipeable, exchange_all
 from ..transport.ops import Freeze, Get, Put, Unfreeze
 from .batch import BatchPut
 
@@ -96,28 +98,20 @@ class Bulk:
                   direct_max: int | None = None) -> list[BaseException | None]:  # fmt: skip
         """Put every pair with one request per host process (same-host shards: committed
         here, one transaction each); each pair's error, or ``None``.  What
-        :class:`~dask_ddict.AsyncDDict` sends for the puts of one event-loop turn.
-        ``direct_max``: the largest value committed here (default: the same-host
-        channel's, see :meth:`~dask_ddict.transport.shared.SharedChannel.put_batch`).
+        :class:`~dask_ddict.AsyncDDict` sends (:meth:`_put_many_async`) for the puts of
+        one event-loop turn.  ``direct_max``: the largest value committed here (default:
+        the same-host channel's, see
+        :meth:`~dask_ddict.transport.shared.SharedChannel.put_batch`).
 
         A manager puts its pairs in order until one fails; that pair gets the error,
         and the pairs after it are put one by one (each then says its own error).
         """
-        out: list[BaseException | None] = [None] * len(pairs)
         if self._batch is not None:  # (inside a batch: each put joins it)
-            for i, (k, v) in enumerate(pairs):
-                out[i] = _error_of(self._put, k, v, persistent)
-            return out
+            return [_error_of(self._put, k, v, persistent) for k, v in pairs]
         core, chkpt = self._core, self._chkpt
-        groups: dict[int, list[tuple[int, bytes, bytes, Framed]]] = {}
-        for i, (k, v) in enumerate(pairs):
-            try:
-                mid, digest, kb = self._route(k)
-                groups.setdefault(mid, []).append((i, digest, kb, self._framed(mid, kb, v)))
-            except Exception as e:  # noqa: BLE001 - this pair's
-                out[i] = e
+        out, groups = self._put_groups(pairs)
         alone: list[int] = []  # pairs put one by one
-        remote: dict[Any, list[tuple[int, list[tuple[int, bytes, bytes, Framed]]]]] = {}
+        remote: dict[Any, list[_Group]] = {}
         for mid, recs in groups.items():
             ch = core.channel(mid)
             done = 0
@@ -135,32 +129,99 @@ class Bulk:
                 remote.setdefault(ch.link, []).append((mid, recs[done:]))
         pending = []
         began = time.monotonic()  # (every host's time counts from here)
-        for link, gs in remote.items():
-            for chunk in _chunks(gs, PUT_MANY_BYTES):  # (a request stays within a host's limit)
-                op = PutMany([(mid, *r[1:]) for mid, recs in chunk for r in recs], chkpt,
-                             self._client_id, persistent, self._timeout)  # fmt: skip
-                try:
-                    answer = link.send(op, chunk[0][0], began)
-                except Exception as e:  # noqa: BLE001 - (connecting, too large) its pairs'
-                    answer = functools.partial(_reraise, e)
-                pending.append((chunk, op, answer))
-        for chunk, op, answer in pending:
-            recs_of = dict(chunk)
+        for link, chunk, op in self._put_requests(remote, persistent):
             try:
-                answers = op.result(*answer())
+                answer = link.send(op, chunk[0][0], began)
+            except Exception as e:  # noqa: BLE001 - (connecting, too large) its pairs'
+                answer = functools.partial(_reraise, e)
+            pending.append((chunk, op, answer))
+        for chunk, op, answer in pending:
+            try:
+                got: tuple[int, Any] | BaseException = answer()
             except Exception as e:  # noqa: BLE001 - the request failed: all its pairs
-                for mid, recs in chunk:
-                    for r in recs:
-                        out[r[0]] = _named(core, e, mid)
-                continue
-            for mid, done, status, msg in answers:
-                recs = recs_of[mid]
-                if status:
-                    out[recs[done][0]] = _named(core, _error(status, msg), mid)
-                    alone += [r[0] for r in recs[done + 1 :]]
+                got = e
+            alone += self._put_answered(out, chunk, op, got)
         for i in sorted(alone):
             out[i] = _error_of(self._put, *pairs[i], persistent)
         return out
+
+    async def _put_many_async(self, pairs: list[tuple[Any, Any]], persistent: bool = False,
+                              direct_max: int | None = None) -> list[BaseException | None]:  # fmt: skip
+        """:meth:`_put_many` from an event loop: one pipelined request per host process
+        where the managers' links allow (see :meth:`~dask_ddict.transport.connect.
+        Connections.pipe_links`); the rest, and what the pipes cannot send, by
+        :meth:`_put_many` in a worker thread (a put again has the same effect)."""
+        if self._batch is not None:
+            return await asyncio.to_thread(self._put_many, pairs, persistent, direct_max)
+        out, groups = self._put_groups(pairs)
+        links = self._core.pipe_links(groups)
+        aside = [r[0] for mid, recs in groups.items() if mid not in links for r in recs]
+        remote: dict[Any, list[_Group]] = {}
+        for mid, link in links.items():
+            remote.setdefault(link, []).append((mid, groups[mid]))
+        requests = self._put_requests(remote, persistent)
+        got = await exchange_all([(link, op, chunk[0][0]) for link, chunk, op in requests])
+        alone: list[int] = []
+        for (_, chunk, op), answer in zip(requests, got):
+            if isinstance(answer, Unpipeable):
+                aside += [r[0] for _, recs in chunk for r in recs]
+            else:
+                alone += self._put_answered(out, chunk, op, answer)
+        if aside or alone:
+            aside.sort()
+
+            def rest() -> None:
+                for i, e in zip(aside, self._put_many([pairs[i] for i in aside], persistent,
+                                                      direct_max)):  # fmt: skip
+                    out[i] = e
+                for i in sorted(alone):
+                    out[i] = _error_of(self._put, *pairs[i], persistent)
+
+            await asyncio.to_thread(rest)
+        return out
+
+    def _put_groups(self, pairs: list[tuple[Any, Any]]
+                    ) -> tuple[list[BaseException | None], dict[int, list[_Record]]]:  # fmt: skip
+        """Each pair's error so far (one that cannot be routed or pickled), and the
+        others' records ``(index, digest, key, frame)`` by manager."""
+        out: list[BaseException | None] = [None] * len(pairs)
+        groups: dict[int, list[_Record]] = {}
+        for i, (k, v) in enumerate(pairs):
+            try:
+                mid, digest, kb = self._route(k)
+                groups.setdefault(mid, []).append((i, digest, kb, self._framed(mid, kb, v)))
+            except Exception as e:  # noqa: BLE001 - this pair's
+                out[i] = e
+        return out, groups
+
+    def _put_requests(self, remote: dict[Any, list[_Group]], persistent: bool
+                      ) -> list[tuple[Any, list[_Group], PutMany]]:  # fmt: skip
+        """``(link, chunk, request)`` for the records of ``remote`` (by link): requests
+        that stay within a host's limit (:data:`PUT_MANY_BYTES`)."""
+        return [(link, chunk, PutMany([(mid, *r[1:]) for mid, recs in chunk for r in recs],
+                                      self._chkpt, self._client_id, persistent, self._timeout))
+                for link, gs in remote.items()
+                for chunk in _chunks(gs, PUT_MANY_BYTES)]  # fmt: skip
+
+    def _put_answered(self, out: list[BaseException | None], chunk: list[_Group], op: PutMany,
+                      answer: tuple[int, Any] | BaseException) -> list[int]:  # fmt: skip
+        """Record the ``answer`` to ``op`` (or its failure) for the pairs of ``chunk`` in
+        ``out``; the pairs to put one by one (after the first one a manager refused)."""
+        core, alone = self._core, list[int]()
+        if isinstance(answer, BaseException):  # the request failed: all its pairs
+            for mid, recs in chunk:
+                for r in recs:
+                    out[r[0]] = _named(core, answer, mid)
+            return alone
+        recs_of = dict(chunk)
+        for mid, done, status, msg in op.result(*answer):
+            recs = recs_of[mid]
+            if status == _MOVED:  # (the manager left that host: each put follows it)
+                alone += [r[0] for r in recs[done:]]
+            elif status:
+                out[recs[done][0]] = _named(core, _error(status, msg), mid)
+                alone += [r[0] for r in recs[done + 1 :]]
+        return alone
 
     def freeze(self) -> None:
         """Make every manager read-only: writes raise ``DDictError`` (INVALID_OPERATION)."""
@@ -195,10 +256,13 @@ def _error_of(put: Callable[..., None], *args: Any) -> BaseException | None:
     return None
 
 
+_MOVED = int(Status.MOVED)
+
 #: Most bytes of values in one many-put request (a host takes at most its shard's size).
 PUT_MANY_BYTES = 16 << 20
 
-_Group = tuple[int, list[tuple[int, bytes, bytes, Framed]]]
+_Record = tuple[int, bytes, bytes, Framed]  # (index of the pair, digest, key, frame)
+_Group = tuple[int, list[_Record]]
 
 
 def _chunks(groups: list[_Group], most: int) -> list[list[_Group]]:

@@ -3,9 +3,10 @@
 ``asyncio.gather(*(ad.get(k) for k in keys))`` must not cost a thousand
 threads or a thousand sequential round trips.  Each ``await ad.get(...)``
 joins the batch of its event-loop turn; at the end of the turn the batch is
-read with one :meth:`~dask_ddict.DDict.get_many` in one worker thread: one
-request per host process, and same-host shards read directly.  A single
-get is a batch of one, so a lone ``await ad.get(k)`` costs what it did.
+read as one :meth:`~dask_ddict.DDict.get_many`: one request per host process,
+written at once on the loop's own connections and answered while other
+batches are in flight (:mod:`~dask_ddict.transport.pipelined`), and same-host
+shards read directly in one worker thread.  A single get is a batch of one.
 
 A key whose reader must wait (``wait_for_keys``, not yet written at the
 reader's checkpoint) leaves the batch and waits in a thread of its own, so
@@ -40,23 +41,49 @@ class _Batcher:
     def __init__(self, d: DDict) -> None:
         self._d = d
         self._pending: dict[tuple[Any, Any], _Pending] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # (referenced while they run)
 
     def __repr__(self) -> str:
         pending = sum(len(p) for p in self._pending.values())
         return f"<{type(self).__name__} pending={pending}>"
 
     def _join(self, mode: Any, key: Any, arg: Any) -> asyncio.Future[Any]:
-        """This turn's batch of ``mode`` takes ``(key, arg)``; its future is the answer."""
+        """This turn's batch of ``mode`` takes ``(key, arg)``; its future is the answer.
+
+        The batch's task starts on the loop's next turn, once every coroutine of this one
+        has joined; it sends the batch and settles each future itself (no other hop).
+        """
         loop = asyncio.get_running_loop()
         batch = self._pending.get((loop, mode))
         if batch is None:
             batch = self._pending[(loop, mode)] = []
-            loop.call_soon(self._flush, loop, mode)
+            task = loop.create_task(self._turn(loop, mode))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         fut: asyncio.Future[Any] = loop.create_future()
         batch.append((key, arg, fut))
         return fut
 
-    def _flush(self, loop: asyncio.AbstractEventLoop, mode: Any) -> None:
+    async def _turn(self, loop: asyncio.AbstractEventLoop, mode: Any) -> None:
+        batch = self._pending.pop((loop, mode))
+        try:
+            answers = await self._send(batch, mode)
+        except BaseException as e:  # the batch's failure is every operation's
+            error = asyncio.CancelledError() if isinstance(e, asyncio.CancelledError) else e
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(error)
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._settle(loop, batch, mode, answers)
+
+    async def _send(self, batch: _Pending, mode: Any) -> list[Any]:
+        """One answer per operation of ``batch``."""
+        raise NotImplementedError
+
+    def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, mode: Any,
+                answers: list[Any]) -> None:  # fmt: skip
         raise NotImplementedError
 
 
@@ -75,13 +102,9 @@ class GetBatcher(_Batcher):
     async def get(self, key: Any, default: Any, copy: bool | None) -> Any:
         return await self._join(copy, key, default)
 
-    def _flush(self, loop: asyncio.AbstractEventLoop, copy: bool | None) -> None:
-        batch = self._pending.pop((loop, copy))
-        task = loop.create_task(asyncio.to_thread(self._read, batch, copy))
-        task.add_done_callback(lambda t: self._settle(loop, batch, copy, t))
-
-    def _read(self, batch: _Pending, copy: bool | None) -> list[tuple[bool, Any]]:
-        """``(ok, value or error)`` per get, with one ``get_many``.
+    async def _send(self, batch: _Pending, copy: bool | None) -> list[tuple[bool, Any]]:
+        """``(ok, value or error)`` per get, with one ``get_many`` (pipelined to other
+        hosts, see :meth:`DDict._many_async`).
 
         A key that cannot be routed (unpicklable, too long) fails its own get only;
         any other failure (a host that does not answer in time, a retired
@@ -100,18 +123,12 @@ class GetBatcher(_Batcher):
             out.append((True, None))
             keys.append(key)
             routes.append((mid, digest))
-        values = iter(d._many(keys, copy, routes, self._decode)) if keys else iter(())
+        values = iter(await d._many_async(keys, routes, copy, self._decode) if keys else ())
         return [(True, next(values)[1]) if ok else (ok, e) for ok, e in out]
 
     def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, copy: bool | None,
-                task: asyncio.Task[list[tuple[bool, Any]]]) -> None:  # fmt: skip
-        if task.cancelled() or task.exception() is not None:
-            error = task.exception() if not task.cancelled() else asyncio.CancelledError()
-            for _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(error)  # type: ignore[arg-type]
-            return
-        for (key, default, fut), (ok, got) in zip(batch, task.result()):
+                answers: list[tuple[bool, Any]]) -> None:  # fmt: skip
+        for (key, default, fut), (ok, got) in zip(batch, answers):
             if fut.done():
                 continue  # (cancelled by its awaiter)
             if not ok:
@@ -159,25 +176,16 @@ class PutBatcher(_Batcher):
     async def put(self, key: Any, value: Any, persistent: bool) -> None:
         await self._join(persistent, key, value)
 
-    def _flush(self, loop: asyncio.AbstractEventLoop, persistent: bool) -> None:
-        batch = self._pending.pop((loop, persistent))
-        pairs = [(k, v) for k, v, _ in batch]
-        task = loop.create_task(asyncio.to_thread(self._d._put_many, pairs, persistent,
-                                                  self._direct_max))  # fmt: skip
+    async def _send(self, batch: _Pending, persistent: bool) -> list[BaseException | None]:
+        return await self._d._put_many_async([(k, v) for k, v, _ in batch], persistent,
+                                             self._direct_max)  # fmt: skip
 
-        def settle(t: asyncio.Task[list[BaseException | None]]) -> None:
-            errors: list[BaseException | None]
-            if t.cancelled() or t.exception() is not None:
-                e = asyncio.CancelledError() if t.cancelled() else t.exception()
-                errors = [e] * len(batch)
+    def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, persistent: bool,
+                answers: list[BaseException | None]) -> None:  # fmt: skip
+        for (_, _, fut), error in zip(batch, answers):
+            if fut.done():
+                continue
+            if error is None:
+                fut.set_result(None)
             else:
-                errors = t.result()
-            for (_, _, fut), error in zip(batch, errors):
-                if fut.done():
-                    continue
-                if error is None:
-                    fut.set_result(None)
-                else:
-                    fut.set_exception(error)
-
-        task.add_done_callback(settle)
+                fut.set_exception(error)

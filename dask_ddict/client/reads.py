@@ -117,16 +117,37 @@ class Reads:
         the keys' ``(manager, digest)`` when the caller has them already; ``decode``:
         what turns a frame into the value (default: :func:`loads_value`, or the
         handle's value pickler), e.g. :func:`~dask_ddict._serialize.bytes_view`."""
+        keys = list(keys)
+        routes = self._routes(keys) if routes is None else routes
+        lend, groups = self._many_request(copy, routes)
+        got = self._core.get_many(groups, self._chkpt, self._timeout, lend) if groups else {}
+        return self._decoded(keys, routes, got, decode)
+
+    async def _many_async(self, keys: builtins.list[Any], routes: builtins.list[tuple[int, bytes]],
+                          copy: bool | None, decode: Callable[[Any], Any] | None = None,
+                          ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
+        """:meth:`_many` from an event loop (:class:`~dask_ddict.AsyncDDict`'s gets):
+        pipelined where it can be (:meth:`~dask_ddict.transport.connect.Connections.
+        get_many_async`), never blocking the loop."""
+        lend, groups = self._many_request(copy, routes)
+        got = await self._core.get_many_async(groups, self._chkpt, self._timeout, lend)
+        return self._decoded(keys, routes, got, decode)
+
+    def _many_request(self, copy: bool | None, routes: builtins.list[tuple[int, bytes]]
+                      ) -> tuple[bool | None, dict[int, builtins.list[bytes]]]:  # fmt: skip
+        """What to lend (see :meth:`get`), and the digests to read, by manager."""
         lend = None if copy is None else not check_bool("copy", copy)
         if self._vp is not None:
             lend = False
-        keys = list(keys)
-        if routes is None:
-            routes = self._routes(keys)
         groups: dict[int, builtins.list[bytes]] = {}
         for mid, digest in routes:
             groups.setdefault(mid, []).append(digest)
-        got = self._core.get_many(groups, self._chkpt, self._timeout, lend) if groups else {}
+        return lend, groups
+
+    def _decoded(self, keys: builtins.list[Any], routes: builtins.list[tuple[int, bytes]],
+                 got: dict[int, builtins.list[Any]], decode: Callable[[Any], Any] | None,
+                 ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
+        """``(key, value)`` pairs of :meth:`_many` from the frames ``got`` by manager."""
         frames = {mid: iter(fs) for mid, fs in got.items()}
         vp = self._vp
         out: builtins.list[tuple[Any, Any]] = []

@@ -54,14 +54,17 @@ _DONTWAIT = socket.MSG_DONTWAIT
 MOST_IDLE = 4
 
 
+def _unset(ival: int = 0, payload: Any = b"") -> None:
+    raise RuntimeError("a connection's reply function was not set")
+
+
 class Connection:
     """One client connection's serving state, bound to a dictionary by its handshake."""
 
-    __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "reply")
+    __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "tag", "reply")
 
     def __init__(self, sock: socket.socket, hosted: Any, reader: Reader,
-                 scratch: Scratch, served: Table,
-                 reply: Callable[..., None]) -> None:  # fmt: skip
+                 scratch: Scratch, served: Table) -> None:  # fmt: skip
         self.sock = sock
         self.fd = sock.fileno()
         self.hosted = hosted  # (the server's HostedDict: named here, not imported)
@@ -70,7 +73,10 @@ class Connection:
         self.served = served
         #: (manager, request id) of the last at-most-once reply sent (``_serve_one``).
         self.owed: list[Any] = [None]
-        self.reply = reply
+        #: The tag of the request being served, which its reply repeats (``_serve_one``).
+        self.tag = [0]
+        #: ``reply(ival, payload)``: answers the request being served (the server's).
+        self.reply: Callable[..., None] = _unset
 
     def __repr__(self) -> str:
         return f"<Connection fd={self.fd} {self.hosted.name!r}>"
@@ -238,7 +244,7 @@ class EventLoop:
             head = r.peek(REQ)
             if head is None:
                 return
-            op, _, klen, _, _, arg, _, _, vlen, _ = head
+            op, _, klen, _, _, _, arg, _, _, vlen, _ = head
             need = _HEAD + klen + vlen
             if need > most or not inline(op, arg):
                 self._hand_on()

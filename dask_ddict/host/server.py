@@ -282,8 +282,8 @@ class HostServer:
             conn, hosted = self._handshake(conn, kind)
             looped = self.loop is not None and not isinstance(conn, ssl.SSLSocket)
             c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
-                           hosted.served.connection(),
-                           _replier(NoWait(conn) if looped else conn))  # fmt: skip
+                           hosted.served.connection())
+            c.reply = _replier(NoWait(conn) if looped else conn, c.tag)
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped
             self._ended(conn, e)
             return
@@ -326,7 +326,8 @@ class HostServer:
         """
         conn, reader, scratch, hosted = c.sock, c.reader, c.scratch, c.hosted
         reply, served, owed = c.reply, c.served, c.owed
-        op, flags, klen, mid, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
+        op, flags, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
+        c.tag[0] = tag  # (what this request's reply repeats)
         if owed[0] is not None:
             last, owed[0] = owed[0], None
             last[0].delivered(last[1])
@@ -334,7 +335,7 @@ class HostServer:
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
         ):  # (what _check_lengths refuses, spelled out: this runs for every request)
-            self._check_lengths(conn, hosted, mid, klen, vlen, flags)
+            self._check_lengths(conn, hosted, mid, klen, vlen, flags, tag)
         keysec = reader.take(klen)
         if vlen <= _TAKEN:
             value: Any = reader.take(vlen)
@@ -372,7 +373,7 @@ class HostServer:
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise
-            _send_error(conn, e)
+            _send_error(conn, e, tag)
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
@@ -395,7 +396,7 @@ class HostServer:
         )
 
     def _check_lengths(self, conn: socket.socket, hosted: HostedDict, mid: int, klen: int,
-                       vlen: int, flags: int = 0) -> None:  # fmt: skip
+                       vlen: int, flags: int = 0, tag: int = 0) -> None:  # fmt: skip
         """Refuse (and drop) a request whose key or value could never be stored (answered
         unless it asked for no reply: its client reads the next answer as its next
         request's, so it learns from the dropped connection instead)."""
@@ -419,7 +420,7 @@ class HostServer:
         else:
             return
         if not flags & FLAG_NOREPLY:
-            _send_error(conn, e)
+            _send_error(conn, e, tag)
         raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
     # -- lifecycle --------------------------------------------------------------
@@ -444,10 +445,10 @@ class HostServer:
                 pass
 
 
-def _send_error(conn: socket.socket, e: BaseException) -> None:
-    """Answer the request with ``e`` (the client raises it again)."""
+def _send_error(conn: socket.socket, e: BaseException, tag: int) -> None:
+    """Answer the request tagged ``tag`` with ``e`` (the client raises it again)."""
     status, msg = wire_error(e)
-    send_parts(conn, [REP.pack(status, 0, len(msg)), msg])
+    send_parts(conn, [REP.pack(status, tag, 0, len(msg)), msg])
 
 
 def _inline(op: int, arg: int) -> bool:
@@ -455,9 +456,10 @@ def _inline(op: int, arg: int) -> bool:
     return op in INLINE and (op != _FANOUT or arg in INLINE)
 
 
-def _replier(out: Sink) -> Reply:
+def _replier(out: Sink, tag: list[int]) -> Reply:
     """The reply function of a connection whose sends go through ``out`` (its socket, or
-    the event loop's :class:`~.loop.NoWait` over it)."""
+    the event loop's :class:`~.loop.NoWait` over it); ``tag[0]``: the tag of the request
+    being served (its reply repeats it)."""
     send, head = out.sendall, REP.pack
 
     def reply(ival: int = 0, payload: Any = b"") -> None:
@@ -465,10 +467,10 @@ def _replier(out: Sink) -> Reply:
         if t is bytes or t is memoryview:  # (types whose "+" is a concatenation)
             n = len(payload) if t is bytes else payload.nbytes
             if n <= SMALL:  # one copy, one send (as send_parts, with less around it)
-                send(head(0, ival, n) + payload)
+                send(head(0, tag[0], ival, n) + payload)
                 return
         else:
             n = memoryview(payload).nbytes
-        send_parts(out, [head(0, ival, n), payload], REP.size + n)
+        send_parts(out, [head(0, tag[0], ival, n), payload], REP.size + n)
 
     return reply

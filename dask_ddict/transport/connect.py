@@ -17,6 +17,7 @@ managers for replication; neither needs the other.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -24,7 +25,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from .. import config
@@ -42,6 +43,7 @@ from ..errors import (
 from ..layout import Layout, ManagerInfo, host_id
 from ..progress import track
 from .links import Explain, HostLink, SocketChannel
+from .pipelined import Unpipeable, exchange_all
 from .operation import Operation
 from .many import GetMany
 from .ops import FanOut
@@ -108,6 +110,7 @@ class Connections:
         self._layout = layout  # None: resolved on first use (see _resolve)
         self.closed = False
         self._channels: dict[int, Any] = {}
+        self._pipelined = bool(config.get("transport.pipelined"))  # (see pipe_links)
         self._links: dict[tuple[str, ...], HostLink] = {}
         self._groups: dict[tuple[int, ...], list[tuple[HostLink, list[int]]]] = {}
         self._lock = threading.Lock()
@@ -468,6 +471,59 @@ class Connections:
                 raise failure from None
             out.update(self.get_many(rest, chkpt, timeout, lend, follows + 1))
             return out
+        if failure is not None:
+            raise failure
+        return out
+
+    def pipe_links(self, mids: Iterable[int]) -> dict[int, HostLink]:
+        """The link of each of ``mids`` that an event loop's requests may be pipelined to
+        (:mod:`.pipelined`): a manager reached by a socket alone, without TLS.  Not one
+        whose shard is read here, and not one whose channel was not made yet (making
+        it may ask the orchestrator, which an event loop must not wait for).  None with
+        ``ddict.transport.pipelined`` false."""
+        if self.closed or not self._pipelined:
+            return {}
+        chans, out = self._channels, {}
+        for mid in mids:
+            ch = chans.get(mid)
+            if type(ch) is SocketChannel and ch.kind != "tls":
+                out[mid] = ch.link
+        return out
+
+    async def get_many_async(self, groups: dict[int, list[bytes]], chkpt: int,
+                             timeout: float | None, lend: bool | None = False
+                             ) -> dict[int, list[Any]]:  # fmt: skip
+        """:meth:`get_many` from an event loop: one pipelined request per host process
+        where :meth:`pipe_links` allows, the rest by :meth:`get_many` in a worker thread
+        (meanwhile), and so is whatever the pipes cannot send (a moved manager, a
+        broken connection: :class:`~.pipelined.Unpipeable`)."""
+        links = self.pipe_links(groups)
+        out: dict[int, list[Any]] = {}
+        rest = {m: g for m, g in groups.items() if m not in links}
+        aside = asyncio.ensure_future(asyncio.to_thread(
+            self.get_many, rest, chkpt, timeout, lend)) if rest else None  # fmt: skip
+        by_link: dict[HostLink, list[tuple[int, list[bytes]]]] = {}
+        for mid, link in links.items():
+            by_link.setdefault(link, []).append((mid, groups[mid]))
+        ops = [GetMany(tuple(gs), chkpt, timeout, lend) for gs in by_link.values()]
+        failure: BaseException | None = None
+        got = await exchange_all([(link, op, op.groups[0][0]) for link, op in zip(by_link, ops)])
+        for op, answer in zip(ops, got):
+            if isinstance(answer, Unpipeable):
+                continue
+            if isinstance(answer, BaseException):
+                failure = failure or answer
+                continue
+            for (mid, _), frames in zip(op.groups, op.result(*answer)):
+                out[mid] = frames
+        try:
+            if aside is not None:
+                out.update(await aside)
+            left = {m: g for m, g in groups.items() if m not in out and m in links}
+            if left and failure is None:
+                out.update(await asyncio.to_thread(self.get_many, left, chkpt, timeout, lend))
+        except BaseException as e:
+            failure = failure or e
         if failure is not None:
             raise failure
         return out

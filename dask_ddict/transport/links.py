@@ -38,7 +38,7 @@ Connections are pooled per link and bounded per process: an operation takes
 an idle connection of its link (or opens one) and gives it back when its
 answer is read, and a process keeps at most ``ddict.transport.kept-connections``
 idle ones over all its links, least recently used closed first (see
-:class:`_Kept`).  So its descriptors stay bounded whatever the number of
+:class:`~.kept.Kept`).  So its descriptors stay bounded whatever the number of
 host processes and threads that use them.
 """
 
@@ -51,7 +51,7 @@ import socket
 import ssl
 import threading
 import time
-from collections import OrderedDict
+import weakref
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -69,6 +69,7 @@ from ..errors import (
 from ..errors import Status
 from ..layout import ManagerInfo
 from .handshake import HandshakeError, client_side
+from .kept import KEPT
 from .ops import Kind, Operation
 from .protocol import (
     REP,
@@ -99,7 +100,7 @@ class _Deadline(Exception):
     """The operation's own time ran out (reported by the link as ``DDictTimeoutError``)."""
 
 
-class _Conn:
+class Conn:
     """One connection to a host process, whose waits never outlast their operation.
 
     The link reads and writes through this object (the handshake, :class:`Reader`,
@@ -195,64 +196,6 @@ class _Conn:
             pass
 
 
-class _Kept:
-    """The idle connections of this process, over all its links, least recently used
-    first: at most ``ddict.transport.kept-connections`` stay open between operations.
-
-    Each link's connections are its own (a connection is bound to one dictionary by
-    its handshake); an operation takes one of its link's idle connections, the most
-    recently used (warm), or opens a new one, and gives it back when its answer is
-    read.  A connection given back past the bound closes the process's least
-    recently used idle one, of any link: a client that touches many host processes,
-    from any number of threads, holds a bounded number of descriptors, and the
-    hosts in use keep theirs.  Connections in use are never in here, so none is
-    closed under an operation.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.idle: OrderedDict[_Conn, HostLink] = OrderedDict()
-        # ddict.transport.kept-connections (each link sets it again when it connects)
-        self.most = int(config.get("transport.kept-connections"))
-
-    def take(self, link: HostLink) -> _Conn | None:
-        with self.lock:
-            if link.idle:
-                conn = link.idle.pop()
-                del self.idle[conn]
-                return conn
-        return None
-
-    def give(self, link: HostLink, conn: _Conn) -> None:
-        conn.check = None  # (no reference from an idle connection back to its link)
-        with self.lock:
-            if link.closed:
-                over = [(conn, link)]
-            else:
-                link.idle.append(conn)
-                self.idle[conn] = link
-                if len(self.idle) <= self.most:
-                    return
-                over = []
-                while len(self.idle) > self.most:
-                    old, owner = self.idle.popitem(last=False)
-                    owner.idle.remove(old)
-                    over.append((old, owner))
-        for old, owner in over:
-            owner.forget(old)
-
-    def remove(self, link: HostLink, *, closing: bool) -> list[_Conn]:
-        """``link``'s idle connections, out of the pool (the link closes them); with
-        ``closing``, none is given back from then on (each closes instead)."""
-        with self.lock:
-            link.closed = link.closed or closing
-            idle, link.idle = link.idle, []
-            for conn in idle:
-                self.idle.pop(conn, None)
-        return idle
-
-
-_KEPT = _Kept()
 _ONCE = Kind.ONCE  # (an enum member's lookup costs more than the comparison)
 _MOVED = int(Status.MOVED)
 
@@ -289,10 +232,10 @@ class HostLink:
         # there is nothing to check: one wait, cut only at the operation's deadline).
         self._every = (config.get_seconds("transport.alive-check") or 1.0) if use_uds else None
         self._most = int(config.get("transport.kept-connections"))
-        self._all: list[_Conn] = []  # every connection, idle or in use (closed with the link)
+        self._all: list[Conn] = []  # every connection, idle or in use (closed with the link)
         self._lock = threading.Lock()
-        #: This link's idle connections, most recently used last (under ``_KEPT.lock``).
-        self.idle: list[_Conn] = []
+        #: This link's idle connections, most recently used last (under ``KEPT.lock``).
+        self.idle: list[Conn] = []
         self.closed = False
         self._generations: Generations | None = None
         #: What turns "manager ``mid`` cannot be reached" into what its user should read
@@ -301,6 +244,8 @@ class HostLink:
         #: ``follow(mid, deadline)``: the link to a moved manager's new host (see
         #: :meth:`~.connect.Connections.follow`); ``None``: a move is an error here.
         self.follow: Callable[[int, float | None], HostLink] | None = None
+        #: Each event loop's pipelined connections to this host (:mod:`.pipelined`).
+        self.pipes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         info = self.info
@@ -352,14 +297,14 @@ class HostLink:
         return self.explain(mid, e, self.info.address if followable else None)
 
     def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
-                 ) -> _Conn:  # fmt: skip
+                 ) -> Conn:  # fmt: skip
         """A new connection, its handshake done, by ``deadline`` (``None``: whenever the
         host answers, if it is not gone).  Raises :class:`_Deadline` when time runs out."""
         info = self.info
         try:
             if self.kind == "uds":
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                conn = _Conn(sock, self._every)
+                conn = Conn(sock, self._every)
                 conn.begin(deadline, check)
                 # (never waits: into the listen backlog, the supervisor's, also while the
                 # host process is stopped or restarting; a full one is EAGAIN, retried)
@@ -380,7 +325,7 @@ class HostLink:
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=None,
                                                  do_handshake_on_connect=False)  # fmt: skip
-                conn = _Conn(sock, self._every)
+                conn = Conn(sock, self._every)
                 conn.begin(deadline, check)
             try:
                 if isinstance(sock, ssl.SSLSocket):
@@ -408,32 +353,58 @@ class HostLink:
             raise self.unavailable(mid, "is not served by its host any more")
         with self._lock:
             self._all.append(conn)
-        _KEPT.most = self._most
+        KEPT.most = self._most
         return conn
+
+    def timed_out(self, o: Operation, mid: int, timeout: float | None, sent: bool
+                  ) -> DDictTimeoutError:  # fmt: skip
+        """The error of operation ``o`` on manager ``mid``, unanswered within ``timeout``
+        plus the slack (``sent``: the request went out, so a write may have been applied)."""
+        maybe = ("" if o.kind is Kind.READ else
+                 "; the operation may or may not have been applied" if sent else
+                 "; nothing was sent (connecting)")  # fmt: skip
+        return DDictTimeoutError(f"{self.where(mid)} did not answer {o.op.name} within "
+                                 f"{timeout} s (+{self._slack} s slack){maybe}")  # fmt: skip
+
+    def connect_detached(self, mid: int, deadline: float | None) -> socket.socket:
+        """A new connection's socket, its handshake done by ``deadline`` (of
+        ``time.monotonic()``), that is not this link's (not pooled, not closed with it):
+        :mod:`.pipelined` serves it from an event loop.  Raises what connecting raises,
+        or ``TimeoutError`` at the deadline."""
+        try:
+            conn = self._connect(mid, deadline, self._checker(mid))
+        except _Deadline:
+            raise TimeoutError(f"{self.where(mid)}: not connected in time") from None
+        with self._lock:
+            self._all.remove(conn)
+        conn.sock.settimeout(None)
+        return conn.sock
 
     def _unavailable(self, mid: int, e: BaseException) -> DDictError:
         said = _GONE.get(getattr(e, "errno", None) or 0, f"{type(e).__name__}: {e}")
         return self.unavailable(mid, f"is unreachable ({said})")
 
-    def forget(self, conn: _Conn) -> None:
+    def forget(self, conn: Conn) -> None:
         """Close one of this link's connections (broken, or past the process's bound)."""
         with self._lock:
             if conn in self._all:
                 self._all.remove(conn)
         conn.close()
 
-    def _broken(self, conn: _Conn | None) -> None:
+    def _broken(self, conn: Conn | None) -> None:
         """``conn`` broke: the host process may have restarted, so its idle siblings are
         likely broken too; all are closed (the next operation opens a fresh one)."""
-        for c in [*([conn] if conn is not None else []), *_KEPT.remove(self, closing=False)]:
+        for c in [*([conn] if conn is not None else []), *KEPT.remove(self, closing=False)]:
             self.forget(c)
 
     def close(self) -> None:
-        _KEPT.remove(self, closing=True)
+        KEPT.remove(self, closing=True)
         with self._lock:
             conns, self._all = self._all, []
         for c in conns:
             c.close()
+        for pipes in list(self.pipes.values()):
+            pipes.close()
 
     # -- requests -------------------------------------------------------------------
 
@@ -498,7 +469,8 @@ class HostLink:
         check = None if self._every is None else self._checker(mid)
         if not rid and kind is _ONCE:
             rid = secrets.randbits(63) + 1
-        head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, wire_timeout, vlen, rid)
+        head = REQ.pack(op, flags, len(keysec), mid, 0, chkpt, arg, client, wire_timeout, vlen,
+                        rid)  # fmt: skip
         total = REQ.size + len(keysec) + vlen
         attempt, sent = 0, False
         while True:
@@ -506,7 +478,7 @@ class HostLink:
             try:
                 if attempt and check is not None:  # (after a broken connection)
                     check()  # a same-host supervisor that ended: gone, no retry
-                conn = _KEPT.take(self)
+                conn = KEPT.take(self)
                 if conn is None:
                     conn = self._connect(mid, deadline, check)
                 conn.begin(deadline, check)
@@ -516,7 +488,7 @@ class HostLink:
                 else:
                     send_parts(conn, [head, keysec, *value], total)
                 if not o.replies:
-                    _KEPT.give(self, conn)
+                    KEPT.give(self, conn)
                     return 0, None
                 if not waited:
                     waited = True
@@ -528,7 +500,7 @@ class HostLink:
                     if deadline is not None:  # (the socket's wait is relative: what is left
                         conn._arm()  # now, after other hosts' answers were collected)
                 reader = conn.reader
-                status, ival, plen = reader.unpack(REP)
+                status, _, ival, plen = reader.unpack(REP)  # (one request at a time: no tag)
                 if plen >= SMALL_FRAME:
                     payload: Any = o.buffer(plen)
                     reader.read_into(payload)
@@ -544,13 +516,7 @@ class HostLink:
             except _Deadline as e:
                 if conn is not None:
                     self.forget(conn)
-                maybe = ("" if kind is Kind.READ else
-                         "; the operation may or may not have been applied" if sent else
-                         "; nothing was sent (connecting)")  # fmt: skip
-                raise DDictTimeoutError(
-                    f"{self.where(mid)} did not answer {op.name} within {timeout} s "
-                    f"(+{self._slack} s slack){maybe}"
-                ) from e
+                raise self.timed_out(o, mid, timeout, sent) from e
             except (OSError, ssl.SSLError) as e:
                 self._broken(conn)
                 if kind is Kind.UNSAFE:
@@ -568,10 +534,10 @@ class HostLink:
                 attempt += 1
                 if timeout is not None:  # a waiting operation waits only what is left
                     left = max(0.0, timeout - (time.monotonic() - start))
-                    head = REQ.pack(op, flags, len(keysec), mid, chkpt, arg, client, left,
+                    head = REQ.pack(op, flags, len(keysec), mid, 0, chkpt, arg, client, left,
                                     vlen, rid)  # fmt: skip
                 continue
-            _KEPT.give(self, conn)
+            KEPT.give(self, conn)
             if status:
                 if status == _MOVED and self.follow is not None and o.follows:
                     return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited))

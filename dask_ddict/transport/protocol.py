@@ -6,16 +6,23 @@ round trip 20-80 µs (``transport-notes.md``).  Dask carries control only.
 Every request is a fixed header, then the key section, then the value
 section; every reply is a fixed header and a payload::
 
-    request  = REQ(op, flags, klen, manager, chkpt, arg, client, timeout, vlen, rid)
+    request  = REQ(op, flags, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid)
                [digest(16) + key bytes: klen] [value: vlen]
-    reply    = REP(status, ival, plen) [payload: plen]
+    reply    = REP(status, tag, ival, plen) [payload: plen]
 
 One host process serves many managers, so every request names its manager;
 a connection is bound to one dictionary by its handshake (``HELLO``, then on
 TCP mutual proofs of that dictionary's secret: :mod:`.handshake`), which is also where a
 destroyed dictionary is told apart from an unreachable one.  ``rid`` is a
 request id: non-idempotent operations (``pop``, ``fetch_add``) carry one so
-that a request retried after a host restart is applied at most once.
+that a request retried after a host restart is applied at most once.  ``tag`` is
+the client's number for the request, which its reply repeats: a client that
+sends several requests on one connection before reading (:mod:`.pipelined`,
+:class:`~dask_ddict.AsyncDDict`'s) matches each reply to its request by it, and
+drops the late reply of a request that it gave up on.  A host serves one
+connection's requests in order, each answered before the next is read (a
+request that waits holds its connection), so a reply repeats the tag of the
+request being served.
 
 Small messages go out in one ``sendall``; large values are sent part by part
 straight from their buffers and received with ``recv_into`` into a
@@ -29,11 +36,11 @@ import socket
 import struct
 from typing import Any, Protocol
 
-REQ = struct.Struct("<BBxxIIxxxxqqQdQQ")
+REQ = struct.Struct("<BBxxIIIqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
-HELLO_MAGIC = b"DDK4"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
-# name their manager (BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY)
-REP = struct.Struct("<BxxxxxxxqQ")
+HELLO_MAGIC = b"DDK5"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
+# name their manager (BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY); 5: tags
+REP = struct.Struct("<BxxxIqQ")
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one page record
 BATCH_RECORD = struct.Struct("<IIQ")  # (klen, manager, vlen) of one batch record
 SMALL = 64 * 1024
@@ -117,7 +124,7 @@ class Sink(Protocol):
 
 class Stream(Sink, Protocol):
     """What the key path reads and writes: a socket, or a client's connection that cuts
-    its waits at the operation's deadline (:class:`~.links._Conn`)."""
+    its waits at the operation's deadline (:class:`~.links.Conn`)."""
 
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int: ...
 

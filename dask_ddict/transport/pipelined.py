@@ -1,0 +1,352 @@
+"""Requests of one event loop, pipelined with tags over shared connections.
+
+:class:`~dask_ddict.AsyncDDict` is used from an event loop by many coroutines
+at once.  The blocking key path (:mod:`.links`: a pooled connection per
+operation, used from the calling thread) would cost such a caller a worker
+thread and a connection per request in flight, and a hop to that thread and
+back for each.  Here, instead, the coroutines of one loop share its
+connections to a host process (:class:`Pipes`): a request is written as soon
+as it is made, without waiting for the answers of those before it, and each
+reply is matched to its request by the ``tag`` it repeats
+(:data:`~.protocol.REP`).  The loop's own selector reads the replies: no thread,
+no hop.  The host serves one connection's requests in order.
+
+Only what cannot wait on the host travels on a connection that others share:
+a request that may (a put, whose shard may be busy) closes its connection to
+new requests until it is answered (:attr:`Pipe.waits`), so that no request
+waits behind one that waits for something else.
+
+Everything unusual goes by the blocking path instead, which already knows
+what to do (it reconnects, retries, follows moved managers and explains why a
+host cannot be reached): :class:`Unpipeable` says so to the caller, which
+sends the same operations there.  That is safe because only reads and
+idempotent operations are sent here (never ``pop``, ``fetch_add`` or a
+batch).  So: a TLS link (the handshake and the records are the blocking
+socket's), a connection that cannot be made or breaks, a value over the
+host's limit, and a manager that moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from .._serialize import SMALL_FRAME
+from ..errors import Status, raise_for_status
+from .operation import Encoded, Kind, Operation
+from .protocol import REP, REQ, SMALL, encode_timeout
+
+if TYPE_CHECKING:
+    from .links import HostLink
+
+_HEAD = REP.size
+_MOVED = int(Status.MOVED)
+_TAGS = 1 << 32
+
+
+class Unpipeable(Exception):
+    """This request must go by the blocking path (:mod:`.links`): see the module's doc."""
+
+
+class Pipe(asyncio.Protocol):
+    """One connection to a host process, shared by the coroutines of one event loop.
+
+    Parameters
+    ----------
+    link
+        The host's link (its name for messages, its liveness check).
+    mid
+        A manager of the host (named when its liveness check fails).
+    sock
+        The connected socket, its handshake done (closed with the pipe).
+    """
+
+    def __init__(self, link: HostLink, mid: int, sock: socket.socket) -> None:
+        self.link = link
+        self.sock = sock
+        self.transport: asyncio.Transport | None = None
+        #: ``tag -> (future of (status, ival, payload), operation)`` of requests in flight.
+        self.pending: dict[int, tuple[asyncio.Future[Any], Operation]] = {}
+        #: Requests in flight that may wait on the host: none joins them while there are.
+        self.waits = 0
+        self.closed = False
+        self._tag = 0
+        self._buf = bytearray()
+        #: Same host: the host's supervisor, checked while requests are in flight.
+        self._pid = link.info.pid if link.kind == "uds" else None
+        self._every = link._every or 1.0
+        self._checking: asyncio.TimerHandle | None = None
+
+    def __repr__(self) -> str:
+        return (f"<Pipe {self.link.name!r} {self.link.kind} in flight={len(self.pending)} "
+                f"waits={self.waits}{' closed' if self.closed else ''}>")  # fmt: skip
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, end, pending = 0, len(buf), self.pending
+        with memoryview(buf) as mv:
+            while end - pos >= _HEAD:
+                status, tag, ival, plen = REP.unpack_from(buf, pos)
+                start = pos + _HEAD
+                if end - start < plen:
+                    break
+                pos = start + plen
+                entry = pending.pop(tag, None)
+                if entry is None:
+                    continue  # (the late reply of a request given up on: dropped)
+                fut, o = entry
+                if o.kind is not Kind.READ:
+                    self.waits -= 1
+                if fut.done():
+                    continue
+                if plen >= SMALL_FRAME:  # (aligned, as the blocking path receives it)
+                    payload: Any = o.buffer(plen)
+                    payload[:] = mv[start:pos]
+                else:
+                    payload = bytes(mv[start:pos])
+                fut.set_result((status, ival, payload))
+        del buf[:pos]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._checking is not None:
+            self._checking.cancel()
+        self._fail(Unpipeable(f"the connection to {self.link!r} ended ({exc!r})"))
+        self.sock.close()
+
+    def _fail(self, error: BaseException) -> None:
+        pending, self.pending = self.pending, {}
+        self.waits = 0
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def send(self, o: Operation, encoded: Encoded, mid: int) -> tuple[int, asyncio.Future[Any]]:
+        """Write ``o`` (``encoded``) for manager ``mid`` now; its tag, and the future of
+        its reply."""
+        flags, keysec, value, vlen, chkpt, arg, client, timeout = encoded
+        self._tag = tag = self._tag % (_TAGS - 1) + 1
+        head = REQ.pack(o.op, flags, len(keysec), mid, tag, chkpt, arg, client,
+                        encode_timeout(timeout), vlen, 0)  # fmt: skip
+        transport = self.transport
+        assert transport is not None
+        if REQ.size + len(keysec) + vlen <= SMALL:
+            transport.write(b"".join((head, keysec, *value)))
+        else:
+            transport.writelines((head, keysec, *value))
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if not self.pending and self._pid is not None and self._checking is None:
+            self._checking = asyncio.get_running_loop().call_later(self._every, self._alive)
+        self.pending[tag] = (fut, o)
+        if o.kind is not Kind.READ:
+            self.waits += 1
+        return tag, fut
+
+    def give_up(self, tag: int, error: BaseException) -> None:
+        """Request ``tag`` is answered with ``error`` (its deadline passed); its reply, when
+        it comes, is dropped."""
+        entry = self.pending.pop(tag, None)
+        if entry is None:
+            return
+        fut, o = entry
+        if not fut.done():
+            fut.set_exception(error)
+        if o.kind is not Kind.READ:  # (it may still be waiting on the host, ahead of any
+            self.close()  # request sent after it: the others go by the blocking path)
+
+    def _alive(self) -> None:
+        """While requests are in flight on a same-host connection: its host's supervisor
+        lives, checked every ``ddict.transport.alive-check`` (as the blocking path does).
+        A gone one closes the pipe: the blocking path says why (here, on the event loop,
+        nothing may ask the orchestrator)."""
+        self._checking = None
+        if not self.pending or self.closed or self._pid is None:
+            return
+        try:
+            os.kill(self._pid, 0)
+        except ProcessLookupError:
+            self._fail(Unpipeable(f"the supervisor of {self.link!r} is gone"))
+            self.close()
+            return
+        except PermissionError:
+            pass  # alive, under another user
+        self._checking = asyncio.get_running_loop().call_later(self._every, self._alive)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        else:
+            self.sock.close()
+
+
+class Pipes:
+    """The pipes of one event loop to one host process (one link).
+
+    A request takes the most recent pipe that no waiting request closed, or a new
+    one (connected in a worker thread: the handshake is the blocking link's).  The
+    pipes close with the link, or when the loop's ``asyncio.run`` ends (a task holds
+    them: it is cancelled then).
+    """
+
+    def __init__(self, link: HostLink, loop: asyncio.AbstractEventLoop) -> None:
+        self.link = link
+        self.loop = loop
+        self.pipes: list[Pipe] = []
+        self._connecting = asyncio.Lock()
+        self._keeper = loop.create_task(self._keep(), name=f"ddict-pipes {link.name!r}")
+
+    def __repr__(self) -> str:
+        return f"<Pipes {self.link!r} {len(self.pipes)} connections>"
+
+    async def _keep(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._close_now()
+
+    def _open(self) -> Pipe | None:
+        for p in reversed(self.pipes):
+            if not p.closed and not p.waits:
+                return p
+        return None
+
+    async def pipe(self, mid: int, deadline: float | None) -> Pipe:
+        """An open pipe (connected now if none is, by ``deadline``: else ``TimeoutError``)."""
+        p = self._open()
+        if p is not None:
+            return p
+        async with self._connecting:
+            p = self._open()
+            if p is not None:
+                return p
+            try:
+                sock = await asyncio.to_thread(self.link.connect_detached, mid, deadline)
+            except TimeoutError:
+                raise
+            except Exception as e:  # (the blocking path connects again, and says why)
+                raise Unpipeable(f"cannot connect to {self.link!r}: {e!r}") from e
+            try:
+                make = (self.loop.create_unix_connection if sock.family == socket.AF_UNIX
+                        else self.loop.create_connection)  # fmt: skip
+                _, p = await make(lambda: Pipe(self.link, mid, sock), sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+            self.pipes = [q for q in self.pipes if not q.closed] + [p]
+            if self.link.closed:  # (closed while connecting)
+                self._close_now()
+                raise Unpipeable(f"{self.link!r} closed")
+            return p
+
+    def _close_now(self) -> None:
+        pipes, self.pipes = self.pipes, []
+        for p in pipes:
+            p.close()
+        if not self._keeper.done() and self._keeper is not asyncio.current_task(self.loop):
+            self._keeper.cancel()
+
+    def close(self) -> None:
+        """Close every pipe (from any thread: on the loop's, if it still runs)."""
+        if self.loop.is_closed():
+            for p in self.pipes:
+                p.sock.close()
+            self.pipes = []
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self._close_now()
+        else:
+            self.loop.call_soon_threadsafe(self._close_now)
+
+
+def pipes_of(link: HostLink) -> Pipes:
+    """The running loop's :class:`Pipes` to ``link``'s host."""
+    loop = asyncio.get_running_loop()
+    pipes = link.pipes.get(loop)
+    if pipes is None:
+        pipes = link.pipes[loop] = Pipes(link, loop)
+    return pipes
+
+
+async def send(link: HostLink, o: Operation, mid: int, began: float
+               ) -> Callable[[], Awaitable[tuple[int, Any]]]:  # fmt: skip
+    """Send ``o`` to manager ``mid`` over this loop's pipes to ``link``'s host; the
+    returned coroutine function waits for its ``(ival, payload)`` (as
+    :meth:`~.links.HostLink.send` does, the hosts work at once).
+
+    ``began``: when the caller's operation began (``time.monotonic()``): ``o.timeout``
+    (plus ``ddict.transport.timeout-slack``) counts from then.  Raises
+    :class:`Unpipeable` (now, or from the answer) where the blocking path must send it.
+    """
+    if link.kind == "tls" or link.closed:
+        raise Unpipeable(f"{link!r} is not pipelined")
+    if o.kind not in (Kind.READ, Kind.IDEMPOTENT) or not o.replies:
+        raise Unpipeable(f"{o.op.name} is not sent again safely")  # (a caller's mistake)
+    timeout = o.timeout
+    encoded = o.encode()
+    if encoded.vlen > link._max_value:
+        raise Unpipeable("over the host's limit: the blocking path says so")
+    deadline = None if timeout is None else began + timeout + link._slack
+    try:
+        pipe = await pipes_of(link).pipe(mid, deadline)
+    except TimeoutError:
+        raise link.timed_out(o, mid, timeout, False) from None
+    tag, fut = pipe.send(o, encoded, mid)
+    timer = None
+    if deadline is not None:
+        error = link.timed_out(o, mid, timeout, True)
+        timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()),
+                                                      pipe.give_up, tag, error)  # fmt: skip
+
+    async def answer() -> tuple[int, Any]:
+        try:
+            status, ival, payload = await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if status:
+            if status == _MOVED:
+                raise Unpipeable(f"manager {mid} moved: the blocking path follows it")
+            raise_for_status(status, bytes(payload).decode(errors="replace"))
+        return ival, payload
+
+    return answer
+
+
+async def exchange_all(requests: list[tuple[HostLink, Operation, int]]
+                       ) -> list[tuple[int, Any] | BaseException]:  # fmt: skip
+    """Each ``(link, operation, manager)`` sent at once (their time counts from now),
+    then every answer awaited: its ``(ival, payload)``, or what it raised
+    (:class:`Unpipeable`: it is the blocking path's to send)."""
+    began = time.monotonic()
+    sent: list[Callable[[], Awaitable[tuple[int, Any]]] | BaseException] = []
+    for link, o, mid in requests:
+        try:
+            sent.append(await send(link, o, mid, began))
+        except Exception as e:  # noqa: BLE001 - this request's answer
+            sent.append(e)
+    out: list[tuple[int, Any] | BaseException] = []
+    for answer in sent:
+        if isinstance(answer, BaseException):
+            out.append(answer)
+            continue
+        try:
+            out.append(await answer())
+        except Exception as e:  # noqa: BLE001 - (the others are still awaited)
+            out.append(e)
+    return out

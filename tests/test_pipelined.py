@@ -1,0 +1,328 @@
+"""AsyncDDict's requests pipelined with tags over an event loop's shared connections
+(:mod:`dask_ddict.transport.pipelined`): the pipe alone, then on a real cluster over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import dask.config
+import numpy as np
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+
+from dask_ddict import AsyncDDict, DDict, DDictTimeoutError
+from dask_ddict.transport import connect
+from dask_ddict.transport.many import GetMany, PutMany
+from dask_ddict.transport.operation import Kind
+from dask_ddict.transport.pipelined import Pipe, Unpipeable
+from dask_ddict.transport.protocol import REP, REQ
+
+# -- the pipe alone (a fake transport that records what is written) ------------------------
+
+
+class _Link:
+    name, kind, _every, info = "d", "tcp", None, None
+
+    def __repr__(self) -> str:
+        return "<link>"
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.sent.append(bytes(data))
+
+    def writelines(self, parts: Any) -> None:
+        self.sent.append(b"".join(bytes(p) for p in parts))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Sock:
+    def close(self) -> None:
+        pass
+
+
+def _pipe() -> tuple[Pipe, _Transport]:
+    p = Pipe(_Link(), 0, _Sock())  # type: ignore[arg-type]
+    t = _Transport()
+    p.connection_made(t)  # type: ignore[arg-type]
+    return p, t
+
+
+def _reply(tag: int, payload: bytes, status: int = 0, ival: int = 0) -> bytes:
+    return REP.pack(status, tag, ival, len(payload)) + payload
+
+
+def _tags(t: _Transport) -> list[int]:
+    return [REQ.unpack_from(m)[4] for m in t.sent]
+
+
+def test_replies_are_matched_to_requests_by_tag_in_any_order_and_in_any_pieces():
+    async def main() -> None:
+        p, t = _pipe()
+        ops = [GetMany(((0, [bytes(16)]),), 0, None) for _ in range(3)]
+        futs = [p.send(o, o.encode(), 0) for o in ops]
+        tags = _tags(t)
+        assert tags == [tag for tag, _ in futs] and len(set(tags)) == 3  # one tag each
+        stream = _reply(tags[2], b"third") + _reply(tags[0], b"first" * 2000) \
+            + _reply(tags[1], b"second")  # fmt: skip
+        for i in range(0, len(stream), 7):  # (in 7-byte pieces, headers cut anywhere)
+            p.data_received(stream[i : i + 7])
+        got = [await f for _, f in futs]
+        assert [bytes(g[2]) for g in got] == [b"first" * 2000, b"second", b"third"]
+        assert not p.pending and not p._buf
+
+    asyncio.run(main())
+
+
+def test_a_request_given_up_on_drops_its_late_reply_and_a_waiting_one_closes_its_pipe():
+    async def main() -> None:
+        p, t = _pipe()
+        read = GetMany(((0, [bytes(16)]),), 0, 1.0)
+        tag, fut = p.send(read, read.encode(), 0)
+        p.give_up(tag, DDictTimeoutError("late"))
+        with pytest.raises(DDictTimeoutError):
+            await fut
+        tag2, fut2 = p.send(read, read.encode(), 0)
+        p.data_received(_reply(tag, b"stale") + _reply(tag2, b"fresh"))  # the late one first
+        assert bytes((await fut2)[2]) == b"fresh" and not t.closed
+        # A put may wait on the host: no request joins its connection until it is answered,
+        # and one given up on closes it (what was sent after it would wait behind it).
+        put = PutMany([], 0, 1, False, 1.0)
+        assert put.kind is Kind.IDEMPOTENT
+        tag3, _ = p.send(put, put.encode(), 0)
+        assert p.waits == 1
+        p.data_received(_reply(tag3, b""))
+        assert p.waits == 0
+        tag4, fut4 = p.send(put, put.encode(), 0)
+        p.give_up(tag4, DDictTimeoutError("late"))
+        assert t.closed
+        with pytest.raises(DDictTimeoutError):
+            await fut4
+
+    asyncio.run(main())
+
+
+def test_a_lost_connection_sends_its_requests_by_the_blocking_path():
+    async def main() -> None:
+        p, _ = _pipe()
+        read = GetMany(((0, [bytes(16)]),), 0, None)
+        _, fut = p.send(read, read.encode(), 0)
+        p.connection_lost(ConnectionResetError("reset"))
+        assert p.closed
+        with pytest.raises(Unpipeable, match="ended"):
+            await fut
+
+    asyncio.run(main())
+
+
+# -- on a cluster, over TCP ------------------------------------------------------------------
+
+
+def _tcp(d: DDict, timeout: float | None = None) -> AsyncDDict:
+    """An asynchronous handle of ``d`` that reaches every manager over TCP (its channels
+    made: an event loop's first batch would make them in a worker thread)."""
+    with dask.config.set({"ddict.local-transport": False}):
+        t = DDict.attach(d.serialize(), timeout=timeout)
+        for m in range(d.num_managers):
+            t._core.channel(m)
+    return AsyncDDict(t)
+
+
+def _blocking_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the blocking path's many-key calls made from now on."""
+    calls: list[str] = []
+    for name in ("get_many", "each"):
+        real = getattr(connect.Connections, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, _name: str = name,
+                    **kwargs: Any) -> Any:  # fmt: skip
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(connect.Connections, name, counted)
+    real_put = DDict._put_many
+
+    def put_many(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("put_many")
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(DDict, "_put_many", put_many)
+    return calls
+
+
+def test_coroutines_share_one_connection_per_host_with_no_thread(client, monkeypatch):
+    """200 coroutines, each putting then getting its own keys one after another: every
+    request is written on the loop's connections as it is made (one per host for the
+    gets, which never wait), answered by tag, with no worker thread and no blocking
+    call; the values are the ones put."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        t = _tcp(d)
+        links = {t.ddict._core.channel(m).link for m in range(d.num_managers)}
+        assert len(links) >= 2 and all(link.kind == "tcp" for link in links)
+        calls = _blocking_calls(monkeypatch)
+
+        async def main() -> None:
+            async def one(c: int) -> list[Any]:
+                for i in range(20):
+                    await t.put((c, i), np.full(3, c * 100 + i))
+                return [await t.get((c, i)) for i in range(20)]
+
+            got = await asyncio.gather(*(one(c) for c in range(200)))
+            for c, values in enumerate(got):
+                assert [int(v[0]) for v in values] == [c * 100 + i for i in range(20)]
+            loop = asyncio.get_running_loop()
+            for link in links:
+                pipes = link.pipes[loop].pipes
+                assert 1 <= len(pipes) <= 4, pipes  # (puts in flight may each hold one)
+            assert await t.get("absent", "dflt") == "dflt"
+
+        asyncio.run(main())
+        assert calls == []  # nothing went by the blocking path
+        assert d.get_many([(c, 19) for c in range(200)])[199][0] == 199 * 100 + 19
+        t.detach()
+
+
+def test_pipes_close_with_the_loop_and_with_the_handle(client):
+    """No descriptor outlives ``asyncio.run`` or ``detach()``."""
+    proc = psutil.Process()
+    with DDict(total_mem="32 MiB", client=client) as d:
+        d["k"] = 1
+        t = _tcp(d)
+        t.ddict["k"]  # (channels made; the blocking connections pooled)
+        before = proc.num_fds()
+
+        async def use() -> Any:
+            return await asyncio.gather(*(t.get("k") for _ in range(10)))
+
+        assert asyncio.run(use()) == [1] * 10
+        assert proc.num_fds() == before  # the loop's pipes closed as it ended
+
+        async def detach() -> None:
+            assert await t.get("k") == 1
+            link = t.ddict._core.channel(d.which_manager("k")).link
+            assert link.pipes[asyncio.get_running_loop()].pipes
+            t.detach()
+            await asyncio.sleep(0.05)
+            assert not link.pipes[asyncio.get_running_loop()].pipes
+
+        asyncio.run(detach())
+        assert proc.num_fds() < before  # (the blocking path's pooled ones closed too)
+
+
+def test_a_stopped_host_times_out_once_and_its_late_replies_are_dropped(client):
+    """Gets of a stopped host fail with its timeout; once it resumes, its replies to them
+    come late on the same connection, are dropped by their tags, and the next gets are
+    answered with their own values."""
+    with DDict(total_mem="16 MiB", client=client) as d:
+        d.update({i: i for i in range(20)})
+        t = _tcp(d, timeout=1)
+        t.ddict.get_many(range(20))  # (connected before the hosts stop)
+        hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
+
+        async def main() -> None:
+            assert await asyncio.gather(*(t.get(i) for i in range(20))) == list(range(20))
+            for h in hosts:
+                h.suspend()
+            try:
+                t0 = time.monotonic()
+                got = await asyncio.gather(*(t.get(i) for i in range(20)),
+                                           return_exceptions=True)  # fmt: skip
+                took = time.monotonic() - t0
+            finally:
+                for h in hosts:
+                    h.resume()
+            assert all(isinstance(g, DDictTimeoutError) for g in got), got
+            assert "did not answer GET_MANY" in str(got[0]) and took < 1 + 1.0 + 1.5
+            for _ in range(3):  # the same pipes: late replies first, then these
+                assert await asyncio.gather(*(t.get(i) for i in range(20))) == list(range(20))
+
+        asyncio.run(main())
+        t.detach()
+
+
+def test_puts_in_flight_when_a_host_process_is_killed_are_all_acknowledged_and_kept():
+    """A host process killed under pipelined puts (its supervisor starts another on the
+    same listeners): the puts on the lost connection are sent again by the blocking path
+    (a put again has the same effect), so every put succeeds, and every one is there."""
+    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="64 MiB", client=c)
+        try:
+            t = _tcp(d)
+            t.ddict["warm"] = 0
+            pid = d.stats[0].pid
+
+            async def main() -> int:
+                acked = [0]
+
+                async def writer(w: int) -> int:
+                    for i in range(300):
+                        await t.put((w, i), np.full(16, w * 1000 + i))
+                        acked[0] += 1
+                    return 300
+
+                async def killer() -> None:
+                    for _ in range(10_000):  # (until a quarter of the puts are answered)
+                        if acked[0] >= 600:
+                            break
+                        await asyncio.sleep(0.001)
+                    assert acked[0] < 8 * 300  # (the others are still to be put)
+                    os.kill(pid, signal.SIGKILL)
+
+                done = await asyncio.gather(*(writer(w) for w in range(8)), killer())
+                return sum(n for n in done if n)
+
+            assert asyncio.run(main()) == 8 * 300
+            assert d.stats[0].pid != pid  # (it was killed under the puts, and replaced)
+            got = d.get_many([(w, i) for w in range(8) for i in range(300)])
+            assert [int(v[0]) for v in got] == [w * 1000 + i for w in range(8)
+                                                for i in range(300)]  # fmt: skip
+            t.detach()
+        finally:
+            d.destroy()
+
+
+def test_a_stale_handles_pipelined_puts_and_gets_follow_a_moved_manager():
+    """A manager moves to another worker under an asynchronous handle that has not seen
+    the move: its old host answers the pipelined requests MOVED (a many-put, per
+    manager), and each put and get follows it by the blocking path; nothing is lost
+    and nothing fails."""
+    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=30)
+        try:
+            t = _tcp(d, timeout=30)
+            keys = [k for k in range(400) if d.which_manager(k) == 0][:40]
+            others = [k for k in range(400) if d.which_manager(k) != 0][:40]
+
+            async def put_all(base: int) -> None:
+                await asyncio.gather(*(t.put(k, base + k) for k in keys + others))
+
+            async def main() -> None:
+                await put_all(0)
+                home = d.manager_workers[0]
+                away = next(w for w in d.manager_workers if w != home)
+                there = await asyncio.to_thread(c.sync, c.scheduler.ddict_move,
+                                                name=d.get_name(), manager_id=0, worker=away)
+                assert there["target"] == away
+                await put_all(1000)  # its old host answers MOVED for manager 0's puts
+                got = await asyncio.gather(*(t.get(k) for k in keys + others))
+                assert got == [1000 + k for k in keys + others]  # (where manager 0 went)
+
+            asyncio.run(main())
+            assert d.manager_workers[0] != d.manager_workers[1]
+            assert d.get_many(keys + others) == [1000 + k for k in keys + others]
+            t.detach()
+        finally:
+            d.destroy()
