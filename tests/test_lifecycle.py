@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import ssl
@@ -10,7 +11,7 @@ import dask
 import numpy as np
 from distributed import Client, LocalCluster, Security
 
-from dask_ddict import DDict
+from dask_ddict import AsyncDDict, DDict
 from dask_ddict.transport.protocol import HELLO, HELLO_MAGIC
 from tests.conftest import shm_entries
 
@@ -45,6 +46,15 @@ def test_tls_cluster_uses_tls_tcp():
                 assert (d["a"] == np.arange(100_000)).all()
                 assert d._core.channel(0).kind == "tls"
                 _refuses_peers_without_certificates(d._core.layout.managers[0])
+                ad = AsyncDDict(d)  # (its batches go by the blocking TLS connections)
+
+                async def main() -> None:
+                    await asyncio.gather(*(ad.put(i, i) for i in range(50)))
+                    assert await asyncio.gather(*(ad.get(i) for i in range(50))) == list(
+                        range(50))  # fmt: skip
+                    assert not d._core.channel(0).link.pipes  # never a plain pipe
+
+                asyncio.run(main())
             finally:
                 d.destroy()
 

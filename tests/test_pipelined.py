@@ -126,6 +126,35 @@ def test_a_lost_connection_sends_its_requests_by_the_blocking_path():
     asyncio.run(main())
 
 
+def test_a_same_host_pipe_whose_supervisor_is_gone_sends_by_the_blocking_path():
+    """While requests are in flight on a Unix-socket pipe, the host's supervisor is checked
+    every alive-check (a stopped host process and a dead one look alike from a socket):
+    once it is gone, they go by the blocking path, which says so."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # (a pid that no process has now)
+
+    class _Info:
+        pid = gone.pid
+
+    class _UdsLink(_Link):
+        kind, _every, info = "uds", 0.05, _Info()
+
+    async def main() -> None:
+        p = Pipe(_UdsLink(), 0, _Sock())  # type: ignore[arg-type]
+        t = _Transport()
+        p.connection_made(t)  # type: ignore[arg-type]
+        read = GetMany(((0, [bytes(16)]),), 0, None)
+        _, fut = p.send(read, read.encode(), 0)
+        with pytest.raises(Unpipeable, match="supervisor .* is gone"):
+            await asyncio.wait_for(fut, 5)
+        assert t.closed
+
+    asyncio.run(main())
+
+
 # -- on a cluster, over TCP ------------------------------------------------------------------
 
 
