@@ -35,7 +35,7 @@ class _Link:
 class _Transport:
     def __init__(self) -> None:
         self.sent: list[bytes] = []
-        self.closed = False
+        self.closed = self.aborted = False
 
     def write(self, data: bytes) -> None:
         self.sent.append(bytes(data))
@@ -45,6 +45,9 @@ class _Transport:
 
     def close(self) -> None:
         self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
 
 class _Sock:
@@ -106,9 +109,86 @@ def test_a_request_given_up_on_drops_its_late_reply_and_a_waiting_one_closes_its
         assert p.waits == 0
         tag4, fut4 = p.send(put, put.encode(), 0)
         p.give_up(tag4, DDictTimeoutError("late"))
-        assert t.closed
+        assert t.aborted and p.closed  # (what was not sent of it never is: it failed)
         with pytest.raises(DDictTimeoutError):
             await fut4
+
+    asyncio.run(main())
+
+
+def test_a_reply_that_cannot_be_received_fails_its_request_alone():
+    class _NoRoom(GetMany):
+        def buffer(self, nbytes: int) -> Any:
+            raise MemoryError(f"no room for {nbytes} bytes")
+
+    async def main() -> None:
+        p, _ = _pipe()
+        big, small = _NoRoom(((0, [bytes(16)]),), 0, None), GetMany(((0, [bytes(16)]),), 0, None)
+        (tag1, fut1), (tag2, fut2) = p.send(big, big.encode(), 0), p.send(small, small.encode(), 0)
+        p.data_received(_reply(tag1, bytes(8192)) + _reply(tag2, b"ok"))
+        with pytest.raises(MemoryError, match="no room"):
+            await fut1
+        assert bytes((await fut2)[2]) == b"ok" and not p.pending
+
+    asyncio.run(main())
+
+
+def test_idle_pipes_beyond_the_newest_open_one_are_closed():
+    """Puts in flight each hold a pipe of their own: once answered, those pipes do not
+    stay open beside the one that takes the next requests."""
+
+    class _P:
+        def __init__(self, waits: int = 0, pending: int = 0) -> None:
+            self.closed, self.waits, self.pending = False, waits, dict.fromkeys(range(pending))
+
+        def close(self) -> None:
+            self.closed = True
+
+    class _L(_Link):
+        closed = False
+
+        def __init__(self) -> None:
+            import weakref
+
+            self.pipes: Any = weakref.WeakKeyDictionary()
+
+    async def main() -> None:
+        from dask_ddict.transport.pipelined import Pipes
+
+        pipes = Pipes(_L(), asyncio.get_running_loop())  # type: ignore[arg-type]
+        idle_old, busy_read, waiting, newest = _P(), _P(pending=2), _P(waits=1, pending=1), _P()
+        pipes.pipes = [idle_old, busy_read, waiting, newest]  # type: ignore[list-item]
+        assert pipes._open() is newest
+        assert idle_old.closed and not busy_read.closed and not waiting.closed
+        assert pipes.pipes == [busy_read, waiting, newest]
+        pipes._close_now()
+
+    asyncio.run(main())
+
+
+def test_connecting_errors_are_raised_as_the_blocking_path_would_or_sent_there():
+    import errno
+
+    from dask_ddict import DDictClosedError
+    from dask_ddict.errors import DDictManagerMovedError
+    from dask_ddict.transport.pipelined import Pipes
+
+    async def main() -> None:
+        link = _Link()
+        link.pipes = {}  # type: ignore[attr-defined]
+        pipes = Pipes(link, asyncio.get_running_loop())  # type: ignore[arg-type]
+        for raised, seen in [(TimeoutError("not connected in time"), TimeoutError),
+                             (TimeoutError(errno.ETIMEDOUT, "kernel"), Unpipeable),
+                             (ConnectionResetError("restarting"), Unpipeable),
+                             (DDictManagerMovedError("moved"), Unpipeable),
+                             (DDictClosedError("destroyed"), DDictClosedError)]:  # fmt: skip
+            def connect(mid: int, deadline: Any, e: BaseException = raised) -> Any:
+                raise e
+
+            link.connect_detached = connect  # type: ignore[attr-defined]
+            with pytest.raises(seen):
+                await pipes.pipe(0, None)
+        pipes._close_now()
 
     asyncio.run(main())
 
@@ -243,7 +323,7 @@ def test_pipes_close_with_the_loop_and_with_the_handle(client):
             assert link.pipes[asyncio.get_running_loop()].pipes
             t.detach()
             await asyncio.sleep(0.05)
-            assert not link.pipes[asyncio.get_running_loop()].pipes
+            assert asyncio.get_running_loop() not in link.pipes  # (nor kept for the loop)
 
         asyncio.run(detach())
         assert proc.num_fds() < before  # (the blocking path's pooled ones closed too)

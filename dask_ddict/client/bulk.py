@@ -16,7 +16,7 @@ from ..arguments import check_bool
 from ..errors import DDictError, DDictFullError, DDictKeyError, Status, raise_for_status
 from ..transport.connect import _reraise
 from ..transport.many import PutMany
-from ..transport.pipelined import Unpipeable, exchange_all
+from ..transport.pipelined import Unpipeable, exchange_all, time_left
 from ..transport.ops import Freeze, Get, Put, Unfreeze
 from .batch import BatchPut
 
@@ -43,6 +43,7 @@ class Bulk:
         def _route(self, key: Any) -> tuple[int, bytes, bytes]: ...
         def _check(self) -> None: ...
         def _no_batch(self, what: str) -> None: ...
+        def _derive(self) -> Bulk: ...
         def _managers(self) -> list[int]: ...
         def _framed(self, mid: int | None, kb: bytes, value: Any) -> Framed: ...
         @property
@@ -153,6 +154,7 @@ class Bulk:
         :meth:`_put_many` in a worker thread (a put again has the same effect)."""
         if self._batch is not None:
             return await asyncio.to_thread(self._put_many, pairs, persistent, direct_max)
+        began = time.monotonic()
         out, groups = self._put_groups(pairs)
         links = self._core.pipe_links(groups)
         aside = [r[0] for mid, recs in groups.items() if mid not in links for r in recs]
@@ -169,13 +171,17 @@ class Bulk:
                 alone += self._put_answered(out, chunk, op, answer)
         if aside or alone:
             aside.sort()
+            late = self  # (or the same handle, in the operation's time left)
+            if self._timeout is not None:
+                late = self._derive()
+                late._timeout = time_left(self._timeout, began)
 
             def rest() -> None:
-                for i, e in zip(aside, self._put_many([pairs[i] for i in aside], persistent,
+                for i, e in zip(aside, late._put_many([pairs[i] for i in aside], persistent,
                                                       direct_max)):  # fmt: skip
                     out[i] = e
                 for i in sorted(alone):
-                    out[i] = _error_of(self._put, *pairs[i], persistent)
+                    out[i] = _error_of(late._put, *pairs[i], persistent)
 
             await asyncio.to_thread(rest)
         return out

@@ -43,7 +43,7 @@ from ..errors import (
 from ..layout import Layout, ManagerInfo, host_id
 from ..progress import track
 from .links import Explain, HostLink, SocketChannel
-from .pipelined import Unpipeable, exchange_all
+from .pipelined import Unpipeable, exchange_all, time_left
 from .operation import Operation
 from .many import GetMany
 from .ops import FanOut
@@ -497,32 +497,39 @@ class Connections:
         where :meth:`pipe_links` allows, the rest by :meth:`get_many` in a worker thread
         (meanwhile), and so is whatever the pipes cannot send (a moved manager, a
         broken connection: :class:`~.pipelined.Unpipeable`)."""
+        began = time.monotonic()
         links = self.pipe_links(groups)
         out: dict[int, list[Any]] = {}
         rest = {m: g for m, g in groups.items() if m not in links}
         aside = asyncio.ensure_future(asyncio.to_thread(
             self.get_many, rest, chkpt, timeout, lend)) if rest else None  # fmt: skip
-        by_link: dict[HostLink, list[tuple[int, list[bytes]]]] = {}
-        for mid, link in links.items():
-            by_link.setdefault(link, []).append((mid, groups[mid]))
-        ops = [GetMany(tuple(gs), chkpt, timeout, lend) for gs in by_link.values()]
         failure: BaseException | None = None
-        got = await exchange_all([(link, op, op.groups[0][0]) for link, op in zip(by_link, ops)])
-        for op, answer in zip(ops, got):
-            if isinstance(answer, Unpipeable):
-                continue
-            if isinstance(answer, BaseException):
-                failure = failure or answer
-                continue
-            for (mid, _), frames in zip(op.groups, op.result(*answer)):
-                out[mid] = frames
         try:
+            by_link: dict[HostLink, list[tuple[int, list[bytes]]]] = {}
+            for mid, link in links.items():
+                by_link.setdefault(link, []).append((mid, groups[mid]))
+            ops = [GetMany(tuple(gs), chkpt, timeout, lend) for gs in by_link.values()]
+            got = await exchange_all([(link, op, op.groups[0][0])
+                                      for link, op in zip(by_link, ops)])  # fmt: skip
+            for op, answer in zip(ops, got):
+                if isinstance(answer, Unpipeable):
+                    continue
+                if isinstance(answer, BaseException):
+                    failure = failure or answer
+                    continue
+                for (mid, _), frames in zip(op.groups, op.result(*answer)):
+                    out[mid] = frames
             if aside is not None:
                 out.update(await aside)
             left = {m: g for m, g in groups.items() if m not in out and m in links}
-            if left and failure is None:
-                out.update(await asyncio.to_thread(self.get_many, left, chkpt, timeout, lend))
-        except BaseException as e:
+            if left and failure is None:  # (sent again, in the operation's time left)
+                out.update(await asyncio.to_thread(self.get_many, left, chkpt,
+                                                   time_left(timeout, began), lend))  # fmt: skip
+        except asyncio.CancelledError:
+            if aside is not None:
+                aside.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - (the first failure is raised)
             failure = failure or e
         if failure is not None:
             raise failure

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import SMALL_FRAME
-from ..errors import Status, raise_for_status
+from ..errors import DDictError, DDictManagerMovedError, Status, raise_for_status
 from .operation import Encoded, Kind, Operation
 from .protocol import REP, REQ, SMALL, encode_timeout
 
@@ -109,11 +109,15 @@ class Pipe(asyncio.Protocol):
                     self.waits -= 1
                 if fut.done():
                     continue
-                if plen >= SMALL_FRAME:  # (aligned, as the blocking path receives it)
-                    payload: Any = o.buffer(plen)
-                    payload[:] = mv[start:pos]
-                else:
-                    payload = bytes(mv[start:pos])
+                try:
+                    if plen >= SMALL_FRAME:  # (aligned, as the blocking path receives it)
+                        payload: Any = o.buffer(plen)
+                        payload[:] = mv[start:pos]
+                    else:
+                        payload = bytes(mv[start:pos])
+                except Exception as e:  # noqa: BLE001 - (no room for it) this request's
+                    _settle(fut, e)
+                    continue
                 fut.set_result((status, ival, payload))
         del buf[:pos]
 
@@ -128,8 +132,7 @@ class Pipe(asyncio.Protocol):
         pending, self.pending = self.pending, {}
         self.waits = 0
         for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(error)
+            _settle(fut, error)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -161,10 +164,10 @@ class Pipe(asyncio.Protocol):
         if entry is None:
             return
         fut, o = entry
-        if not fut.done():
-            fut.set_exception(error)
+        _settle(fut, error)
         if o.kind is not Kind.READ:  # (it may still be waiting on the host, ahead of any
-            self.close()  # request sent after it: the others go by the blocking path)
+            self.close(abort=True)  # request sent after it: the others go by the blocking
+            # path; and what is not sent yet of it never is: its caller was told it failed)
 
     def _alive(self) -> None:
         """While requests are in flight on a same-host connection: its host's supervisor
@@ -178,17 +181,29 @@ class Pipe(asyncio.Protocol):
             os.kill(self._pid, 0)
         except ProcessLookupError:
             self._fail(Unpipeable(f"the supervisor of {self.link!r} is gone"))
-            self.close()
+            self.close(abort=True)
             return
         except PermissionError:
             pass  # alive, under another user
         self._checking = asyncio.get_running_loop().call_later(self._every, self._alive)
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        else:
+    def close(self, abort: bool = False) -> None:
+        """Close the connection (``abort``: at once, dropping what is not sent yet)."""
+        self.closed = True
+        if self.transport is None:
             self.sock.close()
+        elif abort:
+            self.transport.abort()
+        else:
+            self.transport.close()
+
+
+def _settle(fut: asyncio.Future[Any], error: BaseException) -> None:
+    """``fut`` fails with ``error``, marked as seen: a request whose caller stopped
+    waiting (cancelled) leaves no "exception was never retrieved" behind."""
+    if not fut.done():
+        fut.set_exception(error)
+        fut.exception()
 
 
 class Pipes:
@@ -217,26 +232,32 @@ class Pipes:
             self._close_now()
 
     def _open(self) -> Pipe | None:
+        """The most recent pipe that takes requests; idle ones beyond it are closed (those
+        that waiting puts made are not kept after them)."""
+        found = None
         for p in reversed(self.pipes):
-            if not p.closed and not p.waits:
-                return p
-        return None
+            if p.closed or p.waits:
+                continue
+            if found is None:
+                found = p
+            elif not p.pending:
+                p.close()
+        if len(self.pipes) > 1:
+            self.pipes = [p for p in self.pipes if not p.closed]
+        return found
 
     async def pipe(self, mid: int, deadline: float | None) -> Pipe:
         """An open pipe (connected now if none is, by ``deadline``: else ``TimeoutError``)."""
         p = self._open()
         if p is not None:
             return p
-        async with self._connecting:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        await asyncio.wait_for(self._connecting.acquire(), left)  # (TimeoutError: late)
+        try:
             p = self._open()
             if p is not None:
                 return p
-            try:
-                sock = await asyncio.to_thread(self.link.connect_detached, mid, deadline)
-            except TimeoutError:
-                raise
-            except Exception as e:  # (the blocking path connects again, and says why)
-                raise Unpipeable(f"cannot connect to {self.link!r}: {e!r}") from e
+            sock = await asyncio.to_thread(self._connect, mid, deadline)
             try:
                 make = (self.loop.create_unix_connection if sock.family == socket.AF_UNIX
                         else self.loop.create_connection)  # fmt: skip
@@ -244,16 +265,38 @@ class Pipes:
             except BaseException:
                 sock.close()
                 raise
-            self.pipes = [q for q in self.pipes if not q.closed] + [p]
+            self.pipes.append(p)
             if self.link.closed:  # (closed while connecting)
                 self._close_now()
                 raise Unpipeable(f"{self.link!r} closed")
             return p
+        finally:
+            self._connecting.release()
+
+    def _connect(self, mid: int, deadline: float | None) -> socket.socket:
+        """(A worker thread.)  A new connection's socket; ``TimeoutError`` at the deadline;
+        what the blocking path would raise as it is (a destroyed dictionary, a host that
+        is gone, explained), but :class:`Unpipeable` where it would go on (a moved manager
+        followed, a connection reset while the host restarts: retried)."""
+        try:
+            return self.link.connect_detached(mid, deadline)
+        except TimeoutError as e:
+            if e.errno is None:  # (the deadline's: connect_detached's own)
+                raise
+            raise Unpipeable(f"cannot connect to {self.link!r}: {e!r}") from e
+        except DDictManagerMovedError as e:
+            raise Unpipeable(f"cannot connect to {self.link!r}: {e!r}") from e
+        except DDictError:
+            raise
+        except Exception as e:  # noqa: BLE001 - (the blocking path connects again)
+            raise Unpipeable(f"cannot connect to {self.link!r}: {e!r}") from e
 
     def _close_now(self) -> None:
         pipes, self.pipes = self.pipes, []
         for p in pipes:
             p.close()
+        if self.link.pipes.get(self.loop) is self:  # (the loop is not kept for it)
+            del self.link.pipes[self.loop]
         if not self._keeper.done() and self._keeper is not asyncio.current_task(self.loop):
             self._keeper.cancel()
 
@@ -270,8 +313,13 @@ class Pipes:
             running = None
         if running is self.loop:
             self._close_now()
-        else:
+            return
+        try:
             self.loop.call_soon_threadsafe(self._close_now)
+        except RuntimeError:  # (the loop closed meanwhile)
+            for p in self.pipes:
+                p.sock.close()
+            self.pipes = []
 
 
 def pipes_of(link: HostLink) -> Pipes:
@@ -350,3 +398,9 @@ async def exchange_all(requests: list[tuple[HostLink, Operation, int]]
         except Exception as e:  # noqa: BLE001 - (the others are still awaited)
             out.append(e)
     return out
+
+
+def time_left(timeout: float | None, began: float) -> float | None:
+    """What is left of an operation's ``timeout`` that began at ``began``: a request that
+    a pipe could not send goes by the blocking path in that time, not in a new one."""
+    return None if timeout is None else max(0.001, timeout - (time.monotonic() - began))
