@@ -66,6 +66,18 @@ def _reply(tag: int, payload: bytes, status: int = 0, ival: int = 0) -> bytes:
     return REP.pack(status, tag, ival, len(payload)) + payload
 
 
+def _feed(p: Pipe, data: bytes, most: int = 1 << 30) -> None:
+    """What the event loop does with received bytes: into the pipe's buffers, at most
+    ``most`` at a time."""
+    while data:
+        buf = p.get_buffer(-1)
+        n = min(len(buf), len(data), most)
+        assert n > 0  # (never an empty buffer)
+        buf[:n] = data[:n]
+        data = data[n:]
+        p.buffer_updated(n)
+
+
 def _tags(t: _Transport) -> list[int]:
     return [REQ.unpack_from(m)[4] for m in t.sent]
 
@@ -79,11 +91,10 @@ def test_replies_are_matched_to_requests_by_tag_in_any_order_and_in_any_pieces()
         assert tags == [tag for tag, _ in futs] and len(set(tags)) == 3  # one tag each
         stream = _reply(tags[2], b"third") + _reply(tags[0], b"first" * 2000) \
             + _reply(tags[1], b"second")  # fmt: skip
-        for i in range(0, len(stream), 7):  # (in 7-byte pieces, headers cut anywhere)
-            p.data_received(stream[i : i + 7])
+        _feed(p, stream, most=7)  # (in 7-byte pieces, headers cut anywhere)
         got = [await f for _, f in futs]
         assert [bytes(g[2]) for g in got] == [b"first" * 2000, b"second", b"third"]
-        assert not p.pending and not p._buf
+        assert not p.pending and p._pos == p._end and p._into is None  # (all read)
 
     asyncio.run(main())
 
@@ -97,7 +108,7 @@ def test_a_request_given_up_on_drops_its_late_reply_and_a_waiting_one_closes_its
         with pytest.raises(DDictTimeoutError):
             await fut
         tag2, fut2 = p.send(read, read.encode(), 0)
-        p.data_received(_reply(tag, b"stale") + _reply(tag2, b"fresh"))  # the late one first
+        _feed(p, _reply(tag, b"stale") + _reply(tag2, b"fresh"))  # the late one first
         assert bytes((await fut2)[2]) == b"fresh" and not t.closed
         # A put may wait on the host: no request joins its connection until it is answered,
         # and one given up on closes it (what was sent after it would wait behind it).
@@ -105,7 +116,7 @@ def test_a_request_given_up_on_drops_its_late_reply_and_a_waiting_one_closes_its
         assert put.kind is Kind.IDEMPOTENT
         tag3, _ = p.send(put, put.encode(), 0)
         assert p.waits == 1
-        p.data_received(_reply(tag3, b""))
+        _feed(p, _reply(tag3, b""))
         assert p.waits == 0
         tag4, fut4 = p.send(put, put.encode(), 0)
         p.give_up(tag4, DDictTimeoutError("late"))
@@ -116,7 +127,30 @@ def test_a_request_given_up_on_drops_its_late_reply_and_a_waiting_one_closes_its
     asyncio.run(main())
 
 
-def test_a_reply_that_cannot_be_received_fails_its_request_alone():
+def test_large_payloads_are_received_into_their_own_buffers_whatever_the_pieces():
+    """Large replies go straight into their request's (aligned) buffer, small ones and
+    headers through the pipe's; a late large reply is read past; pieces of any size."""
+    rng = np.random.default_rng(5)
+
+    async def main() -> None:
+        for most in (1, 4093, 65536, 1 << 30):
+            p, _ = _pipe()
+            ops = [GetMany(((0, [bytes(16)]),), 0, None) for _ in range(5)]
+            sent = [p.send(o, o.encode(), 0) for o in ops]
+            p.give_up(sent[1][0], DDictTimeoutError("late"))  # (its reply comes anyway)
+            bodies = [rng.bytes(n) for n in (300_000, 200_000, 17, 5000, 70_000)]
+            _feed(p, b"".join(_reply(tag, body) for (tag, _), body in zip(sent, bodies)), most)
+            for i in (0, 2, 3, 4):
+                got = (await sent[i][1])[2]
+                assert bytes(got) == bodies[i], (most, i)
+                if len(bodies[i]) >= 4096:
+                    assert type(got) is memoryview  # (the request's own buffer)
+            assert not p.pending and p._into is None and p._pos == p._end
+
+    asyncio.run(main())
+
+
+def test_a_reply_that_cannot_be_received_fails_its_request():
     class _NoRoom(GetMany):
         def buffer(self, nbytes: int) -> Any:
             raise MemoryError(f"no room for {nbytes} bytes")
@@ -125,10 +159,12 @@ def test_a_reply_that_cannot_be_received_fails_its_request_alone():
         p, _ = _pipe()
         big, small = _NoRoom(((0, [bytes(16)]),), 0, None), GetMany(((0, [bytes(16)]),), 0, None)
         (tag1, fut1), (tag2, fut2) = p.send(big, big.encode(), 0), p.send(small, small.encode(), 0)
-        p.data_received(_reply(tag1, bytes(8192)) + _reply(tag2, b"ok"))
+        _feed(p, _reply(tag1, bytes(8192)) + _reply(tag2, b"ok"))
         with pytest.raises(MemoryError, match="no room"):
             await fut1
-        assert bytes((await fut2)[2]) == b"ok" and not p.pending
+        with pytest.raises(Unpipeable):  # (its bytes unread: the connection cannot go on)
+            await fut2
+        assert p.closed and not p.pending
 
     asyncio.run(main())
 
@@ -299,6 +335,29 @@ def test_coroutines_share_one_connection_per_host_with_no_thread(client, monkeyp
         asyncio.run(main())
         assert calls == []  # nothing went by the blocking path
         assert d.get_many([(c, 19) for c in range(200)])[199][0] == 199 * 100 + 19
+        t.detach()
+
+
+def test_large_values_travel_the_pipes_whole_and_aligned(client, monkeypatch):
+    """Large values beside small ones, gathered: each large reply is received into its
+    own buffer, numpy arrays come out 64-byte aligned, and nothing goes by the blocking
+    path (a get_many reply is sent in parts, never joined, and read as one)."""
+    with DDict(total_mem="256 MiB", client=client) as d:
+        t = _tcp(d)
+        calls = _blocking_calls(monkeypatch)
+        big = {f"big{i}": np.arange(i, i + (1 << 20), dtype="f8") for i in range(4)}  # 8 MiB
+
+        async def main() -> None:
+            await asyncio.gather(*(t.put(k, v) for k, v in big.items()),
+                                 *(t.put(i, i) for i in range(100)))  # fmt: skip
+            got = await asyncio.gather(*(t.get(k) for k in big), *(t.get(i) for i in range(100)))
+            for (k, v), g in zip(big.items(), got):
+                np.testing.assert_array_equal(g, v)
+                assert g.ctypes.data % 64 == 0, k
+            assert list(got[len(big):]) == list(range(100))
+
+        asyncio.run(main())
+        assert calls == []
         t.detach()
 
 

@@ -469,6 +469,10 @@ def _replier(out: Sink, tag: list[int]) -> Reply:
             if n <= SMALL:  # one copy, one send (as send_parts, with less around it)
                 send(head(0, tag[0], ival, n) + payload)
                 return
+        elif t is list:  # a payload in parts: sent as they are, never joined when large
+            n = sum(p.nbytes if type(p) is memoryview else len(p) for p in payload)
+            send_parts(out, [head(0, tag[0], ival, n), *payload], REP.size + n)
+            return
         else:
             n = memoryview(payload).nbytes
         send_parts(out, [head(0, tag[0], ival, n), payload], REP.size + n)

@@ -140,7 +140,8 @@ class GetMany(HostWide):
                 if m is None:
                     raise missing(mid)
                 frames += m.get_many(snapshots.enter_context(m.store.read()), digests, r.chkpt)
-            reply(0, b"".join(pack_frames(frames)))  # (inside the snapshots: views are valid)
+            reply(0, pack_frames(frames))  # (inside the snapshots: views are valid; parts,
+            # sent as they are: a large frame is never joined)
 
 
 def records_by_manager(value: Any) -> dict[int, list[tuple[bytes, bytes, memoryview]]]:

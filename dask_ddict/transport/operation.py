@@ -57,7 +57,7 @@ class Request(NamedTuple):
     rid: int
 
 
-Reply = Callable[..., None]  # reply(ival=0, payload=b"")
+Reply = Callable[..., None]  # reply(ival=0, payload=b""); payload: a buffer, or a list of them
 Answerer = Callable[["Manager", Request], tuple[int, Any]]  # see Answered.answer
 
 

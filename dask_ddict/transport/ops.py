@@ -544,7 +544,9 @@ class FanOut(PickledReply):
         got: list[tuple[int, bytes]] = []
 
         def answer(ival: int = 0, payload: Any = b"") -> None:
-            got.append((ival, payload if type(payload) is bytes else bytes(payload)))
+            t = type(payload)
+            got.append((ival, payload if t is bytes else b"".join(payload) if t is list
+                        else bytes(payload)))  # fmt: skip
 
         shared = _new_request(Request, fields)  # what an Answered operation reads (not manager)
         for mid in mids:

@@ -52,8 +52,12 @@ class Unpipeable(Exception):
     """This request must go by the blocking path (:mod:`.links`): see the module's doc."""
 
 
-class Pipe(asyncio.Protocol):
+class Pipe(asyncio.BufferedProtocol):
     """One connection to a host process, shared by the coroutines of one event loop.
+
+    Replies are received into a buffer of the pipe's (headers and small payloads), and a
+    large payload straight into its request's own buffer (aligned, as the blocking path
+    receives it: one copy, by the kernel).
 
     Parameters
     ----------
@@ -75,7 +79,12 @@ class Pipe(asyncio.Protocol):
         self.waits = 0
         self.closed = False
         self._tag = 0
-        self._buf = bytearray()
+        self._buf = bytearray(SMALL)
+        self._mv = memoryview(self._buf)
+        self._pos = self._end = 0  # (the received bytes not read yet: _buf[_pos:_end])
+        #: A large payload being received into its own buffer: (future, status, ival, buffer).
+        self._into: tuple[asyncio.Future[Any], int, int, Any] | None = None
+        self._have = 0
         #: Same host: the host's supervisor, checked while requests are in flight.
         self._pid = link.info.pid if link.kind == "uds" else None
         self._every = link._every or 1.0
@@ -85,47 +94,94 @@ class Pipe(asyncio.Protocol):
         return (f"<Pipe {self.link.name!r} {self.link.kind} in flight={len(self.pending)} "
                 f"waits={self.waits}{' closed' if self.closed else ''}>")  # fmt: skip
 
-    # -- asyncio.Protocol -------------------------------------------------------------
+    # -- asyncio.BufferedProtocol -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos, end, pending = 0, len(buf), self.pending
-        with memoryview(buf) as mv:
-            while end - pos >= _HEAD:
-                status, tag, ival, plen = REP.unpack_from(buf, pos)
-                start = pos + _HEAD
-                if end - start < plen:
-                    break
-                pos = start + plen
-                entry = pending.pop(tag, None)
-                if entry is None:
-                    continue  # (the late reply of a request given up on: dropped)
-                fut, o = entry
-                if o.kind is not Kind.READ:
-                    self.waits -= 1
-                if fut.done():
-                    continue
-                try:
-                    if plen >= SMALL_FRAME:  # (aligned, as the blocking path receives it)
-                        payload: Any = o.buffer(plen)
-                        payload[:] = mv[start:pos]
-                    else:
-                        payload = bytes(mv[start:pos])
-                except Exception as e:  # noqa: BLE001 - (no room for it) this request's
-                    _settle(fut, e)
-                    continue
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._into is not None:
+            return memoryview(self._into[3])[self._have :]
+        return self._mv[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into is not None:
+            self._have += nbytes
+            fut, status, ival, payload = self._into
+            if self._have == memoryview(payload).nbytes:
+                self._into = None
+                if not fut.done():
+                    fut.set_result((status, ival, payload))
+            return
+        self._end += nbytes
+        self._read()
+
+    def _read(self) -> None:
+        """Deliver every whole reply received; start receiving a large payload into its
+        request's buffer; make room for the rest."""
+        buf, mv, pending = self._buf, self._mv, self.pending
+        need = _HEAD
+        while self._end - self._pos >= _HEAD:
+            status, tag, ival, plen = REP.unpack_from(buf, self._pos)
+            start = self._pos + _HEAD
+            have = self._end - start
+            entry = pending.get(tag)
+            if have < plen and (entry is None or plen < SMALL_FRAME):
+                need = _HEAD + plen  # (a small payload, or a late reply's: buffered here)
+                break
+            self._pos = start + min(have, plen)
+            if entry is None:
+                continue  # (the late reply of a request given up on: dropped)
+            del pending[tag]
+            fut, o = entry
+            if o.kind is not Kind.READ:
+                self.waits -= 1
+            try:
+                if plen >= SMALL_FRAME:  # (aligned, as the blocking path receives it)
+                    payload: Any = o.buffer(plen)
+                    payload[: min(have, plen)] = mv[start : self._pos]
+                else:
+                    payload = bytes(mv[start : self._pos])
+            except Exception as e:  # noqa: BLE001 - (no room for it) this request's; the
+                _settle(fut, e)  # connection cannot go on without reading its bytes
+                self._fail(Unpipeable(f"a reply from {self.link!r} could not be received"))
+                self.close(abort=True)
+                return
+            if have < plen:  # the rest straight into it
+                self._into, self._have = (fut, status, ival, payload), have
+                self._pos = self._end = 0
+                return
+            if not fut.done():
                 fut.set_result((status, ival, payload))
-        del buf[:pos]
+        self._room(need)
+
+    def _room(self, need: int) -> None:
+        """Room for ``need`` bytes from the read position (moved down, or a bigger buffer)."""
+        n = self._end - self._pos
+        if n == 0:
+            self._pos = self._end = 0
+            if len(self._buf) > 4 * SMALL and need <= SMALL:  # (grown for a late large
+                self._buf = bytearray(SMALL)  # reply: not kept)
+                self._mv = memoryview(self._buf)
+        if self._pos + need <= len(self._buf) and self._end < len(self._buf):
+            return
+        if need > len(self._buf):
+            grown = bytearray(max(need, 2 * len(self._buf)))
+            grown[:n] = self._mv[self._pos : self._end]
+            self._buf, self._mv = grown, memoryview(grown)
+        else:
+            self._mv[:n] = self._mv[self._pos : self._end]
+        self._pos, self._end = 0, n
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self._checking is not None:
             self._checking.cancel()
-        self._fail(Unpipeable(f"the connection to {self.link!r} ended ({exc!r})"))
+        error = Unpipeable(f"the connection to {self.link!r} ended ({exc!r})")
+        if self._into is not None:
+            _settle(self._into[0], error)
+            self._into = None
+        self._fail(error)
         self.sock.close()
 
     def _fail(self, error: BaseException) -> None:
