@@ -338,6 +338,31 @@ def test_coroutines_share_one_connection_per_host_with_no_thread(client, monkeyp
         t.detach()
 
 
+def test_a_batch_over_pipes_and_same_host_shards_at_once(client, monkeypatch):
+    """One manager reached by TCP (pipelined), the other read and written from its shard
+    on this host (in a worker thread meanwhile): each key's put and get lands where it
+    belongs, in one batch per loop turn."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        t = DDict.attach(d.serialize())
+        with dask.config.set({"ddict.local-transport": False}):
+            t._core.channel(0)  # a socket channel: pipelined
+        assert t._core.channel(1).kind == "shm"  # its shard, read here
+        assert list(t._core.pipe_links([0, 1])) == [0]
+        at = AsyncDDict(t)
+        keys = list(range(300))
+        assert {d.which_manager(k) for k in keys} == {0, 1}
+        calls = _blocking_calls(monkeypatch)
+
+        async def main() -> None:
+            await asyncio.gather(*(at.put(k, -k) for k in keys))
+            assert await asyncio.gather(*(at.get(k) for k in keys)) == [-k for k in keys]
+
+        asyncio.run(main())
+        assert calls.count("put_many") == 1 and calls.count("get_many") == 1  # (the shard's)
+        assert d.get_many(keys) == [-k for k in keys]
+        t.detach()
+
+
 def test_large_values_travel_the_pipes_whole_and_aligned(client, monkeypatch):
     """Large values beside small ones, gathered: each large reply is received into its
     own buffer, numpy arrays come out 64-byte aligned, and nothing goes by the blocking

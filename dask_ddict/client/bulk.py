@@ -157,29 +157,42 @@ class Bulk:
         began = time.monotonic()
         out, groups = self._put_groups(pairs)
         links = self._core.pipe_links(groups)
+
+        def put_many(h: Bulk, indices: list[int]) -> None:  # (in a worker thread)
+            for i, e in zip(indices, h._put_many([pairs[i] for i in indices], persistent,
+                                                 direct_max)):  # fmt: skip
+                out[i] = e
+
+        # The others' (same-host shards, TLS, ...) in a worker thread meanwhile.
         aside = [r[0] for mid, recs in groups.items() if mid not in links for r in recs]
-        remote: dict[Any, list[_Group]] = {}
-        for mid, link in links.items():
-            remote.setdefault(link, []).append((mid, groups[mid]))
-        requests = self._put_requests(remote, persistent)
-        got = await exchange_all([(link, op, chunk[0][0]) for link, chunk, op in requests])
-        alone: list[int] = []
-        for (_, chunk, op), answer in zip(requests, got):
-            if isinstance(answer, Unpipeable):
-                aside += [r[0] for _, recs in chunk for r in recs]
-            else:
-                alone += self._put_answered(out, chunk, op, answer)
-        if aside or alone:
-            aside.sort()
+        side = asyncio.ensure_future(asyncio.to_thread(put_many, self, aside)) if aside else None
+        try:
+            remote: dict[Any, list[_Group]] = {}
+            for mid, link in links.items():
+                remote.setdefault(link, []).append((mid, groups[mid]))
+            requests = self._put_requests(remote, persistent)
+            got = await exchange_all([(link, op, chunk[0][0]) for link, chunk, op in requests])
+            again: list[int] = []  # what the pipes could not send
+            alone: list[int] = []  # after the first put a manager refused: one by one
+            for (_, chunk, op), answer in zip(requests, got):
+                if isinstance(answer, Unpipeable):
+                    again += [r[0] for _, recs in chunk for r in recs]
+                else:
+                    alone += self._put_answered(out, chunk, op, answer)
+            if side is not None:
+                await side
+        except asyncio.CancelledError:
+            if side is not None:
+                side.cancel()
+            raise
+        if again or alone:
             late = self  # (or the same handle, in the operation's time left)
             if self._timeout is not None:
                 late = self._derive()
                 late._timeout = time_left(self._timeout, began)
 
             def rest() -> None:
-                for i, e in zip(aside, late._put_many([pairs[i] for i in aside], persistent,
-                                                      direct_max)):  # fmt: skip
-                    out[i] = e
+                put_many(late, sorted(again))
                 for i in sorted(alone):
                     out[i] = _error_of(late._put, *pairs[i], persistent)
 
@@ -213,7 +226,8 @@ class Bulk:
                       answer: tuple[int, Any] | BaseException) -> list[int]:  # fmt: skip
         """Record the ``answer`` to ``op`` (or its failure) for the pairs of ``chunk`` in
         ``out``; the pairs to put one by one (after the first one a manager refused)."""
-        core, alone = self._core, list[int]()
+        core = self._core
+        alone: list[int] = []
         if isinstance(answer, BaseException):  # the request failed: all its pairs
             for mid, recs in chunk:
                 for r in recs:
