@@ -519,3 +519,53 @@ def test_a_stale_handles_pipelined_puts_and_gets_follow_a_moved_manager():
             t.detach()
         finally:
             d.destroy()
+
+
+def test_pipelined_writers_and_readers_go_on_through_a_retirement():
+    """Coroutines keep putting and reading over TCP pipes while a worker retires: its
+    managers move first (Dask moves a retiring worker's data, and so do we), its host's
+    connections close under the pipes, and every put is acknowledged, every value read
+    back is the one put, and all of them are there after the move."""
+    from writers import _wait_gone
+
+    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0",
+                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+        d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60)
+        try:
+            t = _tcp(d, timeout=60)
+            leaving = d.manager_workers[0]
+
+            async def main() -> list[int]:
+                done, after = [0], [0]
+                moved = asyncio.Event()
+
+                async def writer(w: int) -> int:
+                    i = 0
+                    while i < 20_000 and (not moved.is_set() or after[0] < 600):
+                        await t.put((w, i), w * 100_000 + i)
+                        assert await t.get((w, i)) == w * 100_000 + i
+                        done[0] += 1
+                        after[0] += moved.is_set()
+                        i += 1
+                    return i
+
+                async def retire() -> int:
+                    for _ in range(10_000):  # (once writing is well under way)
+                        if done[0] >= 300:
+                            break
+                        await asyncio.sleep(0.001)
+                    await asyncio.to_thread(lambda: (c.retire_workers([leaving]),
+                                                     _wait_gone(d, leaving)))  # fmt: skip
+                    moved.set()
+                    return 0
+
+                return list(await asyncio.gather(*(writer(w) for w in range(6)), retire()))
+
+            counts = asyncio.run(main())[:6]
+            assert leaving not in d.manager_workers and d.moves
+            assert min(counts) > 50 and max(counts) < 20_000  # (writing before and after)
+            keys = [(w, i) for w, n in enumerate(counts) for i in range(n)]
+            assert d.get_many(keys) == [w * 100_000 + i for w, i in keys]
+            t.detach()
+        finally:
+            d.destroy()
