@@ -229,6 +229,43 @@ def test_connecting_errors_are_raised_as_the_blocking_path_would_or_sent_there()
     asyncio.run(main())
 
 
+def test_a_connection_made_for_a_caller_that_left_is_closed():
+    import socket
+    import threading
+
+    from dask_ddict.transport.pipelined import Pipes
+
+    made: list[socket.socket] = []
+    go = threading.Event()
+
+    def connect(mid: int, deadline: Any) -> socket.socket:
+        go.wait(5)
+        a, b = socket.socketpair()
+        b.close()
+        made.append(a)
+        return a
+
+    async def main() -> None:
+        link = _Link()
+        link.pipes = {}  # type: ignore[attr-defined]
+        link.connect_detached = connect  # type: ignore[attr-defined]
+        pipes = Pipes(link, asyncio.get_running_loop())  # type: ignore[arg-type]
+        task = asyncio.create_task(pipes.pipe(0, None))
+        await asyncio.sleep(0.05)
+        task.cancel()  # (while it connects)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        for _ in range(500):
+            if made and made[0].fileno() == -1:
+                break
+            await asyncio.sleep(0.01)
+        assert made and made[0].fileno() == -1 and not pipes.pipes
+        pipes._close_now()
+
+    asyncio.run(main())
+
+
 def test_a_lost_connection_sends_its_requests_by_the_blocking_path():
     async def main() -> None:
         p, _ = _pipe()

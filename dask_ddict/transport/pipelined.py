@@ -254,6 +254,12 @@ class Pipe(asyncio.BufferedProtocol):
             self.transport.close()
 
 
+def _close_made(connecting: asyncio.Future[socket.socket]) -> None:
+    """A connection made for a caller that left: closed (or its error, seen)."""
+    if not connecting.cancelled() and connecting.exception() is None:
+        connecting.result().close()
+
+
 def _settle(fut: asyncio.Future[Any], error: BaseException) -> None:
     """``fut`` fails with ``error``, marked as seen: a request whose caller stopped
     waiting (cancelled) leaves no "exception was never retrieved" behind."""
@@ -313,7 +319,12 @@ class Pipes:
             p = self._open()
             if p is not None:
                 return p
-            sock = await asyncio.to_thread(self._connect, mid, deadline)
+            connecting = asyncio.ensure_future(asyncio.to_thread(self._connect, mid, deadline))
+            try:
+                sock = await asyncio.shield(connecting)
+            except asyncio.CancelledError:  # (its caller left: the socket it makes is closed)
+                connecting.add_done_callback(_close_made)
+                raise
             try:
                 make = (self.loop.create_unix_connection if sock.family == socket.AF_UNIX
                         else self.loop.create_connection)  # fmt: skip
