@@ -368,12 +368,8 @@ class Pipes:
             self._keeper.cancel()
 
     def close(self) -> None:
-        """Close every pipe (from any thread: on the loop's, if it still runs)."""
-        if self.loop.is_closed():
-            for p in self.pipes:
-                p.sock.close()
-            self.pipes = []
-            return
+        """Close every pipe (from any thread: on the loop's, if it still runs; the
+        sockets alone if the loop has closed)."""
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -382,11 +378,11 @@ class Pipes:
             self._close_now()
             return
         try:
-            self.loop.call_soon_threadsafe(self._close_now)
-        except RuntimeError:  # (the loop closed meanwhile)
-            for p in self.pipes:
+            self.loop.call_soon_threadsafe(self._close_now)  # (RuntimeError: it closed)
+        except RuntimeError:
+            pipes, self.pipes = self.pipes, []
+            for p in pipes:
                 p.sock.close()
-            self.pipes = []
 
 
 def pipes_of(link: HostLink) -> Pipes:
@@ -423,10 +419,10 @@ async def send(link: HostLink, o: Operation, mid: int, began: float
         raise link.timed_out(o, mid, timeout, False) from None
     tag, fut = pipe.send(o, encoded, mid)
     timer = None
-    if deadline is not None:
-        error = link.timed_out(o, mid, timeout, True)
-        timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()),
-                                                      pipe.give_up, tag, error)  # fmt: skip
+    if deadline is not None:  # (the error is made only if the time runs out)
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()),
+            lambda: pipe.give_up(tag, link.timed_out(o, mid, timeout, True)))  # fmt: skip
 
     async def answer() -> tuple[int, Any]:
         try:
