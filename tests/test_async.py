@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import dask
 import numpy as np
 import pytest
 from distributed import Client
@@ -195,13 +196,20 @@ def _forever(dd, out):
 
 
 def test_async_computing_beside_the_shards(cluster):
-    """filter (async with / async for), map_shards and to_bag from an asynchronous client."""
+    """filter (async with / async for), map_shards and to_bag from an asynchronous client.
+
+    None of them blocks the event loop: the handle's layout is asked by awaiting (a
+    blocking ask from the loop's own thread would wait out ``host.probe-timeout``
+    at each call, as it once did)."""
+    import time
+
     from distributed import get_worker
 
     from dask_ddict import DDictTaskError
 
     async def body(client):
         ad = await AsyncDDict.create(total_mem="32 MiB", client=client)
+        began = time.monotonic()
         try:
             await ad.update({i: i for i in range(500)})
             async with ad.filter(_keys_of, ("k",)) as results:
@@ -225,10 +233,15 @@ def test_async_computing_beside_the_shards(cluster):
             assert [w for w, _ in where] == ad.manager_workers and sum(n for _, n in where) == 500
             bag = await ad.to_bag("values")
             assert await client.compute(bag.sum()) == sum(range(500))
+            assert time.monotonic() - began < PROBE  # (six computations, no probe waited)
         finally:
             await ad.destroy()
 
-    run(cluster, body)
+    with dask.config.set({"ddict.host.probe-timeout": f"{PROBE}s"}):
+        run(cluster, body)
+
+
+PROBE = 30  # seconds: host.probe-timeout while an asynchronous client computes
 
 
 def test_async_create_with_replicas(cluster):

@@ -277,9 +277,13 @@ class AsyncDDict:
     # -- computing beside the shards (the asynchronous client places the tasks) ------------
 
     async def _workers(self) -> dict[str, Any]:
-        """The scheduler's workers (an asynchronous client caches none of them)."""
+        """The scheduler's workers (an asynchronous client caches none of them), read
+        with the orchestrator's layout now (managers move; the handle's
+        :meth:`~dask_ddict.client.core._Core.fresh` must not wait on the loop)."""
         client = self._client or self._d._core.client
-        return dict((await client.scheduler.identity(n_workers=-1))["workers"])
+        identity, _ = await asyncio.gather(client.scheduler.identity(n_workers=-1),
+                                           self._d._core.fresh_async())  # fmt: skip
+        return dict(identity["workers"])
 
     async def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any,
                          ) -> builtins.list[Future]:  # fmt: skip

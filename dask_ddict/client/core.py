@@ -9,6 +9,7 @@ calls, an embedded cluster it may own, and the hash-seed check.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -30,7 +31,7 @@ from ..errors import (
 )
 from ..layout import Layout, ManagerInfo
 from ..transport.connect import Connections, default_security
-from .layouts import LayoutRef, current_client, current_layout, remember, resolve
+from .layouts import LayoutRef, current_client, current_layout, fetched_layout, remember, resolve
 
 #: Seconds between two questions of one handle to the orchestrator about unreachable
 #: managers (see :meth:`_Core.explain`).
@@ -222,10 +223,29 @@ class _Core(Connections):
         now = time.monotonic()
         if (force or now >= self._fresh_at) and not self.closed and self._client is not None:
             self._fresh_at = now + ASK_EVERY
-            layout = current_layout(self.ref, self._client, config.get_seconds("host.probe-timeout"))
-            if layout is not None and layout.epoch > self.layout.epoch:
-                self.adopt(layout)
+            self.offer(current_layout(self.ref, self._client,
+                                      config.get_seconds("host.probe-timeout")))
         return self.layout
+
+    async def fresh_async(self) -> Layout:
+        """:meth:`fresh` from the event loop of an asynchronous client (whose loop a
+        blocking ask would stall): the orchestrator's answer awaited."""
+        now, client = time.monotonic(), self._client
+        if (now >= self._fresh_at and not self.closed
+                and client is not None and client.asynchronous):  # fmt: skip
+            self._fresh_at = now + ASK_EVERY
+            try:
+                ask = client.scheduler.ddict_attach(name=self.ref.name)
+                reply = await asyncio.wait_for(ask, config.get_seconds("host.probe-timeout"))
+            except (OSError, asyncio.TimeoutError):  # (no answer: the layout it has)
+                return self.layout
+            self.offer(fetched_layout(self.ref, reply))
+        return self.layout
+
+    def offer(self, layout: Layout | None) -> None:
+        """Adopt the orchestrator's ``layout`` if it is newer than this one's."""
+        if layout is not None and layout.epoch > self.layout.epoch:
+            self.adopt(layout)
 
     def adopt(self, layout: Layout) -> None:
         super().adopt(layout)

@@ -81,12 +81,12 @@ def resolve(ref: LayoutRef, client: Any = None) -> Layout:
             if known is not None and known.epoch >= ref.epoch:
                 return known  # fetched by another thread while this one waited
             fetches += 1
-        layout = _fetched(ref, _ask_orchestrator(ref, client))
+        layout = fetched_layout(ref, _ask_orchestrator(ref, client))
         remember(layout)
         return layout
 
 
-def _fetched(ref: LayoutRef, reply: Any) -> Layout:
+def fetched_layout(ref: LayoutRef, reply: Any) -> Layout:
     """The layout in the orchestrator's ``ddict_attach`` ``reply`` for ``ref``.
 
     Raises
@@ -121,7 +121,7 @@ def current_layout(ref: LayoutRef, client: Any, timeout: float | None,
         reply = _ask_orchestrator(ref, client, timeout, own=False, settled=settled)
     except Exception:  # noqa: BLE001 - no answer: the caller says what it saw itself
         return None
-    return None if reply is None else _fetched(ref, reply)
+    return None if reply is None else fetched_layout(ref, reply)
 
 
 def layout_reply(reply: Any) -> Layout:
@@ -153,6 +153,8 @@ def _ask_orchestrator(ref: LayoutRef, client: Any, timeout: float | None = None,
 
     ask = {"name": ref.name, "settled": True} if settled else {"name": ref.name}
     if client is not None:
+        if client.asynchronous:  # (this is its event loop's thread: a wait here would
+            return None  # block the loop until the timeout; AsyncDDict asks by awaiting)
         return client.sync(client.scheduler.ddict_attach, **ask,
                            asynchronous=False, callback_timeout=timeout)  # fmt: skip
     try:
