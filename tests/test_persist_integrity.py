@@ -181,7 +181,7 @@ def crash_at_every_step(root: str, count: int, options: rotation.Options = None)
             assert len(s.generations()) == len(s.ids()), event
 
 
-@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("count", [1, pytest.param(2, marks=pytest.mark.slow)])  # (each ~20 s)
 def test_a_crash_at_any_step_of_any_manager_leaves_the_newest_complete_id_restorable(
     tmp_path, count
 ):
