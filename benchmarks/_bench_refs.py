@@ -165,6 +165,16 @@ def reap(proc: Any) -> None:
         proc.wait()
 
 
+def python_build() -> str:
+    """The interpreter and which kernels dask_ddict runs, for a table's last line:
+    ``python 3.11.7, compiled kernels`` (``dask_ddict.kernels``; ``DASK_DDICT__COMPILED=false``
+    runs the pure-Python ones, to compare)."""
+    from dask_ddict import kernels
+
+    how = "compiled kernels" if kernels.COMPILED else "pure-Python kernels"
+    return f"python {sys.version.split()[0]}, {how}"
+
+
 def print_table(rows: list[tuple[str, str, str, str, str]], tail: str) -> None:
     """The rows ``measurement | value | target | result | notes``, aligned, then ``tail``."""
     head = ("measurement", "value", "target", "result", "notes")

@@ -74,7 +74,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from _bench_refs import print_table, start_redis, stop_redis  # beside this script
+from _bench_refs import print_table, python_build, start_redis, stop_redis  # beside this script
 
 
 Row = tuple[str, str, str, str, str]  # measurement, value, target, result, notes
@@ -502,7 +502,7 @@ def main() -> None:
     if not rn:
         rows.append(("redis peers", "n/a", "-", "-", "redis-server is not on the PATH"))
 
-    print_table(rows, f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, {args.workers} workers, "
+    print_table(rows, f"\n({python_build()}, {os.cpu_count()} cores, {args.workers} workers, "
           f"P in {','.join(map(str, ps))}, {cfg['n']:,} puts/gets per process, "
           f"{cfg['seconds']:g} s per get_many/batch phase, "
           f"{time.perf_counter() - started:.0f} s in all{', --quick' if args.quick else ''})")

@@ -498,7 +498,7 @@ def main() -> None:
     print("-" * len(line))
     for r in rows:
         print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    print(f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, {secs:.1f} s per cell)")
+    print(f"\n({refs.python_build()}, {os.cpu_count()} cores, {secs:.1f} s per cell)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ so that destroying through one closes them all.
 from __future__ import annotations
 
 import builtins  # DDict.list shadows the builtin in the class body
+import functools
 import inspect
 import itertools
 import logging
@@ -26,9 +27,9 @@ from dask.typing import no_default
 from dask.utils import format_bytes
 from distributed import Client
 
-from .. import config
+from .. import config, kernels
 from .._hashing import custom_placement, key_digest, manager_for_digest
-from .._keys import PLAIN_KEYS, dumps_key, loads_key
+from .._keys import PLAIN_KEYS, dumps_key, encode_key, loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import Timeout, check_client, check_int, check_timeout
 from ..errors import DDictClosedError, DDictError, DDictKeyError
@@ -352,25 +353,20 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         return self._placed(key, digest, n), digest, kb
 
     def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]:
-        """``(manager, digest)`` of each key: :meth:`_route` for many, its loop tight."""
+        """``(manager, digest)`` of each key: :meth:`_route` for many, in one loop of
+        :func:`~dask_ddict.kernels.route` (compiled where it was built)."""
         core = self._core
         if core.closed or self._detached:
             self._check()
-        kp, most, target, plain = self._kp, core.max_key_bytes, self._target, PLAIN_KEYS
-        n = core.num_managers
-        out = []
-        for key in keys:
-            kb = dumps_key(key, kp)
-            if len(kb) > most:
-                raise self._too_long(kb)
-            digest = key_digest(kb)
-            if target is None:
-                mid = manager_for_digest(digest, n) if type(key) in plain \
-                    else self._placed(key, digest, n)  # fmt: skip
-            else:
-                mid = target
-            out.append((mid, digest))
-        return out
+        kp, target = self._kp, self._target
+        encode = encode_key if kp is None else functools.partial(dumps_key, pickler=kp)
+        try:
+            routes = kernels.route(keys, core.num_managers, core.max_key_bytes, encode,
+                                   None if target is not None else self._placed, PLAIN_KEYS,
+                                   key_digest)  # fmt: skip
+        except kernels.KeyTooLong as e:
+            raise self._too_long(e.args[0]) from None
+        return routes if target is None else [(target, d) for _, d in routes]
 
     def _too_long(self, kb: bytes) -> ValueError:
         return ValueError(f"key is {len(kb)} bytes pickled; keys may have at most "

@@ -11,9 +11,11 @@ numpy arrays come back as read-only views that never change.
 from __future__ import annotations
 
 import builtins
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .. import kernels
 from .._serialize import ValuePickler, loads_value
 from ..arguments import check_bool, check_keys
 from ..errors import DDictKeyError, DDictTimeoutError
@@ -139,21 +141,15 @@ class Reads:
         lend = None if copy is None else not check_bool("copy", copy)
         if self._vp is not None:
             lend = False
-        groups: dict[int, builtins.list[bytes]] = {}
-        for mid, digest in routes:
-            groups.setdefault(mid, []).append(digest)
-        return lend, groups
+        return lend, kernels.group(routes)
 
     def _decoded(self, keys: builtins.list[Any], routes: builtins.list[tuple[int, bytes]],
                  got: dict[int, builtins.list[Any]], decode: Callable[[Any], Any] | None,
                  ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
         """``(key, value)`` pairs of :meth:`_many` from the frames ``got`` by manager."""
-        frames = {mid: iter(fs) for mid, fs in got.items()}
         vp = self._vp
-        out: builtins.list[tuple[Any, Any]] = []
-        for key, (mid, _) in zip(keys, routes):
-            frame = next(frames[mid])
-            out.append((key, _ABSENT if frame is None else _WAIT if frame is False
-                        else loads_value(frame, vp) if decode is None
-                        else decode(frame)))  # fmt: skip
-        return out
+        small = decode is None and vp is None  # (the value frames' own decoder: inlined)
+        if decode is None:
+            decode = loads_value if vp is None else functools.partial(loads_value, pickler=vp)
+        return kernels.decode_frames(keys, [mid for mid, _ in routes], got, decode, _ABSENT,
+                                     _WAIT, small)  # fmt: skip

@@ -37,11 +37,12 @@ from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 
-from .. import config
+from .. import config, kernels
 from .._keys import KEY_ENCODING
 from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
 from . import changes
+from .._entry import DIGEST, ENTRY, ENTRY_HEADER, PERSISTENT, TOMBSTONE
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +55,8 @@ FULL_REMEDY = (
     "managers add room only with total_mem to match) or a higher manager_pool_full_thresh"
 )
 
-TOMBSTONE = 1
-PERSISTENT = 2
-
 _MAXQ = (1 << 64) - 1
 _BE = struct.Struct(">Q")
-_ENTRY = struct.Struct("<BxxxIQ")
-ENTRY_HEADER = _ENTRY.size
-DIGEST = 16
 #: Written into every shard's ``meta``; changes with the layout or the key bytes.
 FORMAT = f"dask_ddict.shard/{KEY_ENCODING}.{VALUE_FRAMES}".encode()
 #: Older stamps this version re-attaches (same key bytes, older frames: restamped).
@@ -98,7 +93,7 @@ _new_entry = tuple.__new__  # half the cost of Entry(...): reads build one per l
 
 
 def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
-    flags, klen, flen = _ENTRY.unpack_from(raw, 0)
+    flags, klen, flen = ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
     return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))
 
@@ -256,7 +251,7 @@ class ShardStore:
         k, raw = cur.item()
         if k[:DIGEST] != digest:
             return None
-        flags, klen, flen = _ENTRY.unpack_from(raw, 0)  # (_decode, inlined: the read path)
+        flags, klen, flen = ENTRY.unpack_from(raw, 0)  # (_decode, inlined: the read path)
         end = ENTRY_HEADER + flen
         return _new_entry(Entry, (_MAXQ - _BE.unpack_from(k, DIGEST)[0], flags,
                                   raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
@@ -267,16 +262,14 @@ class ShardStore:
         ``frames``: the frames of live versions, ``None`` for the others (no ``Entry``
         made: ``get_many``'s path where every live version is seen)."""
         cur = txn.cursor(self._data)
-        seek, key, value, unpack = cur.set_range, cur.key, cur.value, _ENTRY.unpack_from
         tail = _BE.pack(_MAXQ - chkpt)
+        if frames:  # (the compiled kernel, where it was built)
+            return kernels.lookup_frames(cur, digests, tail)
+        seek, key, value = cur.set_range, cur.key, cur.value
         out: list[Any] = []
         for digest in digests:
             if not seek(digest + tail) or key()[:DIGEST] != digest:
                 out.append(None)
-            elif frames:
-                raw = value()
-                flags, _, n = unpack(raw, 0)
-                out.append(None if flags & TOMBSTONE else raw[ENTRY_HEADER : ENTRY_HEADER + n])
             else:
                 out.append(_decode(_MAXQ - _BE.unpack_from(key(), DIGEST)[0], value()))
         return out
@@ -308,10 +301,10 @@ class ShardStore:
         t = type(frame)  # (bytes, or a batch record's byte view: joined as they are)
         nbytes = len(frame) if t is bytes else frame.nbytes if t is memoryview else -1
         if 0 <= nbytes < HUGE_BYTES - ENTRY_HEADER - len(key):  # (gather, for one buffer)
-            buf: Any = b"".join((_ENTRY.pack(flags, len(key), nbytes), frame, key))
+            buf: Any = b"".join((ENTRY.pack(flags, len(key), nbytes), frame, key))
         else:
             parts, nbytes = frame_parts(frame)
-            buf = gather(parts, nbytes, _ENTRY.pack(flags, len(key), nbytes), key,
+            buf = gather(parts, nbytes, ENTRY.pack(flags, len(key), nbytes), key,
                          self._scratch or _client_scratch())  # fmt: skip
         try:
             txn.put(dk, buf, db=self._data)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed
+from ..kernels import pack_frames, unpack_frames
 from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
 from .protocol import BATCH_RECORD, FLAG_PERSIST, Op
@@ -43,50 +44,9 @@ if TYPE_CHECKING:
 
 _U32 = struct.Struct("<I")
 _GROUP = struct.Struct("<II")
-_LEN = struct.Struct("<q")
-ABSENT, WAIT = -1, -2
-_ALIGN = 64
 
 #: One manager's part of a many-key request: ``(manager id, digests)``.
 Group = tuple[int, list[bytes]]
-
-
-def _pad(n: int) -> int:
-    return -n % _ALIGN
-
-
-_PADS = [bytes(_pad(i)) for i in range(_ALIGN)]  # _PADS[n % 64]: the padding after n bytes
-
-
-def pack_frames(frames: list[Any]) -> list[Any]:
-    """The reply's parts for ``frames`` (buffers, ``None`` absent, ``False`` wait)."""
-    lens = [f.nbytes if type(f) is memoryview else ABSENT if f is None else WAIT if f is False
-            else memoryview(f).nbytes for f in frames]  # fmt: skip
-    head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}q", *lens)
-    parts: list[Any] = [head, _PADS[len(head) % _ALIGN]]
-    add = parts.append
-    for f, n in zip(frames, lens):
-        if n >= 0:
-            add(f)
-            add(_PADS[n % _ALIGN])
-    return parts
-
-
-def unpack_frames(payload: Any) -> list[Any]:
-    """The frames of a reply (views of ``payload``; ``None`` absent, ``False`` wait)."""
-    mv = memoryview(payload).cast("B")
-    (n,) = _U32.unpack_from(mv, 0)
-    lens = struct.unpack_from(f"<{n}q", mv, 4)
-    off = 4 + 8 * n
-    off += _pad(off)
-    out: list[Any] = []
-    for ln in lens:
-        if ln < 0:
-            out.append(None if ln == ABSENT else False)
-            continue
-        out.append(mv[off : off + ln])
-        off += ln + _pad(ln)
-    return out
 
 
 @dataclass(slots=True)
@@ -113,8 +73,13 @@ class GetMany(HostWide):
                        chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
 
     def result(self, ival: int, payload: Any) -> list[list[Any]]:
-        frames = iter(unpack_frames(payload))
-        return [[next(frames) for _ in d] for _, d in self.groups]
+        frames, out, at = unpack_frames(payload), [], 0
+        for _, d in self.groups:
+            out.append(frames[at : at + len(d)])
+            at += len(d)
+        if at != len(frames):
+            raise ValueError(f"a many-key reply has {len(frames)} frames for {at} keys")
+        return out
 
     @staticmethod
     def groups_of(value: Any) -> list[Group]:

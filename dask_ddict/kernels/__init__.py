@@ -1,0 +1,49 @@
+"""The key path's per-key loops, compiled where they could be built.
+
+A ``get_many`` of a thousand keys, a batch and a many-put run a few loops once per
+key: routing each key to its manager, grouping digests, framing the host's reply
+and taking it apart, the host's cursor walk, decoding small values.  In Python each
+step costs a microsecond or more of interpreter dispatch per key; these loops are
+therefore written twice: :mod:`.pure` (the reference, and the fallback) and
+:mod:`._compiled` (the same functions typed in Cython, built by ``pip install``
+with the machine's C compiler; see ``setup.py``).
+
+This module exports one set: the compiled one where it was built and
+``ddict.compiled`` is true (read once, at import: ``DASK_DDICT__COMPILED=false``
+gives every process of a cluster the pure set), else the pure one.
+:data:`COMPILED` says which this process runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from .. import config
+from . import pure
+from .pure import KeyTooLong
+
+logger = logging.getLogger(__name__)
+
+
+def _choose() -> tuple[ModuleType, bool]:
+    if not config.get("compiled"):
+        return pure, False
+    try:
+        from . import _compiled  # type: ignore[attr-defined,unused-ignore]
+    except ImportError as e:  # (not built: no compiler, or DASK_DDICT__COMPILED=false at install)
+        logger.debug("dask_ddict.kernels: not compiled (%s): pure Python", e)
+        return pure, False
+    return _compiled, True
+
+
+_impl, COMPILED = _choose()
+
+if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
+    from .pure import decode_frames, group, lookup_frames, pack_frames, route, unpack_frames
+else:
+    globals().update({name: getattr(_impl, name) for name in pure.__all__})
+
+__all__ = ["COMPILED", "KeyTooLong", "decode_frames", "group", "lookup_frames", "pack_frames",
+           "route", "unpack_frames"]  # (pure.__all__, and what says which: tests/test_kernels.py)

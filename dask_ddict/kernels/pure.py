@@ -1,0 +1,161 @@
+"""The per-key loops of the key path, in Python: the reference and the fallback.
+
+Each function here is one loop that runs once per key of a ``get_many``, a batch
+or a many-put, and nothing else: routing keys to managers, grouping digests by
+manager, framing a many-key reply on the host and taking it apart on the client,
+the host's cursor walk, and decoding small values.  :mod:`._compiled` has the
+same functions, typed, in C (Cython); :mod:`dask_ddict.kernels` chooses one.
+Both must give the same results and raise the same errors for every input
+(``tests/test_kernels.py`` fuzzes them side by side), so every rule lives here,
+readable, and the compiled module is only a faster spelling of it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE
+
+#: Frame lengths in a many-key reply that are not frames: an absent key, and one
+#: whose reader must wait (``wait_for_keys``: the client then asks for it alone).
+ABSENT, WAIT = -1, -2
+ALIGN = 64  # a many-key reply's frames start at multiples of this
+
+_U32 = struct.Struct("<I")
+
+#: The padding after ``n`` bytes, by ``n % ALIGN``.
+PADS = [bytes(-i % ALIGN) for i in range(ALIGN)]
+
+
+class KeyTooLong(ValueError):
+    """A key's serialized bytes are over the dictionary's limit (``args[0]``: them)."""
+
+
+def route(keys: list[Any], n: int, most: int, encode: Callable[[Any], bytes],
+          placed: Callable[[Any, bytes, int], int] | None, plain: frozenset[Any],
+          digest: Callable[[bytes], bytes]) -> list[tuple[int, bytes]]:  # fmt: skip
+    """``(manager, digest)`` of each key among ``n`` managers.
+
+    ``encode`` gives a key's bytes and ``digest`` their 16-byte digest; the first 8
+    bytes of the digest (little-endian) modulo ``n`` choose the manager, except for
+    a key whose type is not in ``plain``, which ``placed(key, digest, n)`` places
+    (a user ``__hash__``).  ``placed`` ``None``: every key goes by its digest.
+
+    Raises
+    ------
+    KeyTooLong
+        A key's bytes are longer than ``most``.
+    """
+    out = []
+    for key in keys:
+        kb = encode(key)
+        if len(kb) > most:
+            raise KeyTooLong(kb)
+        d = digest(kb)
+        if placed is None or type(key) in plain:
+            out.append((int.from_bytes(d[:8], "little") % n, d))
+        else:
+            out.append((placed(key, d, n), d))
+    return out
+
+
+def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
+    """The digests of ``routes`` by manager, each manager's in their order."""
+    groups: dict[int, list[bytes]] = {}
+    for mid, digest in routes:
+        groups.setdefault(mid, []).append(digest)
+    return groups
+
+
+def pack_frames(frames: list[Any]) -> list[Any]:
+    """A many-key reply's parts for ``frames`` (buffers; ``None`` absent, ``False`` wait)::
+
+        <u32 n> <i64 length> * n  [pad]  (frame [pad]) * n
+    """
+    lens = [f.nbytes if type(f) is memoryview else ABSENT if f is None else WAIT if f is False
+            else memoryview(f).nbytes for f in frames]  # fmt: skip
+    head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}q", *lens)
+    parts: list[Any] = [head, PADS[len(head) % ALIGN]]
+    add = parts.append
+    for f, ln in zip(frames, lens):
+        if ln >= 0:
+            add(f)
+            add(PADS[ln % ALIGN])
+    return parts
+
+
+def unpack_frames(payload: Any) -> list[Any]:
+    """The frames of a many-key reply (views of ``payload``; ``None`` absent, ``False``
+    wait).
+
+    Raises
+    ------
+    ValueError
+        The payload is shorter than its table says.
+    """
+    mv = memoryview(payload).cast("B")
+    if mv.nbytes < 4:
+        raise ValueError(f"a many-key reply of {mv.nbytes} bytes has no table")
+    (n,) = _U32.unpack_from(mv, 0)
+    if 4 + 8 * n > mv.nbytes:
+        raise ValueError(f"a many-key reply of {mv.nbytes} bytes cannot hold {n} lengths")
+    lens = struct.unpack_from(f"<{n}q", mv, 4)
+    off = 4 + 8 * n
+    off += -off % ALIGN
+    out: list[Any] = []
+    for ln in lens:
+        if ln < 0:
+            out.append(None if ln == ABSENT else False)
+            continue
+        if off + ln > mv.nbytes:
+            raise ValueError(f"a many-key reply of {mv.nbytes} bytes ends inside a frame")
+        out.append(mv[off : off + ln])
+        off += ln + (-ln % ALIGN)
+    return out
+
+
+def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes) -> list[Any]:
+    """The frames of the newest versions of ``digests`` at or before a checkpoint, with
+    one LMDB cursor (``None`` for an absent key or a deletion).
+
+    A data key is ``digest + tail``-ordered: ``tail`` is the checkpoint's big-endian
+    complement, so the first key at or after ``digest + tail`` with the same digest
+    is the newest version the checkpoint sees.
+    """
+    seek, key, value, unpack = cursor.set_range, cursor.key, cursor.value, ENTRY.unpack_from
+    out: list[Any] = []
+    for d in digests:
+        if not seek(d + tail) or key()[:DIGEST] != d:
+            out.append(None)
+            continue
+        raw = value()
+        flags, _, n = unpack(raw, 0)
+        out.append(None if flags & TOMBSTONE else raw[ENTRY_HEADER : ENTRY_HEADER + n])
+    return out
+
+
+def decode_frames(keys: list[Any], mids: list[int], got: dict[int, list[Any]],
+                  decode: Callable[[Any], Any], absent: Any, wait: Any, small: bool,
+                  ) -> list[tuple[Any, Any]]:  # fmt: skip
+    """``(key, value)`` for each key, its frame taken in turn from its manager's
+    (``mids``) frames in ``got``: ``absent`` for ``None``, ``wait`` for ``False``,
+    else ``decode(frame)``.
+
+    ``small``: ``decode`` is the value frames' own decoder
+    (:func:`~dask_ddict._serialize.loads_value` without a custom pickler), which the
+    compiled kernel does itself for the common frames, ``bytes`` and a pickle without
+    out-of-band buffers (the same copy, the same ``pickle.loads``; any other frame, or
+    an error, goes to ``decode``, which raises what it raises here).
+    """
+    frames = {mid: iter(fs) for mid, fs in got.items()}
+    out: list[tuple[Any, Any]] = []
+    for key, mid in zip(keys, mids):
+        frame = next(frames[mid])
+        out.append((key, absent if frame is None else wait if frame is False
+                    else decode(frame)))  # fmt: skip
+    return out
+
+
+__all__ = ["route", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames"]

@@ -1,0 +1,250 @@
+"""The key path's kernels: the compiled set gives what the pure-Python reference gives.
+
+Both sets run side by side here on fuzzed input (hypothesis), whichever one the
+package itself runs: every result equal, every error of the same type and message.
+The compiled set must be built wherever a C compiler is (``pip install`` builds it);
+``DASK_DDICT__COMPILED=false`` runs the package (and the rest of the suite) on the
+pure set, as a machine without a compiler would.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import struct
+from typing import Any
+
+import lmdb
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_ddict import config, kernels
+from dask_ddict._hashing import key_digest
+from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
+from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict.kernels import pure
+from dask_ddict._entry import ENTRY, TOMBSTONE
+
+try:
+    from dask_ddict.kernels import _compiled
+except ImportError:  # (a machine without a compiler: test_the_compiled_set_is_built says so)
+    _compiled = None
+
+SETS = [pure] if _compiled is None else [pure, _compiled]
+
+
+def _outcome(f: Any, *args: Any) -> tuple[str, Any]:
+    """``("ok", result)`` or ``("error", (type, message))``: what to compare."""
+    try:
+        return "ok", f(*args)
+    except Exception as e:  # noqa: BLE001 - compared as they are
+        return "error", (type(e), str(e))
+
+
+def _same(name: str, *args: Any) -> Any:
+    """Run kernel ``name`` of every set on ``args``; all outcomes equal; the outcome."""
+    outcomes = [_outcome(getattr(s, name), *args) for s in SETS]
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    return outcomes[0]
+
+
+def test_the_compiled_set_is_built_and_chosen():
+    """Where the machine has a C compiler, ``pip install`` built the kernels, and the
+    package runs them unless ``ddict.compiled`` is false."""
+    assert set(pure.__all__) | {"COMPILED", "KeyTooLong"} == set(kernels.__all__)
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
+        return
+    assert _compiled is not None, "a C compiler is here but the kernels were not built"
+    assert set(pure.__all__) <= set(dir(_compiled))
+    assert kernels.COMPILED == bool(config.get("compiled"))
+    assert (kernels.route is _compiled.route) == kernels.COMPILED
+    if os.environ.get("DASK_DDICT__COMPILED", "").lower() == "false":
+        assert not kernels.COMPILED and kernels.route is pure.route
+
+
+keys_st = st.recursive(
+    st.one_of(st.text(max_size=20), st.integers(), st.binary(max_size=20), st.booleans(),
+              st.none(), st.floats(allow_nan=False)),  # fmt: skip
+    lambda inner: st.tuples(inner, inner) | st.frozensets(st.integers(), max_size=3),
+    max_leaves=6,
+)
+
+
+class Placed:
+    """A key class with its own ``__hash__`` (placed by it, not by the digest)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __hash__(self) -> int:
+        return self.n * 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Placed) and other.n == self.n
+
+    def __reduce__(self) -> Any:
+        return (Placed, (self.n,))
+
+
+def _placed(key: Any, digest: bytes, n: int) -> int:
+    return hash(key) % n if isinstance(key, Placed) else int.from_bytes(digest[:8], "little") % n
+
+
+@settings(max_examples=150, deadline=None)
+@given(keys=st.lists(keys_st | st.integers(0, 50).map(Placed), max_size=30),
+       n=st.integers(0, 17), most=st.integers(1, 64), by_user_hash=st.booleans(),
+       custom=st.booleans())  # fmt: skip
+def test_route_is_the_same(keys, n, most, by_user_hash, custom):
+    encode = encode_key if not custom else (lambda k: dumps_key(k, pickle))
+    kind, got = _same("route", keys, n, most, encode, _placed if by_user_hash else None,
+                      PLAIN_KEYS, key_digest)  # fmt: skip
+    if kind == "ok":  # the reference's rule, spelled out once more
+        for key, (mid, digest) in zip(keys, got):
+            assert digest == key_digest(encode(key))
+            assert mid == (_placed(key, digest, n) if by_user_hash and isinstance(key, Placed)
+                           else int.from_bytes(digest[:8], "little") % n)  # fmt: skip
+
+
+def test_route_errors_name_the_key_that_is_too_long():
+    for s in SETS:
+        with pytest.raises(pure.KeyTooLong) as info:
+            s.route(["a", "b" * 100], 3, 50, encode_key, None, PLAIN_KEYS, key_digest)
+        assert info.value.args[0] == encode_key("b" * 100)
+        with pytest.raises(ZeroDivisionError):
+            s.route(["a"], 0, 50, encode_key, None, PLAIN_KEYS, key_digest)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.binary(min_size=16, max_size=16)), max_size=50))
+def test_group_is_the_same(routes):
+    kind, got = _same("group", routes)
+    assert kind == "ok" and sum(map(len, got.values())) == len(routes)
+    assert [list(v) for v in got.values()] == [[d for m, d in routes if m == mid] for mid in got]
+
+
+frames_st = st.lists(st.one_of(st.none(), st.just(False), st.binary(max_size=200),
+                               st.binary(max_size=200).map(memoryview),
+                               st.binary(max_size=200).map(bytearray)), max_size=30)  # fmt: skip
+
+
+@given(frames_st)
+def test_pack_and_unpack_are_the_same_and_round_trip(frames):
+    kind, parts = _same("pack_frames", frames)
+    assert kind == "ok"
+    payload = b"".join(bytes(p) for p in parts)
+    for start in range(len(parts)):  # (every part starts at a multiple of 64)
+        assert sum(len(bytes(p)) for p in parts[:start]) % 64 == 0 or start % 2
+    kind, back = _same_views("unpack_frames", payload)
+    assert kind == "ok"
+    assert [f if f is None or f is False else bytes(f) for f in back] == \
+        [f if f is None or f is False else bytes(f) for f in frames]  # fmt: skip
+
+
+def _same_views(name: str, *args: Any) -> Any:
+    """:func:`_same` for results that hold views (compared by their bytes)."""
+    def flat(outcome: Any) -> Any:
+        kind, got = outcome
+        if kind != "ok":
+            return outcome
+        return kind, [f if f is None or f is False else bytes(f) for f in got]
+
+    outcomes = [flat(_outcome(getattr(s, name), *args)) for s in SETS]
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    return _outcome(getattr(SETS[-1], name), *args)
+
+
+@given(frames_st, st.data())
+def test_unpack_of_a_cut_or_bad_payload_is_the_same_error(frames, data):
+    payload = b"".join(bytes(p) for p in pure.pack_frames(frames))
+    cut = data.draw(st.integers(0, len(payload)))
+    _same_views("unpack_frames", payload[:cut])
+    junk = data.draw(st.binary(max_size=80))
+    _same_views("unpack_frames", junk)
+
+
+def _shard(path: str, versions: list[tuple[bytes, int, int, bytes]]) -> lmdb.Environment:
+    """An LMDB data table of ``(digest, checkpoint, flags, frame)`` versions, keyed as
+    the shard keys them (digest, then the checkpoint's big-endian complement)."""
+    env = lmdb.open(path, map_size=1 << 24, max_dbs=2)
+    db = env.open_db(b"data")
+    with env.begin(write=True, db=db) as txn:
+        for digest, chkpt, flags, frame in versions:
+            k = digest + struct.pack(">Q", (1 << 64) - 1 - chkpt)
+            txn.put(k, ENTRY.pack(flags, 3, len(frame)) + frame + b"key", db=db)
+    return env
+
+
+@settings(max_examples=40, deadline=None)
+@given(versions=st.lists(st.tuples(st.sampled_from([bytes([i]) * 16 for i in range(6)]),
+                                   st.integers(0, 5), st.sampled_from([0, TOMBSTONE]),
+                                   st.binary(max_size=40)), max_size=20),
+       asked=st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20),
+                      max_size=12),
+       chkpt=st.integers(0, 6), buffers=st.booleans())  # fmt: skip
+def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, asked, chkpt,
+                                                  buffers):  # fmt: skip
+    env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
+    try:
+        db = env.open_db(b"data")
+        tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
+        with env.begin(db=db, buffers=buffers) as txn:
+            kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail)
+        assert kind == "ok"
+        newest = {}
+        for digest, c, flags, frame in versions:
+            if c <= chkpt:
+                newest.setdefault(digest, {})[c] = (flags, frame)
+        for digest, frame in zip(asked, got):
+            seen = newest.get(digest)
+            want = None if not seen else seen[max(seen)]
+            assert (None if want is None or want[0] & TOMBSTONE else want[1]) == \
+                (None if frame is None else bytes(frame))  # fmt: skip
+    finally:
+        env.close()
+
+
+values_st = st.one_of(st.integers(), st.text(max_size=30), st.binary(max_size=300),
+                      st.lists(st.integers(), max_size=5), st.none(),
+                      st.integers(0, 50).map(lambda n: np.arange(n)))  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.one_of(values_st, st.sampled_from(["<absent>", "<wait>"])),
+                       max_size=20),
+       mids=st.data(), as_views=st.booleans(), damage=st.integers(-1, 40))  # fmt: skip
+def test_decode_frames_is_the_same(values, mids, as_views, damage):
+    frames = [None if _is(v, "<absent>") else False if _is(v, "<wait>")
+              else dumps_value(v).join() for v in values]  # fmt: skip
+    if damage >= 0 and frames and frames[0] not in (None, False):
+        broken = bytearray(frames[0])
+        broken[damage % len(broken)] ^= 0xFF  # (a damaged frame: the same error either way)
+        frames[0] = bytes(broken)
+    ids = mids.draw(st.lists(st.integers(0, 3), min_size=len(frames), max_size=len(frames)))
+    got: dict[int, list[Any]] = {}
+    for mid, f in zip(ids, frames):
+        got.setdefault(mid, []).append(memoryview(f) if as_views and f not in (None, False)
+                                       else f)  # fmt: skip
+    keys = list(range(len(frames)))
+    absent, wait = object(), object()
+    outcomes = []
+    for s in SETS:
+        for small in (True, False):
+            kind, out = _outcome(s.decode_frames, keys, ids, got, loads_value, absent, wait,
+                                 small)  # fmt: skip
+            outcomes.append((kind, _comparable(out, absent, wait) if kind == "ok" else out))
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    if damage < 0 and outcomes[0][0] == "ok":
+        assert outcomes[0][1] == _comparable(list(enumerate(values)), "<absent>", "<wait>")
+
+
+def _is(v: Any, marker: str) -> bool:
+    return isinstance(v, str) and v == marker
+
+
+def _comparable(pairs: list[tuple[Any, Any]], absent: Any, wait: Any) -> list[Any]:
+    return [(k, "A" if v is absent or _is(v, absent) else "W" if v is wait or _is(v, wait)
+             else ("array", v.tolist()) if isinstance(v, np.ndarray) else v)
+            for k, v in pairs]  # fmt: skip
