@@ -78,7 +78,7 @@ def _run(script: str, seed: str | None, *args: str) -> list:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("seed", [None, "123", "6640"])
+@pytest.mark.parametrize("seed", [None, pytest.param("123", marks=pytest.mark.slow), "6640"])  # (None: differs too)
 def test_a_client_with_its_own_local_cluster(seed):
     """No seed: random; 123: not the workers' (the nanny gives them 6640, and writes 6640
     into this process's environment); 6640: the workers' seed, so no warning."""

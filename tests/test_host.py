@@ -546,7 +546,7 @@ def _resources(pid: int) -> tuple[int, int, int]:
     return p.num_fds(), p.num_threads(), maps
 
 
-@pytest.mark.parametrize("cycles", [200])
+@pytest.mark.parametrize("cycles", [100])  # (a leak of one fd or map a cycle shows)
 def test_create_destroy_cycles_keep_resources_flat(client, cycles):
     def read(h: DDict) -> int:
         return int(h["k"].sum())

@@ -127,16 +127,23 @@ def test_group_is_the_same(routes):
 
 frames_st = st.lists(st.one_of(st.none(), st.just(False), st.binary(max_size=200),
                                st.binary(max_size=200).map(memoryview),
-                               st.binary(max_size=200).map(bytearray)), max_size=30)  # fmt: skip
+                               st.binary(max_size=200).map(bytearray),
+                               st.integers(pure.JOIN - 2, pure.JOIN + 70).map(
+                                   lambda n: memoryview(bytes(range(256)) * (n // 256 + 1))[:n])),
+                     max_size=30)  # fmt: skip
 
 
 @given(frames_st)
 def test_pack_and_unpack_are_the_same_and_round_trip(frames):
     kind, parts = _same("pack_frames", frames)
     assert kind == "ok"
+    for s in SETS:  # a large frame is sent from where it is, at a multiple of 64
+        got = s.pack_frames(frames)
+        for f in frames:
+            if f is not None and f is not False and memoryview(f).nbytes >= pure.JOIN:
+                at = next(i for i, p in enumerate(got) if p is f)
+                assert sum(memoryview(p).nbytes for p in got[:at]) % pure.ALIGN == 0
     payload = b"".join(bytes(p) for p in parts)
-    for start in range(len(parts)):  # (every part starts at a multiple of 64)
-        assert sum(len(bytes(p)) for p in parts[:start]) % 64 == 0 or start % 2
     kind, back = _same_views("unpack_frames", payload)
     assert kind == "ok"
     assert [f if f is None or f is False else bytes(f) for f in back] == \
@@ -236,8 +243,19 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
                                  small)  # fmt: skip
             outcomes.append((kind, _comparable(out, absent, wait) if kind == "ok" else out))
     assert all(o == outcomes[0] for o in outcomes), outcomes
+    if outcomes[0][0] == "ok":
+        pairs = pure.decode_frames(keys, ids, got, loads_value, absent, wait, False)
+        shown = [_same_values(s.values_of, pairs, absent, wait) for s in SETS]
+        assert all(x == shown[0] for x in shown)
+        assert shown[0][1] == [i for i, v in enumerate(values) if _is(v, "<absent>")
+                               or _is(v, "<wait>")]  # fmt: skip
     if damage < 0 and outcomes[0][0] == "ok":
         assert outcomes[0][1] == _comparable(list(enumerate(values)), "<absent>", "<wait>")
+
+
+def _same_values(values_of: Any, pairs: Any, absent: Any, wait: Any) -> Any:
+    values, marked = values_of(pairs, absent, wait)
+    return [id(v) for v in values], marked
 
 
 def _is(v: Any, marker: str) -> bool:

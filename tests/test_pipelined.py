@@ -133,7 +133,7 @@ def test_large_payloads_are_received_into_their_own_buffers_whatever_the_pieces(
     rng = np.random.default_rng(5)
 
     async def main() -> None:
-        for most in (1, 4093, 65536, 1 << 30):
+        for most in (7, 4093, 65536, 1 << 30):  # (7: every header split too)
             p, _ = _pipe()
             ops = [GetMany(((0, [bytes(16)]),), 0, None) for _ in range(5)]
             sent = [p.send(o, o.encode(), 0) for o in ops]

@@ -96,8 +96,10 @@ class Reads:
         a frozen dictionary's).  Under ``wait_for_keys``, a key not yet written
         at this checkpoint is waited for as :meth:`get` waits.
         """
-        out = self._many(check_keys("keys", keys), copy)
-        for i, (key, got) in enumerate(out):
+        pairs = self._many(check_keys("keys", keys), copy)
+        out, marked = kernels.values_of(pairs, _ABSENT, _WAIT)
+        for i in marked:
+            key, got = pairs[i]
             if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone
                 try:
                     got = self._get(key, None if copy is None else not copy)

@@ -41,9 +41,10 @@ def _choose() -> tuple[ModuleType, bool]:
 _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
-    from .pure import decode_frames, group, lookup_frames, pack_frames, route, unpack_frames
+    from .pure import (decode_frames, group, lookup_frames, pack_frames, route, unpack_frames,
+                       values_of)
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
 __all__ = ["COMPILED", "KeyTooLong", "decode_frames", "group", "lookup_frames", "pack_frames",
-           "route", "unpack_frames"]  # (pure.__all__, and what says which: tests/test_kernels.py)
+           "route", "unpack_frames", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)

@@ -21,7 +21,7 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE
 from .._entry import DIGEST, ENTRY_HEADER, TOMBSTONE
-from .pure import ABSENT, ALIGN, PADS, WAIT, KeyTooLong
+from .pure import ABSENT, ALIGN, JOIN, PADS, WAIT, KeyTooLong
 
 cdef extern from "Python.h":
     int PyBUF_READ
@@ -39,6 +39,8 @@ cdef Py_ssize_t _ALIGN = ALIGN
 cdef int64_t _ABSENT = ABSENT
 cdef int64_t _WAIT = WAIT
 cdef list _PADS = PADS
+cdef Py_ssize_t _JOIN = JOIN
+cdef bytes _EMPTY = b""
 cdef Py_ssize_t _HEAD = _HEAD_STRUCT.size  # a value frame's header: fmt, nbufs, plen
 cdef int _FMT_PICKLE = FMT_PICKLE
 cdef int _FMT_BYTES = FMT_BYTES
@@ -123,18 +125,29 @@ def pack_frames(list frames):
     cdef Py_ssize_t n = len(frames), i, ln, hlen = 4 + 8 * n
     cdef bytes head = PyBytes_FromStringAndSize(NULL, hlen)
     cdef unsigned char* h = <unsigned char*>PyBytes_AS_STRING(head)
-    cdef list parts = [head, _PADS[hlen % _ALIGN]]
+    cdef list parts = []
+    cdef list run = [head, _PADS[hlen % _ALIGN]]
     h[0] = n & 0xFF
     h[1] = (n >> 8) & 0xFF
     h[2] = (n >> 16) & 0xFF
     h[3] = (n >> 24) & 0xFF
+    for i in range(n):  # (the table first: a run's join copies it)
+        _put_le64(h + 4 + 8 * i, <uint64_t>_frame_len(frames[i]))
     for i in range(n):
         f = frames[i]
-        ln = _frame_len(f)
-        _put_le64(h + 4 + 8 * i, <uint64_t>ln)
-        if ln >= 0:
-            parts.append(f)
-            parts.append(_PADS[ln % _ALIGN])
+        ln = <int64_t>_le64(h + 4 + 8 * i)
+        if ln < 0:
+            continue
+        if ln < _JOIN:
+            run.append(f)
+            run.append(_PADS[ln % _ALIGN])
+            continue
+        parts.append(_EMPTY.join(run))
+        parts.append(f)
+        run = [_PADS[ln % _ALIGN]]
+    last = _EMPTY.join(run)
+    if PyBytes_GET_SIZE(last):
+        parts.append(last)
     return parts
 
 
@@ -244,3 +257,15 @@ def decode_frames(list keys, list mids, dict got, object decode, object absent, 
                 value = decode(frame)
         out.append((keys[i], value))
     return out
+
+
+def values_of(list pairs, object absent, object wait):
+    cdef Py_ssize_t i, n = len(pairs)
+    cdef list values = [None] * n
+    cdef list marked = []
+    for i in range(n):
+        v = (<tuple?>pairs[i])[1]
+        values[i] = v
+        if v is absent or v is wait:
+            marked.append(i)
+    return values, marked

@@ -22,6 +22,7 @@ from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE
 #: whose reader must wait (``wait_for_keys``: the client then asks for it alone).
 ABSENT, WAIT = -1, -2
 ALIGN = 64  # a many-key reply's frames start at multiples of this
+JOIN = 16 * 1024  # a many-key reply's frames under this are copied into one part
 
 _U32 = struct.Struct("<I")
 
@@ -73,16 +74,27 @@ def pack_frames(frames: list[Any]) -> list[Any]:
     """A many-key reply's parts for ``frames`` (buffers; ``None`` absent, ``False`` wait)::
 
         <u32 n> <i64 length> * n  [pad]  (frame [pad]) * n
+
+    Frames under :data:`JOIN` bytes are copied, with the table and the padding around
+    them, into one part (a thousand small values: one buffer to send, not two thousand);
+    a larger frame is a part of its own, sent from where it is (the shard's pages).
     """
     lens = [f.nbytes if type(f) is memoryview else ABSENT if f is None else WAIT if f is False
             else memoryview(f).nbytes for f in frames]  # fmt: skip
     head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}q", *lens)
-    parts: list[Any] = [head, PADS[len(head) % ALIGN]]
-    add = parts.append
+    parts: list[Any] = []
+    run: list[Any] = [head, PADS[len(head) % ALIGN]]
     for f, ln in zip(frames, lens):
-        if ln >= 0:
-            add(f)
-            add(PADS[ln % ALIGN])
+        if ln < 0:
+            continue
+        if ln < JOIN:
+            run += (f, PADS[ln % ALIGN])
+            continue
+        parts += (b"".join(run), f)
+        run = [PADS[ln % ALIGN]]
+    last = b"".join(run)
+    if last:
+        parts.append(last)
     return parts
 
 
@@ -158,4 +170,13 @@ def decode_frames(keys: list[Any], mids: list[int], got: dict[int, list[Any]],
     return out
 
 
-__all__ = ["route", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames"]
+def values_of(pairs: list[tuple[Any, Any]], absent: Any, wait: Any,
+              ) -> tuple[list[Any], list[int]]:  # fmt: skip
+    """The values of :func:`decode_frames`' pairs, and the positions of those that are
+    ``absent`` or ``wait`` (the few that ``get_many`` must look at again)."""
+    values = [v for _, v in pairs]
+    return values, [i for i, v in enumerate(values) if v is absent or v is wait]
+
+
+__all__ = ["route", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames",
+           "values_of"]
