@@ -54,7 +54,7 @@ def _same(name: str, *args: Any) -> Any:
 def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
-    assert set(pure.__all__) | {"COMPILED", "KeyTooLong"} == set(kernels.__all__)
+    assert set(pure.__all__) | {"COMPILED", "JOIN", "KeyTooLong"} == set(kernels.__all__)
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
         return
@@ -107,6 +107,18 @@ def test_route_is_the_same(keys, n, most, by_user_hash, custom):
             assert digest == key_digest(encode(key))
             assert mid == (_placed(key, digest, n) if by_user_hash and isinstance(key, Placed)
                            else int.from_bytes(digest[:8], "little") % n)  # fmt: skip
+
+
+@given(st.lists(st.text(max_size=300) | st.text(st.characters(min_codepoint=0xD7F0,
+                                                                max_codepoint=0xE010), max_size=4)
+                | st.text(st.characters(min_codepoint=0x80), min_size=60, max_size=130),
+                max_size=20))  # fmt: skip
+def test_route_writes_str_keys_as_pickle_does(keys):
+    """The compiled kernel writes short str keys itself (one of its fast paths): the
+    digests are those of ``pickle.dumps(key, 5)``, surrogates and long keys included."""
+    for s in SETS:
+        got = s.route(keys, 7, 1 << 20, encode_key, None, PLAIN_KEYS, key_digest)
+        assert [d for _, d in got] == [key_digest(pickle.dumps(k, protocol=5)) for k in keys]
 
 
 def test_route_errors_name_the_key_that_is_too_long():
@@ -190,15 +202,19 @@ def _shard(path: str, versions: list[tuple[bytes, int, int, bytes]]) -> lmdb.Env
                                    st.binary(max_size=40)), max_size=20),
        asked=st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20),
                       max_size=12),
-       chkpt=st.integers(0, 6), buffers=st.booleans())  # fmt: skip
+       chkpt=st.integers(0, 6), buffers=st.booleans(), small=st.sampled_from([0, 10, 4096]))
 def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, asked, chkpt,
-                                                  buffers):  # fmt: skip
+                                                  buffers, small):  # fmt: skip
     env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
     try:
         db = env.open_db(b"data")
         tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
         with env.begin(db=db, buffers=buffers) as txn:
-            kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail)
+            kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail, small)
+            for s in SETS:  # (small frames: copies, whatever the transaction gives)
+                assert all(type(f) is bytes for f in s.lookup_frames(txn.cursor(db), asked,
+                                                                     tail, small)
+                           if f is not None and len(f) < small)  # fmt: skip
         assert kind == "ok"
         newest = {}
         for digest, c, flags, frame in versions:

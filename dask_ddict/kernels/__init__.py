@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import KeyTooLong
+from .pure import JOIN, KeyTooLong
 
 logger = logging.getLogger(__name__)
 
@@ -46,5 +46,5 @@ if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
-__all__ = ["COMPILED", "KeyTooLong", "decode_frames", "group", "lookup_frames", "pack_frames",
+__all__ = ["COMPILED", "JOIN", "KeyTooLong", "decode_frames", "group", "lookup_frames", "pack_frames",
            "route", "unpack_frames", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)

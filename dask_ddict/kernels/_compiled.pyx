@@ -12,7 +12,8 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport int64_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from libc.string cimport memcmp, memcpy
 
 import pickle
 import struct
@@ -73,6 +74,34 @@ cdef inline bytes _digest(bytes kb, object digest):
     return digest(kb)
 
 
+cdef object _pickled_str(str s):
+    """``pickle.dumps(s, 5)`` for a str of under 256 UTF-8 bytes, written here, or None
+    (a longer one, or one with lone surrogates: pickle writes it)::
+
+        PROTO 5 | FRAME <u64 n + 4> | SHORT_BINUNICODE <u8 n> utf-8 | MEMOIZE | STOP
+    """
+    cdef Py_ssize_t n
+    cdef const char* u
+    try:
+        u = PyUnicode_AsUTF8AndSize(s, &n)
+    except UnicodeEncodeError:
+        return None
+    if n >= 256:
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n + 15)
+    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(out)
+    p[0] = 0x80
+    p[1] = 5
+    p[2] = 0x95
+    _put_le64(p + 3, <uint64_t>(n + 4))
+    p[11] = 0x8c
+    p[12] = <unsigned char>n
+    memcpy(p + 13, u, n)
+    p[13 + n] = 0x94
+    p[14 + n] = 0x2e
+    return out
+
+
 def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed,
           frozenset plain, object digest):
     cdef list out = []
@@ -80,7 +109,12 @@ def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed
     cdef object kb
     cdef bytes d
     for key in keys:
-        if fast and type(key) in _atoms:
+        kb = None
+        if fast and type(key) is str:
+            kb = _pickled_str(<str>key)
+        if kb is not None:
+            pass
+        elif fast and type(key) in _atoms:
             kb = _dumps(key, 5)
         else:
             kb = encode(key)
@@ -181,13 +215,14 @@ def unpack_frames(payload):
     return out
 
 
-def lookup_frames(cursor, list digests, bytes tail):
+def lookup_frames(cursor, list digests, bytes tail, Py_ssize_t small=0):
     seek, key, value = cursor.set_range, cursor.key, cursor.value
     cdef list out = []
     cdef Py_buffer kv, vv
     cdef bytes d
     cdef bint same
     cdef uint64_t n
+    cdef Py_ssize_t have
     for d in digests:
         if not seek(d + tail):
             out.append(None)
@@ -202,13 +237,21 @@ def lookup_frames(cursor, list digests, bytes tail):
             continue
         raw = value()
         PyObject_GetBuffer(raw, &vv, PyBUF_SIMPLE)
-        if vv.len < _ENTRY_HEADER:
+        try:
+            if vv.len < _ENTRY_HEADER:
+                raise struct.error(f"a shard entry of {vv.len} bytes has no header")
+            if (<const unsigned char*>vv.buf)[0] & _TOMBSTONE:
+                out.append(None)
+                continue
+            n = _le64(<const unsigned char*>vv.buf + 8)
+            if n < <uint64_t>small:  # (a copy, as bytes(raw[16 : 16 + n]) makes it)
+                have = vv.len - _ENTRY_HEADER
+                out.append(PyBytes_FromStringAndSize(<char*>vv.buf + _ENTRY_HEADER,
+                                                     have if <uint64_t>have < n else <Py_ssize_t>n))
+                continue
+        finally:
             PyBuffer_Release(&vv)
-            raise struct.error(f"a shard entry of {vv.len} bytes has no header")
-        flags = (<const unsigned char*>vv.buf)[0]
-        n = _le64(<const unsigned char*>vv.buf + 8)
-        PyBuffer_Release(&vv)
-        out.append(None if flags & _TOMBSTONE else raw[_ENTRY_HEADER : _ENTRY_HEADER + n])
+        out.append(raw[_ENTRY_HEADER : _ENTRY_HEADER + n])
     return out
 
 

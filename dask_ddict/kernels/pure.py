@@ -128,13 +128,16 @@ def unpack_frames(payload: Any) -> list[Any]:
     return out
 
 
-def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes) -> list[Any]:
+def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes, small: int = 0) -> list[Any]:
     """The frames of the newest versions of ``digests`` at or before a checkpoint, with
     one LMDB cursor (``None`` for an absent key or a deletion).
 
     A data key is ``digest + tail``-ordered: ``tail`` is the checkpoint's big-endian
     complement, so the first key at or after ``digest + tail`` with the same digest
-    is the newest version the checkpoint sees.
+    is the newest version the checkpoint sees.  A frame under ``small`` bytes comes
+    as a copy (``bytes``: a same-host reader's copy of a small value, made here
+    rather than in a loop of its own), a larger one as the cursor gives it (a view
+    of the shard's page inside a ``buffers`` transaction).
     """
     seek, key, value, unpack = cursor.set_range, cursor.key, cursor.value, ENTRY.unpack_from
     out: list[Any] = []
@@ -144,7 +147,11 @@ def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes) -> list[Any]:
             continue
         raw = value()
         flags, _, n = unpack(raw, 0)
-        out.append(None if flags & TOMBSTONE else raw[ENTRY_HEADER : ENTRY_HEADER + n])
+        if flags & TOMBSTONE:
+            out.append(None)
+            continue
+        frame = raw[ENTRY_HEADER : ENTRY_HEADER + n]
+        out.append(bytes(frame) if n < small else frame)
     return out
 
 

@@ -289,12 +289,13 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
                                "get", chkpt=chkpt)  # (a copy: the snapshot ends with the try) # fmt: skip
         return consume(memoryview(copy))
 
-    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
-                 ) -> list[memoryview | None | bool]:  # fmt: skip
-        """The keys' frames in snapshot ``txn`` (views valid while it lives): ``None``
-        where absent, ``False`` where the reader must wait (it then asks with :meth:`get`)."""
+    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
+                 small: int = 0) -> list[Any]:  # fmt: skip
+        """The keys' frames in snapshot ``txn`` (views valid while it lives; those under
+        ``small`` bytes copied): ``None`` where absent, ``False`` where the reader must
+        wait (it then asks with :meth:`get`)."""
         self._check_open()
-        return self.working_set.get_many(txn, digests, chkpt)
+        return self.working_set.get_many(txn, digests, chkpt, small)
 
     def contains(self, digest: bytes, chkpt: int) -> bool:
         return self._read(lambda txn: self.working_set.contains(txn, digest, chkpt), None, "in")

@@ -257,14 +257,15 @@ class ShardStore:
                                   raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
 
     def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
-                    frames: bool = False) -> list[Any]:  # fmt: skip
+                    frames: bool = False, small: int = 0) -> list[Any]:  # fmt: skip
         """:meth:`lookup` of each digest (an ``Entry`` or ``None``), with one cursor;
         ``frames``: the frames of live versions, ``None`` for the others (no ``Entry``
-        made: ``get_many``'s path where every live version is seen)."""
+        made: ``get_many``'s path where every live version is seen), those under
+        ``small`` bytes copied (see :func:`~dask_ddict.kernels.lookup_frames`)."""
         cur = txn.cursor(self._data)
         tail = _BE.pack(_MAXQ - chkpt)
         if frames:  # (the compiled kernel, where it was built)
-            return kernels.lookup_frames(cur, digests, tail)
+            return kernels.lookup_frames(cur, digests, tail, small)
         seek, key, value = cur.set_range, cur.key, cur.value
         out: list[Any] = []
         for digest in digests:

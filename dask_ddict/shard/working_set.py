@@ -477,14 +477,15 @@ class WorkingSet:
             raise MustWait
         raise DDictKeyError()
 
-    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int
-                 ) -> list[memoryview | None | bool]:  # fmt: skip
+    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
+                 small: int = 0) -> list[Any]:  # fmt: skip
         """The frames visible at ``chkpt`` in ``digests`` order: ``None`` where absent,
-        ``False`` where a reader must wait (``wait_for_keys``; see :meth:`get`)."""
+        ``False`` where a reader must wait (``wait_for_keys``; see :meth:`get`); those
+        under ``small`` bytes as copies (:func:`~dask_ddict.kernels.lookup_frames`)."""
         self.check_retired(chkpt)
         wfk = self.wait_for_keys
         if not wfk:  # (every live version is seen: the frames straight from the cursor)
-            return self.store.lookup_many(txn, digests, chkpt, frames=True)
+            return self.store.lookup_many(txn, digests, chkpt, frames=True, small=small)
         return [e.frame if entry_visible(e, chkpt, wfk) else
                 unseen(e, chkpt, wfk) for e in self.store.lookup_many(txn, digests, chkpt)]
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed
-from ..kernels import pack_frames, unpack_frames
+from ..kernels import JOIN, pack_frames, unpack_frames
 from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
 from .protocol import BATCH_RECORD, FLAG_PERSIST, Op
@@ -104,7 +104,9 @@ class GetMany(HostWide):
                 m = managers.get(mid)
                 if m is None:
                     raise missing(mid)
-                frames += m.get_many(snapshots.enter_context(m.store.read()), digests, r.chkpt)
+                frames += m.get_many(snapshots.enter_context(m.store.read()), digests, r.chkpt,
+                                     JOIN)  # (small frames: copied by the cursor's walk,
+                # as the reply copies them anyway, which is cheaper than a view of each)
             reply(0, pack_frames(frames))  # (inside the snapshots: views are valid; parts,
             # sent as they are: a large frame is never joined)
 

@@ -41,12 +41,12 @@ RELEASE_LARGE = 1 << 20
 RELEASE_EVERY = 96 << 20
 
 
-def touched(nbytes: int) -> None:
-    """Count ``nbytes`` of shard pages this process has touched (a copy out of a shard,
-    or a value a client committed into one); give every mapping's pages back when
-    :data:`RELEASE_EVERY` bytes were counted."""
+def touched(nbytes: int, reads: int = 1) -> None:
+    """Count ``nbytes`` of shard pages this process has touched in ``reads`` copies out
+    of a shard (or values a client committed into one); give every mapping's pages
+    back when :data:`RELEASE_EVERY` bytes were counted."""
     global _unreleased
-    _unreleased += nbytes + _memory.PAGE
+    _unreleased += nbytes + reads * _memory.PAGE
     if _unreleased >= RELEASE_EVERY:
         _unreleased = 0
         _touched.clear()

@@ -36,7 +36,7 @@ from typing import Any
 import lmdb
 
 from .. import config
-from .._serialize import Framed, raw_range
+from .._serialize import SMALL_FRAME, Framed, raw_range
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -397,8 +397,13 @@ class SharedChannel:
         store = view.store
         self._check_state(store, chkpt, txn)
         if not self._wfk:  # (every live version is seen: the frames straight from the cursor)
-            return [f if f is None else out(f) for f in store.lookup_many(txn, digests, chkpt,
-                                                                         frames=True)]
+            copying = out == view.copy  # (small frames: copied by the cursor's walk itself)
+            frames = store.lookup_many(txn, digests, chkpt, frames=True,
+                                       small=SMALL_FRAME if copying else 0)  # fmt: skip
+            if copying:
+                sizes = [len(f) for f in frames if type(f) is bytes]
+                touched(sum(sizes), len(sizes))
+            return [out(f) if type(f) is memoryview else f for f in frames]
         got: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
