@@ -35,6 +35,8 @@ rows, each against the reference its reference column names:
 * ``batch put 1000 x 100 B``: keys/s of ``start_batch_put()``, 1,000 puts,
   ``end_batch_put()`` on the whole dictionary, same host and over TCP, against
   a redis-py pipeline of 1,000 SETs (``transaction=False``).
+* ``host CPU per key of get_many 100 B (tcp)``: the same, per key of 1,000-key
+  ``get_many`` requests, against redis-server's CPU per key of ``MGET``.
 * ``host CPU per get/put 100 B (tcp)``: CPU time (user + system, psutil) the
   manager's host process (``d.stats[0].pid``) spends per 100 B get and per
   100 B put from ``d.manager(0)`` over TCP, over 10,000 operations each
@@ -251,6 +253,10 @@ def tcp_big_row(tcp0: DDict, reps: int) -> Row:
             f"{wire / t:.2f} of loopback (target >= 0.8)")  # fmt: skip
 
 
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.2f} us"
+
+
 def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
     """CPU of the manager's host process per 100 B get/put over TCP, vs redis-server's."""
     pid = tcp0.stats[0].pid
@@ -263,20 +269,26 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
 
     ours = {"put": refs.cpu_per_op(pid, put, n, cap=60.0),
             "get": refs.cpu_per_op(pid, lambda i: tcp0[i % 1000], n, cap=60.0)}  # fmt: skip
+    tcp0.update({k: v for k in KEYS})  # (get_many: CPU per key, of 1,000-key requests)
+    cpu, done = refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS), max(n // 100, 10), cap=60.0)
+    ours["key of get_many"] = (cpu / len(KEYS), done * len(KEYS))
     tcp0.clear()
     theirs: dict[str, tuple[float, int]] = {}
     if redis_ctx:
         rpid, r = redis_ctx[0].pid, redis_ctx[1]
         theirs = {"put": refs.cpu_per_op(rpid, lambda i: r.set(i % 1000, v), n, cap=60.0),
                   "get": refs.cpu_per_op(rpid, lambda i: r.get(i % 1000), n, cap=60.0)}
+        r.mset({k: v for k in KEYS})
+        cpu, done = refs.cpu_per_op(rpid, lambda i: r.mget(KEYS), max(n // 100, 10), cap=60.0)
+        theirs["key of get_many"] = (cpu / len(KEYS), done * len(KEYS))
         r.flushall()
     rows = []
-    for op, rop in (("get", "GET"), ("put", "SET")):
+    for op, rop in (("get", "GET"), ("put", "SET"), ("key of get_many", "key of MGET")):
         (cpu, done), base = ours[op], theirs.get(op, (0.0, 0))[0]
-        rows.append((f"host CPU per {op} 100 B (tcp)", f"host process, {done:,} {op}s",
-                     f"{cpu * 1e6:.0f} us",
-                     f"redis-server per {rop}: {base * 1e6:.0f} us" if theirs else "n/a",
-                     f"{cpu / base:.2f} (target <= 1.0)" if base else "n/a"))  # fmt: skip
+        rows.append((f"host CPU per {op} 100 B (tcp)", f"host process, {done:,} {op.split()[0]}s",
+                     _us(cpu), f"redis-server per {rop}: {_us(base)}" if theirs else "n/a",
+                     (f"{cpu / base:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
+                     if base else "n/a"))  # fmt: skip
     return rows
 
 

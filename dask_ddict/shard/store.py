@@ -38,11 +38,11 @@ from typing import Any, NamedTuple, TypeVar
 import lmdb
 
 from .. import config, kernels
+from .._entry import DIGEST, ENTRY, ENTRY_HEADER, PERSISTENT, TOMBSTONE
 from .._keys import KEY_ENCODING
 from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
 from . import changes
-from .._entry import DIGEST, ENTRY, ENTRY_HEADER, PERSISTENT, TOMBSTONE
 
 logger = logging.getLogger(__name__)
 
