@@ -17,6 +17,8 @@ gives every process of a cluster the pure set), else the pure one.
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,11 @@ def _choose() -> tuple[ModuleType, bool]:
     except ImportError as e:  # (not built: no compiler, or DASK_DDICT__COMPILED=false at install)
         logger.debug("dask_ddict.kernels: not compiled (%s): pure Python", e)
         return pure, False
+    source = os.path.join(os.path.dirname(__file__), "_compiled.pyx")
+    built = getattr(_compiled, "__file__", None)
+    if built and os.path.exists(source) and os.stat(source).st_mtime > os.stat(built).st_mtime:
+        warnings.warn(f"{source} is newer than its build {built}: run `pip install -e .` again "
+                      "(or set ddict.compiled: false)", RuntimeWarning, stacklevel=2)  # fmt: skip
     return _compiled, True
 
 

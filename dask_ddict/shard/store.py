@@ -544,6 +544,15 @@ class ShardStore:
         """Bytes in pages that hold live data (free-list pages excluded)."""
         return self.usage(txn)[0]
 
+    def below_high_water(self, nbytes: int, puts: int = 1) -> bool:
+        """Whether ``puts`` puts of ``nbytes`` in all surely fit: the shard's high-water
+        mark (which bounds what is used) plus twice their bytes stays under the limit.
+        One ``env.info()`` for a whole batch, where :meth:`check_room` ``exact`` takes one
+        per put."""
+        need = 2 * (nbytes + puts * (ENTRY_HEADER + 64))
+        return (self.env.info()["last_pgno"] + 4) * self._psize + need <= \
+            self.full_thresh * self.capacity  # fmt: skip
+
     def check_room(self, txn: lmdb.Transaction, nbytes: int, *, exact: bool = False) -> None:
         """Refuse a put of ``nbytes`` that would take the shard over its threshold.
 
@@ -554,10 +563,10 @@ class ShardStore:
         the id of its own: a same-host client's direct puts, which the estimate
         misses).  ``exact`` always counts: for writers in other processes.
         """
+        if exact and self.below_high_water(nbytes):
+            return
         put, nbytes = nbytes, nbytes + ENTRY_HEADER + 64
         limit = self.full_thresh * self.capacity
-        if exact and (self.env.info()["last_pgno"] + 4) * self._psize + 2 * nbytes <= limit:
-            return  # below the shard's high-water mark, which bounds what is used
         if not exact and txn.id() != self._next_own:
             exact = True  # another process committed since this one's last commit: count
         if not exact and self._used_estimate + 2 * nbytes <= limit:

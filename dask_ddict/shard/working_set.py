@@ -151,10 +151,13 @@ def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: i
         return 0, None
     window = counts.window(newest, size)
     done, tally = 0, counts.Tally(store, txn)
+    sizes = [frame_parts(frame)[1] + len(key) for _, key, frame in records]
+    checked = store.below_high_water(sum(sizes), len(sizes))  # (all of them: no check each)
     try:
-        for digest, key, frame in records:
+        for (digest, key, frame), nbytes in zip(records, sizes):
             try:
-                store.check_room(txn, frame_parts(frame)[1] + len(key), exact=True)
+                if not checked:
+                    store.check_room(txn, nbytes, exact=True)
             except DDictError as e:
                 return done, e
             counts.put(store, txn, window, digest, chkpt, key, frame, PERSISTENT, tally)
