@@ -17,7 +17,7 @@ import pytest
 from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dask_ddict import DDict
 from dask_ddict.errors import raise_from_wire
@@ -129,8 +129,12 @@ class ScalingDict(MovingDict):
 
     cluster: LocalCluster
 
+    scalings = 0
+
+    @precondition(lambda self: self.scalings < 1)  # (one a run, at a random step: ~2-3 s each)
     @rule(rebalance=st.booleans())
     def scale_down_and_up(self, rebalance: bool) -> None:
+        self.scalings += 1
         c = self.client
         self.cluster.scale(2)
         deadline = time.monotonic() + 60
