@@ -1,7 +1,7 @@
 """The per-key loops of the key path, in Python: the reference and the fallback.
 
-Each function here is one loop that runs once per key of a ``get_many``, a batch
-or a many-put, and nothing else: routing keys to managers, grouping digests by
+Each function here is one loop that runs once per key of a ``get_many``, and
+nothing else: routing keys to managers, grouping digests by
 manager, framing a many-key reply on the host and taking it apart on the client,
 the host's cursor walk, and decoding small values.  :mod:`._compiled` has the
 same functions, typed, in C (Cython); :mod:`dask_ddict.kernels` chooses one.
