@@ -97,7 +97,7 @@ class Place:
         return lambda: bool(fs.exists(f"{group}/zarr.json"))
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])  # (s3: ~13 s)
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
     if request.param == "local":
         return Place(str(tmp_path / "ckpt.zarr"))
