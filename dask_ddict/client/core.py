@@ -220,20 +220,25 @@ class _Core(Connections):
         join), asked at most every :data:`ASK_EVERY` seconds (``force``: now), by a
         handle that has a client (the user's); others (a task's) keep the layout of
         their epoch, and follow a manager's move when they meet it."""
-        now = time.monotonic()
-        if (force or now >= self._fresh_at) and not self.closed and self._client is not None:
-            self._fresh_at = now + ASK_EVERY
+        if self._due(force):
             self.offer(current_layout(self.ref, self._client,
                                       config.get_seconds("host.probe-timeout")))
         return self.layout
 
+    def _due(self, force: bool = False) -> bool:
+        """Whether :meth:`fresh` asks the orchestrator now (then not again for
+        :data:`ASK_EVERY` seconds)."""
+        now = time.monotonic()
+        if (force or now >= self._fresh_at) and not self.closed and self._client is not None:
+            self._fresh_at = now + ASK_EVERY
+            return True
+        return False
+
     async def fresh_async(self) -> Layout:
         """:meth:`fresh` from the event loop of an asynchronous client (whose loop a
         blocking ask would stall): the orchestrator's answer awaited."""
-        now, client = time.monotonic(), self._client
-        if (now >= self._fresh_at and not self.closed
-                and client is not None and client.asynchronous):  # fmt: skip
-            self._fresh_at = now + ASK_EVERY
+        client = self._client
+        if client is not None and client.asynchronous and self._due():
             try:
                 ask = client.scheduler.ddict_attach(name=self.ref.name)
                 reply = await asyncio.wait_for(ask, config.get_seconds("host.probe-timeout"))

@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE
+from .._hashing import manager_for_digest
+from .._serialize import ALIGN  # (a many-key reply's frames start at multiples of it)
 
 #: Frame lengths in a many-key reply that are not frames: an absent key, and one
 #: whose reader must wait (``wait_for_keys``: the client then asks for it alone).
 ABSENT, WAIT = -1, -2
-ALIGN = 64  # a many-key reply's frames start at multiples of this
 JOIN = 16 * 1024  # a many-key reply's frames under this are copied into one part
 
 _U32 = struct.Struct("<I")
@@ -56,7 +57,7 @@ def route(keys: list[Any], n: int, most: int, encode: Callable[[Any], bytes],
             raise KeyTooLong(kb)
         d = digest(kb)
         if placed is None or type(key) in plain:
-            out.append((int.from_bytes(d[:8], "little") % n, d))
+            out.append((manager_for_digest(d, n), d))
         else:
             out.append((placed(key, d, n), d))
     return out
