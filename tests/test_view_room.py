@@ -29,7 +29,13 @@ from hypothesis import strategies as st
 from piped import PipeProcess
 
 from dask_ddict import DDict, DDictFullError, _memory
+from dask_ddict._hashing import key_digest
+from dask_ddict._keys import dumps_key
+from dask_ddict._serialize import dumps_value
 from dask_ddict.shard import pinboard
+from dask_ddict.shard.manager import Manager
+from dask_ddict.shard.store import ShardStore
+from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import pins
 
 from tests.test_zero_copy import _in_shard
@@ -182,6 +188,45 @@ def test_a_holder_killed_while_it_is_asked_gives_the_room_back(client):
         finally:
             killer.join()
         assert d.stats[0].pinned_bytes == 0
+
+
+def test_a_holder_that_ends_its_snapshot_just_after_a_refusal_gives_the_room(tmp_path, monkeypatch):
+    """A holder asked earlier (a stopped process, continued) may end its snapshot between
+    a write's refusal and the manager's look at the boards: they show nothing pinned by
+    then, yet the write is tried again and gets the room (it used to be refused)."""
+    store = ShardStore(str(tmp_path / "shard"), 16 * MiB)
+    m = Manager(0, store, WorkingSet(store, 2))
+    m.pins = pinboard.BoardReader(str(tmp_path), "u", 1)
+    board = pinboard.PinBoard(str(tmp_path), "u", 1)  # (this process holds the view)
+    try:
+        value = dumps_value(np.zeros(MiB // 2)).join()  # 4 MiB
+        digest, kb = key_digest(dumps_key("a")), dumps_key("a")
+        m.put(digest, kb, value, 0, 1)
+        unknown = store.env.begin(buffers=True)  # a snapshot on no board: a final refusal
+        with pytest.raises(DDictFullError, match="pages reach"):
+            for _ in range(8):
+                m.put(digest, kb, value, 0, 1)
+        unknown.abort()
+        held = [store.env.begin(buffers=True)]  # the view's snapshot
+        board.add(0, len(value), 1)
+        put = store._put
+
+        def refused_then_released(*args: object) -> None:
+            try:
+                put(*args)
+            except DDictFullError:
+                if held:  # the holder answers the earlier request only now
+                    held.pop().abort()
+                    board.add(0, -len(value), -1)
+                raise
+
+        monkeypatch.setattr(store, "_put", refused_then_released)
+        for _ in range(8):  # (the snapshot keeps every page freed: the 3rd or so is refused)
+            m.put(digest, kb, value, 0, 1)
+        assert not held  # a write was refused while the view was held, and got the room
+    finally:
+        m.close()
+        pinboard.remove_boards(str(tmp_path), "u")
 
 
 # -- interleavings ---------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class Room:
     _collected: int  # the window's oldest checkpoint when dead versions were last dropped
     pins: BoardReader | None
     _late: str = ""  # (why views held the room, for the error of a write still refused)
+    _pins_seen: int = -1  # (the boards' changes at the last refusal: see _may_make_room)
 
     if TYPE_CHECKING:  # provided by the manager
 
@@ -64,12 +65,26 @@ class Room:
         try:
             result = fn(txn)
         except BaseException:  # (whatever fn made of the refusal: a many-put's _Refused)
-            if self.store.refused and (self._collectable() or self._pinned()):
+            if self.store.refused and self._may_make_room():
                 raise NoRoom from None
             raise
-        if self.store.refused and (self._collectable() or self._pinned()):
+        if self.store.refused and self._may_make_room():
             raise NoRoom
         return result
+
+    def _may_make_room(self) -> bool:
+        """Whether making room may give a refused write room: dead versions to collect,
+        views pinning the shard, or boards that changed since the last refusal.  (A holder
+        asked earlier, a stopped process continued, may end its snapshots between the
+        refusal and this look: its board then shows nothing, but the room it held is
+        free only now, so the write is worth trying again.)"""
+        if self._collectable():
+            return True
+        if self.pins is None:
+            return False
+        changes = self.pins.changes()
+        moved, self._pins_seen = changes != self._pins_seen, changes
+        return moved or self._pinned()
 
     def _collectable(self) -> bool:
         """Whether dead versions may exist that no collection has dropped yet: only
