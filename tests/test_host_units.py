@@ -19,13 +19,13 @@ from dask_ddict._serialize import BufferPool, dumps_value
 from dask_ddict.host import control, hygiene
 from dask_ddict.host.control import DictSpec
 from dask_ddict.options import DDictOptions
+from dask_ddict.shard.direct import put_in_window
 from dask_ddict.shard.working_set import (
     CLOSED_DESTROYED,
     FROZEN,
     WorkingSet,
     add_waiters,
     mark_closed,
-    put_in_window,
 )
 
 

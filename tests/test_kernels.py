@@ -18,13 +18,14 @@ from typing import Any
 import lmdb
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import config, kernels
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
-from dask_ddict._serialize import dumps_value, loads_value
+from dask_ddict._serialize import Framed, dumps_value, loads_value
+from dask_ddict.shard.store import ShardStore
 from dask_ddict.kernels import pure
 from dask_ddict._entry import ENTRY, TOMBSTONE
 
@@ -54,7 +55,7 @@ def _same(name: str, *args: Any) -> Any:
 def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
-    assert set(pure.__all__) | {"COMPILED", "JOIN", "KeyTooLong"} == set(kernels.__all__)
+    assert set(pure.__all__) | {"COMPILED", "JOIN", "KeyTooLong", "Record"} == set(kernels.__all__)
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
         return
@@ -107,6 +108,22 @@ def test_route_is_the_same(keys, n, most, by_user_hash, custom):
             assert digest == key_digest(encode(key))
             assert mid == (_placed(key, digest, n) if by_user_hash and isinstance(key, Placed)
                            else int.from_bytes(digest[:8], "little") % n)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(keys=st.lists(keys_st | st.integers(0, 50).map(Placed), max_size=12),
+       n=st.integers(0, 17), most=st.integers(1, 64), by_user_hash=st.booleans(),
+       custom=st.booleans())  # fmt: skip
+def test_a_router_routes_one_key_as_route_does(keys, n, most, by_user_hash, custom):
+    """``Router(...).one(key)`` (a handle's single keys, batch puts) is ``route``'s
+    answer for that key with its bytes, or ``route``'s error, in both sets."""
+    encode = encode_key if not custom else (lambda k: dumps_key(k, pickle))
+    args = (n, most, encode, _placed if by_user_hash else None, PLAIN_KEYS, key_digest)
+    for key in keys:
+        kind, got = _same("route", [key], *args)
+        ones = [_outcome(s.Router(*args).one, key) for s in SETS]
+        assert all(o == ones[0] for o in ones), ones
+        assert ones[0] == ((kind, (*got[0], encode(key))) if kind == "ok" else (kind, got))
 
 
 @given(st.lists(st.text(max_size=300) | st.text(st.characters(min_codepoint=0xD7F0,
@@ -282,3 +299,88 @@ def _comparable(pairs: list[tuple[Any, Any]], absent: Any, wait: Any) -> list[An
     return [(k, "A" if v is absent or _is(v, absent) else "W" if v is wait or _is(v, wait)
              else ("array", v.tolist()) if isinstance(v, np.ndarray) else v)
             for k, v in pairs]  # fmt: skip
+
+
+# -- batch puts ------------------------------------------------------------------------------
+
+DIGESTS = [bytes([i]) * 16 for i in range(5)]
+
+
+def _frame(kind: str, data: bytes) -> Any:
+    """One of the frames a batch record carries: a value's parts, a received view, ..."""
+    if kind == "framed":  # (a header and the bytes, as dumps_value frames them)
+        return Framed([data[:3], memoryview(data[3:])], len(data))
+    if kind == "view":
+        return memoryview(bytearray(data))
+    return None if kind == "none" and not data else data
+
+
+frames_st = st.builds(_frame, st.sampled_from(["framed", "view", "bytes", "none"]),
+                      st.binary(max_size=64) | st.integers(60_000, 90_000).map(b"y".__mul__))
+records_st = st.lists(st.tuples(st.sampled_from(DIGESTS), st.binary(min_size=1, max_size=12),
+                                frames_st), max_size=14)  # fmt: skip
+
+
+def test_entries_bytes_is_the_same():
+    records = [(DIGESTS[0], b"k", _frame(kind, b"abcdef")) for kind in ("framed", "view", "bytes")]
+    assert _same("entries_bytes", records) == ("ok", 3 * 7)
+    assert _same("entries_bytes", records + [(DIGESTS[0], b"k", None)]) == ("ok", 3 * 7 + 1)
+    assert _same("entries_bytes", [(b"d", b"k")])[0] == "error"  # (not a record)
+    assert _same("entries_bytes", [(b"d", b"k", 5)])[0] == "error"  # (not a buffer)
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=st.lists(st.tuples(st.sampled_from(DIGESTS), st.integers(0, 3),
+                                 st.sampled_from([0, TOMBSTONE])), max_size=10),
+       records=records_st, chkpt=st.integers(3, 4), start=st.integers(0, 3),
+       flags=st.sampled_from([0, 2, TOMBSTONE]), most=st.sampled_from([0, 40, 1 << 20]))
+@example(before=[], records=[(DIGESTS[i % 5] + bytes([i]), b"k", b"x" * 90_000) for i in range(14)],
+         chkpt=3, start=0, flags=2, most=1 << 20)  # (the map fills: refused at the same record)
+def test_put_entries_is_put_over_in_a_loop_on_a_real_shard(tmp_path_factory, before, records,
+                                                           chkpt, start, flags, most):  # fmt: skip
+    """Each set's ``put_entries`` leaves a real shard as ``ShardStore.put_over`` of the
+    same records does (the rule), says the same change in keys seen, stops at the same
+    record (one over ``most``) and, in a map too small, is refused at the same one."""
+    outcomes, tables = [], []
+    for s in [None, *SETS]:  # (None: the reference, put_over in a loop)
+        store = ShardStore(str(tmp_path_factory.mktemp("shard")), 128 << 10)  # (map: 1.1 MiB)
+        try:
+            with store.write() as txn:
+                for digest, c, f in before:
+                    store.put(txn, digest, c, b"old", b"v" * c, f)
+            txn = store.env.begin(write=True, buffers=True)
+            try:
+                if s is None:
+                    outcomes.append(_put_over_loop(store, txn, records, start, chkpt, flags, most))
+                else:
+                    tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
+                    kind, got = _outcome(s.put_entries, txn.cursor(store._data), records, start,
+                                         tail, flags, most, lmdb.MapFullError)  # fmt: skip
+                    outcomes.append((kind, got[:2] + (type(got[2]),) if kind == "ok" else got))
+                tables.append([(bytes(k), bytes(v)) for k, v in txn.cursor(store._data)]
+                              if outcomes[-1][1][2] is type(None) else None)  # fmt: skip
+            finally:
+                txn.abort()
+        finally:
+            store.destroy()
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    assert all(t == tables[0] for t in tables)
+
+
+def _put_over_loop(store: ShardStore, txn: lmdb.Transaction, records: list[Any], start: int,
+                   chkpt: int, flags: int, most: int) -> tuple[str, Any]:  # fmt: skip
+    delta = 0
+    for i in range(start, len(records)):
+        digest, kb, frame = records[i]
+        nbytes = 0 if frame is None else frame.nbytes if isinstance(frame, Framed) \
+            else memoryview(frame).nbytes  # fmt: skip
+        if 16 + nbytes + len(kb) >= most:
+            return "ok", (i, delta, type(None))
+        try:
+            live = store.put_over(txn, digest, chkpt, kb, frame, flags)
+        except Exception as e:  # noqa: BLE001 - (a full map: the kernels' LMDB error)
+            assert isinstance(e.__cause__, lmdb.MapFullError), e
+            return "ok", (i, delta, lmdb.MapFullError)
+        if live == bool(flags & TOMBSTONE):
+            delta += -1 if live else 1
+    return "ok", (len(records), delta, type(None))

@@ -149,7 +149,7 @@ def test_a_same_host_clients_direct_put_is_seen_by_cached_len_and_stats(tmp_path
         from dask_ddict._keys import dumps_key
         from dask_ddict._serialize import dumps_value
         from dask_ddict.shard.store import ShardStore
-        from dask_ddict.shard.working_set import put_in_window
+        from dask_ddict.shard.direct import put_in_window
         s = ShardStore({path!r}, 16 << 20, create=False)  # as a same-host client opens it
         kb = dumps_key("b")
         with s.write() as txn:

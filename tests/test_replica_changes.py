@@ -95,6 +95,28 @@ def test_every_kind_of_write_reaches_the_replica(pair):
     assert pair.same()
 
 
+def test_a_batchs_records_reach_the_replica(tmp_path):
+    """A batch's records are written in one compiled loop of cursor ``replace`` calls
+    (a window of one checkpoint): new keys, overwrites, keys with older versions to
+    delete and a large value all reach the replica (they once did not)."""
+    pair = Pair(str(tmp_path), size=1, wait_for_keys=False)
+    m = pair.manager
+    try:
+        def batch(keys: range, chkpt: int, batch_id: int) -> None:
+            m.batch_put([(*_k(i), dumps_value(i * chkpt).join()) for i in keys], chkpt, CLIENT,
+                        batch=batch_id)  # fmt: skip
+            assert m.batch_end(CLIENT, batch_id) == len(keys)
+
+        batch(range(50), 0, 1)  # new keys
+        batch(range(25, 75), 0, 2)  # overwrites and new keys
+        batch(range(0, 100, 3), 2, 3)  # the window moves: older versions go
+        m.batch_put([(*_k("big"), dumps_value(bytes(3 << 20)).join())], 2, CLIENT, batch=4)
+        assert m.length(2) == 75 + 9 + 1  # (0..74, the 9 new multiples of 3 up to 99, big)
+        assert pair.same()
+    finally:
+        pair.close()
+
+
 def test_a_resend_is_taken_once_and_a_gap_is_refused(pair, monkeypatch):
     monkeypatch.setattr(replica_store, "OUT_OF_STEP_AFTER", 0.2)
     m = pair.manager

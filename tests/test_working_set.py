@@ -17,7 +17,8 @@ from dask_ddict.errors import (
 )
 from dask_ddict.shard import counts
 from dask_ddict.shard.store import ShardStore
-from dask_ddict.shard.working_set import MustWait, WorkingSet, put_in_window
+from dask_ddict.shard.direct import put_in_window
+from dask_ddict.shard.working_set import MustWait, WorkingSet
 
 
 @pytest.fixture

@@ -220,9 +220,13 @@ class BatchPut:
         surface at its end, and the puts around it go on.  (A class, not a generator
         context manager: it wraps every put of a batch.)"""
         if isinstance(error, DDictFullError):
-            self.error = self.error or error
+            self.refused(error)
             return True
         return False
+
+    def refused(self, e: DDictFullError) -> None:
+        """Keep ``e``, a value this client refused before sending it, for :meth:`end`."""
+        self.error = self.error or e
 
     def _failed(self, e: DDictError, mid: int) -> None:
         """Keep the batch's first error (a full shard's, naming its manager)."""

@@ -10,6 +10,7 @@ calls, an embedded cluster it may own, and the hash-seed check.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -19,8 +20,10 @@ from typing import Any
 from dask.utils import format_bytes
 from distributed import Client, LocalCluster
 
-from .. import config
-from .._hashing import seed_warning
+from .. import config, kernels
+from .._hashing import custom_placement, key_digest, manager_for_digest, seed_warning
+from .._keys import PLAIN_KEYS, dumps_key, encode_key
+from .._serialize import KeyPickler
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -101,6 +104,7 @@ class _Core(Connections):
         self._client = client
         self.cluster = cluster
         self.seed_checked = False
+        self._routers: dict[tuple[int, bool], tuple[Any, kernels.Router]] = {}  # see router
         self.storage_options: dict[str, Any] | None = None  # the creator's, for copy()
         self._room: int | None = None  # see value_room
         self._lost: dict[int, ManagerInfo] = {}  # managers the orchestrator said lost
@@ -117,6 +121,28 @@ class _Core(Connections):
     def name(self) -> str:
         """The dictionary's name (known without resolving the layout)."""
         return self.ref.name
+
+    def router(self, kp: KeyPickler | None, placed: bool = True) -> kernels.Router:
+        """The routing rule of this dictionary's keys, pickled by ``kp`` (cached per
+        pickler: a handle's single-key operations route through it).  ``placed``: a key
+        with a user ``__hash__`` goes where it says (not for a handle of one manager)."""
+        got = self._routers.get((id(kp), placed))
+        if got is None:
+            encode = encode_key if kp is None else functools.partial(dumps_key, pickler=kp)
+            router = kernels.Router(self.num_managers, self.max_key_bytes, encode,
+                                    self.placed if placed else None, PLAIN_KEYS,
+                                    key_digest)  # fmt: skip
+            got = self._routers[id(kp), placed] = (kp, router)  # (kp kept: its id stays its)
+        return got[1]
+
+    def placed(self, key: Any, digest: bytes, n: int) -> int:
+        """The manager of a key that is not a plain type: its user ``__hash__``'s, if any."""
+        mid = custom_placement(key, n)
+        if mid is None:
+            return manager_for_digest(digest, n)
+        if not self.seed_checked:
+            self.check_hash_seed(type(key))
+        return mid
 
     def check_hash_seed(self, cls: type) -> None:
         """Warn once if keys placed by ``cls.__hash__`` here may land elsewhere in tasks.

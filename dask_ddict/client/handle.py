@@ -15,7 +15,6 @@ so that destroying through one closes them all.
 from __future__ import annotations
 
 import builtins  # DDict.list shadows the builtin in the class body
-import functools
 import inspect
 import itertools
 import logging
@@ -28,11 +27,10 @@ from dask.utils import format_bytes
 from distributed import Client
 
 from .. import config, kernels
-from .._hashing import custom_placement, key_digest, manager_for_digest
-from .._keys import PLAIN_KEYS, dumps_key, encode_key, loads_key
+from .._keys import loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import Timeout, check_client, check_int, check_timeout
-from ..errors import DDictClosedError, DDictError, DDictKeyError
+from ..errors import DDictClosedError, DDictError, DDictFullError, DDictKeyError
 from ..layout import Layout
 from ..transport.ops import (
     Clear,
@@ -338,32 +336,25 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
             raise DDictClosedError(f"DDict {self._core.name!r} was destroyed or detached")
 
     def _route(self, key: Any) -> tuple[int, bytes, bytes]:
-        core = self._core
+        """``(manager, digest, key bytes)`` of ``key`` (:meth:`_Core.router`'s rule)."""
+        core, target = self._core, self._target
         if core.closed or self._detached:
             self._check()
-        kb = dumps_key(key, self._kp)
-        if len(kb) > core.max_key_bytes:
-            raise self._too_long(kb)
-        digest = key_digest(kb)
-        if self._target is not None:
-            return self._target, digest, kb
-        n = core.num_managers
-        if type(key) in PLAIN_KEYS:  # the common case: no user __hash__ to consult
-            return manager_for_digest(digest, n), digest, kb
-        return self._placed(key, digest, n), digest, kb
+        try:
+            mid, digest, kb = core.router(self._kp, target is None).one(key)
+        except kernels.KeyTooLong as e:
+            raise self._too_long(e.args[0]) from None
+        return (mid if target is None else target), digest, kb
 
     def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]:
         """``(manager, digest)`` of each key: :meth:`_route` for many, in one loop of
         :func:`~dask_ddict.kernels.route` (compiled where it was built)."""
-        core = self._core
+        core, target = self._core, self._target
         if core.closed or self._detached:
             self._check()
-        kp, target = self._kp, self._target
-        encode = encode_key if kp is None else functools.partial(dumps_key, pickler=kp)
+        r = core.router(self._kp, target is None)
         try:
-            routes = kernels.route(keys, core.num_managers, core.max_key_bytes, encode,
-                                   None if target is not None else self._placed, PLAIN_KEYS,
-                                   key_digest)  # fmt: skip
+            routes = kernels.route(keys, r.n, r.most, r.encode, r.placed, r.plain, r.digest)
         except kernels.KeyTooLong as e:
             raise self._too_long(e.args[0]) from None
         return routes if target is None else [(target, d) for _, d in routes]
@@ -371,15 +362,6 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     def _too_long(self, kb: bytes) -> ValueError:
         return ValueError(f"key is {len(kb)} bytes pickled; keys may have at most "
                           f"{self._core.max_key_bytes} (ddict.transport.max-key-bytes)")
-
-    def _placed(self, key: Any, digest: bytes, n: int) -> int:
-        """The manager of a key that is not a plain type: its user ``__hash__``'s, if any."""
-        mid = custom_placement(key, n)
-        if mid is None:
-            return manager_for_digest(digest, n)
-        if not self._core.seed_checked:
-            self._core.check_hash_seed(type(key))
-        return mid
 
     def _managers(self) -> builtins.list[int]:
         self._check()
@@ -402,18 +384,18 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def _put(self, key: Any, value: Any, persistent: bool) -> None:
         mid, digest, kb = self._route(key)
-        if self._batch is not None:
-            if self._batch.persist != persistent:
-                raise DDictError(
-                    f"{'pput' if persistent else 'put'} inside a batch started with "
-                    f"persist={self._batch.persist}",
-                    "INVALID_OPERATION",
-                )
-            with self._batch:  # a value refused here is said at the batch's end
-                self._batch.add(mid, digest, kb, self._framed(mid, kb, value), self._chkpt)
+        batch = self._batch
+        if batch is None:
+            self._core.write(mid, Put(digest, kb, self._framed(mid, kb, value), self._chkpt,
+                                      self._client_id, persistent, self._timeout))  # fmt: skip
             return
-        self._core.write(mid, Put(digest, kb, self._framed(mid, kb, value), self._chkpt,
-                                  self._client_id, persistent, self._timeout))  # fmt: skip
+        if batch.persist != persistent:
+            raise DDictError(f"{'pput' if persistent else 'put'} inside a batch started with "
+                             f"persist={batch.persist}", "INVALID_OPERATION")  # fmt: skip
+        try:
+            batch.add(mid, digest, kb, self._framed(mid, kb, value), self._chkpt)
+        except DDictFullError as e:  # a value refused here is said at the batch's end
+            batch.refused(e)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._put(key, value, False)

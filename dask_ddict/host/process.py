@@ -30,7 +30,8 @@ from ..errors import DDictError, DDictManagerUnavailableError
 from ..shard.generations import Generations, path_for
 from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
-from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE, set_owner
+from ..shard.direct import set_owner
+from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
 from . import control, hygiene, moves, replicas
 from .opening import open_manager

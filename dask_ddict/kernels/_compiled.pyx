@@ -8,6 +8,7 @@ and headers are read from the buffers themselves, and the default key encoding,
 digest and value decoding are called without the Python functions that wrap them.
 """
 
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory
@@ -20,7 +21,7 @@ import struct
 
 from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
-from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE
+from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, frame_parts
 from .._entry import DIGEST, ENTRY_HEADER, TOMBSTONE
 from .pure import ABSENT, ALIGN, JOIN, PADS, WAIT, KeyTooLong
 
@@ -102,6 +103,26 @@ cdef object _pickled_str(str s):
     return out
 
 
+cdef inline object _encoded(object key, bint fast, object encode):
+    """The key's bytes: a short str and the atoms written here, the rest by ``encode``."""
+    cdef object kb = None
+    if fast and type(key) is str:
+        kb = _pickled_str(<str>key)
+    if kb is not None:
+        return kb
+    if fast and type(key) in _atoms:
+        return _dumps(key, 5)
+    return encode(key)
+
+
+cdef inline object _by_digest(bytes d, Py_ssize_t n):
+    if n <= 0:
+        raise ZeroDivisionError("integer modulo by zero")
+    if PyBytes_GET_SIZE(d) < 8:
+        raise ValueError("a digest is shorter than 8 bytes")
+    return _le64(<const unsigned char*>PyBytes_AS_STRING(d)) % <uint64_t>n
+
+
 def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed,
           frozenset plain, object digest):
     cdef list out = []
@@ -109,27 +130,41 @@ def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed
     cdef object kb
     cdef bytes d
     for key in keys:
-        kb = None
-        if fast and type(key) is str:
-            kb = _pickled_str(<str>key)
-        if kb is not None:
-            pass
-        elif fast and type(key) in _atoms:
-            kb = _dumps(key, 5)
-        else:
-            kb = encode(key)
+        kb = _encoded(key, fast, encode)
         if len(kb) > most:
             raise KeyTooLong(kb)
         d = _digest(kb, digest) if type(kb) is bytes else digest(kb)
         if placed is None or type(key) in plain:
-            if n <= 0:
-                raise ZeroDivisionError("integer modulo by zero")
-            if PyBytes_GET_SIZE(d) < 8:
-                raise ValueError("a digest is shorter than 8 bytes")
-            out.append((_le64(<const unsigned char*>PyBytes_AS_STRING(d)) % <uint64_t>n, d))
+            out.append((_by_digest(d, n), d))
         else:
             out.append((placed(key, d, n), d))
     return out
+
+
+cdef class Router:
+    cdef readonly Py_ssize_t n, most
+    cdef readonly object encode, placed, digest
+    cdef readonly frozenset plain
+    cdef bint fast
+
+    def __init__(self, Py_ssize_t n, Py_ssize_t most, object encode, object placed,
+                 frozenset plain, object digest):
+        self.n, self.most, self.encode, self.placed = n, most, encode, placed
+        self.plain, self.digest = plain, digest
+        self.fast = encode is _encode_key
+
+    def __repr__(self):
+        return f"<Router managers={self.n} most={self.most}>"
+
+    cpdef tuple one(self, object key):
+        cdef object kb = _encoded(key, self.fast, self.encode)
+        cdef bytes d
+        if len(kb) > self.most:
+            raise KeyTooLong(kb)
+        d = _digest(kb, self.digest) if type(kb) is bytes else self.digest(kb)
+        if self.placed is None or type(key) in self.plain:
+            return _by_digest(d, self.n), d, kb
+        return self.placed(key, d, self.n), d, kb
 
 
 def group(list routes):
@@ -312,3 +347,117 @@ def values_of(list pairs, object absent, object wait):
         if v is absent or v is wait:
             marked.append(i)
     return values, marked
+
+
+cdef inline Py_ssize_t _nbytes(object frame) except -1:
+    """What ``frame_parts(frame)[1]`` says."""
+    if type(frame) is bytes:
+        return PyBytes_GET_SIZE(frame)
+    if type(frame) is Framed:
+        return (<tuple>frame)[1]
+    if type(frame) is memoryview:
+        return (<object>frame).nbytes
+    return frame_parts(frame)[1]
+
+
+@cython.boundscheck(True)  # (a record that is not a triple: IndexError, as in pure)
+def entries_bytes(list records):
+    cdef Py_ssize_t total = 0
+    for r in records:
+        total += _nbytes(r[2]) + len(r[1])
+    return total
+
+
+cdef inline Py_ssize_t _copy_in(char* p, Py_ssize_t off, Py_ssize_t end, object part) except -1:
+    """Copy ``part`` into ``p[off:end]``; the offset after it (-2: it does not fit)."""
+    cdef Py_buffer v
+    cdef Py_ssize_t n
+    if type(part) is bytes:
+        n = PyBytes_GET_SIZE(part)
+        if off + n > end:
+            return -2
+        memcpy(p + off, PyBytes_AS_STRING(part), n)
+        return off + n
+    PyObject_GetBuffer(part, &v, PyBUF_SIMPLE)
+    try:
+        if off + v.len > end:
+            return -2
+        memcpy(p + off, v.buf, v.len)
+        return off + v.len
+    finally:
+        PyBuffer_Release(&v)
+
+
+cdef inline bint _same_digest(object k, bytes digest) except -1:
+    cdef Py_buffer kv
+    PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
+    try:
+        return (kv.len >= _DIGEST and PyBytes_GET_SIZE(digest) == _DIGEST
+                and memcmp(kv.buf, PyBytes_AS_STRING(digest), _DIGEST) == 0)
+    finally:
+        PyBuffer_Release(&kv)
+
+
+cdef inline bint _tombstone(object raw) except -1:
+    cdef Py_buffer v
+    PyObject_GetBuffer(raw, &v, PyBUF_SIMPLE)
+    try:
+        if v.len < 1:
+            raise IndexError("index out of range")
+        return (<const unsigned char*>v.buf)[0] & _TOMBSTONE
+    finally:
+        PyBuffer_Release(&v)
+
+
+@cython.boundscheck(True)
+def put_entries(cursor, list records, Py_ssize_t start, bytes tail, int flags, Py_ssize_t most,
+                object full):
+    replace, step, key, value, delete = (cursor.replace, cursor.next, cursor.key,
+                                         cursor.value, cursor.delete)
+    cdef bint dead = flags & _TOMBSTONE, live
+    cdef Py_ssize_t delta = 0, i, n = len(records), nbytes, klen, total, off, end
+    cdef bytes buf
+    cdef char* p
+    for i in range(start, n):
+        r = records[i]
+        digest, kb, frame = r[0], r[1], r[2]
+        if type(frame) is Framed:
+            parts = (<tuple>frame)[0]
+            nbytes = (<tuple>frame)[1]
+        else:
+            parts, nbytes = frame_parts(frame)
+        klen = len(kb)
+        total = _ENTRY_HEADER + nbytes + klen
+        if total >= most:
+            return i, delta, None
+        buf = PyBytes_FromStringAndSize(NULL, total)
+        p = PyBytes_AS_STRING(buf)
+        p[0] = <char>(flags & 0xFF)
+        p[1] = p[2] = p[3] = 0
+        p[4] = <char>(klen & 0xFF)
+        p[5] = <char>((klen >> 8) & 0xFF)
+        p[6] = <char>((klen >> 16) & 0xFF)
+        p[7] = <char>((klen >> 24) & 0xFF)
+        _put_le64(<unsigned char*>p + 8, <uint64_t>nbytes)
+        off, end = _ENTRY_HEADER, total - klen
+        for part in parts:
+            off = _copy_in(p, off, end, part)
+            if off < 0:
+                break
+        if off != end or _copy_in(p, off, total, kb) != total:
+            raise ValueError(f"a frame's parts are not the {nbytes} bytes it says")
+        try:
+            old = replace(digest + tail, buf)
+            if old is not None:
+                live = not _tombstone(old)
+            else:
+                live = False
+                if step() and _same_digest(key(), digest):
+                    live = not _tombstone(value())
+                    while delete() and _same_digest(key(), digest):
+                        pass
+        except full as e:
+            return i, delta, e
+        if live == dead:
+            delta += -1 if live else 1
+    return n, delta, None

@@ -19,6 +19,7 @@ from typing import Any
 from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE
 from .._hashing import manager_for_digest
 from .._serialize import ALIGN  # (a many-key reply's frames start at multiples of it)
+from .._serialize import frame_parts
 
 #: Frame lengths in a many-key reply that are not frames: an absent key, and one
 #: whose reader must wait (``wait_for_keys``: the client then asks for it alone).
@@ -61,6 +62,33 @@ def route(keys: list[Any], n: int, most: int, encode: Callable[[Any], bytes],
         else:
             out.append((placed(key, d, n), d))
     return out
+
+
+class Router:
+    """:func:`route` for one key at a time, its rule bound once (a handle's own: single
+    keys and batch puts); ``one(key)`` is ``(manager, digest, key bytes)``."""
+
+    __slots__ = ("n", "most", "encode", "placed", "plain", "digest")
+
+    def __init__(self, n: int, most: int, encode: Callable[[Any], bytes],
+                 placed: Callable[[Any, bytes, int], int] | None, plain: frozenset[Any],
+                 digest: Callable[[bytes], bytes]) -> None:  # fmt: skip
+        self.n, self.most, self.encode, self.placed = n, most, encode, placed
+        self.plain, self.digest = plain, digest
+
+    def __repr__(self) -> str:
+        return f"<Router managers={self.n} most={self.most}>"
+
+    def one(self, key: Any) -> tuple[int, bytes, bytes]:
+        """``(manager, digest, key bytes)`` of ``key``, as :func:`route` gives the first two
+        (and raises what it raises)."""
+        kb = self.encode(key)
+        if len(kb) > self.most:
+            raise KeyTooLong(kb)
+        d = self.digest(kb)
+        if self.placed is None or type(key) in self.plain:
+            return manager_for_digest(d, self.n), d, kb
+        return self.placed(key, d, self.n), d, kb
 
 
 def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
@@ -186,5 +214,56 @@ def values_of(pairs: list[tuple[Any, Any]], absent: Any, wait: Any,
     return values, [i for i, v in enumerate(values) if v is absent or v is wait]
 
 
-__all__ = ["route", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames",
-           "values_of"]
+Record = tuple[bytes, bytes, Any]  # (digest, key bytes, frame): a put of a batch
+
+
+def entries_bytes(records: list[Record]) -> int:
+    """The bytes of ``records``' frames and keys (a batch's room is checked once)."""
+    return sum(frame_parts(r[2])[1] + len(r[1]) for r in records)
+
+
+def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, flags: int,
+                most: int, full: type[Exception]) -> tuple[int, int, Exception | None]:  # fmt: skip
+    """Put ``records[start:]`` in order, each as its key's version under ``digest +
+    tail`` with ``flags``, over its older versions, which are deleted (a window of one
+    checkpoint: no reader sees them, as ``ShardStore.put_over`` does one): one LMDB
+    ``replace`` per record, and a step of ``cursor`` for a key new at the checkpoint.
+
+    Returns ``(i, delta, error)``: ``records[start:i]`` were put, and the number of
+    keys seen changed by ``delta``.  ``error`` is the ``full`` error (LMDB's
+    ``MapFullError``, passed in: importing the package loads no LMDB) that refused
+    ``records[i]`` (nothing of it was written), or ``None``: then
+    ``records[i]``, if any, has an entry of ``most`` bytes or more, which the caller
+    puts itself (a large value is gathered without a copy of its own).
+    """
+    replace, step, key, value, delete = (cursor.replace, cursor.next, cursor.key,
+                                         cursor.value, cursor.delete)  # fmt: skip
+    dead, delta = bool(flags & TOMBSTONE), 0
+    for i in range(start, len(records)):
+        r = records[i]
+        digest, kb, frame = r[0], r[1], r[2]
+        parts, nbytes = frame_parts(frame)
+        if ENTRY_HEADER + nbytes + len(kb) >= most:
+            return i, delta, None
+        entry = b"".join((ENTRY.pack(flags, len(kb), nbytes), *parts, kb))
+        if len(entry) != ENTRY_HEADER + nbytes + len(kb):
+            raise ValueError(f"a frame's parts are not the {nbytes} bytes it says")
+        try:
+            old = replace(digest + tail, entry)
+            if old is not None:
+                live = not old[0] & TOMBSTONE
+            else:  # new at this checkpoint: its older versions follow it, the newest first
+                live = False
+                if step() and key()[:DIGEST] == digest:
+                    live = not value()[0] & TOMBSTONE
+                    while delete() and key()[:DIGEST] == digest:
+                        pass
+        except full as e:  # (the transaction is then only to abort)
+            return i, delta, e
+        if live == dead:  # (seen before xor after: one key more or less)
+            delta += -1 if live else 1
+    return len(records), delta, None
+
+
+__all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames",
+           "values_of", "entries_bytes", "put_entries"]

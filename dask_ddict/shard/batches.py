@@ -71,14 +71,9 @@ class Batches:
             count, err = self._batch_state(txn, key, batch)
             tally = Tally(self.store, txn)
             if err is None:
-                for digest, k, frame in records:
-                    try:
-                        ws.put(txn, digest, chkpt, k, frame, client, persistent=persistent,
-                               batch=True, tally=tally)  # fmt: skip
-                    except DDictError as e:
-                        err = e
-                        break
-                    count += 1
+                done, err = ws.put_many(txn, records, chkpt, client, persistent=persistent,
+                                        batch=True, tally=tally)  # fmt: skip
+                count += done
             tally.settle()
             self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))
             self.store.later = True  # (answered at batch_end: replicas need not have it yet)

@@ -88,6 +88,17 @@ class _Cursor:
             self._changes.append((PUT, self._db, bytes(key), bytes(value)))
         return bool(done)
 
+    def replace(self, key: Any, value: Any) -> Any:
+        old = self._cur.replace(key, value)
+        self._changes.append((PUT, self._db, bytes(key), bytes(value)))
+        return old
+
+    def putmulti(self, *args: Any, **kwargs: Any) -> Any:
+        raise DDictError("a replicated write cannot putmulti (its puts would not be noted)",
+                         "INTERNAL")  # fmt: skip
+
+    pop = putmulti  # (nor pop: every write of a cursor is noted, or refused)
+
 
 class Recording:
     """A write transaction that notes its changes in :attr:`changes` (reads pass through)."""

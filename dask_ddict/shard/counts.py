@@ -35,6 +35,10 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from .. import kernels
+from .._serialize import frame_parts
+from ..errors import DDictError
+from ..kernels import Record
 from .store import PERSISTENT, TOMBSTONE, ShardStore
 
 COUNTS = b"counts"  # meta: newest, then keys seen at oldest .. newest and beyond
@@ -164,6 +168,35 @@ class Tally:
             save(self.store, self.txn, w, recount(self.store, self.txn, w))
             return
         save(self.store, self.txn, w, [c + n for c in counts])
+
+
+def put_run(store: ShardStore, txn: lmdb.Transaction, w: Window, records: list[Record],
+            chkpt: int, flags: int, tally: Tally, exact: bool = False,
+            ) -> tuple[int, DDictError | None]:  # fmt: skip
+    """:func:`put` for each ``(digest, key, frame)`` record in order: ``(how many were
+    put, from the first; the error that stopped the next one)``.  A record refused
+    (a full shard) wrote nothing.
+
+    The room of the whole run is checked once (``ShardStore.below_high_water``); if it
+    may not fit, each put is checked (``exact``: for writers in other processes, see
+    ``ShardStore.check_room``), so that the one refused is the one that does not fit.
+    In a window of one checkpoint the puts run in one compiled loop
+    (``ShardStore.put_over_many``): a batch's records cost a microsecond or two each.
+    """
+    checked = store.below_high_water(kernels.entries_bytes(records), len(records))
+    if checked and w.size == 1 and not w.wait_for_keys:
+        done, delta, error = store.put_over_many(txn, records, chkpt, flags)
+        if delta:
+            tally.add(w, delta)
+        return done, error
+    for done, (digest, key, frame) in enumerate(records):
+        try:
+            if not checked:
+                store.check_room(txn, frame_parts(frame)[1] + len(key), exact=exact)
+            put(store, txn, w, digest, chkpt, key, frame, flags, tally)
+        except DDictError as e:
+            return done, e
+    return len(records), None
 
 
 def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,

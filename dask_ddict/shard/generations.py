@@ -4,7 +4,7 @@ A broadcast (``len``, ``stats``) asks every manager of a host; most shards have
 not changed since the last one.  To answer from what it computed before, a
 host must know, cheaply, which shards changed.  A commit by the manager
 itself it sees, but a same-host client commits small puts into the shard
-directly (see :func:`~dask_ddict.shard.working_set.put_in_window`).  So each
+directly (see :func:`~dask_ddict.shard.direct.put_in_window`).  So each
 dictionary has, on each host, a small shared file of one 64-bit word per
 manager (``gen-<uid>`` in the host's private socket directory): every commit,
 the manager's or a client's, writes a new random word for its manager after

@@ -30,15 +30,20 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import struct
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
 from .. import config, kernels
-from .._entry import DIGEST, ENTRY, ENTRY_HEADER, PERSISTENT, TOMBSTONE
+from .._entry import BE as _BE
+from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE, Entry, data_key
+from .._entry import MAXQ as _MAXQ
+from .._entry import PERSISTENT as PERSISTENT  # (re-exported: the shard's modules take it here)
+from .._entry import decode_entry as _decode
+from .._entry import new_entry as _new_entry
+from .._entry import split_data_key as _split_data_key
 from .._keys import KEY_ENCODING
 from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
@@ -55,47 +60,10 @@ FULL_REMEDY = (
     "managers add room only with total_mem to match) or a higher manager_pool_full_thresh"
 )
 
-_MAXQ = (1 << 64) - 1
-_BE = struct.Struct(">Q")
 #: Written into every shard's ``meta``; changes with the layout or the key bytes.
 FORMAT = f"dask_ddict.shard/{KEY_ENCODING}.{VALUE_FRAMES}".encode()
 #: Older stamps this version re-attaches (same key bytes, older frames: restamped).
 _READABLE = frozenset({FORMAT, f"dask_ddict.shard/{KEY_ENCODING}".encode()})
-
-
-class Entry(NamedTuple):
-    """One stored version of a key (views valid while the transaction lives)."""
-
-    chkpt: int
-    flags: int
-    frame: memoryview
-    key: memoryview
-
-    @property
-    def tombstone(self) -> bool:
-        return bool(self.flags & TOMBSTONE)
-
-    @property
-    def persistent(self) -> bool:
-        return bool(self.flags & PERSISTENT)
-
-
-def data_key(digest: bytes, chkpt: int) -> bytes:
-    return digest + _BE.pack(_MAXQ - chkpt)
-
-
-def _split_data_key(k: Any) -> tuple[bytes, int]:
-    k = bytes(k)
-    return k[:DIGEST], _MAXQ - _BE.unpack_from(k, DIGEST)[0]
-
-
-_new_entry = tuple.__new__  # half the cost of Entry(...): reads build one per lookup
-
-
-def _decode(chkpt: int, raw: memoryview | bytes) -> Entry:
-    flags, klen, flen = ENTRY.unpack_from(raw, 0)
-    end = ENTRY_HEADER + flen
-    return _new_entry(Entry, (chkpt, flags, raw[ENTRY_HEADER:end], raw[end : end + klen]))
 
 
 _THREAD = threading.local()
@@ -312,12 +280,15 @@ class ShardStore:
             if self.indexed:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
-            self.refused = True
-            reach = (self.env.info()["last_pgno"] + 1) * self._psize  # (its high-water mark)
-            raise DDictFullError(
-                f"shard is full: a {nbytes + len(key)}-byte put does not fit: the shard's map "
-                f"of {self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}"
-            ) from e
+            raise self._map_full(nbytes + len(key)) from e
+
+    def _map_full(self, nbytes: int) -> DDictFullError:
+        """The error of a put of ``nbytes`` that LMDB refused: its map is full."""
+        self.refused = True
+        reach = (self.env.info()["last_pgno"] + 1) * self._psize  # (its high-water mark)
+        return DDictFullError(
+            f"shard is full: a {nbytes}-byte put does not fit: the shard's map of "
+            f"{self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}")
 
     def delete(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
         """Remove the version at ``chkpt`` (no-op if absent)."""
@@ -392,6 +363,35 @@ class ShardStore:
                 self.delete_below(txn, digest, chkpt)
         self._put(txn, dk, digest, chkpt, key, frame, flags)
         return live
+
+    def put_over_many(self, txn: lmdb.Transaction, records: list[kernels.Record], chkpt: int,
+                      flags: int) -> tuple[int, int, DDictFullError | None]:  # fmt: skip
+        """:meth:`put_over` of each record in order, the small ones in a compiled loop
+        (:func:`~dask_ddict.kernels.put_entries`): ``(how many were put, the change in keys
+        seen, the error that refused the next one)``; a full map leaves nothing to commit."""
+        tail, cursor = _BE.pack(_MAXQ - chkpt), txn.cursor(self._data)
+        most = 0 if self.indexed else HUGE_BYTES  # (an index entry each: put_over writes it)
+        done = delta = 0
+        dead = bool(flags & TOMBSTONE)
+        while done < len(records):
+            done, more, full = kernels.put_entries(cursor, records, done, tail, flags, most,
+                                                   lmdb.MapFullError)  # fmt: skip
+            delta += more
+            if done == len(records):
+                break
+            _, key, frame = records[done]
+            if full is not None:
+                error = self._map_full(frame_parts(frame)[1] + len(key))
+                error.__cause__ = full  # (as _put raises it: the transaction is lost)
+                return done, delta, error
+            try:  # (a large value: gathered in the scratch buffer, see _put)
+                live = self.put_over(txn, records[done][0], chkpt, key, frame, flags)
+            except DDictFullError as e:
+                return done, delta, e
+            if live == dead:
+                delta += -1 if live else 1
+            done += 1
+        return done, delta, None
 
     def digests_at(self, txn: lmdb.Transaction, chkpt: int) -> list[bytes]:
         """Digests of the keys that have a version at ``chkpt``."""

@@ -104,81 +104,6 @@ def add_waiters(store: ShardStore, txn: lmdb.Transaction, n: int) -> None:
     store.put_meta(txn, WAITERS, _COUNT.pack(count))
 
 
-def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: bytes,
-                  chkpt: int, key: bytes, frame: Any) -> bool:  # fmt: skip
-    """A put that a same-host client may commit in the shard itself; ``False``: ask the manager.
-
-    Only for dictionaries without ``wait_for_keys``/``wait_for_writers`` (no
-    per-write bookkeeping, no blocked readers).  The client may do it when
-    the put changes nothing but the key: its checkpoint is inside the window
-    (no retirement, so no persistence and no in-memory state of the manager
-    moves), the shard is open and not frozen, and no operation waits at the
-    manager for a write (only the manager could wake it).  LMDB's writer lock
-    orders it with the manager's own writes; its commit is the acknowledgement,
-    exactly as for a put that the manager commits.
-    """
-    done, error = puts_in_window(store, txn, size, chkpt, [(digest, key, frame)])
-    if error is not None:
-        raise error
-    return bool(done)
-
-
-#: Which host process serves the shard (its socket directory): a client that commits
-#: into a shard itself does so only for the host it knows (a manager may have moved).
-OWNER = b"owner"
-
-
-def set_owner(store: ShardStore, owner: str) -> None:
-    with store.write() as txn:
-        store.put_meta(txn, OWNER, owner.encode())
-
-
-def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int,
-                   records: list[tuple[bytes, bytes, Any]],
-                   owner: bytes | None = None) -> tuple[int, DDictError | None]:  # fmt: skip
-    """:func:`put_in_window` for many ``(digest, key, frame)`` records in one transaction
-    (the shard's state checked once): ``(how many were put, from the first; the error
-    that stopped them)``.  A record refused (e.g. a full shard) wrote nothing.  With
-    ``owner``, none is put unless that host process serves the shard (see :data:`OWNER`).
-    """
-    if owner is not None and txn.get(OWNER, db=store.meta_db) not in (owner, None):
-        return 0, None  # (moved to another host process: its manager's to apply)
-    try:
-        newest = _direct_window(store, txn, size, chkpt)
-    except DDictError as e:
-        return 0, e
-    if newest is None:
-        return 0, None
-    window = counts.window(newest, size)
-    done, tally = 0, counts.Tally(store, txn)
-    sizes = [frame_parts(frame)[1] + len(key) for _, key, frame in records]
-    checked = store.below_high_water(sum(sizes), len(sizes))  # (all of them: no check each)
-    try:
-        for (digest, key, frame), nbytes in zip(records, sizes):
-            try:
-                if not checked:
-                    store.check_room(txn, nbytes, exact=True)
-            except DDictError as e:
-                return done, e
-            counts.put(store, txn, window, digest, chkpt, key, frame, PERSISTENT, tally)
-            done += 1
-        return done, None
-    finally:
-        tally.settle()
-
-
-def _direct_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int
-                   ) -> int | None:  # fmt: skip
-    """The window's newest checkpoint if a client may put at ``chkpt`` itself, else ``None``."""
-    newest, closed = saved_newest(store, txn, size)
-    if closed != OPEN or chkpt > newest:
-        return None
-    check_window(chkpt, newest, size)
-    if frozen(store, txn) or waiters(store, txn):
-        return None
-    return newest
-
-
 def check_window(chkpt: int, newest: int, size: int) -> None:
     """Raise ``DDictCheckpointSyncError`` if ``chkpt`` precedes the window ending at ``newest``."""
     oldest = max(0, newest - size + 1)
@@ -548,6 +473,23 @@ class WorkingSet:
                                     else frame_parts(frame)[1]) + len(key))  # fmt: skip
         flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
         counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags, tally)
+
+    def put_many(self, txn: lmdb.Transaction, records: list[tuple[bytes, bytes, Any]],
+                 chkpt: int, client: int, *, persistent: bool = False, batch: bool = False,
+                 tally: counts.Tally) -> tuple[int, DDictError | None]:  # fmt: skip
+        """:meth:`put` for each ``(digest, key, frame)`` record in order, the window moved
+        once (:func:`~.counts.put_run`): ``(how many were put, the error that stopped the
+        next one)``."""
+        newest = self.newest
+        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
+                or self.wait_for_writers:  # (as put) # fmt: skip
+            tally.settle()
+            try:
+                self.prepare_write(txn, chkpt, client, batch=batch)
+            except DDictError as e:
+                return 0, e
+        flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
+        return counts.put_run(self.store, txn, self.window, records, chkpt, flags, tally)
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
         """Delete the key at ``chkpt`` and return (a copy of) its value frame.

@@ -9,7 +9,7 @@ the host process's Unix socket only for reads that must wait (a
 ``wait_for_keys`` read of a key not yet written) and for most writes.
 
 Small puts that change nothing but their key (see
-:func:`~dask_ddict.shard.working_set.put_in_window`) are committed by the client
+:func:`~dask_ddict.shard.direct.put_in_window`) are committed by the client
 itself, in a write transaction that LMDB's cross-process writer lock orders
 with the manager's: no round trip either.  Everything else (a put that moves
 the window, large values, dictionaries with ``wait_for_keys`` or
@@ -45,6 +45,7 @@ from ..errors import (
     DDictManagerMovedError,
 )
 from ..options import DDictOptions
+from ..shard.direct import puts_in_window
 from ..shard.store import ShardStore
 from ..shard.working_set import (
     CLOSED_DESTROYED,
@@ -53,7 +54,6 @@ from ..shard.working_set import (
     check_window,
     entry_visible,
     frozen,
-    puts_in_window,
     saved_newest,
     take_page,
     unseen,
