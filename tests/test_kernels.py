@@ -55,7 +55,8 @@ def _same(name: str, *args: Any) -> Any:
 def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
-    assert set(pure.__all__) | {"COMPILED", "JOIN", "KeyTooLong", "Record"} == set(kernels.__all__)
+    assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "Record"} == \
+        set(kernels.__all__)  # fmt: skip
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
         return
@@ -315,10 +316,10 @@ def _frame(kind: str, data: bytes) -> Any:
     return None if kind == "none" and not data else data
 
 
-frames_st = st.builds(_frame, st.sampled_from(["framed", "view", "bytes", "none"]),
+record_frames_st = st.builds(_frame, st.sampled_from(["framed", "view", "bytes", "none"]),
                       st.binary(max_size=64) | st.integers(60_000, 90_000).map(b"y".__mul__))
 records_st = st.lists(st.tuples(st.sampled_from(DIGESTS), st.binary(min_size=1, max_size=12),
-                                frames_st), max_size=14)  # fmt: skip
+                                record_frames_st), max_size=14)  # fmt: skip
 
 
 def test_entries_bytes_is_the_same():
@@ -384,3 +385,62 @@ def _put_over_loop(store: ShardStore, txn: lmdb.Transaction, records: list[Any],
         if live == bool(flags & TOMBSTONE):
             delta += -1 if live else 1
     return "ok", (len(records), delta, type(None))
+
+
+wire_records_st = st.lists(st.tuples(st.integers(0, 5), st.sampled_from(DIGESTS),
+                                     st.binary(max_size=12), record_frames_st), max_size=14)
+
+
+def _data(frame: Any) -> bytes:
+    """A record's frame as the bytes it stands for."""
+    if isinstance(frame, Framed):
+        return b"".join(bytes(p) for p in frame.parts)
+    return b"" if frame is None else bytes(frame)
+
+
+def _by_mid(got: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """Unpacked records, comparable: frames as bytes, with the type they came as."""
+    return {mid: [(d, k, bytes(f), type(f)) for d, k, f in rs] for mid, rs in got.items()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(records=wire_records_st)
+def test_pack_and_unpack_records_are_the_same_and_round_trip(records):
+    """A batch's (or many-put's) request: the same bytes from both sets, small records
+    joined into runs, a large frame sent from where it is; unpacked the same, in order,
+    small frames as copies."""
+    outcomes = []
+    for s in SETS:
+        parts, total = s.pack_records(records)
+        for mid, d, k, f in records:  # (a large frame's parts are sent as they are)
+            if len(_data(f)) >= pure.JOIN:
+                assert any(p is (f.parts[-1] if isinstance(f, Framed) else f) for p in parts)
+        outcomes.append((b"".join(bytes(p) for p in parts), total))
+    assert all(o == outcomes[0] for o in outcomes)
+    payload, total = outcomes[0]
+    assert len(payload) == total
+    kinds = [_outcome(s.unpack_records, payload) for s in SETS]
+    back = [_by_mid(got) for _, got in kinds]
+    assert all(kind == "ok" for kind, _ in kinds) and all(b == back[0] for b in back)
+    want: dict[int, list[Any]] = {}
+    for mid, d, k, f in records:
+        data = _data(f)
+        want.setdefault(mid, []).append((d, k, data, bytes if len(data) < pure.JOIN else memoryview))
+    assert back[0] == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(records=wire_records_st, cut=st.integers(0, 200), junk=st.binary(max_size=60))
+def test_unpack_records_of_a_cut_or_bad_request_is_the_same_error(records, cut, junk):
+    payload = b"".join(bytes(p) for p in pure.pack_records(records)[0])
+    for bad in (payload[: max(0, len(payload) - cut)], junk, payload + junk):
+        outcomes = [_outcome(s.unpack_records, bad) for s in SETS]
+        shown = [(k, _by_mid(g) if k == "ok" else g) for k, g in outcomes]
+        assert all(x == shown[0] for x in shown), shown
+
+
+def test_packing_records_whose_frames_lie_about_their_size_is_refused():
+    liar = Framed([b"abc"], 5)  # (says 5 bytes, holds 3)
+    for rec in ([(0, DIGESTS[0], b"k", liar)], [(0, DIGESTS[0], b"k", Framed([bytes(1 << 20)], 9))]):
+        assert _same("pack_records", rec) == ("error", (ValueError, pure._UNEVEN))
+    assert _same("pack_records", [(-1, DIGESTS[0], b"k", b"v")])[0] == "error"

@@ -46,6 +46,7 @@ class MovingDict(RuleBasedStateMachine):
                        timeout=30)  # fmt: skip
         self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
         self.model: dict[Any, Any] = {}
+        self.client.wait_for_workers(3, timeout=60)  # (a scaling step may have just run)
         self.workers = sorted(self.client.scheduler_info()["workers"])
 
     def teardown(self) -> None:

@@ -15,6 +15,8 @@ import math
 import threading
 import time
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from dask.utils import format_bytes
@@ -130,8 +132,8 @@ class _Core(Connections):
         if got is None:
             encode = encode_key if kp is None else functools.partial(dumps_key, pickler=kp)
             router = kernels.Router(self.num_managers, self.max_key_bytes, encode,
-                                    self.placed if placed else None, PLAIN_KEYS,
-                                    key_digest)  # fmt: skip
+                                    _placer(weakref.ref(self)) if placed else None,
+                                    PLAIN_KEYS, key_digest)  # fmt: skip
             got = self._routers[id(kp), placed] = (kp, router)  # (kp kept: its id stays its)
         return got[1]
 
@@ -346,3 +348,17 @@ class _Core(Connections):
         # No reference cycle through a stored bound method: the core must be freed as soon
         # as its last handle is (its finalizer closes channels), not by the cyclic GC.
         return self._client.security if self._client is not None else default_security()
+
+
+def _placer(core: weakref.ref[_Core]) -> Callable[[Any, bytes, int], int]:
+    """:meth:`_Core.placed` for a router that the core keeps: through a weak reference,
+    so that a dropped handle's core is freed at once, not by the cyclic GC (its
+    finalizer closes channels, which must not run at any moment)."""
+
+    def placed(key: Any, digest: bytes, n: int) -> int:
+        c = core()
+        if c is None:
+            raise DDictClosedError("the dictionary's handle is gone")
+        return c.placed(key, digest, n)
+
+    return placed

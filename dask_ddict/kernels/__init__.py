@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import JOIN, KeyTooLong, Record
+from .pure import BATCH_RECORD, JOIN, KeyTooLong, Record
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,11 @@ _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (Router, decode_frames, entries_bytes, group, lookup_frames, pack_frames,
-                       put_entries, route, unpack_frames, values_of)
+                       pack_records, put_entries, route, unpack_frames, unpack_records,
+                       values_of)
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
-__all__ = ["COMPILED", "JOIN", "KeyTooLong", "Record", "Router", "decode_frames", "entries_bytes", "group",
-           "lookup_frames", "pack_frames", "put_entries", "route", "unpack_frames",
-           "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)
+__all__ = ["BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "Record", "Router", "decode_frames",
+           "entries_bytes", "group", "lookup_frames", "pack_frames", "pack_records", "put_entries",
+           "route", "unpack_frames", "unpack_records", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)

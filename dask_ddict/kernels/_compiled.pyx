@@ -23,7 +23,10 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, frame_parts
 from .._entry import DIGEST, ENTRY_HEADER, TOMBSTONE
-from .pure import ABSENT, ALIGN, JOIN, PADS, WAIT, KeyTooLong
+from .pure import _UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, WAIT, KeyTooLong
+
+if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
+    raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
 
 cdef extern from "Python.h":
     int PyBUF_READ
@@ -461,3 +464,127 @@ def put_entries(cursor, list records, Py_ssize_t start, bytes tail, int flags, P
         if live == dead:
             delta += -1 if live else 1
     return n, delta, None
+
+
+cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
+    p[0] = <char>(v & 0xFF)
+    p[1] = <char>((v >> 8) & 0xFF)
+    p[2] = <char>((v >> 16) & 0xFF)
+    p[3] = <char>((v >> 24) & 0xFF)
+
+
+cdef inline tuple _parts(object frame):
+    """``frame_parts(frame)``, without the call for a Framed or bytes."""
+    if type(frame) is Framed:
+        return <tuple>frame
+    if type(frame) is bytes:
+        return ((frame,), PyBytes_GET_SIZE(frame))
+    return tuple(frame_parts(frame))
+
+
+cdef inline Py_ssize_t _copy_all(char* p, Py_ssize_t off, Py_ssize_t end, object part) except -1:
+    off = _copy_in(p, off, end, part)
+    if off < 0:
+        raise ValueError(_UNEVEN)
+    return off
+
+
+@cython.boundscheck(True)
+def pack_records(list records):
+    cdef list parts = [], runs = []
+    cdef Py_ssize_t total = 0, run = 0, n, klen, j = 0, off = 0, end = 0, sent = 0
+    cdef bint open_run = False
+    cdef object mid
+    cdef bytes buf = None
+    cdef char* p = NULL
+    # Pass 1: the length of each run of small records (each record's header opens one).
+    for r in records:
+        mid, digest, kb = r[0], r[1], r[2]
+        n = _parts(r[3])[1]
+        klen = len(digest) + len(kb)
+        if not 0 <= mid <= 0xFFFFFFFF or not 0 <= klen <= 0xFFFFFFFF or n < 0:
+            raise struct.error("argument out of range")
+        total += 16 + klen + n
+        run += 16 + klen
+        open_run = True
+        if n < _JOIN:
+            run += n
+        else:
+            runs.append(run)
+            run, open_run = 0, False
+    if open_run:
+        runs.append(run)
+    # Pass 2: the runs written, the large frames' parts between them.
+    for r in records:
+        if p == NULL:
+            end = runs[j]
+            buf = PyBytes_FromStringAndSize(NULL, end)
+            p, off = PyBytes_AS_STRING(buf), 0
+        mid, digest, kb = r[0], r[1], r[2]
+        fparts, n = _parts(r[3])
+        klen = len(digest) + len(kb)
+        if off + 16 > end:
+            raise ValueError(_UNEVEN)
+        _put_le32(p + off, <uint32_t>klen)
+        _put_le32(p + off + 4, <uint32_t>mid)
+        _put_le64(<unsigned char*>p + off + 8, <uint64_t>n)
+        off = _copy_all(p, off + 16, end, digest)
+        off = _copy_all(p, off, end, kb)
+        if n < _JOIN:
+            for part in fparts:
+                off = _copy_all(p, off, end, part)
+            continue
+        if off != end:
+            raise ValueError(_UNEVEN)
+        parts.append(buf)
+        parts.extend(fparts)
+        p, j = NULL, j + 1
+    if p != NULL:
+        if off != end:
+            raise ValueError(_UNEVEN)
+        parts.append(buf)
+    for part in parts:
+        sent += PyBytes_GET_SIZE(part) if type(part) is bytes else memoryview(part).nbytes
+    if sent != total:
+        raise ValueError(_UNEVEN)
+    return parts, total
+
+
+def unpack_records(value):
+    cdef Py_buffer v
+    cdef dict by_mid = {}
+    cdef Py_ssize_t off = 0, end, klen, vlen
+    cdef uint32_t mid
+    cdef const unsigned char* p
+    mv = None
+    PyObject_GetBuffer(value, &v, PyBUF_SIMPLE)
+    try:
+        p, end = <const unsigned char*>v.buf, v.len
+        while off < end:
+            if off + 16 > end:
+                raise ValueError(f"a request of {end} bytes ends inside a record's header")
+            klen = _le32(p + off)
+            mid = _le32(p + off + 4)
+            vlen = <Py_ssize_t>_le64(p + off + 8)
+            off += 16
+            if klen < _DIGEST or vlen < 0 or klen > end - off or vlen > end - off - klen:
+                raise ValueError(f"a request of {end} bytes ends inside a record (or its key "
+                                 f"section of {klen} bytes has no digest)")
+            digest = PyBytes_FromStringAndSize(<const char*>p + off, _DIGEST)
+            kb = PyBytes_FromStringAndSize(<const char*>p + off + _DIGEST, klen - _DIGEST)
+            off += klen
+            if vlen < _JOIN:
+                frame = PyBytes_FromStringAndSize(<const char*>p + off, vlen)
+            else:
+                if mv is None:
+                    mv = memoryview(value).cast("B")
+                frame = mv[off : off + vlen]
+            got = by_mid.get(mid)
+            if got is None:
+                by_mid[mid] = [(digest, kb, frame)]
+            else:
+                (<list>got).append((digest, kb, frame))
+            off += vlen
+    finally:
+        PyBuffer_Release(&v)
+    return by_mid

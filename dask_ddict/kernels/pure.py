@@ -216,6 +216,71 @@ def values_of(pairs: list[tuple[Any, Any]], absent: Any, wait: Any,
 
 Record = tuple[bytes, bytes, Any]  # (digest, key bytes, frame): a put of a batch
 
+#: A batch or many-put request's record on the wire: ``(16 + key length, manager, frame
+#: length)``, then the digest, the key and the frame (part of the protocol's version).
+BATCH_RECORD = struct.Struct("<IIQ")
+
+
+def pack_records(records: list[tuple[int, bytes, bytes, Any]]) -> tuple[list[Any], int]:
+    """The parts of a request of ``(manager, digest, key, frame)`` records, and their size.
+
+    The headers, digests, keys and frames under :data:`JOIN` bytes are copied into
+    runs, one part each (a thousand small puts: one buffer to send, not three thousand);
+    a larger frame's parts are sent from where they are.
+    """
+    parts: list[Any] = []
+    run: list[Any] = []
+    total = 0
+    for mid, digest, kb, frame in records:
+        fparts, n = frame_parts(frame)
+        run += (BATCH_RECORD.pack(len(digest) + len(kb), mid, n), digest, kb)
+        total += BATCH_RECORD.size + len(digest) + len(kb) + n
+        if n < JOIN:
+            run += fparts
+            continue
+        parts.append(b"".join(run))
+        parts += fparts
+        run = []
+    if run:
+        parts.append(b"".join(run))
+    if sum(memoryview(p).nbytes for p in parts) != total:
+        raise ValueError(_UNEVEN)
+    return parts, total
+
+
+_UNEVEN = "a record's frame parts are not the bytes its frame says"
+
+
+def unpack_records(value: Any) -> dict[int, list[Record]]:
+    """The ``(digest, key, frame)`` records of a request by manager, in message order:
+    frames under :data:`JOIN` bytes as copies (``bytes``), larger ones as views of
+    ``value``.
+
+    Raises
+    ------
+    ValueError
+        The request ends inside a record, or a record's key section is shorter than a
+        digest.
+    """
+    mv = memoryview(value).cast("B")
+    by_mid: dict[int, list[Record]] = {}
+    off, end, head = 0, mv.nbytes, BATCH_RECORD.size
+    while off < end:
+        if off + head > end:
+            raise ValueError(f"a request of {end} bytes ends inside a record's header")
+        klen, mid, vlen = BATCH_RECORD.unpack_from(mv, off)
+        off += head
+        if klen < DIGEST or off + klen + vlen > end:
+            raise ValueError(f"a request of {end} bytes ends inside a record (or its key "
+                             f"section of {klen} bytes has no digest)")  # fmt: skip
+        keysec = bytes(mv[off : off + klen])
+        off += klen
+        frame = mv[off : off + vlen]
+        by_mid.setdefault(mid, []).append((keysec[:DIGEST], keysec[DIGEST:],
+                                           bytes(frame) if vlen < JOIN else frame))  # fmt: skip
+        off += vlen
+    return by_mid
+
 
 def entries_bytes(records: list[Record]) -> int:
     """The bytes of ``records``' frames and keys (a batch's room is checked once)."""
@@ -266,4 +331,4 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
 
 
 __all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames",
-           "values_of", "entries_bytes", "put_entries"]
+           "values_of", "entries_bytes", "put_entries", "pack_records", "unpack_records"]

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed
-from ..kernels import JOIN, pack_frames, unpack_frames
+from ..kernels import JOIN, pack_frames, pack_records, unpack_frames, unpack_records
 from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
-from .protocol import BATCH_RECORD, FLAG_PERSIST, Op
+from .protocol import FLAG_PERSIST, Op
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
@@ -111,32 +111,6 @@ class GetMany(HostWide):
             # sent as they are: a large frame is never joined)
 
 
-def records_by_manager(value: Any) -> dict[int, list[tuple[bytes, bytes, memoryview]]]:
-    """A request's ``(digest, key, frame)`` records by manager, in message order."""
-    mv = memoryview(value)
-    raw = value if type(value) is bytes else mv  # (key sections: sliced from bytes, copied)
-    by_mid: dict[int, list[tuple[bytes, bytes, memoryview]]] = {}
-    off, end, unpack, head = 0, mv.nbytes, BATCH_RECORD.unpack_from, BATCH_RECORD.size
-    while off < end:
-        klen, mid, vlen = unpack(raw, off)
-        off += head
-        keysec = bytes(raw[off : off + klen])
-        off += klen
-        by_mid.setdefault(mid, []).append((keysec[:16], keysec[16:], mv[off : off + vlen]))
-        off += vlen
-    return by_mid
-
-
-def encode_records(records: list[tuple[int, bytes, bytes, Framed]]) -> tuple[list[Any], int]:
-    """The request value of ``(manager, digest, key, frame)`` records, and its size."""
-    parts: list[Any] = []
-    total = 0
-    for mid, d, k, f in records:
-        parts += [BATCH_RECORD.pack(16 + len(k), mid, f.nbytes) + d + k, *f.parts]
-        total += BATCH_RECORD.size + 16 + len(k) + f.nbytes
-    return parts, total
-
-
 @dataclass(slots=True)
 class PutMany(HostWide):
     """Puts for managers of one host process in one request, answered per manager:
@@ -151,7 +125,7 @@ class PutMany(HostWide):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        parts, total = encode_records(self.records)
+        parts, total = pack_records(self.records)
         return Encoded(FLAG_PERSIST if self.persistent else 0, b"", tuple(parts), total,
                        self.chkpt, 0, self.client, self.timeout)  # fmt: skip
 
@@ -162,7 +136,7 @@ class PutMany(HostWide):
     def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
                    missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
         out = []
-        for mid, records in records_by_manager(r.value).items():
+        for mid, records in unpack_records(r.value).items():
             m = managers.get(mid)
             error: Exception | None
             try:

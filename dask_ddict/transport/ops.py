@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from .._serialize import Framed, copy_frame, raw_range
+from ..kernels import pack_records, unpack_records
 from ..errors import DDictManagerMovedError, wire_error
 from ..stats import DDictManagerStats
 from .operation import (
@@ -61,8 +62,6 @@ from .protocol import (
 from .many import (  # noqa: F401 (GetMany, PutMany: their module; in the tables)
     GetMany,
     PutMany,
-    encode_records,
-    records_by_manager,
 )
 from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints; in the tables)
     Advance,
@@ -379,7 +378,7 @@ class BatchPut(HostWide):
     batch: int
 
     def encode(self) -> Encoded:
-        parts, total = encode_records(self.records)
+        parts, total = pack_records(self.records)
         flags = FLAG_NOREPLY | (FLAG_PERSIST if self.persistent else 0)
         return Encoded(flags, b"", tuple(parts), total, self.chkpt, self.batch, self.client)
 
@@ -391,7 +390,7 @@ class BatchPut(HostWide):
         A manager that moved away stores none of them (nor of later messages): its
         batch count, at its new place, tells the client which to send again there,
         and the connection stays up for the other managers' records."""
-        for mid, records in records_by_manager(r.value).items():
+        for mid, records in unpack_records(r.value).items():
             m = managers.get(mid)
             if m is None:
                 e = missing(mid)
