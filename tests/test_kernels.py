@@ -444,3 +444,35 @@ def test_packing_records_whose_frames_lie_about_their_size_is_refused():
     for rec in ([(0, DIGESTS[0], b"k", liar)], [(0, DIGESTS[0], b"k", Framed([bytes(1 << 20)], 9))]):
         assert _same("pack_records", rec) == ("error", (ValueError, pure._UNEVEN))
     assert _same("pack_records", [(-1, DIGESTS[0], b"k", b"v")])[0] == "error"
+
+
+class _Pickler:
+    """A custom value pickler (``pickler(value_pickler=...)``): the general path."""
+
+    def dump(self, obj: Any, f: Any) -> None:
+        pickle.dump(obj, f)
+
+    def load(self, f: Any) -> Any:
+        return pickle.load(f)
+
+
+@settings(max_examples=100, deadline=None)
+@given(key=keys_st, value=values_st | st.binary(max_size=300) | st.binary(max_size=3).map(
+           memoryview), custom=st.booleans())  # fmt: skip
+def test_a_router_frames_a_put_as_dumps_value_does(key, value, custom):
+    """``Router.record``: the key's route and the value's frame, byte for byte what
+    ``dumps_value`` gives (the compiled set frames ``bytes`` itself), in both sets."""
+    dumps = dumps_value if not custom else (lambda v: dumps_value(v, _Pickler()))
+    outcomes = []
+    for s in SETS:
+        kind, got = _outcome(s.Router(5, 64, encode_key, None, PLAIN_KEYS, key_digest).record,
+                             key, value, dumps)  # fmt: skip
+        outcomes.append((kind, got[:3] + (b"".join(bytes(p) for p in got[3].parts), got[3].nbytes)
+                         if kind == "ok" else got))  # fmt: skip
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    if outcomes[0][0] == "ok":
+        want = dumps(value)
+        assert outcomes[0][1][3:] == (b"".join(bytes(p) for p in want.parts), want.nbytes)
+        back = loads_value(b"".join(bytes(p) for p in want.parts), _Pickler() if custom else None)
+        assert np.array_equal(back, value) if isinstance(value, np.ndarray) else \
+            back == (bytes(value) if isinstance(value, memoryview) else value)  # fmt: skip

@@ -95,11 +95,14 @@ class BatchPut:
 
     def add(self, mid: int, digest: bytes, kb: bytes, framed: Framed, chkpt: int) -> None:
         self._chkpt = chkpt
-        route = self._route(mid)
+        route = self._routes.get(mid) or self._route(mid)
         own = _cost(kb, framed)
         if own >= self.flush_bytes and self.sizes.get(route):
             self.flush(route)  # a large value travels alone: the puts before it never wait on it
-        self.records.setdefault(mid, []).append((digest, kb, framed))
+        records = self.records.get(mid)
+        if records is None:
+            records = self.records[mid] = []
+        records.append((digest, kb, framed))
         size = self.sizes[route] = self.sizes.get(route, 0) + own
         if size >= self.flush_bytes:
             self.flush(route)

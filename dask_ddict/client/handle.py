@@ -15,11 +15,12 @@ so that destroying through one closes them all.
 from __future__ import annotations
 
 import builtins  # DDict.list shadows the builtin in the class body
+import functools
 import inspect
 import itertools
 import logging
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dask.typing import no_default
@@ -191,9 +192,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         self._chkpt = chkpt
         self._timeout = timeout
         self._client_id = secrets.randbits(63) if client_id is None else client_id
-        self._target = None
-        self._kp = None
-        self._vp = None
+        self._aim(None, None, None)
         self._batch = None
         self._derived = False
         self._detached = False
@@ -335,16 +334,28 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         if self._core.closed or self._detached:
             raise DDictClosedError(f"DDict {self._core.name!r} was destroyed or detached")
 
+    def _aim(self, target: int | None, kp: KeyPickler | None, vp: ValuePickler | None) -> None:
+        """Set the manager this handle's keys go to (``None``: their own) and its key and
+        value picklers (the only place they are set: their routing is kept with them)."""
+        self._target, self._kp, self._vp = target, kp, vp
+        self._routed: tuple[kernels.Router, Callable[[Any], Framed]] | None = None
+
+    def _routing(self) -> tuple[kernels.Router, Callable[[Any], Framed]]:
+        """This handle's key router (:meth:`_Core.router`) and value framer."""
+        vp = self._vp
+        dumps = dumps_value if vp is None else functools.partial(dumps_value, pickler=vp)
+        self._routed = (self._core.router(self._kp, self._target is None), dumps)
+        return self._routed
+
     def _route(self, key: Any) -> tuple[int, bytes, bytes]:
         """``(manager, digest, key bytes)`` of ``key`` (:meth:`_Core.router`'s rule)."""
-        core, target = self._core, self._target
-        if core.closed or self._detached:
+        if self._core.closed or self._detached:
             self._check()
         try:
-            mid, digest, kb = core.router(self._kp, target is None).one(key)
+            mid, digest, kb = (self._routed or self._routing())[0].one(key)
         except kernels.KeyTooLong as e:
             raise self._too_long(e.args[0]) from None
-        return (mid if target is None else target), digest, kb
+        return (mid if self._target is None else self._target), digest, kb
 
     def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]:
         """``(manager, digest)`` of each key: :meth:`_route` for many, in one loop of
@@ -352,7 +363,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         core, target = self._core, self._target
         if core.closed or self._detached:
             self._check()
-        r = core.router(self._kp, target is None)
+        r = (self._routed or self._routing())[0]
         try:
             routes = kernels.route(keys, r.n, r.most, r.encode, r.placed, r.plain, r.digest)
         except kernels.KeyTooLong as e:
@@ -377,23 +388,34 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def _framed(self, mid: int | None, kb: bytes, value: Any) -> Framed:
         """``value`` serialized, refused here if it cannot fit its shard at all."""
-        framed = dumps_value(value, self._vp)
+        return self._fits(mid, kb, dumps_value(value, self._vp))
+
+    def _fits(self, mid: int | None, kb: bytes, framed: Framed) -> Framed:
+        """``framed``, or ``DDictFullError`` if with ``kb`` it cannot fit a shard at all."""
         if framed.nbytes + len(kb) > self._core.value_room:
             raise self._core.too_large(mid, framed.nbytes + len(kb))
         return framed
 
     def _put(self, key: Any, value: Any, persistent: bool) -> None:
-        mid, digest, kb = self._route(key)
         batch = self._batch
-        if batch is None:
-            self._core.write(mid, Put(digest, kb, self._framed(mid, kb, value), self._chkpt,
-                                      self._client_id, persistent, self._timeout))  # fmt: skip
-            return
-        if batch.persist != persistent:
+        if self._core.closed or self._detached:
+            self._check()
+        if batch is not None and batch.persist != persistent:
             raise DDictError(f"{'pput' if persistent else 'put'} inside a batch started with "
                              f"persist={batch.persist}", "INVALID_OPERATION")  # fmt: skip
+        router, dumps = self._routed or self._routing()
+        try:  # (routed and framed in one call: a batch's puts are the hot path)
+            mid, digest, kb, framed = router.record(key, value, dumps)
+        except kernels.KeyTooLong as e:
+            raise self._too_long(e.args[0]) from None
+        if self._target is not None:
+            mid = self._target
+        if batch is None:
+            self._core.write(mid, Put(digest, kb, self._fits(mid, kb, framed), self._chkpt,
+                                      self._client_id, persistent, self._timeout))  # fmt: skip
+            return
         try:
-            batch.add(mid, digest, kb, self._framed(mid, kb, value), self._chkpt)
+            batch.add(mid, digest, kb, self._fits(mid, kb, framed), self._chkpt)
         except DDictFullError as e:  # a value refused here is said at the batch's end
             batch.refused(e)
 
@@ -531,7 +553,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         self._check()
         h = DDict._from_core(self._core, creator=False, chkpt=self._chkpt,
                              timeout=self._timeout, client_id=self._client_id)  # fmt: skip
-        h._target, h._kp, h._vp = self._target, self._kp, self._vp
+        h._aim(self._target, self._kp, self._vp)
         h._derived = True
         return h
 
@@ -544,7 +566,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
             raise DDictError(f"manager_id must be in [0, {n - 1}], got {manager_id}",
                              "INVALID_ARGUMENT")  # fmt: skip
         h = self._derive()
-        h._target = manager_id
+        h._aim(manager_id, h._kp, h._vp)
         return h
 
     def pickler(self, key_pickler: KeyPickler | None = None,
@@ -559,7 +581,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
                                               and hasattr(value_pickler, "load")):  # fmt: skip
             raise TypeError("value_pickler needs dump(obj, file) and load(file)")
         h = self._derive()
-        h._kp, h._vp = key_pickler, value_pickler
+        h._aim(h._target, key_pickler, value_pickler)
         return h
 
 
@@ -573,5 +595,5 @@ def _rebuild(ref: LayoutRef, chkpt: int, timeout: float | None, target: int | No
     """Unpickling a handle attaches (a task starts at the parent's checkpoint); nothing
     is sent here: the layout is resolved on the handle's first use."""
     h = DDict._from_core(_Core(ref), creator=False, chkpt=chkpt, timeout=timeout)
-    h._target, h._kp, h._vp = target, kp, vp
+    h._aim(target, kp, vp)
     return h

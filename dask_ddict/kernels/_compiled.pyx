@@ -14,14 +14,14 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 import pickle
 import struct
 
 from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
-from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, frame_parts
+from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
 from .._entry import DIGEST, ENTRY_HEADER, TOMBSTONE
 from .pure import _UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, WAIT, KeyTooLong
 
@@ -32,6 +32,8 @@ cdef extern from "Python.h":
     int PyBUF_READ
 
 cdef object _dumps = pickle.dumps
+cdef object _dumps_value = dumps_value
+cdef object _new_framed = tuple.__new__
 cdef object _loads = pickle.loads
 cdef object _blake_copy = _BLAKE2B.copy
 cdef object _key_digest = key_digest
@@ -168,6 +170,19 @@ cdef class Router:
         if self.placed is None or type(key) in self.plain:
             return _by_digest(d, self.n), d, kb
         return self.placed(key, d, self.n), d, kb
+
+    def record(self, object key, object value, object dumps):
+        cdef tuple route = self.one(key)
+        cdef Py_ssize_t n
+        cdef bytes head
+        if type(value) is not bytes or dumps is not _dumps_value:
+            return route + (dumps(value),)
+        n = PyBytes_GET_SIZE(value)  # (dumps_value's FMT_BYTES frame: the header, the bytes)
+        head = PyBytes_FromStringAndSize(NULL, _HEAD)
+        memset(PyBytes_AS_STRING(head), 0, _HEAD)
+        PyBytes_AS_STRING(head)[0] = <char>_FMT_BYTES
+        _put_le64(<unsigned char*>PyBytes_AS_STRING(head) + 8, <uint64_t>n)
+        return route + (_new_framed(Framed, ([head, value], _HEAD + n)),)
 
 
 def group(list routes):

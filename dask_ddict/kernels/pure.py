@@ -91,6 +91,15 @@ class Router:
         return self.placed(key, d, self.n), d, kb
 
 
+    def record(self, key: Any, value: Any, dumps: Callable[[Any], Any],
+               ) -> tuple[int, bytes, bytes, Any]:  # fmt: skip
+        """A put's ``(manager, digest, key bytes, value frame)``: :meth:`one` and
+        ``dumps(value)`` (the compiled set frames a ``bytes`` value itself when ``dumps``
+        is :func:`~dask_ddict._serialize.dumps_value`, exactly as it would)."""
+        mid, d, kb = self.one(key)
+        return mid, d, kb, dumps(value)
+
+
 def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
     """The digests of ``routes`` by manager, each manager's in their order."""
     groups: dict[int, list[bytes]] = {}
