@@ -476,3 +476,20 @@ def test_a_router_frames_a_put_as_dumps_value_does(key, value, custom):
         back = loads_value(b"".join(bytes(p) for p in want.parts), _Pickler() if custom else None)
         assert np.array_equal(back, value) if isinstance(value, np.ndarray) else \
             back == (bytes(value) if isinstance(value, memoryview) else value)  # fmt: skip
+
+
+@given(st.lists(st.integers(-(2**33), 2**33) | st.sampled_from(
+    [0, 255, 256, 65535, 65536, -1, 2**31 - 1, -(2**31), 2**31, -(2**31) - 1, 2**64, True])))
+def test_route_writes_int_keys_as_pickle_does(keys):
+    """The compiled kernel writes 32-bit int keys itself: their bytes are
+    ``pickle.dumps(key, 5)``'s, at every opcode's bounds (and a bool stays a bool)."""
+    for s in SETS:
+        router = s.Router(7, 1 << 20, encode_key, None, PLAIN_KEYS, key_digest)
+        assert [router.one(k)[2] for k in keys] == [pickle.dumps(k, 5) for k in keys]
+
+
+@given(records=records_st, most=st.integers(-1, 100_000))
+def test_leading_within_is_the_same(records, most):
+    kind, n = _same("leading_within", records, most)
+    assert kind == "ok" and n == next((i for i, r in enumerate(records)
+                                       if len(_data(r[2])) > most), len(records))  # fmt: skip

@@ -14,6 +14,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.string cimport memcmp, memcpy, memset
 
 import pickle
@@ -108,11 +109,47 @@ cdef object _pickled_str(str s):
     return out
 
 
+cdef object _pickled_int(object x):
+    """``pickle.dumps(x, 5)`` for an int of 32 bits, written here (pickle's own call costs
+    more than half a route: it makes a pickler), or None (a larger one: pickle writes it)::
+
+        PROTO 5 | BININT1 <u8> | STOP                           0 <= x < 256
+        PROTO 5 | FRAME <u64 4> | BININT2 <u16> | STOP          256 <= x < 65536
+        PROTO 5 | FRAME <u64 6> | BININT <i32> | STOP           the rest of 32 bits
+    """
+    cdef int overflow = 0
+    cdef long long v = PyLong_AsLongLongAndOverflow(x, &overflow)
+    cdef bytes out
+    cdef unsigned char* p
+    if overflow or v < -2147483648LL or v > 2147483647LL:
+        return None
+    if 0 <= v < 256:
+        out = PyBytes_FromStringAndSize(NULL, 5)
+        p = <unsigned char*>PyBytes_AS_STRING(out)
+        p[0], p[1], p[2], p[3], p[4] = 0x80, 5, 0x4b, <unsigned char>v, 0x2e
+        return out
+    cdef Py_ssize_t n = 2 if 0 <= v < 65536 else 4
+    out = PyBytes_FromStringAndSize(NULL, 13 + n)
+    p = <unsigned char*>PyBytes_AS_STRING(out)
+    p[0], p[1], p[2] = 0x80, 5, 0x95
+    _put_le64(p + 3, <uint64_t>(n + 2))
+    p[11] = 0x4d if n == 2 else 0x4a
+    cdef uint32_t u = <uint32_t>(<int64_t>v)
+    p[12], p[13] = u & 0xFF, (u >> 8) & 0xFF
+    if n == 4:
+        p[14], p[15] = (u >> 16) & 0xFF, (u >> 24) & 0xFF
+    p[12 + n] = 0x2e
+    return out
+
+
 cdef inline object _encoded(object key, bint fast, object encode):
-    """The key's bytes: a short str and the atoms written here, the rest by ``encode``."""
+    """The key's bytes: a short str, a 32-bit int and the atoms written here, the rest
+    by ``encode``."""
     cdef object kb = None
     if fast and type(key) is str:
         kb = _pickled_str(<str>key)
+    elif fast and type(key) is int:
+        kb = _pickled_int(key)
     if kb is not None:
         return kb
     if fast and type(key) in _atoms:
@@ -182,7 +219,7 @@ cdef class Router:
         memset(PyBytes_AS_STRING(head), 0, _HEAD)
         PyBytes_AS_STRING(head)[0] = <char>_FMT_BYTES
         _put_le64(<unsigned char*>PyBytes_AS_STRING(head) + 8, <uint64_t>n)
-        return route + (_new_framed(Framed, ([head, value], _HEAD + n)),)
+        return route + (_new_framed(Framed, ((head, value), _HEAD + n)),)
 
 
 def group(list routes):
@@ -376,6 +413,16 @@ cdef inline Py_ssize_t _nbytes(object frame) except -1:
     if type(frame) is memoryview:
         return (<object>frame).nbytes
     return frame_parts(frame)[1]
+
+
+@cython.boundscheck(True)
+def leading_within(list records, Py_ssize_t most):
+    cdef Py_ssize_t n = 0
+    for r in records:
+        if _nbytes(r[2]) > most:
+            break
+        n += 1
+    return n
 
 
 @cython.boundscheck(True)  # (a record that is not a triple: IndexError, as in pure)

@@ -291,6 +291,16 @@ def unpack_records(value: Any) -> dict[int, list[Record]]:
     return by_mid
 
 
+def leading_within(records: list[Record], most: int) -> int:
+    """How many of the first ``records`` have frames of at most ``most`` bytes."""
+    n = 0
+    for r in records:
+        if frame_parts(r[2])[1] > most:
+            break
+        n += 1
+    return n
+
+
 def entries_bytes(records: list[Record]) -> int:
     """The bytes of ``records``' frames and keys (a batch's room is checked once)."""
     return sum(frame_parts(r[2])[1] + len(r[1]) for r in records)
@@ -340,4 +350,4 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
 
 
 __all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames",
-           "values_of", "entries_bytes", "put_entries", "pack_records", "unpack_records"]
+           "values_of", "entries_bytes", "leading_within", "put_entries", "pack_records", "unpack_records"]

@@ -35,7 +35,7 @@ from typing import Any
 
 import lmdb
 
-from .. import config
+from .. import config, kernels
 from .._serialize import SMALL_FRAME, Framed, raw_range
 from ..errors import (
     DDictClosedError,
@@ -446,10 +446,8 @@ class SharedChannel:
                 txn = store.write()
             except lmdb.Error:
                 return 0, None  # the view was closed: the manager applies them
-            small = 0
             most = DIRECT_PUT_MAX if most is None else most
-            while small < len(records) and records[small][2].nbytes <= most:
-                small += 1
+            small = kernels.leading_within(records, most)
             try:
                 done, error = puts_in_window(store, txn, self._size, chkpt, records[:small],
                                              self._owner)  # fmt: skip
@@ -465,9 +463,10 @@ class SharedChannel:
                 txn.abort()
         finally:
             self._exit(view)
-        large = sum(r[2].nbytes for r in records[:done] if r[2].nbytes > DIRECT_PUT_MAX)
-        if large:  # (written through this process's mapping: out of its RSS when due)
-            touched(large)
+        if most is not None and most > DIRECT_PUT_MAX:  # (else none is large)
+            large = sum(r[2].nbytes for r in records[:done] if r[2].nbytes > DIRECT_PUT_MAX)
+            if large:  # (written through this process's mapping: out of its RSS when due)
+                touched(large)
         return done, error
 
     def _contains(self, o: Contains) -> bool:
