@@ -269,16 +269,17 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
         got.setdefault(mid, []).append(memoryview(f) if as_views and f not in (None, False)
                                        else f)  # fmt: skip
     keys = list(range(len(frames)))
+    routes = [(mid, DIGESTS[0]) for mid in ids]
     absent, wait = object(), object()
     outcomes = []
     for s in SETS:
         for small in (True, False):
-            kind, out = _outcome(s.decode_frames, keys, ids, got, loads_value, absent, wait,
+            kind, out = _outcome(s.decode_frames, keys, routes, got, loads_value, absent, wait,
                                  small)  # fmt: skip
             outcomes.append((kind, _comparable(out, absent, wait) if kind == "ok" else out))
     assert all(o == outcomes[0] for o in outcomes), outcomes
     if outcomes[0][0] == "ok":
-        pairs = pure.decode_frames(keys, ids, got, loads_value, absent, wait, False)
+        pairs = pure.decode_frames(keys, routes, got, loads_value, absent, wait, False)
         shown = [_same_values(s.values_of, pairs, absent, wait) for s in SETS]
         assert all(x == shown[0] for x in shown)
         assert shown[0][1] == [i for i, v in enumerate(values) if _is(v, "<absent>")
@@ -493,3 +494,16 @@ def test_leading_within_is_the_same(records, most):
     kind, n = _same("leading_within", records, most)
     assert kind == "ok" and n == next((i for i, r in enumerate(records)
                                        if len(_data(r[2])) > most), len(records))  # fmt: skip
+
+
+@given(frames=st.lists(st.none() | st.just(False) | st.binary(max_size=20)
+                       | st.binary(max_size=20).map(memoryview), max_size=12))
+def test_taken_out_is_the_same(frames):
+    """A same-host reader's frames: views given to ``out``, copies counted, in both sets."""
+    def out(f: memoryview) -> Any:
+        return ("out", bytes(f))
+
+    kind, got = _same("taken_out", frames, out)
+    copies = [f for f in frames if type(f) is bytes]
+    assert kind == "ok" and got == ([out(f) if type(f) is memoryview else f for f in frames],
+                                    sum(map(len, copies)), len(copies))  # fmt: skip

@@ -153,5 +153,4 @@ class Reads:
         small = decode is None and vp is None  # (the value frames' own decoder: inlined)
         if decode is None:
             decode = loads_value if vp is None else functools.partial(loads_value, pickler=vp)
-        return kernels.decode_frames(keys, [mid for mid, _ in routes], got, decode, _ABSENT,
-                                     _WAIT, small)  # fmt: skip
+        return kernels.decode_frames(keys, routes, got, decode, _ABSENT, _WAIT, small)

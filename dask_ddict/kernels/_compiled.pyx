@@ -345,6 +345,19 @@ def lookup_frames(cursor, list digests, bytes tail, Py_ssize_t small=0):
     return out
 
 
+def taken_out(list frames, object out):
+    cdef list taken = []
+    cdef Py_ssize_t nbytes = 0, copies = 0
+    for f in frames:
+        if type(f) is memoryview:
+            f = out(f)
+        elif type(f) is bytes:
+            nbytes += PyBytes_GET_SIZE(f)
+            copies += 1
+        taken.append(f)
+    return taken, nbytes, copies
+
+
 cdef object _small(object frame):
     """The value of a small frame (bytes, or a pickle without out-of-band buffers), or
     NotImplemented (decode it the general way)."""
@@ -371,15 +384,16 @@ cdef object _small(object frame):
         PyBuffer_Release(&fv)
 
 
-def decode_frames(list keys, list mids, dict got, object decode, object absent, object wait,
+@cython.boundscheck(True)  # (a route that is not a pair: IndexError, as in pure)
+def decode_frames(list keys, list routes, dict got, object decode, object absent, object wait,
                   bint small):
     cdef dict frames = {mid: iter(fs) for mid, fs in got.items()}
     cdef list out = []
     cdef Py_ssize_t i, n = len(keys)
-    if len(mids) < n:
-        n = len(mids)
+    if len(routes) < n:
+        n = len(routes)
     for i in range(n):
-        frame = next(frames[mids[i]])
+        frame = next(frames[routes[i][0]])
         if frame is None:
             value = absent
         elif frame is False:

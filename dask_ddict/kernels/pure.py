@@ -193,12 +193,28 @@ def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes, small: int = 0
     return out
 
 
-def decode_frames(keys: list[Any], mids: list[int], got: dict[int, list[Any]],
+def taken_out(frames: list[Any], out: Callable[[Any], Any]) -> tuple[list[Any], int, int]:
+    """``frames`` with each view given to ``out`` (copied, or lent: a same-host reader's
+    frames from :func:`lookup_frames`), and the bytes and number of those that came as
+    copies already (``bytes``)."""
+    taken: list[Any] = []
+    nbytes = copies = 0
+    for f in frames:
+        if type(f) is memoryview:
+            f = out(f)
+        elif type(f) is bytes:
+            nbytes += len(f)
+            copies += 1
+        taken.append(f)
+    return taken, nbytes, copies
+
+
+def decode_frames(keys: list[Any], routes: list[tuple[int, bytes]], got: dict[int, list[Any]],
                   decode: Callable[[Any], Any], absent: Any, wait: Any, small: bool,
                   ) -> list[tuple[Any, Any]]:  # fmt: skip
-    """``(key, value)`` for each key, its frame taken in turn from its manager's
-    (``mids``) frames in ``got``: ``absent`` for ``None``, ``wait`` for ``False``,
-    else ``decode(frame)``.
+    """``(key, value)`` for each key, its frame taken in turn from its manager's (the
+    first of its ``(manager, digest)`` route) frames in ``got``: ``absent`` for
+    ``None``, ``wait`` for ``False``, else ``decode(frame)``.
 
     ``small``: ``decode`` is the value frames' own decoder
     (:func:`~dask_ddict._serialize.loads_value` without a custom pickler), which the
@@ -208,8 +224,8 @@ def decode_frames(keys: list[Any], mids: list[int], got: dict[int, list[Any]],
     """
     frames = {mid: iter(fs) for mid, fs in got.items()}
     out: list[tuple[Any, Any]] = []
-    for key, mid in zip(keys, mids):
-        frame = next(frames[mid])
+    for key, route in zip(keys, routes):
+        frame = next(frames[route[0]])
         out.append((key, absent if frame is None else wait if frame is False
                     else decode(frame)))  # fmt: skip
     return out
@@ -349,5 +365,6 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
     return len(records), delta, None
 
 
-__all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames", "decode_frames",
-           "values_of", "entries_bytes", "leading_within", "put_entries", "pack_records", "unpack_records"]
+__all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames",
+           "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
+           "put_entries", "pack_records", "unpack_records"]

@@ -400,10 +400,10 @@ class SharedChannel:
             copying = out == view.copy  # (small frames: copied by the cursor's walk itself)
             frames = store.lookup_many(txn, digests, chkpt, frames=True,
                                        small=SMALL_FRAME if copying else 0)  # fmt: skip
+            taken, nbytes, copies = kernels.taken_out(frames, out)
             if copying:
-                sizes = [len(f) for f in frames if type(f) is bytes]
-                touched(sum(sizes), len(sizes))
-            return [out(f) if type(f) is memoryview else f for f in frames]
+                touched(nbytes, copies)
+            return taken
         got: list[Any] = []
         for e in store.lookup_many(txn, digests, chkpt):
             if not entry_visible(e, chkpt, self._wfk):
