@@ -488,6 +488,15 @@ cdef inline bint _tombstone(object raw) except -1:
         PyBuffer_Release(&v)
 
 
+cdef inline tuple _parts(object frame):
+    """``frame_parts(frame)``, without the call for a Framed or bytes."""
+    if type(frame) is Framed:
+        return <tuple>frame
+    if type(frame) is bytes:
+        return ((frame,), PyBytes_GET_SIZE(frame))
+    return tuple(frame_parts(frame))
+
+
 @cython.boundscheck(True)
 def put_entries(cursor, list records, Py_ssize_t start, bytes tail, int flags, Py_ssize_t most,
                 object full):
@@ -500,11 +509,7 @@ def put_entries(cursor, list records, Py_ssize_t start, bytes tail, int flags, P
     for i in range(start, n):
         r = records[i]
         digest, kb, frame = r[0], r[1], r[2]
-        if type(frame) is Framed:
-            parts = (<tuple>frame)[0]
-            nbytes = (<tuple>frame)[1]
-        else:
-            parts, nbytes = frame_parts(frame)
+        parts, nbytes = _parts(frame)
         klen = len(kb)
         total = _ENTRY_HEADER + nbytes + klen
         if total >= most:
@@ -547,15 +552,6 @@ cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
     p[1] = <char>((v >> 8) & 0xFF)
     p[2] = <char>((v >> 16) & 0xFF)
     p[3] = <char>((v >> 24) & 0xFF)
-
-
-cdef inline tuple _parts(object frame):
-    """``frame_parts(frame)``, without the call for a Framed or bytes."""
-    if type(frame) is Framed:
-        return <tuple>frame
-    if type(frame) is bytes:
-        return ((frame,), PyBytes_GET_SIZE(frame))
-    return tuple(frame_parts(frame))
 
 
 cdef inline Py_ssize_t _copy_all(char* p, Py_ssize_t off, Py_ssize_t end, object part) except -1:
