@@ -13,7 +13,7 @@ import pytest
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.errors import DDictError, DDictKeyError, DDictTimeoutError
+from dask_ddict.errors import DDictError, DDictFullError, DDictKeyError, DDictTimeoutError
 from dask_ddict.persist import CheckpointStore, Persister
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
@@ -210,3 +210,27 @@ def test_a_manager_paused_for_a_move_closes_without_waiting_for_itself(manager):
     closer.start()
     closer.join(10)
     assert not closer.is_alive() and manager.closed and not manager.moving
+
+
+def test_a_batch_message_that_fills_the_map_is_refused_whole_and_said_at_the_end(tmp_path):
+    """A snapshot that no board knows keeps every page freed after it: a batch's message
+    meets LMDB's full map mid-way, which ends its transaction.  The message is rolled
+    back (room is made, it is tried once more) and its end says the shard is full, with
+    the count of what was stored before it (it used to raise LMDB's ``BadTxnError``)."""
+    store = ShardStore(str(tmp_path / "shard"), 16 << 20)
+    m = Manager(0, store, WorkingSet(store, 1))
+    try:
+        value = dumps_value(bytes(1 << 20)).join()
+        records = [(*k(i), value) for i in range(4)]
+        m.batch_put(records, 0, CLIENT, batch=1)
+        held = store.env.begin()  # (a reader's snapshot)
+        try:
+            for _ in range(20):
+                m.batch_put(records, 0, CLIENT, batch=1)
+            with pytest.raises(DDictFullError, match="map of"):
+                m.batch_end(CLIENT, 1)
+        finally:
+            held.abort()
+        assert all(get(m, i) == bytes(1 << 20) for i in range(4))  # nothing acknowledged lost
+    finally:
+        m.close()

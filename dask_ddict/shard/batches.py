@@ -73,6 +73,8 @@ class Batches:
             if err is None:
                 done, err = ws.put_many(txn, records, chkpt, client, persistent=persistent,
                                         batch=True, tally=tally)  # fmt: skip
+                if err is not None and isinstance(err.__cause__, lmdb.MapFullError):
+                    raise err  # (LMDB ended the transaction: rolled back, room made, again)
                 count += done
             tally.settle()
             self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))
