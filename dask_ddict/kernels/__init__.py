@@ -2,7 +2,9 @@
 
 A ``get_many`` of a thousand keys (and the gets an ``AsyncDDict`` gathers) runs a few
 loops once per key: routing each key to its manager, grouping digests, framing the
-host's reply and taking it apart, the host's cursor walk, decoding small values.  In Python each
+host's reply and taking it apart, the host's cursor walk, decoding small values; a
+batch of puts runs them to route and frame each put, pack and unpack its records, and
+write them into a shard (one LMDB ``replace`` each).  In Python each
 step costs a microsecond or more of interpreter dispatch per key; these loops are
 therefore written twice: :mod:`.pure` (the reference, and the fallback) and
 :mod:`._compiled` (the same functions typed in Cython, built by ``pip install``

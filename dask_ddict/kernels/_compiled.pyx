@@ -529,7 +529,7 @@ def put_entries(cursor, list records, Py_ssize_t start, bytes tail, int flags, P
             if off < 0:
                 break
         if off != end or _copy_in(p, off, total, kb) != total:
-            raise ValueError(f"a frame's parts are not the {nbytes} bytes it says")
+            raise ValueError(_UNEVEN)
         try:
             old = replace(digest + tail, buf)
             if old is not None:

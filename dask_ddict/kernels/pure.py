@@ -1,9 +1,10 @@
 """The per-key loops of the key path, in Python: the reference and the fallback.
 
-Each function here is one loop that runs once per key of a ``get_many``, and
-nothing else: routing keys to managers, grouping digests by
-manager, framing a many-key reply on the host and taking it apart on the client,
-the host's cursor walk, and decoding small values.  :mod:`._compiled` has the
+Each function here is one loop that runs once per key of a ``get_many`` or of a
+batch of puts, and nothing else: routing keys to managers (and framing a put's
+value), grouping digests by manager, framing a many-key reply on the host and taking
+it apart on the client, the host's cursor walk, decoding small values, packing a
+batch's records and taking them apart, and writing them into a shard.  :mod:`._compiled` has the
 same functions, typed, in C (Cython); :mod:`dask_ddict.kernels` chooses one.
 Both must give the same results and raise the same errors for every input
 (``tests/test_kernels.py`` fuzzes them side by side), so every rule lives here,
@@ -89,7 +90,6 @@ class Router:
         if self.placed is None or type(key) in self.plain:
             return manager_for_digest(d, self.n), d, kb
         return self.placed(key, d, self.n), d, kb
-
 
     def record(self, key: Any, value: Any, dumps: Callable[[Any], Any],
                ) -> tuple[int, bytes, bytes, Any]:  # fmt: skip
@@ -244,6 +244,7 @@ Record = tuple[bytes, bytes, Any]  # (digest, key bytes, frame): a put of a batc
 #: A batch or many-put request's record on the wire: ``(16 + key length, manager, frame
 #: length)``, then the digest, the key and the frame (part of the protocol's version).
 BATCH_RECORD = struct.Struct("<IIQ")
+_UNEVEN = "a record's frame parts are not the bytes its frame says"
 
 
 def pack_records(records: list[tuple[int, bytes, bytes, Any]]) -> tuple[list[Any], int]:
@@ -271,9 +272,6 @@ def pack_records(records: list[tuple[int, bytes, bytes, Any]]) -> tuple[list[Any
     if sum(memoryview(p).nbytes for p in parts) != total:
         raise ValueError(_UNEVEN)
     return parts, total
-
-
-_UNEVEN = "a record's frame parts are not the bytes its frame says"
 
 
 def unpack_records(value: Any) -> dict[int, list[Record]]:
@@ -347,7 +345,7 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
             return i, delta, None
         entry = b"".join((ENTRY.pack(flags, len(kb), nbytes), *parts, kb))
         if len(entry) != ENTRY_HEADER + nbytes + len(kb):
-            raise ValueError(f"a frame's parts are not the {nbytes} bytes it says")
+            raise ValueError(_UNEVEN)
         try:
             old = replace(digest + tail, entry)
             if old is not None:
