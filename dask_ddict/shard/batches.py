@@ -21,6 +21,7 @@ import lmdb
 
 from .._blocking import locked
 from ..errors import DDictError, DDictManagerMovedError
+from . import counts
 from .counts import Tally
 
 if TYPE_CHECKING:
@@ -73,8 +74,8 @@ class Batches:
             if err is None:
                 done, err = ws.put_many(txn, records, chkpt, client, persistent=persistent,
                                         batch=True, tally=tally)  # fmt: skip
-                if err is not None and isinstance(err.__cause__, lmdb.MapFullError):
-                    raise err  # (LMDB ended the transaction: rolled back, room made, again)
+                if counts.transaction_lost(err):
+                    raise err  # (rolled back, room made, tried again: see Manager._attempt)
                 count += done
             tally.settle()
             self.store.put_meta(txn, key, pickle.dumps((batch, count, err)))

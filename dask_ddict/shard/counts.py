@@ -31,7 +31,7 @@ import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import lmdb
 
@@ -197,6 +197,12 @@ def put_run(store: ShardStore, txn: lmdb.Transaction, w: Window, records: list[R
         except DDictError as e:
             return done, e
     return len(records), None
+
+
+def transaction_lost(error: BaseException | None) -> TypeGuard[BaseException]:
+    """Whether ``error`` (from :func:`put_run`) was LMDB's full map, which ends the
+    transaction it met: nothing of it may be committed (roll back, make room, again)."""
+    return error is not None and isinstance(error.__cause__, lmdb.MapFullError)
 
 
 def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,

@@ -68,7 +68,7 @@ def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: i
     tally = counts.Tally(store, txn)
     done, error = counts.put_run(store, txn, counts.window(newest, size), records, chkpt,
                                  PERSISTENT, tally, exact=True)  # fmt: skip
-    if error is not None and isinstance(error.__cause__, lmdb.MapFullError):
+    if counts.transaction_lost(error):
         return 0, None  # (the transaction is lost: all the manager's, which can make room)
     tally.settle()
     return done, error

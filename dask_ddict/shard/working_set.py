@@ -462,17 +462,27 @@ class WorkingSet:
     ) -> None:
         """Store a value at ``chkpt`` (advancing the window if needed); its key count
         changes in ``tally`` if given (a run of puts in one transaction settles it)."""
-        newest = self.newest
-        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
-                or self.wait_for_writers:  # (else prepare_write has nothing to do) # fmt: skip
-            if tally is not None:
-                tally.settle()  # (the counts move with the window)
-            self.prepare_write(txn, chkpt, client, batch=batch)
+        self._put_ready(txn, chkpt, client, batch, tally)
         t = type(frame)
         self.store.check_room(txn, (len(frame) if t is bytes else frame.nbytes if t is memoryview
                                     else frame_parts(frame)[1]) + len(key))  # fmt: skip
-        flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
-        counts.put(self.store, txn, self.window, digest, chkpt, key, frame, flags, tally)
+        counts.put(self.store, txn, self.window, digest, chkpt, key, frame,
+                   self._put_flags(persistent), tally)  # fmt: skip
+
+    def _put_ready(self, txn: lmdb.Transaction, chkpt: int, client: int, batch: bool,
+                   tally: counts.Tally | None) -> None:  # fmt: skip
+        """What a put at ``chkpt`` does first: :meth:`prepare_write`, when it has anything
+        to do (the checkpoint outside the window, or ``wait_for_writers``)."""
+        newest = self.newest
+        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
+                or self.wait_for_writers:  # fmt: skip
+            if tally is not None:
+                tally.settle()  # (the counts move with the window)
+            self.prepare_write(txn, chkpt, client, batch=batch)
+
+    def _put_flags(self, persistent: bool) -> int:
+        """A put's version flags (under ``wait_for_keys`` only a persistent put persists)."""
+        return PERSISTENT if (persistent or not self.wait_for_keys) else 0
 
     def put_many(self, txn: lmdb.Transaction, records: list[tuple[bytes, bytes, Any]],
                  chkpt: int, client: int, *, persistent: bool = False, batch: bool = False,
@@ -480,16 +490,12 @@ class WorkingSet:
         """:meth:`put` for each ``(digest, key, frame)`` record in order, the window moved
         once (:func:`~.counts.put_run`): ``(how many were put, the error that stopped the
         next one)``."""
-        newest = self.newest
-        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
-                or self.wait_for_writers:  # (as put) # fmt: skip
-            tally.settle()
-            try:
-                self.prepare_write(txn, chkpt, client, batch=batch)
-            except DDictError as e:
-                return 0, e
-        flags = PERSISTENT if (persistent or not self.wait_for_keys) else 0
-        return counts.put_run(self.store, txn, self.window, records, chkpt, flags, tally)
+        try:
+            self._put_ready(txn, chkpt, client, batch, tally)
+        except DDictError as e:
+            return 0, e
+        return counts.put_run(self.store, txn, self.window, records, chkpt,
+                              self._put_flags(persistent), tally)  # fmt: skip
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
         """Delete the key at ``chkpt`` and return (a copy of) its value frame.

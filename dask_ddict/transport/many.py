@@ -14,7 +14,7 @@ shard's rather than the key limit)::
     reply payload = <u32 n> <i64 length> * n  [pad]  (frame [pad]) * n
 
 A :class:`PutMany` carries records tagged with their manager (as a batch
-does, :data:`~.protocol.BATCH_RECORD`) and is answered, per manager, with how
+does, :data:`~dask_ddict.kernels.BATCH_RECORD`) and is answered, per manager, with how
 many records were put and the error that stopped the next one.
 
 A length of -1 is an absent key, -2 a key whose reader must wait

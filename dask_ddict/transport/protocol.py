@@ -36,15 +36,12 @@ import socket
 import struct
 from typing import Any, Protocol
 
-from .. import kernels
-
 REQ = struct.Struct("<BBxxIIIqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
 HELLO_MAGIC = b"DDK5"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
-# name their manager (BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY); 5: tags
+# name their manager (kernels.BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY); 5: tags
 REP = struct.Struct("<BxxxIqQ")
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one page record
-BATCH_RECORD = kernels.BATCH_RECORD  # (klen, manager, vlen) of one batch record
 SMALL = 64 * 1024
 _DONTWAIT = socket.MSG_DONTWAIT
 
