@@ -6,13 +6,14 @@ reaped, its socket closed, also on errors).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -55,9 +56,10 @@ while s.recv(1):
 """
 
 
-def loopback_seconds(nbytes: int, reps: int) -> float:
-    """Best time to receive one ``nbytes`` message over 127.0.0.1 TCP from a child process
-    (a 1-byte request, then ``recv_into`` a preallocated, warm buffer)."""
+@contextlib.contextmanager
+def _loopback(nbytes: int) -> Iterator[Callable[[], None]]:
+    """``one()``: a 1-byte request to a child process over 127.0.0.1 TCP, and its
+    ``nbytes`` answer received with ``recv_into`` into a preallocated, warm buffer."""
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
@@ -71,23 +73,42 @@ def loopback_seconds(nbytes: int, reps: int) -> float:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buf = bytearray(nbytes)
         view = memoryview(buf)
+        sock = conn
 
         def one() -> None:
-            conn.sendall(b"g")
+            sock.sendall(b"g")
             got = 0
             while got < nbytes:
-                k = conn.recv_into(view[got:])
+                k = sock.recv_into(view[got:])
                 if not k:
                     raise ConnectionError("loopback child closed the socket")
                 got += k
 
         one()  # warm: the child's message is built, socket buffers grown
-        return best_of(one, reps, budget=10.0)
+        yield one
     finally:
         if conn is not None:
             conn.close()  # the child's recv sees EOF and it exits
         lsock.close()
         reap(child)
+
+
+def loopback_seconds(nbytes: int, reps: int) -> float:
+    """Best time to receive one ``nbytes`` message over 127.0.0.1 TCP from a child process."""
+    with _loopback(nbytes) as one:
+        return best_of(one, reps, budget=10.0)
+
+
+def loopback_rate(nbytes: int, seconds: float) -> float:
+    """Round trips per second of a 1-byte request and an ``nbytes`` answer between two
+    Python processes over 127.0.0.1 TCP, one after the other: what any Python client
+    and server doing one ``recv`` and one ``send`` each per request can reach at most."""
+    with _loopback(nbytes) as one:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or n < 3:
+            one()
+            n += 1
+        return n / (time.perf_counter() - t0)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -57,13 +57,13 @@ def count_socket_bytes() -> None:
     (The count lives on the wrapped class: these functions travel to the
     workers by value, with copies of this module's globals.)
     """
-    from dask_ddict.transport import links
+    from dask_ddict.transport import conn as conns, links
 
-    conn: Any = links.Conn
+    conn: Any = conns.Conn
     if "_bench_received" in vars(conn):
         return
     conn._bench_received = count = [0]
-    recv_into, recv = conn.recv_into, conn.recv
+    recv_into, recv, reply = conn.recv_into, conn.recv, links.receive_reply
 
     def counted_recv_into(self: Any, buf: Any, n: int = 0) -> int:
         k = recv_into(self, buf, n)
@@ -75,13 +75,19 @@ def count_socket_bytes() -> None:
         count[0] += len(data)
         return data
 
+    def counted_reply(sock: Any, buf: Any, got: int, *args: Any) -> Any:
+        answer = reply(sock, buf, got, *args)  # (a small reply, received in the link)
+        count[0] += answer[-1] - got
+        return answer
+
     conn.recv_into, conn.recv = counted_recv_into, counted_recv
+    links.receive_reply = counted_reply
 
 
 def received() -> int:
-    from dask_ddict.transport import links
+    from dask_ddict.transport import conn
 
-    return int(vars(links.Conn).get("_bench_received", [0])[0])
+    return int(vars(conn.Conn).get("_bench_received", [0])[0])
 
 
 def transfers(dask_worker: Any) -> int:

@@ -14,6 +14,11 @@ put/get of 100 B values (ops/s) and of 1 MiB / 64 MiB numpy arrays (MB/s):
 against redis-py doing the same operations (the reference column), and these
 rows, each against the reference its reference column names:
 
+* ``round trip 100 B (tcp)``: sequential round trips of a 1-byte request and a
+  100 B answer between this process and a child over raw loopback TCP, one
+  ``recv`` and one ``send`` each (the loopback row's child): the ceiling of any
+  Python client and host here, against redis-py's get (what the 100 B TCP rows'
+  ratios could reach with no work at all on either side).
 * ``memcpy 64 MiB``: ``np.copyto`` between two warm 64 MiB buffers in this
   process (best of a few): the reference of the next two rows.
 * ``get 64 MiB copy=False``: one ``d.manager(0).get(key, copy=False)`` of a
@@ -253,6 +258,16 @@ def tcp_big_row(tcp0: DDict, reps: int) -> Row:
             f"{wire / t:.2f} of loopback (target >= 0.8)")  # fmt: skip
 
 
+def floor_row(base: dict[str, float] | None, secs: float) -> Row:
+    """Sequential 100 B round trips between two Python processes over raw loopback TCP
+    (one ``recv`` and one ``send`` each per request, nothing else): the ceiling of any
+    Python client and host on this machine, against redis-py's get in the same run."""
+    rate = refs.loopback_rate(100, max(secs, 0.5))
+    ratio = f"{rate / base['get']:.2f}x: the most a Python pair reaches" if base else "n/a"
+    return ("round trip 100 B (tcp)", "two Python processes, raw sockets",
+            f"{rate:,.0f} ops/s", f"{base['get']:,.0f} ops/s" if base else "n/a", ratio)
+
+
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.2f} us"
 
@@ -445,6 +460,7 @@ def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], sec
                 ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
                 rows.append((f"{op} {label}", where, fmt(nbytes, r[op]),
                              fmt(nbytes, base[op]) if base else "n/a", ratio))  # fmt: skip
+    rows.append(floor_row(bases.get("100 B"), secs))
     rows += big_get_rows(m0, reps)
     rows.append(view_room_row(c))
     # channels pick their transport when first used: every TCP call stays in this block

@@ -55,7 +55,8 @@ def _same(name: str, *args: Any) -> Any:
 def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
-    assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "Record"} == \
+    assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "QUIET", "Record",
+                                "REPLY"} == \
         set(kernels.__all__)  # fmt: skip
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
@@ -507,3 +508,53 @@ def test_taken_out_is_the_same(frames):
     copies = [f for f in frames if type(f) is bytes]
     assert kind == "ok" and got == ([out(f) if type(f) is memoryview else f for f in frames],
                                     sum(map(len, copies)), len(copies))  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(status=st.integers(0, 255), ival=st.integers(-(2**63), 2**63 - 1),
+       payload=st.binary(max_size=300), cut=st.integers(0, 400), small=st.integers(0, 400),
+       room=st.integers(0, 300), end=st.booleans())  # fmt: skip
+def test_receive_reply_is_the_same_and_reads_one_reply(status, ival, payload, cut, small, room,
+                                                       end):  # fmt: skip
+    """A reply, its first ``cut`` bytes already in the buffer and the rest on a socket
+    (cut short by the peer's close with ``end``): both sets give the same answer, and
+    the header's fields, with the payload when it is under ``small`` and fits."""
+    import socket
+
+    reply = kernels.REPLY.pack(status, 7, ival, len(payload)) + payload
+    cut = min(cut, len(reply))
+    size = kernels.REPLY.size + room
+    outcomes = []
+    for s in SETS:
+        a, b = socket.socketpair()
+        with a, b:
+            buf = bytearray(max(size, cut))
+            buf[:cut] = reply[:cut]
+            b.sendall(reply[cut:-1] if end else reply[cut:])
+            if end:
+                b.close()
+            outcomes.append(_outcome(s.receive_reply, a, buf, cut, None, small))
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    kind, got = outcomes[0]
+    whole = len(payload) < small and len(payload) <= len(buf) - kernels.REPLY.size
+    there = max(cut, len(reply) - 1) if end else len(reply)  # (bytes the kernel can have)
+    if there < kernels.REPLY.size + (len(payload) if whole else 0):
+        assert got == (ConnectionResetError, "connection closed by peer")
+        return
+    assert kind == "ok" and got[:3] == (status, ival, len(payload))
+    assert got[3] == (payload if whole else None)
+
+
+def test_receive_reply_says_quiet_when_its_wait_goes_by():
+    import socket
+
+    for s in SETS:
+        a, b = socket.socketpair()
+        with a, b:
+            a.settimeout(0.01)
+            head = kernels.REPLY.pack(0, 1, 2, 3)
+            b.sendall(head[:5])
+            buf = bytearray(64)
+            assert s.receive_reply(a, buf, 0, 0.01, 100) == (kernels.QUIET, 0, 0, None, 5)
+            b.sendall(head[5:] + b"abc")  # (then the rest: nothing received was lost)
+            assert s.receive_reply(a, buf, 5, 0.01, 100) == (0, 2, 3, b"abc", 27)

@@ -37,16 +37,17 @@ def _tcp(d: DDict, client: Client) -> DDict:
 def requests(monkeypatch):
     """Every request sent to a host process, as ``(operation class, manager ids)``."""
     sent: list[tuple[type, tuple[int, ...]]] = []
-    real = links.HostLink._exchange
+    call, send = links.HostLink.call, links.HostLink.send  # (every request goes out by one)
 
-    def exchange(self, o, mid, *rest):  # noqa: ANN001, ANN002, ANN202
+    def note(o, mid):  # noqa: ANN001, ANN202
         mids = tuple(g[0] for g in o.groups) if isinstance(o, GetMany) else \
             tuple(sorted({r[0] for r in o.records})) if isinstance(o, (ops.BatchPut, PutMany)) \
             else (mid,)  # fmt: skip
         sent.append((type(o), mids))
-        return real(self, o, mid, *rest)
 
-    monkeypatch.setattr(links.HostLink, "_exchange", exchange)
+    monkeypatch.setattr(links.HostLink, "call", lambda self, o, mid: note(o, mid) or call(self, o, mid))
+    monkeypatch.setattr(links.HostLink, "send",
+                        lambda self, o, mid, *rest: note(o, mid) or send(self, o, mid, *rest))
     return sent
 
 

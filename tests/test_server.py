@@ -13,6 +13,7 @@ import pickle
 import secrets
 import socket
 
+import numpy as np
 import pytest
 
 from dask_ddict._hashing import key_digest
@@ -267,3 +268,93 @@ def test_a_byte_range_is_cut_by_the_values_host_and_only_it_travels(served, use_
             writer.join(30)
     finally:
         ws.wait_for_keys = False
+
+
+# -- the quick exchange (HostLink._quick: a kept connection, the compiled receive) -----------
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+@pytest.mark.parametrize("size", [0, 4_000, 4_096, 70_000, 3 << 20])
+def test_replies_of_every_size_come_whole_through_a_kept_connection(served, use_uds, size):
+    """A small reply is received whole by the kernel; one of ``SMALL_FRAME`` bytes or
+    more, or larger than the connection's buffer, goes on through its reader."""
+    channel, _, _ = served
+    ch = channel(use_uds)
+    value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
+    for i in range(3):  # (the first connects; the others take the kept connection)
+        kb = dumps_key(f"k{i}")
+        ch.call(ops.Put(key_digest(kb), kb, dumps_value(value), 0, 1))
+        assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == value
+        assert len(ch.link._all) == 1
+    with pytest.raises(DDictKeyError):  # (an error reply, through the kept connection)
+        ch.call(ops.Get(key_digest(dumps_key("absent")), 0))
+    assert ch.call(ops.Length(0)) == 3 and len(ch.link._all) == 1
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_a_kept_connection_that_broke_is_resent_or_said_maybe_applied(served, use_uds):
+    """The host dropped an idle connection (as a restarted host would): a read or an
+    idempotent write on it is sent again on a new one; an operation that cannot be
+    resent says that it may or may not have been applied."""
+    channel, _, _ = served
+    ch = channel(use_uds)
+    kb = dumps_key("k")
+    ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
+
+    def drop_the_hosts_ends() -> None:
+        for conn in ch.link._all:  # (kept: the next request is sent, then its reply
+            conn.sock.shutdown(socket.SHUT_RD)  # meets the end of the stream)
+
+    before = list(ch.link._all)
+    drop_the_hosts_ends()
+    assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == 1
+    assert ch.link._all and not set(ch.link._all) & set(before)  # a new connection
+    drop_the_hosts_ends()
+    ch.call(ops.Put(key_digest(kb), kb, dumps_value(2), 0, 1))
+    assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == 2
+
+    class Unsafe(ops.Length):  # (as an operation that cannot be resent would be)
+        kind = ops.Kind.UNSAFE
+
+    drop_the_hosts_ends()
+    with pytest.raises(DDictError, match="LEN .*may or may not have been applied"):
+        ch.call(Unsafe(0))
+    assert ch.call(Unsafe(0)) == 1  # (then on a new connection)
+
+
+def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path):
+    """On the same host a wait is cut into ``alive-check`` slices and the host's
+    supervisor is checked between them: a host that never answers and whose
+    supervisor is gone raises at once, and the connection is not kept (its late
+    answer would be read as the next request's)."""
+    from dask_ddict.errors import DDictManagerUnavailableError
+    from dask_ddict.transport.conn import Conn
+    from dask_ddict.transport.kept import KEPT
+
+    info = ManagerInfo(3, "w", "h", "h:b", os.getpid(), str(tmp_path / "none.sock"),
+                       "127.0.0.1", 1, str(tmp_path / "shard"))  # fmt: skip
+    import dask.config
+
+    with dask.config.set({"ddict.transport.alive-check": "20 ms"}):
+        link = HostLink(info, secrets.token_hex(16), "s", "quiet", use_uds=True)
+    ours, silent = socket.socketpair()  # (a host that reads requests and never answers)
+    conn = Conn(ours, link._every)
+    conn.begin(None, None)
+    link._all.append(conn)
+    KEPT.give(link, conn)
+    checks = []
+
+    def check() -> None:
+        checks.append(1)
+        if len(checks) == 3:
+            raise DDictManagerUnavailableError("manager 3 is gone (its supervisor ended)")
+
+    link._checker = lambda mid: check  # type: ignore[method-assign]
+    try:
+        with pytest.raises(DDictManagerUnavailableError, match="supervisor ended"):
+            link.call(ops.Length(0), 3)
+        assert len(checks) == 3 and silent.recv(1 << 16)  # (the request went out)
+        assert conn not in link._all and not link.idle and ours.fileno() == -1
+    finally:
+        link.close()
+        silent.close()

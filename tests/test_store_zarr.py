@@ -312,14 +312,18 @@ def wire(monkeypatch):
     from dask_ddict.transport import links
 
     sent: list[tuple[str, int]] = []
-    real = links.HostLink._exchange
+    call, send = links.HostLink.call, links.HostLink.send  # (every request goes out by one)
 
-    def exchange(self, o, *rest):  # noqa: ANN001, ANN002, ANN202
-        got = yield from real(self, o, *rest)
+    def note(o, got):  # noqa: ANN001, ANN202
         sent.append((type(o).__name__, 0 if got[1] is None else memoryview(got[1]).nbytes))
         return got
 
-    monkeypatch.setattr(links.HostLink, "_exchange", exchange)
+    def sending(self, o, *rest):  # noqa: ANN001, ANN002, ANN202
+        answer = send(self, o, *rest)
+        return lambda: note(o, answer())
+
+    monkeypatch.setattr(links.HostLink, "call", lambda self, o, mid: note(o, call(self, o, mid)))
+    monkeypatch.setattr(links.HostLink, "send", sending)
     return sent
 
 
@@ -476,22 +480,24 @@ def _count_requests() -> None:
     """In a worker: count the requests its handles send to host processes."""
     from dask_ddict.transport import links
 
-    real = links.HostLink._exchange
     links._COUNTED = {}  # type: ignore[attr-defined]
+    links.HostLink._real = (links.HostLink.call, links.HostLink.send)  # type: ignore[attr-defined]
 
-    def exchange(self, o, *rest):
-        name = type(o).__name__
-        links._COUNTED[name] = links._COUNTED.get(name, 0) + 1  # type: ignore[attr-defined]
-        return real(self, o, *rest)
+    def counted(real):  # (every request goes out by call or send)
+        def request(self, o, *rest):
+            name = type(o).__name__
+            links._COUNTED[name] = links._COUNTED.get(name, 0) + 1  # type: ignore[attr-defined]
+            return real(self, o, *rest)
 
-    links.HostLink._real_exchange = real  # type: ignore[attr-defined]
-    links.HostLink._exchange = exchange
+        return request
+
+    links.HostLink.call, links.HostLink.send = map(counted, links.HostLink._real)
 
 
 def _counted() -> dict[str, int]:
     from dask_ddict.transport import links
 
-    links.HostLink._exchange = links.HostLink._real_exchange  # type: ignore[attr-defined]
+    links.HostLink.call, links.HostLink.send = links.HostLink._real  # type: ignore[attr-defined]
     return links._COUNTED  # type: ignore[attr-defined]
 
 

@@ -4,7 +4,9 @@ A ``get_many`` of a thousand keys (and the gets an ``AsyncDDict`` gathers) runs 
 loops once per key: routing each key to its manager, grouping digests, framing the
 host's reply and taking it apart, the host's cursor walk, decoding small values; a
 batch of puts runs them to route and frame each put, pack and unpack its records, and
-write them into a shard (one LMDB ``replace`` each).  In Python each
+write them into a shard (one LMDB ``replace`` each); and every single-key operation
+over a socket receives its reply (a header and a small value in one ``recv``, with
+the interpreter lock released).  In Python each
 step costs a microsecond or more of interpreter dispatch per key; these loops are
 therefore written twice: :mod:`.pure` (the reference, and the fallback) and
 :mod:`._compiled` (the same functions typed in Cython, built by ``pip install``
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import BATCH_RECORD, JOIN, KeyTooLong, Record
+from .pure import BATCH_RECORD, JOIN, QUIET, REPLY, KeyTooLong, Record
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +53,12 @@ _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (Router, decode_frames, entries_bytes, group, leading_within, lookup_frames,
-                       pack_frames, pack_records, put_entries, route, taken_out,
-                       unpack_frames, unpack_records, values_of)
+                       pack_frames, pack_records, put_entries, receive_reply, route,
+                       taken_out, unpack_frames, unpack_records, values_of)
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
-__all__ = ["BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "Record", "Router", "decode_frames",
-           "entries_bytes", "group", "leading_within", "lookup_frames", "pack_frames",
-           "pack_records", "put_entries", "route", "taken_out", "unpack_frames",
-           "unpack_records", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)
+__all__ = ["BATCH_RECORD", "COMPILED", "JOIN", "QUIET", "REPLY", "KeyTooLong", "Record", "Router",
+           "decode_frames", "entries_bytes", "group", "leading_within", "lookup_frames",
+           "pack_frames", "pack_records", "put_entries", "receive_reply", "route", "taken_out",
+           "unpack_frames", "unpack_records", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)

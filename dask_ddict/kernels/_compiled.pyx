@@ -16,7 +16,9 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.string cimport memcmp, memcpy, memset
+from libc.errno cimport EAGAIN, EINTR, errno
 
+import os
 import pickle
 import struct
 
@@ -24,13 +26,32 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
 from .._entry import DIGEST, ENTRY_HEADER, TOMBSTONE
-from .pure import _UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, WAIT, KeyTooLong
+from .pure import _UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, QUIET, REPLY, WAIT, KeyTooLong
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
+if REPLY.format != "<BxxxIqQ":  # (read here byte by byte: see receive_reply)
+    raise ImportError(f"kernels._compiled reads replies as <BxxxIqQ, not {REPLY.format}")
 
 cdef extern from "Python.h":
     int PyBUF_READ
+    int PyBUF_WRITABLE
+    int PyErr_CheckSignals() except -1
+
+cdef extern from "<errno.h>":
+    int EWOULDBLOCK
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int fd, void* buf, size_t n, int flags)
+    int MSG_DONTWAIT
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd* fds, unsigned long nfds, int timeout)
+    short POLLIN
 
 cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
@@ -660,3 +681,69 @@ def unpack_records(value):
     finally:
         PyBuffer_Release(&v)
     return by_mid
+
+
+cdef Py_ssize_t _REPLY = REPLY.size
+cdef int _QUIET = QUIET
+
+
+def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t small):
+    cdef int fd = sock.fileno()
+    cdef int ms = -1
+    cdef int flags = 0
+    cdef int ready
+    cdef int err = 0
+    cdef ssize_t n
+    cdef Py_ssize_t cap
+    cdef uint64_t plen
+    cdef char* p
+    cdef const unsigned char* h
+    cdef pollfd pfd
+    cdef Py_buffer view
+    if wait is not None:  # (the socket's timeout: its descriptor does not block)
+        ms = <int>min(max(<double>wait * 1000.0 + 0.999, 0.0), 2147483647.0)
+        flags = MSG_DONTWAIT
+    PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+    try:
+        p = <char*>view.buf
+        cap = view.len
+        if got < 0 or got > cap:
+            raise ValueError(f"{got} bytes received into a {cap}-byte buffer")
+        while True:
+            if got >= _REPLY:
+                h = <const unsigned char*>p
+                plen = _le64(h + 16)
+                if plen >= <uint64_t>small or plen > <uint64_t>(cap - _REPLY):
+                    return h[0], <int64_t>_le64(h + 8), plen, None, got
+                if <uint64_t>(got - _REPLY) >= plen:
+                    return (h[0], <int64_t>_le64(h + 8), plen,
+                            PyBytes_FromStringAndSize(p + _REPLY, <Py_ssize_t>plen), got)
+            if ms >= 0:
+                pfd.fd = fd
+                pfd.events = POLLIN
+                pfd.revents = 0
+                with nogil:
+                    ready = poll(&pfd, 1, ms)
+                    if ready < 0:
+                        err = errno
+                if ready == 0:
+                    return _QUIET, 0, 0, None, got
+                if ready < 0:
+                    if err == EINTR:
+                        PyErr_CheckSignals()
+                        continue
+                    raise OSError(err, os.strerror(err))
+            with nogil:
+                n = recv(fd, p + got, <size_t>(cap - got), flags)
+                if n < 0:
+                    err = errno
+            if n > 0:
+                got += n
+            elif n == 0:
+                raise ConnectionResetError("connection closed by peer")
+            elif err == EINTR:
+                PyErr_CheckSignals()
+            elif ms < 0 or (err != EAGAIN and err != EWOULDBLOCK):
+                raise OSError(err, os.strerror(err))
+    finally:
+        PyBuffer_Release(&view)

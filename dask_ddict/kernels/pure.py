@@ -363,6 +363,50 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
     return len(records), delta, None
 
 
+#: A reply's header on the wire: status, the request's tag, the integer answer and the
+#: payload's length (part of the protocol's version; :data:`~dask_ddict.transport.
+#: protocol.REP` is this).
+REPLY = struct.Struct("<BxxxIqQ")
+#: What :func:`receive_reply` gives when a wait of ``wait`` seconds went by with no reply.
+QUIET = -1
+
+
+def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
+                  small: int) -> tuple[int, int, int, bytes | None, int]:  # fmt: skip
+    """Receive the reply to the one request in flight on ``sock`` into ``buf``.
+
+    ``buf`` holds ``got`` bytes of it already.  Returns ``(status, ival, plen,
+    payload, got)`` once the header is in, and, for a payload under ``small`` bytes
+    that fits ``buf``, the payload too (a copy); else ``payload`` is ``None`` and the
+    caller receives the rest (``buf[REPLY.size:got]`` is its start).  A client asks one
+    request at a time on a connection, so nothing after the reply is ever received.
+
+    ``wait`` is the socket's timeout (``None``: a blocking socket): when it goes by
+    with nothing received, ``status`` is :data:`QUIET` (nothing is lost: call again
+    with ``got``).  Raises ``ConnectionResetError`` if the host closed the
+    connection, and the socket's ``OSError`` if it broke.
+    """
+    view = memoryview(buf)
+    size = REPLY.size
+    while True:
+        if got >= size:
+            status, _, ival, plen = REPLY.unpack_from(buf)
+            whole = plen < small and size + plen <= len(buf)
+            if not whole:
+                return status, ival, plen, None, got
+            if got >= size + plen:
+                return status, ival, plen, bytes(view[size : size + plen]), got
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError as e:
+            if e.errno is not None:  # (ETIMEDOUT: the connection broke)
+                raise
+            return QUIET, 0, 0, None, got
+        if not n:
+            raise ConnectionResetError("connection closed by peer")
+        got += n
+
+
 __all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames",
            "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
-           "put_entries", "pack_records", "unpack_records"]
+           "put_entries", "pack_records", "unpack_records", "receive_reply"]

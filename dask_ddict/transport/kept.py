@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from .. import config
 
-Conn = Any  # (a link's connection: :class:`~.links.Conn`)
+Conn = Any  # (a link's connection: :class:`~.conn.Conn`)
 
 
 class HostLink(Protocol):

@@ -53,10 +53,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from .._serialize import SMALL_FRAME
+from ..kernels import QUIET, receive_reply
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -69,6 +70,7 @@ from ..errors import (
 from ..errors import Status
 from ..layout import ManagerInfo
 from .handshake import HandshakeError, client_side
+from .conn import Conn, Deadline
 from .kept import KEPT
 from .ops import Kind, Operation
 from .protocol import (
@@ -76,7 +78,6 @@ from .protocol import (
     REQ,
     SMALL,
     Hello,
-    Reader,
     send_parts,
 )
 
@@ -94,106 +95,6 @@ _GONE = {
 
 #: ``explain(mid, error, place)``: see :meth:`~.connect.Connections.explain`.
 Explain = Callable[[int, DDictManagerUnavailableError, "tuple[str, str, int] | None"], DDictError]
-
-
-class _Deadline(Exception):
-    """The operation's own time ran out (reported by the link as ``DDictTimeoutError``)."""
-
-
-class Conn:
-    """One connection to a host process, whose waits never outlast their operation.
-
-    The link reads and writes through this object (the handshake, :class:`Reader`,
-    :func:`send_parts`), so that every blocking call is cut at the operation's
-    deadline and, where the host's liveness can be checked, into slices of
-    ``ddict.transport.alive-check``: when a slice goes by with nothing to read (or
-    no room to write), :attr:`check` runs and the call is simply made again.  A
-    socket timeout leaves nothing half done (``recv_into``/``send`` either moved
-    bytes or raised before moving any), so waiting in slices loses no byte.
-    """
-
-    __slots__ = ("sock", "reader", "timeout", "deadline", "check", "every", "_recv_into", "_send")
-
-    def __init__(self, sock: socket.socket, every: float | None) -> None:
-        self.sock = sock
-        self.every = every  # the slice; None: nothing to check between them, one wait
-        self.timeout: float | None = None  # the socket's, as last set
-        self.deadline: float | None = None
-        self.check: Callable[[], None] | None = None
-        self._recv_into = sock.recv_into
-        self._send = sock.send
-        self.reader = Reader(self)
-
-    def begin(self, deadline: float | None, check: Callable[[], None] | None) -> None:
-        """Wait at most until ``deadline`` (``None``: as long as the host is not gone)."""
-        self.deadline = deadline
-        self.check = check
-        if deadline is not None or self.timeout != self.every:  # (else _arm changes nothing)
-            self._arm()
-
-    def _arm(self) -> None:
-        wait = self.every
-        if self.deadline is not None:
-            left = max(0.001, self.deadline - time.monotonic())
-            wait = left if wait is None else min(wait, left)
-        if wait != self.timeout:
-            self.sock.settimeout(wait)
-            self.timeout = wait
-
-    def waited(self, e: TimeoutError) -> None:
-        """A slice went by: raise :class:`_Deadline` past the deadline, or whatever
-        :attr:`check` raises (the host is gone); else wait again."""
-        if e.errno is not None:  # ETIMEDOUT from the kernel: the connection broke
-            raise e
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise _Deadline() from None
-        if self.check is not None:
-            self.check()
-        self._arm()
-
-    def recv_into(self, buf: Any, n: int = 0, flags: int = 0) -> int:
-        while True:
-            try:
-                return self._recv_into(buf, n, flags)
-            except TimeoutError as e:
-                self.waited(e)
-
-    def recv(self, n: int) -> bytes:
-        buf = bytearray(n)
-        return bytes(buf[: self.recv_into(buf, n)])
-
-    def sendall(self, data: Any) -> None:
-        if self.timeout is None:  # a blocking socket: nothing to cut
-            self.sock.sendall(data)
-            return
-        view = memoryview(data).cast("B")
-        sent, n = 0, view.nbytes
-        while sent < n:
-            try:
-                sent += self._send(view[sent:])
-            except TimeoutError as e:
-                self.waited(e)
-
-    def tls_handshake(self) -> None:
-        """Finish the TLS handshake, its waits cut like every other (it goes on where a
-        slice left it)."""
-        tls = cast(ssl.SSLSocket, self.sock)
-        while True:
-            try:
-                tls.do_handshake()
-                return
-            except TimeoutError as e:
-                self.waited(e)
-
-    def getsockopt(self, *args: Any) -> Any:
-        return self.sock.getsockopt(*args)
-
-    def close(self) -> None:
-        self.check = None
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 _ONCE = Kind.ONCE  # (an enum member's lookup costs more than the comparison)
@@ -299,7 +200,7 @@ class HostLink:
     def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
                  ) -> Conn:  # fmt: skip
         """A new connection, its handshake done, by ``deadline`` (``None``: whenever the
-        host answers, if it is not gone).  Raises :class:`_Deadline` when time runs out."""
+        host answers, if it is not gone).  Raises :class:`Deadline` when time runs out."""
         info = self.info
         try:
             if self.kind == "uds":
@@ -319,7 +220,7 @@ class HostLink:
                     sock = socket.create_connection((info.tcp_host, info.tcp_port), timeout=left)
                 except TimeoutError as e:
                     if e.errno is None:  # (its timeout was the operation's)
-                        raise _Deadline() from None
+                        raise Deadline() from None
                     raise
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:
@@ -337,7 +238,7 @@ class HostLink:
                 raise
         except HandshakeError as e:  # never retried: this peer is not the dictionary's host
             raise self.unavailable(mid, f"cannot be reached: {e}", followable=False) from None
-        except (_Deadline, DDictError):
+        except (Deadline, DDictError):
             raise
         except (OSError, ssl.SSLError) as e:
             if getattr(e, "errno", None) in _GONE or isinstance(e, ssl.SSLError):
@@ -373,7 +274,7 @@ class HostLink:
         or ``TimeoutError`` at the deadline."""
         try:
             conn = self._connect(mid, deadline, self._checker(mid))
-        except _Deadline:
+        except Deadline:
             raise TimeoutError(f"{self.where(mid)}: not connected in time") from None
         with self._lock:
             self._all.remove(conn)
@@ -410,6 +311,77 @@ class HostLink:
 
     def call(self, o: Operation, mid: int) -> tuple[int, Any]:
         """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
+        if o.timeout is None and o.kind is not _ONCE and o.replies and self._ssl is None:
+            conn = KEPT.take(self)
+            if conn is not None:
+                return self._quick(o, mid, conn)
+        return self._call(o, mid)
+
+    def _quick(self, o: Operation, mid: int, conn: Conn) -> tuple[int, Any]:
+        """:meth:`call` on the idle connection ``conn``, for an operation with no deadline
+        and no request id: the request in one ``sendall``, the reply received by
+        :func:`~dask_ddict.kernels.receive_reply` (its header and a small payload in one
+        ``recv``, compiled).  Most operations go this way; they fail as in
+        :meth:`_exchange` (which retries those it may resend), and a large request or
+        reply goes through the reader as there."""
+        flags, keysec, value, vlen, chkpt, arg, client, _ = o.encode()
+        total = REQ.size + len(keysec) + vlen
+        if total > SMALL or vlen > self._max_value:
+            KEPT.give(self, conn)
+            return self._call(o, mid)
+        check = None
+        try:
+            conn.begin(None, None)
+            sock = conn.sock
+            sock.sendall(b"".join((REQ.pack(o.op, flags, len(keysec), mid, 0, chkpt, arg,
+                                            client, -1.0, vlen, 0), keysec, *value)))  # fmt: skip
+            reader = conn.reader
+            buf, got = reader.emptied(), 0
+            while True:
+                status, ival, plen, payload, got = receive_reply(sock, buf, got, conn.timeout,
+                                                                 SMALL_FRAME)  # fmt: skip
+                if status != QUIET:
+                    break
+                check = check or self._checker(mid)  # (same host: is it still there?)
+                if check is not None:
+                    check()
+            if payload is None:  # (a large reply: received as _exchange receives it)
+                conn.check = check or self._checker(mid)
+                reader.received(REP.size, got)
+                if plen >= SMALL_FRAME:
+                    payload = o.buffer(plen)
+                    reader.read_into(payload)
+                else:
+                    payload = reader.take(plen)
+        except DDictError as e:  # (the host is gone, or moved: its reply is never read)
+            self.forget(conn)
+            if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
+                    and o.kind is not Kind.UNSAFE:  # fmt: skip
+                return self.follow(mid, None).call(o, mid)
+            raise
+        except (OSError, ssl.SSLError) as e:
+            self._broken(conn)
+            if o.kind is Kind.UNSAFE:
+                raise self._maybe_applied(o, mid, e) from e
+            return self._call(o, mid)  # (resent on a new connection, as _exchange resends)
+        except BaseException:  # (an interrupt: the reply is never read)
+            self.forget(conn)
+            raise
+        KEPT.give(self, conn)
+        if status:
+            if status == _MOVED and self.follow is not None and o.follows:
+                return self.follow(mid, None).call(o, mid)
+            raise_for_status(status, bytes(payload).decode(errors="replace"))
+        return ival, payload
+
+    def _maybe_applied(self, o: Operation, mid: int, e: BaseException) -> DDictError:
+        """The error of an operation that cannot be resent, whose connection broke."""
+        return DDictError(f"{self.where(mid)}: the connection broke during {o.op.name} "
+                          f"({type(e).__name__}); it may or may not have been applied",
+                          "MANAGER_UNAVAILABLE")  # fmt: skip
+
+    def _call(self, o: Operation, mid: int) -> tuple[int, Any]:
+        """:meth:`call` through :meth:`_exchange` (retries, deadlines, request ids)."""
         exchange = self._exchange(o, mid)
         try:
             next(exchange)
@@ -513,18 +485,14 @@ class HostLink:
                         and (kind is not Kind.UNSAFE or not sent):  # fmt: skip
                     return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited))
                 raise
-            except _Deadline as e:
+            except Deadline as e:
                 if conn is not None:
                     self.forget(conn)
                 raise self.timed_out(o, mid, timeout, sent) from e
             except (OSError, ssl.SSLError) as e:
                 self._broken(conn)
                 if kind is Kind.UNSAFE:
-                    raise DDictError(
-                        f"{self.where(mid)}: the connection broke during {op.name} "
-                        f"({type(e).__name__}); it may or may not have been applied",
-                        "MANAGER_UNAVAILABLE",
-                    ) from e
+                    raise self._maybe_applied(o, mid, e) from e
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise self._unavailable(mid, e) from e

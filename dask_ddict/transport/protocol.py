@@ -36,11 +36,13 @@ import socket
 import struct
 from typing import Any, Protocol
 
+from ..kernels import REPLY
+
 REQ = struct.Struct("<BBxxIIIqqQdQQ")
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
 HELLO_MAGIC = b"DDK5"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
 # name their manager (kernels.BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY); 5: tags
-REP = struct.Struct("<BxxxIqQ")
+REP = REPLY  # status, tag, ival, payload length (declared with the kernel that reads it)
 RECORD = struct.Struct("<IxxxxQ")  # (klen, vlen) of one page record
 SMALL = 64 * 1024
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -123,7 +125,7 @@ class Sink(Protocol):
 
 class Stream(Sink, Protocol):
     """What the key path reads and writes: a socket, or a client's connection that cuts
-    its waits at the operation's deadline (:class:`~.links.Conn`)."""
+    its waits at the operation's deadline (:class:`~.conn.Conn`)."""
 
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int: ...
 
@@ -193,6 +195,19 @@ class Reader:
     def buffered(self) -> int:
         """Bytes received and not read yet."""
         return self._end - self._pos
+
+    def emptied(self) -> bytearray:
+        """The buffer, for a caller that receives into it itself (nothing buffered is
+        lost: there must be none); :meth:`received` then says what it holds."""
+        if self._end != self._pos:
+            raise RuntimeError(f"{self._end - self._pos} received bytes not read yet")
+        self._pos = self._end = 0
+        return self._buf
+
+    def received(self, start: int, end: int) -> None:
+        """The caller received ``end`` bytes into :meth:`emptied`'s buffer and read the
+        first ``start``: the rest is read from here."""
+        self._pos, self._end = start, end
 
     def fill_nowait(self) -> int:
         """Receive what the socket has now, without waiting (an event loop's read);
