@@ -46,8 +46,10 @@ rows, each against the reference its reference column names:
   manager's host process (``d.stats[0].pid``) spends per 100 B get and per
   100 B put from ``d.manager(0)`` over TCP, over 10,000 operations each
   (30,000 without ``--quick``), against redis-server's CPU per GET/SET over as
-  many redis-py calls; ratio = ours / redis-server's (target <= 1.0).  The
-  kernel counts CPU time in 10 ms ticks: +-1 us per operation at 10,000.
+  many redis-py calls; ratio = ours / redis-server's (target <= 1.0).  In
+  brackets, the part spent in user space (the rest is the kernel's: the same
+  three system calls per request for both, and the wake-ups).  The kernel
+  counts CPU time in 10 ms ticks: +-1 us per operation at 10,000.
 * ``p99 put 100 B``: the p99 latency of 100 B puts from the client while the
   manager's worker runs a CPU-bound pure-Python task on its thread (target:
   at most 2 ms; the manager's host process is not the worker).
@@ -268,8 +270,10 @@ def floor_row(base: dict[str, float] | None, secs: float) -> Row:
             f"{rate:,.0f} ops/s", f"{base['get']:,.0f} ops/s" if base else "n/a", ratio)
 
 
-def _us(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.2f} us"
+def _us(seconds: float, user: float | None = None) -> str:
+    """Microseconds; with ``user``, the user-space part of them in brackets."""
+    f = (lambda t: f"{t * 1e6:.0f}") if seconds >= 1e-5 else (lambda t: f"{t * 1e6:.2f}")
+    return f"{f(seconds)} us" + ("" if user is None else f" (user {f(user)})")
 
 
 def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
@@ -285,26 +289,32 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
     ours = {"put": refs.cpu_per_op(pid, put, n, cap=60.0),
             "get": refs.cpu_per_op(pid, lambda i: tcp0[i % 1000], n, cap=60.0)}  # fmt: skip
     tcp0.update({k: v for k in KEYS})  # (get_many: CPU per key, of 1,000-key requests)
-    cpu, done = refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS), max(n // 100, 10), cap=60.0)
-    ours["key of get_many"] = (cpu / len(KEYS), done * len(KEYS))
+    ours["key of get_many"] = _per_key(refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS),
+                                                       max(n // 100, 10), cap=60.0))  # fmt: skip
     tcp0.clear()
-    theirs: dict[str, tuple[float, int]] = {}
+    theirs: dict[str, tuple[float, int, float]] = {}
     if redis_ctx:
         rpid, r = redis_ctx[0].pid, redis_ctx[1]
         theirs = {"put": refs.cpu_per_op(rpid, lambda i: r.set(i % 1000, v), n, cap=60.0),
                   "get": refs.cpu_per_op(rpid, lambda i: r.get(i % 1000), n, cap=60.0)}
         r.mset({k: v for k in KEYS})
-        cpu, done = refs.cpu_per_op(rpid, lambda i: r.mget(KEYS), max(n // 100, 10), cap=60.0)
-        theirs["key of get_many"] = (cpu / len(KEYS), done * len(KEYS))
+        theirs["key of get_many"] = _per_key(refs.cpu_per_op(rpid, lambda i: r.mget(KEYS),
+                                                             max(n // 100, 10), cap=60.0))
         r.flushall()
     rows = []
     for op, rop in (("get", "GET"), ("put", "SET"), ("key of get_many", "key of MGET")):
-        (cpu, done), base = ours[op], theirs.get(op, (0.0, 0))[0]
+        (cpu, done, user), base = ours[op], theirs.get(op)
         rows.append((f"host CPU per {op} 100 B (tcp)", f"host process, {done:,} {op.split()[0]}s",
-                     _us(cpu), f"redis-server per {rop}: {_us(base)}" if theirs else "n/a",
-                     (f"{cpu / base:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
+                     _us(cpu, user), f"redis-server per {rop}: {_us(*base[::2])}" if base else "n/a",
+                     (f"{cpu / base[0]:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
                      if base else "n/a"))  # fmt: skip
     return rows
+
+
+def _per_key(measured: tuple[float, int, float]) -> tuple[float, int, float]:
+    """A 1,000-key request's CPU, per key."""
+    cpu, done, user = measured
+    return cpu / len(KEYS), done * len(KEYS), user / len(KEYS)
 
 
 def task_bench(d: DDict, nbytes: int, seconds: float) -> dict[str, float]:
