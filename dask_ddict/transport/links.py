@@ -311,7 +311,7 @@ class HostLink:
 
     def call(self, o: Operation, mid: int) -> tuple[int, Any]:
         """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
-        if o.timeout is None and o.kind is not _ONCE and o.replies and self._ssl is None:
+        if o.timeout is None and o.kind is not _ONCE and o.replies and self.kind != "tls":
             conn = KEPT.take(self)
             if conn is not None:
                 return self._quick(o, mid, conn)
