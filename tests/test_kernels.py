@@ -558,3 +558,21 @@ def test_receive_reply_says_quiet_when_its_wait_goes_by():
             assert s.receive_reply(a, buf, 0, 0.01, 100) == (kernels.QUIET, 0, 0, None, 5)
             b.sendall(head[5:] + b"abc")  # (then the rest: nothing received was lost)
             assert s.receive_reply(a, buf, 5, 0.01, 100) == (0, 2, 3, b"abc", 27)
+
+
+def test_receive_reply_on_a_socket_closed_meanwhile_raises_ebadf_instead_of_waiting():
+    """(Another thread closed the connection between two waits: no wait goes on.)"""
+    import errno
+    import socket
+
+    for wait in (None, 0.01):
+        outcomes = []
+        for s in SETS:
+            a, b = socket.socketpair()
+            with b:
+                a.settimeout(wait)
+                a.close()
+                outcomes.append(_outcome(s.receive_reply, a, bytearray(64), 0, wait, 100))
+        assert all(o == outcomes[0] for o in outcomes), outcomes
+        assert outcomes[0][0] == "error" and outcomes[0][1][0] is OSError
+        assert outcomes[0][1][1] == f"[Errno {errno.EBADF}] {os.strerror(errno.EBADF)}"

@@ -326,11 +326,14 @@ def test_a_kept_connection_that_broke_is_resent_or_said_maybe_applied(served, us
     assert ch.call(Unsafe(0)) == 1  # (then on a new connection)
 
 
-def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path):
+@pytest.mark.timeout(30)  # (closed: a wait that went on would go on for good)
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path, closed):
     """On the same host a wait is cut into ``alive-check`` slices and the host's
     supervisor is checked between them: a host that never answers and whose
     supervisor is gone raises at once, and the connection is not kept (its late
-    answer would be read as the next request's)."""
+    answer would be read as the next request's).  ``closed``: the link is closed by
+    another thread between two slices (a dictionary closing): the wait ends there."""
     from dask_ddict.errors import DDictManagerUnavailableError
     from dask_ddict.transport.conn import Conn
     from dask_ddict.transport.kept import KEPT
@@ -350,14 +353,17 @@ def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path):
 
     def check() -> None:
         checks.append(1)
-        if len(checks) == 3:
+        if closed:
+            link.close()  # (its connections in use too)
+        elif len(checks) == 3:
             raise DDictManagerUnavailableError("manager 3 is gone (its supervisor ended)")
 
     link._checker = lambda mid: check  # type: ignore[method-assign]
     try:
-        with pytest.raises(DDictManagerUnavailableError, match="supervisor ended"):
-            link.call(ops.Length(0), 3)
-        assert len(checks) == 3 and silent.recv(1 << 16)  # (the request went out)
+        with pytest.raises(DDictManagerUnavailableError,
+                           match="socket file is gone" if closed else "supervisor ended"):
+            link.call(ops.Length(0), 3)  # (closed: sent again, to a host that is not there)
+        assert len(checks) == (1 if closed else 3) and silent.recv(1 << 16)  # (it went out)
         assert conn not in link._all and not link.idle and ours.fileno() == -1
     finally:
         link.close()

@@ -16,7 +16,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.string cimport memcmp, memcpy, memset
-from libc.errno cimport EAGAIN, EINTR, errno
+from libc.errno cimport EAGAIN, EBADF, EINTR, errno
 
 import os
 import pickle
@@ -52,6 +52,7 @@ cdef extern from "<poll.h>" nogil:
         short revents
     int poll(pollfd* fds, unsigned long nfds, int timeout)
     short POLLIN
+    short POLLNVAL
 
 cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
@@ -688,7 +689,7 @@ cdef int _QUIET = QUIET
 
 
 def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t small):
-    cdef int fd = sock.fileno()
+    cdef int fd
     cdef int ms = -1
     cdef int flags = 0
     cdef int ready
@@ -718,6 +719,9 @@ def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t s
                 if <uint64_t>(got - _REPLY) >= plen:
                     return (h[0], <int64_t>_le64(h + 8), plen,
                             PyBytes_FromStringAndSize(p + _REPLY, <Py_ssize_t>plen), got)
+            fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
+            if fd < 0:
+                raise OSError(EBADF, os.strerror(EBADF))
             if ms >= 0:
                 pfd.fd = fd
                 pfd.events = POLLIN
@@ -728,6 +732,8 @@ def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t s
                         err = errno
                 if ready == 0:
                     return _QUIET, 0, 0, None, got
+                if ready > 0 and pfd.revents & POLLNVAL:
+                    raise OSError(EBADF, os.strerror(EBADF))
                 if ready < 0:
                     if err == EINTR:
                         PyErr_CheckSignals()

@@ -384,7 +384,8 @@ def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
     ``wait`` is the socket's timeout (``None``: a blocking socket): when it goes by
     with nothing received, ``status`` is :data:`QUIET` (nothing is lost: call again
     with ``got``).  Raises ``ConnectionResetError`` if the host closed the
-    connection, and the socket's ``OSError`` if it broke.
+    connection, and the socket's ``OSError`` if it broke (``EBADF`` if another thread
+    closed it: never a wait on a closed socket).
     """
     view = memoryview(buf)
     size = REPLY.size

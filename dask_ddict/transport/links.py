@@ -311,29 +311,29 @@ class HostLink:
 
     def call(self, o: Operation, mid: int) -> tuple[int, Any]:
         """Send operation ``o`` to manager ``mid``; return the host's ``(ival, payload)``."""
-        if o.timeout is None and o.kind is not _ONCE and o.replies and self.kind != "tls":
-            conn = KEPT.take(self)
-            if conn is not None:
-                return self._quick(o, mid, conn)
+        if o.kind is not _ONCE and o.replies and self.kind != "tls":
+            return self._quick(o, mid)
         return self._call(o, mid)
 
-    def _quick(self, o: Operation, mid: int, conn: Conn) -> tuple[int, Any]:
-        """:meth:`call` on the idle connection ``conn``, for an operation with no deadline
-        and no request id: the request in one ``sendall``, the reply received by
+    def _quick(self, o: Operation, mid: int) -> tuple[int, Any]:
+        """:meth:`call` on an idle connection, for an operation with no deadline and no
+        request id: the request in one ``sendall``, the reply received by
         :func:`~dask_ddict.kernels.receive_reply` (its header and a small payload in one
         ``recv``, compiled).  Most operations go this way; they fail as in
-        :meth:`_exchange` (which retries those it may resend), and a large request or
-        reply goes through the reader as there."""
-        flags, keysec, value, vlen, chkpt, arg, client, _ = o.encode()
+        :meth:`_exchange` (which retries those it may resend), and one with a deadline,
+        a large request or reply, or no idle connection goes (or reads) as there."""
+        flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         total = REQ.size + len(keysec) + vlen
-        if total > SMALL or vlen > self._max_value:
-            KEPT.give(self, conn)
+        if timeout is not None or total > SMALL or vlen > self._max_value:
             return self._call(o, mid)
-        check = None
+        conn = KEPT.take(self)
+        if conn is None:
+            return self._call(o, mid)
+        check = None if self._every is None else self._checker(mid)  # (same host: alive?)
         try:
-            conn.begin(None, None)
+            conn.begin(None, check)
             sock = conn.sock
-            sock.sendall(b"".join((REQ.pack(o.op, flags, len(keysec), mid, 0, chkpt, arg,
+            conn.sendall(b"".join((REQ.pack(o.op, flags, len(keysec), mid, 0, chkpt, arg,
                                             client, -1.0, vlen, 0), keysec, *value)))  # fmt: skip
             reader = conn.reader
             buf, got = reader.emptied(), 0
@@ -342,11 +342,9 @@ class HostLink:
                                                                  SMALL_FRAME)  # fmt: skip
                 if status != QUIET:
                     break
-                check = check or self._checker(mid)  # (same host: is it still there?)
-                if check is not None:
+                if check is not None:  # (a slice went by: the host's supervisor lives?)
                     check()
             if payload is None:  # (a large reply: received as _exchange receives it)
-                conn.check = check or self._checker(mid)
                 reader.received(REP.size, got)
                 if plen >= SMALL_FRAME:
                     payload = o.buffer(plen)
