@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster, get_worker
@@ -38,11 +39,17 @@ def _filter_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("ddict-filter")]
 
 
+def _scheduler_tasks(dask_scheduler: Any) -> list[str]:
+    return [str(k) for k in dask_scheduler.tasks if "ddict-filter" in str(k)]
+
+
 def _nothing_left(client: Client) -> None:
-    """No filter task in the scheduler, no filter thread in any process."""
-    left = client.run_on_scheduler(
-        lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks if "ddict-filter" in str(k)])
-    assert left == []
+    """No filter task in the scheduler, no filter thread in any process (within seconds:
+    a client releases the futures it dropped in its next batched message)."""
+    deadline = time.monotonic() + 10
+    while client.run_on_scheduler(_scheduler_tasks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.run_on_scheduler(_scheduler_tasks) == []
     assert all(not ts for ts in client.processing().values())
     deadline = time.monotonic() + 10
     while (_filter_threads() or any(client.run(_filter_threads).values())) \
