@@ -305,7 +305,7 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
     for op, rop in (("get", "GET"), ("put", "SET"), ("key of get_many", "key of MGET")):
         (cpu, done, user), base = ours[op], theirs.get(op)
         rows.append((f"host CPU per {op} 100 B (tcp)", f"host process, {done:,} {op.split()[0]}s",
-                     _us(cpu, user), f"redis-server per {rop}: {_us(*base[::2])}" if base else "n/a",
+                     _us(cpu, user), f"redis-server per {rop}: {_us(base[0], base[2])}" if base else "n/a",
                      (f"{cpu / base[0]:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
                      if base else "n/a"))  # fmt: skip
     return rows

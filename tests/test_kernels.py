@@ -9,9 +9,11 @@ pure set, as a machine without a compiler would.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import shutil
+import socket
 import struct
 from typing import Any
 
@@ -519,8 +521,6 @@ def test_receive_reply_is_the_same_and_reads_one_reply(status, ival, payload, cu
     """A reply, its first ``cut`` bytes already in the buffer and the rest on a socket
     (cut short by the peer's close with ``end``): both sets give the same answer, and
     the header's fields, with the payload when it is under ``small`` and fits."""
-    import socket
-
     reply = kernels.REPLY.pack(status, 7, ival, len(payload)) + payload
     cut = min(cut, len(reply))
     size = kernels.REPLY.size + room
@@ -546,8 +546,6 @@ def test_receive_reply_is_the_same_and_reads_one_reply(status, ival, payload, cu
 
 
 def test_receive_reply_says_quiet_when_its_wait_goes_by():
-    import socket
-
     for s in SETS:
         a, b = socket.socketpair()
         with a, b:
@@ -562,9 +560,6 @@ def test_receive_reply_says_quiet_when_its_wait_goes_by():
 
 def test_receive_reply_on_a_socket_closed_meanwhile_raises_ebadf_instead_of_waiting():
     """(Another thread closed the connection between two waits: no wait goes on.)"""
-    import errno
-    import socket
-
     for wait in (None, 0.01):
         outcomes = []
         for s in SETS:

@@ -344,13 +344,11 @@ class HostLink:
                     break
                 if check is not None:  # (a slice went by: the host's supervisor lives?)
                     check()
-            if payload is None:  # (a large reply: received as _exchange receives it)
+            if payload is None:  # (SMALL_FRAME bytes or more: a reader's buffer holds at least
+                # SMALL, so any less came whole) into a buffer of its own, as in _exchange
                 reader.received(REP.size, got)
-                if plen >= SMALL_FRAME:
-                    payload = o.buffer(plen)
-                    reader.read_into(payload)
-                else:
-                    payload = reader.take(plen)
+                payload = o.buffer(plen)
+                reader.read_into(payload)
         except DDictError as e:  # (the host is gone, or moved: its reply is never read)
             self.forget(conn)
             if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
