@@ -196,6 +196,21 @@ def _same_views(name: str, *args: Any) -> Any:
     return _outcome(getattr(SETS[-1], name), *args)
 
 
+@given(frames_st, st.integers(0, pure.JOIN + 80))
+def test_unpack_copies_the_frames_under_small_and_views_the_rest(frames, small):
+    """``small``: a frame shorter than it is ``bytes`` (a copy: no view for the garbage
+    collector to track, issue 33's TCP ``get_many``), the rest are views of the payload;
+    the same frames in both sets."""
+    payload = bytearray(b"".join(bytes(p) for p in pure.pack_frames(frames)))
+    _same_views("unpack_frames", payload, small)
+    for s in SETS:
+        got = s.unpack_frames(payload, small)
+        for f in got:
+            if f is not None and f is not False:
+                assert type(f) is (bytes if len(f) < small else memoryview), (s, len(f), small)
+                assert type(f) is bytes or f.obj is payload or f.obj.obj is payload
+
+
 @given(frames_st, st.data())
 def test_unpack_of_a_cut_or_bad_payload_is_the_same_error(frames, data):
     payload = b"".join(bytes(p) for p in pure.pack_frames(frames))

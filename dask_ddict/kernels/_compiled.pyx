@@ -297,7 +297,7 @@ def pack_frames(list frames):
     return parts
 
 
-def unpack_frames(payload):
+def unpack_frames(payload, Py_ssize_t small=0):
     mv = memoryview(payload).cast("B")
     cdef Py_buffer view
     PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
@@ -320,7 +320,10 @@ def unpack_frames(payload):
                 continue
             if off + ln > size:
                 raise ValueError(f"a many-key reply of {size} bytes ends inside a frame")
-            out.append(mv[off : off + ln])
+            if ln < small:
+                out.append(PyBytes_FromStringAndSize(<char*>p + off, <Py_ssize_t>ln))
+            else:
+                out.append(mv[off : off + ln])
             off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
     finally:
         PyBuffer_Release(&view)

@@ -136,9 +136,10 @@ def pack_frames(frames: list[Any]) -> list[Any]:
     return parts
 
 
-def unpack_frames(payload: Any) -> list[Any]:
+def unpack_frames(payload: Any, small: int = 0) -> list[Any]:
     """The frames of a many-key reply (views of ``payload``; ``None`` absent, ``False``
-    wait).
+    wait); a frame shorter than ``small`` bytes is a copy (``bytes``: cheaper than a view
+    of it, and not one more object for the garbage collector to track).
 
     Raises
     ------
@@ -161,7 +162,7 @@ def unpack_frames(payload: Any) -> list[Any]:
             continue
         if off + ln > mv.nbytes:
             raise ValueError(f"a many-key reply of {mv.nbytes} bytes ends inside a frame")
-        out.append(mv[off : off + ln])
+        out.append(mv[off : off + ln].tobytes() if ln < small else mv[off : off + ln])
         off += ln + (-ln % ALIGN)
     return out
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._serialize import Framed
+from .._serialize import SMALL_FRAME, Framed
 from ..kernels import JOIN, pack_frames, pack_records, unpack_frames, unpack_records
 from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
@@ -73,7 +73,8 @@ class GetMany(HostWide):
                        chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
 
     def result(self, ival: int, payload: Any) -> list[list[Any]]:
-        frames, out, at = unpack_frames(payload), [], 0
+        # (small frames as bytes, as a same-host reader copies them: shared.py)
+        frames, out, at = unpack_frames(payload, 0 if self.lend else SMALL_FRAME), [], 0
         for _, d in self.groups:
             out.append(frames[at : at + len(d)])
             at += len(d)
