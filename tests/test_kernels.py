@@ -29,7 +29,7 @@ from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
 from dask_ddict._serialize import Framed, dumps_value, loads_value
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.kernels import pure
-from dask_ddict._entry import ENTRY, TOMBSTONE
+from dask_ddict._entry import ENTRY, TOMBSTONE, Entry
 
 try:
     from dask_ddict.kernels import _compiled
@@ -265,6 +265,52 @@ def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, as
         env.close()
 
 
+def _entry_outcome(f: Any, *args: Any) -> tuple[str, Any]:
+    """:func:`_outcome` of a ``lookup_entry``, its views compared by their bytes."""
+    kind, got = _outcome(f, *args)
+    if kind != "ok" or got is None:
+        return kind, got
+    return kind, (type(got), got.chkpt, got.flags, bytes(got.frame), bytes(got.key))
+
+
+@settings(max_examples=60, deadline=None)
+@given(versions=st.lists(st.tuples(st.sampled_from([bytes([i]) * 16 for i in range(6)]),
+                                   st.integers(0, 5), st.sampled_from([0, TOMBSTONE, 2, 3]),
+                                   st.binary(max_size=40)), max_size=20),
+       asked=st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20),
+       chkpt=st.integers(0, 6) | st.sampled_from([-1, (1 << 64) - 1, 1 << 64, 2.0, True]),
+       buffers=st.booleans(), raw=st.lists(st.tuples(st.binary(max_size=30),
+                                                     st.binary(max_size=30)), max_size=3))
+def test_lookup_entry_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, asked, chkpt,
+                                                 buffers, raw):  # fmt: skip
+    """A single key's seek (every same-host get, and the host's): both sets find the
+    same version (an ``Entry`` of the same checkpoint, flags, frame and key) as the
+    newest at or before ``chkpt``, with the same error for a checkpoint out of range
+    or a table holding what no shard writes (``raw``: short keys, short values)."""
+    env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
+    try:
+        db = env.open_db(b"data")
+        if raw:
+            with env.begin(write=True, db=db) as txn:
+                for k, v in raw:
+                    if k:
+                        txn.put(k, v, db=db)
+        with env.begin(db=db, buffers=buffers) as txn:
+            outcomes = [_entry_outcome(s.lookup_entry, txn.cursor(db), asked, chkpt)
+                        for s in SETS]  # fmt: skip
+        assert all(o == outcomes[0] for o in outcomes), outcomes
+        if raw or not (type(chkpt) is int and 0 <= chkpt < 7):
+            return
+        kind, got = outcomes[0]
+        newest = {c: (flags, frame) for d, c, flags, frame in versions if d == asked and c <= chkpt}
+        assert kind == "ok" and (got is None) == (not newest)
+        if newest:
+            c = max(newest)
+            assert got == (Entry, c, newest[c][0], newest[c][1], b"key")
+    finally:
+        env.close()
+
+
 values_st = st.one_of(st.integers(), st.text(max_size=30), st.binary(max_size=300),
                       st.lists(st.integers(), max_size=5), st.none(),
                       st.integers(0, 50).map(lambda n: np.arange(n)))  # fmt: skip
@@ -309,6 +355,27 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
 def _same_values(values_of: Any, pairs: Any, absent: Any, wait: Any) -> Any:
     values, marked = values_of(pairs, absent, wait)
     return [id(v) for v in values], marked
+
+
+@settings(max_examples=100, deadline=None)
+@given(value=values_st, as_view=st.booleans(), damage=st.integers(-1, 40))
+def test_decoded_is_the_frames_decoder(value, as_view, damage):
+    """One value's frame (a single get's): both sets give what ``loads_value`` gives,
+    or its error, damaged frames included."""
+    frame = dumps_value(value).join()
+    if damage >= 0:
+        broken = bytearray(frame)
+        broken[damage % len(broken)] ^= 0xFF
+        frame = bytes(broken)
+    given_ = memoryview(frame) if as_view else frame
+    outcomes = [_outcome(s.decoded, given_, loads_value) for s in SETS]
+    shown = [(k, ("array", v.tolist()) if isinstance(v, np.ndarray) else v) if k == "ok"
+             else (k, v[0]) for k, v in outcomes]  # fmt: skip
+    assert all(o == shown[0] for o in shown), outcomes
+    if damage < 0:
+        assert shown[0] == ("ok", ("array", value.tolist()) if isinstance(value, np.ndarray)
+                            else value)  # fmt: skip
+
 
 
 def _is(v: Any, marker: str) -> bool:

@@ -57,7 +57,8 @@ class Reads:
             raise DDictKeyError(key) from None
         except DDictTimeoutError as e:
             raise self._no_writer(key, e) from None
-        return loads_value(frame, self._vp)
+        vp = self._vp  # (without a value pickler: the compiled kernels decode common frames)
+        return kernels.decoded(frame, loads_value) if vp is None else loads_value(frame, vp)
 
     def _no_writer(self, key: Any, e: DDictTimeoutError) -> DDictTimeoutError:
         """A read's timeout, saying why under ``wait_for_keys``."""

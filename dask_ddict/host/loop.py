@@ -19,10 +19,11 @@ either in the loop or on one thread, never both, so its requests are served in
 order; only this thread reads it while it is out.
 
 TLS connections stay on a thread each (an ``SSLSocket`` cannot read without
-waiting); so does everything while ``ddict.host.event-loop`` is ``false``, the
-default: on 2 cores the loop costs a lone client about a quarter of its request
-rate (one more system call and more Python per request) and gains nothing with
-4 to 12 clients; it is kept for many-core hosts, to be measured there.
+waiting); so does everything while ``ddict.host.event-loop`` is ``false``.  It is on
+by default: on 16 cores with 12 TCP client processes it cut the host's CPU per put
+from 125 to 64 µs (no growth with the clients) and served 1.7x the puts of a thread
+per connection, while on 2 cores it costs a lone client some of its request rate
+(one more system call per request).
 """
 
 from __future__ import annotations

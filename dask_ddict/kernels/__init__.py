@@ -52,13 +52,15 @@ def _choose() -> tuple[ModuleType, bool]:
 _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
-    from .pure import (Router, decode_frames, entries_bytes, group, leading_within, lookup_frames,
-                       pack_frames, pack_records, put_entries, receive_reply, route,
-                       taken_out, unpack_frames, unpack_records, values_of)
+    from .pure import (Router, decode_frames, decoded, entries_bytes, group, leading_within,
+                       lookup_entry, lookup_frames, pack_frames, pack_records, put_entries,
+                       receive_reply, route, taken_out, unpack_frames, unpack_records,
+                       values_of)
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
 __all__ = ["BATCH_RECORD", "COMPILED", "JOIN", "QUIET", "REPLY", "KeyTooLong", "Record", "Router",
-           "decode_frames", "entries_bytes", "group", "leading_within", "lookup_frames",
+           "decode_frames", "decoded", "entries_bytes", "group", "leading_within",
+           "lookup_entry", "lookup_frames",
            "pack_frames", "pack_records", "put_entries", "receive_reply", "route", "taken_out",
            "unpack_frames", "unpack_records", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)

@@ -25,7 +25,7 @@ import struct
 from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
-from .._entry import DIGEST, ENTRY_HEADER, TOMBSTONE
+from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry
 from .pure import _UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, QUIET, REPLY, WAIT, KeyTooLong
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
@@ -61,6 +61,10 @@ cdef object _loads = pickle.loads
 cdef object _blake_copy = _BLAKE2B.copy
 cdef object _key_digest = key_digest
 cdef object _encode_key = encode_key
+cdef object _Entry = Entry
+cdef object _new_entry = tuple.__new__
+cdef object _be_pack = BE.pack
+cdef object _MAXQ = MAXQ
 cdef frozenset _atoms = _ATOMS
 cdef Py_ssize_t _DIGEST = DIGEST
 cdef Py_ssize_t _ENTRY_HEADER = ENTRY_HEADER
@@ -328,6 +332,63 @@ def unpack_frames(payload, Py_ssize_t small=0):
     finally:
         PyBuffer_Release(&view)
     return out
+
+
+def lookup_entry(cursor, bytes digest, object chkpt):
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(digest), end, stop, size
+    cdef bytes seek
+    cdef Py_buffer kv, vv
+    cdef uint64_t c, flags, klen, flen, version
+    cdef const unsigned char* p
+    cdef unsigned char* w
+    if type(chkpt) is int and 0 <= chkpt <= _MAXQ:  # (else: the pure spelling's error)
+        c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, written big-endian after the digest)
+        seek = PyBytes_FromStringAndSize(NULL, n + 8)
+        w = <unsigned char*>PyBytes_AS_STRING(seek)
+        memcpy(w, PyBytes_AS_STRING(digest), n)
+        for end in range(8):
+            w[n + end] = (c >> (56 - 8 * end)) & 0xFF
+    else:
+        seek = digest + _be_pack(_MAXQ - chkpt)
+    if not cursor.set_range(seek):
+        return None
+    k, raw = cursor.item()
+    PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
+    try:  # (k[:DIGEST] == digest)
+        if (kv.len if kv.len < _DIGEST else _DIGEST) != n or memcmp(
+                kv.buf, PyBytes_AS_STRING(digest), n) != 0:  # fmt: skip
+            return None
+        klen = kv.len  # (its version is read after the value's header, as pure reads it)
+        version = 0
+        if kv.len >= _DIGEST + 8:
+            p = <const unsigned char*>kv.buf + _DIGEST
+            for end in range(8):
+                version = (version << 8) | p[end]
+    finally:
+        PyBuffer_Release(&kv)
+    PyObject_GetBuffer(raw, &vv, PyBUF_SIMPLE)
+    try:
+        size = vv.len
+        if size < _ENTRY_HEADER:
+            raise struct.error("unpack_from requires a buffer of at least 16 bytes for "
+                               f"unpacking 16 bytes at offset 0 (actual buffer size is {size})")
+        p = <const unsigned char*>vv.buf
+        flags, flen = p[0], _le64(p + 8)
+        if klen < _DIGEST + 8:
+            raise struct.error("unpack_from requires a buffer of at least 24 bytes for "
+                               f"unpacking 8 bytes at offset 16 (actual buffer size is {klen})")
+        klen = _le32(p + 4)
+    finally:
+        PyBuffer_Release(&vv)
+    # (the frame, then the key, sliced as Python slices: bounds past the end are cut there)
+    end = size if flen > <uint64_t>(size - _ENTRY_HEADER) else _ENTRY_HEADER + <Py_ssize_t>flen
+    stop = size if klen > <uint64_t>(size - end) else end + <Py_ssize_t>klen
+    return _new_entry(_Entry, (~version, flags, raw[_ENTRY_HEADER:end], raw[end:stop]))
+
+
+def decoded(frame, decode):
+    cdef object value = _small(frame)
+    return decode(frame) if value is NotImplemented else value
 
 
 def lookup_frames(cursor, list digests, bytes tail, Py_ssize_t small=0):

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE
+from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
 from .._serialize import ALIGN  # (a many-key reply's frames start at multiples of it)
 from .._serialize import frame_parts
@@ -165,6 +165,33 @@ def unpack_frames(payload: Any, small: int = 0) -> list[Any]:
         out.append(mv[off : off + ln].tobytes() if ln < small else mv[off : off + ln])
         off += ln + (-ln % ALIGN)
     return out
+
+
+def lookup_entry(cursor: Any, digest: bytes, chkpt: int) -> Entry | None:
+    """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
+    :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or
+    ``None``: a single-key read's seek, on a cursor of the shard's data table.
+
+    A data key is the digest, then the checkpoint's big-endian complement
+    (:func:`~dask_ddict._entry.data_key`): the first key at or after
+    ``digest + complement`` with the same digest is the newest version ``chkpt`` sees.
+    """
+    if not cursor.set_range(digest + BE.pack(MAXQ - chkpt)):
+        return None
+    k, raw = cursor.item()
+    if k[:DIGEST] != digest:
+        return None
+    flags, klen, flen = ENTRY.unpack_from(raw, 0)
+    end = ENTRY_HEADER + flen
+    return new_entry(Entry, (MAXQ - BE.unpack_from(k, DIGEST)[0], flags,
+                             raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
+
+
+def decoded(frame: Any, decode: Callable[[Any], Any]) -> Any:
+    """``decode(frame)``: one value's frame, decoded by the value frames' own decoder
+    (:func:`~dask_ddict._serialize.loads_value` without a custom pickler).  The compiled
+    kernel decodes the common frames itself, as :func:`decode_frames` does."""
+    return decode(frame)
 
 
 def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes, small: int = 0) -> list[Any]:
@@ -409,6 +436,7 @@ def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
         got += n
 
 
-__all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_frames",
+__all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_entry",
+           "lookup_frames", "decoded",
            "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
            "put_entries", "pack_records", "unpack_records", "receive_reply"]

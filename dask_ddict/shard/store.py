@@ -42,7 +42,6 @@ from .._entry import DIGEST, ENTRY, ENTRY_HEADER, TOMBSTONE, Entry, data_key
 from .._entry import MAXQ as _MAXQ
 from .._entry import PERSISTENT as PERSISTENT  # (re-exported: the shard's modules take it here)
 from .._entry import decode_entry as _decode
-from .._entry import new_entry as _new_entry
 from .._entry import split_data_key as _split_data_key
 from .._keys import KEY_ENCODING
 from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
@@ -213,16 +212,7 @@ class ShardStore:
 
     def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
         """The newest version of a key at or below ``chkpt``."""
-        cur = txn.cursor(self._data)
-        if not cur.set_range(digest + _BE.pack(_MAXQ - chkpt)):
-            return None
-        k, raw = cur.item()
-        if k[:DIGEST] != digest:
-            return None
-        flags, klen, flen = ENTRY.unpack_from(raw, 0)  # (_decode, inlined: the read path)
-        end = ENTRY_HEADER + flen
-        return _new_entry(Entry, (_MAXQ - _BE.unpack_from(k, DIGEST)[0], flags,
-                                  raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
+        return kernels.lookup_entry(txn.cursor(self._data), digest, chkpt)
 
     def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
                     frames: bool = False, small: int = 0) -> list[Any]:  # fmt: skip

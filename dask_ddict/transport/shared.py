@@ -36,6 +36,7 @@ from typing import Any
 import lmdb
 
 from .. import config, kernels
+from .._entry import TOMBSTONE
 from .._serialize import SMALL_FRAME, Framed, raw_range
 from ..errors import (
     DDictClosedError,
@@ -223,8 +224,12 @@ class SharedChannel:
 
     def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any) -> Any:
         """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
-        self._check_state(store, chkpt, txn)
+        seen = self._seen  # (_check_state's common case, inlined: every read passes here)
+        if txn.id() != seen[0] or chkpt < 0 or chkpt <= seen[1] - self._size:
+            self._check_state(store, chkpt, txn)
         e = store.lookup(txn, digest, chkpt)
+        if e is not None and not (e.flags & TOMBSTONE or self._wfk):  # (entry_visible's
+            return e  # common case: then every version but a deletion is seen)
         if entry_visible(e, chkpt, self._wfk):
             return e
         return unseen(e, chkpt, self._wfk)  # (False: the manager waits)
