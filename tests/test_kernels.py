@@ -29,6 +29,8 @@ from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
 from dask_ddict._serialize import Framed, dumps_value, loads_value
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.kernels import pure
+from dask_ddict.transport.operation import Request
+from dask_ddict.transport.protocol import Reader
 from dask_ddict._entry import ENTRY, TOMBSTONE, Entry
 
 try:
@@ -58,7 +60,7 @@ def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
     assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "QUIET", "Record",
-                                "REPLY"} == \
+                                "REPLY", "REQUEST"} == \
         set(kernels.__all__)  # fmt: skip
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
@@ -653,3 +655,154 @@ def test_receive_reply_on_a_socket_closed_meanwhile_raises_ebadf_instead_of_wait
         assert all(o == outcomes[0] for o in outcomes), outcomes
         assert outcomes[0][0] == "error" and outcomes[0][1][0] is OSError
         assert outcomes[0][1][1] == f"[Errno {errno.EBADF}] {os.strerror(errno.EBADF)}"
+
+
+# -- a host's requests ----------------------------------------------------------------------
+
+requests_st = st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1),
+                        st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**63 - 1),
+                        st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**64 - 1),
+                        st.floats(allow_nan=False) | st.just(-1.0), st.integers(0, 2**64 - 1),
+                        st.binary(max_size=40), st.binary(max_size=300))  # fmt: skip
+
+
+def _request(fields: tuple[Any, ...]) -> bytes:
+    op, flags, mid, tag, chkpt, arg, client, timeout, rid, keysec, value = fields
+    return kernels.REQUEST.pack(op, flags, len(keysec), mid, tag, chkpt, arg, client, timeout,
+                                len(value), rid) + keysec + value  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests=st.lists(requests_st, min_size=1, max_size=4), cut=st.integers(0, 2000),
+       most=st.integers(0, 400), room=st.integers(1, 200), pos=st.integers(0, 100),
+       lying=st.integers(0, 2**64 - 1) | st.none())  # fmt: skip
+def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, most, room, pos,
+                                                               lying):  # fmt: skip
+    """Requests in a reader's buffer, the last cut short (``cut``), a header whose value
+    length lies (``lying``): both sets take the same requests, leave the same bytes,
+    and say the same need for one that is not whole or whose value is over ``most``."""
+    stream = b"".join(_request(f) for f in requests)
+    if lying is not None:
+        stream += kernels.REQUEST.pack(2, 0, 16, 1, 9, 0, 0, 0, -1.0, lying, 0) + b"d" * 16
+    stream = stream[:cut] if cut < len(stream) else stream
+    outcomes = []
+    for s in SETS:
+        a, b = socket.socketpair()
+        with a, b:
+            r = Reader(a, room)
+            r.reserve(pos + len(stream) + 1)
+            r._buf[: pos + len(stream)] = b"x" * pos + stream
+            r._pos, r._end = pos, pos + len(stream)
+            taken, tag = [], [0]
+            while True:
+                got = _outcome(s.take_request, most, Request, r, tag)
+                taken.append((got, tag[0], r._pos, r._end))
+                if got[0] != "ok" or type(got[1]) is int:
+                    break
+        outcomes.append(taken)
+    assert outcomes[0] == outcomes[1], outcomes
+    at = 0
+    for (kind, got), tag, _, _ in outcomes[0]:
+        assert kind == "ok"
+        if type(got) is int:  # (what the next request needs: more than is here, or too large)
+            left = stream[at:]
+            if len(left) < kernels.REQUEST.size:
+                assert got == kernels.REQUEST.size
+            else:
+                head = kernels.REQUEST.unpack_from(left)
+                assert got == kernels.REQUEST.size + head[2] + head[9]
+                assert head[9] > most or len(left) < got
+            break
+        f = next(f for f in requests if _request(f) == stream[at : at + len(_request(f))])
+        op, flags, mid, tagged, chkpt, arg, client, timeout, rid, keysec, value = f
+        assert type(got) is Request and tag == tagged
+        assert got == (op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,
+                       keysec[:16], keysec[16:], value, rid)  # fmt: skip
+        at += len(_request(f))
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunks=st.lists(st.binary(min_size=1, max_size=300), max_size=4), room=st.integers(1, 200),
+       read=st.integers(0, 200), end=st.booleans())  # fmt: skip
+def test_receive_nowait_is_the_same_as_fill_nowait(chunks, room, read, end):
+    """What a connection sent, received without waiting into a reader whose buffer may be
+    full (moved down or grown first): both sets receive the same bytes, say 0 when
+    nothing is ready and raise the same error at the end of the stream."""
+    outcomes = []
+    for s in SETS:
+        a, b = socket.socketpair()
+        with a, b:
+            r = Reader(a, room)
+            r._end = room  # (a full buffer, of which ``read`` bytes were read already)
+            r._pos = min(read, room)
+            seen = []
+            for chunk in chunks:
+                b.sendall(chunk)
+                while True:
+                    got = _outcome(s.receive_nowait, r)
+                    seen.append((got, bytes(r._buf[r._pos : r._end])))
+                    if got != ("ok", 0) and got[0] == "ok":
+                        continue
+                    break
+            if end:
+                b.close()
+            seen.append((_outcome(s.receive_nowait, r), bytes(r._buf[r._pos : r._end])))
+        outcomes.append(seen)
+    assert outcomes[0] == outcomes[1], outcomes
+    last = outcomes[0][-1]
+    assert last[0] == (("error", (ConnectionResetError, "connection closed by peer")) if end
+                       else ("ok", 0))  # fmt: skip
+    assert last[1].endswith(b"".join(chunks))
+
+
+def _odd_payload(kind: str) -> Any:
+    """Payloads a small reply's send refuses (or takes: a contiguous view of int16s)."""
+    return {"bytearray": lambda: bytearray(b"ab"), "strided": lambda: memoryview(b"abcd")[::2],
+            "list": lambda: [b"x"], "array": lambda: memoryview(np.arange(6, dtype="i2"))}[kind]()
+
+
+@settings(max_examples=80, deadline=None)
+@given(tag=st.integers(0, 2**32 - 1) | st.sampled_from([-1, 2**32, 1.0, True]),
+       ival=st.integers(-(2**63), 2**63 - 1) | st.sampled_from([2**63, -(2**63) - 1, 2.5]),
+       payload=st.binary(max_size=300) | st.binary(max_size=300).map(memoryview)
+       | st.sampled_from(["bytearray", "strided", "list", "array"]).map(_odd_payload),
+       small=st.integers(0, 400))  # fmt: skip
+def test_send_reply_is_the_same_and_sends_one_reply(tag, ival, payload, small):
+    """A small reply in one send: both sets send the same bytes (``REPLY`` and the
+    payload), refuse the same payloads (``NotImplemented``) and raise the same errors."""
+    outcomes = []
+    for s in SETS:
+        a, b = socket.socketpair()
+        with a, b:
+            got = _outcome(s.send_reply, a, tag, ival, payload, small)
+            a.shutdown(socket.SHUT_WR)
+            outcomes.append((got, b.recv(1 << 16)))
+    assert outcomes[0] == outcomes[1], outcomes
+    (kind, got), sent = outcomes[0]
+    if kind == "ok" and got is None:
+        body = memoryview(payload).tobytes()
+        assert sent == kernels.REPLY.pack(0, tag, ival, len(body)) + body
+    elif kind == "ok":
+        assert got is NotImplemented and sent == b""
+
+
+def test_send_reply_gives_back_what_a_full_socket_did_not_take():
+    """A peer that reads nothing: the send takes what fits and the rest comes back to
+    be sent waiting (the same in both sets); a closed peer is the socket's error."""
+    for s in SETS:
+        a, b = socket.socketpair()
+        with a, b:
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            payload = b"p" * 60_000
+            rests = []
+            for _ in range(200):
+                rest = s.send_reply(a, 3, 4, payload, 1 << 20)
+                if rest is not None:
+                    rests.append(rest)
+                    break
+            assert rests and type(rests[0]) is memoryview and 0 < rests[0].nbytes
+            b.close()
+            with pytest.raises(OSError) as info:
+                for _ in range(100):
+                    s.send_reply(a, 3, 4, payload, 1 << 20)
+            assert info.value.errno in (errno.EPIPE, errno.ECONNRESET)

@@ -30,8 +30,10 @@ from dask_ddict.transport.links import HostLink, SocketChannel
 from dask_ddict.transport.protocol import Op
 
 
-@pytest.fixture
-def served(tmp_path):
+@pytest.fixture(params=[False, True], ids=["thread", "loop"])
+def served(tmp_path, request):
+    """A host server over a real shard (its connections on a thread each, or served by
+    its event loop), and ``channel(use_uds)``: a client's channel to its manager 3."""
     uid, secret = secrets.token_hex(16), secrets.token_hex(32)
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     hosted = HostedDict(uid, "srv", secret)
@@ -43,7 +45,7 @@ def served(tmp_path):
     tcp = socket.create_server(("127.0.0.1", 0))
     closed: set[bytes] = set()
     dicts = {hosted.key: hosted}
-    server = HostServer(uds, tcp, dicts, closed)
+    server = HostServer(uds, tcp, dicts, closed, event_loop=request.param)
     server.start()
     info = ManagerInfo(3, "w", "h", "h:b", os.getpid(), path, "127.0.0.1",
                        tcp.getsockname()[1], str(tmp_path / "shard"))  # fmt: skip
@@ -290,6 +292,25 @@ def test_replies_of_every_size_come_whole_through_a_kept_connection(served, use_
     with pytest.raises(DDictKeyError):  # (an error reply, through the kept connection)
         ch.call(ops.Get(key_digest(dumps_key("absent")), 0))
     assert ch.call(ops.Length(0)) == 3 and len(ch.link._all) == 1
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_requests_of_every_size_are_taken_whole(served, use_uds):
+    """Puts around the sizes where the host changes how it takes a request: a value it
+    copies out of the connection's buffer (up to 1 MiB), one it receives into a buffer
+    of its own, and, on the event loop, one too large to receive there (read after
+    handing the loop on); each reads back whole, and the next small one still works."""
+    from dask_ddict.host.server import _MOST_INLINE, _TAKEN
+
+    channel, _, _ = served
+    ch = channel(use_uds)
+    for n, size in enumerate([0, 100, _TAKEN - 64, _TAKEN + 64, _MOST_INLINE, 3 << 20]):
+        value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
+        kb = dumps_key(f"big{n}")
+        ch.call(ops.Put(key_digest(kb), kb, dumps_value(value), 0, 1))
+        assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == value
+        assert ch.call(ops.Contains(key_digest(dumps_key("nothing")), 0)) is False
+    assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
 
 
 @pytest.mark.parametrize("use_uds", [True, False])

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import _blocking
+from ..kernels import receive_nowait
 from ..transport.protocol import REQ
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IN = select.EPOLLIN
-_HEAD = REQ.size
 #: Events one ``epoll_wait`` returns at most (the rest come with the next).
 _MOST_EVENTS = 256
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -111,6 +111,11 @@ class EventLoop:
     ----------
     serve
         Serves one request of a connection, reading (and waiting for) what it needs.
+    take
+        ``take(reader, tag)``: the next request whole in a connection's buffer, taken
+        out of it, else the bytes it needs (:func:`~dask_ddict.kernels.take_request`).
+    serve_request
+        Serves a request that ``take`` gave.
     inline
         ``inline(op, arg)``: whether the loop may serve a request of operation ``op``
         (with header field ``arg``) on its own thread.
@@ -120,10 +125,15 @@ class EventLoop:
         Largest request (header, key section and value) the loop receives itself.
     """
 
-    def __init__(self, serve: Callable[[Connection], None], inline: Callable[[int, int], bool],
+    def __init__(self, serve: Callable[[Connection], None],
+                 take: Callable[[Reader, list[int]], Any],
+                 serve_request: Callable[[Connection, Any], None],
+                 inline: Callable[[int, int], bool],
                  end: Callable[[Connection, BaseException | None], None],
                  most_inline: int) -> None:  # fmt: skip
         self._serve = serve
+        self._take = take
+        self._serve_request = serve_request
         self._inline = inline
         self._end = end
         self.most_inline = most_inline
@@ -238,21 +248,31 @@ class EventLoop:
     def _ready(self, c: Connection, moves: int) -> None:
         """Receive what ``c`` sent and serve each complete request, while this thread is
         the loop (``handoffs`` is still ``moves``); hand the loop on for one it must not
-        serve itself (then serve that one here, blocking)."""
-        r, serve, most, inline = c.reader, self._serve, self.most_inline, self._inline
-        r.fill_nowait()
+        serve itself (then serve that one here, blocking).
+
+        The common request, whole in the buffer with a value the reader copies out, is
+        received and taken by one compiled call each (:func:`~dask_ddict.kernels.
+        receive_nowait`, :func:`~dask_ddict.kernels.take_request`).
+        """
+        r, tag, take, inline = c.reader, c.tag, self._take, self._inline
+        receive_nowait(r)
         while self.handoffs == moves:
-            head = r.peek(REQ)
-            if head is None:
-                return
-            op, _, klen, _, _, _, arg, _, _, vlen, _ = head
-            need = _HEAD + klen + vlen
-            if need > most or not inline(op, arg):
+            got = take(r, tag)
+            if type(got) is not int:  # (a Request)
+                if not inline(got[0], got[4]):  # (its op and arg)
+                    self._hand_on()
+                self._serve_request(c, got)
+            elif got > self.most_inline:  # (too large to receive on the loop)
                 self._hand_on()
-            elif r.buffered() < need:
-                r.reserve(need)
+                self._serve(c)
+            elif r.buffered() >= got:  # (whole, with a value received into its own buffer)
+                op, _, _, _, _, _, arg, *_ = r.peek(REQ)  # type: ignore[misc]
+                if not inline(op, arg):
+                    self._hand_on()
+                self._serve(c)
+            else:
+                r.reserve(got)
                 return
-            serve(c)
 
     def _finish(self, c: Connection) -> None:
         """Serve what ``c`` has sent (off the loop), then give it back to the loop.

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import config
+from .. import _blocking, config, kernels
 from .._serialize import Scratch
 from ..errors import (
     DDictClosedError,
@@ -216,7 +216,9 @@ class HostServer:
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
         #: Serves the connections that are not TLS (``None``: a thread each, as TLS's).
-        self.loop = EventLoop(self._serve_one, _inline, self._end,
+        self.loop = EventLoop(self._serve_one,
+                              functools.partial(kernels.take_request, _TAKEN, Request),
+                              self._serve_request, _inline, self._end,
                               most_inline=_MOST_INLINE) if event_loop else None  # fmt: skip
 
     def __repr__(self) -> str:
@@ -283,7 +285,7 @@ class HostServer:
             looped = self.loop is not None and not isinstance(conn, ssl.SSLSocket)
             c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
                            hosted.served.connection())
-            c.reply = _replier(NoWait(conn) if looped else conn, c.tag)
+            c.reply = _loop_replier(conn, c.tag) if looped else _replier(conn, c.tag)
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped
             self._ended(conn, e)
             return
@@ -317,37 +319,55 @@ class HostServer:
     # -- requests ---------------------------------------------------------------
 
     def _serve_one(self, c: Connection) -> None:
-        """Read and serve one request of ``c``, counted in its ``served``.
+        """Read one request of ``c`` (waiting for what it needs) and serve it.
+
+        Its lengths are checked before its body is read (a value over its limit is
+        never received); a value over :data:`_TAKEN` bytes is received into the
+        connection's scratch buffer rather than copied out of its reader.
+        """
+        reader, hosted, limits = c.reader, c.hosted, self.limits
+        op, flags, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
+        c.tag[0] = tag  # (what this request's reply repeats)
+        manager = hosted.managers.get(mid)
+        if manager is None or klen > limits.max_key_bytes + 16 or (
+            vlen > manager.store.capacity and vlen > limits.min_value_limit
+        ):  # (what _check_lengths refuses, spelled out: this runs for every request)
+            self._check_lengths(c.sock, hosted, mid, klen, vlen, flags, tag)
+        keysec = reader.take(klen)
+        if vlen <= _TAKEN:
+            value: Any = reader.take(vlen)
+        else:
+            value = c.scratch.get(vlen)
+            reader.read_into(value)
+        self._serve_request(c, _new_request(Request, (
+            op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,  # (decode_timeout)
+            keysec[:16], keysec[16:], value, rid)))  # fmt: skip
+
+    def _serve_request(self, c: Connection, req: Request) -> None:
+        """Serve ``req``, read whole (by :meth:`_serve_one`, or taken out of the event
+        loop's buffer by :func:`~dask_ddict.kernels.take_request`), counted in ``c``'s
+        ``served``; ``c.tag[0]`` is its tag.
 
         ``c.owed`` holds the manager and request id of the connection's last
         at-most-once request: a new request proves its reply was read (a client
         sends the next one only after reading the last reply whole), so the
         manager may drop a large kept reply (:meth:`Manager.delivered`).
         """
-        conn, reader, scratch, hosted = c.sock, c.reader, c.scratch, c.hosted
-        reply, served, owed = c.reply, c.served, c.owed
-        op, flags, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
-        c.tag[0] = tag  # (what this request's reply repeats)
+        op: Any = req[0]  # (a plain int: the tables' IntEnum keys find it)
+        flags, mid = req[1], req[2]
+        hosted, reply, served, owed, limits = c.hosted, c.reply, c.served, c.owed, self.limits
         if owed[0] is not None:
             last, owed[0] = owed[0], None
             last[0].delivered(last[1])
-        manager, limits = hosted.managers.get(mid), self.limits
+        manager = hosted.managers.get(mid)
+        klen, vlen = len(req[7]) + len(req[8]), len(req[9])
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
-        ):  # (what _check_lengths refuses, spelled out: this runs for every request)
-            self._check_lengths(conn, hosted, mid, klen, vlen, flags, tag)
-        keysec = reader.take(klen)
-        if vlen <= _TAKEN:
-            value: Any = reader.take(vlen)
-        else:
-            value = scratch.get(vlen)
-            reader.read_into(value)
+        ):  # (the loop's requests are checked here, once whole: at most _MOST_INLINE bytes)
+            self._check_lengths(c.sock, hosted, mid, klen, vlen, flags, c.tag[0])
         try:
-            req = _new_request(Request, (op, flags, mid, chkpt, arg, client,
-                                         None if timeout < 0 else timeout,  # (decode_timeout)
-                                         keysec[:16], keysec[16:], value, rid))  # fmt: skip
             if op == _FANOUT:  # one operation on several of this dictionary's managers
-                count_fanout(served, hosted.managers, keysec, arg)
+                count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
                 self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
                                          managers=hosted.managers,
                                          generations=hosted.generations,
@@ -360,7 +380,6 @@ class HostServer:
                 HOST_WIDE[op](Counting(hosted.managers, served, op), req, reply,
                               functools.partial(self._not_hosted, hosted))  # fmt: skip
             else:
-                manager = hosted.managers.get(mid)  # (again: it may have closed meanwhile)
                 handler = self.handlers.get(op)
                 if manager is None or handler is None:
                     self._dispatch(hosted, req, reply)  # (raises what the client should see)
@@ -368,12 +387,12 @@ class HostServer:
                     counts = served[mid]  # (served.count, inlined: every request)
                     counts[op] = counts.get(op, 0) + 1
                     handler(manager, req, reply)
-                    if rid:
-                        owed[0] = (manager, rid)
+                    if req[10]:  # (its request id)
+                        owed[0] = (manager, req[10])
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise
-            _send_error(conn, e, tag)
+            _send_error(c.sock, e, c.tag[0])
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
@@ -454,6 +473,26 @@ def _send_error(conn: socket.socket, e: BaseException, tag: int) -> None:
 def _inline(op: int, arg: int) -> bool:
     """Whether the event loop serves a request itself (a broadcast: its inner operation's)."""
     return op in INLINE and (op != _FANOUT or arg in INLINE)
+
+
+def _loop_replier(sock: socket.socket, tag: list[int]) -> Reply:
+    """The reply function of a connection served by the event loop: a small payload's
+    reply goes in one send that does not wait (:func:`~dask_ddict.kernels.send_reply`),
+    with what the socket did not take sent after handing the loop on, as
+    :class:`~.loop.NoWait` sends the others (a peer slow to read holds up only itself)."""
+    send, small, general = kernels.send_reply, SMALL, _replier(NoWait(sock), tag)
+
+    def reply(ival: int = 0, payload: Any = b"") -> None:
+        rest = send(sock, tag[0], ival, payload, small)
+        if rest is None:
+            return
+        if rest is NotImplemented:
+            general(ival, payload)
+            return
+        _blocking.will_block()
+        sock.sendall(rest)
+
+    return reply
 
 
 def _replier(out: Sink, tag: list[int]) -> Reply:

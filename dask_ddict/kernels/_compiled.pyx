@@ -11,6 +11,7 @@ digest and value decoding are called without the Python functions that wrap them
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
@@ -26,12 +27,15 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry
-from .pure import _UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, QUIET, REPLY, WAIT, KeyTooLong
+from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, QUIET, REPLY, REQUEST, WAIT,
+                   KeyTooLong)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
-if REPLY.format != "<BxxxIqQ":  # (read here byte by byte: see receive_reply)
+if REPLY.format != "<BxxxIqQ":  # (read here byte by byte: see receive_reply, send_reply)
     raise ImportError(f"kernels._compiled reads replies as <BxxxIqQ, not {REPLY.format}")
+if REQUEST.format != "<BBxxIIIqqQdQQ":  # (read here byte by byte: see take_request)
+    raise ImportError(f"kernels._compiled reads requests as <BBxxIIIqqQdQQ, not {REQUEST.format}")
 
 cdef extern from "Python.h":
     int PyBUF_READ
@@ -43,6 +47,7 @@ cdef extern from "<errno.h>":
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void* buf, size_t n, int flags)
+    ssize_t send(int fd, const void* buf, size_t n, int flags)
     int MSG_DONTWAIT
 
 cdef extern from "<poll.h>" nogil:
@@ -817,3 +822,102 @@ def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t s
                 raise OSError(err, os.strerror(err))
     finally:
         PyBuffer_Release(&view)
+
+
+# -- a host's requests (the event loop's) --------------------------------------------------
+
+cdef Py_ssize_t _REQUEST = REQUEST.size
+cdef object _new_tuple = tuple.__new__
+
+
+def receive_nowait(reader):
+    cdef bytearray buf = reader._buf
+    cdef Py_ssize_t pos = reader._pos, end = reader._end
+    cdef ssize_t n
+    cdef int fd, err = 0
+    if end == PyByteArray_GET_SIZE(buf):
+        reader.reserve(PyByteArray_GET_SIZE(buf) - pos + 1)  # (moved down, or grown)
+        buf, end = reader._buf, reader._end
+    fd = reader.sock.fileno()
+    while True:
+        n = recv(fd, PyByteArray_AS_STRING(buf) + end,
+                 <size_t>(PyByteArray_GET_SIZE(buf) - end), MSG_DONTWAIT)  # fmt: skip
+        if n > 0:
+            reader._end = end + n
+            return n
+        if n == 0:
+            raise ConnectionResetError("connection closed by peer")
+        err = errno
+        if err == EAGAIN or err == EWOULDBLOCK:
+            return 0
+        if err != EINTR:
+            raise OSError(err, os.strerror(err))
+        PyErr_CheckSignals()
+
+
+def take_request(Py_ssize_t most_value, object cls, reader, list tag):
+    cdef bytearray buf = reader._buf
+    cdef Py_ssize_t pos = reader._pos, end = reader._end, d
+    cdef const unsigned char* p
+    cdef uint64_t klen, vlen
+    cdef double timeout
+    if end - pos < _REQUEST:
+        return _REQUEST
+    p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
+    klen, vlen = _le32(p + 4), _le64(p + 48)
+    if vlen > <uint64_t>most_value or klen + vlen > <uint64_t>(end - pos - _REQUEST):
+        return _REQUEST + <object>klen + <object>vlen
+    memcpy(&timeout, p + 40, 8)
+    d = <Py_ssize_t>klen if klen < <uint64_t>_DIGEST else _DIGEST
+    request = _new_tuple(cls, (
+        p[0], p[1], _le32(p + 8), <int64_t>_le64(p + 16), <int64_t>_le64(p + 24), _le64(p + 32),
+        None if timeout < 0 else timeout,
+        PyBytes_FromStringAndSize(<const char*>p + _REQUEST, d),
+        PyBytes_FromStringAndSize(<const char*>p + _REQUEST + d, <Py_ssize_t>klen - d),
+        PyBytes_FromStringAndSize(<const char*>p + _REQUEST + klen, <Py_ssize_t>vlen),
+        _le64(p + 56)))
+    tag[0] = _le32(p + 12)
+    reader._pos = pos + _REQUEST + <Py_ssize_t>(klen + vlen)
+    return request
+
+
+def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
+    cdef Py_buffer pv
+    cdef Py_ssize_t n
+    cdef ssize_t sent
+    cdef int fd, err = 0
+    cdef bytes data
+    cdef unsigned char* w
+    if type(payload) is not bytes and not (type(payload) is memoryview
+                                           and payload.c_contiguous):  # fmt: skip
+        return NotImplemented
+    PyObject_GetBuffer(payload, &pv, PyBUF_SIMPLE)
+    try:
+        n = pv.len
+        if n > small:
+            return NotImplemented
+        if not (type(tag) is int and type(ival) is int and 0 <= tag <= 0xFFFFFFFF
+                and -(1 << 63) <= ival < (1 << 63)):  # fmt: skip
+            REPLY.pack(0, tag, ival, n)  # (raises what the pure spelling raises, if it does)
+        data = PyBytes_FromStringAndSize(NULL, _REPLY + n)
+        w = <unsigned char*>PyBytes_AS_STRING(data)
+        memset(w, 0, 4)
+        _put_le32(<char*>w + 4, <uint32_t>tag)
+        _put_le64(w + 8, <uint64_t>(<int64_t>ival))
+        _put_le64(w + 16, <uint64_t>n)
+        memcpy(w + _REPLY, pv.buf, n)
+    finally:
+        PyBuffer_Release(&pv)
+    fd = sock.fileno()
+    while True:
+        sent = send(fd, w, <size_t>(_REPLY + n), MSG_DONTWAIT)
+        if sent >= 0:
+            break
+        err = errno
+        if err == EAGAIN or err == EWOULDBLOCK:
+            sent = 0
+            break
+        if err != EINTR:
+            raise OSError(err, os.strerror(err))
+        PyErr_CheckSignals()
+    return None if sent == _REPLY + n else memoryview(data)[sent:]

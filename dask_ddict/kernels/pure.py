@@ -13,6 +13,7 @@ readable, and the compiled module is only a faster spelling of it.
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -391,6 +392,71 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
     return len(records), delta, None
 
 
+#: A request's header on the wire: operation, flags, key section length, manager, tag,
+#: checkpoint, argument, client, timeout, value length and request id (part of the
+#: protocol's version; :data:`~dask_ddict.transport.protocol.REQ` is this).
+REQUEST = struct.Struct("<BBxxIIIqqQdQQ")
+_DONTWAIT = socket.MSG_DONTWAIT
+
+
+def receive_nowait(reader: Any) -> int:
+    """What a host's connection sent, received into its reader's buffer without waiting
+    (the event loop's read: :meth:`~dask_ddict.transport.protocol.Reader.fill_nowait`,
+    whose rules this keeps); the bytes received, 0 if none were ready.  Raises
+    ``ConnectionResetError`` at the end of the stream."""
+    return int(reader.fill_nowait())
+
+
+def take_request(most_value: int, cls: Any, reader: Any, tag: list[int]) -> Any:
+    """The next request whole in ``reader``'s buffer, taken out of it: a ``cls`` (a
+    :class:`~dask_ddict.transport.operation.Request`) of the header's fields, its
+    digest (the key section's first 16 bytes) and key (the rest) and its value copied
+    out, its timeout ``None`` when negative; its tag goes to ``tag[0]`` (its reply's).
+
+    With nothing taken, an ``int``: the bytes the request needs (its header's while
+    that is not whole), when fewer are buffered or its value is over ``most_value``
+    bytes (the caller receives that one into a buffer of its own).  What a host does
+    once per request (the event loop's), in one call.
+    """
+    head = reader.peek(REQUEST)
+    if head is None:
+        return REQUEST.size
+    op, flags, klen, mid, tagged, chkpt, arg, client, timeout, vlen, rid = head
+    need = REQUEST.size + klen + vlen
+    if vlen > most_value or reader.buffered() < need:
+        return need
+    reader.unpack(REQUEST)
+    keysec = reader.take(klen)
+    value = reader.take(vlen)
+    tag[0] = tagged
+    return tuple.__new__(cls, (op, flags, mid, chkpt, arg, client,
+                               None if timeout < 0 else timeout,
+                               keysec[:DIGEST], keysec[DIGEST:], value, rid))  # fmt: skip
+
+
+def send_reply(sock: Any, tag: int, ival: int, payload: Any, small: int) -> Any:
+    """A reply with a payload of at most ``small`` bytes (``bytes``, or a contiguous
+    ``memoryview``), its header and payload in one ``send`` that does not wait:
+    ``None`` when the socket took all of it, else what it did not take (a view; the
+    caller sends it, waiting).  ``NotImplemented`` for any other payload, which the
+    caller sends its own way.  Raises the socket's ``OSError`` when it broke."""
+    t = type(payload)
+    if t is bytes:
+        n = len(payload)
+    elif t is memoryview and payload.c_contiguous:
+        n = payload.nbytes
+    else:
+        return NotImplemented
+    if n > small:
+        return NotImplemented
+    data = REPLY.pack(0, tag, ival, n) + payload
+    try:
+        sent = sock.send(data, _DONTWAIT)
+    except BlockingIOError:
+        sent = 0
+    return None if sent == len(data) else memoryview(data)[sent:]
+
+
 #: A reply's header on the wire: status, the request's tag, the integer answer and the
 #: payload's length (part of the protocol's version; :data:`~dask_ddict.transport.
 #: protocol.REP` is this).
@@ -439,4 +505,5 @@ def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
 __all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_entry",
            "lookup_frames", "decoded",
            "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
-           "put_entries", "pack_records", "unpack_records", "receive_reply"]
+           "put_entries", "pack_records", "unpack_records", "receive_reply", "receive_nowait",
+           "take_request", "send_reply"]

@@ -36,9 +36,10 @@ import socket
 import struct
 from typing import Any, Protocol
 
-from ..kernels import REPLY
+from ..kernels import REPLY, REQUEST
 
-REQ = struct.Struct("<BBxxIIIqqQdQQ")
+REQ = REQUEST  # op, flags, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid (declared
+# with the kernel that reads it)
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
 HELLO_MAGIC = b"DDK5"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
 # name their manager (kernels.BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY); 5: tags
