@@ -27,7 +27,7 @@ from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops
 from dask_ddict.transport.links import HostLink, SocketChannel
-from dask_ddict.transport.protocol import Op
+from dask_ddict.transport.protocol import REP, REQ, Op
 
 
 @pytest.fixture(params=[False, True], ids=["thread", "loop"])
@@ -311,6 +311,85 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
         assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == value
         assert ch.call(ops.Contains(key_digest(dumps_key("nothing")), 0)) is False
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
+
+
+def _raw(o: ops.Operation, tag: int) -> bytes:
+    """``o`` as a request to manager 3 with ``tag``, as a pipelining client frames it."""
+    e = o.encode()
+    return REQ.pack(o.op, e.flags, len(e.keysec), 3, tag, e.chkpt, e.arg, e.client,
+                    -1.0 if e.timeout is None else e.timeout, e.vlen, 0) + \
+        e.keysec + b"".join(bytes(p) for p in e.parts)  # fmt: skip
+
+
+def _replies(sock: socket.socket, n: int) -> list[tuple[int, int, int, bytes]]:
+    """The next ``n`` replies on ``sock``: ``(status, tag, ival, payload)`` each."""
+    sock.settimeout(20)
+    data, out = b"", []
+    while len(out) < n:
+        chunk = sock.recv(1 << 20)
+        assert chunk, "the host closed the connection"
+        data += chunk
+        while len(data) >= REP.size:
+            status, tag, ival, plen = REP.unpack_from(data)
+            if len(data) < REP.size + plen:
+                break
+            out.append((status, tag, ival, data[REP.size : REP.size + plen]))
+            data = data[REP.size + plen :]
+    assert data == b""
+    return out
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_pipelined_requests_are_answered_in_order_each_with_its_tag(served, use_uds):
+    """Many requests in one send (a pipelining client's): puts, gets, a missing key (an
+    error reply), a reply too large to be kept back, an operation the loop does not
+    serve itself: every reply comes, in the order of the requests, with its tag."""
+    channel, _, _ = served
+    ch = channel(use_uds)
+    big = b"B" * (200 << 10)
+    kbs = [dumps_key(f"p{i}") for i in range(40)]
+    ch.call(ops.Put(key_digest(dumps_key("big")), dumps_key("big"), dumps_value(big), 0, 1))
+    conn = ch.link._connect(3, None, None)
+    try:
+        reqs, want = [], []
+        for i, kb in enumerate(kbs):
+            reqs.append(_raw(ops.Put(key_digest(kb), kb, dumps_value(i), 0, 1), 2 * i))
+            want.append((0, 2 * i, None))
+            reqs.append(_raw(ops.Get(key_digest(kb), 0), 2 * i + 1))
+            want.append((0, 2 * i + 1, i))
+        reqs.insert(7, _raw(ops.Get(key_digest(dumps_key("absent")), 0), 1000))
+        want.insert(7, (int(Status.KEY_NOT_FOUND), 1000, None))
+        reqs.insert(20, _raw(ops.Get(key_digest(dumps_key("big")), 0), 1001))
+        want.insert(20, (0, 1001, big))
+        reqs.insert(30, _raw(ops.WaitFor(key_digest(kbs[0]), 0, dumps_value(0).join()), 1002))
+        want.insert(30, (0, 1002, None))
+        conn.sock.sendall(b"".join(reqs))
+        got = _replies(conn.sock, len(reqs))
+        assert [(s, t) for s, t, _, _ in got] == [(s, t) for s, t, _ in want]
+        for (_, _, _, payload), (_, _, value) in zip(got, want):
+            if value is not None:
+                assert loads_value(payload) == value
+    finally:
+        conn.sock.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_a_reply_kept_back_is_sent_before_the_next_request_waits(served, use_uds):
+    """A put, then in the same send a wait for a key that only a reader of the put's
+    reply will write: the put's reply must not wait behind the wait (no deadlock)."""
+    channel, _, _ = served
+    ch, other = channel(use_uds), channel(use_uds)
+    a, c = dumps_key("a"), dumps_key("c")
+    conn = ch.link._connect(3, None, None)
+    try:
+        conn.sock.sendall(_raw(ops.Put(key_digest(a), a, dumps_value(1), 0, 1), 1)
+                          + _raw(ops.WaitFor(key_digest(c), 0, dumps_value(2).join(), 30.0), 2))
+        assert _replies(conn.sock, 1) == [(0, 1, 0, b"")]  # (the put's, while the wait waits)
+        other.call(ops.Put(key_digest(c), c, dumps_value(2), 0, 1))
+        assert _replies(conn.sock, 1) == [(0, 2, 0, b"")]
+    finally:
+        conn.sock.close()
 
 
 @pytest.mark.parametrize("use_uds", [True, False])

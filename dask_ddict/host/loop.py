@@ -62,7 +62,8 @@ def _unset(ival: int = 0, payload: Any = b"") -> None:
 class Connection:
     """One client connection's serving state, bound to a dictionary by its handshake."""
 
-    __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "tag", "reply")
+    __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "tag", "reply",
+                 "held", "holding", "batching")
 
     def __init__(self, sock: socket.socket, hosted: Any, reader: Reader,
                  scratch: Scratch, served: Table) -> None:  # fmt: skip
@@ -78,9 +79,26 @@ class Connection:
         self.tag = [0]
         #: ``reply(ival, payload)``: answers the request being served (the server's).
         self.reply: Callable[..., None] = _unset
+        #: Replies kept back to go out in one send with the next ones (:meth:`flush`),
+        #: and their bytes: while ``batching`` (the event loop serves the requests one
+        #: receive brought, and more are buffered) a small reply waits for theirs.
+        self.held: list[bytes] = []
+        self.holding = 0
+        self.batching = False
 
     def __repr__(self) -> str:
         return f"<Connection fd={self.fd} {self.hosted.name!r}>"
+
+    def flush(self) -> None:
+        """Send the replies kept back, in one send (what the socket does not take now is
+        sent after handing the loop on, as :class:`NoWait` sends).  Every other write to
+        the connection flushes first: replies leave in the order of their requests."""
+        held = self.held
+        if held:
+            data = held[0] if len(held) == 1 else b"".join(held)
+            held.clear()
+            self.holding = 0
+            NoWait(self.sock).sendall(data)
 
 
 class NoWait:
@@ -204,13 +222,17 @@ class EventLoop:
         c = self._serving
         if c is not None:
             self._ep.unregister(c.fd)
+            c.batching = False  # (off the loop: its replies go out as they come)
         self.handoffs += 1
         with self._cond:
-            if self._idle > self._called:
+            called = self._idle > self._called
+            if called:
                 self._called += 1
                 self._cond.notify()
-                return
-        self._spawn()
+        if not called:
+            self._spawn()
+        if c is not None:
+            c.flush()  # (the replies kept back go before this thread sleeps, never after)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -252,10 +274,14 @@ class EventLoop:
 
         The common request, whole in the buffer with a value the reader copies out, is
         received and taken by one compiled call each (:func:`~dask_ddict.kernels.
-        receive_nowait`, :func:`~dask_ddict.kernels.take_request`).
+        receive_nowait`, :func:`~dask_ddict.kernels.take_request`).  While more requests
+        are buffered (a pipelined client's), their small replies are kept back and go
+        out together (:meth:`Connection.flush`): when no whole request is left, and
+        before the loop is handed on.
         """
         r, tag, take, inline = c.reader, c.tag, self._take, self._inline
         receive_nowait(r)
+        c.batching = True  # (a reply waits for the next ones while more requests are here)
         while self.handoffs == moves:
             got = take(r, tag)
             if type(got) is not int:  # (a Request)
@@ -272,6 +298,8 @@ class EventLoop:
                 self._serve(c)
             else:
                 r.reserve(got)
+                c.batching = False
+                c.flush()
                 return
 
     def _finish(self, c: Connection) -> None:

@@ -90,6 +90,7 @@ _TAKEN = 1 << 20
 #: The largest request the event loop receives itself: a taken value and its key (larger
 #: ones are received off the loop).
 _MOST_INLINE = REQ.size + _TAKEN + (64 << 10)
+_HEAD = REQ.size
 
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -285,7 +286,7 @@ class HostServer:
             looped = self.loop is not None and not isinstance(conn, ssl.SSLSocket)
             c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
                            hosted.served.connection())
-            c.reply = _loop_replier(conn, c.tag) if looped else _replier(conn, c.tag)
+            c.reply = _loop_replier(c) if looped else _replier(conn, c.tag)
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped
             self._ended(conn, e)
             return
@@ -332,7 +333,7 @@ class HostServer:
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
         ):  # (what _check_lengths refuses, spelled out: this runs for every request)
-            self._check_lengths(c.sock, hosted, mid, klen, vlen, flags, tag)
+            self._check_lengths(c, mid, klen, vlen, flags, tag)
         keysec = reader.take(klen)
         if vlen <= _TAKEN:
             value: Any = reader.take(vlen)
@@ -364,7 +365,7 @@ class HostServer:
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
         ):  # (the loop's requests are checked here, once whole: at most _MOST_INLINE bytes)
-            self._check_lengths(c.sock, hosted, mid, klen, vlen, flags, c.tag[0])
+            self._check_lengths(c, mid, klen, vlen, flags, c.tag[0])
         try:
             if op == _FANOUT:  # one operation on several of this dictionary's managers
                 count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
@@ -392,6 +393,7 @@ class HostServer:
         except Exception as e:
             if flags & FLAG_NOREPLY:
                 raise
+            c.flush()  # (the replies kept back go first)
             _send_error(c.sock, e, c.tag[0])
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
@@ -414,11 +416,12 @@ class HostServer:
             f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
         )
 
-    def _check_lengths(self, conn: socket.socket, hosted: HostedDict, mid: int, klen: int,
-                       vlen: int, flags: int = 0, tag: int = 0) -> None:  # fmt: skip
+    def _check_lengths(self, c: Connection, mid: int, klen: int, vlen: int, flags: int = 0,
+                       tag: int = 0) -> None:  # fmt: skip
         """Refuse (and drop) a request whose key or value could never be stored (answered
         unless it asked for no reply: its client reads the next answer as its next
         request's, so it learns from the dropped connection instead)."""
+        hosted = c.hosted
         manager = hosted.managers.get(mid)
         e: DDictError
         if klen > self.limits.max_key_bytes + 16:
@@ -439,7 +442,8 @@ class HostServer:
         else:
             return
         if not flags & FLAG_NOREPLY:
-            _send_error(conn, e, tag)
+            c.flush()  # (the replies kept back go first)
+            _send_error(c.sock, e, tag)
         raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
     # -- lifecycle --------------------------------------------------------------
@@ -475,14 +479,31 @@ def _inline(op: int, arg: int) -> bool:
     return op in INLINE and (op != _FANOUT or arg in INLINE)
 
 
-def _loop_replier(sock: socket.socket, tag: list[int]) -> Reply:
+def _loop_replier(c: Connection) -> Reply:
     """The reply function of a connection served by the event loop: a small payload's
     reply goes in one send that does not wait (:func:`~dask_ddict.kernels.send_reply`),
     with what the socket did not take sent after handing the loop on, as
-    :class:`~.loop.NoWait` sends the others (a peer slow to read holds up only itself)."""
-    send, small, general = kernels.send_reply, SMALL, _replier(NoWait(sock), tag)
+    :class:`~.loop.NoWait` sends the others (a peer slow to read holds up only itself).
+
+    While the loop serves requests that one receive brought and more of them are
+    buffered (``c.batching``), a small reply is kept back (a copy: its payload may be a
+    view of a snapshot that ends with the handler) and goes out with the next ones in
+    one send (:meth:`~.loop.Connection.flush`); any other reply flushes them first."""
+    sock, tag, reader, held = c.sock, c.tag, c.reader, c.held
+    send, small, general, head = kernels.send_reply, SMALL, _replier(NoWait(sock), tag), REP.pack
 
     def reply(ival: int = 0, payload: Any = b"") -> None:
+        if c.batching and reader.buffered() >= _HEAD:  # (another request is here)
+            t = type(payload)
+            n = len(payload) if t is bytes else payload.nbytes if t is memoryview else small + 1
+            if n <= small and (t is bytes or payload.c_contiguous):
+                held.append(head(0, tag[0], ival, n) + payload)
+                c.holding += REP.size + n
+                if c.holding > small:
+                    c.flush()
+                return
+        if held:
+            c.flush()
         rest = send(sock, tag[0], ival, payload, small)
         if rest is None:
             return
