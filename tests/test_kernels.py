@@ -674,7 +674,7 @@ def _request(fields: tuple[Any, ...]) -> bytes:
 
 @settings(max_examples=100, deadline=None)
 @given(requests=st.lists(requests_st, min_size=1, max_size=4), cut=st.integers(0, 2000),
-       most=st.integers(0, 400), room=st.integers(1, 200), pos=st.integers(0, 100),
+       most=st.integers(-2, 400), room=st.integers(1, 200), pos=st.integers(0, 100),
        lying=st.integers(0, 2**64 - 1) | st.none())  # fmt: skip
 def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, most, room, pos,
                                                                lying):  # fmt: skip
@@ -719,6 +719,28 @@ def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, mo
         assert got == (op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,
                        keysec[:16], keysec[16:], value, rid)  # fmt: skip
         at += len(_request(f))
+
+
+def test_take_request_reads_odd_timeouts_and_refuses_a_tag_list_without_an_item():
+    """NaN, -0.0 and -inf timeouts read as pure reads them (NaN compares unequal, so
+    apart from the fuzzing above); a tag list with no item is an ``IndexError`` (never a
+    write past a list), and no list a ``TypeError``, in both sets."""
+    for timeout, want in ((float("nan"), "nan"), (-0.0, "0.0"), (float("-inf"), "None")):
+        for s in SETS:
+            a, b = socket.socketpair()
+            with a, b:
+                r = Reader(a, 256)
+                data = _request((2, 0, 3, 5, 0, 0, 0, timeout, 0, b"d" * 16, b""))
+                r._buf[: len(data)] = data
+                r._end = len(data)
+                got = s.take_request(100, Request, r, [0])
+                assert repr(got.timeout).lstrip("-") == want, (s, got.timeout)
+                r._pos = 0
+                with pytest.raises(IndexError):
+                    s.take_request(100, Request, r, [])
+                r._pos = 0
+                with pytest.raises(TypeError):
+                    s.take_request(100, Request, r, None)
 
 
 @settings(max_examples=60, deadline=None)
@@ -787,20 +809,35 @@ def test_send_reply_is_the_same_and_sends_one_reply(tag, ival, payload, small):
 
 
 def test_send_reply_gives_back_what_a_full_socket_did_not_take():
-    """A peer that reads nothing: the send takes what fits and the rest comes back to
-    be sent waiting (the same in both sets); a closed peer is the socket's error."""
+    """A peer that reads nothing: in each set the send takes what fits and the rest
+    comes back to be sent waiting (what went and what came back make the reply); a
+    closed peer is the socket's error."""
     for s in SETS:
         a, b = socket.socketpair()
         with a, b:
             a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             payload = b"p" * 60_000
-            rests = []
+            rests, sent = [], 0
             for _ in range(200):
                 rest = s.send_reply(a, 3, 4, payload, 1 << 20)
                 if rest is not None:
                     rests.append(rest)
                     break
+                sent += 1
             assert rests and type(rests[0]) is memoryview and 0 < rests[0].nbytes
+            reply = kernels.REPLY.pack(0, 3, 4, len(payload)) + payload
+            b.setblocking(False)
+            came = b""
+            while True:  # (what the peer got: the whole replies before, then a part)
+                try:
+                    chunk = b.recv(1 << 20)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                came += chunk
+            assert came == reply * sent + reply[: len(reply) - rests[0].nbytes]
+            assert rests[0].tobytes() == reply[len(reply) - rests[0].nbytes :]
             b.close()
             with pytest.raises(OSError) as info:
                 for _ in range(100):

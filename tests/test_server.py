@@ -27,7 +27,7 @@ from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops
 from dask_ddict.transport.links import HostLink, SocketChannel
-from dask_ddict.transport.protocol import REP, REQ, Op
+from dask_ddict.transport.protocol import FLAG_NOREPLY, REP, REQ, Op
 
 
 @pytest.fixture(params=[False, True], ids=["thread", "loop"])
@@ -57,6 +57,7 @@ def served(tmp_path, request):
         return SocketChannel(link, info)
 
     channel.host_ends = lambda: list(server._conns)  # type: ignore[attr-defined]
+    channel.server = server  # type: ignore[attr-defined]
     yield channel, dicts, closed
     for link in links:
         link.close()
@@ -304,19 +305,23 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
 
     channel, _, _ = served
     ch = channel(use_uds)
+    loop = channel.server.loop
     for n, size in enumerate([0, 100, _TAKEN - 64, _TAKEN + 64, _MOST_INLINE, 3 << 20]):
         value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
         kb = dumps_key(f"big{n}")
+        before = loop.handoffs if loop is not None else 0
         ch.call(ops.Put(key_digest(kb), kb, dumps_value(value), 0, 1))
+        if loop is not None:  # (only a request over _MOST_INLINE is read off the loop)
+            assert (loop.handoffs > before) == (size >= _MOST_INLINE - 100), size
         assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == value
         assert ch.call(ops.Contains(key_digest(dumps_key("nothing")), 0)) is False
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
 
 
-def _raw(o: ops.Operation, tag: int) -> bytes:
-    """``o`` as a request to manager 3 with ``tag``, as a pipelining client frames it."""
+def _raw(o: ops.Operation, tag: int, mid: int = 3) -> bytes:
+    """``o`` as a request to manager ``mid`` with ``tag``, as a pipelining client frames it."""
     e = o.encode()
-    return REQ.pack(o.op, e.flags, len(e.keysec), 3, tag, e.chkpt, e.arg, e.client,
+    return REQ.pack(o.op, e.flags, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
                     -1.0 if e.timeout is None else e.timeout, e.vlen, 0) + \
         e.keysec + b"".join(bytes(p) for p in e.parts)  # fmt: skip
 
@@ -369,6 +374,80 @@ def test_pipelined_requests_are_answered_in_order_each_with_its_tag(served, use_
         for (_, _, _, payload), (_, _, value) in zip(got, want):
             if value is not None:
                 assert loads_value(payload) == value
+    finally:
+        conn.sock.close()
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_pipelined_replies_to_a_slow_reader_come_whole_and_in_order(served, use_uds):
+    """200 gets of 30-37 KB values in one send, read only a second later: the host's
+    sends are cut short by the full socket, and every reply still comes whole, in order,
+    with its tag."""
+    import time
+
+    channel, _, _ = served
+    ch = channel(use_uds)
+    values = {i: bytes([i]) * (30_000 + 1_000 * i) for i in range(8)}
+    for i, v in values.items():
+        kb = dumps_key(f"v{i}")
+        ch.call(ops.Put(key_digest(kb), kb, dumps_value(v), 0, 1))
+    conn = ch.link._connect(3, None, None)
+    try:
+        conn.sock.sendall(b"".join(_raw(ops.Get(key_digest(dumps_key(f"v{j % 8}")), 0), 10 + j)
+                                   for j in range(200)))  # fmt: skip
+        time.sleep(1.0)
+        got = _replies(conn.sock, 200)
+        assert [t for _, t, _, _ in got] == [10 + j for j in range(200)]
+        assert all(s == 0 and loads_value(p) == values[j % 8]
+                   for j, (s, _, _, p) in enumerate(got))  # fmt: skip
+    finally:
+        conn.sock.close()
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+def test_a_moved_manager_is_answered_among_pipelined_requests(served, use_uds):
+    """A request for a manager that moved away is answered MOVED, and the request after
+    it on the same connection is served."""
+    channel, dicts, _ = served
+    next(iter(dicts.values())).moved[5] = ("elsewhere:1", 16 << 20)
+    ch = channel(use_uds)
+    conn = ch.link._connect(3, None, None)
+    try:
+        kb = dumps_key("x")
+        conn.sock.sendall(_raw(ops.Put(key_digest(kb), kb, dumps_value(b"z" * 2000), 0, 1), 5,
+                               mid=5) + _raw(ops.Length(0), 6))  # fmt: skip
+        got = _replies(conn.sock, 2)
+        assert (got[0][0], got[0][1]) == (int(Status.MOVED), 5) and b"elsewhere:1" in got[0][3]
+        assert got[1][:3] == (0, 6, 0)
+    finally:
+        conn.sock.close()
+
+
+@pytest.mark.parametrize("use_uds", [True, False])
+@pytest.mark.parametrize("noreply", [False, True])
+def test_a_key_over_the_limit_that_the_loop_took_whole_is_refused(served, use_uds, noreply):
+    """A request with a key over ``max-key-bytes`` that the event loop receives whole
+    (under its largest), or, on a thread of its own, is refused from its header (its
+    body never sent): answered with an error naming the limit (none when it asked for
+    no reply), and its connection dropped."""
+    channel, _, _ = served
+    ch = channel(use_uds)
+    conn = ch.link._connect(3, None, None)
+    try:
+        klen = (1 << 20) + 100
+        body = b"k" * klen + b"v" * 10 if channel.server.loop is not None else b""
+        conn.sock.sendall(REQ.pack(int(Op.PUT), FLAG_NOREPLY if noreply else 0, klen, 3, 77, 0,
+                                   0, 1, -1.0, 10, 0) + body)  # fmt: skip
+        conn.sock.settimeout(10)
+        data = b""
+        while chunk := conn.sock.recv(1 << 16):
+            data += chunk
+        if noreply:
+            assert data == b""
+        else:
+            status, tag, _, plen = REP.unpack_from(data)
+            assert tag == 77 and status == int(Status.INVALID_ARGUMENT)
+            assert b"max-key-bytes" in data[REP.size :]
     finally:
         conn.sock.close()
 

@@ -73,9 +73,11 @@ class Connection:
         self.reader = reader
         self.scratch = scratch
         self.served = served
-        #: (manager, request id) of the last at-most-once reply sent (``_serve_one``).
+        #: (manager, request id) of the last at-most-once reply sent (the server's
+        #: ``_serve_request``).
         self.owed: list[Any] = [None]
-        #: The tag of the request being served, which its reply repeats (``_serve_one``).
+        #: The tag of the request being served, which its reply repeats (set as it is
+        #: read: ``kernels.take_request``, the server's ``_serve_one``).
         self.tag = [0]
         #: ``reply(ival, payload)``: answers the request being served (the server's).
         self.reply: Callable[..., None] = _unset

@@ -329,6 +329,8 @@ class HostServer:
         reader, hosted, limits = c.reader, c.hosted, self.limits
         op, flags, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
         c.tag[0] = tag  # (what this request's reply repeats)
+        if c.owed[0] is not None:  # (before a refusal drops the connection: _serve_request)
+            _deliver(c.owed)
         manager = hosted.managers.get(mid)
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
@@ -355,17 +357,16 @@ class HostServer:
         manager may drop a large kept reply (:meth:`Manager.delivered`).
         """
         op: Any = req[0]  # (a plain int: the tables' IntEnum keys find it)
-        flags, mid = req[1], req[2]
+        flags, mid, tag = req[1], req[2], c.tag[0]
         hosted, reply, served, owed, limits = c.hosted, c.reply, c.served, c.owed, self.limits
         if owed[0] is not None:
-            last, owed[0] = owed[0], None
-            last[0].delivered(last[1])
+            _deliver(owed)
         manager = hosted.managers.get(mid)
         klen, vlen = len(req[7]) + len(req[8]), len(req[9])
         if manager is None or klen > limits.max_key_bytes + 16 or (
             vlen > manager.store.capacity and vlen > limits.min_value_limit
         ):  # (the loop's requests are checked here, once whole: at most _MOST_INLINE bytes)
-            self._check_lengths(c, mid, klen, vlen, flags, c.tag[0])
+            self._check_lengths(c, mid, klen, vlen, flags, tag)
         try:
             if op == _FANOUT:  # one operation on several of this dictionary's managers
                 count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
@@ -394,7 +395,7 @@ class HostServer:
             if flags & FLAG_NOREPLY:
                 raise
             c.flush()  # (the replies kept back go first)
-            _send_error(c.sock, e, c.tag[0])
+            _send_error(c.sock, e, tag)
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
@@ -466,6 +467,13 @@ class HostServer:
                 s.close()
             except OSError:
                 pass
+
+
+def _deliver(owed: list[Any]) -> None:
+    """A connection's next request came: the last at-most-once reply was read whole, so
+    its manager may drop what it kept of it (:meth:`Manager.delivered`)."""
+    last, owed[0] = owed[0], None
+    last[0].delivered(last[1])
 
 
 def _send_error(conn: socket.socket, e: BaseException, tag: int) -> None:

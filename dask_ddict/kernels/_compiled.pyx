@@ -339,7 +339,7 @@ def unpack_frames(payload, Py_ssize_t small=0):
     return out
 
 
-def lookup_entry(cursor, bytes digest, object chkpt):
+def lookup_entry(cursor, bytes digest not None, object chkpt):
     cdef Py_ssize_t n = PyBytes_GET_SIZE(digest), end, stop, size
     cdef bytes seek
     cdef Py_buffer kv, vv
@@ -855,19 +855,22 @@ def receive_nowait(reader):
         PyErr_CheckSignals()
 
 
-def take_request(Py_ssize_t most_value, object cls, reader, list tag):
+@cython.boundscheck(True)  # (a tag list without a first item: IndexError, as in pure)
+def take_request(Py_ssize_t most_value, object cls, reader, list tag not None):
     cdef bytearray buf = reader._buf
     cdef Py_ssize_t pos = reader._pos, end = reader._end, d
     cdef const unsigned char* p
-    cdef uint64_t klen, vlen
+    cdef uint64_t klen, vlen, bits
     cdef double timeout
     if end - pos < _REQUEST:
         return _REQUEST
     p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
     klen, vlen = _le32(p + 4), _le64(p + 48)
-    if vlen > <uint64_t>most_value or klen + vlen > <uint64_t>(end - pos - _REQUEST):
+    if most_value < 0 or vlen > <uint64_t>most_value or klen + vlen > <uint64_t>(
+            end - pos - _REQUEST):  # fmt: skip
         return _REQUEST + <object>klen + <object>vlen
-    memcpy(&timeout, p + 40, 8)
+    bits = _le64(p + 40)  # (the double, little-endian as every field)
+    memcpy(&timeout, &bits, 8)
     d = <Py_ssize_t>klen if klen < <uint64_t>_DIGEST else _DIGEST
     request = _new_tuple(cls, (
         p[0], p[1], _le32(p + 8), <int64_t>_le64(p + 16), <int64_t>_le64(p + 24), _le64(p + 32),
