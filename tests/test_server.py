@@ -30,14 +30,14 @@ from dask_ddict.transport.links import HostLink, SocketChannel
 from dask_ddict.transport.protocol import FLAG_NOREPLY, REP, REQ, Op
 
 
-@pytest.fixture(params=[False, True], ids=["thread", "loop"])
-def served(tmp_path, request):
-    """A host server over a real shard (its connections on a thread each, or served by
-    its event loop), and ``channel(use_uds)``: a client's channel to its manager 3."""
+def _serve(tmp_path, event_loop: bool, wait_for_writers: bool = False):
+    """A host server over a real shard, and ``channel(use_uds)``: a client's channel to its
+    manager 3 (``channel.server``: the server; ``channel.manager``: the manager)."""
     uid, secret = secrets.token_hex(16), secrets.token_hex(32)
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     hosted = HostedDict(uid, "srv", secret)
-    hosted.managers[3] = Manager(3, store, WorkingSet(store, 1))
+    hosted.managers[3] = Manager(3, store, WorkingSet(store, 1,
+                                                      wait_for_writers=wait_for_writers))
     uds = socket.socket(socket.AF_UNIX)
     path = str(tmp_path / "host.sock")
     uds.bind(path)
@@ -45,7 +45,7 @@ def served(tmp_path, request):
     tcp = socket.create_server(("127.0.0.1", 0))
     closed: set[bytes] = set()
     dicts = {hosted.key: hosted}
-    server = HostServer(uds, tcp, dicts, closed, event_loop=request.param)
+    server = HostServer(uds, tcp, dicts, closed, event_loop=event_loop)
     server.start()
     info = ManagerInfo(3, "w", "h", "h:b", os.getpid(), path, "127.0.0.1",
                        tcp.getsockname()[1], str(tmp_path / "shard"))  # fmt: skip
@@ -58,11 +58,25 @@ def served(tmp_path, request):
 
     channel.host_ends = lambda: list(server._conns)  # type: ignore[attr-defined]
     channel.server = server  # type: ignore[attr-defined]
+    channel.manager = hosted.managers[3]  # type: ignore[attr-defined]
     yield channel, dicts, closed
     for link in links:
         link.close()
     server.close()
     hosted.managers[3].close()
+
+
+@pytest.fixture(params=[False, True], ids=["thread", "loop"])
+def served(tmp_path, request):
+    """:func:`_serve`, its connections on a thread each or served by its event loop."""
+    yield from _serve(tmp_path, request.param)
+
+
+@pytest.fixture
+def looped_waiting(tmp_path):
+    """:func:`_serve` with the event loop, and puts that wait for the checkpoint's writers
+    (``wait_for_writers``: a put at a new checkpoint waits while one is missing)."""
+    yield from _serve(tmp_path, True, wait_for_writers=True)
 
 
 @pytest.mark.parametrize("use_uds", [True, False])
@@ -318,10 +332,10 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
 
 
-def _raw(o: ops.Operation, tag: int, mid: int = 3) -> bytes:
+def _raw(o: ops.Operation, tag: int, mid: int = 3, flags: int = 0) -> bytes:
     """``o`` as a request to manager ``mid`` with ``tag``, as a pipelining client frames it."""
     e = o.encode()
-    return REQ.pack(o.op, e.flags, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
+    return REQ.pack(o.op, e.flags | flags, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
                     -1.0 if e.timeout is None else e.timeout, e.vlen, 0) + \
         e.keysec + b"".join(bytes(p) for p in e.parts)  # fmt: skip
 
@@ -467,6 +481,99 @@ def test_a_reply_kept_back_is_sent_before_the_next_request_waits(served, use_uds
         assert _replies(conn.sock, 1) == [(0, 1, 0, b"")]  # (the put's, while the wait waits)
         other.call(ops.Put(key_digest(c), c, dumps_value(2), 0, 1))
         assert _replies(conn.sock, 1) == [(0, 2, 0, b"")]
+    finally:
+        conn.sock.close()
+
+
+def test_replies_kept_back_are_sent_before_a_failed_request_drops_the_connection(served):
+    """[a get (its reply kept back), a put asking no reply for a manager not here]: the
+    put's failure ends the connection, and the get's reply still reaches the client."""
+    channel, _, _ = served
+    ch = channel(True)
+    kb = dumps_key("k")
+    ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
+    conn = ch.link._connect(3, None, None)
+    try:
+        conn.sock.sendall(_raw(ops.Get(key_digest(kb), 0), 1) + _raw(
+            ops.Put(key_digest(kb), kb, dumps_value(2), 0, 1), 2, mid=99, flags=FLAG_NOREPLY))
+        conn.sock.settimeout(10)
+        data = b""
+        while chunk := conn.sock.recv(1 << 16):
+            data += chunk
+        status, tag, _, plen = REP.unpack_from(data)
+        assert (status, tag) == (0, 1) and loads_value(data[REP.size : REP.size + plen]) == 1
+        assert len(data) == REP.size + plen  # (and nothing for the put)
+    finally:
+        conn.sock.close()
+
+
+def test_a_waiting_put_of_a_client_gone_meanwhile_times_out_and_is_not_applied(
+        looped_waiting):  # fmt: skip
+    """[a slow get (its reply kept back), a put that must wait, 0.5 s timeout], the
+    client gone before the put waits: handing the loop on (which sends the kept-back
+    reply) fails quietly, and the put times out unapplied instead of staying queued."""
+    import time
+
+    channel, _, _ = looped_waiting
+    ch, server, manager = channel(True), channel.server, channel.manager
+    k, k2 = dumps_key("k"), dumps_key("k2")
+    ch.call(ops.Put(key_digest(k), k, dumps_value(1), 0, 1))  # (the writers of 0: client 1)
+    get = server.handlers[Op.GET]
+
+    def slow_get(m, r, reply):  # (the loop is busy a moment: the client leaves meanwhile)
+        time.sleep(0.3)
+        get(m, r, reply)
+
+    server.handlers[Op.GET] = slow_get
+    try:
+        conn = ch.link._connect(3, None, None)
+        conn.sock.sendall(_raw(ops.Get(key_digest(k), 0), 1) + _raw(
+            ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=0.5), 2))
+        conn.sock.close()
+        time.sleep(1.5)  # (well past the put's timeout)
+    finally:
+        server.handlers[Op.GET] = get
+    assert len(manager._deferred.waiting) == 0
+    ch.call(ops.Put(key_digest(k), k, dumps_value(3), 1, 1))  # (client 1 moves on)
+    with pytest.raises(DDictKeyError):
+        ch.call(ops.Get(key_digest(k2), 1))
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_reads_nothing_holds_up_no_other_client(looped_waiting):
+    """A client whose socket is full pipelines [a get, a put that must wait]: the get's
+    kept-back reply cannot go, and handing the loop on for the waiting put leaves it to
+    a thread of its own instead of waiting with the manager's lock held; another
+    client's put is served at once."""
+    import threading
+    import time
+
+    channel, _, _ = looped_waiting
+    ch, other, server = channel(True), channel(True), channel.server
+    k, k2 = dumps_key("k"), dumps_key("k2")
+    ch.call(ops.Put(key_digest(k), k, dumps_value(1), 0, 1))
+    before = set(server._conns)
+    conn = ch.link._connect(3, None, None)
+    host_end = next(iter(set(server._conns) - before))
+    for _ in range(500):  # (its handshake's timeout is lifted just after the client's end)
+        if host_end.gettimeout() is None:
+            break
+        time.sleep(0.01)
+    while True:  # (fill the host end's send buffer: the client reads nothing)
+        try:
+            host_end.send(b"\0" * 4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+    try:
+        conn.sock.sendall(_raw(ops.Get(key_digest(k), 0), 1) + _raw(
+            ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=30), 2))
+        time.sleep(0.5)
+        done = threading.Event()
+        z = dumps_key("z")
+        threading.Thread(target=lambda: (other.call(ops.Put(key_digest(z), z, dumps_value(0),
+                                                            0, 3)), done.set()),
+                         daemon=True).start()  # fmt: skip
+        assert done.wait(10), "another client's put waited for a client that reads nothing"
     finally:
         conn.sock.close()
 

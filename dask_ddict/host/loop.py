@@ -63,7 +63,7 @@ class Connection:
     """One client connection's serving state, bound to a dictionary by its handshake."""
 
     __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "tag", "reply",
-                 "held", "holding", "batching")
+                 "held", "holding", "batching", "sending")
 
     def __init__(self, sock: socket.socket, hosted: Any, reader: Reader,
                  scratch: Scratch, served: Table) -> None:  # fmt: skip
@@ -87,20 +87,61 @@ class Connection:
         self.held: list[bytes] = []
         self.holding = 0
         self.batching = False
+        #: A thread sending what the socket did not take of the kept-back replies when the
+        #: loop was handed on (:meth:`hand_off`): every later write waits for it.
+        self.sending: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"<Connection fd={self.fd} {self.hosted.name!r}>"
 
     def flush(self) -> None:
         """Send the replies kept back, in one send (what the socket does not take now is
-        sent after handing the loop on, as :class:`NoWait` sends).  Every other write to
-        the connection flushes first: replies leave in the order of their requests."""
-        held = self.held
-        if held:
-            data = held[0] if len(held) == 1 else b"".join(held)
-            held.clear()
-            self.holding = 0
+        sent after handing the loop on, as :class:`NoWait` sends), after what a
+        :meth:`hand_off` left to send.  Every other write to the connection flushes
+        first: replies leave in the order of their requests."""
+        if self.sending is not None:  # (never on the loop's thread: see hand_off)
+            self.sending.join()
+            self.sending = None
+        data = self._taken()
+        if data:
             NoWait(self.sock).sendall(data)
+
+    def hand_off(self) -> None:
+        """The loop was handed on while this connection is served (the request may wait
+        now, holding locks): send the replies kept back without waiting, and leave what
+        the socket does not take to a thread of its own.  Never waits and never raises:
+        a broken connection is the request's own reply's error."""
+        data = self._taken()
+        if not data:
+            return
+        try:
+            sent = self.sock.send(data, _DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return  # (the peer is gone: the next write says so)
+        if sent < len(data):
+            self.sending = threading.Thread(target=_send_rest, args=(self.sock, data, sent),
+                                            name="ddict-send", daemon=True)  # fmt: skip
+            self.sending.start()
+
+    def _taken(self) -> bytes:
+        """The replies kept back, joined, and none kept any more."""
+        held = self.held
+        if not held:
+            return b""
+        data = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
+        self.holding = 0
+        return data
+
+
+def _send_rest(sock: socket.socket, data: bytes, sent: int) -> None:
+    """(A :meth:`Connection.hand_off`'s thread.)  Send ``data[sent:]``, waiting."""
+    try:
+        sock.sendall(memoryview(data)[sent:])
+    except OSError:
+        pass  # (the peer is gone: the connection's next write says so)
 
 
 class NoWait:
@@ -234,7 +275,7 @@ class EventLoop:
         if not called:
             self._spawn()
         if c is not None:
-            c.flush()  # (the replies kept back go before this thread sleeps, never after)
+            c.hand_off()  # (the replies kept back go before this thread sleeps, never after)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -312,6 +353,7 @@ class EventLoop:
         try:
             while c.reader.buffered():
                 self._serve(c)
+            c.flush()  # (what a hand-off left to a thread is sent before the loop has it)
             if not self._closed:
                 self._ep.register(c.fd, _IN)
         except BaseException as e:  # noqa: BLE001 - this connection's end

@@ -353,8 +353,9 @@ class HostServer:
 
         ``c.owed`` holds the manager and request id of the connection's last
         at-most-once request: a new request proves its reply was read (a client
-        sends the next one only after reading the last reply whole), so the
-        manager may drop a large kept reply (:meth:`Manager.delivered`).
+        sends the next one only after reading the last reply whole; a pipelining
+        client sends no at-most-once operation), so the manager may drop a large kept
+        reply (:meth:`Manager.delivered`).
         """
         op: Any = req[0]  # (a plain int: the tables' IntEnum keys find it)
         flags, mid, tag = req[1], req[2], c.tag[0]
@@ -392,9 +393,9 @@ class HostServer:
                     if req[10]:  # (its request id)
                         owed[0] = (manager, req[10])
         except Exception as e:
+            c.flush()  # (the replies kept back go first, also before the connection ends)
             if flags & FLAG_NOREPLY:
                 raise
-            c.flush()  # (the replies kept back go first)
             _send_error(c.sock, e, tag)
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
@@ -442,8 +443,8 @@ class HostServer:
                                f"{manager.store.capacity}-byte shard")  # fmt: skip
         else:
             return
+        c.flush()  # (the replies kept back go first, also before the connection ends)
         if not flags & FLAG_NOREPLY:
-            c.flush()  # (the replies kept back go first)
             _send_error(c.sock, e, tag)
         raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
@@ -510,7 +511,7 @@ def _loop_replier(c: Connection) -> Reply:
                 if c.holding > small:
                     c.flush()
                 return
-        if held:
+        if held or c.sending is not None:
             c.flush()
         rest = send(sock, tag[0], ival, payload, small)
         if rest is None:

@@ -117,11 +117,12 @@ class DeferredQueue:
         """
         if self._closed is not None:
             raise self._closed()
+        will_block()  # (a host's event loop moves to another thread meanwhile; first: the
+        # op is queued only where the finally below takes it out again)
         op: Deferred[T] = Deferred(attempt, chkpt, self._lock)
         self.waiting.append(op)
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
         quiet = self._quiet
-        will_block()  # (a host's event loop moves to another thread meanwhile)
         try:
             while not op.done:
                 now = time.monotonic()
