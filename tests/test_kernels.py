@@ -673,14 +673,17 @@ def _request(fields: tuple[Any, ...]) -> bytes:
 
 
 @settings(max_examples=100, deadline=None)
+@example(requests=[(0, 0, 0, 0, 0, 0, 0, -1.0, 0, b"", b"")], cut=144, most=0, room=1, pos=0,
+         lying=1)  # fmt: skip
 @given(requests=st.lists(requests_st, min_size=1, max_size=4), cut=st.integers(0, 2000),
        most=st.integers(-2, 400), room=st.integers(1, 200), pos=st.integers(0, 100),
-       lying=st.integers(0, 2**64 - 1) | st.none())  # fmt: skip
+       lying=st.integers(1, 2**64 - 1) | st.none())  # fmt: skip
 def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, most, room, pos,
                                                                lying):  # fmt: skip
     """Requests in a reader's buffer, the last cut short (``cut``), a header whose value
-    length lies (``lying``): both sets take the same requests, leave the same bytes,
-    and say the same need for one that is not whole or whose value is over ``most``."""
+    length lies (``lying``: more than follow it): both sets take the same requests, leave
+    the same bytes, and say the same need for one that is not whole or whose value is
+    over ``most``."""
     stream = b"".join(_request(f) for f in requests)
     if lying is not None:
         stream += kernels.REQUEST.pack(2, 0, 16, 1, 9, 0, 0, 0, -1.0, lying, 0) + b"d" * 16

@@ -63,7 +63,7 @@ class Connection:
     """One client connection's serving state, bound to a dictionary by its handshake."""
 
     __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "tag", "reply",
-                 "held", "holding", "batching", "sending")
+                 "out", "held", "holding", "batching", "sending")
 
     def __init__(self, sock: socket.socket, hosted: Any, reader: Reader,
                  scratch: Scratch, served: Table) -> None:  # fmt: skip
@@ -81,6 +81,9 @@ class Connection:
         self.tag = [0]
         #: ``reply(ival, payload)``: answers the request being served (the server's).
         self.reply: Callable[..., None] = _unset
+        #: Where its other writes go (error replies): the socket, or on the event loop a
+        #: :class:`NoWait` over it (set with ``reply``).
+        self.out: Any = sock
         #: Replies kept back to go out in one send with the next ones (:meth:`flush`),
         #: and their bytes: while ``batching`` (the event loop serves the requests one
         #: receive brought, and more are buffered) a small reply waits for theirs.
@@ -121,9 +124,15 @@ class Connection:
         except OSError:
             return  # (the peer is gone: the next write says so)
         if sent < len(data):
-            self.sending = threading.Thread(target=_send_rest, args=(self.sock, data, sent),
-                                            name="ddict-send", daemon=True)  # fmt: skip
-            self.sending.start()
+            sender = threading.Thread(target=_send_rest, args=(self.sock, data, sent),
+                                      name="ddict-send", daemon=True)  # fmt: skip
+            try:
+                sender.start()
+            except RuntimeError:  # (no thread to be had: the next write, off the loop, sends it)
+                self.held.append(data[sent:])
+                self.holding = len(data) - sent
+                return
+            self.sending = sender
 
     def _taken(self) -> bytes:
         """The replies kept back, joined, and none kept any more."""
@@ -362,6 +371,11 @@ class EventLoop:
     def _drop(self, c: Connection, e: BaseException | None) -> None:
         if self._conns.get(c.fd) is not c:
             return  # (ended already)
+        if c.sending is not None:  # (a hand-off's sender may wait on a peer that never
+            try:  # reads: shut down, it ends with EPIPE rather than outlive the connection)
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         del self._conns[c.fd]
         try:
             self._ep.unregister(c.fd)

@@ -286,7 +286,11 @@ class HostServer:
             looped = self.loop is not None and not isinstance(conn, ssl.SSLSocket)
             c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
                            hosted.served.connection())
-            c.reply = _loop_replier(c) if looped else _replier(conn, c.tag)
+            if looped:
+                c.out = NoWait(conn)
+                c.reply = _loop_replier(c)
+            else:
+                c.reply = _replier(conn, c.tag)
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped
             self._ended(conn, e)
             return
@@ -396,7 +400,7 @@ class HostServer:
             c.flush()  # (the replies kept back go first, also before the connection ends)
             if flags & FLAG_NOREPLY:
                 raise
-            _send_error(c.sock, e, tag)
+            _send_error(c.out, e, tag)
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
@@ -445,7 +449,7 @@ class HostServer:
             return
         c.flush()  # (the replies kept back go first, also before the connection ends)
         if not flags & FLAG_NOREPLY:
-            _send_error(c.sock, e, tag)
+            _send_error(c.out, e, tag)
         raise ConnectionAbortedError(f"request over the limits: {e.message}")
 
     # -- lifecycle --------------------------------------------------------------
@@ -477,8 +481,10 @@ def _deliver(owed: list[Any]) -> None:
     last[0].delivered(last[1])
 
 
-def _send_error(conn: socket.socket, e: BaseException, tag: int) -> None:
-    """Answer the request tagged ``tag`` with ``e`` (the client raises it again)."""
+def _send_error(conn: Sink, e: BaseException, tag: int) -> None:
+    """Answer the request tagged ``tag`` with ``e`` (the client raises it again); ``conn``:
+    the connection's ``out`` (on the event loop a :class:`~.loop.NoWait`: a client slow to
+    read holds up only its own connection, never the loop)."""
     status, msg = wire_error(e)
     send_parts(conn, [REP.pack(status, tag, 0, len(msg)), msg])
 
