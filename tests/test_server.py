@@ -12,6 +12,7 @@ import os
 import pickle
 import secrets
 import socket
+from typing import Any
 
 import numpy as np
 import pytest
@@ -562,19 +563,7 @@ def test_a_client_that_reads_nothing_holds_up_no_other_client(looped_waiting):
     ch, other, server = channel(True), channel(True), channel.server
     k, k2 = dumps_key("k"), dumps_key("k2")
     ch.call(ops.Put(key_digest(k), k, dumps_value(1), 0, 1))
-    before = set(server._conns)
-    conn = ch.link._connect(3, None, None)
-    host_end = next(iter(set(server._conns) - before))
-    for _ in range(500):  # (its handshake's timeout is lifted just after the client's end)
-        if host_end.gettimeout() is None:
-            break
-        time.sleep(0.01)
-    filled = 0
-    while True:  # (fill the host end's send buffer: the client reads nothing)
-        try:
-            filled += host_end.send(b"\0" * 4096, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            break
+    conn, filled = _stalled(ch, server)
     try:
         conn.sock.sendall(_raw(ops.Get(key_digest(k), 0), 1) + _raw(
             ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=30), 2))
@@ -593,6 +582,26 @@ def test_a_client_that_reads_nothing_holds_up_no_other_client(looped_waiting):
         assert (status, tag) == (0, 1) and loads_value(_recv_exact(conn.sock, plen)) == 1
     finally:
         conn.sock.close()
+
+
+def _stalled(ch: SocketChannel, server: HostServer) -> tuple[Any, int]:
+    """A new connection of ``ch`` whose host end's send buffer is full (a client that
+    reads nothing), and the filler bytes in it (to be read before any reply)."""
+    import time
+
+    before = set(server._conns)
+    conn = ch.link._connect(3, None, None)
+    host_end = next(iter(set(server._conns) - before))
+    for _ in range(500):  # (its handshake's timeout is lifted just after the client's end)
+        if host_end.gettimeout() is None:
+            break
+        time.sleep(0.01)
+    filled = 0
+    while True:
+        try:
+            filled += host_end.send(b"\0" * 4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return conn, filled
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -615,18 +624,7 @@ def test_an_error_reply_to_a_client_that_reads_nothing_holds_up_no_other_client(
     ch, other, server = channel(True), channel(True), channel.server
     z = dumps_key("z")
     other.call(ops.Put(key_digest(z), z, dumps_value(0), 0, 3))  # (connected first)
-    before = set(server._conns)
-    conn = ch.link._connect(3, None, None)
-    host_end = next(iter(set(server._conns) - before))
-    for _ in range(500):  # (its handshake's timeout is lifted just after the client's end)
-        if host_end.gettimeout() is None:
-            break
-        time.sleep(0.01)
-    while True:  # (fill the host end's send buffer: the client reads nothing)
-        try:
-            host_end.send(b"\0" * 4096, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            break
+    conn, _ = _stalled(ch, server)
     try:
         conn.sock.sendall(_raw(ops.Get(key_digest(dumps_key("missing")), 0), 1))
         time.sleep(0.5)
