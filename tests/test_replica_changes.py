@@ -264,3 +264,32 @@ def test_a_replica_told_it_was_dropped_is_stale(pair):
     pair.replica.apply(-1, b"")
     assert pair.replica.stale == "its primary dropped it"
     pair.store.replicate = None  # (the primary ships to it no more)
+
+
+def test_a_replicated_write_hands_the_event_loop_on_before_it_waits_for_shipping(tmp_path):
+    """A replicated shard's write waits for its shipping lock (held while a replica is
+    added, across a round trip): on a host's event-loop thread it hands the loop on first
+    (``_blocking.will_block``), so the loop's other clients are not held up."""
+    import threading
+
+    from dask_ddict import _blocking
+
+    store = ShardStore(str(tmp_path / "shard"), 8 << 20)
+    shipped: list[int] = []
+    store.replicate = lambda recorded, later: shipped.append(len(recorded))
+    handed = threading.Event()
+    store.shipping.acquire()  # (as host/replicas.py holds it while adding a replica)
+
+    def release_later() -> None:
+        handed.wait(5)  # (without the hand-on: released after 5 s anyway)
+        store.shipping.release()
+
+    threading.Thread(target=release_later, daemon=True).start()
+    d, kb = _k("a")
+    _blocking.serving(handed.set)  # (this thread runs an event loop)
+    try:
+        store.transact(lambda txn: store.put(txn, d, 0, kb, dumps_value(1).join(), 0))
+    finally:
+        _blocking.serving(None)
+    assert handed.is_set() and shipped == [1]
+    store.close()

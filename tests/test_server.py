@@ -339,11 +339,12 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
 
 
-def _raw(o: ops.Operation, tag: int, mid: int = 3, flags: int = 0) -> bytes:
-    """``o`` as a request to manager ``mid`` with ``tag``, as a pipelining client frames it."""
+def _raw(o: ops.Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0) -> bytes:
+    """``o`` as a request to manager ``mid`` with ``tag`` (and request id ``rid``), as a
+    pipelining client frames it."""
     e = o.encode()
     return REQ.pack(o.op, e.flags | flags, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
-                    -1.0 if e.timeout is None else e.timeout, e.vlen, 0) + \
+                    -1.0 if e.timeout is None else e.timeout, e.vlen, rid) + \
         e.keysec + b"".join(bytes(p) for p in e.parts)  # fmt: skip
 
 
@@ -580,6 +581,37 @@ def test_a_client_that_reads_nothing_holds_up_no_other_client(looped_waiting):
             got += conn.sock.recv(min(1 << 20, filled - len(got)))
         status, tag, _, plen = REP.unpack(_recv_exact(conn.sock, REP.size))
         assert (status, tag) == (0, 1) and loads_value(_recv_exact(conn.sock, plen)) == 1
+    finally:
+        conn.sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_delivered_reply_waits_for_its_manager_off_the_loop(looped):
+    """A pop with a request id and a large reply, then the connection's next request
+    while the manager's lock is held (as a move holds it): dropping the kept reply waits
+    for the lock after handing the loop on, so another client's get is served at once;
+    the next request is answered once the lock is free."""
+    import threading
+
+    channel, _, _ = looped
+    ch, other, manager = channel(True), channel(True), channel.manager
+    big, k = dumps_key("big"), dumps_key("k")
+    ch.call(ops.Put(key_digest(big), big, dumps_value(b"b" * 10_000), 0, 1))
+    ch.call(ops.Put(key_digest(k), k, dumps_value(1), 0, 1))
+    conn = ch.link._connect(3, None, None)
+    try:
+        conn.sock.sendall(_raw(ops.Pop(key_digest(big), 0, 1), 1, rid=77))
+        status, tag, _, plen = REP.unpack(_recv_exact(conn.sock, REP.size))
+        assert (status, tag) == (0, 1) and loads_value(_recv_exact(conn.sock, plen)) == b"b" * 10_000
+        assert 77 in manager._big_replies  # (kept until the client shows it read it)
+        with manager._mutex:  # (a move holds the manager's lock)
+            conn.sock.sendall(_raw(ops.Length(0), 2))
+            done = threading.Event()
+            threading.Thread(target=lambda: (other.call(ops.Get(key_digest(k), 0)), done.set()),
+                             daemon=True).start()  # fmt: skip
+            assert done.wait(10), "the event loop waited for a manager's lock"
+        status, tag, ival, plen = REP.unpack(_recv_exact(conn.sock, REP.size))
+        assert (status, tag, ival) == (0, 2, 1) and 77 not in manager._big_replies
     finally:
         conn.sock.close()
 

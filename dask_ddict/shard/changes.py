@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import lmdb
 
-from .._blocking import acquire
+from .._blocking import acquire, locked
 from ..errors import DDictError, DDictFullError
 
 T = TypeVar("T")
@@ -274,7 +274,7 @@ def transact(store: ShardStore, fn: Callable[[Any], T], run: Callable[..., Any])
     """``store.transact(fn)`` on a replicated shard: ``run`` (the store's own
     transaction runner) with a recording transaction, then the changes shipped, all
     under the store's shipping lock."""
-    with store.shipping:
+    with locked(store.shipping):  # (a host's event loop moves on rather than wait for it)
         store.later = False
         rec: list[Recording] = []
 

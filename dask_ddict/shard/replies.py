@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from .._blocking import locked
+
 if TYPE_CHECKING:
     from .store import ShardStore
 
@@ -81,7 +83,7 @@ class AtMostOnce:
         """
         if rid not in self._big_replies:
             return
-        with self._mutex:
+        with locked(self._mutex):  # (a move holds it: a host's event loop moves on meanwhile)
             self._big_replies.discard(rid)
             if self.closed:
                 return
