@@ -17,6 +17,7 @@ from dask_ddict.errors import DDictError
 from dask_ddict.host import hygiene
 from dask_ddict.host import replica_store
 from dask_ddict.host.replica_store import Replica
+from dask_ddict.layout import ManagerInfo
 from dask_ddict.shard import changes
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
@@ -293,3 +294,35 @@ def test_a_replicated_write_hands_the_event_loop_on_before_it_waits_for_shipping
         _blocking.serving(None)
     assert handed.is_set() and shipped == [1]
     store.close()
+
+
+def test_a_batch_waiting_for_its_replicas_answers_hands_the_event_loop_on(tmp_path):
+    """A batch's change sets go to a replica without waiting for its answers, up to
+    ``MOST_PENDING``; beyond, the oldest answer is waited for, and on a host's
+    event-loop thread the loop is handed on first (a unit test: a fake replica link
+    whose answers come only once the loop was handed on, or after 5 s)."""
+    import threading
+
+    from dask_ddict import _blocking
+    from dask_ddict.host import replicas
+    from dask_ddict.host.control import DictSpec
+    from dask_ddict.options import DDictOptions
+
+    handed = threading.Event()
+
+    class Link:  # (a replica's link: each answer waits for the hand-on)
+        def send(self, op, mid):
+            return lambda: handed.wait(5)
+
+    shipper = replicas.Shipper(DictSpec("d", "00" * 16, "s", DDictOptions(), 1 << 20, 1), 0,
+                               False)  # fmt: skip
+    target = replicas.Target(ManagerInfo(0, "w", "h", "h:b", 1, "", "127.0.0.1", 1, ""), Link())
+    shipper.targets.append(target)
+    _blocking.serving(handed.set)  # (this thread runs an event loop)
+    try:
+        for _ in range(replicas.MOST_PENDING + 1):
+            shipper.ship([], later=True)
+    finally:
+        _blocking.serving(None)
+    assert handed.is_set() and len(target.pending) == replicas.MOST_PENDING
+    assert shipper.targets == [target]  # (its answers came: it was not dropped)

@@ -188,6 +188,7 @@ class Shipper:
             self._step(t, lambda t=t: t.pending.append(  # type: ignore[misc]
                 t.link.send(Replicate(t.seq, parts, nbytes, self.timeout), self.manager_id)))
             while len(t.pending) > MOST_PENDING and t in self.targets:
+                will_block()  # (the oldest answer is waited for: the event loop moves on)
                 self._step(t, t.pending.popleft())
         if not later:
             self.drain()
