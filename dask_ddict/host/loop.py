@@ -107,7 +107,7 @@ class Connection:
             self.sending = None
         data = self._taken()
         if data:
-            NoWait(self.sock).sendall(data)
+            self.out.sendall(data)  # (held only on the event loop: a NoWait)
 
     def hand_off(self) -> None:
         """The loop was handed on while this connection is served (the request may wait

@@ -505,7 +505,7 @@ def _loop_replier(c: Connection) -> Reply:
     view of a snapshot that ends with the handler) and goes out with the next ones in
     one send (:meth:`~.loop.Connection.flush`); any other reply flushes them first."""
     sock, tag, reader, held = c.sock, c.tag, c.reader, c.held
-    send, small, general, head = kernels.send_reply, SMALL, _replier(NoWait(sock), tag), REP.pack
+    send, small, general, head = kernels.send_reply, SMALL, _replier(c.out, tag), REP.pack
 
     def reply(ival: int = 0, payload: Any = b"") -> None:
         if c.batching and reader.buffered() >= _HEAD:  # (another request is here)

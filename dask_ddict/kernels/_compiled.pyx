@@ -61,13 +61,12 @@ cdef extern from "<poll.h>" nogil:
 
 cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
-cdef object _new_framed = tuple.__new__
+cdef object _new_tuple = tuple.__new__  # (a named tuple from its fields, without its __new__)
 cdef object _loads = pickle.loads
 cdef object _blake_copy = _BLAKE2B.copy
 cdef object _key_digest = key_digest
 cdef object _encode_key = encode_key
 cdef object _Entry = Entry
-cdef object _new_entry = tuple.__new__
 cdef object _be_pack = BE.pack
 cdef object _MAXQ = MAXQ
 cdef frozenset _atoms = _ATOMS
@@ -250,7 +249,7 @@ cdef class Router:
         memset(PyBytes_AS_STRING(head), 0, _HEAD)
         PyBytes_AS_STRING(head)[0] = <char>_FMT_BYTES
         _put_le64(<unsigned char*>PyBytes_AS_STRING(head) + 8, <uint64_t>n)
-        return route + (_new_framed(Framed, ((head, value), _HEAD + n)),)
+        return route + (_new_tuple(Framed, ((head, value), _HEAD + n)),)
 
 
 def group(list routes):
@@ -340,7 +339,7 @@ def unpack_frames(payload, Py_ssize_t small=0):
 
 
 def lookup_entry(cursor, bytes digest not None, object chkpt):
-    cdef Py_ssize_t n = PyBytes_GET_SIZE(digest), end, stop, size
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(digest), end, stop, size, klen_lmdb
     cdef bytes seek
     cdef Py_buffer kv, vv
     cdef uint64_t c, flags, klen, flen, version
@@ -363,7 +362,7 @@ def lookup_entry(cursor, bytes digest not None, object chkpt):
         if (kv.len if kv.len < _DIGEST else _DIGEST) != n or memcmp(
                 kv.buf, PyBytes_AS_STRING(digest), n) != 0:  # fmt: skip
             return None
-        klen = kv.len  # (its version is read after the value's header, as pure reads it)
+        klen_lmdb = kv.len  # (its version is read after the value's header, as pure reads it)
         version = 0
         if kv.len >= _DIGEST + 8:
             p = <const unsigned char*>kv.buf + _DIGEST
@@ -379,16 +378,17 @@ def lookup_entry(cursor, bytes digest not None, object chkpt):
                                f"unpacking 16 bytes at offset 0 (actual buffer size is {size})")
         p = <const unsigned char*>vv.buf
         flags, flen = p[0], _le64(p + 8)
-        if klen < _DIGEST + 8:
+        if klen_lmdb < _DIGEST + 8:
             raise struct.error("unpack_from requires a buffer of at least 24 bytes for "
-                               f"unpacking 8 bytes at offset 16 (actual buffer size is {klen})")
+                               f"unpacking 8 bytes at offset 16 (actual buffer size is "
+                               f"{klen_lmdb})")  # fmt: skip
         klen = _le32(p + 4)
     finally:
         PyBuffer_Release(&vv)
     # (the frame, then the key, sliced as Python slices: bounds past the end are cut there)
     end = size if flen > <uint64_t>(size - _ENTRY_HEADER) else _ENTRY_HEADER + <Py_ssize_t>flen
     stop = size if klen > <uint64_t>(size - end) else end + <Py_ssize_t>klen
-    return _new_entry(_Entry, (~version, flags, raw[_ENTRY_HEADER:end], raw[end:stop]))
+    return _new_tuple(_Entry, (~version, flags, raw[_ENTRY_HEADER:end], raw[end:stop]))
 
 
 def decoded(frame, decode):
@@ -827,8 +827,6 @@ def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t s
 # -- a host's requests (the event loop's) --------------------------------------------------
 
 cdef Py_ssize_t _REQUEST = REQUEST.size
-cdef object _new_tuple = tuple.__new__
-
 
 def receive_nowait(reader):
     cdef bytearray buf = reader._buf
