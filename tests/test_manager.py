@@ -22,11 +22,13 @@ from dask_ddict.shard.working_set import WorkingSet
 CLIENT = 7
 
 
-@pytest.fixture
-def manager(tmp_path):
+@pytest.fixture(params=[2, 1], ids=["window2", "window1"])
+def manager(tmp_path, request):
+    """A manager with a window of two checkpoints, and one of one (the default, where a
+    put is written in one transaction of its own: ``WorkingSet.put_alone``)."""
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     persister = Persister(CheckpointStore(str(tmp_path / "store"), "m", 0, 1), 1, -1)
-    m = Manager(0, store, WorkingSet(store, 2), persister=persister)
+    m = Manager(0, store, WorkingSet(store, request.param), persister=persister)
     yield m
     m.close()
 
@@ -109,6 +111,30 @@ def test_a_closed_manager_refuses_everything(manager):
     manager.close(destroy=False)
     with pytest.raises(DDictError):
         get(manager, "a")
+
+
+def test_a_put_without_room_is_refused_as_ever_where_puts_go_alone(tmp_path):
+    """In a window of one checkpoint a put is first tried in a transaction of its own
+    (``WorkingSet.put_alone``); each commit still runs the shard's hook (what same-host
+    readers' caches watch), and a put the shard has no room for is refused the full way:
+    ``DDictFullError`` naming its size, nothing of it kept, the other keys intact."""
+    store = ShardStore(str(tmp_path / "shard"), 4 << 20, full_thresh=0.5)
+    m = Manager(0, store, WorkingSet(store, 1))
+    commits = []
+    store.on_commit = lambda: commits.append(1)
+    try:
+        put(m, "a", 1)
+        put(m, "a", 2)
+        assert len(commits) == 2 and m.length(0) == 1
+        with pytest.raises(DDictFullError, match=r"a \d+-byte put does not fit"):
+            put(m, "big", bytes(3 << 20))
+        assert get(m, "a") == 2 and m.length(0) == 1  # (its room-making may have committed)
+        with pytest.raises(DDictKeyError):
+            get(m, "big")
+        put(m, "b", 3)
+        assert get(m, "b") == 3 and m.length(0) == 2
+    finally:
+        m.close()
 
 
 # -- broadcasts: len and stats from kept counts and a per-shard generation -------------

@@ -72,6 +72,40 @@ def test_value_bigger_than_map_raises_full_and_rolls_back(tmp_path):
         st.destroy()
 
 
+def test_attempt_commits_or_leaves_nothing(tmp_store):
+    """``attempt`` (a writer's common case): committed, with its hook, and known as this
+    process's own commit (no exact count of the room next); or, if anything raises or
+    the shard is replicated, nothing of it and ``False`` (its caller writes the full way)."""
+    hooked, counted = [], []
+    tmp_store.on_commit = lambda: hooked.append(1)
+    exact = tmp_store.used_bytes
+    tmp_store.used_bytes = lambda txn: counted.append(1) or exact(txn)
+    d, e = key_digest(b"d"), key_digest(b"e")
+
+    def put(txn, digest, key, error):
+        tmp_store.put(txn, digest, 0, key, dumps_value(key).join())
+        if error is not None:
+            raise error
+
+    try:
+        assert tmp_store.attempt(put, d, b"d", None) is True and hooked == [1]
+        with tmp_store.env.begin(write=True) as txn:
+            tmp_store.check_room(txn, 100)  # (the last commit was its own: no exact count)
+            assert not counted
+            txn.abort()
+        assert tmp_store.attempt(put, e, b"e", ValueError("no")) is False and hooked == [1]
+        with tmp_store.read() as txn:
+            assert tmp_store.lookup(txn, d, 0) is not None and tmp_store.lookup(txn, e, 0) is None
+        tmp_store.replicate = lambda changes, later: None
+        assert tmp_store.attempt(put, e, b"e", None) is False and hooked == [1]
+        tmp_store.replicate = None
+        with tmp_store.write() as txn:  # (the writer's lock is free again)
+            tmp_store.put(txn, e, 0, b"e", dumps_value(2).join())
+    finally:
+        tmp_store.on_commit = tmp_store.replicate = None
+        del tmp_store.used_bytes
+
+
 def test_collect_keeps_one_version_below_window(tmp_store):
     d = key_digest(b"k")
     with tmp_store.write() as txn:

@@ -306,10 +306,30 @@ def test_reset_to_loads_a_checkpoint_as_the_window_start(make_ws):
     assert not o.has("old", 7)
 
 
+def test_put_alone_only_where_a_put_is_nothing_more(make_ws):
+    """``put_alone`` (the manager's common put) writes in a transaction of its own only in a
+    window of one checkpoint, at it, without ``wait_for_*``; elsewhere it changes nothing
+    and says so (the manager then puts the full way)."""
+    kb = dumps_key("k")
+    d = key_digest(kb)
+    ws = make_ws(1)
+    o = Ops(ws)
+    assert ws.put_alone(d, 0, kb, dumps_value(1).join(), 1)
+    assert ws.put_alone(d, 0, kb, dumps_value(2).join(), 1)  # (an overwrite: one key still)
+    assert o.get("k", 0) == 2 and o.len(0) == 1
+    assert not ws.put_alone(d, 1, kb, dumps_value(3).join(), 1)  # (the window would move)
+    assert ws.newest == 0 and o.get("k", 0) == 2
+    for kw in ({"size": 2}, {"wait_for_keys": True}, {"wait_for_writers": True}):
+        other = make_ws(**kw)
+        assert not other.put_alone(d, 0, kb, dumps_value(1).join(), 1), kw
+        assert not Ops(other).has("k", 0) and other.writers == {}, kw
+
+
 # -- len from the shard's counts: checked against a scan after every change ---------
 
 _COUNT_OPS = st.lists(
-    st.tuples(st.sampled_from(["put", "persistent", "pop", "clear", "direct", "batch"]),
+    st.tuples(st.sampled_from(["put", "persistent", "pop", "clear", "direct", "batch",
+                               "alone"]),  # fmt: skip
               st.integers(0, 5), st.integers(0, 7)),  # fmt: skip
     max_size=40,
 )
@@ -357,6 +377,10 @@ def test_len_counts_match_a_scan_after_any_changes(tmp_path_factory, size, wait_
             try:
                 if what in ("put", "persistent"):
                     o.put(k, c, c, persistent=what == "persistent")
+                elif what == "alone":  # (the manager's common put, else the full way)
+                    kb = dumps_key(k)
+                    if not ws.put_alone(key_digest(kb), c, kb, dumps_value(c).join(), 1):
+                        o.put(k, c, c)
                 elif what == "pop":
                     o.pop(k, c)
                 elif what == "clear":

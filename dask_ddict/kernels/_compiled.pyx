@@ -397,25 +397,27 @@ def decoded(frame, decode):
 
 
 def lookup_frames(cursor, list digests, bytes tail, Py_ssize_t small=0):
-    seek, key, value = cursor.set_range, cursor.key, cursor.value
+    exact, seek, key, value = cursor.set_key, cursor.set_range, cursor.key, cursor.value
     cdef list out = []
     cdef Py_buffer kv, vv
-    cdef bytes d
+    cdef bytes d, dk
     cdef bint same
     cdef uint64_t n
     cdef Py_ssize_t have
     for d in digests:
-        if not seek(d + tail):
-            out.append(None)
-            continue
-        k = key()
-        PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
-        same = (kv.len >= _DIGEST and PyBytes_GET_SIZE(d) == _DIGEST
-                and memcmp(kv.buf, PyBytes_AS_STRING(d), _DIGEST) == 0)
-        PyBuffer_Release(&kv)
-        if not same:
-            out.append(None)
-            continue
+        dk = d + tail
+        if not exact(dk):  # (else a version at this very checkpoint: its key needs no look)
+            if not seek(dk):
+                out.append(None)
+                continue
+            k = key()
+            PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
+            same = (kv.len >= _DIGEST and PyBytes_GET_SIZE(d) == _DIGEST
+                    and memcmp(kv.buf, PyBytes_AS_STRING(d), _DIGEST) == 0)
+            PyBuffer_Release(&kv)
+            if not same:
+                out.append(None)
+                continue
         raw = value()
         PyObject_GetBuffer(raw, &vv, PyBUF_SIMPLE)
         try:

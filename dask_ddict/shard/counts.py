@@ -223,13 +223,15 @@ def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkp
     one walk of them, not two (a put is the hot path).
     """
     if w.size == 1 and not w.wait_for_keys:  # the default: one seek, as a plain put
-        was = store.put_over(txn, digest, chkpt, key, frame, flags)
-        if was == bool(flags & TOMBSTONE):  # seen before xor after: one key more or less
+        _, delta, error = store.put_over_many(txn, [(digest, key, frame)], chkpt, flags)
+        if error is not None:
+            raise error
+        if delta:  # (seen before xor after: one key more or less)
             if tally is not None:
-                tally.add(w, -1 if was else 1)
+                tally.add(w, delta)
                 return
             every = (1 << w.slots) - 1
-            _account(store, txn, w, every if was else 0, 0 if was else every)
+            _account(store, txn, w, every if delta < 0 else 0, 0 if delta < 0 else every)
         return
     versions = store.versions(txn, digest, w.newest, w.oldest)
     store.put(txn, digest, chkpt, key, frame, flags)

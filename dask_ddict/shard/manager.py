@@ -357,6 +357,13 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         timeout: float | None = None,
     ) -> None:
         ws = self.working_set
+        acquire(self._mutex)  # (the common case in one transaction, as _write would do it)
+        try:
+            if not (self.closed or self.frozen or self._deferred.waiting or self._retiring) \
+                    and ws.put_alone(digest, chkpt, key, frame, client):  # fmt: skip
+                return
+        finally:
+            self._mutex.release()
         self._write(
             lambda txn: ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent),
             timeout,

@@ -47,17 +47,12 @@ from .._keys import KEY_ENCODING
 from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
 from ..errors import DDictError, DDictFullError
 from . import changes
+from .capacity import FULL_REMEDY as FULL_REMEDY  # (re-exported)
+from .capacity import Capacity
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: What to do about a full shard, said with every :class:`DDictFullError` of a put.
-FULL_REMEDY = (
-    "Free space (pop, clear, or let old checkpoints retire), or create the dictionary "
-    "with a larger total_mem (each of its managers' shards is total_mem / managers; more "
-    "managers add room only with total_mem to match) or a higher manager_pool_full_thresh"
-)
 
 #: Written into every shard's ``meta``; changes with the layout or the key bytes.
 FORMAT = f"dask_ddict.shard/{KEY_ENCODING}.{VALUE_FRAMES}".encode()
@@ -78,7 +73,7 @@ def _client_scratch() -> Scratch:
     return scratch
 
 
-class ShardStore:
+class ShardStore(Capacity):
     """An LMDB environment holding one shard.
 
     Parameters
@@ -208,6 +203,27 @@ class ShardStore:
             self.on_commit()
         return result
 
+    def attempt(self, fn: Callable[..., object], *args: Any) -> bool:
+        """``fn(txn, *args)`` in a write transaction, committed (then :attr:`on_commit`):
+        whether it was.  If ``fn`` or the commit raises, or the shard is replicated,
+        nothing of it stays and the answer is ``False``: for a writer's common case,
+        whose caller then writes the full way (:meth:`transact`, and what a refusal
+        asks of it; the error, if it fails again, says why)."""
+        if self.replicate is not None:
+            return False
+        txn = self.env.begin(write=True, buffers=True)
+        tid = txn.id()
+        try:
+            fn(txn, *args)
+            txn.commit()
+        except Exception:  # noqa: BLE001 - done again the full way, which raises it
+            txn.abort()
+            return False
+        self._next_own = tid + 1
+        if self.on_commit is not None:
+            self.on_commit()
+        return True
+
     # -- versions -------------------------------------------------------------
 
     def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
@@ -271,14 +287,6 @@ class ShardStore:
                 txn.put(_BE.pack(chkpt) + digest, b"", db=self._index)
         except lmdb.MapFullError as e:
             raise self._map_full(nbytes + len(key)) from e
-
-    def _map_full(self, nbytes: int) -> DDictFullError:
-        """The error of a put of ``nbytes`` that LMDB refused: its map is full."""
-        self.refused = True
-        reach = (self.env.info()["last_pgno"] + 1) * self._psize  # (its high-water mark)
-        return DDictFullError(
-            f"shard is full: a {nbytes}-byte put does not fit: the shard's map of "
-            f"{self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}")
 
     def delete(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> None:
         """Remove the version at ``chkpt`` (no-op if absent)."""
@@ -515,62 +523,6 @@ class ShardStore:
             raise DDictError(
                 f"shard {self.path} belongs to manager {owner!r}, not {manager_id}",
                 "INVALID_ARGUMENT",
-            )
-
-    # -- capacity -------------------------------------------------------------
-
-    def usage(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        """``(bytes in pages that hold live data, entries)``: free-list pages excluded,
-        entries are stored versions (tombstones included)."""
-        pages = entries = 0
-        for db in (self._data, self._index, self._meta) if self.indexed else (self._data, self._meta):
-            st = txn.stat(db)
-            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-            if db is self._data:
-                entries = st["entries"]
-        return pages * self._psize, entries
-
-    def used_bytes(self, txn: lmdb.Transaction) -> int:
-        """Bytes in pages that hold live data (free-list pages excluded)."""
-        return self.usage(txn)[0]
-
-    def below_high_water(self, nbytes: int, puts: int = 1) -> bool:
-        """Whether ``puts`` puts of ``nbytes`` in all surely fit: the shard's high-water
-        mark (which bounds what is used) plus twice their bytes stays under the limit.
-        One ``env.info()`` for a whole batch, where :meth:`check_room` ``exact`` takes one
-        per put."""
-        need = 2 * (nbytes + puts * (ENTRY_HEADER + 64))
-        return (self.env.info()["last_pgno"] + 4) * self._psize + need <= \
-            self.full_thresh * self.capacity  # fmt: skip
-
-    def check_room(self, txn: lmdb.Transaction, nbytes: int, *, exact: bool = False) -> None:
-        """Refuse a put of ``nbytes`` that would take the shard over its threshold.
-
-        Exact page counts cost three ``stat`` calls, so they are taken only
-        when a running over-estimate (bytes put since the last exact count,
-        doubled for B-tree overhead) comes near the limit, or when another
-        process committed since this one's last commit (:meth:`transact` notes
-        the id of its own: a same-host client's direct puts, which the estimate
-        misses).  ``exact`` always counts: for writers in other processes.
-        """
-        if exact and self.below_high_water(nbytes):
-            return
-        put, nbytes = nbytes, nbytes + ENTRY_HEADER + 64
-        limit = self.full_thresh * self.capacity
-        if not exact and txn.id() != self._next_own:
-            exact = True  # another process committed since this one's last commit: count
-        if not exact and self._used_estimate + 2 * nbytes <= limit:
-            self._used_estimate += 2 * nbytes
-            return
-        used = self.used_bytes(txn)
-        self._used_estimate = used + 2 * nbytes
-        need = used + nbytes
-        if need > limit:
-            self.refused = True
-            raise DDictFullError(
-                f"shard is full: a {put}-byte put does not fit: the shard holds {used} of the "
-                f"{int(limit)} bytes puts may fill ({self.full_thresh:.0%} of its "
-                f"{self.capacity}: manager_pool_full_thresh={self.full_thresh:g}).  {FULL_REMEDY}"
             )
 
     def entries(self, txn: lmdb.Transaction) -> int:
