@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 MADV_DONTNEED = 4
-MADV_POPULATE_READ = 22  # (Linux 5.14+; elsewhere it fails and pages fault one by one)
 PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -115,17 +114,6 @@ def mapping_of(path: str) -> tuple[int, int] | None:
         return None
     whole = [run for base, run in runs.items() if run[0] == base]  # (from the file's start)
     return max(whole, key=lambda r: r[1] - r[0], default=None)
-
-
-def populate(start: int, nbytes: int) -> None:
-    """Map the pages covering ``[start, start + nbytes)`` of a shared mapping in one call
-    (``MADV_POPULATE_READ``), before a large value is read: faulting a freshly mapped
-    value in page by page runs at a third of the speed of copying it afterwards."""
-    if nbytes <= 0:
-        return
-    lo = start & ~(PAGE - 1)
-    hi = (start + nbytes + PAGE - 1) & ~(PAGE - 1)
-    _libc.madvise(lo, hi - lo, MADV_POPULATE_READ)  # (a failure only costs the faults)
 
 
 # -- lent mappings ---------------------------------------------------------------------------

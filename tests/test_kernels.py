@@ -267,6 +267,27 @@ def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, as
         env.close()
 
 
+def test_lookup_frames_seeks_exactly_until_a_miss_and_the_same_after(tmp_path):
+    """The compiled walk seeks each key's version at the very checkpoint first (no key to
+    read) until one is missing (an older version, an absent key, a tombstone's older
+    one), then as the pure walk does: the same frames either way, in order."""
+    d = [bytes([i]) * 16 for i in range(6)]
+    env = _shard(str(tmp_path / "lmdb"), [(d[0], 3, 0, b"a3"), (d[1], 3, 0, b"b3"),
+                                          (d[2], 1, 0, b"c1"), (d[3], 3, TOMBSTONE, b""),
+                                          (d[3], 2, 0, b"d2"), (d[4], 3, 0, b"e3"),
+                                          (d[4], 1, 0, b"e1")])  # fmt: skip
+    try:
+        db = env.open_db(b"data")
+        tail = struct.pack(">Q", (1 << 64) - 1 - 3)
+        asked = [d[0], d[1], d[4], d[5], d[0], d[2], d[3], d[4], d[1][:12], d[1] + b"x"]
+        with env.begin(db=db, buffers=True) as txn:
+            kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail, 4096)
+        assert kind == "ok"
+        assert got == [b"a3", b"b3", b"e3", None, b"a3", b"c1", None, b"e3", None, None]
+    finally:
+        env.close()
+
+
 def _entry_outcome(f: Any, *args: Any) -> tuple[str, Any]:
     """:func:`_outcome` of a ``lookup_entry``, its views compared by their bytes."""
     kind, got = _outcome(f, *args)

@@ -99,7 +99,10 @@ def test_attempt_commits_or_leaves_nothing(tmp_store):
         tmp_store.replicate = lambda changes, later: None
         assert tmp_store.attempt(put, e, b"e", None) is False and hooked == [1]
         tmp_store.replicate = None
+        with pytest.raises(KeyboardInterrupt):  # (raised on, not done again: rolled back)
+            tmp_store.attempt(put, e, b"e", KeyboardInterrupt())
         with tmp_store.write() as txn:  # (the writer's lock is free again)
+            assert tmp_store.lookup(txn, e, 0) is None
             tmp_store.put(txn, e, 0, b"e", dumps_value(2).join())
     finally:
         tmp_store.on_commit = tmp_store.replicate = None

@@ -251,32 +251,38 @@ def test_a_closed_handles_lent_values_do_not_keep_new_handles_off_the_shard(clie
         assert pins.lent_bytes() == 0
 
 
-def test_populate_maps_a_values_pages_and_release_gives_them_back(tmp_path):
-    """``_memory.populate`` maps a large value's pages in one call (what a lent or copied
-    large read does first); ``release`` drops them again; the data is untouched."""
-    import os
+def test_reading_a_large_value_maps_its_pages_and_release_gives_them_back():
+    """py-lmdb touches every page of a value it hands out (its ``preload``): a copying
+    read of a large value (``_View.copy``) relies on that instead of mapping the pages
+    itself, and counts them; ``_memory.release`` drops them again, and the data stays
+    in the shard."""
+    import tempfile
 
-    from dask_ddict import _memory
+    from dask_ddict._hashing import key_digest
+    from dask_ddict._serialize import dumps_value, loads_value
+    from dask_ddict.shard.store import ShardStore
 
     def shmem() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem"))
 
     n = 32 << 20
-    path = f"/dev/shm/ddict-test-populate-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    st_ = ShardStore(tempfile.mkdtemp(prefix="ddict-test-preload-", dir="/dev/shm"), 2 * n)
     try:
-        os.ftruncate(fd, n)
-        os.write(fd, b"\x07" * 4096)
-        m = _memory.map_file(fd, n)
-        addr = _memory.address_of(m)
+        value, d = np.full(n // 8, 7.0), key_digest(b"big")
+        with st_.write() as txn:
+            st_.put(txn, d, 0, b"big", dumps_value(value).join())
+        lo, hi = _memory.mapping_of(st_.path + "/data.mdb")
+        _memory.release(lo, hi - lo)
         before = shmem()
-        _memory.populate(addr, n)
-        assert shmem() - before >= n - (1 << 20)  # every page mapped, none read yet
-        _memory.release(addr, n)
+        with st_.read() as txn:
+            frame = st_.lookup(txn, d, 0).frame
+            assert shmem() - before >= n - (1 << 20)  # every page mapped by the read
+            np.testing.assert_array_equal(loads_value(bytes(frame)), value)
+            del frame
+        _memory.release(lo, hi - lo)
         assert shmem() - before < 1 << 20
-        assert m[0] == 7 and m[-1] == 0  # (the data stays in the file)
-        del m
+        with st_.read() as txn:  # (the data stays in the shard)
+            assert loads_value(bytes(st_.lookup(txn, d, 0).frame))[-1] == 7.0
     finally:
-        os.close(fd)
-        os.unlink(path)
+        st_.destroy()

@@ -401,12 +401,16 @@ def lookup_frames(cursor, list digests, bytes tail, Py_ssize_t small=0):
     cdef list out = []
     cdef Py_buffer kv, vv
     cdef bytes d, dk
-    cdef bint same
+    cdef bint same, hits = True  # (exact seeks found each key so far: go on trying them)
     cdef uint64_t n
     cdef Py_ssize_t have
     for d in digests:
         dk = d + tail
-        if not exact(dk):  # (else a version at this very checkpoint: its key needs no look)
+        # A version at this very checkpoint needs no look at its key; after one miss (an
+        # older version, an absent key) the walk seeks as the pure one does: a miss costs
+        # a second seek, once per call.
+        if not (hits and PyBytes_GET_SIZE(d) == _DIGEST and exact(dk)):
+            hits = False
             if not seek(dk):
                 out.append(None)
                 continue

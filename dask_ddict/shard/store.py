@@ -216,9 +216,11 @@ class ShardStore(Capacity):
         try:
             fn(txn, *args)
             txn.commit()
-        except Exception:  # noqa: BLE001 - done again the full way, which raises it
-            txn.abort()
-            return False
+        except BaseException as e:
+            txn.abort()  # (now: a kept traceback must not hold the writer's lock)
+            if not isinstance(e, Exception):
+                raise  # (an interrupt: not done again)
+            return False  # (done again the full way, which raises it)
         self._next_own = tid + 1
         if self.on_commit is not None:
             self.on_commit()

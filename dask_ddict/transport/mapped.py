@@ -88,14 +88,17 @@ class _View:
         at half the speed of this copy here.)  A large value's pages stay mapped
         until the process has touched :data:`RELEASE_EVERY` bytes of distinct
         pages: reading a hot value again then faults nothing, and its resident
-        set stays bounded.
+        set stays bounded.  They are mapped already when the frame comes here:
+        py-lmdb touches each page of a value it hands out (its ``preload``, with
+        the interpreter lock released), so mapping them again in one call
+        (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold 1 MiB
+        read's time).
         """
         n = frame.nbytes
         if n >= RELEASE_LARGE:
             addr = _memory.address_of(frame)
             if _touched.get(addr) == n:
                 return copy_frame(frame)  # (still mapped from an earlier read)
-            _memory.populate(addr, n)
             _touched[addr] = n
         out = copy_frame(frame)
         touched(n)
