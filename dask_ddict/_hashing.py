@@ -36,7 +36,8 @@ _BLAKE2B = hashlib.blake2b(digest_size=DIGEST_SIZE)  # (copied per key: cheaper 
 
 
 def key_digest(key_bytes: bytes) -> bytes:
-    """The 16-byte BLAKE2b digest of serialized key bytes."""
+    """The 16-byte BLAKE2b digest of serialized key bytes (the compiled kernels compute
+    the same bytes themselves, without an object per key: ``kernels._compiled``)."""
     h = _BLAKE2B.copy()
     h.update(key_bytes)
     return h.digest()

@@ -144,6 +144,18 @@ def test_route_writes_str_keys_as_pickle_does(keys):
         assert [d for _, d in got] == [key_digest(pickle.dumps(k, protocol=5)) for k in keys]
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=700) | st.sampled_from([bytes(n) for n in (0, 127, 128, 129,
+                                                                          256, 257)]))  # fmt: skip
+def test_the_compiled_digest_is_hashlibs(data):
+    """The compiled set writes BLAKE2b itself (RFC 7693: a key's digest without hashlib's
+    object per key); it is ``key_digest``'s, one block or many, exact multiples of a
+    block included."""
+    if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
+        return
+    assert _compiled.blake16(data) == key_digest(data)
+
+
 def test_route_errors_name_the_key_that_is_too_long():
     for s in SETS:
         with pytest.raises(pure.KeyTooLong) as info:
