@@ -7,6 +7,12 @@ import os
 
 import pytest
 from distributed import Client, LocalCluster
+from hypothesis import settings
+
+# No time limit per example: a fuzz test checks results, not speed (speed is the
+# benchmarks'), and on two cores shared with a cluster an example can take a while.
+settings.register_profile("ddict", deadline=None)
+settings.load_profile("ddict")
 
 
 def shm_entries() -> set[str]:
