@@ -59,8 +59,8 @@ def _same(name: str, *args: Any) -> Any:
 def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
-    assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "JOIN", "KeyTooLong", "QUIET", "Record",
-                                "REPLY", "REQUEST"} == \
+    assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "GROUP", "JOIN", "KeyTooLong", "QUIET",
+                                "Record", "REPLY", "REQUEST"} == \
         set(kernels.__all__)  # fmt: skip
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
@@ -154,6 +154,26 @@ def test_the_compiled_digest_is_hashlibs(data):
     if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
         return
     assert _compiled.blake16(data) == key_digest(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(0, 2**32 - 1),
+                                 st.lists(st.binary(min_size=16, max_size=16), max_size=6)),
+                       max_size=5),
+       data=st.data())  # fmt: skip
+def test_digest_groups_read_what_get_many_wrote_and_refuse_a_cut_request(groups, data):
+    """A host reads a many-key read's groups (``GetMany.encode``'s table and digests) with
+    ``digest_groups``: the same groups in both sets; a request cut anywhere inside them,
+    or junk, is the same ``ValueError`` in both (or, for junk, the same groups)."""
+    from dask_ddict.transport.many import GetMany
+
+    value = b"".join(GetMany(tuple(groups), 0).encode().parts)
+    assert _same("digest_groups", value) == ("ok", groups)
+    assert _same("digest_groups", memoryview(bytearray(value))) == ("ok", groups)
+    cut = data.draw(st.integers(0, max(0, len(value) - 1)))
+    kind, got = _same("digest_groups", value[:cut])
+    assert kind == "error" and got[0] is ValueError
+    _same("digest_groups", data.draw(st.binary(max_size=60)))
 
 
 def test_route_errors_name_the_key_that_is_too_long():

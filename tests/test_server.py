@@ -366,6 +366,28 @@ def _replies(sock: socket.socket, n: int) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
+def test_a_many_key_read_cut_inside_its_digests_is_refused_and_the_connection_serves_on(served):
+    """A ``GetMany`` whose value ends inside its digests (a table that promises more keys
+    than it carries) is answered with an error saying so, not read as shorter digests;
+    the connection then serves its next request."""
+    channel, _, _ = served
+    ch = channel(False)
+    kb = dumps_key("here")
+    ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
+    o = ops.GetMany(((3, [key_digest(kb), key_digest(dumps_key("other"))]),), 0)
+    e = o.encode()
+    cut = b"".join(bytes(p) for p in e.parts)[:-5]
+    conn = ch.link._connect(3, None, None)
+    try:
+        conn.sock.sendall(REQ.pack(o.op, e.flags, 0, 3, 5, 0, 0, 0, -1.0, len(cut), 0) + cut
+                          + _raw(ops.Get(key_digest(kb), 0), 6))  # fmt: skip
+        (status, tag, _, msg), (status2, tag2, _, frame) = _replies(conn.sock, 2)
+        assert (tag, tag2) == (5, 6) and status != 0 and status2 == 0
+        assert b"ends inside its digests" in msg and loads_value(frame) == 1
+    finally:
+        conn.sock.close()
+
+
 @pytest.mark.parametrize("use_uds", [True, False])
 def test_pipelined_requests_are_answered_in_order_each_with_its_tag(served, use_uds):
     """Many requests in one send (a pipelining client's): puts, gets, a missing key (an

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import BATCH_RECORD, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record
+from .pure import BATCH_RECORD, GROUP, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,17 @@ def _choose() -> tuple[ModuleType, bool]:
 _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
-    from .pure import (Router, decode_frames, decoded, entries_bytes, group, leading_within,
+    from .pure import (Router, decode_frames, decoded, digest_groups, entries_bytes, group,
+                       leading_within,
                        lookup_entry, lookup_frames, pack_frames, pack_records, put_entries,
                        receive_nowait, receive_reply, route, send_reply, take_request,
                        taken_out, unpack_frames, unpack_records, values_of)
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
-__all__ = ["BATCH_RECORD", "COMPILED", "JOIN", "QUIET", "REPLY", "REQUEST", "KeyTooLong", "Record",
-           "Router",
-           "decode_frames", "decoded", "entries_bytes", "group", "leading_within",
+__all__ = ["BATCH_RECORD", "COMPILED", "GROUP", "JOIN", "QUIET", "REPLY", "REQUEST", "KeyTooLong",
+           "Record", "Router",
+           "decode_frames", "decoded", "digest_groups", "entries_bytes", "group", "leading_within",
            "lookup_entry", "lookup_frames",
            "pack_frames", "pack_records", "put_entries", "receive_nowait", "receive_reply", "route",
            "send_reply", "take_request", "taken_out",

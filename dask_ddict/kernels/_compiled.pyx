@@ -28,13 +28,15 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry
-from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, JOIN, PADS, QUIET, REPLY, REQUEST, WAIT,
-                   KeyTooLong)
+from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, GROUP, JOIN, PADS, QUIET, REPLY, REQUEST,
+                   WAIT, KeyTooLong)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
 if REPLY.format != "<BxxxIqQ":  # (read here byte by byte: see receive_reply, send_reply)
     raise ImportError(f"kernels._compiled reads replies as <BxxxIqQ, not {REPLY.format}")
+if GROUP.format != "<II":  # (read here byte by byte: see digest_groups)
+    raise ImportError(f"kernels._compiled reads many-key tables as <II, not {GROUP.format}")
 if DIGEST != 16:  # (written here: see _blake16)
     raise ImportError(f"kernels._compiled writes 16-byte key digests, not {DIGEST}")
 if REQUEST.format != "<BBxxIIIqqQdQQ":  # (read here byte by byte: see take_request)
@@ -404,6 +406,32 @@ def pack_frames(list frames):
     if PyBytes_GET_SIZE(last):
         parts.append(last)
     return parts
+
+
+def digest_groups(value):
+    cdef bytes raw = value if type(value) is bytes else memoryview(value).cast("B").tobytes()
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t end = PyBytes_GET_SIZE(raw), off, stop, i, j
+    cdef Py_ssize_t n
+    cdef list out = [], digests
+    if end < 4:
+        raise ValueError(f"a many-key request of {end} bytes has no table")
+    n = _le32(p)
+    off = 4 + 8 * n
+    if off > end:
+        raise ValueError(f"a many-key request of {end} bytes cannot hold {n} groups")
+    for i in range(n):
+        stop = off + _DIGEST * <Py_ssize_t>_le32(p + 8 + 8 * i)
+        if stop > end:
+            raise ValueError(f"a many-key request of {end} bytes ends inside its digests")
+        digests = []
+        j = off
+        while j < stop:
+            digests.append(PyBytes_FromStringAndSize(<const char*>p + j, _DIGEST))
+            j += _DIGEST
+        out.append((_le32(p + 4 + 8 * i), digests))
+        off = stop
+    return out
 
 
 def unpack_frames(payload, Py_ssize_t small=0):

@@ -109,6 +109,38 @@ def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
     return groups
 
 
+#: A many-key read's table (``GetMany``): a ``u32`` count of groups, then this per group
+#: (manager, keys); every group's 16-byte digests follow, in order.
+GROUP = struct.Struct("<II")
+
+
+def digest_groups(value: Any) -> list[tuple[int, list[bytes]]]:
+    """The ``(manager, digests)`` groups of a many-key read's request (see :data:`GROUP`).
+
+    Raises
+    ------
+    ValueError
+        The request ends inside its table or its digests.
+    """
+    raw = value if type(value) is bytes else memoryview(value).cast("B").tobytes()
+    end = len(raw)
+    if end < 4:
+        raise ValueError(f"a many-key request of {end} bytes has no table")
+    (n,) = _U32.unpack_from(raw, 0)
+    off = 4 + GROUP.size * n
+    if off > end:
+        raise ValueError(f"a many-key request of {end} bytes cannot hold {n} groups")
+    out = []
+    for i in range(n):
+        mid, count = GROUP.unpack_from(raw, 4 + GROUP.size * i)
+        stop = off + DIGEST * count
+        if stop > end:
+            raise ValueError(f"a many-key request of {end} bytes ends inside its digests")
+        out.append((mid, [raw[j : j + DIGEST] for j in range(off, stop, DIGEST)]))
+        off = stop
+    return out
+
+
 def pack_frames(frames: list[Any]) -> list[Any]:
     """A many-key reply's parts for ``frames`` (buffers; ``None`` absent, ``False`` wait)::
 
@@ -502,7 +534,7 @@ def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
         got += n
 
 
-__all__ = ["route", "Router", "group", "pack_frames", "unpack_frames", "lookup_entry",
+__all__ = ["route", "Router", "group", "digest_groups", "pack_frames", "unpack_frames", "lookup_entry",
            "lookup_frames", "decoded",
            "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
            "put_entries", "pack_records", "unpack_records", "receive_reply", "receive_nowait",

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import SMALL_FRAME, Framed
-from ..kernels import JOIN, pack_frames, pack_records, unpack_frames, unpack_records
+from ..kernels import (GROUP, JOIN, digest_groups, pack_frames, pack_records, unpack_frames,
+                       unpack_records)
 from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
 from .protocol import FLAG_PERSIST, Op
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from ..shard.manager import Manager
 
 _U32 = struct.Struct("<I")
-_GROUP = struct.Struct("<II")
 
 #: One manager's part of a many-key request: ``(manager id, digests)``.
 Group = tuple[int, list[bytes]]
@@ -66,7 +66,7 @@ class GetMany(HostWide):
 
     def encode(self) -> Encoded:
         table = _U32.pack(len(self.groups)) + b"".join(
-            _GROUP.pack(mid, len(d)) for mid, d in self.groups
+            GROUP.pack(mid, len(d)) for mid, d in self.groups
         )
         digests = b"".join(b"".join(d) for _, d in self.groups)
         return Encoded(parts=(table, digests), vlen=len(table) + len(digests),
@@ -83,25 +83,12 @@ class GetMany(HostWide):
         return out
 
     @staticmethod
-    def groups_of(value: Any) -> list[Group]:
-        raw = value if type(value) is bytes else memoryview(value).cast("B").tobytes()
-        (n,) = _U32.unpack_from(raw, 0)
-        off = 4 + _GROUP.size * n
-        out = []
-        for i in range(n):
-            mid, count = _GROUP.unpack_from(raw, 4 + _GROUP.size * i)
-            end = off + 16 * count
-            out.append((mid, [raw[j : j + 16] for j in range(off, end, 16)]))
-            off = end
-        return out
-
-    @staticmethod
     def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
                    missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
         """Each manager's keys in one snapshot of its shard; one reply for all."""
         frames: list[Any] = []
         with contextlib.ExitStack() as snapshots:
-            for mid, digests in GetMany.groups_of(r.value):
+            for mid, digests in digest_groups(r.value):
                 m = managers.get(mid)
                 if m is None:
                     raise missing(mid)
