@@ -74,11 +74,18 @@ def address_of(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
 
 
+#: Large values whose pages this process mapped since they were last given back (address
+#: -> bytes): read again, they map nothing and count nothing (``transport/mapped.py``);
+#: :func:`release` of a value's own range forgets it, a release of a whole map all.
+MAPPED: dict[int, int] = {}
+
+
 def release(start: int, nbytes: int) -> None:
     """Drop this process's mapping of the pages covering ``[start, start + nbytes)``.
 
     Only for read-only shared mappings of files (the data stays in the file).
     """
+    MAPPED.pop(start, None)
     if nbytes <= 0:
         return
     lo = start & ~(PAGE - 1)

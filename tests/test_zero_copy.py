@@ -251,6 +251,43 @@ def test_a_closed_handles_lent_values_do_not_keep_new_handles_off_the_shard(clie
         assert pins.lent_bytes() == 0
 
 
+def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_them(
+        monkeypatch):  # fmt: skip
+    """py-lmdb maps the whole of a value it hands out, so a copy of part of a large value
+    (a zarr shard's inner chunk, ``GetRange``) counts the whole value's pages towards the
+    next release, once while they stay mapped; giving the value's own range back (a lent
+    chunk's, ``Lender.lend``) forgets it, so its next read counts it again."""
+    import tempfile
+
+    from dask_ddict._hashing import key_digest
+    from dask_ddict._serialize import dumps_value
+    from dask_ddict.shard.store import ShardStore
+
+    monkeypatch.setattr(mapped, "_unreleased", 0)
+    monkeypatch.setattr(_memory, "MAPPED", {})
+    st_ = ShardStore(tempfile.mkdtemp(prefix="ddict-test-part-", dir="/dev/shm"), 16 << 20)
+    try:
+        d = key_digest(b"big")
+        with st_.write() as txn:
+            st_.put(txn, d, 0, b"big", dumps_value(bytes(range(256)) * 8192).join())
+        view = mapped._View(st_)
+        with st_.read() as txn:
+            frame = st_.lookup(txn, d, 0).frame
+            n = frame.nbytes
+            assert n >= mapped.RELEASE_LARGE
+            counted = n + _memory.PAGE  # (a read counts its bytes and a page)
+            assert bytes(view.copy(frame, frame[100:200])) == bytes(frame[100:200])
+            assert mapped._unreleased == counted
+            assert bytes(view.copy(frame, frame[:10])) == bytes(frame[:10])
+            assert mapped._unreleased == counted  # (still mapped: nothing more)
+            _memory.release(_memory.address_of(frame), n)
+            view.copy(frame, frame[5:6])
+            assert mapped._unreleased == 2 * counted
+            del frame
+    finally:
+        st_.destroy()
+
+
 def test_reading_a_large_value_maps_its_pages_and_release_gives_them_back():
     """py-lmdb touches every page of a value it hands out (its ``preload``): a copying
     read of a large value (``_View.copy``) relies on that instead of mapping the pages

@@ -411,22 +411,22 @@ def pack_frames(list frames):
 def digest_groups(value):
     cdef bytes raw = value if type(value) is bytes else memoryview(value).cast("B").tobytes()
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(raw)
-    cdef Py_ssize_t end = PyBytes_GET_SIZE(raw), off, stop, i, j
-    cdef Py_ssize_t n
+    cdef Py_ssize_t end = PyBytes_GET_SIZE(raw), i, j
+    cdef uint64_t n, off, stop  # (sums of 32-bit counts: never past 64 bits, nor past end)
     cdef list out = [], digests
     if end < 4:
         raise ValueError(f"a many-key request of {end} bytes has no table")
     n = _le32(p)
     off = 4 + 8 * n
-    if off > end:
+    if off > <uint64_t>end:
         raise ValueError(f"a many-key request of {end} bytes cannot hold {n} groups")
-    for i in range(n):
-        stop = off + _DIGEST * <Py_ssize_t>_le32(p + 8 + 8 * i)
-        if stop > end:
+    for i in range(<Py_ssize_t>n):
+        stop = off + <uint64_t>_DIGEST * _le32(p + 8 + 8 * i)
+        if stop > <uint64_t>end:
             raise ValueError(f"a many-key request of {end} bytes ends inside its digests")
         digests = []
-        j = off
-        while j < stop:
+        j = <Py_ssize_t>off
+        while j < <Py_ssize_t>stop:
             digests.append(PyBytes_FromStringAndSize(<const char*>p + j, _DIGEST))
             j += _DIGEST
         out.append((_le32(p + 4 + 8 * i), digests))

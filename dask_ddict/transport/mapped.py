@@ -49,7 +49,7 @@ def touched(nbytes: int, reads: int = 1) -> None:
     _unreleased += nbytes + reads * _memory.PAGE
     if _unreleased >= RELEASE_EVERY:
         _unreleased = 0
-        _touched.clear()
+        _memory.MAPPED.clear()
         with _ENVS_LOCK:  # (a view closed meanwhile is skipped: its range may be reused)
             for view in _ENVS.values():
                 if not view.closed:
@@ -81,8 +81,9 @@ class _View:
         """Whether values lent from this mapping live on (it must stay open)."""
         return self.lender is not None and self.lender.open > 0
 
-    def copy(self, frame: memoryview) -> Any:
-        """A private copy of a value frame; gives back the pages it touched when due.
+    def copy(self, frame: memoryview, part: memoryview | None = None) -> Any:
+        """A private copy of a value frame (or of ``part`` of it); gives back the pages
+        it touched when due.
 
         (Reading a large value with ``preadv`` instead, which maps nothing, ran
         at half the speed of this copy here.)  A large value's pages stay mapped
@@ -92,15 +93,15 @@ class _View:
         py-lmdb touches each page of a value it hands out (its ``preload``, with
         the interpreter lock released), so mapping them again in one call
         (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold 1 MiB
-        read's time).
+        read's time).  So a part's read counts the whole frame's pages too.
         """
         n = frame.nbytes
+        out = copy_frame(frame if part is None else part)
         if n >= RELEASE_LARGE:
             addr = _memory.address_of(frame)
-            if _touched.get(addr) == n:
-                return copy_frame(frame)  # (still mapped from an earlier read)
-            _touched[addr] = n
-        out = copy_frame(frame)
+            if _memory.MAPPED.get(addr) == n:
+                return out  # (still mapped from an earlier read)
+            _memory.MAPPED[addr] = n
         touched(n)
         return out
 
@@ -143,7 +144,6 @@ class _View:
 
 
 _unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
-_touched: dict[int, int] = {}  # large values read since then: address -> bytes
 #: path -> the process's view of it.
 _ENVS: dict[str, _View] = {}
 _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)

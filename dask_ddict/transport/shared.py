@@ -366,11 +366,11 @@ class SharedChannel:
         view = self._enter()
         if view is None:
             return self._sock.call(o)
-        with self._inside(view), self._reading(view, False) as (txn, copy):
+        with self._inside(view), self._reading(view, False) as (txn, _):
             e = self._visible(view.store, o.digest, o.chkpt, txn)
             if e:
                 size, part = raw_range(e.frame, o.start, o.stop)
-                return size, copy(part)
+                return size, view.copy(e.frame, part)  # (py-lmdb mapped all of the frame)
         if e is None:
             raise DDictKeyError()
         return self._sock.call(o)  # the manager waits for the writer
