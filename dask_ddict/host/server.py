@@ -74,6 +74,7 @@ from .served import Counting, Served, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
+    from ..shard.manager import Manager
     from .replica_store import Replica
     from ..shard.pinboard import BoardReader
     from ..shard.manager import Manager
@@ -122,6 +123,13 @@ class Limits:
     def most_value(self, capacity: int) -> int:
         """The largest request body for a shard of ``capacity`` bytes."""
         return value_limit(capacity, self.min_value_limit)
+
+    def doubtful(self, manager: Manager | None, klen: int, vlen: int) -> bool:
+        """Whether a request to ``manager`` (``None``: not hosted here) with a key section
+        of ``klen`` bytes and a value of ``vlen`` may be over the limits: the cheap test,
+        run for every request, that ``HostServer._check_lengths`` decides."""
+        return manager is None or klen > self.max_key_bytes + 16 or (
+            vlen > manager.store.capacity and vlen > self.min_value_limit)
 
 
 class HostedDict:
@@ -335,10 +343,7 @@ class HostServer:
         c.tag[0] = tag  # (what this request's reply repeats)
         if c.owed[0] is not None:  # (before a refusal drops the connection: _serve_request)
             _deliver(c.owed)
-        manager = hosted.managers.get(mid)
-        if manager is None or klen > limits.max_key_bytes + 16 or (
-            vlen > manager.store.capacity and vlen > limits.min_value_limit
-        ):  # (what _check_lengths refuses, spelled out: this runs for every request)
+        if limits.doubtful(hosted.managers.get(mid), klen, vlen):  # (before the body is read)
             self._check_lengths(c, mid, klen, vlen, flags, tag)
         keysec = reader.take(klen)
         if vlen <= _TAKEN:
@@ -348,12 +353,13 @@ class HostServer:
             reader.read_into(value)
         self._serve_request(c, _new_request(Request, (
             op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,  # (decode_timeout)
-            keysec[:16], keysec[16:], value, rid)))  # fmt: skip
+            keysec[:16], keysec[16:], value, rid)), checked=True)  # fmt: skip
 
-    def _serve_request(self, c: Connection, req: Request) -> None:
+    def _serve_request(self, c: Connection, req: Request, checked: bool = False) -> None:
         """Serve ``req``, read whole (by :meth:`_serve_one`, or taken out of the event
         loop's buffer by :func:`~dask_ddict.kernels.take_request`), counted in ``c``'s
-        ``served``; ``c.tag[0]`` is its tag.
+        ``served``; ``c.tag[0]`` is its tag.  Its lengths are checked here unless they
+        were (``checked``: before its body was read).
 
         ``c.owed`` holds the manager and request id of the connection's last
         at-most-once request: a new request proves its reply was read (a client
@@ -363,15 +369,14 @@ class HostServer:
         """
         op: Any = req[0]  # (a plain int: the tables' IntEnum keys find it)
         flags, mid, tag = req[1], req[2], c.tag[0]
-        hosted, reply, served, owed, limits = c.hosted, c.reply, c.served, c.owed, self.limits
+        hosted, reply, served, owed = c.hosted, c.reply, c.served, c.owed
         if owed[0] is not None:
             _deliver(owed)
         manager = hosted.managers.get(mid)
-        klen, vlen = len(req[7]) + len(req[8]), len(req[9])
-        if manager is None or klen > limits.max_key_bytes + 16 or (
-            vlen > manager.store.capacity and vlen > limits.min_value_limit
-        ):  # (the loop's requests are checked here, once whole: at most _MOST_INLINE bytes)
-            self._check_lengths(c, mid, klen, vlen, flags, tag)
+        if not checked:  # (the loop's requests, once whole: at most _MOST_INLINE bytes)
+            klen, vlen = len(req[7]) + len(req[8]), len(req[9])
+            if self.limits.doubtful(manager, klen, vlen):
+                self._check_lengths(c, mid, klen, vlen, flags, tag)
         try:
             if op == _FANOUT:  # one operation on several of this dictionary's managers
                 count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
