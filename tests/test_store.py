@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -88,19 +90,22 @@ def test_attempt_commits_or_leaves_nothing(tmp_store):
             raise error
 
     try:
-        assert tmp_store.attempt(put, d, b"d", None) is True and hooked == [1]
+        assert tmp_store.attempt(partial(put, digest=d, key=b"d", error=None)) is True
+        assert hooked == [1]
         with tmp_store.env.begin(write=True) as txn:
             tmp_store.check_room(txn, 100)  # (the last commit was its own: no exact count)
             assert not counted
             txn.abort()
-        assert tmp_store.attempt(put, e, b"e", ValueError("no")) is False and hooked == [1]
+        assert tmp_store.attempt(partial(put, digest=e, key=b"e", error=ValueError("no"))) is False
+        assert hooked == [1]
         with tmp_store.read() as txn:
             assert tmp_store.lookup(txn, d, 0) is not None and tmp_store.lookup(txn, e, 0) is None
         tmp_store.replicate = lambda changes, later: None
-        assert tmp_store.attempt(put, e, b"e", None) is False and hooked == [1]
+        assert tmp_store.attempt(partial(put, digest=e, key=b"e", error=None)) is False
+        assert hooked == [1]
         tmp_store.replicate = None
         with pytest.raises(KeyboardInterrupt):  # (raised on, not done again: rolled back)
-            tmp_store.attempt(put, e, b"e", KeyboardInterrupt())
+            tmp_store.attempt(partial(put, digest=e, key=b"e", error=KeyboardInterrupt()))
         with tmp_store.write() as txn:  # (the writer's lock is free again)
             assert tmp_store.lookup(txn, e, 0) is None
             tmp_store.put(txn, e, 0, b"e", dumps_value(2).join())

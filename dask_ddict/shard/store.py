@@ -203,27 +203,18 @@ class ShardStore(Capacity):
             self.on_commit()
         return result
 
-    def attempt(self, fn: Callable[..., object], *args: Any) -> bool:
-        """``fn(txn, *args)`` in a write transaction, committed (then :attr:`on_commit`):
-        whether it was.  If ``fn`` or the commit raises, or the shard is replicated,
-        nothing of it stays and the answer is ``False``: for a writer's common case,
-        whose caller then writes the full way (:meth:`transact`, and what a refusal
-        asks of it; the error, if it fails again, says why)."""
+    def attempt(self, fn: Callable[[lmdb.Transaction], object]) -> bool:
+        """:meth:`transact` of ``fn`` where the shard is not replicated: whether it was
+        committed.  If ``fn`` or the commit raises an error, nothing of it stays and the
+        answer is ``False``: for a writer's common case, whose caller then writes the
+        full way (and what a refusal asks of it; the error, if it fails again, says
+        why).  An interrupt is raised, not answered (rolled back as well)."""
         if self.replicate is not None:
             return False
-        txn = self.env.begin(write=True, buffers=True)
-        tid = txn.id()
         try:
-            fn(txn, *args)
-            txn.commit()
-        except BaseException as e:
-            txn.abort()  # (now: a kept traceback must not hold the writer's lock)
-            if not isinstance(e, Exception):
-                raise  # (an interrupt: not done again)
-            return False  # (done again the full way, which raises it)
-        self._next_own = tid + 1
-        if self.on_commit is not None:
-            self.on_commit()
+            self._transact(fn)
+        except Exception:  # noqa: BLE001 - done again the full way, which raises it
+            return False
         return True
 
     # -- versions -------------------------------------------------------------

@@ -478,7 +478,7 @@ class WorkingSet:
         A put is the hot path: this is a third of the Python calls of the full way."""
         if self.size != 1 or self.wait_for_keys or self.wait_for_writers or chkpt != self.newest:
             return False
-        return self.store.attempt(self.put, digest, chkpt, key, frame, client)
+        return self.store.attempt(lambda txn: self.put(txn, digest, chkpt, key, frame, client))
 
     def _put_ready(self, txn: lmdb.Transaction, chkpt: int, client: int, batch: bool,
                    tally: counts.Tally | None) -> None:  # fmt: skip
