@@ -534,8 +534,8 @@ def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
         got += n
 
 
-__all__ = ["route", "Router", "group", "digest_groups", "pack_frames", "unpack_frames", "lookup_entry",
-           "lookup_frames", "decoded",
+__all__ = ["route", "Router", "group", "digest_groups", "pack_frames", "unpack_frames",
+           "lookup_entry", "lookup_frames", "decoded",
            "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
            "put_entries", "pack_records", "unpack_records", "receive_reply", "receive_nowait",
            "take_request", "send_reply"]
