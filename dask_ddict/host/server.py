@@ -74,7 +74,6 @@ from .served import Counting, Served, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
-    from ..shard.manager import Manager
     from .replica_store import Replica
     from ..shard.pinboard import BoardReader
     from ..shard.manager import Manager
