@@ -427,6 +427,34 @@ def test_small_worker_memory_limits_do_not_count_shard_pages():
         d.destroy()
 
 
+def test_host_processes_start_without_the_nannys_malloc_trim_threshold(client):
+    """The nanny sets MALLOC_TRIM_THRESHOLD_ for its worker, which fixes glibc's mmap
+    threshold: the host process (its sibling, started from it) runs without it, so a
+    large reply's buffer is reused rather than mapped and faulted in each time."""
+    d = DDict(total_mem="32 MiB", client=client)
+    try:
+        workers = client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+                                      os.environ.get("PATH")))  # fmt: skip
+        assert {trim for trim, _ in workers.values()} == {"65536"}  # (the nanny's setting)
+        for pid in {s.pid for s in d.stats}:
+            env = psutil.Process(pid).environ()
+            assert "MALLOC_TRIM_THRESHOLD_" not in env
+            assert env.get("PATH") in {path for _, path in workers.values()}  # (kept)
+    finally:
+        d.destroy()
+
+
+def test_host_environ_sets_and_removes_variables():
+    from dask_ddict.host.environ import PACKAGE_ROOT, host_environ
+
+    base = {"MALLOC_TRIM_THRESHOLD_": "65536", "KEEP": "1", "PYTHONPATH": "/elsewhere"}
+    env = host_environ(base, {"MALLOC_TRIM_THRESHOLD_": None, "ABSENT": None, "ADDED": 2})
+    assert env == {"KEEP": "1", "ADDED": "2",
+                   "PYTHONPATH": PACKAGE_ROOT + os.pathsep + "/elsewhere"}  # fmt: skip
+    assert base["MALLOC_TRIM_THRESHOLD_"] == "65536"  # (the supervisor's own is untouched)
+    assert host_environ({}, {})["PYTHONPATH"] == PACKAGE_ROOT
+
+
 def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip

@@ -49,11 +49,10 @@ from ..layout import host_id
 from ..options import DDictOptions
 from . import control, hygiene
 from .control import DictSpec
+from .environ import host_environ
 from .hygiene import shard_directory
 
 logger = logging.getLogger(__name__)
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class HostDiedError(DDictManagerUnavailableError):
@@ -144,8 +143,7 @@ class HostSupervisor:
         """Start an incarnation and replay every dictionary into it (lock held)."""
         assert self._uds is not None and self._tcp is not None
         fds = (self._uds.fileno(), self._tcp.fileno())
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        env = host_environ(os.environ, config.get("host.environ") or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dask_ddict.host", *map(str, fds)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
