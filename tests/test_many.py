@@ -6,8 +6,10 @@ Counted where it matters: how many requests reach the host processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 from collections import Counter
 
@@ -51,6 +53,22 @@ def requests(monkeypatch):
     return sent
 
 
+@contextlib.contextmanager
+def _stopped_hosts(d: DDict) -> Iterator[None]:
+    """``d``'s host processes stopped (SIGSTOP) inside the block, resumed after it."""
+    hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
+    for h in hosts:
+        h.suspend()
+    try:
+        for h in hosts:
+            while h.status() != psutil.STATUS_STOPPED:
+                time.sleep(0.001)
+        yield
+    finally:
+        for h in hosts:
+            h.resume()
+
+
 def _hosts(d: DDict) -> int:
     return len({(m.tcp_host, m.tcp_port) for m in d._core.layout.managers})
 
@@ -74,6 +92,29 @@ def test_get_many_returns_values_in_key_order_with_one_request_per_host(client, 
             assert e.value.key == ("missing", 7) and "missing" in str(e.value)
         # over TCP: one request per host process, each for all of its managers the keys are on
         assert len(first) == _hosts(d) and all(len(mids) == 2 for _, mids in first)
+        t.detach()
+
+
+def test_a_get_many_of_a_stopped_host_times_out_once(client):
+    """A thousand keys on stopped hosts over TCP: one timeout for the call, within the
+    timeout (plus its slack), counted from the call for every host; the connections
+    serve the next call once the hosts go on."""
+    from dask_ddict import DDictTimeoutError, config
+
+    slack = config.get_seconds("transport.timeout-slack") or 0.0
+    with DDict(total_mem="16 MiB", client=client) as d:
+        n = 1000
+        d.update({i: i for i in range(n)})
+        with dask.config.set({"ddict.local-transport": False}):
+            t = DDict.attach(d.serialize(), client=client, timeout=1)
+            t.get_many(range(n))  # connected before the hosts stop (a handshake waits)
+        with _stopped_hosts(d):
+            t0 = time.monotonic()
+            with pytest.raises(DDictTimeoutError):
+                t.get_many(range(n))
+            took = time.monotonic() - t0
+        assert took < 1 + slack + 1.5
+        assert t.get_many(range(n)) == list(range(n))
         t.detach()
 
 
@@ -245,24 +286,15 @@ def test_gathered_gets_of_a_stopped_host_time_out_once(client):
         with dask.config.set({"ddict.local-transport": False}):
             t = AsyncDDict(DDict.attach(d.serialize(), client=client, timeout=1))
             t.ddict.get_many(range(6))  # connected before the hosts stop (a handshake waits)
-        hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
-        for h in hosts:
-            h.suspend()
-        try:
-            for h in hosts:
-                while h.status() != psutil.STATUS_STOPPED:
-                    time.sleep(0.001)
 
-            async def main() -> list[Any]:
-                return await asyncio.gather(*(t.get(i) for i in range(6)),
-                                            return_exceptions=True)  # fmt: skip
+        async def main() -> list[Any]:
+            return await asyncio.gather(*(t.get(i) for i in range(6)),
+                                        return_exceptions=True)  # fmt: skip
 
+        with _stopped_hosts(d):
             t0 = time.monotonic()
             got = asyncio.run(main())
             took = time.monotonic() - t0
-        finally:
-            for h in hosts:
-                h.resume()
         assert all(isinstance(g, DDictTimeoutError) for g in got), got
         assert took < 1 + slack + 1.5
         assert asyncio.run(t.get_many(range(6))) == list(range(6))
