@@ -60,7 +60,7 @@ def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
     assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "GROUP", "JOIN", "KeyTooLong", "QUIET",
-                                "Record", "REPLY", "REQUEST"} == \
+                                "Record", "REPLY", "REQUEST", "group_table"} == \
         set(kernels.__all__)  # fmt: skip
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
@@ -164,7 +164,8 @@ def test_the_compiled_digest_is_hashlibs(data):
 def test_digest_groups_read_what_get_many_wrote_and_refuse_a_cut_request(groups, data):
     """A host reads a many-key read's groups (``GetMany.encode``'s table and digests) with
     ``digest_groups``: the same groups in both sets; a request cut anywhere inside them,
-    or junk, is the same ``ValueError`` in both (or, for junk, the same groups)."""
+    one that goes on after them, or junk, is the same ``ValueError`` in both (or, for
+    junk, the same groups)."""
     from dask_ddict.transport.many import GetMany
 
     value = b"".join(GetMany(tuple(groups), 0).encode().parts)
@@ -173,6 +174,8 @@ def test_digest_groups_read_what_get_many_wrote_and_refuse_a_cut_request(groups,
     cut = data.draw(st.integers(0, max(0, len(value) - 1)))
     kind, got = _same("digest_groups", value[:cut])
     assert kind == "error" and got[0] is ValueError
+    kind, got = _same("digest_groups", value + data.draw(st.binary(min_size=1, max_size=20)))
+    assert kind == "error" and got[0] is ValueError and "after its digests" in got[1]
     _same("digest_groups", data.draw(st.binary(max_size=60)))
 
 

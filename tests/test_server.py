@@ -366,24 +366,27 @@ def _replies(sock: socket.socket, n: int) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
-def test_a_many_key_read_cut_inside_its_digests_is_refused_and_the_connection_serves_on(served):
+@pytest.mark.parametrize("change, says", [(lambda v: v[:-5], b"ends inside its digests"),
+                                          (lambda v: v + b"more", b"goes on after its digests")])
+def test_a_many_key_read_cut_or_overlong_is_refused_and_the_connection_serves_on(served, change,
+                                                                                 says):
     """A ``GetMany`` whose value ends inside its digests (a table that promises more keys
-    than it carries) is answered with an error saying so, not read as shorter digests;
-    the connection then serves its next request."""
+    than it carries), or goes on after them, is answered with an error saying so, not
+    read as other digests; the connection then serves its next request."""
     channel, _, _ = served
     ch = channel(False)
     kb = dumps_key("here")
     ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
     o = ops.GetMany(((3, [key_digest(kb), key_digest(dumps_key("other"))]),), 0)
     e = o.encode()
-    cut = b"".join(bytes(p) for p in e.parts)[:-5]
+    bad = change(b"".join(bytes(p) for p in e.parts))
     conn = ch.link._connect(3, None, None)
     try:
-        conn.sock.sendall(REQ.pack(o.op, e.flags, 0, 3, 5, 0, 0, 0, -1.0, len(cut), 0) + cut
+        conn.sock.sendall(REQ.pack(o.op, e.flags, 0, 3, 5, 0, 0, 0, -1.0, len(bad), 0) + bad
                           + _raw(ops.Get(key_digest(kb), 0), 6))  # fmt: skip
         (status, tag, _, msg), (status2, tag2, _, frame) = _replies(conn.sock, 2)
         assert (tag, tag2) == (5, 6) and status != 0 and status2 == 0
-        assert b"ends inside its digests" in msg and loads_value(frame) == 1
+        assert says in msg and loads_value(frame) == 1
     finally:
         conn.sock.close()
 

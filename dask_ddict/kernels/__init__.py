@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import BATCH_RECORD, GROUP, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record
+from .pure import (BATCH_RECORD, GROUP, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record,
+                   group_table)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
 __all__ = ["BATCH_RECORD", "COMPILED", "GROUP", "JOIN", "QUIET", "REPLY", "REQUEST", "KeyTooLong",
+           "group_table",
            "Record", "Router",
            "decode_frames", "decoded", "digest_groups", "entries_bytes", "group", "leading_within",
            "lookup_entry", "lookup_frames",

@@ -433,6 +433,8 @@ def digest_groups(value):
             j += _DIGEST
         out.append((_le32(p + 4 + 8 * i), digests))
         off = stop
+    if off != <uint64_t>end:
+        raise ValueError(f"a many-key request of {end} bytes goes on after its digests")
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
@@ -114,13 +114,18 @@ def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
 GROUP = struct.Struct("<II")
 
 
+def group_table(groups: Sequence[tuple[int, Sequence[bytes]]]) -> bytes:
+    """The table of a many-key read's request for ``groups`` (its digests follow it)."""
+    return _U32.pack(len(groups)) + b"".join(GROUP.pack(mid, len(d)) for mid, d in groups)
+
+
 def digest_groups(value: Any) -> list[tuple[int, list[bytes]]]:
     """The ``(manager, digests)`` groups of a many-key read's request (see :data:`GROUP`).
 
     Raises
     ------
     ValueError
-        The request ends inside its table or its digests.
+        The request ends inside its table or its digests, or goes on after them.
     """
     raw = value if type(value) is bytes else memoryview(value).cast("B").tobytes()
     end = len(raw)
@@ -138,6 +143,8 @@ def digest_groups(value: Any) -> list[tuple[int, list[bytes]]]:
             raise ValueError(f"a many-key request of {end} bytes ends inside its digests")
         out.append((mid, [raw[j : j + DIGEST] for j in range(off, stop, DIGEST)]))
         off = stop
+    if off != end:
+        raise ValueError(f"a many-key request of {end} bytes goes on after its digests")
     return out
 
 

@@ -28,22 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import SMALL_FRAME, Framed
-from ..kernels import (GROUP, JOIN, digest_groups, pack_frames, pack_records, unpack_frames,
-                       unpack_records)
+from ..kernels import (JOIN, digest_groups, group_table, pack_frames, pack_records,
+                       unpack_frames, unpack_records)
 from ..errors import wire_error
 from .operation import Encoded, HostWide, Kind, Reply, Request
 from .protocol import FLAG_PERSIST, Op
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
-
-_U32 = struct.Struct("<I")
 
 #: One manager's part of a many-key request: ``(manager id, digests)``.
 Group = tuple[int, list[bytes]]
@@ -65,9 +62,7 @@ class GetMany(HostWide):
     lend: bool | None = False
 
     def encode(self) -> Encoded:
-        table = _U32.pack(len(self.groups)) + b"".join(
-            GROUP.pack(mid, len(d)) for mid, d in self.groups
-        )
+        table = group_table(self.groups)
         digests = b"".join(b"".join(d) for _, d in self.groups)
         return Encoded(parts=(table, digests), vlen=len(table) + len(digests),
                        chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
