@@ -453,6 +453,8 @@ def test_host_environ_sets_and_removes_variables():
                    "PYTHONPATH": PACKAGE_ROOT + os.pathsep + "/elsewhere"}  # fmt: skip
     assert base["MALLOC_TRIM_THRESHOLD_"] == "65536"  # (the supervisor's own is untouched)
     assert host_environ({}, {})["PYTHONPATH"] == PACKAGE_ROOT
+    with pytest.raises(TypeError, match="ddict.host.environ"):
+        host_environ(base, ["MALLOC_TRIM_THRESHOLD_"])  # type: ignore[arg-type]
 
 
 def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):

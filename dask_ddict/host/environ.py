@@ -21,8 +21,16 @@ def host_environ(base: Mapping[str, str], changes: Mapping[str, Any]) -> dict[st
     (``distributed.nanny.pre-spawn-environ``): set at all, it also fixes glibc's
     ``mmap`` threshold at 128 KiB, so every buffer of 128 KiB or more (the reply to a
     1,000-key ``get_many``) was mapped, faulted in page by page and unmapped again,
-    about a fifth of the host's CPU for such a reply.
+    about a quarter of the host's CPU for such a request.
+
+    Raises
+    ------
+    TypeError
+        ``changes`` is not a mapping (``ddict.host.environ`` set to something else).
     """
+    if not isinstance(changes, Mapping):
+        raise TypeError(f"ddict.host.environ must map variable names to values (or null), "
+                        f"not {type(changes).__name__}")
     env = dict(base)
     for name, value in changes.items():
         if value is None:

@@ -143,7 +143,8 @@ class HostSupervisor:
         """Start an incarnation and replay every dictionary into it (lock held)."""
         assert self._uds is not None and self._tcp is not None
         fds = (self._uds.fileno(), self._tcp.fileno())
-        env = host_environ(os.environ, config.get("host.environ") or {})
+        changes = config.get("host.environ")  # (null: none)
+        env = host_environ(os.environ, {} if changes is None else changes)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dask_ddict.host", *map(str, fds)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
