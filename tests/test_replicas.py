@@ -327,6 +327,38 @@ def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
+    """A host that keeps replicas but no primary is SIGKILLed: the orchestrator forgets
+    its replicas and makes them again elsewhere (it took only hosts of primaries as lost,
+    so the primary went on without a replica, and the loss of its own host then lost the
+    manager); then the primary's host is killed too, and it fails over with nothing
+    acknowledged lost."""
+    c, w = workers3
+    d = DDict(managers_per_worker=1, n_workers=1, total_mem="48 MiB", client=c, timeout=60,
+              replicas=1)  # fmt: skip
+    try:
+        d.update({i: i for i in range(200)})
+        _apart(c, d)
+        primary = d.manager_workers[0]
+        (keeper,) = _replica_workers(c, d)[0]
+        w.kill(w.of(c, keeper))  # (a host with the replica alone)
+        deadline = time.monotonic() + 60
+        while True:  # a new replica, on the third worker
+            reps = _replica_workers(c, d).get(0, ())
+            if len(reps) == 1 and reps[0] not in (keeper, primary) and d.stats[0].replicas == 1:
+                break
+            assert time.monotonic() < deadline, (reps, d.stats[0].replicas)
+            time.sleep(0.2)
+        d.update({i: -i for i in range(100)})  # (shipped to the new replica)
+        w.start(1)  # (where the promoted replica's own replica can go)
+        c.wait_for_workers(3, timeout=120)
+        w.kill(w.of(c, primary))
+        _failed_over(d, primary)
+        assert [d[i] for i in range(200)] == [-i for i in range(100)] + list(range(100, 200))
+    finally:
+        d.destroy()
+
+
 @pytest.mark.slow
 def test_a_replica_its_primary_dropped_is_made_again_at_the_next_join(workers3):
     """A primary that stopped shipping to a replica (here: told to, as a timeout or a full

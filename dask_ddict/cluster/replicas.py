@@ -119,6 +119,11 @@ class Replicas:
         """The host supervisors that keep replicas of ``name``."""
         return {r.supervisor for reps in self.placed.get(name, {}).values() for r in reps}
 
+    def supervisors_for(self, worker: str) -> set[str]:
+        """The host supervisors that keep replicas for ``worker`` (of any dictionary)."""
+        return {r.supervisor for per in self.placed.values() for reps in per.values()
+                for r in reps if r.worker == worker}  # fmt: skip
+
     def forget(self, name: str) -> None:
         """``name`` was destroyed (its replicas with it, by their hosts)."""
         self.placed.pop(name, None)

@@ -383,13 +383,16 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     async def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                             **kwargs: Any) -> None:  # fmt: skip
-        """A worker left.  Its managers are lost only if their host went with it."""
+        """A worker left.  Its managers are lost only if their host went with it; so are
+        the replicas its host kept (a host with replicas alone too: else they were never
+        made again, and the next loss of their primaries' host lost those managers)."""
         self.hash_probes.pop(worker, None)
         left = self._left[worker] = why_left(stimulus_id)
         while len(self._left) > 1024:
             del self._left[next(iter(self._left))]
         supervisors = {m.supervisor for lay in self.dicts.values() for m in lay.managers
                        if m.worker == worker and not m.lost}  # fmt: skip
+        supervisors |= self.elastic.replicas.supervisors_for(worker)
         for sup in supervisors:
             if sup != worker and await self._reachable(sup):
                 continue  # a nanny restarts the worker; the host process serves on
