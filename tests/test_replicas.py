@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -51,6 +52,87 @@ def test_replicas_go_to_other_machines_then_the_least_loaded_host_processes():
     one = [Candidate(f"w{i}", f"s{i}", "m", 0, 0) for i in range(3)]
     assert [t.supervisor for t in replica_targets(one, _primary("s0", "m"), [], {"s1": 4})] == \
         ["s2", "s1"]  # fmt: skip
+
+
+
+class _Supervisors:
+    """The scheduler's RPC to host supervisors, faked: every call is noted; one to a
+    supervisor in ``dead`` fails as a dead host's does (after the connect timeout)."""
+
+    def __init__(self, dead: set[str]) -> None:
+        self.dead, self.calls = dead, []
+        self.during: dict[tuple[str, str], Any] = {}  # (address, op): run as it is called
+
+    def __call__(self, address: str) -> Any:
+        fake = self
+
+        class Remote:
+            def __getattr__(self, op: str) -> Any:
+                async def call(**kw: Any) -> Any:
+                    fake.calls.append((address, op))
+                    fake.during.pop((address, op), lambda: None)()
+                    if address in fake.dead:
+                        raise OSError(f"Timed out trying to connect to {address} after 30 s")
+                    return {"ddict_replica_hold": {"spec": {}, "used_bytes": 0, "map_size": 0},
+                            "ddict_replica_seed": {"tcp_port": 1},  # (what its primary
+                            "ddict_replica_targets": [[None, None, 1]],  # ships to)
+                            }.get(op, [])  # fmt: skip
+                return call
+
+        return Remote()
+
+
+def test_placement_and_failover_never_call_a_lost_host():
+    """A placement that began before a host was lost (a worker joined as another died)
+    skips the managers whose primary was there, never seeds onto it, and a failover does
+    not ask a replica there to take over: each call to a dead host waits out the connect
+    timeout, while the dictionary's other placements wait behind it."""
+    import asyncio
+
+    from dask_ddict.cluster.moves import Moves
+    from dask_ddict.cluster.replicas import Replicas
+    from dask_ddict.layout import Layout
+    from dask_ddict.options import DDictOptions
+
+    def info(mid: int, sup: str) -> ManagerInfo:
+        return ManagerInfo(mid, "w-" + sup, "h", "m", 1, "/s", "127.0.0.1", 1, "/d",
+                           supervisor=sup)  # fmt: skip
+
+    rpc = _Supervisors({"b", "c"})
+    layouts = {"d": Layout("d", "u", "x", False, DDictOptions(replicas=1),
+                           (info(0, "a"), info(1, "b")), 1 << 20)}  # fmt: skip
+    spawned: list[Any] = []
+    moves = Moves(rpc, layouts)
+
+    async def candidates(name: str, leaving: str) -> list[Candidate]:
+        return [Candidate("w-" + s, s, "m", 0, 0) for s in "bcd"]  # (not told yet)
+
+    reps = Replicas(rpc, layouts, moves, candidates, spawned.append)
+    reps.of("d")[1] = [Replica(1, "w-c", "c", "m", {})]  # (manager 1's replica: host c)
+
+    async def main() -> None:
+        reps.host_lost("c", "killed")  # (a host with a replica alone)
+        failing = reps.host_lost("b", "killed")  # (then manager 1's primary's)
+        assert failing == {}  # (its replica went with c: nothing to fail over to)
+        assert await reps.place("d") == 1  # manager 0's replica, on d
+        assert reps.of("d")[0][0].supervisor == "d"
+        await asyncio.gather(*spawned)
+        # a host lost while a replica was seeded onto it: that one is not kept (its
+        # primary is told to stop shipping to it), and the next target takes it
+        layouts["e"] = Layout("e", "v", "x", False, DDictOptions(replicas=1),
+                              (info(0, "a"),), 1 << 20)  # fmt: skip
+        reps.joined("b")  # (a worker's host at b joined again)
+        rpc.dead.discard("b")
+        rpc.during[("b", "ddict_replica_seed")] = lambda: reps.host_lost("b", "killed")
+        calls = len(rpc.calls)
+        assert await reps.place("e") == 1
+        assert [r.supervisor for r in reps.of("e")[0]] == ["d"]
+        assert ("b", "ddict_replica_seed") in rpc.calls[calls:]
+        assert rpc.calls[calls:].count(("a", "ddict_replica_targets")) == 3  # (2 seeds, 1 detach)
+
+    asyncio.run(main())
+    assert not [call for call in rpc.calls if call[0] == "c"], rpc.calls
+    assert [call for call in rpc.calls if call[0] == "b"] == [("b", "ddict_replica_seed")]
 
 
 # -- a cluster of dask worker processes ----------------------------------------------------

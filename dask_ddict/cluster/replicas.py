@@ -70,6 +70,10 @@ def replica_targets(candidates: Iterable[Candidate], primary: ManagerInfo,
                                  c.worker))  # fmt: skip
 
 
+#: Lost supervisors remembered (:attr:`Replicas.gone`).
+MOST_GONE = 1024
+
+
 class Replicas:
     """The replicas of every dictionary of one orchestrator.
 
@@ -104,6 +108,10 @@ class Replicas:
         self.remove_left = remove_left
         #: name -> manager -> its replicas
         self.placed: dict[str, dict[int, list[Replica]]] = {}
+        #: Supervisors whose hosts were lost (the latest :data:`MOST_GONE`; one that joins
+        #: again is taken out): never asked again, since a call to one waits out the
+        #: connect timeout (30 s) while its dictionary's placements wait behind it.
+        self.gone: dict[str, None] = {}
         moves.on_served = self.follow
 
     def __repr__(self) -> str:
@@ -118,6 +126,10 @@ class Replicas:
     def supervisors(self, name: str) -> set[str]:
         """The host supervisors that keep replicas of ``name``."""
         return {r.supervisor for reps in self.placed.get(name, {}).values() for r in reps}
+
+    def joined(self, supervisor: str) -> None:
+        """A worker's host at ``supervisor`` joined (again): not gone."""
+        self.gone.pop(supervisor, None)
 
     def supervisors_for(self, worker: str) -> set[str]:
         """The host supervisors that keep replicas for ``worker`` (of any dictionary)."""
@@ -148,25 +160,36 @@ class Replicas:
         if layout is None or not layout.options.replicas:
             return 0
         made = 0
-        for m in layout.managers:
-            if m.lost:
-                continue
-            have = self.of(name).setdefault(m.manager_id, [])
+        for mid in range(len(layout.managers)):
+            # (each manager as it is now: a failover or a move may have changed it while
+            # the ones before were seeded)
+            layout = self.layouts.get(name)
+            if layout is None:
+                break
+            m = layout.managers[mid]
+            if m.lost or m.supervisor in self.gone:
+                continue  # (its failover places its replicas once one took over)
+            have = self.of(name).setdefault(mid, [])
             await self._reckon(layout, m, have)
             while len(have) < layout.options.replicas:
-                choice = replica_targets(await self.candidates(name, leaving), m, have,
-                                         self._load())  # fmt: skip
+                choice = replica_targets([c for c in await self.candidates(name, leaving)
+                                          if c.supervisor not in self.gone],
+                                         m, have, self._load())  # fmt: skip
                 if not choice:
                     logger.warning("ddict %s: manager %d has %d of its %d replicas: no other "
-                                   "worker can keep one", name, m.manager_id, len(have),
+                                   "worker can keep one", name, mid, len(have),
                                    layout.options.replicas)  # fmt: skip
                     break
                 try:
-                    have.append(await self._seed(layout, m, choice[0]))
+                    r = await self._seed(layout, m, choice[0])
                 except Exception as e:  # noqa: BLE001 - said; stays short until the next try
                     logger.warning("ddict %s: seeding a replica of manager %d on %s failed: %r",
-                                   name, m.manager_id, choice[0].worker, e)  # fmt: skip
+                                   name, mid, choice[0].worker, e)  # fmt: skip
                     break
+                if r.supervisor in self.gone:  # (its host was lost while it was seeded)
+                    await self._detach(self.layouts.get(name) or layout, r)
+                    continue
+                have.append(r)
                 made += 1
         return made
 
@@ -234,6 +257,9 @@ class Replicas:
         that has a replica fails over to it (in the background, counted as a move of its
         dictionary at once, so clients asking for the layout wait for it).  Returns those
         primaries, by dictionary: not lost."""
+        self.gone[supervisor] = None
+        while len(self.gone) > MOST_GONE:
+            del self.gone[next(iter(self.gone))]
         gone: list[tuple[str, Replica]] = []
         for name, per in self.placed.items():
             for reps in per.values():
@@ -286,6 +312,10 @@ class Replicas:
         began = time.monotonic()
         reps = self.of(name).pop(mid, [])
         for i, r in enumerate(reps):
+            if r.supervisor in self.gone:  # (lost too: not waited for)
+                logger.warning("ddict %s: replica of manager %d on %s is lost with its host",
+                               name, mid, r.worker)  # fmt: skip
+                continue
             try:
                 reply = await self.rpc(r.supervisor).ddict_replica_promote(
                     uid=layout.uid, manager_id=mid, worker=r.worker, old_path=old.store_path)
@@ -388,7 +418,7 @@ class Replicas:
     async def _detach(self, layout: Layout, r: Replica) -> None:
         """The primary stops shipping to replica ``r``."""
         primary = layout.managers[r.manager_id]
-        if primary.lost:
+        if primary.lost or primary.supervisor in self.gone:
             return
         try:
             raise_from_wire(await self.rpc(primary.supervisor).ddict_replica_targets(
