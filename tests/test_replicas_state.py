@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -35,7 +36,8 @@ class ReplicatedDict(MovingDict):
     @rule(seed=st.integers(0, 2**16))
     def kill_a_host(self, seed: int) -> None:
         """SIGKILL a whole worker host (a primary's, a replica's, or both), then start a
-        new worker; wait until every manager has its replica again."""
+        new worker; wait until every manager has its replica again, and every worker can
+        take managers (running, its ddict host answering: the moves' rules move there)."""
         c = self.client
         victim = random.Random(seed).choice(self.workers)
         ReplicatedDict.kills += 1
@@ -51,7 +53,30 @@ class ReplicatedDict(MovingDict):
             assert not any(m.lost for m in layout.managers), layout.managers
             assert time.monotonic() < deadline, "no failover and repair"
             time.sleep(0.2)
+        for w in now:
+            while not _ready(c, w):
+                assert time.monotonic() < deadline, f"{w} cannot take managers"
+                time.sleep(0.2)
         self.workers = now
+
+
+def _ready(c: Client, worker: str) -> bool:
+    """Whether ``worker`` runs and its nanny's ddict host answers (what a move needs)."""
+    from distributed.core import rpc
+
+    info = c.scheduler_info()["workers"].get(worker)
+    if info is None or info.get("status") != "running":
+        return False
+
+    async def host_info() -> Any:
+        async with rpc(info["nanny"]) as r:
+            return await r.ddict_host_info()
+
+    try:
+        c.sync(host_info)
+    except Exception:  # noqa: BLE001 - not yet
+        return False
+    return True
 
 
 
