@@ -83,10 +83,11 @@ class _Supervisors:
 
 
 def test_placement_and_failover_never_call_a_lost_host():
-    """A placement that began before a host was lost (a worker joined as another died)
-    skips the managers whose primary was there, never seeds onto it, and a failover does
-    not ask a replica there to take over: each call to a dead host waits out the connect
-    timeout, while the dictionary's other placements wait behind it."""
+    """A placement that began before hosts were lost (a worker joined as another died)
+    skips the managers whose primary was there and never seeds onto one; a failover's
+    clean-up does not call a lost primary; a replica whose host is lost while it is
+    seeded is not kept. Each call to a dead host waits out the connect timeout (30 s),
+    while the dictionary's other placements wait behind it."""
     import asyncio
 
     from dask_ddict.cluster.moves import Moves
