@@ -122,7 +122,7 @@ def test_placement_and_failover_never_call_a_lost_host():
         # primary is told to stop shipping to it), and the next target takes it
         layouts["e"] = Layout("e", "v", "x", False, DDictOptions(replicas=1),
                               (info(0, "a"),), 1 << 20)  # fmt: skip
-        reps.joined("b")  # (a worker's host at b joined again)
+        reps.joined("b", "w-b2")  # (a worker's host at b joined again)
         rpc.dead.discard("b")
         rpc.during[("b", "ddict_replica_seed")] = lambda: reps.host_lost("b", "killed")
         calls = len(rpc.calls)
@@ -134,6 +134,12 @@ def test_placement_and_failover_never_call_a_lost_host():
     asyncio.run(main())
     assert not [call for call in rpc.calls if call[0] == "c"], rpc.calls
     assert [call for call in rpc.calls if call[0] == "b"] == [("b", "ddict_replica_seed")]
+    # a nanny restarted its worker at a new address: its replicas are checked with that one
+    assert reps.supervisors_for("w-d") == {"d"}
+    reps.joined("d", "w-d2")
+    assert reps.supervisors_for("w-d") == set() and reps.supervisors_for("w-d2") == {"d"}
+    assert {r.worker for per in reps.placed.values() for rs in per.values() for r in rs} == \
+        {"w-d2"}  # fmt: skip
 
 
 # -- a cluster of dask worker processes ----------------------------------------------------
@@ -411,11 +417,11 @@ def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
 
 
 def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
-    """A host that keeps replicas but no primary is SIGKILLed: the orchestrator forgets
-    its replicas and makes them again elsewhere (it took only hosts of primaries as lost,
-    so the primary went on without a replica, and the loss of its own host then lost the
-    manager); then the primary's host is killed too, and it fails over with nothing
-    acknowledged lost."""
+    """A host that keeps replicas but no primary (its worker restarted by its nanny first,
+    at a new address) is SIGKILLed: the orchestrator forgets its replicas and makes them
+    again elsewhere (it took only hosts of primaries as lost, so the primary went on
+    without a replica, and the loss of its own host then lost the manager); then the
+    primary's host is killed too, and it fails over with nothing acknowledged lost."""
     c, w = workers3
     d = DDict(managers_per_worker=1, n_workers=1, total_mem="48 MiB", client=c, timeout=60,
               replicas=1)  # fmt: skip
@@ -424,6 +430,10 @@ def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
         _apart(c, d)
         primary = d.manager_workers[0]
         (keeper,) = _replica_workers(c, d)[0]
+        nanny = c.scheduler_info()["workers"][keeper]["nanny"]
+        c.restart_workers([keeper])  # (the host process, and the replica, live on)
+        (keeper,) = [a for a, i in c.scheduler_info()["workers"].items() if i["nanny"] == nanny]
+        assert _replica_workers(c, d)[0] == (keeper,)  # (kept for its new address)
         w.kill(w.of(c, keeper))  # (a host with the replica alone)
         deadline = time.monotonic() + 60
         while True:  # a new replica, on the third worker

@@ -127,9 +127,15 @@ class Replicas:
         """The host supervisors that keep replicas of ``name``."""
         return {r.supervisor for reps in self.placed.get(name, {}).values() for r in reps}
 
-    def joined(self, supervisor: str) -> None:
-        """A worker's host at ``supervisor`` joined (again): not gone."""
+    def joined(self, supervisor: str, worker: str) -> None:
+        """``worker`` joined with its host at ``supervisor``: that host is not gone, and the
+        replicas it keeps are kept for ``worker`` now (a nanny restarted its worker at a
+        new address: they are checked with that worker when it leaves)."""
         self.gone.pop(supervisor, None)
+        for per in self.placed.values():
+            for reps in per.values():
+                reps[:] = [replace(r, worker=worker) if r.supervisor == supervisor else r
+                           for r in reps]  # fmt: skip
 
     def supervisors_for(self, worker: str) -> set[str]:
         """The host supervisors that keep replicas for ``worker`` (of any dictionary)."""

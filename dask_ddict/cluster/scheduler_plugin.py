@@ -415,7 +415,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         a new one takes managers when ``ddict.move.rebalance-on-join`` says so."""
         ws = scheduler.workers.get(worker)
         nanny = getattr(ws, "nanny", None)
-        self.elastic.replicas.joined(nanny or worker)
+        self.elastic.replicas.joined(nanny or worker, worker)
         self.elastic.worker_joined(worker)
         if not nanny:
             return
