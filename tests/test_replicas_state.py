@@ -32,6 +32,17 @@ class ReplicatedDict(MovingDict):
         self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
         self.model = {}
         self.workers = sorted(self.client.scheduler_info()["workers"])
+        self.killed = False
+
+    def teardown(self) -> None:
+        """An example whose steps killed no host kills one at its end (a short example,
+        or a replayed one, would test no failover), and the model is checked after it."""
+        try:
+            if hasattr(self, "d") and not self.killed:
+                self.kill_a_host(seed=0)
+                self.equals_the_model()
+        finally:
+            super().teardown()
 
     @rule(seed=st.integers(0, 2**16))
     def kill_a_host(self, seed: int) -> None:
@@ -41,6 +52,7 @@ class ReplicatedDict(MovingDict):
         c = self.client
         victim = random.Random(seed).choice(self.workers)
         ReplicatedDict.kills += 1
+        self.killed = True
         self.workers_.kill(self.workers_.of(c, victim))
         self.workers_.start(1)
         deadline = time.monotonic() + 90
