@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
+import psutil
 import pytest
 from distributed import Client, LocalCluster
 from hypothesis import settings
@@ -17,6 +19,17 @@ settings.load_profile("ddict")
 
 def shm_entries() -> set[str]:
     return set(glob.glob("/dev/shm/ddict-*"))
+
+
+def stop_process(p) -> None:  # noqa: ANN001
+    """SIGSTOP ``p`` (a ``psutil.Process``) and wait until it is stopped (the signal is
+    delivered asynchronously: a request sent at once may still be served, or a write
+    caught half done, holding the shard's writer lock)."""
+    p.suspend()
+    deadline = time.monotonic() + 10
+    while p.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {p.pid} did not stop"
+        time.sleep(0.001)
 
 
 def shards(d) -> set[str]:  # noqa: ANN001

@@ -34,7 +34,7 @@ from dask_ddict import (
 )
 from dask_ddict.client.core import ASK_EVERY
 from dask_ddict.transport.shared import ALIVE_CHECK
-from tests.conftest import shards, shm_entries
+from tests.conftest import shards, shm_entries, stop_process
 
 
 def _supervisor(cluster: LocalCluster, d: DDict, mid: int):  # noqa: ANN202
@@ -266,7 +266,7 @@ def test_timeouts_hold_against_a_frozen_host(client):
         for h in (d, tcp):
             h["k"] = big  # connected before the host stops (a handshake would time out too)
         host = psutil.Process(d.stats[m].pid)
-        _stop(host)
+        stop_process(host)
         try:
             for h, value in ((d, big), (tcp, 1)):
                 t0 = time.monotonic()
@@ -301,7 +301,7 @@ def test_a_handles_timeout_bounds_its_broadcasts_to_frozen_hosts(client):
         assert len(tcp) == 20 and len(tcp.stats) == 2 and len(list(tcp.keys())) == 20
         hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
         for host in hosts:
-            _stop(host)
+            stop_process(host)
         try:
             for what in (len, lambda h: h.stats, lambda h: list(h.keys()),
                          lambda h: h.sync_to_newest_checkpoint()):
@@ -330,7 +330,7 @@ def test_a_finite_timeout_bounds_connecting_to_a_frozen_host(client):
         d["k"] = 0
         fresh = [DDict.attach(d.serialize(), timeout=1), _over_tcp(d)]  # nothing connected
         host = psutil.Process(d.stats[d.which_manager("k")].pid)
-        _stop(host)
+        stop_process(host)
         try:
             for h in fresh:
                 t0 = time.monotonic()
@@ -375,7 +375,7 @@ def test_without_a_timeout_a_stopped_host_is_waited_for_in_every_phase():
                 errors.append(e)
 
         host = psutil.Process(d.stats[0].pid)
-        _stop(host)
+        stop_process(host)
         try:
             threads = [threading.Thread(target=put, args=(h, i)) for i, h in enumerate(handles)]
             for t in threads:
@@ -517,7 +517,7 @@ def test_a_stopped_host_whose_supervisor_ended_is_gone_not_waited_for(tmp_path):
             lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
             key = _keys_on(d, lost, 1)[0]
             host = psutil.Process(d.stats[lost].pid)
-            _stop(host)
+            stop_process(host)
             try:
                 os.kill(proc.pid, signal.SIGKILL)  # its supervisor (in the nanny)
                 proc.wait(30)
@@ -648,17 +648,6 @@ def test_frozen_state_survives_a_host_restart():
         d["k"] = 2
         assert d["k"] == 2
         d.destroy()
-
-
-def _stop(host: psutil.Process) -> None:
-    """SIGSTOP ``host`` and wait until it is stopped (the signal is delivered
-    asynchronously: a request sent at once may still be served, or a write caught
-    half done, holding the shard's writer lock)."""
-    host.suspend()
-    deadline = time.monotonic() + 10
-    while host.status() != psutil.STATUS_STOPPED:
-        assert time.monotonic() < deadline, "the host process did not stop"
-        time.sleep(0.001)
 
 
 def _rss() -> int:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from dask_ddict import AsyncDDict, DDict, DDictKeyError, DDictSerializationError
 from dask_ddict.transport import links, ops
 from dask_ddict.transport.many import GetMany, PutMany
+from tests.conftest import stop_process
 
 
 def _tcp(d: DDict, client: Client) -> DDict:
@@ -57,12 +58,9 @@ def requests(monkeypatch):
 def _stopped_hosts(d: DDict) -> Iterator[None]:
     """``d``'s host processes stopped (SIGSTOP) inside the block, resumed after it."""
     hosts = [psutil.Process(pid) for pid in {s.pid for s in d.stats}]
-    for h in hosts:
-        h.suspend()
     try:
         for h in hosts:
-            while h.status() != psutil.STATUS_STOPPED:
-                time.sleep(0.001)
+            stop_process(h)
         yield
     finally:
         for h in hosts:
