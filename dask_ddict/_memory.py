@@ -75,9 +75,16 @@ def address_of(buf: Any) -> int:
 
 
 #: Large values whose pages this process mapped since they were last given back (address
-#: -> bytes): read again, they map nothing and count nothing (``transport/mapped.py``);
-#: :func:`release` of a value's own range forgets it, a release of a whole map all.
+#: -> bytes): read again, they map nothing and count nothing (``transport/mapped.py``).
+#: :func:`forget` drops those of a range whose pages were given back or unmapped (an
+#: address may be mapped again later, to other pages).
 MAPPED: dict[int, int] = {}
+
+
+def forget(start: int, nbytes: int) -> None:
+    """Drop the values of :data:`MAPPED` that start in ``[start, start + nbytes)``."""
+    for addr in [a for a in MAPPED if start <= a < start + nbytes]:
+        MAPPED.pop(addr, None)
 
 
 def release(start: int, nbytes: int) -> None:
@@ -85,7 +92,7 @@ def release(start: int, nbytes: int) -> None:
 
     Only for read-only shared mappings of files (the data stays in the file).
     """
-    MAPPED.pop(start, None)
+    forget(start, max(nbytes, 1))
     if nbytes <= 0:
         return
     lo = start & ~(PAGE - 1)

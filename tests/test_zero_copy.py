@@ -256,7 +256,8 @@ def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_th
     """py-lmdb maps the whole of a value it hands out, so a copy of part of a large value
     (a zarr shard's inner chunk, ``GetRange``) counts the whole value's pages towards the
     next release, once while they stay mapped; giving the value's own range back (a lent
-    chunk's, ``Lender.lend``) forgets it, so its next read counts it again."""
+    chunk's, ``Lender.lend``) forgets it, so its next read counts it again, and so does
+    closing the mapping (a later map may take the same addresses)."""
     import tempfile
 
     from dask_ddict._hashing import key_digest
@@ -283,7 +284,10 @@ def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_th
             _memory.release(_memory.address_of(frame), n)
             view.copy(frame, frame[5:6])
             assert mapped._unreleased == 2 * counted
+            assert list(_memory.MAPPED.values()) == [n]
             del frame
+        view.close()
+        assert _memory.MAPPED == {}
     finally:
         st_.destroy()
 

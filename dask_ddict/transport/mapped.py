@@ -135,7 +135,10 @@ class _View:
             self.closed = True
             if _LENDING.get(path) is self:
                 del _LENDING[path]
+        span = self.span or (_memory.mapping_of(path + "/data.mdb") if _memory.MAPPED else None)
         self.store.close()
+        if span is not None:  # (a later map may take the same addresses: not these pages)
+            _memory.forget(span[0], span[1] - span[0])
 
     def idle(self) -> None:
         """The last lent value is gone: close now if the view was closed meanwhile."""
