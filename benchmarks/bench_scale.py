@@ -22,6 +22,16 @@ served by one host process per worker) it creates a dictionary and reports:
 
 The ratio column divides each broadcast time by its time at the smallest
 manager count (target: at most 5x from 8 to 512 managers).
+
+``--leases 1000x10`` (host processes x primaries each) simulates the lease renewals of
+that many host processes of a replicated dictionary (``ddict.lease.duration`` of
+``--lease-seconds``, a renewal every third of it): the orchestrator's registry holds
+a dictionary of hosts x primaries managers, each with a replica, on fake supervisors,
+and processes of this machine send each host's renewal (``ddict_lease``, with its
+report of primaries and terms) on its own connection, as host processes do.  It
+reports the scheduler's CPU for them (its process's CPU time over the window, less the
+same window without renewals: a ``LocalCluster`` runs the scheduler in this process,
+which only waits meanwhile) and the renewals' round trips.
 """
 
 from __future__ import annotations
@@ -168,6 +178,109 @@ def measure(client: Client, managers: int, workers: int, repeat: int, max_manage
     return row
 
 
+def _fake_dictionary(dask_scheduler: Any, hosts: int, per_host: int) -> str:
+    """Register a replicated dictionary of ``hosts * per_host`` managers on fake
+    supervisors (each manager's replica on the next host): what renewals are checked
+    against.  Its name."""
+    from dask_ddict.cluster.replicas import Replica
+    from dask_ddict.layout import Layout, ManagerInfo
+    from dask_ddict.options import DDictOptions
+
+    plugin = dask_scheduler.plugins["ddict"]
+
+    def sup(h: int) -> str:
+        return f"tcp://fake-{h}:1"
+
+    managers = tuple(ManagerInfo(m, sup(m // per_host), f"h{m // per_host}", f"m{m // per_host}",
+                                 1, f"/s{m // per_host}", "127.0.0.1", 1, f"/d{m}",
+                                 supervisor=sup(m // per_host))
+                     for m in range(hosts * per_host))  # fmt: skip
+    layout = Layout("leases", "ab" * 16, "x", False, DDictOptions(replicas=1), managers, 1 << 30)
+    plugin.dicts[layout.name] = layout
+    placed = plugin.elastic.replicas.of(layout.name)
+    for m in managers:
+        h = (m.manager_id // per_host + 1) % hosts
+        placed[m.manager_id] = [Replica(m.manager_id, sup(h), sup(h), f"m{h}", {})]
+    return layout.name
+
+
+def _drop_fake(dask_scheduler: Any, name: str) -> None:
+    plugin = dask_scheduler.plugins["ddict"]
+    plugin.dicts.pop(name, None)
+    plugin.elastic.replicas.forget(name)
+    for sup in [s for s in plugin.leases.held if s.startswith("tcp://fake-")]:
+        plugin.leases.forget(sup)  # (no fake host is suspected once they stop)
+
+
+def _cpu(dask_scheduler: Any) -> float:
+    return time.process_time()
+
+
+def _renewing(address: str, first: int, hosts: int, per_host: int, period: float,
+              seconds: float) -> list[float]:  # fmt: skip
+    """In another process: hosts ``first .. first + hosts`` renew every ``period`` for
+    ``seconds``, each on a connection of its own; the renewals' round trips (s)."""
+    import asyncio
+    import random
+
+    from distributed.core import rpc
+
+    async def host(h: int, trips: list[float], end: float) -> None:
+        r = rpc(address)
+        report = {"serving": [["ab" * 16, h * per_host + i, 0] for i in range(per_host)],
+                  "doubts": [], "aside": []}  # fmt: skip
+        await asyncio.sleep(random.random() * period)
+        try:
+            while time.monotonic() < end:
+                t = time.perf_counter()
+                said = await r.ddict_lease(supervisor=f"tcp://fake-{h}:1", pid=h, report=report)
+                trips.append(time.perf_counter() - t)
+                assert said["lease"] > 0 and len(said["confirmed"]) == per_host, said
+                await asyncio.sleep(period)
+        finally:
+            await r.close_rpc()
+
+    async def run() -> list[float]:
+        trips: list[float] = []
+        end = time.monotonic() + seconds
+        await asyncio.gather(*(host(h, trips, end) for h in range(first, first + hosts)))
+        return trips
+
+    return asyncio.run(run())
+
+
+def measure_leases(client: Client, hosts: int, per_host: int, duration: float,
+                   seconds: float = 20.0, processes: int = 4) -> dict[str, float]:  # fmt: skip
+    """The scheduler's CPU for ``hosts`` host processes' lease renewals (see ``--leases``)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    name = client.run_on_scheduler(_fake_dictionary, hosts=hosts, per_host=per_host)
+    try:
+        before = client.run_on_scheduler(_cpu)
+        time.sleep(seconds)
+        idle = client.run_on_scheduler(_cpu) - before
+        ctx = multiprocessing.get_context("spawn")
+        share = -(-hosts // processes)
+        with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            futures = [pool.submit(_renewing, client.scheduler.address, first,
+                                   min(share, hosts - first), per_host, duration / 3, seconds)
+                       for first in range(0, hosts, share)]  # fmt: skip
+            time.sleep(duration / 3 + 1.0)  # (every host connected and renewing)
+            before = client.run_on_scheduler(_cpu)
+            time.sleep(seconds - duration / 3 - 2.0)
+            busy = client.run_on_scheduler(_cpu) - before
+            trips = sorted(t for f in futures for t in f.result())
+    finally:
+        client.run_on_scheduler(_drop_fake, name=name)
+    window = seconds - duration / 3 - 2.0
+    rate = len(trips) / (seconds - duration / 6)  # (they begin within the first period)
+    cpu = busy / window - idle / seconds
+    return {"hosts": hosts, "managers": hosts * per_host, "duration": duration,
+            "renewals_per_s": rate, "cpu_share": cpu, "us_per_renewal": 1e6 * cpu / rate,
+            "p50_ms": 1e3 * trips[len(trips) // 2], "p99_ms": 1e3 * trips[int(len(trips) * 0.99)]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--managers", default="8,128,512", help="comma-separated manager counts")
@@ -175,6 +288,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=11)
     ap.add_argument("--clients", default="4x250",
                     help="processes x clients per process, attaching at the largest count")
+    ap.add_argument("--leases", default="1000x10",
+                    help="host processes x primaries each, renewing leases (0: none)")
+    ap.add_argument("--lease-seconds", default="10,5",
+                    help="comma-separated lease durations to simulate")
     args = ap.parse_args()
     counts = [int(n) for n in args.managers.split(",")]
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cl, \
@@ -183,6 +300,9 @@ def main() -> None:
         rows = [measure(c, n, args.workers, args.repeat, max(counts), (procs, per))
                 for n in counts]  # fmt: skip
         per_holder = measure_holders(c, 10)
+        hosts, primaries = (int(x) for x in args.leases.split("x"))
+        leases = [measure_leases(c, hosts, primaries, float(s))
+                  for s in args.lease_seconds.split(",")] if hosts else []  # fmt: skip
     base = rows[0]
     head = ["managers", "create s", "destroy s", "handle B", "registry B", "sched calls/ops",
             "attach calls/1000 tasks", "client fds", *[f"{b} ms (x)" for b in BROADCASTS]]  # fmt: skip
@@ -209,6 +329,12 @@ def main() -> None:
     print(f"\nOrchestrator memory: {last['registry_bytes'] / last['managers']:.0f} B per manager "
           f"in its dictionary's registry entry; {per_holder:.0f} B per Dask client holding a "
           "dictionary (from_name; 10 clients); 0 B per process or task using a pickled handle")
+    for r in leases:
+        print(f"\nLease renewals of {r['hosts']:.0f} host processes ({r['managers']:.0f} "
+              f"managers), a {r['duration']:g} s lease: {r['renewals_per_s']:.0f} renewals/s "
+              f"cost the scheduler {100 * r['cpu_share']:.1f}% of a core "
+              f"({r['us_per_renewal']:.0f} us each); round trip p50 {r['p50_ms']:.1f} ms, "
+              f"p99 {r['p99_ms']:.1f} ms")  # fmt: skip
     print(f"\n({args.workers} workers, python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"median of {args.repeat})")  # fmt: skip
 

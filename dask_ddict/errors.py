@@ -37,6 +37,7 @@ class Status(enum.IntEnum):
     SERIALIZATION = 13
     INTERNAL = 14
     MOVED = 15  # the manager moved to another host process (clients follow it)
+    LEASE = 16  # its host holds no lease for it now: not applied (clients ask the orchestrator)
 
 
 #: Dragon's return-code name (``lib_err``) for each code: what Dragon's DDict raises
@@ -58,6 +59,7 @@ DRAGON_LIB_ERR: dict[str, str] = {
     "SERIALIZATION": "DRAGON_INVALID_ARGUMENT",
     "INTERNAL": "DRAGON_FAILURE",
     "MOVED": "DRAGON_FAILURE",  # (seen only where a move could not be followed)
+    "LEASE": "DRAGON_FAILURE",  # (seen only where no primary answered within the wait)
     "TASK_FAILED": "DRAGON_FAILURE",  # (filter's mgr_code raised: Dragon's filter fails so)
 }
 
@@ -211,6 +213,22 @@ class DDictManagerMovedError(DDictManagerUnavailableError):
     default_code = "MOVED"
 
 
+class DDictLeaseError(DDictManagerUnavailableError):
+    """A replicated manager's host may not answer for it now: its lease from the
+    orchestrator lapsed (it cannot reach the orchestrator, or a replica is taking over),
+    the manager waits for the orchestrator to confirm it, or a replica failed a write
+    and the orchestrator has not settled its replicas yet.  Nothing was applied, except
+    for the write that found its replica failing, which was not acknowledged: it may
+    be applied later, or not at all.
+
+    Clients wait for a primary by themselves (they ask the orchestrator where the
+    manager is and send the operation again, with its request id, within its time or
+    ``ddict.failover-timeout``): a user sees this only when none answered in that time.
+    """
+
+    default_code = "LEASE"
+
+
 class DDictSerializationError(DDictError, TypeError):
     """A key or value could not be pickled or unpickled; nothing was stored."""
 
@@ -245,6 +263,7 @@ _CLASS_FOR_STATUS: dict[Status, type[DDictError]] = {
     Status.SERIALIZATION: DDictSerializationError,
     Status.INTERNAL: DDictError,
     Status.MOVED: DDictManagerMovedError,
+    Status.LEASE: DDictLeaseError,
 }
 
 

@@ -45,6 +45,10 @@ class ManagerInfo:
     #: Lost but kept: no worker could take it when its host left, so its shard waits in
     #: its machine's shared memory for a worker there (see ``cluster.elastic``).
     parked: bool = False
+    #: Moves on with every change of the host process that serves it (a move, a failover,
+    #: an adoption): a host serves it under the term it was given, and learns from its
+    #: lease's renewals that a newer term exists elsewhere (see ``cluster.leases``).
+    term: int = 0
 
     @property
     def address(self) -> tuple[str, str, int]:

@@ -1,5 +1,6 @@
-"""The tree keeps its shape: no import circle (not even lazy or type-only), small modules,
-and ``import dask_ddict`` stays light."""
+"""The tree keeps its shape: no import circle (not even lazy or type-only), and ``import
+dask_ddict`` stays light.  (Modules have no line budget: one is split when it holds two
+ideas, never to meet a count.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import sys
 import dask_ddict
 
 ROOT = pathlib.Path(dask_ddict.__file__).parent
-MAX_LINES = 600
 
 
 def _module(path: pathlib.Path) -> str:
@@ -76,11 +76,6 @@ def test_no_import_circle_not_even_lazy_or_type_only():
     for n in sorted(edges):
         if n not in state:
             visit(n)
-
-
-def test_no_giant_module():
-    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
-    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
 
 
 def test_importing_the_package_loads_no_storage_and_no_server():

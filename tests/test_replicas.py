@@ -90,6 +90,7 @@ def test_placement_and_failover_never_call_a_lost_host():
     while the dictionary's other placements wait behind it."""
     import asyncio
 
+    from dask_ddict.cluster.failover import Failover
     from dask_ddict.cluster.moves import Moves
     from dask_ddict.cluster.replicas import Replicas
     from dask_ddict.layout import Layout
@@ -108,12 +109,14 @@ def test_placement_and_failover_never_call_a_lost_host():
     async def candidates(name: str, leaving: str) -> list[Candidate]:
         return [Candidate("w-" + s, s, "m", 0, 0) for s in "bcd"]  # (not told yet)
 
-    reps = Replicas(rpc, layouts, moves, candidates, spawned.append)
+    failing: dict[tuple[str, int], str] = {}
+    reps = Replicas(rpc, layouts, moves, candidates, spawned.append, failing=failing)
+    failover = Failover(reps, None, failing)
     reps.of("d")[1] = [Replica(1, "w-c", "c", "m", {})]  # (manager 1's replica: host c)
 
     async def main() -> None:
-        reps.host_lost("c", "killed")  # (a host with a replica alone)
-        failing = reps.host_lost("b", "killed")  # (then manager 1's primary's)
+        failover.host_lost("c", "killed")  # (a host with a replica alone)
+        failing = failover.host_lost("b", "killed")  # (then manager 1's primary's)
         assert failing == {}  # (its replica went with c: nothing to fail over to)
         assert await reps.place("d") == 1  # manager 0's replica, on d
         assert reps.of("d")[0][0].supervisor == "d"
@@ -124,7 +127,7 @@ def test_placement_and_failover_never_call_a_lost_host():
                               (info(0, "a"),), 1 << 20)  # fmt: skip
         reps.joined("b", "w-b2")  # (a worker's host at b joined again)
         rpc.dead.discard("b")
-        rpc.during[("b", "ddict_replica_seed")] = lambda: reps.host_lost("b", "killed")
+        rpc.during[("b", "ddict_replica_seed")] = lambda: failover.host_lost("b", "killed")
         calls = len(rpc.calls)
         assert await reps.place("e") == 1
         assert [r.supervisor for r in reps.of("e")[0]] == ["d"]

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 HOSTNAME2 = "ddict-host2"
 
@@ -67,33 +67,18 @@ def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
-class TwoHosts:
-    """See the module docstring.  Use as a context manager."""
+class Processes:
+    """The processes a fixture starts (each in a session of its own, its output in a log
+    of its temporary folder), a scheduler among them."""
 
-    def __init__(self, *, security_args: tuple[str, ...] = ()) -> None:
-        tag = secrets.token_hex(3)
-        self.netns = f"ddict-h2-{tag}"
-        self.veth = (f"ddv{tag}a", f"ddv{tag}b")
-        self.tmp = Path(tempfile.mkdtemp(prefix="ddict-twohost-"))
+    def __init__(self, prefix: str) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix=prefix))
         self.scheduler_file = str(self.tmp / "scheduler.json")
-        self.security_args = security_args
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.host1 = self.host2 = ""
 
-    def __repr__(self) -> str:
-        return f"<TwoHosts {self.netns} {sorted(self.procs)}>"
-
-    # -- lifecycle -------------------------------------------------------------------
-
-    def __enter__(self) -> TwoHosts:
+    def __enter__(self) -> Self:
         try:
-            self._network()
-            self._start("scheduler", [*DASK, "scheduler", "--host", self.host1, "--port", "0",
-                                      "--dashboard-address", f"{self.host1}:0", "--scheduler-file",
-                                      self.scheduler_file, *self.security_args])  # fmt: skip
-            self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
-            self._start("worker1", [*self._worker(), "--host", self.host1, "--name", "host1-worker"])
-            self.start_host2()
+            self.start()
         except BaseException:
             self.close()
             raise
@@ -102,12 +87,11 @@ class TwoHosts:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def start(self) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
-        for name in ("worker2", "worker1", "scheduler"):
-            self.kill(name)
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", self.veth[0]], capture_output=True, timeout=30)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        raise NotImplementedError
 
     def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Stop one of the processes (and everything it started)."""
@@ -128,6 +112,64 @@ class TwoHosts:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def _launch(self, name: str, cmd: list[str]) -> None:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, env=self.env())  # fmt: skip
+
+    def _wait(self, ready: Any, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{type(self).__name__}: no {what} within {timeout} s; logs "
+                                   f"in {self.tmp}")  # fmt: skip
+            time.sleep(0.2)
+
+    @property
+    def scheduler_address(self) -> str:
+        return str(json.loads(Path(self.scheduler_file).read_text())["address"])
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def env(self) -> dict[str, str]:
+        """Tests' modules importable everywhere (task functions are pickled by reference)."""
+        path = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+class TwoHosts(Processes):
+    """See the module docstring.  Use as a context manager."""
+
+    def __init__(self, *, security_args: tuple[str, ...] = ()) -> None:
+        super().__init__("ddict-twohost-")
+        tag = secrets.token_hex(3)
+        self.netns = f"ddict-h2-{tag}"
+        self.veth = (f"ddv{tag}a", f"ddv{tag}b")
+        self.security_args = security_args
+        self.host1 = self.host2 = ""
+
+    def __repr__(self) -> str:
+        return f"<TwoHosts {self.netns} {sorted(self.procs)}>"
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._network()
+        self._start("scheduler", [*DASK, "scheduler", "--host", self.host1, "--port", "0",
+                                  "--dashboard-address", f"{self.host1}:0", "--scheduler-file",
+                                  self.scheduler_file, *self.security_args])  # fmt: skip
+        self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
+        self._start("worker1", [*self._worker(), "--host", self.host1, "--name", "host1-worker"])
+        self.start_host2()
+
+    def close(self) -> None:
+        for name in ("worker2", "worker1", "scheduler"):
+            self.kill(name)
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.veth[0]], capture_output=True, timeout=30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def start_host2(self) -> None:
         """(Re)start the second host: a fresh namespace mount, so an empty /dev/shm."""
@@ -157,24 +199,7 @@ class TwoHosts:
         _run("ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up")
 
     def _start(self, name: str, cmd: list[str]) -> None:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, env=self._env())  # fmt: skip
-
-    def _wait(self, ready: Any, what: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"two-host fixture: no {what} within {timeout} s; logs in "
-                                   f"{self.tmp}")  # fmt: skip
-            time.sleep(0.2)
-
-    @property
-    def scheduler_address(self) -> str:
-        return str(json.loads(Path(self.scheduler_file).read_text())["address"])
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
+        self._launch(name, cmd)
 
     def host2_pid(self) -> int:
         """A process inside the second host's namespaces (its worker's shell, then worker)."""
@@ -183,7 +208,7 @@ class TwoHosts:
     def on_host2(self, code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run Python ``code`` on the second host: its network, hostname and /dev/shm."""
         return subprocess.run(self.python_on(2, code), capture_output=True, text=True,
-                              timeout=timeout, env=self._env())  # fmt: skip
+                              timeout=timeout, env=self.env())  # fmt: skip
 
     def python_on(self, host: int, code: str) -> list[str]:
         """The command line that runs Python ``code`` on host 1 or 2."""
@@ -196,10 +221,4 @@ class TwoHosts:
     def popen(self, host: int, code: str) -> subprocess.Popen[str]:
         """Start Python ``code`` on host 1 or 2 (stdout and stderr piped)."""
         return subprocess.Popen(self.python_on(host, code), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=self._env())  # fmt: skip
-
-    @staticmethod
-    def _env() -> dict[str, str]:
-        """Tests' modules importable everywhere (task functions are pickled by reference)."""
-        path = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+                                stderr=subprocess.PIPE, text=True, env=self.env())  # fmt: skip

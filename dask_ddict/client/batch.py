@@ -260,7 +260,9 @@ class BatchPut:
             if stored != self.sent[mid] and self.error is None:
                 self.error = DDictManagerUnavailableError(
                     f"batch put: manager {mid} stored {stored} of the {self.sent[mid]} puts "
-                    "sent to it (its host process restarted during the batch); the "
-                    "others may or may not have been applied: put them again")
+                    "sent to it (its host process restarted during the batch, or its "
+                    "lease lapsed meanwhile: a replicated manager's host that could not "
+                    "reach the orchestrator stored none); the others may or may not have "
+                    "been applied: put them again")
         if self.error is not None:
             raise self.error

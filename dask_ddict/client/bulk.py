@@ -13,7 +13,8 @@ from .._hashing import key_digest
 from .._keys import dumps_key
 from .._serialize import Framed, KeyPickler, ValuePickler, loads_value
 from ..arguments import check_bool
-from ..errors import DDictError, DDictFullError, DDictKeyError, Status, raise_for_status
+from ..errors import (DDictError, DDictFullError, DDictKeyError, DDictLeaseError, Status,
+                      raise_for_status)
 from ..transport.connect import _reraise
 from ..transport.many import PutMany
 from ..transport.pipelined import Unpipeable, exchange_all, time_left
@@ -228,6 +229,8 @@ class Bulk:
         ``out``; the pairs to put one by one (after the first one a manager refused)."""
         core = self._core
         alone: list[int] = []
+        if isinstance(answer, DDictLeaseError):  # (the host may not serve them now: each put
+            return [r[0] for _, recs in chunk for r in recs]  # waits for its primary)
         if isinstance(answer, BaseException):  # the request failed: all its pairs
             for mid, recs in chunk:
                 for r in recs:
@@ -236,8 +239,8 @@ class Bulk:
         recs_of = dict(chunk)
         for mid, done, status, msg in op.result(*answer):
             recs = recs_of[mid]
-            if status == _MOVED:  # (the manager left that host: each put follows it)
-                alone += [r[0] for r in recs[done:]]
+            if status == _MOVED or status == _LEASE:  # (the manager left that host, or it
+                alone += [r[0] for r in recs[done:]]  # may not serve it now: each put follows)
             elif status:
                 out[recs[done][0]] = _named(core, _error(status, msg), mid)
                 alone += [r[0] for r in recs[done + 1 :]]
@@ -277,6 +280,7 @@ def _error_of(put: Callable[..., None], *args: Any) -> BaseException | None:
 
 
 _MOVED = int(Status.MOVED)
+_LEASE = int(Status.LEASE)
 
 #: Most bytes of values in one many-put request (a host takes at most its shard's size).
 PUT_MANY_BYTES = 16 << 20

@@ -37,6 +37,8 @@ from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
 from ..layout import Layout
 from .leftovers import remove_paths_on
+from .failover import Failover
+from .leases import Leases
 from .moves import Candidate, Move, Moves, rebalance_plan, targets
 from .replicas import Replicas
 
@@ -51,10 +53,12 @@ class Orchestrator(Protocol):
 
     dicts: dict[str, Layout]
     scheduler: Scheduler
+    leases: Leases | None
 
     @property
     def gone(self) -> set[str]: ...
     def supervisor_of(self, worker: str) -> str: ...
+    async def probe(self, supervisor: str) -> str: ...
     def why_leaving(self, supervisor: str, why: str) -> str: ...
     def spawn(self, work: Awaitable[Any]) -> None: ...
 
@@ -67,8 +71,11 @@ class Elastic:
         self.moves = Moves(lambda address: plugin.scheduler.rpc(address), plugin.dicts)
         self._host_ids: dict[str, str] = {}  # supervisor -> its machine's host id
         self._evacuating: dict[str, asyncio.Lock] = {}  # one evacuation per supervisor
+        failing: dict[tuple[str, int], str] = {}  # (the managers failing over: both see them)
         self.replicas = Replicas(self.moves.rpc, plugin.dicts, self.moves, self._candidates,
-                                 plugin.spawn, functools.partial(remove_paths_on, plugin))  # fmt: skip
+                                 plugin.spawn, functools.partial(remove_paths_on, plugin),
+                                 failing, lambda s: self.failover.suspected(s))  # fmt: skip
+        self.failover = Failover(self.replicas, plugin.leases, failing, plugin.probe)
 
     def __repr__(self) -> str:
         return f"<Elastic {self.moves!r}>"

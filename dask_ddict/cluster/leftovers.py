@@ -90,23 +90,38 @@ async def refused(address: str) -> bool:
     return False
 
 
-async def answer_unless_gone(call: Awaitable[Any], address: str, timeout: float | None
-                             ) -> Any:  # fmt: skip
-    """``call``'s answer, or ``None`` once ``address`` refuses connections (its process is
-    gone: checked every :data:`REFUSED_EVERY` s meanwhile, since a process killed while
-    a connection to it was being accepted never answers it) or ``timeout`` passes."""
+#: What :func:`ask` found: an answer, its process gone, or neither within the time.
+ANSWERED, GONE, UNKNOWN = "answered", "gone", "unknown"
+
+
+async def ask(call: Awaitable[Any], address: str, timeout: float | None
+              ) -> tuple[str, Any]:  # fmt: skip
+    """``(ANSWERED, call's answer)``; ``(GONE, None)`` once ``address`` refuses connections
+    (its process is gone: checked every :data:`REFUSED_EVERY` s meanwhile, since a
+    process killed while a connection to it was being accepted never answers it); or
+    ``(UNKNOWN, None)`` when ``timeout`` passed (a partition, a stopped machine) or the
+    call failed otherwise: whether the process lives is not known then."""
     task = asyncio.ensure_future(call)
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     try:
         while not task.done():
             if await refused(address):
-                return None
+                return GONE, None
             left = None if deadline is None else deadline - asyncio.get_running_loop().time()
             if left is not None and left <= 0:
-                return None
+                return UNKNOWN, None
             await asyncio.wait([task], timeout=REFUSED_EVERY if left is None
                                else min(REFUSED_EVERY, left))  # fmt: skip
-        return task.result()
+        if task.exception() is not None:
+            return (GONE if await refused(address) else UNKNOWN), None
+        return ANSWERED, task.result()
     finally:
         if not task.done():
             task.cancel()
+
+
+async def answer_unless_gone(call: Awaitable[Any], address: str, timeout: float | None
+                             ) -> Any:  # fmt: skip
+    """``call``'s answer, or ``None`` if :func:`ask` found none."""
+    said, answer = await ask(call, address, timeout)
+    return answer if said == ANSWERED else None

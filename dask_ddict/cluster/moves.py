@@ -178,15 +178,19 @@ class Moves:
             self._place(name, replace(layout.managers[mid], parked=False, lost_why=why))
             logger.warning("ddict %s: parked manager %d is lost: %s", name, mid, why)
 
-    async def serially(self, name: str, step: Awaitable[T]) -> T:
-        """Run ``step``, one at a time per dictionary, counted as under way meanwhile."""
+    async def serially(self, name: str, step: Awaitable[T], followed: bool = True) -> T:
+        """Run ``step``, one at a time per dictionary, counted as under way meanwhile
+        (``followed``: clients asking for the layout wait for it; a step that changes no
+        manager's place, a replica's seeding, need not make them wait)."""
         lock = self._locks.setdefault(name, asyncio.Lock())
-        self.begin(name)
+        if followed:
+            self.begin(name)
         try:
             async with lock:
                 return await step
         finally:
-            await self.end(name)
+            if followed:
+                await self.end(name)
 
     def begin(self, name: str) -> None:
         """A change of ``name``'s layout is under way (clients asking for it wait)."""
@@ -231,7 +235,7 @@ class Moves:
         try:
             info = await self._in(layout, mid, target, out,
                                   path=prepared if copy else out["store_path"],
-                                  source=asdict(old) if copy else None)  # fmt: skip
+                                  source=asdict(old) if copy else None, term=old.term + 1)  # fmt: skip
         except BaseException:
             try:
                 raise_from_wire(await self.rpc(old.supervisor).ddict_move_abort(
@@ -279,7 +283,8 @@ class Moves:
         began = time.monotonic()
         out = {"used_bytes": 0, "map_size": 0,
                "storage_options": self.parked_options.get((layout.uid, mid))}  # fmt: skip
-        info = await self._in(layout, mid, target, out, path=old.store_path, source=None)
+        info = await self._in(layout, mid, target, out, path=old.store_path, source=None,
+                              term=old.term + 1)  # fmt: skip
         self.parked_options.pop((layout.uid, mid), None)
         await self._served(name, info)
         return self._done(Move(name, mid, old.worker, target.worker, why, False, 0,
@@ -345,15 +350,16 @@ class Moves:
         return dict(out)
 
     async def _in(self, layout: Layout, mid: int, target: Candidate, out: dict[str, Any],
-                  path: str, source: dict[str, Any] | None) -> ManagerInfo:  # fmt: skip
+                  path: str, source: dict[str, Any] | None, term: int) -> ManagerInfo:  # fmt: skip
         """Step 2: ``target``'s host serves manager ``mid`` over its shard at ``path`` (this
-        machine's), or over a copy from ``source``; returns where it is served."""
+        machine's), or over a copy from ``source``, under ``term`` (see
+        ``ManagerInfo.term``); returns where it is served."""
         reply = await self.rpc(target.supervisor).ddict_move_in(
             name=layout.name, uid=layout.uid, secret=layout.secret,
             options=layout.options.to_dict(), capacity=layout.total_mem // layout.num_managers,
             num_managers=layout.num_managers, manager_id=mid, worker=target.worker,
             path=path, source=source, used=out["used_bytes"], map_size=out["map_size"],
-            storage_options=out.get("storage_options"),
+            storage_options=out.get("storage_options"), term=term,
         )  # fmt: skip
         if reply is None:
             raise DDictError(f"worker {target.worker} has no ddict host supervisor",
@@ -365,9 +371,9 @@ class Moves:
                 uid=layout.uid))  # fmt: skip
             raise DDictError(f"DDict {layout.name!r} was destroyed while manager {mid} "
                              "moved", "INVALID_OPERATION")  # fmt: skip
-        fields = set(ManagerInfo.__dataclass_fields__)
+        fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term"}
         return ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                           supervisor=target.supervisor)  # fmt: skip
+                           supervisor=target.supervisor, term=term)  # fmt: skip
 
     async def _served(self, name: str, info: ManagerInfo) -> None:
         """``info``'s manager serves at its new place: :attr:`on_served`, then the layout."""

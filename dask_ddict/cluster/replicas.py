@@ -7,9 +7,9 @@ is applied on each live replica before it is answered
 (:mod:`dask_ddict.host.replicas`), so when a primary's host is lost suddenly
 (SIGKILL, a dead machine) nothing acknowledged is lost:
 
-* **failover** (:meth:`Replicas.host_lost`): the orchestrator has a replica's
-  host serve the manager over the replica's shard (a promotion), the layout's
-  epoch moves, and clients that fail to reach the lost host wait for it
+* **failover** (:mod:`.failover`): the orchestrator has a replica's host serve
+  the manager over the replica's shard (a promotion), the layout's epoch moves,
+  and clients that fail to reach the lost host wait for it
   (``ddict.failover-timeout``) and send their operation again there, with its
   request id (applied exactly once);
 * **repair** (:meth:`Replicas.place`): a manager with fewer live replicas than
@@ -22,20 +22,21 @@ is applied on each live replica before it is answered
 
 With ``replicas=1``, two hosts lost at once (the primary's and its replica's)
 lose that manager as without replicas.
+
+How a replica takes over (failover) and who may serve (leases):
+:mod:`.failover`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import raise_from_wire
 from ..layout import Layout, ManagerInfo
-from .moves import Candidate, Move, Moves
+from .moves import Candidate, Moves
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Replica:
     info: dict[str, Any]
 
 
-def _address(r: Replica) -> tuple[Any, ...]:
+def address_of(r: Replica) -> tuple[Any, ...]:
     """The address of the host process that keeps replica ``r`` (as a primary names it)."""
     return (r.info.get("uds_path"), r.info.get("tcp_host"), r.info.get("tcp_port"))
 
@@ -93,19 +94,29 @@ class Replicas:
     remove_left
         ``await remove_left(worker, machine, paths)``: removes what a lost host left on
         its machine (``leftovers.remove_paths_on``).
+    failing
+        The managers failing over (``(name, manager) -> supervisor``, kept by
+        :class:`.failover.Failover`): not placed meanwhile.
+    suspected
+        ``suspected(supervisor)``: whether that host is suspected (its lease revoked:
+        see :mod:`.failover`): no replica is seeded onto it, and it is not called.
     """
 
     def __init__(self, rpc: Callable[[str], Any], layouts: dict[str, Layout], moves: Moves,
                  candidates: Callable[[str, str], Awaitable[list[Candidate]]],
                  spawn: Callable[[Awaitable[Any]], None],
                  remove_left: Callable[[str, str, list[str]], Awaitable[Any]] | None = None,
-                 ) -> None:  # fmt: skip
+                 failing: Mapping[tuple[str, int], str] | None = None,
+                 suspected: Callable[[str], bool] | None = None) -> None:  # fmt: skip
         self.rpc = rpc
         self.layouts = layouts
         self.moves = moves
         self.candidates = candidates
         self.spawn = spawn
         self.remove_left = remove_left
+        self.failing: Mapping[tuple[str, int], str] = {} if failing is None else failing
+        self._queued: set[tuple[str, str]] = set()  # repairs asked, not begun (see repair)
+        self._suspected: Callable[[str], bool] = suspected or (lambda supervisor: False)
         #: name -> manager -> its replicas
         self.placed: dict[str, dict[int, list[Replica]]] = {}
         #: Supervisors whose hosts were lost (the latest :data:`MOST_GONE`; one that joins
@@ -156,12 +167,15 @@ class Replicas:
 
     # -- seeding (create, repair) -------------------------------------------------------------
 
-    async def place(self, name: str, leaving: str = "") -> int:
+    async def place(self, name: str, leaving: str = "", queued: bool = False) -> int:
         """Give every manager of ``name`` the replicas it is short of (none on ``leaving``'s
         host); how many were made.  One that finds no worker stays short (said in stats)."""
-        return await self.moves.serially(name, self._place(name, leaving))
+        return await self.moves.serially(name, self._place(name, leaving, queued),
+                                         followed=False)  # fmt: skip
 
-    async def _place(self, name: str, leaving: str) -> int:
+    async def _place(self, name: str, leaving: str, queued: bool = False) -> int:
+        if queued:  # (begun: a repair asked from now on is another one)
+            self._queued.discard((name, leaving))
         layout = self.layouts.get(name)
         if layout is None or not layout.options.replicas:
             return 0
@@ -173,13 +187,14 @@ class Replicas:
             if layout is None:
                 break
             m = layout.managers[mid]
-            if m.lost or m.supervisor in self.gone:
+            if m.lost or m.supervisor in self.gone or (name, mid) in self.failing:
                 continue  # (its failover places its replicas once one took over)
             have = self.of(name).setdefault(mid, [])
             await self._reckon(layout, m, have)
             while len(have) < layout.options.replicas:
                 choice = replica_targets([c for c in await self.candidates(name, leaving)
-                                          if c.supervisor not in self.gone],
+                                          if c.supervisor not in self.gone
+                                          and not self._suspected(c.supervisor)],
                                          m, have, self._load())  # fmt: skip
                 if not choice:
                     logger.warning("ddict %s: manager %d has %d of its %d replicas: no other "
@@ -212,11 +227,11 @@ class Replicas:
         except Exception:  # noqa: BLE001 - not known now: left as they are
             return
         shipping = {tuple(a) for a in live}
-        for r in [r for r in have if _address(r) not in shipping]:
+        for r in [r for r in have if address_of(r) not in shipping]:
             have.remove(r)
             logger.warning("ddict %s: manager %d no longer ships to its replica on %s: it is "
                            "made again", layout.name, primary.manager_id, r.worker)  # fmt: skip
-            await self._drop(layout.uid, r)
+            await self.drop(layout.uid, r)
 
     async def _seed(self, layout: Layout, primary: ManagerInfo, target: Candidate) -> Replica:
         """Copy ``primary``'s shard to ``target``'s host as a new replica (the primary's
@@ -242,27 +257,27 @@ class Replicas:
                 logger.warning("ddict %s: resuming manager %d after a failed seed: %r",
                                layout.name, mid, e)  # fmt: skip
             if seeded:
-                await self._drop(uid, Replica(mid, target.worker, target.supervisor,
+                await self.drop(uid, Replica(mid, target.worker, target.supervisor,
                                               target.host_id, {}))  # fmt: skip
             raise
         logger.info("ddict %s: manager %d has a replica on %s (%d bytes copied)", layout.name,
                     mid, target.worker, held["used_bytes"])  # fmt: skip
         return Replica(mid, target.worker, target.supervisor, target.host_id, info)
 
-    async def _drop(self, uid: str, r: Replica) -> None:
+    async def drop(self, uid: str, r: Replica) -> None:
+        """Replica ``r``'s host stops keeping it (its shard deleted), if it can be reached."""
         try:
             await self.rpc(r.supervisor).ddict_replica_drop(uid=uid, manager_id=r.manager_id)
         except Exception as e:  # noqa: BLE001 - its host is gone, or its shard is swept later
             logger.info("ddict: dropping the replica of manager %d on %s failed: %r",
                         r.manager_id, r.worker, e)  # fmt: skip
 
-    # -- failover -------------------------------------------------------------------------------
+    # -- a lost host ---------------------------------------------------------------------------
 
-    def host_lost(self, supervisor: str, why: str) -> dict[str, list[int]]:
-        """``supervisor``'s host is gone: its replicas are forgotten, and each primary there
-        that has a replica fails over to it (in the background, counted as a move of its
-        dictionary at once, so clients asking for the layout wait for it).  Returns those
-        primaries, by dictionary: not lost."""
+    def host_lost(self, supervisor: str) -> list[tuple[str, Replica]]:
+        """``supervisor``'s host is gone: it is never called again, and the replicas it
+        kept are forgotten (returned: their primaries stop shipping to them, see
+        :meth:`forget_lost`)."""
         self.gone[supervisor] = None
         while len(self.gone) > MOST_GONE:
             del self.gone[next(iter(self.gone))]
@@ -271,79 +286,35 @@ class Replicas:
             for reps in per.values():
                 gone += [(name, r) for r in reps if r.supervisor == supervisor]
                 reps[:] = [r for r in reps if r.supervisor != supervisor]
-        failing: dict[str, list[int]] = {}
-        for name, layout in self.layouts.items():
-            for m in layout.managers:
-                if m.supervisor == supervisor and not m.lost and \
-                        self.placed.get(name, {}).get(m.manager_id):  # fmt: skip
-                    failing.setdefault(name, []).append(m.manager_id)
-        for name in failing:
-            self.moves.begin(name)
-        # what the lost host leaves on its machine: the failed-over shards, the replicas
-        left = [(m.worker, m.host_id, [m.store_path, os.path.dirname(m.uds_path)])
-                for name, mids in failing.items() for m in self.layouts[name].managers
-                if m.manager_id in mids] + [(r.worker, r.host_id, [r.info.get("store_path", "")])
-                                            for _, r in gone]  # fmt: skip
-        if failing or gone:
-            self.spawn(self._fail_over(failing, gone, supervisor, why, left))
-        return failing
+        return gone
 
-    async def _fail_over(self, failing: dict[str, list[int]], gone: list[tuple[str, Replica]],
-                         supervisor: str, why: str,
-                         left: list[tuple[str, str, list[str]]]) -> None:  # fmt: skip
-        for name, mids in failing.items():
-            try:
-                for mid in mids:
-                    await self._promote(name, mid, why)
-            finally:
-                await self.moves.end(name)
+    async def forget_lost(self, gone: list[tuple[str, Replica]], supervisor: str,
+                          left: list[tuple[str, str, list[str]]], failing: list[str]) -> None:  # fmt: skip
+        """What a lost host leaves: its files on its machine (``left``: ``(worker, machine,
+        paths)``), and its replicas (``gone``), which their primaries stop shipping to and
+        which are made again elsewhere (but for the dictionaries of ``failing``, placed
+        once their failover is done)."""
         if left and self.remove_left is not None:
             paths = sorted({p for _, _, ps in left for p in ps if p})
             await self.remove_left(left[0][0], left[0][1], paths)
         for name, r in gone:  # (their primaries would drop them at their next write)
             if name in self.layouts:
                 await self._detach(self.layouts[name], r)
-        for name in sorted(set(failing) | {name for name, _ in gone}):
-            if name in self.layouts:
-                try:
-                    await self.place(name, leaving=supervisor)
-                except Exception as e:  # noqa: BLE001 - said; the next change tries again
-                    logger.warning("ddict %s: repairing its replicas failed: %r", name, e)
+        for name in sorted({name for name, _ in gone} - set(failing)):
+            await self.repair(name, leaving=supervisor)
 
-    async def _promote(self, name: str, mid: int, why: str) -> None:
-        layout = self.layouts.get(name)
-        if layout is None:
+    async def repair(self, name: str, leaving: str = "") -> None:
+        """:meth:`place`, its failure said (the next change of the cluster tries again); a
+        repair asked while another waits to begin is that one."""
+        if name not in self.layouts or (name, leaving) in self._queued:
             return
-        old = layout.managers[mid]
-        began = time.monotonic()
-        reps = self.of(name).pop(mid, [])
-        for i, r in enumerate(reps):
-            if r.supervisor in self.gone:  # (lost too: not waited for)
-                logger.warning("ddict %s: replica of manager %d on %s is lost with its host",
-                               name, mid, r.worker)  # fmt: skip
-                continue
-            try:
-                reply = await self.rpc(r.supervisor).ddict_replica_promote(
-                    uid=layout.uid, manager_id=mid, worker=r.worker, old_path=old.store_path)
-                raise_from_wire(reply)
-            except Exception as e:  # noqa: BLE001 - the next replica may take it
-                logger.warning("ddict %s: replica of manager %d on %s could not take over: %r",
-                               name, mid, r.worker, e)  # fmt: skip
-                continue
-            fields = set(ManagerInfo.__dataclass_fields__)
-            info = ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                               supervisor=r.supervisor)  # fmt: skip
-            self.moves._place(name, info)
-            for other in reps[i + 1:]:  # (they may lag the one promoted: made again)
-                await self._drop(layout.uid, other)
-            self.moves._done(Move(name, mid, old.worker, r.worker, f"failover: {why}", False, 0,
-                                  time.monotonic() - began, time.time()))  # fmt: skip
-            logger.warning("ddict %s: manager %d failed over to its replica on %s (%s)", name,
-                           mid, r.worker, why)  # fmt: skip
-            return
-        self.moves._place(name, replace(old, lost=True, lost_why=f"{why}; and none of its "
-                                        f"{len(reps)} replicas could take over"))  # fmt: skip
-        logger.warning("ddict %s: manager %d is lost with its host and its replicas", name, mid)
+        self._queued.add((name, leaving))
+        try:
+            await self.place(name, leaving, queued=True)
+        except Exception as e:  # noqa: BLE001 - said; the next change tries again
+            logger.warning("ddict %s: repairing its replicas failed: %r", name, e)
+        finally:
+            self._queued.discard((name, leaving))
 
     def host_restarted(self, supervisor: str) -> None:
         """``supervisor`` restarted its host process: the replicas it kept died with the
@@ -366,9 +337,9 @@ class Replicas:
             layout = self.layouts.get(name)
             if layout is not None:
                 await self._detach(layout, r)
-                await self._drop(layout.uid, r)
+                await self.drop(layout.uid, r)
         for name in sorted({name for name, _ in stale}):
-            await self._repair_later(name)
+            await self.repair(name)
 
     # -- moves -----------------------------------------------------------------------------------
 
@@ -383,7 +354,7 @@ class Replicas:
         keep = []
         for r in reps:
             if r.supervisor == info.supervisor:
-                await self._drop(layout.uid, r)
+                await self.drop(layout.uid, r)
                 continue
             try:
                 raise_from_wire(await self.rpc(info.supervisor).ddict_replica_targets(
@@ -391,18 +362,12 @@ class Replicas:
             except Exception as e:  # noqa: BLE001 - dropped: made again elsewhere
                 logger.warning("ddict %s: manager %d's replica on %s did not follow its move: "
                                "%r", name, info.manager_id, r.worker, e)  # fmt: skip
-                await self._drop(layout.uid, r)
+                await self.drop(layout.uid, r)
                 continue
             keep.append(r)
         reps[:] = keep
         if len(keep) < layout.options.replicas:
-            self.spawn(self._repair_later(name))
-
-    async def _repair_later(self, name: str) -> None:
-        try:
-            await self.place(name)
-        except Exception as e:  # noqa: BLE001 - said; the next change tries again
-            logger.warning("ddict %s: repairing its replicas failed: %r", name, e)
+            self.spawn(self.repair(name))
 
     async def evacuate(self, supervisor: str) -> int:
         """Make the replicas kept by ``supervisor``'s host (which retires) again on other
@@ -418,17 +383,18 @@ class Replicas:
             made += await self.place(name, leaving=supervisor)
             for r in leaving:
                 await self._detach(layout, r)
-                await self._drop(layout.uid, r)
+                await self.drop(layout.uid, r)
         return made
 
     async def _detach(self, layout: Layout, r: Replica) -> None:
         """The primary stops shipping to replica ``r``."""
         primary = layout.managers[r.manager_id]
-        if primary.lost or primary.supervisor in self.gone:
+        if primary.lost or primary.supervisor in self.gone or self._suspected(primary.supervisor):
             return
         try:
             raise_from_wire(await self.rpc(primary.supervisor).ddict_replica_targets(
-                uid=layout.uid, manager_id=r.manager_id, remove=[list(_address(r))]))  # fmt: skip
+                uid=layout.uid, manager_id=r.manager_id, remove=[list(address_of(r))]))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - it drops the replica when it fails to ship
             logger.info("ddict %s: manager %d kept shipping to %s: %r", layout.name,
                         r.manager_id, r.worker, e)  # fmt: skip
+

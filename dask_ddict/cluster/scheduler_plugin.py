@@ -40,7 +40,8 @@ from ..options import DDictOptions
 from . import metrics
 from .dashboard import DashboardData, install
 from .elastic import Elastic
-from .leftovers import answer_unless_gone, remove_lost
+from .leases import Leases
+from .leftovers import ANSWERED, GONE, UNKNOWN, ask, remove_lost
 from .lifetime import Holders
 from .sizing import hosts_warnings
 from .worker_plugin import DDictNannyPlugin, DDictWorkerPlugin
@@ -133,7 +134,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._warned_hosts: set[str] = set()
         #: worker address -> (its hash() of the probe string, its PYTHONHASHSEED if any)
         self.hash_probes: dict[str, tuple[int, str]] = {}
-        self._gone: set[str] = set()  # supervisors (nannies) found gone
+        self._gone: set[str] = set()  # supervisors (nannies) found gone, or closing
+        self._ended: set[str] = set()  # ...whose port refuses connections: the process ended
         #: worker address -> why it left the scheduler (see :func:`why_left`), for a
         #: loss its supervisor reports later; bounded (the newest kept)
         self._left: dict[str, str] = {}
@@ -143,13 +145,24 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self._metrics: metrics.DDictCollector | None = None  # on /metrics while started
         self.holders = Holders(self._release, self._call_later,
                                lambda: config.get_seconds("lifetime-grace-period") or 0.0)  # fmt: skip
+        #: The hosts' leases, set from the scheduler's ``ddict.lease.*`` when it starts (this
+        #: object is built where the plugin is registered, often a client); ``None``:
+        #: ``ddict.lease.duration: null``, none are kept.
+        self.leases: Leases | None = Leases(10.0, 1.0)
         self.elastic = Elastic(self)  # managers move when workers leave or join
+        self._overdue: asyncio.Task[Any] | None = None
 
     def __repr__(self) -> str:
         return f"<DDictSchedulerPlugin dicts={sorted(self.dicts)}>"
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        duration = config.get_seconds("lease.duration")
+        if duration:
+            self.leases = Leases(duration, config.get_seconds("lease.margin") or 0.0)
+        else:
+            self.leases = None
+        self.elastic.failover.leases = self.leases
         handlers: dict[str, Callable[..., Any]] = {
             "ddict_create": refusing(self.create),
             "ddict_attach": refusing(self.attach),
@@ -158,6 +171,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             "ddict_list_kept": self.names_kept,
             "ddict_hash_probe": self.hash_probe,
             "ddict_host_gone": self.host_gone,
+            "ddict_lease": self.elastic.failover.lease,
             **{name: refusing(h) for name, h in self.elastic.handlers().items()},
         }
         scheduler.handlers.update({name: self._counted(name, h) for name, h in handlers.items()})
@@ -170,6 +184,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         await scheduler.register_worker_plugin(
             None, dumps(DDictWorkerPlugin()), name="ddict", idempotent=True
         )
+        if self.leases is not None:
+            self._overdue = asyncio.ensure_future(self.elastic.failover.watch())
 
     # -- Handlers (called by clients through Dask comms) ----------------------------
 
@@ -328,9 +344,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """A worker process's ``hash()`` of the probe string (see ``_hashing.probe_hash``)."""
         self.hash_probes[worker] = (int(probe), str(seed))
 
-    def host_gone(self, supervisor: str, why: str, closing: bool = True) -> None:
+    def host_gone(self, supervisor: str, why: str, closing: bool = True,
+                  ended: bool = False) -> None:  # fmt: skip
         """A supervisor's word that its host goes away, before it does: its nanny (or
-        nanny-less worker) closes (``closing``), or it gave up restarting its host process.
+        nanny-less worker) closes (``closing``), or it gave up restarting its host process;
+        ``ended``: its host process has ended now (it holds no lease: replicas of its
+        primaries take over at once).
 
         The scheduler alone cannot always tell: a retired worker's nanny still answers
         when the worker leaves, and closes only later.  So the supervisor says it, and
@@ -338,10 +357,14 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         and why (:func:`~dask_ddict.errors.manager_lost`).  ``why`` is the supervisor's
         view ("its nanny closed"); why its worker left, if known here, says more.
         """
+        if ended:
+            self.elastic.failover.lease_ended(supervisor)
+            if supervisor in self._gone:
+                return  # (said when it began to close)
         if closing:
             self._gone.add(supervisor)
             why = self.why_leaving(supervisor, why)
-        self._lose(supervisor, why)
+        self._lose(supervisor, why, proven=ended)
 
     def why_leaving(self, supervisor: str, why: str) -> str:
         """Why ``supervisor``'s host goes, as the scheduler knows it (its worker retired,
@@ -362,6 +385,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     # -- Scheduler hooks ----------------------------------------------------------
 
     async def close(self) -> None:
+        if self._overdue is not None:
+            self._overdue.cancel()
         for layout in list(self.dicts.values()):  # (live dictionaries' shards end with
             await remove_lost(self, layout, only_parked=True)  # their hosts; parked ones not)
         metrics.unregister(self._metrics)
@@ -394,14 +419,20 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                        if m.worker == worker and not m.lost}  # fmt: skip
         supervisors |= self.elastic.replicas.supervisors_for(worker)
         for sup in supervisors:
-            if sup != worker and await self._reachable(sup):
+            said = GONE if sup == worker else await self.probe(sup)
+            if said == ANSWERED:
                 continue  # a nanny restarts the worker; the host process serves on
-            self._lose(sup, left if sup == worker else
-                       f"{left}, and its nanny {sup} does not answer")  # fmt: skip
+            # (a refused connection is no proof that its host process ended: a firewall's
+            # REJECT looks the same; only the supervisor's own word is, see host_gone)
+            self._lose(sup, left if sup == worker else f"{left}, and its nanny {sup} "
+                       f"{'refuses connections' if said == GONE else 'does not answer'}",
+                       proven=False)  # fmt: skip
 
-    def _lose(self, supervisor: str, why: str) -> None:
-        """Mark the managers of ``supervisor``'s host lost, ``why`` (a new layout epoch)."""
-        failing = self.elastic.replicas.host_lost(supervisor, why)  # (their replicas take over)
+    def _lose(self, supervisor: str, why: str, proven: bool = True) -> None:
+        """Mark the managers of ``supervisor``'s host lost, ``why`` (a new layout epoch);
+        their replicas take over (at once if it is ``proven`` gone, else once its lease is
+        surely over)."""
+        failing = self.elastic.failover.host_lost(supervisor, why, proven)
         for name, layout in list(self.dicts.items()):
             lost = [m.manager_id for m in layout.managers if m.supervisor == supervisor
                     and not m.lost and m.manager_id not in failing.get(name, ())]  # fmt: skip
@@ -423,24 +454,33 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             if any(m.supervisor == nanny and m.worker != worker for m in layout.managers):
                 self.dicts[name] = layout.with_worker(nanny, worker)
 
-    async def _reachable(self, supervisor: str) -> bool:
-        """Whether a host supervisor still serves (a closed one answers ``None``).
+    async def probe(self, supervisor: str) -> str:
+        """Whether a host supervisor still serves: ``ANSWERED``; ``GONE`` (its port refuses
+        connections: its process is gone, or it closed, its host process with it); or
+        ``UNKNOWN`` (no answer: a partition, a stopped machine; or it is closing: it
+        answers ``None``, and its host process may live a little longer).
 
         Asked with a short timeout: Dask's comms retry a refused connection for
         the whole connect timeout (30 s), far too long to learn that a host is gone.
         A supervisor found gone stays gone (a nanny does not come back).
         """
-        if supervisor in self._gone:
-            return False
-        try:  # (a dead process's port refuses at once; Dask's comms would retry it)
-            info = await answer_unless_gone(self.scheduler.rpc(supervisor).ddict_host_info(),
-                                            supervisor, config.get_seconds("host.probe-timeout"))
-        except Exception:
-            info = None
-        if not isinstance(info, dict):
+        if supervisor in self._ended:
+            return GONE
+        if supervisor in self._gone:  # (it said it closes: its host may not have ended yet)
+            return UNKNOWN
+        said, info = await ask(self.scheduler.rpc(supervisor).ddict_host_info(), supervisor,
+                               config.get_seconds("host.probe-timeout"))  # fmt: skip
+        if said == ANSWERED and not isinstance(info, dict):  # (it closes)
             self._gone.add(supervisor)
-            return False
-        return True
+            return UNKNOWN
+        if said == GONE:
+            self._gone.add(supervisor)
+            self._ended.add(supervisor)
+        return said
+
+    async def _reachable(self, supervisor: str) -> bool:
+        """Whether a host supervisor still serves (see :meth:`probe`)."""
+        return await self.probe(supervisor) == ANSWERED
 
     # -- helpers ----------------------------------------------------------------
 

@@ -52,6 +52,13 @@ def _tcp_host(address: str) -> str:
         return "127.0.0.1"
 
 
+def _lease_giver(server: Any) -> str:
+    """Where the host process renews its lease: the scheduler, if it can reach it (TCP or
+    TLS; an in-process scheduler it cannot, and nothing is cut off in one process)."""
+    address = str(getattr(server.scheduler, "address", "") or "")
+    return address if address.startswith(("tcp://", "tls://")) else ""
+
+
 async def _gone(**kwargs: Any) -> None:
     """What a closed supervisor answers: nothing (the orchestrator reads "host gone")."""
     return None
@@ -72,7 +79,8 @@ async def report_hash_probe(worker: Worker) -> None:
         logger.info("ddict: could not report this worker's hash probe: %r", e)
 
 
-async def tell_host_gone(server: Any, why: str, closing: bool = True) -> None:
+async def tell_host_gone(server: Any, why: str, closing: bool = True,
+                         ended: bool = False) -> None:  # fmt: skip
     """Tell the orchestrator that this server's host goes away, ``why`` (see
     :meth:`~dask_ddict.cluster.scheduler_plugin.DDictSchedulerPlugin.host_gone`).
 
@@ -81,7 +89,8 @@ async def tell_host_gone(server: Any, why: str, closing: bool = True) -> None:
     """
     try:
         await asyncio.wait_for(
-            server.scheduler.ddict_host_gone(supervisor=server.address, why=why, closing=closing),
+            server.scheduler.ddict_host_gone(supervisor=server.address, why=why, closing=closing,
+                                             ended=ended),
             config.get_seconds("host.probe-timeout"),
         )
     except Exception as e:  # noqa: BLE001 - a scheduler going away, a missing handler
@@ -123,7 +132,8 @@ def _restarted(server: Any, loop: asyncio.AbstractEventLoop) -> None:
 def _gave_up(server: Any, loop: asyncio.AbstractEventLoop, why: str) -> None:
     """The supervisor gave its host up (from its watching thread): tell the orchestrator."""
     try:
-        asyncio.run_coroutine_threadsafe(tell_host_gone(server, why, closing=False), loop)
+        asyncio.run_coroutine_threadsafe(tell_host_gone(server, why, closing=False, ended=True),
+                                         loop)  # fmt: skip
     except RuntimeError:  # the server's loop is closed: nobody to tell
         pass
 
@@ -143,7 +153,7 @@ class _Supervising:
         security = server.security
         tls = server.address.startswith("tls://") or bool(security.require_encryption)
         sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
-                                               server.address, tls)  # fmt: skip
+                                               server.address, tls, _lease_giver(server))  # fmt: skip
         sup.on_give_up = functools.partial(_gave_up, server, asyncio.get_running_loop())
         sup.on_restart = functools.partial(_restarted, server, asyncio.get_running_loop())
         await asyncio.to_thread(sup.start)  # starting a process: off the event loop
@@ -167,9 +177,12 @@ class _Supervising:
         self.supervisor = None
         for name in sup.handlers():
             server.handlers[name] = _gone
-        if sup.serving:
+        serving = sup.serving
+        if serving:
             await tell_host_gone(server, why)
         await asyncio.to_thread(sup.close)
+        if serving:  # (now its host process ended: its primaries' replicas need not wait
+            await tell_host_gone(server, why, ended=True)  # for its lease's end)
 
 
 class DDictNannyPlugin(_Supervising, NannyPlugin):

@@ -59,6 +59,12 @@ class Init:
     closed: tuple[str, ...] = ()  # uids destroyed on this host: their clients get CLOSED
     config: dict[str, Any] = field(default_factory=dict)  # the supervisor's ddict.* settings
     restarts: int = 0  # how many incarnations the supervisor restarted (the managers' stats)
+    #: The orchestrator that grants the host's lease (the scheduler's address; "": none
+    #: this process can reach), and the address that names this host to it.
+    scheduler: str = ""
+    supervisor: str = ""
+    #: Deposed primaries' shards kept aside: (uid, manager, path), see ``lease``.
+    aside: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ class OpenManagers:
     manager_ids: tuple[int, ...]
     restart_paths: dict[int, str] = field(default_factory=dict)
     worker: str = ""
+    #: The term they are served under (``ManagerInfo.term``); ``None``: the one in each
+    #: shard (a new incarnation re-opening them).
+    term: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class MoveIn:
     source: dict[str, Any] | None = None
     used: int = 0
     map_size: int = 0
+    term: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,6 +201,7 @@ class ReplicaPromote:
     manager_id: int
     worker: str = ""
     old_path: str = ""
+    term: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,6 +217,27 @@ class Shutdown:
 @dataclass(frozen=True)
 class Ping:
     """Answer with the host process's pid."""
+
+
+# -- notices: from the host process to its supervisor (a pipe of their own) ----------------
+
+
+@dataclass(frozen=True)
+class Deposed:
+    """The host stopped serving manager ``manager_id`` of ``uid`` for good (the
+    orchestrator serves it elsewhere); its shard at ``path`` is kept aside."""
+
+    uid: str
+    manager_id: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """The orchestrator let the host delete the shard it kept aside for ``manager_id``."""
+
+    uid: str
+    manager_id: int
 
 
 def send(f: BinaryIO, obj: Any) -> None:

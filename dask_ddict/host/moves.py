@@ -61,8 +61,9 @@ _PREPARED: dict[str, tuple[mmap.mmap, int, int, threading.Timer]] = {}
 
 
 def served_manager(host: Host, uid: str, mid: int) -> Manager:
+    """Manager ``mid`` of ``uid`` here (serving, or waiting for its lease's word)."""
     hosted = host.dicts.get(bytes.fromhex(uid))
-    manager = None if hosted is None else hosted.managers.get(mid)
+    manager = None if hosted is None else hosted.find(mid)
     if manager is None:
         raise DDictError(f"manager {mid} of {uid} is not served by this host process",
                          "INVALID_ARGUMENT")  # fmt: skip
@@ -92,19 +93,23 @@ def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) ->
                 where)  # fmt: skip
 
 
-def depose(host: Host, uid: str, manager: Manager, where: str) -> None:
+def depose(host: Host, uid: str, manager: Manager, where: str) -> bool:
     """A replica of ``manager`` took over at ``where`` (the orchestrator took this host for
     lost): from now on its requests here are answered ``MOVED`` (not applied), as after
-    a move; its shard is deleted after :data:`LET_GO_AFTER` (the replica's is the one).
-    Called by the manager's own write, its lock held."""
+    a move; its shard is closed after :data:`LET_GO_AFTER` and kept (see
+    ``Host.depose``).  Called by the manager's own write (its lock held), or by the
+    lease's renewal.  Whether it was served here until now."""
     hosted = host.dicts.get(bytes.fromhex(uid))
-    if hosted is None or hosted.managers.get(manager.manager_id) is not manager:
-        return
-    _stop_serving(host, hosted, uid, manager, where, True)
+    if hosted is None or hosted.find(manager.manager_id) is not manager:
+        return False
+    hygiene.mark_kept(manager.store.path)  # (before its owner lock goes: no sweep takes it)
+    _stop_serving(host, hosted, uid, manager, where, False)
     manager.moved, manager.closed = where, True
     manager._deferred.close(manager.moved_error)
-    logger.warning("ddict host %d: manager %d of %s was taken over by its replica at %s",
-                   os.getpid(), manager.manager_id, hosted.name, where)  # fmt: skip
+    logger.warning("ddict host %d: manager %d of %s is served by a replica at %s now; its "
+                   "shard is kept aside (%s) until the orchestrator discards it", os.getpid(),
+                   manager.manager_id, hosted.name, where, manager.store.path)  # fmt: skip
+    return True
 
 
 def _stop_serving(host: Host, hosted: HostedDict, uid: str, manager: Manager, where: str,
@@ -113,7 +118,8 @@ def _stop_serving(host: Host, hosted: HostedDict, uid: str, manager: Manager, wh
     shard is let go after :data:`LET_GO_AFTER` (deleted if ``delete``: a copy serves)."""
     mid = manager.manager_id
     hosted.moved[mid] = (where, manager.store.capacity)
-    del hosted.managers[mid]
+    hosted.managers.pop(mid, None)
+    hosted.fenced.pop(mid, None)
     if manager.shipper is not None:  # (its replicas follow a move: the orchestrator says so)
         manager.shipper.close()
     hygiene.release(host.locks.pop((uid, mid), None))

@@ -84,9 +84,10 @@ def _reserve(store: ShardStore) -> None:
         os.close(fd)
 
 
-def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
-                 worker: str = "") -> tuple[Manager, bool, int]:  # fmt: skip
-    """A manager over a new shard, or over the existing shard at ``restart_path``.
+def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str = "",
+                 term: int | None = 0) -> tuple[Manager, bool, int]:  # fmt: skip
+    """A manager over a new shard, or over the existing shard at ``restart_path``, served
+    under ``term`` (``None``: the one in its shard, for a host process that re-opens it).
 
     Returns the manager, whether it re-attached a shard, and the fd of its
     owner lock (see :mod:`.hygiene`), which the caller keeps while it serves it.
@@ -112,7 +113,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
                            indexed=opts.wait_for_keys)  # fmt: skip
         if reattach:
             store.check_stamp(mid)  # (a readable older stamp is renewed: it may now hold
-        store.stamp(mid)  # frames an older version would misread)
+        store.stamp(mid, 0 if term is None and not reattach else term)  # frames an older
+        # version would misread)
         if not reattach:
             if config.get("store.reserve"):
                 _reserve(store)
@@ -162,6 +164,7 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None,
 
         manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
                           frozen=frozen, persister=persister, pull_shard=pull_shard)  # fmt: skip
+        manager.term = store.term()
         if reattach:
             manager.resume_persists()  # (what a dead host process accepted and left undone)
     except BaseException:

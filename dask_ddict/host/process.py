@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 from typing import Any, BinaryIO
 
 import dask.config
@@ -28,12 +29,15 @@ import dask.config
 from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
 from ..shard.generations import Generations, path_for
+from ..shard.lease_word import LeaseWord
+from ..shard.lease_word import path_for as lease_word_path
 from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
 from ..shard.direct import set_owner
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
 from . import control, hygiene, moves, replicas
+from .lease import LeaseKeeper
 from .opening import open_manager
 from .server import HostedDict, HostServer, Limits
 
@@ -41,13 +45,23 @@ logger = logging.getLogger(__name__)
 
 
 class Host:
-    """The managers of one host process and the server in front of them."""
+    """The managers of one host process and the server in front of them.
 
-    def __init__(self, init: control.Init, uds: socket.socket, tcp: socket.socket) -> None:
+    ``notices``: the pipe on which it tells its supervisor what it decided alone (a
+    primary deposed by the orchestrator's answer to its lease, a shard it discarded),
+    so that a new incarnation is not handed those managers again."""
+
+    def __init__(self, init: control.Init, uds: socket.socket, tcp: socket.socket,
+                 notices: BinaryIO | None = None) -> None:  # fmt: skip
         self.init = init
         self.dicts: dict[bytes, HostedDict] = {}
         self.closed: set[bytes] = {bytes.fromhex(u) for u in init.closed}
         self.locks: dict[tuple[str, int], int] = {}
+        self.aside: dict[tuple[str, int], str] = {(u, m): p for u, m, p in init.aside}
+        self._notices = notices
+        self._noting = threading.Lock()
+        self.keeper = LeaseKeeper(init.scheduler, init.supervisor, init.security, self,
+                                  LeaseWord(lease_word_path(init.socket_dir), create=True))  # fmt: skip
         ssl_context = None
         if init.tls:
             ssl_context = init.security.get_listen_args("worker").get("ssl_context")
@@ -72,6 +86,7 @@ class Host:
             return self.close_dict(msg.uid, msg.allow_restart)
         if isinstance(msg, control.Serve):
             self.server.start()
+            self.keeper.start()
             return None
         if isinstance(msg, control.Ping):
             return os.getpid()
@@ -85,8 +100,8 @@ class Host:
             return moves.move_done(self, msg.uid, msg.manager_id, msg.where, msg.park)
         if isinstance(msg, control.ShardBytes):
             hosted = self.dicts.get(bytes.fromhex(msg.uid))
-            return {} if hosted is None else {m: mg.used_bytes() for m, mg in
-                                              hosted.managers.items()}  # fmt: skip
+            return {} if hosted is None else {m: hosted.find(m).used_bytes()  # type: ignore[union-attr]
+                                              for m in [*hosted.managers, *hosted.fenced]}  # fmt: skip
         if isinstance(msg, control.MoveAbort):
             return moves.move_abort(self, msg.uid, msg.manager_id)
         return self._replicas(msg)
@@ -101,23 +116,30 @@ class Host:
         if isinstance(msg, control.ReplicaTargets):
             manager = moves.served_manager(self, msg.spec.uid, msg.manager_id)
             return replicas.targets(manager, msg.spec, self.init.tls, msg.add, list(msg.remove),
-                                    msg.release, functools.partial(moves.depose, self,
-                                                                   msg.spec.uid, manager))  # fmt: skip
+                                    msg.release, functools.partial(self.depose, msg.spec.uid,
+                                                                   manager),
+                                    self.keeper, self.dicts.get(bytes.fromhex(msg.spec.uid)))  # fmt: skip
         if isinstance(msg, control.ReplicaDrop):
             return replicas.drop(self, msg.uid, msg.manager_id)
         if isinstance(msg, control.ReplicaPromote):
             mid = msg.manager_id
             path = replicas.take_replica(self, msg.spec.uid, mid, msg.old_path)
-            return self.open(control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker))
+            return self.open(control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker,
+                                                  msg.term))  # fmt: skip
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
 
     def hosted(self, spec: control.DictSpec) -> HostedDict:
         """The dictionary ``spec`` as this host serves it (new: not served yet)."""
-        return self.dicts.get(bytes.fromhex(spec.uid)) or HostedDict(
-            spec.uid, spec.name, spec.secret,
-            Generations(path_for(self.init.socket_dir, spec.uid), spec.num_managers, create=True),
-            BoardReader(self.init.socket_dir, spec.uid, spec.num_managers),
-        )
+        hosted = self.dicts.get(bytes.fromhex(spec.uid))
+        if hosted is None:
+            hosted = HostedDict(
+                spec.uid, spec.name, spec.secret,
+                Generations(path_for(self.init.socket_dir, spec.uid), spec.num_managers,
+                            create=True),
+                BoardReader(self.init.socket_dir, spec.uid, spec.num_managers), self.keeper,
+            )  # fmt: skip
+            hosted.leased = bool(spec.options.replicas) and self.keeper.required
+        return hosted
 
     def open(self, msg: control.OpenManagers) -> list[dict[str, Any]]:
         spec = msg.spec
@@ -129,7 +151,7 @@ class Host:
         try:
             for mid in msg.manager_ids:
                 manager, restarted, lock = open_manager(
-                    spec, mid, msg.restart_paths.get(mid), msg.worker
+                    spec, mid, msg.restart_paths.get(mid), msg.worker, msg.term
                 )
                 if gens is not None:  # every commit, then a new word (see shard.generations)
                     manager.generations = gens
@@ -140,14 +162,22 @@ class Host:
                     manager.pins = hosted.pins
                 manager.served = hosted.served.of
                 manager.host_restarts = self.init.restarts
-                hosted.managers[mid] = manager
+                if hosted.leased:  # (it serves once the orchestrator confirmed it: lease)
+                    hosted.fence(manager, "the orchestrator has not confirmed yet that it "
+                                          f"serves it here (term {manager.term})")  # fmt: skip
+                else:
+                    hosted.managers[mid] = manager
                 self.locks[(spec.uid, mid)] = lock
                 opened.append(mid)
                 infos.append({"manager_id": mid, "store_path": manager.store.path,
                               "restarted": restarted})  # fmt: skip
         except BaseException:
             for mid in opened:
-                hosted.managers.pop(mid).close(destroy=not msg.restart_paths)
+                undone = hosted.find(mid)
+                hosted.managers.pop(mid, None)
+                hosted.fenced.pop(mid, None)
+                if undone is not None:
+                    undone.close(destroy=not msg.restart_paths)
                 hygiene.release(self.locks.pop((spec.uid, mid), None))
             if key not in self.dicts and gens is not None:  # (a new dictionary here)
                 gens.remove()
@@ -156,6 +186,8 @@ class Host:
         for mid in msg.manager_ids:
             hosted.moved.pop(mid, None)  # (moved away once, back now)
         self.dicts[key] = hosted
+        if hosted.fenced:
+            self.keeper.renew_soon()
         logger.info("ddict host %d: serving managers %s of %s", os.getpid(),
                     list(msg.manager_ids), spec.name)  # fmt: skip
         return infos
@@ -174,7 +206,8 @@ class Host:
                                  self.init.tls, prepared=path)  # fmt: skip
         try:
             return self.open(control.OpenManagers(msg.spec, (msg.manager_id,),
-                                                  {msg.manager_id: path}, msg.worker))  # fmt: skip
+                                                  {msg.manager_id: path}, msg.worker,
+                                                  msg.term))  # fmt: skip
         except BaseException:
             if msg.source is not None:  # (a copy of ours; the same machine's shard is not)
                 shutil.rmtree(path, ignore_errors=True)
@@ -188,11 +221,14 @@ class Host:
             self.closed.add(key)
         if hosted is None:
             return 0
-        for mid, manager in list(hosted.managers.items()):
+        for manager in [*hosted.managers.values(), *(m for m, _ in hosted.fenced.values())]:
             self._close_manager(manager, allow_restart, why)
-            hygiene.release(self.locks.pop((uid, mid), None))
-        n = len(hosted.managers)
+            hygiene.release(self.locks.pop((uid, manager.manager_id), None))
+        n = len(hosted.managers) + len(hosted.fenced)
         hosted.managers.clear()
+        hosted.fenced.clear()
+        for (u, mid) in [k for k in self.aside if k[0] == uid]:  # (nobody needs them now)
+            self.discard(u, mid)
         for replica in hosted.replicas.values():
             replica.close()  # (a replica is kept for a live primary only)
         hosted.replicas.clear()
@@ -213,13 +249,50 @@ class Host:
         except Exception:
             logger.exception("ddict host: closing manager %d failed", manager.manager_id)
 
+    # -- what the lease decides (see .lease) ---------------------------------------------
+
+    def depose(self, uid: str, manager: Manager, where: str) -> None:
+        """The orchestrator serves ``manager`` at ``where`` now (a replica took over): its
+        requests here are answered ``MOVED`` from now on, and its shard is kept aside,
+        closed, until the orchestrator says to discard it (:meth:`discard`)."""
+        path = manager.store.path
+        if moves.depose(self, uid, manager, where):
+            self.aside[(uid, manager.manager_id)] = path
+            self.notify(control.Deposed(uid, manager.manager_id, path))
+
+    def discard(self, uid: str, mid: int) -> None:
+        """Delete the shard kept aside for deposed manager ``mid`` of ``uid``."""
+        path = self.aside.pop((uid, mid), None)
+        if path is None:
+            return
+        moves.let_go(path)  # (if it is still open here)
+        hygiene.mark_kept(path, False)
+        shutil.rmtree(path, ignore_errors=True)
+        self.notify(control.Discarded(uid, mid))
+        logger.info("ddict host %d: discarded the shard of deposed manager %d (%s)",
+                    os.getpid(), mid, path)  # fmt: skip
+
+    def notify(self, notice: Any) -> None:
+        """Tell the supervisor what this host decided alone (see :class:`Host`)."""
+        if self._notices is None:
+            return
+        try:
+            with self._noting:
+                control.send(self._notices, notice)
+        except OSError as e:  # (its supervisor is gone: it shuts this host down)
+            logger.info("ddict host %d: could not tell its supervisor %r: %r", os.getpid(),
+                        notice, e)  # fmt: skip
+
     def shutdown(self, supervisor_lost: bool) -> None:
         """Close everything.  Shards are deleted: nothing could serve them any more.
 
         Each shard is marked closed because its host is gone, never "destroyed": the
         dictionaries live on without these managers (their same-host readers say so).
         """
+        self.keeper.close()
         self.server.close()
+        for uid, mid in list(self.aside):  # (nothing can report them any more)
+            self.discard(uid, mid)
         for hosted in list(self.dicts.values()):
             self.close_dict(hosted.uid, False, CLOSED_HOST_GONE)
         if supervisor_lost:
@@ -227,8 +300,9 @@ class Host:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point: ``python -m dask_ddict.host UDS_FD TCP_FD``."""
+    """Entry point: ``python -m dask_ddict.host UDS_FD TCP_FD [NOTICE_FD]``."""
     uds_fd, tcp_fd = int(argv[0]), int(argv[1])
+    notices = os.fdopen(int(argv[2]), "wb") if len(argv) > 2 else None
     ctl_in: BinaryIO = sys.stdin.buffer
     ctl_out: BinaryIO = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints never corrupt the pipe
@@ -242,7 +316,7 @@ def main(argv: list[str]) -> int:
     dask.config.update(dask.config.config, {"ddict": init.config}, priority="new")
     uds = socket.socket(fileno=uds_fd)
     tcp = socket.socket(fileno=tcp_fd)
-    host = Host(init, uds, tcp)
+    host = Host(init, uds, tcp, notices)
     control.send(ctl_out, (True, os.getpid()))
     while True:
         msg = control.recv(ctl_in)

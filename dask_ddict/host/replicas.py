@@ -11,9 +11,14 @@ orchestrator places them, see :mod:`dask_ddict.cluster.replicas`):
 * **shipping**: every write transaction that a replicated manager commits is
   recorded (:mod:`dask_ddict.shard.changes`) and sent to each replica
   (:class:`~dask_ddict.transport.whole_checkpoints.Replicate`, numbered) before
-  the write is answered, so an acknowledged write is in every live replica's
-  shared memory.  A replica that does not take it (its host gone, out of step)
-  is dropped, said in the log and in the manager's stats;
+  the write is answered, so an acknowledged write is in every replica of the
+  replica set that the orchestrator knows.  A replica that does not take it (its
+  host gone or cut off, out of step) is not dropped here: the primary stops
+  answering (its requests get ``LEASE``) and asks the orchestrator, through its
+  lease's renewal (:mod:`.lease`), to take that replica out of the set, which it
+  does (that replica is then never promoted) unless it is failing the primary over;
+  only then is the write answered.  A primary that cannot reach the orchestrator
+  either acknowledges nothing more;
 * **promotion**: when the primary's host is lost, the orchestrator has a replica's
   host serve the manager over the replica's shard (:func:`promote`), as a move
   to this machine would.
@@ -30,8 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
 from .._blocking import will_block
-from ..errors import DDictManagerMovedError, DDictManagerUnavailableError
+from ..errors import DDictLeaseError, DDictManagerMovedError, DDictManagerUnavailableError
 from ..layout import ManagerInfo, host_id
+from ..shard.lease_word import lease_clock
 from ..shard import changes
 from ..shard.store import ShardStore
 from ..transport.connect import default_security
@@ -39,10 +45,12 @@ from ..transport.links import HostLink
 from ..transport.whole_checkpoints import Replicate
 from . import hygiene, moves
 from .control import DictSpec
+from .lease import RETRY
 from .replica_store import Replica
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
+    from .lease import LeaseKeeper
     from .server import HostedDict
 
 logger = logging.getLogger(__name__)
@@ -133,7 +141,9 @@ class Shipper:
     """A replicated manager's replicas: every commit's changes are sent to each of them
     before the write is answered (``ShardStore.replicate``)."""
 
-    def __init__(self, spec: DictSpec, manager_id: int, tls: bool) -> None:
+    def __init__(self, spec: DictSpec, manager_id: int, tls: bool,
+                 keeper: LeaseKeeper | None = None, hosted: HostedDict | None = None,
+                 manager: Manager | None = None) -> None:  # fmt: skip
         self.spec = spec
         self.manager_id = manager_id
         self.tls = tls
@@ -143,6 +153,15 @@ class Shipper:
         self.deposed: Callable[[str], None] | None = None
         self.shipped = 0  # change sets sent (to each replica)
         self.timeout = config.get_seconds("replica.timeout")  # (read once: every write waits)
+        #: The host's lease, through which the orchestrator is asked to drop a replica
+        #: (``None``, or one not required: no orchestrator this host reaches, so a replica
+        #: that fails is dropped here, as nothing can be cut off in one machine's process).
+        self.keeper = keeper
+        self.hosted, self.manager = hosted, manager
+        #: Addresses of replicas that failed a write and that the orchestrator has not
+        #: taken out of the replica set yet: the manager answers nobody meanwhile.
+        self.doubts: set[tuple[Any, ...]] = set()
+        self.closed = False
 
     def __repr__(self) -> str:
         return (f"<Shipper manager={self.manager_id} replicas={len(self.targets)} "
@@ -166,6 +185,7 @@ class Shipper:
         self.targets.append(Target(info, link))
 
     def remove(self, address: tuple[str, str, int] | list[Any]) -> None:
+        """Stop shipping to the replica at ``address`` (the orchestrator's word)."""
         keep = []
         for t in self.targets:
             if list(t.info.address) == list(address):
@@ -173,6 +193,8 @@ class Shipper:
             else:
                 keep.append(t)
         self.targets = keep
+        if tuple(address) in self.doubts:
+            self.dropped([tuple(address)])
 
     def ship(self, recorded: list[changes.Change], later: bool = False) -> None:
         """Send one commit's changes to every replica, in order; wait until each applied
@@ -208,19 +230,72 @@ class Shipper:
             if self.deposed is not None:  # the next ones are answered MOVED, not here
                 self.deposed(f"{t.info.hostname} ({t.info.worker})")
             raise DDictManagerMovedError(f"manager {self.manager_id} {e.message}") from None
-        except Exception as e:  # noqa: BLE001 - a replica that cannot follow is dropped
+        except Exception as e:  # noqa: BLE001 - a replica that cannot follow
+            t.pending.clear()
+            keeper = self.keeper
+            if keeper is None or not keeper.required:
+                self._drop(t, e)
+            else:
+                self._doubt(t, e, keeper)
+
+    def _drop(self, t: Target, e: BaseException) -> None:
+        """Drop replica ``t`` here (no orchestrator to ask: see :attr:`keeper`)."""
+        if t in self.targets:
+            self.targets.remove(t)
+        try:  # (and told so if it can hear it: it must never be promoted now)
+            t.link.call(Replicate(-1, [], 0, 1.0), self.manager_id)
+        except Exception:  # noqa: BLE001 - gone, or unreachable: said below
+            pass
+        t.link.close()
+        logger.warning("ddict %s: manager %d dropped its replica on %s (%s): %s",
+                       self.spec.name, self.manager_id, t.info.hostname, t.info.worker,
+                       e)  # fmt: skip
+
+    def _doubt(self, t: Target, e: BaseException, keeper: LeaseKeeper) -> None:
+        """Replica ``t`` failed a write: nothing is acknowledged without it until the
+        orchestrator took it out of the replica set (:meth:`dropped`, from the lease's
+        renewal that asked it).  Meanwhile this manager answers nobody (``LEASE``), and
+        the writes that wait for its shipping lock write nothing (``store.fenced``)."""
+        address = tuple(t.info.address)
+        why = (f"its replica on {t.info.hostname} ({t.info.worker}) failed a write ({e}); "
+               "the orchestrator has not taken it out of the replica set yet")  # fmt: skip
+        self.doubts.add(address)
+        if self.manager is not None:
+            self.manager.store.fenced = why
+            if self.hosted is not None:
+                self.hosted.fence(self.manager, why)
+        logger.warning("ddict %s: manager %d: %s (asked now)", self.spec.name, self.manager_id,
+                       why)  # fmt: skip
+        will_block()
+        answered = keeper.answer(max(0.0, keeper.until - lease_clock()) + RETRY)
+        if self.closed:
+            raise DDictManagerMovedError(f"manager {self.manager_id} is served elsewhere now: "
+                                         "this write was not acknowledged")  # fmt: skip
+        if address in self.doubts:
+            said = "it did not agree" if answered else "it did not answer"
+            raise DDictLeaseError(f"manager {self.manager_id}: {why} ({said}): this write is not "
+                                  "acknowledged (it may be applied once the replica set is "
+                                  "settled, or not at all)")  # fmt: skip
+
+    def dropped(self, addresses: list[tuple[Any, ...]]) -> None:
+        """The orchestrator took the replicas at ``addresses`` out of the replica set (a
+        lease renewal's answer): they are dropped, and without doubts the manager serves."""
+        gone = set(addresses)
+        for t in [t for t in self.targets if tuple(t.info.address) in gone]:
             self.targets.remove(t)
             t.pending.clear()
-            try:  # (and told so if it can hear it: it must never be promoted now)
-                t.link.call(Replicate(-1, [], 0, 1.0), self.manager_id)
-            except Exception:  # noqa: BLE001 - gone, or unreachable: said below
-                pass
             t.link.close()
-            logger.warning("ddict %s: manager %d dropped its replica on %s (%s): %s",
-                           self.spec.name, self.manager_id, t.info.hostname, t.info.worker,
-                           e)  # fmt: skip
+            logger.warning("ddict %s: manager %d dropped its replica on %s (%s): the "
+                           "orchestrator took it out of the replica set", self.spec.name,
+                           self.manager_id, t.info.hostname, t.info.worker)  # fmt: skip
+        self.doubts -= gone
+        if self.manager is not None and not self.targets:
+            self.manager.store.replicate = None
+        if not self.doubts and self.hosted is not None and self.manager is not None:
+            self.hosted.confirm(self.manager_id)
 
     def close(self) -> None:
+        self.closed = True
         for t in self.targets:
             t.pending.clear()
             t.link.close()
@@ -228,8 +303,9 @@ class Shipper:
 
 
 def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | None,
-            remove: list[Any], release: bool,
-            deposed: Callable[[str], None] | None = None) -> list[list[Any]]:  # fmt: skip
+            remove: list[Any], release: bool, deposed: Callable[[str], None] | None = None,
+            keeper: LeaseKeeper | None = None,
+            hosted: HostedDict | None = None) -> list[list[Any]]:  # fmt: skip
     """Change ``manager``'s replicas: ``add`` one (its host's layout fields), ``remove``
     those at these host addresses; then end a ``Moving.hold`` (``release``).  Returns the
     host addresses of the replicas it ships to now (without ``add`` or ``remove``: which
@@ -238,7 +314,8 @@ def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | N
     try:
         with manager.store.shipping:  # (no commit is being shipped meanwhile)
             if shipper is None and add is not None:
-                shipper = manager.shipper = Shipper(spec, manager.manager_id, tls)
+                shipper = manager.shipper = Shipper(spec, manager.manager_id, tls, keeper,
+                                                    hosted, manager)  # fmt: skip
                 shipper.deposed = deposed
             if shipper is not None:
                 for address in remove:

@@ -50,6 +50,7 @@ from ..errors import (
     DDictClosedError,
     DDictError,
     DDictFullError,
+    DDictLeaseError,
     DDictManagerMovedError,
     DDictManagerUnavailableError,
     wire_error,
@@ -74,6 +75,7 @@ from .served import Counting, Served, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
+    from .lease import LeaseKeeper
     from .replica_store import Replica
     from ..shard.pinboard import BoardReader
     from ..shard.manager import Manager
@@ -82,6 +84,9 @@ logger = logging.getLogger(__name__)
 
 _FANOUT = int(Op.FANOUT)
 _REPLICATE = int(Op.REPLICATE)  # (an enum member's lookup costs more than the comparison)
+#: What a host serves whatever its lease: a replica's change sets (a replica applies
+#: them under its primary's lease), a shard's pages (the orchestrator's moves and seeds).
+_UNLEASED = frozenset({_REPLICATE, int(Op.SHARD_PAGES)})
 _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's __new__
 
 #: Values up to this size are copied out of a connection's receive buffer; larger ones are
@@ -135,11 +140,12 @@ class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
     __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins",
-                 "served", "moved", "replicas")
+                 "served", "moved", "replicas", "lease", "leased", "fenced", "_fencing")
 
     def __init__(self, uid: str, name: str, secret: str,
                  generations: Generations | None = None,
-                 pins: BoardReader | None = None) -> None:  # fmt: skip
+                 pins: BoardReader | None = None,
+                 lease: LeaseKeeper | None = None) -> None:  # fmt: skip
         self.uid = uid
         self.key = bytes.fromhex(uid)  # as clients name it in their HELLO
         self.name = name
@@ -157,9 +163,48 @@ class HostedDict:
         self.moved: dict[int, tuple[str, int]] = {}
         #: Replicas of other host processes' managers kept here (see :mod:`.replicas`).
         self.replicas: dict[int, Replica] = {}
+        #: This host's lease, which its primaries need while ``leased`` (a replicated
+        #: dictionary, on a cluster whose orchestrator this host reaches: see :mod:`.lease`).
+        self.lease = lease
+        self.leased = False
+        #: Its primaries that do not serve now, and why: waiting for the orchestrator to
+        #: confirm them, or to drop a replica that failed a write (answered ``LEASE``).
+        self.fenced: dict[int, tuple[Manager, str]] = {}
+        self._fencing = threading.Lock()  # (fence and confirm: a writer's, the lease's thread)
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
+
+    def find(self, mid: int) -> Manager | None:
+        """Manager ``mid`` here, serving or fenced."""
+        manager = self.managers.get(mid)
+        if manager is None and mid in self.fenced:
+            manager = self.fenced[mid][0]
+        return manager
+
+    def fence(self, manager: Manager, why: str) -> None:
+        """``manager`` stops serving (its requests are answered ``LEASE``, ``why``) until
+        :meth:`confirm`; a fenced one keeps its first reason."""
+        mid = manager.manager_id
+        with self._fencing:
+            if self.managers.get(mid) is manager:
+                del self.managers[mid]
+            if mid not in self.fenced:
+                self.fenced[mid] = (manager, why)
+
+    def confirm(self, mid: int) -> None:
+        """The orchestrator confirmed manager ``mid``, which serves from now on unless
+        a replica of it is in doubt (see ``Shipper.doubts``)."""
+        with self._fencing:
+            fenced = self.fenced.get(mid)
+            if fenced is None:
+                return
+            manager = fenced[0]
+            if manager.shipper is not None and manager.shipper.doubts:
+                return
+            self.managers[mid] = manager
+            del self.fenced[mid]
+            manager.store.fenced = ""
 
     def changes(self) -> int:
         """What a kept ``stats`` answer holds besides its shards: a number that moves
@@ -372,11 +417,16 @@ class HostServer:
         if owed[0] is not None:
             _deliver(owed)
         manager = hosted.managers.get(mid)
+        if manager is None and op in _UNLEASED:  # (a fenced primary's shard is copied too)
+            manager = hosted.find(mid)
         if not checked:  # (the loop's requests, once whole: at most _MOST_INLINE bytes)
             klen, vlen = len(req[7]) + len(req[8]), len(req[9])
             if self.limits.doubtful(manager, klen, vlen):
                 self._check_lengths(c, mid, klen, vlen, flags, tag)
         try:
+            if hosted.leased and op not in _UNLEASED and (
+                    manager is not None or op == _FANOUT or op in HOST_WIDE):  # fmt: skip
+                hosted.lease.check(hosted.name)  # (a replicated primary here: see .lease)
             if op == _FANOUT:  # one operation on several of this dictionary's managers
                 count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
                 self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
@@ -422,6 +472,9 @@ class HostServer:
         if mid in hosted.moved:
             return DDictManagerMovedError(f"manager {mid} of {hosted.name!r} moved to "
                                           f"{hosted.moved[mid][0]}")  # fmt: skip
+        if mid in hosted.fenced:
+            return DDictLeaseError(f"manager {mid} of {hosted.name!r} does not serve at process "
+                                   f"{os.getpid()} now: {hosted.fenced[mid][1]}")  # fmt: skip
         return DDictManagerUnavailableError(
             f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
         )
@@ -439,9 +492,12 @@ class HostServer:
                            "(ddict.transport.max-key-bytes)", "INVALID_ARGUMENT")  # fmt: skip
         elif manager is None:
             moved = hosted.moved.get(mid)
+            fenced = hosted.fenced.get(mid)
             replica = hosted.replicas.get(mid)  # (a change set: up to twice a shard's value)
             if vlen <= self.limits.max_key_bytes or (
                     moved is not None and vlen <= self.limits.most_value(moved[1])) or (
+                    fenced is not None and vlen <= self.limits.most_value(
+                        fenced[0].store.capacity)) or (
                     replica is not None and vlen <= 2 * self.limits.most_value(
                         replica.store.capacity)):  # fmt: skip
                 return  # the body is read, then answered: not hosted here, closed, or MOVED

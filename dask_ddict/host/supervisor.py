@@ -72,14 +72,18 @@ class HostSupervisor:
         A name for logs (the nanny's or worker's address).
     tls
         Serve TCP over TLS, as the cluster's own comms do.
+    scheduler
+        The scheduler's address: the orchestrator that grants the host's lease (see
+        :mod:`.lease`); ``""``: none the host process can reach (an in-process cluster).
     """
 
     def __init__(self, tcp_host: str, security: Any = None, label: str = "",
-                 tls: bool = False) -> None:  # fmt: skip
+                 tls: bool = False, scheduler: str = "") -> None:  # fmt: skip
         self.tcp_host = tcp_host
         self.security = security
         self.label = label
         self.tls = tls
+        self.scheduler = scheduler
         self.proc: subprocess.Popen[bytes] | None = None
         self.socket_dir = ""
         self.uds_path = ""
@@ -99,6 +103,8 @@ class HostSupervisor:
         #: The replicas kept by the host: the dictionary each belongs to (for a promotion),
         #: and its path.
         self._replicas: dict[tuple[str, int], tuple[DictSpec, str]] = {}
+        #: Deposed primaries' shards that the host keeps aside (its notices say which).
+        self._aside: dict[tuple[str, int], str] = {}
         self._restarts: collections.deque[float] = collections.deque()
         self.restart_count = 0
         self._watcher: threading.Thread | None = None
@@ -142,17 +148,27 @@ class HostSupervisor:
     def _spawn(self) -> None:
         """Start an incarnation and replay every dictionary into it (lock held)."""
         assert self._uds is not None and self._tcp is not None
-        fds = (self._uds.fileno(), self._tcp.fileno())
+        notices, told = os.pipe()  # (the host's own word to this supervisor: _noted)
+        fds = (self._uds.fileno(), self._tcp.fileno(), told)
         changes = config.get("host.environ")  # (null: none)
         env = host_environ(os.environ, {} if changes is None else changes)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dask_ddict.host", *map(str, fds)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
-            start_new_session=True, env=env, cwd=self.socket_dir,
-        )  # fmt: skip
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dask_ddict.host", *map(str, fds)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
+                start_new_session=True, env=env, cwd=self.socket_dir,
+            )  # fmt: skip
+        except BaseException:
+            os.close(notices)
+            raise
+        finally:
+            os.close(told)
+        threading.Thread(target=self._noted, args=(notices,), name="ddict-host-notices",
+                         daemon=True).start()  # fmt: skip
         self._send(control.Init(self.security, os.getpid(), self.socket_dir, self.tls,
                                 tuple(self._closed), dask.config.get("ddict"),
-                                self.restart_count))  # fmt: skip
+                                self.restart_count, self.scheduler, self.label,
+                                tuple((u, m, p) for (u, m), p in self._aside.items())))  # fmt: skip
         self._recv(config.get_seconds("host.start-timeout"))
         for uid, (spec, paths, worker) in list(self._dicts.items()):
             try:
@@ -218,6 +234,33 @@ class HostSupervisor:
                     continue
                 if replicated and self.on_restart is not None:
                     self.on_restart()
+
+    def _noted(self, fd: int) -> None:
+        """Read an incarnation's notices until it ends (see ``process.Host``)."""
+        with os.fdopen(fd, "rb") as f:
+            while True:
+                try:
+                    notice = control.recv(f)
+                except Exception:  # noqa: BLE001 - cut short: the host died meanwhile
+                    return
+                if notice is None:
+                    return
+                with self._lock:
+                    self._note(notice)
+
+    def _note(self, notice: Any) -> None:
+        """What the host decided alone: this supervisor's books follow (lock held)."""
+        key = (notice.uid, notice.manager_id)
+        if isinstance(notice, control.Deposed):
+            entry = self._dicts.get(notice.uid)
+            if entry is not None:
+                entry[1].pop(notice.manager_id, None)
+                if not entry[1]:
+                    del self._dicts[notice.uid]
+            hygiene.release(self._shard_locks.pop(key, None))
+            self._aside[key] = notice.path
+        elif isinstance(notice, control.Discarded):
+            self._aside.pop(key, None)
 
     # -- the pipe -----------------------------------------------------------------
 
@@ -334,14 +377,15 @@ class HostSupervisor:
                 capacity: int, num_managers: int, manager_id: int, worker: str = "",
                 path: str = "", source: dict[str, Any] | None = None, used: int = 0,
                 map_size: int = 0, storage_options: dict[str, Any] | None = None,
-                ) -> list[dict[str, Any]]:  # fmt: skip
-        """Serve a manager that moves here (its shard at ``path``, or copied from ``source``)."""
+                term: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+        """Serve a manager that moves here (its shard at ``path``, or copied from ``source``),
+        under ``term``."""
         spec = DictSpec(name, uid, secret, DDictOptions.from_dict(options), int(capacity),
                         int(num_managers), storage_options)  # fmt: skip
         mid = int(manager_id)
         with self._lock:
             infos = self.call(control.MoveIn(spec, mid, worker, path, source, int(used),
-                                             int(map_size)))  # fmt: skip
+                                             int(map_size), int(term)))  # fmt: skip
             known = self._dicts.setdefault(uid, (spec, {}, worker))[1]
             for info in infos:
                 known[mid] = info["store_path"]
@@ -427,16 +471,22 @@ class HostSupervisor:
             return bool(self.call(control.ReplicaDrop(uid, int(manager_id))))
 
     def replica_promote(self, uid: str, manager_id: int, worker: str = "",
-                        old_path: str = "") -> list[dict[str, Any]]:  # fmt: skip
-        """Serve a manager whose primary is lost over the replica kept here."""
+                        old_path: str = "", term: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+        """Serve a manager whose primary is lost over the replica kept here, under ``term``
+        (once the orchestrator confirms it: see :mod:`.lease`)."""
         mid = int(manager_id)
         with self._lock:
             kept = self._replicas.pop((uid, mid), None)
+            served = self._dicts.get(uid)
+            if kept is None and served is not None and mid in served[1]:
+                # (promoted by a call whose answer the orchestrator did not get: the same)
+                return self._described([{"manager_id": mid, "store_path": served[1][mid],
+                                         "restarted": True}], worker)  # fmt: skip
             if kept is None:
                 raise DDictError(f"no replica of manager {mid} of {uid} is kept here",
                                  "MANAGER_UNAVAILABLE")  # fmt: skip
             spec = kept[0]
-            infos = self.call(control.ReplicaPromote(spec, mid, worker, old_path))
+            infos = self.call(control.ReplicaPromote(spec, mid, worker, old_path, int(term)))
             self._dicts.setdefault(uid, (spec, {}, worker))[1][mid] = infos[0]["store_path"]
             self._shard_locks[(uid, mid)] = hygiene.claim(infos[0]["store_path"])
         return self._described(infos, worker)
@@ -496,6 +546,8 @@ class HostSupervisor:
         with self._lock:
             entry = self._dicts.pop(uid, None)
             self._moving_specs.pop(uid, None)  # (a move under way is not resumed here)
+            for key in [k for k in self._aside if k[0] == uid]:  # (the host deletes them)
+                del self._aside[key]
             for key in [k for k in self._replicas if k[0] == uid]:
                 del self._replicas[key]
             for key in [k for k in self._moving if k[0] == uid]:

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 import lmdb
 
 from .._blocking import acquire, locked
-from ..errors import DDictError, DDictFullError
+from ..errors import DDictError, DDictFullError, DDictLeaseError
 
 T = TypeVar("T")
 
@@ -38,6 +38,7 @@ class ShardStore(Protocol):
     _index: Any
     _meta: Any
     shipping: Any
+    fenced: str
     replicate: Callable[[list[Any], bool], None] | None
     on_commit: Callable[[], None] | None
     later: bool
@@ -239,6 +240,9 @@ class Shipped:
     def __enter__(self) -> Recording:
         store = self.store
         acquire(store.shipping)  # (a host's event loop moves on rather than wait for it)
+        if store.fenced:
+            store.shipping.release()
+            raise fenced(store)
         store.later = False
         try:
             self.txn = store.env.begin(write=True, buffers=True)
@@ -260,6 +264,11 @@ class Shipped:
             store.shipping.release()
 
 
+def fenced(store: ShardStore) -> DDictLeaseError:
+    """The error of a write that found its shard's replicas in doubt (nothing written)."""
+    return DDictLeaseError(f"shard {store.path} takes no write now: {store.fenced}")
+
+
 def ship(store: ShardStore, changes: list[Change]) -> None:
     """After a commit: the changes to the replicas (waiting for them unless the write set
     ``store.later``), then the commit's own hook."""
@@ -275,6 +284,8 @@ def transact(store: ShardStore, fn: Callable[[Any], T], run: Callable[..., Any])
     transaction runner) with a recording transaction, then the changes shipped, all
     under the store's shipping lock."""
     with locked(store.shipping):  # (a host's event loop moves on rather than wait for it)
+        if store.fenced:
+            raise fenced(store)
         store.later = False
         rec: list[Recording] = []
 

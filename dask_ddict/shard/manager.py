@@ -105,6 +105,8 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         self.read_only = read_only
         self.frozen = frozen or read_only
         self.closed = False
+        #: The term it is served under here (``ManagerInfo.term``: see ``cluster.leases``).
+        self.term = 0
         self.persister = persister
         self.pull_shard = pull_shard
         self._dumps: dict[int, lmdb.Transaction] = {}  # open replication snapshots

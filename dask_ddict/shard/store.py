@@ -141,6 +141,10 @@ class ShardStore(Capacity):
         #: A replicated shard's: ships each commit's changes to the replicas (see changes).
         self.replicate: Callable[[list[Any], bool], None] | None = None
         self.shipping = threading.Lock()  # (held from a replicated write's start to its ship)
+        #: Why a replicated write may not begin now ("": it may): a replica failed a write,
+        #: and the orchestrator has not taken it out of the replica set yet (see
+        #: ``host.replicas.Shipper``): the writes that waited for the shipping lock fail.
+        self.fenced = ""
         #: Set by a replicated write whose writer answers nobody now (a batch's records,
         #: answered at its end): its changes are sent without waiting (see changes.ship).
         self.later = False
@@ -487,11 +491,20 @@ class ShardStore(Capacity):
         except lmdb.MapFullError as e:
             raise DDictFullError(f"shard {self.path} is full (metadata)") from e
 
-    def stamp(self, manager_id: int) -> None:
-        """Record this shard's format and manager (a new shard, before any use)."""
+    def stamp(self, manager_id: int, term: int | None = None) -> None:
+        """Record this shard's format and manager (a new shard, before any use), and the
+        term its manager is served under here (``None``: the one it has)."""
         with self.write() as txn:
             self.put_meta(txn, b"format", FORMAT)
             self.put_meta(txn, b"manager", str(manager_id).encode())
+            if term is not None:
+                self.put_meta(txn, b"term", str(int(term)).encode())
+
+    def term(self) -> int:
+        """The term its manager was last served under (see ``ManagerInfo.term``; 0: none)."""
+        with self.read() as txn:
+            raw = self.get_meta(txn, b"term")
+        return 0 if raw is None else int(raw)
 
     def check_stamp(self, manager_id: int) -> None:
         """Refuse a shard of another format or manager (re-attach, same-host reads).

@@ -32,6 +32,7 @@ from .. import config
 from ..errors import (
     DDictClosedError,
     DDictError,
+    DDictLeaseError,
     DDictManagerMovedError,
     DDictManagerUnavailableError,
     Status,
@@ -60,7 +61,11 @@ def _reraise(e: BaseException) -> NoReturn:
 ASK_PARKED = 0.5
 #: How many moves one operation follows (a manager that moves again while it is followed).
 MOST_FOLLOWS = 8
+#: Seconds between two questions to the orchestrator of an operation that waits for a
+#: replicated manager's primary (its host answered ``LEASE``).
+SETTLE_POLL = 0.2
 _MOVED = int(Status.MOVED)
+_LEASE = int(Status.LEASE)
 
 
 def _place(info: ManagerInfo) -> tuple[Any, ...]:
@@ -129,6 +134,10 @@ class Connections:
         self._follow: Callable[..., HostLink] = \
             lambda mid, d, via=None: _reraise(DDictClosedError("the DDict was detached")) \
             if (f := follow()) is None else f(mid, d, via)  # fmt: skip
+        settle = weakref.WeakMethod(self.settle)
+        self._settle: Callable[..., HostLink] = \
+            lambda mid, d, since, via=None: _reraise(DDictClosedError("the DDict was detached")) \
+            if (f := settle()) is None else f(mid, d, since, via)  # fmt: skip
         #: Longest pickled key a host accepts (checked here first, with a clear error).
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
@@ -193,6 +202,43 @@ class Connections:
         self.adopt(layout)
         return self._host_link(layout.managers[mid])
 
+    def settle(self, mid: int, deadline: float | None, since: float,
+               via: tuple[str, str, int] | None = None) -> HostLink:  # fmt: skip
+        """The link to send an operation on manager ``mid`` to again, after its host at
+        ``via`` answered ``LEASE`` (first at ``since``): that host may not serve it now
+        (its lease lapsed: it is cut off from the orchestrator, or its primaries fail
+        over; or the manager waits for the orchestrator's word).  The orchestrator is
+        asked where the manager is once its changes of this dictionary are done: a new
+        place is taken at once; else, after :data:`SETTLE_POLL` s, the same host again.
+        Waits until ``deadline``, else ``ddict.failover-timeout`` from ``since``.
+
+        Raises
+        ------
+        DDictLeaseError
+            No primary answered in that time.
+        DDictManagerUnavailableError
+            The manager is lost.
+        """
+        limit = deadline if deadline is not None else \
+            since + (config.get_seconds("failover-timeout") or 0.0)  # fmt: skip
+        now = time.monotonic()
+        before = self.layout.managers[mid]
+        if now >= limit:
+            raise DDictLeaseError(f"manager {mid} of {self.layout.name!r}: no primary answered "
+                                  f"within {now - since:.1f} s: its host "
+                                  f"{before.hostname} ({before.worker}) holds no lease for it "
+                                  "and no replica took over (ddict.failover-timeout)")  # fmt: skip
+        layout = self.current(limit)
+        if layout is not None and layout.epoch > self.layout.epoch:
+            self.adopt(layout)
+        now_at = self.layout.managers[mid]
+        if now_at.lost:
+            raise manager_lost(self.layout.name, now_at)
+        if now_at.address != (via or before.address) or now_at.term != before.term:
+            return self._host_link(now_at)
+        time.sleep(max(0.0, min(SETTLE_POLL, limit - time.monotonic())))
+        return self._host_link(self.layout.managers[mid])
+
     def adopt(self, layout: Layout) -> None:
         """Use ``layout`` from now on: the channels of managers that moved are dropped."""
         with self._lock:
@@ -236,6 +282,7 @@ class Connections:
             )
             link.explain = self._explain
             link.follow = functools.partial(self._follow, via=info.address)
+            link.settle = functools.partial(self._settle, via=info.address)
         return link
 
     def _unpark(self, mids: list[int]) -> None:
@@ -356,21 +403,30 @@ class Connections:
         went), where they are now."""
         sent = self.layout
         results, failure, errors = self._broadcast(o, mids, progress, settle=settle)
-        for _ in range(MOST_FOLLOWS):
-            lost_host = type(failure) is DDictManagerMovedError
+        follows, since = 0, 0.0
+        while follows < MOST_FOLLOWS:
+            # (a host gone whose managers moved, or a host that may not serve them now)
+            gone, lapsed = type(failure) is DDictManagerMovedError, type(failure) is DDictLeaseError
             moved = [m for m in mids if m not in results and (
-                errors[m][0] == _MOVED if m in errors else lost_host)]  # fmt: skip
-            if not moved:
+                errors[m][0] == _MOVED if m in errors else gone)]  # fmt: skip
+            waiting = [m for m in mids if m not in results and (
+                errors[m][0] == _LEASE if m in errors else lapsed)]  # fmt: skip
+            if not moved and not waiting:
                 break
             try:
-                self.follow(moved[0], None, sent.managers[moved[0]].address)
+                if moved:
+                    follows += 1
+                    self.follow(moved[0], None, sent.managers[moved[0]].address)
+                else:
+                    since = since or time.monotonic()
+                    self.settle(waiting[0], None, since, sent.managers[waiting[0]].address)
             except DDictError:
                 break
-            if lost_host:
+            if gone or lapsed:
                 failure = None
             sent = self.layout
-            again, fail, errs = self._broadcast(o, moved, "", settle=settle)
-            for m in moved:
+            again, fail, errs = self._broadcast(o, moved + waiting, "", settle=settle)
+            for m in moved + waiting:
                 errors.pop(m, None)
             results.update(again)
             errors.update(errs)
@@ -423,7 +479,8 @@ class Connections:
         return results, failure, errors
 
     def get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
-                 lend: bool | None = False, follows: int = 0) -> dict[int, list[Any]]:  # fmt: skip
+                 lend: bool | None = False, follows: int = 0, since: float = 0.0
+                 ) -> dict[int, list[Any]]:  # fmt: skip
         """The frames of many keys, by manager (:class:`~.many.GetMany`).
 
         One request per host process, all sent before any answer is read (the
@@ -462,14 +519,21 @@ class Connections:
                     out[mid] = frames
             except BaseException as e:
                 failure = failure or e
-        if type(failure) is DDictManagerMovedError and follows < MOST_FOLLOWS:
+        if isinstance(failure, DDictError) and follows < MOST_FOLLOWS and \
+                type(failure) in (DDictManagerMovedError, DDictLeaseError):  # fmt: skip
             rest = {m: g for m, g in groups.items() if m not in out}
+            lapsed = type(failure) is DDictLeaseError
             try:
                 first = next(iter(rest))
-                self.follow(first, None, sent.managers[first].address)
+                if lapsed:  # (a host that may not serve them now: asked again after a wait)
+                    since = since or time.monotonic()
+                    self.settle(first, None if timeout is None else began + timeout, since,
+                                sent.managers[first].address)  # fmt: skip
+                else:
+                    self.follow(first, None, sent.managers[first].address)
             except DDictError:
                 raise failure from None
-            out.update(self.get_many(rest, chkpt, timeout, lend, follows + 1))
+            out.update(self.get_many(rest, chkpt, timeout, lend, follows + (not lapsed), since))
             return out
         if failure is not None:
             raise failure

@@ -83,6 +83,7 @@ from .protocol import (
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
+    from ..shard.lease_word import LeaseWord
 
 #: Connection errors that mean nobody listens any more (the host is gone), in words.
 _GONE = {
@@ -99,6 +100,7 @@ Explain = Callable[[int, DDictManagerUnavailableError, "tuple[str, str, int] | N
 
 _ONCE = Kind.ONCE  # (an enum member's lookup costs more than the comparison)
 _MOVED = int(Status.MOVED)
+_LEASE = int(Status.LEASE)
 
 
 class HostLink:
@@ -139,12 +141,17 @@ class HostLink:
         self.idle: list[Conn] = []
         self.closed = False
         self._generations: Generations | None = None
+        self._lease_word: LeaseWord | None = None
         #: What turns "manager ``mid`` cannot be reached" into what its user should read
         #: (:meth:`~.connect.Connections.explain`); ``None``: this process's own view.
         self.explain: Explain | None = None
         #: ``follow(mid, deadline)``: the link to a moved manager's new host (see
         #: :meth:`~.connect.Connections.follow`); ``None``: a move is an error here.
         self.follow: Callable[[int, float | None], HostLink] | None = None
+        #: ``settle(mid, deadline, since)``: the link to send again to, after manager
+        #: ``mid`` answered ``LEASE`` here (first at ``since``): see
+        #: :meth:`~.connect.Connections.settle`; ``None``: ``LEASE`` is an error here.
+        self.settle: Callable[[int, float | None, float], HostLink] | None = None
         #: Each event loop's pipelined connections to this host (:mod:`.pipelined`).
         self.pipes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -165,6 +172,15 @@ class HostLink:
             except OSError:
                 return None
         return self._generations
+
+    def lease_word(self) -> LeaseWord:
+        """The lease word of this (same) host's process, mapped once (see
+        :mod:`~dask_ddict.shard.lease_word`); raises ``OSError`` if there is none."""
+        if self._lease_word is None:
+            from ..shard.lease_word import LeaseWord, path_for
+
+            self._lease_word = LeaseWord(path_for(os.path.dirname(self.info.uds_path)))
+        return self._lease_word
 
     def where(self, mid: int) -> str:
         return f"manager {mid} of {self.name!r} on host {self.info.hostname} ({self.info.worker})"
@@ -367,6 +383,8 @@ class HostLink:
         if status:
             if status == _MOVED and self.follow is not None and o.follows:
                 return self.follow(mid, None).call(o, mid)
+            if status == _LEASE and self.settle is not None and o.follows:
+                return self._call(o, mid)  # (it waits for a primary: _exchange)
             raise_for_status(status, bytes(payload).decode(errors="replace"))
         return ival, payload
 
@@ -414,7 +432,8 @@ class HostLink:
         return answer
 
     def _exchange(self, o: Operation, mid: int, began: float | None = None, rid: int = 0,
-                  waited: bool = False) -> Generator[None, None, tuple[int, Any]]:  # fmt: skip
+                  waited: bool = False, lapsed: float = 0.0
+                  ) -> Generator[None, None, tuple[int, Any]]:  # fmt: skip
         """Request and answer, with retries; yields once, when the request first went out.
 
         With a timeout, everything (connecting, the handshake, reconnecting to a
@@ -422,7 +441,9 @@ class HostLink:
         here gives up on a host that is not known to be gone.  A manager that moved (its
         old host answers ``MOVED``: not applied; or is gone, and the orchestrator knows
         where it went) is followed: the same request and id, in the same time (callers
-        follow operations on several managers: ``Operation.follows``)."""
+        follow operations on several managers: ``Operation.follows``).  One whose host
+        answers ``LEASE`` (it may not serve it now) is sent again, with its id, where
+        :attr:`settle` says, until a primary answers (``lapsed``: since when it waits)."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
         if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
@@ -479,7 +500,8 @@ class HostLink:
                     self.forget(conn)
                 if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
                         and (kind is not Kind.UNSAFE or not sent):  # fmt: skip
-                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited))
+                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited,
+                                                                            lapsed))
                 raise
             except Deadline as e:
                 if conn is not None:
@@ -504,7 +526,20 @@ class HostLink:
             KEPT.give(self, conn)
             if status:
                 if status == _MOVED and self.follow is not None and o.follows:
-                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited))
+                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited,
+                                                                            lapsed))
+                if status == _LEASE and self.settle is not None and o.follows \
+                        and kind is not Kind.UNSAFE:  # fmt: skip
+                    lapsed = lapsed or time.monotonic()
+                    link = self.settle(mid, deadline, lapsed)  # (raises when it gives up)
+                    if link is not self:
+                        return (yield from link._exchange(o, mid, start, rid, waited, lapsed))
+                    attempt = 0
+                    if timeout is not None:  # (what is left of its time)
+                        left = max(0.0, timeout - (time.monotonic() - start))
+                        head = REQ.pack(op, flags, len(keysec), mid, 0, chkpt, arg, client, left,
+                                        vlen, rid)  # fmt: skip
+                    continue
                 raise_for_status(status, bytes(payload).decode(errors="replace"))
             return ival, payload
 

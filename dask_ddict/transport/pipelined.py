@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 _HEAD = REP.size
 _MOVED = int(Status.MOVED)
+_LEASE = int(Status.LEASE)
 _TAGS = 1 << 32
 
 
@@ -431,8 +432,9 @@ async def send(link: HostLink, o: Operation, mid: int, began: float
             if timer is not None:
                 timer.cancel()
         if status:
-            if status == _MOVED:
-                raise Unpipeable(f"manager {mid} moved: the blocking path follows it")
+            if status == _MOVED or status == _LEASE:
+                raise Unpipeable(f"manager {mid} moved, or its host may not serve it now: the "
+                                 "blocking path follows it, or waits for its primary")  # fmt: skip
             raise_for_status(status, bytes(payload).decode(errors="replace"))
         return ival, payload
 

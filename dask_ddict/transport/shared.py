@@ -131,9 +131,11 @@ class SharedChannel:
             options.wait_for_keys or options.wait_for_writers or options.read_only
             or options.replicas  # (a replicated write goes through its primary's host)
         )
-        # A replicated shard is read here only while its host lives (a replica may take
-        # over once it is gone): checked at every read, not every ALIVE_CHECK seconds.
+        # A replicated shard is read here only while its host lives and holds its lease (a
+        # replica may take over once it is gone or cut off): checked at every read, not
+        # every ALIVE_CHECK seconds (a host without a lease word is read over its socket).
         self._alive_for = 0.0 if options.replicas else ALIVE_CHECK
+        self._lease = sock.link.lease_word() if options.replicas else None
         self._closed = False
         self._alive_until = 0.0
         try:
@@ -199,8 +201,9 @@ class SharedChannel:
         unavailable, as it does over a socket.  ``info.pid`` is the supervisor's: while
         it lives the shard is served (its host process may be restarting, and the
         shard holds every committed write), so a ``kill(pid, 0)`` at most every
-        :data:`ALIVE_CHECK` seconds tells.  A manager that closed says so in the shard itself (see
-        :meth:`_visible`).
+        :data:`ALIVE_CHECK` seconds tells.  A replicated manager whose host holds no
+        lease now (see :mod:`~dask_ddict.shard.lease_word`) is asked over its socket.
+        A manager that closed says so in the shard itself (see :meth:`_visible`).
         """
         now = time.monotonic()
         if now < self._alive_until:
@@ -215,6 +218,8 @@ class SharedChannel:
             ) from None
         except PermissionError:
             pass  # alive, under another user
+        if self._lease is not None and not self._lease.valid():
+            raise _OverSocket()  # (its host answers, or says it may not serve it now)
 
     def _word(self) -> int:
         """The manager's generation word (0: unknown), read *before* a snapshot begins

@@ -1,0 +1,235 @@
+"""Leases: the orchestrator's bookkeeping and its answers to renewals, without a cluster.
+
+``cluster.leases`` is pure (its clock injected); the orchestrator's failover and its
+answers to a host's renewal (``Replicas.lease``) run here against a fake RPC to the
+host supervisors (a partition: calls that fail as an unreachable host's do).  The same
+rules on real processes and real partitions: ``tests/test_partitions.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from dask_ddict.cluster.failover import Failover
+from dask_ddict.cluster.leases import RATE, Leases, verdicts
+from dask_ddict.cluster.moves import Candidate, Moves
+from dask_ddict.cluster.replicas import Replica, Replicas
+from dask_ddict.layout import Layout, ManagerInfo
+from dask_ddict.options import DDictOptions
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_is_over_only_after_its_duration_with_rate_and_margin():
+    clock = Clock()
+    leases = Leases(10.0, 1.0, clock)
+    assert leases.ends_at("a") == clock.now  # never granted: holds nothing
+    assert leases.grant("a", serving=True) == 10.0
+    assert leases.ends_at("a") == pytest.approx(100.0 + 10.0 * RATE + 1.0)
+    clock.now += 11.0
+    assert leases.left("a") == pytest.approx(10.0 * RATE - 10.0)  # (the rate's part)
+    assert leases.overdue() == []
+    clock.now += 0.2
+    assert leases.overdue() == ["a"]  # ran out without a renewal: a suspect
+    leases.grant("a", serving=True)  # (renewed: not any more)
+    assert leases.overdue() == []
+
+
+def test_a_revoked_host_is_granted_nothing_until_restored_and_one_that_ended_holds_nothing():
+    clock = Clock()
+    leases = Leases(5.0, 0.5, clock)
+    leases.grant("a", serving=True)
+    leases.revoke("a")
+    assert leases.grant("a", serving=True) == 0.0
+    assert leases.ends_at("a") == pytest.approx(100.0 + 5.0 * RATE + 0.5)  # (the last grant)
+    assert leases.overdue() == []  # (suspected already)
+    leases.restore("a")
+    assert leases.grant("a", serving=True) == 5.0
+    leases.ended("a")  # its host process is known to have ended
+    assert leases.ends_at("a") == clock.now and leases.left("a") == 0.0
+    # a host that serves no leased primary is never a suspect
+    leases.grant("b", serving=False)
+    clock.now += 60
+    assert leases.overdue() == []
+
+
+def _info(mid: int, sup: str, term: int = 0, **kw: Any) -> ManagerInfo:
+    return ManagerInfo(mid, "w-" + sup, "h-" + sup, "m-" + sup, 1, "/s-" + sup, "127.0.0.1",
+                       len(sup), f"/d-{sup}-{mid}", supervisor=sup, term=term, **kw)  # fmt: skip
+
+
+def _layout(*managers: ManagerInfo, replicas: int = 1) -> Layout:
+    return Layout("d", "u", "x", False, DDictOptions(replicas=replicas), managers, 1 << 20)
+
+
+def test_verdicts_confirm_the_layouts_primary_and_depose_replaced_ones():
+    layout = _layout(_info(0, "a"), _info(1, "b", term=3), _info(2, "c", term=1),
+                     _info(3, "a", term=2, lost=True, lost_why="gone"))  # fmt: skip
+    said = verdicts({"u": layout}, "a", [("u", 0, 0), ("u", 1, 2), ("u", 2, 2), ("u", 3, 2),
+                                         ("gone", 0, 0), ("u", 9, 0)])  # fmt: skip
+    assert said.confirmed == [("u", 0)]
+    # a newer term elsewhere, and a manager given up: deposed, saying where it is
+    assert said.deposed == {("u", 1): "h-b (worker w-b)", ("u", 3): "nowhere (lost: gone)"}
+    # manager 2 at term 2 here, the layout still at term 1: a promotion or move under way
+    # (pending); an unknown dictionary or manager: no verdict at all
+    said = verdicts({"u": layout}, "b", [("u", 1, 3), ("u", 0, 0)])
+    assert said.confirmed == [("u", 1)] and said.deposed == {("u", 0): "h-a (worker w-a)"}
+
+
+class Hosts:
+    """The scheduler's RPC to host supervisors, faked: ``cut`` ones fail as unreachable
+    hosts do; every call is noted with its time."""
+
+    def __init__(self) -> None:
+        self.cut: set[str] = set()
+        self.calls: list[tuple[str, str, dict[str, Any], float]] = []
+
+    def __call__(self, address: str) -> Any:
+        hosts = self
+
+        class Remote:
+            def __getattr__(self, op: str) -> Any:
+                async def call(**kw: Any) -> Any:
+                    hosts.calls.append((address, op, kw, time.monotonic()))
+                    if address in hosts.cut:
+                        await asyncio.sleep(0.05)
+                        raise OSError(f"Timed out trying to connect to {address}")
+                    if op == "ddict_replica_promote":
+                        new = _info(kw["manager_id"], address, kw["term"])
+                        return [{k: v for k, v in new.__dict__.items() if k != "supervisor"}]
+                    return []
+
+                return call
+
+        return Remote()
+
+    def of(self, op: str) -> list[tuple[str, dict[str, Any], float]]:
+        return [(a, kw, t) for a, o, kw, t in self.calls if o == op]
+
+
+def _orchestrator(duration: float = 0.3, margin: float = 0.1
+                  ) -> tuple[Failover, Hosts, dict[str, Layout], list[Any]]:  # fmt: skip
+    hosts = Hosts()
+    layouts = {"d": _layout(_info(0, "a"), _info(1, "b"))}
+    spawned: list[Any] = []
+
+    async def candidates(name: str, leaving: str) -> list[Candidate]:
+        return []
+
+    def spawn(work: Any) -> None:
+        spawned.append(asyncio.ensure_future(work))
+
+    leases, failing = Leases(duration, margin), {}  # type: ignore[var-annotated]
+    reps = Replicas(hosts, layouts, Moves(hosts, layouts), candidates, spawn, failing=failing,
+                    suspected=lambda s: s in leases.revoked)  # fmt: skip
+    reps.of("d")[0] = [Replica(0, "w-c", "c", "m-c", {"uds_path": "/s-c", "tcp_host": "127.0.0.1",
+                                                       "tcp_port": 1})]  # fmt: skip
+    reps.of("d")[1] = [Replica(1, "w-a", "a", "m-a", {})]
+    return Failover(reps, leases, failing), hosts, layouts, spawned
+
+
+def _serving(*managers: tuple[int, int]) -> dict[str, Any]:
+    return {"serving": [["u", m, t] for m, t in managers], "doubts": [], "aside": []}
+
+
+def test_a_suspected_primary_is_replaced_only_after_its_lease_and_then_learns_it():
+    async def main() -> None:
+        reps, hosts, layouts, spawned = _orchestrator()
+        granted = reps.lease("a", _serving((0, 0)))
+        assert granted["lease"] == 0.3 and granted["confirmed"] == [["u", 0]]
+        began = time.monotonic()
+        assert reps.suspect("a", "cut off") == {"d": [0]}
+        assert "a" in reps.leases.revoked  # type: ignore[union-attr]  # (no more grants)
+        await asyncio.gather(*spawned)
+        (_, kw, at), = hosts.of("ddict_replica_promote")
+        assert at - began >= 0.3 * RATE + 0.1 - 0.02  # (not before its lease is surely over)
+        assert kw["term"] == 1
+        m = layouts["d"].managers[0]
+        assert (m.supervisor, m.term, m.lost) == ("c", 1, False)
+        assert not reps.failing
+        # the old primary renews: deposed (it serves it nowhere now), its shard kept aside
+        said = reps.lease("a", _serving((0, 0)))
+        assert said["deposed"] == [["u", 0, "h-c (worker w-c)"]]
+        # the new primary's host renews: confirmed
+        assert reps.lease("c", _serving((0, 1)))["confirmed"] == [["u", 0]]
+        # the shard aside is discarded once the manager has its replicas again
+        aside = {"serving": [], "doubts": [], "aside": [["u", 0, "/d-a-0"]]}
+        assert reps.lease("a", aside)["discard"] == []
+        reps.replicas.of("d")[0] = [Replica(0, "w-b", "b", "m-b", {})]
+        assert reps.lease("a", aside)["discard"] == [["u", 0]]
+
+    asyncio.run(main())
+
+
+def test_a_suspected_primary_that_renews_before_any_replica_answered_is_reinstated():
+    """A partition that cuts the orchestrator from every host (the primary and its
+    replica): no promotion succeeds, nothing is marked lost, and the primary serves
+    again when it is back."""
+    async def main() -> None:
+        reps, hosts, layouts, spawned = _orchestrator(duration=0.1, margin=0.05)
+        reps.lease("a", _serving((0, 0)))
+        hosts.cut |= {"a", "c"}
+        reps.suspect("a", "cut off")
+        await asyncio.sleep(0.6)  # (the lease is over: the replica is tried, again and again)
+        assert len(hosts.of("ddict_replica_promote")) >= 1
+        assert not layouts["d"].managers[0].lost and reps.failing == {("d", 0): "a"}
+        while ("d", 0) in reps.promoting:  # (not while a promotion's call is under way)
+            await asyncio.sleep(0.01)
+        said = reps.lease("a", _serving((0, 0)))  # the primary's host is back
+        assert said["confirmed"] == [["u", 0]] and said["lease"] == 0.1
+        assert reps.failing == {}
+        await asyncio.gather(*spawned)
+        m = layouts["d"].managers[0]
+        assert (m.supervisor, m.term, m.lost) == ("a", 0, False)
+        assert [r.supervisor for r in reps.replicas.of("d")[0]] == ["c"]  # (its replica stays)
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_failed_a_write_leaves_the_set_only_at_its_primarys_word():
+    async def main() -> None:
+        reps, hosts, layouts, spawned = _orchestrator()
+        doubt = {"serving": [["u", 0, 0]], "doubts": [["u", 0, 0, [["/s-c", "127.0.0.1", 1]]]],
+                 "aside": []}  # fmt: skip
+        # a host that is not the manager's primary (at that term) cannot drop its replica
+        assert reps.lease("b", {**doubt, "serving": []})["dropped"] == []
+        assert reps.lease("a", {**doubt, "doubts": [["u", 0, 5, [["/s-c", "127.0.0.1", 1]]]]}
+                          )["dropped"] == []  # fmt: skip
+        assert [r.supervisor for r in reps.replicas.of("d")[0]] == ["c"]
+        # nor one that is failing over (its replica may be taking over)
+        reps.lease("a", _serving((0, 0)))
+        reps.leases.revoke("a")  # type: ignore[union-attr]
+        reps.failing[("d", 0)] = "a"
+        reps.promoting.add(("d", 0))
+        assert reps.lease("a", doubt)["dropped"] == []
+        reps.promoting.clear()  # (the promotion's call failed: the primary is back)
+        said = reps.lease("a", doubt)
+        assert said["dropped"] == [["u", 0, [["/s-c", "127.0.0.1", 1]]]] and said["lease"] > 0
+        assert reps.replicas.of("d")[0] == []  # (never promoted now)
+        await asyncio.gather(*spawned)
+        assert "c" in [a for a, _, _ in hosts.of("ddict_replica_drop")]  # (told, if it hears)
+        # with no replica left, the primary's loss is the manager's
+        assert reps.suspect("a", "cut off") == {}
+
+    asyncio.run(main())
+
+
+def test_without_leases_the_orchestrator_says_so():
+    hosts = Hosts()
+    layouts = {"d": _layout(_info(0, "a"))}
+
+    async def candidates(name: str, leaving: str) -> list[Candidate]:
+        return []
+
+    reps = Replicas(hosts, layouts, Moves(hosts, layouts), candidates, lambda w: None)
+    assert Failover(reps, None, {}).lease("a", _serving((0, 0))) == {"lease": None}
