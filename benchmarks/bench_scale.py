@@ -25,7 +25,7 @@ manager count (target: at most 5x from 8 to 512 managers).
 
 ``--leases 1000x10`` (host processes x primaries each) simulates the lease renewals of
 that many host processes of a replicated dictionary (``ddict.lease.duration`` of
-``--lease-seconds``, a renewal every third of it): the orchestrator's registry holds
+``--lease-seconds``, a renewal every half of it): the orchestrator's registry holds
 a dictionary of hosts x primaries managers, each with a replica, on fake supervisors,
 and processes of this machine send each host's renewal (``ddict_lease``, with its
 report of primaries and terms) on its own connection, as host processes do.  It
@@ -48,6 +48,7 @@ from typing import Any
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
+from dask_ddict.host.lease import RENEW
 
 BROADCASTS: dict[str, Callable[[DDict], Any]] = {
     "len": len,
@@ -264,17 +265,17 @@ def measure_leases(client: Client, hosts: int, per_host: int, duration: float,
         share = -(-hosts // processes)
         with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
             futures = [pool.submit(_renewing, client.scheduler.address, first,
-                                   min(share, hosts - first), per_host, duration / 3, seconds)
+                                   min(share, hosts - first), per_host, duration / RENEW, seconds)
                        for first in range(0, hosts, share)]  # fmt: skip
-            time.sleep(duration / 3 + 1.0)  # (every host connected and renewing)
+            time.sleep(duration / RENEW + 1.0)  # (every host connected and renewing)
             before = client.run_on_scheduler(_cpu)
-            time.sleep(seconds - duration / 3 - 2.0)
+            time.sleep(seconds - duration / RENEW - 2.0)
             busy = client.run_on_scheduler(_cpu) - before
             trips = sorted(t for f in futures for t in f.result())
     finally:
         client.run_on_scheduler(_drop_fake, name=name)
-    window = seconds - duration / 3 - 2.0
-    rate = len(trips) / (seconds - duration / 6)  # (they begin within the first period)
+    window = seconds - duration / RENEW - 2.0
+    rate = len(trips) / (seconds - duration / RENEW / 2)  # (they begin within the first period)
     cpu = busy / window - idle / seconds
     return {"hosts": hosts, "managers": hosts * per_host, "duration": duration,
             "renewals_per_s": rate, "cpu_share": cpu, "us_per_renewal": 1e6 * cpu / rate,

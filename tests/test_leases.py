@@ -233,3 +233,21 @@ def test_without_leases_the_orchestrator_says_so():
 
     reps = Replicas(hosts, layouts, Moves(hosts, layouts), candidates, lambda w: None)
     assert Failover(reps, None, {}).lease("a", _serving((0, 0))) == {"lease": None}
+
+
+def test_the_lease_word_a_host_writes_is_what_its_same_host_readers_see(tmp_path):
+    from dask_ddict.shard.lease_word import FOREVER, LeaseWord, lease_clock
+
+    host = LeaseWord(str(tmp_path / "lease"), create=True)
+    reader = LeaseWord(str(tmp_path / "lease"))
+    assert not reader.valid()  # (a new host holds none)
+    host.set(lease_clock() + 60)
+    assert reader.valid() and reader.until() == pytest.approx(lease_clock() + 60, abs=1)
+    host.set(lease_clock() - 0.001)  # (ran out)
+    assert not reader.valid()
+    host.set(float("inf"))  # (no orchestrator to ask: always)
+    assert reader.valid() and reader.until() == pytest.approx(FOREVER)
+    LeaseWord(str(tmp_path / "lease"), create=True)  # a new incarnation: none again
+    assert not reader.valid()
+    with pytest.raises(OSError):
+        LeaseWord(str(tmp_path / "absent"))

@@ -5,7 +5,7 @@ primary answers nobody any more.  A partition makes that impossible to see from
 outside: a primary cut off from the orchestrator and its replicas may still be
 reached by a client.  So a host process serves the primaries of replicated
 dictionaries only while it holds a *lease* from the orchestrator, which it renews
-every third of the lease (one request per host process, whatever the number of
+every half of the lease (one request per host process, whatever the number of
 managers it serves: ``ddict_lease``).  The host counts its lease from just before
 it asked, on its own clock, so the lease ends no later than ``duration`` after the
 orchestrator sent the grant.  The orchestrator takes it as over ``duration *

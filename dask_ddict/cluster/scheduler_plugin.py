@@ -148,7 +148,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         #: The hosts' leases, set from the scheduler's ``ddict.lease.*`` when it starts (this
         #: object is built where the plugin is registered, often a client); ``None``:
         #: ``ddict.lease.duration: null``, none are kept.
-        self.leases: Leases | None = Leases(10.0, 1.0)
+        self.leases: Leases | None = Leases(4.0, 0.5)
         self.elastic = Elastic(self)  # managers move when workers leave or join
         self._overdue: asyncio.Task[Any] | None = None
 

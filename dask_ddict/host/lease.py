@@ -3,7 +3,7 @@
 Why, and the orchestrator's side: :mod:`dask_ddict.cluster.leases`.  Here:
 
 * :class:`LeaseKeeper` renews this host process's lease, in a thread of its own
-  (one request to the orchestrator every third of the lease, never on a client's
+  (one request to the orchestrator every half of the lease, never on a client's
   path), reporting the primaries it serves with their terms, the replicas it asks
   to drop, and the shards it keeps aside; it writes the lease's end into the lease
   word (:mod:`dask_ddict.shard.lease_word`) for same-host readers;
@@ -39,8 +39,11 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between tries while the orchestrator does not answer, or grants nothing.
 RETRY = 0.5
+#: A lease is renewed every ``1 / RENEW`` of it: half of it is left for tries again
+#: (every :data:`RETRY` s) when the orchestrator does not answer a renewal at once.
+RENEW = 2
 #: First pause before a renewal asked again for a manager that waits for its verdict
-#: (doubled up to a third of the lease): a new primary serves once it is confirmed.
+#: (doubled up to half the lease): a new primary serves once it is confirmed.
 SOON = 0.02
 
 
@@ -285,7 +288,7 @@ class LeaseKeeper:
             self.until = began + self.duration
             self.word.set(0.0 if self._doubtful() else self.until)
         self._answered()
-        return self.duration / 3 if lease else RETRY
+        return self.duration / RENEW if lease else RETRY
 
     def _answered(self) -> None:
         with self._changed:

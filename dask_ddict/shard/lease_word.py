@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
 from .._memory import map_file
 
 _CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
@@ -57,7 +55,8 @@ class LeaseWord:
                 os.ftruncate(fd, 8)
             elif os.fstat(fd).st_size < 8:
                 raise OSError(f"{path}: empty")
-            self._word = map_file(fd, 8).view(np.int64)
+            # (a memoryview of int64: reading it is a Python int, not a NumPy scalar)
+            self._word = memoryview(map_file(fd, 8).data).cast("q")
         finally:
             os.close(fd)
         if create:
@@ -72,8 +71,8 @@ class LeaseWord:
         self._word[0] = int(min(until, FOREVER) * 1e9) if until > 0 else 0
 
     def until(self) -> float:
-        return int(self._word[0]) / 1e9
+        return self._word[0] / 1e9
 
     def valid(self) -> bool:
         """Whether the host may serve now."""
-        return lease_clock() * 1e9 < self._word[0]
+        return time.clock_gettime_ns(_CLOCK) < self._word[0]
