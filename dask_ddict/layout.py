@@ -171,6 +171,23 @@ class Layout:
             raise ValueError(f"DDict {self.name!r}: two managers name the same shard")
 
 
+#: A term on the wire: its 15 low bits, and the top bit set (0: a request without one).
+_TERM_BITS, _TERM_SET = 0x7FFF, 0x8000
+
+
+def wire_term(term: int) -> int:
+    """A manager's term (``ManagerInfo.term``) as a request carries it (16 bits)."""
+    return (term & _TERM_BITS) | _TERM_SET
+
+
+def term_is_newer(sent: int, served: int) -> bool:
+    """Whether a request's wire term ``sent`` is newer than ``served`` (both from
+    :func:`wire_term`): serial numbers over 15 bits, as TCP's sequence numbers (a client
+    more than 16,383 changes of one manager behind is taken as ahead: it asks the
+    orchestrator once, and is right again)."""
+    return 0 < ((sent - served) & _TERM_BITS) < 0x4000
+
+
 def host_id() -> str:
     """Identity of this machine: hostname plus kernel boot id.
 

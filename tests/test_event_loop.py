@@ -209,7 +209,7 @@ def test_reader_reads_without_waiting_and_peeks_whole_headers():
     try:
         r = Reader(a, 64)
         assert r.fill_nowait() == 0 and r.peek(REQ) is None  # nothing sent yet
-        head = REQ.pack(2, 0, 3, 7, 1, 0, 0, 0, -1.0, 5, 0)
+        head = REQ.pack(2, 0, 0, 3, 7, 1, 0, 0, 0, -1.0, 5, 0)
         b.sendall(head[:10])
         assert r.fill_nowait() == 10 and r.peek(REQ) is None and r.buffered() == 10
         b.sendall(head[10:] + b"keyvalue")

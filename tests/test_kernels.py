@@ -724,8 +724,9 @@ requests_st = st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(0,
 
 def _request(fields: tuple[Any, ...]) -> bytes:
     op, flags, mid, tag, chkpt, arg, client, timeout, rid, keysec, value = fields
-    return kernels.REQUEST.pack(op, flags, len(keysec), mid, tag, chkpt, arg, client, timeout,
-                                len(value), rid) + keysec + value  # fmt: skip
+    term = (mid * 7919) & 0xFFFF  # (some term, the same for the same fields)
+    return kernels.REQUEST.pack(op, flags, term, len(keysec), mid, tag, chkpt, arg, client,
+                                timeout, len(value), rid) + keysec + value  # fmt: skip
 
 
 @settings(max_examples=100, deadline=None)
@@ -742,7 +743,7 @@ def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, mo
     over ``most``."""
     stream = b"".join(_request(f) for f in requests)
     if lying is not None:
-        stream += kernels.REQUEST.pack(2, 0, 16, 1, 9, 0, 0, 0, -1.0, lying, 0) + b"d" * 16
+        stream += kernels.REQUEST.pack(2, 0, 0, 16, 1, 9, 0, 0, 0, -1.0, lying, 0) + b"d" * 16
     stream = stream[:cut] if cut < len(stream) else stream
     outcomes = []
     for s in SETS:
@@ -769,14 +770,14 @@ def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, mo
                 assert got == kernels.REQUEST.size
             else:
                 head = kernels.REQUEST.unpack_from(left)
-                assert got == kernels.REQUEST.size + head[2] + head[9]
-                assert head[9] > most or len(left) < got
+                assert got == kernels.REQUEST.size + head[3] + head[10]
+                assert head[10] > most or len(left) < got
             break
         f = next(f for f in requests if _request(f) == stream[at : at + len(_request(f))])
         op, flags, mid, tagged, chkpt, arg, client, timeout, rid, keysec, value = f
         assert type(got) is Request and tag == tagged
         assert got == (op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,
-                       keysec[:16], keysec[16:], value, rid)  # fmt: skip
+                       keysec[:16], keysec[16:], value, rid, (mid * 7919) & 0xFFFF)  # fmt: skip
         at += len(_request(f))
 
 

@@ -27,6 +27,7 @@ from dask_ddict.transport.protocol import REP, REQ
 
 class _Link:
     name, kind, _every, info = "d", "tcp", None, None
+    terms: dict[int, int] = {}  # (its managers' terms: none)
 
     def __repr__(self) -> str:
         return "<link>"
@@ -79,7 +80,7 @@ def _feed(p: Pipe, data: bytes, most: int = 1 << 30) -> None:
 
 
 def _tags(t: _Transport) -> list[int]:
-    return [REQ.unpack_from(m)[4] for m in t.sent]
+    return [REQ.unpack_from(m)[5] for m in t.sent]
 
 
 def test_replies_are_matched_to_requests_by_tag_in_any_order_and_in_any_pieces():

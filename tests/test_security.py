@@ -211,7 +211,7 @@ def test_lengths_are_checked_before_any_allocation(guarded, klen, vlen, status, 
     host = psutil.Process(_host_pid(d, 0))
     rss = host.memory_info().rss
     with _authenticated(d, 0) as s:
-        s.sendall(REQ.pack(Op.PUT, 0, klen, 0, 5, 0, 0, 1, -1.0, vlen, 0))
+        s.sendall(REQ.pack(Op.PUT, 0, 0, klen, 0, 5, 0, 0, 1, -1.0, vlen, 0))
         got, tag, ival, plen = REP.unpack(handshake.recv_exact(s, REP.size))
         assert got == status and tag == 5 and text in handshake.recv_exact(s, plen).decode()
         start = time.monotonic()

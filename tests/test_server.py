@@ -22,7 +22,7 @@ from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictClosedError, DDictError, DDictKeyError, Status
 from dask_ddict.host.server import HostedDict, HostServer
-from dask_ddict.layout import ManagerInfo
+from dask_ddict.layout import ManagerInfo, term_is_newer, wire_term
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
@@ -223,7 +223,7 @@ def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path
         got: list = []
         flags, keysec, value, vlen, chkpt, arg, client, timeout = ops.FanOut(o, (1, 2)).encode()
         req = ops.Request(Op.FANOUT, flags, 1, chkpt, arg, client, timeout, keysec[:16],
-                          keysec[16:], b"", 0)  # fmt: skip
+                          keysec[16:], b"", 0, 0)  # fmt: skip
         ops.FanOut.serve(None, req, lambda ival=0, payload=b"": got.append(payload),
                          managers=managers, generations=gens, answers=answers)  # fmt: skip
         return [o.result(ival, data) for _, _, ival, data in pickle.loads(got[0])]
@@ -339,11 +339,12 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
 
 
-def _raw(o: ops.Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0) -> bytes:
-    """``o`` as a request to manager ``mid`` with ``tag`` (and request id ``rid``), as a
-    pipelining client frames it."""
+def _raw(o: ops.Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0,
+         term: int = 0) -> bytes:  # fmt: skip
+    """``o`` as a request to manager ``mid`` with ``tag`` (and request id ``rid``, the
+    manager's ``term`` as the client knows it), as a pipelining client frames it."""
     e = o.encode()
-    return REQ.pack(o.op, e.flags | flags, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
+    return REQ.pack(o.op, e.flags | flags, term, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
                     -1.0 if e.timeout is None else e.timeout, e.vlen, rid) + \
         e.keysec + b"".join(bytes(p) for p in e.parts)  # fmt: skip
 
@@ -382,7 +383,7 @@ def test_a_many_key_read_cut_or_overlong_is_refused_and_the_connection_serves_on
     bad = change(b"".join(bytes(p) for p in e.parts))
     conn = ch.link._connect(3, None, None)
     try:
-        conn.sock.sendall(REQ.pack(o.op, e.flags, 0, 3, 5, 0, 0, 0, -1.0, len(bad), 0) + bad
+        conn.sock.sendall(REQ.pack(o.op, e.flags, 0, 0, 3, 5, 0, 0, 0, -1.0, len(bad), 0) + bad
                           + _raw(ops.Get(key_digest(kb), 0), 6))  # fmt: skip
         (status, tag, _, msg), (status2, tag2, _, frame) = _replies(conn.sock, 2)
         assert (tag, tag2) == (5, 6) and status != 0 and status2 == 0
@@ -470,6 +471,32 @@ def test_a_moved_manager_is_answered_among_pipelined_requests(served, use_uds):
         conn.sock.close()
 
 
+def test_a_request_under_another_term_is_answered_moved_or_lease_and_never_served(served):
+    """A client that knows the manager under an older term than its host serves it (a
+    failover or a move since its layout) is told ``MOVED``; one that knows a newer term
+    (this host was replaced and has not learned it yet) ``LEASE``: neither request is
+    applied.  The same term, or none (a host's own requests), is served."""
+    channel, _, _ = served
+    manager = channel.manager
+    manager.term = 40_000  # (past 15 bits: terms compare as serial numbers)
+    conn = channel(False).link._connect(3, None, None)
+    kb = dumps_key("termed")
+    put = ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1)
+    try:
+        conn.sock.sendall(_raw(put, 1, term=wire_term(39_999)) + _raw(put, 2, term=wire_term(40_001))
+                          + _raw(ops.Length(0), 3, term=wire_term(40_000)) + _raw(ops.Length(0), 4))  # fmt: skip
+        got = _replies(conn.sock, 4)
+        assert [(st, tag) for st, tag, _, _ in got] == [
+            (int(Status.MOVED), 1), (int(Status.LEASE), 2), (0, 3), (0, 4)]
+        assert b"newer term" in got[0][3] and b"asks the orchestrator" in got[1][3]
+        assert got[2][2] == got[3][2] == 0  # (nothing was put)
+    finally:
+        conn.sock.close()
+        manager.term = 0
+    assert term_is_newer(wire_term(0), wire_term(2**15 - 1))  # (after a wrap)
+    assert not term_is_newer(wire_term(5), wire_term(5))
+
+
 @pytest.mark.parametrize("use_uds", [True, False])
 @pytest.mark.parametrize("noreply", [False, True])
 def test_a_key_over_the_limit_that_the_loop_took_whole_is_refused(served, use_uds, noreply):
@@ -483,8 +510,8 @@ def test_a_key_over_the_limit_that_the_loop_took_whole_is_refused(served, use_ud
     try:
         klen = (1 << 20) + 100
         body = b"k" * klen + b"v" * 10 if channel.server.loop is not None else b""
-        conn.sock.sendall(REQ.pack(int(Op.PUT), FLAG_NOREPLY if noreply else 0, klen, 3, 77, 0,
-                                   0, 1, -1.0, 10, 0) + body)  # fmt: skip
+        conn.sock.sendall(REQ.pack(int(Op.PUT), FLAG_NOREPLY if noreply else 0, 0, klen, 3, 77,
+                                   0, 0, 1, -1.0, 10, 0) + body)  # fmt: skip
         conn.sock.settimeout(10)
         data = b""
         while chunk := conn.sock.recv(1 << 16):

@@ -344,7 +344,7 @@ class EventLoop:
                 self._hand_on()
                 self._serve(c)
             elif r.buffered() >= got:  # (whole, with a value received into its own buffer)
-                op, _, _, _, _, _, arg, *_ = r.peek(REQ)  # type: ignore[misc]
+                op, _, _, _, _, _, _, arg, *_ = r.peek(REQ)  # type: ignore[misc]
                 if not inline(op, arg):
                     self._hand_on()
                 self._serve(c)

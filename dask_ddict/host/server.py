@@ -69,6 +69,7 @@ from ..transport.protocol import (
     send_parts,
     value_limit,
 )
+from ..layout import term_is_newer
 from .loop import Connection, EventLoop, NoWait
 from .replica_store import serve as serve_replica
 from .served import Counting, Served, count_fanout
@@ -383,7 +384,8 @@ class HostServer:
         connection's scratch buffer rather than copied out of its reader.
         """
         reader, hosted, limits = c.reader, c.hosted, self.limits
-        op, flags, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
+        op, flags, term, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = \
+            reader.unpack(REQ)  # fmt: skip
         c.tag[0] = tag  # (what this request's reply repeats)
         if c.owed[0] is not None:  # (before a refusal drops the connection: _serve_request)
             _deliver(c.owed)
@@ -397,7 +399,7 @@ class HostServer:
             reader.read_into(value)
         self._serve_request(c, _new_request(Request, (
             op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,  # (decode_timeout)
-            keysec[:16], keysec[16:], value, rid)), checked=True)  # fmt: skip
+            keysec[:16], keysec[16:], value, rid, term)), checked=True)  # fmt: skip
 
     def _serve_request(self, c: Connection, req: Request, checked: bool = False) -> None:
         """Serve ``req``, read whole (by :meth:`_serve_one`, or taken out of the event
@@ -445,6 +447,8 @@ class HostServer:
                 if manager is None or handler is None:
                     self._dispatch(hosted, req, reply)  # (raises what the client should see)
                 else:
+                    if req[11] and req[11] != manager.wire:  # (its client's term, and this one's)
+                        raise self._other_term(hosted, manager, req[11])
                     counts = served[mid]  # (served.count, inlined: every request)
                     counts[op] = counts.get(op, 0) + 1
                     handler(manager, req, reply)
@@ -478,6 +482,22 @@ class HostServer:
         return DDictManagerUnavailableError(
             f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
         )
+
+    def _other_term(self, hosted: HostedDict, manager: Manager, term: int) -> DDictError:
+        """A request for ``manager`` under another term than the one it is served under here
+        (``term``, :func:`~dask_ddict.layout.wire_term`): a client that knows of a newer one
+        (this host was replaced and does not know it yet) is answered ``LEASE``, and this
+        host renews at once to learn it; one that knows of an older one is told ``MOVED``
+        (it asks the orchestrator for the layout and sends it again)."""
+        mid = manager.manager_id
+        if term_is_newer(term, manager.wire):
+            if hosted.lease is not None:
+                hosted.lease.renew_soon()
+            return DDictLeaseError(f"manager {mid} of {hosted.name!r} is served under a newer "
+                                   f"term than process {os.getpid()} knows of: it asks the "
+                                   "orchestrator")  # fmt: skip
+        return DDictManagerMovedError(f"manager {mid} of {hosted.name!r} is served under a newer "
+                                      f"term (term {manager.term}) than its client knows of")  # fmt: skip
 
     def _check_lengths(self, c: Connection, mid: int, klen: int, vlen: int, flags: int = 0,
                        tag: int = 0) -> None:  # fmt: skip

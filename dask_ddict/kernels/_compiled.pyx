@@ -39,8 +39,8 @@ if GROUP.format != "<II":  # (read here byte by byte: see digest_groups)
     raise ImportError(f"kernels._compiled reads many-key tables as <II, not {GROUP.format}")
 if DIGEST != 16:  # (written here: see _blake16)
     raise ImportError(f"kernels._compiled writes 16-byte key digests, not {DIGEST}")
-if REQUEST.format != "<BBxxIIIqqQdQQ":  # (read here byte by byte: see take_request)
-    raise ImportError(f"kernels._compiled reads requests as <BBxxIIIqqQdQQ, not {REQUEST.format}")
+if REQUEST.format != "<BBHIIIqqQdQQ":  # (read here byte by byte: see take_request)
+    raise ImportError(f"kernels._compiled reads requests as <BBHIIIqqQdQQ, not {REQUEST.format}")
 
 cdef extern from "Python.h":
     int PyBUF_READ
@@ -1015,7 +1015,7 @@ def take_request(Py_ssize_t most_value, object cls, reader, list tag not None):
         PyBytes_FromStringAndSize(<const char*>p + _REQUEST, d),
         PyBytes_FromStringAndSize(<const char*>p + _REQUEST + d, <Py_ssize_t>klen - d),
         PyBytes_FromStringAndSize(<const char*>p + _REQUEST + klen, <Py_ssize_t>vlen),
-        _le64(p + 56)))
+        _le64(p + 56), p[2] | (<unsigned int>p[3] << 8)))
     tag[0] = _le32(p + 12)
     reader._pos = pos + _REQUEST + <Py_ssize_t>(klen + vlen)
     return request

@@ -431,10 +431,11 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
     return len(records), delta, None
 
 
-#: A request's header on the wire: operation, flags, key section length, manager, tag,
-#: checkpoint, argument, client, timeout, value length and request id (part of the
-#: protocol's version; :data:`~dask_ddict.transport.protocol.REQ` is this).
-REQUEST = struct.Struct("<BBxxIIIqqQdQQ")
+#: A request's header on the wire: operation, flags, the manager's term as the client
+#: knows it (:func:`~dask_ddict.transport.protocol.wire_term`; 0: none), key section
+#: length, manager, tag, checkpoint, argument, client, timeout, value length and request
+#: id (part of the protocol's version; :data:`~dask_ddict.transport.protocol.REQ` is this).
+REQUEST = struct.Struct("<BBHIIIqqQdQQ")
 _DONTWAIT = socket.MSG_DONTWAIT
 
 
@@ -460,7 +461,7 @@ def take_request(most_value: int, cls: Any, reader: Any, tag: list[int]) -> Any:
     head = reader.peek(REQUEST)
     if head is None:
         return REQUEST.size
-    op, flags, klen, mid, tagged, chkpt, arg, client, timeout, vlen, rid = head
+    op, flags, term, klen, mid, tagged, chkpt, arg, client, timeout, vlen, rid = head
     need = REQUEST.size + klen + vlen
     if vlen > most_value or reader.buffered() < need:
         return need
@@ -470,7 +471,7 @@ def take_request(most_value: int, cls: Any, reader: Any, tag: list[int]) -> Any:
     tag[0] = tagged
     return tuple.__new__(cls, (op, flags, mid, chkpt, arg, client,
                                None if timeout < 0 else timeout,
-                               keysec[:DIGEST], keysec[DIGEST:], value, rid))  # fmt: skip
+                               keysec[:DIGEST], keysec[DIGEST:], value, rid, term))  # fmt: skip
 
 
 def send_reply(sock: Any, tag: int, ival: int, payload: Any, small: int) -> Any:

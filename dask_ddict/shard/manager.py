@@ -35,6 +35,7 @@ from .._blocking import acquire, will_block
 from .._serialize import dumps_value, loads_value, older_frame
 from .. import config
 from ..errors import DDictClosedError, DDictError, DDictFullError
+from ..layout import wire_term
 from .batches import Batches
 from .checkpoint_io import CheckpointIO
 from .counts import Tally
@@ -105,8 +106,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         self.read_only = read_only
         self.frozen = frozen or read_only
         self.closed = False
-        #: The term it is served under here (``ManagerInfo.term``: see ``cluster.leases``).
-        self.term = 0
+        self.term = 0  # the term it is served under here (see the property)
         self.persister = persister
         self.pull_shard = pull_shard
         self._dumps: dict[int, lmdb.Transaction] = {}  # open replication snapshots
@@ -130,6 +130,16 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         if persister is not None:
             working_set.on_retire = self._on_retire
             persister.report = self._persisted
+
+    @property
+    def term(self) -> int:
+        """The term it is served under here (``ManagerInfo.term``, see ``cluster.leases``);
+        :attr:`wire` is the same as requests carry it."""
+        return self._term
+
+    @term.setter
+    def term(self, term: int) -> None:
+        self._term, self.wire = term, wire_term(term)
 
     def __repr__(self) -> str:
         return (

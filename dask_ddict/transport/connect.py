@@ -41,7 +41,7 @@ from ..errors import (
     raise_for_status,
     wire_error,
 )
-from ..layout import Layout, ManagerInfo, host_id
+from ..layout import Layout, ManagerInfo, host_id, wire_term
 from ..progress import track
 from .links import Explain, HostLink, SocketChannel
 from .pipelined import Unpipeable, exchange_all, time_left
@@ -115,6 +115,9 @@ class Connections:
         self._layout = layout  # None: resolved on first use (see _resolve)
         self.closed = False
         self._channels: dict[int, Any] = {}
+        #: Each manager's term as its requests carry it (shared with every link, updated
+        #: in place when a layout is adopted; filled on first use, see :meth:`_link`).
+        self._terms: dict[int, int] = {}
         self._pipelined = bool(config.get("transport.pipelined"))  # (see pipe_links)
         self._links: dict[tuple[str, ...], HostLink] = {}
         self._groups: dict[tuple[int, ...], list[tuple[HostLink, list[int]]]] = {}
@@ -194,8 +197,8 @@ class Connections:
         before = self.layout.managers[mid]
         layout = self.current(deadline)
         now = None if layout is None else layout.managers[mid]
-        if layout is None or now is None or \
-                (now.address == (via or before.address) and not now.lost):  # fmt: skip
+        if layout is None or now is None or (now.address == (via or before.address) and
+                                             now.term == before.term and not now.lost):  # fmt: skip
             raise DDictManagerMovedError(f"manager {mid} of {self.layout.name!r} moved from "
                                          f"{before.hostname} ({before.worker}), and where to "
                                          "is not known here")  # fmt: skip
@@ -243,6 +246,7 @@ class Connections:
         """Use ``layout`` from now on: the channels of managers that moved are dropped."""
         with self._lock:
             old, self._layout = self._layout, layout
+            self._terms.update((m.manager_id, wire_term(m.term)) for m in layout.managers)
             gone = [] if old is None else [
                 self._channels.pop(m.manager_id) for m in layout.managers
                 if m.manager_id in self._channels
@@ -280,6 +284,9 @@ class Connections:
                 max_value=value_limit(lay.total_mem // lay.num_managers,
                                       config.get_bytes("transport.min-value-limit")),
             )
+            if not self._terms:
+                self._terms.update((m.manager_id, wire_term(m.term)) for m in lay.managers)
+            link.terms = self._terms
             link.explain = self._explain
             link.follow = functools.partial(self._follow, via=info.address)
             link.settle = functools.partial(self._settle, via=info.address)

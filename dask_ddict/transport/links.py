@@ -152,6 +152,12 @@ class HostLink:
         #: ``mid`` answered ``LEASE`` here (first at ``since``): see
         #: :meth:`~.connect.Connections.settle`; ``None``: ``LEASE`` is an error here.
         self.settle: Callable[[int, float | None, float], HostLink] | None = None
+        #: The terms of the managers it reaches, as this process's layout says them
+        #: (:func:`~.protocol.wire_term`; shared with its connections, see
+        #: :meth:`~.connect.Connections.adopt`); a manager's requests carry it, and a host
+        #: that serves it under another answers for it (``MOVED``, ``LEASE``).  Empty:
+        #: none (a host's own links).
+        self.terms: dict[int, int] = {}
         #: Each event loop's pipelined connections to this host (:mod:`.pipelined`).
         self.pipes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -349,7 +355,8 @@ class HostLink:
         try:
             conn.begin(None, check)
             sock = conn.sock
-            conn.sendall(b"".join((REQ.pack(o.op, flags, len(keysec), mid, 0, chkpt, arg,
+            term = self.terms.get(mid, 0) if o.follows else 0  # (not several managers')
+            conn.sendall(b"".join((REQ.pack(o.op, flags, term, len(keysec), mid, 0, chkpt, arg,
                                             client, -1.0, vlen, 0), keysec, *value)))  # fmt: skip
             reader = conn.reader
             buf, got = reader.emptied(), 0
@@ -458,8 +465,9 @@ class HostLink:
         check = None if self._every is None else self._checker(mid)
         if not rid and kind is _ONCE:
             rid = secrets.randbits(63) + 1
-        head = REQ.pack(op, flags, len(keysec), mid, 0, chkpt, arg, client, wire_timeout, vlen,
-                        rid)  # fmt: skip
+        term = self.terms.get(mid, 0) if o.follows else 0  # (not several managers')
+        head = REQ.pack(op, flags, term, len(keysec), mid, 0, chkpt, arg, client, wire_timeout,
+                        vlen, rid)  # fmt: skip
         total = REQ.size + len(keysec) + vlen
         attempt, sent = 0, False
         while True:
@@ -520,8 +528,8 @@ class HostLink:
                 attempt += 1
                 if timeout is not None:  # a waiting operation waits only what is left
                     left = max(0.0, timeout - (time.monotonic() - start))
-                    head = REQ.pack(op, flags, len(keysec), mid, 0, chkpt, arg, client, left,
-                                    vlen, rid)  # fmt: skip
+                    head = REQ.pack(op, flags, term, len(keysec), mid, 0, chkpt, arg, client,
+                                    left, vlen, rid)  # fmt: skip
                 continue
             KEPT.give(self, conn)
             if status:
@@ -537,8 +545,8 @@ class HostLink:
                     attempt = 0
                     if timeout is not None:  # (what is left of its time)
                         left = max(0.0, timeout - (time.monotonic() - start))
-                        head = REQ.pack(op, flags, len(keysec), mid, 0, chkpt, arg, client, left,
-                                        vlen, rid)  # fmt: skip
+                        head = REQ.pack(op, flags, term, len(keysec), mid, 0, chkpt, arg, client,
+                                        left, vlen, rid)  # fmt: skip
                     continue
                 raise_for_status(status, bytes(payload).decode(errors="replace"))
             return ival, payload

@@ -55,6 +55,7 @@ class Request(NamedTuple):
     key: bytes
     value: Any
     rid: int
+    term: int  # the manager's term as its client knows it (wire_term; 0: none)
 
 
 Reply = Callable[..., None]  # reply(ival=0, payload=b""); payload: a buffer, or a list of them

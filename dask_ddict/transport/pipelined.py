@@ -198,8 +198,8 @@ class Pipe(asyncio.BufferedProtocol):
         its reply."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = encoded
         self._tag = tag = self._tag % (_TAGS - 1) + 1
-        head = REQ.pack(o.op, flags, len(keysec), mid, tag, chkpt, arg, client,
-                        encode_timeout(timeout), vlen, 0)  # fmt: skip
+        head = REQ.pack(o.op, flags, self.link.terms.get(mid, 0), len(keysec), mid, tag, chkpt,
+                        arg, client, encode_timeout(timeout), vlen, 0)  # fmt: skip
         transport = self.transport
         assert transport is not None
         if REQ.size + len(keysec) + vlen <= SMALL:

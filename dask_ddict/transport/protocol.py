@@ -6,7 +6,8 @@ round trip 20-80 µs (``transport-notes.md``).  Dask carries control only.
 Every request is a fixed header, then the key section, then the value
 section; every reply is a fixed header and a payload::
 
-    request  = REQ(op, flags, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid)
+    request  = REQ(op, flags, term, klen, manager, tag, chkpt, arg, client, timeout, vlen,
+                   rid)
                [digest(16) + key bytes: klen] [value: vlen]
     reply    = REP(status, tag, ival, plen) [payload: plen]
 
@@ -15,7 +16,10 @@ a connection is bound to one dictionary by its handshake (``HELLO``, then on
 TCP mutual proofs of that dictionary's secret: :mod:`.handshake`), which is also where a
 destroyed dictionary is told apart from an unreachable one.  ``rid`` is a
 request id: non-idempotent operations (``pop``, ``fetch_add``) carry one so
-that a request retried after a host restart is applied at most once.  ``tag`` is
+that a request retried after a host restart is applied at most once.  ``term`` is the
+manager's term as the client's layout has it (:func:`~dask_ddict.layout.wire_term`; 0:
+none, a request of several managers or a host's own): a host that serves the manager
+under another answers ``MOVED`` or ``LEASE`` instead (``HostServer._other_term``).  ``tag`` is
 the client's number for the request, which its reply repeats: a client that
 sends several requests on one connection before reading (:mod:`.pipelined`,
 :class:`~dask_ddict.AsyncDDict`'s) matches each reply to its request by it, and
@@ -38,8 +42,8 @@ from typing import Any, Protocol
 
 from ..kernels import REPLY, REQUEST
 
-REQ = REQUEST  # op, flags, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid (declared
-# with the kernel that reads it)
+REQ = REQUEST  # op, flags, term, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid
+# (declared with the kernel that reads it)
 HELLO = struct.Struct("<4s16s")  # magic, dictionary uid (16 bytes)
 HELLO_MAGIC = b"DDK5"  # 3: mutual, connection-bound proofs (handshake.py); 4: batch records
 # name their manager (kernels.BATCH_RECORD), host-wide operations (GET_MANY, PUT_MANY); 5: tags
