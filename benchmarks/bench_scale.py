@@ -234,7 +234,7 @@ def _renewing(address: str, first: int, hosts: int, per_host: int, period: float
         try:
             while time.monotonic() < end:
                 t = time.perf_counter()
-                said = await r.ddict_lease(supervisor=f"tcp://fake-{h}:1", pid=h, report=report)
+                said = await r.ddict_lease(supervisor=f"tcp://fake-{h}:1", report=report)
                 trips.append(time.perf_counter() - t)
                 assert said["lease"] > 0 and len(said["confirmed"]) == per_host, said
                 await asyncio.sleep(period)

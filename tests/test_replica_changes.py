@@ -326,3 +326,80 @@ def test_a_batch_waiting_for_its_replicas_answers_hands_the_event_loop_on(tmp_pa
         _blocking.serving(None)
     assert handed.is_set() and len(target.pending) == replicas.MOST_PENDING
     assert shipper.targets == [target]  # (its answers came: it was not dropped)
+
+
+def test_a_replica_that_fails_a_write_is_dropped_only_at_the_orchestrators_word(tmp_path):
+    """Of two replicas, one fails a write: the other still gets it, and the write is
+    acknowledged only once the orchestrator (through the host's lease: a fake keeper
+    here) took the failed one out of the set; meanwhile the manager is fenced (its
+    requests answered ``LEASE``, the writes after it write nothing).  Without its word,
+    the write raises ``DDictLeaseError`` and the manager stays fenced (a unit test: fake
+    replica links, a real shard)."""
+    from dask_ddict.errors import DDictLeaseError
+    from dask_ddict.host import replicas
+    from dask_ddict.host.control import DictSpec
+    from dask_ddict.host.server import HostedDict
+    from dask_ddict.options import DDictOptions
+
+    class Link:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.got = fails, []
+
+        def send(self, op, mid):
+            self.got.append(op.seq)
+
+            def answer():
+                if self.fails:
+                    raise OSError("no route to host")
+
+            return answer
+
+        def close(self):
+            pass
+
+    class Keeper:  # (answers a renewal now: the orchestrator drops what was asked, or not)
+        required, until = True, 0.0
+
+        def __init__(self, agrees: bool) -> None:
+            self.agrees, self.asked = agrees, 0
+
+        def answer(self, timeout):
+            self.asked += 1
+            if self.agrees:
+                shipper.dropped(sorted(shipper.doubts))
+            return self.agrees
+
+    def info(port: int) -> ManagerInfo:
+        return ManagerInfo(0, "w", f"h{port}", "h:b", 1, "", "127.0.0.1", port, "")
+
+    store = ShardStore(str(tmp_path / "p"), 16 << 20)
+    manager = Manager(0, store, WorkingSet(store, 1))
+    hosted = HostedDict("00" * 16, "d", "s")
+    hosted.managers[0] = manager
+    try:
+        for agrees in (True, False):
+            keeper = Keeper(agrees)
+            shipper = replicas.Shipper(DictSpec("d", "00" * 16, "s", DDictOptions(replicas=2),
+                                                16 << 20, 1), 0, False, keeper, hosted, manager)  # type: ignore[arg-type]  # fmt: skip
+            good, bad = Link(False), Link(True)
+            shipper.targets = [replicas.Target(info(2), bad), replicas.Target(info(1), good)]
+            manager.shipper, store.replicate = shipper, shipper.ship
+            put = _k(("k", agrees))
+            if agrees:
+                manager.put(*put, dumps_value(1).join(), 0, CLIENT)  # (acknowledged)
+                assert [t.link for t in shipper.targets] == [good] and not shipper.doubts
+                assert hosted.managers.get(0) is manager and not store.fenced
+            else:
+                with pytest.raises(DDictLeaseError, match="not acknowledged"):
+                    manager.put(*put, dumps_value(1).join(), 0, CLIENT)
+                assert shipper.doubts == {info(2).address} and 0 in hosted.fenced
+                assert store.fenced and hosted.managers.get(0) is None
+                with pytest.raises(DDictLeaseError, match="takes no write now"):
+                    manager.put(*_k("after"), dumps_value(2).join(), 0, CLIENT)
+                assert not manager.contains(_k("after")[0], 0)  # (nothing written)
+                shipper.dropped([info(2).address])  # (the orchestrator's word, later)
+                assert hosted.managers.get(0) is manager and not store.fenced
+            assert good.got == [1] and bad.got == [1] and keeper.asked == 1
+            store.replicate = manager.shipper = None
+    finally:
+        manager.close()

@@ -81,6 +81,7 @@ class Failover:
         #: Hosts that failed to take a primary's write (cut off from it?), until when (of
         #: ``time.monotonic``) no replica is seeded onto them: a seed would wait for them.
         self.doubtful: dict[str, float] = {}
+        self._probing: set[str] = set()  # (overdue hosts whose nannies are being asked)
         self._changed: asyncio.Condition | None = None
 
     def __repr__(self) -> str:
@@ -100,8 +101,8 @@ class Failover:
     # -- a host lost, or suspected -----------------------------------------------------------
 
     def host_lost(self, supervisor: str, why: str, proven: bool = True) -> dict[str, list[int]]:
-        """``supervisor``'s host is gone (``proven``: its nanny refuses connections, or its
-        supervisor said that its host process ended; else it only does not answer): the
+        """``supervisor``'s host is gone (``proven``: its supervisor said that its host
+        process ended; else its nanny does not answer, or refuses connections): the
         replicas it kept are forgotten, and each primary there that has a replica fails
         over (in the background, counted as a move of its dictionary at once, so clients
         asking for the layout wait for it) once its lease is surely over.  Returns the
@@ -136,11 +137,16 @@ class Failover:
         while True:
             await asyncio.sleep(leases.duration / 3)
             for supervisor in leases.overdue():
-                self.replicas.spawn(self._suspect_if_silent(supervisor))
+                if supervisor not in self._probing:
+                    self._probing.add(supervisor)
+                    self.replicas.spawn(self._suspect_if_silent(supervisor))
 
     async def _suspect_if_silent(self, supervisor: str) -> None:
         assert self.leases is not None and self.probe is not None
-        said = await self.probe(supervisor)
+        try:
+            said = await self.probe(supervisor)
+        finally:
+            self._probing.discard(supervisor)
         if said == ANSWERED or supervisor not in self.leases.overdue():
             return  # (alive, or it renewed while its nanny was asked)
         why = (f"its host did not renew its lease within {self.leases.duration:g} s and its "
@@ -325,7 +331,7 @@ class Failover:
 
     # -- a host's renewal (see .leases) ------------------------------------------------------
 
-    def lease(self, supervisor: str, report: dict[str, Any], pid: int = 0) -> dict[str, Any]:
+    def lease(self, supervisor: str, report: dict[str, Any]) -> dict[str, Any]:
         """A host renews its lease (the ``ddict_lease`` handler): it is granted one unless
         it is suspected; a suspected host that is back serves again those of its
         primaries that no replica took over (reinstated); what it serves is confirmed or

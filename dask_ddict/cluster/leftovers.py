@@ -119,9 +119,3 @@ async def ask(call: Awaitable[Any], address: str, timeout: float | None
         if not task.done():
             task.cancel()
 
-
-async def answer_unless_gone(call: Awaitable[Any], address: str, timeout: float | None
-                             ) -> Any:  # fmt: skip
-    """``call``'s answer, or ``None`` if :func:`ask` found none."""
-    said, answer = await ask(call, address, timeout)
-    return answer if said == ANSWERED else None

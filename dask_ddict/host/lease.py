@@ -242,8 +242,7 @@ class LeaseKeeper:
                 pause = RETRY
                 try:
                     answer = await asyncio.wait_for(
-                        orchestrator.ddict_lease(supervisor=self.supervisor, pid=os.getpid(),
-                                                 report=now),
+                        orchestrator.ddict_lease(supervisor=self.supervisor, report=now),
                         max(RETRY, (self.duration or 3 * RETRY) / 3))  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - unreachable, closing: tried again
                     if not said:

@@ -161,6 +161,7 @@ class Shipper:
         #: Addresses of replicas that failed a write and that the orchestrator has not
         #: taken out of the replica set yet: the manager answers nobody meanwhile.
         self.doubts: set[tuple[Any, ...]] = set()
+        self._failing: list[tuple[Target, BaseException]] = []  # (this write's: _settle)
         self.closed = False
 
     def __repr__(self) -> str:
@@ -200,7 +201,8 @@ class Shipper:
         """Send one commit's changes to every replica, in order; wait until each applied
         them (and every change set sent before), unless ``later`` (a batch's records,
         answered at its end, when the next write waits for them all).  A replica that
-        fails is dropped; one that took over deposes this primary (``MOVED``)."""
+        fails is taken out of the set by the orchestrator before this returns
+        (:meth:`_settle`); one that took over deposes this primary (``MOVED``)."""
         parts, nbytes = changes.encode(recorded)
         self.shipped += 1
         if self.targets and not later:
@@ -209,10 +211,12 @@ class Shipper:
             t.seq += 1
             self._step(t, lambda t=t: t.pending.append(  # type: ignore[misc]
                 t.link.send(Replicate(t.seq, parts, nbytes, self.timeout), self.manager_id)))
-            while len(t.pending) > MOST_PENDING and t in self.targets:
+            while len(t.pending) > MOST_PENDING and self._live(t):
                 will_block()  # (the oldest answer is waited for: the event loop moves on)
                 self._step(t, t.pending.popleft())
-        if not later:
+        if later:
+            self._settle()
+        else:
             self.drain()
 
     def drain(self) -> None:
@@ -220,23 +224,38 @@ class Shipper:
         if any(t.pending for t in self.targets):
             will_block()
         for t in list(self.targets):
-            while t.pending and t in self.targets:
+            while t.pending and self._live(t):
                 self._step(t, t.pending.popleft())
+        self._settle()
+
+    def _live(self, t: Target) -> bool:
+        return t in self.targets and all(f is not t for f, _ in self._failing)
 
     def _step(self, t: Target, step: Callable[[], Any]) -> None:
+        if not self._live(t):
+            return
         try:
             step()
         except DDictManagerMovedError as e:  # a replica serves it now: this write and
             if self.deposed is not None:  # the next ones are answered MOVED, not here
                 self.deposed(f"{t.info.hostname} ({t.info.worker})")
             raise DDictManagerMovedError(f"manager {self.manager_id} {e.message}") from None
-        except Exception as e:  # noqa: BLE001 - a replica that cannot follow
+        except Exception as e:  # noqa: BLE001 - a replica that cannot follow: see _settle
             t.pending.clear()
-            keeper = self.keeper
-            if keeper is None or not keeper.required:
+            self._failing.append((t, e))
+
+    def _settle(self) -> None:
+        """The replicas that failed this write (after every other one was sent it): dropped
+        here if no orchestrator can be asked (:attr:`keeper`), else :meth:`_doubt`."""
+        if not self._failing:
+            return
+        failing, self._failing = self._failing, []
+        keeper = self.keeper
+        if keeper is None or not keeper.required:
+            for t, e in failing:
                 self._drop(t, e)
-            else:
-                self._doubt(t, e, keeper)
+        else:
+            self._doubt(failing, keeper)
 
     def _drop(self, t: Target, e: BaseException) -> None:
         """Drop replica ``t`` here (no orchestrator to ask: see :attr:`keeper`)."""
@@ -251,15 +270,17 @@ class Shipper:
                        self.spec.name, self.manager_id, t.info.hostname, t.info.worker,
                        e)  # fmt: skip
 
-    def _doubt(self, t: Target, e: BaseException, keeper: LeaseKeeper) -> None:
-        """Replica ``t`` failed a write: nothing is acknowledged without it until the
-        orchestrator took it out of the replica set (:meth:`dropped`, from the lease's
-        renewal that asked it).  Meanwhile this manager answers nobody (``LEASE``), and
-        the writes that wait for its shipping lock write nothing (``store.fenced``)."""
-        address = tuple(t.info.address)
-        why = (f"its replica on {t.info.hostname} ({t.info.worker}) failed a write ({e}); "
-               "the orchestrator has not taken it out of the replica set yet")  # fmt: skip
-        self.doubts.add(address)
+    def _doubt(self, failing: list[tuple[Target, BaseException]], keeper: LeaseKeeper) -> None:
+        """Replicas ``failing`` failed a write: nothing is acknowledged without them until
+        the orchestrator took them out of the replica set (:meth:`dropped`, from the
+        lease's renewal that asked it, once for all of them).  Meanwhile this manager
+        answers nobody (``LEASE``), and the writes that wait for its shipping lock write
+        nothing (``store.fenced``)."""
+        addresses = {tuple(t.info.address) for t, _ in failing}
+        why = "; ".join(f"its replica on {t.info.hostname} ({t.info.worker}) failed a write "
+                        f"({e})" for t, e in failing) + \
+            "; the orchestrator has not taken it out of the replica set yet"  # fmt: skip
+        self.doubts |= addresses
         if self.manager is not None:
             self.manager.store.fenced = why
             if self.hosted is not None:
@@ -271,7 +292,7 @@ class Shipper:
         if self.closed:
             raise DDictManagerMovedError(f"manager {self.manager_id} is served elsewhere now: "
                                          "this write was not acknowledged")  # fmt: skip
-        if address in self.doubts:
+        if addresses & self.doubts:
             said = "it did not agree" if answered else "it did not answer"
             raise DDictLeaseError(f"manager {self.manager_id}: {why} ({said}): this write is not "
                                   "acknowledged (it may be applied once the replica set is "
