@@ -22,6 +22,7 @@ not make.  Needs root, ``ip``, ``unshare`` and ``nsenter`` (:func:`twohost.unava
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import subprocess
@@ -34,13 +35,14 @@ S = "s"
 
 
 def _free_block() -> int:
-    """The first ``169.254.(80+k).0/24`` that no interface uses: ``80 + k``."""
+    """A ``169.254.(80+k).0/24`` that no interface uses: ``80 + k`` (one at random of the
+    free ones, so that fixtures started at once rarely pick the same)."""
     shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
                            check=True, timeout=30).stdout  # fmt: skip
-    for k in range(80, 120):
-        if f" 169.254.{k}." not in shown:
-            return k
-    raise RuntimeError("no free 169.254.x.0/24 block for the machines fixture")
+    free = [k for k in range(80, 120) if f" 169.254.{k}." not in shown]
+    if not free:
+        raise RuntimeError("no free 169.254.x.0/24 block for the machines fixture")
+    return random.choice(free)
 
 
 class Machines(Processes):

@@ -3,7 +3,8 @@
 Four machines on this one (``machines.py``): ``s`` runs the scheduler and a worker,
 ``a`` and ``b`` a worker each, ``c`` the clients.  A dictionary with ``replicas=1``;
 two writer processes on ``c`` put keys on every manager and ``fetch_add`` one counter
-of the manager ``M`` whose primary is on ``b`` and whose replica is on ``a``,
+of the manager ``M`` whose primary is on ``b`` and whose replica is on ``a`` (or the
+other way round, as the placement fell: ``P`` and ``R`` below),
 recording every acknowledgement.  Then a partition, healed after the failover it
 causes (or, for a replica cut from its primary, after the replica was dropped) and,
 in the same test, once more before one: Jepsen's scenarios for Redis, Kafka and etcd.
@@ -15,9 +16,6 @@ deposed primary, once healed, answers ``MOVED``, never serving again.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +32,8 @@ from dask_ddict.transport.ops import Get
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import encode_key
 from machines import S, Machines
+from partitioned import (Writers, check, hosts_ready, hot_manager, primary_of, settled, wait,
+                         where)
 
 pytestmark = pytest.mark.skipif(twohost.unavailable() is not None,
                                 reason=f"machines fixture: {twohost.unavailable()}")  # fmt: skip
@@ -50,154 +50,33 @@ SETTINGS = {
 }
 BEFORE = 3.5  # seconds a partition lasts when it heals before a failover
 
-_WRITER = """
-import json, os, sys, time
-from distributed import Client
-from dask_ddict import DDict
-address, name, tag, hot, stop = sys.argv[1:6]
-hot = int(hot)
-with Client(address, timeout=30) as c:
-    d = DDict.from_name(name, client=c, timeout=30)
-    n, i = d.num_managers, 0
-    print(json.dumps(["ready"]), flush=True)
-    while not os.path.exists(stop):
-        m = i % n
-        for op in ("put", "add"):
-            if op == "add" and m != hot:
-                continue
-            t = time.time()
-            try:
-                if op == "put":
-                    d.manager(m)[(tag, i)] = i
-                    got = i
-                else:
-                    got = d.manager(hot).fetch_add(("hot", tag[:-1]), 1)
-                print(json.dumps([op, m, i, got, t, time.time(), ""]), flush=True)
-            except Exception as e:
-                print(json.dumps([op, m, i, None, t, time.time(), repr(e)]), flush=True)
-        i += 1
-"""
-
 
 @pytest.fixture(scope="module")
 def machines():
     with Machines(env=SETTINGS) as ms:
         with Client(ms.scheduler_address, timeout=60) as c:
-            c.wait_for_workers(3, timeout=120)
+            hosts_ready(c, 3)
             yield ms, c
-
-
-def _where(c: Client, d: DDict) -> tuple[dict[str, str], dict[int, list[str]]]:
-    """(worker -> machine, manager -> the workers of its replicas)."""
-    machine_of = {w: info["name"].removeprefix("worker-")
-                  for w, info in c.scheduler_info()["workers"].items()}  # fmt: skip
-    reps = {int(k): list(v) for k, v in c.sync(c.scheduler.ddict_replicas,
-                                                 name=d.get_name()).items()}  # fmt: skip
-    return machine_of, reps
-
-
-def _settled(c: Client, d: DDict, bound: float = 90.0) -> None:
-    """Every manager serves, with its replica on another machine (repairs done)."""
-    deadline = time.monotonic() + bound
-    while True:
-        machine_of, reps = _where(c, d)
-        layout = d._core.fresh(force=True)
-        if all(not m.lost and len(reps.get(m.manager_id, ())) == 1 and
-               machine_of.get(reps[m.manager_id][0]) != machine_of.get(m.worker)
-               for m in layout.managers):  # fmt: skip
-            return
-        assert time.monotonic() < deadline, (layout.managers, reps)
-        time.sleep(0.3)
 
 
 @pytest.fixture()
 def dictionary(machines):
-    """A replicated dictionary on ``s``, ``a`` and ``b`` (two managers each), and ``M``:
-    a manager whose primary is on ``b`` and whose replica is on ``a``."""
+    """A replicated dictionary on ``s``, ``a`` and ``b`` (two managers each), ``M`` (a
+    manager whose primary is on ``b`` and whose replica is on ``a``, or the other way
+    round), and the machines of its primary and its replica."""
     ms, c = machines
     for m in (S, "a", "b"):  # (a worker of an earlier test's partition may have closed)
         if f"worker-{m}" not in ms.procs or ms.procs[f"worker-{m}"].poll() is not None:
             ms.start_worker(m)
-    c.wait_for_workers(3, timeout=120)
+    hosts_ready(c, 3)
     d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, replicas=1, timeout=30,
               lifetime="cluster")  # fmt: skip
     try:
-        _settled(c, d)
-        machine_of, reps = _where(c, d)
-        hot = [m.manager_id for m in d._core.layout.managers if machine_of[m.worker] == "b"
-               and machine_of[reps[m.manager_id][0]] == "a"]  # fmt: skip
-        assert hot, "no manager has its primary on b and its replica on a"
-        yield d, hot[0]
+        settled(c, d)
+        yield d, *hot_manager(c, d)
     finally:
         ms.heal()
         d.destroy()
-
-
-class Writers:
-    """Writer processes on machine ``c`` (see ``_WRITER``) and what they were told."""
-
-    def __init__(self, ms: Machines, d: DDict, hot: int, run: str, n: int = 2) -> None:
-        self.run, self.ms = run, ms
-        self.stop = ms.tmp / f"stop-{d.get_name()}-{run}"
-        self.procs = [ms.popen("c", _WRITER, ms.scheduler_address, d.get_name(), f"{run}{j}",
-                               str(hot), str(self.stop), name=f"writer-{run}{j}")
-                      for j in range(n)]  # fmt: skip
-        self.outs: list[list[str]] = [[] for _ in self.procs]
-        self.readers = [threading.Thread(target=_read, args=(p, out), daemon=True)
-                        for p, out in zip(self.procs, self.outs)]  # fmt: skip
-        for t in self.readers:  # (a writer never waits for a full pipe)
-            t.start()
-        for j, out in enumerate(self.outs):  # (connected, attached: writing)
-            _wait(f"writer {run}{j}", lambda out=out: bool(out) or self.procs[j].poll() is not None)
-            assert json.loads(out[0] if out else "null") == ["ready"], ms.log(f"writer-{run}{j}")
-
-    def join(self) -> list[list[Any]]:
-        """Stop them; every operation they did, as ``[writer, op, manager, i, got, began,
-        ended, error]``."""
-        self.stop.touch()
-        records = []
-        for j, (p, t, out) in enumerate(zip(self.procs, self.readers, self.outs)):
-            assert p.wait(180) == 0, self.ms.log(f"writer-{self.run}{j}")
-            t.join(60)
-            records += [[f"{self.run}{j}", *json.loads(line)] for line in out[1:]]
-        return records
-
-
-def _read(p: subprocess.Popen[str], out: list[str]) -> None:
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.strip():
-            out.append(line)
-
-
-def _check(d: DDict, hot: int, run: str, records: list[list[Any]], healed: float) -> None:
-    """Every acknowledged put reads back; the counter's acknowledged old values differ;
-    every writer's operations after the heal (and a lease) were acknowledged."""
-    puts = [r for r in records if r[1] == "put" and not r[7]]
-    adds = [r[4] for r in records if r[1] == "add" and not r[7]]
-    failed = [r for r in records if r[7]]
-    assert puts and adds
-    for tag, _, m, i, _, _, _, _ in puts:
-        assert d.manager(m)[(tag, i)] == i, (tag, m, i)
-    assert len(adds) == len(set(adds)), "two primaries acknowledged increments at once"
-    total = d.manager(hot)[("hot", run)]
-    gaps = sorted(set(range(total)) - set(adds))  # (increments applied, not acknowledged)
-    assert max(adds) < total <= len(adds) + sum(r[1] == "add" for r in failed), \
-        (gaps, [r for r in records if r[1] == "add" and r[4] is not None and
-                any(abs(r[4] - g) <= 2 for g in gaps)], failed[:10])  # fmt: skip
-    late = [r for r in records if r[5] > healed + 3.0]  # (begun a lease after the heal)
-    assert late and not [r for r in late if r[7]], [r for r in late if r[7]][:5]
-
-
-def _primary_of(d: DDict, mid: int) -> ManagerInfo:
-    return d._core.fresh(force=True).managers[mid]
-
-
-def _wait(what: str, ready: Callable[[], bool], bound: float = 60.0) -> None:
-    deadline = time.monotonic() + bound
-    while not ready():
-        assert time.monotonic() < deadline, f"no {what} within {bound} s"
-        time.sleep(0.2)
 
 
 def _answers_moved(layout: Layout, old: ManagerInfo, mid: int, bound: float = 20.0) -> None:
@@ -231,7 +110,7 @@ def _run(ms: Machines, d: DDict, hot: int, cut: list[tuple[str, str]], run: str,
     for one, other in cut:
         ms.cut(one, other)
     if callable(heal):
-        _wait("the change the partition makes", heal)
+        wait("the change the partition makes", heal)
         time.sleep(1.0)  # (writes go to the new place meanwhile)
     else:
         time.sleep(heal)
@@ -240,7 +119,7 @@ def _run(ms: Machines, d: DDict, hot: int, cut: list[tuple[str, str]], run: str,
     time.sleep(5.0)
     records = writers.join()
     assert [r for r in records if r[6] > healed and r[1] == "add"], "no write after the heal"
-    _check(d, hot, run, records, healed)
+    check(d, hot, run, records, healed + 3.0)  # (converged a lease after the heal)
 
 
 def _revoked(dask_scheduler: Any) -> list[str]:
@@ -267,12 +146,12 @@ def test_a_primary_cut_from_the_scheduler_and_its_replica_but_not_its_clients(ma
     again).  Healed after one (a's replica took over once b's lease was surely over,
     and the clients followed), b answers ``MOVED`` and never serves it again."""
     ms, c = machines
-    d, hot = dictionary
-    old = _primary_of(d, hot)
-    _run(ms, d, hot, [("b", S), ("b", "a")], "x")
-    assert _primary_of(d, hot) == old and not d.moves
-    _run(ms, d, hot, [("b", S), ("b", "a")], "y", _failed_over(d, hot))
-    now = _primary_of(d, hot)
+    d, hot, p, r = dictionary
+    old = primary_of(d, hot)
+    _run(ms, d, hot, [(p, S), (p, r)], "x")
+    assert primary_of(d, hot) == old and not d.moves
+    _run(ms, d, hot, [(p, S), (p, r)], "y", _failed_over(d, hot))
+    now = primary_of(d, hot)
     assert now.term == old.term + 1 and now.supervisor != old.supervisor
     _answers_moved(d._core.layout, old, hot)
 
@@ -282,12 +161,12 @@ def test_a_primary_cut_from_the_scheduler_only(machines, dictionary):
     but without a lease it acknowledges nothing; the orchestrator promotes a's replica
     (which it reaches) once b's lease is surely over."""
     ms, c = machines
-    d, hot = dictionary
-    old = _primary_of(d, hot)
-    _run(ms, d, hot, [("b", S)], "x")
-    assert _primary_of(d, hot) == old and not d.moves
-    _run(ms, d, hot, [("b", S)], "y", _failed_over(d, hot))
-    assert _primary_of(d, hot).term == old.term + 1
+    d, hot, p, r = dictionary
+    old = primary_of(d, hot)
+    _run(ms, d, hot, [(p, S)], "x")
+    assert primary_of(d, hot) == old and not d.moves
+    _run(ms, d, hot, [(p, S)], "y", _failed_over(d, hot))
+    assert primary_of(d, hot).term == old.term + 1
     _answers_moved(d._core.layout, old, hot)
 
 
@@ -297,13 +176,13 @@ def test_a_replica_cut_from_its_primary_only(machines, dictionary):
     take the replica out of the set (never promoted now), acknowledges again, and a new
     replica is made; the primary stays."""
     ms, c = machines
-    d, hot = dictionary
-    old = _primary_of(d, hot)
-    replica = _where(c, d)[1][hot]
-    _run(ms, d, hot, [("a", "b")], "x", 1.0)  # (within ddict.replica.timeout: 2 s)
-    assert _where(c, d)[1][hot] == replica
-    _run(ms, d, hot, [("a", "b")], "y", lambda: _where(c, d)[1][hot] != replica)
-    assert _primary_of(d, hot) == old and not d.moves
+    d, hot, p, r = dictionary
+    old = primary_of(d, hot)
+    replica = where(c, d)[1][hot]
+    _run(ms, d, hot, [(r, p)], "x", 1.0)  # (within ddict.replica.timeout: 2 s)
+    assert where(c, d)[1][hot] == replica
+    _run(ms, d, hot, [(r, p)], "y", lambda: where(c, d)[1][hot] != replica)
+    assert primary_of(d, hot) == old and not d.moves
 
 
 def test_the_scheduler_cut_from_everyone(machines, dictionary):
@@ -314,19 +193,19 @@ def test_the_scheduler_cut_from_everyone(machines, dictionary):
     replica is on ``a`` (as cut off as ``b``), waited, never lost, and stays at ``b`` if
     ``b`` renews first."""
     ms, c = machines
-    d, hot = dictionary
-    old = _primary_of(d, hot)
+    d, hot, p, r = dictionary
+    old = primary_of(d, hot)
     cut = [(S, "a"), (S, "b"), (S, "c")]
     _run(ms, d, hot, cut, "x")
-    assert _primary_of(d, hot) == old and not d.moves
-    machine_of, reps = _where(c, d)
+    assert primary_of(d, hot) == old and not d.moves
+    machine_of, reps = where(c, d)
     onto_s = [m.manager_id for m in d._core.layout.managers
               if machine_of[m.worker] != S and machine_of[reps[m.manager_id][0]] == S]  # fmt: skip
     failed_over = _failed_over(d, onto_s[0]) if onto_s else lambda: True
     _run(ms, d, hot, cut, "y", lambda: old.supervisor in _suspected(c) and failed_over())
     # b renewed before a's replica answered (reinstated), or a's answered first (a
     # promotion that was under way when the partition healed): one primary either way
-    now = _primary_of(d, hot)
+    now = primary_of(d, hot)
     assert not now.lost
     if now.term != old.term:
         assert now.term == old.term + 1 and now.supervisor != old.supervisor

@@ -29,6 +29,7 @@ How a replica takes over (failover) and who may serve (leases):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -73,6 +74,8 @@ def replica_targets(candidates: Iterable[Candidate], primary: ManagerInfo,
 
 #: Lost supervisors remembered (:attr:`Replicas.gone`).
 MOST_GONE = 1024
+#: Seconds after which a placement that left a manager short of replicas is tried again.
+PLACE_AGAIN = 5.0
 
 
 class Replicas:
@@ -116,6 +119,8 @@ class Replicas:
         self.remove_left = remove_left
         self.failing: Mapping[tuple[str, int], str] = {} if failing is None else failing
         self._queued: set[tuple[str, str]] = set()  # repairs asked, not begun (see repair)
+        self._again: set[str] = set()  # dictionaries short of replicas, tried again later
+        self._later: dict[str, float] = {}  # ...after this many seconds (doubled each time)
         self._suspected: Callable[[str], bool] = suspected or (lambda supervisor: False)
         #: name -> manager -> its replicas
         self.placed: dict[str, dict[int, list[Replica]]] = {}
@@ -179,7 +184,7 @@ class Replicas:
         layout = self.layouts.get(name)
         if layout is None or not layout.options.replicas:
             return 0
-        made = 0
+        made, short = 0, False
         for mid in range(len(layout.managers)):
             # (each manager as it is now: a failover or a move may have changed it while
             # the ones before were seeded)
@@ -200,19 +205,34 @@ class Replicas:
                     logger.warning("ddict %s: manager %d has %d of its %d replicas: no other "
                                    "worker can keep one", name, mid, len(have),
                                    layout.options.replicas)  # fmt: skip
+                    short = True
                     break
                 try:
                     r = await self._seed(layout, m, choice[0])
                 except Exception as e:  # noqa: BLE001 - said; stays short until the next try
                     logger.warning("ddict %s: seeding a replica of manager %d on %s failed: %r",
                                    name, mid, choice[0].worker, e)  # fmt: skip
+                    short = True
                     break
                 if r.supervisor in self.gone:  # (its host was lost while it was seeded)
                     await self._detach(self.layouts.get(name) or layout, r)
                     continue
                 have.append(r)
                 made += 1
+        if not short:
+            self._later.pop(name, None)
+        elif name not in self._again:  # (a worker whose host was not up yet, a replica cut
+            self._again.add(name)  # off meanwhile: tried again a while later)
+            self.spawn(self._place_again(name))
         return made
+
+    async def _place_again(self, name: str) -> None:
+        """:meth:`repair` ``name`` once more, :data:`PLACE_AGAIN` seconds from now, twice
+        that after the next that leaves a manager short, and so on up to a minute."""
+        pause = self._later[name] = min(60.0, 2 * self._later.get(name, PLACE_AGAIN / 2))
+        await asyncio.sleep(pause)
+        self._again.discard(name)
+        await self.repair(name)
 
     async def _reckon(self, layout: Layout, primary: ManagerInfo, have: list[Replica]) -> None:
         """Forget (and drop) the replicas of ``have`` that ``primary`` no longer ships to: it
