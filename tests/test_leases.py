@@ -251,3 +251,31 @@ def test_the_lease_word_a_host_writes_is_what_its_same_host_readers_see(tmp_path
     assert not reader.valid()
     with pytest.raises(OSError):
         LeaseWord(str(tmp_path / "absent"))
+
+
+def test_with_leases_off_a_replicated_dictionary_serves_without_them():
+    """``ddict.lease.duration: null`` (read by the scheduler): hosts learn at their first
+    renewal that no lease is kept, serve their replicated primaries, and stop renewing;
+    a write still reaches the replica (a real cluster)."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    from dask_ddict import DDict
+
+    with dask.config.set({"ddict.lease.duration": None}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        d = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=30)
+        try:
+            d.update({i: i for i in range(50)})
+            assert all(d[i] == i for i in range(50)) and len(d) == 50
+            assert c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
+                "ddict"].leases) is None  # fmt: skip
+            assert all(s.replicas == 1 for s in d.stats)
+            # a dictionary made later, on hosts that stopped renewing: served at once
+            e = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=5)
+            e["k"] = 1
+            assert e["k"] == 1
+            e.destroy()
+        finally:
+            d.destroy()

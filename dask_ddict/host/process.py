@@ -162,7 +162,8 @@ class Host:
                     manager.pins = hosted.pins
                 manager.served = hosted.served.of
                 manager.host_restarts = self.init.restarts
-                if hosted.leased:  # (it serves once the orchestrator confirmed it: lease)
+                if hosted.leased and self.keeper.required:  # (it serves once the
+                    # orchestrator confirmed it: see .lease)
                     hosted.fence(manager, "the orchestrator has not confirmed yet that it "
                                           f"serves it here (term {manager.term})")  # fmt: skip
                 else:
