@@ -430,6 +430,42 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
         assert not any(os.path.exists(p) for p in paths)
 
 
+def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
+    """Every worker closes at once (``scale(0)``): each host's evacuation moved its
+    managers to the other closing host, whose own evacuation had already looked, and
+    those were dropped with it ("lost with their host").  A closing host takes no manager
+    now, and looks again for any that arrived: all are parked, and served with every key
+    once workers join."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0",
+                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+        d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, timeout=30)
+        try:
+            d.update({i: i for i in range(400)})
+            assert len(set(d.manager_workers)) == 2
+            cl.scale(0)
+            deadline = time.monotonic() + 60
+            while c.scheduler_info()["workers"] or any(
+                    m.lost and not m.parked for m in d._core.fresh(force=True).managers):  # fmt: skip
+                assert time.monotonic() < deadline, "not closed"
+                time.sleep(0.2)
+            layout = d._core.fresh(force=True)
+            assert all(m.parked for m in layout.managers), [
+                (m.manager_id, m.lost_why) for m in layout.managers]  # fmt: skip
+            cl.scale(2)
+            c.wait_for_workers(2, timeout=60)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert [d[i] for i in range(400)] == list(range(400))
+                    break
+                except DDictManagerUnavailableError:
+                    assert time.monotonic() < deadline, "parked managers not taken"
+                    time.sleep(0.2)
+            assert len(d) == 400
+        finally:
+            d.destroy()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stale_handles_batch_across_a_move_is_completed_where_the_manager_went(
         cluster3, transport):  # fmt: skip

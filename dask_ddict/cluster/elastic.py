@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: How many times a closing host's evacuation looks again for managers that other
+#: evacuations moved there meanwhile (each pass waits for the moves under way).
+EVACUATION_PASSES = 5
+
 
 class Orchestrator(Protocol):
     """What moves need of the orchestrator (``DDictSchedulerPlugin``)."""
@@ -71,6 +75,8 @@ class Elastic:
         self.moves = Moves(lambda address: plugin.scheduler.rpc(address), plugin.dicts)
         self._host_ids: dict[str, str] = {}  # supervisor -> its machine's host id
         self._evacuating: dict[str, asyncio.Lock] = {}  # one evacuation per supervisor
+        #: supervisors whose host closes (their last evacuation began): they take nothing
+        self._leaving: set[str] = set()
         failing: dict[tuple[str, int], str] = {}  # (the managers failing over: both see them)
         self.replicas = Replicas(self.moves.rpc, plugin.dicts, self.moves, self._candidates,
                                  plugin.spawn, functools.partial(remove_paths_on, plugin),
@@ -91,12 +97,35 @@ class Elastic:
     async def evacuate(self, supervisor: str, why: str = "", park: bool = True
                        ) -> dict[str, Any]:  # fmt: skip
         """Move every manager of ``supervisor``'s host to the remaining workers (and park
-        those that none can take, unless not ``park``: they stay where they are)."""
+        those that none can take, unless not ``park``: they stay where they are).
+
+        ``park`` is the host's last evacuation (its nanny closes): from then on it takes
+        no manager.  Several hosts close at once when a cluster scales down (to zero,
+        or ``adapt`` retiring a few): a manager that another evacuation was moving here
+        when this one began arrives after this host's first pass, so passes repeat,
+        each once the moves under way are done, until none is left here.
+        """
         plugin = self.plugin
         if plugin.scheduler.status != Status.running:
             return {"moved": 0, "parked": 0}  # the cluster is closing: nothing to keep
+        if park:
+            self._leaving.add(supervisor)
         async with self._evacuating.setdefault(supervisor, asyncio.Lock()):
-            return await self._evacuate(supervisor, plugin.why_leaving(supervisor, why), park)
+            why = plugin.why_leaving(supervisor, why)
+            said = await self._evacuate(supervisor, why, park)
+            for _ in range(EVACUATION_PASSES if park else 0):
+                for name in list(plugin.dicts):  # (the moves into this host, if any)
+                    await self.moves.settled(name, config.get_seconds("move.timeout"))
+                if not self._hosted(supervisor):
+                    break
+                more = await self._evacuate(supervisor, why, park)
+                said = {k: said.get(k, 0) + v for k, v in more.items()}
+            return said
+
+    def _hosted(self, supervisor: str) -> bool:
+        """Whether ``supervisor``'s host serves a manager (not lost) of any dictionary."""
+        return any(m.supervisor == supervisor and not m.lost
+                   for layout in self.plugin.dicts.values() for m in layout.managers)  # fmt: skip
 
     async def _evacuate(self, supervisor: str, why: str, park: bool) -> dict[str, Any]:
         moved, parked = 0, 0
@@ -110,6 +139,8 @@ class Elastic:
                 keeping = {r.supervisor for r in self.replicas.of(name).get(mid, ())}
                 for c in sorted(targets(await self._candidates(name, supervisor), m.host_id),
                                 key=lambda c: c.supervisor in keeping):  # (not with its replica)
+                    if c.supervisor in self._leaving:  # (began to close since the list)
+                        continue
                     try:
                         await self.moves.move(name, m.manager_id, c, why)
                     except Exception as e:  # noqa: BLE001 - the next worker may take it
@@ -131,8 +162,7 @@ class Elastic:
         if not config.get("move.on-retire"):
             return
         supervisor = self.plugin.supervisor_of(worker)
-        if any(m.supervisor == supervisor and not m.lost
-               for layout in self.plugin.dicts.values() for m in layout.managers):  # fmt: skip
+        if self._hosted(supervisor):
             self.plugin.spawn(self.evacuate(supervisor, park=False))
 
     async def rebalance(self, name: str) -> list[dict[str, Any]]:
@@ -275,7 +305,8 @@ class Elastic:
         out = []
         for w, ws in list(plugin.scheduler.workers.items()):
             sup = plugin.supervisor_of(w)
-            if ws.status != Status.running or sup == leaving or sup in plugin.gone:
+            if ws.status != Status.running or sup == leaving or sup in self._leaving or \
+                    sup in plugin.gone:  # fmt: skip
                 continue
             host = await self._host_id(sup)
             if host:
