@@ -4,12 +4,14 @@ Registered in the ``dask_cli`` entry-point group, so it sits beside
 ``dask scheduler`` and ``dask worker``; ``python -m dask_ddict`` runs it too.
 Commands that talk to a cluster take ``--scheduler`` (default: Dask's
 ``scheduler-address`` config, i.e. ``DASK_SCHEDULER_ADDRESS``).  ``inspect``
-reads a zarr store directly and needs no cluster.
+reads a zarr store directly and needs no cluster; ``parked`` reads this machine's
+shard directory, and asks each scheduler that keeps a shard there whether it does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -151,6 +153,57 @@ def destroy(name: str, scheduler: str | None, timeout: float | None,
 
 
 @ddict.command()
+@click.option("--remove", is_flag=True,
+              help="Remove the shards whose cluster is gone (no live scheduler keeps them).")
+@click.option("--force", "forced", multiple=True, metavar="NAME",
+              help="Remove the kept shards of dictionary NAME (or the shard directory NAME), "
+                   "whatever their cluster says; repeatable.")  # fmt: skip
+@click.option("--directory", default=None, metavar="DIR",
+              help="The shard directory (default: dask config 'ddict.store.directory').")
+@click.option("--timeout", "timeout", default="3 s", show_default=True, metavar="DURATION",
+              callback=_seconds, help="How long to wait for each scheduler's answer.")  # fmt: skip
+def parked(remove: bool, forced: tuple[str, ...], directory: str | None,
+           timeout: float | None) -> None:  # fmt: skip
+    """Parked shards on this machine, and the others kept in its shared memory.
+
+    One line per shard that no process serves but that is kept: parked (no worker
+    could take its manager), kept for a restart (``destroy(allow_restart=True)``),
+    or kept aside (a deposed primary): its dictionary, manager, why, bytes, and
+    whether the cluster that keeps it is alive (its scheduler answers that it keeps
+    it), gone (its scheduler ended, or no longer keeps it), unknown (no answer) or
+    in-use (a process holds it).
+    A worker that starts on this machine removes those whose cluster is gone;
+    ``--remove`` does it now.  Needs no cluster.
+    """
+    from distributed import Security
+
+    from .host import hygiene
+
+    base = directory or hygiene.shard_directory()
+    shards = hygiene.kept_shards(base)
+    if not shards:
+        click.echo(f"no parked or kept shards in {base}")
+        return
+    states = hygiene.keeper_states([s for s in shards if not s.in_use], Security(), timeout)
+    click.echo(f"{'dictionary':<20} {'manager':>7}  {'kept':<8} {'bytes':>12}  {'cluster':<8} "
+               f"{'scheduler':<28} shard")  # fmt: skip
+    for s in shards:
+        state = "in-use" if s.in_use else states.get(s.path, hygiene.UNKNOWN)
+        manager = "?" if s.manager is None else str(s.manager)
+        click.echo(f"{s.name[:20]:<20} {manager:>7}  {s.why or '?':<8} {s.nbytes:>12}  "
+                   f"{state:<8} {s.keeper:<28} {s.path}")  # fmt: skip
+    doomed = [s for s in shards if not s.in_use and (
+        (remove and states.get(s.path) == hygiene.GONE)
+        or any(f in (s.name, s.path, os.path.basename(s.path)) for f in forced))]  # fmt: skip
+    hygiene.remove([s.path for s in doomed], kept=True)  # (never one a process holds)
+    removed = [s for s in doomed if not os.path.exists(s.path)]
+    for s in removed:
+        click.echo(f"removed {s.path}")
+    if remove or forced:
+        click.echo(f"removed {len(removed)} shard(s), {sum(s.nbytes for s in removed)} bytes")
+
+
+@ddict.command()
 @store_argument
 def inspect(store: str) -> None:
     """The checkpoints persisted in zarr STORE, with their state and checksums."""
@@ -175,15 +228,22 @@ def inspect(store: str) -> None:
                 click.echo(f"  manager {mid}: {e.message}")
                 bad += 1
                 continue
+            versions = cs.versions()
             for g in cs.generations():
                 state = "committed" if g.committed else (g.problem or "not committed")
                 check = ""
-                if g.committed:  # the newest committed generation is the checkpoint
+                v = versions.get(g.chkpt)
+                if g.committed and v is not None and v.gens.get(mid) == g.gen:  # the checkpoint
                     try:
-                        size = sum(memoryview(v).nbytes for _, v, _ in cs.read(g.chkpt))
+                        reader = cs if v.managers == n else CheckpointStore(
+                            store, name, mid, v.managers, writable=False)  # fmt: skip
+                        size = sum(memoryview(f).nbytes
+                                   for _, f, _ in reader.read_generation(g))  # fmt: skip
                         check = f", {size} value bytes, checksums ok"
                     except DDictPersistCheckpointError as e:
                         check, bad = f", DAMAGED: {e.message}", bad + 1
+                elif g.committed:
+                    check = ", not (yet) part of a version every manager has"
                 click.echo(f"  manager {mid}: checkpoint {g.chkpt} ({g.name}): {state}{check}")
     if bad:
         raise click.ClickException(f"{bad} damaged or unreadable checkpoint(s) in {store}")
@@ -225,9 +285,14 @@ def create(name: str, total_mem: str, managers_per_worker: int | None, working_s
 @click.option("--name", required=True, help="The dictionary's name in the store.")
 @click.option("--checkpoint", type=int, default=None, help="Checkpoint id (default: newest).")
 @click.option("--total-mem", default="1 GiB", show_default=True, help="Bytes over all managers.")
+@click.option("--managers-per-worker", type=int, default=None,
+              help="Shards per worker (default: as many managers as persisted the checkpoint, "
+                   "if the workers can host them evenly, else ddict.managers-per-worker); "
+                   "a checkpoint restores onto any number of managers.")  # fmt: skip
 @scheduler_option
 def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
-            scheduler: str | None, timeout: float | None) -> None:  # fmt: skip
+            managers_per_worker: int | None, scheduler: str | None,
+            timeout: float | None) -> None:  # fmt: skip
     """Create dictionary NAME on the cluster from its checkpoint in STORE; print its handle.
 
     The dictionary outlives this command (``lifetime="cluster"``): remove it with
@@ -236,32 +301,29 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
     import zarr
 
     from .client import DDict
+    from .persist import CheckpointStore
 
     try:
         group = zarr.open_group(store, mode="r")[name]
         if not isinstance(group, zarr.Group):
             raise TypeError(f"{name!r} is an array, not a dictionary's group")
-        managers = sorted(int(m[8:]) for m, _ in group.groups() if m.startswith("manager_"))
+        versions = CheckpointStore(store, name, 0, 1, writable=False).versions()
     except Exception as e:  # noqa: BLE001
         raise click.ClickException(f"no dictionary {name!r} in {store}: {e}") from None
     if checkpoint is None:
-        from .persist import CheckpointStore
-
-        ids = set.intersection(*(set(CheckpointStore(store, name, m, len(managers),
-                                                     writable=False).ids())
-                                 for m in managers))  # fmt: skip
-        if not ids:
+        if not versions:
             raise click.ClickException(f"{name!r} has no checkpoint persisted on every manager")
-        checkpoint = max(ids)
+        checkpoint = max(versions)
     with _client(scheduler, timeout) as client:
-        workers = len(client.scheduler_info()["workers"])
-        if not managers or len(managers) % max(1, workers):
-            raise click.ClickException(
-                f"{name!r} was persisted by {len(managers)} managers, which {workers} workers "
-                "cannot host evenly"
-            )
-        d = DDict(len(managers) // workers, total_mem=total_mem, name=name, persist_path=store,
-                  restore_from=checkpoint, client=client, lifetime="cluster")  # fmt: skip
+        workers = max(1, len(client.scheduler_info()["workers"]))
+        wrote = versions[checkpoint].managers if checkpoint in versions else 0
+        if managers_per_worker is None and wrote and wrote % workers == 0:
+            managers_per_worker = wrote // workers  # (as persisted: nothing to re-shard)
+        try:
+            d = DDict(managers_per_worker, total_mem=total_mem, name=name, persist_path=store,
+                      restore_from=checkpoint, client=client, lifetime="cluster")  # fmt: skip
+        except (TypeError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
         click.echo(d.serialize())
         d._core.close()  # the dictionary lives on; this process lets go of its handle
 

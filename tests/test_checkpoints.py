@@ -101,9 +101,47 @@ def test_explicit_persist_and_restore_from_at_creation(client, tmp_path):
         e.destroy()
     with pytest.raises(DDictPersistCheckpointError):
         DDict(total_mem="32 MiB", client=client, name="p2", persist_path=path, restore_from=7)
-    with pytest.raises(DDictPersistCheckpointError, match="managers"):
-        DDict(total_mem="32 MiB", client=client, name="p2", persist_path=path, restore_from=1,
-              n_workers=1)  # fmt: skip
+
+
+def test_a_checkpoint_restores_onto_any_number_of_managers(client, tmp_path):
+    """Persisted by 4 managers, restored onto 3 (one worker), persisted again there, then
+    restored onto 2: every key each time, ids and persisted_ids kept; at run time too."""
+    path = str(tmp_path / "store")
+    keys = [f"k{i}" for i in range(200)] + [(i, "t") for i in range(50)]
+    d = DDict(total_mem="64 MiB", client=client, name="rs", working_set_size=2,
+              managers_per_worker=2, persist_path=path)  # fmt: skip
+    try:
+        assert d.num_managers == 4
+        d.update({k: 0 for k in keys})
+        d.persist()
+        d.checkpoint()
+        d.update({k: 1 for k in keys[::2]})
+        d.persist()
+        d.sync()
+        assert d.persisted_ids() == [0, 1]
+    finally:
+        d.destroy()
+    r = DDict(total_mem="48 MiB", client=client, name="rs", working_set_size=2, n_workers=1,
+              managers_per_worker=3, persist_path=path, restore_from=1)  # fmt: skip
+    try:
+        assert r.num_managers == 3 and r.checkpoint_id == 1 and len(r) == len(keys)
+        assert {k: r[k] for k in keys} == {k: 1 - i % 2 for i, k in enumerate(keys)}
+        assert r.persisted_ids() == [0, 1]
+        r["new"] = "at 1, on 3 managers"
+        r.persist()  # a new version of 1, written by 3 managers
+        r.sync()
+        assert r.persisted_ids() == [0, 1]
+    finally:
+        r.destroy()
+    s = DDict(total_mem="32 MiB", client=client, name="rs", working_set_size=2,
+              persist_path=path, restore_from=1)  # fmt: skip
+    try:
+        assert s.num_managers == 2 and len(s) == len(keys) + 1 and s["new"] == "at 1, on 3 managers"
+        s.restore(0)  # written by 4: re-sharded at run time too (and 1 discarded)
+        assert len(s) == len(keys) and all(s[k] == 0 for k in keys) and "new" not in s
+        assert s.persisted_ids() == [0]
+    finally:
+        s.destroy()
 
 
 def test_read_only_replay(client, tmp_path):
@@ -168,10 +206,12 @@ def test_zarr_store_is_plain_zarr(client, tmp_path):
         groups = sorted(n for n, _ in root["p5"].groups())
         assert groups == ["committed"] + [f"manager_{i}" for i in range(d.num_managers)]
         records = sorted(n for n, _ in root["p5/committed"].groups())  # the commit record
-        assert records == [f"chkpt_0.manager_{i}" for i in range(d.num_managers)]
         m = d.which_manager("k")
         g = root[f"p5/manager_{m}/chkpt_0.g0"]
         assert g.attrs["committed"] is True and g.attrs["num_keys"] == 1
+        version = g.attrs["version"]  # (one persist: the same on every manager)
+        assert version > 0 and records == [f"chkpt_0.manager_{i}.g0.v{version:x}"
+                                           for i in range(d.num_managers)]  # fmt: skip
 
 
 # -- warm restart -------------------------------------------------------------------------
@@ -188,6 +228,10 @@ def test_restart_brings_back_every_checkpoint(client):
         views[c] = state(d)
     d.destroy(allow_restart=True)
     assert shards(d) <= shm_entries()  # the shards stayed
+    # listed as `dask ddict list` shows it: not live any more, kept for restart
+    assert "r1" not in DDict.list(client) and "r1" in DDict.list(client, kept=True)
+    with pytest.raises(TypeError, match="kept must be True or False"):
+        DDict.list(client, kept="yes")
     with pytest.raises(DDictError, match="no DDict named"):
         DDict(total_mem="32 MiB", client=client, name="nope", restart=True)
     with pytest.raises(ValueError, match="managers"):

@@ -60,6 +60,16 @@ def test_inspect_then_restore_a_store(client, tmp_path):
     finally:
         restored.detach()
         run("destroy", "cli-two", "--scheduler", client.scheduler.address)
+    code, out = run("restore", store, "--name", "cli-two", "--total-mem", "24 MiB",
+                    "--managers-per-worker", "3", "--scheduler", client.scheduler.address)
+    assert code == 0, out  # written by 2 managers, restored onto 6
+    restored = DDict.from_name("cli-two", client)
+    try:
+        assert restored.num_managers == 6 and len(restored) == 1
+        np.testing.assert_array_equal(restored["a"], np.arange(1000))
+    finally:
+        restored.detach()
+        run("destroy", "cli-two", "--scheduler", client.scheduler.address)
     chunk = next((tmp_path / "store.zarr" / "cli-two").glob("manager_*/chkpt_0.g0/values/c/0"))
     raw = bytearray(chunk.read_bytes())
     raw[0] ^= 1

@@ -85,9 +85,9 @@ class Place:
         return CheckpointStore(self.path, name, mid, 2, writable=False,
                                storage_options=self.storage_options).ids()  # fmt: skip
 
-    def started(self, name: str, mid: int, chkpt: int) -> Callable[[], bool]:
-        """Whether manager ``mid`` has begun writing ``chkpt``."""
-        group = f"{self.path}/{name}/manager_{mid}/chkpt_{chkpt}.g0"
+    def started(self, name: str, mid: int, chkpt: int, gen: int = 0) -> Callable[[], bool]:
+        """Whether manager ``mid`` has begun writing generation ``gen`` of ``chkpt``."""
+        group = f"{self.path}/{name}/manager_{mid}/chkpt_{chkpt}.g{gen}"
         if self.storage_options is None:
             return lambda: os.path.isdir(group)
         import s3fs
@@ -146,6 +146,53 @@ def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_and_sync_re
     try:
         got = {k: tag_of(r[k]) for m in range(2) for k in keys[m]}
         assert got == {k: 1 for m in range(2) for k in keys[m]}  # every key, all of 1
+    finally:
+        r.destroy()
+
+
+def test_a_re_persist_cut_short_by_a_host_kill_restores_as_one_version(crash_client, tmp_path):
+    """Issue 51's defect: checkpoint 0 persisted, written again (and new keys), persisted
+    again under the same id, the host of manager 0 SIGKILLed while it writes.  Manager 1
+    committed the new version, manager 0 not: both still read the first one (never
+    manager 0's first and manager 1's second).  The restarted host writes the new version
+    again (0 is still in the window) and sync() waits for it: a restore then brings back
+    the second version on every manager, every key."""
+    name = "crash-re-persist"
+    path = str(tmp_path / "again.zarr")
+    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=path,
+              working_set_size=2, lifetime="cluster", timeout=60)  # fmt: skip
+    keys = {m: keys_on(d, m, 12) for m in range(2)}
+    first = [k for m in range(2) for k in keys[m][:6]]
+    try:
+        for k in first:
+            d[k] = value(0)
+        d.persist()
+        d.sync()
+        for m in range(2):
+            for k in keys[m]:
+                d[k] = value(1)  # the same checkpoint 0: changed, and 12 more keys
+        host = d.stats[0].pid
+        d.persist()
+        wait_for("manager 0 to start writing 0 again", Place(path).started(name, 0, 0, gen=1))
+        os.kill(host, signal.SIGKILL)
+        wait_for("manager 1 to commit its part", lambda: len(
+            [g for g in CheckpointStore(path, name, 1, 2, writable=False).generations()
+             if g.committed]) == 2)  # fmt: skip
+        for m in range(2):  # one version on both: the first
+            got = [k for k, _, _ in CheckpointStore(path, name, m, 2, writable=False).read(0)]
+            assert len(got) == 6, (m, len(got))
+        retry(d.sync)  # the restarted host writes its part of the second version again
+        assert d.stats[0].pid != host and d.persisted_ids() == [0]
+        for m in range(2):  # ... and sync() removed the first version on both
+            assert len(CheckpointStore(path, name, m, 2, writable=False).generations()) == 1
+    finally:
+        d.destroy()
+    r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=path,
+              working_set_size=2, restore_from=0)  # fmt: skip
+    try:
+        assert len(r) == 24
+        assert {k: tag_of(r[k]) for m in range(2) for k in keys[m]} == {
+            k: 1 for m in range(2) for k in keys[m]}  # fmt: skip
     finally:
         r.destroy()
 

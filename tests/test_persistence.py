@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import numpy as np
 import pytest
 import zarr
@@ -10,6 +13,7 @@ from dask_ddict import DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.persist import CheckpointStore, Persister
 from dask_ddict.shard.store import PERSISTENT
+from test_kernels import Placed  # (a key placed by its own __hash__)
 
 
 def entries_of(d: dict, flags: int = PERSISTENT):
@@ -27,6 +31,10 @@ def test_round_trip_and_plain_zarr_layout(tmp_path):
     data = {b"a": 1, b"b": "two", b"big": big, b"empty": b""}
     assert st.write(3, entries_of(data)) > big.nbytes
     assert st.ids() == [3]
+    with pytest.raises(DDictPersistCheckpointError, match="no version of it is recorded by all 4"):
+        read_dict(st, 3)  # (the other managers' parts are missing: it is not persisted)
+    for m in (0, 2, 3):
+        CheckpointStore(str(tmp_path), "d", m, 4).write(3, entries_of({}))
     got = read_dict(st, 3)
     assert got[b"a"] == 1 and got[b"b"] == "two" and got[b"empty"] == b""
     np.testing.assert_array_equal(got[b"big"], big)
@@ -70,13 +78,37 @@ def test_uncommitted_checkpoint_is_ignored_and_replaced(tmp_path):
     assert [g.name for g in st.generations()] == ["chkpt_1.g0", "chkpt_2.g1"]  # g0 removed
 
 
-def test_manager_count_mismatch_is_refused(tmp_path):
-    CheckpointStore(str(tmp_path), "d", 0, 2)
-    with pytest.raises(DDictPersistCheckpointError, match="2 managers") as info:
-        CheckpointStore(str(tmp_path), "d", 0, 3)
-    assert "Restore into 2 managers" in str(info.value)
-    assert "managers_per_worker=2, n_workers=1" in str(info.value)  # what to do
-    CheckpointStore(str(tmp_path), "other", 0, 3)  # another dictionary: fine
+def _placed_by_client(key, n: int) -> int:
+    from dask_ddict._hashing import custom_placement, key_digest, manager_for_digest
+    from dask_ddict._keys import encode_key
+
+    mid = custom_placement(key, n)
+    return manager_for_digest(key_digest(encode_key(key)), n) if mid is None else mid
+
+
+@pytest.mark.parametrize("n,m", [(2, 3), (3, 2), (2, 1), (1, 4)])
+def test_a_checkpoint_restores_onto_another_number_of_managers(tmp_path, n, m):
+    """Written by n managers, read by m: each key once, by the manager that owns it among
+    m (as a client places it: by digest, or by its own ``__hash__``), with its value."""
+    from dask_ddict._keys import encode_key
+
+    keys = [f"k{i}" for i in range(60)] + [(i, "t") for i in range(20)] + \
+        [Placed(i) for i in range(20)]  # fmt: skip
+    parts: dict[int, dict[bytes, Any]] = {i: {} for i in range(n)}
+    for j, k in enumerate(keys):
+        parts[_placed_by_client(k, n)][encode_key(k)] = j
+    for i in range(n):
+        CheckpointStore(str(tmp_path), "d", i, n).write(0, entries_of(parts[i]), version=5)
+    got = {}
+    for j in range(m):
+        mine = read_dict(CheckpointStore(str(tmp_path), "d", j, m), 0)
+        for kb, v in mine.items():
+            assert kb not in got
+            key = pickle.loads(kb)
+            assert _placed_by_client(key, m) == j, (key, j)
+            got[kb] = v
+    assert got == {encode_key(k): j for j, k in enumerate(keys)}
+    CheckpointStore(str(tmp_path), "other", 0, 3)  # another dictionary: its own shape
 
 
 @pytest.mark.parametrize(
@@ -95,7 +127,7 @@ def test_persister_policy_and_eviction(tmp_path, freq, count, retiring, expected
     released = []
     for c in retiring:
         if p.wants(c):
-            p.submit(lambda c=c: released.append(c), [(c, entries_of({b"c": c}))])
+            p.submit(lambda c=c: released.append(c), [(c, 0, entries_of({b"c": c}))])
     p.sync()
     assert p.ids() == expected == p.store.ids()
     assert released == [c for c in retiring if p.wants(c)]
@@ -116,7 +148,7 @@ def test_persister_reports_failures_at_sync(tmp_path):
         return fn()
 
     released = []
-    p.submit(lambda: released.append(1), [(0, bad)])
+    p.submit(lambda: released.append(1), [(0, 0, bad)])
     with pytest.raises(Exception, match="boom"):
         p.sync()
     assert released == [1]  # the snapshot is released even on failure

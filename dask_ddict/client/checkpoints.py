@@ -21,6 +21,7 @@ from ..transport.ops import (
     Rotate,
     Sync,
 )
+from ..transport.whole_checkpoints import new_version
 
 if TYPE_CHECKING:
     from .core import _Core
@@ -84,7 +85,7 @@ class Checkpoints:
         whatever ``persist_freq`` and ``persist_count`` say.
         """
         self._no_batch("persist()")
-        self._each(Persist(self._chkpt), "persist")
+        self._each(Persist(self._chkpt, new_version()), "persist")
 
     def persisted_ids(self) -> list[int]:
         """Checkpoint ids persisted (and committed) on every manager, ascending."""
@@ -100,7 +101,8 @@ class Checkpoints:
         successor to redo it, which ``sync()`` waits for too.  Then every manager
         applies ``persist_count`` over the checkpoints now complete on all of
         them (one more broadcast): after ``sync()``, each holds the newest
-        ``persist_count`` complete checkpoints and nothing older.
+        ``persist_count`` complete checkpoints and nothing older, and of each
+        checkpoint only its newest version that every manager has committed.
 
         Raises
         ------
@@ -114,8 +116,8 @@ class Checkpoints:
         failed = self._each(Sync(), "sync")
         if any(failed):
             raise DDictPersistCheckpointError(not_persisted(self._managers(), failed))
-        if self._core.layout.options.persist_count > 0:
-            self._each(Rotate())
+        if self._core.layout.options.persist_path:  # (each manager removes what is
+            self._each(Rotate())  # replaced everywhere now, and what persist_count drops)
 
     def restore(self, chkpt: int) -> None:
         """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.
@@ -140,7 +142,7 @@ class Checkpoints:
                 f"on every manager in the store {opts.persist_path!r} (persisted on every "
                 f"manager: {ids}); nothing was changed"
             )
-        self._each(Restore(chkpt), f"restore {chkpt}")
+        self._each(Restore(chkpt, new_version()), f"restore {chkpt}")
         self._chkpt = chkpt
 
     def advance(self) -> int:

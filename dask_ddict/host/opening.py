@@ -18,6 +18,7 @@ import socket
 from .. import config
 from ..errors import DDictFullError
 from ..shard import counts
+from ..shard.checkpoint_io import HISTORY
 from ..shard.manager import Manager
 from ..shard.store import ShardStore
 from ..shard.working_set import WorkingSet, add_waiters
@@ -84,6 +85,12 @@ def _reserve(store: ShardStore) -> None:
         os.close(fd)
 
 
+def history_of(uid: str) -> int:
+    """A new dictionary's history (``shard.checkpoint_io.HISTORY``): from its uid, so the
+    same on each of its managers and another for any other dictionary."""
+    return int(uid[:15], 16) or 1
+
+
 def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str = "",
                  term: int | None = 0) -> tuple[Manager, bool, int]:  # fmt: skip
     """A manager over a new shard, or over the existing shard at ``restart_path``, served
@@ -106,7 +113,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
         check_room(base, ShardStore.map_size_for(spec.capacity))
         os.makedirs(path, mode=0o700)
     lock = hygiene.claim(path)
-    kept = reattach and hygiene.is_kept(path)  # (kept again if it cannot be opened)
+    kept = hygiene.kept_record(path) if reattach else None  # (kept again, by the same
+    # orchestrator, if it cannot be opened)
     store = None
     try:
         store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
@@ -118,6 +126,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
         if not reattach:
             if config.get("store.reserve"):
                 _reserve(store)
+            with store.write() as txn:  # (every manager's: the versions of retiring
+                store.put_meta(txn, HISTORY, str(history_of(spec.uid)).encode())  # ones)
         ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
                         wait_for_writers=opts.wait_for_writers)  # fmt: skip
         frozen = False
@@ -168,8 +178,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
         if reattach:
             manager.resume_persists()  # (what a dead host process accepted and left undone)
     except BaseException:
-        if kept:
-            hygiene.mark_kept(path)
+        if kept is not None:
+            hygiene.mark_kept(path, record=kept or None)
         if store is not None:
             if reattach:
                 store.close()
@@ -183,7 +193,8 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
         raise
     if opts.restore_from is not None and not reattach:
         try:
-            manager.restore(opts.restore_from, discard_newer=not opts.read_only)
+            manager.restore(opts.restore_from, discard_newer=not opts.read_only,
+                            history=history_of(spec.uid))  # fmt: skip
         except BaseException:
             manager.close()
             hygiene.release(lock)

@@ -45,10 +45,10 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # guards _ids and _error
-        #: Told each job's outcome, ``report(chkpt, error or None)``, in the persisting
+        #: Told each job's outcome, ``report(chkpt, version, error or None)``, in the persisting
         #: thread (the manager records it in its shard, see ``CheckpointIO``); without
         #: it, :meth:`sync` raises the first failure.
-        self.report: Callable[[int, BaseException | None], None] | None = None
+        self.report: Callable[[int, int, BaseException | None], None] | None = None
         # One writer of the store at a time: the background thread's persists and
         # rotations, sync()'s rotation (from a request thread) and restore's discards.
         self._io = threading.Lock()
@@ -69,8 +69,9 @@ class Persister:
             return list(self._ids)
 
     def submit(self, release: Callable[[], None],
-               jobs: list[tuple[int, Callable[[], Iterable[Any]]]]) -> None:  # fmt: skip
-        """Persist ``jobs`` (``(chkpt, entries)``) in the background, then call ``release``.
+               jobs: list[tuple[int, int, Callable[[], Iterable[Any]]]]) -> None:  # fmt: skip
+        """Persist ``jobs`` (``(chkpt, version, entries)``: see ``CheckpointStore.write``)
+        in the background, then call ``release``.
 
         ``entries`` read from a snapshot that ``release`` ends.
         """
@@ -100,17 +101,19 @@ class Persister:
             self._thread.join()
             self._thread = None
 
-    def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
-        """Persist one checkpoint in this thread, then rotate (:meth:`rotate`).
+    def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]],
+                  version: int = 0) -> None:  # fmt: skip
+        """Persist this manager's part of ``version`` of one checkpoint in this thread,
+        then rotate (:meth:`rotate`).
 
         :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt``
-        itself, after committing (and recording) the new one; rotation, too,
-        only follows the commit, so a crash at any point leaves the newest
-        complete copies.
+        itself, once the new one is committed (and recorded) on every manager;
+        rotation, too, only follows the commit, so a crash at any point leaves
+        the newest complete copies.
         """
         with self._io:
             try:
-                self.store.write(chkpt, entries)
+                self.store.write(chkpt, entries, version)
             except BaseException:
                 with self._lock:  # the previous copy of chkpt is intact: ask the store
                     self._ids = self.store.ids()
@@ -120,8 +123,11 @@ class Persister:
             self._rotate()
 
     def rotate(self) -> None:
-        """:meth:`_rotate` now (``sync()`` asks every manager once all are done)."""
+        """Remove the generations that newer versions replaced on every manager, then
+        :meth:`_rotate` (``sync()`` asks every manager once all are done: a manager
+        that finished first could not remove its previous version yet)."""
         with self._io:
+            self.store.prune()
             self._rotate()
 
     def _rotate(self) -> None:
@@ -152,6 +158,9 @@ class Persister:
             with self._lock:
                 self._ids = [j for j in self._ids if j != i]
             self.store.step("rotate")
+        for orphan in self.store.orphans():  # (left by a restore onto fewer managers)
+            for i in sorted({g.chkpt for g in orphan.generations() if g.chkpt < keep_from}):
+                orphan.delete(i)
 
     def discard_above(self, chkpt: int) -> None:
         """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""
@@ -161,11 +170,14 @@ class Persister:
                 self._ids = [i for i in self._ids if i <= chkpt]
             for i in doomed:
                 self.store.delete(i)
+            for orphan in self.store.orphans():  # (left by a restore onto fewer managers)
+                for i in sorted({g.chkpt for g in orphan.generations() if g.chkpt > chkpt}):
+                    orphan.delete(i)
 
-    def _one(self, chkpt: int, entries: Callable[[], Iterable[Any]]) -> None:
+    def _one(self, chkpt: int, version: int, entries: Callable[[], Iterable[Any]]) -> None:
         failure: BaseException | None = None
         try:
-            self.write_now(chkpt, entries)
+            self.write_now(chkpt, entries, version)
         except BaseException as e:
             logger.exception("ddict manager %d: persisting checkpoint %d failed",
                              self.store.manager_id, chkpt)  # fmt: skip
@@ -176,7 +188,7 @@ class Persister:
                     self._error = self._error or failure
             return
         try:
-            self.report(chkpt, failure)
+            self.report(chkpt, version, failure)
         except Exception:  # (the manager closed meanwhile: nothing left to record it in)
             logger.debug("ddict manager %d: persist of %d not recorded", self.store.manager_id,
                          chkpt, exc_info=True)  # fmt: skip
@@ -189,8 +201,8 @@ class Persister:
                     return
                 release, jobs = item
                 try:
-                    for chkpt, entries in jobs:  # (each on its own: one failing stops none)
-                        self._one(chkpt, entries)
+                    for chkpt, version, entries in jobs:  # (each on its own: one
+                        self._one(chkpt, version, entries)  # failing stops none)
                 finally:
                     release()
             finally:

@@ -51,13 +51,14 @@ def check_restorable(path: str, name: str, manager_id: int, num_managers: int, c
             f"{what}: the store {path!r} holds no dictionary named {name!r} (it holds: "
             f"{held}); pass the name it was persisted under (name=...)"
         )
-    if f"manager_{manager_id}" not in {n for n, _ in root[name].groups()}:  # type: ignore[union-attr]
+    store = CheckpointStore(path, name, manager_id, num_managers, writable=False,
+                            storage_options=storage_options)  # fmt: skip
+    complete = store.complete_ids()
+    if chkpt not in complete:
+        mine = store.ids()
+        also = (f"; this manager has it, but not every manager has the same version of it"
+                if chkpt in mine else "")  # fmt: skip
         raise DDictPersistCheckpointError(
-            f"{what}: the store {path!r} holds {name!r} but nothing of manager {manager_id}"
-        )
-    ids = CheckpointStore(path, name, manager_id, num_managers, writable=False,
-                          storage_options=storage_options).ids()  # fmt: skip
-    if chkpt not in ids:
-        raise DDictPersistCheckpointError(
-            f"{what} in the store {path!r} (this manager's persisted checkpoints there: {ids})"
+            f"{what} in the store {path!r} (persisted on every manager there: {complete}; "
+            f"by this manager: {mine}{also})"
         )

@@ -7,28 +7,43 @@ Layout (documented for users in ``docs/persistence.md``; plain
       <dict name>/                      group
         manager_<i>/                    group, attrs {"format", "num_managers", "manager_id"}
           chkpt_<k>.g<gen>/             group: generation <gen> of checkpoint k, attrs
-                                        #   {"checkpoint", "generation", "num_keys", ...,
-                                        #    "crc32c": {...}, "committed": true}  <- last
+                                        #   {"checkpoint", "generation", "version",
+                                        #    "num_keys", ..., "crc32c": {...},
+                                        #    "committed": true}  <- last
             keys            uint8[...]  serialized keys, concatenated
             key_offsets     uint64[n+1] key i is keys[key_offsets[i]:key_offsets[i+1]]
             values          uint8[...]  value frames (dask_ddict framing), concatenated
             value_offsets   uint64[n+1]
             flags           uint8[n]    bit 1: persistent (matters under wait_for_keys)
         committed/                      group: the dictionary's commit record
-          chkpt_<k>.manager_<i>/        empty group: manager i has committed checkpoint k
+          chkpt_<k>.manager_<i>.g<gen>.v<version>.n<N>/
+                                        empty group: manager i of N has committed
+                                        #   generation <gen> of checkpoint k, its part of
+                                        #   that version (hex)
 
-**Crash safety.**  A checkpoint counts once one of its generations is
-committed, and the newest committed generation is the checkpoint.  A persist
-writes a *new* generation, commits it (its ``committed`` attribute, written
-after every array), records the commit in ``committed/``, and only then
-removes older generations of that id.  Removing a checkpoint goes the other
-way round: its record first, then its generations' commit (their
-``zarr.json``), then their data.  So at every instant, whatever is killed and
-wherever, the newest completely written copy of each checkpoint is there, a
-partly removed one is never listed, and a record in ``committed/`` always
-names a complete copy: :meth:`CheckpointStore.complete_ids` (the ids that
-*every* manager has recorded) is what ``persist_count`` rotation trusts before
-it removes anything (see :mod:`dask_ddict.persist.persister`).
+**One version on every manager.**  Each persist of a checkpoint is a *version*
+of it, named by a number that every manager of the persist shares: the one
+``persist()`` sends to all of them, or, for a checkpoint persisted as it
+retires, the dictionary's *history* (set at creation and at each restore, the
+same on every manager, so the one retirement of checkpoint k in it is one
+version).  Each manager writes its part as a new generation.  A checkpoint is
+persisted once some version of it is recorded by *every* manager, and it reads
+as the newest such version (:meth:`CheckpointStore.versions`): where a
+re-persist reached only some managers (a host killed during it), the previous
+version is still the checkpoint, on all of them, never a mix.
+
+**Crash safety.**  A persist writes a *new* generation, commits it (its
+``committed`` attribute, written after every array), and records the commit in
+``committed/``.  Older generations of that id are removed only once a newer
+version is complete on every manager (:meth:`CheckpointStore.prune`, after each
+persist and at ``sync()``).  Removing a checkpoint goes the other way round: its
+records first, then its generations' commit (their ``zarr.json``), then their
+data.  So at every instant, whatever is killed and wherever, the newest version
+complete on every manager is there, a partly removed one is never listed, and a
+record in ``committed/`` always names a complete copy: :meth:`CheckpointStore.complete_ids`
+(the ids with a version that *every* manager has recorded) is what
+``persist_count`` rotation trusts before it removes anything (see
+:mod:`dask_ddict.persist.persister`).
 
 **Integrity.**  Every array's chunks end with a CRC32C (zarr's ``crc32c``
 codec; chunks written directly as files get the same layout), and the commit
@@ -45,8 +60,11 @@ manager, checkpoint and what is wrong: never a wrong value.
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import os
 import re
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -71,7 +89,12 @@ READABLE = frozenset({FORMAT, f"dask_ddict.checkpoint/{KEY_ENCODING}"})
 _ARRAY_CONFIG = {"write_empty_chunks": True}  # skip the per-chunk "all fill?" scan
 _CRC = [Crc32cCodec()]
 _GEN = re.compile(r"^chkpt_(\d+)\.g(\d+)$")
-_RECORD = re.compile(r"^chkpt_(\d+)\.manager_(\d+)$")
+_MANAGER = re.compile(r"^manager_(\d+)$")
+#: A record; one without generation and version was written by an older dask_ddict
+#: (its version is :data:`LEGACY`, older than any other).
+_RECORD = re.compile(r"^chkpt_(\d+)\.manager_(\d+)(?:\.g(\d+)\.v([0-9a-f]+)\.n(\d+))?$")
+#: The version of generations and records that older dask_ddict versions wrote.
+LEGACY = -1
 #: The group beside the managers' groups where each manager records its commits.
 COMMITTED = "committed"
 _SMALL = ("keys", "key_offsets", "value_offsets", "flags")
@@ -208,10 +231,48 @@ class Generation:
     gen: int
     committed: bool
     problem: str = ""  # why its metadata could not be read
+    version: int = LEGACY
 
     @property
     def name(self) -> str:
         return f"chkpt_{self.chkpt}.g{self.gen}"
+
+
+@dataclass(frozen=True)
+class Version:
+    """A version of a checkpoint recorded by every manager: which, and its generations."""
+
+    version: int
+    managers: int  # how many managers wrote it (its shape: keys are placed among them)
+    gens: dict[int, int]  # manager -> its generation of this version
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Newer versions sort higher.  Every version, whatever its shape, has a part of
+        manager 0, which writes its generations in ascending numbers: the newest version
+        has its highest there; the same for every manager, which must all choose the
+        same one."""
+        return self.gens[0], self.version
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record in ``committed/``: manager ``manager`` committed generation ``gen`` of
+    checkpoint ``chkpt``, its part of ``version``."""
+
+    chkpt: int
+    manager: int
+    gen: int
+    version: int
+    managers: int  # of the dictionary that wrote it
+    name: str
+
+
+def _owned(key_bytes: bytes, part: int, n: int, m: int, me: int) -> bool:
+    """Whether manager ``me`` of ``m`` owns a key of old manager ``part`` of ``n``."""
+    from .reshard import owner
+
+    return owner(key_bytes, part, n, m) == me
 
 
 def _nothing(step: str) -> None:
@@ -282,13 +343,25 @@ class CheckpointStore:
                 )
                 self.record_group = _require_group(self._local_root, [name, COMMITTED],
                                                    storage_options)  # fmt: skip
+                self.dict_group = _require_group(self._local_root, [name], storage_options)
             else:
                 root = zarr.open_group(self._local_root, mode="r",
                                        storage_options=storage_options or None)  # fmt: skip
-                self.group = root[f"{name}/manager_{manager_id}"]
-            attrs = dict(self.group.attrs)
+                self.record_group = root[f"{name}/{COMMITTED}"]
+                self.dict_group = root[name]
+                mine = f"manager_{manager_id}"  # (none: a manager that a restore onto more
+                self.group = root[f"{name}/{mine}"] if mine in {  # managers adds)
+                    n for n, _ in self.dict_group.groups()} else None  # fmt: skip
+            attrs = {} if self.group is None else dict(self.group.attrs)
         except DDictError:
             raise
+        except OSError as e:  # (a path that cannot be made: /proc, read-only, not ours)
+            if not writable or isinstance(e, FileNotFoundError) and local is None:
+                raise DDictPersistCheckpointError(f"{where}: cannot be read ({e})") from None
+            reason = f"{e.strerror} [errno {e.errno}]" if e.strerror else str(e)
+            raise DDictPersistCheckpointError(
+                f"persist_path {path!r} cannot be written from {socket.gethostname()} "
+                f"({where}): {reason}") from None  # fmt: skip
         except Exception as e:  # JSONDecodeError, a node of the wrong kind, ...
             raise DDictPersistCheckpointError(
                 f"{where}: unreadable group metadata ({type(e).__name__}: {e})"
@@ -300,14 +373,10 @@ class CheckpointStore:
                 f"{where} has format {fmt!r}; this dask_ddict reads {FORMAT!r} (its key "
                 "bytes differ): restore it with the version that wrote it"
             )
-        if found is not None and found != num_managers:
-            raise DDictPersistCheckpointError(
-                f"{where}: the checkpoints were written by {found!r} managers, this "
-                f"dictionary has {num_managers}: keys would map to other managers. Restore "
-                f"into {found!r} managers: managers_per_worker times the number of hosting "
-                f"workers (n_workers= or workers=) must be {found!r}, e.g. "
-                f"DDict(managers_per_worker={found!r}, n_workers=1, ...)"
-            )
+        #: how many managers wrote this group's first checkpoints (their records, when an
+        #: older dask_ddict wrote them, do not say: see ``_all_records``)
+        self.first_managers = int(found) if found is not None else num_managers
+        self.storage_options = storage_options
         if found is None and writable:
             self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,
                                      "manager_id": manager_id})  # fmt: skip
@@ -325,32 +394,42 @@ class CheckpointStore:
     def generations(self) -> list[Generation]:
         """Every generation in the store, committed or not, readable or not."""
         out = []
-        for n in _list_dir(self.group):
+        for n in [] if self.group is None else _list_dir(self.group):
             m = _GEN.match(n)
             if m is None:
                 continue
             chkpt, gen = int(m.group(1)), int(m.group(2))
             try:
-                committed = self.group[n].attrs.get("committed") is True
-                out.append(Generation(chkpt, gen, committed))
+                attrs = self.group[n].attrs
+                out.append(Generation(chkpt, gen, attrs.get("committed") is True,
+                                      version=int(attrs.get("version", LEGACY))))  # fmt: skip
             except Exception as e:  # a torn or damaged zarr.json
                 out.append(Generation(chkpt, gen, False, f"{type(e).__name__}: {e}"))
         return sorted(out, key=lambda g: (g.chkpt, g.gen))
 
     def _newest(self, chkpt: int) -> Generation:
+        """This manager's generation of the newest version of ``chkpt`` that every manager
+        has recorded (:meth:`versions`)."""
         found = [g for g in self.generations() if g.chkpt == chkpt]
-        ok = [g for g in found if g.committed]
+        version = self.versions().get(chkpt)
+        mine = None if version is None else version.gens.get(self.manager_id)
+        ok = [g for g in found if g.committed and g.gen == mine]
         if ok:
             return ok[-1]
         broken = [f"{g.name}: {g.problem}" for g in found if g.problem]
         detail = f" (unreadable: {'; '.join(broken)})" if broken else ""
+        if any(g.committed for g in found) and version is None:
+            detail += (" (this manager committed it, but no version of it is recorded by "
+                       f"all {self.num_managers} managers)")  # fmt: skip
         raise DDictPersistCheckpointError(
-            f"{self._where(chkpt)} is not persisted{detail} (persisted: {self.ids()})"
+            f"{self._where(chkpt)} is not persisted{detail} (persisted on every manager: "
+            f"{self.complete_ids()})"
         )
 
     def ids(self) -> list[int]:
-        """Committed checkpoint ids, ascending (half-written ones are not listed)."""
-        return sorted({g.chkpt for g in self.generations() if g.committed})
+        """This manager's persisted checkpoint ids, ascending: committed and recorded
+        (half-written ones are not listed, nor ones killed before their record)."""
+        return sorted({c for c, _ in self.recorded()})
 
     def _remove(self, gen: Generation) -> None:
         """Remove one generation: its commit first, so that a removal cut short by a
@@ -363,57 +442,144 @@ class CheckpointStore:
         self.step("removed")
 
     def delete(self, chkpt: int) -> None:
-        """Remove every generation of ``chkpt``, its commit record first."""
+        """Remove every generation of ``chkpt``, its commit records first."""
         self.unrecord(chkpt)
         self.step("unrecorded")
         for g in self.generations():
             if g.chkpt == chkpt:
                 self._remove(g)
 
+    def orphans(self) -> list[CheckpointStore]:
+        """The groups of managers beyond this dictionary's (a restore onto fewer managers
+        left them) that this manager tends: manager ``i`` by manager ``i % num_managers``,
+        so that their persisted checkpoints are removed as this dictionary's are."""
+        if self.manager_id >= self.num_managers:
+            return []
+        out = []
+        for n in _list_dir(self.dict_group):
+            m = _MANAGER.match(n)
+            i = -1 if m is None else int(m.group(1))
+            if i >= self.num_managers and i % self.num_managers == self.manager_id:
+                shape = int(self.dict_group[n].attrs.get("num_managers", i + 1))
+                out.append(CheckpointStore(self.path, self.name, i, max(shape, i + 1),
+                                           storage_options=self.storage_options, step=self.step))
+        return out
+
+    def prune(self, chkpt: int | None = None) -> None:
+        """Remove this manager's generations of ``chkpt`` (else of every checkpoint) that
+        are replaced, their records first: older than its part of a newer version
+        complete on every manager; older than its newer part of the same version (written
+        again, e.g. by a restarted host process); never committed and older than a
+        generation it recorded since (a persist cut short).  Newer generations stay,
+        committed or being written: other managers may still complete their version (a
+        host that died during a persist writes it again)."""
+        records = self._all_records()
+        versions = self.versions(records)
+        mine = [r for r in records if r.manager == self.manager_id]
+        for g in self.generations():
+            if chkpt not in (None, g.chkpt):
+                continue
+            complete = versions.get(g.chkpt)
+            newest = None if complete is None else complete.gens.get(self.manager_id)
+            later = [r for r in mine if r.chkpt == g.chkpt and r.gen > g.gen]
+            if (newest is not None and g.gen < newest) or \
+                    any(r.version == g.version for r in later) or \
+                    (later and not g.committed):  # fmt: skip
+                for r in mine:
+                    if (r.chkpt, r.gen) == (g.chkpt, g.gen):
+                        self._unrecord(r.name)
+                self._remove(g)
+                self.step("pruned")
+
     # -- the dictionary's commit record ------------------------------------------
 
-    def _record_name(self, chkpt: int) -> str:
-        return f"chkpt_{chkpt}.manager_{self.manager_id}"
+    def _record_name(self, chkpt: int, gen: int, version: int) -> str:
+        return (f"chkpt_{chkpt}.manager_{self.manager_id}.g{gen}.v{version:x}"
+                f".n{self.num_managers}")  # fmt: skip
 
-    def record(self, chkpt: int) -> None:
-        """Record in ``committed/`` that this manager has committed ``chkpt``.
+    def record(self, chkpt: int, gen: int, version: int) -> None:
+        """Record in ``committed/`` that this manager has committed generation ``gen`` of
+        ``chkpt``, its part of ``version``.
 
         Written after the commit and removed before any removal, so a record
         always names a complete copy (a crash between the two leaves a commit
-        without a record: never counted complete, never a loss).
+        without a record: never counted, never a loss).
         """
-        self.record_group.create_group(self._record_name(chkpt), overwrite=True)
+        self.record_group.create_group(self._record_name(chkpt, gen, version), overwrite=True)
 
-    def unrecord(self, chkpt: int) -> None:
-        """Remove this manager's record of ``chkpt`` (before removing its data)."""
-        _sync(self.record_group.store_path.store.delete_dir(
-            _child(self.record_group, self._record_name(chkpt))))  # fmt: skip
-
-    def complete_ids(self) -> list[int]:
-        """Checkpoint ids that *every* manager of the dictionary has recorded, ascending.
-
-        One listing of ``committed/``, whatever the number of managers.  Each
-        of these ids is committed on every manager, so a restore of any of
-        them finds all its keys: rotation removes an older id only once a
-        newer one is in this list.
-        """
-        seen: dict[int, set[int]] = {}
+    def _all_records(self) -> list[Record]:
+        """Every manager's records, from one listing of ``committed/`` (an older
+        dask_ddict's, named by checkpoint and manager only, as :data:`LEGACY`)."""
+        out = []
         for n in _list_dir(self.record_group):
             m = _RECORD.match(n)
-            if m is not None and int(m.group(2)) < self.num_managers:
-                seen.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-        return sorted(c for c, managers in seen.items() if len(managers) == self.num_managers)
+            if m is None:
+                continue
+            if m.group(3) is None:  # (its dictionary's shape: the one that began the store)
+                gen, version, managers = -1, LEGACY, self.first_managers
+            else:
+                gen, version, managers = int(m.group(3)), int(m.group(4), 16), int(m.group(5))
+            if int(m.group(2)) < managers:
+                out.append(Record(int(m.group(1)), int(m.group(2)), gen, version, managers, n))
+        return out
+
+    def recorded(self) -> set[tuple[int, int]]:
+        """``(chkpt, version)`` of each of this manager's recorded generations: the
+        persists it finished (a generation committed and not recorded does not count)."""
+        return {(r.chkpt, r.version) for r in self._all_records() if r.manager == self.manager_id}
+
+    def _unrecord(self, name: str) -> None:
+        _sync(self.record_group.store_path.store.delete_dir(_child(self.record_group, name)))
+
+    def unrecord(self, chkpt: int) -> None:
+        """Remove this manager's records of ``chkpt`` (before removing its data)."""
+        for r in self._all_records():
+            if (r.chkpt, r.manager) == (chkpt, self.manager_id):
+                self._unrecord(r.name)
+
+    def versions(self, records: list[Record] | None = None) -> dict[int, Version]:
+        """Each checkpoint's newest version that *every* manager has recorded (from
+        ``records``, else one listing of ``committed/``, whatever the number of managers).
+        Every manager of its writer, that is: a version written by another number of
+        managers than this dictionary's is a whole checkpoint too (:meth:`read`
+        re-shards it).
+        """
+        seen: dict[tuple[int, int, int], dict[int, int]] = {}
+        for r in self._all_records() if records is None else records:
+            gens = seen.setdefault((r.chkpt, r.version, r.managers), {})
+            gens[r.manager] = max(gens.get(r.manager, -1), r.gen)
+        out: dict[int, Version] = {}
+        for (chkpt, version, managers), gens in seen.items():
+            v = Version(version, managers, gens)
+            if len(gens) == managers and (chkpt not in out or v.order > out[chkpt].order):
+                out[chkpt] = v
+        return out
+
+    def complete_ids(self) -> list[int]:
+        """Checkpoint ids with a version that *every* manager of the dictionary has
+        recorded, ascending (:meth:`versions`).
+
+        Each of these ids is committed on every manager, as one version, so a
+        restore of any of them finds all its keys: rotation removes an older id
+        only once a newer one is in this list.
+        """
+        return sorted(self.versions())
 
     # -- writing --------------------------------------------------------------
 
-    def write(self, chkpt: int, entries: Callable[[], Iterable[tuple[Any, Any, int]]]) -> int:
-        """Write checkpoint ``chkpt`` from ``entries()`` (called twice: sizes, then data).
+    def write(self, chkpt: int, entries: Callable[[], Iterable[tuple[Any, Any, int]]],
+              version: int = 0) -> int:  # fmt: skip
+        """Write this manager's part of ``version`` of checkpoint ``chkpt`` from
+        ``entries()`` (called twice: sizes, then data); persists that name no version
+        (0) are all one version, the newest generation of it the checkpoint.
 
         ``entries`` yields ``(key bytes, value frame, flags)``; frames may be
         views that are valid only during iteration.  The new generation is
-        committed before older ones of ``chkpt`` are removed.  Returns the
-        value bytes written.
+        committed and recorded before older ones of ``chkpt`` are removed, and
+        those only once its version is complete on every manager (:meth:`prune`).
+        Returns the value bytes written.
         """
+        version = int(version)
         n = key_bytes = value_bytes = 0
         for k, v, _ in entries():
             n += 1
@@ -421,7 +587,7 @@ class CheckpointStore:
             value_bytes += memoryview(v).nbytes
         older = [g for g in self.generations() if g.chkpt == chkpt]
         gen = Generation(chkpt, max((g.gen for g in older), default=-1) + 1, False)
-        attrs = {"format": FORMAT, "checkpoint": chkpt, "generation": gen.gen,
+        attrs = {"format": FORMAT, "checkpoint": chkpt, "generation": gen.gen, "version": version,
                  "manager_id": self.manager_id, "num_managers": self.num_managers,
                  "num_keys": n, "key_bytes": key_bytes, "value_bytes": value_bytes}  # fmt: skip
         g = self.group.create_group(gen.name, attributes={**attrs, "committed": False})
@@ -480,11 +646,10 @@ class CheckpointStore:
         if self.fsync:
             self._fsync(gen.name)
         self.step("committed")
-        self.record(chkpt)
+        self.record(chkpt, gen.gen, version)
         self.step("recorded")
-        for old in older:  # only now: the new generation is the checkpoint
-            self._remove(old)
-            self.step("cleanup")
+        self.prune(chkpt)  # only now, and only what a version complete everywhere replaced
+        self.step("cleanup")
         return value_bytes
 
     def _fsync(self, name: str) -> None:
@@ -506,7 +671,13 @@ class CheckpointStore:
     # -- reading --------------------------------------------------------------
 
     def read(self, chkpt: int) -> Iterator[tuple[bytes, memoryview, int]]:
-        """``(key bytes, value frame, flags)`` of a committed checkpoint, verified.
+        """``(key bytes, value frame, flags)`` of this manager's keys in the newest
+        version of ``chkpt`` that every manager recorded, verified.
+
+        A version written by another number of managers is *re-sharded*: the
+        parts of all its managers are read, and only this manager's keys (as they
+        are placed among this dictionary's managers, :func:`.reshard.owner`) are
+        yielded, their values' chunks read only where they hold one.
 
         Everything is checked before it is yielded, except the values, whose
         chunks are checked as they are read: a consumer that must be
@@ -517,7 +688,32 @@ class CheckpointStore:
         DDictPersistCheckpointError
             The checkpoint is missing, or its data does not match its commit.
         """
-        gen = self._newest(chkpt)
+        version = self.versions().get(chkpt)
+        if version is None or version.managers == self.num_managers:
+            return self.read_generation(self._newest(chkpt))
+        return self._resharded(chkpt, version)
+
+    def _resharded(self, chkpt: int, version: Version) -> Iterator[tuple[bytes, memoryview, int]]:
+        """:meth:`read` of a version written by ``version.managers`` managers."""
+        n, me, m = version.managers, self.manager_id, self.num_managers
+        parts = []
+        for i in range(n):  # (every part opened and checked before anything is yielded)
+            part = CheckpointStore(self.path, self.name, i, n, writable=False,
+                                   storage_options=self.storage_options)  # fmt: skip
+            gen = [g for g in part.generations() if g.chkpt == chkpt and g.committed
+                   and g.gen == version.gens[i]]  # fmt: skip
+            if not gen:
+                raise DDictPersistCheckpointError(
+                    f"{part._where(chkpt)}: its recorded generation {version.gens[i]} is gone")
+            wanted = functools.partial(_owned, part=i, n=n, m=m, me=me)
+            parts.append(part.read_generation(gen[0], wanted))
+        return itertools.chain.from_iterable(parts)
+
+    def read_generation(self, gen: Generation, wanted: Callable[[bytes], bool] | None = None
+              ) -> Iterator[tuple[bytes, memoryview, int]]:  # fmt: skip
+        """The entries of this manager's generation ``gen`` (``wanted``: only the keys it
+        says), checked as :meth:`read` says."""
+        chkpt = gen.chkpt
         where = f"{self._where(chkpt)} ({gen.name})"
 
         def bad(what: str) -> DDictPersistCheckpointError:
@@ -557,12 +753,13 @@ class CheckpointStore:
         if len(crcs["values"]) != -(-value_bytes // chunk):
             raise bad(f"the commit lists {len(crcs['values'])} value chunks, the array has "
                       f"{-(-value_bytes // chunk)}")  # fmt: skip
-        return self._entries(values, chunk, crcs["values"], keys, koff, voff, flags, bad)
+        return self._entries(values, chunk, crcs["values"], keys, koff, voff, flags, bad, wanted)
 
     @staticmethod
     def _entries(values: Any, chunk: int, crcs: list[int], keys: np.ndarray, koff: np.ndarray,
-                 voff: np.ndarray, flags: np.ndarray,
-                 bad: Callable[[str], Exception]) -> Iterator[tuple[bytes, memoryview, int]]:  # fmt: skip
+                 voff: np.ndarray, flags: np.ndarray, bad: Callable[[str], Exception],
+                 wanted: Callable[[bytes], bool] | None = None,
+                 ) -> Iterator[tuple[bytes, memoryview, int]]:  # fmt: skip
         cache: dict[int, np.ndarray] = {}
 
         def load(i: int) -> np.ndarray:
@@ -579,6 +776,9 @@ class CheckpointStore:
 
         block, lo, hi = np.empty(0, np.uint8), 0, 0
         for t in range(flags.size):
+            key = bytes(keys[int(koff[t]) : int(koff[t + 1])])
+            if wanted is not None and not wanted(key):
+                continue
             a, b = int(voff[t]), int(voff[t + 1])
             if a < lo or b > hi:  # load the chunks that hold [a, b)
                 first, last = a // chunk, max(a, b - 1) // chunk
@@ -586,4 +786,4 @@ class CheckpointStore:
                 block = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else block
                 lo, hi = (first * chunk, first * chunk + block.size) if parts else (a, a)
             mv = block.data[a - lo : b - lo]
-            yield bytes(keys[int(koff[t]) : int(koff[t + 1])]), mv, int(flags[t])
+            yield key, mv, int(flags[t])

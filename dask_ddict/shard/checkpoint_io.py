@@ -32,11 +32,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: The shard's record of its persists (in ``meta``, beside the data, so that it outlives
-#: the host process): ``{"pending": {chkpt}, "failed": {chkpt: why}}``.  A checkpoint is
-#: pending from the write that accepts it (``persist()``, or the retirement that wants
-#: it) until its store commits it; a failed one stays failed until this manager commits
-#: it or a newer one.
+#: the host process): ``{"pending": {chkpt: version}, "failed": {chkpt: why}}``.  A
+#: checkpoint is pending from the write that accepts it (``persist()``, or the
+#: retirement that wants it) until its store commits that version of it; a failed one
+#: stays failed until this manager commits it or a newer one.
 _PERSISTS = b"persists"
+#: The shard's *history* (in ``meta``): the version of a checkpoint persisted as it
+#: retires (see ``persist.zarr_store``).  The same on every manager of a dictionary: set
+#: from its uid when its shards are made, and to the number a restore sends to all.
+HISTORY = b"history"
+_MASK = (1 << 62) - 1
 #: Why a persist is failed when the host process that accepted it died before it was
 #: committed and the checkpoint can no longer be read as it was.
 LOST = ("the host process that accepted it died before committing it, and the checkpoint "
@@ -78,7 +83,7 @@ class CheckpointIO:
             if self._snapshot is None:
                 self._snapshot = self.store.read()
             self._retiring.append(chkpt)
-            self._note(txn, accepted=chkpt)
+            self._note(txn, accepted=(chkpt, self.history(txn)))
 
     def _drop_retiring(self) -> None:
         if self._snapshot is not None:
@@ -89,7 +94,9 @@ class CheckpointIO:
         snap, ids = self._snapshot, self._retiring
         self._snapshot, self._retiring = None, []
         assert snap is not None and self.persister is not None
-        self.persister.submit(snap.abort, [(c, self._entries_at(snap, c)) for c in ids])
+        version = self.history(snap)  # (as it was when they retired)
+        self.persister.submit(snap.abort, [(c, version, self._entries_at(snap, c))
+                                           for c in ids])  # fmt: skip
 
     def _entries_at(self, txn: lmdb.Transaction, chkpt: int) -> Callable[[], Iterator[Any]]:
         ws = self.working_set
@@ -107,18 +114,31 @@ class CheckpointIO:
             )
         return self.persister
 
-    def persist(self, chkpt: int) -> None:
-        """Persist checkpoint ``chkpt`` now (in the background), whatever ``persist_freq``."""
+    def history(self, txn: lmdb.Transaction) -> int:
+        """The shard's history (:data:`HISTORY`): the version of retiring checkpoints."""
+        raw = self.store.get_meta(txn, HISTORY)
+        return 0 if raw is None else int(raw)
+
+    def set_history(self, txn: lmdb.Transaction, history: int) -> None:
+        self.store.put_meta(txn, HISTORY, str(int(history) & _MASK).encode())
+
+    def persist(self, chkpt: int, version: int = 0) -> None:
+        """Persist this manager's part of ``version`` of checkpoint ``chkpt`` now (in the
+        background), whatever ``persist_freq``.  Every manager is sent the same
+        version by ``persist()`` (0, from a client that sends none: as before versions,
+        every such persist of ``chkpt`` is one version, its newest generation read)."""
         persister = self._need_persister("persist()")
         with self._cond:
             self._check_open()
             self.working_set.check_retired(chkpt)
-            self.store.transact(lambda txn: self._note(txn, accepted=chkpt))
+            self.store.transact(lambda txn: self._note(txn, accepted=(chkpt, version)))
             snap = self.store.read()
-        persister.submit(snap.abort, [(chkpt, self._entries_at(snap, chkpt))])
+        persister.submit(snap.abort, [(chkpt, version, self._entries_at(snap, chkpt))])
 
     def persisted_ids(self) -> list[int]:
-        return [] if self.persister is None else self.persister.ids()
+        """The ids with a version every manager has committed (one listing of the
+        store's commit record)."""
+        return [] if self.persister is None else self.persister.store.complete_ids()
 
     def sync(self) -> list[tuple[int, str]]:
         """Wait for background persistence to finish; the checkpoints that failed.
@@ -140,30 +160,40 @@ class CheckpointIO:
 
     def _persists(self, txn: lmdb.Transaction) -> dict[str, Any]:
         raw = self.store.get_meta(txn, _PERSISTS)
-        return {"pending": set(), "failed": {}} if raw is None else pickle.loads(raw)
+        state = {"pending": {}, "failed": {}} if raw is None else pickle.loads(raw)
+        if isinstance(state["pending"], set):  # (an older shard's: versions unknown)
+            state["pending"] = {c: None for c in state["pending"]}
+        return state
 
-    def _note(self, txn: lmdb.Transaction, *, accepted: int | None = None,
-              done: int | None = None, failed: tuple[int, str] | None = None) -> None:  # fmt: skip
-        """Record a persist accepted, committed (``done``) or failed, in ``txn``."""
+    def _note(self, txn: lmdb.Transaction, *, accepted: tuple[int, int] | None = None,
+              done: tuple[int, int | None] | None = None,
+              failed: tuple[int, int | None, str] | None = None) -> None:  # fmt: skip
+        """Record a persist ``(chkpt, version)`` accepted, committed (``done``) or failed
+        (``(chkpt, version, why)``), in ``txn``.  A checkpoint pending in a later version
+        than the one reported stays pending."""
         state = self._persists(txn)
+        pending = state["pending"]
         if accepted is not None:
-            state["pending"].add(accepted)
+            pending[accepted[0]] = accepted[1]
         if done is not None:
-            state["pending"].discard(done)
-            state["failed"] = {c: why for c, why in state["failed"].items() if c > done}
+            if pending.get(done[0], done[1]) in (done[1], None):
+                pending.pop(done[0], None)
+            state["failed"] = {c: why for c, why in state["failed"].items() if c > done[0]}
         if failed is not None:
-            state["pending"].discard(failed[0])
-            state["failed"][failed[0]] = failed[1]
+            if pending.get(failed[0], failed[1]) in (failed[1], None):
+                pending.pop(failed[0], None)
+            state["failed"][failed[0]] = failed[2]
         self.store.put_meta(txn, _PERSISTS, pickle.dumps(state))
 
-    def _persisted(self, chkpt: int, error: BaseException | None) -> None:
+    def _persisted(self, chkpt: int, version: int, error: BaseException | None) -> None:
         """The persister's report of one job (its thread): recorded in the shard."""
         with self._cond:  # (a closing manager too: its store closes after its persists)
             if error is None:
-                self.store.transact(lambda txn: self._note(txn, done=chkpt))
+                self.store.transact(lambda txn: self._note(txn, done=(chkpt, version)))
             else:
                 why = f"{type(error).__name__}: {error}"
-                self.store.transact(lambda txn: self._note(txn, failed=(chkpt, why)))
+                self.store.transact(lambda txn: self._note(txn, failed=(chkpt, version,
+                                                                        why)))  # fmt: skip
 
     def resume_persists(self) -> None:
         """Redo the persists a dead host process accepted and did not commit.
@@ -177,53 +207,60 @@ class CheckpointIO:
         if self.persister is None:
             return
         with self.store.read() as txn:
-            pending = sorted(self._persists(txn)["pending"])
+            pending = sorted(self._persists(txn)["pending"].items())
         if not pending:
             return
-        committed = set(self.persister.ids())  # (committed, but not recorded before it died)
+        # (finished, but not noted in the shard before it died: that version of it)
+        committed = self.persister.store.recorded()
         ws = self.working_set
         floor = ws.oldest - (0 if ws.wait_for_keys else 1)
-        redo = [c for c in pending if c not in committed and c >= floor]
+
+        def done(c: int, v: int | None) -> bool:
+            return any(c == chkpt and v in (None, version) for chkpt, version in committed)
+
+        redo = [(c, v) for c, v in pending if not done(c, v) and c >= floor]
 
         def settle(txn: lmdb.Transaction) -> None:
-            for c in pending:
-                if c in committed:
-                    self._note(txn, done=c)
+            for c, v in pending:
+                if done(c, v):
+                    self._note(txn, done=(c, v))
                 elif c < floor:
                     logger.warning("ddict manager %d: checkpoint %d was not persisted: %s",
                                    self.manager_id, c, LOST)  # fmt: skip
-                    self._note(txn, failed=(c, LOST))
+                    self._note(txn, failed=(c, v, LOST))
 
         with self._cond:
             self.store.transact(settle)
             snap = self.store.read()
         if redo:
             logger.info("ddict manager %d: persisting again checkpoints %s, which the previous "
-                        "host process accepted and did not commit", self.manager_id, redo)
+                        "host process accepted and did not commit", self.manager_id,
+                        [c for c, _ in redo])  # fmt: skip
             assert self.persister is not None
-            self.persister.submit(snap.abort, [(c, self._entries_at(snap, c)) for c in redo])
+            self.persister.submit(snap.abort, [
+                (c, self.history(snap) if v is None else v, self._entries_at(snap, c))
+                for c, v in redo])  # fmt: skip
         else:
             snap.abort()
 
     def rotate(self) -> None:
-        """Apply ``persist_count`` over the checkpoints complete on every manager now."""
+        """Remove what newer versions replaced, and apply ``persist_count`` over the
+        checkpoints complete on every manager now."""
         if self.persister is not None and not self.read_only:
             self.persister.rotate()
 
-    def restore(self, chkpt: int, *, discard_newer: bool = True) -> int:
-        """Replace the shard by persisted checkpoint ``chkpt``; return its key count.
+    def restore(self, chkpt: int, *, discard_newer: bool = True, history: int = 0) -> int:
+        """Replace the shard by persisted checkpoint ``chkpt`` (its newest version that
+        every manager has: see ``CheckpointStore.versions``); return its key count.
 
         The window becomes ``[chkpt, chkpt + working_set_size - 1]``.  Outside
         read-only mode persisted checkpoints newer than ``chkpt`` are deleted
-        (the history continues from it, as in Dragon).
+        (the history continues from it, as in Dragon), and the shard's history
+        becomes ``history`` (the same number on every manager; 0: one derived from
+        the current history and ``chkpt``, the same on managers that had the same).
         """
         persister = self._need_persister("restore()")
         persister.sync()
-        if chkpt not in persister.ids():
-            raise DDictPersistCheckpointError(
-                f"checkpoint {chkpt} is not persisted for manager {self.manager_id} "
-                f"(persisted: {persister.ids()})"
-            )
         with self._cond:
             self._check_open()
             snap = self.working_set.snapshot()
@@ -231,6 +268,9 @@ class CheckpointIO:
                 with self.store.write() as txn:
                     n = self.working_set.reset_to(txn, chkpt, persister.store.read(chkpt))
                     self._clear_batches(txn)
+                    if not self.read_only:
+                        self.set_history(txn, history or (
+                            self.history(txn) * 1_000_003 + chkpt + 1))  # fmt: skip
             except BaseException:
                 self.working_set.restore(snap)
                 raise

@@ -9,6 +9,7 @@ the client's persistence and replication calls.
 from __future__ import annotations
 
 import pickle
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,13 @@ if TYPE_CHECKING:
 # -- persistence ---------------------------------------------------------------------------
 
 
+def new_version() -> int:
+    """A number for one broadcast that every manager must share and no other broadcast
+    has (62 random bits): a :class:`Persist`'s version, a :class:`Restore`'s history."""
+    return secrets.randbits(62) | 1
+
+
+
 @dataclass(slots=True)
 class Persist(AtCheckpoint):
     """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
@@ -41,10 +49,14 @@ class Persist(AtCheckpoint):
     op = Op.PERSIST
     inline = False  # (see Operation.inline)
     chkpt: int
+    version: int = 0  # the same for every manager (see persist.zarr_store); 0: a new one
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt, arg=self.version)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.persist(r.chkpt)
+        m.persist(r.chkpt, r.arg)
         reply()
 
 
@@ -94,15 +106,20 @@ class Rotate(Command):
 
 @dataclass(slots=True)
 class Restore(AtCheckpoint, IntReply):
-    """Load persisted checkpoint ``chkpt``; the reply is its key count."""
+    """Load persisted checkpoint ``chkpt``; the reply is its key count.  ``history``: the
+    dictionary's history from then on, the same for every manager (``Manager.restore``)."""
 
     op = Op.RESTORE
     inline = False  # (see Operation.inline)
     chkpt: int
+    history: int = 0
+
+    def encode(self) -> Encoded:
+        return Encoded(chkpt=self.chkpt, arg=self.history)
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
-        reply(m.restore(r.chkpt))
+        reply(m.restore(r.chkpt, history=r.arg))
 
 
 @dataclass(slots=True)
