@@ -3,12 +3,15 @@ framing, the direct-put rule, the buffer pool (no cluster)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import io
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -65,6 +68,27 @@ def test_sweep_removes_only_provably_abandoned_directories(tmp_path):
     os.unlink(os.path.join(d["ddict-kept"], hygiene.KEPT))
     assert sorted(hygiene.sweep(str(tmp_path))) == sorted([d["ddict-live"], d["ddict-kept"]])
     assert os.path.isdir(d["other-dead"])  # never another program's directory
+
+
+def test_off_loop_runs_in_a_thread_of_its_own_once_the_pools_are_shut_down():
+    """While the interpreter exits, the event loop's executor refuses work ("cannot
+    schedule new futures after shutdown"): a supervisor's control call then runs in a
+    thread of its own, and its result or error comes back as usual."""
+    from dask_ddict.host.supervisor import off_loop
+
+    async def main() -> None:
+        assert await off_loop(threading.current_thread) is not threading.current_thread()
+        pool = ThreadPoolExecutor(1)
+        asyncio.get_running_loop().set_default_executor(pool)
+        pool.shutdown()
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            pool.submit(int)
+        ran = await off_loop(lambda x: (x, threading.current_thread().name), 7)
+        assert ran == (7, "ddict-off-loop")
+        with pytest.raises(KeyError):
+            await off_loop({}.__getitem__, "missing")
+
+    asyncio.run(main())
 
 
 def test_a_directory_without_a_lock_file_is_never_touched(tmp_path):

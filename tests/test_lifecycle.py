@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import ssl
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
 
 import dask
 import numpy as np
@@ -127,6 +133,43 @@ def test_embedded_cluster_is_owned_and_closed():
     d.destroy()
     assert cluster.status.name == "closed"
     assert not (mine & shm_entries())
+
+
+def test_an_embedded_dict_left_undestroyed_ends_its_script_quietly(tmp_path):
+    """A script that ends without ``destroy()``: one line says what happened to the keys
+    (before: ~124 lines of tracebacks from nanny plugins that met the interpreter's
+    thread pools shut down), exit code 0, and nothing left in shared memory or among the
+    socket directories."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        from dask_ddict import DDict
+        if __name__ == "__main__":
+            d = DDict(total_mem="32 MiB", name="forgotten")
+            d["a"] = 1
+            print(d["a"], flush=True)
+    """))
+    shards = tempfile.mkdtemp(prefix="test-embedded-", dir="/dev/shm")
+    sockets = tempfile.mkdtemp(prefix="ddsock-")  # (short: Unix socket paths are)
+    env = {**os.environ, "DASK_DDICT__STORE__DIRECTORY": shards,
+           "DASK_DDICT__TRANSPORT__SOCKET_DIR": sockets}  # fmt: skip
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["1"]
+        # (a loaded machine may add Dask's own "event loop was unresponsive" warnings)
+        assert "Traceback" not in done.stderr and " - ERROR - " not in done.stderr, done.stderr
+        said = [line for line in done.stderr.splitlines() if "ddict" in line.lower()]
+        assert len(said) == 1, done.stderr
+        assert "'forgotten' was not destroyed; its keys are dropped" in said[0]
+        deadline = time.monotonic() + 30  # (a host process that outlived a slow close
+        while os.listdir(shards) or os.listdir(sockets):  # removes its own)
+            assert time.monotonic() < deadline, (os.listdir(shards), os.listdir(sockets),
+                                                 done.stderr)  # fmt: skip
+            time.sleep(0.2)
+    finally:
+        shutil.rmtree(shards, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_cluster_shutdown_removes_shards():

@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..layout import Layout, ManagerInfo
 from ..transport.connect import Connections, default_security
+from . import embedded
 from .layouts import LayoutRef, current_client, current_layout, fetched_layout, remember, resolve
 
 #: Seconds between two questions of one handle to the orchestrator about unreachable
@@ -65,28 +66,6 @@ def install_orchestrator(client: Client) -> Any:
     return client.register_plugin(DDictSchedulerPlugin())
 
 
-def embedded_client(total_mem: int) -> tuple[Client, LocalCluster]:
-    """Start the LocalCluster (worker processes) that ``DDict()`` owns.
-
-    Shards live beside the workers, not in them, so the workers' memory limits
-    share what the host has left after ``total_mem``.
-    """
-    from distributed.deploy.utils import nprocesses_nthreads
-    from distributed.system import MEMORY_LIMIT
-
-    n_workers = config.get("embedded.n-workers")
-    n = n_workers or nprocesses_nthreads()[0]
-    memory_limit = max(256 << 20, (MEMORY_LIMIT - total_mem) // max(1, n))
-    cluster = LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=config.get("embedded.threads-per-worker"),
-        processes=True,
-        dashboard_address=":0",
-        memory_limit=memory_limit,
-    )
-    return Client(cluster, set_as_default=False), cluster
-
-
 class _Core(Connections):
     """A dictionary's channels, plus the Dask client for control and an owned cluster."""
 
@@ -105,6 +84,8 @@ class _Core(Connections):
             super().__init__(layout)
         self._client = client
         self.cluster = cluster
+        if cluster is not None and client is not None and isinstance(layout, Layout):
+            embedded.own(client, cluster, layout.name, layout.uid)
         self.seed_checked = False
         self._routers: dict[tuple[int, bool], tuple[Any, kernels.Router]] = {}  # see router
         self.storage_options: dict[str, Any] | None = None  # the creator's, for copy()
@@ -330,6 +311,12 @@ class _Core(Connections):
             return self.channel(mid).call(op)
         except DDictFullError as e:
             raise self.full(e, mid) from None
+
+    def close_cluster(self) -> None:
+        """Close the embedded cluster this core owns, if any (its dictionary destroyed)."""
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            embedded.close(self.client, cluster, self.name, self.ref.uid)
 
     @property
     def client(self) -> Client:

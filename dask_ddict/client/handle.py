@@ -30,8 +30,14 @@ from distributed import Client
 from .. import config, kernels
 from .._keys import loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
-from ..arguments import Timeout, check_client, check_int, check_timeout
-from ..errors import DDictClosedError, DDictError, DDictFullError, DDictKeyError
+from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
+from ..errors import (
+    DDictClosedError,
+    DDictError,
+    DDictFullError,
+    DDictKeyError,
+    DDictTimeoutError,
+)
 from ..layout import Layout
 from ..transport.ops import (
     Clear,
@@ -48,7 +54,8 @@ from .batch import BatchPut
 from .bulk import Bulk
 from .checkpoints import Checkpoints
 from .compute import Compute
-from .core import MISSING, _Core, current_client, embedded_client, install_orchestrator
+from . import embedded
+from .core import MISSING, _Core, current_client, install_orchestrator
 from .creation import create_request, initial_checkpoint, keywords_checked
 from .introspection import Introspection
 from .layouts import LayoutRef, forget, layout_reply
@@ -169,7 +176,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         if client is None:
             client = current_client()
             if client is None:
-                client, cluster = embedded_client(request["total_mem"])
+                client, cluster = embedded.start(request["total_mem"])
         if client.asynchronous:
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
@@ -241,13 +248,23 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
                               timeout=check_timeout(timeout))  # fmt: skip
 
     @staticmethod
-    def list(client: Client | None = None) -> list[str]:
-        """Names of the dictionaries on ``client``'s cluster."""
+    def list(client: Client | None = None, *, kept: bool = False) -> list[str]:
+        """Names of the dictionaries on ``client``'s cluster, sorted.
+
+        ``kept=True``: instead, the names of those destroyed with
+        ``allow_restart=True``, whose shards wait for ``DDict(name=...,
+        restart=True)`` (``dask ddict list`` shows both, the kept ones marked
+        "kept for restart").  The two are apart because they are used apart: a
+        live name can be attached to (:meth:`from_name`), a kept one only
+        restarted.
+        """
+        check_bool("kept", kept)
         client = check_client(client) or current_client()
         if client is None:
             raise ValueError("list needs client= (or a current dask Client)")
         install_orchestrator(client)
-        return list(client.sync(client.scheduler.ddict_list))
+        call = client.scheduler.ddict_list_kept if kept else client.scheduler.ddict_list
+        return list(client.sync(call))
 
     def __reduce__(self) -> Any:
         # A reference, not the layout: the size of a pickled handle does not grow with
@@ -295,10 +312,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
                 name=core.ref.name, uid=core.ref.uid, allow_restart=allow_restart,
             )  # fmt: skip
         finally:
-            if core.cluster is not None:
-                core.client.close()
-                core.cluster.close()
-                core.cluster = None
+            core.close_cluster()
 
     def __enter__(self) -> DDict:
         return self
@@ -515,11 +529,22 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         return loads_value(frame)
 
     def wait_for(self, key: Any, value: Any, timeout: float | None = _MISSING) -> None:
-        """Block until ``self[key] == value`` (compared as serialized bytes)."""
+        """Block until ``self[key] == value`` (compared as serialized bytes).
+
+        Raises :class:`~dask_ddict.DDictTimeoutError` naming the key when
+        ``timeout`` runs out first: the manager only ever sees the key's
+        digest, so its own message could not say which wait gave up.
+        """
         timeout = self._timeout if timeout is _MISSING else check_timeout(timeout)
         mid, digest, _ = self._route(key)
         frame = dumps_value(value, self._vp).join()
-        self._core.channel(mid).call(WaitFor(digest, self._chkpt, frame, timeout))
+        try:
+            self._core.channel(mid).call(WaitFor(digest, self._chkpt, frame, timeout))
+        except DDictTimeoutError as e:
+            raise DDictTimeoutError(
+                f"wait_for({key!r:.80}) at checkpoint {self._chkpt}: the key did not take "
+                f"the value waited for within {timeout} s ({e.message})"
+            ) from None
 
     def _iter(self, managers: builtins.list[int], want: int,
               lend: bool = False) -> Iterator[tuple[Any, Any]]:  # fmt: skip

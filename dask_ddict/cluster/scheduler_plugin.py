@@ -35,6 +35,8 @@ from distributed.protocol.pickle import dumps
 
 from .. import config
 from ..errors import DDictError, error_to_wire, raise_from_wire
+from ..host.hygiene import KNOWS
+from ..host.supervisor import off_loop
 from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
 from . import metrics
@@ -140,6 +142,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         #: loss its supervisor reports later; bounded (the newest kept)
         self._left: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # releases under way
+        #: uid -> layout of the dictionaries being destroyed now (see knows_shards)
+        self._destroying: dict[str, Layout] = {}
         self.calls: Counter[str] = Counter()  # handler calls by name, since the start
         self.dashboard = DashboardData(self)
         self._metrics: metrics.DDictCollector | None = None  # on /metrics while started
@@ -169,6 +173,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             "ddict_destroy": self.destroy,
             "ddict_list": self.names,
             "ddict_list_kept": self.names_kept,
+            KNOWS: self.knows_shards,
             "ddict_hash_probe": self.hash_probe,
             "ddict_host_gone": self.host_gone,
             "ddict_lease": self.elastic.failover.lease,
@@ -330,11 +335,15 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         live = sorted(({m.supervisor for m in layout.managers} | self.elastic.replicas.supervisors(
             name)) - self._gone)  # fmt: skip
         self.elastic.replicas.forget(name)
-        await self._destroy_on(live, uid, allow_restart=allow_restart)
-        if allow_restart:
-            self.kept[name] = layout
-        else:
-            await remove_lost(self, layout)
+        self._destroying[uid] = layout  # (its shards are marked kept before it is in kept)
+        try:
+            await self._destroy_on(live, uid, allow_restart=allow_restart)
+            if allow_restart:
+                self.kept[name] = layout
+            else:
+                await remove_lost(self, layout)
+        finally:
+            self._destroying.pop(uid, None)
         return True
 
     def names(self) -> list[str]:
@@ -382,6 +391,22 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """Names of dictionaries destroyed with ``allow_restart=True``."""
         return sorted(self.kept)
 
+    def knows_shards(self, host_id: str, shards: list[list[str]]) -> list[str]:
+        """Which of ``shards`` (``[path, uid]`` of kept shards on the machine ``host_id``)
+        this orchestrator still keeps: a sweeper there removes the others (see
+        :func:`~dask_ddict.host.hygiene.keeper_states`).
+
+        It keeps a shard that a manager of a dictionary it has, keeps for a restart or is
+        destroying now lives in (parked, lost, kept), and any shard of such a dictionary's
+        uid (a deposed primary's, kept aside until it says to discard it; a failed
+        restart's, marked under the new uid).  Anything else no registry here will ever
+        serve again.
+        """
+        layouts = [*self.dicts.values(), *self.kept.values(), *self._destroying.values()]
+        uids = {lay.uid for lay in layouts}
+        paths = {m.store_path for lay in layouts for m in lay.managers if m.host_id == host_id}
+        return [str(path) for path, uid, *_ in shards if path in paths or uid in uids]
+
     # -- Scheduler hooks ----------------------------------------------------------
 
     async def close(self) -> None:
@@ -391,7 +416,7 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             await remove_lost(self, layout, only_parked=True)  # their hosts; parked ones not)
         metrics.unregister(self._metrics)
         self._metrics = None
-        await asyncio.to_thread(self.dashboard.close)
+        await off_loop(self.dashboard.close)  # (also while the interpreter exits)
 
     def log_event(self, topic: Any, msg: Any) -> None:
         """Dask's events: a worker that begins to retire has its managers moved then."""

@@ -34,7 +34,7 @@ from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from .. import config
 from .._hashing import probe_hash
-from ..host.supervisor import HostSupervisor
+from ..host.supervisor import HostSupervisor, off_loop
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -156,7 +156,7 @@ class _Supervising:
                                                server.address, tls, _lease_giver(server))  # fmt: skip
         sup.on_give_up = functools.partial(_gave_up, server, asyncio.get_running_loop())
         sup.on_restart = functools.partial(_restarted, server, asyncio.get_running_loop())
-        await asyncio.to_thread(sup.start)  # starting a process: off the event loop
+        await off_loop(sup.start)  # starting a process: off the event loop
         server.handlers.update(sup.handlers())
 
     async def _stop(self, server: Any, why: str) -> None:
@@ -180,7 +180,7 @@ class _Supervising:
         serving = sup.serving
         if serving:
             await tell_host_gone(server, why)
-        await asyncio.to_thread(sup.close)
+        await off_loop(sup.close)
         if serving:  # (now its host process ended: its primaries' replicas need not wait
             await tell_host_gone(server, why, ended=True)  # for its lease's end)
 

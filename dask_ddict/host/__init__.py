@@ -5,6 +5,7 @@
 * :mod:`.process`: the host process itself (``python -m dask_ddict.host``);
 * :mod:`.server`: its key-path server, one operation table for every manager;
 * :mod:`.opening`: opening a manager over a new or existing shard;
-* :mod:`.hygiene`: owner locks, and removing what dead processes left;
+* :mod:`.hygiene`: owner locks, and removing what dead processes (and kept shards'
+  gone clusters) left;
 * :mod:`.control`: the supervisor's messages to its host process.
 """

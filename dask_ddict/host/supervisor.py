@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
+import functools
 import logging
 import os
 import select
@@ -57,6 +59,47 @@ logger = logging.getLogger(__name__)
 
 class HostDiedError(DDictManagerUnavailableError):
     """The host process ended while answering a control message."""
+
+
+async def off_loop(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``await asyncio.to_thread(fn, ...)``, also while the interpreter exits.
+
+    Once a script's main thread has ended, Python shuts the thread pools down
+    (``concurrent.futures``' exit hook runs before any ``atexit`` handler), and a
+    cluster closed after that (Dask's own ``atexit`` handler closes the local clusters
+    a script left open) would meet ``RuntimeError: cannot schedule new futures after
+    shutdown`` in every control call of its nannies' plugins: a traceback per call,
+    and managers that could neither move nor be parked.  Then ``fn`` runs in a thread
+    of its own instead, which a closing interpreter still starts.
+    """
+    loop = asyncio.get_running_loop()
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    try:
+        pooled = loop.run_in_executor(None, call)
+    except RuntimeError:  # (the pool is shut down: the interpreter exits)
+        pass
+    else:
+        return await pooled
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # (its loop closed meanwhile)
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="ddict-off-loop", daemon=True).start()
+    return await done
 
 
 class HostSupervisor:
@@ -123,9 +166,16 @@ class HostSupervisor:
     # -- start and restart ----------------------------------------------------------
 
     def start(self) -> None:
-        """Sweep what dead processes left, bind the listeners, start the host process."""
+        """Sweep what dead processes left, bind the listeners, start the host process.
+
+        Kept shards whose orchestrator is gone are swept too, in a thread of their own:
+        telling needs a question to each scheduler that kept one (see
+        :func:`.hygiene.keeper_states`), which must not hold up a worker's start.
+        """
         for base in {shard_directory(), self._socket_base()}:
             hygiene.sweep(base)
+        threading.Thread(target=self._sweep_kept, args=(shard_directory(),),
+                         name="ddict-sweep-kept", daemon=True).start()  # fmt: skip
         self.socket_dir = tempfile.mkdtemp(prefix=f"{hygiene.PREFIX}host-", dir=self._socket_base())
         self._dir_lock = hygiene.claim(self.socket_dir)
         self.uds_path = os.path.join(self.socket_dir, "host.sock")
@@ -140,6 +190,26 @@ class HostSupervisor:
         self.tcp_port = self._tcp.getsockname()[1]
         with self._lock:
             self._spawn()
+
+    def _sweep_kept(self, base: str) -> None:
+        try:
+            hygiene.sweep_kept(base, self.security)
+        except Exception as e:  # noqa: BLE001 - the next host's start tries again
+            logger.info("ddict: sweeping the kept shards of gone clusters under %s failed: %r",
+                        base, e)  # fmt: skip
+
+    def _keep(self, path: str, why: str, uid: str, mid: int, spec: DictSpec | None) -> None:
+        """Mark the shard at ``path`` kept (``why``: see :mod:`.hygiene`), recording the
+        orchestrator that keeps it: this host's scheduler, while it keeps the shard."""
+        name = spec.name if spec is not None else ""
+        try:
+            hygiene.mark_kept(path, record=hygiene.keeper(self.scheduler, why, name, uid, mid))
+        except OSError as e:  # (gone meanwhile: nothing to keep)
+            logger.info("ddict: marking %s kept failed: %r", path, e)
+
+    def _spec(self, uid: str) -> DictSpec | None:
+        entry = self._dicts.get(uid) or self._moving_specs.get(uid)
+        return None if entry is None else entry[0]
 
     @staticmethod
     def _socket_base() -> str:
@@ -252,6 +322,8 @@ class HostSupervisor:
         """What the host decided alone: this supervisor's books follow (lock held)."""
         key = (notice.uid, notice.manager_id)
         if isinstance(notice, control.Deposed):
+            self._keep(notice.path, hygiene.ASIDE, notice.uid, notice.manager_id,
+                       self._spec(notice.uid))  # fmt: skip
             entry = self._dicts.get(notice.uid)
             if entry is not None:
                 entry[1].pop(notice.manager_id, None)
@@ -406,9 +478,10 @@ class HostSupervisor:
         mid = int(manager_id)
         with self._lock:
             path = self._moving.pop((uid, mid), None)
+            spec = self._spec(uid)
             self._moving_specs.pop(uid, None)
-            if park and path:
-                hygiene.mark_kept(path)  # (before its owner lock goes: no sweep takes it)
+            if park and path:  # (before its owner lock goes: no sweep takes it)
+                self._keep(path, hygiene.PARKED, uid, mid, spec)
             hygiene.release(self._shard_locks.pop((uid, mid), None))
             try:
                 self.call(control.MoveDone(uid, mid, where, bool(park)))
@@ -556,15 +629,21 @@ class HostSupervisor:
                 self._closed.append(uid)
                 del self._closed[:-1024]  # a bounded memory of destroyed dictionaries
             try:
-                return int(self.call(control.CloseManagers(uid, allow_restart)))
+                closed = int(self.call(control.CloseManagers(uid, allow_restart)))
             except HostDiedError:
                 # The next incarnation will not serve it: its shards go now, or are kept.
-                for path in entry[1].values() if entry is not None else ():
+                spec, paths = (entry[0], entry[1]) if entry is not None else (None, {})
+                for mid, path in paths.items():
                     if allow_restart:
-                        hygiene.mark_kept(path)
+                        self._keep(path, hygiene.RESTART, uid, mid, spec)
                     else:
                         shutil.rmtree(path, ignore_errors=True)
                 raise
+            else:
+                if allow_restart and entry is not None:  # (the host marked them: say whose,
+                    for mid, path in entry[1].items():  # before the owner locks go)
+                        self._keep(path, hygiene.RESTART, uid, mid, entry[0])
+                return closed
             finally:
                 for key in [k for k in self._shard_locks if k[0] == uid]:
                     hygiene.release(self._shard_locks.pop(key))
@@ -586,7 +665,7 @@ class HostSupervisor:
         def wrap(fn: Any) -> Any:
             async def handler(**kwargs: Any) -> Any:
                 try:
-                    return await asyncio.to_thread(fn, **kwargs)
+                    return await off_loop(fn, **kwargs)
                 except Exception as e:
                     wire = error_to_wire(e)
                     if wire is None:
