@@ -25,7 +25,15 @@ import dask
 import dask.array as da
 import numpy as np
 
-from .layout import AxisLayout, _check_width, _per_axis, axis_from_spec, take_along
+from .layout import (
+    AxisLayout,
+    _check_width,
+    _per_axis,
+    axis_from_spec,
+    is_block_spec,
+    on_block_axes,
+    take_along,
+)
 from .protocol.validate import VERSION
 
 
@@ -54,12 +62,18 @@ def plan(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
     """The layout of every axis of the export (validated, nothing computed)."""
     x = _check_exportable(x)
     nd = x.ndim
-    comm = [_check_width(v, "comm_padding", i)
-            for i, v in enumerate(_per_axis(comm_padding, nd, "comm_padding"))]  # fmt: skip
-    bound = [_check_width(v, "boundary_padding", i)
-             for i, v in enumerate(_per_axis(boundary_padding, nd, "boundary_padding"))]  # fmt: skip
-    per = _per_axis(periodic, nd, "periodic")
     specs = _per_axis(dist, nd, "dist")  # one entry per axis, or one for every axis
+    block = [is_block_spec(s) for s in specs]
+    widths = {
+        name: [_check_width(v, name, i) for i, v in enumerate(_per_axis(value, nd, name))]
+        for name, value in (("comm_padding", comm_padding), ("boundary_padding", boundary_padding))
+    }
+    # a scalar width or periodic flag is for every block axis (DAP pads 'b' axes only)
+    comm = on_block_axes(comm_padding, widths["comm_padding"], block, "comm_padding", 0)
+    bound = on_block_axes(boundary_padding, widths["boundary_padding"], block,
+                          "boundary_padding", 0)  # fmt: skip
+    flags = [bool(v) for v in _per_axis(periodic, nd, "periodic")]
+    per = on_block_axes(periodic, flags, block, "periodic", False)
     return [
         axis_from_spec(specs[i], x.chunks[i], comm=comm[i], boundary=bound[i],
                        periodic=bool(per[i]), axis=i)  # fmt: skip
@@ -111,8 +125,11 @@ def to_dap(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
     comm_padding, boundary_padding
         Halo width between blocks and boundary width at the array's edges, an
         int or one per axis.  Buffers include the neighbours' halo cells.
+        DAP pads block axes only: an int applies to every block axis (those
+        ``dist`` leaves ``None``/``"b"``), while a per-axis sequence must
+        give 0 for cyclic and unstructured axes.
     periodic
-        Marks block axes as periodic (metadata).
+        Marks block axes as periodic (metadata); a bool marks every block axis.
     dist
         Per axis: ``None``/``"b"`` (the array's blocks), ``"c"`` or
         ``{"dist_type": "c", "block_size": k, "proc_grid_size": P}``, or
@@ -124,6 +141,7 @@ def to_dap(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
     >>> parts = to_dap(x)                       # 4 ranks on a 2 x 2 grid
     >>> parts[1]["dim_data"][1]["start"]        # rank (0, 1): columns 4..8
     4
+    >>> parts = to_dap(x, comm_padding=1, dist=[None, "c"])   # halo on axis 0 only
     """
     layouts = plan(x, comm_padding=comm_padding, boundary_padding=boundary_padding,
                    periodic=periodic, dist=dist)  # fmt: skip

@@ -65,6 +65,35 @@ def _check_width(v: Any, name: str, axis: int) -> int:
     return int(v)
 
 
+def is_block_spec(spec: Any) -> bool:
+    """Whether one entry of ``to_dap(dist=...)`` keeps the axis a block axis."""
+    if spec is None or (isinstance(spec, str) and spec == "b"):
+        return True
+    return isinstance(spec, Mapping) and spec.get("dist_type") == "b"
+
+
+def on_block_axes(value: Any, per_axis: Sequence[Any], block: Sequence[bool], name: str,
+                  off: Any) -> tuple[Any, ...]:  # fmt: skip
+    """``per_axis`` with a scalar ``value`` kept on the block axes only.
+
+    DAP 0.10 has ``padding`` and ``periodic`` on block (``'b'``) dimensions
+    only, so a single ``comm_padding=1`` next to ``dist=[None, "c"]`` means
+    "on every block axis": the cyclic axis gets none (``off``) instead of the
+    export being refused.  A per-axis sequence is taken as written, so a
+    nonzero entry for a cyclic or unstructured axis is still an error (in
+    :func:`axis_from_spec`), and so is a scalar when no axis is a block axis:
+    the padding asked for would be silently dropped everywhere.
+    """
+    if isinstance(value, (list, tuple)) or not any(per_axis):
+        return tuple(per_axis)
+    if block and not any(block):
+        raise ValueError(
+            f"padding and periodic apply to block axes; {name}={value!r} is asked for but "
+            "no axis of the export is a block axis (dist has no None or 'b' entry)"
+        )
+    return tuple(v if b else off for v, b in zip(per_axis, block))
+
+
 def block_axis(chunks: Sequence[int], *, comm: int = 0, boundary: int = 0,
                periodic: bool = False, axis: int = 0) -> AxisLayout:  # fmt: skip
     """A block axis with these owned chunk lengths, padded as asked."""
@@ -155,7 +184,7 @@ def axis_from_spec(spec: Any, chunks: Sequence[int], *, comm: int, boundary: int
     ``{"dist_type": "u", "indices": [...]}``: unstructured, one index array per rank.
     """
     size = int(sum(chunks))
-    if spec is None or spec == "b" or (isinstance(spec, Mapping) and spec.get("dist_type") == "b"):
+    if is_block_spec(spec):
         return block_axis(chunks, comm=comm, boundary=boundary, periodic=periodic, axis=axis)
     if comm or boundary or periodic:
         raise ValueError(

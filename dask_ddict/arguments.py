@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from typing import Any, TypeVar
 
 import dask.config
@@ -162,6 +163,37 @@ def absolute_store(path: str) -> str:
         return path
     full = os.path.abspath(os.path.expanduser(local))
     return f"file://{full}" if path.startswith("file://") else full
+
+
+def check_store_writable(path: str) -> None:
+    """Raise ``ValueError`` when the local zarr store ``path`` cannot be written here.
+
+    Without this, a store that can never be written (``/proc/x.zarr``, a
+    read-only mount, a directory of another user) fails only in each host
+    process, when the store's groups are made, with the store's own words
+    ("unreadable group metadata"), which hide the cause.  The probe is real,
+    not ``os.access`` (which says yes to root everywhere, ``/proc`` included):
+    a directory with a fresh name is made, then removed, in the store itself
+    or in its parent, where the store would be created.  Nothing is left behind.
+    A path whose parent does not exist here may be one of the workers' machines
+    only (a client outside the cluster): it is left to their host processes,
+    which refuse it with the same words.  A URL (``s3://...``) is left to its filesystem.
+    """
+    local = local_store(absolute_store(path))
+    if not local:
+        return
+    parent = local
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent not in (local, os.path.dirname(local)):
+        return  # (maybe a path of the workers' machines only: their hosts say, see zarr_store)
+    try:
+        probe = tempfile.mkdtemp(prefix=".ddict-write-probe-", dir=parent)
+    except OSError as e:
+        reason = f"{e.strerror} [errno {e.errno}]" if e.strerror else str(e)
+        raise ValueError(f"persist_path {path!r} cannot be written: a directory cannot be "
+                         f"created in {parent} ({reason})") from None  # fmt: skip
+    os.rmdir(probe)
 
 
 def check_storage_options(value: Any, persist_path: str) -> dict[str, Any] | None:

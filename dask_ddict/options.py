@@ -14,7 +14,15 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
-from .arguments import INT64_MAX, MAX_REPLICAS, absolute_store, check_bool, check_int, local_store
+from .arguments import (
+    INT64_MAX,
+    MAX_REPLICAS,
+    absolute_store,
+    check_bool,
+    check_int,
+    check_store_writable,
+    local_store,
+)
 
 
 def parse_total_mem(total_mem: Any) -> int:
@@ -102,6 +110,11 @@ class DDictOptions:
             raise TypeError("manager_pool_full_thresh must be a number")
         if not 0 < thresh <= 1:
             raise ValueError(f"manager_pool_full_thresh must be in (0, 1], got {thresh}")
+        # Last, once every argument is known good: a dictionary that will write its store
+        # must be able to.  A read_only replay never writes, and a restore (persist_freq=0)
+        # may only read a store it cannot write (a missing one is the restore's to report).
+        if local and not self.read_only and (self.persist_freq > 0 or self.restore_from is None):
+            check_store_writable(self.persist_path)
 
     def resolved(self) -> DDictOptions:
         """These options as they mean in this process: a relative local

@@ -149,6 +149,32 @@ def test_a_restore_path_that_is_a_file(client, tmp_path):
     assert f.read_text() == "x"
 
 
+def test_a_persist_path_that_cannot_be_written(client, tmp_path):
+    """Refused when the arguments are checked, naming persist_path and the OS's reason
+    (not, from every host process, the store's "unreadable group metadata")."""
+    before = shm_entries()
+    with pytest.raises(ValueError, match=r"persist_path '/proc/x.zarr' cannot be written: a "
+                       r"directory cannot be created in /proc \(No such file or directory"):
+        DDict(total_mem="32 MiB", client=client, persist_path="/proc/x.zarr")
+    assert shm_entries() - before == set()
+    for path in ("/sys/x.zarr", "file:///proc/x.zarr", f"{tmp_path}/file/x.zarr"):
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(ValueError, match="persist_path .* cannot be written"):
+            create_request({**DEFAULTS, "persist_path": path, "persist_freq": 1})
+    # A dictionary that never writes its store is not asked to be able to.
+    replay = dict(name="r", restore_from=0, read_only=True, persist_path="/proc/x.zarr")
+    create_request({**DEFAULTS, **replay})
+    create_request({**DEFAULTS, **replay, "read_only": False})  # a restore may only read
+    with pytest.raises(ValueError, match="cannot be written"):  # ... but persists: writes
+        create_request({**DEFAULTS, **replay, "read_only": False, "persist_freq": 1})
+    # The probe leaves nothing behind, in the store's nearest parent or in the store.
+    (tmp_path / "store.zarr").mkdir()
+    for path in (tmp_path / "new" / "x.zarr", tmp_path / "store.zarr"):
+        create_request({**DEFAULTS, "persist_path": str(path)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "store.zarr"]
+    assert list((tmp_path / "store.zarr").iterdir()) == []
+
+
 def test_total_mem_beyond_the_host_leaves_nothing(client, ddict):
     ddict["k"] = 1
     before = shm_entries()

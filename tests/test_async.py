@@ -142,6 +142,8 @@ def test_async_persistence_and_restart(cluster, tmp_path):
         await ad.restore(0)
         assert await ad["k"] == 1
         await ad.destroy(allow_restart=True)
+        assert "async-p" in await AsyncDDict.list(client, kept=True)
+        assert "async-p" not in await AsyncDDict.list(client)
         again = await AsyncDDict.create(total_mem="32 MiB", client=client, name="async-p",
                                         working_set_size=2, restart=True, persist_path=path)  # fmt: skip
         assert again.empty_managers == [] and await again["k"] == 1
@@ -171,6 +173,29 @@ def test_the_async_face_covers_every_operation_of_the_sync_handle():
     assert len(AWAITABLE) + len(written) >= 35
     for name in (*AWAITABLE, *written):
         assert inspect.iscoroutinefunction(getattr(AsyncDDict, name)), name
+
+
+def test_ddict_properties_have_one_spelling_on_the_async_face():
+    """A DDict property answered in this process stays an attribute of AsyncDDict; one
+    that asks the managers (``is_frozen``, as ``stats``) is a coroutine method there,
+    and its docstring says it stands for a property, not a method."""
+    import inspect
+
+    from dask_ddict import DDict
+    from dask_ddict.client.asynchronous import _PASSTHROUGH, AWAITABLE
+
+    props = {n for n in dir(DDict) if not n.startswith("_")
+             and isinstance(inspect.getattr_static(DDict, n), property)}  # fmt: skip
+    asking = props & set(AWAITABLE)
+    assert {"is_frozen", "stats", "dstats", "moves"} <= asking
+    for name in props - {"client"}:  # (the async handle's client is its own)
+        if name in asking:
+            assert inspect.iscoroutinefunction(getattr(AsyncDDict, name)), name
+            assert f":attr:`DDict.{name}` (a property there" in getattr(AsyncDDict, name).__doc__
+        else:
+            assert name in _PASSTHROUGH or isinstance(
+                inspect.getattr_static(AsyncDDict, name), property), name  # fmt: skip
+    assert "is_frozen()" in AsyncDDict.__doc__ and "AsyncDDict" in DDict.is_frozen.__doc__
 
 
 def _keys_of(dd, out, tag):

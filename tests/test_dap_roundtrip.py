@@ -173,6 +173,23 @@ def test_round_trip_unstructured_and_padding_mixed():
     np.testing.assert_array_equal(from_dap(parts).compute(), a)
 
 
+def test_scalar_padding_applies_to_the_block_axes_only():
+    """The README's ``to_dap(x, comm_padding=1, dist=[None, "c"])``: DAP pads block axes
+    only, so a scalar width (and periodic flag) is for every block axis, not an error."""
+    x = da.from_array(FULL, chunks=(2, 4))
+    parts = to_dap(x, comm_padding=1, boundary_padding=1, periodic=True, dist=[None, "c"])
+    assert parts[0]["dim_data"] == (B(4, 2, 0, 0, 3, padding=(1, 1), periodic=True), C(8, 2, 0))
+    assert parts[3]["dim_data"] == (B(4, 2, 1, 1, 4, padding=(1, 1), periodic=True), C(8, 2, 1))
+    np.testing.assert_array_equal(parts[0]["buffer"], FULL[0:3, 0::2])
+    validate_distribution(parts)
+    np.testing.assert_array_equal(from_dap(parts).compute(), FULL)
+    assert to_dap(x, comm_padding=[1, 0], dist=[None, "c"])[0]["dim_data"][0]["padding"] == (0, 1)
+    with pytest.raises(ValueError, match="axis 1 is asked to be 'c'"):
+        to_dap(x, comm_padding=[1, 1], dist=[None, "c"])  # explicit: taken as written
+    with pytest.raises(ValueError, match="no axis of the export is a block axis"):
+        to_dap(x, comm_padding=1, dist="c")
+
+
 def test_zero_copy_import_and_shapes():
     parts = to_dap(da.from_array(FULL, chunks=(2, 4)), comm_padding=1)
     x = from_dap(parts)

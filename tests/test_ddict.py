@@ -182,6 +182,9 @@ def test_wait_for_and_timeouts(client, ddict):
         ddict.wait_for("flag", 1, timeout=0.5)
     assert isinstance(info.value, TimeoutError)
     assert 0.4 < time.monotonic() - t0 < 5
+    # the message names the key waited on (the manager sees only its digest)
+    assert "wait_for('flag')" in str(info.value) and "0.5 s" in str(info.value)
+    assert info.value.code == "TIMEOUT"
 
     def setter(d):
         time.sleep(0.5)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from dask.typing import no_default
 from distributed import Client, Future
 
-from ..arguments import Timeout, check_timeout
+from ..arguments import Timeout, check_bool, check_timeout
 from ..errors import DDictKeyError
 from ..stats import DDictManagerStats
 from .coalesce import GetBatcher, PutBatcher
@@ -110,6 +110,13 @@ class AsyncDDict:
     coroutine; checkpoint moves (:meth:`checkpoint`, :meth:`rollback`,
     :attr:`checkpoint_id`) send no message and are plain methods.
 
+    One rule for :class:`DDict`'s properties: those answered in this process
+    (:attr:`checkpoint_id`, ``num_managers``, ``timeout``, ...) stay
+    attributes, and those that ask the managers (``is_frozen``, ``stats``,
+    ``dstats``, ``moves``) are coroutine methods here, ``await ad.is_frozen()``
+    as ``await ad.stats()``: an attribute cannot be awaited, and one that
+    blocked the event loop for a round trip would be a trap.
+
     Examples
     --------
     >>> async with Client(cluster, asynchronous=True) as client:   # doctest: +SKIP
@@ -165,10 +172,13 @@ class AsyncDDict:
         return cls(h, client)
 
     @staticmethod
-    async def list(client: Client) -> list[str]:
-        """Names of the dictionaries on ``client``'s cluster."""
+    async def list(client: Client, *, kept: bool = False) -> list[str]:
+        """Names of the dictionaries on ``client``'s cluster, sorted; ``kept=True``: those
+        kept for restart instead (see :meth:`DDict.list <dask_ddict.DDict.list>`)."""
+        check_bool("kept", kept)
         await install_orchestrator(client)
-        return list(await client.scheduler.ddict_list())
+        call = client.scheduler.ddict_list_kept if kept else client.scheduler.ddict_list
+        return list(await call())
 
     @property
     def ddict(self) -> DDict:
@@ -368,6 +378,9 @@ for _name in AWAITABLE:
     _method = vars(AsyncDDict)[_name]
     _method.__name__, _method.__qualname__ = _name, f"AsyncDDict.{_name}"
     _method.__doc__ = f"Awaitable :meth:`DDict.{_method.__sync__}` (run in a worker thread)."
+    if isinstance(getattr(DDict, _method.__sync__, None), property):  # (see the class's rule)
+        _method.__doc__ = (f"Awaitable :attr:`DDict.{_method.__sync__}` (a property there, which "
+                           "asks the managers; run in a worker thread).")  # fmt: skip
 
 _PASSTHROUGH = frozenset(
     {

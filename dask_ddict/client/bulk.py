@@ -255,6 +255,12 @@ class Bulk:
 
     @property
     def is_frozen(self) -> bool:
+        """Whether every manager is frozen (asks each one, as :attr:`stats` does).
+
+        A property, as in Dragon and the spec; :class:`~dask_ddict.AsyncDDict`
+        spells it ``await ad.is_frozen()``, like its other properties that ask
+        the managers (``stats()``, ``dstats()``, ``moves()``).
+        """
         return all(s.frozen for s in self.stats)
 
 
