@@ -1,6 +1,7 @@
 """Persisting a 1 GiB checkpoint to zarr, next to ``dd`` writing 1 GiB to the same disk.
 
     python benchmarks/bench_persist.py [--gib 1] [--dir DIR]
+    python benchmarks/bench_persist.py --restore [--gib 1]   # restores, also re-sharded
 
 One manager holds 1 GiB (16 numpy arrays of 64 MiB) at checkpoint 0;
 ``d.persist(); d.sync()`` writes it to a zarr store in ``DIR`` (default: a
@@ -80,12 +81,51 @@ def persist_rate(client: Client, directory: str, nbytes: int) -> float:
     return nbytes / elapsed / 1e6
 
 
+def restore_rates(client: Client, directory: str, nbytes: int) -> dict[str, float]:
+    """MB/s of restoring a checkpoint persisted by 2 managers (one per worker): onto 2
+    (each reads its own part) and onto 4 (re-sharded: each reads the keys it owns from
+    both parts).  Timed from ``DDict(restore_from=0)`` until it returns (the store is in
+    the page cache: this is the read path's speed, not the disk's)."""
+    path = f"{directory}/restore"
+    mem = int(nbytes * 1.6) + (256 << 20)
+    d = DDict(total_mem=mem, client=client, name="bench-restore", persist_path=path)
+    try:
+        block = np.random.default_rng(0).random((16 << 20) // 8)
+        d.update({i: block for i in range(nbytes >> 24)})
+        d.persist()
+        d.sync()
+    finally:
+        d.destroy()
+    rates = {}
+    try:
+        for what, per_worker in (("restore_same", 1), ("restore_reshard", 2)):
+            warm_memory(2 * nbytes)
+            t0 = time.perf_counter()
+            r = DDict(per_worker, total_mem=mem, client=client, name="bench-restore",
+                      persist_path=path, restore_from=0)  # fmt: skip
+            elapsed = time.perf_counter() - t0
+            try:
+                assert len(r) == nbytes >> 24 and r.num_managers == 2 * per_worker
+            finally:
+                r.destroy()
+            rates[what] = nbytes / elapsed / 1e6
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--restore", action="store_true",
+                    help="Only the restores: onto as many managers as persisted, and onto "
+                         "twice as many (re-sharded).")  # fmt: skip
     args = ap.parse_args()
+    if args.restore:
+        restore_only(args)
+        return
     nbytes = int(args.gib * (1 << 30)) >> 26 << 26
     directory = tempfile.mkdtemp(prefix="ddict-bench-persist-", dir=args.dir)
     results: dict[str, list[float]] = {k: [] for k in ("persist", "dd", "persist_fsync", "dd_sync")}
@@ -119,6 +159,24 @@ def main() -> None:
     for k, v in results.items():
         print(f"  {k}: " + ", ".join(f"{x:,.0f}" for x in v))
     print(f"(medians of {args.rounds} interleaved rounds, same directory)")
+
+
+def restore_only(args: argparse.Namespace) -> None:
+    nbytes = int(args.gib * (1 << 30)) >> 24 << 24
+    directory = tempfile.mkdtemp(prefix="ddict-bench-restore-", dir=args.dir)
+    results: dict[str, list[float]] = {"restore_same": [], "restore_reshard": []}
+    try:
+        with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
+                Client(cl) as c:  # fmt: skip
+            for _ in range(args.rounds):
+                for k, v in restore_rates(c, directory, nbytes).items():
+                    results[k].append(v)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    gib = nbytes / (1 << 30)
+    for k, v in results.items():
+        print(f"{k} {gib:.2f} GiB: median {statistics.median(v):,.0f} MB/s  ("
+              + ", ".join(f"{x:,.0f}" for x in v) + ")")
 
 
 if __name__ == "__main__":

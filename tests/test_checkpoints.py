@@ -103,6 +103,14 @@ def test_explicit_persist_and_restore_from_at_creation(client, tmp_path):
         DDict(total_mem="32 MiB", client=client, name="p2", persist_path=path, restore_from=7)
 
 
+def test_restore_without_a_persist_path_says_so(client):
+    with DDict(total_mem="32 MiB", client=client) as d:
+        d["k"] = 1
+        with pytest.raises(DDictPersistCheckpointError, match="created without persist_path="):
+            d.restore(0)
+        assert d["k"] == 1
+
+
 def test_a_checkpoint_restores_onto_any_number_of_managers(client, tmp_path):
     """Persisted by 4 managers, restored onto 3 (one worker), persisted again there, then
     restored onto 2: every key each time, ids and persisted_ids kept; at run time too."""
@@ -210,7 +218,7 @@ def test_zarr_store_is_plain_zarr(client, tmp_path):
         g = root[f"p5/manager_{m}/chkpt_0.g0"]
         assert g.attrs["committed"] is True and g.attrs["num_keys"] == 1
         version = g.attrs["version"]  # (one persist: the same on every manager)
-        assert version > 0 and records == [f"chkpt_0.manager_{i}.g0.v{version:x}"
+        assert version > 0 and records == [f"chkpt_0.manager_{i}.g0.v{version:x}.n2"
                                            for i in range(d.num_managers)]  # fmt: skip
 
 

@@ -133,6 +133,11 @@ class Checkpoints:
         """
         check_int("chkpt", chkpt, 0)
         self._no_batch("restore()")
+        if not self._core.layout.options.persist_path:
+            raise DDictPersistCheckpointError(
+                f"restore({chkpt}) of {self._core.name!r}: this dictionary persists nothing "
+                "(it was created without persist_path=): create one with "
+                "persist_path=<the zarr store> and restore_from=<checkpoint>")  # fmt: skip
         self.sync()
         ids = self.persisted_ids()
         if chkpt not in ids:

@@ -94,12 +94,12 @@ class Elastic:
 
     # -- handlers -------------------------------------------------------------------
 
-    async def evacuate(self, supervisor: str, why: str = "", park: bool = True
-                       ) -> dict[str, Any]:  # fmt: skip
+    async def evacuate(self, supervisor: str, why: str = "", park: bool = True,
+                       closing: bool = False) -> dict[str, Any]:  # fmt: skip
         """Move every manager of ``supervisor``'s host to the remaining workers (and park
         those that none can take, unless not ``park``: they stay where they are).
 
-        ``park`` is the host's last evacuation (its nanny closes): from then on it takes
+        ``closing``: the host's last evacuation (its nanny closes): from then on it takes
         no manager.  Several hosts close at once when a cluster scales down (to zero,
         or ``adapt`` retiring a few): a manager that another evacuation was moving here
         when this one began arrives after this host's first pass, so passes repeat,
@@ -108,12 +108,12 @@ class Elastic:
         plugin = self.plugin
         if plugin.scheduler.status != Status.running:
             return {"moved": 0, "parked": 0}  # the cluster is closing: nothing to keep
-        if park:
+        if closing:
             self._leaving.add(supervisor)
         async with self._evacuating.setdefault(supervisor, asyncio.Lock()):
             why = plugin.why_leaving(supervisor, why)
             said = await self._evacuate(supervisor, why, park)
-            for _ in range(EVACUATION_PASSES if park else 0):
+            for _ in range(EVACUATION_PASSES if closing else 0):
                 for name in list(plugin.dicts):  # (the moves into this host, if any)
                     await self.moves.settled(name, config.get_seconds("move.timeout"))
                 if not self._hosted(supervisor):
@@ -247,6 +247,8 @@ class Elastic:
     def worker_joined(self, worker: str) -> None:
         """A worker joined: once it runs, it takes the parked managers of its machine,
         and managers from the others when ``ddict.move.rebalance-on-join`` says so."""
+        self._leaving.discard(self.plugin.supervisor_of(worker))  # (a new nanny at an old
+        # nanny's address: it takes managers)
         if any(lay.options.replicas for lay in self.plugin.dicts.values()):
             self.plugin.spawn(self._once_running(worker, self.repair_all))
         if config.get("move.rebalance-on-join") and self.plugin.dicts:

@@ -103,7 +103,7 @@ async def evacuate(server: Any, why: str) -> None:
     any shard still here, ends right after.  A scheduler that closes moves nothing."""
     try:
         said = await asyncio.wait_for(server.scheduler.ddict_evacuate(supervisor=server.address,
-                                                                      why=why),
+                                                                      why=why, closing=True),
                                       config.get_seconds("move.timeout"))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a scheduler going away, a missing handler
         logger.info("ddict: could not move this host's managers away (%s): %r", why, e)
