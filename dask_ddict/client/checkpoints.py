@@ -132,6 +132,7 @@ class Checkpoints:
             If some manager has not persisted ``chkpt``.
         """
         check_int("chkpt", chkpt, 0)
+        self._check()  # (a closed handle says so first)
         self._no_batch("restore()")
         if not self._core.layout.options.persist_path:
             raise DDictPersistCheckpointError(
