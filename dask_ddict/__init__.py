@@ -34,6 +34,7 @@ from .errors import (
     DDictSyncError,
     DDictTaskError,
     DDictTimeoutError,
+    DDictUnableToCreateError,
 )
 from .stats import DDictManagerStats
 
@@ -61,6 +62,7 @@ __all__ = [
     "DDictSyncError",
     "DDictTaskError",
     "DDictTimeoutError",
+    "DDictUnableToCreateError",
     "DDictWorkerPlugin",
 ]
 

@@ -53,6 +53,27 @@ def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX, *
     return int(value)
 
 
+def either(what: str, name: str, value: T | None, alias: str, alias_value: T | None) -> T | None:
+    """``value``, or ``alias_value`` when the caller spelled argument ``name`` as ``alias``.
+
+    ``alias`` is Dragon's name of the argument (``val`` for ``n``, ``n_nodes``
+    for ``n_workers``): a Dragon program runs unchanged, and ours keep their
+    names.  ``None`` is "not given" for both.
+
+    Raises
+    ------
+    TypeError
+        Both names given (even with equal values): naming both, so that the
+        program says one thing once.
+    """
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"{what}() got both {name}= and {alias}= ({alias} is Dragon's name "
+                        f"of {name}): give one of them")  # fmt: skip
+    return alias_value
+
+
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool (``"no"`` is not false: it is refused)."""
     if not isinstance(value, bool):

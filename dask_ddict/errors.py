@@ -104,6 +104,22 @@ def _rebuild(cls: type[DDictError], message: str, code: str,
     return exc
 
 
+class DDictUnableToCreateError(DDictError):
+    """The cluster refused to create the dictionary as a whole (Dragon's name: its
+    orchestrator answers a failed creation with it): a name already taken, no
+    worker to host managers, nothing kept for a ``restart=True``.
+
+    A subclass of :class:`DDictError`, which these refusals raised before it
+    existed, so that ``except DDictError`` keeps catching them.  Refusals with a
+    more precise type keep it: ``ValueError`` for arguments the cluster cannot
+    satisfy (``n_workers`` over the workers there are, ``total_mem`` under 1 MiB
+    per manager), :class:`DDictFullError` for a ``total_mem`` its hosts cannot
+    hold, :class:`DDictPersistCheckpointError` for a ``restore_from`` checkpoint
+    that is not persisted.  The ``code`` is the refusal's own (most often
+    ``INVALID_ARGUMENT``), so ``lib_err`` is unchanged too.
+    """
+
+
 class DDictKeyError(DDictError, KeyError):
     """A key is not in the dictionary (at the client's checkpoint).
 

@@ -30,6 +30,21 @@ DRAGON_METHODS = [
     "local_values", "local_items", "local_len", "freeze", "unfreeze", "is_frozen", "stats",
     "dstats", "profile", "profile_reset", "filter",
 ]  # fmt: skip
+#: Dragon's DDict errors (``dragon-ddict-notes.md`` §2; its ``LostKeysError`` is documented
+#: but never raised, and never defined in its code).
+DRAGON_ERRORS = [
+    "DDictError", "DDictKeyError", "DDictFullError", "DDictTimeoutError",
+    "DDictCheckpointSyncError", "DDictFutureCheckpointError", "DDictPersistCheckpointError",
+    "DDictSyncError", "DDictUnableToCreateError",
+]  # fmt: skip
+#: Dragon's keyword arguments of its methods that a Dragon program may name (§1).
+DRAGON_KEYWORDS = {
+    "fetch_add": ["val"], "sync": ["timeout"], "attach": ["timeout", "trace"],
+    "wait_for": ["timeout"], "get": ["default"], "pop": ["default"], "copy": ["name"],
+    "clone": ["clone_list"], "destroy": ["allow_restart"], "start_batch_put": ["persist"],
+    "pickler": ["key_pickler", "value_pickler"], "synchronize_ddicts": ["serialized_ddicts"],
+    "filter": ["mgr_code", "mgr_code_args", "comparator", "branching_factor"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +80,26 @@ def test_the_dragon_table_covers_every_method_and_argument():
     first_cells = " ".join(line.split("|")[1] for line in rows)
     for name in DRAGON_ARGUMENTS + DRAGON_METHODS:
         assert re.search(rf"`(DDict\.)?{name}\b", first_cells), name
+    errors = text[text.index("### Errors"):text.index("## Where we differ")]
+    for name in DRAGON_ERRORS:
+        assert f"`{name}`" in errors, name
+    assert "## Moving from Dragon" in text
+    assert "docs/dragon.md" in (ROOT / "README.md").read_text()
+
+
+def test_every_dragon_name_is_accepted_here():
+    """What the table lists exists: each of Dragon's constructor arguments is one of
+    ``DDict``'s (ours or Dragon's name of it), each method and property is ``DDict``'s,
+    each error is exported, and Dragon's keyword arguments are taken by name."""
+    import inspect
+
+    import dask_ddict
+    from dask_ddict import DDict
+
+    params = inspect.signature(DDict.__init__).parameters
+    assert [a for a in DRAGON_ARGUMENTS if a not in params] == []
+    assert [m for m in DRAGON_METHODS if not hasattr(DDict, m)] == []
+    assert [e for e in DRAGON_ERRORS if not hasattr(dask_ddict, e)] == []
+    for method, names in DRAGON_KEYWORDS.items():
+        taken = inspect.signature(getattr(DDict, method)).parameters
+        assert [n for n in names if n not in taken] == [], method

@@ -8,7 +8,13 @@ import logging
 import pytest
 from distributed import Client, LocalCluster
 
-from dask_ddict import DDict, DDictError, DDictFullError, DDictPersistCheckpointError
+from dask_ddict import (
+    DDict,
+    DDictError,
+    DDictFullError,
+    DDictPersistCheckpointError,
+    DDictUnableToCreateError,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +40,8 @@ def logs(caplog):
 
 
 CASES = {
-    "a name that exists": (dict(name="taken"), DDictError, "already exists"),
-    "restart of an unknown name": (dict(name="nope", restart=True), DDictError,
+    "a name that exists": (dict(name="taken"), DDictUnableToCreateError, "already exists"),
+    "restart of an unknown name": (dict(name="nope", restart=True), DDictUnableToCreateError,
                                    "allow_restart=True"),
     "a checkpoint not persisted": (dict(name="p", persist_freq=1, restore_from=3),
                                    DDictPersistCheckpointError, "not persisted"),

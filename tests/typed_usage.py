@@ -33,6 +33,19 @@ def sync_use(client: Client) -> int:
         + len(futures) + bag.npartitions
 
 
+def dragon_use(client: Client) -> float:
+    """A Dragon program's calls, with Dragon's names (issue 54)."""
+    d = DDict(managers_per_node=2, n_nodes=1, total_mem=64 << 20, client=client, trace=False,
+              streams_per_manager=5, policy=None, persister_class=None)  # fmt: skip
+    before: int = d.fetch_add("n", val=2)
+    d.sync(timeout=10)
+    nodes: list[str] = d.manager_nodes
+    d.profile_reset()
+    mean: float = d.profile().operations["fetch_add"].mean
+    d.destroy()
+    return before + len(nodes) + mean
+
+
 def _shard_sums(dd: DDict, out: Any, scale: int) -> None:
     for v in dd.values():
         out.put(scale * float(np.sum(v)))

@@ -41,9 +41,16 @@ from distributed import Client, Future
 from ..arguments import Timeout, check_bool, check_timeout
 from ..errors import DDictKeyError
 from ..stats import DDictManagerStats
+from ..transport.timing import Profile
 from .coalesce import GetBatcher, PutBatcher
 from .core import _Core, install_orchestrator
-from .creation import check_keywords, create_request, initial_checkpoint
+from .creation import (
+    check_keywords,
+    create_request,
+    created_layout,
+    initial_checkpoint,
+    trace_logging,
+)
 from .filtering import AsyncFilter, Filter
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget, layout_reply
@@ -148,18 +155,19 @@ class AsyncDDict:
         given = {k: v for k, v in bound.arguments.items() if k in CREATE_ARGUMENTS}
         timeout = check_timeout(given["timeout"])
         request = create_request(given)
+        trace_logging(given["trace"])  # (before the request: the creation is logged too)
         await install_orchestrator(client)
-        core = _Core(layout_reply(await client.scheduler.ddict_create(**request,
-                                                                    client=client.id)), client)
+        core = _Core(created_layout(await client.scheduler.ddict_create(**request,
+                                                                      client=client.id)), client)
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
         await asyncio.to_thread(initial_checkpoint, h, request)
         return cls(h, client)
 
     @classmethod
     def attach(cls, serialized: str, *, timeout: Timeout = no_default,
-               client: Client | None = None) -> AsyncDDict:  # fmt: skip
+               client: Client | None = None, trace: bool = False) -> AsyncDDict:  # fmt: skip
         """Attach from :meth:`serialize`'s string (no message is sent)."""
-        return cls(DDict.attach(serialized, timeout=timeout, client=client), client)
+        return cls(DDict.attach(serialized, timeout=timeout, client=client, trace=trace), client)
 
     @classmethod
     async def from_name(cls, name: str, client: Client, *,
@@ -284,6 +292,16 @@ class AsyncDDict:
     def pickler(self, key_pickler: Any = None, value_pickler: Any = None) -> AsyncDDict:
         return AsyncDDict(self._d.pickler(key_pickler, value_pickler), self._client)
 
+    def profile(self) -> Profile:
+        """:meth:`DDict.profile` (this process's timings: no message is sent).  The
+        requests an event loop pipelines itself (gets and puts gathered in one loop
+        turn, to other hosts) are not timed; those sent from worker threads are."""
+        return self._d.profile()
+
+    def profile_reset(self, enable: bool = True) -> None:
+        """:meth:`DDict.profile_reset` (this process's timings: no message is sent)."""
+        self._d.profile_reset(enable)
+
     # -- computing beside the shards (the asynchronous client places the tasks) ------------
 
     async def _workers(self) -> dict[str, Any]:
@@ -363,8 +381,8 @@ class AsyncDDict:
     moves = _awaitable(_moves)
 
     def __getattr__(self, name: str) -> Any:
-        # Plain properties that send no message (num_managers, manager_workers,
-        # local_managers, main_manager, timeout, wait_for_keys, ...).
+        # Plain properties that send no message (num_managers, manager_workers (Dragon's
+        # manager_nodes), local_managers, main_manager, timeout, wait_for_keys, ...).
         if name in _PASSTHROUGH:
             return getattr(self._d, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -384,8 +402,8 @@ for _name in AWAITABLE:
 
 _PASSTHROUGH = frozenset(
     {
-        "num_managers", "manager_workers", "local_managers", "local_manager", "main_manager",
-        "empty_managers", "timeout", "lifetime", "wait_for_keys", "wait_for_writers",
-        "working_set_size",
+        "num_managers", "manager_workers", "manager_nodes", "local_managers", "local_manager",
+        "main_manager", "empty_managers", "timeout", "lifetime", "wait_for_keys",
+        "wait_for_writers", "working_set_size",
     }
 )  # fmt: skip

@@ -7,10 +7,11 @@ operation (:mod:`dask_ddict.transport.ops`) to every manager (or the chosen one)
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
-from ..arguments import check_int
-from ..errors import DDictPersistCheckpointError
+from ..arguments import check_int, check_timeout
+from ..errors import DDictPersistCheckpointError, DDictTimeoutError
 from ..transport.ops import (
     Advance,
     Newest,
@@ -92,7 +93,7 @@ class Checkpoints:
         sets = [set(ids) for ids in self._each(PersistedIds())]
         return sorted(set.intersection(*sets)) if sets else []
 
-    def sync(self) -> None:
+    def sync(self, timeout: float | str | None = None) -> None:
         """Wait until background persistence is done on every manager.
 
         When it returns, every checkpoint that was asked to be persisted
@@ -104,6 +105,16 @@ class Checkpoints:
         ``persist_count`` complete checkpoints and nothing older, and of each
         checkpoint only its newest version that every manager has committed.
 
+        Parameters
+        ----------
+        timeout
+            Seconds (or a duration such as ``"30s"``) that the whole of it may
+            take, both broadcasts included (plus ``ddict.transport.timeout-slack``
+            for the answers to travel).  ``None`` (the default): as long as the
+            store needs, whatever the handle's ``timeout``: a checkpoint's size,
+            not the handle's latency, sets how long writing it takes.  Dragon's
+            ``sync(timeout=...)``.
+
         Raises
         ------
         DDictPersistCheckpointError
@@ -112,12 +123,26 @@ class Checkpoints:
             and the checkpoint had retired since, so it could not be read
             again).  A manager reports a failed checkpoint until it commits it
             or a newer one.
+        DDictTimeoutError
+            ``timeout`` ran out first, naming the manager that did not answer.
+            Nothing is lost: the persists go on in the background, and a later
+            ``sync()`` waits for them again.
         """
-        failed = self._each(Sync(), "sync")
-        if any(failed):
-            raise DDictPersistCheckpointError(not_persisted(self._managers(), failed))
-        if self._core.layout.options.persist_path:  # (each manager removes what is
-            self._each(Rotate())  # replaced everywhere now, and what persist_count drops)
+        seconds = check_timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        try:
+            failed = self._each(Sync(seconds), "sync")
+            if any(failed):
+                raise DDictPersistCheckpointError(not_persisted(self._managers(), failed))
+            if self._core.layout.options.persist_path:  # (each manager removes what is
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._each(Rotate(left))  # replaced everywhere now, what persist_count drops)
+        except DDictTimeoutError as e:
+            raise DDictTimeoutError(
+                f"sync() of DDict {self._core.name!r}: background persistence was not done on "
+                f"every manager within {seconds} s ({e.message}); the persists go on, and a "
+                "later sync() waits for them"
+            ) from None
 
     def restore(self, chkpt: int) -> None:
         """Load persisted checkpoint ``chkpt`` on every manager and move this handle to it.

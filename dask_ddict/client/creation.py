@@ -11,6 +11,8 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
+import sys
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
@@ -24,13 +26,25 @@ from ..arguments import (
     check_name,
     check_storage_options,
     check_timeout,
+    either,
 )
+from ..errors import DDictError, DDictUnableToCreateError
+from ..layout import Layout
 from ..options import DDictOptions, parse_total_mem
+from .layouts import layout_reply
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DDictOptions))
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+#: Dragon's names of constructor arguments spelled otherwise here, and ours: a Dask
+#: worker stands for a Dragon node (its host process serves the managers placed on
+#: it).  Either name may be given, not both (``docs/dragon.md``, "Moving from Dragon").
+DRAGON_NAMES: dict[str, str] = {"managers_per_node": "managers_per_worker",
+                                "n_nodes": "n_workers"}  # fmt: skip
+#: Dragon's placement arguments: only ``None`` here (no placement policies yet).
+DRAGON_PLACEMENT = ("policy", "managers_per_policy", "orc_policy")
 
 
 def check_keywords(what: str, given: Iterable[str], valid: Collection[str]) -> None:
@@ -72,14 +86,92 @@ def keywords_checked(init: Callable[P, R]) -> Callable[P, R]:
     return checked
 
 
+def dragon_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with Dragon's names (:data:`DRAGON_NAMES`) taken as ours, and Dragon's
+    arguments that mean nothing here checked, so that a Dragon program's constructor
+    call runs unchanged where it means the same, and is refused where it does not.
+
+    Raises
+    ------
+    TypeError
+        Both names of one argument given, or a wrong type.
+    ValueError
+        A placement policy or a persister class: not supported, saying what to use.
+    """
+    out = dict(args)
+    for dragon, ours in DRAGON_NAMES.items():
+        out[ours] = either("DDict", ours, out[ours], dragon, out.pop(dragon))
+    for name in DRAGON_PLACEMENT:
+        if out[name] is not None:
+            raise ValueError(
+                f"{name}={out[name]!r:.80}: Dragon's placement policies are not supported "
+                f"yet; {', '.join(DRAGON_PLACEMENT)} must be None.  Choose the workers that "
+                "host managers with workers=[worker addresses] (or n_workers=), and how "
+                "many each hosts with managers_per_worker= (the orchestrator is the "
+                "scheduler plugin: it needs no placement)"
+            )  # fmt: skip
+    if out["persister_class"] is not None:
+        raise ValueError(
+            f"persister_class={out['persister_class']!r:.80}: checkpoints persist to one "
+            "zarr store here, and persister_class must be None.  Give persist_path= (a "
+            "directory or an fsspec URL such as 's3://bucket/ckpt.zarr'), with persist_freq= "
+            "and persist_count= as in Dragon (docs: Persistence)"
+        )  # fmt: skip
+    check_bool("trace", out["trace"])
+    check_int("streams_per_manager", out["streams_per_manager"], 0, allow_none=True)
+    return out
+
+
+def trace_logging(trace: bool) -> None:
+    """Dragon's ``trace=True``: this process's ``dask_ddict`` loggers at DEBUG.
+
+    Dragon's trace makes its client and managers log verbosely.  Here the
+    managers run in their workers' host processes, which log their warnings
+    beside their worker's, so ``trace`` is the nearest meaning: this process's
+    records, shown on stderr by a handler added once, only where no handler
+    would show them (neither the package's logger nor the root logger has one).
+    Logging is the process's: ``trace=False`` turns nothing off.
+    """
+    if not trace:
+        return
+    logger = logging.getLogger("dask_ddict")
+    logger.setLevel(logging.DEBUG)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: "
+                                               "%(message)s"))  # fmt: skip
+        logger.addHandler(handler)
+
+
+def created_layout(reply: Any) -> Layout:
+    """The layout in the orchestrator's ``ddict_create`` ``reply``, or its refusal raised.
+
+    The one place where a creation's refusal becomes an exception (the
+    orchestrator's code is not the client's to change): one of the creation as a
+    whole, a plain :class:`DDictError` (a name taken, no worker to host managers,
+    nothing kept to restart), is raised as :class:`DDictUnableToCreateError`,
+    Dragon's name for it and a subclass of what it was (its code, so its
+    ``lib_err``, kept); refusals of a more precise type keep theirs.
+    """
+    try:
+        return layout_reply(reply)
+    except DDictError as e:
+        if type(e) is not DDictError:
+            raise
+        raise DDictUnableToCreateError(e.message, e.code) from None
+
+
 def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     """Validate the constructor's arguments into the orchestrator's ``ddict_create`` call.
 
     ``args`` are :class:`~dask_ddict.DDict`'s constructor arguments by name (its
     signature is their one declaration; ``AsyncDDict.create`` binds to it), the
     client aside.  Both faces therefore reject the same mistakes, with the same
-    messages, before any message is sent.
+    messages, before any message is sent.  Dragon's names are taken as ours
+    (:func:`dragon_arguments`).  Nothing else happens here (each face turns on
+    ``trace``'s logging once this returns: :func:`trace_logging`).
     """
+    args = dragon_arguments(args)
     managers_per_worker, n_workers, total_mem, name, timeout, restart, workers = (
         args[k] for k in ("managers_per_worker", "n_workers", "total_mem", "name", "timeout",
                           "restart", "workers")

@@ -30,7 +30,7 @@ from distributed import Client
 from .. import config, kernels
 from .._keys import loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
-from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
+from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout, either
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -56,7 +56,13 @@ from .checkpoints import Checkpoints
 from .compute import Compute
 from . import embedded
 from .core import MISSING, _Core, current_client, install_orchestrator
-from .creation import create_request, initial_checkpoint, keywords_checked
+from .creation import (
+    create_request,
+    created_layout,
+    initial_checkpoint,
+    keywords_checked,
+    trace_logging,
+)
 from .introspection import Introspection
 from .layouts import LayoutRef, forget, layout_reply
 from .mapping import MappingMethods
@@ -120,6 +126,23 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
     replicas
         Copies of each shard kept by other workers' hosts, written before a write is
         acknowledged: a host lost suddenly loses nothing acknowledged (docs: "Replicas").
+    managers_per_node, n_nodes
+        Dragon's names of ``managers_per_worker`` and ``n_workers``, with their
+        meaning: a Dask worker stands for a Dragon node (its host process serves the
+        managers placed on it), so ``DDict(managers_per_node=2, n_nodes=1, ...)``
+        runs as in Dragon.  Either name of one argument, not both (``TypeError``).
+    policy, managers_per_policy, orc_policy
+        Dragon's placement policies: only ``None`` (not supported yet: choose the
+        workers with ``workers=[...]``; the orchestrator is the scheduler plugin).
+    persister_class
+        Only ``None``: checkpoints persist to one zarr store, ``persist_path=``.
+    trace
+        ``True``: DEBUG logging of the ``dask_ddict`` loggers in this process, the
+        nearest meaning of Dragon's verbose client and manager logging (the host
+        processes that serve the managers log their warnings beside their workers').
+    streams_per_manager
+        Accepted for Dragon's programs, without effect: connections to host
+        processes are pooled and multiplexed, there are no per-manager streams.
 
     Notes
     -----
@@ -163,12 +186,21 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         client: Client | None = None,
         workers: list[str] | None = None,
         replicas: int = 0,
+        managers_per_node: int | None = None,
+        n_nodes: int | None = None,
+        policy: None = None,
+        managers_per_policy: None = None,
+        orc_policy: None = None,
+        persister_class: None = None,
+        trace: bool = False,
+        streams_per_manager: int | None = None,
     ) -> None:
         # The signature is the constructor arguments' one declaration: take them by name.
         args = {k: v for k, v in locals().items() if k in CREATE_ARGUMENTS}
         check_client(client)
         timeout = check_timeout(timeout)
         request = create_request(args)
+        trace_logging(trace)  # (before the request: the creation is logged too)
         if workers is not None and client is None and current_client() is None:
             raise ValueError("workers= names workers of a cluster: pass client= too")
 
@@ -181,7 +213,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
             install_orchestrator(client)
-            layout = layout_reply(client.sync(client.scheduler.ddict_create, **request,
+            layout = created_layout(client.sync(client.scheduler.ddict_create, **request,
                                                 client=client.id))  # fmt: skip
         except BaseException:
             if cluster is not None:
@@ -219,12 +251,14 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     @classmethod
     def attach(cls, serialized: str, *, timeout: Timeout = no_default,
-               client: Client | None = None) -> DDict:  # fmt: skip
+               client: Client | None = None, trace: bool = False) -> DDict:  # fmt: skip
         """Attach to a dictionary from :meth:`serialize`'s string.
 
         No message goes to the scheduler: the string holds the layout.
+        ``trace``: as the constructor's (Dragon's ``attach`` takes it too).
         """
         timeout = check_timeout(timeout)
+        trace_logging(check_bool("trace", trace))
         layout = Layout.deserialize(serialized)
         return cls._from_core(
             _Core(layout, check_client(client)), creator=False, chkpt=0, timeout=timeout
@@ -500,7 +534,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
                         self._timeout)  # fmt: skip
         return loads_value(self._core.write(mid, op), self._vp)
 
-    def fetch_add(self, key: Any, n: int = 1) -> int:
+    def fetch_add(self, key: Any, n: int | None = None, *, val: int | None = None) -> int:
         """Atomically add ``n`` to the int at ``key`` and return its previous value.
 
         The previous value, not the new one, as C's ``atomic_fetch_add``: of
@@ -514,14 +548,18 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         key
             The counter's key; its value must be an int.
         n
-            What to add (a signed 64-bit int; negative subtracts).
+            What to add (a signed 64-bit int; negative subtracts); ``None``: 1.
+        val
+            Dragon's name of ``n`` (``d.fetch_add(key, val=1)``); give one of them,
+            not both (``TypeError``).
 
         Returns
         -------
         int
             The value before the addition (0 for an absent key).
         """
-        check_int("n", n)
+        n = either("fetch_add", "n", n, "val", val)
+        n = 1 if n is None else check_int("n" if val is None else "val", n)
         mid, digest, kb = self._route(key)
         frame = self._core.write(
             mid, FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)

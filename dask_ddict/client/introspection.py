@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 import distributed
 from distributed import Client
 
+from ..arguments import check_bool
 from ..layout import Layout
 from ..stats import DDictManagerStats
+from ..transport import timing
 from ..transport.ops import Stats
 from .views import DDictItemsView, DDictKeysView, DDictValuesView
 
@@ -83,6 +85,12 @@ class Introspection:
         managers move when workers leave or join)."""
         self._check()
         return self._core.fresh().manager_workers
+
+    @property
+    def manager_nodes(self) -> list[str]:
+        """Dragon's name of :attr:`manager_workers`: a Dask worker stands for a Dragon
+        node, so where Dragon lists each manager's node, this lists its worker's address."""
+        return self.manager_workers
 
     @property
     def local_managers(self) -> list[int]:
@@ -163,3 +171,34 @@ class Introspection:
                 except Exception as e:  # noqa: BLE001 - shown in its row
                     answers[info.manager_id] = e
         return dict_html(summarize(self._core.layout, answers, checkpoint=self._chkpt))
+
+    # -- this process's timings (Dragon's client profile) ------------------------------
+
+    def profile(self) -> timing.Profile:
+        """This process's timings of the operations it sent since :meth:`profile_reset`.
+
+        Dragon's client timing report (0.13.2): for each operation (``get``,
+        ``put``, ``get_many``, a broadcast such as ``len (broadcast)`` as one), how
+        many, their total and mean time, and the p50, p99 and longest (percentiles
+        of up to 1,024 samples per operation, each kept with the same chance).
+        ``print(d.profile())`` prints the table; its ``operations`` hold the numbers.
+
+        Timings are off until :meth:`profile_reset` turns them on (or
+        ``ddict.profile: true``, in every process from its start): unasked, they
+        cost the key path one flag read per operation.  They are the process's,
+        every handle and thread adding to them (Dragon's are one client object's);
+        a task's are its worker's.  What is timed: every operation sent to one
+        manager (a put, a get, ``in``, ``pop``, a page of an iteration,
+        ``end_batch_put``'s answer, ...), every broadcast and ``get_many``, as one
+        each; the records a batch or :meth:`update` streams are not timed apart,
+        nor the requests an :class:`~dask_ddict.AsyncDDict` event loop pipelines
+        itself.
+        """
+        self._check()
+        return timing.report()
+
+    def profile_reset(self, enable: bool = True) -> None:
+        """Forget this process's timings and time its operations from now on
+        (``enable=False``: stop timing them).  See :meth:`profile`."""
+        self._check()
+        timing.reset(check_bool("enable", enable))

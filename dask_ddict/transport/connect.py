@@ -49,6 +49,8 @@ from .operation import Operation
 from .many import GetMany
 from .ops import FanOut
 from .protocol import value_limit
+from . import timing
+from .timing import TimedChannel
 
 logger = logging.getLogger(__name__)
 
@@ -261,9 +263,12 @@ class Connections:
         return info.host_id == self._host
 
     def channel(self, mid: int) -> Any:
+        """Manager ``mid``'s channel, made on first use.  While timings are on
+        (:mod:`.timing`) its ``call`` is timed: a handle's operations on one manager
+        all pass here."""
         ch = self._channels.get(mid)
         if ch is not None:
-            return ch
+            return TimedChannel(ch) if timing.on else ch
         self._unpark([mid])
         with self._lock:
             if self.closed:
@@ -271,7 +276,7 @@ class Connections:
             ch = self._channels.get(mid)
             if ch is None:
                 ch = self._channels[mid] = self._make_channel(self.layout.managers[mid])
-        return ch
+        return TimedChannel(ch) if timing.on else ch
 
     def _link(self, info: ManagerInfo, use_uds: bool, ssl_context: Any = None) -> HostLink:
         """The link to ``info``'s host process, shared by all managers it serves."""
@@ -380,6 +385,13 @@ class Connections:
         """
         if len(mids) <= 1:
             return [self.channel(m).call(o) for m in mids]
+        if timing.on:  # (one operation, however many hosts it goes to)
+            return timing.timed(f"{timing.name_of(o)} (broadcast)", self._each, o, mids,
+                                progress)  # fmt: skip
+        return self._each(o, mids, progress)
+
+    def _each(self, o: Operation, mids: list[int], progress: str) -> list[Any]:
+        """:meth:`each` on several managers."""
         results, failure, errors = self._following(o, mids, progress)
         if failure is not None:
             raise failure
@@ -495,6 +507,14 @@ class Connections:
         meanwhile.  A frame is ``None`` for an absent key, ``False`` for one whose
         reader must wait.  The first failure is raised once every host answered.
         """
+        if timing.on:  # (one operation, however many hosts it goes to)
+            return timing.timed("get_many", self._get_many, groups, chkpt, timeout, lend,
+                                follows, since)  # fmt: skip
+        return self._get_many(groups, chkpt, timeout, lend, follows, since)
+
+    def _get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
+                  lend: bool | None, follows: int, since: float) -> dict[int, list[Any]]:
+        """:meth:`get_many`'s work."""
         out: dict[int, list[Any]] = {}
         sent = self.layout
         local: list[tuple[Any, int, list[bytes]]] = []

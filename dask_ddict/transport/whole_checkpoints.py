@@ -82,6 +82,12 @@ class Sync(PickledReply, Answered):
     op = Op.SYNC
     inline = False  # (see Operation.inline)
     kind = Kind.READ
+    #: How long the client waits for the answers (``sync(timeout=...)``); the host's
+    #: wait is not cut: the persists go on, and a later sync waits for them again.
+    timeout: float | None = None
+
+    def encode(self) -> Encoded:
+        return Encoded(timeout=self.timeout)
 
     @staticmethod
     def answer(m: Manager, r: Request) -> tuple[int, Any]:
@@ -102,6 +108,10 @@ class Rotate(Command):
     inline = False  # (see Operation.inline)
     kind = Kind.IDEMPOTENT
     method = "rotate"
+    timeout: float | None = None  # (the rest of a sync()'s time)
+
+    def encode(self) -> Encoded:
+        return Encoded(timeout=self.timeout)
 
 
 @dataclass(slots=True)
