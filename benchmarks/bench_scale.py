@@ -23,6 +23,12 @@ served by one host process per worker) it creates a dictionary and reports:
 The ratio column divides each broadcast time by its time at the smallest
 manager count (target: at most 5x from 8 to 512 managers).
 
+``--tree 8,16`` (host counts; 0: none) compares ``bput`` of a 1 MiB value (``--tree-bytes``)
+to ``--tree-managers`` managers (256) sent one request per host (the linear fan-out)
+and along a tree of hosts (``ddict.broadcast``, each ``--tree-fans`` branching factor):
+for each host count, a ``LocalCluster`` of that many workers, each with its host process,
+and the median of ``--repeat`` warm calls of each, interleaved.
+
 ``--leases 1000x10`` (host processes x primaries each) simulates the lease renewals of
 that many host processes of a replicated dictionary (``ddict.lease.duration`` of
 ``--lease-seconds``, a renewal every half of it): the orchestrator's registry holds
@@ -179,6 +185,41 @@ def measure(client: Client, managers: int, workers: int, repeat: int, max_manage
     return row
 
 
+def measure_tree(hosts: int, managers: int, nbytes: int, fans: list[int], repeat: int
+                 ) -> dict[str, float]:  # fmt: skip
+    """``bput`` of ``nbytes`` to ``managers`` managers on ``hosts`` host processes: the
+    linear fan-out's median time, and the tree's for each branching factor (ms)."""
+    import dask
+
+    value = os.urandom(nbytes)
+    with LocalCluster(n_workers=hosts, threads_per_worker=1, dashboard_address=":0") as cl, \
+            Client(cl) as c:  # fmt: skip
+        per = max(1, managers // hosts)
+        d = DDict(per, total_mem=f"{max(64, 4 * per * hosts * -(-nbytes >> 20))} MiB",
+                  client=c, lifetime="cluster")  # fmt: skip
+        try:
+            configs = {"linear": {"ddict.broadcast.branching-factor": 0}}
+            for fan in fans:
+                configs[f"tree {fan}"] = {"ddict.broadcast.branching-factor": fan,
+                                          "ddict.broadcast.tree-above": 1}  # fmt: skip
+            times: dict[str, list[float]] = {k: [] for k in configs}
+            for name, conf in configs.items():  # warm: connections, forwarding links
+                with dask.config.set(conf):
+                    d.bput("tree", value)
+            for _ in range(repeat):  # interleaved: each way sees the same machine
+                for name, conf in configs.items():
+                    with dask.config.set(conf):
+                        start = time.perf_counter()
+                        d.bput("tree", value)
+                        times[name].append(time.perf_counter() - start)
+            assert all(d.manager(m)["tree"] == value for m in (0, d.num_managers - 1))
+            row: dict[str, float] = {"hosts": hosts, "managers": d.num_managers}
+            row.update({k: statistics.median(v) * 1e3 for k, v in times.items()})
+            return row
+        finally:
+            d.destroy()
+
+
 def _fake_dictionary(dask_scheduler: Any, hosts: int, per_host: int) -> str:
     """Register a replicated dictionary of ``hosts * per_host`` managers on fake
     supervisors (each manager's replica on the next host): what renewals are checked
@@ -293,7 +334,26 @@ def main() -> None:
                     help="host processes x primaries each, renewing leases (0: none)")
     ap.add_argument("--lease-seconds", default="10,5",
                     help="comma-separated lease durations to simulate")
+    ap.add_argument("--tree", default="0",
+                    help="comma-separated host counts for bput tree vs linear (0: none)")
+    ap.add_argument("--tree-managers", type=int, default=256)
+    ap.add_argument("--tree-bytes", type=int, default=1 << 20)
+    ap.add_argument("--tree-fans", default="2,4", help="comma-separated branching factors")
+    ap.add_argument("--tree-only", action="store_true", help="only the --tree rows")
     args = ap.parse_args()
+    trees = [int(h) for h in args.tree.split(",") if int(h) > 0]
+    fans = [int(f) for f in args.tree_fans.split(",")]
+    tree_rows = [measure_tree(h, args.tree_managers, args.tree_bytes, fans, args.repeat)
+                 for h in trees]  # fmt: skip
+    for r in tree_rows:
+        best = min(r[f"tree {f}"] for f in fans)
+        print(f"bput of {args.tree_bytes} B to {r['managers']:.0f} managers on "
+              f"{r['hosts']:.0f} host processes: linear {r['linear']:.1f} ms; " + ", ".join(
+                  f"tree (branching {f}) {r[f'tree {f}']:.1f} ms "
+                  f"({r[f'tree {f}'] / r['linear']:.2f}x)" for f in fans)
+              + f"; best {best / r['linear']:.2f}x linear (median of {args.repeat})")  # fmt: skip
+    if args.tree_only:
+        return
     counts = [int(n) for n in args.managers.split(",")]
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cl, \
             Client(cl) as c:  # fmt: skip

@@ -125,8 +125,9 @@ def test_every_operation_is_declared_once_and_served():
     for code, cls in ops.OPERATIONS.items():
         assert cls.op is code
         assert cls.serve.__qualname__ != "Operation.serve", cls  # (the base only raises)
-        assert isinstance(cls.kind, ops.Kind) or cls is ops.FanOut  # a fan-out has its inner's
+        assert isinstance(cls.kind, ops.Kind) or cls in (ops.FanOut, ops.TreeOut)  # (its inner's)
     assert ops.FanOut(ops.Length(0), (0,)).kind is ops.Length.kind
+    assert ops.TreeOut(ops.Length(0), (0,), ()).kind is ops.Length.kind
 
 
 @pytest.mark.parametrize("use_uds", [True, False])

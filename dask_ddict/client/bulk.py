@@ -69,7 +69,11 @@ class Bulk:
         b.end()
 
     def bput(self, key: Any, value: Any) -> None:
-        """Store a copy of the pair on every manager (read it with :meth:`bget`)."""
+        """Store a copy of the pair on every manager (read it with :meth:`bget`).
+
+        One request per host process, or, above ``ddict.broadcast.tree-above`` hosts,
+        one request that the hosts forward along a tree of fan-out
+        ``ddict.broadcast.branching-factor`` (see ``docs/ddict.md``, "bput along a tree")."""
         if self._batch is not None and self._batch.persist:
             raise DDictError("bput inside a persistent batch", "INVALID_OPERATION")
         self._check()
@@ -83,7 +87,8 @@ class Bulk:
                     self._batch.add(mid, digest, kb, framed, self._chkpt)
         else:  # one request per host process, all hosts at once
             self._core.each(Put(digest, kb, self._framed(None, kb, value), self._chkpt,
-                                self._client_id, False, self._timeout), every)  # fmt: skip
+                                self._client_id, False, self._timeout), every,
+                            tree=True)  # (along a tree of hosts past ddict.broadcast.tree-above)
 
     def bget(self, key: Any) -> Any:
         """Read a broadcast value from this handle's main manager."""

@@ -36,7 +36,7 @@ from ..shard.manager import Manager
 from ..shard.direct import set_owner
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
-from . import control, hygiene, moves, replicas
+from . import control, forward, hygiene, moves, replicas
 from .lease import LeaseKeeper
 from .opening import open_manager
 from .server import HostedDict, HostServer, Limits
@@ -217,6 +217,7 @@ class Host:
     def close_dict(self, uid: str, allow_restart: bool, why: int = CLOSED_DESTROYED) -> int:
         key = bytes.fromhex(uid)
         moves.let_go_of(uid)  # (shards of managers that moved away: their space comes back)
+        forward.forget(uid)  # (its tree broadcasts' links to other hosts)
         hosted = self.dicts.pop(key, None)
         if why == CLOSED_DESTROYED:
             self.closed.add(key)

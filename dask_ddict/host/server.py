@@ -72,6 +72,7 @@ from ..transport.protocol import (
 from ..layout import term_is_newer
 from .loop import Connection, EventLoop, NoWait
 from .replica_store import serve as serve_replica
+from .forward import serve_tree
 from .served import Counting, Served, count_fanout
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _FANOUT = int(Op.FANOUT)
+_TREE = int(Op.TREE)
 _REPLICATE = int(Op.REPLICATE)  # (an enum member's lookup costs more than the comparison)
 #: What a host serves whatever its lease: a replica's change sets (a replica applies
 #: them under its primary's lease), a shard's pages (the orchestrator's moves and seeds).
@@ -427,16 +429,14 @@ class HostServer:
                 self._check_lengths(c, mid, klen, vlen, flags, tag)
         try:
             if hosted.leased and op not in _UNLEASED and (
-                    manager is not None or op == _FANOUT or op in HOST_WIDE):  # fmt: skip
+                    manager is not None or op == _FANOUT or op == _TREE
+                    or op in HOST_WIDE):  # fmt: skip
                 hosted.lease.check(hosted.name)  # (a replicated primary here: see .lease)
             if op == _FANOUT:  # one operation on several of this dictionary's managers
-                count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
-                self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
-                                         managers=hosted.managers,
-                                         generations=hosted.generations,
-                                         answers=hosted.answers,
-                                         pins=hosted.changes,
-                                         answerers=self.answerers)  # fmt: skip
+                self._fan_out(hosted, served, req, reply)
+            elif op == _TREE:  # the same, forwarded to other hosts first (see .forward)
+                serve_tree(hosted, req, reply, functools.partial(self._fan_out, hosted, served),
+                           self._ssl is not None)  # fmt: skip
             elif op == _REPLICATE:  # (a replica's, not a manager's)
                 serve_replica(hosted, req, reply)
             elif op in HOST_WIDE:  # (e.g. get_many: several managers, one request)
@@ -460,13 +460,24 @@ class HostServer:
                 raise
             _send_error(c.out, e, tag)
 
+    def _fan_out(self, hosted: HostedDict, served: Any, req: Request, reply: Reply) -> None:
+        """Serve a :class:`~dask_ddict.transport.ops.FanOut` ``req`` on its managers here
+        (counted in ``served``, its connection's counts)."""
+        count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
+        self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
+                                 managers=hosted.managers,
+                                 generations=hosted.generations,
+                                 answers=hosted.answers,
+                                 pins=hosted.changes,
+                                 answerers=self.answerers)  # fmt: skip
+
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
         manager = hosted.managers.get(req.manager)
         if manager is None:
             raise self._not_hosted(hosted, req.manager)
         handler = self.handlers.get(req.op)  # IntEnum keys: a plain int finds them
-        if handler is None or req.op == Op.FANOUT:
+        if handler is None or req.op == Op.FANOUT or req.op == Op.TREE:
             raise DDictError(f"unknown operation {req.op}", "INVALID_ARGUMENT")
         handler(manager, req, reply)
 

@@ -47,7 +47,7 @@ from .links import Explain, HostLink, SocketChannel
 from .pipelined import Unpipeable, exchange_all, time_left
 from .operation import Operation
 from .many import GetMany
-from .ops import FanOut
+from .ops import FanOut, TreeOut
 from .protocol import value_limit
 from . import timing
 from .timing import TimedChannel
@@ -97,6 +97,16 @@ def default_security() -> Any:
         return distributed.get_client().security
     except ValueError:
         return distributed.Security()
+
+
+def _answers(payload: Any, result: Callable[[int, Any], Any], results: dict[int, Any],
+             errors: dict[int, tuple[int, bytes]]) -> None:  # fmt: skip
+    """A broadcast's answer, one entry per manager: each result, or its error."""
+    for mid, status, ival, data in pickle.loads(payload):
+        if status:
+            errors[mid] = (status, data)
+        else:
+            results[mid] = result(ival, data)
 
 
 class Connections:
@@ -371,7 +381,8 @@ class Connections:
                 self._groups[key] = groups
         return groups
 
-    def each(self, o: Operation, mids: list[int], progress: str = "") -> list[Any]:
+    def each(self, o: Operation, mids: list[int], progress: str = "", tree: bool = False
+             ) -> list[Any]:  # fmt: skip
         """``o``'s result on every manager of ``mids``, in that order (a broadcast).
 
         One request per host process (:class:`~.ops.FanOut`: the host runs ``o``
@@ -382,17 +393,23 @@ class Connections:
         first manager's error (in ``mids`` order) is raised, as a loop over the
         managers would, once every host has answered.  With ``progress``, a bar
         follows the hosts' answers.
+
+        ``tree``: above ``ddict.broadcast.tree-above`` host processes, send one request
+        (:class:`~.ops.TreeOut`) to the first host, which forwards it along a tree of
+        the hosts of fan-out ``ddict.broadcast.branching-factor`` (see
+        :meth:`_tree`); what follows a move is sent again host by host.
         """
         if len(mids) <= 1:
             return [self.channel(m).call(o) for m in mids]
         if timing.on:  # (one operation, however many hosts it goes to)
             return timing.timed(f"{timing.name_of(o)} (broadcast)", self._each, o, mids,
-                                progress)  # fmt: skip
-        return self._each(o, mids, progress)
+                                progress, tree)  # fmt: skip
+        return self._each(o, mids, progress, tree)
 
-    def _each(self, o: Operation, mids: list[int], progress: str) -> list[Any]:
+    def _each(self, o: Operation, mids: list[int], progress: str, tree: bool = False
+              ) -> list[Any]:  # fmt: skip
         """:meth:`each` on several managers."""
-        results, failure, errors = self._following(o, mids, progress)
+        results, failure, errors = self._following(o, mids, progress, tree=tree)
         if failure is not None:
             raise failure
         if errors:
@@ -415,13 +432,14 @@ class Connections:
                 out.append(failure or DDictError(f"manager {m}: no answer", "INTERNAL"))
         return out
 
-    def _following(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False
+    def _following(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False,
+                   tree: bool = False
                    ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
         """:meth:`_broadcast`, sent again to the managers that moved meanwhile (their
         hosts answered ``MOVED``, or were gone and the orchestrator knows where they
         went), where they are now."""
         sent = self.layout
-        results, failure, errors = self._broadcast(o, mids, progress, settle=settle)
+        results, failure, errors = self._broadcast(o, mids, progress, settle=settle, tree=tree)
         follows, since = 0, 0.0
         while follows < MOST_FOLLOWS:
             # (a host gone whose managers moved, or a host that may not serve them now)
@@ -452,7 +470,8 @@ class Connections:
             failure = failure or fail
         return results, failure, errors
 
-    def _broadcast(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False
+    def _broadcast(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False,
+                   tree: bool = False
                    ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
         """Send ``o`` to every host of ``mids`` and read every answer: the results, a
         failure that cost whole hosts' answers, and managers' errors (``settle``: a
@@ -465,6 +484,11 @@ class Connections:
         failure: BaseException | None = None
 
         began = time.monotonic()  # (every host's time counts from here)
+        if tree:
+            routes = self._routes(mids)
+            fan = int(config.get("broadcast.branching-factor") or 0)
+            if fan >= 1 and len(routes) > max(1, int(config.get("broadcast.tree-above") or 0)):
+                return self._tree(o, routes, fan, began, settle)
 
         def sent(link: HostLink, ms: list[int]) -> Callable[[], tuple[int, Any]]:
             try:
@@ -490,12 +514,32 @@ class Connections:
             except BaseException as e:  # the other answers are still read: links stay usable
                 failure = failure or e
                 continue
-            for mid, status, ival, data in pickle.loads(payload):
-                if status:
-                    errors[mid] = (status, data)
-                else:
-                    results[mid] = result(ival, data)
+            _answers(payload, result, results, errors)
         return results, failure, errors
+
+    def _tree(self, o: Operation, routes: list[tuple[HostLink, list[int]]], fan: int,
+              began: float, settle: bool
+              ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
+        """:meth:`_broadcast` along a tree: one request to the first host of ``routes``,
+        whose subtrees (of at most ``fan`` children each, see :func:`tree_of`) each host
+        forwards before it serves its own managers (:mod:`dask_ddict.host.forward`).  A
+        host of the tree that failed answers for every manager below it, with its
+        error, which names it; the root's own failure is :meth:`_broadcast`'s."""
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[int, bytes]] = {}
+        (link, ms), rest = routes[0], routes[1:]
+        op = TreeOut(o, tuple(ms), tree_of(rest, fan))
+        try:
+            _, payload = link.send(op, ms[0], began)()
+        except BaseException as e:  # (as a host's failure in _broadcast)
+            every = [m for _, g in routes for m in g]
+            if isinstance(e, DDictError) and settle:
+                status, msg = wire_error(e)
+                errors.update((m, (int(status), msg)) for m in every)
+                return results, None, errors
+            return results, e, errors
+        _answers(payload, o.result, results, errors)
+        return results, None, errors
 
     def get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
                  lend: bool | None = False, follows: int = 0, since: float = 0.0
@@ -641,3 +685,22 @@ class Connections:
             ch.close()
         for link in hosts:
             link.close()
+
+
+def tree_of(routes: list[tuple[HostLink, list[int]]], fan: int) -> tuple[Any, ...]:
+    """The subtrees of a tree broadcast's root over the hosts of ``routes`` (each
+    ``(link, managers)``): at most ``fan`` subtrees of near-equal size, each rooted at
+    its first host, built the same way below (depth about log_fan of the hosts)."""
+    if not routes:
+        return ()
+    n = min(fan, len(routes))
+    size, extra = divmod(len(routes), n)
+    out, i = [], 0
+    for k in range(n):
+        part = routes[i : i + size + (k < extra)]
+        i += len(part)
+        (link, ms), below = part[0], part[1:]
+        info = link.info
+        out.append(((info.tcp_host, info.tcp_port, info.hostname, info.worker), tuple(ms),
+                    tree_of(below, fan)))  # fmt: skip
+    return tuple(out)

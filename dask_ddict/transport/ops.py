@@ -570,12 +570,81 @@ class FanOut(PickledReply):
         reply(0, payload)
 
 
+_TREE = struct.Struct("<qI")  # the inner operation's arg, the pickled tree's length
+
+#: A subtree of a :class:`TreeOut`: its host process (``tcp_host``, ``tcp_port``,
+#: ``hostname``, ``worker``: what a forwarding host needs to reach it and name it), the
+#: managers it serves, and its own subtrees.
+Subtree = tuple[tuple[str, int, str, str], tuple[int, ...], tuple[Any, ...]]
+
+
+def subtree_mids(children: tuple[Subtree, ...]) -> list[int]:
+    """Every manager of ``children`` and of their subtrees, in tree order."""
+    out: list[int] = []
+    for _, mids, grand in children:
+        out += mids
+        out += subtree_mids(grand)
+    return out
+
+
+@dataclass(slots=True)
+class TreeOut(PickledReply):
+    """``inner`` on managers ``mids`` of one host process, which first forwards it to the
+    host processes of ``children`` (each with its own subtrees: see
+    :mod:`dask_ddict.host.forward`), and answers every manager's
+    ``(mid, status, ival, payload)`` of the whole tree, as :class:`FanOut` answers its
+    host's: a broadcast whose sender sends one request, not one per host."""
+
+    follows = False  # (its caller sends the moved managers' part again)
+    inline = False  # (it waits for other hosts)
+    op = Op.TREE
+    inner: Operation
+    mids: tuple[int, ...]
+    children: tuple[Subtree, ...]
+
+    @property
+    def kind(self) -> Kind:  # type: ignore[override]
+        return self.inner.kind
+
+    def encode(self) -> Encoded:
+        e = self.inner.encode()
+        tree = pickle.dumps((self.mids, self.children))
+        return e._replace(keysec=_TREE.pack(e.arg, len(tree)) + tree + e.keysec,
+                          arg=int(self.inner.op))  # fmt: skip
+
+    @staticmethod
+    def serve(m: Any, r: Request, reply: Reply) -> None:  # (the host serves it: host.forward)
+        raise DDictManagerMovedError("a tree broadcast is served by its host process")
+
+
+@dataclass(slots=True)
+class Relayed(Operation):
+    """A request a host received, sent on as it came (a :class:`TreeOut`'s inner
+    operation, forwarded to a child host): its code, kind and encoding."""
+
+    code: int
+    how: Kind
+    encoded: Encoded
+
+    @property
+    def op(self) -> int:  # type: ignore[override]
+        return self.code
+
+    @property
+    def kind(self) -> Kind:  # type: ignore[override]
+        return self.how
+
+    def encode(self) -> Encoded:
+        return self.encoded
+
+
 _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's checks
 
 
 def _leaves(cls: type[Operation]) -> list[type[Operation]]:
     subs = cls.__subclasses__()
-    return [c for sub in subs for c in _leaves(sub)] + [c for c in subs if "op" in c.__dict__]
+    return [c for sub in subs for c in _leaves(sub)] + [
+        c for c in subs if isinstance(c.__dict__.get("op"), Op)]  # (not Relayed's property)
 
 
 #: Every operation, by wire code: what the host dispatches on.

@@ -86,6 +86,7 @@ class Op(enum.IntEnum):
     GET_RANGE = 30  # part of a raw-bytes value, and its size (zarr's byte ranges, getsize)
     SHARD_PAGES = 31  # a moving manager's whole shard, to its new host (host.moves)
     REPLICATE = 32  # a primary's committed changes, to a replica's host (host.replicas)
+    TREE = 33  # a broadcast along a tree of host processes, each forwarding (host.forward)
 
 
 FLAG_PERSIST = 1
