@@ -36,6 +36,7 @@ from .errors import (
     DDictTimeoutError,
     DDictUnableToCreateError,
 )
+from .placement import Policy
 from .stats import DDictManagerStats
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ __all__ = [
     "DDictTimeoutError",
     "DDictUnableToCreateError",
     "DDictWorkerPlugin",
+    "Policy",
 ]
 
 

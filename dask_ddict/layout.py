@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .options import DDictOptions
+from .placement import Policy, as_policy
 
 _PREFIX = "ddict3:"  # 3: hash probes in the layout, not per manager
 
@@ -49,6 +50,13 @@ class ManagerInfo:
     #: an adoption): a host serves it under the term it was given, and learns from its
     #: lease's renewals that a newer term exists elsewhere (see ``cluster.leases``).
     term: int = 0
+    #: The placement policy it was created under (``None``: any worker): it moves, is
+    #: adopted and is replicated only where a worker satisfies it (``placement``).
+    policy: Policy | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and not isinstance(self.policy, Policy):
+            object.__setattr__(self, "policy", as_policy(self.policy))  # (its to_dict form)
 
     @property
     def address(self) -> tuple[str, str, int]:
@@ -105,7 +113,8 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["managers"] = [asdict(m) for m in self.managers]
+        d["managers"] = [{**asdict(m), "policy": None if m.policy is None else m.policy.to_dict()}
+                         for m in self.managers]
         return d
 
     @classmethod

@@ -29,6 +29,7 @@ from dask_ddict import (
     DDictPersistCheckpointError,
     DDictTimeoutError,
     DDictUnableToCreateError,
+    Policy,
 )
 from dask_ddict.client.creation import (
     DRAGON_NAMES,
@@ -74,13 +75,30 @@ def test_dragons_names_of_our_arguments_mean_ours():
 
 
 def test_dragons_arguments_without_meaning_here_are_refused_saying_what_to_use():
-    for name in DRAGON_PLACEMENT:
-        with pytest.raises(ValueError, match=rf"^{name}=.*placement policies are not supported "
-                                             r"yet.*workers=\[worker addresses\]"):  # fmt: skip
-            request(**{name: object()})
     with pytest.raises(ValueError, match=r"^persister_class=.*one zarr store.*persist_path="):
         request(persister_class=type("PosixCheckpointPersister", (), {}))
     request(policy=None, managers_per_policy=None, orc_policy=None, persister_class=None)
+
+
+def test_dragons_placement_arguments_place_managers_by_policy():
+    """``policy=``/``managers_per_policy=`` are taken (as groups for the orchestrator);
+    ``orc_policy`` is accepted without effect; a wrong type is refused saying what to give."""
+    assert DRAGON_PLACEMENT == ("policy", "managers_per_policy", "orc_policy")
+    gpu = Policy(resources={"GPU": 1})
+    assert request(policy=gpu)["policies"] == [[gpu.to_dict(), None]]
+    req = request(policy=[gpu, Policy(host="node1")], managers_per_policy=2)
+    assert [c for _, c in req["policies"]] == [2, 2]
+    assert "policies" not in request(orc_policy=gpu)  # (without effect)
+    for name in ("policy", "orc_policy"):
+        with pytest.raises(TypeError, match=rf"{name} must be a .*Policy"):
+            request(**{name: object()})
+    with pytest.raises(ValueError, match=r"managers_per_policy=2 needs policy=\[\.\.\.\]"):
+        request(managers_per_policy=2)
+    with pytest.raises(ValueError, match="restart=True .* policy must be None"):
+        request(policy=gpu, restart=True, name="x")
+    with pytest.raises(ValueError, match=r"n_workers \(n_nodes\) must be None"):
+        request(policy=[gpu], n_nodes=2)
+    assert request(policy=gpu, n_nodes=2)["n_workers"] == 2  # (one policy: its first 2 workers)
 
 
 def test_trace_and_streams_per_manager_are_checked_and_accepted():

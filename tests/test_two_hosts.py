@@ -18,7 +18,7 @@ import pytest
 import twohost
 from distributed import Client, Security
 
-from dask_ddict import DDict, DDictError
+from dask_ddict import DDict, DDictError, Policy
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.transport.protocol import HELLO_MAGIC
 
@@ -540,3 +540,29 @@ def test_with_a_replica_on_the_other_host_losing_host2_loses_nothing(hosts):
         d.destroy()
         h.start_host2()
         c.wait_for_workers(2, timeout=90)
+
+
+def test_managers_pinned_by_host_name_are_placed_and_kept_on_their_machine(hosts):
+    """``Policy(host=...)`` matches a machine's host name: each dictionary's managers go to
+    the worker of its machine only, rebalance() leaves them there (the other worker hosts
+    none), and a move by hand to the other machine is refused naming the policy."""
+    import socket
+
+    h, c = hosts
+    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    on2 = DDict(policy=Policy(host=twohost.HOSTNAME2), managers_per_worker=2, client=c,
+                total_mem="64 MiB", timeout=60)  # fmt: skip
+    on1 = DDict(policy=Policy(host=socket.gethostname()), managers_per_worker=2, client=c,
+                total_mem="64 MiB", timeout=60)  # fmt: skip
+    try:
+        assert on2.manager_workers == [w2, w2] and on1.manager_workers == [w1, w1]
+        on2.update({i: i for i in range(100)})
+        assert on2.rebalance() == [] and on1.rebalance() == []
+        with pytest.raises(DDictError, match=r"does not satisfy manager 0's placement policy "
+                                             r"Policy\(host='ddict-host2'\)"):  # fmt: skip
+            raise_from_wire(c.sync(c.scheduler.ddict_move, name=on2.get_name(), manager_id=0,
+                                   worker=w1))  # fmt: skip
+        assert on2.manager_workers == [w2, w2] and all(on2[i] == i for i in range(100))
+    finally:
+        on2.destroy()
+        on1.destroy()

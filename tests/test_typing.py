@@ -29,13 +29,13 @@ def test_the_async_face_has_its_twins_signatures(tmp_path):
         "from dask_ddict import AsyncDDict\n"
         "async def f(ad: AsyncDDict) -> None:\n"
         "    n: str = await ad.length()\n"  # length() gives an int
-        "    await ad.fetch_add('k', 'one')\n"  # fetch_add takes an int (None: 1)
+        "    await ad.fetch_add('k', 'one')\n"  # fetch_add takes an int
         "    await ad.fetch_add('k', val='one')\n"  # ...also under Dragon's name
     )
     out = _mypy("--config-file", str(ROOT / "pyproject.toml"), str(wrong))
     assert out.returncode == 1, out.stdout
     assert 'expression has type "int", variable has type "str"' in out.stdout
-    assert 'wrong.py:4: error: Argument 2 has incompatible type "str"; expected "int | None"' \
+    assert 'wrong.py:4: error: Argument 2 has incompatible type "str"; expected "int"' \
         in out.stdout  # fmt: skip
     assert 'wrong.py:5: error: Argument "val" has incompatible type "str"; expected "int | None"' \
         in out.stdout  # fmt: skip

@@ -11,7 +11,7 @@ import dask.bag
 import numpy as np
 from distributed import Client, Future
 
-from dask_ddict import AsyncDDict, DDict, DDictManagerStats
+from dask_ddict import AsyncDDict, DDict, DDictManagerStats, Policy
 
 
 def sync_use(client: Client) -> int:
@@ -37,6 +37,10 @@ def dragon_use(client: Client) -> float:
     """A Dragon program's calls, with Dragon's names (issue 54)."""
     d = DDict(managers_per_node=2, n_nodes=1, total_mem=64 << 20, client=client, trace=False,
               streams_per_manager=5, policy=None, persister_class=None)  # fmt: skip
+    gpu = Policy(resources={"GPU": 1})
+    DDict(policy=[gpu, Policy(host="node1")], managers_per_policy=2, orc_policy=gpu,
+          client=client).destroy()  # fmt: skip
+    DDict(policy={gpu: 2}, client=client).destroy()
     before: int = d.fetch_add("n", val=2)
     d.sync(timeout=10)
     nodes: list[str] = d.manager_nodes

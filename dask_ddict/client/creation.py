@@ -31,6 +31,7 @@ from ..arguments import (
 from ..errors import DDictError, DDictUnableToCreateError
 from ..layout import Layout
 from ..options import DDictOptions, parse_total_mem
+from ..placement import Policy, policy_groups
 from .layouts import layout_reply
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DDictOptions))
@@ -43,7 +44,8 @@ R = TypeVar("R")
 #: it).  Either name may be given, not both (``docs/dragon.md``, "Moving from Dragon").
 DRAGON_NAMES: dict[str, str] = {"managers_per_node": "managers_per_worker",
                                 "n_nodes": "n_workers"}  # fmt: skip
-#: Dragon's placement arguments: only ``None`` here (no placement policies yet).
+#: Dragon's placement arguments: ``policy`` and ``managers_per_policy`` place managers
+#: (:mod:`dask_ddict.placement`); ``orc_policy`` is accepted without effect.
 DRAGON_PLACEMENT = ("policy", "managers_per_policy", "orc_policy")
 
 
@@ -96,20 +98,15 @@ def dragon_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
     TypeError
         Both names of one argument given, or a wrong type.
     ValueError
-        A placement policy or a persister class: not supported, saying what to use.
+        A persister class: not supported, saying what to use.
     """
     out = dict(args)
     for dragon, ours in DRAGON_NAMES.items():
         out[ours] = either("DDict", ours, out[ours], dragon, out.pop(dragon))
-    for name in DRAGON_PLACEMENT:
-        if out[name] is not None:
-            raise ValueError(
-                f"{name}={out[name]!r:.80}: Dragon's placement policies are not supported "
-                f"yet; {', '.join(DRAGON_PLACEMENT)} must be None.  Choose the workers that "
-                "host managers with workers=[worker addresses] (or n_workers=), and how "
-                "many each hosts with managers_per_worker= (the orchestrator is the "
-                "scheduler plugin: it needs no placement)"
-            )  # fmt: skip
+    if out["orc_policy"] is not None and not isinstance(out["orc_policy"], Policy):
+        raise TypeError(f"orc_policy must be a dask_ddict.Policy or None, got "
+                        f"{out['orc_policy']!r:.80}")  # fmt: skip
+    # (orc_policy: without effect, the orchestrator is the scheduler plugin)
     if out["persister_class"] is not None:
         raise ValueError(
             f"persister_class={out['persister_class']!r:.80}: checkpoints persist to one "
@@ -176,6 +173,13 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
         args[k] for k in ("managers_per_worker", "n_workers", "total_mem", "name", "timeout",
                           "restart", "workers")
     )  # fmt: skip
+    groups = policy_groups(args["policy"], args["managers_per_policy"], managers_per_worker)
+    if groups and restart:
+        raise ValueError("restart=True re-creates the managers where their shards were kept, "
+                         "with the policies they had: policy must be None (as in Dragon)")
+    if groups and (len(groups) > 1 or groups[0][1] is not None) and n_workers is not None:
+        raise ValueError("with a list (or mapping) of policies, the policies place the "
+                         "managers: n_workers (n_nodes) must be None, as in Dragon")
     mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
     check_int("managers_per_worker", mpw, 1, MAX_MANAGERS)
     check_int("n_workers", n_workers, 1, MAX_MANAGERS, allow_none=True)
@@ -200,6 +204,7 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
         name=name, options=options.resolved().to_dict(), total_mem=mem, managers_per_worker=mpw,
         n_workers=n_workers, workers=None if workers is None else list(workers),
         restart=restart, lifetime=lifetime, storage_options=storage_options,
+        **({"policies": [[p.to_dict(), c] for p, c in groups]} if groups else {}),
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ import inspect
 import itertools
 import logging
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dask.typing import no_default
@@ -30,7 +30,7 @@ from distributed import Client
 from .. import config, kernels
 from .._keys import loads_key
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
-from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout, either
+from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -39,6 +39,7 @@ from ..errors import (
     DDictTimeoutError,
 )
 from ..layout import Layout
+from ..placement import Policy
 from ..transport.ops import (
     Clear,
     Contains,
@@ -131,9 +132,17 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         meaning: a Dask worker stands for a Dragon node (its host process serves the
         managers placed on it), so ``DDict(managers_per_node=2, n_nodes=1, ...)``
         runs as in Dragon.  Either name of one argument, not both (``TypeError``).
-    policy, managers_per_policy, orc_policy
-        Dragon's placement policies: only ``None`` (not supported yet: choose the
-        workers with ``workers=[...]``; the orchestrator is the scheduler plugin).
+    policy, managers_per_policy
+        Placement policies (:class:`~dask_ddict.Policy`: a worker, a host, Dask worker
+        resources such as ``{"GPU": 1}``), Dragon's way: one ``Policy`` places every
+        manager on the workers that satisfy it (``managers_per_worker`` each); a list
+        places ``managers_per_policy`` (default 1) per policy, and a mapping
+        ``{Policy: count}`` its count per policy.  A manager keeps its policy: it moves,
+        is adopted and replicated only onto workers that satisfy it, else it is parked,
+        saying which policy no worker satisfies.
+    orc_policy
+        Accepted (a ``Policy`` or ``None``), without effect: the orchestrator is the
+        scheduler plugin, it runs in the scheduler.
     persister_class
         Only ``None``: checkpoints persist to one zarr store, ``persist_path=``.
     trace
@@ -188,9 +197,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         replicas: int = 0,
         managers_per_node: int | None = None,
         n_nodes: int | None = None,
-        policy: None = None,
-        managers_per_policy: None = None,
-        orc_policy: None = None,
+        policy: Policy | list[Policy] | Mapping[Policy, int] | None = None,
+        managers_per_policy: int | None = None,
+        orc_policy: Policy | None = None,
         persister_class: None = None,
         trace: bool = False,
         streams_per_manager: int | None = None,
@@ -534,7 +543,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
                         self._timeout)  # fmt: skip
         return loads_value(self._core.write(mid, op), self._vp)
 
-    def fetch_add(self, key: Any, n: int | None = None, *, val: int | None = None) -> int:
+    def fetch_add(self, key: Any, n: int = _MISSING, *, val: int | None = None) -> int:
         """Atomically add ``n`` to the int at ``key`` and return its previous value.
 
         The previous value, not the new one, as C's ``atomic_fetch_add``: of
@@ -548,7 +557,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         key
             The counter's key; its value must be an int.
         n
-            What to add (a signed 64-bit int; negative subtracts); ``None``: 1.
+            What to add (a signed 64-bit int; negative subtracts); 1 if not given.
         val
             Dragon's name of ``n`` (``d.fetch_add(key, val=1)``); give one of them,
             not both (``TypeError``).
@@ -558,8 +567,13 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         int
             The value before the addition (0 for an absent key).
         """
-        n = either("fetch_add", "n", n, "val", val)
-        n = 1 if n is None else check_int("n" if val is None else "val", n)
+        if val is not None:  # (Dragon's name; ``n`` given too, even as 1, is ambiguous)
+            if n is not _MISSING:
+                raise TypeError("fetch_add() got both n= and val= (val is Dragon's name of n): "
+                                "give one of them")  # fmt: skip
+            n = check_int("val", val)
+        else:
+            n = 1 if n is _MISSING else check_int("n", n)
         mid, digest, kb = self._route(key)
         frame = self._core.write(
             mid, FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)

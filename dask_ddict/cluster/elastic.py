@@ -36,6 +36,7 @@ from distributed.core import Status
 from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
 from ..layout import Layout
+from ..placement import Policy
 from .leftovers import remove_paths_on
 from .failover import Failover
 from .leases import Leases
@@ -137,7 +138,9 @@ class Elastic:
                     continue
                 tried = []
                 keeping = {r.supervisor for r in self.replicas.of(name).get(mid, ())}
-                for c in sorted(targets(await self._candidates(name, supervisor), m.host_id),
+                fit = [c for c in await self._candidates(name, supervisor)
+                       if c.satisfies(m.policy)]  # (a pinned manager: only where it may be)
+                for c in sorted(targets(fit, m.host_id),
                                 key=lambda c: c.supervisor in keeping):  # (not with its replica)
                     if c.supervisor in self._leaving:  # (began to close since the list)
                         continue
@@ -151,7 +154,7 @@ class Elastic:
                 else:
                     if park:
                         parked += 1
-                        await self._park(name, m.manager_id, m.worker, why, tried)
+                        await self._park(name, m.manager_id, m.worker, why, tried, m.policy)
         replicas = await self.replicas.evacuate(supervisor)
         return {"moved": moved, "parked": parked, "replicas": replicas}
 
@@ -174,6 +177,9 @@ class Elastic:
         candidates = {c.worker: c for c in await self._candidates(name, "")}
         used = await self._used(self.plugin.dicts[name])
         for mid, worker in rebalance_plan(self.plugin.dicts[name], sorted(candidates), used):
+            policy = self.plugin.dicts[name].managers[mid].policy
+            if not candidates[worker].satisfies(policy):
+                continue  # (pinned: it stays where its policy holds)
             try:
                 move = await self.moves.move(name, mid, candidates[worker], "rebalance()")
             except DDictError as e:  # (e.g. a local persist path the worker cannot see)
@@ -190,6 +196,12 @@ class Elastic:
         if worker not in candidates:
             raise DDictError(f"worker {worker} cannot take managers (not connected, not "
                              "running, or without a ddict host)", "INVALID_ARGUMENT")  # fmt: skip
+        layout = self.plugin.dicts.get(name)
+        policy = None if layout is None or not 0 <= int(manager_id) < layout.num_managers \
+            else layout.managers[int(manager_id)].policy  # fmt: skip
+        if not candidates[worker].satisfies(policy):
+            raise DDictError(f"worker {worker} does not satisfy manager {manager_id}'s "
+                             f"placement policy {policy!r}", "INVALID_ARGUMENT")  # fmt: skip
         move = await self.moves.move(name, int(manager_id), candidates[worker], "moved on request")
         return None if move is None else asdict(move)
 
@@ -202,7 +214,8 @@ class Elastic:
             layout = self.plugin.dicts.get(n)
             parked = [] if layout is None else [m for m in layout.managers if m.parked]
             for m in parked:
-                here = [c for c in await self._candidates(n, "") if c.host_id == m.host_id]
+                here = [c for c in await self._candidates(n, "") if c.host_id == m.host_id
+                        and c.satisfies(m.policy)]
                 for c in targets(here, m.host_id):
                     try:
                         move = await self.moves.adopt(n, m.manager_id, c, "parked manager "
@@ -270,8 +283,11 @@ class Elastic:
 
     # -- helpers --------------------------------------------------------------------
 
-    async def _park(self, name: str, mid: int, worker: str, why: str, tried: list[str]) -> None:
-        where = "; ".join(tried) or "no other worker runs a ddict host"
+    async def _park(self, name: str, mid: int, worker: str, why: str, tried: list[str],
+                    policy: Policy | None = None) -> None:  # fmt: skip
+        where = "; ".join(tried) or ("no other worker runs a ddict host" if policy is None
+                                     else f"no other worker satisfies its placement policy "
+                                     f"{policy!r}")  # fmt: skip
         why = f"{why}, and no worker could take it ({where})"
         try:
             await self.moves.park(name, mid, why)
@@ -312,7 +328,9 @@ class Elastic:
                 continue
             host = await self._host_id(sup)
             if host:
-                out.append(Candidate(w, sup, host, per_dict.get(sup, 0), total.get(sup, 0)))
+                out.append(Candidate(w, sup, host, per_dict.get(sup, 0), total.get(sup, 0),
+                                     name=ws.name, host=ws.host,
+                                     resources=tuple((ws.resources or {}).items())))
         return out
 
     async def _host_id(self, supervisor: str) -> str:

@@ -315,9 +315,10 @@ class Failover:
         in a new epoch; the other replicas (which may lag it) are made again."""
         replicas, mid = self.replicas, old.manager_id
         self.failing.pop((name, mid), None)
-        fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term"}
+        fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term", "policy"}
         info = ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                           supervisor=r.supervisor, term=old.term + 1)  # fmt: skip
+                           supervisor=r.supervisor, term=old.term + 1,
+                           policy=old.policy)  # fmt: skip
         others = [o for o in replicas.of(name).pop(mid, []) if o.supervisor != r.supervisor]
         replicas.moves._place(name, info)
         layout = replicas.layouts.get(name)

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from ..arguments import local_store
 from ..errors import DDictError, raise_from_wire
 from ..layout import Layout, ManagerInfo
+from ..placement import Policy
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,16 @@ class Candidate:
     host_id: str
     managers: int  # of the dictionary being placed
     total: int  # of every dictionary
+    #: what a placement policy looks at (``placement.Policy.matches``)
+    name: Any = None
+    host: str = ""  # the worker's IP address
+    resources: tuple[tuple[str, float], ...] = ()
+
+    def satisfies(self, policy: Policy | None) -> bool:
+        """Whether this worker may take a manager placed under ``policy``."""
+        return policy is None or policy.matches(self.worker, self.name, self.host,
+                                                self.host_id.split(":")[0],
+                                                dict(self.resources))  # fmt: skip
 
 
 def targets(candidates: Iterable[Candidate], source_host: str) -> list[Candidate]:
@@ -371,9 +382,10 @@ class Moves:
                 uid=layout.uid))  # fmt: skip
             raise DDictError(f"DDict {layout.name!r} was destroyed while manager {mid} "
                              "moved", "INVALID_OPERATION")  # fmt: skip
-        fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term"}
+        fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term", "policy"}
         return ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                           supervisor=target.supervisor, term=term)  # fmt: skip
+                           supervisor=target.supervisor, term=term,
+                           policy=layout.managers[mid].policy)  # fmt: skip
 
     async def _served(self, name: str, info: ManagerInfo) -> None:
         """``info``'s manager serves at its new place: :attr:`on_served`, then the layout."""

@@ -199,12 +199,14 @@ class Replicas:
             while len(have) < layout.options.replicas:
                 choice = replica_targets([c for c in await self.candidates(name, leaving)
                                           if c.supervisor not in self.gone
-                                          and not self._suspected(c.supervisor)],
+                                          and not self._suspected(c.supervisor)
+                                          and c.satisfies(m.policy)],
                                          m, have, self._load())  # fmt: skip
                 if not choice:
+                    fit = "" if m.policy is None else f" that satisfies {m.policy!r}"
                     logger.warning("ddict %s: manager %d has %d of its %d replicas: no other "
-                                   "worker can keep one", name, mid, len(have),
-                                   layout.options.replicas)  # fmt: skip
+                                   "worker%s can keep one", name, mid, len(have),
+                                   layout.options.replicas, fit)  # fmt: skip
                     short = True
                     break
                 try:

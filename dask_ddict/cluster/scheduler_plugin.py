@@ -39,6 +39,7 @@ from ..host.hygiene import KNOWS
 from ..host.supervisor import off_loop
 from ..layout import Layout, ManagerInfo
 from ..options import DDictOptions
+from ..placement import Policy, WorkerView, as_policy, assign
 from . import metrics
 from .dashboard import DashboardData, install
 from .elastic import Elastic
@@ -206,8 +207,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         restart: bool = False,
         lifetime: str = "client",
         storage_options: dict[str, Any] | None = None,
+        policies: list[Any] | None = None,
     ) -> dict[str, Any]:
         """Create a dictionary's managers (or re-attach kept shards); return its layout.
+
+        ``policies``: ``[policy as a dict, managers or None]`` groups
+        (``placement.policy_groups``): each manager is placed on, and keeps, its policy.
 
         ``storage_options`` (credentials for the persist store) only pass
         through, to the host processes: they are kept nowhere here.
@@ -221,15 +226,29 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 "INVALID_ARGUMENT",
             )
         opts = DDictOptions.from_dict(options)
-        chosen = self._choose_workers(n_workers, workers)
+        pinned: dict[int, Policy] = {}
+        if policies:
+            chosen, pinned = await self._place_by_policy(policies, n_workers, workers,
+                                                          managers_per_worker)  # fmt: skip
+        else:
+            chosen = self._choose_workers(n_workers, workers)
         if opts.replicas >= len(self.scheduler.workers):
             raise ValueError(f"replicas={opts.replicas} needs at least {opts.replicas + 1} "
                              f"workers (each replica in another worker's host process); the "
                              f"cluster has {len(self.scheduler.workers)}")  # fmt: skip
-        num = len(chosen) * managers_per_worker
+        num = len(pinned) if pinned else len(chosen) * managers_per_worker
+        prior = self.kept.get(name) if restart else None
+        if prior is not None and any(m.policy is not None for m in prior.managers):
+            num = prior.num_managers  # (its policies placed them: the count is theirs)
         kept = self._kept_for_restart(name, opts, num) if restart else None
         if kept is not None:
             plan, restart_paths = self._restart_plan(kept)
+            pinned = {m.manager_id: m.policy for m in kept.managers if m.policy is not None}
+        elif pinned:
+            plan = {}
+            for mid, w in enumerate(chosen):
+                plan.setdefault(w, []).append(mid)
+            restart_paths = {}
         else:
             plan = {
                 w: list(range(i * managers_per_worker, (i + 1) * managers_per_worker))
@@ -271,7 +290,8 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             raise errors[0]
         fields = set(ManagerInfo.__dataclass_fields__)
         infos = sorted(
-            (ManagerInfo(**{k: v for k, v in i.items() if k in fields})
+            (replace(ManagerInfo(**{k: v for k, v in i.items() if k in fields}),
+                     policy=pinned.get(i["manager_id"]))
              for r in results for i in r),  # type: ignore[union-attr]
             key=lambda m: m.manager_id,
         )  # fmt: skip
@@ -568,6 +588,43 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             chosen = chosen[:n_workers]
         return chosen
 
+    async def _place_by_policy(
+        self, policies: list[Any], n_workers: int | None, workers: list[str] | None,
+        managers_per_worker: int,
+    ) -> tuple[list[str], dict[int, Policy]]:
+        """Each manager's worker (manager id order) and policy, by ``policies`` among
+        ``workers`` (default: all; a single policy: the first ``n_workers`` that satisfy
+        it); a policy that no worker satisfies is refused, naming it."""
+        groups = [(as_policy(p), None if c is None else int(c)) for p, c in policies]
+        pool = self._choose_workers(None, workers)
+        by_host = any(p is not None and p.host is not None for p, _ in groups)
+        host_ids = [""] * len(pool)
+        if by_host:  # (a machine's name: asked of its host once, then known)
+            host_ids = await asyncio.gather(*(self.elastic._host_id(self.supervisor_of(w))
+                                              for w in pool))  # fmt: skip
+        views = [replace(self._view(w), hostname=h.split(":")[0]) if h else self._view(w)
+                 for w, h in zip(pool, host_ids)]  # fmt: skip
+        if n_workers is not None and len(groups) == 1 and groups[0][1] is None:
+            fit = [v for v in views if v.satisfies(groups[0][0])]
+            if 0 < len(fit) < n_workers:
+                raise ValueError(f"n_workers={n_workers} but only {len(fit)} workers satisfy "
+                                 f"{groups[0][0]!r}")  # fmt: skip
+            views = fit[:n_workers]
+        try:
+            placed = assign(groups, views, managers_per_worker)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise DDictError(f"{e}: a manager's placement policy must be satisfied by a "
+                             "connected worker (resources: `dask worker --resources "
+                             "'GPU=1'`)", "INVALID_ARGUMENT") from None  # fmt: skip
+        return [w for w, _ in placed], {mid: p for mid, (_, p) in enumerate(placed)}
+
+    def _view(self, worker: str) -> WorkerView:
+        """What a placement policy looks at in ``worker`` (its machine's name if known)."""
+        ws = self.scheduler.workers[worker]
+        host_id = self.elastic._host_ids.get(self.supervisor_of(worker), "")
+        return WorkerView(worker, ws.name, ws.host, host_id.split(":")[0],
+                          dict(ws.resources or {}))  # fmt: skip
+
     def _kept_for_restart(self, name: str, opts: DDictOptions, num: int) -> Layout:
         kept = self.kept.get(name)
         if kept is None:
@@ -608,8 +665,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 target = m.worker
             elif same_host:
                 target = min(same_host, key=lambda w: len(plan.get(w, ())))
-            else:
-                target = min(workers, key=lambda w: len(plan.get(w, ())))
+            else:  # (a pinned manager: a worker that satisfies its policy, if one does)
+                fit = [w for w in workers if self._view(w).satisfies(m.policy)] or workers
+                target = min(fit, key=lambda w: len(plan.get(w, ())))
             if target in same_host:
                 paths[m.manager_id] = m.store_path
             plan.setdefault(target, []).append(m.manager_id)
