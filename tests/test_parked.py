@@ -20,6 +20,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 
 import dask
@@ -87,12 +88,34 @@ def parking_script(tmp_path, shard_dir: str,  # noqa: ANN001
 
 
 def kill(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the script and whatever of its session is left (by its process group)."""
+    """SIGKILL the script (a crash), then whatever of its session is left (its process
+    group), all but multiprocessing's resource tracker: once the others are gone it
+    unlinks the semaphores they leave in /dev/shm, and exits (killed with them, it
+    left six ``sem.mp-*`` files per script)."""
+    import psutil
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(30)
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getpgid(p.pid) == proc.pid:
+                left.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    trackers = [p for p in left if "resource_tracker" in " ".join(p.info["cmdline"] or ())]
+    for p in left:
+        if p not in trackers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    psutil.wait_procs(left, timeout=20)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # (a tracker that did not end: bounded)
+    except ProcessLookupError:
+        pass
 
 
 def marker(path: str) -> dict:
