@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from typing import Any
 
@@ -186,3 +187,31 @@ def test_fsspec_url_store():
     got = read_dict(st, 2)
     np.testing.assert_array_equal(got[b"big"], big)
     assert got[b"s"] == "x"
+
+
+def test_a_store_of_an_older_version_restores_onto_another_number_of_managers(tmp_path):
+    """Records without generation, version and shape (an older dask_ddict's) count as one
+    version written by as many managers as manager 0's group says, also for a manager
+    that the store has no group of yet."""
+    from dask_ddict._keys import encode_key
+
+    parts: dict[int, dict[bytes, Any]] = {0: {}, 1: {}}
+    for j in range(40):
+        parts[_placed_by_client(f"k{j}", 2)][encode_key(f"k{j}")] = j
+    for i in range(2):
+        CheckpointStore(str(tmp_path), "d", i, 2).write(0, entries_of(parts[i]))
+    committed = tmp_path / "d" / "committed"
+    for record in list(committed.iterdir()):  # as an older dask_ddict named them
+        record.rename(committed / record.name.split(".g")[0])
+    for meta in tmp_path.glob("d/manager_*/chkpt_0.g0/zarr.json"):  # ... and wrote them
+        doc = json.loads(meta.read_text())
+        del doc["attributes"]["version"]
+        meta.write_text(json.dumps(doc))
+    assert read_dict(CheckpointStore(str(tmp_path), "d", 1, 2), 0) == {
+        k: v for k, v in parts[1].items()}  # (onto as many managers: as before)  # fmt: skip
+    got = {}
+    for j in range(3):
+        store = CheckpointStore(str(tmp_path), "d", j, 3, writable=False)
+        assert store.versions()[0].managers == 2
+        got.update(read_dict(store, 0))
+    assert got == {encode_key(f"k{j}"): j for j in range(40)}

@@ -268,6 +268,15 @@ class Record:
     name: str
 
 
+def _part_of(g: Generation, version: Version | None, gen: int | None) -> bool:
+    """Whether ``g`` is a manager's part ``gen`` of ``version``: that generation, or, for
+    an older dask_ddict's records (which name no generation), its newest committed
+    generation without a version (the caller takes the last)."""
+    if version is not None and version.version == LEGACY and gen == -1:
+        return g.version == LEGACY
+    return g.gen == gen
+
+
 def _owned(key_bytes: bytes, part: int, n: int, m: int, me: int) -> bool:
     """Whether manager ``me`` of ``m`` owns a key of old manager ``part`` of ``n``."""
     from .reshard import owner
@@ -373,9 +382,10 @@ class CheckpointStore:
                 f"{where} has format {fmt!r}; this dask_ddict reads {FORMAT!r} (its key "
                 "bytes differ): restore it with the version that wrote it"
             )
-        #: how many managers wrote this group's first checkpoints (their records, when an
-        #: older dask_ddict wrote them, do not say: see ``_all_records``)
-        self.first_managers = int(found) if found is not None else num_managers
+        #: how many managers wrote the dictionary's first checkpoints (their records, when
+        #: an older dask_ddict wrote them, do not say: see ``_all_records``), as manager 0's
+        #: group says (every dictionary has one; this manager's may be new)
+        self.first_managers = int(found) if found is not None else self._first(num_managers)
         self.storage_options = storage_options
         if found is None and writable:
             self.group.attrs.update({"format": FORMAT, "num_managers": num_managers,
@@ -385,6 +395,13 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"<CheckpointStore {self.path!r} {self.name!r} manager={self.manager_id}>"
+
+    def _first(self, default: int) -> int:
+        """Manager 0's group's ``num_managers`` (``default`` where there is none)."""
+        try:
+            return int(self.dict_group["manager_0"].attrs.get("num_managers", default))
+        except Exception:  # noqa: BLE001 - no manager 0 yet: this is the first writer
+            return default
 
     def _where(self, chkpt: int) -> str:
         return f"checkpoint {chkpt} of manager {self.manager_id} of {self.name!r} in {self.path}"
@@ -413,7 +430,7 @@ class CheckpointStore:
         found = [g for g in self.generations() if g.chkpt == chkpt]
         version = self.versions().get(chkpt)
         mine = None if version is None else version.gens.get(self.manager_id)
-        ok = [g for g in found if g.committed and g.gen == mine]
+        ok = [g for g in found if g.committed and _part_of(g, version, mine)]
         if ok:
             return ok[-1]
         broken = [f"{g.name}: {g.problem}" for g in found if g.problem]
@@ -701,7 +718,7 @@ class CheckpointStore:
             part = CheckpointStore(self.path, self.name, i, n, writable=False,
                                    storage_options=self.storage_options)  # fmt: skip
             gen = [g for g in part.generations() if g.chkpt == chkpt and g.committed
-                   and g.gen == version.gens[i]]  # fmt: skip
+                   and _part_of(g, version, version.gens[i])][-1:]  # fmt: skip
             if not gen:
                 raise DDictPersistCheckpointError(
                     f"{part._where(chkpt)}: its recorded generation {version.gens[i]} is gone")
