@@ -368,6 +368,19 @@ def test_a_stale_handle_follows_with_a_large_put_and_a_manager_moves_straight_ba
         d.destroy()
 
 
+def _read_back_once_taken(d: DDict, n: int) -> None:
+    """Keys ``0 .. n-1`` (each its own value) read back, once workers have taken the
+    parked managers (within 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert [d[i] for i in range(n)] == list(range(n))
+            return
+        except DDictManagerUnavailableError:
+            assert time.monotonic() < deadline, "parked managers not taken"
+            time.sleep(0.2)
+
+
 def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker():
     """The last worker leaves: its managers are parked (their shards kept in this
     machine's shared memory), said in the errors, moves and CLI; a worker that joins
@@ -408,14 +421,7 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
             stale = DDict.attach(d.serialize())  # a handle that knows them parked
             cl.scale(1)
             c.wait_for_workers(1, timeout=60)
-            deadline = time.monotonic() + 60
-            while True:  # (the handles ask again, at most twice a second)
-                try:
-                    assert [d[i] for i in range(300)] == list(range(300))
-                    break
-                except DDictManagerUnavailableError:
-                    assert time.monotonic() < deadline, "parked managers not taken"
-                    time.sleep(0.2)
+            _read_back_once_taken(d, 300)  # (the handles ask again, at most twice a second)
             time.sleep(0.6)
             assert all(stale[i] == i for i in range(300))
             stale.detach()
@@ -453,14 +459,7 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
                 (m.manager_id, m.lost_why) for m in layout.managers]  # fmt: skip
             cl.scale(2)
             c.wait_for_workers(2, timeout=60)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    assert [d[i] for i in range(400)] == list(range(400))
-                    break
-                except DDictManagerUnavailableError:
-                    assert time.monotonic() < deadline, "parked managers not taken"
-                    time.sleep(0.2)
+            _read_back_once_taken(d, 400)
             assert len(d) == 400
         finally:
             d.destroy()

@@ -424,11 +424,10 @@ class CheckpointStore:
                 out.append(Generation(chkpt, gen, False, f"{type(e).__name__}: {e}"))
         return sorted(out, key=lambda g: (g.chkpt, g.gen))
 
-    def _newest(self, chkpt: int) -> Generation:
-        """This manager's generation of the newest version of ``chkpt`` that every manager
-        has recorded (:meth:`versions`)."""
+    def _newest(self, chkpt: int, version: Version | None) -> Generation:
+        """This manager's generation of ``version``, the newest version of ``chkpt`` that
+        every manager has recorded (:meth:`versions`; ``None``: there is none)."""
         found = [g for g in self.generations() if g.chkpt == chkpt]
-        version = self.versions().get(chkpt)
         mine = None if version is None else version.gens.get(self.manager_id)
         ok = [g for g in found if g.committed and _part_of(g, version, mine)]
         if ok:
@@ -707,7 +706,7 @@ class CheckpointStore:
         """
         version = self.versions().get(chkpt)
         if version is None or version.managers == self.num_managers:
-            return self.read_generation(self._newest(chkpt))
+            return self.read_generation(self._newest(chkpt, version))
         return self._resharded(chkpt, version)
 
     def _resharded(self, chkpt: int, version: Version) -> Iterator[tuple[bytes, memoryview, int]]:
