@@ -26,7 +26,8 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import DDictLeaseError
@@ -144,6 +145,7 @@ class LeaseKeeper:
         self.required = bool(scheduler)
         self.until = 0.0  # (of lease_clock) the lease's end
         self.duration = 0.0  # seconds the last grant lasted
+        self.granted = False  # whether the last answer granted a lease (else revoked)
         self.started = 0  # renewals sent
         self.rounds = 0  # renewals answered (the ``started``-th at most)
         self._changed = threading.Condition()
@@ -203,6 +205,24 @@ class LeaseKeeper:
             self.renew_soon()
             return self._changed.wait_for(lambda: self.rounds >= due or self._closed,
                                           timeout) and self.rounds >= due  # fmt: skip
+
+    def wait(self, timeout: float, ready: Callable[[], bool]) -> bool:
+        """Renew at once, and again, until ``ready()`` (the lease holds, a manager was
+        confirmed), at most ``timeout`` seconds; whether it is.  It stops early when the
+        orchestrator answers without a lease: the primaries here are failing over.
+
+        For a request that cannot be refused (a batch's records: see
+        ``HostServer._hold_up``), whose client would learn of the refusal only as a
+        short count at the batch's end: a scheduler busy for longer than half a lease
+        lapses it, and the next renewal brings it back."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed or not self.required:
+                return ready()
+            if self.answer(left) and not self.granted:
+                return ready()
+        return True
 
     def close(self) -> None:
         self._closed = True
@@ -278,6 +298,7 @@ class LeaseKeeper:
             apply(self.host, {"confirmed": [[u, m] for u, m, _ in report(self.host)["serving"]]})
             self._answered()
             return None
+        self.granted = bool(lease)
         if not lease:  # revoked: its primaries are failing over, whatever it can reach
             self.until = 0.0
             self.word.set(0.0)

@@ -112,20 +112,23 @@ class Limits:
     never be stored), or ``min_value_limit`` for small shards (a replication request
     carries a dictionary's serialized layout); a key at most ``max_key_bytes``.  A
     request over a limit is answered with an error and its connection dropped (its
-    body is never read).
+    body is never read).  A request without a reply (a batch's records) that a lapsed
+    lease holds up waits at most ``hold_up`` for it (see ``HostServer._hold_up``).
     """
 
     handshake_timeout: float = 10.0  # ddict.transport.handshake-timeout
     max_connections: int = 4096  # ddict.host.max-connections
     max_key_bytes: int = 1 << 20  # ddict.transport.max-key-bytes
     min_value_limit: int = 64 << 20  # ddict.transport.min-value-limit
+    hold_up: float = 30.0  # ddict.failover-timeout
 
     @classmethod
     def from_config(cls) -> Limits:
         return cls(config.get_seconds("transport.handshake-timeout") or 10.0,
                    int(config.get("host.max-connections")),
                    config.get_bytes("transport.max-key-bytes"),
-                   config.get_bytes("transport.min-value-limit"))  # fmt: skip
+                   config.get_bytes("transport.min-value-limit"),
+                   config.get_seconds("failover-timeout") or 0.0)  # fmt: skip
 
     def most_value(self, capacity: int) -> int:
         """The largest request body for a shard of ``capacity`` bytes."""
@@ -431,6 +434,8 @@ class HostServer:
             if hosted.leased and op not in _UNLEASED and (
                     manager is not None or op == _FANOUT or op == _TREE
                     or op in HOST_WIDE):  # fmt: skip
+                if flags & FLAG_NOREPLY and not hosted.lease.valid():
+                    self._hold_up(hosted)
                 hosted.lease.check(hosted.name)  # (a replicated primary here: see .lease)
             if op == _FANOUT:  # one operation on several of this dictionary's managers
                 self._fan_out(hosted, served, req, reply)
@@ -441,7 +446,7 @@ class HostServer:
                 serve_replica(hosted, req, reply)
             elif op in HOST_WIDE:  # (e.g. get_many: several managers, one request)
                 HOST_WIDE[op](Counting(hosted.managers, served, op), req, reply,
-                              functools.partial(self._not_hosted, hosted))  # fmt: skip
+                              functools.partial(self._missing, hosted, flags))  # fmt: skip
             else:
                 handler = self.handlers.get(op)
                 if manager is None or handler is None:
@@ -480,6 +485,29 @@ class HostServer:
         if handler is None or req.op == Op.FANOUT or req.op == Op.TREE:
             raise DDictError(f"unknown operation {req.op}", "INVALID_ARGUMENT")
         handler(manager, req, reply)
+
+    def _hold_up(self, hosted: HostedDict, mid: int | None = None) -> None:
+        """Wait, up to ``ddict.failover-timeout``, for this host's lease (and manager
+        ``mid``'s confirmation, a manager that opened here and waits for it) before serving
+        a request without a reply: a batch's records.  Refused, they would be lost from
+        the middle of the batch (its connection dropped, its next records stored), and its
+        client would learn of it only from a short count at the batch's end, with nothing
+        to send again; a client waits as long for any other request's lease.  A lease the
+        orchestrator revokes (its primaries fail over) or that does not come back ends the
+        wait, and the request is refused as before."""
+        lease = hosted.lease
+        if lease is None:
+            return
+        _blocking.will_block()
+        lease.wait(self.limits.hold_up,
+                   lambda: lease.valid() and (mid is None or mid in hosted.managers))  # fmt: skip
+
+    def _missing(self, hosted: HostedDict, flags: int, mid: int) -> DDictError:
+        """What a request on several managers gets for manager ``mid``, not served here:
+        one without a reply waits for it first if it waits for its confirmation."""
+        if flags & FLAG_NOREPLY and hosted.leased and mid in hosted.fenced:
+            self._hold_up(hosted, mid)
+        return self._not_hosted(hosted, mid)
 
     def _not_hosted(self, hosted: HostedDict, mid: int) -> DDictError:
         if hosted.key in self.closed_dicts:

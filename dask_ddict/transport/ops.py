@@ -393,10 +393,12 @@ class BatchPut(HostWide):
         for mid, records in unpack_records(r.value).items():
             m = managers.get(mid)
             if m is None:
-                e = missing(mid)
-                if isinstance(e, DDictManagerMovedError):
-                    continue
-                raise e
+                e = missing(mid)  # (which may wait for it: confirmed here meanwhile)
+                m = managers.get(mid)
+                if m is None:
+                    if isinstance(e, DDictManagerMovedError):
+                        continue
+                    raise e
             try:
                 m.batch_put(records, r.chkpt, r.client,
                             persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
