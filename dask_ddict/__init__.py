@@ -7,8 +7,8 @@ scheduler plugin (:class:`DDictSchedulerPlugin`) only orchestrates.
 
 ``dask scheduler --preload dask_ddict`` installs the orchestrator at start.
 
-:class:`DDictStore` (a DDict as a zarr v3 store) is loaded on first use, so that
-``import dask_ddict`` does not import zarr.
+:class:`DDictStore` (a DDict as a zarr v3 store) and :class:`ZarrPersister` are loaded
+on first use, so that ``import dask_ddict`` does not import zarr.
 """
 
 from __future__ import annotations
@@ -36,14 +36,24 @@ from .errors import (
     DDictTimeoutError,
     DDictUnableToCreateError,
 )
+from .persist import (
+    CheckpointPersister,
+    DAOSCheckpointPersister,
+    DirectoryPersister,
+    NULLCheckpointPersister,
+    PosixCheckpointPersister,
+)
 from .placement import Policy
 from .stats import DDictManagerStats
 
 if TYPE_CHECKING:
+    from .persist import ZarrPersister
     from .stores import DDictStore
 
 __all__ = [
     "AsyncDDict",
+    "CheckpointPersister",
+    "DAOSCheckpointPersister",
     "DDict",
     "DDictCheckpointSyncError",
     "DDictClosedError",
@@ -65,7 +75,11 @@ __all__ = [
     "DDictTimeoutError",
     "DDictUnableToCreateError",
     "DDictWorkerPlugin",
+    "DirectoryPersister",
+    "NULLCheckpointPersister",
     "Policy",
+    "PosixCheckpointPersister",
+    "ZarrPersister",
 ]
 
 
@@ -74,6 +88,10 @@ def __getattr__(name: str) -> Any:
         from .stores import DDictStore
 
         return DDictStore
+    if name == "ZarrPersister":  # (the same)
+        from .persist import ZarrPersister
+
+        return ZarrPersister
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

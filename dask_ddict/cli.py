@@ -206,24 +206,28 @@ def parked(remove: bool, forced: tuple[str, ...], directory: str | None,
 @ddict.command()
 @store_argument
 def inspect(store: str) -> None:
-    """The checkpoints persisted in zarr STORE, with their state and checksums."""
-    import zarr
-
+    """The checkpoints persisted in STORE (zarr, or a directory persister's), with their
+    state and checksums."""
     from .errors import DDictPersistCheckpointError
-    from .persist import CheckpointStore
+    from .persist.choice import detect
 
+    kind = detect(store)
     try:
-        root = zarr.open_group(store, mode="r")
-    except Exception as e:  # noqa: BLE001 - any reason the store cannot be opened
-        raise click.ClickException(f"{store} is not a readable zarr store: {e}") from None
+        names = kind.dictionaries(store)
+    except DDictPersistCheckpointError as e:
+        raise click.ClickException(e.message) from None
     bad = 0
-    for name, group in sorted(root.groups()):
-        managers = sorted(int(m[8:]) for m, _ in group.groups() if m.startswith("manager_"))
-        click.echo(f"{name}: {len(managers)} managers")
-        for mid in managers:
-            n = int(group[f"manager_{mid}"].attrs.get("num_managers", len(managers)))  # type: ignore[arg-type]
+    for name in names:
+        try:
+            shapes = kind(store, name, 0, 1, writable=False).shapes()
+        except DDictPersistCheckpointError as e:
+            click.echo(f"{name}: {e.message}")
+            bad += 1
+            continue
+        click.echo(f"{name}: {len(shapes)} managers")
+        for mid, n in shapes.items():
             try:
-                cs = CheckpointStore(store, name, mid, n, writable=False)
+                cs: Any = kind(store, name, mid, n, writable=False)
             except DDictPersistCheckpointError as e:
                 click.echo(f"  manager {mid}: {e.message}")
                 bad += 1
@@ -235,7 +239,7 @@ def inspect(store: str) -> None:
                 v = versions.get(g.chkpt)
                 if g.committed and v is not None and v.gens.get(mid) == g.gen:  # the checkpoint
                     try:
-                        reader = cs if v.managers == n else CheckpointStore(
+                        reader = cs if v.managers == n else kind(
                             store, name, mid, v.managers, writable=False)  # fmt: skip
                         size = sum(memoryview(f).nbytes
                                    for _, f, _ in reader.read_generation(g))  # fmt: skip
@@ -298,16 +302,14 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
     The dictionary outlives this command (``lifetime="cluster"``): remove it with
     ``dask ddict destroy NAME``.
     """
-    import zarr
-
     from .client import DDict
-    from .persist import CheckpointStore
+    from .persist.choice import detect
 
+    kind = detect(store)
     try:
-        group = zarr.open_group(store, mode="r")[name]
-        if not isinstance(group, zarr.Group):
-            raise TypeError(f"{name!r} is an array, not a dictionary's group")
-        versions = CheckpointStore(store, name, 0, 1, writable=False).versions()
+        if name not in kind.dictionaries(store):
+            raise KeyError(f"it holds {kind.dictionaries(store)}")
+        versions = kind(store, name, 0, 1, writable=False).versions()
     except Exception as e:  # noqa: BLE001
         raise click.ClickException(f"no dictionary {name!r} in {store}: {e}") from None
     if checkpoint is None:
@@ -321,7 +323,8 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
             managers_per_worker = wrote // workers  # (as persisted: nothing to re-shard)
         try:
             d = DDict(managers_per_worker, total_mem=total_mem, name=name, persist_path=store,
-                      restore_from=checkpoint, client=client, lifetime="cluster")  # fmt: skip
+                      restore_from=checkpoint, client=client, lifetime="cluster",
+                      persister_class=kind)  # fmt: skip
         except (TypeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
         click.echo(d.serialize())

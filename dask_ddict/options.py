@@ -59,6 +59,8 @@ class DDictOptions:
     restore_from: int | None = None
     manager_pool_full_thresh: float = 0.9
     replicas: int = 0
+    #: Which persister writes ``persist_path`` (``persist.choice.persister_name``).
+    persister: str = "zarr"
 
     def validate(self, *, name: str = "", restart: bool = False) -> None:
         """Raise ``ValueError``/``TypeError`` for an invalid combination."""
@@ -83,6 +85,15 @@ class DDictOptions:
             raise ValueError("persist_freq must be non-negative")
         if self.persist_count < -1:
             raise ValueError("persist_count must be -1 (keep all) or >= 0")
+        if self.persister == "null" and (self.persist_freq or self.persist_path
+                                         or self.restore_from is not None):  # fmt: skip
+            raise ValueError(
+                "persister_class=NULLCheckpointPersister persists nothing: persist_freq must "
+                "be 0 (as in Dragon), and persist_path and restore_from not given")  # fmt: skip
+        if self.persister == "directory" and self.persist_path and not local:
+            raise ValueError(f"persist_path {self.persist_path!r} is a URL: the directory "
+                             "persister writes files in a directory (for a URL, "
+                             "persister_class=None: zarr)")  # fmt: skip
         if self.persist_freq > 0 and not self.persist_path:
             raise ValueError("persist_freq > 0 needs a persist_path (a zarr store)")
         if self.restore_from is not None and self.restore_from < 0:

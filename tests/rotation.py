@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persist import CheckpointStore, Persister
+from dask_ddict.persist import CheckpointPersister, Persister, persister_for
 from dask_ddict.shard.store import PERSISTENT
 
 CHUNK = 1 << 14
@@ -44,26 +44,28 @@ def entries(chkpt: int) -> Callable[[], Iterator[tuple[bytes, bytes, int]]]:
     return lambda: ((k, f, PERSISTENT) for k, f in frames.items())
 
 
-def tags(store: CheckpointStore, chkpt: int) -> set[int]:
+def tags(store: CheckpointPersister, chkpt: int) -> set[int]:
     """The tags of a persisted checkpoint's values (raises if it cannot be read whole)."""
     got = {k: loads_value(bytes(v)) for k, v, _ in store.read(chkpt)}
     assert set(got) == set(content(0)), f"keys of {chkpt} on manager {store.manager_id}"
     return {int(t) for v in got.values() for t in np.unique(v)}
 
 
-def store(path: str, m: int, options: Options = None, **kw: Any) -> CheckpointStore:
-    """Manager ``m``'s store at ``path`` (a directory, or a URL with fsspec ``options``)."""
-    return CheckpointStore(path, NAME, m, MANAGERS, chunk_bytes=CHUNK, storage_options=options,
-                           **kw)  # fmt: skip
+def store(path: str, m: int, options: Options = None, kind: str = "zarr",
+          **kw: Any) -> Any:  # fmt: skip
+    """Manager ``m``'s persister of ``kind`` (a persister's name) at ``path`` (a directory,
+    or a URL with fsspec ``options``)."""
+    return persister_for(kind)(path, NAME, m, MANAGERS, chunk_bytes=CHUNK,
+                               storage_options=options, **kw)  # fmt: skip
 
 
-def stores(path: str, options: Options = None) -> list[CheckpointStore]:
-    return [store(path, m, options) for m in range(MANAGERS)]
+def stores(path: str, options: Options = None, kind: str = "zarr") -> list[Any]:
+    return [store(path, m, options, kind) for m in range(MANAGERS)]
 
 
-def setup(path: str, count: int, options: Options = None) -> int:
+def setup(path: str, count: int, options: Options = None, kind: str = "zarr") -> int:
     """Checkpoints ``0 .. count - 1`` persisted on both managers; returns the next id."""
-    for s in stores(path, options):
+    for s in stores(path, options, kind):
         for c in range(count):
             Persister(s, 1, count).write_now(c, entries(c))
     return count
@@ -74,7 +76,7 @@ OPS = ((0, 0), (1, 0), (0, 1))
 
 
 def run_op(path: str, count: int, op: int, kill_at: tuple[str, int] | None = None,
-           options: Options = None) -> list[Event]:  # fmt: skip
+           options: Options = None, kind: str = "zarr") -> list[Event]:  # fmt: skip
     """One persist of the scenario (a fresh process's manager, as after a restart);
     every step reached, in order (SIGKILL at ``kill_at``: step name, nth time)."""
     seen: Counter[str] = Counter()
@@ -87,17 +89,17 @@ def run_op(path: str, count: int, op: int, kill_at: tuple[str, int] | None = Non
         if (name, seen[name]) == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    Persister(store(path, m, options, step=step), 1, count).write_now(count + offset,
+    Persister(store(path, m, options, kind, step=step), 1, count).write_now(count + offset,
                                                                      entries(count + offset))
     return events
 
 
-def run(path: str, count: int, options: Options = None) -> list[Event]:
+def run(path: str, count: int, options: Options = None, kind: str = "zarr") -> list[Event]:
     """The whole scenario in this process; every step reached, in order."""
-    return [e for op in range(len(OPS)) for e in run_op(path, count, op, None, options)]
+    return [e for op in range(len(OPS)) for e in run_op(path, count, op, None, options, kind)]
 
 
-#: Run in a fresh interpreter: ``FORKER <tests dir> <options as JSON>`` reads ``<path> <count> <op> <step>
+#: Run in a fresh interpreter: ``FORKER <tests dir> <options as JSON> <kind>`` reads ``<path> <count> <op> <step>
 #: <nth>`` lines on stdin.  For each, it runs the scenario in ``path``, every persist in
 #: a child process of its own, and kills the child of persist ``op`` at that step; the
 #: managers are processes of their own, so the other manager's later persists still run
@@ -106,7 +108,7 @@ FORKER = """
 import json, os, sys, threading
 sys.path.insert(0, sys.argv[1])
 import rotation
-options = json.loads(sys.argv[2])
+options, kind = json.loads(sys.argv[2]), sys.argv[3]
 assert threading.active_count() == 1  # forking is safe: no thread to lose
 for line in sys.stdin:
     path, count, op, step, nth = line.split()
@@ -117,7 +119,7 @@ for line in sys.stdin:
         pid = os.fork()
         if pid == 0:
             rotation.run_op(path, int(count), i, (step, int(nth)) if i == int(op) else None,
-                            options)
+                            options, kind)
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         if i == int(op):

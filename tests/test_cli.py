@@ -41,9 +41,12 @@ def _files(root) -> dict[str, tuple[int, int]]:  # noqa: ANN001
             if p.is_file()}  # fmt: skip
 
 
-def test_inspect_then_restore_a_store(client, tmp_path):
+@pytest.mark.parametrize("kind", ["zarr", "directory"])
+def test_inspect_then_restore_a_store(client, tmp_path, kind):
+    """Of either persister's (the commands tell them apart)."""
     store = str(tmp_path / "store.zarr")
-    with DDict(total_mem="16 MiB", client=client, name="cli-two", persist_path=store) as d:
+    with DDict(total_mem="16 MiB", client=client, name="cli-two", persist_path=store,
+               persister_class=kind) as d:  # fmt: skip
         d["a"] = np.arange(1000)
         d.persist()
         d.sync()
@@ -70,7 +73,8 @@ def test_inspect_then_restore_a_store(client, tmp_path):
     finally:
         restored.detach()
         run("destroy", "cli-two", "--scheduler", client.scheduler.address)
-    chunk = next((tmp_path / "store.zarr" / "cli-two").glob("manager_*/chkpt_0.g0/values/c/0"))
+    chunk = next((tmp_path / "store.zarr" / "cli-two").glob(
+        "manager_*/chkpt_0.g0/values" + ("/c/0" if kind == "zarr" else "")))
     raw = bytearray(chunk.read_bytes())
     raw[0] ^= 1
     chunk.write_bytes(bytes(raw))

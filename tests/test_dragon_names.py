@@ -75,9 +75,17 @@ def test_dragons_names_of_our_arguments_mean_ours():
 
 
 def test_dragons_arguments_without_meaning_here_are_refused_saying_what_to_use():
-    with pytest.raises(ValueError, match=r"^persister_class=.*one zarr store.*persist_path="):
-        request(persister_class=type("PosixCheckpointPersister", (), {}))
+    from dask_ddict import DAOSCheckpointPersister, NULLCheckpointPersister, PosixCheckpointPersister
+
+    with pytest.raises(ValueError, match=r"^persister_class=DAOS.*persist_path=.*s3://"):
+        request(persister_class=DAOSCheckpointPersister)
+    with pytest.raises(TypeError, match=r"^persister_class must be .*CheckpointPersister"):
+        request(persister_class=type("PosixCheckpointPersister", (), {}))  # (not ours)
     request(policy=None, managers_per_policy=None, orc_policy=None, persister_class=None)
+    # (Dragon's own persister names are taken: tests/test_persisters.py)
+    assert request(persister_class=NULLCheckpointPersister)["options"]["persister"] == "null"
+    assert request(persister_class=PosixCheckpointPersister, persist_path="/tmp/x",
+                   persist_freq=1)["options"]["persister"] == "directory"  # fmt: skip
 
 
 def test_dragons_placement_arguments_place_managers_by_policy():

@@ -27,7 +27,7 @@ from dask_dap import DAPValidationError, validate
 from dask_dap.protocol.dims import num_owned_indices
 from dask_ddict import DDictError, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persist import CheckpointStore
+from dask_ddict.persist import ZarrPersister
 from dask_ddict.shard.store import PERSISTENT
 
 # -- DAP dicts -------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def pristine(tmp_path_factory):
     """A written store (bytes of every file), to mutate copies of."""
     root = tmp_path_factory.mktemp("pristine")
     frames = {k: dumps_value(v).join() for k, v in _content().items()}
-    CheckpointStore(str(root), "d", 0, 1, chunk_bytes=4096).write(
+    ZarrPersister(str(root), "d", 0, 1, chunk_bytes=4096).write(
         0, lambda: ((k, f, PERSISTENT) for k, f in frames.items())
     )
     files = Files()
@@ -259,7 +259,7 @@ def test_mutated_stores_never_give_a_wrong_value(pristine, tmp_path_factory, dat
         path.write_bytes(raw)
     want = _content()
     try:
-        store = CheckpointStore(str(root), "d", 0, 1, chunk_bytes=4096)
+        store = ZarrPersister(str(root), "d", 0, 1, chunk_bytes=4096)
         got = {k: loads_value(bytes(v)) for k, v, _ in store.read(0)}
     except DDictPersistCheckpointError as e:
         assert "manager 0" in str(e)

@@ -14,7 +14,7 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictError, DDictFullError, DDictKeyError, DDictTimeoutError
-from dask_ddict.persist import CheckpointStore, Persister
+from dask_ddict.persist import ZarrPersister, Persister
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
@@ -27,7 +27,7 @@ def manager(tmp_path, request):
     """A manager with a window of two checkpoints, and one of one (the default, where a
     put is written in one transaction of its own: ``WorkingSet.put_alone``)."""
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
-    persister = Persister(CheckpointStore(str(tmp_path / "store"), "m", 0, 1), 1, -1)
+    persister = Persister(ZarrPersister(str(tmp_path / "store"), "m", 0, 1), 1, -1)
     m = Manager(0, store, WorkingSet(store, request.param), persister=persister)
     yield m
     m.close()

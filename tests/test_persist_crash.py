@@ -18,7 +18,7 @@ from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict.cli import ddict as cli
-from dask_ddict.persist import CheckpointStore
+from dask_ddict.persist import ZarrPersister
 
 #: Values of a checkpoint: large enough that persisting one takes a while, so that a
 #: host process can be killed in the middle of it.
@@ -82,7 +82,7 @@ class Place:
     storage_options: dict[str, Any] | None = None
 
     def ids(self, name: str, mid: int) -> list[int]:
-        return CheckpointStore(self.path, name, mid, 2, writable=False,
+        return ZarrPersister(self.path, name, mid, 2, writable=False,
                                storage_options=self.storage_options).ids()  # fmt: skip
 
     def started(self, name: str, mid: int, chkpt: int, gen: int = 0) -> Callable[[], bool]:
@@ -176,15 +176,15 @@ def test_a_re_persist_cut_short_by_a_host_kill_restores_as_one_version(crash_cli
         wait_for("manager 0 to start writing 0 again", Place(path).started(name, 0, 0, gen=1))
         os.kill(host, signal.SIGKILL)
         wait_for("manager 1 to commit its part", lambda: len(
-            [g for g in CheckpointStore(path, name, 1, 2, writable=False).generations()
+            [g for g in ZarrPersister(path, name, 1, 2, writable=False).generations()
              if g.committed]) == 2)  # fmt: skip
         for m in range(2):  # one version on both: the first
-            got = [k for k, _, _ in CheckpointStore(path, name, m, 2, writable=False).read(0)]
+            got = [k for k, _, _ in ZarrPersister(path, name, m, 2, writable=False).read(0)]
             assert len(got) == 6, (m, len(got))
         retry(d.sync)  # the restarted host writes its part of the second version again
         assert d.stats[0].pid != host and d.persisted_ids() == [0]
         for m in range(2):  # ... and sync() removed the first version on both
-            assert len(CheckpointStore(path, name, m, 2, writable=False).generations()) == 1
+            assert len(ZarrPersister(path, name, m, 2, writable=False).generations()) == 1
     finally:
         d.destroy()
     r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=path,

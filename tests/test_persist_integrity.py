@@ -1,7 +1,8 @@
 """Checkpoints survive crashes during a persist and refuse damaged data.
 
 Crash tests run the writer in a real process and SIGKILL it at named steps of
-a persist; damage tests flip, delete and overwrite real files of a zarr store.
+a persist, for each persister (``KINDS``: the zarr store and the directory of
+files); damage tests flip, delete and overwrite real files of each.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,11 +22,24 @@ from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persist import FORMAT, CheckpointStore, Persister
+from dask_ddict.persist import CheckpointPersister, Persister, ZarrPersister, persister_for
+from dask_ddict.persist.zarr_store import FORMAT
 import rotation
 from dask_ddict.shard.store import PERSISTENT
 
 CHUNK = 1 << 12
+#: The persisters every crash test runs against (``persister_class=`` names).
+KINDS = ["zarr", "directory"]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+def opened(kind: str, path: str, m: int = 0, n: int = 1, **kw) -> CheckpointPersister:
+    """Manager ``m`` of ``n``'s persister of ``kind`` at ``path``."""
+    return persister_for(kind)(path, "d", m, n, chunk_bytes=CHUNK, **kw)
 
 
 def entries_of(d: dict):
@@ -37,7 +52,7 @@ def generation(tag: int) -> dict:
     return {f"k{i}".encode(): np.full(1000 + 300 * i, tag, dtype="i4") for i in range(8)}
 
 
-def read_tags(store: CheckpointStore, chkpt: int) -> set[int]:
+def read_tags(store: CheckpointPersister, chkpt: int) -> set[int]:
     """The tags of a checkpoint's values: one tag means one complete write."""
     got = {k: loads_value(bytes(v)) for k, v, _ in store.read(chkpt)}
     assert set(got) == set(generation(0))
@@ -48,10 +63,11 @@ _CRASHER = """
 import os, signal, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from test_persist_integrity import entries_of, generation, CHUNK
-from dask_ddict.persist import CheckpointStore, Persister
+from test_persist_integrity import entries_of, generation, opened
+from dask_ddict.persist import Persister
 
 path, chkpt, count, at, nth = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+kind = sys.argv[7]
 seen = {}
 
 def step(name):
@@ -59,24 +75,24 @@ def step(name):
     if name == at and seen[name] == nth:
         os.kill(os.getpid(), signal.SIGKILL)
 
-store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK, step=step)
+store = opened(kind, path, step=step)
 Persister(store, 1, count).write_now(chkpt, entries_of(generation(1)))
 """
 
 
-def crash(path: str, chkpt: int, count: int, at: str, nth: int = 1) -> int:
+def crash(path: str, chkpt: int, count: int, at: str, nth: int = 1, kind: str = "zarr") -> int:
     args = [sys.executable, "-c", _CRASHER, os.path.dirname(__file__), path, str(chkpt),
-            str(count), at, str(nth)]  # fmt: skip
+            str(count), at, str(nth), kind]  # fmt: skip
     return subprocess.run(args, capture_output=True, timeout=120).returncode
 
 
 @pytest.mark.parametrize("at,nth", [("chunk", 1), ("chunk", 3), ("arrays", 1), ("commit", 1),
                                     ("committed", 1), ("cleanup", 1)])  # fmt: skip
-def test_killed_while_re_persisting_an_id_keeps_old_or_new(tmp_path, at, nth):
+def test_killed_while_re_persisting_an_id_keeps_old_or_new(tmp_path, at, nth, kind):
     path = str(tmp_path)
-    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
-    assert crash(path, 0, -1, at, nth) == -signal.SIGKILL
-    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    opened(kind, path).write(0, entries_of(generation(0)))
+    assert crash(path, 0, -1, at, nth, kind) == -signal.SIGKILL
+    store = opened(kind, path)
     assert store.ids() == [0]
     tags = read_tags(store, 0)
     # (a generation counts once recorded: killed before, it is not the checkpoint yet)
@@ -86,14 +102,14 @@ def test_killed_while_re_persisting_an_id_keeps_old_or_new(tmp_path, at, nth):
     assert read_tags(store, 0) == {2} and len(store.generations()) == 1
 
 
-def test_a_re_persist_on_some_managers_only_leaves_the_previous_version_on_all(tmp_path):
+def test_a_re_persist_on_some_managers_only_leaves_the_previous_version_on_all(tmp_path, kind):
     """Checkpoint 0 persisted as version 1 by both managers, then again as version 2 by
     manager 1 only (manager 0's write cut short): both read version 1, never a mix.  Once
     manager 0 writes version 2 too, both read 2, and pruning leaves one generation each."""
     path = str(tmp_path)
 
-    def store(m: int, step=lambda name: None) -> CheckpointStore:
-        return CheckpointStore(path, "d", m, 2, chunk_bytes=CHUNK, step=step)
+    def store(m: int, step=lambda name: None) -> Any:
+        return opened(kind, path, m, 2, step=step)
 
     for m in range(2):
         store(m).write(0, entries_of(generation(1)), version=1)
@@ -120,11 +136,11 @@ def test_a_re_persist_on_some_managers_only_leaves_the_previous_version_on_all(t
 
 
 @pytest.mark.parametrize("at", ["chunk", "commit", "committed", "rotate"])
-def test_killed_during_rotation_keeps_the_newest_complete_checkpoint(tmp_path, at):
+def test_killed_during_rotation_keeps_the_newest_complete_checkpoint(tmp_path, at, kind):
     path = str(tmp_path)
-    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
-    assert crash(path, 1, 1, at) == -signal.SIGKILL  # persist_count=1: 1 replaces 0
-    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    opened(kind, path).write(0, entries_of(generation(0)))
+    assert crash(path, 1, 1, at, kind=kind) == -signal.SIGKILL  # persist_count=1: 1 replaces 0
+    store = opened(kind, path)
     ids = store.ids()
     if at in ("chunk", "commit", "committed"):  # (1 counts once recorded)
         assert ids == [0] and read_tags(store, 0) == {0}
@@ -132,29 +148,32 @@ def test_killed_during_rotation_keeps_the_newest_complete_checkpoint(tmp_path, a
         assert ids == [1] and read_tags(store, 1) == {1}
 
 
-def test_a_removal_cut_short_is_never_listed_and_is_finished_later(tmp_path):
+def test_a_removal_cut_short_is_never_listed_and_is_finished_later(tmp_path, kind):
     """Rotation removes a checkpoint's commit before its data: a crash part-way
     through the data (a store deletes a directory file by file) leaves it unlisted."""
     path = str(tmp_path)
-    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
-    assert crash(path, 1, 1, "uncommitted") == -signal.SIGKILL  # persist_count=1: 1 replaces 0
+    opened(kind, path).write(0, entries_of(generation(0)))
+    assert crash(path, 1, 1, "uncommitted", kind=kind) == -signal.SIGKILL  # (1 replaces 0)
     g0 = tmp_path / "d" / "manager_0" / "chkpt_0.g0"
-    for chunk in list((g0 / "values" / "c").iterdir())[:2]:  # as far as the removal got
-        chunk.unlink()
-    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    gone = list((g0 / "values" / "c").iterdir())[:2] if kind == "zarr" else [
+        g0 / "values", g0 / "keys"]  # fmt: skip
+    for f in gone:  # as far as the removal got
+        f.unlink()
+    store = opened(kind, path)
     assert store.ids() == [1] == store.complete_ids() and read_tags(store, 1) == {1}
     assert [(g.chkpt, g.committed) for g in store.generations()] == [(0, False), (1, True)]
     Persister(store, 1, 1).write_now(2, entries_of(generation(2)))
     assert store.ids() == [2] and not g0.exists()  # the next rotation finishes the removal
 
 
-def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path):
+def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path, kind):
     path = str(tmp_path)
-    CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK).write(0, entries_of(generation(0)))
-    assert crash(path, 0, -1, "commit") == -signal.SIGKILL
-    meta = tmp_path / "d" / "manager_0" / "chkpt_0.g1" / "zarr.json"
+    opened(kind, path).write(0, entries_of(generation(0)))
+    assert crash(path, 0, -1, "commit", kind=kind) == -signal.SIGKILL
+    meta = tmp_path / "d" / "manager_0" / "chkpt_0.g1" / (
+        "zarr.json" if kind == "zarr" else "generation.json")  # fmt: skip
     meta.write_bytes(meta.read_bytes()[:40])  # the commit's write cut short
-    store = CheckpointStore(path, "d", 0, 1, chunk_bytes=CHUNK)
+    store = opened(kind, path)
     assert store.ids() == [0] and read_tags(store, 0) == {0}
     assert any(g.problem for g in store.generations())
 
@@ -162,16 +181,18 @@ def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path):
 # -- rotation across managers ----------------------------------------------------------
 
 
-def _events(path: str, count: int, options: rotation.Options) -> list[rotation.Event]:
+def _events(path: str, count: int, options: rotation.Options,
+            kind: str) -> list[rotation.Event]:  # fmt: skip
     """Every step of the scenario, each chunk write but the first and last left out."""
-    rotation.setup(path, count, options)
-    events = rotation.run(path, count, options)
+    rotation.setup(path, count, options, kind)
+    events = rotation.run(path, count, options, kind)
     chunks = [e for e in events if e[1] == "chunk"]
     skip = {e for e in chunks if e[2] != 1 and (e[0], e[1], e[2] + 1) in set(chunks)}
     return [e for e in events if e not in skip]
 
 
-def crash_at_every_step(root: str, count: int, options: rotation.Options = None) -> None:
+def crash_at_every_step(root: str, count: int, options: rotation.Options = None,
+                        kind: str = "zarr") -> None:  # fmt: skip
     """Two managers persist a new checkpoint at their own pace under persist_count=count;
     one is SIGKILLed at each step of each write and rotation in turn (chunks, arrays,
     commit, record, cleanup; unrecord, uncommit, remove) while the other goes on with
@@ -179,7 +200,7 @@ def crash_at_every_step(root: str, count: int, options: rotation.Options = None)
     empty, each of them reads back whole on both, the commit record names only those,
     and the scenario run again from there (a restarted manager persists again) ends in
     the same state as without a crash."""
-    events = _events(f"{root}/record", count, options)
+    events = _events(f"{root}/record", count, options, kind)
     names = {e[1] for e in events}
     assert {"chunk", "arrays", "commit", "committed", "recorded", "unrecorded", "uncommitted",
             "removed", "rotate"} <= names  # fmt: skip
@@ -187,25 +208,25 @@ def crash_at_every_step(root: str, count: int, options: rotation.Options = None)
     cases = []
     for i, (op, step, nth) in enumerate(events):
         path = f"{root}/crash{i}"
-        rotation.setup(path, count, options)
+        rotation.setup(path, count, options, kind)
         cases.append(f"{path} {count} {op} {step} {nth}\n")
     out = subprocess.run([sys.executable, "-c", rotation.FORKER, os.path.dirname(__file__),
-                          json.dumps(options)], input="".join(cases), capture_output=True,
+                          json.dumps(options), kind], input="".join(cases), capture_output=True,
                          text=True, timeout=900, check=True).stdout.split()  # fmt: skip
     assert out == [str(-signal.SIGKILL)] * len(events)
     n = count
     keep = list(range(n + 1 - count, n + 1))  # the newest `count` ids complete at the end
     for i, event in enumerate(events):
         path = f"{root}/crash{i}"
-        stores = rotation.stores(path, options)
+        stores = rotation.stores(path, options, kind)
         persisted = sorted(set.intersection(*(set(s.ids()) for s in stores)))
         assert persisted, f"killed at {event}: no checkpoint is restorable"
         for c in persisted:
             for s in stores:
                 assert rotation.tags(s, c) == {c}, f"killed at {event}: checkpoint {c}"
         assert set(stores[0].complete_ids()) <= set(persisted), event
-        rotation.run(path, count, options)  # carry on: the crashed manager persists anew
-        stores = rotation.stores(path, options)
+        rotation.run(path, count, options, kind)  # carry on: the crashed manager persists anew
+        stores = rotation.stores(path, options, kind)
         assert [s.ids() for s in stores] == [keep + [n + 1], keep], event
         assert stores[0].complete_ids() == keep, event
         for s in stores:
@@ -215,9 +236,9 @@ def crash_at_every_step(root: str, count: int, options: rotation.Options = None)
 
 @pytest.mark.parametrize("count", [1, pytest.param(2, marks=pytest.mark.slow)])  # (each ~20 s)
 def test_a_crash_at_any_step_of_any_manager_leaves_the_newest_complete_id_restorable(
-    tmp_path, count
+    tmp_path, count, kind
 ):
-    crash_at_every_step(str(tmp_path), count)
+    crash_at_every_step(str(tmp_path), count, kind=kind)
 
 
 @pytest.mark.slow
@@ -232,12 +253,12 @@ def test_the_same_on_an_object_store(s3):
 
 @pytest.fixture
 def written(tmp_path):
-    store = CheckpointStore(str(tmp_path), "d", 0, 1, chunk_bytes=CHUNK)
+    store = ZarrPersister(str(tmp_path), "d", 0, 1, chunk_bytes=CHUNK)
     store.write(3, entries_of(generation(0)))
     return store, tmp_path / "d" / "manager_0" / "chkpt_3.g0"
 
 
-def refused(store: CheckpointStore, match: str) -> str:
+def refused(store: ZarrPersister, match: str) -> str:
     with pytest.raises(DDictPersistCheckpointError, match=match) as info:
         list(store.read(3))
     text = str(info.value)
@@ -286,16 +307,16 @@ def test_garbage_manager_metadata_and_old_formats_are_refused(tmp_path, written)
     good = meta.read_text()
     meta.write_text("{not json")
     with pytest.raises(DDictPersistCheckpointError, match="manager 0 of 'd'.*unreadable"):
-        CheckpointStore(str(tmp_path), "d", 0, 1)
+        ZarrPersister(str(tmp_path), "d", 0, 1)
     doc = json.loads(good)
     doc["attributes"]["format"] = "dask_ddict.checkpoint/1"
     meta.write_text(json.dumps(doc))
     with pytest.raises(DDictPersistCheckpointError, match=f"checkpoint/1.*{FORMAT}"):
-        CheckpointStore(str(tmp_path), "d", 0, 1)
+        ZarrPersister(str(tmp_path), "d", 0, 1)
     doc["attributes"]["format"] = "dask_ddict.checkpoint/2"  # same key bytes, older frames
     meta.write_text(json.dumps(doc))
-    CheckpointStore(str(tmp_path), "d", 0, 1, writable=False)  # read as it is
-    CheckpointStore(str(tmp_path), "d", 0, 1)  # and, opened to write, marked as ours
+    ZarrPersister(str(tmp_path), "d", 0, 1, writable=False)  # read as it is
+    ZarrPersister(str(tmp_path), "d", 0, 1)  # and, opened to write, marked as ours
     assert json.loads(meta.read_text())["attributes"]["format"] == FORMAT == \
         "dask_ddict.checkpoint/2.2"
 
@@ -304,7 +325,54 @@ def test_a_store_path_that_is_a_file_is_refused(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(DDictPersistCheckpointError, match="is a file"):
-        CheckpointStore(str(f), "d", 0, 1)
+        ZarrPersister(str(f), "d", 0, 1)
+
+
+@pytest.fixture
+def written_files(tmp_path):
+    """A checkpoint of the directory persister, and its generation's directory."""
+    store = opened("directory", str(tmp_path))
+    store.write(3, entries_of(generation(0)))
+    return store, tmp_path / "d" / "manager_0" / "chkpt_3.g0"
+
+
+def test_the_directory_persisters_damaged_files_are_refused(written_files):
+    store, g = written_files
+    assert read_tags(store, 3) == {0}
+    values = g / "values"
+    good = values.read_bytes()
+    raw = bytearray(good)
+    raw[CHUNK + 100] ^= 0x40
+    values.write_bytes(bytes(raw))
+    refused(store, "chunk 1 of values")
+    values.write_bytes(good[: 3 * CHUNK])  # truncated: a write cut short, a full disk
+    refused(store, "array shapes do not match")
+    values.write_bytes(good)
+    keys = g / "keys"
+    keys.write_bytes(keys.read_bytes()[:-1])
+    refused(store, "'keys' does not match its committed checksum")
+    keys.unlink()
+    refused(store, "cannot read it")
+    (g / "generation.json").write_bytes(b"\x00garbage{")
+    text = refused(store, "not persisted")
+    assert "unreadable" in text and "chkpt_3.g0" in text
+
+
+def test_the_directory_persister_refuses_a_file_a_url_and_another_format(tmp_path,
+                                                                         written_files):  # fmt: skip
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(DDictPersistCheckpointError, match="is a file"):
+        opened("directory", str(f))
+    with pytest.raises(DDictPersistCheckpointError, match="URL.*zarr"):
+        opened("directory", "memory://somewhere")
+    meta = tmp_path / "d" / "manager_0" / "manager.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": "dask_ddict.directory/0"}))
+    with pytest.raises(DDictPersistCheckpointError, match="directory/0"):
+        opened("directory", str(tmp_path))
+    # a zarr persister does not take a directory persister's store for its own
+    with pytest.raises(DDictPersistCheckpointError):
+        list(ZarrPersister(str(tmp_path), "d", 0, 1, writable=False).read(3))
 
 
 def test_restore_of_a_damaged_checkpoint_changes_nothing(client, tmp_path):

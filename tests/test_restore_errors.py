@@ -9,6 +9,7 @@ import os
 import pytest
 
 from dask_ddict import DDict, DDictPersistCheckpointError
+from dask_ddict.persist import persister_for
 from dask_ddict.persist.restorable import check_restorable
 
 
@@ -81,17 +82,20 @@ def test_a_failed_restore_of_a_handle_names_the_store_and_changes_nothing(client
         d.destroy()
 
 
-def test_check_restorable_reads_only(tmp_path):
-    """Without a cluster: an empty directory, a damaged store, a file, nothing."""
+@pytest.mark.parametrize("kind", ["zarr", "directory"])
+def test_check_restorable_reads_only(tmp_path, kind):
+    """Without a cluster, for each persister: an empty directory, a damaged zarr store
+    (another persister's, for the directory one), a file, nothing."""
     (tmp_path / "plain").mkdir()
     (tmp_path / "file").write_text("x")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "zarr.json").write_text("{not json")
     before = tree(tmp_path)
+    junk = "not a readable zarr store" if kind == "zarr" else "is a zarr store"
     for path, says in [(tmp_path / "plain", "holds no dictionary named 'd' .it holds: none."),
-                       (tmp_path / "junk", "not a readable zarr store"),
+                       (tmp_path / "junk", junk),
                        (tmp_path / "file", "does not exist"),
                        (tmp_path / "nothing", "does not exist")]:  # fmt: skip
         with pytest.raises(DDictPersistCheckpointError, match=says):
-            check_restorable(str(path), "d", 0, 2, 0)
+            check_restorable(persister_for(kind), str(path), "d", 0, 2, 0)
     assert tree(tmp_path) == before

@@ -164,7 +164,10 @@ class Checkpoints:
                 f"restore({chkpt}) of {self._core.name!r}: this dictionary persists nothing "
                 "(it was created without persist_path=): create one with "
                 "persist_path=<the zarr store> and restore_from=<checkpoint>")  # fmt: skip
-        self.sync()
+        try:
+            self.sync()  # (persists under way end first: what they commit may be chkpt's)
+        except DDictPersistCheckpointError:
+            pass  # (one that failed leaves what was persisted before: chkpt may be there)
         ids = self.persisted_ids()
         if chkpt not in ids:
             opts = self._core.layout.options

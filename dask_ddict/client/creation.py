@@ -12,6 +12,7 @@ import difflib
 import functools
 import inspect
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -31,6 +32,7 @@ from ..arguments import (
 from ..errors import DDictError, DDictUnableToCreateError
 from ..layout import Layout
 from ..options import DDictOptions, parse_total_mem
+from ..persist.choice import persister_name
 from ..placement import Policy, policy_groups
 from .layouts import layout_reply
 
@@ -98,7 +100,7 @@ def dragon_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
     TypeError
         Both names of one argument given, or a wrong type.
     ValueError
-        A persister class: not supported, saying what to use.
+        A persister class that is not here (Dragon's DAOS), saying what to use.
     """
     out = dict(args)
     for dragon, ours in DRAGON_NAMES.items():
@@ -107,13 +109,10 @@ def dragon_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
         raise TypeError(f"orc_policy must be a dask_ddict.Policy or None, got "
                         f"{out['orc_policy']!r:.80}")  # fmt: skip
     # (orc_policy: without effect, the orchestrator is the scheduler plugin)
-    if out["persister_class"] is not None:
-        raise ValueError(
-            f"persister_class={out['persister_class']!r:.80}: checkpoints persist to one "
-            "zarr store here, and persister_class must be None.  Give persist_path= (a "
-            "directory or an fsspec URL such as 's3://bucket/ckpt.zarr'), with persist_freq= "
-            "and persist_count= as in Dragon (docs: Persistence)"
-        )  # fmt: skip
+    out["persister"] = persister_name(out.pop("persister_class"))
+    if out["persister"] == "directory" and not out["persist_path"] and (
+            out["persist_freq"] or out["restore_from"] is not None):  # fmt: skip
+        out["persist_path"] = os.getcwd()  # (Dragon's POSIX persister: "" is the cwd)
     check_bool("trace", out["trace"])
     check_int("streams_per_manager", out["streams_per_manager"], 0, allow_none=True)
     return out

@@ -144,7 +144,14 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         Accepted (a ``Policy`` or ``None``), without effect: the orchestrator is the
         scheduler plugin, it runs in the scheduler.
     persister_class
-        Only ``None``: checkpoints persist to one zarr store, ``persist_path=``.
+        What writes ``persist_path`` (docs: "Persisters"): ``None`` (a zarr store, a
+        directory or an fsspec URL), :class:`~dask_ddict.persist.DirectoryPersister`
+        (plain files in a directory; Dragon's ``PosixCheckpointPersister``, whose
+        ``persist_path`` defaults to the current directory), Dragon's
+        ``NULLCheckpointPersister`` (nothing persisted), or a subclass of
+        :class:`~dask_ddict.persist.CheckpointPersister` that the workers can import.
+        Dragon's ``DAOSCheckpointPersister`` is refused (``ValueError``, saying what
+        to use).
     trace
         ``True``: DEBUG logging of the ``dask_ddict`` loggers in this process, the
         nearest meaning of Dragon's verbose client and manager logging (the host
@@ -200,7 +207,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         policy: Policy | list[Policy] | Mapping[Policy, int] | None = None,
         managers_per_policy: int | None = None,
         orc_policy: Policy | None = None,
-        persister_class: None = None,
+        persister_class: Any = None,
         trace: bool = False,
         streams_per_manager: int | None = None,
     ) -> None:

@@ -42,9 +42,10 @@ def copy_arguments(lay: Layout) -> dict[str, Any]:
             f"(this dictionary has {per_worker})",
             "INVALID_OPERATION",
         )
-    options = dataclasses.replace(lay.options, read_only=False, restore_from=None)
+    options = dataclasses.replace(lay.options, read_only=False, restore_from=None).to_dict()
+    options["persister_class"] = options.pop("persister")  # (its name: the argument takes it)
     return dict(managers_per_worker=next(iter(per_worker.values())), total_mem=lay.total_mem,
-                workers=workers, lifetime=lay.lifetime, **options.to_dict())  # fmt: skip
+                workers=workers, lifetime=lay.lifetime, **options)  # fmt: skip
 
 
 def synchronize(serialized_ddicts: list[str]) -> None:

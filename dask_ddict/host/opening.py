@@ -152,22 +152,20 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
                 add_waiters(store, txn, 0)  # whoever waited, waited at the old process
         persister = None
         if opts.persist_path:
-            from ..persist import (  # zarr: only when persisting
-                CheckpointStore,
-                Persister,
-            )
+            from ..persist import Persister, persister_for  # (zarr: only the zarr persister's)
 
+            kind = persister_for(opts.persister)
             if opts.restore_from is not None and not reattach:  # (reads only: a failed
                 from ..persist.restorable import check_restorable  # restore writes nothing)
 
-                check_restorable(opts.persist_path, spec.name, mid, spec.num_managers,
+                check_restorable(kind, opts.persist_path, spec.name, mid, spec.num_managers,
                                  opts.restore_from, spec.storage_options)  # fmt: skip
 
             persister = Persister(
-                CheckpointStore(opts.persist_path, spec.name, mid, spec.num_managers,
-                                chunk_bytes=config.get_bytes("persist.chunk-bytes"),
-                                fsync=bool(config.get("persist.fsync")),
-                                storage_options=spec.storage_options),
+                kind(opts.persist_path, spec.name, mid, spec.num_managers,
+                     chunk_bytes=config.get_bytes("persist.chunk-bytes"),
+                     fsync=bool(config.get("persist.fsync")),
+                     storage_options=spec.storage_options),
                 opts.persist_freq, opts.persist_count,
             )  # fmt: skip
         from .replication import pull_shard

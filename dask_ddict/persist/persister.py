@@ -1,11 +1,11 @@
 """Which checkpoints to persist, and the background thread that writes them.
 
 The policy half of persistence (Dragon's ``persist_freq``/``persist_count``):
-:class:`Persister` decides which retiring checkpoints go to the
-:class:`~dask_ddict.persist.zarr_store.CheckpointStore`, evicts old ones only
+:class:`Persister` decides which retiring checkpoints go to the manager's
+:class:`~dask_ddict.persist.interface.CheckpointPersister`, evicts old ones only
 once a newer one is committed on *every* manager (:meth:`Persister.rotate`),
-and keeps zarr I/O off the manager's write path and off the worker's event
-loop.
+and keeps the persister's I/O off the manager's write path and off the worker's
+event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import DDictError
-from .zarr_store import CheckpointStore
+from .interface import CheckpointPersister
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Persister:
         kept, with anything newer (``-1``: all; see :meth:`rotate`).
     """
 
-    def __init__(self, store: CheckpointStore, persist_freq: int, persist_count: int) -> None:
+    def __init__(self, store: CheckpointPersister, persist_freq: int, persist_count: int) -> None:
         self.store = store
         self.persist_freq = persist_freq
         self.persist_count = persist_count
@@ -70,7 +70,7 @@ class Persister:
 
     def submit(self, release: Callable[[], None],
                jobs: list[tuple[int, int, Callable[[], Iterable[Any]]]]) -> None:  # fmt: skip
-        """Persist ``jobs`` (``(chkpt, version, entries)``: see ``CheckpointStore.write``)
+        """Persist ``jobs`` (``(chkpt, version, entries)``: see ``CheckpointPersister.write``)
         in the background, then call ``release``.
 
         ``entries`` read from a snapshot that ``release`` ends.
@@ -106,7 +106,7 @@ class Persister:
         """Persist this manager's part of ``version`` of one checkpoint in this thread,
         then rotate (:meth:`rotate`).
 
-        :meth:`CheckpointStore.write` replaces an earlier version of ``chkpt``
+        :meth:`CheckpointPersister.write` replaces an earlier version of ``chkpt``
         itself, once the new one is committed (and recorded) on every manager;
         rotation, too, only follows the commit, so a crash at any point leaves
         the newest complete copies.
@@ -136,7 +136,7 @@ class Persister:
         A checkpoint is only useful once *every* manager has committed it, and
         each manager rotates on its own, at its own pace.  So the count is
         taken over the dictionary's complete checkpoints
-        (:meth:`CheckpointStore.complete_ids`), not over this manager's: with
+        (:meth:`CheckpointPersister.complete_ids`), not over this manager's: with
         ``persist_count=K``, everything older than the K-th newest complete id
         goes (uncommitted leftovers of those ids included), and this
         manager's ids newer than it stay, complete or not.  So the newest
@@ -152,14 +152,14 @@ class Persister:
         if len(complete) < k:
             return
         keep_from = complete[-k]
-        doomed = sorted({g.chkpt for g in self.store.generations() if g.chkpt < keep_from})
+        doomed = [c for c in self.store.stored_ids() if c < keep_from]
         for i in doomed:
             self.store.delete(i)
             with self._lock:
                 self._ids = [j for j in self._ids if j != i]
             self.store.step("rotate")
         for orphan in self.store.orphans():  # (left by a restore onto fewer managers)
-            for i in sorted({g.chkpt for g in orphan.generations() if g.chkpt < keep_from}):
+            for i in [c for c in orphan.stored_ids() if c < keep_from]:
                 orphan.delete(i)
 
     def discard_above(self, chkpt: int) -> None:
@@ -171,7 +171,7 @@ class Persister:
             for i in doomed:
                 self.store.delete(i)
             for orphan in self.store.orphans():  # (left by a restore onto fewer managers)
-                for i in sorted({g.chkpt for g in orphan.generations() if g.chkpt > chkpt}):
+                for i in [c for c in orphan.stored_ids() if c > chkpt]:
                     orphan.delete(i)
 
     def _one(self, chkpt: int, version: int, entries: Callable[[], Iterable[Any]]) -> None:

@@ -13,18 +13,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import zarr
-from zarr.errors import GroupNotFoundError
-
 from ..arguments import local_store
 from ..errors import DDictPersistCheckpointError
-from .zarr_store import CheckpointStore
+from .interface import CheckpointPersister
 
 
-def check_restorable(path: str, name: str, manager_id: int, num_managers: int, chkpt: int,
+def check_restorable(kind: type[CheckpointPersister], path: str, name: str, manager_id: int,
+                     num_managers: int, chkpt: int,
                      storage_options: dict[str, Any] | None = None) -> None:  # fmt: skip
     """Raise :class:`DDictPersistCheckpointError` unless checkpoint ``chkpt`` of manager
-    ``manager_id`` of dictionary ``name`` is committed in the zarr store ``path``.
+    ``manager_id`` of dictionary ``name`` is committed in the store ``path`` (written by
+    persister ``kind``).
 
     The message names the store, the dictionary and what the store holds (the
     dictionaries in it, or this manager's persisted ids).
@@ -37,22 +36,17 @@ def check_restorable(path: str, name: str, manager_id: int, num_managers: int, c
             "pass the path the dictionary was persisted to"
         )
     try:
-        root = zarr.open_group(local or path, mode="r", storage_options=storage_options or None)
-        names = sorted(n for n, _ in root.groups())
-    except (FileNotFoundError, GroupNotFoundError):  # (an empty directory or bucket)
-        names = []
-    except Exception as e:  # noqa: BLE001 - any other reason the store cannot be read
-        raise DDictPersistCheckpointError(
-            f"{what}: {path!r} is not a readable zarr store ({type(e).__name__}: {e})"
-        ) from None
+        names = kind.dictionaries(path, storage_options)
+    except DDictPersistCheckpointError as e:
+        raise DDictPersistCheckpointError(f"{what}: {e.message}") from None
     if name not in names:
         held = ", ".join(repr(n) for n in names) or "none"
         raise DDictPersistCheckpointError(
             f"{what}: the store {path!r} holds no dictionary named {name!r} (it holds: "
             f"{held}); pass the name it was persisted under (name=...)"
         )
-    store = CheckpointStore(path, name, manager_id, num_managers, writable=False,
-                            storage_options=storage_options)  # fmt: skip
+    store = kind(path, name, manager_id, num_managers, writable=False,
+                 storage_options=storage_options)  # fmt: skip
     complete = store.complete_ids()
     if chkpt not in complete:
         mine = store.ids()

@@ -185,6 +185,16 @@ class CheckpointIO:
             state["failed"][failed[0]] = failed[2]
         self.store.put_meta(txn, _PERSISTS, pickle.dumps(state))
 
+    def _forget_persists(self, txn: lmdb.Transaction, chkpt: int) -> None:
+        """A restore of ``chkpt``: the persists of ``chkpt`` and newer, failed or
+        pending (all ended: the restore waited for them), are of a history that ends
+        here (a failed newer version of ``chkpt`` too: the restored one is the
+        checkpoint now), so ``sync()`` no longer reports them."""
+        state = self._persists(txn)
+        for kind in ("pending", "failed"):
+            state[kind] = {c: v for c, v in state[kind].items() if c < chkpt}
+        self.store.put_meta(txn, _PERSISTS, pickle.dumps(state))
+
     def _persisted(self, chkpt: int, version: int, error: BaseException | None) -> None:
         """The persister's report of one job (its thread): recorded in the shard."""
         with self._cond:  # (a closing manager too: its store closes after its persists)
@@ -271,6 +281,7 @@ class CheckpointIO:
                     if not self.read_only:
                         self.set_history(txn, history or (
                             self.history(txn) * 1_000_003 + chkpt + 1))  # fmt: skip
+                        self._forget_persists(txn, chkpt)
             except BaseException:
                 self.working_set.restore(snap)
                 raise
