@@ -48,7 +48,7 @@ from .stats import DDictManagerStats
 
 if TYPE_CHECKING:
     from .persist import ZarrPersister
-    from .stores import DDictStore
+    from .stores import DDictStore, StagedStore, stage
 
 __all__ = [
     "AsyncDDict",
@@ -79,15 +79,17 @@ __all__ = [
     "NULLCheckpointPersister",
     "Policy",
     "PosixCheckpointPersister",
+    "StagedStore",
     "ZarrPersister",
+    "stage",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "DDictStore":  # (imports zarr: only when asked for)
-        from .stores import DDictStore
+    if name in ("DDictStore", "StagedStore", "stage"):  # (import zarr: only when asked for)
+        from . import stores
 
-        return DDictStore
+        return getattr(stores, name)
     if name == "ZarrPersister":  # (the same)
         from .persist import ZarrPersister
 
