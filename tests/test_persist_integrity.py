@@ -135,6 +135,39 @@ def test_a_re_persist_on_some_managers_only_leaves_the_previous_version_on_all(t
         assert store(m).ids() == [0]
 
 
+def test_a_restore_removes_the_parts_of_versions_that_only_some_managers_persisted(
+    tmp_path, kind
+):
+    """Manager 1 persisted version 2 of checkpoint 0 (and checkpoint 1), manager 0's
+    writes failed (a full disk): the checkpoint is still version 1.  A restore of 0 ends
+    that history: manager 1's version-2 part and checkpoint 1 are removed (they would
+    hold the room the next persists need), version 1 stays whole on both."""
+    path = str(tmp_path)
+
+    def store(m: int, step=lambda name: None) -> Any:
+        return opened(kind, path, m, 2, step=step)
+
+    def full(name: str) -> None:
+        if name == "arrays":
+            raise OSError(28, "No space left on device")
+
+    for m in range(2):
+        store(m).write(0, entries_of(generation(1)), version=1)
+    store(1).write(0, entries_of(generation(2)), version=2)
+    store(1).write(1, entries_of(generation(3)), version=2)
+    for c in (0, 1):
+        with pytest.raises(OSError):
+            store(0, full).write(c, entries_of(generation(2)), version=2)
+    assert [len(store(m).generations()) for m in range(2)] == [1, 3]  # (0's failed: gone)
+    for m in range(2):
+        Persister(store(m), 1, -1).discard_above(0)  # (what a restore of 0 does last)
+    for m in range(2):
+        s = store(m)
+        assert [(g.chkpt, g.version) for g in s.generations()] == [(0, 1)]
+        assert s.recorded() == {(0, 1)} and read_tags(s, 0) == {1}
+    assert store(0).complete_ids() == [0]
+
+
 @pytest.mark.parametrize("at", ["chunk", "commit", "committed", "rotate"])
 def test_killed_during_rotation_keeps_the_newest_complete_checkpoint(tmp_path, at, kind):
     path = str(tmp_path)

@@ -166,6 +166,12 @@ class CheckpointPersister(ABC):
         """Remove this manager's parts of ``chkpt`` (else of any) that newer versions
         persisted everywhere replaced; nothing by default."""
 
+    def settle(self, chkpt: int) -> None:
+        """After a restore of ``chkpt`` (every persist ended first): remove this manager's
+        parts of ``chkpt`` that are not of the version restored, persisted by some
+        managers only, whose history the restore ended (they would hold the room of the
+        next persists); nothing by default."""
+
     def orphans(self) -> list[CheckpointPersister]:
         """The persisters of managers beyond this dictionary's (a restore onto fewer
         managers left them) that this manager tends; none by default."""

@@ -163,13 +163,15 @@ class Persister:
                 orphan.delete(i)
 
     def discard_above(self, chkpt: int) -> None:
-        """Delete persisted checkpoints newer than ``chkpt`` (the history continues from it)."""
+        """Delete persisted checkpoints newer than ``chkpt``, and the parts of ``chkpt``
+        that are not of its restored version (the history continues from it)."""
         with self._io:
             with self._lock:
-                doomed = [i for i in self._ids if i > chkpt]
                 self._ids = [i for i in self._ids if i <= chkpt]
-            for i in doomed:
-                self.store.delete(i)
+            for i in self.store.stored_ids():  # (persisted, or left by a persist that failed)
+                if i > chkpt:
+                    self.store.delete(i)
+            self.store.settle(chkpt)
             for orphan in self.store.orphans():  # (left by a restore onto fewer managers)
                 for i in [c for c in orphan.stored_ids() if c > chkpt]:
                     orphan.delete(i)

@@ -374,6 +374,20 @@ class VersionedPersister(CheckpointPersister):
                 self._remove(g)
                 self.step("pruned")
 
+    def settle(self, chkpt: int) -> None:
+        records = self._all_records()
+        version = self.versions(records).get(chkpt)
+        if version is None or version.managers != self.num_managers:
+            return  # (nothing restored from here, or re-sharded: this manager's are not it)
+        mine = version.gens.get(self.manager_id)
+        for g in self.generations():
+            if g.chkpt == chkpt and not _part_of(g, version, mine):
+                for r in records:
+                    if (r.chkpt, r.manager, r.gen) == (chkpt, self.manager_id, g.gen):
+                        self._drop_record(r.name)
+                self._remove(g)
+                self.step("pruned")
+
     # -- the dictionary's commit record ------------------------------------------
 
     def _record_name(self, chkpt: int, gen: int, version: int) -> str:
