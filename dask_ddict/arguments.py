@@ -207,7 +207,7 @@ def check_store_writable(path: str) -> None:
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if parent not in (local, os.path.dirname(local)):
-        return  # (maybe a path of the workers' machines only: their hosts say, see zarr_store)
+        return  # (maybe a path of the workers' machines only: their hosts say)
     try:
         probe = tempfile.mkdtemp(prefix=".ddict-write-probe-", dir=parent)
     except OSError as e:

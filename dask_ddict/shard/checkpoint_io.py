@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 #: stays failed until this manager commits it or a newer one.
 _PERSISTS = b"persists"
 #: The shard's *history* (in ``meta``): the version of a checkpoint persisted as it
-#: retires (see ``persist.zarr_store``).  The same on every manager of a dictionary: set
+#: retires (see ``persist.versioned``).  The same on every manager of a dictionary: set
 #: from its uid when its shards are made, and to the number a restore sends to all.
 HISTORY = b"history"
 _MASK = (1 << 62) - 1
@@ -110,7 +110,7 @@ class CheckpointIO:
     def _need_persister(self, what: str) -> Persister:
         if self.persister is None:
             raise DDictError(
-                f"{what} needs persist_path= (a zarr store) at creation", "INVALID_OPERATION"
+                f"{what} needs persist_path= at creation", "INVALID_OPERATION"
             )
         return self.persister
 
@@ -261,7 +261,7 @@ class CheckpointIO:
 
     def restore(self, chkpt: int, *, discard_newer: bool = True, history: int = 0) -> int:
         """Replace the shard by persisted checkpoint ``chkpt`` (its newest version that
-        every manager has: see ``CheckpointStore.versions``); return its key count.
+        every manager has: see ``VersionedPersister.versions``); return its key count.
 
         The window becomes ``[chkpt, chkpt + working_set_size - 1]``.  Outside
         read-only mode persisted checkpoints newer than ``chkpt`` are deleted

@@ -49,7 +49,7 @@ class Persist(AtCheckpoint):
     op = Op.PERSIST
     inline = False  # (see Operation.inline)
     chkpt: int
-    version: int = 0  # the same for every manager (see persist.zarr_store); 0: a new one
+    version: int = 0  # the same for every manager (see persist.versioned); 0: a new one
 
     def encode(self) -> Encoded:
         return Encoded(chkpt=self.chkpt, arg=self.version)
