@@ -84,10 +84,10 @@ def _record(token: str, loader: int) -> tuple[str, str, int]:
 def plan(keys: list[tuple[str, int]], workers: dict[str, list[int]],
          nloaders: int) -> list[tuple[str, list[str]]]:  # fmt: skip
     """Split the source's objects (``(key, manager)``) among loaders: each loader a
-    worker and the keys of managers on it, ``nloaders`` in all at most (one per worker
-    at least), the bytes spread evenly is not known here: the keys are, and metadata
-    comes first in each loader (a reader opens a group with it).  ``workers``: each
-    worker's managers.  Pure (tested without a cluster)."""
+    worker and keys of the managers on it, ``nloaders`` in all at most (one per worker
+    at least), each worker's keys dealt out in turn (sizes are not known here); metadata
+    first in each loader (a reader opens a group with it).  ``workers``: each worker's
+    managers.  Pure (tested without a cluster)."""
     where = {m: w for w, ms in workers.items() for m in ms}
     by_worker: dict[str, list[str]] = {w: [] for w in workers}
     for key, mid in keys:
@@ -149,9 +149,9 @@ def _groups(store: Store, keys: list[str]) -> Iterable[list[str]]:
     for k in keys:
         group.append(k)
         try:
-            size += os.path.getsize(os.path.join(str(root), k)) if root is not None else LOAD_BYTES
-        except OSError:
-            size += 0
+            size += os.path.getsize(os.path.join(str(root), k)) if root is not None else 0
+        except OSError:  # (gone since the listing: its read says None)
+            pass
         if size >= LOAD_BYTES or (root is None and len(group) >= READS):
             yield group
             group, size = [], 0
