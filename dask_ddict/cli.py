@@ -227,7 +227,7 @@ def inspect(store: str) -> None:
         click.echo(f"{name}: {len(shapes)} managers")
         for mid, n in shapes.items():
             try:
-                cs: Any = kind(store, name, mid, n, writable=False)
+                cs = kind(store, name, mid, n, writable=False)
             except DDictPersistCheckpointError as e:
                 click.echo(f"  manager {mid}: {e.message}")
                 bad += 1

@@ -31,13 +31,13 @@ from ..transport.ops import _FANOUT, _TREE, OPERATIONS, Relayed, TreeOut, subtre
 from ..transport.protocol import Op
 
 
-
 class HostedDict(Protocol):
     """What forwarding needs of the dictionary it serves (``server.HostedDict``)."""
 
     uid: str
     secret: bytes
     name: str
+
 
 _links: dict[tuple[str, str, int], HostLink] = {}
 _lock = threading.Lock()

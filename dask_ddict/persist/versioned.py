@@ -368,25 +368,26 @@ class VersionedPersister(CheckpointPersister):
             if (newest is not None and g.gen < newest) or \
                     any(r.version == g.version for r in later) or \
                     (later and not g.committed):  # fmt: skip
-                for r in mine:
-                    if (r.chkpt, r.gen) == (g.chkpt, g.gen):
-                        self._drop_record(r.name)
-                self._remove(g)
-                self.step("pruned")
+                self._discard(g, mine)
 
     def settle(self, chkpt: int) -> None:
         records = self._all_records()
         version = self.versions(records).get(chkpt)
         if version is None or version.managers != self.num_managers:
             return  # (nothing restored from here, or re-sharded: this manager's are not it)
-        mine = version.gens.get(self.manager_id)
+        part = version.gens.get(self.manager_id)
+        mine = [r for r in records if r.manager == self.manager_id]
         for g in self.generations():
-            if g.chkpt == chkpt and not _part_of(g, version, mine):
-                for r in records:
-                    if (r.chkpt, r.manager, r.gen) == (chkpt, self.manager_id, g.gen):
-                        self._drop_record(r.name)
-                self._remove(g)
-                self.step("pruned")
+            if g.chkpt == chkpt and not _part_of(g, version, part):
+                self._discard(g, mine)
+
+    def _discard(self, g: Generation, mine: list[Record]) -> None:
+        """Remove generation ``g``, its records (among this manager's, ``mine``) first."""
+        for r in mine:
+            if (r.chkpt, r.gen) == (g.chkpt, g.gen):
+                self._drop_record(r.name)
+        self._remove(g)
+        self.step("pruned")
 
     # -- the dictionary's commit record ------------------------------------------
 

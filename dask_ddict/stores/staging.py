@@ -41,7 +41,6 @@ from .. import config, progress
 from ..arguments import check_int, local_store
 from ..client import AsyncDDict, DDict
 from ..errors import DDictError, DDictTimeoutError
-from .names import check_key
 from .zarr_v3 import DDictStore, _payload
 
 logger = logging.getLogger(__name__)
@@ -190,11 +189,8 @@ def stage(source: str | os.PathLike[str], ddict: DDict | AsyncDDict, *, prefix: 
     TypeError, ValueError
         A wrong argument, named.
     """
-    if isinstance(ddict, AsyncDDict):
-        ddict = ddict.ddict
-    if not isinstance(ddict, DDict):
-        raise TypeError(f"ddict must be a DDict or an AsyncDDict, got {type(ddict).__name__}")
-    check_key(prefix, "prefix")
+    target = DDictStore(ddict, prefix=prefix)  # (checks ddict and prefix, as for any store)
+    ddict = target.ddict
     check_int("nloaders", nloaders, 1, allow_none=True)
     path = os.fspath(source)
     store = open_source(path, storage_options)
@@ -203,7 +199,6 @@ def stage(source: str | os.PathLike[str], ddict: DDict | AsyncDDict, *, prefix: 
     async def listing() -> list[str]:
         return [k async for k in store.list()]
 
-    target = DDictStore(ddict, prefix=prefix)
     keys = sync(listing())
     names = [(k, ddict.which_manager(target.prefix + k)) for k in keys]
     workers: dict[str, list[int]] = {}
@@ -288,15 +283,20 @@ class StagedStore(DDictStore):
     def is_loaded(self) -> bool:
         """Whether every object is in the dictionary (then the source is never read
         again).  Raises the first loader's error, if one failed."""
+        return self._state()[1]
+
+    def _state(self) -> tuple[int, bool]:
+        """``(objects loaded, whether every loader finished)``, from one read of the
+        loaders' records; raises the first loader's error, if one failed."""
         if self._loaded:
-            return True
+            return self.total, True
         records = self._records()
         for r in records:
             if r is not None and r[3] is not None:
                 raise DDictError(f"staging {self.source!r} into {self._d.get_name()!r} "
                                  f"failed: {r[3]}", "INVALID_OPERATION")  # fmt: skip
         self._loaded = all(r is not None and r[2] for r in records)
-        return self._loaded
+        return sum(r[0] for r in records if r is not None), self._loaded
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until everything is loaded (``timeout`` seconds at most), with a bar when
@@ -317,16 +317,15 @@ class StagedStore(DDictStore):
             bar = tqdm(total=self.total, desc=f"staging {self.source}", unit="object",
                        leave=False)  # fmt: skip
         try:
-            while not self.is_loaded():
+            while not (state := self._state())[1]:
                 failed = [f for f in self._futures if f.status == "error"]
                 if failed:
                     failed[0].result()  # (raises the loader's error)
                 if bar is not None:
-                    bar.update(self.loaded()[0] - bar.n)
+                    bar.update(state[0] - bar.n)
                 if deadline is not None and time.monotonic() >= deadline:
-                    done, total = self.loaded()
-                    raise DDictTimeoutError(f"staging {self.source!r}: {done} of {total} "
-                                            f"objects loaded after {timeout} s")  # fmt: skip
+                    raise DDictTimeoutError(f"staging {self.source!r}: {state[0]} of "
+                                            f"{self.total} objects loaded after {timeout} s")  # fmt: skip
                 time.sleep(POLL if deadline is None else
                            max(0.0, min(POLL, deadline - time.monotonic())))  # fmt: skip
             if bar is not None:
