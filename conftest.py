@@ -18,8 +18,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("DDICT_TEST_TWO_HOSTS") == "1":  # tests/test_two_hosts.py runs these
-        elsewhere = pytest.mark.skip(reason="one_host: asserts that every manager is on this "
-                                            "host (its /dev/shm, its shared-memory path)")  # fmt: skip
+        elsewhere = pytest.mark.skip(
+            reason="one_host: asserts that every manager is on this "
+            "host (its /dev/shm, its shared-memory path)"
+        )
         for item in items:
             if "one_host" in item.keywords:
                 item.add_marker(elsewhere)

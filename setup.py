@@ -22,7 +22,11 @@ KERNELS = "dask_ddict.kernels._compiled"
 def wanted() -> bool:
     """False where ``DASK_DDICT__COMPILED`` says false (as dask.config reads it)."""
     return os.environ.get("DASK_DDICT__COMPILED", "").strip().lower() not in {
-        "false", "0", "no", "off"}  # fmt: skip
+        "false",
+        "0",
+        "no",
+        "off",
+    }
 
 
 def extensions() -> list[Any]:

@@ -25,7 +25,7 @@ def best_of(fn: Callable[[], Any], reps: int, budget: float) -> float:
     at least one)."""
     best = float("inf")
     t_end = time.perf_counter() + budget
-    for i in range(reps):
+    for _ in range(reps):
         t0 = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t0)
@@ -64,8 +64,9 @@ def _loopback(nbytes: int) -> Iterator[Callable[[], None]]:
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
     lsock.settimeout(30)
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(lsock.getsockname()[1]),
-                              str(nbytes)])  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(lsock.getsockname()[1]), str(nbytes)]
+    )
     conn = None
     try:
         conn, _ = lsock.accept()
@@ -117,8 +118,7 @@ def cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
-def cpu_per_op(pid: int, op: Callable[[int], Any], n: int, cap: float
-               ) -> tuple[float, int, float]:  # fmt: skip
+def cpu_per_op(pid: int, op: Callable[[int], Any], n: int, cap: float) -> tuple[float, int, float]:
     """CPU seconds process ``pid`` spends per call of ``op(i)``, over ``n`` calls made from
     here (fewer if ``cap`` seconds passed first), the number of calls made, and the
     part of those seconds spent in user space (the rest is the kernel's: system calls,
@@ -155,10 +155,23 @@ def start_redis(k: int, *args: str) -> list[tuple[Any, int, str]]:
             s.close()
             workdir = tempfile.mkdtemp(prefix="ddict-bench-redis-")
             proc = subprocess.Popen(
-                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", workdir, *args],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    exe,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    workdir,
+                    *args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             servers.append((proc, port, workdir))
             r = redis.Redis(host="127.0.0.1", port=port)
             for _ in range(200):

@@ -50,9 +50,13 @@ VALUE = b"x" * 100
 PEERS = ("pipelined", "threads", "same host", "redis.asyncio")
 
 
-async def _rates(put: Callable[[str, bytes], Awaitable[Any]],
-                 get: Callable[[str], Awaitable[Any]], c: int, n: int,
-                 tag: str) -> dict[str, tuple[float, float]]:  # fmt: skip
+async def _rates(
+    put: Callable[[str, bytes], Awaitable[Any]],
+    get: Callable[[str], Awaitable[Any]],
+    c: int,
+    n: int,
+    tag: str,
+) -> dict[str, tuple[float, float]]:
     """``{"put"|"get": (ops/s, client CPU s per op)}`` of C coroutines doing n each."""
 
     async def one(w: int, op: str) -> None:
@@ -89,21 +93,20 @@ def child(serialized: str, ports: list[int], cs: list[int], n: int, results: Any
     async def run() -> None:
         peers: dict[str, Any] = {
             "pipelined": handle({"ddict.local-transport": False}),
-            "threads": handle({"ddict.local-transport": False,
-                               "ddict.transport.pipelined": False}),
+            "threads": handle({"ddict.local-transport": False, "ddict.transport.pipelined": False}),
             "same host": handle({}),
-        }  # fmt: skip
+        }
         if ports:
             import redis.asyncio as ra
 
-            servers = [ra.Redis(host="127.0.0.1", port=p, max_connections=max(cs) + 8)
-                       for p in ports]  # fmt: skip
+            servers = [
+                ra.Redis(host="127.0.0.1", port=p, max_connections=max(cs) + 8) for p in ports
+            ]
 
             def server(k: str) -> Any:
                 return servers[zlib.crc32(k.encode()) % len(servers)]
 
-            peers["redis.asyncio"] = (lambda k, v: server(k).set(k, v),
-                                      lambda k: server(k).get(k))  # fmt: skip
+            peers["redis.asyncio"] = (lambda k, v: server(k).set(k, v), lambda k: server(k).get(k))
         for c in cs:
             for name, p in peers.items():
                 put, get = (p.put, p.get) if isinstance(p, AsyncDDict) else p
@@ -128,20 +131,34 @@ def rows_of(got: dict[tuple[str, int], dict[str, tuple[float, float]]], cs: list
                 if rate is None:
                     continue
                 ratio = f"{rate[0] / ref[0]:.2f}x redis.asyncio" if ref else "-"
-                rows.append((f"async {op}, {name}, C={c}", f"{rate[0]:,.0f} ops/s", "-",
-                             ratio if name != "redis.asyncio" else "-",
-                             f"client CPU {rate[1] * 1e6:.0f} us/op"))  # fmt: skip
+                rows.append(
+                    (
+                        f"async {op}, {name}, C={c}",
+                        f"{rate[0]:,.0f} ops/s",
+                        "-",
+                        ratio if name != "redis.asyncio" else "-",
+                        f"client CPU {rate[1] * 1e6:.0f} us/op",
+                    )
+                )
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer operations")
-    ap.add_argument("--workers", type=int, default=2, help="workers = host processes = "
-                    "managers = redis-servers (default 2)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="workers = host processes = managers = redis-servers (default 2)",
+    )
     ap.add_argument("--coroutines", default="1,16,128", help="C, comma-separated")
-    ap.add_argument("--ops", type=int, default=None, help="puts, then gets, per coroutine "
-                    "(default 400; --quick 150)")
+    ap.add_argument(
+        "--ops",
+        type=int,
+        default=None,
+        help="puts, then gets, per coroutine (default 400; --quick 150)",
+    )
     args = ap.parse_args()
     cs = sorted({int(x) for x in args.coroutines.split(",")})
     n = args.ops or (150 if args.quick else 400)
@@ -156,15 +173,19 @@ def main() -> None:
     servers = start_redis(args.workers)
     got: dict[tuple[str, int], dict[str, tuple[float, float]]] = {}
     try:
-        with LocalCluster(n_workers=args.workers, threads_per_worker=1,
-                          dashboard_address=":0") as cl, Client(cl) as client:  # fmt: skip
-            d = DDict(managers_per_worker=1, total_mem=f"{64 * args.workers} MiB",
-                      client=client)  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=args.workers, threads_per_worker=1, dashboard_address=":0"
+            ) as cl,
+            Client(cl) as client,
+        ):
+            d = DDict(managers_per_worker=1, total_mem=f"{64 * args.workers} MiB", client=client)
             try:
                 ctx = mp.get_context("spawn")
                 results = ctx.Queue()
-                p = ctx.Process(target=child, args=(d.serialize(), [s[1] for s in servers],
-                                                    cs, n, results))  # fmt: skip
+                p = ctx.Process(
+                    target=child, args=(d.serialize(), [s[1] for s in servers], cs, n, results)
+                )
                 p.start()
                 deadline = time.monotonic() + 1800
                 while len(got) < len(cs) * (len(PEERS) - (not servers)):
@@ -185,10 +206,13 @@ def main() -> None:
     rows = rows_of(got, cs)
     if not servers:
         rows.append(("redis.asyncio", "n/a", "-", "-", "redis-server is not on the PATH"))
-    print_table(rows, f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-                f"{args.workers} workers, C in {','.join(map(str, cs))}, {n} puts and gets per "
-                f"coroutine, {time.perf_counter() - started:.0f} s in all"
-                f"{', --quick' if args.quick else ''})")  # fmt: skip
+    print_table(
+        rows,
+        f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+        f"{args.workers} workers, C in {','.join(map(str, cs))}, {n} puts and gets per "
+        f"coroutine, {time.perf_counter() - started:.0f} s in all"
+        f"{', --quick' if args.quick else ''})",
+    )
     if len(got) < len(cs) * (len(PEERS) - (not servers)):
         print("FAILED: the client process did not finish (its trace is on stderr)")
         sys.exit(1)

@@ -45,11 +45,15 @@ from dask_ddict import DDict
 
 VALUE = 1 << 20
 MANAGERS = 16
-RESULTS = {"local scan (reference)": "2 floats", "filter": "{n} floats, streamed",
-           "to_bag().map().sum()": "1 float"}  # fmt: skip
+RESULTS = {
+    "local scan (reference)": "2 floats",
+    "filter": "{n} floats, streamed",
+    "to_bag().map().sum()": "1 float",
+}
 
 
 # -- counting bytes that crossed a socket (installed in every process) ----------------------
+
 
 def count_socket_bytes() -> None:
     """Wrap the key path's connection reads to count what arrives over sockets.
@@ -57,7 +61,8 @@ def count_socket_bytes() -> None:
     (The count lives on the wrapped class: these functions travel to the
     workers by value, with copies of this module's globals.)
     """
-    from dask_ddict.transport import conn as conns, links
+    from dask_ddict.transport import conn as conns
+    from dask_ddict.transport import links
 
     conn: Any = conns.Conn
     if "_bench_received" in vars(conn):
@@ -139,10 +144,16 @@ def main() -> None:
     n_values = total // VALUE
     rows: list[tuple[str, str, str, str, str, str]] = []
     count_socket_bytes()
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         c.run(count_socket_bytes)
-        d = DDict(managers_per_worker=MANAGERS // 2, total_mem=int(total * (3 if args.quick else 2)), client=c)
+        d = DDict(
+            managers_per_worker=MANAGERS // 2,
+            total_mem=int(total * (3 if args.quick else 2)),
+            client=c,
+        )
         try:
             rng = np.random.default_rng(0)
             for i in range(0, n_values, 64):
@@ -164,19 +175,35 @@ def main() -> None:
                     return float(d.to_bag("values").map(np.sum).sum().compute())
 
                 ref = None
-                for name, call in (("local scan (reference)", local), ("filter", filtered),
-                                   ("to_bag().map().sum()", bag)):  # fmt: skip
+                for name, call in (
+                    ("local scan (reference)", local),
+                    ("filter", filtered),
+                    ("to_bag().map().sum()", bag),
+                ):
                     before = socket_bytes(c)
                     secs, _ = best(call, reps)
                     after = socket_bytes(c)
                     ref = ref or secs
-                    rows.append((name, f"{secs:.3f} s", f"{secs / ref:.2f}x",
-                                 f"{after[0] - before[0]:,} B", f"{after[1] - before[1]:,} B",
-                                 RESULTS[name].format(n=n_values)))  # fmt: skip
+                    rows.append(
+                        (
+                            name,
+                            f"{secs:.3f} s",
+                            f"{secs / ref:.2f}x",
+                            f"{after[0] - before[0]:,} B",
+                            f"{after[1] - before[1]:,} B",
+                            RESULTS[name].format(n=n_values),
+                        )
+                    )
         finally:
             d.destroy()
-    head = ("operation", "time (best)", "vs local scan", "DDict sockets", "Dask transfers",
-            "results")  # fmt: skip
+    head = (
+        "operation",
+        "time (best)",
+        "vs local scan",
+        "DDict sockets",
+        "Dask transfers",
+        "results",
+    )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
     print(f"{total >> 20} MiB of {VALUE >> 10} KiB values in {MANAGERS} managers, 2 workers")
@@ -184,10 +211,14 @@ def main() -> None:
     print("-" * len(line))
     for r in rows:
         print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    print("\n(targets: filter and to_bag at most 1.5x the local scan, 0 B over DDict sockets "
-          "and Dask transfers)")
-    print(f"(python {sys.version.split()[0]}, {os.cpu_count()} cores, best of {reps} after a "
-          "warm-up; bytes over all runs of a row)")
+    print(
+        "\n(targets: filter and to_bag at most 1.5x the local scan, 0 B over DDict sockets "
+        "and Dask transfers)"
+    )
+    print(
+        f"(python {sys.version.split()[0]}, {os.cpu_count()} cores, best of {reps} after a "
+        "warm-up; bytes over all runs of a row)"
+    )
 
 
 if __name__ == "__main__":

@@ -76,7 +76,6 @@ from typing import Any
 
 from _bench_refs import print_table, python_build, start_redis, stop_redis  # beside this script
 
-
 Row = tuple[str, str, str, str, str]  # measurement, value, target, result, notes
 VALUE = b"x" * 100
 MANY = 1000  # keys per get_many / batch
@@ -91,8 +90,13 @@ CHILD_TIMEOUT = 1800.0  # a client process's every wait (the parent breaks the b
 
 # -- the client processes ------------------------------------------------------------------
 
-Ops = tuple[Callable[[str, bytes], Any], Callable[[str], Any], Callable[[list[str]], Any],
-            Callable[[list[str], bytes], Any], Callable[[], Any]]  # fmt: skip
+Ops = tuple[
+    Callable[[str, bytes], Any],
+    Callable[[str], Any],
+    Callable[[list[str]], Any],
+    Callable[[list[str], bytes], Any],
+    Callable[[], Any],
+]
 
 
 def ddict_ops(serialized: str) -> Ops:
@@ -158,8 +162,9 @@ def redis_ops(ports: list[int]) -> Ops:
     return put, get, get_many, batch, close
 
 
-def client_phases(j: int, ops: Ops, cfg: dict[str, Any], barrier: Any
-                  ) -> dict[str, tuple[int, float, float]]:  # fmt: skip
+def client_phases(
+    j: int, ops: Ops, cfg: dict[str, Any], barrier: Any
+) -> dict[str, tuple[int, float, float]]:
     """One peer's phases in client process ``j``: {phase: (ops, seconds, own CPU seconds)}."""
     put, get, get_many, batch, _ = ops
     v, n, cap, secs = VALUE, cfg["n"], cfg["cap"], cfg["seconds"]
@@ -180,7 +185,7 @@ def client_phases(j: int, ops: Ops, cfg: dict[str, Any], barrier: Any
         done = 0
         if ph == "put":
             while done < n:
-                for k in keys[done:done + CHUNK]:
+                for k in keys[done : done + CHUNK]:
                     put(k, v)
                 done = min(n, done + CHUNK)
                 if time.perf_counter() > t_end:
@@ -189,7 +194,7 @@ def client_phases(j: int, ops: Ops, cfg: dict[str, Any], barrier: Any
         elif ph == "get":
             got = v
             while done < n_put:
-                for k in keys[done:done + CHUNK]:
+                for k in keys[done : done + CHUNK]:
                     got = get(k)
                 done = min(n_put, done + CHUNK)
                 if time.perf_counter() > t_end:
@@ -208,8 +213,9 @@ def client_phases(j: int, ops: Ops, cfg: dict[str, Any], barrier: Any
     return out
 
 
-def client_main(j: int, peers: list[tuple[str, str, Any, bool]], cfg: dict[str, Any],
-                barrier: Any, results: Any) -> None:  # fmt: skip
+def client_main(
+    j: int, peers: list[tuple[str, str, Any, bool]], cfg: dict[str, Any], barrier: Any, results: Any
+) -> None:
     """Client process ``j``: every peer's phases in turn; puts ("ok", j, {peer: phases})
     or ("error", j, trace) on ``results``."""
     try:
@@ -259,16 +265,21 @@ def cpu_seconds(procs: list[Any]) -> float:
     return total
 
 
-def run_group(p: int, peers: list[tuple[str, str, Any, bool, list[Any], Callable[[], None]]],
-              cfg: dict[str, Any]) -> dict[str, dict[str, Cell]]:  # fmt: skip
+def run_group(
+    p: int,
+    peers: list[tuple[str, str, Any, bool, list[Any], Callable[[], None]]],
+    cfg: dict[str, Any],
+) -> dict[str, dict[str, Cell]]:
     """P client processes through every peer (name, kind, spec, local, server processes,
     emptying); {peer: {phase: Cell}}."""
     ctx = mp.get_context("spawn")  # (no fork of a process running a cluster's threads)
     barrier = ctx.Barrier(p + 1)
     results = ctx.Queue()
     child_peers = [(name, kind, spec, local) for name, kind, spec, local, _, _ in peers]
-    procs = [ctx.Process(target=client_main, args=(j, child_peers, cfg, barrier, results),
-                         daemon=True) for j in range(p)]  # fmt: skip
+    procs = [
+        ctx.Process(target=client_main, args=(j, child_peers, cfg, barrier, results), daemon=True)
+        for j in range(p)
+    ]
     phase_timeout = cfg["cap"] + cfg["seconds"] + 120.0
     host: dict[str, dict[str, float]] = {}
     try:
@@ -294,8 +305,9 @@ def run_group(p: int, peers: list[tuple[str, str, Any, bool, list[Any], Callable
                     errors.append(results.get(timeout=10))
             except queue.Empty:
                 pass
-            msgs = sorted((m[2] for m in errors if m[0] == "error"),
-                          key=lambda t: "BrokenBarrierError" in t)  # the cause first
+            msgs = sorted(
+                (m[2] for m in errors if m[0] == "error"), key=lambda t: "BrokenBarrierError" in t
+            )  # the cause first
             msgs = msgs or ["(no client process said why)"]
             raise RuntimeError(f"a client process failed:\n{msgs[0]}") from None
         failed = [m[2] for m in outs if m[0] == "error"]
@@ -311,8 +323,7 @@ def run_group(p: int, peers: list[tuple[str, str, Any, bool, list[Any], Callable
         results.join_thread()
     cells: dict[str, dict[str, Cell]] = {}
     for name in host:
-        cells[name] = {ph: Cell([m[2][name][ph] for m in outs], host[name][ph])
-                       for ph in PHASES}  # fmt: skip
+        cells[name] = {ph: Cell([m[2][name][ph] for m in outs], host[name][ph]) for ph in PHASES}
     return cells
 
 
@@ -340,8 +351,9 @@ def rate_target(transport: str, ph: str, p: int, w: int) -> float | None:
     return None
 
 
-def rate_rows(cells: dict[int, dict[str, dict[str, Cell]]], w: int, rn: str | None,
-              r1: str | None) -> list[Row]:  # fmt: skip
+def rate_rows(
+    cells: dict[int, dict[str, dict[str, Cell]]], w: int, rn: str | None, r1: str | None
+) -> list[Row]:
     rows: list[Row] = []
     for transport in (SAME, TCP):
         for p, group in cells.items():
@@ -355,8 +367,11 @@ def rate_rows(cells: dict[int, dict[str, dict[str, Cell]]], w: int, rn: str | No
                 result = verdict(ratio >= want) if want and ratio else "-"
                 notes = []
                 if rn and base:
-                    notes.append(f"{rn} (crc32 % {w}): {base.rate:,.0f}" if w > 1
-                                 else f"{rn}: {base.rate:,.0f}")  # fmt: skip
+                    notes.append(
+                        f"{rn} (crc32 % {w}): {base.rate:,.0f}"
+                        if w > 1
+                        else f"{rn}: {base.rate:,.0f}"
+                    )
                 if r1 and r1 != rn:
                     notes.append(f"{r1}: {group[r1][ph].rate:,.0f} {u}/s")
                 notes.append(f"{c.ops:,} {u}, slowest process {c.slowest:.2f} s")
@@ -364,10 +379,11 @@ def rate_rows(cells: dict[int, dict[str, dict[str, Cell]]], w: int, rn: str | No
                 if base:
                     host += f" ({rn}: {base.host_us:.2f})"
                 notes.append(host)
-                notes.append(f"client CPU {c.client_us:.1f} us/{u[:-1]}"
-                             + (f" ({rn}: {base.client_us:.1f})" if base else ""))  # fmt: skip
-                rows.append((f"{ph}, {transport}, P={p}", value, target, result,
-                             "; ".join(notes)))  # fmt: skip
+                notes.append(
+                    f"client CPU {c.client_us:.1f} us/{u[:-1]}"
+                    + (f" ({rn}: {base.client_us:.1f})" if base else "")
+                )
+                rows.append((f"{ph}, {transport}, P={p}", value, target, result, "; ".join(notes)))
     return rows
 
 
@@ -380,36 +396,47 @@ def cpu_rows(cells: dict[int, dict[str, dict[str, Cell]]], rn: str | None) -> li
             u = UNIT[ph][:-1]
             first, last = cells[lo][transport][ph], cells[hi][transport][ph]
             growth = last.host_us / first.host_us if first.host_us > 0 else float("inf")
-            value = (f"{first.host_us:.2f} -> {last.host_us:.2f} us/{u} (P={lo} -> {hi}"
-                     + (f": {growth:.2f}x)" if first.host_us > 0 else ")"))  # fmt: skip
+            value = f"{first.host_us:.2f} -> {last.host_us:.2f} us/{u} (P={lo} -> {hi}" + (
+                f": {growth:.2f}x)" if first.host_us > 0 else ")"
+            )
             every = ", ".join(f"P={p}: {cells[p][transport][ph].host_us:.2f}" for p in ps)
             notes = [f"us per {u}, {every}"]
             if rn:
                 theirs = ", ".join(f"P={p}: {cells[p][rn][ph].host_us:.2f}" for p in ps)
                 notes.append(f"{rn} per {REDIS_OP[ph]}: {theirs}")
                 if cells[hi][rn][ph].host_us > 0:
-                    notes.append(f"ours / {rn} at P={hi}: "
-                                 f"{last.host_us / cells[hi][rn][ph].host_us:.2f}x")  # fmt: skip
+                    notes.append(
+                        f"ours / {rn} at P={hi}: {last.host_us / cells[hi][rn][ph].host_us:.2f}x"
+                    )
             if len(ps) < 2:
                 result = "n/a"
                 notes.append("one P only: nothing to compare")
             elif first.host_cpu < 0.05:
                 result = "n/a"
-                notes.append(f"the host processes spent {first.host_cpu * 1e3:.0f} ms at P={lo}: "
-                             "(mostly) off this path")  # fmt: skip
+                notes.append(
+                    f"the host processes spent {first.host_cpu * 1e3:.0f} ms at P={lo}: "
+                    "(mostly) off this path"
+                )
             else:
                 result = verdict(growth <= 1.2)
-            rows.append((f"host CPU per {ph}, {transport}", value,
-                         f"<= 1.2x P={lo}'s" if len(ps) > 1 else "-", result, "; ".join(notes)))
+            rows.append(
+                (
+                    f"host CPU per {ph}, {transport}",
+                    value,
+                    f"<= 1.2x P={lo}'s" if len(ps) > 1 else "-",
+                    result,
+                    "; ".join(notes),
+                )
+            )
     return rows
 
 
 # -- main ----------------------------------------------------------------------------------
 
 
-def measure(args: argparse.Namespace, ps: list[int], cfg: dict[str, Any],
-            rows: list[Row]) -> tuple[dict[int, dict[str, dict[str, Cell]]], str | None,
-                                      str | None]:  # fmt: skip
+def measure(
+    args: argparse.Namespace, ps: list[int], cfg: dict[str, Any], rows: list[Row]
+) -> tuple[dict[int, dict[str, dict[str, Cell]]], str | None, str | None]:
     """Every process group on one cluster and one dictionary (destroyed at the end)."""
     import psutil
     from distributed import Client, LocalCluster
@@ -423,17 +450,24 @@ def measure(args: argparse.Namespace, ps: list[int], cfg: dict[str, Any],
     cells: dict[int, dict[str, dict[str, Cell]]] = {}
     rn = r1 = None
     try:
-        with LocalCluster(n_workers=w, threads_per_worker=1, processes=True,
-                          dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
-            d = DDict(managers_per_worker=1, n_workers=w, total_mem=total_mem, client=c,
-                      timeout=120)  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=w, threads_per_worker=1, processes=True, dashboard_address=":0"
+            ) as cl,
+            Client(cl) as c,
+        ):
+            d = DDict(
+                managers_per_worker=1, n_workers=w, total_mem=total_mem, client=c, timeout=120
+            )
             try:
                 pids = sorted({s.pid for s in d.stats})
                 assert len(pids) == w and os.getpid() not in pids, pids
                 hosts = [psutil.Process(pid) for pid in pids]
                 spec = d.serialize()
-                peers: list[Any] = [(SAME, "ddict", spec, True, hosts, d.clear),
-                                    (TCP, "ddict", spec, False, hosts, d.clear)]
+                peers: list[Any] = [
+                    (SAME, "ddict", spec, True, hosts, d.clear),
+                    (TCP, "ddict", spec, False, hosts, d.clear),
+                ]
                 if redis:
                     import redis as redis_py
 
@@ -443,26 +477,48 @@ def measure(args: argparse.Namespace, ps: list[int], cfg: dict[str, Any],
                                 r = redis_py.Redis(host="127.0.0.1", port=port)
                                 r.flushall()
                                 r.close()
+
                         return flush
 
                     one = [redis[0]]
                     many = redis[1:] if w > 1 else one
                     r1, rn = "1 redis", f"{w} redis"
-                    peers.append((r1, "redis", [s[1] for s in one], True,
-                                  [psutil.Process(s[0].pid) for s in one],
-                                  flusher([s[1] for s in one])))  # fmt: skip
+                    peers.append(
+                        (
+                            r1,
+                            "redis",
+                            [s[1] for s in one],
+                            True,
+                            [psutil.Process(s[0].pid) for s in one],
+                            flusher([s[1] for s in one]),
+                        )
+                    )
                     if w > 1:
-                        peers.append((rn, "redis", [s[1] for s in many], True,
-                                      [psutil.Process(s[0].pid) for s in many],
-                                      flusher([s[1] for s in many])))  # fmt: skip
+                        peers.append(
+                            (
+                                rn,
+                                "redis",
+                                [s[1] for s in many],
+                                True,
+                                [psutil.Process(s[0].pid) for s in many],
+                                flusher([s[1] for s in many]),
+                            )
+                        )
                 for p in ps:
                     t0 = time.perf_counter()
                     try:
                         cells[p] = run_group(p, peers, cfg)
                     except Exception as e:  # noqa: BLE001 - the other groups still run
                         traceback.print_exc()
-                        rows.append((f"process group P={p}", "error", "-", "FAILED",
-                                     " ".join(str(e).split())[-300:]))  # fmt: skip
+                        rows.append(
+                            (
+                                f"process group P={p}",
+                                "error",
+                                "-",
+                                "FAILED",
+                                " ".join(str(e).split())[-300:],
+                            )
+                        )
                         d.clear()
                     print(f"(P={p}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
             finally:
@@ -475,24 +531,45 @@ def measure(args: argparse.Namespace, ps: list[int], cfg: dict[str, Any],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer operations, P in 1,4")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes = host processes "
-                    "= managers = redis-servers of the hashed peer (default 2)")
-    ap.add_argument("--clients", default=None,
-                    help="client process counts, comma-separated (default 1,2,4; --quick 1,4)")
-    ap.add_argument("--ops", type=int, default=None,
-                    help="sequential puts, then gets, per client process (default 20000; "
-                    "--quick 5000)")
-    ap.add_argument("--seconds", type=float, default=None,
-                    help="seconds of get_many and of batch puts (default 2; --quick 0.75)")
-    ap.add_argument("--cap", type=float, default=None,
-                    help="most seconds of a put or get phase (default 60; --quick 15)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="worker processes = host processes "
+        "= managers = redis-servers of the hashed peer (default 2)",
+    )
+    ap.add_argument(
+        "--clients",
+        default=None,
+        help="client process counts, comma-separated (default 1,2,4; --quick 1,4)",
+    )
+    ap.add_argument(
+        "--ops",
+        type=int,
+        default=None,
+        help="sequential puts, then gets, per client process (default 20000; --quick 5000)",
+    )
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="seconds of get_many and of batch puts (default 2; --quick 0.75)",
+    )
+    ap.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        help="most seconds of a put or get phase (default 60; --quick 15)",
+    )
     args = ap.parse_args()
     ps = sorted({int(x) for x in (args.clients or ("1,4" if args.quick else "1,2,4")).split(",")})
     if ps[0] < 1 or args.workers < 1:
         ap.error("--clients and --workers must be >= 1")
-    cfg = {"n": max(MANY, args.ops or (5000 if args.quick else 20_000)),
-           "seconds": args.seconds or (0.75 if args.quick else 2.0),
-           "cap": args.cap or (15.0 if args.quick else 60.0)}  # fmt: skip
+    cfg = {
+        "n": max(MANY, args.ops or (5000 if args.quick else 20_000)),
+        "seconds": args.seconds or (0.75 if args.quick else 2.0),
+        "cap": args.cap or (15.0 if args.quick else 60.0),
+    }
 
     started = time.perf_counter()
     rows: list[Row] = []
@@ -502,10 +579,13 @@ def main() -> None:
     if not rn:
         rows.append(("redis peers", "n/a", "-", "-", "redis-server is not on the PATH"))
 
-    print_table(rows, f"\n({python_build()}, {os.cpu_count()} cores, {args.workers} workers, "
-          f"P in {','.join(map(str, ps))}, {cfg['n']:,} puts/gets per process, "
-          f"{cfg['seconds']:g} s per get_many/batch phase, "
-          f"{time.perf_counter() - started:.0f} s in all{', --quick' if args.quick else ''})")
+    print_table(
+        rows,
+        f"\n({python_build()}, {os.cpu_count()} cores, {args.workers} workers, "
+        f"P in {','.join(map(str, ps))}, {cfg['n']:,} puts/gets per process, "
+        f"{cfg['seconds']:g} s per get_many/batch phase, "
+        f"{time.perf_counter() - started:.0f} s in all{', --quick' if args.quick else ''})",
+    )
     if any(r[3] == "FAILED" for r in rows):
         sys.exit(1)  # (a process group did not run to its end: its trace is on stderr)
 

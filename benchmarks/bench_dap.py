@@ -38,8 +38,12 @@ def main() -> None:
     cols = 1 << 14
     rows = int(args.gib * (1 << 30) / 8 / cols) // 8 * 8
     nbytes = rows * cols * 8
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit=0) as cl, Client(cl) as client:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=args.workers, threads_per_worker=1, dashboard_address=":0", memory_limit=0
+        ) as cl,
+        Client(cl) as client,
+    ):
         x = client.persist(da.random.default_rng(0).random((rows, cols), chunks=(rows // 8, cols)))
         wait(x)
         total = float(x.sum().compute())
@@ -69,10 +73,12 @@ def main() -> None:
     gb = nbytes / 1e9
     print(f"array: {nbytes / (1 << 30):.2f} GiB float64, 8 blocks, {args.workers} workers")
     print(f"{'step':34} | {'seconds':>8} | GB/s")
-    for label, t in (("export to_dap (data to client)", t_export),
-                     ("import from_dap + persist (moves)", t_import),
-                     ("export to_dap_futures (in place)", t_export_inplace),
-                     ("import from futures + persist", t_import_inplace)):  # fmt: skip
+    for label, t in (
+        ("export to_dap (data to client)", t_export),
+        ("import from_dap + persist (moves)", t_import),
+        ("export to_dap_futures (in place)", t_export_inplace),
+        ("import from futures + persist", t_import_inplace),
+    ):
         print(f"{label:34} | {t:8.2f} | {gb / t:6.2f}")
 
 

@@ -175,17 +175,36 @@ def bulk_rows(handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
     for where, h in handles.items():
         if hasattr(DDict, "get_many"):
             rate = run_get_many(h, secs)
-            rows.append(("get_many 1000 x 100 B", where, f"{rate:,.0f} keys/s",
-                         f"mget: {mget:,.0f} keys/s" if mget else "n/a",
-                         f"{rate / mget:.2f}x" if mget else "n/a"))  # fmt: skip
+            rows.append(
+                (
+                    "get_many 1000 x 100 B",
+                    where,
+                    f"{rate:,.0f} keys/s",
+                    f"mget: {mget:,.0f} keys/s" if mget else "n/a",
+                    f"{rate / mget:.2f}x" if mget else "n/a",
+                )
+            )
         else:
-            rows.append(("get_many 1000 x 100 B", where, "n/a (not built)",
-                         f"mget: {mget:,.0f} keys/s" if mget else "n/a", "n/a"))  # fmt: skip
+            rows.append(
+                (
+                    "get_many 1000 x 100 B",
+                    where,
+                    "n/a (not built)",
+                    f"mget: {mget:,.0f} keys/s" if mget else "n/a",
+                    "n/a",
+                )
+            )
     for where, h in handles.items():
         rate = run_batch(h, secs)
-        rows.append(("batch put 1000 x 100 B", where, f"{rate:,.0f} keys/s",
-                     f"pipeline: {pipe:,.0f} keys/s" if pipe else "n/a",
-                     f"{rate / pipe:.2f}x" if pipe else "n/a"))  # fmt: skip
+        rows.append(
+            (
+                "batch put 1000 x 100 B",
+                where,
+                f"{rate:,.0f} keys/s",
+                f"pipeline: {pipe:,.0f} keys/s" if pipe else "n/a",
+                f"{rate / pipe:.2f}x" if pipe else "n/a",
+            )
+        )
     return rows
 
 
@@ -193,8 +212,15 @@ def big_get_rows(m0: DDict, reps: int) -> list[Row]:
     """memcpy of 64 MiB, and same-host gets of a 64 MiB array as a fraction of it."""
     mem = refs.memcpy_seconds(BIG, reps)
     ref_ms, ref_bw = f"memcpy: {mem * 1e3:.1f} ms", f"memcpy: {BIG / mem / 1e6:,.0f} MB/s"
-    rows: list[Row] = [("memcpy 64 MiB", "client process (np.copyto, warm buffers)", "-",
-                        f"{BIG / mem / 1e6:,.0f} MB/s ({mem * 1e3:.1f} ms)", "reference")]
+    rows: list[Row] = [
+        (
+            "memcpy 64 MiB",
+            "client process (np.copyto, warm buffers)",
+            "-",
+            f"{BIG / mem / 1e6:,.0f} MB/s ({mem * 1e3:.1f} ms)",
+            "reference",
+        )
+    ]
     m0["big"] = _value(BIG)
     try:
         if has_copy_false():
@@ -206,14 +232,35 @@ def big_get_rows(m0: DDict, reps: int) -> list[Row]:
                 assert view.nbytes == BIG, type(view)
                 del view
             t = float(np.median(times))
-            rows.append(("get 64 MiB copy=False", SAME, f"{t * 1e3:.3f} ms", ref_ms,
-                         f"{t / mem:.3f} of memcpy (target <= 0.10)"))  # fmt: skip
+            rows.append(
+                (
+                    "get 64 MiB copy=False",
+                    SAME,
+                    f"{t * 1e3:.3f} ms",
+                    ref_ms,
+                    f"{t / mem:.3f} of memcpy (target <= 0.10)",
+                )
+            )
         else:
-            rows.append(("get 64 MiB copy=False", SAME, "n/a (not built)", ref_ms,
-                         "target <= 0.10 of memcpy"))  # fmt: skip
+            rows.append(
+                (
+                    "get 64 MiB copy=False",
+                    SAME,
+                    "n/a (not built)",
+                    ref_ms,
+                    "target <= 0.10 of memcpy",
+                )
+            )
         t = refs.best_of(lambda: m0["big"], reps, budget=10.0)
-        rows.append(("get 64 MiB (copying)", SAME, f"{BIG / t / 1e6:,.0f} MB/s", ref_bw,
-                     f"{mem / t:.2f} of memcpy (target >= 0.8)"))  # fmt: skip
+        rows.append(
+            (
+                "get 64 MiB (copying)",
+                SAME,
+                f"{BIG / t / 1e6:,.0f} MB/s",
+                ref_bw,
+                f"{mem / t:.2f} of memcpy (target >= 0.8)",
+            )
+        )
     finally:
         del m0["big"]
     return rows
@@ -241,9 +288,13 @@ def view_room_row(c: Client) -> Row:
         assert view.nbytes == held
         room = 0.9 * capacity - held  # (manager_pool_full_thresh 0.9, less the view)
         live = len(m) * size
-    return ("live bytes under a 32 MiB view", "one 512 MiB shard, 240 overwrites of 8 MiB",
-            f"{live >> 20} MiB", f"room less the view: {room / 2**20:.0f} MiB",
-            f"{live / room:.2f} of it (target ~1: capacity - P - overhead)")  # fmt: skip
+    return (
+        "live bytes under a 32 MiB view",
+        "one 512 MiB shard, 240 overwrites of 8 MiB",
+        f"{live >> 20} MiB",
+        f"room less the view: {room / 2**20:.0f} MiB",
+        f"{live / room:.2f} of it (target ~1: capacity - P - overhead)",
+    )
 
 
 def tcp_big_row(tcp0: DDict, reps: int) -> Row:
@@ -255,9 +306,13 @@ def tcp_big_row(tcp0: DDict, reps: int) -> Row:
         t = refs.best_of(lambda: tcp0["big"], reps, budget=10.0)
     finally:
         del tcp0["big"]
-    return ("get 64 MiB (tcp)", TCP, f"{BIG / t / 1e6:,.0f} MB/s",
-            f"loopback TCP: {BIG / wire / 1e6:,.0f} MB/s",
-            f"{wire / t:.2f} of loopback (target >= 0.8)")  # fmt: skip
+    return (
+        "get 64 MiB (tcp)",
+        TCP,
+        f"{BIG / t / 1e6:,.0f} MB/s",
+        f"loopback TCP: {BIG / wire / 1e6:,.0f} MB/s",
+        f"{wire / t:.2f} of loopback (target >= 0.8)",
+    )
 
 
 def floor_row(base: dict[str, float] | None, secs: float) -> Row:
@@ -266,8 +321,13 @@ def floor_row(base: dict[str, float] | None, secs: float) -> Row:
     Python client and host on this machine, against redis-py's get in the same run."""
     rate = refs.loopback_rate(100, max(secs, 0.5))
     ratio = f"{rate / base['get']:.2f}x: the most a Python pair reaches" if base else "n/a"
-    return ("round trip 100 B (tcp)", "two Python processes, raw sockets",
-            f"{rate:,.0f} ops/s", f"{base['get']:,.0f} ops/s" if base else "n/a", ratio)
+    return (
+        "round trip 100 B (tcp)",
+        "two Python processes, raw sockets",
+        f"{rate:,.0f} ops/s",
+        f"{base['get']:,.0f} ops/s" if base else "n/a",
+        ratio,
+    )
 
 
 def _us(seconds: float, user: float | None = None) -> str:
@@ -286,28 +346,41 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
     def put(i: int) -> None:
         tcp0[i % 1000] = v
 
-    ours = {"put": refs.cpu_per_op(pid, put, n, cap=60.0),
-            "get": refs.cpu_per_op(pid, lambda i: tcp0[i % 1000], n, cap=60.0)}  # fmt: skip
+    ours = {
+        "put": refs.cpu_per_op(pid, put, n, cap=60.0),
+        "get": refs.cpu_per_op(pid, lambda i: tcp0[i % 1000], n, cap=60.0),
+    }
     tcp0.update({k: v for k in KEYS})  # (get_many: CPU per key, of 1,000-key requests)
-    ours["key of get_many"] = _per_key(refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS),
-                                                       max(n // 100, 10), cap=60.0))  # fmt: skip
+    ours["key of get_many"] = _per_key(
+        refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS), max(n // 100, 10), cap=60.0)
+    )
     tcp0.clear()
     theirs: dict[str, tuple[float, int, float]] = {}
     if redis_ctx:
         rpid, r = redis_ctx[0].pid, redis_ctx[1]
-        theirs = {"put": refs.cpu_per_op(rpid, lambda i: r.set(i % 1000, v), n, cap=60.0),
-                  "get": refs.cpu_per_op(rpid, lambda i: r.get(i % 1000), n, cap=60.0)}
+        theirs = {
+            "put": refs.cpu_per_op(rpid, lambda i: r.set(i % 1000, v), n, cap=60.0),
+            "get": refs.cpu_per_op(rpid, lambda i: r.get(i % 1000), n, cap=60.0),
+        }
         r.mset({k: v for k in KEYS})
-        theirs["key of get_many"] = _per_key(refs.cpu_per_op(rpid, lambda i: r.mget(KEYS),
-                                                             max(n // 100, 10), cap=60.0))
+        theirs["key of get_many"] = _per_key(
+            refs.cpu_per_op(rpid, lambda i: r.mget(KEYS), max(n // 100, 10), cap=60.0)
+        )
         r.flushall()
     rows = []
     for op, rop in (("get", "GET"), ("put", "SET"), ("key of get_many", "key of MGET")):
         (cpu, done, user), base = ours[op], theirs.get(op)
-        rows.append((f"host CPU per {op} 100 B (tcp)", f"host process, {done:,} {op.split()[0]}s",
-                     _us(cpu, user), f"redis-server per {rop}: {_us(base[0], base[2])}" if base else "n/a",
-                     (f"{cpu / base[0]:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
-                     if base else "n/a"))  # fmt: skip
+        rows.append(
+            (
+                f"host CPU per {op} 100 B (tcp)",
+                f"host process, {done:,} {op.split()[0]}s",
+                _us(cpu, user),
+                f"redis-server per {rop}: {_us(base[0], base[2])}" if base else "n/a",
+                (f"{cpu / base[0]:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
+                if base
+                else "n/a",
+            )
+        )
     return rows
 
 
@@ -399,8 +472,9 @@ def run_dragon(seconds: float) -> dict[str, float] | None:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_dragon.py")
     workdir = tempfile.mkdtemp(prefix="ddict-bench-dragon-")
     try:
-        out = subprocess.run([exe, script, str(seconds)], cwd=workdir, capture_output=True,
-                             text=True, timeout=600)  # fmt: skip
+        out = subprocess.run(
+            [exe, script, str(seconds)], cwd=workdir, capture_output=True, text=True, timeout=600
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"(Dragon run failed: {e!r})", file=sys.stderr)
         return None
@@ -413,25 +487,34 @@ def run_dragon(seconds: float) -> dict[str, float] | None:
     return None
 
 
-def tls_rows(secs: float, bases: dict[str, dict[str, float] | None]
-             ) -> list[tuple[str, str, str, str, str]]:  # fmt: skip
+def tls_rows(
+    secs: float, bases: dict[str, dict[str, float] | None]
+) -> list[tuple[str, str, str, str, str]]:
     """TCP with TLS on (a cluster with the cluster's certificates, as across hosts)."""
     from distributed import Security
 
     sec = Security.temporary()
     rows = []
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
-                      security=sec) as cl, Client(cl, security=sec) as c, \
-            dask.config.set({"ddict.local-transport": False}):  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0", security=sec) as cl,
+        Client(cl, security=sec) as c,
+        dask.config.set({"ddict.local-transport": False}),
+    ):
         d = DDict(total_mem="1 GiB", client=c)
         for label in ("100 B", "1 MiB"):
             nbytes, base = SIZES[label], bases.get(label)
             r = run_ddict(d.manager(0), nbytes, secs)
             for op in ("put", "get"):
                 ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
-                rows.append((f"{op} {label}", "client (tls, as from another host)",
-                             fmt(nbytes, r[op]), fmt(nbytes, base[op]) if base else "n/a",
-                             ratio))  # fmt: skip
+                rows.append(
+                    (
+                        f"{op} {label}",
+                        "client (tls, as from another host)",
+                        fmt(nbytes, r[op]),
+                        fmt(nbytes, base[op]) if base else "n/a",
+                        ratio,
+                    )
+                )
         d.destroy()
     return rows
 
@@ -442,8 +525,9 @@ def fmt(nbytes: int, rate: float) -> str:
     return f"{rate * nbytes / 1e6:,.0f} MB/s"
 
 
-def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], secs: float,
-                 reps: int, n_cpu: int) -> list[Row]:  # fmt: skip
+def cluster_rows(
+    c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], secs: float, reps: int, n_cpu: int
+) -> list[Row]:
     """Every row measured on the 2-worker cluster (``bases`` gets redis-py's per size)."""
     rows: list[Row] = []
     r_py = redis_ctx[1] if redis_ctx else None
@@ -454,10 +538,12 @@ def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], sec
         res = {
             SAME: run_ddict(m0, nbytes, s),
             "task on the manager's worker": c.submit(
-                task_bench, m0, nbytes, s, workers=[w0], pure=False).result(),
+                task_bench, m0, nbytes, s, workers=[w0], pure=False
+            ).result(),
             "task, other worker (same host)": c.submit(
-                task_bench, m0, nbytes, s, workers=[w1], pure=False).result(),
-        }  # fmt: skip
+                task_bench, m0, nbytes, s, workers=[w1], pure=False
+            ).result(),
+        }
         with dask.config.set({"ddict.local-transport": False}):
             tcp = DDict.attach(d.serialize(), client=c)
             try:
@@ -468,8 +554,15 @@ def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], sec
         for where, r in res.items():
             for op in ("put", "get"):
                 ratio = f"{r[op] / base[op]:.2f}x" if base else "n/a"
-                rows.append((f"{op} {label}", where, fmt(nbytes, r[op]),
-                             fmt(nbytes, base[op]) if base else "n/a", ratio))  # fmt: skip
+                rows.append(
+                    (
+                        f"{op} {label}",
+                        where,
+                        fmt(nbytes, r[op]),
+                        fmt(nbytes, base[op]) if base else "n/a",
+                        ratio,
+                    )
+                )
     rows.append(floor_row(bases.get("100 B"), secs))
     rows += big_get_rows(m0, reps)
     rows.append(view_room_row(c))
@@ -486,8 +579,15 @@ def cluster_rows(c: Client, d: DDict, redis_ctx: Any, bases: dict[str, Any], sec
     time.sleep(0.5)
     lat = put_latencies(m0, secs * 2)
     busy.result()
-    rows.append(("p99 put 100 B", "client, manager's worker CPU-bound",
-                 f"{p99(lat) * 1e3:.2f} ms", "n/a", "target <= 2 ms"))  # fmt: skip
+    rows.append(
+        (
+            "p99 put 100 B",
+            "client, manager's worker CPU-bound",
+            f"{p99(lat) * 1e3:.2f} ms",
+            "n/a",
+            "target <= 2 ms",
+        )
+    )
     return rows
 
 
@@ -504,8 +604,10 @@ def main() -> None:
     bases: dict[str, dict[str, float] | None] = {}
     redis_ctx = start_redis()
     try:
-        with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-                Client(cl) as c:  # fmt: skip
+        with (
+            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+            Client(cl) as c,
+        ):
             d = DDict(total_mem="1 GiB", client=c, n_workers=2)
             try:
                 rows += cluster_rows(c, d, redis_ctx, bases, secs, reps, n_cpu)

@@ -11,12 +11,11 @@ Prints one JSON line: sequential put/get of 100 B values (ops/s) and batch put
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import sys
 import time
 
 import dragon  # noqa: F401  (installs Dragon's multiprocessing start method)
-import multiprocessing as mp
-
 from dragon.data.ddict import DDict
 
 

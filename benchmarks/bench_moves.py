@@ -63,14 +63,13 @@ import time
 import traceback
 from typing import Any
 
-
 import numpy as np
+from _bench_refs import print_table  # beside this script (sys.path[0])
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.host.moves import LET_GO_AFTER
-from _bench_refs import print_table  # beside this script (sys.path[0])
 
 MiB, GiB = 1 << 20, 1 << 30
 VALUE = 16 * MiB  # the arrays that fill a manager
@@ -149,11 +148,21 @@ def back_at_once_row(c: Client, d: DDict, w0: str, w1: str) -> Row:
         where = d._core.fresh(force=True).manager_workers[0]
         d.manager(0)["still serving"] = 1
         ok = where == w1 and d.manager(0)["still serving"] == 1
-        return (name, "refused", "done, or refused cleanly", verdict(ok),
-                f"{type(e).__name__}: {err}; manager 0 stays on "
-                f"{'the worker it moved to' if where == w1 else where} and serves: {ok}")
-    return (name, f"{r['seconds']:.3f} s paused", "done, or refused cleanly", "met",
-            "moved back at once")
+        return (
+            name,
+            "refused",
+            "done, or refused cleanly",
+            verdict(ok),
+            f"{type(e).__name__}: {err}; manager 0 stays on "
+            f"{'the worker it moved to' if where == w1 else where} and serves: {ok}",
+        )
+    return (
+        name,
+        f"{r['seconds']:.3f} s paused",
+        "done, or refused cleanly",
+        "met",
+        "moved back at once",
+    )
 
 
 def stale_big_put_row(d: DDict, stale: DDict, mid: int, nbytes: int) -> Row:
@@ -167,9 +176,14 @@ def stale_big_put_row(d: DDict, stale: DDict, mid: int, nbytes: int) -> Row:
     except Exception as e:  # noqa: BLE001 - the row says what happened
         spent = time.perf_counter() - t0
         err = " ".join(str(e).split())[:160]
-        return (name, f"failed after {spent:.1f} s", "done (follows the move)", "MISSED",
-                f"{type(e).__name__}: {err} (handle timeout={stale._timeout} s; with "
-                "timeout=None it does not return)")
+        return (
+            name,
+            f"failed after {spent:.1f} s",
+            "done (follows the move)",
+            "MISSED",
+            f"{type(e).__name__}: {err} (handle timeout={stale._timeout} s; with "
+            "timeout=None it does not return)",
+        )
     spent = time.perf_counter() - t0
     ok = d.manager(mid)[("stale", nbytes)].shape == (nbytes // 8,)
     return (name, f"{spent:.3f} s", "done (follows the move)", verdict(ok), "")
@@ -240,8 +254,15 @@ d.detach()
 """
 
 
-def p99_row(who: str, c: Client, d: DDict, workers: tuple[str, str], n_moves: int,
-            base_seconds: float, label: str) -> tuple[Row, list[Any], dict[str, Any]]:  # fmt: skip
+def p99_row(
+    who: str,
+    c: Client,
+    d: DDict,
+    workers: tuple[str, str],
+    n_moves: int,
+    base_seconds: float,
+    label: str,
+) -> tuple[Row, list[Any], dict[str, Any]]:
     """p99 of 100 B puts to manager 1 by ``who`` ("client thread": a thread of this
     process; "client process": a process of its own), for ``base_seconds`` with no
     move, then during ``n_moves`` moves of manager 0 between ``workers`` (one every
@@ -252,9 +273,12 @@ def p99_row(who: str, c: Client, d: DDict, workers: tuple[str, str], n_moves: in
         putter.start()
         time.sleep(0.3)  # (warm)
     else:
-        proc = subprocess.Popen([sys.executable, "-c", _PUTTER, d.serialize(), "1"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PUTTER, d.serialize(), "1"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
     try:
         if proc is not None:
             assert proc.stdout is not None and proc.stdin is not None
@@ -281,8 +305,9 @@ def p99_row(who: str, c: Client, d: DDict, workers: tuple[str, str], n_moves: in
             per_span = [[s for t, s in lat if x <= t <= y] for x, y, _ in spans]
         else:
             assert proc is not None and proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps({"base": [a, b],
-                                         "spans": [[x, y] for x, y, _ in spans]}) + "\n")
+            proc.stdin.write(
+                json.dumps({"base": [a, b], "spans": [[x, y] for x, y, _ in spans]}) + "\n"
+            )
             proc.stdin.flush()
             out, _ = proc.communicate(timeout=120)
             assert proc.returncode == 0, f"the putter process failed ({proc.returncode})"
@@ -299,17 +324,20 @@ def p99_row(who: str, c: Client, d: DDict, workers: tuple[str, str], n_moves: in
     out_ = [s for span, i in zip(per_span, into) if not i for s in span]
     during = in_ + out_
     ratio = p99(during) / p99(without)
-    row = (f"p99 put 100 B to a manager that does not move, during moves ({who})",
-           f"{p99(during) * 1e3:.2f} ms during vs {p99(without) * 1e3:.2f} ms without "
-           f"({ratio:.2f}x)", "<= 2x without", verdict(ratio <= 2.0),
-           f"{n_moves} moves of manager 0 ({label}) into and out of manager 1's host "
-           f"process, one every {LET_GO:.1f} s; {len(during)} puts started during the "
-           f"{sum(y - x for x, y, _ in spans):.2f} s of move calls, {len(without)} in "
-           f"{base_seconds:g} s without; median {statistics.median(during) * 1e3:.2f} vs "
-           f"{statistics.median(without) * 1e3:.2f} ms, max {max(during) * 1e3:.1f} vs "
-           f"{max(without) * 1e3:.1f} ms; p99 during moves into its host process "
-           f"{p99(in_) * 1e3:.2f} ms ({len(in_)} puts), out of it {p99(out_) * 1e3:.2f} ms "
-           f"({len(out_)})")  # fmt: skip
+    row = (
+        f"p99 put 100 B to a manager that does not move, during moves ({who})",
+        f"{p99(during) * 1e3:.2f} ms during vs {p99(without) * 1e3:.2f} ms without ({ratio:.2f}x)",
+        "<= 2x without",
+        verdict(ratio <= 2.0),
+        f"{n_moves} moves of manager 0 ({label}) into and out of manager 1's host "
+        f"process, one every {LET_GO:.1f} s; {len(during)} puts started during the "
+        f"{sum(y - x for x, y, _ in spans):.2f} s of move calls, {len(without)} in "
+        f"{base_seconds:g} s without; median {statistics.median(during) * 1e3:.2f} vs "
+        f"{statistics.median(without) * 1e3:.2f} ms, max {max(during) * 1e3:.1f} vs "
+        f"{max(without) * 1e3:.1f} ms; p99 during moves into its host process "
+        f"{p99(in_) * 1e3:.2f} ms ({len(in_)} puts), out of it {p99(out_) * 1e3:.2f} ms "
+        f"({len(out_)})",
+    )
     return row, spans, last
 
 
@@ -319,8 +347,12 @@ def p99_row(who: str, c: Client, d: DDict, workers: tuple[str, str], n_moves: in
 def one_machine_rows(fill: int, n_moves: int, base_seconds: float) -> list[Row]:
     rows: list[Row] = []
     label = size_label(fill)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         cap = capacity_for(fill)
         d = DDict(managers_per_worker=1, n_workers=2, total_mem=2 * cap, client=c, timeout=60)
         try:
@@ -339,10 +371,16 @@ def one_machine_rows(fill: int, n_moves: int, base_seconds: float) -> list[Row]:
             worst = max(e["seconds"] for e in empty)
             each = ", ".join(f"{e['seconds']:.3f}" for e in empty)
             calls = ", ".join(f"{e['wall']:.3f}" for e in empty)
-            rows.append(("move of a nearly empty manager within one machine",
-                         f"{worst:.3f} s paused", "<= 0.1 s", verdict(worst <= 0.1),
-                         f"{len(empty)} moves: {each} s paused, {calls} s per call; "
-                         f"{empty[0]['nbytes'] / MiB:.1f} MiB shard"))  # fmt: skip
+            rows.append(
+                (
+                    "move of a nearly empty manager within one machine",
+                    f"{worst:.3f} s paused",
+                    "<= 0.1 s",
+                    verdict(worst <= 0.1),
+                    f"{len(empty)} moves: {each} s paused, {calls} s per call; "
+                    f"{empty[0]['nbytes'] / MiB:.1f} MiB shard",
+                )
+            )
             t0 = time.perf_counter()
             n = fill_manager(m0, fill, "big")
             fill_s = time.perf_counter() - t0
@@ -350,12 +388,17 @@ def one_machine_rows(fill: int, n_moves: int, base_seconds: float) -> list[Row]:
             stale = DDict.attach(d.serialize(), timeout=3, client=c)
             big = move(c, d, 0, w1)
             assert not big["copied"] and big["nbytes"] >= fill, big
-            rows.append((f"move of a manager holding {label} within one machine",
-                         f"{big['seconds']:.3f} s paused", "<= 0.1 s whatever its size",
-                         verdict(big["seconds"] <= 0.1),
-                         f"nbytes {big['nbytes'] / MiB:,.0f} MiB, handed over (copied="
-                         f"{big['copied']}), {big['wall']:.3f} s per call; filled in "
-                         f"{fill_s:.1f} s"))  # fmt: skip
+            rows.append(
+                (
+                    f"move of a manager holding {label} within one machine",
+                    f"{big['seconds']:.3f} s paused",
+                    "<= 0.1 s whatever its size",
+                    verdict(big["seconds"] <= 0.1),
+                    f"nbytes {big['nbytes'] / MiB:,.0f} MiB, handed over (copied="
+                    f"{big['copied']}), {big['wall']:.3f} s per call; filled in "
+                    f"{fill_s:.1f} s",
+                )
+            )
             check_filled(d.manager(0), n, "big")
             rows.append(stale_big_put_row(d, stale, 0, MiB))
             stale.detach()
@@ -368,11 +411,16 @@ def one_machine_rows(fill: int, n_moves: int, base_seconds: float) -> list[Row]:
                 rows.append(row)
                 spans += more
             paused = [s for _, _, s in spans]
-            rows.append((f"moves of a manager holding {label} back and forth (same machine)",
-                         f"max {max(paused):.3f} s paused", "<= 0.1 s",
-                         verdict(max(paused) <= 0.1),
-                         f"median {statistics.median(paused):.3f} s over {len(paused)} moves "
-                         "(those of the p99 rows)"))  # fmt: skip
+            rows.append(
+                (
+                    f"moves of a manager holding {label} back and forth (same machine)",
+                    f"max {max(paused):.3f} s paused",
+                    "<= 0.1 s",
+                    verdict(max(paused) <= 0.1),
+                    f"median {statistics.median(paused):.3f} s over {len(paused)} moves "
+                    "(those of the p99 rows)",
+                )
+            )
             check_filled(d.manager(0), n, "big")
             assert all(d.manager(1)[("tiny", i)] == i for i in range(100))
             d.manager(0)["after"] = 1  # takes writes where it is now
@@ -386,8 +434,12 @@ def one_machine_rows(fill: int, n_moves: int, base_seconds: float) -> list[Row]:
 
 def retire_rows(fill: int) -> list[Row]:
     label = size_label(fill)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         cap = capacity_for(fill // 2)
         d = DDict(managers_per_worker=2, n_workers=2, total_mem=4 * cap, client=c, timeout=60)
         try:
@@ -415,16 +467,19 @@ def retire_rows(fill: int) -> list[Row]:
             for m, n in filled.items():
                 check_filled(d.manager(m), n, ("big", m))
             assert all(d[("small", i)] == i for i in range(200))
-            row = (f"retire_workers of a worker whose managers hold {label}",
-                   f"{total:.2f} s total vs {moved_s:.3f} s of moves ({ratio:.1f}x)",
-                   "<= 2x the moves' time", verdict(ratio <= 2.0),
-                   f"{len(moves)} managers, {nbytes / MiB:,.0f} MiB handed over "
-                   f"(copied={any(m['copied'] for m in moves)}); retire_workers returned "
-                   f"after {retired:.2f} s, the first move began after {began:.2f} s (the worker's "
-                   f"nanny closing), the last ended after {ended:.2f} s; "
-                   f"{nbytes / total / 1e9:.2f} GB/s over the whole "
-                   f"retirement, {nbytes / moved_s / 1e9:.2f} GB/s over the moves' "
-                   "time")  # fmt: skip
+            row = (
+                f"retire_workers of a worker whose managers hold {label}",
+                f"{total:.2f} s total vs {moved_s:.3f} s of moves ({ratio:.1f}x)",
+                "<= 2x the moves' time",
+                verdict(ratio <= 2.0),
+                f"{len(moves)} managers, {nbytes / MiB:,.0f} MiB handed over "
+                f"(copied={any(m['copied'] for m in moves)}); retire_workers returned "
+                f"after {retired:.2f} s, the first move began after {began:.2f} s (the worker's "
+                f"nanny closing), the last ended after {ended:.2f} s; "
+                f"{nbytes / total / 1e9:.2f} GB/s over the whole "
+                f"retirement, {nbytes / moved_s / 1e9:.2f} GB/s over the moves' "
+                "time",
+            )
         finally:
             d.destroy()
     return [row]
@@ -485,8 +540,9 @@ def tcp_seconds(h: Any, nbytes: int, reps: int) -> list[float]:
     t = threading.Thread(target=receive, daemon=True)
     t.start()
     try:
-        out = h.on_host2(_SENDER.format(host=h.host1, port=port, nbytes=nbytes, reps=reps),
-                         timeout=180)
+        out = h.on_host2(
+            _SENDER.format(host=h.host1, port=port, nbytes=nbytes, reps=reps), timeout=180
+        )
         t.join(60)
     finally:
         lsock.close()
@@ -540,23 +596,34 @@ def two_host_rows(fill: int) -> list[Row]:
     move_bw = r["nbytes"] / r["seconds"]
     tcp_bw = r["nbytes"] / min(tcp)
     ratio = move_bw / tcp_bw
-    net = (f"{(r['nbytes'] - e['nbytes']) / (r['seconds'] - e['seconds']) / 1e9:.2f} GB/s net "
-           "of the empty move's time" if r["seconds"] > e["seconds"] else
-           "the empty move took longer: noise")  # fmt: skip
+    net = (
+        f"{(r['nbytes'] - e['nbytes']) / (r['seconds'] - e['seconds']) / 1e9:.2f} GB/s net "
+        "of the empty move's time"
+        if r["seconds"] > e["seconds"]
+        else "the empty move took longer: noise"
+    )
     return [
-        ("move of a nearly empty manager across the two-host fixture",
-         f"{e['seconds']:.3f} s paused", "n/a (the fixed cost)", "-",
-         f"nbytes {e['nbytes'] / MiB:.1f} MiB copied, {e['wall']:.3f} s per call; its copy's "
-         f"file ({(cap + max(MiB, cap // 16)) / MiB:,.0f} MiB map) is reserved whole on "
-         "host 1 as for the filled one"),
-        (name, f"{move_bw / 1e9:.2f} GB/s ({ratio:.2f}x TCP)", ">= 0.5x TCP",
-         verdict(ratio >= 0.5),
-         f"nbytes {r['nbytes'] / MiB:,.0f} MiB copied in {r['seconds']:.2f} s paused "
-         f"({r['wall']:.2f} s per call; {net}); plain TCP host 2 -> host 1 over the veth, "
-         "into a warm buffer: "
-         f"{tcp_bw / 1e9:.2f} GB/s (best of {', '.join(f'{t:.2f}' for t in tcp)} s); "
-         f"filled over TCP in {fill_s:.1f} s"),
-    ]  # fmt: skip
+        (
+            "move of a nearly empty manager across the two-host fixture",
+            f"{e['seconds']:.3f} s paused",
+            "n/a (the fixed cost)",
+            "-",
+            f"nbytes {e['nbytes'] / MiB:.1f} MiB copied, {e['wall']:.3f} s per call; its copy's "
+            f"file ({(cap + max(MiB, cap // 16)) / MiB:,.0f} MiB map) is reserved whole on "
+            "host 1 as for the filled one",
+        ),
+        (
+            name,
+            f"{move_bw / 1e9:.2f} GB/s ({ratio:.2f}x TCP)",
+            ">= 0.5x TCP",
+            verdict(ratio >= 0.5),
+            f"nbytes {r['nbytes'] / MiB:,.0f} MiB copied in {r['seconds']:.2f} s paused "
+            f"({r['wall']:.2f} s per call; {net}); plain TCP host 2 -> host 1 over the veth, "
+            "into a warm buffer: "
+            f"{tcp_bw / 1e9:.2f} GB/s (best of {', '.join(f'{t:.2f}' for t in tcp)} s); "
+            f"filled over TCP in {fill_s:.1f} s",
+        ),
+    ]
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -565,10 +632,18 @@ def two_host_rows(fill: int) -> list[Row]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller managers, fewer moves")
-    ap.add_argument("--gib", type=float, default=None,
-                    help="GiB in the managers that move on one machine (default 1; --quick 0.25)")
-    ap.add_argument("--two-host-mib", type=int, default=None,
-                    help="MiB in the manager that moves across hosts (default 512; --quick 128)")
+    ap.add_argument(
+        "--gib",
+        type=float,
+        default=None,
+        help="GiB in the managers that move on one machine (default 1; --quick 0.25)",
+    )
+    ap.add_argument(
+        "--two-host-mib",
+        type=int,
+        default=None,
+        help="MiB in the manager that moves across hosts (default 512; --quick 128)",
+    )
     ap.add_argument("--no-two-hosts", action="store_true", help="skip the two-host row")
     args = ap.parse_args()
     fill = int((args.gib if args.gib is not None else 0.25 if args.quick else 1.0) * GiB)
@@ -578,8 +653,10 @@ def main() -> None:
 
     started = time.perf_counter()
     rows: list[Row] = []
-    sections = [("moves within one machine", lambda: one_machine_rows(fill, n_moves, base_seconds)),
-                ("retire_workers", lambda: retire_rows(fill))]  # fmt: skip
+    sections = [
+        ("moves within one machine", lambda: one_machine_rows(fill, n_moves, base_seconds)),
+        ("retire_workers", lambda: retire_rows(fill)),
+    ]
     if not args.no_two_hosts:
         sections.append(("a move across the two-host fixture", lambda: two_host_rows(fill2)))
     for what, section in sections:
@@ -587,11 +664,21 @@ def main() -> None:
             rows += section()
         except Exception as e:  # noqa: BLE001 - the other sections still run; trace on stderr
             traceback.print_exc()
-            rows.append((what, "error", "-", "FAILED", f"{type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]}"))  # fmt: skip
+            rows.append(
+                (
+                    what,
+                    "error",
+                    "-",
+                    "FAILED",
+                    f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                )
+            )
 
-    print_table(rows, f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-          f"{time.perf_counter() - started:.0f} s in all{', --quick' if args.quick else ''})")
+    print_table(
+        rows,
+        f"\n(python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+        f"{time.perf_counter() - started:.0f} s in all{', --quick' if args.quick else ''})",
+    )
     if any(r[3] == "FAILED" for r in rows):
         sys.exit(1)  # (a section did not run to its end: its trace is on stderr)
 

@@ -51,8 +51,9 @@ def _revoked(dask_scheduler: Any) -> list[str]:
 CLASSES = ("M", "primary cut from s", "replica cut off", "the others")
 
 
-def _classes(c: Client, d: Any, part: Any, hot: int, cut: list[tuple[str, str]], s: str
-             ) -> dict[int, str]:  # fmt: skip
+def _classes(
+    c: Client, d: Any, part: Any, hot: int, cut: list[tuple[str, str]], s: str
+) -> dict[int, str]:
     """Each manager's class (:data:`CLASSES`): ``M``; one whose primary's machine is cut
     from the scheduler's (``s``); one with a replica on the other side of ``cut`` from its
     primary; the others (their primary and replicas on one side, with the scheduler)."""
@@ -72,15 +73,27 @@ def _classes(c: Client, d: Any, part: Any, hot: int, cut: list[tuple[str, str]],
     return out
 
 
-def run(ms: Any, part: Any, c: Client, name: str, cut: list[tuple[str, str]],
-        until: Any) -> list[tuple[str, str, str, str, str]]:  # fmt: skip
-    d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, replicas=1, timeout=60,
-              lifetime="cluster")  # fmt: skip
+def run(
+    ms: Any, part: Any, c: Client, name: str, cut: list[tuple[str, str]], until: Any
+) -> list[tuple[str, str, str, str, str]]:
+    d = DDict(
+        managers_per_worker=2,
+        total_mem="96 MiB",
+        client=c,
+        replicas=1,
+        timeout=60,
+        lifetime="cluster",
+    )
     try:
         part.settled(c, d)
         hot, p, r = part.hot_manager(c, d)
-        cut = [(p if one == "b" else r if one == "a" else one,
-                p if other == "b" else r if other == "a" else other) for one, other in cut]
+        cut = [
+            (
+                p if one == "b" else r if one == "a" else one,
+                p if other == "b" else r if other == "a" else other,
+            )
+            for one, other in cut
+        ]
         classes = _classes(c, d, part, hot, cut, "s")
         writers = part.Writers(ms, d, hot, "w", alone=True)
         time.sleep(2.0)
@@ -100,12 +113,19 @@ def run(ms: Any, part: Any, c: Client, name: str, cut: list[tuple[str, str]],
         d.destroy()
     rows = [(f"{name}: the change", f"{changed:.1f} s after the cut", "-", "-", "")]
     for kind in CLASSES:
-        during = sorted(r[6] - r[5] for r in records
-                        if began <= r[5] <= healed and classes[r[2]] == kind)  # fmt: skip
+        during = sorted(
+            r[6] - r[5] for r in records if began <= r[5] <= healed and classes[r[2]] == kind
+        )
         if during:
-            rows.append((f"{name}: {kind}", f"longest {during[-1]:.2f} s",
-                         f"p99 {1e3 * during[int(0.99 * (len(during) - 1))]:.1f} ms", "-",
-                         f"{len(during)} operations begun while cut"))  # fmt: skip
+            rows.append(
+                (
+                    f"{name}: {kind}",
+                    f"longest {during[-1]:.2f} s",
+                    f"p99 {1e3 * during[int(0.99 * (len(during) - 1))]:.1f} ms",
+                    "-",
+                    f"{len(during)} operations begun while cut",
+                )
+            )
     return rows
 
 
@@ -118,8 +138,10 @@ def main() -> None:
     why = importlib.import_module("twohost").unavailable()
     if why is not None:
         sys.exit(f"the machines fixture cannot run here: {why}")
-    env = {"DASK_DDICT__LEASE__DURATION": f"{args.lease}s",
-           "DASK_DDICT__LEASE__MARGIN": f"{args.margin}s"}  # fmt: skip
+    env = {
+        "DASK_DDICT__LEASE__DURATION": f"{args.lease}s",
+        "DASK_DDICT__LEASE__MARGIN": f"{args.margin}s",
+    }
 
     def failed_over(c: Client, d: Any, hot: int) -> Any:
         first = part.primary_of(d, hot).supervisor
@@ -134,18 +156,23 @@ def main() -> None:
         return lambda: sup in c.run_on_scheduler(_revoked)
 
     s = machines.S
-    cases = [("b cut from s and a, not its clients", [("b", s), ("b", "a")], failed_over),
-             ("b cut from s only", [("b", s)], failed_over),
-             ("a (M's replica) cut from b", [("a", "b")], dropped),
-             ("s cut from everyone", [(s, "a"), (s, "b"), (s, "c")], suspected)]  # fmt: skip
+    cases = [
+        ("b cut from s and a, not its clients", [("b", s), ("b", "a")], failed_over),
+        ("b cut from s only", [("b", s)], failed_over),
+        ("a (M's replica) cut from b", [("a", "b")], dropped),
+        ("s cut from everyone", [(s, "a"), (s, "b"), (s, "c")], suspected),
+    ]
     rows = []
     with machines.Machines(env=env) as ms, Client(ms.scheduler_address, timeout=60) as c:
         part.hosts_ready(c, 3)
         for name, cut, until in cases:
             rows += run(ms, part, c, name, cut, until)
-    print_table(rows, f"\n(lease {args.lease} s, margin {args.margin} s; python "
-                      f"{sys.version.split()[0]}, {os.cpu_count()} cores; every acknowledged "
-                      "write read back, no increment handed out twice)")  # fmt: skip
+    print_table(
+        rows,
+        f"\n(lease {args.lease} s, margin {args.margin} s; python "
+        f"{sys.version.split()[0]}, {os.cpu_count()} cores; every acknowledged "
+        "write read back, no increment handed out twice)",
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def dd(directory: str, nbytes: int, sync: bool) -> float:
 
 def persist_rate(client: Client, directory: str, nbytes: int) -> float:
     path = f"{directory}/store"
-    d = DDict(total_mem=int(nbytes * 1.6) + (256 << 20), client=client, n_workers=1,
-              persist_path=path)  # fmt: skip
+    d = DDict(
+        total_mem=int(nbytes * 1.6) + (256 << 20), client=client, n_workers=1, persist_path=path
+    )
     try:
         block = np.random.default_rng(0).random((64 << 20) // 8)
         d.start_batch_put()
@@ -101,8 +102,14 @@ def restore_rates(client: Client, directory: str, nbytes: int) -> dict[str, floa
         for what, per_worker in (("restore_same", 1), ("restore_reshard", 2)):
             warm_memory(2 * nbytes)
             t0 = time.perf_counter()
-            r = DDict(per_worker, total_mem=mem, client=client, name="bench-restore",
-                      persist_path=path, restore_from=0)  # fmt: skip
+            r = DDict(
+                per_worker,
+                total_mem=mem,
+                client=client,
+                name="bench-restore",
+                persist_path=path,
+                restore_from=0,
+            )
             elapsed = time.perf_counter() - t0
             try:
                 assert len(r) == nbytes >> 24 and r.num_managers == 2 * per_worker
@@ -119,9 +126,12 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--restore", action="store_true",
-                    help="Only the restores: onto as many managers as persisted, and onto "
-                         "twice as many (re-sharded).")  # fmt: skip
+    ap.add_argument(
+        "--restore",
+        action="store_true",
+        help="Only the restores: onto as many managers as persisted, and onto "
+        "twice as many (re-sharded).",
+    )
     args = ap.parse_args()
     if args.restore:
         restore_only(args)
@@ -132,9 +142,11 @@ def main() -> None:
     try:
         for fsync in (False, True):
             # Workers take the configuration they start with.
-            with dask.config.set({"ddict.persist.fsync": fsync}), \
-                    LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-                    Client(cl) as c:  # fmt: skip
+            with (
+                dask.config.set({"ddict.persist.fsync": fsync}),
+                LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+                Client(cl) as c,
+            ):
                 mine, theirs = ("persist_fsync", "dd_sync") if fsync else ("persist", "dd")
                 for r in range(args.rounds):
                     # Interleaved, each from a flushed page cache: a disk's write speed
@@ -151,11 +163,15 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     gib = nbytes / (1 << 30)
     print(f"{'operation':44} | {'MB/s':>8} | {'dd MB/s':>8} | ratio")
-    print(f"{f'persist {gib:.2f} GiB checkpoint to zarr':44} | {med['persist']:8,.0f} | "
-          f"{med['dd']:8,.0f} | {med['persist'] / med['dd']:.2f}x  (dd through the page cache)")
-    print(f"{f'persist {gib:.2f} GiB, fsync before commit':44} | {med['persist_fsync']:8,.0f} | "
-          f"{med['dd_sync']:8,.0f} | {med['persist_fsync'] / med['dd_sync']:.2f}x  "
-          "(dd conv=fdatasync)")
+    print(
+        f"{f'persist {gib:.2f} GiB checkpoint to zarr':44} | {med['persist']:8,.0f} | "
+        f"{med['dd']:8,.0f} | {med['persist'] / med['dd']:.2f}x  (dd through the page cache)"
+    )
+    print(
+        f"{f'persist {gib:.2f} GiB, fsync before commit':44} | {med['persist_fsync']:8,.0f} | "
+        f"{med['dd_sync']:8,.0f} | {med['persist_fsync'] / med['dd_sync']:.2f}x  "
+        "(dd conv=fdatasync)"
+    )
     for k, v in results.items():
         print(f"  {k}: " + ", ".join(f"{x:,.0f}" for x in v))
     print(f"(medians of {args.rounds} interleaved rounds, same directory)")
@@ -166,8 +182,10 @@ def restore_only(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix="ddict-bench-restore-", dir=args.dir)
     results: dict[str, list[float]] = {"restore_same": [], "restore_reshard": []}
     try:
-        with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-                Client(cl) as c:  # fmt: skip
+        with (
+            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+            Client(cl) as c,
+        ):
             for _ in range(args.rounds):
                 for k, v in restore_rates(c, directory, nbytes).items():
                     results[k].append(v)
@@ -175,8 +193,11 @@ def restore_only(args: argparse.Namespace) -> None:
         shutil.rmtree(directory, ignore_errors=True)
     gib = nbytes / (1 << 30)
     for k, v in results.items():
-        print(f"{k} {gib:.2f} GiB: median {statistics.median(v):,.0f} MB/s  ("
-              + ", ".join(f"{x:,.0f}" for x in v) + ")")
+        print(
+            f"{k} {gib:.2f} GiB: median {statistics.median(v):,.0f} MB/s  ("
+            + ", ".join(f"{x:,.0f}" for x in v)
+            + ")"
+        )
 
 
 if __name__ == "__main__":

@@ -42,20 +42,36 @@ from typing import Any
 
 import dask.config
 import psutil
+from _bench_refs import print_table  # beside this script (sys.path[0])
 from distributed import Client, LocalCluster
 
-from _bench_refs import print_table  # beside this script (sys.path[0])
 from dask_ddict import DDict
 
 Row = tuple[str, str, str, str, str]
 
 
 def start_workers(address: str, n: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-m", "dask", "worker", address, "--nthreads", "1",
-                              "--memory-limit", "2GiB", "--no-dashboard"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True, env={**os.environ, **env})
-            for _ in range(n)]  # fmt: skip
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dask",
+                "worker",
+                address,
+                "--nthreads",
+                "1",
+                "--memory-limit",
+                "2GiB",
+                "--no-dashboard",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **env},
+        )
+        for _ in range(n)
+    ]
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
@@ -72,8 +88,10 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
 def proc_of(c: Client, procs: list[subprocess.Popen[bytes]], worker: str) -> Any:
     port = int(c.scheduler_info()["workers"][worker]["nanny"].rsplit(":", 1)[1])
     for p in procs:
-        if p.poll() is None and any(s.status == "LISTEN" and s.laddr.port == port
-                                    for s in psutil.Process(p.pid).net_connections()):  # fmt: skip
+        if p.poll() is None and any(
+            s.status == "LISTEN" and s.laddr.port == port
+            for s in psutil.Process(p.pid).net_connections()
+        ):
             return p
     raise RuntimeError(f"no process is the nanny of {worker}")
 
@@ -91,6 +109,7 @@ def rate(fn: Any, n: int, runs: int) -> float:
 
 def threads_rate(d: DDict, n: int, threads: int, value: bytes) -> float:
     """Aggregate puts per second of ``threads`` client threads, ``n`` puts in all."""
+
     def work(j: int) -> None:
         for i in range(j, n, threads):
             d[i] = value
@@ -125,25 +144,35 @@ def pair_rows(c: Client, n: int, runs: int, where: str) -> list[Row]:
         value = b"v" * 100
         for d in (d0, d1):
             d.update({i: value for i in range(n)})  # (the keys exist: overwrites below)
-        targets = {"put": (0.5, "put 100 B"), "batch": (0.7, "batch put 1,000 x 100 B"),
-                   "get": (0.95, "get 100 B"),
-                   "put4": (0.0, "put 100 B from 4 client threads (aggregate)")}  # fmt: skip
+        targets = {
+            "put": (0.5, "put 100 B"),
+            "batch": (0.7, "batch put 1,000 x 100 B"),
+            "get": (0.95, "get 100 B"),
+            "put4": (0.0, "put 100 B from 4 client threads (aggregate)"),
+        }
         got: dict[str, list[float]] = {k: [0.0, 0.0] for k in targets}
         for _ in range(runs):  # (interleaved: a slow moment of the machine hits both)
             for j, d in enumerate((d0, d1)):
-                for k, r in (("put", rate(lambda i, d=d: d.__setitem__(i, value), n, 1)),
-                             ("batch", batch_rate(d, 1000, 1)),
-                             ("get", rate(lambda i, d=d: d[i], n, 1)),
-                             ("put4", threads_rate(d, n, 4, value))):  # fmt: skip
+                for k, r in (
+                    ("put", rate(lambda i, d=d: d.__setitem__(i, value), n, 1)),
+                    ("batch", batch_rate(d, 1000, 1)),
+                    ("get", rate(lambda i, d=d: d[i], n, 1)),
+                    ("put4", threads_rate(d, n, 4, value)),
+                ):
                     got[k][j] = max(got[k][j], r)
         for k, (target, what) in targets.items():
             r0, r1 = got[k]
             ratio = r1 / r0
             scored = where == "TCP" and target > 0
-            rows.append((f"{what}, {where}", f"{r1:,.0f} / {r0:,.0f} per s = {ratio:.2f}x",
-                         f">= {target}x" if scored else "(informative)",
-                         ("met" if ratio >= target else "MISSED") if scored else "-",
-                         "replicas=1 / replicas=0, same run"))  # fmt: skip
+            rows.append(
+                (
+                    f"{what}, {where}",
+                    f"{r1:,.0f} / {r0:,.0f} per s = {ratio:.2f}x",
+                    f">= {target}x" if scored else "(informative)",
+                    ("met" if ratio >= target else "MISSED") if scored else "-",
+                    "replicas=1 / replicas=0, same run",
+                )
+            )
     finally:
         d0.destroy()
         d1.destroy()
@@ -184,11 +213,19 @@ def failover_row(c: Client, procs: list[subprocess.Popen[bytes]]) -> Row:
         first = min((b - dead for a, b in answered if a > dead), default=float("inf"))
         promoted = [m for m in d.moves if m["why"].startswith("failover")]
         lost_ok = all(d[i] == i for i in range(1000))
-        note = (f"first read asked after the kill answered in {first:.3f} s; promotion itself "
-                f"{promoted[0]['seconds']:.3f} s; all 1,000 keys read back: {lost_ok}"
-                if promoted else "no failover recorded")  # fmt: skip
-        return ("keys of a lost host readable again (a reader's longest wait across the kill)",
-                f"{gap:.3f} s", "<= 5 s", "met" if gap <= 5 and lost_ok else "MISSED", note)  # fmt: skip
+        note = (
+            f"first read asked after the kill answered in {first:.3f} s; promotion itself "
+            f"{promoted[0]['seconds']:.3f} s; all 1,000 keys read back: {lost_ok}"
+            if promoted
+            else "no failover recorded"
+        )
+        return (
+            "keys of a lost host readable again (a reader's longest wait across the kill)",
+            f"{gap:.3f} s",
+            "<= 5 s",
+            "met" if gap <= 5 and lost_ok else "MISSED",
+            note,
+        )
     finally:
         d.destroy()
 
@@ -203,8 +240,11 @@ def main() -> None:
     rows: list[Row] = []
     for where, local in (("TCP", False), ("same host", True)):
         env = {"DASK_DDICT__LOCAL_TRANSPORT": str(local)}
-        with dask.config.set({"ddict.local-transport": local}), \
-                LocalCluster(n_workers=0, dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+        with (
+            dask.config.set({"ddict.local-transport": local}),
+            LocalCluster(n_workers=0, dashboard_address=":0") as cl,
+            Client(cl) as c,
+        ):
             procs = start_workers(cl.scheduler_address, 3, env)
             try:
                 c.wait_for_workers(3, timeout=120)
@@ -215,8 +255,11 @@ def main() -> None:
                 for p in procs:
                     if p.poll() is None:
                         kill_tree(p)
-    print_table(rows, "3 dask worker processes on this machine; replicas=1 vs replicas=0 in "
-                      "the same run, best of %d" % runs)  # fmt: skip
+    print_table(
+        rows,
+        "3 dask worker processes on this machine; replicas=1 vs replicas=0 in "
+        f"the same run, best of {runs}",
+    )
 
 
 if __name__ == "__main__":

@@ -50,9 +50,12 @@ def main() -> None:
     src = tempfile.mkdtemp(prefix="ddict-bench-staging-")
     times: dict[str, list[float]] = {"copy": [], "stage": []}
     try:
-        with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0",
-                          memory_limit="4 GiB") as cl, \
-                Client(cl) as client:  # fmt: skip
+        with (
+            LocalCluster(
+                n_workers=2, threads_per_worker=1, dashboard_address=":0", memory_limit="4 GiB"
+            ) as cl,
+            Client(cl) as client,
+        ):
             x = da.random.default_rng(0).random(n, chunks=side, dtype="f4")
             x.to_zarr(src, component="x")
             sample = zarr.open_array(src, path="x", mode="r")[: side * 2]
@@ -71,7 +74,7 @@ def main() -> None:
                 store.wait()
                 return store
 
-            for name, fn in [("copy", copy), ("stage", staged)]:  # warm-up: the page cache too
+            for fn in (copy, staged):  # warm-up: the page cache too
                 d = fresh()
                 fn(d)
                 d.destroy()
@@ -88,8 +91,9 @@ def main() -> None:
         shutil.rmtree(src, ignore_errors=True)
     best = {k: nbytes / min(v) / 1e9 for k, v in times.items()}
     ratio = best["stage"] / best["copy"]
-    print(f"{gib:g} GiB float32, {args.chunk_mib} MiB chunks, 2 workers x 1 thread, "
-          f"best of {rounds}")  # fmt: skip
+    print(
+        f"{gib:g} GiB float32, {args.chunk_mib} MiB chunks, 2 workers x 1 thread, best of {rounds}"
+    )
     print(f"{'copy (from_zarr.to_zarr)':28} {best['copy']:6.2f} GB/s")
     print(f"{'stage':28} {best['stage']:6.2f} GB/s")
     verdict = "met" if ratio >= TARGET else "MISSED"

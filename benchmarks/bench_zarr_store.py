@@ -47,8 +47,9 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def one_round(client: Client, x: da.Array, store: zarr.abc.store.Store, name: str
-              ) -> tuple[float, float]:  # fmt: skip
+def one_round(
+    client: Client, x: da.Array, store: zarr.abc.store.Store, name: str
+) -> tuple[float, float]:
     """Seconds to write ``x`` to ``store`` from tasks, then to read it back into the workers."""
     t_write = timed(lambda: x.to_zarr(store, component=name, compressors=None))
 
@@ -77,8 +78,10 @@ def main() -> None:
     shm = tempfile.mkdtemp(prefix="ddict-bench-localstore-", dir="/dev/shm")
     times: dict[tuple[str, str], list[float]] = {}
     try:
-        with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-                Client(cl) as client:  # fmt: skip
+        with (
+            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+            Client(cl) as client,
+        ):
             x = client.persist(da.random.default_rng(0).random(n, chunks=chunk))
             wait(x)
             # Untimed warm-up of both stores (imports, first connections in the workers).
@@ -103,17 +106,22 @@ def main() -> None:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     gb = nbytes / 1e9
-    print(f"array: {nbytes / (1 << 30):.2f} GiB float64, {n // chunk} chunks of "
-          f"{args.chunk_mib} MiB, 2 workers x 1 thread, uncompressed, {rounds} round(s)")  # fmt: skip
-    print(f"{'operation':8} | {'DDictStore GB/s':>15} | {'LocalStore /dev/shm GB/s':>24} | "
-          f"{'ratio':>6} | target")  # fmt: skip
+    print(
+        f"array: {nbytes / (1 << 30):.2f} GiB float64, {n // chunk} chunks of "
+        f"{args.chunk_mib} MiB, 2 workers x 1 thread, uncompressed, {rounds} round(s)"
+    )
+    print(
+        f"{'operation':8} | {'DDictStore GB/s':>15} | {'LocalStore /dev/shm GB/s':>24} | "
+        f"{'ratio':>6} | target"
+    )
     for op in ("write", "read"):
         ours = gb / min(times[("DDictStore", op)])
         theirs = gb / min(times[("LocalStore", op)])
         ratio = ours / theirs
         verdict = "met" if ratio >= TARGETS[op] else "MISSED"
-        print(f"{op:8} | {ours:15.2f} | {theirs:24.2f} | {ratio:5.2f}x | "
-              f">= {TARGETS[op]}x {verdict}")  # fmt: skip
+        print(
+            f"{op:8} | {ours:15.2f} | {theirs:24.2f} | {ratio:5.2f}x | >= {TARGETS[op]}x {verdict}"
+        )
     for (label, op), ts in sorted(times.items()):
         print(f"  {label} {op}: " + ", ".join(f"{gb / t:.2f}" for t in ts) + " GB/s")
 

@@ -11,8 +11,14 @@ from __future__ import annotations
 from .errors import DAPValidationError
 from .export import to_dap, to_dap_futures
 from .ingest import from_dap
-from .protocol import VERSION, global_indices, normalize_dim, num_owned_indices, validate
-from .protocol import validate_distribution
+from .protocol import (
+    VERSION,
+    global_indices,
+    normalize_dim,
+    num_owned_indices,
+    validate,
+    validate_distribution,
+)
 from .resident import DDictArray, from_ddict, to_ddict
 from .zarr_io import from_zarr, read_dap_layout, to_zarr
 

@@ -10,8 +10,14 @@ class DAPValidationError(ValueError):
     offending value, so a producer's bug can be found from the message alone.
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, dim: int | None = None,
-                 key: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        dim: int | None = None,
+        key: str | None = None,
+    ) -> None:
         where = []
         if rank is not None:
             where.append(f"rank {rank}")

@@ -56,9 +56,14 @@ def _check_exportable(x: Any) -> da.Array:
     return x
 
 
-def plan(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
-         boundary_padding: int | Sequence[int] = 0, periodic: bool | Sequence[bool] = False,
-         dist: Sequence[Any] | None = None) -> list[AxisLayout]:  # fmt: skip
+def plan(
+    x: da.Array,
+    *,
+    comm_padding: int | Sequence[int] = 0,
+    boundary_padding: int | Sequence[int] = 0,
+    periodic: bool | Sequence[bool] = False,
+    dist: Sequence[Any] | None = None,
+) -> list[AxisLayout]:
     """The layout of every axis of the export (validated, nothing computed)."""
     x = _check_exportable(x)
     nd = x.ndim
@@ -70,13 +75,15 @@ def plan(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
     }
     # a scalar width or periodic flag is for every block axis (DAP pads 'b' axes only)
     comm = on_block_axes(comm_padding, widths["comm_padding"], block, "comm_padding", 0)
-    bound = on_block_axes(boundary_padding, widths["boundary_padding"], block,
-                          "boundary_padding", 0)  # fmt: skip
+    bound = on_block_axes(
+        boundary_padding, widths["boundary_padding"], block, "boundary_padding", 0
+    )
     flags = [bool(v) for v in _per_axis(periodic, nd, "periodic")]
     per = on_block_axes(periodic, flags, block, "periodic", False)
     return [
-        axis_from_spec(specs[i], x.chunks[i], comm=comm[i], boundary=bound[i],
-                       periodic=bool(per[i]), axis=i)  # fmt: skip
+        axis_from_spec(
+            specs[i], x.chunks[i], comm=comm[i], boundary=bound[i], periodic=bool(per[i]), axis=i
+        )
         for i in range(nd)
     ]
 
@@ -90,8 +97,9 @@ def buffers_array(x: da.Array, layouts: list[AxisLayout]) -> da.Array:
             y = y.rechunk({i: lay.owned})
     depth = {i: lay.comm for i, lay in enumerate(layouts) if lay.comm and lay.procs > 1}
     if depth:
-        y = da.overlap.overlap(y, depth=depth, boundary={i: "none" for i in depth},
-                               allow_rechunk=False)  # fmt: skip
+        y = da.overlap.overlap(
+            y, depth=depth, boundary={i: "none" for i in depth}, allow_rechunk=False
+        )
     return y
 
 
@@ -113,9 +121,14 @@ def _blocks(y: da.Array) -> tuple[list[tuple[int, ...]], list[Any]]:
     return coords, [delayed[c] for c in coords]
 
 
-def to_dap(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
-           boundary_padding: int | Sequence[int] = 0, periodic: bool | Sequence[bool] = False,
-           dist: Sequence[Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def to_dap(
+    x: da.Array,
+    *,
+    comm_padding: int | Sequence[int] = 0,
+    boundary_padding: int | Sequence[int] = 0,
+    periodic: bool | Sequence[bool] = False,
+    dist: Sequence[Any] | None = None,
+) -> list[dict[str, Any]]:
     """One DAP dict per block, in rank (row-major) order, with the buffers computed here.
 
     Parameters
@@ -143,18 +156,28 @@ def to_dap(x: da.Array, *, comm_padding: int | Sequence[int] = 0,
     4
     >>> parts = to_dap(x, comm_padding=1, dist=[None, "c"])   # halo on axis 0 only
     """
-    layouts = plan(x, comm_padding=comm_padding, boundary_padding=boundary_padding,
-                   periodic=periodic, dist=dist)  # fmt: skip
+    layouts = plan(
+        x,
+        comm_padding=comm_padding,
+        boundary_padding=boundary_padding,
+        periodic=periodic,
+        dist=dist,
+    )
     y = buffers_array(x, layouts)
     coords, blocks = _blocks(y)
     computed = dask.compute(*blocks) if blocks else ()
     return [_make_dap(b, rank_dim_data(layouts, c)) for c, b in zip(coords, computed)]
 
 
-def to_dap_futures(x: da.Array, client: Any = None, *, comm_padding: int | Sequence[int] = 0,
-                   boundary_padding: int | Sequence[int] = 0,
-                   periodic: bool | Sequence[bool] = False,
-                   dist: Sequence[Any] | None = None) -> list[Any]:  # fmt: skip
+def to_dap_futures(
+    x: da.Array,
+    client: Any = None,
+    *,
+    comm_padding: int | Sequence[int] = 0,
+    boundary_padding: int | Sequence[int] = 0,
+    periodic: bool | Sequence[bool] = False,
+    dist: Sequence[Any] | None = None,
+) -> list[Any]:
     """Like :func:`to_dap`, but each rank's dict is built and kept on a worker.
 
     Each dict is made by a task that depends only on its block, so it runs on
@@ -165,8 +188,13 @@ def to_dap_futures(x: da.Array, client: Any = None, *, comm_padding: int | Seque
         from distributed import get_client
 
         client = get_client()
-    layouts = plan(x, comm_padding=comm_padding, boundary_padding=boundary_padding,
-                   periodic=periodic, dist=dist)  # fmt: skip
+    layouts = plan(
+        x,
+        comm_padding=comm_padding,
+        boundary_padding=boundary_padding,
+        periodic=periodic,
+        dist=dist,
+    )
     y = buffers_array(x, layouts)
     coords, blocks = _blocks(y)
     make = dask.delayed(_make_dap, pure=True)

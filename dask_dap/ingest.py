@@ -50,8 +50,14 @@ def upgrade_legacy(dap: Mapping[str, Any]) -> dict[str, Any]:
     for i, d in enumerate(dap.get("dim_data", ())):
         d = {k: (int(v) if isinstance(v, np.integer) else v) for k, v in dict(d).items()}
         if d.get("dist_type") == "n":
-            d = {"dist_type": "b", "size": int(shape[i]), "proc_grid_size": 1,
-                 "proc_grid_rank": 0, "start": 0, "stop": int(shape[i])}  # fmt: skip
+            d = {
+                "dist_type": "b",
+                "size": int(shape[i]),
+                "proc_grid_size": 1,
+                "proc_grid_rank": 0,
+                "start": 0,
+                "stop": int(shape[i]),
+            }
         if "padding" in d:
             d["padding"] = tuple(int(v) for v in d["padding"])
         dims.append(d)
@@ -64,15 +70,20 @@ def _remote_meta(dap: Any, strict: bool) -> dict[str, Any]:
     if not strict:
         dap = upgrade_legacy(dap)
     arr = np.asarray(memoryview(dap["buffer"]))
-    return {"__version__": dap["__version__"], "dim_data": dap["dim_data"],
-            "shape": arr.shape, "dtype": arr.dtype.str}  # fmt: skip
+    return {
+        "__version__": dap["__version__"],
+        "dim_data": dap["dim_data"],
+        "shape": arr.shape,
+        "dtype": arr.dtype.str,
+    }
 
 
 def _stub(meta: Mapping[str, Any]) -> dict[str, Any]:
     """A DAP dict whose buffer has the right shape and dtype but no memory (for validation)."""
     shape = tuple(meta["shape"])
-    buf = np.lib.stride_tricks.as_strided(np.zeros(1, dtype=meta["dtype"]), shape=shape,
-                                          strides=(0,) * len(shape), writeable=False)  # fmt: skip
+    buf = np.lib.stride_tricks.as_strided(
+        np.zeros(1, dtype=meta["dtype"]), shape=shape, strides=(0,) * len(shape), writeable=False
+    )
     return {"__version__": meta["__version__"], "buffer": buf, "dim_data": meta["dim_data"]}
 
 
@@ -114,8 +125,10 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
         from distributed import get_client
 
         client = get_client()
-        futs = [client.submit(_remote_meta, p, strict, pure=False) if r else None
-                for p, r in zip(parts, remote)]  # fmt: skip
+        futs = [
+            client.submit(_remote_meta, p, strict, pure=False) if r else None
+            for p, r in zip(parts, remote)
+        ]
         metas = client.gather([f for f in futs if f is not None])
         it = iter(metas)
         locals_ = [
@@ -127,11 +140,15 @@ def from_dap(parts: Sequence[Any], *, strict: bool = True, name: str | None = No
     validate_distribution(locals_)
 
     shapes = [buffer_shape(d["buffer"]) for d in locals_]
-    dims = [tuple(normalize_dim(dd, shapes[p][i]) for i, dd in enumerate(d["dim_data"]))
-            for p, d in enumerate(locals_)]  # fmt: skip
+    dims = [
+        tuple(normalize_dim(dd, shapes[p][i]) for i, dd in enumerate(d["dim_data"]))
+        for p, d in enumerate(locals_)
+    ]
     ndim = len(dims[0])
     dtype = np.asarray(memoryview(locals_[0]["buffer"])).dtype
-    by_coords = {tuple(dd[i]["proc_grid_rank"] for i in range(ndim)): p for p, dd in enumerate(dims)}
+    by_coords = {
+        tuple(dd[i]["proc_grid_rank"] for i in range(ndim)): p for p, dd in enumerate(dims)
+    }
     grid = tuple(dims[0][i]["proc_grid_size"] for i in range(ndim))
     layouts = layouts_from_ranks({c: dims[p] for c, p in by_coords.items()}, grid)
 
@@ -161,7 +178,9 @@ def assemble(blocks: dict[tuple[int, ...], Any], grid: tuple[int, ...]) -> da.Ar
     return da.block(_nest(blocks, grid)) if grid else blocks[()]
 
 
-def _nest(blocks: dict[tuple[int, ...], Any], grid: tuple[int, ...], prefix: tuple[int, ...] = ()) -> Any:
+def _nest(
+    blocks: dict[tuple[int, ...], Any], grid: tuple[int, ...], prefix: tuple[int, ...] = ()
+) -> Any:
     """Blocks as nested lists in C order (what ``da.block`` takes)."""
     if len(prefix) == len(grid):
         return blocks[prefix]
@@ -199,8 +218,11 @@ def _cyclic_by_reshape(x: da.Array, lay: AxisLayout, axis: int) -> da.Array | No
         return None
     nb = size // (procs * bs)
     pre, post = x.shape[:axis], x.shape[axis + 1 :]
-    empty = {i: tuple(c for c in cs if c) or (0,) for i, cs in enumerate(x.chunks)
-             if i != axis and 0 in cs and len(cs) > 1}  # fmt: skip
+    empty = {
+        i: tuple(c for c in cs if c) or (0,)
+        for i, cs in enumerate(x.chunks)
+        if i != axis and 0 in cs and len(cs) > 1
+    }
     if empty:  # dask's reshape cannot carry empty blocks along
         x = x.rechunk(empty)
     if x.chunks[axis] != (nb * bs,) * procs:

@@ -72,8 +72,9 @@ def is_block_spec(spec: Any) -> bool:
     return isinstance(spec, Mapping) and spec.get("dist_type") == "b"
 
 
-def on_block_axes(value: Any, per_axis: Sequence[Any], block: Sequence[bool], name: str,
-                  off: Any) -> tuple[Any, ...]:  # fmt: skip
+def on_block_axes(
+    value: Any, per_axis: Sequence[Any], block: Sequence[bool], name: str, off: Any
+) -> tuple[Any, ...]:
     """``per_axis`` with a scalar ``value`` kept on the block axes only.
 
     DAP 0.10 has ``padding`` and ``periodic`` on block (``'b'``) dimensions
@@ -94,8 +95,14 @@ def on_block_axes(value: Any, per_axis: Sequence[Any], block: Sequence[bool], na
     return tuple(v if b else off for v, b in zip(per_axis, block))
 
 
-def block_axis(chunks: Sequence[int], *, comm: int = 0, boundary: int = 0,
-               periodic: bool = False, axis: int = 0) -> AxisLayout:  # fmt: skip
+def block_axis(
+    chunks: Sequence[int],
+    *,
+    comm: int = 0,
+    boundary: int = 0,
+    periodic: bool = False,
+    axis: int = 0,
+) -> AxisLayout:
     """A block axis with these owned chunk lengths, padded as asked."""
     procs = len(chunks)
     size = int(sum(chunks))
@@ -123,9 +130,13 @@ def block_axis(chunks: Sequence[int], *, comm: int = 0, boundary: int = 0,
         cl = comm if r > 0 else 0
         cr = comm if r < procs - 1 else 0
         d: dict[str, Any] = {
-            "dist_type": "b", "size": size, "proc_grid_size": procs, "proc_grid_rank": r,
-            "start": offset - cl, "stop": offset + int(n) + cr,
-        }  # fmt: skip
+            "dist_type": "b",
+            "size": size,
+            "proc_grid_size": procs,
+            "proc_grid_rank": r,
+            "start": offset - cl,
+            "stop": offset + int(n) + cr,
+        }
         if pad:
             d["padding"] = (comm if r > 0 else boundary, comm if r < procs - 1 else boundary)
         if periodic:
@@ -142,8 +153,14 @@ def cyclic_axis(size: int, procs: int, block_size: int = 1) -> AxisLayout:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     dims = tuple(
-        {"dist_type": "c", "size": int(size), "proc_grid_size": int(procs), "proc_grid_rank": r,
-         "start": r * int(block_size), "block_size": int(block_size)}  # fmt: skip
+        {
+            "dist_type": "c",
+            "size": int(size),
+            "proc_grid_size": int(procs),
+            "proc_grid_rank": r,
+            "start": r * int(block_size),
+            "block_size": int(block_size),
+        }
         for r in range(procs)
     )
     owned = tuple(num_owned_indices(d) for d in dims)
@@ -167,15 +184,22 @@ def unstructured_axis(size: int, indices: Sequence[Any], one_to_one: bool = True
         if len(np.unique(a)) != len(a):
             raise ValueError(f"the indices of rank {r} repeat a global index")
     dims = tuple(
-        {"dist_type": "u", "size": int(size), "proc_grid_size": len(arrays), "proc_grid_rank": r,
-         "indices": a, "one_to_one": bool(one_to_one)}  # fmt: skip
+        {
+            "dist_type": "u",
+            "size": int(size),
+            "proc_grid_size": len(arrays),
+            "proc_grid_rank": r,
+            "indices": a,
+            "one_to_one": bool(one_to_one),
+        }
         for r, a in enumerate(arrays)
     )
     return AxisLayout(dims, tuple(len(a) for a in arrays), 0, allidx)
 
 
-def axis_from_spec(spec: Any, chunks: Sequence[int], *, comm: int, boundary: int,
-                   periodic: bool, axis: int) -> AxisLayout:  # fmt: skip
+def axis_from_spec(
+    spec: Any, chunks: Sequence[int], *, comm: int, boundary: int, periodic: bool, axis: int
+) -> AxisLayout:
     """The layout asked for by one entry of ``to_dap(dist=...)``.
 
     ``None`` or ``"b"``: the array's own blocks.  ``"c"`` or
@@ -193,7 +217,9 @@ def axis_from_spec(spec: Any, chunks: Sequence[int], *, comm: int, boundary: int
     if spec == "c":
         spec = {"dist_type": "c"}
     if spec == "u":
-        raise ValueError(f"axis {axis}: 'u' needs the indices: {{'dist_type': 'u', 'indices': [...]}}")
+        raise ValueError(
+            f"axis {axis}: 'u' needs the indices: {{'dist_type': 'u', 'indices': [...]}}"
+        )
     if not isinstance(spec, Mapping) or spec.get("dist_type") not in ("c", "u"):
         raise ValueError(
             f"dist entry for axis {axis} must be None, 'b', 'c' or a dict with dist_type "
@@ -203,8 +229,9 @@ def axis_from_spec(spec: Any, chunks: Sequence[int], *, comm: int, boundary: int
         unknown = set(spec) - {"dist_type", "block_size", "proc_grid_size"}
         if unknown:
             raise ValueError(f"axis {axis}: unknown keys {sorted(unknown)} for a cyclic axis")
-        return cyclic_axis(size, int(spec.get("proc_grid_size", len(chunks))),
-                           int(spec.get("block_size", 1)))  # fmt: skip
+        return cyclic_axis(
+            size, int(spec.get("proc_grid_size", len(chunks))), int(spec.get("block_size", 1))
+        )
     unknown = set(spec) - {"dist_type", "indices", "one_to_one"}
     if unknown:
         raise ValueError(f"axis {axis}: unknown keys {sorted(unknown)} for an unstructured axis")
@@ -213,8 +240,9 @@ def axis_from_spec(spec: Any, chunks: Sequence[int], *, comm: int, boundary: int
     return unstructured_axis(size, spec["indices"], bool(spec.get("one_to_one", True)))
 
 
-def layouts_from_ranks(dim_data: Mapping[tuple[int, ...], Sequence[Mapping[str, Any]]],
-                       grid: Sequence[int]) -> list[AxisLayout]:  # fmt: skip
+def layouts_from_ranks(
+    dim_data: Mapping[tuple[int, ...], Sequence[Mapping[str, Any]]], grid: Sequence[int]
+) -> list[AxisLayout]:
     """Axis layouts of a distribution given each rank's ``dim_data`` by grid coordinates.
 
     Dimension dicts are identical along an axis, so axis ``i`` is read from the
@@ -237,8 +265,7 @@ def layouts_from_dims(dims_by_axis: Sequence[Sequence[Mapping[str, Any]]]) -> li
         if kind == "b":
             out.append(AxisLayout(dims, owned))
             continue
-        order = (np.concatenate([global_indices(d) for d in dims]) if dims
-                 else np.empty(0, np.int64))  # fmt: skip
+        order = np.concatenate([global_indices(d) for d in dims]) if dims else np.empty(0, np.int64)
         if len(order) and (order.min() < 0 or order.max() >= dims[0]["size"]):
             raise DAPValidationError("indices outside [0, size)", dim=i, key="indices")
         out.append(AxisLayout(dims, owned, 0, order))

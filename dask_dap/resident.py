@@ -62,8 +62,9 @@ def _choose_manager(ddict: Any, rank: int) -> int:
     return mid if mid is not None else rank % ddict.num_managers
 
 
-def _store_section(block: Any, ddict: Any, name: str, rank: int,
-                   dim_data: tuple[dict[str, Any], ...]) -> int:  # fmt: skip
+def _store_section(
+    block: Any, ddict: Any, name: str, rank: int, dim_data: tuple[dict[str, Any], ...]
+) -> int:
     """Runs where ``block`` is: put its DAP dict into the nearest manager."""
     mid = _choose_manager(ddict, rank)
     ddict[SectionKey(name, rank, mid)] = _make_dap(block, dim_data)
@@ -74,8 +75,14 @@ def _load_owned(ddict: Any, key: SectionKey, slices: tuple[slice, ...]) -> np.nd
     return np.asarray(ddict[key]["buffer"])[slices]
 
 
-def _map_section(ddict: Any, fn: Callable[[np.ndarray], Any], src: SectionKey, dst: str,
-                 slices: tuple[slice, ...], dims: tuple[dict[str, Any], ...]) -> str:  # fmt: skip
+def _map_section(
+    ddict: Any,
+    fn: Callable[[np.ndarray], Any],
+    src: SectionKey,
+    dst: str,
+    slices: tuple[slice, ...],
+    dims: tuple[dict[str, Any], ...],
+) -> str:
     """Runs on the worker hosting ``src``'s manager: compute and store beside it."""
     section = ddict[src]
     owned = np.asarray(section["buffer"])[slices]
@@ -86,8 +93,10 @@ def _map_section(ddict: Any, fn: Callable[[np.ndarray], Any], src: SectionKey, d
             f"to {out.shape}; DDictArray.map_blocks keeps the distribution"
         )
     ddict[SectionKey(dst, src.rank, src.manager)] = {
-        "__version__": VERSION, "buffer": out, "dim_data": dims,
-    }  # fmt: skip
+        "__version__": VERSION,
+        "buffer": out,
+        "dim_data": dims,
+    }
     return out.dtype.str
 
 
@@ -113,20 +122,31 @@ class DDictArray:
         self._meta = meta
 
     def __repr__(self) -> str:
-        return (f"<DDictArray {self.name!r} shape={self.shape} dtype={self.dtype} "
-                f"ranks={len(self._meta['managers'])}>")  # fmt: skip
+        return (
+            f"<DDictArray {self.name!r} shape={self.shape} dtype={self.dtype} "
+            f"ranks={len(self._meta['managers'])}>"
+        )
 
     def _repr_html_(self) -> str:
         """Jupyter's view: shape, dtype, distribution, where each rank lives, and the DDict."""
         from dask_ddict.display import render
 
-        axes = [", ".join(f"{k}={v}" for k, v in d.items() if k in ("dist_type", "size",
-                                                                     "proc_grid_size"))
-                for d in (self._meta["dim_data"][0] if self._meta["dim_data"] else ())]  # fmt: skip
+        axes = [
+            ", ".join(
+                f"{k}={v}" for k, v in d.items() if k in ("dist_type", "size", "proc_grid_size")
+            )
+            for d in (self._meta["dim_data"][0] if self._meta["dim_data"] else ())
+        ]
         ranks = [(r, m, self.ddict.manager_workers[m]) for r, m in enumerate(self.managers)]
-        return render("ddict_array.html.j2", package="dask_dap", a=self, axes=axes, ranks=ranks,
-                      nbytes=int(np.prod(self.shape)) * self.dtype.itemsize,
-                      ddict_html=markupsafe.Markup(self.ddict._repr_html_()))  # fmt: skip
+        return render(
+            "ddict_array.html.j2",
+            package="dask_dap",
+            a=self,
+            axes=axes,
+            ranks=ranks,
+            nbytes=int(np.prod(self.shape)) * self.dtype.itemsize,
+            ddict_html=markupsafe.Markup(self.ddict._repr_html_()),
+        )
 
     @classmethod
     def load(cls, ddict: Any, name: str) -> DDictArray:
@@ -192,14 +212,17 @@ class DDictArray:
             shape = tuple(layouts[i].owned[g] for i, g in enumerate(c))
             with dask.annotate(workers=[self._worker(rank)], allow_other_workers=True):
                 task = dask.delayed(_load_owned, pure=True)(
-                    self.ddict, self._key(rank), slices,
+                    self.ddict,
+                    self._key(rank),
+                    slices,
                     dask_key_name=f"ddict-section-{self.name}-{rank}",
-                )  # fmt: skip
+                )
             blocks[c] = da.from_delayed(task, shape, dtype=self.dtype)
         return to_global_order(assemble(blocks, self.grid), layouts)
 
-    def map_blocks(self, fn: Callable[[np.ndarray], Any], name: str | None = None,
-                   client: Any = None) -> DDictArray:  # fmt: skip
+    def map_blocks(
+        self, fn: Callable[[np.ndarray], Any], name: str | None = None, client: Any = None
+    ) -> DDictArray:
         """Apply ``fn`` to every section where it lives; store each result beside it.
 
         ``fn`` takes a rank's owned cells (padding removed) and returns an
@@ -217,14 +240,26 @@ class DDictArray:
             dims = self._meta["dim_data"][rank]
             slices = tuple(owned_slice(d) for d in dims)
             out_dims = tuple(_unpadded(d) for d in dims)
-            tasks.append(client.submit(
-                _map_section, self.ddict, fn, self._key(rank), new, slices, out_dims,
-                workers=[self._worker(rank)], allow_other_workers=True, pure=False,
-            ))  # fmt: skip
+            tasks.append(
+                client.submit(
+                    _map_section,
+                    self.ddict,
+                    fn,
+                    self._key(rank),
+                    new,
+                    slices,
+                    out_dims,
+                    workers=[self._worker(rank)],
+                    allow_other_workers=True,
+                    pure=False,
+                )
+            )
         dtypes = client.gather(tasks)
         meta = dict(self._meta)
         meta["dim_data"] = [tuple(_unpadded(d) for d in dd) for dd in self._meta["dim_data"]]
-        meta["dtype"] = np.result_type(*[np.dtype(t) for t in dtypes]).str if dtypes else meta["dtype"]
+        meta["dtype"] = (
+            np.result_type(*[np.dtype(t) for t in dtypes]).str if dtypes else meta["dtype"]
+        )
         self.ddict.bput(_meta_key(new), meta)
         return DDictArray(self.ddict, new, meta)
 
@@ -236,8 +271,9 @@ class DDictArray:
             self.ddict.manager(m).pop(_meta_key(self.name), None)
 
 
-def to_ddict(x: da.Array, ddict: Any, name: str, client: Any = None,
-             **dap_options: Any) -> DDictArray:  # fmt: skip
+def to_ddict(
+    x: da.Array, ddict: Any, name: str, client: Any = None, **dap_options: Any
+) -> DDictArray:
     """Store every block of ``x`` as a DAP section in the manager beside it.
 
     ``dap_options`` (``comm_padding``, ``dist``, ...) are :func:`~dask_dap.to_dap`'s.
@@ -253,8 +289,10 @@ def to_ddict(x: da.Array, ddict: Any, name: str, client: Any = None,
     y = buffers_array(x, layouts)
     coords, blocks = _blocks(y)
     store = dask.delayed(_store_section, pure=False)
-    tasks = [store(b, ddict, name, r, rank_dim_data(layouts, c))
-             for r, (c, b) in enumerate(zip(coords, blocks))]  # fmt: skip
+    tasks = [
+        store(b, ddict, name, r, rank_dim_data(layouts, c))
+        for r, (c, b) in enumerate(zip(coords, blocks))
+    ]
     managers = [int(m) for m in compute(tasks, client)]
     meta = {
         "shape": [int(s) for s in x.shape],
@@ -270,5 +308,3 @@ def to_ddict(x: da.Array, ddict: Any, name: str, client: Any = None,
 def from_ddict(ddict: Any, name: str) -> da.Array:
     """The dask array of a :class:`DDictArray` stored under ``name``."""
     return DDictArray.load(ddict, name).to_dask()
-
-

@@ -46,9 +46,15 @@ def _from_json(dim: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | None = None,
-            overwrite: bool = False, compute: bool = True,
-            **dap_options: Any) -> Any:  # fmt: skip
+def to_zarr(
+    x_or_parts: da.Array | Sequence[Any],
+    store: Any,
+    *,
+    path: str | None = None,
+    overwrite: bool = False,
+    compute: bool = True,
+    **dap_options: Any,
+) -> Any:
     """Write a dask array (or DAP parts) and its DAP layout to a zarr store.
 
     Parameters
@@ -89,14 +95,17 @@ def to_zarr(x_or_parts: da.Array | Sequence[Any], store: Any, *, path: str | Non
     if any(np.isnan(c) for axis in x.chunks for c in axis):
         raise ValueError("unknown chunk sizes: call x.compute_chunk_sizes() first")
     zchunks = tuple(max(max(c), 1) for c in x.chunks) if x.ndim else ()
-    regular = all(
-        all(n == zc for n in c[:-1]) and c[-1] <= zc for c, zc in zip(x.chunks, zchunks)
-    )
+    regular = all(all(n == zc for n in c[:-1]) and c[-1] <= zc for c, zc in zip(x.chunks, zchunks))
     y = x if regular else x.rechunk(zchunks)
     arr = zarr.create_array(
-        store, name=path, shape=x.shape, dtype=x.dtype, chunks=zchunks if zchunks else "auto",
-        overwrite=overwrite, fill_value=0,
-    )  # fmt: skip
+        store,
+        name=path,
+        shape=x.shape,
+        dtype=x.dtype,
+        chunks=zchunks if zchunks else "auto",
+        overwrite=overwrite,
+        fill_value=0,
+    )
     arr.attrs[_ATTR] = {
         "version": VERSION,
         "chunks": [list(map(int, c)) for c in x.chunks],

@@ -53,4 +53,3 @@ def serving(hand_on: Callable[[], None] | None) -> None:
     """This thread runs an event loop now (``hand_on`` gives it away), or no longer
     (``None``).  ``hand_on`` must clear it: it is called at most once."""
     _local.hand_on = hand_on
-

@@ -86,10 +86,12 @@ def probe_hash() -> int:
     return hash(HASH_PROBE)
 
 
-_FIX = ("or make __hash__ deterministic, e.g. int.from_bytes(hashlib.blake2b("
-        "repr(self).encode(), digest_size=8).digest(), 'little').  (A __hash__ that hashes "
-        "no str or bytes, e.g. of ints alone, is the same everywhere: say so with "
-        "`ddict_stable_hash = True` in the class, and this check is skipped.)")  # fmt: skip
+_FIX = (
+    "or make __hash__ deterministic, e.g. int.from_bytes(hashlib.blake2b("
+    "repr(self).encode(), digest_size=8).digest(), 'little').  (A __hash__ that hashes "
+    "no str or bytes, e.g. of ints alone, is the same everywhere: say so with "
+    "`ddict_stable_hash = True` in the class, and this check is skipped.)"
+)
 
 
 def seed_warning(cls: type, probes: Sequence[int], seed: str = "") -> str | None:
@@ -119,8 +121,10 @@ def seed_warning(cls: type, probes: Sequence[int], seed: str = "") -> str | None
     """
     if getattr(cls, "ddict_stable_hash", False) is True:
         return None  # the class says that its hash is the same in every process
-    what = (f"key class {cls.__module__}.{cls.__qualname__} places keys by its __hash__ "
-            "(hash(key) % managers)")  # fmt: skip
+    what = (
+        f"key class {cls.__module__}.{cls.__qualname__} places keys by its __hash__ "
+        "(hash(key) % managers)"
+    )
     distinct = set(probes)
     if len(distinct) > 1:
         return (

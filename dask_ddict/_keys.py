@@ -103,8 +103,9 @@ def _canon(obj: Any) -> Any:
     if t is set or t is frozenset:
         return _Ordered((t, (_sorted(obj),)))
     if t is dict:
-        pairs = sorted(((_canon(k), _canon(v)) for k, v in obj.items()),
-                       key=lambda kv: _encode_canon(kv[0]))  # fmt: skip
+        pairs = sorted(
+            ((_canon(k), _canon(v)) for k, v in obj.items()), key=lambda kv: _encode_canon(kv[0])
+        )
         return _Ordered((dict, (pairs,)))
     return obj  # other objects: _KeyPickler.reducer_override
 
@@ -141,8 +142,9 @@ class _KeyPickler(pickle.Pickler):
         if len(rv) > 3 and rv[3] is not None:
             rv[3] = iter([_canon(x) for x in rv[3]])
         if len(rv) > 4 and rv[4] is not None:
-            pairs = sorted(((_canon(k), _canon(v)) for k, v in rv[4]),
-                           key=lambda kv: _encode_canon(kv[0]))  # fmt: skip
+            pairs = sorted(
+                ((_canon(k), _canon(v)) for k, v in rv[4]), key=lambda kv: _encode_canon(kv[0])
+            )
             rv[4] = iter(pairs)
         return tuple(rv)
 

@@ -28,8 +28,14 @@ PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]  # fmt: skip
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munmap.restype = ctypes.c_int
@@ -56,8 +62,12 @@ class _Mapping:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self.addr = _check(_libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, offset), "mmap")
         self.nbytes = nbytes
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                    "data": (self.addr, not writable), "version": 3}  # fmt: skip
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (self.addr, not writable),
+            "version": 3,
+        }
 
     def __del__(self) -> None:
         _libc.munmap(self.addr, self.nbytes)
@@ -134,8 +144,13 @@ def mapping_of(path: str) -> tuple[int, int] | None:
 
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mprotect.restype = ctypes.c_int
-_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
-                         ctypes.c_void_p]  # fmt: skip
+_libc.mremap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_void_p,
+]
 _libc.mremap.restype = ctypes.c_void_p
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 
@@ -167,8 +182,12 @@ class Lent(_Mapping):
             ctypes.memmove(new, self.addr, self.nbytes)
             if _libc.mprotect(new, self.nbytes, mmap.PROT_READ):
                 _check(None, "mprotect")
-            _check(_libc.mremap(new, self.nbytes, self.nbytes, MREMAP_MAYMOVE | MREMAP_FIXED,
-                                self.addr), "mremap")  # fmt: skip
+            _check(
+                _libc.mremap(
+                    new, self.nbytes, self.nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, self.addr
+                ),
+                "mremap",
+            )
         except BaseException:
             _libc.munmap(new, self.nbytes)
             raise

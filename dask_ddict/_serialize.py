@@ -152,15 +152,17 @@ def older_frame(frame: bytes) -> bytes | None:
     restored from an older checkpoint compares equal in either form (``wait_for``)."""
     if len(frame) < _HEAD.size or frame[0] != FMT_BYTES:
         return None
-    payload = pickle.dumps(bytes(memoryview(frame)[_HEAD.size:]), 5)
+    payload = pickle.dumps(bytes(memoryview(frame)[_HEAD.size :]), 5)
     return _HEAD.pack(FMT_PICKLE, 0, len(payload)) + payload
 
 
 def _bytes_frame(obj: bytes | memoryview) -> Framed:
     """A :data:`FMT_BYTES` frame: the header and the bytes themselves (not copied)."""
     if type(obj) is memoryview and not obj.c_contiguous:
-        raise DDictSerializationError("cannot store a memoryview that is not C-contiguous "
-                                      "as bytes: pass bytes(view) or a contiguous view")
+        raise DDictSerializationError(
+            "cannot store a memoryview that is not C-contiguous "
+            "as bytes: pass bytes(view) or a contiguous view"
+        )
     if type(obj) is memoryview and (obj.format != "B" or obj.ndim != 1):
         try:
             obj = obj.cast("B")
@@ -252,8 +254,9 @@ def raw_range(frame: Any, start: int, stop: int) -> tuple[int, memoryview]:
     """
     payload = _raw_payload(frame)
     if payload is None:
-        raise DDictSerializationError("a byte range of a value that is not raw bytes (a "
-                                      "pickled value): read it whole")  # fmt: skip
+        raise DDictSerializationError(
+            "a byte range of a value that is not raw bytes (a pickled value): read it whole"
+        )
     return payload.nbytes, payload[start:stop]
 
 
@@ -408,8 +411,13 @@ def frame_parts(frame: Any) -> tuple[Sequence[Any], int]:
     return [frame], memoryview(frame).nbytes
 
 
-def gather(parts: Sequence[Any], nbytes: int, head: bytes = b"", tail: bytes = b"",
-           scratch: Scratch | None = None) -> Any:  # fmt: skip
+def gather(
+    parts: Sequence[Any],
+    nbytes: int,
+    head: bytes = b"",
+    tail: bytes = b"",
+    scratch: Scratch | None = None,
+) -> Any:
     """``head + parts + tail`` as one buffer, copying each part once.
 
     Large results are built in ``scratch`` when given (valid until its next use).

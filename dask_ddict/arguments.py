@@ -40,8 +40,9 @@ Timeout = float | str | None | NoDefault
 _NAME_OK = re.compile(r"^[^/\\\x00]+$")
 
 
-def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX, *,
-              allow_none: bool = False) -> Any:  # fmt: skip
+def check_int(
+    name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX, *, allow_none: bool = False
+) -> Any:
     """``value`` if it is an int in ``[lo, hi]`` (or ``None`` when allowed)."""
     if value is None and allow_none:
         return None
@@ -69,8 +70,10 @@ def either(what: str, name: str, value: T | None, alias: str, alias_value: T | N
     if alias_value is None:
         return value
     if value is not None:
-        raise TypeError(f"{what}() got both {name}= and {alias}= ({alias} is Dragon's name "
-                        f"of {name}): give one of them")  # fmt: skip
+        raise TypeError(
+            f"{what}() got both {name}= and {alias}= ({alias} is Dragon's name "
+            f"of {name}): give one of them"
+        )
     return alias_value
 
 
@@ -98,8 +101,10 @@ def check_keys(name: str, value: T, of: str = "keys", one: str = "key") -> T:
     if isinstance(value, _TEXT):
         each = "character" if isinstance(value, str) else "byte"
         hint = f" (for one {one}, pass it in a list: [{one}])" if one else ""
-        raise TypeError(f"{name} must be an iterable of {of}, not a {type(value).__name__}: "
-                        f"each of its {each}s would be taken as one{hint}")
+        raise TypeError(
+            f"{name} must be an iterable of {of}, not a {type(value).__name__}: "
+            f"each of its {each}s would be taken as one{hint}"
+        )
     return value
 
 
@@ -124,23 +129,28 @@ def check_timeout(value: Any, name: str = "timeout") -> float | None:
         try:
             value = parse_timedelta(value)
         except Exception:
-            raise ValueError(f"{name} {value!r} is not a duration (e.g. 10, 2.5, '10s', "
-                             "'5 minutes')") from None  # fmt: skip
+            raise ValueError(
+                f"{name} {value!r} is not a duration (e.g. 10, 2.5, '10s', '5 minutes')"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be seconds (a number or a string such as '10s') or None, "
-                        f"got {type(value).__name__} {value!r:.80}")  # fmt: skip
+        raise TypeError(
+            f"{name} must be seconds (a number or a string such as '10s') or None, "
+            f"got {type(value).__name__} {value!r:.80}"
+        )
     seconds = float(value)
     if math.isnan(seconds) or not 0 <= seconds <= MAX_TIMEOUT:
-        raise ValueError(f"{name} must be in [0, {MAX_TIMEOUT:g}] seconds or None (wait "
-                         f"forever), got {value!r}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be in [0, {MAX_TIMEOUT:g}] seconds or None (wait forever), got {value!r}"
+        )
     return seconds
 
 
 def check_lifetime(value: Any) -> str:
     """``"client"`` (released with the clients that hold it) or ``"cluster"`` (until destroy)."""
     if value not in LIFETIMES or not isinstance(value, str):
-        raise ValueError(f"lifetime must be one of {', '.join(map(repr, LIFETIMES))}, "
-                         f"got {value!r:.80}")  # fmt: skip
+        raise ValueError(
+            f"lifetime must be one of {', '.join(map(repr, LIFETIMES))}, got {value!r:.80}"
+        )
     return value
 
 
@@ -152,11 +162,15 @@ def check_name(value: Any) -> str:
         return value
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > MAX_NAME_BYTES:
-        raise ValueError(f"name must be at most {MAX_NAME_BYTES} bytes (it names a directory "
-                         f"of the zarr store), got {size}")  # fmt: skip
+        raise ValueError(
+            f"name must be at most {MAX_NAME_BYTES} bytes (it names a directory "
+            f"of the zarr store), got {size}"
+        )
     if not _NAME_OK.match(value) or value in (".", "..") or value.startswith("__"):
-        raise ValueError(f"name {value!r:.80} must not contain '/', '\\' or NUL, be '.' or "
-                         "'..', or start with '__' (zarr reserves it)")  # fmt: skip
+        raise ValueError(
+            f"name {value!r:.80} must not contain '/', '\\' or NUL, be '.' or "
+            "'..', or start with '__' (zarr reserves it)"
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -212,8 +226,10 @@ def check_store_writable(path: str) -> None:
         probe = tempfile.mkdtemp(prefix=".ddict-write-probe-", dir=parent)
     except OSError as e:
         reason = f"{e.strerror} [errno {e.errno}]" if e.strerror else str(e)
-        raise ValueError(f"persist_path {path!r} cannot be written: a directory cannot be "
-                         f"created in {parent} ({reason})") from None  # fmt: skip
+        raise ValueError(
+            f"persist_path {path!r} cannot be written: a directory cannot be "
+            f"created in {parent} ({reason})"
+        ) from None
     os.rmdir(probe)
 
 
@@ -227,19 +243,24 @@ def check_storage_options(value: Any, persist_path: str) -> dict[str, Any] | Non
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise TypeError(f"storage_options must be a dict with str keys or None, got "
-                        f"{type(value).__name__}")  # fmt: skip
+        raise TypeError(
+            f"storage_options must be a dict with str keys or None, got {type(value).__name__}"
+        )
     try:
         json.dumps(value)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"storage_options must hold plain data (str, numbers, bools, None, "
-                        f"lists, dicts): {e}") from None  # fmt: skip
+        raise TypeError(
+            f"storage_options must hold plain data (str, numbers, bools, None, lists, dicts): {e}"
+        ) from None
     if value and not persist_path:
-        raise ValueError("storage_options needs a persist_path (an fsspec URL such as "
-                         "'s3://bucket/ckpt.zarr')")  # fmt: skip
+        raise ValueError(
+            "storage_options needs a persist_path (an fsspec URL such as 's3://bucket/ckpt.zarr')"
+        )
     if value and local_store(persist_path) is not None:
-        raise ValueError(f"storage_options are fsspec options for a URL persist_path; "
-                         f"{persist_path!r} is a local directory")  # fmt: skip
+        raise ValueError(
+            f"storage_options are fsspec options for a URL persist_path; "
+            f"{persist_path!r} is a local directory"
+        )
     return dict(value)
 
 
@@ -248,6 +269,7 @@ def check_client(value: Any) -> Any:
     from distributed import Client
 
     if value is not None and not isinstance(value, Client):
-        raise TypeError(f"client must be a distributed.Client or None, got "
-                        f"{type(value).__name__} {value!r:.80}")  # fmt: skip
+        raise TypeError(
+            f"client must be a distributed.Client or None, got {type(value).__name__} {value!r:.80}"
+        )
     return value

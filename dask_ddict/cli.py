@@ -18,6 +18,7 @@ from typing import Any
 import click
 import dask.config
 
+
 def _seconds(ctx: click.Context, param: click.Parameter, value: str) -> float | None:
     from .arguments import check_timeout
 
@@ -32,13 +33,21 @@ def scheduler_option(command: Callable[..., Any]) -> Callable[..., Any]:
     long to try to reach it (an address where nothing listens is said at once, in one
     line, rather than after Dask's connect timeout and with its traceback)."""
     command = click.option(
-        "--timeout", "timeout", default="5 s", show_default=True, metavar="DURATION",
-        callback=_seconds, help="How long to try to reach the scheduler.",
-    )(command)  # fmt: skip
+        "--timeout",
+        "timeout",
+        default="5 s",
+        show_default=True,
+        metavar="DURATION",
+        callback=_seconds,
+        help="How long to try to reach the scheduler.",
+    )(command)
     return click.option(
-        "--scheduler", "scheduler", default=None, metavar="ADDRESS",
+        "--scheduler",
+        "scheduler",
+        default=None,
+        metavar="ADDRESS",
         help="Scheduler address (default: dask config 'scheduler-address').",
-    )(command)  # fmt: skip
+    )(command)
 
 
 def _absolute_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -59,10 +68,11 @@ def _client(address: str | None, timeout: float | None) -> Iterator[Any]:
 
     address = address or dask.config.get("scheduler-address", None)
     if not address:
-        raise click.UsageError("no scheduler: pass --scheduler ADDRESS or set DASK_SCHEDULER_ADDRESS")
-    from .errors import DDictError
-
+        raise click.UsageError(
+            "no scheduler: pass --scheduler ADDRESS or set DASK_SCHEDULER_ADDRESS"
+        )
     from .client.core import install_orchestrator
+    from .errors import DDictError
 
     try:
         client = Client(address, timeout=timeout)
@@ -112,26 +122,35 @@ def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
     with _client(scheduler, timeout) as client:
         d = DDict.from_name(name, client)
         try:
-            click.echo(f"{'manager':>7}  {'host':<24} {'keys':>10} {'bytes':>14} {'fill':>6}  "
-                       f"{'window':<12} {'pinned':>14} {'waiting':>7}")  # fmt: skip
+            click.echo(
+                f"{'manager':>7}  {'host':<24} {'keys':>10} {'bytes':>14} {'fill':>6}  "
+                f"{'window':<12} {'pinned':>14} {'waiting':>7}"
+            )
             lost = {m.manager_id: m for m in d._core.fresh(force=True).managers if m.lost}
             for mid, info in sorted(lost.items()):  # (parked, or lost with their host)
-                click.echo(f"{mid:>7}  {info.hostname[:24]:<24} "
-                           f"{'parked' if info.parked else 'lost'}: {info.lost_why}")  # fmt: skip
+                click.echo(
+                    f"{mid:>7}  {info.hostname[:24]:<24} "
+                    f"{'parked' if info.parked else 'lost'}: {info.lost_why}"
+                )
             live = [m for m in range(d.num_managers) if m not in lost]
             for s in d.stats if not lost else [d.manager(m).stats[0] for m in live]:
                 window = f"[{s.oldest_checkpoint}, {s.newest_checkpoint}]"
-                click.echo(f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
-                           f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
-                           f"{window:<12} {s.pinned_bytes:>14} {s.deferred_ops:>7}")  # fmt: skip
+                click.echo(
+                    f"{s.manager_id:>7}  {s.hostname[:24]:<24} {s.num_keys:>10} "
+                    f"{s.total_used_bytes:>14} {s.pool_utilization:>6.1%}  "
+                    f"{window:<12} {s.pinned_bytes:>14} {s.deferred_ops:>7}"
+                )
             asked = d._core.layout.options.replicas
             for s in [s for s in d.stats if asked and s.replicas < asked] if not lost else []:
-                click.echo(f"short of replicas: manager {s.manager_id} has {s.replicas} of "
-                           f"{asked} (a new one is made when a worker can keep it)")  # fmt: skip
+                click.echo(
+                    f"short of replicas: manager {s.manager_id} has {s.replicas} of "
+                    f"{asked} (a new one is made when a worker can keep it)"
+                )
             for mv in d.moves:  # (the orchestrator's memory of its managers' moves)
                 to = mv["target"] or "nowhere (parked on its machine)"
-                click.echo(f"moved: manager {mv['manager_id']} from {mv['source']} to {to}: "
-                           f"{mv['why']}")  # fmt: skip
+                click.echo(
+                    f"moved: manager {mv['manager_id']} from {mv['source']} to {to}: {mv['why']}"
+                )
         finally:
             d.detach()
 
@@ -140,30 +159,50 @@ def stats(name: str, scheduler: str | None, timeout: float | None) -> None:
 @click.argument("name")
 @scheduler_option
 @click.option("--allow-restart", is_flag=True, help="Keep the shards for DDict(..., restart=True).")
-def destroy(name: str, scheduler: str | None, timeout: float | None,
-            allow_restart: bool) -> None:  # fmt: skip
+def destroy(name: str, scheduler: str | None, timeout: float | None, allow_restart: bool) -> None:
     """Destroy dictionary NAME (every manager and its shard)."""
     from .client.layouts import layout_reply
 
     with _client(scheduler, timeout) as client:
         layout = layout_reply(client.sync(client.scheduler.ddict_attach, name=name))
-        gone = client.sync(client.scheduler.ddict_destroy, name=name, uid=layout.uid,
-                           allow_restart=allow_restart)  # fmt: skip
+        gone = client.sync(
+            client.scheduler.ddict_destroy, name=name, uid=layout.uid, allow_restart=allow_restart
+        )
     click.echo(f"destroyed {name}" if gone else f"{name} was already gone")
 
 
 @ddict.command()
-@click.option("--remove", is_flag=True,
-              help="Remove the shards whose cluster is gone (no live scheduler keeps them).")
-@click.option("--force", "forced", multiple=True, metavar="NAME",
-              help="Remove the kept shards of dictionary NAME (or the shard directory NAME), "
-                   "whatever their cluster says; repeatable.")  # fmt: skip
-@click.option("--directory", default=None, metavar="DIR",
-              help="The shard directory (default: dask config 'ddict.store.directory').")
-@click.option("--timeout", "timeout", default="3 s", show_default=True, metavar="DURATION",
-              callback=_seconds, help="How long to wait for each scheduler's answer.")  # fmt: skip
-def parked(remove: bool, forced: tuple[str, ...], directory: str | None,
-           timeout: float | None) -> None:  # fmt: skip
+@click.option(
+    "--remove",
+    is_flag=True,
+    help="Remove the shards whose cluster is gone (no live scheduler keeps them).",
+)
+@click.option(
+    "--force",
+    "forced",
+    multiple=True,
+    metavar="NAME",
+    help="Remove the kept shards of dictionary NAME (or the shard directory NAME), "
+    "whatever their cluster says; repeatable.",
+)
+@click.option(
+    "--directory",
+    default=None,
+    metavar="DIR",
+    help="The shard directory (default: dask config 'ddict.store.directory').",
+)
+@click.option(
+    "--timeout",
+    "timeout",
+    default="3 s",
+    show_default=True,
+    metavar="DURATION",
+    callback=_seconds,
+    help="How long to wait for each scheduler's answer.",
+)
+def parked(
+    remove: bool, forced: tuple[str, ...], directory: str | None, timeout: float | None
+) -> None:
     """Parked shards on this machine, and the others kept in its shared memory.
 
     One line per shard that no process serves but that is kept: parked (no worker
@@ -185,16 +224,26 @@ def parked(remove: bool, forced: tuple[str, ...], directory: str | None,
         click.echo(f"no parked or kept shards in {base}")
         return
     states = hygiene.keeper_states([s for s in shards if not s.in_use], Security(), timeout)
-    click.echo(f"{'dictionary':<20} {'manager':>7}  {'kept':<8} {'bytes':>12}  {'cluster':<8} "
-               f"{'scheduler':<28} shard")  # fmt: skip
+    click.echo(
+        f"{'dictionary':<20} {'manager':>7}  {'kept':<8} {'bytes':>12}  {'cluster':<8} "
+        f"{'scheduler':<28} shard"
+    )
     for s in shards:
         state = "in-use" if s.in_use else states.get(s.path, hygiene.UNKNOWN)
         manager = "?" if s.manager is None else str(s.manager)
-        click.echo(f"{s.name[:20]:<20} {manager:>7}  {s.why or '?':<8} {s.nbytes:>12}  "
-                   f"{state:<8} {s.keeper:<28} {s.path}")  # fmt: skip
-    doomed = [s for s in shards if not s.in_use and (
-        (remove and states.get(s.path) == hygiene.GONE)
-        or any(f in (s.name, s.path, os.path.basename(s.path)) for f in forced))]  # fmt: skip
+        click.echo(
+            f"{s.name[:20]:<20} {manager:>7}  {s.why or '?':<8} {s.nbytes:>12}  "
+            f"{state:<8} {s.keeper:<28} {s.path}"
+        )
+    doomed = [
+        s
+        for s in shards
+        if not s.in_use
+        and (
+            (remove and states.get(s.path) == hygiene.GONE)
+            or any(f in (s.name, s.path, os.path.basename(s.path)) for f in forced)
+        )
+    ]
     hygiene.remove([s.path for s in doomed], kept=True)  # (never one a process holds)
     removed = [s for s in doomed if not os.path.exists(s.path)]
     for s in removed:
@@ -239,10 +288,12 @@ def inspect(store: str) -> None:
                 v = versions.get(g.chkpt)
                 if g.committed and v is not None and v.gens.get(mid) == g.gen:  # the checkpoint
                     try:
-                        reader = cs if v.managers == n else kind(
-                            store, name, mid, v.managers, writable=False)  # fmt: skip
-                        size = sum(memoryview(f).nbytes
-                                   for _, f, _ in reader.read_generation(g))  # fmt: skip
+                        reader = (
+                            cs
+                            if v.managers == n
+                            else kind(store, name, mid, v.managers, writable=False)
+                        )
+                        size = sum(memoryview(f).nbytes for _, f, _ in reader.read_generation(g))
                         check = f", {size} value bytes, checksums ok"
                     except DDictPersistCheckpointError as e:
                         check, bad = f", DAMAGED: {e.message}", bad + 1
@@ -256,16 +307,37 @@ def inspect(store: str) -> None:
 @ddict.command()
 @click.argument("name")
 @click.option("--total-mem", default="256 MiB", show_default=True, help="Bytes over all managers.")
-@click.option("--managers-per-worker", type=int, default=None,
-              help="Shards per worker (default: ddict.managers-per-worker).")
-@click.option("--working-set-size", type=int, default=1, show_default=True,
-              help="Checkpoints kept (Dragon's working set).")
-@click.option("--replicas", type=int, default=0, show_default=True,
-              help="Copies of each shard kept by other workers' hosts (a host lost suddenly "
-                   "loses nothing acknowledged).")
+@click.option(
+    "--managers-per-worker",
+    type=int,
+    default=None,
+    help="Shards per worker (default: ddict.managers-per-worker).",
+)
+@click.option(
+    "--working-set-size",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Checkpoints kept (Dragon's working set).",
+)
+@click.option(
+    "--replicas",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Copies of each shard kept by other workers' hosts (a host lost suddenly "
+    "loses nothing acknowledged).",
+)
 @scheduler_option
-def create(name: str, total_mem: str, managers_per_worker: int | None, working_set_size: int,
-           replicas: int, scheduler: str | None, timeout: float | None) -> None:  # fmt: skip
+def create(
+    name: str,
+    total_mem: str,
+    managers_per_worker: int | None,
+    working_set_size: int,
+    replicas: int,
+    scheduler: str | None,
+    timeout: float | None,
+) -> None:
     """Create dictionary NAME on the cluster; print its handle (``DDict.attach``).
 
     It outlives this command (``lifetime="cluster"``): remove it with ``dask ddict
@@ -275,9 +347,15 @@ def create(name: str, total_mem: str, managers_per_worker: int | None, working_s
 
     with _client(scheduler, timeout) as client:
         try:
-            d = DDict(managers_per_worker, total_mem=total_mem, name=name, client=client,
-                      working_set_size=working_set_size, replicas=replicas,
-                      lifetime="cluster")  # fmt: skip
+            d = DDict(
+                managers_per_worker,
+                total_mem=total_mem,
+                name=name,
+                client=client,
+                working_set_size=working_set_size,
+                replicas=replicas,
+                lifetime="cluster",
+            )
         except (TypeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
         click.echo(d.serialize())
@@ -289,14 +367,24 @@ def create(name: str, total_mem: str, managers_per_worker: int | None, working_s
 @click.option("--name", required=True, help="The dictionary's name in the store.")
 @click.option("--checkpoint", type=int, default=None, help="Checkpoint id (default: newest).")
 @click.option("--total-mem", default="1 GiB", show_default=True, help="Bytes over all managers.")
-@click.option("--managers-per-worker", type=int, default=None,
-              help="Shards per worker (default: as many managers as persisted the checkpoint, "
-                   "if the workers can host them evenly, else ddict.managers-per-worker); "
-                   "a checkpoint restores onto any number of managers.")  # fmt: skip
+@click.option(
+    "--managers-per-worker",
+    type=int,
+    default=None,
+    help="Shards per worker (default: as many managers as persisted the checkpoint, "
+    "if the workers can host them evenly, else ddict.managers-per-worker); "
+    "a checkpoint restores onto any number of managers.",
+)
 @scheduler_option
-def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
-            managers_per_worker: int | None, scheduler: str | None,
-            timeout: float | None) -> None:  # fmt: skip
+def restore(
+    store: str,
+    name: str,
+    checkpoint: int | None,
+    total_mem: str,
+    managers_per_worker: int | None,
+    scheduler: str | None,
+    timeout: float | None,
+) -> None:
     """Create dictionary NAME on the cluster from its checkpoint in STORE; print its handle.
 
     The dictionary outlives this command (``lifetime="cluster"``): remove it with
@@ -322,9 +410,16 @@ def restore(store: str, name: str, checkpoint: int | None, total_mem: str,
         if managers_per_worker is None and wrote and wrote % workers == 0:
             managers_per_worker = wrote // workers  # (as persisted: nothing to re-shard)
         try:
-            d = DDict(managers_per_worker, total_mem=total_mem, name=name, persist_path=store,
-                      restore_from=checkpoint, client=client, lifetime="cluster",
-                      persister_class=kind)  # fmt: skip
+            d = DDict(
+                managers_per_worker,
+                total_mem=total_mem,
+                name=name,
+                persist_path=store,
+                restore_from=checkpoint,
+                client=client,
+                lifetime="cluster",
+                persister_class=kind,
+            )
         except (TypeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
         click.echo(d.serialize())

@@ -57,20 +57,40 @@ def summarize(
     for m in layout.managers:
         s = stats.get(m.manager_id)
         row: dict[str, Any] = {
-            "manager_id": m.manager_id, "worker": m.worker, "hostname": m.hostname,
-            "lost": m.lost, "error": None, "num_keys": None, "bytes": None, "capacity": None,
-            "fill": None, "window": None, "frozen": None, "pinned_bytes": None,
-            "pinned_views": None, "deferred_ops": None, "ops_served": None,
-            "host_restarts": None, "persisted": list((persisted or {}).get(m.manager_id, ())),
+            "manager_id": m.manager_id,
+            "worker": m.worker,
+            "hostname": m.hostname,
+            "lost": m.lost,
+            "error": None,
+            "num_keys": None,
+            "bytes": None,
+            "capacity": None,
+            "fill": None,
+            "window": None,
+            "frozen": None,
+            "pinned_bytes": None,
+            "pinned_views": None,
+            "deferred_ops": None,
+            "ops_served": None,
+            "host_restarts": None,
+            "persisted": list((persisted or {}).get(m.manager_id, ())),
             "replicas": None,
-        }  # fmt: skip
+        }
         if isinstance(s, DDictManagerStats):
-            row.update(num_keys=s.num_keys, bytes=s.total_used_bytes, capacity=s.total_bytes,
-                       fill=s.pool_utilization, frozen=s.frozen,
-                       pinned_bytes=s.pinned_bytes, pinned_views=s.pinned_views,
-                       deferred_ops=s.deferred_ops, ops_served=dict(s.ops_served),
-                       host_restarts=s.host_restarts, replicas=s.replicas,
-                       window=[s.oldest_checkpoint, s.newest_checkpoint])  # fmt: skip
+            row.update(
+                num_keys=s.num_keys,
+                bytes=s.total_used_bytes,
+                capacity=s.total_bytes,
+                fill=s.pool_utilization,
+                frozen=s.frozen,
+                pinned_bytes=s.pinned_bytes,
+                pinned_views=s.pinned_views,
+                deferred_ops=s.deferred_ops,
+                ops_served=dict(s.ops_served),
+                host_restarts=s.host_restarts,
+                replicas=s.replicas,
+                window=[s.oldest_checkpoint, s.newest_checkpoint],
+            )
         elif m.lost:
             row["error"] = "lost with its host"
         elif s is not None:

@@ -96,8 +96,7 @@ class DDictError(Exception):
         return (_rebuild, (type(self), self.message, self.code, self.__dict__))
 
 
-def _rebuild(cls: type[DDictError], message: str, code: str,
-             state: dict[str, Any]) -> DDictError:  # fmt: skip
+def _rebuild(cls: type[DDictError], message: str, code: str, state: dict[str, Any]) -> DDictError:
     exc = cls.__new__(cls)
     DDictError.__init__(exc, message, code)
     exc.__dict__.update(state)
@@ -258,8 +257,9 @@ class DDictTaskError(DDictError):
 
     default_code = "TASK_FAILED"
 
-    def __init__(self, message: str = "", code: str | None = None,
-                 manager_id: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, message: str = "", code: str | None = None, manager_id: int | None = None
+    ) -> None:
         super().__init__(message, code)
         self.manager_id = manager_id
 

@@ -99,9 +99,11 @@ class Layout:
         """The layout after ``supervisor`` (and so its host process) is gone, ``why``
         (``only``: those of its managers; the others' replicas take over)."""
         managers = tuple(
-            replace(m, lost=True, lost_why=why) if m.supervisor == supervisor and not m.lost
-            and (only is None or m.manager_id in only) else m for m in self.managers
-        )  # fmt: skip
+            replace(m, lost=True, lost_why=why)
+            if m.supervisor == supervisor and not m.lost and (only is None or m.manager_id in only)
+            else m
+            for m in self.managers
+        )
         return replace(self, managers=managers, epoch=self.epoch + 1)
 
     def with_worker(self, supervisor: str, worker: str) -> Layout:
@@ -113,8 +115,10 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["managers"] = [{**asdict(m), "policy": None if m.policy is None else m.policy.to_dict()}
-                         for m in self.managers]
+        d["managers"] = [
+            {**asdict(m), "policy": None if m.policy is None else m.policy.to_dict()}
+            for m in self.managers
+        ]
         return d
 
     @classmethod
@@ -148,13 +152,19 @@ class Layout:
             impossible layout (no managers, ids out of order, shared shards).
         """
         if not isinstance(s, str):
-            raise TypeError(f"serialized must be a str from DDict.serialize(), got {type(s).__name__}")
+            raise TypeError(
+                f"serialized must be a str from DDict.serialize(), got {type(s).__name__}"
+            )
         if s.startswith(("ddict1:", "ddict2:")):
-            raise ValueError(f"serialized is a handle of an older dask_ddict (format {s[5]}): "
-                             "re-create or re-attach the dictionary with this version")  # fmt: skip
-        body, _, digest = s[len(_PREFIX):].rpartition(".")
+            raise ValueError(
+                f"serialized is a handle of an older dask_ddict (format {s[5]}): "
+                "re-create or re-attach the dictionary with this version"
+            )
+        body, _, digest = s[len(_PREFIX) :].rpartition(".")
         if not s.startswith(_PREFIX) or not body:
-            raise ValueError("serialized is not a DDict handle (expected DDict.serialize()'s string)")
+            raise ValueError(
+                "serialized is not a DDict handle (expected DDict.serialize()'s string)"
+            )
         try:
             raw = base64.urlsafe_b64decode(body.encode())
         except Exception:

@@ -75,8 +75,10 @@ class DDictOptions:
             raise TypeError(f"persist_path must be a str, got {type(self.persist_path).__name__}")
         local = local_store(self.persist_path)
         if local and os.path.isfile(local):
-            raise ValueError(f"persist_path {self.persist_path!r} is a file, not a zarr store "
-                             "(a directory or an fsspec URL)")  # fmt: skip
+            raise ValueError(
+                f"persist_path {self.persist_path!r} is a file, not a zarr store "
+                "(a directory or an fsspec URL)"
+            )
         if self.working_set_size == 1 and (self.wait_for_keys or self.wait_for_writers):
             raise ValueError(
                 "working_set_size must be greater than 1 with wait_for_keys or wait_for_writers"
@@ -85,15 +87,19 @@ class DDictOptions:
             raise ValueError("persist_freq must be non-negative")
         if self.persist_count < -1:
             raise ValueError("persist_count must be -1 (keep all) or >= 0")
-        if self.persister == "null" and (self.persist_freq or self.persist_path
-                                         or self.restore_from is not None):  # fmt: skip
+        if self.persister == "null" and (
+            self.persist_freq or self.persist_path or self.restore_from is not None
+        ):
             raise ValueError(
                 "persister_class=NULLCheckpointPersister persists nothing: persist_freq must "
-                "be 0 (as in Dragon), and persist_path and restore_from not given")  # fmt: skip
+                "be 0 (as in Dragon), and persist_path and restore_from not given"
+            )
         if self.persister == "directory" and self.persist_path and not local:
-            raise ValueError(f"persist_path {self.persist_path!r} is a URL: the directory "
-                             "persister writes files in a directory (for a URL, "
-                             "persister_class=None: zarr)")  # fmt: skip
+            raise ValueError(
+                f"persist_path {self.persist_path!r} is a URL: the directory "
+                "persister writes files in a directory (for a URL, "
+                "persister_class=None: zarr)"
+            )
         if self.persist_freq > 0 and not self.persist_path:
             raise ValueError("persist_freq > 0 needs a persist_path (a zarr store)")
         if self.restore_from is not None and self.restore_from < 0:
@@ -110,8 +116,10 @@ class DDictOptions:
             if self.persist_count != 0:
                 raise ValueError("read_only needs persist_count == 0")
             if self.replicas:
-                raise ValueError("read_only cannot be combined with replicas (a replay writes "
-                                 "nothing that a replica would keep)")
+                raise ValueError(
+                    "read_only cannot be combined with replicas (a replay writes "
+                    "nothing that a replica would keep)"
+                )
         if self.restore_from is not None and not name:
             raise ValueError("restore_from needs the name of the dictionary to restore")
         if restart and not name:

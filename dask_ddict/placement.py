@@ -33,14 +33,23 @@ def _resources(value: Any) -> tuple[tuple[str, float], ...]:
     try:
         pairs = [(k, v) for k, v in items]
     except (TypeError, ValueError):
-        raise TypeError(f"Policy resources must be a mapping of resource name to amount, "
-                        f"got {value!r:.80}") from None  # fmt: skip
+        raise TypeError(
+            f"Policy resources must be a mapping of resource name to amount, got {value!r:.80}"
+        ) from None
     out = {}
     for k, v in pairs:
-        if not isinstance(k, str) or not k or isinstance(v, bool) or \
-                not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:  # fmt: skip
-            raise ValueError(f"Policy resources: {k!r}: {v!r} must be a resource name and a "
-                             "positive amount, e.g. {'GPU': 1}")  # fmt: skip
+        if (
+            not isinstance(k, str)
+            or not k
+            or isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not math.isfinite(v)
+            or v <= 0
+        ):
+            raise ValueError(
+                f"Policy resources: {k!r}: {v!r} must be a resource name and a "
+                "positive amount, e.g. {'GPU': 1}"
+            )
         out[k] = float(v)
     return tuple(sorted(out.items()))
 
@@ -71,19 +80,27 @@ class Policy:
         for name in ("worker", "host"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise TypeError(f"Policy {name} must be a non-empty string or None, got "
-                                f"{value!r:.80}")  # fmt: skip
+                raise TypeError(
+                    f"Policy {name} must be a non-empty string or None, got {value!r:.80}"
+                )
         object.__setattr__(self, "resources", _resources(self.resources or ()))
 
     def __repr__(self) -> str:
-        given = [f"{k}={v!r}" for k, v in (("worker", self.worker), ("host", self.host))
-                 if v is not None]  # fmt: skip
+        given = [
+            f"{k}={v!r}" for k, v in (("worker", self.worker), ("host", self.host)) if v is not None
+        ]
         if self.resources:
             given.append(f"resources={dict(self.resources)!r}")  # (sorted pairs: stable)
         return f"Policy({', '.join(given)})"
 
-    def matches(self, address: str, name: Any = None, host: str = "", hostname: str = "",
-                resources: Mapping[str, float] | None = None) -> bool:  # fmt: skip
+    def matches(
+        self,
+        address: str,
+        name: Any = None,
+        host: str = "",
+        hostname: str = "",
+        resources: Mapping[str, float] | None = None,
+    ) -> bool:
         """Whether the worker at ``address`` (its ``name``, IP address ``host``, machine
         ``hostname`` and ``resources``) satisfies this policy."""
         if self.worker is not None and self.worker not in (address, str(name)):
@@ -111,8 +128,9 @@ def as_policy(value: Any) -> Policy | None:
     raise TypeError(f"not a Policy: {value!r:.80}")
 
 
-def policy_groups(policy: Any, managers_per_policy: Any,
-                  managers_per_worker: int | None) -> list[tuple[Policy, int | None]]:  # fmt: skip
+def policy_groups(
+    policy: Any, managers_per_policy: Any, managers_per_worker: int | None
+) -> list[tuple[Policy, int | None]]:
     """The constructor's placement as ``(policy, managers)`` groups, Dragon's way.
 
     * ``Policy(...)``: every manager under it; ``managers`` ``None`` (the workers that
@@ -131,31 +149,39 @@ def policy_groups(policy: Any, managers_per_policy: Any,
     """
     if policy is None:
         if managers_per_policy is not None:
-            raise ValueError(f"managers_per_policy={managers_per_policy!r} needs policy=[...] "
-                             "(a list of Policy)")  # fmt: skip
+            raise ValueError(
+                f"managers_per_policy={managers_per_policy!r} needs policy=[...] (a list of Policy)"
+            )
         return []
     if isinstance(policy, Policy):
         if managers_per_policy is not None:
-            raise ValueError("managers_per_policy goes with a list of policies; with one "
-                             "Policy give managers_per_worker= (managers on each worker that "
-                             "satisfies it)")  # fmt: skip
+            raise ValueError(
+                "managers_per_policy goes with a list of policies; with one "
+                "Policy give managers_per_worker= (managers on each worker that "
+                "satisfies it)"
+            )
         return [(policy, None)]
     if isinstance(policy, Mapping):
         if managers_per_policy is not None:
-            raise ValueError("policy={Policy: count} gives each policy's count: "
-                             "managers_per_policy must be None")  # fmt: skip
+            raise ValueError(
+                "policy={Policy: count} gives each policy's count: managers_per_policy must be None"
+            )
         groups = list(policy.items())
     elif isinstance(policy, (list, tuple)):
         k = 1 if managers_per_policy is None else managers_per_policy
         check_int("managers_per_policy", k, 1, MAX_MANAGERS)
         if managers_per_worker is not None:
-            raise ValueError("with a list of policies, managers_per_policy gives the managers "
-                             "of each policy: managers_per_worker (managers_per_node) must be "
-                             "None, as in Dragon")  # fmt: skip
+            raise ValueError(
+                "with a list of policies, managers_per_policy gives the managers "
+                "of each policy: managers_per_worker (managers_per_node) must be "
+                "None, as in Dragon"
+            )
         groups = [(p, k) for p in policy]
     else:
-        raise TypeError(f"policy must be a Policy, a list of Policy or a mapping of Policy to "
-                        f"a count of managers, got {policy!r:.80}")  # fmt: skip
+        raise TypeError(
+            f"policy must be a Policy, a list of Policy or a mapping of Policy to "
+            f"a count of managers, got {policy!r:.80}"
+        )
     if not groups:
         raise ValueError("policy=[] places no manager: give at least one Policy")
     for p, count in groups:
@@ -163,8 +189,9 @@ def policy_groups(policy: Any, managers_per_policy: Any,
             raise TypeError(f"policy: {p!r:.80} is not a dask_ddict.Policy")
         check_int("managers per policy", count, 1, MAX_MANAGERS)
     if sum(c for _, c in groups) > MAX_MANAGERS:
-        raise ValueError(f"the policies place {sum(c for _, c in groups)} managers; at most "
-                         f"{MAX_MANAGERS}")  # fmt: skip
+        raise ValueError(
+            f"the policies place {sum(c for _, c in groups)} managers; at most {MAX_MANAGERS}"
+        )
     return groups
 
 
@@ -180,12 +207,16 @@ class WorkerView:
 
     def satisfies(self, policy: Policy | None) -> bool:
         """Whether this worker may host a manager under ``policy`` (any, if ``None``)."""
-        return policy is None or policy.matches(self.address, self.name, self.host,
-                                                self.hostname, self.resources)  # fmt: skip
+        return policy is None or policy.matches(
+            self.address, self.name, self.host, self.hostname, self.resources
+        )
 
 
-def assign(groups: Sequence[tuple[Policy, int | None]], workers: Iterable[WorkerView],
-           managers_per_worker: int) -> list[tuple[str, Policy]]:  # fmt: skip
+def assign(
+    groups: Sequence[tuple[Policy, int | None]],
+    workers: Iterable[WorkerView],
+    managers_per_worker: int,
+) -> list[tuple[str, Policy]]:
     """Each manager's ``(worker address, policy)``, manager id order.
 
     A group without a count puts ``managers_per_worker`` managers on each worker
@@ -203,8 +234,9 @@ def assign(groups: Sequence[tuple[Policy, int | None]], workers: Iterable[Worker
     for policy, count in groups:
         fit = [w.address for w in workers if w.satisfies(policy)]
         if not fit:
-            raise ValueError(f"no worker satisfies {policy!r} (workers: "
-                             f"{', '.join(load) or 'none'})")  # fmt: skip
+            raise ValueError(
+                f"no worker satisfies {policy!r} (workers: {', '.join(load) or 'none'})"
+            )
         if count is None:
             for w in fit:
                 out += [(w, policy)] * managers_per_worker

@@ -54,8 +54,9 @@ def compute(collection: Any, client: Any = None) -> Any:
     return client.gather(futures)
 
 
-def track(items: Iterable[T], desc: str, total: int | None = None,
-          unit: str = "manager") -> Iterable[T]:  # fmt: skip
+def track(
+    items: Iterable[T], desc: str, total: int | None = None, unit: str = "manager"
+) -> Iterable[T]:
     """``items``, with a bar named ``desc`` when progress is on."""
     if not enabled():
         return items

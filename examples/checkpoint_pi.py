@@ -45,8 +45,9 @@ from distributed import Client, LocalCluster, rejoin, secede
 from dask_ddict import DDict
 
 
-def simulate(d: DDict, cid: int, n_clients: int, start: int, iterations: int,
-             points: int) -> list[float]:  # fmt: skip
+def simulate(
+    d: DDict, cid: int, n_clients: int, start: int, iterations: int, points: int
+) -> list[float]:
     """One client: ``iterations`` checkpoints from ``start``; returns its estimates."""
     secede()  # a long, blocking task: give the worker its thread back
     try:
@@ -73,8 +74,9 @@ def simulate(d: DDict, cid: int, n_clients: int, start: int, iterations: int,
 def run_phase(client: Client, d: DDict, args: argparse.Namespace, start: int) -> float:
     t0 = time.perf_counter()
     futures = [
-        client.submit(simulate, d, cid, args.clients, start, args.iterations, args.points,
-                      pure=False)  # fmt: skip
+        client.submit(
+            simulate, d, cid, args.clients, start, args.iterations, args.points, pure=False
+        )
         for cid in range(args.clients)
     ]
     results = client.gather(futures)
@@ -82,8 +84,10 @@ def run_phase(client: Client, d: DDict, args: argparse.Namespace, start: int) ->
         ests = {round(r[step], 12) for r in results}
         assert len(ests) == 1, "clients at one checkpoint must see the same ratios"
         print(f"  checkpoint {start + step:3d}: pi ~ {results[0][step]:.6f}")
-    print(f"  {args.clients} clients x {args.iterations} checkpoints in "
-          f"{time.perf_counter() - t0:.2f} s")  # fmt: skip
+    print(
+        f"  {args.clients} clients x {args.iterations} checkpoints in "
+        f"{time.perf_counter() - t0:.2f} s"
+    )
     return results[0][-1]
 
 
@@ -97,8 +101,15 @@ def main() -> None:
     args = ap.parse_args()
 
     store = args.store or tempfile.mkdtemp(prefix="ddict-pi-") + "/checkpoints.zarr"
-    opts = dict(working_set_size=4, wait_for_keys=True, persist_freq=1, persist_count=-1,
-                persist_path=store, name="pi", timeout=120)  # fmt: skip
+    opts = dict(
+        working_set_size=4,
+        wait_for_keys=True,
+        persist_freq=1,
+        persist_count=-1,
+        persist_path=store,
+        name="pi",
+        timeout=120,
+    )
     cluster = None
     if args.scheduler:
         client = Client(args.scheduler)
@@ -115,9 +126,11 @@ def main() -> None:
         saved = d.persisted_ids()
         newest = saved[-1]
         retired = [k for k in saved if k <= newest - opts["working_set_size"]]
-        print(f"  persisted checkpoints: {saved}: {retired or 'none'} retired from the window "
-              f"of the newest {opts['working_set_size']} (persist_freq=1), {newest} by "
-              "d.persist() (the newest, for the restart); the others are still in the window")
+        print(
+            f"  persisted checkpoints: {saved}: {retired or 'none'} retired from the window "
+            f"of the newest {opts['working_set_size']} (persist_freq=1), {newest} by "
+            "d.persist() (the newest, for the restart); the others are still in the window"
+        )
         d.destroy()  # the dictionary is gone; the zarr store stays
 
         print(f"phase 2: a new dictionary restored from checkpoint {newest}")

@@ -21,6 +21,9 @@ def fuzz(n: int) -> settings:
         derandomize=SCALE == 1,
         deadline=None,
         database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                               HealthCheck.data_too_large],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.data_too_large,
+        ],
     )

@@ -37,8 +37,9 @@ S = "s"
 def _free_block() -> int:
     """A ``169.254.(80+k).0/24`` that no interface uses: ``80 + k`` (one at random of the
     free ones, so that fixtures started at once rarely pick the same)."""
-    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
-                           check=True, timeout=30).stdout  # fmt: skip
+    shown = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
     free = [k for k in range(80, 120) if f" 169.254.{k}." not in shown]
     if not free:
         raise RuntimeError("no free 169.254.x.0/24 block for the machines fixture")
@@ -60,9 +61,12 @@ class Machines(Processes):
         settings: the scheduler's are the orchestrator's).
     """
 
-    def __init__(self, names: tuple[str, ...] = ("a", "b", "c"),
-                 workers: tuple[str, ...] = (S, "a", "b"), env: dict[str, str] | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        names: tuple[str, ...] = ("a", "b", "c"),
+        workers: tuple[str, ...] = (S, "a", "b"),
+        env: dict[str, str] | None = None,
+    ) -> None:
         super().__init__("ddict-machines-")
         self.tag = secrets.token_hex(3)
         self.names = names
@@ -81,9 +85,21 @@ class Machines(Processes):
 
     def start(self) -> None:
         self._network()
-        self._start("scheduler", S, [*DASK, "scheduler", "--host", self.ip[S], "--port", "0",
-                                     "--no-dashboard", "--scheduler-file",
-                                     self.scheduler_file])  # fmt: skip
+        self._start(
+            "scheduler",
+            S,
+            [
+                *DASK,
+                "scheduler",
+                "--host",
+                self.ip[S],
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                self.scheduler_file,
+            ],
+        )
         self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
         for m in self.workers:
             self.start_worker(m)
@@ -103,10 +119,27 @@ class Machines(Processes):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def start_worker(self, machine: str) -> None:
-        self._start(f"worker-{machine}", machine, [
-            *DASK, "worker", "--scheduler-file", self.scheduler_file, "--nworkers", "1",
-            "--nthreads", "2", "--memory-limit", "2GiB", "--no-dashboard", "--host",
-            self.ip[machine], "--name", f"worker-{machine}"])  # fmt: skip
+        self._start(
+            f"worker-{machine}",
+            machine,
+            [
+                *DASK,
+                "worker",
+                "--scheduler-file",
+                self.scheduler_file,
+                "--nworkers",
+                "1",
+                "--nthreads",
+                "2",
+                "--memory-limit",
+                "2GiB",
+                "--no-dashboard",
+                "--host",
+                self.ip[machine],
+                "--name",
+                f"worker-{machine}",
+            ],
+        )
 
     # -- partitions -------------------------------------------------------------------
 
@@ -139,24 +172,50 @@ class Machines(Processes):
         _run("ip", "addr", "add", f"{self.ip[S]}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for i, name in enumerate(self.names):
-            ns, outer, inner = f"ddm{self.tag}{name}", f"ddm{self.tag}{name}o", f"ddm{self.tag}{name}i"
+            ns, outer, inner = (
+                f"ddm{self.tag}{name}",
+                f"ddm{self.tag}{name}o",
+                f"ddm{self.tag}{name}i",
+            )
             self.netns[name], self.ip[name] = ns, f"169.254.{k}.{10 + i}"
             _run("ip", "netns", "add", ns)
             _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
             _run("ip", "link", "set", inner, "netns", ns)
             _run("ip", "link", "set", outer, "master", self.bridge)
             _run("ip", "link", "set", outer, "up")
-            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip[name]}/24", "dev", inner)
+            _run(
+                "ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip[name]}/24", "dev", inner
+            )
             _run("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
             _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             self.anchors[name] = subprocess.Popen(
-                ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation",
-                 "private", "sh", "-c", f"hostname ddict-{name} && mount -t tmpfs -o size=1g "
-                 "tmpfs /dev/shm && exec sleep infinity"], start_new_session=True)  # fmt: skip
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    f"hostname ddict-{name} && mount -t tmpfs -o size=1g "
+                    "tmpfs /dev/shm && exec sleep infinity",
+                ],
+                start_new_session=True,
+            )
         for name in self.names:  # (its namespaces are ready once its hostname is)
-            self._wait(lambda name=name: subprocess.run(
-                self.on(name, ["hostname"]), capture_output=True, text=True,
-                timeout=30).stdout.strip() == f"ddict-{name}", f"machine {name}")  # fmt: skip
+            self._wait(
+                lambda name=name: (
+                    subprocess.run(
+                        self.on(name, ["hostname"]), capture_output=True, text=True, timeout=30
+                    ).stdout.strip()
+                    == f"ddict-{name}"
+                ),
+                f"machine {name}",
+            )
 
     def on(self, machine: str, command: list[str]) -> list[str]:
         """``command`` run on ``machine`` (its network, hostname and /dev/shm)."""
@@ -166,14 +225,20 @@ class Machines(Processes):
         # (the anchor is `ip netns exec`'s child once it exec'd sh then sleep: its pid)
         return ["nsenter", "--target", str(_leaf(anchor)), "--net", "--uts", "--mount", *command]
 
-    def popen(self, machine: str, code: str, *args: str, name: str = "python"
-              ) -> subprocess.Popen[str]:  # fmt: skip
+    def popen(
+        self, machine: str, code: str, *args: str, name: str = "python"
+    ) -> subprocess.Popen[str]:
         """Start Python ``code`` on ``machine``: its stdout piped, its stderr to the log
         ``name`` (:meth:`log`)."""
         with open(self.tmp / f"{name}.log", "wb") as log:
-            return subprocess.Popen(self.on(machine, [sys.executable, "-c", code, *args]),
-                                    stdout=subprocess.PIPE, stderr=log, text=True,
-                                    env=self.env(), start_new_session=True)  # fmt: skip
+            return subprocess.Popen(
+                self.on(machine, [sys.executable, "-c", code, *args]),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=self.env(),
+                start_new_session=True,
+            )
 
     def _start(self, name: str, machine: str, cmd: list[str]) -> None:
         self._launch(name, self.on(machine, cmd))

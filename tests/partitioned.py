@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from distributed import Client
+from machines import Machines
 
 from dask_ddict import DDict
 from dask_ddict.layout import ManagerInfo
-from machines import Machines
 
 _WRITER = """
 import json, os, sys, threading, time
@@ -101,8 +101,9 @@ def hosts_ready(c: Client, n: int, bound: float = 120.0) -> None:
     def ready() -> bool:
         infos = c.scheduler_info()["workers"].values()
         try:
-            return len(infos) >= n and all(i.get("status") == "running" and
-                                           c.sync(answers, i["nanny"]) for i in infos)  # fmt: skip
+            return len(infos) >= n and all(
+                i.get("status") == "running" and c.sync(answers, i["nanny"]) for i in infos
+            )
         except Exception:  # noqa: BLE001 - not yet
             return False
 
@@ -111,10 +112,12 @@ def hosts_ready(c: Client, n: int, bound: float = 120.0) -> None:
 
 def where(c: Client, d: DDict) -> tuple[dict[str, str], dict[int, list[str]]]:
     """(worker -> machine, manager -> the workers of its replicas)."""
-    machine_of = {w: info["name"].removeprefix("worker-")
-                  for w, info in c.scheduler_info()["workers"].items()}  # fmt: skip
-    reps = {int(k): list(v) for k, v in c.sync(c.scheduler.ddict_replicas,
-                                                 name=d.get_name()).items()}  # fmt: skip
+    machine_of = {
+        w: info["name"].removeprefix("worker-") for w, info in c.scheduler_info()["workers"].items()
+    }
+    reps = {
+        int(k): list(v) for k, v in c.sync(c.scheduler.ddict_replicas, name=d.get_name()).items()
+    }
     return machine_of, reps
 
 
@@ -124,9 +127,12 @@ def settled(c: Client, d: DDict, bound: float = 90.0) -> None:
     while True:
         machine_of, reps = where(c, d)
         layout = d._core.fresh(force=True)
-        if all(not m.lost and len(reps.get(m.manager_id, ())) == 1 and
-               machine_of.get(reps[m.manager_id][0]) != machine_of.get(m.worker)
-               for m in layout.managers):  # fmt: skip
+        if all(
+            not m.lost
+            and len(reps.get(m.manager_id, ())) == 1
+            and machine_of.get(reps[m.manager_id][0]) != machine_of.get(m.worker)
+            for m in layout.managers
+        ):
             return
         assert time.monotonic() < deadline, (layout.managers, reps)
         time.sleep(0.3)
@@ -136,8 +142,10 @@ def hot_manager(c: Client, d: DDict) -> tuple[int, str, str]:
     """A manager whose primary is on ``b`` and whose replica is on ``a``, else one the
     other way round: ``(manager, its primary's machine, its replica's)``."""
     machine_of, reps = where(c, d)
-    pairs = [(m.manager_id, machine_of[m.worker], machine_of[reps[m.manager_id][0]])
-             for m in d._core.layout.managers]  # fmt: skip
+    pairs = [
+        (m.manager_id, machine_of[m.worker], machine_of[reps[m.manager_id][0]])
+        for m in d._core.layout.managers
+    ]
     for primary, replica in (("b", "a"), ("a", "b")):
         for mid, p, r in pairs:
             if (p, r) == (primary, replica):
@@ -152,16 +160,30 @@ def primary_of(d: DDict, mid: int) -> ManagerInfo:
 class Writers:
     """Writer processes on machine ``c`` (see the module docstring) and what they did."""
 
-    def __init__(self, ms: Machines, d: DDict, hot: int, run: str, n: int = 2,
-                 alone: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, ms: Machines, d: DDict, hot: int, run: str, n: int = 2, alone: bool = False
+    ) -> None:
         self.run, self.ms = run, ms
         self.stop = ms.tmp / f"stop-{d.get_name()}-{run}"
-        self.procs = [ms.popen("c", _WRITER, ms.scheduler_address, d.get_name(), f"{run}{j}",
-                               str(hot), str(self.stop), str(int(alone)),
-                               name=f"writer-{run}{j}") for j in range(n)]  # fmt: skip
+        self.procs = [
+            ms.popen(
+                "c",
+                _WRITER,
+                ms.scheduler_address,
+                d.get_name(),
+                f"{run}{j}",
+                str(hot),
+                str(self.stop),
+                str(int(alone)),
+                name=f"writer-{run}{j}",
+            )
+            for j in range(n)
+        ]
         self.outs: list[list[str]] = [[] for _ in self.procs]
-        self.readers = [threading.Thread(target=_read, args=(p, out), daemon=True)
-                        for p, out in zip(self.procs, self.outs)]  # fmt: skip
+        self.readers = [
+            threading.Thread(target=_read, args=(p, out), daemon=True)
+            for p, out in zip(self.procs, self.outs)
+        ]
         for t in self.readers:  # (a writer never waits for a full pipe)
             t.start()
         for j, out in enumerate(self.outs):  # (connected, attached: writing)
@@ -200,8 +222,14 @@ def check(d: DDict, hot: int, run: str, records: list[Record], converged: float)
     assert len(adds) == len(set(adds)), "two primaries acknowledged increments at once"
     total = d.manager(hot)[("hot", run)]
     gaps = sorted(set(range(total)) - set(adds))  # (increments applied, not acknowledged)
-    assert max(adds) < total <= len(adds) + sum(r[1] == "add" for r in failed), \
-        (gaps, [r for r in records if r[1] == "add" and r[4] is not None and
-                any(abs(r[4] - g) <= 2 for g in gaps)], failed[:10])  # fmt: skip
+    assert max(adds) < total <= len(adds) + sum(r[1] == "add" for r in failed), (
+        gaps,
+        [
+            r
+            for r in records
+            if r[1] == "add" and r[4] is not None and any(abs(r[4] - g) <= 2 for g in gaps)
+        ],
+        failed[:10],
+    )
     late = [r for r in records if r[5] > converged]
     assert late and not [r for r in late if r[7]], [r for r in late if r[7]][:5]

@@ -28,9 +28,11 @@ class PipeProcess:
     def __init__(self, setup: str, **env: str) -> None:
         path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _LOOP.format(setup=setup)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path, **env},
-        )  # fmt: skip
+            [sys.executable, "-c", _LOOP.format(setup=setup)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path, **env},
+        )
 
     def __repr__(self) -> str:
         return f"<PipeProcess pid={self.proc.pid}>"

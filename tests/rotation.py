@@ -51,12 +51,12 @@ def tags(store: CheckpointPersister, chkpt: int) -> set[int]:
     return {int(t) for v in got.values() for t in np.unique(v)}
 
 
-def store(path: str, m: int, options: Options = None, kind: str = "zarr",
-          **kw: Any) -> Any:  # fmt: skip
+def store(path: str, m: int, options: Options = None, kind: str = "zarr", **kw: Any) -> Any:
     """Manager ``m``'s persister of ``kind`` (a persister's name) at ``path`` (a directory,
     or a URL with fsspec ``options``)."""
-    return persister_for(kind)(path, NAME, m, MANAGERS, chunk_bytes=CHUNK,
-                               storage_options=options, **kw)  # fmt: skip
+    return persister_for(kind)(
+        path, NAME, m, MANAGERS, chunk_bytes=CHUNK, storage_options=options, **kw
+    )
 
 
 def stores(path: str, options: Options = None, kind: str = "zarr") -> list[Any]:
@@ -75,8 +75,14 @@ def setup(path: str, count: int, options: Options = None, kind: str = "zarr") ->
 OPS = ((0, 0), (1, 0), (0, 1))
 
 
-def run_op(path: str, count: int, op: int, kill_at: tuple[str, int] | None = None,
-           options: Options = None, kind: str = "zarr") -> list[Event]:  # fmt: skip
+def run_op(
+    path: str,
+    count: int,
+    op: int,
+    kill_at: tuple[str, int] | None = None,
+    options: Options = None,
+    kind: str = "zarr",
+) -> list[Event]:
     """One persist of the scenario (a fresh process's manager, as after a restart);
     every step reached, in order (SIGKILL at ``kill_at``: step name, nth time)."""
     seen: Counter[str] = Counter()
@@ -89,8 +95,9 @@ def run_op(path: str, count: int, op: int, kill_at: tuple[str, int] | None = Non
         if (name, seen[name]) == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    Persister(store(path, m, options, kind, step=step), 1, count).write_now(count + offset,
-                                                                     entries(count + offset))
+    Persister(store(path, m, options, kind, step=step), 1, count).write_now(
+        count + offset, entries(count + offset)
+    )
     return events
 
 

@@ -43,8 +43,9 @@ class S3Server:
     def __enter__(self) -> S3Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -56,8 +57,9 @@ class S3Server:
                     raise RuntimeError("moto_server did not start") from None
                 time.sleep(0.1)
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait(30)

@@ -67,7 +67,7 @@ def test_no_import_circle_not_even_lazy_or_type_only():
         stack.append(n)
         for m in edges[n]:
             if state.get(m) == 1:
-                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m) :] + [m]))
             if m not in state:
                 visit(m)
         stack.pop()
@@ -79,7 +79,9 @@ def test_no_import_circle_not_even_lazy_or_type_only():
 
 
 def test_importing_the_package_loads_no_storage_and_no_server():
-    code = ("import sys, dask_ddict; print(sorted(m for m in ('lmdb', 'zarr', "
-            "'dask_ddict.host.server', 'dask_ddict.shard.manager') if m in sys.modules))")
+    code = (
+        "import sys, dask_ddict; print(sorted(m for m in ('lmdb', 'zarr', "
+        "'dask_ddict.host.server', 'dask_ddict.shard.manager') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -10,11 +10,11 @@ import sys
 import dask.config
 import numpy as np
 import pytest
-from conftest import shm_entries
 from fuzz import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import shm_entries
 from dask_ddict import (
     DDict,
     DDictError,
@@ -28,13 +28,19 @@ from dask_ddict.client.handle import CREATE_ARGUMENTS, CREATE_SIGNATURE
 
 #: Anything a user might pass by mistake.
 garbage = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
-    st.floats(), st.text(max_size=12), st.binary(max_size=8),
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
-                                                          max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 70), max_value=1 << 70),
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
     st.sampled_from(["10s", "1 GiB", "-1", "inf", "nan", "no", "", "x" * 300, "a/b", "__x"]),
-    st.just(float("inf")), st.just(np.int64(3)), st.just(object()),
-)  # fmt: skip
+    st.just(float("inf")),
+    st.just(np.int64(3)),
+    st.just(object()),
+)
 
 #: Every constructor argument (its signature is their one declaration), with its default.
 ARGS = sorted(CREATE_ARGUMENTS)
@@ -72,12 +78,18 @@ def test_constructor_arguments_are_checked_before_anything_is_sent(bad):
         (dict(timeout="soon"), ValueError, "timeout 'soon' is not a duration"),
         (dict(working_set_size=1 << 64), ValueError, "working_set_size must be in"),
         (dict(restore_from=1 << 64, name="x", persist_path="/tmp/x"), ValueError, "restore_from"),
-        (dict(total_memory="1 GiB"), TypeError,
-         r"DDict\(\) got an unexpected keyword argument 'total_memory'; did you mean "
-         r"'total_mem'\?"),
+        (
+            dict(total_memory="1 GiB"),
+            TypeError,
+            r"DDict\(\) got an unexpected keyword argument 'total_memory'; did you mean "
+            r"'total_mem'\?",
+        ),
         (dict(managers_per_workers=2), TypeError, "did you mean 'managers_per_worker'"),
-        (dict(colour="red"), TypeError, "'colour'; it takes client, lifetime, .*workers, "
-                                        "working_set_size$"),
+        (
+            dict(colour="red"),
+            TypeError,
+            "'colour'; it takes client, lifetime, .*workers, working_set_size$",
+        ),
     ],
 )
 def test_constructor_mistakes_name_the_argument(client, kwargs, error, match):
@@ -153,8 +165,11 @@ def test_a_persist_path_that_cannot_be_written(client, tmp_path):
     """Refused when the arguments are checked, naming persist_path and the OS's reason
     (not, from every host process, the store's "unreadable group metadata")."""
     before = shm_entries()
-    with pytest.raises(ValueError, match=r"persist_path '/proc/x.zarr' cannot be written: a "
-                       r"directory cannot be created in /proc \(No such file or directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"persist_path '/proc/x.zarr' cannot be written: a "
+        r"directory cannot be created in /proc \(No such file or directory",
+    ):
         DDict(total_mem="32 MiB", client=client, persist_path="/proc/x.zarr")
     assert shm_entries() - before == set()
     for path in ("/sys/x.zarr", "file:///proc/x.zarr", f"{tmp_path}/file/x.zarr"):
@@ -223,8 +238,12 @@ def test_impossible_layouts_are_refused_even_with_a_valid_checksum(ddict):
     with pytest.raises(ValueError, match="no managers"):
         DDict.attach(_forged(ddict, lambda ms: ()))
     with pytest.raises(ValueError, match="the same shard"):
-        DDict.attach(_forged(ddict, lambda ms: tuple(
-            dataclasses.replace(m, store_path=ms[0].store_path) for m in ms)))  # fmt: skip
+        DDict.attach(
+            _forged(
+                ddict,
+                lambda ms: tuple(dataclasses.replace(m, store_path=ms[0].store_path) for m in ms),
+            )
+        )
     with pytest.raises(ValueError, match="manager ids"):
         DDict.attach(_forged(ddict, lambda ms: tuple(reversed(ms))))
 
@@ -250,9 +269,15 @@ def test_swapped_store_paths_never_read_another_managers_shard(ddict):
     """Even a forged handle (valid checksum) cannot make same-host reads cross shards."""
     for i in range(40):
         ddict[f"k{i}"] = i
-    swapped = _forged(ddict, lambda ms: tuple(
-        __import__("dataclasses").replace(m, store_path=ms[(m.manager_id + 1) % len(ms)].store_path)
-        for m in ms))  # fmt: skip
+    swapped = _forged(
+        ddict,
+        lambda ms: tuple(
+            __import__("dataclasses").replace(
+                m, store_path=ms[(m.manager_id + 1) % len(ms)].store_path
+            )
+            for m in ms
+        ),
+    )
     h = DDict.attach(swapped)
     try:
         assert [h[f"k{i}"] for i in range(40)] == list(range(40))  # served by the right manager
@@ -277,6 +302,7 @@ def test_settings_survive_a_config_block_entered_before_the_import():
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_DDICT__")}  # (a
     # DASK_DDICT__* variable, e.g. the pure-kernel run's, is a ddict section of its own)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.stdout.strip() == "ok", out.stderr

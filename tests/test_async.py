@@ -119,8 +119,11 @@ def test_async_errors(cluster, client):
     async def body(aclient):
         with pytest.raises(ValueError, match="working_set_size"):
             await AsyncDDict.create(client=aclient, working_set_size=0)
-        with pytest.raises(TypeError, match=r"AsyncDDict.create\(\) got an unexpected keyword "
-                                            "argument 'total_memory'; did you mean 'total_mem'"):
+        with pytest.raises(
+            TypeError,
+            match=r"AsyncDDict.create\(\) got an unexpected keyword "
+            "argument 'total_memory'; did you mean 'total_mem'",
+        ):
             await AsyncDDict.create(client=aclient, total_memory="64 MiB")
         with pytest.raises(TypeError, match="AsyncDDict"):
             DDict(client=aclient)
@@ -132,8 +135,9 @@ def test_async_persistence_and_restart(cluster, tmp_path):
     path = str(tmp_path / "store")
 
     async def body(client):
-        ad = await AsyncDDict.create(total_mem="32 MiB", client=client, name="async-p",
-                                     working_set_size=2, persist_path=path)  # fmt: skip
+        ad = await AsyncDDict.create(
+            total_mem="32 MiB", client=client, name="async-p", working_set_size=2, persist_path=path
+        )
         await ad.put("k", 1)
         await ad.persist()
         await ad.sync()
@@ -144,8 +148,14 @@ def test_async_persistence_and_restart(cluster, tmp_path):
         await ad.destroy(allow_restart=True)
         assert "async-p" in await AsyncDDict.list(client, kept=True)
         assert "async-p" not in await AsyncDDict.list(client)
-        again = await AsyncDDict.create(total_mem="32 MiB", client=client, name="async-p",
-                                        working_set_size=2, restart=True, persist_path=path)  # fmt: skip
+        again = await AsyncDDict.create(
+            total_mem="32 MiB",
+            client=client,
+            name="async-p",
+            working_set_size=2,
+            restart=True,
+            persist_path=path,
+        )
         assert again.empty_managers == [] and await again["k"] == 1
         await again.destroy()
 
@@ -160,9 +170,16 @@ def test_the_async_face_covers_every_operation_of_the_sync_handle():
     from dask_ddict import DDict
     from dask_ddict.client.asynchronous import _PASSTHROUGH, AWAITABLE
 
-    operators = {"__setitem__": "put", "__getitem__": "__getitem__", "__contains__": "contains",
-                 "__delitem__": "delete", "__len__": "length", "__iter__": "__aiter__",
-                 "__enter__": "__aenter__", "__exit__": "__aexit__"}  # fmt: skip
+    operators = {
+        "__setitem__": "put",
+        "__getitem__": "__getitem__",
+        "__contains__": "contains",
+        "__delitem__": "delete",
+        "__len__": "length",
+        "__iter__": "__aiter__",
+        "__enter__": "__aenter__",
+        "__exit__": "__aexit__",
+    }
     public = {n for n in dir(DDict) if not n.startswith("_")} | set(operators)
     # class-level, or returning a new synchronous creator's handle, or the client itself:
     sync_only = {"attach", "synchronize_ddicts", "copy", "client", "popitem"}
@@ -184,8 +201,11 @@ def test_ddict_properties_have_one_spelling_on_the_async_face():
     from dask_ddict import DDict
     from dask_ddict.client.asynchronous import _PASSTHROUGH, AWAITABLE
 
-    props = {n for n in dir(DDict) if not n.startswith("_")
-             and isinstance(inspect.getattr_static(DDict, n), property)}  # fmt: skip
+    props = {
+        n
+        for n in dir(DDict)
+        if not n.startswith("_") and isinstance(inspect.getattr_static(DDict, n), property)
+    }
     asking = props & set(AWAITABLE)
     assert {"is_frozen", "stats", "dstats", "moves"} <= asking
     for name in props - {"client"}:  # (the async handle's client is its own)
@@ -194,7 +214,8 @@ def test_ddict_properties_have_one_spelling_on_the_async_face():
             assert f":attr:`DDict.{name}` (a property there" in getattr(AsyncDDict, name).__doc__
         else:
             assert name in _PASSTHROUGH or isinstance(
-                inspect.getattr_static(AsyncDDict, name), property), name  # fmt: skip
+                inspect.getattr_static(AsyncDDict, name), property
+            ), name
     assert "is_frozen()" in AsyncDDict.__doc__ and "AsyncDDict" in DDict.is_frozen.__doc__
 
 

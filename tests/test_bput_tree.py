@@ -38,8 +38,9 @@ def _sent(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def test_tree_of_shapes() -> None:
     class L:
         def __init__(self, i: int) -> None:
-            self.info = type("I", (), {"tcp_host": "h", "tcp_port": i, "hostname": "x",
-                                       "worker": f"w{i}"})()  # fmt: skip
+            self.info = type(
+                "I", (), {"tcp_host": "h", "tcp_port": i, "hostname": "x", "worker": f"w{i}"}
+            )()
 
     routes = [(L(i), [i]) for i in range(1, 14)]
     tree = connect.tree_of(routes, 3)  # type: ignore[arg-type]
@@ -127,14 +128,19 @@ def _stopped_child(c: Client, kill: bool) -> tuple[DDict, BaseException | None, 
 def test_tree_bput_names_a_stopped_host() -> None:
     """A host of the tree that does not answer in time: the error names it (not the
     root, which did), and the other managers hold the pair."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d, e, info = _stopped_child(c, kill=False)
         assert isinstance(e, DDictError), e
         msg = str(e)
         assert f"worker {info.worker}" in msg and f":{info.tcp_port}" in msg, msg
-        assert all(d.manager(m)["x"] == b"v" * 100_000 for m in range(d.num_managers)
-                   if d._core.layout.managers[m].worker != info.worker)  # fmt: skip
+        assert all(
+            d.manager(m)["x"] == b"v" * 100_000
+            for m in range(d.num_managers)
+            if d._core.layout.managers[m].worker != info.worker
+        )
         d.destroy()
 
 
@@ -142,8 +148,10 @@ def test_tree_bput_survives_a_killed_host() -> None:
     """A host of the tree killed mid-bput: its supervisor restarts it over its shards, the
     forwarding host's link sends again, and every manager holds the pair (or the error
     names the host)."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d, e, info = _stopped_child(c, kill=True)
         if e is None:
             assert all(d.manager(m)["x"] == b"v" * 100_000 for m in range(d.num_managers))
@@ -157,8 +165,10 @@ def test_tree_bput_on_a_tls_cluster() -> None:
     from distributed.security import Security
 
     sec = Security.temporary()
-    with LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") \
-            as cl, Client(cl, security=sec) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") as cl,
+        Client(cl, security=sec) as c,
+    ):
         d = DDict(2, total_mem="16 MiB", client=c)
         try:
             with dask.config.set(TREE):

@@ -21,7 +21,6 @@ from dask_ddict import (
     DDictSyncError,
     DDictTimeoutError,
 )
-
 from tests.conftest import shards, shm_entries
 
 
@@ -42,8 +41,15 @@ def state(d: DDict) -> dict:
 
 def test_retiring_checkpoints_are_persisted_and_restored(client, tmp_path):
     path = str(tmp_path / "store")
-    d = DDict(total_mem="32 MiB", client=client, name="p1", working_set_size=2,
-              persist_freq=1, persist_count=-1, persist_path=path)  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="p1",
+        working_set_size=2,
+        persist_freq=1,
+        persist_count=-1,
+        persist_path=path,
+    )
     try:
         rounds(d, 6)  # puts at 0..5: each manager retires what falls out of its window
         d.sync()
@@ -75,8 +81,7 @@ def test_retiring_checkpoints_are_persisted_and_restored(client, tmp_path):
 
 def test_explicit_persist_and_restore_from_at_creation(client, tmp_path):
     path = str(tmp_path / "store")
-    d = DDict(total_mem="32 MiB", client=client, name="p2", working_set_size=3,
-              persist_path=path)  # fmt: skip
+    d = DDict(total_mem="32 MiB", client=client, name="p2", working_set_size=3, persist_path=path)
     try:
         with pytest.raises(DDictPersistCheckpointError):
             d.restore(0)
@@ -89,8 +94,14 @@ def test_explicit_persist_and_restore_from_at_creation(client, tmp_path):
     finally:
         d.destroy()
     # A new dictionary of the same name starts from the persisted checkpoint.
-    e = DDict(total_mem="32 MiB", client=client, name="p2", working_set_size=3,
-              persist_path=path, restore_from=1)  # fmt: skip
+    e = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="p2",
+        working_set_size=3,
+        persist_path=path,
+        restore_from=1,
+    )
     try:
         assert e.checkpoint_id == 1
         assert state(e) == {"k0": [0] * 4, "k1": [1] * 4, "shared": 1}
@@ -116,8 +127,14 @@ def test_a_checkpoint_restores_onto_any_number_of_managers(client, tmp_path):
     restored onto 2: every key each time, ids and persisted_ids kept; at run time too."""
     path = str(tmp_path / "store")
     keys = [f"k{i}" for i in range(200)] + [(i, "t") for i in range(50)]
-    d = DDict(total_mem="64 MiB", client=client, name="rs", working_set_size=2,
-              managers_per_worker=2, persist_path=path)  # fmt: skip
+    d = DDict(
+        total_mem="64 MiB",
+        client=client,
+        name="rs",
+        working_set_size=2,
+        managers_per_worker=2,
+        persist_path=path,
+    )
     try:
         assert d.num_managers == 4
         d.update({k: 0 for k in keys})
@@ -129,8 +146,16 @@ def test_a_checkpoint_restores_onto_any_number_of_managers(client, tmp_path):
         assert d.persisted_ids() == [0, 1]
     finally:
         d.destroy()
-    r = DDict(total_mem="48 MiB", client=client, name="rs", working_set_size=2, n_workers=1,
-              managers_per_worker=3, persist_path=path, restore_from=1)  # fmt: skip
+    r = DDict(
+        total_mem="48 MiB",
+        client=client,
+        name="rs",
+        working_set_size=2,
+        n_workers=1,
+        managers_per_worker=3,
+        persist_path=path,
+        restore_from=1,
+    )
     try:
         assert r.num_managers == 3 and r.checkpoint_id == 1 and len(r) == len(keys)
         assert {k: r[k] for k in keys} == {k: 1 - i % 2 for i, k in enumerate(keys)}
@@ -141,8 +166,14 @@ def test_a_checkpoint_restores_onto_any_number_of_managers(client, tmp_path):
         assert r.persisted_ids() == [0, 1]
     finally:
         r.destroy()
-    s = DDict(total_mem="32 MiB", client=client, name="rs", working_set_size=2,
-              persist_path=path, restore_from=1)  # fmt: skip
+    s = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="rs",
+        working_set_size=2,
+        persist_path=path,
+        restore_from=1,
+    )
     try:
         assert s.num_managers == 2 and len(s) == len(keys) + 1 and s["new"] == "at 1, on 3 managers"
         s.restore(0)  # written by 4: re-sharded at run time too (and 1 discarded)
@@ -154,8 +185,14 @@ def test_a_checkpoint_restores_onto_any_number_of_managers(client, tmp_path):
 
 def test_read_only_replay(client, tmp_path):
     path = str(tmp_path / "store")
-    d = DDict(total_mem="32 MiB", client=client, name="p3", persist_path=path,
-              persist_freq=2, persist_count=-1)  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="p3",
+        persist_path=path,
+        persist_freq=2,
+        persist_count=-1,
+    )
     try:
         rounds(d, 7)  # working_set_size=1: every put to c+1 retires c
         for m in range(d.num_managers):  # make every manager retire 0..6
@@ -164,8 +201,15 @@ def test_read_only_replay(client, tmp_path):
         assert d.persisted_ids() == [0, 2, 4, 6]
     finally:
         d.destroy()
-    r = DDict(total_mem="32 MiB", client=client, name="p3", persist_path=path,
-              persist_freq=2, read_only=True, restore_from=2)  # fmt: skip
+    r = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="p3",
+        persist_path=path,
+        persist_freq=2,
+        read_only=True,
+        restore_from=2,
+    )
     try:
         assert r.checkpoint_id == 2 and r["shared"] == 2
         with pytest.raises(DDictError) as info:
@@ -186,9 +230,18 @@ def test_read_only_replay(client, tmp_path):
 def test_wait_for_keys_persists_what_was_visible(client, tmp_path):
     """Non-persistent keys are deleted at retirement: they must be persisted first."""
     path = str(tmp_path / "store")
-    d = DDict(total_mem="32 MiB", client=client, name="p4", n_workers=1, working_set_size=2,
-              wait_for_keys=True, persist_freq=1, persist_count=-1, persist_path=path,
-              timeout=20)  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="p4",
+        n_workers=1,
+        working_set_size=2,
+        wait_for_keys=True,
+        persist_freq=1,
+        persist_count=-1,
+        persist_path=path,
+        timeout=20,
+    )
     try:
         d.pput("const", "p")
         d["x"] = 0
@@ -218,8 +271,9 @@ def test_zarr_store_is_plain_zarr(client, tmp_path):
         g = root[f"p5/manager_{m}/chkpt_0.g0"]
         assert g.attrs["committed"] is True and g.attrs["num_keys"] == 1
         version = g.attrs["version"]  # (one persist: the same on every manager)
-        assert version > 0 and records == [f"chkpt_0.manager_{i}.g0.v{version:x}.n2"
-                                           for i in range(d.num_managers)]  # fmt: skip
+        assert version > 0 and records == [
+            f"chkpt_0.manager_{i}.g0.v{version:x}.n2" for i in range(d.num_managers)
+        ]
 
 
 # -- warm restart -------------------------------------------------------------------------
@@ -243,8 +297,14 @@ def test_restart_brings_back_every_checkpoint(client):
     with pytest.raises(DDictError, match="no DDict named"):
         DDict(total_mem="32 MiB", client=client, name="nope", restart=True)
     with pytest.raises(ValueError, match="managers"):
-        DDict(total_mem="32 MiB", client=client, name="r1", restart=True, n_workers=1,
-              working_set_size=3)  # fmt: skip
+        DDict(
+            total_mem="32 MiB",
+            client=client,
+            name="r1",
+            restart=True,
+            n_workers=1,
+            working_set_size=3,
+        )
     with pytest.raises(ValueError, match="working_set_size"):
         DDict(total_mem="32 MiB", client=client, name="r1", restart=True, working_set_size=2)
     with pytest.raises(ValueError, match="restart needs the name"):
@@ -334,8 +394,9 @@ def test_clone_and_copy_replicate_every_checkpoint(client):
 
 
 def test_blocked_reader_released_by_writer_task(client):
-    with DDict(total_mem="32 MiB", client=client, working_set_size=2, wait_for_keys=True,
-              timeout=30) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB", client=client, working_set_size=2, wait_for_keys=True, timeout=30
+    ) as d:
 
         def reader(h, key):
             return h[key]
@@ -357,8 +418,14 @@ def test_blocked_reader_released_by_writer_task(client):
 
 def test_deferred_writer_until_retirement_possible(client):
     """wait_for_keys: a put at a new checkpoint waits until the oldest can retire."""
-    with DDict(total_mem="32 MiB", client=client, n_workers=1, working_set_size=2,
-              wait_for_keys=True, timeout=30) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB",
+        client=client,
+        n_workers=1,
+        working_set_size=2,
+        wait_for_keys=True,
+        timeout=30,
+    ) as d:
         d["a"] = 0
         d["b"] = 0
         d.checkpoint()
@@ -380,8 +447,15 @@ def test_deferred_writer_until_retirement_possible(client):
         d["b"] = 1  # now every key of 0 is re-written at 1: 0 retires
         assert done.wait(20) and not errors
         d.checkpoint_id = 0
-        for op in (lambda: d["a"], lambda: "a" in d, lambda: len(d), lambda: d.pop("a"),
-                   lambda: d.__setitem__("a", 9), lambda: list(d.keys()), d.clear):  # fmt: skip
+        for op in (
+            lambda: d["a"],
+            lambda: "a" in d,
+            lambda: len(d),
+            lambda: d.pop("a"),
+            lambda: d.__setitem__("a", 9),
+            lambda: list(d.keys()),
+            d.clear,
+        ):
             with pytest.raises(DDictCheckpointSyncError):
                 op()
         hurried = DDict.attach(d.serialize(), timeout=0.3)
@@ -391,8 +465,14 @@ def test_deferred_writer_until_retirement_possible(client):
 
 
 def test_wait_for_writers(client):
-    with DDict(total_mem="32 MiB", client=client, n_workers=1, working_set_size=2,
-              wait_for_writers=True, timeout=30) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB",
+        client=client,
+        n_workers=1,
+        working_set_size=2,
+        wait_for_writers=True,
+        timeout=30,
+    ) as d:
         w1 = DDict.attach(d.serialize(), timeout=30)
         w2 = DDict.attach(d.serialize(), timeout=0.5)
         w1["x"] = 1
@@ -448,8 +528,15 @@ def test_multiple_restarts(client):
 
 def test_only_retired_checkpoints_reach_the_store(client, tmp_path):
     """Dragon: 17 put+checkpoint rounds with wss=2, freq=1, count=-1 persist exactly 0..14."""
-    d = DDict(total_mem="32 MiB", client=client, n_workers=1, working_set_size=2,
-              persist_freq=1, persist_count=-1, persist_path=str(tmp_path / "s"))  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=client,
+        n_workers=1,
+        working_set_size=2,
+        persist_freq=1,
+        persist_count=-1,
+        persist_path=str(tmp_path / "s"),
+    )
     try:
         for i in range(17):
             d["k"] = i
@@ -458,8 +545,14 @@ def test_only_retired_checkpoints_reach_the_store(client, tmp_path):
         assert d.persisted_ids() == list(range(15))
     finally:
         d.destroy()  # a destroy does not persist the in-memory window
-    e = DDict(total_mem="32 MiB", client=client, n_workers=1, name=d.get_name(),
-              persist_path=str(tmp_path / "s"), restore_from=14)  # fmt: skip
+    e = DDict(
+        total_mem="32 MiB",
+        client=client,
+        n_workers=1,
+        name=d.get_name(),
+        persist_path=str(tmp_path / "s"),
+        restore_from=14,
+    )
     try:
         assert e["k"] == 14 and e.persisted_ids() == list(range(15))
     finally:
@@ -470,8 +563,9 @@ def test_progress_bars_follow_the_managers_when_asked(client, tmp_path, capsys):
     """``ddict.progress``: bars for persist/sync/restore/clone when on, nothing when off."""
     import dask
 
-    with DDict(total_mem="16 MiB", client=client, persist_path=str(tmp_path / "s"),
-               name="bars") as d:  # fmt: skip
+    with DDict(
+        total_mem="16 MiB", client=client, persist_path=str(tmp_path / "s"), name="bars"
+    ) as d:
         d["k"] = 1
         with dask.config.set({"ddict.progress": False}):
             d.persist()

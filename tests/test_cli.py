@@ -37,16 +37,18 @@ def test_list_stats_and_destroy(client):
 
 
 def _files(root) -> dict[str, tuple[int, int]]:  # noqa: ANN001
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
-            if p.is_file()}  # fmt: skip
+    return {
+        str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("kind", ["zarr", "directory"])
 def test_inspect_then_restore_a_store(client, tmp_path, kind):
     """Of either persister's (the commands tell them apart)."""
     store = str(tmp_path / "store.zarr")
-    with DDict(total_mem="16 MiB", client=client, name="cli-two", persist_path=store,
-               persister_class=kind) as d:  # fmt: skip
+    with DDict(
+        total_mem="16 MiB", client=client, name="cli-two", persist_path=store, persister_class=kind
+    ) as d:
         d["a"] = np.arange(1000)
         d.persist()
         d.sync()
@@ -54,8 +56,16 @@ def test_inspect_then_restore_a_store(client, tmp_path, kind):
     code, out = run("inspect", store)
     assert code == 0 and out.count("checksums ok") == 2 and "cli-two: 2 managers" in out
     assert _files(tmp_path) == before  # inspecting writes nothing
-    code, out = run("restore", store, "--name", "cli-two", "--total-mem", "16 MiB",
-                    "--scheduler", client.scheduler.address)  # fmt: skip
+    code, out = run(
+        "restore",
+        store,
+        "--name",
+        "cli-two",
+        "--total-mem",
+        "16 MiB",
+        "--scheduler",
+        client.scheduler.address,
+    )
     assert code == 0 and out.startswith("ddict3:")
     restored = DDict.from_name("cli-two", client)
     try:
@@ -63,8 +73,18 @@ def test_inspect_then_restore_a_store(client, tmp_path, kind):
     finally:
         restored.detach()
         run("destroy", "cli-two", "--scheduler", client.scheduler.address)
-    code, out = run("restore", store, "--name", "cli-two", "--total-mem", "24 MiB",
-                    "--managers-per-worker", "3", "--scheduler", client.scheduler.address)
+    code, out = run(
+        "restore",
+        store,
+        "--name",
+        "cli-two",
+        "--total-mem",
+        "24 MiB",
+        "--managers-per-worker",
+        "3",
+        "--scheduler",
+        client.scheduler.address,
+    )
     assert code == 0, out  # written by 2 managers, restored onto 6
     restored = DDict.from_name("cli-two", client)
     try:
@@ -73,8 +93,11 @@ def test_inspect_then_restore_a_store(client, tmp_path, kind):
     finally:
         restored.detach()
         run("destroy", "cli-two", "--scheduler", client.scheduler.address)
-    chunk = next((tmp_path / "store.zarr" / "cli-two").glob(
-        "manager_*/chkpt_0.g0/values" + ("/c/0" if kind == "zarr" else "")))
+    chunk = next(
+        (tmp_path / "store.zarr" / "cli-two").glob(
+            "manager_*/chkpt_0.g0/values" + ("/c/0" if kind == "zarr" else "")
+        )
+    )
     raw = bytearray(chunk.read_bytes())
     raw[0] ^= 1
     chunk.write_bytes(bytes(raw))
@@ -86,8 +109,9 @@ def test_no_scheduler_is_a_usage_error_and_python_m_runs_it(monkeypatch):
     monkeypatch.delenv("DASK_SCHEDULER_ADDRESS", raising=False)
     result = CliRunner().invoke(cli, ["list"])
     assert result.exit_code == 2 and "no scheduler" in result.output
-    out = subprocess.run([sys.executable, "-m", "dask_ddict", "--help"], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_ddict", "--help"], capture_output=True, text=True, check=True
+    )
     assert "inspect" in out.stdout and "restore" in out.stdout
 
 
@@ -114,13 +138,27 @@ def test_an_unreachable_scheduler_is_one_line_and_quick(command):
     assert time.monotonic() - t0 < 5
     assert result.exit_code == 1 and result.stdout == ""
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"Error: cannot reach the scheduler at {address}")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"Error: cannot reach the scheduler at {address}"
+    )
 
 
 def test_an_unreachable_scheduler_from_the_shell_is_one_line_on_stderr():
-    out = subprocess.run([sys.executable, "-m", "dask_ddict", "list", "--scheduler",
-                          "tcp://127.0.0.1:1", "--timeout", "1s"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dask_ddict",
+            "list",
+            "--scheduler",
+            "tcp://127.0.0.1:1",
+            "--timeout",
+            "1s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.splitlines() == [
         "Error: cannot reach the scheduler at tcp://127.0.0.1:1: Timed out trying to connect "
@@ -132,8 +170,9 @@ def test_an_unreachable_scheduler_from_the_shell_is_one_line_on_stderr():
 
 def test_create_with_replicas_then_stats_and_destroy(client):
     address = client.scheduler.address
-    code, out = run("create", "cli-rep", "--total-mem", "32 MiB", "--replicas", "1",
-                    "--scheduler", address)  # fmt: skip
+    code, out = run(
+        "create", "cli-rep", "--total-mem", "32 MiB", "--replicas", "1", "--scheduler", address
+    )
     assert code == 0 and out.startswith("ddict3:"), out
     d = DDict.attach(out.strip())
     try:

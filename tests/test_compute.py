@@ -21,15 +21,20 @@ N_MANAGERS = 8
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         yield c
 
 
 @pytest.fixture(scope="module")
 def d(client):
-    d = DDict(managers_per_worker=N_MANAGERS // 2, total_mem="256 MiB", working_set_size=2,
-              client=client)  # fmt: skip
+    d = DDict(
+        managers_per_worker=N_MANAGERS // 2, total_mem="256 MiB", working_set_size=2, client=client
+    )
     d.update({f"k{i}": i for i in range(2000)})
     yield d
     d.destroy()
@@ -52,8 +57,9 @@ def _nothing_left(client: Client) -> None:
     assert client.run_on_scheduler(_scheduler_tasks) == []
     assert all(not ts for ts in client.processing().values())
     deadline = time.monotonic() + 10
-    while (_filter_threads() or any(client.run(_filter_threads).values())) \
-            and time.monotonic() < deadline:  # fmt: skip
+    while (
+        _filter_threads() or any(client.run(_filter_threads).values())
+    ) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _filter_threads() == []
     assert client.run(_filter_threads) == {w: [] for w in client.scheduler_info()["workers"]}
@@ -91,8 +97,9 @@ def _sorted_values(dd, out):
 
 @pytest.mark.parametrize("fan_in", [5, 2])
 def test_filter_merges_in_comparator_order(d, fan_in):
-    with d.filter(_sorted_values, comparator=lambda x, y: x < y,
-                  branching_factor=fan_in) as results:  # fmt: skip
+    with d.filter(
+        _sorted_values, comparator=lambda x, y: x < y, branching_factor=fan_in
+    ) as results:
         got = list(results)
     assert got == list(range(2000))
     with d.filter(_sorted_values_desc, comparator=lambda x, y: x > y) as results:
@@ -139,8 +146,9 @@ def test_leaves_blocked_on_credits_leave_the_pool_no_deadlock(d, fan_in):
     its credit window while the caller reads slowly, and must then give the thread to
     the next leaf (a comparator needs every leaf's first item before any result)."""
     n = 2_000  # per manager: far more than a window of batches
-    with d.filter(_many_sorted, (n,), comparator=lambda x, y: x < y,
-                  branching_factor=fan_in) as results:  # fmt: skip
+    with d.filter(
+        _many_sorted, (n,), comparator=lambda x, y: x < y, branching_factor=fan_in
+    ) as results:
         time.sleep(0.5)  # every leaf blocks on its credits meanwhile
         got = list(results)
     assert got == sorted((i, m) for i in range(n) for m in range(N_MANAGERS))
@@ -270,8 +278,7 @@ def _lent_or_copied(part, stores):
         base = a
         while getattr(base, "base", None) is not None:  # (a view's chain ends at the shard's)
             base = base.base
-        out.append((not a.flags.writeable, span is not None and span[3] in files,
-                    base is not a))  # fmt: skip
+        out.append((not a.flags.writeable, span is not None and span[3] in files, base is not a))
     return out
 
 

@@ -62,8 +62,12 @@ def test_map_blocks_runs_where_sections_live(client, ddict):
 
 def test_cyclic_resident_array(client, ddict):
     a = np.arange(30.0).reshape(10, 3)
-    arr = to_ddict(da.from_array(a, chunks=(5, 3)), ddict, "cyc",
-                   dist=[{"dist_type": "c", "block_size": 2}, None])  # fmt: skip
+    arr = to_ddict(
+        da.from_array(a, chunks=(5, 3)),
+        ddict,
+        "cyc",
+        dist=[{"dist_type": "c", "block_size": 2}, None],
+    )
     assert arr.dim_data[1][0]["start"] == 2
     np.testing.assert_array_equal(arr.to_dask().compute(), a)
     np.testing.assert_array_equal(arr.map_blocks(np.negative).to_dask().compute(), -a)

@@ -27,24 +27,65 @@ def dap(dim, buffer):
 # -- the reference validator's vectors (tests/test_validator.py) -------------------------
 
 VALID = {
-    "block": ({"dist_type": "b", "size": 50, "proc_grid_size": 2, "proc_grid_rank": 0,
-               "start": 0, "stop": 10}, np.ones(10)),
-    "cyclic": ({"dist_type": "c", "size": 50, "proc_grid_size": 2, "proc_grid_rank": 0,
-                "start": 0}, np.ones(50)),
-    "block_cyclic": ({"dist_type": "c", "size": 50, "proc_grid_size": 2, "proc_grid_rank": 1,
-                      "start": 5, "block_size": 5}, np.ones(50)),
-    "unstructured": ({"dist_type": "u", "size": 50, "proc_grid_size": 2, "proc_grid_rank": 1,
-                      "indices": np.array([1, 22, 44, 49, 9, 33, 21], dtype=np.uint32)},
-                     np.ones(7)),
-    "extra_process": ({"dist_type": "c", "size": 3, "proc_grid_size": 4, "proc_grid_rank": 0,
-                       "start": 0}, b"a"),
-    "empty_process": ({"dist_type": "c", "size": 3, "proc_grid_size": 4, "proc_grid_rank": 3,
-                       "start": 3}, b""),
+    "block": (
+        {
+            "dist_type": "b",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "stop": 10,
+        },
+        np.ones(10),
+    ),
+    "cyclic": (
+        {"dist_type": "c", "size": 50, "proc_grid_size": 2, "proc_grid_rank": 0, "start": 0},
+        np.ones(50),
+    ),
+    "block_cyclic": (
+        {
+            "dist_type": "c",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 1,
+            "start": 5,
+            "block_size": 5,
+        },
+        np.ones(50),
+    ),
+    "unstructured": (
+        {
+            "dist_type": "u",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 1,
+            "indices": np.array([1, 22, 44, 49, 9, 33, 21], dtype=np.uint32),
+        },
+        np.ones(7),
+    ),
+    "extra_process": (
+        {"dist_type": "c", "size": 3, "proc_grid_size": 4, "proc_grid_rank": 0, "start": 0},
+        b"a",
+    ),
+    "empty_process": (
+        {"dist_type": "c", "size": 3, "proc_grid_size": 4, "proc_grid_rank": 3, "start": 3},
+        b"",
+    ),
     "empty_dict_alias": ({}, b""),
-    "undistributed_padded_periodic": ({"dist_type": "b", "size": 10, "proc_grid_size": 1,
-                                       "proc_grid_rank": 0, "start": 0, "stop": 10,
-                                       "padding": (2, 2), "periodic": True}, np.ones(10)),
-}  # fmt: skip
+    "undistributed_padded_periodic": (
+        {
+            "dist_type": "b",
+            "size": 10,
+            "proc_grid_size": 1,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "stop": 10,
+            "padding": (2, 2),
+            "periodic": True,
+        },
+        np.ones(10),
+    ),
+}
 
 
 #: Reference vectors valid only for the reference's lenient reading: a buffer of 50 for
@@ -57,8 +98,9 @@ def test_reference_valid_vectors(name):
     dim, buf = VALID[name]
     validate(dap(dim, buf), strict=False)
     if name in LENIENT:
-        with pytest.raises(DAPValidationError, match="owns 25 indices along this axis but the "
-                                                     "buffer has 50"):  # fmt: skip
+        with pytest.raises(
+            DAPValidationError, match="owns 25 indices along this axis but the buffer has 50"
+        ):
             validate(dap(dim, buf))
         validate(dap(dim, buf[:25]))  # what the rank owns: valid
     else:
@@ -68,14 +110,40 @@ def test_reference_valid_vectors(name):
 def test_strict_extent_for_every_dist_type():
     """The buffer's extent equals the owned count along each axis, for b, c (any block) and u."""
     cases = [
-        ({"dist_type": "b", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 0, "start": 0,
-          "stop": 5}, 5),
+        (
+            {
+                "dist_type": "b",
+                "size": 10,
+                "proc_grid_size": 2,
+                "proc_grid_rank": 0,
+                "start": 0,
+                "stop": 5,
+            },
+            5,
+        ),
         ({"dist_type": "c", "size": 10, "proc_grid_size": 3, "proc_grid_rank": 1, "start": 1}, 3),
-        ({"dist_type": "c", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 1, "start": 3,
-          "block_size": 3}, 4),
-        ({"dist_type": "u", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 0,
-          "indices": np.array([7, 2, 4])}, 3),
-    ]  # fmt: skip
+        (
+            {
+                "dist_type": "c",
+                "size": 10,
+                "proc_grid_size": 2,
+                "proc_grid_rank": 1,
+                "start": 3,
+                "block_size": 3,
+            },
+            4,
+        ),
+        (
+            {
+                "dist_type": "u",
+                "size": 10,
+                "proc_grid_size": 2,
+                "proc_grid_rank": 0,
+                "indices": np.array([7, 2, 4]),
+            },
+            3,
+        ),
+    ]
     for dim, owned in cases:
         validate(dap(dim, np.ones(owned)))
         for wrong in (owned - 1, owned + 1):
@@ -83,8 +151,9 @@ def test_strict_extent_for_every_dist_type():
                 validate(dap(dim, np.ones(wrong)))
 
 
-@pytest.mark.parametrize("version", ["0.10", "0.10.", "v0.10.0", "0.10.0-rc1", "0.10.0.1", 0.1,
-                                     "0.11.0", "1.10.0"])  # fmt: skip
+@pytest.mark.parametrize(
+    "version", ["0.10", "0.10.", "v0.10.0", "0.10.0-rc1", "0.10.0.1", 0.1, "0.11.0", "1.10.0"]
+)
 def test_version_must_be_a_full_0_10_x_string(version):
     with pytest.raises(DAPValidationError, match="__version__"):
         validate({"__version__": version, "buffer": b"", "dim_data": ({},)})
@@ -92,24 +161,91 @@ def test_version_must_be_a_full_0_10_x_string(version):
 
 
 INVALID = {
-    "bad_dist_type": ({"dist_type": "q", "size": 50, "proc_grid_size": 2, "proc_grid_rank": 0,
-                       "start": 0, "stop": 51}, np.ones(51), "dist_type"),
-    "block_stop_gt_size": ({"dist_type": "b", "size": 50, "proc_grid_size": 2,
-                            "proc_grid_rank": 0, "start": 0, "stop": 51}, np.ones(51), "stop"),
-    "block_stop_lt_start": ({"dist_type": "b", "size": 50, "proc_grid_size": 2,
-                             "proc_grid_rank": 0, "start": 10, "stop": 9}, np.ones(0), "stop"),
-    "block_negative_start": ({"dist_type": "b", "size": 50, "proc_grid_size": 2,
-                              "proc_grid_rank": 0, "start": -1, "stop": 10}, np.ones(11), "start"),
-    "block_padding_not_ints": ({"dist_type": "b", "size": 50, "proc_grid_size": 2,
-                                "proc_grid_rank": 0, "start": 0, "stop": 10,
-                                "padding": ("a", "b")}, np.ones(10), "padding"),
-    "cyclic_negative_block_size": ({"dist_type": "c", "size": 100, "proc_grid_size": 3,
-                                    "proc_grid_rank": 0, "start": 0, "block_size": -10},
-                                   np.ones(10), "block_size"),
-    "unstructured_list_indices": ({"dist_type": "u", "size": 100, "proc_grid_size": 2,
-                                   "proc_grid_rank": 0, "indices": [1, 2, 3, 4]}, np.ones(4),
-                                  "indices"),
-}  # fmt: skip
+    "bad_dist_type": (
+        {
+            "dist_type": "q",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "stop": 51,
+        },
+        np.ones(51),
+        "dist_type",
+    ),
+    "block_stop_gt_size": (
+        {
+            "dist_type": "b",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "stop": 51,
+        },
+        np.ones(51),
+        "stop",
+    ),
+    "block_stop_lt_start": (
+        {
+            "dist_type": "b",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "start": 10,
+            "stop": 9,
+        },
+        np.ones(0),
+        "stop",
+    ),
+    "block_negative_start": (
+        {
+            "dist_type": "b",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "start": -1,
+            "stop": 10,
+        },
+        np.ones(11),
+        "start",
+    ),
+    "block_padding_not_ints": (
+        {
+            "dist_type": "b",
+            "size": 50,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "stop": 10,
+            "padding": ("a", "b"),
+        },
+        np.ones(10),
+        "padding",
+    ),
+    "cyclic_negative_block_size": (
+        {
+            "dist_type": "c",
+            "size": 100,
+            "proc_grid_size": 3,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "block_size": -10,
+        },
+        np.ones(10),
+        "block_size",
+    ),
+    "unstructured_list_indices": (
+        {
+            "dist_type": "u",
+            "size": 100,
+            "proc_grid_size": 2,
+            "proc_grid_rank": 0,
+            "indices": [1, 2, 3, 4],
+        },
+        np.ones(4),
+        "indices",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(INVALID))
@@ -141,8 +277,14 @@ def test_top_level_rules(d, match):
 
 
 def B(**kw):
-    base = {"dist_type": "b", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 0,
-            "start": 0, "stop": 5}  # fmt: skip
+    base = {
+        "dist_type": "b",
+        "size": 10,
+        "proc_grid_size": 2,
+        "proc_grid_rank": 0,
+        "start": 0,
+        "stop": 5,
+    }
     base.update(kw)
     return base
 
@@ -166,25 +308,81 @@ def B(**kw):
         (B(periodic=1), np.ones(5), "periodic must be a bool"),
         (B(proc_grid_size=1, stop=5), np.ones(5), "holds it all"),
         (B(size=0, stop=0), np.ones(0), None),
-        ({"dist_type": "c", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 1, "start": 0},
-         np.ones(5), "start must be proc_grid_rank \\* block_size = 1 \\* 1 = 1, got 0"),
-        ({"dist_type": "c", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 1, "start": 1},
-         np.ones(4), "owns 5 indices along this axis but the buffer has 4"),
-        ({"dist_type": "c", "size": 0, "proc_grid_size": 2, "proc_grid_rank": 0, "start": 0},
-         np.ones(1), "size is 0, so the buffer must be empty"),
-        ({"dist_type": "c", "size": 9, "proc_grid_size": 4, "proc_grid_rank": 3, "start": 9,
-          "block_size": 5}, np.ones(0), None),  # reference utils vector: empty rank, start=size
-        ({"dist_type": "u", "size": 5, "proc_grid_size": 1, "proc_grid_rank": 0,
-          "indices": np.array([1, 1])}, np.ones(2), "locally unique"),
-        ({"dist_type": "u", "size": 5, "proc_grid_size": 1, "proc_grid_rank": 0,
-          "indices": np.array([1.0, 2.0])}, np.ones(2), "1-d buffer of integers"),
-        ({"dist_type": "u", "size": 5, "proc_grid_size": 1, "proc_grid_rank": 0,
-          "indices": np.array([1, 2]), "one_to_one": "yes"}, np.ones(2), "one_to_one must be a bool"),
-        ({"dist_type": "u", "size": 5, "proc_grid_size": 1, "proc_grid_rank": 0,
-          "indices": np.array([], dtype=int)}, np.ones(1), "no indices, so the buffer must be empty"),
+        (
+            {"dist_type": "c", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 1, "start": 0},
+            np.ones(5),
+            "start must be proc_grid_rank \\* block_size = 1 \\* 1 = 1, got 0",
+        ),
+        (
+            {"dist_type": "c", "size": 10, "proc_grid_size": 2, "proc_grid_rank": 1, "start": 1},
+            np.ones(4),
+            "owns 5 indices along this axis but the buffer has 4",
+        ),
+        (
+            {"dist_type": "c", "size": 0, "proc_grid_size": 2, "proc_grid_rank": 0, "start": 0},
+            np.ones(1),
+            "size is 0, so the buffer must be empty",
+        ),
+        (
+            {
+                "dist_type": "c",
+                "size": 9,
+                "proc_grid_size": 4,
+                "proc_grid_rank": 3,
+                "start": 9,
+                "block_size": 5,
+            },
+            np.ones(0),
+            None,
+        ),  # reference utils vector: empty rank, start=size
+        (
+            {
+                "dist_type": "u",
+                "size": 5,
+                "proc_grid_size": 1,
+                "proc_grid_rank": 0,
+                "indices": np.array([1, 1]),
+            },
+            np.ones(2),
+            "locally unique",
+        ),
+        (
+            {
+                "dist_type": "u",
+                "size": 5,
+                "proc_grid_size": 1,
+                "proc_grid_rank": 0,
+                "indices": np.array([1.0, 2.0]),
+            },
+            np.ones(2),
+            "1-d buffer of integers",
+        ),
+        (
+            {
+                "dist_type": "u",
+                "size": 5,
+                "proc_grid_size": 1,
+                "proc_grid_rank": 0,
+                "indices": np.array([1, 2]),
+                "one_to_one": "yes",
+            },
+            np.ones(2),
+            "one_to_one must be a bool",
+        ),
+        (
+            {
+                "dist_type": "u",
+                "size": 5,
+                "proc_grid_size": 1,
+                "proc_grid_rank": 0,
+                "indices": np.array([], dtype=int),
+            },
+            np.ones(1),
+            "no indices, so the buffer must be empty",
+        ),
         ({"dist_type": "n", "size": 5}, np.ones(5), "legacy 0.9"),
     ],
-)  # fmt: skip
+)
 def test_dimension_rules(dim, buf, match):
     if match is None:
         validate(dap(dim, buf))
@@ -207,8 +405,14 @@ def test_cyclic_owned_count_and_indices_match_brute_force():
     for size, procs, bs in itertools.product(range(0, 25), range(1, 6), range(1, 7)):
         total = 0
         for r in range(procs):
-            d = {"dist_type": "c", "size": size, "proc_grid_size": procs, "proc_grid_rank": r,
-                 "start": r * bs, "block_size": bs}  # fmt: skip
+            d = {
+                "dist_type": "c",
+                "size": size,
+                "proc_grid_size": procs,
+                "proc_grid_rank": r,
+                "start": r * bs,
+                "block_size": bs,
+            }
             want = brute_cyclic(size, procs, bs, r)
             assert num_owned_indices(d) == len(want), (size, procs, bs, r)
             assert global_indices(d).tolist() == want
@@ -218,29 +422,131 @@ def test_cyclic_owned_count_and_indices_match_brute_force():
 
 def test_reference_utils_vectors():
     vectors = [
-        ({"size": 50, "dist_type": "b", "proc_grid_rank": 0, "proc_grid_size": 10, "start": 0,
-          "stop": 10}, 10),
-        ({"size": 50, "dist_type": "b", "proc_grid_rank": 7, "proc_grid_size": 10, "start": 30,
-          "stop": 40}, 10),
-        ({"size": 100, "dist_type": "b", "proc_grid_rank": 0, "proc_grid_size": 10, "start": 0,
-          "stop": 20, "padding": (3, 4)}, 16),
-        ({"size": 100, "dist_type": "b", "proc_grid_rank": 9, "proc_grid_size": 10, "start": 80,
-          "stop": 100, "padding": (3, 4)}, 17),
-        ({"size": 100, "dist_type": "b", "proc_grid_rank": 3, "proc_grid_size": 10, "start": 50,
-          "stop": 70, "padding": (3, 4)}, 13),
-        ({"size": 100, "dist_type": "b", "proc_grid_rank": 0, "proc_grid_size": 1, "start": 0,
-          "stop": 100, "padding": (3, 4)}, 100),
-        ({"block_size": 1, "dist_type": "c", "proc_grid_rank": 0, "proc_grid_size": 4, "size": 9,
-          "start": 0}, 3),
-        ({"block_size": 1, "dist_type": "c", "proc_grid_rank": 3, "proc_grid_size": 4, "size": 9,
-          "start": 3}, 2),
-        ({"block_size": 2, "dist_type": "c", "proc_grid_rank": 0, "proc_grid_size": 4, "size": 9,
-          "start": 0}, 3),
-        ({"block_size": 5, "dist_type": "c", "proc_grid_rank": 3, "proc_grid_size": 4, "size": 9,
-          "start": 9}, 0),
-        ({"dist_type": "u", "indices": bytearray([4, 3, 2]), "proc_grid_rank": 1,
-          "proc_grid_size": 2, "size": 5}, 3),
-    ]  # fmt: skip
+        (
+            {
+                "size": 50,
+                "dist_type": "b",
+                "proc_grid_rank": 0,
+                "proc_grid_size": 10,
+                "start": 0,
+                "stop": 10,
+            },
+            10,
+        ),
+        (
+            {
+                "size": 50,
+                "dist_type": "b",
+                "proc_grid_rank": 7,
+                "proc_grid_size": 10,
+                "start": 30,
+                "stop": 40,
+            },
+            10,
+        ),
+        (
+            {
+                "size": 100,
+                "dist_type": "b",
+                "proc_grid_rank": 0,
+                "proc_grid_size": 10,
+                "start": 0,
+                "stop": 20,
+                "padding": (3, 4),
+            },
+            16,
+        ),
+        (
+            {
+                "size": 100,
+                "dist_type": "b",
+                "proc_grid_rank": 9,
+                "proc_grid_size": 10,
+                "start": 80,
+                "stop": 100,
+                "padding": (3, 4),
+            },
+            17,
+        ),
+        (
+            {
+                "size": 100,
+                "dist_type": "b",
+                "proc_grid_rank": 3,
+                "proc_grid_size": 10,
+                "start": 50,
+                "stop": 70,
+                "padding": (3, 4),
+            },
+            13,
+        ),
+        (
+            {
+                "size": 100,
+                "dist_type": "b",
+                "proc_grid_rank": 0,
+                "proc_grid_size": 1,
+                "start": 0,
+                "stop": 100,
+                "padding": (3, 4),
+            },
+            100,
+        ),
+        (
+            {
+                "block_size": 1,
+                "dist_type": "c",
+                "proc_grid_rank": 0,
+                "proc_grid_size": 4,
+                "size": 9,
+                "start": 0,
+            },
+            3,
+        ),
+        (
+            {
+                "block_size": 1,
+                "dist_type": "c",
+                "proc_grid_rank": 3,
+                "proc_grid_size": 4,
+                "size": 9,
+                "start": 3,
+            },
+            2,
+        ),
+        (
+            {
+                "block_size": 2,
+                "dist_type": "c",
+                "proc_grid_rank": 0,
+                "proc_grid_size": 4,
+                "size": 9,
+                "start": 0,
+            },
+            3,
+        ),
+        (
+            {
+                "block_size": 5,
+                "dist_type": "c",
+                "proc_grid_rank": 3,
+                "proc_grid_size": 4,
+                "size": 9,
+                "start": 9,
+            },
+            0,
+        ),
+        (
+            {
+                "dist_type": "u",
+                "indices": bytearray([4, 3, 2]),
+                "proc_grid_rank": 1,
+                "proc_grid_size": 2,
+                "size": 5,
+            },
+            3,
+        ),
+    ]
     for d, n in vectors:
         assert num_owned_indices(d) == n, d
 
@@ -252,14 +558,32 @@ def test_the_reference_partial_block_bug_is_not_copied():
 
 
 def test_padded_block_global_indices_and_alias():
-    d = {"dist_type": "b", "size": 18, "proc_grid_size": 2, "proc_grid_rank": 1, "start": 8,
-         "stop": 18, "padding": (1, 1)}  # fmt: skip
+    d = {
+        "dist_type": "b",
+        "size": 18,
+        "proc_grid_size": 2,
+        "proc_grid_rank": 1,
+        "start": 8,
+        "stop": 18,
+        "padding": (1, 1),
+    }
     assert global_indices(d).tolist() == list(range(9, 18))  # the halo cell 8 is not owned
-    assert normalize_dim({}, 4) == {"dist_type": "b", "size": 4, "proc_grid_size": 1,
-                                    "proc_grid_rank": 0, "start": 0, "stop": 4,
-                                    "padding": (0, 0), "periodic": False}  # fmt: skip
-    assert normalize_dim({"dist_type": "c", "size": 3, "proc_grid_size": 1,
-                          "proc_grid_rank": 0, "start": 0}, 3)["block_size"] == 1  # fmt: skip
+    assert normalize_dim({}, 4) == {
+        "dist_type": "b",
+        "size": 4,
+        "proc_grid_size": 1,
+        "proc_grid_rank": 0,
+        "start": 0,
+        "stop": 4,
+        "padding": (0, 0),
+        "periodic": False,
+    }
+    assert (
+        normalize_dim(
+            {"dist_type": "c", "size": 3, "proc_grid_size": 1, "proc_grid_rank": 0, "start": 0}, 3
+        )["block_size"]
+        == 1
+    )
     with pytest.raises(ValueError, match="normalize_dim"):
         num_owned_indices({})
 
@@ -271,8 +595,14 @@ def block_parts(chunks, padding=None):
     parts, start = [], 0
     size = sum(chunks)
     for r, n in enumerate(chunks):
-        d = {"dist_type": "b", "size": size, "proc_grid_size": len(chunks), "proc_grid_rank": r,
-             "start": start, "stop": start + n}  # fmt: skip
+        d = {
+            "dist_type": "b",
+            "size": size,
+            "proc_grid_size": len(chunks),
+            "proc_grid_rank": r,
+            "start": start,
+            "stop": start + n,
+        }
         if padding:
             d["padding"] = padding[r]
         parts.append(dap(d, np.zeros(n)))
@@ -294,7 +624,9 @@ def test_distribution_rules():
         validate_distribution(parts)
     parts = block_parts([3, 2])
     parts[1]["dim_data"][0].update(start=2, stop=4)  # overlaps rank 0
-    with pytest.raises(DAPValidationError, match="rank 1, dimension 0, key 'start': owns indices from 2"):
+    with pytest.raises(
+        DAPValidationError, match="rank 1, dimension 0, key 'start': owns indices from 2"
+    ):
         validate_distribution(parts)
     parts = block_parts([3, 2])
     parts[1]["dim_data"][0]["size"] = 6
@@ -312,8 +644,15 @@ def test_padding_rules_across_ranks():
     for r, (lo, hi) in enumerate(pads):
         cl = lo if r > 0 else 0
         cr = hi if r < 3 else 0
-        d = {"dist_type": "b", "size": 20, "proc_grid_size": 4, "proc_grid_rank": r,
-             "start": g - cl, "stop": g + owned[r] + cr, "padding": (lo, hi)}  # fmt: skip
+        d = {
+            "dist_type": "b",
+            "size": 20,
+            "proc_grid_size": 4,
+            "proc_grid_rank": r,
+            "start": g - cl,
+            "stop": g + owned[r] + cr,
+            "padding": (lo, hi),
+        }
         parts.append(dap(d, np.zeros(owned[r] + cl + cr)))
         g += owned[r]
     validate_distribution(parts)
@@ -321,7 +660,9 @@ def test_padding_rules_across_ranks():
     bad[1]["dim_data"][0]["padding"] = (2, 2)
     bad[1]["dim_data"][0]["start"] -= 1
     bad[1]["buffer"] = np.zeros(len(bad[1]["buffer"]) + 1)
-    with pytest.raises(DAPValidationError, match="communication padding 1 on its high side does not match 2"):
+    with pytest.raises(
+        DAPValidationError, match="communication padding 1 on its high side does not match 2"
+    ):
         validate_distribution(bad)
     wide = block_parts([4, 1, 4], padding=[(0, 2), (2, 2), (2, 0)])
     for p, (s, e) in zip(wide, [(0, 6), (2, 7), (3, 9)]):
@@ -333,8 +674,17 @@ def test_padding_rules_across_ranks():
 
 def test_unstructured_cover_rules():
     def u(r, idx, n=3, o2o=False):
-        return dap({"dist_type": "u", "size": 4, "proc_grid_size": 2, "proc_grid_rank": r,
-                    "indices": np.array(idx), "one_to_one": o2o}, np.zeros(n))  # fmt: skip
+        return dap(
+            {
+                "dist_type": "u",
+                "size": 4,
+                "proc_grid_size": 2,
+                "proc_grid_rank": r,
+                "indices": np.array(idx),
+                "one_to_one": o2o,
+            },
+            np.zeros(n),
+        )
 
     validate_distribution([u(0, [0, 1, 2]), u(1, [1, 3, 2])])  # duplicates allowed
     with pytest.raises(DAPValidationError, match="cover 3 of 4"):

@@ -18,61 +18,92 @@ FULL = np.arange(32.0).reshape(4, 8)  # the 4 x 8 array of the protocol's exampl
 
 
 def B(size, procs, rank, start, stop, **kw):
-    return {"dist_type": "b", "size": size, "proc_grid_size": procs, "proc_grid_rank": rank,
-            "start": start, "stop": stop, **kw}  # fmt: skip
+    return {
+        "dist_type": "b",
+        "size": size,
+        "proc_grid_size": procs,
+        "proc_grid_rank": rank,
+        "start": start,
+        "stop": stop,
+        **kw,
+    }
 
 
 def C(size, procs, rank, bs=1):
-    return {"dist_type": "c", "size": size, "proc_grid_size": procs, "proc_grid_rank": rank,
-            "start": rank * bs, "block_size": bs}  # fmt: skip
+    return {
+        "dist_type": "c",
+        "size": size,
+        "proc_grid_size": procs,
+        "proc_grid_rank": rank,
+        "start": rank * bs,
+        "block_size": bs,
+    }
 
 
 # -- the examples of the protocol text (examples.rst / all_examples.rst), in 0.10 form ---------
 
 EXAMPLES = {
     "block_nondist_4x1": (
-        (1, 8), None,
-        [([[0, 1, 2, 3, 4, 5, 6, 7]], (B(4, 4, 0, 0, 1), B(8, 1, 0, 0, 8))),
-         ([[8, 9, 10, 11, 12, 13, 14, 15]], (B(4, 4, 1, 1, 2), B(8, 1, 0, 0, 8))),
-         ([[16, 17, 18, 19, 20, 21, 22, 23]], (B(4, 4, 2, 2, 3), B(8, 1, 0, 0, 8))),
-         ([[24, 25, 26, 27, 28, 29, 30, 31]], (B(4, 4, 3, 3, 4), B(8, 1, 0, 0, 8)))],
+        (1, 8),
+        None,
+        [
+            ([[0, 1, 2, 3, 4, 5, 6, 7]], (B(4, 4, 0, 0, 1), B(8, 1, 0, 0, 8))),
+            ([[8, 9, 10, 11, 12, 13, 14, 15]], (B(4, 4, 1, 1, 2), B(8, 1, 0, 0, 8))),
+            ([[16, 17, 18, 19, 20, 21, 22, 23]], (B(4, 4, 2, 2, 3), B(8, 1, 0, 0, 8))),
+            ([[24, 25, 26, 27, 28, 29, 30, 31]], (B(4, 4, 3, 3, 4), B(8, 1, 0, 0, 8))),
+        ],
     ),
     "nondist_block_1x4": (
-        (4, 2), None,
-        [([[0, 1], [8, 9], [16, 17], [24, 25]], (B(4, 1, 0, 0, 4), B(8, 4, 0, 0, 2))),
-         ([[2, 3], [10, 11], [18, 19], [26, 27]], (B(4, 1, 0, 0, 4), B(8, 4, 1, 2, 4))),
-         ([[4, 5], [12, 13], [20, 21], [28, 29]], (B(4, 1, 0, 0, 4), B(8, 4, 2, 4, 6))),
-         ([[6, 7], [14, 15], [22, 23], [30, 31]], (B(4, 1, 0, 0, 4), B(8, 4, 3, 6, 8)))],
+        (4, 2),
+        None,
+        [
+            ([[0, 1], [8, 9], [16, 17], [24, 25]], (B(4, 1, 0, 0, 4), B(8, 4, 0, 0, 2))),
+            ([[2, 3], [10, 11], [18, 19], [26, 27]], (B(4, 1, 0, 0, 4), B(8, 4, 1, 2, 4))),
+            ([[4, 5], [12, 13], [20, 21], [28, 29]], (B(4, 1, 0, 0, 4), B(8, 4, 2, 4, 6))),
+            ([[6, 7], [14, 15], [22, 23], [30, 31]], (B(4, 1, 0, 0, 4), B(8, 4, 3, 6, 8))),
+        ],
     ),
     "block_block_2x2": (
-        (2, 4), None,
-        [([[0, 1, 2, 3], [8, 9, 10, 11]], (B(4, 2, 0, 0, 2), B(8, 2, 0, 0, 4))),
-         ([[4, 5, 6, 7], [12, 13, 14, 15]], (B(4, 2, 0, 0, 2), B(8, 2, 1, 4, 8))),
-         ([[16, 17, 18, 19], [24, 25, 26, 27]], (B(4, 2, 1, 2, 4), B(8, 2, 0, 0, 4))),
-         ([[20, 21, 22, 23], [28, 29, 30, 31]], (B(4, 2, 1, 2, 4), B(8, 2, 1, 4, 8)))],
+        (2, 4),
+        None,
+        [
+            ([[0, 1, 2, 3], [8, 9, 10, 11]], (B(4, 2, 0, 0, 2), B(8, 2, 0, 0, 4))),
+            ([[4, 5, 6, 7], [12, 13, 14, 15]], (B(4, 2, 0, 0, 2), B(8, 2, 1, 4, 8))),
+            ([[16, 17, 18, 19], [24, 25, 26, 27]], (B(4, 2, 1, 2, 4), B(8, 2, 0, 0, 4))),
+            ([[20, 21, 22, 23], [28, 29, 30, 31]], (B(4, 2, 1, 2, 4), B(8, 2, 1, 4, 8))),
+        ],
     ),
     "block_cyclic_2x2": (
-        (2, 4), ("b", "c"),
-        [([[0, 2, 4, 6], [8, 10, 12, 14]], (B(4, 2, 0, 0, 2), C(8, 2, 0))),
-         ([[1, 3, 5, 7], [9, 11, 13, 15]], (B(4, 2, 0, 0, 2), C(8, 2, 1))),
-         ([[16, 18, 20, 22], [24, 26, 28, 30]], (B(4, 2, 1, 2, 4), C(8, 2, 0))),
-         ([[17, 19, 21, 23], [25, 27, 29, 31]], (B(4, 2, 1, 2, 4), C(8, 2, 1)))],
+        (2, 4),
+        ("b", "c"),
+        [
+            ([[0, 2, 4, 6], [8, 10, 12, 14]], (B(4, 2, 0, 0, 2), C(8, 2, 0))),
+            ([[1, 3, 5, 7], [9, 11, 13, 15]], (B(4, 2, 0, 0, 2), C(8, 2, 1))),
+            ([[16, 18, 20, 22], [24, 26, 28, 30]], (B(4, 2, 1, 2, 4), C(8, 2, 0))),
+            ([[17, 19, 21, 23], [25, 27, 29, 31]], (B(4, 2, 1, 2, 4), C(8, 2, 1))),
+        ],
     ),
     "cyclic_cyclic_2x2": (
-        (2, 4), ("c", "c"),
-        [([[0, 2, 4, 6], [16, 18, 20, 22]], (C(4, 2, 0), C(8, 2, 0))),
-         ([[1, 3, 5, 7], [17, 19, 21, 23]], (C(4, 2, 0), C(8, 2, 1))),
-         ([[8, 10, 12, 14], [24, 26, 28, 30]], (C(4, 2, 1), C(8, 2, 0))),
-         ([[9, 11, 13, 15], [25, 27, 29, 31]], (C(4, 2, 1), C(8, 2, 1)))],
+        (2, 4),
+        ("c", "c"),
+        [
+            ([[0, 2, 4, 6], [16, 18, 20, 22]], (C(4, 2, 0), C(8, 2, 0))),
+            ([[1, 3, 5, 7], [17, 19, 21, 23]], (C(4, 2, 0), C(8, 2, 1))),
+            ([[8, 10, 12, 14], [24, 26, 28, 30]], (C(4, 2, 1), C(8, 2, 0))),
+            ([[9, 11, 13, 15], [25, 27, 29, 31]], (C(4, 2, 1), C(8, 2, 1))),
+        ],
     ),
     "blockcyclic2_blockcyclic2_2x2": (
-        (2, 4), ({"dist_type": "c", "block_size": 2},) * 2,
-        [([[0, 1, 4, 5], [8, 9, 12, 13]], (C(4, 2, 0, 2), C(8, 2, 0, 2))),
-         ([[2, 3, 6, 7], [10, 11, 14, 15]], (C(4, 2, 0, 2), C(8, 2, 1, 2))),
-         ([[16, 17, 20, 21], [24, 25, 28, 29]], (C(4, 2, 1, 2), C(8, 2, 0, 2))),
-         ([[18, 19, 22, 23], [26, 27, 30, 31]], (C(4, 2, 1, 2), C(8, 2, 1, 2)))],
+        (2, 4),
+        ({"dist_type": "c", "block_size": 2},) * 2,
+        [
+            ([[0, 1, 4, 5], [8, 9, 12, 13]], (C(4, 2, 0, 2), C(8, 2, 0, 2))),
+            ([[2, 3, 6, 7], [10, 11, 14, 15]], (C(4, 2, 0, 2), C(8, 2, 1, 2))),
+            ([[16, 17, 20, 21], [24, 25, 28, 29]], (C(4, 2, 1, 2), C(8, 2, 0, 2))),
+            ([[18, 19, 22, 23], [26, 27, 30, 31]], (C(4, 2, 1, 2), C(8, 2, 1, 2))),
+        ],
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -86,7 +117,9 @@ def test_protocol_examples_exactly(name):
         assert part["buffer"].tolist() == buf
         assert part["dim_data"] == dim_data
         assert type(part["dim_data"]) is tuple
-        assert all(type(v) is int for d in part["dim_data"] for v in d.values() if not isinstance(v, str))
+        assert all(
+            type(v) is int for d in part["dim_data"] for v in d.values() if not isinstance(v, str)
+        )
         validate(part)
     validate_distribution(parts)
     np.testing.assert_array_equal(from_dap(parts).compute(), FULL)
@@ -113,8 +146,13 @@ def test_padding_table_of_the_protocol():
     for r, (lo, hi) in enumerate(pads):
         cl, cr = (lo if r else 0), (hi if r < 3 else 0)
         s, e = start - cl, start + owned[r] + cr
-        parts.append({"__version__": "0.10.0", "buffer": g[s:e],
-                      "dim_data": (B(20, 4, r, s, e, padding=(lo, hi)),)})  # fmt: skip
+        parts.append(
+            {
+                "__version__": "0.10.0",
+                "buffer": g[s:e],
+                "dim_data": (B(20, 4, r, s, e, padding=(lo, hi)),),
+            }
+        )
         start += owned[r]
     x = from_dap(parts)
     assert x.chunks == (tuple(owned),)
@@ -129,13 +167,28 @@ def test_all_examples_block_block_2x1_and_unstructured():
         (B(2, 2, 1, 1, 2), B(10, 1, 0, 0, 10)),
     ]
     assert parts[0]["buffer"].shape == (1, 10)  # the doc prints 1-d buffers; they are (1, 10)
-    idx = [[19, 1, 0, 12, 2, 15, 4], [6, 13, 3],
-           [10, 25, 5, 21, 7, 18, 11, 26, 29, 24, 23, 28, 14, 20, 9, 16, 27, 8, 17, 22]]
+    idx = [
+        [19, 1, 0, 12, 2, 15, 4],
+        [6, 13, 3],
+        [10, 25, 5, 21, 7, 18, 11, 26, 29, 24, 23, 28, 14, 20, 9, 16, 27, 8, 17, 22],
+    ]
     g = np.random.default_rng(1).random(30)
-    uparts = [{"__version__": "0.10.0", "buffer": g[i],
-               "dim_data": ({"dist_type": "u", "size": 30, "proc_grid_size": 3,
-                             "proc_grid_rank": r, "indices": np.array(i)},)}
-              for r, i in enumerate(idx)]  # fmt: skip
+    uparts = [
+        {
+            "__version__": "0.10.0",
+            "buffer": g[i],
+            "dim_data": (
+                {
+                    "dist_type": "u",
+                    "size": 30,
+                    "proc_grid_size": 3,
+                    "proc_grid_rank": r,
+                    "indices": np.array(i),
+                },
+            ),
+        }
+        for r, i in enumerate(idx)
+    ]
     np.testing.assert_array_equal(from_dap(uparts).compute(), g)
     out = to_dap(da.from_array(g, chunks=10), dist=[{"dist_type": "u", "indices": idx}])
     for p, i in zip(out, idx):
@@ -166,8 +219,13 @@ def test_round_trip_unstructured_and_padding_mixed():
     a = np.random.default_rng(3).random((6, 9))
     x = da.from_array(a, chunks=(3, (4, 5)))
     perm = np.random.default_rng(4).permutation(6)
-    parts = to_dap(x, dist=[{"dist_type": "u", "indices": [perm[:2], perm[2:]]}, None],
-                   comm_padding=[0, 2], boundary_padding=[0, 1], periodic=[False, True])  # fmt: skip
+    parts = to_dap(
+        x,
+        dist=[{"dist_type": "u", "indices": [perm[:2], perm[2:]]}, None],
+        comm_padding=[0, 2],
+        boundary_padding=[0, 1],
+        periodic=[False, True],
+    )
     assert parts[0]["dim_data"][1]["padding"] == (1, 2) and parts[0]["dim_data"][1]["periodic"]
     assert parts[1]["dim_data"][1] == B(9, 2, 1, 2, 9, padding=(2, 1), periodic=True)
     np.testing.assert_array_equal(from_dap(parts).compute(), a)
@@ -223,19 +281,33 @@ class Producer:
 
 def test_import_from_distarray_objects_and_memoryviews():
     data = np.arange(6, dtype="i4")
-    parts = [Producer({"__version__": "0.10.0", "buffer": memoryview(data[:3]),
-                       "dim_data": (B(6, 2, 0, 0, 3),)}),
-             Producer({"__version__": "0.10.0", "buffer": data[3:],
-                       "dim_data": (B(6, 2, 1, 3, 6),)})]  # fmt: skip
+    parts = [
+        Producer(
+            {
+                "__version__": "0.10.0",
+                "buffer": memoryview(data[:3]),
+                "dim_data": (B(6, 2, 0, 0, 3),),
+            }
+        ),
+        Producer({"__version__": "0.10.0", "buffer": data[3:], "dim_data": (B(6, 2, 1, 3, 6),)}),
+    ]
     x = from_dap(parts)
     assert x.dtype == np.dtype("i4") and x.compute().tolist() == list(range(6))
 
 
 def test_legacy_09_needs_strict_false():
-    legacy = [{"__version__": "0.9.0", "buffer": FULL[:2],
-               "dim_data": [B(4, 2, 0, 0, 2), {"dist_type": "n", "size": 8}]},
-              {"__version__": "0.9.0", "buffer": FULL[2:],
-               "dim_data": [B(4, 2, 1, 2, 4), {"dist_type": "n", "size": 8}]}]  # fmt: skip
+    legacy = [
+        {
+            "__version__": "0.9.0",
+            "buffer": FULL[:2],
+            "dim_data": [B(4, 2, 0, 0, 2), {"dist_type": "n", "size": 8}],
+        },
+        {
+            "__version__": "0.9.0",
+            "buffer": FULL[2:],
+            "dim_data": [B(4, 2, 1, 2, 4), {"dist_type": "n", "size": 8}],
+        },
+    ]
     with pytest.raises(DAPValidationError, match="legacy 0.9"):
         from_dap(legacy)
     np.testing.assert_array_equal(from_dap(legacy, strict=False).compute(), FULL)
@@ -310,8 +382,13 @@ def arrays_and_dists(draw):
         elif kind == "c":
             dists.append("c")
         elif kind == "bc":
-            dists.append({"dist_type": "c", "block_size": draw(st.integers(1, 4)),
-                          "proc_grid_size": draw(st.integers(1, 4))})  # fmt: skip
+            dists.append(
+                {
+                    "dist_type": "c",
+                    "block_size": draw(st.integers(1, 4)),
+                    "proc_grid_size": draw(st.integers(1, 4)),
+                }
+            )
         else:
             perm = draw(st.permutations(range(size)))
             cuts = sorted(draw(st.lists(st.integers(0, size), min_size=0, max_size=3)))
@@ -338,7 +415,9 @@ def test_cyclic_import_takes_the_reshape_path_when_sizes_allow():
     assert not any("take" in str(k) for k in x.__dask_graph__().layers)
     np.testing.assert_array_equal(x.compute(), a)
     # The source chunks do not matter (5, 5, 2 rows): 3 ranks and block_size 2 divide 12.
-    other = to_dap(da.from_array(a, chunks=(5, 4)), dist=[{"dist_type": "c", "block_size": 2}, None])
+    other = to_dap(
+        da.from_array(a, chunks=(5, 4)), dist=[{"dist_type": "c", "block_size": 2}, None]
+    )
     np.testing.assert_array_equal(from_dap(other).compute(), a)
     odd = to_dap(da.from_array(a[:11], chunks=(4, 4)), dist=["c", None])  # 11 % 3: gather
     np.testing.assert_array_equal(from_dap(odd).compute(), a[:11])
@@ -355,7 +434,11 @@ def test_examples_on_3x1_and_1x3_grids():
     ]
     assert rows[2]["buffer"].tolist() == [list(range(36, 45))]
     cols = to_dap(da.from_array(full, chunks=(5, 3)))
-    assert [p["dim_data"][1] for p in cols] == [B(9, 3, 0, 0, 3), B(9, 3, 1, 3, 6), B(9, 3, 2, 6, 9)]
+    assert [p["dim_data"][1] for p in cols] == [
+        B(9, 3, 0, 0, 3),
+        B(9, 3, 1, 3, 6),
+        B(9, 3, 2, 6, 9),
+    ]
     assert cols[1]["buffer"][:, 0].tolist() == [3, 12, 21, 30, 39]
     for parts in (rows, cols):
         np.testing.assert_array_equal(from_dap(parts).compute(), full)
@@ -366,10 +449,22 @@ def test_unstructured_duplicates_read_from_the_lowest_rank():
     idx = [np.array([4, 0, 2]), np.array([2, 1, 3])]  # index 2 on both ranks
     bufs = [g[idx[0]], g[idx[1]].copy()]
     bufs[1][0] = -1.0  # rank 1's copy of index 2 disagrees: rank 0 wins
-    parts = [{"__version__": "0.10.0", "buffer": b,
-              "dim_data": ({"dist_type": "u", "size": 5, "proc_grid_size": 2,
-                            "proc_grid_rank": r, "indices": i},)}
-             for r, (b, i) in enumerate(zip(bufs, idx))]  # fmt: skip
+    parts = [
+        {
+            "__version__": "0.10.0",
+            "buffer": b,
+            "dim_data": (
+                {
+                    "dist_type": "u",
+                    "size": 5,
+                    "proc_grid_size": 2,
+                    "proc_grid_rank": r,
+                    "indices": i,
+                },
+            ),
+        }
+        for r, (b, i) in enumerate(zip(bufs, idx))
+    ]
     np.testing.assert_array_equal(from_dap(parts).compute(), g)
 
 
@@ -394,7 +489,8 @@ def test_property_padded_export_then_import_is_identity(case, data):
             bound.append(0)
     shape = tuple(sum(c) for c in chunks)
     a = np.arange(int(np.prod(shape)), dtype="f8").reshape(shape)
-    parts = to_dap(da.from_array(a, chunks=chunks), dist=dists, comm_padding=comm,
-                   boundary_padding=bound)  # fmt: skip
+    parts = to_dap(
+        da.from_array(a, chunks=chunks), dist=dists, comm_padding=comm, boundary_padding=bound
+    )
     validate_distribution(parts)
     np.testing.assert_array_equal(from_dap(parts).compute(), a)

@@ -24,28 +24,61 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 def _layout(name: str = "demo", n: int = 3) -> Layout:
     managers = tuple(
-        ManagerInfo(manager_id=i, worker=f"tcp://10.0.0.{i}:1", hostname=f"host{i % 2}",
-                    host_id="h", pid=1, uds_path="", tcp_host="", tcp_port=0, store_path="",
-                    lost=i == 2)  # fmt: skip
+        ManagerInfo(
+            manager_id=i,
+            worker=f"tcp://10.0.0.{i}:1",
+            hostname=f"host{i % 2}",
+            host_id="h",
+            pid=1,
+            uds_path="",
+            tcp_host="",
+            tcp_port=0,
+            store_path="",
+            lost=i == 2,
+        )
         for i in range(n)
     )
-    return Layout(name=name, uid="u", secret="s3cret", tls=False, options=DDictOptions(),
-                  managers=managers, total_mem=3 << 20, lifetime="client")  # fmt: skip
+    return Layout(
+        name=name,
+        uid="u",
+        secret="s3cret",
+        tls=False,
+        options=DDictOptions(),
+        managers=managers,
+        total_mem=3 << 20,
+        lifetime="client",
+    )
 
 
 def _stats(mid: int, keys: int) -> DDictManagerStats:
-    return DDictManagerStats(manager_id=mid, worker="w", hostname="h", total_bytes=1 << 20,
-                             total_used_bytes=keys * 100, pool_free_space=0,
-                             pool_utilization=keys * 100 / (1 << 20), num_keys=keys,
-                             oldest_checkpoint=2, newest_checkpoint=4)  # fmt: skip
+    return DDictManagerStats(
+        manager_id=mid,
+        worker="w",
+        hostname="h",
+        total_bytes=1 << 20,
+        total_used_bytes=keys * 100,
+        pool_free_space=0,
+        pool_utilization=keys * 100 / (1 << 20),
+        num_keys=keys,
+        oldest_checkpoint=2,
+        newest_checkpoint=4,
+    )
 
 
 def test_summary_counts_answers_and_names_every_problem():
-    s = summarize(_layout(), {0: _stats(0, 5), 1: ConnectionRefusedError("refused")},
-                  {0: [1, 3]}, holders=["c1"], checkpoint=4)  # fmt: skip
+    s = summarize(
+        _layout(),
+        {0: _stats(0, 5), 1: ConnectionRefusedError("refused")},
+        {0: [1, 3]},
+        holders=["c1"],
+        checkpoint=4,
+    )
     assert (s["num_keys"], s["bytes"], s["answered"]) == (5, 500, 1)
     assert [m["error"] for m in s["managers"]] == [
-        None, "ConnectionRefusedError: refused", "lost with its host"]
+        None,
+        "ConnectionRefusedError: refused",
+        "lost with its host",
+    ]
     assert s["managers"][0]["window"] == [2, 4] and s["managers"][0]["persisted"] == [1, 3]
     assert s["hosts"] == ["host0", "host1"] and s["holders"] == ["c1"]
     assert json.loads(json.dumps(s)) == s  # JSON-ready as it is
@@ -73,7 +106,9 @@ def _base(cluster: LocalCluster) -> str:
 def _wait_listed(cluster: LocalCluster, name: str) -> None:
     """Until the page's data (refreshed every ``ddict.dashboard.refresh``) lists ``name``."""
     for _ in range(100):
-        if any(d["name"] == name for d in json.loads(_get(_base(cluster) + "/ddict.json"))["dicts"]):
+        if any(
+            d["name"] == name for d in json.loads(_get(_base(cluster) + "/ddict.json"))["dicts"]
+        ):
             return
         time.sleep(0.1)
     raise AssertionError(f"{name} never listed")
@@ -105,29 +140,48 @@ def test_page_and_json_show_the_dicts_live(cluster, client, ddict):
 def test_the_routes_are_in_the_sitemap():
     # Without bokeh's dashboard: with bokeh 3.9, distributed's own /sitemap.json fails
     # (KeyError 'path' on bokeh's static handler), with or without dask_ddict.
-    with LocalCluster(n_workers=0, dashboard_address="127.0.0.1:0",
-                      scheduler_kwargs={"dashboard": False}) as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=0, dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False}
+        ) as cl,
+        Client(cl) as c,
+    ):
         c.register_plugin(DDictSchedulerPlugin())
         paths = json.loads(_get(_base(cl) + "/sitemap.json"))["paths"]
         assert {"/ddict", "/ddict.json"} <= set(paths)
         assert json.loads(_get(_base(cl) + "/ddict.json")) == {"dicts": []}
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs a headless Chromium (.ci/run installs "
-                                               "Debian's chromium package)")  # fmt: skip
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="needs a headless Chromium (.ci/run installs Debian's chromium package)",
+)
 def test_the_page_in_a_real_browser(cluster, client, ddict, tmp_path):
     ddict["shown"] = "in the browser"
     url = _base(cluster) + "/ddict"
     _wait_listed(cluster, ddict.get_name())  # past the page's refresh interval
-    common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-              f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
-    dom = subprocess.run([*common, "--virtual-time-budget=6000", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    common = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
+    dom = subprocess.run(
+        [*common, "--virtual-time-budget=6000", "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert f'data-ddict="{ddict.get_name()}"' in dom
     assert 'data-refreshes="' in dom  # the live update ran, in the browser, and swapped content
     shot = tmp_path / "dashboard.png"
-    subprocess.run([*common, "--window-size=1200,560", f"--screenshot={shot}", url],
-                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    subprocess.run(
+        [*common, "--window-size=1200,560", f"--screenshot={shot}", url],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     if os.environ.get("DDICT_DOCS_SCREENSHOT"):  # docs/_static/dashboard.png comes from here
@@ -135,8 +189,9 @@ def test_the_page_in_a_real_browser(cluster, client, ddict, tmp_path):
 
 
 def test_jupyter_repr(ddict):
-    assert repr(ddict) == (f"<DDict {ddict.get_name()!r} managers=2 hosts=1 total_mem=64.00 MiB "
-                           "checkpoint=0>")  # fmt: skip
+    assert repr(ddict) == (
+        f"<DDict {ddict.get_name()!r} managers=2 hosts=1 total_mem=64.00 MiB checkpoint=0>"
+    )
     assert "secret" not in repr(ddict._core.layout)
     ddict["k"] = "v"
     html = ddict._repr_html_()

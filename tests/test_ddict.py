@@ -125,9 +125,12 @@ def test_iteration_starts_with_one_broadcast_of_first_pages(client):
             calls.append(type(o).__name__)
             return each(self, o, mids, progress)
 
-        with dask.config.set({"ddict.iteration.page-items": 4,
-                              "ddict.iteration.page-bytes": "64 KiB"}), \
-                pytest.MonkeyPatch.context() as mp:  # fmt: skip
+        with (
+            dask.config.set(
+                {"ddict.iteration.page-items": 4, "ddict.iteration.page-bytes": "64 KiB"}
+            ),
+            pytest.MonkeyPatch.context() as mp,
+        ):
             mp.setattr(Connections, "each", counted)
             it = iter(d.items())
             next(it)
@@ -268,9 +271,14 @@ def test_freeze(ddict):
     ddict["a"] = 1
     ddict.freeze()
     assert ddict.is_frozen
-    for op in (lambda: ddict.__setitem__("b", 1), lambda: ddict.pop("a"),
-               lambda: ddict.clear(), lambda: ddict.fetch_add("n"),
-               lambda: ddict.bput("x", 1), lambda: ddict.pput("c", 1)):  # fmt: skip
+    for op in (
+        lambda: ddict.__setitem__("b", 1),
+        lambda: ddict.pop("a"),
+        lambda: ddict.clear(),
+        lambda: ddict.fetch_add("n"),
+        lambda: ddict.bput("x", 1),
+        lambda: ddict.pput("c", 1),
+    ):
         with pytest.raises(DDictError) as info:
             op()
         assert info.value.code == "INVALID_OPERATION"
@@ -401,8 +409,11 @@ def test_tasks_use_the_same_host_path(client, ddict):
         d[("task", i)] = i
         m = d.which_manager(("task", i))
         me = __import__("distributed").get_worker().address
-        return int(d["from_client"].sum()), d._core.channel(m).kind, d.manager_workers[
-            d.local_manager] == me  # fmt: skip
+        return (
+            int(d["from_client"].sum()),
+            d._core.channel(m).kind,
+            d.manager_workers[d.local_manager] == me,
+        )
 
     results = client.gather(client.map(task, [ddict] * 8, range(8), pure=False))
     assert all(r[0] == 10 for r in results)
@@ -453,10 +464,14 @@ d.detach()
 print("ok")
 """
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, ddict.serialize(), str(me)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code, ddict.serialize(), str(me)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for me in range(3)
-    ]  # fmt: skip
+    ]
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
@@ -546,8 +561,9 @@ def test_same_host_reads_come_from_the_shard(client):
     """The client process reads straight from the managers' shards (no round trip)."""
     from dask_ddict import DDictCheckpointSyncError
 
-    with DDict(total_mem="512 MiB", client=client, working_set_size=2, wait_for_keys=True,
-               timeout=30) as d:  # fmt: skip
+    with DDict(
+        total_mem="512 MiB", client=client, working_set_size=2, wait_for_keys=True, timeout=30
+    ) as d:
         assert {d._core.channel(m).kind for m in range(d.num_managers)} == {"shm"}
         big = np.random.default_rng(0).random(4 << 20)  # 32 MiB
         d.pput("big", big)

@@ -15,46 +15,133 @@ DOCS = ROOT / "docs"
 #: Dragon's DDict API (0.14/0.15, ``dragon-ddict-notes.md`` §1): every name must be in
 #: the migration table, with what it is here.
 DRAGON_ARGUMENTS = [
-    "managers_per_node", "n_nodes", "total_mem", "working_set_size", "wait_for_keys",
-    "wait_for_writers", "policy", "managers_per_policy", "orc_policy", "persist_freq",
-    "persist_count", "persist_path", "persister_class", "name", "timeout", "trace", "restart",
-    "read_only", "restore_from", "streams_per_manager", "manager_pool_full_thresh",
-]  # fmt: skip
+    "managers_per_node",
+    "n_nodes",
+    "total_mem",
+    "working_set_size",
+    "wait_for_keys",
+    "wait_for_writers",
+    "policy",
+    "managers_per_policy",
+    "orc_policy",
+    "persist_freq",
+    "persist_count",
+    "persist_path",
+    "persister_class",
+    "name",
+    "timeout",
+    "trace",
+    "restart",
+    "read_only",
+    "restore_from",
+    "streams_per_manager",
+    "manager_pool_full_thresh",
+]
 DRAGON_METHODS = [
-    "pput", "get", "pop", "clear", "keys", "values", "items", "update", "popitem",
-    "fetch_add", "wait_for", "which_manager", "checkpoint", "rollback", "checkpoint_id",
-    "sync_to_newest_checkpoint", "advance", "persist", "restore", "persisted_ids", "sync",
-    "start_batch_put", "end_batch_put", "bput", "bget", "serialize", "attach", "detach",
-    "destroy", "get_name", "copy", "clone", "synchronize_ddicts", "empty_managers", "manager",
-    "pickler", "local_managers", "local_manager", "main_manager", "manager_nodes", "local_keys",
-    "local_values", "local_items", "local_len", "freeze", "unfreeze", "is_frozen", "stats",
-    "dstats", "profile", "profile_reset", "filter",
-]  # fmt: skip
+    "pput",
+    "get",
+    "pop",
+    "clear",
+    "keys",
+    "values",
+    "items",
+    "update",
+    "popitem",
+    "fetch_add",
+    "wait_for",
+    "which_manager",
+    "checkpoint",
+    "rollback",
+    "checkpoint_id",
+    "sync_to_newest_checkpoint",
+    "advance",
+    "persist",
+    "restore",
+    "persisted_ids",
+    "sync",
+    "start_batch_put",
+    "end_batch_put",
+    "bput",
+    "bget",
+    "serialize",
+    "attach",
+    "detach",
+    "destroy",
+    "get_name",
+    "copy",
+    "clone",
+    "synchronize_ddicts",
+    "empty_managers",
+    "manager",
+    "pickler",
+    "local_managers",
+    "local_manager",
+    "main_manager",
+    "manager_nodes",
+    "local_keys",
+    "local_values",
+    "local_items",
+    "local_len",
+    "freeze",
+    "unfreeze",
+    "is_frozen",
+    "stats",
+    "dstats",
+    "profile",
+    "profile_reset",
+    "filter",
+]
 #: Dragon's DDict errors (``dragon-ddict-notes.md`` §2; its ``LostKeysError`` is documented
 #: but never raised, and never defined in its code).
 DRAGON_ERRORS = [
-    "DDictError", "DDictKeyError", "DDictFullError", "DDictTimeoutError",
-    "DDictCheckpointSyncError", "DDictFutureCheckpointError", "DDictPersistCheckpointError",
-    "DDictSyncError", "DDictUnableToCreateError",
-]  # fmt: skip
+    "DDictError",
+    "DDictKeyError",
+    "DDictFullError",
+    "DDictTimeoutError",
+    "DDictCheckpointSyncError",
+    "DDictFutureCheckpointError",
+    "DDictPersistCheckpointError",
+    "DDictSyncError",
+    "DDictUnableToCreateError",
+]
 #: Dragon's keyword arguments of its methods that a Dragon program may name (§1).
 DRAGON_KEYWORDS = {
-    "fetch_add": ["val"], "sync": ["timeout"], "attach": ["timeout", "trace"],
-    "wait_for": ["timeout"], "get": ["default"], "pop": ["default"], "copy": ["name"],
-    "clone": ["clone_list"], "destroy": ["allow_restart"], "start_batch_put": ["persist"],
-    "pickler": ["key_pickler", "value_pickler"], "synchronize_ddicts": ["serialized_ddicts"],
+    "fetch_add": ["val"],
+    "sync": ["timeout"],
+    "attach": ["timeout", "trace"],
+    "wait_for": ["timeout"],
+    "get": ["default"],
+    "pop": ["default"],
+    "copy": ["name"],
+    "clone": ["clone_list"],
+    "destroy": ["allow_restart"],
+    "start_batch_put": ["persist"],
+    "pickler": ["key_pickler", "value_pickler"],
+    "synchronize_ddicts": ["serialized_ddicts"],
     "filter": ["mgr_code", "mgr_code_args", "comparator", "branching_factor"],
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     build = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-         str(DOCS), str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            str(DOCS),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stdout + build.stderr
     return out
 
@@ -71,7 +158,8 @@ def test_the_site_builds_with_api_config_and_pictures(site):
         assert f".{leaf}</span></code>" in config or f".{leaf}<" in config, leaf
     assert (site / "_static" / "generated" / "dap-distributions.png").stat().st_size > 10_000
     assert (site / "_images" / "dashboard.png").is_file() or (
-        site / "_static" / "dashboard.png").is_file()
+        site / "_static" / "dashboard.png"
+    ).is_file()
 
 
 def test_the_dragon_table_covers_every_method_and_argument():
@@ -80,7 +168,7 @@ def test_the_dragon_table_covers_every_method_and_argument():
     first_cells = " ".join(line.split("|")[1] for line in rows)
     for name in DRAGON_ARGUMENTS + DRAGON_METHODS:
         assert re.search(rf"`(DDict\.)?{name}\b", first_cells), name
-    errors = text[text.index("### Errors"):text.index("## Where we differ")]
+    errors = text[text.index("### Errors") : text.index("## Where we differ")]
     for name in DRAGON_ERRORS:
         assert f"`{name}`" in errors, name
     assert "## Moving from Dragon" in text

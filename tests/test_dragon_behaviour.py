@@ -16,27 +16,25 @@ import pytest
 import dask_ddict
 from dask_ddict import (
     DDict,
-    DDictCheckpointSyncError,
     DDictError,
-    DDictFutureCheckpointError,
     DDictKeyError,
-    DDictPersistCheckpointError,
     DDictTimeoutError,
 )
 from dask_ddict.errors import DRAGON_LIB_ERR, Status
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
-
-from tests.test_manager import get, k, put
+from tests.test_manager import get, put
 
 # -- lib_err ---------------------------------------------------------------------------
+
 
 def test_every_code_has_dragons_lib_err_and_keeps_it_through_pickle():
     codes = {s.name for s in Status} - {"OK", "MORE"}
     assert codes <= set(DRAGON_LIB_ERR)  # every wire status, and the client-side codes
-    for cls in [c for c in vars(dask_ddict).values()
-                if isinstance(c, type) and issubclass(c, DDictError)]:  # fmt: skip
+    for cls in [
+        c for c in vars(dask_ddict).values() if isinstance(c, type) and issubclass(c, DDictError)
+    ]:
         e = cls("x") if cls is not dask_ddict.DDictKeyError else cls("key")
         assert e.lib_err == DRAGON_LIB_ERR[e.code] and e.lib_err.startswith("DRAGON_")
         assert pickle.loads(pickle.dumps(e)).lib_err == e.lib_err
@@ -44,9 +42,16 @@ def test_every_code_has_dragons_lib_err_and_keeps_it_through_pickle():
 
 def test_lib_err_of_each_case_on_a_cluster(client, tmp_path):
     """The cases Dragon's tests compare ``ex.lib_err`` for, raised for real."""
-    with DDict(total_mem="32 MiB", client=client, n_workers=1, managers_per_worker=1,
-               working_set_size=2, wait_for_writers=True, persist_path=str(tmp_path / "p"),
-               timeout=0.5) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB",
+        client=client,
+        n_workers=1,
+        managers_per_worker=1,
+        working_set_size=2,
+        wait_for_writers=True,
+        persist_path=str(tmp_path / "p"),
+        timeout=0.5,
+    ) as d:
         other = DDict.attach(d.serialize())
         seen = set()
 
@@ -75,8 +80,7 @@ def test_lib_err_of_each_case_on_a_cluster(client, tmp_path):
         d.freeze()
         lib_err("DRAGON_INVALID_OPERATION", lambda: d.__setitem__("frozen", 1))
         d.unfreeze()
-        lib_err("DRAGON_MEMORY_POOL_FULL",
-                lambda: d.__setitem__("big", b"x" * (64 << 20)))
+        lib_err("DRAGON_MEMORY_POOL_FULL", lambda: d.__setitem__("big", b"x" * (64 << 20)))
     assert len(seen) == 8  # every case ran
 
 
@@ -86,16 +90,29 @@ def test_lib_err_of_each_case_on_a_cluster(client, tmp_path):
 def test_a_restarted_dictionarys_new_handle_starts_at_checkpoint_0(client):
     """Dragon's ``test_restart_with_wait_keys``: read at 0 what was written at 0, then
     move on; a key deleted at 1 is gone there."""
-    d = DDict(total_mem="32 MiB", client=client, name="dragon-restart", working_set_size=2,
-              wait_for_keys=True, timeout=5)  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="dragon-restart",
+        working_set_size=2,
+        wait_for_keys=True,
+        timeout=5,
+    )
     d.pput("hello", "world")
     d["Miska"] = "dog"  # non-persistent, at 0
     d.checkpoint()
     d["dragon"] = "runtime"
     del d["hello"]
     d.destroy(allow_restart=True)
-    d2 = DDict(total_mem="32 MiB", client=client, name="dragon-restart", working_set_size=2,
-               wait_for_keys=True, timeout=5, restart=True)  # fmt: skip
+    d2 = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="dragon-restart",
+        working_set_size=2,
+        wait_for_keys=True,
+        timeout=5,
+        restart=True,
+    )
     try:
         assert d2.checkpoint_id == 0
         assert d2["hello"] == "world" and d2["Miska"] == "dog"
@@ -114,8 +131,9 @@ def test_a_restarted_dictionarys_new_handle_starts_at_checkpoint_0(client):
 
 @pytest.fixture
 def wfk(client):
-    with DDict(total_mem="32 MiB", client=client, working_set_size=2, wait_for_keys=True,
-               timeout=20) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB", client=client, working_set_size=2, wait_for_keys=True, timeout=20
+    ) as d:
         yield d
 
 
@@ -243,8 +261,15 @@ def test_deferred_puts_from_four_clients_apply_in_arrival_order(client):
     """The 4-client scenario through the cluster, 200 rounds: clients A and B put one
     key at a checkpoint that cannot be created yet, C reads it, X's write unblocks
     them and D writes it once X's put returned.  Final values checked every round."""
-    with DDict(total_mem="32 MiB", client=client, n_workers=1, managers_per_worker=1,
-               working_set_size=2, wait_for_keys=True, timeout=20) as x:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB",
+        client=client,
+        n_workers=1,
+        managers_per_worker=1,
+        working_set_size=2,
+        wait_for_keys=True,
+        timeout=20,
+    ) as x:
         a, b, c, dd = (DDict.attach(x.serialize()) for _ in range(4))
         try:
             x["j"] = 0  # blocks checkpoint 0 from retiring until "j" is written at 1
@@ -311,8 +336,15 @@ def _dragon_client_3(d: DDict) -> None:
 def _run_dragon_defer_put_get_same_key(client, start, wait_deferred_first: bool) -> None:
     """One run of Dragon's test: ``start(fn, *args)`` runs a client (a thread or a
     process) and returns something with ``join()`` and an exit code or error."""
-    d = DDict(total_mem="16 MiB", client=client, n_workers=1, managers_per_worker=1,
-              wait_for_keys=True, working_set_size=2, timeout=30)  # fmt: skip
+    d = DDict(
+        total_mem="16 MiB",
+        client=client,
+        n_workers=1,
+        managers_per_worker=1,
+        wait_for_keys=True,
+        working_set_size=2,
+        timeout=30,
+    )
     try:
         s = d.serialize()
         ev = start.event()

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import numpy as np
 import psutil
 import pytest
-from conftest import stop_process
 from distributed import Client
 
+from conftest import stop_process
 from dask_ddict import (
     AsyncDDict,
     DDict,
@@ -34,8 +34,8 @@ from dask_ddict import (
 from dask_ddict.client.creation import (
     DRAGON_NAMES,
     DRAGON_PLACEMENT,
-    created_layout,
     create_request,
+    created_layout,
     trace_logging,
 )
 from dask_ddict.client.handle import CREATE_ARGUMENTS, CREATE_SIGNATURE
@@ -43,7 +43,8 @@ from dask_ddict.errors import error_to_wire
 from dask_ddict.transport import timing
 
 DEFAULTS = {k: CREATE_SIGNATURE.parameters[k].default for k in CREATE_ARGUMENTS} | {
-    "total_mem": "64 MiB"}  # fmt: skip
+    "total_mem": "64 MiB"
+}
 
 
 def request(**given):
@@ -67,15 +68,22 @@ def test_dragons_names_of_our_arguments_mean_ours():
     assert (req["managers_per_worker"], req["n_workers"]) == (3, 2)
     assert request(managers_per_worker=3, n_workers=2) == req
     for dragon, ours in DRAGON_NAMES.items():
-        with pytest.raises(TypeError, match=rf"got both {ours}= and {dragon}= \({dragon} is "
-                                            rf"Dragon's name of {ours}\)"):  # fmt: skip
+        with pytest.raises(
+            TypeError,
+            match=rf"got both {ours}= and {dragon}= \({dragon} is "
+            rf"Dragon's name of {ours}\)",
+        ):
             request(**{dragon: 1, ours: 1})  # (equal values too: one name, once)
     with pytest.raises(TypeError, match="managers_per_worker must be an int"):
         request(managers_per_node="2")  # (checked under our name: the one the docs use)
 
 
 def test_dragons_arguments_without_meaning_here_are_refused_saying_what_to_use():
-    from dask_ddict import DAOSCheckpointPersister, NULLCheckpointPersister, PosixCheckpointPersister
+    from dask_ddict import (
+        DAOSCheckpointPersister,
+        NULLCheckpointPersister,
+        PosixCheckpointPersister,
+    )
 
     with pytest.raises(ValueError, match=r"^persister_class=DAOS.*persist_path=.*s3://"):
         request(persister_class=DAOSCheckpointPersister)
@@ -84,8 +92,12 @@ def test_dragons_arguments_without_meaning_here_are_refused_saying_what_to_use()
     request(policy=None, managers_per_policy=None, orc_policy=None, persister_class=None)
     # (Dragon's own persister names are taken: tests/test_persisters.py)
     assert request(persister_class=NULLCheckpointPersister)["options"]["persister"] == "null"
-    assert request(persister_class=PosixCheckpointPersister, persist_path="/tmp/x",
-                   persist_freq=1)["options"]["persister"] == "directory"  # fmt: skip
+    assert (
+        request(persister_class=PosixCheckpointPersister, persist_path="/tmp/x", persist_freq=1)[
+            "options"
+        ]["persister"]
+        == "directory"
+    )
 
 
 def test_dragons_placement_arguments_place_managers_by_policy():
@@ -125,8 +137,14 @@ def test_trace_and_streams_per_manager_are_checked_and_accepted():
 
 def test_the_async_face_takes_the_same_names():
     """``AsyncDDict.create`` binds to the constructor's signature: Dragon's names too."""
-    assert {"managers_per_node", "n_nodes", "trace", "streams_per_manager", "policy",
-            "persister_class"} <= CREATE_ARGUMENTS  # fmt: skip
+    assert {
+        "managers_per_node",
+        "n_nodes",
+        "trace",
+        "streams_per_manager",
+        "policy",
+        "persister_class",
+    } <= CREATE_ARGUMENTS
     bound = CREATE_SIGNATURE.bind(None, managers_per_node=2, n_nodes=1, trace=False)
     assert bound.arguments["managers_per_node"] == 2
 
@@ -155,8 +173,10 @@ def test_a_refused_creation_is_unable_to_create_a_ddict_error_with_its_code():
         created_layout(reply)
     assert e.value.code == "INVALID_ARGUMENT" and e.value.lib_err == "DRAGON_INVALID_ARGUMENT"
     # refusals of a more precise type keep it (existing `except` clauses keep working)
-    for error in (ValueError("n_workers=3 but only 2 workers are available"),
-                  DDictPersistCheckpointError("checkpoint 3 is not persisted")):  # fmt: skip
+    for error in (
+        ValueError("n_workers=3 but only 2 workers are available"),
+        DDictPersistCheckpointError("checkpoint 3 is not persisted"),
+    ):
         with pytest.raises(type(error)) as kept:
             created_layout(error_to_wire(error))
         assert type(kept.value) is type(error)
@@ -179,9 +199,18 @@ def test_a_name_taken_is_unable_to_create_and_still_a_ddict_error(client):
 
 def test_managers_per_node_n_nodes_and_manager_nodes_on_a_cluster(client):
     workers = sorted(client.scheduler_info()["workers"])
-    with DDict(managers_per_node=2, n_nodes=1, total_mem="32 MiB", client=client, trace=False,
-               streams_per_manager=5, policy=None, managers_per_policy=None, orc_policy=None,
-               persister_class=None) as d:  # fmt: skip
+    with DDict(
+        managers_per_node=2,
+        n_nodes=1,
+        total_mem="32 MiB",
+        client=client,
+        trace=False,
+        streams_per_manager=5,
+        policy=None,
+        managers_per_policy=None,
+        orc_policy=None,
+        persister_class=None,
+    ) as d:
         assert d.num_managers == 2  # managers_per_node * n_nodes, as in Dragon
         assert d.manager_nodes == d.manager_workers == [workers[0]] * 2
         d["k"] = 1
@@ -207,8 +236,9 @@ def test_fetch_add_takes_dragons_val(client):
 def test_the_async_face_takes_val_and_has_manager_nodes(cluster):
     async def body() -> None:
         async with Client(cluster.scheduler_address, asynchronous=True) as c:
-            ad = await AsyncDDict.create(managers_per_node=1, n_nodes=1, total_mem="16 MiB",
-                                         client=c, trace=False)  # fmt: skip
+            ad = await AsyncDDict.create(
+                managers_per_node=1, n_nodes=1, total_mem="16 MiB", client=c, trace=False
+            )
             assert await ad.fetch_add("c", val=4) == 0
             assert await ad.fetch_add("c", 1) == 4
             with pytest.raises(TypeError, match="got both n= and val="):
@@ -226,8 +256,13 @@ def test_sync_waits_within_its_timeout(client, tmp_path):
     a host process that does not answer (stopped) costs the timeout plus the slack,
     then ``DDictTimeoutError`` naming the sync and the manager; nothing is lost, and
     a later ``sync()`` completes."""
-    with DDict(n_workers=1, total_mem="16 MiB", client=client, persist_path=str(tmp_path / "p"),
-               name="synced") as d:  # fmt: skip
+    with DDict(
+        n_workers=1,
+        total_mem="16 MiB",
+        client=client,
+        persist_path=str(tmp_path / "p"),
+        name="synced",
+    ) as d:
         d["k"] = 1
         d.persist()
         d.sync(timeout=30)
@@ -243,8 +278,10 @@ def test_sync_waits_within_its_timeout(client, tmp_path):
         finally:
             host.resume()
         text = str(e.value)
-        assert text.startswith("sync() of DDict 'synced': background persistence was not done "
-                               "on every manager within 0.5 s")  # fmt: skip
+        assert text.startswith(
+            "sync() of DDict 'synced': background persistence was not done "
+            "on every manager within 0.5 s"
+        )
         assert "SYNC" in text and "manager 0" in text and "[TIMEOUT]" in text
         assert 0.5 <= took < 0.5 + 1.0 + 5.0  # (the timeout, the slack, a busy CI machine)
         assert isinstance(e.value, TimeoutError)
@@ -309,10 +346,10 @@ def test_dragons_batch_put_example_from_its_developer_guide(client):
     ddict = DDict(1, 1, 3000000, working_set_size=2, wait_for_keys=True)
 
     # writes non-persistent keys using batch put
-    ddict.start_batch_put(persist=False) # batch put starts
+    ddict.start_batch_put(persist=False)  # batch put starts
     ddict["key1"] = "value"
     ddict["key2"] = "value"
-    ddict.end_batch_put() # batch put ends
+    ddict.end_batch_put()  # batch put ends
 
     assert (ddict.num_managers, ddict["key1"], len(ddict)) == (1, "value", 2)  # (ours)
     ddict.destroy()
@@ -331,8 +368,9 @@ class System:
 
 def _smooth(segment: np.ndarray, left: float | None, right: float | None) -> np.ndarray:
     """One step of the 3-point average, a missing neighbour standing for the edge."""
-    padded = np.concatenate(([segment[0] if left is None else left], segment,
-                             [segment[-1] if right is None else right]))  # fmt: skip
+    padded = np.concatenate(
+        ([segment[0] if left is None else left], segment, [segment[-1] if right is None else right])
+    )
     return (padded[:-2] + padded[1:-1] + padded[2:]) / 3.0
 
 
@@ -344,8 +382,7 @@ def _worker_smooth(ddict: DDict, chunk_id: int, iterations: int, checkpoint_id: 
     current = np.array(ddict[f"chunk_{chunk_id}"])
     for _ in range(iterations):
         left = np.array(ddict[f"chunk_{chunk_id - 1}"])[-1] if chunk_id > 0 else None
-        right = np.array(ddict[f"chunk_{chunk_id + 1}"])[0] \
-            if chunk_id < num_chunks - 1 else None  # fmt: skip
+        right = np.array(ddict[f"chunk_{chunk_id + 1}"])[0] if chunk_id < num_chunks - 1 else None
         current = _smooth(current, left, right)
         ddict.checkpoint()
         ddict[f"chunk_{chunk_id}"] = current
@@ -362,8 +399,9 @@ def test_dragons_ddict_smoothing_example_gives_dragons_documented_result(client)
     write and ``detach()``, then ``sync_to_newest_checkpoint()`` and the reads), its
     worker processes as tasks (``client.submit`` for ``mp.Process``).  The result is the
     one Dragon's documentation prints: "checkpoint=10 result min=0.012784 max=0.987216"."""
-    args = SimpleNamespace(managers_per_node=1, working_set_size=3, size=128, chunks=4,
-                           iterations=10)  # fmt: skip
+    args = SimpleNamespace(
+        managers_per_node=1, working_set_size=3, size=128, chunks=4, iterations=10
+    )
     nnodes = System().nnodes
     kwargs = {"wait_for_keys": True, "working_set_size": args.working_set_size, "timeout": 200}
     ddict = DDict(args.managers_per_node, nnodes, nnodes * int(4 * 1024 * 1024 * 1024), **kwargs)
@@ -373,19 +411,29 @@ def test_dragons_ddict_smoothing_example_gives_dragons_documented_result(client)
         ddict.pput("chunk_size", chunk_size)
         values = np.linspace(0.0, 1.0, args.size, dtype=np.float64)
         for chunk_id in range(args.chunks):
-            ddict[f"chunk_{chunk_id}"] = values[chunk_id * chunk_size:(chunk_id + 1) * chunk_size]
+            ddict[f"chunk_{chunk_id}"] = values[chunk_id * chunk_size : (chunk_id + 1) * chunk_size]
         # (mp.Process per chunk: a task each, all running at once as Dragon's processes
         # do, so spread over the workers' threads: a chunk waits for its neighbours)
         slots = [w for w, n in sorted(client.nthreads().items()) for _ in range(n)]
         assert len(slots) >= args.chunks
-        tasks = [client.submit(_worker_smooth, ddict, chunk_id, args.iterations, 0, pure=False,
-                               workers=[slots[chunk_id]], allow_other_workers=False)
-                 for chunk_id in range(args.chunks)]  # fmt: skip
+        tasks = [
+            client.submit(
+                _worker_smooth,
+                ddict,
+                chunk_id,
+                args.iterations,
+                0,
+                pure=False,
+                workers=[slots[chunk_id]],
+                allow_other_workers=False,
+            )
+            for chunk_id in range(args.chunks)
+        ]
         client.gather(tasks)
         ddict.sync_to_newest_checkpoint()
-        result = np.concatenate([np.array(ddict[f"chunk_{c}"])
-                                 for c in range(ddict["num_chunks"])])  # fmt: skip
-        assert (f"checkpoint={ddict.checkpoint_id} result min={result.min():.6f} "
-                f"max={result.max():.6f}") == "checkpoint=10 result min=0.012784 max=0.987216"
+        result = np.concatenate([np.array(ddict[f"chunk_{c}"]) for c in range(ddict["num_chunks"])])
+        assert (
+            f"checkpoint={ddict.checkpoint_id} result min={result.min():.6f} max={result.max():.6f}"
+        ) == "checkpoint=10 result min=0.012784 max=0.987216"
     finally:
         ddict.destroy()

@@ -48,8 +48,11 @@ def test_a_lost_host_is_named_with_why_and_the_remedy_never_destroyed(how):
     manager, which host, why, and how to recreate it, from the first operation on, and
     keep saying it; the other managers work on.  (Its managers would move away first:
     ``ddict.move.on-retire`` is off here, as for a host lost with them.)"""
-    with dask.config.set({"ddict.move.on-retire": False}), LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.move.on-retire": False}),
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="48 MiB", client=c, name="r")
         keys = {m: next(k for k in range(1000) if d.which_manager(k) == m) for m in range(3)}
         for k in keys.values():
@@ -57,14 +60,20 @@ def test_a_lost_host_is_named_with_why_and_the_remedy_never_destroyed(how):
         info = d._core.layout.managers[0]
         assert d._core.channel(0).kind == "shm"  # a same-host reader maps the shard
         why = _lose(how, cl, c, d, 0)
-        ops: list[Callable[[], Any]] = [lambda: d[keys[0]], lambda: d.__setitem__(keys[0], 5),
-                                        lambda: keys[0] in d, lambda: len(d)]  # fmt: skip
+        ops: list[Callable[[], Any]] = [
+            lambda: d[keys[0]],
+            lambda: d.__setitem__(keys[0], 5),
+            lambda: keys[0] in d,
+            lambda: len(d),
+        ]
         for op in ops * 2:  # the first error and the later ones say the same
             with pytest.raises(DDictManagerUnavailableError) as e:
                 op()
             text = str(e.value)
-            assert text.startswith(f"manager 0 of DDict 'r' is unavailable: its host "
-                                   f"{info.hostname} (worker {info.worker}) is gone: {why}.")
+            assert text.startswith(
+                f"manager 0 of DDict 'r' is unavailable: its host "
+                f"{info.hostname} (worker {info.worker}) is gone: {why}."
+            )
             assert "DDict(..., name='r', restart=True)" in text and "restore" in text
             assert "destroyed" not in text and "Errno" not in text
         assert [d[keys[m]] for m in (1, 2)] == [keys[1], keys[2]]  # the rest works
@@ -81,23 +90,45 @@ def test_a_lost_host_is_named_with_why_and_the_remedy_never_destroyed(how):
 
 #: What each public name is called with (a property: read; ``name=``: assigned).
 ARGS: dict[str, tuple[Any, ...]] = {
-    "__contains__": ("k",), "__delitem__": ("k",), "__getitem__": ("k",),
-    "__setitem__": ("k", 1), "__eq__": ({},), "bget": ("k",), "bput": ("k", 1),
-    "clone": ([],), "copy": ("copied",), "fetch_add": ("k",), "filter": (print,),
-    "get": ("k",), "get_many": (["k"],), "manager": (0,), "map_shards": (print,),
-    "pop": ("k",), "pput": ("k", 1), "put": ("k", 1), "restore": (0,), "setdefault": ("k",),
-    "update": ({"k": 1},), "wait_for": ("k", 1), "which_manager": ("k",), "contains": ("k",),
+    "__contains__": ("k",),
+    "__delitem__": ("k",),
+    "__getitem__": ("k",),
+    "__setitem__": ("k", 1),
+    "__eq__": ({},),
+    "bget": ("k",),
+    "bput": ("k", 1),
+    "clone": ([],),
+    "copy": ("copied",),
+    "fetch_add": ("k",),
+    "filter": (print,),
+    "get": ("k",),
+    "get_many": (["k"],),
+    "manager": (0,),
+    "map_shards": (print,),
+    "pop": ("k",),
+    "pput": ("k", 1),
+    "put": ("k", 1),
+    "restore": (0,),
+    "setdefault": ("k",),
+    "update": ({"k": 1},),
+    "wait_for": ("k", 1),
+    "which_manager": ("k",),
+    "contains": ("k",),
     "delete": ("k",),
-}  # fmt: skip
+}
 
 #: What keeps working on a closed handle, and why: saying what it is, and closing again.
 KEEP = {
     "__repr__",  # says "closed"
     "get_name",  # the name is the handle's, known without the dictionary
-    "destroy", "detach",  # idempotent
-    "__enter__", "__exit__", "__aenter__", "__aexit__",  # (leaving closes: idempotent)
+    "destroy",
+    "detach",  # idempotent
+    "__enter__",
+    "__exit__",
+    "__aenter__",
+    "__aexit__",  # (leaving closes: idempotent)
     "ddict",  # AsyncDDict's synchronous handle, itself closed
-}  # fmt: skip
+}
 
 _NOT_PUBLIC = {"__init__", "__getattr__", "__init_subclass__", "__class_getitem__"}
 
@@ -109,12 +140,18 @@ def public_names(cls: type) -> list[str]:
     names = {n for n in dir(cls) if not n.startswith("_")}
     for klass in cls.__mro__:
         if klass.__module__.startswith("dask_ddict"):
-            names |= {n for n, v in vars(klass).items()
-                      if n.startswith("__") and n.endswith("__") and callable(v)}  # fmt: skip
+            names |= {
+                n
+                for n, v in vars(klass).items()
+                if n.startswith("__") and n.endswith("__") and callable(v)
+            }
     if cls is AsyncDDict:
         names |= _PASSTHROUGH
-    static = {n for n in names
-              if isinstance(inspect.getattr_static(cls, n, None), (staticmethod, classmethod))}  # fmt: skip
+    static = {
+        n
+        for n in names
+        if isinstance(inspect.getattr_static(cls, n, None), (staticmethod, classmethod))
+    }
     return sorted(names - static - _NOT_PUBLIC)
 
 
@@ -164,8 +201,11 @@ def _closed_handles(client: Client) -> Iterator[tuple[str, DDict]]:
 
 def _cases(cls: type) -> list[str]:
     names = [n for n in public_names(cls) if n not in KEEP]
-    return names + [f"{n}=" for n in names if _is_property(cls, n)
-                    and getattr(inspect.getattr_static(cls, n, None), "fset", None)]  # fmt: skip
+    return names + [
+        f"{n}="
+        for n in names
+        if _is_property(cls, n) and getattr(inspect.getattr_static(cls, n, None), "fset", None)
+    ]
 
 
 def test_every_public_name_is_listed():
@@ -177,9 +217,11 @@ def test_every_public_name_is_listed():
             if _is_property(cls, name):
                 continue
             fn = getattr(cls, name)
-            required = [p for p in list(inspect.signature(fn).parameters.values())[1:]
-                        if p.default is p.empty
-                        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # fmt: skip
+            required = [
+                p
+                for p in list(inspect.signature(fn).parameters.values())[1:]
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]
             assert not required or name in ARGS, f"{cls.__name__}.{name}: add it to ARGS"
 
 
@@ -236,17 +278,20 @@ def test_every_operation_of_a_closed_async_handle_raises_closed(cluster):
 # -- keys where an iterable of keys is meant ------------------------------------------------
 
 
-@pytest.mark.parametrize("keys", ["abc", "", "k", b"abc", b"", bytearray(b"ab"),
-                                  memoryview(b"ab")])  # fmt: skip
+@pytest.mark.parametrize("keys", ["abc", "", "k", b"abc", b"", bytearray(b"ab"), memoryview(b"ab")])
 def test_check_keys_refuses_text_and_bytes(keys):
-    with pytest.raises(TypeError, match=r"^keys must be an iterable of keys, not a "
-                                        f"{type(keys).__name__}") as e:  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"^keys must be an iterable of keys, not a "
+        f"{type(keys).__name__}",
+    ) as e:
         check_keys("keys", keys)
     assert "[" in str(e.value)  # says how to pass one key: in a list
 
 
-@pytest.mark.parametrize("keys", [["abc"], ("a", "b"), {"a": 1}, {b"x"}, range(3),
-                                  (k for k in "ab"), iter([]), [b"abc"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "keys", [["abc"], ("a", "b"), {"a": 1}, {b"x"}, range(3), (k for k in "ab"), iter([]), [b"abc"]]
+)
 def test_check_keys_takes_iterables_of_keys(keys):
     assert check_keys("keys", keys) is keys
 
@@ -266,12 +311,20 @@ def test_check_keys_refuses_exactly_text_and_bytes_of_any_kind():
         return "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(6)))
 
     makers: list[Callable[[], Any]] = [
-        text, lambda: text().encode(), lambda: bytearray(text().encode()),
-        lambda: memoryview(text().encode()), lambda: Name(text()), lambda: Blob(b"x" * 3),
-        lambda: [text() for _ in range(3)], lambda: tuple(text().encode()),
-        lambda: {text(): 1}, lambda: {text()}, lambda: iter(text()), lambda: range(4),
+        text,
+        lambda: text().encode(),
+        lambda: bytearray(text().encode()),
+        lambda: memoryview(text().encode()),
+        lambda: Name(text()),
+        lambda: Blob(b"x" * 3),
+        lambda: [text() for _ in range(3)],
+        lambda: tuple(text().encode()),
+        lambda: {text(): 1},
+        lambda: {text()},
+        lambda: iter(text()),
+        lambda: range(4),
         lambda: rng.randrange(10),  # not iterable at all: the method's own error, later
-    ]  # fmt: skip
+    ]
     for _ in range(300):
         value = rng.choice(makers)()
         arg = rng.choice(["keys", "clone_list", "other"])
@@ -294,6 +347,7 @@ def test_bulk_methods_refuse_a_string_of_keys(cluster, client, call, keys):
         name = call.split()[-1]
         arg = "keys" if name == "get_many" else "other"
         if call.startswith("async"):
+
             async def body() -> None:
                 async with Client(cluster.scheduler_address, asynchronous=True) as ac:
                     ad = AsyncDDict(DDict.attach(d.serialize(), client=ac), ac)

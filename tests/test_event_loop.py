@@ -50,11 +50,21 @@ class Served:
         self.uds.bind(path)
         self.uds.listen(256)
         self.tcp = socket.create_server(("127.0.0.1", 0), backlog=256)
-        self.server = HostServer(self.uds, self.tcp, {self.hosted.key: self.hosted}, set(),
-                                 event_loop=event_loop)  # fmt: skip
+        self.server = HostServer(
+            self.uds, self.tcp, {self.hosted.key: self.hosted}, set(), event_loop=event_loop
+        )
         self.server.start()
-        self.info = ManagerInfo(3, "w", "h", "h:b", os.getpid(), path, "127.0.0.1",
-                                self.tcp.getsockname()[1], str(tmp_path / "shard"))  # fmt: skip
+        self.info = ManagerInfo(
+            3,
+            "w",
+            "h",
+            "h:b",
+            os.getpid(),
+            path,
+            "127.0.0.1",
+            self.tcp.getsockname()[1],
+            str(tmp_path / "shard"),
+        )
         self.links: list[HostLink] = []
 
     def link(self, use_uds: bool = True) -> HostLink:

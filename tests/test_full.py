@@ -52,9 +52,12 @@ def test_a_full_shard_names_dictionary_manager_threshold_and_remedy(client, valu
             for i in range(4 * MiB // value_bytes + 2):
                 one[i] = np.ones(value_bytes // 8)
         text = str(e.value)
-        said = re.search(f"DDict {d.get_name()!r} manager 1: shard is full: a (\\d+)-byte put "
-                         r"does not fit: the shard holds (\d+) of the 3774873 bytes puts may fill "
-                         r"\(90% of its 4194304: manager_pool_full_thresh=0.9\)", text)  # fmt: skip
+        said = re.search(
+            f"DDict {d.get_name()!r} manager 1: shard is full: a (\\d+)-byte put "
+            r"does not fit: the shard holds (\d+) of the 3774873 bytes puts may fill "
+            r"\(90% of its 4194304: manager_pool_full_thresh=0.9\)",
+            text,
+        )
         assert said, text
         put, held = map(int, said.groups())
         # The put's own size (its value, pickled, and its key), not the shard's total after it...
@@ -74,8 +77,10 @@ def test_a_full_shard_in_a_batch_names_its_manager(client):
         zero.start_batch_put()
         for i in range(40):
             zero[i] = np.ones(32 << 10)  # 256 KiB each, 10 MiB in all
-        with pytest.raises(DDictFullError, match=f"DDict {d.get_name()!r} manager 0: shard is "
-                                                  "full: .*larger total_mem"):  # fmt: skip
+        with pytest.raises(
+            DDictFullError,
+            match=f"DDict {d.get_name()!r} manager 0: shard is full: .*larger total_mem",
+        ):
             zero.end_batch_put()
     finally:
         d.destroy()
@@ -92,8 +97,11 @@ def test_a_full_map_names_the_puts_size_and_the_map(tmp_path):
         with pytest.raises(DDictFullError) as e, st.write() as txn:
             st.put(txn, key_digest(b"b"), 0, b"b", bytes(3 << 20))
         text = str(e.value)
-        said = re.search(r"shard is full: a (\d+)-byte put does not fit: the shard's map of "
-                         r"1048576 bytes is full \(its pages reach (\d+) bytes\)", text)  # fmt: skip
+        said = re.search(
+            r"shard is full: a (\d+)-byte put does not fit: the shard's map of "
+            r"1048576 bytes is full \(its pages reach (\d+) bytes\)",
+            text,
+        )
         assert said, text
         put, reach = map(int, said.groups())
         assert put == (3 << 20) + 1 and 0 < reach <= ShardStore.map_size_for(1 << 20)

@@ -35,33 +35,53 @@ from dask_ddict.shard.store import PERSISTENT
 small = st.integers(-3, 12)
 dim_values = {
     "dist_type": st.sampled_from(["b", "c", "u", "n", "x", None]),
-    "size": small, "proc_grid_size": small, "proc_grid_rank": small, "start": small,
-    "stop": small, "block_size": small,
+    "size": small,
+    "proc_grid_size": small,
+    "proc_grid_rank": small,
+    "start": small,
+    "stop": small,
+    "block_size": small,
     "padding": st.one_of(st.tuples(small, small), st.lists(small, max_size=3), small),
-    "periodic": st.one_of(st.booleans(), small), "one_to_one": st.one_of(st.booleans(), small),
-    "indices": st.one_of(st.lists(small, max_size=6).map(np.array), st.lists(small, max_size=3),
-                         st.just(np.zeros(2, "f4"))),
-}  # fmt: skip
+    "periodic": st.one_of(st.booleans(), small),
+    "one_to_one": st.one_of(st.booleans(), small),
+    "indices": st.one_of(
+        st.lists(small, max_size=6).map(np.array),
+        st.lists(small, max_size=3),
+        st.just(np.zeros(2, "f4")),
+    ),
+}
 dims = st.one_of(
     st.just({}),
     st.fixed_dictionaries({}, optional=dim_values),
-    st.fixed_dictionaries({k: dim_values[k] for k in ("dist_type", "size", "proc_grid_size",
-                                                       "proc_grid_rank", "start", "stop")}),
+    st.fixed_dictionaries(
+        {
+            k: dim_values[k]
+            for k in ("dist_type", "size", "proc_grid_size", "proc_grid_rank", "start", "stop")
+        }
+    ),
     garbage,
-)  # fmt: skip
+)
 versions = st.one_of(st.sampled_from(["0.10.0", "0.10.4", "0.10", "0.9.0", "1.0.0"]), garbage)
-buffers = st.one_of(st.integers(0, 12).map(np.ones), st.tuples(st.integers(0, 4),
-                    st.integers(0, 4)).map(np.ones), st.binary(max_size=6), garbage)  # fmt: skip
+buffers = st.one_of(
+    st.integers(0, 12).map(np.ones),
+    st.tuples(st.integers(0, 4), st.integers(0, 4)).map(np.ones),
+    st.binary(max_size=6),
+    garbage,
+)
 
 
 @st.composite
 def dap_dicts(draw):
-    d = {"__version__": draw(versions), "buffer": draw(buffers),
-         "dim_data": tuple(draw(st.lists(dims, max_size=3)))}  # fmt: skip
+    d = {
+        "__version__": draw(versions),
+        "buffer": draw(buffers),
+        "dim_data": tuple(draw(st.lists(dims, max_size=3))),
+    }
     if draw(st.booleans()):
         d["dim_data"] = list(d["dim_data"])
-    for k in draw(st.sets(st.sampled_from(["__version__", "buffer", "dim_data", "extra"]),
-                          max_size=1)):  # fmt: skip
+    for k in draw(
+        st.sets(st.sampled_from(["__version__", "buffer", "dim_data", "extra"]), max_size=1)
+    ):
         if k == "extra":
             d[k] = 1
         else:
@@ -82,8 +102,9 @@ def test_dap_dicts_are_valid_or_refused_with_a_named_reason(d):
     assert d["__version__"].startswith("0.10.") and d["__version__"].count(".") == 2
     for i, dim in enumerate(d["dim_data"]):
         if dim:
-            owned = (dim["stop"] - dim["start"] if dim["dist_type"] == "b"
-                     else num_owned_indices(dim))  # fmt: skip
+            owned = (
+                dim["stop"] - dim["start"] if dim["dist_type"] == "b" else num_owned_indices(dim)
+            )
             assert shape[i] == owned
 
 
@@ -134,16 +155,25 @@ def same(got, want) -> bool:
     return type(got) is type(want) and got == want
 
 
-values = st.one_of(garbage, st.just(Unpicklable()), st.just(lambda x: x),
-                   st.just(np.arange(5)), st.just(io.BytesIO(b"x")))  # fmt: skip
+values = st.one_of(
+    garbage,
+    st.just(Unpicklable()),
+    st.just(lambda x: x),
+    st.just(np.arange(5)),
+    st.just(io.BytesIO(b"x")),
+)
 key_outputs = st.one_of(garbage, st.just(ValueError("boom")), st.just(bytearray(b"k")))
 value_modes = st.sampled_from(["ok", "raise", "str"])
 TYPED = (TypeError, ValueError, DDictError)
 
 
 @fuzz(150)
-@given(key=st.one_of(garbage, st.just(Unpicklable()), st.just(lambda: 1)), value=values,
-       kout=key_outputs, vmode=value_modes)  # fmt: skip
+@given(
+    key=st.one_of(garbage, st.just(Unpicklable()), st.just(lambda: 1)),
+    value=values,
+    kout=key_outputs,
+    vmode=value_modes,
+)
 def test_keys_values_and_picklers_round_trip_or_fail_typed(ddict, key, value, kout, vmode):
     if not ddict.get("sentinel"):
         ddict["sentinel"] = "kept"
@@ -168,9 +198,22 @@ def test_keys_values_and_picklers_round_trip_or_fail_typed(ddict, key, value, ko
 
 
 @fuzz(150)
-@given(method=st.sampled_from(["fetch_add", "checkpoint_id", "wait_for", "manager", "restore",
-                               "pickler", "attach", "get", "pop"]),
-       arg=garbage)  # fmt: skip
+@given(
+    method=st.sampled_from(
+        [
+            "fetch_add",
+            "checkpoint_id",
+            "wait_for",
+            "manager",
+            "restore",
+            "pickler",
+            "attach",
+            "get",
+            "pop",
+        ]
+    ),
+    arg=garbage,
+)
 def test_method_arguments_are_checked(ddict, method, arg):
     from dask_ddict import DDict
 

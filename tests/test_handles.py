@@ -35,8 +35,9 @@ def test_a_pickled_handle_does_not_grow_with_the_managers(client):
 
 
 def test_many_tasks_cause_one_fetch_per_process(client, ddict):
-    before = dict(client.run(lambda: __import__("dask_ddict.client.layouts",
-                                                fromlist=["x"]).fetches))  # fmt: skip
+    before = dict(
+        client.run(lambda: __import__("dask_ddict.client.layouts", fromlist=["x"]).fetches)
+    )
     futures = client.map(_fetches_after_use, [ddict] * 1000, range(1000), pure=False)
     after = {}
     for address, fetches in client.gather(futures):
@@ -99,8 +100,12 @@ def test_idle_shard_views_rotate_to_the_managers_in_use(client):
 
     d = DDict(4, total_mem="32 MiB", client=client)  # 8 managers, all on this host
     try:
-        with dask.config.set({"ddict.transport.max-shard-views": len(shared._ENVS) + 2,
-                              "ddict.transport.shard-view-idle": "50 ms"}):  # fmt: skip
+        with dask.config.set(
+            {
+                "ddict.transport.max-shard-views": len(shared._ENVS) + 2,
+                "ddict.transport.shard-view-idle": "50 ms",
+            }
+        ):
             bound = len(shared._ENVS) + 2
             h = DDict.attach(d.serialize(), client=client)
             for m in range(4):
@@ -135,8 +140,9 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
     for p in paths:
         ShardStore(p, 1 << 20).close()
     monkeypatch.setattr(mapped, "_ENVS", {})  # (this process's other views aside)
-    with dask.config.set({"ddict.transport.max-shard-views": 1,
-                          "ddict.transport.shard-view-idle": "0 s"}):  # fmt: skip
+    with dask.config.set(
+        {"ddict.transport.max-shard-views": 1, "ddict.transport.shard-view-idle": "0 s"}
+    ):
         first = shared._acquire(paths[0], 1 << 20)
         first.active = 1  # an operation is inside it
         try:
@@ -159,16 +165,18 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
 
 @pytest.mark.one_host  # (shard views: this host's managers)
 @pytest.mark.parametrize("per_worker", [128, pytest.param(1024, marks=pytest.mark.slow)])
-def test_a_client_touching_many_managers_holds_at_most_128_more_descriptors(client,
-                                                                            per_worker):
+def test_a_client_touching_many_managers_holds_at_most_128_more_descriptors(client, per_worker):
     """Default configuration: views and sockets together stay within 128 descriptors
     whatever the number of managers (256, and 2,048 with --runslow; views rotate,
     sockets are pooled), and every value still reads back, whichever way each manager
     is read now."""
     from dask_ddict import config
 
-    assert 2 * int(config.get("transport.max-shard-views")) \
-        + int(config.get("transport.kept-connections")) <= 128  # fmt: skip
+    assert (
+        2 * int(config.get("transport.max-shard-views"))
+        + int(config.get("transport.kept-connections"))
+        <= 128
+    )
     d = DDict(per_worker, total_mem=f"{2 * per_worker} MiB", client=client)  # 2 workers
     try:
         h = DDict.attach(d.serialize(), client=client)

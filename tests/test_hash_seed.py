@@ -40,7 +40,9 @@ _NAMED = inspect.getsource(Named)
 
 #: Starts its own LocalCluster in this process (the most common setup), puts 20 keys placed
 #: by their __hash__, and reads them back from a task.
-_OWN_CLUSTER = _NAMED + """
+_OWN_CLUSTER = (
+    _NAMED
+    + """
 import json, warnings
 from distributed import Client, LocalCluster
 from dask_ddict import DDict
@@ -65,6 +67,7 @@ if __name__ == "__main__":
         print(json.dumps([found, warned, hash(HASH_PROBE) in workers]))
         d.destroy()
 """
+)
 
 
 def _run(script: str, seed: str | None, *args: str) -> list:
@@ -72,13 +75,21 @@ def _run(script: str, seed: str | None, *args: str) -> list:
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
     with open(os.devnull) as devnull:
-        out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
-                             text=True, env=env, timeout=240, stdin=devnull)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+            stdin=devnull,
+        )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("seed", [None, pytest.param("123", marks=pytest.mark.slow), "6640"])  # (None: differs too)
+@pytest.mark.parametrize(
+    "seed", [None, pytest.param("123", marks=pytest.mark.slow), "6640"]
+)  # (None: differs too)
 def test_a_client_with_its_own_local_cluster(seed):
     """No seed: random; 123: not the workers' (the nanny gives them 6640, and writes 6640
     into this process's environment); 6640: the workers' seed, so no warning."""
@@ -116,7 +127,9 @@ def test_the_test_process_with_the_session_cluster(ddict, client):
         assert found < 20 and len(warned) == 1
 
 
-_NO_NANNY_CLIENT = _NAMED + """
+_NO_NANNY_CLIENT = (
+    _NAMED
+    + """
 import json, sys, warnings
 from distributed import Client
 from dask_ddict import DDict
@@ -131,6 +144,7 @@ with Client(sys.argv[1]) as client:
     print(json.dumps([len(set(d._core.layout.hash_probes)), warned]))
     d.destroy()
 """
+)
 
 
 def test_workers_that_disagree_among_themselves(tmp_path):
@@ -141,12 +155,23 @@ def test_workers_that_disagree_among_themselves(tmp_path):
     with LocalCluster(n_workers=0, dashboard_address=":0") as cl:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "distributed.cli.dask_worker", cl.scheduler_address,
-                 "--no-nanny", "--nthreads", "1", "--no-dashboard", "--local-directory",
-                 str(tmp_path / seed)],
-                env={**os.environ, "PYTHONHASHSEED": seed}, start_new_session=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    cl.scheduler_address,
+                    "--no-nanny",
+                    "--nthreads",
+                    "1",
+                    "--no-dashboard",
+                    "--local-directory",
+                    str(tmp_path / seed),
+                ],
+                env={**os.environ, "PYTHONHASHSEED": seed},
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             for seed in ("1", "2")
         ]
         try:

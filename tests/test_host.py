@@ -67,20 +67,38 @@ def _over_tcp(d: DDict) -> DDict:
 
 
 @contextlib.contextmanager
-def _external_worker(cl: LocalCluster, c: Client, tmp_path: Any
-                     ) -> Iterator[tuple[subprocess.Popen[bytes], set[str]]]:  # fmt: skip
+def _external_worker(
+    cl: LocalCluster, c: Client, tmp_path: Any
+) -> Iterator[tuple[subprocess.Popen[bytes], set[str]]]:
     """A nanny and worker of ``cl``'s scheduler in a process (and session) of their own:
     killing that process kills the supervisor of its host.  Yields the process and its
     worker's address (in a set); whatever is left of it is ended after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_worker", cl.scheduler_address,
-         "--nthreads", "1", "--no-dashboard", "--local-directory", str(tmp_path)],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            cl.scheduler_address,
+            "--nthreads",
+            "1",
+            "--no-dashboard",
+            "--local-directory",
+            str(tmp_path),
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         c.wait_for_workers(len(cl.workers) + 1, timeout=60)
-        yield proc, {w for w, info in c.scheduler_info()["workers"].items()
-                     if info["nanny"] not in {n.address for n in cl.workers.values()}}  # fmt: skip
+        yield (
+            proc,
+            {
+                w
+                for w, info in c.scheduler_info()["workers"].items()
+                if info["nanny"] not in {n.address for n in cl.workers.values()}
+            },
+        )
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # whatever is left of that host
@@ -88,7 +106,9 @@ def _external_worker(cl: LocalCluster, c: Client, tmp_path: Any
             pass
 
 
-def _writers(d: DDict, n: int, stop: threading.Event) -> tuple[list[list[int]], list[BaseException], list[threading.Thread]]:
+def _writers(
+    d: DDict, n: int, stop: threading.Event
+) -> tuple[list[list[int]], list[BaseException], list[threading.Thread]]:
     """``n`` threads putting ``(i, k) -> k`` until ``stop``; what each had acknowledged.
 
     Odd-numbered threads write over TCP (through the host process), even ones
@@ -127,8 +147,10 @@ def _check_acked(d: DDict, acked: list[list[int]]) -> int:
 
 
 def test_worker_sigkill_during_writes_loses_no_acknowledged_write():
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c)
         stop = threading.Event()
         acked, errors, threads = _writers(d, 4, stop)
@@ -155,8 +177,10 @@ def test_worker_sigkill_during_writes_loses_no_acknowledged_write():
 
 
 def test_host_process_sigkill_is_restarted_and_counts_stay_exact():
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="64 MiB", client=c)
         m = d.which_manager("n")
         host_pid = d.stats[m].pid
@@ -192,8 +216,10 @@ def test_host_process_sigkill_is_restarted_and_counts_stay_exact():
 
 
 def test_client_restart_with_a_live_dict():
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="32 MiB", client=c, working_set_size=2)
         d.update({i: np.full(10, i) for i in range(50)})
         d.checkpoint()
@@ -303,8 +329,12 @@ def test_a_handles_timeout_bounds_its_broadcasts_to_frozen_hosts(client):
         for host in hosts:
             stop_process(host)
         try:
-            for what in (len, lambda h: h.stats, lambda h: list(h.keys()),
-                         lambda h: h.sync_to_newest_checkpoint()):
+            for what in (
+                len,
+                lambda h: h.stats,
+                lambda h: list(h.keys()),
+                lambda h: h.sync_to_newest_checkpoint(),
+            ):
                 t0 = time.monotonic()
                 with pytest.raises(DDictTimeoutError):
                     what(tcp)
@@ -355,11 +385,16 @@ def test_without_a_timeout_a_stopped_host_is_waited_for_in_every_phase():
     complete when it resumes."""
     import dask
 
-    low = {"ddict.transport.alive-check": "50 ms",
-           "ddict.transport.handshake-timeout": "200 ms",  # (read by the host process)
-           "ddict.transport.timeout-slack": "50 ms"}  # fmt: skip
-    with dask.config.set(low), LocalCluster(n_workers=1, threads_per_worker=1,
-                                            dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    low = {
+        "ddict.transport.alive-check": "50 ms",
+        "ddict.transport.handshake-timeout": "200 ms",  # (read by the host process)
+        "ddict.transport.timeout-slack": "50 ms",
+    }
+    with (
+        dask.config.set(low),
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="16 MiB", client=c, timeout=None)
         connected = [DDict.attach(d.serialize(), timeout=None), _over_tcp(d)]
         for h in connected:
@@ -411,8 +446,12 @@ def test_a_shard_directory_too_small_is_an_error_at_creation(client):
 
 def test_small_worker_memory_limits_do_not_count_shard_pages():
     """1.2 GiB of dict on workers limited to 600 MiB: no pause, no restart, nothing lost."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, memory_limit="600MiB",
-                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, memory_limit="600MiB", dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="3 GiB", client=c)
         workers = set(c.scheduler_info()["workers"])
         block = np.ones(1 << 17)  # 1 MiB
@@ -433,8 +472,9 @@ def test_host_processes_start_without_the_nannys_malloc_trim_threshold(client):
     large reply's buffer is reused rather than mapped and faulted in each time."""
     d = DDict(total_mem="32 MiB", client=client)
     try:
-        workers = client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"),
-                                      os.environ.get("PATH")))  # fmt: skip
+        workers = client.run(
+            lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("PATH"))
+        )
         assert {trim for trim, _ in workers.values()} == {"65536"}  # (the nanny's setting)
         for pid in {s.pid for s in d.stats}:
             env = psutil.Process(pid).environ()
@@ -449,8 +489,11 @@ def test_host_environ_sets_and_removes_variables():
 
     base = {"MALLOC_TRIM_THRESHOLD_": "65536", "KEEP": "1", "PYTHONPATH": "/elsewhere"}
     env = host_environ(base, {"MALLOC_TRIM_THRESHOLD_": None, "ABSENT": None, "ADDED": 2})
-    assert env == {"KEEP": "1", "ADDED": "2",
-                   "PYTHONPATH": PACKAGE_ROOT + os.pathsep + "/elsewhere"}  # fmt: skip
+    assert env == {
+        "KEEP": "1",
+        "ADDED": "2",
+        "PYTHONPATH": PACKAGE_ROOT + os.pathsep + "/elsewhere",
+    }
     assert base["MALLOC_TRIM_THRESHOLD_"] == "65536"  # (the supervisor's own is untouched)
     assert host_environ({}, {})["PYTHONPATH"] == PACKAGE_ROOT
     with pytest.raises(TypeError, match="ddict.host.environ"):
@@ -458,8 +501,10 @@ def test_host_environ_sets_and_removes_variables():
 
 
 def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         with _external_worker(cl, c, tmp_path) as (proc, external):
             d = DDict(total_mem="32 MiB", client=c)
             lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
@@ -493,8 +538,7 @@ def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
             twin[k_lost], twin[k_kept] = "lost", "kept"
             name = d.get_name()
             d.destroy(allow_restart=True)
-            r = DDict(managers_per_worker=2, total_mem="32 MiB", client=c, name=name,
-                      restart=True)  # fmt: skip
+            r = DDict(managers_per_worker=2, total_mem="32 MiB", client=c, name=name, restart=True)
             assert r.empty_managers == [lost] and r[k_kept] == "still"
             DDict.synchronize_ddicts([r.serialize(), twin.serialize()])
             assert r[k_lost] == "lost"
@@ -509,9 +553,11 @@ def test_a_stopped_host_whose_supervisor_ended_is_gone_not_waited_for(tmp_path):
     ``DDictManagerUnavailableError`` within ``alive-check``, instead of waiting forever."""
     import dask
 
-    with dask.config.set({"ddict.transport.alive-check": "100 ms"}), \
-            LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.transport.alive-check": "100 ms"}),
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         with _external_worker(cl, c, tmp_path) as (proc, external):
             d = DDict(total_mem="32 MiB", client=c, timeout=None)
             lost = next(m.manager_id for m in d._core.layout.managers if m.worker in external)
@@ -534,7 +580,8 @@ def test_a_stopped_host_whose_supervisor_ended_is_gone_not_waited_for(tmp_path):
 
 def test_killing_a_script_with_an_embedded_cluster_leaves_nothing(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, time
         from dask_ddict import DDict
         if __name__ == "__main__":
@@ -545,9 +592,11 @@ def test_killing_a_script_with_an_embedded_cluster_leaves_nothing(tmp_path):
             print(" ".join(os.path.dirname(m.uds_path) for m in lay.managers), flush=True)
             print(" ".join(str(s.pid) for s in d.stats), flush=True)
             time.sleep(600)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    """)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert proc.stdout is not None
         stores = proc.stdout.readline().split()
@@ -605,8 +654,11 @@ def test_batches_across_a_host_restart():
     """An open batch's state lives in the shard: what the host stored before it died
     counts; what it never got makes end_batch_put say so.  (Batches the manager
     applies: this client commits none itself.)"""
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c, dask.config.set({"ddict.local-write": False}):  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+        dask.config.set({"ddict.local-write": False}),
+    ):
         d = DDict(total_mem="32 MiB", client=c)
         sup = _supervisor(cl, d, 0)
         d.start_batch_put()
@@ -635,8 +687,10 @@ def test_batches_across_a_host_restart():
 
 
 def test_frozen_state_survives_a_host_restart():
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="32 MiB", client=c)
         d["k"] = 1
         d.freeze()
@@ -695,8 +749,12 @@ def test_an_idle_dict_uses_no_cpu(client):
 
 
 def test_workers_without_a_nanny_supervise_their_own_host():
-    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
-                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=1, processes=False, threads_per_worker=1, dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="16 MiB", client=c)
         lay = d._core.layout.managers[0]
         assert lay.supervisor == lay.worker  # the worker itself supervises
@@ -718,13 +776,19 @@ def test_a_small_tmpfs_shard_directory_is_refused_at_creation(tmp_path):
 
     mnt = tmp_path / "small-shm"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=1777", "tmpfs", str(mnt)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,mode=1777", "tmpfs", str(mnt)], check=True
+    )
     try:
-        with dask.config.set({"ddict.store.directory": str(mnt)}), \
-                LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-                Client(cl) as c:  # fmt: skip
-            with pytest.raises(DDictFullError, match=rf"cannot hold a \d+-byte shard: \d+ bytes of free space in {mnt}"):  # noqa: E501
+        with (
+            dask.config.set({"ddict.store.directory": str(mnt)}),
+            LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+            Client(cl) as c,
+        ):
+            with pytest.raises(
+                DDictFullError,
+                match=rf"cannot hold a \d+-byte shard: \d+ bytes of free space in {mnt}",
+            ):  # noqa: E501
                 DDict(total_mem="64 MiB", client=c)
             assert os.listdir(mnt) == []
             d = DDict(total_mem="16 MiB", client=c)  # what fits is reserved whole
@@ -742,8 +806,10 @@ def test_a_small_tmpfs_shard_directory_is_refused_at_creation(tmp_path):
 def test_a_host_that_keeps_dying_is_given_up_and_reported_at_once():
     import dask
 
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="16 MiB", client=c)
         d["k"] = np.ones(20_000)  # a value that goes through the host
         mine = shards(d)
@@ -759,12 +825,16 @@ def test_a_host_that_keeps_dying_is_given_up_and_reported_at_once():
             assert time.monotonic() - t0 < 5
             # The supervisor tells the orchestrator it gave up; from then on the error says so.
             name = d.get_name()
-            while time.monotonic() < deadline and not c.sync(
-                    c.scheduler.ddict_attach, name=name)["managers"][0]["lost"]:  # fmt: skip
+            while (
+                time.monotonic() < deadline
+                and not c.sync(c.scheduler.ddict_attach, name=name)["managers"][0]["lost"]
+            ):
                 time.sleep(0.05)
             time.sleep(ASK_EVERY)  # (the handle asked the orchestrator at the put above)
-            said = (f"manager 0 of DDict '{name}' is unavailable: .* is gone: its host process "
-                    r"died too often \(1 time within .* supervisor gave up")  # fmt: skip
+            said = (
+                f"manager 0 of DDict '{name}' is unavailable: .* is gone: its host process "
+                r"died too often \(1 time within .* supervisor gave up"
+            )
             with pytest.raises(DDictManagerUnavailableError, match=said):
                 d["k"] = np.zeros(20_000)
         d.destroy()

@@ -52,7 +52,7 @@ def test_sweep_removes_only_provably_abandoned_directories(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
         from dask_ddict.host import hygiene
-        hygiene.claim({d['ddict-nolock']!r}); print("held", flush=True); time.sleep(60)
+        hygiene.claim({d["ddict-nolock"]!r}); print("held", flush=True); time.sleep(60)
     """)
     other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -99,8 +99,12 @@ def test_a_directory_without_a_lock_file_is_never_touched(tmp_path):
 def test_control_messages_round_trip_and_hide_the_secret():
     spec = DictSpec("n", "ab" * 16, "s3cr3t", DDictOptions(), 1 << 20, 2)
     buf = io.BytesIO()
-    msgs = [control.OpenManagers(spec, (0, 1), {1: "/dev/shm/x"}, "tcp://w"),
-            control.CloseManagers("ab" * 16, True), control.Serve(), control.Ping()]  # fmt: skip
+    msgs = [
+        control.OpenManagers(spec, (0, 1), {1: "/dev/shm/x"}, "tcp://w"),
+        control.CloseManagers("ab" * 16, True),
+        control.Serve(),
+        control.Ping(),
+    ]
     for m in msgs:
         control.send(buf, m)
     buf.seek(0)

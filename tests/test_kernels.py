@@ -24,14 +24,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import config, kernels
+from dask_ddict._entry import ENTRY, TOMBSTONE, Entry
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
 from dask_ddict._serialize import Framed, dumps_value, loads_value
-from dask_ddict.shard.store import ShardStore
 from dask_ddict.kernels import pure
+from dask_ddict.shard.store import ShardStore
 from dask_ddict.transport.operation import Request
 from dask_ddict.transport.protocol import Reader
-from dask_ddict._entry import ENTRY, TOMBSTONE, Entry
 
 try:
     from dask_ddict.kernels import _compiled
@@ -59,9 +59,18 @@ def _same(name: str, *args: Any) -> Any:
 def test_the_compiled_set_is_built_and_chosen():
     """Where the machine has a C compiler, ``pip install`` built the kernels, and the
     package runs them unless ``ddict.compiled`` is false."""
-    assert set(pure.__all__) | {"BATCH_RECORD", "COMPILED", "GROUP", "JOIN", "KeyTooLong", "QUIET",
-                                "Record", "REPLY", "REQUEST", "group_table"} == \
-        set(kernels.__all__)  # fmt: skip
+    assert set(pure.__all__) | {
+        "BATCH_RECORD",
+        "COMPILED",
+        "GROUP",
+        "JOIN",
+        "KeyTooLong",
+        "QUIET",
+        "Record",
+        "REPLY",
+        "REQUEST",
+        "group_table",
+    } == set(kernels.__all__)
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         assert _compiled is None or kernels.COMPILED == bool(config.get("compiled"))
         return
@@ -74,8 +83,14 @@ def test_the_compiled_set_is_built_and_chosen():
 
 
 keys_st = st.recursive(
-    st.one_of(st.text(max_size=20), st.integers(), st.binary(max_size=20), st.booleans(),
-              st.none(), st.floats(allow_nan=False)),  # fmt: skip
+    st.one_of(
+        st.text(max_size=20),
+        st.integers(),
+        st.binary(max_size=20),
+        st.booleans(),
+        st.none(),
+        st.floats(allow_nan=False),
+    ),
     lambda inner: st.tuples(inner, inner) | st.frozensets(st.integers(), max_size=3),
     max_leaves=6,
 )
@@ -102,24 +117,36 @@ def _placed(key: Any, digest: bytes, n: int) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(keys=st.lists(keys_st | st.integers(0, 50).map(Placed), max_size=30),
-       n=st.integers(0, 17), most=st.integers(1, 64), by_user_hash=st.booleans(),
-       custom=st.booleans())  # fmt: skip
+@given(
+    keys=st.lists(keys_st | st.integers(0, 50).map(Placed), max_size=30),
+    n=st.integers(0, 17),
+    most=st.integers(1, 64),
+    by_user_hash=st.booleans(),
+    custom=st.booleans(),
+)
 def test_route_is_the_same(keys, n, most, by_user_hash, custom):
     encode = encode_key if not custom else (lambda k: dumps_key(k, pickle))
-    kind, got = _same("route", keys, n, most, encode, _placed if by_user_hash else None,
-                      PLAIN_KEYS, key_digest)  # fmt: skip
+    kind, got = _same(
+        "route", keys, n, most, encode, _placed if by_user_hash else None, PLAIN_KEYS, key_digest
+    )
     if kind == "ok":  # the reference's rule, spelled out once more
         for key, (mid, digest) in zip(keys, got):
             assert digest == key_digest(encode(key))
-            assert mid == (_placed(key, digest, n) if by_user_hash and isinstance(key, Placed)
-                           else int.from_bytes(digest[:8], "little") % n)  # fmt: skip
+            assert mid == (
+                _placed(key, digest, n)
+                if by_user_hash and isinstance(key, Placed)
+                else int.from_bytes(digest[:8], "little") % n
+            )
 
 
 @settings(max_examples=100, deadline=None)
-@given(keys=st.lists(keys_st | st.integers(0, 50).map(Placed), max_size=12),
-       n=st.integers(0, 17), most=st.integers(1, 64), by_user_hash=st.booleans(),
-       custom=st.booleans())  # fmt: skip
+@given(
+    keys=st.lists(keys_st | st.integers(0, 50).map(Placed), max_size=12),
+    n=st.integers(0, 17),
+    most=st.integers(1, 64),
+    by_user_hash=st.booleans(),
+    custom=st.booleans(),
+)
 def test_a_router_routes_one_key_as_route_does(keys, n, most, by_user_hash, custom):
     """``Router(...).one(key)`` (a handle's single keys, batch puts) is ``route``'s
     answer for that key with its bytes, or ``route``'s error, in both sets."""
@@ -132,10 +159,14 @@ def test_a_router_routes_one_key_as_route_does(keys, n, most, by_user_hash, cust
         assert ones[0] == ((kind, (*got[0], encode(key))) if kind == "ok" else (kind, got))
 
 
-@given(st.lists(st.text(max_size=300) | st.text(st.characters(min_codepoint=0xD7F0,
-                                                                max_codepoint=0xE010), max_size=4)
-                | st.text(st.characters(min_codepoint=0x80), min_size=60, max_size=130),
-                max_size=20))  # fmt: skip
+@given(
+    st.lists(
+        st.text(max_size=300)
+        | st.text(st.characters(min_codepoint=0xD7F0, max_codepoint=0xE010), max_size=4)
+        | st.text(st.characters(min_codepoint=0x80), min_size=60, max_size=130),
+        max_size=20,
+    )
+)
 def test_route_writes_str_keys_as_pickle_does(keys):
     """The compiled kernel writes short str keys itself (one of its fast paths): the
     digests are those of ``pickle.dumps(key, 5)``, surrogates and long keys included."""
@@ -145,8 +176,9 @@ def test_route_writes_str_keys_as_pickle_does(keys):
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.binary(max_size=700) | st.sampled_from([bytes(n) for n in (0, 127, 128, 129,
-                                                                          256, 257)]))  # fmt: skip
+@given(
+    data=st.binary(max_size=700) | st.sampled_from([bytes(n) for n in (0, 127, 128, 129, 256, 257)])
+)
 def test_the_compiled_digest_is_hashlibs(data):
     """The compiled set writes BLAKE2b itself (RFC 7693: a key's digest without hashlib's
     object per key); it is ``key_digest``'s, one block or many, exact multiples of a
@@ -157,10 +189,15 @@ def test_the_compiled_digest_is_hashlibs(data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(groups=st.lists(st.tuples(st.integers(0, 2**32 - 1),
-                                 st.lists(st.binary(min_size=16, max_size=16), max_size=6)),
-                       max_size=5),
-       data=st.data())  # fmt: skip
+@given(
+    groups=st.lists(
+        st.tuples(
+            st.integers(0, 2**32 - 1), st.lists(st.binary(min_size=16, max_size=16), max_size=6)
+        ),
+        max_size=5,
+    ),
+    data=st.data(),
+)
 def test_digest_groups_read_what_get_many_wrote_and_refuse_a_cut_request(groups, data):
     """A host reads a many-key read's groups (``GetMany.encode``'s table and digests) with
     ``digest_groups``: the same groups in both sets; a request cut anywhere inside them,
@@ -195,12 +232,19 @@ def test_group_is_the_same(routes):
     assert [list(v) for v in got.values()] == [[d for m, d in routes if m == mid] for mid in got]
 
 
-frames_st = st.lists(st.one_of(st.none(), st.just(False), st.binary(max_size=200),
-                               st.binary(max_size=200).map(memoryview),
-                               st.binary(max_size=200).map(bytearray),
-                               st.integers(pure.JOIN - 2, pure.JOIN + 70).map(
-                                   lambda n: memoryview(bytes(range(256)) * (n // 256 + 1))[:n])),
-                     max_size=30)  # fmt: skip
+frames_st = st.lists(
+    st.one_of(
+        st.none(),
+        st.just(False),
+        st.binary(max_size=200),
+        st.binary(max_size=200).map(memoryview),
+        st.binary(max_size=200).map(bytearray),
+        st.integers(pure.JOIN - 2, pure.JOIN + 70).map(
+            lambda n: memoryview(bytes(range(256)) * (n // 256 + 1))[:n]
+        ),
+    ),
+    max_size=30,
+)
 
 
 @given(frames_st)
@@ -216,12 +260,14 @@ def test_pack_and_unpack_are_the_same_and_round_trip(frames):
     payload = b"".join(bytes(p) for p in parts)
     kind, back = _same_views("unpack_frames", payload)
     assert kind == "ok"
-    assert [f if f is None or f is False else bytes(f) for f in back] == \
-        [f if f is None or f is False else bytes(f) for f in frames]  # fmt: skip
+    assert [f if f is None or f is False else bytes(f) for f in back] == [
+        f if f is None or f is False else bytes(f) for f in frames
+    ]
 
 
 def _same_views(name: str, *args: Any) -> Any:
     """:func:`_same` for results that hold views (compared by their bytes)."""
+
     def flat(outcome: Any) -> Any:
         kind, got = outcome
         if kind != "ok":
@@ -270,14 +316,26 @@ def _shard(path: str, versions: list[tuple[bytes, int, int, bytes]]) -> lmdb.Env
 
 
 @settings(max_examples=40, deadline=None)
-@given(versions=st.lists(st.tuples(st.sampled_from([bytes([i]) * 16 for i in range(6)]),
-                                   st.integers(0, 5), st.sampled_from([0, TOMBSTONE]),
-                                   st.binary(max_size=40)), max_size=20),
-       asked=st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20),
-                      max_size=12),
-       chkpt=st.integers(0, 6), buffers=st.booleans(), small=st.sampled_from([0, 10, 4096]))
-def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, asked, chkpt,
-                                                  buffers, small):  # fmt: skip
+@given(
+    versions=st.lists(
+        st.tuples(
+            st.sampled_from([bytes([i]) * 16 for i in range(6)]),
+            st.integers(0, 5),
+            st.sampled_from([0, TOMBSTONE]),
+            st.binary(max_size=40),
+        ),
+        max_size=20,
+    ),
+    asked=st.lists(
+        st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20), max_size=12
+    ),
+    chkpt=st.integers(0, 6),
+    buffers=st.booleans(),
+    small=st.sampled_from([0, 10, 4096]),
+)
+def test_lookup_frames_is_the_same_on_a_real_lmdb(
+    tmp_path_factory, versions, asked, chkpt, buffers, small
+):
     env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
     try:
         db = env.open_db(b"data")
@@ -285,9 +343,11 @@ def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, as
         with env.begin(db=db, buffers=buffers) as txn:
             kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail, small)
             for s in SETS:  # (small frames: copies, whatever the transaction gives)
-                assert all(type(f) is bytes for f in s.lookup_frames(txn.cursor(db), asked,
-                                                                     tail, small)
-                           if f is not None and len(f) < small)  # fmt: skip
+                assert all(
+                    type(f) is bytes
+                    for f in s.lookup_frames(txn.cursor(db), asked, tail, small)
+                    if f is not None and len(f) < small
+                )
         assert kind == "ok"
         newest = {}
         for digest, c, flags, frame in versions:
@@ -296,8 +356,9 @@ def test_lookup_frames_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, as
         for digest, frame in zip(asked, got):
             seen = newest.get(digest)
             want = None if not seen else seen[max(seen)]
-            assert (None if want is None or want[0] & TOMBSTONE else want[1]) == \
-                (None if frame is None else bytes(frame))  # fmt: skip
+            assert (None if want is None or want[0] & TOMBSTONE else want[1]) == (
+                None if frame is None else bytes(frame)
+            )
     finally:
         env.close()
 
@@ -307,10 +368,18 @@ def test_lookup_frames_seeks_exactly_until_a_miss_and_the_same_after(tmp_path):
     read) until one is missing (an older version, an absent key, a tombstone's older
     one), then as the pure walk does: the same frames either way, in order."""
     d = [bytes([i]) * 16 for i in range(6)]
-    env = _shard(str(tmp_path / "lmdb"), [(d[0], 3, 0, b"a3"), (d[1], 3, 0, b"b3"),
-                                          (d[2], 1, 0, b"c1"), (d[3], 3, TOMBSTONE, b""),
-                                          (d[3], 2, 0, b"d2"), (d[4], 3, 0, b"e3"),
-                                          (d[4], 1, 0, b"e1")])  # fmt: skip
+    env = _shard(
+        str(tmp_path / "lmdb"),
+        [
+            (d[0], 3, 0, b"a3"),
+            (d[1], 3, 0, b"b3"),
+            (d[2], 1, 0, b"c1"),
+            (d[3], 3, TOMBSTONE, b""),
+            (d[3], 2, 0, b"d2"),
+            (d[4], 3, 0, b"e3"),
+            (d[4], 1, 0, b"e1"),
+        ],
+    )
     try:
         db = env.open_db(b"data")
         tail = struct.pack(">Q", (1 << 64) - 1 - 3)
@@ -332,15 +401,24 @@ def _entry_outcome(f: Any, *args: Any) -> tuple[str, Any]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(versions=st.lists(st.tuples(st.sampled_from([bytes([i]) * 16 for i in range(6)]),
-                                   st.integers(0, 5), st.sampled_from([0, TOMBSTONE, 2, 3]),
-                                   st.binary(max_size=40)), max_size=20),
-       asked=st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20),
-       chkpt=st.integers(0, 6) | st.sampled_from([-1, (1 << 64) - 1, 1 << 64, 2.0, True]),
-       buffers=st.booleans(), raw=st.lists(st.tuples(st.binary(max_size=30),
-                                                     st.binary(max_size=30)), max_size=3))
-def test_lookup_entry_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, asked, chkpt,
-                                                 buffers, raw):  # fmt: skip
+@given(
+    versions=st.lists(
+        st.tuples(
+            st.sampled_from([bytes([i]) * 16 for i in range(6)]),
+            st.integers(0, 5),
+            st.sampled_from([0, TOMBSTONE, 2, 3]),
+            st.binary(max_size=40),
+        ),
+        max_size=20,
+    ),
+    asked=st.sampled_from([bytes([i]) * 16 for i in range(8)]) | st.binary(max_size=20),
+    chkpt=st.integers(0, 6) | st.sampled_from([-1, (1 << 64) - 1, 1 << 64, 2.0, True]),
+    buffers=st.booleans(),
+    raw=st.lists(st.tuples(st.binary(max_size=30), st.binary(max_size=30)), max_size=3),
+)
+def test_lookup_entry_is_the_same_on_a_real_lmdb(
+    tmp_path_factory, versions, asked, chkpt, buffers, raw
+):
     """A single key's seek (every same-host get, and the host's): both sets find the
     same version (an ``Entry`` of the same checkpoint, flags, frame and key) as the
     newest at or before ``chkpt``, with the same error for a checkpoint out of range
@@ -354,8 +432,7 @@ def test_lookup_entry_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, ask
                     if k:
                         txn.put(k, v, db=db)
         with env.begin(db=db, buffers=buffers) as txn:
-            outcomes = [_entry_outcome(s.lookup_entry, txn.cursor(db), asked, chkpt)
-                        for s in SETS]  # fmt: skip
+            outcomes = [_entry_outcome(s.lookup_entry, txn.cursor(db), asked, chkpt) for s in SETS]
         assert all(o == outcomes[0] for o in outcomes), outcomes
         if raw or not (type(chkpt) is int and 0 <= chkpt < 7):
             return
@@ -369,18 +446,28 @@ def test_lookup_entry_is_the_same_on_a_real_lmdb(tmp_path_factory, versions, ask
         env.close()
 
 
-values_st = st.one_of(st.integers(), st.text(max_size=30), st.binary(max_size=300),
-                      st.lists(st.integers(), max_size=5), st.none(),
-                      st.integers(0, 50).map(lambda n: np.arange(n)))  # fmt: skip
+values_st = st.one_of(
+    st.integers(),
+    st.text(max_size=30),
+    st.binary(max_size=300),
+    st.lists(st.integers(), max_size=5),
+    st.none(),
+    st.integers(0, 50).map(lambda n: np.arange(n)),
+)
 
 
 @settings(max_examples=100, deadline=None)
-@given(values=st.lists(st.one_of(values_st, st.sampled_from(["<absent>", "<wait>"])),
-                       max_size=20),
-       mids=st.data(), as_views=st.booleans(), damage=st.integers(-1, 40))  # fmt: skip
+@given(
+    values=st.lists(st.one_of(values_st, st.sampled_from(["<absent>", "<wait>"])), max_size=20),
+    mids=st.data(),
+    as_views=st.booleans(),
+    damage=st.integers(-1, 40),
+)
 def test_decode_frames_is_the_same(values, mids, as_views, damage):
-    frames = [None if _is(v, "<absent>") else False if _is(v, "<wait>")
-              else dumps_value(v).join() for v in values]  # fmt: skip
+    frames = [
+        None if _is(v, "<absent>") else False if _is(v, "<wait>") else dumps_value(v).join()
+        for v in values
+    ]
     if damage >= 0 and frames and frames[0] not in (None, False):
         broken = bytearray(frames[0])
         broken[damage % len(broken)] ^= 0xFF  # (a damaged frame: the same error either way)
@@ -388,24 +475,25 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
     ids = mids.draw(st.lists(st.integers(0, 3), min_size=len(frames), max_size=len(frames)))
     got: dict[int, list[Any]] = {}
     for mid, f in zip(ids, frames):
-        got.setdefault(mid, []).append(memoryview(f) if as_views and f not in (None, False)
-                                       else f)  # fmt: skip
+        got.setdefault(mid, []).append(memoryview(f) if as_views and f not in (None, False) else f)
     keys = list(range(len(frames)))
     routes = [(mid, DIGESTS[0]) for mid in ids]
     absent, wait = object(), object()
     outcomes = []
     for s in SETS:
         for small in (True, False):
-            kind, out = _outcome(s.decode_frames, keys, routes, got, loads_value, absent, wait,
-                                 small)  # fmt: skip
+            kind, out = _outcome(
+                s.decode_frames, keys, routes, got, loads_value, absent, wait, small
+            )
             outcomes.append((kind, _comparable(out, absent, wait) if kind == "ok" else out))
     assert all(o == outcomes[0] for o in outcomes), outcomes
     if outcomes[0][0] == "ok":
         pairs = pure.decode_frames(keys, routes, got, loads_value, absent, wait, False)
         shown = [_same_values(s.values_of, pairs, absent, wait) for s in SETS]
         assert all(x == shown[0] for x in shown)
-        assert shown[0][1] == [i for i, v in enumerate(values) if _is(v, "<absent>")
-                               or _is(v, "<wait>")]  # fmt: skip
+        assert shown[0][1] == [
+            i for i, v in enumerate(values) if _is(v, "<absent>") or _is(v, "<wait>")
+        ]
     if damage < 0 and outcomes[0][0] == "ok":
         assert outcomes[0][1] == _comparable(list(enumerate(values)), "<absent>", "<wait>")
 
@@ -427,13 +515,16 @@ def test_decoded_is_the_frames_decoder(value, as_view, damage):
         frame = bytes(broken)
     given_ = memoryview(frame) if as_view else frame
     outcomes = [_outcome(s.decoded, given_, loads_value) for s in SETS]
-    shown = [(k, ("array", v.tolist()) if isinstance(v, np.ndarray) else v) if k == "ok"
-             else (k, v[0]) for k, v in outcomes]  # fmt: skip
+    shown = [
+        (k, ("array", v.tolist()) if isinstance(v, np.ndarray) else v) if k == "ok" else (k, v[0])
+        for k, v in outcomes
+    ]
     assert all(o == shown[0] for o in shown), outcomes
     if damage < 0:
-        assert shown[0] == ("ok", ("array", value.tolist()) if isinstance(value, np.ndarray)
-                            else value)  # fmt: skip
-
+        assert shown[0] == (
+            "ok",
+            ("array", value.tolist()) if isinstance(value, np.ndarray) else value,
+        )
 
 
 def _is(v: Any, marker: str) -> bool:
@@ -441,9 +532,19 @@ def _is(v: Any, marker: str) -> bool:
 
 
 def _comparable(pairs: list[tuple[Any, Any]], absent: Any, wait: Any) -> list[Any]:
-    return [(k, "A" if v is absent or _is(v, absent) else "W" if v is wait or _is(v, wait)
-             else ("array", v.tolist()) if isinstance(v, np.ndarray) else v)
-            for k, v in pairs]  # fmt: skip
+    return [
+        (
+            k,
+            "A"
+            if v is absent or _is(v, absent)
+            else "W"
+            if v is wait or _is(v, wait)
+            else ("array", v.tolist())
+            if isinstance(v, np.ndarray)
+            else v,
+        )
+        for k, v in pairs
+    ]
 
 
 # -- batch puts ------------------------------------------------------------------------------
@@ -460,10 +561,15 @@ def _frame(kind: str, data: bytes) -> Any:
     return None if kind == "none" and not data else data
 
 
-record_frames_st = st.builds(_frame, st.sampled_from(["framed", "view", "bytes", "none"]),
-                      st.binary(max_size=64) | st.integers(60_000, 90_000).map(b"y".__mul__))
-records_st = st.lists(st.tuples(st.sampled_from(DIGESTS), st.binary(min_size=1, max_size=12),
-                                record_frames_st), max_size=14)  # fmt: skip
+record_frames_st = st.builds(
+    _frame,
+    st.sampled_from(["framed", "view", "bytes", "none"]),
+    st.binary(max_size=64) | st.integers(60_000, 90_000).map(b"y".__mul__),
+)
+records_st = st.lists(
+    st.tuples(st.sampled_from(DIGESTS), st.binary(min_size=1, max_size=12), record_frames_st),
+    max_size=14,
+)
 
 
 def test_entries_bytes_is_the_same():
@@ -475,14 +581,28 @@ def test_entries_bytes_is_the_same():
 
 
 @settings(max_examples=60, deadline=None)
-@given(before=st.lists(st.tuples(st.sampled_from(DIGESTS), st.integers(0, 3),
-                                 st.sampled_from([0, TOMBSTONE])), max_size=10),
-       records=records_st, chkpt=st.integers(3, 4), start=st.integers(0, 3),
-       flags=st.sampled_from([0, 2, TOMBSTONE]), most=st.sampled_from([0, 40, 1 << 20]))
-@example(before=[], records=[(DIGESTS[i % 5] + bytes([i]), b"k", b"x" * 90_000) for i in range(14)],
-         chkpt=3, start=0, flags=2, most=1 << 20)  # (the map fills: refused at the same record)
-def test_put_entries_is_put_over_in_a_loop_on_a_real_shard(tmp_path_factory, before, records,
-                                                           chkpt, start, flags, most):  # fmt: skip
+@given(
+    before=st.lists(
+        st.tuples(st.sampled_from(DIGESTS), st.integers(0, 3), st.sampled_from([0, TOMBSTONE])),
+        max_size=10,
+    ),
+    records=records_st,
+    chkpt=st.integers(3, 4),
+    start=st.integers(0, 3),
+    flags=st.sampled_from([0, 2, TOMBSTONE]),
+    most=st.sampled_from([0, 40, 1 << 20]),
+)
+@example(
+    before=[],
+    records=[(DIGESTS[i % 5] + bytes([i]), b"k", b"x" * 90_000) for i in range(14)],
+    chkpt=3,
+    start=0,
+    flags=2,
+    most=1 << 20,
+)  # (the map fills: refused at the same record)
+def test_put_entries_is_put_over_in_a_loop_on_a_real_shard(
+    tmp_path_factory, before, records, chkpt, start, flags, most
+):
     """Each set's ``put_entries`` leaves a real shard as ``ShardStore.put_over`` of the
     same records does (the rule), says the same change in keys seen, stops at the same
     record (one over ``most``) and, in a map too small, is refused at the same one."""
@@ -499,11 +619,22 @@ def test_put_entries_is_put_over_in_a_loop_on_a_real_shard(tmp_path_factory, bef
                     outcomes.append(_put_over_loop(store, txn, records, start, chkpt, flags, most))
                 else:
                     tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
-                    kind, got = _outcome(s.put_entries, txn.cursor(store._data), records, start,
-                                         tail, flags, most, lmdb.MapFullError)  # fmt: skip
+                    kind, got = _outcome(
+                        s.put_entries,
+                        txn.cursor(store._data),
+                        records,
+                        start,
+                        tail,
+                        flags,
+                        most,
+                        lmdb.MapFullError,
+                    )
                     outcomes.append((kind, got[:2] + (type(got[2]),) if kind == "ok" else got))
-                tables.append([(bytes(k), bytes(v)) for k, v in txn.cursor(store._data)]
-                              if outcomes[-1][1][2] is type(None) else None)  # fmt: skip
+                tables.append(
+                    [(bytes(k), bytes(v)) for k, v in txn.cursor(store._data)]
+                    if outcomes[-1][1][2] is type(None)
+                    else None
+                )
             finally:
                 txn.abort()
         finally:
@@ -512,13 +643,25 @@ def test_put_entries_is_put_over_in_a_loop_on_a_real_shard(tmp_path_factory, bef
     assert all(t == tables[0] for t in tables)
 
 
-def _put_over_loop(store: ShardStore, txn: lmdb.Transaction, records: list[Any], start: int,
-                   chkpt: int, flags: int, most: int) -> tuple[str, Any]:  # fmt: skip
+def _put_over_loop(
+    store: ShardStore,
+    txn: lmdb.Transaction,
+    records: list[Any],
+    start: int,
+    chkpt: int,
+    flags: int,
+    most: int,
+) -> tuple[str, Any]:
     delta = 0
     for i in range(start, len(records)):
         digest, kb, frame = records[i]
-        nbytes = 0 if frame is None else frame.nbytes if isinstance(frame, Framed) \
-            else memoryview(frame).nbytes  # fmt: skip
+        nbytes = (
+            0
+            if frame is None
+            else frame.nbytes
+            if isinstance(frame, Framed)
+            else memoryview(frame).nbytes
+        )
         if 16 + nbytes + len(kb) >= most:
             return "ok", (i, delta, type(None))
         try:
@@ -531,8 +674,12 @@ def _put_over_loop(store: ShardStore, txn: lmdb.Transaction, records: list[Any],
     return "ok", (len(records), delta, type(None))
 
 
-wire_records_st = st.lists(st.tuples(st.integers(0, 5), st.sampled_from(DIGESTS),
-                                     st.binary(max_size=12), record_frames_st), max_size=14)
+wire_records_st = st.lists(
+    st.tuples(
+        st.integers(0, 5), st.sampled_from(DIGESTS), st.binary(max_size=12), record_frames_st
+    ),
+    max_size=14,
+)
 
 
 def _data(frame: Any) -> bytes:
@@ -556,7 +703,7 @@ def test_pack_and_unpack_records_are_the_same_and_round_trip(records):
     outcomes = []
     for s in SETS:
         parts, total = s.pack_records(records)
-        for mid, d, k, f in records:  # (a large frame's parts are sent as they are)
+        for *_, f in records:  # (a large frame's parts are sent as they are)
             if len(_data(f)) >= pure.JOIN:
                 assert any(p is (f.parts[-1] if isinstance(f, Framed) else f) for p in parts)
         outcomes.append((b"".join(bytes(p) for p in parts), total))
@@ -569,7 +716,9 @@ def test_pack_and_unpack_records_are_the_same_and_round_trip(records):
     want: dict[int, list[Any]] = {}
     for mid, d, k, f in records:
         data = _data(f)
-        want.setdefault(mid, []).append((d, k, data, bytes if len(data) < pure.JOIN else memoryview))
+        want.setdefault(mid, []).append(
+            (d, k, data, bytes if len(data) < pure.JOIN else memoryview)
+        )
     assert back[0] == want
 
 
@@ -585,7 +734,10 @@ def test_unpack_records_of_a_cut_or_bad_request_is_the_same_error(records, cut, 
 
 def test_packing_records_whose_frames_lie_about_their_size_is_refused():
     liar = Framed([b"abc"], 5)  # (says 5 bytes, holds 3)
-    for rec in ([(0, DIGESTS[0], b"k", liar)], [(0, DIGESTS[0], b"k", Framed([bytes(1 << 20)], 9))]):
+    for rec in (
+        [(0, DIGESTS[0], b"k", liar)],
+        [(0, DIGESTS[0], b"k", Framed([bytes(1 << 20)], 9))],
+    ):
         assert _same("pack_records", rec) == ("error", (ValueError, pure._UNEVEN))
     assert _same("pack_records", [(-1, DIGESTS[0], b"k", b"v")])[0] == "error"
 
@@ -601,29 +753,48 @@ class _Pickler:
 
 
 @settings(max_examples=100, deadline=None)
-@given(key=keys_st, value=values_st | st.binary(max_size=300) | st.binary(max_size=3).map(
-           memoryview), custom=st.booleans())  # fmt: skip
+@given(
+    key=keys_st,
+    value=values_st | st.binary(max_size=300) | st.binary(max_size=3).map(memoryview),
+    custom=st.booleans(),
+)
 def test_a_router_frames_a_put_as_dumps_value_does(key, value, custom):
     """``Router.record``: the key's route and the value's frame, byte for byte what
     ``dumps_value`` gives (the compiled set frames ``bytes`` itself), in both sets."""
     dumps = dumps_value if not custom else (lambda v: dumps_value(v, _Pickler()))
     outcomes = []
     for s in SETS:
-        kind, got = _outcome(s.Router(5, 64, encode_key, None, PLAIN_KEYS, key_digest).record,
-                             key, value, dumps)  # fmt: skip
-        outcomes.append((kind, got[:3] + (b"".join(bytes(p) for p in got[3].parts), got[3].nbytes)
-                         if kind == "ok" else got))  # fmt: skip
+        kind, got = _outcome(
+            s.Router(5, 64, encode_key, None, PLAIN_KEYS, key_digest).record, key, value, dumps
+        )
+        outcomes.append(
+            (
+                kind,
+                got[:3] + (b"".join(bytes(p) for p in got[3].parts), got[3].nbytes)
+                if kind == "ok"
+                else got,
+            )
+        )
     assert all(o == outcomes[0] for o in outcomes), outcomes
     if outcomes[0][0] == "ok":
         want = dumps(value)
         assert outcomes[0][1][3:] == (b"".join(bytes(p) for p in want.parts), want.nbytes)
         back = loads_value(b"".join(bytes(p) for p in want.parts), _Pickler() if custom else None)
-        assert np.array_equal(back, value) if isinstance(value, np.ndarray) else \
-            back == (bytes(value) if isinstance(value, memoryview) else value)  # fmt: skip
+        assert (
+            np.array_equal(back, value)
+            if isinstance(value, np.ndarray)
+            else back == (bytes(value) if isinstance(value, memoryview) else value)
+        )
 
 
-@given(st.lists(st.integers(-(2**33), 2**33) | st.sampled_from(
-    [0, 255, 256, 65535, 65536, -1, 2**31 - 1, -(2**31), 2**31, -(2**31) - 1, 2**64, True])))
+@given(
+    st.lists(
+        st.integers(-(2**33), 2**33)
+        | st.sampled_from(
+            [0, 255, 256, 65535, 65536, -1, 2**31 - 1, -(2**31), 2**31, -(2**31) - 1, 2**64, True]
+        )
+    )
+)
 def test_route_writes_int_keys_as_pickle_does(keys):
     """The compiled kernel writes 32-bit int keys itself: their bytes are
     ``pickle.dumps(key, 5)``'s, at every opcode's bounds (and a bool stays a bool)."""
@@ -635,29 +806,48 @@ def test_route_writes_int_keys_as_pickle_does(keys):
 @given(records=records_st, most=st.integers(-1, 100_000))
 def test_leading_within_is_the_same(records, most):
     kind, n = _same("leading_within", records, most)
-    assert kind == "ok" and n == next((i for i, r in enumerate(records)
-                                       if len(_data(r[2])) > most), len(records))  # fmt: skip
+    assert kind == "ok" and n == next(
+        (i for i, r in enumerate(records) if len(_data(r[2])) > most), len(records)
+    )
 
 
-@given(frames=st.lists(st.none() | st.just(False) | st.binary(max_size=20)
-                       | st.binary(max_size=20).map(memoryview), max_size=12))
+@given(
+    frames=st.lists(
+        st.none()
+        | st.just(False)
+        | st.binary(max_size=20)
+        | st.binary(max_size=20).map(memoryview),
+        max_size=12,
+    )
+)
 def test_taken_out_is_the_same(frames):
     """A same-host reader's frames: views given to ``out``, copies counted, in both sets."""
+
     def out(f: memoryview) -> Any:
         return ("out", bytes(f))
 
     kind, got = _same("taken_out", frames, out)
     copies = [f for f in frames if type(f) is bytes]
-    assert kind == "ok" and got == ([out(f) if type(f) is memoryview else f for f in frames],
-                                    sum(map(len, copies)), len(copies))  # fmt: skip
+    assert kind == "ok" and got == (
+        [out(f) if type(f) is memoryview else f for f in frames],
+        sum(map(len, copies)),
+        len(copies),
+    )
 
 
 @settings(max_examples=80, deadline=None)
-@given(status=st.integers(0, 255), ival=st.integers(-(2**63), 2**63 - 1),
-       payload=st.binary(max_size=300), cut=st.integers(0, 400), small=st.integers(0, 400),
-       room=st.integers(0, 300), end=st.booleans())  # fmt: skip
-def test_receive_reply_is_the_same_and_reads_one_reply(status, ival, payload, cut, small, room,
-                                                       end):  # fmt: skip
+@given(
+    status=st.integers(0, 255),
+    ival=st.integers(-(2**63), 2**63 - 1),
+    payload=st.binary(max_size=300),
+    cut=st.integers(0, 400),
+    small=st.integers(0, 400),
+    room=st.integers(0, 300),
+    end=st.booleans(),
+)
+def test_receive_reply_is_the_same_and_reads_one_reply(
+    status, ival, payload, cut, small, room, end
+):
     """A reply, its first ``cut`` bytes already in the buffer and the rest on a socket
     (cut short by the peer's close with ``end``): both sets give the same answer, and
     the header's fields, with the payload when it is under ``small`` and fits."""
@@ -715,28 +905,48 @@ def test_receive_reply_on_a_socket_closed_meanwhile_raises_ebadf_instead_of_wait
 
 # -- a host's requests ----------------------------------------------------------------------
 
-requests_st = st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**32 - 1),
-                        st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**63 - 1),
-                        st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**64 - 1),
-                        st.floats(allow_nan=False) | st.just(-1.0), st.integers(0, 2**64 - 1),
-                        st.binary(max_size=40), st.binary(max_size=300))  # fmt: skip
+requests_st = st.tuples(
+    st.integers(0, 255),
+    st.integers(0, 255),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(0, 2**64 - 1),
+    st.floats(allow_nan=False) | st.just(-1.0),
+    st.integers(0, 2**64 - 1),
+    st.binary(max_size=40),
+    st.binary(max_size=300),
+)
 
 
 def _request(fields: tuple[Any, ...]) -> bytes:
     op, flags, mid, tag, chkpt, arg, client, timeout, rid, keysec, value = fields
     term = (mid * 7919) & 0xFFFF  # (some term, the same for the same fields)
-    return kernels.REQUEST.pack(op, flags, term, len(keysec), mid, tag, chkpt, arg, client,
-                                timeout, len(value), rid) + keysec + value  # fmt: skip
+    return (
+        kernels.REQUEST.pack(
+            op, flags, term, len(keysec), mid, tag, chkpt, arg, client, timeout, len(value), rid
+        )
+        + keysec
+        + value
+    )
 
 
 @settings(max_examples=100, deadline=None)
-@example(requests=[(0, 0, 0, 0, 0, 0, 0, -1.0, 0, b"", b"")], cut=144, most=0, room=1, pos=0,
-         lying=1)  # fmt: skip
-@given(requests=st.lists(requests_st, min_size=1, max_size=4), cut=st.integers(0, 2000),
-       most=st.integers(-2, 400), room=st.integers(1, 200), pos=st.integers(0, 100),
-       lying=st.integers(1, 2**64 - 1) | st.none())  # fmt: skip
-def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, most, room, pos,
-                                                               lying):  # fmt: skip
+@example(
+    requests=[(0, 0, 0, 0, 0, 0, 0, -1.0, 0, b"", b"")], cut=144, most=0, room=1, pos=0, lying=1
+)
+@given(
+    requests=st.lists(requests_st, min_size=1, max_size=4),
+    cut=st.integers(0, 2000),
+    most=st.integers(-2, 400),
+    room=st.integers(1, 200),
+    pos=st.integers(0, 100),
+    lying=st.integers(1, 2**64 - 1) | st.none(),
+)
+def test_take_request_is_the_same_and_takes_each_request_whole(
+    requests, cut, most, room, pos, lying
+):
     """Requests in a reader's buffer, the last cut short (``cut``), a header whose value
     length lies (``lying``: more than follow it): both sets take the same requests, leave
     the same bytes, and say the same need for one that is not whole or whose value is
@@ -776,8 +986,20 @@ def test_take_request_is_the_same_and_takes_each_request_whole(requests, cut, mo
         f = next(f for f in requests if _request(f) == stream[at : at + len(_request(f))])
         op, flags, mid, tagged, chkpt, arg, client, timeout, rid, keysec, value = f
         assert type(got) is Request and tag == tagged
-        assert got == (op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,
-                       keysec[:16], keysec[16:], value, rid, (mid * 7919) & 0xFFFF)  # fmt: skip
+        assert got == (
+            op,
+            flags,
+            mid,
+            chkpt,
+            arg,
+            client,
+            None if timeout < 0 else timeout,
+            keysec[:16],
+            keysec[16:],
+            value,
+            rid,
+            (mid * 7919) & 0xFFFF,
+        )
         at += len(_request(f))
 
 
@@ -804,8 +1026,12 @@ def test_take_request_reads_odd_timeouts_and_refuses_a_tag_list_without_an_item(
 
 
 @settings(max_examples=60, deadline=None)
-@given(chunks=st.lists(st.binary(min_size=1, max_size=300), max_size=4), room=st.integers(1, 200),
-       read=st.integers(0, 200), end=st.booleans())  # fmt: skip
+@given(
+    chunks=st.lists(st.binary(min_size=1, max_size=300), max_size=4),
+    room=st.integers(1, 200),
+    read=st.integers(0, 200),
+    end=st.booleans(),
+)
 def test_receive_nowait_is_the_same_as_fill_nowait(chunks, room, read, end):
     """What a connection sent, received without waiting into a reader whose buffer may be
     full (moved down or grown first): both sets receive the same bytes, say 0 when
@@ -832,23 +1058,31 @@ def test_receive_nowait_is_the_same_as_fill_nowait(chunks, room, read, end):
         outcomes.append(seen)
     assert outcomes[0] == outcomes[1], outcomes
     last = outcomes[0][-1]
-    assert last[0] == (("error", (ConnectionResetError, "connection closed by peer")) if end
-                       else ("ok", 0))  # fmt: skip
+    assert last[0] == (
+        ("error", (ConnectionResetError, "connection closed by peer")) if end else ("ok", 0)
+    )
     assert last[1].endswith(b"".join(chunks))
 
 
 def _odd_payload(kind: str) -> Any:
     """Payloads a small reply's send refuses (or takes: a contiguous view of int16s)."""
-    return {"bytearray": lambda: bytearray(b"ab"), "strided": lambda: memoryview(b"abcd")[::2],
-            "list": lambda: [b"x"], "array": lambda: memoryview(np.arange(6, dtype="i2"))}[kind]()
+    return {
+        "bytearray": lambda: bytearray(b"ab"),
+        "strided": lambda: memoryview(b"abcd")[::2],
+        "list": lambda: [b"x"],
+        "array": lambda: memoryview(np.arange(6, dtype="i2")),
+    }[kind]()
 
 
 @settings(max_examples=80, deadline=None)
-@given(tag=st.integers(0, 2**32 - 1) | st.sampled_from([-1, 2**32, 1.0, True]),
-       ival=st.integers(-(2**63), 2**63 - 1) | st.sampled_from([2**63, -(2**63) - 1, 2.5]),
-       payload=st.binary(max_size=300) | st.binary(max_size=300).map(memoryview)
-       | st.sampled_from(["bytearray", "strided", "list", "array"]).map(_odd_payload),
-       small=st.integers(0, 400))  # fmt: skip
+@given(
+    tag=st.integers(0, 2**32 - 1) | st.sampled_from([-1, 2**32, 1.0, True]),
+    ival=st.integers(-(2**63), 2**63 - 1) | st.sampled_from([2**63, -(2**63) - 1, 2.5]),
+    payload=st.binary(max_size=300)
+    | st.binary(max_size=300).map(memoryview)
+    | st.sampled_from(["bytearray", "strided", "list", "array"]).map(_odd_payload),
+    small=st.integers(0, 400),
+)
 def test_send_reply_is_the_same_and_sends_one_reply(tag, ival, payload, small):
     """A small reply in one send: both sets send the same bytes (``REPLY`` and the
     payload), refuse the same payloads (``NotImplemented``) and raise the same errors."""

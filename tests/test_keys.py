@@ -28,8 +28,9 @@ atoms = (
     | st.booleans()
     | st.none()
 )
-hashables = st.recursive(atoms, lambda c: st.tuples(c, c) | st.frozensets(c, max_size=4),
-                         max_leaves=12)  # fmt: skip
+hashables = st.recursive(
+    atoms, lambda c: st.tuples(c, c) | st.frozensets(c, max_size=4), max_leaves=12
+)
 keys = st.recursive(
     hashables,
     lambda c: (
@@ -41,6 +42,7 @@ keys = st.recursive(
     ),
     max_leaves=16,
 )
+
 
 @pytest.fixture(scope="module")
 def other_seed():
@@ -84,8 +86,14 @@ Point = collections.namedtuple("Point", "x y")
 
 def test_objects_sets_in_state_and_subclasses_are_canonical(other_seed):
     words = {f"w{i}" for i in range(20)}
-    for key in [Box(set(words)), Point(frozenset(words), 1), collections.Counter(words),
-                np.float64(2.5), np.int32(-3), np.datetime64("2026-11-23")]:  # fmt: skip
+    for key in [
+        Box(set(words)),
+        Point(frozenset(words), 1),
+        collections.Counter(words),
+        np.float64(2.5),
+        np.int32(-3),
+        np.datetime64("2026-11-23"),
+    ]:
         b = encode_key(key)
         assert loads_key(b) == key
         assert other_seed(key) == b

@@ -64,8 +64,20 @@ def test_a_revoked_host_is_granted_nothing_until_restored_and_one_that_ended_hol
 
 
 def _info(mid: int, sup: str, term: int = 0, **kw: Any) -> ManagerInfo:
-    return ManagerInfo(mid, "w-" + sup, "h-" + sup, "m-" + sup, 1, "/s-" + sup, "127.0.0.1",
-                       len(sup), f"/d-{sup}-{mid}", supervisor=sup, term=term, **kw)  # fmt: skip
+    return ManagerInfo(
+        mid,
+        "w-" + sup,
+        "h-" + sup,
+        "m-" + sup,
+        1,
+        "/s-" + sup,
+        "127.0.0.1",
+        len(sup),
+        f"/d-{sup}-{mid}",
+        supervisor=sup,
+        term=term,
+        **kw,
+    )
 
 
 def _layout(*managers: ManagerInfo, replicas: int = 1) -> Layout:
@@ -73,10 +85,17 @@ def _layout(*managers: ManagerInfo, replicas: int = 1) -> Layout:
 
 
 def test_verdicts_confirm_the_layouts_primary_and_depose_replaced_ones():
-    layout = _layout(_info(0, "a"), _info(1, "b", term=3), _info(2, "c", term=1),
-                     _info(3, "a", term=2, lost=True, lost_why="gone"))  # fmt: skip
-    said = verdicts({"u": layout}, "a", [("u", 0, 0), ("u", 1, 2), ("u", 2, 2), ("u", 3, 2),
-                                         ("gone", 0, 0), ("u", 9, 0)])  # fmt: skip
+    layout = _layout(
+        _info(0, "a"),
+        _info(1, "b", term=3),
+        _info(2, "c", term=1),
+        _info(3, "a", term=2, lost=True, lost_why="gone"),
+    )
+    said = verdicts(
+        {"u": layout},
+        "a",
+        [("u", 0, 0), ("u", 1, 2), ("u", 2, 2), ("u", 3, 2), ("gone", 0, 0), ("u", 9, 0)],
+    )
     assert said.confirmed == [("u", 0)]
     # a newer term elsewhere, and a manager given up: deposed, saying where it is
     assert said.deposed == {("u", 1): "h-b (worker w-b)", ("u", 3): "nowhere (lost: gone)"}
@@ -117,8 +136,9 @@ class Hosts:
         return [(a, kw, t) for a, o, kw, t in self.calls if o == op]
 
 
-def _orchestrator(duration: float = 0.3, margin: float = 0.1
-                  ) -> tuple[Failover, Hosts, dict[str, Layout], list[Any]]:  # fmt: skip
+def _orchestrator(
+    duration: float = 0.3, margin: float = 0.1
+) -> tuple[Failover, Hosts, dict[str, Layout], list[Any]]:
     hosts = Hosts()
     layouts = {"d": _layout(_info(0, "a"), _info(1, "b"))}
     spawned: list[Any] = []
@@ -130,10 +150,18 @@ def _orchestrator(duration: float = 0.3, margin: float = 0.1
         spawned.append(asyncio.ensure_future(work))
 
     leases, failing = Leases(duration, margin), {}  # type: ignore[var-annotated]
-    reps = Replicas(hosts, layouts, Moves(hosts, layouts), candidates, spawn, failing=failing,
-                    suspected=lambda s: s in leases.revoked)  # fmt: skip
-    reps.of("d")[0] = [Replica(0, "w-c", "c", "m-c", {"uds_path": "/s-c", "tcp_host": "127.0.0.1",
-                                                       "tcp_port": 1})]  # fmt: skip
+    reps = Replicas(
+        hosts,
+        layouts,
+        Moves(hosts, layouts),
+        candidates,
+        spawn,
+        failing=failing,
+        suspected=lambda s: s in leases.revoked,
+    )
+    reps.of("d")[0] = [
+        Replica(0, "w-c", "c", "m-c", {"uds_path": "/s-c", "tcp_host": "127.0.0.1", "tcp_port": 1})
+    ]
     reps.of("d")[1] = [Replica(1, "w-a", "a", "m-a", {})]
     return Failover(reps, leases, failing), hosts, layouts, spawned
 
@@ -151,7 +179,7 @@ def test_a_suspected_primary_is_replaced_only_after_its_lease_and_then_learns_it
         assert reps.suspect("a", "cut off") == {"d": [0]}
         assert "a" in reps.leases.revoked  # type: ignore[union-attr]  # (no more grants)
         await asyncio.gather(*spawned)
-        (_, kw, at), = hosts.of("ddict_replica_promote")
+        ((_, kw, at),) = hosts.of("ddict_replica_promote")
         assert at - began >= 0.3 * RATE + 0.1 - 0.02  # (not before its lease is surely over)
         assert kw["term"] == 1
         m = layouts["d"].managers[0]
@@ -175,6 +203,7 @@ def test_a_suspected_primary_that_renews_before_any_replica_answered_is_reinstat
     """A partition that cuts the orchestrator from every host (the primary and its
     replica): no promotion succeeds, nothing is marked lost, and the primary serves
     again when it is back."""
+
     async def main() -> None:
         reps, hosts, layouts, spawned = _orchestrator(duration=0.1, margin=0.05)
         reps.lease("a", _serving((0, 0)))
@@ -199,12 +228,19 @@ def test_a_suspected_primary_that_renews_before_any_replica_answered_is_reinstat
 def test_a_replica_that_failed_a_write_leaves_the_set_only_at_its_primarys_word():
     async def main() -> None:
         reps, hosts, layouts, spawned = _orchestrator()
-        doubt = {"serving": [["u", 0, 0]], "doubts": [["u", 0, 0, [["/s-c", "127.0.0.1", 1]]]],
-                 "aside": []}  # fmt: skip
+        doubt = {
+            "serving": [["u", 0, 0]],
+            "doubts": [["u", 0, 0, [["/s-c", "127.0.0.1", 1]]]],
+            "aside": [],
+        }
         # a host that is not the manager's primary (at that term) cannot drop its replica
         assert reps.lease("b", {**doubt, "serving": []})["dropped"] == []
-        assert reps.lease("a", {**doubt, "doubts": [["u", 0, 5, [["/s-c", "127.0.0.1", 1]]]]}
-                          )["dropped"] == []  # fmt: skip
+        assert (
+            reps.lease("a", {**doubt, "doubts": [["u", 0, 5, [["/s-c", "127.0.0.1", 1]]]]})[
+                "dropped"
+            ]
+            == []
+        )
         assert [r.supervisor for r in reps.replicas.of("d")[0]] == ["c"]
         # nor one that is failing over (its replica may be taking over)
         reps.lease("a", _serving((0, 0)))
@@ -262,15 +298,19 @@ def test_with_leases_off_a_replicated_dictionary_serves_without_them():
 
     from dask_ddict import DDict
 
-    with dask.config.set({"ddict.lease.duration": None}), \
-            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.lease.duration": None}),
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=30)
         try:
             d.update({i: i for i in range(50)})
             assert all(d[i] == i for i in range(50)) and len(d) == 50
-            assert c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
-                "ddict"].leases) is None  # fmt: skip
+            assert (
+                c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["ddict"].leases)
+                is None
+            )
             assert all(s.replicas == 1 for s in d.stats)
             # a dictionary made later, on hosts that stopped renewing: served at once
             e = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=5)
@@ -295,13 +335,17 @@ def test_a_batch_put_while_its_hosts_lease_lapsed_waits_for_it_and_loses_nothing
     from dask_ddict import DDict
     from dask_ddict.shard.lease_word import LeaseWord, path_for
 
-    with dask.config.set({"ddict.lease.duration": "1 s", "ddict.lease.margin": "0.2 s"}), \
-            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.lease.duration": "1 s", "ddict.lease.margin": "0.2 s"}),
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=60)
         try:
-            words = [LeaseWord(path_for(os.path.dirname(m.uds_path)))
-                     for m in {m.uds_path: m for m in d._core.layout.managers}.values()]  # fmt: skip
+            words = [
+                LeaseWord(path_for(os.path.dirname(m.uds_path)))
+                for m in {m.uds_path: m for m in d._core.layout.managers}.values()
+            ]
             assert len(words) == 2 and all(w.valid() for w in words)
             d.start_batch_put()
             for i in range(100):

@@ -24,8 +24,10 @@ from tests.conftest import shm_entries
 
 def test_dead_worker_is_a_non_event():
     """SIGKILL of a hosting worker: its nanny restarts it, the host process serves on."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="16 MiB", client=c)
         keys = {m: next(k for k in range(1000) if d.which_manager(k) == m) for m in (0, 1)}
         for k in keys.values():
@@ -42,8 +44,10 @@ def test_dead_worker_is_a_non_event():
 
 def test_tls_cluster_uses_tls_tcp():
     sec = Security.temporary()
-    with LocalCluster(n_workers=1, threads_per_worker=1, security=sec, dashboard_address=":0") \
-            as cl, Client(cl, security=sec) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, security=sec, dashboard_address=":0") as cl,
+        Client(cl, security=sec) as c,
+    ):
         assert cl.scheduler_address.startswith("tls://")
         with dask.config.set({"ddict.local-transport": False}):
             d = DDict(total_mem="16 MiB", client=c)
@@ -56,8 +60,7 @@ def test_tls_cluster_uses_tls_tcp():
 
                 async def main() -> None:
                     await asyncio.gather(*(ad.put(i, i) for i in range(50)))
-                    assert await asyncio.gather(*(ad.get(i) for i in range(50))) == list(
-                        range(50))  # fmt: skip
+                    assert await asyncio.gather(*(ad.get(i) for i in range(50))) == list(range(50))
                     assert not d._core.channel(0).link.pipes  # never a plain pipe
 
                 asyncio.run(main())
@@ -74,8 +77,10 @@ def test_a_filter_on_a_tls_cluster_streams_over_tls():
     """Every stream of a filter is TLS with the cluster's certificates (leaf to merge task
     to caller); a plain TCP peer gets nothing from the caller's end."""
     sec = Security.temporary()
-    with LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") \
-            as cl, Client(cl, security=sec) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") as cl,
+        Client(cl, security=sec) as c,
+    ):
         with dask.config.set({"ddict.local-transport": False}):
             d = DDict(total_mem="32 MiB", managers_per_worker=3, client=c)
             try:
@@ -115,8 +120,11 @@ def _refuses_peers_without_certificates(info) -> None:  # noqa: ANN001
 
 
 def test_plain_tcp_path():
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c, dask.config.set({"ddict.local-transport": False}):  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+        dask.config.set({"ddict.local-transport": False}),
+    ):
         with DDict(total_mem="16 MiB", client=c) as d:
             d["k"] = "v"
             assert d["k"] == "v" and d._core.channel(0).kind == "tcp"
@@ -141,20 +149,26 @@ def test_an_embedded_dict_left_undestroyed_ends_its_script_quietly(tmp_path):
     thread pools shut down), exit code 0, and nothing left in shared memory or among the
     socket directories."""
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from dask_ddict import DDict
         if __name__ == "__main__":
             d = DDict(total_mem="32 MiB", name="forgotten")
             d["a"] = 1
             print(d["a"], flush=True)
-    """))
+    """)
+    )
     shards = tempfile.mkdtemp(prefix="test-embedded-", dir="/dev/shm")
     sockets = tempfile.mkdtemp(prefix="ddsock-")  # (short: Unix socket paths are)
-    env = {**os.environ, "DASK_DDICT__STORE__DIRECTORY": shards,
-           "DASK_DDICT__TRANSPORT__SOCKET_DIR": sockets}  # fmt: skip
+    env = {
+        **os.environ,
+        "DASK_DDICT__STORE__DIRECTORY": shards,
+        "DASK_DDICT__TRANSPORT__SOCKET_DIR": sockets,
+    }
     try:
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              env=env, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == ["1"]
         # (a loaded machine may add Dask's own "event loop was unresponsive" warnings)
@@ -164,8 +178,11 @@ def test_an_embedded_dict_left_undestroyed_ends_its_script_quietly(tmp_path):
         assert "'forgotten' was not destroyed; its keys are dropped" in said[0]
         deadline = time.monotonic() + 30  # (a host process that outlived a slow close
         while os.listdir(shards) or os.listdir(sockets):  # removes its own)
-            assert time.monotonic() < deadline, (os.listdir(shards), os.listdir(sockets),
-                                                 done.stderr)  # fmt: skip
+            assert time.monotonic() < deadline, (
+                os.listdir(shards),
+                os.listdir(sockets),
+                done.stderr,
+            )
             time.sleep(0.2)
     finally:
         shutil.rmtree(shards, ignore_errors=True)

@@ -14,7 +14,7 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictError, DDictFullError, DDictKeyError, DDictTimeoutError
-from dask_ddict.persist import ZarrPersister, Persister
+from dask_ddict.persist import Persister, ZarrPersister
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet

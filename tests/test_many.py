@@ -9,9 +9,9 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
-from collections import Counter
 
 import dask
 import numpy as np
@@ -43,14 +43,23 @@ def requests(monkeypatch):
     call, send = links.HostLink.call, links.HostLink.send  # (every request goes out by one)
 
     def note(o, mid):  # noqa: ANN001, ANN202
-        mids = tuple(g[0] for g in o.groups) if isinstance(o, GetMany) else \
-            tuple(sorted({r[0] for r in o.records})) if isinstance(o, (ops.BatchPut, PutMany)) \
-            else (mid,)  # fmt: skip
+        mids = (
+            tuple(g[0] for g in o.groups)
+            if isinstance(o, GetMany)
+            else tuple(sorted({r[0] for r in o.records}))
+            if isinstance(o, (ops.BatchPut, PutMany))
+            else (mid,)
+        )
         sent.append((type(o), mids))
 
-    monkeypatch.setattr(links.HostLink, "call", lambda self, o, mid: note(o, mid) or call(self, o, mid))
-    monkeypatch.setattr(links.HostLink, "send",
-                        lambda self, o, mid, *rest: note(o, mid) or send(self, o, mid, *rest))
+    monkeypatch.setattr(
+        links.HostLink, "call", lambda self, o, mid: note(o, mid) or call(self, o, mid)
+    )
+    monkeypatch.setattr(
+        links.HostLink,
+        "send",
+        lambda self, o, mid, *rest: note(o, mid) or send(self, o, mid, *rest),
+    )
     return sent
 
 
@@ -126,8 +135,14 @@ def test_get_many_on_the_same_host_sends_nothing(client, requests):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(keys=st.lists(st.one_of(st.integers(-5, 40), st.text(max_size=3),
-                               st.tuples(st.integers(0, 3), st.booleans())), max_size=60))
+@given(
+    keys=st.lists(
+        st.one_of(
+            st.integers(-5, 40), st.text(max_size=3), st.tuples(st.integers(0, 3), st.booleans())
+        ),
+        max_size=60,
+    )
+)
 def test_get_many_agrees_with_get_key_by_key(ddict, keys):
     ddict.update({k: [k, "v"] for k in keys[::2]})
     assert ddict.get_many(keys, default="absent") == [ddict.get(k, "absent") for k in keys]
@@ -135,8 +150,9 @@ def test_get_many_agrees_with_get_key_by_key(ddict, keys):
 
 
 def test_get_many_under_wait_for_keys_waits_for_the_writer(client):
-    with DDict(total_mem="32 MiB", client=client, wait_for_keys=True, working_set_size=2,
-               timeout=30) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB", client=client, wait_for_keys=True, working_set_size=2, timeout=30
+    ) as d:
         d.pput("p", "persistent")
         d["a"] = 1
         d.checkpoint()  # a task gets the handle at checkpoint 1, and writes there
@@ -161,8 +177,9 @@ def test_a_batch_is_one_request_per_host_per_flush(client, requests):
 
 
 @pytest.mark.one_host
-def test_a_same_host_batch_is_committed_by_the_client_in_one_transaction_per_shard(client,
-                                                                                   requests):  # fmt: skip
+def test_a_same_host_batch_is_committed_by_the_client_in_one_transaction_per_shard(
+    client, requests
+):
     with DDict(total_mem="64 MiB", client=client) as d:
         d.update({i: i for i in range(500)})
         assert not [r for r in requests if r[0] in (ops.BatchPut, ops.BatchEnd)]
@@ -213,15 +230,13 @@ def test_asyncio_gather_over_a_thousand_gets_is_one_get_many(client, monkeypatch
         async with Client(client.scheduler.address, asynchronous=True) as ac:
             ad = await AsyncDDict.create(total_mem="32 MiB", client=ac)
             await ad.update({i: i * i for i in range(1000)})
-            got = await asyncio.gather(*(ad.get(i) for i in range(1000)),
-                                       ad.get("nope", "dflt"))  # fmt: skip
+            got = await asyncio.gather(*(ad.get(i) for i in range(1000)), ad.get("nope", "dflt"))
             assert list(got) == [i * i for i in range(1000)] + ["dflt"]
             assert calls == {1001: 1}
             assert await ad[5] == 25
             with pytest.raises(DDictKeyError):
                 await ad["nope"]
-            bad = await asyncio.gather(ad.get(1), ad.get(threading.Lock()),
-                                       return_exceptions=True)  # fmt: skip
+            bad = await asyncio.gather(ad.get(1), ad.get(threading.Lock()), return_exceptions=True)
             assert bad[0] == 1 and isinstance(bad[1], DDictSerializationError)  # only its get
             assert await ad.get_many([1, 2]) == [1, 4]
             await ad.destroy()
@@ -239,8 +254,9 @@ def test_many_puts_are_one_request_per_host_each_acknowledged_on_its_own(client,
         assert len(sent) == _hosts(d) and all(len(mids) == 2 for mids in sent)
         assert [i for i, e in enumerate(errors) if e is not None] == [300]  # only "big"
         assert "cannot fit" in str(errors[300])
-        assert t.get_many([p[0] for p in pairs[:300]] + ["after"]) == [i * 10 for i in
-                                                                     range(300)] + [1]
+        assert t.get_many([p[0] for p in pairs[:300]] + ["after"]) == [
+            i * 10 for i in range(300)
+        ] + [1]
         d.freeze()
         errors = t._put_many([(1, 1), (2, 2)])
         assert all(e is not None and "frozen" in str(e) for e in errors)
@@ -260,8 +276,12 @@ def test_asyncio_gather_over_a_thousand_puts_is_one_many_put(client, monkeypatch
             await asyncio.gather(*(ad.put(i, -i) for i in range(1000)))
             assert calls == {1000: 1}
             assert await ad.get_many(range(1000)) == [-i for i in range(1000)]
-            got = await asyncio.gather(ad.put("ok", 1), ad.put("big", np.zeros(16 << 20)),
-                                       ad.pput("p", 2), return_exceptions=True)  # fmt: skip
+            got = await asyncio.gather(
+                ad.put("ok", 1),
+                ad.put("big", np.zeros(16 << 20)),
+                ad.pput("p", 2),
+                return_exceptions=True,
+            )
             assert got[0] is None and got[2] is None and "cannot fit" in str(got[1])
             assert await ad.get("ok") == 1 and await ad.get("p") == 2
             many = [np.full(1 << 20, i) for i in range(5)]  # 8 MiB each: 40 MiB together
@@ -286,8 +306,7 @@ def test_gathered_gets_of_a_stopped_host_time_out_once(client):
             t.ddict.get_many(range(6))  # connected before the hosts stop (a handshake waits)
 
         async def main() -> list[Any]:
-            return await asyncio.gather(*(t.get(i) for i in range(6)),
-                                        return_exceptions=True)  # fmt: skip
+            return await asyncio.gather(*(t.get(i) for i in range(6)), return_exceptions=True)
 
         with _stopped_hosts(d):
             t0 = time.monotonic()
@@ -309,6 +328,10 @@ def test_many_puts_are_cut_into_requests_a_host_takes():
     groups = [(0, [rec(0, 60), rec(1, 60)]), (1, [rec(2, 30), rec(3, 500), rec(4, 10)])]
     chunks = _chunks(groups, 100)
     assert [[(mid, [r[0] for r in rs]) for mid, rs in c] for c in chunks] == [
-        [(0, [0])], [(0, [1]), (1, [2])], [(1, [3])], [(1, [4])]]  # 500 B travels alone
+        [(0, [0])],
+        [(0, [1]), (1, [2])],
+        [(1, [3])],
+        [(1, [4])],
+    ]  # 500 B travels alone
     flat = [r[0] for c in chunks for _, rs in c for r in rs]
     assert flat == [0, 1, 2, 3, 4]  # every record once, in order

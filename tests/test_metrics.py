@@ -22,11 +22,11 @@ from distributed import Client, LocalCluster
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from test_host import _over_tcp  # a handle whose every request goes to the host processes
 
 from dask_ddict import DDict
 from dask_ddict.cluster import metrics
 from dask_ddict.stats import FIELDS, DDictManagerStats
-from test_host import _over_tcp  # a handle whose every request goes to the host processes
 
 Scrape = list[Sample]
 
@@ -34,8 +34,10 @@ Scrape = list[Sample]
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     # Collections at most every 0.2 s (the scheduler runs in this process: it reads these).
-    with dask.config.set({"ddict.dashboard.refresh": "0.2 s"}), \
-            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl:  # fmt: skip
+    with (
+        dask.config.set({"ddict.dashboard.refresh": "0.2 s"}),
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+    ):
         yield cl
 
 
@@ -54,9 +56,13 @@ def _scrape(cluster: LocalCluster) -> Scrape:
 
 def _values(scrape: Scrape, name: str, ddict: str, **labels: str) -> dict[int, float]:
     """``name``'s samples of dictionary ``ddict`` (and ``labels``), by manager id."""
-    return {int(s.labels["manager"]): s.value for s in scrape
-            if s.name == name and s.labels.get("ddict") == ddict
-            and all(s.labels.get(k) == v for k, v in labels.items())}  # fmt: skip
+    return {
+        int(s.labels["manager"]): s.value
+        for s in scrape
+        if s.name == name
+        and s.labels.get("ddict") == ddict
+        and all(s.labels.get(k) == v for k, v in labels.items())
+    }
 
 
 def _until(cluster: LocalCluster, ok: Callable[[Scrape], bool], what: str) -> Scrape:
@@ -90,13 +96,17 @@ def test_two_dictionaries_their_managers_and_counts(cluster: LocalCluster, clien
         assert [tcp[i] for i in range(10)] == list(range(10))  # ten gets the hosts serve
 
         def listed(s: Scrape) -> bool:
-            return (sum(_values(s, "dask_ddict_keys", "metrics-a").values()) == 50
-                    and sum(_values(s, "dask_ddict_keys", "metrics-b").values()) == 21
-                    and _gets(s, "metrics-a") >= 10)  # fmt: skip
+            return (
+                sum(_values(s, "dask_ddict_keys", "metrics-a").values()) == 50
+                and sum(_values(s, "dask_ddict_keys", "metrics-b").values()) == 21
+                and _gets(s, "metrics-a") >= 10
+            )
 
         scrape = _until(cluster, listed, "listed both dictionaries")
         assert {s.labels["ddict"] for s in scrape if s.name == "dask_ddict_manager_up"} >= {
-            "metrics-a", "metrics-b"}
+            "metrics-a",
+            "metrics-b",
+        }
         for name, d in (("metrics-a", a), ("metrics-b", b)):
             mids = range(d.num_managers)
             assert _values(scrape, "dask_ddict_manager_up", name) == {m: 1.0 for m in mids}
@@ -104,8 +114,11 @@ def test_two_dictionaries_their_managers_and_counts(cluster: LocalCluster, clien
             assert capacity == {m: d.stats[m].total_bytes for m in mids}
             assert all(c > 0 for c in capacity.values())
             assert all(v > 0 for v in _values(scrape, "dask_ddict_used_bytes", name).values())
-            workers = {int(s.labels["manager"]): s.labels["worker"] for s in scrape
-                       if s.name == "dask_ddict_keys" and s.labels["ddict"] == name}  # fmt: skip
+            workers = {
+                int(s.labels["manager"]): s.labels["worker"]
+                for s in scrape
+                if s.name == "dask_ddict_keys" and s.labels["ddict"] == name
+            }
             assert workers == dict(enumerate(d.manager_workers))
             assert _values(scrape, "dask_ddict_host_restarts_total", name) == {m: 0 for m in mids}
             assert _values(scrape, "dask_ddict_persisted_checkpoint", name) == {}  # none persisted
@@ -125,12 +138,13 @@ def test_two_dictionaries_their_managers_and_counts(cluster: LocalCluster, clien
             tcp[i]
         after = {m: s.ops_served.get("get", 0) for m, s in enumerate(tcp.stats)}
         assert sum(after.values()) == 40
-        assert all(after[m] - before[m] == sum(tcp.which_manager(i) == m for i in range(30))
-                   for m in (0, 1))  # fmt: skip
+        assert all(
+            after[m] - before[m] == sum(tcp.which_manager(i) == m for i in range(30))
+            for m in (0, 1)
+        )
         scrape = _until(cluster, lambda s: _gets(s, "metrics-a") >= 40, "counted 30 more gets")
         assert _gets(scrape, "metrics-a") == 40
-        assert _values(scrape, "dask_ddict_operations_served_total", "metrics-a",
-                       op="get") == after  # fmt: skip
+        assert _values(scrape, "dask_ddict_operations_served_total", "metrics-a", op="get") == after
         tcp.detach()
 
         # A broadcast counts once for each manager (b has two on each host: one request
@@ -144,16 +158,22 @@ def test_two_dictionaries_their_managers_and_counts(cluster: LocalCluster, clien
         assert tcp.get_many([f"k{i}" for i in range(5)]) == [bytes(100)] * 5
         reached = {b.which_manager(f"k{i}") for i in range(5)}
         ops = "dask_ddict_operations_served_total"
-        scrape = _until(cluster, lambda s: sum(_values(s, ops, "metrics-b", op="len").values())
-                        >= 8, "counted the broadcasts")  # fmt: skip
+        scrape = _until(
+            cluster,
+            lambda s: sum(_values(s, ops, "metrics-b", op="len").values()) >= 8,
+            "counted the broadcasts",
+        )
         assert _values(scrape, ops, "metrics-b", op="len") == {m: 2 for m in range(4)}
         assert _values(scrape, ops, "metrics-b", op="get_many") == {m: 1 for m in reached}
         tcp.detach()
     finally:
         a.destroy()
         b.destroy()
-    gone = _until(cluster, lambda s: not _values(s, "dask_ddict_manager_up", "metrics-a"),
-                  "dropped a destroyed dictionary")  # fmt: skip
+    gone = _until(
+        cluster,
+        lambda s: not _values(s, "dask_ddict_manager_up", "metrics-a"),
+        "dropped a destroyed dictionary",
+    )
     assert not _values(gone, "dask_ddict_keys", "metrics-b")
 
 
@@ -162,36 +182,50 @@ def _host(d: DDict, mid: int) -> psutil.Process:
 
 
 def test_an_unreachable_manager_is_down_and_the_rest_still_reported(
-        cluster: LocalCluster, client: Client) -> None:  # fmt: skip
+    cluster: LocalCluster, client: Client
+) -> None:
     d = DDict(name="metrics-stopped", total_mem="64 MiB", client=client)
     try:
         d.update({i: i for i in range(40)})
         host = _host(d, 1)
-        _until(cluster, lambda s: _values(s, "dask_ddict_manager_up", d.get_name())
-               == {0: 1.0, 1: 1.0}, "saw both managers up")  # fmt: skip
+        _until(
+            cluster,
+            lambda s: _values(s, "dask_ddict_manager_up", d.get_name()) == {0: 1.0, 1: 1.0},
+            "saw both managers up",
+        )
         host.suspend()  # manager 1 accepts connections but never answers
         try:
-            scrape = _until(cluster, lambda s: _values(s, "dask_ddict_manager_up", d.get_name())
-                            == {0: 1.0, 1: 0.0}, "marked the stopped manager down")  # fmt: skip
+            scrape = _until(
+                cluster,
+                lambda s: _values(s, "dask_ddict_manager_up", d.get_name()) == {0: 1.0, 1: 0.0},
+                "marked the stopped manager down",
+            )
         finally:
             host.resume()
         keys = _values(scrape, "dask_ddict_keys", d.get_name())
         assert keys == {0: sum(d.which_manager(i) == 0 for i in range(40))}  # only the live one
         assert 1 not in _values(scrape, "dask_ddict_capacity_bytes", d.get_name())
-        _until(cluster, lambda s: _values(s, "dask_ddict_manager_up", d.get_name())
-               == {0: 1.0, 1: 1.0}, "saw the resumed manager up again")  # fmt: skip
+        _until(
+            cluster,
+            lambda s: _values(s, "dask_ddict_manager_up", d.get_name()) == {0: 1.0, 1: 1.0},
+            "saw the resumed manager up again",
+        )
     finally:
         d.destroy()
 
 
 def test_a_restarted_host_is_counted_and_its_shard_reported(
-        cluster: LocalCluster, client: Client) -> None:  # fmt: skip
+    cluster: LocalCluster, client: Client
+) -> None:
     d = DDict(name="metrics-restarted", total_mem="64 MiB", client=client)
     try:
         d.update({i: i for i in range(40)})
         name = d.get_name()
-        scrape = _until(cluster, lambda s: len(_values(s, "dask_ddict_keys", name)) == 2,
-                        "reported both managers")  # fmt: skip
+        scrape = _until(
+            cluster,
+            lambda s: len(_values(s, "dask_ddict_keys", name)) == 2,
+            "reported both managers",
+        )
         restarts = _values(scrape, "dask_ddict_host_restarts_total", name)
         keys = _values(scrape, "dask_ddict_keys", name)
         old = d.stats[0].pid
@@ -215,8 +249,13 @@ def test_a_restarted_host_is_counted_and_its_shard_reported(
 def test_an_older_managers_stats_record_gets_the_new_fields_defaults() -> None:
     old = tuple(range(len(FIELDS) - 4))  # from before ops_served, host_restarts, persisted_ids
     s = DDictManagerStats.from_record(old)  # and replicas
-    assert (s.deferred_ops, s.ops_served, s.host_restarts, s.persisted_ids, s.replicas) == \
-        (old[-1], {}, 0, (), 0)  # fmt: skip
+    assert (s.deferred_ops, s.ops_served, s.host_restarts, s.persisted_ids, s.replicas) == (
+        old[-1],
+        {},
+        0,
+        (),
+        0,
+    )
     t = DDictManagerStats.from_record(old)
     assert s.ops_served is not t.ops_served  # each its own dict
     assert DDictManagerStats.from_dict({"manager_id": 3}).ops_served == {}
@@ -250,8 +289,12 @@ class _Data:
 def _registered() -> set[str]:
     """The dictionaries on /metrics now (collecting this package's collector alone)."""
     ours = REGISTRY.restricted_registry(["dask_ddict_manager_up"])
-    return {s.labels["ddict"] for f in ours.collect() for s in f.samples
-            if s.name == "dask_ddict_manager_up"}  # fmt: skip
+    return {
+        s.labels["ddict"]
+        for f in ours.collect()
+        for s in f.samples
+        if s.name == "dask_ddict_manager_up"
+    }
 
 
 def test_the_last_started_scheduler_is_reported_and_the_one_before_comes_back() -> None:

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
+from writers import _check, _wait_gone, _with_writers, _write
 
 from dask_ddict import DDict, DDictError, DDictManagerUnavailableError
 from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
-from writers import _check, _wait_gone, _with_writers, _write
 
 # -- pure placement ----------------------------------------------------------------------
 
@@ -65,15 +65,22 @@ def test_rebalance_plan_moves_the_smallest_managers_and_places_orphans():
 
 
 def test_targets_prefer_the_least_loaded_then_the_same_machine():
-    c = [Candidate("w1", "s1", "other", 1, 1), Candidate("w2", "s2", "here", 1, 1),
-         Candidate("w3", "s3", "other", 0, 5)]  # fmt: skip
+    c = [
+        Candidate("w1", "s1", "other", 1, 1),
+        Candidate("w2", "s2", "here", 1, 1),
+        Candidate("w3", "s3", "other", 0, 5),
+    ]
     assert [t.worker for t in targets(c, "here")] == ["w3", "w2", "w1"]
 
 
 @pytest.fixture
 def cluster3():
-    with LocalCluster(n_workers=3, threads_per_worker=2, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=2, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         yield cl, c
 
 
@@ -89,8 +96,13 @@ def test_retire_workers_moves_managers_first_with_writers_running(cluster3):
         assert all(d[i] == i for i in range(600))
         moves = d.moves
         assert {m["manager_id"] for m in moves} == {0, 1}
-        assert all(m["source"] == leaving and m["target"] in stay and not m["copied"]
-                   and "retired" in m["why"] for m in moves), moves  # fmt: skip
+        assert all(
+            m["source"] == leaving
+            and m["target"] in stay
+            and not m["copied"]
+            and "retired" in m["why"]
+            for m in moves
+        ), moves
         assert Counter(d.manager_workers) == Counter({stay[0]: 3, stay[1]: 3})
     finally:
         d.destroy()
@@ -107,8 +119,10 @@ def test_scale_down_and_up_then_rebalance(cluster3):
         def scale_down() -> None:
             cl.scale(2)
             deadline = time.monotonic() + 60
-            while len(c.scheduler_info()["workers"]) != 2 or \
-                    len(set(d._core.fresh(force=True).manager_workers)) != 2:  # fmt: skip
+            while (
+                len(c.scheduler_info()["workers"]) != 2
+                or len(set(d._core.fresh(force=True).manager_workers)) != 2
+            ):
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
 
@@ -137,8 +151,14 @@ def _waiting_reader(d: DDict, key: str) -> Any:
 
 def test_a_move_under_a_waiting_reader_a_view_and_a_batch(cluster3):
     cl, c = cluster3
-    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60,
-              wait_for_keys=True, working_set_size=2)  # fmt: skip
+    d = DDict(
+        managers_per_worker=1,
+        total_mem="96 MiB",
+        client=c,
+        timeout=60,
+        wait_for_keys=True,
+        working_set_size=2,
+    )
     try:
         m = d.which_manager("later")
         leaving = d.manager_workers[m]
@@ -147,8 +167,11 @@ def test_a_move_under_a_waiting_reader_a_view_and_a_batch(cluster3):
         reader = c.submit(_waiting_reader, d, "later", workers=stay, pure=False)
         arr = np.arange(1 << 16, dtype=np.float64)
         d[("arr", m)] = arr
-        view = d.get(("arr", m), copy=False) if d.which_manager(("arr", m)) in \
-            d.local_managers else None  # fmt: skip
+        view = (
+            d.get(("arr", m), copy=False)
+            if d.which_manager(("arr", m)) in d.local_managers
+            else None
+        )
         time.sleep(0.5)
         d.start_batch_put()
         for i in range(50):
@@ -174,23 +197,41 @@ def test_sigterm_of_a_dask_worker_moves_its_managers(cluster3):
     """A ``dask worker`` process (its nanny) that gets SIGTERM closes gracefully: its
     managers move to the other workers before its host process ends."""
     cl, c = cluster3
-    proc = subprocess.Popen([sys.executable, "-m", "dask", "worker", cl.scheduler_address,
-                             "--nthreads", "1", "--memory-limit", "1GiB", "--no-dashboard"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dask",
+            "worker",
+            cl.scheduler_address,
+            "--nthreads",
+            "1",
+            "--memory-limit",
+            "1GiB",
+            "--no-dashboard",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         c.wait_for_workers(4, timeout=60)
-        mine = [w for w, info in c.scheduler_info()["workers"].items()
-                if info.get("nanny") and "127.0.0.1" in w and
-                w not in {ws.worker_address for ws in cl.workers.values()}]  # fmt: skip
+        mine = [
+            w
+            for w, info in c.scheduler_info()["workers"].items()
+            if info.get("nanny")
+            and "127.0.0.1" in w
+            and w not in {ws.worker_address for ws in cl.workers.values()}
+        ]
         assert len(mine) == 1, mine
         d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60)
         try:
             d.update({i: i for i in range(400)})
             assert mine[0] in d.manager_workers
             stay = sorted(set(d.manager_workers) - {mine[0]})
-            _with_writers(c, d, stay, lambda: (os.killpg(proc.pid, signal.SIGTERM),
-                                               _wait_gone(d, mine[0])))
+            _with_writers(
+                c, d, stay, lambda: (os.killpg(proc.pid, signal.SIGTERM), _wait_gone(d, mine[0]))
+            )
             proc.wait(60)
             assert mine[0] not in d.manager_workers
             assert all(d[i] == i for i in range(400))
@@ -216,8 +257,12 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         adaptive = cl.adapt(minimum=1, maximum=3, interval="200ms", wait_count=2)
         stop = threading.Event()
         results: list[Any] = [None] * 4  # 4 client threads (tasks would keep workers busy)
-        threads = [threading.Thread(target=lambda j=j: results.__setitem__(
-            j, _write(d, f"a{j}", stop.is_set))) for j in range(4)]  # fmt: skip
+        threads = [
+            threading.Thread(
+                target=lambda j=j: results.__setitem__(j, _write(d, f"a{j}", stop.is_set))
+            )
+            for j in range(4)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 90
@@ -289,8 +334,9 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
             time.sleep(0.1)
         real = core.current_layout
         gate = _Gate(stale._core, 4)  # (its question waits until all 4 threads are in)
-        monkeypatch.setattr(core, "current_layout",
-                            lambda *a, **k: (gate.wait(), time.sleep(0.5), real(*a, **k))[2])  # fmt: skip
+        monkeypatch.setattr(
+            core, "current_layout", lambda *a, **k: (gate.wait(), time.sleep(0.5), real(*a, **k))[2]
+        )
         barrier, errors = threading.Barrier(4), []
 
         def put(j: int) -> None:
@@ -313,8 +359,11 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
         asked: list[int] = []
         slow = core.ASK_EVERY + 0.3
         gate = _Gate(stale._core, 4)
-        monkeypatch.setattr(core, "current_layout", lambda *a, **k: (
-            asked.append(1), gate.wait(), time.sleep(slow), None)[3])  # fmt: skip
+        monkeypatch.setattr(
+            core,
+            "current_layout",
+            lambda *a, **k: (asked.append(1), gate.wait(), time.sleep(slow), None)[3],
+        )
         stale._core._asked = 0.0
         bare = DDictManagerUnavailableError("manager 1 is unreachable (as seen here)")
         place = stale._core.layout.managers[1].address
@@ -360,8 +409,9 @@ def test_a_stale_handle_follows_with_a_large_put_and_a_manager_moves_straight_ba
         assert np.array_equal(d.manager(0)["big2"], big + 1)
         for wrong in (-1, d.num_managers):  # a typed refusal that names the argument
             with pytest.raises(DDictError, match=f"manager_id {wrong} of .* is not one"):
-                raise_from_wire(c.sync(c.scheduler.ddict_move, name=name, manager_id=wrong,
-                                       worker=away))  # fmt: skip
+                raise_from_wire(
+                    c.sync(c.scheduler.ddict_move, name=name, manager_id=wrong, worker=away)
+                )
         assert d.manager_workers[0] == home
         stale.detach()
     finally:
@@ -390,8 +440,12 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
     from dask_ddict.cli import ddict as cli
     from dask_ddict.errors import DDictManagerUnavailableError
 
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, timeout=30)
         e = DDict(managers_per_worker=1, total_mem="32 MiB", client=c, timeout=30)
         try:
@@ -402,8 +456,9 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
             e_path = e._core.layout.managers[0].store_path
             cl.scale(0)
             deadline = time.monotonic() + 60
-            while c.scheduler_info()["workers"] or \
-                    not all(m.parked for m in d._core.fresh(force=True).managers):  # fmt: skip
+            while c.scheduler_info()["workers"] or not all(
+                m.parked for m in d._core.fresh(force=True).managers
+            ):
                 assert time.monotonic() < deadline, "not parked"
                 time.sleep(0.2)
             assert all(os.path.exists(p) for p in paths + [e_path])  # kept, not deleted
@@ -412,8 +467,9 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
             assert "shared memory" in str(info.value) and "joins" in str(info.value)
             assert [m["target"] for m in d.moves] == ["", ""]
             assert all("no worker could take it" in m["why"] for m in d.moves)
-            out = CliRunner().invoke(cli, ["stats", d.get_name(), "--scheduler",
-                                           cl.scheduler_address])  # fmt: skip
+            out = CliRunner().invoke(
+                cli, ["stats", d.get_name(), "--scheduler", cl.scheduler_address]
+            )
             assert out.exit_code == 0, out.output
             assert out.output.count("parked:") == 2 and "nowhere (parked" in out.output
             e.destroy()  # no worker there: the orchestrator (this machine) removes it
@@ -442,8 +498,12 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
     those were dropped with it ("lost with their host").  A closing host takes no manager
     now, and looks again for any that arrived: all are parked, and served with every key
     once workers join."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, timeout=30)
         try:
             d.update({i: i for i in range(400)})
@@ -451,12 +511,14 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
             cl.scale(0)
             deadline = time.monotonic() + 60
             while c.scheduler_info()["workers"] or any(
-                    m.lost and not m.parked for m in d._core.fresh(force=True).managers):  # fmt: skip
+                m.lost and not m.parked for m in d._core.fresh(force=True).managers
+            ):
                 assert time.monotonic() < deadline, "not closed"
                 time.sleep(0.2)
             layout = d._core.fresh(force=True)
             assert all(m.parked for m in layout.managers), [
-                (m.manager_id, m.lost_why) for m in layout.managers]  # fmt: skip
+                (m.manager_id, m.lost_why) for m in layout.managers
+            ]
             cl.scale(2)
             c.wait_for_workers(2, timeout=60)
             _read_back_once_taken(d, 400)
@@ -467,7 +529,8 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stale_handles_batch_across_a_move_is_completed_where_the_manager_went(
-        cluster3, transport):  # fmt: skip
+    cluster3, transport
+):
     """A handle that has not seen a move sends batch records to the old place: they are
     not stored there (the connection stays up), and the batch's end sends them again
     where the manager went, so it ends without an error and with every put."""
@@ -484,8 +547,9 @@ def test_a_stale_handles_batch_across_a_move_is_completed_where_the_manager_went
                 stale[("b", i)] = i
             for mid in range(d.num_managers):  # every manager moves, to the next worker
                 to = d.manager_workers[(mid + 1) % d.num_managers]
-                raise_from_wire(c.sync(c.scheduler.ddict_move, name=d.get_name(),
-                                       manager_id=mid, worker=to))  # fmt: skip
+                raise_from_wire(
+                    c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=mid, worker=to)
+                )
             for i in range(300, 600):
                 stale[("b", i)] = i
             stale.end_batch_put()
@@ -508,9 +572,16 @@ def test_a_move_during_a_filter_and_while_checkpoints_persist(cluster3, tmp_path
     persist (retiring ones, and one asked with ``persist()``): the filter yields every
     key, and every checkpoint asked to persist before the moves is restorable."""
     cl, c = cluster3
-    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60,
-              working_set_size=2, persist_freq=1, persist_count=-1,
-              persist_path=str(tmp_path / "store"))  # fmt: skip
+    d = DDict(
+        managers_per_worker=1,
+        total_mem="96 MiB",
+        client=c,
+        timeout=60,
+        working_set_size=2,
+        persist_freq=1,
+        persist_count=-1,
+        persist_path=str(tmp_path / "store"),
+    )
     try:
         for chkpt in range(4):  # 0 and 1 retire (and persist) as 2 and 3 are written
             d.checkpoint_id = chkpt
@@ -532,8 +603,9 @@ def test_a_move_during_a_filter_and_while_checkpoints_persist(cluster3, tmp_path
         time.sleep(0.3)
         for mid in range(d.num_managers):  # every manager moves to the next worker
             to = d.manager_workers[(mid + 1) % d.num_managers]
-            raise_from_wire(c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=mid,
-                                   worker=to))  # fmt: skip
+            raise_from_wire(
+                c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=mid, worker=to)
+            )
         t.join(120)
         assert not errors, errors
         assert sorted(got) == expected

@@ -27,8 +27,9 @@ values = st.one_of(st.integers(), st.binary(max_size=64), st.text(max_size=8))
 
 
 def _cluster() -> LocalCluster:
-    return LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0",
-                        memory_limit="1GiB")  # fmt: skip
+    return LocalCluster(
+        n_workers=3, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,7 @@ class MovingDict(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.d = DDict(managers_per_worker=1, total_mem="48 MiB", client=self.client,
-                       timeout=30)  # fmt: skip
+        self.d = DDict(managers_per_worker=1, total_mem="48 MiB", client=self.client, timeout=30)
         self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
         self.model: dict[Any, Any] = {}
         self.client.wait_for_workers(3, timeout=60)  # (a scaling step may have just run)
@@ -87,8 +87,9 @@ class MovingDict(RuleBasedStateMachine):
     @rule(mid=st.integers(0, 2), to=st.integers(0, 2))
     def move(self, mid: int, to: int) -> None:
         worker = self.workers[to]
-        reply = self.client.sync(self.client.scheduler.ddict_move, name=self.d.get_name(),
-                                 manager_id=mid, worker=worker)  # fmt: skip
+        reply = self.client.sync(
+            self.client.scheduler.ddict_move, name=self.d.get_name(), manager_id=mid, worker=worker
+        )
         raise_from_wire(reply)
         assert reply is None or reply["target"] == worker
 
@@ -97,16 +98,22 @@ class MovingDict(RuleBasedStateMachine):
         """A retirement's part here: every manager of worker ``w``'s host moves off it
         (the worker stays, to take managers again later)."""
         nanny = self.client.scheduler_info()["workers"][self.workers[w]]["nanny"]
-        said = self.client.sync(self.client.scheduler.ddict_evacuate, supervisor=nanny,
-                                why="a step of the state machine")  # fmt: skip
+        said = self.client.sync(
+            self.client.scheduler.ddict_evacuate,
+            supervisor=nanny,
+            why="a step of the state machine",
+        )
         assert said["parked"] == 0
         assert self.workers[w] not in self.d._core.fresh(force=True).manager_workers
 
     @rule()
     def rotate_every_manager(self) -> None:
         for mid in range(self.d.num_managers):
-            self.move(mid, (self.workers.index(self.d._core.fresh(force=True).managers[mid]
-                                               .worker) + 1) % len(self.workers))  # fmt: skip
+            self.move(
+                mid,
+                (self.workers.index(self.d._core.fresh(force=True).managers[mid].worker) + 1)
+                % len(self.workers),
+            )
 
     @invariant()
     def equals_the_model(self) -> None:
@@ -119,8 +126,11 @@ def test_the_dictionary_with_moves_as_steps(cluster):
     cl, c = cluster
     MovingDict.client = c
     MovingDict.TestCase.settings = settings(
-        max_examples=6, stateful_step_count=30, deadline=None,
-        suppress_health_check=list(HealthCheck))  # fmt: skip
+        max_examples=6,
+        stateful_step_count=30,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     MovingDict.TestCase().runTest()
 
 
@@ -139,8 +149,10 @@ class ScalingDict(MovingDict):
         c = self.client
         self.cluster.scale(2)
         deadline = time.monotonic() + 60
-        while len(c.scheduler_info()["workers"]) != 2 or \
-                len(set(self.d._core.fresh(force=True).manager_workers)) != 2:  # fmt: skip
+        while (
+            len(c.scheduler_info()["workers"]) != 2
+            or len(set(self.d._core.fresh(force=True).manager_workers)) != 2
+        ):
             assert time.monotonic() < deadline, "did not scale down"
             time.sleep(0.1)
         self.cluster.scale(3)
@@ -155,6 +167,9 @@ def test_the_dictionary_with_scaling_as_steps():
     with _cluster() as cl, Client(cl) as c:
         ScalingDict.client, ScalingDict.cluster = c, cl
         ScalingDict.TestCase.settings = settings(
-            max_examples=5, stateful_step_count=12, deadline=None,
-            suppress_health_check=list(HealthCheck))  # fmt: skip
+            max_examples=5,
+            stateful_step_count=12,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
         ScalingDict.TestCase().runTest()

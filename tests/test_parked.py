@@ -10,6 +10,7 @@ removes only what it made.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,7 +21,6 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
-import contextlib
 from contextlib import contextmanager
 
 import dask
@@ -68,16 +68,24 @@ def shard_dir() -> Iterator[str]:
 
 
 @contextmanager
-def parking_script(tmp_path, shard_dir: str,  # noqa: ANN001
-                   *names: str) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:  # fmt: skip
+def parking_script(
+    tmp_path,
+    shard_dir: str,  # noqa: ANN001
+    *names: str,
+) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
     """A script process whose dictionaries ``names`` are parked in ``shard_dir``, and
     their shard paths; whatever is left of its session is killed at the end."""
     script = tmp_path / "parking.py"
     script.write_text(PARKING)
     env = {**os.environ, "DASK_DDICT__STORE__DIRECTORY": shard_dir}
-    proc = subprocess.Popen([sys.executable, str(script), *names], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *names],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         paths = proc.stdout.readline().split()
@@ -132,9 +140,13 @@ def test_a_killed_scripts_parked_shards_are_swept_by_the_next_host(tmp_path, sha
     """Parked shards of a SIGKILLed script are removed by the next host process on the
     machine; those of a live cluster stay, and so do shards kept for a restart by a live
     scheduler (which then restarts from them)."""
-    with dask.config.set({"ddict.store.directory": shard_dir}), \
-            LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
-                         memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.store.directory": shard_dir}),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         kept = DDict(managers_per_worker=1, total_mem="16 MiB", client=c, name="kept-here")
         kept["k"] = "v"
         kept_paths = [m.store_path for m in kept._core.layout.managers]
@@ -159,8 +171,14 @@ def test_a_killed_scripts_parked_shards_are_swept_by_the_next_host(tmp_path, sha
             assert time.monotonic() < deadline, f"not swept: {os.listdir(shard_dir)}"
             time.sleep(0.2)
         assert all(os.path.isdir(p) for p in kept_paths)  # its scheduler lives and keeps it
-        again = DDict(n_workers=1, managers_per_worker=1, total_mem="16 MiB", client=c,
-                      name="kept-here", restart=True)  # fmt: skip
+        again = DDict(
+            n_workers=1,
+            managers_per_worker=1,
+            total_mem="16 MiB",
+            client=c,
+            name="kept-here",
+            restart=True,
+        )
         try:
             assert again["k"] == "v"
         finally:
@@ -177,12 +195,20 @@ def test_dask_ddict_parked_lists_and_removes(tmp_path, shard_dir):
     with parking_script(tmp_path, shard_dir, "cli-a", "cli-b") as (proc, paths):
         code, out = run("parked", "--directory", shard_dir)
         lines = out.strip().splitlines()
-        assert code == 0 and lines[0].split()[:5] == ["dictionary", "manager", "kept", "bytes",
-                                                      "cluster"]  # fmt: skip
+        assert code == 0 and lines[0].split()[:5] == [
+            "dictionary",
+            "manager",
+            "kept",
+            "bytes",
+            "cluster",
+        ]
         rows = sorted(line.split() for line in lines[1:])
         assert [(r[0], r[1], r[2], r[4]) for r in rows] == [
-            ("cli-a", "0", "parked", "alive"), ("cli-a", "1", "parked", "alive"),
-            ("cli-b", "0", "parked", "alive"), ("cli-b", "1", "parked", "alive")]  # fmt: skip
+            ("cli-a", "0", "parked", "alive"),
+            ("cli-a", "1", "parked", "alive"),
+            ("cli-b", "0", "parked", "alive"),
+            ("cli-b", "1", "parked", "alive"),
+        ]
         assert all(int(r[3]) >= 8 << 20 for r in rows)  # (a 8 MiB shard's pages, reserved)
         assert sorted(r[-1] for r in rows) == sorted(paths)
 
@@ -221,10 +247,20 @@ def test_a_live_scheduler_that_does_not_keep_a_shard_lets_it_go(client, tmp_path
         for path, uid in zip(paths, ["f" * 32, d._core.layout.uid]):
             os.mkdir(path)
             hygiene.release(hygiene.claim(path))
-            hygiene.mark_kept(path, record={"why": "parked", "uid": uid, "manager": 0,
-                                            "scheduler": address, "host_id": host_id()})  # fmt: skip
+            hygiene.mark_kept(
+                path,
+                record={
+                    "why": "parked",
+                    "uid": uid,
+                    "manager": 0,
+                    "scheduler": address,
+                    "host_id": host_id(),
+                },
+            )
         assert hygiene.keeper_states(hygiene.kept_shards(base)) == {
-            paths[0]: hygiene.GONE, paths[1]: hygiene.ALIVE}  # fmt: skip
+            paths[0]: hygiene.GONE,
+            paths[1]: hygiene.ALIVE,
+        }
         assert [s.path for s in hygiene.sweep_kept(base)] == [paths[0]]
         assert os.path.isdir(paths[1])
     finally:
@@ -238,16 +274,33 @@ def test_an_in_process_keeper_is_its_process(tmp_path):
 
     base = str(tmp_path)
     paths = []
-    for i, pid in enumerate([os.getpid(), subprocess.run(  # (a process that has ended)
-            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-            text=True, check=True).stdout.strip()]):  # fmt: skip
+    for i, pid in enumerate(
+        [
+            os.getpid(),
+            subprocess.run(  # (a process that has ended)
+                [sys.executable, "-c", "import os; print(os.getpid())"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip(),
+        ]
+    ):
         path = os.path.join(base, f"ddict-inproc-{i}-0123456789abcdef")
         os.mkdir(path)
         hygiene.release(hygiene.claim(path))
-        hygiene.mark_kept(path, record={"why": "parked", "name": "inproc", "manager": i,
-                                        "uid": "u", "scheduler": "", "pid": int(pid),
-                                        "started": hygiene._started(os.getpid()),
-                                        "host_id": host_id()})  # fmt: skip
+        hygiene.mark_kept(
+            path,
+            record={
+                "why": "parked",
+                "name": "inproc",
+                "manager": i,
+                "uid": "u",
+                "scheduler": "",
+                "pid": int(pid),
+                "started": hygiene._started(os.getpid()),
+                "host_id": host_id(),
+            },
+        )
         paths.append(path)
     states = hygiene.keeper_states(hygiene.kept_shards(base))
     assert states == {paths[0]: hygiene.ALIVE, paths[1]: hygiene.GONE}

@@ -23,20 +23,20 @@ from typing import Any
 import pytest
 import twohost
 from distributed import Client
+from machines import Machines, S
+from partitioned import Writers, check, hosts_ready, hot_manager, primary_of, settled, wait, where
 
 from dask_ddict import DDict
+from dask_ddict._hashing import key_digest
+from dask_ddict._keys import encode_key
 from dask_ddict.errors import DDictLeaseError, DDictManagerMovedError
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.transport.links import HostLink
 from dask_ddict.transport.ops import Get
-from dask_ddict._hashing import key_digest
-from dask_ddict._keys import encode_key
-from machines import S, Machines
-from partitioned import (Writers, check, hosts_ready, hot_manager, primary_of, settled, wait,
-                         where)
 
-pytestmark = pytest.mark.skipif(twohost.unavailable() is not None,
-                                reason=f"machines fixture: {twohost.unavailable()}")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    twohost.unavailable() is not None, reason=f"machines fixture: {twohost.unavailable()}"
+)
 
 #: The orchestrator's and hosts' settings: short leases; a failover comes about
 #: ``duration * 1.01 + margin`` plus a probe after a host's last renewal (about 7 s), so
@@ -69,8 +69,14 @@ def dictionary(machines):
         if f"worker-{m}" not in ms.procs or ms.procs[f"worker-{m}"].poll() is not None:
             ms.start_worker(m)
     hosts_ready(c, 3)
-    d = DDict(managers_per_worker=2, total_mem="96 MiB", client=c, replicas=1, timeout=30,
-              lifetime="cluster")  # fmt: skip
+    d = DDict(
+        managers_per_worker=2,
+        total_mem="96 MiB",
+        client=c,
+        replicas=1,
+        timeout=30,
+        lifetime="cluster",
+    )
     try:
         settled(c, d)
         yield d, *hot_manager(c, d)
@@ -100,8 +106,14 @@ def _answers_moved(layout: Layout, old: ManagerInfo, mid: int, bound: float = 20
         link.close()
 
 
-def _run(ms: Machines, d: DDict, hot: int, cut: list[tuple[str, str]], run: str,
-         heal: float | Callable[[], bool] = BEFORE) -> None:  # fmt: skip
+def _run(
+    ms: Machines,
+    d: DDict,
+    hot: int,
+    cut: list[tuple[str, str]],
+    run: str,
+    heal: float | Callable[[], bool] = BEFORE,
+) -> None:
     """Writers, then the partition ``cut``, healed after ``heal`` seconds, or once
     ``heal()`` (within a minute, and a second more); writers go on for a lease and more;
     every check."""
@@ -134,12 +146,13 @@ def _suspected(c: Client) -> list[str]:
 def _failed_over(d: DDict, mid: int) -> Callable[[], bool]:
     """Whether manager ``mid`` failed over since this was called."""
     before = {m["at"] for m in d.moves}
-    return lambda: any(m["why"].startswith("failover") and m["manager_id"] == mid and
-                       m["at"] not in before for m in d.moves)  # fmt: skip
+    return lambda: any(
+        m["why"].startswith("failover") and m["manager_id"] == mid and m["at"] not in before
+        for m in d.moves
+    )
 
 
-def test_a_primary_cut_from_the_scheduler_and_its_replica_but_not_its_clients(machines,
-                                                                              dictionary):  # fmt: skip
+def test_a_primary_cut_from_the_scheduler_and_its_replica_but_not_its_clients(machines, dictionary):
     """The scenario of the issue: ``b`` is cut from ``s`` and ``a``; the clients on ``c``
     still reach it.  It acknowledges nothing without its replica: its writes wait.
     Healed before a failover, it serves on (its lease lapsed meanwhile, and is granted
@@ -199,8 +212,11 @@ def test_the_scheduler_cut_from_everyone(machines, dictionary):
     _run(ms, d, hot, cut, "x")
     assert primary_of(d, hot) == old and not d.moves
     machine_of, reps = where(c, d)
-    onto_s = [m.manager_id for m in d._core.layout.managers
-              if machine_of[m.worker] != S and machine_of[reps[m.manager_id][0]] == S]  # fmt: skip
+    onto_s = [
+        m.manager_id
+        for m in d._core.layout.managers
+        if machine_of[m.worker] != S and machine_of[reps[m.manager_id][0]] == S
+    ]
     failed_over = _failed_over(d, onto_s[0]) if onto_s else lambda: True
     _run(ms, d, hot, cut, "y", lambda: old.supervisor in _suspected(c) and failed_over())
     # b renewed before a's replica answered (reinstated), or a's answered first (a
@@ -210,4 +226,3 @@ def test_the_scheduler_cut_from_everyone(machines, dictionary):
     if now.term != old.term:
         assert now.term == old.term + 1 and now.supervisor != old.supervisor
         _answers_moved(d._core.layout, old, hot)
-

@@ -28,8 +28,10 @@ VALUE = 4 << 20
 @pytest.fixture(scope="module")
 def crash_client():
     """A cluster of its own: these tests kill its host processes."""
-    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         yield c
 
 
@@ -60,8 +62,9 @@ def wait_for(what: str, ready: Callable[[], bool], seconds: float = 60) -> None:
         time.sleep(0.001)
 
 
-def retry(call: Callable[[], object], seconds: float = 60,
-          quietly: type[Exception] | None = None) -> object:  # fmt: skip
+def retry(
+    call: Callable[[], object], seconds: float = 60, quietly: type[Exception] | None = None
+) -> object:
     """``call()`` while a killed host process is being restarted (an error of type
     ``quietly`` is raised at once: what the test waits for)."""
     deadline = time.monotonic() + seconds
@@ -82,8 +85,9 @@ class Place:
     storage_options: dict[str, Any] | None = None
 
     def ids(self, name: str, mid: int) -> list[int]:
-        return ZarrPersister(self.path, name, mid, 2, writable=False,
-                               storage_options=self.storage_options).ids()  # fmt: skip
+        return ZarrPersister(
+            self.path, name, mid, 2, writable=False, storage_options=self.storage_options
+        ).ids()
 
     def started(self, name: str, mid: int, chkpt: int, gen: int = 0) -> Callable[[], bool]:
         """Whether manager ``mid`` has begun writing generation ``gen`` of ``chkpt``."""
@@ -92,8 +96,9 @@ class Place:
             return lambda: os.path.isdir(group)
         import s3fs
 
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
-                               **self.storage_options)  # fmt: skip
+        fs = s3fs.S3FileSystem(
+            skip_instance_cache=True, use_listings_cache=False, **self.storage_options
+        )
         return lambda: bool(fs.exists(f"{group}/zarr.json"))
 
 
@@ -116,8 +121,15 @@ def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_and_sync_re
     key."""
     name = "crash-mid-persist"
     store = dict(persist_path=place.path, storage_options=place.storage_options)
-    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_count=1,
-              working_set_size=2, lifetime="cluster", **store)  # fmt: skip
+    d = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_count=1,
+        working_set_size=2,
+        lifetime="cluster",
+        **store,
+    )
     assert d.num_managers == 2 and len(set(d.manager_workers)) == 2
     keys = {m: keys_on(d, m, 12) for m in range(2)}
     for m in range(2):
@@ -141,8 +153,15 @@ def test_sigkill_of_a_host_mid_persist_keeps_the_previous_checkpoint_and_sync_re
     assert place.ids(name, 0) == [1] == place.ids(name, 1)  # sync() rotates every manager
     d.destroy()
 
-    r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_count=1,
-              working_set_size=2, restore_from=1, **store)  # fmt: skip
+    r = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_count=1,
+        working_set_size=2,
+        restore_from=1,
+        **store,
+    )
     try:
         got = {k: tag_of(r[k]) for m in range(2) for k in keys[m]}
         assert got == {k: 1 for m in range(2) for k in keys[m]}  # every key, all of 1
@@ -159,8 +178,15 @@ def test_a_re_persist_cut_short_by_a_host_kill_restores_as_one_version(crash_cli
     the second version on every manager, every key."""
     name = "crash-re-persist"
     path = str(tmp_path / "again.zarr")
-    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=path,
-              working_set_size=2, lifetime="cluster", timeout=60)  # fmt: skip
+    d = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_path=path,
+        working_set_size=2,
+        lifetime="cluster",
+        timeout=60,
+    )
     keys = {m: keys_on(d, m, 12) for m in range(2)}
     first = [k for m in range(2) for k in keys[m][:6]]
     try:
@@ -175,9 +201,19 @@ def test_a_re_persist_cut_short_by_a_host_kill_restores_as_one_version(crash_cli
         d.persist()
         wait_for("manager 0 to start writing 0 again", Place(path).started(name, 0, 0, gen=1))
         os.kill(host, signal.SIGKILL)
-        wait_for("manager 1 to commit its part", lambda: len(
-            [g for g in ZarrPersister(path, name, 1, 2, writable=False).generations()
-             if g.committed]) == 2)  # fmt: skip
+        wait_for(
+            "manager 1 to commit its part",
+            lambda: (
+                len(
+                    [
+                        g
+                        for g in ZarrPersister(path, name, 1, 2, writable=False).generations()
+                        if g.committed
+                    ]
+                )
+                == 2
+            ),
+        )
         for m in range(2):  # one version on both: the first
             got = [k for k, _, _ in ZarrPersister(path, name, m, 2, writable=False).read(0)]
             assert len(got) == 6, (m, len(got))
@@ -187,12 +223,19 @@ def test_a_re_persist_cut_short_by_a_host_kill_restores_as_one_version(crash_cli
             assert len(ZarrPersister(path, name, m, 2, writable=False).generations()) == 1
     finally:
         d.destroy()
-    r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=path,
-              working_set_size=2, restore_from=0)  # fmt: skip
+    r = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_path=path,
+        working_set_size=2,
+        restore_from=0,
+    )
     try:
         assert len(r) == 24
         assert {k: tag_of(r[k]) for m in range(2) for k in keys[m]} == {
-            k: 1 for m in range(2) for k in keys[m]}  # fmt: skip
+            k: 1 for m in range(2) for k in keys[m]
+        }
     finally:
         r.destroy()
 
@@ -204,9 +247,18 @@ def test_a_persist_that_cannot_be_redone_makes_sync_raise_naming_it(crash_client
     committed on that manager ends the report."""
     store = tmp_path / "lost.zarr"
     name = "crash-lost"
-    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=str(store),
-              persist_freq=1, persist_count=-1, working_set_size=2, wait_for_keys=True,
-              lifetime="cluster", timeout=60)  # fmt: skip
+    d = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_path=str(store),
+        persist_freq=1,
+        persist_count=-1,
+        working_set_size=2,
+        wait_for_keys=True,
+        lifetime="cluster",
+        timeout=60,
+    )
     keys = keys_on(d, 0, 12) + keys_on(d, 1, 12)
     try:
         for c in range(2):  # every key at 0 and 1 (non-persistent): 0 may retire
@@ -216,8 +268,9 @@ def test_a_persist_that_cannot_be_redone_makes_sync_raise_naming_it(crash_client
         host = d.stats[0].pid
         d.checkpoint_id = 2
         d[keys[0]] = value(2)  # retires 0 on manager 0: persisted in the background
-        wait_for("manager 0 to start persisting checkpoint 0",
-                 Place(str(store)).started(name, 0, 0))  # fmt: skip
+        wait_for(
+            "manager 0 to start persisting checkpoint 0", Place(str(store)).started(name, 0, 0)
+        )
         os.kill(host, signal.SIGKILL)
         for _ in range(2):  # said again: reading the failures changes nothing
             with pytest.raises(DDictPersistCheckpointError) as e:
@@ -242,9 +295,16 @@ def test_automatic_persistence_from_several_writers_survives_a_host_kill(crash_c
     The newest id in persisted_ids() restores with every key of that checkpoint."""
     store = tmp_path / "auto.zarr"
     name = "crash-auto"
-    d = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=str(store),
-              persist_freq=1, persist_count=1, working_set_size=2,
-              lifetime="cluster")  # fmt: skip
+    d = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_path=str(store),
+        persist_freq=1,
+        persist_count=1,
+        working_set_size=2,
+        lifetime="cluster",
+    )
     keys = keys_on(d, 0, 6) + keys_on(d, 1, 6)
     writers = [keys[i::3] for i in range(3)]  # two tasks and this process
 
@@ -259,8 +319,9 @@ def test_automatic_persistence_from_several_writers_survives_a_host_kill(crash_c
         futures = crash_client.map(write, [d, d], [c, c], writers[:2], pure=False)
         write(d, c, writers[2])
         if c == 4:  # writing 4 retires 2: kill manager 0 while it persists it
-            wait_for("manager 0 to start persisting checkpoint 2",
-                     Place(str(store)).started(name, 0, 2))  # fmt: skip
+            wait_for(
+                "manager 0 to start persisting checkpoint 2", Place(str(store)).started(name, 0, 2)
+            )
             os.kill(host, signal.SIGKILL)
             killed = True
         crash_client.gather(futures)
@@ -271,8 +332,14 @@ def test_automatic_persistence_from_several_writers_survives_a_host_kill(crash_c
     for m in range(2):  # after sync(), every manager keeps the newest complete id only
         assert Place(str(store)).ids(name, m) == [ids[-1]]
     d.destroy()
-    r = DDict(total_mem="512 MiB", client=crash_client, name=name, persist_path=str(store),
-              working_set_size=2, restore_from=ids[-1])  # fmt: skip
+    r = DDict(
+        total_mem="512 MiB",
+        client=crash_client,
+        name=name,
+        persist_path=str(store),
+        working_set_size=2,
+        restore_from=ids[-1],
+    )
     try:
         assert {k: tag_of(r[k]) for k in keys} == {k: ids[-1] for k in keys}
     finally:
@@ -294,17 +361,31 @@ def test_a_relative_persist_path_is_the_callers(client, tmp_path, monkeypatch):
         d.sync()
         assert d.persisted_ids() == [0]
     assert (project / "ckpt.zarr" / name / "manager_0" / "chkpt_0.g0").is_dir()
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
-        with DDict(2, total_mem="32 MiB", client=c, name=name, persist_path="ckpt.zarr",
-                   restore_from=0) as r:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
+        with DDict(
+            2, total_mem="32 MiB", client=c, name=name, persist_path="ckpt.zarr", restore_from=0
+        ) as r:
             assert all(np.array_equal(r[i], np.arange(i + 1)) for i in range(20))
         runner = CliRunner()
         out = runner.invoke(cli, ["inspect", "ckpt.zarr"], catch_exceptions=False).output
         assert f"{name}: 2 managers" in out and out.count("checksums ok") == 2
-        res = runner.invoke(cli, ["restore", "ckpt.zarr", "--name", name, "--total-mem",
-                                  "32 MiB", "--scheduler", cl.scheduler_address],
-                            catch_exceptions=False)  # fmt: skip
+        res = runner.invoke(
+            cli,
+            [
+                "restore",
+                "ckpt.zarr",
+                "--name",
+                name,
+                "--total-mem",
+                "32 MiB",
+                "--scheduler",
+                cl.scheduler_address,
+            ],
+            catch_exceptions=False,
+        )
         assert res.exit_code == 0 and res.output.startswith("ddict3:"), res.output
         r = DDict.from_name(name, c)
         try:
@@ -327,11 +408,20 @@ def test_storage_options_reach_the_store_and_nothing_else(crash_client, s3):
     with pytest.raises(TypeError, match="storage_options must be a dict"):
         DDict(total_mem="32 MiB", client=crash_client, persist_path=url, storage_options=[1])
     with pytest.raises(ValueError, match="storage_options.*local directory"):
-        DDict(total_mem="32 MiB", client=crash_client, persist_path="ckpt.zarr",
-              storage_options=options)  # fmt: skip
+        DDict(
+            total_mem="32 MiB",
+            client=crash_client,
+            persist_path="ckpt.zarr",
+            storage_options=options,
+        )
     assert DDict.list(crash_client) == before
-    d = DDict(total_mem="32 MiB", client=crash_client, name="creds", persist_path=url,
-              storage_options=options)  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=crash_client,
+        name="creds",
+        persist_path=url,
+        storage_options=options,
+    )
     try:
         d["a"] = np.arange(10)
         d.persist()
@@ -346,14 +436,26 @@ def test_storage_options_reach_the_store_and_nothing_else(crash_client, s3):
             c.destroy()
         assert any("creds-copy/manager_1/chkpt_0.g0" in k for k in s3.keys(url))
         s = d.serialize()
-        texts = [s, base64.urlsafe_b64decode(s[7:].rpartition(".")[0]).decode(), repr(d),
-                 repr(d._core.layout), str(pickle.dumps(d)), d._repr_html_()]
+        texts = [
+            s,
+            base64.urlsafe_b64decode(s[7:].rpartition(".")[0]).decode(),
+            repr(d),
+            repr(d._core.layout),
+            str(pickle.dumps(d)),
+            d._repr_html_(),
+        ]
         logs = [crash_client.get_scheduler_logs(), crash_client.get_worker_logs()]
         assert not any(secret in t for t in texts + [repr(logs)])
     finally:
         d.destroy()
-    r = DDict(total_mem="32 MiB", client=crash_client, name="creds", persist_path=url,
-              storage_options=options, restore_from=0)  # fmt: skip
+    r = DDict(
+        total_mem="32 MiB",
+        client=crash_client,
+        name="creds",
+        persist_path=url,
+        storage_options=options,
+        restore_from=0,
+    )
     try:
         np.testing.assert_array_equal(r["a"], np.arange(10))
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import rotation
 import zarr
 from distributed import Client, LocalCluster
 
@@ -24,7 +25,6 @@ from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.persist import CheckpointPersister, Persister, ZarrPersister, persister_for
 from dask_ddict.persist.zarr_store import FORMAT
-import rotation
 from dask_ddict.shard.store import PERSISTENT
 
 CHUNK = 1 << 12
@@ -81,13 +81,25 @@ Persister(store, 1, count).write_now(chkpt, entries_of(generation(1)))
 
 
 def crash(path: str, chkpt: int, count: int, at: str, nth: int = 1, kind: str = "zarr") -> int:
-    args = [sys.executable, "-c", _CRASHER, os.path.dirname(__file__), path, str(chkpt),
-            str(count), at, str(nth), kind]  # fmt: skip
+    args = [
+        sys.executable,
+        "-c",
+        _CRASHER,
+        os.path.dirname(__file__),
+        path,
+        str(chkpt),
+        str(count),
+        at,
+        str(nth),
+        kind,
+    ]
     return subprocess.run(args, capture_output=True, timeout=120).returncode
 
 
-@pytest.mark.parametrize("at,nth", [("chunk", 1), ("chunk", 3), ("arrays", 1), ("commit", 1),
-                                    ("committed", 1), ("cleanup", 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "at,nth",
+    [("chunk", 1), ("chunk", 3), ("arrays", 1), ("commit", 1), ("committed", 1), ("cleanup", 1)],
+)
 def test_killed_while_re_persisting_an_id_keeps_old_or_new(tmp_path, at, nth, kind):
     path = str(tmp_path)
     opened(kind, path).write(0, entries_of(generation(0)))
@@ -131,13 +143,12 @@ def test_a_re_persist_on_some_managers_only_leaves_the_previous_version_on_all(t
     for m in range(2):
         store(m).prune()
         assert [(g.gen, g.version) for g in store(m).generations()] == [
-            (max(g.gen for g in store(m).generations()), 2)]  # fmt: skip
+            (max(g.gen for g in store(m).generations()), 2)
+        ]
         assert store(m).ids() == [0]
 
 
-def test_a_restore_removes_the_parts_of_versions_that_only_some_managers_persisted(
-    tmp_path, kind
-):
+def test_a_restore_removes_the_parts_of_versions_that_only_some_managers_persisted(tmp_path, kind):
     """Manager 1 persisted version 2 of checkpoint 0 (and checkpoint 1), manager 0's
     writes failed (a full disk): the checkpoint is still version 1.  A restore of 0 ends
     that history: manager 1's version-2 part and checkpoint 1 are removed (they would
@@ -188,8 +199,11 @@ def test_a_removal_cut_short_is_never_listed_and_is_finished_later(tmp_path, kin
     opened(kind, path).write(0, entries_of(generation(0)))
     assert crash(path, 1, 1, "uncommitted", kind=kind) == -signal.SIGKILL  # (1 replaces 0)
     g0 = tmp_path / "d" / "manager_0" / "chkpt_0.g0"
-    gone = list((g0 / "values" / "c").iterdir())[:2] if kind == "zarr" else [
-        g0 / "values", g0 / "keys"]  # fmt: skip
+    gone = (
+        list((g0 / "values" / "c").iterdir())[:2]
+        if kind == "zarr"
+        else [g0 / "values", g0 / "keys"]
+    )
     for f in gone:  # as far as the removal got
         f.unlink()
     store = opened(kind, path)
@@ -203,8 +217,13 @@ def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path, kind):
     path = str(tmp_path)
     opened(kind, path).write(0, entries_of(generation(0)))
     assert crash(path, 0, -1, "commit", kind=kind) == -signal.SIGKILL
-    meta = tmp_path / "d" / "manager_0" / "chkpt_0.g1" / (
-        "zarr.json" if kind == "zarr" else "generation.json")  # fmt: skip
+    meta = (
+        tmp_path
+        / "d"
+        / "manager_0"
+        / "chkpt_0.g1"
+        / ("zarr.json" if kind == "zarr" else "generation.json")
+    )
     meta.write_bytes(meta.read_bytes()[:40])  # the commit's write cut short
     store = opened(kind, path)
     assert store.ids() == [0] and read_tags(store, 0) == {0}
@@ -214,8 +233,7 @@ def test_a_torn_commit_falls_back_to_the_previous_copy(tmp_path, kind):
 # -- rotation across managers ----------------------------------------------------------
 
 
-def _events(path: str, count: int, options: rotation.Options,
-            kind: str) -> list[rotation.Event]:  # fmt: skip
+def _events(path: str, count: int, options: rotation.Options, kind: str) -> list[rotation.Event]:
     """Every step of the scenario, each chunk write but the first and last left out."""
     rotation.setup(path, count, options, kind)
     events = rotation.run(path, count, options, kind)
@@ -224,8 +242,9 @@ def _events(path: str, count: int, options: rotation.Options,
     return [e for e in events if e not in skip]
 
 
-def crash_at_every_step(root: str, count: int, options: rotation.Options = None,
-                        kind: str = "zarr") -> None:  # fmt: skip
+def crash_at_every_step(
+    root: str, count: int, options: rotation.Options = None, kind: str = "zarr"
+) -> None:
     """Two managers persist a new checkpoint at their own pace under persist_count=count;
     one is SIGKILLed at each step of each write and rotation in turn (chunks, arrays,
     commit, record, cleanup; unrecord, uncommit, remove) while the other goes on with
@@ -235,17 +254,38 @@ def crash_at_every_step(root: str, count: int, options: rotation.Options = None,
     the same state as without a crash."""
     events = _events(f"{root}/record", count, options, kind)
     names = {e[1] for e in events}
-    assert {"chunk", "arrays", "commit", "committed", "recorded", "unrecorded", "uncommitted",
-            "removed", "rotate"} <= names  # fmt: skip
+    assert {
+        "chunk",
+        "arrays",
+        "commit",
+        "committed",
+        "recorded",
+        "unrecorded",
+        "uncommitted",
+        "removed",
+        "rotate",
+    } <= names
     assert {rotation.OPS[e[0]][0] for e in events if e[1] == "rotate"} == {0, 1}  # both rotate
     cases = []
     for i, (op, step, nth) in enumerate(events):
         path = f"{root}/crash{i}"
         rotation.setup(path, count, options, kind)
         cases.append(f"{path} {count} {op} {step} {nth}\n")
-    out = subprocess.run([sys.executable, "-c", rotation.FORKER, os.path.dirname(__file__),
-                          json.dumps(options), kind], input="".join(cases), capture_output=True,
-                         text=True, timeout=900, check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            rotation.FORKER,
+            os.path.dirname(__file__),
+            json.dumps(options),
+            kind,
+        ],
+        input="".join(cases),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    ).stdout.split()
     assert out == [str(-signal.SIGKILL)] * len(events)
     n = count
     keep = list(range(n + 1 - count, n + 1))  # the newest `count` ids complete at the end
@@ -350,8 +390,11 @@ def test_garbage_manager_metadata_and_old_formats_are_refused(tmp_path, written)
     meta.write_text(json.dumps(doc))
     ZarrPersister(str(tmp_path), "d", 0, 1, writable=False)  # read as it is
     ZarrPersister(str(tmp_path), "d", 0, 1)  # and, opened to write, marked as ours
-    assert json.loads(meta.read_text())["attributes"]["format"] == FORMAT == \
-        "dask_ddict.checkpoint/2.2"
+    assert (
+        json.loads(meta.read_text())["attributes"]["format"]
+        == FORMAT
+        == "dask_ddict.checkpoint/2.2"
+    )
 
 
 def test_a_store_path_that_is_a_file_is_refused(tmp_path):
@@ -391,8 +434,7 @@ def test_the_directory_persisters_damaged_files_are_refused(written_files):
     assert "unreadable" in text and "chkpt_3.g0" in text
 
 
-def test_the_directory_persister_refuses_a_file_a_url_and_another_format(tmp_path,
-                                                                         written_files):  # fmt: skip
+def test_the_directory_persister_refuses_a_file_a_url_and_another_format(tmp_path, written_files):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(DDictPersistCheckpointError, match="is a file"):
@@ -400,7 +442,9 @@ def test_the_directory_persister_refuses_a_file_a_url_and_another_format(tmp_pat
     with pytest.raises(DDictPersistCheckpointError, match="URL.*zarr"):
         opened("directory", "memory://somewhere")
     meta = tmp_path / "d" / "manager_0" / "manager.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": "dask_ddict.directory/0"}))
+    meta.write_text(
+        json.dumps({**json.loads(meta.read_text()), "format": "dask_ddict.directory/0"})
+    )
     with pytest.raises(DDictPersistCheckpointError, match="directory/0"):
         opened("directory", str(tmp_path))
     # a zarr persister does not take a directory persister's store for its own
@@ -410,8 +454,9 @@ def test_the_directory_persister_refuses_a_file_a_url_and_another_format(tmp_pat
 
 def test_restore_of_a_damaged_checkpoint_changes_nothing(client, tmp_path):
     path = str(tmp_path / "store")
-    with DDict(total_mem="32 MiB", client=client, name="dmg", persist_path=path,
-               working_set_size=2) as d:  # fmt: skip
+    with DDict(
+        total_mem="32 MiB", client=client, name="dmg", persist_path=path, working_set_size=2
+    ) as d:
         big = np.arange(300_000, dtype="f8")
         d["big"] = big
         d["small"] = 1
@@ -433,8 +478,10 @@ def test_restore_of_a_damaged_checkpoint_changes_nothing(client, tmp_path):
 def test_killing_the_host_while_it_persists_keeps_a_complete_checkpoint(tmp_path):
     """The hosting process dies mid-persist; restore yields the old or the new copy."""
     path = str(tmp_path / "store")
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="1 GiB", client=c, name="crash", persist_path=path)
         for i in range(8):
             d[f"k{i}"] = np.full(8 << 20, 0, dtype="u1")

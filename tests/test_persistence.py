@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from test_kernels import Placed  # (a key placed by its own __hash__)
 
 from dask_ddict import DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persist import ZarrPersister, Persister
+from dask_ddict.persist import Persister, ZarrPersister
 from dask_ddict.shard.store import PERSISTENT
-from test_kernels import Placed  # (a key placed by its own __hash__)
 
 
 def entries_of(d: dict, flags: int = PERSISTENT):
@@ -94,8 +94,11 @@ def test_a_checkpoint_restores_onto_another_number_of_managers(tmp_path, n, m):
     m (as a client places it: by digest, or by its own ``__hash__``), with its value."""
     from dask_ddict._keys import encode_key
 
-    keys = [f"k{i}" for i in range(60)] + [(i, "t") for i in range(20)] + \
-        [Placed(i) for i in range(20)]  # fmt: skip
+    keys = (
+        [f"k{i}" for i in range(60)]
+        + [(i, "t") for i in range(20)]
+        + [Placed(i) for i in range(20)]
+    )
     parts: dict[int, dict[bytes, Any]] = {i: {} for i in range(n)}
     for j, k in enumerate(keys):
         parts[_placed_by_client(k, n)][encode_key(k)] = j
@@ -209,7 +212,8 @@ def test_a_store_of_an_older_version_restores_onto_another_number_of_managers(tm
         del doc["attributes"]["version"]
         meta.write_text(json.dumps(doc))
     assert read_dict(ZarrPersister(str(tmp_path), "d", 1, 2), 0) == {
-        k: v for k, v in parts[1].items()}  # (onto as many managers: as before)  # fmt: skip
+        k: v for k, v in parts[1].items()
+    }  # (onto as many managers: as before)
     got = {}
     for j in range(3):
         store = ZarrPersister(str(tmp_path), "d", j, 3, writable=False)

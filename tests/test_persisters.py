@@ -34,8 +34,16 @@ def test_a_dictionary_persists_rotates_and_restores_through_either_persister(
     client, tmp_path, kind
 ):
     path = str(tmp_path / "store")
-    d = DDict(2, total_mem="64 MiB", client=client, name=f"p-{kind}", persist_path=path,
-              persist_freq=1, persist_count=2, persister_class=KINDS[kind])  # fmt: skip
+    d = DDict(
+        2,
+        total_mem="64 MiB",
+        client=client,
+        name=f"p-{kind}",
+        persist_path=path,
+        persist_freq=1,
+        persist_count=2,
+        persister_class=KINDS[kind],
+    )
     try:
         for c in range(5):  # each checkpoint retires (working set 1) and persists
             d.update({f"k{i}": np.full(1000 + i, c) for i in range(20)})
@@ -53,8 +61,15 @@ def test_a_dictionary_persists_rotates_and_restores_through_either_persister(
     finally:
         d.destroy()
     # a new dictionary starts from a persisted checkpoint, onto another number of managers
-    e = DDict(3, total_mem="64 MiB", client=client, name=f"p-{kind}", persist_path=path,
-              restore_from=2, persister_class=kind)  # fmt: skip
+    e = DDict(
+        3,
+        total_mem="64 MiB",
+        client=client,
+        name=f"p-{kind}",
+        persist_path=path,
+        restore_from=2,
+        persister_class=kind,
+    )
     try:
         assert {k: int(e[k][0]) for k in e.keys()} == {f"k{i}": 2 for i in range(20)}
     finally:
@@ -62,8 +77,14 @@ def test_a_dictionary_persists_rotates_and_restores_through_either_persister(
     # each persister reads its own stores only, and says what it found
     other = "directory" if kind == "zarr" else "zarr"
     with pytest.raises(Exception, match="persister_class=(None|DirectoryPersister)"):
-        DDict(total_mem="32 MiB", client=client, name=f"p-{kind}", persist_path=path,
-              restore_from=2, persister_class=other)  # fmt: skip
+        DDict(
+            total_mem="32 MiB",
+            client=client,
+            name=f"p-{kind}",
+            persist_path=path,
+            restore_from=2,
+            persister_class=other,
+        )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
@@ -78,9 +99,15 @@ def test_a_persist_that_fills_the_disk_fails_naming_it_and_keeps_the_last_checkp
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
     try:
-        d = DDict(1, total_mem="64 MiB", client=client, name=f"full-{kind}",
-                  persist_path=str(mnt / "store"), persister_class=kind,
-                  working_set_size=2)  # fmt: skip
+        d = DDict(
+            1,
+            total_mem="64 MiB",
+            client=client,
+            name=f"full-{kind}",
+            persist_path=str(mnt / "store"),
+            persister_class=kind,
+            working_set_size=2,
+        )
         try:
             d.update({f"k{i}": np.full(100_000, 1, dtype="u1") for i in range(10)})  # 1 MB
             d.persist()
@@ -108,8 +135,13 @@ def test_a_persist_that_fills_the_disk_fails_naming_it_and_keeps_the_last_checkp
 def test_dragons_persister_names_mean_what_they_did(client, tmp_path, monkeypatch):
     # PosixCheckpointPersister: plain files; without persist_path, the current directory
     monkeypatch.chdir(tmp_path)
-    d = DDict(total_mem="32 MiB", client=client, name="posix", persist_freq=1,
-              persister_class=PosixCheckpointPersister)  # fmt: skip
+    d = DDict(
+        total_mem="32 MiB",
+        client=client,
+        name="posix",
+        persist_freq=1,
+        persister_class=PosixCheckpointPersister,
+    )
     try:
         d["a"] = 1
         d.persist()
@@ -120,8 +152,12 @@ def test_dragons_persister_names_mean_what_they_did(client, tmp_path, monkeypatc
         d.destroy()
     # NULLCheckpointPersister: nothing persisted, and persist_freq refused, as in Dragon
     with pytest.raises(ValueError, match="NULLCheckpointPersister.*persist_freq"):
-        DDict(total_mem="32 MiB", client=client, persist_freq=1,
-              persister_class=NULLCheckpointPersister)  # fmt: skip
+        DDict(
+            total_mem="32 MiB",
+            client=client,
+            persist_freq=1,
+            persister_class=NULLCheckpointPersister,
+        )
     n = DDict(total_mem="32 MiB", client=client, persister_class=NULLCheckpointPersister)
     try:
         n["a"] = 1
@@ -158,5 +194,10 @@ def test_a_persister_class_is_named_for_the_workers_or_refused_saying_why():
 
 def test_the_directory_persister_takes_no_url(client):
     with pytest.raises(ValueError, match="persist_path 's3://b/x' is a URL"):
-        DDict(total_mem="32 MiB", client=client, persist_path="s3://b/x", persist_freq=1,
-              persister_class=DirectoryPersister)  # fmt: skip
+        DDict(
+            total_mem="32 MiB",
+            client=client,
+            persist_path="s3://b/x",
+            persist_freq=1,
+            persister_class=DirectoryPersister,
+        )

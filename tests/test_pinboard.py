@@ -20,8 +20,10 @@ def test_boards_sum_live_processes_and_forget_ended_ones(tmp_path):
     mine = PinBoard(str(tmp_path), uid, 3)
     mine.add(1, 1000, 2)
     mine.add(2, 10, 1)
-    code = (f"from dask_ddict.shard.pinboard import PinBoard; "
-            f"PinBoard({str(tmp_path)!r}, {uid!r}, 3).add(1, 5, 1)")  # fmt: skip
+    code = (
+        f"from dask_ddict.shard.pinboard import PinBoard; "
+        f"PinBoard({str(tmp_path)!r}, {uid!r}, 3).add(1, 5, 1)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)  # a process that then ended
     assert len(os.listdir(tmp_path)) == 2
     changes, nbytes, views = read_boards(str(tmp_path), uid, 3)
@@ -42,9 +44,15 @@ def test_a_board_ignores_managers_beyond_its_size(tmp_path):
     assert read_boards(str(tmp_path), "cd" * 8, 1)[1].tolist() == [0]
 
 
-Frames = st.lists(st.one_of(st.none(), st.just(False), st.binary(max_size=300),
-                            st.integers(0, 5000).map(lambda n: np.arange(n, dtype="f8"))),
-                  max_size=20)  # fmt: skip
+Frames = st.lists(
+    st.one_of(
+        st.none(),
+        st.just(False),
+        st.binary(max_size=300),
+        st.integers(0, 5000).map(lambda n: np.arange(n, dtype="f8")),
+    ),
+    max_size=20,
+)
 
 
 @given(values=Frames)

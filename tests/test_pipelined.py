@@ -90,8 +90,11 @@ def test_replies_are_matched_to_requests_by_tag_in_any_order_and_in_any_pieces()
         futs = [p.send(o, o.encode(), 0) for o in ops]
         tags = _tags(t)
         assert tags == [tag for tag, _ in futs] and len(set(tags)) == 3  # one tag each
-        stream = _reply(tags[2], b"third") + _reply(tags[0], b"first" * 2000) \
-            + _reply(tags[1], b"second")  # fmt: skip
+        stream = (
+            _reply(tags[2], b"third")
+            + _reply(tags[0], b"first" * 2000)
+            + _reply(tags[1], b"second")
+        )
         _feed(p, stream, most=7)  # (in 7-byte pieces, headers cut anywhere)
         got = [await f for _, f in futs]
         assert [bytes(g[2]) for g in got] == [b"first" * 2000, b"second", b"third"]
@@ -214,11 +217,14 @@ def test_connecting_errors_are_raised_as_the_blocking_path_would_or_sent_there()
         link = _Link()
         link.pipes = {}  # type: ignore[attr-defined]
         pipes = Pipes(link, asyncio.get_running_loop())  # type: ignore[arg-type]
-        for raised, seen in [(TimeoutError("not connected in time"), TimeoutError),
-                             (TimeoutError(errno.ETIMEDOUT, "kernel"), Unpipeable),
-                             (ConnectionResetError("restarting"), Unpipeable),
-                             (DDictManagerMovedError("moved"), Unpipeable),
-                             (DDictClosedError("destroyed"), DDictClosedError)]:  # fmt: skip
+        for raised, seen in [
+            (TimeoutError("not connected in time"), TimeoutError),
+            (TimeoutError(errno.ETIMEDOUT, "kernel"), Unpipeable),
+            (ConnectionResetError("restarting"), Unpipeable),
+            (DDictManagerMovedError("moved"), Unpipeable),
+            (DDictClosedError("destroyed"), DDictClosedError),
+        ]:
+
             def connect(mid: int, deadline: Any, e: BaseException = raised) -> Any:
                 raise e
 
@@ -328,8 +334,9 @@ def _blocking_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for name in ("get_many", "each"):
         real = getattr(connect.Connections, name)
 
-        def counted(self: Any, *args: Any, _real: Any = real, _name: str = name,
-                    **kwargs: Any) -> Any:  # fmt: skip
+        def counted(
+            self: Any, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any
+        ) -> Any:
             calls.append(_name)
             return _real(self, *args, **kwargs)
 
@@ -411,13 +418,14 @@ def test_large_values_travel_the_pipes_whole_and_aligned(client, monkeypatch):
         big = {f"big{i}": np.arange(i, i + (1 << 20), dtype="f8") for i in range(4)}  # 8 MiB
 
         async def main() -> None:
-            await asyncio.gather(*(t.put(k, v) for k, v in big.items()),
-                                 *(t.put(i, i) for i in range(100)))  # fmt: skip
+            await asyncio.gather(
+                *(t.put(k, v) for k, v in big.items()), *(t.put(i, i) for i in range(100))
+            )
             got = await asyncio.gather(*(t.get(k) for k in big), *(t.get(i) for i in range(100)))
             for (k, v), g in zip(big.items(), got):
                 np.testing.assert_array_equal(g, v)
                 assert g.ctypes.data % 64 == 0, k
-            assert list(got[len(big):]) == list(range(100))
+            assert list(got[len(big) :]) == list(range(100))
 
         asyncio.run(main())
         assert calls == []
@@ -467,8 +475,7 @@ def test_a_stopped_host_times_out_once_and_its_late_replies_are_dropped(client):
                 h.suspend()
             try:
                 t0 = time.monotonic()
-                got = await asyncio.gather(*(t.get(i) for i in range(20)),
-                                           return_exceptions=True)  # fmt: skip
+                got = await asyncio.gather(*(t.get(i) for i in range(20)), return_exceptions=True)
                 took = time.monotonic() - t0
             finally:
                 for h in hosts:
@@ -486,8 +493,10 @@ def test_puts_in_flight_when_a_host_process_is_killed_are_all_acknowledged_and_k
     """A host process killed under pipelined puts (its supervisor starts another on the
     same listeners): the puts on the lost connection are sent again by the blocking path
     (a put again has the same effect), so every put succeeds, and every one is there."""
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="64 MiB", client=c)
         try:
             t = _tcp(d)
@@ -517,8 +526,7 @@ def test_puts_in_flight_when_a_host_process_is_killed_are_all_acknowledged_and_k
             assert asyncio.run(main()) == 8 * 300
             assert d.stats[0].pid != pid  # (it was killed under the puts, and replaced)
             got = d.get_many([(w, i) for w in range(8) for i in range(300)])
-            assert [int(v[0]) for v in got] == [w * 1000 + i for w in range(8)
-                                                for i in range(300)]  # fmt: skip
+            assert [int(v[0]) for v in got] == [w * 1000 + i for w in range(8) for i in range(300)]
             t.detach()
         finally:
             d.destroy()
@@ -529,8 +537,10 @@ def test_a_stale_handles_pipelined_puts_and_gets_follow_a_moved_manager():
     the move: its old host answers the pipelined requests MOVED (a many-put, per
     manager), and each put and get follows it by the blocking path; nothing is lost
     and nothing fails."""
-    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=30)
         try:
             t = _tcp(d, timeout=30)
@@ -544,8 +554,9 @@ def test_a_stale_handles_pipelined_puts_and_gets_follow_a_moved_manager():
                 await put_all(0)
                 home = d.manager_workers[0]
                 away = next(w for w in d.manager_workers if w != home)
-                there = await asyncio.to_thread(c.sync, c.scheduler.ddict_move,
-                                                name=d.get_name(), manager_id=0, worker=away)
+                there = await asyncio.to_thread(
+                    c.sync, c.scheduler.ddict_move, name=d.get_name(), manager_id=0, worker=away
+                )
                 assert there["target"] == away
                 await put_all(1000)  # its old host answers MOVED for manager 0's puts
                 got = await asyncio.gather(*(t.get(k) for k in keys + others))
@@ -566,8 +577,12 @@ def test_pipelined_writers_and_readers_go_on_through_a_retirement():
     back is the one put, and all of them are there after the move."""
     from writers import _wait_gone
 
-    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60)
         try:
             t = _tcp(d, timeout=60)
@@ -592,8 +607,9 @@ def test_pipelined_writers_and_readers_go_on_through_a_retirement():
                         if done[0] >= 300:
                             break
                         await asyncio.sleep(0.001)
-                    await asyncio.to_thread(lambda: (c.retire_workers([leaving]),
-                                                     _wait_gone(d, leaving)))  # fmt: skip
+                    await asyncio.to_thread(
+                        lambda: (c.retire_workers([leaving]), _wait_gone(d, leaving))
+                    )
                     moved.set()
                     return 0
 

@@ -52,8 +52,7 @@ scalars = st.sampled_from([np.float64(1.5), np.int64(-2), np.uint8(7), np.bool_(
 
 @fuzz(8)
 @given(st.lists(keys | scalars, min_size=1, max_size=25, unique_by=encode_key))
-def test_keys_put_by_the_client_are_found_by_tasks_and_other_processes(ddict, client, reader,
-                                                                       ks):  # fmt: skip
+def test_keys_put_by_the_client_are_found_by_tasks_and_other_processes(ddict, client, reader, ks):
     for k in list(ddict.keys()):
         del ddict[k]
     for i, k in enumerate(ks):
@@ -110,8 +109,11 @@ def test_main_classes_and_user_hashes_across_processes(ddict, client, seed):
         env["PYTHONHASHSEED"] = seed
     out = subprocess.run(
         [sys.executable, "-c", _SCRIPT, client.scheduler.address, ddict.serialize()],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     found, tags, warned = json.loads(out.stdout.splitlines()[-1])
     assert tags == [0, 1, 2, 3, 4]  # keys() in the task decodes the script's __main__.Tag

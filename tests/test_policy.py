@@ -38,7 +38,8 @@ def test_a_policy_matches_a_worker_by_address_name_host_and_resources():
 def test_a_policy_is_checked_hashable_and_round_trips():
     p = Policy(host="node1", resources=[("GPU", 1)])
     assert p == Policy(host="node1", resources={"GPU": 1.0}) and hash(p) == hash(
-        Policy(host="node1", resources={"GPU": 1}))  # fmt: skip
+        Policy(host="node1", resources={"GPU": 1})
+    )
     assert Policy.from_dict(p.to_dict()) == p
     assert repr(p) == "Policy(host='node1', resources={'GPU': 1.0})"
     for bad in ({"GPU": 0}, {"GPU": -1}, {"": 1}, {"GPU": True}):
@@ -70,13 +71,22 @@ def test_policy_groups_follow_dragon():
 
 
 def test_assign_spreads_each_policys_managers_over_the_workers_that_satisfy_it():
-    views = [WorkerView("tcp://c:1", resources={}), WorkerView("tcp://g:1", resources={"GPU": 1}),
-             WorkerView("tcp://g:2", resources={"GPU": 1})]  # fmt: skip
+    views = [
+        WorkerView("tcp://c:1", resources={}),
+        WorkerView("tcp://g:1", resources={"GPU": 1}),
+        WorkerView("tcp://g:2", resources={"GPU": 1}),
+    ]
     assert assign([(GPU, None)], views, 2) == [("tcp://g:1", GPU)] * 2 + [("tcp://g:2", GPU)] * 2
     anyw = Policy()
     placed = assign([(GPU, 3), (anyw, 3)], views, 1)
-    assert [w for w, _ in placed] == ["tcp://g:1", "tcp://g:2", "tcp://g:1",
-                                      "tcp://c:1", "tcp://c:1", "tcp://g:2"]  # fmt: skip
+    assert [w for w, _ in placed] == [
+        "tcp://g:1",
+        "tcp://g:2",
+        "tcp://g:1",
+        "tcp://c:1",
+        "tcp://c:1",
+        "tcp://g:2",
+    ]
     assert [p for _, p in placed] == [GPU] * 3 + [anyw] * 3
     with pytest.raises(ValueError, match=r"no worker satisfies Policy\(host='elsewhere'\)"):
         assign([(Policy(host="elsewhere"), 1)], views, 1)
@@ -84,8 +94,15 @@ def test_assign_spreads_each_policys_managers_over_the_workers_that_satisfy_it()
 
 def test_a_managers_policy_travels_in_its_layout_and_candidates_check_it():
     m = ManagerInfo(0, "w", "h", "h:1", 1, "/s", "127.0.0.1", 1, "/d", policy=GPU)
-    layout = Layout("n", "00" * 16, "s", False, DDictOptions(), (m, ManagerInfo(
-        1, "w", "h", "h:1", 1, "/s1", "127.0.0.1", 1, "/d1")), 64 << 20)  # fmt: skip
+    layout = Layout(
+        "n",
+        "00" * 16,
+        "s",
+        False,
+        DDictOptions(),
+        (m, ManagerInfo(1, "w", "h", "h:1", 1, "/s1", "127.0.0.1", 1, "/d1")),
+        64 << 20,
+    )
     again = Layout.deserialize(layout.serialize())
     assert again.managers[0].policy == GPU and again.managers[1].policy is None
     assert Layout.from_dict(layout.to_dict()) == layout
@@ -101,8 +118,10 @@ def test_a_managers_policy_travels_in_its_layout_and_candidates_check_it():
 def _add_worker(cl: LocalCluster, name: str, **resources: float) -> None:
     spec = cl.new_worker_spec()
     (base,) = spec.values()
-    cl.worker_spec[name] = {"cls": base["cls"],
-                            "options": {**base["options"], "resources": resources}}  # fmt: skip
+    cl.worker_spec[name] = {
+        "cls": base["cls"],
+        "options": {**base["options"], "resources": resources},
+    }
     cl.sync(cl._correct_state)
 
 
@@ -121,8 +140,12 @@ def _until(what: str, ok, seconds: float = 60) -> None:  # noqa: ANN001
 def _one_cpu_two_gpus() -> Iterator[tuple[LocalCluster, Client, dict[str, str]]]:
     """A cluster of a CPU worker ("0") and two GPU workers ("gpu0", "gpu1"): the cluster,
     a client, and the workers' addresses by name."""
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         _add_worker(cl, "gpu0", GPU=1)
         _add_worker(cl, "gpu1", GPU=1)
         c.wait_for_workers(3, timeout=60)
@@ -155,20 +178,22 @@ def test_pinned_managers_move_only_to_workers_that_satisfy_their_policy_else_par
             assert [m["target"] for m in d.moves] == [gpu1]
             assert all(d[i] == i for i in range(200))
             c.retire_workers([gpu1])
-            _until("not parked", lambda: all(m.parked for m in
-                                              d._core.fresh(force=True).managers))  # fmt: skip
+            _until("not parked", lambda: all(m.parked for m in d._core.fresh(force=True).managers))
             parked = [m for m in d.moves if not m["target"]]
             assert len(parked) == 2 and all(
                 "no other worker satisfies its placement policy Policy(resources={'GPU': 1.0})"
-                in m["why"] for m in parked), parked  # fmt: skip
+                in m["why"]
+                for m in parked
+            ), parked
             assert d.manager_workers.count(cpu) == 0
             with pytest.raises(DDictManagerUnavailableError, match="parked"):
                 d[0]
             _add_worker(cl, "gpu2", GPU=1)
             c.wait_for_workers(2, timeout=60)
             gpu2 = _by_name(c)["gpu2"]
-            _until("not adopted", lambda: not any(m.lost for m in
-                                                  d._core.fresh(force=True).managers))  # fmt: skip
+            _until(
+                "not adopted", lambda: not any(m.lost for m in d._core.fresh(force=True).managers)
+            )
             assert d.manager_workers == [gpu2, gpu2]
             assert all(d[i] == i for i in range(200))
             assert d.rebalance() == []  # (the CPU worker does not satisfy their policy)
@@ -188,7 +213,8 @@ def test_replicas_of_pinned_managers_are_kept_only_by_workers_that_satisfy_the_p
             assert sorted(primaries) == sorted([names["gpu0"], names["gpu1"]])
             assert {int(k): list(v) for k, v in reps.items()} == {
                 mid: [names["gpu1"] if w == names["gpu0"] else names["gpu0"]]
-                for mid, w in enumerate(primaries)}  # fmt: skip
+                for mid, w in enumerate(primaries)
+            }
         finally:
             d.destroy()
 
@@ -196,13 +222,16 @@ def test_replicas_of_pinned_managers_are_kept_only_by_workers_that_satisfy_the_p
 def test_a_restarted_dictionary_keeps_its_managers_policies():
     """``restart=True`` takes no policy (as in Dragon): the kept managers come back where
     their shards are, with the policies and the count they had."""
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0",
-                      memory_limit="1GiB") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
+        ) as cl,
+        Client(cl) as c,
+    ):
         _add_worker(cl, "gpu0", GPU=1)
         c.wait_for_workers(2, timeout=60)
         gpu0 = _by_name(c)["gpu0"]
-        d = DDict(policy=[GPU], managers_per_policy=3, name="pinned", total_mem="48 MiB",
-                  client=c)  # fmt: skip
+        d = DDict(policy=[GPU], managers_per_policy=3, name="pinned", total_mem="48 MiB", client=c)
         d.update({i: i for i in range(30)})
         d.destroy(allow_restart=True)
         d = DDict(name="pinned", restart=True, total_mem="48 MiB", client=c)

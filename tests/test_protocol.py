@@ -22,21 +22,28 @@ from dask_ddict.transport.protocol import (
 )
 
 heads = st.tuples(
-    st.sampled_from(list(Op)), st.integers(0, 255), st.integers(0, 2**16 - 1),
+    st.sampled_from(list(Op)),
+    st.integers(0, 255),
+    st.integers(0, 2**16 - 1),
     st.integers(0, 2**32 - 1),
-    st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
-    st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1),
-    st.integers(0, 2**64 - 1), st.one_of(st.none(), st.floats(0, 1e9)),
-    st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
-)  # fmt: skip
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(0, 2**64 - 1),
+    st.one_of(st.none(), st.floats(0, 1e9)),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**64 - 1),
+)
 
 
 @fuzz(200)
 @given(heads)
 def test_request_headers_round_trip(head):
     op, flags, term, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = head
-    raw = REQ.pack(op, flags, term, klen, mid, tag, chkpt, arg, client, encode_timeout(timeout),
-                   vlen, rid)  # fmt: skip
+    raw = REQ.pack(
+        op, flags, term, klen, mid, tag, chkpt, arg, client, encode_timeout(timeout), vlen, rid
+    )
     out = REQ.unpack(raw)
     assert out[:9] == (op, flags, term, klen, mid, tag, chkpt, arg, client)
     assert decode_timeout(out[9]) == timeout and out[10:] == (vlen, rid)

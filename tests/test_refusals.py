@@ -20,8 +20,12 @@ from dask_ddict import (
 @pytest.fixture(scope="module")
 def in_process():
     """A cluster whose scheduler runs in this process, so its log is this process's."""
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="16 MiB", client=c, name="taken")
         yield c
         d.destroy()
@@ -41,12 +45,18 @@ def logs(caplog):
 
 CASES = {
     "a name that exists": (dict(name="taken"), DDictUnableToCreateError, "already exists"),
-    "restart of an unknown name": (dict(name="nope", restart=True), DDictUnableToCreateError,
-                                   "allow_restart=True"),
-    "a checkpoint not persisted": (dict(name="p", persist_freq=1, restore_from=3),
-                                   DDictPersistCheckpointError, "not persisted"),
+    "restart of an unknown name": (
+        dict(name="nope", restart=True),
+        DDictUnableToCreateError,
+        "allow_restart=True",
+    ),
+    "a checkpoint not persisted": (
+        dict(name="p", persist_freq=1, restore_from=3),
+        DDictPersistCheckpointError,
+        "not persisted",
+    ),
     "total_mem over /dev/shm": (dict(total_mem="4000 GiB"), DDictFullError, "cannot hold"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -57,8 +67,9 @@ def test_a_refused_creation_is_an_error_reply_logged_at_info(in_process, logs, t
     kwargs.setdefault("total_mem", "16 MiB")
     with pytest.raises(error, match=text):
         DDict(client=in_process, **kwargs)
-    loud = [(r.name, r.levelname, r.getMessage()) for r in logs.records
-            if r.levelno >= logging.WARNING]  # fmt: skip
+    loud = [
+        (r.name, r.levelname, r.getMessage()) for r in logs.records if r.levelno >= logging.WARNING
+    ]
     assert loud == []  # no "Exception while handling op ddict_create", no traceback
     said = [r for r in logs.records if r.name.startswith("dask_ddict") and "refused" in r.message]
     assert len(said) == 1 and said[0].levelno == logging.INFO and text in said[0].message

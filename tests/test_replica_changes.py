@@ -14,8 +14,7 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictError
-from dask_ddict.host import hygiene
-from dask_ddict.host import replica_store
+from dask_ddict.host import hygiene, replica_store
 from dask_ddict.host.replica_store import Replica
 from dask_ddict.layout import ManagerInfo
 from dask_ddict.shard import changes
@@ -47,8 +46,9 @@ class Pair:
     def __init__(self, path: str, *, size: int = 3, wait_for_keys: bool = True) -> None:
         os.makedirs(path + "/p")
         self.store = ShardStore(path + "/p", 64 << 20, indexed=wait_for_keys)
-        self.manager = Manager(0, self.store, WorkingSet(self.store, size,
-                                                         wait_for_keys=wait_for_keys))
+        self.manager = Manager(
+            0, self.store, WorkingSet(self.store, size, wait_for_keys=wait_for_keys)
+        )
         os.makedirs(path + "/r")
         self.store.env.copy(path + "/r")  # (the seed: a consistent copy)
         rstore = ShardStore(path + "/r", 64 << 20, indexed=wait_for_keys, create=False)
@@ -103,9 +103,14 @@ def test_a_batchs_records_reach_the_replica(tmp_path):
     pair = Pair(str(tmp_path), size=1, wait_for_keys=False)
     m = pair.manager
     try:
+
         def batch(keys: range, chkpt: int, batch_id: int) -> None:
-            m.batch_put([(*_k(i), dumps_value(i * chkpt).join()) for i in keys], chkpt, CLIENT,
-                        batch=batch_id)  # fmt: skip
+            m.batch_put(
+                [(*_k(i), dumps_value(i * chkpt).join()) for i in keys],
+                chkpt,
+                CLIENT,
+                batch=batch_id,
+            )
             assert m.batch_end(CLIENT, batch_id) == len(keys)
 
         batch(range(50), 0, 1)  # new keys
@@ -149,16 +154,22 @@ def test_a_failed_write_ships_nothing(pair):
 
 
 _KEYS = st.integers(0, 12)
-_STEPS = st.lists(st.one_of(
-    st.tuples(st.just("put"), _KEYS, st.integers(0, 3), st.binary(max_size=3000)),
-    st.tuples(st.just("pop"), _KEYS, st.integers(0, 3), st.none()),
-    st.tuples(st.just("add"), _KEYS, st.integers(0, 3), st.none()),
-    st.tuples(st.just("clear"), st.just(0), st.integers(0, 3), st.none()),
-    st.tuples(st.just("persistent"), _KEYS, st.integers(0, 3), st.binary(max_size=40)),
-), min_size=1, max_size=40)  # fmt: skip
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), _KEYS, st.integers(0, 3), st.binary(max_size=3000)),
+        st.tuples(st.just("pop"), _KEYS, st.integers(0, 3), st.none()),
+        st.tuples(st.just("add"), _KEYS, st.integers(0, 3), st.none()),
+        st.tuples(st.just("clear"), st.just(0), st.integers(0, 3), st.none()),
+        st.tuples(st.just("persistent"), _KEYS, st.integers(0, 3), st.binary(max_size=40)),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(steps=_STEPS, wfk=st.booleans())
 def test_any_sequence_of_writes_leaves_an_identical_replica(tmp_path_factory, steps, wfk):
     pair = Pair(str(tmp_path_factory.mktemp("pair")), wait_for_keys=wfk)
@@ -172,8 +183,9 @@ def test_any_sequence_of_writes_leaves_an_identical_replica(tmp_path_factory, st
                 if what == "put":
                     m.put(d, kb, dumps_value(value).join(), chkpt, CLIENT, timeout=0)
                 elif what == "persistent":
-                    m.put(d, kb, dumps_value(value).join(), chkpt, CLIENT, timeout=0,
-                          persistent=True)  # fmt: skip
+                    m.put(
+                        d, kb, dumps_value(value).join(), chkpt, CLIENT, timeout=0, persistent=True
+                    )
                 elif what == "pop":
                     m.pop(d, chkpt, CLIENT, timeout=0)
                 elif what == "add":
@@ -206,8 +218,10 @@ def test_change_sets_sent_without_waiting_are_applied_in_their_order(pair):
         parts, _ = changes.encode([(changes.PUT, 2, b"order", str(i).encode())])
         sets.append(join_parts(parts))
     start = pair.replica.seq
-    threads = [threading.Thread(target=pair.replica.apply, args=(start + i + 1, sets[i]))
-               for i in reversed(range(5))]  # (the last first)
+    threads = [
+        threading.Thread(target=pair.replica.apply, args=(start + i + 1, sets[i]))
+        for i in reversed(range(5))
+    ]  # (the last first)
     for t in threads:
         t.start()
     for t in threads:
@@ -249,8 +263,9 @@ def test_a_replica_that_missed_a_change_set_is_stale_and_never_promoted(tmp_path
         with pytest.raises(DDictError, match="stale"):
             p.manager.put(*_k("after"), dumps_value(1).join(), 0, CLIENT)  # (shipped to it)
         uid = "ab" * 16
-        host = SimpleNamespace(dicts={bytes.fromhex(uid): SimpleNamespace(
-            name="d", replicas={0: p.replica})})  # fmt: skip
+        host = SimpleNamespace(
+            dicts={bytes.fromhex(uid): SimpleNamespace(name="d", replicas={0: p.replica})}
+        )
         with pytest.raises(DDictManagerUnavailableError, match="stale"):
             take_replica(host, uid, 0, "")
         assert host.dicts[bytes.fromhex(uid)].replicas == {}
@@ -314,8 +329,7 @@ def test_a_batch_waiting_for_its_replicas_answers_hands_the_event_loop_on(tmp_pa
         def send(self, op, mid):
             return lambda: handed.wait(5)
 
-    shipper = replicas.Shipper(DictSpec("d", "00" * 16, "s", DDictOptions(), 1 << 20, 1), 0,
-                               False)  # fmt: skip
+    shipper = replicas.Shipper(DictSpec("d", "00" * 16, "s", DDictOptions(), 1 << 20, 1), 0, False)
     target = replicas.Target(ManagerInfo(0, "w", "h", "h:b", 1, "", "127.0.0.1", 1, ""), Link())
     shipper.targets.append(target)
     _blocking.serving(handed.set)  # (this thread runs an event loop)
@@ -379,8 +393,14 @@ def test_a_replica_that_fails_a_write_is_dropped_only_at_the_orchestrators_word(
     try:
         for agrees in (True, False):
             keeper = Keeper(agrees)
-            shipper = replicas.Shipper(DictSpec("d", "00" * 16, "s", DDictOptions(replicas=2),
-                                                16 << 20, 1), 0, False, keeper, hosted, manager)  # type: ignore[arg-type]  # fmt: skip
+            shipper = replicas.Shipper(
+                DictSpec("d", "00" * 16, "s", DDictOptions(replicas=2), 16 << 20, 1),
+                0,
+                False,
+                keeper,
+                hosted,
+                manager,
+            )  # type: ignore[arg-type]
             good, bad = Link(False), Link(True)
             shipper.targets = [replicas.Target(info(2), bad), replicas.Target(info(1), good)]
             manager.shipper, store.replicate = shipper, shipper.ship

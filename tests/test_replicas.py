@@ -20,13 +20,13 @@ from typing import Any
 import psutil
 import pytest
 from distributed import Client, LocalCluster
+from writers import _check, _with_writers
 
 from dask_ddict import DDict
 from dask_ddict.cluster.moves import Candidate
 from dask_ddict.cluster.replicas import Replica, replica_targets
 from dask_ddict.errors import DDictManagerUnavailableError
 from dask_ddict.layout import ManagerInfo
-from writers import _check, _with_writers
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,25 +34,33 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _primary(supervisor: str, host: str) -> ManagerInfo:
-    return ManagerInfo(0, "w-" + supervisor, "h", host, 1, "/s", "127.0.0.1", 1, "/d",
-                       supervisor=supervisor)  # fmt: skip
+    return ManagerInfo(
+        0, "w-" + supervisor, "h", host, 1, "/s", "127.0.0.1", 1, "/d", supervisor=supervisor
+    )
 
 
 def test_replicas_go_to_other_machines_then_the_least_loaded_host_processes():
-    c = [Candidate("wa", "a", "m1", 0, 3), Candidate("wb", "b", "m1", 0, 0),
-         Candidate("wc", "c", "m2", 0, 9), Candidate("wd", "d", "m3", 0, 1)]  # fmt: skip
+    c = [
+        Candidate("wa", "a", "m1", 0, 3),
+        Candidate("wb", "b", "m1", 0, 0),
+        Candidate("wc", "c", "m2", 0, 9),
+        Candidate("wd", "d", "m3", 0, 1),
+    ]
     # never the primary's own host process; another machine first, the least loaded
     got = replica_targets(c, _primary("a", "m1"), [], {"d": 2})
     assert [t.supervisor for t in got] == ["c", "d", "b"]
     # a second replica avoids the machine of the first too
     first = Replica(0, "wc", "c", "m2", {})
-    assert [t.supervisor for t in replica_targets(c, _primary("a", "m1"), [first], {})] == \
-        ["d", "b"]  # fmt: skip
+    assert [t.supervisor for t in replica_targets(c, _primary("a", "m1"), [first], {})] == [
+        "d",
+        "b",
+    ]
     # one machine: other host processes, the least loaded first
     one = [Candidate(f"w{i}", f"s{i}", "m", 0, 0) for i in range(3)]
-    assert [t.supervisor for t in replica_targets(one, _primary("s0", "m"), [], {"s1": 4})] == \
-        ["s2", "s1"]  # fmt: skip
-
+    assert [t.supervisor for t in replica_targets(one, _primary("s0", "m"), [], {"s1": 4})] == [
+        "s2",
+        "s1",
+    ]
 
 
 class _Supervisors:
@@ -73,10 +81,12 @@ class _Supervisors:
                     fake.during.pop((address, op), lambda: None)()
                     if address in fake.dead:
                         raise OSError(f"Timed out trying to connect to {address} after 30 s")
-                    return {"ddict_replica_hold": {"spec": {}, "used_bytes": 0, "map_size": 0},
-                            "ddict_replica_seed": {"tcp_port": 1},  # (what its primary
-                            "ddict_replica_targets": [[None, None, 1]],  # ships to)
-                            }.get(op, [])  # fmt: skip
+                    return {
+                        "ddict_replica_hold": {"spec": {}, "used_bytes": 0, "map_size": 0},
+                        "ddict_replica_seed": {"tcp_port": 1},  # (what its primary
+                        "ddict_replica_targets": [[None, None, 1]],  # ships to)
+                    }.get(op, [])
+
                 return call
 
         return Remote()
@@ -97,12 +107,14 @@ def test_placement_and_failover_never_call_a_lost_host():
     from dask_ddict.options import DDictOptions
 
     def info(mid: int, sup: str) -> ManagerInfo:
-        return ManagerInfo(mid, "w-" + sup, "h", "m", 1, "/s", "127.0.0.1", 1, "/d",
-                           supervisor=sup)  # fmt: skip
+        return ManagerInfo(mid, "w-" + sup, "h", "m", 1, "/s", "127.0.0.1", 1, "/d", supervisor=sup)
 
     rpc = _Supervisors({"b", "c"})
-    layouts = {"d": Layout("d", "u", "x", False, DDictOptions(replicas=1),
-                           (info(0, "a"), info(1, "b")), 1 << 20)}  # fmt: skip
+    layouts = {
+        "d": Layout(
+            "d", "u", "x", False, DDictOptions(replicas=1), (info(0, "a"), info(1, "b")), 1 << 20
+        )
+    }
     spawned: list[Any] = []
     moves = Moves(rpc, layouts)
 
@@ -123,8 +135,9 @@ def test_placement_and_failover_never_call_a_lost_host():
         await asyncio.gather(*spawned)
         # a host lost while a replica was seeded onto it: that one is not kept (its
         # primary is told to stop shipping to it), and the next target takes it
-        layouts["e"] = Layout("e", "v", "x", False, DDictOptions(replicas=1),
-                              (info(0, "a"),), 1 << 20)  # fmt: skip
+        layouts["e"] = Layout(
+            "e", "v", "x", False, DDictOptions(replicas=1), (info(0, "a"),), 1 << 20
+        )
         reps.joined("b", "w-b2")  # (a worker's host at b joined again)
         rpc.dead.discard("b")
         rpc.during[("b", "ddict_replica_seed")] = lambda: failover.host_lost("b", "killed")
@@ -141,8 +154,7 @@ def test_placement_and_failover_never_call_a_lost_host():
     assert reps.supervisors_for("w-d") == {"d"}
     reps.joined("d", "w-d2")
     assert reps.supervisors_for("w-d") == set() and reps.supervisors_for("w-d2") == {"d"}
-    assert {r.worker for per in reps.placed.values() for rs in per.values() for r in rs} == \
-        {"w-d2"}  # fmt: skip
+    assert {r.worker for per in reps.placed.values() for rs in per.values() for r in rs} == {"w-d2"}
 
 
 # -- a cluster of dask worker processes ----------------------------------------------------
@@ -157,12 +169,29 @@ class Workers:
 
     def start(self, n: int) -> None:
         for _ in range(n):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dask", "worker", self.address, "--nthreads", "2",
-                 "--memory-limit", "1GiB", "--no-dashboard"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                    [TESTS, os.environ.get("PYTHONPATH", "")])}))  # (tasks of tests' helpers)
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dask",
+                        "worker",
+                        self.address,
+                        "--nthreads",
+                        "2",
+                        "--memory-limit",
+                        "1GiB",
+                        "--no-dashboard",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+                    },
+                )
+            )  # (tasks of tests' helpers)
 
     def of(self, c: Client, worker: str) -> subprocess.Popen[bytes]:
         """The ``dask worker`` process (its nanny) of ``worker``."""
@@ -170,8 +199,9 @@ class Workers:
         port = int(nanny.rsplit(":", 1)[1])
         for p in self.procs:
             if p.poll() is None and any(
-                    s.status == "LISTEN" and s.laddr.port == port
-                    for s in psutil.Process(p.pid).net_connections()):  # fmt: skip
+                s.status == "LISTEN" and s.laddr.port == port
+                for s in psutil.Process(p.pid).net_connections()
+            ):
                 return p
         raise AssertionError(f"no process serves nanny {nanny}")
 
@@ -305,9 +335,17 @@ def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
     one; a batch whose records went to the lost host is completed; persisted checkpoints
     and pending persists survive."""
     c, w = workers3
-    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60, replicas=1,
-              working_set_size=2, wait_for_keys=True, persist_path=str(tmp_path / "store"),
-              persist_count=-1)  # fmt: skip
+    d = DDict(
+        managers_per_worker=1,
+        total_mem="96 MiB",
+        client=c,
+        timeout=60,
+        replicas=1,
+        working_set_size=2,
+        wait_for_keys=True,
+        persist_path=str(tmp_path / "store"),
+        persist_count=-1,
+    )
     try:
         victim = d.manager_workers[0]
         late = _key_on(d, 0, "late")
@@ -315,8 +353,7 @@ def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
         d.update({("before", i): i for i in range(200)})
         d.persist()
         d.sync()
-        waiting = c.submit(lambda h, k: h[k], d, late, pure=False,
-                           workers=[d.manager_workers[1]])  # fmt: skip
+        waiting = c.submit(lambda h, k: h[k], d, late, pure=False, workers=[d.manager_workers[1]])
         probe = DDict.attach(d.serialize(), timeout=60)  # reads the shard here directly
         assert late not in probe and ("before", 3) in probe
         d.start_batch_put()
@@ -383,8 +420,9 @@ def test_retirement_keeps_primaries_and_replicas_on_different_hosts(workers3):
         def retire() -> None:
             c.retire_workers([leaving])
             deadline = time.monotonic() + 60
-            while leaving in c.scheduler_info()["workers"] or \
-                    any(leaving in ws for ws in _replica_workers(c, d).values()):  # fmt: skip
+            while leaving in c.scheduler_info()["workers"] or any(
+                leaving in ws for ws in _replica_workers(c, d).values()
+            ):
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
 
@@ -402,8 +440,9 @@ def test_retirement_keeps_primaries_and_replicas_on_different_hosts(workers3):
 
 
 def _replica_workers(c: Client, d: DDict) -> dict[int, tuple[str, ...]]:
-    return {int(k): tuple(v) for k, v in
-            c.sync(c.scheduler.ddict_replicas, name=d.get_name()).items()}  # fmt: skip
+    return {
+        int(k): tuple(v) for k, v in c.sync(c.scheduler.ddict_replicas, name=d.get_name()).items()
+    }
 
 
 def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
@@ -412,8 +451,9 @@ def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
     while True:
         reps = _replica_workers(c, d)
         primaries = d._core.fresh(force=True).manager_workers
-        if all(len(reps.get(m, ())) == 1 and primaries[m] not in reps[m]
-               for m in range(d.num_managers)) and all(s.replicas == 1 for s in d.stats):  # fmt: skip
+        if all(
+            len(reps.get(m, ())) == 1 and primaries[m] not in reps[m] for m in range(d.num_managers)
+        ) and all(s.replicas == 1 for s in d.stats):
             return
         assert time.monotonic() < deadline, (primaries, reps)
         time.sleep(0.2)
@@ -426,8 +466,9 @@ def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
     without a replica, and the loss of its own host then lost the manager); then the
     primary's host is killed too, and it fails over with nothing acknowledged lost."""
     c, w = workers3
-    d = DDict(managers_per_worker=1, n_workers=1, total_mem="48 MiB", client=c, timeout=60,
-              replicas=1)  # fmt: skip
+    d = DDict(
+        managers_per_worker=1, n_workers=1, total_mem="48 MiB", client=c, timeout=60, replicas=1
+    )
     try:
         d.update({i: i for i in range(200)})
         _apart(c, d)
@@ -476,8 +517,11 @@ def test_a_replica_its_primary_dropped_is_made_again_at_the_next_join(workers3):
             async with rpc(primary.supervisor) as r:
                 # the replica's host address, as the primary names it
                 infos = await rpc(nanny).ddict_host_info()
-                await r.ddict_replica_targets(uid=layout.uid, manager_id=0, remove=[
-                    [infos["uds_path"], infos["tcp_host"], infos["tcp_port"]]])
+                await r.ddict_replica_targets(
+                    uid=layout.uid,
+                    manager_id=0,
+                    remove=[[infos["uds_path"], infos["tcp_host"], infos["tcp_port"]]],
+                )
 
         c.sync(drop)
         assert d.stats[0].replicas == 0

@@ -15,10 +15,10 @@ from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-
-from dask_ddict import DDict
 from test_moves_state import MovingDict
 from test_replicas import Workers
+
+from dask_ddict import DDict
 
 
 class ReplicatedDict(MovingDict):
@@ -27,8 +27,9 @@ class ReplicatedDict(MovingDict):
 
     @initialize()
     def start(self) -> None:  # (MovingDict's, with a replica per manager)
-        self.d = DDict(managers_per_worker=1, total_mem="48 MiB", client=self.client,
-                       timeout=60, replicas=1)  # fmt: skip
+        self.d = DDict(
+            managers_per_worker=1, total_mem="48 MiB", client=self.client, timeout=60, replicas=1
+        )
         self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
         self.model = {}
         self.workers = sorted(self.client.scheduler_info()["workers"])
@@ -59,8 +60,12 @@ class ReplicatedDict(MovingDict):
         while True:
             now = sorted(c.scheduler_info()["workers"])
             layout = self.d._core.fresh(force=True)
-            if len(now) == 3 and victim not in now and victim not in layout.manager_workers \
-                    and all(s.replicas == 1 for s in self.d.stats):  # fmt: skip
+            if (
+                len(now) == 3
+                and victim not in now
+                and victim not in layout.manager_workers
+                and all(s.replicas == 1 for s in self.d.stats)
+            ):
                 break
             assert not any(m.lost for m in layout.managers), layout.managers
             assert time.monotonic() < deadline, "no failover and repair"
@@ -91,7 +96,6 @@ def _ready(c: Client, worker: str) -> bool:
     return True
 
 
-
 def _run(max_examples: int, steps: int) -> None:
     with LocalCluster(n_workers=0, dashboard_address=":0") as cl, Client(cl) as c:
         w = Workers(cl.scheduler_address)
@@ -100,8 +104,11 @@ def _run(max_examples: int, steps: int) -> None:
             c.wait_for_workers(3, timeout=120)
             ReplicatedDict.client, ReplicatedDict.workers_ = c, w
             ReplicatedDict.TestCase.settings = settings(
-                max_examples=max_examples, stateful_step_count=steps, deadline=None,
-                suppress_health_check=list(HealthCheck))  # fmt: skip
+                max_examples=max_examples,
+                stateful_step_count=steps,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            )
             ReplicatedDict.TestCase().runTest()
         finally:
             w.close()

@@ -35,8 +35,9 @@ def persisted(client, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["wrong name", "missing checkpoint", "missing path"])
-def test_a_failed_restore_from_names_store_and_name_and_writes_nothing(client, tmp_path,
-                                                                       persisted, case):
+def test_a_failed_restore_from_names_store_and_name_and_writes_nothing(
+    client, tmp_path, persisted, case
+):
     before = tree(tmp_path)
     name, path, chkpt = "real", persisted, 0
     if case == "wrong name":
@@ -46,8 +47,7 @@ def test_a_failed_restore_from_names_store_and_name_and_writes_nothing(client, t
     else:
         path = str(tmp_path / "missing.zarr")
     with pytest.raises(DDictPersistCheckpointError) as e:
-        DDict(total_mem="64 MiB", client=client, name=name, persist_path=path,
-              restore_from=chkpt)  # fmt: skip
+        DDict(total_mem="64 MiB", client=client, name=name, persist_path=path, restore_from=chkpt)
     text = str(e.value)
     assert f"restore_from={chkpt} of {name!r}" in text and repr(path) in text
     if case == "wrong name":
@@ -59,23 +59,28 @@ def test_a_failed_restore_from_names_store_and_name_and_writes_nothing(client, t
     assert tree(tmp_path) == before  # no group, no skeleton, no file
     assert "wrong" not in [n for n, _ in __import__("zarr").open_group(persisted).groups()]
     assert not os.path.exists(tmp_path / "missing.zarr")
-    again = DDict(total_mem="64 MiB", client=client, name="real", persist_path=persisted,
-                  restore_from=0)  # fmt: skip
+    again = DDict(
+        total_mem="64 MiB", client=client, name="real", persist_path=persisted, restore_from=0
+    )
     try:
         assert again["a"] == 1  # the store still restores
     finally:
         again.destroy()
 
 
-def test_a_failed_restore_of_a_handle_names_the_store_and_changes_nothing(client, tmp_path,
-                                                                          persisted):
-    d = DDict(total_mem="64 MiB", client=client, name="real", persist_path=persisted,
-              restore_from=0)  # fmt: skip
+def test_a_failed_restore_of_a_handle_names_the_store_and_changes_nothing(
+    client, tmp_path, persisted
+):
+    d = DDict(
+        total_mem="64 MiB", client=client, name="real", persist_path=persisted, restore_from=0
+    )
     try:
         d["b"] = 2
         before = tree(tmp_path)
-        with pytest.raises(DDictPersistCheckpointError,
-                           match=r"restore\(7\) of .real.*s\.zarr.*\[0\]\); nothing was changed"):
+        with pytest.raises(
+            DDictPersistCheckpointError,
+            match=r"restore\(7\) of .real.*s\.zarr.*\[0\]\); nothing was changed",
+        ):
             d.restore(7)
         assert tree(tmp_path) == before and d["b"] == 2 and d.checkpoint_id == 0
     finally:
@@ -92,10 +97,12 @@ def test_check_restorable_reads_only(tmp_path, kind):
     (tmp_path / "junk" / "zarr.json").write_text("{not json")
     before = tree(tmp_path)
     junk = "not a readable zarr store" if kind == "zarr" else "is a zarr store"
-    for path, says in [(tmp_path / "plain", "holds no dictionary named 'd' .it holds: none."),
-                       (tmp_path / "junk", junk),
-                       (tmp_path / "file", "does not exist"),
-                       (tmp_path / "nothing", "does not exist")]:  # fmt: skip
+    for path, says in [
+        (tmp_path / "plain", "holds no dictionary named 'd' .it holds: none."),
+        (tmp_path / "junk", junk),
+        (tmp_path / "file", "does not exist"),
+        (tmp_path / "nothing", "does not exist"),
+    ]:
         with pytest.raises(DDictPersistCheckpointError, match=says):
             check_restorable(persister_for(kind), str(path), "d", 0, 2, 0)
     assert tree(tmp_path) == before

@@ -111,15 +111,19 @@ def test_every_acknowledged_direct_put_is_in_the_next_broadcast(client):
             assert sum(s.num_keys for s in d.stats) == i + 1
             if i % 8 == 0:
                 assert sorted(k[1] for k in d.keys()) == list(range(i + 1))
+
         def task(n):
             d[("task", n)] = n  # a task's direct put, on a worker
             return len(d)
+
         assert client.submit(task, 1, pure=False).result() == 41
         assert len(d) == 41 and ("task", 1) in set(d.keys())
         d.clear()
         assert len(d) == 0 and next(iter(d.keys()), None) is None
-        words = {path_for(os.path.dirname(m.uds_path), d._core.layout.uid)
-                 for m in d._core.layout.managers}  # fmt: skip
+        words = {
+            path_for(os.path.dirname(m.uds_path), d._core.layout.uid)
+            for m in d._core.layout.managers
+        }
         assert len(words) == 2 and all(os.path.exists(w) for w in words)  # one per host process
     finally:
         d.destroy()

@@ -37,15 +37,30 @@ class FakeSupervisors:
 
         return Handlers()
 
-    def ddict_create_managers(self, address: str, *, manager_ids: list[int], worker: str,
-                              **kw: Any) -> Any:  # fmt: skip
+    def ddict_create_managers(
+        self, address: str, *, manager_ids: list[int], worker: str, **kw: Any
+    ) -> Any:
         if address in self.full:
             return error_to_wire(DDictFullError("no room on " + address))  # as supervisors do
-        return [{"manager_id": m, "worker": worker, "hostname": "h", "host_id": "h:boot",
-                 "pid": 1, "uds_path": f"/tmp/{address}.sock", "tcp_host": "127.0.0.1",
-                 "tcp_port": 1, "store_path": f"/dev/shm/ddict-{m}", "memory": 1 << 40,
-                 "available": 1 << 39, "shard_dir_free": 1 << 39, "shard_bytes": 1 << 30,
-                 "unbacked": 0} for m in manager_ids]  # fmt: skip
+        return [
+            {
+                "manager_id": m,
+                "worker": worker,
+                "hostname": "h",
+                "host_id": "h:boot",
+                "pid": 1,
+                "uds_path": f"/tmp/{address}.sock",
+                "tcp_host": "127.0.0.1",
+                "tcp_port": 1,
+                "store_path": f"/dev/shm/ddict-{m}",
+                "memory": 1 << 40,
+                "available": 1 << 39,
+                "shard_dir_free": 1 << 39,
+                "shard_bytes": 1 << 30,
+                "unbacked": 0,
+            }
+            for m in manager_ids
+        ]
 
     def ddict_destroy_managers(self, address: str, **kw: Any) -> int:
         return 1
@@ -70,10 +85,15 @@ def scheduler(n: int = 2) -> Any:
         return None
 
     return SimpleNamespace(
-        handlers={}, workers=workers, address="tcp://s", rpc=sups.rpc, sups=sups,
+        handlers={},
+        workers=workers,
+        address="tcp://s",
+        rpc=sups.rpc,
+        sups=sups,
         security=SimpleNamespace(require_encryption=False),
-        register_nanny_plugin=register, register_worker_plugin=register,
-    )  # fmt: skip
+        register_nanny_plugin=register,
+        register_worker_plugin=register,
+    )
 
 
 def run(coro: Any) -> Any:
@@ -97,8 +117,9 @@ def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
     async def main() -> None:
         plugin, s = await started()
         for w in ("tcp://w0", "tcp://w1", "tcp://gone"):  # what each worker's plugin reports
-            s.handlers["ddict_hash_probe"](worker=w, probe=7 if w == "tcp://gone" else 5,
-                                           seed="6640")  # fmt: skip
+            s.handlers["ddict_hash_probe"](
+                worker=w, probe=7 if w == "tcp://gone" else 5, seed="6640"
+            )
         lay = await create(plugin)
         assert [m.manager_id for m in lay.managers] == [0, 1, 2, 3]
         assert [m.supervisor for m in lay.managers] == ["tcp://n0"] * 2 + ["tcp://n1"] * 2
@@ -107,7 +128,9 @@ def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
         attached = Layout.from_dict(plugin.attach("d"))
         assert attached.uid == lay.uid
         assert (attached.hash_probes, attached.hash_seed) == ((5, 6), "")
-        with pytest.raises(DDictError, match="already exists: attach with DDict.from_name.*dask ddict destroy d"):
+        with pytest.raises(
+            DDictError, match="already exists: attach with DDict.from_name.*dask ddict destroy d"
+        ):
             await create(plugin)
         anonymous = await plugin.create("", DDictOptions().to_dict(), 64 << 20, 1)
         assert anonymous["name"] and anonymous["name"] != "d"
@@ -181,8 +204,9 @@ def test_a_refusal_is_a_reply_and_a_bug_still_raises():
     async def main() -> None:
         plugin, s = await started()
         await create(plugin)
-        args = dict(name="d", options=DDictOptions().to_dict(), total_mem=64 << 20,
-                    managers_per_worker=2)  # fmt: skip
+        args = dict(
+            name="d", options=DDictOptions().to_dict(), total_mem=64 << 20, managers_per_worker=2
+        )
         reply = await s.handlers["ddict_create"](**args)
         assert reply["error"][0] == "DDictError" and "already exists" in reply["error"][1]
         with pytest.raises(DDictError, match="already exists"):
@@ -225,8 +249,14 @@ def test_why_a_host_is_gone_reaches_the_layout():
         assert why()[2:4] == ["its nanny closed"] * 2
         s.sups.gone.add("tcp://n2")
         await plugin.remove_worker(s, "tcp://w2", stimulus_id="handle-worker-cleanup-2.5")
-        assert why()[4:] == ["its worker's connection to the scheduler broke, and its nanny "
-                             "tcp://n2 does not answer"] * 2  # fmt: skip
+        assert (
+            why()[4:]
+            == [
+                "its worker's connection to the scheduler broke, and its nanny "
+                "tcp://n2 does not answer"
+            ]
+            * 2
+        )
         s.handlers["ddict_host_gone"](supervisor="tcp://n2", why="later")
         assert why()[4:] == [why()[4]] * 2  # the first reason stays
 

@@ -41,9 +41,11 @@ def guarded():
         "ddict.transport.handshake-timeout": f"{HANDSHAKE_TIMEOUT}s",
         "ddict.host.max-connections": MAX_CONNECTIONS,
     }
-    with dask.config.set(settings), LocalCluster(
-        n_workers=2, threads_per_worker=1, dashboard_address=":0"
-    ) as cl, Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set(settings),
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="32 MiB", client=c, lifetime="cluster")
         try:
             yield c, d
@@ -77,8 +79,9 @@ def _handshake(sock: socket.socket, layout, target: str):  # noqa: ANN001, ANN20
 def _with_port(d: DDict, client: Client, mid: int, port: int) -> DDict:
     """A handle whose layout sends manager ``mid``'s traffic to ``port`` (a squatter)."""
     lay = d._core.layout
-    managers = tuple(dataclasses.replace(m, tcp_port=port) if m.manager_id == mid else m
-                     for m in lay.managers)  # fmt: skip
+    managers = tuple(
+        dataclasses.replace(m, tcp_port=port) if m.manager_id == mid else m for m in lay.managers
+    )
     core = _Core(dataclasses.replace(lay, managers=managers), client)
     return DDict._from_core(core, creator=False, chkpt=0, timeout=5)
 
@@ -184,7 +187,8 @@ def test_the_host_refuses_proofs_for_another_target_replays_and_reflections(guar
 
     assert attempt(honest) == Hello.OK
     other_host = lambda uid, secret, inc, nc, ns, _: handshake.proof(  # noqa: E731
-        secret, b"client", uid, _target(m1), inc, nc, ns)
+        secret, b"client", uid, _target(m1), inc, nc, ns
+    )
     assert attempt(other_host) == Hello.DENIED  # made for another host process
     assert attempt(lambda *a: good[0]) == Hello.DENIED  # replayed: the nonces are new
     assert attempt(lambda *a: a[-1]) == Hello.DENIED  # the host's own proof, reflected
@@ -202,10 +206,13 @@ def _authenticated(d: DDict, mid: int) -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("klen,vlen,status,text", [
-    ((1 << 32) - 1, 0, Status.INVALID_ARGUMENT, "max-key-bytes"),
-    (32, 1 << 40, Status.POOL_FULL, "cannot fit"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "klen,vlen,status,text",
+    [
+        ((1 << 32) - 1, 0, Status.INVALID_ARGUMENT, "max-key-bytes"),
+        (32, 1 << 40, Status.POOL_FULL, "cannot fit"),
+    ],
+)
 def test_lengths_are_checked_before_any_allocation(guarded, klen, vlen, status, text):
     _, d = guarded
     host = psutil.Process(_host_pid(d, 0))
@@ -300,8 +307,15 @@ def test_a_unix_socket_peer_of_another_user_is_refused(monkeypatch):
     with a, b:
         monkeypatch.setattr(handshake, "peer_uid", lambda sock: os.getuid() + 1)
         with pytest.raises(handshake.HandshakeError, match="another user"):
-            handshake.host_side(a, lambda n: b"", lambda uid: None, lambda uid: False,
-                                tcp=False, target="", incarnation=b"")  # fmt: skip
+            handshake.host_side(
+                a,
+                lambda n: b"",
+                lambda uid: None,
+                lambda uid: False,
+                tcp=False,
+                target="",
+                incarnation=b"",
+            )
         with pytest.raises(handshake.HandshakeError, match="another user"):
             handshake.client_side(b, b"u" * 16, b"s", "/sock", tcp=False)
 

@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import (
     ALIGN,
     FRAME_BASE,
@@ -14,7 +15,6 @@ from dask_ddict._serialize import (
     loads_value,
     older_frame,
 )
-from dask_ddict._keys import dumps_key
 from dask_ddict.errors import DDictSerializationError
 
 

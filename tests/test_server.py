@@ -37,8 +37,7 @@ def _serve(tmp_path, event_loop: bool, wait_for_writers: bool = False):
     uid, secret = secrets.token_hex(16), secrets.token_hex(32)
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     hosted = HostedDict(uid, "srv", secret)
-    hosted.managers[3] = Manager(3, store, WorkingSet(store, 1,
-                                                      wait_for_writers=wait_for_writers))
+    hosted.managers[3] = Manager(3, store, WorkingSet(store, 1, wait_for_writers=wait_for_writers))
     uds = socket.socket(socket.AF_UNIX)
     path = str(tmp_path / "host.sock")
     uds.bind(path)
@@ -48,8 +47,17 @@ def _serve(tmp_path, event_loop: bool, wait_for_writers: bool = False):
     dicts = {hosted.key: hosted}
     server = HostServer(uds, tcp, dicts, closed, event_loop=event_loop)
     server.start()
-    info = ManagerInfo(3, "w", "h", "h:b", os.getpid(), path, "127.0.0.1",
-                       tcp.getsockname()[1], str(tmp_path / "shard"))  # fmt: skip
+    info = ManagerInfo(
+        3,
+        "w",
+        "h",
+        "h:b",
+        os.getpid(),
+        path,
+        "127.0.0.1",
+        tcp.getsockname()[1],
+        str(tmp_path / "shard"),
+    )
     links = []
 
     def channel(use_uds: bool, auth: str = secret) -> SocketChannel:
@@ -138,7 +146,10 @@ def test_a_fan_out_answers_for_every_manager_in_one_request(served, use_uds):
     ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
     got = ch.call(ops.FanOut(ops.Length(0), (3, 9, 3)))  # 9 is not hosted here
     assert [(mid, status, ival) for mid, status, ival, _ in got] == [
-        (3, 0, 1), (9, int(Status.MANAGER_UNAVAILABLE), 0), (3, 0, 1)]
+        (3, 0, 1),
+        (9, int(Status.MANAGER_UNAVAILABLE), 0),
+        (3, 0, 1),
+    ]
     assert b"not hosted" in got[1][3]
     stats = ch.call(ops.FanOut(ops.Stats(), (3,)))
     assert ops.Stats().result(stats[0][2], stats[0][3]).manager_id == 3
@@ -223,10 +234,17 @@ def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path
     def broadcast(o):
         got: list = []
         flags, keysec, value, vlen, chkpt, arg, client, timeout = ops.FanOut(o, (1, 2)).encode()
-        req = ops.Request(Op.FANOUT, flags, 1, chkpt, arg, client, timeout, keysec[:16],
-                          keysec[16:], b"", 0, 0)  # fmt: skip
-        ops.FanOut.serve(None, req, lambda ival=0, payload=b"": got.append(payload),
-                         managers=managers, generations=gens, answers=answers)  # fmt: skip
+        req = ops.Request(
+            Op.FANOUT, flags, 1, chkpt, arg, client, timeout, keysec[:16], keysec[16:], b"", 0, 0
+        )
+        ops.FanOut.serve(
+            None,
+            req,
+            lambda ival=0, payload=b"": got.append(payload),
+            managers=managers,
+            generations=gens,
+            answers=answers,
+        )
         return [o.result(ival, data) for _, _, ival, data in pickle.loads(got[0])]
 
     try:
@@ -268,8 +286,17 @@ def test_a_byte_range_is_cut_by_the_values_host_and_only_it_travels(served, use_
     ch.call(ops.Put(d, kb, dumps_value(value), 0, 1))
     ch.call(ops.Put(key_digest(pb), pb, dumps_value(bytearray(b"abc")), 0, 1))
     n = len(value)
-    spans = [(0, 10), (5, 5), (n - 3, n + 99), (-7, n << 1), (-(n + 9), 4), (3, -2), (9, 2),
-             (n + 1, n + 5), (-(1 << 70), 1 << 70)]  # (beyond 64 bits: clamped, same slice)
+    spans = [
+        (0, 10),
+        (5, 5),
+        (n - 3, n + 99),
+        (-7, n << 1),
+        (-(n + 9), 4),
+        (3, -2),
+        (9, 2),
+        (n + 1, n + 5),
+        (-(1 << 70), 1 << 70),
+    ]  # (beyond 64 bits: clamped, same slice)
     for start, stop in spans:
         size, part = ch.call(ops.GetRange(d, 0, start, stop))
         assert size == n and bytes(part) == value[start:stop], (start, stop)
@@ -285,8 +312,9 @@ def test_a_byte_range_is_cut_by_the_values_host_and_only_it_travels(served, use_
     ws.wait_for_keys = True  # a reader of a key not written at its checkpoint waits for it
     try:
         lb = dumps_key("late")
-        writer = threading.Timer(0.3, ch.call, (ops.Put(key_digest(lb), lb,
-                                                        dumps_value(b"written late"), 0, 1),))
+        writer = threading.Timer(
+            0.3, ch.call, (ops.Put(key_digest(lb), lb, dumps_value(b"written late"), 0, 1),)
+        )
         writer.start()
         try:
             assert ch.call(ops.GetRange(key_digest(lb), 0, -4, 99, 30.0)) == (12, b"late")
@@ -340,14 +368,30 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
 
 
-def _raw(o: ops.Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0,
-         term: int = 0) -> bytes:  # fmt: skip
+def _raw(
+    o: ops.Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0, term: int = 0
+) -> bytes:
     """``o`` as a request to manager ``mid`` with ``tag`` (and request id ``rid``, the
     manager's ``term`` as the client knows it), as a pipelining client frames it."""
     e = o.encode()
-    return REQ.pack(o.op, e.flags | flags, term, len(e.keysec), mid, tag, e.chkpt, e.arg, e.client,
-                    -1.0 if e.timeout is None else e.timeout, e.vlen, rid) + \
-        e.keysec + b"".join(bytes(p) for p in e.parts)  # fmt: skip
+    return (
+        REQ.pack(
+            o.op,
+            e.flags | flags,
+            term,
+            len(e.keysec),
+            mid,
+            tag,
+            e.chkpt,
+            e.arg,
+            e.client,
+            -1.0 if e.timeout is None else e.timeout,
+            e.vlen,
+            rid,
+        )
+        + e.keysec
+        + b"".join(bytes(p) for p in e.parts)
+    )
 
 
 def _replies(sock: socket.socket, n: int) -> list[tuple[int, int, int, bytes]]:
@@ -368,10 +412,16 @@ def _replies(sock: socket.socket, n: int) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
-@pytest.mark.parametrize("change, says", [(lambda v: v[:-5], b"ends inside its digests"),
-                                          (lambda v: v + b"more", b"goes on after its digests")])
-def test_a_many_key_read_cut_or_overlong_is_refused_and_the_connection_serves_on(served, change,
-                                                                                 says):
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda v: v[:-5], b"ends inside its digests"),
+        (lambda v: v + b"more", b"goes on after its digests"),
+    ],
+)
+def test_a_many_key_read_cut_or_overlong_is_refused_and_the_connection_serves_on(
+    served, change, says
+):
     """A ``GetMany`` whose value ends inside its digests (a table that promises more keys
     than it carries), or goes on after them, is answered with an error saying so, not
     read as other digests; the connection then serves its next request."""
@@ -384,8 +434,11 @@ def test_a_many_key_read_cut_or_overlong_is_refused_and_the_connection_serves_on
     bad = change(b"".join(bytes(p) for p in e.parts))
     conn = ch.link._connect(3, None, None)
     try:
-        conn.sock.sendall(REQ.pack(o.op, e.flags, 0, 0, 3, 5, 0, 0, 0, -1.0, len(bad), 0) + bad
-                          + _raw(ops.Get(key_digest(kb), 0), 6))  # fmt: skip
+        conn.sock.sendall(
+            REQ.pack(o.op, e.flags, 0, 0, 3, 5, 0, 0, 0, -1.0, len(bad), 0)
+            + bad
+            + _raw(ops.Get(key_digest(kb), 0), 6)
+        )
         (status, tag, _, msg), (status2, tag2, _, frame) = _replies(conn.sock, 2)
         assert (tag, tag2) == (5, 6) and status != 0 and status2 == 0
         assert says in msg and loads_value(frame) == 1
@@ -442,13 +495,15 @@ def test_pipelined_replies_to_a_slow_reader_come_whole_and_in_order(served, use_
         ch.call(ops.Put(key_digest(kb), kb, dumps_value(v), 0, 1))
     conn = ch.link._connect(3, None, None)
     try:
-        conn.sock.sendall(b"".join(_raw(ops.Get(key_digest(dumps_key(f"v{j % 8}")), 0), 10 + j)
-                                   for j in range(200)))  # fmt: skip
+        conn.sock.sendall(
+            b"".join(
+                _raw(ops.Get(key_digest(dumps_key(f"v{j % 8}")), 0), 10 + j) for j in range(200)
+            )
+        )
         time.sleep(1.0)
         got = _replies(conn.sock, 200)
         assert [t for _, t, _, _ in got] == [10 + j for j in range(200)]
-        assert all(s == 0 and loads_value(p) == values[j % 8]
-                   for j, (s, _, _, p) in enumerate(got))  # fmt: skip
+        assert all(s == 0 and loads_value(p) == values[j % 8] for j, (s, _, _, p) in enumerate(got))
     finally:
         conn.sock.close()
 
@@ -463,8 +518,10 @@ def test_a_moved_manager_is_answered_among_pipelined_requests(served, use_uds):
     conn = ch.link._connect(3, None, None)
     try:
         kb = dumps_key("x")
-        conn.sock.sendall(_raw(ops.Put(key_digest(kb), kb, dumps_value(b"z" * 2000), 0, 1), 5,
-                               mid=5) + _raw(ops.Length(0), 6))  # fmt: skip
+        conn.sock.sendall(
+            _raw(ops.Put(key_digest(kb), kb, dumps_value(b"z" * 2000), 0, 1), 5, mid=5)
+            + _raw(ops.Length(0), 6)
+        )
         got = _replies(conn.sock, 2)
         assert (got[0][0], got[0][1]) == (int(Status.MOVED), 5) and b"elsewhere:1" in got[0][3]
         assert got[1][:3] == (0, 6, 0)
@@ -484,11 +541,19 @@ def test_a_request_under_another_term_is_answered_moved_or_lease_and_never_serve
     kb = dumps_key("termed")
     put = ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1)
     try:
-        conn.sock.sendall(_raw(put, 1, term=wire_term(39_999)) + _raw(put, 2, term=wire_term(40_001))
-                          + _raw(ops.Length(0), 3, term=wire_term(40_000)) + _raw(ops.Length(0), 4))  # fmt: skip
+        conn.sock.sendall(
+            _raw(put, 1, term=wire_term(39_999))
+            + _raw(put, 2, term=wire_term(40_001))
+            + _raw(ops.Length(0), 3, term=wire_term(40_000))
+            + _raw(ops.Length(0), 4)
+        )
         got = _replies(conn.sock, 4)
         assert [(st, tag) for st, tag, _, _ in got] == [
-            (int(Status.MOVED), 1), (int(Status.LEASE), 2), (0, 3), (0, 4)]
+            (int(Status.MOVED), 1),
+            (int(Status.LEASE), 2),
+            (0, 3),
+            (0, 4),
+        ]
         assert b"newer term" in got[0][3] and b"asks the orchestrator" in got[1][3]
         assert got[2][2] == got[3][2] == 0  # (nothing was put)
     finally:
@@ -511,8 +576,12 @@ def test_a_key_over_the_limit_that_the_loop_took_whole_is_refused(served, use_ud
     try:
         klen = (1 << 20) + 100
         body = b"k" * klen + b"v" * 10 if channel.server.loop is not None else b""
-        conn.sock.sendall(REQ.pack(int(Op.PUT), FLAG_NOREPLY if noreply else 0, 0, klen, 3, 77,
-                                   0, 0, 1, -1.0, 10, 0) + body)  # fmt: skip
+        conn.sock.sendall(
+            REQ.pack(
+                int(Op.PUT), FLAG_NOREPLY if noreply else 0, 0, klen, 3, 77, 0, 0, 1, -1.0, 10, 0
+            )
+            + body
+        )
         conn.sock.settimeout(10)
         data = b""
         while chunk := conn.sock.recv(1 << 16):
@@ -537,8 +606,10 @@ def test_a_reply_kept_back_is_sent_before_the_next_request_waits(served, use_uds
     a, c = dumps_key("a"), dumps_key("c")
     conn = ch.link._connect(3, None, None)
     try:
-        conn.sock.sendall(_raw(ops.Put(key_digest(a), a, dumps_value(1), 0, 1), 1)
-                          + _raw(ops.WaitFor(key_digest(c), 0, dumps_value(2).join(), 30.0), 2))
+        conn.sock.sendall(
+            _raw(ops.Put(key_digest(a), a, dumps_value(1), 0, 1), 1)
+            + _raw(ops.WaitFor(key_digest(c), 0, dumps_value(2).join(), 30.0), 2)
+        )
         assert _replies(conn.sock, 1) == [(0, 1, 0, b"")]  # (the put's, while the wait waits)
         other.call(ops.Put(key_digest(c), c, dumps_value(2), 0, 1))
         assert _replies(conn.sock, 1) == [(0, 2, 0, b"")]
@@ -555,8 +626,10 @@ def test_replies_kept_back_are_sent_before_a_failed_request_drops_the_connection
     ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
     conn = ch.link._connect(3, None, None)
     try:
-        conn.sock.sendall(_raw(ops.Get(key_digest(kb), 0), 1) + _raw(
-            ops.Put(key_digest(kb), kb, dumps_value(2), 0, 1), 2, mid=99, flags=FLAG_NOREPLY))
+        conn.sock.sendall(
+            _raw(ops.Get(key_digest(kb), 0), 1)
+            + _raw(ops.Put(key_digest(kb), kb, dumps_value(2), 0, 1), 2, mid=99, flags=FLAG_NOREPLY)
+        )
         conn.sock.settimeout(10)
         data = b""
         while chunk := conn.sock.recv(1 << 16):
@@ -568,8 +641,7 @@ def test_replies_kept_back_are_sent_before_a_failed_request_drops_the_connection
         conn.sock.close()
 
 
-def test_a_waiting_put_of_a_client_gone_meanwhile_times_out_and_is_not_applied(
-        looped_waiting):  # fmt: skip
+def test_a_waiting_put_of_a_client_gone_meanwhile_times_out_and_is_not_applied(looped_waiting):
     """[a slow get (its reply kept back), a put that must wait, 0.5 s timeout], the
     client gone before the put waits: handing the loop on (which sends the kept-back
     reply) fails quietly, and the put times out unapplied instead of staying queued."""
@@ -588,8 +660,10 @@ def test_a_waiting_put_of_a_client_gone_meanwhile_times_out_and_is_not_applied(
     server.handlers[Op.GET] = slow_get
     try:
         conn = ch.link._connect(3, None, None)
-        conn.sock.sendall(_raw(ops.Get(key_digest(k), 0), 1) + _raw(
-            ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=0.5), 2))
+        conn.sock.sendall(
+            _raw(ops.Get(key_digest(k), 0), 1)
+            + _raw(ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=0.5), 2)
+        )
         conn.sock.close()
         time.sleep(1.0)  # (past the put's timeout)
         for _ in range(500):  # (it times out by then; on a loaded machine a little later)
@@ -619,14 +693,20 @@ def test_a_client_that_reads_nothing_holds_up_no_other_client(looped_waiting):
     ch.call(ops.Put(key_digest(k), k, dumps_value(1), 0, 1))
     conn, filled = _stalled(ch, server)
     try:
-        conn.sock.sendall(_raw(ops.Get(key_digest(k), 0), 1) + _raw(
-            ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=30), 2))
+        conn.sock.sendall(
+            _raw(ops.Get(key_digest(k), 0), 1)
+            + _raw(ops.Put(key_digest(k2), k2, dumps_value(2), 1, 2, timeout=30), 2)
+        )
         time.sleep(0.5)
         done = threading.Event()
         z = dumps_key("z")
-        threading.Thread(target=lambda: (other.call(ops.Put(key_digest(z), z, dumps_value(0),
-                                                            0, 3)), done.set()),
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=lambda: (
+                other.call(ops.Put(key_digest(z), z, dumps_value(0), 0, 3)),
+                done.set(),
+            ),
+            daemon=True,
+        ).start()
         assert done.wait(10), "another client's put waited for a client that reads nothing"
         conn.sock.settimeout(20)
         got = b""
@@ -655,13 +735,16 @@ def test_a_delivered_reply_waits_for_its_manager_off_the_loop(looped):
     try:
         conn.sock.sendall(_raw(ops.Pop(key_digest(big), 0, 1), 1, rid=77))
         status, tag, _, plen = REP.unpack(_recv_exact(conn.sock, REP.size))
-        assert (status, tag) == (0, 1) and loads_value(_recv_exact(conn.sock, plen)) == b"b" * 10_000
+        assert (status, tag) == (0, 1) and loads_value(
+            _recv_exact(conn.sock, plen)
+        ) == b"b" * 10_000
         assert 77 in manager._big_replies  # (kept until the client shows it read it)
         with manager._mutex:  # (a move holds the manager's lock)
             conn.sock.sendall(_raw(ops.Length(0), 2))
             done = threading.Event()
-            threading.Thread(target=lambda: (other.call(ops.Get(key_digest(k), 0)), done.set()),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=lambda: (other.call(ops.Get(key_digest(k), 0)), done.set()), daemon=True
+            ).start()
             assert done.wait(10), "the event loop waited for a manager's lock"
         status, tag, ival, plen = REP.unpack(_recv_exact(conn.sock, REP.size))
         assert (status, tag, ival) == (0, 2, 1) and 77 not in manager._big_replies
@@ -714,9 +797,13 @@ def test_an_error_reply_to_a_client_that_reads_nothing_holds_up_no_other_client(
         conn.sock.sendall(_raw(ops.Get(key_digest(dumps_key("missing")), 0), 1))
         time.sleep(0.5)
         done = threading.Event()
-        threading.Thread(target=lambda: (other.call(ops.Put(key_digest(z), z, dumps_value(1),
-                                                            0, 3)), done.set()),
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=lambda: (
+                other.call(ops.Put(key_digest(z), z, dumps_value(1), 0, 3)),
+                done.set(),
+            ),
+            daemon=True,
+        ).start()
         assert done.wait(10), "the event loop waited for a client that reads nothing"
     finally:
         conn.sock.close()
@@ -768,8 +855,17 @@ def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path, cl
     from dask_ddict.transport.conn import Conn
     from dask_ddict.transport.kept import KEPT
 
-    info = ManagerInfo(3, "w", "h", "h:b", os.getpid(), str(tmp_path / "none.sock"),
-                       "127.0.0.1", 1, str(tmp_path / "shard"))  # fmt: skip
+    info = ManagerInfo(
+        3,
+        "w",
+        "h",
+        "h:b",
+        os.getpid(),
+        str(tmp_path / "none.sock"),
+        "127.0.0.1",
+        1,
+        str(tmp_path / "shard"),
+    )
     import dask.config
 
     with dask.config.set({"ddict.transport.alive-check": "20 ms"}):
@@ -790,8 +886,10 @@ def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path, cl
 
     link._checker = lambda mid: check  # type: ignore[method-assign]
     try:
-        with pytest.raises(DDictManagerUnavailableError,
-                           match="socket file is gone" if closed else "supervisor ended"):
+        with pytest.raises(
+            DDictManagerUnavailableError,
+            match="socket file is gone" if closed else "supervisor ended",
+        ):
             link.call(ops.Length(0), 3)  # (closed: sent again, to a host that is not there)
         assert len(checks) == (1 if closed else 3) and silent.recv(1 << 16)  # (it went out)
         assert conn not in link._all and not link.idle and ours.fileno() == -1

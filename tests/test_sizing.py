@@ -17,13 +17,18 @@ GiB = 1 << 30
 
 
 def _sizing_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught
-            if issubclass(w.category, RuntimeWarning) and "DDict shards" in str(w.message)]  # fmt: skip
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, RuntimeWarning) and "DDict shards" in str(w.message)
+    ]
 
 
 def test_a_default_local_cluster_does_not_warn():
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         limits = sum(w["memory_limit"] for w in c.scheduler_info()["workers"].values())
         # What the old check compared: this alone made every dictionary warn.
         assert limits + (64 << 20) > psutil.virtual_memory().total
@@ -42,9 +47,13 @@ def test_shards_that_leave_the_workers_too_little_warn():
     (``ddict.store.reserve: false``) of half the available memory, beside a worker
     allowed all of it.  The worker would grow to 80 % of it before Dask pauses it."""
     available = psutil.virtual_memory().available
-    with dask.config.set({"ddict.store.reserve": False}), \
-            LocalCluster(n_workers=1, threads_per_worker=1, memory_limit=available,
-                         dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.store.reserve": False}),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, memory_limit=available, dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         with pytest.warns(RuntimeWarning) as caught:
             d = DDict(total_mem=available // 2, client=c)
         d.destroy()
@@ -60,9 +69,13 @@ def test_shards_larger_than_the_memory_warn():
     available = psutil.virtual_memory().available
     shm_free = psutil.disk_usage("/dev/shm").free
     each = int(0.6 * min(available, shm_free))
-    with dask.config.set({"ddict.store.reserve": False}), \
-            LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="1 GiB",
-                         dashboard_address=":0") as cl, Client(cl) as c:  # fmt: skip
+    with (
+        dask.config.set({"ddict.store.reserve": False}),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, memory_limit="1 GiB", dashboard_address=":0"
+        ) as cl,
+        Client(cl) as c,
+    ):
         with pytest.warns(RuntimeWarning) as caught:
             d = DDict(2, total_mem=2 * each, client=c)
         d.destroy()
@@ -73,20 +86,44 @@ def test_shards_larger_than_the_memory_warn():
 
 def test_the_rule():
     """Each over-commit alone, and the setups that are not one (unit test of the rule)."""
-    ok = HostMemory("h", available=20 * GiB, shard_dir_free=12 * GiB, shard_bytes=1 * GiB,
-                    unbacked=0, growth=19 * GiB)  # fmt: skip
+    ok = HostMemory(
+        "h",
+        available=20 * GiB,
+        shard_dir_free=12 * GiB,
+        shard_bytes=1 * GiB,
+        unbacked=0,
+        growth=19 * GiB,
+    )
     assert memory_warnings(ok) == []
     # Reserved shards that leave the workers' growth no room: it would fit without them.
-    crowded = HostMemory("h", available=10 * GiB, shard_dir_free=12 * GiB,
-                         shard_bytes=8 * GiB, unbacked=0, growth=15 * GiB)  # fmt: skip
+    crowded = HostMemory(
+        "h",
+        available=10 * GiB,
+        shard_dir_free=12 * GiB,
+        shard_bytes=8 * GiB,
+        unbacked=0,
+        growth=15 * GiB,
+    )
     assert ["before Dask pauses them" in s for s in memory_warnings(crowded)] == [True]
     # A host short of memory whatever the shards: not the dictionary's to report.
-    busy = HostMemory("h", available=2 * GiB, shard_dir_free=12 * GiB, shard_bytes=GiB // 4,
-                      unbacked=0, growth=15 * GiB)  # fmt: skip
+    busy = HostMemory(
+        "h",
+        available=2 * GiB,
+        shard_dir_free=12 * GiB,
+        shard_bytes=GiB // 4,
+        unbacked=0,
+        growth=15 * GiB,
+    )
     assert memory_warnings(busy) == []
     # Unreserved shards beyond the memory and the shard directory.
-    over = HostMemory("h", available=10 * GiB, shard_dir_free=12 * GiB, shard_bytes=16 * GiB,
-                      unbacked=16 * GiB, growth=0)  # fmt: skip
+    over = HostMemory(
+        "h",
+        available=10 * GiB,
+        shard_dir_free=12 * GiB,
+        shard_bytes=16 * GiB,
+        unbacked=16 * GiB,
+        growth=0,
+    )
     said = memory_warnings(over)
     assert len(said) == 2 and "shard directory" in said[0] and "exceed the memory" in said[1]
     assert pause_fraction({"pause": 0.8, "terminate": 0.95}) == 0.8

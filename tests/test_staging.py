@@ -18,8 +18,14 @@ from dask_ddict.stores.staging import STAGING, plan
 
 
 def test_the_plan_puts_each_object_with_its_managers_worker_metadata_first():
-    keys = [("x/c/0", 0), ("x/zarr.json", 1), ("x/c/1", 1), ("x/c/2", 2), ("zarr.json", 0),
-            ("x/c/3", 0)]  # fmt: skip
+    keys = [
+        ("x/c/0", 0),
+        ("x/zarr.json", 1),
+        ("x/c/1", 1),
+        ("x/c/2", 2),
+        ("zarr.json", 0),
+        ("x/c/3", 0),
+    ]
     workers = {"a": [0, 1], "b": [2]}
     loaders = plan(keys, workers, 4)  # (2 per worker)
     assert sorted(k for _, ks in loaders for k in ks) == sorted(k for k, _ in keys)
@@ -55,7 +61,8 @@ def test_a_staged_store_reads_right_while_loading_and_from_the_dictionary_after(
         assert staged.total == 102  # (100 chunks, two zarr.json)
         assert sum(isinstance(k, str) and k.startswith("ds/") for k in d.keys()) == 102
         assert [k for k in d.keys() if not isinstance(k, str)] and all(
-            k[0] == STAGING for k in d.keys() if not isinstance(k, str))  # (the records)
+            k[0] == STAGING for k in d.keys() if not isinstance(k, str)
+        )  # (the records)
         shutil.rmtree(path)  # the source is never read again
         x = da.from_zarr(staged, component="x")
         np.testing.assert_array_equal(x.compute(), data)
@@ -100,16 +107,19 @@ async def _keys(store) -> list[str]:
 def test_a_staged_store_pickles_to_tasks_and_xarray_reads_it(client, tmp_path):
     xr = pytest.importorskip("xarray")
     path = str(tmp_path / "ds.zarr")
-    ds = xr.Dataset({"t": (("time", "x"), np.random.default_rng(1).random((48, 10)))},
-                    coords={"time": np.arange(48), "x": np.arange(10) * 0.5},
-                    attrs={"source": "bench"})  # fmt: skip
+    ds = xr.Dataset(
+        {"t": (("time", "x"), np.random.default_rng(1).random((48, 10)))},
+        coords={"time": np.arange(48), "x": np.arange(10) * 0.5},
+        attrs={"source": "bench"},
+    )
     ds.chunk({"time": 12}).to_zarr(path, consolidated=True)
     d = DDict(total_mem="64 MiB", client=client)
     try:
         staged = stage(path, d)
         # a task reads through a pickled staged store (loaded or not)
-        total = client.submit(lambda s: float(zarr.open_array(s, path="t", mode="r")[:].sum()),
-                              staged).result(timeout=60)  # fmt: skip
+        total = client.submit(
+            lambda s: float(zarr.open_array(s, path="t", mode="r")[:].sum()), staged
+        ).result(timeout=60)
         assert total == pytest.approx(float(ds["t"].sum()))
         staged.wait(timeout=60)
         back = xr.open_zarr(staged, consolidated=True)
@@ -135,9 +145,7 @@ def test_bad_arguments_are_refused_naming_them(client, tmp_path, source):
         d.destroy()
 
 
-def test_a_dictionary_that_fills_fails_the_staging_naming_it_and_reads_stay_right(
-    client, tmp_path
-):
+def test_a_dictionary_that_fills_fails_the_staging_naming_it_and_reads_stay_right(client, tmp_path):
     """The loaders fill the dictionary (a shard refuses the next object): ``wait()`` and
     ``is_loaded()`` raise naming it, and every read is still right (from the source)."""
     path = str(tmp_path / "big.zarr")
@@ -185,8 +193,10 @@ def test_a_worker_killed_while_its_loaders_run_loses_nothing(tmp_path):
     path = str(tmp_path / "src.zarr")
     data = np.random.default_rng(3).random((400, 2000))
     zarr.create_array(path, shape=data.shape, chunks=(20, 2000), dtype="f8")[:] = data
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl, \
-            Client(cl) as c:  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        Client(cl) as c,
+    ):
         d = DDict(total_mem="64 MiB", client=c, timeout=60)
         try:
             victim = d.manager_workers[0]

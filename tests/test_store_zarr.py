@@ -132,9 +132,15 @@ def test_zarr_store_state_machine(zd):
     def machine() -> ZarrStoreStateMachine:
         return ZarrStoreStateMachine(DDictStore(**kwargs))
 
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=8, stateful_step_count=8, deadline=None,
-        suppress_health_check=list(HealthCheck)))  # fmt: skip
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=8,
+            stateful_step_count=8,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     assert zd[42] == "an int key"  # clear() removed only the store's keys
 
 
@@ -174,7 +180,9 @@ def test_names_skip_foreign_keys_and_children_are_unique():
 _not_str = st.one_of(st.integers(), st.binary(), st.none(), st.lists(st.text(), max_size=2))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(bad=_not_str)
 def test_bad_arguments_raise_typed_errors_naming_them(zd, bad):
     with pytest.raises(TypeError, match="prefix"):
@@ -257,8 +265,10 @@ def test_keys_are_the_dictionarys_str_keys_and_values_bytes(zd):
     big = np.arange(1 << 16, dtype="u1")
     zd["both/raw"] = memoryview(big)
     assert zd["both/raw"] == big.tobytes()
-    assert bytes(store.get_sync("raw", byte_range=RangeByteRequest(3, 9)).to_bytes()) == \
-        big[3:9].tobytes()  # fmt: skip
+    assert (
+        bytes(store.get_sync("raw", byte_range=RangeByteRequest(3, 9)).to_bytes())
+        == big[3:9].tobytes()
+    )
     zarr.core.sync.sync(store.delete_dir(""))
     assert not any(type(k) is str and k.startswith("both/") for k in zd)
 
@@ -296,8 +306,11 @@ def _attached(d: DDict, client: Any, **settings: Any) -> DDict:
 def paths(zd, client):
     """The three ways to a value: its shard beside this process, the host process's Unix
     socket (direct reads off), TCP (as from another host)."""
-    handles = {"shm": zd, "uds": _attached(zd, client, **{"local-read": False}),
-               "tcp": _attached(zd, client, **{"local-transport": False})}  # fmt: skip
+    handles = {
+        "shm": zd,
+        "uds": _attached(zd, client, **{"local-read": False}),
+        "tcp": _attached(zd, client, **{"local-transport": False}),
+    }
     for kind, h in handles.items():
         assert {h._core.channel(m).kind for m in range(h.num_managers)} == {kind}
     yield handles
@@ -350,12 +363,17 @@ def _zarrs(local: LocalStore, n: int, byte_range: Any) -> bytes:
 def _any_range(n: int) -> st.SearchStrategy[Any]:
     """Any request of zarr's, in and around a value of ``n`` bytes (negative bounds too)."""
     bound = st.integers(-(n + 3), n + 3) | st.sampled_from([0, n, n + 1, 1 << 40, -(1 << 40)])
-    return st.one_of(st.tuples(bound, bound).map(lambda t: RangeByteRequest(*t)),
-                     bound.map(OffsetByteRequest), bound.map(SuffixByteRequest))  # fmt: skip
+    return st.one_of(
+        st.tuples(bound, bound).map(lambda t: RangeByteRequest(*t)),
+        bound.map(OffsetByteRequest),
+        bound.map(SuffixByteRequest),
+    )
 
 
 @pytest.mark.one_host
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_byte_ranges_read_what_zarrs_own_stores_read_on_every_path(zd, paths, tmp_path, data):
     prefix = "ranges/"
@@ -385,8 +403,13 @@ def test_a_byte_range_moves_its_bytes_only_and_getsize_none(zd, paths, wire, mon
 
     copied: list[int] = []
     real = mapped._View.copy
-    monkeypatch.setattr(mapped._View, "copy", lambda self, frame, part=None: copied.append(
-        (frame if part is None else part).nbytes) or real(self, frame, part))  # (what is copied)
+    monkeypatch.setattr(
+        mapped._View,
+        "copy",
+        lambda self, frame, part=None: (
+            copied.append((frame if part is None else part).nbytes) or real(self, frame, part)
+        ),
+    )  # (what is copied)
     value = _value(1 << 20)
     zd["moved/v"] = value
     for kind, h in paths.items():
@@ -410,7 +433,7 @@ def test_a_byte_range_of_a_value_that_is_not_raw_bytes(zd, paths):
     value (``TypeError``, as a whole read says); an absent key is ``None``."""
     zd["pickled/ba"] = bytearray(b"0123456789")
     zd["pickled/obj"] = {"not": "bytes"}
-    for kind, h in paths.items():
+    for h in paths.values():
         with pytest.raises(DDictSerializationError, match="not raw bytes"):
             h._get_range("pickled/ba", 0, 2)
         store = DDictStore(h, prefix="pickled/")
@@ -433,8 +456,15 @@ _SHARD, _INNER = 1 << 21, 1 << 15  # (float64 elements)
 
 def _sharded(store: DDictStore) -> np.ndarray:
     x = np.random.default_rng(3).random(_SHARD)
-    z = zarr.create_array(store, name="s", shape=x.shape, shards=(_SHARD,), chunks=(_INNER,),
-                          dtype="f8", compressors=None)  # fmt: skip
+    z = zarr.create_array(
+        store,
+        name="s",
+        shape=x.shape,
+        shards=(_SHARD,),
+        chunks=(_INNER,),
+        dtype="f8",
+        compressors=None,
+    )
     z[:] = x
     return x
 
@@ -465,14 +495,14 @@ def test_dask_array_round_trip_from_tasks(zd, client):
     x = da.random.default_rng(1).random((400, 300), chunks=(100, 75))
     store = DDictStore(zd, prefix=f"dask{next(_ids)}/")
     x.to_zarr(store, component="x", compute=True)  # (each task writes its own chunk)
-    assert sum(1 for k in zd if type(k) is str and k.startswith(store.prefix + "x/c/")) \
-        == 16  # fmt: skip
+    assert sum(1 for k in zd if type(k) is str and k.startswith(store.prefix + "x/c/")) == 16
     y = da.from_zarr(store, component="x")
     assert y.chunks == x.chunks
     np.testing.assert_array_equal(y.compute(), x.compute())
     # The store travelled to the tasks: read there too, by handle.
-    got = client.submit(lambda s: float(zarr.open_array(s, path="x", mode="r")[:].sum()),
-                        store).result()  # fmt: skip
+    got = client.submit(
+        lambda s: float(zarr.open_array(s, path="x", mode="r")[:].sum()), store
+    ).result()
     assert got == pytest.approx(float(x.sum().compute()))
 
 
@@ -532,8 +562,9 @@ def _write_in_task(store: DDictStore) -> int:
     """In a task: write 256 MiB of chunks through ``store``; the growth of this process's
     resident shared memory (pages of the shards it wrote through its mappings)."""
     shmem = _shmem
-    z = zarr.create_array(store, name="rss", shape=(1 << 25,), chunks=(1 << 22,), dtype="f8",
-                          compressors=None)  # fmt: skip
+    z = zarr.create_array(
+        store, name="rss", shape=(1 << 25,), chunks=(1 << 22,), dtype="f8", compressors=None
+    )
     before = shmem()
     rng = np.random.default_rng(0)
     for i in range(8):
@@ -586,11 +617,13 @@ def _channel_kinds(store: DDictStore) -> list[str]:
 def test_xarray_round_trip_with_coordinates_attributes_and_consolidated_metadata(zd, monkeypatch):
     xr = pytest.importorskip("xarray")
     ds = xr.Dataset(
-        {"t": (("time", "x"), np.arange(24.0).reshape(6, 4), {"units": "K"}),
-         "flag": (("x",), np.array([1, 0, 1, 1], dtype="i2"))},
+        {
+            "t": (("time", "x"), np.arange(24.0).reshape(6, 4), {"units": "K"}),
+            "flag": (("x",), np.array([1, 0, 1, 1], dtype="i2")),
+        },
         coords={"time": np.arange(6), "x": [10.0, 20.0, 30.0, 40.0], "label": ("x", list("abcd"))},
         attrs={"title": "ddict", "version": 3},
-    ).chunk({"time": 3})  # fmt: skip
+    ).chunk({"time": 3})
     store = DDictStore(zd, prefix=f"xr{next(_ids)}/")
     ds.to_zarr(store, consolidated=True, zarr_format=3)
     assert b"consolidated_metadata" in zd[store.prefix + "zarr.json"]
@@ -619,10 +652,12 @@ def test_a_store_at_checkpoint_k_reads_the_arrays_as_of_k(client):
         d.checkpoint()  # the store's handle moves on: writes now go to checkpoint 1
         zarr.open_array(DDictStore(d), path="a")[:4] = -1
         old = DDict.attach(d.serialize(), client=client)  # a handle at checkpoint 0
-        np.testing.assert_array_equal(zarr.open_array(DDictStore(old), path="a", mode="r")[:],
-                                      np.arange(8))  # fmt: skip
-        np.testing.assert_array_equal(zarr.open_array(DDictStore(d), path="a", mode="r")[:],
-                                      [-1] * 4 + [4, 5, 6, 7])  # fmt: skip
+        np.testing.assert_array_equal(
+            zarr.open_array(DDictStore(old), path="a", mode="r")[:], np.arange(8)
+        )
+        np.testing.assert_array_equal(
+            zarr.open_array(DDictStore(d), path="a", mode="r")[:], [-1] * 4 + [4, 5, 6, 7]
+        )
         old.detach()
 
 
@@ -634,6 +669,7 @@ def test_a_persisted_and_restored_dictionary_brings_its_arrays_back(client, tmp_
         d.persist()
         d.sync()
         assert d.persisted_ids() == [0]
-    with DDict(total_mem="64 MiB", client=client, name=name, persist_path=path,
-               restore_from=0) as e:  # fmt: skip
+    with DDict(
+        total_mem="64 MiB", client=client, name=name, persist_path=path, restore_from=0
+    ) as e:
         np.testing.assert_array_equal(da.from_zarr(DDictStore(e, prefix="p/"), "x").compute(), x)

@@ -22,8 +22,9 @@ from dask_ddict import DDict, DDictError, Policy
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.transport.protocol import HELLO_MAGIC
 
-pytestmark = pytest.mark.skipif(twohost.unavailable() is not None,
-                                reason=f"two-host fixture: {twohost.unavailable()}")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    twohost.unavailable() is not None, reason=f"two-host fixture: {twohost.unavailable()}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,14 @@ def _in_a_task(d: DDict, n: int) -> dict:  # runs on host 2's worker
 
 def test_core_dict_and_checkpoint_operations_span_both_hosts(hosts, tmp_path):
     h, c = hosts
-    d = DDict(total_mem="64 MiB", client=c, working_set_size=2, persist_path=str(tmp_path / "s"),
-              persist_count=-1, lifetime="cluster")  # fmt: skip
+    d = DDict(
+        total_mem="64 MiB",
+        client=c,
+        working_set_size=2,
+        persist_path=str(tmp_path / "s"),
+        persist_count=-1,
+        lifetime="cluster",
+    )
     try:
         m1, m2 = _split(d)
         data = {f"k{i}": i for i in range(200)}
@@ -174,10 +181,22 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
     h, c = hosts
     w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
     data = {f"k{i}": i for i in range(300)}
-    a = DDict(total_mem="64 MiB", client=c, timeout=5, workers=[w1, w2], name="parallel-a",
-              lifetime="cluster")  # fmt: skip
-    b = DDict(total_mem="64 MiB", client=c, timeout=5, workers=[w2, w1], name="parallel-b",
-              lifetime="cluster")  # fmt: skip
+    a = DDict(
+        total_mem="64 MiB",
+        client=c,
+        timeout=5,
+        workers=[w1, w2],
+        name="parallel-a",
+        lifetime="cluster",
+    )
+    b = DDict(
+        total_mem="64 MiB",
+        client=c,
+        timeout=5,
+        workers=[w2, w1],
+        name="parallel-b",
+        lifetime="cluster",
+    )
     for d in (a, b):
         d.update(data)
     a_on_2, b_on_2 = _split(a)[1], _split(b)[1]
@@ -236,8 +255,9 @@ def test_one_inner_chunk_of_a_shard_on_host2_moves_the_chunk_not_the_shard(hosts
         store = DDictStore(d.manager(m2))  # (every key on host 2's manager)
         n, inner = 1 << 21, 1 << 15  # float64: a 16 MiB shard of 64 inner chunks of 256 KiB
         x = np.random.default_rng(0).random(n)
-        z = zarr.create_array(store, name="s", shape=(n,), shards=(n,), chunks=(inner,),
-                              dtype="f8", compressors=None)  # fmt: skip
+        z = zarr.create_array(
+            store, name="s", shape=(n,), shards=(n,), chunks=(inner,), dtype="f8", compressors=None
+        )
         z[:] = x
         assert d._core.channel(m2).kind == "tcp"
         z = zarr.open_array(store, path="s", mode="r")  # (its metadata: read before counting)
@@ -249,8 +269,10 @@ def test_one_inner_chunk_of_a_shard_on_host2_moves_the_chunk_not_the_shard(hosts
         whole_moved = _received(h) - before
         np.testing.assert_array_equal(part, x[7 * inner : 8 * inner])
         np.testing.assert_array_equal(whole, x)
-        print(f"host 2 -> host 1: one {inner * 8} B inner chunk moved {moved} B; "
-              f"the whole {n * 8} B shard {whole_moved} B")
+        print(
+            f"host 2 -> host 1: one {inner * 8} B inner chunk moved {moved} B; "
+            f"the whole {n * 8} B shard {whole_moved} B"
+        )
         assert whole_moved >= n * 8  # (the counter counts what crosses)
         assert inner * 8 <= moved < 2 * inner * 8, (moved, inner * 8)
     finally:
@@ -291,8 +313,16 @@ def tls_hosts(tmp_path_factory):
     files = {"ca": sec.tls_ca_file, "cert": sec.tls_worker_cert, "key": sec.tls_worker_key}
     for name, pem in files.items():
         (folder / f"{name}.pem").write_text(pem)
-    args = ("--protocol", "tls", "--tls-ca-file", str(folder / "ca.pem"),
-            "--tls-cert", str(folder / "cert.pem"), "--tls-key", str(folder / "key.pem"))  # fmt: skip
+    args = (
+        "--protocol",
+        "tls",
+        "--tls-ca-file",
+        str(folder / "ca.pem"),
+        "--tls-cert",
+        str(folder / "cert.pem"),
+        "--tls-key",
+        str(folder / "key.pem"),
+    )
     with twohost.TwoHosts(security_args=args) as h:
         with Client(h.scheduler_address, security=sec) as c:
             c.wait_for_workers(2, timeout=90)
@@ -309,9 +339,15 @@ def test_a_tls_cluster_across_both_hosts_refuses_clients_without_certificates(tl
         assert (d.manager(m2)["over tls"] == np.arange(10_000)).all()
         assert d._core.channel(m2).kind == "tls"  # to the other host: TLS, never plain TCP
         info = d._core.layout.managers[m1]
-        out = h.on_host2(_NO_CERTIFICATES.format(handle=d.serialize(), m1=m1,
-                                                 host=info.tcp_host, port=info.tcp_port,
-                                                 magic=HELLO_MAGIC))  # fmt: skip
+        out = h.on_host2(
+            _NO_CERTIFICATES.format(
+                handle=d.serialize(),
+                m1=m1,
+                host=info.tcp_host,
+                port=info.tcp_port,
+                magic=HELLO_MAGIC,
+            )
+        )
         assert out.returncode == 0, out.stderr
         seen = json.loads(out.stdout)
         assert "requires TLS" in seen["library"] and "certificate" in seen["library"]
@@ -378,8 +414,9 @@ plain.detach(); ckd.detach()
 def _host_usage(pids: set[int]) -> dict[int, tuple[int, int]]:
     import psutil
 
-    return {pid: (psutil.Process(pid).memory_info().rss, psutil.Process(pid).num_fds())
-            for pid in pids}  # fmt: skip
+    return {
+        pid: (psutil.Process(pid).memory_info().rss, psutil.Process(pid).num_fds()) for pid in pids
+    }
 
 
 @pytest.mark.slow
@@ -394,10 +431,15 @@ def test_soak_eight_clients_on_both_hosts(hosts):
         pids = {s.pid for s in plain.stats}
         before = _host_usage(pids)
         ops, seconds = 3000, 120
-        procs = [h.popen(1 + i % 2, _SOAK_CLIENT.format(me=i, ops=ops, seconds=seconds,
-                                                        plain=plain.serialize(),
-                                                        ckd=ckd.serialize()))
-                 for i in range(8)]  # fmt: skip
+        procs = [
+            h.popen(
+                1 + i % 2,
+                _SOAK_CLIENT.format(
+                    me=i, ops=ops, seconds=seconds, plain=plain.serialize(), ckd=ckd.serialize()
+                ),
+            )
+            for i in range(8)
+        ]
         results = []
         for p in procs:
             out, err = p.communicate(timeout=seconds + 120)
@@ -415,9 +457,11 @@ def test_soak_eight_clients_on_both_hosts(hosts):
         for pid, (rss, fds) in after.items():
             assert rss - before[pid][0] < 512 << 20, (pid, rss, before[pid])
             assert fds - before[pid][1] < 64, (pid, fds, before[pid])
-        print(f"soak: {total_ops} operations by 8 clients on 2 hosts; host processes "
-              f"{ {p: (round(a[0] / 2**20), a[1]) for p, a in after.items()} } (MiB, fds) after, "
-              f"{ {p: (round(b[0] / 2**20), b[1]) for p, b in before.items()} } before")
+        print(
+            f"soak: {total_ops} operations by 8 clients on 2 hosts; host processes "
+            f"{ {p: (round(a[0] / 2**20), a[1]) for p, a in after.items()} } (MiB, fds) after, "
+            f"{ {p: (round(b[0] / 2**20), b[1]) for p, b in before.items()} } before"
+        )
     finally:
         plain.destroy()
         ckd.destroy()
@@ -429,11 +473,22 @@ def test_the_core_dict_and_checkpoint_tests_pass_across_two_hosts():
     spanning two hosts: every dictionary they make has a manager on each."""
     tests = os.path.dirname(__file__)
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         os.path.join(tests, "test_ddict.py"), os.path.join(tests, "test_checkpoints.py")],
-        capture_output=True, text=True, timeout=900, cwd=os.path.dirname(tests),
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            os.path.join(tests, "test_ddict.py"),
+            os.path.join(tests, "test_checkpoints.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.path.dirname(tests),
         env={**os.environ, "DDICT_TEST_TWO_HOSTS": "1"},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "failed" not in out.stdout
     assert "9 skipped" in out.stdout  # the one_host tests: test_two_hosts.py covers them
@@ -445,8 +500,14 @@ def test_retiring_host2_copies_its_managers_to_host1_and_rebalance_brings_them_b
     host 2 then gets managers back with ``rebalance()``."""
     h, c = hosts
     w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
-    d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c, timeout=60,
-              workers=[w1, w2], lifetime="cluster")  # fmt: skip
+    d = DDict(
+        managers_per_worker=2,
+        total_mem="128 MiB",
+        client=c,
+        timeout=60,
+        workers=[w1, w2],
+        lifetime="cluster",
+    )
     try:
         big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB per manager: pages to copy
         for m in range(d.num_managers):
@@ -491,14 +552,22 @@ def test_a_manager_persisting_to_a_host_local_path_does_not_move_to_another_mach
     h, c = hosts
     w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
     path = f"/dev/shm/persist-{os.getpid()}-{time.monotonic_ns()}"
-    d = DDict(managers_per_worker=1, total_mem="64 MiB", client=c, timeout=60,
-              workers=[w1, w2], persist_path=path, persist_freq=1)  # fmt: skip
+    d = DDict(
+        managers_per_worker=1,
+        total_mem="64 MiB",
+        client=c,
+        timeout=60,
+        workers=[w1, w2],
+        persist_path=path,
+        persist_freq=1,
+    )
     try:
         m1, m2 = _split(d)
         d.update({i: i for i in range(100)})
         with pytest.raises(DDictError, match="persisted checkpoints behind") as info:
-            raise_from_wire(c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=m2,
-                                   worker=w1))  # fmt: skip
+            raise_from_wire(
+                c.sync(c.scheduler.ddict_move, name=d.get_name(), manager_id=m2, worker=w1)
+            )
         assert path in str(info.value) and "object store" in str(info.value)
         assert d.manager_workers[m2] == w2 and not d.moves  # nothing paused, nothing moved
         assert all(d[i] == i for i in range(100))
@@ -517,8 +586,15 @@ def test_with_a_replica_on_the_other_host_losing_host2_loses_nothing(hosts):
     the exact counters, and writers on this host keep going."""
     h, c = hosts
     w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
-    d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c, timeout=60,
-              workers=[w1, w2], replicas=1, lifetime="cluster")  # fmt: skip
+    d = DDict(
+        managers_per_worker=2,
+        total_mem="128 MiB",
+        client=c,
+        timeout=60,
+        workers=[w1, w2],
+        replicas=1,
+        lifetime="cluster",
+    )
     try:
         reps = c.sync(c.scheduler.ddict_replicas, name=d.get_name())
         for m in d._core.layout.managers:  # on the other machine
@@ -550,18 +626,32 @@ def test_managers_pinned_by_host_name_are_placed_and_kept_on_their_machine(hosts
 
     h, c = hosts
     w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
-    on2 = DDict(policy=Policy(host=twohost.HOSTNAME2), managers_per_worker=2, client=c,
-                total_mem="64 MiB", timeout=60)  # fmt: skip
-    on1 = DDict(policy=Policy(host=socket.gethostname()), managers_per_worker=2, client=c,
-                total_mem="64 MiB", timeout=60)  # fmt: skip
+    on2 = DDict(
+        policy=Policy(host=twohost.HOSTNAME2),
+        managers_per_worker=2,
+        client=c,
+        total_mem="64 MiB",
+        timeout=60,
+    )
+    on1 = DDict(
+        policy=Policy(host=socket.gethostname()),
+        managers_per_worker=2,
+        client=c,
+        total_mem="64 MiB",
+        timeout=60,
+    )
     try:
         assert on2.manager_workers == [w2, w2] and on1.manager_workers == [w1, w1]
         on2.update({i: i for i in range(100)})
         assert on2.rebalance() == [] and on1.rebalance() == []
-        with pytest.raises(DDictError, match=r"does not satisfy manager 0's placement policy "
-                                             r"Policy\(host='ddict-host2'\)"):  # fmt: skip
-            raise_from_wire(c.sync(c.scheduler.ddict_move, name=on2.get_name(), manager_id=0,
-                                   worker=w1))  # fmt: skip
+        with pytest.raises(
+            DDictError,
+            match=r"does not satisfy manager 0's placement policy "
+            r"Policy\(host='ddict-host2'\)",
+        ):
+            raise_from_wire(
+                c.sync(c.scheduler.ddict_move, name=on2.get_name(), manager_id=0, worker=w1)
+            )
         assert on2.manager_workers == [w2, w2] and all(on2[i] == i for i in range(100))
     finally:
         on2.destroy()

@@ -10,8 +10,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _mypy(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mypy", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_mypy_is_clean_on_both_packages_and_typed_usage():
@@ -35,7 +36,8 @@ def test_the_async_face_has_its_twins_signatures(tmp_path):
     out = _mypy("--config-file", str(ROOT / "pyproject.toml"), str(wrong))
     assert out.returncode == 1, out.stdout
     assert 'expression has type "int", variable has type "str"' in out.stdout
-    assert 'wrong.py:4: error: Argument 2 has incompatible type "str"; expected "int"' \
-        in out.stdout  # fmt: skip
-    assert 'wrong.py:5: error: Argument "val" has incompatible type "str"; expected "int | None"' \
-        in out.stdout  # fmt: skip
+    assert 'wrong.py:4: error: Argument 2 has incompatible type "str"; expected "int"' in out.stdout
+    assert (
+        'wrong.py:5: error: Argument "val" has incompatible type "str"; expected "int | None"'
+        in out.stdout
+    )

@@ -37,7 +37,6 @@ from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import pins
-
 from tests.test_zero_copy import _in_shard
 
 one_host = pytest.mark.one_host
@@ -74,7 +73,9 @@ def test_a_view_held_while_its_shard_is_rewritten_costs_only_its_bytes(client):
         m.pop("weights")
         assert _rewrite(m, 6, 40, 8 * MiB) == 240
         assert np.array_equal(view, w)  # the view never changed...
-        assert not _in_shard(d, "weights", view)  # ...and it was copied out when the room was needed
+        assert not _in_shard(
+            d, "weights", view
+        )  # ...and it was copied out when the room was needed
         gc.collect()
         s = d.stats[0]
         assert s.pinned_bytes == 0 and s.pinned_views == 0  # it no longer holds the shard
@@ -241,15 +242,26 @@ _STEPS = st.lists(
         st.tuples(st.just("checkpoint"), st.just(0), st.just(0)),
         st.tuples(st.just("frozen"), st.integers(0, 5), st.just(0)),
     ),
-    min_size=1, max_size=14,
-)  # fmt: skip
+    min_size=1,
+    max_size=14,
+)
 
 
 @one_host
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(steps=_STEPS)
-@example(steps=[("put", 0, 8 * MiB), ("view", 0, 0), ("put", 0, 8 * MiB), ("put", 1, 8 * MiB),
-                ("put", 0, 4 * MiB), ("pop", 1, 0), ("frozen", 0, 0), ("put", 0, 8 * MiB)])
+@example(
+    steps=[
+        ("put", 0, 8 * MiB),
+        ("view", 0, 0),
+        ("put", 0, 8 * MiB),
+        ("put", 1, 8 * MiB),
+        ("put", 0, 4 * MiB),
+        ("pop", 1, 0),
+        ("frozen", 0, 0),
+        ("put", 0, 8 * MiB),
+    ]
+)
 def test_views_stay_intact_and_writers_get_the_shard_whatever_happens(client, steps):
     """Views taken and dropped among puts, overwrites, pops, clears, checkpoint retirements
     and freeze/unfreeze: after every step every live view holds what it was taken with,

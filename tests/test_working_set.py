@@ -16,8 +16,8 @@ from dask_ddict.errors import (
     DDictKeyError,
 )
 from dask_ddict.shard import counts
-from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.direct import put_in_window
+from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import MustWait, WorkingSet
 
 
@@ -26,7 +26,9 @@ def make_ws(tmp_path):
     stores = []
 
     def make(size=1, **kw):
-        st = ShardStore(str(tmp_path / f"s{len(stores)}"), 16 << 20, indexed=kw.get("wait_for_keys", False))
+        st = ShardStore(
+            str(tmp_path / f"s{len(stores)}"), 16 << 20, indexed=kw.get("wait_for_keys", False)
+        )
         stores.append(st)
         return WorkingSet(st, size, **kw)
 
@@ -44,8 +46,16 @@ class Ops:
     def put(self, k, v, c, client=1, persistent=False, batch=False):
         kb = dumps_key(k)
         with self.ws.store.write() as txn:
-            self.ws.put(txn, key_digest(kb), c, kb, dumps_value(v).join(), client,
-                        persistent=persistent, batch=batch)
+            self.ws.put(
+                txn,
+                key_digest(kb),
+                c,
+                kb,
+                dumps_value(v).join(),
+                client,
+                persistent=persistent,
+                batch=batch,
+            )
 
     def get(self, k, c):
         with self.ws.store.read() as txn:
@@ -288,8 +298,14 @@ def test_every_operation_on_a_retired_checkpoint_raises(make_ws):
     o = Ops(make_ws(2))
     o.put("a", 0, 0)
     o.put("a", 1, 2)  # window [1, 2]: 0 retired
-    for op in (lambda: o.get("a", 0), lambda: o.has("a", 0), lambda: o.len(0),
-               lambda: o.put("a", 2, 0), lambda: o.pop("a", 0), lambda: o.clear(0)):  # fmt: skip
+    for op in (
+        lambda: o.get("a", 0),
+        lambda: o.has("a", 0),
+        lambda: o.len(0),
+        lambda: o.put("a", 2, 0),
+        lambda: o.pop("a", 0),
+        lambda: o.clear(0),
+    ):
         with pytest.raises(DDictCheckpointSyncError):
             op()
 
@@ -328,9 +344,11 @@ def test_put_alone_only_where_a_put_is_nothing_more(make_ws):
 # -- len from the shard's counts: checked against a scan after every change ---------
 
 _COUNT_OPS = st.lists(
-    st.tuples(st.sampled_from(["put", "persistent", "pop", "clear", "direct", "batch",
-                               "alone"]),  # fmt: skip
-              st.integers(0, 5), st.integers(0, 7)),  # fmt: skip
+    st.tuples(
+        st.sampled_from(["put", "persistent", "pop", "clear", "direct", "batch", "alone"]),
+        st.integers(0, 5),
+        st.integers(0, 7),
+    ),
     max_size=40,
 )
 
@@ -344,8 +362,9 @@ def _batch(ws: WorkingSet, puts: list[tuple[int, int]]) -> None:
         for k, c in puts:
             kb = dumps_key(k)
             try:
-                ws.put(txn, key_digest(kb), c, kb, dumps_value(c).join(), 1, batch=True,
-                       tally=tally)  # fmt: skip
+                ws.put(
+                    txn, key_digest(kb), c, kb, dumps_value(c).join(), 1, batch=True, tally=tally
+                )
             except (MustWait, DDictError):
                 break
         tally.settle()
@@ -368,8 +387,7 @@ def test_a_batchs_tallied_counts_are_saved_once_and_exact(make_ws):
 def test_len_counts_match_a_scan_after_any_changes(tmp_path_factory, size, wait_for_keys, ops):
     """``len`` reads kept counts; every mix of puts, pops, clears, window moves and
     same-host direct puts leaves them equal to counting the visible keys."""
-    st_ = ShardStore(str(tmp_path_factory.mktemp("counts") / "s"), 16 << 20,
-                     indexed=wait_for_keys)  # fmt: skip
+    st_ = ShardStore(str(tmp_path_factory.mktemp("counts") / "s"), 16 << 20, indexed=wait_for_keys)
     ws = WorkingSet(st_, size, wait_for_keys=wait_for_keys)
     o = Ops(ws)
     try:

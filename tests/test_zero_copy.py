@@ -158,8 +158,10 @@ def test_ten_thousand_views_taken_and_dropped_leave_nothing_pinned(client):
 
 @one_host
 def test_pinned_memory_is_bounded_past_it_reads_copy(client):
-    with dask.config.set({"ddict.zero-copy.max-pinned": "1 MiB"}), \
-            DDict(total_mem="64 MiB", client=client) as d:  # fmt: skip
+    with (
+        dask.config.set({"ddict.zero-copy.max-pinned": "1 MiB"}),
+        DDict(total_mem="64 MiB", client=client) as d,
+    ):
         m = d.manager(0)
         m["a"], m["b"] = np.ones(96 * 1024), np.zeros(96 * 1024)  # 768 KiB each
         first = m.get("a", copy=False)
@@ -169,8 +171,10 @@ def test_pinned_memory_is_bounded_past_it_reads_copy(client):
         gc.collect()
         third = m.get("b", copy=False)
         assert not third.flags.writeable  # room again once the first was dropped
-    with dask.config.set({"ddict.zero-copy.max-snapshots": 1}), \
-            DDict(total_mem="64 MiB", client=client) as d:  # fmt: skip
+    with (
+        dask.config.set({"ddict.zero-copy.max-snapshots": 1}),
+        DDict(total_mem="64 MiB", client=client) as d,
+    ):
         m = d.manager(0)
         m["a"] = np.ones(1000)
         x = m.get("a", copy=False)
@@ -251,8 +255,7 @@ def test_a_closed_handles_lent_values_do_not_keep_new_handles_off_the_shard(clie
         assert pins.lent_bytes() == 0
 
 
-def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_them(
-        monkeypatch):  # fmt: skip
+def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_them(monkeypatch):
     """py-lmdb maps the whole of a value it hands out, so a copy of part of a large value
     (a zarr shard's inner chunk, ``GetRange``) counts the whole value's pages towards the
     next release, once while they stay mapped; giving the value's own range back (a lent

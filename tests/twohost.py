@@ -44,8 +44,9 @@ DASK = (sys.executable, "-m", "dask")
 
 def _free_pair() -> tuple[str, str]:
     """The first 169.254.77.x/30 block that no interface uses: (this host, host 2)."""
-    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
-                           check=True, timeout=30).stdout  # fmt: skip
+    shown = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
     for k in range(64):
         first, second = f"169.254.77.{4 * k + 1}", f"169.254.77.{4 * k + 2}"
         if f" {first}/" not in shown:
@@ -115,15 +116,17 @@ class Processes:
 
     def _launch(self, name: str, cmd: list[str]) -> None:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, env=self.env())  # fmt: skip
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env()
+        )
 
     def _wait(self, ready: Any, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{type(self).__name__}: no {what} within {timeout} s; logs "
-                                   f"in {self.tmp}")  # fmt: skip
+                raise TimeoutError(
+                    f"{type(self).__name__}: no {what} within {timeout} s; logs in {self.tmp}"
+                )
             time.sleep(0.2)
 
     @property
@@ -157,9 +160,22 @@ class TwoHosts(Processes):
 
     def start(self) -> None:
         self._network()
-        self._start("scheduler", [*DASK, "scheduler", "--host", self.host1, "--port", "0",
-                                  "--dashboard-address", f"{self.host1}:0", "--scheduler-file",
-                                  self.scheduler_file, *self.security_args])  # fmt: skip
+        self._start(
+            "scheduler",
+            [
+                *DASK,
+                "scheduler",
+                "--host",
+                self.host1,
+                "--port",
+                "0",
+                "--dashboard-address",
+                f"{self.host1}:0",
+                "--scheduler-file",
+                self.scheduler_file,
+                *self.security_args,
+            ],
+        )
         self._wait(lambda: os.path.exists(self.scheduler_file), "the scheduler file")
         self._start("worker1", [*self._worker(), "--host", self.host1, "--name", "host1-worker"])
         self.start_host2()
@@ -173,18 +189,41 @@ class TwoHosts(Processes):
 
     def start_host2(self) -> None:
         """(Re)start the second host: a fresh namespace mount, so an empty /dev/shm."""
-        self._start("worker2", [
-            "ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount",
-            "--propagation", "private", "sh", "-c",
-            f"hostname {HOSTNAME2} && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
-            f"exec {' '.join(self._worker())} --host {self.host2} --name host2-worker",
-        ])  # fmt: skip
+        self._start(
+            "worker2",
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.netns,
+                "unshare",
+                "--uts",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f"hostname {HOSTNAME2} && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
+                f"exec {' '.join(self._worker())} --host {self.host2} --name host2-worker",
+            ],
+        )
 
     # -- helpers -----------------------------------------------------------------------
 
     def _worker(self) -> list[str]:
-        return [*DASK, "worker", "--scheduler-file", self.scheduler_file, "--nworkers", "1",
-                "--nthreads", "2", "--memory-limit", "2GiB", *self.security_args]  # fmt: skip
+        return [
+            *DASK,
+            "worker",
+            "--scheduler-file",
+            self.scheduler_file,
+            "--nworkers",
+            "1",
+            "--nthreads",
+            "2",
+            "--memory-limit",
+            "2GiB",
+            *self.security_args,
+        ]
 
     def _network(self) -> None:
         a, b = self.veth
@@ -207,18 +246,23 @@ class TwoHosts(Processes):
 
     def on_host2(self, code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run Python ``code`` on the second host: its network, hostname and /dev/shm."""
-        return subprocess.run(self.python_on(2, code), capture_output=True, text=True,
-                              timeout=timeout, env=self.env())  # fmt: skip
+        return subprocess.run(
+            self.python_on(2, code), capture_output=True, text=True, timeout=timeout, env=self.env()
+        )
 
     def python_on(self, host: int, code: str) -> list[str]:
         """The command line that runs Python ``code`` on host 1 or 2."""
         command = [sys.executable, "-c", code]
         if host == 1:
             return command
-        return ["nsenter", "--target", str(self.host2_pid()), "--net", "--uts", "--mount",
-                *command]  # fmt: skip
+        return ["nsenter", "--target", str(self.host2_pid()), "--net", "--uts", "--mount", *command]
 
     def popen(self, host: int, code: str) -> subprocess.Popen[str]:
         """Start Python ``code`` on host 1 or 2 (stdout and stderr piped)."""
-        return subprocess.Popen(self.python_on(host, code), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=self.env())  # fmt: skip
+        return subprocess.Popen(
+            self.python_on(host, code),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env(),
+        )

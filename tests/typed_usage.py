@@ -29,17 +29,36 @@ def sync_use(client: Client) -> int:
     futures: list[Future] = d.map_shards(len)
     bag: dask.bag.Bag = d.to_bag("values", copy=True)
     d.destroy()
-    return n + len(stats) + len(names) + len(values) + pinned + len(view) + waiting + int(total) \
-        + len(futures) + bag.npartitions
+    return (
+        n
+        + len(stats)
+        + len(names)
+        + len(values)
+        + pinned
+        + len(view)
+        + waiting
+        + int(total)
+        + len(futures)
+        + bag.npartitions
+    )
 
 
 def dragon_use(client: Client) -> float:
     """A Dragon program's calls, with Dragon's names (issue 54)."""
-    d = DDict(managers_per_node=2, n_nodes=1, total_mem=64 << 20, client=client, trace=False,
-              streams_per_manager=5, policy=None, persister_class=None)  # fmt: skip
+    d = DDict(
+        managers_per_node=2,
+        n_nodes=1,
+        total_mem=64 << 20,
+        client=client,
+        trace=False,
+        streams_per_manager=5,
+        policy=None,
+        persister_class=None,
+    )
     gpu = Policy(resources={"GPU": 1})
-    DDict(policy=[gpu, Policy(host="node1")], managers_per_policy=2, orc_policy=gpu,
-          client=client).destroy()  # fmt: skip
+    DDict(
+        policy=[gpu, Policy(host="node1")], managers_per_policy=2, orc_policy=gpu, client=client
+    ).destroy()
     DDict(policy={gpu: 2}, client=client).destroy()
     before: int = d.fetch_add("n", val=2)
     d.sync(timeout=10)
@@ -68,5 +87,13 @@ async def async_use(client: Client) -> int:
     futures: list[Future] = await ad.map_shards(len)
     bag: dask.bag.Bag = await ad.to_bag(copy=False)
     await ad.destroy()
-    return length + len(keys) + len(stats) + int(value) + len(many) + len(sums) + len(futures) \
+    return (
+        length
+        + len(keys)
+        + len(stats)
+        + int(value)
+        + len(many)
+        + len(sums)
+        + len(futures)
         + bag.npartitions
+    )

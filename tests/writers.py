@@ -13,8 +13,9 @@ from distributed import Client
 from dask_ddict import DDict
 
 
-def _write(d: DDict, tag: str, stop: threading.Event | Any, bound: float = 60.0
-           ) -> tuple[dict[Any, int], int]:  # fmt: skip
+def _write(
+    d: DDict, tag: str, stop: threading.Event | Any, bound: float = 60.0
+) -> tuple[dict[Any, int], int]:
     """Put ``(tag, i) -> i`` and fetch_add ``("count", tag)`` until ``stop``; return the
     acknowledged puts and increments (an exception is a failure of the test)."""
     acked: dict[Any, int] = {}
@@ -58,12 +59,16 @@ def _with_writers(c: Client, d: DDict, stay: list[str], change: Any) -> None:
     """Run 2 client threads and 2 tasks (on ``stay`` workers) writing while ``change()``."""
     stop = threading.Event()
     results: list[Any] = [None, None]
-    threads = [threading.Thread(target=lambda j=j: results.__setitem__(
-        j, _write(d, f"t{j}", stop.is_set))) for j in range(2)]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda j=j: results.__setitem__(j, _write(d, f"t{j}", stop.is_set)))
+        for j in range(2)
+    ]
     for t in threads:
         t.start()
-    futures = [c.submit(_task_writer, d, f"task{j}", workers=[stay[j % len(stay)]], pure=False)
-               for j in range(2)]  # fmt: skip
+    futures = [
+        c.submit(_task_writer, d, f"task{j}", workers=[stay[j % len(stay)]], pure=False)
+        for j in range(2)
+    ]
     time.sleep(1.0)
     change()
     time.sleep(1.0)

@@ -39,8 +39,16 @@ def normalize_dim(dim: Mapping[str, Any], shape_i: int) -> dict[str, Any]:
     are not otherwise checked (see :func:`~dask_dap.validate`).
     """
     if len(dim) == 0:
-        return {"dist_type": "b", "size": shape_i, "proc_grid_size": 1, "proc_grid_rank": 0,
-                "start": 0, "stop": shape_i, "padding": (0, 0), "periodic": False}  # fmt: skip
+        return {
+            "dist_type": "b",
+            "size": shape_i,
+            "proc_grid_size": 1,
+            "proc_grid_rank": 0,
+            "start": 0,
+            "stop": shape_i,
+            "padding": (0, 0),
+            "periodic": False,
+        }
     out = dict(dim)
     for k, v in _DEFAULTS.get(str(out.get("dist_type")), {}).items():
         out.setdefault(k, v)

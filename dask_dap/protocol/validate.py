@@ -54,7 +54,8 @@ def _buffer_view(buf: Any, rank: int | None) -> memoryview:
         raise DAPValidationError(
             f"buffer of type {type(buf).__name__} does not support the buffer protocol "
             "(give a numpy array, memoryview, bytes or bytearray)",
-            rank=rank, key="buffer",
+            rank=rank,
+            key="buffer",
         ) from None
 
 
@@ -63,15 +64,17 @@ def check_version(version: Any, rank: int | None = None, strict: bool = True) ->
     match = pattern.match(version) if isinstance(version, str) else None
     if match is None:
         raise DAPValidationError(
-            f"__version__ {version!r:.40} is not a 'major.minor.patch' string such as "
-            f"{VERSION!r}", rank=rank, key="__version__",
-        )  # fmt: skip
+            f"__version__ {version!r:.40} is not a 'major.minor.patch' string such as {VERSION!r}",
+            rank=rank,
+            key="__version__",
+        )
     major, minor = (int(x) for x in match.groups()[:2])
     if (major, minor) == (0, 9):
         raise DAPValidationError(
             f"__version__ {version!r} is the legacy 0.9 protocol; this reader speaks 0.10 "
             "(from_dap(..., strict=False) converts 0.9 dicts)",
-            rank=rank, key="__version__",
+            rank=rank,
+            key="__version__",
         )
     if (major, minor) != (0, 10):
         raise DAPValidationError(
@@ -109,13 +112,15 @@ def validate(dap: Mapping[str, Any], *, rank: int | None = None, strict: bool = 
     if not isinstance(dim_data, tuple):
         raise DAPValidationError(
             f"dim_data must be a tuple of dimension dicts, got {type(dim_data).__name__}",
-            rank=rank, key="dim_data",
-        )  # fmt: skip
+            rank=rank,
+            key="dim_data",
+        )
     if len(dim_data) != view.ndim:
         raise DAPValidationError(
             f"dim_data has {len(dim_data)} dimension dicts but the buffer has {view.ndim} "
             f"dimensions (shape {view.shape})",
-            rank=rank, key="dim_data",
+            rank=rank,
+            key="dim_data",
         )
     for i, dim in enumerate(dim_data):
         _check_dim(dim, (view.shape or ())[i], i, rank, strict)
@@ -131,9 +136,11 @@ def _check_dim(d: Any, shape_i: int, i: int, rank: int | None, strict: bool) -> 
         return  # the {} alias: an undistributed block axis as long as the buffer
     kind = d.get("dist_type")
     if kind == "n":
-        raise fail("dist_type 'n' is the legacy 0.9 protocol (0.10 uses 'b' with "
-                   "proc_grid_size 1 or {}); from_dap(..., strict=False) converts it",
-                   "dist_type")  # fmt: skip
+        raise fail(
+            "dist_type 'n' is the legacy 0.9 protocol (0.10 uses 'b' with "
+            "proc_grid_size 1 or {}); from_dap(..., strict=False) converts it",
+            "dist_type",
+        )
     if kind not in _KEYS:
         raise fail(f"dist_type must be 'b', 'c' or 'u', got {kind!r}", "dist_type")
     required, optional = _KEYS[kind]
@@ -142,8 +149,10 @@ def _check_dim(d: Any, shape_i: int, i: int, rank: int | None, strict: bool) -> 
         raise fail(f"missing keys {missing} for dist_type {kind!r}")
     unknown = sorted(map(str, set(d) - set(_COMMON) - required - optional))
     if unknown:
-        raise fail(f"unknown keys {unknown} for dist_type {kind!r} "
-                   f"(allowed: {sorted(set(_COMMON) | required | optional)})")  # fmt: skip
+        raise fail(
+            f"unknown keys {unknown} for dist_type {kind!r} "
+            f"(allowed: {sorted(set(_COMMON) | required | optional)})"
+        )
     int_keys = ["size", "proc_grid_size", "proc_grid_rank"] + (["start"] if kind != "u" else [])
     int_keys += ["stop"] if kind == "b" else []
     int_keys += ["block_size"] if "block_size" in d else []
@@ -158,8 +167,9 @@ def _check_dim(d: Any, shape_i: int, i: int, rank: int | None, strict: bool) -> 
     if not 0 <= prank < procs:
         raise fail(f"proc_grid_rank must be in [0, {procs}), got {prank}", "proc_grid_rank")
     if size == 0 and shape_i != 0:
-        raise fail(f"size is 0, so the buffer must be empty along this axis (length {shape_i})",
-                   "size")  # fmt: skip
+        raise fail(
+            f"size is 0, so the buffer must be empty along this axis (length {shape_i})", "size"
+        )
     if kind == "b":
         _check_block(d, shape_i, fail)
     elif kind == "c":
@@ -174,11 +184,14 @@ def _check_block(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
     if start < 0:
         raise fail(f"start must be >= 0, got {start}", "start")
     if not start <= stop <= size:
-        raise fail(f"need start <= stop <= size, got start={start}, stop={stop}, size={size}",
-                   "stop")  # fmt: skip
+        raise fail(
+            f"need start <= stop <= size, got start={start}, stop={stop}, size={size}", "stop"
+        )
     if stop - start != shape_i:
-        raise fail(f"stop - start = {stop - start} but the buffer has {shape_i} elements "
-                   "along this axis", "stop")  # fmt: skip
+        raise fail(
+            f"stop - start = {stop - start} but the buffer has {shape_i} elements along this axis",
+            "stop",
+        )
     if prank == 0 and start != 0:
         raise fail(f"the first rank of a block axis starts at 0, got start={start}", "start")
     if "padding" in d:
@@ -193,15 +206,19 @@ def _check_block(d: Mapping[str, Any], shape_i: int, fail: Any) -> None:
     if "periodic" in d and not isinstance(d["periodic"], bool):
         raise fail(f"periodic must be a bool, got {d['periodic']!r}", "periodic")
     if procs == 1 and (start, stop) != (0, size):
-        raise fail(f"a block axis on one process holds it all: need start=0, stop=size={size}, "
-                   f"got start={start}, stop={stop}", "stop")  # fmt: skip
+        raise fail(
+            f"a block axis on one process holds it all: need start=0, stop=size={size}, "
+            f"got start={start}, stop={stop}",
+            "stop",
+        )
 
 
 def _check_extent(owned: int, shape_i: int, fail: Any, strict: bool, key: str) -> None:
     """The buffer holds exactly what the rank owns (at least, when not strict)."""
     if shape_i < owned or (strict and shape_i != owned):
-        raise fail(f"the rank owns {owned} indices along this axis but the buffer has {shape_i}",
-                   key)  # fmt: skip
+        raise fail(
+            f"the rank owns {owned} indices along this axis but the buffer has {shape_i}", key
+        )
 
 
 def _check_cyclic(d: Mapping[str, Any], shape_i: int, fail: Any, strict: bool) -> None:
@@ -213,11 +230,17 @@ def _check_cyclic(d: Mapping[str, Any], shape_i: int, fail: Any, strict: bool) -
         raise fail(f"start must be >= 0, got {start}", "start")
     owned = num_owned_indices(d)
     if start != prank * bs and not (owned == 0 and start >= size):
-        raise fail(f"start must be proc_grid_rank * block_size = {prank} * {bs} = {prank * bs}, "
-                   f"got {start}", "start")  # fmt: skip
+        raise fail(
+            f"start must be proc_grid_rank * block_size = {prank} * {bs} = {prank * bs}, "
+            f"got {start}",
+            "start",
+        )
     if start >= size and shape_i != 0:
-        raise fail(f"start = {start} >= size = {size}, so the buffer must be empty along this "
-                   f"axis (length {shape_i})", "start")  # fmt: skip
+        raise fail(
+            f"start = {start} >= size = {size}, so the buffer must be empty along this "
+            f"axis (length {shape_i})",
+            "start",
+        )
     _check_extent(owned, shape_i, fail, strict, "start")
 
 
@@ -225,19 +248,26 @@ def _check_unstructured(d: Mapping[str, Any], shape_i: int, fail: Any, strict: b
     try:
         view = memoryview(d["indices"])
     except TypeError:
-        raise fail(f"indices of type {type(d['indices']).__name__} does not support the buffer "
-                   "protocol (give a numpy integer array)", "indices") from None  # fmt: skip
+        raise fail(
+            f"indices of type {type(d['indices']).__name__} does not support the buffer "
+            "protocol (give a numpy integer array)",
+            "indices",
+        ) from None
     if view.format.lstrip("@=<>!") not in _INT_CODES or view.ndim != 1:
-        raise fail(f"indices must be a 1-d buffer of integers, got format {view.format!r} "
-                   f"with {view.ndim} dimensions", "indices")  # fmt: skip
+        raise fail(
+            f"indices must be a 1-d buffer of integers, got format {view.format!r} "
+            f"with {view.ndim} dimensions",
+            "indices",
+        )
     idx = np.asarray(view)
     if len(np.unique(idx)) != len(idx):
         raise fail("indices must be locally unique (a global index appears twice)", "indices")
     if "one_to_one" in d and not isinstance(d["one_to_one"], bool):
         raise fail(f"one_to_one must be a bool, got {d['one_to_one']!r}", "one_to_one")
     if len(idx) == 0 and shape_i != 0:
-        raise fail(f"no indices, so the buffer must be empty along this axis (length {shape_i})",
-                   "indices")  # fmt: skip
+        raise fail(
+            f"no indices, so the buffer must be empty along this axis (length {shape_i})", "indices"
+        )
     _check_extent(len(idx), shape_i, fail, strict, "indices")
 
 
@@ -283,7 +313,9 @@ def validate_distribution(daps: Sequence[Mapping[str, Any]]) -> None:
                 if dd[i][key] != want:
                     raise DAPValidationError(
                         f"{key} is {dd[i][key]} but another rank says {want}",
-                        rank=p, dim=i, key=key,
+                        rank=p,
+                        dim=i,
+                        key=key,
                     )
     expected = int(np.prod(grid)) if grid else 1
     if len(daps) != expected:
@@ -328,7 +360,8 @@ def _check_axis(i: int, entries: list[tuple[int, dict[str, Any], int]]) -> None:
             raise DAPValidationError(
                 f"differs from rank {first[0]}, which has the same proc_grid_rank {g} on this "
                 "axis (dimension dicts must be identical along an axis, padding aside)",
-                rank=rank, dim=i,
+                rank=rank,
+                dim=i,
             )
         if d["dist_type"] != first[1]["dist_type"]:
             raise DAPValidationError("dist_type differs along the axis", rank=rank, dim=i)
@@ -343,7 +376,8 @@ def _check_axis(i: int, entries: list[tuple[int, dict[str, Any], int]]) -> None:
         if kind != "b" and n != owned:
             raise DAPValidationError(
                 f"the rank owns {owned} indices but its buffer has {n} along this axis",
-                rank=rank, dim=i,
+                rank=rank,
+                dim=i,
             )
     if kind == "b":
         _check_block_tiling(i, column, size)
@@ -364,7 +398,9 @@ def _check_block_tiling(i: int, column: list[tuple[int, dict[str, Any], int]], s
             raise DAPValidationError(
                 f"owns indices from {lo} but the previous rank stops at {expect} "
                 "(block ranks must tile the axis without gaps or overlaps)",
-                rank=rank, dim=i, key="start",
+                rank=rank,
+                dim=i,
+                key="start",
             )
         expect = lo + len(owned)
         if pos + 1 < len(column):
@@ -374,14 +410,18 @@ def _check_block_tiling(i: int, column: list[tuple[int, dict[str, Any], int]], s
                 raise DAPValidationError(
                     f"communication padding {right} on its high side does not match {left} on "
                     f"the low side of rank {nrank}",
-                    rank=rank, dim=i, key="padding",
+                    rank=rank,
+                    dim=i,
+                    key="padding",
                 )
             for width, neighbour, nrk in ((right, nd, nrank), (left, d, rank)):
                 if width > num_owned_indices(neighbour):
                     raise DAPValidationError(
                         f"communication padding {width} is wider than the "
                         f"{num_owned_indices(neighbour)} indices its neighbour (rank {nrk}) owns",
-                        rank=rank, dim=i, key="padding",
+                        rank=rank,
+                        dim=i,
+                        key="padding",
                     )
     if expect != size:
         raise DAPValidationError(
@@ -389,8 +429,9 @@ def _check_block_tiling(i: int, column: list[tuple[int, dict[str, Any], int]], s
         )
 
 
-def _check_unstructured_cover(i: int, column: list[tuple[int, dict[str, Any], int]],
-                              size: int) -> None:  # fmt: skip
+def _check_unstructured_cover(
+    i: int, column: list[tuple[int, dict[str, Any], int]], size: int
+) -> None:
     one_to_one = any(d.get("one_to_one", False) for _, d, _ in column)
     allidx = np.concatenate([global_indices(d) for _, d, _ in column]) if column else np.empty(0)
     if len(allidx) and (allidx.min() < 0 or allidx.max() >= size):
@@ -398,14 +439,16 @@ def _check_unstructured_cover(i: int, column: list[tuple[int, dict[str, Any], in
         raise DAPValidationError(
             f"index {int(bad)} is outside [0, {size}) (negative and out-of-range unstructured "
             "indices have no meaning for an array)",
-            dim=i, key="indices",
+            dim=i,
+            key="indices",
         )
     uniq = np.unique(allidx)
     if len(uniq) != size:
         missing = np.setdiff1d(np.arange(size), uniq)[:5].tolist()
         raise DAPValidationError(
             f"the ranks' indices cover {len(uniq)} of {size} global indices (missing {missing}...)",
-            dim=i, key="indices",
+            dim=i,
+            key="indices",
         )
     if one_to_one and len(allidx) != size:
         raise DAPValidationError(

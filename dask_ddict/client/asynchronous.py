@@ -65,8 +65,9 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
-def _awaitable(call: Callable[Concatenate[DDict, P], R]
-               ) -> Callable[Concatenate[AsyncDDict, P], Coroutine[Any, Any, R]]:  # fmt: skip
+def _awaitable(
+    call: Callable[Concatenate[DDict, P], R],
+) -> Callable[Concatenate[AsyncDDict, P], Coroutine[Any, Any, R]]:
     """``async def method(self, ...)``: ``call(sync_handle, ...)`` in a worker thread.
 
     Typed through ``ParamSpec``: each coroutine has its synchronous twin's
@@ -157,26 +158,35 @@ class AsyncDDict:
         request = create_request(given)
         trace_logging(given["trace"])  # (before the request: the creation is logged too)
         await install_orchestrator(client)
-        core = _Core(created_layout(await client.scheduler.ddict_create(**request,
-                                                                      client=client.id)), client)
+        core = _Core(
+            created_layout(await client.scheduler.ddict_create(**request, client=client.id)), client
+        )
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
         await asyncio.to_thread(initial_checkpoint, h, request)
         return cls(h, client)
 
     @classmethod
-    def attach(cls, serialized: str, *, timeout: Timeout = no_default,
-               client: Client | None = None, trace: bool = False) -> AsyncDDict:  # fmt: skip
+    def attach(
+        cls,
+        serialized: str,
+        *,
+        timeout: Timeout = no_default,
+        client: Client | None = None,
+        trace: bool = False,
+    ) -> AsyncDDict:
         """Attach from :meth:`serialize`'s string (no message is sent)."""
         return cls(DDict.attach(serialized, timeout=timeout, client=client, trace=trace), client)
 
     @classmethod
-    async def from_name(cls, name: str, client: Client, *,
-                        timeout: Timeout = no_default) -> AsyncDDict:  # fmt: skip
+    async def from_name(
+        cls, name: str, client: Client, *, timeout: Timeout = no_default
+    ) -> AsyncDDict:
         """Attach to the dictionary named ``name`` on ``client``'s cluster."""
         await install_orchestrator(client)
         layout = layout_reply(await client.scheduler.ddict_attach(name=name, client=client.id))
-        h = DDict._from_core(_Core(layout, client), creator=False, chkpt=0,
-                             timeout=check_timeout(timeout))  # fmt: skip
+        h = DDict._from_core(
+            _Core(layout, client), creator=False, chkpt=0, timeout=check_timeout(timeout)
+        )
         return cls(h, client)
 
     @staticmethod
@@ -309,12 +319,17 @@ class AsyncDDict:
         with the orchestrator's layout now (managers move; the handle's
         :meth:`~dask_ddict.client.core._Core.fresh` must not wait on the loop)."""
         client = self._client or self._d._core.client
-        identity, _ = await asyncio.gather(client.scheduler.identity(n_workers=-1),
-                                           self._d._core.fresh_async())  # fmt: skip
+        identity, _ = await asyncio.gather(
+            client.scheduler.identity(n_workers=-1), self._d._core.fresh_async()
+        )
         return dict(identity["workers"])
 
-    async def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any,
-                         ) -> builtins.list[Future]:  # fmt: skip
+    async def map_shards(
+        self,
+        func: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> builtins.list[Future]:
         """Awaitable :meth:`DDict.map_shards`: one future per manager, placed beside it."""
         self._d._check()  # (before asking the scheduler anything)
         return self._d._map_shards(func, args, kwargs, await self._workers())
@@ -324,18 +339,29 @@ class AsyncDDict:
         self._d._check()
         client = self._client or self._d._core.client
         scatters = self._d._bag_scatters(what, await self._workers(), copy)
-        return self._d._bag(what, copy, [(idx, await client.scatter(handles, workers=workers,
-                                                                      hash=False))
-                                         for idx, handles, workers in scatters])  # fmt: skip
+        return self._d._bag(
+            what,
+            copy,
+            [
+                (idx, await client.scatter(handles, workers=workers, hash=False))
+                for idx, handles, workers in scatters
+            ],
+        )
 
-    def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),
-               comparator: Callable[[Any, Any], bool] | None = None,
-               branching_factor: int = 5) -> AsyncFilter:  # fmt: skip
+    def filter(
+        self,
+        mgr_code: Callable[..., Any],
+        mgr_code_args: tuple[Any, ...] = (),
+        comparator: Callable[[Any, Any], bool] | None = None,
+        branching_factor: int = 5,
+    ) -> AsyncFilter:
         """:meth:`DDict.filter` for ``async with ad.filter(...) as results: async for x in
         results``: the same tree of tasks, results taken in a thread, a batch per hop."""
         self._d._check()
-        return AsyncFilter(Filter(self._d, mgr_code, mgr_code_args, comparator,
-                                  branching_factor, None), self._workers)  # fmt: skip
+        return AsyncFilter(
+            Filter(self._d, mgr_code, mgr_code_args, comparator, branching_factor, None),
+            self._workers,
+        )
 
     def __aiter__(self) -> AsyncIterator[Any]:
         """``async for k in ad``: keys streamed page by page (one thread hop per page)."""
@@ -397,13 +423,24 @@ for _name in AWAITABLE:
     _method.__name__, _method.__qualname__ = _name, f"AsyncDDict.{_name}"
     _method.__doc__ = f"Awaitable :meth:`DDict.{_method.__sync__}` (run in a worker thread)."
     if isinstance(getattr(DDict, _method.__sync__, None), property):  # (see the class's rule)
-        _method.__doc__ = (f"Awaitable :attr:`DDict.{_method.__sync__}` (a property there, which "
-                           "asks the managers; run in a worker thread).")  # fmt: skip
+        _method.__doc__ = (
+            f"Awaitable :attr:`DDict.{_method.__sync__}` (a property there, which "
+            "asks the managers; run in a worker thread)."
+        )
 
 _PASSTHROUGH = frozenset(
     {
-        "num_managers", "manager_workers", "manager_nodes", "local_managers", "local_manager",
-        "main_manager", "empty_managers", "timeout", "lifetime", "wait_for_keys",
-        "wait_for_writers", "working_set_size",
+        "num_managers",
+        "manager_workers",
+        "manager_nodes",
+        "local_managers",
+        "local_manager",
+        "main_manager",
+        "empty_managers",
+        "timeout",
+        "lifetime",
+        "wait_for_keys",
+        "wait_for_writers",
+        "working_set_size",
     }
-)  # fmt: skip
+)

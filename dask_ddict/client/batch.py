@@ -54,9 +54,13 @@ class BatchPut:
         Makes a manager's ``DDictFullError`` name the dictionary and the manager.
     """
 
-    def __init__(self, persist: bool, channel: Callable[[int], Any], client_id: int,
-                 named: Callable[[DDictFullError, int], DDictFullError] | None = None,
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        persist: bool,
+        channel: Callable[[int], Any],
+        client_id: int,
+        named: Callable[[DDictFullError, int], DDictFullError] | None = None,
+    ) -> None:
         self.id = secrets.randbits(63)  # the managers keep this batch's state under it
         self.persist = persist
         self.flush_bytes = config.get_bytes("batch.flush-bytes")
@@ -136,8 +140,7 @@ class BatchPut:
             self._managed.add(mid)
         return records[done:]
 
-    def _send(self, link: Any, by_mid: dict[int, list[Record]], keep: int | None = None
-              ) -> None:  # fmt: skip
+    def _send(self, link: Any, by_mid: dict[int, list[Record]], keep: int | None = None) -> None:
         """One request to ``link``'s host with the records of its managers (``keep``: their
         buffered bytes, kept for a resend; ``None``: a resend, of records kept already)."""
         by_mid = {mid: rs for mid, rs in by_mid.items() if mid not in self._failed_mids}
@@ -152,8 +155,10 @@ class BatchPut:
         first = records[0][0]
         try:
             try:
-                link.call(ops.BatchPut(records, self._chkpt, self._client_id, self.persist,
-                                       self.id), first)  # fmt: skip
+                link.call(
+                    ops.BatchPut(records, self._chkpt, self._client_id, self.persist, self.id),
+                    first,
+                )
             except DDictError as broke:  # (a replicated manager's host lost: its replica
                 raise self._taken_over(link, first, broke) from None  # takes over)
         except DDictManagerMovedError as e:
@@ -176,8 +181,12 @@ class BatchPut:
         and a replica took over from it (asked of the orchestrator, see
         ``_Core.explain``): a batch's records are not answered one by one, so a broken
         connection is all it sees of a lost host."""
-        if type(e) is not DDictError or e.code != "MANAGER_UNAVAILABLE" or \
-                self._kept is None or link.explain is None:  # fmt: skip
+        if (
+            type(e) is not DDictError
+            or e.code != "MANAGER_UNAVAILABLE"
+            or self._kept is None
+            or link.explain is None
+        ):
             return e
         return link.explain(mid, DDictManagerUnavailableError(e.message), link.info.address)
 
@@ -263,6 +272,7 @@ class BatchPut:
                     "sent to it (its host process restarted during the batch, or its "
                     "lease lapsed meanwhile: a replicated manager's host that could not "
                     "reach the orchestrator stored none); the others may or may not have "
-                    "been applied: put them again")
+                    "been applied: put them again"
+                )
         if self.error is not None:
             raise self.error

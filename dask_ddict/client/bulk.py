@@ -13,12 +13,18 @@ from .._hashing import key_digest
 from .._keys import dumps_key
 from .._serialize import Framed, KeyPickler, ValuePickler, loads_value
 from ..arguments import check_bool
-from ..errors import (DDictError, DDictFullError, DDictKeyError, DDictLeaseError, Status,
-                      raise_for_status)
+from ..errors import (
+    DDictError,
+    DDictFullError,
+    DDictKeyError,
+    DDictLeaseError,
+    Status,
+    raise_for_status,
+)
 from ..transport.connect import _reraise
 from ..transport.many import PutMany
-from ..transport.pipelined import Unpipeable, exchange_all, time_left
 from ..transport.ops import Freeze, Get, Put, Unfreeze
+from ..transport.pipelined import Unpipeable, exchange_all, time_left
 from .batch import BatchPut
 
 if TYPE_CHECKING:
@@ -56,8 +62,9 @@ class Bulk:
         """Stream the following puts without per-put replies (until :meth:`end_batch_put`)."""
         self._check()
         self._no_batch("start_batch_put()")
-        self._batch = BatchPut(check_bool("persist", persist), self._core.channel,
-                               self._client_id, self._core.full)  # fmt: skip
+        self._batch = BatchPut(
+            check_bool("persist", persist), self._core.channel, self._client_id, self._core.full
+        )
 
     def end_batch_put(self) -> None:
         """Send what is buffered and raise the first error any manager saw."""
@@ -86,9 +93,19 @@ class Bulk:
                 for mid in every:
                     self._batch.add(mid, digest, kb, framed, self._chkpt)
         else:  # one request per host process, all hosts at once
-            self._core.each(Put(digest, kb, self._framed(None, kb, value), self._chkpt,
-                                self._client_id, False, self._timeout), every,
-                            tree=True)  # (along a tree of hosts past ddict.broadcast.tree-above)
+            self._core.each(
+                Put(
+                    digest,
+                    kb,
+                    self._framed(None, kb, value),
+                    self._chkpt,
+                    self._client_id,
+                    False,
+                    self._timeout,
+                ),
+                every,
+                tree=True,
+            )  # (along a tree of hosts past ddict.broadcast.tree-above)
 
     def bget(self, key: Any) -> Any:
         """Read a broadcast value from this handle's main manager."""
@@ -101,8 +118,9 @@ class Bulk:
             raise DDictKeyError(key) from None
         return loads_value(frame, self._vp)
 
-    def _put_many(self, pairs: list[tuple[Any, Any]], persistent: bool = False,
-                  direct_max: int | None = None) -> list[BaseException | None]:  # fmt: skip
+    def _put_many(
+        self, pairs: list[tuple[Any, Any]], persistent: bool = False, direct_max: int | None = None
+    ) -> list[BaseException | None]:
         """Put every pair with one request per host process (same-host shards: committed
         here, one transaction each); each pair's error, or ``None``.  What
         :class:`~dask_ddict.AsyncDDict` sends (:meth:`_put_many_async`) for the puts of
@@ -152,8 +170,9 @@ class Bulk:
             out[i] = _error_of(self._put, *pairs[i], persistent)
         return out
 
-    async def _put_many_async(self, pairs: list[tuple[Any, Any]], persistent: bool = False,
-                              direct_max: int | None = None) -> list[BaseException | None]:  # fmt: skip
+    async def _put_many_async(
+        self, pairs: list[tuple[Any, Any]], persistent: bool = False, direct_max: int | None = None
+    ) -> list[BaseException | None]:
         """:meth:`_put_many` from an event loop: one pipelined request per host process
         where the managers' links allow (see :meth:`~dask_ddict.transport.connect.
         Connections.pipe_links`); the rest, and what the pipes cannot send, by
@@ -165,8 +184,9 @@ class Bulk:
         links = self._core.pipe_links(groups)
 
         def put_many(h: Bulk, indices: list[int]) -> None:  # (in a worker thread)
-            for i, e in zip(indices, h._put_many([pairs[i] for i in indices], persistent,
-                                                 direct_max)):  # fmt: skip
+            for i, e in zip(
+                indices, h._put_many([pairs[i] for i in indices], persistent, direct_max)
+            ):
                 out[i] = e
 
         # The others' (same-host shards, TLS, ...) in a worker thread meanwhile.
@@ -205,8 +225,9 @@ class Bulk:
             await asyncio.to_thread(rest)
         return out
 
-    def _put_groups(self, pairs: list[tuple[Any, Any]]
-                    ) -> tuple[list[BaseException | None], dict[int, list[_Record]]]:  # fmt: skip
+    def _put_groups(
+        self, pairs: list[tuple[Any, Any]]
+    ) -> tuple[list[BaseException | None], dict[int, list[_Record]]]:
         """Each pair's error so far (one that cannot be routed or pickled), and the
         others' records ``(index, digest, key, frame)`` by manager."""
         out: list[BaseException | None] = [None] * len(pairs)
@@ -219,17 +240,34 @@ class Bulk:
                 out[i] = e
         return out, groups
 
-    def _put_requests(self, remote: dict[Any, list[_Group]], persistent: bool
-                      ) -> list[tuple[Any, list[_Group], PutMany]]:  # fmt: skip
+    def _put_requests(
+        self, remote: dict[Any, list[_Group]], persistent: bool
+    ) -> list[tuple[Any, list[_Group], PutMany]]:
         """``(link, chunk, request)`` for the records of ``remote`` (by link): requests
         that stay within a host's limit (:data:`PUT_MANY_BYTES`)."""
-        return [(link, chunk, PutMany([(mid, *r[1:]) for mid, recs in chunk for r in recs],
-                                      self._chkpt, self._client_id, persistent, self._timeout))
-                for link, gs in remote.items()
-                for chunk in _chunks(gs, PUT_MANY_BYTES)]  # fmt: skip
+        return [
+            (
+                link,
+                chunk,
+                PutMany(
+                    [(mid, *r[1:]) for mid, recs in chunk for r in recs],
+                    self._chkpt,
+                    self._client_id,
+                    persistent,
+                    self._timeout,
+                ),
+            )
+            for link, gs in remote.items()
+            for chunk in _chunks(gs, PUT_MANY_BYTES)
+        ]
 
-    def _put_answered(self, out: list[BaseException | None], chunk: list[_Group], op: PutMany,
-                      answer: tuple[int, Any] | BaseException) -> list[int]:  # fmt: skip
+    def _put_answered(
+        self,
+        out: list[BaseException | None],
+        chunk: list[_Group],
+        op: PutMany,
+        answer: tuple[int, Any] | BaseException,
+    ) -> list[int]:
         """Record the ``answer`` to ``op`` (or its failure) for the pairs of ``chunk`` in
         ``out``; the pairs to put one by one (after the first one a manager refused)."""
         core = self._core

@@ -163,7 +163,8 @@ class Checkpoints:
             raise DDictPersistCheckpointError(
                 f"restore({chkpt}) of {self._core.name!r}: this dictionary persists nothing "
                 "(it was created without persist_path=): create one with "
-                "persist_path=<the zarr store> and restore_from=<checkpoint>")  # fmt: skip
+                "persist_path=<the zarr store> and restore_from=<checkpoint>"
+            )
         try:
             self.sync()  # (persists under way end first: what they commit may be chkpt's)
         except DDictPersistCheckpointError:
@@ -197,8 +198,13 @@ def not_persisted(mids: list[int], failed: list[list[tuple[int, str]]]) -> str:
     for mid, items in zip(mids, failed, strict=True):
         for chkpt, why in items:
             by.setdefault((chkpt, why), []).append(mid)
-    lines = [f"checkpoint {c} on manager{'s' if len(ms) > 1 else ''} "
-             f"{', '.join(map(str, ms))}: {why}" for (c, why), ms in sorted(by.items())]  # fmt: skip
-    return ("sync(): some persisted checkpoints are not committed on every manager:\n  "
-            + "\n  ".join(lines) + "\nPersist a checkpoint still in the working set again "
-            "(d.persist() at it), or restore from one that persisted_ids() lists.")
+    lines = [
+        f"checkpoint {c} on manager{'s' if len(ms) > 1 else ''} {', '.join(map(str, ms))}: {why}"
+        for (c, why), ms in sorted(by.items())
+    ]
+    return (
+        "sync(): some persisted checkpoints are not committed on every manager:\n  "
+        + "\n  ".join(lines)
+        + "\nPersist a checkpoint still in the working set again "
+        "(d.persist() at it), or restore from one that persisted_ids() lists."
+    )

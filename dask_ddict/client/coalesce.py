@@ -82,8 +82,9 @@ class _Batcher:
         """One answer per operation of ``batch``."""
         raise NotImplementedError
 
-    def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, mode: Any,
-                answers: list[Any]) -> None:  # fmt: skip
+    def _settle(
+        self, loop: asyncio.AbstractEventLoop, batch: _Pending, mode: Any, answers: list[Any]
+    ) -> None:
         raise NotImplementedError
 
 
@@ -126,8 +127,13 @@ class GetBatcher(_Batcher):
         values = iter(await d._many_async(keys, routes, copy, self._decode) if keys else ())
         return [(True, next(values)[1]) if ok else (ok, e) for ok, e in out]
 
-    def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, copy: bool | None,
-                answers: list[tuple[bool, Any]]) -> None:  # fmt: skip
+    def _settle(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: _Pending,
+        copy: bool | None,
+        answers: list[tuple[bool, Any]],
+    ) -> None:
         for (key, default, fut), (ok, got) in zip(batch, answers):
             if fut.done():
                 continue  # (cancelled by its awaiter)
@@ -138,8 +144,14 @@ class GetBatcher(_Batcher):
             else:
                 fut.set_result(default if got is _ABSENT else got)
 
-    def _wait(self, loop: asyncio.AbstractEventLoop, key: Any, default: Any, copy: bool | None,
-              fut: asyncio.Future[Any]) -> None:  # fmt: skip
+    def _wait(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        key: Any,
+        default: Any,
+        copy: bool | None,
+        fut: asyncio.Future[Any],
+    ) -> None:
         def read() -> Any:
             try:
                 return self._d._get(key, None if copy is None else not copy)
@@ -177,11 +189,17 @@ class PutBatcher(_Batcher):
         await self._join(persistent, key, value)
 
     async def _send(self, batch: _Pending, persistent: bool) -> list[BaseException | None]:
-        return await self._d._put_many_async([(k, v) for k, v, _ in batch], persistent,
-                                             self._direct_max)  # fmt: skip
+        return await self._d._put_many_async(
+            [(k, v) for k, v, _ in batch], persistent, self._direct_max
+        )
 
-    def _settle(self, loop: asyncio.AbstractEventLoop, batch: _Pending, persistent: bool,
-                answers: list[BaseException | None]) -> None:  # fmt: skip
+    def _settle(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: _Pending,
+        persistent: bool,
+        answers: list[BaseException | None],
+    ) -> None:
         for (_, _, fut), error in zip(batch, answers):
             if fut.done():
                 continue

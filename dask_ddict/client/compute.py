@@ -51,8 +51,9 @@ def placement(layout: Layout, workers: dict[str, Any]) -> list[list[str] | None]
     return out
 
 
-def call_on_shard(func: Callable[..., Any], dd: DDict, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Any:  # fmt: skip
+def call_on_shard(
+    func: Callable[..., Any], dd: DDict, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """A :meth:`Compute.map_shards` task (the user's keywords never meet ``submit``'s)."""
     return func(dd, *args, **kwargs)
 
@@ -91,9 +92,13 @@ class Compute:
         everywhere = placement(self._core.fresh(), workers)
         return [everywhere[m] for m in self._managers()]
 
-    def filter(self, mgr_code: Callable[..., Any], mgr_code_args: tuple[Any, ...] = (),
-               comparator: Callable[[Any, Any], bool] | None = None,
-               branching_factor: int = 5) -> Filter:  # fmt: skip
+    def filter(
+        self,
+        mgr_code: Callable[..., Any],
+        mgr_code_args: tuple[Any, ...] = (),
+        comparator: Callable[[Any, Any], bool] | None = None,
+        branching_factor: int = 5,
+    ) -> Filter:
         """Run ``mgr_code`` beside every shard and stream its results back (Dragon's filter).
 
         ``mgr_code(dd, out_queue, *mgr_code_args)`` runs once per manager, in a Dask
@@ -118,8 +123,9 @@ class Compute:
         for (``ddict.compute.exit-timeout``), then cancelled.
         """
         self._check()
-        return Filter(self, mgr_code, mgr_code_args, comparator, branching_factor,
-                      None)  # (placed when it starts)  # fmt: skip
+        return Filter(
+            self, mgr_code, mgr_code_args, comparator, branching_factor, None
+        )  # (placed when it starts)
 
     def map_shards(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Future]:
         """``func(d.manager(i), *args, **kwargs)`` in a task beside each manager's shard.
@@ -131,8 +137,13 @@ class Compute:
         """
         return self._map_shards(func, args, kwargs, None)
 
-    def _map_shards(self, func: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any], workers: dict[str, Any] | None) -> list[Future]:  # fmt: skip
+    def _map_shards(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        workers: dict[str, Any] | None,
+    ) -> list[Future]:
         self._check()
         if not callable(func):
             raise TypeError(f"func must be callable, got {type(func).__name__}")
@@ -141,9 +152,13 @@ class Compute:
         tag = uuid.uuid4().hex[:8]
         name = funcname(func)
         mids = self._managers()
-        futures = map_placed(client, call_on_shard, by_placement(where),
-                             lambda i: (func, self.manager(mids[i]), args, kwargs),
-                             lambda i: f"{name}-shard-{mids[i]}-{tag}")  # fmt: skip
+        futures = map_placed(
+            client,
+            call_on_shard,
+            by_placement(where),
+            lambda i: (func, self.manager(mids[i]), args, kwargs),
+            lambda i: f"{name}-shard-{mids[i]}-{tag}",
+        )
         return [futures[i] for i in range(len(mids))]
 
     def to_bag(self, what: str = "items", copy: bool = False) -> dask.bag.Bag:
@@ -163,12 +178,21 @@ class Compute:
         ``copy=True``: every value is a private, writeable copy.
         """
         scatters = self._bag_scatters(what, None, copy)
-        return self._bag(what, copy, [(idx, self._core.client.scatter(handles, workers=workers,
-                                                                       hash=False))
-                                      for idx, handles, workers in scatters])  # fmt: skip
+        return self._bag(
+            what,
+            copy,
+            [
+                (idx, self._core.client.scatter(handles, workers=workers, hash=False))
+                for idx, handles, workers in scatters
+            ],
+        )
 
-    def _bag_scatters(self, what: str, workers: dict[str, Any] | None, copy: bool,
-                      ) -> list[tuple[list[int], list[DDict], list[str] | None]]:  # fmt: skip
+    def _bag_scatters(
+        self,
+        what: str,
+        workers: dict[str, Any] | None,
+        copy: bool,
+    ) -> list[tuple[list[int], list[DDict], list[str] | None]]:
         """What :meth:`to_bag` scatters: ``(partitions, their handles, onto which
         workers)`` per placement (checks ``what`` and ``copy`` first)."""
         self._check()
@@ -176,11 +200,14 @@ class Compute:
             raise ValueError(f"what must be 'items', 'keys' or 'values', got {what!r}")
         check_bool("copy", copy)
         mids = self._managers()
-        return [(idx, [self.manager(mids[i]) for i in idx], list(g) or None)
-                for g, idx in by_placement(self._placement(workers)).items()]  # fmt: skip
+        return [
+            (idx, [self.manager(mids[i]) for i in idx], list(g) or None)
+            for g, idx in by_placement(self._placement(workers)).items()
+        ]
 
-    def _bag(self, what: str, copy: bool,
-             scattered: list[tuple[list[int], list[Future]]]) -> dask.bag.Bag:  # fmt: skip
+    def _bag(
+        self, what: str, copy: bool, scattered: list[tuple[list[int], list[Future]]]
+    ) -> dask.bag.Bag:
         """The bag over the scattered handles: partition ``i`` reads handle ``i``'s shard."""
         import dask.bag as db
         from dask.highlevelgraph import HighLevelGraph
@@ -189,7 +216,8 @@ class Compute:
         for idx, futures in scattered:
             handles.update(zip(idx, futures))
         name = f"ddict-{what}-{self._core.name}-{uuid.uuid4().hex[:8]}"
-        dsk: dict[Any, Any] = {(name, i): (read_shard, h, _WANT[what], copy)
-                               for i, h in sorted(handles.items())}  # fmt: skip
+        dsk: dict[Any, Any] = {
+            (name, i): (read_shard, h, _WANT[what], copy) for i, h in sorted(handles.items())
+        }
         graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
         return db.Bag(graph, name, len(handles))

@@ -112,9 +112,14 @@ class _Core(Connections):
         got = self._routers.get((id(kp), placed))
         if got is None:
             encode = encode_key if kp is None else functools.partial(dumps_key, pickler=kp)
-            router = kernels.Router(self.num_managers, self.max_key_bytes, encode,
-                                    _placer(weakref.ref(self)) if placed else None,
-                                    PLAIN_KEYS, key_digest)  # fmt: skip
+            router = kernels.Router(
+                self.num_managers,
+                self.max_key_bytes,
+                encode,
+                _placer(weakref.ref(self)) if placed else None,
+                PLAIN_KEYS,
+                key_digest,
+            )
             got = self._routers[id(kp), placed] = (kp, router)  # (kp kept: its id stays its)
         return got[1]
 
@@ -143,8 +148,9 @@ class _Core(Connections):
             _SEED_WARNED.add(layout.uid)
             warnings.warn(text, RuntimeWarning, stacklevel=4)
 
-    def explain(self, mid: int, e: DDictManagerUnavailableError,
-                place: tuple[str, str, int] | None = None) -> DDictError:  # fmt: skip
+    def explain(
+        self, mid: int, e: DDictManagerUnavailableError, place: tuple[str, str, int] | None = None
+    ) -> DDictError:
         """Why manager ``mid`` cannot be reached, as the orchestrator knows it.
 
         This process sees only a refused connection, a socket file gone or a shard
@@ -172,8 +178,9 @@ class _Core(Connections):
                 self._asked = time.monotonic() + ASK_EVERY
                 self._answer = None  # (a question that raises leaves no older answer)
                 try:
-                    self._answer = current_layout(self.ref, self._client,
-                                                  config.get_seconds("host.probe-timeout"))  # fmt: skip
+                    self._answer = current_layout(
+                        self.ref, self._client, config.get_seconds("host.probe-timeout")
+                    )
                 except DDictClosedError as closed:
                     self._answer = closed
                 finally:
@@ -190,8 +197,9 @@ class _Core(Connections):
             return manager_lost(self.name, info)
         if answer is not None and place is not None and answer.managers[mid].address != place:
             now_at = answer.managers[mid]
-            return DDictManagerMovedError(f"manager {mid} of {self.name!r} moved to "
-                                          f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
+            return DDictManagerMovedError(
+                f"manager {mid} of {self.name!r} moved to {now_at.hostname} ({now_at.worker})"
+            )
         return e
 
     def _await_failover(self, mid: int, place: tuple[str, str, int]) -> DDictError | None:
@@ -211,8 +219,10 @@ class _Core(Connections):
                 self._lost[mid] = now_at
                 return manager_lost(self.name, now_at)
             if now_at is not None and now_at.address != place:
-                return DDictManagerMovedError(f"manager {mid} of {self.name!r} failed over to "
-                                              f"{now_at.hostname} ({now_at.worker})")  # fmt: skip
+                return DDictManagerMovedError(
+                    f"manager {mid} of {self.name!r} failed over to "
+                    f"{now_at.hostname} ({now_at.worker})"
+                )
             if left <= 0:
                 return None
             time.sleep(min(FAILOVER_POLL, max(0.0, left)))
@@ -220,8 +230,11 @@ class _Core(Connections):
     def current(self, deadline: float | None) -> Layout | None:
         """The orchestrator's layout once its moves of this dictionary are done, asked
         within the operation's time (else ``ddict.move.timeout``)."""
-        wait = config.get_seconds("move.timeout") if deadline is None else \
-            max(0.05, deadline - time.monotonic())  # fmt: skip
+        wait = (
+            config.get_seconds("move.timeout")
+            if deadline is None
+            else max(0.05, deadline - time.monotonic())
+        )
         return current_layout(self.ref, self._client, wait, settled=True)
 
     def fresh(self, force: bool = False) -> Layout:
@@ -230,8 +243,9 @@ class _Core(Connections):
         handle that has a client (the user's); others (a task's) keep the layout of
         their epoch, and follow a manager's move when they meet it."""
         if self._due(force):
-            self.offer(current_layout(self.ref, self._client,
-                                      config.get_seconds("host.probe-timeout")))
+            self.offer(
+                current_layout(self.ref, self._client, config.get_seconds("host.probe-timeout"))
+            )
         return self.layout
 
     def _due(self, force: bool = False) -> bool:
@@ -251,7 +265,7 @@ class _Core(Connections):
             try:
                 ask = client.scheduler.ddict_attach(name=self.ref.name)
                 reply = await asyncio.wait_for(ask, config.get_seconds("host.probe-timeout"))
-            except (OSError, asyncio.TimeoutError):  # (no answer: the layout it has)
+            except (TimeoutError, OSError):  # (no answer: the layout it has)
                 return self.layout
             self.offer(fetched_layout(self.ref, reply))
         return self.layout

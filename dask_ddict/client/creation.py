@@ -44,8 +44,7 @@ R = TypeVar("R")
 #: Dragon's names of constructor arguments spelled otherwise here, and ours: a Dask
 #: worker stands for a Dragon node (its host process serves the managers placed on
 #: it).  Either name may be given, not both (``docs/dragon.md``, "Moving from Dragon").
-DRAGON_NAMES: dict[str, str] = {"managers_per_node": "managers_per_worker",
-                                "n_nodes": "n_workers"}  # fmt: skip
+DRAGON_NAMES: dict[str, str] = {"managers_per_node": "managers_per_worker", "n_nodes": "n_workers"}
 #: Dragon's placement arguments: ``policy`` and ``managers_per_policy`` place managers
 #: (:mod:`dask_ddict.placement`); ``orc_policy`` is accepted without effect.
 DRAGON_PLACEMENT = ("policy", "managers_per_policy", "orc_policy")
@@ -78,8 +77,11 @@ def keywords_checked(init: Callable[P, R]) -> Callable[P, R]:
     checkers and the docs see it unchanged).
     """
     sig = inspect.signature(init)
-    valid = frozenset(name for name, p in sig.parameters.items() if name != "self"
-                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))  # fmt: skip
+    valid = frozenset(
+        name
+        for name, p in sig.parameters.items()
+        if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
     what = init.__qualname__.removesuffix(".__init__")
 
     @functools.wraps(init)
@@ -106,12 +108,16 @@ def dragon_arguments(args: Mapping[str, Any]) -> dict[str, Any]:
     for dragon, ours in DRAGON_NAMES.items():
         out[ours] = either("DDict", ours, out[ours], dragon, out.pop(dragon))
     if out["orc_policy"] is not None and not isinstance(out["orc_policy"], Policy):
-        raise TypeError(f"orc_policy must be a dask_ddict.Policy or None, got "
-                        f"{out['orc_policy']!r:.80}")  # fmt: skip
+        raise TypeError(
+            f"orc_policy must be a dask_ddict.Policy or None, got {out['orc_policy']!r:.80}"
+        )
     # (orc_policy: without effect, the orchestrator is the scheduler plugin)
     out["persister"] = persister_name(out.pop("persister_class"))
-    if out["persister"] == "directory" and not out["persist_path"] and (
-            out["persist_freq"] or out["restore_from"] is not None):  # fmt: skip
+    if (
+        out["persister"] == "directory"
+        and not out["persist_path"]
+        and (out["persist_freq"] or out["restore_from"] is not None)
+    ):
         out["persist_path"] = os.getcwd()  # (Dragon's POSIX persister: "" is the cwd)
     check_bool("trace", out["trace"])
     check_int("streams_per_manager", out["streams_per_manager"], 0, allow_none=True)
@@ -134,8 +140,7 @@ def trace_logging(trace: bool) -> None:
     logger.setLevel(logging.DEBUG)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: "
-                                               "%(message)s"))  # fmt: skip
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         logger.addHandler(handler)
 
 
@@ -169,30 +174,44 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     """
     args = dragon_arguments(args)
     managers_per_worker, n_workers, total_mem, name, timeout, restart, workers = (
-        args[k] for k in ("managers_per_worker", "n_workers", "total_mem", "name", "timeout",
-                          "restart", "workers")
-    )  # fmt: skip
+        args[k]
+        for k in (
+            "managers_per_worker",
+            "n_workers",
+            "total_mem",
+            "name",
+            "timeout",
+            "restart",
+            "workers",
+        )
+    )
     groups = policy_groups(args["policy"], args["managers_per_policy"], managers_per_worker)
     if groups and restart:
-        raise ValueError("restart=True re-creates the managers where their shards were kept, "
-                         "with the policies they had: policy must be None (as in Dragon)")
+        raise ValueError(
+            "restart=True re-creates the managers where their shards were kept, "
+            "with the policies they had: policy must be None (as in Dragon)"
+        )
     if groups and (len(groups) > 1 or groups[0][1] is not None) and n_workers is not None:
-        raise ValueError("with a list (or mapping) of policies, the policies place the "
-                         "managers: n_workers (n_nodes) must be None, as in Dragon")
+        raise ValueError(
+            "with a list (or mapping) of policies, the policies place the "
+            "managers: n_workers (n_nodes) must be None, as in Dragon"
+        )
     mpw = config.get("managers-per-worker") if managers_per_worker is None else managers_per_worker
     check_int("managers_per_worker", mpw, 1, MAX_MANAGERS)
     check_int("n_workers", n_workers, 1, MAX_MANAGERS, allow_none=True)
     if workers is not None and (
-        isinstance(workers, (str, bytes)) or not isinstance(workers, (list, tuple))
+        isinstance(workers, (str, bytes))
+        or not isinstance(workers, (list, tuple))
         or not all(isinstance(w, str) for w in workers)
-    ):  # fmt: skip
+    ):
         raise TypeError(f"workers must be a list of worker addresses or None, got {workers!r:.80}")
     mem = parse_total_mem(config.get("total-mem") if total_mem is None else total_mem)
     check_name(name)
     check_timeout(timeout)
     check_bool("restart", restart)
-    lifetime = check_lifetime(config.get("lifetime") if args["lifetime"] is None
-                              else args["lifetime"])  # fmt: skip
+    lifetime = check_lifetime(
+        config.get("lifetime") if args["lifetime"] is None else args["lifetime"]
+    )
     given = {k: args[k] for k in _OPTIONS if k in args}
     if given.get("manager_pool_full_thresh") is None:
         given["manager_pool_full_thresh"] = config.get("manager-pool-full-thresh")
@@ -200,11 +219,17 @@ def create_request(args: Mapping[str, Any]) -> dict[str, Any]:
     options.validate(name=name, restart=restart)
     storage_options = check_storage_options(args["storage_options"], options.persist_path)
     return dict(
-        name=name, options=options.resolved().to_dict(), total_mem=mem, managers_per_worker=mpw,
-        n_workers=n_workers, workers=None if workers is None else list(workers),
-        restart=restart, lifetime=lifetime, storage_options=storage_options,
+        name=name,
+        options=options.resolved().to_dict(),
+        total_mem=mem,
+        managers_per_worker=mpw,
+        n_workers=n_workers,
+        workers=None if workers is None else list(workers),
+        restart=restart,
+        lifetime=lifetime,
+        storage_options=storage_options,
         **({"policies": [[p.to_dict(), c] for p, c in groups]} if groups else {}),
-    )  # fmt: skip
+    )
 
 
 def initial_checkpoint(h: Any, request: dict[str, Any]) -> None:

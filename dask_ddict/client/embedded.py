@@ -74,11 +74,19 @@ class _Embedded:
         if self.cluster.status.name in ("closing", "closed"):
             _EMBEDDED.pop(id(self.cluster), None)
             return
-        logger.warning("DDict %r was not destroyed; its keys are dropped with the embedded "
-                       "cluster (call d.destroy(), or use `with DDict() as d:`)", self.name)
+        logger.warning(
+            "DDict %r was not destroyed; its keys are dropped with the embedded "
+            "cluster (call d.destroy(), or use `with DDict() as d:`)",
+            self.name,
+        )
         try:
-            self.client.sync(self.client.scheduler.ddict_destroy, name=self.name, uid=self.uid,
-                             allow_restart=False, callback_timeout=EXIT_DESTROY_TIMEOUT)
+            self.client.sync(
+                self.client.scheduler.ddict_destroy,
+                name=self.name,
+                uid=self.uid,
+                allow_restart=False,
+                callback_timeout=EXIT_DESTROY_TIMEOUT,
+            )
         except Exception as e:  # noqa: BLE001 - the cluster's close removes its shards anyway
             logger.debug("ddict: destroying %r at exit: %r", self.name, e)
         with contextlib.suppress(Exception):

@@ -125,8 +125,12 @@ def tree(workers: list[str], fan_in: int) -> tuple[list[int], list[str]]:
 ANSWER_GRACE = 5.0
 
 
-def _join(plan: Plan, node: int, address: tuple[str, int] | None,
-          ssl_context: ssl.SSLContext | None = None) -> Any:  # fmt: skip
+def _join(
+    plan: Plan,
+    node: int,
+    address: tuple[str, int] | None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Any:
     """A socket to ``node``'s parent: asked of the caller, which may be the parent;
     ``None`` if the caller has left (a task that starts late has nothing to do)."""
     timeout = plan.limits.connect_timeout
@@ -138,9 +142,10 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None,
         kind, payload = recv_frame(sock)
         if kind == ERROR:  # the caller gave up on this node's parent: it fails, loudly
             _close(sock)
-            raise DDictTaskError(f"filter: node {node} cannot join its parent: "
-                                 f"{payload.decode(errors='replace')}",
-                                 manager_id=leaf)  # fmt: skip
+            raise DDictTaskError(
+                f"filter: node {node} cannot join its parent: {payload.decode(errors='replace')}",
+                manager_id=leaf,
+            )
         if kind != PARENT:
             _close(sock)
             raise EOFError(f"unexpected frame {kind}")
@@ -153,9 +158,11 @@ def _join(plan: Plan, node: int, address: tuple[str, int] | None,
         logger.debug("ddict filter: node %d starts after its caller left (%r)", node, e)
         return None
     except OSError as e:
-        raise DDictTaskError(f"filter: node {node} cannot reach its parent (the caller at "
-                             f"{plan.root[0]}:{plan.root[1]} left, or is unreachable): {e}",
-                             manager_id=leaf) from e  # fmt: skip
+        raise DDictTaskError(
+            f"filter: node {node} cannot reach its parent (the caller at "
+            f"{plan.root[0]}:{plan.root[1]} left, or is unreachable): {e}",
+            manager_id=leaf,
+        ) from e
     sock.settimeout(None)
     return sock
 
@@ -170,8 +177,12 @@ class _Joining:
         self._sock: Any = None
         self.error: BaseException | None = None
         self._taken = self._dropped = False
-        threading.Thread(target=self._run, args=(plan, node, ssl_context), daemon=True,
-                         name=f"ddict-filter-join-{node}").start()  # fmt: skip
+        threading.Thread(
+            target=self._run,
+            args=(plan, node, ssl_context),
+            daemon=True,
+            name=f"ddict-filter-join-{node}",
+        ).start()
 
     def _run(self, plan: Plan, node: int, ssl_context: ssl.SSLContext | None) -> None:
         try:
@@ -207,8 +218,9 @@ class _Joining:
             _close(sock)
 
 
-def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], plan: Plan,
-             node: int) -> None:  # fmt: skip
+def run_leaf(
+    dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], plan: Plan, node: int
+) -> None:
     """A manager's task: ``mgr_code(dd, out_queue, *args)``, its results sent up.
 
     It runs in its worker's thread pool, so a worker's leaves scan one after
@@ -228,9 +240,12 @@ def run_leaf(dd: DDict, mgr_code: Callable[..., Any], args: tuple[Any, ...], pla
             distributed.secede()
 
     joining = _Joining(plan, node, plan.ssl_context(listen=False))
-    out = Sender(None, plan.limits,
-                 lambda: joining.result(None if plan.parents[node] == ROOT else leave_pool),
-                 leave_pool)  # fmt: skip
+    out = Sender(
+        None,
+        plan.limits,
+        lambda: joining.result(None if plan.parents[node] == ROOT else leave_pool),
+        leave_pool,
+    )
     try:
         mgr_code(dd, out, *args)
         out.end()
@@ -250,8 +265,14 @@ def run_merge(plan: Plan, node: int, comparator: Callable[[Any, Any], bool] | No
     """A merge task: its children's results, merged, sent up."""
     distributed.secede()
     host = get_address_host(distributed.get_worker().address)
-    hub = Hub(host, plan.token, plan.children(node), plan.leaves, plan.limits,
-              ssl_context=plan.ssl_context(listen=True))  # fmt: skip
+    hub = Hub(
+        host,
+        plan.token,
+        plan.children(node),
+        plan.leaves,
+        plan.limits,
+        ssl_context=plan.ssl_context(listen=True),
+    )
     sock = None
     try:
         sock = _join(plan, node, hub.address, plan.ssl_context(listen=False))
@@ -294,9 +315,15 @@ class Filter:
     is left, so nothing keeps running.
     """
 
-    def __init__(self, d: DDict, mgr_code: Callable[..., Any], mgr_code_args: Any,
-                 comparator: Callable[[Any, Any], bool] | None, branching_factor: int,
-                 placement: list[list[str] | None] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        d: DDict,
+        mgr_code: Callable[..., Any],
+        mgr_code_args: Any,
+        comparator: Callable[[Any, Any], bool] | None,
+        branching_factor: int,
+        placement: list[list[str] | None] | None,
+    ) -> None:
         if not callable(mgr_code):
             raise TypeError(f"mgr_code must be callable, got {type(mgr_code).__name__}")
         if comparator is not None and not callable(comparator):
@@ -317,8 +344,10 @@ class Filter:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._hub is not None else "ready"
-        return (f"<Filter {getattr(self._code, '__name__', self._code)!r} on "
-                f"{len(self._d._managers())} managers fan-in={self._fan_in} {state}>")  # fmt: skip
+        return (
+            f"<Filter {getattr(self._code, '__name__', self._code)!r} on "
+            f"{len(self._d._managers())} managers fan-in={self._fan_in} {state}>"
+        )
 
     def __enter__(self) -> Iterator[Any]:
         self._start()
@@ -339,22 +368,41 @@ class Filter:
         targets = [(p or [""])[0] for p in self._placement]
         parents, merge_workers = tree([targets[i] for i in range(len(mids))], self._fan_in)
         tls = d._core.layout.tls  # (a TLS cluster: its certificates protect the streams too)
-        self._hub = hub = Hub(caller_host(client), token,
-                              [i for i, p in enumerate(parents) if p == ROOT], len(mids), limits,
-                              tuple(parents), ssl_context=tls_context(
-                                  d._core.security(), "client", listen=True) if tls else None)  # fmt: skip
+        self._hub = hub = Hub(
+            caller_host(client),
+            token,
+            [i for i, p in enumerate(parents) if p == ROOT],
+            len(mids),
+            limits,
+            tuple(parents),
+            ssl_context=tls_context(d._core.security(), "client", listen=True) if tls else None,
+        )
         plan = Plan(token, hub.address, tuple(parents), len(mids), limits, tls)
         tag = token[:4].hex()
         try:  # (merge tasks first and before the leaves: they leave the pool as they start)
-            merges = {w: [len(mids) + j for j in nodes] for w, nodes in
-                      by_placement([[w] if w else None for w in merge_workers]).items()}
-            self._futures.update(map_placed(
-                client, run_merge, merges, lambda n: (plan, n, self._cmp),
-                lambda n: f"ddict-filter-{tag}-merge-{n}", priority=1))  # fmt: skip
-            self._futures.update(map_placed(
-                client, run_leaf, by_placement(self._placement),
-                lambda n: (d.manager(mids[n]), self._code, self._args, plan, n),
-                lambda n: f"ddict-filter-{tag}-manager-{mids[n]}"))  # fmt: skip
+            merges = {
+                w: [len(mids) + j for j in nodes]
+                for w, nodes in by_placement([[w] if w else None for w in merge_workers]).items()
+            }
+            self._futures.update(
+                map_placed(
+                    client,
+                    run_merge,
+                    merges,
+                    lambda n: (plan, n, self._cmp),
+                    lambda n: f"ddict-filter-{tag}-merge-{n}",
+                    priority=1,
+                )
+            )
+            self._futures.update(
+                map_placed(
+                    client,
+                    run_leaf,
+                    by_placement(self._placement),
+                    lambda n: (d.manager(mids[n]), self._code, self._args, plan, n),
+                    lambda n: f"ddict-filter-{tag}-manager-{mids[n]}",
+                )
+            )
             for node, fut in self._futures.items():
                 fut.add_done_callback(lambda f, node=node: hub.event(node, TASK, f))
         except BaseException:
@@ -375,8 +423,9 @@ class Filter:
         except Failed as f:
             failure = f.failure
             if failure.manager_id is not None:  # a leaf's node number: its manager's id
-                failure = Failure(failure.node, self._mids[failure.manager_id], failure.text,
-                                  failure.error)  # fmt: skip
+                failure = Failure(
+                    failure.node, self._mids[failure.manager_id], failure.text, failure.error
+                )
             err = failure.exception()
             raise err from err.__cause__
         except Stopped:
@@ -389,8 +438,10 @@ class Filter:
         leaf = node < len(self._mids)
         where = f"manager {self._mids[node]}" if leaf else f"merge node {node}"
         cause = fut.exception() if fut.status == "error" else None
-        err = DDictTaskError(f"filter: the task of {where} {fut.status}: {cause!r}",
-                             manager_id=self._mids[node] if leaf else None)  # fmt: skip
+        err = DDictTaskError(
+            f"filter: the task of {where} {fut.status}: {cause!r}",
+            manager_id=self._mids[node] if leaf else None,
+        )
         raise err from cause
 
     def __exit__(self, *exc: object) -> None:
@@ -428,25 +479,39 @@ def by_placement(where: list[list[str] | None]) -> dict[tuple[str, ...], list[in
     return out
 
 
-def map_placed(client: distributed.Client, fn: Callable[..., Any],
-                placed: dict[tuple[str, ...], list[int]], args: Callable[[int], tuple[Any, ...]],
-                key: Callable[[int], str], **kwargs: Any) -> dict[int, distributed.Future]:  # fmt: skip
+def map_placed(
+    client: distributed.Client,
+    fn: Callable[..., Any],
+    placed: dict[tuple[str, ...], list[int]],
+    args: Callable[[int], tuple[Any, ...]],
+    key: Callable[[int], str],
+    **kwargs: Any,
+) -> dict[int, distributed.Future]:
     """``fn(*args(node))`` per node, one ``client.map`` (one message to the scheduler)
     per placement (the workers it may run on; ``()``: anywhere)."""
     out: dict[int, distributed.Future] = {}
     for where, nodes in placed.items():
         columns = list(zip(*(args(n) for n in nodes)))
-        futures = client.map(fn, *columns, key=[key(n) for n in nodes],
-                             workers=list(where) or None, allow_other_workers=bool(where),
-                             pure=False, **kwargs)  # fmt: skip
+        futures = client.map(
+            fn,
+            *columns,
+            key=[key(n) for n in nodes],
+            workers=list(where) or None,
+            allow_other_workers=bool(where),
+            pure=False,
+            **kwargs,
+        )
         out.update(zip(nodes, futures))
     return out
 
 
 def _still_running(futures: list[distributed.Future]) -> None:
-    logger.warning("ddict filter: %d tasks still run %s after the caller left (a mgr_code "
-                   "that never puts again cannot be told); cancelling them",
-                   sum(not f.done() for f in futures), config.get("compute.exit-timeout"))  # fmt: skip
+    logger.warning(
+        "ddict filter: %d tasks still run %s after the caller left (a mgr_code "
+        "that never puts again cannot be told); cancelling them",
+        sum(not f.done() for f in futures),
+        config.get("compute.exit-timeout"),
+    )
 
 
 class AsyncFilter:
@@ -480,8 +545,9 @@ class AsyncFilter:
         if futures:
             client = self._f._d._core.client
             try:
-                await client.sync(_wait, futures,
-                                  timeout=config.get_seconds("compute.exit-timeout"))  # fmt: skip
+                await client.sync(
+                    _wait, futures, timeout=config.get_seconds("compute.exit-timeout")
+                )
             except TimeoutError:
                 _still_running(futures)
             await client.cancel(futures)

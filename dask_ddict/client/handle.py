@@ -51,11 +51,11 @@ from ..transport.ops import (
     SetDefault,
     WaitFor,
 )
+from . import embedded
 from .batch import BatchPut
 from .bulk import Bulk
 from .checkpoints import Checkpoints
 from .compute import Compute
-from . import embedded
 from .core import MISSING, _Core, current_client, install_orchestrator
 from .creation import (
     create_request,
@@ -83,8 +83,9 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk, Compute,
-            Placement):
+class DDict(
+    Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk, Compute, Placement
+):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -229,19 +230,26 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
             raise TypeError("DDict needs a synchronous Client; use `await AsyncDDict.create(...)`")
         try:
             install_orchestrator(client)
-            layout = created_layout(client.sync(client.scheduler.ddict_create, **request,
-                                                client=client.id))  # fmt: skip
+            layout = created_layout(
+                client.sync(client.scheduler.ddict_create, **request, client=client.id)
+            )
         except BaseException:
             if cluster is not None:
                 client.close()
                 cluster.close()
             raise
-        self._setup(_Core(layout, client, cluster), creator=True, chkpt=0,
-                    timeout=timeout)  # fmt: skip
+        self._setup(_Core(layout, client, cluster), creator=True, chkpt=0, timeout=timeout)
         initial_checkpoint(self, request)
 
-    def _setup(self, core: _Core, *, creator: bool, chkpt: int, timeout: float | None,
-               client_id: int | None = None) -> None:  # fmt: skip
+    def _setup(
+        self,
+        core: _Core,
+        *,
+        creator: bool,
+        chkpt: int,
+        timeout: float | None,
+        client_id: int | None = None,
+    ) -> None:
         self._core = core
         self._creator = creator
         self._chkpt = chkpt
@@ -266,8 +274,14 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         return self._core.layout.serialize()
 
     @classmethod
-    def attach(cls, serialized: str, *, timeout: Timeout = no_default,
-               client: Client | None = None, trace: bool = False) -> DDict:  # fmt: skip
+    def attach(
+        cls,
+        serialized: str,
+        *,
+        timeout: Timeout = no_default,
+        client: Client | None = None,
+        trace: bool = False,
+    ) -> DDict:
         """Attach to a dictionary from :meth:`serialize`'s string.
 
         No message goes to the scheduler: the string holds the layout.
@@ -281,8 +295,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         )
 
     @classmethod
-    def from_name(cls, name: str, client: Client | None = None, *,
-                  timeout: Timeout = no_default) -> DDict:  # fmt: skip
+    def from_name(
+        cls, name: str, client: Client | None = None, *, timeout: Timeout = no_default
+    ) -> DDict:
         """Attach to the dictionary named ``name`` on ``client``'s cluster (one scheduler call).
 
         ``client`` then holds the dictionary: one with ``lifetime="client"`` lives
@@ -292,10 +307,12 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         if client is None:
             raise ValueError("from_name needs client= (or a current dask Client)")
         install_orchestrator(client)
-        layout = layout_reply(client.sync(client.scheduler.ddict_attach, name=name,
-                                          client=client.id))  # fmt: skip
-        return cls._from_core(_Core(layout, client), creator=False, chkpt=0,
-                              timeout=check_timeout(timeout))  # fmt: skip
+        layout = layout_reply(
+            client.sync(client.scheduler.ddict_attach, name=name, client=client.id)
+        )
+        return cls._from_core(
+            _Core(layout, client), creator=False, chkpt=0, timeout=check_timeout(timeout)
+        )
 
     @staticmethod
     def list(client: Client | None = None, *, kept: bool = False) -> list[str]:
@@ -320,8 +337,10 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         # A reference, not the layout: the size of a pickled handle does not grow with
         # the managers (see client/layouts.py); serialize() stays self-contained.
         self._check()  # (a closed handle's task would fail far from the cause)
-        return (_rebuild, (self._core.ref, self._chkpt, self._timeout, self._target,
-                           self._kp, self._vp))  # fmt: skip
+        return (
+            _rebuild,
+            (self._core.ref, self._chkpt, self._timeout, self._target, self._kp, self._vp),
+        )
 
     def detach(self) -> None:
         """Stop using the dictionary from this handle (it stays alive).
@@ -359,8 +378,10 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
             client = core.client
             client.sync(
                 client.scheduler.ddict_destroy,
-                name=core.ref.name, uid=core.ref.uid, allow_restart=allow_restart,
-            )  # fmt: skip
+                name=core.ref.name,
+                uid=core.ref.uid,
+                allow_restart=allow_restart,
+            )
         finally:
             core.close_cluster()
 
@@ -375,14 +396,21 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def __repr__(self) -> str:
         lay = self._core._layout
-        state = "closed" if self._core.closed else "detached" if self._detached \
-            else f"checkpoint={self._chkpt}"  # fmt: skip
+        state = (
+            "closed"
+            if self._core.closed
+            else "detached"
+            if self._detached
+            else f"checkpoint={self._chkpt}"
+        )
         target = f" manager={self._target}" if self._target is not None else ""
         if lay is None:  # unpickled, not used yet: no call to resolve it just for a repr
             return f"<DDict {self._core.name!r} {state}{target} (attaches on first use)>"
         hosts = len({m.host_id for m in lay.managers})
-        return (f"<DDict {lay.name!r} managers={lay.num_managers} hosts={hosts} "
-                f"total_mem={format_bytes(lay.total_mem)} {state}{target}>")  # fmt: skip
+        return (
+            f"<DDict {lay.name!r} managers={lay.num_managers} hosts={hosts} "
+            f"total_mem={format_bytes(lay.total_mem)} {state}{target}>"
+        )
 
     def get_name(self) -> str:
         return self._core.name
@@ -435,8 +463,10 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         return routes if target is None else [(target, d) for _, d in routes]
 
     def _too_long(self, kb: bytes) -> ValueError:
-        return ValueError(f"key is {len(kb)} bytes pickled; keys may have at most "
-                          f"{self._core.max_key_bytes} (ddict.transport.max-key-bytes)")
+        return ValueError(
+            f"key is {len(kb)} bytes pickled; keys may have at most "
+            f"{self._core.max_key_bytes} (ddict.transport.max-key-bytes)"
+        )
 
     def _managers(self) -> builtins.list[int]:
         self._check()
@@ -465,8 +495,11 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         if self._core.closed or self._detached:
             self._check()
         if batch is not None and batch.persist != persistent:
-            raise DDictError(f"{'pput' if persistent else 'put'} inside a batch started with "
-                             f"persist={batch.persist}", "INVALID_OPERATION")  # fmt: skip
+            raise DDictError(
+                f"{'pput' if persistent else 'put'} inside a batch started with "
+                f"persist={batch.persist}",
+                "INVALID_OPERATION",
+            )
         router, dumps = self._routed or self._routing()
         try:  # (routed and framed in one call: a batch's puts are the hot path)
             mid, digest, kb, framed = router.record(key, value, dumps)
@@ -475,8 +508,18 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         if self._target is not None:
             mid = self._target
         if batch is None:
-            self._core.write(mid, Put(digest, kb, self._fits(mid, kb, framed), self._chkpt,
-                                      self._client_id, persistent, self._timeout))  # fmt: skip
+            self._core.write(
+                mid,
+                Put(
+                    digest,
+                    kb,
+                    self._fits(mid, kb, framed),
+                    self._chkpt,
+                    self._client_id,
+                    persistent,
+                    self._timeout,
+                ),
+            )
             return
         try:
             batch.add(mid, digest, kb, self._fits(mid, kb, framed), self._chkpt)
@@ -496,8 +539,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         :class:`~dask_ddict.DDictStore`'s byte ranges and sizes).  Raises
         ``DDictKeyError`` if absent, ``DDictSerializationError`` if not raw bytes."""
         mid, digest, _ = self._route(key)
-        return self._core.channel(mid).call(GetRange(digest, self._chkpt, start, stop,
-                                                     self._timeout))  # fmt: skip
+        return self._core.channel(mid).call(
+            GetRange(digest, self._chkpt, start, stop, self._timeout)
+        )
 
     def __contains__(self, key: Any) -> bool:
         mid, digest, _ = self._route(key)
@@ -546,8 +590,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         """``self[key]`` if present, else put ``default`` and return it, in one atomic step."""
         self._no_batch("setdefault()")
         mid, digest, kb = self._route(key)
-        op = SetDefault(digest, kb, self._framed(mid, kb, default), self._chkpt, self._client_id,
-                        self._timeout)  # fmt: skip
+        op = SetDefault(
+            digest, kb, self._framed(mid, kb, default), self._chkpt, self._client_id, self._timeout
+        )
         return loads_value(self._core.write(mid, op), self._vp)
 
     def fetch_add(self, key: Any, n: int = _MISSING, *, val: int | None = None) -> int:
@@ -576,8 +621,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         """
         if val is not None:  # (Dragon's name; ``n`` given too, even as 1, is ambiguous)
             if n is not _MISSING:
-                raise TypeError("fetch_add() got both n= and val= (val is Dragon's name of n): "
-                                "give one of them")  # fmt: skip
+                raise TypeError(
+                    "fetch_add() got both n= and val= (val is Dragon's name of n): give one of them"
+                )
             n = check_int("val", val)
         else:
             n = 1 if n is _MISSING else check_int("n", n)
@@ -605,22 +651,35 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
                 f"the value waited for within {timeout} s ({e.message})"
             ) from None
 
-    def _iter(self, managers: builtins.list[int], want: int,
-              lend: bool = False) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+    def _iter(
+        self, managers: builtins.list[int], want: int, lend: bool = False
+    ) -> Iterator[tuple[Any, Any]]:
         """``(key, value)`` of ``managers`` (``None`` for what ``want`` leaves out);
         ``lend``: values of a same-host shard zero-copy, as ``get(copy=False)``."""
         page = config.get("iteration.page-items")
         lend = lend and self._vp is None
         self._check()
-        firsts = first_pages(self._core.each, managers, self._chkpt, want, page, self._timeout,
-                             config.get_bytes("iteration.page-bytes"), lend)  # fmt: skip
+        firsts = first_pages(
+            self._core.each,
+            managers,
+            self._chkpt,
+            want,
+            page,
+            self._timeout,
+            config.get_bytes("iteration.page-bytes"),
+            lend,
+        )
         for mid, (items, last, more) in zip(managers, firsts):
             if not (items or more):
                 continue  # (an empty manager)
             self._check()
-            rest = iter_pages(self._core.channel(mid), self._chkpt, want, page, last,
-                              self._timeout, lend) if more \
-                else ()  # fmt: skip
+            rest = (
+                iter_pages(
+                    self._core.channel(mid), self._chkpt, want, page, last, self._timeout, lend
+                )
+                if more
+                else ()
+            )
             for k, v in itertools.chain(items, rest):
                 yield (
                     None if k is None else loads_key(k, self._kp),
@@ -635,8 +694,13 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
 
     def _derive(self) -> DDict:
         self._check()
-        h = DDict._from_core(self._core, creator=False, chkpt=self._chkpt,
-                             timeout=self._timeout, client_id=self._client_id)  # fmt: skip
+        h = DDict._from_core(
+            self._core,
+            creator=False,
+            chkpt=self._chkpt,
+            timeout=self._timeout,
+            client_id=self._client_id,
+        )
         h._aim(self._target, self._kp, self._vp)
         h._derived = True
         return h
@@ -647,22 +711,25 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk
         n = self._core.layout.num_managers
         check_int("manager_id", manager_id)
         if not 0 <= manager_id < n:  # Dragon's error for a bad id
-            raise DDictError(f"manager_id must be in [0, {n - 1}], got {manager_id}",
-                             "INVALID_ARGUMENT")  # fmt: skip
+            raise DDictError(
+                f"manager_id must be in [0, {n - 1}], got {manager_id}", "INVALID_ARGUMENT"
+            )
         h = self._derive()
         h._aim(manager_id, h._kp, h._vp)
         return h
 
-    def pickler(self, key_pickler: KeyPickler | None = None,
-                value_pickler: ValuePickler | None = None) -> DDict:  # fmt: skip
+    def pickler(
+        self, key_pickler: KeyPickler | None = None, value_pickler: ValuePickler | None = None
+    ) -> DDict:
         """A handle that serializes keys with ``key_pickler.dumps/loads`` and values
         with ``value_pickler.dump(obj, file)/load(file)``."""
         if key_pickler is not None and not (
             hasattr(key_pickler, "dumps") and hasattr(key_pickler, "loads")
         ):
             raise TypeError("key_pickler needs dumps() and loads()")
-        if value_pickler is not None and not (hasattr(value_pickler, "dump")
-                                              and hasattr(value_pickler, "load")):  # fmt: skip
+        if value_pickler is not None and not (
+            hasattr(value_pickler, "dump") and hasattr(value_pickler, "load")
+        ):
             raise TypeError("value_pickler needs dump(obj, file) and load(file)")
         h = self._derive()
         h._aim(h._target, key_pickler, value_pickler)
@@ -674,8 +741,9 @@ CREATE_SIGNATURE = inspect.signature(DDict.__init__)
 CREATE_ARGUMENTS = frozenset(CREATE_SIGNATURE.parameters) - {"self", "client"}
 
 
-def _rebuild(ref: LayoutRef, chkpt: int, timeout: float | None, target: int | None,
-             kp: Any, vp: Any) -> DDict:  # fmt: skip
+def _rebuild(
+    ref: LayoutRef, chkpt: int, timeout: float | None, target: int | None, kp: Any, vp: Any
+) -> DDict:
     """Unpickling a handle attaches (a task starts at the parent's checkpoint); nothing
     is sent here: the layout is resolved on the handle's first use."""
     h = DDict._from_core(_Core(ref), creator=False, chkpt=chkpt, timeout=timeout)

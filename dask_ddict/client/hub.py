@@ -64,8 +64,9 @@ class _Ordered:
 
     __slots__ = ("blob", "cmp", "item", "node", "seq")
 
-    def __init__(self, item: Any, blob: bytes, node: int, seq: int,
-                 cmp: Callable[[Any, Any], bool]) -> None:  # fmt: skip
+    def __init__(
+        self, item: Any, blob: bytes, node: int, seq: int, cmp: Callable[[Any, Any], bool]
+    ) -> None:
         self.item, self.blob, self.node, self.seq, self.cmp = item, blob, node, seq, cmp
 
     def __lt__(self, other: _Ordered) -> bool:
@@ -85,9 +86,16 @@ class Hub:
     its parent listens (``parents``: the parent of each node).
     """
 
-    def __init__(self, host: str, token: bytes, children: list[int], leaves: int,
-                 limits: Limits, parents: tuple[int, ...] | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        token: bytes,
+        children: list[int],
+        leaves: int,
+        limits: Limits,
+        parents: tuple[int, ...] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._ssl = ssl_context  # (TLS clusters: every child's connection is TLS)
         self._token = token
         self._leaves = leaves  # nodes below this number are managers
@@ -107,8 +115,9 @@ class Hub:
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(_POLL)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        threading.Thread(target=self._accept, name=f"ddict-filter-accept-{self.address[1]}",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=self._accept, name=f"ddict-filter-accept-{self.address[1]}", daemon=True
+        ).start()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._socks)}/{len(self._children)} children"
@@ -131,8 +140,12 @@ class Hub:
             if crowded:  # (a flood of strangers: only tasks of this filter connect)
                 _close(conn)
                 continue
-            threading.Thread(target=self._greet, args=(conn,), daemon=True,
-                             name=f"ddict-filter-greet-{self.address[1]}").start()  # fmt: skip
+            threading.Thread(
+                target=self._greet,
+                args=(conn,),
+                daemon=True,
+                name=f"ddict-filter-greet-{self.address[1]}",
+            ).start()
 
     def _greet(self, conn: socket.socket) -> None:
         raw = conn
@@ -175,8 +188,10 @@ class Hub:
             deadline = time.monotonic() + self._limits.connect_timeout
             while parent not in self._addresses and not self._closed:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    why = (f"its merge node {parent} did not start within "
-                           f"{self._limits.connect_timeout} s")  # fmt: skip
+                    why = (
+                        f"its merge node {parent} did not start within "
+                        f"{self._limits.connect_timeout} s"
+                    )
                     send_frame(conn, ERROR, why.encode())  # (the task fails: not "caller left")
                     raise ValueError(why)
             if self._closed:
@@ -194,8 +209,9 @@ class Hub:
             self._socks[node] = conn
         conn.settimeout(None)
         conn.sendall(_CREDIT * self._limits.window)
-        threading.Thread(target=self._read, args=(node, conn), daemon=True,
-                         name=f"ddict-filter-read-{node}").start()  # fmt: skip
+        threading.Thread(
+            target=self._read, args=(node, conn), daemon=True, name=f"ddict-filter-read-{node}"
+        ).start()
 
     def _read(self, node: int, conn: socket.socket) -> None:
         tls = conn if isinstance(conn, ssl.SSLSocket) else None
@@ -240,8 +256,9 @@ class Hub:
 
     # -- merging -------------------------------------------------------------------
 
-    def _next(self, stop: Callable[[], bool], on_task: Callable[[int, Any], None]
-              ) -> tuple[int, int, Any]:  # fmt: skip
+    def _next(
+        self, stop: Callable[[], bool], on_task: Callable[[int, Any], None]
+    ) -> tuple[int, int, Any]:
         """The next frame of a child; raises :class:`Failed` for a failed or lost one."""
         while True:
             try:
@@ -253,16 +270,25 @@ class Hub:
             if kind == ERROR:
                 raise Failed(pickle.loads(payload))
             if kind == LOST:
-                raise Failed(Failure(node, node if node < self._leaves else None,
-                                     "its task stopped before its end (its worker died?)", None))  # fmt: skip
+                raise Failed(
+                    Failure(
+                        node,
+                        node if node < self._leaves else None,
+                        "its task stopped before its end (its worker died?)",
+                        None,
+                    )
+                )
             if kind == TASK:
                 on_task(node, payload)
                 continue
             return node, kind, payload
 
-    def merged(self, comparator: Callable[[Any, Any], bool] | None, stop: Callable[[], bool],
-               on_task: Callable[[int, Any], None] = lambda node, what: None,
-               ) -> Iterator[tuple[Any, bytes]]:  # fmt: skip
+    def merged(
+        self,
+        comparator: Callable[[Any, Any], bool] | None,
+        stop: Callable[[], bool],
+        on_task: Callable[[int, Any], None] = lambda node, what: None,
+    ) -> Iterator[tuple[Any, bytes]]:
         """``(item or None, pickled item)`` of every child: in arrival order, or merged in
         ``comparator`` order (items are unpickled here only to be compared); and
         :data:`IDLE` each time it is about to wait for a child."""
@@ -281,8 +307,12 @@ class Hub:
             return
         yield from self._ordered(comparator, stop, on_task)
 
-    def _ordered(self, cmp: Callable[[Any, Any], bool], stop: Callable[[], bool],
-                 on_task: Callable[[int, Any], None]) -> Iterator[tuple[Any, bytes]]:  # fmt: skip
+    def _ordered(
+        self,
+        cmp: Callable[[Any, Any], bool],
+        stop: Callable[[], bool],
+        on_task: Callable[[int, Any], None],
+    ) -> Iterator[tuple[Any, bytes]]:
         batches: dict[int, deque[deque[bytes]]] = {n: deque() for n in self._children}
         ended: set[int] = set()
 

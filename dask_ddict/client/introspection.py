@@ -167,7 +167,8 @@ class Introspection:
                     continue
                 try:
                     answers[info.manager_id] = self._core.channel(info.manager_id).call(
-                        Stats(self._timeout))
+                        Stats(self._timeout)
+                    )
                 except Exception as e:  # noqa: BLE001 - shown in its row
                     answers[info.manager_id] = e
         return dict_html(summarize(self._core.layout, answers, checkpoint=self._chkpt))

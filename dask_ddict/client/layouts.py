@@ -99,13 +99,15 @@ def fetched_layout(ref: LayoutRef, reply: Any) -> Layout:
     except DDictError:  # "no DDict named ..."
         raise DDictClosedError(f"DDict {ref.name!r} was destroyed") from None
     if layout.uid != ref.uid:
-        raise DDictClosedError(f"DDict {ref.name!r} was destroyed (its name now belongs "
-                               "to a new dictionary)")  # fmt: skip
+        raise DDictClosedError(
+            f"DDict {ref.name!r} was destroyed (its name now belongs to a new dictionary)"
+        )
     return layout
 
 
-def current_layout(ref: LayoutRef, client: Any, timeout: float | None,
-                   settled: bool = False) -> Layout | None:  # fmt: skip
+def current_layout(
+    ref: LayoutRef, client: Any, timeout: float | None, settled: bool = False
+) -> Layout | None:
     """The orchestrator's layout of ``ref`` now (which managers it knows lost, and why),
     asked within ``timeout`` through a client or worker of this process; ``None`` if it
     cannot be asked (no client here, a scheduler that does not answer, an event loop's
@@ -144,8 +146,13 @@ def current_client() -> Client | None:
         return None
 
 
-def _ask_orchestrator(ref: LayoutRef, client: Any, timeout: float | None = None,
-                      own: bool = True, settled: bool = False) -> Any:  # fmt: skip
+def _ask_orchestrator(
+    ref: LayoutRef,
+    client: Any,
+    timeout: float | None = None,
+    own: bool = True,
+    settled: bool = False,
+) -> Any:
     """One ``ddict_attach`` call: through this worker's scheduler connection in a task,
     else through a client of this process, else (``own``) a short-lived client of its
     own; ``None`` if none may be made.  ``timeout``: seconds for the answer."""
@@ -155,19 +162,20 @@ def _ask_orchestrator(ref: LayoutRef, client: Any, timeout: float | None = None,
     if client is not None:
         if client.asynchronous:  # (this is its event loop's thread: a wait here would
             return None  # block the loop until the timeout; AsyncDDict asks by awaiting)
-        return client.sync(client.scheduler.ddict_attach, **ask,
-                           asynchronous=False, callback_timeout=timeout)  # fmt: skip
+        return client.sync(
+            client.scheduler.ddict_attach, **ask, asynchronous=False, callback_timeout=timeout
+        )
     try:
         worker = get_worker()
     except ValueError:
         worker = None
     if worker is not None:
-        return sync(worker.loop, worker.scheduler.ddict_attach, **ask,
-                    callback_timeout=timeout)  # fmt: skip
+        return sync(worker.loop, worker.scheduler.ddict_attach, **ask, callback_timeout=timeout)
     client = current_client()
     if client is not None:
-        return client.sync(client.scheduler.ddict_attach, **ask,
-                           asynchronous=False, callback_timeout=timeout)  # fmt: skip
+        return client.sync(
+            client.scheduler.ddict_attach, **ask, asynchronous=False, callback_timeout=timeout
+        )
     if not own:
         return None
     with Client(ref.scheduler, set_as_default=False) as mine:

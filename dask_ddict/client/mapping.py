@@ -57,16 +57,17 @@ class MappingMethods(MutableMapping[Any, Any]):
         first; then the next one is tried.
         """
         for _ in range(_POPITEM_TRIES):
-            for key in self.keys():
-                break
-            else:
-                raise DDictKeyError(message="popitem(): the DDict is empty")
+            try:
+                key = next(iter(self.keys()))
+            except StopIteration:
+                raise DDictKeyError(message="popitem(): the DDict is empty") from None
             try:
                 return key, self.pop(key)
             except DDictKeyError:
                 continue  # taken meanwhile by another process
-        raise DDictError(f"popitem(): {_POPITEM_TRIES} keys were taken by others first",
-                         "INVALID_OPERATION")  # fmt: skip
+        raise DDictError(
+            f"popitem(): {_POPITEM_TRIES} keys were taken by others first", "INVALID_OPERATION"
+        )
 
     def __eq__(self, other: object) -> bool:
         """Mapping equality: the same keys with equal values (at this handle's checkpoint)."""

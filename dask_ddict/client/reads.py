@@ -85,8 +85,9 @@ class Reads:
         except DDictKeyError:
             return default
 
-    def get_many(self, keys: Iterable[Any], default: Any = _MISSING,
-                 copy: bool | None = True) -> builtins.list[Any]:  # fmt: skip
+    def get_many(
+        self, keys: Iterable[Any], default: Any = _MISSING, copy: bool | None = True
+    ) -> builtins.list[Any]:
         """The values of ``keys``, in their order, with one request per host.
 
         Keys are grouped by manager; each host process reads its managers' keys
@@ -113,10 +114,13 @@ class Reads:
             out[i] = got
         return out
 
-    def _many(self, keys: Iterable[Any], copy: bool | None,
-              routes: builtins.list[tuple[int, bytes]] | None = None,
-              decode: Callable[[Any], Any] | None = None,
-              ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
+    def _many(
+        self,
+        keys: Iterable[Any],
+        copy: bool | None,
+        routes: builtins.list[tuple[int, bytes]] | None = None,
+        decode: Callable[[Any], Any] | None = None,
+    ) -> builtins.list[tuple[Any, Any]]:
         """``(key, value)`` for each key: the value, :data:`_ABSENT`, or :data:`_WAIT`
         (a reader of it must wait for a writer: :meth:`_get` it alone).  ``routes``:
         the keys' ``(manager, digest)`` when the caller has them already; ``decode``:
@@ -128,9 +132,13 @@ class Reads:
         got = self._core.get_many(groups, self._chkpt, self._timeout, lend) if groups else {}
         return self._decoded(keys, routes, got, decode)
 
-    async def _many_async(self, keys: builtins.list[Any], routes: builtins.list[tuple[int, bytes]],
-                          copy: bool | None, decode: Callable[[Any], Any] | None = None,
-                          ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
+    async def _many_async(
+        self,
+        keys: builtins.list[Any],
+        routes: builtins.list[tuple[int, bytes]],
+        copy: bool | None,
+        decode: Callable[[Any], Any] | None = None,
+    ) -> builtins.list[tuple[Any, Any]]:
         """:meth:`_many` from an event loop (:class:`~dask_ddict.AsyncDDict`'s gets):
         pipelined where it can be (:meth:`~dask_ddict.transport.connect.Connections.
         get_many_async`), never blocking the loop."""
@@ -138,17 +146,22 @@ class Reads:
         got = await self._core.get_many_async(groups, self._chkpt, self._timeout, lend)
         return self._decoded(keys, routes, got, decode)
 
-    def _many_request(self, copy: bool | None, routes: builtins.list[tuple[int, bytes]]
-                      ) -> tuple[bool | None, dict[int, builtins.list[bytes]]]:  # fmt: skip
+    def _many_request(
+        self, copy: bool | None, routes: builtins.list[tuple[int, bytes]]
+    ) -> tuple[bool | None, dict[int, builtins.list[bytes]]]:
         """What to lend (see :meth:`get`), and the digests to read, by manager."""
         lend = None if copy is None else not check_bool("copy", copy)
         if self._vp is not None:
             lend = False
         return lend, kernels.group(routes)
 
-    def _decoded(self, keys: builtins.list[Any], routes: builtins.list[tuple[int, bytes]],
-                 got: dict[int, builtins.list[Any]], decode: Callable[[Any], Any] | None,
-                 ) -> builtins.list[tuple[Any, Any]]:  # fmt: skip
+    def _decoded(
+        self,
+        keys: builtins.list[Any],
+        routes: builtins.list[tuple[int, bytes]],
+        got: dict[int, builtins.list[Any]],
+        decode: Callable[[Any], Any] | None,
+    ) -> builtins.list[tuple[Any, Any]]:
         """``(key, value)`` pairs of :meth:`_many` from the frames ``got`` by manager."""
         vp = self._vp
         small = decode is None and vp is None  # (the value frames' own decoder: inlined)

@@ -21,8 +21,9 @@ from ..transport.ops import CopyFrom
 from .core import _Core
 
 
-def clone(source: Layout, serialized_source: str, clone_list: list[str],
-          client: Client | None) -> None:  # fmt: skip
+def clone(
+    source: Layout, serialized_source: str, clone_list: list[str], client: Client | None
+) -> None:
     """Make every dictionary in ``clone_list`` (serialized) a copy of ``source``."""
     if isinstance(clone_list, str) or not isinstance(clone_list, (list, tuple)):
         raise TypeError("clone needs a list of serialized DDicts (DDict.serialize())")
@@ -44,8 +45,13 @@ def copy_arguments(lay: Layout) -> dict[str, Any]:
         )
     options = dataclasses.replace(lay.options, read_only=False, restore_from=None).to_dict()
     options["persister_class"] = options.pop("persister")  # (its name: the argument takes it)
-    return dict(managers_per_worker=next(iter(per_worker.values())), total_mem=lay.total_mem,
-                workers=workers, lifetime=lay.lifetime, **options)  # fmt: skip
+    return dict(
+        managers_per_worker=next(iter(per_worker.values())),
+        total_mem=lay.total_mem,
+        workers=workers,
+        lifetime=lay.lifetime,
+        **options,
+    )
 
 
 def synchronize(serialized_ddicts: list[str]) -> None:
@@ -142,9 +148,13 @@ class Replication:
         self._check()
         if not self._creator:
             raise DDictError("copy() is for the creator's handle", "INVALID_ARGUMENT")  # (Dragon's)
-        new = type(self)(name=name, timeout=self._timeout, client=self.client,
-                         storage_options=self._core.storage_options,
-                         **copy_arguments(self._core.layout))  # fmt: skip
+        new = type(self)(
+            name=name,
+            timeout=self._timeout,
+            client=self.client,
+            storage_options=self._core.storage_options,
+            **copy_arguments(self._core.layout),
+        )
         try:
             self.clone([new.serialize()])
         except BaseException:

@@ -65,10 +65,13 @@ class Limits:
 
     @classmethod
     def from_config(cls) -> Limits:
-        return cls(int(config.get("compute.batch-items")), config.get_bytes("compute.batch-bytes"),
-                   int(config.get("compute.window")),
-                   config.get_seconds("compute.flush-after") or 0.0,
-                   config.get_seconds("compute.connect-timeout") or 60.0)  # fmt: skip
+        return cls(
+            int(config.get("compute.batch-items")),
+            config.get_bytes("compute.batch-bytes"),
+            int(config.get("compute.window")),
+            config.get_seconds("compute.flush-after") or 0.0,
+            config.get_seconds("compute.connect-timeout") or 60.0,
+        )
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,15 @@ class Failure:
         return cls(node, manager_id, text, raw)
 
     def exception(self) -> DDictTaskError:
-        where = f"manager {self.manager_id}" if self.manager_id is not None \
-            else f"merge node {self.node}"  # fmt: skip
+        where = (
+            f"manager {self.manager_id}"
+            if self.manager_id is not None
+            else f"merge node {self.node}"
+        )
         last = self.text.strip().splitlines()[-1] if self.text.strip() else "failed"
-        err = DDictTaskError(f"filter: mgr_code on {where} raised {last}", manager_id=self.manager_id)
+        err = DDictTaskError(
+            f"filter: mgr_code on {where} raised {last}", manager_id=self.manager_id
+        )
         cause: BaseException | None = None
         if self.error is not None:
             try:
@@ -144,14 +152,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket, only: int | None = None, max_bytes: int = 0,
-               ) -> tuple[int, bytes]:  # fmt: skip
+def recv_frame(
+    sock: socket.socket,
+    only: int | None = None,
+    max_bytes: int = 0,
+) -> tuple[int, bytes]:
     """The next frame; with ``only``, a frame of that kind of at most ``max_bytes`` or
     ``ValueError`` before anything is allocated (what a stranger's first frame gets)."""
     kind, n = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
     if only is not None and (kind != only or n > max_bytes):
-        raise ValueError(f"expected a frame {only} of at most {max_bytes} bytes, got {kind} "
-                         f"of {n}")  # fmt: skip
+        raise ValueError(f"expected a frame {only} of at most {max_bytes} bytes, got {kind} of {n}")
     return kind, bytes(_recv_exact(sock, n)) if n else b""
 
 
@@ -178,8 +188,9 @@ def parse_hello(payload: bytes, token: bytes) -> tuple[int, tuple[str, int] | No
     return node, (host, int(port))
 
 
-def connect(address: tuple[str, int], timeout: float,
-            ssl_context: ssl.SSLContext | None = None) -> socket.socket:  # fmt: skip
+def connect(
+    address: tuple[str, int], timeout: float, ssl_context: ssl.SSLContext | None = None
+) -> socket.socket:
     """A stream's socket to ``address`` (TLS with ``ssl_context``: the cluster's)."""
     sock = socket.create_connection(address, timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -199,9 +210,12 @@ def tls_context(security: Any, role: str, listen: bool) -> ssl.SSLContext:
     args = security.get_listen_args(role) if listen else security.get_connection_args(role)
     ctx = args.get("ssl_context")
     if ctx is None:
-        raise DDictError(f"the cluster requires TLS but this process has no {role} "
-                         "certificate (configure distributed.comm.tls or pass a client with "
-                         "security=)", "INVALID_OPERATION")  # fmt: skip
+        raise DDictError(
+            f"the cluster requires TLS but this process has no {role} "
+            "certificate (configure distributed.comm.tls or pass a client with "
+            "security=)",
+            "INVALID_OPERATION",
+        )
     return ctx
 
 
@@ -245,9 +259,13 @@ class Sender:
     thread pool then).
     """
 
-    def __init__(self, sock: socket.socket | None, limits: Limits,
-                 join: Callable[[], socket.socket | None] | None = None,
-                 before_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: socket.socket | None,
+        limits: Limits,
+        join: Callable[[], socket.socket | None] | None = None,
+        before_wait: Callable[[], None] | None = None,
+    ) -> None:
         self._sock = sock
         self._join = join
         self._before_wait = before_wait
@@ -275,8 +293,11 @@ class Sender:
         self._batch.append(blob)
         self._bytes += len(blob)
         lim = self._limits
-        if (len(self._batch) >= lim.batch_items or self._bytes >= lim.batch_bytes
-                or now - self._since >= lim.flush_after):  # fmt: skip
+        if (
+            len(self._batch) >= lim.batch_items
+            or self._bytes >= lim.batch_bytes
+            or now - self._since >= lim.flush_after
+        ):
             self.flush()
 
     def flush(self) -> None:

@@ -11,8 +11,9 @@ T = TypeVar("T")
 _NO_MARK: Any = object()
 
 
-async def in_thread(items: Callable[[], Iterable[T]], page: int,
-                    idle: Any = _NO_MARK) -> AsyncIterator[T]:  # fmt: skip
+async def in_thread(
+    items: Callable[[], Iterable[T]], page: int, idle: Any = _NO_MARK
+) -> AsyncIterator[T]:
     """``items()`` iterated in worker threads, at most ``page`` items per thread hop.
 
     So a blocking iteration (a dictionary's key view, a filter's merged results)

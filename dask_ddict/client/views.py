@@ -29,9 +29,15 @@ class Viewed(Protocol):
     def __getitem__(self, key: Any) -> Any: ...
 
 
-def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
-               after: bytes | None = None, timeout: float | None = None, lend: bool = False,
-               ) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+def iter_pages(
+    channel: Any,
+    chkpt: int,
+    want: int,
+    page_items: int,
+    after: bytes | None = None,
+    timeout: float | None = None,
+    lend: bool = False,
+) -> Iterator[tuple[Any, Any]]:
     """Every ``(key bytes, value frame)`` a manager holds at ``chkpt``, page by page
     (after digest ``after``, when resuming); each page waited for at most ``timeout``;
     ``lend``: a same-host manager's frames zero-copy (:class:`~.ops.Page`)."""
@@ -43,9 +49,16 @@ def iter_pages(channel: Any, chkpt: int, want: int, page_items: int,
         after = last
 
 
-def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_items: int,
-                timeout: float | None, page_bytes: int, lend: bool = False,
-                ) -> list[tuple[list[Any], bytes | None, bool]]:  # fmt: skip
+def first_pages(
+    each: Any,
+    managers: list[int],
+    chkpt: int,
+    want: int,
+    page_items: int,
+    timeout: float | None,
+    page_bytes: int,
+    lend: bool = False,
+) -> list[tuple[list[Any], bytes | None, bool]]:
     """Every manager's first page, in one broadcast: together at most about one page.
 
     So the first item of an iteration costs one broadcast however many managers
@@ -53,8 +66,10 @@ def first_pages(each: Any, managers: list[int], chkpt: int, want: int, page_item
     ``page_bytes`` bytes in all, at least one item per manager).
     """
     n = max(1, len(managers))
-    return each(Page(chkpt, None, want, max(1, page_items // n), max(1, page_bytes // n),
-                     timeout, lend), managers)  # fmt: skip
+    return each(
+        Page(chkpt, None, want, max(1, page_items // n), max(1, page_bytes // n), timeout, lend),
+        managers,
+    )
 
 
 class _View:

@@ -143,7 +143,8 @@ class DashboardData:
         try:  # one broadcast: a request per host process, each with the deadline
             answers = await asyncio.wait_for(
                 asyncio.to_thread(observer.each_settled, Stats(deadline), live),
-                None if deadline is None else 2 * deadline + 1)  # fmt: skip
+                None if deadline is None else 2 * deadline + 1,
+            )
         except TimeoutError as e:  # (the broadcast itself hung: every manager unknown)
             answers = [e] * len(live)
         stats: dict[int, DDictManagerStats | BaseException] = {}
@@ -156,9 +157,14 @@ class DashboardData:
             else:
                 stats[mid], persisted[mid] = answer, list(answer.persisted_ids)
         holders = self._plugin.holders
-        return summarize(layout, stats, persisted, holders=holders.holders(layout.name),
-                         release_pending=holders.release_pending(layout.name),
-                         moves=self._plugin.elastic.moves_of(layout.name))  # fmt: skip
+        return summarize(
+            layout,
+            stats,
+            persisted,
+            holders=holders.holders(layout.name),
+            release_pending=holders.release_pending(layout.name),
+            moves=self._plugin.elastic.moves_of(layout.name),
+        )
 
     def close(self) -> None:
         for observer in self._observers.values():
@@ -180,8 +186,14 @@ class PageHandler(_Handler):
             self.write(render("dicts.html.j2", dicts=dicts))
             return
         refresh = max(0.5, config.get_seconds("dashboard.refresh") or 0)
-        self.write(render("dashboard.html.j2", dicts=dicts, refresh_ms=int(refresh * 1000),
-                          updated=time.strftime("%H:%M:%S")))  # fmt: skip
+        self.write(
+            render(
+                "dashboard.html.j2",
+                dicts=dicts,
+                refresh_ms=int(refresh * 1000),
+                updated=time.strftime("%H:%M:%S"),
+            )
+        )
 
 
 class JSONHandler(_Handler):
@@ -198,10 +210,13 @@ def install(scheduler: Scheduler, data: DashboardData) -> bool:
     if app is None:
         return False
     prefix = _prefix(app)
-    app.add_handlers(r".*", [
-        (f"{prefix}{ROUTE}", PageHandler, {"data": data}),
-        (f"{prefix}{ROUTE}.json", JSONHandler, {"data": data}),
-    ])  # fmt: skip
+    app.add_handlers(
+        r".*",
+        [
+            (f"{prefix}{ROUTE}", PageHandler, {"data": data}),
+            (f"{prefix}{ROUTE}.json", JSONHandler, {"data": data}),
+        ],
+    )
     try:  # the bokeh dashboard's "More..." menu (its template variables are shared lists)
         from distributed.dashboard.scheduler import template_variables
     except ImportError:  # no bokeh: the page still works, without a menu entry

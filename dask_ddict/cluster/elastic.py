@@ -37,9 +37,9 @@ from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
 from ..layout import Layout
 from ..placement import Policy
-from .leftovers import remove_paths_on
 from .failover import Failover
 from .leases import Leases
+from .leftovers import remove_paths_on
 from .moves import Candidate, Move, Moves, rebalance_plan, targets
 from .replicas import Replicas
 
@@ -79,24 +79,36 @@ class Elastic:
         #: supervisors whose host closes (their last evacuation began): they take nothing
         self._leaving: set[str] = set()
         failing: dict[tuple[str, int], str] = {}  # (the managers failing over: both see them)
-        self.replicas = Replicas(self.moves.rpc, plugin.dicts, self.moves, self._candidates,
-                                 plugin.spawn, functools.partial(remove_paths_on, plugin),
-                                 failing, lambda s: self.failover.suspected(s))  # fmt: skip
+        self.replicas = Replicas(
+            self.moves.rpc,
+            plugin.dicts,
+            self.moves,
+            self._candidates,
+            plugin.spawn,
+            functools.partial(remove_paths_on, plugin),
+            failing,
+            lambda s: self.failover.suspected(s),
+        )
         self.failover = Failover(self.replicas, plugin.leases, failing, plugin.probe)
 
     def __repr__(self) -> str:
         return f"<Elastic {self.moves!r}>"
 
     def handlers(self) -> dict[str, Any]:
-        return {"ddict_evacuate": self.evacuate, "ddict_rebalance": self.rebalance,
-                "ddict_move": self.move_one, "ddict_moves": self.moves_of,
-                "ddict_replicas": self.replicas_of,
-                "ddict_host_restarted": self.replicas.host_restarted}  # fmt: skip
+        return {
+            "ddict_evacuate": self.evacuate,
+            "ddict_rebalance": self.rebalance,
+            "ddict_move": self.move_one,
+            "ddict_moves": self.moves_of,
+            "ddict_replicas": self.replicas_of,
+            "ddict_host_restarted": self.replicas.host_restarted,
+        }
 
     # -- handlers -------------------------------------------------------------------
 
-    async def evacuate(self, supervisor: str, why: str = "", park: bool = True,
-                       closing: bool = False) -> dict[str, Any]:  # fmt: skip
+    async def evacuate(
+        self, supervisor: str, why: str = "", park: bool = True, closing: bool = False
+    ) -> dict[str, Any]:
         """Move every manager of ``supervisor``'s host to the remaining workers (and park
         those that none can take, unless not ``park``: they stay where they are).
 
@@ -125,8 +137,11 @@ class Elastic:
 
     def _hosted(self, supervisor: str) -> bool:
         """Whether ``supervisor``'s host serves a manager (not lost) of any dictionary."""
-        return any(m.supervisor == supervisor and not m.lost
-                   for layout in self.plugin.dicts.values() for m in layout.managers)  # fmt: skip
+        return any(
+            m.supervisor == supervisor and not m.lost
+            for layout in self.plugin.dicts.values()
+            for m in layout.managers
+        )
 
     async def _evacuate(self, supervisor: str, why: str, park: bool) -> dict[str, Any]:
         moved, parked = 0, 0
@@ -138,10 +153,12 @@ class Elastic:
                     continue
                 tried = []
                 keeping = {r.supervisor for r in self.replicas.of(name).get(mid, ())}
-                fit = [c for c in await self._candidates(name, supervisor)
-                       if c.satisfies(m.policy)]  # (a pinned manager: only where it may be)
-                for c in sorted(targets(fit, m.host_id),
-                                key=lambda c: c.supervisor in keeping):  # (not with its replica)
+                fit = [
+                    c for c in await self._candidates(name, supervisor) if c.satisfies(m.policy)
+                ]  # (a pinned manager: only where it may be)
+                for c in sorted(
+                    targets(fit, m.host_id), key=lambda c: c.supervisor in keeping
+                ):  # (not with its replica)
                     if c.supervisor in self._leaving:  # (began to close since the list)
                         continue
                     try:
@@ -183,8 +200,9 @@ class Elastic:
             try:
                 move = await self.moves.move(name, mid, candidates[worker], "rebalance()")
             except DDictError as e:  # (e.g. a local persist path the worker cannot see)
-                logger.warning("ddict %s: rebalance left manager %d where it is: %s", name,
-                               mid, e.message)  # fmt: skip
+                logger.warning(
+                    "ddict %s: rebalance left manager %d where it is: %s", name, mid, e.message
+                )
                 continue
             if move is not None:
                 done.append(asdict(move))
@@ -194,14 +212,23 @@ class Elastic:
         """Move manager ``manager_id`` of ``name`` to ``worker``'s host."""
         candidates = {c.worker: c for c in await self._candidates(name, "")}
         if worker not in candidates:
-            raise DDictError(f"worker {worker} cannot take managers (not connected, not "
-                             "running, or without a ddict host)", "INVALID_ARGUMENT")  # fmt: skip
+            raise DDictError(
+                f"worker {worker} cannot take managers (not connected, not "
+                "running, or without a ddict host)",
+                "INVALID_ARGUMENT",
+            )
         layout = self.plugin.dicts.get(name)
-        policy = None if layout is None or not 0 <= int(manager_id) < layout.num_managers \
-            else layout.managers[int(manager_id)].policy  # fmt: skip
+        policy = (
+            None
+            if layout is None or not 0 <= int(manager_id) < layout.num_managers
+            else layout.managers[int(manager_id)].policy
+        )
         if not candidates[worker].satisfies(policy):
-            raise DDictError(f"worker {worker} does not satisfy manager {manager_id}'s "
-                             f"placement policy {policy!r}", "INVALID_ARGUMENT")  # fmt: skip
+            raise DDictError(
+                f"worker {worker} does not satisfy manager {manager_id}'s "
+                f"placement policy {policy!r}",
+                "INVALID_ARGUMENT",
+            )
         move = await self.moves.move(name, int(manager_id), candidates[worker], "moved on request")
         return None if move is None else asdict(move)
 
@@ -214,18 +241,27 @@ class Elastic:
             layout = self.plugin.dicts.get(n)
             parked = [] if layout is None else [m for m in layout.managers if m.parked]
             for m in parked:
-                here = [c for c in await self._candidates(n, "") if c.host_id == m.host_id
-                        and c.satisfies(m.policy)]
+                here = [
+                    c
+                    for c in await self._candidates(n, "")
+                    if c.host_id == m.host_id and c.satisfies(m.policy)
+                ]
                 for c in targets(here, m.host_id):
                     try:
-                        move = await self.moves.adopt(n, m.manager_id, c, "parked manager "
-                                                      "taken by a worker on its machine")
+                        move = await self.moves.adopt(
+                            n, m.manager_id, c, "parked manager taken by a worker on its machine"
+                        )
                     except DDictManagerUnavailableError as e:  # its shard is gone
                         self.moves.unpark(n, m.manager_id, f"{m.lost_why}; then {e.message}")
                         break
                     except Exception as e:  # noqa: BLE001 - the next worker may take it
-                        logger.warning("ddict %s: %s could not take parked manager %d: %r", n,
-                                       c.worker, m.manager_id, e)  # fmt: skip
+                        logger.warning(
+                            "ddict %s: %s could not take parked manager %d: %r",
+                            n,
+                            c.worker,
+                            m.manager_id,
+                            e,
+                        )
                         continue
                     if move is not None:
                         done.append(asdict(move))
@@ -266,8 +302,9 @@ class Elastic:
             self.plugin.spawn(self._once_running(worker, self.repair_all))
         if config.get("move.rebalance-on-join") and self.plugin.dicts:
             self.plugin.spawn(self._once_running(worker, self.rebalance_all))
-        elif self.moves.busy or any(m.parked for layout in self.plugin.dicts.values()
-                                    for m in layout.managers):  # (a move may end parked)
+        elif self.moves.busy or any(
+            m.parked for layout in self.plugin.dicts.values() for m in layout.managers
+        ):  # (a move may end parked)
             self.plugin.spawn(self._once_running(worker, self.adopt_parked))
 
     async def _once_running(self, worker: str, then: Callable[[], Awaitable[Any]]) -> None:
@@ -283,20 +320,37 @@ class Elastic:
 
     # -- helpers --------------------------------------------------------------------
 
-    async def _park(self, name: str, mid: int, worker: str, why: str, tried: list[str],
-                    policy: Policy | None = None) -> None:  # fmt: skip
-        where = "; ".join(tried) or ("no other worker runs a ddict host" if policy is None
-                                     else f"no other worker satisfies its placement policy "
-                                     f"{policy!r}")  # fmt: skip
+    async def _park(
+        self,
+        name: str,
+        mid: int,
+        worker: str,
+        why: str,
+        tried: list[str],
+        policy: Policy | None = None,
+    ) -> None:
+        where = "; ".join(tried) or (
+            "no other worker runs a ddict host"
+            if policy is None
+            else f"no other worker satisfies its placement policy {policy!r}"
+        )
         why = f"{why}, and no worker could take it ({where})"
         try:
             await self.moves.park(name, mid, why)
         except Exception as e:  # noqa: BLE001 - said; its keys go with its host
-            logger.warning("ddict %s: manager %d of %s could neither move nor be parked (%s; "
-                           "%r): its keys go with its host", name, mid, worker, why, e)  # fmt: skip
+            logger.warning(
+                "ddict %s: manager %d of %s could neither move nor be parked (%s; "
+                "%r): its keys go with its host",
+                name,
+                mid,
+                worker,
+                why,
+                e,
+            )
 
     async def _used(self, layout: Layout) -> dict[int, int]:
         """Each manager's bytes as its host sees them (0 where it does not answer)."""
+
         async def of(supervisor: str) -> dict[int, int]:
             try:
                 return await self.moves.shard_bytes(supervisor, layout.uid)
@@ -304,8 +358,9 @@ class Elastic:
                 return {}
 
         used: dict[int, int] = {}
-        for part in await asyncio.gather(*map(of, {m.supervisor for m in layout.managers
-                                                    if not m.lost})):  # fmt: skip
+        for part in await asyncio.gather(
+            *map(of, {m.supervisor for m in layout.managers if not m.lost})
+        ):
             used.update(part)
         return used
 
@@ -323,14 +378,27 @@ class Elastic:
         out = []
         for w, ws in list(plugin.scheduler.workers.items()):
             sup = plugin.supervisor_of(w)
-            if ws.status != Status.running or sup == leaving or sup in self._leaving or \
-                    sup in plugin.gone:  # fmt: skip
+            if (
+                ws.status != Status.running
+                or sup == leaving
+                or sup in self._leaving
+                or sup in plugin.gone
+            ):
                 continue
             host = await self._host_id(sup)
             if host:
-                out.append(Candidate(w, sup, host, per_dict.get(sup, 0), total.get(sup, 0),
-                                     name=ws.name, host=ws.host,
-                                     resources=tuple((ws.resources or {}).items())))
+                out.append(
+                    Candidate(
+                        w,
+                        sup,
+                        host,
+                        per_dict.get(sup, 0),
+                        total.get(sup, 0),
+                        name=ws.name,
+                        host=ws.host,
+                        resources=tuple((ws.resources or {}).items()),
+                    )
+                )
         return out
 
     async def _host_id(self, supervisor: str) -> str:
@@ -340,7 +408,8 @@ class Elastic:
             try:
                 info = await asyncio.wait_for(
                     self.plugin.scheduler.rpc(supervisor).ddict_host_info(),
-                    config.get_seconds("host.probe-timeout"))  # fmt: skip
+                    config.get_seconds("host.probe-timeout"),
+                )
             except Exception:  # noqa: BLE001 - not reachable: not a candidate now
                 return ""
             if not isinstance(info, dict) or "host_id" not in info:

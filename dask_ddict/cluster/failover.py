@@ -68,9 +68,13 @@ class Failover:
         (``leftovers.ANSWERED``, ``GONE`` or ``UNKNOWN``).
     """
 
-    def __init__(self, replicas: Replicas, leases: Leases | None,
-                 failing: dict[tuple[str, int], str],
-                 probe: Callable[[str], Awaitable[str]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        replicas: Replicas,
+        leases: Leases | None,
+        failing: dict[tuple[str, int], str],
+        probe: Callable[[str], Awaitable[str]] | None = None,
+    ) -> None:
         self.replicas = replicas
         self.leases = leases
         self.failing = failing
@@ -92,8 +96,10 @@ class Failover:
         primary's write a short while ago (:attr:`doubtful`)."""
         if self.leases is None:
             return False
-        return supervisor in self.leases.revoked or \
-            self.doubtful.get(supervisor, 0.0) > time.monotonic()  # fmt: skip
+        return (
+            supervisor in self.leases.revoked
+            or self.doubtful.get(supervisor, 0.0) > time.monotonic()
+        )
 
     def _revoked(self, supervisor: str) -> bool:
         return self.leases is not None and supervisor in self.leases.revoked
@@ -111,10 +117,12 @@ class Failover:
         gone = replicas.host_lost(supervisor)
         failing = self._fail_over_from(supervisor, why, proven)
         # what the lost host leaves on its machine: the failed-over shards, the replicas
-        left = [(m.worker, m.host_id, [m.store_path, os.path.dirname(m.uds_path)])
-                for name, mids in failing.items() for m in replicas.layouts[name].managers
-                if m.manager_id in mids] + [(r.worker, r.host_id, [r.info.get("store_path", "")])
-                                            for _, r in gone]  # fmt: skip
+        left = [
+            (m.worker, m.host_id, [m.store_path, os.path.dirname(m.uds_path)])
+            for name, mids in failing.items()
+            for m in replicas.layouts[name].managers
+            if m.manager_id in mids
+        ] + [(r.worker, r.host_id, [r.info.get("store_path", "")]) for _, r in gone]
         if gone or left:
             replicas.spawn(replicas.forget_lost(gone, supervisor, left, sorted(failing)))
         return self._failing_at(supervisor)
@@ -149,12 +157,18 @@ class Failover:
             self._probing.discard(supervisor)
         if said == ANSWERED or supervisor not in self.leases.overdue():
             return  # (alive, or it renewed while its nanny was asked)
-        why = (f"its host did not renew its lease within {self.leases.duration:g} s and its "
-               f"nanny {'refuses connections' if said == GONE else 'does not answer'}")  # fmt: skip
+        why = (
+            f"its host did not renew its lease within {self.leases.duration:g} s and its "
+            f"nanny {'refuses connections' if said == GONE else 'does not answer'}"
+        )
         failing = self.suspect(supervisor, why)
         if failing:
-            logger.warning("ddict: the host of %s is suspected (%s): managers %s fail over",
-                           supervisor, why, failing)  # fmt: skip
+            logger.warning(
+                "ddict: the host of %s is suspected (%s): managers %s fail over",
+                supervisor,
+                why,
+                failing,
+            )
 
     def _fail_over_from(self, supervisor: str, why: str, proven: bool) -> dict[str, list[int]]:
         """Fail over every primary at ``supervisor``'s host that has a replica and is not
@@ -168,9 +182,12 @@ class Failover:
         failing: dict[str, list[int]] = {}
         for name, layout in replicas.layouts.items():
             for m in layout.managers:
-                if m.supervisor == supervisor and not m.lost and \
-                        (name, m.manager_id) not in self.failing and \
-                        replicas.placed.get(name, {}).get(m.manager_id):  # fmt: skip
+                if (
+                    m.supervisor == supervisor
+                    and not m.lost
+                    and (name, m.manager_id) not in self.failing
+                    and replicas.placed.get(name, {}).get(m.manager_id)
+                ):
                     failing.setdefault(name, []).append(m.manager_id)
                     self.failing[(name, m.manager_id)] = supervisor
         for name, mids in failing.items():
@@ -217,8 +234,14 @@ class Failover:
             self._changed = asyncio.Condition()
         left = self.leases.left(supervisor)
         if left > 0:
-            logger.info("ddict %s: manager %d fails over in %.1f s, once the lease of its host "
-                        "(%s) is surely over", key[0], key[1], left, supervisor)  # fmt: skip
+            logger.info(
+                "ddict %s: manager %d fails over in %.1f s, once the lease of its host "
+                "(%s) is surely over",
+                key[0],
+                key[1],
+                left,
+                supervisor,
+            )
         while self.failing.get(key) == supervisor:
             left = self.leases.left(supervisor)
             if left <= 0:
@@ -226,7 +249,7 @@ class Failover:
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         return False
 
@@ -242,8 +265,9 @@ class Failover:
 
         self.replicas.spawn(notify())
 
-    async def _promote(self, name: str, mid: int, why: str,
-                       stalled: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+    async def _promote(
+        self, name: str, mid: int, why: str, stalled: Callable[[], Awaitable[None]]
+    ) -> None:
         """Have a replica of manager ``mid`` serve it, once its primary's lease is surely
         over, under the next term.  A replica that answers no is not tried again; while
         some did not answer at all (cut off too, or gone: only Dask's removal of its
@@ -266,8 +290,11 @@ class Failover:
             if layout is None:
                 self.failing.pop(key, None)
                 return
-            reps = [r for r in replicas.of(name).get(mid, [])
-                    if r.supervisor not in replicas.gone and r.supervisor not in refused]  # fmt: skip
+            reps = [
+                r
+                for r in replicas.of(name).get(mid, [])
+                if r.supervisor not in replicas.gone and r.supervisor not in refused
+            ]
             unknown = False
             for r in sorted(reps, key=lambda r: self.suspected(r.supervisor)):
                 said, reply = await self._promote_on(layout, old, r)
@@ -276,59 +303,93 @@ class Failover:
                     return
                 if said == ANSWERED:  # (it answered no: stale, or no replica there)
                     refused.add(r.supervisor)
-                    logger.warning("ddict %s: replica of manager %d on %s could not take over: "
-                                   "%s", name, mid, r.worker, reply["error"][1])  # fmt: skip
+                    logger.warning(
+                        "ddict %s: replica of manager %d on %s could not take over: %s",
+                        name,
+                        mid,
+                        r.worker,
+                        reply["error"][1],
+                    )
                 else:  # (a refused connection is no proof either: a firewall's REJECT)
                     unknown = True
             if not unknown or self.failing.get(key) != old.supervisor:
                 break
             if not said_waiting:
                 said_waiting = True
-                logger.warning("ddict %s: manager %d waits for a replica to take over: none "
-                               "answered (tried again every %g s)", name, mid, PROMOTE_AGAIN)  # fmt: skip
+                logger.warning(
+                    "ddict %s: manager %d waits for a replica to take over: none "
+                    "answered (tried again every %g s)",
+                    name,
+                    mid,
+                    PROMOTE_AGAIN,
+                )
                 await stalled()
             await asyncio.sleep(PROMOTE_AGAIN)
         if self.failing.pop(key, None) is None:
             return
         replicas.placed.get(name, {}).pop(mid, None)
-        replicas.moves._place(name, replace(old, lost=True, lost_why=f"{why}; and none of its "
-                                            "replicas could take over"))  # fmt: skip
+        replicas.moves._place(
+            name,
+            replace(old, lost=True, lost_why=f"{why}; and none of its replicas could take over"),
+        )
         logger.warning("ddict %s: manager %d is lost with its host and its replicas", name, mid)
 
-    async def _promote_on(self, layout: Layout, old: ManagerInfo, r: Replica
-                          ) -> tuple[str, Any]:  # fmt: skip
+    async def _promote_on(self, layout: Layout, old: ManagerInfo, r: Replica) -> tuple[str, Any]:
         """Ask replica ``r``'s host to serve ``old``'s manager under the next term (see
         :func:`.leftovers.ask`); the promotion counts as under way meanwhile."""
         key = (layout.name, old.manager_id)
         self.promoting.add(key)
         try:
-            return await ask(self.replicas.rpc(r.supervisor).ddict_replica_promote(
-                uid=layout.uid, manager_id=old.manager_id, worker=r.worker,
-                old_path=old.store_path, term=old.term + 1),
-                r.supervisor, _promote_timeout())  # fmt: skip
+            return await ask(
+                self.replicas.rpc(r.supervisor).ddict_replica_promote(
+                    uid=layout.uid,
+                    manager_id=old.manager_id,
+                    worker=r.worker,
+                    old_path=old.store_path,
+                    term=old.term + 1,
+                ),
+                r.supervisor,
+                _promote_timeout(),
+            )
         finally:
             self.promoting.discard(key)
 
-    def _promoted(self, name: str, old: ManagerInfo, r: Replica, reply: Any, why: str,
-                  began: float) -> None:  # fmt: skip
+    def _promoted(
+        self, name: str, old: ManagerInfo, r: Replica, reply: Any, why: str, began: float
+    ) -> None:
         """Replica ``r`` serves ``old``'s manager now (``reply``: where): the layout says so
         in a new epoch; the other replicas (which may lag it) are made again."""
         replicas, mid = self.replicas, old.manager_id
         self.failing.pop((name, mid), None)
         fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term", "policy"}
-        info = ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                           supervisor=r.supervisor, term=old.term + 1,
-                           policy=old.policy)  # fmt: skip
+        info = ManagerInfo(
+            **{k: v for k, v in reply[0].items() if k in fields},
+            supervisor=r.supervisor,
+            term=old.term + 1,
+            policy=old.policy,
+        )
         others = [o for o in replicas.of(name).pop(mid, []) if o.supervisor != r.supervisor]
         replicas.moves._place(name, info)
         layout = replicas.layouts.get(name)
         for other in others:
             if layout is not None:
                 replicas.spawn(replicas.drop(layout.uid, other))
-        replicas.moves._done(Move(name, mid, old.worker, r.worker, f"failover: {why}", False, 0,
-                                  time.monotonic() - began, time.time()))  # fmt: skip
-        logger.warning("ddict %s: manager %d failed over to its replica on %s (%s)", name,
-                       mid, r.worker, why)  # fmt: skip
+        replicas.moves._done(
+            Move(
+                name,
+                mid,
+                old.worker,
+                r.worker,
+                f"failover: {why}",
+                False,
+                0,
+                time.monotonic() - began,
+                time.time(),
+            )
+        )
+        logger.warning(
+            "ddict %s: manager %d failed over to its replica on %s (%s)", name, mid, r.worker, why
+        )
 
     # -- a host's renewal (see .leases) ------------------------------------------------------
 
@@ -360,17 +421,30 @@ class Failover:
         discard = []
         for uid, mid, path in report.get("aside", ()):
             layout = by_uid.get(uid)
-            if layout is None or not 0 <= mid < layout.num_managers or (
-                    layout.managers[mid].store_path != path and (layout.managers[mid].lost or len(
-                        replicas.of(layout.name).get(mid, ())) >= layout.options.replicas)):  # fmt: skip
+            if (
+                layout is None
+                or not 0 <= mid < layout.num_managers
+                or (
+                    layout.managers[mid].store_path != path
+                    and (
+                        layout.managers[mid].lost
+                        or len(replicas.of(layout.name).get(mid, ())) >= layout.options.replicas
+                    )
+                )
+            ):
                 discard.append([uid, mid])  # (its dictionary is gone, or has it elsewhere)
         granted = self.leases.grant(supervisor, bool(serving))
-        return {"lease": granted, "confirmed": [list(k) for k in said.confirmed],
-                "deposed": [[u, m, w] for (u, m), w in said.deposed.items()],
-                "dropped": dropped, "discard": discard}  # fmt: skip
+        return {
+            "lease": granted,
+            "confirmed": [list(k) for k in said.confirmed],
+            "deposed": [[u, m, w] for (u, m), w in said.deposed.items()],
+            "dropped": dropped,
+            "discard": discard,
+        }
 
-    def _reinstate(self, supervisor: str, serving: list[tuple[str, int, int]],
-                   by_uid: dict[str, Layout]) -> None:  # fmt: skip
+    def _reinstate(
+        self, supervisor: str, serving: list[tuple[str, int, int]], by_uid: dict[str, Layout]
+    ) -> None:
         """Suspected ``supervisor``'s host is back: each of its primaries still failing over,
         with no promotion call under way and no replica serving it, is its again (its
         replicas hold every write it acknowledged: it acknowledged none without them); once
@@ -380,11 +454,20 @@ class Failover:
             if layout is None or not 0 <= mid < layout.num_managers:
                 continue
             key, m = (layout.name, mid), layout.managers[mid]
-            if self.failing.get(key) == supervisor and key not in self.promoting and \
-                    m.supervisor == supervisor and m.term == term:  # fmt: skip
+            if (
+                self.failing.get(key) == supervisor
+                and key not in self.promoting
+                and m.supervisor == supervisor
+                and m.term == term
+            ):
                 del self.failing[key]
-                logger.warning("ddict %s: manager %d stays at %s: its host renewed its lease "
-                               "before a replica took over", layout.name, mid, m.worker)  # fmt: skip
+                logger.warning(
+                    "ddict %s: manager %d stays at %s: its host renewed its lease "
+                    "before a replica took over",
+                    layout.name,
+                    mid,
+                    m.worker,
+                )
         if supervisor not in self.failing.values():
             assert self.leases is not None
             self.leases.restore(supervisor)
@@ -404,8 +487,13 @@ class Failover:
         assert self.leases is not None
         for r in out:
             self.doubtful[r.supervisor] = time.monotonic() + 3 * self.leases.duration
-            logger.warning("ddict %s: manager %d's replica on %s failed a write: it leaves the "
-                           "replica set (made again elsewhere)", layout.name, mid, r.worker)  # fmt: skip
+            logger.warning(
+                "ddict %s: manager %d's replica on %s failed a write: it leaves the "
+                "replica set (made again elsewhere)",
+                layout.name,
+                mid,
+                r.worker,
+            )
             replicas.spawn(replicas.drop(layout.uid, r))
         replicas.spawn(replicas.repair(layout.name))
 

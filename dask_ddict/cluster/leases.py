@@ -114,8 +114,13 @@ class Leases:
         """Hosts that serve leased primaries, whose lease ended without a renewal, and
         that are not revoked yet: suspects (the orchestrator asks their nannies)."""
         now = self.clock()
-        return sorted(s for s, h in self.held.items() if h.serving and s not in self.revoked
-                      and now >= h.granted + self.duration * RATE + self.margin)  # fmt: skip
+        return sorted(
+            s
+            for s, h in self.held.items()
+            if h.serving
+            and s not in self.revoked
+            and now >= h.granted + self.duration * RATE + self.margin
+        )
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,9 @@ class Verdicts:
     deposed: dict[tuple[str, int], str]
 
 
-def verdicts(by_uid: Mapping[str, Layout], supervisor: str,
-             reported: Iterable[tuple[str, int, int]]) -> Verdicts:  # fmt: skip
+def verdicts(
+    by_uid: Mapping[str, Layout], supervisor: str, reported: Iterable[tuple[str, int, int]]
+) -> Verdicts:
     """``reported`` (``(uid, manager, term)`` a host serves) against the layouts.
 
     A primary is confirmed where the layout names this host and the same term; it is

@@ -37,30 +37,42 @@ class Orchestrator(Protocol):
     def supervisor_of(self, worker: str) -> str: ...
 
 
-async def remove_lost(plugin: Orchestrator, layout: Layout, kept: bool = False,
-                      only_parked: bool = False) -> None:  # fmt: skip
+async def remove_lost(
+    plugin: Orchestrator, layout: Layout, kept: bool = False, only_parked: bool = False
+) -> None:
     """Delete what ``layout``'s lost managers left (``kept``: shards kept for a restart
     too; parked shards always; ``only_parked``: nothing else)."""
     for m in layout.managers:
         if not m.lost or (only_parked and not m.parked):
             continue
-        removed = await remove_paths_on(plugin, m.worker, m.host_id,
-                                        [m.store_path, os.path.dirname(m.uds_path)],
-                                        kept or m.parked)  # fmt: skip
+        removed = await remove_paths_on(
+            plugin,
+            m.worker,
+            m.host_id,
+            [m.store_path, os.path.dirname(m.uds_path)],
+            kept or m.parked,
+        )
         if not removed and m.parked:
-            logger.info("ddict %s: parked manager %d's shard %s stays on %s (no process "
-                        "there to remove it)", layout.name, m.manager_id, m.store_path,
-                        m.hostname)  # fmt: skip
+            logger.info(
+                "ddict %s: parked manager %d's shard %s stays on %s (no process "
+                "there to remove it)",
+                layout.name,
+                m.manager_id,
+                m.store_path,
+                m.hostname,
+            )
 
 
-async def remove_paths_on(plugin: Orchestrator, worker: str, machine: str, paths: list[str],
-                          kept: bool = False) -> bool:  # fmt: skip
+async def remove_paths_on(
+    plugin: Orchestrator, worker: str, machine: str, paths: list[str], kept: bool = False
+) -> bool:
     """Remove ``paths`` (abandoned ``ddict-*`` directories: see ``hygiene.remove``) on the
     machine of ``worker`` (host id ``machine``) through a live worker's supervisor there,
     else here if this is that machine; whether someone could."""
     host = get_address_host(worker) if worker else ""
-    helpers = [plugin.supervisor_of(a) for a, ws in plugin.scheduler.workers.items()
-               if ws.host == host]  # fmt: skip
+    helpers = [
+        plugin.supervisor_of(a) for a, ws in plugin.scheduler.workers.items() if ws.host == host
+    ]
     for helper in helpers[:1]:
         try:
             await plugin.scheduler.rpc(helper).ddict_remove_paths(paths=paths, kept=kept)
@@ -94,8 +106,7 @@ async def refused(address: str) -> bool:
 ANSWERED, GONE, UNKNOWN = "answered", "gone", "unknown"
 
 
-async def ask(call: Awaitable[Any], address: str, timeout: float | None
-              ) -> tuple[str, Any]:  # fmt: skip
+async def ask(call: Awaitable[Any], address: str, timeout: float | None) -> tuple[str, Any]:
     """``(ANSWERED, call's answer)``; ``(GONE, None)`` once ``address`` refuses connections
     (its process is gone: checked every :data:`REFUSED_EVERY` s meanwhile, since a
     process killed while a connection to it was being accepted never answers it); or
@@ -110,12 +121,12 @@ async def ask(call: Awaitable[Any], address: str, timeout: float | None
             left = None if deadline is None else deadline - asyncio.get_running_loop().time()
             if left is not None and left <= 0:
                 return UNKNOWN, None
-            await asyncio.wait([task], timeout=REFUSED_EVERY if left is None
-                               else min(REFUSED_EVERY, left))  # fmt: skip
+            await asyncio.wait(
+                [task], timeout=REFUSED_EVERY if left is None else min(REFUSED_EVERY, left)
+            )
         if task.exception() is not None:
             return (GONE if await refused(address) else UNKNOWN), None
         return ANSWERED, task.result()
     finally:
         if not task.done():
             task.cancel()
-

@@ -42,9 +42,12 @@ class Holders:
         The grace period in seconds, read when a release is scheduled.
     """
 
-    def __init__(self, release: Callable[[str, str], Any],
-                 call_later: Callable[[float, Callable[[], Any]], Timer],
-                 grace: Callable[[], float]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        release: Callable[[str, str], Any],
+        call_later: Callable[[float, Callable[[], Any]], Timer],
+        grace: Callable[[], float],
+    ) -> None:
         self._release = release
         self._call_later = call_later
         self._grace = grace
@@ -54,8 +57,7 @@ class Holders:
         self._timers: dict[str, Timer] = {}  # name -> pending release
 
     def __repr__(self) -> str:
-        return (f"<Holders dicts={len(self._uids)} "
-                f"pending_releases={sorted(self._timers)}>")  # fmt: skip
+        return f"<Holders dicts={len(self._uids)} pending_releases={sorted(self._timers)}>"
 
     def created(self, name: str, uid: str, client: str) -> None:
         """``client`` created ``name`` with ``lifetime="client"``."""
@@ -92,8 +94,12 @@ class Holders:
             self._departed[name].add(client)
             if not held and name not in self._timers:
                 grace = self._grace()
-                logger.info("ddict %s: its last client (%s) left; released in %g s unless "
-                            "it comes back", name, client, grace)  # fmt: skip
+                logger.info(
+                    "ddict %s: its last client (%s) left; released in %g s unless it comes back",
+                    name,
+                    client,
+                    grace,
+                )
                 self._timers[name] = self._call_later(grace, functools.partial(self._expire, name))
 
     def client_came_back(self, client: str) -> None:

@@ -60,15 +60,24 @@ GAUGES = [
     ("keys", "Stored key versions of the manager's shard (deletion marks included)", "num_keys"),
     ("used_bytes", "Bytes of the manager's shard in pages that hold data", "bytes"),
     ("capacity_bytes", "Size of the manager's shard", "capacity"),
-    ("pinned_bytes", "Bytes of the shard that processes on its host hold as zero-copy values",
-     "pinned_bytes"),
-    ("pinned_views", "Zero-copy values of the shard held by processes on its host",
-     "pinned_views"),
-    ("deferred_operations", "Operations waiting at the manager (wait_for_keys/writers)",
-     "deferred_ops"),
-    ("replicas", "Live replicas of the manager (DDict(replicas=k)); fewer than k while one "
-     "is made again after a loss", "replicas"),
-]  # fmt: skip
+    (
+        "pinned_bytes",
+        "Bytes of the shard that processes on its host hold as zero-copy values",
+        "pinned_bytes",
+    ),
+    ("pinned_views", "Zero-copy values of the shard held by processes on its host", "pinned_views"),
+    (
+        "deferred_operations",
+        "Operations waiting at the manager (wait_for_keys/writers)",
+        "deferred_ops",
+    ),
+    (
+        "replicas",
+        "Live replicas of the manager (DDict(replicas=k)); fewer than k while one "
+        "is made again after a loss",
+        "replicas",
+    ),
+]
 
 
 class DDictCollector:
@@ -118,21 +127,37 @@ def families(snapshot: Iterable[dict[str, Any]], age: float | None) -> Iterator[
     def name(n: str) -> str:
         return "_".join(filter(None, [namespace, "ddict", n]))
 
-    up = GaugeMetricFamily(name("manager_up"), "1 if the manager answered the last ask, "
-                           "0 if it is lost or did not answer in time", labels=LABELS)  # fmt: skip
+    up = GaugeMetricFamily(
+        name("manager_up"),
+        "1 if the manager answered the last ask, 0 if it is lost or did not answer in time",
+        labels=LABELS,
+    )
     gauges = [(GaugeMetricFamily(name(n), doc, labels=LABELS), field) for n, doc, field in GAUGES]
-    newest = GaugeMetricFamily(name("newest_checkpoint"), "Newest checkpoint id of the "
-                               "manager's working set", labels=LABELS)  # fmt: skip
-    persisted = GaugeMetricFamily(name("persisted_checkpoint"), "Newest checkpoint id that "
-                                  "the manager has persisted", labels=LABELS)  # fmt: skip
-    restarts = CounterMetricFamily(name("host_restarts"), "Restarts of the host process that "
-                                   "serves the manager", labels=LABELS)  # fmt: skip
-    served = CounterMetricFamily(name("operations_served"), "Requests the manager's host "
-                                 "process served for it, by operation, since it started",
-                                 labels=[*LABELS, "op"])  # fmt: skip
-    moves = CounterMetricFamily(name("manager_moves"), "Moves of the dictionary's managers "
-                                "between host processes the orchestrator remembers (a worker "
-                                "retired, rebalance())", labels=["ddict"])  # fmt: skip
+    newest = GaugeMetricFamily(
+        name("newest_checkpoint"),
+        "Newest checkpoint id of the manager's working set",
+        labels=LABELS,
+    )
+    persisted = GaugeMetricFamily(
+        name("persisted_checkpoint"),
+        "Newest checkpoint id that the manager has persisted",
+        labels=LABELS,
+    )
+    restarts = CounterMetricFamily(
+        name("host_restarts"), "Restarts of the host process that serves the manager", labels=LABELS
+    )
+    served = CounterMetricFamily(
+        name("operations_served"),
+        "Requests the manager's host process served for it, by operation, since it started",
+        labels=[*LABELS, "op"],
+    )
+    moves = CounterMetricFamily(
+        name("manager_moves"),
+        "Moves of the dictionary's managers "
+        "between host processes the orchestrator remembers (a worker "
+        "retired, rebalance())",
+        labels=["ddict"],
+    )
     for d in snapshot:
         moves.add_metric([d["name"]], d.get("moves_total", 0))
         for row in d["managers"]:
@@ -152,8 +177,9 @@ def families(snapshot: Iterable[dict[str, Any]], age: float | None) -> Iterator[
     yield up
     yield from (family for family, _ in gauges)
     yield from (newest, persisted, restarts, served, moves)
-    snapshot_age = GaugeMetricFamily(name("snapshot_age_seconds"), "Seconds since the "
-                                     "managers were asked for the values shown")  # fmt: skip
+    snapshot_age = GaugeMetricFamily(
+        name("snapshot_age_seconds"), "Seconds since the managers were asked for the values shown"
+    )
     if age is not None:
         snapshot_age.add_metric([], age)
     yield snapshot_age

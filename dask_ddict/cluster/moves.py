@@ -70,21 +70,23 @@ class Candidate:
 
     def satisfies(self, policy: Policy | None) -> bool:
         """Whether this worker may take a manager placed under ``policy``."""
-        return policy is None or policy.matches(self.worker, self.name, self.host,
-                                                self.host_id.split(":")[0],
-                                                dict(self.resources))  # fmt: skip
+        return policy is None or policy.matches(
+            self.worker, self.name, self.host, self.host_id.split(":")[0], dict(self.resources)
+        )
 
 
 def targets(candidates: Iterable[Candidate], source_host: str) -> list[Candidate]:
     """Where a manager leaving ``source_host`` should go, best first: the fewest of its
     dictionary's managers, then of all managers, then the same machine (a move there
     copies nothing), then by address (the same choice on every run)."""
-    return sorted(candidates, key=lambda c: (c.managers, c.total, c.host_id != source_host,
-                                             c.worker))  # fmt: skip
+    return sorted(
+        candidates, key=lambda c: (c.managers, c.total, c.host_id != source_host, c.worker)
+    )
 
 
-def rebalance_plan(layout: Layout, workers: list[str],
-                   used: dict[int, int] | None = None) -> list[tuple[int, str]]:  # fmt: skip
+def rebalance_plan(
+    layout: Layout, workers: list[str], used: dict[int, int] | None = None
+) -> list[tuple[int, str]]:
     """``(manager, worker)`` moves that leave every worker of ``workers`` hosting a
     number of ``layout``'s managers that differs by at most one, moving the fewest
     managers and, among equal choices, the fewest bytes (``used``: each manager's).
@@ -157,6 +159,7 @@ class Moves:
 
     async def settled(self, name: str, timeout: float | None) -> None:
         """Return once no move of ``name`` is under way (or after ``timeout``)."""
+
         async def wait() -> None:
             async with self._changed:
                 await self._changed.wait_for(lambda: not self._under_way.get(name))
@@ -164,7 +167,7 @@ class Moves:
         if self._under_way.get(name):
             try:
                 await asyncio.wait_for(wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
@@ -225,15 +228,19 @@ class Moves:
         """``name``'s layout and its manager ``mid`` (a typed refusal for any other id)."""
         layout = self._layout(name)
         if not 0 <= mid < len(layout.managers):
-            raise DDictError(f"manager_id {mid} of {name!r} is not one of its managers "
-                             f"(0 to {len(layout.managers) - 1})", "INVALID_ARGUMENT")  # fmt: skip
+            raise DDictError(
+                f"manager_id {mid} of {name!r} is not one of its managers "
+                f"(0 to {len(layout.managers) - 1})",
+                "INVALID_ARGUMENT",
+            )
         return layout, layout.managers[mid]
 
     async def _move(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         layout, old = self._manager(name, mid)
         if old.lost:
-            raise DDictError(f"manager {mid} of {name!r} is lost: it cannot move",
-                             "INVALID_OPERATION")  # fmt: skip
+            raise DDictError(
+                f"manager {mid} of {name!r} is lost: it cannot move", "INVALID_OPERATION"
+            )
         if old.supervisor == target.supervisor:
             return None
         copy = old.host_id != target.host_id
@@ -244,33 +251,57 @@ class Moves:
         began = time.monotonic()
         out = await self._out(layout, old, copy)
         try:
-            info = await self._in(layout, mid, target, out,
-                                  path=prepared if copy else out["store_path"],
-                                  source=asdict(old) if copy else None, term=old.term + 1)  # fmt: skip
+            info = await self._in(
+                layout,
+                mid,
+                target,
+                out,
+                path=prepared if copy else out["store_path"],
+                source=asdict(old) if copy else None,
+                term=old.term + 1,
+            )
         except BaseException:
             try:
-                raise_from_wire(await self.rpc(old.supervisor).ddict_move_abort(
-                    uid=layout.uid, manager_id=mid))  # fmt: skip
+                raise_from_wire(
+                    await self.rpc(old.supervisor).ddict_move_abort(uid=layout.uid, manager_id=mid)
+                )
             except Exception as e:  # noqa: BLE001 - the first failure is the one to report
-                logger.warning("ddict %s: resuming manager %d after a failed move: %r", name,
-                               mid, e)  # fmt: skip
+                logger.warning(
+                    "ddict %s: resuming manager %d after a failed move: %r", name, mid, e
+                )
             raise
         await self._served(name, info)
         where = f"{info.hostname} (worker {target.worker})"
         try:
-            raise_from_wire(await self.rpc(old.supervisor).ddict_move_done(
-                uid=layout.uid, manager_id=mid, where=where))  # fmt: skip
+            raise_from_wire(
+                await self.rpc(old.supervisor).ddict_move_done(
+                    uid=layout.uid, manager_id=mid, where=where
+                )
+            )
         except Exception as e:  # noqa: BLE001 - the new place serves: the move is done
-            logger.warning("ddict %s: the old host of manager %d did not let it go: %r", name,
-                           mid, e)  # fmt: skip
-        return self._done(Move(name, mid, old.worker, target.worker, why, copy,
-                               int(out["used_bytes"]), time.monotonic() - began, time.time()))
+            logger.warning(
+                "ddict %s: the old host of manager %d did not let it go: %r", name, mid, e
+            )
+        return self._done(
+            Move(
+                name,
+                mid,
+                old.worker,
+                target.worker,
+                why,
+                copy,
+                int(out["used_bytes"]),
+                time.monotonic() - began,
+                time.time(),
+            )
+        )
 
     async def _park(self, name: str, mid: int, why: str) -> Move:
         layout, old = self._manager(name, mid)
         if old.lost:
-            raise DDictError(f"manager {mid} of {name!r} is lost: it cannot be parked",
-                             "INVALID_OPERATION")  # fmt: skip
+            raise DDictError(
+                f"manager {mid} of {name!r} is lost: it cannot be parked", "INVALID_OPERATION"
+            )
         began = time.monotonic()
         # (marked as copied away: same-host clients stop using the shard)
         out = await self._out(layout, old, copy=True)
@@ -278,31 +309,60 @@ class Moves:
         info = replace(old, lost=True, parked=True, lost_why=why)
         self._place(name, info)
         try:
-            raise_from_wire(await self.rpc(old.supervisor).ddict_move_done(
-                uid=layout.uid, manager_id=mid, where="nowhere (parked)", park=True))  # fmt: skip
+            raise_from_wire(
+                await self.rpc(old.supervisor).ddict_move_done(
+                    uid=layout.uid, manager_id=mid, where="nowhere (parked)", park=True
+                )
+            )
         except Exception as e:  # noqa: BLE001 - parked as far as is known: a worker there
             # finds its shard or not (then it is lost, see unpark)
-            self._place(name, replace(info, lost_why=f"{why} (its host did not confirm: "
-                                                     f"{e!r})"))  # fmt: skip
-        return self._done(Move(name, mid, old.worker, "", why, False, int(out["used_bytes"]),
-                               time.monotonic() - began, time.time()))  # fmt: skip
+            self._place(name, replace(info, lost_why=f"{why} (its host did not confirm: {e!r})"))
+        return self._done(
+            Move(
+                name,
+                mid,
+                old.worker,
+                "",
+                why,
+                False,
+                int(out["used_bytes"]),
+                time.monotonic() - began,
+                time.time(),
+            )
+        )
 
     async def _adopt(self, name: str, mid: int, target: Candidate, why: str) -> Move | None:
         layout, old = self._manager(name, mid)
         if not old.parked:
             return None
         began = time.monotonic()
-        out = {"used_bytes": 0, "map_size": 0,
-               "storage_options": self.parked_options.get((layout.uid, mid))}  # fmt: skip
-        info = await self._in(layout, mid, target, out, path=old.store_path, source=None,
-                              term=old.term + 1)  # fmt: skip
+        out = {
+            "used_bytes": 0,
+            "map_size": 0,
+            "storage_options": self.parked_options.get((layout.uid, mid)),
+        }
+        info = await self._in(
+            layout, mid, target, out, path=old.store_path, source=None, term=old.term + 1
+        )
         self.parked_options.pop((layout.uid, mid), None)
         await self._served(name, info)
-        return self._done(Move(name, mid, old.worker, target.worker, why, False, 0,
-                               time.monotonic() - began, time.time()))  # fmt: skip
+        return self._done(
+            Move(
+                name,
+                mid,
+                old.worker,
+                target.worker,
+                why,
+                False,
+                0,
+                time.monotonic() - began,
+                time.time(),
+            )
+        )
 
-    async def _check_persist_path(self, layout: Layout, old: ManagerInfo,
-                                  target: Candidate) -> None:  # fmt: skip
+    async def _check_persist_path(
+        self, layout: Layout, old: ManagerInfo, target: Candidate
+    ) -> None:
         """Refuse to move a manager to another machine that does not see its local
         ``persist_path`` (its persisted checkpoints would stay behind); a probe file
         left by the old machine tells, once per pair of machines and path."""
@@ -327,7 +387,9 @@ class Moves:
                 "there it would leave its persisted checkpoints behind.  It moves only to "
                 "workers on its own machine (else it is parked there); to let managers move "
                 "between machines, persist to a shared file system or an object store "
-                "(persist_path='s3://...')", "INVALID_OPERATION")  # fmt: skip
+                "(persist_path='s3://...')",
+                "INVALID_OPERATION",
+            )
 
     async def _prepare(self, layout: Layout, old: ManagerInfo, target: Candidate) -> str:
         """Step 0 of a copy, while the manager still works: ``target``'s host makes the
@@ -338,13 +400,21 @@ class Moves:
         try:
             nbytes = (await self.shard_bytes(old.supervisor, layout.uid)).get(mid, 0)
             path = await self.rpc(target.supervisor).ddict_move_prepare(
-                name=layout.name, manager_id=mid, nbytes=nbytes,
-                capacity=layout.total_mem // layout.num_managers)  # fmt: skip
+                name=layout.name,
+                manager_id=mid,
+                nbytes=nbytes,
+                capacity=layout.total_mem // layout.num_managers,
+            )
             raise_from_wire(path)
             return str(path)
         except Exception as e:  # noqa: BLE001 - an optimisation: the move goes on without it
-            logger.info("ddict %s: preparing manager %d's copy on %s failed: %r", layout.name,
-                        mid, target.worker, e)  # fmt: skip
+            logger.info(
+                "ddict %s: preparing manager %d's copy on %s failed: %r",
+                layout.name,
+                mid,
+                target.worker,
+                e,
+            )
             return ""
 
     async def shard_bytes(self, supervisor: str, uid: str) -> dict[int, int]:
@@ -355,37 +425,62 @@ class Moves:
 
     async def _out(self, layout: Layout, old: ManagerInfo, copy: bool) -> dict[str, Any]:
         """Step 1: pause manager ``old`` at its host (``copy``: its shard marked moved)."""
-        out = await self.rpc(old.supervisor).ddict_move_out(uid=layout.uid,
-                                                            manager_id=old.manager_id, copy=copy)
+        out = await self.rpc(old.supervisor).ddict_move_out(
+            uid=layout.uid, manager_id=old.manager_id, copy=copy
+        )
         raise_from_wire(out)
         return dict(out)
 
-    async def _in(self, layout: Layout, mid: int, target: Candidate, out: dict[str, Any],
-                  path: str, source: dict[str, Any] | None, term: int) -> ManagerInfo:  # fmt: skip
+    async def _in(
+        self,
+        layout: Layout,
+        mid: int,
+        target: Candidate,
+        out: dict[str, Any],
+        path: str,
+        source: dict[str, Any] | None,
+        term: int,
+    ) -> ManagerInfo:
         """Step 2: ``target``'s host serves manager ``mid`` over its shard at ``path`` (this
         machine's), or over a copy from ``source``, under ``term`` (see
         ``ManagerInfo.term``); returns where it is served."""
         reply = await self.rpc(target.supervisor).ddict_move_in(
-            name=layout.name, uid=layout.uid, secret=layout.secret,
-            options=layout.options.to_dict(), capacity=layout.total_mem // layout.num_managers,
-            num_managers=layout.num_managers, manager_id=mid, worker=target.worker,
-            path=path, source=source, used=out["used_bytes"], map_size=out["map_size"],
-            storage_options=out.get("storage_options"), term=term,
-        )  # fmt: skip
+            name=layout.name,
+            uid=layout.uid,
+            secret=layout.secret,
+            options=layout.options.to_dict(),
+            capacity=layout.total_mem // layout.num_managers,
+            num_managers=layout.num_managers,
+            manager_id=mid,
+            worker=target.worker,
+            path=path,
+            source=source,
+            used=out["used_bytes"],
+            map_size=out["map_size"],
+            storage_options=out.get("storage_options"),
+            term=term,
+        )
         if reply is None:
-            raise DDictError(f"worker {target.worker} has no ddict host supervisor",
-                             "INVALID_OPERATION")  # fmt: skip
+            raise DDictError(
+                f"worker {target.worker} has no ddict host supervisor", "INVALID_OPERATION"
+            )
         raise_from_wire(reply)
         now = self.layouts.get(layout.name)
         if now is None or now.uid != layout.uid:  # destroyed meanwhile: served nowhere
-            raise_from_wire(await self.rpc(target.supervisor).ddict_destroy_managers(
-                uid=layout.uid))  # fmt: skip
-            raise DDictError(f"DDict {layout.name!r} was destroyed while manager {mid} "
-                             "moved", "INVALID_OPERATION")  # fmt: skip
+            raise_from_wire(
+                await self.rpc(target.supervisor).ddict_destroy_managers(uid=layout.uid)
+            )
+            raise DDictError(
+                f"DDict {layout.name!r} was destroyed while manager {mid} moved",
+                "INVALID_OPERATION",
+            )
         fields = set(ManagerInfo.__dataclass_fields__) - {"supervisor", "term", "policy"}
-        return ManagerInfo(**{k: v for k, v in reply[0].items() if k in fields},
-                           supervisor=target.supervisor, term=term,
-                           policy=layout.managers[mid].policy)  # fmt: skip
+        return ManagerInfo(
+            **{k: v for k, v in reply[0].items() if k in fields},
+            supervisor=target.supervisor,
+            term=term,
+            policy=layout.managers[mid].policy,
+        )
 
     async def _served(self, name: str, info: ManagerInfo) -> None:
         """``info``'s manager serves at its new place: :attr:`on_served`, then the layout."""
@@ -404,13 +499,25 @@ class Moves:
     def _done(self, move: Move) -> Move:
         self.log.append(move)
         if move.target:
-            logger.info("ddict %s: manager %d moved from %s to %s (%s; %s, %d bytes, writes "
-                        "paused %.3f s)", move.name, move.manager_id, move.source or "(parked)",
-                        move.target, move.why, "copied" if move.copied else "handed over",
-                        move.nbytes, move.seconds)  # fmt: skip
+            logger.info(
+                "ddict %s: manager %d moved from %s to %s (%s; %s, %d bytes, writes paused %.3f s)",
+                move.name,
+                move.manager_id,
+                move.source or "(parked)",
+                move.target,
+                move.why,
+                "copied" if move.copied else "handed over",
+                move.nbytes,
+                move.seconds,
+            )
         else:
-            logger.warning("ddict %s: manager %d parked on the machine of %s: %s", move.name,
-                           move.manager_id, move.source, move.why)  # fmt: skip
+            logger.warning(
+                "ddict %s: manager %d parked on the machine of %s: %s",
+                move.name,
+                move.manager_id,
+                move.source,
+                move.why,
+            )
         return move
 
     def of(self, name: str) -> list[Move]:

@@ -59,17 +59,19 @@ def address_of(r: Replica) -> tuple[Any, ...]:
     return (r.info.get("uds_path"), r.info.get("tcp_host"), r.info.get("tcp_port"))
 
 
-def replica_targets(candidates: Iterable[Candidate], primary: ManagerInfo,
-                    have: list[Replica], load: dict[str, int]) -> list[Candidate]:  # fmt: skip
+def replica_targets(
+    candidates: Iterable[Candidate], primary: ManagerInfo, have: list[Replica], load: dict[str, int]
+) -> list[Candidate]:
     """Where a new replica of ``primary`` should go, best first: never the primary's host
     process or one that keeps a replica of it already; another machine than the
     primary's and its replicas' first; then the host process that keeps the fewest
     replicas (``load``, by supervisor) and managers; then by address."""
     taken = {primary.supervisor} | {r.supervisor for r in have}
     machines = {primary.host_id} | {r.host_id for r in have}
-    return sorted((c for c in candidates if c.supervisor not in taken),
-                  key=lambda c: (c.host_id in machines, load.get(c.supervisor, 0), c.total,
-                                 c.worker))  # fmt: skip
+    return sorted(
+        (c for c in candidates if c.supervisor not in taken),
+        key=lambda c: (c.host_id in machines, load.get(c.supervisor, 0), c.total, c.worker),
+    )
 
 
 #: Lost supervisors remembered (:attr:`Replicas.gone`).
@@ -105,12 +107,17 @@ class Replicas:
         see :mod:`.failover`): no replica is seeded onto it, and it is not called.
     """
 
-    def __init__(self, rpc: Callable[[str], Any], layouts: dict[str, Layout], moves: Moves,
-                 candidates: Callable[[str, str], Awaitable[list[Candidate]]],
-                 spawn: Callable[[Awaitable[Any]], None],
-                 remove_left: Callable[[str, str, list[str]], Awaitable[Any]] | None = None,
-                 failing: Mapping[tuple[str, int], str] | None = None,
-                 suspected: Callable[[str], bool] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rpc: Callable[[str], Any],
+        layouts: dict[str, Layout],
+        moves: Moves,
+        candidates: Callable[[str, str], Awaitable[list[Candidate]]],
+        spawn: Callable[[Awaitable[Any]], None],
+        remove_left: Callable[[str, str, list[str]], Awaitable[Any]] | None = None,
+        failing: Mapping[tuple[str, int], str] | None = None,
+        suspected: Callable[[str], bool] | None = None,
+    ) -> None:
         self.rpc = rpc
         self.layouts = layouts
         self.moves = moves
@@ -150,13 +157,19 @@ class Replicas:
         self.gone.pop(supervisor, None)
         for per in self.placed.values():
             for reps in per.values():
-                reps[:] = [replace(r, worker=worker) if r.supervisor == supervisor else r
-                           for r in reps]  # fmt: skip
+                reps[:] = [
+                    replace(r, worker=worker) if r.supervisor == supervisor else r for r in reps
+                ]
 
     def supervisors_for(self, worker: str) -> set[str]:
         """The host supervisors that keep replicas for ``worker`` (of any dictionary)."""
-        return {r.supervisor for per in self.placed.values() for reps in per.values()
-                for r in reps if r.worker == worker}  # fmt: skip
+        return {
+            r.supervisor
+            for per in self.placed.values()
+            for reps in per.values()
+            for r in reps
+            if r.worker == worker
+        }
 
     def forget(self, name: str) -> None:
         """``name`` was destroyed (its replicas with it, by their hosts)."""
@@ -175,8 +188,7 @@ class Replicas:
     async def place(self, name: str, leaving: str = "", queued: bool = False) -> int:
         """Give every manager of ``name`` the replicas it is short of (none on ``leaving``'s
         host); how many were made.  One that finds no worker stays short (said in stats)."""
-        return await self.moves.serially(name, self._place(name, leaving, queued),
-                                         followed=False)  # fmt: skip
+        return await self.moves.serially(name, self._place(name, leaving, queued), followed=False)
 
     async def _place(self, name: str, leaving: str, queued: bool = False) -> int:
         if queued:  # (begun: a repair asked from now on is another one)
@@ -197,23 +209,41 @@ class Replicas:
             have = self.of(name).setdefault(mid, [])
             await self._reckon(layout, m, have)
             while len(have) < layout.options.replicas:
-                choice = replica_targets([c for c in await self.candidates(name, leaving)
-                                          if c.supervisor not in self.gone
-                                          and not self._suspected(c.supervisor)
-                                          and c.satisfies(m.policy)],
-                                         m, have, self._load())  # fmt: skip
+                choice = replica_targets(
+                    [
+                        c
+                        for c in await self.candidates(name, leaving)
+                        if c.supervisor not in self.gone
+                        and not self._suspected(c.supervisor)
+                        and c.satisfies(m.policy)
+                    ],
+                    m,
+                    have,
+                    self._load(),
+                )
                 if not choice:
                     fit = "" if m.policy is None else f" that satisfies {m.policy!r}"
-                    logger.warning("ddict %s: manager %d has %d of its %d replicas: no other "
-                                   "worker%s can keep one", name, mid, len(have),
-                                   layout.options.replicas, fit)  # fmt: skip
+                    logger.warning(
+                        "ddict %s: manager %d has %d of its %d replicas: no other "
+                        "worker%s can keep one",
+                        name,
+                        mid,
+                        len(have),
+                        layout.options.replicas,
+                        fit,
+                    )
                     short = True
                     break
                 try:
                     r = await self._seed(layout, m, choice[0])
                 except Exception as e:  # noqa: BLE001 - said; stays short until the next try
-                    logger.warning("ddict %s: seeding a replica of manager %d on %s failed: %r",
-                                   name, mid, choice[0].worker, e)  # fmt: skip
+                    logger.warning(
+                        "ddict %s: seeding a replica of manager %d on %s failed: %r",
+                        name,
+                        mid,
+                        choice[0].worker,
+                        e,
+                    )
                     short = True
                     break
                 if r.supervisor in self.gone:  # (its host was lost while it was seeded)
@@ -244,15 +274,20 @@ class Replicas:
             return
         try:
             live = await self.rpc(primary.supervisor).ddict_replica_targets(
-                uid=layout.uid, manager_id=primary.manager_id)  # fmt: skip
+                uid=layout.uid, manager_id=primary.manager_id
+            )
             raise_from_wire(live)
         except Exception:  # noqa: BLE001 - not known now: left as they are
             return
         shipping = {tuple(a) for a in live}
         for r in [r for r in have if address_of(r) not in shipping]:
             have.remove(r)
-            logger.warning("ddict %s: manager %d no longer ships to its replica on %s: it is "
-                           "made again", layout.name, primary.manager_id, r.worker)  # fmt: skip
+            logger.warning(
+                "ddict %s: manager %d no longer ships to its replica on %s: it is made again",
+                layout.name,
+                primary.manager_id,
+                r.worker,
+            )
             await self.drop(layout.uid, r)
 
     async def _seed(self, layout: Layout, primary: ManagerInfo, target: Candidate) -> Replica:
@@ -265,25 +300,39 @@ class Replicas:
         seeded = False
         try:
             info = await self.rpc(target.supervisor).ddict_replica_seed(
-                spec=held["spec"], manager_id=mid, source=asdict(primary),
-                used=held["used_bytes"], map_size=held["map_size"], worker=target.worker)  # fmt: skip
+                spec=held["spec"],
+                manager_id=mid,
+                source=asdict(primary),
+                used=held["used_bytes"],
+                map_size=held["map_size"],
+                worker=target.worker,
+            )
             raise_from_wire(info)
             seeded = True
-            raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid, add=info,
-                                                            release=True))  # fmt: skip
+            raise_from_wire(
+                await src.ddict_replica_targets(uid=uid, manager_id=mid, add=info, release=True)
+            )
         except BaseException:
             try:  # (the primary's writes resume; its host may be what failed)
-                raise_from_wire(await src.ddict_replica_targets(uid=uid, manager_id=mid,
-                                                                release=True))  # fmt: skip
+                raise_from_wire(
+                    await src.ddict_replica_targets(uid=uid, manager_id=mid, release=True)
+                )
             except Exception as e:  # noqa: BLE001 - the first failure is the one to report
-                logger.warning("ddict %s: resuming manager %d after a failed seed: %r",
-                               layout.name, mid, e)  # fmt: skip
+                logger.warning(
+                    "ddict %s: resuming manager %d after a failed seed: %r", layout.name, mid, e
+                )
             if seeded:
-                await self.drop(uid, Replica(mid, target.worker, target.supervisor,
-                                              target.host_id, {}))  # fmt: skip
+                await self.drop(
+                    uid, Replica(mid, target.worker, target.supervisor, target.host_id, {})
+                )
             raise
-        logger.info("ddict %s: manager %d has a replica on %s (%d bytes copied)", layout.name,
-                    mid, target.worker, held["used_bytes"])  # fmt: skip
+        logger.info(
+            "ddict %s: manager %d has a replica on %s (%d bytes copied)",
+            layout.name,
+            mid,
+            target.worker,
+            held["used_bytes"],
+        )
         return Replica(mid, target.worker, target.supervisor, target.host_id, info)
 
     async def drop(self, uid: str, r: Replica) -> None:
@@ -291,8 +340,12 @@ class Replicas:
         try:
             await self.rpc(r.supervisor).ddict_replica_drop(uid=uid, manager_id=r.manager_id)
         except Exception as e:  # noqa: BLE001 - its host is gone, or its shard is swept later
-            logger.info("ddict: dropping the replica of manager %d on %s failed: %r",
-                        r.manager_id, r.worker, e)  # fmt: skip
+            logger.info(
+                "ddict: dropping the replica of manager %d on %s failed: %r",
+                r.manager_id,
+                r.worker,
+                e,
+            )
 
     # -- a lost host ---------------------------------------------------------------------------
 
@@ -310,8 +363,13 @@ class Replicas:
                 reps[:] = [r for r in reps if r.supervisor != supervisor]
         return gone
 
-    async def forget_lost(self, gone: list[tuple[str, Replica]], supervisor: str,
-                          left: list[tuple[str, str, list[str]]], failing: list[str]) -> None:  # fmt: skip
+    async def forget_lost(
+        self,
+        gone: list[tuple[str, Replica]],
+        supervisor: str,
+        left: list[tuple[str, str, list[str]]],
+        failing: list[str],
+    ) -> None:
         """What a lost host leaves: its files on its machine (``left``: ``(worker, machine,
         paths)``), and its replicas (``gone``), which their primaries stop shipping to and
         which are made again elsewhere (but for the dictionaries of ``failing``, placed
@@ -350,8 +408,11 @@ class Replicas:
                 stale += [(name, r) for r in reps if here or r.supervisor == supervisor]
                 reps[:] = [] if here else [r for r in reps if r.supervisor != supervisor]
         if stale:
-            logger.warning("ddict: the host process of %s restarted: %d replicas are made "
-                           "again", supervisor, len(stale))  # fmt: skip
+            logger.warning(
+                "ddict: the host process of %s restarted: %d replicas are made again",
+                supervisor,
+                len(stale),
+            )
             self.spawn(self._remake(stale))
 
     async def _remake(self, stale: list[tuple[str, Replica]]) -> None:
@@ -379,11 +440,19 @@ class Replicas:
                 await self.drop(layout.uid, r)
                 continue
             try:
-                raise_from_wire(await self.rpc(info.supervisor).ddict_replica_targets(
-                    uid=layout.uid, manager_id=info.manager_id, add=r.info))  # fmt: skip
+                raise_from_wire(
+                    await self.rpc(info.supervisor).ddict_replica_targets(
+                        uid=layout.uid, manager_id=info.manager_id, add=r.info
+                    )
+                )
             except Exception as e:  # noqa: BLE001 - dropped: made again elsewhere
-                logger.warning("ddict %s: manager %d's replica on %s did not follow its move: "
-                               "%r", name, info.manager_id, r.worker, e)  # fmt: skip
+                logger.warning(
+                    "ddict %s: manager %d's replica on %s did not follow its move: %r",
+                    name,
+                    info.manager_id,
+                    r.worker,
+                    e,
+                )
                 await self.drop(layout.uid, r)
                 continue
             keep.append(r)
@@ -414,9 +483,16 @@ class Replicas:
         if primary.lost or primary.supervisor in self.gone or self._suspected(primary.supervisor):
             return
         try:
-            raise_from_wire(await self.rpc(primary.supervisor).ddict_replica_targets(
-                uid=layout.uid, manager_id=r.manager_id, remove=[list(address_of(r))]))  # fmt: skip
+            raise_from_wire(
+                await self.rpc(primary.supervisor).ddict_replica_targets(
+                    uid=layout.uid, manager_id=r.manager_id, remove=[list(address_of(r))]
+                )
+            )
         except Exception as e:  # noqa: BLE001 - it drops the replica when it fails to ship
-            logger.info("ddict %s: manager %d kept shipping to %s: %r", layout.name,
-                        r.manager_id, r.worker, e)  # fmt: skip
-
+            logger.info(
+                "ddict %s: manager %d kept shipping to %s: %r",
+                layout.name,
+                r.manager_id,
+                r.worker,
+                e,
+            )

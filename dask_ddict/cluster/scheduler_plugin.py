@@ -73,8 +73,9 @@ def refusing(handler: Callable[..., Any]) -> Callable[..., Any]:
         if wire is None or getattr(e, "code", "") == "INTERNAL":
             return None
         name = kwargs.get("name")
-        logger.info("ddict: %s of %s refused: %s", handler.__name__,
-                    repr(name) if name else "a DDict", e)  # fmt: skip
+        logger.info(
+            "ddict: %s of %s refused: %s", handler.__name__, repr(name) if name else "a DDict", e
+        )
         logger.debug("ddict: the refusal's traceback", exc_info=True)
         return wire
 
@@ -148,8 +149,11 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         self.calls: Counter[str] = Counter()  # handler calls by name, since the start
         self.dashboard = DashboardData(self)
         self._metrics: metrics.DDictCollector | None = None  # on /metrics while started
-        self.holders = Holders(self._release, self._call_later,
-                               lambda: config.get_seconds("lifetime-grace-period") or 0.0)  # fmt: skip
+        self.holders = Holders(
+            self._release,
+            self._call_later,
+            lambda: config.get_seconds("lifetime-grace-period") or 0.0,
+        )
         #: The hosts' leases, set from the scheduler's ``ddict.lease.*`` when it starts (this
         #: object is built where the plugin is registered, often a client); ``None``:
         #: ``ddict.lease.duration: null``, none are kept.
@@ -228,14 +232,17 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         opts = DDictOptions.from_dict(options)
         pinned: dict[int, Policy] = {}
         if policies:
-            chosen, pinned = await self._place_by_policy(policies, n_workers, workers,
-                                                          managers_per_worker)  # fmt: skip
+            chosen, pinned = await self._place_by_policy(
+                policies, n_workers, workers, managers_per_worker
+            )
         else:
             chosen = self._choose_workers(n_workers, workers)
         if opts.replicas >= len(self.scheduler.workers):
-            raise ValueError(f"replicas={opts.replicas} needs at least {opts.replicas + 1} "
-                             f"workers (each replica in another worker's host process); the "
-                             f"cluster has {len(self.scheduler.workers)}")  # fmt: skip
+            raise ValueError(
+                f"replicas={opts.replicas} needs at least {opts.replicas + 1} "
+                f"workers (each replica in another worker's host process); the "
+                f"cluster has {len(self.scheduler.workers)}"
+            )
         num = len(pinned) if pinned else len(chosen) * managers_per_worker
         prior = self.kept.get(name) if restart else None
         if prior is not None and any(m.policy is not None for m in prior.managers):
@@ -270,14 +277,22 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         async def on(worker: str, mids: list[int]) -> list[dict[str, Any]]:
             supervisor = self.supervisor_of(worker)
             reply = await self.scheduler.rpc(supervisor).ddict_create_managers(
-                name=name, uid=uid, secret=secret, options=opts.to_dict(),
-                capacity=capacity, manager_ids=mids, num_managers=num,
+                name=name,
+                uid=uid,
+                secret=secret,
+                options=opts.to_dict(),
+                capacity=capacity,
+                manager_ids=mids,
+                num_managers=num,
                 restart_paths={m: restart_paths[m] for m in mids if m in restart_paths},
-                worker=worker, storage_options=storage_options,
-            )  # fmt: skip
+                worker=worker,
+                storage_options=storage_options,
+            )
             if reply is None:
-                raise DDictError(f"worker {worker} has no ddict host supervisor (is its plugin "
-                                 "installed?)", "INVALID_OPERATION")  # fmt: skip
+                raise DDictError(
+                    f"worker {worker} has no ddict host supervisor (is its plugin installed?)",
+                    "INVALID_OPERATION",
+                )
             raise_from_wire(reply)
             return [{**i, "supervisor": supervisor} for i in reply]
 
@@ -285,16 +300,22 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             # A failed restart leaves the kept shards where they were, for another try.
-            await self._destroy_on([self.supervisor_of(w) for w in plan], uid,
-                                   allow_restart=kept is not None)  # fmt: skip
+            await self._destroy_on(
+                [self.supervisor_of(w) for w in plan], uid, allow_restart=kept is not None
+            )
             raise errors[0]
         fields = set(ManagerInfo.__dataclass_fields__)
         infos = sorted(
-            (replace(ManagerInfo(**{k: v for k, v in i.items() if k in fields}),
-                     policy=pinned.get(i["manager_id"]))
-             for r in results for i in r),  # type: ignore[union-attr]
+            (
+                replace(
+                    ManagerInfo(**{k: v for k, v in i.items() if k in fields}),
+                    policy=pinned.get(i["manager_id"]),
+                )
+                for r in results
+                for i in r  # type: ignore[union-attr]
+            ),
             key=lambda m: m.manager_id,
-        )  # fmt: skip
+        )
         extra: dict[str, Any] = {}
         warnings = hosts_warnings(self.scheduler, results, self._warned_hosts)  # type: ignore[arg-type]
         if warnings:
@@ -304,10 +325,19 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             extra["empty_managers"] = [m.manager_id for m in infos if not m.restarted]
             await self._remove_abandoned(kept, infos)
         layout = Layout(
-            name=name, uid=uid, secret=secret, tls=tls, options=opts, managers=tuple(infos),
-            total_mem=total_mem, scheduler=self.scheduler.address, creator=client, extra=extra,
-            lifetime=lifetime, **self._hash_fields(),
-        )  # fmt: skip
+            name=name,
+            uid=uid,
+            secret=secret,
+            tls=tls,
+            options=opts,
+            managers=tuple(infos),
+            total_mem=total_mem,
+            scheduler=self.scheduler.address,
+            creator=client,
+            extra=extra,
+            lifetime=lifetime,
+            **self._hash_fields(),
+        )
         self.dicts[name] = layout
         if lifetime == "client":
             self.holders.created(name, uid, client)
@@ -315,8 +345,13 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             await self.elastic.replicas.place(name)
         elif opts.replicas:
             self.spawn(self.elastic.replicas.place(name))
-        logger.info("ddict %s: %d managers on %d workers%s", name, num, len(plan),
-                    " (restarted)" if kept else "")  # fmt: skip
+        logger.info(
+            "ddict %s: %d managers on %d workers%s",
+            name,
+            num,
+            len(plan),
+            " (restarted)" if kept else "",
+        )
         return layout.to_dict()
 
     def attach(self, name: str, client: str = "", settled: bool = False) -> Any:
@@ -329,7 +364,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         try:
             layout = self.dicts[name]
         except KeyError:
-            raise DDictError(f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT")
+            raise DDictError(
+                f"no DDict named {name!r} on this cluster", "INVALID_ARGUMENT"
+            ) from None
         self.holders.attached(name, client)
         fields = self._hash_fields()  # workers may have come (or gone) since the creation
         if (layout.hash_probes, layout.hash_seed) != tuple(fields.values()):
@@ -352,8 +389,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         del self.dicts[name]
         self.holders.forget(name)
         # (a supervisor that gave up its host lives on: it removes what is left of the shards)
-        live = sorted(({m.supervisor for m in layout.managers} | self.elastic.replicas.supervisors(
-            name)) - self._gone)  # fmt: skip
+        live = sorted(
+            ({m.supervisor for m in layout.managers} | self.elastic.replicas.supervisors(name))
+            - self._gone
+        )
         self.elastic.replicas.forget(name)
         self._destroying[uid] = layout  # (its shards are marked kept before it is in kept)
         try:
@@ -373,8 +412,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """A worker process's ``hash()`` of the probe string (see ``_hashing.probe_hash``)."""
         self.hash_probes[worker] = (int(probe), str(seed))
 
-    def host_gone(self, supervisor: str, why: str, closing: bool = True,
-                  ended: bool = False) -> None:  # fmt: skip
+    def host_gone(
+        self, supervisor: str, why: str, closing: bool = True, ended: bool = False
+    ) -> None:
         """A supervisor's word that its host goes away, before it does: its nanny (or
         nanny-less worker) closes (``closing``), or it gave up restarting its host process;
         ``ended``: its host process has ended now (it holds no lease: replicas of its
@@ -398,8 +438,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     def why_leaving(self, supervisor: str, why: str) -> str:
         """Why ``supervisor``'s host goes, as the scheduler knows it (its worker retired,
         left, ...), else ``why`` (the supervisor's own view)."""
-        workers = {m.worker for lay in self.dicts.values() for m in lay.managers
-                   if m.supervisor == supervisor}  # fmt: skip
+        workers = {
+            m.worker
+            for lay in self.dicts.values()
+            for m in lay.managers
+            if m.supervisor == supervisor
+        }
         for w in sorted(workers):
             ws = self.scheduler.workers.get(w)
             if getattr(getattr(ws, "status", None), "name", "") == "closing_gracefully":
@@ -440,9 +484,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
 
     def log_event(self, topic: Any, msg: Any) -> None:
         """Dask's events: a worker that begins to retire has its managers moved then."""
-        if isinstance(topic, str) and isinstance(msg, dict) and \
-                msg.get("action") == "worker-status-change" and \
-                msg.get("status") == "closing_gracefully":  # fmt: skip
+        if (
+            isinstance(topic, str)
+            and isinstance(msg, dict)
+            and msg.get("action") == "worker-status-change"
+            and msg.get("status") == "closing_gracefully"
+        ):
             self.elastic.worker_retiring(topic)
 
     def add_client(self, scheduler: Scheduler, client: str) -> None:
@@ -451,8 +498,9 @@ class DDictSchedulerPlugin(SchedulerPlugin):
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         self.holders.client_left(client)
 
-    async def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
-                            **kwargs: Any) -> None:  # fmt: skip
+    async def remove_worker(
+        self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any
+    ) -> None:
         """A worker left.  Its managers are lost only if their host went with it; so are
         the replicas its host kept (a host with replicas alone too: else they were never
         made again, and the next loss of their primaries' host lost those managers)."""
@@ -460,8 +508,12 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         left = self._left[worker] = why_left(stimulus_id)
         while len(self._left) > 1024:
             del self._left[next(iter(self._left))]
-        supervisors = {m.supervisor for lay in self.dicts.values() for m in lay.managers
-                       if m.worker == worker and not m.lost}  # fmt: skip
+        supervisors = {
+            m.supervisor
+            for lay in self.dicts.values()
+            for m in lay.managers
+            if m.worker == worker and not m.lost
+        }
         supervisors |= self.elastic.replicas.supervisors_for(worker)
         for sup in supervisors:
             said = GONE if sup == worker else await self.probe(sup)
@@ -469,9 +521,14 @@ class DDictSchedulerPlugin(SchedulerPlugin):
                 continue  # a nanny restarts the worker; the host process serves on
             # (a refused connection is no proof that its host process ended: a firewall's
             # REJECT looks the same; only the supervisor's own word is, see host_gone)
-            self._lose(sup, left if sup == worker else f"{left}, and its nanny {sup} "
-                       f"{'refuses connections' if said == GONE else 'does not answer'}",
-                       proven=False)  # fmt: skip
+            self._lose(
+                sup,
+                left
+                if sup == worker
+                else f"{left}, and its nanny {sup} "
+                f"{'refuses connections' if said == GONE else 'does not answer'}",
+                proven=False,
+            )
 
     def _lose(self, supervisor: str, why: str, proven: bool = True) -> None:
         """Mark the managers of ``supervisor``'s host lost, ``why`` (a new layout epoch);
@@ -479,12 +536,22 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         surely over)."""
         failing = self.elastic.failover.host_lost(supervisor, why, proven)
         for name, layout in list(self.dicts.items()):
-            lost = [m.manager_id for m in layout.managers if m.supervisor == supervisor
-                    and not m.lost and m.manager_id not in failing.get(name, ())]  # fmt: skip
+            lost = [
+                m.manager_id
+                for m in layout.managers
+                if m.supervisor == supervisor
+                and not m.lost
+                and m.manager_id not in failing.get(name, ())
+            ]
             if lost:
                 self.dicts[name] = layout.with_lost(supervisor, why, only=lost)
-                logger.warning("ddict %s: managers %s lost with their host (%s): %s", name,
-                               lost, supervisor, why)  # fmt: skip
+                logger.warning(
+                    "ddict %s: managers %s lost with their host (%s): %s",
+                    name,
+                    lost,
+                    supervisor,
+                    why,
+                )
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """A (re)started worker: its nanny's managers are hosted for it now (locality);
@@ -513,8 +580,11 @@ class DDictSchedulerPlugin(SchedulerPlugin):
             return GONE
         if supervisor in self._gone:  # (it said it closes: its host may not have ended yet)
             return UNKNOWN
-        said, info = await ask(self.scheduler.rpc(supervisor).ddict_host_info(), supervisor,
-                               config.get_seconds("host.probe-timeout"))  # fmt: skip
+        said, info = await ask(
+            self.scheduler.rpc(supervisor).ddict_host_info(),
+            supervisor,
+            config.get_seconds("host.probe-timeout"),
+        )
         if said == ANSWERED and not isinstance(info, dict):  # (it closes)
             self._gone.add(supervisor)
             return UNKNOWN
@@ -556,8 +626,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         """The layout's ``hash_probes`` and ``hash_seed``: what the connected workers reported."""
         reported = [v for w, v in self.hash_probes.items() if w in self.scheduler.workers]
         seeds = {seed for _, seed in reported}
-        return {"hash_probes": tuple(sorted({probe for probe, _ in reported})),
-                "hash_seed": seeds.pop() if len(seeds) == 1 else ""}  # fmt: skip
+        return {
+            "hash_probes": tuple(sorted({probe for probe, _ in reported})),
+            "hash_seed": seeds.pop() if len(seeds) == 1 else "",
+        }
 
     @property
     def gone(self) -> set[str]:
@@ -589,7 +661,10 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         return chosen
 
     async def _place_by_policy(
-        self, policies: list[Any], n_workers: int | None, workers: list[str] | None,
+        self,
+        policies: list[Any],
+        n_workers: int | None,
+        workers: list[str] | None,
         managers_per_worker: int,
     ) -> tuple[list[str], dict[int, Policy]]:
         """Each manager's worker (manager id order) and policy, by ``policies`` among
@@ -600,30 +675,36 @@ class DDictSchedulerPlugin(SchedulerPlugin):
         by_host = any(p is not None and p.host is not None for p, _ in groups)
         host_ids = [""] * len(pool)
         if by_host:  # (a machine's name: asked of its host once, then known)
-            host_ids = await asyncio.gather(*(self.elastic._host_id(self.supervisor_of(w))
-                                              for w in pool))  # fmt: skip
-        views = [replace(self._view(w), hostname=h.split(":")[0]) if h else self._view(w)
-                 for w, h in zip(pool, host_ids)]  # fmt: skip
+            host_ids = await asyncio.gather(
+                *(self.elastic._host_id(self.supervisor_of(w)) for w in pool)
+            )
+        views = [
+            replace(self._view(w), hostname=h.split(":")[0]) if h else self._view(w)
+            for w, h in zip(pool, host_ids)
+        ]
         if n_workers is not None and len(groups) == 1 and groups[0][1] is None:
             fit = [v for v in views if v.satisfies(groups[0][0])]
             if 0 < len(fit) < n_workers:
-                raise ValueError(f"n_workers={n_workers} but only {len(fit)} workers satisfy "
-                                 f"{groups[0][0]!r}")  # fmt: skip
+                raise ValueError(
+                    f"n_workers={n_workers} but only {len(fit)} workers satisfy {groups[0][0]!r}"
+                )
             views = fit[:n_workers]
         try:
             placed = assign(groups, views, managers_per_worker)  # type: ignore[arg-type]
         except ValueError as e:
-            raise DDictError(f"{e}: a manager's placement policy must be satisfied by a "
-                             "connected worker (resources: `dask worker --resources "
-                             "'GPU=1'`)", "INVALID_ARGUMENT") from None  # fmt: skip
+            raise DDictError(
+                f"{e}: a manager's placement policy must be satisfied by a "
+                "connected worker (resources: `dask worker --resources "
+                "'GPU=1'`)",
+                "INVALID_ARGUMENT",
+            ) from None
         return [w for w, _ in placed], {mid: p for mid, (_, p) in enumerate(placed)}
 
     def _view(self, worker: str) -> WorkerView:
         """What a placement policy looks at in ``worker`` (its machine's name if known)."""
         ws = self.scheduler.workers[worker]
         host_id = self.elastic._host_ids.get(self.supervisor_of(worker), "")
-        return WorkerView(worker, ws.name, ws.host, host_id.split(":")[0],
-                          dict(ws.resources or {}))  # fmt: skip
+        return WorkerView(worker, ws.name, ws.host, host_id.split(":")[0], dict(ws.resources or {}))
 
     def _kept_for_restart(self, name: str, opts: DDictOptions, num: int) -> Layout:
         kept = self.kept.get(name)

@@ -18,10 +18,9 @@ of memory with or without any dictionary is not the dictionary's to report.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
-
-import logging
 
 import dask.config
 from dask.utils import format_bytes
@@ -117,8 +116,9 @@ def memory_warnings(h: HostMemory) -> list[str]:
     return out
 
 
-def hosts_warnings(scheduler: Scheduler, replies: list[list[dict[str, Any]]],
-                   warned_hosts: set[str]) -> list[str]:  # fmt: skip
+def hosts_warnings(
+    scheduler: Scheduler, replies: list[list[dict[str, Any]]], warned_hosts: set[str]
+) -> list[str]:
     """What the hosts of a new dictionary's shards say about fitting them (once per host).
 
     Each supervisor's reply carries its host's memory as measured after the
@@ -134,17 +134,22 @@ def hosts_warnings(scheduler: Scheduler, replies: list[list[dict[str, Any]]],
             continue  # warned about already, or not measured (an older supervisor)
         ip, seen = m["tcp_host"], measured.get(m["host_id"])
         if seen is None:
-            growth = sum(max(0, int(ws.memory_limit * pause)
-                             - int(getattr(ws, "metrics", {}).get("memory", 0)))
-                         for ws in scheduler.workers.values()
-                         if ws.host == ip and ws.memory_limit)  # fmt: skip
+            growth = sum(
+                max(
+                    0,
+                    int(ws.memory_limit * pause) - int(getattr(ws, "metrics", {}).get("memory", 0)),
+                )
+                for ws in scheduler.workers.values()
+                if ws.host == ip and ws.memory_limit
+            )
             seen = HostMemory(ip, m["available"], m["shard_dir_free"], 0, 0, growth)
         measured[m["host_id"]] = replace(
-            seen, available=min(seen.available, m["available"]),
+            seen,
+            available=min(seen.available, m["available"]),
             shard_dir_free=min(seen.shard_dir_free, m["shard_dir_free"]),
             shard_bytes=seen.shard_bytes + m["shard_bytes"],  # per supervisor: add up
             unbacked=seen.unbacked + m["unbacked"],
-        )  # fmt: skip
+        )
     out = []
     for hid, host in measured.items():
         said = memory_warnings(host)

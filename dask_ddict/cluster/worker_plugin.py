@@ -73,14 +73,14 @@ async def report_hash_probe(worker: Worker) -> None:
     """
     try:
         seed = os.environ.get("PYTHONHASHSEED", "")
-        await worker.scheduler.ddict_hash_probe(worker=worker.address, probe=probe_hash(),
-                                                seed=seed)  # fmt: skip
+        await worker.scheduler.ddict_hash_probe(
+            worker=worker.address, probe=probe_hash(), seed=seed
+        )
     except Exception as e:  # noqa: BLE001 - a missing handler, a scheduler going away
         logger.info("ddict: could not report this worker's hash probe: %r", e)
 
 
-async def tell_host_gone(server: Any, why: str, closing: bool = True,
-                         ended: bool = False) -> None:  # fmt: skip
+async def tell_host_gone(server: Any, why: str, closing: bool = True, ended: bool = False) -> None:
     """Tell the orchestrator that this server's host goes away, ``why`` (see
     :meth:`~dask_ddict.cluster.scheduler_plugin.DDictSchedulerPlugin.host_gone`).
 
@@ -89,8 +89,9 @@ async def tell_host_gone(server: Any, why: str, closing: bool = True,
     """
     try:
         await asyncio.wait_for(
-            server.scheduler.ddict_host_gone(supervisor=server.address, why=why, closing=closing,
-                                             ended=ended),
+            server.scheduler.ddict_host_gone(
+                supervisor=server.address, why=why, closing=closing, ended=ended
+            ),
             config.get_seconds("host.probe-timeout"),
         )
     except Exception as e:  # noqa: BLE001 - a scheduler going away, a missing handler
@@ -102,26 +103,32 @@ async def evacuate(server: Any, why: str) -> None:
     wait until it did (at most ``ddict.move.timeout``): the host process, and with it
     any shard still here, ends right after.  A scheduler that closes moves nothing."""
     try:
-        said = await asyncio.wait_for(server.scheduler.ddict_evacuate(supervisor=server.address,
-                                                                      why=why, closing=True),
-                                      config.get_seconds("move.timeout"))  # fmt: skip
+        said = await asyncio.wait_for(
+            server.scheduler.ddict_evacuate(supervisor=server.address, why=why, closing=True),
+            config.get_seconds("move.timeout"),
+        )
     except Exception as e:  # noqa: BLE001 - a scheduler going away, a missing handler
         logger.info("ddict: could not move this host's managers away (%s): %r", why, e)
         return
     if isinstance(said, dict) and said.get("moved"):
-        logger.info("ddict: %d managers moved off this host before it closes (%s)",
-                    said["moved"], why)  # fmt: skip
+        logger.info(
+            "ddict: %d managers moved off this host before it closes (%s)", said["moved"], why
+        )
 
 
 def _restarted(server: Any, loop: asyncio.AbstractEventLoop) -> None:
     """The supervisor restarted a host with replicas (from its watching thread): tell the
     orchestrator, which makes them again."""
+
     async def tell() -> None:
         try:
             await server.scheduler.ddict_host_restarted(supervisor=server.address)
         except Exception as e:  # noqa: BLE001 - a scheduler going away
-            logger.warning("ddict: could not tell the scheduler that this host restarted "
-                           "(its replicas are made again at the next change): %r", e)  # fmt: skip
+            logger.warning(
+                "ddict: could not tell the scheduler that this host restarted "
+                "(its replicas are made again at the next change): %r",
+                e,
+            )
 
     try:
         asyncio.run_coroutine_threadsafe(tell(), loop)
@@ -132,8 +139,9 @@ def _restarted(server: Any, loop: asyncio.AbstractEventLoop) -> None:
 def _gave_up(server: Any, loop: asyncio.AbstractEventLoop, why: str) -> None:
     """The supervisor gave its host up (from its watching thread): tell the orchestrator."""
     try:
-        asyncio.run_coroutine_threadsafe(tell_host_gone(server, why, closing=False, ended=True),
-                                         loop)  # fmt: skip
+        asyncio.run_coroutine_threadsafe(
+            tell_host_gone(server, why, closing=False, ended=True), loop
+        )
     except RuntimeError:  # the server's loop is closed: nobody to tell
         pass
 
@@ -152,8 +160,9 @@ class _Supervising:
     async def _start(self, server: Any) -> None:
         security = server.security
         tls = server.address.startswith("tls://") or bool(security.require_encryption)
-        sup = self.supervisor = HostSupervisor(_tcp_host(server.address), security,
-                                               server.address, tls, _lease_giver(server))  # fmt: skip
+        sup = self.supervisor = HostSupervisor(
+            _tcp_host(server.address), security, server.address, tls, _lease_giver(server)
+        )
         sup.on_give_up = functools.partial(_gave_up, server, asyncio.get_running_loop())
         sup.on_restart = functools.partial(_restarted, server, asyncio.get_running_loop())
         await off_loop(sup.start)  # starting a process: off the event loop

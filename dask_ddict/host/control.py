@@ -40,8 +40,10 @@ class DictSpec:
 
     def to_wire(self) -> dict[str, Any]:
         """As plain data, for a control call through the scheduler (a replica's seed)."""
-        return {**{f: getattr(self, f) for f in self.__dataclass_fields__},
-                "options": self.options.to_dict()}  # fmt: skip
+        return {
+            **{f: getattr(self, f) for f in self.__dataclass_fields__},
+            "options": self.options.to_dict(),
+        }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> DictSpec:

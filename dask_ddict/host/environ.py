@@ -29,8 +29,10 @@ def host_environ(base: Mapping[str, str], changes: Mapping[str, Any]) -> dict[st
         ``changes`` is not a mapping (``ddict.host.environ`` set to something else).
     """
     if not isinstance(changes, Mapping):
-        raise TypeError(f"ddict.host.environ must map variable names to values (or null), "
-                        f"not {type(changes).__name__}")
+        raise TypeError(
+            f"ddict.host.environ must map variable names to values (or null), "
+            f"not {type(changes).__name__}"
+        )
     env = dict(base)
     for name, value in changes.items():
         if value is None:

@@ -66,8 +66,14 @@ def _link(hosted: HostedDict, where: tuple[str, int, str, str], tls: bool) -> Ho
                 for old in _links.values():
                     old.close()
                 _links.clear()
-            link = _links[key] = HostLink(info, hosted.uid, hosted.secret.decode(), hosted.name,
-                                          use_uds=False, ssl_context=ssl_context)  # fmt: skip
+            link = _links[key] = HostLink(
+                info,
+                hosted.uid,
+                hosted.secret.decode(),
+                hosted.name,
+                use_uds=False,
+                ssl_context=ssl_context,
+            )
     return link
 
 
@@ -83,9 +89,13 @@ def forget(uid: str) -> None:
             _links.pop(key).close()
 
 
-def serve_tree(hosted: HostedDict, req: Request, reply: Callable[..., None],
-               fan_out: Callable[[Request, Callable[..., None]], None],
-               tls: bool) -> None:  # fmt: skip
+def serve_tree(
+    hosted: HostedDict,
+    req: Request,
+    reply: Callable[..., None],
+    fan_out: Callable[[Request, Callable[..., None]], None],
+    tls: bool,
+) -> None:
     """Serve a :class:`~dask_ddict.transport.ops.TreeOut` ``req``: forward, serve this
     host's managers through ``fan_out(request, reply)`` (the host's ``FanOut``), answer
     the whole subtree's ``(mid, status, ival, payload)`` list."""
@@ -99,8 +109,20 @@ def serve_tree(hosted: HostedDict, req: Request, reply: Callable[..., None],
         kind = Kind.IDEMPOTENT
     value = req.value
     parts = () if value is None or not len(value) else (value,)
-    relayed = Relayed(code, kind, Encoded(req.flags, inner, parts, len(value) if parts else 0,
-                                          req.chkpt, arg, req.client, req.timeout))  # fmt: skip
+    relayed = Relayed(
+        code,
+        kind,
+        Encoded(
+            req.flags,
+            inner,
+            parts,
+            len(value) if parts else 0,
+            req.chkpt,
+            arg,
+            req.client,
+            req.timeout,
+        ),
+    )
     # A child's wait ends before its parent's (each level keeps a share of the slack, the
     # deepest the least), so that the host that did not answer is the one named.
     slack = config.get_seconds("transport.timeout-slack") or 0.0
@@ -111,8 +133,9 @@ def serve_tree(hosted: HostedDict, req: Request, reply: Callable[..., None],
         try:
             link = _link(hosted, where, tls)
             began = now - slack + slack * min(height(grand) + 1, LEVELS - 1) / LEVELS
-            pending.append((child, link.send(TreeOut(relayed, tuple(ms), tuple(grand)), ms[0],
-                                             began)))  # fmt: skip
+            pending.append(
+                (child, link.send(TreeOut(relayed, tuple(ms), tuple(grand)), ms[0], began))
+            )
         except Exception as e:  # noqa: BLE001 - (connecting) answered for its subtree
             pending.append((child, e))
     out: list[tuple[int, int, int, bytes]] = []
@@ -136,7 +159,9 @@ def serve_tree(hosted: HostedDict, req: Request, reply: Callable[..., None],
             out += pickle.loads(answer()[1])
         except Exception as e:  # noqa: BLE001 - the child's subtree: its error, naming it
             status, msg = wire_error(e)
-            msg = (f"host process {where[0]}:{where[1]} (worker {where[3]}) did not answer a "
-                   f"broadcast forwarded to it: ").encode() + msg  # fmt: skip
+            msg = (
+                f"host process {where[0]}:{where[1]} (worker {where[3]}) did not answer a "
+                f"broadcast forwarded to it: "
+            ).encode() + msg
             out += [(m, int(status), 0, msg) for m in list(ms) + subtree_mids(grand)]
     reply(0, pickle.dumps(out))

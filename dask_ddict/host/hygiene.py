@@ -145,8 +145,15 @@ def keeper(scheduler: str, why: str, name: str, uid: str, manager: int) -> dict[
     record names this process then (pid and start time, which a reused pid does not
     share).
     """
-    record: dict[str, Any] = {"why": why, "name": name, "uid": uid, "manager": int(manager),
-                              "scheduler": scheduler, "host_id": host_id(), "since": time.time()}
+    record: dict[str, Any] = {
+        "why": why,
+        "name": name,
+        "uid": uid,
+        "manager": int(manager),
+        "scheduler": scheduler,
+        "host_id": host_id(),
+        "since": time.time(),
+    }
     if not scheduler and _scheduler_in_process():
         record["pid"], record["started"] = os.getpid(), _started(os.getpid())
     return record
@@ -253,19 +260,27 @@ def kept_shards(base: str) -> list[KeptShard]:
             continue
         name, manager = _named(n)
         in_use = not is_abandoned(path, kept=True)
-        found.append(KeptShard(path, str(record.get("name", name)),
-                               record.get("manager", manager), str(record.get("why", "")),
-                               _allocated(path), in_use, record))  # fmt: skip
+        found.append(
+            KeptShard(
+                path,
+                str(record.get("name", name)),
+                record.get("manager", manager),
+                str(record.get("why", "")),
+                _allocated(path),
+                in_use,
+                record,
+            )
+        )
     return found
 
 
 def _named(directory: str) -> tuple[str, int | None]:
     """A shard directory's dictionary name (as made safe for a file name) and manager,
     from its name (``ddict-<name>-<manager>-<random>``)."""
-    parts = directory[len(PREFIX):].rsplit("-", 2)
+    parts = directory[len(PREFIX) :].rsplit("-", 2)
     if len(parts) == 3 and parts[1].isdigit():
         return parts[0], int(parts[1])
-    return directory[len(PREFIX):], None
+    return directory[len(PREFIX) :], None
 
 
 def _allocated(path: str) -> int:
@@ -277,8 +292,9 @@ def _allocated(path: str) -> int:
     return total
 
 
-def keeper_states(shards: Iterable[KeptShard], security: Any = None,
-                  timeout: float | None = None) -> dict[str, str]:  # fmt: skip
+def keeper_states(
+    shards: Iterable[KeptShard], security: Any = None, timeout: float | None = None
+) -> dict[str, str]:
     """Whether each kept shard's orchestrator still keeps it: path -> :data:`ALIVE`,
     :data:`GONE` or :data:`UNKNOWN`.
 
@@ -322,13 +338,13 @@ def keeper_states(shards: Iterable[KeptShard], security: Any = None,
     for address, theirs in asking.items():
         said = _ask_keeper(address, here, theirs, security, timeout)
         for s in theirs:
-            states[s.path] = said if isinstance(said, str) else \
-                ALIVE if s.path in said else GONE  # fmt: skip
+            states[s.path] = said if isinstance(said, str) else ALIVE if s.path in said else GONE
     return states
 
 
-def _ask_keeper(address: str, here: str, shards: list[KeptShard], security: Any,
-                timeout: float) -> str | set[str]:  # fmt: skip
+def _ask_keeper(
+    address: str, here: str, shards: list[KeptShard], security: Any, timeout: float
+) -> str | set[str]:
     """The paths of ``shards`` that the scheduler at ``address`` keeps, or :data:`GONE` /
     :data:`UNKNOWN` (see :func:`keeper_states`)."""
     try:
@@ -355,8 +371,9 @@ def _ask_keeper(address: str, here: str, shards: list[KeptShard], security: Any,
         return UNKNOWN
 
 
-async def _knows(address: str, here: str, shards: list[KeptShard], security: Any,
-                 timeout: float) -> str | set[str]:  # fmt: skip
+async def _knows(
+    address: str, here: str, shards: list[KeptShard], security: Any, timeout: float
+) -> str | set[str]:
     from distributed import Security
     from distributed.comm import connect
 
@@ -384,8 +401,7 @@ def _local(host: str) -> bool:
     try:
         import psutil
 
-        mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
-                for a in addrs}  # fmt: skip
+        mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
     except Exception:  # noqa: BLE001 - cannot tell: ask over the network
         return False
     return str(ip) in mine
@@ -402,12 +418,18 @@ def _listening(host: str, port: int) -> bool:
     except Exception:  # noqa: BLE001 - not readable here
         return True
     ip = socket.gethostbyname(host)
-    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-               and c.laddr.ip in (ip, "0.0.0.0", "::", "::ffff:" + ip) for c in conns)  # fmt: skip
+    return any(
+        c.status == psutil.CONN_LISTEN
+        and c.laddr
+        and c.laddr.port == port
+        and c.laddr.ip in (ip, "0.0.0.0", "::", "::ffff:" + ip)
+        for c in conns
+    )
 
 
-def sweep_kept(base: str, security: Any = None, timeout: float | None = None,
-               only: Iterable[str] | None = None) -> list[KeptShard]:  # fmt: skip
+def sweep_kept(
+    base: str, security: Any = None, timeout: float | None = None, only: Iterable[str] | None = None
+) -> list[KeptShard]:
     """Remove the kept shards under ``base`` whose orchestrator is gone (see
     :func:`keeper_states`) and that no process holds; return them.
 
@@ -417,14 +439,20 @@ def sweep_kept(base: str, security: Any = None, timeout: float | None = None,
     machine reboots.  ``only``: of these paths alone.
     """
     wanted = None if only is None else set(only)
-    shards = [s for s in kept_shards(base) if not s.in_use
-              and (wanted is None or s.path in wanted)]  # fmt: skip
+    shards = [s for s in kept_shards(base) if not s.in_use and (wanted is None or s.path in wanted)]
     if not shards:
         return []
     states = keeper_states(shards, security, timeout)
     removed = [s for s in shards if states.get(s.path) == GONE and _remove_abandoned(s.path, True)]
     for s in removed:
-        logger.info("ddict: removed the %s shard of manager %s of %r (%s, %d bytes): its "
-                    "orchestrator (%s) is gone or no longer keeps it", s.why or "kept",
-                    s.manager, s.name, s.path, s.nbytes, s.keeper)  # fmt: skip
+        logger.info(
+            "ddict: removed the %s shard of manager %s of %r (%s, %d bytes): its "
+            "orchestrator (%s) is gone or no longer keeps it",
+            s.why or "kept",
+            s.manager,
+            s.name,
+            s.path,
+            s.nbytes,
+            s.keeper,
+        )
     return removed

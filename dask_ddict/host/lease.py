@@ -86,8 +86,14 @@ def report(host: Host) -> dict[str, Any]:
             serving.append([hosted.uid, manager.manager_id, manager.term])
             shipper = manager.shipper
             if shipper is not None and shipper.doubts:
-                doubts.append([hosted.uid, manager.manager_id, manager.term,
-                               [list(a) for a in shipper.doubts]])  # fmt: skip
+                doubts.append(
+                    [
+                        hosted.uid,
+                        manager.manager_id,
+                        manager.term,
+                        [list(a) for a in shipper.doubts],
+                    ]
+                )
     aside = [[uid, mid, path] for (uid, mid), path in list(host.aside.items())]
     return {"serving": serving, "doubts": doubts, "aside": aside}
 
@@ -133,8 +139,9 @@ class LeaseKeeper:
         The lease word that same-host readers check.
     """
 
-    def __init__(self, scheduler: str, supervisor: str, security: Any, host: Host,
-                 word: LeaseWord) -> None:  # fmt: skip
+    def __init__(
+        self, scheduler: str, supervisor: str, security: Any, host: Host, word: LeaseWord
+    ) -> None:
         self.scheduler = scheduler
         self.supervisor = supervisor
         self.security = security
@@ -176,8 +183,10 @@ class LeaseKeeper:
         if self.rounds == 0:
             why = "it has not renewed its lease with the orchestrator yet"
         else:
-            why = ("its lease from the orchestrator lapsed (it cannot reach the orchestrator, "
-                   "or the orchestrator is failing its primaries over)")  # fmt: skip
+            why = (
+                "its lease from the orchestrator lapsed (it cannot reach the orchestrator, "
+                "or the orchestrator is failing its primaries over)"
+            )
         return DDictLeaseError(f"host process {os.getpid()} does not serve {what} now: {why}")
 
     # -- the renewals --------------------------------------------------------------------
@@ -203,8 +212,10 @@ class LeaseKeeper:
         with self._changed:
             due = self.started + 1  # (a renewal under way may have reported before the call)
             self.renew_soon()
-            return self._changed.wait_for(lambda: self.rounds >= due or self._closed,
-                                          timeout) and self.rounds >= due  # fmt: skip
+            return (
+                self._changed.wait_for(lambda: self.rounds >= due or self._closed, timeout)
+                and self.rounds >= due
+            )
 
     def wait(self, timeout: float, ready: Callable[[], bool]) -> bool:
         """Renew at once, and again, until ``ready()`` (the lease holds, a manager was
@@ -263,11 +274,16 @@ class LeaseKeeper:
                 try:
                     answer = await asyncio.wait_for(
                         orchestrator.ddict_lease(supervisor=self.supervisor, report=now),
-                        max(RETRY, (self.duration or 3 * RETRY) / 3))  # fmt: skip
+                        max(RETRY, (self.duration or 3 * RETRY) / 3),
+                    )
                 except Exception as e:  # noqa: BLE001 - unreachable, closing: tried again
                     if not said:
-                        logger.warning("ddict host %d: renewing its lease failed (tried again "
-                                       "every %g s): %r", os.getpid(), RETRY, e)  # fmt: skip
+                        logger.warning(
+                            "ddict host %d: renewing its lease failed (tried again every %g s): %r",
+                            os.getpid(),
+                            RETRY,
+                            e,
+                        )
                         said = True
                 else:
                     said = False
@@ -281,7 +297,7 @@ class LeaseKeeper:
                     soon = SOON
                 try:
                     await asyncio.wait_for(self._wake.wait(), pause)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             await orchestrator.close_rpc()
@@ -322,7 +338,9 @@ class LeaseKeeper:
     def _doubtful(self) -> bool:
         """Whether a primary here waits for the orchestrator to drop a replica (its shard
         may hold a write that was not acknowledged: same-host readers stop meanwhile)."""
-        return any(m.shipper is not None and m.shipper.doubts
-                   for hosted in list(self.host.dicts.values()) if hosted.leased
-                   for m in [*hosted.managers.values(), *(m for m, _ in hosted.fenced.values())])  # fmt: skip
-
+        return any(
+            m.shipper is not None and m.shipper.doubts
+            for hosted in list(self.host.dicts.values())
+            if hosted.leased
+            for m in [*hosted.managers.values(), *(m for m, _ in hosted.fenced.values())]
+        )

@@ -62,11 +62,26 @@ def _unset(ival: int = 0, payload: Any = b"") -> None:
 class Connection:
     """One client connection's serving state, bound to a dictionary by its handshake."""
 
-    __slots__ = ("sock", "fd", "hosted", "reader", "scratch", "served", "owed", "tag", "reply",
-                 "out", "held", "holding", "batching", "sending")
+    __slots__ = (
+        "sock",
+        "fd",
+        "hosted",
+        "reader",
+        "scratch",
+        "served",
+        "owed",
+        "tag",
+        "reply",
+        "out",
+        "held",
+        "holding",
+        "batching",
+        "sending",
+    )
 
-    def __init__(self, sock: socket.socket, hosted: Any, reader: Reader,
-                 scratch: Scratch, served: Table) -> None:  # fmt: skip
+    def __init__(
+        self, sock: socket.socket, hosted: Any, reader: Reader, scratch: Scratch, served: Table
+    ) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.hosted = hosted  # (the server's HostedDict: named here, not imported)
@@ -124,8 +139,9 @@ class Connection:
         except OSError:
             return  # (the peer is gone: the next write says so)
         if sent < len(data):
-            sender = threading.Thread(target=_send_rest, args=(self.sock, data, sent),
-                                      name="ddict-send", daemon=True)  # fmt: skip
+            sender = threading.Thread(
+                target=_send_rest, args=(self.sock, data, sent), name="ddict-send", daemon=True
+            )
             try:
                 sender.start()
             except RuntimeError:  # (no thread to be had: the next write, off the loop, sends it)
@@ -170,8 +186,9 @@ class NoWait:
         if sent < (len(data) if type(data) is bytes else memoryview(data).nbytes):
             _blocking.will_block()
             view = memoryview(data)
-            self.sock.sendall((view if view.ndim == 1 and view.itemsize == 1
-                               else view.cast("B"))[sent:])  # fmt: skip
+            self.sock.sendall(
+                (view if view.ndim == 1 and view.itemsize == 1 else view.cast("B"))[sent:]
+            )
 
 
 class EventLoop:
@@ -195,12 +212,15 @@ class EventLoop:
         Largest request (header, key section and value) the loop receives itself.
     """
 
-    def __init__(self, serve: Callable[[Connection], None],
-                 take: Callable[[Reader, list[int]], Any],
-                 serve_request: Callable[[Connection, Any], None],
-                 inline: Callable[[int, int], bool],
-                 end: Callable[[Connection, BaseException | None], None],
-                 most_inline: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        serve: Callable[[Connection], None],
+        take: Callable[[Reader, list[int]], Any],
+        serve_request: Callable[[Connection, Any], None],
+        inline: Callable[[int, int], bool],
+        end: Callable[[Connection, BaseException | None], None],
+        most_inline: int,
+    ) -> None:
         self._serve = serve
         self._take = take
         self._serve_request = serve_request
@@ -220,8 +240,10 @@ class EventLoop:
         self.handoffs = 0  # times the loop moved to another thread
 
     def __repr__(self) -> str:
-        return (f"<EventLoop connections={len(self._conns)} idle={self._idle} "
-                f"handoffs={self.handoffs}{' closed' if self._closed else ''}>")  # fmt: skip
+        return (
+            f"<EventLoop connections={len(self._conns)} idle={self._idle} "
+            f"handoffs={self.handoffs}{' closed' if self._closed else ''}>"
+        )
 
     def start(self) -> None:
         self._spawn()
@@ -309,8 +331,7 @@ class EventLoop:
                         return c
         except (OSError, ValueError) as e:  # (closed under it)
             if not self._closed:
-                logger.error("ddict host: the event loop failed; its connections end",
-                             exc_info=e)  # fmt: skip
+                logger.error("ddict host: the event loop failed; its connections end", exc_info=e)
                 self._closed = True
                 for c in list(self._conns.values()):
                     self._drop(c, e)

@@ -45,6 +45,7 @@ class Host(Protocol):
     dicts: dict[bytes, HostedDict]
     locks: dict[tuple[str, int], int]
 
+
 logger = logging.getLogger(__name__)
 
 #: Seconds a moved manager's shard stays open here after the move, for reads that
@@ -65,8 +66,9 @@ def served_manager(host: Host, uid: str, mid: int) -> Manager:
     hosted = host.dicts.get(bytes.fromhex(uid))
     manager = None if hosted is None else hosted.find(mid)
     if manager is None:
-        raise DDictError(f"manager {mid} of {uid} is not served by this host process",
-                         "INVALID_ARGUMENT")  # fmt: skip
+        raise DDictError(
+            f"manager {mid} of {uid} is not served by this host process", "INVALID_ARGUMENT"
+        )
     return manager
 
 
@@ -89,8 +91,7 @@ def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) ->
     copied = manager.copying and not park  # (a parked shard is kept: see the supervisor)
     _stop_serving(host, hosted, uid, manager, where, copied)
     manager.move_done(where)
-    logger.info("ddict host %d: manager %d of %s moved to %s", os.getpid(), mid, hosted.name,
-                where)  # fmt: skip
+    logger.info("ddict host %d: manager %d of %s moved to %s", os.getpid(), mid, hosted.name, where)
 
 
 def depose(host: Host, uid: str, manager: Manager, where: str) -> bool:
@@ -106,14 +107,21 @@ def depose(host: Host, uid: str, manager: Manager, where: str) -> bool:
     _stop_serving(host, hosted, uid, manager, where, False)
     manager.moved, manager.closed = where, True
     manager._deferred.close(manager.moved_error)
-    logger.warning("ddict host %d: manager %d of %s is served by a replica at %s now; its "
-                   "shard is kept aside (%s) until the orchestrator discards it", os.getpid(),
-                   manager.manager_id, hosted.name, where, manager.store.path)  # fmt: skip
+    logger.warning(
+        "ddict host %d: manager %d of %s is served by a replica at %s now; its "
+        "shard is kept aside (%s) until the orchestrator discards it",
+        os.getpid(),
+        manager.manager_id,
+        hosted.name,
+        where,
+        manager.store.path,
+    )
     return True
 
 
-def _stop_serving(host: Host, hosted: HostedDict, uid: str, manager: Manager, where: str,
-                  delete: bool) -> None:  # fmt: skip
+def _stop_serving(
+    host: Host, hosted: HostedDict, uid: str, manager: Manager, where: str, delete: bool
+) -> None:
     """Requests for ``manager`` here are answered ``MOVED`` (to ``where``) from now on; its
     shard is let go after :data:`LET_GO_AFTER` (deleted if ``delete``: a copy serves)."""
     mid = manager.manager_id
@@ -187,8 +195,9 @@ def _unprepare(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _new_copy(name: str, mid: int, map_size: int, length: int, populate: bool
-              ) -> tuple[str, mmap.mmap, int]:  # fmt: skip
+def _new_copy(
+    name: str, mid: int, map_size: int, length: int, populate: bool
+) -> tuple[str, mmap.mmap, int]:
     """A new shard directory here for a copy of manager ``mid``: its path, the map of its
     data file (see :func:`_copy_file`) and its owner lock."""
     base = shard_directory()
@@ -219,8 +228,15 @@ def _copy_file(path: str, map_size: int, length: int, populate: bool) -> mmap.mm
         os.close(fd)
 
 
-def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_size: int,
-            tls: bool, prepared: str = "") -> str:  # fmt: skip
+def receive(
+    spec: DictSpec,
+    mid: int,
+    source: dict[str, Any],
+    used: int,
+    map_size: int,
+    tls: bool,
+    prepared: str = "",
+) -> str:
     """Copy moving manager ``mid``'s shard from ``source`` (its old place) into the file
     :func:`prepare` made at ``prepared``, else into a new shard directory here; returns
     its path (opened by the caller as a kept shard)."""
@@ -241,14 +257,23 @@ def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_siz
         ssl_context = None
         if tls:
             ssl_context = default_security().get_connection_args("client")["ssl_context"]
-        link = HostLink(ManagerInfo(**source), spec.uid, spec.secret, spec.name, use_uds=False,
-                        ssl_context=ssl_context, max_value=1 << 62)  # fmt: skip
+        link = HostLink(
+            ManagerInfo(**source),
+            spec.uid,
+            spec.secret,
+            spec.name,
+            use_uds=False,
+            ssl_context=ssl_context,
+            max_value=1 << 62,
+        )
         views: list[memoryview] = []
 
         def into(nbytes: int) -> memoryview:
             if nbytes > len(mm):
-                raise DDictError(f"manager {mid}'s shard sent {nbytes} bytes, over its "
-                                 f"{len(mm)}-byte map", "INTERNAL")  # fmt: skip
+                raise DDictError(
+                    f"manager {mid}'s shard sent {nbytes} bytes, over its {len(mm)}-byte map",
+                    "INTERNAL",
+                )
             view = memoryview(mm)[:nbytes]
             views.append(view)
             return view
@@ -258,8 +283,12 @@ def receive(spec: DictSpec, mid: int, source: dict[str, Any], used: int, map_siz
             if not views:  # (a reply under SMALL_FRAME arrives as bytes, not into the file)
                 mm[: len(pages)] = pages
             if len(memoryview(pages)) != used:
-                logger.info("ddict: manager %d's shard: %d bytes copied, %d announced", mid,
-                            len(memoryview(pages)), used)  # fmt: skip
+                logger.info(
+                    "ddict: manager %d's shard: %d bytes copied, %d announced",
+                    mid,
+                    len(memoryview(pages)),
+                    used,
+                )
         finally:
             link.close()
             for v in views:

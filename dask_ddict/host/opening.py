@@ -91,8 +91,9 @@ def history_of(uid: str) -> int:
     return int(uid[:15], 16) or 1
 
 
-def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str = "",
-                 term: int | None = 0) -> tuple[Manager, bool, int]:  # fmt: skip
+def open_manager(
+    spec: DictSpec, mid: int, restart_path: str | None, worker: str = "", term: int | None = 0
+) -> tuple[Manager, bool, int]:
     """A manager over a new shard, or over the existing shard at ``restart_path``, served
     under ``term`` (``None``: the one in its shard, for a host process that re-opens it).
 
@@ -117,8 +118,9 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
     # orchestrator, if it cannot be opened)
     store = None
     try:
-        store = ShardStore(path, spec.capacity, opts.manager_pool_full_thresh,
-                           indexed=opts.wait_for_keys)  # fmt: skip
+        store = ShardStore(
+            path, spec.capacity, opts.manager_pool_full_thresh, indexed=opts.wait_for_keys
+        )
         if reattach:
             store.check_stamp(mid)  # (a readable older stamp is renewed: it may now hold
         store.stamp(mid, 0 if term is None and not reattach else term)  # frames an older
@@ -128,16 +130,23 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
                 _reserve(store)
             with store.write() as txn:  # (every manager's: the versions of retiring
                 store.put_meta(txn, HISTORY, str(history_of(spec.uid)).encode())  # ones)
-        ws = WorkingSet(store, opts.working_set_size, wait_for_keys=opts.wait_for_keys,
-                        wait_for_writers=opts.wait_for_writers)  # fmt: skip
+        ws = WorkingSet(
+            store,
+            opts.working_set_size,
+            wait_for_keys=opts.wait_for_keys,
+            wait_for_writers=opts.wait_for_writers,
+        )
         frozen = False
         if reattach:
             hygiene.mark_kept(path, False)
             # A shard whose window never moved has no saved state: it is at the start.
             state = WorkingSet.saved_state(store)
             if state is not None:
-                mismatch = [k for k in ("size", "wait_for_keys", "wait_for_writers")
-                            if state[k] != getattr(ws, k)]  # fmt: skip
+                mismatch = [
+                    k
+                    for k in ("size", "wait_for_keys", "wait_for_writers")
+                    if state[k] != getattr(ws, k)
+                ]
                 if mismatch:
                     raise ValueError(
                         f"restart of {spec.name!r}: manager {mid} was created with a different "
@@ -158,20 +167,41 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
             if opts.restore_from is not None and not reattach:  # (reads only: a failed
                 from ..persist.restorable import check_restorable  # restore writes nothing)
 
-                check_restorable(kind, opts.persist_path, spec.name, mid, spec.num_managers,
-                                 opts.restore_from, spec.storage_options)  # fmt: skip
+                check_restorable(
+                    kind,
+                    opts.persist_path,
+                    spec.name,
+                    mid,
+                    spec.num_managers,
+                    opts.restore_from,
+                    spec.storage_options,
+                )
 
             persister = Persister(
-                kind(opts.persist_path, spec.name, mid, spec.num_managers,
-                     chunk_bytes=config.get_bytes("persist.chunk-bytes"),
-                     fsync=bool(config.get("persist.fsync")),
-                     storage_options=spec.storage_options),
-                opts.persist_freq, opts.persist_count,
-            )  # fmt: skip
+                kind(
+                    opts.persist_path,
+                    spec.name,
+                    mid,
+                    spec.num_managers,
+                    chunk_bytes=config.get_bytes("persist.chunk-bytes"),
+                    fsync=bool(config.get("persist.fsync")),
+                    storage_options=spec.storage_options,
+                ),
+                opts.persist_freq,
+                opts.persist_count,
+            )
         from .replication import pull_shard
 
-        manager = Manager(mid, store, ws, worker=worker, read_only=opts.read_only,
-                          frozen=frozen, persister=persister, pull_shard=pull_shard)  # fmt: skip
+        manager = Manager(
+            mid,
+            store,
+            ws,
+            worker=worker,
+            read_only=opts.read_only,
+            frozen=frozen,
+            persister=persister,
+            pull_shard=pull_shard,
+        )
         manager.term = store.term()
         if reattach:
             manager.resume_persists()  # (what a dead host process accepted and left undone)
@@ -191,8 +221,9 @@ def open_manager(spec: DictSpec, mid: int, restart_path: str | None, worker: str
         raise
     if opts.restore_from is not None and not reattach:
         try:
-            manager.restore(opts.restore_from, discard_newer=not opts.read_only,
-                            history=history_of(spec.uid))  # fmt: skip
+            manager.restore(
+                opts.restore_from, discard_newer=not opts.read_only, history=history_of(spec.uid)
+            )
         except BaseException:
             manager.close()
             hygiene.release(lock)

@@ -28,12 +28,12 @@ import dask.config
 
 from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
+from ..shard.direct import set_owner
 from ..shard.generations import Generations, path_for
 from ..shard.lease_word import LeaseWord
 from ..shard.lease_word import path_for as lease_word_path
-from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.manager import Manager
-from ..shard.direct import set_owner
+from ..shard.pinboard import BoardReader, remove_boards
 from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
 from ..transport.connect import set_default_security
 from . import control, forward, hygiene, moves, replicas
@@ -51,8 +51,13 @@ class Host:
     primary deposed by the orchestrator's answer to its lease, a shard it discarded),
     so that a new incarnation is not handed those managers again."""
 
-    def __init__(self, init: control.Init, uds: socket.socket, tcp: socket.socket,
-                 notices: BinaryIO | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        init: control.Init,
+        uds: socket.socket,
+        tcp: socket.socket,
+        notices: BinaryIO | None = None,
+    ) -> None:
         self.init = init
         self.dicts: dict[bytes, HostedDict] = {}
         self.closed: set[bytes] = {bytes.fromhex(u) for u in init.closed}
@@ -60,8 +65,13 @@ class Host:
         self.aside: dict[tuple[str, int], str] = {(u, m): p for u, m, p in init.aside}
         self._notices = notices
         self._noting = threading.Lock()
-        self.keeper = LeaseKeeper(init.scheduler, init.supervisor, init.security, self,
-                                  LeaseWord(lease_word_path(init.socket_dir), create=True))  # fmt: skip
+        self.keeper = LeaseKeeper(
+            init.scheduler,
+            init.supervisor,
+            init.security,
+            self,
+            LeaseWord(lease_word_path(init.socket_dir), create=True),
+        )
         ssl_context = None
         if init.tls:
             ssl_context = init.security.get_listen_args("worker").get("ssl_context")
@@ -70,11 +80,16 @@ class Host:
         if init.security is not None:
             set_default_security(init.security)  # replication pulls over TLS
         self.server = HostServer(
-            uds, tcp, self.dicts, self.closed, ssl_context=ssl_context,
+            uds,
+            tcp,
+            self.dicts,
+            self.closed,
+            ssl_context=ssl_context,
             page_bytes=config.get_bytes("iteration.page-bytes"),
-            scratch_keep=config.get_bytes("store.scratch-bytes"), limits=Limits.from_config(),
+            scratch_keep=config.get_bytes("store.scratch-bytes"),
+            limits=Limits.from_config(),
             event_loop=bool(config.get("host.event-loop")),
-        )  # fmt: skip
+        )
 
     def __repr__(self) -> str:
         return f"<Host pid={os.getpid()} dicts={len(self.dicts)}>"
@@ -100,8 +115,14 @@ class Host:
             return moves.move_done(self, msg.uid, msg.manager_id, msg.where, msg.park)
         if isinstance(msg, control.ShardBytes):
             hosted = self.dicts.get(bytes.fromhex(msg.uid))
-            return {} if hosted is None else {m: hosted.find(m).used_bytes()  # type: ignore[union-attr]
-                                              for m in [*hosted.managers, *hosted.fenced]}  # fmt: skip
+            return (
+                {}
+                if hosted is None
+                else {
+                    m: hosted.find(m).used_bytes()  # type: ignore[union-attr]
+                    for m in [*hosted.managers, *hosted.fenced]
+                }
+            )
         if isinstance(msg, control.MoveAbort):
             return moves.move_abort(self, msg.uid, msg.manager_id)
         return self._replicas(msg)
@@ -111,21 +132,30 @@ class Host:
         if isinstance(msg, control.ReplicaHold):
             return moves.served_manager(self, msg.uid, msg.manager_id).hold()
         if isinstance(msg, control.ReplicaSeed):
-            return replicas.seed(self, msg.spec, msg.manager_id, msg.source, msg.used,
-                                 msg.map_size, self.init.tls)  # fmt: skip
+            return replicas.seed(
+                self, msg.spec, msg.manager_id, msg.source, msg.used, msg.map_size, self.init.tls
+            )
         if isinstance(msg, control.ReplicaTargets):
             manager = moves.served_manager(self, msg.spec.uid, msg.manager_id)
-            return replicas.targets(manager, msg.spec, self.init.tls, msg.add, list(msg.remove),
-                                    msg.release, functools.partial(self.depose, msg.spec.uid,
-                                                                   manager),
-                                    self.keeper, self.dicts.get(bytes.fromhex(msg.spec.uid)))  # fmt: skip
+            return replicas.targets(
+                manager,
+                msg.spec,
+                self.init.tls,
+                msg.add,
+                list(msg.remove),
+                msg.release,
+                functools.partial(self.depose, msg.spec.uid, manager),
+                self.keeper,
+                self.dicts.get(bytes.fromhex(msg.spec.uid)),
+            )
         if isinstance(msg, control.ReplicaDrop):
             return replicas.drop(self, msg.uid, msg.manager_id)
         if isinstance(msg, control.ReplicaPromote):
             mid = msg.manager_id
             path = replicas.take_replica(self, msg.spec.uid, mid, msg.old_path)
-            return self.open(control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker,
-                                                  msg.term))  # fmt: skip
+            return self.open(
+                control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker, msg.term)
+            )
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
 
     def hosted(self, spec: control.DictSpec) -> HostedDict:
@@ -133,11 +163,15 @@ class Host:
         hosted = self.dicts.get(bytes.fromhex(spec.uid))
         if hosted is None:
             hosted = HostedDict(
-                spec.uid, spec.name, spec.secret,
-                Generations(path_for(self.init.socket_dir, spec.uid), spec.num_managers,
-                            create=True),
-                BoardReader(self.init.socket_dir, spec.uid, spec.num_managers), self.keeper,
-            )  # fmt: skip
+                spec.uid,
+                spec.name,
+                spec.secret,
+                Generations(
+                    path_for(self.init.socket_dir, spec.uid), spec.num_managers, create=True
+                ),
+                BoardReader(self.init.socket_dir, spec.uid, spec.num_managers),
+                self.keeper,
+            )
             hosted.leased = bool(spec.options.replicas) and self.keeper.required
         return hosted
 
@@ -164,14 +198,18 @@ class Host:
                 manager.host_restarts = self.init.restarts
                 if hosted.leased and self.keeper.required:  # (it serves once the
                     # orchestrator confirmed it: see .lease)
-                    hosted.fence(manager, "the orchestrator has not confirmed yet that it "
-                                          f"serves it here (term {manager.term})")  # fmt: skip
+                    hosted.fence(
+                        manager,
+                        "the orchestrator has not confirmed yet that it "
+                        f"serves it here (term {manager.term})",
+                    )
                 else:
                     hosted.managers[mid] = manager
                 self.locks[(spec.uid, mid)] = lock
                 opened.append(mid)
-                infos.append({"manager_id": mid, "store_path": manager.store.path,
-                              "restarted": restarted})  # fmt: skip
+                infos.append(
+                    {"manager_id": mid, "store_path": manager.store.path, "restarted": restarted}
+                )
         except BaseException:
             for mid in opened:
                 undone = hosted.find(mid)
@@ -189,8 +227,12 @@ class Host:
         self.dicts[key] = hosted
         if hosted.fenced:
             self.keeper.renew_soon()
-        logger.info("ddict host %d: serving managers %s of %s", os.getpid(),
-                    list(msg.manager_ids), spec.name)  # fmt: skip
+        logger.info(
+            "ddict host %d: serving managers %s of %s",
+            os.getpid(),
+            list(msg.manager_ids),
+            spec.name,
+        )
         return infos
 
     def move_in(self, msg: control.MoveIn) -> list[dict[str, Any]]:
@@ -201,14 +243,24 @@ class Host:
             if not os.path.isfile(os.path.join(path, "data.mdb")):
                 raise DDictManagerUnavailableError(
                     f"manager {msg.manager_id}'s shard {path} is not on this machine any more "
-                    "(its shared memory was emptied)")  # fmt: skip
+                    "(its shared memory was emptied)"
+                )
         if msg.source is not None:
-            path = moves.receive(msg.spec, msg.manager_id, msg.source, msg.used, msg.map_size,
-                                 self.init.tls, prepared=path)  # fmt: skip
+            path = moves.receive(
+                msg.spec,
+                msg.manager_id,
+                msg.source,
+                msg.used,
+                msg.map_size,
+                self.init.tls,
+                prepared=path,
+            )
         try:
-            return self.open(control.OpenManagers(msg.spec, (msg.manager_id,),
-                                                  {msg.manager_id: path}, msg.worker,
-                                                  msg.term))  # fmt: skip
+            return self.open(
+                control.OpenManagers(
+                    msg.spec, (msg.manager_id,), {msg.manager_id: path}, msg.worker, msg.term
+                )
+            )
         except BaseException:
             if msg.source is not None:  # (a copy of ours; the same machine's shard is not)
                 shutil.rmtree(path, ignore_errors=True)
@@ -229,7 +281,7 @@ class Host:
         n = len(hosted.managers) + len(hosted.fenced)
         hosted.managers.clear()
         hosted.fenced.clear()
-        for (u, mid) in [k for k in self.aside if k[0] == uid]:  # (nobody needs them now)
+        for u, mid in [k for k in self.aside if k[0] == uid]:  # (nobody needs them now)
             self.discard(u, mid)
         for replica in hosted.replicas.values():
             replica.close()  # (a replica is kept for a live primary only)
@@ -271,8 +323,9 @@ class Host:
         hygiene.mark_kept(path, False)
         shutil.rmtree(path, ignore_errors=True)
         self.notify(control.Discarded(uid, mid))
-        logger.info("ddict host %d: discarded the shard of deposed manager %d (%s)",
-                    os.getpid(), mid, path)  # fmt: skip
+        logger.info(
+            "ddict host %d: discarded the shard of deposed manager %d (%s)", os.getpid(), mid, path
+        )
 
     def notify(self, notice: Any) -> None:
         """Tell the supervisor what this host decided alone (see :class:`Host`)."""
@@ -282,8 +335,9 @@ class Host:
             with self._noting:
                 control.send(self._notices, notice)
         except OSError as e:  # (its supervisor is gone: it shuts this host down)
-            logger.info("ddict host %d: could not tell its supervisor %r: %r", os.getpid(),
-                        notice, e)  # fmt: skip
+            logger.info(
+                "ddict host %d: could not tell its supervisor %r: %r", os.getpid(), notice, e
+            )
 
     def shutdown(self, supervisor_lost: bool) -> None:
         """Close everything.  Shards are deleted: nothing could serve them any more.

@@ -20,7 +20,6 @@ from ..shard.store import ShardStore
 from ..transport.operation import Reply, Request
 from . import hygiene
 
-
 #: Seconds a change set waits for its predecessor (sent over another connection).
 OUT_OF_STEP_AFTER = 10.0
 
@@ -56,8 +55,10 @@ class Replica:
         *stale* from then on: it takes nothing more and is never promoted."""
         with self._cond:
             if self.stale:
-                raise DDictError(f"replica of manager {self.manager_id} is stale "
-                                 f"({self.stale})", "INVALID_OPERATION")  # fmt: skip
+                raise DDictError(
+                    f"replica of manager {self.manager_id} is stale ({self.stale})",
+                    "INVALID_OPERATION",
+                )
             if seq < 0:
                 self.stale = "its primary dropped it"
                 return
@@ -70,11 +71,17 @@ class Replica:
             if seq > self.seq + 1:
                 will_block()  # (its predecessor comes on another connection of this loop's)
             try:
-                if not self._cond.wait_for(lambda: self.seq >= seq - 1 or bool(self.stale),
-                                           OUT_OF_STEP_AFTER) or self.seq != seq - 1:  # fmt: skip
-                    raise DDictError(f"replica of manager {self.manager_id} is out of step: it "
-                                     f"got change set {seq} after {self.seq}",
-                                     "INVALID_OPERATION")  # fmt: skip
+                if (
+                    not self._cond.wait_for(
+                        lambda: self.seq >= seq - 1 or bool(self.stale), OUT_OF_STEP_AFTER
+                    )
+                    or self.seq != seq - 1
+                ):
+                    raise DDictError(
+                        f"replica of manager {self.manager_id} is out of step: it "
+                        f"got change set {seq} after {self.seq}",
+                        "INVALID_OPERATION",
+                    )
                 with self.store.env.begin(write=True, buffers=True) as txn:
                     changes.apply(self.store, txn, payload)
             except BaseException as e:
@@ -98,10 +105,12 @@ def serve(hosted: Hosted, r: Request, reply: Reply) -> None:
     """Serve a :class:`Replicate` request: apply its change set to the replica here."""
     replica = hosted.replicas.get(r.manager)
     if replica is None and r.manager in hosted.managers:  # (it took over: the sender is
-        raise DDictManagerMovedError(f"manager {r.manager} of {hosted.name!r} failed over to "
-                                     f"process {os.getpid()}")  # deposed)  # fmt: skip
+        raise DDictManagerMovedError(
+            f"manager {r.manager} of {hosted.name!r} failed over to process {os.getpid()}"
+        )  # deposed)
     if replica is None:
-        raise DDictManagerUnavailableError(f"process {os.getpid()} keeps no replica of manager "
-                                           f"{r.manager} of {hosted.name!r}")  # fmt: skip
+        raise DDictManagerUnavailableError(
+            f"process {os.getpid()} keeps no replica of manager {r.manager} of {hosted.name!r}"
+        )
     replica.apply(r.arg, r.value)
     reply()

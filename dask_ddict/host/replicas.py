@@ -29,16 +29,16 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import config
 from .._blocking import will_block
 from ..errors import DDictLeaseError, DDictManagerMovedError, DDictManagerUnavailableError
 from ..layout import ManagerInfo, host_id
-from ..shard.lease_word import lease_clock
 from ..shard import changes
+from ..shard.lease_word import lease_clock
 from ..shard.store import ShardStore
 from ..transport.connect import default_security
 from ..transport.links import HostLink
@@ -64,15 +64,27 @@ class Host(Protocol):
     def hosted(self, spec: DictSpec) -> HostedDict: ...
 
 
-def seed(host: Host, spec: DictSpec, mid: int, source: dict[str, Any], used: int,
-         map_size: int, tls: bool) -> str:  # fmt: skip
+def seed(
+    host: Host,
+    spec: DictSpec,
+    mid: int,
+    source: dict[str, Any],
+    used: int,
+    map_size: int,
+    tls: bool,
+) -> str:
     """Keep a new replica of manager ``mid``: its shard copied from ``source`` (the primary,
     held by ``Moving.hold``).  Returns the replica's path."""
     path = moves.receive(spec, mid, source, used, map_size, tls)
     lock = hygiene.claim(path)
     try:
-        store = ShardStore(path, spec.capacity, spec.options.manager_pool_full_thresh,
-                           indexed=spec.options.wait_for_keys, create=False)  # fmt: skip
+        store = ShardStore(
+            path,
+            spec.capacity,
+            spec.options.manager_pool_full_thresh,
+            indexed=spec.options.wait_for_keys,
+            create=False,
+        )
     except BaseException:
         hygiene.release(lock)
         import shutil
@@ -84,8 +96,13 @@ def seed(host: Host, spec: DictSpec, mid: int, source: dict[str, Any], used: int
     hosted.replicas[mid] = Replica(mid, store, lock)
     if old is not None:
         old.close()
-    logger.info("ddict host %d: keeps a replica of manager %d of %s (%d bytes)", os.getpid(),
-                mid, spec.name, used)  # fmt: skip
+    logger.info(
+        "ddict host %d: keeps a replica of manager %d of %s (%d bytes)",
+        os.getpid(),
+        mid,
+        spec.name,
+        used,
+    )
     return path
 
 
@@ -106,12 +123,14 @@ def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
     hosted = host.dicts.get(bytes.fromhex(uid))
     replica = None if hosted is None else hosted.replicas.pop(mid, None)
     if replica is None:
-        raise DDictManagerUnavailableError(f"process {os.getpid()} keeps no replica of manager "
-                                           f"{mid} of {uid}")  # fmt: skip
+        raise DDictManagerUnavailableError(
+            f"process {os.getpid()} keeps no replica of manager {mid} of {uid}"
+        )
     if replica.stale:  # (it may lack acknowledged writes: never the primary)
         replica.close()
-        raise DDictManagerUnavailableError(f"the replica of manager {mid} of {uid} here is "
-                                           f"stale: {replica.stale}")  # fmt: skip
+        raise DDictManagerUnavailableError(
+            f"the replica of manager {mid} of {uid} here is stale: {replica.stale}"
+        )
     replica.close(destroy=False)
     if old_path and old_path != replica.store.path:
         hygiene.remove([old_path])  # (only if every process that owned it is dead)
@@ -141,9 +160,15 @@ class Shipper:
     """A replicated manager's replicas: every commit's changes are sent to each of them
     before the write is answered (``ShardStore.replicate``)."""
 
-    def __init__(self, spec: DictSpec, manager_id: int, tls: bool,
-                 keeper: LeaseKeeper | None = None, hosted: HostedDict | None = None,
-                 manager: Manager | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: DictSpec,
+        manager_id: int,
+        tls: bool,
+        keeper: LeaseKeeper | None = None,
+        hosted: HostedDict | None = None,
+        manager: Manager | None = None,
+    ) -> None:
         self.spec = spec
         self.manager_id = manager_id
         self.tls = tls
@@ -165,18 +190,27 @@ class Shipper:
         self.closed = False
 
     def __repr__(self) -> str:
-        return (f"<Shipper manager={self.manager_id} replicas={len(self.targets)} "
-                f"shipped={self.shipped}>")  # fmt: skip
+        return (
+            f"<Shipper manager={self.manager_id} replicas={len(self.targets)} "
+            f"shipped={self.shipped}>"
+        )
 
     def add(self, info: ManagerInfo) -> None:
         ssl_context = None
         if self.tls:
             ssl_context = default_security().get_connection_args("client")["ssl_context"]
         spec = self.spec
-        link = HostLink(info, spec.uid, spec.secret, spec.name,
-                        use_uds=bool(config.get("local-transport")) and info.host_id == host_id()
-                        and os.path.exists(info.uds_path),
-                        ssl_context=ssl_context, max_value=1 << 62)  # fmt: skip
+        link = HostLink(
+            info,
+            spec.uid,
+            spec.secret,
+            spec.name,
+            use_uds=bool(config.get("local-transport"))
+            and info.host_id == host_id()
+            and os.path.exists(info.uds_path),
+            ssl_context=ssl_context,
+            max_value=1 << 62,
+        )
         self.remove(info.address)
         try:  # (change set 0: the replica numbers this primary's from 1)
             link.call(Replicate(0, [], 0, self.timeout), self.manager_id)
@@ -209,8 +243,12 @@ class Shipper:
             will_block()  # (each replica's answer: a host's event loop moves on meanwhile)
         for t in list(self.targets):
             t.seq += 1
-            self._step(t, lambda t=t: t.pending.append(  # type: ignore[misc]
-                t.link.send(Replicate(t.seq, parts, nbytes, self.timeout), self.manager_id)))
+            self._step(
+                t,
+                lambda t=t: t.pending.append(  # type: ignore[misc]
+                    t.link.send(Replicate(t.seq, parts, nbytes, self.timeout), self.manager_id)
+                ),
+            )
             while len(t.pending) > MOST_PENDING and self._live(t):
                 will_block()  # (the oldest answer is waited for: the event loop moves on)
                 self._step(t, t.pending.popleft())
@@ -266,9 +304,14 @@ class Shipper:
         except Exception:  # noqa: BLE001 - gone, or unreachable: said below
             pass
         t.link.close()
-        logger.warning("ddict %s: manager %d dropped its replica on %s (%s): %s",
-                       self.spec.name, self.manager_id, t.info.hostname, t.info.worker,
-                       e)  # fmt: skip
+        logger.warning(
+            "ddict %s: manager %d dropped its replica on %s (%s): %s",
+            self.spec.name,
+            self.manager_id,
+            t.info.hostname,
+            t.info.worker,
+            e,
+        )
 
     def _doubt(self, failing: list[tuple[Target, BaseException]], keeper: LeaseKeeper) -> None:
         """Replicas ``failing`` failed a write: nothing is acknowledged without them until
@@ -277,26 +320,33 @@ class Shipper:
         answers nobody (``LEASE``), and the writes that wait for its shipping lock write
         nothing (``store.fenced``)."""
         addresses = {tuple(t.info.address) for t, _ in failing}
-        why = "; ".join(f"its replica on {t.info.hostname} ({t.info.worker}) failed a write "
-                        f"({e})" for t, e in failing) + \
-            "; the orchestrator has not taken it out of the replica set yet"  # fmt: skip
+        why = (
+            "; ".join(
+                f"its replica on {t.info.hostname} ({t.info.worker}) failed a write ({e})"
+                for t, e in failing
+            )
+            + "; the orchestrator has not taken it out of the replica set yet"
+        )
         self.doubts |= addresses
         if self.manager is not None:
             self.manager.store.fenced = why
             if self.hosted is not None:
                 self.hosted.fence(self.manager, why)
-        logger.warning("ddict %s: manager %d: %s (asked now)", self.spec.name, self.manager_id,
-                       why)  # fmt: skip
+        logger.warning("ddict %s: manager %d: %s (asked now)", self.spec.name, self.manager_id, why)
         will_block()
         answered = keeper.answer(max(0.0, keeper.until - lease_clock()) + RETRY)
         if self.closed:
-            raise DDictManagerMovedError(f"manager {self.manager_id} is served elsewhere now: "
-                                         "this write was not acknowledged")  # fmt: skip
+            raise DDictManagerMovedError(
+                f"manager {self.manager_id} is served elsewhere now: "
+                "this write was not acknowledged"
+            )
         if addresses & self.doubts:
             said = "it did not agree" if answered else "it did not answer"
-            raise DDictLeaseError(f"manager {self.manager_id}: {why} ({said}): this write is not "
-                                  "acknowledged (it may be applied once the replica set is "
-                                  "settled, or not at all)")  # fmt: skip
+            raise DDictLeaseError(
+                f"manager {self.manager_id}: {why} ({said}): this write is not "
+                "acknowledged (it may be applied once the replica set is "
+                "settled, or not at all)"
+            )
 
     def dropped(self, addresses: list[tuple[Any, ...]]) -> None:
         """The orchestrator took the replicas at ``addresses`` out of the replica set (a
@@ -306,9 +356,14 @@ class Shipper:
             self.targets.remove(t)
             t.pending.clear()
             t.link.close()
-            logger.warning("ddict %s: manager %d dropped its replica on %s (%s): the "
-                           "orchestrator took it out of the replica set", self.spec.name,
-                           self.manager_id, t.info.hostname, t.info.worker)  # fmt: skip
+            logger.warning(
+                "ddict %s: manager %d dropped its replica on %s (%s): the "
+                "orchestrator took it out of the replica set",
+                self.spec.name,
+                self.manager_id,
+                t.info.hostname,
+                t.info.worker,
+            )
         self.doubts -= gone
         if self.manager is not None and not self.targets:
             self.manager.store.replicate = None
@@ -323,10 +378,17 @@ class Shipper:
         self.targets = []
 
 
-def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | None,
-            remove: list[Any], release: bool, deposed: Callable[[str], None] | None = None,
-            keeper: LeaseKeeper | None = None,
-            hosted: HostedDict | None = None) -> list[list[Any]]:  # fmt: skip
+def targets(
+    manager: Manager,
+    spec: DictSpec,
+    tls: bool,
+    add: dict[str, Any] | None,
+    remove: list[Any],
+    release: bool,
+    deposed: Callable[[str], None] | None = None,
+    keeper: LeaseKeeper | None = None,
+    hosted: HostedDict | None = None,
+) -> list[list[Any]]:
     """Change ``manager``'s replicas: ``add`` one (its host's layout fields), ``remove``
     those at these host addresses; then end a ``Moving.hold`` (``release``).  Returns the
     host addresses of the replicas it ships to now (without ``add`` or ``remove``: which
@@ -335,8 +397,9 @@ def targets(manager: Manager, spec: DictSpec, tls: bool, add: dict[str, Any] | N
     try:
         with manager.store.shipping:  # (no commit is being shipped meanwhile)
             if shipper is None and add is not None:
-                shipper = manager.shipper = Shipper(spec, manager.manager_id, tls, keeper,
-                                                    hosted, manager)  # fmt: skip
+                shipper = manager.shipper = Shipper(
+                    spec, manager.manager_id, tls, keeper, hosted, manager
+                )
                 shipper.deposed = deposed
             if shipper is not None:
                 for address in remove:

@@ -44,6 +44,7 @@ def pull_shard(target: Manager, source: str, manager_id: int) -> int:
         n = target.replace_with(pages())
     finally:
         core.close()
-    logger.info("ddict: manager %d pulled %d records from %s", target.manager_id, n,
-                core.layout.name)  # fmt: skip
+    logger.info(
+        "ddict: manager %d pulled %d records from %s", target.manager_id, n, core.layout.name
+    )
     return n

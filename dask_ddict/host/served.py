@@ -105,8 +105,9 @@ class Served:
         from it, their own count lagging by the ones answered so).
         """
         with self._lock:
-            return sum(n for _, counts in self._counts() for op, n in counts.items()
-                       if op != _STATS)  # fmt: skip
+            return sum(
+                n for _, counts in self._counts() for op, n in counts.items() if op != _STATS
+            )
 
 
 class Counting(Mapping[int, "Manager"]):

@@ -55,6 +55,7 @@ from ..errors import (
     DDictManagerUnavailableError,
     wire_error,
 )
+from ..layout import term_is_newer
 from ..transport.handshake import host_side
 from ..transport.operation import Answerer
 from ..transport.ops import ANSWERERS, HANDLERS, HOST_WIDE, INLINE, Page, Reply, Request
@@ -69,18 +70,17 @@ from ..transport.protocol import (
     send_parts,
     value_limit,
 )
-from ..layout import term_is_newer
+from .forward import serve_tree
 from .loop import Connection, EventLoop, NoWait
 from .replica_store import serve as serve_replica
-from .forward import serve_tree
 from .served import Counting, Served, count_fanout
 
 if TYPE_CHECKING:
     from ..shard.generations import Generations
+    from ..shard.manager import Manager
+    from ..shard.pinboard import BoardReader
     from .lease import LeaseKeeper
     from .replica_store import Replica
-    from ..shard.pinboard import BoardReader
-    from ..shard.manager import Manager
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +124,13 @@ class Limits:
 
     @classmethod
     def from_config(cls) -> Limits:
-        return cls(config.get_seconds("transport.handshake-timeout") or 10.0,
-                   int(config.get("host.max-connections")),
-                   config.get_bytes("transport.max-key-bytes"),
-                   config.get_bytes("transport.min-value-limit"),
-                   config.get_seconds("failover-timeout") or 0.0)  # fmt: skip
+        return cls(
+            config.get_seconds("transport.handshake-timeout") or 10.0,
+            int(config.get("host.max-connections")),
+            config.get_bytes("transport.max-key-bytes"),
+            config.get_bytes("transport.min-value-limit"),
+            config.get_seconds("failover-timeout") or 0.0,
+        )
 
     def most_value(self, capacity: int) -> int:
         """The largest request body for a shard of ``capacity`` bytes."""
@@ -138,20 +140,43 @@ class Limits:
         """Whether a request to ``manager`` (``None``: not hosted here) with a key section
         of ``klen`` bytes and a value of ``vlen`` may be over the limits: the cheap test,
         run for every request, that ``HostServer._check_lengths`` decides."""
-        return manager is None or klen > self.max_key_bytes + 16 or (
-            vlen > manager.store.capacity and vlen > self.min_value_limit)
+        return (
+            manager is None
+            or klen > self.max_key_bytes + 16
+            or (vlen > manager.store.capacity and vlen > self.min_value_limit)
+        )
 
 
 class HostedDict:
     """One dictionary's managers on this host, and the secret that admits its clients."""
 
-    __slots__ = ("uid", "key", "name", "secret", "managers", "generations", "answers", "pins",
-                 "served", "moved", "replicas", "lease", "leased", "fenced", "_fencing")
+    __slots__ = (
+        "uid",
+        "key",
+        "name",
+        "secret",
+        "managers",
+        "generations",
+        "answers",
+        "pins",
+        "served",
+        "moved",
+        "replicas",
+        "lease",
+        "leased",
+        "fenced",
+        "_fencing",
+    )
 
-    def __init__(self, uid: str, name: str, secret: str,
-                 generations: Generations | None = None,
-                 pins: BoardReader | None = None,
-                 lease: LeaseKeeper | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        secret: str,
+        generations: Generations | None = None,
+        pins: BoardReader | None = None,
+        lease: LeaseKeeper | None = None,
+    ) -> None:
         self.uid = uid
         self.key = bytes.fromhex(uid)  # as clients name it in their HELLO
         self.name = name
@@ -263,7 +288,8 @@ class HostServer:
         page = functools.partial(Page.answer, page_bytes=page_bytes)
         self.answerers: dict[Any, Answerer] = {**ANSWERERS, Op.PAGE: page}
         self.handlers: dict[Any, Callable[..., None]] = {
-            **HANDLERS, Op.PAGE: lambda m, r, reply: reply(*page(m, r))
+            **HANDLERS,
+            Op.PAGE: lambda m, r, reply: reply(*page(m, r)),
         }
         self._scratch_keep = scratch_keep
         self._closed = False
@@ -275,10 +301,18 @@ class HostServer:
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
         #: Serves the connections that are not TLS (``None``: a thread each, as TLS's).
-        self.loop = EventLoop(self._serve_one,
-                              functools.partial(kernels.take_request, _TAKEN, Request),
-                              self._serve_request, _inline, self._end,
-                              most_inline=_MOST_INLINE) if event_loop else None  # fmt: skip
+        self.loop = (
+            EventLoop(
+                self._serve_one,
+                functools.partial(kernels.take_request, _TAKEN, Request),
+                self._serve_request,
+                _inline,
+                self._end,
+                most_inline=_MOST_INLINE,
+            )
+            if event_loop
+            else None
+        )
 
     def __repr__(self) -> str:
         return f"<HostServer dicts={len(self.dicts)} connections={len(self._conns)}>"
@@ -288,8 +322,12 @@ class HostServer:
         if self.loop is not None:
             self.loop.start()
         for lsock, kind in ((self._uds, "uds"), (self._tcp, "tcp")):
-            t = threading.Thread(target=self._accept_loop, args=(lsock, kind),
-                                 name=f"ddict-accept-{kind}", daemon=True)  # fmt: skip
+            t = threading.Thread(
+                target=self._accept_loop,
+                args=(lsock, kind),
+                name=f"ddict-accept-{kind}",
+                daemon=True,
+            )
             t.start()
             self._threads.append(t)
 
@@ -311,14 +349,17 @@ class HostServer:
                     conn.close()
                     return
                 if len(self._conns) >= self.limits.max_connections:
-                    logger.warning("ddict host: %d connections, the most allowed "
-                                   "(ddict.host.max-connections); refusing one",
-                                   len(self._conns))  # fmt: skip
+                    logger.warning(
+                        "ddict host: %d connections, the most allowed "
+                        "(ddict.host.max-connections); refusing one",
+                        len(self._conns),
+                    )
                     conn.close()
                     continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, kind), name="ddict-conn",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._serve, args=(conn, kind), name="ddict-conn", daemon=True
+            ).start()
 
     def _handshake(self, conn: socket.socket, kind: str) -> tuple[socket.socket, HostedDict]:
         conn.settimeout(self.limits.handshake_timeout)  # an idle stranger is dropped
@@ -331,9 +372,15 @@ class HostServer:
                     self._conns.add(tls)
                 conn = tls
         reader = Reader(conn, 128)
-        hosted = host_side(conn, reader.read, self.dicts.get, self.closed_dicts.__contains__,
-                           tcp=kind == "tcp", target=self._target,
-                           incarnation=self._incarnation)  # fmt: skip
+        hosted = host_side(
+            conn,
+            reader.read,
+            self.dicts.get,
+            self.closed_dicts.__contains__,
+            tcp=kind == "tcp",
+            target=self._target,
+            incarnation=self._incarnation,
+        )
         conn.settimeout(None)
         return conn, hosted
 
@@ -342,8 +389,9 @@ class HostServer:
         try:
             conn, hosted = self._handshake(conn, kind)
             looped = self.loop is not None and not isinstance(conn, ssl.SSLSocket)
-            c = Connection(conn, hosted, Reader(conn), Scratch(self._scratch_keep),
-                           hosted.served.connection())
+            c = Connection(
+                conn, hosted, Reader(conn), Scratch(self._scratch_keep), hosted.served.connection()
+            )
             if looped:
                 c.out = NoWait(conn)
                 c.reply = _loop_replier(c)
@@ -389,8 +437,7 @@ class HostServer:
         connection's scratch buffer rather than copied out of its reader.
         """
         reader, hosted, limits = c.reader, c.hosted, self.limits
-        op, flags, term, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = \
-            reader.unpack(REQ)  # fmt: skip
+        op, flags, term, klen, mid, tag, chkpt, arg, client, timeout, vlen, rid = reader.unpack(REQ)
         c.tag[0] = tag  # (what this request's reply repeats)
         if c.owed[0] is not None:  # (before a refusal drops the connection: _serve_request)
             _deliver(c.owed)
@@ -402,9 +449,27 @@ class HostServer:
         else:
             value = c.scratch.get(vlen)
             reader.read_into(value)
-        self._serve_request(c, _new_request(Request, (
-            op, flags, mid, chkpt, arg, client, None if timeout < 0 else timeout,  # (decode_timeout)
-            keysec[:16], keysec[16:], value, rid, term)), checked=True)  # fmt: skip
+        self._serve_request(
+            c,
+            _new_request(
+                Request,
+                (
+                    op,
+                    flags,
+                    mid,
+                    chkpt,
+                    arg,
+                    client,
+                    None if timeout < 0 else timeout,  # (decode_timeout)
+                    keysec[:16],
+                    keysec[16:],
+                    value,
+                    rid,
+                    term,
+                ),
+            ),
+            checked=True,
+        )
 
     def _serve_request(self, c: Connection, req: Request, checked: bool = False) -> None:
         """Serve ``req``, read whole (by :meth:`_serve_one`, or taken out of the event
@@ -431,22 +496,33 @@ class HostServer:
             if self.limits.doubtful(manager, klen, vlen):
                 self._check_lengths(c, mid, klen, vlen, flags, tag)
         try:
-            if hosted.leased and op not in _UNLEASED and (
-                    manager is not None or op == _FANOUT or op == _TREE
-                    or op in HOST_WIDE):  # fmt: skip
+            if (
+                hosted.leased
+                and op not in _UNLEASED
+                and (manager is not None or op == _FANOUT or op == _TREE or op in HOST_WIDE)
+            ):
                 if flags & FLAG_NOREPLY and not hosted.lease.valid():
                     self._hold_up(hosted)
                 hosted.lease.check(hosted.name)  # (a replicated primary here: see .lease)
             if op == _FANOUT:  # one operation on several of this dictionary's managers
                 self._fan_out(hosted, served, req, reply)
             elif op == _TREE:  # the same, forwarded to other hosts first (see .forward)
-                serve_tree(hosted, req, reply, functools.partial(self._fan_out, hosted, served),
-                           self._ssl is not None)  # fmt: skip
+                serve_tree(
+                    hosted,
+                    req,
+                    reply,
+                    functools.partial(self._fan_out, hosted, served),
+                    self._ssl is not None,
+                )
             elif op == _REPLICATE:  # (a replica's, not a manager's)
                 serve_replica(hosted, req, reply)
             elif op in HOST_WIDE:  # (e.g. get_many: several managers, one request)
-                HOST_WIDE[op](Counting(hosted.managers, served, op), req, reply,
-                              functools.partial(self._missing, hosted, flags))  # fmt: skip
+                HOST_WIDE[op](
+                    Counting(hosted.managers, served, op),
+                    req,
+                    reply,
+                    functools.partial(self._missing, hosted, flags),
+                )
             else:
                 handler = self.handlers.get(op)
                 if manager is None or handler is None:
@@ -469,12 +545,16 @@ class HostServer:
         """Serve a :class:`~dask_ddict.transport.ops.FanOut` ``req`` on its managers here
         (counted in ``served``, its connection's counts)."""
         count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
-        self.handlers[Op.FANOUT](functools.partial(self._dispatch, hosted), req, reply,
-                                 managers=hosted.managers,
-                                 generations=hosted.generations,
-                                 answers=hosted.answers,
-                                 pins=hosted.changes,
-                                 answerers=self.answerers)  # fmt: skip
+        self.handlers[Op.FANOUT](
+            functools.partial(self._dispatch, hosted),
+            req,
+            reply,
+            managers=hosted.managers,
+            generations=hosted.generations,
+            answers=hosted.answers,
+            pins=hosted.changes,
+            answerers=self.answerers,
+        )
 
     def _dispatch(self, hosted: HostedDict, req: Request, reply: Reply) -> None:
         """Serve ``req`` on its manager through the operation table."""
@@ -499,8 +579,9 @@ class HostServer:
         if lease is None:
             return
         _blocking.will_block()
-        lease.wait(self.limits.hold_up,
-                   lambda: lease.valid() and (mid is None or mid in hosted.managers))  # fmt: skip
+        lease.wait(
+            self.limits.hold_up, lambda: lease.valid() and (mid is None or mid in hosted.managers)
+        )
 
     def _missing(self, hosted: HostedDict, flags: int, mid: int) -> DDictError:
         """What a request on several managers gets for manager ``mid``, not served here:
@@ -513,11 +594,14 @@ class HostServer:
         if hosted.key in self.closed_dicts:
             return DDictClosedError(f"DDict {hosted.name!r} was destroyed")
         if mid in hosted.moved:
-            return DDictManagerMovedError(f"manager {mid} of {hosted.name!r} moved to "
-                                          f"{hosted.moved[mid][0]}")  # fmt: skip
+            return DDictManagerMovedError(
+                f"manager {mid} of {hosted.name!r} moved to {hosted.moved[mid][0]}"
+            )
         if mid in hosted.fenced:
-            return DDictLeaseError(f"manager {mid} of {hosted.name!r} does not serve at process "
-                                   f"{os.getpid()} now: {hosted.fenced[mid][1]}")  # fmt: skip
+            return DDictLeaseError(
+                f"manager {mid} of {hosted.name!r} does not serve at process "
+                f"{os.getpid()} now: {hosted.fenced[mid][1]}"
+            )
         return DDictManagerUnavailableError(
             f"manager {mid} of {hosted.name!r} is not hosted by process {os.getpid()}"
         )
@@ -532,14 +616,19 @@ class HostServer:
         if term_is_newer(term, manager.wire):
             if hosted.lease is not None:
                 hosted.lease.renew_soon()
-            return DDictLeaseError(f"manager {mid} of {hosted.name!r} is served under a newer "
-                                   f"term than process {os.getpid()} knows of: it asks the "
-                                   "orchestrator")  # fmt: skip
-        return DDictManagerMovedError(f"manager {mid} of {hosted.name!r} is served under a newer "
-                                      f"term (term {manager.term}) than its client knows of")  # fmt: skip
+            return DDictLeaseError(
+                f"manager {mid} of {hosted.name!r} is served under a newer "
+                f"term than process {os.getpid()} knows of: it asks the "
+                "orchestrator"
+            )
+        return DDictManagerMovedError(
+            f"manager {mid} of {hosted.name!r} is served under a newer "
+            f"term (term {manager.term}) than its client knows of"
+        )
 
-    def _check_lengths(self, c: Connection, mid: int, klen: int, vlen: int, flags: int = 0,
-                       tag: int = 0) -> None:  # fmt: skip
+    def _check_lengths(
+        self, c: Connection, mid: int, klen: int, vlen: int, flags: int = 0, tag: int = 0
+    ) -> None:
         """Refuse (and drop) a request whose key or value could never be stored (answered
         unless it asked for no reply: its client reads the next answer as its next
         request's, so it learns from the dropped connection instead)."""
@@ -547,23 +636,30 @@ class HostServer:
         manager = hosted.managers.get(mid)
         e: DDictError
         if klen > self.limits.max_key_bytes + 16:
-            e = DDictError(f"a {klen}-byte key section is over the limit "
-                           "(ddict.transport.max-key-bytes)", "INVALID_ARGUMENT")  # fmt: skip
+            e = DDictError(
+                f"a {klen}-byte key section is over the limit (ddict.transport.max-key-bytes)",
+                "INVALID_ARGUMENT",
+            )
         elif manager is None:
             moved = hosted.moved.get(mid)
             fenced = hosted.fenced.get(mid)
             replica = hosted.replicas.get(mid)  # (a change set: up to twice a shard's value)
-            if vlen <= self.limits.max_key_bytes or (
-                    moved is not None and vlen <= self.limits.most_value(moved[1])) or (
-                    fenced is not None and vlen <= self.limits.most_value(
-                        fenced[0].store.capacity)) or (
-                    replica is not None and vlen <= 2 * self.limits.most_value(
-                        replica.store.capacity)):  # fmt: skip
+            if (
+                vlen <= self.limits.max_key_bytes
+                or (moved is not None and vlen <= self.limits.most_value(moved[1]))
+                or (fenced is not None and vlen <= self.limits.most_value(fenced[0].store.capacity))
+                or (
+                    replica is not None
+                    and vlen <= 2 * self.limits.most_value(replica.store.capacity)
+                )
+            ):
                 return  # the body is read, then answered: not hosted here, closed, or MOVED
             e = self._not_hosted(hosted, mid)
         elif vlen > self.limits.most_value(manager.store.capacity):
-            e = DDictFullError(f"a {vlen}-byte value cannot fit manager {mid}'s "
-                               f"{manager.store.capacity}-byte shard")  # fmt: skip
+            e = DDictFullError(
+                f"a {vlen}-byte value cannot fit manager {mid}'s "
+                f"{manager.store.capacity}-byte shard"
+            )
         else:
             return
         c.flush()  # (the replies kept back go first, also before the connection ends)

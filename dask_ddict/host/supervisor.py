@@ -120,8 +120,14 @@ class HostSupervisor:
         :mod:`.lease`); ``""``: none the host process can reach (an in-process cluster).
     """
 
-    def __init__(self, tcp_host: str, security: Any = None, label: str = "",
-                 tls: bool = False, scheduler: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        tcp_host: str,
+        security: Any = None,
+        label: str = "",
+        tls: bool = False,
+        scheduler: str = "",
+    ) -> None:
         self.tcp_host = tcp_host
         self.security = security
         self.label = label
@@ -174,8 +180,9 @@ class HostSupervisor:
         """
         for base in {shard_directory(), self._socket_base()}:
             hygiene.sweep(base)
-        threading.Thread(target=self._sweep_kept, args=(shard_directory(),),
-                         name="ddict-sweep-kept", daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=self._sweep_kept, args=(shard_directory(),), name="ddict-sweep-kept", daemon=True
+        ).start()
         self.socket_dir = tempfile.mkdtemp(prefix=f"{hygiene.PREFIX}host-", dir=self._socket_base())
         self._dir_lock = hygiene.claim(self.socket_dir)
         self.uds_path = os.path.join(self.socket_dir, "host.sock")
@@ -195,8 +202,9 @@ class HostSupervisor:
         try:
             hygiene.sweep_kept(base, self.security)
         except Exception as e:  # noqa: BLE001 - the next host's start tries again
-            logger.info("ddict: sweeping the kept shards of gone clusters under %s failed: %r",
-                        base, e)  # fmt: skip
+            logger.info(
+                "ddict: sweeping the kept shards of gone clusters under %s failed: %r", base, e
+            )
 
     def _keep(self, path: str, why: str, uid: str, mid: int, spec: DictSpec | None) -> None:
         """Mark the shard at ``path`` kept (``why``: see :mod:`.hygiene`), recording the
@@ -225,38 +233,59 @@ class HostSupervisor:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dask_ddict.host", *map(str, fds)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, bufsize=0,
-                start_new_session=True, env=env, cwd=self.socket_dir,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=fds,
+                bufsize=0,
+                start_new_session=True,
+                env=env,
+                cwd=self.socket_dir,
+            )
         except BaseException:
             os.close(notices)
             raise
         finally:
             os.close(told)
-        threading.Thread(target=self._noted, args=(notices,), name="ddict-host-notices",
-                         daemon=True).start()  # fmt: skip
-        self._send(control.Init(self.security, os.getpid(), self.socket_dir, self.tls,
-                                tuple(self._closed), dask.config.get("ddict"),
-                                self.restart_count, self.scheduler, self.label,
-                                tuple((u, m, p) for (u, m), p in self._aside.items())))  # fmt: skip
+        threading.Thread(
+            target=self._noted, args=(notices,), name="ddict-host-notices", daemon=True
+        ).start()
+        self._send(
+            control.Init(
+                self.security,
+                os.getpid(),
+                self.socket_dir,
+                self.tls,
+                tuple(self._closed),
+                dask.config.get("ddict"),
+                self.restart_count,
+                self.scheduler,
+                self.label,
+                tuple((u, m, p) for (u, m), p in self._aside.items()),
+            )
+        )
         self._recv(config.get_seconds("host.start-timeout"))
-        for uid, (spec, paths, worker) in list(self._dicts.items()):
+        for spec, paths, worker in list(self._dicts.values()):
             try:
                 msg = control.OpenManagers(spec, tuple(paths), dict(paths), worker)
                 infos = self._exchange(msg)
             except Exception as e:
-                logger.error("ddict %s: re-opening managers %s failed: %r", spec.name,
-                             list(paths), e)  # fmt: skip
+                logger.error(
+                    "ddict %s: re-opening managers %s failed: %r", spec.name, list(paths), e
+                )
                 continue
             for info in infos:
                 if not info["restarted"]:
-                    logger.error("ddict %s: manager %d came back empty (its shard was gone)",
-                                 spec.name, info["manager_id"])  # fmt: skip
+                    logger.error(
+                        "ddict %s: manager %d came back empty (its shard was gone)",
+                        spec.name,
+                        info["manager_id"],
+                    )
                 paths[info["manager_id"]] = info["store_path"]
         self._exchange(control.Serve())
         if self._watcher is None or not self._watcher.is_alive():
-            self._watcher = threading.Thread(target=self._watch, name="ddict-host-watch",
-                                             daemon=True)  # fmt: skip
+            self._watcher = threading.Thread(
+                target=self._watch, name="ddict-host-watch", daemon=True
+            )
             self._watcher.start()
 
     def _watch(self) -> None:
@@ -275,23 +304,33 @@ class HostSupervisor:
                 while self._restarts and now - self._restarts[0] > window:
                     self._restarts.popleft()
                 if len(self._restarts) >= int(config.get("host.max-restarts")):
-                    logger.error("ddict host of %s died %d times in %.0f s; not restarting: "
-                                 "its managers are lost", self.label, len(self._restarts) + 1,
-                                 window)  # fmt: skip
+                    logger.error(
+                        "ddict host of %s died %d times in %.0f s; not restarting: "
+                        "its managers are lost",
+                        self.label,
+                        len(self._restarts) + 1,
+                        window,
+                    )
                     self._close_listeners()  # clients are refused now, instead of waiting
                     if self.on_give_up is not None:
                         n = len(self._restarts) + 1
-                        self.on_give_up(f"its host process died too often ({n} time"
-                                        f"{'s' if n > 1 else ''} within {window:.0f} s) and its "
-                                        "supervisor gave up restarting it "
-                                        "(ddict.host.max-restarts)")  # fmt: skip
+                        self.on_give_up(
+                            f"its host process died too often ({n} time"
+                            f"{'s' if n > 1 else ''} within {window:.0f} s) and its "
+                            "supervisor gave up restarting it "
+                            "(ddict.host.max-restarts)"
+                        )
                     return
                 self._restarts.append(now)
                 self.restart_count += 1
-                logger.warning("ddict host process of %s ended (code %s); restarting it over "
-                               "its shards", self.label, code)  # fmt: skip
+                logger.warning(
+                    "ddict host process of %s ended (code %s); restarting it over its shards",
+                    self.label,
+                    code,
+                )
                 replicated = bool(self._replicas) or any(
-                    spec.options.replicas for spec, _, _ in self._dicts.values())  # fmt: skip
+                    spec.options.replicas for spec, _, _ in self._dicts.values()
+                )
                 for _, path in self._replicas.values():  # (their registry died with it)
                     shutil.rmtree(path, ignore_errors=True)
                 self._replicas.clear()
@@ -322,8 +361,9 @@ class HostSupervisor:
         """What the host decided alone: this supervisor's books follow (lock held)."""
         key = (notice.uid, notice.manager_id)
         if isinstance(notice, control.Deposed):
-            self._keep(notice.path, hygiene.ASIDE, notice.uid, notice.manager_id,
-                       self._spec(notice.uid))  # fmt: skip
+            self._keep(
+                notice.path, hygiene.ASIDE, notice.uid, notice.manager_id, self._spec(notice.uid)
+            )
             entry = self._dicts.get(notice.uid)
             if entry is not None:
                 entry[1].pop(notice.manager_id, None)
@@ -353,8 +393,10 @@ class HostSupervisor:
             while len(buf) < n:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not select.select([fd], [], [], wait)[0]:
-                    raise DDictError(f"the host process of {self.label} did not answer "
-                                     f"within {timeout} s", "TIMEOUT")  # fmt: skip
+                    raise DDictError(
+                        f"the host process of {self.label} did not answer within {timeout} s",
+                        "TIMEOUT",
+                    )
                 chunk = os.read(fd, n - len(buf))
                 if not chunk:
                     raise HostDiedError(f"the host process of {self.label} ended")
@@ -399,18 +441,33 @@ class HostSupervisor:
             "restarts": self.restart_count,
         }
 
-    def create_managers(self, name: str, uid: str, secret: str, options: dict[str, Any],
-                        capacity: int, manager_ids: list[int], num_managers: int,
-                        restart_paths: dict[int, str] | None = None,
-                        worker: str = "",
-                        storage_options: dict[str, Any] | None = None,
-                        ) -> list[dict[str, Any]]:  # fmt: skip
-        spec = DictSpec(name, uid, secret, DDictOptions.from_dict(options), int(capacity),
-                        int(num_managers), storage_options)  # fmt: skip
+    def create_managers(
+        self,
+        name: str,
+        uid: str,
+        secret: str,
+        options: dict[str, Any],
+        capacity: int,
+        manager_ids: list[int],
+        num_managers: int,
+        restart_paths: dict[int, str] | None = None,
+        worker: str = "",
+        storage_options: dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        spec = DictSpec(
+            name,
+            uid,
+            secret,
+            DDictOptions.from_dict(options),
+            int(capacity),
+            int(num_managers),
+            storage_options,
+        )
         paths = {int(k): v for k, v in (restart_paths or {}).items()}
         with self._lock:
-            infos = self.call(control.OpenManagers(spec, tuple(int(m) for m in manager_ids),
-                                                   paths, worker))  # fmt: skip
+            infos = self.call(
+                control.OpenManagers(spec, tuple(int(m) for m in manager_ids), paths, worker)
+            )
             known = self._dicts.setdefault(uid, (spec, {}, worker))[1]
             for info in infos:
                 known[info["manager_id"]] = info["store_path"]
@@ -423,10 +480,20 @@ class HostSupervisor:
         """The host's answer for managers it opened, with how to reach them (layout fields)."""
         where = self.info()
         memory = self.memory()  # measured after the shards opened (and were reserved)
-        return [{**i, **memory, "worker": worker, "pid": where["supervisor_pid"],
-                 "uds_path": self.uds_path, "tcp_host": self.tcp_host, "tcp_port": self.tcp_port,
-                 "host_id": where["host_id"], "hostname": where["hostname"]}
-                for i in infos]  # fmt: skip
+        return [
+            {
+                **i,
+                **memory,
+                "worker": worker,
+                "pid": where["supervisor_pid"],
+                "uds_path": self.uds_path,
+                "tcp_host": self.tcp_host,
+                "tcp_port": self.tcp_port,
+                "host_id": where["host_id"],
+                "hostname": where["hostname"],
+            }
+            for i in infos
+        ]
 
     # -- moves (see dask_ddict.host.moves) -------------------------------------------
 
@@ -445,19 +512,39 @@ class HostSupervisor:
                 self._moving_specs[uid] = entry
         return {**reply, "storage_options": entry[0].storage_options}
 
-    def move_in(self, name: str, uid: str, secret: str, options: dict[str, Any],
-                capacity: int, num_managers: int, manager_id: int, worker: str = "",
-                path: str = "", source: dict[str, Any] | None = None, used: int = 0,
-                map_size: int = 0, storage_options: dict[str, Any] | None = None,
-                term: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+    def move_in(
+        self,
+        name: str,
+        uid: str,
+        secret: str,
+        options: dict[str, Any],
+        capacity: int,
+        num_managers: int,
+        manager_id: int,
+        worker: str = "",
+        path: str = "",
+        source: dict[str, Any] | None = None,
+        used: int = 0,
+        map_size: int = 0,
+        storage_options: dict[str, Any] | None = None,
+        term: int = 0,
+    ) -> list[dict[str, Any]]:
         """Serve a manager that moves here (its shard at ``path``, or copied from ``source``),
         under ``term``."""
-        spec = DictSpec(name, uid, secret, DDictOptions.from_dict(options), int(capacity),
-                        int(num_managers), storage_options)  # fmt: skip
+        spec = DictSpec(
+            name,
+            uid,
+            secret,
+            DDictOptions.from_dict(options),
+            int(capacity),
+            int(num_managers),
+            storage_options,
+        )
         mid = int(manager_id)
         with self._lock:
-            infos = self.call(control.MoveIn(spec, mid, worker, path, source, int(used),
-                                             int(map_size), int(term)))  # fmt: skip
+            infos = self.call(
+                control.MoveIn(spec, mid, worker, path, source, int(used), int(map_size), int(term))
+            )
             known = self._dicts.setdefault(uid, (spec, {}, worker))[1]
             for info in infos:
                 known[mid] = info["store_path"]
@@ -469,8 +556,9 @@ class HostSupervisor:
     def move_prepare(self, name: str, manager_id: int, capacity: int, nbytes: int) -> str:
         """Make the file of a manager's copy ready before its move pauses it (its path)."""
         with self._lock:
-            return str(self.call(control.MovePrepare(name, int(manager_id), int(capacity),
-                                                     int(nbytes))))  # fmt: skip
+            return str(
+                self.call(control.MovePrepare(name, int(manager_id), int(capacity), int(nbytes)))
+            )
 
     def move_done(self, uid: str, manager_id: int, where: str, park: bool = False) -> None:
         """The manager serves at ``where`` now (``park``: nowhere, its shard kept here):
@@ -516,8 +604,15 @@ class HostSupervisor:
             reply = self.call(control.ReplicaHold(uid, int(manager_id)))
         return {**reply, "spec": entry[0].to_wire()}
 
-    def replica_seed(self, spec: dict[str, Any], manager_id: int, source: dict[str, Any],
-                     used: int, map_size: int, worker: str = "") -> dict[str, Any]:  # fmt: skip
+    def replica_seed(
+        self,
+        spec: dict[str, Any],
+        manager_id: int,
+        source: dict[str, Any],
+        used: int,
+        map_size: int,
+        worker: str = "",
+    ) -> dict[str, Any]:
         """Keep a new replica of a manager (held at ``source``); how to reach it."""
         mid, dspec = int(manager_id), DictSpec.from_wire(spec)
         with self._lock:
@@ -527,24 +622,36 @@ class HostSupervisor:
                 self._closed.remove(dspec.uid)
         return self._described([{"manager_id": mid, "store_path": path}], worker)[0]
 
-    def replica_targets(self, uid: str, manager_id: int, add: dict[str, Any] | None = None,
-                        remove: list[Any] | None = None, release: bool = False) -> list[Any]:
+    def replica_targets(
+        self,
+        uid: str,
+        manager_id: int,
+        add: dict[str, Any] | None = None,
+        remove: list[Any] | None = None,
+        release: bool = False,
+    ) -> list[Any]:
         """Change the replicas of a manager here (``add`` one, ``remove`` some, end a hold):
         the addresses of those it ships to now."""
         with self._lock:
             entry = self._dicts.get(uid)
             if entry is None:
                 raise DDictError(f"no manager of {uid} is hosted here", "INVALID_ARGUMENT")
-            return list(self.call(control.ReplicaTargets(entry[0], int(manager_id), add,
-                                                         tuple(remove or ()), bool(release))))  # fmt: skip
+            return list(
+                self.call(
+                    control.ReplicaTargets(
+                        entry[0], int(manager_id), add, tuple(remove or ()), bool(release)
+                    )
+                )
+            )
 
     def replica_drop(self, uid: str, manager_id: int) -> bool:  # (stop keeping one here)
         with self._lock:
             self._replicas.pop((uid, int(manager_id)), None)
             return bool(self.call(control.ReplicaDrop(uid, int(manager_id))))
 
-    def replica_promote(self, uid: str, manager_id: int, worker: str = "",
-                        old_path: str = "", term: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+    def replica_promote(
+        self, uid: str, manager_id: int, worker: str = "", old_path: str = "", term: int = 0
+    ) -> list[dict[str, Any]]:
         """Serve a manager whose primary is lost over the replica kept here, under ``term``
         (once the orchestrator confirms it: see :mod:`.lease`)."""
         mid = int(manager_id)
@@ -553,11 +660,13 @@ class HostSupervisor:
             served = self._dicts.get(uid)
             if kept is None and served is not None and mid in served[1]:
                 # (promoted by a call whose answer the orchestrator did not get: the same)
-                return self._described([{"manager_id": mid, "store_path": served[1][mid],
-                                         "restarted": True}], worker)  # fmt: skip
+                return self._described(
+                    [{"manager_id": mid, "store_path": served[1][mid], "restarted": True}], worker
+                )
             if kept is None:
-                raise DDictError(f"no replica of manager {mid} of {uid} is kept here",
-                                 "MANAGER_UNAVAILABLE")  # fmt: skip
+                raise DDictError(
+                    f"no replica of manager {mid} of {uid} is kept here", "MANAGER_UNAVAILABLE"
+                )
             spec = kept[0]
             infos = self.call(control.ReplicaPromote(spec, mid, worker, old_path, int(term)))
             self._dicts.setdefault(uid, (spec, {}, worker))[1][mid] = infos[0]["store_path"]
@@ -602,8 +711,11 @@ class HostSupervisor:
         st = os.statvfs(shard_directory())
         shards = unbacked = 0
         with self._lock:
-            known = [(spec.capacity, path) for spec, paths, _ in self._dicts.values()
-                     for path in paths.values()]  # fmt: skip
+            known = [
+                (spec.capacity, path)
+                for spec, paths, _ in self._dicts.values()
+                for path in paths.values()
+            ]
         for capacity, path in known:
             try:
                 allocated = os.stat(os.path.join(path, "data.mdb")).st_blocks * 512
@@ -611,9 +723,13 @@ class HostSupervisor:
                 continue
             shards += capacity
             unbacked += max(0, capacity - allocated)
-        return {"memory": int(vm.total), "available": int(vm.available),
-                "shard_dir_free": st.f_bavail * st.f_frsize, "shard_bytes": shards,
-                "unbacked": unbacked}  # fmt: skip
+        return {
+            "memory": int(vm.total),
+            "available": int(vm.available),
+            "shard_dir_free": st.f_bavail * st.f_frsize,
+            "shard_bytes": shards,
+            "unbacked": unbacked,
+        }
 
     def destroy_managers(self, uid: str, allow_restart: bool = False) -> int:
         with self._lock:
@@ -686,8 +802,10 @@ class HostSupervisor:
             "ddict_move_abort": wrap(self.move_abort),
             "ddict_shard_bytes": wrap(self.shard_bytes),
             "ddict_probe": wrap(self.probe),
-            **{f"ddict_replica_{n}": wrap(getattr(self, f"replica_{n}"))
-               for n in ("hold", "seed", "targets", "drop", "promote")},
+            **{
+                f"ddict_replica_{n}": wrap(getattr(self, f"replica_{n}"))
+                for n in ("hold", "seed", "targets", "drop", "promote")
+            },
         }
 
     # -- shutdown -------------------------------------------------------------------

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import (BATCH_RECORD, GROUP, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record,
-                   group_table)
+from .pure import BATCH_RECORD, GROUP, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record, group_table
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +44,74 @@ def _choose() -> tuple[ModuleType, bool]:
     source = os.path.join(os.path.dirname(__file__), "_compiled.pyx")
     built = getattr(_compiled, "__file__", None)
     if built and os.path.exists(source) and os.stat(source).st_mtime > os.stat(built).st_mtime:
-        warnings.warn(f"{source} is newer than its build {built}: run `pip install -e .` again "
-                      "(or set ddict.compiled: false)", RuntimeWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"{source} is newer than its build {built}: run `pip install -e .` again "
+            "(or set ddict.compiled: false)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return _compiled, True
 
 
 _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
-    from .pure import (Router, decode_frames, decoded, digest_groups, entries_bytes, group,
-                       leading_within,
-                       lookup_entry, lookup_frames, pack_frames, pack_records, put_entries,
-                       receive_nowait, receive_reply, route, send_reply, take_request,
-                       taken_out, unpack_frames, unpack_records, values_of)
+    from .pure import (
+        Router,
+        decode_frames,
+        decoded,
+        digest_groups,
+        entries_bytes,
+        group,
+        leading_within,
+        lookup_entry,
+        lookup_frames,
+        pack_frames,
+        pack_records,
+        put_entries,
+        receive_nowait,
+        receive_reply,
+        route,
+        send_reply,
+        take_request,
+        taken_out,
+        unpack_frames,
+        unpack_records,
+        values_of,
+    )
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
 
-__all__ = ["BATCH_RECORD", "COMPILED", "GROUP", "JOIN", "QUIET", "REPLY", "REQUEST", "KeyTooLong",
-           "group_table",
-           "Record", "Router",
-           "decode_frames", "decoded", "digest_groups", "entries_bytes", "group", "leading_within",
-           "lookup_entry", "lookup_frames",
-           "pack_frames", "pack_records", "put_entries", "receive_nowait", "receive_reply", "route",
-           "send_reply", "take_request", "taken_out",
-           "unpack_frames", "unpack_records", "values_of"]  # (pure.__all__, and what says which: tests/test_kernels.py)
+__all__ = [
+    "BATCH_RECORD",
+    "COMPILED",
+    "GROUP",
+    "JOIN",
+    "QUIET",
+    "REPLY",
+    "REQUEST",
+    "KeyTooLong",
+    "group_table",
+    "Record",
+    "Router",
+    "decode_frames",
+    "decoded",
+    "digest_groups",
+    "entries_bytes",
+    "group",
+    "leading_within",
+    "lookup_entry",
+    "lookup_frames",
+    "pack_frames",
+    "pack_records",
+    "put_entries",
+    "receive_nowait",
+    "receive_reply",
+    "route",
+    "send_reply",
+    "take_request",
+    "taken_out",
+    "unpack_frames",
+    "unpack_records",
+    "values_of",
+]  # (pure.__all__, and what says which: tests/test_kernels.py)

@@ -20,8 +20,10 @@ from typing import Any
 
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
-from .._serialize import ALIGN  # (a many-key reply's frames start at multiples of it)
-from .._serialize import frame_parts
+from .._serialize import (
+    ALIGN,  # (a many-key reply's frames start at multiples of it)
+    frame_parts,
+)
 
 #: Frame lengths in a many-key reply that are not frames: an absent key, and one
 #: whose reader must wait (``wait_for_keys``: the client then asks for it alone).
@@ -38,9 +40,15 @@ class KeyTooLong(ValueError):
     """A key's serialized bytes are over the dictionary's limit (``args[0]``: them)."""
 
 
-def route(keys: list[Any], n: int, most: int, encode: Callable[[Any], bytes],
-          placed: Callable[[Any, bytes, int], int] | None, plain: frozenset[Any],
-          digest: Callable[[bytes], bytes]) -> list[tuple[int, bytes]]:  # fmt: skip
+def route(
+    keys: list[Any],
+    n: int,
+    most: int,
+    encode: Callable[[Any], bytes],
+    placed: Callable[[Any, bytes, int], int] | None,
+    plain: frozenset[Any],
+    digest: Callable[[bytes], bytes],
+) -> list[tuple[int, bytes]]:
     """``(manager, digest)`` of each key among ``n`` managers.
 
     ``encode`` gives a key's bytes and ``digest`` their 16-byte digest; the first 8
@@ -72,9 +80,15 @@ class Router:
 
     __slots__ = ("n", "most", "encode", "placed", "plain", "digest")
 
-    def __init__(self, n: int, most: int, encode: Callable[[Any], bytes],
-                 placed: Callable[[Any, bytes, int], int] | None, plain: frozenset[Any],
-                 digest: Callable[[bytes], bytes]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        most: int,
+        encode: Callable[[Any], bytes],
+        placed: Callable[[Any, bytes, int], int] | None,
+        plain: frozenset[Any],
+        digest: Callable[[bytes], bytes],
+    ) -> None:
         self.n, self.most, self.encode, self.placed = n, most, encode, placed
         self.plain, self.digest = plain, digest
 
@@ -92,8 +106,12 @@ class Router:
             return manager_for_digest(d, self.n), d, kb
         return self.placed(key, d, self.n), d, kb
 
-    def record(self, key: Any, value: Any, dumps: Callable[[Any], Any],
-               ) -> tuple[int, bytes, bytes, Any]:  # fmt: skip
+    def record(
+        self,
+        key: Any,
+        value: Any,
+        dumps: Callable[[Any], Any],
+    ) -> tuple[int, bytes, bytes, Any]:
         """A put's ``(manager, digest, key bytes, value frame)``: :meth:`one` and
         ``dumps(value)`` (the compiled set frames a ``bytes`` value itself when ``dumps``
         is :func:`~dask_ddict._serialize.dumps_value`, exactly as it would)."""
@@ -157,8 +175,16 @@ def pack_frames(frames: list[Any]) -> list[Any]:
     them, into one part (a thousand small values: one buffer to send, not two thousand);
     a larger frame is a part of its own, sent from where it is (the shard's pages).
     """
-    lens = [f.nbytes if type(f) is memoryview else ABSENT if f is None else WAIT if f is False
-            else memoryview(f).nbytes for f in frames]  # fmt: skip
+    lens = [
+        f.nbytes
+        if type(f) is memoryview
+        else ABSENT
+        if f is None
+        else WAIT
+        if f is False
+        else memoryview(f).nbytes
+        for f in frames
+    ]
     head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}q", *lens)
     parts: list[Any] = []
     run: list[Any] = [head, PADS[len(head) % ALIGN]]
@@ -223,8 +249,10 @@ def lookup_entry(cursor: Any, digest: bytes, chkpt: int) -> Entry | None:
         return None
     flags, klen, flen = ENTRY.unpack_from(raw, 0)
     end = ENTRY_HEADER + flen
-    return new_entry(Entry, (MAXQ - BE.unpack_from(k, DIGEST)[0], flags,
-                             raw[ENTRY_HEADER:end], raw[end : end + klen]))  # fmt: skip
+    return new_entry(
+        Entry,
+        (MAXQ - BE.unpack_from(k, DIGEST)[0], flags, raw[ENTRY_HEADER:end], raw[end : end + klen]),
+    )
 
 
 def decoded(frame: Any, decode: Callable[[Any], Any]) -> Any:
@@ -277,9 +305,15 @@ def taken_out(frames: list[Any], out: Callable[[Any], Any]) -> tuple[list[Any], 
     return taken, nbytes, copies
 
 
-def decode_frames(keys: list[Any], routes: list[tuple[int, bytes]], got: dict[int, list[Any]],
-                  decode: Callable[[Any], Any], absent: Any, wait: Any, small: bool,
-                  ) -> list[tuple[Any, Any]]:  # fmt: skip
+def decode_frames(
+    keys: list[Any],
+    routes: list[tuple[int, bytes]],
+    got: dict[int, list[Any]],
+    decode: Callable[[Any], Any],
+    absent: Any,
+    wait: Any,
+    small: bool,
+) -> list[tuple[Any, Any]]:
     """``(key, value)`` for each key, its frame taken in turn from its manager's (the
     first of its ``(manager, digest)`` route) frames in ``got``: ``absent`` for
     ``None``, ``wait`` for ``False``, else ``decode(frame)``.
@@ -294,13 +328,15 @@ def decode_frames(keys: list[Any], routes: list[tuple[int, bytes]], got: dict[in
     out: list[tuple[Any, Any]] = []
     for key, route in zip(keys, routes):
         frame = next(frames[route[0]])
-        out.append((key, absent if frame is None else wait if frame is False
-                    else decode(frame)))  # fmt: skip
+        out.append((key, absent if frame is None else wait if frame is False else decode(frame)))
     return out
 
 
-def values_of(pairs: list[tuple[Any, Any]], absent: Any, wait: Any,
-              ) -> tuple[list[Any], list[int]]:  # fmt: skip
+def values_of(
+    pairs: list[tuple[Any, Any]],
+    absent: Any,
+    wait: Any,
+) -> tuple[list[Any], list[int]]:
     """The values of :func:`decode_frames`' pairs, and the positions of those that are
     ``absent`` or ``wait`` (the few that ``get_many`` must look at again)."""
     values = [v for _, v in pairs]
@@ -362,13 +398,16 @@ def unpack_records(value: Any) -> dict[int, list[Record]]:
         klen, mid, vlen = BATCH_RECORD.unpack_from(mv, off)
         off += head
         if klen < DIGEST or off + klen + vlen > end:
-            raise ValueError(f"a request of {end} bytes ends inside a record (or its key "
-                             f"section of {klen} bytes has no digest)")  # fmt: skip
+            raise ValueError(
+                f"a request of {end} bytes ends inside a record (or its key "
+                f"section of {klen} bytes has no digest)"
+            )
         keysec = bytes(mv[off : off + klen])
         off += klen
         frame = mv[off : off + vlen]
-        by_mid.setdefault(mid, []).append((keysec[:DIGEST], keysec[DIGEST:],
-                                           bytes(frame) if vlen < JOIN else frame))  # fmt: skip
+        by_mid.setdefault(mid, []).append(
+            (keysec[:DIGEST], keysec[DIGEST:], bytes(frame) if vlen < JOIN else frame)
+        )
         off += vlen
     return by_mid
 
@@ -388,8 +427,15 @@ def entries_bytes(records: list[Record]) -> int:
     return sum(frame_parts(r[2])[1] + len(r[1]) for r in records)
 
 
-def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, flags: int,
-                most: int, full: type[Exception]) -> tuple[int, int, Exception | None]:  # fmt: skip
+def put_entries(
+    cursor: Any,
+    records: list[Record],
+    start: int,
+    tail: bytes,
+    flags: int,
+    most: int,
+    full: type[Exception],
+) -> tuple[int, int, Exception | None]:
     """Put ``records[start:]`` in order, each as its key's version under ``digest +
     tail`` with ``flags``, over its older versions, which are deleted (a window of one
     checkpoint: no reader sees them, as ``ShardStore.put_over`` does one): one LMDB
@@ -402,8 +448,13 @@ def put_entries(cursor: Any, records: list[Record], start: int, tail: bytes, fla
     ``records[i]``, if any, has an entry of ``most`` bytes or more, which the caller
     puts itself (a large value is gathered without a copy of its own).
     """
-    replace, step, key, value, delete = (cursor.replace, cursor.next, cursor.key,
-                                         cursor.value, cursor.delete)  # fmt: skip
+    replace, step, key, value, delete = (
+        cursor.replace,
+        cursor.next,
+        cursor.key,
+        cursor.value,
+        cursor.delete,
+    )
     dead, delta = bool(flags & TOMBSTONE), 0
     for i in range(start, len(records)):
         r = records[i]
@@ -469,9 +520,23 @@ def take_request(most_value: int, cls: Any, reader: Any, tag: list[int]) -> Any:
     keysec = reader.take(klen)
     value = reader.take(vlen)
     tag[0] = tagged
-    return tuple.__new__(cls, (op, flags, mid, chkpt, arg, client,
-                               None if timeout < 0 else timeout,
-                               keysec[:DIGEST], keysec[DIGEST:], value, rid, term))  # fmt: skip
+    return tuple.__new__(
+        cls,
+        (
+            op,
+            flags,
+            mid,
+            chkpt,
+            arg,
+            client,
+            None if timeout < 0 else timeout,
+            keysec[:DIGEST],
+            keysec[DIGEST:],
+            value,
+            rid,
+            term,
+        ),
+    )
 
 
 def send_reply(sock: Any, tag: int, ival: int, payload: Any, small: int) -> Any:
@@ -505,8 +570,9 @@ REPLY = struct.Struct("<BxxxIqQ")
 QUIET = -1
 
 
-def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
-                  small: int) -> tuple[int, int, int, bytes | None, int]:  # fmt: skip
+def receive_reply(
+    sock: Any, buf: bytearray, got: int, wait: float | None, small: int
+) -> tuple[int, int, int, bytes | None, int]:
     """Receive the reply to the one request in flight on ``sock`` into ``buf``.
 
     ``buf`` holds ``got`` bytes of it already.  Returns ``(status, ival, plen,
@@ -542,8 +608,26 @@ def receive_reply(sock: Any, buf: bytearray, got: int, wait: float | None,
         got += n
 
 
-__all__ = ["route", "Router", "group", "digest_groups", "pack_frames", "unpack_frames",
-           "lookup_entry", "lookup_frames", "decoded",
-           "taken_out", "decode_frames", "values_of", "entries_bytes", "leading_within",
-           "put_entries", "pack_records", "unpack_records", "receive_reply", "receive_nowait",
-           "take_request", "send_reply"]
+__all__ = [
+    "route",
+    "Router",
+    "group",
+    "digest_groups",
+    "pack_frames",
+    "unpack_frames",
+    "lookup_entry",
+    "lookup_frames",
+    "decoded",
+    "taken_out",
+    "decode_frames",
+    "values_of",
+    "entries_bytes",
+    "leading_within",
+    "put_entries",
+    "pack_records",
+    "unpack_records",
+    "receive_reply",
+    "receive_nowait",
+    "take_request",
+    "send_reply",
+]

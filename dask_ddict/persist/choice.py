@@ -29,8 +29,10 @@ if TYPE_CHECKING:
     from .versioned import VersionedPersister
 
 #: The built-in persisters by name, and where each lives.
-BUILT_IN = {"zarr": "dask_ddict.persist.zarr_store:ZarrPersister",
-            "directory": "dask_ddict.persist.directory_store:DirectoryPersister"}  # fmt: skip
+BUILT_IN = {
+    "zarr": "dask_ddict.persist.zarr_store:ZarrPersister",
+    "directory": "dask_ddict.persist.directory_store:DirectoryPersister",
+}
 #: The name of "nothing persisted" (Dragon's NULLCheckpointPersister).
 NULL = "null"
 
@@ -64,9 +66,11 @@ def persister_name(persister_class: Any) -> str:
             return persister_class
         if ":" in persister_class:  # (a class's reference: a copy of a dictionary's options)
             return persister_name(persister_for(persister_class))
-        raise ValueError(f"persister_class={persister_class!r}: the persisters are named "
-                         f"{', '.join(repr(n) for n in [*BUILT_IN, NULL])}, or given as "
-                         "classes")  # fmt: skip
+        raise ValueError(
+            f"persister_class={persister_class!r}: the persisters are named "
+            f"{', '.join(repr(n) for n in [*BUILT_IN, NULL])}, or given as "
+            "classes"
+        )
     if persister_class is NULLCheckpointPersister:
         return NULL
     if persister_class is DAOSCheckpointPersister:
@@ -75,12 +79,12 @@ def persister_name(persister_class: Any) -> str:
             "For object storage give persist_path= an fsspec URL (s3://bucket/ckpt.zarr, "
             "with storage_options=) and keep persister_class=None (zarr); for a shared file "
             "system use persister_class=DirectoryPersister (PosixCheckpointPersister)"
-        )  # fmt: skip
+        )
     if not (isinstance(persister_class, type) and issubclass(persister_class, CheckpointPersister)):
         raise TypeError(
             f"persister_class must be None, a persister's name or a subclass of "
             f"dask_ddict.CheckpointPersister, got {persister_class!r:.80}"
-        )  # fmt: skip
+        )
     ref = f"{persister_class.__module__}:{persister_class.__qualname__}"
     for name, where in BUILT_IN.items():
         if ref == where:
@@ -89,7 +93,7 @@ def persister_name(persister_class: Any) -> str:
         raise ValueError(
             f"persister_class={persister_class.__qualname__}: the workers' host processes "
             "import it by name; define it in a module that they can import"
-        )  # fmt: skip
+        )
     return ref
 
 
@@ -112,9 +116,8 @@ def detect(path: str) -> type[VersionedPersister]:
     from ..arguments import local_store
     from .directory_store import MARK
 
-    from .versioned import VersionedPersister
-
     local = local_store(path)
-    name = "directory" if local is not None and os.path.exists(os.path.join(local, MARK)) \
-        else "zarr"  # fmt: skip
+    name = (
+        "directory" if local is not None and os.path.exists(os.path.join(local, MARK)) else "zarr"
+    )
     return cast("type[VersionedPersister]", persister_for(name))

@@ -90,10 +90,12 @@ class DirectoryPersister(VersionedPersister):
             raise DDictPersistCheckpointError(
                 f"persist_path {self.path!r}: the directory persister writes files in a "
                 "directory (local, or a shared file system); for a URL (s3://...) use the "
-                "zarr persister (persister_class=None)")  # fmt: skip
+                "zarr persister (persister_class=None)"
+            )
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise DDictPersistCheckpointError(
-                f"persist_path {self.path!r} is a file, not a directory")
+                f"persist_path {self.path!r} is a file, not a directory"
+            )
         _not_zarr(self.root, self.path)
         self._dict = os.path.join(self.root, self.name)
         self._mine = os.path.join(self._dict, f"manager_{self.manager_id}")
@@ -103,8 +105,7 @@ class DirectoryPersister(VersionedPersister):
             os.makedirs(self._records, exist_ok=True)
             mark = os.path.join(self.root, MARK)
             if not os.path.exists(mark):
-                replace_file(mark, json.dumps({"persister": self.kind,
-                                               "format": FORMAT}).encode())  # fmt: skip
+                replace_file(mark, json.dumps({"persister": self.kind, "format": FORMAT}).encode())
         elif not os.path.isdir(self._records):
             raise FileNotFoundError(f"{self._records} does not exist")
         return self._manager_attrs(self.manager_id)
@@ -184,23 +185,24 @@ class DirectoryPersister(VersionedPersister):
         return Values(total, chunk, read)
 
     @classmethod
-    def dictionaries(cls, path: str, storage_options: dict[str, Any] | None = None
-                     ) -> list[str]:  # fmt: skip
+    def dictionaries(cls, path: str, storage_options: dict[str, Any] | None = None) -> list[str]:
         local = local_store(path)
         if local is None:
             raise DDictPersistCheckpointError(
-                f"{path!r} is a URL: the directory persister reads local directories")
+                f"{path!r} is a URL: the directory persister reads local directories"
+            )
         _not_zarr(local, path)
-        return sorted(n for n in _listdir(local)
-                      if os.path.isdir(os.path.join(local, n, COMMITTED)))  # fmt: skip
+        return sorted(
+            n for n in _listdir(local) if os.path.isdir(os.path.join(local, n, COMMITTED))
+        )
 
 
 def _not_zarr(root: str, path: str) -> None:
     """Refuse a zarr store: the zarr persister's, which this one would misread."""
     if os.path.exists(os.path.join(root, "zarr.json")):
         raise DDictPersistCheckpointError(
-            f"{path!r} is a zarr store (the zarr persister's): read it with "
-            "persister_class=None")  # fmt: skip
+            f"{path!r} is a zarr store (the zarr persister's): read it with persister_class=None"
+        )
 
 
 def _listdir(path: str) -> list[str]:

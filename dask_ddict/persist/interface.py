@@ -92,9 +92,19 @@ class CheckpointPersister(ABC):
     #: The name ``persister_class=`` and the dictionary's options know it by.
     kind: ClassVar[str] = ""
 
-    def __init__(self, path: str, name: str, manager_id: int, num_managers: int, *,
-                 chunk_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None,
-                 fsync: bool = False, step: Step = no_step, writable: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        name: str,
+        manager_id: int,
+        num_managers: int,
+        *,
+        chunk_bytes: int = 64 << 20,
+        storage_options: dict[str, Any] | None = None,
+        fsync: bool = False,
+        step: Step = no_step,
+        writable: bool = True,
+    ) -> None:
         self.path = path
         self.name = name
         self.manager_id = manager_id
@@ -141,8 +151,7 @@ class CheckpointPersister(ABC):
 
     @classmethod
     @abstractmethod
-    def dictionaries(cls, path: str, storage_options: dict[str, Any] | None = None
-                     ) -> list[str]:  # fmt: skip
+    def dictionaries(cls, path: str, storage_options: dict[str, Any] | None = None) -> list[str]:
         """The names of the dictionaries persisted at ``path`` (``[]``: none, or nothing
         there); raises ``DDictPersistCheckpointError`` where ``path`` cannot be read as
         this kind of store."""

@@ -68,8 +68,9 @@ class Persister:
         with self._lock:
             return list(self._ids)
 
-    def submit(self, release: Callable[[], None],
-               jobs: list[tuple[int, int, Callable[[], Iterable[Any]]]]) -> None:  # fmt: skip
+    def submit(
+        self, release: Callable[[], None], jobs: list[tuple[int, int, Callable[[], Iterable[Any]]]]
+    ) -> None:
         """Persist ``jobs`` (``(chkpt, version, entries)``: see ``CheckpointPersister.write``)
         in the background, then call ``release``.
 
@@ -101,8 +102,7 @@ class Persister:
             self._thread.join()
             self._thread = None
 
-    def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]],
-                  version: int = 0) -> None:  # fmt: skip
+    def write_now(self, chkpt: int, entries: Callable[[], Iterable[Any]], version: int = 0) -> None:
         """Persist this manager's part of ``version`` of one checkpoint in this thread,
         then rotate (:meth:`rotate`).
 
@@ -181,8 +181,9 @@ class Persister:
         try:
             self.write_now(chkpt, entries, version)
         except BaseException as e:
-            logger.exception("ddict manager %d: persisting checkpoint %d failed",
-                             self.store.manager_id, chkpt)  # fmt: skip
+            logger.exception(
+                "ddict manager %d: persisting checkpoint %d failed", self.store.manager_id, chkpt
+            )
             failure = e
         if self.report is None:
             if failure is not None:
@@ -192,8 +193,12 @@ class Persister:
         try:
             self.report(chkpt, version, failure)
         except Exception:  # (the manager closed meanwhile: nothing left to record it in)
-            logger.debug("ddict manager %d: persist of %d not recorded", self.store.manager_id,
-                         chkpt, exc_info=True)  # fmt: skip
+            logger.debug(
+                "ddict manager %d: persist of %d not recorded",
+                self.store.manager_id,
+                chkpt,
+                exc_info=True,
+            )
 
     def _run(self) -> None:
         while True:

@@ -37,8 +37,9 @@ def _names_a_class(key_bytes: bytes) -> bool:
     if _STACK_GLOBAL not in key_bytes:  # (one C scan: most keys stop here)
         return False
     try:
-        return any(op.name in ("STACK_GLOBAL", "GLOBAL") for op, _, _ in
-                   pickletools.genops(key_bytes))  # fmt: skip
+        return any(
+            op.name in ("STACK_GLOBAL", "GLOBAL") for op, _, _ in pickletools.genops(key_bytes)
+        )
     except Exception:  # noqa: BLE001 - not a pickle after all: no class
         return False
 

@@ -18,9 +18,15 @@ from ..errors import DDictPersistCheckpointError
 from .interface import CheckpointPersister
 
 
-def check_restorable(kind: type[CheckpointPersister], path: str, name: str, manager_id: int,
-                     num_managers: int, chkpt: int,
-                     storage_options: dict[str, Any] | None = None) -> None:  # fmt: skip
+def check_restorable(
+    kind: type[CheckpointPersister],
+    path: str,
+    name: str,
+    manager_id: int,
+    num_managers: int,
+    chkpt: int,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
     """Raise :class:`DDictPersistCheckpointError` unless checkpoint ``chkpt`` of manager
     ``manager_id`` of dictionary ``name`` is committed in the store ``path`` (written by
     persister ``kind``).
@@ -45,13 +51,17 @@ def check_restorable(kind: type[CheckpointPersister], path: str, name: str, mana
             f"{what}: the store {path!r} holds no dictionary named {name!r} (it holds: "
             f"{held}); pass the name it was persisted under (name=...)"
         )
-    store = kind(path, name, manager_id, num_managers, writable=False,
-                 storage_options=storage_options)  # fmt: skip
+    store = kind(
+        path, name, manager_id, num_managers, writable=False, storage_options=storage_options
+    )
     complete = store.complete_ids()
     if chkpt not in complete:
         mine = store.ids()
-        also = (f"; this manager has it, but not every manager has the same version of it"
-                if chkpt in mine else "")  # fmt: skip
+        also = (
+            "; this manager has it, but not every manager has the same version of it"
+            if chkpt in mine
+            else ""
+        )
         raise DDictPersistCheckpointError(
             f"{what} in the store {path!r} (persisted on every manager there: {complete}; "
             f"by this manager: {mine}{also})"

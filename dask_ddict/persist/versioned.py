@@ -80,8 +80,11 @@ _RECORD = re.compile(r"^chkpt_(\d+)\.manager_(\d+)(?:\.g(\d+)\.v([0-9a-f]+)\.n(\
 COMMITTED = "committed"
 #: A generation's arrays besides its values, read whole, and their types.
 SMALL: dict[str, np.dtype[Any]] = {
-    "keys": np.dtype("u1"), "key_offsets": np.dtype("<u8"), "value_offsets": np.dtype("<u8"),
-    "flags": np.dtype("u1")}  # fmt: skip
+    "keys": np.dtype("u1"),
+    "key_offsets": np.dtype("<u8"),
+    "value_offsets": np.dtype("<u8"),
+    "flags": np.dtype("u1"),
+}
 
 
 def crc32c(data: Any) -> int:
@@ -208,12 +211,30 @@ class VersionedPersister(CheckpointPersister):
     #: The formats it reads.
     READABLE: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, path: str, name: str, manager_id: int, num_managers: int, *,
-                 chunk_bytes: int = 64 << 20, storage_options: dict[str, Any] | None = None,
-                 fsync: bool = False, step: Step = no_step, writable: bool = True) -> None:  # fmt: skip
-        super().__init__(path, name, manager_id, num_managers, chunk_bytes=chunk_bytes,
-                         storage_options=storage_options, fsync=fsync, step=step,
-                         writable=writable)  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        name: str,
+        manager_id: int,
+        num_managers: int,
+        *,
+        chunk_bytes: int = 64 << 20,
+        storage_options: dict[str, Any] | None = None,
+        fsync: bool = False,
+        step: Step = no_step,
+        writable: bool = True,
+    ) -> None:
+        super().__init__(
+            path,
+            name,
+            manager_id,
+            num_managers,
+            chunk_bytes=chunk_bytes,
+            storage_options=storage_options,
+            fsync=fsync,
+            step=step,
+            writable=writable,
+        )
         local = local_store(path)
         #: The local directory (``file://`` URLs included), or the URL itself.
         self.root = path if local is None else local
@@ -230,7 +251,8 @@ class VersionedPersister(CheckpointPersister):
             reason = f"{e.strerror} [errno {e.errno}]" if e.strerror else str(e)
             raise DDictPersistCheckpointError(
                 f"persist_path {path!r} cannot be written from {socket.gethostname()} "
-                f"({where}): {reason}") from None  # fmt: skip
+                f"({where}): {reason}"
+            ) from None
         except Exception as e:  # JSONDecodeError, a node of the wrong kind, ...
             raise DDictPersistCheckpointError(
                 f"{where}: unreadable metadata ({type(e).__name__}: {e})"
@@ -243,14 +265,15 @@ class VersionedPersister(CheckpointPersister):
                 f"{where} has format {fmt!r}; this dask_ddict reads {self.FORMAT!r} with "
                 f"{type(self).__name__} (its key bytes or layout differ): restore it with "
                 "the version and persister_class that wrote it"
-            )  # fmt: skip
+            )
         #: how many managers wrote the dictionary's first checkpoints (their records, when
         #: an older dask_ddict wrote them, do not say: see ``_all_records``), as manager 0's
         #: attributes say (every dictionary has them; this manager's may be new)
         self.first_managers = int(found) if found is not None else self._first(num_managers)
         if found is None and writable:
-            self._stamp({"format": self.FORMAT, "num_managers": num_managers,
-                         "manager_id": manager_id})  # fmt: skip
+            self._stamp(
+                {"format": self.FORMAT, "num_managers": num_managers, "manager_id": manager_id}
+            )
         elif writable and fmt != self.FORMAT:  # an older readable store: what we add may
             self._stamp({**attrs, "format": self.FORMAT})  # hold frames its writer misreads
 
@@ -276,9 +299,16 @@ class VersionedPersister(CheckpointPersister):
 
     def _other(self, manager_id: int, num_managers: int, writable: bool) -> VersionedPersister:
         """Another manager's persister of the same store and kind."""
-        return type(self)(self.path, self.name, manager_id, num_managers,
-                          chunk_bytes=self.chunk_bytes, storage_options=self.storage_options,
-                          step=self.step, writable=writable)  # fmt: skip
+        return type(self)(
+            self.path,
+            self.name,
+            manager_id,
+            num_managers,
+            chunk_bytes=self.chunk_bytes,
+            storage_options=self.storage_options,
+            step=self.step,
+            writable=writable,
+        )
 
     # -- generations ----------------------------------------------------------
 
@@ -292,8 +322,14 @@ class VersionedPersister(CheckpointPersister):
             chkpt, gen = int(m.group(1)), int(m.group(2))
             try:
                 attrs = self._generation_attrs(n)
-                out.append(Generation(chkpt, gen, attrs.get("committed") is True,
-                                      version=int(attrs.get("version", LEGACY))))  # fmt: skip
+                out.append(
+                    Generation(
+                        chkpt,
+                        gen,
+                        attrs.get("committed") is True,
+                        version=int(attrs.get("version", LEGACY)),
+                    )
+                )
             except Exception as e:  # a torn or damaged commit
                 out.append(Generation(chkpt, gen, False, f"{type(e).__name__}: {e}"))
         return sorted(out, key=lambda g: (g.chkpt, g.gen))
@@ -312,8 +348,10 @@ class VersionedPersister(CheckpointPersister):
         broken = [f"{g.name}: {g.problem}" for g in found if g.problem]
         detail = f" (unreadable: {'; '.join(broken)})" if broken else ""
         if any(g.committed for g in found) and version is None:
-            detail += (" (this manager committed it, but no version of it is recorded by "
-                       f"all {self.num_managers} managers)")  # fmt: skip
+            detail += (
+                " (this manager committed it, but no version of it is recorded by "
+                f"all {self.num_managers} managers)"
+            )
         raise DDictPersistCheckpointError(
             f"{self._where(chkpt)} is not persisted{detail} (persisted on every manager: "
             f"{self.complete_ids()})"
@@ -365,9 +403,11 @@ class VersionedPersister(CheckpointPersister):
             complete = versions.get(g.chkpt)
             newest = None if complete is None else complete.gens.get(self.manager_id)
             later = [r for r in mine if r.chkpt == g.chkpt and r.gen > g.gen]
-            if (newest is not None and g.gen < newest) or \
-                    any(r.version == g.version for r in later) or \
-                    (later and not g.committed):  # fmt: skip
+            if (
+                (newest is not None and g.gen < newest)
+                or any(r.version == g.version for r in later)
+                or (later and not g.committed)
+            ):
                 self._discard(g, mine)
 
     def settle(self, chkpt: int) -> None:
@@ -392,8 +432,7 @@ class VersionedPersister(CheckpointPersister):
     # -- the dictionary's commit record ------------------------------------------
 
     def _record_name(self, chkpt: int, gen: int, version: int) -> str:
-        return (f"chkpt_{chkpt}.manager_{self.manager_id}.g{gen}.v{version:x}"
-                f".n{self.num_managers}")  # fmt: skip
+        return f"chkpt_{chkpt}.manager_{self.manager_id}.g{gen}.v{version:x}.n{self.num_managers}"
 
     def record(self, chkpt: int, gen: int, version: int) -> None:
         """Record in ``committed/`` that this manager has committed generation ``gen`` of
@@ -472,10 +511,18 @@ class VersionedPersister(CheckpointPersister):
         older = [g for g in self.generations() if g.chkpt == chkpt]
         gen = Generation(chkpt, max((g.gen for g in older), default=-1) + 1, False)
         chunk = max(1, min(self.chunk_bytes, value_bytes))
-        attrs = {"format": self.FORMAT, "checkpoint": chkpt, "generation": gen.gen,
-                 "version": version, "manager_id": self.manager_id,
-                 "num_managers": self.num_managers, "num_keys": n, "key_bytes": key_bytes,
-                 "value_bytes": value_bytes, "value_chunk": chunk}  # fmt: skip
+        attrs = {
+            "format": self.FORMAT,
+            "checkpoint": chkpt,
+            "generation": gen.gen,
+            "version": version,
+            "manager_id": self.manager_id,
+            "num_managers": self.num_managers,
+            "num_keys": n,
+            "key_bytes": key_bytes,
+            "value_bytes": value_bytes,
+            "value_chunk": chunk,
+        }
         self._begin(gen.name, {**attrs, "committed": False})
         try:
             self._write_generation(gen, attrs, entries, n, key_bytes, chunk)
@@ -485,8 +532,7 @@ class VersionedPersister(CheckpointPersister):
             try:
                 self._remove(gen)
             except Exception:  # noqa: BLE001 - the next persist's prune tries again
-                logger.debug("%r: removing the generation a failed write left", self,
-                             exc_info=True)  # fmt: skip
+                logger.debug("%r: removing the generation a failed write left", self, exc_info=True)
             raise
         self.step("committed")
         self.record(chkpt, gen.gen, version)
@@ -495,9 +541,15 @@ class VersionedPersister(CheckpointPersister):
         self.step("cleanup")
         return value_bytes
 
-    def _write_generation(self, gen: Generation, attrs: dict[str, Any],
-                          entries: Callable[[], Iterable[Entry]], n: int, key_bytes: int,
-                          chunk: int) -> None:  # fmt: skip
+    def _write_generation(
+        self,
+        gen: Generation,
+        attrs: dict[str, Any],
+        entries: Callable[[], Iterable[Entry]],
+        n: int,
+        key_bytes: int,
+        chunk: int,
+    ) -> None:
         """Write generation ``gen``'s arrays, then its commit (``attrs``, ``committed``)."""
         value_bytes = attrs["value_bytes"]
         writer = self._values_sink(gen.name, value_bytes, chunk)
@@ -580,17 +632,22 @@ class VersionedPersister(CheckpointPersister):
         parts = []
         for i in range(n):  # (every part opened and checked before anything is yielded)
             part = self._other(i, n, writable=False)
-            gen = [g for g in part.generations() if g.chkpt == chkpt and g.committed
-                   and _part_of(g, version, version.gens[i])][-1:]  # fmt: skip
+            gen = [
+                g
+                for g in part.generations()
+                if g.chkpt == chkpt and g.committed and _part_of(g, version, version.gens[i])
+            ][-1:]
             if not gen:
                 raise DDictPersistCheckpointError(
-                    f"{part._where(chkpt)}: its recorded generation {version.gens[i]} is gone")
+                    f"{part._where(chkpt)}: its recorded generation {version.gens[i]} is gone"
+                )
             wanted = functools.partial(_owned, part=i, n=n, m=m, me=me)
             parts.append(part.read_generation(gen[0], wanted))
         return itertools.chain.from_iterable(parts)
 
-    def read_generation(self, gen: Generation, wanted: Callable[[bytes], bool] | None = None
-                        ) -> Iterator[Entry]:  # fmt: skip
+    def read_generation(
+        self, gen: Generation, wanted: Callable[[bytes], bool] | None = None
+    ) -> Iterator[Entry]:
         """The entries of this manager's generation ``gen`` (``wanted``: only the keys it
         says), checked as :meth:`read` says."""
         chkpt = gen.chkpt
@@ -610,8 +667,9 @@ class VersionedPersister(CheckpointPersister):
         except Exception as e:  # codec checksum, missing array, garbage metadata
             raise bad(f"cannot read it ({type(e).__name__}: {e})") from None
         if (attrs.get("manager_id"), attrs.get("num_managers")) != (
-            self.manager_id, self.num_managers,
-        ):  # fmt: skip
+            self.manager_id,
+            self.num_managers,
+        ):
             raise bad(
                 f"it was written by manager {attrs.get('manager_id')} of "
                 f"{attrs.get('num_managers')}, not {self.manager_id} of {self.num_managers}"
@@ -620,18 +678,25 @@ class VersionedPersister(CheckpointPersister):
             if crc32c(small[a]) != crcs.get(a):
                 raise bad(f"array {a!r} does not match its committed checksum (missing chunk?)")
         keys, koff, voff, flags = (small[a] for a in SMALL)
-        for aname, off, total in (("key_offsets", koff, keys.size), ("value_offsets", voff,
-                                                                      value_bytes)):  # fmt: skip
-            if off.shape != (n + 1,) or off[0] != 0 or off[-1] != total or np.any(
-                np.diff(off.astype(np.int64)) < 0
+        for aname, off, total in (
+            ("key_offsets", koff, keys.size),
+            ("value_offsets", voff, value_bytes),
+        ):
+            if (
+                off.shape != (n + 1,)
+                or off[0] != 0
+                or off[-1] != total
+                or np.any(np.diff(off.astype(np.int64)) < 0)
             ):
                 raise bad(f"{aname} do not fit the data ({n} keys, {total} bytes)")
         if flags.shape != (n,) or values.nbytes != value_bytes:
             raise bad(f"array shapes do not match the commit ({n} keys, {value_bytes} bytes)")
         chunk = values.chunk
         if len(crcs["values"]) != -(-value_bytes // chunk):
-            raise bad(f"the commit lists {len(crcs['values'])} value chunks, the array has "
-                      f"{-(-value_bytes // chunk)}")  # fmt: skip
+            raise bad(
+                f"the commit lists {len(crcs['values'])} value chunks, the array has "
+                f"{-(-value_bytes // chunk)}"
+            )
         return _entries(values, crcs["values"], keys, koff, voff, flags, bad, wanted)
 
     # -- the medium: what an implementation provides ---------------------------------
@@ -710,9 +775,16 @@ class VersionedPersister(CheckpointPersister):
         """Generation ``name``'s values, a chunk at a time."""
 
 
-def _entries(values: Values, crcs: list[int], keys: np.ndarray, koff: np.ndarray,
-             voff: np.ndarray, flags: np.ndarray, bad: Callable[[str], Exception],
-             wanted: Callable[[bytes], bool] | None = None) -> Iterator[Entry]:  # fmt: skip
+def _entries(
+    values: Values,
+    crcs: list[int],
+    keys: np.ndarray,
+    koff: np.ndarray,
+    voff: np.ndarray,
+    flags: np.ndarray,
+    bad: Callable[[str], Exception],
+    wanted: Callable[[bytes], bool] | None = None,
+) -> Iterator[Entry]:
     chunk = values.chunk
     cache: dict[int, np.ndarray] = {}
 

@@ -47,7 +47,8 @@ def _not_files(local: str | None, path: str) -> None:
     if local is not None and os.path.exists(os.path.join(local, MARK)):
         raise DDictPersistCheckpointError(
             f"{path!r} holds the directory persister's files, not a zarr store: read it "
-            "with persister_class=DirectoryPersister")  # fmt: skip
+            "with persister_class=DirectoryPersister"
+        )
 
 
 def _sync(coro: Any) -> Any:
@@ -142,7 +143,8 @@ class ZarrPersister(VersionedPersister):
     def _open(self) -> dict[str, Any] | None:
         if os.path.exists(self.root) and not os.path.isdir(self.root) and self.local:
             raise DDictPersistCheckpointError(
-                f"persist_path {self.path!r} is a file, not a directory (a zarr store)")
+                f"persist_path {self.path!r} is a file, not a directory (a zarr store)"
+            )
         _not_files(self.root if self.local else None, self.path)
         name, so = self.name, self.storage_options
         if self.writable:
@@ -154,8 +156,14 @@ class ZarrPersister(VersionedPersister):
             self.record_group = root[f"{name}/{COMMITTED}"]
             self.dict_group = root[name]
             mine = f"manager_{self.manager_id}"  # (none: a manager that a restore onto more
-            self.group = root[f"{name}/{mine}"] if mine in {  # managers adds)
-                n for n, _ in self.dict_group.groups()} else None  # fmt: skip
+            self.group = (
+                root[f"{name}/{mine}"]
+                if mine
+                in {  # managers adds)
+                    n for n, _ in self.dict_group.groups()
+                }
+                else None
+            )
         return None if self.group is None else dict(self.group.attrs)
 
     def _stamp(self, attrs: dict[str, Any]) -> None:
@@ -190,14 +198,20 @@ class ZarrPersister(VersionedPersister):
 
     def _values_sink(self, name: str, nbytes: int, chunk: int) -> ChunkSink:
         values = self.group[name].create_array(
-            "values", shape=(nbytes,), dtype="uint8", chunks=(chunk,),
-            compressors=_CRC, fill_value=0, config=_ARRAY_CONFIG,
-        )  # fmt: skip
+            "values",
+            shape=(nbytes,),
+            dtype="uint8",
+            chunks=(chunk,),
+            compressors=_CRC,
+            fill_value=0,
+            config=_ARRAY_CONFIG,
+        )
         return _ZarrSink(values, chunk, self.step)
 
     def _write_array(self, name: str, aname: str, arr: np.ndarray) -> None:
-        self.group[name].create_array(aname, data=arr, chunks=(max(1, arr.size),),
-                                      compressors=_CRC, config=_ARRAY_CONFIG)  # fmt: skip
+        self.group[name].create_array(
+            aname, data=arr, chunks=(max(1, arr.size),), compressors=_CRC, config=_ARRAY_CONFIG
+        )
 
     def _commit(self, name: str, attrs: dict[str, Any]) -> None:
         self.group[name].attrs.update(attrs)
@@ -220,16 +234,16 @@ class ZarrPersister(VersionedPersister):
         return Values(total, chunk, lambda i: values[i * chunk : min((i + 1) * chunk, total)])
 
     @classmethod
-    def dictionaries(cls, path: str, storage_options: dict[str, Any] | None = None
-                     ) -> list[str]:  # fmt: skip
+    def dictionaries(cls, path: str, storage_options: dict[str, Any] | None = None) -> list[str]:
         _not_files(local_store(path), path)
         try:
-            root = zarr.open_group(local_store(path) or path, mode="r",
-                                   storage_options=storage_options or None)  # fmt: skip
+            root = zarr.open_group(
+                local_store(path) or path, mode="r", storage_options=storage_options or None
+            )
             return sorted(n for n, _ in root.groups())
         except (FileNotFoundError, GroupNotFoundError):  # (an empty directory or bucket)
             return []
         except Exception as e:  # noqa: BLE001 - any other reason the store cannot be read
             raise DDictPersistCheckpointError(
-                f"{path!r} is not a readable zarr store ({type(e).__name__}: {e})") from None
-
+                f"{path!r} is not a readable zarr store ({type(e).__name__}: {e})"
+            ) from None

@@ -42,8 +42,13 @@ class Batches:
 
     if TYPE_CHECKING:
 
-        def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
-                   at: tuple[int, int] | None = None) -> T: ...  # fmt: skip
+        def _write(
+            self,
+            fn: Callable[[lmdb.Transaction], T],
+            timeout: float | None,
+            what: str,
+            at: tuple[int, int] | None = None,
+        ) -> T: ...
 
         def _check_open(self) -> None: ...
 
@@ -72,8 +77,9 @@ class Batches:
             count, err = self._batch_state(txn, key, batch)
             tally = Tally(self.store, txn)
             if err is None:
-                done, err = ws.put_many(txn, records, chkpt, client, persistent=persistent,
-                                        batch=True, tally=tally)  # fmt: skip
+                done, err = ws.put_many(
+                    txn, records, chkpt, client, persistent=persistent, batch=True, tally=tally
+                )
                 if counts.transaction_lost(err):
                     raise err  # (rolled back, room made, tried again: see Manager._attempt)
                 count += done
@@ -90,8 +96,9 @@ class Batches:
                 count, err = self._batch_state(txn, key, batch)
                 self.store.put_meta(txn, key, pickle.dumps((batch, count, err or e)))
 
-    def _batch_state(self, txn: lmdb.Transaction, key: bytes,
-                     batch: int) -> tuple[int, DDictError | None]:  # fmt: skip
+    def _batch_state(
+        self, txn: lmdb.Transaction, key: bytes, batch: int
+    ) -> tuple[int, DDictError | None]:
         raw = self.store.get_meta(txn, key)
         if raw is None:
             return 0, None

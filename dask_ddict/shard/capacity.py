@@ -44,7 +44,9 @@ class Capacity:
         """``(bytes in pages that hold live data, entries)``: free-list pages excluded,
         entries are stored versions (tombstones included)."""
         pages = entries = 0
-        for db in (self._data, self._index, self._meta) if self.indexed else (self._data, self._meta):
+        for db in (
+            (self._data, self._index, self._meta) if self.indexed else (self._data, self._meta)
+        ):
             st = txn.stat(db)
             pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
             if db is self._data:
@@ -61,8 +63,9 @@ class Capacity:
         One ``env.info()`` for a whole batch, where :meth:`check_room` ``exact`` takes one
         per put."""
         need = 2 * (nbytes + puts * (ENTRY_HEADER + 64))
-        return (self.env.info()["last_pgno"] + 4) * self._psize + need <= \
-            self.full_thresh * self.capacity  # fmt: skip
+        return (
+            self.env.info()["last_pgno"] + 4
+        ) * self._psize + need <= self.full_thresh * self.capacity
 
     def check_room(self, txn: lmdb.Transaction, nbytes: int, *, exact: bool = False) -> None:
         """Refuse a put of ``nbytes`` that would take the shard over its threshold.
@@ -100,4 +103,5 @@ class Capacity:
         reach = (self.env.info()["last_pgno"] + 1) * self._psize  # (its high-water mark)
         return DDictFullError(
             f"shard is full: a {nbytes}-byte put does not fit: the shard's map of "
-            f"{self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}")
+            f"{self.capacity} bytes is full (its pages reach {reach} bytes).  {FULL_REMEDY}"
+        )

@@ -43,6 +43,7 @@ class ShardStore(Protocol):
     on_commit: Callable[[], None] | None
     later: bool
 
+
 PUT, DELETE, DROP = 1, 2, 3
 _HEAD = struct.Struct("<BBIQ")
 
@@ -59,8 +60,9 @@ def _number(dbs: dict[Any, int], db: Any) -> int:
     try:
         return dbs[db]
     except KeyError:
-        raise DDictError("a replicated write used a database the replicas do not know",
-                         "INTERNAL") from None
+        raise DDictError(
+            "a replicated write used a database the replicas do not know", "INTERNAL"
+        ) from None
 
 
 class _Cursor:
@@ -95,8 +97,9 @@ class _Cursor:
         return old
 
     def putmulti(self, *args: Any, **kwargs: Any) -> Any:
-        raise DDictError("a replicated write cannot putmulti (its puts would not be noted)",
-                         "INTERNAL")  # fmt: skip
+        raise DDictError(
+            "a replicated write cannot putmulti (its puts would not be noted)", "INTERNAL"
+        )
 
     pop = putmulti  # (nor pop: every write of a cursor is noted, or refused)
 
@@ -179,10 +182,10 @@ def apply(store: ShardStore, txn: lmdb.Transaction, payload: Any) -> int:
         while at < end:
             code, db, klen, vlen = unpack(view, at)
             at += head
-            key = view[at:at + klen]
+            key = view[at : at + klen]
             at += klen
             if code == PUT and db == run_db:
-                run.append((key, view[at:at + vlen]))
+                run.append((key, view[at : at + vlen]))
                 at += vlen
                 n += 1
                 continue
@@ -190,7 +193,7 @@ def apply(store: ShardStore, txn: lmdb.Transaction, payload: Any) -> int:
                 txn.cursor(dbs[run_db]).putmulti(run)
                 run, run_db = [], -1
             if code == PUT:
-                run, run_db = [(key, view[at:at + vlen])], db
+                run, run_db = [(key, view[at : at + vlen])], db
                 at += vlen
             elif code == DELETE:
                 txn.delete(key, db=dbs[db])
@@ -202,8 +205,10 @@ def apply(store: ShardStore, txn: lmdb.Transaction, payload: Any) -> int:
         if run:
             txn.cursor(dbs[run_db]).putmulti(run)
     except lmdb.MapFullError as e:
-        raise DDictFullError(f"replica {store.path} is full: it cannot take its primary's "
-                             "write (a replica's shard is as large as its primary's)") from e
+        raise DDictFullError(
+            f"replica {store.path} is full: it cannot take its primary's "
+            "write (a replica's shard is as large as its primary's)"
+        ) from e
     return n
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from ..errors import DDictError, DDictPersistCheckpointError
+from ..errors import DDictError
 from . import counts
 
 if TYPE_CHECKING:
@@ -44,8 +44,10 @@ HISTORY = b"history"
 _MASK = (1 << 62) - 1
 #: Why a persist is failed when the host process that accepted it died before it was
 #: committed and the checkpoint can no longer be read as it was.
-LOST = ("the host process that accepted it died before committing it, and the checkpoint "
-        "has retired since, so it cannot be read again")  # fmt: skip
+LOST = (
+    "the host process that accepted it died before committing it, and the checkpoint "
+    "has retired since, so it cannot be read again"
+)
 
 
 class CheckpointIO:
@@ -95,8 +97,7 @@ class CheckpointIO:
         self._snapshot, self._retiring = None, []
         assert snap is not None and self.persister is not None
         version = self.history(snap)  # (as it was when they retired)
-        self.persister.submit(snap.abort, [(c, version, self._entries_at(snap, c))
-                                           for c in ids])  # fmt: skip
+        self.persister.submit(snap.abort, [(c, version, self._entries_at(snap, c)) for c in ids])
 
     def _entries_at(self, txn: lmdb.Transaction, chkpt: int) -> Callable[[], Iterator[Any]]:
         ws = self.working_set
@@ -109,9 +110,7 @@ class CheckpointIO:
 
     def _need_persister(self, what: str) -> Persister:
         if self.persister is None:
-            raise DDictError(
-                f"{what} needs persist_path= at creation", "INVALID_OPERATION"
-            )
+            raise DDictError(f"{what} needs persist_path= at creation", "INVALID_OPERATION")
         return self.persister
 
     def history(self, txn: lmdb.Transaction) -> int:
@@ -165,9 +164,14 @@ class CheckpointIO:
             state["pending"] = {c: None for c in state["pending"]}
         return state
 
-    def _note(self, txn: lmdb.Transaction, *, accepted: tuple[int, int] | None = None,
-              done: tuple[int, int | None] | None = None,
-              failed: tuple[int, int | None, str] | None = None) -> None:  # fmt: skip
+    def _note(
+        self,
+        txn: lmdb.Transaction,
+        *,
+        accepted: tuple[int, int] | None = None,
+        done: tuple[int, int | None] | None = None,
+        failed: tuple[int, int | None, str] | None = None,
+    ) -> None:
         """Record a persist ``(chkpt, version)`` accepted, committed (``done``) or failed
         (``(chkpt, version, why)``), in ``txn``.  A checkpoint pending in a later version
         than the one reported stays pending."""
@@ -202,8 +206,7 @@ class CheckpointIO:
                 self.store.transact(lambda txn: self._note(txn, done=(chkpt, version)))
             else:
                 why = f"{type(error).__name__}: {error}"
-                self.store.transact(lambda txn: self._note(txn, failed=(chkpt, version,
-                                                                        why)))  # fmt: skip
+                self.store.transact(lambda txn: self._note(txn, failed=(chkpt, version, why)))
 
     def resume_persists(self) -> None:
         """Redo the persists a dead host process accepted and did not commit.
@@ -235,21 +238,32 @@ class CheckpointIO:
                 if done(c, v):
                     self._note(txn, done=(c, v))
                 elif c < floor:
-                    logger.warning("ddict manager %d: checkpoint %d was not persisted: %s",
-                                   self.manager_id, c, LOST)  # fmt: skip
+                    logger.warning(
+                        "ddict manager %d: checkpoint %d was not persisted: %s",
+                        self.manager_id,
+                        c,
+                        LOST,
+                    )
                     self._note(txn, failed=(c, v, LOST))
 
         with self._cond:
             self.store.transact(settle)
             snap = self.store.read()
         if redo:
-            logger.info("ddict manager %d: persisting again checkpoints %s, which the previous "
-                        "host process accepted and did not commit", self.manager_id,
-                        [c for c, _ in redo])  # fmt: skip
+            logger.info(
+                "ddict manager %d: persisting again checkpoints %s, which the previous "
+                "host process accepted and did not commit",
+                self.manager_id,
+                [c for c, _ in redo],
+            )
             assert self.persister is not None
-            self.persister.submit(snap.abort, [
-                (c, self.history(snap) if v is None else v, self._entries_at(snap, c))
-                for c, v in redo])  # fmt: skip
+            self.persister.submit(
+                snap.abort,
+                [
+                    (c, self.history(snap) if v is None else v, self._entries_at(snap, c))
+                    for c, v in redo
+                ],
+            )
         else:
             snap.abort()
 
@@ -279,8 +293,9 @@ class CheckpointIO:
                     n = self.working_set.reset_to(txn, chkpt, persister.store.read(chkpt))
                     self._clear_batches(txn)
                     if not self.read_only:
-                        self.set_history(txn, history or (
-                            self.history(txn) * 1_000_003 + chkpt + 1))  # fmt: skip
+                        self.set_history(
+                            txn, history or (self.history(txn) * 1_000_003 + chkpt + 1)
+                        )
                         self._forget_persists(txn, chkpt)
             except BaseException:
                 self.working_set.restore(snap)
@@ -319,8 +334,11 @@ class CheckpointIO:
             if txn is None:
                 raise DDictError(f"unknown or finished dump {token}", "INVALID_ARGUMENT")
             ws = self.working_set
-            state = {"newest": ws.newest, "size": ws.size,
-                     "writers": {c: sorted(w) for c, w in ws.writers.items()}}  # fmt: skip
+            state = {
+                "newest": ws.newest,
+                "size": ws.size,
+                "writers": {c: sorted(w) for c, w in ws.writers.items()},
+            }
         records, more = self.store.raw_page(txn, after, max_bytes)
         if not more:
             with self._cond:
@@ -328,7 +346,9 @@ class CheckpointIO:
             txn.abort()
         return records, more, state, token
 
-    def replace_with(self, pages: Iterator[tuple[list[tuple[bytes, bytes]], dict[str, Any]]]) -> int:
+    def replace_with(
+        self, pages: Iterator[tuple[list[tuple[bytes, bytes]], dict[str, Any]]]
+    ) -> int:
         """Replace the whole shard (every checkpoint of the window) by another's pages."""
         n = 0
         with self._cond:
@@ -338,7 +358,7 @@ class CheckpointIO:
                 with self.store.write() as txn:
                     self.store.drop_all(txn)
                     state: dict[str, Any] = {}
-                    for records, state in pages:
+                    for records, state in pages:  # noqa: B007 (the last page's state is read below)
                         self.store.put_raw(txn, records)
                         n += len(records)
                     if state.get("size", self.working_set.size) != self.working_set.size:

@@ -92,9 +92,7 @@ def visibility(versions: list[tuple[int, int]], w: Window) -> int:
         c = w.oldest + i
         for vc, flags in versions:
             if vc <= c:
-                if not flags & TOMBSTONE and (
-                    vc == c or flags & PERSISTENT or not w.wait_for_keys
-                ):
+                if not flags & TOMBSTONE and (vc == c or flags & PERSISTENT or not w.wait_for_keys):
                     bits |= 1 << i
                 break
     return bits
@@ -125,8 +123,7 @@ def save(store: ShardStore, txn: lmdb.Transaction, w: Window, counts: list[int])
     store.put_meta(txn, COUNTS, w.packer().pack(w.newest, *counts))
 
 
-def _account(store: ShardStore, txn: lmdb.Transaction, w: Window, before: int,
-             after: int) -> None:  # fmt: skip
+def _account(store: ShardStore, txn: lmdb.Transaction, w: Window, before: int, after: int) -> None:
     """One key's visibility went from bits ``before`` to ``after`` (already stored)."""
     if before == after:
         return
@@ -170,9 +167,16 @@ class Tally:
         save(self.store, self.txn, w, [c + n for c in counts])
 
 
-def put_run(store: ShardStore, txn: lmdb.Transaction, w: Window, records: list[Record],
-            chkpt: int, flags: int, tally: Tally, exact: bool = False,
-            ) -> tuple[int, DDictError | None]:  # fmt: skip
+def put_run(
+    store: ShardStore,
+    txn: lmdb.Transaction,
+    w: Window,
+    records: list[Record],
+    chkpt: int,
+    flags: int,
+    tally: Tally,
+    exact: bool = False,
+) -> tuple[int, DDictError | None]:
     """:func:`put` for each ``(digest, key, frame)`` record in order: ``(how many were
     put, from the first; the error that stopped the next one)``.  A record refused
     (a full shard) wrote nothing.
@@ -205,8 +209,9 @@ def transaction_lost(error: BaseException | None) -> TypeGuard[BaseException]:
     return error is not None and isinstance(error.__cause__, lmdb.MapFullError)
 
 
-def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,
-            change: Callable[[], T]) -> T:  # fmt: skip
+def tracked(
+    store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window, change: Callable[[], T]
+) -> T:
     """Run ``change`` (which touches only the versions of ``digest``) and count it."""
     before = key_bits(store, txn, digest, w)
     out = change()
@@ -214,8 +219,17 @@ def tracked(store: ShardStore, txn: lmdb.Transaction, digest: bytes, w: Window,
     return out
 
 
-def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkpt: int,
-        key: bytes, frame: Any, flags: int, tally: Tally | None = None) -> None:  # fmt: skip
+def put(
+    store: ShardStore,
+    txn: lmdb.Transaction,
+    w: Window,
+    digest: bytes,
+    chkpt: int,
+    key: bytes,
+    frame: Any,
+    flags: int,
+    tally: Tally | None = None,
+) -> None:
     """Store a version at ``chkpt`` (in the window) and drop the dead ones, counted
     (in ``tally`` when given: saved by its :meth:`Tally.settle`).
 
@@ -237,8 +251,11 @@ def put(store: ShardStore, txn: lmdb.Transaction, w: Window, digest: bytes, chkp
     store.put(txn, digest, chkpt, key, frame, flags)
     store.collect(txn, digest, w.oldest)
     if versions and versions[0][0] > chkpt:
-        merged = [v for v in versions if v[0] > chkpt] + [(chkpt, flags)] \
-            + [v for v in versions if v[0] < chkpt]  # fmt: skip
+        merged = (
+            [v for v in versions if v[0] > chkpt]
+            + [(chkpt, flags)]
+            + [v for v in versions if v[0] < chkpt]
+        )
     else:
         merged = [(chkpt, flags), *(v for v in versions if v[0] < chkpt)]
     _account(store, txn, w, visibility(versions, w), visibility(merged, w))
@@ -248,8 +265,7 @@ def shifted(store: ShardStore, txn: lmdb.Transaction, w: Window, newest: int) ->
     """Move the counts from window ``w`` to the one ending at ``newest`` (> ``w.newest``)."""
     counts = load(store, txn, w)
     steps = min(newest - w.newest, w.slots)
-    save(store, txn, window(newest, w.size, w.wait_for_keys),
-         counts[steps:] + [counts[-1]] * steps)  # fmt: skip
+    save(store, txn, window(newest, w.size, w.wait_for_keys), counts[steps:] + [counts[-1]] * steps)
 
 
 def recount(store: ShardStore, txn: lmdb.Transaction, w: Window) -> list[int]:

@@ -94,8 +94,7 @@ class DeferredQueue:
     def __repr__(self) -> str:
         return f"<DeferredQueue waiting={len(self.waiting)}{' closed' if self._closed else ''}>"
 
-    def wait(self, attempt: Callable[[], T], timeout: float | None, what: str,
-             chkpt: int = 0) -> T:  # fmt: skip
+    def wait(self, attempt: Callable[[], T], timeout: float | None, what: str, chkpt: int = 0) -> T:
         """Queue an operation that must wait and sleep until a drain has done it.
 
         Parameters

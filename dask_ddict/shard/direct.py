@@ -20,8 +20,15 @@ from .store import PERSISTENT, ShardStore
 from .working_set import OPEN, check_window, frozen, saved_newest, waiters
 
 
-def put_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, digest: bytes,
-                  chkpt: int, key: bytes, frame: Any) -> bool:  # fmt: skip
+def put_in_window(
+    store: ShardStore,
+    txn: lmdb.Transaction,
+    size: int,
+    digest: bytes,
+    chkpt: int,
+    key: bytes,
+    frame: Any,
+) -> bool:
     """A put that a same-host client may commit in the shard itself; ``False``: ask the manager.
 
     Only for dictionaries without ``wait_for_keys``/``wait_for_writers`` (no
@@ -49,9 +56,14 @@ def set_owner(store: ShardStore, owner: str) -> None:
         store.put_meta(txn, OWNER, owner.encode())
 
 
-def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int,
-                   records: list[tuple[bytes, bytes, Any]],
-                   owner: bytes | None = None) -> tuple[int, DDictError | None]:  # fmt: skip
+def puts_in_window(
+    store: ShardStore,
+    txn: lmdb.Transaction,
+    size: int,
+    chkpt: int,
+    records: list[tuple[bytes, bytes, Any]],
+    owner: bytes | None = None,
+) -> tuple[int, DDictError | None]:
     """:func:`put_in_window` for many ``(digest, key, frame)`` records in one transaction
     (the shard's state checked once): ``(how many were put, from the first; the error
     that stopped them)``.  A record refused (e.g. a full shard) wrote nothing.  With
@@ -66,16 +78,16 @@ def puts_in_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: i
     if newest is None:
         return 0, None
     tally = counts.Tally(store, txn)
-    done, error = counts.put_run(store, txn, counts.window(newest, size), records, chkpt,
-                                 PERSISTENT, tally, exact=True)  # fmt: skip
+    done, error = counts.put_run(
+        store, txn, counts.window(newest, size), records, chkpt, PERSISTENT, tally, exact=True
+    )
     if counts.transaction_lost(error):
         return 0, None  # (the transaction is lost: all the manager's, which can make room)
     tally.settle()
     return done, error
 
 
-def _direct_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int
-                   ) -> int | None:  # fmt: skip
+def _direct_window(store: ShardStore, txn: lmdb.Transaction, size: int, chkpt: int) -> int | None:
     """The window's newest checkpoint if a client may put at ``chkpt`` itself, else ``None``."""
     newest, closed = saved_newest(store, txn, size)
     if closed != OPEN or chkpt > newest:

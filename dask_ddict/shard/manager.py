@@ -31,22 +31,29 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
+from .. import config
 from .._blocking import acquire, will_block
 from .._serialize import dumps_value, loads_value, older_frame
-from .. import config
 from ..errors import DDictClosedError, DDictError, DDictFullError
 from ..layout import wire_term
 from .batches import Batches
 from .checkpoint_io import CheckpointIO
 from .counts import Tally
 from .deferred import DeferredQueue
-from .replies import AtMostOnce
 from .moving import Moving
+from .replies import AtMostOnce
 from .room import NoRoom, Room
 from .store import ShardStore
 from .summaries import Summaries
-from .working_set import (CLOSED_DESTROYED, FROZEN, MustWait, WorkingSet, add_waiters,
-                          mark_closed, take_page)  # fmt: skip
+from .working_set import (
+    CLOSED_DESTROYED,
+    FROZEN,
+    MustWait,
+    WorkingSet,
+    add_waiters,
+    mark_closed,
+    take_page,
+)
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
     from ..persist.persister import Persister
@@ -156,8 +163,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
                 raise self.moved_error()
             raise DDictClosedError(f"manager {self.manager_id} is closed")
 
-    def _attempt(self, fn: Callable[[lmdb.Transaction], T], what: str,
-                 at: tuple[int, int] | None = None) -> T:  # fmt: skip
+    def _attempt(
+        self, fn: Callable[[lmdb.Transaction], T], what: str, at: tuple[int, int] | None = None
+    ) -> T:
         """Try a write once (lock held): its result, or an exception with nothing
         changed (:class:`MustWait` if it must wait for another write).
 
@@ -193,8 +201,13 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             self._persist_retired()
         return result
 
-    def _write(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
-               at: tuple[int, int] | None = None) -> T:  # fmt: skip
+    def _write(
+        self,
+        fn: Callable[[lmdb.Transaction], T],
+        timeout: float | None,
+        what: str,
+        at: tuple[int, int] | None = None,
+    ) -> T:
         """Run ``fn`` in a write transaction, deferred while it must wait.
 
         ``at`` is the write's ``(checkpoint, client)``.  As in Dragon, operations
@@ -214,9 +227,12 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             try:
                 result = self._attempt(fn, what, at)
             except MustWait:
-                return deferred.wait(lambda: self._attempt(fn, what, at), timeout,
-                                     f"{what} on manager {self.manager_id}",
-                                     -1 if chkpt is None else chkpt)  # fmt: skip
+                return deferred.wait(
+                    lambda: self._attempt(fn, what, at),
+                    timeout,
+                    f"{what} on manager {self.manager_id}",
+                    -1 if chkpt is None else chkpt,
+                )
             if deferred.waiting:
                 deferred.drain(chkpt)
             return result
@@ -230,8 +246,15 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             self._deferred.wrote()
             self._deferred.drain()
 
-    def _read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
-              *, counted: bool = False, chkpt: int = -1) -> T:  # fmt: skip
+    def _read(
+        self,
+        fn: Callable[[lmdb.Transaction], T],
+        timeout: float | None,
+        what: str,
+        *,
+        counted: bool = False,
+        chkpt: int = -1,
+    ) -> T:
         """Run ``fn`` in a snapshot transaction, deferred while it must wait.
 
         ``fn`` returns nothing that refers to the snapshot (it copies what it
@@ -250,8 +273,15 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         with self.store.read() as txn:
             return fn(txn)
 
-    def _wait_read(self, fn: Callable[[lmdb.Transaction], T], timeout: float | None, what: str,
-                   *, counted: bool = False, chkpt: int = -1) -> T:  # fmt: skip
+    def _wait_read(
+        self,
+        fn: Callable[[lmdb.Transaction], T],
+        timeout: float | None,
+        what: str,
+        *,
+        counted: bool = False,
+        chkpt: int = -1,
+    ) -> T:
         """:meth:`_read` once ``fn`` had to wait: again under the lock (no write can
         slip in between), then deferred at ``chkpt`` until a write lets it through."""
         will_block()  # (it is likely to: a host's event loop moves to another thread)
@@ -263,9 +293,12 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
                     return self._read_once(fn)
                 except MustWait:
                     pass
-                return self._deferred.wait(lambda: self._read_once(fn), timeout,
-                                           f"{what} on manager {self.manager_id}",
-                                           chkpt)  # fmt: skip
+                return self._deferred.wait(
+                    lambda: self._read_once(fn),
+                    timeout,
+                    f"{what} on manager {self.manager_id}",
+                    chkpt,
+                )
         finally:
             if counted:
                 self._count_waiter(-1)
@@ -297,12 +330,14 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
                 pass
             else:
                 return consume(frame)
-        copy = self._wait_read(lambda txn: bytes(ws.get(txn, digest, chkpt).frame), timeout,
-                               "get", chkpt=chkpt)  # (a copy: the snapshot ends with the try) # fmt: skip
+        copy = self._wait_read(
+            lambda txn: bytes(ws.get(txn, digest, chkpt).frame), timeout, "get", chkpt=chkpt
+        )  # (a copy: the snapshot ends with the try)
         return consume(memoryview(copy))
 
-    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
-                 small: int = 0) -> list[Any]:  # fmt: skip
+    def get_many(
+        self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int, small: int = 0
+    ) -> list[Any]:
         """The keys' frames in snapshot ``txn`` (views valid while it lives; those under
         ``small`` bytes copied): ``None`` where absent, ``False`` where the reader must
         wait (it then asks with :meth:`get`)."""
@@ -332,8 +367,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             return [], None, False
 
         def fn(txn: lmdb.Transaction) -> tuple[list[Any], bytes | None, bool]:
-            return take_page(self.working_set.visible(txn, chkpt, after), keys, values,
-                             max_items, max_bytes)  # fmt: skip
+            return take_page(
+                self.working_set.visible(txn, chkpt, after), keys, values, max_items, max_bytes
+            )
 
         return self._read(fn, None, "iteration", chkpt=chkpt)
 
@@ -346,8 +382,11 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         def fn(txn: lmdb.Transaction) -> None:
             ws.check_retired(chkpt)
             e = ws.store.lookup(txn, digest, chkpt)
-            if not (ws.is_visible(e, chkpt) and e is not None and (
-                    e.frame == frame or (e.frame[0] != frame[0] and e.frame == older()))):
+            if not (
+                ws.is_visible(e, chkpt)
+                and e is not None
+                and (e.frame == frame or (e.frame[0] != frame[0] and e.frame == older()))
+            ):
                 raise MustWait
 
         self._read(fn, timeout, "wait_for", counted=True, chkpt=chkpt)
@@ -371,8 +410,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         ws = self.working_set
         acquire(self._mutex)  # (the common case in one transaction, as _write would do it)
         try:
-            if not (self.closed or self.frozen or self._deferred.waiting or self._retiring) \
-                    and ws.put_alone(digest, chkpt, key, frame, client):  # fmt: skip
+            if not (
+                self.closed or self.frozen or self._deferred.waiting or self._retiring
+            ) and ws.put_alone(digest, chkpt, key, frame, client):
                 return
         finally:
             self._mutex.release()
@@ -383,9 +423,15 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             (chkpt, client),
         )
 
-    def put_many(self, records: list[tuple[bytes, bytes, Any]], chkpt: int, client: int, *,
-                 persistent: bool = False, timeout: float | None = None,
-                 ) -> tuple[int, DDictError | None]:  # fmt: skip
+    def put_many(
+        self,
+        records: list[tuple[bytes, bytes, Any]],
+        chkpt: int,
+        client: int,
+        *,
+        persistent: bool = False,
+        timeout: float | None = None,
+    ) -> tuple[int, DDictError | None]:
         """Put ``(digest, key, frame)`` records in order, in one transaction.
 
         Returns how many were put and the error that stopped the next one (the
@@ -402,8 +448,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             tally = Tally(self.store, txn)
             for i, (digest, key, frame) in enumerate(records[:n]):
                 try:
-                    ws.put(txn, digest, chkpt, key, frame, client, persistent=persistent,
-                           tally=tally)  # fmt: skip
+                    ws.put(
+                        txn, digest, chkpt, key, frame, client, persistent=persistent, tally=tally
+                    )
                 except DDictError as e:
                     raise _Refused(i, e) from None
             tally.settle()
@@ -416,14 +463,17 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
                 n, refused = r.index, r.error
         return n, refused
 
-    def pop(self, digest: bytes, chkpt: int, client: int, timeout: float | None = None,
-            rid: int = 0) -> bytes:  # fmt: skip
+    def pop(
+        self, digest: bytes, chkpt: int, client: int, timeout: float | None = None, rid: int = 0
+    ) -> bytes:
         """Delete a key; return its old value frame (at most once per request id)."""
         ws = self.working_set
         return self._write(
             lambda txn: self._once(txn, rid, lambda t: ws.pop(t, digest, chkpt, client)),
-            timeout, "pop", (chkpt, client),
-        )  # fmt: skip
+            timeout,
+            "pop",
+            (chkpt, client),
+        )
 
     def clear(self, chkpt: int, client: int, timeout: float | None = None) -> None:
         ws = self.working_set
@@ -440,8 +490,15 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
         e = ws.store.lookup(txn, digest, chkpt)
         return e if ws.is_visible(e, chkpt) else None
 
-    def setdefault(self, digest: bytes, key: bytes, frame: Any, chkpt: int, client: int,
-                   timeout: float | None = None) -> bytes:  # fmt: skip
+    def setdefault(
+        self,
+        digest: bytes,
+        key: bytes,
+        frame: Any,
+        chkpt: int,
+        client: int,
+        timeout: float | None = None,
+    ) -> bytes:
         """The key's value frame at ``chkpt``; if it has none, ``frame`` is put first.
 
         One write transaction: two processes that race on the same key both get
@@ -489,8 +546,9 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             ws.put(txn, digest, chkpt, key, dumps_value(old + n).join(), client, persistent=True)
             return old_frame
 
-        return self._write(lambda txn: self._once(txn, rid, fn), timeout, "fetch_add",
-                           (chkpt, client))
+        return self._write(
+            lambda txn: self._once(txn, rid, fn), timeout, "fetch_add", (chkpt, client)
+        )
 
     def _set_frozen(self, frozen: bool) -> None:
         with self._cond:
@@ -530,8 +588,7 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             if self.closed:
                 return
             self.closed = True
-            self._deferred.close(
-                lambda: DDictClosedError(f"manager {self.manager_id} is closed"))
+            self._deferred.close(lambda: DDictClosedError(f"manager {self.manager_id} is closed"))
         with self._cond:
             dumps, self._dumps = list(self._dumps.values()), {}
         for txn in dumps:
@@ -550,4 +607,3 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
             self.store.destroy()
         else:
             self.store.close()
-

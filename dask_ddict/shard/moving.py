@@ -136,15 +136,18 @@ class Moving:
                 return
             self._mutex.release()
             time.sleep(0.01)
-        raise DDictError(f"manager {self.manager_id}: its persists did not settle for a move",
-                         "INVALID_OPERATION")  # fmt: skip
+        raise DDictError(
+            f"manager {self.manager_id}: its persists did not settle for a move",
+            "INVALID_OPERATION",
+        )
 
     def shard_pages(self) -> memoryview:
         """The shard's used pages, read-only, while paused for a copy (step 2): nothing
         writes them, so they are a consistent environment as they are."""
         if not (self.moving and self.copying):
-            raise DDictError(f"manager {self.manager_id} is not moving to another machine",
-                             "INVALID_OPERATION")  # fmt: skip
+            raise DDictError(
+                f"manager {self.manager_id} is not moving to another machine", "INVALID_OPERATION"
+            )
         fd = os.open(os.path.join(self.store.path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         try:
             mm = mmap.mmap(fd, self.used_bytes(), prot=mmap.PROT_READ)
@@ -186,4 +189,3 @@ class Moving:
 
     def moved_error(self) -> DDictManagerMovedError:
         return DDictManagerMovedError(f"manager {self.manager_id} moved to {self.moved}")
-

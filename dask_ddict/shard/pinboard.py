@@ -111,7 +111,7 @@ def _boards(socket_dir: str, uid: str) -> Iterator[tuple[int, np.ndarray]]:
         return
     for name in names:
         path = os.path.join(socket_dir, name)
-        pid = name[len(prefix):]
+        pid = name[len(prefix) :]
         if not pid.isdigit() or not alive(int(pid)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -144,8 +144,11 @@ def read_boards(socket_dir: str, uid: str, managers: int) -> tuple[int, np.ndarr
 
 def holders(socket_dir: str, uid: str, mid: int) -> dict[int, int]:
     """``{pid: bytes}`` of the live processes that pin manager ``mid``'s shard."""
-    return {pid: int(w[1 + 2 * mid]) for pid, w in _boards(socket_dir, uid)
-            if 1 + 2 * mid < len(w) and w[1 + 2 * mid] > 0}  # fmt: skip
+    return {
+        pid: int(w[1 + 2 * mid])
+        for pid, w in _boards(socket_dir, uid)
+        if 1 + 2 * mid < len(w) and w[1 + 2 * mid] > 0
+    }
 
 
 # -- release requests ------------------------------------------------------------------------
@@ -173,8 +176,9 @@ _ASKS = 0
 _ASKS_LOCK = threading.Lock()
 
 
-def ask_release(socket_dir: str, uid: str, mid: int, pids: list[int],
-                timeout: float) -> tuple[int, list[int]]:  # fmt: skip
+def ask_release(
+    socket_dir: str, uid: str, mid: int, pids: list[int], timeout: float
+) -> tuple[int, list[int]]:
     """Ask processes ``pids`` to copy out the values they hold of manager ``mid``'s shard
     and wait for their answers, at most ``timeout`` seconds: ``(bytes released, pids that
     did not answer in time)``."""

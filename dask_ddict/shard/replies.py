@@ -44,8 +44,9 @@ class AtMostOnce:
     _mutex: threading.Lock
     _big_replies: set[int]
 
-    def _once(self, txn: lmdb.Transaction, rid: int,
-              fn: Callable[[lmdb.Transaction], bytes]) -> bytes:  # fmt: skip
+    def _once(
+        self, txn: lmdb.Transaction, rid: int, fn: Callable[[lmdb.Transaction], bytes]
+    ) -> bytes:
         """``fn(txn)``, or the reply it gave when request ``rid`` was applied before.
 
         The reply is stored in the same transaction as the change, so either
@@ -88,8 +89,8 @@ class AtMostOnce:
             if self.closed:
                 return
             try:
-                self.store.transact(lambda txn: txn.delete(_RID + _Q.pack(rid),
-                                                           db=self.store.meta_db))  # fmt: skip
+                self.store.transact(
+                    lambda txn: txn.delete(_RID + _Q.pack(rid), db=self.store.meta_db)
+                )
             except Exception:  # (the ring drops it later: never the connection's failure)
                 logger.debug("kept reply %d not dropped", rid, exc_info=True)
-

@@ -56,8 +56,9 @@ class Room:
 
     if TYPE_CHECKING:  # provided by the manager
 
-        def _attempt(self, fn: Callable[[lmdb.Transaction], T], what: str,
-                     at: tuple[int, int] | None = None) -> T: ...  # fmt: skip
+        def _attempt(
+            self, fn: Callable[[lmdb.Transaction], T], what: str, at: tuple[int, int] | None = None
+        ) -> T: ...
 
     def _roomy(self, fn: Callable[[lmdb.Transaction], T], txn: lmdb.Transaction) -> T:
         """``fn(txn)``, rolled back (:class:`NoRoom`) if it was refused room that
@@ -116,12 +117,18 @@ class Room:
                 f"copy them out within {timeout:g} s (ddict.zero-copy.release-timeout): the "
                 "pages that writes free stay held while they live"
             )
-            logger.warning("ddict manager %d: processes %s did not copy out their zero-copy "
-                           "views of its shard in time: the pages writes freed stay held",
-                           self.manager_id, late)  # fmt: skip
+            logger.warning(
+                "ddict manager %d: processes %s did not copy out their zero-copy "
+                "views of its shard in time: the pages writes freed stay held",
+                self.manager_id,
+                late,
+            )
         elif freed:
-            logger.info("ddict manager %d: zero-copy views of %d bytes copied out to make room",
-                        self.manager_id, freed)  # fmt: skip
+            logger.info(
+                "ddict manager %d: zero-copy views of %d bytes copied out to make room",
+                self.manager_id,
+                freed,
+            )
         # (All answered: one may have released its views just before it was asked.)
         return freed > 0 or died or not late
 
@@ -157,8 +164,12 @@ class Room:
             return released
         self._collected = ws.oldest
         if dropped:
-            logger.info("ddict manager %d: dropped %d versions no reader can see to make "
-                        "room (window [%d, %d])", self.manager_id, dropped, ws.oldest,
-                        ws.newest)  # fmt: skip
+            logger.info(
+                "ddict manager %d: dropped %d versions no reader can see to make "
+                "room (window [%d, %d])",
+                self.manager_id,
+                dropped,
+                ws.oldest,
+                ws.newest,
+            )
         return bool(dropped) or released
-

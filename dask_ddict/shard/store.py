@@ -197,8 +197,10 @@ class ShardStore(Capacity):
         except lmdb.MapFullError as e:  # (a commit writes the free list: it can fill the map)
             txn.abort()
             self.refused = True
-            raise DDictFullError(f"shard is full: its map of {self.capacity} bytes has no room "
-                                 f"left for this write's pages.  {FULL_REMEDY}") from e  # fmt: skip
+            raise DDictFullError(
+                f"shard is full: its map of {self.capacity} bytes has no room "
+                f"left for this write's pages.  {FULL_REMEDY}"
+            ) from e
         except BaseException:
             txn.abort()
             raise
@@ -227,8 +229,14 @@ class ShardStore(Capacity):
         """The newest version of a key at or below ``chkpt``."""
         return kernels.lookup_entry(txn.cursor(self._data), digest, chkpt)
 
-    def lookup_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
-                    frames: bool = False, small: int = 0) -> list[Any]:  # fmt: skip
+    def lookup_many(
+        self,
+        txn: lmdb.Transaction,
+        digests: list[bytes],
+        chkpt: int,
+        frames: bool = False,
+        small: int = 0,
+    ) -> list[Any]:
         """:meth:`lookup` of each digest (an ``Entry`` or ``None``), with one cursor;
         ``frames``: the frames of live versions, ``None`` for the others (no ``Entry``
         made: ``get_many``'s path where every live version is seen), those under
@@ -267,8 +275,16 @@ class ShardStore(Capacity):
         """
         self._put(txn, digest + _BE.pack(_MAXQ - chkpt), digest, chkpt, key, frame, flags)
 
-    def _put(self, txn: lmdb.Transaction, dk: bytes, digest: bytes, chkpt: int, key: bytes,
-             frame: Any, flags: int) -> None:  # fmt: skip
+    def _put(
+        self,
+        txn: lmdb.Transaction,
+        dk: bytes,
+        digest: bytes,
+        chkpt: int,
+        key: bytes,
+        frame: Any,
+        flags: int,
+    ) -> None:
         """:meth:`put` under its data key ``dk`` (``data_key(digest, chkpt)``)."""
         t = type(frame)  # (bytes, or a batch record's byte view: joined as they are)
         nbytes = len(frame) if t is bytes else frame.nbytes if t is memoryview else -1
@@ -276,8 +292,13 @@ class ShardStore(Capacity):
             buf: Any = b"".join((ENTRY.pack(flags, len(key), nbytes), frame, key))
         else:
             parts, nbytes = frame_parts(frame)
-            buf = gather(parts, nbytes, ENTRY.pack(flags, len(key), nbytes), key,
-                         self._scratch or _client_scratch())  # fmt: skip
+            buf = gather(
+                parts,
+                nbytes,
+                ENTRY.pack(flags, len(key), nbytes),
+                key,
+                self._scratch or _client_scratch(),
+            )
         try:
             txn.put(dk, buf, db=self._data)
             if self.indexed:
@@ -337,8 +358,9 @@ class ShardStore(Capacity):
             self.collect(txn, digest, oldest)
         return before - self.entries(txn)
 
-    def put_over(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, key: bytes,
-                 frame: Any, flags: int) -> bool:  # fmt: skip
+    def put_over(
+        self, txn: lmdb.Transaction, digest: bytes, chkpt: int, key: bytes, frame: Any, flags: int
+    ) -> bool:
         """:meth:`put` at ``chkpt`` and drop every older version: the key then has one.
 
         For a window of one checkpoint (``chkpt`` is its oldest and newest): there
@@ -359,8 +381,9 @@ class ShardStore(Capacity):
         self._put(txn, dk, digest, chkpt, key, frame, flags)
         return live
 
-    def put_over_many(self, txn: lmdb.Transaction, records: list[kernels.Record], chkpt: int,
-                      flags: int) -> tuple[int, int, DDictFullError | None]:  # fmt: skip
+    def put_over_many(
+        self, txn: lmdb.Transaction, records: list[kernels.Record], chkpt: int, flags: int
+    ) -> tuple[int, int, DDictFullError | None]:
         """:meth:`put_over` of each record in order, the small ones in a compiled loop
         (:func:`~dask_ddict.kernels.put_entries`): ``(how many were put, the change in keys
         seen, the error that refused the next one)``; a full map leaves nothing to commit."""
@@ -369,8 +392,9 @@ class ShardStore(Capacity):
         done = delta = 0
         dead = bool(flags & TOMBSTONE)
         while done < len(records):
-            done, more, full = kernels.put_entries(cursor, records, done, tail, flags, most,
-                                                   lmdb.MapFullError)  # fmt: skip
+            done, more, full = kernels.put_entries(
+                cursor, records, done, tail, flags, most, lmdb.MapFullError
+            )
             delta += more
             if done == len(records):
                 break
@@ -415,8 +439,9 @@ class ShardStore(Capacity):
                 continue
             yield digest, _decode(chkpt, v)
 
-    def versions(self, txn: lmdb.Transaction, digest: bytes, hi: int,
-                 lo: int) -> list[tuple[int, int]]:  # fmt: skip
+    def versions(
+        self, txn: lmdb.Transaction, digest: bytes, hi: int, lo: int
+    ) -> list[tuple[int, int]]:
         """``(checkpoint, flags)`` of a key's versions at or below ``hi``, newest first,
         down to the first one at or below ``lo`` (what a reader in ``[lo, hi]`` may see)."""
         cur = txn.cursor(self._data)
@@ -440,8 +465,9 @@ class ShardStore(Capacity):
         for k, v in cur.iternext():
             yield bytes(k[:DIGEST]), _MAXQ - _BE.unpack_from(k, DIGEST)[0], v[0]
 
-    def raw_page(self, txn: lmdb.Transaction, after: bytes | None,
-                 max_bytes: int) -> tuple[list[tuple[bytes, bytes]], bool]:  # fmt: skip
+    def raw_page(
+        self, txn: lmdb.Transaction, after: bytes | None, max_bytes: int
+    ) -> tuple[list[tuple[bytes, bytes]], bool]:
         """Raw ``data`` records after key ``after`` (replication), about ``max_bytes`` of them."""
         cur = txn.cursor(self._data)
         if after is None:

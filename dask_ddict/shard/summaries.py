@@ -119,9 +119,17 @@ class Summaries:
         pinned = (0, 0) if self.pins is None else self.pins.of(mid)
         served = {} if self.served is None else self.served(mid)
         shipper: Any = getattr(self, "shipper", None)
-        return record[:-_LIVE] + pinned + (len(self._deferred), served, self.host_restarts,
-                                           tuple(self.persisted_ids()),
-                                           0 if shipper is None else len(shipper.targets))  # fmt: skip
+        return (
+            record[:-_LIVE]
+            + pinned
+            + (
+                len(self._deferred),
+                served,
+                self.host_restarts,
+                tuple(self.persisted_ids()),
+                0 if shipper is None else len(shipper.targets),
+            )
+        )
 
     def _stats_record(self, txn: lmdb.Transaction) -> tuple[Any, ...]:
         return DDictManagerStats.record(self._stats(txn))
@@ -150,4 +158,3 @@ class Summaries:
             "persisted_ids": (),
             "replicas": 0,
         }
-

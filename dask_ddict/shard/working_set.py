@@ -136,8 +136,9 @@ def unseen(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool | None:
     return False
 
 
-def visible_entries(store: ShardStore, txn: lmdb.Transaction, chkpt: int, after: bytes | None,
-                    wait_for_keys: bool) -> Iterator[tuple[bytes, Entry]]:  # fmt: skip
+def visible_entries(
+    store: ShardStore, txn: lmdb.Transaction, chkpt: int, after: bytes | None, wait_for_keys: bool
+) -> Iterator[tuple[bytes, Entry]]:
     """Entries seen at ``chkpt`` in digest order, after digest ``after`` (no window check).
 
     Shared by the manager (views, persistence) and by same-host readers that
@@ -152,9 +153,14 @@ def visible_entries(store: ShardStore, txn: lmdb.Transaction, chkpt: int, after:
             yield d, e
 
 
-def take_page(entries: Iterator[tuple[bytes, Entry]], keys: bool, values: bool, max_items: int,
-              max_bytes: int, copy: Callable[[Any], Any] = bytes,
-              ) -> tuple[list[tuple[Any, Any]], bytes | None, bool]:  # fmt: skip
+def take_page(
+    entries: Iterator[tuple[bytes, Entry]],
+    keys: bool,
+    values: bool,
+    max_items: int,
+    max_bytes: int,
+    copy: Callable[[Any], Any] = bytes,
+) -> tuple[list[tuple[Any, Any]], bytes | None, bool]:
     """One page of a view from ``entries``: ``(items, last digest, more)``.
 
     At most ``max_items`` items and about ``max_bytes`` bytes (at least one item);
@@ -267,8 +273,9 @@ class WorkingSet:
         self.newest = state["newest"]
         self.writers = {int(k): set(v) for k, v in state["writers"].items()}
 
-    def reset_to(self, txn: lmdb.Transaction, chkpt: int,
-                 entries: Iterator[tuple[bytes, Any, int]]) -> int:  # fmt: skip
+    def reset_to(
+        self, txn: lmdb.Transaction, chkpt: int, entries: Iterator[tuple[bytes, Any, int]]
+    ) -> int:
         """Replace the whole shard by a persisted checkpoint ``chkpt``.
 
         The window becomes ``[chkpt, chkpt + size - 1]`` (Dragon's restore);
@@ -405,8 +412,9 @@ class WorkingSet:
             raise MustWait
         raise DDictKeyError()
 
-    def get_many(self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int,
-                 small: int = 0) -> list[Any]:  # fmt: skip
+    def get_many(
+        self, txn: lmdb.Transaction, digests: list[bytes], chkpt: int, small: int = 0
+    ) -> list[Any]:
         """The frames visible at ``chkpt`` in ``digests`` order: ``None`` where absent,
         ``False`` where a reader must wait (``wait_for_keys``; see :meth:`get`); those
         under ``small`` bytes as copies (:func:`~dask_ddict.kernels.lookup_frames`)."""
@@ -414,8 +422,10 @@ class WorkingSet:
         wfk = self.wait_for_keys
         if not wfk:  # (every live version is seen: the frames straight from the cursor)
             return self.store.lookup_many(txn, digests, chkpt, frames=True, small=small)
-        return [e.frame if entry_visible(e, chkpt, wfk) else
-                unseen(e, chkpt, wfk) for e in self.store.lookup_many(txn, digests, chkpt)]
+        return [
+            e.frame if entry_visible(e, chkpt, wfk) else unseen(e, chkpt, wfk)
+            for e in self.store.lookup_many(txn, digests, chkpt)
+        ]
 
     def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
         """Membership at ``chkpt``; never waits."""
@@ -464,10 +474,28 @@ class WorkingSet:
         changes in ``tally`` if given (a run of puts in one transaction settles it)."""
         self._put_ready(txn, chkpt, client, batch, tally)
         t = type(frame)
-        self.store.check_room(txn, (len(frame) if t is bytes else frame.nbytes if t is memoryview
-                                    else frame_parts(frame)[1]) + len(key))  # fmt: skip
-        counts.put(self.store, txn, self.window, digest, chkpt, key, frame,
-                   self._put_flags(persistent), tally)  # fmt: skip
+        self.store.check_room(
+            txn,
+            (
+                len(frame)
+                if t is bytes
+                else frame.nbytes
+                if t is memoryview
+                else frame_parts(frame)[1]
+            )
+            + len(key),
+        )
+        counts.put(
+            self.store,
+            txn,
+            self.window,
+            digest,
+            chkpt,
+            key,
+            frame,
+            self._put_flags(persistent),
+            tally,
+        )
 
     def put_alone(self, digest: bytes, chkpt: int, key: bytes, frame: Any, client: int) -> bool:
         """:meth:`put` in a write transaction of its own where it is nothing more than the
@@ -480,13 +508,18 @@ class WorkingSet:
             return False
         return self.store.attempt(lambda txn: self.put(txn, digest, chkpt, key, frame, client))
 
-    def _put_ready(self, txn: lmdb.Transaction, chkpt: int, client: int, batch: bool,
-                   tally: counts.Tally | None) -> None:  # fmt: skip
+    def _put_ready(
+        self,
+        txn: lmdb.Transaction,
+        chkpt: int,
+        client: int,
+        batch: bool,
+        tally: counts.Tally | None,
+    ) -> None:
         """What a put at ``chkpt`` does first: :meth:`prepare_write`, when it has anything
         to do (the checkpoint outside the window, or ``wait_for_writers``)."""
         newest = self.newest
-        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 \
-                or self.wait_for_writers:  # fmt: skip
+        if chkpt > newest or chkpt < newest - self.size + 1 or chkpt < 0 or self.wait_for_writers:
             if tally is not None:
                 tally.settle()  # (the counts move with the window)
             self.prepare_write(txn, chkpt, client, batch=batch)
@@ -495,9 +528,17 @@ class WorkingSet:
         """A put's version flags (under ``wait_for_keys`` only a persistent put persists)."""
         return PERSISTENT if (persistent or not self.wait_for_keys) else 0
 
-    def put_many(self, txn: lmdb.Transaction, records: list[tuple[bytes, bytes, Any]],
-                 chkpt: int, client: int, *, persistent: bool = False, batch: bool = False,
-                 tally: counts.Tally) -> tuple[int, DDictError | None]:  # fmt: skip
+    def put_many(
+        self,
+        txn: lmdb.Transaction,
+        records: list[tuple[bytes, bytes, Any]],
+        chkpt: int,
+        client: int,
+        *,
+        persistent: bool = False,
+        batch: bool = False,
+        tally: counts.Tally,
+    ) -> tuple[int, DDictError | None]:
         """:meth:`put` for each ``(digest, key, frame)`` record in order, the window moved
         once (:func:`~.counts.put_run`): ``(how many were put, the error that stopped the
         next one)``."""
@@ -505,8 +546,9 @@ class WorkingSet:
             self._put_ready(txn, chkpt, client, batch, tally)
         except DDictError as e:
             return 0, e
-        return counts.put_run(self.store, txn, self.window, records, chkpt,
-                              self._put_flags(persistent), tally)  # fmt: skip
+        return counts.put_run(
+            self.store, txn, self.window, records, chkpt, self._put_flags(persistent), tally
+        )
 
     def pop(self, txn: lmdb.Transaction, digest: bytes, chkpt: int, client: int) -> bytes:
         """Delete the key at ``chkpt`` and return (a copy of) its value frame.

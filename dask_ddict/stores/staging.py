@@ -57,8 +57,9 @@ POLL = 0.2
 _METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 
 
-def open_source(source: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
-                ) -> Store:  # fmt: skip
+def open_source(
+    source: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> Store:
     """A read-only zarr store over ``source``: a local directory (or ``file://``) or an
     fsspec URL (``s3://...``, with ``storage_options``)."""
     from zarr.storage import FsspecStore, LocalStore
@@ -80,8 +81,9 @@ def _record(token: str, loader: int) -> tuple[str, str, int]:
     return (STAGING, token, loader)
 
 
-def plan(keys: list[tuple[str, int]], workers: dict[str, list[int]],
-         nloaders: int) -> list[tuple[str, list[str]]]:  # fmt: skip
+def plan(
+    keys: list[tuple[str, int]], workers: dict[str, list[int]], nloaders: int
+) -> list[tuple[str, list[str]]]:
     """Split the source's objects (``(key, manager)``) among loaders: each loader a
     worker and keys of the managers on it, ``nloaders`` in all at most (one per worker
     at least), each worker's keys dealt out in turn (sizes are not known here); metadata
@@ -102,8 +104,15 @@ def plan(keys: list[tuple[str, int]], workers: dict[str, list[int]],
     return out
 
 
-def load(d: DDict, source: str, storage_options: dict[str, Any] | None, prefix: str,
-         token: str, loader: int, keys: list[str]) -> int:  # fmt: skip
+def load(
+    d: DDict,
+    source: str,
+    storage_options: dict[str, Any] | None,
+    prefix: str,
+    token: str,
+    loader: int,
+    keys: list[str],
+) -> int:
     """A loader task: copy ``keys`` from the source into ``d`` under ``prefix``, recording
     its count after each group; the number of objects it loaded."""
     record = _record(token, loader)
@@ -158,9 +167,15 @@ def _groups(store: Store, keys: list[str]) -> Iterable[list[str]]:
         yield group
 
 
-def stage(source: str | os.PathLike[str], ddict: DDict | AsyncDDict, *, prefix: str = "",
-          storage_options: dict[str, Any] | None = None, nloaders: int | None = None,
-          wait: bool = False) -> StagedStore:  # fmt: skip
+def stage(
+    source: str | os.PathLike[str],
+    ddict: DDict | AsyncDDict,
+    *,
+    prefix: str = "",
+    storage_options: dict[str, Any] | None = None,
+    nloaders: int | None = None,
+    wait: bool = False,
+) -> StagedStore:
     """Load the zarr store at ``source`` into ``ddict`` in the background; a store that
     reads it at once (see the module).
 
@@ -209,16 +224,33 @@ def stage(source: str | os.PathLike[str], ddict: DDict | AsyncDDict, *, prefix: 
     client = ddict._core.client
     name = ddict.get_name()
     futures = [
-        client.submit(load, ddict, path, storage_options, target.prefix, token, i, ks,
-                      key=f"ddict-stage-{name}-{token}-{i}", workers=[w],
-                      allow_other_workers=True, pure=False)  # fmt: skip
+        client.submit(
+            load,
+            ddict,
+            path,
+            storage_options,
+            target.prefix,
+            token,
+            i,
+            ks,
+            key=f"ddict-stage-{name}-{token}-{i}",
+            workers=[w],
+            allow_other_workers=True,
+            pure=False,
+        )
         for i, (w, ks) in enumerate(loaders)
     ]
-    staged = StagedStore(ddict, path, prefix=target.prefix, storage_options=storage_options,
-                         token=token, loaders=len(loaders), total=len(keys))  # fmt: skip
+    staged = StagedStore(
+        ddict,
+        path,
+        prefix=target.prefix,
+        storage_options=storage_options,
+        token=token,
+        loaders=len(loaders),
+        total=len(keys),
+    )
     staged._futures = futures
-    logger.info("staging %s into %r: %d objects, %d loaders", path, name, len(keys),
-                len(loaders))  # fmt: skip
+    logger.info("staging %s into %r: %d objects, %d loaders", path, name, len(keys), len(loaders))
     if wait:
         staged.wait()
     return staged
@@ -229,9 +261,17 @@ class StagedStore(DDictStore):
     what is not loaded yet is read from the source.  Read-only; pickles by reference (the
     dictionary's handle, the source's path and options, the staging's token)."""
 
-    def __init__(self, ddict: DDict | AsyncDDict, source: str, *, prefix: str = "",
-                 storage_options: dict[str, Any] | None = None, token: str, loaders: int,
-                 total: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ddict: DDict | AsyncDDict,
+        source: str,
+        *,
+        prefix: str = "",
+        storage_options: dict[str, Any] | None = None,
+        token: str,
+        loaders: int,
+        total: int,
+    ) -> None:
         super().__init__(ddict, prefix=prefix, read_only=True)
         self.source = source
         self.storage_options = storage_options
@@ -244,13 +284,25 @@ class StagedStore(DDictStore):
         self._futures: list[Any] = []
 
     def __reduce__(self) -> Any:
-        return (_rebuild, (self._d, self.source, self.prefix, self.storage_options, self.token,
-                           self.loaders, self.total))  # fmt: skip
+        return (
+            _rebuild,
+            (
+                self._d,
+                self.source,
+                self.prefix,
+                self.storage_options,
+                self.token,
+                self.loaders,
+                self.total,
+            ),
+        )
 
     def __repr__(self) -> str:
         done, total = self.loaded()
-        return (f"<StagedStore {self.source!r} -> {self._d.get_name()!r} prefix={self.prefix!r}"
-                f" {done}/{total} loaded>")  # fmt: skip
+        return (
+            f"<StagedStore {self.source!r} -> {self._d.get_name()!r} prefix={self.prefix!r}"
+            f" {done}/{total} loaded>"
+        )
 
     def _identity(self) -> tuple[Any, ...]:
         return (*super()._identity(), self.token)
@@ -259,8 +311,10 @@ class StagedStore(DDictStore):
         """The dictionary's plain store under the same prefix (writable unless
         ``read_only``): only once loaded, else a loader could overwrite a write."""
         if not read_only and not self.is_loaded():
-            raise DDictError(f"{self!r} is still loading: it is writable once loaded "
-                             "(wait())", "INVALID_OPERATION")  # fmt: skip
+            raise DDictError(
+                f"{self!r} is still loading: it is writable once loaded (wait())",
+                "INVALID_OPERATION",
+            )
         return DDictStore(self._d, prefix=self.prefix, read_only=read_only)
 
     def done(self) -> DDictStore:
@@ -293,8 +347,10 @@ class StagedStore(DDictStore):
         records = self._records()
         for r in records:
             if r is not None and r[3] is not None:
-                raise DDictError(f"staging {self.source!r} into {self._d.get_name()!r} "
-                                 f"failed: {r[3]}", "INVALID_OPERATION")  # fmt: skip
+                raise DDictError(
+                    f"staging {self.source!r} into {self._d.get_name()!r} failed: {r[3]}",
+                    "INVALID_OPERATION",
+                )
         self._loaded = all(r is not None and r[2] for r in records)
         return sum(r[0] for r in records if r is not None), self._loaded
 
@@ -314,8 +370,7 @@ class StagedStore(DDictStore):
         if progress.enabled():
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=self.total, desc=f"staging {self.source}", unit="object",
-                       leave=False)  # fmt: skip
+            bar = tqdm(total=self.total, desc=f"staging {self.source}", unit="object", leave=False)
         try:
             while not (state := self._state())[1]:
                 failed = [f for f in self._futures if f.status == "error"]
@@ -324,10 +379,13 @@ class StagedStore(DDictStore):
                 if bar is not None:
                     bar.update(state[0] - bar.n)
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise DDictTimeoutError(f"staging {self.source!r}: {state[0]} of "
-                                            f"{self.total} objects loaded after {timeout} s")  # fmt: skip
-                time.sleep(POLL if deadline is None else
-                           max(0.0, min(POLL, deadline - time.monotonic())))  # fmt: skip
+                    raise DDictTimeoutError(
+                        f"staging {self.source!r}: {state[0]} of "
+                        f"{self.total} objects loaded after {timeout} s"
+                    )
+                time.sleep(
+                    POLL if deadline is None else max(0.0, min(POLL, deadline - time.monotonic()))
+                )
             if bar is not None:
                 bar.update(self.total - bar.n)
         finally:
@@ -351,14 +409,20 @@ class StagedStore(DDictStore):
             self._source = open_source(self.source, self.storage_options)
         return self._source
 
-    async def get(self, key: str, prototype: BufferPrototype,
-                  byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
         got = await super().get(key, prototype, byte_range)
         source = self._from_source() if got is None else None
         return got if source is None else await source.get(key, prototype, byte_range)
 
-    def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
-                 byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip
+    def get_sync(
+        self,
+        key: str,
+        *,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
+    ) -> Buffer | None:
         got = super().get_sync(key, prototype=prototype, byte_range=byte_range)
         source = self._from_source() if got is None else None
         if source is None:
@@ -388,9 +452,21 @@ class StagedStore(DDictStore):
         return super().list_dir(prefix) if source is None else source.list_dir(prefix)
 
 
-def _rebuild(ddict: DDict, source: str, prefix: str, storage_options: dict[str, Any] | None,
-             token: str, loaders: int, total: int) -> StagedStore:  # fmt: skip
-    return StagedStore(ddict, source, prefix=prefix, storage_options=storage_options,
-                       token=token, loaders=loaders, total=total)
-
-
+def _rebuild(
+    ddict: DDict,
+    source: str,
+    prefix: str,
+    storage_options: dict[str, Any] | None,
+    token: str,
+    loaders: int,
+    total: int,
+) -> StagedStore:
+    return StagedStore(
+        ddict,
+        source,
+        prefix=prefix,
+        storage_options=storage_options,
+        token=token,
+        loaders=loaders,
+        total=total,
+    )

@@ -116,15 +116,18 @@ class DDictStore(Store):
     supports_deletes: bool = True
     supports_listing: bool = True
 
-    def __init__(self, ddict: DDict | AsyncDDict, *, prefix: str = "",
-                 read_only: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, ddict: DDict | AsyncDDict, *, prefix: str = "", read_only: bool = False
+    ) -> None:
         if isinstance(ddict, AsyncDDict):
             ddict = ddict.ddict
         if not isinstance(ddict, DDict):
             raise TypeError(f"ddict must be a DDict or an AsyncDDict, got {type(ddict).__name__}")
         if ddict._kp is not None or ddict._vp is not None:
-            raise ValueError("ddict: a handle with custom picklers (d.pickler(...)) cannot hold "
-                             "a zarr store, whose keys are str and values bytes")  # fmt: skip
+            raise ValueError(
+                "ddict: a handle with custom picklers (d.pickler(...)) cannot hold "
+                "a zarr store, whose keys are str and values bytes"
+            )
         check_key(prefix, "prefix")
         super().__init__(read_only=check_bool("read_only", read_only))
         self._d = ddict
@@ -177,8 +180,9 @@ class DDictStore(Store):
 
     # -- reads ----------------------------------------------------------------------
 
-    async def get(self, key: str, prototype: BufferPrototype,
-                  byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
         """The value of ``key`` (or its ``byte_range``), or ``None`` if absent.
 
         On the manager's host a large value is lent by the shard and handed to
@@ -291,8 +295,13 @@ class DDictStore(Store):
 
     # -- the synchronous protocols (SupportsGetSync, SupportsSetSync, SupportsDeleteSync) ----
 
-    def get_sync(self, key: str, *, prototype: BufferPrototype | None = None,
-                 byte_range: ByteRequest | None = None) -> Buffer | None:  # fmt: skip
+    def get_sync(
+        self,
+        key: str,
+        *,
+        prototype: BufferPrototype | None = None,
+        byte_range: ByteRequest | None = None,
+    ) -> Buffer | None:
         """:meth:`get` in the calling thread (not on an event loop)."""
         name = self._name(key)
         prototype = default_buffer_prototype() if prototype is None else prototype

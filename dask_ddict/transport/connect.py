@@ -43,13 +43,13 @@ from ..errors import (
 )
 from ..layout import Layout, ManagerInfo, host_id, wire_term
 from ..progress import track
-from .links import Explain, HostLink, SocketChannel
-from .pipelined import Unpipeable, exchange_all, time_left
-from .operation import Operation
-from .many import GetMany
-from .ops import FanOut, TreeOut
-from .protocol import value_limit
 from . import timing
+from .links import Explain, HostLink, SocketChannel
+from .many import GetMany
+from .operation import Operation
+from .ops import FanOut, TreeOut
+from .pipelined import Unpipeable, exchange_all, time_left
+from .protocol import value_limit
 from .timing import TimedChannel
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ _LEASE = int(Status.LEASE)
 def _place(info: ManagerInfo) -> tuple[Any, ...]:
     """Where a manager is served: equal iff the same host process serves the same shard."""
     return (*info.address, info.store_path, info.lost)
+
 
 _DEFAULT_SECURITY: Any = None
 
@@ -99,8 +100,12 @@ def default_security() -> Any:
         return distributed.Security()
 
 
-def _answers(payload: Any, result: Callable[[int, Any], Any], results: dict[int, Any],
-             errors: dict[int, tuple[int, bytes]]) -> None:  # fmt: skip
+def _answers(
+    payload: Any,
+    result: Callable[[int, Any], Any],
+    results: dict[int, Any],
+    errors: dict[int, tuple[int, bytes]],
+) -> None:
     """A broadcast's answer, one entry per manager: each result, or its error."""
     for mid, status, ival, data in pickle.loads(payload):
         if status:
@@ -136,23 +141,27 @@ class Connections:
         self._lock = threading.Lock()
         # A handle that is dropped (e.g. at the end of a task) releases its
         # connections and shard views, also without detach().
-        self._finalizer = weakref.finalize(self, Connections._release, self._channels,
-                                           self._links)  # fmt: skip
+        self._finalizer = weakref.finalize(self, Connections._release, self._channels, self._links)
         self._host = host_id()
         self._parked_asked = 0.0  # (see _unparked)
         # What each link calls to explain a manager it cannot reach: weakly bound (the
         # links must not keep these connections alive, see _finalizer).
         ref = weakref.WeakMethod(self.explain)
-        self._explain: Explain = \
-            lambda mid, e, place: e if (f := ref()) is None else f(mid, e, place)  # fmt: skip
+        self._explain: Explain = lambda mid, e, place: (
+            e if (f := ref()) is None else f(mid, e, place)
+        )
         follow = weakref.WeakMethod(self.follow)
-        self._follow: Callable[..., HostLink] = \
-            lambda mid, d, via=None: _reraise(DDictClosedError("the DDict was detached")) \
-            if (f := follow()) is None else f(mid, d, via)  # fmt: skip
+        self._follow: Callable[..., HostLink] = lambda mid, d, via=None: (
+            _reraise(DDictClosedError("the DDict was detached"))
+            if (f := follow()) is None
+            else f(mid, d, via)
+        )
         settle = weakref.WeakMethod(self.settle)
-        self._settle: Callable[..., HostLink] = \
-            lambda mid, d, since, via=None: _reraise(DDictClosedError("the DDict was detached")) \
-            if (f := settle()) is None else f(mid, d, since, via)  # fmt: skip
+        self._settle: Callable[..., HostLink] = lambda mid, d, since, via=None: (
+            _reraise(DDictClosedError("the DDict was detached"))
+            if (f := settle()) is None
+            else f(mid, d, since, via)
+        )
         #: Longest pickled key a host accepts (checked here first, with a clear error).
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
 
@@ -180,8 +189,9 @@ class Connections:
         """The TLS settings for TCP channels (a handle's core prefers its client's)."""
         return default_security()
 
-    def explain(self, mid: int, e: DDictManagerUnavailableError,
-                place: tuple[str, str, int] | None = None) -> DDictError:  # fmt: skip
+    def explain(
+        self, mid: int, e: DDictManagerUnavailableError, place: tuple[str, str, int] | None = None
+    ) -> DDictError:
         """What a failure to reach manager ``mid`` at ``place`` (its host's ``(uds_path,
         tcp_host, tcp_port)``; ``None``: a peer that is no host of the dictionary's) should
         say: ``e`` (what this process saw), unless more is known (a client's core asks the
@@ -194,8 +204,9 @@ class Connections:
         connections, the dashboard's)."""
         return None
 
-    def follow(self, mid: int, deadline: float | None,
-               via: tuple[str, str, int] | None = None) -> HostLink:  # fmt: skip
+    def follow(
+        self, mid: int, deadline: float | None, via: tuple[str, str, int] | None = None
+    ) -> HostLink:
         """The link to manager ``mid``'s host now that it moved from where this process
         sent it an operation (``via``: that host's address, else where the layout this
         process uses has it).  The new layout is taken whole (other managers may have
@@ -209,16 +220,26 @@ class Connections:
         before = self.layout.managers[mid]
         layout = self.current(deadline)
         now = None if layout is None else layout.managers[mid]
-        if layout is None or now is None or (now.address == (via or before.address) and
-                                             now.term == before.term and not now.lost):  # fmt: skip
-            raise DDictManagerMovedError(f"manager {mid} of {self.layout.name!r} moved from "
-                                         f"{before.hostname} ({before.worker}), and where to "
-                                         "is not known here")  # fmt: skip
+        if (
+            layout is None
+            or now is None
+            or (now.address == (via or before.address) and now.term == before.term and not now.lost)
+        ):
+            raise DDictManagerMovedError(
+                f"manager {mid} of {self.layout.name!r} moved from "
+                f"{before.hostname} ({before.worker}), and where to "
+                "is not known here"
+            )
         self.adopt(layout)
         return self._host_link(layout.managers[mid])
 
-    def settle(self, mid: int, deadline: float | None, since: float,
-               via: tuple[str, str, int] | None = None) -> HostLink:  # fmt: skip
+    def settle(
+        self,
+        mid: int,
+        deadline: float | None,
+        since: float,
+        via: tuple[str, str, int] | None = None,
+    ) -> HostLink:
         """The link to send an operation on manager ``mid`` to again, after its host at
         ``via`` answered ``LEASE`` (first at ``since``): that host may not serve it now
         (its lease lapsed: it is cut off from the orchestrator, or its primaries fail
@@ -234,15 +255,20 @@ class Connections:
         DDictManagerUnavailableError
             The manager is lost.
         """
-        limit = deadline if deadline is not None else \
-            since + (config.get_seconds("failover-timeout") or 0.0)  # fmt: skip
+        limit = (
+            deadline
+            if deadline is not None
+            else since + (config.get_seconds("failover-timeout") or 0.0)
+        )
         now = time.monotonic()
         before = self.layout.managers[mid]
         if now >= limit:
-            raise DDictLeaseError(f"manager {mid} of {self.layout.name!r}: no primary answered "
-                                  f"within {now - since:.1f} s: its host "
-                                  f"{before.hostname} ({before.worker}) holds no lease for it "
-                                  "and no replica took over (ddict.failover-timeout)")  # fmt: skip
+            raise DDictLeaseError(
+                f"manager {mid} of {self.layout.name!r}: no primary answered "
+                f"within {now - since:.1f} s: its host "
+                f"{before.hostname} ({before.worker}) holds no lease for it "
+                "and no replica took over (ddict.failover-timeout)"
+            )
         layout = self.current(limit)
         if layout is not None and layout.epoch > self.layout.epoch:
             self.adopt(layout)
@@ -259,11 +285,16 @@ class Connections:
         with self._lock:
             old, self._layout = self._layout, layout
             self._terms.update((m.manager_id, wire_term(m.term)) for m in layout.managers)
-            gone = [] if old is None else [
-                self._channels.pop(m.manager_id) for m in layout.managers
-                if m.manager_id in self._channels
-                and _place(m) != _place(old.managers[m.manager_id])
-            ]  # fmt: skip
+            gone = (
+                []
+                if old is None
+                else [
+                    self._channels.pop(m.manager_id)
+                    for m in layout.managers
+                    if m.manager_id in self._channels
+                    and _place(m) != _place(old.managers[m.manager_id])
+                ]
+            )
             self._groups.clear()
         for ch in gone:
             ch.close()
@@ -295,9 +326,15 @@ class Connections:
         if link is None:
             lay = self.layout
             link = self._links[key] = HostLink(
-                info, lay.uid, lay.secret, lay.name, use_uds=use_uds, ssl_context=ssl_context,
-                max_value=value_limit(lay.total_mem // lay.num_managers,
-                                      config.get_bytes("transport.min-value-limit")),
+                info,
+                lay.uid,
+                lay.secret,
+                lay.name,
+                use_uds=use_uds,
+                ssl_context=ssl_context,
+                max_value=value_limit(
+                    lay.total_mem // lay.num_managers, config.get_bytes("transport.min-value-limit")
+                ),
             )
             if not self._terms:
                 self._terms.update((m.manager_id, wire_term(m.term)) for m in lay.managers)
@@ -322,8 +359,11 @@ class Connections:
 
     def _uses_uds(self, info: ManagerInfo) -> bool:
         """Whether ``info``'s host process is reached over its Unix socket (same host)."""
-        return bool(config.get("local-transport")) and self.is_local(info) \
-            and os.path.exists(info.uds_path)  # fmt: skip
+        return (
+            bool(config.get("local-transport"))
+            and self.is_local(info)
+            and os.path.exists(info.uds_path)
+        )
 
     def _host_link(self, info: ManagerInfo) -> HostLink:
         """The link that reaches ``info``'s manager: its host's Unix socket or TCP (TLS)."""
@@ -345,16 +385,25 @@ class Connections:
     def _make_channel(self, info: ManagerInfo) -> Any:
         link = self._host_link(info)
         sock = SocketChannel(link, info)
-        if link.kind == "uds" and self.direct_reads and config.get("local-read") \
-                and os.path.isdir(info.store_path):  # fmt: skip
+        if (
+            link.kind == "uds"
+            and self.direct_reads
+            and config.get("local-read")
+            and os.path.isdir(info.store_path)
+        ):
             from .shared import (
                 SharedChannel,  # lmdb: only where a shard is read directly
             )
 
             capacity = self.layout.total_mem // self.layout.num_managers
             try:
-                return SharedChannel(sock, info.store_path, capacity, self.layout.options,
-                                     bool(config.get("local-write")))  # fmt: skip
+                return SharedChannel(
+                    sock,
+                    info.store_path,
+                    capacity,
+                    self.layout.options,
+                    bool(config.get("local-write")),
+                )
             except Exception as e:  # e.g. no permission: reads go over the socket
                 logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
         return sock
@@ -381,8 +430,9 @@ class Connections:
                 self._groups[key] = groups
         return groups
 
-    def each(self, o: Operation, mids: list[int], progress: str = "", tree: bool = False
-             ) -> list[Any]:  # fmt: skip
+    def each(
+        self, o: Operation, mids: list[int], progress: str = "", tree: bool = False
+    ) -> list[Any]:
         """``o``'s result on every manager of ``mids``, in that order (a broadcast).
 
         One request per host process (:class:`~.ops.FanOut`: the host runs ``o``
@@ -402,12 +452,12 @@ class Connections:
         if len(mids) <= 1:
             return [self.channel(m).call(o) for m in mids]
         if timing.on:  # (one operation, however many hosts it goes to)
-            return timing.timed(f"{timing.name_of(o)} (broadcast)", self._each, o, mids,
-                                progress, tree)  # fmt: skip
+            return timing.timed(
+                f"{timing.name_of(o)} (broadcast)", self._each, o, mids, progress, tree
+            )
         return self._each(o, mids, progress, tree)
 
-    def _each(self, o: Operation, mids: list[int], progress: str, tree: bool = False
-              ) -> list[Any]:  # fmt: skip
+    def _each(self, o: Operation, mids: list[int], progress: str, tree: bool = False) -> list[Any]:
         """:meth:`each` on several managers."""
         results, failure, errors = self._following(o, mids, progress, tree=tree)
         if failure is not None:
@@ -432,9 +482,15 @@ class Connections:
                 out.append(failure or DDictError(f"manager {m}: no answer", "INTERNAL"))
         return out
 
-    def _following(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False,
-                   tree: bool = False
-                   ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
+    def _following(
+        self,
+        o: Operation,
+        mids: list[int],
+        progress: str,
+        *,
+        settle: bool = False,
+        tree: bool = False,
+    ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
         """:meth:`_broadcast`, sent again to the managers that moved meanwhile (their
         hosts answered ``MOVED``, or were gone and the orchestrator knows where they
         went), where they are now."""
@@ -444,10 +500,16 @@ class Connections:
         while follows < MOST_FOLLOWS:
             # (a host gone whose managers moved, or a host that may not serve them now)
             gone, lapsed = type(failure) is DDictManagerMovedError, type(failure) is DDictLeaseError
-            moved = [m for m in mids if m not in results and (
-                errors[m][0] == _MOVED if m in errors else gone)]  # fmt: skip
-            waiting = [m for m in mids if m not in results and (
-                errors[m][0] == _LEASE if m in errors else lapsed)]  # fmt: skip
+            moved = [
+                m
+                for m in mids
+                if m not in results and (errors[m][0] == _MOVED if m in errors else gone)
+            ]
+            waiting = [
+                m
+                for m in mids
+                if m not in results and (errors[m][0] == _LEASE if m in errors else lapsed)
+            ]
             if not moved and not waiting:
                 break
             try:
@@ -470,9 +532,15 @@ class Connections:
             failure = failure or fail
         return results, failure, errors
 
-    def _broadcast(self, o: Operation, mids: list[int], progress: str, *, settle: bool = False,
-                   tree: bool = False
-                   ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
+    def _broadcast(
+        self,
+        o: Operation,
+        mids: list[int],
+        progress: str,
+        *,
+        settle: bool = False,
+        tree: bool = False,
+    ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
         """Send ``o`` to every host of ``mids`` and read every answer: the results, a
         failure that cost whole hosts' answers, and managers' errors (``settle``: a
         failed host's managers each get its error)."""
@@ -497,8 +565,9 @@ class Connections:
                 return functools.partial(_reraise, e)
 
         pending = [(ms, sent(link, ms)) for link, ms in self._routes(mids)]
-        for ms, answer in track(pending, progress, len(pending), unit="host") if progress \
-                else pending:  # fmt: skip
+        for ms, answer in (
+            track(pending, progress, len(pending), unit="host") if progress else pending
+        ):
             try:
                 if len(ms) == 1:  # one manager on this host: its own answer
                     results[ms[0]] = result(*answer())
@@ -517,9 +586,14 @@ class Connections:
             _answers(payload, result, results, errors)
         return results, failure, errors
 
-    def _tree(self, o: Operation, routes: list[tuple[HostLink, list[int]]], fan: int,
-              began: float, settle: bool
-              ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
+    def _tree(
+        self,
+        o: Operation,
+        routes: list[tuple[HostLink, list[int]]],
+        fan: int,
+        began: float,
+        settle: bool,
+    ) -> tuple[dict[int, Any], BaseException | None, dict[int, tuple[int, bytes]]]:
         """:meth:`_broadcast` along a tree: one request to the first host of ``routes``,
         whose subtrees (of at most ``fan`` children each, see :func:`tree_of`) each host
         forwards before it serves its own managers (:mod:`dask_ddict.host.forward`).  A
@@ -541,9 +615,15 @@ class Connections:
         _answers(payload, o.result, results, errors)
         return results, None, errors
 
-    def get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
-                 lend: bool | None = False, follows: int = 0, since: float = 0.0
-                 ) -> dict[int, list[Any]]:  # fmt: skip
+    def get_many(
+        self,
+        groups: dict[int, list[bytes]],
+        chkpt: int,
+        timeout: float | None,
+        lend: bool | None = False,
+        follows: int = 0,
+        since: float = 0.0,
+    ) -> dict[int, list[Any]]:
         """The frames of many keys, by manager (:class:`~.many.GetMany`).
 
         One request per host process, all sent before any answer is read (the
@@ -552,12 +632,20 @@ class Connections:
         reader must wait.  The first failure is raised once every host answered.
         """
         if timing.on:  # (one operation, however many hosts it goes to)
-            return timing.timed("get_many", self._get_many, groups, chkpt, timeout, lend,
-                                follows, since)  # fmt: skip
+            return timing.timed(
+                "get_many", self._get_many, groups, chkpt, timeout, lend, follows, since
+            )
         return self._get_many(groups, chkpt, timeout, lend, follows, since)
 
-    def _get_many(self, groups: dict[int, list[bytes]], chkpt: int, timeout: float | None,
-                  lend: bool | None, follows: int, since: float) -> dict[int, list[Any]]:
+    def _get_many(
+        self,
+        groups: dict[int, list[bytes]],
+        chkpt: int,
+        timeout: float | None,
+        lend: bool | None,
+        follows: int,
+        since: float,
+    ) -> dict[int, list[Any]]:
         """:meth:`get_many`'s work."""
         out: dict[int, list[Any]] = {}
         sent = self.layout
@@ -590,16 +678,23 @@ class Connections:
                     out[mid] = frames
             except BaseException as e:
                 failure = failure or e
-        if isinstance(failure, DDictError) and follows < MOST_FOLLOWS and \
-                type(failure) in (DDictManagerMovedError, DDictLeaseError):  # fmt: skip
+        if (
+            isinstance(failure, DDictError)
+            and follows < MOST_FOLLOWS
+            and type(failure) in (DDictManagerMovedError, DDictLeaseError)
+        ):
             rest = {m: g for m, g in groups.items() if m not in out}
             lapsed = type(failure) is DDictLeaseError
             try:
                 first = next(iter(rest))
                 if lapsed:  # (a host that may not serve them now: asked again after a wait)
                     since = since or time.monotonic()
-                    self.settle(first, None if timeout is None else began + timeout, since,
-                                sent.managers[first].address)  # fmt: skip
+                    self.settle(
+                        first,
+                        None if timeout is None else began + timeout,
+                        since,
+                        sent.managers[first].address,
+                    )
                 else:
                     self.follow(first, None, sent.managers[first].address)
             except DDictError:
@@ -625,9 +720,13 @@ class Connections:
                 out[mid] = ch.link
         return out
 
-    async def get_many_async(self, groups: dict[int, list[bytes]], chkpt: int,
-                             timeout: float | None, lend: bool | None = False
-                             ) -> dict[int, list[Any]]:  # fmt: skip
+    async def get_many_async(
+        self,
+        groups: dict[int, list[bytes]],
+        chkpt: int,
+        timeout: float | None,
+        lend: bool | None = False,
+    ) -> dict[int, list[Any]]:
         """:meth:`get_many` from an event loop: one pipelined request per host process
         where :meth:`pipe_links` allows, the rest by :meth:`get_many` in a worker thread
         (meanwhile), and so is whatever the pipes cannot send (a moved manager, a
@@ -636,16 +735,20 @@ class Connections:
         links = self.pipe_links(groups)
         out: dict[int, list[Any]] = {}
         rest = {m: g for m, g in groups.items() if m not in links}
-        aside = asyncio.ensure_future(asyncio.to_thread(
-            self.get_many, rest, chkpt, timeout, lend)) if rest else None  # fmt: skip
+        aside = (
+            asyncio.ensure_future(asyncio.to_thread(self.get_many, rest, chkpt, timeout, lend))
+            if rest
+            else None
+        )
         failure: BaseException | None = None
         try:
             by_link: dict[HostLink, list[tuple[int, list[bytes]]]] = {}
             for mid, link in links.items():
                 by_link.setdefault(link, []).append((mid, groups[mid]))
             ops = [GetMany(tuple(gs), chkpt, timeout, lend) for gs in by_link.values()]
-            got = await exchange_all([(link, op, op.groups[0][0])
-                                      for link, op in zip(by_link, ops)])  # fmt: skip
+            got = await exchange_all(
+                [(link, op, op.groups[0][0]) for link, op in zip(by_link, ops)]
+            )
             for op, answer in zip(ops, got):
                 if isinstance(answer, Unpipeable):
                     continue
@@ -658,8 +761,11 @@ class Connections:
                 out.update(await aside)
             left = {m: g for m, g in groups.items() if m not in out and m in links}
             if left and failure is None:  # (sent again, in the operation's time left)
-                out.update(await asyncio.to_thread(self.get_many, left, chkpt,
-                                                   time_left(timeout, began), lend))  # fmt: skip
+                out.update(
+                    await asyncio.to_thread(
+                        self.get_many, left, chkpt, time_left(timeout, began), lend
+                    )
+                )
         except asyncio.CancelledError:
             if aside is not None:
                 aside.cancel()
@@ -701,6 +807,11 @@ def tree_of(routes: list[tuple[HostLink, list[int]]], fan: int) -> tuple[Any, ..
         i += len(part)
         (link, ms), below = part[0], part[1:]
         info = link.info
-        out.append(((info.tcp_host, info.tcp_port, info.hostname, info.worker), tuple(ms),
-                    tree_of(below, fan)))  # fmt: skip
+        out.append(
+            (
+                (info.tcp_host, info.tcp_port, info.hostname, info.worker),
+                tuple(ms),
+                tree_of(below, fan),
+            )
+        )
     return tuple(out)

@@ -49,8 +49,15 @@ class HandshakeError(PermissionError):
     """The other end failed to prove who it is (or is not a DDict peer at all)."""
 
 
-def proof(secret: bytes, role: bytes, uid: bytes, target: str, incarnation: bytes,
-          client_nonce: bytes, host_nonce: bytes) -> bytes:  # fmt: skip
+def proof(
+    secret: bytes,
+    role: bytes,
+    uid: bytes,
+    target: str,
+    incarnation: bytes,
+    client_nonce: bytes,
+    host_nonce: bytes,
+) -> bytes:
     """One side's proof of the secret, bound to this connection (see the module docstring)."""
     msg = b"|".join([VERSION, role, uid, target.encode(), incarnation, client_nonce, host_nonce])
     return hmac.new(secret, msg, hashlib.sha256).digest()
@@ -58,8 +65,9 @@ def proof(secret: bytes, role: bytes, uid: bytes, target: str, incarnation: byte
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket."""
-    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                 _PEERCRED.size))  # fmt: skip
+    _, uid, _ = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
     return int(uid)
 
 
@@ -89,19 +97,27 @@ def client_side(sock: Any, uid: bytes, secret: bytes, target: str, *, tcp: bool)
     if answer != Hello.PROVE:
         return answer
     got = recv_exact(sock, INCARNATION + NONCE + PROOF)
-    incarnation, host_nonce, host_proof = (got[:INCARNATION], got[INCARNATION:-PROOF],
-                                           got[-PROOF:])  # fmt: skip
+    incarnation, host_nonce, host_proof = (got[:INCARNATION], got[INCARNATION:-PROOF], got[-PROOF:])
     args = (uid, target, incarnation, client_nonce, host_nonce)
     if not hmac.compare_digest(host_proof, proof(secret, b"host", *args)):
-        raise HandshakeError(f"the process at {target} did not prove that it serves this "
-                             "dictionary (not its host process: wrong secret or relayed)")  # fmt: skip
+        raise HandshakeError(
+            f"the process at {target} did not prove that it serves this "
+            "dictionary (not its host process: wrong secret or relayed)"
+        )
     sock.sendall(proof(secret, b"client", *args))
     return Hello(recv_exact(sock, 1)[0])
 
 
-def host_side(conn: Any, read: Callable[[int], Any], find: Callable[[bytes], Any],
-              closed: Callable[[bytes], bool], *, tcp: bool, target: str,
-              incarnation: bytes) -> Any:  # fmt: skip
+def host_side(
+    conn: Any,
+    read: Callable[[int], Any],
+    find: Callable[[bytes], Any],
+    closed: Callable[[bytes], bool],
+    *,
+    tcp: bool,
+    target: str,
+    incarnation: bytes,
+) -> Any:
     """Run the host's half; return the dictionary the connection is bound to.
 
     ``find(uid)`` gives the hosted dictionary (with ``secret``) or ``None``;
@@ -129,8 +145,9 @@ def host_side(conn: Any, read: Callable[[int], Any], find: Callable[[bytes], Any
         return hosted
     host_nonce = secrets.token_bytes(NONCE)
     args = (uid, target, incarnation, client_nonce, host_nonce)
-    conn.sendall(bytes([Hello.PROVE]) + incarnation + host_nonce
-                 + proof(hosted.secret, b"host", *args))  # fmt: skip
+    conn.sendall(
+        bytes([Hello.PROVE]) + incarnation + host_nonce + proof(hosted.secret, b"host", *args)
+    )
     if not hmac.compare_digest(bytes(read(PROOF)), proof(hosted.secret, b"client", *args)):
         conn.sendall(bytes([Hello.DENIED]))
         raise HandshakeError("bad credentials")

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Any
 
 from .. import config
 from .._serialize import SMALL_FRAME
-from ..kernels import QUIET, receive_reply
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -65,12 +64,13 @@ from ..errors import (
     DDictManagerMovedError,
     DDictManagerUnavailableError,
     DDictTimeoutError,
+    Status,
     raise_for_status,
 )
-from ..errors import Status
+from ..kernels import QUIET, receive_reply
 from ..layout import ManagerInfo
-from .handshake import HandshakeError, client_side
 from .conn import Conn, Deadline
+from .handshake import HandshakeError, client_side
 from .kept import KEPT
 from .ops import Kind, Operation
 from .protocol import (
@@ -118,9 +118,17 @@ class HostLink:
         Client TLS context when the cluster requires TLS.
     """
 
-    def __init__(self, info: ManagerInfo, uid: str, secret: str, name: str, *, use_uds: bool,
-                 ssl_context: ssl.SSLContext | None = None,
-                 max_value: int = 1 << 62) -> None:  # fmt: skip
+    def __init__(
+        self,
+        info: ManagerInfo,
+        uid: str,
+        secret: str,
+        name: str,
+        *,
+        use_uds: bool,
+        ssl_context: ssl.SSLContext | None = None,
+        max_value: int = 1 << 62,
+    ) -> None:
         self.info = info
         self._max_value = max_value  # the host's limit for a request's value (value_limit)
         self.kind = "uds" if use_uds else ("tls" if ssl_context else "tcp")
@@ -174,7 +182,8 @@ class HostLink:
 
             try:
                 self._generations = Generations(
-                    path_for(os.path.dirname(self.info.uds_path), self._uid.hex()))
+                    path_for(os.path.dirname(self.info.uds_path), self._uid.hex())
+                )
             except OSError:
                 return None
         return self._generations
@@ -203,8 +212,9 @@ class HostLink:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                raise self.unavailable(mid, f"is gone (its supervisor, process {pid}, ended)"
-                                       ) from None  # fmt: skip
+                raise self.unavailable(
+                    mid, f"is gone (its supervisor, process {pid}, ended)"
+                ) from None
             except PermissionError:
                 pass  # alive, under another user
 
@@ -219,8 +229,7 @@ class HostLink:
             return e
         return self.explain(mid, e, self.info.address if followable else None)
 
-    def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None
-                 ) -> Conn:  # fmt: skip
+    def _connect(self, mid: int, deadline: float | None, check: Callable[[], None] | None) -> Conn:
         """A new connection, its handshake done, by ``deadline`` (``None``: whenever the
         host answers, if it is not gone).  Raises :class:`Deadline` when time runs out."""
         info = self.info
@@ -246,15 +255,17 @@ class HostLink:
                     raise
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:
-                    sock = self._ssl.wrap_socket(sock, server_hostname=None,
-                                                 do_handshake_on_connect=False)  # fmt: skip
+                    sock = self._ssl.wrap_socket(
+                        sock, server_hostname=None, do_handshake_on_connect=False
+                    )
                 conn = Conn(sock, self._every)
                 conn.begin(deadline, check)
             try:
                 if isinstance(sock, ssl.SSLSocket):
                     conn.tls_handshake()
-                answer = client_side(conn, self._uid, self._secret, self._target,
-                                     tcp=self.kind != "uds")  # fmt: skip
+                answer = client_side(
+                    conn, self._uid, self._secret, self._target, tcp=self.kind != "uds"
+                )
             except BaseException:
                 conn.close()
                 raise
@@ -272,22 +283,30 @@ class HostLink:
                 raise DDictClosedError(f"DDict {self.name!r} was destroyed")
             if answer == Hello.DENIED:
                 raise DDictManagerUnavailableError(
-                    f"{self.where(mid)}: the host refused the credentials")
+                    f"{self.where(mid)}: the host refused the credentials"
+                )
             raise self.unavailable(mid, "is not served by its host any more")
         with self._lock:
             self._all.append(conn)
         KEPT.most = self._most
         return conn
 
-    def timed_out(self, o: Operation, mid: int, timeout: float | None, sent: bool
-                  ) -> DDictTimeoutError:  # fmt: skip
+    def timed_out(
+        self, o: Operation, mid: int, timeout: float | None, sent: bool
+    ) -> DDictTimeoutError:
         """The error of operation ``o`` on manager ``mid``, unanswered within ``timeout``
         plus the slack (``sent``: the request went out, so a write may have been applied)."""
-        maybe = ("" if o.kind is Kind.READ else
-                 "; the operation may or may not have been applied" if sent else
-                 "; nothing was sent (connecting)")  # fmt: skip
-        return DDictTimeoutError(f"{self.where(mid)} did not answer {o.op.name} within "
-                                 f"{timeout} s (+{self._slack} s slack){maybe}")  # fmt: skip
+        maybe = (
+            ""
+            if o.kind is Kind.READ
+            else "; the operation may or may not have been applied"
+            if sent
+            else "; nothing was sent (connecting)"
+        )
+        return DDictTimeoutError(
+            f"{self.where(mid)} did not answer {o.op.name} within "
+            f"{timeout} s (+{self._slack} s slack){maybe}"
+        )
 
     def connect_detached(self, mid: int, deadline: float | None) -> socket.socket:
         """A new connection's socket, its handshake done by ``deadline`` (of
@@ -356,13 +375,34 @@ class HostLink:
             conn.begin(None, check)
             sock = conn.sock
             term = self.terms.get(mid, 0) if o.follows else 0  # (not several managers')
-            conn.sendall(b"".join((REQ.pack(o.op, flags, term, len(keysec), mid, 0, chkpt, arg,
-                                            client, -1.0, vlen, 0), keysec, *value)))  # fmt: skip
+            conn.sendall(
+                b"".join(
+                    (
+                        REQ.pack(
+                            o.op,
+                            flags,
+                            term,
+                            len(keysec),
+                            mid,
+                            0,
+                            chkpt,
+                            arg,
+                            client,
+                            -1.0,
+                            vlen,
+                            0,
+                        ),
+                        keysec,
+                        *value,
+                    )
+                )
+            )
             reader = conn.reader
             buf, got = reader.emptied(), 0
             while True:
-                status, ival, plen, payload, got = receive_reply(sock, buf, got, conn.timeout,
-                                                                 SMALL_FRAME)  # fmt: skip
+                status, ival, plen, payload, got = receive_reply(
+                    sock, buf, got, conn.timeout, SMALL_FRAME
+                )
                 if status != QUIET:
                     break
                 if check is not None:  # (a slice went by: the host's supervisor lives?)
@@ -374,8 +414,12 @@ class HostLink:
                 reader.read_into(payload)
         except DDictError as e:  # (the host is gone, or moved: its reply is never read)
             self.forget(conn)
-            if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
-                    and o.kind is not Kind.UNSAFE:  # fmt: skip
+            if (
+                type(e) is DDictManagerMovedError
+                and self.follow is not None
+                and o.follows
+                and o.kind is not Kind.UNSAFE
+            ):
                 return self.follow(mid, None).call(o, mid)
             raise
         except (OSError, ssl.SSLError) as e:
@@ -397,9 +441,11 @@ class HostLink:
 
     def _maybe_applied(self, o: Operation, mid: int, e: BaseException) -> DDictError:
         """The error of an operation that cannot be resent, whose connection broke."""
-        return DDictError(f"{self.where(mid)}: the connection broke during {o.op.name} "
-                          f"({type(e).__name__}); it may or may not have been applied",
-                          "MANAGER_UNAVAILABLE")  # fmt: skip
+        return DDictError(
+            f"{self.where(mid)}: the connection broke during {o.op.name} "
+            f"({type(e).__name__}); it may or may not have been applied",
+            "MANAGER_UNAVAILABLE",
+        )
 
     def _call(self, o: Operation, mid: int) -> tuple[int, Any]:
         """:meth:`call` through :meth:`_exchange` (retries, deadlines, request ids)."""
@@ -411,8 +457,9 @@ class HostLink:
             return done.value
         raise AssertionError("an exchange yields once")
 
-    def send(self, o: Operation, mid: int, start: float | None = None
-             ) -> Callable[[], tuple[int, Any]]:  # fmt: skip
+    def send(
+        self, o: Operation, mid: int, start: float | None = None
+    ) -> Callable[[], tuple[int, Any]]:
         """Send ``o`` now; the returned function waits for the answer.
 
         A broadcast sends to every host from one thread, then collects the
@@ -438,9 +485,15 @@ class HostLink:
 
         return answer
 
-    def _exchange(self, o: Operation, mid: int, began: float | None = None, rid: int = 0,
-                  waited: bool = False, lapsed: float = 0.0
-                  ) -> Generator[None, None, tuple[int, Any]]:  # fmt: skip
+    def _exchange(
+        self,
+        o: Operation,
+        mid: int,
+        began: float | None = None,
+        rid: int = 0,
+        waited: bool = False,
+        lapsed: float = 0.0,
+    ) -> Generator[None, None, tuple[int, Any]]:
         """Request and answer, with retries; yields once, when the request first went out.
 
         With a timeout, everything (connecting, the handshake, reconnecting to a
@@ -454,9 +507,11 @@ class HostLink:
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
         if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
-            raise DDictFullError(f"{self.where(mid)}: a {vlen}-byte value cannot fit: its host "
-                                 f"takes at most {self._max_value} bytes (the shard's size, "
-                                 "or ddict.transport.min-value-limit)")  # fmt: skip
+            raise DDictFullError(
+                f"{self.where(mid)}: a {vlen}-byte value cannot fit: its host "
+                f"takes at most {self._max_value} bytes (the shard's size, "
+                "or ddict.transport.min-value-limit)"
+            )
         if timeout is None:
             start, deadline, wire_timeout = 0.0, None, -1.0  # (encode_timeout)
         else:
@@ -466,8 +521,9 @@ class HostLink:
         if not rid and kind is _ONCE:
             rid = secrets.randbits(63) + 1
         term = self.terms.get(mid, 0) if o.follows else 0  # (not several managers')
-        head = REQ.pack(op, flags, term, len(keysec), mid, 0, chkpt, arg, client, wire_timeout,
-                        vlen, rid)  # fmt: skip
+        head = REQ.pack(
+            op, flags, term, len(keysec), mid, 0, chkpt, arg, client, wire_timeout, vlen, rid
+        )
         total = REQ.size + len(keysec) + vlen
         attempt, sent = 0, False
         while True:
@@ -506,10 +562,17 @@ class HostLink:
             except DDictError as e:  # connecting, or the host is gone: what the caller should see
                 if conn is not None:
                     self.forget(conn)
-                if type(e) is DDictManagerMovedError and self.follow is not None and o.follows \
-                        and (kind is not Kind.UNSAFE or not sent):  # fmt: skip
-                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited,
-                                                                            lapsed))
+                if (
+                    type(e) is DDictManagerMovedError
+                    and self.follow is not None
+                    and o.follows
+                    and (kind is not Kind.UNSAFE or not sent)
+                ):
+                    return (
+                        yield from self.follow(mid, deadline)._exchange(
+                            o, mid, start, rid, waited, lapsed
+                        )
+                    )
                 raise
             except Deadline as e:
                 if conn is not None:
@@ -528,16 +591,24 @@ class HostLink:
                 attempt += 1
                 if timeout is not None:  # a waiting operation waits only what is left
                     left = max(0.0, timeout - (time.monotonic() - start))
-                    head = REQ.pack(op, flags, term, len(keysec), mid, 0, chkpt, arg, client,
-                                    left, vlen, rid)  # fmt: skip
+                    head = REQ.pack(
+                        op, flags, term, len(keysec), mid, 0, chkpt, arg, client, left, vlen, rid
+                    )
                 continue
             KEPT.give(self, conn)
             if status:
                 if status == _MOVED and self.follow is not None and o.follows:
-                    return (yield from self.follow(mid, deadline)._exchange(o, mid, start, rid, waited,
-                                                                            lapsed))
-                if status == _LEASE and self.settle is not None and o.follows \
-                        and kind is not Kind.UNSAFE:  # fmt: skip
+                    return (
+                        yield from self.follow(mid, deadline)._exchange(
+                            o, mid, start, rid, waited, lapsed
+                        )
+                    )
+                if (
+                    status == _LEASE
+                    and self.settle is not None
+                    and o.follows
+                    and kind is not Kind.UNSAFE
+                ):
                     lapsed = lapsed or time.monotonic()
                     link = self.settle(mid, deadline, lapsed)  # (raises when it gives up)
                     if link is not self:
@@ -545,8 +616,20 @@ class HostLink:
                     attempt = 0
                     if timeout is not None:  # (what is left of its time)
                         left = max(0.0, timeout - (time.monotonic() - start))
-                        head = REQ.pack(op, flags, term, len(keysec), mid, 0, chkpt, arg, client,
-                                        left, vlen, rid)  # fmt: skip
+                        head = REQ.pack(
+                            op,
+                            flags,
+                            term,
+                            len(keysec),
+                            mid,
+                            0,
+                            chkpt,
+                            arg,
+                            client,
+                            left,
+                            vlen,
+                            rid,
+                        )
                     continue
                 raise_for_status(status, bytes(payload).decode(errors="replace"))
             return ival, payload

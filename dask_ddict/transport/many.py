@@ -33,9 +33,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._serialize import SMALL_FRAME, Framed
-from ..kernels import (JOIN, digest_groups, group_table, pack_frames, pack_records,
-                       unpack_frames, unpack_records)
 from ..errors import wire_error
+from ..kernels import (
+    JOIN,
+    digest_groups,
+    group_table,
+    pack_frames,
+    pack_records,
+    unpack_frames,
+    unpack_records,
+)
 from .operation import Encoded, HostWide, Kind, Reply, Request
 from .protocol import FLAG_PERSIST, Op
 
@@ -64,8 +71,12 @@ class GetMany(HostWide):
     def encode(self) -> Encoded:
         table = group_table(self.groups)
         digests = b"".join(b"".join(d) for _, d in self.groups)
-        return Encoded(parts=(table, digests), vlen=len(table) + len(digests),
-                       chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
+        return Encoded(
+            parts=(table, digests),
+            vlen=len(table) + len(digests),
+            chkpt=self.chkpt,
+            timeout=self.timeout,
+        )
 
     def result(self, ival: int, payload: Any) -> list[list[Any]]:
         # (small frames as bytes, as a same-host reader copies them: shared.py)
@@ -78,8 +89,12 @@ class GetMany(HostWide):
         return out
 
     @staticmethod
-    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
-                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+    def serve_host(
+        managers: Mapping[int, Manager],
+        r: Request,
+        reply: Reply,
+        missing: Callable[[int], Exception] = KeyError,
+    ) -> None:
         """Each manager's keys in one snapshot of its shard; one reply for all."""
         frames: list[Any] = []
         with contextlib.ExitStack() as snapshots:
@@ -87,8 +102,9 @@ class GetMany(HostWide):
                 m = managers.get(mid)
                 if m is None:
                     raise missing(mid)
-                frames += m.get_many(snapshots.enter_context(m.store.read()), digests, r.chkpt,
-                                     JOIN)  # (small frames: copied by the cursor's walk,
+                frames += m.get_many(
+                    snapshots.enter_context(m.store.read()), digests, r.chkpt, JOIN
+                )  # (small frames: copied by the cursor's walk,
                 # as the reply copies them anyway, which is cheaper than a view of each)
             reply(0, pack_frames(frames))  # (inside the snapshots: views are valid; parts,
             # sent as they are: a large frame is never joined)
@@ -109,15 +125,27 @@ class PutMany(HostWide):
 
     def encode(self) -> Encoded:
         parts, total = pack_records(self.records)
-        return Encoded(FLAG_PERSIST if self.persistent else 0, b"", tuple(parts), total,
-                       self.chkpt, 0, self.client, self.timeout)  # fmt: skip
+        return Encoded(
+            FLAG_PERSIST if self.persistent else 0,
+            b"",
+            tuple(parts),
+            total,
+            self.chkpt,
+            0,
+            self.client,
+            self.timeout,
+        )
 
     def result(self, ival: int, payload: Any) -> list[tuple[int, int, int, bytes]]:
         return pickle.loads(payload)
 
     @staticmethod
-    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
-                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+    def serve_host(
+        managers: Mapping[int, Manager],
+        r: Request,
+        reply: Reply,
+        missing: Callable[[int], Exception] = KeyError,
+    ) -> None:
         out = []
         for mid, records in unpack_records(r.value).items():
             m = managers.get(mid)
@@ -125,8 +153,13 @@ class PutMany(HostWide):
             try:
                 if m is None:
                     raise missing(mid)
-                done, error = m.put_many(records, r.chkpt, r.client, timeout=r.timeout,
-                                         persistent=bool(r.flags & FLAG_PERSIST))  # fmt: skip
+                done, error = m.put_many(
+                    records,
+                    r.chkpt,
+                    r.client,
+                    timeout=r.timeout,
+                    persistent=bool(r.flags & FLAG_PERSIST),
+                )
             except Exception as e:  # (the whole group: frozen, closed, not hosted, a timeout)
                 done, error = 0, e
             status, msg = (0, b"") if error is None else wire_error(error)

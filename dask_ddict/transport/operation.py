@@ -141,8 +141,12 @@ class HostWide(Operation):
     follows = False
 
     @staticmethod
-    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
-                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+    def serve_host(
+        managers: Mapping[int, Manager],
+        r: Request,
+        reply: Reply,
+        missing: Callable[[int], Exception] = KeyError,
+    ) -> None:
         """Serve ``r``; ``missing(mid)`` is the error for a manager not hosted here."""
         raise NotImplementedError
 

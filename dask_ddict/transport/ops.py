@@ -34,9 +34,13 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from .._serialize import Framed, copy_frame, raw_range
-from ..kernels import pack_records, unpack_records
 from ..errors import DDictManagerMovedError, wire_error
+from ..kernels import pack_records, unpack_records
 from ..stats import DDictManagerStats
+from .many import (  # noqa: F401 (GetMany, PutMany: their module; in the tables)
+    GetMany,
+    PutMany,
+)
 from .operation import (
     Answered,
     Answerer,
@@ -59,10 +63,6 @@ from .protocol import (
     WANT_VALUES,
     Op,
 )
-from .many import (  # noqa: F401 (GetMany, PutMany: their module; in the tables)
-    GetMany,
-    PutMany,
-)
 from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints; in the tables)
     Advance,
     CopyFrom,
@@ -83,8 +83,16 @@ if TYPE_CHECKING:
 
 def _key_and_value(o: Put | SetDefault, flags: int) -> Encoded:
     """A write of one key: digest and key in the key section, the value's parts after."""
-    return Encoded(flags, o.digest + o.key, tuple(o.framed.parts), o.framed.nbytes, o.chkpt, 0,
-                   o.client, o.timeout)  # fmt: skip
+    return Encoded(
+        flags,
+        o.digest + o.key,
+        tuple(o.framed.parts),
+        o.framed.nbytes,
+        o.chkpt,
+        0,
+        o.client,
+        o.timeout,
+    )
 
 
 # -- the dict protocol ---------------------------------------------------------------------
@@ -168,8 +176,15 @@ class Put(Operation):
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
-        m.put(r.digest, r.key, r.value, r.chkpt, r.client,
-              persistent=bool(r.flags & FLAG_PERSIST), timeout=r.timeout)  # fmt: skip
+        m.put(
+            r.digest,
+            r.key,
+            r.value,
+            r.chkpt,
+            r.client,
+            persistent=bool(r.flags & FLAG_PERSIST),
+            timeout=r.timeout,
+        )
         reply()
 
 
@@ -221,8 +236,9 @@ class Pop(FrameReply):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(keysec=self.digest, chkpt=self.chkpt, client=self.client,
-                       timeout=self.timeout)  # fmt: skip
+        return Encoded(
+            keysec=self.digest, chkpt=self.chkpt, client=self.client, timeout=self.timeout
+        )
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -283,9 +299,13 @@ class Page(Answered):
     lend: bool = False
 
     def encode(self) -> Encoded:
-        return Encoded(keysec=self.after or b"", chkpt=self.chkpt,
-                       arg=self.want | (self.max_items << 8), client=self.max_bytes,
-                       timeout=self.timeout)  # fmt: skip
+        return Encoded(
+            keysec=self.after or b"",
+            chkpt=self.chkpt,
+            arg=self.want | (self.max_items << 8),
+            client=self.max_bytes,
+            timeout=self.timeout,
+        )
 
     def result(self, ival: int, payload: Any) -> Any:
         if len(payload) <= 16:  # an empty page (most managers', in a broadcast of first pages)
@@ -308,9 +328,14 @@ class Page(Answered):
     def answer(m: Manager, r: Request, page_bytes: int = 1 << 20) -> tuple[int, Any]:
         """``page_bytes``: the host's limit (a broadcast's share is always below it)."""
         want = r.arg & 0xFF
-        items, last, more = m.page(r.chkpt, r.digest or None, bool(want & WANT_KEYS),
-                                   bool(want & WANT_VALUES), max(1, r.arg >> 8),
-                                   min(page_bytes, r.client or page_bytes))  # fmt: skip
+        items, last, more = m.page(
+            r.chkpt,
+            r.digest or None,
+            bool(want & WANT_KEYS),
+            bool(want & WANT_VALUES),
+            max(1, r.arg >> 8),
+            min(page_bytes, r.client or page_bytes),
+        )
         if not items:
             return int(more), b""
         parts: list[Any] = [last or bytes(16)]
@@ -331,8 +356,13 @@ class FetchAdd(FrameReply):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(keysec=self.digest + self.key, chkpt=self.chkpt, arg=self.n,
-                       client=self.client, timeout=self.timeout)  # fmt: skip
+        return Encoded(
+            keysec=self.digest + self.key,
+            chkpt=self.chkpt,
+            arg=self.n,
+            client=self.client,
+            timeout=self.timeout,
+        )
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -350,8 +380,13 @@ class WaitFor(Operation):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(keysec=self.digest, parts=(self.frame,), vlen=len(self.frame),
-                       chkpt=self.chkpt, timeout=self.timeout)  # fmt: skip
+        return Encoded(
+            keysec=self.digest,
+            parts=(self.frame,),
+            vlen=len(self.frame),
+            chkpt=self.chkpt,
+            timeout=self.timeout,
+        )
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
@@ -383,8 +418,12 @@ class BatchPut(HostWide):
         return Encoded(flags, b"", tuple(parts), total, self.chkpt, self.batch, self.client)
 
     @staticmethod
-    def serve_host(managers: Mapping[int, Manager], r: Request, reply: Reply,
-                   missing: Callable[[int], Exception] = KeyError) -> None:  # fmt: skip
+    def serve_host(
+        managers: Mapping[int, Manager],
+        r: Request,
+        reply: Reply,
+        missing: Callable[[int], Exception] = KeyError,
+    ) -> None:
         """Each manager's records in one transaction of its own, in message order.
 
         A manager that moved away stores none of them (nor of later messages): its
@@ -400,8 +439,9 @@ class BatchPut(HostWide):
                         continue
                     raise e
             try:
-                m.batch_put(records, r.chkpt, r.client,
-                            persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg)  # fmt: skip
+                m.batch_put(
+                    records, r.chkpt, r.client, persistent=bool(r.flags & FLAG_PERSIST), batch=r.arg
+                )
             except DDictManagerMovedError:
                 continue  # (it moved while these waited for its writes to resume)
         if not r.flags & FLAG_NOREPLY:
@@ -509,14 +549,22 @@ class FanOut(PickledReply):
 
     def encode(self) -> Encoded:
         e, n = self.inner.encode(), len(self.mids)
-        return e._replace(keysec=_FANOUT.pack(e.arg, n) + struct.pack(f"<{n}I", *self.mids)
-                          + e.keysec, arg=int(self.inner.op))  # fmt: skip
+        return e._replace(
+            keysec=_FANOUT.pack(e.arg, n) + struct.pack(f"<{n}I", *self.mids) + e.keysec,
+            arg=int(self.inner.op),
+        )
 
     @staticmethod
-    def serve(dispatch: Any, r: Request, reply: Reply, managers: Mapping[int, Manager] | None = None,
-              generations: Generations | None = None, answers: dict[Any, Any] | None = None,
-              answerers: Mapping[int, Answerer] | None = None,
-              pins: Callable[[], int] | None = None) -> None:  # fmt: skip
+    def serve(
+        dispatch: Any,
+        r: Request,
+        reply: Reply,
+        managers: Mapping[int, Manager] | None = None,
+        generations: Generations | None = None,
+        answers: dict[Any, Any] | None = None,
+        answerers: Mapping[int, Answerer] | None = None,
+        pins: Callable[[], int] | None = None,
+    ) -> None:
         """Run the inner operation on each manager; ``dispatch(request, reply)`` serves
         one as a plain request would, ``managers`` (the host's) lets an
         :class:`~.operation.Answered` one be answered directly (through the
@@ -546,8 +594,12 @@ class FanOut(PickledReply):
 
         def answer(ival: int = 0, payload: Any = b"") -> None:
             t = type(payload)
-            got.append((ival, payload if t is bytes else b"".join(payload) if t is list
-                        else bytes(payload)))  # fmt: skip
+            got.append(
+                (
+                    ival,
+                    payload if t is bytes else b"".join(payload) if t is list else bytes(payload),
+                )
+            )
 
         shared = _new_request(Request, fields)  # what an Answered operation reads (not manager)
         for mid in mids:
@@ -564,8 +616,12 @@ class FanOut(PickledReply):
                 status, msg = wire_error(e)
                 out.append((mid, int(status), 0, msg))
         payload = pickle.dumps(out)
-        if words is not None and answers is not None and words.all() \
-                and len(payload) <= ANSWER_KEEP_BYTES:  # (a word 0: a manager not here) # fmt: skip
+        if (
+            words is not None
+            and answers is not None
+            and words.all()
+            and len(payload) <= ANSWER_KEEP_BYTES
+        ):  # (a word 0: a manager not here)
             if len(answers) >= ANSWERS_KEPT:
                 answers.clear()
             answers[key] = (words, payload)
@@ -611,8 +667,9 @@ class TreeOut(PickledReply):
     def encode(self) -> Encoded:
         e = self.inner.encode()
         tree = pickle.dumps((self.mids, self.children))
-        return e._replace(keysec=_TREE.pack(e.arg, len(tree)) + tree + e.keysec,
-                          arg=int(self.inner.op))  # fmt: skip
+        return e._replace(
+            keysec=_TREE.pack(e.arg, len(tree)) + tree + e.keysec, arg=int(self.inner.op)
+        )
 
     @staticmethod
     def serve(m: Any, r: Request, reply: Reply) -> None:  # (the host serves it: host.forward)
@@ -646,7 +703,8 @@ _new_request = tuple.__new__  # a Request from its fields, without NamedTuple's 
 def _leaves(cls: type[Operation]) -> list[type[Operation]]:
     subs = cls.__subclasses__()
     return [c for sub in subs for c in _leaves(sub)] + [
-        c for c in subs if isinstance(c.__dict__.get("op"), Op)]  # (not Relayed's property)
+        c for c in subs if isinstance(c.__dict__.get("op"), Op)
+    ]  # (not Relayed's property)
 
 
 #: Every operation, by wire code: what the host dispatches on.

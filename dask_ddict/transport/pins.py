@@ -133,8 +133,9 @@ class Lender:
         Called once no snapshot is open any more (the view may then be closed).
     """
 
-    def __init__(self, store: ShardStore, mid: int, board: tuple[str, str, int],
-                 on_idle: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(
+        self, store: ShardStore, mid: int, board: tuple[str, str, int], on_idle: Callable[[], None]
+    ) -> None:
         self.store = store
         self.mid = mid
         self.open = 0  # snapshots alive
@@ -159,8 +160,7 @@ class Lender:
         try:
             with _LOCK:
                 s = self.current
-                if s is not None and word and s.word == word and not s.uses \
-                        and s.txn is not None:  # fmt: skip
+                if s is not None and word and s.word == word and not s.uses and s.txn is not None:
                     s.uses = 1
                     return s
                 if self.open >= self.max_snapshots:
@@ -377,8 +377,12 @@ def listen(socket_dir: str) -> None:
             logger.debug("ddict: no release requests from %s: %s", socket_dir, e)
             return
         _LISTENERS[socket_dir] = sock
-    threading.Thread(target=_serve_requests, args=(sock,), daemon=True,
-                     name=f"ddict-release-{os.path.basename(socket_dir)}").start()  # fmt: skip
+    threading.Thread(
+        target=_serve_requests,
+        args=(sock,),
+        daemon=True,
+        name=f"ddict-release-{os.path.basename(socket_dir)}",
+    ).start()
 
 
 def _serve_requests(sock: socket.socket) -> None:

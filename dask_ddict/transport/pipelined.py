@@ -92,8 +92,10 @@ class Pipe(asyncio.BufferedProtocol):
         self._checking: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
-        return (f"<Pipe {self.link.name!r} {self.link.kind} in flight={len(self.pending)} "
-                f"waits={self.waits}{' closed' if self.closed else ''}>")  # fmt: skip
+        return (
+            f"<Pipe {self.link.name!r} {self.link.kind} in flight={len(self.pending)} "
+            f"waits={self.waits}{' closed' if self.closed else ''}>"
+        )
 
     # -- asyncio.BufferedProtocol -------------------------------------------------------
 
@@ -198,8 +200,20 @@ class Pipe(asyncio.BufferedProtocol):
         its reply."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = encoded
         self._tag = tag = self._tag % (_TAGS - 1) + 1
-        head = REQ.pack(o.op, flags, self.link.terms.get(mid, 0), len(keysec), mid, tag, chkpt,
-                        arg, client, encode_timeout(timeout), vlen, 0)  # fmt: skip
+        head = REQ.pack(
+            o.op,
+            flags,
+            self.link.terms.get(mid, 0),
+            len(keysec),
+            mid,
+            tag,
+            chkpt,
+            arg,
+            client,
+            encode_timeout(timeout),
+            vlen,
+            0,
+        )
         transport = self.transport
         assert transport is not None
         if REQ.size + len(keysec) + vlen <= SMALL:
@@ -327,8 +341,11 @@ class Pipes:
                 connecting.add_done_callback(_close_made)
                 raise
             try:
-                make = (self.loop.create_unix_connection if sock.family == socket.AF_UNIX
-                        else self.loop.create_connection)  # fmt: skip
+                make = (
+                    self.loop.create_unix_connection
+                    if sock.family == socket.AF_UNIX
+                    else self.loop.create_connection
+                )
                 _, p = await make(lambda: Pipe(self.link, mid, sock), sock=sock)
             except BaseException:
                 sock.close()
@@ -395,8 +412,9 @@ def pipes_of(link: HostLink) -> Pipes:
     return pipes
 
 
-async def send(link: HostLink, o: Operation, mid: int, began: float
-               ) -> Callable[[], Awaitable[tuple[int, Any]]]:  # fmt: skip
+async def send(
+    link: HostLink, o: Operation, mid: int, began: float
+) -> Callable[[], Awaitable[tuple[int, Any]]]:
     """Send ``o`` to manager ``mid`` over this loop's pipes to ``link``'s host; the
     returned coroutine function waits for its ``(ival, payload)`` (as
     :meth:`~.links.HostLink.send` does, the hosts work at once).
@@ -423,7 +441,8 @@ async def send(link: HostLink, o: Operation, mid: int, began: float
     if deadline is not None:  # (the error is made only if the time runs out)
         timer = asyncio.get_running_loop().call_later(
             max(0.0, deadline - time.monotonic()),
-            lambda: pipe.give_up(tag, link.timed_out(o, mid, timeout, True)))  # fmt: skip
+            lambda: pipe.give_up(tag, link.timed_out(o, mid, timeout, True)),
+        )
 
     async def answer() -> tuple[int, Any]:
         try:
@@ -433,16 +452,19 @@ async def send(link: HostLink, o: Operation, mid: int, began: float
                 timer.cancel()
         if status:
             if status == _MOVED or status == _LEASE:
-                raise Unpipeable(f"manager {mid} moved, or its host may not serve it now: the "
-                                 "blocking path follows it, or waits for its primary")  # fmt: skip
+                raise Unpipeable(
+                    f"manager {mid} moved, or its host may not serve it now: the "
+                    "blocking path follows it, or waits for its primary"
+                )
             raise_for_status(status, bytes(payload).decode(errors="replace"))
         return ival, payload
 
     return answer
 
 
-async def exchange_all(requests: list[tuple[HostLink, Operation, int]]
-                       ) -> list[tuple[int, Any] | BaseException]:  # fmt: skip
+async def exchange_all(
+    requests: list[tuple[HostLink, Operation, int]],
+) -> list[tuple[int, Any] | BaseException]:
     """Each ``(link, operation, manager)`` sent at once (their time counts from now),
     then every answer awaited: its ``(ival, payload)``, or what it raised
     (:class:`Unpipeable`: it is the blocking path's to send)."""

@@ -110,8 +110,14 @@ class SharedChannel:
     channel then reads over its socket until it can map its shard again.
     """
 
-    def __init__(self, sock: SocketChannel, store_path: str, capacity: int,
-                 options: DDictOptions, direct_writes: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: SocketChannel,
+        store_path: str,
+        capacity: int,
+        options: DDictOptions,
+        direct_writes: bool = True,
+    ) -> None:
         self._sock = sock
         self._path = store_path
         self._capacity = capacity
@@ -128,7 +134,9 @@ class SharedChannel:
         # (transaction id, newest checkpoint, frozen) last read from the shard's metadata
         self._seen: tuple[int, int, bool] = (-1, 0, False)
         self._direct = self._words is not None and not (
-            options.wait_for_keys or options.wait_for_writers or options.read_only
+            options.wait_for_keys
+            or options.wait_for_writers
+            or options.read_only
             or options.replicas  # (a replicated write goes through its primary's host)
         )
         # A replicated shard is read here only while its host lives and holds its lease (a
@@ -273,8 +281,9 @@ class SharedChannel:
         except lmdb.Error as e:  # the view was closed (a restart reopened the shard here)
             if self._path in _DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed") from None
-            raise self._sock.link.unavailable(self._mid, f"cannot be read: its shard closed ({e})"
-                                              ) from e  # fmt: skip
+            raise self._sock.link.unavailable(
+                self._mid, f"cannot be read: its shard closed ({e})"
+            ) from e
 
     @contextlib.contextmanager
     def _inside(self, view: _View) -> Iterator[None]:
@@ -329,8 +338,9 @@ class SharedChannel:
                     e = self._visible(view.store, o.digest, o.chkpt, txn)
                     if not e:
                         got = e
-                    elif not (o.lend is None and self._frozen(view.store, txn)
-                              and lendable(e.frame)):  # fmt: skip
+                    elif not (
+                        o.lend is None and self._frozen(view.store, txn) and lendable(e.frame)
+                    ):
                         return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
             if got is _LEND:
                 got = self._lend(view, o.digest, o.chkpt)
@@ -349,11 +359,16 @@ class SharedChannel:
         with _ENVS_LOCK:
             if view.lender is None:
                 gens = self._gens
-                view.lender = Lender(view.store, self._sock.info.manager_id,
-                                     (os.path.dirname(self._sock.info.uds_path),
-                                      self._sock.link.uid,
-                                      len(gens.words) if gens is not None else 0),
-                                     view.idle)  # fmt: skip
+                view.lender = Lender(
+                    view.store,
+                    self._sock.info.manager_id,
+                    (
+                        os.path.dirname(self._sock.info.uds_path),
+                        self._sock.link.uid,
+                        len(gens.words) if gens is not None else 0,
+                    ),
+                    view.idle,
+                )
             return view.lender
 
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
@@ -400,16 +415,18 @@ class SharedChannel:
         finally:
             self._exit(view)
 
-    def _many(self, view: _View, out: Callable[[Any], Any], digests: list[bytes],
-              chkpt: int, txn: Any) -> list[Any]:  # fmt: skip
+    def _many(
+        self, view: _View, out: Callable[[Any], Any], digests: list[bytes], chkpt: int, txn: Any
+    ) -> list[Any]:
         """Frames (taken out of ``txn`` with ``out``: copied, or lent), ``None`` for absent
         keys, ``False`` to wait for."""
         store = view.store
         self._check_state(store, chkpt, txn)
         if not self._wfk:  # (every live version is seen: the frames straight from the cursor)
             copying = out == view.copy  # (small frames: copied by the cursor's walk itself)
-            frames = store.lookup_many(txn, digests, chkpt, frames=True,
-                                       small=SMALL_FRAME if copying else 0)  # fmt: skip
+            frames = store.lookup_many(
+                txn, digests, chkpt, frames=True, small=SMALL_FRAME if copying else 0
+            )
             taken, nbytes, copies = kernels.taken_out(frames, out)
             if copying:
                 touched(nbytes, copies)
@@ -432,8 +449,9 @@ class SharedChannel:
                 return None
         return self._sock.call(o)  # (not one this client may commit: the manager's)
 
-    def put_batch(self, records: list[tuple[bytes, bytes, Framed]], chkpt: int,
-                  most: int | None = None) -> tuple[int, DDictError | None]:  # fmt: skip
+    def put_batch(
+        self, records: list[tuple[bytes, bytes, Framed]], chkpt: int, most: int | None = None
+    ) -> tuple[int, DDictError | None]:
         """Commit the leading ``records`` that this client may commit itself (as
         :meth:`_put` does one), all in one transaction; return how many, and the
         error that stopped them, if one did.  The rest are the manager's to apply.
@@ -459,8 +477,9 @@ class SharedChannel:
             most = DIRECT_PUT_MAX if most is None else most
             small = kernels.leading_within(records, most)
             try:
-                done, error = puts_in_window(store, txn, self._size, chkpt, records[:small],
-                                             self._owner)  # fmt: skip
+                done, error = puts_in_window(
+                    store, txn, self._size, chkpt, records[:small], self._owner
+                )
             except BaseException:
                 txn.abort()
                 raise
@@ -508,10 +527,14 @@ class SharedChannel:
         store = view.store
         self._check_state(store, o.chkpt, txn)
         page_bytes = config.get_bytes("iteration.page-bytes")
-        return take_page(visible_entries(store, txn, o.chkpt, o.after, self._wfk),
-                         bool(o.want & WANT_KEYS), bool(o.want & WANT_VALUES),
-                         max(1, o.max_items), min(page_bytes, o.max_bytes or page_bytes),
-                         copy)  # fmt: skip
+        return take_page(
+            visible_entries(store, txn, o.chkpt, o.after, self._wfk),
+            bool(o.want & WANT_KEYS),
+            bool(o.want & WANT_VALUES),
+            max(1, o.max_items),
+            min(page_bytes, o.max_bytes or page_bytes),
+            copy,
+        )
 
     def close(self) -> None:
         with _ENVS_LOCK:
@@ -531,7 +554,10 @@ def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> 
 
 #: What a same-host channel serves from the shard itself (everything else: the socket).
 _LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
-    Get: SharedChannel._get, Contains: SharedChannel._contains, Put: SharedChannel._put,
-    GetMany: SharedChannel._get_many, Page: SharedChannel._page,
+    Get: SharedChannel._get,
+    Contains: SharedChannel._contains,
+    Put: SharedChannel._put,
+    GetMany: SharedChannel._get_many,
+    Page: SharedChannel._page,
     GetRange: SharedChannel._get_range,
 }

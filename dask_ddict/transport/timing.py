@@ -162,21 +162,35 @@ class Profile:
     operations: dict[str, OperationTimes]
 
     def __str__(self) -> str:
-        head = (f"DDict client timings of process {self.pid} over {self.seconds:.1f} s "
-                f"({'on' if self.enabled else 'off'})")  # fmt: skip
+        head = (
+            f"DDict client timings of process {self.pid} over {self.seconds:.1f} s "
+            f"({'on' if self.enabled else 'off'})"
+        )
         if not self.operations:
-            hint = "" if self.enabled else \
-                ": d.profile_reset() (or ddict.profile: true) turns them on"  # fmt: skip
+            hint = (
+                "" if self.enabled else ": d.profile_reset() (or ddict.profile: true) turns them on"
+            )
             return f"{head}: no operation timed{hint}"
         cols = ("operation", "count", "total s", "mean us", "p50 us", "p99 us", "max us")
         rows = [cols] + [
-            (name, f"{t.count}", f"{t.total:.3f}", f"{t.mean * 1e6:.1f}", f"{t.p50 * 1e6:.1f}",
-             f"{t.p99 * 1e6:.1f}", f"{t.max * 1e6:.1f}")
+            (
+                name,
+                f"{t.count}",
+                f"{t.total:.3f}",
+                f"{t.mean * 1e6:.1f}",
+                f"{t.p50 * 1e6:.1f}",
+                f"{t.p99 * 1e6:.1f}",
+                f"{t.max * 1e6:.1f}",
+            )
             for name, t in sorted(self.operations.items(), key=lambda kv: -kv[1].total)
-        ]  # fmt: skip
+        ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))) for r in rows]  # fmt: skip
+        lines = [
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+            for r in rows
+        ]
         return "\n".join([head + ":", *lines])
 
 
@@ -187,11 +201,16 @@ def _quantile(ordered: list[float], q: float) -> float:
 def report() -> Profile:
     """The timings so far (a copy: later operations do not change it)."""
     with _lock:
-        taken = {name: (t.count, t.total, t.most, sorted(t.samples))
-                 for name, t in _table.items()}  # fmt: skip
+        taken = {name: (t.count, t.total, t.most, sorted(t.samples)) for name, t in _table.items()}
         seconds = time.monotonic() - _since
-    return Profile(on, seconds, os.getpid(), {
-        name: OperationTimes(count, total, total / count, _quantile(s, 0.5), _quantile(s, 0.99),
-                             most)
-        for name, (count, total, most, s) in taken.items()
-    })  # fmt: skip
+    return Profile(
+        on,
+        seconds,
+        os.getpid(),
+        {
+            name: OperationTimes(
+                count, total, total / count, _quantile(s, 0.5), _quantile(s, 0.99), most
+            )
+            for name, (count, total, most, s) in taken.items()
+        },
+    )

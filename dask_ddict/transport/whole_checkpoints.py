@@ -41,7 +41,6 @@ def new_version() -> int:
     return secrets.randbits(62) | 1
 
 
-
 @dataclass(slots=True)
 class Persist(AtCheckpoint):
     """Persist checkpoint ``chkpt`` now (written in the background; see :class:`Sync`)."""
@@ -238,10 +237,12 @@ class Replicate(IntReply):
     timeout: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(parts=tuple(self.parts), vlen=self.nbytes, arg=self.seq,
-                       timeout=self.timeout)  # fmt: skip
+        return Encoded(
+            parts=tuple(self.parts), vlen=self.nbytes, arg=self.seq, timeout=self.timeout
+        )
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
-        raise DDictError(f"manager {r.manager} is served here: it is not a replica",
-                         "INVALID_OPERATION")  # fmt: skip
+        raise DDictError(
+            f"manager {r.manager} is served here: it is not a replica", "INVALID_OPERATION"
+        )

@@ -55,22 +55,26 @@ def write_config_page(app: Any) -> None:
     rows = []
     for key, value, text in _options(yaml_path):
         env = "DASK_" + key.upper().replace(".", "__").replace("-", "_")
-        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        shown = (
+            "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        )
         text = text.replace("|", "\\|")
         rows.append(f"| `{key}` | `{shown}` | `{env}` | {text} |")
-    page = "\n".join([
-        "# Configuration reference",
-        "",
-        "Every option of `dask_ddict`, with its default, the environment variable that",
-        "sets it, and what it does. Set them like any Dask option: in a YAML file under",
-        "`~/.config/dask/`, with `dask.config.set({...})`, or through the environment.",
-        "This page is generated from `dask_ddict/ddict.yaml` at build time.",
-        "",
-        "| option | default | environment | meaning |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ])  # fmt: skip
+    page = "\n".join(
+        [
+            "# Configuration reference",
+            "",
+            "Every option of `dask_ddict`, with its default, the environment variable that",
+            "sets it, and what it does. Set them like any Dask option: in a YAML file under",
+            "`~/.config/dask/`, with `dask.config.set({...})`, or through the environment.",
+            "This page is generated from `dask_ddict/ddict.yaml` at build time.",
+            "",
+            "| option | default | environment | meaning |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
     _write(HERE / "generated" / "config.md", page)
 
 
@@ -89,18 +93,43 @@ def draw_distributions(app: Any) -> None:
     rng = np.random.default_rng(7)
     scattered = rng.permutation(n)
     kinds = {
-        "block (b)": [dict(dist_type="b", size=n, proc_grid_size=ranks, proc_grid_rank=r,
-                           start=r * n // ranks, stop=(r + 1) * n // ranks)
-                      for r in range(ranks)],
-        "cyclic (c)": [dict(dist_type="c", size=n, proc_grid_size=ranks, proc_grid_rank=r,
-                            start=r) for r in range(ranks)],
+        "block (b)": [
+            dict(
+                dist_type="b",
+                size=n,
+                proc_grid_size=ranks,
+                proc_grid_rank=r,
+                start=r * n // ranks,
+                stop=(r + 1) * n // ranks,
+            )
+            for r in range(ranks)
+        ],
+        "cyclic (c)": [
+            dict(dist_type="c", size=n, proc_grid_size=ranks, proc_grid_rank=r, start=r)
+            for r in range(ranks)
+        ],
         "block-cyclic (c, block_size=2)": [
-            dict(dist_type="c", size=n, proc_grid_size=ranks, proc_grid_rank=r, start=2 * r,
-                 block_size=2) for r in range(ranks)],
+            dict(
+                dist_type="c",
+                size=n,
+                proc_grid_size=ranks,
+                proc_grid_rank=r,
+                start=2 * r,
+                block_size=2,
+            )
+            for r in range(ranks)
+        ],
         "unstructured (u)": [
-            dict(dist_type="u", size=n, proc_grid_size=ranks, proc_grid_rank=r,
-                 indices=np.sort(scattered[r::ranks])) for r in range(ranks)],
-    }  # fmt: skip
+            dict(
+                dist_type="u",
+                size=n,
+                proc_grid_size=ranks,
+                proc_grid_rank=r,
+                indices=np.sort(scattered[r::ranks]),
+            )
+            for r in range(ranks)
+        ],
+    }
     colors = plt.get_cmap("tab10").colors
     fig, axes = plt.subplots(len(kinds), 1, figsize=(8, 0.9 * len(kinds) + 0.4))
     for ax, (title, dims) in zip(axes, kinds.items()):
