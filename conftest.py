@@ -12,7 +12,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Fuzz tests (tests/fuzz.py) try ten times as many inputs in a --runslow run.
+    # Fuzz tests (tests/support/fuzz.py) try ten times as many inputs in a --runslow run.
     os.environ["DDICT_FUZZ_SCALE"] = "10" if config.getoption("--runslow") else "1"
 
 

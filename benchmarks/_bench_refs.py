@@ -14,25 +14,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
-
-
-def best_of(fn: Callable[[], Any], reps: int, budget: float) -> float:
-    """The shortest of ``reps`` timed calls of ``fn`` (fewer once ``budget`` seconds passed,
-    at least one)."""
-    best = float("inf")
-    t_end = time.perf_counter() + budget
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-        del out  # freed after the clock stopped
-        if time.perf_counter() > t_end:
-            break
-    return best
+from common import best_of  # beside this script (sys.path[0])
 
 
 def memcpy_seconds(nbytes: int, reps: int) -> float:
@@ -43,17 +30,8 @@ def memcpy_seconds(nbytes: int, reps: int) -> float:
     return best_of(lambda: np.copyto(dst, src), reps, budget=5.0)
 
 
-# The child of loopback_seconds: for every byte it receives, it sends one message of
-# ``nbytes`` (a request/response, like a get); it exits when the socket closes.
-_CHILD = """
-import socket, sys
-port, nbytes = int(sys.argv[1]), int(sys.argv[2])
-data = b"\\x01" * nbytes
-s = socket.create_connection(("127.0.0.1", port), timeout=60)
-s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-while s.recv(1):
-    s.sendall(data)
-"""
+#: The child of loopback_seconds (see its docstring).
+_CHILD = Path(__file__).parent / "children" / "loopback_child.py"
 
 
 @contextlib.contextmanager
@@ -65,7 +43,7 @@ def _loopback(nbytes: int) -> Iterator[Callable[[], None]]:
     lsock.listen(1)
     lsock.settimeout(30)
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(lsock.getsockname()[1]), str(nbytes)]
+        [sys.executable, str(_CHILD), str(lsock.getsockname()[1]), str(nbytes)]
     )
     conn = None
     try:
@@ -203,25 +181,3 @@ def reap(proc: Any) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def python_build() -> str:
-    """The interpreter and which kernels dask_ddict runs, for a table's last line:
-    ``python 3.11.7, compiled kernels`` (``dask_ddict.kernels``; ``DASK_DDICT__COMPILED=false``
-    runs the pure-Python ones, to compare)."""
-    from dask_ddict import kernels
-
-    how = "compiled kernels" if kernels.COMPILED else "pure-Python kernels"
-    return f"python {sys.version.split()[0]}, {how}"
-
-
-def print_table(rows: list[tuple[str, str, str, str, str]], tail: str) -> None:
-    """The rows ``measurement | value | target | result | notes``, aligned, then ``tail``."""
-    head = ("measurement", "value", "target", "result", "notes")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(4)]
-    line = " | ".join(h.ljust(w) for h, w in zip(head[:4], widths)) + " | " + head[4]
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print(" | ".join(str(x).ljust(w) for x, w in zip(r[:4], widths)) + " | " + r[4])
-    print(tail)

@@ -43,9 +43,9 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from _bench_refs import print_table, start_redis, stop_redis  # beside this script
+from _bench_refs import start_redis, stop_redis  # beside this script
+from common import Row, print_table
 
-Row = tuple[str, str, str, str, str]
 VALUE = b"x" * 100
 PEERS = ("pipelined", "threads", "same host", "redis.asyncio")
 

@@ -39,6 +39,7 @@ from multiprocessing import get_context
 from typing import Any
 
 import numpy as np
+from common import print_aligned  # beside this script (sys.path[0])
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
@@ -61,14 +62,13 @@ def count_socket_bytes() -> None:
     (The count lives on the wrapped class: these functions travel to the
     workers by value, with copies of this module's globals.)
     """
-    from dask_ddict.transport import conn as conns
-    from dask_ddict.transport import links
+    from dask_ddict.transport import bounded_connection, socket_client
 
-    conn: Any = conns.Conn
+    conn: Any = bounded_connection.BoundedConnection
     if "_bench_received" in vars(conn):
         return
     conn._bench_received = count = [0]
-    recv_into, recv, reply = conn.recv_into, conn.recv, links.receive_reply
+    recv_into, recv, reply = conn.recv_into, conn.recv, socket_client.receive_reply
 
     def counted_recv_into(self: Any, buf: Any, n: int = 0) -> int:
         k = recv_into(self, buf, n)
@@ -86,13 +86,13 @@ def count_socket_bytes() -> None:
         return answer
 
     conn.recv_into, conn.recv = counted_recv_into, counted_recv
-    links.receive_reply = counted_reply
+    socket_client.receive_reply = counted_reply
 
 
 def received() -> int:
-    from dask_ddict.transport import conn
+    from dask_ddict.transport.bounded_connection import BoundedConnection
 
-    return int(vars(conn.Conn).get("_bench_received", [0])[0])
+    return int(vars(BoundedConnection).get("_bench_received", [0])[0])
 
 
 def transfers(dask_worker: Any) -> int:
@@ -204,13 +204,8 @@ def main() -> None:
         "Dask transfers",
         "results",
     )
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
     print(f"{total >> 20} MiB of {VALUE >> 10} KiB values in {MANAGERS} managers, 2 workers")
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    print_aligned(head, rows)
     print(
         "\n(targets: filter and to_bag at most 1.5x the local scan, 0 B over DDict sockets "
         "and Dask transfers)"

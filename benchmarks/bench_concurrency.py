@@ -74,9 +74,9 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from _bench_refs import print_table, python_build, start_redis, stop_redis  # beside this script
+from _bench_refs import start_redis, stop_redis  # beside this script
+from common import Row, print_table, python_build, verdict
 
-Row = tuple[str, str, str, str, str]  # measurement, value, target, result, notes
 VALUE = b"x" * 100
 MANY = 1000  # keys per get_many / batch
 CHUNK = 500  # puts/gets between two looks at the clock
@@ -331,10 +331,6 @@ def run_group(
 
 
 # -- rows ----------------------------------------------------------------------------------
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
 
 
 def rate_target(transport: str, ph: str, p: int, w: int) -> float | None:

@@ -81,6 +81,7 @@ from typing import Any
 import _bench_refs as refs  # beside this script (sys.path[0])
 import dask
 import numpy as np
+from common import Row, best_of, p99, print_aligned, python_build
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictFullError
@@ -88,7 +89,6 @@ from dask_ddict import DDict, DDictFullError
 SIZES = {"100 B": 100, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 BIG = 64 << 20
 KEYS = [f"k{i}" for i in range(1000)]  # the get_many / mget keys
-Row = tuple[str, str, str, str, str]
 DRAGON_ROWS = {"batch put 100 B": "batch put 1000 x 100 B"}  # bench_dragon's name -> ours
 SAME, TCP = "client (same host)", "client (tcp, as from another host)"
 
@@ -251,7 +251,7 @@ def big_get_rows(m0: DDict, reps: int) -> list[Row]:
                     "target <= 0.10 of memcpy",
                 )
             )
-        t = refs.best_of(lambda: m0["big"], reps, budget=10.0)
+        t = best_of(lambda: m0["big"], reps, budget=10.0)
         rows.append(
             (
                 "get 64 MiB (copying)",
@@ -303,7 +303,7 @@ def tcp_big_row(tcp0: DDict, reps: int) -> Row:
     tcp0["big"] = _value(BIG)
     try:
         tcp0["big"]  # warm: the connection's buffers
-        t = refs.best_of(lambda: tcp0["big"], reps, budget=10.0)
+        t = best_of(lambda: tcp0["big"], reps, budget=10.0)
     finally:
         del tcp0["big"]
     return (
@@ -414,10 +414,6 @@ def put_latencies(d: DDict, seconds: float) -> list[float]:
         i += 1
     d.clear()
     return out
-
-
-def p99(samples: list[float]) -> float:
-    return float(np.percentile(np.asarray(samples), 99))
 
 
 def start_redis() -> tuple[Any, Any] | None:
@@ -632,13 +628,8 @@ def main() -> None:
         print()
 
     head = ("operation", "DDict client", "DDict", "reference (same run)", "ratio")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(5)]
-    line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    print(f"\n({refs.python_build()}, {os.cpu_count()} cores, {secs:.1f} s per cell)")
+    print_aligned(head, rows)
+    print(f"\n({python_build()}, {os.cpu_count()} cores, {secs:.1f} s per cell)")
 
 
 if __name__ == "__main__":

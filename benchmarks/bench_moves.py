@@ -24,7 +24,7 @@ Each row prints the measured value, its target and whether it is met:
   machine a move hands the shard over, nothing is copied); target: total <= 2x
   the moves' time.  Bytes per second, and when the first move began, are printed.
 * ``move of a manager holding N MiB across the two-host fixture``: only where
-  ``tests/twohost.py`` can run (root, ``ip``, ``unshare``, ``nsenter``): a
+  ``tests/support/twohost.py`` can run (root, ``ip``, ``unshare``, ``nsenter``): a
   manager on host 2 (a network namespace with its own 1 GiB ``/dev/shm``)
   holding 512 MiB (``--quick``: 128 MiB) moves to host 1's worker, its shard
   copied over the veth pair; bytes/s = ``nbytes / seconds`` against plain TCP
@@ -64,7 +64,7 @@ import traceback
 from typing import Any
 
 import numpy as np
-from _bench_refs import print_table  # beside this script (sys.path[0])
+from common import Row, p99, print_table, verdict  # beside this script (sys.path[0])
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
@@ -73,14 +73,9 @@ from dask_ddict.host.moves import LET_GO_AFTER
 
 MiB, GiB = 1 << 20, 1 << 30
 VALUE = 16 * MiB  # the arrays that fill a manager
-Row = tuple[str, str, str, str, str]  # measurement, value, target, result, notes
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
 
 
 def size_label(nbytes: int) -> str:
@@ -189,10 +184,6 @@ def stale_big_put_row(d: DDict, stale: DDict, mid: int, nbytes: int) -> Row:
     return (name, f"{spent:.3f} s", "done (follows the move)", verdict(ok), "")
 
 
-def p99(xs: list[float]) -> float:
-    return float(np.percentile(xs, 99)) if xs else float("nan")
-
-
 class Putter(threading.Thread):
     """Puts 100 B values to ``m`` in a loop; ``lat`` holds (start, seconds) of each
     (``time.monotonic``: the system's clock, the same in every process)."""
@@ -224,34 +215,8 @@ class Putter(threading.Thread):
         return self.lat
 
 
-# A client process of its own (not the LocalCluster's scheduler's, which runs the
-# moves): attaches from a serialized handle, puts 100 B values to one manager until
-# a line on stdin gives the windows (JSON: "base" [a, b], "spans" [[a, b], ...],
-# time.monotonic), then prints the latencies of the puts that started in them.
-_PUTTER = """
-import json, sys, threading, time
-from dask_ddict import DDict
-d = DDict.attach(sys.argv[1], timeout=60)
-m = d.manager(int(sys.argv[2]))
-v = b"x" * 100
-for i in range(1000):
-    m[("small", i)] = v
-windows = []
-threading.Thread(target=lambda: windows.append(json.loads(sys.stdin.readline())),
-                 daemon=True).start()
-print("ready", flush=True)
-lat, i = [], 0
-while not windows:
-    t0 = time.monotonic()
-    m[("small", i % 1000)] = v
-    lat.append((t0, time.monotonic() - t0))
-    i += 1
-w = windows[0]
-a, b = w["base"]
-print(json.dumps({"without": [s for t, s in lat if a <= t <= b],
-                  "during": [[s for t, s in lat if x <= t <= y] for x, y in w["spans"]]}))
-d.detach()
-"""
+#: A client process of its own: puts to one manager and reports latencies (its docstring).
+_PUTTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children", "putter.py")
 
 
 def p99_row(
@@ -274,7 +239,7 @@ def p99_row(
         time.sleep(0.3)  # (warm)
     else:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _PUTTER, d.serialize(), "1"],
+            [sys.executable, _PUTTER, d.serialize(), "1"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -554,10 +519,10 @@ def tcp_seconds(h: Any, nbytes: int, reps: int) -> list[float]:
 
 
 def two_host_rows(fill: int) -> list[Row]:
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    twohost = importlib.import_module("twohost")  # (tests/twohost.py: the fixture)
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    if root not in sys.path:
+        sys.path.insert(0, root)  # (the repository: tests.support)
+    twohost = importlib.import_module("tests.support.twohost")  # (the tests' fixture)
 
     label = size_label(fill)
     name = f"move of a manager holding {label} across the two-host fixture"

@@ -2,9 +2,9 @@
 
     sudo python benchmarks/bench_partitions.py [--lease 4] [--margin 0.5]
 
-The machines of ``tests/machines.py`` (root, ``ip``, ``unshare``, ``nsenter``): ``s`` runs
+The machines of ``tests/support/machines.py`` (root, ``ip``, ``unshare``, ``nsenter``): ``s`` runs
 the scheduler and a worker, ``a`` and ``b`` a worker each, ``c`` two writer processes
-(``tests/partitioned.py``) that put keys on every manager of a ``replicas=1``
+(``tests/support/partitioned.py``) that put keys on every manager of a ``replicas=1``
 dictionary in turn and ``fetch_add`` a counter of ``M``, whose primary is on ``b`` and
 whose replica is on ``a`` (or the other way round, as the placement fell: the names
 below follow ``M``).  Each partition is healed once the change it causes is done
@@ -30,17 +30,20 @@ import sys
 import time
 from typing import Any
 
-from _bench_refs import print_table  # beside this script (sys.path[0])
+from common import print_table  # beside this script (sys.path[0])
 from distributed import Client
 
 from dask_ddict import DDict
 
 
 def _tests() -> Any:
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return importlib.import_module("partitioned"), importlib.import_module("machines")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    if root not in sys.path:
+        sys.path.insert(0, root)  # (the repository: tests.support)
+    return (
+        importlib.import_module("tests.support.partitioned"),
+        importlib.import_module("tests.support.machines"),
+    )
 
 
 def _revoked(dask_scheduler: Any) -> list[str]:
@@ -135,7 +138,7 @@ def main() -> None:
     ap.add_argument("--margin", default="0.5", help="ddict.lease.margin (seconds)")
     args = ap.parse_args()
     part, machines = _tests()
-    why = importlib.import_module("twohost").unavailable()
+    why = importlib.import_module("tests.support.twohost").unavailable()
     if why is not None:
         sys.exit(f"the machines fixture cannot run here: {why}")
     env = {

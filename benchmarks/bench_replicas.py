@@ -18,7 +18,7 @@ same run, best of ``--runs`` (5) interleaved:
   several writers overlap).
 * ``same host`` put and get (the default transport): informative.  A replicated
   dictionary is read and written through its host (no direct shard access, see
-  ``docs/ddict.md`` "Replicas"), so these rows show what that costs.
+  ``docs/design/replicas.md`` "What replicas cost"), so these rows show what that costs.
 * ``keys of a lost host readable again``: a reader loops on a key of manager 0
   while every process of its worker's host is SIGKILLed; the longest time the
   reader waited for an answer across the kill (the loss is detected when the
@@ -42,12 +42,10 @@ from typing import Any
 
 import dask.config
 import psutil
-from _bench_refs import print_table  # beside this script (sys.path[0])
+from common import Row, print_table  # beside this script (sys.path[0])
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
-
-Row = tuple[str, str, str, str, str]
 
 
 def start_workers(address: str, n: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:

@@ -157,7 +157,7 @@ MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 
 class Lent(_Mapping):
     """A read-only mapping of part of a file, made for one lent value (see
-    :mod:`dask_ddict.transport.pins`): the value's pages, mapped apart from the
+    :mod:`dask_ddict.transport.lending`): the value's pages, mapped apart from the
     environment's own map so that they can be swapped for a private copy at the same
     addresses (:meth:`privatize`) without touching the environment's."""
 

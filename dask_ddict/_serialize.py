@@ -278,8 +278,7 @@ def copy_frame(frame: memoryview) -> Any:
 
 #: Buffers at least this big are mapped directly (with transparent huge pages
 #: where the kernel offers them): faulting in 4 KiB pages of fresh memory costs
-#: more than the copy itself on VMs (64 MiB: ~0.2-1.3 GB/s with 4 KiB faults,
-#: 3-5 GB/s with huge pages, see ``benchmarks/``).
+#: more than the copy itself on VMs (the figures: ``docs/design/storage.md``).
 HUGE_BYTES = 2 << 20
 
 

@@ -1,8 +1,8 @@
 """DDictOptions: the validated, immutable creation arguments of a dictionary.
 
-Validation follows Dragon's constructor rules (``dragon-ddict-notes.md``
-§1.1) but raises ``ValueError``/``TypeError`` as the spec asks, with messages
-that name the offending argument.
+Validation follows Dragon's constructor rules (``docs/dragon.md``) but raises
+``ValueError``/``TypeError`` as the spec asks, with messages that name the
+offending argument.
 """
 
 from __future__ import annotations

@@ -8,13 +8,10 @@ import subprocess
 import sys
 
 import dask.config
-import numpy as np
 import pytest
-from fuzz import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import shm_entries
 from dask_ddict import (
     DDict,
     DDictError,
@@ -25,22 +22,9 @@ from dask_ddict import (
 from dask_ddict.arguments import check_timeout
 from dask_ddict.client import create_request
 from dask_ddict.client.handle import CREATE_ARGUMENTS, CREATE_SIGNATURE
-
-#: Anything a user might pass by mistake.
-garbage = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(1 << 70), max_value=1 << 70),
-    st.floats(),
-    st.text(max_size=12),
-    st.binary(max_size=8),
-    st.lists(st.integers(), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-    st.sampled_from(["10s", "1 GiB", "-1", "inf", "nan", "no", "", "x" * 300, "a/b", "__x"]),
-    st.just(float("inf")),
-    st.just(np.int64(3)),
-    st.just(object()),
-)
+from tests.support.fuzz import fuzz
+from tests.support.garbage import garbage
+from tests.support.shards import shm_entries
 
 #: Every constructor argument (its signature is their one declaration), with its default.
 ARGS = sorted(CREATE_ARGUMENTS)

@@ -11,13 +11,14 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import DDict
 from dask_ddict.errors import DDictError
-from dask_ddict.transport import connect
-from dask_ddict.transport.links import HostLink
+from dask_ddict.transport import broadcast
 from dask_ddict.transport.ops import FanOut, TreeOut
+from dask_ddict.transport.socket_client import HostLink
+from tests.support.cluster import local_cluster
 
 TREE = {"ddict.broadcast.tree-above": 1, "ddict.broadcast.branching-factor": 1}
 
@@ -43,7 +44,7 @@ def test_tree_of_shapes() -> None:
             )()
 
     routes = [(L(i), [i]) for i in range(1, 14)]
-    tree = connect.tree_of(routes, 3)  # type: ignore[arg-type]
+    tree = broadcast.tree_of(routes, 3)  # type: ignore[arg-type]
     assert len(tree) == 3 and [t[1] for t in tree] == [(1,), (6,), (10,)]
     from dask_ddict.transport.ops import subtree_mids
 
@@ -53,7 +54,7 @@ def test_tree_of_shapes() -> None:
         return 1 + max((depth(c[2]) for c in t), default=0) if t else 0
 
     assert depth(tree) == 3  # (13 hosts below the root, fan-out 3)
-    assert connect.tree_of([], 3) == ()
+    assert broadcast.tree_of([], 3) == ()
 
 
 def test_bput_along_a_tree(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +130,7 @@ def test_tree_bput_names_a_stopped_host() -> None:
     """A host of the tree that does not answer in time: the error names it (not the
     root, which did), and the other managers hold the pair."""
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d, e, info = _stopped_child(c, kill=False)
@@ -149,7 +150,7 @@ def test_tree_bput_survives_a_killed_host() -> None:
     forwarding host's link sends again, and every manager holds the pair (or the error
     names the host)."""
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d, e, info = _stopped_child(c, kill=True)
@@ -166,7 +167,7 @@ def test_tree_bput_on_a_tls_cluster() -> None:
 
     sec = Security.temporary()
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") as cl,
+        local_cluster(2, security=sec) as cl,
         Client(cl, security=sec) as c,
     ):
         d = DDict(2, total_mem="16 MiB", client=c)

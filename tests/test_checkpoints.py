@@ -21,7 +21,7 @@ from dask_ddict import (
     DDictSyncError,
     DDictTimeoutError,
 )
-from tests.conftest import shards, shm_entries
+from tests.support.shards import shards, shm_entries
 
 
 def rounds(d: DDict, n: int, start: int = 0) -> None:

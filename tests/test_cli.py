@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from dask_ddict import DDict, DDictError
 from dask_ddict.cli import ddict as cli
+from tests.support.cluster import local_cluster
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -117,9 +118,9 @@ def test_no_scheduler_is_a_usage_error_and_python_m_runs_it(monkeypatch):
 
 def test_list_on_a_cluster_without_dictionaries_says_so():
     """A cluster that never had a dictionary (no scheduler plugin yet) answers, too."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
-    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cl:
+    with local_cluster(0, processes=False) as cl:
         code, out = run("list", "--scheduler", cl.scheduler_address)
         assert code == 0 and out.strip() == f"no dictionaries on {cl.scheduler_address}"
         with Client(cl) as c:

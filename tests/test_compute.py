@@ -12,9 +12,11 @@ import time
 from typing import Any
 
 import pytest
-from distributed import Client, LocalCluster, get_worker
+from distributed import Client, get_worker
 
 from dask_ddict import DDict, DDictTaskError
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
 
 N_MANAGERS = 8
 
@@ -22,9 +24,7 @@ N_MANAGERS = 8
 @pytest.fixture(scope="module")
 def client():
     with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         yield c
@@ -51,16 +51,15 @@ def _scheduler_tasks(dask_scheduler: Any) -> list[str]:
 def _nothing_left(client: Client) -> None:
     """No filter task in the scheduler, no filter thread in any process (within seconds:
     a client releases the futures it dropped in its next batched message)."""
-    deadline = time.monotonic() + 10
-    while client.run_on_scheduler(_scheduler_tasks) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    poll_for(lambda: not client.run_on_scheduler(_scheduler_tasks), 10, "no filter task left", 0.05)
     assert client.run_on_scheduler(_scheduler_tasks) == []
     assert all(not ts for ts in client.processing().values())
-    deadline = time.monotonic() + 10
-    while (
-        _filter_threads() or any(client.run(_filter_threads).values())
-    ) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    poll_for(
+        lambda: not _filter_threads() and not any(client.run(_filter_threads).values()),
+        10,
+        "no filter thread left in any process",
+        0.1,
+    )
     assert _filter_threads() == []
     assert client.run(_filter_threads) == {w: [] for w in client.scheduler_info()["workers"]}
 
@@ -296,9 +295,9 @@ def test_to_bag_values_are_zero_copy_views_unless_copy(client):
         assert total == sum(i * (1 << 14) for i in range(32))
         items = dict(e.to_bag().compute())  # (sent here: copies of the views)
         assert items["a3"][0] == 3.0
-        deadline = time.monotonic() + 10  # the partitions are gone: so are their pins
-        while any(s.pinned_views for s in e.stats) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        poll_for(  # the partitions are gone: so are their pins
+            lambda: not any(s.pinned_views for s in e.stats), 10, "no pinned view", 0.1
+        )
         assert [s.pinned_views for s in e.stats] == [0] * e.num_managers
         with pytest.raises(TypeError, match="copy"):
             e.to_bag("values", copy="no")
@@ -310,31 +309,33 @@ def test_a_leaf_leaves_the_pool_only_while_its_merge_task_has_not_started():
     still joins it once the merge task starts."""
     import secrets
 
-    from dask_ddict.client.filtering import Plan, _join, _Joining
-    from dask_ddict.client.hub import Hub
-    from dask_ddict.client.streams import ROOT, Limits, _close
+    from dask_ddict.filter.plan import Plan
+    from dask_ddict.filter.receiving import Receiver
+    from dask_ddict.filter.streams import ROOT, StreamLimits
+    from dask_ddict.filter.tasks import Joining, join
+    from dask_ddict.transport.sockets import shut
 
-    limits = Limits(64, 1 << 20, 2, 0.05, 5.0)
+    limits = StreamLimits(64, 1 << 20, 2, 0.05, 5.0)
     token = secrets.token_bytes(32)
     parents = (2, 2, ROOT)  # leaves 0 and 1 under merge node 2
-    root = Hub("127.0.0.1", token, [2], 2, limits, parents)
-    merge = Hub("127.0.0.1", token, [0, 1], 2, limits)
+    root = Receiver("127.0.0.1", token, [2], 2, limits, parents)
+    merge = Receiver("127.0.0.1", token, [0, 1], 2, limits)
     plan = Plan(token, root.address, parents, 2, limits)
     waited: list[int] = []
     up: list[object] = []
-    starts = threading.Timer(0.3, lambda: up.append(_join(plan, 2, merge.address)))
+    starts = threading.Timer(0.3, lambda: up.append(join(plan, 2, merge.address)))
     starts.start()
-    early = _Joining(plan, 0).result(lambda: waited.append(0))  # (the merge starts later)
-    starts.join(10.0)  # (the leaf can be joined before the merge's own _join has returned)
+    early = Joining(plan, 0).result(lambda: waited.append(0))  # (the merge starts later)
+    starts.join(10.0)  # (the leaf can be joined before the merge's own join has returned)
     assert waited == [0] and early is not None and up
-    joining = _Joining(plan, 1)
+    joining = Joining(plan, 1)
     time.sleep(0.2)  # (a leaf's mgr_code runs meanwhile)
     late = joining.result(lambda: waited.append(1))
     assert waited == [0] and late is not None  # its merge task runs: no need to secede
-    dropped = _Joining(plan, 1)  # (a leaf that ends without its socket: closed for it)
+    dropped = Joining(plan, 1)  # (a leaf that ends without its socket: closed for it)
     dropped.drop()
     for sock in (early, late, up[0]):
-        _close(sock)
+        shut(sock)
     root.close()
     merge.close()
 
@@ -345,46 +346,49 @@ def test_a_leaf_whose_merge_task_never_starts_fails_loudly():
     leaving and ending quietly (which left the merge node, and the caller, waiting)."""
     import secrets
 
-    from dask_ddict.client.filtering import Plan, _join
-    from dask_ddict.client.hub import Hub
-    from dask_ddict.client.streams import ROOT, Limits
+    from dask_ddict.filter.plan import Plan
+    from dask_ddict.filter.receiving import Receiver
+    from dask_ddict.filter.streams import ROOT, StreamLimits
+    from dask_ddict.filter.tasks import join
 
-    limits = Limits(64, 1 << 20, 2, 0.05, 0.5)
+    limits = StreamLimits(64, 1 << 20, 2, 0.05, 0.5)
     token = secrets.token_bytes(32)
     parents = (1, ROOT)  # leaf 0 under merge node 1, which never starts
-    root = Hub("127.0.0.1", token, [1], 1, limits, parents)
+    root = Receiver("127.0.0.1", token, [1], 1, limits, parents)
     try:
         with pytest.raises(DDictTaskError, match="merge node 1 did not start") as info:
-            _join(Plan(token, root.address, parents, 1, limits), 0, None)
+            join(Plan(token, root.address, parents, 1, limits), 0, None)
         assert info.value.manager_id == 0
     finally:
         root.close()
 
 
-def test_a_hub_refuses_strangers_before_allocating_and_closes_their_connections():
+def test_a_receiver_refuses_strangers_before_allocating_and_closes_their_connections():
     """A first frame that is not a HELLO of a sane size is refused before its claimed
-    length is allocated; connections still being greeted close with the hub."""
+    length is allocated; connections still being greeted close with the receiver."""
     import secrets
     import socket
     import struct
 
-    from dask_ddict.client.hub import Hub
-    from dask_ddict.client.streams import HELLO, Limits
+    from dask_ddict.filter.receiving import Receiver
+    from dask_ddict.filter.streams import HELLO, StreamLimits
 
-    limits = Limits(64, 1 << 20, 2, 0.05, 30.0)
-    hub = Hub("127.0.0.1", secrets.token_bytes(32), [0], 1, limits)
+    limits = StreamLimits(64, 1 << 20, 2, 0.05, 30.0)
+    receiver = Receiver("127.0.0.1", secrets.token_bytes(32), [0], 1, limits)
     try:
-        with socket.create_connection(hub.address, timeout=10) as s:
+        with socket.create_connection(receiver.address, timeout=10) as s:
             s.sendall(struct.pack("!BQ", HELLO, 1 << 50))  # claims a petabyte
             assert s.recv(1) == b""  # closed at once (no MemoryError, no allocation)
-        idle = [socket.create_connection(hub.address, timeout=10) for _ in range(20)]
+        idle = [socket.create_connection(receiver.address, timeout=10) for _ in range(20)]
         time.sleep(0.2)  # (each is being greeted: it waits for a HELLO)
     finally:
-        hub.close()
+        receiver.close()
     for s in idle:
-        assert s.recv(1) == b""  # closed with the hub, not after connect-timeout
+        assert s.recv(1) == b""  # closed with the receiver, not after connect-timeout
         s.close()
-    deadline = time.monotonic() + 10
-    while any(t.name.startswith("ddict-filter-greet") for t in threading.enumerate()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    poll_for(
+        lambda: not any(t.name.startswith("ddict-filter-greet") for t in threading.enumerate()),
+        10,
+        "no ddict-filter-greet thread",
+        0.05,
+    )

@@ -1,4 +1,4 @@
-"""Channel selection (transport/connect.py) and the lifetime of a handle's core."""
+"""Channel selection (transport/channels.py) and the lifetime of a handle's core."""
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ import weakref
 import dask
 
 from dask_ddict import DDict
-from dask_ddict.transport.connect import Connections
-from dask_ddict.transport.links import SocketChannel
+from dask_ddict.transport.channels import Channels
 from dask_ddict.transport.ops import Contains
 from dask_ddict.transport.shared import SharedChannel
+from dask_ddict.transport.socket_client import SocketChannel
 
 
 def test_same_host_channels_read_the_shard_unless_told_not_to(ddict):
     ddict["k"] = 1
-    conns = Connections(ddict._core.layout)
+    conns = Channels(ddict._core.layout)
     try:
         assert isinstance(conns.channel(0), SharedChannel)
         assert conns.channel(0) is conns.channel(0)  # created once
     finally:
         conns.close()
     with dask.config.set({"ddict.local-read": False}):
-        conns = Connections(ddict._core.layout)
+        conns = Channels(ddict._core.layout)
         try:
             ch = conns.channel(ddict.which_manager("k"))
             assert type(ch) is SocketChannel

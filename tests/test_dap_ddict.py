@@ -74,7 +74,7 @@ def test_cyclic_resident_array(client, ddict):
 
 
 def test_from_ddict_by_name_and_after_a_restore(client, tmp_path):
-    """docs/dap.md's example: an array stored and transformed in place, read back by name,
+    """docs/guide/dap.md's example: an array stored and transformed in place, read back by name,
     persisted, and read again from a new dictionary restored from the checkpoint."""
     import uuid
 

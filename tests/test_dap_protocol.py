@@ -89,7 +89,7 @@ VALID = {
 
 
 #: Reference vectors valid only for the reference's lenient reading: a buffer of 50 for
-#: the 25 indices the rank owns (the reference's tests/test_validator.py; docs/dap.md).
+#: the 25 indices the rank owns (the reference's tests/test_validator.py; docs/guide/dap.md).
 LENIENT = {"cyclic", "block_cyclic"}
 
 

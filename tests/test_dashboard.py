@@ -18,6 +18,7 @@ from dask_ddict.display import dict_html, summarize
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
 from dask_ddict.stats import DDictManagerStats
+from tests.support.cluster import local_cluster
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -141,8 +142,8 @@ def test_the_routes_are_in_the_sitemap():
     # Without bokeh's dashboard: with bokeh 3.9, distributed's own /sitemap.json fails
     # (KeyError 'path' on bokeh's static handler), with or without dask_ddict.
     with (
-        LocalCluster(
-            n_workers=0, dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False}
+        local_cluster(
+            0, dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False}
         ) as cl,
         Client(cl) as c,
     ):

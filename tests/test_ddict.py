@@ -112,14 +112,14 @@ def test_iteration_starts_with_one_broadcast_of_first_pages(client):
     import dask
 
     from dask_ddict import DDict
-    from dask_ddict.transport.connect import Connections
+    from dask_ddict.transport.channels import Channels
 
     d = DDict(managers_per_worker=8, total_mem="64 MiB", client=client)
     try:
         d.update({i: i for i in range(40)})
         d.update({f"big{i}": np.ones(50_000) * i for i in range(3)})  # over a page's share
         calls: list[str] = []
-        each = Connections.each
+        each = Channels.each
 
         def counted(self, o, mids, progress=""):
             calls.append(type(o).__name__)
@@ -131,7 +131,7 @@ def test_iteration_starts_with_one_broadcast_of_first_pages(client):
             ),
             pytest.MonkeyPatch.context() as mp,
         ):
-            mp.setattr(Connections, "each", counted)
+            mp.setattr(Channels, "each", counted)
             it = iter(d.items())
             next(it)
             assert calls == ["Page"]  # the first item: one broadcast
@@ -546,7 +546,7 @@ def test_managers_per_worker_and_workers(client):
 
 @pytest.mark.one_host
 def test_no_shared_memory_left(client):
-    from tests.conftest import shards, shm_entries
+    from tests.support.shards import shards, shm_entries
 
     d = DDict(total_mem="16 MiB", client=client)
     d["a"] = 1
@@ -621,7 +621,7 @@ def test_direct_reads_stop_when_the_dictionary_is_destroyed(client):
 
 @pytest.mark.one_host
 def test_a_shard_this_process_manages_is_read_over_its_socket(client):
-    from dask_ddict.transport.shared import _ENVS, forget
+    from dask_ddict.transport.mapped import _ENVS, forget
 
     with DDict(total_mem="32 MiB", client=client) as d:
         d["k"] = 1
@@ -639,13 +639,13 @@ def test_a_host_that_cannot_be_reached_fails_the_broadcast_with_its_own_error(cl
     """A request that cannot even be sent (connecting failed) is raised as it was, once
     the other hosts' answers are read; the links stay usable."""
     from dask_ddict import DDictManagerUnavailableError
-    from dask_ddict.transport.links import HostLink
+    from dask_ddict.transport.socket_client import HostLink
 
     d = DDict(managers_per_worker=2, total_mem="32 MiB", client=client)  # 4 managers
     try:
         d.update({i: i for i in range(10)})
         send = HostLink.send
-        hosts = {link for link, _ in d._core._routes(list(range(d.num_managers)))}
+        hosts = {link for link, _ in d._core.routes(list(range(d.num_managers)))}
         unreachable = next(iter(hosts))
 
         def failing(self, o, mid, *rest):

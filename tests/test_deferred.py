@@ -10,6 +10,7 @@ import pytest
 from dask_ddict.errors import DDictClosedError, DDictKeyError, DDictTimeoutError
 from dask_ddict.shard.deferred import DeferredQueue
 from dask_ddict.shard.working_set import MustWait
+from tests.support.polling import poll_for
 
 
 class Harness:
@@ -35,13 +36,12 @@ class Harness:
         t = threading.Thread(target=run)
         t.start()
         self.threads.append(t)
-        deadline = time.monotonic() + 10
-        while True:
+
+        def queued_or_done() -> bool:
             with self.lock:
-                if len(self.q) == n or name in self.out:
-                    return
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+                return len(self.q) == n or name in self.out
+
+        poll_for(queued_or_done, 10, f"{name} queued as operation {n}, or done", 0.001)
 
     def drain(self, chkpt: int | None = None) -> None:
         with self.lock:

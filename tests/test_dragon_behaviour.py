@@ -24,7 +24,8 @@ from dask_ddict.errors import DRAGON_LIB_ERR, Status
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
-from tests.test_manager import get, put
+from tests.support.manager_calls import get, put
+from tests.support.polling import poll_for
 
 # -- lib_err ---------------------------------------------------------------------------
 
@@ -198,10 +199,12 @@ def test_pop_of_a_key_not_yet_written_waits_for_its_writer(wfk):
 
 def wait_deferred(d: DDict, mid: int, n: int, limit: float = 20.0) -> None:
     """Until manager ``mid`` holds ``n`` deferred operations (its stats say so)."""
-    deadline = time.monotonic() + limit
-    while d.dstats[mid].deferred_ops != n:
-        assert time.monotonic() < deadline, d.dstats[mid]
-        time.sleep(0.002)
+    poll_for(
+        lambda: d.dstats[mid].deferred_ops == n,
+        limit,
+        lambda: f"{n} deferred operations on manager {mid}: {d.dstats[mid]}",
+        0.002,
+    )
 
 
 @pytest.fixture
@@ -216,10 +219,7 @@ def wfk_manager(tmp_path):
 
 
 def wait_queued(m: Manager, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(m._deferred) != n:
-        assert time.monotonic() < deadline
-        time.sleep(0.0005)
+    poll_for(lambda: len(m._deferred) == n, 10, f"{n} deferred operations queued", 0.0005)
 
 
 def test_a_manager_applies_deferred_operations_in_arrival_order(wfk_manager):

@@ -21,7 +21,6 @@ import psutil
 import pytest
 from distributed import Client
 
-from conftest import stop_process
 from dask_ddict import (
     AsyncDDict,
     DDict,
@@ -41,6 +40,7 @@ from dask_ddict.client.creation import (
 from dask_ddict.client.handle import CREATE_ARGUMENTS, CREATE_SIGNATURE
 from dask_ddict.errors import error_to_wire
 from dask_ddict.transport import timing
+from tests.support.processes import stop_process
 
 DEFAULTS = {k: CREATE_SIGNATURE.parameters[k].default for k in CREATE_ARGUMENTS} | {
     "total_mem": "64 MiB"

@@ -27,6 +27,7 @@ from dask_ddict import (
 )
 from dask_ddict.arguments import check_keys
 from dask_ddict.client.asynchronous import _PASSTHROUGH
+from tests.support.cluster import local_cluster
 
 # -- a manager whose host is gone -------------------------------------------------------
 
@@ -50,7 +51,7 @@ def test_a_lost_host_is_named_with_why_and_the_remedy_never_destroyed(how):
     ``ddict.move.on-retire`` is off here, as for a host lost with them.)"""
     with (
         dask.config.set({"ddict.move.on-retire": False}),
-        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(3) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="48 MiB", client=c, name="r")

@@ -24,14 +24,16 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictTimeoutError
-from dask_ddict.host.server import HostedDict, HostServer
+from dask_ddict.host.hosted import HostedDict
+from dask_ddict.host.server import HostServer
 from dask_ddict.layout import ManagerInfo
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops
-from dask_ddict.transport.links import HostLink, SocketChannel
 from dask_ddict.transport.protocol import REQ, Reader
+from dask_ddict.transport.socket_client import HostLink, SocketChannel
+from tests.support.polling import poll_for
 
 BOUND = 30.0  # seconds any wait here may take on a loaded 2-core machine
 
@@ -148,9 +150,7 @@ def test_a_waiting_read_moves_the_loop_and_holds_up_no_one(tmp_path):
         got: list = []
         t = threading.Thread(target=lambda: got.append(_get(waiter, "late", timeout=BOUND)))
         t.start()
-        deadline = time.monotonic() + BOUND
-        while not s.manager._deferred.waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
+        poll_for(lambda: s.manager._deferred.waiting, BOUND, "the read to wait", 0.01)
         assert s.manager._deferred.waiting, "the read never waited"
         before = s.server.loop.handoffs
         assert before >= 1  # (the waiting read took the loop's thread with it)
@@ -208,9 +208,7 @@ def test_the_loops_threads_end_with_the_server(tmp_path):
     ours = _loop_threads() - before
     assert s.server.loop.handoffs >= 1 and len(ours) >= 2  # (the loop's, and the waiter's)
     s.close()
-    deadline = time.monotonic() + BOUND
-    while any(t.is_alive() for t in ours) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    poll_for(lambda: not any(t.is_alive() for t in ours), BOUND, "the loop's threads to end", 0.02)
     assert not any(t.is_alive() for t in ours)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import shm_entries
+from tests.support.shards import shm_entries
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

@@ -18,10 +18,8 @@ import os
 
 import numpy as np
 import pytest
-from fuzz import fuzz
 from hypothesis import event, given
 from hypothesis import strategies as st
-from test_arguments import garbage
 
 from dask_dap import DAPValidationError, validate
 from dask_dap.protocol.dims import num_owned_indices
@@ -29,6 +27,8 @@ from dask_ddict import DDictError, DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.persist import ZarrPersister
 from dask_ddict.shard.store import PERSISTENT
+from tests.support.fuzz import fuzz
+from tests.support.garbage import garbage
 
 # -- DAP dicts -------------------------------------------------------------------------------
 

@@ -72,11 +72,11 @@ def test_shard_views_are_bounded_and_the_rest_read_over_sockets(client):
     that are read over their host's socket, with the same results."""
     import dask.config
 
-    from dask_ddict.transport import shared
+    from dask_ddict.transport import mapped
 
     d = DDict(8, total_mem="64 MiB", client=client)  # 16 managers, all on this host
     try:
-        with dask.config.set({"ddict.transport.max-shard-views": len(shared._ENVS) + 4}):
+        with dask.config.set({"ddict.transport.max-shard-views": len(mapped._ENVS) + 4}):
             h = DDict.attach(d.serialize(), client=client)
             for m in range(h.num_managers):
                 h.manager(m)[("k", m)] = m
@@ -96,17 +96,17 @@ def test_idle_shard_views_rotate_to_the_managers_in_use(client):
     maps its shard again once a view is idle.  Never more views than the bound."""
     import dask.config
 
-    from dask_ddict.transport import shared
+    from dask_ddict.transport import mapped
 
     d = DDict(4, total_mem="32 MiB", client=client)  # 8 managers, all on this host
     try:
         with dask.config.set(
             {
-                "ddict.transport.max-shard-views": len(shared._ENVS) + 2,
+                "ddict.transport.max-shard-views": len(mapped._ENVS) + 2,
                 "ddict.transport.shard-view-idle": "50 ms",
             }
         ):
-            bound = len(shared._ENVS) + 2
+            bound = len(mapped._ENVS) + 2
             h = DDict.attach(d.serialize(), client=client)
             for m in range(4):
                 h.manager(m)[("k", m)] = m
@@ -116,12 +116,12 @@ def test_idle_shard_views_rotate_to_the_managers_in_use(client):
             h.manager(1)[("k", 1)]  # 1 is in use again: 0 is the least recently used
             assert h.manager(2)[("k", 2)] == 2
             # 2 took an idle view (0's, or an older one of this process), 1 kept its own
-            assert kinds()[1:3] == ["shm", "shm"] and len(shared._ENVS) <= bound
+            assert kinds()[1:3] == ["shm", "shm"] and len(mapped._ENVS) <= bound
             assert h.manager(0)[("k", 0)] == 0
             time.sleep(0.12)
             for m in range(4):  # every value, whichever way each channel reads now
                 assert h.manager(m)[("k", m)] == m
-                assert len(shared._ENVS) <= bound
+                assert len(mapped._ENVS) <= bound
             h.detach()
     finally:
         d.destroy()
@@ -143,23 +143,23 @@ def test_a_view_in_use_is_never_taken(tmp_path, monkeypatch):
     with dask.config.set(
         {"ddict.transport.max-shard-views": 1, "ddict.transport.shard-view-idle": "0 s"}
     ):
-        first = shared._acquire(paths[0], 1 << 20)
+        first = mapped._acquire(paths[0], 1 << 20)
         first.active = 1  # an operation is inside it
         try:
-            with pytest.raises(shared.ViewLimit):
-                shared._acquire(paths[1], 1 << 20)
+            with pytest.raises(mapped.ViewLimit):
+                mapped._acquire(paths[1], 1 << 20)
             first.active = 0
-            second = shared._acquire(paths[1], 1 << 20)  # now it may be taken
+            second = mapped._acquire(paths[1], 1 << 20)  # now it may be taken
             assert first.evicted and not second.evicted
             second.active = 1  # its last channel closes while a read is inside...
-            shared._release(paths[1], second)
+            mapped._release(paths[1], second)
             with second.store.read() as txn:  # ...so the read may go on
                 assert second.store.entries(txn) == 0
             shared.SharedChannel._exit(second)  # the last one out closes it
             with pytest.raises(lmdb.Error):  # closed
                 second.store.read()
         finally:
-            shared._release(paths[0], first)
+            mapped._release(paths[0], first)
     assert not set(paths) & set(mapped._ENVS)
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from dask_ddict import DDict
 from dask_ddict._hashing import HASH_PROBE
+from tests.support.cluster import local_cluster
 
 
 class Named:
@@ -150,9 +151,8 @@ with Client(sys.argv[1]) as client:
 def test_workers_that_disagree_among_themselves(tmp_path):
     """Workers without a nanny and with different seeds place such keys differently from
     one another: every process that places one is told, whatever its own seed."""
-    from distributed import LocalCluster
 
-    with LocalCluster(n_workers=0, dashboard_address=":0") as cl:
+    with local_cluster(0) as cl:
         procs = [
             subprocess.Popen(
                 [

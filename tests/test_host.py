@@ -34,7 +34,11 @@ from dask_ddict import (
 )
 from dask_ddict.client.core import ASK_EVERY
 from dask_ddict.transport.shared import ALIVE_CHECK
-from tests.conftest import shards, shm_entries, stop_process
+from tests.support.cluster import local_cluster
+from tests.support.handles import over_tcp
+from tests.support.polling import poll_for
+from tests.support.processes import stop_process
+from tests.support.shards import shards, shm_entries
 
 
 def _supervisor(cluster: LocalCluster, d: DDict, mid: int):  # noqa: ANN202
@@ -53,17 +57,6 @@ def _keys_on(d: DDict, mid: int, n: int, tag: str = "") -> list[tuple[str, int]]
             out.append((tag, i))
         i += 1
     return out
-
-
-def _over_tcp(d: DDict) -> DDict:
-    """A handle that reaches every manager over TCP, as a client on another host would."""
-    import dask
-
-    with dask.config.set({"ddict.local-transport": False}):
-        h = DDict.attach(d.serialize(), timeout=d.timeout)
-        for m in range(h.num_managers):
-            h._core.channel(m)
-    return h
 
 
 @contextlib.contextmanager
@@ -116,7 +109,7 @@ def _writers(
     """
     acked: list[list[int]] = [[] for _ in range(n)]
     errors: list[BaseException] = []
-    tcp = _over_tcp(d)
+    tcp = over_tcp(d)
 
     def run(i: int) -> None:
         h = tcp if i % 2 else d
@@ -148,7 +141,7 @@ def _check_acked(d: DDict, acked: list[list[int]]) -> int:
 
 def test_worker_sigkill_during_writes_loses_no_acknowledged_write():
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(managers_per_worker=2, total_mem="128 MiB", client=c)
@@ -178,7 +171,7 @@ def test_worker_sigkill_during_writes_loses_no_acknowledged_write():
 
 def test_host_process_sigkill_is_restarted_and_counts_stay_exact():
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="64 MiB", client=c)
@@ -217,7 +210,7 @@ def test_host_process_sigkill_is_restarted_and_counts_stay_exact():
 
 def test_client_restart_with_a_live_dict():
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="32 MiB", client=c, working_set_size=2)
@@ -284,7 +277,7 @@ def test_timeouts_hold_against_a_frozen_host(client):
 
     slack = config.get_seconds("transport.timeout-slack")
     d = DDict(total_mem="32 MiB", client=client, timeout=1)
-    tcp = _over_tcp(d)
+    tcp = over_tcp(d)
     big = np.ones(20_000)  # too big to be committed by the client: goes to the host
     try:
         d["k"] = 0
@@ -321,7 +314,7 @@ def test_a_handles_timeout_bounds_its_broadcasts_to_frozen_hosts(client):
 
     slack = config.get_seconds("transport.timeout-slack")
     d = DDict(total_mem="32 MiB", client=client, timeout=1)
-    tcp = _over_tcp(d)
+    tcp = over_tcp(d)
     try:
         d.update({i: i for i in range(20)})
         assert len(tcp) == 20 and len(tcp.stats) == 2 and len(list(tcp.keys())) == 20
@@ -358,7 +351,7 @@ def test_a_finite_timeout_bounds_connecting_to_a_frozen_host(client):
     big = np.ones(32_768)  # 256 KiB: through the host, whatever the path
     try:
         d["k"] = 0
-        fresh = [DDict.attach(d.serialize(), timeout=1), _over_tcp(d)]  # nothing connected
+        fresh = [DDict.attach(d.serialize(), timeout=1), over_tcp(d)]  # nothing connected
         host = psutil.Process(d.stats[d.which_manager("k")].pid)
         stop_process(host)
         try:
@@ -392,14 +385,14 @@ def test_without_a_timeout_a_stopped_host_is_waited_for_in_every_phase():
     }
     with (
         dask.config.set(low),
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="16 MiB", client=c, timeout=None)
-        connected = [DDict.attach(d.serialize(), timeout=None), _over_tcp(d)]
+        connected = [DDict.attach(d.serialize(), timeout=None), over_tcp(d)]
         for h in connected:
             h["warm"] = np.zeros(32_768)  # a connection to the host, kept for the next put
-        fresh = [DDict.attach(d.serialize(), timeout=None), _over_tcp(d)]  # none yet
+        fresh = [DDict.attach(d.serialize(), timeout=None), over_tcp(d)]  # none yet
         handles = connected + fresh
         errors: list[BaseException] = []
 
@@ -447,9 +440,7 @@ def test_a_shard_directory_too_small_is_an_error_at_creation(client):
 def test_small_worker_memory_limits_do_not_count_shard_pages():
     """1.2 GiB of dict on workers limited to 600 MiB: no pause, no restart, nothing lost."""
     with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, memory_limit="600MiB", dashboard_address=":0"
-        ) as cl,
+        local_cluster(2, memory_limit="600MiB") as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="3 GiB", client=c)
@@ -502,7 +493,7 @@ def test_host_environ_sets_and_removes_variables():
 
 def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         with _external_worker(cl, c, tmp_path) as (proc, external):
@@ -527,8 +518,7 @@ def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
             assert d[k_kept] == "kept"  # the rest of the dict works
             d[k_kept] = "still"
             deadline = time.monotonic() + 30
-            while psutil.pid_exists(host_pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            poll_for(lambda: not psutil.pid_exists(host_pid), 30, "the host process to end", 0.1)
             assert not psutil.pid_exists(host_pid)  # no orphan: it saw its supervisor go
             assert not os.path.exists(lost_shard)  # and removed its shard
             # repair: restart on the hosts that are left, then fill the lost manager
@@ -555,7 +545,7 @@ def test_a_stopped_host_whose_supervisor_ended_is_gone_not_waited_for(tmp_path):
 
     with (
         dask.config.set({"ddict.transport.alive-check": "100 ms"}),
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         with _external_worker(cl, c, tmp_path) as (proc, external):
@@ -605,11 +595,15 @@ def test_killing_a_script_with_an_embedded_cluster_leaves_nothing(tmp_path):
         assert stores and all(os.path.isdir(p) for p in stores + sockets)
         os.kill(proc.pid, signal.SIGKILL)  # the script, with the nannies in it
         proc.wait(30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (
-            any(os.path.exists(p) for p in stores + sockets) or any(map(psutil.pid_exists, pids))
-        ):
-            time.sleep(0.2)
+        poll_for(
+            lambda: (
+                not any(os.path.exists(p) for p in stores + sockets)
+                and not any(map(psutil.pid_exists, pids))
+            ),
+            30,
+            "the shards and sockets removed, the processes ended",
+            0.2,
+        )
         assert not any(os.path.exists(p) for p in stores + sockets)
         assert not any(map(psutil.pid_exists, pids))
     finally:
@@ -655,7 +649,7 @@ def test_batches_across_a_host_restart():
     counts; what it never got makes end_batch_put say so.  (Batches the manager
     applies: this client commits none itself.)"""
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
         dask.config.set({"ddict.local-write": False}),
     ):
@@ -688,7 +682,7 @@ def test_batches_across_a_host_restart():
 
 def test_frozen_state_survives_a_host_restart():
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="32 MiB", client=c)
@@ -750,9 +744,7 @@ def test_an_idle_dict_uses_no_cpu(client):
 
 def test_workers_without_a_nanny_supervise_their_own_host():
     with (
-        LocalCluster(
-            n_workers=1, processes=False, threads_per_worker=1, dashboard_address=":0"
-        ) as cl,
+        local_cluster(1, processes=False) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="16 MiB", client=c)
@@ -782,7 +774,7 @@ def test_a_small_tmpfs_shard_directory_is_refused_at_creation(tmp_path):
     try:
         with (
             dask.config.set({"ddict.store.directory": str(mnt)}),
-            LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+            local_cluster(1) as cl,
             Client(cl) as c,
         ):
             with pytest.raises(
@@ -807,7 +799,7 @@ def test_a_host_that_keeps_dying_is_given_up_and_reported_at_once():
     import dask
 
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="16 MiB", client=c)

@@ -23,13 +23,8 @@ from dask_ddict.host import control, hygiene
 from dask_ddict.host.control import DictSpec
 from dask_ddict.options import DDictOptions
 from dask_ddict.shard.direct import put_in_window
-from dask_ddict.shard.working_set import (
-    CLOSED_DESTROYED,
-    FROZEN,
-    WorkingSet,
-    add_waiters,
-    mark_closed,
-)
+from dask_ddict.shard.reader_marks import CLOSED_DESTROYED, FROZEN, add_waiters, mark_closed
+from dask_ddict.shard.working_set import WorkingSet
 
 
 def _dirs(tmp_path):  # noqa: ANN001, ANN202
@@ -74,7 +69,7 @@ def test_off_loop_runs_in_a_thread_of_its_own_once_the_pools_are_shut_down():
     """While the interpreter exits, the event loop's executor refuses work ("cannot
     schedule new futures after shutdown"): a supervisor's control call then runs in a
     thread of its own, and its result or error comes back as usual."""
-    from dask_ddict.host.supervisor import off_loop
+    from dask_ddict.host.off_loop import off_loop
 
     async def main() -> None:
         assert await off_loop(threading.current_thread) is not threading.current_thread()

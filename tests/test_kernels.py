@@ -32,6 +32,7 @@ from dask_ddict.kernels import pure
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.transport.operation import Request
 from dask_ddict.transport.protocol import Reader
+from tests.support.keys import Placed
 
 try:
     from dask_ddict.kernels import _compiled
@@ -94,22 +95,6 @@ keys_st = st.recursive(
     lambda inner: st.tuples(inner, inner) | st.frozensets(st.integers(), max_size=3),
     max_leaves=6,
 )
-
-
-class Placed:
-    """A key class with its own ``__hash__`` (placed by it, not by the digest)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __hash__(self) -> int:
-        return self.n * 7
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Placed) and other.n == self.n
-
-    def __reduce__(self) -> Any:
-        return (Placed, (self.n,))
 
 
 def _placed(key: Any, digest: bytes, n: int) -> int:
@@ -203,7 +188,7 @@ def test_digest_groups_read_what_get_many_wrote_and_refuse_a_cut_request(groups,
     ``digest_groups``: the same groups in both sets; a request cut anywhere inside them,
     one that goes on after them, or junk, is the same ``ValueError`` in both (or, for
     junk, the same groups)."""
-    from dask_ddict.transport.many import GetMany
+    from dask_ddict.transport.many_key_ops import GetMany
 
     value = b"".join(GetMany(tuple(groups), 0).encode().parts)
     assert _same("digest_groups", value) == ("ok", groups)

@@ -11,37 +11,14 @@ import warnings
 
 import numpy as np
 import pytest
-from fuzz import fuzz
 from hypothesis import given
-from hypothesis import strategies as st
-from piped import PipeProcess
 
 from dask_ddict._hashing import HASH_PROBE, probe_hash, seed_warning
 from dask_ddict._keys import dumps_key, encode_key, loads_key
 from dask_ddict.errors import DDictSerializationError
-
-atoms = (
-    st.text(max_size=8)
-    | st.integers()
-    | st.floats(allow_nan=False)
-    | st.binary(max_size=8)
-    | st.booleans()
-    | st.none()
-)
-hashables = st.recursive(
-    atoms, lambda c: st.tuples(c, c) | st.frozensets(c, max_size=4), max_leaves=12
-)
-keys = st.recursive(
-    hashables,
-    lambda c: (
-        st.lists(c, max_size=4)
-        | st.tuples(c, c)
-        | st.dictionaries(hashables, c, max_size=4)
-        | st.sets(hashables, max_size=4)
-        | st.frozensets(hashables, max_size=4)
-    ),
-    max_leaves=16,
-)
+from tests.support.fuzz import fuzz
+from tests.support.keys import keys
+from tests.support.piped import PipeProcess
 
 
 @pytest.fixture(scope="module")

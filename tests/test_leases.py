@@ -20,6 +20,8 @@ from dask_ddict.cluster.moves import Candidate, Moves
 from dask_ddict.cluster.replicas import Replica, Replicas
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
 
 
 class Clock:
@@ -294,13 +296,13 @@ def test_with_leases_off_a_replicated_dictionary_serves_without_them():
     renewal that no lease is kept, serve their replicated primaries, and stop renewing;
     a write still reaches the replica (a real cluster)."""
     import dask
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     from dask_ddict import DDict
 
     with (
         dask.config.set({"ddict.lease.duration": None}),
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=30)
@@ -330,14 +332,14 @@ def test_a_batch_put_while_its_hosts_lease_lapsed_waits_for_it_and_loses_nothing
     import os
 
     import dask
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     from dask_ddict import DDict
     from dask_ddict.shard.lease_word import LeaseWord, path_for
 
     with (
         dask.config.set({"ddict.lease.duration": "1 s", "ddict.lease.margin": "0.2 s"}),
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="32 MiB", client=c, replicas=1, timeout=60)
@@ -351,9 +353,7 @@ def test_a_batch_put_while_its_hosts_lease_lapsed_waits_for_it_and_loses_nothing
             for i in range(100):
                 d[("before", i)] = i
             cl.loop.add_callback(time.sleep, 4.0)  # (the scheduler's loop: no renewals)
-            deadline = time.monotonic() + 3.0
-            while any(w.valid() for w in words) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            poll_for(lambda: not any(w.valid() for w in words), 3.0, "the leases to lapse", 0.05)
             assert not any(w.valid() for w in words), "the leases did not lapse"
             for i in range(100):
                 d[("during", i)] = i

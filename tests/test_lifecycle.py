@@ -11,21 +11,22 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import dask
 import numpy as np
-from distributed import Client, LocalCluster, Security
+from distributed import Client, Security
 
 from dask_ddict import AsyncDDict, DDict
 from dask_ddict.transport.protocol import HELLO, HELLO_MAGIC
-from tests.conftest import shm_entries
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
+from tests.support.shards import shm_entries
 
 
 def test_dead_worker_is_a_non_event():
     """SIGKILL of a hosting worker: its nanny restarts it, the host process serves on."""
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="16 MiB", client=c)
@@ -45,7 +46,7 @@ def test_dead_worker_is_a_non_event():
 def test_tls_cluster_uses_tls_tcp():
     sec = Security.temporary()
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, security=sec, dashboard_address=":0") as cl,
+        local_cluster(1, security=sec) as cl,
         Client(cl, security=sec) as c,
     ):
         assert cl.scheduler_address.startswith("tls://")
@@ -78,7 +79,7 @@ def test_a_filter_on_a_tls_cluster_streams_over_tls():
     to caller); a plain TCP peer gets nothing from the caller's end."""
     sec = Security.temporary()
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, security=sec, dashboard_address=":0") as cl,
+        local_cluster(2, security=sec) as cl,
         Client(cl, security=sec) as c,
     ):
         with dask.config.set({"ddict.local-transport": False}):
@@ -87,7 +88,7 @@ def test_a_filter_on_a_tls_cluster_streams_over_tls():
                 d.update({i: i for i in range(300)})
                 f = d.filter(_sorted_keys, comparator=lambda x, y: x < y, branching_factor=2)
                 with f as results:
-                    root = f._hub.address
+                    root = f._receiver.address
                     with socket.create_connection(root, timeout=10) as plain:  # no TLS: refused
                         plain.sendall(b"\x01" + bytes(64))
                         plain.settimeout(10)
@@ -97,7 +98,7 @@ def test_a_filter_on_a_tls_cluster_streams_over_tls():
                             got = b""
                         assert got == b""
                     assert list(results) == list(range(300))
-                    children = list(f._hub._socks.values())
+                    children = list(f._receiver._socks.values())
                     assert children and all(isinstance(x, ssl.SSLSocket) for x in children)
             finally:
                 d.destroy()
@@ -121,7 +122,7 @@ def _refuses_peers_without_certificates(info) -> None:  # noqa: ANN001
 
 def test_plain_tcp_path():
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
         dask.config.set({"ddict.local-transport": False}),
     ):
@@ -176,21 +177,19 @@ def test_an_embedded_dict_left_undestroyed_ends_its_script_quietly(tmp_path):
         said = [line for line in done.stderr.splitlines() if "ddict" in line.lower()]
         assert len(said) == 1, done.stderr
         assert "'forgotten' was not destroyed; its keys are dropped" in said[0]
-        deadline = time.monotonic() + 30  # (a host process that outlived a slow close
-        while os.listdir(shards) or os.listdir(sockets):  # removes its own)
-            assert time.monotonic() < deadline, (
-                os.listdir(shards),
-                os.listdir(sockets),
-                done.stderr,
-            )
-            time.sleep(0.2)
+        poll_for(  # (a host process that outlived a slow close removes its own)
+            lambda: not os.listdir(shards) and not os.listdir(sockets),
+            30,
+            lambda: (os.listdir(shards), os.listdir(sockets), done.stderr),
+            0.2,
+        )
     finally:
         shutil.rmtree(shards, ignore_errors=True)
         shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_cluster_shutdown_removes_shards():
-    cl = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0")
+    cl = local_cluster(2)
     c = Client(cl)
     d = DDict(total_mem="16 MiB", client=c)
     d["a"] = 1

@@ -9,10 +9,10 @@ import time
 import dask.config
 import pytest
 from distributed import Client
-from piped import PipeProcess
 
 from dask_ddict import DDict, DDictClosedError
 from dask_ddict.cluster.lifetime import Holders
+from tests.support.piped import PipeProcess
 
 # -- the pure structure -------------------------------------------------------------
 

@@ -10,16 +10,13 @@ import time
 
 import pytest
 
-from dask_ddict._hashing import key_digest
-from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictError, DDictFullError, DDictKeyError, DDictTimeoutError
 from dask_ddict.persist import Persister, ZarrPersister
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
-
-CLIENT = 7
+from tests.support.manager_calls import CLIENT, get, k, put
 
 
 @pytest.fixture(params=[2, 1], ids=["window2", "window1"])
@@ -31,20 +28,6 @@ def manager(tmp_path, request):
     m = Manager(0, store, WorkingSet(store, request.param), persister=persister)
     yield m
     m.close()
-
-
-def k(key):
-    kb = dumps_key(key)
-    return key_digest(kb), kb
-
-
-def put(m, key, value, chkpt=0, **kw):
-    d, kb = k(key)
-    m.put(d, kb, dumps_value(value).join(), chkpt, CLIENT, **kw)
-
-
-def get(m, key, chkpt=0, timeout=None):
-    return m.get(k(key)[0], chkpt, lambda f: loads_value(bytes(f)), timeout)
 
 
 def test_put_get_pop_len_and_pages(manager):

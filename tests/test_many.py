@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import AsyncDDict, DDict, DDictKeyError, DDictSerializationError
-from dask_ddict.transport import links, ops
-from dask_ddict.transport.many import GetMany, PutMany
-from tests.conftest import stop_process
+from dask_ddict.transport import ops, socket_client
+from dask_ddict.transport.many_key_ops import GetMany, PutMany
+from tests.support.processes import stop_process
 
 
 def _tcp(d: DDict, client: Client) -> DDict:
@@ -40,7 +40,10 @@ def _tcp(d: DDict, client: Client) -> DDict:
 def requests(monkeypatch):
     """Every request sent to a host process, as ``(operation class, manager ids)``."""
     sent: list[tuple[type, tuple[int, ...]]] = []
-    call, send = links.HostLink.call, links.HostLink.send  # (every request goes out by one)
+    call, send = (
+        socket_client.HostLink.call,
+        socket_client.HostLink.send,
+    )  # (every request goes out by one)
 
     def note(o, mid):  # noqa: ANN001, ANN202
         mids = (
@@ -53,10 +56,10 @@ def requests(monkeypatch):
         sent.append((type(o), mids))
 
     monkeypatch.setattr(
-        links.HostLink, "call", lambda self, o, mid: note(o, mid) or call(self, o, mid)
+        socket_client.HostLink, "call", lambda self, o, mid: note(o, mid) or call(self, o, mid)
     )
     monkeypatch.setattr(
-        links.HostLink,
+        socket_client.HostLink,
         "send",
         lambda self, o, mid, *rest: note(o, mid) or send(self, o, mid, *rest),
     )

@@ -11,7 +11,7 @@ import pytest
 from test import mapping_tests
 
 from dask_ddict import DDict
-from tests.conftest import TWO_HOSTS
+from tests.support.twohost import TWO_HOSTS
 
 
 @pytest.fixture

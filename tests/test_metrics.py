@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,11 +21,13 @@ from distributed import Client, LocalCluster
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from test_host import _over_tcp  # a handle whose every request goes to the host processes
 
 from dask_ddict import DDict
 from dask_ddict.cluster import metrics
 from dask_ddict.stats import FIELDS, DDictManagerStats
+from tests.support.cluster import local_cluster
+from tests.support.handles import over_tcp  # every request goes to the host processes
+from tests.support.polling import poll_for
 
 Scrape = list[Sample]
 
@@ -36,7 +37,7 @@ def cluster() -> Iterator[LocalCluster]:
     # Collections at most every 0.2 s (the scheduler runs in this process: it reads these).
     with (
         dask.config.set({"ddict.dashboard.refresh": "0.2 s"}),
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
     ):
         yield cl
 
@@ -67,15 +68,14 @@ def _values(scrape: Scrape, name: str, ddict: str, **labels: str) -> dict[int, f
 
 def _until(cluster: LocalCluster, ok: Callable[[Scrape], bool], what: str) -> Scrape:
     """Scrape until ``ok`` (a scrape shows the snapshot that the one before started)."""
-    deadline = time.monotonic() + 30
-    for _ in range(300):
-        scrape = _scrape(cluster)
-        if ok(scrape):
-            return scrape
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    raise AssertionError(f"never {what}: {[s for s in scrape if 'ddict' in s.name]}")
+    last: list[Scrape] = []
+
+    def scraped() -> bool:
+        last[:] = [_scrape(cluster)]
+        return ok(last[0])
+
+    poll_for(scraped, 30, lambda: f"{what}: {[s for s in last[0] if 'ddict' in s.name]}", 0.1)
+    return last[0]
 
 
 def _gets(scrape: Scrape, name: str) -> float:
@@ -92,7 +92,7 @@ def test_two_dictionaries_their_managers_and_counts(cluster: LocalCluster, clien
         b.checkpoint()
         b["later"] = 1  # at checkpoint 1
         assert [a[i] for i in range(10)] == list(range(10))  # same host: read from the shards
-        tcp = _over_tcp(a)
+        tcp = over_tcp(a)
         assert [tcp[i] for i in range(10)] == list(range(10))  # ten gets the hosts serve
 
         def listed(s: Scrape) -> bool:
@@ -150,7 +150,7 @@ def test_two_dictionaries_their_managers_and_counts(cluster: LocalCluster, clien
         # A broadcast counts once for each manager (b has two on each host: one request
         # per host), a get_many once for each manager it reaches.  d.stats is a broadcast
         # whose answer a host keeps while its shards are unchanged: not past other requests.
-        tcp = _over_tcp(b)
+        tcp = over_tcp(b)
         tcp.checkpoint_id = b.checkpoint_id  # (1: checkpoint 0 retired where "later" went)
         assert all("len" not in s.ops_served for s in tcp.stats)
         assert len(tcp) == 21 and len(tcp) == 21

@@ -19,14 +19,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
-from writers import _check, _wait_gone, _with_writers, _write
+from distributed import Client, wait
 
 from dask_ddict import DDict, DDictError, DDictManagerUnavailableError
 from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
+from tests.support.writers import check_writes, wait_gone, with_writers, write_until
 
 # -- pure placement ----------------------------------------------------------------------
 
@@ -76,9 +78,7 @@ def test_targets_prefer_the_least_loaded_then_the_same_machine():
 @pytest.fixture
 def cluster3():
     with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=2, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(3, threads_per_worker=2, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         yield cl, c
@@ -91,7 +91,7 @@ def test_retire_workers_moves_managers_first_with_writers_running(cluster3):
         d.update({i: i for i in range(600)})
         leaving = d.manager_workers[0]
         stay = sorted(set(d.manager_workers) - {leaving})
-        _with_writers(c, d, stay, lambda: (c.retire_workers([leaving]), _wait_gone(d, leaving)))
+        with_writers(c, d, stay, lambda: (c.retire_workers([leaving]), wait_gone(d, leaving)))
         assert leaving not in d.manager_workers
         assert all(d[i] == i for i in range(600))
         moves = d.moves
@@ -118,15 +118,17 @@ def test_scale_down_and_up_then_rebalance(cluster3):
 
         def scale_down() -> None:
             cl.scale(2)
-            deadline = time.monotonic() + 60
-            while (
-                len(c.scheduler_info()["workers"]) != 2
-                or len(set(d._core.fresh(force=True).manager_workers)) != 2
-            ):
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            poll_for(
+                lambda: (
+                    len(c.scheduler_info()["workers"]) == 2
+                    and len(set(d._core.fresh(force=True).manager_workers)) == 2
+                ),
+                60,
+                "two workers, serving every manager",
+                0.2,
+            )
 
-        _with_writers(c, d, stay, scale_down)
+        with_writers(c, d, stay, scale_down)
         assert leaving not in d.manager_workers
         assert all(d[i] == i for i in range(300))
         cl.scale(3)
@@ -177,7 +179,7 @@ def test_a_move_under_a_waiting_reader_a_view_and_a_batch(cluster3):
         for i in range(50):
             d[("batch", i)] = i
         c.retire_workers([leaving])
-        _wait_gone(d, leaving)
+        wait_gone(d, leaving)
         for i in range(50, 100):
             d[("batch", i)] = i
         d.end_batch_put()
@@ -229,8 +231,8 @@ def test_sigterm_of_a_dask_worker_moves_its_managers(cluster3):
             d.update({i: i for i in range(400)})
             assert mine[0] in d.manager_workers
             stay = sorted(set(d.manager_workers) - {mine[0]})
-            _with_writers(
-                c, d, stay, lambda: (os.killpg(proc.pid, signal.SIGTERM), _wait_gone(d, mine[0]))
+            with_writers(
+                c, d, stay, lambda: (os.killpg(proc.pid, signal.SIGTERM), wait_gone(d, mine[0]))
             )
             proc.wait(60)
             assert mine[0] not in d.manager_workers
@@ -259,23 +261,20 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         results: list[Any] = [None] * 4  # 4 client threads (tasks would keep workers busy)
         threads = [
             threading.Thread(
-                target=lambda j=j: results.__setitem__(j, _write(d, f"a{j}", stop.is_set))
+                target=lambda j=j: results.__setitem__(j, write_until(d, f"a{j}", stop.is_set))
             )
             for j in range(4)
         ]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 90
-        while len(c.scheduler_info()["workers"]) > 1:
-            assert time.monotonic() < deadline, "adapt did not scale down"
-            time.sleep(0.3)
+        poll_for(lambda: len(c.scheduler_info()["workers"]) <= 1, 90, "adapt to scale down", 0.3)
         time.sleep(1.0)
         stop.set()
         for t in threads:
             t.join(60)
         adaptive.stop()
         assert len(set(d.manager_workers)) == 1
-        _check(d, results, [f"a{j}" for j in range(4)])
+        check_writes(d, results, [f"a{j}" for j in range(4)])
         assert all(d[i] == i for i in range(300))
     finally:
         d.destroy()
@@ -323,15 +322,16 @@ def test_threads_that_meet_a_closed_host_together_all_follow_its_manager(cluster
         leaving = d.manager_workers[0]
         _, host, port = stale._core.layout.managers[0].address
         c.retire_workers([leaving])
-        _wait_gone(d, leaving)
-        deadline = time.monotonic() + 60
-        while True:  # until the leaving host's listener is closed
+        wait_gone(d, leaving)
+
+        def closed() -> bool:  # the leaving host's listener
             try:
                 socket.create_connection((host, port), timeout=1).close()
             except OSError:
-                break
-            assert time.monotonic() < deadline, "the retired host still listens"
-            time.sleep(0.1)
+                return True
+            return False
+
+        poll_for(closed, 60, "the retired host to stop listening", 0.1)
         real = core.current_layout
         gate = _Gate(stale._core, 4)  # (its question waits until all 4 threads are in)
         monkeypatch.setattr(
@@ -421,14 +421,15 @@ def test_a_stale_handle_follows_with_a_large_put_and_a_manager_moves_straight_ba
 def _read_back_once_taken(d: DDict, n: int) -> None:
     """Keys ``0 .. n-1`` (each its own value) read back, once workers have taken the
     parked managers (within 60 s)."""
-    deadline = time.monotonic() + 60
-    while True:
+
+    def taken() -> bool:
         try:
             assert [d[i] for i in range(n)] == list(range(n))
-            return
+            return True
         except DDictManagerUnavailableError:
-            assert time.monotonic() < deadline, "parked managers not taken"
-            time.sleep(0.2)
+            return False
+
+    poll_for(taken, 60, "parked managers taken", 0.2)
 
 
 def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker():
@@ -441,9 +442,7 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
     from dask_ddict.errors import DDictManagerUnavailableError
 
     with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(1, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, timeout=30)
@@ -455,12 +454,15 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
             paths = [m.store_path for m in d._core.layout.managers]
             e_path = e._core.layout.managers[0].store_path
             cl.scale(0)
-            deadline = time.monotonic() + 60
-            while c.scheduler_info()["workers"] or not all(
-                m.parked for m in d._core.fresh(force=True).managers
-            ):
-                assert time.monotonic() < deadline, "not parked"
-                time.sleep(0.2)
+            poll_for(
+                lambda: (
+                    not c.scheduler_info()["workers"]
+                    and all(m.parked for m in d._core.fresh(force=True).managers)
+                ),
+                60,
+                "no worker, every manager parked",
+                0.2,
+            )
             assert all(os.path.exists(p) for p in paths + [e_path])  # kept, not deleted
             with pytest.raises(DDictManagerUnavailableError, match="parked") as info:
                 d[0]
@@ -499,9 +501,7 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
     now, and looks again for any that arrived: all are parked, and served with every key
     once workers join."""
     with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(2, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         d = DDict(managers_per_worker=2, total_mem="64 MiB", client=c, timeout=30)
@@ -509,12 +509,15 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
             d.update({i: i for i in range(400)})
             assert len(set(d.manager_workers)) == 2
             cl.scale(0)
-            deadline = time.monotonic() + 60
-            while c.scheduler_info()["workers"] or any(
-                m.lost and not m.parked for m in d._core.fresh(force=True).managers
-            ):
-                assert time.monotonic() < deadline, "not closed"
-                time.sleep(0.2)
+            poll_for(
+                lambda: (
+                    not c.scheduler_info()["workers"]
+                    and not any(m.lost and not m.parked for m in d._core.fresh(force=True).managers)
+                ),
+                60,
+                "every worker closed, no manager lost unparked",
+                0.2,
+            )
             layout = d._core.fresh(force=True)
             assert all(m.parked for m in layout.managers), [
                 (m.manager_id, m.lost_why) for m in layout.managers

@@ -19,18 +19,19 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import dask
 import pytest
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import DDict
 from dask_ddict.cli import ddict as cli
 from dask_ddict.host import hygiene
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
 
 #: A script that parks the managers of each dictionary named on its command line (its
 #: only worker leaves), prints their shard paths, and waits to be killed.
@@ -142,9 +143,7 @@ def test_a_killed_scripts_parked_shards_are_swept_by_the_next_host(tmp_path, sha
     scheduler (which then restarts from them)."""
     with (
         dask.config.set({"ddict.store.directory": shard_dir}),
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(1, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         kept = DDict(managers_per_worker=1, total_mem="16 MiB", client=c, name="kept-here")
@@ -166,10 +165,12 @@ def test_a_killed_scripts_parked_shards_are_swept_by_the_next_host(tmp_path, sha
 
         cl.scale(2)  # the next host processes on this machine start, and sweep
         c.wait_for_workers(2, timeout=60)
-        deadline = time.monotonic() + 30
-        while any(os.path.exists(p) for p in parked):
-            assert time.monotonic() < deadline, f"not swept: {os.listdir(shard_dir)}"
-            time.sleep(0.2)
+        poll_for(
+            lambda: not any(os.path.exists(p) for p in parked),
+            30,
+            lambda: f"the parked shards swept: {os.listdir(shard_dir)}",
+            0.2,
+        )
         assert all(os.path.isdir(p) for p in kept_paths)  # its scheduler lives and keeps it
         again = DDict(
             n_workers=1,

@@ -1,6 +1,6 @@
 """Partitions: nothing acknowledged is lost, and no two hosts answer for one manager.
 
-Four machines on this one (``machines.py``): ``s`` runs the scheduler and a worker,
+Four machines on this one (``tests/support/machines.py``): ``s`` runs the scheduler and a worker,
 ``a`` and ``b`` a worker each, ``c`` the clients.  A dictionary with ``replicas=1``;
 two writer processes on ``c`` put keys on every manager and ``fetch_add`` one counter
 of the manager ``M`` whose primary is on ``b`` and whose replica is on ``a`` (or the
@@ -21,18 +21,28 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import twohost
 from distributed import Client
-from machines import Machines, S
-from partitioned import Writers, check, hosts_ready, hot_manager, primary_of, settled, wait, where
 
 from dask_ddict import DDict
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import encode_key
 from dask_ddict.errors import DDictLeaseError, DDictManagerMovedError
 from dask_ddict.layout import Layout, ManagerInfo
-from dask_ddict.transport.links import HostLink
 from dask_ddict.transport.ops import Get
+from dask_ddict.transport.socket_client import HostLink
+from tests.support import twohost
+from tests.support.machines import Machines, S
+from tests.support.partitioned import (
+    Writers,
+    check,
+    hosts_ready,
+    hot_manager,
+    primary_of,
+    settled,
+    wait,
+    where,
+)
+from tests.support.polling import poll_for
 
 pytestmark = pytest.mark.skipif(
     twohost.unavailable() is not None, reason=f"machines fixture: {twohost.unavailable()}"
@@ -90,18 +100,18 @@ def _answers_moved(layout: Layout, old: ManagerInfo, mid: int, bound: float = 20
     its manager's requests ``MOVED`` within ``bound``: never served there again."""
     link = HostLink(old, layout.uid, layout.secret, layout.name, use_uds=False)
     digest = key_digest(encode_key("hot"))
-    deadline = time.monotonic() + bound
+
+    def moved() -> bool:
+        try:
+            link.call(Get(digest, 0, timeout=5.0), mid)
+        except DDictManagerMovedError:
+            return True
+        except DDictLeaseError:  # (not renewed yet: it learns it at its next renewal)
+            return False
+        raise AssertionError("the deposed primary served its old manager")
+
     try:
-        while True:
-            try:
-                link.call(Get(digest, 0, timeout=5.0), mid)
-            except DDictManagerMovedError:
-                return
-            except DDictLeaseError:  # (not renewed yet: it learns it at its next renewal)
-                assert time.monotonic() < deadline, "the old primary did not learn it was deposed"
-                time.sleep(0.2)
-            else:
-                raise AssertionError("the deposed primary served its old manager")
+        poll_for(moved, bound, "the old primary to learn it was deposed", 0.2)
     finally:
         link.close()
 

@@ -14,11 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import DDict, DDictPersistCheckpointError
 from dask_ddict.cli import ddict as cli
 from dask_ddict.persist import ZarrPersister
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
 
 #: Values of a checkpoint: large enough that persisting one takes a while, so that a
 #: host process can be killed in the middle of it.
@@ -29,7 +31,7 @@ VALUE = 4 << 20
 def crash_client():
     """A cluster of its own: these tests kill its host processes."""
     with (
-        LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl,
+        local_cluster(2, threads_per_worker=2) as cl,
         Client(cl) as c,
     ):
         yield c
@@ -56,10 +58,7 @@ def tag_of(v: np.ndarray) -> int:
 
 
 def wait_for(what: str, ready: Callable[[], bool], seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not ready():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
+    poll_for(ready, seconds, what, 0.001)
 
 
 def retry(
@@ -362,7 +361,7 @@ def test_a_relative_persist_path_is_the_callers(client, tmp_path, monkeypatch):
         assert d.persisted_ids() == [0]
     assert (project / "ckpt.zarr" / name / "manager_0" / "chkpt_0.g0").is_dir()
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         with DDict(

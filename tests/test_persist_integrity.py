@@ -13,21 +13,24 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import rotation
 import zarr
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import DDict, DDictPersistCheckpointError
-from dask_ddict._serialize import dumps_value, loads_value
-from dask_ddict.persist import CheckpointPersister, Persister, ZarrPersister, persister_for
+from dask_ddict._serialize import loads_value
+from dask_ddict.persist import CheckpointPersister, Persister, ZarrPersister
 from dask_ddict.persist.zarr_store import FORMAT
-from dask_ddict.shard.store import PERSISTENT
+from tests.support import rotation
+from tests.support.cluster import local_cluster
+from tests.support.persisted import CHUNK, entries_of, generation, opened
+from tests.support.polling import poll_for
 
-CHUNK = 1 << 12
+CRASHER = Path(__file__).parent / "support" / "children" / "crash_persist.py"
 #: The persisters every crash test runs against (``persister_class=`` names).
 KINDS = ["zarr", "directory"]
 
@@ -37,21 +40,6 @@ def kind(request) -> str:
     return request.param
 
 
-def opened(kind: str, path: str, m: int = 0, n: int = 1, **kw) -> CheckpointPersister:
-    """Manager ``m`` of ``n``'s persister of ``kind`` at ``path``."""
-    return persister_for(kind)(path, "d", m, n, chunk_bytes=CHUNK, **kw)
-
-
-def entries_of(d: dict):
-    frames = {k: dumps_value(v).join() for k, v in d.items()}
-    return lambda: ((k, f, PERSISTENT) for k, f in frames.items())
-
-
-def generation(tag: int) -> dict:
-    """A checkpoint's content whose every value says which write it came from."""
-    return {f"k{i}".encode(): np.full(1000 + 300 * i, tag, dtype="i4") for i in range(8)}
-
-
 def read_tags(store: CheckpointPersister, chkpt: int) -> set[int]:
     """The tags of a checkpoint's values: one tag means one complete write."""
     got = {k: loads_value(bytes(v)) for k, v, _ in store.read(chkpt)}
@@ -59,33 +47,10 @@ def read_tags(store: CheckpointPersister, chkpt: int) -> set[int]:
     return {int(t) for v in got.values() for t in np.unique(v)}
 
 
-_CRASHER = """
-import os, signal, sys
-import numpy as np
-sys.path.insert(0, sys.argv[1])
-from test_persist_integrity import entries_of, generation, opened
-from dask_ddict.persist import Persister
-
-path, chkpt, count, at, nth = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
-kind = sys.argv[7]
-seen = {}
-
-def step(name):
-    seen[name] = seen.get(name, 0) + 1
-    if name == at and seen[name] == nth:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-store = opened(kind, path, step=step)
-Persister(store, 1, count).write_now(chkpt, entries_of(generation(1)))
-"""
-
-
 def crash(path: str, chkpt: int, count: int, at: str, nth: int = 1, kind: str = "zarr") -> int:
     args = [
         sys.executable,
-        "-c",
-        _CRASHER,
-        os.path.dirname(__file__),
+        str(CRASHER),
         path,
         str(chkpt),
         str(count),
@@ -274,9 +239,7 @@ def crash_at_every_step(
     out = subprocess.run(
         [
             sys.executable,
-            "-c",
-            rotation.FORKER,
-            os.path.dirname(__file__),
+            str(rotation.FORKER),
             json.dumps(options),
             kind,
         ],
@@ -479,7 +442,7 @@ def test_killing_the_host_while_it_persists_keeps_a_complete_checkpoint(tmp_path
     """The hosting process dies mid-persist; restore yields the old or the new copy."""
     path = str(tmp_path / "store")
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="1 GiB", client=c, name="crash", persist_path=path)
@@ -492,13 +455,15 @@ def test_killing_the_host_while_it_persists_keeps_a_complete_checkpoint(tmp_path
         d.persist()  # re-persists checkpoint 0 in the background ...
         time.sleep(0.05)
         os.kill(d.stats[0].pid, signal.SIGKILL)  # ... and its host dies
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def restored() -> bool:
             try:
                 d.restore(0)
-                break
+                return True
             except Exception:  # noqa: BLE001 - the host is restarting
-                time.sleep(0.2)
+                return False
+
+        poll_for(restored, 30, "a restore of checkpoint 0 once the host restarted", 0.2)
         tags = {int(np.unique(d[f"k{i}"])[0]) for i in range(8)}
         assert tags in ({0}, {1})
         d.destroy()

@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from test_kernels import Placed  # (a key placed by its own __hash__)
 
 from dask_ddict import DDictPersistCheckpointError
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.persist import Persister, ZarrPersister
 from dask_ddict.shard.store import PERSISTENT
+from tests.support.keys import Placed  # (a key placed by its own __hash__)
 
 
 def entries_of(d: dict, flags: int = PERSISTENT):
@@ -40,7 +40,7 @@ def test_round_trip_and_plain_zarr_layout(tmp_path):
     assert got[b"a"] == 1 and got[b"b"] == "two" and got[b"empty"] == b""
     np.testing.assert_array_equal(got[b"big"], big)
 
-    # A user can open it with plain zarr and find what docs/persistence.md describes.
+    # A user can open it with plain zarr and find what docs/design/checkpoint-stores.md describes.
     g = zarr.open_group(str(tmp_path), mode="r")["d/manager_1/chkpt_3.g0"]
     assert g.attrs["committed"] is True and g.attrs["num_keys"] == 4
     for name in ("keys", "key_offsets", "values", "value_offsets", "flags"):  # zarr's own codec

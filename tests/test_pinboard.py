@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dask_ddict._serialize import FRAME_BASE, aligned_empty, dumps_value, loads_value
+from dask_ddict.kernels import pack_frames, unpack_frames
 from dask_ddict.shard.pinboard import BoardReader, PinBoard, read_boards, remove_boards
-from dask_ddict.transport.many import pack_frames, unpack_frames
 
 
 def test_boards_sum_live_processes_and_forget_ended_ones(tmp_path):

@@ -13,14 +13,15 @@ import dask.config
 import numpy as np
 import psutil
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import AsyncDDict, DDict, DDictTimeoutError
-from dask_ddict.transport import connect
-from dask_ddict.transport.many import GetMany, PutMany
+from dask_ddict.transport import channels
+from dask_ddict.transport.many_key_ops import GetMany, PutMany
 from dask_ddict.transport.operation import Kind
 from dask_ddict.transport.pipelined import Pipe, Unpipeable
 from dask_ddict.transport.protocol import REP, REQ
+from tests.support.cluster import local_cluster
 
 # -- the pipe alone (a fake transport that records what is written) ------------------------
 
@@ -332,7 +333,7 @@ def _blocking_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the blocking path's many-key calls made from now on."""
     calls: list[str] = []
     for name in ("get_many", "each"):
-        real = getattr(connect.Connections, name)
+        real = getattr(channels.Channels, name)
 
         def counted(
             self: Any, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any
@@ -340,7 +341,7 @@ def _blocking_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             calls.append(_name)
             return _real(self, *args, **kwargs)
 
-        monkeypatch.setattr(connect.Connections, name, counted)
+        monkeypatch.setattr(channels.Channels, name, counted)
     real_put = DDict._put_many
 
     def put_many(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -494,7 +495,7 @@ def test_puts_in_flight_when_a_host_process_is_killed_are_all_acknowledged_and_k
     same listeners): the puts on the lost connection are sent again by the blocking path
     (a put again has the same effect), so every put succeeds, and every one is there."""
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(1) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="64 MiB", client=c)
@@ -538,7 +539,7 @@ def test_a_stale_handles_pipelined_puts_and_gets_follow_a_moved_manager():
     manager), and each put and get follows it by the blocking path; nothing is lost
     and nothing fails."""
     with (
-        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(3) as cl,
         Client(cl) as c,
     ):
         d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=30)
@@ -575,12 +576,10 @@ def test_pipelined_writers_and_readers_go_on_through_a_retirement():
     managers move first (Dask moves a retiring worker's data, and so do we), its host's
     connections close under the pipes, and every put is acknowledged, every value read
     back is the one put, and all of them are there after the move."""
-    from writers import _wait_gone
+    from tests.support.writers import wait_gone
 
     with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(3, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60)
@@ -608,7 +607,7 @@ def test_pipelined_writers_and_readers_go_on_through_a_retirement():
                             break
                         await asyncio.sleep(0.001)
                     await asyncio.to_thread(
-                        lambda: (c.retire_workers([leaving]), _wait_gone(d, leaving))
+                        lambda: (c.retire_workers([leaving]), wait_gone(d, leaving))
                     )
                     moved.set()
                     return 0

@@ -9,14 +9,14 @@ import sys
 
 import numpy as np
 import pytest
-from fuzz import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
-from piped import PipeProcess
-from test_keys import keys
 
 from dask_ddict import DDict
 from dask_ddict._keys import encode_key
+from tests.support.fuzz import fuzz
+from tests.support.keys import keys
+from tests.support.piped import PipeProcess
 
 _READER = """
 from dask_ddict import DDict

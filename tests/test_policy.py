@@ -4,7 +4,6 @@ kept there by the orchestrator's moves, adoptions and replicas (``dask_ddict.pla
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +14,8 @@ from dask_ddict.cluster.moves import Candidate
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
 from dask_ddict.placement import WorkerView, assign, policy_groups
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
 
 GPU = Policy(resources={"GPU": 1})
 
@@ -130,10 +131,7 @@ def _by_name(c: Client) -> dict[str, str]:
 
 
 def _until(what: str, ok, seconds: float = 60) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + seconds
-    while not ok():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
+    poll_for(ok, seconds, what, 0.2)
 
 
 @contextlib.contextmanager
@@ -141,9 +139,7 @@ def _one_cpu_two_gpus() -> Iterator[tuple[LocalCluster, Client, dict[str, str]]]
     """A cluster of a CPU worker ("0") and two GPU workers ("gpu0", "gpu1"): the cluster,
     a client, and the workers' addresses by name."""
     with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(1, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         _add_worker(cl, "gpu0", GPU=1)
@@ -223,9 +219,7 @@ def test_a_restarted_dictionary_keeps_its_managers_policies():
     """``restart=True`` takes no policy (as in Dragon): the kept managers come back where
     their shards are, with the policies and the count they had."""
     with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, dashboard_address=":0", memory_limit="1GiB"
-        ) as cl,
+        local_cluster(1, memory_limit="1GiB") as cl,
         Client(cl) as c,
     ):
         _add_worker(cl, "gpu0", GPU=1)

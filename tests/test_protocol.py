@@ -6,7 +6,6 @@ import socket
 import threading
 
 import numpy as np
-from fuzz import fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from dask_ddict.transport.protocol import (
     encode_timeout,
     send_parts,
 )
+from tests.support.fuzz import fuzz
 
 heads = st.tuples(
     st.sampled_from(list(Op)),

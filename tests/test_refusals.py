@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import (
     DDict,
@@ -15,15 +15,14 @@ from dask_ddict import (
     DDictPersistCheckpointError,
     DDictUnableToCreateError,
 )
+from tests.support.cluster import local_cluster
 
 
 @pytest.fixture(scope="module")
 def in_process():
     """A cluster whose scheduler runs in this process, so its log is this process's."""
     with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cl,
+        local_cluster(1, processes=False) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="16 MiB", client=c, name="taken")

@@ -352,7 +352,7 @@ def test_a_replica_that_fails_a_write_is_dropped_only_at_the_orchestrators_word(
     from dask_ddict.errors import DDictLeaseError
     from dask_ddict.host import replicas
     from dask_ddict.host.control import DictSpec
-    from dask_ddict.host.server import HostedDict
+    from dask_ddict.host.hosted import HostedDict
     from dask_ddict.options import DDictOptions
 
     class Link:

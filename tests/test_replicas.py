@@ -9,26 +9,23 @@ counters are exact.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 import psutil
 import pytest
-from distributed import Client, LocalCluster
-from writers import _check, _with_writers
+from distributed import Client
 
 from dask_ddict import DDict
 from dask_ddict.cluster.moves import Candidate
 from dask_ddict.cluster.replicas import Replica, replica_targets
 from dask_ddict.errors import DDictManagerUnavailableError
 from dask_ddict.layout import ManagerInfo
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
+from tests.support.workers import Workers
+from tests.support.writers import check_writes, with_writers
 
 # -- pure placement ----------------------------------------------------------------------
 
@@ -160,79 +157,9 @@ def test_placement_and_failover_never_call_a_lost_host():
 # -- a cluster of dask worker processes ----------------------------------------------------
 
 
-class Workers:
-    """``dask worker`` processes (nanny and worker each) attached to a local scheduler."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, n: int) -> None:
-        for _ in range(n):
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "dask",
-                        "worker",
-                        self.address,
-                        "--nthreads",
-                        "2",
-                        "--memory-limit",
-                        "1GiB",
-                        "--no-dashboard",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                    env={
-                        **os.environ,
-                        "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-                    },
-                )
-            )  # (tasks of tests' helpers)
-
-    def of(self, c: Client, worker: str) -> subprocess.Popen[bytes]:
-        """The ``dask worker`` process (its nanny) of ``worker``."""
-        nanny = c.scheduler_info()["workers"][worker]["nanny"]
-        port = int(nanny.rsplit(":", 1)[1])
-        for p in self.procs:
-            if p.poll() is None and any(
-                s.status == "LISTEN" and s.laddr.port == port
-                for s in psutil.Process(p.pid).net_connections()
-            ):
-                return p
-        raise AssertionError(f"no process serves nanny {nanny}")
-
-    @staticmethod
-    def kill(proc: subprocess.Popen[bytes]) -> None:
-        """SIGKILL every process of that worker's host: nanny (and its host supervisor),
-        worker, host process."""
-        root = psutil.Process(proc.pid)
-        for p in [root, *root.children(recursive=True)]:
-            try:  # (multiprocessing's resource tracker lives on: it removes the nanny's
-                if "resource_tracker" not in " ".join(p.cmdline()):  # semaphores, as a
-                    p.send_signal(signal.SIGKILL)  # dead machine's /dev/shm would go)
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait(30)
-
-    def close(self) -> None:
-        """Close the workers that live gracefully (their hosts remove what they hold)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill(p)
-
-
 @pytest.fixture
 def workers3():
-    with LocalCluster(n_workers=0, dashboard_address=":0") as cl, Client(cl) as c:
+    with local_cluster(0) as cl, Client(cl) as c:
         w = Workers(cl.scheduler_address)
         try:
             w.start(3)
@@ -244,14 +171,13 @@ def workers3():
 
 def _failed_over(d: DDict, worker: str, bound: float = 60.0) -> None:
     """Wait until no manager is served for ``worker`` and every manager has a replica."""
-    deadline = time.monotonic() + bound
-    while True:
+
+    def repaired() -> bool:
         layout = d._core.fresh(force=True)
         assert not any(m.lost for m in layout.managers), layout.managers
-        if worker not in layout.manager_workers and all(s.replicas >= 1 for s in d.stats):
-            return
-        assert time.monotonic() < deadline, f"no failover and repair from {worker}"
-        time.sleep(0.2)
+        return worker not in layout.manager_workers and all(s.replicas >= 1 for s in d.stats)
+
+    poll_for(repaired, bound, f"failover and repair from {worker}", 0.2)
 
 
 def test_a_host_killed_under_writers_loses_nothing_acknowledged(workers3):
@@ -272,7 +198,7 @@ def test_a_host_killed_under_writers_loses_nothing_acknowledged(workers3):
             _failed_over(d, first)
             assert time.monotonic() - began < 30  # (ddict.failover-timeout)
 
-        _with_writers(c, d, stay, kill)
+        with_writers(c, d, stay, kill)
         assert all(d[i] == i for i in range(300))
         assert [m for m in d.moves if m["why"].startswith("failover")]
         # after the repair, a second host's loss is survived too
@@ -280,17 +206,19 @@ def test_a_host_killed_under_writers_loses_nothing_acknowledged(workers3):
         w.kill(w.of(c, second))
         _failed_over_to_one(d, second)
         assert all(d[i] == i for i in range(300))
-        _check(d, [], [])  # every manager takes new puts
+        check_writes(d, [], [])  # every manager takes new puts
     finally:
         d.destroy()
 
 
 def _failed_over_to_one(d: DDict, worker: str, bound: float = 60.0) -> None:
     """The last worker serves every manager (no other can keep a replica)."""
-    deadline = time.monotonic() + bound
-    while worker in d._core.fresh(force=True).manager_workers:
-        assert time.monotonic() < deadline, f"no failover from {worker}"
-        time.sleep(0.2)
+    poll_for(
+        lambda: worker not in d._core.fresh(force=True).manager_workers,
+        bound,
+        f"failover from {worker}",
+        0.2,
+    )
     assert not any(m.lost for m in d._core.layout.managers)
 
 
@@ -303,10 +231,7 @@ def test_without_replicas_a_killed_host_loses_its_managers(workers3):
         d.update({i: i for i in range(60)})
         victim = d.manager_workers[0]
         w.kill(w.of(c, victim))
-        deadline = time.monotonic() + 60
-        while not d._core.fresh(force=True).managers[0].lost:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        poll_for(lambda: d._core.fresh(force=True).managers[0].lost, 60, "manager 0 lost", 0.2)
         with pytest.raises(DDictManagerUnavailableError):
             d.manager(0)["x"] = 1
     finally:
@@ -391,16 +316,16 @@ def test_a_restarted_host_process_gets_its_replicas_again(workers3):
         victim = d.manager_workers[0]
         old = d.stats[0].pid
         psutil.Process(old).kill()
-        deadline = time.monotonic() + 60
-        while True:  # a new incarnation, and every manager with its replica again
+        stats: list[Any] = []
+
+        def restarted() -> bool:  # a new incarnation, and every manager with its replica again
             try:
-                stats = d.stats
+                stats[:] = d.stats
             except Exception:  # noqa: BLE001 - (restarting)
-                stats = []
-            if stats and stats[0].pid != old and all(s.replicas == 1 for s in stats):
-                break
-            assert time.monotonic() < deadline, [(s.pid, s.replicas) for s in stats]
-            time.sleep(0.3)
+                stats[:] = []
+            return bool(stats) and stats[0].pid != old and all(s.replicas == 1 for s in stats)
+
+        poll_for(restarted, 60, lambda: [(s.pid, s.replicas) for s in stats], 0.3)
         d.update({i: -i for i in range(200)})
         w.kill(w.of(c, victim))
         _failed_over(d, victim)
@@ -419,14 +344,17 @@ def test_retirement_keeps_primaries_and_replicas_on_different_hosts(workers3):
 
         def retire() -> None:
             c.retire_workers([leaving])
-            deadline = time.monotonic() + 60
-            while leaving in c.scheduler_info()["workers"] or any(
-                leaving in ws for ws in _replica_workers(c, d).values()
-            ):
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            poll_for(
+                lambda: (
+                    leaving not in c.scheduler_info()["workers"]
+                    and not any(leaving in ws for ws in _replica_workers(c, d).values())
+                ),
+                60,
+                f"{leaving} gone, with its replicas",
+                0.2,
+            )
 
-        _with_writers(c, d, stay, retire)
+        with_writers(c, d, stay, retire)
         assert all(d[i] == i for i in range(300))
         _apart(c, d)
         w.start(1)  # a new worker: the managers spread again, still apart
@@ -447,16 +375,17 @@ def _replica_workers(c: Client, d: DDict) -> dict[int, tuple[str, ...]]:
 
 def _apart(c: Client, d: DDict, bound: float = 60.0) -> None:
     """Every manager has its replica, on another worker than its primary."""
-    deadline = time.monotonic() + bound
-    while True:
+    seen: list[Any] = []
+
+    def apart() -> bool:
         reps = _replica_workers(c, d)
         primaries = d._core.fresh(force=True).manager_workers
-        if all(
+        seen[:] = [primaries, reps]
+        return all(
             len(reps.get(m, ())) == 1 and primaries[m] not in reps[m] for m in range(d.num_managers)
-        ) and all(s.replicas == 1 for s in d.stats):
-            return
-        assert time.monotonic() < deadline, (primaries, reps)
-        time.sleep(0.2)
+        ) and all(s.replicas == 1 for s in d.stats)
+
+    poll_for(apart, bound, lambda: f"replicas apart from primaries: {seen}", 0.2)
 
 
 def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
@@ -479,13 +408,16 @@ def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
         (keeper,) = [a for a, i in c.scheduler_info()["workers"].items() if i["nanny"] == nanny]
         assert _replica_workers(c, d)[0] == (keeper,)  # (kept for its new address)
         w.kill(w.of(c, keeper))  # (a host with the replica alone)
-        deadline = time.monotonic() + 60
-        while True:  # a new replica, on the third worker
-            reps = _replica_workers(c, d).get(0, ())
-            if len(reps) == 1 and reps[0] not in (keeper, primary) and d.stats[0].replicas == 1:
-                break
-            assert time.monotonic() < deadline, (reps, d.stats[0].replicas)
-            time.sleep(0.2)
+        poll_for(  # a new replica, on the third worker
+            lambda: (
+                len(reps := _replica_workers(c, d).get(0, ())) == 1
+                and reps[0] not in (keeper, primary)
+                and d.stats[0].replicas == 1
+            ),
+            60,
+            lambda: (_replica_workers(c, d).get(0, ()), d.stats[0].replicas),
+            0.2,
+        )
         d.update({i: -i for i in range(100)})  # (shipped to the new replica)
         w.start(1)  # (where the promoted replica's own replica can go)
         c.wait_for_workers(3, timeout=120)
@@ -527,10 +459,12 @@ def test_a_replica_its_primary_dropped_is_made_again_at_the_next_join(workers3):
         assert d.stats[0].replicas == 0
         w.start(1)
         c.wait_for_workers(4, timeout=120)
-        deadline = time.monotonic() + 60
-        while d.stats[0].replicas != 1 or len(_replica_workers(c, d)[0]) != 1:
-            assert time.monotonic() < deadline, (d.stats[0].replicas, _replica_workers(c, d))
-            time.sleep(0.3)
+        poll_for(
+            lambda: d.stats[0].replicas == 1 and len(_replica_workers(c, d)[0]) == 1,
+            60,
+            lambda: (d.stats[0].replicas, _replica_workers(c, d)),
+            0.3,
+        )
         assert all(d[i] == i for i in range(100))
     finally:
         d.destroy()

@@ -1,5 +1,5 @@
 """The replicated dictionary as a hypothesis state machine: the moves' machine
-(:mod:`test_moves_state`) on ``dask worker`` processes with ``replicas=1``, plus a step
+(:mod:`tests.support.moving_dict`) on ``dask worker`` processes with ``replicas=1``, plus a step
 that SIGKILLs every process of a random worker's host and starts a new worker in its
 place.  After every step the dictionary equals the model: nothing acknowledged lost,
 counters exact."""
@@ -11,14 +11,16 @@ import time
 from typing import Any
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from test_moves_state import MovingDict
-from test_replicas import Workers
 
 from dask_ddict import DDict
+from tests.support.cluster import local_cluster
+from tests.support.moving_dict import MovingDict
+from tests.support.polling import poll_for
+from tests.support.workers import Workers
 
 
 class ReplicatedDict(MovingDict):
@@ -57,8 +59,10 @@ class ReplicatedDict(MovingDict):
         self.workers_.kill(self.workers_.of(c, victim))
         self.workers_.start(1)
         deadline = time.monotonic() + 90
-        while True:
-            now = sorted(c.scheduler_info()["workers"])
+        now: list[str] = []
+
+        def repaired() -> bool:
+            now[:] = sorted(c.scheduler_info()["workers"])
             layout = self.d._core.fresh(force=True)
             if (
                 len(now) == 3
@@ -66,14 +70,18 @@ class ReplicatedDict(MovingDict):
                 and victim not in layout.manager_workers
                 and all(s.replicas == 1 for s in self.d.stats)
             ):
-                break
+                return True
             assert not any(m.lost for m in layout.managers), layout.managers
-            assert time.monotonic() < deadline, "no failover and repair"
-            time.sleep(0.2)
-        for w in now:
-            while not _ready(c, w):
-                assert time.monotonic() < deadline, f"{w} cannot take managers"
-                time.sleep(0.2)
+            return False
+
+        poll_for(repaired, 90, "failover and repair", 0.2)
+        for w in now:  # (within the same 90 s)
+            poll_for(
+                lambda w=w: _ready(c, w),
+                deadline - time.monotonic(),
+                f"{w} to take managers",
+                0.2,
+            )
         self.workers = now
 
 
@@ -97,7 +105,7 @@ def _ready(c: Client, worker: str) -> bool:
 
 
 def _run(max_examples: int, steps: int) -> None:
-    with LocalCluster(n_workers=0, dashboard_address=":0") as cl, Client(cl) as c:
+    with local_cluster(0) as cl, Client(cl) as c:
         w = Workers(cl.scheduler_address)
         try:
             w.start(3)

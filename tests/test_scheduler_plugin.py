@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin, refusing
+from dask_ddict.cluster.refusals import refusing
+from dask_ddict.cluster.scheduler_plugin import DDictSchedulerPlugin
 from dask_ddict.errors import DDictError, DDictFullError, error_to_wire, raise_from_wire
 from dask_ddict.layout import Layout
 from dask_ddict.options import DDictOptions

@@ -22,13 +22,14 @@ import dask.config
 import numpy as np
 import psutil
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import DDict, DDictFullError, DDictManagerUnavailableError
-from dask_ddict.client.core import _Core
+from dask_ddict.client.core import HandleCore
 from dask_ddict.errors import Status
-from dask_ddict.transport import handshake
+from dask_ddict.transport import handshake, sockets
 from dask_ddict.transport.protocol import HELLO, HELLO_MAGIC, REP, REQ, Hello, Op
+from tests.support.cluster import local_cluster
 
 HANDSHAKE_TIMEOUT = 1.0
 MAX_CONNECTIONS = 40
@@ -43,7 +44,7 @@ def guarded():
     }
     with (
         dask.config.set(settings),
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="32 MiB", client=c, lifetime="cluster")
@@ -70,8 +71,8 @@ def _handshake(sock: socket.socket, layout, target: str):  # noqa: ANN001, ANN20
     uid, secret = bytes.fromhex(layout.uid), layout.secret.encode()
     nonce = secrets.token_bytes(handshake.NONCE)
     sock.sendall(HELLO.pack(HELLO_MAGIC, uid) + nonce)
-    assert handshake.recv_exact(sock, 1)[0] == Hello.PROVE
-    got = handshake.recv_exact(sock, 16 + 32 + 32)
+    assert sockets.recv_exact(sock, 1)[0] == Hello.PROVE
+    got = sockets.recv_exact(sock, 16 + 32 + 32)
     incarnation, host_nonce, host_proof = got[:16], got[16:48], got[48:]
     return uid, secret, incarnation, nonce, host_nonce, host_proof
 
@@ -82,7 +83,7 @@ def _with_port(d: DDict, client: Client, mid: int, port: int) -> DDict:
     managers = tuple(
         dataclasses.replace(m, tcp_port=port) if m.manager_id == mid else m for m in lay.managers
     )
-    core = _Core(dataclasses.replace(lay, managers=managers), client)
+    core = HandleCore(dataclasses.replace(lay, managers=managers), client)
     return DDict._from_core(core, creator=False, chkpt=0, timeout=5)
 
 
@@ -177,7 +178,7 @@ def test_the_host_refuses_proofs_for_another_target_replays_and_reflections(guar
             uid, secret, inc, nc, ns, host_proof = _handshake(s, lay, _target(m0))
             assert host_proof == handshake.proof(secret, b"host", uid, _target(m0), inc, nc, ns)
             s.sendall(make_proof(uid, secret, inc, nc, ns, host_proof))
-            return handshake.recv_exact(s, 1)[0]
+            return sockets.recv_exact(s, 1)[0]
 
     good = []
 
@@ -202,7 +203,7 @@ def _authenticated(d: DDict, mid: int) -> socket.socket:
     s = _raw(info)
     uid, secret, inc, nc, ns, _ = _handshake(s, lay, _target(info))
     s.sendall(handshake.proof(secret, b"client", uid, _target(info), inc, nc, ns))
-    assert handshake.recv_exact(s, 1)[0] == Hello.OK
+    assert sockets.recv_exact(s, 1)[0] == Hello.OK
     return s
 
 
@@ -219,8 +220,8 @@ def test_lengths_are_checked_before_any_allocation(guarded, klen, vlen, status, 
     rss = host.memory_info().rss
     with _authenticated(d, 0) as s:
         s.sendall(REQ.pack(Op.PUT, 0, 0, klen, 0, 5, 0, 0, 1, -1.0, vlen, 0))
-        got, tag, ival, plen = REP.unpack(handshake.recv_exact(s, REP.size))
-        assert got == status and tag == 5 and text in handshake.recv_exact(s, plen).decode()
+        got, tag, ival, plen = REP.unpack(sockets.recv_exact(s, REP.size))
+        assert got == status and tag == 5 and text in sockets.recv_exact(s, plen).decode()
         start = time.monotonic()
         d.manager(0)["meanwhile"] = 1  # another connection is served at once
         assert time.monotonic() - start < 2

@@ -157,7 +157,7 @@ def test_wait_for_matches_a_bytes_value_in_its_older_frame(tmp_path):
     from dask_ddict.shard.manager import Manager
     from dask_ddict.shard.store import ShardStore
     from dask_ddict.shard.working_set import WorkingSet
-    from tests.test_manager import k
+    from tests.support.manager_calls import k
 
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     m = Manager(0, store, WorkingSet(store, 1))

@@ -21,14 +21,19 @@ from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictClosedError, DDictError, DDictKeyError, Status
-from dask_ddict.host.server import HostedDict, HostServer
+from dask_ddict.host import fan_out
+from dask_ddict.host.hosted import HostedDict
+from dask_ddict.host.server import HostServer
 from dask_ddict.layout import ManagerInfo, term_is_newer, wire_term
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
-from dask_ddict.transport import ops
-from dask_ddict.transport.links import HostLink, SocketChannel
+from dask_ddict.transport import ops, table
+from dask_ddict.transport.many_key_ops import GetMany
+from dask_ddict.transport.operation import Kind, Operation, Request
 from dask_ddict.transport.protocol import FLAG_NOREPLY, REP, REQ, Op
+from dask_ddict.transport.socket_client import HostLink, SocketChannel
+from dask_ddict.transport.whole_checkpoints import Persist
 
 
 def _serve(tmp_path, event_loop: bool, wait_for_writers: bool = False):
@@ -115,7 +120,7 @@ def test_every_table_operation_round_trips(served, use_uds):
         ch.call(ops.Get(d, 0))
     ch.call(ops.BatchPut([(3, d, kb, dumps_value(5))], 0, 9, False, 77))
     assert ch.call(ops.BatchEnd(9, 77)) == 1
-    (frames,) = ch.call(ops.GetMany(((3, [d, key_digest(dumps_key("absent"))]),), 0))
+    (frames,) = ch.call(GetMany(((3, [d, key_digest(dumps_key("absent"))]),), 0))
     assert loads_value(frames[0]) == 5 and frames[1] is None
     ch.call(ops.Freeze())
     with pytest.raises(DDictError, match="frozen"):
@@ -124,16 +129,16 @@ def test_every_table_operation_round_trips(served, use_uds):
     ch.call(ops.Clear(0, 1))
     assert ch.call(ops.Length(0)) == 0
     with pytest.raises(DDictError, match="persist"):  # this manager has no persist_path
-        ch.call(ops.Persist(0))
+        ch.call(Persist(0))
 
 
 def test_every_operation_is_declared_once_and_served():
     """One class per wire code, each with a host handler: nothing is spelled elsewhere."""
-    assert set(ops.OPERATIONS) == set(ops.HANDLERS) == set(Op)
-    for code, cls in ops.OPERATIONS.items():
+    assert set(table.OPERATIONS) == set(table.HANDLERS) == set(Op)
+    for code, cls in table.OPERATIONS.items():
         assert cls.op is code
         assert cls.serve.__qualname__ != "Operation.serve", cls  # (the base only raises)
-        assert isinstance(cls.kind, ops.Kind) or cls in (ops.FanOut, ops.TreeOut)  # (its inner's)
+        assert isinstance(cls.kind, Kind) or cls in (ops.FanOut, ops.TreeOut)  # (its inner's)
     assert ops.FanOut(ops.Length(0), (0,)).kind is ops.Length.kind
     assert ops.TreeOut(ops.Length(0), (0,), ()).kind is ops.Length.kind
 
@@ -195,12 +200,12 @@ def test_a_process_keeps_a_bounded_pool_of_idle_connections(served, use_uds):
 
     import dask.config
 
-    from dask_ddict.transport.kept import KEPT
+    from dask_ddict.transport.idle_pool import IDLE_POOL
 
     channel, _, _ = served
     with dask.config.set({"ddict.transport.kept-connections": 2}):
         chans = [channel(use_uds) for _ in range(5)]  # as five host processes
-    kept = KEPT
+    kept = IDLE_POOL
     open_now = lambda: sum(len(ch.link._all) for ch in chans)  # noqa: E731
     for ch in chans:
         assert ch.call(ops.Length(0)) == 0
@@ -234,10 +239,10 @@ def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path
     def broadcast(o):
         got: list = []
         flags, keysec, value, vlen, chkpt, arg, client, timeout = ops.FanOut(o, (1, 2)).encode()
-        req = ops.Request(
+        req = Request(
             Op.FANOUT, flags, 1, chkpt, arg, client, timeout, keysec[:16], keysec[16:], b"", 0, 0
         )
-        ops.FanOut.serve(
+        fan_out.serve(
             None,
             req,
             lambda ival=0, payload=b"": got.append(payload),
@@ -369,7 +374,7 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
 
 
 def _raw(
-    o: ops.Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0, term: int = 0
+    o: Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0, term: int = 0
 ) -> bytes:
     """``o`` as a request to manager ``mid`` with ``tag`` (and request id ``rid``, the
     manager's ``term`` as the client knows it), as a pipelining client frames it."""
@@ -429,7 +434,7 @@ def test_a_many_key_read_cut_or_overlong_is_refused_and_the_connection_serves_on
     ch = channel(False)
     kb = dumps_key("here")
     ch.call(ops.Put(key_digest(kb), kb, dumps_value(1), 0, 1))
-    o = ops.GetMany(((3, [key_digest(kb), key_digest(dumps_key("other"))]),), 0)
+    o = GetMany(((3, [key_digest(kb), key_digest(dumps_key("other"))]),), 0)
     e = o.encode()
     bad = change(b"".join(bytes(p) for p in e.parts))
     conn = ch.link._connect(3, None, None)
@@ -835,7 +840,7 @@ def test_a_kept_connection_that_broke_is_resent_or_said_maybe_applied(served, us
     assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == 2
 
     class Unsafe(ops.Length):  # (as an operation that cannot be resent would be)
-        kind = ops.Kind.UNSAFE
+        kind = Kind.UNSAFE
 
     drop_the_hosts_ends()
     with pytest.raises(DDictError, match="LEN .*may or may not have been applied"):
@@ -852,8 +857,8 @@ def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path, cl
     answer would be read as the next request's).  ``closed``: the link is closed by
     another thread between two slices (a dictionary closing): the wait ends there."""
     from dask_ddict.errors import DDictManagerUnavailableError
-    from dask_ddict.transport.conn import Conn
-    from dask_ddict.transport.kept import KEPT
+    from dask_ddict.transport.bounded_connection import BoundedConnection
+    from dask_ddict.transport.idle_pool import IDLE_POOL
 
     info = ManagerInfo(
         3,
@@ -871,10 +876,10 @@ def test_a_kept_same_host_connection_checks_its_host_while_it_waits(tmp_path, cl
     with dask.config.set({"ddict.transport.alive-check": "20 ms"}):
         link = HostLink(info, secrets.token_hex(16), "s", "quiet", use_uds=True)
     ours, silent = socket.socketpair()  # (a host that reads requests and never answers)
-    conn = Conn(ours, link._every)
+    conn = BoundedConnection(ours, link._every)
     conn.begin(None, None)
     link._all.append(conn)
-    KEPT.give(link, conn)
+    IDLE_POOL.give(link, conn)
     checks = []
 
     def check() -> None:

@@ -8,10 +8,11 @@ import warnings
 import dask
 import psutil
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from dask_ddict import DDict
 from dask_ddict.cluster.sizing import HostMemory, memory_warnings, pause_fraction
+from tests.support.cluster import local_cluster
 
 GiB = 1 << 30
 
@@ -26,7 +27,7 @@ def _sizing_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 
 def test_a_default_local_cluster_does_not_warn():
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         limits = sum(w["memory_limit"] for w in c.scheduler_info()["workers"].values())
@@ -49,9 +50,7 @@ def test_shards_that_leave_the_workers_too_little_warn():
     available = psutil.virtual_memory().available
     with (
         dask.config.set({"ddict.store.reserve": False}),
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, memory_limit=available, dashboard_address=":0"
-        ) as cl,
+        local_cluster(1, memory_limit=available) as cl,
         Client(cl) as c,
     ):
         with pytest.warns(RuntimeWarning) as caught:
@@ -71,9 +70,7 @@ def test_shards_larger_than_the_memory_warn():
     each = int(0.6 * min(available, shm_free))
     with (
         dask.config.set({"ddict.store.reserve": False}),
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, memory_limit="1 GiB", dashboard_address=":0"
-        ) as cl,
+        local_cluster(1, memory_limit="1 GiB") as cl,
         Client(cl) as c,
     ):
         with pytest.warns(RuntimeWarning) as caught:

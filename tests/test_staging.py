@@ -15,6 +15,7 @@ from zarr.storage import LocalStore
 
 from dask_ddict import DDict, DDictError, DDictStore, StagedStore, stage
 from dask_ddict.stores.staging import STAGING, plan
+from tests.support.cluster import local_cluster
 
 
 def test_the_plan_puts_each_object_with_its_managers_worker_metadata_first():
@@ -188,13 +189,13 @@ def test_a_worker_killed_while_its_loaders_run_loses_nothing(tmp_path):
     import os
     import signal
 
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     path = str(tmp_path / "src.zarr")
     data = np.random.default_rng(3).random((400, 2000))
     zarr.create_array(path, shape=data.shape, chunks=(20, 2000), dtype="f8")[:] = data
     with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
+        local_cluster(2) as cl,
         Client(cl) as c,
     ):
         d = DDict(total_mem="64 MiB", client=c, timeout=60)

@@ -44,7 +44,7 @@ def zd(cluster):
     """One dictionary for the module (a store's namespace is its prefix)."""
     from distributed import Client
 
-    from conftest import TWO_HOSTS
+    from tests.support.twohost import TWO_HOSTS
 
     with Client(cluster.scheduler_address if TWO_HOSTS else cluster) as c:
         d = DDict(total_mem="256 MiB", client=c)
@@ -322,10 +322,13 @@ def paths(zd, client):
 @pytest.fixture
 def wire(monkeypatch):
     """Every request this process sends a host process: ``(operation, bytes of its reply)``."""
-    from dask_ddict.transport import links
+    from dask_ddict.transport import socket_client
 
     sent: list[tuple[str, int]] = []
-    call, send = links.HostLink.call, links.HostLink.send  # (every request goes out by one)
+    call, send = (
+        socket_client.HostLink.call,
+        socket_client.HostLink.send,
+    )  # (every request goes out by one)
 
     def note(o, got):  # noqa: ANN001, ANN202
         sent.append((type(o).__name__, 0 if got[1] is None else memoryview(got[1]).nbytes))
@@ -335,8 +338,10 @@ def wire(monkeypatch):
         answer = send(self, o, *rest)
         return lambda: note(o, answer())
 
-    monkeypatch.setattr(links.HostLink, "call", lambda self, o, mid: note(o, call(self, o, mid)))
-    monkeypatch.setattr(links.HostLink, "send", sending)
+    monkeypatch.setattr(
+        socket_client.HostLink, "call", lambda self, o, mid: note(o, call(self, o, mid))
+    )
+    monkeypatch.setattr(socket_client.HostLink, "send", sending)
     return sent
 
 
@@ -508,27 +513,29 @@ def test_dask_array_round_trip_from_tasks(zd, client):
 
 def _count_requests() -> None:
     """In a worker: count the requests its handles send to host processes."""
-    from dask_ddict.transport import links
+    from dask_ddict.transport import socket_client
 
-    links._COUNTED = {}  # type: ignore[attr-defined]
-    links.HostLink._real = (links.HostLink.call, links.HostLink.send)  # type: ignore[attr-defined]
+    socket_client._COUNTED = {}  # type: ignore[attr-defined]
+    socket_client.HostLink._real = (socket_client.HostLink.call, socket_client.HostLink.send)  # type: ignore[attr-defined]
 
     def counted(real):  # (every request goes out by call or send)
         def request(self, o, *rest):
             name = type(o).__name__
-            links._COUNTED[name] = links._COUNTED.get(name, 0) + 1  # type: ignore[attr-defined]
+            socket_client._COUNTED[name] = socket_client._COUNTED.get(name, 0) + 1  # type: ignore[attr-defined]
             return real(self, o, *rest)
 
         return request
 
-    links.HostLink.call, links.HostLink.send = map(counted, links.HostLink._real)
+    socket_client.HostLink.call, socket_client.HostLink.send = map(
+        counted, socket_client.HostLink._real
+    )
 
 
 def _counted() -> dict[str, int]:
-    from dask_ddict.transport import links
+    from dask_ddict.transport import socket_client
 
-    links.HostLink.call, links.HostLink.send = links.HostLink._real  # type: ignore[attr-defined]
-    return links._COUNTED  # type: ignore[attr-defined]
+    socket_client.HostLink.call, socket_client.HostLink.send = socket_client.HostLink._real  # type: ignore[attr-defined]
+    return socket_client._COUNTED  # type: ignore[attr-defined]
 
 
 @pytest.mark.one_host

@@ -1,4 +1,4 @@
-"""A dictionary across two hosts: this one and a network namespace (see ``twohost.py``).
+"""A dictionary across two hosts: this one and a network namespace (see ``tests/support/twohost.py``).
 
 Shared memory only between processes of one host; TCP between hosts; losing a
 host gives clear errors for its managers while the rest keeps working.
@@ -15,12 +15,13 @@ import time
 
 import numpy as np
 import pytest
-import twohost
 from distributed import Client, Security
 
 from dask_ddict import DDict, DDictError, Policy
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.transport.protocol import HELLO_MAGIC
+from tests.support import twohost
+from tests.support.polling import poll_for
 
 pytestmark = pytest.mark.skipif(
     twohost.unavailable() is not None, reason=f"two-host fixture: {twohost.unavailable()}"
@@ -215,10 +216,12 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
     for d in (a, b):
         d.destroy(allow_restart=True)
     h.start_host2()  # a new machine at the same address, with an empty /dev/shm
-    deadline = time.monotonic() + 90
-    while sum(f"//{h.host2}:" in w for w in c.scheduler_info()["workers"]) != 1:
-        assert time.monotonic() < deadline, h.log("worker2")
-        time.sleep(0.5)
+    poll_for(
+        lambda: sum(f"//{h.host2}:" in w for w in c.scheduler_info()["workers"]) == 1,
+        90,
+        lambda: f"host 2's worker to join: {h.log('worker2')}",
+        0.5,
+    )
     a2 = DDict(total_mem="64 MiB", client=c, name="parallel-a", restart=True, lifetime="cluster")
     b2 = DDict(total_mem="64 MiB", client=c, name="parallel-b", restart=True, lifetime="cluster")
     try:
@@ -516,11 +519,14 @@ def test_retiring_host2_copies_its_managers_to_host1_and_rebalance_brings_them_b
         on2 = [m.manager_id for m in d._core.layout.managers if m.hostname == twohost.HOSTNAME2]
         assert len(on2) == 2
         c.retire_workers([w2])
-        deadline = time.monotonic() + 120
-        while w2 in d._core.fresh(force=True).manager_workers:
-            assert time.monotonic() < deadline, h.log("worker2")
+
+        def moved_off() -> bool:
+            if w2 not in d._core.fresh(force=True).manager_workers:
+                return True
             d[("during", time.monotonic())] = 1  # writes go on meanwhile
-            time.sleep(0.1)
+            return False
+
+        poll_for(moved_off, 120, lambda: f"managers off {w2}: {h.log('worker2')}", 0.1)
         moves = [m for m in d.moves if m["source"] == w2]
         assert {m["manager_id"] for m in moves} == set(on2)
         assert all(m["copied"] and m["target"] == w1 and m["nbytes"] > 8 << 20 for m in moves)

@@ -3,8 +3,8 @@
 LMDB reuses no page that an open read snapshot can see, and a zero-copy view
 holds one: a 32 MiB view used to pin every page freed after it was taken,
 until the shard refused writes.  Now a manager refused room asks the processes
-that hold views of its shard to copy them out (``shard/room.py``,
-``shard/pinboard.py``, ``transport/pins.py``).  These tests hold real views in
+that hold views of its shard to copy them out (``shard/making_room.py``,
+``shard/pinboard.py``, ``transport/lending.py``).  These tests hold real views in
 the user's process, in a task and in a separate process, rewrite the shard
 many times over, stop and kill the holders, and check that the views never
 change and that writers get the whole shard.
@@ -26,7 +26,6 @@ import pytest
 from distributed import Client, Event
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from piped import PipeProcess
 
 from dask_ddict import DDict, DDictFullError, _memory
 from dask_ddict._hashing import key_digest
@@ -36,8 +35,9 @@ from dask_ddict.shard import pinboard
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
-from dask_ddict.transport import pins
-from tests.test_zero_copy import _in_shard
+from dask_ddict.transport import lending
+from tests.support.lent import in_shard
+from tests.support.piped import PipeProcess
 
 one_host = pytest.mark.one_host
 
@@ -68,14 +68,12 @@ def test_a_view_held_while_its_shard_is_rewritten_costs_only_its_bytes(client):
         w = np.arange(4 * MiB, dtype="i8")  # 32 MiB
         m["weights"] = w
         view = m.get("weights", copy=False)
-        assert _in_shard(d, "weights", view) and not view.flags.writeable
+        assert in_shard(d, "weights", view) and not view.flags.writeable
         m["weights"] = np.zeros(8)
         m.pop("weights")
         assert _rewrite(m, 6, 40, 8 * MiB) == 240
         assert np.array_equal(view, w)  # the view never changed...
-        assert not _in_shard(
-            d, "weights", view
-        )  # ...and it was copied out when the room was needed
+        assert not in_shard(d, "weights", view)  # ...and it was copied out when the room was needed
         gc.collect()
         s = d.stats[0]
         assert s.pinned_bytes == 0 and s.pinned_views == 0  # it no longer holds the shard
@@ -336,7 +334,7 @@ def test_a_privatized_mapping_keeps_its_bytes_when_the_file_changes(tmp_path):
 
 def test_release_requests_are_answered_and_silent_holders_named(tmp_path):
     socket_dir = str(tmp_path)
-    pins.listen(socket_dir)  # this process answers (it holds no view: 0 bytes)
+    lending.listen(socket_dir)  # this process answers (it holds no view: 0 bytes)
     assert pinboard.ask_release(socket_dir, "u", 0, [os.getpid()], 5.0) == (0, [])
     # a holder that listens but does not answer is named after the timeout
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

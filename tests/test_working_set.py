@@ -15,7 +15,7 @@ from dask_ddict.errors import (
     DDictFutureCheckpointError,
     DDictKeyError,
 )
-from dask_ddict.shard import counts
+from dask_ddict.shard import key_counts
 from dask_ddict.shard.direct import put_in_window
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import MustWait, WorkingSet
@@ -355,10 +355,10 @@ _COUNT_OPS = st.lists(
 
 def _batch(ws: WorkingSet, puts: list[tuple[int, int]]) -> None:
     """Puts ``(key, checkpoint)`` as a batch does: one transaction, the key counts in a
-    :class:`counts.Tally` (settled before the window moves and at the end), stopping at
+    :class:`key_counts.Tally` (settled before the window moves and at the end), stopping at
     the first refused put and keeping those before it."""
     with ws.store.write() as txn:
-        tally = counts.Tally(ws.store, txn)
+        tally = key_counts.Tally(ws.store, txn)
         for k, c in puts:
             kb = dumps_key(k)
             try:

@@ -19,18 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import DDict, _memory
-from dask_ddict.transport import mapped, pins
+from dask_ddict.transport import lending, mapped
+from tests.support.lent import in_shard
+from tests.support.polling import poll_for
 
 #: Views of the shard need the shard on this host (the TCP test below does not).
 one_host = pytest.mark.one_host
-
-
-def _in_shard(d: DDict, key: object, arr: np.ndarray) -> bool:
-    """Whether ``arr``'s memory is a mapping of ``key``'s shard (its lent pages, not a
-    private copy of them)."""
-    store = d._core.layout.managers[d.which_manager(key)].store_path
-    span = _memory.file_span(arr.__array_interface__["data"][0])
-    return span is not None and span[3] == store + "/data.mdb"
 
 
 def _settled(d: DDict) -> None:
@@ -45,16 +39,16 @@ def test_a_zero_copy_get_is_a_read_only_view_of_the_shard(client):
         a = np.arange(1 << 20, dtype="f8")  # 8 MiB
         d["a"] = a
         v = d.get("a", copy=False)
-        assert not v.flags.writeable and _in_shard(d, "a", v)
+        assert not v.flags.writeable and in_shard(d, "a", v)
         assert (v == a).all()
         with pytest.raises(ValueError, match="read-only"):
             v[0] = 1.0
         c = d.get("a")  # a copy by default (the dictionary is not frozen)
-        assert c.flags.writeable and not _in_shard(d, "a", c)
+        assert c.flags.writeable and not in_shard(d, "a", c)
         c2 = d.get_many(["a"])[0]
-        assert c2.flags.writeable and not _in_shard(d, "a", c2)
+        assert c2.flags.writeable and not in_shard(d, "a", c2)
         (v2,) = d.get_many(["a"], copy=False)
-        assert not v2.flags.writeable and _in_shard(d, "a", v2)
+        assert not v2.flags.writeable and in_shard(d, "a", v2)
         assert d.get("missing", "dflt", copy=False) == "dflt"
         assert d.get("small", copy=False) is None
         d["small"] = {"x": 1}  # no out-of-band buffer: nothing to lend, plain object
@@ -74,7 +68,7 @@ def test_a_frozen_dict_reads_zero_copy_and_views_outlive_unfreeze(client):
         d.update({i: np.full(50_000, i, dtype="i8") for i in range(4)})
         d.freeze()
         views = [d[i] for i in range(4)] + d.get_many(range(4), copy=None)
-        assert all(not v.flags.writeable and _in_shard(d, i % 4, v) for i, v in enumerate(views))
+        assert all(not v.flags.writeable and in_shard(d, i % 4, v) for i, v in enumerate(views))
         assert d.get(0, copy=True).flags.writeable  # copy=True copies, frozen or not
         d.unfreeze()
         for i in range(4):
@@ -149,7 +143,7 @@ def test_ten_thousand_views_taken_and_dropped_leave_nothing_pinned(client):
         assert all((v == i % 10).all() for i, v in enumerate(views))
         del views
         _settled(d)
-        assert lender.open == 0 and pins.lent_bytes() == 0
+        assert lender.open == 0 and lending.lent_bytes() == 0
         s = d.stats[0]
         assert s.pinned_views == 0 and s.pinned_bytes == 0
         readers = d._core.channel(0)._view.store.env.readers()
@@ -192,18 +186,17 @@ def test_a_view_survives_the_sigkill_of_its_host_process(client):
         seen = v.copy()
         pid = d.stats[0].pid
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while d.stats[0].pid == pid:  # restarted by its supervisor over the same shard
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        poll_for(  # restarted by its supervisor over the same shard
+            lambda: d.stats[0].pid != pid, 60, "the host process restarted", 0.1
+        )
         for i in range(5):  # (pages freed under the view are not reused: room for 5)
             m["a"] = np.full(1 << 18, -i)
             m[f"more{i}"] = np.full(1 << 14, i)
         m.clear()
-        assert np.array_equal(v, seen) and _in_shard(m, "a", v)
+        assert np.array_equal(v, seen) and in_shard(m, "a", v)
         for i in range(40):  # the shard would fill under the view: the new host process
             m["a"] = np.full(1 << 18, i)  # asks for it to be copied out, and it is
-        assert np.array_equal(v, seen) and not _in_shard(m, "a", v)
+        assert np.array_equal(v, seen) and not in_shard(m, "a", v)
 
 
 @one_host
@@ -248,11 +241,11 @@ def test_a_closed_handles_lent_values_do_not_keep_new_handles_off_the_shard(clie
         w = h2.get("a", copy=False)  # ...and a new handle takes it up: still zero-copy
         m = d.which_manager("a")
         assert h2._core.channel(m).kind == "shm" and not w.flags.writeable
-        assert (v == w).all() and _in_shard(h2, "a", w) and path in mapped._ENVS
+        assert (v == w).all() and in_shard(h2, "a", w) and path in mapped._ENVS
         h2.detach()
         del v, w
         gc.collect()
-        assert pins.lent_bytes() == 0
+        assert lending.lent_bytes() == 0
 
 
 def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_them(monkeypatch):

@@ -3,7 +3,7 @@
 A rank's dimension dict describes which global indices of one axis its buffer
 holds.  The formulas follow the protocol text, not the reference
 ``utils.py``, whose block-cyclic count credits the trailing partial block to
-rank 0 (it belongs to rank ``nblocks % P``; see ``docs/dap.md``, Validation).
+rank 0 (it belongs to rank ``nblocks % P``; see ``docs/guide/dap.md``, Validation).
 
 Ownership along a padded block axis: communication padding duplicates a
 neighbour's cells and is not owned; boundary padding (the outer pads of the

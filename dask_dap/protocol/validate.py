@@ -7,7 +7,7 @@ never checks ``size``, accepts ``bool`` for ints, negative ranks and padding,
 and knows nothing across ranks.  Every message names the rank (when known),
 the dimension, the key and the value.
 
-Readings of the text, documented in ``docs/dap.md``:
+Readings of the text, documented in ``docs/guide/dap.md``:
 
 * a cyclic rank that owns nothing may give any ``start >= size`` (the
   reference ``test_utils.py`` vector) besides ``proc_grid_rank * block_size``;

@@ -40,10 +40,12 @@ from distributed import Client, Future
 
 from ..arguments import Timeout, check_bool, check_timeout
 from ..errors import DDictKeyError
+from ..filter import AsyncFilter, Filter
 from ..stats import DDictManagerStats
+from ..threaded import in_thread
 from ..transport.timing import Profile
 from .coalesce import GetBatcher, PutBatcher
-from .core import _Core, install_orchestrator
+from .core import HandleCore, install_orchestrator
 from .creation import (
     check_keywords,
     create_request,
@@ -51,10 +53,8 @@ from .creation import (
     initial_checkpoint,
     trace_logging,
 )
-from .filtering import AsyncFilter, Filter
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget, layout_reply
-from .threaded import in_thread
 
 if TYPE_CHECKING:
     import dask.bag
@@ -158,7 +158,7 @@ class AsyncDDict:
         request = create_request(given)
         trace_logging(given["trace"])  # (before the request: the creation is logged too)
         await install_orchestrator(client)
-        core = _Core(
+        core = HandleCore(
             created_layout(await client.scheduler.ddict_create(**request, client=client.id)), client
         )
         h = DDict._from_core(core, creator=True, chkpt=0, timeout=timeout)
@@ -185,7 +185,7 @@ class AsyncDDict:
         await install_orchestrator(client)
         layout = layout_reply(await client.scheduler.ddict_attach(name=name, client=client.id))
         h = DDict._from_core(
-            _Core(layout, client), creator=False, chkpt=0, timeout=check_timeout(timeout)
+            HandleCore(layout, client), creator=False, chkpt=0, timeout=check_timeout(timeout)
         )
         return cls(h, client)
 
@@ -317,7 +317,7 @@ class AsyncDDict:
     async def _workers(self) -> dict[str, Any]:
         """The scheduler's workers (an asynchronous client caches none of them), read
         with the orchestrator's layout now (managers move; the handle's
-        :meth:`~dask_ddict.client.core._Core.fresh` must not wait on the loop)."""
+        :meth:`~dask_ddict.client.core.HandleCore.fresh` must not wait on the loop)."""
         client = self._client or self._d._core.client
         identity, _ = await asyncio.gather(
             client.scheduler.identity(n_workers=-1), self._d._core.fresh_async()

@@ -179,7 +179,7 @@ class BatchPut:
     def _taken_over(self, link: Any, mid: int, e: DDictError) -> DDictError:
         """``e``, or ``MOVED`` when the connection to a replicated manager's host broke
         and a replica took over from it (asked of the orchestrator, see
-        ``_Core.explain``): a batch's records are not answered one by one, so a broken
+        ``HandleCore.explain``): a batch's records are not answered one by one, so a broken
         connection is all it sees of a lost host."""
         if (
             type(e) is not DDictError

@@ -4,14 +4,13 @@ and freezing every manager (a base of :class:`~dask_ddict.DDict`)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._hashing import key_digest
 from .._keys import dumps_key
-from .._serialize import Framed, KeyPickler, ValuePickler, loads_value
+from .._serialize import Framed, loads_value
 from ..arguments import check_bool
 from ..errors import (
     DDictError,
@@ -21,42 +20,17 @@ from ..errors import (
     Status,
     raise_for_status,
 )
-from ..transport.connect import _reraise
-from ..transport.many import PutMany
+from ..transport.many_key_ops import PutMany
 from ..transport.ops import Freeze, Get, Put, Unfreeze
 from ..transport.pipelined import Unpipeable, exchange_all, time_left
+from ..transport.routing import failed
+from .base import HandleBase
 from .batch import BatchPut
-
-if TYPE_CHECKING:
-    from ..stats import DDictManagerStats
-    from .core import _Core
+from .core import HandleCore
 
 
-class Bulk:
+class Bulk(HandleBase):
     """Batch puts, ``bput``/``bget`` and ``freeze`` of a handle."""
-
-    _core: _Core
-    _chkpt: int
-    _timeout: float | None
-    _client_id: int
-    _target: int | None
-    _kp: KeyPickler | None
-    _vp: ValuePickler | None
-    _batch: BatchPut | None
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def _put(self, key: Any, value: Any, persistent: bool) -> None: ...
-        def _route(self, key: Any) -> tuple[int, bytes, bytes]: ...
-        def _check(self) -> None: ...
-        def _no_batch(self, what: str) -> None: ...
-        def _derive(self) -> Bulk: ...
-        def _managers(self) -> list[int]: ...
-        def _framed(self, mid: int | None, kb: bytes, value: Any) -> Framed: ...
-        @property
-        def main_manager(self) -> int: ...
-        @property
-        def stats(self) -> list[DDictManagerStats]: ...
 
     def start_batch_put(self, persist: bool = False) -> None:
         """Stream the following puts without per-put replies (until :meth:`end_batch_put`)."""
@@ -80,7 +54,8 @@ class Bulk:
 
         One request per host process, or, above ``ddict.broadcast.tree-above`` hosts,
         one request that the hosts forward along a tree of fan-out
-        ``ddict.broadcast.branching-factor`` (see ``docs/ddict.md``, "bput along a tree")."""
+        ``ddict.broadcast.branching-factor`` (see ``docs/design/transport.md``, "bput
+        along a tree")."""
         if self._batch is not None and self._batch.persist:
             raise DDictError("bput inside a persistent batch", "INVALID_OPERATION")
         self._check()
@@ -158,7 +133,7 @@ class Bulk:
             try:
                 answer = link.send(op, chunk[0][0], began)
             except Exception as e:  # noqa: BLE001 - (connecting, too large) its pairs'
-                answer = functools.partial(_reraise, e)
+                answer = failed(e)
             pending.append((chunk, op, answer))
         for chunk, op, answer in pending:
             try:
@@ -174,8 +149,8 @@ class Bulk:
         self, pairs: list[tuple[Any, Any]], persistent: bool = False, direct_max: int | None = None
     ) -> list[BaseException | None]:
         """:meth:`_put_many` from an event loop: one pipelined request per host process
-        where the managers' links allow (see :meth:`~dask_ddict.transport.connect.
-        Connections.pipe_links`); the rest, and what the pipes cannot send, by
+        where the managers' links allow (see :meth:`~dask_ddict.transport.channels.
+        Channels.pipe_links`); the rest, and what the pipes cannot send, by
         :meth:`_put_many` in a worker thread (a put again has the same effect)."""
         if self._batch is not None:
             return await asyncio.to_thread(self._put_many, pairs, persistent, direct_max)
@@ -315,7 +290,7 @@ def _error(status: int, msg: bytes) -> BaseException:
         return e
 
 
-def _named(core: _Core, e: BaseException, mid: int) -> BaseException:
+def _named(core: HandleCore, e: BaseException, mid: int) -> BaseException:
     """A full shard's error naming its dictionary and manager (as a single put's does)."""
     return core.full(e, mid) if isinstance(e, DDictFullError) else e
 

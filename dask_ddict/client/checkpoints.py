@@ -8,38 +8,26 @@ operation (:mod:`dask_ddict.transport.ops`) to every manager (or the chosen one)
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..arguments import check_int, check_timeout
 from ..errors import DDictPersistCheckpointError, DDictTimeoutError
-from ..transport.ops import (
+from ..transport.operation import Operation
+from ..transport.ops import Newest
+from ..transport.whole_checkpoints import (
     Advance,
-    Newest,
-    Operation,
     Persist,
     PersistedIds,
     Restore,
     Rotate,
     Sync,
+    new_version,
 )
-from ..transport.whole_checkpoints import new_version
-
-if TYPE_CHECKING:
-    from .core import _Core
+from .base import HandleBase
 
 
-class Checkpoints:
+class Checkpoints(HandleBase):
     """Checkpoint ids and persistence of a handle (a base of :class:`~dask_ddict.DDict`)."""
-
-    _core: _Core
-    _chkpt: int
-    _timeout: float | None
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def _check(self) -> None: ...
-        def _managers(self) -> list[int]: ...
-        def _no_batch(self, what: str) -> None: ...
 
     # -- checkpoints --------------------------------------------------------------
 

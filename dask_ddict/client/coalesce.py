@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDictKeyError
-from .reads import _ABSENT, _WAIT
+from .reads import ABSENT, WAIT
 
 if TYPE_CHECKING:
     from .handle import DDict
@@ -139,10 +139,10 @@ class GetBatcher(_Batcher):
                 continue  # (cancelled by its awaiter)
             if not ok:
                 fut.set_exception(got)
-            elif got is _WAIT:  # waits alone: the others are not held up by its writer
+            elif got is WAIT:  # waits alone: the others are not held up by its writer
                 self._wait(loop, key, default, copy, fut)
             else:
-                fut.set_result(default if got is _ABSENT else got)
+                fut.set_result(default if got is ABSENT else got)
 
     def _wait(
         self,

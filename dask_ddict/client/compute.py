@@ -11,21 +11,21 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from dask.utils import funcname
 from distributed import Future
 from distributed.comm import get_address_host
 
 from ..arguments import check_bool
+from ..filter import Filter
+from ..filter.plan import by_placement, map_placed
 from ..layout import Layout
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
-from .filtering import DDict, Filter, by_placement, map_placed
+from .base import HandleBase
 
 if TYPE_CHECKING:
     import dask.bag
-
-    from .core import _Core
 
 _WANT = {"items": WANT_ITEMS, "keys": WANT_KEYS, "values": WANT_VALUES}
 
@@ -52,13 +52,13 @@ def placement(layout: Layout, workers: dict[str, Any]) -> list[list[str] | None]
 
 
 def call_on_shard(
-    func: Callable[..., Any], dd: DDict, args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: Callable[..., Any], dd: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """A :meth:`Compute.map_shards` task (the user's keywords never meet ``submit``'s)."""
     return func(dd, *args, **kwargs)
 
 
-def read_shard(dd: DDict, want: int, copy: bool = True) -> list[Any]:
+def read_shard(dd: Any, want: int, copy: bool = True) -> list[Any]:
     """A :meth:`Compute.to_bag` partition: the manager's items, keys or values.
 
     ``dd`` is directed to its manager, whose shard this task's host maps: the
@@ -72,17 +72,8 @@ def read_shard(dd: DDict, want: int, copy: bool = True) -> list[Any]:
     return [k for k, _ in got] if want == WANT_KEYS else [v for _, v in got]
 
 
-class Compute:
+class Compute(HandleBase):
     """``filter``, ``map_shards``, ``to_bag``: tasks beside their shards."""
-
-    _core: _Core
-    _chkpt: int
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def _check(self) -> None: ...
-        def _managers(self) -> list[int]: ...
-        def manager(self, manager_id: int) -> DDict: ...
 
     def _placement(self, workers: dict[str, Any] | None = None) -> list[list[str] | None]:
         """:func:`placement` of this handle's managers, from the scheduler's ``workers``
@@ -192,7 +183,7 @@ class Compute:
         what: str,
         workers: dict[str, Any] | None,
         copy: bool,
-    ) -> list[tuple[list[int], list[DDict], list[str] | None]]:
+    ) -> list[tuple[list[int], list[Self], list[str] | None]]:
         """What :meth:`to_bag` scatters: ``(partitions, their handles, onto which
         workers)`` per placement (checks ``what`` and ``copy`` first)."""
         self._check()

@@ -1,8 +1,8 @@
 """What every handle of one attached dictionary shares: its channels and its Dask client.
 
 Handles derived from one another (:meth:`DDict.manager`, :meth:`DDict.pickler`)
-share one :class:`_Core`, so that destroying through one closes them all.
-The channels themselves come from :class:`~dask_ddict.transport.connect.Connections`;
+share one :class:`HandleCore`, so that destroying through one closes them all.
+The channels themselves come from :class:`~dask_ddict.transport.channels.Channels`;
 the core adds what only a user-facing handle has: the Dask client for control
 calls, an embedded cluster it may own, and the hash-seed check.
 """
@@ -35,12 +35,13 @@ from ..errors import (
     manager_lost,
 )
 from ..layout import Layout, ManagerInfo
-from ..transport.connect import Connections, default_security
+from ..transport.channels import Channels
+from ..transport.tls_settings import default_security
 from . import embedded
 from .layouts import LayoutRef, current_client, current_layout, fetched_layout, remember, resolve
 
 #: Seconds between two questions of one handle to the orchestrator about unreachable
-#: managers (see :meth:`_Core.explain`).
+#: managers (see :meth:`HandleCore.explain`).
 ASK_EVERY = 0.5
 #: How often a client waiting for a replica to take over asks the orchestrator (seconds).
 FAILOVER_POLL = 0.2
@@ -66,7 +67,7 @@ def install_orchestrator(client: Client) -> Any:
     return client.register_plugin(DDictSchedulerPlugin())
 
 
-class _Core(Connections):
+class HandleCore(Channels):
     """A dictionary's channels, plus the Dask client for control and an owned cluster."""
 
     def __init__(
@@ -351,8 +352,8 @@ class _Core(Connections):
         return self._client.security if self._client is not None else default_security()
 
 
-def _placer(core: weakref.ref[_Core]) -> Callable[[Any, bytes, int], int]:
-    """:meth:`_Core.placed` for a router that the core keeps: through a weak reference,
+def _placer(core: weakref.ref[HandleCore]) -> Callable[[Any, bytes, int], int]:
+    """:meth:`HandleCore.placed` for a router that the core keeps: through a weak reference,
     so that a dropped handle's core is freed at once, not by the cyclic GC (its
     finalizer closes channels, which must not run at any moment)."""
 

@@ -8,19 +8,19 @@ the scheduler.  Dask's comms are used only for control
 (create, destroy), through the scheduler plugin.
 
 Handles derived from one another (:meth:`DDict.manager`, :meth:`DDict.pickler`)
-share a :class:`~dask_ddict.client.core._Core` (layout, channels, closed state)
-so that destroying through one closes them all.
+share a :class:`~dask_ddict.client.core.HandleCore` (layout, channels, closed state)
+so that destroying through one closes them all.  The handle's state and its key
+routing are declared in :class:`~dask_ddict.client.base.HandleBase`, which every
+part of ``DDict`` (reads, bulk, checkpoints, ...) inherits.
 """
 
 from __future__ import annotations
 
 import builtins  # DDict.list shadows the builtin in the class body
-import functools
 import inspect
 import itertools
 import logging
-import secrets
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dask.typing import no_default
@@ -29,10 +29,9 @@ from distributed import Client
 
 from .. import config, kernels
 from .._keys import loads_key
-from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value, loads_value
+from .._serialize import KeyPickler, ValuePickler, dumps_value, loads_value
 from ..arguments import Timeout, check_bool, check_client, check_int, check_timeout
 from ..errors import (
-    DDictClosedError,
     DDictError,
     DDictFullError,
     DDictKeyError,
@@ -52,11 +51,11 @@ from ..transport.ops import (
     WaitFor,
 )
 from . import embedded
-from .batch import BatchPut
 from .bulk import Bulk
 from .checkpoints import Checkpoints
+from .cloning import Cloning
 from .compute import Compute
-from .core import MISSING, _Core, current_client, install_orchestrator
+from .core import MISSING, HandleCore, current_client, install_orchestrator
 from .creation import (
     create_request,
     created_layout,
@@ -69,7 +68,6 @@ from .layouts import LayoutRef, forget, layout_reply
 from .mapping import MappingMethods
 from .placement import Placement
 from .reads import Reads
-from .replicate import Replication
 from .views import (
     DDictItemsView,
     DDictKeysView,
@@ -83,9 +81,7 @@ logger = logging.getLogger(__name__)
 _MISSING = MISSING
 
 
-class DDict(
-    Reads, Checkpoints, Introspection, MappingMethods, Replication, Bulk, Compute, Placement
-):
+class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Compute, Placement):
     """A distributed dictionary sharded over managers hosted by Dask workers.
 
     Parameters
@@ -167,18 +163,6 @@ class DDict(
     :class:`~dask_ddict.AsyncDDict`.
     """
 
-    _core: _Core
-    _creator: bool
-    _chkpt: int
-    _timeout: float | None
-    _client_id: int
-    _target: int | None
-    _kp: KeyPickler | None
-    _vp: ValuePickler | None
-    _batch: BatchPut | None
-    _derived: bool
-    _detached: bool
-
     @keywords_checked  # DDict(total_memory=...): "did you mean 'total_mem'?"
     def __init__(
         self,
@@ -238,33 +222,8 @@ class DDict(
                 client.close()
                 cluster.close()
             raise
-        self._setup(_Core(layout, client, cluster), creator=True, chkpt=0, timeout=timeout)
+        self._setup(HandleCore(layout, client, cluster), creator=True, chkpt=0, timeout=timeout)
         initial_checkpoint(self, request)
-
-    def _setup(
-        self,
-        core: _Core,
-        *,
-        creator: bool,
-        chkpt: int,
-        timeout: float | None,
-        client_id: int | None = None,
-    ) -> None:
-        self._core = core
-        self._creator = creator
-        self._chkpt = chkpt
-        self._timeout = timeout
-        self._client_id = secrets.randbits(63) if client_id is None else client_id
-        self._aim(None, None, None)
-        self._batch = None
-        self._derived = False
-        self._detached = False
-
-    @classmethod
-    def _from_core(cls, core: _Core, **kwargs: Any) -> DDict:
-        self = cls.__new__(cls)
-        self._setup(core, **kwargs)
-        return self
 
     # -- attach, pickle, lifecycle ------------------------------------------------
 
@@ -291,7 +250,7 @@ class DDict(
         trace_logging(check_bool("trace", trace))
         layout = Layout.deserialize(serialized)
         return cls._from_core(
-            _Core(layout, check_client(client)), creator=False, chkpt=0, timeout=timeout
+            HandleCore(layout, check_client(client)), creator=False, chkpt=0, timeout=timeout
         )
 
     @classmethod
@@ -311,7 +270,7 @@ class DDict(
             client.sync(client.scheduler.ddict_attach, name=name, client=client.id)
         )
         return cls._from_core(
-            _Core(layout, client), creator=False, chkpt=0, timeout=check_timeout(timeout)
+            HandleCore(layout, client), creator=False, chkpt=0, timeout=check_timeout(timeout)
         )
 
     @staticmethod
@@ -417,78 +376,11 @@ class DDict(
 
     # -- routing ----------------------------------------------------------------
 
-    def _check(self) -> None:
-        """Raise :class:`DDictClosedError` if this handle was destroyed or detached: every
-        operation of a closed handle does, including those that send nothing (moving
-        its checkpoint, reading its options), so that using one is always an error
-        at the line that does it (only :meth:`get_name`, :meth:`destroy`,
-        :meth:`detach` and ``repr`` work on)."""
-        if self._core.closed or self._detached:
-            raise DDictClosedError(f"DDict {self._core.name!r} was destroyed or detached")
-
-    def _aim(self, target: int | None, kp: KeyPickler | None, vp: ValuePickler | None) -> None:
-        """Set the manager this handle's keys go to (``None``: their own) and its key and
-        value picklers (the only place they are set: their routing is kept with them)."""
-        self._target, self._kp, self._vp = target, kp, vp
-        self._routed: tuple[kernels.Router, Callable[[Any], Framed]] | None = None
-
-    def _routing(self) -> tuple[kernels.Router, Callable[[Any], Framed]]:
-        """This handle's key router (:meth:`_Core.router`) and value framer."""
-        vp = self._vp
-        dumps = dumps_value if vp is None else functools.partial(dumps_value, pickler=vp)
-        self._routed = (self._core.router(self._kp, self._target is None), dumps)
-        return self._routed
-
-    def _route(self, key: Any) -> tuple[int, bytes, bytes]:
-        """``(manager, digest, key bytes)`` of ``key`` (:meth:`_Core.router`'s rule)."""
-        if self._core.closed or self._detached:
-            self._check()
-        try:
-            mid, digest, kb = (self._routed or self._routing())[0].one(key)
-        except kernels.KeyTooLong as e:
-            raise self._too_long(e.args[0]) from None
-        return (mid if self._target is None else self._target), digest, kb
-
-    def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]:
-        """``(manager, digest)`` of each key: :meth:`_route` for many, in one loop of
-        :func:`~dask_ddict.kernels.route` (compiled where it was built)."""
-        core, target = self._core, self._target
-        if core.closed or self._detached:
-            self._check()
-        r = (self._routed or self._routing())[0]
-        try:
-            routes = kernels.route(keys, r.n, r.most, r.encode, r.placed, r.plain, r.digest)
-        except kernels.KeyTooLong as e:
-            raise self._too_long(e.args[0]) from None
-        return routes if target is None else [(target, d) for _, d in routes]
-
-    def _too_long(self, kb: bytes) -> ValueError:
-        return ValueError(
-            f"key is {len(kb)} bytes pickled; keys may have at most "
-            f"{self._core.max_key_bytes} (ddict.transport.max-key-bytes)"
-        )
-
-    def _managers(self) -> builtins.list[int]:
-        self._check()
-        if self._target is not None:
-            return [self._target]
-        return list(range(self._core.layout.num_managers))
-
     def which_manager(self, key: Any) -> int:
         """Id of the manager that holds ``key``."""
         return self._route(key)[0]
 
     # -- the dict protocol ----------------------------------------------------------
-
-    def _framed(self, mid: int | None, kb: bytes, value: Any) -> Framed:
-        """``value`` serialized, refused here if it cannot fit its shard at all."""
-        return self._fits(mid, kb, dumps_value(value, self._vp))
-
-    def _fits(self, mid: int | None, kb: bytes, framed: Framed) -> Framed:
-        """``framed``, or ``DDictFullError`` if with ``kb`` it cannot fit a shard at all."""
-        if framed.nbytes + len(kb) > self._core.value_room:
-            raise self._core.too_large(mid, framed.nbytes + len(kb))
-        return framed
 
     def _put(self, key: Any, value: Any, persistent: bool) -> None:
         batch = self._batch
@@ -585,6 +477,23 @@ class DDict(
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.keys())
+
+    def local_keys(self) -> DDictKeysView:
+        return DDictKeysView(self, self._local_ids(), local=True)
+
+    def local_values(self) -> DDictValuesView:
+        return DDictValuesView(self, self._local_ids(), local=True)
+
+    def local_items(self) -> DDictItemsView:
+        return DDictItemsView(self, self._local_ids(), local=True)
+
+    def local_len(self) -> int:
+        return self._length(self._local_ids())
+
+    def _local_ids(self) -> builtins.list[int]:
+        self._check()
+        local = set(self.local_managers)
+        return [m for m in self._managers() if m in local]
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         """``self[key]`` if present, else put ``default`` and return it, in one atomic step."""
@@ -686,10 +595,6 @@ class DDict(
                     None if v is None else loads_value(v, self._vp),
                 )
 
-    def _no_batch(self, what: str) -> None:
-        if self._batch is not None:
-            raise DDictError(f"{what} is not allowed inside a batch put", "INVALID_OPERATION")
-
     # -- handles, locality, introspection --------------------------------------------
 
     def _derive(self) -> DDict:
@@ -746,6 +651,6 @@ def _rebuild(
 ) -> DDict:
     """Unpickling a handle attaches (a task starts at the parent's checkpoint); nothing
     is sent here: the layout is resolved on the handle's first use."""
-    h = DDict._from_core(_Core(ref), creator=False, chkpt=chkpt, timeout=timeout)
+    h = DDict._from_core(HandleCore(ref), creator=False, chkpt=chkpt, timeout=timeout)
     h._aim(target, kp, vp)
     return h

@@ -1,13 +1,12 @@
 """What a handle tells about its dictionary: options, locality, statistics.
 
-Read-only properties and the local views, shared by every handle
-(:class:`~dask_ddict.DDict` inherits them); nothing here changes state.
+Read-only properties shared by every handle (:class:`~dask_ddict.DDict`
+inherits them), its statistics and this process's timings; nothing here
+changes state.  (The local views, ``local_keys()`` and the others, live with
+``keys()`` in :mod:`.handle`.)
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
 
 import distributed
 from distributed import Client
@@ -17,29 +16,11 @@ from ..layout import Layout
 from ..stats import DDictManagerStats
 from ..transport import timing
 from ..transport.ops import Stats
-from .views import DDictItemsView, DDictKeysView, DDictValuesView
-
-if TYPE_CHECKING:
-    from .core import _Core
+from .base import HandleBase
 
 
-class Introspection:
+class Introspection(HandleBase):
     """Properties of a handle: options, where managers are, which are local, stats."""
-
-    _core: _Core
-    _chkpt: int
-    _timeout: float | None
-    _client_id: int
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def _managers(self) -> list[int]: ...
-        def _length(self, managers: list[int]) -> int: ...
-        def _iter(self, managers: list[int], want: int) -> Iterator[tuple[Any, Any]]: ...
-        def _check(self) -> None: ...
-        def which_manager(self, key: Any) -> int: ...
-        def __contains__(self, key: Any) -> bool: ...
-        def __getitem__(self, key: Any) -> Any: ...
 
     @property
     def _layout(self) -> Layout:
@@ -126,23 +107,6 @@ class Introspection:
     def empty_managers(self) -> list[int]:
         """Managers that came back empty after a restart (none without restart)."""
         return list(self._layout.extra.get("empty_managers", []))
-
-    def local_keys(self) -> DDictKeysView:
-        return DDictKeysView(self, self._local_ids(), local=True)
-
-    def local_values(self) -> DDictValuesView:
-        return DDictValuesView(self, self._local_ids(), local=True)
-
-    def local_items(self) -> DDictItemsView:
-        return DDictItemsView(self, self._local_ids(), local=True)
-
-    def local_len(self) -> int:
-        return self._length(self._local_ids())
-
-    def _local_ids(self) -> list[int]:
-        self._check()
-        local = set(self.local_managers)
-        return [m for m in self._managers() if m in local]
 
     @property
     def stats(self) -> list[DDictManagerStats]:

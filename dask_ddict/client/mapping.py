@@ -8,21 +8,15 @@ order, and mapping equality; built on the handle's key operations
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..arguments import check_keys
 from ..errors import DDictError, DDictKeyError
+from .base import HandleBase
 
 
-class MappingMethods(MutableMapping[Any, Any]):
+class MappingMethods(MutableMapping[Any, Any], HandleBase):
     """``update``, ``popitem``, ``==`` (a base of :class:`~dask_ddict.DDict`)."""
-
-    _batch: Any
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def start_batch_put(self, persist: bool = False) -> None: ...
-        def end_batch_put(self) -> None: ...
 
     def update(self, other: Mapping[Any, Any] | Any = (), /, **kwargs: Any) -> None:
         """Put every pair, as ``dict.update`` takes them (as one batch unless one is open).

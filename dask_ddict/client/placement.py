@@ -7,22 +7,14 @@ mixin is what a user asks of it (a base of :class:`~dask_ddict.DDict`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import raise_from_wire
-
-if TYPE_CHECKING:
-    from .core import _Core
+from .base import HandleBase
 
 
-class Placement:
+class Placement(HandleBase):
     """Rebalancing a dictionary over the workers, and the moves it has seen."""
-
-    _core: _Core
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def _check(self) -> None: ...
 
     def _ask(self, handler: str, **kwargs: Any) -> Any:
         client = self._core.client

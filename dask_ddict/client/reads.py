@@ -2,9 +2,9 @@
 (a base of :class:`~dask_ddict.DDict`).
 
 ``d[k]`` and ``d.get(k)`` read one key; ``d.get_many(keys)`` reads many with
-one request per host process (:mod:`~dask_ddict.transport.many`), and reads
+one request per host process (:mod:`~dask_ddict.transport.many_key_reads`), and reads
 the shards of managers on this host directly.  ``copy=False`` lends the
-shard's pages on the manager's host (:mod:`~dask_ddict.transport.pins`):
+shard's pages on the manager's host (:mod:`~dask_ddict.transport.lending`):
 numpy arrays come back as read-only views that never change.
 """
 
@@ -13,36 +13,24 @@ from __future__ import annotations
 import builtins
 import functools
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import kernels
-from .._serialize import ValuePickler, loads_value
+from .._serialize import loads_value
 from ..arguments import check_bool, check_keys
 from ..errors import DDictKeyError, DDictTimeoutError
 from ..transport.ops import Get
+from .base import HandleBase
 from .core import MISSING
-
-if TYPE_CHECKING:
-    from .core import _Core
 
 _MISSING = MISSING
 #: What :meth:`Reads._many` gives for an absent key, and for one whose reader must wait.
-_ABSENT: Any = object()
-_WAIT: Any = object()
+ABSENT: Any = object()
+WAIT: Any = object()
 
 
-class Reads:
+class Reads(HandleBase):
     """``d[k]``, :meth:`get` and :meth:`get_many` of a handle."""
-
-    _core: _Core
-    _chkpt: int
-    _timeout: float | None
-    _vp: ValuePickler | None
-
-    if TYPE_CHECKING:  # provided by the handle
-
-        def _route(self, key: Any) -> tuple[int, bytes, bytes]: ...
-        def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]: ...
 
     def __getitem__(self, key: Any) -> Any:
         return self._get(key, None)
@@ -99,15 +87,15 @@ class Reads:
         at this checkpoint is waited for as :meth:`get` waits.
         """
         pairs = self._many(check_keys("keys", keys), copy)
-        out, marked = kernels.values_of(pairs, _ABSENT, _WAIT)
+        out, marked = kernels.values_of(pairs, ABSENT, WAIT)
         for i in marked:
             key, got = pairs[i]
-            if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone
+            if got is WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone
                 try:
                     got = self._get(key, None if copy is None else not copy)
                 except DDictKeyError:
-                    got = _ABSENT
-            if got is _ABSENT:
+                    got = ABSENT
+            if got is ABSENT:
                 if default is _MISSING:
                     raise DDictKeyError(key)
                 got = default
@@ -121,7 +109,7 @@ class Reads:
         routes: builtins.list[tuple[int, bytes]] | None = None,
         decode: Callable[[Any], Any] | None = None,
     ) -> builtins.list[tuple[Any, Any]]:
-        """``(key, value)`` for each key: the value, :data:`_ABSENT`, or :data:`_WAIT`
+        """``(key, value)`` for each key: the value, :data:`ABSENT`, or :data:`WAIT`
         (a reader of it must wait for a writer: :meth:`_get` it alone).  ``routes``:
         the keys' ``(manager, digest)`` when the caller has them already; ``decode``:
         what turns a frame into the value (default: :func:`loads_value`, or the
@@ -140,7 +128,7 @@ class Reads:
         decode: Callable[[Any], Any] | None = None,
     ) -> builtins.list[tuple[Any, Any]]:
         """:meth:`_many` from an event loop (:class:`~dask_ddict.AsyncDDict`'s gets):
-        pipelined where it can be (:meth:`~dask_ddict.transport.connect.Connections.
+        pipelined where it can be (:meth:`~dask_ddict.transport.channels.Channels.
         get_many_async`), never blocking the loop."""
         lend, groups = self._many_request(copy, routes)
         got = await self._core.get_many_async(groups, self._chkpt, self._timeout, lend)
@@ -167,4 +155,4 @@ class Reads:
         small = decode is None and vp is None  # (the value frames' own decoder: inlined)
         if decode is None:
             decode = loads_value if vp is None else functools.partial(loads_value, pickler=vp)
-        return kernels.decode_frames(keys, routes, got, decode, _ABSENT, _WAIT, small)
+        return kernels.decode_frames(keys, routes, got, decode, ABSENT, WAIT, small)

@@ -30,7 +30,7 @@ from .. import config
 from ..display import render, summarize
 from ..layout import Layout
 from ..stats import DDictManagerStats
-from ..transport.connect import Connections
+from ..transport.channels import Channels
 from ..transport.ops import Stats
 from .elastic import Elastic
 from .lifetime import Holders
@@ -53,7 +53,7 @@ class Registry(Protocol):
     elastic: Elastic
 
 
-class Observer(Connections):
+class Observer(Channels):
     """The orchestrator's connections to one dictionary's managers.
 
     Sockets only (``direct_reads`` off: the scheduler never maps a shard, so a

@@ -40,6 +40,7 @@ from ..placement import Policy
 from .failover import Failover
 from .leases import Leases
 from .leftovers import remove_paths_on
+from .liveness import Liveness
 from .moves import Candidate, Move, Moves, rebalance_plan, targets
 from .replicas import Replicas
 
@@ -59,12 +60,9 @@ class Orchestrator(Protocol):
     dicts: dict[str, Layout]
     scheduler: Scheduler
     leases: Leases | None
+    liveness: Liveness
 
-    @property
-    def gone(self) -> set[str]: ...
     def supervisor_of(self, worker: str) -> str: ...
-    async def probe(self, supervisor: str) -> str: ...
-    def why_leaving(self, supervisor: str, why: str) -> str: ...
     def spawn(self, work: Awaitable[Any]) -> None: ...
 
 
@@ -89,7 +87,7 @@ class Elastic:
             failing,
             lambda s: self.failover.suspected(s),
         )
-        self.failover = Failover(self.replicas, plugin.leases, failing, plugin.probe)
+        self.failover = Failover(self.replicas, plugin.leases, failing, plugin.liveness.probe)
 
     def __repr__(self) -> str:
         return f"<Elastic {self.moves!r}>"
@@ -124,7 +122,7 @@ class Elastic:
         if closing:
             self._leaving.add(supervisor)
         async with self._evacuating.setdefault(supervisor, asyncio.Lock()):
-            why = plugin.why_leaving(supervisor, why)
+            why = plugin.liveness.why_leaving(supervisor, why)
             said = await self._evacuate(supervisor, why, park)
             for _ in range(EVACUATION_PASSES if closing else 0):
                 for name in list(plugin.dicts):  # (the moves into this host, if any)
@@ -382,7 +380,7 @@ class Elastic:
                 ws.status != Status.running
                 or sup == leaving
                 or sup in self._leaving
-                or sup in plugin.gone
+                or sup in plugin.liveness.gone
             ):
                 continue
             host = await self._host_id(sup)

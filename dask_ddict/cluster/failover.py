@@ -40,7 +40,7 @@ from typing import Any
 from .. import config
 from ..layout import Layout, ManagerInfo
 from .leases import Leases, verdicts
-from .leftovers import ANSWERED, GONE, ask
+from .liveness import ANSWERED, GONE, ask
 from .moves import Move
 from .replicas import Replica, Replicas, address_of
 
@@ -65,7 +65,7 @@ class Failover:
         ``replicas``, which does not place them meanwhile).
     probe
         ``await probe(supervisor)``: whether that host's nanny answers
-        (``leftovers.ANSWERED``, ``GONE`` or ``UNKNOWN``).
+        (``liveness.ANSWERED``, ``GONE`` or ``UNKNOWN``).
     """
 
     def __init__(
@@ -336,7 +336,7 @@ class Failover:
 
     async def _promote_on(self, layout: Layout, old: ManagerInfo, r: Replica) -> tuple[str, Any]:
         """Ask replica ``r``'s host to serve ``old``'s manager under the next term (see
-        :func:`.leftovers.ask`); the promotion counts as under way meanwhile."""
+        :func:`.liveness.ask`); the promotion counts as under way meanwhile."""
         key = (layout.name, old.manager_id)
         self.promoting.add(key)
         try:

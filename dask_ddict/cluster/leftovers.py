@@ -11,13 +11,11 @@ parked shard's ``kept`` marker keeps it from sweeps, so it is said at INFO).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from distributed.comm import get_address_host, get_address_host_port
+from distributed.comm import get_address_host
 
 from ..host import hygiene
 from ..layout import Layout, host_id
@@ -26,9 +24,6 @@ if TYPE_CHECKING:
     from distributed import Scheduler
 
 logger = logging.getLogger(__name__)
-
-#: How often a probe of a supervisor checks whether its port refuses connections.
-REFUSED_EVERY = 0.1
 
 
 class Orchestrator(Protocol):
@@ -82,51 +77,3 @@ async def remove_paths_on(
     if machine == host_id():
         return hygiene.remove(paths, kept) > 0
     return False
-
-
-async def refused(address: str) -> bool:
-    """Whether a TCP connection to ``address`` (a Dask address) is refused: nothing listens
-    there, its process is gone.  Dask's own comms retry a refused connection for their
-    whole connect timeout; this answers at once."""
-    try:
-        host, port = get_address_host_port(address)
-    except Exception:  # noqa: BLE001 - not a TCP address (inproc://): not known here
-        return False
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
-    except ConnectionRefusedError:
-        return True
-    except Exception:  # noqa: BLE001 - a timeout, an unreachable network: not known here
-        return False
-    writer.close()
-    return False
-
-
-#: What :func:`ask` found: an answer, its process gone, or neither within the time.
-ANSWERED, GONE, UNKNOWN = "answered", "gone", "unknown"
-
-
-async def ask(call: Awaitable[Any], address: str, timeout: float | None) -> tuple[str, Any]:
-    """``(ANSWERED, call's answer)``; ``(GONE, None)`` once ``address`` refuses connections
-    (its process is gone: checked every :data:`REFUSED_EVERY` s meanwhile, since a
-    process killed while a connection to it was being accepted never answers it); or
-    ``(UNKNOWN, None)`` when ``timeout`` passed (a partition, a stopped machine) or the
-    call failed otherwise: whether the process lives is not known then."""
-    task = asyncio.ensure_future(call)
-    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-    try:
-        while not task.done():
-            if await refused(address):
-                return GONE, None
-            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
-            if left is not None and left <= 0:
-                return UNKNOWN, None
-            await asyncio.wait(
-                [task], timeout=REFUSED_EVERY if left is None else min(REFUSED_EVERY, left)
-            )
-        if task.exception() is not None:
-            return (GONE if await refused(address) else UNKNOWN), None
-        return ANSWERED, task.result()
-    finally:
-        if not task.done():
-            task.cancel()

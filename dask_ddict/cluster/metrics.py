@@ -6,7 +6,7 @@ scheduler's event loop.  :class:`DDictCollector` adds ``dask_ddict_*`` series pe
 dictionary and manager to that page, named as Dask names its own (snake_case,
 ``_bytes`` units, ``_total`` counters; Dask's prefix,
 ``distributed.dashboard.prometheus.namespace``, is theirs too).  Each series is
-described in ``docs/ddict.md`` ("Prometheus metrics").
+described in ``docs/guide/operations.md`` ("Prometheus metrics").
 
 Why it is built so:
 

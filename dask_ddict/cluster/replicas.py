@@ -1,4 +1,4 @@
-"""Replicas: the orchestrator's side.
+"""Replicas, the orchestrator's side: where each is kept, placing and repairing them.
 
 A dictionary created with ``replicas=k`` keeps, for each manager (the *primary*),
 ``k`` copies of its shard in other host processes, on other machines when the

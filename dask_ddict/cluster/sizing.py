@@ -111,7 +111,7 @@ def memory_warnings(h: HostMemory) -> list[str]:
             "memory_limit x distributed.worker.memory.pause, less what they use now) exceed "
             f"its available memory ({format_bytes(room)} without the shards); memory_limit "
             "does not count shard pages, so the host runs out before Dask spills or pauses a "
-            "worker: lower memory_limit or total_mem (docs/ddict.md, Sizing memory)"
+            "worker: lower memory_limit or total_mem (docs/guide/operations.md, Sizing memory)"
         )
     return out
 
@@ -122,7 +122,7 @@ def hosts_warnings(
     """What the hosts of a new dictionary's shards say about fitting them (once per host).
 
     Each supervisor's reply carries its host's memory as measured after the
-    shards opened (:meth:`HostSupervisor.memory`); the workers' growth comes from
+    shards opened (:func:`dask_ddict.host.machine.memory`); the workers' growth comes from
     the scheduler's view of them.  The decision is :func:`memory_warnings`; ``warned_hosts``
     (updated) are warned once.
     """

@@ -10,8 +10,9 @@ worker:
 * without a nanny (``processes=False``, ``dask worker --no-nanny``), the
   :class:`DDictWorkerPlugin` does, and the managers end with the worker.
 
-Either way the supervisor's control handlers are installed on that server, and
-the orchestrator addresses them there (``WorkerState.nanny`` or the worker).
+Either way the supervisor's control calls (:class:`~dask_ddict.host.control_calls.ControlCalls`)
+are installed as handlers on that server, and the orchestrator addresses them there
+(``WorkerState.nanny`` or the worker).
 
 Every worker process also tells the orchestrator what its ``hash()`` of a probe
 string is (:func:`~dask_ddict._hashing.probe_hash`), once when the plugin starts
@@ -34,7 +35,9 @@ from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from .. import config
 from .._hashing import probe_hash
-from ..host.supervisor import HostSupervisor, off_loop
+from ..host.control_calls import ControlCalls
+from ..host.off_loop import off_loop
+from ..host.supervisor import HostSupervisor
 
 if TYPE_CHECKING:
     from distributed import Nanny, Worker
@@ -153,6 +156,8 @@ class _Supervising:
     idempotent = True
 
     supervisor: HostSupervisor | None = None
+    #: The supervisor's control calls, installed as the server's handlers.
+    control_handlers: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.supervisor!r}>"
@@ -165,8 +170,9 @@ class _Supervising:
         )
         sup.on_give_up = functools.partial(_gave_up, server, asyncio.get_running_loop())
         sup.on_restart = functools.partial(_restarted, server, asyncio.get_running_loop())
+        self.control_handlers = ControlCalls(sup).handlers()
         await off_loop(sup.start)  # starting a process: off the event loop
-        server.handlers.update(sup.handlers())
+        server.handlers.update(self.control_handlers)
 
     async def _stop(self, server: Any, why: str) -> None:
         """Close the supervisor, and so its host, once its managers moved away.
@@ -184,8 +190,9 @@ class _Supervising:
         if sup.serving and config.get("move.on-retire"):
             await evacuate(server, why)
         self.supervisor = None
-        for name in sup.handlers():
+        for name in self.control_handlers or ():
             server.handlers[name] = _gone
+        self.control_handlers = None
         serving = sup.serving
         if serving:
             await tell_host_gone(server, why)

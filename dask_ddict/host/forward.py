@@ -8,7 +8,7 @@ answers every manager of its subtree in one list.  A child that cannot be reache
 or fails answers for every manager below it with its error, which names that
 host: nothing it may have written is reported as written.
 
-Forwarding uses the client's own links (:class:`~dask_ddict.transport.links.HostLink`)
+Forwarding uses the client's own links (:class:`~dask_ddict.transport.socket_client.HostLink`)
 with the dictionary's secret, which this host holds; TCP (with TLS where this host
 serves TLS), kept per child between broadcasts.
 """
@@ -16,7 +16,6 @@ serves TLS), kept per child between broadcasts.
 from __future__ import annotations
 
 import pickle
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -25,14 +24,15 @@ from typing import Any, Protocol, cast
 from .. import config
 from ..errors import wire_error
 from ..layout import ManagerInfo
-from ..transport.links import HostLink
 from ..transport.operation import Encoded, Kind, Request
-from ..transport.ops import _FANOUT, _TREE, OPERATIONS, Relayed, TreeOut, subtree_mids
+from ..transport.ops import Relayed, TreeOut, pack_fan_out, subtree_mids, unpack_tree
 from ..transport.protocol import Op
+from ..transport.socket_client import HostLink
+from ..transport.table import OPERATIONS
 
 
 class HostedDict(Protocol):
-    """What forwarding needs of the dictionary it serves (``server.HostedDict``)."""
+    """What forwarding needs of the dictionary it serves (``hosted.HostedDict``)."""
 
     uid: str
     secret: bytes
@@ -58,7 +58,7 @@ def _link(hosted: HostedDict, where: tuple[str, int, str, str], tls: bool) -> Ho
         if link is None or link.closed:
             ssl_context = None
             if tls:
-                from ..transport.connect import default_security
+                from ..transport.tls_settings import default_security
 
                 ssl_context = default_security().get_connection_args("client")["ssl_context"]
             info = ManagerInfo(0, worker, hostname, "", 0, "", host, port, "")
@@ -100,9 +100,7 @@ def serve_tree(
     host's managers through ``fan_out(request, reply)`` (the host's ``FanOut``), answer
     the whole subtree's ``(mid, status, ival, payload)`` list."""
     keysec = req.digest + req.key
-    arg, n = _TREE.unpack_from(keysec)
-    mids, children = pickle.loads(keysec[_TREE.size : _TREE.size + n])
-    inner = keysec[_TREE.size + n :]
+    arg, mids, children, inner = unpack_tree(keysec)
     code = req.arg
     kind = getattr(OPERATIONS.get(cast(Op, code)), "kind", Kind.IDEMPOTENT)
     if not isinstance(kind, Kind):
@@ -143,7 +141,7 @@ def serve_tree(
         got: list[bytes] = []
         fields = list(req)
         fields[0], fields[2] = int(Op.FANOUT), mids[0]
-        ks = _FANOUT.pack(arg, len(mids)) + struct.pack(f"<{len(mids)}I", *mids) + inner
+        ks = pack_fan_out(arg, mids, inner)
         fields[7], fields[8] = ks[:16], ks[16:]
         try:
             fan_out(Request(*fields), lambda ival=0, payload=b"": got.append(bytes(payload)))

@@ -49,7 +49,7 @@ SOON = 0.02
 
 
 class Hosted(Protocol):
-    """What the lease needs of a dictionary served here (``server.HostedDict``)."""
+    """What the lease needs of a dictionary served here (``hosted.HostedDict``)."""
 
     uid: str
     leased: bool

@@ -2,10 +2,9 @@
 
 A thread per connection, each sleeping in ``recv``, costs a wake-up and an
 interpreter-lock hand-over per request; with many clients the host's CPU per
-request grew with their number (issue 33: 48 µs with one client, 82 µs with
-twelve).  Here one thread waits in ``epoll_wait`` for all connections, reads
-what is ready without waiting, and serves each complete request on the spot:
-under load one wake-up finds several requests.
+request grows with their number.  Here one thread waits in ``epoll_wait`` for all
+connections, reads what is ready without waiting, and serves each complete request
+on the spot: under load one wake-up finds several requests.
 
 The loop's thread never sleeps on anything but ``epoll_wait``
 (:mod:`dask_ddict._blocking`).  A request that may take long
@@ -20,10 +19,9 @@ order; only this thread reads it while it is out.
 
 TLS connections stay on a thread each (an ``SSLSocket`` cannot read without
 waiting); so does everything while ``ddict.host.event-loop`` is ``false``.  It is on
-by default: on 16 cores with 12 TCP client processes it cut the host's CPU per put
-from 125 to 64 µs (no growth with the clients) and served 1.7x the puts of a thread
-per connection, while on 2 cores it costs a lone client some of its request rate
-(one more system call per request).
+by default: with many clients the host's CPU per request no longer grows with their
+number, while a lone client on few cores loses some of its request rate (one more
+system call per request); the documentation's transport pages give the measurements.
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ class Connection:
     ) -> None:
         self.sock = sock
         self.fd = sock.fileno()
-        self.hosted = hosted  # (the server's HostedDict: named here, not imported)
+        self.hosted = hosted  # (a .hosted.HostedDict: named here, not imported)
         self.reader = reader
         self.scratch = scratch
         self.served = served

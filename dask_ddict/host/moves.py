@@ -26,8 +26,8 @@ from .. import config
 from ..errors import DDictError
 from ..layout import ManagerInfo
 from ..shard.store import ShardStore
-from ..transport.connect import default_security
-from ..transport.links import HostLink
+from ..transport.socket_client import HostLink
+from ..transport.tls_settings import default_security
 from ..transport.whole_checkpoints import ShardPages
 from . import hygiene
 from .control import DictSpec
@@ -36,7 +36,7 @@ from .opening import check_room, reserve_file, shard_name
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
-    from .server import HostedDict
+    from .hosted import HostedDict
 
 
 class Host(Protocol):

@@ -17,11 +17,12 @@ import socket
 
 from .. import config
 from ..errors import DDictFullError
-from ..shard import counts
+from ..shard import key_counts
 from ..shard.checkpoint_io import HISTORY
 from ..shard.manager import Manager
+from ..shard.reader_marks import add_waiters
 from ..shard.store import ShardStore
-from ..shard.working_set import WorkingSet, add_waiters
+from ..shard.working_set import WorkingSet
 from . import hygiene
 from .control import DictSpec
 from .hygiene import shard_directory
@@ -104,9 +105,9 @@ def open_manager(
     reattach = bool(restart_path) and os.path.isfile(os.path.join(str(restart_path), "data.mdb"))
     if reattach:
         assert restart_path is not None
-        from ..transport.shared import forget
+        from ..transport.mapped import forget
 
-        forget(restart_path)  # this process may map it as a client (a replication pull)
+        forget(restart_path)  # this process may map it as a client (a clone's pull)
         path = restart_path
     else:
         base = shard_directory()
@@ -157,7 +158,7 @@ def open_manager(
             frozen = Manager.saved_frozen(store)
             with store.write() as txn:  # clears the closed mark the last manager left
                 ws.save(txn)
-                counts.ensure(store, txn, ws.window)  # (shards of older versions had none)
+                key_counts.ensure(store, txn, ws.window)  # (shards of older versions had none)
                 add_waiters(store, txn, 0)  # whoever waited, waited at the old process
         persister = None
         if opts.persist_path:
@@ -190,7 +191,7 @@ def open_manager(
                 opts.persist_freq,
                 opts.persist_count,
             )
-        from .replication import pull_shard
+        from .cloning import pull_shard
 
         manager = Manager(
             mid,

@@ -34,12 +34,13 @@ from ..shard.lease_word import LeaseWord
 from ..shard.lease_word import path_for as lease_word_path
 from ..shard.manager import Manager
 from ..shard.pinboard import BoardReader, remove_boards
-from ..shard.working_set import CLOSED_DESTROYED, CLOSED_HOST_GONE
-from ..transport.connect import set_default_security
+from ..shard.reader_marks import CLOSED_DESTROYED, CLOSED_HOST_GONE
+from ..transport.tls_settings import set_default_security
 from . import control, forward, hygiene, moves, replicas
+from .hosted import HostedDict
 from .lease import LeaseKeeper
 from .opening import open_manager
-from .server import HostedDict, HostServer, Limits
+from .server import HostServer, ServingLimits
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Host:
             if ssl_context is None:
                 raise RuntimeError("the cluster requires TLS but this host has no certificate")
         if init.security is not None:
-            set_default_security(init.security)  # replication pulls over TLS
+            set_default_security(init.security)  # (clones, moves, replicas reach peers over TLS)
         self.server = HostServer(
             uds,
             tcp,
@@ -87,7 +88,7 @@ class Host:
             ssl_context=ssl_context,
             page_bytes=config.get_bytes("iteration.page-bytes"),
             scratch_keep=config.get_bytes("store.scratch-bytes"),
-            limits=Limits.from_config(),
+            limits=ServingLimits.from_config(),
             event_loop=bool(config.get("host.event-loop")),
         )
 

@@ -25,7 +25,7 @@ OUT_OF_STEP_AFTER = 10.0
 
 
 class Hosted(Protocol):
-    """What :func:`serve` needs of a ``server.HostedDict``."""
+    """What :func:`serve` needs of a ``hosted.HostedDict``."""
 
     name: str
     replicas: dict[int, Replica]

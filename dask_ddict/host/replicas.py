@@ -40,8 +40,8 @@ from ..layout import ManagerInfo, host_id
 from ..shard import changes
 from ..shard.lease_word import lease_clock
 from ..shard.store import ShardStore
-from ..transport.connect import default_security
-from ..transport.links import HostLink
+from ..transport.socket_client import HostLink
+from ..transport.tls_settings import default_security
 from ..transport.whole_checkpoints import Replicate
 from . import hygiene, moves
 from .control import DictSpec
@@ -50,8 +50,8 @@ from .replica_store import Replica
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
+    from .hosted import HostedDict
     from .lease import LeaseKeeper
-    from .server import HostedDict
 
 logger = logging.getLogger(__name__)
 

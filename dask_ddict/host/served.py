@@ -21,13 +21,12 @@ resets.
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from ..transport.ops import _FANOUT
+from ..transport.ops import unpack_fan_out
 from ..transport.protocol import Op
 
 if TYPE_CHECKING:
@@ -135,7 +134,6 @@ def count_fanout(table: Table, managers: Mapping[int, Manager], keysec: Any, op:
     """Count a broadcast (``keysec``: its key section) once for each of its managers
     hosted here, under its inner operation ``op``: from the request itself, so that a
     broadcast the host answers from a kept answer counts too."""
-    n = _FANOUT.unpack_from(keysec)[1]
-    for mid in struct.unpack_from(f"<{n}I", keysec, _FANOUT.size):
+    for mid in unpack_fan_out(keysec)[1]:
         if mid in managers:
             count(table, mid, op)

@@ -1,12 +1,12 @@
 """HostServer: the key-path server of one host process, serving many managers.
 
 One accept thread per listener; a connection's handshake on a thread of its
-own; then its requests on that thread, with blocking ``recv_into``/``sendall``
-(``transport-notes.md``, D'/C'), or, with ``ddict.host.event-loop: true`` and
-without TLS, from the host's event loop (:mod:`.loop`: one ``epoll`` thread for
-every idle connection, which hands itself on to another thread when a request
-must sleep).  Nothing busy-waits: threads sleep in ``accept``, ``epoll_wait`` or
-``recv``, or on a manager's condition variable.  The host process runs no Dask
+own; then its requests on that thread, with blocking ``recv_into``/``sendall``,
+or, with ``ddict.host.event-loop: true`` and without TLS, from the host's event
+loop (:mod:`.loop`: one ``epoll`` thread for every idle connection, which hands
+itself on to another thread when a request must sleep).  Nothing busy-waits:
+threads sleep in ``accept``, ``epoll_wait`` or ``recv``, or on a manager's
+condition variable.  The host process runs no Dask
 tasks, so no task holds the GIL that these threads need.
 
 The listening sockets are not this process's own: the supervisor bound them
@@ -14,8 +14,8 @@ and passes them to every incarnation of the host process.  Addresses therefore
 survive a host-process restart, and a client that connects while the host is
 restarting waits in the listen backlog instead of being refused.
 
-A connection is bound to one dictionary by its handshake
-(:mod:`~dask_ddict.transport.handshake`): on TCP the host and then the client
+A connection is bound to one dictionary (a :class:`~.hosted.HostedDict`) by its
+handshake (:mod:`~dask_ddict.transport.handshake`): on TCP the host and then the client
 prove that they know the dictionary's secret, bound to both nonces, the
 direction and this host process, inside TLS with the cluster's certificates
 when the cluster uses TLS; Unix-socket peers are checked with ``SO_PEERCRED``.
@@ -23,9 +23,9 @@ A peer that has not finished its handshake within
 ``ddict.transport.handshake-timeout`` is dropped, the connections of a host
 process are bounded (``ddict.host.max-connections``), and every length in a
 request is checked against its limit before a buffer is allocated.  Each
-request names its manager, and :data:`~dask_ddict.transport.ops.HANDLERS` maps
+request names its manager, and :data:`~dask_ddict.transport.table.HANDLERS` maps
 each operation to the manager call that serves it (each operation is declared
-once, in :mod:`~dask_ddict.transport.ops`).  Every request is counted for its
+once, see :mod:`~dask_ddict.transport.table`).  Every request is counted for its
 managers and operation (:mod:`.served`: the managers' stats report the counts).
 """
 
@@ -57,8 +57,8 @@ from ..errors import (
 )
 from ..layout import term_is_newer
 from ..transport.handshake import host_side
-from ..transport.operation import Answerer
-from ..transport.ops import ANSWERERS, HANDLERS, HOST_WIDE, INLINE, Page, Reply, Request
+from ..transport.operation import Answerer, Reply, Request
+from ..transport.ops import Page
 from ..transport.protocol import (
     FLAG_NOREPLY,
     REP,
@@ -70,17 +70,16 @@ from ..transport.protocol import (
     send_parts,
     value_limit,
 )
+from ..transport.table import ANSWERERS, HANDLERS, HOST_WIDE, INLINE
+from . import fan_out
 from .forward import serve_tree
+from .hosted import HostedDict
 from .loop import Connection, EventLoop, NoWait
 from .replica_store import serve as serve_replica
-from .served import Counting, Served, count_fanout
+from .served import Counting, count_fanout
 
 if TYPE_CHECKING:
-    from ..shard.generations import Generations
     from ..shard.manager import Manager
-    from ..shard.pinboard import BoardReader
-    from .lease import LeaseKeeper
-    from .replica_store import Replica
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECO
 
 
 @dataclass(frozen=True)
-class Limits:
+class ServingLimits:
     """What one peer may make a host process hold, checked before anything is allocated.
 
     A request's value may be at most its manager's shard size (a bigger one could
@@ -123,7 +122,7 @@ class Limits:
     hold_up: float = 30.0  # ddict.failover-timeout
 
     @classmethod
-    def from_config(cls) -> Limits:
+    def from_config(cls) -> ServingLimits:
         return cls(
             config.get_seconds("transport.handshake-timeout") or 10.0,
             int(config.get("host.max-connections")),
@@ -147,103 +146,6 @@ class Limits:
         )
 
 
-class HostedDict:
-    """One dictionary's managers on this host, and the secret that admits its clients."""
-
-    __slots__ = (
-        "uid",
-        "key",
-        "name",
-        "secret",
-        "managers",
-        "generations",
-        "answers",
-        "pins",
-        "served",
-        "moved",
-        "replicas",
-        "lease",
-        "leased",
-        "fenced",
-        "_fencing",
-    )
-
-    def __init__(
-        self,
-        uid: str,
-        name: str,
-        secret: str,
-        generations: Generations | None = None,
-        pins: BoardReader | None = None,
-        lease: LeaseKeeper | None = None,
-    ) -> None:
-        self.uid = uid
-        self.key = bytes.fromhex(uid)  # as clients name it in their HELLO
-        self.name = name
-        self.secret = secret.encode()
-        self.managers: dict[int, Manager] = {}
-        #: Its managers' generation words here, and broadcast answers kept under them.
-        self.generations = generations
-        self.answers: dict[Any, Any] = {}
-        #: What processes of this host pin of its shards (zero-copy values).
-        self.pins = pins
-        #: The requests served for its managers here (their stats report them).
-        self.served = Served()
-        #: Managers that moved to another host process: where to (answered ``MOVED``),
-        #: and their shard's size (a request's body up to it is read, then answered).
-        self.moved: dict[int, tuple[str, int]] = {}
-        #: Replicas of other host processes' managers kept here (see :mod:`.replicas`).
-        self.replicas: dict[int, Replica] = {}
-        #: This host's lease, which its primaries need while ``leased`` (a replicated
-        #: dictionary, on a cluster whose orchestrator this host reaches: see :mod:`.lease`).
-        self.lease = lease
-        self.leased = False
-        #: Its primaries that do not serve now, and why: waiting for the orchestrator to
-        #: confirm them, or to drop a replica that failed a write (answered ``LEASE``).
-        self.fenced: dict[int, tuple[Manager, str]] = {}
-        self._fencing = threading.Lock()  # (fence and confirm: a writer's, the lease's thread)
-
-    def __repr__(self) -> str:
-        return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
-
-    def find(self, mid: int) -> Manager | None:
-        """Manager ``mid`` here, serving or fenced."""
-        manager = self.managers.get(mid)
-        if manager is None and mid in self.fenced:
-            manager = self.fenced[mid][0]
-        return manager
-
-    def fence(self, manager: Manager, why: str) -> None:
-        """``manager`` stops serving (its requests are answered ``LEASE``, ``why``) until
-        :meth:`confirm`; a fenced one keeps its first reason."""
-        mid = manager.manager_id
-        with self._fencing:
-            if self.managers.get(mid) is manager:
-                del self.managers[mid]
-            if mid not in self.fenced:
-                self.fenced[mid] = (manager, why)
-
-    def confirm(self, mid: int) -> None:
-        """The orchestrator confirmed manager ``mid``, which serves from now on unless
-        a replica of it is in doubt (see ``Shipper.doubts``)."""
-        with self._fencing:
-            fenced = self.fenced.get(mid)
-            if fenced is None:
-                return
-            manager = fenced[0]
-            if manager.shipper is not None and manager.shipper.doubts:
-                return
-            self.managers[mid] = manager
-            del self.fenced[mid]
-            manager.store.fenced = ""
-
-    def changes(self) -> int:
-        """What a kept ``stats`` answer holds besides its shards: a number that moves
-        with the pin boards and with the requests served (``FanOut``'s ``pins``)."""
-        pinned = 0 if self.pins is None else int(self.pins.changes())
-        return (pinned + self.served.moves()) & ((1 << 62) - 1)
-
-
 class HostServer:
     """Serve every manager of this host process over the supervisor's listeners.
 
@@ -261,7 +163,7 @@ class HostServer:
     page_bytes, scratch_keep
         Soft size of a view's page; receive buffer kept per connection.
     limits
-        Handshake deadline, most connections, longest key: see :class:`Limits`.
+        Handshake deadline, most connections, longest key: see :class:`ServingLimits`.
     event_loop
         Serve connections other than TLS ones from an :class:`~.loop.EventLoop`
         (``ddict.host.event-loop``) rather than a thread each.
@@ -277,7 +179,7 @@ class HostServer:
         ssl_context: ssl.SSLContext | None = None,
         page_bytes: int = 1 << 20,
         scratch_keep: int = 128 << 20,
-        limits: Limits | None = None,
+        limits: ServingLimits | None = None,
         event_loop: bool = False,
     ) -> None:
         self.dicts = dicts
@@ -296,7 +198,7 @@ class HostServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self.limits = limits or Limits()
+        self.limits = limits or ServingLimits()
         host, port = tcp.getsockname()[:2]
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
@@ -543,9 +445,9 @@ class HostServer:
 
     def _fan_out(self, hosted: HostedDict, served: Any, req: Request, reply: Reply) -> None:
         """Serve a :class:`~dask_ddict.transport.ops.FanOut` ``req`` on its managers here
-        (counted in ``served``, its connection's counts)."""
+        (counted in ``served``, its connection's counts; see :mod:`.fan_out`)."""
         count_fanout(served, hosted.managers, req.digest + req.key, req.arg)
-        self.handlers[Op.FANOUT](
+        fan_out.serve(
             functools.partial(self._dispatch, hosted),
             req,
             reply,

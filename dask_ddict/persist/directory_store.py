@@ -2,7 +2,7 @@
 
 :class:`DirectoryPersister` keeps the layout of :mod:`.versioned` as directories
 and files, for a local or shared (NFS, Lustre, GPFS) file system, with nothing but
-the standard library needed to read them back (``docs/persistence.md``)::
+the standard library needed to read them back (``docs/design/checkpoint-stores.md``)::
 
     <persist_path>/
       dask_ddict.json                 {"persister": "directory", "format": ...}

@@ -3,7 +3,7 @@
 The protocol that both built-in persisters share (:class:`VersionedPersister`);
 each implements the *medium*: where a generation's arrays, its commit and the
 dictionary's records live (a zarr store, a directory of files).  The layout, in
-the medium's terms (``docs/persistence.md`` shows each one's files)::
+the medium's terms (``docs/design/checkpoint-stores.md`` shows each one's files)::
 
     <dict name>/
       manager_<i>/                 attrs {"format", "num_managers", "manager_id"}

@@ -1,7 +1,7 @@
 """Persisted checkpoints in a zarr v3 store: the default persister's medium.
 
 :class:`ZarrPersister` keeps the layout of :mod:`.versioned` as zarr groups and
-arrays (documented for users in ``docs/persistence.md``; plain
+arrays (documented for users in ``docs/design/checkpoint-stores.md``; plain
 ``zarr.open_group(persist_path)`` reads it): a generation is a group whose
 attributes are its commit (``zarr.json``, written last), the arrays are zarr
 arrays, a record is an empty group in ``committed/``.  The store is a local

@@ -6,7 +6,7 @@ stores a message's records in one transaction, with the batch's count and first
 error beside them in the shard's ``meta`` (so they survive a restart of the host
 process), and :meth:`Batches.batch_end` answers the count once (and raises the
 error).  The key counts of a message's records are saved once per message
-(:class:`~.counts.Tally`).
+(:class:`~.key_counts.Tally`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import lmdb
 
 from .._blocking import locked
 from ..errors import DDictError, DDictManagerMovedError
-from . import counts
-from .counts import Tally
+from . import key_counts
+from .key_counts import Tally
 
 if TYPE_CHECKING:
     from .store import ShardStore
@@ -80,7 +80,7 @@ class Batches:
                 done, err = ws.put_many(
                     txn, records, chkpt, client, persistent=persistent, batch=True, tally=tally
                 )
-                if counts.transaction_lost(err):
+                if key_counts.transaction_lost(err):
                     raise err  # (rolled back, room made, tried again: see Manager._attempt)
                 count += done
             tally.settle()

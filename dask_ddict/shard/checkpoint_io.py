@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from ..errors import DDictError
-from . import counts
+from . import key_counts
 
 if TYPE_CHECKING:
     from ..persist.persister import Persister
@@ -370,7 +370,7 @@ class CheckpointIO:
                     if state:
                         self.working_set.load(state)
                         self.working_set.save(txn)
-                    counts.store_recount(self.store, txn, self.working_set.window)
+                    key_counts.store_recount(self.store, txn, self.working_set.window)
                     self._clear_batches(txn)
             except BaseException:
                 self.working_set.restore(snap)

@@ -15,9 +15,10 @@ from typing import Any
 import lmdb
 
 from ..errors import DDictError
-from . import counts
+from . import key_counts
+from .reader_marks import OPEN, frozen, saved_newest, waiters
 from .store import PERSISTENT, ShardStore
-from .working_set import OPEN, check_window, frozen, saved_newest, waiters
+from .visibility import check_window
 
 
 def put_in_window(
@@ -77,11 +78,11 @@ def puts_in_window(
         return 0, e
     if newest is None:
         return 0, None
-    tally = counts.Tally(store, txn)
-    done, error = counts.put_run(
-        store, txn, counts.window(newest, size), records, chkpt, PERSISTENT, tally, exact=True
+    tally = key_counts.Tally(store, txn)
+    done, error = key_counts.put_run(
+        store, txn, key_counts.window(newest, size), records, chkpt, PERSISTENT, tally, exact=True
     )
-    if counts.transaction_lost(error):
+    if key_counts.transaction_lost(error):
         return 0, None  # (the transaction is lost: all the manager's, which can make room)
     tally.settle()
     return done, error

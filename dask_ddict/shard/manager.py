@@ -4,7 +4,8 @@ A manager is the single owner of its :class:`~dask_ddict.shard.store.ShardStore`
 Its methods are called directly by tasks running in the hosting worker process
 (the in-process path) and by the threads of its socket server (same-host and
 remote clients), so it is thread-safe and never tied to the worker's event
-loop (see ``transport-notes.md``: hopping onto the loop costs ~100 µs).
+loop: a hop onto the loop would cost every request more than the request itself
+(``docs/design/transport.md``).
 
 Concurrency: writes hold one lock (LMDB allows one writer anyway); reads run
 lock-free in their own snapshot transaction.  An operation the working set
@@ -38,22 +39,16 @@ from ..errors import DDictClosedError, DDictError, DDictFullError
 from ..layout import wire_term
 from .batches import Batches
 from .checkpoint_io import CheckpointIO
-from .counts import Tally
 from .deferred import DeferredQueue
+from .key_counts import Tally
+from .making_room import MakingRoom, NoRoom
 from .moving import Moving
+from .reader_marks import CLOSED_DESTROYED, FROZEN, add_waiters, mark_closed
 from .replies import AtMostOnce
-from .room import NoRoom, Room
 from .store import ShardStore
 from .summaries import Summaries
-from .working_set import (
-    CLOSED_DESTROYED,
-    FROZEN,
-    MustWait,
-    WorkingSet,
-    add_waiters,
-    mark_closed,
-    take_page,
-)
+from .visibility import take_page
+from .working_set import MustWait, WorkingSet
 
 if TYPE_CHECKING:  # zarr loads only where a dictionary persists
     from ..persist.persister import Persister
@@ -72,7 +67,7 @@ class _Refused(Exception):
         self.index, self.error = index, error
 
 
-class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, Room, Moving):
+class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, MakingRoom, Moving):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters

@@ -8,7 +8,7 @@ of the orchestrator's (see :mod:`dask_ddict.host.moves`):
    write takes) and one empty write transaction waits for any write still under
    way, same-host clients' own commits included (LMDB's writer lock).  For a
    move to another machine that transaction also marks the shard
-   :data:`~.working_set.CLOSED_MOVED`, so same-host clients stop committing and
+   :data:`~.reader_marks.CLOSED_MOVED`, so same-host clients stop committing and
    reading there.  Reads at the old place go on meanwhile.
 2. **in**, at the new host process: on the same machine it opens the very same
    shard (nothing is copied); on another, it copies the shard's pages, which
@@ -34,7 +34,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDictError, DDictManagerMovedError
-from .working_set import CLOSED_MOVED, OPEN, mark_in
+from .reader_marks import CLOSED_MOVED, OPEN, mark_in
 
 if TYPE_CHECKING:
     from ..persist import Persister

@@ -3,7 +3,7 @@
 A zero-copy read (``d.get(k, copy=False)``, or any read of a frozen
 dictionary) hands the caller a view of the shard's own pages, kept unchanged
 by an LMDB read snapshot for as long as the view lives (see
-:mod:`dask_ddict.transport.pins`).  While it lives, the pages that writes
+:mod:`dask_ddict.transport.lending`).  While it lives, the pages that writes
 free cannot be reused: the memory is the reader's to give back.  So that the
 host can report it (``d.stats``, the dashboard, ``dask ddict stats``), every
 process that holds such views writes its totals into a small file of its own
@@ -23,7 +23,7 @@ values listens on a datagram socket of its own in the same directory
 (``unpin-<pid>``, :func:`request_path`); when a write is refused room while
 views pin its shard, the manager asks the processes whose boards show bytes
 of that shard to copy them out (:func:`ask_release`; each answers with the
-bytes it released, see :meth:`dask_ddict.transport.pins.Lender.release`), and
+bytes it released, see :meth:`dask_ddict.transport.lending.Lender.release`), and
 tries the write once more.
 """
 

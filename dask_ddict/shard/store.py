@@ -1,6 +1,6 @@
 """ShardStore: one manager's shard, an LMDB environment in shared memory.
 
-Why LMDB (see ``storage-notes.md``): a crash-consistent copy-on-write B+tree
+Why LMDB (``docs/design/storage.md``): a crash-consistent copy-on-write B+tree
 in a memory-mapped file.  Placed on ``/dev/shm`` (tmpfs) its pages are shared
 memory: a committed transaction survives the death of the writing process (so
 a shard can be re-attached after a worker restart), same-host processes can
@@ -351,7 +351,7 @@ class ShardStore(Capacity):
 
     def collect_all(self, txn: lmdb.Transaction, oldest: int) -> int:
         """:meth:`collect` for every key; the number of versions dropped.  A scan of the
-        shard: its manager runs it only when a put is refused room (``shard/room.py``)."""
+        shard: its manager runs it only when a put is refused room (``shard/making_room.py``)."""
         before = self.entries(txn)
         digests = {bytes(k[:DIGEST]) for k in txn.cursor(self._data).iternext(values=False)}
         for digest in sorted(digests):

@@ -5,7 +5,7 @@ since the last one: a manager computes these from a snapshot once, and answers
 again from what it kept until its shard's generation (see
 :mod:`~dask_ddict.shard.generations`) or its own window or frozen flag moves.
 ``len`` itself never scans: it reads the counts the shard keeps
-(:mod:`~dask_ddict.shard.counts`).
+(:mod:`~dask_ddict.shard.key_counts`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import lmdb
 
 from ..stats import FIELDS, DDictManagerStats
-from . import counts
-from .working_set import check_window
+from . import key_counts
+from .visibility import check_window
 
 if TYPE_CHECKING:
     from .deferred import DeferredQueue
@@ -91,13 +91,13 @@ class Summaries:
         self._cache[what] = (state, value)
         return value
 
-    def _counts(self) -> tuple[counts.Window, list[int]]:
+    def _counts(self) -> tuple[key_counts.Window, list[int]]:
         """The window and the keys seen at each of its checkpoints (see :mod:`.counts`)."""
         return self._derived("counts", self._load_counts)
 
-    def _load_counts(self, txn: lmdb.Transaction) -> tuple[counts.Window, list[int]]:
+    def _load_counts(self, txn: lmdb.Transaction) -> tuple[key_counts.Window, list[int]]:
         w = self.working_set.window
-        return w, counts.load(self.store, txn, w)
+        return w, key_counts.load(self.store, txn, w)
 
     def length(self, chkpt: int) -> int:
         """Keys seen at ``chkpt``: kept counts, no scan (:mod:`.counts`), and never a wait."""

@@ -6,7 +6,7 @@ operation cannot proceed yet it raises :class:`MustWait` and the caller (the
 manager) decides whether to wait for a later write, to fail with a timeout, or
 (for batch puts) to raise :class:`~dask_ddict.errors.DDictFutureCheckpointError`.
 
-The model (``dragon-ddict-notes.md`` §3):
+The model (Dragon's, ``docs/dragon.md``):
 
 * each manager keeps a window of ``size`` checkpoints ``[oldest, newest]``,
   initially ``[0, size - 1]``; ``oldest == newest - size + 1`` always;
@@ -32,7 +32,6 @@ key lives below ``oldest``, and retirement costs O(keys written at ``p``).
 from __future__ import annotations
 
 import pickle
-import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,143 +40,17 @@ import lmdb
 from .._hashing import key_digest
 from .._serialize import frame_parts
 from ..errors import (
-    DDictCheckpointSyncError,
     DDictError,
     DDictFutureCheckpointError,
     DDictKeyError,
 )
-from . import counts
-from .counts import Window
+from . import key_counts
+from .key_counts import Window
+from .reader_marks import put_newest
 from .store import PERSISTENT, TOMBSTONE, Entry, ShardStore
+from .visibility import check_window, entry_visible, unseen, visible_entries
 
 _STATE = b"working_set"
-NEWEST = b"newest"
-_NEWEST = struct.Struct("<qB")  # newest checkpoint, closed flag
-FROZEN = b"frozen"  # b"\x01" while frozen
-WAITERS = b"waiters"  # how many operations wait at the manager for other writes
-_COUNT = struct.Struct("<q")
-
-
-#: Why a shard's manager closed, as same-host readers see it in the shard
-#: (``CLOSED_MOVED``: copied to another host; the manager answers there).
-OPEN, CLOSED_DESTROYED, CLOSED_HOST_GONE, CLOSED_MOVED = 0, 1, 2, 3
-
-
-def saved_newest(store: ShardStore, txn: lmdb.Transaction, size: int) -> tuple[int, int]:
-    """``(newest checkpoint, closed)`` of a shard as of ``txn`` (for read-only readers).
-
-    ``closed`` is :data:`OPEN`, :data:`CLOSED_DESTROYED` (the dictionary was
-    destroyed) or :data:`CLOSED_HOST_GONE` (its host process shut down).
-    """
-    raw = txn.get(NEWEST, db=store.meta_db)
-    if raw is None:
-        return size - 1, OPEN
-    newest, closed = _NEWEST.unpack(raw)
-    return newest, closed
-
-
-def mark_closed(store: ShardStore, newest: int, why: int = CLOSED_DESTROYED) -> None:
-    """Tell same-host readers that the manager is gone (they map the shard themselves)."""
-    with store.write() as txn:
-        store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
-
-
-def mark_in(store: ShardStore, txn: lmdb.Transaction, size: int, why: int) -> None:
-    """Set the shard's closed mark to ``why`` in ``txn``, keeping its newest checkpoint."""
-    newest, _ = saved_newest(store, txn, size)
-    store.put_meta(txn, NEWEST, _NEWEST.pack(newest, why))
-
-
-def frozen(store: ShardStore, txn: lmdb.Transaction) -> bool:
-    """Whether the shard is frozen as of ``txn`` (read-only: writes refused)."""
-    return bool(txn.get(FROZEN, db=store.meta_db) == b"\x01")
-
-
-def waiters(store: ShardStore, txn: lmdb.Transaction) -> int:
-    raw = txn.get(WAITERS, db=store.meta_db)
-    return 0 if raw is None else _COUNT.unpack(raw)[0]
-
-
-def add_waiters(store: ShardStore, txn: lmdb.Transaction, n: int) -> None:
-    """Count operations waiting at the manager (``n`` may be negative; 0 resets)."""
-    count = 0 if n == 0 else max(0, waiters(store, txn) + n)
-    store.put_meta(txn, WAITERS, _COUNT.pack(count))
-
-
-def check_window(chkpt: int, newest: int, size: int) -> None:
-    """Raise ``DDictCheckpointSyncError`` if ``chkpt`` precedes the window ending at ``newest``."""
-    oldest = max(0, newest - size + 1)
-    if chkpt < oldest:
-        raise DDictCheckpointSyncError(
-            f"checkpoint {chkpt} has retired (this manager keeps [{oldest}, {newest}])"
-        )
-
-
-def entry_visible(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool:
-    """Whether version ``e`` (the newest at or below ``chkpt``) is seen at ``chkpt``.
-
-    Under ``wait_for_keys`` a non-persistent version is seen only at its own checkpoint.
-    Shared by the manager and by same-host readers of the shard.
-    """
-    if e is None or e.tombstone:
-        return False
-    return not (wait_for_keys and not e.persistent and e.chkpt != chkpt)
-
-
-def unseen(e: Entry | None, chkpt: int, wait_for_keys: bool) -> bool | None:
-    """What a reader at ``chkpt`` gets for a version ``e`` it does not see: ``None``
-    (absent) or, under ``wait_for_keys``, ``False`` (it waits for the key's writer).
-
-    A key deleted at the reader's own checkpoint is known to be absent there: it
-    reads as absent at once, also under ``wait_for_keys`` (Dragon's deleted set).
-    """
-    if not wait_for_keys or (e is not None and e.chkpt == chkpt and e.tombstone):
-        return None
-    return False
-
-
-def visible_entries(
-    store: ShardStore, txn: lmdb.Transaction, chkpt: int, after: bytes | None, wait_for_keys: bool
-) -> Iterator[tuple[bytes, Entry]]:
-    """Entries seen at ``chkpt`` in digest order, after digest ``after`` (no window check).
-
-    Shared by the manager (views, persistence) and by same-host readers that
-    scan the shard themselves (a scan beside the shard sends no value anywhere).
-    """
-    decided: bytes | None = None
-    for d, e in store.scan(txn, after):
-        if d == decided or e.chkpt > chkpt:
-            continue
-        decided = d
-        if entry_visible(e, chkpt, wait_for_keys):
-            yield d, e
-
-
-def take_page(
-    entries: Iterator[tuple[bytes, Entry]],
-    keys: bool,
-    values: bool,
-    max_items: int,
-    max_bytes: int,
-    copy: Callable[[Any], Any] = bytes,
-) -> tuple[list[tuple[Any, Any]], bytes | None, bool]:
-    """One page of a view from ``entries``: ``(items, last digest, more)``.
-
-    At most ``max_items`` items and about ``max_bytes`` bytes (at least one item);
-    values are copied out with ``copy`` while the snapshot lives.
-    """
-    items: list[tuple[Any, Any]] = []
-    size = 0
-    last = None
-    for d, e in entries:
-        if len(items) >= max_items or (items and size >= max_bytes):
-            return items, last, True
-        k = bytes(e.key) if keys else None
-        v = copy(e.frame) if values else None
-        size += (len(k) if k else 0) + (len(e.frame) if values else 0)
-        items.append((k, v))
-        last = d
-    return items, last, False
 
 
 class MustWait(Exception):
@@ -246,7 +119,7 @@ class WorkingSet:
     def window(self) -> Window:
         w = self._window
         if w is None or w.newest != self.newest:  # (built once per window move)
-            w = self._window = counts.window(self.newest, self.size, self.wait_for_keys)
+            w = self._window = key_counts.window(self.newest, self.size, self.wait_for_keys)
         return w
 
     # -- state that must survive the process (restart) -------------------------
@@ -261,7 +134,7 @@ class WorkingSet:
         }
         self.store.put_meta(txn, _STATE, pickle.dumps(state))
         # The window's end on its own, for same-host readers (no unpickling per read).
-        self.store.put_meta(txn, NEWEST, _NEWEST.pack(self.newest, 0))
+        put_newest(self.store, txn, self.newest)
 
     @classmethod
     def saved_state(cls, store: ShardStore) -> dict[str, Any] | None:
@@ -290,7 +163,7 @@ class WorkingSet:
         self.newest = chkpt + self.size - 1
         self.writers = {}
         self.save(txn)
-        counts.store_recount(self.store, txn, self.window)
+        key_counts.store_recount(self.store, txn, self.window)
         return n
 
     # -- window -------------------------------------------------------------
@@ -347,7 +220,7 @@ class WorkingSet:
         finally:
             if changed:
                 self.save(txn)
-                counts.shifted(self.store, txn, before, self.newest)
+                key_counts.shifted(self.store, txn, before, self.newest)
 
     def _retire(self, txn: lmdb.Transaction, p: int) -> None:
         if self.on_retire is not None:
@@ -453,7 +326,7 @@ class WorkingSet:
         """Keys seen at ``chkpt``, from the shard's counts (no scan)."""
         self.check_retired(chkpt)
         w = self.window
-        return counts.load(self.store, txn, w)[w.slot(chkpt)]
+        return key_counts.load(self.store, txn, w)[w.slot(chkpt)]
 
     # -- writes ---------------------------------------------------------------
 
@@ -468,7 +341,7 @@ class WorkingSet:
         *,
         persistent: bool = False,
         batch: bool = False,
-        tally: counts.Tally | None = None,
+        tally: key_counts.Tally | None = None,
     ) -> None:
         """Store a value at ``chkpt`` (advancing the window if needed); its key count
         changes in ``tally`` if given (a run of puts in one transaction settles it)."""
@@ -485,7 +358,7 @@ class WorkingSet:
             )
             + len(key),
         )
-        counts.put(
+        key_counts.put(
             self.store,
             txn,
             self.window,
@@ -514,7 +387,7 @@ class WorkingSet:
         chkpt: int,
         client: int,
         batch: bool,
-        tally: counts.Tally | None,
+        tally: key_counts.Tally | None,
     ) -> None:
         """What a put at ``chkpt`` does first: :meth:`prepare_write`, when it has anything
         to do (the checkpoint outside the window, or ``wait_for_writers``)."""
@@ -537,16 +410,16 @@ class WorkingSet:
         *,
         persistent: bool = False,
         batch: bool = False,
-        tally: counts.Tally,
+        tally: key_counts.Tally,
     ) -> tuple[int, DDictError | None]:
         """:meth:`put` for each ``(digest, key, frame)`` record in order, the window moved
-        once (:func:`~.counts.put_run`): ``(how many were put, the error that stopped the
+        once (:func:`~.key_counts.put_run`): ``(how many were put, the error that stopped the
         next one)``."""
         try:
             self._put_ready(txn, chkpt, client, batch, tally)
         except DDictError as e:
             return 0, e
-        return counts.put_run(
+        return key_counts.put_run(
             self.store, txn, self.window, records, chkpt, self._put_flags(persistent), tally
         )
 
@@ -575,7 +448,7 @@ class WorkingSet:
             self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)  # (replaces one at chkpt)
             self.store.collect(txn, digest, self.oldest)
 
-        counts.tracked(self.store, txn, digest, self.window, change)
+        key_counts.tracked(self.store, txn, digest, self.window, change)
         return old
 
     def clear(self, txn: lmdb.Transaction, chkpt: int, client: int) -> None:
@@ -596,6 +469,6 @@ class WorkingSet:
                 retired = [d for d, e in self.store.scan(txn) if e.chkpt == chkpt]
                 for d in retired:
                     self.store.delete(txn, d, chkpt)
-            counts.store_recount(self.store, txn, self.window)  # clear scans every key anyway
+            key_counts.store_recount(self.store, txn, self.window)  # clear scans every key anyway
         if self.writers.pop(chkpt, None):
             self.save(txn)

@@ -15,7 +15,7 @@ Why each choice:
   :data:`~dask_ddict._serialize.FMT_BYTES`); a task on the manager's host
   commits it into the shard itself up to ``ddict.zarr-store.direct-write-max``
   (no socket); a chunk read on the manager's host is lent from the shard
-  (zero-copy, :mod:`~dask_ddict.transport.pins`) and handed to zarr as a view.
+  (zero-copy, :mod:`~dask_ddict.transport.lending`) and handed to zarr as a view.
 - **Byte ranges are cut where the value lives.**  zarr's sharding codec reads
   one inner chunk out of a shard by byte range: the shard's host (or, beside
   the shard, the reader itself) slices the value, so only the range crosses a
@@ -55,9 +55,9 @@ from .._serialize import bytes_view
 from ..arguments import check_bool
 from ..client import AsyncDDict, DDict
 from ..client.coalesce import GetBatcher, PutBatcher
-from ..client.reads import _ABSENT, _WAIT
-from ..client.threaded import in_thread
+from ..client.reads import ABSENT, WAIT
 from ..errors import DDictKeyError, DDictSerializationError
+from ..threaded import in_thread
 from .names import (
     as_bytes,
     byte_slice,
@@ -193,8 +193,8 @@ class DDictStore(Store):
         name = self._name(key)
         if (ranged := check_byte_range(byte_range)) is not None:
             return _buffer(prototype, await asyncio.to_thread(self._part, name, ranged))
-        got = await self._reads.get(name, _ABSENT, False)
-        if got is _ABSENT:
+        got = await self._reads.get(name, ABSENT, False)
+        if got is ABSENT:
             return None
         return prototype.buffer.from_bytes(as_bytes(name, got))
 
@@ -213,8 +213,8 @@ class DDictStore(Store):
         except DDictKeyError:
             return None
         except DDictSerializationError:  # (not raw bytes: the host never unpickles)
-            got = self._d.get(name, _ABSENT)
-            if got is _ABSENT:
+            got = self._d.get(name, ABSENT)
+            if got is ABSENT:
                 return None
             view = as_bytes(name, got)
             return len(view), byte_slice(view, byte_range)
@@ -308,9 +308,9 @@ class DDictStore(Store):
         if (ranged := check_byte_range(byte_range)) is not None:
             return _buffer(prototype, self._part(name, ranged))
         ((_, got),) = self._d._many([name], False, decode=bytes_view)
-        if got is _WAIT:  # (wait_for_keys: not written at this checkpoint yet)
-            got = self._d.get(name, _ABSENT)
-        if got is _ABSENT:
+        if got is WAIT:  # (wait_for_keys: not written at this checkpoint yet)
+            got = self._d.get(name, ABSENT)
+        if got is ABSENT:
             return None
         return prototype.buffer.from_bytes(as_bytes(name, got))
 

@@ -27,8 +27,6 @@ other's uid with ``SO_PEERCRED`` instead, and the host answers OK at once.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import socket
@@ -37,12 +35,15 @@ from collections.abc import Callable
 from typing import Any
 
 from .protocol import HELLO, HELLO_MAGIC, Hello
+from .sockets import matches, recv_exact
+from .sockets import proof as hmac_proof
 
 VERSION = b"ddict-key-path/3"
 NONCE = 32
 INCARNATION = 16
 PROOF = 32
 _PEERCRED = struct.Struct("3i")
+_DURING = "the handshake"  # (what a peer that closes interrupted)
 
 
 class HandshakeError(PermissionError):
@@ -59,8 +60,9 @@ def proof(
     host_nonce: bytes,
 ) -> bytes:
     """One side's proof of the secret, bound to this connection (see the module docstring)."""
-    msg = b"|".join([VERSION, role, uid, target.encode(), incarnation, client_nonce, host_nonce])
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+    return hmac_proof(
+        secret, VERSION, role, uid, target.encode(), incarnation, client_nonce, host_nonce
+    )
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -69,16 +71,6 @@ def peer_uid(sock: socket.socket) -> int:
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     )
     return int(uid)
-
-
-def recv_exact(sock: Any, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("connection closed during the handshake")
-        buf += chunk
-    return bytes(buf)
 
 
 def client_side(sock: Any, uid: bytes, secret: bytes, target: str, *, tcp: bool) -> Hello:
@@ -93,19 +85,19 @@ def client_side(sock: Any, uid: bytes, secret: bytes, target: str, *, tcp: bool)
         raise HandshakeError(f"the host process at {target} runs as another user")
     client_nonce = secrets.token_bytes(NONCE)
     sock.sendall(HELLO.pack(HELLO_MAGIC, uid) + client_nonce)
-    answer = Hello(recv_exact(sock, 1)[0])
+    answer = Hello(recv_exact(sock, 1, _DURING)[0])
     if answer != Hello.PROVE:
         return answer
-    got = recv_exact(sock, INCARNATION + NONCE + PROOF)
+    got = bytes(recv_exact(sock, INCARNATION + NONCE + PROOF, _DURING))
     incarnation, host_nonce, host_proof = (got[:INCARNATION], got[INCARNATION:-PROOF], got[-PROOF:])
     args = (uid, target, incarnation, client_nonce, host_nonce)
-    if not hmac.compare_digest(host_proof, proof(secret, b"host", *args)):
+    if not matches(proof(secret, b"host", *args), host_proof):
         raise HandshakeError(
             f"the process at {target} did not prove that it serves this "
             "dictionary (not its host process: wrong secret or relayed)"
         )
     sock.sendall(proof(secret, b"client", *args))
-    return Hello(recv_exact(sock, 1)[0])
+    return Hello(recv_exact(sock, 1, _DURING)[0])
 
 
 def host_side(
@@ -148,7 +140,7 @@ def host_side(
     conn.sendall(
         bytes([Hello.PROVE]) + incarnation + host_nonce + proof(hosted.secret, b"host", *args)
     )
-    if not hmac.compare_digest(bytes(read(PROOF)), proof(hosted.secret, b"client", *args)):
+    if not matches(proof(hosted.secret, b"client", *args), bytes(read(PROOF))):
         conn.sendall(bytes([Hello.DENIED]))
         raise HandshakeError("bad credentials")
     conn.sendall(bytes([Hello.OK]))

@@ -5,7 +5,7 @@ are shared process-wide (:data:`_ENVS`) and released when the last channel
 using one closes (a handle's channels close with it, also when it is
 garbage-collected, e.g. at the end of a task), or as soon as a read finds
 the dictionary destroyed, but never while values lent from it live
-(zero-copy reads, :mod:`.pins`): those keep the mapping, and so the pages,
+(zero-copy reads, :mod:`.lending`): those keep the mapping, and so the pages,
 until the last is gone.
 
 A view costs 2 descriptors, which it keeps: LMDB holds the data file's until
@@ -32,7 +32,7 @@ from typing import Any
 from .. import _memory, config
 from .._serialize import copy_frame
 from ..shard.store import ShardStore
-from .pins import Lender
+from .lending import Lender
 
 #: Values this big count their own pages once until the next release (see _View.copy).
 RELEASE_LARGE = 1 << 20
@@ -74,7 +74,7 @@ class _View:
         self.used = time.monotonic()
         self.evicted = False
         self.closed = False
-        self.lender: Lender | None = None  # its zero-copy snapshots (see .pins), once lent
+        self.lender: Lender | None = None  # its zero-copy snapshots (see .lending), once lent
 
     @property
     def lending(self) -> bool:

@@ -1,4 +1,4 @@
-"""The operations of the key path, each declared once.
+"""The operations of the key path on keys, each declared once.
 
 An operation is one request class.  It says in one place:
 
@@ -10,16 +10,18 @@ An operation is one request class.  It says in one place:
 * what its reply means to the caller (:meth:`Operation.result`).
 
 Clients send operations through a channel's one ``call(operation)``; the host
-dispatches them through :data:`HANDLERS`, built from this module.  Adding an
-operation is one class here (or, for operations on whole checkpoints, in
-:mod:`.whole_checkpoints`) plus the manager method it calls; what every
-operation shares (kinds, the request header's terms, reply shapes) is in
-:mod:`.operation`.
+dispatches them through :data:`~.table.HANDLERS`.  The operations live in three
+modules, by what they work on: keys and a manager's state (here), many keys of a
+host's managers in one request (:mod:`.many_key_ops`) and whole checkpoints
+(:mod:`.whole_checkpoints`); :mod:`.table` lists the three and derives the host's
+tables from them.  Adding an operation is one class in one of them plus the manager
+method it calls; what every operation shares (kinds, the request header's terms,
+reply shapes) is in :mod:`.operation`.
 
 Requests are never changed after they are made, but they are not ``frozen``
-dataclasses: a frozen dataclass's ``__init__`` costs 1.9 µs (``Get``) to 3.2 µs
-(``Put``) here, against 0.7 µs without ``frozen``; the difference is up to a tenth
-of a same-host read (about 27 µs).
+dataclasses: a frozen dataclass's ``__init__`` costs several times a plain one's,
+on every operation of the key path (``docs/design/transport.md``, "Measured choices
+of the key path", has the figures).
 """
 
 from __future__ import annotations
@@ -27,23 +29,16 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed, copy_frame, raw_range
-from ..errors import DDictManagerMovedError, wire_error
+from ..errors import DDictManagerMovedError
 from ..kernels import pack_records, unpack_records
 from ..stats import DDictManagerStats
-from .many import (  # noqa: F401 (GetMany, PutMany: their module; in the tables)
-    GetMany,
-    PutMany,
-)
 from .operation import (
     Answered,
-    Answerer,
     Command,
     Encoded,
     FrameReply,
@@ -63,21 +58,8 @@ from .protocol import (
     WANT_VALUES,
     Op,
 )
-from .whole_checkpoints import (  # noqa: F401 (their module: whole checkpoints; in the tables)
-    Advance,
-    CopyFrom,
-    DumpPage,
-    Persist,
-    PersistedIds,
-    Replicate,
-    Restore,
-    Rotate,
-    ShardPages,
-    Sync,
-)
 
 if TYPE_CHECKING:
-    from ..shard.generations import Generations
     from ..shard.manager import Manager
 
 
@@ -101,7 +83,7 @@ def _key_and_value(o: Put | SetDefault, flags: int) -> Encoded:
 @dataclass(slots=True)
 class Get(FrameReply):
     """The value's frame.  ``lend`` (a same-host reader's choice, never sent): ``True``
-    lends the shard's pages (zero-copy, :mod:`.pins`), ``None`` only a frozen shard's."""
+    lends the shard's pages (zero-copy, :mod:`.lending`), ``None`` only a frozen shard's."""
 
     op = Op.GET
     kind = Kind.READ
@@ -284,7 +266,7 @@ class Page(Answered):
     ``max_bytes`` (0: the host's ``ddict.iteration.page-bytes``) is at most that:
     a broadcast of first pages asks each manager for its share of one page.
     ``lend`` (a same-host reader's choice, never sent, as :class:`Get`'s): the
-    values' frames are lent from a snapshot of the shard (zero-copy, :mod:`.pins`).
+    values' frames are lent from a snapshot of the shard (zero-copy, :mod:`.lending`).
     """
 
     op = Op.PAGE
@@ -527,16 +509,30 @@ class Ping(IntReply, Answered):
         return os.getpid(), b""
 
 
-#: A host keeps at most this many broadcast answers per dictionary, each at most this big.
-ANSWERS_KEPT, ANSWER_KEEP_BYTES = 16, 256 << 10
-_FANOUT = struct.Struct("<qI")  # the inner operation's arg, how many managers (then their ids)
+#: A :class:`FanOut`'s key section starts with the inner operation's arg and how many
+#: managers, then their ids (``u32`` each), then the inner operation's key section.
+_FANOUT = struct.Struct("<qI")
+
+
+def pack_fan_out(arg: int, mids: Sequence[int], inner: bytes) -> bytes:
+    """A :class:`FanOut`'s key section: the inner operation's ``arg``, its managers
+    ``mids`` and its own key section ``inner``."""
+    return _FANOUT.pack(arg, len(mids)) + struct.pack(f"<{len(mids)}I", *mids) + inner
+
+
+def unpack_fan_out(keysec: bytes) -> tuple[int, tuple[int, ...], bytes]:
+    """What :func:`pack_fan_out` packed: ``(arg, mids, inner)``."""
+    arg, n = _FANOUT.unpack_from(keysec)
+    mids = struct.unpack_from(f"<{n}I", keysec, _FANOUT.size)
+    return arg, mids, keysec[_FANOUT.size + 4 * n :]
 
 
 @dataclass(slots=True)
 class FanOut(PickledReply):
-    """``inner`` on managers ``mids`` of one host process in one round trip (broadcasts);
-    ``serve`` gets the server's ``dispatch`` instead of a manager, and answers every
-    manager's ``(mid, status, ival, payload)``."""
+    """``inner`` on managers ``mids`` of one host process in one round trip (broadcasts),
+    answered with every manager's ``(mid, status, ival, payload)``.  Its host process
+    serves it with its managers and the answers it keeps
+    (:mod:`dask_ddict.host.fan_out`), not one manager."""
 
     follows = False  # (its caller sends the moved managers' part again)
     op = Op.FANOUT
@@ -548,92 +544,37 @@ class FanOut(PickledReply):
         return self.inner.kind
 
     def encode(self) -> Encoded:
-        e, n = self.inner.encode(), len(self.mids)
-        return e._replace(
-            keysec=_FANOUT.pack(e.arg, n) + struct.pack(f"<{n}I", *self.mids) + e.keysec,
-            arg=int(self.inner.op),
-        )
+        e = self.inner.encode()
+        return e._replace(keysec=pack_fan_out(e.arg, self.mids, e.keysec), arg=int(self.inner.op))
 
     @staticmethod
-    def serve(
-        dispatch: Any,
-        r: Request,
-        reply: Reply,
-        managers: Mapping[int, Manager] | None = None,
-        generations: Generations | None = None,
-        answers: dict[Any, Any] | None = None,
-        answerers: Mapping[int, Answerer] | None = None,
-        pins: Callable[[], int] | None = None,
-    ) -> None:
-        """Run the inner operation on each manager; ``dispatch(request, reply)`` serves
-        one as a plain request would, ``managers`` (the host's) lets an
-        :class:`~.operation.Answered` one be answered directly (through the
-        host's ``answerers``, :data:`ANSWERERS` unless given), and a
-        ``cacheable`` one is answered from ``answers`` while the managers'
-        ``generations`` words are those it was computed under (and, for an answer
-        that reports pinned memory, the host's ``pins`` boards too)."""
-        keysec = r.digest + r.key
-        (arg, n), out = _FANOUT.unpack_from(keysec), []
-        mids = struct.unpack_from(f"<{n}I", keysec, _FANOUT.size)
-        rest = keysec[_FANOUT.size + 4 * n :]
-        # The inner request, built once; only its manager changes (field 2).
-        fields = list(r._replace(op=r.arg, arg=arg, digest=rest[:16], key=rest[16:]))
-        code = cast(Op, r.arg)  # (IntEnum keys: a plain int finds them)
-        direct = None if managers is None else (answerers or ANSWERERS).get(code)
-        words = None
-        inner = OPERATIONS.get(code)
-        if generations is not None and answers is not None and getattr(inner, "cacheable", False):
-            words = generations.words[list(mids)]  # (a copy: read before any manager answers)
-            if pins is not None and getattr(inner, "pinned", False):
-                words = np.append(words, pins() | 1)  # (| 1: never a word 0, see below)
-            kept = answers.get(key := (r.arg, r.chkpt, r.flags, r.client, r.timeout, keysec))
-            if kept is not None and np.array_equal(kept[0], words):
-                reply(0, kept[1])
-                return
-        got: list[tuple[int, bytes]] = []
-
-        def answer(ival: int = 0, payload: Any = b"") -> None:
-            t = type(payload)
-            got.append(
-                (
-                    ival,
-                    payload if t is bytes else b"".join(payload) if t is list else bytes(payload),
-                )
-            )
-
-        shared = _new_request(Request, fields)  # what an Answered operation reads (not manager)
-        for mid in mids:
-            try:
-                m = None if direct is None or managers is None else managers.get(mid)
-                if m is not None and direct is not None:
-                    out.append((mid, 0, *direct(m, shared)))
-                    continue
-                fields[2] = mid
-                dispatch(_new_request(Request, fields), answer)
-                out.append((mid, 0, *got.pop()) if got else (mid, 0, 0, b""))
-            except Exception as e:  # this manager's answer: the others still run
-                got.clear()
-                status, msg = wire_error(e)
-                out.append((mid, int(status), 0, msg))
-        payload = pickle.dumps(out)
-        if (
-            words is not None
-            and answers is not None
-            and words.all()
-            and len(payload) <= ANSWER_KEEP_BYTES
-        ):  # (a word 0: a manager not here)
-            if len(answers) >= ANSWERS_KEPT:
-                answers.clear()
-            answers[key] = (words, payload)
-        reply(0, payload)
+    def serve(m: Any, r: Request, reply: Reply) -> None:  # (the host serves it: host.fan_out)
+        raise DDictManagerMovedError("a broadcast is served by its host process")
 
 
-_TREE = struct.Struct("<qI")  # the inner operation's arg, the pickled tree's length
+#: A :class:`TreeOut`'s key section starts with the inner operation's arg and the length
+#: of the pickled tree (its managers and subtrees), then the tree, then the inner
+#: operation's key section.
+_TREE = struct.Struct("<qI")
 
 #: A subtree of a :class:`TreeOut`: its host process (``tcp_host``, ``tcp_port``,
 #: ``hostname``, ``worker``: what a forwarding host needs to reach it and name it), the
 #: managers it serves, and its own subtrees.
 Subtree = tuple[tuple[str, int, str, str], tuple[int, ...], tuple[Any, ...]]
+
+
+def pack_tree(arg: int, mids: tuple[int, ...], children: tuple[Any, ...], inner: bytes) -> bytes:
+    """A :class:`TreeOut`'s key section: the inner operation's ``arg``, the managers
+    ``mids`` of its host and its ``children`` subtrees, and the inner key section."""
+    tree = pickle.dumps((mids, children))
+    return _TREE.pack(arg, len(tree)) + tree + inner
+
+
+def unpack_tree(keysec: bytes) -> tuple[int, tuple[int, ...], tuple[Subtree, ...], bytes]:
+    """What :func:`pack_tree` packed: ``(arg, mids, children, inner)``."""
+    arg, n = _TREE.unpack_from(keysec)
+    mids, children = pickle.loads(keysec[_TREE.size : _TREE.size + n])
+    return arg, mids, children, keysec[_TREE.size + n :]
 
 
 def subtree_mids(children: tuple[Subtree, ...]) -> list[int]:
@@ -666,9 +607,8 @@ class TreeOut(PickledReply):
 
     def encode(self) -> Encoded:
         e = self.inner.encode()
-        tree = pickle.dumps((self.mids, self.children))
         return e._replace(
-            keysec=_TREE.pack(e.arg, len(tree)) + tree + e.keysec, arg=int(self.inner.op)
+            keysec=pack_tree(e.arg, self.mids, self.children, e.keysec), arg=int(self.inner.op)
         )
 
     @staticmethod
@@ -695,32 +635,3 @@ class Relayed(Operation):
 
     def encode(self) -> Encoded:
         return self.encoded
-
-
-_new_request = tuple.__new__  # a Request from its fields, without NamedTuple's checks
-
-
-def _leaves(cls: type[Operation]) -> list[type[Operation]]:
-    subs = cls.__subclasses__()
-    return [c for sub in subs for c in _leaves(sub)] + [
-        c for c in subs if isinstance(c.__dict__.get("op"), Op)
-    ]  # (not Relayed's property)
-
-
-#: Every operation, by wire code: what the host dispatches on.
-OPERATIONS: dict[Op, type[Operation]] = {cls.op: cls for cls in _leaves(Operation)}
-#: The host's table: operation code -> handler(manager, request, reply).
-HANDLERS: dict[Op, Callable[[Manager, Request, Reply], None]] = {
-    code: cls.serve for code, cls in OPERATIONS.items()
-}
-#: The operations on several managers of a host in one request: code -> serve_host.
-HOST_WIDE: dict[Op, Callable[..., None]] = {
-    code: cls.serve_host for code, cls in OPERATIONS.items() if issubclass(cls, HostWide)
-}
-#: The operations a broadcast answers directly: code -> answer(manager, request).
-ANSWERERS: dict[Op, Answerer] = {
-    code: cls.answer for code, cls in OPERATIONS.items() if issubclass(cls, Answered)
-}
-#: The operations a host's event loop serves on its own thread (``Operation.inline``); a
-#: broadcast is one of them when its inner operation is.
-INLINE: frozenset[int] = frozenset(code for code, cls in OPERATIONS.items() if cls.inline)

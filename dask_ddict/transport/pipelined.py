@@ -1,7 +1,7 @@
 """Requests of one event loop, pipelined with tags over shared connections.
 
 :class:`~dask_ddict.AsyncDDict` is used from an event loop by many coroutines
-at once.  The blocking key path (:mod:`.links`: a pooled connection per
+at once.  The blocking key path (:mod:`.socket_client`: a pooled connection per
 operation, used from the calling thread) would cost such a caller a worker
 thread and a connection per request in flight, and a hop to that thread and
 back for each.  Here, instead, the coroutines of one loop share its
@@ -41,7 +41,7 @@ from .operation import Encoded, Kind, Operation
 from .protocol import REP, REQ, SMALL, encode_timeout
 
 if TYPE_CHECKING:
-    from .links import HostLink
+    from .socket_client import HostLink
 
 _HEAD = REP.size
 _MOVED = int(Status.MOVED)
@@ -50,7 +50,7 @@ _TAGS = 1 << 32
 
 
 class Unpipeable(Exception):
-    """This request must go by the blocking path (:mod:`.links`): see the module's doc."""
+    """This request must go by the blocking path (:mod:`.socket_client`): see the module's doc."""
 
 
 class Pipe(asyncio.BufferedProtocol):
@@ -417,7 +417,7 @@ async def send(
 ) -> Callable[[], Awaitable[tuple[int, Any]]]:
     """Send ``o`` to manager ``mid`` over this loop's pipes to ``link``'s host; the
     returned coroutine function waits for its ``(ival, payload)`` (as
-    :meth:`~.links.HostLink.send` does, the hosts work at once).
+    :meth:`~.socket_client.HostLink.send` does, the hosts work at once).
 
     ``began``: when the caller's operation began (``time.monotonic()``): ``o.timeout``
     (plus ``ddict.transport.timeout-slack``) counts from then.  Raises

@@ -1,7 +1,8 @@
 """Wire format of the key path, shared by the server and the socket client.
 
-Why not Dask's comms: one Dask RPC costs 400-650 µs here, a blocking socket
-round trip 20-80 µs (``transport-notes.md``).  Dask carries control only.
+Why not Dask's comms: a Dask RPC costs many times a blocking socket's round trip,
+which a single-key operation would pay every time (``docs/design/transport.md``,
+"Measured choices of the key path", has the figures).  Dask carries control only.
 
 Every request is a fixed header, then the key section, then the value
 section; every reply is a fixed header and a payload::
@@ -41,6 +42,7 @@ import struct
 from typing import Any, Protocol
 
 from ..kernels import REPLY, REQUEST
+from .sockets import PEER_CLOSED, recv_into_exact
 
 REQ = REQUEST  # op, flags, term, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid
 # (declared with the kernel that reads it)
@@ -81,8 +83,8 @@ class Op(enum.IntEnum):
     SET_DEFAULT = 25
     FANOUT = 26  # one request, the same operation on several managers of one host process
     ROTATE = 27
-    GET_MANY = 28  # many keys of several managers of one host process (transport.many)
-    PUT_MANY = 29  # many puts, answered per manager (transport.many)
+    GET_MANY = 28  # many keys of several managers of one host process (transport.many_key_ops)
+    PUT_MANY = 29  # many puts, answered per manager (transport.many_key_ops)
     GET_RANGE = 30  # part of a raw-bytes value, and its size (zarr's byte ranges, getsize)
     SHARD_PAGES = 31  # a moving manager's whole shard, to its new host (host.moves)
     REPLICATE = 32  # a primary's committed changes, to a replica's host (host.replicas)
@@ -131,7 +133,7 @@ class Sink(Protocol):
 
 class Stream(Sink, Protocol):
     """What the key path reads and writes: a socket, or a client's connection that cuts
-    its waits at the operation's deadline (:class:`~.conn.Conn`)."""
+    its waits at the operation's deadline (:class:`~.bounded_connection.BoundedConnection`)."""
 
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0, /) -> int: ...
 
@@ -195,7 +197,7 @@ class Reader:
         while self._end - self._pos < need:
             got = self.sock.recv_into(self._mv[self._end :])
             if not got:
-                raise ConnectionResetError("connection closed by peer")
+                raise ConnectionResetError(PEER_CLOSED)  # (as the compiled kernels do)
             self._end += got
 
     def buffered(self) -> int:
@@ -225,7 +227,7 @@ class Reader:
         except BlockingIOError:
             return 0
         if not got:
-            raise ConnectionResetError("connection closed by peer")
+            raise ConnectionResetError(PEER_CLOSED)  # (as the compiled kernels do)
         self._end += got
         return got
 
@@ -269,8 +271,5 @@ class Reader:
         if have:
             dst[:have] = self._mv[self._pos : self._pos + have]
             self._pos += have
-        while have < n:
-            got = self.sock.recv_into(dst[have:])
-            if not got:
-                raise ConnectionResetError("connection closed by peer")
-            have += got
+        if have < n:
+            recv_into_exact(self.sock, dst[have:])

@@ -20,7 +20,7 @@ Checkpoint rules are applied from the same snapshot: the window's newest
 checkpoint is stored in the shard's metadata by every write that moves it.
 A value is copied out while the snapshot is open, so a caller never holds a
 view of pages that a later write could reuse; or, for a zero-copy read, the
-snapshot stays open for as long as the caller holds the value (:mod:`.pins`).
+snapshot stays open for as long as the caller holds the value (:mod:`.lending`).
 The process's mappings of shards are :mod:`.mapped`'s.
 """
 
@@ -47,37 +47,25 @@ from ..errors import (
 )
 from ..options import DDictOptions
 from ..shard.direct import puts_in_window
+from ..shard.reader_marks import CLOSED_DESTROYED, CLOSED_MOVED, OPEN, frozen, saved_newest
 from ..shard.store import ShardStore
-from ..shard.working_set import (
-    CLOSED_DESTROYED,
-    CLOSED_MOVED,
-    OPEN,
-    check_window,
-    entry_visible,
-    frozen,
-    saved_newest,
-    take_page,
-    unseen,
-    visible_entries,
-)
-from .links import SocketChannel
-from .many import GetMany
-from .mapped import (  # noqa: F401 (_ENVS, _acquire, _release, ViewLimit: tests use them here)
+from ..shard.visibility import check_window, entry_visible, take_page, unseen, visible_entries
+from .lending import Lender, Snapshot, lendable
+from .many_key_ops import GetMany
+from .mapped import (
     _DESTROYED,
-    _ENVS,
     _ENVS_LOCK,
-    RELEASE_LARGE,
     ViewLimit,
     _acquire,
     _destroyed,
     _release,
     _View,
-    forget,
     touched,
 )
-from .ops import Contains, Get, GetRange, Operation, Page, Put
-from .pins import Lender, Snapshot, lendable
+from .operation import Operation
+from .ops import Contains, Get, GetRange, Page, Put
 from .protocol import WANT_KEYS, WANT_VALUES
+from .socket_client import SocketChannel
 
 #: Seconds between checks that a shard's supervisor lives (a lost host is seen within this).
 ALIVE_CHECK = 0.02
@@ -126,7 +114,7 @@ class SharedChannel:
         self._size = options.working_set_size
         self._wfk = options.wait_for_keys
         # A direct put must change its manager's generation word (see shard.generations);
-        # zero-copy reads share a snapshot while it has not changed (see .pins).
+        # zero-copy reads share a snapshot while it has not changed (see .lending).
         self._gens = sock.link.generations()
         self._words = self._gens if direct_writes else None
         self._mid = sock.info.manager_id
@@ -231,7 +219,7 @@ class SharedChannel:
 
     def _word(self) -> int:
         """The manager's generation word (0: unknown), read *before* a snapshot begins
-        (snapshots are shared while it is unchanged, see :mod:`.pins`)."""
+        (snapshots are shared while it is unchanged, see :mod:`.lending`)."""
         gens = self._gens
         return 0 if gens is None else gens.words.item(self._mid)
 
@@ -302,7 +290,7 @@ class SharedChannel:
     @contextlib.contextmanager
     def _reading(self, view: _View, lend: bool) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
         """A snapshot of the shard and how a value's frame leaves it: lent from a shared
-        lending snapshot (``lend``, see :mod:`.pins`), or copied (without ``lend``, or
+        lending snapshot (``lend``, see :mod:`.lending`), or copied (without ``lend``, or
         when ``max-snapshots`` are open)."""
         if lend:
             lender = view.lender or self._lender(view)
@@ -372,7 +360,7 @@ class SharedChannel:
             return view.lender
 
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
-        """The value's frame lent from a snapshot (see :mod:`.pins`), else copied; ``None``:
+        """The value's frame lent from a snapshot (see :mod:`.lending`), else copied; ``None``:
         absent, ``False``: a reader must wait (the manager's)."""
         with self._reading(view, True) as (txn, out):
             e = self._visible(view.store, digest, chkpt, txn)
@@ -546,7 +534,7 @@ class SharedChannel:
 
 
 def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> Any:
-    """``frame`` lent from ``snap`` (see :mod:`.pins`), or copied when lending it saves
+    """``frame`` lent from ``snap`` (see :mod:`.lending`), or copied when lending it saves
     nothing or is past ``max-pinned``."""
     lent = lender.lend(snap, frame) if lendable(frame) else None
     return view.copy(frame) if lent is None else lent

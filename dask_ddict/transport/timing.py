@@ -10,9 +10,9 @@ its first seconds').
 
 Timings are off unless asked for (``d.profile_reset()``, or ``ddict.profile: true``
 for every process from its start): the key path then pays one read of :data:`on`
-per operation (about 10 ns, on operations of microseconds) and nothing else; on,
-about a microsecond.  They are taken where an operation leaves the handle
-(:meth:`~.connect.Connections.channel`, ``each``, ``get_many``): an operation timed
+per operation and nothing else (``docs/guide/operations.md``, "A process's own
+timings", says what each costs).  They are taken where an operation leaves the handle
+(:meth:`~.channels.Channels.channel`, ``each``, ``get_many``): an operation timed
 inside another (``get_many``'s reads of the shards on this host, which go through
 their channels) counts once, as the outer one.
 
@@ -118,7 +118,7 @@ def reset(enable: bool) -> None:
 
 class TimedChannel:
     """A channel whose operations are timed: what
-    :meth:`~.connect.Connections.channel` gives while timings are on (anything but
+    :meth:`~.channels.Channels.channel` gives while timings are on (anything but
     ``call`` is the channel's own)."""
 
     __slots__ = ("_ch",)

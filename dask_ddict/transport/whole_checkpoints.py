@@ -1,9 +1,9 @@
 """The operations on whole checkpoints: persistence, replication, a moving shard.
 
-Part of the one table of operations (:mod:`.ops` imports them into
-``OPERATIONS``/``HANDLERS``); each moves or names whole checkpoints of a
-shard rather than keys, and is sent to every manager (or the chosen one) by
-the client's persistence and replication calls.
+Part of the one table of operations (:mod:`.table` lists this module with the
+others); each moves or names whole checkpoints of a shard rather than keys, and is
+sent to every manager (or the chosen one) by the client's persistence and
+replication calls.
 """
 
 from __future__ import annotations

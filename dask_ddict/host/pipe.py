@@ -1,0 +1,88 @@
+"""HostPipe: one control message down to a host process, its answer back up.
+
+The supervisor speaks to each incarnation of its host process over that process's
+stdin and stdout (the messages, and why a pipe: :mod:`.control`).  An exchange is a
+message written whole, then a reply read whole within a deadline: a host process
+that ends mid-exchange raises :class:`HostDiedError` (its pipe breaks, or reads end),
+one that does not answer in time a ``TIMEOUT`` :class:`~dask_ddict.errors.DDictError`,
+and a reply ``(False, exception)`` raises that exception here.
+
+The pipe takes no lock: one exchange at a time is its caller's to keep (the
+supervisor's lock), since what the supervisor records of an answer must change
+under the same lock as the exchange that brought it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import time
+from typing import Any
+
+from .. import config
+from ..errors import DDictError, DDictManagerUnavailableError
+from . import control
+
+
+class HostDiedError(DDictManagerUnavailableError):
+    """The host process ended while answering a control message."""
+
+
+class HostPipe:
+    """The control pipe of one incarnation of a host process (``proc``), for logs named
+    ``label`` (the nanny's or worker's address)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], label: str) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"<HostPipe {self.label!r} host_pid={self.proc.pid}>"
+
+    def send(self, msg: Any) -> None:
+        """Write ``msg`` whole (:class:`HostDiedError` if the host process is gone)."""
+        try:
+            control.send(self.proc.stdin, msg)  # type: ignore[arg-type]
+        except (BrokenPipeError, OSError) as e:
+            raise HostDiedError(f"the host process of {self.label} is gone ({e})") from None
+
+    def recv(self, timeout: float | None) -> Any:
+        """Read one reply within ``timeout`` seconds (``None``: no limit): its value, or
+        the exception it carries raised."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def read(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not select.select([fd], [], [], wait)[0]:
+                    raise DDictError(
+                        f"the host process of {self.label} did not answer within {timeout} s",
+                        "TIMEOUT",
+                    )
+                chunk = os.read(fd, n - len(buf))
+                if not chunk:
+                    raise HostDiedError(f"the host process of {self.label} ended")
+                buf += chunk
+            return bytes(buf)
+
+        ok, value = control.read_message(read)  # read() raises at EOF: never None here
+        if not ok:
+            raise value
+        return value
+
+    def exchange(self, msg: Any) -> Any:
+        """Send ``msg`` and return the reply, waited for at most
+        ``ddict.host.start-timeout``."""
+        self.send(msg)
+        return self.recv(config.get_seconds("host.start-timeout"))
+
+    def close(self) -> None:
+        """Close this end of the pipe (after the host process ended)."""
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
