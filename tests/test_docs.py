@@ -12,8 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
-#: Dragon's DDict API (0.14/0.15, ``dragon-ddict-notes.md`` §1): every name must be in
-#: the migration table, with what it is here.
+#: Dragon's DDict API (0.14/0.15): every name must be in the migration table
+#: (``docs/dragon.md``), with what it is here.
 DRAGON_ARGUMENTS = [
     "managers_per_node",
     "n_nodes",
@@ -91,8 +91,8 @@ DRAGON_METHODS = [
     "profile_reset",
     "filter",
 ]
-#: Dragon's DDict errors (``dragon-ddict-notes.md`` §2; its ``LostKeysError`` is documented
-#: but never raised, and never defined in its code).
+#: Dragon's DDict errors (its ``LostKeysError`` is documented but never raised, and never
+#: defined in its code).
 DRAGON_ERRORS = [
     "DDictError",
     "DDictKeyError",
@@ -104,7 +104,7 @@ DRAGON_ERRORS = [
     "DDictSyncError",
     "DDictUnableToCreateError",
 ]
-#: Dragon's keyword arguments of its methods that a Dragon program may name (§1).
+#: Dragon's keyword arguments of its methods that a Dragon program may name.
 DRAGON_KEYWORDS = {
     "fetch_add": ["val"],
     "sync": ["timeout"],
@@ -191,3 +191,13 @@ def test_every_dragon_name_is_accepted_here():
     for method, names in DRAGON_KEYWORDS.items():
         taken = inspect.signature(getattr(DDict, method)).parameters
         assert [n for n in names if n not in taken] == [], method
+
+
+def test_the_readme_links_to_files_that_exist():
+    """The README is read on GitHub and PyPI, outside the site's build: its links to the
+    docs and examples are checked here instead."""
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)", text)
+    local = [t for t in targets if not t.startswith(("http://", "https://"))]
+    assert "docs/index.md" in local
+    assert [t for t in local if not (ROOT / t).exists()] == []
