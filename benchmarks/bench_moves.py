@@ -454,21 +454,8 @@ def retire_rows(fill: int) -> list[Row]:
 
 # Runs on host 2 (``str.format``ted): sends ``nbytes`` to host 1, ``reps`` times, one
 # connection each, waiting for host 1's one-byte acknowledgement after each.
-_SENDER = """
-import socket
-host, port, n, reps = {host!r}, {port}, {nbytes}, {reps}
-buf = memoryview(b"\\x01" * (4 << 20))
-for _ in range(reps):
-    s = socket.create_connection((host, port), timeout=60)
-    left = n
-    while left:
-        k = min(left, len(buf))
-        s.sendall(buf[:k])
-        left -= k
-    s.shutdown(socket.SHUT_WR)
-    s.recv(1)
-    s.close()
-"""
+#: The TCP reference's sender, run on host 2 (a file, like the benchmarks' other children).
+_SENDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "children", "tcp_sender.py")
 
 
 def tcp_seconds(h: Any, nbytes: int, reps: int) -> list[float]:
@@ -506,7 +493,10 @@ def tcp_seconds(h: Any, nbytes: int, reps: int) -> list[float]:
     t.start()
     try:
         out = h.on_host2(
-            _SENDER.format(host=h.host1, port=port, nbytes=nbytes, reps=reps), timeout=180
+            "import runpy, sys; "
+            f"sys.argv = [{_SENDER!r}, {h.host1!r}, '{port}', '{nbytes}', '{reps}']; "
+            f"runpy.run_path({_SENDER!r}, run_name='__main__')",
+            timeout=180,
         )
         t.join(60)
     finally:
