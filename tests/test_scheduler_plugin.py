@@ -111,7 +111,9 @@ async def started(n: int = 2) -> tuple[DDictSchedulerPlugin, Any]:
 
 async def create(plugin: DDictSchedulerPlugin, name: str = "d", **kw: Any) -> Layout:
     opts = DDictOptions(**kw).to_dict()
-    return Layout.from_dict(await plugin.create(name, opts, 64 << 20, 2))
+    return Layout.from_dict(
+        await plugin.create(name=name, options=opts, total_mem=64 << 20, managers_per_worker=2)
+    )
 
 
 def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
@@ -133,7 +135,9 @@ def test_create_places_managers_on_supervisors_and_refuses_a_second_of_a_name():
             DDictError, match="already exists: attach with DDict.from_name.*dask ddict destroy d"
         ):
             await create(plugin)
-        anonymous = await plugin.create("", DDictOptions().to_dict(), 64 << 20, 1)
+        anonymous = await plugin.create(
+            name="", options=DDictOptions().to_dict(), total_mem=64 << 20, managers_per_worker=1
+        )
         assert anonymous["name"] and anonymous["name"] != "d"
 
     run(main())
