@@ -39,7 +39,9 @@ def extensions() -> list[Any]:
         print("dask-ddict: no Cython: pure-Python kernels", file=sys.stderr)
         return []
     source = KERNELS.replace(".", "/") + ".pyx"
-    return cythonize([Extension(KERNELS, [source], extra_compile_args=["-O2"])], quiet=True)
+    included = os.path.join(os.path.dirname(source), "lmdb_engine.pxi")  # (LMDB's C API)
+    kernels = Extension(KERNELS, [source], depends=[included], extra_compile_args=["-O2"])
+    return cythonize([kernels], quiet=True)
 
 
 class OptionalBuildExt(build_ext):

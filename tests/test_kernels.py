@@ -326,13 +326,13 @@ def test_lookup_frames_is_the_same_on_a_real_lmdb(
         db = env.open_db(b"data")
         tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
         with env.begin(db=db, buffers=buffers) as txn:
-            kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail, small)
+            kind, got = _same_views("lookup_frames", txn, db, asked, tail, small)
+            kinds = []
             for s in SETS:  # (small frames: copies, whatever the transaction gives)
-                assert all(
-                    type(f) is bytes
-                    for f in s.lookup_frames(txn.cursor(db), asked, tail, small)
-                    if f is not None and len(f) < small
-                )
+                frames = s.lookup_frames(txn, db, asked, tail, small)
+                assert all(type(f) is bytes for f in frames if f is not None and len(f) < small)
+                kinds.append([type(f) for f in frames])
+            assert all(k == kinds[0] for k in kinds)  # (views where the cursor gives views)
         assert kind == "ok"
         newest = {}
         for digest, c, flags, frame in versions:
@@ -348,10 +348,10 @@ def test_lookup_frames_is_the_same_on_a_real_lmdb(
         env.close()
 
 
-def test_lookup_frames_seeks_exactly_until_a_miss_and_the_same_after(tmp_path):
-    """The compiled walk seeks each key's version at the very checkpoint first (no key to
-    read) until one is missing (an older version, an absent key, a tombstone's older
-    one), then as the pure walk does: the same frames either way, in order."""
+def test_lookup_frames_finds_each_keys_newest_version_at_the_checkpoint(tmp_path):
+    """Versions at the very checkpoint, older ones, a tombstone over an older version,
+    absent keys and digests of the wrong length: the compiled walk (LMDB's C API) and
+    the pure one (lmdb's cursor) give the same frames, in order."""
     d = [bytes([i]) * 16 for i in range(6)]
     env = _shard(
         str(tmp_path / "lmdb"),
@@ -370,7 +370,7 @@ def test_lookup_frames_seeks_exactly_until_a_miss_and_the_same_after(tmp_path):
         tail = struct.pack(">Q", (1 << 64) - 1 - 3)
         asked = [d[0], d[1], d[4], d[5], d[0], d[2], d[3], d[4], d[1][:12], d[1] + b"x"]
         with env.begin(db=db, buffers=True) as txn:
-            kind, got = _same_views("lookup_frames", txn.cursor(db), asked, tail, 4096)
+            kind, got = _same_views("lookup_frames", txn, db, asked, tail, 4096)
         assert kind == "ok"
         assert got == [b"a3", b"b3", b"e3", None, b"a3", b"c1", None, b"e3", None, None]
     finally:
@@ -417,7 +417,7 @@ def test_lookup_entry_is_the_same_on_a_real_lmdb(
                     if k:
                         txn.put(k, v, db=db)
         with env.begin(db=db, buffers=buffers) as txn:
-            outcomes = [_entry_outcome(s.lookup_entry, txn.cursor(db), asked, chkpt) for s in SETS]
+            outcomes = [_entry_outcome(s.lookup_entry, txn, db, asked, chkpt) for s in SETS]
         assert all(o == outcomes[0] for o in outcomes), outcomes
         if raw or not (type(chkpt) is int and 0 <= chkpt < 7):
             return
@@ -606,7 +606,8 @@ def test_put_entries_is_put_over_in_a_loop_on_a_real_shard(
                     tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
                     kind, got = _outcome(
                         s.put_entries,
-                        txn.cursor(store._data),
+                        txn,
+                        store._data,
                         records,
                         start,
                         tail,

@@ -41,9 +41,12 @@ def _choose() -> tuple[ModuleType, bool]:
     except ImportError as e:  # (not built: no compiler, or DASK_DDICT__COMPILED=false at install)
         logger.debug("dask_ddict.kernels: not compiled (%s): pure Python", e)
         return pure, False
-    source = os.path.join(os.path.dirname(__file__), "_compiled.pyx")
+    here = os.path.dirname(__file__)
     built = getattr(_compiled, "__file__", None)
-    if built and os.path.exists(source) and os.stat(source).st_mtime > os.stat(built).st_mtime:
+    sources = [os.path.join(here, name) for name in ("_compiled.pyx", "lmdb_engine.pxi")]
+    newest = max(((os.stat(p).st_mtime, p) for p in sources if os.path.exists(p)), default=None)
+    if built and newest is not None and newest[0] > os.stat(built).st_mtime:
+        source = newest[1]
         warnings.warn(
             f"{source} is newer than its build {built}: run `pip install -e .` again "
             "(or set ddict.compiled: false)",

@@ -471,108 +471,9 @@ def unpack_frames(payload, Py_ssize_t small=0):
     return out
 
 
-def lookup_entry(cursor, bytes digest not None, object chkpt):
-    cdef Py_ssize_t n = PyBytes_GET_SIZE(digest), end, stop, size, klen_lmdb
-    cdef bytes seek
-    cdef Py_buffer kv, vv
-    cdef uint64_t c, flags, klen, flen, version
-    cdef const unsigned char* p
-    cdef unsigned char* w
-    if type(chkpt) is int and 0 <= chkpt <= _MAXQ:  # (else: the pure spelling's error)
-        c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, written big-endian after the digest)
-        seek = PyBytes_FromStringAndSize(NULL, n + 8)
-        w = <unsigned char*>PyBytes_AS_STRING(seek)
-        memcpy(w, PyBytes_AS_STRING(digest), n)
-        for end in range(8):
-            w[n + end] = (c >> (56 - 8 * end)) & 0xFF
-    else:
-        seek = digest + _be_pack(_MAXQ - chkpt)
-    if not cursor.set_range(seek):
-        return None
-    k, raw = cursor.item()
-    PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
-    try:  # (k[:DIGEST] == digest)
-        if (kv.len if kv.len < _DIGEST else _DIGEST) != n or memcmp(
-                kv.buf, PyBytes_AS_STRING(digest), n) != 0:  # fmt: skip
-            return None
-        klen_lmdb = kv.len  # (its version is read after the value's header, as pure reads it)
-        version = 0
-        if kv.len >= _DIGEST + 8:
-            p = <const unsigned char*>kv.buf + _DIGEST
-            for end in range(8):
-                version = (version << 8) | p[end]
-    finally:
-        PyBuffer_Release(&kv)
-    PyObject_GetBuffer(raw, &vv, PyBUF_SIMPLE)
-    try:
-        size = vv.len
-        if size < _ENTRY_HEADER:
-            raise struct.error("unpack_from requires a buffer of at least 16 bytes for "
-                               f"unpacking 16 bytes at offset 0 (actual buffer size is {size})")
-        p = <const unsigned char*>vv.buf
-        flags, flen = p[0], _le64(p + 8)
-        if klen_lmdb < _DIGEST + 8:
-            raise struct.error("unpack_from requires a buffer of at least 24 bytes for "
-                               f"unpacking 8 bytes at offset 16 (actual buffer size is "
-                               f"{klen_lmdb})")  # fmt: skip
-        klen = _le32(p + 4)
-    finally:
-        PyBuffer_Release(&vv)
-    # (the frame, then the key, sliced as Python slices: bounds past the end are cut there)
-    end = size if flen > <uint64_t>(size - _ENTRY_HEADER) else _ENTRY_HEADER + <Py_ssize_t>flen
-    stop = size if klen > <uint64_t>(size - end) else end + <Py_ssize_t>klen
-    return _new_tuple(_Entry, (~version, flags, raw[_ENTRY_HEADER:end], raw[end:stop]))
-
-
 def decoded(frame, decode):
     cdef object value = _small(frame)
     return decode(frame) if value is NotImplemented else value
-
-
-def lookup_frames(cursor, list digests, bytes tail, Py_ssize_t small=0):
-    exact, seek, key, value = cursor.set_key, cursor.set_range, cursor.key, cursor.value
-    cdef list out = []
-    cdef Py_buffer kv, vv
-    cdef bytes d, dk
-    cdef bint same, hits = True  # (exact seeks found each key so far: go on trying them)
-    cdef uint64_t n
-    cdef Py_ssize_t have
-    for d in digests:
-        dk = d + tail
-        # A version at this very checkpoint needs no look at its key; after one miss (an
-        # older version, an absent key) the walk seeks as the pure one does: a miss costs
-        # a second seek, once per call.
-        if not (hits and PyBytes_GET_SIZE(d) == _DIGEST and exact(dk)):
-            hits = False
-            if not seek(dk):
-                out.append(None)
-                continue
-            k = key()
-            PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
-            same = (kv.len >= _DIGEST and PyBytes_GET_SIZE(d) == _DIGEST
-                    and memcmp(kv.buf, PyBytes_AS_STRING(d), _DIGEST) == 0)
-            PyBuffer_Release(&kv)
-            if not same:
-                out.append(None)
-                continue
-        raw = value()
-        PyObject_GetBuffer(raw, &vv, PyBUF_SIMPLE)
-        try:
-            if vv.len < _ENTRY_HEADER:
-                raise struct.error(f"a shard entry of {vv.len} bytes has no header")
-            if (<const unsigned char*>vv.buf)[0] & _TOMBSTONE:
-                out.append(None)
-                continue
-            n = _le64(<const unsigned char*>vv.buf + 8)
-            if n < <uint64_t>small:  # (a copy, as bytes(raw[16 : 16 + n]) makes it)
-                have = vv.len - _ENTRY_HEADER
-                out.append(PyBytes_FromStringAndSize(<char*>vv.buf + _ENTRY_HEADER,
-                                                     have if <uint64_t>have < n else <Py_ssize_t>n))
-                continue
-        finally:
-            PyBuffer_Release(&vv)
-        out.append(raw[_ENTRY_HEADER : _ENTRY_HEADER + n])
-    return out
 
 
 def taken_out(list frames, object out):
@@ -728,55 +629,6 @@ cdef inline tuple _parts(object frame):
 
 
 @cython.boundscheck(True)
-def put_entries(cursor, list records, Py_ssize_t start, bytes tail, int flags, Py_ssize_t most,
-                object full):
-    replace, step, key, value, delete = (cursor.replace, cursor.next, cursor.key,
-                                         cursor.value, cursor.delete)
-    cdef bint dead = flags & _TOMBSTONE, live
-    cdef Py_ssize_t delta = 0, i, n = len(records), nbytes, klen, total, off, end
-    cdef bytes buf
-    cdef char* p
-    for i in range(start, n):
-        r = records[i]
-        digest, kb, frame = r[0], r[1], r[2]
-        parts, nbytes = _parts(frame)
-        klen = len(kb)
-        total = _ENTRY_HEADER + nbytes + klen
-        if total >= most:
-            return i, delta, None
-        buf = PyBytes_FromStringAndSize(NULL, total)
-        p = PyBytes_AS_STRING(buf)
-        p[0] = <char>(flags & 0xFF)
-        p[1] = p[2] = p[3] = 0
-        p[4] = <char>(klen & 0xFF)
-        p[5] = <char>((klen >> 8) & 0xFF)
-        p[6] = <char>((klen >> 16) & 0xFF)
-        p[7] = <char>((klen >> 24) & 0xFF)
-        _put_le64(<unsigned char*>p + 8, <uint64_t>nbytes)
-        off, end = _ENTRY_HEADER, total - klen
-        for part in parts:
-            off = _copy_in(p, off, end, part)
-            if off < 0:
-                break
-        if off != end or _copy_in(p, off, total, kb) != total:
-            raise ValueError(_UNEVEN)
-        try:
-            old = replace(digest + tail, buf)
-            if old is not None:
-                live = not _tombstone(old)
-            else:
-                live = False
-                if step() and _same_digest(key(), digest):
-                    live = not _tombstone(value())
-                    while delete() and _same_digest(key(), digest):
-                        pass
-        except full as e:
-            return i, delta, e
-        if live == dead:
-            delta += -1 if live else 1
-    return n, delta, None
-
-
 cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
     p[0] = <char>(v & 0xFF)
     p[1] = <char>((v >> 8) & 0xFF)
@@ -1061,3 +913,6 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
             raise OSError(err, os.strerror(err))
         PyErr_CheckSignals()
     return None if sent == _REPLY + n else memoryview(data)[sent:]
+
+
+include "lmdb_engine.pxi"

@@ -233,15 +233,17 @@ def unpack_frames(payload: Any, small: int = 0) -> list[Any]:
     return out
 
 
-def lookup_entry(cursor: Any, digest: bytes, chkpt: int) -> Entry | None:
+def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int) -> Entry | None:
     """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
     :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or
-    ``None``: a single-key read's seek, on a cursor of the shard's data table.
+    ``None``: a single-key read's seek, on a cursor of database ``db`` (the shard's
+    data table) in transaction ``txn``.
 
     A data key is the digest, then the checkpoint's big-endian complement
     (:func:`~dask_ddict._entry.data_key`): the first key at or after
     ``digest + complement`` with the same digest is the newest version ``chkpt`` sees.
     """
+    cursor = txn.cursor(db)
     if not cursor.set_range(digest + BE.pack(MAXQ - chkpt)):
         return None
     k, raw = cursor.item()
@@ -262,9 +264,12 @@ def decoded(frame: Any, decode: Callable[[Any], Any]) -> Any:
     return decode(frame)
 
 
-def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes, small: int = 0) -> list[Any]:
-    """The frames of the newest versions of ``digests`` at or before a checkpoint, with
-    one LMDB cursor (``None`` for an absent key or a deletion).
+def lookup_frames(
+    txn: Any, db: Any, digests: list[bytes], tail: bytes, small: int = 0
+) -> list[Any]:
+    """The frames of the newest versions of ``digests`` at or before a checkpoint, in
+    database ``db`` of transaction ``txn``, with one LMDB cursor (``None`` for an absent
+    key or a deletion).
 
     A data key is ``digest + tail``-ordered: ``tail`` is the checkpoint's big-endian
     complement, so the first key at or after ``digest + tail`` with the same digest
@@ -273,6 +278,7 @@ def lookup_frames(cursor: Any, digests: list[bytes], tail: bytes, small: int = 0
     rather than in a loop of its own), a larger one as the cursor gives it (a view
     of the shard's page inside a ``buffers`` transaction).
     """
+    cursor = txn.cursor(db)
     seek, key, value, unpack = cursor.set_range, cursor.key, cursor.value, ENTRY.unpack_from
     out: list[Any] = []
     for d in digests:
@@ -428,7 +434,8 @@ def entries_bytes(records: list[Record]) -> int:
 
 
 def put_entries(
-    cursor: Any,
+    txn: Any,
+    db: Any,
     records: list[Record],
     start: int,
     tail: bytes,
@@ -438,8 +445,9 @@ def put_entries(
 ) -> tuple[int, int, Exception | None]:
     """Put ``records[start:]`` in order, each as its key's version under ``digest +
     tail`` with ``flags``, over its older versions, which are deleted (a window of one
-    checkpoint: no reader sees them, as ``ShardStore.put_over`` does one): one LMDB
-    ``replace`` per record, and a step of ``cursor`` for a key new at the checkpoint.
+    checkpoint: no reader sees them, as ``ShardStore.put_over`` does one), in database
+    ``db`` of write transaction ``txn``: one LMDB ``replace`` per record, and a step of
+    one cursor for a key new at the checkpoint.
 
     Returns ``(i, delta, error)``: ``records[start:i]`` were put, and the number of
     keys seen changed by ``delta``.  ``error`` is the ``full`` error (LMDB's
@@ -448,6 +456,7 @@ def put_entries(
     ``records[i]``, if any, has an entry of ``most`` bytes or more, which the caller
     puts itself (a large value is gathered without a copy of its own).
     """
+    cursor = txn.cursor(db)
     replace, step, key, value, delete = (
         cursor.replace,
         cursor.next,

@@ -227,7 +227,7 @@ class ShardStore(Capacity):
 
     def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
         """The newest version of a key at or below ``chkpt``."""
-        return kernels.lookup_entry(txn.cursor(self._data), digest, chkpt)
+        return kernels.lookup_entry(txn, self._data, digest, chkpt)
 
     def lookup_many(
         self,
@@ -241,10 +241,10 @@ class ShardStore(Capacity):
         ``frames``: the frames of live versions, ``None`` for the others (no ``Entry``
         made: ``get_many``'s path where every live version is seen), those under
         ``small`` bytes copied (see :func:`~dask_ddict.kernels.lookup_frames`)."""
-        cur = txn.cursor(self._data)
         tail = _BE.pack(_MAXQ - chkpt)
         if frames:  # (the compiled kernel, where it was built)
-            return kernels.lookup_frames(cur, digests, tail, small)
+            return kernels.lookup_frames(txn, self._data, digests, tail, small)
+        cur = txn.cursor(self._data)
         seek, key, value = cur.set_range, cur.key, cur.value
         out: list[Any] = []
         for digest in digests:
@@ -387,13 +387,13 @@ class ShardStore(Capacity):
         """:meth:`put_over` of each record in order, the small ones in a compiled loop
         (:func:`~dask_ddict.kernels.put_entries`): ``(how many were put, the change in keys
         seen, the error that refused the next one)``; a full map leaves nothing to commit."""
-        tail, cursor = _BE.pack(_MAXQ - chkpt), txn.cursor(self._data)
+        tail = _BE.pack(_MAXQ - chkpt)
         most = 0 if self.indexed else HUGE_BYTES  # (an index entry each: put_over writes it)
         done = delta = 0
         dead = bool(flags & TOMBSTONE)
         while done < len(records):
             done, more, full = kernels.put_entries(
-                cursor, records, done, tail, flags, most, lmdb.MapFullError
+                txn, self._data, records, done, tail, flags, most, lmdb.MapFullError
             )
             delta += more
             if done == len(records):

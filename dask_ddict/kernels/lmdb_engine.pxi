@@ -1,0 +1,500 @@
+# LMDB through its C API: the engine the installed lmdb (py-lmdb) package carries.
+#
+# Included by _compiled.pyx.  py-lmdb 3.0 builds LMDB into its extension and exports
+# each engine's entry points as a table (``lmdb_api_v09``: LMDB 0.9, data format 1;
+# ``lmdb_api_v10``: LMDB 1.0, format 3), and picks the engine of each environment when
+# it opens it.  The kernels here call that very table on the environment py-lmdb opened,
+# through the transaction and database objects the caller already holds: one LMDB build
+# and one environment handle per shard in the process (LMDB forbids two handles on one
+# environment in one process), the same files read and written by the same code whether
+# a process runs the compiled kernels or the pure ones.
+#
+# Rejected: a copy of LMDB's source in this repository, or one fetched at build time
+# (a second build of LMDB in the process, which must never open a shard py-lmdb has
+# open), and the system's liblmdb (absent on a fresh machine, its version unrelated to
+# the one that wrote the shard).
+#
+# What is read of py-lmdb's objects is their C layout in py-lmdb 3.0 (lmdb/cpython.c);
+# the engine is checked once per process (its table against its own version function,
+# the installed package's version against the layouts known here), and every object
+# handed in is checked against its type and its engine before a pointer is taken from
+# it.  Anything else (another py-lmdb, its CFFI flavour, a closed object) is refused
+# with LmdbEngineError, and the caller runs the pure kernel instead.
+#
+# The GIL is held throughout: a transaction or an environment is closed by Python
+# code, which therefore cannot run while a walk is inside LMDB.
+
+from cpython.ref cimport PyObject
+
+import logging
+
+from .pure import (
+    lookup_entry as _pure_lookup_entry,
+    lookup_frames as _pure_lookup_frames,
+    put_entries as _pure_put_entries,
+)
+
+_logger = logging.getLogger("dask_ddict.kernels")
+
+cdef extern from "<dlfcn.h>" nogil:
+    void* dlopen(const char* filename, int flags)
+    void* dlsym(void* handle, const char* symbol)
+    int RTLD_NOW
+    int RTLD_NOLOAD
+
+cdef extern from *:
+    """
+    /* The ABI of py-lmdb 3.0's per-engine table (lmdb/mdb_api.h): four ints, then
+       entry points in this order.  Only the types this module calls are spelled out;
+       the others keep their slots. */
+    typedef struct { size_t mv_size; void *mv_data; } ddict_mdb_val;
+    typedef struct ddict_mdb_txn_s ddict_mdb_txn;        /* opaque: LMDB's MDB_txn */
+    typedef struct ddict_mdb_cursor_s ddict_mdb_cursor;  /* opaque: LMDB's MDB_cursor */
+    typedef struct {
+        int major, minor, patch;
+        unsigned int data_version;
+        void *env_fns[20];   /* env_create .. reader_list */
+        void *txn_fns[6];    /* txn_begin .. txn_id */
+        void *dbi_fns[8];    /* dbi_open .. stat */
+        int (*cursor_open)(ddict_mdb_txn *txn, unsigned int dbi, ddict_mdb_cursor **cursor);
+        void (*cursor_close)(ddict_mdb_cursor *cursor);
+        int (*cursor_get)(ddict_mdb_cursor *cursor, ddict_mdb_val *key, ddict_mdb_val *data,
+                          int op);
+        int (*cursor_put)(ddict_mdb_cursor *cursor, ddict_mdb_val *key, ddict_mdb_val *data,
+                          unsigned int flags);
+        int (*cursor_del)(ddict_mdb_cursor *cursor, unsigned int flags);
+        void *cursor_count;
+        char *(*strerror_fn)(int err);
+        char *(*version_fn)(int *major, int *minor, int *patch);
+    } ddict_mdb_api;
+    /* py-lmdb 3.0's objects (lmdb/cpython.c), as far as they are read here. */
+    typedef struct {
+        PyObject_HEAD
+        void *siblings[2], *children[2];
+        int valid;
+        PyObject *weaklist;
+        void *env;
+        const ddict_mdb_api *libv;
+    } ddict_lmdb_env;
+    typedef struct {
+        PyObject_HEAD
+        void *siblings[2], *children[2];
+        int valid;
+        PyObject *weaklist;
+        ddict_lmdb_env *env;
+        PyObject *parent;
+        const ddict_mdb_api *libv;
+        ddict_mdb_txn *txn;
+        int flags;
+        PyObject *db;
+        int mutations;  /* py-lmdb's cursors read their item again when it moved */
+    } ddict_lmdb_txn;
+    typedef struct {
+        PyObject_HEAD
+        void *siblings[2], *children[2];
+        int valid;
+        ddict_lmdb_env *env;
+        unsigned int dbi;
+    } ddict_lmdb_db;
+    #define DDICT_MDB_GET_CURRENT 4
+    #define DDICT_MDB_NEXT 8
+    #define DDICT_MDB_SET_KEY 16
+    #define DDICT_MDB_SET_RANGE 17
+    #define DDICT_MDB_RESERVE 0x10000
+    #define DDICT_MDB_NOTFOUND (-30798)
+    #define DDICT_MDB_MAP_FULL (-30792)
+    #define DDICT_TRANS_BUFFERS 1
+    """
+    ctypedef struct ddict_mdb_val:
+        size_t mv_size
+        void* mv_data
+    ctypedef struct ddict_mdb_txn:
+        pass
+    ctypedef struct ddict_mdb_cursor:
+        pass
+    ctypedef struct ddict_mdb_api:
+        int major, minor, patch
+        unsigned int data_version
+        int (*cursor_open)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_cursor** cursor)
+        void (*cursor_close)(ddict_mdb_cursor* cursor)
+        int (*cursor_get)(ddict_mdb_cursor* cursor, ddict_mdb_val* key, ddict_mdb_val* data,
+                          int op)
+        int (*cursor_put)(ddict_mdb_cursor* cursor, ddict_mdb_val* key, ddict_mdb_val* data,
+                          unsigned int flags)
+        int (*cursor_del)(ddict_mdb_cursor* cursor, unsigned int flags)
+        char* (*strerror_fn)(int err)
+        char* (*version_fn)(int* major, int* minor, int* patch)
+    ctypedef struct ddict_lmdb_env:
+        int valid
+        const ddict_mdb_api* libv
+    ctypedef struct ddict_lmdb_txn:
+        int valid
+        ddict_lmdb_env* env
+        const ddict_mdb_api* libv
+        ddict_mdb_txn* txn
+        int flags
+        int mutations
+    ctypedef struct ddict_lmdb_db:
+        int valid
+        ddict_lmdb_env* env
+        unsigned int dbi
+    int DDICT_MDB_GET_CURRENT
+    int DDICT_MDB_NEXT
+    int DDICT_MDB_SET_KEY
+    int DDICT_MDB_SET_RANGE
+    unsigned int DDICT_MDB_RESERVE
+    int DDICT_MDB_NOTFOUND
+    int DDICT_MDB_MAP_FULL
+    int DDICT_TRANS_BUFFERS
+
+
+class LmdbEngineError(RuntimeError):
+    """The installed lmdb package is not one whose C layout these kernels know, or an
+    object handed to them is not a live one of its CPython flavour."""
+
+
+#: The py-lmdb releases whose object layouts (lmdb/cpython.c) this module reads.
+KNOWN_LMDB = ("3.0.",)
+
+cdef const ddict_mdb_api* _ENGINES[2]
+cdef int _engines_state = 0  # 0: not looked up yet; 1: usable; -1: refused (see _refusal)
+cdef object _refusal = None
+cdef object _Transaction = None
+cdef object _Database = None
+
+
+cdef int _engines() except -1:
+    """Find py-lmdb's engine tables, once per process; raise why they cannot be used."""
+    global _engines_state, _refusal, _Transaction, _Database
+    if _engines_state == 1:
+        return 0
+    if _engines_state == -1:
+        raise LmdbEngineError(_refusal)
+    try:
+        import lmdb
+        if not lmdb.__version__.startswith(KNOWN_LMDB):
+            raise LmdbEngineError(
+                f"lmdb {lmdb.__version__} is installed; the compiled shard kernels know the "
+                f"C layout of lmdb {' or '.join(v + 'x' for v in KNOWN_LMDB)} only")
+        try:
+            import lmdb.cpython as flavour
+        except ImportError:
+            raise LmdbEngineError("lmdb runs its CFFI flavour; the compiled shard kernels "
+                                  "read the CPython one") from None
+        if lmdb.Transaction is not flavour.Transaction:
+            raise LmdbEngineError("lmdb runs its CFFI flavour (LMDB_FORCE_CFFI?); the "
+                                  "compiled shard kernels read the CPython one")
+        path = flavour.__file__.encode()
+        handle = dlopen(path, RTLD_NOW | RTLD_NOLOAD)
+        if handle == NULL:
+            raise LmdbEngineError(f"cannot reach the loaded {flavour.__file__}")
+        _ENGINES[0] = <const ddict_mdb_api*>dlsym(handle, "lmdb_api_v09")
+        _ENGINES[1] = <const ddict_mdb_api*>dlsym(handle, "lmdb_api_v10")
+        for i in range(2):
+            if _ENGINES[i] != NULL:
+                _check_engine(_ENGINES[i])
+        if _ENGINES[0] == NULL and _ENGINES[1] == NULL:
+            raise LmdbEngineError(f"{flavour.__file__} exports no LMDB engine table")
+        _Transaction, _Database = flavour.Transaction, flavour._Database
+    except LmdbEngineError as e:
+        _engines_state, _refusal = -1, str(e)
+        raise
+    _engines_state = 1
+    return 0
+
+
+cdef int _check_engine(const ddict_mdb_api* api) except -1:
+    """The table is laid out as this module reads it: its first fields and its last one
+    (the engine's own version function) agree, and its data format is LMDB's."""
+    cdef int a = -1, b = -1, c = -1
+    if api.data_version not in (1, 3) or api.version_fn == NULL or api.cursor_get == NULL:
+        raise LmdbEngineError("lmdb's engine table is not laid out as the kernels read it")
+    api.version_fn(&a, &b, &c)
+    if (a, b, c) != (api.major, api.minor, api.patch):
+        raise LmdbEngineError(
+            f"lmdb's engine table says LMDB {api.major}.{api.minor}.{api.patch} and its "
+            f"version function {a}.{b}.{c}: not the layout the kernels read")
+    return 0
+
+
+cdef bint _is_engine(const ddict_mdb_api* api):
+    return api != NULL and (api == _ENGINES[0] or api == _ENGINES[1])
+
+
+cdef bint _said = False
+
+
+cdef bint _usable(object txn, object db) except -1:
+    """Whether the engine may walk ``txn`` and ``db``: it was found (else say once per
+    process why not) and they are lmdb's CPython objects (else the caller's objects go
+    to the pure walk, which treats them as it always did)."""
+    global _said
+    if _engines_state != 1:
+        try:
+            _engines()
+        except LmdbEngineError as e:
+            if not _said:
+                _said = True
+                _logger.warning("dask_ddict.kernels: shard reads use lmdb's Python API: %s", e)
+            return False
+    return type(txn) is _Transaction and type(db) is _Database
+
+
+cdef ddict_lmdb_txn* _txn_of(object txn, object db, unsigned int* dbi) except NULL:
+    """The LMDB transaction of py-lmdb's ``txn`` (checked by :func:`_usable`) and the
+    handle of its database ``db``, checked: that both are open and belong to one
+    environment opened by one of the engines found."""
+    cdef ddict_lmdb_txn* t = <ddict_lmdb_txn*><PyObject*>txn
+    cdef ddict_lmdb_db* d = <ddict_lmdb_db*><PyObject*>db
+    if not t.valid or t.txn == NULL or t.env == NULL or not d.valid:
+        raise lmdb_error("Attempt to operate on closed/deleted/dropped object.")
+    if not _is_engine(t.libv) or t.env.libv != t.libv or d.env != t.env:
+        raise LmdbEngineError("an lmdb transaction not laid out as the kernels read it")
+    dbi[0] = d.dbi
+    return t
+
+
+cdef bint _all_digests(list digests) except -1:
+    """Whether every item is a digest (``bytes`` of DIGEST bytes): what the engine's
+    walks take; anything else is walked by the pure kernel, which says what it says."""
+    for d in digests:
+        if type(d) is not bytes or PyBytes_GET_SIZE(d) != _DIGEST:
+            return False
+    return True
+
+
+cdef object lmdb_error(str message):
+    import lmdb
+    return lmdb.Error(message)
+
+
+def engine_refusal():
+    """``None`` where the compiled shard kernels can use lmdb's engine, else why not."""
+    try:
+        _engines()
+    except LmdbEngineError as e:
+        return str(e)
+    return None
+
+
+def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
+    cdef unsigned int dbi
+    cdef ddict_lmdb_txn* t
+    cdef ddict_mdb_val k, v
+    cdef unsigned char seek[64]  # (a digest and a tail: 24 bytes)
+    cdef Py_ssize_t have, n64
+    cdef uint64_t n
+    cdef const unsigned char* raw
+    cdef bytes d
+    cdef int rc
+    cdef const ddict_mdb_api* api
+    cdef bint views
+    cdef ddict_mdb_cursor* cur
+    cdef list out
+    if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
+        # (the pure walk, as it always was)
+        return _pure_lookup_frames(txn, db, digests, tail, small)
+    t = _txn_of(txn, db, &dbi)
+    api = t.libv
+    views = t.flags & DDICT_TRANS_BUFFERS
+    cur = NULL
+    out = []
+    memcpy(seek + _DIGEST, PyBytes_AS_STRING(tail), 8)
+    rc = api.cursor_open(t.txn, dbi, &cur)
+    if rc:
+        raise lmdb_error(f"mdb_cursor_open: {api.strerror_fn(rc).decode()}")
+    try:
+        for d in digests:
+            memcpy(seek, PyBytes_AS_STRING(d), _DIGEST)
+            k.mv_size, k.mv_data = _DIGEST + 8, seek
+            rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
+            if rc == DDICT_MDB_NOTFOUND:
+                out.append(None)
+                continue
+            if rc:
+                raise lmdb_error(f"mdb_cursor_get: {api.strerror_fn(rc).decode()}")
+            if k.mv_size < _DIGEST or memcmp(k.mv_data, seek, _DIGEST) != 0:
+                out.append(None)
+                continue
+            raw = <const unsigned char*>v.mv_data
+            if v.mv_size < _ENTRY_HEADER:
+                raise struct.error(f"a shard entry of {v.mv_size} bytes has no header")
+            if raw[0] & _TOMBSTONE:
+                out.append(None)
+                continue
+            n = _le64(raw + 8)
+            have = <Py_ssize_t>v.mv_size - _ENTRY_HEADER
+            n64 = have if n > <uint64_t>have else <Py_ssize_t>n
+            if views and n >= <uint64_t>small:  # (a view of the page, as the cursor's)
+                out.append(PyMemoryView_FromMemory(<char*>raw + _ENTRY_HEADER, n64, PyBUF_READ))
+            else:
+                out.append(PyBytes_FromStringAndSize(<char*>raw + _ENTRY_HEADER, n64))
+    finally:
+        api.cursor_close(cur)
+    return out
+
+
+cdef inline object _mdb_failed(const ddict_mdb_api* api, str call, int rc):
+    return lmdb_error(f"{call}: {api.strerror_fn(rc).decode()}")
+
+
+cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest, Py_ssize_t n):
+    """Whether the key ``k`` starts with ``digest`` (``k[:DIGEST] == digest``)."""
+    return n == _DIGEST and k.mv_size >= <size_t>_DIGEST and memcmp(k.mv_data, digest, n) == 0
+
+
+def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
+                Py_ssize_t most, object full):
+    cdef unsigned int dbi
+    cdef ddict_lmdb_txn* t
+    cdef const ddict_mdb_api* api
+    cdef ddict_mdb_cursor* cur
+    cdef ddict_mdb_val k, v, nk, nv
+    cdef unsigned char seek[64]
+    cdef bint dead = flags & _TOMBSTONE, live
+    cdef Py_ssize_t delta = 0, i, n = len(records), nbytes, klen, total, off, end, dlen
+    cdef char* p
+    cdef int rc
+    cdef object digest
+    if not _usable(txn, db) or PyBytes_GET_SIZE(tail) != 8:  # (the pure loop, as ever)
+        return _pure_put_entries(txn, db, records, start, tail, flags, most, full)
+    t = _txn_of(txn, db, &dbi)
+    api = t.libv
+    cur = NULL
+    rc = api.cursor_open(t.txn, dbi, &cur)
+    if rc:
+        raise _mdb_failed(api, "mdb_cursor_open", rc)
+    try:
+        for i in range(start, n):
+            r = records[i]
+            digest, kb, frame = r[0], r[1], r[2]
+            if type(digest) is not bytes or PyBytes_GET_SIZE(digest) != _DIGEST:
+                # (not a digest: the rest as the pure loop puts it, with its errors)
+                done, more, error = _pure_put_entries(txn, db, records, i, tail, flags, most, full)
+                return done, delta + more, error
+            dlen = _DIGEST
+            parts, nbytes = _parts(frame)
+            klen = len(kb)
+            total = _ENTRY_HEADER + nbytes + klen
+            if total >= most:
+                return i, delta, None
+            memcpy(seek, PyBytes_AS_STRING(digest), dlen)
+            memcpy(seek + dlen, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
+            k.mv_size, k.mv_data = dlen + PyBytes_GET_SIZE(tail), seek
+            # the version at this checkpoint, if any, is replaced (the pure loop's replace)
+            rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_KEY)
+            if rc == 0:
+                live = v.mv_size > 0 and not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
+            elif rc == DDICT_MDB_NOTFOUND:
+                live = False
+            else:
+                raise _mdb_failed(api, "mdb_cursor_get", rc)
+            existed = rc == 0
+            k.mv_size, k.mv_data = dlen + PyBytes_GET_SIZE(tail), seek
+            v.mv_size, v.mv_data = total, NULL
+            rc = api.cursor_put(cur, &k, &v, DDICT_MDB_RESERVE)  # (written in place below)
+            t.mutations += 1
+            if rc == DDICT_MDB_MAP_FULL:  # (the transaction is then only to abort)
+                return i, delta, full(f"mdb_cursor_put: {api.strerror_fn(rc).decode()}")
+            if rc:
+                raise _mdb_failed(api, "mdb_cursor_put", rc)
+            p = <char*>v.mv_data
+            p[0] = <char>(flags & 0xFF)
+            p[1] = p[2] = p[3] = 0
+            _put_le32(p + 4, <uint32_t>klen)
+            _put_le64(<unsigned char*>p + 8, <uint64_t>nbytes)
+            off, end = _ENTRY_HEADER, total - klen
+            for part in parts:
+                off = _copy_in(p, off, end, part)
+                if off < 0:
+                    break
+            if off != end or _copy_in(p, off, total, kb) != total:
+                raise ValueError(_UNEVEN)  # (a frame whose parts do not add up: a bug)
+            if not existed:  # new at this checkpoint: its older versions follow, newest first
+                rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_NEXT)
+                if rc == 0 and _digest_at(&nk, seek, dlen):
+                    live = nv.mv_size > 0 and not (<const unsigned char*>nv.mv_data)[0] & _TOMBSTONE
+                    while True:
+                        rc = api.cursor_del(cur, 0)
+                        t.mutations += 1
+                        if rc == DDICT_MDB_MAP_FULL:
+                            return i, delta, full(f"mdb_cursor_del: {api.strerror_fn(rc).decode()}")
+                        if rc:
+                            raise _mdb_failed(api, "mdb_cursor_del", rc)
+                        rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_GET_CURRENT)
+                        if rc or not _digest_at(&nk, seek, dlen):
+                            break
+                elif rc and rc != DDICT_MDB_NOTFOUND:
+                    raise _mdb_failed(api, "mdb_cursor_get", rc)
+            if live == dead:  # (seen before xor after: one key more or less)
+                delta += -1 if live else 1
+        return n, delta, None
+    finally:
+        api.cursor_close(cur)
+
+
+#: A value at least this big is read by lmdb's own cursor, which touches its pages with
+#: the interpreter lock released (py-lmdb's ``preload``): a copying read of a large value
+#: relies on that (docs/design/kernels.md, "A cold large read on the same host").
+PRELOADED = 64 << 10
+
+
+def lookup_entry(txn, db, digest, chkpt):
+    cdef unsigned int dbi
+    cdef ddict_lmdb_txn* t
+    cdef const ddict_mdb_api* api
+    cdef ddict_mdb_cursor* cur = NULL
+    cdef ddict_mdb_val k, v
+    cdef unsigned char seek[24]
+    cdef uint64_t c, flen, klen, version = 0
+    cdef Py_ssize_t size, end, stop, i
+    cdef const unsigned char* p
+    cdef int rc
+    if (not _usable(txn, db) or type(digest) is not bytes
+            or PyBytes_GET_SIZE(digest) != _DIGEST or type(chkpt) is not int
+            or not 0 <= chkpt <= _MAXQ):  # (the pure seek, with its errors)
+        return _pure_lookup_entry(txn, db, digest, chkpt)
+    t = _txn_of(txn, db, &dbi)
+    api = t.libv
+    c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, written big-endian after the digest)
+    memcpy(seek, PyBytes_AS_STRING(digest), _DIGEST)
+    for i in range(8):
+        seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+    rc = api.cursor_open(t.txn, dbi, &cur)
+    if rc:
+        raise _mdb_failed(api, "mdb_cursor_open", rc)
+    try:
+        k.mv_size, k.mv_data = _DIGEST + 8, seek
+        rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
+        if rc == DDICT_MDB_NOTFOUND:
+            return None
+        if rc:
+            raise _mdb_failed(api, "mdb_cursor_get", rc)
+        if not _digest_at(&k, seek, _DIGEST):
+            return None
+        if (k.mv_size < <size_t>_DIGEST + 8 or v.mv_size < <size_t>_ENTRY_HEADER
+                or v.mv_size >= <size_t>PRELOADED):
+            pass  # (what no shard writes, or a value to preload: the pure seek, below)
+        else:
+            p = <const unsigned char*>k.mv_data + _DIGEST
+            for i in range(8):
+                version = (version << 8) | p[i]
+            p = <const unsigned char*>v.mv_data
+            size = <Py_ssize_t>v.mv_size
+            flen, klen = _le64(p + 8), _le32(p + 4)
+            # (the frame, then the key, as Python slices: bounds past the end cut there)
+            end = size if flen > <uint64_t>(size - _ENTRY_HEADER) else _ENTRY_HEADER + <Py_ssize_t>flen
+            stop = size if klen > <uint64_t>(size - end) else end + <Py_ssize_t>klen
+            return _new_tuple(_Entry, (~version, p[0], _val(t, p, _ENTRY_HEADER, end),
+                                       _val(t, p, end, stop)))
+    finally:
+        api.cursor_close(cur)
+    return _pure_lookup_entry(txn, db, digest, chkpt)
+
+
+cdef inline object _val(ddict_lmdb_txn* t, const unsigned char* p, Py_ssize_t a, Py_ssize_t b):
+    """``p[a:b]`` as the transaction gives values: a view of the page, or a copy."""
+    if t.flags & DDICT_TRANS_BUFFERS:
+        return PyMemoryView_FromMemory(<char*>p + a, b - a, PyBUF_READ)
+    return PyBytes_FromStringAndSize(<const char*>p + a, b - a)
+
