@@ -72,7 +72,6 @@ cdef object _blake_copy = _BLAKE2B.copy
 cdef object _key_digest = key_digest
 cdef object _encode_key = encode_key
 cdef object _Entry = Entry
-cdef object _be_pack = BE.pack
 cdef object _MAXQ = MAXQ
 cdef frozenset _atoms = _ATOMS
 cdef Py_ssize_t _DIGEST = DIGEST
@@ -594,27 +593,6 @@ cdef inline Py_ssize_t _copy_in(char* p, Py_ssize_t off, Py_ssize_t end, object 
             return -2
         memcpy(p + off, v.buf, v.len)
         return off + v.len
-    finally:
-        PyBuffer_Release(&v)
-
-
-cdef inline bint _same_digest(object k, bytes digest) except -1:
-    cdef Py_buffer kv
-    PyObject_GetBuffer(k, &kv, PyBUF_SIMPLE)
-    try:
-        return (kv.len >= _DIGEST and PyBytes_GET_SIZE(digest) == _DIGEST
-                and memcmp(kv.buf, PyBytes_AS_STRING(digest), _DIGEST) == 0)
-    finally:
-        PyBuffer_Release(&kv)
-
-
-cdef inline bint _tombstone(object raw) except -1:
-    cdef Py_buffer v
-    PyObject_GetBuffer(raw, &v, PyBUF_SIMPLE)
-    try:
-        if v.len < 1:
-            raise IndexError("index out of range")
-        return (<const unsigned char*>v.buf)[0] & _TOMBSTONE
     finally:
         PyBuffer_Release(&v)
 

@@ -277,6 +277,35 @@ def engine_refusal():
     return None
 
 
+cdef inline str _said_by(const ddict_mdb_api* api, str call, int rc):
+    """What LMDB says of ``rc`` from ``call``, as lmdb's errors say it."""
+    return f"{call}: {api.strerror_fn(rc).decode()}"
+
+
+cdef inline object _mdb_failed(const ddict_mdb_api* api, str call, int rc):
+    return lmdb_error(_said_by(api, call, rc))
+
+
+cdef inline bint _live(const ddict_mdb_val* v) except -1:
+    """Whether the entry ``v`` is a live version, not a tombstone (``not v[0] &
+    TOMBSTONE``, with the same error for an empty value)."""
+    if v.mv_size < 1:
+        raise IndexError("index out of range")
+    return not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
+
+
+cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest, Py_ssize_t n):
+    """Whether the key ``k`` starts with ``digest`` (``k[:DIGEST] == digest``)."""
+    return n == _DIGEST and k.mv_size >= <size_t>_DIGEST and memcmp(k.mv_data, digest, n) == 0
+
+
+cdef inline object _val(ddict_lmdb_txn* t, const unsigned char* p, Py_ssize_t a, Py_ssize_t b):
+    """``p[a:b]`` as the transaction gives values: a view of the page, or a copy."""
+    if t.flags & DDICT_TRANS_BUFFERS:
+        return PyMemoryView_FromMemory(<char*>p + a, b - a, PyBUF_READ)
+    return PyBytes_FromStringAndSize(<const char*>p + a, b - a)
+
+
 def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
     cdef unsigned int dbi
     cdef ddict_lmdb_txn* t
@@ -288,7 +317,6 @@ def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
     cdef bytes d
     cdef int rc
     cdef const ddict_mdb_api* api
-    cdef bint views
     cdef ddict_mdb_cursor* cur
     cdef list out
     if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
@@ -296,13 +324,12 @@ def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
         return _pure_lookup_frames(txn, db, digests, tail, small)
     t = _txn_of(txn, db, &dbi)
     api = t.libv
-    views = t.flags & DDICT_TRANS_BUFFERS
     cur = NULL
     out = []
     memcpy(seek + _DIGEST, PyBytes_AS_STRING(tail), 8)
     rc = api.cursor_open(t.txn, dbi, &cur)
     if rc:
-        raise lmdb_error(f"mdb_cursor_open: {api.strerror_fn(rc).decode()}")
+        raise _mdb_failed(api, "mdb_cursor_open", rc)
     try:
         for d in digests:
             memcpy(seek, PyBytes_AS_STRING(d), _DIGEST)
@@ -312,8 +339,8 @@ def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
                 out.append(None)
                 continue
             if rc:
-                raise lmdb_error(f"mdb_cursor_get: {api.strerror_fn(rc).decode()}")
-            if k.mv_size < _DIGEST or memcmp(k.mv_data, seek, _DIGEST) != 0:
+                raise _mdb_failed(api, "mdb_cursor_get", rc)
+            if not _digest_at(&k, seek, _DIGEST):
                 out.append(None)
                 continue
             raw = <const unsigned char*>v.mv_data
@@ -325,22 +352,13 @@ def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
             n = _le64(raw + 8)
             have = <Py_ssize_t>v.mv_size - _ENTRY_HEADER
             n64 = have if n > <uint64_t>have else <Py_ssize_t>n
-            if views and n >= <uint64_t>small:  # (a view of the page, as the cursor's)
-                out.append(PyMemoryView_FromMemory(<char*>raw + _ENTRY_HEADER, n64, PyBUF_READ))
+            if n >= <uint64_t>small:  # (as the cursor gives it: a view in a buffers txn)
+                out.append(_val(t, raw, _ENTRY_HEADER, _ENTRY_HEADER + n64))
             else:
                 out.append(PyBytes_FromStringAndSize(<char*>raw + _ENTRY_HEADER, n64))
     finally:
         api.cursor_close(cur)
     return out
-
-
-cdef inline object _mdb_failed(const ddict_mdb_api* api, str call, int rc):
-    return lmdb_error(f"{call}: {api.strerror_fn(rc).decode()}")
-
-
-cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest, Py_ssize_t n):
-    """Whether the key ``k`` starts with ``digest`` (``k[:DIGEST] == digest``)."""
-    return n == _DIGEST and k.mv_size >= <size_t>_DIGEST and memcmp(k.mv_data, digest, n) == 0
 
 
 def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
@@ -384,7 +402,7 @@ def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
             # the version at this checkpoint, if any, is replaced (the pure loop's replace)
             rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_KEY)
             if rc == 0:
-                live = v.mv_size > 0 and not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
+                live = _live(&v)
             elif rc == DDICT_MDB_NOTFOUND:
                 live = False
             else:
@@ -395,7 +413,7 @@ def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
             rc = api.cursor_put(cur, &k, &v, DDICT_MDB_RESERVE)  # (written in place below)
             t.mutations += 1
             if rc == DDICT_MDB_MAP_FULL:  # (the transaction is then only to abort)
-                return i, delta, full(f"mdb_cursor_put: {api.strerror_fn(rc).decode()}")
+                return i, delta, full(_said_by(api, "mdb_cursor_put", rc))
             if rc:
                 raise _mdb_failed(api, "mdb_cursor_put", rc)
             p = <char*>v.mv_data
@@ -413,12 +431,12 @@ def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
             if not existed:  # new at this checkpoint: its older versions follow, newest first
                 rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_NEXT)
                 if rc == 0 and _digest_at(&nk, seek, dlen):
-                    live = nv.mv_size > 0 and not (<const unsigned char*>nv.mv_data)[0] & _TOMBSTONE
+                    live = _live(&nv)
                     while True:
                         rc = api.cursor_del(cur, 0)
                         t.mutations += 1
                         if rc == DDICT_MDB_MAP_FULL:
-                            return i, delta, full(f"mdb_cursor_del: {api.strerror_fn(rc).decode()}")
+                            return i, delta, full(_said_by(api, "mdb_cursor_del", rc))
                         if rc:
                             raise _mdb_failed(api, "mdb_cursor_del", rc)
                         rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_GET_CURRENT)
@@ -490,11 +508,3 @@ def lookup_entry(txn, db, digest, chkpt):
     finally:
         api.cursor_close(cur)
     return _pure_lookup_entry(txn, db, digest, chkpt)
-
-
-cdef inline object _val(ddict_lmdb_txn* t, const unsigned char* p, Py_ssize_t a, Py_ssize_t b):
-    """``p[a:b]`` as the transaction gives values: a view of the page, or a copy."""
-    if t.flags & DDICT_TRANS_BUFFERS:
-        return PyMemoryView_FromMemory(<char*>p + a, b - a, PyBUF_READ)
-    return PyBytes_FromStringAndSize(<const char*>p + a, b - a)
-
