@@ -37,9 +37,15 @@ rows, each against the reference its reference column names:
 * ``get_many 1000 x 100 B``: keys/s of ``d.get_many(keys)``, 1,000 keys of
   100 B spread over both managers, from the client (same host) and over TCP,
   against redis-py ``r.mget`` of 1,000 keys.
+  The client keeps the routes of keys it read before (``ddict.transport.route-cache``);
+  ``get_many 1000 x 100 B, no routes kept`` is the same-host row with none kept (each
+  key pickled and hashed on every read, as the first read of a key is).
 * ``batch put 1000 x 100 B``: keys/s of ``start_batch_put()``, 1,000 puts,
   ``end_batch_put()`` on the whole dictionary, same host and over TCP, against
   a redis-py pipeline of 1,000 SETs (``transaction=False``).
+* ``batch put 20,000 new keys x 100 B``: keys/s of one batch put of 20,000 keys never
+  written before (new names each time, the dictionary cleared between, untimed), same
+  host and over TCP, against a redis-py pipeline of as many SETs of new keys.
 * ``host CPU per key of get_many 100 B (tcp)``: the same, per key of 1,000-key
   ``get_many`` requests, against redis-server's CPU per key of ``MGET``.
 * ``host CPU per get/put 100 B (tcp)``: CPU time (user + system, psutil) the
@@ -89,6 +95,7 @@ from dask_ddict import DDict, DDictFullError
 SIZES = {"100 B": 100, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 BIG = 64 << 20
 KEYS = [f"k{i}" for i in range(1000)]  # the get_many / mget keys
+NEW_KEYS = 20_000  # the keys of one batch put of new keys
 DRAGON_ROWS = {"batch put 100 B": "batch put 1000 x 100 B"}  # bench_dragon's name -> ours
 SAME, TCP = "client (same host)", "client (tcp, as from another host)"
 
@@ -142,6 +149,49 @@ def run_batch(d: DDict, seconds: float) -> float:
     return keys_per_s
 
 
+def fresh_batches_per_second(
+    batch: Callable[[list[str]], None], reset: Callable[[], None], seconds: float
+) -> float:
+    """Keys/s of ``batch(keys)`` on :data:`NEW_KEYS` keys never written before (new names
+    each time), repeated for ``seconds`` and at least 3 times; ``reset()`` empties the
+    store between them, untimed."""
+    took, n = 0.0, 0
+    while took < seconds or n < 3:
+        keys = [f"b{n}-{i}" for i in range(NEW_KEYS)]
+        t0 = time.perf_counter()
+        batch(keys)
+        took += time.perf_counter() - t0
+        n += 1
+        reset()
+    return n * NEW_KEYS / took
+
+
+def run_fresh_batch(d: DDict, seconds: float) -> float:
+    """Keys/s of one batch put of :data:`NEW_KEYS` new 100 B keys over ``d``'s managers."""
+    v = _value(100)
+
+    def batch(keys: list[str]) -> None:
+        d.start_batch_put()
+        for k in keys:
+            d[k] = v
+        d.end_batch_put()
+
+    return fresh_batches_per_second(batch, d.clear, seconds)
+
+
+def run_redis_fresh_pipeline(r: Any, seconds: float) -> float:
+    """A redis-py pipeline (``transaction=False``) of :data:`NEW_KEYS` SETs of new keys."""
+    v = b"x" * 100
+
+    def pipeline(keys: list[str]) -> None:
+        p = r.pipeline(transaction=False)
+        for k in keys:
+            p.set(k, v)
+        p.execute()
+
+    return fresh_batches_per_second(pipeline, r.flushall, seconds)
+
+
 def has_copy_false() -> bool:
     """Whether ``DDict.get`` takes ``copy=`` (the zero-copy get) in this build."""
     return "copy" in inspect.signature(DDict.get).parameters
@@ -167,7 +217,7 @@ def run_redis_mget(r: Any, seconds: float) -> float:
     return keys_per_s
 
 
-def bulk_rows(handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
+def bulk_rows(c: Client, handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
     """get_many and batch put of 1,000 x 100 B through each handle, vs mget / a pipeline."""
     mget = run_redis_mget(r, secs) if r is not None else None
     pipe = run_redis_pipeline(r, secs) if r is not None else None
@@ -203,6 +253,34 @@ def bulk_rows(handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
                 f"{rate:,.0f} keys/s",
                 f"pipeline: {pipe:,.0f} keys/s" if pipe else "n/a",
                 f"{rate / pipe:.2f}x" if pipe else "n/a",
+            )
+        )
+    # Every key routed anew; the same-host paths on (this runs inside the TCP block).
+    with dask.config.set({"ddict.transport.route-cache": 0, "ddict.local-transport": True}):
+        cold = DDict.attach(handles[SAME].serialize(), client=c)
+        try:
+            rate = run_get_many(cold, secs)
+        finally:
+            cold.detach()
+    rows.append(
+        (
+            "get_many 1000 x 100 B, no routes kept",
+            SAME,
+            f"{rate:,.0f} keys/s",
+            f"mget: {mget:,.0f} keys/s" if mget else "n/a",
+            f"{rate / mget:.2f}x" if mget else "n/a",
+        )
+    )
+    fresh = run_redis_fresh_pipeline(r, secs) if r is not None else None
+    for where, h in handles.items():
+        rate = run_fresh_batch(h, secs)
+        rows.append(
+            (
+                f"batch put {NEW_KEYS:,} new keys x 100 B",
+                where,
+                f"{rate:,.0f} keys/s",
+                f"pipeline: {fresh:,.0f} keys/s" if fresh else "n/a",
+                f"{rate / fresh:.2f}x" if fresh else "n/a",
             )
         )
     return rows
@@ -567,7 +645,7 @@ def cluster_rows(
         tcp = DDict.attach(d.serialize(), client=c)
         try:
             rows.append(tcp_big_row(tcp.manager(0), reps))
-            rows += bulk_rows({SAME: d, TCP: tcp}, r_py, secs)
+            rows += bulk_rows(c, {SAME: d, TCP: tcp}, r_py, secs)
             rows += host_cpu_rows(tcp.manager(0), redis_ctx, n_cpu)
         finally:
             tcp.detach()

@@ -144,6 +144,56 @@ def test_a_router_routes_one_key_as_route_does(keys, n, most, by_user_hash, cust
         assert ones[0] == ((kind, (*got[0], encode(key))) if kind == "ok" else (kind, got))
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(keys_st | st.integers(0, 50).map(Placed) | st.sampled_from([1, True, 1.0, "1"])),
+        max_size=6,
+    ),
+    n=st.integers(1, 17),
+    most=st.integers(1, 64),
+    by_user_hash=st.booleans(),
+    cached=st.integers(0, 8),
+)
+def test_a_routers_kept_routes_never_change_an_answer(batches, n, most, by_user_hash, cached):
+    """``Router.many(keys)`` is ``route(keys)`` however many routes it keeps (none, fewer
+    than the keys, all), whichever keys came before (``1``, ``True``, ``1.0`` and ``"1"``
+    are equal or alike to a dict and pickle differently), in both sets."""
+    args = (n, most, encode_key, _placed if by_user_hash else None, PLAIN_KEYS, key_digest)
+    routers = [s.Router(*args, cached) for s in SETS]
+    for keys in batches:
+        kind, got = _same("route", keys, *args)
+        for router in routers:
+            assert _outcome(router.many, keys) == (kind, got)
+            assert len(router._routes) <= cached
+
+
+class Text(str):
+    """A ``str`` subclass: a key equal to a ``str`` that pickles otherwise."""
+
+
+def test_a_router_keeps_the_routes_of_str_and_int_keys_only():
+    """What ``many`` keeps: short ``str`` and ``int`` keys (not their look-alikes, not
+    a long key, nothing under a custom key pickler), forgotten all at once when full;
+    a kept route is handed out again as it is)."""
+    custom = lambda k: dumps_key(k, pickle)  # noqa: E731 - a pickler that is not the default
+    for s in SETS:
+        r = s.Router(3, 1 << 20, encode_key, None, PLAIN_KEYS, key_digest, 4)
+        first = r.many(["a", 7, True, 1.0, b"b", ("t",), "x" * 200])
+        again = r.many(["a", 7, True, 1.0, b"b", ("t",), "x" * 200])
+        assert first == again
+        same = [x is y for x, y in zip(first, again)]
+        assert same == [True, True, False, False, False, False, False], s.__name__
+
+        sub = r.many([Text("a")])  # (equal to "a" for a dict, pickled as another class)
+        assert sub == s.route([Text("a")], 3, 1 << 20, encode_key, None, PLAIN_KEYS, key_digest)
+        assert sub != [first[0]]
+        full = r.many(["c", "d", "e", "f"])  # (4 kept already: forgotten, then these)
+        assert r.many(["a"])[0] is not first[0] and r.many(["f"])[0] is full[3]
+        other = s.Router(3, 1 << 20, custom, None, PLAIN_KEYS, key_digest, 4)
+        assert other.cached == 0 and other.many(["a"])[0] is not other.many(["a"])[0]
+
+
 @given(
     st.lists(
         st.text(max_size=300)

@@ -128,6 +128,32 @@ def test_a_get_many_of_a_stopped_host_times_out_once(client):
         t.detach()
 
 
+def test_get_many_through_a_small_route_cache_reads_every_key_as_written(client):
+    """Keys that a dict confuses (``1``, ``True``, ``1.0``) or that are equal to a kept
+    ``str`` (a subclass) are each read as written, over a cache of 8 routes that
+    forgets them all many times over (``ddict.transport.route-cache``), same host
+    and over TCP; with none kept the answers are the same."""
+    keys: list[Any] = [1, True, 1.0, "1", Label("1"), *(f"k{i}" for i in range(40))]
+    with DDict(total_mem="16 MiB", client=client, managers_per_worker=2) as d:
+        for i, k in enumerate(keys):
+            d[k] = i
+        for size in (8, 0):
+            with dask.config.set({"ddict.transport.route-cache": size}):
+                same = DDict.attach(d.serialize(), client=client)
+                tcp = _tcp(d, client)
+            for h in (same, tcp):
+                for _ in range(3):
+                    assert h.get_many(keys) == list(range(len(keys)))
+                    assert h.get_many(keys[::-1]) == list(range(len(keys)))[::-1]
+                router = h._routing()[0]
+                assert router.cached == size and len(router._routes) <= size
+                h.detach()
+
+
+class Label(str):
+    """A key equal to a ``str`` that pickles as another class (so is another key)."""
+
+
 @pytest.mark.one_host
 def test_get_many_on_the_same_host_sends_nothing(client, requests):
     with DDict(total_mem="64 MiB", client=client, managers_per_worker=2) as d:

@@ -118,13 +118,14 @@ class HandleBase(ABC):
 
     def _routes(self, keys: builtins.list[Any]) -> builtins.list[tuple[int, bytes]]:
         """``(manager, digest)`` of each key: :meth:`_route` for many, in one loop of
-        :func:`~dask_ddict.kernels.route` (compiled where it was built)."""
+        :meth:`~dask_ddict.kernels.Router.many` (compiled where it was built; the routes of
+        keys routed before are kept, ``ddict.transport.route-cache``)."""
         core, target = self._core, self._target
         if core.closed or self._detached:
             self._check()
         r = (self._routed or self._routing())[0]
         try:
-            routes = kernels.route(keys, r.n, r.most, r.encode, r.placed, r.plain, r.digest)
+            routes = r.many(keys)
         except kernels.KeyTooLong as e:
             raise self._too_long(e.args[0]) from None
         return routes if target is None else [(target, d) for _, d in routes]

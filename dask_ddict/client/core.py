@@ -120,6 +120,7 @@ class HandleCore(Channels):
                 _placer(weakref.ref(self)) if placed else None,
                 PLAIN_KEYS,
                 key_digest,
+                self.route_cache,
             )
             got = self._routers[id(kp), placed] = (kp, router)  # (kp kept: its id stays its)
         return got[1]

@@ -28,8 +28,8 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry
-from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, GROUP, JOIN, PADS, QUIET, REPLY, REQUEST,
-                   WAIT, KeyTooLong)
+from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, PADS, QUIET,
+                   REPLY, REQUEST, WAIT, KeyTooLong)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
@@ -317,20 +317,58 @@ def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed
     return out
 
 
+cdef Py_ssize_t _CACHED_KEY = CACHED_KEY_BYTES
+
+
 cdef class Router:
-    cdef readonly Py_ssize_t n, most
+    cdef readonly Py_ssize_t n, most, cached
     cdef readonly object encode, placed, digest
     cdef readonly frozenset plain
     cdef bint fast
+    cdef readonly dict _routes
 
     def __init__(self, Py_ssize_t n, Py_ssize_t most, object encode, object placed,
-                 frozenset plain, object digest):
+                 frozenset plain, object digest, Py_ssize_t cached=0):
         self.n, self.most, self.encode, self.placed = n, most, encode, placed
         self.plain, self.digest = plain, digest
         self.fast = encode is _encode_key
+        self.cached = cached if self.fast else 0
+        self._routes = {}
 
     def __repr__(self):
         return f"<Router managers={self.n} most={self.most}>"
+
+    def many(self, list keys):
+        if self.cached <= 0:
+            return route(keys, self.n, self.most, self.encode, self.placed, self.plain,
+                         self.digest)
+        cdef dict routes = self._routes
+        cdef list out = []
+        cdef object kb, got
+        cdef bytes d
+        cdef bint cacheable
+        for key in keys:
+            t = type(key)
+            cacheable = (t is str or t is int) and (self.placed is None or t in self.plain)
+            if cacheable:
+                got = routes.get(key)
+                if got is not None:
+                    out.append(got)
+                    continue
+            kb = _encoded(key, True, self.encode)
+            if len(kb) > self.most:
+                raise KeyTooLong(kb)
+            d = _digest(kb, self.digest) if type(kb) is bytes else self.digest(kb)
+            if self.placed is None or t in self.plain:
+                got = (_by_digest(d, self.n), d)
+            else:
+                got = (self.placed(key, d, self.n), d)
+            if cacheable and len(kb) <= _CACHED_KEY:
+                if len(routes) >= self.cached:
+                    routes.clear()
+                routes[key] = got
+            out.append(got)
+        return out
 
     cpdef tuple one(self, object key):
         cdef object kb = _encoded(key, self.fast, self.encode)

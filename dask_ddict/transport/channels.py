@@ -133,6 +133,8 @@ class Channels:
         self._settle = _weakly(self.settle)
         #: Longest pickled key a host accepts (checked here first, with a clear error).
         self.max_key_bytes = config.get_bytes("transport.max-key-bytes")
+        #: Most keys whose routes a handle's router keeps (:class:`~..kernels.Router`).
+        self.route_cache = int(config.get("transport.route-cache"))
 
     def __repr__(self) -> str:
         lay = self._layout
