@@ -61,8 +61,8 @@ rows, each against the reference its reference column names:
   at most 2 ms; the manager's host process is not the worker).
 * TLS: the 100 B and 1 MiB put/get over TCP with TLS on.
 
-Rows needing an API not in this build yet (``get(..., copy=False)``,
-``get_many``) print ``n/a (not built)``.  When ``redis-server`` is on the PATH
+Rows needing an API not in this build yet (``get(..., copy=False)``) print
+``n/a (not built)``.  When ``redis-server`` is on the PATH
 it is started on a loopback port and redis-py (hiredis) does the same
 operations; without it the redis cells are ``n/a``.  When a ``dragon``
 launcher is found (``DDICT_BENCH_DRAGON``, else the PATH), ``bench_dragon.py``
@@ -217,35 +217,33 @@ def run_redis_mget(r: Any, seconds: float) -> float:
     return keys_per_s
 
 
+def _paths(where: str) -> Any:
+    """The configuration ``where``'s rows run under: a channel picks its path when first
+    used, so a same-host handle's managers first used here (inside the TCP block) must
+    still be read on this host, not over TCP."""
+    return dask.config.set({"ddict.local-transport": where != TCP})
+
+
 def bulk_rows(c: Client, handles: dict[str, DDict], r: Any, secs: float) -> list[Row]:
     """get_many and batch put of 1,000 x 100 B through each handle, vs mget / a pipeline."""
     mget = run_redis_mget(r, secs) if r is not None else None
     pipe = run_redis_pipeline(r, secs) if r is not None else None
     rows = []
     for where, h in handles.items():
-        if hasattr(DDict, "get_many"):
+        with _paths(where):
             rate = run_get_many(h, secs)
-            rows.append(
-                (
-                    "get_many 1000 x 100 B",
-                    where,
-                    f"{rate:,.0f} keys/s",
-                    f"mget: {mget:,.0f} keys/s" if mget else "n/a",
-                    f"{rate / mget:.2f}x" if mget else "n/a",
-                )
+        rows.append(
+            (
+                "get_many 1000 x 100 B",
+                where,
+                f"{rate:,.0f} keys/s",
+                f"mget: {mget:,.0f} keys/s" if mget else "n/a",
+                f"{rate / mget:.2f}x" if mget else "n/a",
             )
-        else:
-            rows.append(
-                (
-                    "get_many 1000 x 100 B",
-                    where,
-                    "n/a (not built)",
-                    f"mget: {mget:,.0f} keys/s" if mget else "n/a",
-                    "n/a",
-                )
-            )
+        )
     for where, h in handles.items():
-        rate = run_batch(h, secs)
+        with _paths(where):
+            rate = run_batch(h, secs)
         rows.append(
             (
                 "batch put 1000 x 100 B",
@@ -255,8 +253,8 @@ def bulk_rows(c: Client, handles: dict[str, DDict], r: Any, secs: float) -> list
                 f"{rate / pipe:.2f}x" if pipe else "n/a",
             )
         )
-    # Every key routed anew; the same-host paths on (this runs inside the TCP block).
-    with dask.config.set({"ddict.transport.route-cache": 0, "ddict.local-transport": True}):
+    # Every key routed anew, on this host.
+    with _paths(SAME), dask.config.set({"ddict.transport.route-cache": 0}):
         cold = DDict.attach(handles[SAME].serialize(), client=c)
         try:
             rate = run_get_many(cold, secs)
@@ -273,7 +271,8 @@ def bulk_rows(c: Client, handles: dict[str, DDict], r: Any, secs: float) -> list
     )
     fresh = run_redis_fresh_pipeline(r, secs) if r is not None else None
     for where, h in handles.items():
-        rate = run_fresh_batch(h, secs)
+        with _paths(where):
+            rate = run_fresh_batch(h, secs)
         rows.append(
             (
                 f"batch put {NEW_KEYS:,} new keys x 100 B",
