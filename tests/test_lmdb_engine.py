@@ -72,6 +72,39 @@ def test_a_walk_over_many_keys_reads_views_of_the_pages_in_a_buffers_transaction
 
 
 @compiled
+@pytest.mark.parametrize("asked_n", [1_000, 6_000])  # (seeks ordered by 8 bits, by 16)
+def test_a_walk_seeks_in_the_trees_order_and_answers_in_the_callers(tmp_path, asked_n):
+    """Seeks go left to right through the B-tree (by the digests' leading bits), and the
+    frames come back in the order asked, duplicates and absent keys included, exactly as
+    the pure walk answers them."""
+    import hashlib
+    import random
+
+    from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]
+
+    env = lmdb.open(str(tmp_path / "s"), map_size=1 << 26, max_dbs=2)
+    db = env.open_db(b"data")
+    stored = [hashlib.blake2b(b"%d" % i, digest_size=16).digest() for i in range(3_000)]
+    try:
+        with env.begin(write=True, db=db) as txn:
+            for i, d in enumerate(stored):
+                for c in (1, 3, 5):  # (three versions: the newest at or before 5 is seen)
+                    value = ENTRY.pack(0, 0, 6) + b"%03dv%02d" % (i % 1000, c)
+                    txn.put(d + struct.pack(">Q", (1 << 64) - 1 - c), value, db=db)
+        rng = random.Random(asked_n)
+        absent = [hashlib.blake2b(b"no%d" % i, digest_size=16).digest() for i in range(50)]
+        asked = [rng.choice(stored + absent) for _ in range(asked_n)]
+        with env.begin(db=db) as txn:
+            got = _compiled.lookup_frames(txn, db, asked, TAIL, 0)
+            want = pure.lookup_frames(txn, db, asked, TAIL, 0)
+        assert got == want and len(got) == asked_n
+        assert all((f is None) == (d in absent) for d, f in zip(asked, got))
+        assert all(f.endswith(b"v05") for f in got if f is not None)
+    finally:
+        env.close()
+
+
+@compiled
 def test_a_closed_transaction_or_a_foreign_object_is_refused_as_lmdb_refuses_it(tmp_path):
     from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]
 

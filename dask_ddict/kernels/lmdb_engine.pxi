@@ -24,6 +24,7 @@
 # The GIL is held throughout: a transaction or an environment is closed by Python
 # code, which therefore cannot run while a walk is inside LMDB.
 
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cpython.ref cimport PyObject
 
 import logging
@@ -306,58 +307,92 @@ cdef inline object _val(ddict_lmdb_txn* t, const unsigned char* p, Py_ssize_t a,
     return PyBytes_FromStringAndSize(<const char*>p + a, b - a)
 
 
+cdef Py_ssize_t* _seek_order(list digests) except NULL:
+    """The indices of ``digests`` (16-byte bytes each) by their leading bits, ascending (a
+    counting sort, linear): seeks in that order walk the B-tree from left to right, and
+    LMDB answers a seek whose key is within the cursor's current leaf page from that page
+    alone, without descending from the root again (a third less time per key for a
+    thousand random keys).  Within one leading value the order is the callers'; the
+    order of the answers is never changed by it.  To be freed by the caller."""
+    cdef Py_ssize_t n = len(digests), i, at, bits = 8 if n <= 4096 else 16
+    cdef Py_ssize_t buckets = 1 << bits
+    cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t* starts = <Py_ssize_t*>PyMem_Calloc(buckets + 1, sizeof(Py_ssize_t))
+    cdef unsigned int* lead = <unsigned int*>PyMem_Malloc((n + 1) * sizeof(unsigned int))
+    cdef const unsigned char* p
+    if order == NULL or starts == NULL or lead == NULL:
+        PyMem_Free(order)
+        PyMem_Free(starts)
+        PyMem_Free(lead)
+        raise MemoryError()
+    for i in range(n):
+        p = <const unsigned char*>PyBytes_AS_STRING(<bytes>digests[i])
+        lead[i] = p[0] if bits == 8 else (<unsigned int>p[0] << 8) | p[1]
+        starts[lead[i] + 1] += 1
+    for i in range(buckets):
+        starts[i + 1] += starts[i]
+    for i in range(n):
+        at = starts[lead[i]]
+        starts[lead[i]] = at + 1
+        order[at] = i
+    PyMem_Free(starts)
+    PyMem_Free(lead)
+    return order
+
+
 def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
     cdef unsigned int dbi
     cdef ddict_lmdb_txn* t
     cdef ddict_mdb_val k, v
     cdef unsigned char seek[64]  # (a digest and a tail: 24 bytes)
-    cdef Py_ssize_t have, n64
+    cdef Py_ssize_t have, n64, j, i
     cdef uint64_t n
     cdef const unsigned char* raw
-    cdef bytes d
     cdef int rc
     cdef const ddict_mdb_api* api
     cdef ddict_mdb_cursor* cur
     cdef list out
+    cdef Py_ssize_t* order
     if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
         # (the pure walk, as it always was)
         return _pure_lookup_frames(txn, db, digests, tail, small)
     t = _txn_of(txn, db, &dbi)
     api = t.libv
     cur = NULL
-    out = []
+    out = [None] * len(digests)  # (absent, unless found)
     memcpy(seek + _DIGEST, PyBytes_AS_STRING(tail), 8)
-    rc = api.cursor_open(t.txn, dbi, &cur)
-    if rc:
-        raise _mdb_failed(api, "mdb_cursor_open", rc)
+    order = _seek_order(digests)
     try:
-        for d in digests:
-            memcpy(seek, PyBytes_AS_STRING(d), _DIGEST)
+        rc = api.cursor_open(t.txn, dbi, &cur)
+        if rc:
+            raise _mdb_failed(api, "mdb_cursor_open", rc)
+        for j in range(len(digests)):
+            i = order[j]
+            memcpy(seek, PyBytes_AS_STRING(<bytes>digests[i]), _DIGEST)
             k.mv_size, k.mv_data = _DIGEST + 8, seek
             rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
             if rc == DDICT_MDB_NOTFOUND:
-                out.append(None)
                 continue
             if rc:
                 raise _mdb_failed(api, "mdb_cursor_get", rc)
             if not _digest_at(&k, seek, _DIGEST):
-                out.append(None)
                 continue
             raw = <const unsigned char*>v.mv_data
             if v.mv_size < _ENTRY_HEADER:
                 raise struct.error(f"a shard entry of {v.mv_size} bytes has no header")
             if raw[0] & _TOMBSTONE:
-                out.append(None)
                 continue
             n = _le64(raw + 8)
             have = <Py_ssize_t>v.mv_size - _ENTRY_HEADER
             n64 = have if n > <uint64_t>have else <Py_ssize_t>n
             if n >= <uint64_t>small:  # (as the cursor gives it: a view in a buffers txn)
-                out.append(_val(t, raw, _ENTRY_HEADER, _ENTRY_HEADER + n64))
+                out[i] = _val(t, raw, _ENTRY_HEADER, _ENTRY_HEADER + n64)
             else:
-                out.append(PyBytes_FromStringAndSize(<char*>raw + _ENTRY_HEADER, n64))
+                out[i] = PyBytes_FromStringAndSize(<char*>raw + _ENTRY_HEADER, n64)
     finally:
-        api.cursor_close(cur)
+        if cur != NULL:
+            api.cursor_close(cur)
+        PyMem_Free(order)
     return out
 
 
