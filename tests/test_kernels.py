@@ -533,6 +533,88 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
         assert outcomes[0][1] == _comparable(list(enumerate(values)), "<absent>", "<wait>")
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    stored=st.lists(
+        st.tuples(
+            st.sampled_from([bytes([i]) * 16 for i in range(6)]),
+            st.integers(0, 4),
+            st.sampled_from([0, TOMBSTONE]),
+            values_st,
+        ),
+        max_size=16,
+    ),
+    asked=st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]), max_size=12),
+    chkpt=st.integers(0, 5),
+    buffers=st.booleans(),
+    small=st.sampled_from([0, 40, 4096]),
+    damage=st.integers(-1, 40),
+)
+def test_lookup_values_decodes_what_lookup_frames_and_decode_frames_give(
+    tmp_path_factory, stored, asked, chkpt, buffers, small, damage
+):
+    """``lookup_values`` (a same-host ``get_many``'s walk, decoding in the snapshot) gives,
+    in both sets, the values that ``lookup_frames``, ``taken_out`` and ``decode_frames``
+    give together (``absent`` for an absent key or a deletion; a damaged frame's error),
+    and the bytes and number of frames it copied, as ``taken_out`` counts them; the
+    order of the answers is the order asked."""
+    versions = [(d, c, flags, dumps_value(v).join()) for d, c, flags, v in stored]
+    if damage >= 0 and versions and len(versions[0][3]) > 0:
+        d, c, flags, frame = versions[0]
+        broken = bytearray(frame)
+        broken[damage % len(broken)] ^= 0xFF
+        versions[0] = (d, c, flags, bytes(broken))
+    env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
+    absent = object()
+    try:
+        db = env.open_db(b"data")
+        tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
+        with env.begin(db=db, buffers=buffers) as txn:
+            frames = pure.lookup_frames(txn, db, asked, tail, small)
+            taken, nbytes, copies = pure.taken_out(frames, bytes)
+            routes = [(0, d) for d in asked]
+            kind, want = _outcome(
+                pure.decode_frames, asked, routes, {0: taken}, loads_value, absent, 0, False
+            )
+            for s in SETS:
+                got = _outcome(
+                    s.lookup_values, txn, db, asked, tail, small, absent, bytes, loads_value
+                )
+                if kind != "ok":
+                    assert got[0] == "error" and got[1][0] is want[0], (got, want)
+                    continue
+                assert got[0] == "ok", got
+                values, n, c = got[1]
+                assert type(values) is pure.Decoded and (n, c) == (nbytes, copies)
+                assert _comparable(list(zip(asked, values)), absent, 0) == _comparable(
+                    want, absent, 0
+                )
+    finally:
+        env.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.one_of(values_st, st.just("<absent>")), max_size=20), mids=st.data())
+def test_decode_frames_takes_a_decoded_answer_as_it_is(values, mids):
+    """A manager's :class:`Decoded` answer (values, its absent keys the reader's marker)
+    is put in key order as it is, beside other managers' frames, in both sets."""
+    absent, wait = object(), object()
+    ids = mids.draw(st.lists(st.integers(0, 3), min_size=len(values), max_size=len(values)))
+    got: dict[int, list[Any]] = {}
+    for mid, v in zip(ids, values):
+        if mid % 2:  # (odd managers answered values, even ones frames)
+            got.setdefault(mid, pure.Decoded()).append(absent if _is(v, "<absent>") else v)
+        else:
+            got.setdefault(mid, []).append(None if _is(v, "<absent>") else dumps_value(v).join())
+    keys = list(range(len(values)))
+    routes = [(mid, DIGESTS[0]) for mid in ids]
+    for s in SETS:
+        out = s.decode_frames(keys, routes, got, loads_value, absent, wait, True)
+        assert _comparable(out, absent, wait) == _comparable(
+            list(zip(keys, [absent if _is(v, "<absent>") else v for v in values])), absent, wait
+        )
+
+
 def _same_values(values_of: Any, pairs: Any, absent: Any, wait: Any) -> Any:
     values, marked = values_of(pairs, absent, wait)
     return [id(v) for v in values], marked

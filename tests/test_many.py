@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import threading
 import time
 from collections import Counter
@@ -148,6 +149,42 @@ def test_get_many_through_a_small_route_cache_reads_every_key_as_written(client)
                 router = h._routing()[0]
                 assert router.cached == size and len(router._routes) <= size
                 h.detach()
+
+
+@pytest.mark.one_host
+def test_a_get_many_over_a_shard_and_a_socket_at_once_reads_every_value(client):
+    """One handle reads manager 0 from its shard (values decoded in the shard's snapshot)
+    and manager 1 over TCP (frames, decoded after), in one ``get_many``: every value as
+    written, absent keys as absent, the same with ``copy=False`` and a custom value
+    pickler (never decoded in the snapshot), and after the values change."""
+    values: list[Any] = [b"x" * 100, None, "text", [1, (2, 3)], np.arange(5000), 7, b""]
+    keys = [f"k{i}" for i in range(60)]
+    with DDict(total_mem="64 MiB", client=client) as d:
+        want = {k: values[i % len(values)] for i, k in enumerate(keys)}
+        d.update(want)
+        h = DDict.attach(d.serialize(), client=client)
+        h._core.channel(0)  # (a shard of this host: read in place)
+        with dask.config.set({"ddict.local-transport": False}):
+            h._core.channel(1)  # (the other over TCP, as from another host)
+        assert {h._core.channel(0).kind, h._core.channel(1).kind} == {"shm", "tcp"}
+        asked = [*keys, "missing", keys[3]]
+        for copy in (True, False):
+            got = h.get_many(asked, default="none", copy=copy)
+            assert got[-2] == "none" and _same(got[-1], want[keys[3]])
+            assert all(_same(g, want[k]) for g, k in zip(got, keys))
+        d.update({k: ("new", k) for k in keys[:10]})
+        assert h.get_many(keys[:10]) == [("new", k) for k in keys[:10]]
+        p = h.pickler(value_pickler=pickle)  # (a handle's own pickler: decoded after)
+        p.update({k: ("mine", k) for k in keys[:10]})
+        assert p.get_many([*keys[:10], "missing"], default=0) == [
+            *(("mine", k) for k in keys[:10]),
+            0,
+        ]
+        h.detach()
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool((a == b).all()) if isinstance(b, np.ndarray) else a == b
 
 
 class Label(str):

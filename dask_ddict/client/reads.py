@@ -117,7 +117,13 @@ class Reads(HandleBase):
         keys = list(keys)
         routes = self._routes(keys) if routes is None else routes
         lend, groups = self._many_request(copy, routes)
-        got = self._core.get_many(groups, self._chkpt, self._timeout, lend) if groups else {}
+        # (decoded where read, in the shard's snapshot: only by the frames' own decoder)
+        absent = ABSENT if lend is False and decode is None and self._vp is None else None
+        got = (
+            self._core.get_many(groups, self._chkpt, self._timeout, lend, absent=absent)
+            if groups
+            else {}
+        )
         return self._decoded(keys, routes, got, decode)
 
     async def _many_async(

@@ -60,6 +60,7 @@ _impl, COMPILED = _choose()
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
+        Decoded,
         Router,
         decode_frames,
         decoded,
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
         leading_within,
         lookup_entry,
         lookup_frames,
+        lookup_values,
         pack_frames,
         pack_records,
         put_entries,
@@ -93,6 +95,7 @@ __all__ = [
     "QUIET",
     "REPLY",
     "REQUEST",
+    "Decoded",
     "KeyTooLong",
     "group_table",
     "Record",
@@ -105,6 +108,7 @@ __all__ = [
     "leading_within",
     "lookup_entry",
     "lookup_frames",
+    "lookup_values",
     "pack_frames",
     "pack_records",
     "put_entries",

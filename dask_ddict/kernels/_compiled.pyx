@@ -29,7 +29,7 @@ from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, PADS, QUIET,
-                   REPLY, REQUEST, WAIT, KeyTooLong)
+                   REPLY, REQUEST, WAIT, Decoded, KeyTooLong)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
@@ -532,37 +532,45 @@ cdef object _small(object frame):
     cdef Py_buffer fv
     if PyObject_GetBuffer(frame, &fv, PyBUF_SIMPLE) < 0:
         return NotImplemented
-    cdef const unsigned char* p = <const unsigned char*>fv.buf
-    cdef uint64_t plen
     try:
-        if fv.len < _HEAD:
-            return NotImplemented
-        plen = _le64(p + 8)
-        if plen > <uint64_t>(fv.len - _HEAD):
-            return NotImplemented
-        if p[0] == _FMT_BYTES:
-            return PyBytes_FromStringAndSize(<char*>p + _HEAD, plen)
-        if p[0] != _FMT_PICKLE or _le32(p + 4) != 0:
-            return NotImplemented
-        try:
-            return _loads(PyMemoryView_FromMemory(<char*>p + _HEAD, plen, PyBUF_READ))
-        except Exception:
-            return NotImplemented
+        return _small_at(<const unsigned char*>fv.buf, fv.len)
     finally:
         PyBuffer_Release(&fv)
+
+
+cdef object _small_at(const unsigned char* p, Py_ssize_t n):
+    """:func:`_small` of the ``n`` bytes of a frame at ``p`` (valid during the call)."""
+    cdef uint64_t plen
+    if n < _HEAD:
+        return NotImplemented
+    plen = _le64(p + 8)
+    if plen > <uint64_t>(n - _HEAD):
+        return NotImplemented
+    if p[0] == _FMT_BYTES:
+        return PyBytes_FromStringAndSize(<char*>p + _HEAD, plen)
+    if p[0] != _FMT_PICKLE or _le32(p + 4) != 0:
+        return NotImplemented
+    try:
+        return _loads(PyMemoryView_FromMemory(<char*>p + _HEAD, plen, PyBUF_READ))
+    except Exception:
+        return NotImplemented
 
 
 @cython.boundscheck(True)  # (a route that is not a pair: IndexError, as in pure)
 def decode_frames(list keys, list routes, dict got, object decode, object absent, object wait,
                   bint small):
     cdef dict frames = {mid: iter(fs) for mid, fs in got.items()}
+    cdef set values = {mid for mid, fs in got.items() if type(fs) is Decoded}
     cdef list out = []
     cdef Py_ssize_t i, n = len(keys)
     if len(routes) < n:
         n = len(routes)
     for i in range(n):
-        frame = next(frames[routes[i][0]])
-        if frame is None:
+        mid = routes[i][0]
+        frame = next(frames[mid])
+        if values and mid in values:  # (decoded where it was read)
+            value = frame
+        elif frame is None:
             value = absent
         elif frame is False:
             value = wait

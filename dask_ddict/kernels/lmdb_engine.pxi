@@ -29,9 +29,11 @@ from cpython.ref cimport PyObject
 
 import logging
 
+from .._serialize import loads_value as _loads_value
 from .pure import (
     lookup_entry as _pure_lookup_entry,
     lookup_frames as _pure_lookup_frames,
+    lookup_values as _pure_lookup_values,
     put_entries as _pure_put_entries,
 )
 
@@ -340,60 +342,121 @@ cdef Py_ssize_t* _seek_order(list digests) except NULL:
     return order
 
 
-def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
-    cdef unsigned int dbi
-    cdef ddict_lmdb_txn* t
+cdef const unsigned char* _newest(const ddict_mdb_api* api, ddict_mdb_cursor* cur,
+                                  unsigned char* seek, bytes digest,
+                                  Py_ssize_t* n) except? NULL:
+    """The frame of ``digest``'s newest version at the checkpoint whose tail ``seek`` holds
+    after its digest (``n[0]``: the frame's length), or NULL: absent, or a deletion."""
     cdef ddict_mdb_val k, v
-    cdef unsigned char seek[64]  # (a digest and a tail: 24 bytes)
-    cdef Py_ssize_t have, n64, j, i
-    cdef uint64_t n
     cdef const unsigned char* raw
+    cdef Py_ssize_t have
+    cdef uint64_t flen
     cdef int rc
-    cdef const ddict_mdb_api* api
+    memcpy(seek, PyBytes_AS_STRING(digest), _DIGEST)
+    k.mv_size, k.mv_data = _DIGEST + 8, seek
+    rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
+    if rc == DDICT_MDB_NOTFOUND:
+        return NULL
+    if rc:
+        raise _mdb_failed(api, "mdb_cursor_get", rc)
+    if not _digest_at(&k, seek, _DIGEST):
+        return NULL
+    raw = <const unsigned char*>v.mv_data
+    if v.mv_size < _ENTRY_HEADER:
+        raise struct.error(f"a shard entry of {v.mv_size} bytes has no header")
+    if raw[0] & _TOMBSTONE:
+        return NULL
+    flen = _le64(raw + 8)
+    have = <Py_ssize_t>v.mv_size - _ENTRY_HEADER
+    n[0] = have if flen > <uint64_t>have else <Py_ssize_t>flen
+    return raw + _ENTRY_HEADER
+
+
+cdef ddict_mdb_cursor* _walk(object txn, object db, ddict_lmdb_txn** t,
+                             unsigned char* seek, bytes tail) except NULL:
+    """A cursor on ``db`` in ``txn`` (``t[0]``: the transaction's object), ``seek`` holding
+    ``tail`` after room for a digest: what a many-key walk seeks with."""
+    cdef unsigned int dbi
+    cdef ddict_mdb_cursor* cur = NULL
+    cdef int rc
+    t[0] = _txn_of(txn, db, &dbi)
+    memcpy(seek + _DIGEST, PyBytes_AS_STRING(tail), 8)
+    rc = t[0].libv.cursor_open(t[0].txn, dbi, &cur)
+    if rc:
+        raise _mdb_failed(t[0].libv, "mdb_cursor_open", rc)
+    return cur
+
+
+def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
+    cdef ddict_lmdb_txn* t
+    cdef unsigned char seek[64]  # (a digest and a tail: 24 bytes)
+    cdef Py_ssize_t n = 0, j, i
+    cdef const unsigned char* frame
     cdef ddict_mdb_cursor* cur
     cdef list out
     cdef Py_ssize_t* order
     if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
         # (the pure walk, as it always was)
         return _pure_lookup_frames(txn, db, digests, tail, small)
-    t = _txn_of(txn, db, &dbi)
-    api = t.libv
-    cur = NULL
     out = [None] * len(digests)  # (absent, unless found)
-    memcpy(seek + _DIGEST, PyBytes_AS_STRING(tail), 8)
-    order = _seek_order(digests)
+    cur = _walk(txn, db, &t, seek, tail)
+    order = NULL
     try:
-        rc = api.cursor_open(t.txn, dbi, &cur)
-        if rc:
-            raise _mdb_failed(api, "mdb_cursor_open", rc)
+        order = _seek_order(digests)
         for j in range(len(digests)):
             i = order[j]
-            memcpy(seek, PyBytes_AS_STRING(<bytes>digests[i]), _DIGEST)
-            k.mv_size, k.mv_data = _DIGEST + 8, seek
-            rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
-            if rc == DDICT_MDB_NOTFOUND:
+            frame = _newest(t.libv, cur, seek, <bytes>digests[i], &n)
+            if frame == NULL:
                 continue
-            if rc:
-                raise _mdb_failed(api, "mdb_cursor_get", rc)
-            if not _digest_at(&k, seek, _DIGEST):
-                continue
-            raw = <const unsigned char*>v.mv_data
-            if v.mv_size < _ENTRY_HEADER:
-                raise struct.error(f"a shard entry of {v.mv_size} bytes has no header")
-            if raw[0] & _TOMBSTONE:
-                continue
-            n = _le64(raw + 8)
-            have = <Py_ssize_t>v.mv_size - _ENTRY_HEADER
-            n64 = have if n > <uint64_t>have else <Py_ssize_t>n
-            if n >= <uint64_t>small:  # (as the cursor gives it: a view in a buffers txn)
-                out[i] = _val(t, raw, _ENTRY_HEADER, _ENTRY_HEADER + n64)
+            if n >= small:  # (as the cursor gives it: a view in a buffers txn)
+                out[i] = _val(t, frame, 0, n)
             else:
-                out[i] = PyBytes_FromStringAndSize(<char*>raw + _ENTRY_HEADER, n64)
+                out[i] = PyBytes_FromStringAndSize(<char*>frame, n)
     finally:
-        if cur != NULL:
-            api.cursor_close(cur)
+        t.libv.cursor_close(cur)
         PyMem_Free(order)
     return out
+
+
+def lookup_values(txn, db, list digests, bytes tail, Py_ssize_t small, object absent,
+                  object take, object decode):
+    cdef ddict_lmdb_txn* t
+    cdef unsigned char seek[64]
+    cdef Py_ssize_t n = 0, j, i, nbytes = 0, copies = 0
+    cdef const unsigned char* frame
+    cdef ddict_mdb_cursor* cur
+    cdef list out
+    cdef Py_ssize_t* order
+    cdef bint own = decode is _loads_value  # (the frames' own decoder: small ones decoded here)
+    if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
+        return _pure_lookup_values(txn, db, digests, tail, small, absent, take, decode)
+    out = [absent] * len(digests)  # (absent, unless found)
+    cur = _walk(txn, db, &t, seek, tail)
+    order = NULL
+    try:
+        order = _seek_order(digests)
+        for j in range(len(digests)):
+            i = order[j]
+            frame = _newest(t.libv, cur, seek, <bytes>digests[i], &n)
+            if frame == NULL:
+                continue
+            if n < small:  # (decoded where it lies; else from a copy, as the pure one does)
+                nbytes += n
+                copies += 1
+                value = _small_at(frame, n) if own else NotImplemented
+                if value is NotImplemented:
+                    value = decode(PyBytes_FromStringAndSize(<char*>frame, n))
+            elif t.flags & DDICT_TRANS_BUFFERS:
+                value = decode(take(_val(t, frame, 0, n)))
+            else:  # (a copy already: as the pure walk gives it)
+                nbytes += n
+                copies += 1
+                value = decode(PyBytes_FromStringAndSize(<char*>frame, n))
+            out[i] = value
+    finally:
+        t.libv.cursor_close(cur)
+        PyMem_Free(order)
+    return Decoded(out), nbytes, copies
 
 
 def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,

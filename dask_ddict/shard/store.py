@@ -44,7 +44,7 @@ from .._entry import PERSISTENT as PERSISTENT  # (re-exported: the shard's modul
 from .._entry import decode_entry as _decode
 from .._entry import split_data_key as _split_data_key
 from .._keys import KEY_ENCODING
-from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather
+from .._serialize import HUGE_BYTES, VALUE_FRAMES, Scratch, frame_parts, gather, loads_value
 from ..errors import DDictError, DDictFullError
 from . import changes
 from .capacity import FULL_REMEDY as FULL_REMEDY  # (re-exported)
@@ -253,6 +253,26 @@ class ShardStore(Capacity):
             else:
                 out.append(_decode(_MAXQ - _BE.unpack_from(key(), DIGEST)[0], value()))
         return out
+
+    def lookup_values(
+        self,
+        txn: lmdb.Transaction,
+        digests: list[bytes],
+        chkpt: int,
+        small: int,
+        absent: Any,
+        take: Callable[[Any], Any],
+    ) -> tuple[kernels.Decoded, int, int]:
+        """The values of the newest versions of ``digests`` at ``chkpt``, decoded in
+        ``txn`` by the value frames' own decoder (``absent`` where there is none; frames
+        of ``small`` bytes or more through ``take`` first): what a same-host ``get_many``
+        reads, and the bytes and number of the frames copied on the way
+        (:func:`~dask_ddict.kernels.lookup_values`).  Every live version must be visible
+        (no ``wait_for_keys``)."""
+        tail = _BE.pack(_MAXQ - chkpt)
+        return kernels.lookup_values(
+            txn, self._data, digests, tail, small, absent, take, loads_value
+        )
 
     def exact(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
         """The version written at exactly ``chkpt``."""

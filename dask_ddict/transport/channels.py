@@ -411,10 +411,12 @@ class Channels:
         lend: bool | None = False,
         follows: int = 0,
         since: float = 0.0,
+        absent: Any = None,
     ) -> dict[int, list[Any]]:
-        """The frames of many keys, by manager: one request per host process
+        """The frames of many keys, by manager (values where ``absent`` asks a shard on
+        this host to decode them): one request per host process
         (:func:`.many_key_reads.get_many`)."""
-        return many_key_reads.get_many(self, groups, chkpt, timeout, lend, follows, since)
+        return many_key_reads.get_many(self, groups, chkpt, timeout, lend, follows, since, absent)
 
     async def get_many_async(
         self,

@@ -58,7 +58,10 @@ class GetMany(HostWide):
     """The frames of many keys on managers of one host process, in ``groups`` order.
 
     ``lend`` is a same-host reader's choice (see :class:`~.ops.Get`: ``None`` lends
-    only a frozen shard's values), never sent.
+    only a frozen shard's values), never sent; so is ``absent``: a reader that decodes
+    with the value frames' own decoder and copies (``lend`` false) gives its marker of
+    an absent key, and a shard read on this host then answers values decoded in its
+    snapshot (:class:`~dask_ddict.kernels.Decoded`), a host frames.
     """
 
     op = Op.GET_MANY
@@ -67,6 +70,7 @@ class GetMany(HostWide):
     chkpt: int
     timeout: float | None = None
     lend: bool | None = False
+    absent: Any = None
 
     def encode(self) -> Encoded:
         table = group_table(self.groups)

@@ -31,19 +31,22 @@ def get_many(
     lend: bool | None = False,
     follows: int = 0,
     since: float = 0.0,
+    absent: Any = None,
 ) -> dict[int, list[Any]]:
     """The frames of many keys, by manager (``groups``: each manager's digests).
 
     A frame is ``None`` for an absent key, ``False`` for one whose reader must wait.
+    ``absent``: see :class:`~.many_key_ops.GetMany` (a shard read on this host may then
+    answer its values, decoded, as a :class:`~dask_ddict.kernels.Decoded` list).
     The first failure is raised once every host answered.  ``follows`` and ``since``:
     the moves followed so far, and since when the read waits for a primary (see
     :meth:`~.channels.Channels.settle`).
     """
     if timing.on:  # (one operation, however many hosts it goes to)
         return timing.timed(
-            "get_many", _get_many, routing, groups, chkpt, timeout, lend, follows, since
+            "get_many", _get_many, routing, groups, chkpt, timeout, lend, follows, since, absent
         )
-    return _get_many(routing, groups, chkpt, timeout, lend, follows, since)
+    return _get_many(routing, groups, chkpt, timeout, lend, follows, since, absent)
 
 
 def _get_many(
@@ -54,6 +57,7 @@ def _get_many(
     lend: bool | None,
     follows: int,
     since: float,
+    absent: Any,
 ) -> dict[int, list[Any]]:
     """:func:`get_many`'s work."""
     out: dict[int, list[Any]] = {}
@@ -78,7 +82,7 @@ def _get_many(
     failure: BaseException | None = None
     for ch, mid, digests in local:
         try:
-            out[mid] = ch.call(GetMany(((mid, digests),), chkpt, timeout, lend))[0]
+            out[mid] = ch.call(GetMany(((mid, digests),), chkpt, timeout, lend, absent))[0]
         except BaseException as e:  # the hosts' answers are still read: links stay usable
             failure = failure or e
     for op, answer in pending:
@@ -108,7 +112,9 @@ def _get_many(
                 routing.follow(first, None, sent.managers[first].address)
         except DDictError:
             raise failure from None
-        out.update(routing.get_many(rest, chkpt, timeout, lend, follows + (not lapsed), since))
+        out.update(
+            routing.get_many(rest, chkpt, timeout, lend, follows + (not lapsed), since, absent)
+        )
         return out
     if failure is not None:
         raise failure

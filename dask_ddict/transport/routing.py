@@ -64,6 +64,7 @@ class Routing(Protocol):
         lend: bool | None = False,
         follows: int = 0,
         since: float = 0.0,
+        absent: Any = None,
     ) -> dict[int, list[Any]]:
         """The frames of many keys, by manager (see :mod:`.many_key_reads`)."""
         ...

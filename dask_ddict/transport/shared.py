@@ -394,7 +394,7 @@ class SharedChannel:
             if not o.lend:
                 with self._snapshot(view.store) as txn:
                     if o.lend is False or not self._frozen(view.store, txn):
-                        return [self._many(view, view.copy, digests, o.chkpt, txn)]
+                        return [self._many(view, view.copy, digests, o.chkpt, txn, o.absent)]
             with self._reading(view, True) as (txn, out):
                 return [self._many(view, out, digests, o.chkpt, txn)]
         except DDictClosedError:
@@ -404,14 +404,27 @@ class SharedChannel:
             self._exit(view)
 
     def _many(
-        self, view: _View, out: Callable[[Any], Any], digests: list[bytes], chkpt: int, txn: Any
+        self,
+        view: _View,
+        out: Callable[[Any], Any],
+        digests: list[bytes],
+        chkpt: int,
+        txn: Any,
+        absent: Any = None,
     ) -> list[Any]:
         """Frames (taken out of ``txn`` with ``out``: copied, or lent), ``None`` for absent
-        keys, ``False`` to wait for."""
+        keys, ``False`` to wait for; or, copying for a reader that gave its marker of an
+        absent key (``absent``: see :class:`GetMany`), the values, decoded here."""
         store = view.store
         self._check_state(store, chkpt, txn)
         if not self._wfk:  # (every live version is seen: the frames straight from the cursor)
             copying = out == view.copy  # (small frames: copied by the cursor's walk itself)
+            if copying and absent is not None:
+                values, nbytes, copies = store.lookup_values(
+                    txn, digests, chkpt, SMALL_FRAME, absent, out
+                )
+                touched(nbytes, copies)
+                return values
             frames = store.lookup_many(
                 txn, digests, chkpt, frames=True, small=SMALL_FRAME if copying else 0
             )
