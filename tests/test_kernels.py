@@ -522,6 +522,18 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
             )
             outcomes.append((kind, _comparable(out, absent, wait) if kind == "ok" else out))
     assert all(o == outcomes[0] for o in outcomes), outcomes
+    for s in SETS:  # (get_many's own path: the values and the marked ones, no pairs)
+        for small in (True, False):
+            kind, got_values = _outcome(
+                s.decode_values, routes, got, loads_value, absent, wait, small
+            )
+            assert kind == outcomes[0][0]
+            if kind != "ok":
+                assert got_values == outcomes[0][1]
+                continue
+            decoded_values, marked = got_values
+            assert _comparable(list(zip(keys, decoded_values)), absent, wait) == outcomes[0][1]
+            assert marked == [i for i, v in enumerate(decoded_values) if v is absent or v is wait]
     if outcomes[0][0] == "ok":
         pairs = pure.decode_frames(keys, routes, got, loads_value, absent, wait, False)
         shown = [_same_values(s.values_of, pairs, absent, wait) for s in SETS]

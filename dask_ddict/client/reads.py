@@ -86,10 +86,14 @@ class Reads(HandleBase):
         a frozen dictionary's).  Under ``wait_for_keys``, a key not yet written
         at this checkpoint is waited for as :meth:`get` waits.
         """
-        pairs = self._many(check_keys("keys", keys), copy)
-        out, marked = kernels.values_of(pairs, ABSENT, WAIT)
+        keys = list(check_keys("keys", keys))
+        routes = self._routes(keys)
+        decode, small = self._decoder(None)  # (values in key order: no (key, value) pairs)
+        out, marked = kernels.decode_values(
+            routes, self._fetched(routes, copy, None), decode, ABSENT, WAIT, small
+        )
         for i in marked:
-            key, got = pairs[i]
+            key, got = keys[i], out[i]
             if got is WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone
                 try:
                     got = self._get(key, None if copy is None else not copy)
@@ -116,15 +120,22 @@ class Reads(HandleBase):
         handle's value pickler), e.g. :func:`~dask_ddict._serialize.bytes_view`."""
         keys = list(keys)
         routes = self._routes(keys) if routes is None else routes
+        return self._decoded(keys, routes, self._fetched(routes, copy, decode), decode)
+
+    def _fetched(
+        self,
+        routes: builtins.list[tuple[int, bytes]],
+        copy: bool | None,
+        decode: Callable[[Any], Any] | None,
+    ) -> dict[int, builtins.list[Any]]:
+        """The answers for the keys of ``routes`` by manager, one request per host: frames,
+        or (read on this host, to be decoded by the frames' own decoder, ``decode``
+        ``None``) values decoded in the shard's snapshot."""
         lend, groups = self._many_request(copy, routes)
-        # (decoded where read, in the shard's snapshot: only by the frames' own decoder)
+        if not groups:
+            return {}
         absent = ABSENT if lend is False and decode is None and self._vp is None else None
-        got = (
-            self._core.get_many(groups, self._chkpt, self._timeout, lend, absent=absent)
-            if groups
-            else {}
-        )
-        return self._decoded(keys, routes, got, decode)
+        return self._core.get_many(groups, self._chkpt, self._timeout, lend, absent=absent)
 
     async def _many_async(
         self,
@@ -157,8 +168,16 @@ class Reads(HandleBase):
         decode: Callable[[Any], Any] | None,
     ) -> builtins.list[tuple[Any, Any]]:
         """``(key, value)`` pairs of :meth:`_many` from the frames ``got`` by manager."""
+        decoder, small = self._decoder(decode)
+        return kernels.decode_frames(keys, routes, got, decoder, ABSENT, WAIT, small)
+
+    def _decoder(self, decode: Callable[[Any], Any] | None) -> tuple[Callable[[Any], Any], bool]:
+        """What turns a frame into a value (``decode``, or by default :func:`loads_value`
+        with the handle's value pickler), and whether it is the value frames' own decoder
+        (which the compiled kernels inline)."""
         vp = self._vp
-        small = decode is None and vp is None  # (the value frames' own decoder: inlined)
-        if decode is None:
-            decode = loads_value if vp is None else functools.partial(loads_value, pickler=vp)
-        return kernels.decode_frames(keys, routes, got, decode, ABSENT, WAIT, small)
+        if decode is not None:
+            return decode, False
+        if vp is None:
+            return loads_value, True
+        return functools.partial(loads_value, pickler=vp), False

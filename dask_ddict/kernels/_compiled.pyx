@@ -582,6 +582,32 @@ def decode_frames(list keys, list routes, dict got, object decode, object absent
     return out
 
 
+@cython.boundscheck(True)  # (a route that is not a pair: IndexError, as in pure)
+def decode_values(list routes, dict got, object decode, object absent, object wait, bint small):
+    cdef dict frames = {mid: iter(fs) for mid, fs in got.items()}
+    cdef set values = {mid for mid, fs in got.items() if type(fs) is Decoded}
+    cdef Py_ssize_t i, n = len(routes)
+    cdef list out = [None] * n
+    cdef list marked = []
+    for i in range(n):
+        mid = routes[i][0]
+        frame = next(frames[mid])
+        if values and mid in values:  # (decoded where it was read)
+            value = frame
+        elif frame is None:
+            value = absent
+        elif frame is False:
+            value = wait
+        else:
+            value = _small(frame) if small else NotImplemented
+            if value is NotImplemented:
+                value = decode(frame)
+        out[i] = value
+        if value is absent or value is wait:
+            marked.append(i)
+    return out, marked
+
+
 def values_of(list pairs, object absent, object wait):
     cdef Py_ssize_t i, n = len(pairs)
     cdef list values = [None] * n

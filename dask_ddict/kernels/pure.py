@@ -422,6 +422,22 @@ def decode_frames(
     return out
 
 
+def decode_values(
+    routes: list[tuple[int, bytes]],
+    got: dict[int, list[Any]],
+    decode: Callable[[Any], Any],
+    absent: Any,
+    wait: Any,
+    small: bool,
+) -> tuple[list[Any], list[int]]:
+    """``values_of(decode_frames(...))`` without the pairs: each key's value (in the order
+    of ``routes``: ``absent``, ``wait``, or decoded as :func:`decode_frames` decodes it)
+    and the indices of those that are ``absent`` or ``wait`` (``get_many``'s own path,
+    whose keys are its caller's)."""
+    pairs = decode_frames(list(range(len(routes))), routes, got, decode, absent, wait, small)
+    return values_of(pairs, absent, wait)
+
+
 def values_of(
     pairs: list[tuple[Any, Any]],
     absent: Any,
@@ -715,6 +731,7 @@ __all__ = [
     "decoded",
     "taken_out",
     "decode_frames",
+    "decode_values",
     "values_of",
     "entries_bytes",
     "leading_within",
