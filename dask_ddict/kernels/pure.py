@@ -95,7 +95,7 @@ class Router:
     ``many`` keeps the routes of up to ``cached`` keys that are ``str`` or ``int`` (of
     at most :data:`CACHED_KEY_BYTES` pickled, under the default key pickler), and forgets
     them all when full: a ``get_many`` of keys routed before then skips their pickling
-    and BLAKE2b, two thirds of its time on the client.  A route depends only on the key,
+    and BLAKE2b, half of its time on the client.  A route depends only on the key,
     the pickler and the number of managers, all fixed for a router; ``str`` and ``int``
     keys are immutable and compare equal only to keys that pickle alike (``True``,
     ``1.0`` and ``str`` subclasses are never cached, so never confused with them)."""
