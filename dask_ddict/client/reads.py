@@ -134,7 +134,8 @@ class Reads(HandleBase):
         lend, groups = self._many_request(copy, routes)
         if not groups:
             return {}
-        absent = ABSENT if lend is False and decode is None and self._vp is None else None
+        own = self._decoder(decode)[1]  # (the frames' own decoder: decodable where read)
+        absent = ABSENT if lend is False and own else None
         return self._core.get_many(groups, self._chkpt, self._timeout, lend, absent=absent)
 
     async def _many_async(

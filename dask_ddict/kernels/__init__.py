@@ -83,7 +83,6 @@ if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
         taken_out,
         unpack_frames,
         unpack_records,
-        values_of,
     )
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
@@ -122,5 +121,4 @@ __all__ = [
     "taken_out",
     "unpack_frames",
     "unpack_records",
-    "values_of",
 ]  # (pure.__all__, and what says which: tests/test_kernels.py)

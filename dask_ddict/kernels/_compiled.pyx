@@ -556,6 +556,21 @@ cdef object _small_at(const unsigned char* p, Py_ssize_t n):
         return NotImplemented
 
 
+cdef inline object _value_of(object frame, bint decoded, object decode, object absent,
+                             object wait, bint small):
+    """One key's value in :func:`decode_frames` and :func:`decode_values`."""
+    if decoded:  # (decoded where it was read)
+        return frame
+    if frame is None:
+        return absent
+    if frame is False:
+        return wait
+    value = _small(frame) if small else NotImplemented
+    if value is NotImplemented:
+        value = decode(frame)
+    return value
+
+
 @cython.boundscheck(True)  # (a route that is not a pair: IndexError, as in pure)
 def decode_frames(list keys, list routes, dict got, object decode, object absent, object wait,
                   bint small):
@@ -567,17 +582,8 @@ def decode_frames(list keys, list routes, dict got, object decode, object absent
         n = len(routes)
     for i in range(n):
         mid = routes[i][0]
-        frame = next(frames[mid])
-        if values and mid in values:  # (decoded where it was read)
-            value = frame
-        elif frame is None:
-            value = absent
-        elif frame is False:
-            value = wait
-        else:
-            value = _small(frame) if small else NotImplemented
-            if value is NotImplemented:
-                value = decode(frame)
+        value = _value_of(next(frames[mid]), values and mid in values, decode, absent, wait,
+                          small)
         out.append((keys[i], value))
     return out
 
@@ -591,33 +597,12 @@ def decode_values(list routes, dict got, object decode, object absent, object wa
     cdef list marked = []
     for i in range(n):
         mid = routes[i][0]
-        frame = next(frames[mid])
-        if values and mid in values:  # (decoded where it was read)
-            value = frame
-        elif frame is None:
-            value = absent
-        elif frame is False:
-            value = wait
-        else:
-            value = _small(frame) if small else NotImplemented
-            if value is NotImplemented:
-                value = decode(frame)
+        value = _value_of(next(frames[mid]), values and mid in values, decode, absent, wait,
+                          small)
         out[i] = value
         if value is absent or value is wait:
             marked.append(i)
     return out, marked
-
-
-def values_of(list pairs, object absent, object wait):
-    cdef Py_ssize_t i, n = len(pairs)
-    cdef list values = [None] * n
-    cdef list marked = []
-    for i in range(n):
-        v = (<tuple?>pairs[i])[1]
-        values[i] = v
-        if v is absent or v is wait:
-            marked.append(i)
-    return values, marked
 
 
 cdef inline Py_ssize_t _nbytes(object frame) except -1:

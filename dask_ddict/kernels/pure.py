@@ -430,21 +430,11 @@ def decode_values(
     wait: Any,
     small: bool,
 ) -> tuple[list[Any], list[int]]:
-    """``values_of(decode_frames(...))`` without the pairs: each key's value (in the order
-    of ``routes``: ``absent``, ``wait``, or decoded as :func:`decode_frames` decodes it)
-    and the indices of those that are ``absent`` or ``wait`` (``get_many``'s own path,
-    whose keys are its caller's)."""
+    """:func:`decode_frames` without the pairs: each key's value (in the order of
+    ``routes``: ``absent``, ``wait``, or decoded as :func:`decode_frames` decodes it),
+    and the indices of those that are ``absent`` or ``wait`` (the few that ``get_many``,
+    whose keys are its caller's, must look at again)."""
     pairs = decode_frames(list(range(len(routes))), routes, got, decode, absent, wait, small)
-    return values_of(pairs, absent, wait)
-
-
-def values_of(
-    pairs: list[tuple[Any, Any]],
-    absent: Any,
-    wait: Any,
-) -> tuple[list[Any], list[int]]:
-    """The values of :func:`decode_frames`' pairs, and the positions of those that are
-    ``absent`` or ``wait`` (the few that ``get_many`` must look at again)."""
     values = [v for _, v in pairs]
     return values, [i for i, v in enumerate(values) if v is absent or v is wait]
 
@@ -732,7 +722,6 @@ __all__ = [
     "taken_out",
     "decode_frames",
     "decode_values",
-    "values_of",
     "entries_bytes",
     "leading_within",
     "put_entries",
