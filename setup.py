@@ -39,8 +39,9 @@ def extensions() -> list[Any]:
         print("dask-ddict: no Cython: pure-Python kernels", file=sys.stderr)
         return []
     source = KERNELS.replace(".", "/") + ".pyx"
-    included = os.path.join(os.path.dirname(source), "lmdb_engine.pxi")  # (LMDB's C API)
-    kernels = Extension(KERNELS, [source], depends=[included], extra_compile_args=["-O2"])
+    here = os.path.dirname(source)
+    included = [os.path.join(here, name) for name in ("lmdb_engine.pxi", "read_server.pxi")]
+    kernels = Extension(KERNELS, [source], depends=included, extra_compile_args=["-O2"])
     return cythonize([kernels], quiet=True)
 
 

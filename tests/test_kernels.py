@@ -66,6 +66,7 @@ def test_the_compiled_set_is_built_and_chosen():
         "GROUP",
         "JOIN",
         "KeyTooLong",
+        "PlainReads",
         "QUIET",
         "Record",
         "REPLY",

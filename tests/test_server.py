@@ -30,10 +30,12 @@ from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops, table
 from dask_ddict.transport.many_key_ops import GetMany
-from dask_ddict.transport.operation import Kind, Operation, Request
+from dask_ddict.transport.operation import Kind, Request
 from dask_ddict.transport.protocol import FLAG_NOREPLY, REP, REQ, Op
 from dask_ddict.transport.socket_client import HostLink, SocketChannel
 from dask_ddict.transport.whole_checkpoints import Persist
+from tests.support.wire import raw as _raw
+from tests.support.wire import replies as _replies
 
 
 def _serve(tmp_path, event_loop: bool, wait_for_writers: bool = False):
@@ -371,50 +373,6 @@ def test_requests_of_every_size_are_taken_whole(served, use_uds):
         assert loads_value(ch.call(ops.Get(key_digest(kb), 0))) == value
         assert ch.call(ops.Contains(key_digest(dumps_key("nothing")), 0)) is False
     assert ch.call(ops.Length(0)) == 6 and len(ch.link._all) == 1
-
-
-def _raw(
-    o: Operation, tag: int, mid: int = 3, flags: int = 0, rid: int = 0, term: int = 0
-) -> bytes:
-    """``o`` as a request to manager ``mid`` with ``tag`` (and request id ``rid``, the
-    manager's ``term`` as the client knows it), as a pipelining client frames it."""
-    e = o.encode()
-    return (
-        REQ.pack(
-            o.op,
-            e.flags | flags,
-            term,
-            len(e.keysec),
-            mid,
-            tag,
-            e.chkpt,
-            e.arg,
-            e.client,
-            -1.0 if e.timeout is None else e.timeout,
-            e.vlen,
-            rid,
-        )
-        + e.keysec
-        + b"".join(bytes(p) for p in e.parts)
-    )
-
-
-def _replies(sock: socket.socket, n: int) -> list[tuple[int, int, int, bytes]]:
-    """The next ``n`` replies on ``sock``: ``(status, tag, ival, payload)`` each."""
-    sock.settimeout(20)
-    data, out = b"", []
-    while len(out) < n:
-        chunk = sock.recv(1 << 20)
-        assert chunk, "the host closed the connection"
-        data += chunk
-        while len(data) >= REP.size:
-            status, tag, ival, plen = REP.unpack_from(data)
-            if len(data) < REP.size + plen:
-                break
-            out.append((status, tag, ival, data[REP.size : REP.size + plen]))
-            data = data[REP.size + plen :]
-    assert data == b""
-    return out
 
 
 @pytest.mark.parametrize(

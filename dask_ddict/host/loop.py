@@ -40,6 +40,7 @@ from ..transport.protocol import REQ
 
 if TYPE_CHECKING:
     from .._serialize import Scratch
+    from ..kernels import ReadServer
     from ..transport.protocol import Reader
     from .served import Table
 
@@ -75,6 +76,7 @@ class Connection:
         "holding",
         "batching",
         "sending",
+        "reads",
     )
 
     def __init__(
@@ -106,6 +108,10 @@ class Connection:
         #: A thread sending what the socket did not take of the kept-back replies when the
         #: loop was handed on (:meth:`hand_off`): every later write waits for it.
         self.sending: threading.Thread | None = None
+        #: Serves the plain reads at the head of its buffer in one call, on the event loop
+        #: (:class:`~dask_ddict.kernels.ReadServer`; ``None``: each request is the
+        #: server's).
+        self.reads: ReadServer | None = None
 
     def __repr__(self) -> str:
         return f"<Connection fd={self.fd} {self.hosted.name!r}>"
@@ -345,15 +351,20 @@ class EventLoop:
 
         The common request, whole in the buffer with a value the reader copies out, is
         received and taken by one compiled call each (:func:`~dask_ddict.kernels.
-        receive_nowait`, :func:`~dask_ddict.kernels.take_request`).  While more requests
+        receive_nowait`, :func:`~dask_ddict.kernels.take_request`); a run of plain reads
+        (gets and ``in``) is served by one call (``c.reads``) before any is taken.  While more requests
         are buffered (a pipelined client's), their small replies are kept back and go
         out together (:meth:`Connection.flush`): when no whole request is left, and
         before the loop is handed on.
         """
-        r, tag, take, inline = c.reader, c.tag, self._take, self._inline
+        r, tag, take, inline, reads = c.reader, c.tag, self._take, self._inline, c.reads
         receive_nowait(r)
+        if reads is not None and reads.serve():
+            return  # (all plain reads, every reply sent: the common wake-up, no more Python)
         c.batching = True  # (a reply waits for the next ones while more requests are here)
         while self.handoffs == moves:
+            if reads is not None:
+                reads.serve()
             got = take(r, tag)
             if type(got) is not int:  # (a Request)
                 if not inline(got[0], got[4]):  # (its op and arg)

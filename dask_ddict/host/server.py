@@ -50,6 +50,7 @@ from ..errors import (
     DDictClosedError,
     DDictError,
     DDictFullError,
+    DDictKeyError,
     DDictLeaseError,
     DDictManagerMovedError,
     DDictManagerUnavailableError,
@@ -98,6 +99,13 @@ _TAKEN = 1 << 20
 #: ones are received off the loop).
 _MOST_INLINE = REQ.size + _TAKEN + (64 << 10)
 _HEAD = REQ.size
+#: The reads the event loop serves in one compiled call (``kernels.ReadServer``): a get
+#: of an absent key is answered as the manager's ``DDictKeyError``; larger values are sent
+#: in parts by the manager's path.
+_MISSING = wire_error(DDictKeyError())
+_PLAIN_READS = kernels.PlainReads(
+    int(Op.GET), int(Op.CONTAINS), int(_MISSING[0]), _MISSING[1], SMALL
+)
 
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -297,6 +305,7 @@ class HostServer:
             if looped:
                 c.out = NoWait(conn)
                 c.reply = _loop_replier(c)
+                c.reads = kernels.ReadServer(c, _PLAIN_READS)
             else:
                 c.reply = _replier(conn, c.tag)
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped

@@ -28,7 +28,18 @@ from typing import TYPE_CHECKING
 
 from .. import config
 from . import pure
-from .pure import BATCH_RECORD, GROUP, JOIN, QUIET, REPLY, REQUEST, KeyTooLong, Record, group_table
+from .pure import (
+    BATCH_RECORD,
+    GROUP,
+    JOIN,
+    QUIET,
+    REPLY,
+    REQUEST,
+    KeyTooLong,
+    PlainReads,
+    Record,
+    group_table,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +54,9 @@ def _choose() -> tuple[ModuleType, bool]:
         return pure, False
     here = os.path.dirname(__file__)
     built = getattr(_compiled, "__file__", None)
-    sources = [os.path.join(here, name) for name in ("_compiled.pyx", "lmdb_engine.pxi")]
+    sources = [
+        os.path.join(here, name) for name in ("_compiled.pyx", "lmdb_engine.pxi", "read_server.pxi")
+    ]
     newest = max(((os.stat(p).st_mtime, p) for p in sources if os.path.exists(p)), default=None)
     if built and newest is not None and newest[0] > os.stat(built).st_mtime:
         source = newest[1]
@@ -61,6 +74,7 @@ _impl, COMPILED = _choose()
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
         Decoded,
+        ReadServer,
         Router,
         decode_frames,
         decode_values,
@@ -97,7 +111,9 @@ __all__ = [
     "REQUEST",
     "Decoded",
     "KeyTooLong",
+    "PlainReads",
     "group_table",
+    "ReadServer",
     "Record",
     "Router",
     "decode_frames",

@@ -951,3 +951,4 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
 
 
 include "lmdb_engine.pxi"
+include "read_server.pxi"

@@ -57,7 +57,11 @@ cdef extern from *:
         int major, minor, patch;
         unsigned int data_version;
         void *env_fns[20];   /* env_create .. reader_list */
-        void *txn_fns[6];    /* txn_begin .. txn_id */
+        int (*txn_begin)(void *env, ddict_mdb_txn *parent, unsigned int flags,
+                         ddict_mdb_txn **txn);
+        void *txn_commit;
+        void (*txn_abort)(ddict_mdb_txn *txn);
+        void *txn_reset, *txn_renew, *txn_id;
         void *dbi_fns[8];    /* dbi_open .. stat */
         int (*cursor_open)(ddict_mdb_txn *txn, unsigned int dbi, ddict_mdb_cursor **cursor);
         void (*cursor_close)(ddict_mdb_cursor *cursor);
@@ -107,6 +111,7 @@ cdef extern from *:
     #define DDICT_MDB_NOTFOUND (-30798)
     #define DDICT_MDB_MAP_FULL (-30792)
     #define DDICT_TRANS_BUFFERS 1
+    #define DDICT_MDB_RDONLY 0x20000
     """
     ctypedef struct ddict_mdb_val:
         size_t mv_size
@@ -118,6 +123,9 @@ cdef extern from *:
     ctypedef struct ddict_mdb_api:
         int major, minor, patch
         unsigned int data_version
+        int (*txn_begin)(void* env, ddict_mdb_txn* parent, unsigned int flags,
+                         ddict_mdb_txn** txn)
+        void (*txn_abort)(ddict_mdb_txn* txn)
         int (*cursor_open)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_cursor** cursor)
         void (*cursor_close)(ddict_mdb_cursor* cursor)
         int (*cursor_get)(ddict_mdb_cursor* cursor, ddict_mdb_val* key, ddict_mdb_val* data,
@@ -129,6 +137,7 @@ cdef extern from *:
         char* (*version_fn)(int* major, int* minor, int* patch)
     ctypedef struct ddict_lmdb_env:
         int valid
+        void* env
         const ddict_mdb_api* libv
     ctypedef struct ddict_lmdb_txn:
         int valid
@@ -149,6 +158,7 @@ cdef extern from *:
     int DDICT_MDB_NOTFOUND
     int DDICT_MDB_MAP_FULL
     int DDICT_TRANS_BUFFERS
+    unsigned int DDICT_MDB_RDONLY
 
 
 class LmdbEngineError(RuntimeError):
@@ -164,11 +174,12 @@ cdef int _engines_state = 0  # 0: not looked up yet; 1: usable; -1: refused (see
 cdef object _refusal = None
 cdef object _Transaction = None
 cdef object _Database = None
+cdef object _Environment = None
 
 
 cdef int _engines() except -1:
     """Find py-lmdb's engine tables, once per process; raise why they cannot be used."""
-    global _engines_state, _refusal, _Transaction, _Database
+    global _engines_state, _refusal, _Transaction, _Database, _Environment
     if _engines_state == 1:
         return 0
     if _engines_state == -1:
@@ -199,6 +210,7 @@ cdef int _engines() except -1:
         if _ENGINES[0] == NULL and _ENGINES[1] == NULL:
             raise LmdbEngineError(f"{flavour.__file__} exports no LMDB engine table")
         _Transaction, _Database = flavour.Transaction, flavour._Database
+        _Environment = flavour.Environment
     except LmdbEngineError as e:
         _engines_state, _refusal = -1, str(e)
         raise

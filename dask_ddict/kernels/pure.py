@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
@@ -707,6 +707,104 @@ def receive_reply(
         got += n
 
 
+class PlainReads(NamedTuple):
+    """What a :class:`ReadServer` serves, as the host declares it: the codes of ``get``
+    and ``in``, what a get of an absent key is answered (the status and message that the
+    manager's ``DDictKeyError`` becomes on the wire), and the largest value it sends
+    (a larger one is the manager's, which sends it in parts)."""
+
+    get: int
+    contains: int
+    missing_status: int
+    missing: bytes
+    most: int
+
+
+class ReadServer:
+    """Serves the plain reads at the head of one event-loop connection's buffer.
+
+    A plain read is a ``get`` or an ``in`` of one key, without flags, request id or
+    value, at a checkpoint in its manager's window, of a manager served here (not
+    closed, under the term its client names, its dictionary not leased and without
+    ``wait_for_keys``): what a manager answers from one snapshot without ever waiting
+    or writing.  :meth:`serve` answers the leading ones as the manager would (the
+    value's frame, ``DDictKeyError``'s reply, or whether the key is seen), counts them
+    in the connection's table and takes them out of its buffer; it stops at the first
+    request that is anything else, or not whole, and leaves it to the server's Python
+    path, which is the reference of everything here.  Its replies go out in one send
+    that does not wait, after the ones the connection kept back; what the socket does
+    not take joins them (``held``), for the server to send.
+
+    ``c`` is the :class:`~dask_ddict.host.loop.Connection`: its ``reader``, ``sock``,
+    ``held``, ``owed`` (a connection that owes a delivery is the server's), ``hosted``
+    and ``served`` are read.
+    """
+
+    __slots__ = ("_c", "_rules", "count")
+
+    def __init__(self, c: Any, rules: PlainReads) -> None:
+        self._c, self._rules = c, rules
+        self.count = 0  # requests served here
+
+    def serve(self) -> bool:
+        """Serve the plain reads at the head of the buffer (:attr:`count` counts them);
+        whether that left nothing to do: nothing buffered, no reply kept back."""
+        c, (get, contains, status, missing, most) = self._c, self._rules
+        r, hosted = c.reader, c.hosted
+        if hosted.leased or c.owed[0] is not None:
+            return False
+        out: list[bytes] = []
+        snap: tuple[Any, Any] | None = None  # (environment, snapshot) of the last manager
+        try:
+            while r._end - r._pos >= REQUEST.size + DIGEST:
+                op, flags, term, klen, mid, tag, chkpt, _, _, _, vlen, rid = REQUEST.unpack_from(
+                    r._buf, r._pos
+                )
+                if (op != get and op != contains) or flags or klen != DIGEST or vlen or rid:
+                    break
+                m = hosted.managers.get(mid)
+                if m is None or m.closed or (term and term != m.wire) or chkpt < 0:
+                    break
+                ws = m.working_set
+                if ws.wait_for_keys or chkpt < ws.newest - ws.size + 1:
+                    break
+                env = m.store.env
+                if snap is None or snap[0] is not env:
+                    if snap is not None:
+                        snap[1].abort()
+                    snap = None
+                    snap = (env, m.store.read())
+                at = r._pos + REQUEST.size
+                e = m.store.lookup(snap[1], bytes(r._buf[at : at + DIGEST]), chkpt)
+                live = e is not None and not e.flags & TOMBSTONE
+                if op == contains:
+                    out.append(REPLY.pack(0, tag, int(live), 0))
+                elif not live:
+                    out.append(REPLY.pack(status, tag, 0, len(missing)) + missing)
+                elif len(e.frame) > most:
+                    break
+                else:
+                    out.append(REPLY.pack(0, tag, 0, len(e.frame)) + bytes(e.frame))
+                counts = c.served[mid]
+                counts[op] = counts.get(op, 0) + 1
+                r._pos = at + DIGEST
+        finally:
+            if snap is not None:
+                snap[1].abort()
+        if out:
+            data = b"".join(out)
+            if not c.held:
+                try:
+                    sent = c.sock.send(data, _DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                data = data[sent:]
+            if data:
+                c.held.append(data)
+        self.count += len(out)
+        return r._pos == r._end and not c.held
+
+
 __all__ = [
     "Decoded",
     "route",
@@ -731,4 +829,5 @@ __all__ = [
     "receive_nowait",
     "take_request",
     "send_reply",
+    "ReadServer",
 ]
