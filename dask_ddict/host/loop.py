@@ -4,7 +4,11 @@ A thread per connection, each sleeping in ``recv``, costs a wake-up and an
 interpreter-lock hand-over per request; with many clients the host's CPU per
 request grows with their number.  Here one thread waits in ``epoll_wait`` for all
 connections, reads what is ready without waiting, and serves each complete request
-on the spot: under load one wake-up finds several requests.
+on the spot: under load one wake-up finds several requests.  The wait, the receive and
+the plain reads (gets and ``in``s, :class:`~dask_ddict.kernels.ReadServer`) are one
+compiled call (:func:`~dask_ddict.kernels.poll_and_serve`, which waits with the
+interpreter lock released): a wake-up of plain reads runs no Python at all, and the
+events it leaves (any other request, a connection that ended) are served here.
 
 The loop's thread never sleeps on anything but ``epoll_wait``
 (:mod:`dask_ddict._blocking`).  A request that may take long
@@ -35,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import _blocking
-from ..kernels import receive_nowait
+from ..kernels import poll_and_serve, receive_nowait
 from ..transport.protocol import REQ
 
 if TYPE_CHECKING:
@@ -318,13 +322,16 @@ class EventLoop:
         """Poll and serve until this thread hands the loop on (returns the connection
         it was serving) or the loop closes (returns ``None``)."""
         _blocking.serving(self._hand_on)
-        poll, conns, ready = self._ep.poll, self._conns, self._ready
+        ep, conns, ready = self._ep, self._conns, self._ready
         try:
             while not self._closed:
-                for fd, _ in poll(-1, _MOST_EVENTS):
+                for fd, error in poll_and_serve(ep, conns, _MOST_EVENTS):
                     c = conns.get(fd)
                     if c is None:
                         continue  # (the wake-up)
+                    if error is not None:
+                        self._drop(c, error)
+                        continue
                     self._serving = c  # (what _hand_on takes out of the loop)
                     moves = self.handoffs
                     try:
@@ -359,8 +366,6 @@ class EventLoop:
         """
         r, tag, take, inline, reads = c.reader, c.tag, self._take, self._inline, c.reads
         receive_nowait(r)
-        if reads is not None and reads.serve():
-            return  # (all plain reads, every reply sent: the common wake-up, no more Python)
         c.batching = True  # (a reply waits for the next ones while more requests are here)
         while self.handoffs == moves:
             if reads is not None:

@@ -855,6 +855,10 @@ def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t s
 cdef Py_ssize_t _REQUEST = REQUEST.size
 
 def receive_nowait(reader):
+    return _receive_nowait(reader)
+
+
+cdef Py_ssize_t _receive_nowait(reader) except -1:
     cdef bytearray buf = reader._buf
     cdef Py_ssize_t pos = reader._pos, end = reader._end
     cdef ssize_t n

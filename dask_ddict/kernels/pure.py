@@ -805,6 +805,34 @@ class ReadServer:
         return r._pos == r._end and not c.held
 
 
+def poll_and_serve(ep: Any, conns: dict[int, Any], most: int) -> list[tuple[int, Any]]:
+    """Wait for a host's connections (``ep``, the event loop's ``epoll``, at most ``most``
+    events at a time), and for each that sent something, receive it and serve its plain
+    reads (its :class:`ReadServer`, ``c.reads``, of ``conns[fd]``).  What is left for the
+    caller: ``(fd, None)`` for a connection whose buffer holds a request that its read
+    server does not answer (or that has none), or for a descriptor that is not a
+    connection's (the loop's wake-up); ``(fd, error)`` for one whose receive or send
+    failed.  Empty when every event was served whole: the loop's common wake-up, with
+    no Python between the wait and the replies in the compiled set (which waits with the
+    interpreter lock released)."""
+    left: list[tuple[int, Any]] = []
+    for fd, _ in ep.poll(-1, most):
+        c = conns.get(fd)
+        reads = None if c is None else c.reads
+        if c is None or reads is None:
+            left.append((fd, None))
+            continue
+        try:
+            receive_nowait(c.reader)
+            if reads.serve():
+                continue
+        except Exception as e:  # noqa: BLE001 - the connection's end (the caller's to say)
+            left.append((fd, e))
+            continue
+        left.append((fd, None))
+    return left
+
+
 __all__ = [
     "Decoded",
     "route",
@@ -830,4 +858,5 @@ __all__ = [
     "take_request",
     "send_reply",
     "ReadServer",
+    "poll_and_serve",
 ]

@@ -15,6 +15,19 @@ from cpython.mem cimport PyMem_Realloc
 
 from .pure import ReadServer as _PureReadServer
 
+cdef extern from "<sys/epoll.h>" nogil:
+    ctypedef union epoll_data_t:
+        void* ptr
+        int fd
+        uint32_t u32
+        uint64_t u64
+    struct epoll_event:
+        uint32_t events
+        epoll_data_t data
+    int epoll_wait(int epfd, epoll_event* events, int maxevents, int timeout)
+
+DEF _MOST_EVENTS = 256  # (at most this many events a call; the rest come with the next)
+
 cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a header and a digest
 cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
 
@@ -110,7 +123,7 @@ cdef class ReadServer:
         self.n = 0
         return 0
 
-    def serve(self):
+    cpdef bint serve(self) except -1:
         cdef bytearray buf
         cdef Py_ssize_t pos, end, served = 0, size, have, flen
         cdef const unsigned char* p
@@ -223,3 +236,36 @@ cdef class ReadServer:
         self._send()
         self.count += served
         return pos == end and PyList_GET_SIZE(self.held) == 0
+
+
+def poll_and_serve(ep, dict conns not None, int most):
+    cdef epoll_event events[_MOST_EVENTS]
+    cdef int epfd = ep.fileno(), n, i, err = 0
+    cdef list left = []
+    cdef PyObject* found
+    most = max(1, min(most, _MOST_EVENTS))
+    with nogil:
+        n = epoll_wait(epfd, events, most, -1)
+        if n < 0:
+            err = errno
+    if n < 0:
+        if err == EINTR:
+            PyErr_CheckSignals()
+            return left
+        raise OSError(err, os.strerror(err))
+    for i in range(n):
+        fd = events[i].data.fd
+        found = PyDict_GetItem(conns, fd)
+        reads = None if found == NULL else (<object>found).reads
+        if reads is None:
+            left.append((fd, None))
+            continue
+        try:
+            _receive_nowait((<object>found).reader)
+            if (<ReadServer>reads).serve() if type(reads) is ReadServer else reads.serve():
+                continue
+        except Exception as e:  # (the connection's end: the caller's to say)
+            left.append((fd, e))
+            continue
+        left.append((fd, None))
+    return left
