@@ -40,7 +40,7 @@ def extensions() -> list[Any]:
         return []
     source = KERNELS.replace(".", "/") + ".pyx"
     here = os.path.dirname(source)
-    included = [os.path.join(here, name) for name in ("lmdb_engine.pxi", "read_server.pxi")]
+    included = [os.path.join(here, name) for name in ("lmdb_engine.pxi", "plain_server.pxi")]
     kernels = Extension(KERNELS, [source], depends=included, extra_compile_args=["-O2"])
     return cythonize([kernels], quiet=True)
 

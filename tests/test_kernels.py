@@ -66,7 +66,7 @@ def test_the_compiled_set_is_built_and_chosen():
         "GROUP",
         "JOIN",
         "KeyTooLong",
-        "PlainReads",
+        "PlainRequests",
         "QUIET",
         "Record",
         "REPLY",

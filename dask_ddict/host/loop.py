@@ -5,10 +5,11 @@ interpreter-lock hand-over per request; with many clients the host's CPU per
 request grows with their number.  Here one thread waits in ``epoll_wait`` for all
 connections, reads what is ready without waiting, and serves each complete request
 on the spot: under load one wake-up finds several requests.  The wait, the receive and
-the plain reads (gets and ``in``s, :class:`~dask_ddict.kernels.ReadServer`) are one
-compiled call (:func:`~dask_ddict.kernels.poll_and_serve`, which waits with the
-interpreter lock released): a wake-up of plain reads runs no Python at all, and the
-events it leaves (any other request, a connection that ended) are served here.
+the plain requests (gets, ``in``s and puts of one key, :class:`~dask_ddict.kernels.
+PlainServer`) are one compiled call (:func:`~dask_ddict.kernels.poll_and_serve`, which
+waits with the interpreter lock released): a wake-up of plain requests runs no Python
+at all, and the events it leaves (any other request, a connection that ended) are
+served here.
 
 The loop's thread never sleeps on anything but ``epoll_wait``
 (:mod:`dask_ddict._blocking`).  A request that may take long
@@ -44,7 +45,7 @@ from ..transport.protocol import REQ
 
 if TYPE_CHECKING:
     from .._serialize import Scratch
-    from ..kernels import ReadServer
+    from ..kernels import PlainServer
     from ..transport.protocol import Reader
     from .served import Table
 
@@ -80,7 +81,7 @@ class Connection:
         "holding",
         "batching",
         "sending",
-        "reads",
+        "plain",
     )
 
     def __init__(
@@ -112,10 +113,10 @@ class Connection:
         #: A thread sending what the socket did not take of the kept-back replies when the
         #: loop was handed on (:meth:`hand_off`): every later write waits for it.
         self.sending: threading.Thread | None = None
-        #: Serves the plain reads at the head of its buffer in one call, on the event loop
-        #: (:class:`~dask_ddict.kernels.ReadServer`; ``None``: each request is the
+        #: Serves the plain requests at the head of its buffer in one call, on the event
+        #: loop (:class:`~dask_ddict.kernels.PlainServer`; ``None``: each request is the
         #: server's).
-        self.reads: ReadServer | None = None
+        self.plain: PlainServer | None = None
 
     def __repr__(self) -> str:
         return f"<Connection fd={self.fd} {self.hosted.name!r}>"
@@ -245,6 +246,11 @@ class EventLoop:
         self._closed = False
         self._shut_down = False  # (the epoll object and the wake-up descriptor are closed)
         self._serving: Connection | None = None  # (the polling thread's, while it serves one)
+        #: The events of the polling thread's batch after the one it serves, and those
+        #: that a thread which handed the loop on left to the next (their requests were
+        #: received already: the descriptors would not be reported again).
+        self._rest: list[tuple[int, BaseException | None]] = []
+        self._pending: list[tuple[int, BaseException | None]] = []
         self.handoffs = 0  # times the loop moved to another thread
 
     def __repr__(self) -> str:
@@ -306,6 +312,7 @@ class EventLoop:
             self._ep.unregister(c.fd)
             c.batching = False  # (off the loop: its replies go out as they come)
         self.handoffs += 1
+        self._pending, self._rest = self._rest, []  # (before the next poller starts)
         with self._cond:
             called = self._idle > self._called
             if called:
@@ -325,7 +332,12 @@ class EventLoop:
         ep, conns, ready = self._ep, self._conns, self._ready
         try:
             while not self._closed:
-                for fd, error in poll_and_serve(ep, conns, _MOST_EVENTS):
+                events = self._pending
+                if events:
+                    self._pending = []
+                else:
+                    events = poll_and_serve(ep, conns, _MOST_EVENTS)
+                for i, (fd, error) in enumerate(events):
                     c = conns.get(fd)
                     if c is None:
                         continue  # (the wake-up)
@@ -333,6 +345,7 @@ class EventLoop:
                         self._drop(c, error)
                         continue
                     self._serving = c  # (what _hand_on takes out of the loop)
+                    self._rest = events[i + 1 :]  # (what _hand_on leaves to the next poller)
                     moves = self.handoffs
                     try:
                         ready(c, moves)
@@ -358,18 +371,18 @@ class EventLoop:
 
         The common request, whole in the buffer with a value the reader copies out, is
         received and taken by one compiled call each (:func:`~dask_ddict.kernels.
-        receive_nowait`, :func:`~dask_ddict.kernels.take_request`); a run of plain reads
-        (gets and ``in``) is served by one call (``c.reads``) before any is taken.  While more requests
+        receive_nowait`, :func:`~dask_ddict.kernels.take_request`); a run of plain requests
+        is served by one call (``c.plain``) before any is taken.  While more requests
         are buffered (a pipelined client's), their small replies are kept back and go
         out together (:meth:`Connection.flush`): when no whole request is left, and
         before the loop is handed on.
         """
-        r, tag, take, inline, reads = c.reader, c.tag, self._take, self._inline, c.reads
+        r, tag, take, inline, plain = c.reader, c.tag, self._take, self._inline, c.plain
         receive_nowait(r)
         c.batching = True  # (a reply waits for the next ones while more requests are here)
         while self.handoffs == moves:
-            if reads is not None:
-                reads.serve()
+            if plain is not None:
+                plain.serve()
             got = take(r, tag)
             if type(got) is not int:  # (a Request)
                 if not inline(got[0], got[4]):  # (its op and arg)

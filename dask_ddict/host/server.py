@@ -62,6 +62,7 @@ from ..transport.operation import Answerer, Reply, Request
 from ..transport.ops import Page
 from ..transport.protocol import (
     FLAG_NOREPLY,
+    FLAG_PERSIST,
     REP,
     REQ,
     SMALL,
@@ -99,13 +100,7 @@ _TAKEN = 1 << 20
 #: ones are received off the loop).
 _MOST_INLINE = REQ.size + _TAKEN + (64 << 10)
 _HEAD = REQ.size
-#: The reads the event loop serves in one compiled call (``kernels.ReadServer``): a get
-#: of an absent key is answered as the manager's ``DDictKeyError``; larger values are sent
-#: in parts by the manager's path.
-_MISSING = wire_error(DDictKeyError())
-_PLAIN_READS = kernels.PlainReads(
-    int(Op.GET), int(Op.CONTAINS), int(_MISSING[0]), _MISSING[1], SMALL
-)
+_MISSING = wire_error(DDictKeyError())  # (a plain get's answer for a key not found)
 
 #: accept() errors that end when resources come back: wait and accept again.
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -210,6 +205,19 @@ class HostServer:
         host, port = tcp.getsockname()[:2]
         self._target = f"{host}:{port}"  # as layouts name this host process (tcp_host:tcp_port)
         self._incarnation = secrets.token_bytes(16)  # new with every host process
+        #: The requests the event loop serves in compiled code (``kernels.PlainServer``):
+        #: a get of an absent key is answered as the manager's ``DDictKeyError``; larger
+        #: values go through the manager's path, in parts.
+        self._plain = kernels.PlainRequests(
+            int(Op.GET),
+            int(Op.CONTAINS),
+            int(Op.PUT),
+            FLAG_PERSIST,
+            int(_MISSING[0]),
+            _MISSING[1],
+            SMALL,
+            self.limits.max_key_bytes + 16,
+        )
         #: Serves the connections that are not TLS (``None``: a thread each, as TLS's).
         self.loop = (
             EventLoop(
@@ -305,7 +313,7 @@ class HostServer:
             if looped:
                 c.out = NoWait(conn)
                 c.reply = _loop_replier(c)
-                c.reads = kernels.ReadServer(c, _PLAIN_READS)
+                c.plain = kernels.PlainServer(c, self._plain)
             else:
                 c.reply = _replier(conn, c.tag)
         except Exception as e:  # noqa: BLE001 - a stranger, or a peer that left: dropped

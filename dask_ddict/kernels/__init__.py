@@ -36,7 +36,7 @@ from .pure import (
     REPLY,
     REQUEST,
     KeyTooLong,
-    PlainReads,
+    PlainRequests,
     Record,
     group_table,
 )
@@ -55,7 +55,8 @@ def _choose() -> tuple[ModuleType, bool]:
     here = os.path.dirname(__file__)
     built = getattr(_compiled, "__file__", None)
     sources = [
-        os.path.join(here, name) for name in ("_compiled.pyx", "lmdb_engine.pxi", "read_server.pxi")
+        os.path.join(here, name)
+        for name in ("_compiled.pyx", "lmdb_engine.pxi", "plain_server.pxi")
     ]
     newest = max(((os.stat(p).st_mtime, p) for p in sources if os.path.exists(p)), default=None)
     if built and newest is not None and newest[0] > os.stat(built).st_mtime:
@@ -74,7 +75,7 @@ _impl, COMPILED = _choose()
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
         Decoded,
-        ReadServer,
+        PlainServer,
         Router,
         decode_frames,
         decode_values,
@@ -112,9 +113,9 @@ __all__ = [
     "REQUEST",
     "Decoded",
     "KeyTooLong",
-    "PlainReads",
+    "PlainRequests",
     "group_table",
-    "ReadServer",
+    "PlainServer",
     "Record",
     "Router",
     "decode_frames",

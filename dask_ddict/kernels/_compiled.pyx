@@ -26,8 +26,8 @@ import sys
 
 from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
-from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, Framed, dumps_value, frame_parts
-from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry
+from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
+from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, PADS, QUIET,
                    REPLY, REQUEST, WAIT, Decoded, KeyTooLong)
 
@@ -955,4 +955,4 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
 
 
 include "lmdb_engine.pxi"
-include "read_server.pxi"
+include "plain_server.pxi"

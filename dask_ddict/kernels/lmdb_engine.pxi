@@ -59,10 +59,16 @@ cdef extern from *:
         void *env_fns[20];   /* env_create .. reader_list */
         int (*txn_begin)(void *env, ddict_mdb_txn *parent, unsigned int flags,
                          ddict_mdb_txn **txn);
-        void *txn_commit;
+        int (*txn_commit)(ddict_mdb_txn *txn);
         void (*txn_abort)(ddict_mdb_txn *txn);
-        void *txn_reset, *txn_renew, *txn_id;
-        void *dbi_fns[8];    /* dbi_open .. stat */
+        void *txn_reset, *txn_renew;
+        size_t (*txn_id)(ddict_mdb_txn *txn);
+        void *dbi_open, *dbi_flags, *dbi_close, *drop;
+        int (*get)(ddict_mdb_txn *txn, unsigned int dbi, ddict_mdb_val *key,
+                   ddict_mdb_val *data);
+        int (*put)(ddict_mdb_txn *txn, unsigned int dbi, ddict_mdb_val *key,
+                   ddict_mdb_val *data, unsigned int flags);
+        void *del_fn, *stat;
         int (*cursor_open)(ddict_mdb_txn *txn, unsigned int dbi, ddict_mdb_cursor **cursor);
         void (*cursor_close)(ddict_mdb_cursor *cursor);
         int (*cursor_get)(ddict_mdb_cursor *cursor, ddict_mdb_val *key, ddict_mdb_val *data,
@@ -124,8 +130,14 @@ cdef extern from *:
         int major, minor, patch
         unsigned int data_version
         int (*txn_begin)(void* env, ddict_mdb_txn* parent, unsigned int flags,
-                         ddict_mdb_txn** txn)
+                         ddict_mdb_txn** txn) nogil
+        int (*txn_commit)(ddict_mdb_txn* txn) nogil
         void (*txn_abort)(ddict_mdb_txn* txn)
+        size_t (*txn_id)(ddict_mdb_txn* txn)
+        int (*get)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_val* key,
+                   ddict_mdb_val* data)
+        int (*put)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_val* key,
+                   ddict_mdb_val* data, unsigned int flags)
         int (*cursor_open)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_cursor** cursor)
         void (*cursor_close)(ddict_mdb_cursor* cursor)
         int (*cursor_get)(ddict_mdb_cursor* cursor, ddict_mdb_val* key, ddict_mdb_val* data,

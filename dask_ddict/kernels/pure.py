@@ -707,33 +707,45 @@ def receive_reply(
         got += n
 
 
-class PlainReads(NamedTuple):
-    """What a :class:`ReadServer` serves, as the host declares it: the codes of ``get``
-    and ``in``, what a get of an absent key is answered (the status and message that the
-    manager's ``DDictKeyError`` becomes on the wire), and the largest value it sends
-    (a larger one is the manager's, which sends it in parts)."""
+class PlainRequests(NamedTuple):
+    """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
+    ``in`` and ``put`` and the flag a put may carry (``persist``: under no
+    ``wait_for_keys``, every put persists), what a get of an absent key is answered (the
+    status and message that the manager's ``DDictKeyError`` becomes on the wire), the
+    largest value it sends or puts (a larger one is the manager's, which moves it in
+    parts), and the largest key section a host takes (a larger one is refused by the
+    server)."""
 
     get: int
     contains: int
+    put: int
+    persist: int
     missing_status: int
     missing: bytes
     most: int
+    most_key: int
 
 
-class ReadServer:
-    """Serves the plain reads at the head of one event-loop connection's buffer.
+class PlainServer:
+    """Serves the plain requests at the head of one event-loop connection's buffer.
 
-    A plain read is a ``get`` or an ``in`` of one key, without flags, request id or
-    value, at a checkpoint in its manager's window, of a manager served here (not
-    closed, under the term its client names, its dictionary not leased and without
-    ``wait_for_keys``): what a manager answers from one snapshot without ever waiting
-    or writing.  :meth:`serve` answers the leading ones as the manager would (the
-    value's frame, ``DDictKeyError``'s reply, or whether the key is seen), counts them
-    in the connection's table and takes them out of its buffer; it stops at the first
-    request that is anything else, or not whole, and leaves it to the server's Python
-    path, which is the reference of everything here.  Its replies go out in one send
-    that does not wait, after the ones the connection kept back; what the socket does
-    not take joins them (``held``), for the server to send.
+    A plain request is a ``get``, an ``in`` or a ``put`` of one key of a manager served
+    here (not closed, under the term its client names, its dictionary not leased and
+    without ``wait_for_keys``), without a request id: a read at a checkpoint in the
+    manager's window, answered from one snapshot without ever waiting; a put of a value
+    of at most ``most`` bytes at the window's checkpoint, in a window of one checkpoint,
+    to a shard neither frozen, replicated, nor waited on (no deferred operation, no
+    checkpoint retiring, no ``wait_for_writers``), that its manager's lock is free to
+    take: what :meth:`~dask_ddict.shard.working_set.WorkingSet.put_alone` writes in one
+    transaction.  :meth:`serve` answers the leading ones as the manager would (the
+    value's frame, ``DDictKeyError``'s reply, whether the key is seen, a put's empty
+    reply), counts them in the connection's table and takes them out of its buffer; it
+    stops at the first request that is anything else, or not whole, or a put that does
+    not go through alone (nothing of it written), and leaves it to the server's Python
+    path, which is the reference of everything here.  A read after a put sees it (the
+    snapshot of a run ends at a put).  Its replies go out in one send that does not
+    wait, after the ones the connection kept back; what the socket does not take joins
+    them (``held``), for the server to send.
 
     ``c`` is the :class:`~dask_ddict.host.loop.Connection`: its ``reader``, ``sock``,
     ``held``, ``owed`` (a connection that owes a delivery is the server's), ``hosted``
@@ -742,52 +754,67 @@ class ReadServer:
 
     __slots__ = ("_c", "_rules", "count")
 
-    def __init__(self, c: Any, rules: PlainReads) -> None:
+    def __init__(self, c: Any, rules: PlainRequests) -> None:
         self._c, self._rules = c, rules
         self.count = 0  # requests served here
 
     def serve(self) -> bool:
-        """Serve the plain reads at the head of the buffer (:attr:`count` counts them);
+        """Serve the plain requests at the head of the buffer (:attr:`count` counts them);
         whether that left nothing to do: nothing buffered, no reply kept back."""
-        c, (get, contains, status, missing, most) = self._c, self._rules
+        c, rules = self._c, self._rules
         r, hosted = c.reader, c.hosted
         if hosted.leased or c.owed[0] is not None:
             return False
         out: list[bytes] = []
-        snap: tuple[Any, Any] | None = None  # (environment, snapshot) of the last manager
+        snap: tuple[Any, Any] | None = None  # (environment, snapshot) of the last read
         try:
             while r._end - r._pos >= REQUEST.size + DIGEST:
-                op, flags, term, klen, mid, tag, chkpt, _, _, _, vlen, rid = REQUEST.unpack_from(
-                    r._buf, r._pos
+                op, flags, term, klen, mid, tag, chkpt, _, client, _, vlen, rid = (
+                    REQUEST.unpack_from(r._buf, r._pos)
                 )
-                if (op != get and op != contains) or flags or klen != DIGEST or vlen or rid:
-                    break
+                at, end = r._pos + REQUEST.size, r._pos + REQUEST.size + klen + vlen
                 m = hosted.managers.get(mid)
-                if m is None or m.closed or (term and term != m.wire) or chkpt < 0:
+                if m is None or m.closed or (term and term != m.wire) or chkpt < 0 or rid:
                     break
                 ws = m.working_set
-                if ws.wait_for_keys or chkpt < ws.newest - ws.size + 1:
+                if ws.wait_for_keys:
                     break
-                env = m.store.env
-                if snap is None or snap[0] is not env:
-                    if snap is not None:
+                if op == rules.put:
+                    if flags & ~rules.persist or not DIGEST <= klen <= rules.most_key:
+                        break
+                    if vlen > rules.most or end > r._end:
+                        break
+                    if snap is not None:  # (a read after the put sees it)
                         snap[1].abort()
-                    snap = None
-                    snap = (env, m.store.read())
-                at = r._pos + REQUEST.size
-                e = m.store.lookup(snap[1], bytes(r._buf[at : at + DIGEST]), chkpt)
-                live = e is not None and not e.flags & TOMBSTONE
-                if op == contains:
-                    out.append(REPLY.pack(0, tag, int(live), 0))
-                elif not live:
-                    out.append(REPLY.pack(status, tag, 0, len(missing)) + missing)
-                elif len(e.frame) > most:
-                    break
+                        snap = None
+                    if not _put_alone(m, r._buf, at, klen, end, chkpt, client):
+                        break
+                    out.append(REPLY.pack(0, tag, 0, 0))
                 else:
-                    out.append(REPLY.pack(0, tag, 0, len(e.frame)) + bytes(e.frame))
+                    if (op != rules.get and op != rules.contains) or flags or klen != DIGEST:
+                        break
+                    if vlen or chkpt < ws.newest - ws.size + 1:
+                        break
+                    env = m.store.env
+                    if snap is None or snap[0] is not env:
+                        if snap is not None:
+                            snap[1].abort()
+                        snap = None
+                        snap = (env, m.store.read())
+                    e = m.store.lookup(snap[1], bytes(r._buf[at : at + DIGEST]), chkpt)
+                    live = e is not None and not e.flags & TOMBSTONE
+                    if op == rules.contains:
+                        out.append(REPLY.pack(0, tag, int(live), 0))
+                    elif not live:
+                        missing = rules.missing
+                        out.append(REPLY.pack(rules.missing_status, tag, 0, len(missing)) + missing)
+                    elif len(e.frame) > rules.most:
+                        break
+                    else:
+                        out.append(REPLY.pack(0, tag, 0, len(e.frame)) + bytes(e.frame))
                 counts = c.served[mid]
                 counts[op] = counts.get(op, 0) + 1
-                r._pos = at + DIGEST
+                r._pos = end
         finally:
             if snap is not None:
                 snap[1].abort()
@@ -805,11 +832,35 @@ class ReadServer:
         return r._pos == r._end and not c.held
 
 
+def _put_alone(
+    m: Any, buf: bytearray, at: int, klen: int, end: int, chkpt: int, client: int
+) -> bool:
+    """A plain put of manager ``m`` (its digest, key and value at ``buf[at:end]``), as
+    ``Manager.put`` writes it when it goes through alone, under the manager's lock if it
+    is free: whether it was written and committed (else nothing was)."""
+    ws = m.working_set
+    store = ws.store
+    if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
+        return False
+    if store.replicate is not None or store.indexed:
+        return False
+    if not m._mutex.acquire(False):
+        return False
+    try:
+        if m.closed or m.frozen or m._deferred.waiting or m._retiring:
+            return False
+        digest = bytes(buf[at : at + DIGEST])
+        key = bytes(buf[at + DIGEST : at + klen])
+        return bool(ws.put_alone(digest, chkpt, key, bytes(buf[at + klen : end]), client))
+    finally:
+        m._mutex.release()
+
+
 def poll_and_serve(ep: Any, conns: dict[int, Any], most: int) -> list[tuple[int, Any]]:
     """Wait for a host's connections (``ep``, the event loop's ``epoll``, at most ``most``
     events at a time), and for each that sent something, receive it and serve its plain
-    reads (its :class:`ReadServer`, ``c.reads``, of ``conns[fd]``).  What is left for the
-    caller: ``(fd, None)`` for a connection whose buffer holds a request that its read
+    requests (its :class:`PlainServer`, ``c.plain``, of ``conns[fd]``).  What is left for the
+    caller: ``(fd, None)`` for a connection whose buffer holds a request that its plain
     server does not answer (or that has none), or for a descriptor that is not a
     connection's (the loop's wake-up); ``(fd, error)`` for one whose receive or send
     failed.  Empty when every event was served whole: the loop's common wake-up, with
@@ -818,13 +869,13 @@ def poll_and_serve(ep: Any, conns: dict[int, Any], most: int) -> list[tuple[int,
     left: list[tuple[int, Any]] = []
     for fd, _ in ep.poll(-1, most):
         c = conns.get(fd)
-        reads = None if c is None else c.reads
-        if c is None or reads is None:
+        plain = None if c is None else c.plain
+        if c is None or plain is None:
             left.append((fd, None))
             continue
         try:
             receive_nowait(c.reader)
-            if reads.serve():
+            if plain.serve():
                 continue
         except Exception as e:  # noqa: BLE001 - the connection's end (the caller's to say)
             left.append((fd, e))
@@ -857,6 +908,6 @@ __all__ = [
     "receive_nowait",
     "take_request",
     "send_reply",
-    "ReadServer",
+    "PlainServer",
     "poll_and_serve",
 ]

@@ -1,0 +1,447 @@
+# A host's plain requests, served in C: pure.PlainServer's rules, without a Python object
+# per request.  Included by _compiled.pyx, after lmdb_engine.pxi (whose engine it calls).
+#
+# The interpreter lock is held while a request is read and answered, and the state read
+# of Python objects is their plain attributes (no Python code runs, so no other thread
+# runs between them): a manager cannot close, nor its shard's environment, while a read
+# is served.  One snapshot serves a run of reads of one environment: they were all
+# received before it began (a put ends it).  Between requests the Python objects are read
+# again; an environment found closed then (by a finalizer that ran Python code on an
+# allocation) has already freed the snapshot's reader slot, and its transaction is
+# dropped without a call into LMDB.
+#
+# A put is written under its manager's lock, taken only if it is free (else the put is
+# the manager's path's, which waits for it); LMDB's writer lock is waited for with the
+# interpreter lock released (another thread of this process may be the writer), and the
+# manager's lock keeps its environment open meanwhile (Manager.close takes it first).
+
+from cpython.dict cimport PyDict_GetItem
+from cpython.list cimport PyList_GET_SIZE
+from cpython.mem cimport PyMem_Realloc
+
+from .pure import PlainServer as _PurePlainServer
+
+cdef extern from "<sys/epoll.h>" nogil:
+    ctypedef union epoll_data_t:
+        void* ptr
+        int fd
+        uint32_t u32
+        uint64_t u64
+    struct epoll_event:
+        uint32_t events
+        epoll_data_t data
+    int epoll_wait(int epfd, epoll_event* events, int maxevents, int timeout)
+
+DEF _MOST_EVENTS = 256  # (at most this many events a call; the rest come with the next)
+
+cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a header and a digest
+cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
+cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
+cdef Py_ssize_t _HUGE = HUGE_BYTES
+cdef int _PERSISTENT = PERSISTENT
+
+
+cdef inline bint _lmdb_object(object o, object kind, ddict_lmdb_env* e) except -1:
+    """Whether ``o`` is an open py-lmdb database of environment ``e``."""
+    return type(o) is kind and (<ddict_lmdb_db*><PyObject*>o).valid and (
+        <ddict_lmdb_db*><PyObject*>o).env == e
+
+
+cdef class PlainServer:
+    cdef object _c, reader, held, owed, hosted, served, sock
+    cdef int get, contains, put, persist, status
+    cdef bytes missing
+    cdef Py_ssize_t most, most_key
+    cdef readonly Py_ssize_t count
+    cdef char* out
+    cdef Py_ssize_t cap, n
+    # the snapshot of the run's last environment read
+    cdef ddict_mdb_txn* txn
+    cdef object txn_env
+    cdef object _pure
+
+    def __init__(self, c, rules):
+        (self.get, self.contains, self.put, self.persist, self.status, missing, self.most,
+         self.most_key) = rules
+        self._c, self.reader, self.held, self.owed = c, c.reader, c.held, c.owed
+        self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
+        self.missing = bytes(missing)
+        self.count = 0
+        self.txn, self.txn_env = NULL, None
+        self._pure = None
+        try:
+            _engines()
+        except LmdbEngineError:  # (lmdb's own objects, as the pure server reads them)
+            self._pure = _PurePlainServer(c, rules)
+
+    def __dealloc__(self):
+        PyMem_Free(self.out)
+
+    cdef int _room(self, Py_ssize_t more) except -1:
+        cdef Py_ssize_t cap = self.cap
+        cdef char* grown
+        if self.n + more <= cap:
+            return 0
+        while cap < self.n + more:
+            cap = max(cap * 2, 4096)
+        grown = <char*>PyMem_Realloc(self.out, cap)
+        if grown == NULL:
+            raise MemoryError()
+        self.out, self.cap = grown, cap
+        return 0
+
+    cdef int _reply(self, int status, uint32_t tag, int64_t ival, const void* p,
+                    Py_ssize_t plen) except -1:
+        cdef unsigned char* w
+        self._room(_REPLY + plen)
+        w = <unsigned char*>self.out + self.n
+        memset(w, 0, 4)
+        w[0] = <unsigned char>status
+        _put_le32(<char*>w + 4, tag)
+        _put_le64(w + 8, <uint64_t>ival)
+        _put_le64(w + 16, <uint64_t>plen)
+        if plen:
+            memcpy(w + _REPLY, p, plen)
+        self.n += _REPLY + plen
+        return 0
+
+    cdef void _end_snapshot(self):
+        cdef ddict_lmdb_env* e
+        if self.txn != NULL:
+            e = <ddict_lmdb_env*><PyObject*>self.txn_env
+            if e.valid and e.env != NULL:  # (else closed under it: the slot is freed)
+                e.libv.txn_abort(self.txn)
+        self.txn, self.txn_env = NULL, None
+
+    cdef int _send(self) except -1:
+        """The gathered replies: sent without waiting after the kept-back ones, or kept."""
+        cdef ssize_t sent = 0
+        cdef int fd, err
+        if self.n == 0:
+            return 0
+        if PyList_GET_SIZE(self.held) == 0:
+            fd = self.sock.fileno()
+            while True:
+                sent = send(fd, self.out, <size_t>self.n, MSG_DONTWAIT)
+                if sent >= 0:
+                    break
+                err = errno
+                if err == EAGAIN or err == EWOULDBLOCK:
+                    sent = 0
+                    break
+                if err != EINTR:
+                    self.n = 0
+                    raise OSError(err, os.strerror(err))
+                PyErr_CheckSignals()
+        if sent < self.n:
+            self.held.append(PyBytes_FromStringAndSize(self.out + sent, self.n - sent))
+        self.n = 0
+        return 0
+
+    cdef int _read(self, object m, object ws, int op, const unsigned char* p, int64_t chkpt,
+                   uint32_t tag) except -1:
+        """A plain get or ``in`` answered (1), or the manager's (0)."""
+        cdef int64_t newest, wsize
+        cdef ddict_lmdb_env* e
+        cdef ddict_mdb_cursor* cur
+        cdef ddict_mdb_val k, v
+        cdef const unsigned char* raw = NULL
+        cdef unsigned char seek[24]
+        cdef uint64_t c
+        cdef Py_ssize_t size, flen = 0
+        cdef int rc, i
+        cdef bint live = False
+        newest, wsize = ws.newest, ws.size
+        if chkpt < newest - wsize + 1:
+            return 0
+        store = m.store
+        env, db = store.env, store._data
+        if type(env) is not _Environment:
+            return 0
+        e = <ddict_lmdb_env*><PyObject*>env
+        if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
+                db, _Database, e):  # fmt: skip
+            return 0
+        if self.txn != NULL and self.txn_env is not env:  # (this environment's, else a new one)
+            self._end_snapshot()
+        if self.txn == NULL:
+            rc = e.libv.txn_begin(e.env, NULL, DDICT_MDB_RDONLY, &self.txn)
+            if rc:
+                self.txn = NULL
+                return 0  # (the manager's path says what LMDB says)
+            self.txn_env = env
+        c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, big-endian after the digest)
+        memcpy(seek, p + _REQUEST, _DIGEST)
+        for i in range(8):
+            seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+        cur = NULL
+        if e.libv.cursor_open(self.txn, (<ddict_lmdb_db*><PyObject*>db).dbi, &cur):
+            return 0
+        k.mv_size, k.mv_data = _DIGEST + 8, seek
+        rc = e.libv.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
+        e.libv.cursor_close(cur)  # (the page's pointers stay valid in the snapshot)
+        if rc and rc != DDICT_MDB_NOTFOUND:
+            return 0
+        if rc == 0 and _digest_at(&k, seek, _DIGEST):
+            raw = <const unsigned char*>v.mv_data
+            size = <Py_ssize_t>v.mv_size
+            if size < _ENTRY_HEADER or k.mv_size < <size_t>_DIGEST + 8:
+                return 0  # (what no shard writes: the manager's path says so)
+            live = not raw[0] & _TOMBSTONE
+            if live:
+                if _le64(raw + 8) > <uint64_t>(size - _ENTRY_HEADER) or size >= PRELOADED:
+                    return 0
+                flen = <Py_ssize_t>_le64(raw + 8)
+        if op == self.contains:
+            self._reply(0, tag, live, NULL, 0)
+        elif not live:
+            self._reply(self.status, tag, 0, PyBytes_AS_STRING(self.missing),
+                        PyBytes_GET_SIZE(self.missing))
+        elif flen > self.most:
+            return 0
+        else:
+            self._reply(0, tag, 0, raw + _ENTRY_HEADER, flen)
+        return 1
+
+    cdef int _put(self, object m, object ws, const unsigned char* p, Py_ssize_t klen,
+                  Py_ssize_t vlen, int64_t chkpt, uint32_t tag) except -1:
+        """A plain put written, committed and answered (1), or the manager's (0): nothing
+        of it written."""
+        cdef ddict_lmdb_env* e
+        cdef const ddict_mdb_api* api
+        cdef ddict_mdb_txn* w = NULL
+        cdef size_t tid
+        cdef int rc
+        cdef bint committed = False
+        cdef Py_ssize_t delta, nbytes
+        cdef double used, limit
+        if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
+            return 0
+        store = m.store
+        if store.replicate is not None or store.indexed:
+            return 0
+        env, db, meta = store.env, store._data, store._meta
+        if type(env) is not _Environment:
+            return 0
+        e = <ddict_lmdb_env*><PyObject*>env
+        if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
+                db, _Database, e) or not _lmdb_object(meta, _Database, e):  # fmt: skip
+            return 0
+        api = e.libv
+        mutex = m._mutex
+        if not mutex.acquire(False):
+            return 0  # (another thread writes: the manager's path waits for it)
+        try:
+            if m.closed or m.frozen or m._deferred.waiting or m._retiring:
+                return 0
+            # the room: the running estimate (check_room's), else the manager counts
+            nbytes = vlen + klen - _DIGEST + _ENTRY_HEADER + 64
+            used, limit = store._used_estimate, store.full_thresh * store.capacity
+            if used + 2 * nbytes > limit:
+                return 0
+            next_own = store._next_own
+            self._end_snapshot()  # (a read after the put sees it)
+            with nogil:  # (the writer may be another thread of this process)
+                rc = api.txn_begin(e.env, NULL, 0, &w)
+            if rc:
+                return 0
+            try:
+                tid = api.txn_id(w)
+                if tid != <size_t>next_own:  # another process committed: the manager counts
+                    return 0
+                delta = _put_one(api, w, (<ddict_lmdb_db*><PyObject*>db).dbi, p, klen, vlen,
+                                 chkpt)
+                if delta < 0 or (delta and not _count_one(
+                        api, w, (<ddict_lmdb_db*><PyObject*>meta).dbi, chkpt)):  # fmt: skip
+                    return 0
+                with nogil:
+                    rc = api.txn_commit(w)
+                committed = True  # (a failed commit frees the transaction too)
+                if rc:
+                    return 0
+            finally:
+                if not committed:
+                    api.txn_abort(w)
+            store._next_own = tid + 1
+            store._used_estimate = store._used_estimate + 2 * nbytes
+            hook = store.on_commit
+            if hook is not None:
+                hook()
+        finally:
+            mutex.release()
+        self._reply(0, tag, 0, NULL, 0)
+        return 1
+
+    cpdef bint serve(self) except -1:
+        cdef bytearray buf
+        cdef Py_ssize_t pos, end, size, klen, vlen
+        cdef const unsigned char* p
+        cdef int op, served = 0
+        cdef uint32_t tag, mid
+        cdef int64_t chkpt
+        cdef unsigned int term
+        cdef PyObject* found
+        if self._pure is not None:
+            return self._pure.serve()
+        hosted, reader = self.hosted, self.reader
+        if hosted.leased or self.owed[0] is not None:
+            return False
+        managers = hosted.managers
+        buf = reader._buf
+        pos, end = reader._pos, reader._end
+        try:
+            while end - pos >= _READ:
+                p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
+                op = p[0]
+                if op != self.get and op != self.contains and op != self.put:
+                    break
+                term = p[2] | (<unsigned int>p[3] << 8)
+                klen = <Py_ssize_t>_le32(p + 4)
+                vlen = <Py_ssize_t>_le64(p + 48) if _le64(p + 48) < <uint64_t>_HUGE else _HUGE
+                mid, tag, chkpt = _le32(p + 8), _le32(p + 12), <int64_t>_le64(p + 16)
+                if chkpt < 0 or _le64(p + 56) != 0:  # (a request id: at most once, the manager's)
+                    break
+                # the manager's state: plain attributes (no Python code runs)
+                found = PyDict_GetItem(managers, mid)
+                if found == NULL:
+                    break
+                m = <object>found
+                if m.closed or (term and term != m.wire):
+                    break
+                ws = m.working_set
+                if ws.wait_for_keys:
+                    break
+                counts = self.served[mid]  # (a defaultdict's row)
+                if op == self.put:
+                    if p[1] & ~self.persist or klen < _DIGEST or klen > self.most_key:
+                        break
+                    if vlen > self.most or end - pos < _REQUEST + klen + vlen:
+                        break
+                    if not self._put(m, ws, p, klen, vlen, chkpt, tag):
+                        break
+                    size = _REQUEST + klen + vlen
+                else:
+                    if p[1] != 0 or klen != _DIGEST or vlen != 0:
+                        break
+                    if not self._read(m, ws, op, p, chkpt, tag):
+                        break
+                    size = _READ
+                counts[op] = counts.get(op, 0) + 1
+                pos += size
+                served += 1
+                if self.n >= _SENT_AT_ONCE:
+                    reader._pos = pos
+                    self._send()
+        finally:
+            self._end_snapshot()
+            reader._pos = pos
+        self._send()
+        self.count += served
+        return pos == end and PyList_GET_SIZE(self.held) == 0
+
+
+cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
+                         const unsigned char* p, Py_ssize_t klen, Py_ssize_t vlen,
+                         int64_t chkpt) except -2:
+    """A plain put's version written in ``w`` (``p``: its request), its older versions
+    dropped, as :func:`put_entries` writes a record: the change in keys seen (0 or 1), or
+    -1 where LMDB refused it (the transaction is then only to abort)."""
+    cdef ddict_mdb_cursor* cur = NULL
+    cdef ddict_mdb_val k, v, nk, nv
+    cdef unsigned char seek[24]
+    cdef uint64_t c = ~(<uint64_t>chkpt)
+    cdef Py_ssize_t keylen = klen - _DIGEST, total = _ENTRY_HEADER + vlen + klen - _DIGEST
+    cdef bint live, existed
+    cdef char* q
+    cdef int rc, i
+    memcpy(seek, p + _REQUEST, _DIGEST)
+    for i in range(8):
+        seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+    if api.cursor_open(w, dbi, &cur):
+        return -1
+    try:
+        k.mv_size, k.mv_data = _DIGEST + 8, seek
+        rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_KEY)
+        if rc and rc != DDICT_MDB_NOTFOUND:
+            return -1
+        existed = rc == 0
+        live = existed and v.mv_size >= 1 and not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
+        k.mv_size, k.mv_data = _DIGEST + 8, seek
+        v.mv_size, v.mv_data = total, NULL
+        if api.cursor_put(cur, &k, &v, DDICT_MDB_RESERVE):
+            return -1
+        q = <char*>v.mv_data
+        q[0] = <char>_PERSISTENT
+        q[1] = q[2] = q[3] = 0
+        _put_le32(q + 4, <uint32_t>keylen)
+        _put_le64(<unsigned char*>q + 8, <uint64_t>vlen)
+        memcpy(q + _ENTRY_HEADER, p + _REQUEST + klen, vlen)
+        memcpy(q + _ENTRY_HEADER + vlen, p + _REQUEST + _DIGEST, keylen)
+        if not existed:  # new at this checkpoint: its older versions follow, newest first
+            rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_NEXT)
+            if rc == 0 and _digest_at(&nk, seek, _DIGEST):
+                live = nv.mv_size >= 1 and not (<const unsigned char*>nv.mv_data)[0] & _TOMBSTONE
+                while True:
+                    if api.cursor_del(cur, 0):
+                        return -1
+                    rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_GET_CURRENT)
+                    if rc or not _digest_at(&nk, seek, _DIGEST):
+                        break
+            elif rc and rc != DDICT_MDB_NOTFOUND:
+                return -1
+        return 0 if live else 1
+    finally:
+        api.cursor_close(cur)
+
+
+cdef bint _count_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
+                     int64_t newest) except -1:
+    """One key more seen at every slot of a window of one checkpoint ending at ``newest``
+    (key_counts' counts, ``<qqq``: newest, then the checkpoint's and the ones beyond's):
+    whether it was counted (else the manager recounts)."""
+    cdef ddict_mdb_val k, v
+    cdef unsigned char counts[24]
+    cdef int i
+    k.mv_size, k.mv_data = PyBytes_GET_SIZE(_COUNTS), <void*>PyBytes_AS_STRING(_COUNTS)
+    if api.get(w, dbi, &k, &v) or v.mv_size != 24:
+        return False
+    memcpy(counts, v.mv_data, 24)
+    if <int64_t>_le64(counts) != newest:
+        return False
+    for i in range(1, 3):
+        _put_le64(counts + 8 * i, <uint64_t>(<int64_t>_le64(counts + 8 * i) + 1))
+    v.mv_size, v.mv_data = 24, counts
+    return api.put(w, dbi, &k, &v, 0) == 0
+
+
+def poll_and_serve(ep, dict conns not None, int most):
+    cdef epoll_event events[_MOST_EVENTS]
+    cdef int epfd = ep.fileno(), n, i, err = 0
+    cdef list left = []
+    cdef PyObject* found
+    most = max(1, min(most, _MOST_EVENTS))
+    with nogil:
+        n = epoll_wait(epfd, events, most, -1)
+        if n < 0:
+            err = errno
+    if n < 0:
+        if err == EINTR:
+            PyErr_CheckSignals()
+            return left
+        raise OSError(err, os.strerror(err))
+    for i in range(n):
+        fd = events[i].data.fd
+        found = PyDict_GetItem(conns, fd)
+        plain = None if found == NULL else (<object>found).plain
+        if plain is None:
+            left.append((fd, None))
+            continue
+        try:
+            _receive_nowait((<object>found).reader)
+            if (<PlainServer>plain).serve() if type(plain) is PlainServer else plain.serve():
+                continue
+        except Exception as e:  # (the connection's end: the caller's to say)
+            left.append((fd, e))
+            continue
+        left.append((fd, None))
+    return left

@@ -1,0 +1,356 @@
+"""The host's plain requests served in one call (``kernels.PlainServer``) answer as its
+manager.
+
+A host's event loop hands the run of plain requests (gets, ``in``s and puts of one key) at
+the head of a connection's buffer to :class:`~dask_ddict.kernels.PlainServer`, which
+answers them without a Python object per request; anything else is the server's Python
+path, the reference.  Here one host serves three managers of three real shards, each
+through a connection of its own: one whose plain requests the compiled server answers,
+one the pure server, one the manager's path alone.  Every batch of requests goes to all
+three, each to its own manager, and every reply must be the same, byte for byte: the
+shards go through the same history.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from dask_ddict import kernels
+from dask_ddict._hashing import key_digest
+from dask_ddict._keys import dumps_key
+from dask_ddict._serialize import dumps_value
+from dask_ddict.errors import Status
+from dask_ddict.host.hosted import HostedDict
+from dask_ddict.host.loop import Connection
+from dask_ddict.host.server import HostServer
+from dask_ddict.kernels import pure
+from dask_ddict.layout import ManagerInfo, wire_term
+from dask_ddict.shard.manager import Manager
+from dask_ddict.shard.store import ShardStore
+from dask_ddict.shard.working_set import WorkingSet
+from dask_ddict.transport import ops
+from dask_ddict.transport.operation import Operation
+from dask_ddict.transport.protocol import FLAG_NOREPLY, FLAG_PERSIST
+from dask_ddict.transport.socket_client import HostLink
+from tests.support.polling import poll_for
+from tests.support.wire import raw as _raw
+from tests.support.wire import replies as _replies
+
+try:
+    from dask_ddict.kernels import _compiled
+except ImportError:  # (a machine without a compiler: test_kernels says so)
+    _compiled = None
+
+#: The plain servers compared with the manager's path (``None``).
+SERVERS: list[Any] = [None, pure.PlainServer] + (
+    [] if _compiled is None else [_compiled.PlainServer]
+)
+KEYS = [f"k{i}" for i in range(6)]
+LARGE = 70 << 10  # a value over the largest a plain server sends (the manager's then)
+
+Batch = list[tuple[Operation, dict[str, int]]]
+
+
+class Shards:
+    """A host serving one manager per entry of :data:`SERVERS` (ids 3, 4, ...), each of a
+    shard of its own, with the event loop over TCP; one connection to each, its plain
+    requests answered by that server."""
+
+    def __init__(self, size: int = 1, wait_for_keys: bool = False) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ddict-plain-")
+        uid, secret = secrets.token_hex(16), secrets.token_hex(32)
+        self.hosted = HostedDict(uid, "plain", secret)
+        self.managers: list[Manager] = []
+        for i in range(len(SERVERS)):
+            path = os.path.join(self.dir, f"shard{i}")
+            store = ShardStore(path, 64 << 20, indexed=wait_for_keys)
+            m = Manager(3 + i, store, WorkingSet(store, size, wait_for_keys=wait_for_keys))
+            self.hosted.managers[3 + i] = m
+            self.managers.append(m)
+        self.uds = socket.socket(socket.AF_UNIX)
+        self.uds.bind(os.path.join(self.dir, "host.sock"))
+        self.uds.listen(16)
+        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.server = HostServer(
+            self.uds, self.tcp, {self.hosted.key: self.hosted}, set(), event_loop=True
+        )
+        self.server.start()
+        info = ManagerInfo(
+            3,
+            "w",
+            "h",
+            "h:b",
+            os.getpid(),
+            os.path.join(self.dir, "host.sock"),
+            "127.0.0.1",
+            self.tcp.getsockname()[1],
+            os.path.join(self.dir, "shard0"),
+        )
+        self.link = HostLink(info, uid, secret, "plain", use_uds=False)
+        self.socks: list[socket.socket] = []
+        self.plain: list[Any] = []
+        for cls in SERVERS:
+            sock = self.link._connect(3, None, None).sock
+            c = self._served(sock)
+            c.plain = None if cls is None else cls(c, self.server._plain)
+            self.socks.append(sock)
+            self.plain.append(c.plain)
+
+    def _served(self, sock: socket.socket) -> Connection:
+        """The host's end of ``sock``, once the event loop serves it."""
+        me = sock.getsockname()
+
+        def found() -> Connection | None:
+            for c in list(self.server.loop._conns.values()):  # type: ignore[union-attr]
+                if c.sock.getpeername() == me:
+                    return c
+            return None
+
+        return poll_for(found, 30, "the host's end of a connection in its event loop", 0.01)
+
+    def same(self, requests: Batch) -> list:
+        """Every connection's replies to ``requests`` (each to its own manager, in one send,
+        tags from 1): the same; they."""
+        got = []
+        for i, sock in enumerate(self.socks):
+            sock.sendall(
+                b"".join(_raw(o, t + 1, mid=3 + i, **kw) for t, (o, kw) in enumerate(requests))
+            )
+            said = f"manager {3 + i} ".encode()  # (errors name their manager)
+            got.append(
+                [
+                    (s, t, n, p.replace(said, b"manager 3 "))
+                    for s, t, n, p in _replies(sock, len(requests))
+                ]
+            )
+        assert all(g == got[0] for g in got), list(zip(SERVERS, got, strict=True))
+        return got[0]
+
+    def counts(self) -> list[int]:
+        """Requests the plain servers answered, so far."""
+        return [p.count for p in self.plain if p is not None]
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        self.link.close()
+        self.server.close()
+        for m in self.managers:
+            m.close()
+        self.uds.close()
+        self.tcp.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _digest(key: str) -> bytes:
+    return key_digest(dumps_key(key))
+
+
+def _put(key: str, value: Any, chkpt: int) -> ops.Put:
+    kb = dumps_key(key)
+    return ops.Put(key_digest(kb), kb, dumps_value(value), chkpt, 1)
+
+
+_request = st.tuples(
+    st.sampled_from(["get", "get", "in", "put", "put", "persist", "pop", "len", "newest"]),
+    st.sampled_from(KEYS),
+    st.one_of(st.integers(-1, 6), st.just("newest")),
+    st.one_of(st.integers(-(2**40), 2**40), st.binary(max_size=40), st.just("large")),
+    st.sampled_from([0, 0, 0, 1, 2]),  # the term: none, this one, another
+)
+
+
+class ThreeServers(RuleBasedStateMachine):
+    """Batches of requests (plain ones, ones the loop leaves to the manager among them,
+    puts that move the window, large values, pops, terms right and wrong) get the same
+    replies from every server, and the shards the same contents."""
+
+    size = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shards = Shards(self.size)
+
+    @rule(requests=st.lists(_request, min_size=1, max_size=8))
+    def batch(self, requests: list[tuple[str, str, Any, Any, int]]) -> None:
+        m = self.shards.managers[0]
+        term = {0: 0, 1: m.wire, 2: wire_term(m.term + 1)}
+        batch: Batch = []
+        for what, key, chkpt, value, t in requests:
+            c = m.working_set.newest if chkpt == "newest" else chkpt
+            v = b"x" * LARGE if value == "large" else value
+            o: Operation = {
+                "get": lambda: ops.Get(_digest(key), c),
+                "in": lambda: ops.Contains(_digest(key), c),
+                "put": lambda: _put(key, v, max(c, 0)),
+                "persist": lambda: _put(key, v, max(c, 0)),
+                "pop": lambda: ops.Pop(_digest(key), max(c, 0), 1),
+                "len": lambda: ops.Length(max(c, 0)),
+                "newest": lambda: ops.Newest(),
+            }[what]()
+            kw = {"term": term[t]} if what in ("get", "in", "put") else {}
+            if what == "persist":
+                kw["flags"] = FLAG_PERSIST
+            batch.append((o, kw))
+        self.shards.same(batch)
+
+    @precondition(lambda self: _compiled is not None)
+    @rule(put=st.booleans())
+    def the_plain_servers_served_what_they_could(self, put: bool) -> None:
+        """A small put at the window's newest checkpoint (in a window of one) and a get of
+        it are the plain servers', not the manager's."""
+        newest = self.shards.managers[0].working_set.newest
+        self.shards.same([(_put("small", newest, newest), {})])  # (the manager counts the room)
+        before = self.shards.counts()
+        writes = [(_put("small", newest, newest), {})] if put else []
+        self.shards.same([*writes, (ops.Get(_digest("small"), newest), {})])
+        served = 1 + (put and self.size == 1)
+        assert [a - b for a, b in zip(self.shards.counts(), before, strict=True)] == [served] * 2
+
+    def teardown(self) -> None:
+        self.shards.close()
+
+
+class ThreeServersWindowOfTwo(ThreeServers):
+    size = 2
+
+
+for machine in (ThreeServers, ThreeServersWindowOfTwo):
+    machine.TestCase.settings = settings(max_examples=20, stateful_step_count=12, deadline=None)
+test_three_servers_window_of_one = ThreeServers.TestCase
+test_three_servers_window_of_two = ThreeServersWindowOfTwo.TestCase
+
+
+@pytest.fixture
+def shards():
+    s = Shards()
+    yield s
+    s.close()
+
+
+def test_what_only_the_manager_answers_is_left_to_it(shards):
+    """A read at a retired checkpoint, under another term, of a value over the largest a
+    plain server sends, with a flag, a put at another checkpoint, or to a frozen or closed
+    manager: no plain server answers it (their counts stay), and every connection gets the
+    manager's answer."""
+    for chkpt in range(4):  # (the window moves to [3])
+        shards.same([(_put("a", chkpt, chkpt), {}), (_put("big", b"x" * LARGE, chkpt), {})])
+    before = shards.counts()
+    retired = shards.same([(ops.Get(_digest("a"), 0), {}), (ops.Contains(_digest("a"), 1), {})])
+    assert [st for st, *_ in retired] == [int(Status.CHECKPOINT_RETIRED)] * 2
+    other = shards.same([(ops.Get(_digest("a"), 3), {"term": wire_term(7)})])
+    assert other[0][0] == int(Status.LEASE)
+    large = shards.same([(ops.Get(_digest("big"), 3), {})])
+    assert large[0][0] == 0 and len(large[0][3]) > LARGE
+    assert shards.same([(_put("b", 1, 5), {})])[0][0] == 0  # (the window moves: the manager's)
+    assert shards.counts() == before
+    served = shards.same([(ops.Get(_digest("a"), 5), {}), (ops.Get(_digest("none"), 5), {})])
+    assert served[0][0] == 0 and served[1][0] == int(Status.KEY_NOT_FOUND)
+    assert shards.counts() == [b + 2 for b in before]
+    shards.same([(ops.Get(_digest("a"), 5), {"flags": FLAG_NOREPLY})])  # (the manager's)
+    for m in shards.managers:
+        m.freeze()
+    frozen = shards.same([(_put("a", 2, 5), {})])
+    assert frozen[0][0] != 0
+    assert shards.counts() == [b + 2 for b in before]
+    for m in shards.managers:
+        m.close(destroy=False)
+    closed = shards.same([(ops.Get(_digest("a"), 5), {})])
+    assert closed[0][0] != 0
+    assert shards.counts() == [b + 2 for b in before]
+
+
+def test_a_put_whose_manager_is_busy_is_the_managers(shards):
+    """While another thread holds a manager's lock (a write of its own), a plain put is not
+    written by the plain server: the manager's path waits for the lock, then writes it.
+    The loop is handed on to another thread for each: the connections whose requests came
+    with the same wake-up (received already) are served by the next one."""
+    before = shards.counts()
+    for m in shards.managers:
+        m._mutex.acquire()
+    batch = [(_put("a", 1, 0), {}), (ops.Get(_digest("a"), 0), {})]
+    try:
+        for i, sock in enumerate(shards.socks):
+            sock.sendall(b"".join(_raw(o, t + 1, mid=3 + i) for t, (o, _) in enumerate(batch)))
+        poll_for(lambda: shards.server.loop.handoffs >= 3, 30, "every put waits for its lock")
+    finally:
+        for m in shards.managers:
+            m._mutex.release()
+    got = [_replies(sock, 2) for sock in shards.socks]
+    assert all([st for st, *_ in g] == [0, 0] for g in got), got
+    assert all(g[1][3] == got[0][1][3] for g in got)
+    assert shards.counts() == before  # (neither the put nor the get after it: the manager's)
+
+
+def test_plain_puts_keep_the_key_counts(shards):
+    """Plain puts of new keys and of keys already there count each key once: ``len`` is
+    the manager's count of the shard, and the same as if the manager had put them."""
+    shards.same([(_put("first", 0, 0), {})])  # (the first write of a shard: the manager's)
+    before = shards.counts()
+    batch: Batch = [(_put(f"n{i % 7}", i, 0), {}) for i in range(20)]
+    shards.same(batch)
+    assert shards.counts() == [b + 20 for b in before]
+    ((_, _, n, _),) = shards.same([(ops.Length(0), {})])
+    assert n == 8
+    for m in shards.managers:
+        assert m.length(0) == 8
+
+
+def test_a_put_near_a_full_shard_is_the_managers(shards):
+    """A put that the running estimate of the shard's room does not clear is left by the
+    compiled server to the manager, which counts the shard's pages (as the pure server's
+    ``put_alone`` does) and refuses it if it does not fit."""
+    shards.same([(_put("first", 0, 0), {})])  # (the first write of a shard: the manager's)
+    before = shards.counts()
+    for m in shards.managers:
+        m.store._used_estimate = int(m.store.full_thresh * m.store.capacity)
+    got = shards.same([(_put("a", 1, 0), {})])
+    assert got[0][0] == 0
+    assert shards.counts()[1:] == before[1:]  # (the compiled server's: left to the manager)
+    assert shards.same([(_put("a", 2, 0), {})])[0][0] == 0
+    assert shards.counts()[1:] == [b + 1 for b in before[1:]]  # (the estimate is exact again)
+
+
+def test_a_leased_dictionary_and_a_delivery_owed_are_the_managers(shards):
+    """While its dictionary is leased (a replicated primary here: each request checks the
+    host's lease), a connection's requests are the server's Python path's."""
+    shards.same([(_put("a", 1, 0), {})])
+    before = shards.counts()
+    shards.hosted.leased = True
+    try:
+        got = shards.same([(ops.Get(_digest("a"), 0), {}), (_put("a", 2, 0), {})])
+    finally:
+        shards.hosted.leased = False
+    assert shards.counts() == before
+    assert all(st != 0 for st, *_ in got)  # (no lease here: refused, as the manager does)
+    shards.same([(ops.Get(_digest("a"), 0), {})])
+    assert shards.counts() == [b + 1 for b in before]
+
+
+def test_wait_for_keys_requests_are_the_managers():
+    """Under ``wait_for_keys`` a read may wait for its writer: every request is the
+    manager's, and the replies are the same."""
+    s = Shards(wait_for_keys=True)
+    try:
+        s.same([(_put("a", 1, 0), {})])
+        before = s.counts()
+        s.same([(ops.Get(_digest("a"), 0), {}), (ops.Contains(_digest("b"), 0), {})])
+        assert s.counts() == before
+    finally:
+        s.close()
+
+
+def test_the_package_serves_plain_requests_with_its_kernel_set():
+    """The host's connections get the chosen set's plain server."""
+    expected = _compiled.PlainServer if kernels.COMPILED else pure.PlainServer
+    assert kernels.PlainServer is expected
