@@ -31,10 +31,12 @@ from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value
 from dask_ddict.errors import Status
 from dask_ddict.host.hosted import HostedDict
+from dask_ddict.host.lease import LeaseKeeper
 from dask_ddict.host.loop import Connection
 from dask_ddict.host.server import HostServer
 from dask_ddict.kernels import pure
 from dask_ddict.layout import ManagerInfo, wire_term
+from dask_ddict.shard.lease_word import lease_clock
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
@@ -321,20 +323,26 @@ def test_a_put_near_a_full_shard_is_the_managers(shards):
     assert shards.counts()[1:] == [b + 1 for b in before[1:]]  # (the estimate is exact again)
 
 
-def test_a_leased_dictionary_and_a_delivery_owed_are_the_managers(shards):
-    """While its dictionary is leased (a replicated primary here: each request checks the
-    host's lease), a connection's requests are the server's Python path's."""
-    shards.same([(_put("a", 1, 0), {})])
+@pytest.mark.parametrize("valid", [True, False])
+def test_a_leased_dictionarys_reads_are_served_while_its_lease_holds(shards, valid):
+    """A leased dictionary (a replicated primary here) is read by the plain servers while
+    the host's lease holds; its puts (shipped to replicas first) and everything once the
+    lease lapsed are the manager's path's, which refuses them with ``LEASE``."""
+    shards.same([(_put("first", 0, 0), {}), (_put("a", 1, 0), {})])
+    lease = LeaseKeeper("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", None, None, None)  # type: ignore[arg-type]
+    lease.until = lease_clock() + (600.0 if valid else -1.0)
+    shards.hosted.lease, shards.hosted.leased = lease, True
     before = shards.counts()
-    shards.hosted.leased = True
-    try:
-        got = shards.same([(ops.Get(_digest("a"), 0), {}), (_put("a", 2, 0), {})])
-    finally:
-        shards.hosted.leased = False
-    assert shards.counts() == before
-    assert all(st != 0 for st, *_ in got)  # (no lease here: refused, as the manager does)
-    shards.same([(ops.Get(_digest("a"), 0), {})])
-    assert shards.counts() == [b + 1 for b in before]
+    got = shards.same([(ops.Get(_digest("a"), 0), {}), (_put("a", 2, 0), {})])
+    if valid:
+        assert [st for st, *_ in got] == [0, 0]
+        assert shards.counts() == [b + 1 for b in before]  # (the read, not the put)
+    else:
+        assert [st for st, *_ in got] == [int(Status.LEASE)] * 2
+        assert shards.counts() == before
+    shards.hosted.lease = None  # (leased without a lease: the server's path, as ever)
+    assert shards.same([(ops.Contains(_digest("a"), 0), {})])[0][0] != 0
+    assert shards.counts() == ([b + 1 for b in before] if valid else before)
 
 
 def test_wait_for_keys_requests_are_the_managers():

@@ -57,6 +57,7 @@ from ..errors import (
     wire_error,
 )
 from ..layout import term_is_newer
+from ..shard.lease_word import LEASE_CLOCK
 from ..transport.handshake import host_side
 from ..transport.operation import Answerer, Reply, Request
 from ..transport.ops import Page
@@ -217,6 +218,7 @@ class HostServer:
             _MISSING[1],
             SMALL,
             self.limits.max_key_bytes + 16,
+            LEASE_CLOCK,
         )
         #: Serves the connections that are not TLS (``None``: a thread each, as TLS's).
         self.loop = (

@@ -21,6 +21,13 @@ from cpython.mem cimport PyMem_Realloc
 
 from .pure import PlainServer as _PurePlainServer
 
+cdef extern from "<time.h>" nogil:
+    ctypedef int clockid_t
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(clockid_t clk, timespec* tp)
+
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
         void* ptr
@@ -49,7 +56,7 @@ cdef inline bint _lmdb_object(object o, object kind, ddict_lmdb_env* e) except -
 
 cdef class PlainServer:
     cdef object _c, reader, held, owed, hosted, served, sock
-    cdef int get, contains, put, persist, status
+    cdef int get, contains, put, persist, status, clock
     cdef bytes missing
     cdef Py_ssize_t most, most_key
     cdef readonly Py_ssize_t count
@@ -62,7 +69,7 @@ cdef class PlainServer:
 
     def __init__(self, c, rules):
         (self.get, self.contains, self.put, self.persist, self.status, missing, self.most,
-         self.most_key) = rules
+         self.most_key, self.clock) = rules
         self._c, self.reader, self.held, self.owed = c, c.reader, c.held, c.owed
         self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
         self.missing = bytes(missing)
@@ -272,6 +279,15 @@ cdef class PlainServer:
         self._reply(0, tag, 0, NULL, 0)
         return 1
 
+    cdef bint _leased(self, object lease) except -1:
+        """Whether the host's ``lease`` lets it serve its primaries now (``Lease.valid``)."""
+        cdef timespec now
+        if not lease.required:
+            return True
+        if clock_gettime(self.clock, &now):
+            return False
+        return now.tv_sec + now.tv_nsec * 1e-9 < <double>lease.until
+
     cpdef bint serve(self) except -1:
         cdef bytearray buf
         cdef Py_ssize_t pos, end, size, klen, vlen
@@ -284,7 +300,8 @@ cdef class PlainServer:
         if self._pure is not None:
             return self._pure.serve()
         hosted, reader = self.hosted, self.reader
-        if hosted.leased or self.owed[0] is not None:
+        lease = hosted.lease if hosted.leased else None
+        if self.owed[0] is not None or (hosted.leased and lease is None):
             return False
         managers = hosted.managers
         buf = reader._buf
@@ -311,6 +328,8 @@ cdef class PlainServer:
                 ws = m.working_set
                 if ws.wait_for_keys:
                     break
+                if lease is not None and (op == self.put or not self._leased(lease)):
+                    break  # (a primary's put goes to its replicas first; a lapsed lease)
                 counts = self.served[mid]  # (a defaultdict's row)
                 if op == self.put:
                     if p[1] & ~self.persist or klen < _DIGEST or klen > self.most_key:

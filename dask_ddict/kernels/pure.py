@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -713,8 +714,8 @@ class PlainRequests(NamedTuple):
     ``wait_for_keys``, every put persists), what a get of an absent key is answered (the
     status and message that the manager's ``DDictKeyError`` becomes on the wire), the
     largest value it sends or puts (a larger one is the manager's, which moves it in
-    parts), and the largest key section a host takes (a larger one is refused by the
-    server)."""
+    parts), the largest key section a host takes (a larger one is refused by the
+    server), and the clock a host's lease runs on (``time.clock_gettime``'s id)."""
 
     get: int
     contains: int
@@ -724,15 +725,17 @@ class PlainRequests(NamedTuple):
     missing: bytes
     most: int
     most_key: int
+    clock: int
 
 
 class PlainServer:
     """Serves the plain requests at the head of one event-loop connection's buffer.
 
     A plain request is a ``get``, an ``in`` or a ``put`` of one key of a manager served
-    here (not closed, under the term its client names, its dictionary not leased and
-    without ``wait_for_keys``), without a request id: a read at a checkpoint in the
-    manager's window, answered from one snapshot without ever waiting; a put of a value
+    here (not closed, under the term its client names, its dictionary without
+    ``wait_for_keys``), without a request id: a read at a checkpoint in the manager's
+    window, answered from one snapshot without ever waiting (of a leased dictionary, a
+    replicated primary here, only while the host's lease is valid); a put of a value
     of at most ``most`` bytes at the window's checkpoint, in a window of one checkpoint,
     to a shard neither frozen, replicated, nor waited on (no deferred operation, no
     checkpoint retiring, no ``wait_for_writers``), that its manager's lock is free to
@@ -763,7 +766,8 @@ class PlainServer:
         whether that left nothing to do: nothing buffered, no reply kept back."""
         c, rules = self._c, self._rules
         r, hosted = c.reader, c.hosted
-        if hosted.leased or c.owed[0] is not None:
+        lease = hosted.lease if hosted.leased else None
+        if c.owed[0] is not None or (hosted.leased and lease is None):
             return False
         out: list[bytes] = []
         snap: tuple[Any, Any] | None = None  # (environment, snapshot) of the last read
@@ -779,6 +783,12 @@ class PlainServer:
                 ws = m.working_set
                 if ws.wait_for_keys:
                     break
+                if lease is not None and (
+                    op == rules.put  # (a primary's: shipped to its replicas first)
+                    or lease.required
+                    and time.clock_gettime(rules.clock) >= lease.until
+                ):
+                    break  # (the lease lapsed: the manager's path says so)
                 if op == rules.put:
                     if flags & ~rules.persist or not DIGEST <= klen <= rules.most_key:
                         break

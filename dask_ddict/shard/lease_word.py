@@ -21,14 +21,15 @@ import time
 
 from .._memory import map_file
 
-_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+#: The clock leases run on (``time.clock_gettime``'s id).
+LEASE_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 #: Seconds that stand for "no end" (what a 64-bit word of nanoseconds holds, about 285 years).
 FOREVER = 9e9
 
 
 def lease_clock() -> float:
     """Seconds of the machine's lease clock (``CLOCK_BOOTTIME`` where there is one)."""
-    return time.clock_gettime(_CLOCK)
+    return time.clock_gettime(LEASE_CLOCK)
 
 
 def path_for(socket_dir: str) -> str:
@@ -75,4 +76,4 @@ class LeaseWord:
 
     def valid(self) -> bool:
         """Whether the host may serve now."""
-        return time.clock_gettime_ns(_CLOCK) < self._word[0]
+        return time.clock_gettime_ns(LEASE_CLOCK) < self._word[0]
