@@ -41,6 +41,7 @@ from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops
+from dask_ddict.transport.many_key_ops import GetMany
 from dask_ddict.transport.operation import Operation
 from dask_ddict.transport.protocol import FLAG_NOREPLY, FLAG_PERSIST
 from dask_ddict.transport.socket_client import HostLink
@@ -60,7 +61,9 @@ SERVERS: list[Any] = [None, pure.PlainServer] + (
 KEYS = [f"k{i}" for i in range(6)]
 LARGE = 70 << 10  # a value over the largest a plain server sends (the manager's then)
 
-Batch = list[tuple[Operation, dict[str, int]]]
+#: Requests, each with its header's fields; an operation of several managers is made
+#: for the connection's manager (a function of its id).
+Batch = list[tuple[Any, dict[str, int]]]
 
 
 class Shards:
@@ -126,7 +129,10 @@ class Shards:
         got = []
         for i, sock in enumerate(self.socks):
             sock.sendall(
-                b"".join(_raw(o, t + 1, mid=3 + i, **kw) for t, (o, kw) in enumerate(requests))
+                b"".join(
+                    _raw(o(3 + i) if callable(o) else o, t + 1, mid=3 + i, **kw)
+                    for t, (o, kw) in enumerate(requests)
+                )
             )
             said = f"manager {3 + i} ".encode()  # (errors name their manager)
             got.append(
@@ -164,7 +170,9 @@ def _put(key: str, value: Any, chkpt: int) -> ops.Put:
 
 
 _request = st.tuples(
-    st.sampled_from(["get", "get", "in", "put", "put", "persist", "pop", "len", "newest"]),
+    st.sampled_from(
+        ["get", "get", "in", "put", "put", "persist", "pop", "len", "newest", "many", "many2"]
+    ),
     st.sampled_from(KEYS),
     st.one_of(st.integers(-1, 6), st.just("newest")),
     st.one_of(st.integers(-(2**40), 2**40), st.binary(max_size=40), st.just("large")),
@@ -199,6 +207,12 @@ class ThreeServers(RuleBasedStateMachine):
                 "pop": lambda: ops.Pop(_digest(key), max(c, 0), 1),
                 "len": lambda: ops.Length(max(c, 0)),
                 "newest": lambda: ops.Newest(),
+                "many": lambda: lambda mid: GetMany(((mid, [_digest(k) for k in KEYS]),), c),
+                "many2": lambda: (
+                    lambda mid: GetMany(
+                        ((mid, [_digest(key)]), (mid, [_digest(k) for k in KEYS[::-1]])), c
+                    )
+                ),
             }[what]()
             kw = {"term": term[t]} if what in ("get", "in", "put") else {}
             if what == "persist":
@@ -215,8 +229,9 @@ class ThreeServers(RuleBasedStateMachine):
         self.shards.same([(_put("small", newest, newest), {})])  # (the manager counts the room)
         before = self.shards.counts()
         writes = [(_put("small", newest, newest), {})] if put else []
-        self.shards.same([*writes, (ops.Get(_digest("small"), newest), {})])
-        served = 1 + (put and self.size == 1)
+        many = (lambda mid: GetMany(((mid, [_digest("small"), _digest("never")]),), newest), {})
+        self.shards.same([*writes, (ops.Get(_digest("small"), newest), {}), many])
+        served = 2 + (put and self.size == 1)
         assert [a - b for a, b in zip(self.shards.counts(), before, strict=True)] == [served] * 2
 
     def teardown(self) -> None:
@@ -260,6 +275,10 @@ def test_what_only_the_manager_answers_is_left_to_it(shards):
     assert served[0][0] == 0 and served[1][0] == int(Status.KEY_NOT_FOUND)
     assert shards.counts() == [b + 2 for b in before]
     shards.same([(ops.Get(_digest("a"), 5), {"flags": FLAG_NOREPLY})])  # (the manager's)
+    elsewhere = shards.same([(GetMany(((99, [_digest("a")]),), 5), {})])  # (not hosted here)
+    assert elsewhere[0][0] == int(Status.MANAGER_UNAVAILABLE)
+    big = shards.same([(lambda mid: GetMany(((mid, [_digest("a"), _digest("big")]),), 5), {})])
+    assert big[0][0] == 0 and len(big[0][3]) > LARGE  # (a value of JOIN bytes or more)
     for m in shards.managers:
         m.freeze()
     frozen = shards.same([(_put("a", 2, 5), {})])

@@ -213,6 +213,7 @@ class HostServer:
             int(Op.GET),
             int(Op.CONTAINS),
             int(Op.PUT),
+            int(Op.GET_MANY),
             FLAG_PERSIST,
             int(_MISSING[0]),
             _MISSING[1],

@@ -340,7 +340,14 @@ cdef Py_ssize_t* _seek_order(list digests) except NULL:
     alone, without descending from the root again (a third less time per key for a
     thousand random keys).  Within one leading value the order is the callers'; the
     order of the answers is never changed by it.  To be freed by the caller."""
-    cdef Py_ssize_t n = len(digests), i, at, bits = 8 if n <= 4096 else 16
+    return _order_of(digests, NULL, len(digests))
+
+
+cdef Py_ssize_t* _order_of(list digests, const unsigned char* packed,
+                           Py_ssize_t n) except NULL:
+    """:func:`_seek_order` of ``digests``, or (``digests`` None) of the ``n`` digests
+    packed one after another at ``packed`` (a many-key request's)."""
+    cdef Py_ssize_t i, at, bits = 8 if n <= 4096 else 16
     cdef Py_ssize_t buckets = 1 << bits
     cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
     cdef Py_ssize_t* starts = <Py_ssize_t*>PyMem_Calloc(buckets + 1, sizeof(Py_ssize_t))
@@ -352,7 +359,10 @@ cdef Py_ssize_t* _seek_order(list digests) except NULL:
         PyMem_Free(lead)
         raise MemoryError()
     for i in range(n):
-        p = <const unsigned char*>PyBytes_AS_STRING(<bytes>digests[i])
+        if digests is None:
+            p = packed + _DIGEST * i
+        else:
+            p = <const unsigned char*>PyBytes_AS_STRING(<bytes>digests[i])
         lead[i] = p[0] if bits == 8 else (<unsigned int>p[0] << 8) | p[1]
         starts[lead[i] + 1] += 1
     for i in range(buckets):
@@ -371,12 +381,20 @@ cdef const unsigned char* _newest(const ddict_mdb_api* api, ddict_mdb_cursor* cu
                                   Py_ssize_t* n) except? NULL:
     """The frame of ``digest``'s newest version at the checkpoint whose tail ``seek`` holds
     after its digest (``n[0]``: the frame's length), or NULL: absent, or a deletion."""
+    return _newest_at(api, cur, seek, <const unsigned char*>PyBytes_AS_STRING(digest), n, NULL)
+
+
+cdef const unsigned char* _newest_at(const ddict_mdb_api* api, ddict_mdb_cursor* cur,
+                                     unsigned char* seek, const unsigned char* digest,
+                                     Py_ssize_t* n, Py_ssize_t* size) except? NULL:
+    """:func:`_newest` of the 16 bytes at ``digest``; ``size`` (unless NULL): the whole
+    entry's length."""
     cdef ddict_mdb_val k, v
     cdef const unsigned char* raw
     cdef Py_ssize_t have
     cdef uint64_t flen
     cdef int rc
-    memcpy(seek, PyBytes_AS_STRING(digest), _DIGEST)
+    memcpy(seek, digest, _DIGEST)
     k.mv_size, k.mv_data = _DIGEST + 8, seek
     rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
     if rc == DDICT_MDB_NOTFOUND:
@@ -393,6 +411,8 @@ cdef const unsigned char* _newest(const ddict_mdb_api* api, ddict_mdb_cursor* cu
     flen = _le64(raw + 8)
     have = <Py_ssize_t>v.mv_size - _ENTRY_HEADER
     n[0] = have if flen > <uint64_t>have else <Py_ssize_t>flen
+    if size != NULL:
+        size[0] = <Py_ssize_t>v.mv_size
     return raw + _ENTRY_HEADER
 
 

@@ -56,20 +56,22 @@ cdef inline bint _lmdb_object(object o, object kind, ddict_lmdb_env* e) except -
 
 cdef class PlainServer:
     cdef object _c, reader, held, owed, hosted, served, sock
-    cdef int get, contains, put, persist, status, clock
+    cdef int get, contains, put, get_many, persist, status, clock
     cdef bytes missing
     cdef Py_ssize_t most, most_key
     cdef readonly Py_ssize_t count
     cdef char* out
     cdef Py_ssize_t cap, n
+    cdef char* scratch  # (a many-key read's frames, in the order they were walked)
+    cdef Py_ssize_t scratch_cap
     # the snapshot of the run's last environment read
     cdef ddict_mdb_txn* txn
     cdef object txn_env
     cdef object _pure
 
     def __init__(self, c, rules):
-        (self.get, self.contains, self.put, self.persist, self.status, missing, self.most,
-         self.most_key, self.clock) = rules
+        (self.get, self.contains, self.put, self.get_many, self.persist, self.status, missing,
+         self.most, self.most_key, self.clock) = rules
         self._c, self.reader, self.held, self.owed = c, c.reader, c.held, c.owed
         self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
         self.missing = bytes(missing)
@@ -83,6 +85,7 @@ cdef class PlainServer:
 
     def __dealloc__(self):
         PyMem_Free(self.out)
+        PyMem_Free(self.scratch)
 
     cdef int _room(self, Py_ssize_t more) except -1:
         cdef Py_ssize_t cap = self.cap
@@ -145,10 +148,36 @@ cdef class PlainServer:
         self.n = 0
         return 0
 
+    cdef ddict_lmdb_env* _snapshot(self, object m, object ws, int64_t chkpt,
+                                   unsigned int* dbi) except? NULL:
+        """The run's snapshot of manager ``m``'s shard (``self.txn``, begun if it is not of
+        its environment) and its data table's handle, for a read at ``chkpt``; NULL: the
+        manager's (a retired checkpoint, objects the engine does not know)."""
+        cdef int64_t newest = ws.newest, wsize = ws.size
+        cdef ddict_lmdb_env* e
+        if chkpt < newest - wsize + 1:
+            return NULL
+        store = m.store
+        env, db = store.env, store._data
+        if type(env) is not _Environment:
+            return NULL
+        e = <ddict_lmdb_env*><PyObject*>env
+        if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
+                db, _Database, e):  # fmt: skip
+            return NULL
+        if self.txn != NULL and self.txn_env is not env:  # (this environment's, else a new one)
+            self._end_snapshot()
+        if self.txn == NULL:
+            if e.libv.txn_begin(e.env, NULL, DDICT_MDB_RDONLY, &self.txn):
+                self.txn = NULL
+                return NULL  # (the manager's path says what LMDB says)
+            self.txn_env = env
+        dbi[0] = (<ddict_lmdb_db*><PyObject*>db).dbi
+        return e
+
     cdef int _read(self, object m, object ws, int op, const unsigned char* p, int64_t chkpt,
                    uint32_t tag) except -1:
         """A plain get or ``in`` answered (1), or the manager's (0)."""
-        cdef int64_t newest, wsize
         cdef ddict_lmdb_env* e
         cdef ddict_mdb_cursor* cur
         cdef ddict_mdb_val k, v
@@ -156,33 +185,18 @@ cdef class PlainServer:
         cdef unsigned char seek[24]
         cdef uint64_t c
         cdef Py_ssize_t size, flen = 0
+        cdef unsigned int dbi
         cdef int rc, i
         cdef bint live = False
-        newest, wsize = ws.newest, ws.size
-        if chkpt < newest - wsize + 1:
+        e = self._snapshot(m, ws, chkpt, &dbi)
+        if e == NULL:
             return 0
-        store = m.store
-        env, db = store.env, store._data
-        if type(env) is not _Environment:
-            return 0
-        e = <ddict_lmdb_env*><PyObject*>env
-        if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
-                db, _Database, e):  # fmt: skip
-            return 0
-        if self.txn != NULL and self.txn_env is not env:  # (this environment's, else a new one)
-            self._end_snapshot()
-        if self.txn == NULL:
-            rc = e.libv.txn_begin(e.env, NULL, DDICT_MDB_RDONLY, &self.txn)
-            if rc:
-                self.txn = NULL
-                return 0  # (the manager's path says what LMDB says)
-            self.txn_env = env
         c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, big-endian after the digest)
         memcpy(seek, p + _REQUEST, _DIGEST)
         for i in range(8):
             seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
         cur = NULL
-        if e.libv.cursor_open(self.txn, (<ddict_lmdb_db*><PyObject*>db).dbi, &cur):
+        if e.libv.cursor_open(self.txn, dbi, &cur):
             return 0
         k.mv_size, k.mv_data = _DIGEST + 8, seek
         rc = e.libv.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
@@ -279,6 +293,123 @@ cdef class PlainServer:
         self._reply(0, tag, 0, NULL, 0)
         return 1
 
+    cdef int _get_many(self, object managers, const unsigned char* v, Py_ssize_t vlen,
+                       int64_t chkpt, uint32_t tag) except -1:
+        """A plain many-key read (``v``: its table and digests) answered as
+        ``GetMany.serve_host`` frames it (1), or the manager's (0): a table that does not
+        add up, a manager not served here or not plain, a frame of ``JOIN`` bytes or
+        more (a part of its own there)."""
+        cdef Py_ssize_t groups, i, j, at, total = 0, head, flen, size, stored = 0
+        cdef Py_ssize_t* order = NULL
+        cdef int64_t* lens = NULL
+        cdef Py_ssize_t* offs = NULL
+        cdef ddict_lmdb_env* e
+        cdef ddict_mdb_cursor* cur
+        cdef const unsigned char* frame
+        cdef const unsigned char* digests
+        cdef unsigned char seek[24]
+        cdef unsigned char* w
+        cdef unsigned int dbi
+        cdef uint64_t c = ~(<uint64_t>chkpt)
+        cdef uint32_t mid, count
+        cdef PyObject* found
+        cdef list ms = []
+        if vlen < 4:
+            return 0
+        groups = <Py_ssize_t>_le32(v)
+        if 4 + 8 * groups > vlen:
+            return 0
+        for i in range(groups):
+            total += <Py_ssize_t>_le32(v + 8 + 8 * i)
+        if 4 + 8 * groups + _DIGEST * total != vlen:
+            return 0  # (the manager's path says where it does not add up)
+        for i in range(groups):  # the managers: each served here, plain
+            found = PyDict_GetItem(managers, _le32(v + 4 + 8 * i))
+            if found == NULL:
+                return 0
+            m = <object>found
+            if m.closed or m.working_set.wait_for_keys:
+                return 0
+            ms.append(m)
+        lens = <int64_t*>PyMem_Malloc((total + 1) * sizeof(int64_t))
+        offs = <Py_ssize_t*>PyMem_Malloc((total + 1) * sizeof(Py_ssize_t))
+        if lens == NULL or offs == NULL:
+            PyMem_Free(lens)
+            PyMem_Free(offs)
+            raise MemoryError()
+        try:
+            for i in range(8):
+                seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+            at, digests = 0, v + 4 + 8 * groups
+            for i in range(groups):  # each manager's keys from one snapshot, in the tree's order
+                count = _le32(v + 8 + 8 * i)
+                e = self._snapshot(ms[i], ms[i].working_set, chkpt, &dbi)
+                if e == NULL:
+                    return 0
+                cur = NULL
+                if e.libv.cursor_open(self.txn, dbi, &cur):
+                    return 0
+                order = NULL
+                try:
+                    order = _order_of(None, digests + _DIGEST * at, count)
+                    for j in range(count):
+                        frame = _newest_at(e.libv, cur, seek,
+                                           digests + _DIGEST * (at + order[j]), &flen, &size)
+                        if frame == NULL:
+                            lens[at + order[j]] = _ABSENT
+                            continue
+                        if flen >= _JOIN or size >= PRELOADED:
+                            return 0
+                        self._hold(stored + flen)
+                        memcpy(self.scratch + stored, frame, flen)
+                        lens[at + order[j]], offs[at + order[j]] = flen, stored
+                        stored += flen
+                finally:
+                    e.libv.cursor_close(cur)
+                    PyMem_Free(order)
+                at += count
+            # the reply: <u32 n> <i64 length> * n [pad] (frame [pad]) * n
+            head = 4 + 8 * total
+            size = head + (_ALIGN - head % _ALIGN) % _ALIGN
+            for j in range(total):
+                if lens[j] >= 0:
+                    size += lens[j] + (_ALIGN - lens[j] % _ALIGN) % _ALIGN
+            self._reply(0, tag, 0, NULL, 0)
+            _put_le64(<unsigned char*>self.out + self.n - _REPLY + 16, <uint64_t>size)
+            self._room(size)
+            w = <unsigned char*>self.out + self.n
+            memset(w, 0, size)
+            _put_le32(<char*>w, <uint32_t>total)
+            for j in range(total):
+                _put_le64(w + 4 + 8 * j, <uint64_t>lens[j])
+            at = head + (_ALIGN - head % _ALIGN) % _ALIGN
+            for j in range(total):
+                if lens[j] >= 0:
+                    memcpy(w + at, self.scratch + offs[j], lens[j])
+                    at += lens[j] + (_ALIGN - lens[j] % _ALIGN) % _ALIGN
+            self.n += size
+        finally:
+            PyMem_Free(lens)
+            PyMem_Free(offs)
+        for i in range(groups):  # (each manager looked up counts once, as Counting counts)
+            counts = self.served[_le32(v + 4 + 8 * i)]
+            counts[self.get_many] = counts.get(self.get_many, 0) + 1
+        return 1
+
+    cdef int _hold(self, Py_ssize_t need) except -1:
+        """Room for ``need`` bytes in the scratch buffer."""
+        cdef Py_ssize_t cap = self.scratch_cap
+        cdef char* grown
+        if need <= cap:
+            return 0
+        while cap < need:
+            cap = max(cap * 2, 64 << 10)
+        grown = <char*>PyMem_Realloc(self.scratch, cap)
+        if grown == NULL:
+            raise MemoryError()
+        self.scratch, self.scratch_cap = grown, cap
+        return 0
+
     cdef bint _leased(self, object lease) except -1:
         """Whether the host's ``lease`` lets it serve its primaries now (``Lease.valid``)."""
         cdef timespec now
@@ -310,7 +441,8 @@ cdef class PlainServer:
             while end - pos >= _READ:
                 p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
                 op = p[0]
-                if op != self.get and op != self.contains and op != self.put:
+                if (op != self.get and op != self.contains and op != self.put
+                        and op != self.get_many):  # fmt: skip
                     break
                 term = p[2] | (<unsigned int>p[3] << 8)
                 klen = <Py_ssize_t>_le32(p + 4)
@@ -318,6 +450,20 @@ cdef class PlainServer:
                 mid, tag, chkpt = _le32(p + 8), _le32(p + 12), <int64_t>_le64(p + 16)
                 if chkpt < 0 or _le64(p + 56) != 0:  # (a request id: at most once, the manager's)
                     break
+                if op == self.get_many:  # (several managers: its own checks and counts)
+                    if p[1] != 0 or klen != 0 or term or end - pos < _REQUEST + vlen:
+                        break
+                    if lease is not None and not self._leased(lease):
+                        break
+                    if vlen >= _HUGE or not self._get_many(managers, p + _REQUEST, vlen, chkpt,
+                                                           tag):  # fmt: skip
+                        break
+                    pos += _REQUEST + vlen
+                    served += 1
+                    if self.n >= _SENT_AT_ONCE:
+                        reader._pos = pos
+                        self._send()
+                    continue
                 # the manager's state: plain attributes (no Python code runs)
                 found = PyDict_GetItem(managers, mid)
                 if found == NULL:

@@ -710,7 +710,7 @@ def receive_reply(
 
 class PlainRequests(NamedTuple):
     """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
-    ``in`` and ``put`` and the flag a put may carry (``persist``: under no
+    ``in``, ``put`` and ``get_many`` and the flag a put may carry (``persist``: under no
     ``wait_for_keys``, every put persists), what a get of an absent key is answered (the
     status and message that the manager's ``DDictKeyError`` becomes on the wire), the
     largest value it sends or puts (a larger one is the manager's, which moves it in
@@ -720,6 +720,7 @@ class PlainRequests(NamedTuple):
     get: int
     contains: int
     put: int
+    get_many: int
     persist: int
     missing_status: int
     missing: bytes
@@ -740,7 +741,9 @@ class PlainServer:
     to a shard neither frozen, replicated, nor waited on (no deferred operation, no
     checkpoint retiring, no ``wait_for_writers``), that its manager's lock is free to
     take: what :meth:`~dask_ddict.shard.working_set.WorkingSet.put_alone` writes in one
-    transaction.  :meth:`serve` answers the leading ones as the manager would (the
+    transaction; a ``get_many`` of such managers' keys whose values are all under
+    :data:`JOIN` bytes, framed as ``GetMany.serve_host`` frames it (each manager looked up
+    counts once).  :meth:`serve` answers the leading ones as the manager would (the
     value's frame, ``DDictKeyError``'s reply, whether the key is seen, a put's empty
     reply), counts them in the connection's table and takes them out of its buffer; it
     stops at the first request that is anything else, or not whole, or a put that does
@@ -777,18 +780,30 @@ class PlainServer:
                     REQUEST.unpack_from(r._buf, r._pos)
                 )
                 at, end = r._pos + REQUEST.size, r._pos + REQUEST.size + klen + vlen
-                m = hosted.managers.get(mid)
-                if m is None or m.closed or (term and term != m.wire) or chkpt < 0 or rid:
-                    break
-                ws = m.working_set
-                if ws.wait_for_keys:
-                    break
                 if lease is not None and (
                     op == rules.put  # (a primary's: shipped to its replicas first)
                     or lease.required
                     and time.clock_gettime(rules.clock) >= lease.until
                 ):
                     break  # (the lease lapsed: the manager's path says so)
+                if op == rules.get_many:
+                    if flags or klen or term or rid or end > r._end or chkpt < 0:
+                        break
+                    if snap is not None:
+                        snap[1].abort()
+                        snap = None
+                    reply = _get_many(hosted.managers, c.served, op, bytes(r._buf[at:end]), chkpt)
+                    if reply is None:
+                        break
+                    out.append(REPLY.pack(0, tag, 0, len(reply)) + reply)
+                    r._pos = end
+                    continue
+                m = hosted.managers.get(mid)
+                if m is None or m.closed or (term and term != m.wire) or chkpt < 0 or rid:
+                    break
+                ws = m.working_set
+                if ws.wait_for_keys:
+                    break
                 if op == rules.put:
                     if flags & ~rules.persist or not DIGEST <= klen <= rules.most_key:
                         break
@@ -840,6 +855,35 @@ class PlainServer:
                 c.held.append(data)
         self.count += len(out)
         return r._pos == r._end and not c.held
+
+
+def _get_many(
+    managers: dict[int, Any], served: Any, op: int, value: bytes, chkpt: int
+) -> bytes | None:
+    """A plain ``get_many``'s reply payload (``value``: its table and digests), or
+    ``None``: the manager's path's (a table that does not add up, a manager not served
+    here or not plain, a value of :data:`JOIN` bytes or more)."""
+    try:
+        groups = digest_groups(value)
+    except ValueError:
+        return None
+    frames: list[Any] = []
+    for mid, digests in groups:
+        m = managers.get(mid)
+        if m is None or m.closed or m.working_set.wait_for_keys:
+            return None
+        ws = m.working_set
+        if chkpt < ws.newest - ws.size + 1 or chkpt < 0:
+            return None
+        with m.store.read() as txn:
+            got = ws.get_many(txn, digests, chkpt, JOIN)
+            if any(f is not None and len(f) >= JOIN for f in got):
+                return None
+            frames += [None if f is None else bytes(f) for f in got]
+    for mid, _ in groups:
+        counts = served[mid]
+        counts[op] = counts.get(op, 0) + 1
+    return b"".join(bytes(p) for p in pack_frames(frames))
 
 
 def _put_alone(
