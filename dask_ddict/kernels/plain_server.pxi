@@ -597,12 +597,13 @@ def poll_and_serve(ep, dict conns not None, int most):
     for i in range(n):
         fd = events[i].data.fd
         found = PyDict_GetItem(conns, fd)
-        plain = None if found == NULL else (<object>found).plain
+        c = None if found == NULL else <object>found  # (a reference of its own)
+        plain = None if c is None else c.plain
         if plain is None:
             left.append((fd, None))
             continue
         try:
-            _receive_nowait((<object>found).reader)
+            _receive_nowait(c.reader)
             if (<PlainServer>plain).serve() if type(plain) is PlainServer else plain.serve():
                 continue
         except Exception as e:  # (the connection's end: the caller's to say)
