@@ -17,11 +17,12 @@ import os
 import secrets
 import shutil
 import socket
+import struct
 import tempfile
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -34,7 +35,7 @@ from dask_ddict.host.hosted import HostedDict
 from dask_ddict.host.lease import LeaseKeeper
 from dask_ddict.host.loop import Connection
 from dask_ddict.host.server import HostServer
-from dask_ddict.kernels import pure
+from dask_ddict.kernels import GROUP, pure
 from dask_ddict.layout import ManagerInfo, wire_term
 from dask_ddict.shard.lease_word import lease_clock
 from dask_ddict.shard.manager import Manager
@@ -43,7 +44,7 @@ from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops
 from dask_ddict.transport.many_key_ops import GetMany
 from dask_ddict.transport.operation import Operation
-from dask_ddict.transport.protocol import FLAG_NOREPLY, FLAG_PERSIST
+from dask_ddict.transport.protocol import FLAG_NOREPLY, FLAG_PERSIST, REP, REQ, Op
 from dask_ddict.transport.socket_client import HostLink
 from tests.support.polling import poll_for
 from tests.support.wire import raw as _raw
@@ -60,6 +61,7 @@ SERVERS: list[Any] = [None, pure.PlainServer] + (
 )
 KEYS = [f"k{i}" for i in range(6)]
 LARGE = 70 << 10  # a value over the largest a plain server sends (the manager's then)
+GROUP_COUNT = struct.Struct("<I")  # (a many-key table's count of groups)
 
 #: Requests, each with its header's fields; an operation of several managers is made
 #: for the connection's manager (a function of its id).
@@ -381,3 +383,104 @@ def test_the_package_serves_plain_requests_with_its_kernel_set():
     """The host's connections get the chosen set's plain server."""
     expected = _compiled.PlainServer if kernels.COMPILED else pure.PlainServer
     assert kernels.PlainServer is expected
+
+
+def _table(mid: int, digests: list[bytes], cut: int) -> bytes:
+    """A many-key read's value for ``digests`` of ``mid`` (``cut``: bytes dropped from its
+    end, or added when negative: one that does not add up)."""
+    value = GROUP_COUNT.pack(1) + GROUP.pack(mid, len(digests)) + b"".join(digests)
+    return value[: len(value) - cut] if cut > 0 else value + b"\0" * -cut
+
+
+_fuzzed = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [int(Op.GET), int(Op.CONTAINS), int(Op.PUT), int(Op.GET_MANY), int(Op.LEN), 99]
+        ),
+        st.sampled_from([0, 0, 0, FLAG_PERSIST, FLAG_NOREPLY, 255]),  # flags
+        st.sampled_from([0, 0, 0, 1, 65535]),  # term
+        st.sampled_from([None, None, 99]),  # manager: the connection's, or not hosted
+        st.integers(-2, 2),  # checkpoint
+        st.sampled_from([0, 0, 0, 7]),  # request id
+        st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40)),  # key section
+        st.one_of(
+            st.binary(max_size=60),
+            st.tuples(
+                st.lists(st.binary(min_size=16, max_size=16), max_size=4), st.integers(-3, 3)
+            ),
+        ),  # value: bytes, or a many-key table of the connection's manager, cut or padded
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=_fuzzed)
+def test_fuzzed_requests_get_the_same_answers_from_every_server(requests):
+    """Requests with every field drawn (flags, terms, request ids, key sections of any
+    length, values, many-key tables that do not add up, managers not hosted, operations
+    that do not exist), each framed whole: every connection gets the same replies, or
+    is dropped at the same point, and the host serves on."""
+    s = Shards()
+    try:
+        got = []
+        for i, sock in enumerate(s.socks):
+            own = 3 + i
+            data = b""
+            for t, (op, flags, term, mid, chkpt, rid, keysec, value) in enumerate(requests):
+                if isinstance(value, tuple):
+                    value = _table(own, *value)
+                data += (
+                    REQ.pack(
+                        op,
+                        flags,
+                        term,
+                        len(keysec),
+                        own if mid is None else mid,
+                        t + 1,
+                        chkpt,
+                        0,
+                        1,
+                        -1.0,
+                        len(value),
+                        rid,
+                    )
+                    + keysec
+                    + value
+                )
+            data += _raw(ops.Newest(), 1000, mid=own)  # (the end: its reply says all came)
+            sock.sendall(data)
+            got.append(_until(sock, 1000, f"manager {own} ".encode()))
+        assert all(g == got[0] for g in got), list(zip(SERVERS, got, strict=True))
+        fresh = s.link._connect(3, None, None).sock  # (the host serves on)
+        try:
+            fresh.sendall(_raw(ops.Newest(), 1, mid=3))
+            assert _replies(fresh, 1)[0][0] == 0
+        finally:
+            fresh.close()
+    finally:
+        s.close()
+
+
+def _until(sock: socket.socket, last: int, said: bytes) -> list[Any]:
+    """The replies on ``sock`` up to the one tagged ``last``, or to the end of the stream
+    (then ``"closed"`` last); ``said`` (a manager's name in errors) made common."""
+    sock.settimeout(30)
+    data, out = b"", []
+    while True:
+        while len(data) >= REP.size:
+            status, tag, ival, plen = REP.unpack_from(data)
+            if len(data) < REP.size + plen:
+                break
+            out.append((status, tag, ival, data[REP.size : REP.size + plen].replace(said, b"M ")))
+            data = data[REP.size + plen :]
+            if tag == last:
+                return out
+        try:
+            chunk = sock.recv(1 << 20)
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return [*out, "closed"]
+        data += chunk
