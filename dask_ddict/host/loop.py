@@ -5,8 +5,8 @@ interpreter-lock hand-over per request; with many clients the host's CPU per
 request grows with their number.  Here one thread waits in ``epoll_wait`` for all
 connections, reads what is ready without waiting, and serves each complete request
 on the spot: under load one wake-up finds several requests.  The wait, the receive and
-the plain requests (gets, ``in``s and puts of one key, :class:`~dask_ddict.kernels.
-PlainServer`) are one compiled call (:func:`~dask_ddict.kernels.poll_and_serve`, which
+the plain requests (gets, ``in``s and puts of one key, and ``get_many``s:
+:class:`~dask_ddict.kernels.PlainServer`) are one compiled call (:func:`~dask_ddict.kernels.poll_and_serve`, which
 waits with the interpreter lock released): a wake-up of plain requests runs no Python
 at all, and the events it leaves (any other request, a connection that ended) are
 served here.

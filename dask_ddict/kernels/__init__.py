@@ -6,7 +6,8 @@ host's reply and taking it apart, the host's cursor walk, decoding small values;
 batch of puts runs them to route and frame each put, pack and unpack its records, and
 write them into a shard (one LMDB ``replace`` each); and every single-key operation
 over a socket receives its reply (a header and a small value in one ``recv``, with
-the interpreter lock released).  In Python each
+the interpreter lock released); a host's event loop waits, receives and answers its
+plain requests (gets, ``in``s, puts, ``get_many``s) in one call.  In Python each
 step costs a microsecond or more of interpreter dispatch per key; these loops are
 therefore written twice: :mod:`.pure` (the reference, and the fallback) and
 :mod:`._compiled` (the same functions typed in Cython, built by ``pip install``

@@ -4,11 +4,13 @@ Each function here is one loop that runs once per key of a ``get_many`` or of a
 batch of puts, and nothing else: routing keys to managers (and framing a put's
 value), grouping digests by manager, framing a many-key reply on the host and taking
 it apart on the client, the host's cursor walk, decoding small values, packing a
-batch's records and taking them apart, and writing them into a shard.  :mod:`._compiled` has the
-same functions, typed, in C (Cython); :mod:`dask_ddict.kernels` chooses one.
-Both must give the same results and raise the same errors for every input
-(``tests/test_kernels.py`` fuzzes them side by side), so every rule lives here,
-readable, and the compiled module is only a faster spelling of it.
+batch's records and taking them apart, and writing them into a shard; and the host's
+event loop for its plain requests (:class:`PlainServer`, :func:`poll_and_serve`), which
+runs once per request.  :mod:`._compiled` has the same functions, typed, in C (Cython);
+:mod:`dask_ddict.kernels` chooses one.  Both must give the same results and raise the
+same errors for every input (``tests/test_kernels.py`` fuzzes them side by side;
+``tests/test_plain_server.py`` compares the plain servers with the manager's path), so
+every rule lives here, readable, and the compiled module is only a faster spelling of it.
 """
 
 from __future__ import annotations
