@@ -13,6 +13,7 @@ shards go through the same history.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -74,7 +75,17 @@ class Shards:
     requests answered by that server."""
 
     def __init__(self, size: int = 1, wait_for_keys: bool = False) -> None:
+        self._made = contextlib.ExitStack()  # (what close() undoes, last made first)
+        try:
+            self._open(size, wait_for_keys)
+        except BaseException:
+            self._made.close()  # (a failed start leaves nothing behind either)
+            raise
+
+    def _open(self, size: int, wait_for_keys: bool) -> None:
+        made = self._made
         self.dir = tempfile.mkdtemp(prefix="ddict-plain-")
+        made.callback(shutil.rmtree, self.dir, ignore_errors=True)
         uid, secret = secrets.token_hex(16), secrets.token_hex(32)
         self.hosted = HostedDict(uid, "plain", secret)
         self.managers: list[Manager] = []
@@ -82,15 +93,17 @@ class Shards:
             path = os.path.join(self.dir, f"shard{i}")
             store = ShardStore(path, 64 << 20, indexed=wait_for_keys)
             m = Manager(3 + i, store, WorkingSet(store, size, wait_for_keys=wait_for_keys))
+            made.callback(m.close)
             self.hosted.managers[3 + i] = m
             self.managers.append(m)
-        self.uds = socket.socket(socket.AF_UNIX)
+        self.uds = made.enter_context(socket.socket(socket.AF_UNIX))
         self.uds.bind(os.path.join(self.dir, "host.sock"))
         self.uds.listen(16)
-        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.tcp = made.enter_context(socket.create_server(("127.0.0.1", 0)))
         self.server = HostServer(
             self.uds, self.tcp, {self.hosted.key: self.hosted}, set(), event_loop=True
         )
+        made.callback(self.server.close)
         self.server.start()
         info = ManagerInfo(
             3,
@@ -104,10 +117,11 @@ class Shards:
             os.path.join(self.dir, "shard0"),
         )
         self.link = HostLink(info, uid, secret, "plain", use_uds=False)
+        made.callback(self.link.close)
         self.socks: list[socket.socket] = []
         self.plain: list[Any] = []
         for cls in SERVERS:
-            sock = self.link._connect(3, None, None).sock
+            sock = made.enter_context(self.link._connect(3, None, None).sock)
             c = self._served(sock)
             c.plain = None if cls is None else cls(c, self.server._plain)
             self.socks.append(sock)
@@ -151,15 +165,7 @@ class Shards:
         return [p.count for p in self.plain if p is not None]
 
     def close(self) -> None:
-        for sock in self.socks:
-            sock.close()
-        self.link.close()
-        self.server.close()
-        for m in self.managers:
-            m.close()
-        self.uds.close()
-        self.tcp.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._made.close()
 
 
 def _digest(key: str) -> bytes:
