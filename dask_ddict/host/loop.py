@@ -249,7 +249,7 @@ class EventLoop:
         #: The events of the polling thread's batch after the one it serves, and those
         #: that a thread which handed the loop on left to the next (their requests were
         #: received already: the descriptors would not be reported again).
-        self._rest: list[tuple[int, BaseException | None]] = []
+        self._rest: tuple[list[tuple[int, BaseException | None]], int] = ([], 0)
         self._pending: list[tuple[int, BaseException | None]] = []
         self.handoffs = 0  # times the loop moved to another thread
 
@@ -312,7 +312,8 @@ class EventLoop:
             self._ep.unregister(c.fd)
             c.batching = False  # (off the loop: its replies go out as they come)
         self.handoffs += 1
-        self._pending, self._rest = self._rest, []  # (before the next poller starts)
+        events, at = self._rest
+        self._pending, self._rest = events[at:], ([], 0)  # (before the next poller starts)
         with self._cond:
             called = self._idle > self._called
             if called:
@@ -345,7 +346,7 @@ class EventLoop:
                         self._drop(c, error)
                         continue
                     self._serving = c  # (what _hand_on takes out of the loop)
-                    self._rest = events[i + 1 :]  # (what _hand_on leaves to the next poller)
+                    self._rest = (events, i + 1)  # (what _hand_on leaves to the next poller)
                     moves = self.handoffs
                     try:
                         ready(c, moves)

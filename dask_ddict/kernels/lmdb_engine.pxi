@@ -326,6 +326,18 @@ cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest,
     return n == _DIGEST and k.mv_size >= <size_t>_DIGEST and memcmp(k.mv_data, digest, n) == 0
 
 
+cdef inline void _seek_key(unsigned char* seek, const unsigned char* digest,
+                           int64_t chkpt) noexcept:
+    """``seek`` (24 bytes): the data key of ``digest`` at ``chkpt``, the digest then
+    ``MAXQ - chkpt`` big-endian (:func:`~dask_ddict._entry.data_key`): the first key at or
+    after it with the digest is the newest version ``chkpt`` sees."""
+    cdef uint64_t c = ~(<uint64_t>chkpt)
+    cdef int i
+    memcpy(seek, digest, _DIGEST)
+    for i in range(8):
+        seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+
+
 cdef inline object _val(ddict_lmdb_txn* t, const unsigned char* p, Py_ssize_t a, Py_ssize_t b):
     """``p[a:b]`` as the transaction gives values: a view of the page, or a copy."""
     if t.flags & DDICT_TRANS_BUFFERS:
@@ -616,10 +628,7 @@ def lookup_entry(txn, db, digest, chkpt):
         return _pure_lookup_entry(txn, db, digest, chkpt)
     t = _txn_of(txn, db, &dbi)
     api = t.libv
-    c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, written big-endian after the digest)
-    memcpy(seek, PyBytes_AS_STRING(digest), _DIGEST)
-    for i in range(8):
-        seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+    _seek_key(seek, <const unsigned char*>PyBytes_AS_STRING(digest), chkpt)
     rc = api.cursor_open(t.txn, dbi, &cur)
     if rc:
         raise _mdb_failed(api, "mdb_cursor_open", rc)

@@ -54,6 +54,19 @@ cdef inline bint _lmdb_object(object o, object kind, ddict_lmdb_env* e) except -
         <ddict_lmdb_db*><PyObject*>o).env == e
 
 
+cdef ddict_lmdb_env* _open_env(object env, object db) except? NULL:
+    """The environment of py-lmdb's ``env`` if the engine may use it with its open
+    database ``db``; NULL: objects the engine does not know, or closed ones."""
+    cdef ddict_lmdb_env* e
+    if type(env) is not _Environment:
+        return NULL
+    e = <ddict_lmdb_env*><PyObject*>env
+    if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
+            db, _Database, e):  # fmt: skip
+        return NULL
+    return e
+
+
 cdef class PlainServer:
     cdef object _c, reader, held, owed, hosted, served, sock
     cdef int get, contains, put, get_many, persist, status, clock
@@ -159,11 +172,8 @@ cdef class PlainServer:
             return NULL
         store = m.store
         env, db = store.env, store._data
-        if type(env) is not _Environment:
-            return NULL
-        e = <ddict_lmdb_env*><PyObject*>env
-        if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
-                db, _Database, e):  # fmt: skip
+        e = _open_env(env, db)
+        if e == NULL:
             return NULL
         if self.txn != NULL and self.txn_env is not env:  # (this environment's, else a new one)
             self._end_snapshot()
@@ -183,18 +193,14 @@ cdef class PlainServer:
         cdef ddict_mdb_val k, v
         cdef const unsigned char* raw = NULL
         cdef unsigned char seek[24]
-        cdef uint64_t c
         cdef Py_ssize_t size, flen = 0
         cdef unsigned int dbi
-        cdef int rc, i
+        cdef int rc
         cdef bint live = False
         e = self._snapshot(m, ws, chkpt, &dbi)
         if e == NULL:
             return 0
-        c = ~(<uint64_t>chkpt)  # (MAXQ - chkpt, big-endian after the digest)
-        memcpy(seek, p + _REQUEST, _DIGEST)
-        for i in range(8):
-            seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+        _seek_key(seek, p + _REQUEST, chkpt)
         cur = NULL
         if e.libv.cursor_open(self.txn, dbi, &cur):
             return 0
@@ -241,12 +247,9 @@ cdef class PlainServer:
         store = m.store
         if store.replicate is not None or store.indexed:
             return 0
-        env, db, meta = store.env, store._data, store._meta
-        if type(env) is not _Environment:
-            return 0
-        e = <ddict_lmdb_env*><PyObject*>env
-        if not e.valid or e.env == NULL or not _is_engine(e.libv) or not _lmdb_object(
-                db, _Database, e) or not _lmdb_object(meta, _Database, e):  # fmt: skip
+        db, meta = store._data, store._meta
+        e = _open_env(store.env, db)
+        if e == NULL or not _lmdb_object(meta, _Database, e):
             return 0
         api = e.libv
         mutex = m._mutex
@@ -310,7 +313,6 @@ cdef class PlainServer:
         cdef unsigned char seek[24]
         cdef unsigned char* w
         cdef unsigned int dbi
-        cdef uint64_t c = ~(<uint64_t>chkpt)
         cdef uint32_t mid, count
         cdef PyObject* found
         cdef list ms = []
@@ -338,11 +340,11 @@ cdef class PlainServer:
             PyMem_Free(offs)
             raise MemoryError()
         try:
-            for i in range(8):
-                seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
             at, digests = 0, v + 4 + 8 * groups
             for i in range(groups):  # each manager's keys from one snapshot, in the tree's order
                 count = _le32(v + 8 + 8 * i)
+                if count:  # (the seek's tail: each key's digest goes before it)
+                    _seek_key(seek, digests + _DIGEST * at, chkpt)
                 e = self._snapshot(ms[i], ms[i].working_set, chkpt, &dbi)
                 if e == NULL:
                     return 0
@@ -458,40 +460,36 @@ cdef class PlainServer:
                     if vlen >= _HUGE or not self._get_many(managers, p + _REQUEST, vlen, chkpt,
                                                            tag):  # fmt: skip
                         break
-                    pos += _REQUEST + vlen
-                    served += 1
-                    if self.n >= _SENT_AT_ONCE:
-                        reader._pos = pos
-                        self._send()
-                    continue
-                # the manager's state: plain attributes (no Python code runs)
-                found = PyDict_GetItem(managers, mid)
-                if found == NULL:
-                    break
-                m = <object>found
-                if m.closed or (term and term != m.wire):
-                    break
-                ws = m.working_set
-                if ws.wait_for_keys:
-                    break
-                if lease is not None and (op == self.put or not self._leased(lease)):
-                    break  # (a primary's put goes to its replicas first; a lapsed lease)
-                counts = self.served[mid]  # (a defaultdict's row)
-                if op == self.put:
-                    if p[1] & ~self.persist or klen < _DIGEST or klen > self.most_key:
-                        break
-                    if vlen > self.most or end - pos < _REQUEST + klen + vlen:
-                        break
-                    if not self._put(m, ws, p, klen, vlen, chkpt, tag):
-                        break
-                    size = _REQUEST + klen + vlen
+                    size = _REQUEST + vlen
                 else:
-                    if p[1] != 0 or klen != _DIGEST or vlen != 0:
+                    # the manager's state: plain attributes (no Python code runs)
+                    found = PyDict_GetItem(managers, mid)
+                    if found == NULL:
                         break
-                    if not self._read(m, ws, op, p, chkpt, tag):
+                    m = <object>found
+                    if m.closed or (term and term != m.wire):
                         break
-                    size = _READ
-                counts[op] = counts.get(op, 0) + 1
+                    ws = m.working_set
+                    if ws.wait_for_keys:
+                        break
+                    if lease is not None and (op == self.put or not self._leased(lease)):
+                        break  # (a primary's put goes to its replicas first; a lapsed lease)
+                    counts = self.served[mid]  # (a defaultdict's row)
+                    if op == self.put:
+                        if p[1] & ~self.persist or klen < _DIGEST or klen > self.most_key:
+                            break
+                        if vlen > self.most or end - pos < _REQUEST + klen + vlen:
+                            break
+                        if not self._put(m, ws, p, klen, vlen, chkpt, tag):
+                            break
+                        size = _REQUEST + klen + vlen
+                    else:
+                        if p[1] != 0 or klen != _DIGEST or vlen != 0:
+                            break
+                        if not self._read(m, ws, op, p, chkpt, tag):
+                            break
+                        size = _READ
+                    counts[op] = counts.get(op, 0) + 1
                 pos += size
                 served += 1
                 if self.n >= _SENT_AT_ONCE:
@@ -514,14 +512,11 @@ cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned in
     cdef ddict_mdb_cursor* cur = NULL
     cdef ddict_mdb_val k, v, nk, nv
     cdef unsigned char seek[24]
-    cdef uint64_t c = ~(<uint64_t>chkpt)
     cdef Py_ssize_t keylen = klen - _DIGEST, total = _ENTRY_HEADER + vlen + klen - _DIGEST
     cdef bint live, existed
     cdef char* q
-    cdef int rc, i
-    memcpy(seek, p + _REQUEST, _DIGEST)
-    for i in range(8):
-        seek[_DIGEST + i] = (c >> (56 - 8 * i)) & 0xFF
+    cdef int rc
+    _seek_key(seek, p + _REQUEST, chkpt)
     if api.cursor_open(w, dbi, &cur):
         return -1
     try:
