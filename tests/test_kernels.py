@@ -628,6 +628,112 @@ def test_decode_frames_takes_a_decoded_answer_as_it_is(values, mids):
 
 
 @settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(
+            values_st,
+            st.integers(1000, 6000).map(b"v".__mul__),  # (around SMALL_FRAME: views, copies)
+            st.sampled_from(["<absent>", "<wait>"]),
+        ),
+        max_size=16,
+    ),
+    data=st.data(),
+    small=st.sampled_from([0, 64, 4096]),
+    damage=st.integers(-1, 60),
+)
+def test_unpack_values_decodes_what_unpack_frames_and_decode_frames_give(
+    values, data, small, damage
+):
+    """A many-key reply decoded where it was received (a socket ``get_many``'s one pass)
+    gives, in both sets, each group's values as ``unpack_frames`` and ``decode_frames``
+    give them together, ``None`` where a reader must wait, and the same error for a cut,
+    damaged or miscounted reply."""
+    frames = [
+        None if _is(v, "<absent>") else False if _is(v, "<wait>") else dumps_value(v).join()
+        for v in values
+    ]
+    payload = bytearray(b"".join(bytes(p) for p in pure.pack_frames(frames)))
+    if damage >= 0 and payload:
+        payload[damage % len(payload)] ^= 0xFF
+    cut = data.draw(st.sampled_from([None, 0, 3, len(payload) // 2]))
+    if cut is not None:
+        payload = payload[:cut]
+    counts = []
+    left = len(frames)
+    while left > 0:
+        counts.append(data.draw(st.integers(1, left)))
+        left -= counts[-1]
+    if data.draw(st.booleans()):
+        counts.append(data.draw(st.integers(0, 2)))  # (a group too many, or an empty one)
+    absent = object()
+    outcomes = []
+    for s in SETS:
+        kind, got = _outcome(s.unpack_values, payload, counts, small, absent, loads_value)
+        if kind == "ok" and got is not None:
+            assert all(type(g) is pure.Decoded for g in got)
+            got = [_comparable(list(enumerate(g)), absent, 0) for g in got]
+        outcomes.append((kind, got))
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    kind, want = _outcome(pure.unpack_frames, payload, small)
+    if kind == "error":
+        assert outcomes[0] == (kind, want)
+        return
+    if len(want) != sum(counts):
+        assert outcomes[0][0] == "error" and outcomes[0][1][0] is ValueError
+        return
+    if any(f is False for f in want):
+        assert outcomes[0] == ("ok", None)
+        return
+    at, groups = 0, []
+    for n in counts:
+        routes = [(0, DIGESTS[0])] * n
+        w = _outcome(
+            pure.decode_frames, list(range(n)), routes, {0: want[at : at + n]},
+            loads_value, absent, 0, False,
+        )  # fmt: skip
+        if w[0] == "error":
+            assert outcomes[0][0] == "error" and outcomes[0][1][0] is w[1][0], (outcomes, w)
+            return
+        groups.append(_comparable(w[1], absent, 0))
+        at += n
+    assert outcomes[0] == ("ok", groups)
+    if damage < 0 and cut is None:
+        flat = [v for g in groups for _, v in g]
+        assert flat == [v for _, v in _comparable(list(enumerate(values)), "<absent>", 0)]
+
+
+@pytest.mark.parametrize("kind", ["big ids", "iterators", "missing", "short"])
+def test_decode_walks_any_answers_as_pure_does(kind):
+    """The compiled walk of each manager's answers (a table for small ids, lists by
+    index) gives what ``pure`` gives for what it does not take that way: ids past the
+    table or not ints, answers that are not lists, a route to a manager with no answer
+    (``KeyError``), a manager with fewer answers than routes (``StopIteration``)."""
+    values = [b"a", b"bb", None, 7, "x", [1]]
+    frames = [None if v is None else dumps_value(v).join() for v in values]
+    mids = [10**30, -3, True, 255, 256, "m"] if kind == "big ids" else [0, 1, 0, 2, 1, 0]
+    got: dict[Any, Any] = {}
+    for mid, f in zip(mids, frames):
+        got.setdefault(mid, []).append(f)
+    routes = [(mid, DIGESTS[0]) for mid in mids]
+    if kind == "missing":
+        routes[3] = (99, DIGESTS[0])
+    if kind == "short":
+        routes.append((1, DIGESTS[0]))
+    absent = object()
+    outcomes = []
+    for s in SETS:
+        fresh = {m: iter(fs) for m, fs in got.items()} if kind == "iterators" else got
+        o = _outcome(s.decode_values, routes, fresh, loads_value, absent, 0, True)
+        outcomes.append(o if o[0] == "error" else _comparable(list(enumerate(o[1][0])), absent, 0))
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    if kind in ("big ids", "iterators"):
+        assert outcomes[0] == _comparable(list(enumerate(values)), None, 0)
+    else:
+        assert outcomes[0][0] == "error"
+        assert outcomes[0][1][0] is (KeyError if kind == "missing" else StopIteration)
+
+
+@settings(max_examples=100, deadline=None)
 @given(value=values_st, as_view=st.booleans(), damage=st.integers(-1, 40))
 def test_decoded_is_the_frames_decoder(value, as_view, damage):
     """One value's frame (a single get's): both sets give what ``loads_value`` gives,

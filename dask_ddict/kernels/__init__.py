@@ -100,6 +100,7 @@ if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
         taken_out,
         unpack_frames,
         unpack_records,
+        unpack_values,
     )
 else:
     globals().update({name: getattr(_impl, name) for name in pure.__all__})
@@ -141,4 +142,5 @@ __all__ = [
     "taken_out",
     "unpack_frames",
     "unpack_records",
+    "unpack_values",
 ]  # (pure.__all__, and what says which: tests/test_kernels.py)

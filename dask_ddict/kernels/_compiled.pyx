@@ -16,6 +16,8 @@ from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.list cimport PyList_Append, PyList_GET_SIZE
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from libc.string cimport memcmp, memcpy, memset
 from libc.errno cimport EAGAIN, EBADF, EINTR, errno
 
@@ -508,6 +510,62 @@ def unpack_frames(payload, Py_ssize_t small=0):
     return out
 
 
+def unpack_values(payload, list counts, Py_ssize_t small, object absent, object decode):
+    mv = memoryview(payload).cast("B")
+    cdef Py_buffer view
+    PyObject_GetBuffer(mv, &view, PyBUF_SIMPLE)
+    cdef const unsigned char* p = <const unsigned char*>view.buf
+    cdef Py_ssize_t size = view.len, start, off, i, n, k, total = 0
+    cdef int64_t ln
+    cdef bint waits = False
+    cdef list out
+    cdef object values  # (a Decoded: a list, not exactly one)
+    try:
+        if size < 4:
+            raise ValueError(f"a many-key reply of {size} bytes has no table")
+        n = _le32(p)
+        if 4 + 8 * n > size:
+            raise ValueError(f"a many-key reply of {size} bytes cannot hold {n} lengths")
+        start = 4 + 8 * n
+        start += (_ALIGN - start % _ALIGN) % _ALIGN
+        off = start
+        for i in range(n):  # (first the table, as unpack_frames checks it: nothing decoded)
+            ln = <int64_t>_le64(p + 4 + 8 * i)
+            if ln < 0:
+                waits = waits or ln != _ABSENT
+                continue
+            if off + ln > size:
+                raise ValueError(f"a many-key reply of {size} bytes ends inside a frame")
+            off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
+        for c in counts:
+            total += c
+        if total != n:
+            raise ValueError(f"a many-key reply has {n} frames for {total} keys")
+        if waits:
+            return None
+        out, off, i = [], start, 0
+        for c in counts:
+            values = Decoded()
+            for k in range(c):
+                ln = <int64_t>_le64(p + 4 + 8 * i)
+                i += 1
+                if ln < 0:
+                    PyList_Append(values, absent)
+                    continue
+                if ln < small:
+                    value = _small_at(p + off, <Py_ssize_t>ln)
+                    if value is NotImplemented:
+                        value = decode(PyBytes_FromStringAndSize(<char*>p + off, <Py_ssize_t>ln))
+                else:
+                    value = decode(mv[off : off + ln])
+                PyList_Append(values, value)
+                off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
+            out.append(values)
+        return out
+    finally:
+        PyBuffer_Release(&view)
+
+
 def decoded(frame, decode):
     cdef object value = _small(frame)
     return decode(frame) if value is NotImplemented else value
@@ -571,34 +629,100 @@ cdef inline object _value_of(object frame, bint decoded, object decode, object a
     return value
 
 
+cdef class _Turns:
+    """Each manager's answers in ``got``, taken in turn as the routes name their managers
+    (the walk of :func:`decode_frames` and :func:`decode_values`): a list's next item by
+    its index, and a manager's answers found through a table for the small ids every
+    layout uses (a dict lookup and an iterator step per key cost more than the key's
+    decoding).  Any other id is looked up as ``pure`` looks it up (``KeyError``), and an
+    answer that is not a list is iterated."""
+
+    cdef list answers  # (a list, or an iterator of a manager's answer, by slot)
+    cdef dict slots  # manager id -> slot
+    cdef Py_ssize_t table[256]  # (a small int id's slot, or -1)
+    cdef Py_ssize_t* pos  # (how far each list was taken)
+    cdef char* flags  # (bit 1: a list; bit 2: a Decoded answer, values already)
+
+    def __cinit__(self, dict got):
+        cdef Py_ssize_t n = len(got), s = 0
+        cdef long long m
+        cdef int overflow
+        self.pos = <Py_ssize_t*>PyMem_Calloc(n + 1, sizeof(Py_ssize_t))
+        self.flags = <char*>PyMem_Calloc(n + 1, 1)
+        if self.pos == NULL or self.flags == NULL:
+            raise MemoryError()
+        memset(self.table, 0xFF, sizeof(self.table))
+        self.answers, self.slots = [], {}
+        for mid, fs in got.items():
+            self.slots[mid] = s
+            if type(mid) is int:
+                m = PyLong_AsLongLongAndOverflow(mid, &overflow)
+                if not overflow and 0 <= m < 256:
+                    self.table[m] = s
+            if isinstance(fs, list):
+                self.answers.append(fs)
+                self.flags[s] = 1
+            else:
+                self.answers.append(iter(fs))
+            if type(fs) is Decoded:
+                self.flags[s] |= 2
+            s += 1
+
+    def __dealloc__(self):
+        PyMem_Free(self.pos)
+        PyMem_Free(self.flags)
+
+    cdef inline object take(self, object mid, bint* decoded):
+        """Manager ``mid``'s next answer (``decoded``: whether it is a value already)."""
+        cdef Py_ssize_t s = -1, at
+        cdef long long m
+        cdef int overflow
+        cdef list answer
+        if type(mid) is int:
+            m = PyLong_AsLongLongAndOverflow(mid, &overflow)
+            if not overflow and 0 <= m < 256:
+                s = self.table[m]
+        if s < 0:
+            got = self.slots.get(mid)
+            if got is None:
+                raise KeyError(mid)
+            s = <Py_ssize_t>got
+        decoded[0] = (self.flags[s] & 2) != 0
+        if not self.flags[s] & 1:
+            return next(self.answers[s])
+        answer = <list>self.answers[s]
+        at = self.pos[s]
+        if at >= PyList_GET_SIZE(answer):
+            raise StopIteration
+        self.pos[s] = at + 1
+        return answer[at]
+
+
 @cython.boundscheck(True)  # (a route that is not a pair: IndexError, as in pure)
 def decode_frames(list keys, list routes, dict got, object decode, object absent, object wait,
                   bint small):
-    cdef dict frames = {mid: iter(fs) for mid, fs in got.items()}
-    cdef set values = {mid for mid, fs in got.items() if type(fs) is Decoded}
+    cdef _Turns turns = _Turns(got)
     cdef list out = []
     cdef Py_ssize_t i, n = len(keys)
+    cdef bint decoded
     if len(routes) < n:
         n = len(routes)
     for i in range(n):
-        mid = routes[i][0]
-        value = _value_of(next(frames[mid]), values and mid in values, decode, absent, wait,
-                          small)
-        out.append((keys[i], value))
+        frame = turns.take(routes[i][0], &decoded)
+        out.append((keys[i], _value_of(frame, decoded, decode, absent, wait, small)))
     return out
 
 
 @cython.boundscheck(True)  # (a route that is not a pair: IndexError, as in pure)
 def decode_values(list routes, dict got, object decode, object absent, object wait, bint small):
-    cdef dict frames = {mid: iter(fs) for mid, fs in got.items()}
-    cdef set values = {mid for mid, fs in got.items() if type(fs) is Decoded}
+    cdef _Turns turns = _Turns(got)
     cdef Py_ssize_t i, n = len(routes)
     cdef list out = [None] * n
     cdef list marked = []
+    cdef bint decoded
     for i in range(n):
-        mid = routes[i][0]
-        value = _value_of(next(frames[mid]), values and mid in values, decode, absent, wait,
-                          small)
+        frame = turns.take(routes[i][0], &decoded)
+        value = _value_of(frame, decoded, decode, absent, wait, small)
         out[i] = value
         if value is absent or value is wait:
             marked.append(i)

@@ -280,6 +280,40 @@ def unpack_frames(payload: Any, small: int = 0) -> list[Any]:
     return out
 
 
+def unpack_values(
+    payload: Any, counts: list[int], small: int, absent: Any, decode: Callable[[Any], Any]
+) -> list[Decoded] | None:
+    """The values of a many-key reply, decoded where they were received: one
+    :class:`Decoded` per group of ``counts`` keys (a request's managers, in order),
+    ``absent`` for an absent key; ``None`` if a reader must wait for any (the caller then
+    takes the frames apart, :func:`unpack_frames`, and asks for those alone).
+
+    ``decode`` is the value frames' own decoder (a reader that gave its ``absent``
+    marker: see :class:`~dask_ddict.transport.many_key_ops.GetMany`); a frame under
+    ``small`` bytes is decoded from a copy (the compiled kernel decodes ``bytes`` and a
+    pickle without out-of-band buffers where the frame lies, as :func:`decode_frames`
+    does), a larger one from its view of ``payload``.  One pass instead of two
+    (:func:`unpack_frames`, then :func:`decode_values` frame by frame): a ``get_many``
+    over a socket, which decodes what it receives anyway.
+
+    Raises
+    ------
+    ValueError
+        The payload is shorter than its table says (:func:`unpack_frames`), or holds
+        another number of frames than ``counts`` adds up to.
+    """
+    frames = unpack_frames(payload, small)
+    if len(frames) != sum(counts):
+        raise ValueError(f"a many-key reply has {len(frames)} frames for {sum(counts)} keys")
+    if any(f is False for f in frames):
+        return None
+    out, at = [], 0
+    for n in counts:
+        out.append(Decoded(absent if f is None else decode(f) for f in frames[at : at + n]))
+        at += n
+    return out
+
+
 def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int) -> Entry | None:
     """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
     :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or
@@ -948,6 +982,7 @@ __all__ = [
     "digest_groups",
     "pack_frames",
     "unpack_frames",
+    "unpack_values",
     "lookup_entry",
     "lookup_frames",
     "lookup_values",

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._serialize import SMALL_FRAME, Framed
+from .._serialize import SMALL_FRAME, Framed, loads_value
 from ..errors import wire_error
 from ..kernels import (
     JOIN,
@@ -42,6 +42,7 @@ from ..kernels import (
     pack_records,
     unpack_frames,
     unpack_records,
+    unpack_values,
 )
 from .operation import Encoded, HostWide, Kind, Reply, Request
 from .protocol import FLAG_PERSIST, Op
@@ -60,8 +61,9 @@ class GetMany(HostWide):
     ``lend`` is a same-host reader's choice (see :class:`~.ops.Get`: ``None`` lends
     only a frozen shard's values), never sent; so is ``absent``: a reader that decodes
     with the value frames' own decoder and copies (``lend`` false) gives its marker of
-    an absent key, and a shard read on this host then answers values decoded in its
-    snapshot (:class:`~dask_ddict.kernels.Decoded`), a host frames.
+    an absent key, and its answer is then values (:class:`~dask_ddict.kernels.Decoded`),
+    decoded in the snapshot of a shard read on this host, or where a host's reply was
+    received (:func:`~dask_ddict.kernels.unpack_values`), instead of frames.
     """
 
     op = Op.GET_MANY
@@ -83,6 +85,11 @@ class GetMany(HostWide):
         )
 
     def result(self, ival: int, payload: Any) -> list[list[Any]]:
+        if self.absent is not None:  # (the values, unless a reader must wait for one)
+            counts = [len(d) for _, d in self.groups]
+            values = unpack_values(payload, counts, SMALL_FRAME, self.absent, loads_value)
+            if values is not None:
+                return values  # type: ignore[return-value]
         # (small frames as bytes, as a same-host reader copies them: shared.py)
         frames, out, at = unpack_frames(payload, 0 if self.lend else SMALL_FRAME), [], 0
         for _, d in self.groups:

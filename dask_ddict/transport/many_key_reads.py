@@ -37,7 +37,8 @@ def get_many(
 
     A frame is ``None`` for an absent key, ``False`` for one whose reader must wait.
     ``absent``: see :class:`~.many_key_ops.GetMany` (a shard read on this host may then
-    answer its values, decoded, as a :class:`~dask_ddict.kernels.Decoded` list).
+    answer its values, decoded, as a :class:`~dask_ddict.kernels.Decoded` list; so does
+    a host's answer, decoded where it is received).
     The first failure is raised once every host answered.  ``follows`` and ``since``:
     the moves followed so far, and since when the read waits for a primary (see
     :meth:`~.channels.Channels.settle`).
@@ -73,7 +74,7 @@ def _get_many(
     pending = []
     began = time.monotonic()  # (every host's time counts from here)
     for link, gs in remote.items():
-        op = GetMany(tuple(gs), chkpt, timeout, lend)
+        op = GetMany(tuple(gs), chkpt, timeout, lend, absent)
         try:
             answer = link.send(op, gs[0][0], began)
         except Exception as e:  # (connecting): raised with the answers
