@@ -327,7 +327,7 @@ cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest,
 
 
 cdef inline void _seek_key(unsigned char* seek, const unsigned char* digest,
-                           int64_t chkpt) noexcept:
+                           uint64_t chkpt) noexcept:
     """``seek`` (24 bytes): the data key of ``digest`` at ``chkpt``, the digest then
     ``MAXQ - chkpt`` big-endian (:func:`~dask_ddict._entry.data_key`): the first key at or
     after it with the digest is the newest version ``chkpt`` sees."""
