@@ -9,6 +9,7 @@ says which a process runs.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from typing import Any
@@ -40,7 +41,7 @@ def extensions() -> list[Any]:
         return []
     source = KERNELS.replace(".", "/") + ".pyx"
     here = os.path.dirname(source)
-    included = [os.path.join(here, name) for name in ("lmdb_engine.pxi", "plain_server.pxi")]
+    included = sorted(glob.glob(os.path.join(here, "*.pxi")))  # (its includes)
     kernels = Extension(KERNELS, [source], depends=included, extra_compile_args=["-O2"])
     return cythonize([kernels], quiet=True)
 

@@ -66,6 +66,8 @@ def test_the_compiled_set_is_built_and_chosen():
         "GROUP",
         "JOIN",
         "KeyTooLong",
+        "LaneWire",
+        "NO_KEY",
         "PlainRequests",
         "QUIET",
         "Record",
@@ -452,6 +454,7 @@ def _entry_outcome(f: Any, *args: Any) -> tuple[str, Any]:
     buffers=st.booleans(),
     raw=st.lists(st.tuples(st.binary(max_size=30), st.binary(max_size=30)), max_size=3),
 )
+@example(versions=[], asked=bytes(16), chkpt=(1 << 64) - 1, buffers=False, raw=[])  # (MAXQ)
 def test_lookup_entry_is_the_same_on_a_real_lmdb(
     tmp_path_factory, versions, asked, chkpt, buffers, raw
 ):
@@ -687,10 +690,8 @@ def test_unpack_values_decodes_what_unpack_frames_and_decode_frames_give(
     at, groups = 0, []
     for n in counts:
         routes = [(0, DIGESTS[0])] * n
-        w = _outcome(
-            pure.decode_frames, list(range(n)), routes, {0: want[at : at + n]},
-            loads_value, absent, 0, False,
-        )  # fmt: skip
+        got = {0: want[at : at + n]}
+        w = _outcome(pure.decode_frames, list(range(n)), routes, got, loads_value, absent, 0, False)
         if w[0] == "error":
             assert outcomes[0][0] == "error" and outcomes[0][1][0] is w[1][0], (outcomes, w)
             return

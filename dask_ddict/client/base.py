@@ -35,7 +35,13 @@ from .core import HandleCore
 
 
 class HandleBase(ABC):
-    """The handle's state, its key routing and its checks: the base of every part."""
+    """The handle's state, its key routing and its checks: the base of every part.
+
+    The process's key lane (:mod:`.lane`) reads this state as declared here (and the
+    core's ``closed``, ``_channels`` and ``_room``) on every ``d[k]``, ``get``, ``in``
+    and put, and keeps none of it: a handle whose state changes is served by what it
+    is at the call.
+    """
 
     _core: HandleCore  # what derived handles share: layout, channels, closed state
     _creator: bool  # this handle created the dictionary (it should destroy it)

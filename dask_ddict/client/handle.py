@@ -64,6 +64,7 @@ from .creation import (
     trace_logging,
 )
 from .introspection import Introspection
+from .lane import LANE
 from .layouts import LayoutRef, forget, layout_reply
 from .mapping import MappingMethods
 from .placement import Placement
@@ -419,11 +420,13 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
             batch.refused(e)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._put(key, value, False)
+        if LANE.put(self, key, value, False) is NotImplemented:  # (lane.py)
+            self._put(key, value, False)
 
     def pput(self, key: Any, value: Any) -> None:
         """Persistent put: survives retirement under ``wait_for_keys``."""
-        self._put(key, value, True)
+        if LANE.put(self, key, value, True) is NotImplemented:
+            self._put(key, value, True)
 
     def _get_range(self, key: Any, start: int, stop: int) -> tuple[int, Any]:
         """``(size, value[start:stop])`` of ``key``'s raw-bytes value, sliced where it
@@ -436,6 +439,9 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
         )
 
     def __contains__(self, key: Any) -> bool:
+        got = LANE.contains(self, key)  # (lane.py)
+        if got is not NotImplemented:
+            return bool(got)
         mid, digest, _ = self._route(key)
         return self._core.channel(mid).call(Contains(digest, self._chkpt))
 

@@ -19,9 +19,11 @@ from .. import kernels
 from .._serialize import loads_value
 from ..arguments import check_bool, check_keys
 from ..errors import DDictKeyError, DDictTimeoutError
+from ..kernels import NO_KEY
 from ..transport.ops import Get
 from .base import HandleBase
 from .core import MISSING
+from .lane import LANE
 
 _MISSING = MISSING
 #: What :meth:`Reads._many` gives for an absent key, and for one whose reader must wait.
@@ -33,7 +35,12 @@ class Reads(HandleBase):
     """``d[k]``, :meth:`get` and :meth:`get_many` of a handle."""
 
     def __getitem__(self, key: Any) -> Any:
-        return self._get(key, None)
+        got = LANE.get(self, key)  # (the common case over TCP in one call: lane.py)
+        if got is NotImplemented:
+            return self._get(key, None)
+        if got is NO_KEY:
+            raise DDictKeyError(key)
+        return got
 
     def _get(self, key: Any, lend: bool | None) -> Any:
         mid, digest, _ = self._route(key)
@@ -68,10 +75,14 @@ class Reads(HandleBase):
         ``d[key]``): zero-copy only when the dictionary is frozen, as in Dragon.
         Over TCP the received buffer is the value's either way.
         """
-        try:
-            return self._get(key, None if copy is None else not check_bool("copy", copy))
-        except DDictKeyError:
-            return default
+        lend = None if copy is None else not check_bool("copy", copy)
+        got = LANE.get(self, key)  # (over TCP the received buffer is the value's either way)
+        if got is NotImplemented:
+            try:
+                return self._get(key, lend)
+            except DDictKeyError:
+                return default
+        return default if got is NO_KEY else got
 
     def get_many(
         self, keys: Iterable[Any], default: Any = _MISSING, copy: bool | None = True

@@ -21,6 +21,7 @@ gives every process of a cluster the pure set), else the pure one.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import warnings
@@ -33,10 +34,12 @@ from .pure import (
     BATCH_RECORD,
     GROUP,
     JOIN,
+    NO_KEY,
     QUIET,
     REPLY,
     REQUEST,
     KeyTooLong,
+    LaneWire,
     PlainRequests,
     Record,
     group_table,
@@ -55,10 +58,7 @@ def _choose() -> tuple[ModuleType, bool]:
         return pure, False
     here = os.path.dirname(__file__)
     built = getattr(_compiled, "__file__", None)
-    sources = [
-        os.path.join(here, name)
-        for name in ("_compiled.pyx", "lmdb_engine.pxi", "plain_server.pxi")
-    ]
+    sources = [os.path.join(here, "_compiled.pyx"), *glob.glob(os.path.join(here, "*.pxi"))]
     newest = max(((os.stat(p).st_mtime, p) for p in sources if os.path.exists(p)), default=None)
     if built and newest is not None and newest[0] > os.stat(built).st_mtime:
         source = newest[1]
@@ -76,6 +76,7 @@ _impl, COMPILED = _choose()
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
         Decoded,
+        KeyLane,
         PlainServer,
         Router,
         decode_frames,
@@ -114,7 +115,10 @@ __all__ = [
     "REPLY",
     "REQUEST",
     "Decoded",
+    "KeyLane",
     "KeyTooLong",
+    "LaneWire",
+    "NO_KEY",
     "PlainRequests",
     "group_table",
     "PlainServer",

@@ -30,8 +30,8 @@ from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
-from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, PADS, QUIET,
-                   REPLY, REQUEST, WAIT, Decoded, KeyTooLong)
+from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, NO_KEY,
+                   PADS, QUIET, REPLY, REQUEST, WAIT, Decoded, KeyTooLong)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
@@ -908,6 +908,10 @@ cdef int _QUIET = QUIET
 
 
 def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t small):
+    return _receive_reply(sock, buf, got, wait, small)
+
+
+cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t small):
     cdef int fd
     cdef int ms = -1
     cdef int flags = 0
@@ -1080,3 +1084,4 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
 
 include "lmdb_engine.pxi"
 include "plain_server.pxi"
+include "key_lane.pxi"

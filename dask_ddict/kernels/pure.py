@@ -19,7 +19,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
@@ -744,6 +744,199 @@ def receive_reply(
         got += n
 
 
+class LaneWire(NamedTuple):
+    """What a :class:`KeyLane` sends and reads, as the transport declares it: the codes of
+    ``get``, ``in`` and ``put``, the flag of a persistent put, the status of an absent key,
+    the largest request it sends (one piece: a connection's buffer holds it), and the
+    smallest reply payload received into a buffer of its own (``receive_reply``'s
+    ``small``)."""
+
+    get: int
+    contains: int
+    put: int
+    persist: int
+    missing_status: int
+    most: int
+    small: int
+
+
+class _NoKey:
+    """:data:`NO_KEY`'s type (a name in a traceback, not ``<object ...>``)."""
+
+    def __repr__(self) -> str:
+        return "NO_KEY"
+
+
+#: What :meth:`KeyLane.get` answers for a key that is not there (its caller raises
+#: ``DDictKeyError(key)``, as its Python path does).
+NO_KEY: Any = _NoKey()
+
+
+class KeyLane:
+    """A handle's ``d[key]``, ``key in d`` and ``d[key] = value`` over a TCP link, each in
+    one call: the common case of the handle's Python path (routing the key, the manager's
+    channel, the operation, its link's quick exchange, the reply's result), which is the
+    reference of everything here.
+
+    The common case: a handle open and attached whose core has a TCP link's channel
+    (``tcp``: a handle on the managers' host is never asked for more), not in a batch,
+    without a timeout or a value pickler, routed before (``_routed``), whose key routes (a key too long, or
+    whose routing fails otherwise, is the Python path's to say); a manager whose channel
+    exists and is a plain TCP link's (not TLS, not on this host, no timings on) with an
+    idle connection in the process's pool (waits nowhere: none is connected here); a
+    request that fits one send, and a put's value that fits a shard.  It sends what the
+    operation's ``encode`` and the link's ``_quick`` send (the manager's term as the link
+    knows it, no request id) and answers an OK reply: the value, whether the key is seen,
+    ``None`` for a put; and :data:`NO_KEY` for a get's absent key.  Anything else answers
+    ``NotImplemented``: before anything was sent, or after a reply that is not OK (a
+    moved or leased manager, a full shard, ...: the host applied nothing), or a broken
+    connection (closed as the link closes one); the caller then takes its Python path,
+    which sends the request again (a read, or a put: the same request has the same
+    effect) and follows, waits or raises as it says.
+
+    Nothing is kept: each call reads the handle, its core and the link as they are
+    (``HandleBase`` declares what it reads), so the lane is one per process, holding
+    only what the transport injects: the wire's codes (:class:`LaneWire`), the channel
+    class of a link's manager, the connection pool (its lock taken without waiting: a
+    busy one is the Python path's), the timings' switch, and the buffer a large value is
+    received into.
+    """
+
+    def __init__(
+        self,
+        wire: LaneWire,
+        channel: type,
+        pool: Any,
+        timing: Any,
+        buffer: Callable[[int], Any],
+        decode: Callable[[Any], Any],
+    ) -> None:
+        self.wire, self.channel, self.pool, self.timing = wire, channel, pool, timing
+        self.buffer, self.decode = buffer, decode
+
+    def __repr__(self) -> str:
+        return f"<KeyLane most={self.wire.most}>"
+
+    def get(self, h: Any, key: Any) -> Any:
+        """``h[key]``'s value, :data:`NO_KEY`, or ``NotImplemented``."""
+        got = self._read(h, key, self.wire.get)
+        if got is None:
+            return NotImplemented
+        status, _, payload = got
+        if status == 0:
+            return decoded(payload, self.decode)
+        return NO_KEY if status == self.wire.missing_status else NotImplemented
+
+    def contains(self, h: Any, key: Any) -> Any:
+        """``key in h``, or ``NotImplemented``."""
+        got = self._read(h, key, self.wire.contains)
+        if got is None or got[0] != 0:
+            return NotImplemented
+        return bool(got[1])
+
+    def _read(self, h: Any, key: Any, op: int) -> tuple[int, int, Any] | None:
+        """:meth:`_exchange` of a read of ``key`` (``None``: not the lane's)."""
+        routed = self._routed(h)
+        if routed is None:
+            return None
+        try:
+            mid, digest, _ = routed[0].one(key)
+        except KeyTooLong:  # (the Python path says why)
+            return None
+        return self._exchange(h, mid, op, 0, digest, (), 0, 0)
+
+    def put(self, h: Any, key: Any, value: Any, persistent: bool) -> Any:
+        """``h[key] = value`` (``None`` once acknowledged), or ``NotImplemented``."""
+        routed = self._routed(h)
+        if routed is None or h._batch is not None:
+            return NotImplemented
+        router, dumps = routed
+        try:
+            mid, digest, kb, framed = router.record(key, value, dumps)
+        except KeyTooLong:
+            return NotImplemented
+        room = h._core._room  # (None: not known yet; a value too large: the Python path's)
+        if room is None or framed.nbytes + len(kb) > room:
+            return NotImplemented
+        flags = self.wire.persist if persistent else 0
+        parts = tuple(framed.parts)
+        got = self._exchange(
+            h, mid, self.wire.put, flags, digest + kb, parts, framed.nbytes, h._client_id
+        )
+        return None if got is not None and got[0] == 0 else NotImplemented
+
+    @staticmethod
+    def _routed(h: Any) -> Any:
+        """The handle's router and framer, if it is one the lane serves now."""
+        core = h._core
+        if not core.tcp or core.closed or h._detached or h._vp is not None:
+            return None
+        return None if h._timeout is not None else h._routed
+
+    def _exchange(
+        self,
+        h: Any,
+        mid: int,
+        op: int,
+        flags: int,
+        keysec: bytes,
+        parts: tuple[Any, ...],
+        vlen: int,
+        client: int,
+    ) -> tuple[int, int, Any] | None:
+        """``(status, ival, payload)`` of one request to manager ``mid`` (the handle's own,
+        or its target) on an idle connection of its link, or ``None``: not for the lane,
+        nothing sent; or sent and the connection broke (closed here)."""
+        if h._target is not None:
+            mid = h._target
+        ch = h._core._channels.get(mid)
+        if type(ch) is not self.channel or self.timing.on:
+            return None
+        link = cast(Any, ch).link
+        if link.kind != "tcp" or REQUEST.size + len(keysec) + vlen > self.wire.most:
+            return None
+        if vlen > link._max_value:
+            return None
+        pool = self.pool
+        if not pool.lock.acquire(False):
+            return None
+        try:
+            conn = link.idle.pop() if link.idle else None
+            if conn is not None:
+                del pool.idle[conn]
+        finally:
+            pool.lock.release()
+        if conn is None:
+            return None
+        reader = conn.reader
+        if conn.timeout is not None or reader.buffered():
+            pool.give(link, conn)
+            return None
+        conn.deadline = conn.check = None  # (BoundedConnection.begin(None, None))
+        term = link.terms.get(mid, 0)
+        head = REQUEST.pack(
+            op, flags, term, len(keysec), mid, 0, h._chkpt, 0, client, -1.0, vlen, 0
+        )
+        try:
+            sock = conn.sock
+            sock.sendall(b"".join((head, keysec, *parts)))
+            status, ival, plen, payload, got = receive_reply(
+                sock, reader.emptied(), 0, None, self.wire.small
+            )
+            if payload is None:  # (a large value: into a buffer of its own)
+                reader.received(REPLY.size, got)
+                payload = self.buffer(plen)
+                reader.read_into(payload)
+        except OSError:  # (ssl's errors are OSErrors too: no TLS here anyway)
+            link._broken(conn)
+            return None
+        except BaseException:
+            link.forget(conn)
+            raise
+        pool.give(link, conn)
+        return status, ival, payload
+
+
 class PlainRequests(NamedTuple):
     """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
     ``in``, ``put`` and ``get_many`` and the flag a put may carry (``persist``: under no
@@ -996,6 +1189,7 @@ __all__ = [
     "pack_records",
     "unpack_records",
     "receive_reply",
+    "KeyLane",
     "receive_nowait",
     "take_request",
     "send_reply",

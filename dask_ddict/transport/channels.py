@@ -113,6 +113,9 @@ class Channels:
         self._layout = layout  # None: resolved on first use (see _resolve)
         self.closed = False
         self._channels: dict[int, Any] = {}
+        #: Whether any channel made here is a TCP link's (the key lane's case: it looks
+        #: no further where none is, see ``client/lane.py``).
+        self.tcp = False
         #: Each manager's term as its requests carry it (shared with every link, updated
         #: in place when a layout is adopted; filled on first use, see :meth:`_link`).
         self._terms: dict[int, int] = {}
@@ -367,6 +370,7 @@ class Channels:
                 )
             except Exception as e:  # e.g. no permission: reads go over the socket
                 logger.info("ddict: direct reads of %s unavailable: %r", info.store_path, e)
+        self.tcp = self.tcp or link.kind == "tcp"
         return sock
 
     def routes(self, mids: list[int]) -> list[tuple[HostLink, list[int]]]:

@@ -1,0 +1,229 @@
+# A handle's single-key operations over a TCP link, each in one call (``pure.KeyLane``).
+#
+# Included by _compiled.pyx.  ``pure.KeyLane`` states the rules: the lane serves the
+# common case of the handle's Python path (an open handle, a plain TCP link with an idle
+# connection, a request that fits one send) and answers ``NotImplemented`` for anything
+# else, before anything was sent, or after a reply that is not OK, or a broken
+# connection; the caller's Python path then sends the request again and says what
+# happened.  Here the whole exchange runs without a Python frame: the route (``Router``),
+# the manager's channel and link, the pool's lock taken without waiting, the request
+# written into the connection's receive buffer (empty while it is idle) and sent, and
+# the reply received there with the interpreter lock released (``_receive_reply``).
+
+cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
+
+
+cdef inline bint _small_int(object v, long long most, long long* out):
+    """Whether ``v`` is an ``int`` in ``[0, most]`` (put in ``out``): what the request
+    header's field takes here (anything else, the Python path packs or refuses)."""
+    cdef int overflow
+    if type(v) is not int:
+        return False
+    out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
+    return overflow == 0 and 0 <= out[0] <= most
+
+
+cdef class KeyLane:
+    cdef readonly object wire
+    cdef object channel, pool, timing, buffer, decode
+    cdef object _acquire, _release, _idle
+    cdef int op_get, op_contains, op_put, persist, missing
+    cdef Py_ssize_t most, small
+
+    def __init__(self, wire, channel, pool, timing, buffer, decode):
+        self.wire = wire
+        self.op_get, self.op_contains, self.op_put = wire.get, wire.contains, wire.put
+        self.persist, self.missing = wire.persist, wire.missing_status
+        self.most, self.small = wire.most, wire.small
+        self.channel, self.pool, self.timing = channel, pool, timing
+        self.buffer, self.decode = buffer, decode
+        self._acquire, self._release = pool.lock.acquire, pool.lock.release
+        self._idle = pool.idle  # (the pool's own table of idle connections: never replaced)
+
+    def __repr__(self):
+        return f"<KeyLane most={self.most}>"
+
+    def get(self, h, key):
+        cdef object got = self._read(h, key, self.op_get)
+        if got is None:
+            return NotImplemented
+        status = (<tuple>got)[0]
+        if status == 0:
+            value = _small((<tuple>got)[2])
+            return self.decode((<tuple>got)[2]) if value is NotImplemented else value
+        return NO_KEY if status == self.missing else NotImplemented
+
+    def contains(self, h, key):
+        cdef object got = self._read(h, key, self.op_contains)
+        if got is None or (<tuple>got)[0] != 0:
+            return NotImplemented
+        return bool((<tuple>got)[1])
+
+    cdef object _read(self, h, key, int op):
+        """``_exchange`` of a read of ``key`` (``None``: not the lane's)."""
+        cdef tuple route
+        cdef object routed = self._routed(h)
+        if routed is None:
+            return None
+        try:
+            route = (<Router>routed).one(key)
+        except KeyTooLong:  # (the Python path says why)
+            return None
+        return self._exchange(h, route[0], op, 0, route[1], None, 0, 0)
+
+    def put(self, h, key, value, bint persistent):
+        cdef tuple got, rec
+        cdef object routed = self._routed(h)
+        if routed is None or h._batch is not None:
+            return NotImplemented
+        try:
+            rec = (<Router>routed).record(key, value, h._routed[1])
+        except KeyTooLong:
+            return NotImplemented
+        framed, kb = rec[3], rec[2]
+        room = h._core._room  # (None: not known yet; a value too large: the Python path's)
+        if room is None or type(framed) is not Framed or framed.nbytes + len(kb) > room:
+            return NotImplemented
+        got = self._exchange(h, rec[0], self.op_put, self.persist if persistent else 0,
+                             rec[1] + kb, framed.parts, framed.nbytes, h._client_id)
+        return None if got is not None and got[0] == 0 else NotImplemented
+
+    cdef object _routed(self, h):
+        """The handle's router, if it is one the lane serves now (else ``None``)."""
+        core = h._core
+        if not core.tcp or core.closed or h._detached or h._vp is not None:
+            return None
+        if h._timeout is not None:
+            return None
+        routed = h._routed
+        if type(routed) is not tuple or type((<tuple>routed)[0]) is not Router:
+            return None
+        return (<tuple>routed)[0]
+
+    cdef object _take(self, link):
+        """One of ``link``'s idle connections, as ``IdlePool.take`` takes it (``None``:
+        none idle, or the pool's lock busy)."""
+        if not self._acquire(False):
+            return None
+        try:
+            idle = link.idle
+            if not idle:
+                return None
+            conn = idle.pop()
+            del self._idle[conn]
+        finally:
+            self._release()
+        return conn
+
+    cdef int _give(self, link, conn) except -1:
+        """``conn`` back to the pool, as ``IdlePool.give`` gives it (which does it, past
+        the pool's bound or a closed link, or with its lock busy)."""
+        conn.check = None
+        if self._acquire(False):
+            try:
+                if not link.closed and len(self._idle) < self.pool.most:
+                    link.idle.append(conn)
+                    self._idle[conn] = link
+                    return 0
+            finally:
+                self._release()
+        self.pool.give(link, conn)
+        return 0
+
+    cdef object _exchange(self, h, object mid, int op, int flags, bytes keysec, object parts,
+                          object vlen_, object client):
+        """``(status, ival, payload)`` of one request, or ``None`` (``pure.KeyLane``)."""
+        cdef long long m, term, chkpt, cid, vlen
+        cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at, sent = 0
+        cdef bytearray buf
+        cdef unsigned char* p
+        cdef Py_buffer view
+        cdef ssize_t n
+        cdef int fd, err = 0
+        if not _LITTLE:  # (the header is written in place, as take_request reads it)
+            return None
+        target = h._target
+        if target is not None:
+            mid = target
+        core = h._core
+        ch = (<dict>core._channels).get(mid)
+        if type(ch) is not self.channel or self.timing.on:
+            return None
+        link = ch.link
+        if link.kind != "tcp":
+            return None
+        if not (_small_int(mid, 0xFFFFFFFF, &m) and _small_int(vlen_, self.most, &vlen)
+                and _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt)
+                and _small_int(client, 0x7FFFFFFFFFFFFFFF, &cid)):
+            return None
+        total = _REQUEST + klen + <Py_ssize_t>vlen
+        if total > self.most or not (vlen <= link._max_value):
+            return None
+        if not _small_int(link.terms.get(mid, 0), 0xFFFF, &term):
+            return None
+        conn = self._take(link)
+        if conn is None:
+            return None
+        reader = conn.reader
+        buf = reader._buf
+        if (conn.timeout is not None or reader._pos != reader._end
+                or PyByteArray_GET_SIZE(buf) < total):
+            self._give(link, conn)
+            return None
+        conn.deadline = None  # (BoundedConnection.begin(None, None))
+        conn.check = None
+        p = <unsigned char*>PyByteArray_AS_STRING(buf)
+        memset(p, 0, _REQUEST)
+        p[0], p[1] = <unsigned char>op, <unsigned char>flags
+        p[2], p[3] = <unsigned char>(term & 0xFF), <unsigned char>(term >> 8)
+        _put_le32(<char*>p + 4, <uint32_t>klen)
+        _put_le32(<char*>p + 8, <uint32_t>m)
+        _put_le64(p + 16, <uint64_t>chkpt)
+        _put_le64(p + 32, <uint64_t>cid)
+        memcpy(p + 40, &_NO_TIMEOUT, 8)
+        _put_le64(p + 48, <uint64_t>vlen)
+        memcpy(p + _REQUEST, PyBytes_AS_STRING(keysec), klen)
+        at = _REQUEST + klen
+        if parts is not None:
+            for part in parts:
+                PyObject_GetBuffer(part, &view, PyBUF_SIMPLE)
+                try:
+                    if view.len > total - at:
+                        at = -1
+                        break
+                    memcpy(p + at, view.buf, view.len)
+                    at += view.len
+                finally:
+                    PyBuffer_Release(&view)
+        if at != total:  # (parts that do not add up to the value's length: not for here)
+            self._give(link, conn)
+            return None
+        try:
+            sock = conn.sock
+            while sent < total:
+                fd = sock.fileno()
+                if fd < 0:
+                    raise OSError(EBADF, os.strerror(EBADF))
+                with nogil:
+                    n = send(fd, p + sent, <size_t>(total - sent), 0)
+                    if n < 0:
+                        err = errno
+                if n >= 0:
+                    sent += n
+                elif err == EINTR:
+                    PyErr_CheckSignals()
+                else:
+                    raise OSError(err, os.strerror(err))
+            status, ival, plen, payload, got = _receive_reply(sock, buf, 0, None, self.small)
+            if payload is None:  # (a large value: into a buffer of its own)
+                reader.received(_REPLY, got)
+                payload = self.buffer(plen)
+                reader.read_into(payload)
+        except OSError:
+            link._broken(conn)
+            return None
+        except BaseException:
+            link.forget(conn)
+            raise
+        self._give(link, conn)
+        return status, ival, payload

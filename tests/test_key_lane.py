@@ -1,0 +1,343 @@
+"""A handle's single-key operations over TCP in one call (``kernels.KeyLane``) answer as
+its Python path.
+
+The lane serves ``d[key]``, ``d.get``, ``key in d`` and ``d[key] = value`` of an open
+handle over a plain TCP link with an idle connection, and answers ``NotImplemented`` for
+anything else, before sending or after a reply that is not OK or a broken connection;
+the handle's Python path is the reference.  Here the compiled lane, the pure lane and
+the Python path run side by side against one dictionary of a real cluster, a model of
+it says what each answer must be, and every way the lane declines is checked to leave
+the answer to the Python path with nothing sent twice that could matter; a host killed
+under writers over the lane loses no acknowledged write.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from dask_ddict import DDict, DDictClosedError, DDictKeyError, kernels
+from dask_ddict.client.lane import LANE, wired
+from dask_ddict.kernels import NO_KEY, pure
+from dask_ddict.transport import timing
+from dask_ddict.transport.idle_pool import IDLE_POOL
+from dask_ddict.transport.ops import Contains
+from tests.support.cluster import local_cluster
+from tests.support.handles import over_tcp
+from tests.support.polling import poll_for
+
+try:
+    from dask_ddict.kernels import _compiled
+except ImportError:  # (a machine without a compiler: test_kernels says so)
+    _compiled = None
+
+#: The lanes compared with the Python path (``None``).
+LANES: list[Any] = [None, wired(pure.KeyLane)] + (
+    [] if _compiled is None else [wired(_compiled.KeyLane)]
+)
+#: Those that serve this process's handles (the compiled lane takes only the compiled
+#: router's routes: under ``DASK_DDICT__COMPILED=false`` it declines every call).
+SERVING = [lane for lane in LANES[1:] if type(lane) is pure.KeyLane or kernels.COMPILED]
+KEYS = ["a", "b", 7, ("t", 1), b"raw", 3.5]
+ABSENT = "<absent>"
+
+values_st = st.one_of(
+    st.integers(),
+    st.text(max_size=20),
+    st.binary(max_size=200),
+    st.none(),
+    st.integers(0, 40).map(np.arange),
+    st.sampled_from([4000, 5000, 60_000, 70_000]).map(b"v".__mul__),  # (around the limits)
+)
+
+
+def _get(lane: Any, h: DDict, key: Any) -> Any:
+    """``h[key]`` through ``lane`` (``None``: the Python path), or :data:`ABSENT`."""
+    got = NotImplemented if lane is None else lane.get(h, key)
+    if got is NotImplemented:
+        try:
+            return h._get(key, None)
+        except DDictKeyError:
+            return ABSENT
+    return ABSENT if got is NO_KEY else got
+
+
+def _contains(lane: Any, h: DDict, key: Any) -> bool:
+    got = NotImplemented if lane is None else lane.contains(h, key)
+    if got is NotImplemented:
+        mid, digest, _ = h._route(key)
+        return h._core.channel(mid).call(Contains(digest, h._chkpt))
+    return got
+
+
+def _put(lane: Any, h: DDict, key: Any, value: Any, persistent: bool) -> None:
+    if lane is None or lane.put(h, key, value, persistent) is NotImplemented:
+        h._put(key, value, persistent)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and (a == b).all()
+    return type(a) is type(b) and a == b
+
+
+@pytest.fixture
+def tcp(client: Client) -> Any:
+    d = DDict(total_mem="64 MiB", client=client)
+    h = over_tcp(d)
+    try:
+        yield h
+    finally:
+        d.destroy()
+
+
+def test_the_lanes_answer_as_the_python_path(tcp):
+    """A history of gets, ``in``s, puts and persistent puts (values of every kind, some
+    past what one send carries), each by one of the three paths, and every read by all
+    three, answered as the model says; the lanes really served most of them."""
+    h = tcp
+    h[KEYS[0]] = 0  # (routed, the room known, connections in the pool: the lanes' case)
+    served = {id(lane): 0 for lane in LANES if lane is not None}
+
+    class History(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            h.clear()
+            self.model: dict[Any, Any] = {}
+
+        @rule(
+            key=st.sampled_from(KEYS),
+            value=values_st,
+            by=st.sampled_from(range(len(LANES))),
+            persistent=st.booleans(),
+        )
+        def put(self, key: Any, value: Any, by: int, persistent: bool) -> None:
+            lane = LANES[by]
+            if lane is not None and lane.put(h, key, value, persistent) is not NotImplemented:
+                served[id(lane)] += 1
+            else:
+                _put(None, h, key, value, persistent)
+            self.model[key] = value
+
+        @rule(key=st.sampled_from(KEYS))
+        def get(self, key: Any) -> None:
+            want = self.model.get(key, ABSENT)
+            for lane in LANES:
+                if lane is not None and lane.get(h, key) is not NotImplemented:
+                    served[id(lane)] += 1
+                got = _get(lane, h, key)
+                assert _same(got, want), (lane, key, got, want)
+                assert _contains(lane, h, key) is (key in self.model)
+
+        @rule(key=st.sampled_from(KEYS))
+        def handle(self, key: Any) -> None:  # (the handle's own methods: the process's lane)
+            want = self.model.get(key, ABSENT)
+            assert _same(h.get(key, ABSENT), want)
+            assert (key in h) is (key in self.model)
+            if want is ABSENT:
+                with pytest.raises(DDictKeyError):
+                    h[key]
+            else:
+                assert _same(h[key], want)
+
+        @invariant()
+        def same_length(self) -> None:
+            assert len(h) == len(self.model)
+
+    run_state_machine_as_test(
+        History, settings=settings(max_examples=25, stateful_step_count=30, deadline=None)
+    )
+    assert all(served[id(lane)] > 20 for lane in SERVING), served
+
+
+def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_is_not(client, tcp):
+    d = DDict.attach(tcp.serialize())  # (on the managers' host: the shard read directly)
+    try:
+        for h in (tcp, d):
+            h["gone"] = h["k"] = b"v"  # (routed, the room known, both links connected)
+            del h["gone"]
+        for lane in SERVING:
+            assert lane.put(tcp, "k", b"w", False) is None
+            assert lane.get(tcp, "k") == b"w" and lane.contains(tcp, "k") is True
+            assert lane.get(tcp, "gone") is NO_KEY and lane.contains(tcp, "gone") is False
+            for call in _calls(lane, d):
+                assert call() is NotImplemented
+    finally:
+        d.detach()
+
+
+def _calls(lane: Any, h: DDict, key: Any = "k", value: Any = b"x") -> list[Callable[[], Any]]:
+    return [
+        lambda: lane.get(h, key),
+        lambda: lane.contains(h, key),
+        lambda: lane.put(h, key, value, False),
+    ]
+
+
+def test_the_lanes_leave_every_other_case_to_the_python_path(client, tcp):
+    """Each thing the lane does not serve answers ``NotImplemented`` (nothing sent), and
+    the handle's own methods then do what the Python path does."""
+    h = tcp
+    h["k"] = b"v"
+    cases: dict[str, tuple[DDict, Callable[[], Any]]] = {}
+
+    def case(name: str, handle: DDict, undo: Callable[[], Any] = lambda: None) -> None:
+        cases[name] = (handle, undo)
+
+    fresh = over_tcp(h)  # (not routed yet: its first operation routes it)
+    case("not routed", fresh)
+    timed = DDict.attach(h.serialize(), timeout=30)
+    with dask.config.set({"ddict.local-transport": False}):
+        timed._core.channel(0), timed._core.channel(1)
+    timed["k"] = b"v"
+    case("a timeout", timed)
+    pickled = h.pickler(value_pickler=_ValuePickler())
+    case("a value pickler", pickled)
+    for lane in LANES[1:]:
+        for name, (handle, _) in cases.items():
+            for call in _calls(lane, handle):
+                assert call() is NotImplemented, (lane, name)
+        h.start_batch_put()
+        try:
+            assert lane.put(h, "k", b"x", False) is NotImplemented  # (a batch's own)
+        finally:
+            h.end_batch_put()
+        assert lane.put(h, "big", b"x" * (70 << 10), False) is NotImplemented  # (two sends)
+        timing.reset(True)
+        try:
+            for call in _calls(lane, h):
+                assert call() is NotImplemented  # (a timed channel: the Python path's)
+        finally:
+            timing.reset(False)
+        with IDLE_POOL.lock:  # (a pool busy elsewhere: never waited for here)
+            for call in _calls(lane, h):
+                assert call() is NotImplemented
+    h["big"] = b"x" * (70 << 10)  # (the Python path's: in parts)
+    assert h["k"] == b"v" and h["big"] == b"x" * (70 << 10)
+    assert fresh["k"] == b"v" and timed["k"] == b"v" and pickled.get("nope", 1) == 1
+    with pytest.raises(ValueError, match="keys may have at most"):
+        h["x" * (h._core.max_key_bytes + 1)]  # (a key too long: the Python path says why)
+    for other in (fresh, timed):
+        other.detach()
+        with pytest.raises(DDictClosedError):
+            other["k"]
+    pickled.detach()
+
+
+class _ValuePickler:
+    """A value pickler (``d.pickler(value_pickler=...)``): the lane leaves its handle's
+    values to the Python path, which frames them with it."""
+
+    @staticmethod
+    def dump(value: Any, file: Any) -> None:
+        pickle.dump(value, file)
+
+    @staticmethod
+    def load(file: Any) -> Any:
+        return pickle.load(file)
+
+
+def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):
+    """Threads on both managers' links through the lane, with fewer kept connections than
+    threads: every connection given back is either in the pool and its link's idle list
+    (both, or neither) or closed, and the pool never holds more than its bound."""
+    keys = [("p", i) for i in range(40)]
+    tcp.update({k: i for i, k in enumerate(keys)})
+    errors: list[BaseException] = []
+    old = IDLE_POOL.most
+    with dask.config.set({"ddict.transport.kept-connections": 2}):
+        h = over_tcp(tcp)  # (links of its own, which keep the pool at 2)
+    try:
+        h[keys[0]], h[keys[1]]  # (routed and connected)
+        links = {h._core.channel(m).link for m in range(h.num_managers)}
+
+        def run(t: int) -> None:
+            try:
+                for n in range(300):
+                    k = keys[(t * 7 + n) % len(keys)]
+                    if n % 3:
+                        assert h[k] == keys.index(k)
+                    else:
+                        h[k] = keys.index(k)
+                    with IDLE_POOL.lock:
+                        assert len(IDLE_POOL.idle) <= 2
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        with IDLE_POOL.lock:
+            pooled = {c for c, link in IDLE_POOL.idle.items() if link in links}
+            listed = {c for link in links for c in link.idle}
+            assert pooled == listed and 0 < len(pooled) <= 2
+            assert all(c.sock.fileno() >= 0 for c in pooled)
+    finally:
+        IDLE_POOL.most = old
+        h.detach()
+
+
+def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
+    """Writers and readers over TCP (the lane's) while the host process of one manager is
+    SIGKILLed and restarted: the lane closes the broken connections, the Python path
+    sends again, and every acknowledged write reads back."""
+    with local_cluster(2) as cl, Client(cl) as c:
+        d = DDict(total_mem="64 MiB", client=c)
+        try:
+            h = over_tcp(d)
+            h["warm"] = 1
+            host = d.stats[0].pid
+            stop = threading.Event()
+            acked: list[list[int]] = [[] for _ in range(3)]
+            errors: list[BaseException] = []
+
+            def run(i: int) -> None:
+                k = 0
+                try:
+                    while not stop.is_set() and k < 100_000:
+                        h[(i, k)] = k
+                        acked[i].append(k)
+                        assert h[(i, k)] == k
+                        k += 1
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            poll_for(lambda: min(len(a) for a in acked) > 50, 30, "writers under way")
+            os.kill(host, signal.SIGKILL)
+            poll_for(lambda: d.stats[0].pid != host, 60, "the host restarted")
+            time.sleep(0.5)
+            stop.set()
+            for t in threads:
+                t.join(60)
+            assert errors == []
+            held = dict(d.items())
+            for i, ks in enumerate(acked):
+                for k in ks:
+                    assert held.get((i, k)) == k, f"acknowledged write ({i}, {k}) lost"
+            assert LANE.get(h, (0, 0)) == 0  # (the lane serves the new host's connections)
+        finally:
+            d.destroy()
+
+
+def test_the_process_lane_is_the_kernels_set():
+    assert type(LANE) is kernels.KeyLane
+    assert repr(LANE).startswith("<KeyLane")
