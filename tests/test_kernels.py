@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from dask_ddict import config, kernels
 from dask_ddict._entry import ENTRY, TOMBSTONE, Entry
-from dask_ddict._hashing import key_digest
+from dask_ddict._hashing import key_digest, manager_for_digest
 from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
 from dask_ddict._serialize import Framed, dumps_value, loads_value
 from dask_ddict.kernels import pure
@@ -224,6 +224,46 @@ def test_the_compiled_digest_is_hashlibs(data):
     if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
         return
     assert _compiled.blake16(data) == key_digest(data)
+    managers = 1 + len(data) % 7
+    assert _compiled.manager_of(data, managers) == (
+        manager_for_digest(key_digest(data), managers),
+        key_digest(data),
+    )
+
+
+_U = st.integers(0, 2**64 - 1)
+_Q = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    request=st.tuples(
+        st.integers(0, 255),
+        st.integers(0, 255),
+        st.integers(0, 0xFFFF),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**32 - 1),
+        _Q,
+        _Q,
+        _U,
+        st.floats(allow_nan=False) | st.just(-1.0),
+        _U,
+        _U,
+    ),
+    reply=st.tuples(st.integers(0, 255), st.integers(0, 2**32 - 1), _Q, _U),
+)
+def test_the_c_level_headers_are_the_structs(request, reply):
+    """The key path's headers as the C-level functions write and read them
+    (``framing.pxi``: the host's plain server, the client's key lane, and the kernels
+    that take requests and send and receive replies) are ``REQUEST``'s and ``REPLY``'s,
+    field by field."""
+    if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
+        return
+    assert _compiled.request_head(request) == pure.REQUEST.pack(*request)
+    assert _compiled.request_fields(pure.REQUEST.pack(*request)) == request
+    assert _compiled.reply_head(reply) == pure.REPLY.pack(*reply)
+    assert _compiled.reply_fields(pure.REPLY.pack(*reply)) == reply
 
 
 @settings(max_examples=100, deadline=None)

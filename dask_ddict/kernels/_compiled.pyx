@@ -109,6 +109,13 @@ cdef inline void _put_le64(unsigned char* p, uint64_t v) noexcept nogil:
         v >>= 8
 
 
+cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
+    p[0] = <char>(v & 0xFF)
+    p[1] = <char>((v >> 8) & 0xFF)
+    p[2] = <char>((v >> 16) & 0xFF)
+    p[3] = <char>((v >> 24) & 0xFF)
+
+
 # -- the key digest: BLAKE2b of 16 bytes (RFC 7693), as hashlib makes it ---------------
 #
 # hashlib's object per key (a copy of a primed one, ``update``, ``digest``) cost about as
@@ -180,8 +187,9 @@ cdef void _compress(uint64_t* h, const unsigned char* block, uint64_t t,
         h[i] ^= v[i] ^ v[i + 8]
 
 
-cdef bytes _blake16(const unsigned char* p, Py_ssize_t n):
-    """BLAKE2b of ``p[:n]`` with a 16-byte digest, no key (``key_digest``)."""
+cdef void _blake16_into(const unsigned char* p, Py_ssize_t n, unsigned char* out) noexcept nogil:
+    """BLAKE2b of ``p[:n]`` with a 16-byte digest, no key (``key_digest``), into ``out``
+    (a little-endian machine's: the state's words are its bytes)."""
     cdef uint64_t h[8]
     cdef unsigned char last[128]
     cdef uint64_t t = 0
@@ -197,9 +205,17 @@ cdef bytes _blake16(const unsigned char* p, Py_ssize_t n):
     memset(last, 0, 128)
     memcpy(last, p, n)
     _compress(h, last, t + <uint64_t>n, True)
+    memcpy(out, h, 16)
+
+
+cdef bytes _blake16(const unsigned char* p, Py_ssize_t n):
+    """:func:`_blake16_into` as ``bytes``."""
     out = PyBytes_FromStringAndSize(NULL, 16)
-    memcpy(PyBytes_AS_STRING(out), h, 16)
+    _blake16_into(p, n, <unsigned char*>PyBytes_AS_STRING(out))
     return out
+
+
+include "framing.pxi"
 
 
 def blake16(bytes data not None):
@@ -298,7 +314,7 @@ cdef inline object _by_digest(bytes d, Py_ssize_t n):
         raise ZeroDivisionError("integer modulo by zero")
     if PyBytes_GET_SIZE(d) < 8:
         raise ValueError("a digest is shorter than 8 bytes")
-    return _le64(<const unsigned char*>PyBytes_AS_STRING(d)) % <uint64_t>n
+    return ddict_manager_of(<const unsigned char*>PyBytes_AS_STRING(d), <uint64_t>n)
 
 
 def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed,
@@ -788,13 +804,6 @@ cdef inline tuple _parts(object frame):
 
 
 @cython.boundscheck(True)
-cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
-    p[0] = <char>(v & 0xFF)
-    p[1] = <char>((v >> 8) & 0xFF)
-    p[2] = <char>((v >> 16) & 0xFF)
-    p[3] = <char>((v >> 24) & 0xFF)
-
-
 cdef inline Py_ssize_t _copy_all(char* p, Py_ssize_t off, Py_ssize_t end, object part) except -1:
     off = _copy_in(p, off, end, part)
     if off < 0:
@@ -921,7 +930,7 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
     cdef Py_ssize_t cap
     cdef uint64_t plen
     cdef char* p
-    cdef const unsigned char* h
+    cdef ddict_reply_head head
     cdef pollfd pfd
     cdef Py_buffer view
     if wait is not None:  # (the socket's timeout: its descriptor does not block)
@@ -935,12 +944,12 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
             raise ValueError(f"{got} bytes received into a {cap}-byte buffer")
         while True:
             if got >= _REPLY:
-                h = <const unsigned char*>p
-                plen = _le64(h + 16)
+                ddict_read_reply(<const unsigned char*>p, &head)
+                plen = head.plen
                 if plen >= <uint64_t>small or plen > <uint64_t>(cap - _REPLY):
-                    return h[0], <int64_t>_le64(h + 8), plen, None, got
+                    return head.status, head.ival, plen, None, got
                 if <uint64_t>(got - _REPLY) >= plen:
-                    return (h[0], <int64_t>_le64(h + 8), plen,
+                    return (head.status, head.ival, plen,
                             PyBytes_FromStringAndSize(p + _REPLY, <Py_ssize_t>plen), got)
             fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
             if fd < 0:
@@ -1016,31 +1025,31 @@ def take_request(Py_ssize_t most_value, object cls, reader, list tag not None):
     cdef bytearray buf = reader._buf
     cdef Py_ssize_t pos = reader._pos, end = reader._end, d
     cdef const unsigned char* p
-    cdef uint64_t klen, vlen, bits
-    cdef double timeout
+    cdef uint64_t klen, vlen
+    cdef ddict_request_head h
     if end - pos < _REQUEST:
         return _REQUEST
     p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
-    klen, vlen = _le32(p + 4), _le64(p + 48)
+    ddict_read_request(p, &h)
+    klen, vlen = h.klen, h.vlen
     if most_value < 0 or vlen > <uint64_t>most_value or klen + vlen > <uint64_t>(
             end - pos - _REQUEST):  # fmt: skip
         return _REQUEST + <object>klen + <object>vlen
-    bits = _le64(p + 40)  # (the double, little-endian as every field)
-    memcpy(&timeout, &bits, 8)
     d = <Py_ssize_t>klen if klen < <uint64_t>_DIGEST else _DIGEST
     request = _new_tuple(cls, (
-        p[0], p[1], _le32(p + 8), <int64_t>_le64(p + 16), <int64_t>_le64(p + 24), _le64(p + 32),
-        None if timeout < 0 else timeout,
+        h.op, h.flags, h.manager, h.chkpt, h.arg, h.client,
+        None if h.timeout < 0 else h.timeout,
         PyBytes_FromStringAndSize(<const char*>p + _REQUEST, d),
         PyBytes_FromStringAndSize(<const char*>p + _REQUEST + d, <Py_ssize_t>klen - d),
         PyBytes_FromStringAndSize(<const char*>p + _REQUEST + klen, <Py_ssize_t>vlen),
-        _le64(p + 56), p[2] | (<unsigned int>p[3] << 8)))
-    tag[0] = _le32(p + 12)
+        h.rid, h.term))
+    tag[0] = h.tag
     reader._pos = pos + _REQUEST + <Py_ssize_t>(klen + vlen)
     return request
 
 
 def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
+    cdef ddict_reply_head head
     cdef Py_buffer pv
     cdef Py_ssize_t n
     cdef ssize_t sent
@@ -1060,10 +1069,8 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
             REPLY.pack(0, tag, ival, n)  # (raises what the pure spelling raises, if it does)
         data = PyBytes_FromStringAndSize(NULL, _REPLY + n)
         w = <unsigned char*>PyBytes_AS_STRING(data)
-        memset(w, 0, 4)
-        _put_le32(<char*>w + 4, <uint32_t>tag)
-        _put_le64(w + 8, <uint64_t>(<int64_t>ival))
-        _put_le64(w + 16, <uint64_t>n)
+        head.status, head.tag, head.ival, head.plen = 0, <uint32_t>tag, <int64_t>ival, n
+        ddict_write_reply(w, &head)
         memcpy(w + _REPLY, pv.buf, n)
     finally:
         PyBuffer_Release(&pv)

@@ -8,7 +8,8 @@
 # happened.  Here the whole exchange runs without a Python frame: the route (``Router``),
 # the manager's channel and link, the pool's lock taken without waiting, the request
 # written into the connection's receive buffer (empty while it is idle) and sent, and
-# the reply received there with the interpreter lock released (``_receive_reply``).
+# the reply received there with the interpreter lock released (``_receive_reply``); the
+# header is written by ``framing.pxi``'s ``ddict_write_request``.
 
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
 
@@ -140,8 +141,7 @@ cdef class KeyLane:
         cdef Py_buffer view
         cdef ssize_t n
         cdef int fd, err = 0
-        if not _LITTLE:  # (the header is written in place, as take_request reads it)
-            return None
+        cdef ddict_request_head head
         target = h._target
         if target is not None:
             mid = target
@@ -173,15 +173,11 @@ cdef class KeyLane:
         conn.deadline = None  # (BoundedConnection.begin(None, None))
         conn.check = None
         p = <unsigned char*>PyByteArray_AS_STRING(buf)
-        memset(p, 0, _REQUEST)
-        p[0], p[1] = <unsigned char>op, <unsigned char>flags
-        p[2], p[3] = <unsigned char>(term & 0xFF), <unsigned char>(term >> 8)
-        _put_le32(<char*>p + 4, <uint32_t>klen)
-        _put_le32(<char*>p + 8, <uint32_t>m)
-        _put_le64(p + 16, <uint64_t>chkpt)
-        _put_le64(p + 32, <uint64_t>cid)
-        memcpy(p + 40, &_NO_TIMEOUT, 8)
-        _put_le64(p + 48, <uint64_t>vlen)
+        head.op, head.flags, head.term = op, flags, <unsigned int>term
+        head.klen, head.manager, head.tag = <uint32_t>klen, <uint32_t>m, 0
+        head.chkpt, head.arg, head.client = chkpt, 0, <uint64_t>cid
+        head.timeout, head.vlen, head.rid = _NO_TIMEOUT, <uint64_t>vlen, 0
+        ddict_write_request(p, &head)
         memcpy(p + _REQUEST, PyBytes_AS_STRING(keysec), klen)
         at = _REQUEST + klen
         if parts is not None:

@@ -116,13 +116,11 @@ cdef class PlainServer:
     cdef int _reply(self, int status, uint32_t tag, int64_t ival, const void* p,
                     Py_ssize_t plen) except -1:
         cdef unsigned char* w
+        cdef ddict_reply_head head
         self._room(_REPLY + plen)
         w = <unsigned char*>self.out + self.n
-        memset(w, 0, 4)
-        w[0] = <unsigned char>status
-        _put_le32(<char*>w + 4, tag)
-        _put_le64(w + 8, <uint64_t>ival)
-        _put_le64(w + 16, <uint64_t>plen)
+        head.status, head.tag, head.ival, head.plen = status, tag, ival, <uint64_t>plen
+        ddict_write_reply(w, &head)
         if plen:
             memcpy(w + _REPLY, p, plen)
         self.n += _REPLY + plen
@@ -430,6 +428,7 @@ cdef class PlainServer:
         cdef int64_t chkpt
         cdef unsigned int term
         cdef PyObject* found
+        cdef ddict_request_head head
         if self._pure is not None:
             return self._pure.serve()
         hosted, reader = self.hosted, self.reader
@@ -442,18 +441,18 @@ cdef class PlainServer:
         try:
             while end - pos >= _READ:
                 p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
-                op = p[0]
+                ddict_read_request(p, &head)
+                op = head.op
                 if (op != self.get and op != self.contains and op != self.put
                         and op != self.get_many):  # fmt: skip
                     break
-                term = p[2] | (<unsigned int>p[3] << 8)
-                klen = <Py_ssize_t>_le32(p + 4)
-                vlen = <Py_ssize_t>_le64(p + 48) if _le64(p + 48) < <uint64_t>_HUGE else _HUGE
-                mid, tag, chkpt = _le32(p + 8), _le32(p + 12), <int64_t>_le64(p + 16)
-                if chkpt < 0 or _le64(p + 56) != 0:  # (a request id: at most once, the manager's)
+                term, klen = head.term, <Py_ssize_t>head.klen
+                vlen = <Py_ssize_t>head.vlen if head.vlen < <uint64_t>_HUGE else _HUGE
+                mid, tag, chkpt = head.manager, head.tag, head.chkpt
+                if chkpt < 0 or head.rid != 0:  # (a request id: at most once, the manager's)
                     break
                 if op == self.get_many:  # (several managers: its own checks and counts)
-                    if p[1] != 0 or klen != 0 or term or end - pos < _REQUEST + vlen:
+                    if head.flags != 0 or klen != 0 or term or end - pos < _REQUEST + vlen:
                         break
                     if lease is not None and not self._leased(lease):
                         break
@@ -476,7 +475,7 @@ cdef class PlainServer:
                         break  # (a primary's put goes to its replicas first; a lapsed lease)
                     counts = self.served[mid]  # (a defaultdict's row)
                     if op == self.put:
-                        if p[1] & ~self.persist or klen < _DIGEST or klen > self.most_key:
+                        if head.flags & ~self.persist or klen < _DIGEST or klen > self.most_key:
                             break
                         if vlen > self.most or end - pos < _REQUEST + klen + vlen:
                             break
@@ -484,7 +483,7 @@ cdef class PlainServer:
                             break
                         size = _REQUEST + klen + vlen
                     else:
-                        if p[1] != 0 or klen != _DIGEST or vlen != 0:
+                        if head.flags != 0 or klen != _DIGEST or vlen != 0:
                             break
                         if not self._read(m, ws, op, p, chkpt, tag):
                             break
