@@ -23,6 +23,7 @@ from typing import Any
 
 import dask
 import numpy as np
+import psutil
 import pytest
 from distributed import Client
 from hypothesis import settings
@@ -106,10 +107,12 @@ def tcp(client: Client) -> Any:
 
 def test_the_lanes_answer_as_the_python_path(tcp):
     """A history of gets, ``in``s, puts and persistent puts (values of every kind, some
-    past what one send carries), each by one of the three paths, and every read by all
-    three, answered as the model says; the lanes really served most of them."""
+    past what one send carries), each by one of the three paths through a handle without
+    a timeout or one with, and every read by all three, answered as the model says; the
+    lanes really served most of them."""
     h = tcp
     h[KEYS[0]] = 0  # (routed, the room known, connections in the pool: the lanes' case)
+    handles = [h, _timed(h, 30)]
     served = {id(lane): 0 for lane in LANES if lane is not None}
 
     class History(RuleBasedStateMachine):
@@ -123,43 +126,47 @@ def test_the_lanes_answer_as_the_python_path(tcp):
             value=values_st,
             by=st.sampled_from(range(len(LANES))),
             persistent=st.booleans(),
+            timed=st.booleans(),
         )
-        def put(self, key: Any, value: Any, by: int, persistent: bool) -> None:
-            lane = LANES[by]
-            if lane is not None and lane.put(h, key, value, persistent) is not NotImplemented:
+        def put(self, key: Any, value: Any, by: int, persistent: bool, timed: bool) -> None:
+            lane, at = LANES[by], handles[timed]
+            if lane is not None and lane.put(at, key, value, persistent) is not NotImplemented:
                 served[id(lane)] += 1
             else:
-                _put(None, h, key, value, persistent)
+                _put(None, at, key, value, persistent)
             self.model[key] = value
 
-        @rule(key=st.sampled_from(KEYS))
-        def get(self, key: Any) -> None:
-            want = self.model.get(key, ABSENT)
+        @rule(key=st.sampled_from(KEYS), timed=st.booleans())
+        def get(self, key: Any, timed: bool) -> None:
+            want, at = self.model.get(key, ABSENT), handles[timed]
             for lane in LANES:
-                if lane is not None and lane.get(h, key) is not NotImplemented:
+                if lane is not None and lane.get(at, key) is not NotImplemented:
                     served[id(lane)] += 1
-                got = _get(lane, h, key)
+                got = _get(lane, at, key)
                 assert _same(got, want), (lane, key, got, want)
-                assert _contains(lane, h, key) is (key in self.model)
+                assert _contains(lane, at, key) is (key in self.model)
 
-        @rule(key=st.sampled_from(KEYS))
-        def handle(self, key: Any) -> None:  # (the handle's own methods: the process's lane)
-            want = self.model.get(key, ABSENT)
-            assert _same(h.get(key, ABSENT), want)
-            assert (key in h) is (key in self.model)
+        @rule(key=st.sampled_from(KEYS), timed=st.booleans())
+        def handle(self, key: Any, timed: bool) -> None:  # (the handle's own: LANE's)
+            want, at = self.model.get(key, ABSENT), handles[timed]
+            assert _same(at.get(key, ABSENT), want)
+            assert (key in at) is (key in self.model)
             if want is ABSENT:
                 with pytest.raises(DDictKeyError):
-                    h[key]
+                    at[key]
             else:
-                assert _same(h[key], want)
+                assert _same(at[key], want)
 
         @invariant()
         def same_length(self) -> None:
             assert len(h) == len(self.model)
 
-    run_state_machine_as_test(
-        History, settings=settings(max_examples=25, stateful_step_count=30, deadline=None)
-    )
+    try:
+        run_state_machine_as_test(
+            History, settings=settings(max_examples=25, stateful_step_count=30, deadline=None)
+        )
+    finally:
+        handles[1].detach()
     assert all(served[id(lane)] > 20 for lane in SERVING), served
 
 
@@ -199,11 +206,6 @@ def test_the_lanes_leave_every_other_case_to_the_python_path(client, tcp):
 
     fresh = over_tcp(h)  # (not routed yet: its first operation routes it)
     case("not routed", fresh)
-    timed = DDict.attach(h.serialize(), timeout=30)
-    with dask.config.set({"ddict.local-transport": False}):
-        timed._core.channel(0), timed._core.channel(1)
-    timed["k"] = b"v"
-    case("a timeout", timed)
     pickled = h.pickler(value_pickler=_ValuePickler())
     case("a value pickler", pickled)
     for lane in LANES[1:]:
@@ -227,13 +229,12 @@ def test_the_lanes_leave_every_other_case_to_the_python_path(client, tcp):
                 assert call() is NotImplemented
     h["big"] = b"x" * (70 << 10)  # (the Python path's: in parts)
     assert h["k"] == b"v" and h["big"] == b"x" * (70 << 10)
-    assert fresh["k"] == b"v" and timed["k"] == b"v" and pickled.get("nope", 1) == 1
+    assert fresh["k"] == b"v" and pickled.get("nope", 1) == 1
     with pytest.raises(ValueError, match="keys may have at most"):
         h["x" * (h._core.max_key_bytes + 1)]  # (a key too long: the Python path says why)
-    for other in (fresh, timed):
-        other.detach()
-        with pytest.raises(DDictClosedError):
-            other["k"]
+    fresh.detach()
+    with pytest.raises(DDictClosedError):
+        fresh["k"]
     pickled.detach()
 
 
@@ -248,6 +249,81 @@ class _ValuePickler:
     @staticmethod
     def load(file: Any) -> Any:
         return pickle.load(file)
+
+
+def _timed(h: DDict, timeout: float) -> DDict:
+    """A handle of ``h``'s dictionary with ``timeout``, over TCP, each link connected."""
+    with dask.config.set(  # (read as channels and links are made)
+        {"ddict.local-transport": False, "ddict.transport.timeout-slack": "0.2 s"}
+    ):
+        t = DDict.attach(h.serialize(), timeout=timeout)
+        t["warm"] = 0  # (routed, the room known)
+        for m in range(t.num_managers):
+            t.manager(m)[("warm", m)] = m  # (a connection pooled for each link)
+    return t
+
+
+def test_the_lanes_serve_a_handle_with_a_timeout_and_cut_its_waits(client, tcp):
+    """A handle with a timeout is the lanes' too; against a stopped host every lane
+    operation gives up within the timeout and the slack, raising what the Python path
+    raises (a put: "may or may not have been applied"), its connection closed; the
+    resumed host serves them again."""
+    from dask_ddict import DDictTimeoutError
+    from tests.support.processes import stop_process
+
+    slack = 0.2  # (_timed's)
+    t = _timed(tcp, 0.5)
+    try:
+        m = t.which_manager("k")
+        for lane in SERVING:
+            assert lane.put(t, "k", b"v", False) is None
+            assert lane.get(t, "k") == b"v" and lane.contains(t, "k") is True
+        link = t._core.channel(m).link
+        for _ in range(3 * len(SERVING)):  # (one for each call below: each closes its own)
+            IDLE_POOL.give(link, link._connect(m, None, None))
+        host = psutil.Process(t.stats[m].pid)
+        stop_process(host)
+        try:
+            for lane in SERVING:
+                for call, what in (
+                    (lambda: lane.get(t, "k"), "did not answer GET within 0.5 s"),
+                    (lambda: lane.contains(t, "k"), "did not answer CONTAINS"),
+                    (lambda: lane.put(t, "k", b"w", False), "may or may not have been"),
+                ):
+                    with IDLE_POOL.lock:
+                        idle = len(link.idle)
+                    t0 = time.monotonic()
+                    with pytest.raises(DDictTimeoutError, match=what):
+                        call()
+                    assert 0.5 <= time.monotonic() - t0 < 0.5 + slack + 0.5
+                    with IDLE_POOL.lock:  # (the connection it took is closed, not pooled)
+                        assert len(link.idle) == idle - 1
+        finally:
+            host.resume()
+        assert t["k"] == b"w" or t["k"] == b"v"  # (the timed-out put may have been applied)
+    finally:
+        t.detach()
+
+
+def test_a_host_whose_own_wait_ran_out_is_the_python_paths_error(client):
+    """Under ``wait_for_keys`` a get of a key not written at the reader's checkpoint waits
+    at the host for the handle's timeout; the lanes raise the host's timeout as the
+    Python path does, saying why (no writer put it there)."""
+    from dask_ddict import DDictTimeoutError
+
+    d = DDict(total_mem="64 MiB", client=client, wait_for_keys=True, working_set_size=2)
+    try:
+        t = _timed(d, 0.3)
+        for lane in SERVING:
+            t0 = time.monotonic()
+            with pytest.raises(DDictTimeoutError, match="no writer put it there"):
+                lane.get(t, "never")
+            assert time.monotonic() - t0 >= 0.3
+        with pytest.raises(DDictTimeoutError, match="no writer put it there"):
+            t["never"]
+        t.detach()
+    finally:
+        d.destroy()
 
 
 def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):

@@ -14,13 +14,39 @@ connection pool, the timings' switch, the buffers large values are received into
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import kernels
-from .._serialize import SMALL_FRAME, aligned_empty, loads_value
-from ..errors import Status
+from .._serialize import SMALL_FRAME, Framed, aligned_empty, loads_value
+from ..errors import DDictTimeoutError, Status, error_for_status
 from ..transport import timing
+from ..transport.bounded_connection import Deadline
 from ..transport.idle_pool import IDLE_POOL
+from ..transport.operation import Operation
+from ..transport.ops import Contains, Get, Put
 from ..transport.protocol import FLAG_PERSIST, SMALL, Op
 from ..transport.socket_client import SocketChannel
+
+#: The lane's operations, each as the Python path names it in a timeout's message.
+_OPERATIONS: dict[int, Operation] = {
+    int(Op.GET): Get(b"", 0),
+    int(Op.CONTAINS): Contains(b"", 0),
+    int(Op.PUT): Put(b"", b"", Framed((), 0), 0, 0),
+}
+
+
+def _timed_out(h: Any, key: Any, op: int, link: Any, mid: int, message: bytes | None) -> Any:
+    """The error of a lane's operation whose time ran out, as the Python path raises it:
+    the link's ``timed_out`` (no answer within the time and its slack), or the host's
+    (its own wait ran out); a get's says why under ``wait_for_keys``."""
+    o = _OPERATIONS[op]
+    if message is None:
+        e: Any = link.timed_out(o, mid, h._timeout, True)
+    else:
+        e = error_for_status(int(Status.TIMEOUT), message.decode(errors="replace"))
+    if op == int(Op.GET) and isinstance(e, DDictTimeoutError):
+        return h._no_writer(key, e)
+    return e
 
 
 def wired(kind: type[kernels.KeyLane] = kernels.KeyLane) -> kernels.KeyLane:
@@ -32,10 +58,13 @@ def wired(kind: type[kernels.KeyLane] = kernels.KeyLane) -> kernels.KeyLane:
         int(Op.PUT),
         FLAG_PERSIST,
         int(Status.KEY_NOT_FOUND),
+        int(Status.TIMEOUT),
         SMALL,
         SMALL_FRAME,
     )
-    return kind(wire, SocketChannel, IDLE_POOL, timing, aligned_empty, loads_value)
+    return kind(
+        wire, SocketChannel, IDLE_POOL, timing, aligned_empty, loads_value, _timed_out, Deadline
+    )
 
 
 #: The lane of every handle of this process.

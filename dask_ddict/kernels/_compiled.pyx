@@ -64,6 +64,7 @@ cdef extern from "<poll.h>" nogil:
         short revents
     int poll(pollfd* fds, unsigned long nfds, int timeout)
     short POLLIN
+    short POLLOUT
     short POLLNVAL
 
 cdef object _dumps = pickle.dumps

@@ -11,7 +11,11 @@
 # the reply received there with the interpreter lock released (``_receive_reply``); the
 # header is written by ``framing.pxi``'s ``ddict_write_request``.
 
+import time as _time
+
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
+cdef clockid_t _MONOTONIC = _time.CLOCK_MONOTONIC
+cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
 
 
 cdef inline bint _small_int(object v, long long most, long long* out):
@@ -24,20 +28,111 @@ cdef inline bint _small_int(object v, long long most, long long* out):
     return overflow == 0 and 0 <= out[0] <= most
 
 
+cdef inline double _monotonic() noexcept nogil:
+    cdef timespec t
+    clock_gettime(_MONOTONIC, &t)
+    return t.tv_sec + t.tv_nsec * 1e-9
+
+
+cdef int _wait_fd(int fd, short events, double deadline) except -1:
+    """Wait until ``fd`` is ready for ``events``, at most until ``deadline`` (of
+    ``_monotonic``; negative: no end): 1 ready, 0 the deadline passed."""
+    cdef pollfd pfd
+    cdef int ready, ms, err = 0
+    cdef double left
+    while True:
+        ms = -1
+        if deadline >= 0:
+            left = deadline - _monotonic()
+            if left <= 0:
+                return 0
+            ms = <int>min(left * 1000.0 + 0.999, 2147483647.0)
+        pfd.fd, pfd.events, pfd.revents = fd, events, 0
+        with nogil:
+            ready = poll(&pfd, 1, ms)
+            if ready < 0:
+                err = errno
+        if ready > 0:
+            if pfd.revents & POLLNVAL:
+                raise OSError(EBADF, os.strerror(EBADF))
+            return 1
+        if ready < 0:
+            if err != EINTR:
+                raise OSError(err, os.strerror(err))
+            PyErr_CheckSignals()
+
+
+cdef int _send_all(sock, const unsigned char* p, Py_ssize_t n, bint blocking,
+                   double deadline) except -1:
+    """``p[:n]`` sent on ``sock`` (a blocking descriptor's ``send``, else without waiting
+    and a wait for room cut at ``deadline``): 1 sent, 0 the deadline passed first."""
+    cdef Py_ssize_t sent = 0
+    cdef ssize_t k
+    cdef int fd, err = 0
+    while sent < n:
+        fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
+        if fd < 0:
+            raise OSError(EBADF, os.strerror(EBADF))
+        with nogil:
+            k = send(fd, p + sent, <size_t>(n - sent), 0 if blocking else MSG_DONTWAIT)
+            if k < 0:
+                err = errno
+        if k >= 0:
+            sent += k
+        elif err == EINTR:
+            PyErr_CheckSignals()
+        elif not blocking and (err == EAGAIN or err == EWOULDBLOCK):
+            if not _wait_fd(fd, POLLOUT, deadline):
+                return 0
+        else:
+            raise OSError(err, os.strerror(err))
+    return 1
+
+
+cdef int _receive_all(sock, char* p, Py_ssize_t n, bint blocking, double deadline) except -1:
+    """``n`` bytes from ``sock`` into ``p`` (a large reply's payload), waiting as
+    :func:`_send_all` waits: 1 received, 0 the deadline passed first."""
+    cdef Py_ssize_t got = 0
+    cdef ssize_t k
+    cdef int fd, err = 0
+    while got < n:
+        fd = sock.fileno()
+        if fd < 0:
+            raise OSError(EBADF, os.strerror(EBADF))
+        with nogil:
+            k = recv(fd, p + got, <size_t>(n - got), 0 if blocking else MSG_DONTWAIT)
+            if k < 0:
+                err = errno
+        if k > 0:
+            got += k
+        elif k == 0:
+            raise ConnectionResetError("connection closed by peer")
+        elif err == EINTR:
+            PyErr_CheckSignals()
+        elif not blocking and (err == EAGAIN or err == EWOULDBLOCK):
+            if not _wait_fd(fd, POLLIN, deadline):
+                return 0
+        else:
+            raise OSError(err, os.strerror(err))
+    return 1
+
+
 cdef class KeyLane:
     cdef readonly object wire
-    cdef object channel, pool, timing, buffer, decode
+    cdef object channel, pool, timing, buffer, decode, timed_out, deadline
     cdef object _acquire, _release, _idle
-    cdef int op_get, op_contains, op_put, persist, missing
+    cdef int op_get, op_contains, op_put, persist, missing, timeout_status
     cdef Py_ssize_t most, small
 
-    def __init__(self, wire, channel, pool, timing, buffer, decode):
+    def __init__(self, wire, channel, pool, timing, buffer, decode, timed_out, deadline):
         self.wire = wire
         self.op_get, self.op_contains, self.op_put = wire.get, wire.contains, wire.put
         self.persist, self.missing = wire.persist, wire.missing_status
+        self.timeout_status = wire.timeout_status
         self.most, self.small = wire.most, wire.small
         self.channel, self.pool, self.timing = channel, pool, timing
         self.buffer, self.decode = buffer, decode
+        self.timed_out, self.deadline = timed_out, deadline
         self._acquire, self._release = pool.lock.acquire, pool.lock.release
         self._idle = pool.idle  # (the pool's own table of idle connections: never replaced)
 
@@ -70,7 +165,7 @@ cdef class KeyLane:
             route = (<Router>routed).one(key)
         except KeyTooLong:  # (the Python path says why)
             return None
-        return self._exchange(h, route[0], op, 0, route[1], None, 0, 0)
+        return self._exchange(h, key, route[0], op, 0, route[1], None, 0, 0)
 
     def put(self, h, key, value, bint persistent):
         cdef tuple got, rec
@@ -85,7 +180,7 @@ cdef class KeyLane:
         room = h._core._room  # (None: not known yet; a value too large: the Python path's)
         if room is None or type(framed) is not Framed or framed.nbytes + len(kb) > room:
             return NotImplemented
-        got = self._exchange(h, rec[0], self.op_put, self.persist if persistent else 0,
+        got = self._exchange(h, key, rec[0], self.op_put, self.persist if persistent else 0,
                              rec[1] + kb, framed.parts, framed.nbytes, h._client_id)
         return None if got is not None and got[0] == 0 else NotImplemented
 
@@ -93,8 +188,6 @@ cdef class KeyLane:
         """The handle's router, if it is one the lane serves now (else ``None``)."""
         core = h._core
         if not core.tcp or core.closed or h._detached or h._vp is not None:
-            return None
-        if h._timeout is not None:
             return None
         routed = h._routed
         if type(routed) is not tuple or type((<tuple>routed)[0]) is not Router:
@@ -131,17 +224,17 @@ cdef class KeyLane:
         self.pool.give(link, conn)
         return 0
 
-    cdef object _exchange(self, h, object mid, int op, int flags, bytes keysec, object parts,
-                          object vlen_, object client):
+    cdef object _exchange(self, h, key, object mid, int op, int flags, bytes keysec,
+                          object parts, object vlen_, object client):
         """``(status, ival, payload)`` of one request, or ``None`` (``pure.KeyLane``)."""
         cdef long long m, term, chkpt, cid, vlen
-        cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at, sent = 0
+        cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at, have
         cdef bytearray buf
         cdef unsigned char* p
         cdef Py_buffer view
-        cdef ssize_t n
-        cdef int fd, err = 0
         cdef ddict_request_head head
+        cdef double deadline = -1.0, wire_timeout = _NO_TIMEOUT
+        cdef bint blocking, late = False
         target = h._target
         if target is not None:
             mid = target
@@ -161,22 +254,28 @@ cdef class KeyLane:
             return None
         if not _small_int(link.terms.get(mid, 0), 0xFFFF, &term):
             return None
+        timeout = h._timeout
+        if timeout is not None:  # (the operation's time and the link's slack, as _exchange)
+            wire_timeout = timeout
+            deadline = _monotonic() + wire_timeout + <double>link._slack
         conn = self._take(link)
         if conn is None:
             return None
         reader = conn.reader
         buf = reader._buf
-        if (conn.timeout is not None or reader._pos != reader._end
-                or PyByteArray_GET_SIZE(buf) < total):
+        if reader._pos != reader._end or PyByteArray_GET_SIZE(buf) < total:
             self._give(link, conn)
             return None
-        conn.deadline = None  # (BoundedConnection.begin(None, None))
+        # (a socket without a timeout blocks; one a timed operation left with its own
+        # does not, and is waited for by poll, as is every timed operation's)
+        blocking = conn.timeout is None and deadline < 0
+        conn.deadline = None  # (BoundedConnection.begin(None, None): its own state)
         conn.check = None
         p = <unsigned char*>PyByteArray_AS_STRING(buf)
         head.op, head.flags, head.term = op, flags, <unsigned int>term
         head.klen, head.manager, head.tag = <uint32_t>klen, <uint32_t>m, 0
         head.chkpt, head.arg, head.client = chkpt, 0, <uint64_t>cid
-        head.timeout, head.vlen, head.rid = _NO_TIMEOUT, <uint64_t>vlen, 0
+        head.timeout, head.vlen, head.rid = wire_timeout, <uint64_t>vlen, 0
         ddict_write_request(p, &head)
         memcpy(p + _REQUEST, PyBytes_AS_STRING(keysec), klen)
         at = _REQUEST + klen
@@ -196,30 +295,36 @@ cdef class KeyLane:
             return None
         try:
             sock = conn.sock
-            while sent < total:
-                fd = sock.fileno()
-                if fd < 0:
-                    raise OSError(EBADF, os.strerror(EBADF))
-                with nogil:
-                    n = send(fd, p + sent, <size_t>(total - sent), 0)
-                    if n < 0:
-                        err = errno
-                if n >= 0:
-                    sent += n
-                elif err == EINTR:
-                    PyErr_CheckSignals()
-                else:
-                    raise OSError(err, os.strerror(err))
-            status, ival, plen, payload, got = _receive_reply(sock, buf, 0, None, self.small)
-            if payload is None:  # (a large value: into a buffer of its own)
-                reader.received(_REPLY, got)
+            late = not _send_all(sock, p, total, blocking, deadline)
+            got = 0
+            while not late:
+                wait = None if blocking else (
+                    _LONG_WAIT if deadline < 0 else max(deadline - _monotonic(), 0.0))
+                status, ival, plen, payload, got = _receive_reply(sock, buf, got, wait,
+                                                                  self.small)
+                if status != _QUIET:
+                    break
+                late = deadline >= 0 and _monotonic() >= deadline
+            if not late and payload is None:  # (a large value: into a buffer of its own)
                 payload = self.buffer(plen)
-                reader.read_into(payload)
+                PyObject_GetBuffer(payload, &view, PyBUF_WRITABLE)
+                try:
+                    have = min(<Py_ssize_t>got - _REPLY, view.len)
+                    memcpy(view.buf, p + _REPLY, have)
+                    late = not _receive_all(sock, <char*>view.buf + have, view.len - have,
+                                            blocking, deadline)
+                finally:
+                    PyBuffer_Release(&view)
         except OSError:
             link._broken(conn)
             return None
         except BaseException:
             link.forget(conn)
             raise
+        if late:  # (no answer within the operation's time: what the Python path raises)
+            link.forget(conn)
+            raise self.timed_out(h, key, op, link, mid, None)
         self._give(link, conn)
+        if status == self.timeout_status and deadline >= 0:
+            raise self.timed_out(h, key, op, link, mid, bytes(payload))
         return status, ival, payload

@@ -746,16 +746,17 @@ def receive_reply(
 
 class LaneWire(NamedTuple):
     """What a :class:`KeyLane` sends and reads, as the transport declares it: the codes of
-    ``get``, ``in`` and ``put``, the flag of a persistent put, the status of an absent key,
-    the largest request it sends (one piece: a connection's buffer holds it), and the
-    smallest reply payload received into a buffer of its own (``receive_reply``'s
-    ``small``)."""
+    ``get``, ``in`` and ``put``, the flag of a persistent put, the status of an absent key
+    and of a host's wait that ran out, the largest request it sends (one piece: a
+    connection's buffer holds it), and the smallest reply payload received into a buffer
+    of its own (``receive_reply``'s ``small``)."""
 
     get: int
     contains: int
     put: int
     persist: int
     missing_status: int
+    timeout_status: int
     most: int
     small: int
 
@@ -771,35 +772,45 @@ class _NoKey:
 #: ``DDictKeyError(key)``, as its Python path does).
 NO_KEY: Any = _NoKey()
 
+#: ``timed_out(handle, key, op, link, manager, message)``: the error of an operation
+#: whose time ran out, as the handle's Python path raises it (``message``: the host's,
+#: when its own wait ran out; ``None``: no answer within the time and its slack).
+TimedOut = Callable[[Any, Any, int, Any, int, "bytes | None"], BaseException]
+
 
 class KeyLane:
     """A handle's ``d[key]``, ``key in d`` and ``d[key] = value`` over a TCP link, each in
     one call: the common case of the handle's Python path (routing the key, the manager's
-    channel, the operation, its link's quick exchange, the reply's result), which is the
+    channel, the operation, its link's exchange, the reply's result), which is the
     reference of everything here.
 
     The common case: a handle open and attached whose core has a TCP link's channel
     (``tcp``: a handle on the managers' host is never asked for more), not in a batch,
-    without a timeout or a value pickler, routed before (``_routed``), whose key routes (a key too long, or
-    whose routing fails otherwise, is the Python path's to say); a manager whose channel
-    exists and is a plain TCP link's (not TLS, not on this host, no timings on) with an
-    idle connection in the process's pool (waits nowhere: none is connected here); a
-    request that fits one send, and a put's value that fits a shard.  It sends what the
-    operation's ``encode`` and the link's ``_quick`` send (the manager's term as the link
-    knows it, no request id) and answers an OK reply: the value, whether the key is seen,
-    ``None`` for a put; and :data:`NO_KEY` for a get's absent key.  Anything else answers
+    without a value pickler, routed before (``_routed``), whose key routes (a key too
+    long, or whose routing fails otherwise, is the Python path's to say); a manager whose
+    channel exists and is a plain TCP link's (not TLS, not on this host, no timings on)
+    with an idle connection in the process's pool (waits nowhere: none is connected
+    here); a request that fits one send, and a put's value that fits a shard.  It sends
+    what the operation's ``encode`` and the link's exchange send (the manager's term as
+    the link knows it, the handle's timeout, no request id) and answers an OK reply: the
+    value, whether the key is seen, ``None`` for a put; and :data:`NO_KEY` for a get's
+    absent key.  With a timeout, every wait is cut at the operation's deadline (its
+    timeout and the link's slack, as ``HostLink._exchange`` cuts them), and an answer
+    that does not come by then, or a host's reply that its own wait ran out, raises what
+    the Python path raises (``timed_out``), the connection closed.  Anything else answers
     ``NotImplemented``: before anything was sent, or after a reply that is not OK (a
-    moved or leased manager, a full shard, ...: the host applied nothing), or a broken
-    connection (closed as the link closes one); the caller then takes its Python path,
-    which sends the request again (a read, or a put: the same request has the same
+    moved or leased manager, a full shard, ...: the host applied nothing, at once), or a
+    broken connection (closed as the link closes one); the caller then takes its Python
+    path, which sends the request again (a read, or a put: the same request has the same
     effect) and follows, waits or raises as it says.
 
     Nothing is kept: each call reads the handle, its core and the link as they are
     (``HandleBase`` declares what it reads), so the lane is one per process, holding
     only what the transport injects: the wire's codes (:class:`LaneWire`), the channel
     class of a link's manager, the connection pool (its lock taken without waiting: a
-    busy one is the Python path's), the timings' switch, and the buffer a large value is
-    received into.
+    busy one is the Python path's), the timings' switch, the buffer a large value is
+    received into, the value frames' decoder, the errors of a timeout, and the exception a
+    connection's wait raises at its deadline.
     """
 
     def __init__(
@@ -810,9 +821,12 @@ class KeyLane:
         timing: Any,
         buffer: Callable[[int], Any],
         decode: Callable[[Any], Any],
+        timed_out: TimedOut,
+        deadline: type[BaseException],
     ) -> None:
         self.wire, self.channel, self.pool, self.timing = wire, channel, pool, timing
-        self.buffer, self.decode = buffer, decode
+        self.buffer, self.decode, self.timed_out = buffer, decode, timed_out
+        self.deadline = deadline
 
     def __repr__(self) -> str:
         return f"<KeyLane most={self.wire.most}>"
@@ -843,7 +857,7 @@ class KeyLane:
             mid, digest, _ = routed[0].one(key)
         except KeyTooLong:  # (the Python path says why)
             return None
-        return self._exchange(h, mid, op, 0, digest, (), 0, 0)
+        return self._exchange(h, key, mid, op, 0, digest, (), 0, 0)
 
     def put(self, h: Any, key: Any, value: Any, persistent: bool) -> Any:
         """``h[key] = value`` (``None`` once acknowledged), or ``NotImplemented``."""
@@ -861,7 +875,7 @@ class KeyLane:
         flags = self.wire.persist if persistent else 0
         parts = tuple(framed.parts)
         got = self._exchange(
-            h, mid, self.wire.put, flags, digest + kb, parts, framed.nbytes, h._client_id
+            h, key, mid, self.wire.put, flags, digest + kb, parts, framed.nbytes, h._client_id
         )
         return None if got is not None and got[0] == 0 else NotImplemented
 
@@ -871,11 +885,12 @@ class KeyLane:
         core = h._core
         if not core.tcp or core.closed or h._detached or h._vp is not None:
             return None
-        return None if h._timeout is not None else h._routed
+        return h._routed
 
     def _exchange(
         self,
         h: Any,
+        key: Any,
         mid: int,
         op: int,
         flags: int,
@@ -886,7 +901,8 @@ class KeyLane:
     ) -> tuple[int, int, Any] | None:
         """``(status, ival, payload)`` of one request to manager ``mid`` (the handle's own,
         or its target) on an idle connection of its link, or ``None``: not for the lane,
-        nothing sent; or sent and the connection broke (closed here)."""
+        nothing sent; or sent and the connection broke (closed here).  Raises what the
+        Python path raises when the operation's time runs out."""
         if h._target is not None:
             mid = h._target
         ch = h._core._channels.get(mid)
@@ -897,6 +913,8 @@ class KeyLane:
             return None
         if vlen > link._max_value:
             return None
+        timeout = h._timeout
+        deadline = None if timeout is None else time.monotonic() + timeout + link._slack
         pool = self.pool
         if not pool.lock.acquire(False):
             return None
@@ -909,24 +927,35 @@ class KeyLane:
         if conn is None:
             return None
         reader = conn.reader
-        if conn.timeout is not None or reader.buffered():
+        if reader.buffered():
             pool.give(link, conn)
             return None
-        conn.deadline = conn.check = None  # (BoundedConnection.begin(None, None))
+        conn.begin(deadline, None)  # (the socket's waits cut at the deadline, if any)
         term = link.terms.get(mid, 0)
+        wire_timeout = -1.0 if timeout is None else float(timeout)
         head = REQUEST.pack(
-            op, flags, term, len(keysec), mid, 0, h._chkpt, 0, client, -1.0, vlen, 0
+            op, flags, term, len(keysec), mid, 0, h._chkpt, 0, client, wire_timeout, vlen, 0
         )
         try:
             sock = conn.sock
-            sock.sendall(b"".join((head, keysec, *parts)))
-            status, ival, plen, payload, got = receive_reply(
-                sock, reader.emptied(), 0, None, self.wire.small
-            )
+            conn.sendall(b"".join((head, keysec, *parts)))
+            buf, got = reader.emptied(), 0
+            while True:
+                status, ival, plen, payload, got = receive_reply(
+                    sock, buf, got, conn.timeout, self.wire.small
+                )
+                if status != QUIET:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self.deadline()
+                conn._arm()  # (what is left of the time)
             if payload is None:  # (a large value: into a buffer of its own)
                 reader.received(REPLY.size, got)
                 payload = self.buffer(plen)
                 reader.read_into(payload)
+        except self.deadline:
+            link.forget(conn)
+            raise self.timed_out(h, key, op, link, mid, None) from None
         except OSError:  # (ssl's errors are OSErrors too: no TLS here anyway)
             link._broken(conn)
             return None
@@ -934,6 +963,8 @@ class KeyLane:
             link.forget(conn)
             raise
         pool.give(link, conn)
+        if status == self.wire.timeout_status and timeout is not None:
+            raise self.timed_out(h, key, op, link, mid, bytes(payload))
         return status, ival, payload
 
 
