@@ -70,6 +70,7 @@ def test_the_compiled_set_is_built_and_chosen():
         "NO_KEY",
         "PlainRequests",
         "QUIET",
+        "Resend",
         "Record",
         "REPLY",
         "REQUEST",
@@ -741,6 +742,19 @@ def test_unpack_values_decodes_what_unpack_frames_and_decode_frames_give(
     if damage < 0 and cut is None:
         flat = [v for g in groups for _, v in g]
         assert flat == [v for _, v in _comparable(list(enumerate(values)), "<absent>", 0)]
+
+
+def test_a_frame_length_near_2_63_is_the_same_error():
+    """A many-key reply whose table claims a frame of nearly 2**63 bytes: both sets say it
+    ends inside a frame (the compiled bound must not wrap around and read past it)."""
+    payload = struct.pack("<I2q", 2, 2**63 - 8, 10) + bytes(64)
+    for name, args in (
+        ("unpack_frames", (payload, 0)),
+        ("unpack_values", (payload, [2], 0, None, bytes)),
+    ):
+        outcomes = [_outcome(getattr(s, name), *args) for s in SETS]
+        assert all(o == outcomes[0] for o in outcomes), outcomes
+        assert outcomes[0][0] == "error" and outcomes[0][1][0] is ValueError
 
 
 @pytest.mark.parametrize("kind", ["big ids", "iterators", "missing", "short"])

@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from dask_ddict import DDict, DDictClosedError, DDictKeyError, kernels
 from dask_ddict.client.lane import LANE, wired
-from dask_ddict.kernels import NO_KEY, pure
+from dask_ddict.kernels import NO_KEY, Resend, pure
 from dask_ddict.transport import timing
 from dask_ddict.transport.idle_pool import IDLE_POOL
 from dask_ddict.transport.ops import Contains
@@ -65,12 +65,17 @@ values_st = st.one_of(
 )
 
 
+def _began(got: Any) -> float | None:
+    """When a lane's answer says the Python path's time began (a Resend's), if it does."""
+    return got.began if type(got) is Resend else None
+
+
 def _get(lane: Any, h: DDict, key: Any) -> Any:
     """``h[key]`` through ``lane`` (``None``: the Python path), or :data:`ABSENT`."""
     got = NotImplemented if lane is None else lane.get(h, key)
-    if got is NotImplemented:
+    if got is NotImplemented or type(got) is Resend:
         try:
-            return h._get(key, None)
+            return h._get(key, None, _began(got))
         except DDictKeyError:
             return ABSENT
     return ABSENT if got is NO_KEY else got
@@ -78,15 +83,16 @@ def _get(lane: Any, h: DDict, key: Any) -> Any:
 
 def _contains(lane: Any, h: DDict, key: Any) -> bool:
     got = NotImplemented if lane is None else lane.contains(h, key)
-    if got is NotImplemented:
+    if got is NotImplemented or type(got) is Resend:
         mid, digest, _ = h._route(key)
-        return h._core.channel(mid).call(Contains(digest, h._chkpt))
+        return h._core.channel(mid).call(Contains(digest, h._chkpt, h.timeout, _began(got)))
     return got
 
 
 def _put(lane: Any, h: DDict, key: Any, value: Any, persistent: bool) -> None:
-    if lane is None or lane.put(h, key, value, persistent) is NotImplemented:
-        h._put(key, value, persistent)
+    got = None if lane is None else lane.put(h, key, value, persistent)
+    if got is not None or lane is None:
+        h._put(key, value, persistent, _began(got))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -130,7 +136,8 @@ def test_the_lanes_answer_as_the_python_path(tcp):
         )
         def put(self, key: Any, value: Any, by: int, persistent: bool, timed: bool) -> None:
             lane, at = LANES[by], handles[timed]
-            if lane is not None and lane.put(at, key, value, persistent) is not NotImplemented:
+            got = None if lane is None else lane.put(at, key, value, persistent)
+            if lane is not None and got is None:
                 served[id(lane)] += 1
             else:
                 _put(None, at, key, value, persistent)
@@ -283,6 +290,9 @@ def test_the_lanes_serve_a_handle_with_a_timeout_and_cut_its_waits(client, tcp):
             IDLE_POOL.give(link, link._connect(m, None, None))
         host = psutil.Process(t.stats[m].pid)
         stop_process(host)
+        # (a signal every 50 ms meanwhile: an interrupted wait must not start over)
+        old = signal.signal(signal.SIGALRM, lambda *_: None)
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
         try:
             for lane in SERVING:
                 for call, what in (
@@ -299,6 +309,8 @@ def test_the_lanes_serve_a_handle_with_a_timeout_and_cut_its_waits(client, tcp):
                     with IDLE_POOL.lock:  # (the connection it took is closed, not pooled)
                         assert len(link.idle) == idle - 1
         finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
             host.resume()
         assert t["k"] == b"w" or t["k"] == b"v"  # (the timed-out put may have been applied)
     finally:
@@ -324,6 +336,31 @@ def test_a_host_whose_own_wait_ran_out_is_the_python_paths_error(client):
         t.detach()
     finally:
         d.destroy()
+
+
+def test_a_timed_read_sent_again_keeps_its_first_deadline():
+    """A lane's timed get that waits at its host (``wait_for_keys``) and then loses its
+    connection (the host SIGKILLed) is sent again by the Python path within the same
+    deadline: the whole get ends within its timeout and the slack, not a second
+    timeout later."""
+    from dask_ddict import DDictError
+
+    with local_cluster(1) as cl, Client(cl) as c:
+        d = DDict(total_mem="32 MiB", client=c, wait_for_keys=True, working_set_size=2)
+        try:
+            t = _timed(d, 2.0)  # (slack 0.2 s)
+            host = d.stats[t.which_manager("never")].pid
+            killer = threading.Timer(1.2, os.kill, (host, signal.SIGKILL))
+            killer.start()
+            t0 = time.monotonic()
+            with pytest.raises(DDictError):  # (a timeout, or the host named unreachable)
+                t["never"]
+            elapsed = time.monotonic() - t0
+            killer.join()
+            assert 1.2 < elapsed < 2.0 + 0.2 + 0.6, elapsed
+            t.detach()
+        finally:
+            d.destroy()
 
 
 def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):

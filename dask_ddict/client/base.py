@@ -164,8 +164,8 @@ class HandleBase(ABC):
     # -- what one part takes from another (each defined by the part named) ------------
 
     @abstractmethod
-    def _put(self, key: Any, value: Any, persistent: bool) -> None:
-        """One put (:mod:`.handle`)."""
+    def _put(self, key: Any, value: Any, persistent: bool, began: float | None = None) -> None:
+        """One put (:mod:`.handle`); ``began``: see :class:`~dask_ddict.kernels.Resend`."""
 
     @abstractmethod
     def _derive(self) -> Self:

@@ -383,7 +383,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
 
     # -- the dict protocol ----------------------------------------------------------
 
-    def _put(self, key: Any, value: Any, persistent: bool) -> None:
+    def _put(self, key: Any, value: Any, persistent: bool, began: float | None = None) -> None:
         batch = self._batch
         if self._core.closed or self._detached:
             self._check()
@@ -411,6 +411,7 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
                     self._client_id,
                     persistent,
                     self._timeout,
+                    began,
                 ),
             )
             return
@@ -420,13 +421,15 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
             batch.refused(e)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if LANE.put(self, key, value, False) is NotImplemented:  # (lane.py)
-            self._put(key, value, False)
+        got = LANE.put(self, key, value, False)  # (lane.py)
+        if got is not None:
+            self._put(key, value, False, None if got is NotImplemented else got.began)
 
     def pput(self, key: Any, value: Any) -> None:
         """Persistent put: survives retirement under ``wait_for_keys``."""
-        if LANE.put(self, key, value, True) is NotImplemented:
-            self._put(key, value, True)
+        got = LANE.put(self, key, value, True)
+        if got is not None:
+            self._put(key, value, True, None if got is NotImplemented else got.began)
 
     def _get_range(self, key: Any, start: int, stop: int) -> tuple[int, Any]:
         """``(size, value[start:stop])`` of ``key``'s raw-bytes value, sliced where it
@@ -440,10 +443,11 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
 
     def __contains__(self, key: Any) -> bool:
         got = LANE.contains(self, key)  # (lane.py)
-        if got is not NotImplemented:
-            return bool(got)
+        if got is True or got is False:
+            return got
+        began = None if got is NotImplemented else got.began
         mid, digest, _ = self._route(key)
-        return self._core.channel(mid).call(Contains(digest, self._chkpt))
+        return self._core.channel(mid).call(Contains(digest, self._chkpt, self._timeout, began))
 
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
         """Remove ``key`` and return its value (``default`` if absent and given)."""

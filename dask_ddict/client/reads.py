@@ -19,7 +19,7 @@ from .. import kernels
 from .._serialize import loads_value
 from ..arguments import check_bool, check_keys
 from ..errors import DDictKeyError, DDictTimeoutError
-from ..kernels import NO_KEY
+from ..kernels import NO_KEY, Resend
 from ..transport.ops import Get
 from .base import HandleBase
 from .core import MISSING
@@ -40,13 +40,15 @@ class Reads(HandleBase):
             return self._get(key, None)
         if got is NO_KEY:
             raise DDictKeyError(key)
+        if type(got) is Resend:  # (sent, and to be sent again within its deadline)
+            return self._get(key, None, got.began)
         return got
 
-    def _get(self, key: Any, lend: bool | None) -> Any:
+    def _get(self, key: Any, lend: bool | None, began: float | None = None) -> Any:
         mid, digest, _ = self._route(key)
         try:
             frame = self._core.channel(mid).call(
-                Get(digest, self._chkpt, self._timeout, lend and self._vp is None)
+                Get(digest, self._chkpt, self._timeout, lend and self._vp is None, began)
             )
         except DDictKeyError:
             raise DDictKeyError(key) from None
@@ -77,9 +79,9 @@ class Reads(HandleBase):
         """
         lend = None if copy is None else not check_bool("copy", copy)
         got = LANE.get(self, key)  # (over TCP the received buffer is the value's either way)
-        if got is NotImplemented:
+        if got is NotImplemented or type(got) is Resend:
             try:
-                return self._get(key, lend)
+                return self._get(key, lend, None if got is NotImplemented else got.began)
             except DDictKeyError:
                 return default
         return default if got is NO_KEY else got

@@ -42,6 +42,7 @@ from .pure import (
     LaneWire,
     PlainRequests,
     Record,
+    Resend,
     group_table,
 )
 
@@ -120,6 +121,7 @@ __all__ = [
     "LaneWire",
     "NO_KEY",
     "PlainRequests",
+    "Resend",
     "group_table",
     "PlainServer",
     "Record",

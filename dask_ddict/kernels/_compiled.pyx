@@ -25,13 +25,14 @@ import os
 import pickle
 import struct
 import sys
+import time
 
 from .._hashing import _BLAKE2B, key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, NO_KEY,
-                   PADS, QUIET, REPLY, REQUEST, WAIT, Decoded, KeyTooLong)
+                   PADS, QUIET, REPLY, REQUEST, WAIT, Decoded, KeyTooLong, Resend)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
@@ -57,6 +58,13 @@ cdef extern from "<sys/socket.h>" nogil:
     ssize_t send(int fd, const void* buf, size_t n, int flags)
     int MSG_DONTWAIT
 
+cdef extern from "<time.h>" nogil:
+    ctypedef int clockid_t
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(clockid_t clk, timespec* tp)
+
 cdef extern from "<poll.h>" nogil:
     struct pollfd:
         int fd
@@ -66,6 +74,16 @@ cdef extern from "<poll.h>" nogil:
     short POLLIN
     short POLLOUT
     short POLLNVAL
+
+cdef clockid_t _MONOTONIC = time.CLOCK_MONOTONIC  # (time.monotonic()'s clock)
+
+
+cdef inline double _monotonic() noexcept nogil:
+    """``time.monotonic()``."""
+    cdef timespec t
+    clock_gettime(_MONOTONIC, &t)
+    return t.tv_sec + t.tv_nsec * 1e-9
+
 
 cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
@@ -515,7 +533,7 @@ def unpack_frames(payload, Py_ssize_t small=0):
             if ln < 0:
                 out.append(None if ln == _ABSENT else False)
                 continue
-            if off + ln > size:
+            if ln > size - off:  # (not off + ln: a length near 2**63 would wrap)
                 raise ValueError(f"a many-key reply of {size} bytes ends inside a frame")
             if ln < small:
                 out.append(PyBytes_FromStringAndSize(<char*>p + off, <Py_ssize_t>ln))
@@ -551,7 +569,7 @@ def unpack_values(payload, list counts, Py_ssize_t small, object absent, object 
             if ln < 0:
                 waits = waits or ln != _ABSENT
                 continue
-            if off + ln > size:
+            if ln > size - off:  # (not off + ln: a length near 2**63 would wrap)
                 raise ValueError(f"a many-key reply of {size} bytes ends inside a frame")
             off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
         for c in counts:
@@ -934,8 +952,9 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
     cdef ddict_reply_head head
     cdef pollfd pfd
     cdef Py_buffer view
+    cdef double end = 0.0
     if wait is not None:  # (the socket's timeout: its descriptor does not block)
-        ms = <int>min(max(<double>wait * 1000.0 + 0.999, 0.0), 2147483647.0)
+        end = _monotonic() + max(<double>wait, 0.0)  # (a signal does not lengthen the wait)
         flags = MSG_DONTWAIT
     PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
     try:
@@ -955,7 +974,8 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
             fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
             if fd < 0:
                 raise OSError(EBADF, os.strerror(EBADF))
-            if ms >= 0:
+            if flags:
+                ms = <int>min(max((end - _monotonic()) * 1000.0 + 0.999, 0.0), 2147483647.0)
                 pfd.fd = fd
                 pfd.events = POLLIN
                 pfd.revents = 0

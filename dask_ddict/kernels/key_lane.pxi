@@ -11,10 +11,7 @@
 # the reply received there with the interpreter lock released (``_receive_reply``); the
 # header is written by ``framing.pxi``'s ``ddict_write_request``.
 
-import time as _time
-
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
-cdef clockid_t _MONOTONIC = _time.CLOCK_MONOTONIC
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
 
 
@@ -26,12 +23,6 @@ cdef inline bint _small_int(object v, long long most, long long* out):
         return False
     out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
     return overflow == 0 and 0 <= out[0] <= most
-
-
-cdef inline double _monotonic() noexcept nogil:
-    cdef timespec t
-    clock_gettime(_MONOTONIC, &t)
-    return t.tv_sec + t.tv_nsec * 1e-9
 
 
 cdef int _wait_fd(int fd, short events, double deadline) except -1:
@@ -141,34 +132,31 @@ cdef class KeyLane:
 
     def get(self, h, key):
         cdef object got = self._read(h, key, self.op_get)
-        if got is None:
-            return NotImplemented
-        status = (<tuple>got)[0]
-        if status == 0:
+        if type(got) is not tuple:
+            return got
+        if (<tuple>got)[0] == 0:
             value = _small((<tuple>got)[2])
             return self.decode((<tuple>got)[2]) if value is NotImplemented else value
-        return NO_KEY if status == self.missing else NotImplemented
+        return NO_KEY
 
     def contains(self, h, key):
         cdef object got = self._read(h, key, self.op_contains)
-        if got is None or (<tuple>got)[0] != 0:
-            return NotImplemented
-        return bool((<tuple>got)[1])
+        return bool((<tuple>got)[1]) if type(got) is tuple else got
 
     cdef object _read(self, h, key, int op):
-        """``_exchange`` of a read of ``key`` (``None``: not the lane's)."""
+        """``_exchange`` of a read of ``key``."""
         cdef tuple route
         cdef object routed = self._routed(h)
         if routed is None:
-            return None
+            return NotImplemented
         try:
             route = (<Router>routed).one(key)
         except KeyTooLong:  # (the Python path says why)
-            return None
+            return NotImplemented
         return self._exchange(h, key, route[0], op, 0, route[1], None, 0, 0)
 
     def put(self, h, key, value, bint persistent):
-        cdef tuple got, rec
+        cdef tuple rec
         cdef object routed = self._routed(h)
         if routed is None or h._batch is not None:
             return NotImplemented
@@ -182,7 +170,7 @@ cdef class KeyLane:
             return NotImplemented
         got = self._exchange(h, key, rec[0], self.op_put, self.persist if persistent else 0,
                              rec[1] + kb, framed.parts, framed.nbytes, h._client_id)
-        return None if got is not None and got[0] == 0 else NotImplemented
+        return None if type(got) is tuple else got
 
     cdef object _routed(self, h):
         """The handle's router, if it is one the lane serves now (else ``None``)."""
@@ -226,14 +214,14 @@ cdef class KeyLane:
 
     cdef object _exchange(self, h, key, object mid, int op, int flags, bytes keysec,
                           object parts, object vlen_, object client):
-        """``(status, ival, payload)`` of one request, or ``None`` (``pure.KeyLane``)."""
+        """``(status, ival, payload)``, ``NotImplemented`` or a ``Resend`` (``pure.KeyLane``)."""
         cdef long long m, term, chkpt, cid, vlen
         cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at, have
         cdef bytearray buf
         cdef unsigned char* p
         cdef Py_buffer view
         cdef ddict_request_head head
-        cdef double deadline = -1.0, wire_timeout = _NO_TIMEOUT
+        cdef double began, deadline = -1.0, wire_timeout = _NO_TIMEOUT
         cdef bint blocking, late = False
         target = h._target
         if target is not None:
@@ -241,31 +229,32 @@ cdef class KeyLane:
         core = h._core
         ch = (<dict>core._channels).get(mid)
         if type(ch) is not self.channel or self.timing.on:
-            return None
+            return NotImplemented
         link = ch.link
         if link.kind != "tcp":
-            return None
+            return NotImplemented
         if not (_small_int(mid, 0xFFFFFFFF, &m) and _small_int(vlen_, self.most, &vlen)
                 and _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt)
                 and _small_int(client, 0x7FFFFFFFFFFFFFFF, &cid)):
-            return None
+            return NotImplemented
         total = _REQUEST + klen + <Py_ssize_t>vlen
         if total > self.most or not (vlen <= link._max_value):
-            return None
+            return NotImplemented
         if not _small_int(link.terms.get(mid, 0), 0xFFFF, &term):
-            return None
+            return NotImplemented
         timeout = h._timeout
+        began = _monotonic()
         if timeout is not None:  # (the operation's time and the link's slack, as _exchange)
             wire_timeout = timeout
-            deadline = _monotonic() + wire_timeout + <double>link._slack
+            deadline = began + wire_timeout + <double>link._slack
         conn = self._take(link)
         if conn is None:
-            return None
+            return NotImplemented
         reader = conn.reader
         buf = reader._buf
         if reader._pos != reader._end or PyByteArray_GET_SIZE(buf) < total:
             self._give(link, conn)
-            return None
+            return NotImplemented
         # (a socket without a timeout blocks; one a timed operation left with its own
         # does not, and is waited for by poll, as is every timed operation's)
         blocking = conn.timeout is None and deadline < 0
@@ -279,20 +268,25 @@ cdef class KeyLane:
         ddict_write_request(p, &head)
         memcpy(p + _REQUEST, PyBytes_AS_STRING(keysec), klen)
         at = _REQUEST + klen
-        if parts is not None:
-            for part in parts:
-                PyObject_GetBuffer(part, &view, PyBUF_SIMPLE)
-                try:
-                    if view.len > total - at:
-                        at = -1
-                        break
-                    memcpy(p + at, view.buf, view.len)
-                    at += view.len
-                finally:
-                    PyBuffer_Release(&view)
+        try:  # (nothing sent yet: a part that fails gives the connection back as it was)
+            if parts is not None:
+                for part in parts:
+                    PyObject_GetBuffer(part, &view, PyBUF_SIMPLE)
+                    try:
+                        if view.len > total - at:
+                            at = -1
+                            break
+                        memcpy(p + at, view.buf, view.len)
+                        at += view.len
+                    finally:
+                        PyBuffer_Release(&view)
+        except BaseException:
+            self._give(link, conn)
+            raise
         if at != total:  # (parts that do not add up to the value's length: not for here)
             self._give(link, conn)
-            return None
+            return NotImplemented
+        again = NotImplemented if deadline < 0 else Resend(began)  # (once sent)
         try:
             sock = conn.sock
             late = not _send_all(sock, p, total, blocking, deadline)
@@ -317,7 +311,7 @@ cdef class KeyLane:
                     PyBuffer_Release(&view)
         except OSError:
             link._broken(conn)
-            return None
+            return again
         except BaseException:
             link.forget(conn)
             raise
@@ -325,6 +319,8 @@ cdef class KeyLane:
             link.forget(conn)
             raise self.timed_out(h, key, op, link, mid, None)
         self._give(link, conn)
+        if status == 0 or (status == self.missing and op == self.op_get):
+            return status, ival, payload
         if status == self.timeout_status and deadline >= 0:
             raise self.timed_out(h, key, op, link, mid, bytes(payload))
-        return status, ival, payload
+        return again

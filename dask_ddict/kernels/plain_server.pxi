@@ -21,13 +21,6 @@ from cpython.mem cimport PyMem_Realloc
 
 from .pure import PlainServer as _PurePlainServer
 
-cdef extern from "<time.h>" nogil:
-    ctypedef int clockid_t
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    int clock_gettime(clockid_t clk, timespec* tp)
-
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
         void* ptr

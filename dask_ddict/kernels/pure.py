@@ -772,6 +772,16 @@ class _NoKey:
 #: ``DDictKeyError(key)``, as its Python path does).
 NO_KEY: Any = _NoKey()
 
+
+class Resend(NamedTuple):
+    """What a :class:`KeyLane` answers for an operation with a timeout that it sent and
+    then leaves to the Python path (a broken connection, a reply that is not OK): send it
+    again within the same deadline, whose time counts from ``began``
+    (``time.monotonic()``), not from the resend."""
+
+    began: float
+
+
 #: ``timed_out(handle, key, op, link, manager, message)``: the error of an operation
 #: whose time ran out, as the handle's Python path raises it (``message``: the host's,
 #: when its own wait ran out; ``None``: no answer within the time and its slack).
@@ -799,16 +809,20 @@ class KeyLane:
     that does not come by then, or a host's reply that its own wait ran out, raises what
     the Python path raises (``timed_out``), the connection closed.  Anything else answers
     ``NotImplemented``: before anything was sent, or after a reply that is not OK (a
-    moved or leased manager, a full shard, ...: the host applied nothing, at once), or a
-    broken connection (closed as the link closes one); the caller then takes its Python
-    path, which sends the request again (a read, or a put: the same request has the same
+    moved or leased manager, a full shard, ...: the host applied nothing), or a broken
+    connection (closed as the link closes one); the caller then takes its Python path,
+    which sends the request again (a read, or a put: the same request has the same
     effect) and follows, waits or raises as it says.
+
+    With a timeout, a request sent and then left to the Python path is answered as a
+    :class:`Resend`: its caller sends it again within the same deadline.
 
     Nothing is kept: each call reads the handle, its core and the link as they are
     (``HandleBase`` declares what it reads), so the lane is one per process, holding
     only what the transport injects: the wire's codes (:class:`LaneWire`), the channel
     class of a link's manager, the connection pool (its lock taken without waiting: a
-    busy one is the Python path's), the timings' switch, the buffer a large value is
+    busy one is the Python path's; a connection given back through the pool's own
+    ``give`` then), the timings' switch, the buffer a large value is
     received into, the value frames' decoder, the errors of a timeout, and the exception a
     connection's wait raises at its deadline.
     """
@@ -832,35 +846,32 @@ class KeyLane:
         return f"<KeyLane most={self.wire.most}>"
 
     def get(self, h: Any, key: Any) -> Any:
-        """``h[key]``'s value, :data:`NO_KEY`, or ``NotImplemented``."""
+        """``h[key]``'s value, :data:`NO_KEY`, a :class:`Resend`, or ``NotImplemented``."""
         got = self._read(h, key, self.wire.get)
-        if got is None:
-            return NotImplemented
+        if type(got) is not tuple:
+            return got
         status, _, payload = got
-        if status == 0:
-            return decoded(payload, self.decode)
-        return NO_KEY if status == self.wire.missing_status else NotImplemented
+        return decoded(payload, self.decode) if status == 0 else NO_KEY
 
     def contains(self, h: Any, key: Any) -> Any:
-        """``key in h``, or ``NotImplemented``."""
+        """``key in h``, a :class:`Resend`, or ``NotImplemented``."""
         got = self._read(h, key, self.wire.contains)
-        if got is None or got[0] != 0:
-            return NotImplemented
-        return bool(got[1])
+        return bool(got[1]) if type(got) is tuple else got
 
-    def _read(self, h: Any, key: Any, op: int) -> tuple[int, int, Any] | None:
-        """:meth:`_exchange` of a read of ``key`` (``None``: not the lane's)."""
+    def _read(self, h: Any, key: Any, op: int) -> Any:
+        """:meth:`_exchange` of a read of ``key``."""
         routed = self._routed(h)
         if routed is None:
-            return None
+            return NotImplemented
         try:
             mid, digest, _ = routed[0].one(key)
         except KeyTooLong:  # (the Python path says why)
-            return None
+            return NotImplemented
         return self._exchange(h, key, mid, op, 0, digest, (), 0, 0)
 
     def put(self, h: Any, key: Any, value: Any, persistent: bool) -> Any:
-        """``h[key] = value`` (``None`` once acknowledged), or ``NotImplemented``."""
+        """``h[key] = value`` (``None`` once acknowledged), a :class:`Resend`, or
+        ``NotImplemented``."""
         routed = self._routed(h)
         if routed is None or h._batch is not None:
             return NotImplemented
@@ -877,7 +888,7 @@ class KeyLane:
         got = self._exchange(
             h, key, mid, self.wire.put, flags, digest + kb, parts, framed.nbytes, h._client_id
         )
-        return None if got is not None and got[0] == 0 else NotImplemented
+        return None if type(got) is tuple else got
 
     @staticmethod
     def _routed(h: Any) -> Any:
@@ -898,26 +909,37 @@ class KeyLane:
         parts: tuple[Any, ...],
         vlen: int,
         client: int,
-    ) -> tuple[int, int, Any] | None:
+    ) -> Any:
         """``(status, ival, payload)`` of one request to manager ``mid`` (the handle's own,
-        or its target) on an idle connection of its link, or ``None``: not for the lane,
-        nothing sent; or sent and the connection broke (closed here).  Raises what the
-        Python path raises when the operation's time runs out."""
+        or its target) on an idle connection of its link, answered OK (or, for a get,
+        with its key absent); else ``NotImplemented`` (not for the lane, nothing sent; or,
+        without a timeout, sent and then a broken connection, closed here, or another
+        reply) or, with one, a :class:`Resend`.  Raises what the Python path raises when
+        the operation's time runs out."""
         if h._target is not None:
             mid = h._target
         ch = h._core._channels.get(mid)
         if type(ch) is not self.channel or self.timing.on:
-            return None
+            return NotImplemented
         link = cast(Any, ch).link
         if link.kind != "tcp" or REQUEST.size + len(keysec) + vlen > self.wire.most:
-            return None
+            return NotImplemented
         if vlen > link._max_value:
-            return None
+            return NotImplemented
         timeout = h._timeout
-        deadline = None if timeout is None else time.monotonic() + timeout + link._slack
+        wire_timeout = -1.0 if timeout is None else float(timeout)
+        term = link.terms.get(mid, 0)
+        try:
+            head = REQUEST.pack(
+                op, flags, term, len(keysec), mid, 0, h._chkpt, 0, client, wire_timeout, vlen, 0
+            )
+        except struct.error:  # (a field out of range: the Python path's to say)
+            return NotImplemented
+        began = time.monotonic()
+        deadline = None if timeout is None else began + timeout + link._slack
         pool = self.pool
         if not pool.lock.acquire(False):
-            return None
+            return NotImplemented
         try:
             conn = link.idle.pop() if link.idle else None
             if conn is not None:
@@ -925,18 +947,14 @@ class KeyLane:
         finally:
             pool.lock.release()
         if conn is None:
-            return None
+            return NotImplemented
         reader = conn.reader
         if reader.buffered():
             pool.give(link, conn)
-            return None
-        conn.begin(deadline, None)  # (the socket's waits cut at the deadline, if any)
-        term = link.terms.get(mid, 0)
-        wire_timeout = -1.0 if timeout is None else float(timeout)
-        head = REQUEST.pack(
-            op, flags, term, len(keysec), mid, 0, h._chkpt, 0, client, wire_timeout, vlen, 0
-        )
+            return NotImplemented
+        again = NotImplemented if timeout is None else Resend(began)  # (once sent)
         try:
+            conn.begin(deadline, None)  # (the socket's waits cut at the deadline, if any)
             sock = conn.sock
             conn.sendall(b"".join((head, keysec, *parts)))
             buf, got = reader.emptied(), 0
@@ -958,14 +976,16 @@ class KeyLane:
             raise self.timed_out(h, key, op, link, mid, None) from None
         except OSError:  # (ssl's errors are OSErrors too: no TLS here anyway)
             link._broken(conn)
-            return None
+            return again
         except BaseException:
             link.forget(conn)
             raise
         pool.give(link, conn)
+        if status == 0 or (status == self.wire.missing_status and op == self.wire.get):
+            return status, ival, payload
         if status == self.wire.timeout_status and timeout is not None:
             raise self.timed_out(h, key, op, link, mid, bytes(payload))
-        return status, ival, payload
+        return again
 
 
 class PlainRequests(NamedTuple):

@@ -77,6 +77,10 @@ class Operation:
     #: served on a thread of its own (:mod:`dask_ddict._blocking`).
     inline: ClassVar[bool] = True
     timeout: float | None = None
+    #: When its time began (``time.monotonic()``), if before it reached the link: a
+    #: request the key lane sent first (``client/lane.py``) is sent again within the same
+    #: deadline.  ``None``: when the link takes it.
+    began: float | None = None
 
     def encode(self) -> Encoded:
         return Encoded()

@@ -91,6 +91,7 @@ class Get(FrameReply):
     chkpt: int
     timeout: float | None = None
     lend: bool | None = False
+    began: float | None = None
 
     def encode(self) -> Encoded:
         return Encoded(keysec=self.digest, chkpt=self.chkpt, timeout=self.timeout)
@@ -152,6 +153,7 @@ class Put(Operation):
     client: int
     persistent: bool = False
     timeout: float | None = None
+    began: float | None = None
 
     def encode(self) -> Encoded:
         return _key_and_value(self, FLAG_PERSIST if self.persistent else 0)
@@ -196,9 +198,11 @@ class Contains(Operation):
     kind = Kind.READ
     digest: bytes
     chkpt: int
+    timeout: float | None = None
+    began: float | None = None
 
     def encode(self) -> Encoded:
-        return Encoded(keysec=self.digest, chkpt=self.chkpt)
+        return Encoded(keysec=self.digest, chkpt=self.chkpt, timeout=self.timeout)
 
     def result(self, ival: int, payload: Any) -> bool:
         return bool(ival)

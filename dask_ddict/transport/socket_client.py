@@ -509,6 +509,8 @@ class HostLink:
         :attr:`settle` says, until a primary answers (``lapsed``: since when it waits)."""
         flags, keysec, value, vlen, chkpt, arg, client, timeout = o.encode()
         op, kind = o.op, o.kind
+        if began is None:  # (its time may have begun before: the key lane's)
+            began = o.began
         if vlen > self._max_value:  # the host would refuse it unread: say why, send nothing
             raise DDictFullError(
                 f"{self.where(mid)}: a {vlen}-byte value cannot fit: its host "
