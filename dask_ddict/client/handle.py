@@ -421,13 +421,14 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
             batch.refused(e)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        got = LANE.put(self, key, value, False)  # (lane.py)
+        # (the lane's, lane.py, unless a batch is open: its puts are buffered by _put)
+        got = NotImplemented if self._batch is not None else LANE.put(self, key, value, False)
         if got is not None:
             self._put(key, value, False, None if got is NotImplemented else got.began)
 
     def pput(self, key: Any, value: Any) -> None:
         """Persistent put: survives retirement under ``wait_for_keys``."""
-        got = LANE.put(self, key, value, True)
+        got = NotImplemented if self._batch is not None else LANE.put(self, key, value, True)
         if got is not None:
             self._put(key, value, True, None if got is NotImplemented else got.began)
 

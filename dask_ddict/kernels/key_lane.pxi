@@ -160,6 +160,8 @@ cdef class KeyLane:
         cdef object routed = self._routed(h)
         if routed is None or h._batch is not None:
             return NotImplemented
+        if type(value) is bytes and PyBytes_GET_SIZE(value) > self.most:  # (not framed twice)
+            return NotImplemented
         try:
             rec = (<Router>routed).record(key, value, h._routed[1])
         except KeyTooLong:

@@ -875,6 +875,8 @@ class KeyLane:
         routed = self._routed(h)
         if routed is None or h._batch is not None:
             return NotImplemented
+        if type(value) is bytes and len(value) > self.wire.most:  # (not framed twice)
+            return NotImplemented
         router, dumps = routed
         try:
             mid, digest, kb, framed = router.record(key, value, dumps)
