@@ -4,12 +4,14 @@
 # common case of the handle's Python path (an open handle, a plain TCP link with an idle
 # connection, a request that fits one send) and answers ``NotImplemented`` for anything
 # else, before anything was sent, or after a reply that is not OK, or a broken
-# connection; the caller's Python path then sends the request again and says what
-# happened.  Here the whole exchange runs without a Python frame: the route (``Router``),
-# the manager's channel and link, the pool's lock taken without waiting, the request
-# written into the connection's receive buffer (empty while it is idle) and sent, and
-# the reply received there with the interpreter lock released (``_receive_reply``); the
-# header is written by ``framing.pxi``'s ``ddict_write_request``.
+# connection (a timed request already sent: a ``Resend`` with its start); the caller's
+# Python path then sends the request again and says what happened.  Here the whole
+# exchange runs without a Python frame: the route (``Router``), the manager's channel
+# and link, the pool's lock taken without waiting, the request written into the
+# connection's receive buffer (empty while it is idle) and sent, and the reply received
+# there with the interpreter lock released (``_receive_reply``); the header is written
+# by ``framing.pxi``'s ``ddict_write_request``.  With a timeout every wait is a ``poll``
+# of what is left of the operation's deadline (``_wait_fd``).
 
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
