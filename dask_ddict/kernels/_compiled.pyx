@@ -128,6 +128,12 @@ cdef inline void _put_le64(unsigned char* p, uint64_t v) noexcept nogil:
         v >>= 8
 
 
+cdef inline int64_t _aligned(int64_t n) noexcept nogil:
+    """``n`` rounded up to a multiple of ``ALIGN`` (where a many-key reply's next frame
+    starts; ``(ALIGN - n % ALIGN) % ALIGN``, not ``-n % ALIGN``: C's ``%`` is signed)."""
+    return n + (_ALIGN - n % _ALIGN) % _ALIGN
+
+
 cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
     p[0] = <char>(v & 0xFF)
     p[1] = <char>((v >> 8) & 0xFF)
@@ -512,6 +518,17 @@ def digest_groups(value):
     return out
 
 
+cdef Py_ssize_t _frames_at(const unsigned char* p, Py_ssize_t size, Py_ssize_t* n) except -1:
+    """Where the first frame of a many-key reply of ``size`` bytes at ``p`` starts, its
+    table's count of frames in ``n``; the errors of a reply too short for its table."""
+    if size < 4:
+        raise ValueError(f"a many-key reply of {size} bytes has no table")
+    n[0] = _le32(p)
+    if 4 + 8 * n[0] > size:
+        raise ValueError(f"a many-key reply of {size} bytes cannot hold {n[0]} lengths")
+    return _aligned(4 + 8 * n[0])
+
+
 def unpack_frames(payload, Py_ssize_t small=0):
     mv = memoryview(payload).cast("B")
     cdef Py_buffer view
@@ -521,13 +538,7 @@ def unpack_frames(payload, Py_ssize_t small=0):
     cdef int64_t ln
     cdef list out = []
     try:
-        if size < 4:
-            raise ValueError(f"a many-key reply of {size} bytes has no table")
-        n = _le32(p)
-        if 4 + 8 * n > size:
-            raise ValueError(f"a many-key reply of {size} bytes cannot hold {n} lengths")
-        off = 4 + 8 * n
-        off += (_ALIGN - off % _ALIGN) % _ALIGN
+        off = _frames_at(p, size, &n)
         for i in range(n):
             ln = <int64_t>_le64(p + 4 + 8 * i)
             if ln < 0:
@@ -539,7 +550,7 @@ def unpack_frames(payload, Py_ssize_t small=0):
                 out.append(PyBytes_FromStringAndSize(<char*>p + off, <Py_ssize_t>ln))
             else:
                 out.append(mv[off : off + ln])
-            off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
+            off += _aligned(ln)
     finally:
         PyBuffer_Release(&view)
     return out
@@ -556,14 +567,7 @@ def unpack_values(payload, list counts, Py_ssize_t small, object absent, object 
     cdef list out
     cdef object values  # (a Decoded: a list, not exactly one)
     try:
-        if size < 4:
-            raise ValueError(f"a many-key reply of {size} bytes has no table")
-        n = _le32(p)
-        if 4 + 8 * n > size:
-            raise ValueError(f"a many-key reply of {size} bytes cannot hold {n} lengths")
-        start = 4 + 8 * n
-        start += (_ALIGN - start % _ALIGN) % _ALIGN
-        off = start
+        off = start = _frames_at(p, size, &n)
         for i in range(n):  # (first the table, as unpack_frames checks it: nothing decoded)
             ln = <int64_t>_le64(p + 4 + 8 * i)
             if ln < 0:
@@ -571,7 +575,7 @@ def unpack_values(payload, list counts, Py_ssize_t small, object absent, object 
                 continue
             if ln > size - off:  # (not off + ln: a length near 2**63 would wrap)
                 raise ValueError(f"a many-key reply of {size} bytes ends inside a frame")
-            off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
+            off += _aligned(ln)
         for c in counts:
             total += c
         if total != n:
@@ -594,7 +598,7 @@ def unpack_values(payload, list counts, Py_ssize_t small, object absent, object 
                 else:
                     value = decode(mv[off : off + ln])
                 PyList_Append(values, value)
-                off += ln + (_ALIGN - ln % _ALIGN) % _ALIGN
+                off += _aligned(ln)
             out.append(values)
         return out
     finally:
@@ -935,26 +939,49 @@ cdef Py_ssize_t _REPLY = REPLY.size
 cdef int _QUIET = QUIET
 
 
+cdef int _wait_fd(int fd, short events, double deadline) except -1:
+    """Wait until ``fd`` is ready for ``events``, at most until ``deadline`` (of
+    ``_monotonic``; negative: no end; one past, or a signal, polls what is left: at least
+    once): 1 ready, 0 the deadline passed."""
+    cdef pollfd pfd
+    cdef int ready, ms, err = 0
+    while True:
+        ms = -1
+        if deadline >= 0:
+            ms = <int>min(max((deadline - _monotonic()) * 1000.0 + 0.999, 0.0), 2147483647.0)
+        pfd.fd, pfd.events, pfd.revents = fd, events, 0
+        with nogil:
+            ready = poll(&pfd, 1, ms)
+            if ready < 0:
+                err = errno
+        if ready > 0:
+            if pfd.revents & POLLNVAL:
+                raise OSError(EBADF, os.strerror(EBADF))
+            return 1
+        if ready == 0:
+            return 0
+        if err != EINTR:
+            raise OSError(err, os.strerror(err))
+        PyErr_CheckSignals()
+
+
 def receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t small):
     return _receive_reply(sock, buf, got, wait, small)
 
 
 cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_ssize_t small):
     cdef int fd
-    cdef int ms = -1
     cdef int flags = 0
-    cdef int ready
     cdef int err = 0
     cdef ssize_t n
     cdef Py_ssize_t cap
     cdef uint64_t plen
     cdef char* p
     cdef ddict_reply_head head
-    cdef pollfd pfd
     cdef Py_buffer view
     cdef double end = 0.0
     if wait is not None:  # (the socket's timeout: its descriptor does not block)
-        end = _monotonic() + max(<double>wait, 0.0)  # (a signal does not lengthen the wait)
+        end = _monotonic() + max(<double>wait, 0.0)
         flags = MSG_DONTWAIT
     PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
     try:
@@ -974,24 +1001,8 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
             fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
             if fd < 0:
                 raise OSError(EBADF, os.strerror(EBADF))
-            if flags:
-                ms = <int>min(max((end - _monotonic()) * 1000.0 + 0.999, 0.0), 2147483647.0)
-                pfd.fd = fd
-                pfd.events = POLLIN
-                pfd.revents = 0
-                with nogil:
-                    ready = poll(&pfd, 1, ms)
-                    if ready < 0:
-                        err = errno
-                if ready == 0:
-                    return _QUIET, 0, 0, None, got
-                if ready > 0 and pfd.revents & POLLNVAL:
-                    raise OSError(EBADF, os.strerror(EBADF))
-                if ready < 0:
-                    if err == EINTR:
-                        PyErr_CheckSignals()
-                        continue
-                    raise OSError(err, os.strerror(err))
+            if flags and not _wait_fd(fd, POLLIN, end):  # (a signal does not lengthen it)
+                return _QUIET, 0, 0, None, got
             with nogil:
                 n = recv(fd, p + got, <size_t>(cap - got), flags)
                 if n < 0:
@@ -1002,7 +1013,7 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
                 raise ConnectionResetError("connection closed by peer")
             elif err == EINTR:
                 PyErr_CheckSignals()
-            elif ms < 0 or (err != EAGAIN and err != EWOULDBLOCK):
+            elif not flags or (err != EAGAIN and err != EWOULDBLOCK):
                 raise OSError(err, os.strerror(err))
     finally:
         PyBuffer_Release(&view)

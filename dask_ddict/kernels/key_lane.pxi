@@ -27,83 +27,33 @@ cdef inline bint _small_int(object v, long long most, long long* out):
     return overflow == 0 and 0 <= out[0] <= most
 
 
-cdef int _wait_fd(int fd, short events, double deadline) except -1:
-    """Wait until ``fd`` is ready for ``events``, at most until ``deadline`` (of
-    ``_monotonic``; negative: no end): 1 ready, 0 the deadline passed."""
-    cdef pollfd pfd
-    cdef int ready, ms, err = 0
-    cdef double left
-    while True:
-        ms = -1
-        if deadline >= 0:
-            left = deadline - _monotonic()
-            if left <= 0:
-                return 0
-            ms = <int>min(left * 1000.0 + 0.999, 2147483647.0)
-        pfd.fd, pfd.events, pfd.revents = fd, events, 0
-        with nogil:
-            ready = poll(&pfd, 1, ms)
-            if ready < 0:
-                err = errno
-        if ready > 0:
-            if pfd.revents & POLLNVAL:
-                raise OSError(EBADF, os.strerror(EBADF))
-            return 1
-        if ready < 0:
-            if err != EINTR:
-                raise OSError(err, os.strerror(err))
-            PyErr_CheckSignals()
-
-
-cdef int _send_all(sock, const unsigned char* p, Py_ssize_t n, bint blocking,
+cdef int _move_all(sock, char* p, Py_ssize_t n, bint sending, bint blocking,
                    double deadline) except -1:
-    """``p[:n]`` sent on ``sock`` (a blocking descriptor's ``send``, else without waiting
-    and a wait for room cut at ``deadline``): 1 sent, 0 the deadline passed first."""
-    cdef Py_ssize_t sent = 0
+    """``p[:n]`` sent on ``sock`` (``sending``), or ``n`` bytes received into ``p`` (a large
+    reply's payload): a blocking descriptor's ``send``/``recv``, else without waiting and
+    a wait for room or data cut at ``deadline``.  1 moved, 0 the deadline passed first."""
+    cdef Py_ssize_t done = 0
     cdef ssize_t k
-    cdef int fd, err = 0
-    while sent < n:
+    cdef int fd, err = 0, flags = 0 if blocking else MSG_DONTWAIT
+    while done < n:
         fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
         if fd < 0:
             raise OSError(EBADF, os.strerror(EBADF))
         with nogil:
-            k = send(fd, p + sent, <size_t>(n - sent), 0 if blocking else MSG_DONTWAIT)
+            if sending:
+                k = send(fd, p + done, <size_t>(n - done), flags)
+            else:
+                k = recv(fd, p + done, <size_t>(n - done), flags)
             if k < 0:
                 err = errno
-        if k >= 0:
-            sent += k
-        elif err == EINTR:
-            PyErr_CheckSignals()
-        elif not blocking and (err == EAGAIN or err == EWOULDBLOCK):
-            if not _wait_fd(fd, POLLOUT, deadline):
-                return 0
-        else:
-            raise OSError(err, os.strerror(err))
-    return 1
-
-
-cdef int _receive_all(sock, char* p, Py_ssize_t n, bint blocking, double deadline) except -1:
-    """``n`` bytes from ``sock`` into ``p`` (a large reply's payload), waiting as
-    :func:`_send_all` waits: 1 received, 0 the deadline passed first."""
-    cdef Py_ssize_t got = 0
-    cdef ssize_t k
-    cdef int fd, err = 0
-    while got < n:
-        fd = sock.fileno()
-        if fd < 0:
-            raise OSError(EBADF, os.strerror(EBADF))
-        with nogil:
-            k = recv(fd, p + got, <size_t>(n - got), 0 if blocking else MSG_DONTWAIT)
-            if k < 0:
-                err = errno
-        if k > 0:
-            got += k
+        if k > 0 or (k == 0 and sending):
+            done += k
         elif k == 0:
             raise ConnectionResetError("connection closed by peer")
         elif err == EINTR:
             PyErr_CheckSignals()
         elif not blocking and (err == EAGAIN or err == EWOULDBLOCK):
-            if not _wait_fd(fd, POLLIN, deadline):
+            if not _wait_fd(fd, POLLOUT if sending else POLLIN, deadline):
                 return 0
         else:
             raise OSError(err, os.strerror(err))
@@ -293,7 +243,7 @@ cdef class KeyLane:
         again = NotImplemented if deadline < 0 else Resend(began)  # (once sent)
         try:
             sock = conn.sock
-            late = not _send_all(sock, p, total, blocking, deadline)
+            late = not _move_all(sock, <char*>p, total, True, blocking, deadline)
             got = 0
             while not late:
                 wait = None if blocking else (
@@ -309,8 +259,8 @@ cdef class KeyLane:
                 try:
                     have = min(<Py_ssize_t>got - _REPLY, view.len)
                     memcpy(view.buf, p + _REPLY, have)
-                    late = not _receive_all(sock, <char*>view.buf + have, view.len - have,
-                                            blocking, deadline)
+                    late = not _move_all(sock, <char*>view.buf + have, view.len - have,
+                                         False, blocking, deadline)
                 finally:
                     PyBuffer_Release(&view)
         except OSError:

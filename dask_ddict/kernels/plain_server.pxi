@@ -306,6 +306,7 @@ cdef class PlainServer:
         cdef unsigned int dbi
         cdef uint32_t mid, count
         cdef PyObject* found
+        cdef ddict_reply_head reply
         cdef list ms = []
         if vlen < 4:
             return 0
@@ -363,23 +364,24 @@ cdef class PlainServer:
                 at += count
             # the reply: <u32 n> <i64 length> * n [pad] (frame [pad]) * n
             head = 4 + 8 * total
-            size = head + (_ALIGN - head % _ALIGN) % _ALIGN
+            size = _aligned(head)
             for j in range(total):
                 if lens[j] >= 0:
-                    size += lens[j] + (_ALIGN - lens[j] % _ALIGN) % _ALIGN
-            self._reply(0, tag, 0, NULL, 0)
-            _put_le64(<unsigned char*>self.out + self.n - _REPLY + 16, <uint64_t>size)
-            self._room(size)
+                    size += _aligned(lens[j])
+            self._room(_REPLY + size)  # (the reply's header, its payload written in place)
+            reply.status, reply.tag, reply.ival, reply.plen = 0, tag, 0, <uint64_t>size
+            ddict_write_reply(<unsigned char*>self.out + self.n, &reply)
+            self.n += _REPLY
             w = <unsigned char*>self.out + self.n
             memset(w, 0, size)
             _put_le32(<char*>w, <uint32_t>total)
             for j in range(total):
                 _put_le64(w + 4 + 8 * j, <uint64_t>lens[j])
-            at = head + (_ALIGN - head % _ALIGN) % _ALIGN
+            at = _aligned(head)
             for j in range(total):
                 if lens[j] >= 0:
                     memcpy(w + at, self.scratch + offs[j], lens[j])
-                    at += lens[j] + (_ALIGN - lens[j] % _ALIGN) % _ALIGN
+                    at += _aligned(lens[j])
             self.n += size
         finally:
             PyMem_Free(lens)
