@@ -188,6 +188,14 @@ class Writers:
             wait(f"writer {run}{j}", lambda out=out: bool(out) or self.procs[j].poll() is not None)
             assert json.loads(out[0] if out else "null") == ["ready"], ms.log(f"writer-{run}{j}")
 
+    def acknowledged(self, op: str, after: float) -> bool:
+        """Whether a writer has an ``op`` acknowledged that ended after ``after`` (now)."""
+        return any(
+            r[0] == op and r[5] > after and not r[6]
+            for out in self.outs
+            for r in map(json.loads, out[1:])
+        )
+
     def join(self) -> list[Record]:
         """Stop them; every operation they did (:data:`Record`)."""
         self.stop.touch()
