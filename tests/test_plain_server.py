@@ -38,6 +38,7 @@ from dask_ddict.host.loop import Connection
 from dask_ddict.host.server import HostServer
 from dask_ddict.kernels import GROUP, pure
 from dask_ddict.layout import ManagerInfo, wire_term
+from dask_ddict.shard.generations import Generations, path_for
 from dask_ddict.shard.lease_word import lease_clock
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
@@ -333,6 +334,33 @@ def test_plain_puts_keep_the_key_counts(shards):
     assert n == 8
     for m in shards.managers:
         assert m.length(0) == 8
+
+
+def test_every_plain_put_gives_its_manager_a_new_generation_word(shards, tmp_path):
+    """The host's commit hook (``kernels.GenerationBump``, of either set) runs after every
+    put, the plain servers' as the manager's path's: a same-host reader's kept answers
+    are never kept past a change (``shard.generations``)."""
+    gens = Generations(path_for(str(tmp_path), "ef" * 16), 3 + len(SERVERS), create=True)
+    try:
+        for i, m in enumerate(shards.managers):
+            m.store.on_commit = (pure.GenerationBump if i % 2 else kernels.GenerationBump)(
+                gens, 3 + i
+            )
+        shards.same([(_put("first", 0, 0), {})])  # (the first write of a shard: the manager's)
+        before = shards.counts()
+        seen: list[set[int]] = [set() for _ in SERVERS]
+        for n in range(5):
+            shards.same([(_put(f"g{n % 2}", n, 0), {})])
+            for i in range(len(SERVERS)):
+                word = gens.get(3 + i)
+                assert word > 0 and word % 2 and word not in seen[i], (i, word, seen[i])
+                seen[i].add(word)
+        assert shards.counts() == [b + 5 for b in before]  # (the plain servers' puts)
+        assert gens.get(0) == gens.get(1) == gens.get(2) == 0
+    finally:
+        for m in shards.managers:
+            m.store.on_commit = None
+        gens.close()
 
 
 def test_a_put_near_a_full_shard_is_the_managers(shards):

@@ -7,9 +7,10 @@ connections, reads what is ready without waiting, and serves each complete reque
 on the spot: under load one wake-up finds several requests.  The wait, the receive and
 the plain requests (gets, ``in``s and puts of one key, and ``get_many``s:
 :class:`~dask_ddict.kernels.PlainServer`) are one compiled call (:func:`~dask_ddict.kernels.poll_and_serve`, which
-waits with the interpreter lock released): a wake-up of plain requests runs no Python
-at all, and the events it leaves (any other request, a connection that ended) are
-served here.
+waits with the interpreter lock released, and waits again when it served every event
+of a wake-up): plain requests run no Python at all, from one to the next, and the
+events it leaves (any other request, a connection that ended, the wake-up of
+:meth:`EventLoop.close`) are served here.
 
 The loop's thread never sleeps on anything but ``epoll_wait``
 (:mod:`dask_ddict._blocking`).  A request that may take long

@@ -28,6 +28,7 @@ import dask.config
 
 from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
+from ..kernels import GenerationBump
 from ..shard.direct import set_owner
 from ..shard.generations import Generations, path_for
 from ..shard.lease_word import LeaseWord
@@ -190,7 +191,7 @@ class Host:
                 )
                 if gens is not None:  # every commit, then a new word (see shard.generations)
                     manager.generations = gens
-                    manager.store.on_commit = functools.partial(gens.bump, mid)
+                    manager.store.on_commit = GenerationBump(gens, mid)
                     gens.bump(mid)
                 set_owner(manager.store, self.init.socket_dir)  # (direct writers check it)
                 if hosted.pins is not None:

@@ -77,6 +77,7 @@ _impl, COMPILED = _choose()
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
         Decoded,
+        GenerationBump,
         KeyLane,
         PlainServer,
         Router,
@@ -116,6 +117,7 @@ __all__ = [
     "REPLY",
     "REQUEST",
     "Decoded",
+    "GenerationBump",
     "KeyLane",
     "KeyTooLong",
     "LaneWire",

@@ -1122,5 +1122,6 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
 
 
 include "lmdb_engine.pxi"
+include "generation_bump.pxi"
 include "plain_server.pxi"
 include "key_lane.pxi"

@@ -280,7 +280,9 @@ cdef class PlainServer:
             store._next_own = tid + 1
             store._used_estimate = store._used_estimate + 2 * nbytes
             hook = store.on_commit
-            if hook is not None:
+            if type(hook) is GenerationBump:  # (the host's: no call)
+                (<GenerationBump>hook).bump()
+            elif hook is not None:
                 hook()
         finally:
             mutex.release()
@@ -574,29 +576,30 @@ def poll_and_serve(ep, dict conns not None, int most):
     cdef list left = []
     cdef PyObject* found
     most = max(1, min(most, _MOST_EVENTS))
-    with nogil:
-        n = epoll_wait(epfd, events, most, -1)
+    while not left:  # (a wake-up served whole waits again here, not in the caller's loop)
+        with nogil:
+            n = epoll_wait(epfd, events, most, -1)
+            if n < 0:
+                err = errno
         if n < 0:
-            err = errno
-    if n < 0:
-        if err == EINTR:
-            PyErr_CheckSignals()
-            return left
-        raise OSError(err, os.strerror(err))
-    for i in range(n):
-        fd = events[i].data.fd
-        found = PyDict_GetItem(conns, fd)
-        c = None if found == NULL else <object>found  # (a reference of its own)
-        plain = None if c is None else c.plain
-        if plain is None:
-            left.append((fd, None))
-            continue
-        try:
-            _receive_nowait(c.reader)
-            if (<PlainServer>plain).serve() if type(plain) is PlainServer else plain.serve():
+            if err == EINTR:  # (waited again, as epoll.poll does: PEP 475)
+                PyErr_CheckSignals()
                 continue
-        except Exception as e:  # (the connection's end: the caller's to say)
-            left.append((fd, e))
-            continue
-        left.append((fd, None))
+            raise OSError(err, os.strerror(err))
+        for i in range(n):
+            fd = events[i].data.fd
+            found = PyDict_GetItem(conns, fd)
+            c = None if found == NULL else <object>found  # (a reference of its own)
+            plain = None if c is None else c.plain
+            if plain is None:
+                left.append((fd, None))
+                continue
+            try:
+                _receive_nowait(c.reader)
+                if (<PlainServer>plain).serve() if type(plain) is PlainServer else plain.serve():
+                    continue
+            except Exception as e:  # (the connection's end: the caller's to say)
+                left.append((fd, e))
+                continue
+            left.append((fd, None))
     return left

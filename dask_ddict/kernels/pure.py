@@ -1011,6 +1011,30 @@ class PlainRequests(NamedTuple):
     clock: int
 
 
+class GenerationBump:
+    """``store.on_commit`` of manager ``mid``, whose host keeps the generations ``gens``
+    (:class:`~dask_ddict.shard.generations.Generations`): ``gens.bump(mid)``.  The compiled
+    one writes the word in C (63 random bits and a one, from a generator seeded from the
+    system's entropy and again in a forked child), and the compiled plain server calls
+    it without a call: a put's commit hook costs it no Python frame."""
+
+    __slots__ = ("gens", "mid")
+
+    def __init__(self, gens: Any, mid: int) -> None:
+        if mid < 0:
+            raise IndexError(f"manager {mid}: no generation word")
+        self.gens, self.mid = gens, mid
+
+    def __repr__(self) -> str:
+        return f"<GenerationBump manager={self.mid} of {self.gens!r}>"
+
+    def __call__(self) -> None:
+        try:
+            self.gens.bump(self.mid)
+        except IndexError as e:
+            raise IndexError(f"manager {self.mid}: no generation word in {self.gens!r}") from e
+
+
 class PlainServer:
     """Serves the plain requests at the head of one event-loop connection's buffer.
 
@@ -1199,24 +1223,26 @@ def poll_and_serve(ep: Any, conns: dict[int, Any], most: int) -> list[tuple[int,
     caller: ``(fd, None)`` for a connection whose buffer holds a request that its plain
     server does not answer (or that has none), or for a descriptor that is not a
     connection's (the loop's wake-up); ``(fd, error)`` for one whose receive or send
-    failed.  Empty when every event was served whole: the loop's common wake-up, with
-    no Python between the wait and the replies in the compiled set (which waits with the
-    interpreter lock released)."""
+    failed.  A wake-up whose events were all served whole (the loop's common one) is
+    followed by the next wait here, so that, in the compiled set (which waits with the
+    interpreter lock released), no Python runs between one reply and the next request:
+    never empty (an interrupted wait is waited again, as ``epoll.poll`` does)."""
     left: list[tuple[int, Any]] = []
-    for fd, _ in ep.poll(-1, most):
-        c = conns.get(fd)
-        plain = None if c is None else c.plain
-        if c is None or plain is None:
-            left.append((fd, None))
-            continue
-        try:
-            receive_nowait(c.reader)
-            if plain.serve():
+    while not left:
+        for fd, _ in ep.poll(-1, most):
+            c = conns.get(fd)
+            plain = None if c is None else c.plain
+            if c is None or plain is None:
+                left.append((fd, None))
                 continue
-        except Exception as e:  # noqa: BLE001 - the connection's end (the caller's to say)
-            left.append((fd, e))
-            continue
-        left.append((fd, None))
+            try:
+                receive_nowait(c.reader)
+                if plain.serve():
+                    continue
+            except Exception as e:  # noqa: BLE001 - the connection's end (the caller's to say)
+                left.append((fd, e))
+                continue
+            left.append((fd, None))
     return left
 
 
@@ -1246,6 +1272,7 @@ __all__ = [
     "receive_nowait",
     "take_request",
     "send_reply",
+    "GenerationBump",
     "PlainServer",
     "poll_and_serve",
 ]

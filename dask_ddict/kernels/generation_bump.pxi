@@ -1,0 +1,68 @@
+# A manager's commit hook in C: a new generation word for it (shard.generations says why
+# words change), written without a Python frame, and called by the plain server without
+# a call.  Included by _compiled.pyx, before plain_server.pxi (which calls it).
+#
+# The words are 63 random bits and a one, as Generations.bump writes them; their source
+# is splitmix64 over a seed from the system's entropy, reseeded in a forked child (two
+# processes that drew the same words would hide each other's commits).
+
+cdef uint64_t _word_state = 0
+
+
+cdef inline int64_t _next_word() noexcept nogil:
+    global _word_state
+    cdef uint64_t z
+    _word_state += <uint64_t>0x9E3779B97F4A7C15
+    z = _word_state
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
+    return <int64_t>(((z ^ (z >> 31)) >> 1) | 1)
+
+
+def _reseed_words():
+    global _word_state
+    _word_state = int.from_bytes(os.urandom(8), "little")
+
+
+_reseed_words()
+os.register_at_fork(after_in_child=_reseed_words)
+
+
+cdef class GenerationBump:
+    """``store.on_commit`` of manager ``mid``, whose host keeps the generations ``gens``:
+    ``gens.bump(mid)``, in C.  The words are read where ``gens.words`` is now (a closed
+    Generations points it at zeros), their buffer taken again only when it moved."""
+
+    cdef readonly object gens
+    cdef readonly Py_ssize_t mid
+    cdef object _words  # (what _buf is a view of, while _held)
+    cdef Py_buffer _buf
+    cdef bint _held
+
+    def __init__(self, gens, Py_ssize_t mid):
+        if mid < 0:
+            raise IndexError(f"manager {mid}: no generation word")
+        self.gens, self.mid = gens, mid
+
+    def __dealloc__(self):
+        if self._held:
+            PyBuffer_Release(&self._buf)
+
+    def __repr__(self):
+        return f"<GenerationBump manager={self.mid} of {self.gens!r}>"
+
+    cdef int bump(self) except -1:
+        words = self.gens.words
+        if words is not self._words:
+            if self._held:
+                PyBuffer_Release(&self._buf)
+                self._held, self._words = False, None
+            PyObject_GetBuffer(words, &self._buf, PyBUF_WRITABLE)
+            self._held, self._words = True, words
+        if (self.mid + 1) * 8 > self._buf.len:
+            raise IndexError(f"manager {self.mid}: no generation word in {self.gens!r}")
+        (<int64_t*>self._buf.buf)[self.mid] = _next_word()
+        return 0
+
+    def __call__(self):
+        self.bump()
