@@ -32,6 +32,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from dask_ddict import DDict, DDictClosedError, DDictKeyError, kernels
 from dask_ddict.client.lane import LANE, wired
+from dask_ddict.client.reads import ABSENT as READS_ABSENT
+from dask_ddict.client.reads import WAIT
 from dask_ddict.kernels import NO_KEY, Resend, pure
 from dask_ddict.transport import timing
 from dask_ddict.transport.idle_pool import IDLE_POOL
@@ -95,6 +97,20 @@ def _put(lane: Any, h: DDict, key: Any, value: Any, persistent: bool) -> None:
         h._put(key, value, persistent, _began(got))
 
 
+def _get_many(lane: Any, h: DDict, keys: list[Any]) -> tuple[list[Any], list[int]]:
+    """``h.get_many(keys)`` through ``lane`` (``None``: the Python path) as ``(values,
+    indices of the absent keys)``, :data:`ABSENT` for an absent key."""
+    got = NotImplemented if lane is None else lane.get_many(h, list(keys), ABSENT)
+    if got is NotImplemented:  # (as Reads.get_many: its own marker, which the reply carries)
+        routes = h._routes(list(keys))
+        decode, small = h._decoder(None)
+        values, marked = kernels.decode_values(
+            routes, h._fetched(routes, True, None), decode, READS_ABSENT, WAIT, small
+        )
+        return [ABSENT if v is READS_ABSENT else v for v in values], marked
+    return got
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and (a == b).all()
@@ -114,12 +130,13 @@ def tcp(client: Client) -> Any:
 def test_the_lanes_answer_as_the_python_path(tcp):
     """A history of gets, ``in``s, puts and persistent puts (values of every kind, some
     past what one send carries), each by one of the three paths through a handle without
-    a timeout or one with, and every read by all three, answered as the model says; the
-    lanes really served most of them."""
+    a timeout or one with, and every read (``get_many`` too) by all three, answered as the
+    model says; the lanes really served most of them."""
     h = tcp
     h[KEYS[0]] = 0  # (routed, the room known, connections in the pool: the lanes' case)
     handles = [h, _timed(h, 30)]
     served = {id(lane): 0 for lane in LANES if lane is not None}
+    served_many = dict.fromkeys(served, 0)  # (untimed get_manys of at least one key)
 
     class History(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -153,6 +170,23 @@ def test_the_lanes_answer_as_the_python_path(tcp):
                 assert _same(got, want), (lane, key, got, want)
                 assert _contains(lane, at, key) is (key in self.model)
 
+        @rule(keys=st.lists(st.sampled_from([*KEYS, "never"]), max_size=8), timed=st.booleans())
+        def get_many(self, keys: list[Any], timed: bool) -> None:
+            want, at = [self.model.get(k, ABSENT) for k in keys], handles[timed]
+            for lane in LANES:
+                if lane is not None and lane.get_many(at, list(keys), ABSENT) is not (
+                    NotImplemented
+                ):
+                    served_many[id(lane)] += 1
+                got, marked = _get_many(lane, at, keys)
+                assert len(got) == len(want), (lane, keys, got, want)
+                assert all(_same(g, w) for g, w in zip(got, want)), (lane, keys, got, want)
+                assert list(marked) == [i for i, w in enumerate(want) if w is ABSENT]
+            if keys and all(k in self.model for k in keys):
+                assert all(_same(g, w) for g, w in zip(at.get_many(keys), want))
+            else:
+                assert all(_same(g, w) for g, w in zip(at.get_many(keys, ABSENT), want))
+
         @rule(key=st.sampled_from(KEYS), timed=st.booleans())
         def handle(self, key: Any, timed: bool) -> None:  # (the handle's own: LANE's)
             want, at = self.model.get(key, ABSENT), handles[timed]
@@ -175,6 +209,7 @@ def test_the_lanes_answer_as_the_python_path(tcp):
     finally:
         handles[1].detach()
     assert all(served[id(lane)] > 20 for lane in SERVING), served
+    assert all(served_many[id(lane)] > 3 for lane in SERVING), served_many
 
 
 def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_is_not(client, tcp):
@@ -187,6 +222,7 @@ def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_is_not(client, tcp):
             assert lane.put(tcp, "k", b"w", False) is None
             assert lane.get(tcp, "k") == b"w" and lane.contains(tcp, "k") is True
             assert lane.get(tcp, "gone") is NO_KEY and lane.contains(tcp, "gone") is False
+            assert lane.get_many(tcp, ["k", "gone", "k"], ABSENT) == ([b"w", ABSENT, b"w"], [1])
             for call in _calls(lane, d):
                 assert call() is NotImplemented
     finally:
@@ -198,6 +234,7 @@ def _calls(lane: Any, h: DDict, key: Any = "k", value: Any = b"x") -> list[Calla
         lambda: lane.get(h, key),
         lambda: lane.contains(h, key),
         lambda: lane.put(h, key, value, False),
+        lambda: lane.get_many(h, [key, "other"], ABSENT),
     ]
 
 
@@ -225,6 +262,9 @@ def test_the_lanes_leave_every_other_case_to_the_python_path(client, tcp):
         finally:
             h.end_batch_put()
         assert lane.put(h, "big", b"x" * (70 << 10), False) is NotImplemented  # (two sends)
+        assert lane.get_many(h, [], ABSENT) is NotImplemented  # (nothing to send)
+        many = [("many", i) for i in range(5000)]  # (a request larger than one send)
+        assert lane.get_many(h, many, ABSENT) is NotImplemented
         timing.reset(True)
         try:
             for call in _calls(lane, h):
@@ -407,9 +447,10 @@ def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):
 
 
 def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
-    """Writers and readers over TCP (the lane's) while the host process of one manager is
-    SIGKILLed and restarted: the lane closes the broken connections, the Python path
-    sends again, and every acknowledged write reads back."""
+    """Writers and readers (of single keys and ``get_many``s) over TCP (the lane's) while
+    the host process of one manager is SIGKILLed and restarted: the lane closes the
+    broken connections, the Python path sends again, and every acknowledged write reads
+    back."""
     with local_cluster(2) as cl, Client(cl) as c:
         d = DDict(total_mem="64 MiB", client=c)
         try:
@@ -427,6 +468,8 @@ def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
                         h[(i, k)] = k
                         acked[i].append(k)
                         assert h[(i, k)] == k
+                        if k % 5 == 0:  # (a get_many's two links: one may break under it)
+                            assert h.get_many([(i, k), "warm", (i, k // 2)]) == [k, 1, k // 2]
                         k += 1
                 except BaseException as e:  # noqa: BLE001 - reported below
                     errors.append(e)

@@ -1,9 +1,11 @@
-"""The process's key lane: a handle's single-key gets, ``in``s and puts over TCP in one call.
+"""The process's key lane: a handle's single-key gets, ``in``s and puts, and its
+``get_many``s, over TCP in one call.
 
-``d[key]``, ``d.get(key)``, ``key in d`` and ``d[key] = value`` first ask :data:`LANE`
-(:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels were built), which
-routes the key, finds its manager's link, and exchanges the request on one of the
-process's pooled connections without a Python frame; for anything but the common case
+``d[key]``, ``d.get(key)``, ``key in d``, ``d[key] = value`` and ``d.get_many(keys)``
+first ask :data:`LANE` (:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels
+were built), which routes the keys, finds their managers' links, and exchanges the
+requests on the process's pooled connections without a Python frame (a ``get_many``:
+one request per link, all sent before any reply is read); for anything but the common case
 it answers ``NotImplemented`` and the handle takes its Python path (the reference:
 routing, the channel, the operation, the link's ``call``), which says what happened.
 The lane reads the handle as :class:`~dask_ddict.client.base.HandleBase` declares it,
@@ -56,6 +58,7 @@ def wired(kind: type[kernels.KeyLane] = kernels.KeyLane) -> kernels.KeyLane:
         int(Op.GET),
         int(Op.CONTAINS),
         int(Op.PUT),
+        int(Op.GET_MANY),
         FLAG_PERSIST,
         int(Status.KEY_NOT_FOUND),
         int(Status.TIMEOUT),

@@ -1,4 +1,5 @@
-# A handle's single-key operations over a TCP link, each in one call (``pure.KeyLane``).
+# A handle's single-key operations over a TCP link, and its get_many over TCP links, each
+# in one call (``pure.KeyLane``).
 #
 # Included by _compiled.pyx.  ``pure.KeyLane`` states the rules: the lane serves the
 # common case of the handle's Python path (an open handle, a plain TCP link with an idle
@@ -11,9 +12,12 @@
 # connection's receive buffer (empty while it is idle) and sent, and the reply received
 # there with the interpreter lock released (``_receive_reply``); the header is written
 # by ``framing.pxi``'s ``ddict_write_request``.  With a timeout every wait is a ``poll``
-# of what is left of the operation's deadline (``_wait_fd``).
+# of what is left of the operation's deadline (``_wait_fd``).  A get_many (untimed) groups
+# its keys by manager in C arrays, writes one request per link into its connection's
+# buffer, sends them all, then receives and decodes each reply (``unpack_values``).
 
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
+cdef long long _MOST_MANAGER = 0xFFFFF  # (a get_many's manager ids index a table of ints)
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
 
 
@@ -64,12 +68,13 @@ cdef class KeyLane:
     cdef readonly object wire
     cdef object channel, pool, timing, buffer, decode, timed_out, deadline
     cdef object _acquire, _release, _idle
-    cdef int op_get, op_contains, op_put, persist, missing, timeout_status
+    cdef int op_get, op_contains, op_put, op_get_many, persist, missing, timeout_status
     cdef Py_ssize_t most, small
 
     def __init__(self, wire, channel, pool, timing, buffer, decode, timed_out, deadline):
         self.wire = wire
         self.op_get, self.op_contains, self.op_put = wire.get, wire.contains, wire.put
+        self.op_get_many = wire.get_many
         self.persist, self.missing = wire.persist, wire.missing_status
         self.timeout_status = wire.timeout_status
         self.most, self.small = wire.most, wire.small
@@ -166,11 +171,40 @@ cdef class KeyLane:
         self.pool.give(link, conn)
         return 0
 
+    cdef object _reply(self, conn, bytearray buf, bint blocking, double deadline):
+        """``(status, ival, payload)`` of the reply to the request in flight on ``conn``,
+        received into ``buf`` (its reader's), a large payload into a buffer of its own;
+        ``None`` once ``deadline`` (negative: none) passed first."""
+        cdef Py_buffer view
+        cdef Py_ssize_t have
+        sock = conn.sock
+        got = 0
+        while True:
+            wait = None if blocking else (
+                _LONG_WAIT if deadline < 0 else max(deadline - _monotonic(), 0.0))
+            status, ival, plen, payload, got = _receive_reply(sock, buf, got, wait, self.small)
+            if status != _QUIET:
+                break
+            if deadline >= 0 and _monotonic() >= deadline:
+                return None
+        if payload is None:  # (a large one: into a buffer of its own)
+            payload = self.buffer(plen)
+            PyObject_GetBuffer(payload, &view, PyBUF_WRITABLE)
+            try:
+                have = min(<Py_ssize_t>got - _REPLY, view.len)
+                memcpy(view.buf, PyByteArray_AS_STRING(buf) + _REPLY, have)
+                if not _move_all(sock, <char*>view.buf + have, view.len - have, False,
+                                 blocking, deadline):
+                    return None
+            finally:
+                PyBuffer_Release(&view)
+        return status, ival, payload
+
     cdef object _exchange(self, h, key, object mid, int op, int flags, bytes keysec,
                           object parts, object vlen_, object client):
         """``(status, ival, payload)``, ``NotImplemented`` or a ``Resend`` (``pure.KeyLane``)."""
         cdef long long m, term, chkpt, cid, vlen
-        cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at, have
+        cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at
         cdef bytearray buf
         cdef unsigned char* p
         cdef Py_buffer view
@@ -242,27 +276,10 @@ cdef class KeyLane:
             return NotImplemented
         again = NotImplemented if deadline < 0 else Resend(began)  # (once sent)
         try:
-            sock = conn.sock
-            late = not _move_all(sock, <char*>p, total, True, blocking, deadline)
-            got = 0
-            while not late:
-                wait = None if blocking else (
-                    _LONG_WAIT if deadline < 0 else max(deadline - _monotonic(), 0.0))
-                status, ival, plen, payload, got = _receive_reply(sock, buf, got, wait,
-                                                                  self.small)
-                if status != _QUIET:
-                    break
-                late = deadline >= 0 and _monotonic() >= deadline
-            if not late and payload is None:  # (a large value: into a buffer of its own)
-                payload = self.buffer(plen)
-                PyObject_GetBuffer(payload, &view, PyBUF_WRITABLE)
-                try:
-                    have = min(<Py_ssize_t>got - _REPLY, view.len)
-                    memcpy(view.buf, p + _REPLY, have)
-                    late = not _move_all(sock, <char*>view.buf + have, view.len - have,
-                                         False, blocking, deadline)
-                finally:
-                    PyBuffer_Release(&view)
+            late = not _move_all(conn.sock, <char*>p, total, True, blocking, deadline)
+            if not late:
+                reply = self._reply(conn, buf, blocking, deadline)
+                late = reply is None
         except OSError:
             link._broken(conn)
             return again
@@ -273,8 +290,246 @@ cdef class KeyLane:
             link.forget(conn)
             raise self.timed_out(h, key, op, link, mid, None)
         self._give(link, conn)
+        status, ival, payload = reply
         if status == 0 or (status == self.missing and op == self.op_get):
             return status, ival, payload
         if status == self.timeout_status and deadline >= 0:
             raise self.timed_out(h, key, op, link, mid, bytes(payload))
         return again
+
+    def get_many(self, h, list keys not None, absent):
+        """``(values, marked)`` of ``h.get_many(keys)``, or ``NotImplemented``
+        (``pure.KeyLane.get_many``: the rules).  The keys are grouped by manager in C
+        (a manager's group index by its id, a key's group by its index), each link's
+        request is written into its connection's buffer (the table, then each key's
+        digest at its group's place), every request is sent before any reply is read,
+        and each reply is decoded where it was received and its values put back in the
+        keys' order."""
+        cdef Py_ssize_t n = PyList_GET_SIZE(keys), i, g, k, ngroups = 0, nlinks
+        cdef long mid, most_mid = -1, target_mid = -1
+        cdef long long chkpt, field
+        cdef int* slot = NULL  # (each key's group; first its manager)
+        cdef int* slot_of = NULL  # (each manager id's group, or -1)
+        cdef int* link_of = NULL  # (each group's link)
+        cdef Py_ssize_t* place = NULL  # (where a group's next digest goes in its request)
+        cdef Py_ssize_t* count = NULL  # (each group's keys)
+        cdef object routed = self._routed(h)
+        cdef list mids = [], links = [], conns = [], states = [], replies = []
+        cdef dict link_index = {}
+        if routed is None or n == 0 or h._timeout is not None or self.timing.on:
+            return NotImplemented
+        if not _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt):
+            return NotImplemented
+        target = h._target
+        if target is not None:
+            if not _small_int(target, _MOST_MANAGER, &field):
+                return NotImplemented
+            target_mid = <long>field
+        try:
+            routes = (<Router>routed).many(keys)
+        except KeyTooLong:  # (the Python path says why)
+            return NotImplemented
+        if type(routes) is not list or PyList_GET_SIZE(routes) != n:
+            return NotImplemented
+        chans = <dict>h._core._channels
+        slot = <int*>PyMem_Malloc(n * sizeof(int))
+        if slot == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):  # each key's manager, checked
+                route = (<list>routes)[i]
+                if type(route) is not tuple or len(<tuple>route) != 2:
+                    return NotImplemented
+                if target_mid >= 0:
+                    mid = target_mid
+                elif not _small_int((<tuple>route)[0], _MOST_MANAGER, &field):
+                    return NotImplemented
+                else:
+                    mid = <long>field
+                d = (<tuple>route)[1]
+                if type(d) is not bytes or PyBytes_GET_SIZE(d) != _DIGEST:
+                    return NotImplemented
+                slot[i] = <int>mid
+                if mid > most_mid:
+                    most_mid = mid
+            slot_of = <int*>PyMem_Malloc((most_mid + 1) * sizeof(int))
+            count = <Py_ssize_t*>PyMem_Calloc(min(n, most_mid + 1), sizeof(Py_ssize_t))
+            if slot_of == NULL or count == NULL:
+                raise MemoryError()
+            memset(slot_of, 0xFF, (most_mid + 1) * sizeof(int))  # (-1: no group yet)
+            for i in range(n):  # each key's group: its manager's, in the order first seen
+                g = slot_of[slot[i]]
+                if g < 0:
+                    g = slot_of[slot[i]] = <int>ngroups
+                    ngroups += 1
+                    mids.append(slot[i])
+                slot[i] = <int>g
+                count[g] += 1
+            link_of = <int*>PyMem_Malloc(ngroups * sizeof(int))
+            place = <Py_ssize_t*>PyMem_Malloc(ngroups * sizeof(Py_ssize_t))
+            if link_of == NULL or place == NULL:
+                raise MemoryError()
+            for g in range(ngroups):  # each group's link: a plain TCP one's
+                ch = chans.get(mids[g])
+                if type(ch) is not self.channel:
+                    return NotImplemented
+                link = ch.link
+                if link.kind != "tcp":
+                    return NotImplemented
+                k = link_index.get(link, -1)
+                if k < 0:
+                    k = len(links)
+                    link_index[link] = k
+                    links.append(link)
+                link_of[g] = <int>k
+            nlinks = len(links)
+            return self._many(h, keys, absent, routes, chkpt, mids, links, conns, states,
+                              replies, slot, link_of, place, count, ngroups, nlinks)
+        finally:
+            PyMem_Free(slot)
+            PyMem_Free(slot_of)
+            PyMem_Free(link_of)
+            PyMem_Free(place)
+            PyMem_Free(count)
+
+    cdef object _many(self, h, list keys, absent, list routes, long long chkpt, list mids,
+                      list links, list conns, list states, list replies, int* slot,
+                      int* link_of, Py_ssize_t* place, Py_ssize_t* count,
+                      Py_ssize_t ngroups, Py_ssize_t nlinks):
+        """:meth:`get_many`'s exchange, once its keys are grouped (``states``: each link's
+        connection taken 0, its request sent 1, its reply received and the connection
+        given back 2)."""
+        cdef Py_ssize_t n = PyList_GET_SIZE(keys), i, g, k, at, total, groups
+        cdef Py_ssize_t vlen
+        cdef unsigned char* p
+        cdef ddict_request_head head
+        cdef Py_ssize_t failing = -1
+        cdef list out, marked, counts, values, cursor
+        # the requests: each link's size, then a connection that holds it
+        sizes = []
+        for k in range(nlinks):
+            groups, total = 0, 0
+            for g in range(ngroups):
+                if link_of[g] == k:
+                    groups += 1
+                    total += count[g]
+            vlen = 4 + 8 * groups + _DIGEST * total
+            if _REQUEST + vlen > self.most or not (vlen <= links[k]._max_value):
+                return NotImplemented
+            sizes.append(vlen)
+        for k in range(nlinks):
+            conn = self._take(links[k])
+            if conn is None:
+                break
+            reader = conn.reader
+            if reader._pos != reader._end or PyByteArray_GET_SIZE(reader._buf) < (
+                    _REQUEST + <Py_ssize_t>sizes[k]):  # fmt: skip
+                self._give(links[k], conn)
+                break
+            conns.append(conn)
+            states.append(0)
+        if len(conns) < nlinks:  # (nothing sent: every connection back as it was)
+            for k in range(len(conns)):
+                self._give(links[k], conns[k])
+            return NotImplemented
+        for k in range(nlinks):  # each request: the header and the table
+            conn = conns[k]
+            conn.deadline = None  # (BoundedConnection.begin(None, None): its own state)
+            conn.check = None
+            p = <unsigned char*>PyByteArray_AS_STRING(conn.reader._buf)
+            head.op, head.flags, head.term, head.klen = self.op_get_many, 0, 0, 0
+            head.manager, head.tag = 0, 0
+            head.chkpt, head.arg, head.client = chkpt, 0, 0
+            head.timeout, head.vlen, head.rid = _NO_TIMEOUT, <uint64_t>sizes[k], 0
+            groups, at = 0, _REQUEST + 4
+            for g in range(ngroups):
+                if link_of[g] == k:
+                    if groups == 0:
+                        head.manager = <uint32_t>mids[g]
+                    _put_le32(<char*>p + at, <uint32_t>mids[g])
+                    _put_le32(<char*>p + at + 4, <uint32_t>count[g])
+                    at += 8
+                    groups += 1
+            _put_le32(<char*>p + _REQUEST, <uint32_t>groups)
+            ddict_write_request(p, &head)
+            for g in range(ngroups):  # (each group's digests after the ones before it)
+                if link_of[g] == k:
+                    place[g] = at
+                    at += _DIGEST * count[g]
+        for i in range(n):  # each key's digest, in its group's place
+            g = slot[i]
+            p = <unsigned char*>PyByteArray_AS_STRING(
+                (<object>conns[link_of[g]]).reader._buf)  # fmt: skip
+            memcpy(p + place[g], PyBytes_AS_STRING((<tuple>(<list>routes)[i])[1]), _DIGEST)
+            place[g] += _DIGEST
+        try:
+            for k in range(nlinks):
+                failing = k
+                conn = conns[k]
+                p = <unsigned char*>PyByteArray_AS_STRING(conn.reader._buf)
+                _move_all(conn.sock, <char*>p, _REQUEST + <Py_ssize_t>sizes[k], True,
+                          conn.timeout is None, -1.0)
+                states[k] = 1
+            for k in range(nlinks):
+                failing = k
+                conn = conns[k]
+                status, _, payload = self._reply(conn, conn.reader._buf, conn.timeout is None,
+                                                 -1.0)
+                states[k] = 2
+                self._give(links[k], conn)
+                replies.append((status, payload))
+        except OSError:
+            self._drop(links, conns, states, failing, True)
+            return NotImplemented
+        except BaseException:
+            self._drop(links, conns, states, failing, False)
+            raise
+        # the values: each reply's, decoded where it was received, by group
+        values = [None] * ngroups
+        for k in range(nlinks):
+            status, payload = replies[k]
+            if status != 0:  # (a moved or leased manager, ...: the Python path's to follow)
+                return NotImplemented
+            counts = [count[g] for g in range(ngroups) if link_of[g] == k]
+            try:
+                got = unpack_values(payload, counts, self.small, absent, self.decode)
+            except ValueError:  # (a reply that does not add up: the Python path says so)
+                return NotImplemented
+            if got is None:  # (a reader must wait for one: the Python path's)
+                return NotImplemented
+            at = 0
+            for g in range(ngroups):
+                if link_of[g] == k:
+                    values[g] = (<list>got)[at]
+                    at += 1
+        out, marked = [None] * n, []
+        cursor = [0] * ngroups
+        for i in range(n):  # (a group's values are in its keys' order)
+            g = slot[i]
+            at = cursor[g]
+            v = (<list>values[g])[at]
+            cursor[g] = at + 1
+            out[i] = v
+            if v is absent:
+                marked.append(i)
+        return out, marked
+
+    cdef int _drop(self, list links, list conns, list states, Py_ssize_t failing,
+                   bint broken) except -1:
+        """After a failed exchange: the failing link's connection broken (closed as the link
+        closes one) or forgotten, each other one with a request in flight forgotten (its
+        reply would be read as the next request's), each untouched one given back."""
+        cdef Py_ssize_t k
+        for k in range(len(conns)):
+            if states[k] == 2:
+                continue
+            if k == failing:
+                if broken:
+                    links[k]._broken(conns[k])
+                else:
+                    links[k].forget(conns[k])
+            elif states[k] == 1:
+                links[k].forget(conns[k])
+            else:
+                self._give(links[k], conns[k])
+        return 0

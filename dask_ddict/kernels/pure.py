@@ -746,7 +746,7 @@ def receive_reply(
 
 class LaneWire(NamedTuple):
     """What a :class:`KeyLane` sends and reads, as the transport declares it: the codes of
-    ``get``, ``in`` and ``put``, the flag of a persistent put, the status of an absent key
+    ``get``, ``in``, ``put`` and ``get_many``, the flag of a persistent put, the status of an absent key
     and of a host's wait that ran out, the largest request it sends (one piece: a
     connection's buffer holds it), and the smallest reply payload received into a buffer
     of its own (``receive_reply``'s ``small``)."""
@@ -754,6 +754,7 @@ class LaneWire(NamedTuple):
     get: int
     contains: int
     put: int
+    get_many: int
     persist: int
     missing_status: int
     timeout_status: int
@@ -892,6 +893,160 @@ class KeyLane:
         )
         return None if type(got) is tuple else got
 
+    def get_many(self, h: Any, keys: list[Any], absent: Any) -> Any:
+        """``h.get_many(keys)`` copying its values, as ``(values, marked)``: the values in
+        the keys' order, ``absent`` for an absent key, and the indices of those; or
+        ``NotImplemented``.
+
+        The common case of the handle's Python path (``Reads.get_many``: the keys'
+        routes, one :class:`~dask_ddict.transport.many_key_ops.GetMany` per host process,
+        every request sent before any reply is read, each reply's values decoded where
+        it was received): a handle the lane serves, without a timeout (a timed one is
+        the Python path's), whose keys route (a key's group is its manager's, the groups
+        in the order their first keys come), every manager's channel a plain TCP link's,
+        each link with an idle connection that holds its request whole.  It sends what
+        ``GetMany.encode`` and the link's exchange send (no term: a many-key request
+        follows no manager; the first group's manager in the header) and answers when
+        every reply is OK and decodes (:func:`unpack_values`).  Anything else answers
+        ``NotImplemented``: before anything was sent, or after (a reply not OK: a moved
+        or leased manager; one a reader must wait for; a broken connection, closed as
+        the link closes one, every other one with a request in flight closed too); the
+        caller then takes its Python path, which reads every key again."""
+        routed = self._routed(h)
+        if routed is None or not keys or h._timeout is not None or self.timing.on:
+            return NotImplemented
+        try:
+            routes = routed[0].many(keys)
+        except KeyTooLong:
+            return NotImplemented
+        target, chans = h._target, h._core._channels
+        members: dict[int, list[int]] = {}  # each manager's keys, by index
+        links: dict[Any, list[int]] = {}  # each link's managers, in the order first seen
+        for i, (mid, digest) in enumerate(routes):
+            if target is not None:
+                mid = target
+            if len(digest) != DIGEST:
+                return NotImplemented
+            group = members.get(mid)
+            if group is None:
+                ch = chans.get(mid)
+                if type(ch) is not self.channel or cast(Any, ch).link.kind != "tcp":
+                    return NotImplemented
+                links.setdefault(cast(Any, ch).link, []).append(mid)
+                group = members[mid] = []
+            group.append(i)
+        requests = []
+        for link, mids in links.items():
+            table = group_table([(mid, cast(Any, members[mid])) for mid in mids])  # (counts)
+            digests = b"".join(routes[i][1] for mid in mids for i in members[mid])
+            vlen = len(table) + len(digests)
+            if REQUEST.size + vlen > self.wire.most or vlen > link._max_value:
+                return NotImplemented
+            try:
+                head = REQUEST.pack(
+                    self.wire.get_many, 0, 0, 0, mids[0], 0, h._chkpt, 0, 0, -1.0, vlen, 0
+                )
+            except struct.error:  # (a field out of range: the Python path's to say)
+                return NotImplemented
+            requests.append((link, mids, head + table + digests))
+        conns: list[Any] = []
+        for link, _, _ in requests:
+            conn = self._take(link)
+            if conn is not None and conn.reader.buffered():
+                self.pool.give(link, conn)
+                conn = None
+            if conn is None:  # (nothing sent: every connection back as it was)
+                for (other, _, _), c in zip(requests, conns, strict=False):
+                    self.pool.give(other, c)
+                return NotImplemented
+            conns.append(conn)
+        states = [0] * len(conns)  # (taken 0, sent 1, answered and given back 2)
+        replies = []
+        failing = 0
+        try:
+            for failing, ((_, _, request), conn) in enumerate(zip(requests, conns)):
+                conn.begin(None, None)
+                conn.sendall(request)
+                states[failing] = 1
+            for failing, ((link, mids, _), conn) in enumerate(zip(requests, conns)):
+                status, _, payload = self._reply(conn, None)
+                states[failing] = 2
+                self.pool.give(link, conn)
+                replies.append((status, payload, [len(members[mid]) for mid in mids]))
+        except OSError:
+            self._drop(requests, conns, states, failing, broken=True)
+            return NotImplemented
+        except BaseException:
+            self._drop(requests, conns, states, failing, broken=False)
+            raise
+        values: dict[int, list[Any]] = {}
+        for (_, mids, _), (status, payload, counts) in zip(requests, replies):
+            if status != 0:  # (a moved or leased manager, ...: the Python path's to follow)
+                return NotImplemented
+            try:
+                decoded = unpack_values(payload, counts, self.wire.small, absent, self.decode)
+            except ValueError:  # (a reply that does not add up: the Python path says so)
+                return NotImplemented
+            if decoded is None:  # (a reader must wait for one: the Python path's)
+                return NotImplemented
+            values.update(zip(mids, decoded))
+        out: list[Any] = [None] * len(keys)
+        for mid, group in members.items():
+            for i, v in zip(group, values[mid]):
+                out[i] = v
+        return out, [i for i, v in enumerate(out) if v is absent]
+
+    def _reply(self, conn: Any, deadline: float | None) -> tuple[int, int, Any]:
+        """``(status, ival, payload)`` of the reply to the request in flight on ``conn`` (a
+        large payload received into a buffer of its own); raises ``self.deadline`` once
+        ``deadline`` passed with no reply."""
+        reader = conn.reader
+        buf, got = reader.emptied(), 0
+        while True:
+            status, ival, plen, payload, got = receive_reply(
+                conn.sock, buf, got, conn.timeout, self.wire.small
+            )
+            if status != QUIET:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self.deadline()
+            conn._arm()  # (what is left of the time)
+        if payload is None:  # (a large one: into a buffer of its own)
+            reader.received(REPLY.size, got)
+            payload = self.buffer(plen)
+            reader.read_into(payload)
+        return status, ival, payload
+
+    def _take(self, link: Any) -> Any:
+        """One of ``link``'s idle connections, as ``IdlePool.take`` takes it (``None``: none
+        idle, or the pool's lock busy)."""
+        pool = self.pool
+        if not pool.lock.acquire(False):
+            return None
+        try:
+            conn = link.idle.pop() if link.idle else None
+            if conn is not None:
+                del pool.idle[conn]
+        finally:
+            pool.lock.release()
+        return conn
+
+    def _drop(
+        self, requests: list[Any], conns: list[Any], states: list[int], failing: int, broken: bool
+    ) -> None:
+        """After a failed exchange: the failing link's connection broken (closed as the link
+        closes one) or forgotten, each other one with a request in flight forgotten (its
+        reply would be read as the next request's), each untouched one given back."""
+        for k, ((link, _, _), conn) in enumerate(zip(requests, conns)):
+            if states[k] == 2:
+                continue
+            if k == failing:
+                (link._broken if broken else link.forget)(conn)
+            elif states[k] == 1:
+                link.forget(conn)
+            else:
+                self.pool.give(link, conn)
+
     @staticmethod
     def _routed(h: Any) -> Any:
         """The handle's router and framer, if it is one the lane serves now."""
@@ -940,14 +1095,7 @@ class KeyLane:
         began = time.monotonic()
         deadline = None if timeout is None else began + timeout + link._slack
         pool = self.pool
-        if not pool.lock.acquire(False):
-            return NotImplemented
-        try:
-            conn = link.idle.pop() if link.idle else None
-            if conn is not None:
-                del pool.idle[conn]
-        finally:
-            pool.lock.release()
+        conn = self._take(link)
         if conn is None:
             return NotImplemented
         reader = conn.reader
@@ -957,22 +1105,8 @@ class KeyLane:
         again = NotImplemented if timeout is None else Resend(began)  # (once sent)
         try:
             conn.begin(deadline, None)  # (the socket's waits cut at the deadline, if any)
-            sock = conn.sock
             conn.sendall(b"".join((head, keysec, *parts)))
-            buf, got = reader.emptied(), 0
-            while True:
-                status, ival, plen, payload, got = receive_reply(
-                    sock, buf, got, conn.timeout, self.wire.small
-                )
-                if status != QUIET:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise self.deadline()
-                conn._arm()  # (what is left of the time)
-            if payload is None:  # (a large value: into a buffer of its own)
-                reader.received(REPLY.size, got)
-                payload = self.buffer(plen)
-                reader.read_into(payload)
+            status, ival, payload = self._reply(conn, deadline)
         except self.deadline:
             link.forget(conn)
             raise self.timed_out(h, key, op, link, mid, None) from None
