@@ -285,6 +285,50 @@ def test_the_lanes_leave_every_other_case_to_the_python_path(client, tcp):
     pickled.detach()
 
 
+@pytest.mark.parametrize("where", ["tcp", "same host"])
+def test_the_lanes_buffer_a_batchs_puts_as_the_python_path(client, tcp, where):
+    """Batch puts through each lane and the Python path, interleaved, into one batch whose
+    buffers fill many times (small ``ddict.batch.flush-bytes``): every value reads back
+    after the batch's end, values of every kind and both persistences; the lanes buffered
+    most of them, and leave to the Python path what is its own (a manager's first
+    record, a value too large, a put of the other persistence)."""
+    h = tcp if where == "tcp" else DDict.attach(tcp.serialize())
+    try:
+        h["warm"] = 0  # (routed, the room known)
+        model: dict[Any, Any] = {}
+        for persist in (False, True):
+            served = dict.fromkeys(map(id, LANES[1:]), 0)
+            with dask.config.set({"ddict.batch.flush-bytes": "4 KiB"}):
+                h.start_batch_put(persist=persist)
+            try:
+                for n in range(600):
+                    lane = LANES[n % len(LANES)]
+                    key = (persist, n)
+                    value = (b"v%d" % n, n, np.arange(n % 7))[n % 3]
+                    got = NotImplemented if lane is None else lane.batch_put(h, key, value, persist)
+                    if got is NotImplemented:
+                        (h.pput if persist else h.__setitem__)(key, value)
+                    else:
+                        assert got is None
+                        served[id(lane)] += 1
+                    model[key] = value
+                for lane in LANES[1:]:
+                    assert lane.batch_put(h, "other", b"x", not persist) is NotImplemented
+                    assert lane.batch_put(h, "big", b"x" * (h._core._room + 1), persist) is (
+                        NotImplemented
+                    )
+            finally:
+                h.end_batch_put()
+            assert all(served[id(lane)] > 150 for lane in SERVING), served
+        held = dict(h.items())
+        for key, value in model.items():
+            assert _same(held[key], value), (key, held.get(key), value)
+    finally:
+        h.clear()
+        if h is not tcp:
+            h.detach()
+
+
 class _ValuePickler:
     """A value pickler (``d.pickler(value_pickler=...)``): the lane leaves its handle's
     values to the Python path, which frames them with it."""

@@ -34,9 +34,13 @@ from ..transport import ops
 Record = tuple[bytes, bytes, Framed]  # (digest, key, frame)
 
 
+#: A record's bytes in a request beyond its key and value (its framing).
+RECORD_FRAMING = 32
+
+
 def _cost(kb: bytes, framed: Framed) -> int:
     """A record's bytes in a request (its key, its value and their framing)."""
-    return framed.nbytes + len(kb) + 32
+    return framed.nbytes + len(kb) + RECORD_FRAMING
 
 
 class BatchPut:
@@ -235,6 +239,14 @@ class BatchPut:
             self.refused(error)
             return True
         return False
+
+    def filled(self, route: Any) -> None:
+        """``route``'s buffer reached ``flush_bytes`` (a record the key lane added): sent, a
+        value refused meanwhile kept for :meth:`end`, as :meth:`add`'s caller keeps it."""
+        try:
+            self.flush(route)
+        except DDictFullError as e:
+            self.refused(e)
 
     def refused(self, e: DDictFullError) -> None:
         """Keep ``e``, a value this client refused before sending it, for :meth:`end`."""

@@ -421,14 +421,20 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
             batch.refused(e)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        # (the lane's, lane.py, unless a batch is open: its puts are buffered by _put)
-        got = NotImplemented if self._batch is not None else LANE.put(self, key, value, False)
+        # (the lane's, lane.py: sent, or buffered in an open batch; else _put's)
+        if self._batch is None:
+            got = LANE.put(self, key, value, False)
+        else:
+            got = LANE.batch_put(self, key, value, False)
         if got is not None:
             self._put(key, value, False, None if got is NotImplemented else got.began)
 
     def pput(self, key: Any, value: Any) -> None:
         """Persistent put: survives retirement under ``wait_for_keys``."""
-        got = NotImplemented if self._batch is not None else LANE.put(self, key, value, True)
+        if self._batch is None:
+            got = LANE.put(self, key, value, True)
+        else:
+            got = LANE.batch_put(self, key, value, True)
         if got is not None:
             self._put(key, value, True, None if got is NotImplemented else got.began)
 

@@ -5,7 +5,8 @@
 first ask :data:`LANE` (:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels
 were built), which routes the keys, finds their managers' links, and exchanges the
 requests on the process's pooled connections without a Python frame (a ``get_many``:
-one request per link, all sent before any reply is read); for anything but the common case
+one request per link, all sent before any reply is read; a put inside a batch: buffered
+as ``BatchPut.add`` buffers it); for anything but the common case
 it answers ``NotImplemented`` and the handle takes its Python path (the reference:
 routing, the channel, the operation, the link's ``call``), which says what happened.
 The lane reads the handle as :class:`~dask_ddict.client.base.HandleBase` declares it,
@@ -28,6 +29,7 @@ from ..transport.operation import Operation
 from ..transport.ops import Contains, Get, Put
 from ..transport.protocol import FLAG_PERSIST, SMALL, Op
 from ..transport.socket_client import SocketChannel
+from .batch import RECORD_FRAMING
 
 #: The lane's operations, each as the Python path names it in a timeout's message.
 _OPERATIONS: dict[int, Operation] = {
@@ -64,6 +66,7 @@ def wired(kind: type[kernels.KeyLane] = kernels.KeyLane) -> kernels.KeyLane:
         int(Status.TIMEOUT),
         SMALL,
         SMALL_FRAME,
+        RECORD_FRAMING,
     )
     return kind(
         wire, SocketChannel, IDLE_POOL, timing, aligned_empty, loads_value, _timed_out, Deadline

@@ -21,6 +21,18 @@ cdef long long _MOST_MANAGER = 0xFFFFF  # (a get_many's manager ids index a tabl
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
 
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
+
+
+cdef inline bint _all_bytes(tuple t):
+    """Whether every item of ``t`` is a ``bytes`` (which refers to nothing)."""
+    for item in t:
+        if type(item) is not bytes:
+            return False
+    return True
+
+
 cdef inline bint _small_int(object v, long long most, long long* out):
     """Whether ``v`` is an ``int`` in ``[0, most]`` (put in ``out``): what the request
     header's field takes here (anything else, the Python path packs or refuses)."""
@@ -69,7 +81,7 @@ cdef class KeyLane:
     cdef object channel, pool, timing, buffer, decode, timed_out, deadline
     cdef object _acquire, _release, _idle
     cdef int op_get, op_contains, op_put, op_get_many, persist, missing, timeout_status
-    cdef Py_ssize_t most, small
+    cdef Py_ssize_t most, small, record_framing
 
     def __init__(self, wire, channel, pool, timing, buffer, decode, timed_out, deadline):
         self.wire = wire
@@ -78,6 +90,7 @@ cdef class KeyLane:
         self.persist, self.missing = wire.persist, wire.missing_status
         self.timeout_status = wire.timeout_status
         self.most, self.small = wire.most, wire.small
+        self.record_framing = wire.record_framing
         self.channel, self.pool, self.timing = channel, pool, timing
         self.buffer, self.decode = buffer, decode
         self.timed_out, self.deadline = timed_out, deadline
@@ -130,6 +143,54 @@ cdef class KeyLane:
         got = self._exchange(h, key, rec[0], self.op_put, self.persist if persistent else 0,
                              rec[1] + kb, framed.parts, framed.nbytes, h._client_id)
         return None if type(got) is tuple else got
+
+    def batch_put(self, h, key, value, bint persistent):
+        """``None`` once buffered in the handle's open batch, or ``NotImplemented``
+        (``pure.KeyLane.batch_put``: the rules): ``BatchPut.add``'s common case in C,
+        after the route and frame of ``Router.record``."""
+        cdef tuple rec
+        cdef Py_ssize_t own, size, flush_bytes
+        core, batch = h._core, h._batch
+        if core.closed or h._detached or batch is None or batch.persist is not persistent:
+            return NotImplemented
+        routed = h._routed
+        room = core._room
+        if (type(routed) is not tuple or type((<tuple>routed)[0]) is not Router
+                or room is None):  # fmt: skip
+            return NotImplemented
+        try:
+            rec = (<Router>(<tuple>routed)[0]).record(key, value, (<tuple>routed)[1])
+        except KeyTooLong:  # (the Python path says why)
+            return NotImplemented
+        framed, kb = rec[3], rec[2]
+        mid = rec[0] if h._target is None else h._target
+        if type(framed) is not Framed or type(kb) is not bytes:
+            return NotImplemented
+        own = <Py_ssize_t>(<tuple>framed)[1] + PyBytes_GET_SIZE(kb)
+        if own > room:  # (refused by the Python path, saying why at the batch's end)
+            return NotImplemented
+        route = (<dict>batch._routes).get(mid)
+        flush_bytes = batch.flush_bytes
+        own += self.record_framing
+        sizes = <dict>batch.sizes
+        if route is None or (own >= flush_bytes and sizes.get(route)):
+            return NotImplemented  # (a manager's first record, a large one: add's)
+        batch._chkpt = h._chkpt
+        records = (<dict>batch.records).get(mid)
+        if records is None:
+            records = (<dict>batch.records)[mid] = []
+        record = (rec[1], kb, framed)
+        parts = (<tuple>framed)[0]
+        if type(parts) is tuple and _all_bytes(<tuple>parts):  # (no cycle through it)
+            PyObject_GC_UnTrack(<PyObject*>parts)
+            PyObject_GC_UnTrack(<PyObject*>framed)
+            PyObject_GC_UnTrack(<PyObject*>record)
+        (<list>records).append(record)
+        size = <Py_ssize_t>sizes.get(route, 0) + own
+        sizes[route] = size
+        if size >= flush_bytes:
+            batch.filled(route)
+        return None
 
     cdef object _routed(self, h):
         """The handle's router, if it is one the lane serves now (else ``None``)."""

@@ -746,10 +746,11 @@ def receive_reply(
 
 class LaneWire(NamedTuple):
     """What a :class:`KeyLane` sends and reads, as the transport declares it: the codes of
-    ``get``, ``in``, ``put`` and ``get_many``, the flag of a persistent put, the status of an absent key
-    and of a host's wait that ran out, the largest request it sends (one piece: a
-    connection's buffer holds it), and the smallest reply payload received into a buffer
-    of its own (``receive_reply``'s ``small``)."""
+    ``get``, ``in``, ``put`` and ``get_many``, the flag of a persistent put, the status of
+    an absent key and of a host's wait that ran out, the largest request it sends (one piece: a
+    connection's buffer holds it), the smallest reply payload received into a buffer
+    of its own (``receive_reply``'s ``small``), and a batch record's bytes beyond its
+    key and value (``client/batch.py``'s ``RECORD_FRAMING``)."""
 
     get: int
     contains: int
@@ -760,6 +761,7 @@ class LaneWire(NamedTuple):
     timeout_status: int
     most: int
     small: int
+    record_framing: int
 
 
 class _NoKey:
@@ -892,6 +894,45 @@ class KeyLane:
             h, key, mid, self.wire.put, flags, digest + kb, parts, framed.nbytes, h._client_id
         )
         return None if type(got) is tuple else got
+
+    def batch_put(self, h: Any, key: Any, value: Any, persistent: bool) -> Any:
+        """``h[key] = value`` (``pput``: ``persistent``) in the handle's open batch:
+        ``None`` once buffered, or ``NotImplemented``.
+
+        The common case of the handle's Python path (``_put`` into ``BatchPut.add``): a
+        handle open and attached, in a batch of the put's kind, routed before, whose
+        key routes, whose value fits a shard (the room known), whose manager had a
+        record in the batch before (its route known), and that is not a large record
+        to send alone; the record buffered as ``add`` buffers it, and the route's
+        buffer sent once full (``BatchPut.filled``: a value refused there said at the
+        batch's end).  Anything else is ``NotImplemented``, nothing buffered: the Python
+        path frames it again and does what it does (a persistence that differs from the
+        batch's, a value too large, a key too long: the error it raises or keeps)."""
+        core, batch = h._core, h._batch
+        if core.closed or h._detached or batch is None or batch.persist is not persistent:
+            return NotImplemented
+        routed, room = h._routed, core._room
+        if routed is None or room is None:
+            return NotImplemented
+        try:
+            mid, digest, kb, framed = routed[0].record(key, value, routed[1])
+        except KeyTooLong:
+            return NotImplemented
+        if h._target is not None:
+            mid = h._target
+        own = framed.nbytes + len(kb)
+        if own > room:
+            return NotImplemented
+        route = batch._routes.get(mid)
+        own += self.wire.record_framing
+        if route is None or (own >= batch.flush_bytes and batch.sizes.get(route)):
+            return NotImplemented
+        batch._chkpt = h._chkpt
+        batch.records.setdefault(mid, []).append((digest, kb, framed))
+        size = batch.sizes[route] = batch.sizes.get(route, 0) + own
+        if size >= batch.flush_bytes:
+            batch.filled(route)
+        return None
 
     def get_many(self, h: Any, keys: list[Any], absent: Any) -> Any:
         """``h.get_many(keys)`` copying its values, as ``(values, marked)``: the values in
