@@ -290,8 +290,9 @@ def test_the_lanes_buffer_a_batchs_puts_as_the_python_path(client, tcp, where):
     """Batch puts through each lane and the Python path, interleaved, into one batch whose
     buffers fill many times (small ``ddict.batch.flush-bytes``): every value reads back
     after the batch's end, values of every kind and both persistences; the lanes buffered
-    most of them, and leave to the Python path what is its own (a manager's first
-    record, a value too large, a put of the other persistence)."""
+    most of them (a manager's first record and one that travels alone through
+    ``BatchPut.add`` itself), and leave to the Python path what is its own (a value too
+    large, a put of the other persistence)."""
     h = tcp if where == "tcp" else DDict.attach(tcp.serialize())
     try:
         h["warm"] = 0  # (routed, the room known)
@@ -305,6 +306,8 @@ def test_the_lanes_buffer_a_batchs_puts_as_the_python_path(client, tcp, where):
                     lane = LANES[n % len(LANES)]
                     key = (persist, n)
                     value = (b"v%d" % n, n, np.arange(n % 7))[n % 3]
+                    if n % 50 == 7:  # (a record larger than a buffer: it travels alone)
+                        value = b"L%d" % n * 1000
                     got = NotImplemented if lane is None else lane.batch_put(h, key, value, persist)
                     if got is NotImplemented:
                         (h.pput if persist else h.__setitem__)(key, value)

@@ -240,6 +240,14 @@ class BatchPut:
             return True
         return False
 
+    def add_kept(self, mid: int, digest: bytes, kb: bytes, framed: Framed, chkpt: int) -> None:
+        """:meth:`add`, a value refused meanwhile kept for :meth:`end`, as :meth:`add`'s
+        caller keeps it (the key lane's, for a record it does not buffer itself)."""
+        try:
+            self.add(mid, digest, kb, framed, chkpt)
+        except DDictFullError as e:
+            self.refused(e)
+
     def filled(self, route: Any) -> None:
         """``route``'s buffer reached ``flush_bytes`` (a record the key lane added): sent, a
         value refused meanwhile kept for :meth:`end`, as :meth:`add`'s caller keeps it."""

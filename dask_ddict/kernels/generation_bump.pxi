@@ -30,38 +30,30 @@ os.register_at_fork(after_in_child=_reseed_words)
 
 cdef class GenerationBump:
     """``store.on_commit`` of manager ``mid``, whose host keeps the generations ``gens``:
-    ``gens.bump(mid)``, in C.  The words are read where ``gens.words`` is now (a closed
-    Generations points it at zeros), their buffer taken again only when it moved."""
+    ``gens.bump(mid)``, in C.  The words are taken where ``gens.words`` is at each call
+    (a closed Generations points it at zeros) and let go at once: the hook keeps no
+    mapping alive.  The generator's state is the interpreter lock's to guard."""
 
     cdef readonly object gens
     cdef readonly Py_ssize_t mid
-    cdef object _words  # (what _buf is a view of, while _held)
-    cdef Py_buffer _buf
-    cdef bint _held
 
     def __init__(self, gens, Py_ssize_t mid):
         if mid < 0:
             raise IndexError(f"manager {mid}: no generation word")
         self.gens, self.mid = gens, mid
 
-    def __dealloc__(self):
-        if self._held:
-            PyBuffer_Release(&self._buf)
-
     def __repr__(self):
         return f"<GenerationBump manager={self.mid} of {self.gens!r}>"
 
     cdef int bump(self) except -1:
-        words = self.gens.words
-        if words is not self._words:
-            if self._held:
-                PyBuffer_Release(&self._buf)
-                self._held, self._words = False, None
-            PyObject_GetBuffer(words, &self._buf, PyBUF_WRITABLE)
-            self._held, self._words = True, words
-        if (self.mid + 1) * 8 > self._buf.len:
-            raise IndexError(f"manager {self.mid}: no generation word in {self.gens!r}")
-        (<int64_t*>self._buf.buf)[self.mid] = _next_word()
+        cdef Py_buffer view
+        PyObject_GetBuffer(self.gens.words, &view, PyBUF_WRITABLE)
+        try:
+            if self.mid >= view.len // 8:
+                raise IndexError(f"manager {self.mid}: no generation word in {self.gens!r}")
+            (<int64_t*>view.buf)[self.mid] = _next_word()
+        finally:
+            PyBuffer_Release(&view)
         return 0
 
     def __call__(self):

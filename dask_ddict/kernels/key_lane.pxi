@@ -174,14 +174,16 @@ cdef class KeyLane:
         own += self.record_framing
         sizes = <dict>batch.sizes
         if route is None or (own >= flush_bytes and sizes.get(route)):
-            return NotImplemented  # (a manager's first record, a large one: add's)
+            batch.add_kept(mid, rec[1], kb, framed, h._chkpt)  # (a manager's first, a large one)
+            return None
         batch._chkpt = h._chkpt
         records = (<dict>batch.records).get(mid)
         if records is None:
             records = (<dict>batch.records)[mid] = []
         record = (rec[1], kb, framed)
         parts = (<tuple>framed)[0]
-        if type(parts) is tuple and _all_bytes(<tuple>parts):  # (no cycle through it)
+        if type(parts) is tuple and _all_bytes(<tuple>parts) and type(rec[1]) is bytes:
+            # (no cycle can pass through it: the collector need not scan it)
             PyObject_GC_UnTrack(<PyObject*>parts)
             PyObject_GC_UnTrack(<PyObject*>framed)
             PyObject_GC_UnTrack(<PyObject*>record)
@@ -444,7 +446,7 @@ cdef class KeyLane:
                     links.append(link)
                 link_of[g] = <int>k
             nlinks = len(links)
-            return self._many(h, keys, absent, routes, chkpt, mids, links, conns, states,
+            return self._many(n, absent, routes, chkpt, mids, links, conns, states,
                               replies, slot, link_of, place, count, ngroups, nlinks)
         finally:
             PyMem_Free(slot)
@@ -453,14 +455,14 @@ cdef class KeyLane:
             PyMem_Free(place)
             PyMem_Free(count)
 
-    cdef object _many(self, h, list keys, absent, list routes, long long chkpt, list mids,
+    cdef object _many(self, Py_ssize_t n, absent, list routes, long long chkpt, list mids,
                       list links, list conns, list states, list replies, int* slot,
                       int* link_of, Py_ssize_t* place, Py_ssize_t* count,
                       Py_ssize_t ngroups, Py_ssize_t nlinks):
-        """:meth:`get_many`'s exchange, once its keys are grouped (``states``: each link's
+        """:meth:`get_many`'s exchange of ``n`` keys, once grouped (``states``: each link's
         connection taken 0, its request sent 1, its reply received and the connection
         given back 2)."""
-        cdef Py_ssize_t n = PyList_GET_SIZE(keys), i, g, k, at, total, groups
+        cdef Py_ssize_t i, g, k, at, total, groups
         cdef Py_ssize_t vlen
         cdef unsigned char* p
         cdef ddict_request_head head
@@ -493,37 +495,37 @@ cdef class KeyLane:
             for k in range(len(conns)):
                 self._give(links[k], conns[k])
             return NotImplemented
-        for k in range(nlinks):  # each request: the header and the table
-            conn = conns[k]
-            conn.deadline = None  # (BoundedConnection.begin(None, None): its own state)
-            conn.check = None
-            p = <unsigned char*>PyByteArray_AS_STRING(conn.reader._buf)
-            head.op, head.flags, head.term, head.klen = self.op_get_many, 0, 0, 0
-            head.manager, head.tag = 0, 0
-            head.chkpt, head.arg, head.client = chkpt, 0, 0
-            head.timeout, head.vlen, head.rid = _NO_TIMEOUT, <uint64_t>sizes[k], 0
-            groups, at = 0, _REQUEST + 4
-            for g in range(ngroups):
-                if link_of[g] == k:
-                    if groups == 0:
-                        head.manager = <uint32_t>mids[g]
-                    _put_le32(<char*>p + at, <uint32_t>mids[g])
-                    _put_le32(<char*>p + at + 4, <uint32_t>count[g])
-                    at += 8
-                    groups += 1
-            _put_le32(<char*>p + _REQUEST, <uint32_t>groups)
-            ddict_write_request(p, &head)
-            for g in range(ngroups):  # (each group's digests after the ones before it)
-                if link_of[g] == k:
-                    place[g] = at
-                    at += _DIGEST * count[g]
-        for i in range(n):  # each key's digest, in its group's place
-            g = slot[i]
-            p = <unsigned char*>PyByteArray_AS_STRING(
-                (<object>conns[link_of[g]]).reader._buf)  # fmt: skip
-            memcpy(p + place[g], PyBytes_AS_STRING((<tuple>(<list>routes)[i])[1]), _DIGEST)
-            place[g] += _DIGEST
-        try:
+        try:  # (an error before a request went out gives its connection back)
+            for k in range(nlinks):  # each request: the header and the table
+                conn = conns[k]
+                conn.deadline = None  # (BoundedConnection.begin(None, None): its own state)
+                conn.check = None
+                p = <unsigned char*>PyByteArray_AS_STRING(conn.reader._buf)
+                head.op, head.flags, head.term, head.klen = self.op_get_many, 0, 0, 0
+                head.manager, head.tag = 0, 0
+                head.chkpt, head.arg, head.client = chkpt, 0, 0
+                head.timeout, head.vlen, head.rid = _NO_TIMEOUT, <uint64_t>sizes[k], 0
+                groups, at = 0, _REQUEST + 4
+                for g in range(ngroups):
+                    if link_of[g] == k:
+                        if groups == 0:
+                            head.manager = <uint32_t>mids[g]
+                        _put_le32(<char*>p + at, <uint32_t>mids[g])
+                        _put_le32(<char*>p + at + 4, <uint32_t>count[g])
+                        at += 8
+                        groups += 1
+                _put_le32(<char*>p + _REQUEST, <uint32_t>groups)
+                ddict_write_request(p, &head)
+                for g in range(ngroups):  # (each group's digests after the ones before it)
+                    if link_of[g] == k:
+                        place[g] = at
+                        at += _DIGEST * count[g]
+            for i in range(n):  # each key's digest, in its group's place
+                g = slot[i]
+                p = <unsigned char*>PyByteArray_AS_STRING(
+                    (<object>conns[link_of[g]]).reader._buf)  # fmt: skip
+                memcpy(p + place[g], PyBytes_AS_STRING((<tuple>(<list>routes)[i])[1]), _DIGEST)
+                place[g] += _DIGEST
             for k in range(nlinks):
                 failing = k
                 conn = conns[k]

@@ -901,13 +901,13 @@ class KeyLane:
 
         The common case of the handle's Python path (``_put`` into ``BatchPut.add``): a
         handle open and attached, in a batch of the put's kind, routed before, whose
-        key routes, whose value fits a shard (the room known), whose manager had a
-        record in the batch before (its route known), and that is not a large record
-        to send alone; the record buffered as ``add`` buffers it, and the route's
-        buffer sent once full (``BatchPut.filled``: a value refused there said at the
-        batch's end).  Anything else is ``NotImplemented``, nothing buffered: the Python
-        path frames it again and does what it does (a persistence that differs from the
-        batch's, a value too large, a key too long: the error it raises or keeps)."""
+        key routes and whose value fits a shard (the room known); the record buffered
+        as ``add`` buffers it, and the route's buffer sent once full
+        (``BatchPut.filled``: a value refused there said at the batch's end), or, for a
+        manager's first record and a large one that travels alone, given to ``add``
+        itself (``BatchPut.add_kept``).  Anything else is ``NotImplemented``, nothing
+        buffered: the Python path frames it again and says what is wrong (a persistence
+        that differs from the batch's, a value too large, a key too long)."""
         core, batch = h._core, h._batch
         if core.closed or h._detached or batch is None or batch.persist is not persistent:
             return NotImplemented
@@ -926,7 +926,8 @@ class KeyLane:
         route = batch._routes.get(mid)
         own += self.wire.record_framing
         if route is None or (own >= batch.flush_bytes and batch.sizes.get(route)):
-            return NotImplemented
+            batch.add_kept(mid, digest, kb, framed, h._chkpt)  # (a manager's first, a large one)
+            return None
         batch._chkpt = h._chkpt
         batch.records.setdefault(mid, []).append((digest, kb, framed))
         size = batch.sizes[route] = batch.sizes.get(route, 0) + own
