@@ -14,7 +14,7 @@ from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
 from dask_ddict import DDict, DDictError, DDictStore, StagedStore, stage
-from dask_ddict.stores.staging import STAGING, plan
+from dask_ddict.stores.staging import STAGING, _record, plan
 from tests.support.cluster import local_cluster
 
 
@@ -97,6 +97,39 @@ def test_reads_fall_through_to_the_source_for_what_is_not_loaded(client, source)
             zarr.open_array(staged, path="x", mode="r+")[0, 0] = 1.0
         with pytest.raises(DDictError, match="still loading"):
             staged.with_read_only(False)
+    finally:
+        d.destroy()
+
+
+def test_a_read_that_misses_as_the_last_loader_finishes_reads_the_dictionary_again(client, source):
+    """A read that misses in the dictionary and then finds every loader finished (the
+    object was loaded between the two) answers the object, read from the dictionary
+    again: "loaded" says the dictionary has everything now, not when the read looked."""
+    path, _ = source
+    d = DDict(total_mem="64 MiB", client=client)
+    key = "x/zarr.json"
+    want = sync(LocalStore(path, read_only=True).get(key, default_buffer_prototype()))
+    try:
+        for read in ("get", "get_sync"):
+            d.clear()
+            staged = StagedStore(d, path, token=f"race-{read}", loaders=1, total=1)
+            looked = staged._from_source
+
+            def loaded_meanwhile(staged=staged, looked=looked, read=read):
+                DDictStore(d).set_sync(key, want)  # (the loader's last object, and its end)
+                d[_record(f"race-{read}", 0)] = (1, 1, True, None)
+                staged._looked = 0.0  # (the records are read now)
+                return looked()
+
+            staged._from_source = loaded_meanwhile  # type: ignore[method-assign]
+            proto = default_buffer_prototype()
+            got = (
+                sync(staged.get(key, proto))
+                if read == "get"
+                else staged.get_sync(key, prototype=proto)
+            )
+            assert got is not None and got.to_bytes() == want.to_bytes(), read
+            assert staged.is_loaded()
     finally:
         d.destroy()
 

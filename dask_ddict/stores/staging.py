@@ -412,9 +412,14 @@ class StagedStore(DDictStore):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
+        loading = not self._loaded  # (asked before the read, not after: see below)
         got = await super().get(key, prototype, byte_range)
-        source = self._from_source() if got is None else None
-        return got if source is None else await source.get(key, prototype, byte_range)
+        if got is not None or not loading:
+            return got
+        source = self._from_source()
+        if source is None:  # (loaded since the read began: the dictionary has it now)
+            return await super().get(key, prototype, byte_range)
+        return await source.get(key, prototype, byte_range)
 
     def get_sync(
         self,
@@ -423,10 +428,13 @@ class StagedStore(DDictStore):
         prototype: BufferPrototype | None = None,
         byte_range: ByteRequest | None = None,
     ) -> Buffer | None:
+        loading = not self._loaded  # (before the read: as get)
         got = super().get_sync(key, prototype=prototype, byte_range=byte_range)
-        source = self._from_source() if got is None else None
-        if source is None:
+        if got is not None or not loading:
             return got
+        source = self._from_source()
+        if source is None:  # (loaded since the read began: the dictionary has it now)
+            return super().get_sync(key, prototype=prototype, byte_range=byte_range)
         from zarr.core.sync import sync
 
         return sync(source.get(key, prototype or default_buffer_prototype(), byte_range))
