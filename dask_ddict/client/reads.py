@@ -100,14 +100,14 @@ class Reads(HandleBase):
         at this checkpoint is waited for as :meth:`get` waits.
         """
         keys = list(check_keys("keys", keys))
-        got = LANE.get_many(self, keys, ABSENT) if copy is True else NotImplemented
-        if got is NotImplemented:  # (the common case over TCP in one call: lane.py)
+        found = LANE.get_many(self, keys, ABSENT) if copy is True else NotImplemented
+        if found is NotImplemented:  # (the common case over TCP in one call: lane.py)
             routes = self._routes(keys)
             decode, small = self._decoder(None)  # (values in key order: no (key, value) pairs)
-            got = kernels.decode_values(
+            found = kernels.decode_values(
                 routes, self._fetched(routes, copy, None), decode, ABSENT, WAIT, small
             )
-        out, marked = got
+        out, marked = found
         for i in marked:
             key, got = keys[i], out[i]
             if got is WAIT:  # (wait_for_keys: not written at this checkpoint yet) waits alone

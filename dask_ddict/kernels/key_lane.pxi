@@ -204,9 +204,11 @@ cdef class KeyLane:
             return None
         return (<tuple>routed)[0]
 
-    cdef object _take(self, link):
-        """One of ``link``'s idle connections, as ``IdlePool.take`` takes it (``None``:
-        none idle, or the pool's lock busy)."""
+    cdef object _take(self, link, Py_ssize_t total):
+        """One of ``link``'s idle connections, as ``IdlePool.take`` takes it, whose receive
+        buffer is empty and holds a request of ``total`` bytes, its waits the lane's own
+        (``BoundedConnection.begin(None, None)``); ``None``: none idle, the pool's lock
+        busy, or one that does not fit (given back as it was)."""
         if not self._acquire(False):
             return None
         try:
@@ -217,6 +219,12 @@ cdef class KeyLane:
             del self._idle[conn]
         finally:
             self._release()
+        reader = conn.reader
+        if reader._pos != reader._end or PyByteArray_GET_SIZE(reader._buf) < total:
+            self._give(link, conn)
+            return None
+        conn.deadline = None
+        conn.check = None
         return conn
 
     cdef int _give(self, link, conn) except -1:
@@ -298,19 +306,13 @@ cdef class KeyLane:
         if timeout is not None:  # (the operation's time and the link's slack, as _exchange)
             wire_timeout = timeout
             deadline = began + wire_timeout + <double>link._slack
-        conn = self._take(link)
+        conn = self._take(link, total)
         if conn is None:
             return NotImplemented
-        reader = conn.reader
-        buf = reader._buf
-        if reader._pos != reader._end or PyByteArray_GET_SIZE(buf) < total:
-            self._give(link, conn)
-            return NotImplemented
+        buf = conn.reader._buf
         # (a socket without a timeout blocks; one a timed operation left with its own
         # does not, and is waited for by poll, as is every timed operation's)
         blocking = conn.timeout is None and deadline < 0
-        conn.deadline = None  # (BoundedConnection.begin(None, None): its own state)
-        conn.check = None
         p = <unsigned char*>PyByteArray_AS_STRING(buf)
         head.op, head.flags, head.term = op, flags, <unsigned int>term
         head.klen, head.manager, head.tag = <uint32_t>klen, <uint32_t>m, 0
@@ -481,13 +483,8 @@ cdef class KeyLane:
                 return NotImplemented
             sizes.append(vlen)
         for k in range(nlinks):
-            conn = self._take(links[k])
+            conn = self._take(links[k], _REQUEST + <Py_ssize_t>sizes[k])
             if conn is None:
-                break
-            reader = conn.reader
-            if reader._pos != reader._end or PyByteArray_GET_SIZE(reader._buf) < (
-                    _REQUEST + <Py_ssize_t>sizes[k]):  # fmt: skip
-                self._give(links[k], conn)
                 break
             conns.append(conn)
             states.append(0)
@@ -497,10 +494,7 @@ cdef class KeyLane:
             return NotImplemented
         try:  # (an error before a request went out gives its connection back)
             for k in range(nlinks):  # each request: the header and the table
-                conn = conns[k]
-                conn.deadline = None  # (BoundedConnection.begin(None, None): its own state)
-                conn.check = None
-                p = <unsigned char*>PyByteArray_AS_STRING(conn.reader._buf)
+                p = <unsigned char*>PyByteArray_AS_STRING((<object>conns[k]).reader._buf)
                 head.op, head.flags, head.term, head.klen = self.op_get_many, 0, 0, 0
                 head.manager, head.tag = 0, 0
                 head.chkpt, head.arg, head.client = chkpt, 0, 0

@@ -994,9 +994,6 @@ class KeyLane:
         conns: list[Any] = []
         for link, _, _ in requests:
             conn = self._take(link)
-            if conn is not None and conn.reader.buffered():
-                self.pool.give(link, conn)
-                conn = None
             if conn is None:  # (nothing sent: every connection back as it was)
                 for (other, _, _), c in zip(requests, conns, strict=False):
                     self.pool.give(other, c)
@@ -1060,8 +1057,9 @@ class KeyLane:
         return status, ival, payload
 
     def _take(self, link: Any) -> Any:
-        """One of ``link``'s idle connections, as ``IdlePool.take`` takes it (``None``: none
-        idle, or the pool's lock busy)."""
+        """One of ``link``'s idle connections, as ``IdlePool.take`` takes it, with nothing
+        in its receive buffer (``None``: none idle, the pool's lock busy, or one with
+        something buffered, given back as it was)."""
         pool = self.pool
         if not pool.lock.acquire(False):
             return None
@@ -1071,6 +1069,9 @@ class KeyLane:
                 del pool.idle[conn]
         finally:
             pool.lock.release()
+        if conn is not None and conn.reader.buffered():
+            pool.give(link, conn)
+            return None
         return conn
 
     def _drop(
@@ -1139,10 +1140,6 @@ class KeyLane:
         pool = self.pool
         conn = self._take(link)
         if conn is None:
-            return NotImplemented
-        reader = conn.reader
-        if reader.buffered():
-            pool.give(link, conn)
             return NotImplemented
         again = NotImplemented if timeout is None else Resend(began)  # (once sent)
         try:
