@@ -57,9 +57,11 @@ try:
 except ImportError:  # (a machine without a compiler: test_kernels says so)
     _compiled = None
 
-#: The plain servers compared with the manager's path (``None``).
+#: The plain servers compared with the manager's path (``None``): the compiled one with
+#: the compiled set's managers (it reads their state from the set's C fields; a manager of
+#: the pure set, DASK_DDICT__COMPILED=false, is left to the manager's path).
 SERVERS: list[Any] = [None, pure.PlainServer] + (
-    [] if _compiled is None else [_compiled.PlainServer]
+    [_compiled.PlainServer] if kernels.COMPILED else []
 )
 KEYS = [f"k{i}" for i in range(6)]
 LARGE = 70 << 10  # a value over the largest a plain server sends (the manager's then)
@@ -241,7 +243,9 @@ class ThreeServers(RuleBasedStateMachine):
         many = (lambda mid: GetMany(((mid, [_digest("small"), _digest("never")]),), newest), {})
         self.shards.same([*writes, (ops.Get(_digest("small"), newest), {}), many])
         served = 2 + (put and self.size == 1)
-        assert [a - b for a, b in zip(self.shards.counts(), before, strict=True)] == [served] * 2
+        assert [a - b for a, b in zip(self.shards.counts(), before, strict=True)] == [served] * (
+            len(SERVERS) - 1
+        )
 
     def teardown(self) -> None:
         self.shards.close()
@@ -312,7 +316,9 @@ def test_a_put_whose_manager_is_busy_is_the_managers(shards):
     try:
         for i, sock in enumerate(shards.socks):
             sock.sendall(b"".join(_raw(o, t + 1, mid=3 + i) for t, (o, _) in enumerate(batch)))
-        poll_for(lambda: shards.server.loop.handoffs >= 3, 30, "every put waits for its lock")
+        poll_for(
+            lambda: shards.server.loop.handoffs >= len(SERVERS), 30, "every put waits for its lock"
+        )
     finally:
         for m in shards.managers:
             m._mutex.release()
@@ -334,6 +340,25 @@ def test_plain_puts_keep_the_key_counts(shards):
     assert n == 8
     for m in shards.managers:
         assert m.length(0) == 8
+
+
+def test_plain_puts_keep_the_room_estimate_and_the_next_transaction(shards):
+    """A plain put adds what the manager's path adds to its store's running room estimate
+    and notes its transaction as the store's own (the compiled server writes both as C
+    fields, ``kernels.StoreState``): the shards' room checks stay the same after them."""
+    shards.same([(_put("first", 0, 0), {})])  # (the first write of a shard: the manager's)
+    before = shards.counts()
+    shards.same([(_put(f"r{i % 5}", b"x" * (i * 37), 0), {}) for i in range(12)])
+    assert shards.counts() == [b + 12 for b in before]
+    stores = [m.store for m in shards.managers]
+    assert {s._used_estimate for s in stores} == {stores[0]._used_estimate}
+    assert stores[0]._used_estimate > 12 * 64
+    assert {s._next_own for s in stores} == {stores[0]._next_own}
+    txn = stores[0].env.begin(write=True)  # (the next one is the store's own)
+    try:
+        assert txn.id() == stores[0]._next_own
+    finally:
+        txn.abort()
 
 
 def test_every_plain_put_gives_its_manager_a_new_generation_word(shards, tmp_path):

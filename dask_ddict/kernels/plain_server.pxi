@@ -2,20 +2,21 @@
 # per request.  Included by _compiled.pyx, after lmdb_engine.pxi (whose engine it calls).
 #
 # The interpreter lock is held while a request is read and answered, and the state read
-# of Python objects is their plain attributes (no Python code runs, so no other thread
-# runs between them): a manager cannot close, nor its shard's environment, while a read
-# is served.  One snapshot serves a run of reads of one environment: they were all
+# of Python objects is their C fields (plain_state.pxi) and plain attributes (no Python
+# code runs, so no other thread runs between them): a manager cannot close, nor its
+# shard's environment, while a read is served.  One snapshot serves a run of reads of one environment: they were all
 # received before it began (a put ends it).  Between requests the Python objects are read
 # again; an environment found closed then (by a finalizer that ran Python code on an
 # allocation) has already freed the snapshot's reader slot, and its transaction is
 # dropped without a call into LMDB.
 #
-# A put is written under its manager's lock, taken only if it is free (else the put is
-# the manager's path's, which waits for it); LMDB's writer lock is waited for with the
-# interpreter lock released (another thread of this process may be the writer), and the
-# manager's lock keeps its environment open meanwhile (Manager.close takes it first).
+# A put is written under its manager's lock (a ManagerLock: taken and given in C), taken
+# only if it is free (else the put is the manager's path's, which waits for it); LMDB's
+# writer lock is waited for with the interpreter lock released (another thread of this
+# process may be the writer), and the manager's lock keeps its environment open meanwhile
+# (Manager.close takes it first).
 
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.list cimport PyList_GET_SIZE
 from cpython.mem cimport PyMem_Realloc
 
@@ -39,6 +40,20 @@ cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
 cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
 cdef Py_ssize_t _HUGE = HUGE_BYTES
 cdef int _PERSISTENT = PERSISTENT
+
+
+cdef int _count(object table, object mid, object op) except -1:
+    """One request ``op`` for manager ``mid`` in a connection's ``table`` (served.count's
+    rule; a row's dictionary is its defaultdict's)."""
+    cdef PyObject* found = PyDict_GetItem(table, mid)
+    cdef PyObject* n
+    counts = table[mid] if found == NULL else <object>found
+    if type(counts) is not dict:
+        counts[op] = counts.get(op, 0) + 1
+        return 0
+    n = PyDict_GetItem(counts, op)
+    PyDict_SetItem(counts, op, 1 if n == NULL else <object>n + 1)
+    return 0
 
 
 cdef inline bint _lmdb_object(object o, object kind, ddict_lmdb_env* e) except -1:
@@ -152,16 +167,19 @@ cdef class PlainServer:
         self.n = 0
         return 0
 
-    cdef ddict_lmdb_env* _snapshot(self, object m, object ws, int64_t chkpt,
+    cdef ddict_lmdb_env* _snapshot(self, ManagerState m, WindowState ws, int64_t chkpt,
                                    unsigned int* dbi) except? NULL:
         """The run's snapshot of manager ``m``'s shard (``self.txn``, begun if it is not of
         its environment) and its data table's handle, for a read at ``chkpt``; NULL: the
         manager's (a retired checkpoint, objects the engine does not know)."""
         cdef int64_t newest = ws.newest, wsize = ws.size
         cdef ddict_lmdb_env* e
+        cdef StoreState store
         if chkpt < newest - wsize + 1:
             return NULL
-        store = m.store
+        if not isinstance(m.store, StoreState):
+            return NULL
+        store = <StoreState>m.store
         env, db = store.env, store._data
         e = _open_env(env, db)
         if e == NULL:
@@ -176,7 +194,7 @@ cdef class PlainServer:
         dbi[0] = (<ddict_lmdb_db*><PyObject*>db).dbi
         return e
 
-    cdef int _read(self, object m, object ws, int op, const unsigned char* p, int64_t chkpt,
+    cdef int _read(self, ManagerState m, WindowState ws, int op, const unsigned char* p, int64_t chkpt,
                    uint32_t tag) except -1:
         """A plain get or ``in`` answered (1), or the manager's (0)."""
         cdef ddict_lmdb_env* e
@@ -221,7 +239,7 @@ cdef class PlainServer:
             self._reply(0, tag, 0, raw + _ENTRY_HEADER, flen)
         return 1
 
-    cdef int _put(self, object m, object ws, const unsigned char* p, Py_ssize_t klen,
+    cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p, Py_ssize_t klen,
                   Py_ssize_t vlen, int64_t chkpt, uint32_t tag) except -1:
         """A plain put written, committed and answered (1), or the manager's (0): nothing
         of it written."""
@@ -232,10 +250,13 @@ cdef class PlainServer:
         cdef int rc
         cdef bint committed = False
         cdef Py_ssize_t delta, nbytes
-        cdef double used, limit
+        cdef StoreState store
+        cdef ManagerLock lock = None
         if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
             return 0
-        store = m.store
+        if not isinstance(m.store, StoreState):
+            return 0
+        store = <StoreState>m.store
         if store.replicate is not None or store.indexed:
             return 0
         db, meta = store._data, store._meta
@@ -243,18 +264,18 @@ cdef class PlainServer:
         if e == NULL or not _lmdb_object(meta, _Database, e):
             return 0
         api = e.libv
-        mutex = m._mutex
-        if not mutex.acquire(False):
+        if type(m._mutex) is not ManagerLock:
+            return 0
+        lock = <ManagerLock>m._mutex
+        if not lock.take():
             return 0  # (another thread writes: the manager's path waits for it)
         try:
             if m.closed or m.frozen or m._deferred.waiting or m._retiring:
                 return 0
             # the room: the running estimate (check_room's), else the manager counts
             nbytes = vlen + klen - _DIGEST + _ENTRY_HEADER + 64
-            used, limit = store._used_estimate, store.full_thresh * store.capacity
-            if used + 2 * nbytes > limit:
+            if store._used_estimate + 2 * nbytes > store.full_thresh * store.capacity:
                 return 0
-            next_own = store._next_own
             self._end_snapshot()  # (a read after the put sees it)
             with nogil:  # (the writer may be another thread of this process)
                 rc = api.txn_begin(e.env, NULL, 0, &w)
@@ -262,7 +283,7 @@ cdef class PlainServer:
                 return 0
             try:
                 tid = api.txn_id(w)
-                if tid != <size_t>next_own:  # another process committed: the manager counts
+                if tid != <size_t>store._next_own:  # another process committed: the manager counts
                     return 0
                 delta = _put_one(api, w, (<ddict_lmdb_db*><PyObject*>db).dbi, p, klen, vlen,
                                  chkpt)
@@ -278,14 +299,14 @@ cdef class PlainServer:
                 if not committed:
                     api.txn_abort(w)
             store._next_own = tid + 1
-            store._used_estimate = store._used_estimate + 2 * nbytes
+            store._used_estimate += 2 * nbytes
             hook = store.on_commit
             if type(hook) is GenerationBump:  # (the host's: no call)
                 (<GenerationBump>hook).bump()
             elif hook is not None:
                 hook()
         finally:
-            mutex.release()
+            lock.give()
         self._reply(0, tag, 0, NULL, 0)
         return 1
 
@@ -310,6 +331,7 @@ cdef class PlainServer:
         cdef PyObject* found
         cdef ddict_reply_head reply
         cdef list ms = []
+        cdef ManagerState m
         if vlen < 4:
             return 0
         groups = <Py_ssize_t>_le32(v)
@@ -323,8 +345,11 @@ cdef class PlainServer:
             found = PyDict_GetItem(managers, _le32(v + 4 + 8 * i))
             if found == NULL:
                 return 0
-            m = <object>found
-            if m.closed or m.working_set.wait_for_keys:
+            if not isinstance(<object>found, ManagerState):
+                return 0
+            m = <ManagerState>found
+            if m.closed or not isinstance(m.working_set, WindowState) or (
+                    <WindowState>m.working_set).wait_for_keys:  # fmt: skip
                 return 0
             ms.append(m)
         lens = <int64_t*>PyMem_Malloc((total + 1) * sizeof(int64_t))
@@ -339,7 +364,8 @@ cdef class PlainServer:
                 count = _le32(v + 8 + 8 * i)
                 if count:  # (the seek's tail: each key's digest goes before it)
                     _seek_key(seek, digests + _DIGEST * at, chkpt)
-                e = self._snapshot(ms[i], ms[i].working_set, chkpt, &dbi)
+                m = <ManagerState>ms[i]
+                e = self._snapshot(m, <WindowState>m.working_set, chkpt, &dbi)
                 if e == NULL:
                     return 0
                 cur = NULL
@@ -389,8 +415,7 @@ cdef class PlainServer:
             PyMem_Free(lens)
             PyMem_Free(offs)
         for i in range(groups):  # (each manager looked up counts once, as Counting counts)
-            counts = self.served[_le32(v + 4 + 8 * i)]
-            counts[self.get_many] = counts.get(self.get_many, 0) + 1
+            _count(self.served, _le32(v + 4 + 8 * i), self.get_many)
         return 1
 
     cdef int _hold(self, Py_ssize_t need) except -1:
@@ -426,6 +451,8 @@ cdef class PlainServer:
         cdef unsigned int term
         cdef PyObject* found
         cdef ddict_request_head head
+        cdef ManagerState m
+        cdef WindowState ws
         if self._pure is not None:
             return self._pure.serve()
         hosted, reader = self.hosted, self.reader
@@ -458,19 +485,20 @@ cdef class PlainServer:
                         break
                     size = _REQUEST + vlen
                 else:
-                    # the manager's state: plain attributes (no Python code runs)
+                    # the manager's state: its C fields (no Python code runs)
                     found = PyDict_GetItem(managers, mid)
-                    if found == NULL:
+                    if found == NULL or not isinstance(<object>found, ManagerState):
                         break
-                    m = <object>found
-                    if m.closed or (term and term != m.wire):
+                    m = <ManagerState>found
+                    if m.closed or (term and <long long>term != m.wire):
                         break
-                    ws = m.working_set
+                    if not isinstance(m.working_set, WindowState):
+                        break
+                    ws = <WindowState>m.working_set
                     if ws.wait_for_keys:
                         break
                     if lease is not None and (op == self.put or not self._leased(lease)):
                         break  # (a primary's put goes to its replicas first; a lapsed lease)
-                    counts = self.served[mid]  # (a defaultdict's row)
                     if op == self.put:
                         if head.flags & ~self.persist or klen < _DIGEST or klen > self.most_key:
                             break
@@ -485,7 +513,7 @@ cdef class PlainServer:
                         if not self._read(m, ws, op, p, chkpt, tag):
                             break
                         size = _READ
-                    counts[op] = counts.get(op, 0) + 1
+                    _count(self.served, mid, op)
                 pos += size
                 served += 1
                 if self.n >= _SENT_AT_ONCE:

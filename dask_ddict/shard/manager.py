@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
-from .. import config
+from .. import config, kernels
 from .._blocking import acquire, will_block
 from .._serialize import dumps_value, loads_value, older_frame
 from ..errors import DDictClosedError, DDictError, DDictFullError
@@ -67,7 +67,9 @@ class _Refused(Exception):
         self.index, self.error = index, error
 
 
-class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, MakingRoom, Moving):
+class Manager(
+    Summaries, CheckpointIO, AtMostOnce, Batches, MakingRoom, Moving, kernels.ManagerState
+):
     """One shard: a store, its working set, and the rules of waiting.
 
     Parameters
@@ -113,8 +115,10 @@ class Manager(Summaries, CheckpointIO, AtMostOnce, Batches, MakingRoom, Moving):
         self.pull_shard = pull_shard
         self._dumps: dict[int, lmdb.Transaction] = {}  # open replication snapshots
         self._next_dump = 0
-        self._mutex = threading.Lock()  # (taken directly on the hot paths: a Condition's
-        self._cond = threading.Condition(self._mutex)  # own "with" is Python code)
+        # (taken directly on the hot paths: a Condition's own "with" is Python code; the
+        # kernels' lock is threading.Lock's interface, taken by the plain server in C)
+        self._mutex = kernels.ManagerLock()
+        self._cond = threading.Condition(self._mutex)
         # Operations that wait (under the lock).
         self._deferred = DeferredQueue(self._mutex, config.get_seconds("deferred.quiet-retry"))
         # Checkpoints retiring in the current write transaction, to persist

@@ -73,7 +73,7 @@ def _client_scratch() -> Scratch:
     return scratch
 
 
-class ShardStore(Capacity):
+class ShardStore(Capacity, kernels.StoreState):
     """An LMDB environment holding one shard.
 
     Parameters

@@ -37,6 +37,7 @@ from typing import Any
 
 import lmdb
 
+from .. import kernels
 from .._hashing import key_digest
 from .._serialize import frame_parts
 from ..errors import (
@@ -57,7 +58,7 @@ class MustWait(Exception):
     """The operation cannot proceed until another write changes the shard."""
 
 
-class WorkingSet:
+class WorkingSet(kernels.WindowState):
     """Checkpoint window and per-operation rules of one manager.
 
     Parameters
