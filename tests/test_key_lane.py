@@ -229,6 +229,44 @@ def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_is_not(client, tcp):
         d.detach()
 
 
+def _idle_buffers(h: DDict) -> list[int]:
+    """The receive buffers' sizes of the idle connections of ``h``'s links."""
+    links = {id(ch.link): ch.link for ch in h._core._channels.values()}
+    with IDLE_POOL.lock:
+        return [len(c.reader._buf) for link in links.values() for c in link.idle]
+
+
+def test_a_get_many_of_small_values_is_received_into_its_connection(tcp):
+    """A many-key reply whose frames are all small is received into its connection's own
+    buffer (grown to fit it) and decoded there before the connection goes back: the
+    values are right, copies that later replies on the same connection do not change;
+    a reply with a large frame (a view of its buffer) or over a mebibyte gets a buffer
+    of its own, and its values stay as they were while the connection serves on."""
+    h = tcp
+    small = [f"s{i}" for i in range(1000)]  # (a reply of about 130 KB: past a buffer's 64 KiB)
+    h.update({k: k.encode() * 20 for k in small})
+    big = [f"b{i}" for i in range(300)]  # (300 frames of 4 KB: over a mebibyte)
+    h.update({k: k.encode() * 990 for k in big})
+    h["array"] = np.arange(1000)  # (an 8 KB frame: a view of its reply's buffer)
+    for lane in SERVING:
+        got, marked = lane.get_many(h, [*small, "never"], ABSENT)
+        assert got == [k.encode() * 20 for k in small] + [ABSENT] and marked == [1000]
+        if type(lane) is not pure.KeyLane:  # (the compiled lane's own buffer)
+            assert max(_idle_buffers(h)) >= 130_000
+        first = got
+        arr, marked = lane.get_many(h, ["array", *small[:10]], ABSENT)
+        again, _ = lane.get_many(h, small[::-1], ABSENT)  # (the same connections again)
+        assert again == [k.encode() * 20 for k in small[::-1]]
+        assert first[:3] == [b"s0" * 20, b"s1" * 20, b"s2" * 20]
+        assert np.array_equal(arr[0], np.arange(1000)) and arr[1:] == [
+            k.encode() * 20 for k in small[:10]
+        ]
+        many, _ = lane.get_many(h, big, ABSENT)
+        assert many == [k.encode() * 990 for k in big]
+        assert lane.get(h, "s5") == b"s5" * 20  # (a single get on a grown connection)
+    assert max(_idle_buffers(h)) < 4 << 20  # (no buffer kept past a mebibyte's reply)
+
+
 def _calls(lane: Any, h: DDict, key: Any = "k", value: Any = b"x") -> list[Callable[[], Any]]:
     return [
         lambda: lane.get(h, key),

@@ -14,11 +14,13 @@
 # by ``framing.pxi``'s ``ddict_write_request``.  With a timeout every wait is a ``poll``
 # of what is left of the operation's deadline (``_wait_fd``).  A get_many (untimed) groups
 # its keys by manager in C arrays, writes one request per link into its connection's
-# buffer, sends them all, then receives and decodes each reply (``unpack_values``).
+# buffer, sends them all, then receives and decodes each reply (``unpack_values``) before
+# its connection goes back (one of small frames is received into the connection's buffer).
 
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
 cdef long long _MOST_MANAGER = 0xFFFFF  # (a get_many's manager ids index a table of ints)
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
+cdef Py_ssize_t _KEPT_REPLY = 1 << 20  # (a many-key reply of small frames, at most: _kept)
 
 
 cdef extern from "Python.h":
@@ -242,10 +244,12 @@ cdef class KeyLane:
         self.pool.give(link, conn)
         return 0
 
-    cdef object _reply(self, conn, bytearray buf, bint blocking, double deadline):
+    cdef object _reply(self, conn, bytearray buf, bint blocking, double deadline,
+                       bint frames=False):
         """``(status, ival, payload)`` of the reply to the request in flight on ``conn``,
-        received into ``buf`` (its reader's), a large payload into a buffer of its own;
-        ``None`` once ``deadline`` (negative: none) passed first."""
+        received into ``buf`` (its reader's), a large payload into a buffer of its own
+        (``frames``, a many-key reply: of small frames only, into the connection's buffer,
+        :meth:`_kept`); ``None`` once ``deadline`` (negative: none) passed first."""
         cdef Py_buffer view
         cdef Py_ssize_t have
         sock = conn.sock
@@ -257,6 +261,10 @@ cdef class KeyLane:
             if status != _QUIET:
                 break
             if deadline >= 0 and _monotonic() >= deadline:
+                return None
+        if payload is None and frames and status == 0:
+            payload = self._kept(conn, buf, got, plen, blocking, deadline)
+            if payload is False:
                 return None
         if payload is None:  # (a large one: into a buffer of its own)
             payload = self.buffer(plen)
@@ -270,6 +278,37 @@ cdef class KeyLane:
             finally:
                 PyBuffer_Release(&view)
         return status, ival, payload
+
+    cdef object _kept(self, conn, bytearray buf, Py_ssize_t got, uint64_t plen, bint blocking,
+                      double deadline):
+        """A many-key reply's payload received into ``conn``'s own buffer (``buf``, which
+        holds its first ``got`` bytes; grown to fit), when every frame in it is under
+        ``small`` (the table is in the bytes received) and it is at most ``_KEPT_REPLY``
+        bytes: each frame's value is then a copy (``unpack_values``), nothing refers to the
+        buffer once they are decoded, and the reply costs no buffer of its own (a pool's
+        buffer and its finalizer, some 5 us of a 1,000-key ``get_many``).  ``None``: not
+        such a reply; ``False``: ``deadline`` passed first."""
+        cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(buf) + _REPLY
+        cdef Py_ssize_t have = got - _REPLY, n, i, need
+        if plen > <uint64_t>_KEPT_REPLY or have < 4:
+            return None
+        n = <Py_ssize_t>_le32(p)
+        if 4 + 8 * n > have:
+            return None
+        for i in range(n):
+            if <int64_t>_le64(p + 4 + 8 * i) >= self.small:
+                return None
+        need = _REPLY + <Py_ssize_t>plen
+        if PyByteArray_GET_SIZE(buf) < need:  # (grown as Reader.reserve grows it, kept)
+            reader = conn.reader
+            reader._pos, reader._end = 0, got
+            reader.reserve(need)
+            reader._pos = reader._end = 0
+            buf = reader._buf
+        if not _move_all(conn.sock, PyByteArray_AS_STRING(buf) + got, need - got, False,
+                         blocking, deadline):  # fmt: skip
+            return False
+        return memoryview(buf)[_REPLY:need]
 
     cdef object _exchange(self, h, key, object mid, int op, int flags, bytes keysec,
                           object parts, object vlen_, object client):
@@ -378,6 +417,7 @@ cdef class KeyLane:
         cdef int* link_of = NULL  # (each group's link)
         cdef Py_ssize_t* place = NULL  # (where a group's next digest goes in its request)
         cdef Py_ssize_t* count = NULL  # (each group's keys)
+        cdef unsigned char** bufs = NULL  # (each link's request buffer)
         cdef object routed = self._routed(h)
         cdef list mids = [], links = [], conns = [], states = [], replies = []
         cdef dict link_index = {}
@@ -432,7 +472,8 @@ cdef class KeyLane:
                 count[g] += 1
             link_of = <int*>PyMem_Malloc(ngroups * sizeof(int))
             place = <Py_ssize_t*>PyMem_Malloc(ngroups * sizeof(Py_ssize_t))
-            if link_of == NULL or place == NULL:
+            bufs = <unsigned char**>PyMem_Malloc(ngroups * sizeof(unsigned char*))  # (<= groups)
+            if link_of == NULL or place == NULL or bufs == NULL:
                 raise MemoryError()
             for g in range(ngroups):  # each group's link: a plain TCP one's
                 ch = chans.get(mids[g])
@@ -449,21 +490,22 @@ cdef class KeyLane:
                 link_of[g] = <int>k
             nlinks = len(links)
             return self._many(n, absent, routes, chkpt, mids, links, conns, states,
-                              replies, slot, link_of, place, count, ngroups, nlinks)
+                              replies, slot, link_of, place, count, bufs, ngroups, nlinks)
         finally:
             PyMem_Free(slot)
             PyMem_Free(slot_of)
             PyMem_Free(link_of)
             PyMem_Free(place)
             PyMem_Free(count)
+            PyMem_Free(bufs)
 
     cdef object _many(self, Py_ssize_t n, absent, list routes, long long chkpt, list mids,
                       list links, list conns, list states, list replies, int* slot,
                       int* link_of, Py_ssize_t* place, Py_ssize_t* count,
-                      Py_ssize_t ngroups, Py_ssize_t nlinks):
+                      unsigned char** bufs, Py_ssize_t ngroups, Py_ssize_t nlinks):
         """:meth:`get_many`'s exchange of ``n`` keys, once grouped (``states``: each link's
         connection taken 0, its request sent 1, its reply received and the connection
-        given back 2)."""
+        given back 2; ``bufs``: room for each link's request buffer)."""
         cdef Py_ssize_t i, g, k, at, total, groups
         cdef Py_ssize_t vlen
         cdef unsigned char* p
@@ -514,11 +556,11 @@ cdef class KeyLane:
                     if link_of[g] == k:
                         place[g] = at
                         at += _DIGEST * count[g]
+                bufs[k] = p  # (each request's buffer: not resized until they are sent)
             for i in range(n):  # each key's digest, in its group's place
                 g = slot[i]
-                p = <unsigned char*>PyByteArray_AS_STRING(
-                    (<object>conns[link_of[g]]).reader._buf)  # fmt: skip
-                memcpy(p + place[g], PyBytes_AS_STRING((<tuple>(<list>routes)[i])[1]), _DIGEST)
+                memcpy(bufs[link_of[g]] + place[g],
+                       PyBytes_AS_STRING((<tuple>(<list>routes)[i])[1]), _DIGEST)
                 place[g] += _DIGEST
             for k in range(nlinks):
                 failing = k
@@ -527,32 +569,31 @@ cdef class KeyLane:
                 _move_all(conn.sock, <char*>p, _REQUEST + <Py_ssize_t>sizes[k], True,
                           conn.timeout is None, -1.0)
                 states[k] = 1
-            for k in range(nlinks):
+            for k in range(nlinks):  # each reply decoded before its connection goes back
                 failing = k
                 conn = conns[k]
-                status, _, payload = self._reply(conn, conn.reader._buf, conn.timeout is None,
-                                                 -1.0)
-                states[k] = 2
-                self._give(links[k], conn)
-                replies.append((status, payload))
+                buf = conn.reader._buf
+                status, _, payload = self._reply(conn, buf, conn.timeout is None, -1.0, True)
+                kept = type(payload) is memoryview and payload.obj is conn.reader._buf
+                try:
+                    replies.append(self._decoded(status, payload, k, link_of, count, ngroups,
+                                                 absent))
+                finally:
+                    if kept:
+                        payload.release()  # (nothing refers to it: every value a copy)
+                    states[k] = 2
+                    self._give(links[k], conn)
         except OSError:
             self._drop(links, conns, states, failing, True)
             return NotImplemented
         except BaseException:
             self._drop(links, conns, states, failing, False)
             raise
-        # the values: each reply's, decoded where it was received, by group
+        # the values: each reply's, by group
         values = [None] * ngroups
         for k in range(nlinks):
-            status, payload = replies[k]
-            if status != 0:  # (a moved or leased manager, ...: the Python path's to follow)
-                return NotImplemented
-            counts = [count[g] for g in range(ngroups) if link_of[g] == k]
-            try:
-                got = unpack_values(payload, counts, self.small, absent, self.decode)
-            except ValueError:  # (a reply that does not add up: the Python path says so)
-                return NotImplemented
-            if got is None:  # (a reader must wait for one: the Python path's)
+            got = replies[k]
+            if got is NotImplemented:
                 return NotImplemented
             at = 0
             for g in range(ngroups):
@@ -570,6 +611,21 @@ cdef class KeyLane:
             if v is absent:
                 marked.append(i)
         return out, marked
+
+    cdef object _decoded(self, int status, payload, Py_ssize_t k, int* link_of,
+                         Py_ssize_t* count, Py_ssize_t ngroups, absent):
+        """Link ``k``'s reply decoded where it was received (``unpack_values``): a list of
+        each of its groups' values, or ``NotImplemented``: the Python path's (a status, a
+        reply that does not add up, a key a reader must wait for)."""
+        cdef Py_ssize_t g
+        if status != 0:  # (a moved or leased manager, ...: the Python path's to follow)
+            return NotImplemented
+        counts = [count[g] for g in range(ngroups) if link_of[g] == k]
+        try:
+            got = unpack_values(payload, counts, self.small, absent, self.decode)
+        except ValueError:  # (a reply that does not add up: the Python path says so)
+            return NotImplemented
+        return NotImplemented if got is None else got
 
     cdef int _drop(self, list links, list conns, list states, Py_ssize_t failing,
                    bint broken) except -1:
