@@ -34,6 +34,7 @@ from dask_ddict import DDict, DDictClosedError, DDictKeyError, kernels
 from dask_ddict.client.lane import LANE, wired
 from dask_ddict.client.reads import ABSENT as READS_ABSENT
 from dask_ddict.client.reads import WAIT
+from dask_ddict.errors import DDictSerializationError
 from dask_ddict.kernels import NO_KEY, Resend, pure
 from dask_ddict.transport import timing
 from dask_ddict.transport.idle_pool import IDLE_POOL
@@ -240,12 +241,12 @@ def test_a_get_many_of_small_values_is_received_into_its_connection(tcp):
     """A many-key reply whose frames are all small is received into its connection's own
     buffer (grown to fit it) and decoded there before the connection goes back: the
     values are right, copies that later replies on the same connection do not change;
-    a reply with a large frame (a view of its buffer) or over a mebibyte gets a buffer
-    of its own, and its values stay as they were while the connection serves on."""
+    a reply with a large frame (a view of its buffer) or over 256 KiB gets a buffer of
+    its own, and its values stay as they were while the connection serves on."""
     h = tcp
     small = [f"s{i}" for i in range(1000)]  # (a reply of about 130 KB: past a buffer's 64 KiB)
     h.update({k: k.encode() * 20 for k in small})
-    big = [f"b{i}" for i in range(300)]  # (300 frames of 4 KB: over a mebibyte)
+    big = [f"b{i}" for i in range(300)]  # (300 frames of 4 KB: over 256 KiB)
     h.update({k: k.encode() * 990 for k in big})
     h["array"] = np.arange(1000)  # (an 8 KB frame: a view of its reply's buffer)
     for lane in SERVING:
@@ -264,7 +265,40 @@ def test_a_get_many_of_small_values_is_received_into_its_connection(tcp):
         many, _ = lane.get_many(h, big, ABSENT)
         assert many == [k.encode() * 990 for k in big]
         assert lane.get(h, "s5") == b"s5" * 20  # (a single get on a grown connection)
-    assert max(_idle_buffers(h)) < 4 << 20  # (no buffer kept past a mebibyte's reply)
+    assert max(_idle_buffers(h)) < 2 * (256 << 10) + 64  # (none grown past twice 256 KiB)
+
+
+def _unloadable() -> None:
+    raise RuntimeError("a value this process cannot load")
+
+
+class _Unloadable:
+    """A value whose pickle fails to load (a class a reader's process lacks, say)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unloadable, ())
+
+
+def test_a_get_many_whose_value_cannot_be_loaded_keeps_its_connections(tcp):
+    """A value that fails to decode raises its error from ``get_many``, after every
+    host's reply was received and each connection went back to the pool as it was: the
+    connections to the other hosts are not dropped, and the next call reads through
+    them."""
+    h = tcp
+    keys = [f"u{i}" for i in range(200)]  # (replies of small frames from both managers)
+    h.update({k: k.encode() * 30 for k in keys})
+    h["bad"] = _Unloadable()
+    assert len({h.which_manager(k) for k in keys}) == h.num_managers >= 2
+    for lane in SERVING:
+        assert lane.get_many(h, keys, ABSENT)[0] == [k.encode() * 30 for k in keys]
+        with IDLE_POOL.lock:
+            before = {id(c) for ch in h._core._channels.values() for c in ch.link.idle}
+        with pytest.raises(DDictSerializationError, match="cannot load"):
+            lane.get_many(h, ["bad", *keys], ABSENT)
+        with IDLE_POOL.lock:
+            after = {id(c) for ch in h._core._channels.values() for c in ch.link.idle}
+        assert before and after == before
+        assert lane.get_many(h, keys[::-1], ABSENT)[0] == [k.encode() * 30 for k in keys[::-1]]
 
 
 def _calls(lane: Any, h: DDict, key: Any = "k", value: Any = b"x") -> list[Callable[[], Any]]:

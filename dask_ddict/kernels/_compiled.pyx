@@ -25,6 +25,7 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import time
 
 from .._hashing import _BLAKE2B, key_digest

@@ -20,7 +20,7 @@
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
 cdef long long _MOST_MANAGER = 0xFFFFF  # (a get_many's manager ids index a table of ints)
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
-cdef Py_ssize_t _KEPT_REPLY = 1 << 20  # (a many-key reply of small frames, at most: _kept)
+cdef Py_ssize_t _KEPT_REPLY = 256 << 10  # (a many-key reply of small frames, at most: _kept)
 
 
 cdef extern from "Python.h":
@@ -284,7 +284,7 @@ cdef class KeyLane:
         """A many-key reply's payload received into ``conn``'s own buffer (``buf``, which
         holds its first ``got`` bytes; grown to fit), when every frame in it is under
         ``small`` (the table is in the bytes received) and it is at most ``_KEPT_REPLY``
-        bytes: each frame's value is then a copy (``unpack_values``), nothing refers to the
+        bytes (a connection's buffer then keeps at most twice that): each frame's value is then a copy (``unpack_values``), nothing refers to the
         buffer once they are decoded, and the reply costs no buffer of its own (a pool's
         buffer and its finalizer, some 5 us of a 1,000-key ``get_many``).  ``None``: not
         such a reply; ``False``: ``deadline`` passed first."""
@@ -512,6 +512,8 @@ cdef class KeyLane:
         cdef ddict_request_head head
         cdef Py_ssize_t failing = -1
         cdef list out, marked, counts, values, cursor
+        cdef bint unfit = False  # (a reply the Python path must take)
+        error = None  # (a kept reply's decoding error)
         # the requests: each link's size, then a connection that holds it
         sizes = []
         for k in range(nlinks):
@@ -569,30 +571,46 @@ cdef class KeyLane:
                 _move_all(conn.sock, <char*>p, _REQUEST + <Py_ssize_t>sizes[k], True,
                           conn.timeout is None, -1.0)
                 states[k] = 1
-            for k in range(nlinks):  # each reply decoded before its connection goes back
+            # each reply: one in its connection's buffer decoded before the connection goes
+            # back (an error decoding it raised once all are back), the others after
+            for k in range(nlinks):
                 failing = k
                 conn = conns[k]
                 buf = conn.reader._buf
                 status, _, payload = self._reply(conn, buf, conn.timeout is None, -1.0, True)
-                kept = type(payload) is memoryview and payload.obj is conn.reader._buf
-                try:
-                    replies.append(self._decoded(status, payload, k, link_of, count, ngroups,
-                                                 absent))
-                finally:
-                    if kept:
+                if type(payload) is memoryview and payload.obj is conn.reader._buf:
+                    got = NotImplemented
+                    try:
+                        if error is None and not unfit:
+                            got = self._decoded(status, payload, k, link_of, count, ngroups,
+                                                absent)
+                    except Exception as e:
+                        error = e
+                    finally:
                         payload.release()  # (nothing refers to it: every value a copy)
-                    states[k] = 2
-                    self._give(links[k], conn)
+                    unfit = unfit or got is NotImplemented
+                    replies.append(got)
+                else:
+                    replies.append((status, payload))  # (decoded once all are back)
+                states[k] = 2
+                self._give(links[k], conn)
         except OSError:
             self._drop(links, conns, states, failing, True)
             return NotImplemented
         except BaseException:
             self._drop(links, conns, states, failing, False)
             raise
+        if error is not None:
+            raise error
+        if unfit:  # (the Python path's: it decodes every reply again)
+            return NotImplemented
         # the values: each reply's, by group
         values = [None] * ngroups
         for k in range(nlinks):
             got = replies[k]
+            if type(got) is tuple:
+                got = self._decoded((<tuple>got)[0], (<tuple>got)[1], k, link_of, count,
+                                    ngroups, absent)
             if got is NotImplemented:
                 return NotImplemented
             at = 0

@@ -20,9 +20,10 @@ cdef extern from "pythread.h":
                                              int intr_flag) nogil
     void PyThread_release_lock(PyThread_type_lock lock) nogil
 
-cdef double _MOST_WAIT = <double>(((<unsigned long long>1) << 62) // 1000000)  # seconds
+cdef double _MOST_WAIT = threading.TIMEOUT_MAX  # (seconds: threading.Lock's bound)
 
 
+@cython.final  # (the plain server takes it by its exact type)
 cdef class ManagerLock:
     """``threading.Lock``, whose non-blocking take is a C call for compiled callers."""
 
@@ -60,6 +61,8 @@ cdef class ManagerLock:
         cdef PyLockStatus r
         cdef long long us
         cdef double deadline = 0
+        if timeout != timeout:
+            raise ValueError("Invalid value NaN (not a number)")
         if not blocking and timeout != -1:
             raise ValueError("can't specify a timeout for a non-blocking call")
         if timeout < 0 and timeout != -1:

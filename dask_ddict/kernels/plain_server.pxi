@@ -365,6 +365,8 @@ cdef class PlainServer:
                 if count:  # (the seek's tail: each key's digest goes before it)
                     _seek_key(seek, digests + _DIGEST * at, chkpt)
                 m = <ManagerState>ms[i]
+                if not isinstance(m.working_set, WindowState):
+                    return 0
                 e = self._snapshot(m, <WindowState>m.working_set, chkpt, &dbi)
                 if e == NULL:
                     return 0
@@ -518,12 +520,14 @@ cdef class PlainServer:
                 served += 1
                 if self.n >= _SENT_AT_ONCE:
                     reader._pos = pos
+                    self.count += served  # (counted before they are answered)
+                    served = 0
                     self._send()
         finally:
             self._end_snapshot()
             reader._pos = pos
+        self.count += served  # (counted before they are answered: seen once they are)
         self._send()
-        self.count += served
         return pos == end and PyList_GET_SIZE(self.held) == 0
 
 
