@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from dask_ddict.kernels import pure
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
+from dask_ddict.transport.protocol import Reader
 
 try:
     from dask_ddict.kernels import _compiled
@@ -177,12 +179,17 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     ws = WorkingSet(store, 2, wait_for_writers=True)
     m = Manager(7, store, ws)
+    a, b = socket.socketpair()
     try:
-        objs = {"ManagerState": m, "WindowState": ws, "StoreState": store}
-        if not kernels.COMPILED:
+        reader = Reader(a, 64)
+        objs = {"ManagerState": m, "WindowState": ws, "StoreState": store, "ReaderState": reader}
+        b.sendall(b"x" * 100)  # (the reader's own methods, over its base's fields)
+        assert bytes(reader.read(100)) == b"x" * 100 and len(reader._buf) >= 100
+        assert reader._pos == reader._end == 100 and not hasattr(reader, "__dict__")
+        if not kernels.COMPILED:  # (empty bases, but the reader's slots)
             for name, obj in objs.items():
                 assert getattr(pure, name) in type(obj).__mro__
-                assert getattr(pure, name).__slots__ == ()
+                assert (getattr(pure, name).__slots__ == ()) is (name != "ReaderState")
             return
         assert _compiled is not None
         for name, obj in objs.items():
@@ -190,7 +197,7 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
             fields = _fields(base)
             assert fields and isinstance(obj, base)
             for f in fields:
-                assert f not in vars(obj), (name, f)
+                assert f not in getattr(obj, "__dict__", {}), (name, f)
                 assert inspect.getattr_static(type(obj), f) is vars(base)[f], (name, f)
         assert (m.store, m.working_set, m.closed, m.frozen) == (store, ws, False, False)
         assert (ws.size, ws.newest, ws.wait_for_writers, ws.wait_for_keys) == (2, 1, True, False)
@@ -200,5 +207,7 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
         assert (m.frozen, ws.newest, store._used_estimate) == (True, 9, 1234)
         m.frozen, ws.newest = False, 1
     finally:
+        a.close()
+        b.close()
         m.close()
     assert m.closed

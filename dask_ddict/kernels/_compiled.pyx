@@ -1029,19 +1029,24 @@ def receive_nowait(reader):
 
 
 cdef Py_ssize_t _receive_nowait(reader) except -1:
-    cdef bytearray buf = reader._buf
-    cdef Py_ssize_t pos = reader._pos, end = reader._end
+    cdef ReaderState r = reader if isinstance(reader, ReaderState) else None
+    cdef bytearray buf = reader._buf if r is None else r._buf
+    cdef Py_ssize_t pos = reader._pos if r is None else r._pos
+    cdef Py_ssize_t end = reader._end if r is None else r._end
     cdef ssize_t n
     cdef int fd, err = 0
     if end == PyByteArray_GET_SIZE(buf):
         reader.reserve(PyByteArray_GET_SIZE(buf) - pos + 1)  # (moved down, or grown)
         buf, end = reader._buf, reader._end
-    fd = reader.sock.fileno()
+    fd = (reader.sock if r is None else r.sock).fileno()
     while True:
         n = recv(fd, PyByteArray_AS_STRING(buf) + end,
                  <size_t>(PyByteArray_GET_SIZE(buf) - end), MSG_DONTWAIT)  # fmt: skip
         if n > 0:
-            reader._end = end + n
+            if r is None:
+                reader._end = end + n
+            else:
+                r._end = end + n
             return n
         if n == 0:
             raise ConnectionResetError("connection closed by peer")

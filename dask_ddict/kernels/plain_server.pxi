@@ -76,7 +76,8 @@ cdef ddict_lmdb_env* _open_env(object env, object db) except? NULL:
 
 
 cdef class PlainServer:
-    cdef object _c, reader, held, owed, hosted, served, sock
+    cdef object _c, held, owed, hosted, served, sock
+    cdef ReaderState reader
     cdef int get, contains, put, get_many, persist, status, clock
     cdef bytes missing
     cdef Py_ssize_t most, most_key
@@ -93,7 +94,8 @@ cdef class PlainServer:
     def __init__(self, c, rules):
         (self.get, self.contains, self.put, self.get_many, self.persist, self.status, missing,
          self.most, self.most_key, self.clock) = rules
-        self._c, self.reader, self.held, self.owed = c, c.reader, c.held, c.owed
+        self._c, self.held, self.owed = c, c.held, c.owed
+        self.reader = c.reader if isinstance(c.reader, ReaderState) else None
         self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
         self.missing = bytes(missing)
         self.count = 0
@@ -102,6 +104,8 @@ cdef class PlainServer:
         try:
             _engines()
         except LmdbEngineError:  # (lmdb's own objects, as the pure server reads them)
+            self._pure = _PurePlainServer(c, rules)
+        if self.reader is None:  # (the pure set's reader: the pure server reads it)
             self._pure = _PurePlainServer(c, rules)
 
     def __dealloc__(self):
@@ -455,9 +459,10 @@ cdef class PlainServer:
         cdef ddict_request_head head
         cdef ManagerState m
         cdef WindowState ws
+        cdef ReaderState reader = self.reader
         if self._pure is not None:
             return self._pure.serve()
-        hosted, reader = self.hosted, self.reader
+        hosted = self.hosted
         lease = hosted.lease if hosted.leased else None
         if self.owed[0] is not None or (hosted.leased and lease is None):
             return False

@@ -1,5 +1,6 @@
 # The state of a manager that the plain server reads, in C fields: bases of the Python
-# classes that keep it (Manager, WorkingSet, ShardStore).  Included by _compiled.pyx,
+# classes that keep it (Manager, WorkingSet, ShardStore; and a connection's Reader, whose
+# buffer the server reads its requests from).  Included by _compiled.pyx,
 # before plain_server.pxi (which reads them).
 #
 # The Python code reads and writes these as before (a C field is a member descriptor of
@@ -31,3 +32,12 @@ cdef class StoreState:
     cdef public bint indexed
     cdef public long long capacity, _used_estimate, _next_own
     cdef public double full_thresh
+
+
+cdef class ReaderState:
+    """A socket's receive buffer and the bytes received, not read yet: ``_buf[_pos:_end]``
+    (``transport.protocol.Reader``'s base; ``_mv`` is a view of ``_buf``)."""
+
+    cdef public object sock, _mv
+    cdef public bytearray _buf
+    cdef public Py_ssize_t _pos, _end

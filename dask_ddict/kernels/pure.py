@@ -1237,6 +1237,14 @@ class StoreState:
     __slots__ = ()
 
 
+class ReaderState:
+    """A socket's receive buffer and the bytes received, not read yet: ``_buf[_pos:_end]``
+    (a base of ``transport.protocol.Reader``; ``_mv`` is a view of ``_buf``): slots
+    here, C fields in the compiled set (see :class:`ManagerState`)."""
+
+    __slots__ = ("sock", "_buf", "_mv", "_pos", "_end")
+
+
 ManagerLock = threading.Lock
 """A manager's lock (``Manager._mutex``): ``threading.Lock``.  The compiled one has the
 same interface, and a non-blocking take and a release that the compiled plain server
@@ -1486,6 +1494,7 @@ __all__ = [
     "ManagerState",
     "WindowState",
     "StoreState",
+    "ReaderState",
     "PlainServer",
     "poll_and_serve",
 ]

@@ -41,6 +41,7 @@ import socket
 import struct
 from typing import Any, Protocol
 
+from .. import kernels
 from ..kernels import REPLY, REQUEST
 from .sockets import PEER_CLOSED, recv_into_exact
 
@@ -161,7 +162,7 @@ def send_parts(sock: Sink, parts: list[Any], total: int | None = None) -> None:
         sock.sendall(b"".join(small))
 
 
-class Reader:
+class Reader(kernels.ReaderState):
     """Buffered reads from a socket: small messages in one ``recv``.
 
     ``read`` returns views of an internal buffer (valid until the next call);
@@ -169,7 +170,7 @@ class Reader:
     and receiving the rest straight into it.
     """
 
-    __slots__ = ("sock", "_buf", "_mv", "_pos", "_end")
+    __slots__ = ()  # (its fields: the base's, C fields in the compiled kernels)
 
     def __init__(self, sock: Stream, size: int = SMALL) -> None:
         self.sock = sock
