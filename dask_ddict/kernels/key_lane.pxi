@@ -284,10 +284,11 @@ cdef class KeyLane:
         """A many-key reply's payload received into ``conn``'s own buffer (``buf``, which
         holds its first ``got`` bytes; grown to fit), when every frame in it is under
         ``small`` (the table is in the bytes received) and it is at most ``_KEPT_REPLY``
-        bytes (a connection's buffer then keeps at most twice that): each frame's value is then a copy (``unpack_values``), nothing refers to the
-        buffer once they are decoded, and the reply costs no buffer of its own (a pool's
-        buffer and its finalizer, some 5 us of a 1,000-key ``get_many``).  ``None``: not
-        such a reply; ``False``: ``deadline`` passed first."""
+        bytes (a connection's buffer then keeps at most twice that): each frame's value is
+        then a copy (``unpack_values``), nothing refers to the buffer once they are
+        decoded, and the reply costs no buffer of its own (a pool's buffer and its
+        finalizer, some 5 us of a 1,000-key ``get_many``).  ``None``: not such a reply;
+        ``False``: ``deadline`` passed first."""
         cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(buf) + _REPLY
         cdef Py_ssize_t have = got - _REPLY, n, i, need
         if plen > <uint64_t>_KEPT_REPLY or have < 4:

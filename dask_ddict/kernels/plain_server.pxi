@@ -4,11 +4,11 @@
 # The interpreter lock is held while a request is read and answered, and the state read
 # of Python objects is their C fields (plain_state.pxi) and plain attributes (no Python
 # code runs, so no other thread runs between them): a manager cannot close, nor its
-# shard's environment, while a read is served.  One snapshot serves a run of reads of one environment: they were all
-# received before it began (a put ends it).  Between requests the Python objects are read
-# again; an environment found closed then (by a finalizer that ran Python code on an
-# allocation) has already freed the snapshot's reader slot, and its transaction is
-# dropped without a call into LMDB.
+# shard's environment, while a read is served.  One snapshot serves a run of reads of one
+# environment: they were all received before it began (a put ends it).  Between requests
+# the Python objects are read again; an environment found closed then (by a finalizer
+# that ran Python code on an allocation) has already freed the snapshot's reader slot,
+# and its transaction is dropped without a call into LMDB.
 #
 # A put is written under its manager's lock (a ManagerLock: taken and given in C), taken
 # only if it is free (else the put is the manager's path's, which waits for it); LMDB's
@@ -198,8 +198,8 @@ cdef class PlainServer:
         dbi[0] = (<ddict_lmdb_db*><PyObject*>db).dbi
         return e
 
-    cdef int _read(self, ManagerState m, WindowState ws, int op, const unsigned char* p, int64_t chkpt,
-                   uint32_t tag) except -1:
+    cdef int _read(self, ManagerState m, WindowState ws, int op, const unsigned char* p,
+                   int64_t chkpt, uint32_t tag) except -1:
         """A plain get or ``in`` answered (1), or the manager's (0)."""
         cdef ddict_lmdb_env* e
         cdef ddict_mdb_cursor* cur
@@ -243,8 +243,8 @@ cdef class PlainServer:
             self._reply(0, tag, 0, raw + _ENTRY_HEADER, flen)
         return 1
 
-    cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p, Py_ssize_t klen,
-                  Py_ssize_t vlen, int64_t chkpt, uint32_t tag) except -1:
+    cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p,
+                  Py_ssize_t klen, Py_ssize_t vlen, int64_t chkpt, uint32_t tag) except -1:
         """A plain put written, committed and answered (1), or the manager's (0): nothing
         of it written."""
         cdef ddict_lmdb_env* e
