@@ -300,11 +300,11 @@ cdef class KeyLane:
             if <int64_t>_le64(p + 4 + 8 * i) >= self.small:
                 return None
         need = _REPLY + <Py_ssize_t>plen
-        if PyByteArray_GET_SIZE(buf) < need:  # (grown as Reader.reserve grows it, kept)
+        if PyByteArray_GET_SIZE(buf) < need:  # (grown by Reader.reserve, its bytes kept)
             reader = conn.reader
-            reader._pos, reader._end = 0, got
+            reader.received(0, got)
             reader.reserve(need)
-            reader._pos = reader._end = 0
+            reader.received(0, 0)
             buf = reader._buf
         if not _move_all(conn.sock, PyByteArray_AS_STRING(buf) + got, need - got, False,
                          blocking, deadline):  # fmt: skip
@@ -568,8 +568,7 @@ cdef class KeyLane:
             for k in range(nlinks):
                 failing = k
                 conn = conns[k]
-                p = <unsigned char*>PyByteArray_AS_STRING(conn.reader._buf)
-                _move_all(conn.sock, <char*>p, _REQUEST + <Py_ssize_t>sizes[k], True,
+                _move_all(conn.sock, <char*>bufs[k], _REQUEST + <Py_ssize_t>sizes[k], True,
                           conn.timeout is None, -1.0)
                 states[k] = 1
             # each reply: one in its connection's buffer decoded before the connection goes

@@ -103,9 +103,10 @@ cdef class PlainServer:
         self._pure = None
         try:
             _engines()
+            pure = self.reader is None  # (the pure set's reader: the pure server reads it)
         except LmdbEngineError:  # (lmdb's own objects, as the pure server reads them)
-            self._pure = _PurePlainServer(c, rules)
-        if self.reader is None:  # (the pure set's reader: the pure server reads it)
+            pure = True
+        if pure:
             self._pure = _PurePlainServer(c, rules)
 
     def __dealloc__(self):
