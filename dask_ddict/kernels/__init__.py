@@ -58,7 +58,10 @@ def _choose() -> tuple[ModuleType, bool]:
         logger.debug("dask_ddict.kernels: not compiled (%s): pure Python", e)
         return pure, False
     here = os.path.dirname(__file__)
-    built = getattr(_compiled, "__file__", None)
+    # (only in a source tree: an installed wheel's files carry the install's times, in
+    # no particular order, and cannot be rebuilt in place anyway)
+    tree = os.path.exists(os.path.join(here, os.pardir, os.pardir, "pyproject.toml"))
+    built = getattr(_compiled, "__file__", None) if tree else None
     sources = [os.path.join(here, "_compiled.pyx"), *glob.glob(os.path.join(here, "*.pxi"))]
     newest = max(((os.stat(p).st_mtime, p) for p in sources if os.path.exists(p)), default=None)
     if built and newest is not None and newest[0] > os.stat(built).st_mtime:
