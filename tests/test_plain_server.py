@@ -77,15 +77,15 @@ class Shards:
     shard of its own, with the event loop over TCP; one connection to each, its plain
     requests answered by that server."""
 
-    def __init__(self, size: int = 1, wait_for_keys: bool = False) -> None:
+    def __init__(self, size: int = 1, wait_for_keys: bool = False, capacity: int = 64 << 20):
         self._made = contextlib.ExitStack()  # (what close() undoes, last made first)
         try:
-            self._open(size, wait_for_keys)
+            self._open(size, wait_for_keys, capacity)
         except BaseException:
             self._made.close()  # (a failed start leaves nothing behind either)
             raise
 
-    def _open(self, size: int, wait_for_keys: bool) -> None:
+    def _open(self, size: int, wait_for_keys: bool, capacity: int) -> None:
         made = self._made
         self.dir = tempfile.mkdtemp(prefix="ddict-plain-")
         made.callback(shutil.rmtree, self.dir, ignore_errors=True)
@@ -94,7 +94,7 @@ class Shards:
         self.managers: list[Manager] = []
         for i in range(len(SERVERS)):
             path = os.path.join(self.dir, f"shard{i}")
-            store = ShardStore(path, 64 << 20, indexed=wait_for_keys)
+            store = ShardStore(path, capacity, indexed=wait_for_keys)
             m = Manager(3 + i, store, WorkingSet(store, size, wait_for_keys=wait_for_keys))
             made.callback(m.close)
             self.hosted.managers[3 + i] = m
@@ -345,20 +345,49 @@ def test_plain_puts_keep_the_key_counts(shards):
 def test_plain_puts_keep_the_room_estimate_and_the_next_transaction(shards):
     """A plain put adds what the manager's path adds to its store's running room estimate
     and notes its transaction as the store's own (the compiled server writes both as C
-    fields, ``kernels.StoreState``): the shards' room checks stay the same after them."""
+    fields, ``kernels.StoreState``): the shards' room checks stay the same after them.  The
+    compiled server writes a run of puts received together in one transaction (a group);
+    the pure one, the reference, one transaction each."""
     shards.same([(_put("first", 0, 0), {})])  # (the first write of a shard: the manager's)
     before = shards.counts()
+    stores = [m.store for m in shards.managers]
+    first = [s._next_own for s in stores]
     shards.same([(_put(f"r{i % 5}", b"x" * (i * 37), 0), {}) for i in range(12)])
     assert shards.counts() == [b + 12 for b in before]
-    stores = [m.store for m in shards.managers]
     assert {s._used_estimate for s in stores} == {stores[0]._used_estimate}
     assert stores[0]._used_estimate > 12 * 64
-    assert {s._next_own for s in stores} == {stores[0]._next_own}
-    txn = stores[0].env.begin(write=True)  # (the next one is the store's own)
+    transactions = [s._next_own - f for s, f in zip(stores, first, strict=True)]
+    assert transactions[:2] == [12, 12]  # (the manager's path, the pure server: one each)
+    assert transactions[2:] == [1] * (len(SERVERS) - 2)  # (the compiled server: one group)
+    for store in stores:
+        txn = store.env.begin(write=True)  # (the next one is the store's own)
+        try:
+            assert txn.id() == store._next_own
+        finally:
+            txn.abort()
+
+
+def test_a_group_of_puts_that_fills_the_shard_is_the_managers_from_its_first():
+    """A run of puts that LMDB refuses part way (the map full, the room estimate let
+    through) is dropped whole: no reply of it was sent, and the manager's path serves it
+    from its first put on, as it serves a run of puts one by one.  Every server answers
+    the same, and every put acknowledged is there."""
+    shards = Shards(capacity=1 << 20)
     try:
-        assert txn.id() == stores[0]._next_own
+        for m in shards.managers:
+            m.store.full_thresh = 1e6  # (the estimate never refuses: LMDB does)
+        shards.same([(_put("first", 0, 0), {})])  # (the first write of a shard: the manager's)
+        value = b"v" * (2 << 10)  # (a recv's worth of puts is one group)
+        got = shards.same([(_put(f"f{i}", value, 0), {}) for i in range(900)])
+        ok = [i for i, (status, *_) in enumerate(got) if status == 0]
+        assert 0 < len(ok) < 900 and ok == list(range(len(ok))), [g[0] for g in got]
+        assert all(p.dropped for p in shards.plain[2:]), "no group dropped"  # (compiled)
+        assert all(status == int(Status.POOL_FULL) for status, *_ in got[len(ok) :]), got[-1]
+        kept = shards.same([(ops.Get(_digest(f"f{i}"), 0), {}) for i in ok])
+        assert {status for status, *_ in kept} == {0}
+        assert all(value in payload for *_, payload in kept)
     finally:
-        txn.abort()
+        shards.close()
 
 
 def test_every_plain_put_gives_its_manager_a_new_generation_word(shards, tmp_path):

@@ -652,7 +652,8 @@ def lookup_entry(txn, db, digest, chkpt):
             size = <Py_ssize_t>v.mv_size
             flen, klen = _le64(p + 8), _le32(p + 4)
             # (the frame, then the key, as Python slices: bounds past the end cut there)
-            end = size if flen > <uint64_t>(size - _ENTRY_HEADER) else _ENTRY_HEADER + <Py_ssize_t>flen
+            end = size if flen > <uint64_t>(size - _ENTRY_HEADER) else (
+                _ENTRY_HEADER + <Py_ssize_t>flen)
             stop = size if klen > <uint64_t>(size - end) else end + <Py_ssize_t>klen
             return _new_tuple(_Entry, (~version, p[0], _val(t, p, _ENTRY_HEADER, end),
                                        _val(t, p, end, stop)))

@@ -15,6 +15,15 @@
 # writer lock is waited for with the interpreter lock released (another thread of this
 # process may be the writer), and the manager's lock keeps its environment open meanwhile
 # (Manager.close takes it first).
+#
+# A run of puts of one manager is one write transaction (a group): the puts that follow
+# each other in the buffer join the first one's transaction, which is committed before
+# anything else is served, before any reply is sent, and at the end of the run; no reply
+# leaves before its put is committed.  The pure server writes each put alone: one
+# transaction per put is its rule, the group only shares the commit (the free list, the
+# meta page, the tables' roots) among puts that were all received before it began.  A
+# group that LMDB refuses is dropped whole (nothing of it written) and the run goes back
+# to its first put, which the manager's path then serves, and every one after it.
 
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.list cimport PyList_GET_SIZE
@@ -37,22 +46,23 @@ DEF _MOST_EVENTS = 256  # (at most this many events a call; the rest come with t
 
 cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a header and a digest
 cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
+cdef Py_ssize_t _GROUP_MOST = 256  # puts of one transaction, at most (the lock held that long)
 cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
 cdef Py_ssize_t _HUGE = HUGE_BYTES
 cdef int _PERSISTENT = PERSISTENT
 
 
-cdef int _count(object table, object mid, object op) except -1:
-    """One request ``op`` for manager ``mid`` in a connection's ``table`` (served.count's
-    rule; a row's dictionary is its defaultdict's)."""
+cdef int _count(object table, object mid, object op, Py_ssize_t times=1) except -1:
+    """``times`` requests ``op`` for manager ``mid`` in a connection's ``table``
+    (served.count's rule; a row's dictionary is its defaultdict's)."""
     cdef PyObject* found = PyDict_GetItem(table, mid)
     cdef PyObject* n
     counts = table[mid] if found == NULL else <object>found
     if type(counts) is not dict:
-        counts[op] = counts.get(op, 0) + 1
+        counts[op] = counts.get(op, 0) + times
         return 0
     n = PyDict_GetItem(counts, op)
-    PyDict_SetItem(counts, op, 1 if n == NULL else <object>n + 1)
+    PyDict_SetItem(counts, op, times if n == NULL else <object>n + times)
     return 0
 
 
@@ -82,6 +92,7 @@ cdef class PlainServer:
     cdef bytes missing
     cdef Py_ssize_t most, most_key
     cdef readonly Py_ssize_t count
+    cdef readonly Py_ssize_t dropped  # (groups of puts LMDB refused: the manager's, from the first)
     cdef char* out
     cdef Py_ssize_t cap, n
     cdef char* scratch  # (a many-key read's frames, in the order they were walked)
@@ -89,6 +100,13 @@ cdef class PlainServer:
     # the snapshot of the run's last environment read
     cdef ddict_mdb_txn* txn
     cdef object txn_env
+    # the run's open group of puts: one manager's write transaction, under its lock
+    cdef ddict_mdb_txn* gw
+    cdef const ddict_mdb_api* gapi
+    cdef object gm, gstore, glock
+    cdef size_t gtid
+    cdef uint32_t gmid
+    cdef Py_ssize_t gbytes, gputs, gn0, gpos0  # (its puts' room, number, first reply and request)
     cdef object _pure
 
     def __init__(self, c, rules):
@@ -98,8 +116,9 @@ cdef class PlainServer:
         self.reader = c.reader if isinstance(c.reader, ReaderState) else None
         self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
         self.missing = bytes(missing)
-        self.count = 0
+        self.count = self.dropped = 0
         self.txn, self.txn_env = NULL, None
+        self.gw, self.gm, self.gstore, self.glock = NULL, None, None, None
         self._pure = None
         try:
             _engines()
@@ -245,18 +264,20 @@ cdef class PlainServer:
         return 1
 
     cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p,
-                  Py_ssize_t klen, Py_ssize_t vlen, int64_t chkpt, uint32_t tag) except -1:
-        """A plain put written, committed and answered (1), or the manager's (0): nothing
-        of it written."""
+                  Py_ssize_t klen, Py_ssize_t vlen, int64_t chkpt, uint32_t mid,
+                  Py_ssize_t pos) except -1:
+        """A plain put written in the run's group of manager ``m`` (its reply gathered: 1),
+        the manager's (0: nothing of it written, the group as it was), or the group
+        dropped with it (2: nothing of the group written; ``pos``: the put's request)."""
         cdef ddict_lmdb_env* e
         cdef const ddict_mdb_api* api
         cdef ddict_mdb_txn* w = NULL
         cdef size_t tid
         cdef int rc
-        cdef bint committed = False
         cdef Py_ssize_t delta, nbytes
         cdef StoreState store
-        cdef ManagerLock lock = None
+        cdef ManagerLock lock
+        cdef bint kept = False
         if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
             return 0
         if not isinstance(m.store, StoreState):
@@ -268,43 +289,65 @@ cdef class PlainServer:
         e = _open_env(store.env, db)
         if e == NULL or not _lmdb_object(meta, _Database, e):
             return 0
-        api = e.libv
-        if type(m._mutex) is not ManagerLock:
+        # the room: the running estimate (check_room's), else the manager counts
+        nbytes = 2 * (vlen + klen - _DIGEST + _ENTRY_HEADER + 64)
+        if store._used_estimate + self.gbytes + nbytes > store.full_thresh * store.capacity:
             return 0
-        lock = <ManagerLock>m._mutex
-        if not lock.take():
-            return 0  # (another thread writes: the manager's path waits for it)
-        try:
-            if m.closed or m.frozen or m._deferred.waiting or m._retiring:
+        if self.gw == NULL:  # the group's first put: the lock, the checks, the transaction
+            api = e.libv
+            if type(m._mutex) is not ManagerLock:
                 return 0
-            # the room: the running estimate (check_room's), else the manager counts
-            nbytes = vlen + klen - _DIGEST + _ENTRY_HEADER + 64
-            if store._used_estimate + 2 * nbytes > store.full_thresh * store.capacity:
-                return 0
-            self._end_snapshot()  # (a read after the put sees it)
-            with nogil:  # (the writer may be another thread of this process)
-                rc = api.txn_begin(e.env, NULL, 0, &w)
-            if rc:
-                return 0
+            lock = <ManagerLock>m._mutex
+            if not lock.take():
+                return 0  # (another thread writes: the manager's path waits for it)
             try:
-                tid = api.txn_id(w)
-                if tid != <size_t>store._next_own:  # another process committed: the manager counts
+                if m.closed or m.frozen or m._deferred.waiting or m._retiring:
                     return 0
-                delta = _put_one(api, w, (<ddict_lmdb_db*><PyObject*>db).dbi, p, klen, vlen,
-                                 chkpt)
-                if delta < 0 or (delta and not _count_one(
-                        api, w, (<ddict_lmdb_db*><PyObject*>meta).dbi, chkpt)):  # fmt: skip
-                    return 0
-                with nogil:
-                    rc = api.txn_commit(w)
-                committed = True  # (a failed commit frees the transaction too)
+                self._end_snapshot()  # (a read after the put sees it)
+                with nogil:  # (the writer may be another thread of this process)
+                    rc = api.txn_begin(e.env, NULL, 0, &w)
                 if rc:
                     return 0
-            finally:
-                if not committed:
+                tid = api.txn_id(w)
+                if tid != <size_t>store._next_own:  # another process committed: the manager counts
                     api.txn_abort(w)
-            store._next_own = tid + 1
-            store._used_estimate += 2 * nbytes
+                    return 0
+                kept = True
+            finally:
+                if not kept:
+                    lock.give()
+            self.gw, self.gapi, self.gtid, self.gmid = w, api, tid, mid
+            self.gm, self.gstore, self.glock = m, store, lock
+            self.gbytes = self.gputs = 0
+            self.gn0, self.gpos0 = self.n, pos
+        api = self.gapi
+        delta = _put_one(api, self.gw, (<ddict_lmdb_db*><PyObject*>db).dbi, p, klen, vlen,
+                         chkpt)
+        if delta < 0 or (delta and not _count_one(
+                api, self.gw, (<ddict_lmdb_db*><PyObject*>meta).dbi, chkpt)):  # fmt: skip
+            self._drop_group()  # (the transaction is only to abort: none of it written)
+            return 2
+        self.gbytes += nbytes
+        self.gputs += 1
+        return 1
+
+    cdef bint _commit_group(self) except -1:
+        """The run's group of puts committed (True), or dropped (False: nothing of it
+        written; the run goes back to its first put, ``gpos0``, its replies cut at
+        ``gn0``)."""
+        cdef ddict_mdb_txn* w = self.gw
+        cdef StoreState store = <StoreState>self.gstore
+        cdef ManagerLock lock = <ManagerLock>self.glock
+        cdef int rc
+        self.gw = NULL  # (a failed commit frees the transaction too)
+        try:
+            with nogil:
+                rc = self.gapi.txn_commit(w)
+            if rc:
+                self.dropped += 1
+                return False
+            store._next_own = self.gtid + 1
+            store._used_estimate += self.gbytes
             hook = store.on_commit
             if type(hook) is GenerationBump:  # (the host's: no call)
                 (<GenerationBump>hook).bump()
@@ -312,8 +355,20 @@ cdef class PlainServer:
                 hook()
         finally:
             lock.give()
-        self._reply(0, tag, 0, NULL, 0)
-        return 1
+            self.gm = self.gstore = self.glock = None
+        _count(self.served, self.gmid, self.put, self.gputs)
+        return True
+
+    cdef void _drop_group(self):
+        """The run's group aborted: none of its puts written."""
+        cdef ManagerLock lock = <ManagerLock>self.glock
+        if self.gw == NULL:
+            return
+        self.gapi.txn_abort(self.gw)
+        self.gw = NULL
+        self.dropped += 1
+        lock.give()
+        self.gm = self.gstore = self.glock = None
 
     cdef int _get_many(self, object managers, const unsigned char* v, Py_ssize_t vlen,
                        int64_t chkpt, uint32_t tag) except -1:
@@ -452,7 +507,7 @@ cdef class PlainServer:
         cdef bytearray buf
         cdef Py_ssize_t pos, end, size, klen, vlen
         cdef const unsigned char* p
-        cdef int op, served = 0
+        cdef int op, rc, served = 0
         cdef uint32_t tag, mid
         cdef int64_t chkpt
         cdef unsigned int term
@@ -475,6 +530,11 @@ cdef class PlainServer:
                 p = <const unsigned char*>PyByteArray_AS_STRING(buf) + pos
                 ddict_read_request(p, &head)
                 op = head.op
+                if self.gw != NULL and (op != self.put or head.manager != self.gmid
+                                        or self.gputs >= _GROUP_MOST):  # fmt: skip
+                    if not self._commit_group():  # (before anything else is served)
+                        pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
+                        break
                 if (op != self.get and op != self.contains and op != self.put
                         and op != self.get_many):  # fmt: skip
                     break
@@ -512,24 +572,36 @@ cdef class PlainServer:
                             break
                         if vlen > self.most or end - pos < _REQUEST + klen + vlen:
                             break
-                        if not self._put(m, ws, p, klen, vlen, chkpt, tag):
+                        rc = self._put(m, ws, p, klen, vlen, chkpt, mid, pos)
+                        if rc == 2:  # (the group dropped: from its first put on, the manager's)
+                            pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
                             break
-                        size = _REQUEST + klen + vlen
+                        if rc == 0:
+                            break
+                        self._reply(0, tag, 0, NULL, 0)
+                        size = _REQUEST + klen + vlen  # (counted once its group is committed)
                     else:
                         if head.flags != 0 or klen != _DIGEST or vlen != 0:
                             break
                         if not self._read(m, ws, op, p, chkpt, tag):
                             break
                         size = _READ
-                    _count(self.served, mid, op)
+                        _count(self.served, mid, op)
                 pos += size
                 served += 1
                 if self.n >= _SENT_AT_ONCE:
+                    if self.gw != NULL and not self._commit_group():  # (before they leave)
+                        pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
+                        break
                     reader._pos = pos
                     self.count += served  # (counted before they are answered)
                     served = 0
                     self._send()
+            if self.gw != NULL and not self._commit_group():  # (before the replies leave)
+                pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
         finally:
+            if self.gw != NULL:  # (an error: none of the group acknowledged)
+                self._drop_group()
             self._end_snapshot()
             reader._pos = pos
         self.count += served  # (counted before they are answered: seen once they are)

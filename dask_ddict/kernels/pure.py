@@ -1281,11 +1281,12 @@ class PlainServer:
     and ``served`` are read.
     """
 
-    __slots__ = ("_c", "_rules", "count")
+    __slots__ = ("_c", "_rules", "count", "dropped")
 
     def __init__(self, c: Any, rules: PlainRequests) -> None:
         self._c, self._rules = c, rules
         self.count = 0  # requests served here
+        self.dropped = 0  # groups of puts LMDB refused (the compiled server's; none here)
 
     def serve(self) -> bool:
         """Serve the plain requests at the head of the buffer (:attr:`count` counts them);
