@@ -25,6 +25,7 @@ from dask_ddict.options import DDictOptions
 from dask_ddict.shard.direct import put_in_window
 from dask_ddict.shard.reader_marks import CLOSED_DESTROYED, FROZEN, add_waiters, mark_closed
 from dask_ddict.shard.working_set import WorkingSet
+from tests.support.polling import poll_for
 
 
 def _dirs(tmp_path):  # noqa: ANN001, ANN202
@@ -63,6 +64,65 @@ def test_sweep_removes_only_provably_abandoned_directories(tmp_path):
     os.unlink(os.path.join(d["ddict-kept"], hygiene.KEPT))
     assert sorted(hygiene.sweep(str(tmp_path))) == sorted([d["ddict-live"], d["ddict-kept"]])
     assert os.path.isdir(d["other-dead"])  # never another program's directory
+
+
+def test_a_claim_that_meets_a_removal_waits_for_it_and_fails_naming_the_directory(tmp_path):
+    """A sweeper holds an abandoned directory's owner lock exclusively while it removes
+    it: a process that claims the directory meanwhile (to open the shard in it) waits,
+    then learns that it is gone; it never opens a shard whose files are being removed."""
+    path = str(tmp_path / "ddict-going")
+    os.mkdir(path)
+    hygiene.release(hygiene.claim(path))  # (its owner is gone)
+    sweeper = os.open(os.path.join(path, hygiene.LOCK), os.O_RDONLY)
+    import fcntl
+
+    fcntl.flock(sweeper, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (what a sweep holds, removing it)
+    got: list[BaseException | int] = []
+    claimer = threading.Thread(target=lambda: _claim_into(path, got))
+    claimer.start()
+    inode = os.fstat(sweeper).st_ino
+    poll_for(lambda: _waiting_for(inode), 30, "the claim to wait for the lock", 0.01)
+    assert claimer.is_alive() and not got  # (it waits for the removal)
+    import shutil
+
+    shutil.rmtree(path)
+    os.close(sweeper)
+    claimer.join(30)
+    assert len(got) == 1 and isinstance(got[0], FileNotFoundError), got
+    assert got[0].filename == path and "removed as abandoned" in str(got[0])
+
+
+def _waiting_for(inode: int) -> bool:
+    """Whether a process waits for a lock on the file of ``inode`` (``/proc/locks``)."""
+    with open("/proc/locks") as f:
+        return any("->" in line and f":{inode} " in line for line in f)
+
+
+def _claim_into(path: str, got: list[BaseException | int]) -> None:
+    try:
+        got.append(hygiene.claim(path))
+    except BaseException as e:  # noqa: BLE001 - what the test checks
+        got.append(e)
+
+
+def test_a_sweep_leaves_a_directory_claimed_after_its_owner_died(tmp_path):
+    """An abandoned directory that a new owner claims (a replica's or a copy's shard,
+    passed on) is no longer the sweep's: the sweep's exclusive lock fails."""
+    path = str(tmp_path / "ddict-passed")
+    os.mkdir(path)
+    hygiene.release(hygiene.claim(path))
+    assert hygiene.is_abandoned(path)
+    held = hygiene.claim(path)
+    try:
+        assert hygiene.sweep(str(tmp_path)) == [] and os.path.isdir(path)
+        assert hygiene.remove([path], kept=True) == 0
+    finally:
+        hygiene.release(held)
+    cut_short = tmp_path / f"{hygiene.REMOVING}ddict-old.12345"  # (its remover died)
+    cut_short.mkdir()
+    (cut_short / "data.mdb").write_bytes(b"x")
+    assert hygiene.sweep(str(tmp_path)) == [path] and not os.path.exists(path)
+    assert os.listdir(tmp_path) == []  # (renamed out of its name, then removed)
 
 
 def test_off_loop_runs_in_a_thread_of_its_own_once_the_pools_are_shut_down():

@@ -276,6 +276,44 @@ def test_a_replica_that_missed_a_change_set_is_stale_and_never_promoted(tmp_path
         p.replica.lock = None  # (released by take_replica's close)
 
 
+def test_a_promoted_replica_stays_claimed_until_its_manager_claims_it(tmp_path):
+    """A promotion closes the replica and hands its shard to the manager that opens it:
+    its owner lock passes with it (released by the caller once the manager holds its own),
+    so no sweep finds the shard unowned in between; a replica whose files are gone is
+    refused by name."""
+    from types import SimpleNamespace
+
+    from dask_ddict.errors import DDictManagerUnavailableError
+    from dask_ddict.host.replicas import take_replica
+
+    p = Pair(str(tmp_path), wait_for_keys=False)
+    uid = "ab" * 16
+    try:
+        p.manager.put(*_k("kept"), dumps_value(1).join(), 0, CLIENT)
+        host = SimpleNamespace(
+            dicts={bytes.fromhex(uid): SimpleNamespace(name="d", replicas={0: p.replica})}
+        )
+        path, lock = take_replica(host, uid, 0, "")
+        assert path == p.replica.store.path and lock is not None
+        assert not hygiene.is_abandoned(path)  # (held across the hand-over)
+        owner = hygiene.claim(path)  # (what the manager that opens it takes)
+        hygiene.release(lock)
+        assert not hygiene.is_abandoned(path)
+        hygiene.release(owner)
+        assert hygiene.is_abandoned(path)
+
+        gone = Replica(0, ShardStore(path, 64 << 20, create=False), hygiene.claim(path))
+        os.unlink(os.path.join(path, "data.mdb"))  # (its shared memory emptied)
+        host.dicts[bytes.fromhex(uid)].replicas[0] = gone
+        with pytest.raises(DDictManagerUnavailableError, match="lost its shard"):
+            take_replica(host, uid, 0, "")
+        assert hygiene.is_abandoned(path)  # (its lock let go with the refusal)
+    finally:
+        p.store.replicate = None
+        p.manager.close()
+        p.replica.lock = None  # (released above)
+
+
 def test_a_replica_told_it_was_dropped_is_stale(pair):
     pair.replica.apply(-1, b"")
     assert pair.replica.stale == "its primary dropped it"

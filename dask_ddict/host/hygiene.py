@@ -6,7 +6,11 @@ file on which each owning process keeps a shared ``flock``: the host process
 that serves the shard, and the supervisor that would restart it.  The kernel
 drops a lock when its holder dies, however it dies, so a directory whose lock
 can be taken exclusively is *provably* abandoned.  A directory without the
-lock file (another program's, or one being created) is never touched.
+lock file (another program's, or one being created) is never touched.  The sweeper
+holds that exclusive lock while it removes the directory, and a claim that waited for
+it finds its lock file gone and fails (:func:`claim`): a shard is never removed under
+a process that claimed it.  A shard that passes from one owner to the next (a copy
+received, a replica promoted) is claimed by the next before the last lets it go.
 
 A shard that no process serves may still be *kept*, with a ``kept`` marker: for
 a restart (``destroy(allow_restart=True)``), parked (no worker could take it),
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import json
@@ -32,7 +37,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "ddict-"
 LOCK = "owner.lock"
+#: A directory being removed (renamed out of its name first: see ``_remove_abandoned``).
+REMOVING = ".removing-"
 KEPT = "kept"
 
 #: Why a shard is kept (its marker's ``why``): for a restart, parked, or kept aside.
@@ -66,18 +73,44 @@ def claim(directory: str) -> int:
     """Hold a shared owner lock on ``directory``; return the fd (close it to release).
 
     The lock file is created under a temporary name and renamed into place
-    only once locked, so a sweeper never sees an unlocked ``owner.lock``.
+    only once locked, so a sweeper never sees an unlocked ``owner.lock``.  A claim
+    that meets a sweeper removing the directory waits for it, then raises
+    ``FileNotFoundError`` naming the directory: it was abandoned, and is gone.
     """
     path = os.path.join(directory, LOCK)
     if os.path.exists(path):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not _same_file(fd, path):  # (removed while this claim waited for its lock)
+                raise FileNotFoundError(
+                    errno.ENOENT, "removed as abandoned while it was being claimed", directory
+                )
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
     tmp = os.path.join(directory, f".{LOCK}.{os.getpid()}")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    os.rename(tmp, path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def release(fd: int | None) -> None:
@@ -176,19 +209,28 @@ def _started(pid: int) -> float | None:
 def is_abandoned(directory: str, kept: bool = False) -> bool:
     """Whether every process that owned ``directory`` is dead (and it is not kept, unless
     ``kept`` says that a kept one goes too)."""
-    if not kept and is_kept(directory):
-        return False
+    with _abandoned(directory, kept) as abandoned:
+        return abandoned
+
+
+@contextlib.contextmanager
+def _abandoned(directory: str, kept: bool) -> Iterator[bool]:
+    """Whether ``directory`` is abandoned (:func:`is_abandoned`), its owner lock held
+    exclusively while the block runs if it is: no process claims it meanwhile."""
     try:
         fd = os.open(os.path.join(directory, LOCK), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return False  # no lock file: not ours, or still being created
+        yield False  # no lock file: not ours, or still being created
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False  # an owner lives
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False  # an owner lives
+            return
+        yield kept or not is_kept(directory)  # (marked by its last owner before it went)
     finally:
         os.close(fd)
-    return True
 
 
 def sweep(base: str) -> list[str]:
@@ -198,6 +240,9 @@ def sweep(base: str) -> list[str]:
         names = os.listdir(base)
     except OSError:
         return []
+    for n in names:  # (a removal that a process's death cut short: nobody's any more)
+        if n.startswith(REMOVING + PREFIX):
+            shutil.rmtree(os.path.join(base, n), ignore_errors=True)
     removed = [p for p in (os.path.join(base, n) for n in names) if _remove_abandoned(p, False)]
     if removed:
         logger.info("ddict: removed %d abandoned directories under %s", len(removed), base)
@@ -211,11 +256,23 @@ def remove(paths: list[str], kept: bool = False) -> int:
 
 
 def _remove_abandoned(path: str, kept: bool) -> bool:
+    """Remove ``path`` if it is an abandoned ``ddict-*`` directory, holding its owner lock
+    exclusively while it goes: a process that claims it meanwhile waits, then fails."""
     name = os.path.basename(path.rstrip("/"))
-    if name.startswith(PREFIX) and os.path.isdir(path) and is_abandoned(path, kept):
-        shutil.rmtree(path, ignore_errors=True)
+    if not name.startswith(PREFIX) or not os.path.isdir(path):
+        return False
+    with _abandoned(path, kept) as abandoned:
+        if not abandoned:
+            return False
+        # out of its name first: a claim after this finds no directory (rmtree may take
+        # the lock file before the shard's), one before it fails once the lock is let go
+        gone = os.path.join(os.path.dirname(path.rstrip("/")), f"{REMOVING}{name}.{os.getpid()}")
+        try:
+            os.rename(path, gone)
+        except OSError:
+            return False
+        shutil.rmtree(gone, ignore_errors=True)
         return True
-    return False
 
 
 # -- kept shards: who keeps them, whether it still does --------------------------------

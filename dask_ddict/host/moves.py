@@ -236,10 +236,11 @@ def receive(
     map_size: int,
     tls: bool,
     prepared: str = "",
-) -> str:
+) -> tuple[str, int]:
     """Copy moving manager ``mid``'s shard from ``source`` (its old place) into the file
     :func:`prepare` made at ``prepared``, else into a new shard directory here; returns
-    its path (opened by the caller as a kept shard)."""
+    its path (opened by the caller as a kept shard) and its owner lock, which the caller
+    releases once whatever serves the copy claimed it (no sweep takes it in between)."""
     with _LOCK:
         held = _PREPARED.pop(prepared, None) if prepared else None
     if held is not None:
@@ -298,5 +299,4 @@ def receive(
         hygiene.release(lock)
         shutil.rmtree(path, ignore_errors=True)
         raise
-    hygiene.release(lock)  # (the manager that opens it claims it again)
-    return path
+    return path, lock

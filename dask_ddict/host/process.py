@@ -154,10 +154,13 @@ class Host:
             return replicas.drop(self, msg.uid, msg.manager_id)
         if isinstance(msg, control.ReplicaPromote):
             mid = msg.manager_id
-            path = replicas.take_replica(self, msg.spec.uid, mid, msg.old_path)
-            return self.open(
-                control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker, msg.term)
-            )
+            path, lock = replicas.take_replica(self, msg.spec.uid, mid, msg.old_path)
+            try:  # (the replica's owner lock, held until the manager claimed its shard)
+                return self.open(
+                    control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker, msg.term)
+                )
+            finally:
+                hygiene.release(lock)
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
 
     def hosted(self, spec: control.DictSpec) -> HostedDict:
@@ -247,8 +250,9 @@ class Host:
                     f"manager {msg.manager_id}'s shard {path} is not on this machine any more "
                     "(its shared memory was emptied)"
                 )
+        received = None  # (the copy's owner lock, held until the manager claimed it)
         if msg.source is not None:
-            path = moves.receive(
+            path, received = moves.receive(
                 msg.spec,
                 msg.manager_id,
                 msg.source,
@@ -267,6 +271,8 @@ class Host:
             if msg.source is not None:  # (a copy of ours; the same machine's shard is not)
                 shutil.rmtree(path, ignore_errors=True)
             raise
+        finally:
+            hygiene.release(received)
 
     def close_dict(self, uid: str, allow_restart: bool, why: int = CLOSED_DESTROYED) -> int:
         key = bytes.fromhex(uid)

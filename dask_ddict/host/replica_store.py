@@ -36,7 +36,7 @@ class Replica:
     """A replica of manager ``manager_id`` kept here: a copy of its shard, to which the
     primary's change sets are applied in their order."""
 
-    def __init__(self, manager_id: int, store: ShardStore, lock: int) -> None:
+    def __init__(self, manager_id: int, store: ShardStore, lock: int | None) -> None:
         self.manager_id = manager_id
         self.store = store
         self.lock = lock  # (its owner lock: no sweep removes it while it is kept here)

@@ -75,8 +75,7 @@ def seed(
 ) -> str:
     """Keep a new replica of manager ``mid``: its shard copied from ``source`` (the primary,
     held by ``Moving.hold``).  Returns the replica's path."""
-    path = moves.receive(spec, mid, source, used, map_size, tls)
-    lock = hygiene.claim(path)
+    path, lock = moves.receive(spec, mid, source, used, map_size, tls)  # (claimed there)
     try:
         store = ShardStore(
             path,
@@ -116,10 +115,12 @@ def drop(host: Host, uid: str, mid: int) -> bool:
     return True
 
 
-def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
+def take_replica(host: Host, uid: str, mid: int, old_path: str) -> tuple[str, int | None]:
     """The path of the replica of manager ``mid`` here, closed as a replica so that the
-    host can serve it as the manager (a promotion).  The lost primary's shard, if it
-    is on this machine, is removed (no process serves it any more)."""
+    host can serve it as the manager (a promotion), and its owner lock, which the
+    caller releases once the manager claimed the shard (no sweep takes it in between).
+    The lost primary's shard, if it is on this machine, is removed (no process serves
+    it any more)."""
     hosted = host.dicts.get(bytes.fromhex(uid))
     replica = None if hosted is None else hosted.replicas.pop(mid, None)
     if replica is None:
@@ -131,10 +132,23 @@ def take_replica(host: Host, uid: str, mid: int, old_path: str) -> str:
         raise DDictManagerUnavailableError(
             f"the replica of manager {mid} of {uid} here is stale: {replica.stale}"
         )
-    replica.close(destroy=False)
-    if old_path and old_path != replica.store.path:
-        hygiene.remove([old_path])  # (only if every process that owned it is dead)
-    return replica.store.path
+    lock, replica.lock = replica.lock, None
+    try:
+        replica.close(destroy=False)
+        path = replica.store.path
+        if not os.path.isfile(os.path.join(path, "data.mdb")):
+            raise DDictManagerUnavailableError(
+                f"the replica of manager {mid} of {uid} here lost its shard {path}"
+            )
+    except BaseException:
+        hygiene.release(lock)
+        raise
+    if old_path and old_path != path:
+        try:
+            hygiene.remove([old_path])  # (only if every process that owned it is dead)
+        except OSError as e:  # (its space comes back at the next sweep)
+            logger.warning("ddict host: removing the lost primary's shard %s: %r", old_path, e)
+    return path, lock
 
 
 # -- a primary's side ---------------------------------------------------------------------------
