@@ -107,6 +107,7 @@ cdef class PlainServer:
     cdef size_t gtid
     cdef uint32_t gmid
     cdef Py_ssize_t gbytes, gputs, gn0, gpos0  # (its puts' room, number, first reply and request)
+    cdef Py_ssize_t alone  # (puts to write one per transaction: those of a group dropped)
     cdef object _pure
 
     def __init__(self, c, rules):
@@ -119,6 +120,7 @@ cdef class PlainServer:
         self.count = self.dropped = 0
         self.txn, self.txn_env = NULL, None
         self.gw, self.gm, self.gstore, self.glock = NULL, None, None, None
+        self.gbytes = self.gputs = self.alone = 0
         self._pure = None
         try:
             _engines()
@@ -278,6 +280,7 @@ cdef class PlainServer:
         cdef StoreState store
         cdef ManagerLock lock
         cdef bint kept = False
+        cdef unsigned char counts[24]
         if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
             return 0
         if not isinstance(m.store, StoreState):
@@ -291,7 +294,8 @@ cdef class PlainServer:
             return 0
         # the room: the running estimate (check_room's), else the manager counts
         nbytes = 2 * (vlen + klen - _DIGEST + _ENTRY_HEADER + 64)
-        if store._used_estimate + self.gbytes + nbytes > store.full_thresh * store.capacity:
+        if store._used_estimate + (self.gbytes if self.gw != NULL else 0) + nbytes > (
+                store.full_thresh * store.capacity):  # fmt: skip
             return 0
         if self.gw == NULL:  # the group's first put: the lock, the checks, the transaction
             api = e.libv
@@ -309,9 +313,10 @@ cdef class PlainServer:
                 if rc:
                     return 0
                 tid = api.txn_id(w)
-                if tid != <size_t>store._next_own:  # another process committed: the manager counts
-                    api.txn_abort(w)
-                    return 0
+                if tid != <size_t>store._next_own or not _counts_at(
+                        api, w, (<ddict_lmdb_db*><PyObject*>meta).dbi, chkpt, counts):  # fmt: skip
+                    api.txn_abort(w)  # (another process committed, or no window of one's
+                    return 0  # counts at it: the manager counts)
                 kept = True
             finally:
                 if not kept:
@@ -345,7 +350,9 @@ cdef class PlainServer:
                 rc = self.gapi.txn_commit(w)
             if rc:
                 self.dropped += 1
+                self.alone = self.gputs + 1
                 return False
+            self.alone = max(0, self.alone - self.gputs)
             store._next_own = self.gtid + 1
             store._used_estimate += self.gbytes
             hook = store.on_commit
@@ -367,6 +374,7 @@ cdef class PlainServer:
         self.gapi.txn_abort(self.gw)
         self.gw = NULL
         self.dropped += 1
+        self.alone = self.gputs + 1  # (from its first put on, one transaction each)
         lock.give()
         self.gm = self.gstore = self.glock = None
 
@@ -531,7 +539,7 @@ cdef class PlainServer:
                 ddict_read_request(p, &head)
                 op = head.op
                 if self.gw != NULL and (op != self.put or head.manager != self.gmid
-                                        or self.gputs >= _GROUP_MOST):  # fmt: skip
+                                        or self.gputs >= (1 if self.alone else _GROUP_MOST)):
                     if not self._commit_group():  # (before anything else is served)
                         pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
                         break
@@ -600,8 +608,9 @@ cdef class PlainServer:
             if self.gw != NULL and not self._commit_group():  # (before the replies leave)
                 pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
         finally:
-            if self.gw != NULL:  # (an error: none of the group acknowledged)
+            if self.gw != NULL:  # (an error: none of the group written, none answered)
                 self._drop_group()
+                pos, self.n = self.gpos0, self.gn0
             self._end_snapshot()
             reader._pos = pos
         self.count += served  # (counted before they are answered: seen once they are)
@@ -660,20 +669,29 @@ cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned in
         api.cursor_close(cur)
 
 
-cdef bint _count_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
-                     int64_t newest) except -1:
-    """One key more seen at every slot of a window of one checkpoint ending at ``newest``
-    (key_counts' counts, ``<qqq``: newest, then the checkpoint's and the ones beyond's):
-    whether it was counted (else the manager recounts)."""
+cdef bint _counts_at(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
+                     int64_t newest, unsigned char* counts) except -1:
+    """Whether ``w`` holds the counts of a window of one checkpoint ending at ``newest``
+    (key_counts' counts, ``<qqq``: newest, then the checkpoint's and the ones beyond's),
+    copied to ``counts`` (else the manager recounts)."""
     cdef ddict_mdb_val k, v
-    cdef unsigned char counts[24]
-    cdef int i
     k.mv_size, k.mv_data = PyBytes_GET_SIZE(_COUNTS), <void*>PyBytes_AS_STRING(_COUNTS)
     if api.get(w, dbi, &k, &v) or v.mv_size != 24:
         return False
     memcpy(counts, v.mv_data, 24)
-    if <int64_t>_le64(counts) != newest:
+    return <int64_t>_le64(counts) == newest
+
+
+cdef bint _count_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
+                     int64_t newest) except -1:
+    """One key more seen at every slot of a window of one checkpoint ending at ``newest``:
+    whether it was counted (else the manager recounts)."""
+    cdef ddict_mdb_val k, v
+    cdef unsigned char counts[24]
+    cdef int i
+    if not _counts_at(api, w, dbi, newest, counts):
         return False
+    k.mv_size, k.mv_data = PyBytes_GET_SIZE(_COUNTS), <void*>PyBytes_AS_STRING(_COUNTS)
     for i in range(1, 3):
         _put_le64(counts + 8 * i, <uint64_t>(<int64_t>_le64(counts + 8 * i) + 1))
     v.mv_size, v.mv_data = 24, counts
