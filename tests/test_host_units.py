@@ -125,6 +125,22 @@ def test_a_sweep_leaves_a_directory_claimed_after_its_owner_died(tmp_path):
     assert os.listdir(tmp_path) == []  # (renamed out of its name, then removed)
 
 
+def test_a_kept_shard_kept_again_meanwhile_is_not_swept_on_what_its_old_keeper_said(tmp_path):
+    """A sweep of kept shards asks each one's keeper (seconds, over the network), then
+    removes those whose keeper is gone: one that was kept again meanwhile, by another
+    keeper, stays."""
+    path = str(tmp_path / "ddict-d-m0")
+    os.mkdir(path)
+    hygiene.release(hygiene.claim(path))
+    old = hygiene.keeper("tcp://10.0.0.1:8786", hygiene.RESTART, "d", "ab" * 16, 0)
+    hygiene.mark_kept(path, record=old)
+    asked = hygiene.kept_record(path)
+    new = hygiene.keeper("tcp://10.0.0.2:8786", hygiene.PARKED, "d", "ab" * 16, 0)
+    hygiene.mark_kept(path, record=new)  # (re-attached and kept again, by a live one)
+    assert not hygiene._remove_abandoned(path, True, asked) and os.path.isdir(path)
+    assert hygiene._remove_abandoned(path, True, new) and not os.path.exists(path)
+
+
 def test_off_loop_runs_in_a_thread_of_its_own_once_the_pools_are_shut_down():
     """While the interpreter exits, the event loop's executor refuses work ("cannot
     schedule new futures after shutdown"): a supervisor's control call then runs in a

@@ -255,14 +255,16 @@ def remove(paths: list[str], kept: bool = False) -> int:
     return sum(_remove_abandoned(p, kept) for p in paths)
 
 
-def _remove_abandoned(path: str, kept: bool) -> bool:
+def _remove_abandoned(path: str, kept: bool, record: dict[str, Any] | None = None) -> bool:
     """Remove ``path`` if it is an abandoned ``ddict-*`` directory, holding its owner lock
-    exclusively while it goes: a process that claims it meanwhile waits, then fails."""
+    exclusively while it goes: a process that claims it meanwhile waits, then fails.
+    ``record``: a kept shard's marker as its keeper was asked about (a shard kept again
+    since, by another keeper, stays)."""
     name = os.path.basename(path.rstrip("/"))
     if not name.startswith(PREFIX) or not os.path.isdir(path):
         return False
     with _abandoned(path, kept) as abandoned:
-        if not abandoned:
+        if not abandoned or (record is not None and kept_record(path) != record):
             return False
         # out of its name first: a claim after this finds no directory (rmtree may take
         # the lock file before the shard's), one before it fails once the lock is let go
@@ -500,7 +502,11 @@ def sweep_kept(
     if not shards:
         return []
     states = keeper_states(shards, security, timeout)
-    removed = [s for s in shards if states.get(s.path) == GONE and _remove_abandoned(s.path, True)]
+    removed = [
+        s
+        for s in shards
+        if states.get(s.path) == GONE and _remove_abandoned(s.path, True, s.record)
+    ]
     for s in removed:
         logger.info(
             "ddict: removed the %s shard of manager %s of %r (%s, %d bytes): its "
