@@ -191,8 +191,8 @@ def _unprepare(path: str) -> None:
     if held is not None:
         held[3].cancel()
         held[0].close()
-        hygiene.release(held[2])
         shutil.rmtree(path, ignore_errors=True)
+        hygiene.release(held[2])
 
 
 def _new_copy(
@@ -208,8 +208,8 @@ def _new_copy(
     try:
         return path, _copy_file(path, map_size, length, populate), lock
     except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # (before its lock goes: a sweep's then)
         hygiene.release(lock)
-        shutil.rmtree(path, ignore_errors=True)
         raise
 
 
@@ -249,8 +249,8 @@ def receive(
             path, mm, lock = prepared, held[0], held[2]
         else:  # (it grew past the room made for it: made again)
             held[0].close()
-            hygiene.release(held[2])
             shutil.rmtree(prepared, ignore_errors=True)
+            hygiene.release(held[2])
             held = None
     if held is None:
         path, mm, lock = _new_copy(spec.name, mid, map_size, map_size, populate=False)
@@ -296,7 +296,7 @@ def receive(
                 v.release()
             mm.close()
     except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # (before its lock goes: a sweep's then)
         hygiene.release(lock)
-        shutil.rmtree(path, ignore_errors=True)
         raise
     return path, lock

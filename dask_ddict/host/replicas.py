@@ -76,6 +76,7 @@ def seed(
     """Keep a new replica of manager ``mid``: its shard copied from ``source`` (the primary,
     held by ``Moving.hold``).  Returns the replica's path."""
     path, lock = moves.receive(spec, mid, source, used, map_size, tls)  # (claimed there)
+    store = None
     try:
         store = ShardStore(
             path,
@@ -84,13 +85,15 @@ def seed(
             indexed=spec.options.wait_for_keys,
             create=False,
         )
+        hosted = host.dicts[bytes.fromhex(spec.uid)] = host.hosted(spec)
     except BaseException:
-        hygiene.release(lock)
+        if store is not None:
+            store.close()
         import shutil
 
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)  # (before its lock goes: a copy of ours)
+        hygiene.release(lock)
         raise
-    hosted = host.dicts[bytes.fromhex(spec.uid)] = host.hosted(spec)
     old = hosted.replicas.pop(mid, None)
     hosted.replicas[mid] = Replica(mid, store, lock)
     if old is not None:
