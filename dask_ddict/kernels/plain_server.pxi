@@ -355,6 +355,7 @@ cdef class PlainServer:
             self.alone = max(0, self.alone - self.gputs)
             store._next_own = self.gtid + 1
             store._used_estimate += self.gbytes
+            _count(self.served, self.gmid, self.put, self.gputs)  # (committed: counted)
             hook = store.on_commit
             if type(hook) is GenerationBump:  # (the host's: no call)
                 (<GenerationBump>hook).bump()
@@ -363,7 +364,6 @@ cdef class PlainServer:
         finally:
             lock.give()
             self.gm = self.gstore = self.glock = None
-        _count(self.served, self.gmid, self.put, self.gputs)
         return True
 
     cdef void _drop_group(self):
