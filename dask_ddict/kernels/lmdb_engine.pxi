@@ -114,6 +114,7 @@ cdef extern from *:
     #define DDICT_MDB_SET_KEY 16
     #define DDICT_MDB_SET_RANGE 17
     #define DDICT_MDB_RESERVE 0x10000
+    #define DDICT_MDB_CURRENT 0x40
     #define DDICT_MDB_NOTFOUND (-30798)
     #define DDICT_MDB_MAP_FULL (-30792)
     #define DDICT_TRANS_BUFFERS 1
@@ -167,6 +168,7 @@ cdef extern from *:
     int DDICT_MDB_SET_KEY
     int DDICT_MDB_SET_RANGE
     unsigned int DDICT_MDB_RESERVE
+    unsigned int DDICT_MDB_CURRENT
     int DDICT_MDB_NOTFOUND
     int DDICT_MDB_MAP_FULL
     int DDICT_TRANS_BUFFERS
@@ -564,7 +566,9 @@ def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
             existed = rc == 0
             k.mv_size, k.mv_data = dlen + PyBytes_GET_SIZE(tail), seek
             v.mv_size, v.mv_data = total, NULL
-            rc = api.cursor_put(cur, &k, &v, DDICT_MDB_RESERVE)  # (written in place below)
+            # (written in place below; over the version found, without a second search)
+            rc = api.cursor_put(cur, &k, &v,
+                                DDICT_MDB_RESERVE | (DDICT_MDB_CURRENT if existed else 0))
             t.mutations += 1
             if rc == DDICT_MDB_MAP_FULL:  # (the transaction is then only to abort)
                 return i, delta, full(_said_by(api, "mdb_cursor_put", rc))

@@ -643,7 +643,8 @@ cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned in
         live = existed and v.mv_size >= 1 and not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
         k.mv_size, k.mv_data = _DIGEST + 8, seek
         v.mv_size, v.mv_data = total, NULL
-        if api.cursor_put(cur, &k, &v, DDICT_MDB_RESERVE):
+        if api.cursor_put(cur, &k, &v,  # (over the version found: no second search)
+                          DDICT_MDB_RESERVE | (DDICT_MDB_CURRENT if existed else 0)):
             return -1
         q = <char*>v.mv_data
         q[0] = <char>_PERSISTENT
