@@ -103,7 +103,7 @@ cdef class PlainServer:
     # the run's open group of puts: one manager's write transaction, under its lock
     cdef ddict_mdb_txn* gw
     cdef const ddict_mdb_api* gapi
-    cdef object gm, gstore, glock
+    cdef object gstore, glock  # (its manager: gmid)
     cdef size_t gtid
     cdef uint32_t gmid
     cdef Py_ssize_t gbytes, gputs, gn0, gpos0  # (its puts' room, number, first reply and request)
@@ -119,7 +119,7 @@ cdef class PlainServer:
         self.missing = bytes(missing)
         self.count = self.dropped = 0
         self.txn, self.txn_env = NULL, None
-        self.gw, self.gm, self.gstore, self.glock = NULL, None, None, None
+        self.gw, self.gstore, self.glock = NULL, None, None
         self.gbytes = self.gputs = self.alone = 0
         self._pure = None
         try:
@@ -322,7 +322,7 @@ cdef class PlainServer:
                 if not kept:
                     lock.give()
             self.gw, self.gapi, self.gtid, self.gmid = w, api, tid, mid
-            self.gm, self.gstore, self.glock = m, store, lock
+            self.gstore, self.glock = store, lock
             self.gbytes = self.gputs = 0
             self.gn0, self.gpos0 = self.n, pos
         api = self.gapi
@@ -363,7 +363,7 @@ cdef class PlainServer:
                 hook()
         finally:
             lock.give()
-            self.gm = self.gstore = self.glock = None
+            self.gstore = self.glock = None
         return True
 
     cdef void _drop_group(self):
@@ -376,7 +376,7 @@ cdef class PlainServer:
         self.dropped += 1
         self.alone = self.gputs + 1  # (from its first put on, one transaction each)
         lock.give()
-        self.gm = self.gstore = self.glock = None
+        self.gstore = self.glock = None
 
     cdef int _get_many(self, object managers, const unsigned char* v, Py_ssize_t vlen,
                        int64_t chkpt, uint32_t tag) except -1:
