@@ -141,6 +141,32 @@ def test_a_kept_shard_kept_again_meanwhile_is_not_swept_on_what_its_old_keeper_s
     assert hygiene._remove_abandoned(path, True, new) and not os.path.exists(path)
 
 
+def test_a_shard_kept_aside_goes_only_if_nobody_claims_it_and_nothing_else_keeps_it(tmp_path):
+    """A primary deposed during a move to another host process of the same machine keeps
+    aside the very shard its new host serves (such a move copies nothing): discarding
+    it then leaves it be, as it leaves one parked or kept for a restart since."""
+    aside = hygiene.keeper("tcp://10.0.0.1:8786", hygiene.ASIDE, "d", "ab" * 16, 0)
+    made = {}
+    for name in ("served", "parked", "aside", "unmarked"):
+        path = made[name] = str(tmp_path / f"ddict-d-{name}")
+        os.mkdir(path)
+        hygiene.release(hygiene.claim(path))
+        hygiene.mark_kept(path, record=aside)
+    os.unlink(os.path.join(made["unmarked"], hygiene.KEPT))
+    parked = hygiene.keeper("tcp://10.0.0.1:8786", hygiene.PARKED, "d", "ab" * 16, 0)
+    hygiene.mark_kept(made["parked"], record=parked)  # (parked by its new host since)
+    held = hygiene.claim(made["served"])  # (its new host serves it)
+    try:
+        assert not hygiene.remove_aside(made["served"]) and os.path.isdir(made["served"])
+        assert not hygiene.remove_aside(made["parked"]) and os.path.isdir(made["parked"])
+        assert hygiene.remove_aside(made["aside"]) and not os.path.exists(made["aside"])
+        assert hygiene.remove_aside(made["unmarked"]) and not os.path.exists(made["unmarked"])
+        assert not hygiene.remove_aside(str(tmp_path / "ddict-d-gone"))
+    finally:
+        hygiene.release(held)
+    assert sorted(os.listdir(tmp_path)) == ["ddict-d-parked", "ddict-d-served"]
+
+
 def test_off_loop_runs_in_a_thread_of_its_own_once_the_pools_are_shut_down():
     """While the interpreter exits, the event loop's executor refuses work ("cannot
     schedule new futures after shutdown"): a supervisor's control call then runs in a

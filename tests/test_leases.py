@@ -98,13 +98,16 @@ def test_verdicts_confirm_the_layouts_primary_and_depose_replaced_ones():
         "a",
         [("u", 0, 0), ("u", 1, 2), ("u", 2, 2), ("u", 3, 2), ("gone", 0, 0), ("u", 9, 0)],
     )
-    assert said.confirmed == [("u", 0)]
+    assert said.confirmed == [("u", 0, 0)]
     # a newer term elsewhere, and a manager given up: deposed, saying where it is
-    assert said.deposed == {("u", 1): "h-b (worker w-b)", ("u", 3): "nowhere (lost: gone)"}
+    assert said.deposed == {
+        ("u", 1, 2): "h-b (worker w-b)",
+        ("u", 3, 2): "nowhere (lost: gone)",
+    }
     # manager 2 at term 2 here, the layout still at term 1: a promotion or move under way
     # (pending); an unknown dictionary or manager: no verdict at all
     said = verdicts({"u": layout}, "b", [("u", 1, 3), ("u", 0, 0)])
-    assert said.confirmed == [("u", 1)] and said.deposed == {("u", 0): "h-a (worker w-a)"}
+    assert said.confirmed == [("u", 1, 3)] and said.deposed == {("u", 0, 0): "h-a (worker w-a)"}
 
 
 class Hosts:
@@ -176,7 +179,7 @@ def test_a_suspected_primary_is_replaced_only_after_its_lease_and_then_learns_it
     async def main() -> None:
         reps, hosts, layouts, spawned = _orchestrator()
         granted = reps.lease("a", _serving((0, 0)))
-        assert granted["lease"] == 0.3 and granted["confirmed"] == [["u", 0]]
+        assert granted["lease"] == 0.3 and granted["confirmed"] == [["u", 0, 0]]
         began = time.monotonic()
         assert reps.suspect("a", "cut off") == {"d": [0]}
         assert "a" in reps.leases.revoked  # type: ignore[union-attr]  # (no more grants)
@@ -189,14 +192,14 @@ def test_a_suspected_primary_is_replaced_only_after_its_lease_and_then_learns_it
         assert not reps.failing
         # the old primary renews: deposed (it serves it nowhere now), its shard kept aside
         said = reps.lease("a", _serving((0, 0)))
-        assert said["deposed"] == [["u", 0, "h-c (worker w-c)"]]
+        assert said["deposed"] == [["u", 0, "h-c (worker w-c)", 0]]
         # the new primary's host renews: confirmed
-        assert reps.lease("c", _serving((0, 1)))["confirmed"] == [["u", 0]]
+        assert reps.lease("c", _serving((0, 1)))["confirmed"] == [["u", 0, 1]]
         # the shard aside is discarded once the manager has its replicas again
         aside = {"serving": [], "doubts": [], "aside": [["u", 0, "/d-a-0"]]}
         assert reps.lease("a", aside)["discard"] == []
         reps.replicas.of("d")[0] = [Replica(0, "w-b", "b", "m-b", {})]
-        assert reps.lease("a", aside)["discard"] == [["u", 0]]
+        assert reps.lease("a", aside)["discard"] == [["u", 0, "/d-a-0"]]
 
     asyncio.run(main())
 
@@ -217,7 +220,7 @@ def test_a_suspected_primary_that_renews_before_any_replica_answered_is_reinstat
         while ("d", 0) in reps.promoting:  # (not while a promotion's call is under way)
             await asyncio.sleep(0.01)
         said = reps.lease("a", _serving((0, 0)))  # the primary's host is back
-        assert said["confirmed"] == [["u", 0]] and said["lease"] == 0.1
+        assert said["confirmed"] == [["u", 0, 0]] and said["lease"] == 0.1
         assert reps.failing == {}
         await asyncio.gather(*spawned)
         m = layouts["d"].managers[0]
@@ -364,3 +367,43 @@ def test_a_batch_put_while_its_hosts_lease_lapsed_waits_for_it_and_loses_nothing
             assert len(d) == 201 and d["plain"] == "after"
         finally:
             d.destroy()
+
+
+def test_a_renewals_verdicts_apply_only_to_the_managers_it_reported():
+    """An answer names the terms that its renewal reported: a manager that came back to
+    this host under a newer term while the answer was on its way (moved away and back)
+    is neither deposed nor confirmed on what was said of the one before; a shard aside
+    is discarded only if it is the one the orchestrator judged."""
+    from types import SimpleNamespace
+
+    from dask_ddict.host.hosted import HostedDict
+    from dask_ddict.host.lease import apply
+
+    def manager(mid: int, term: int) -> Any:
+        return SimpleNamespace(manager_id=mid, term=term, shipper=None, store=SimpleNamespace())
+
+    hosted = HostedDict("ab" * 16, "d", "x")
+    back, old, fenced = manager(0, 3), manager(1, 1), manager(2, 5)
+    hosted.managers.update({0: back, 1: old})
+    hosted.fence(fenced, "its move is not in the layout yet")
+    deposed: list[Any] = []
+    discarded: list[Any] = []
+    host = SimpleNamespace(
+        dicts={hosted.key: hosted},
+        aside={(hosted.uid, 0): "/shm/ddict-d-0-new"},
+        depose=lambda uid, m, where: deposed.append((uid, m, where)),
+        discard=lambda uid, mid, path: discarded.append((uid, mid, path)),
+    )
+    apply(
+        host,  # type: ignore[arg-type]
+        {
+            "deposed": [[hosted.uid, 0, "h-b (worker w-b)", 1], [hosted.uid, 1, "h-c", 1]],
+            "confirmed": [[hosted.uid, 2, 4]],
+            "discard": [[hosted.uid, 0, "/shm/ddict-d-0-old"]],
+        },
+    )
+    assert deposed == [(hosted.uid, old, "h-c")]  # (not the one back under term 3)
+    assert hosted.fenced[2][0] is fenced  # (confirmed under term 4: not this one)
+    apply(host, {"confirmed": [[hosted.uid, 2, 5]]})  # type: ignore[arg-type]
+    assert hosted.managers[2] is fenced and 2 not in hosted.fenced
+    assert discarded == [(hosted.uid, 0, "/shm/ddict-d-0-old")]  # (the host compares it)

@@ -9,6 +9,7 @@ counters are exact.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from distributed import Client
 from dask_ddict import DDict
 from dask_ddict.cluster.moves import Candidate
 from dask_ddict.cluster.replicas import Replica, replica_targets
-from dask_ddict.errors import DDictManagerUnavailableError
+from dask_ddict.errors import DDictManagerUnavailableError, raise_from_wire
 from dask_ddict.layout import ManagerInfo
 from tests.support.cluster import local_cluster
 from tests.support.polling import poll_for
@@ -468,3 +469,43 @@ def test_a_replica_its_primary_dropped_is_made_again_at_the_next_join(workers3):
         assert all(d[i] == i for i in range(100))
     finally:
         d.destroy()
+
+
+def test_moves_on_one_machine_that_a_lease_renewal_meets_keep_the_shard_they_hand_over(caplog):
+    """A manager that moves to another host process of the same machine is not copied:
+    the new host serves the very shard the old one paused.  A lease renewal of the old
+    host that lands between the orchestrator's new layout and its word to the old host
+    (frequent with leases renewed every 20 ms) ends the move there: the old host keeps
+    nothing aside (it once kept the served shard "aside", and deleted it when it closed,
+    leaving the new primary on a file no longer in ``/dev/shm``: no replica could be
+    seeded from it, and a kill of its host lost what it acknowledged)."""
+    import dask
+
+    from dask_ddict.host import hygiene
+
+    caplog.set_level("WARNING", logger="dask_ddict.cluster.moves")
+    settings = {"ddict.lease.duration": "40 ms", "ddict.lease.margin": "0.5 s"}
+    with dask.config.set(settings), local_cluster(3) as cl, Client(cl) as c:
+        d = DDict(managers_per_worker=1, total_mem="48 MiB", client=c, timeout=60, replicas=1)
+        try:
+            d.update({i: i for i in range(200)})
+            workers = sorted(c.scheduler_info()["workers"])
+            for step in range(40):
+                for mid in range(d.num_managers):
+                    reply = c.sync(
+                        c.scheduler.ddict_move,
+                        name=d.get_name(),
+                        manager_id=mid,
+                        worker=workers[step % 3],
+                    )
+                    raise_from_wire(reply)
+                for m in d._core.fresh(force=True).managers:  # (served: never kept)
+                    assert hygiene.kept_record(m.store_path) is None, (step, m)
+            assert "did not let it go" not in caplog.text
+            c.retire_workers([workers[0]], close_workers=True)  # (its host closes)
+            _apart(c, d)  # (replicas seeded anew, from the shards that serve)
+            for m in d._core.fresh(force=True).managers:
+                assert os.path.isfile(os.path.join(m.store_path, "data.mdb")), m
+            assert all(d[i] == i for i in range(200))
+        finally:
+            d.destroy()

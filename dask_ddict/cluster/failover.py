@@ -432,12 +432,12 @@ class Failover:
                     )
                 )
             ):
-                discard.append([uid, mid])  # (its dictionary is gone, or has it elsewhere)
+                discard.append([uid, mid, path])  # (its dictionary is gone, or has it elsewhere)
         granted = self.leases.grant(supervisor, bool(serving))
         return {
             "lease": granted,
             "confirmed": [list(k) for k in said.confirmed],
-            "deposed": [[u, m, w] for (u, m), w in said.deposed.items()],
+            "deposed": [[u, m, w, t] for (u, m, t), w in said.deposed.items()],
             "dropped": dropped,
             "discard": discard,
         }

@@ -127,13 +127,16 @@ class Leases:
 class Verdicts:
     """What the orchestrator answers about the primaries a host reported.
 
-    ``confirmed``: ``(uid, manager)`` the host serves under the layout's term;
-    ``deposed``: ``(uid, manager) -> where it is served now`` (the host stops serving
-    it and keeps its shard aside).  A primary in neither is pending: a change that
-    names this host is under way, or its dictionary is not registered (yet)."""
+    ``confirmed``: ``(uid, manager, term)`` the host serves under the layout's term;
+    ``deposed``: ``(uid, manager, term) -> where it is served now`` (the host stops
+    serving it and keeps its shard aside).  Each names the term the host reported: the
+    host applies a verdict only to the manager it reported, never to one that came back
+    to it under a newer term while the answer was on its way.  A primary in neither is
+    pending: a change that names this host is under way, or its dictionary is not
+    registered (yet)."""
 
-    confirmed: list[tuple[str, int]]
-    deposed: dict[tuple[str, int], str]
+    confirmed: list[tuple[str, int, int]]
+    deposed: dict[tuple[str, int, int], str]
 
 
 def verdicts(
@@ -145,17 +148,17 @@ def verdicts(
     deposed where the layout has a newer term, or another host at the same term, or
     has given it up (lost, parked); it is pending where the layout is older than it
     (a promotion or a move to this host is not in the layout yet)."""
-    confirmed: list[tuple[str, int]] = []
-    deposed: dict[tuple[str, int], str] = {}
+    confirmed: list[tuple[str, int, int]] = []
+    deposed: dict[tuple[str, int, int], str] = {}
     for uid, mid, term in reported:
         layout = by_uid.get(uid)
         if layout is None or not 0 <= mid < layout.num_managers:
             continue
         m = layout.managers[mid]
         if m.term == term and m.supervisor == supervisor and not m.lost:
-            confirmed.append((uid, mid))
+            confirmed.append((uid, mid, term))
         elif m.term >= term:
-            deposed[(uid, mid)] = where(m)
+            deposed[(uid, mid, term)] = where(m)
     return Verdicts(confirmed, deposed)
 
 

@@ -108,12 +108,12 @@ class HostedDict:
             if mid not in self.fenced:
                 self.fenced[mid] = (manager, why)
 
-    def confirm(self, mid: int) -> None:
-        """The orchestrator confirmed manager ``mid``, which serves from now on unless
-        a replica of it is in doubt (see ``Shipper.doubts``)."""
+    def confirm(self, mid: int, term: int) -> None:
+        """The orchestrator confirmed manager ``mid`` under ``term``, which serves from now
+        on unless a replica of it is in doubt (see ``Shipper.doubts``)."""
         with self._fencing:
             fenced = self.fenced.get(mid)
-            if fenced is None:
+            if fenced is None or fenced[0].term != term:
                 return
             manager = fenced[0]
             if manager.shipper is not None and manager.shipper.doubts:

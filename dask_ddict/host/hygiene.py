@@ -266,15 +266,36 @@ def _remove_abandoned(path: str, kept: bool, record: dict[str, Any] | None = Non
     with _abandoned(path, kept) as abandoned:
         if not abandoned or (record is not None and kept_record(path) != record):
             return False
-        # out of its name first: a claim after this finds no directory (rmtree may take
-        # the lock file before the shard's), one before it fails once the lock is let go
-        gone = os.path.join(os.path.dirname(path.rstrip("/")), f"{REMOVING}{name}.{os.getpid()}")
-        try:
-            os.rename(path, gone)
-        except OSError:
+        return _remove_held(path)
+
+
+def remove_aside(path: str) -> bool:
+    """Remove the shard that a deposed primary kept aside at ``path``, unless a process
+    claims it or it is kept for another reason now (parked, for a restart): a manager
+    that moved to another host process of this machine was not copied, so its new host
+    may serve that very shard.  Whether it went."""
+    name = os.path.basename(path.rstrip("/"))
+    if not name.startswith(PREFIX) or not os.path.isdir(path):
+        return False
+    with _abandoned(path, kept=True) as abandoned:
+        why = (kept_record(path) or {}).get("why", "")
+        if not abandoned or why not in ("", ASIDE):
             return False
-        shutil.rmtree(gone, ignore_errors=True)
-        return True
+        return _remove_held(path)
+
+
+def _remove_held(path: str) -> bool:
+    """Remove ``path``, whose owner lock the caller holds exclusively."""
+    # out of its name first: a claim after this finds no directory (rmtree may take
+    # the lock file before the shard's), one before it fails once the lock is let go
+    name = os.path.basename(path.rstrip("/"))
+    gone = os.path.join(os.path.dirname(path.rstrip("/")), f"{REMOVING}{name}.{os.getpid()}")
+    try:
+        os.rename(path, gone)
+    except OSError:
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 # -- kept shards: who keeps them, whether it still does --------------------------------

@@ -57,7 +57,7 @@ class Hosted(Protocol):
     fenced: dict[int, tuple[Manager, str]]
 
     def find(self, mid: int) -> Manager | None: ...
-    def confirm(self, mid: int) -> None: ...
+    def confirm(self, mid: int, term: int) -> None: ...
 
 
 class Host(Protocol):
@@ -70,7 +70,7 @@ class Host(Protocol):
     aside: dict[tuple[str, int], str]
 
     def depose(self, uid: str, manager: Manager, where: str) -> None: ...
-    def discard(self, uid: str, mid: int) -> None: ...
+    def discard(self, uid: str, mid: int, path: str) -> None: ...
 
 
 def report(host: Host) -> dict[str, Any]:
@@ -99,24 +99,26 @@ def report(host: Host) -> dict[str, Any]:
 
 
 def apply(host: Host, answer: dict[str, Any]) -> None:
-    """Apply the orchestrator's answer to a renewal (see :func:`report`)."""
+    """Apply the orchestrator's answer to a renewal (see :func:`report`).  A verdict
+    names the term that the renewal reported: a manager that came back here under a
+    newer term while the answer was on its way is not the one judged, and is left be."""
     by_uid = {h.uid: h for h in list(host.dicts.values())}
-    for uid, mid, where in answer.get("deposed", ()):
+    for uid, mid, where, term in answer.get("deposed", ()):
         hosted = by_uid.get(uid)
         manager = None if hosted is None else hosted.find(mid)
-        if hosted is not None and manager is not None:
+        if hosted is not None and manager is not None and manager.term == term:
             host.depose(uid, manager, where)
     for uid, mid, addresses in answer.get("dropped", ()):
         hosted = by_uid.get(uid)
         manager = None if hosted is None else hosted.find(mid)
         if manager is not None and manager.shipper is not None:
             manager.shipper.dropped([tuple(a) for a in addresses])
-    for uid, mid in answer.get("confirmed", ()):
+    for uid, mid, term in answer.get("confirmed", ()):
         hosted = by_uid.get(uid)
         if hosted is not None:
-            hosted.confirm(mid)
-    for uid, mid in answer.get("discard", ()):
-        host.discard(uid, mid)
+            hosted.confirm(mid, term)
+    for uid, mid, path in answer.get("discard", ()):
+        host.discard(uid, mid, path)
 
 
 class LeaseKeeper:
@@ -311,7 +313,7 @@ class LeaseKeeper:
         if lease is None:  # leases are off there: serve freely
             self.required = False
             self.word.set(float("inf"))
-            apply(self.host, {"confirmed": [[u, m] for u, m, _ in report(self.host)["serving"]]})
+            apply(self.host, {"confirmed": report(self.host)["serving"]})
             self._answered()
             return None
         self.granted = bool(lease)

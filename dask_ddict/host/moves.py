@@ -87,6 +87,8 @@ def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) ->
     serves the same shard, deleted if it serves a copy).  ``park``: it serves nowhere
     now; its shard is kept (see :mod:`.hygiene`) for a host on this machine to open."""
     hosted = host.dicts[bytes.fromhex(uid)]
+    if hosted.find(mid) is None and mid in hosted.moved:
+        return  # (its lease's renewal learned it first: see depose)
     manager = served_manager(host, uid, mid)
     copied = manager.copying and not park  # (a parked shard is kept: see the supervisor)
     _stop_serving(host, hosted, uid, manager, where, copied)
@@ -95,13 +97,27 @@ def move_done(host: Host, uid: str, mid: int, where: str, park: bool = False) ->
 
 
 def depose(host: Host, uid: str, manager: Manager, where: str) -> bool:
-    """A replica of ``manager`` took over at ``where`` (the orchestrator took this host for
-    lost): from now on its requests here are answered ``MOVED`` (not applied), as after
-    a move; its shard is closed after :data:`LET_GO_AFTER` and kept (see
-    ``Host.depose``).  Called by the manager's own write (its lock held), or by the
-    lease's renewal.  Whether it was served here until now."""
+    """The orchestrator serves ``manager`` at ``where`` now (a replica took over: it took
+    this host for lost; or a move that this host has not heard of yet is done): from
+    now on its requests here are answered ``MOVED`` (not applied), as after a move; its
+    shard is closed after :data:`LET_GO_AFTER` and kept (see ``Host.depose``).  Called by the manager's own write (its lock held), or by the
+    lease's renewal.  Whether its shard is kept aside: not if it was not served here,
+    nor if it was paused for a move to another host process of this machine, whose
+    new host serves this very shard (the move is done: the renewal learned it before
+    :func:`move_done` came)."""
     hosted = host.dicts.get(bytes.fromhex(uid))
     if hosted is None or hosted.find(manager.manager_id) is not manager:
+        return False
+    if manager.moving and not manager.copying:
+        _stop_serving(host, hosted, uid, manager, where, False)
+        manager.move_done(where)
+        logger.info(
+            "ddict host %d: manager %d of %s moved to %s (its lease's renewal said so)",
+            os.getpid(),
+            manager.manager_id,
+            hosted.name,
+            where,
+        )
         return False
     hygiene.mark_kept(manager.store.path)  # (before its owner lock goes: no sweep takes it)
     _stop_serving(host, hosted, uid, manager, where, False)

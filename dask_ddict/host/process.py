@@ -322,17 +322,23 @@ class Host:
             self.aside[(uid, manager.manager_id)] = path
             self.notify(control.Deposed(uid, manager.manager_id, path))
 
-    def discard(self, uid: str, mid: int) -> None:
-        """Delete the shard kept aside for deposed manager ``mid`` of ``uid``."""
-        path = self.aside.pop((uid, mid), None)
-        if path is None:
+    def discard(self, uid: str, mid: int, path: str | None = None) -> None:
+        """Delete the shard kept aside for deposed manager ``mid`` of ``uid`` (``path``: only
+        if that is the one kept, the one the orchestrator judged).  A process that claims
+        it keeps it (see :func:`.hygiene.remove_aside`)."""
+        kept = self.aside.get((uid, mid))
+        if kept is None or (path is not None and path != kept):
             return
-        moves.let_go(path)  # (if it is still open here)
-        hygiene.mark_kept(path, False)
-        shutil.rmtree(path, ignore_errors=True)
+        del self.aside[(uid, mid)]
+        moves.let_go(kept)  # (if it is still open here)
+        removed = hygiene.remove_aside(kept)
         self.notify(control.Discarded(uid, mid))
         logger.info(
-            "ddict host %d: discarded the shard of deposed manager %d (%s)", os.getpid(), mid, path
+            "ddict host %d: discarded the shard of deposed manager %d (%s)%s",
+            os.getpid(),
+            mid,
+            kept,
+            "" if removed else " (no: a process claims it, or it is kept for another reason)",
         )
 
     def notify(self, notice: Any) -> None:

@@ -385,7 +385,7 @@ class Shipper:
         if self.manager is not None and not self.targets:
             self.manager.store.replicate = None
         if not self.doubts and self.hosted is not None and self.manager is not None:
-            self.hosted.confirm(self.manager_id)
+            self.hosted.confirm(self.manager_id, self.manager.term)
 
     def close(self) -> None:
         self.closed = True
