@@ -94,7 +94,7 @@ def test_a_promoted_replica_is_served_and_a_deposed_primary_set_aside(tmp_path):
     replica = _shards(tmp_path, 2)
     reg.replica_kept(spec, 2, replica[0]["store_path"])
     assert reg.replicated and reg.replica_taken(spec.uid, 9) is None
-    assert reg.replica_taken(spec.uid, 2) == spec
+    assert reg.replica_taken(spec.uid, 2) == (spec, replica[0]["store_path"])
     reg.register(spec, "tcp://w", replica)
     assert reg.replicated  # (its managers have replicas elsewhere)
     path = replica[0]["store_path"]

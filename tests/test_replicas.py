@@ -509,3 +509,50 @@ def test_moves_on_one_machine_that_a_lease_renewal_meets_keep_the_shard_they_han
             assert all(d[i] == i for i in range(200))
         finally:
             d.destroy()
+
+
+def test_a_replica_whose_promotion_fails_to_open_is_kept_and_tried_again(
+    workers3, tmp_path, caplog
+):
+    """A promotion opens the replica's shard as the manager's; an opening that fails (here
+    the persist directory of the manager is a file, as on a broken mount) leaves the
+    shard kept there as a replica, and the orchestrator tries it again until it opens:
+    the replica may hold the last copy of what its lost primary acknowledged (it was
+    once let go, unclaimed, for a sweep to take, and the manager was lost)."""
+    import shutil
+
+    c, w = workers3
+    caplog.set_level("WARNING", logger="dask_ddict.cluster.failover")
+    store = tmp_path / "persisted"
+    d = DDict(
+        managers_per_worker=1,
+        total_mem="48 MiB",
+        client=c,
+        timeout=60,
+        replicas=1,
+        persist_path=str(store),
+        persister_class="directory",
+    )
+    try:
+        d.update({i: i for i in range(300)})
+        victim = d.manager_workers[0]
+        mine = store / d.get_name() / "manager_0"
+        assert mine.is_dir()
+        shutil.rmtree(mine)
+        mine.write_bytes(b"not a directory")  # (the promotion's persister cannot open)
+        w.kill(w.of(c, victim))
+        poll_for(
+            lambda: (
+                "replica of manager 0 on" in caplog.text and "could not take over" in caplog.text
+            ),
+            60,
+            "a promotion of manager 0 that failed to open",
+            0.2,
+        )
+        time.sleep(2)  # (tried again meanwhile, and kept: not lost)
+        assert not d._core.fresh(force=True).managers[0].lost
+        mine.unlink()
+        _failed_over(d, victim)
+        assert all(d[i] == i for i in range(300))
+    finally:
+        d.destroy()

@@ -269,11 +269,12 @@ class Failover:
         self, name: str, mid: int, why: str, stalled: Callable[[], Awaitable[None]]
     ) -> None:
         """Have a replica of manager ``mid`` serve it, once its primary's lease is surely
-        over, under the next term.  A replica that answers no is not tried again; while
-        some did not answer at all (cut off too, or gone: only Dask's removal of its
-        worker says so), they are tried again every :data:`PROMOTE_AGAIN` s, until one
-        does or the primary's host is reinstated (``stalled()`` is awaited after the
-        first such round); with none left, the manager is lost."""
+        over, under the next term.  A replica that answers no (none kept there, or a
+        stale one) is not tried again; while some did not answer at all (cut off too, or
+        gone: only Dask's removal of its worker says so) or failed to open their shard
+        (kept there as a replica), they are tried again every :data:`PROMOTE_AGAIN` s,
+        until one serves or the primary's host is reinstated (``stalled()`` is awaited
+        after the first such round); with none left, the manager is lost."""
         key, replicas = (name, mid), self.replicas
         layout = replicas.layouts.get(name)
         if layout is None:
@@ -282,6 +283,7 @@ class Failover:
         old = layout.managers[mid]
         began = time.monotonic()
         refused: set[str] = set()
+        failed: set[str] = set()  # (said once each)
         said_waiting = False
         while True:
             if not await self._lease_over(old.supervisor, key):
@@ -301,8 +303,8 @@ class Failover:
                 if said == ANSWERED and not (isinstance(reply, dict) and "error" in reply):
                     self._promoted(name, old, r, reply, why, began)
                     return
-                if said == ANSWERED:  # (it answered no: stale, or no replica there)
-                    refused.add(r.supervisor)
+                if said == ANSWERED and reply["error"][2] == "MANAGER_UNAVAILABLE":
+                    refused.add(r.supervisor)  # (it answered no: stale, or no replica there)
                     logger.warning(
                         "ddict %s: replica of manager %d on %s could not take over: %s",
                         name,
@@ -310,8 +312,20 @@ class Failover:
                         r.worker,
                         reply["error"][1],
                     )
-                else:  # (a refused connection is no proof either: a firewall's REJECT)
+                else:  # (a refused connection is no proof either: a firewall's REJECT; and
+                    # a replica whose opening failed is kept there, for the next try)
                     unknown = True
+                    if said == ANSWERED and r.supervisor not in failed:
+                        failed.add(r.supervisor)
+                        logger.warning(
+                            "ddict %s: replica of manager %d on %s could not take over "
+                            "yet (tried again every %g s): %s",
+                            name,
+                            mid,
+                            r.worker,
+                            PROMOTE_AGAIN,
+                            reply["error"][1],
+                        )
             if not unknown or self.failing.get(key) != old.supervisor:
                 break
             if not said_waiting:

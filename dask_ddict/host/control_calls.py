@@ -20,7 +20,7 @@ import logging
 import shutil
 from typing import Any
 
-from ..errors import DDictError, error_to_wire
+from ..errors import DDictError, DDictManagerUnavailableError, error_to_wire
 from ..options import DDictOptions
 from . import control, hygiene, machine
 from .control import DictSpec
@@ -288,21 +288,36 @@ class ControlCalls:
         mid = int(manager_id)
         registry = self.registry
         with self.supervisor.lock:
-            spec = registry.replica_taken(uid, mid)
+            kept = registry.replica_taken(uid, mid)
             served = registry.dicts.get(uid)
-            if spec is None and served is not None and mid in served.paths:
+            if kept is None and served is not None and mid in served.paths:
                 # (promoted by a call whose answer the orchestrator did not get: the same)
                 again = {"manager_id": mid, "store_path": served.paths[mid], "restarted": True}
                 return self._described([again], worker)
-            if spec is None:
+            if kept is None:
                 raise DDictError(
                     f"no replica of manager {mid} of {uid} is kept here", "MANAGER_UNAVAILABLE"
                 )
-            infos = self.supervisor.call(
-                control.ReplicaPromote(spec, mid, worker, old_path, int(term))
-            )
+            spec, path = kept
+            try:
+                infos = self.supervisor.call(
+                    control.ReplicaPromote(spec, mid, worker, old_path, int(term))
+                )
+            except Exception as e:
+                if _kept_again(e):
+                    registry.replica_kept(spec, mid, path)
+                raise
             registry.register(spec, worker, infos)
         return self._described(infos, worker)
+
+
+def _kept_again(e: BaseException) -> bool:
+    """Whether a promotion that raised ``e`` left its replica kept by the host (its opening
+    failed: see ``replicas.give_back``), rather than refused it (none kept, or stale), ended
+    with the host process, or may still be under way (no answer in time)."""
+    if isinstance(e, DDictManagerUnavailableError):
+        return False
+    return not (isinstance(e, DDictError) and e.code == "TIMEOUT")
 
 
 def _spec(

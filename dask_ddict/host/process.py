@@ -156,11 +156,14 @@ class Host:
             mid = msg.manager_id
             path, lock = replicas.take_replica(self, msg.spec.uid, mid, msg.old_path)
             try:  # (the replica's owner lock, held until the manager claimed its shard)
-                return self.open(
+                infos = self.open(
                     control.OpenManagers(msg.spec, (mid,), {mid: path}, msg.worker, msg.term)
                 )
-            finally:
-                hygiene.release(lock)
+            except BaseException:
+                replicas.give_back(self, msg.spec, mid, path, lock)
+                raise
+            hygiene.release(lock)
+            return infos
         raise DDictError(f"unknown control message {msg!r}", "INVALID_ARGUMENT")
 
     def hosted(self, spec: control.DictSpec) -> HostedDict:

@@ -218,11 +218,11 @@ class HostRegistry:
     def replica_dropped(self, uid: str, mid: int) -> None:
         self.replicas.pop((uid, mid), None)
 
-    def replica_taken(self, uid: str, mid: int) -> DictSpec | None:
+    def replica_taken(self, uid: str, mid: int) -> tuple[DictSpec, str] | None:
         """The replica of manager ``mid`` of ``uid`` is to serve as the manager (a
-        promotion): its dictionary's spec, or ``None`` if none is kept here."""
-        kept = self.replicas.pop((uid, mid), None)
-        return None if kept is None else kept[0]
+        promotion): its dictionary's spec and its path, or ``None`` if none is kept
+        here (:meth:`replica_kept` again if the promotion fails)."""
+        return self.replicas.pop((uid, mid), None)
 
     @property
     def replicated(self) -> bool:

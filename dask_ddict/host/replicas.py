@@ -154,6 +154,32 @@ def take_replica(host: Host, uid: str, mid: int, old_path: str) -> tuple[str, in
     return path, lock
 
 
+def give_back(host: Host, spec: DictSpec, mid: int, path: str, lock: int | None) -> None:
+    """Keep again, as a replica, the shard that :func:`take_replica` handed over to a
+    promotion whose opening failed: it holds every write its lost primary acknowledged
+    and may be the last copy of them, so it stays claimed here (a sweep takes an
+    unclaimed shard) for the orchestrator's next try.  One that cannot be re-opened is
+    marked kept before its owner lock goes: never swept."""
+    try:
+        store = ShardStore(
+            path,
+            spec.capacity,
+            spec.options.manager_pool_full_thresh,
+            indexed=spec.options.wait_for_keys,
+            create=False,
+        )
+    except Exception as e:  # noqa: BLE001 - the promotion's own failure is the one raised
+        logger.error("ddict host: the replica of manager %d (%s) is kept: %r", mid, path, e)
+        hygiene.mark_kept(path)
+        hygiene.release(lock)
+        return
+    key = bytes.fromhex(spec.uid)
+    hosted = host.dicts.get(key)
+    if hosted is None:
+        hosted = host.dicts[key] = host.hosted(spec)
+    hosted.replicas[mid] = Replica(mid, store, lock)
+
+
 # -- a primary's side ---------------------------------------------------------------------------
 
 
