@@ -48,6 +48,23 @@ def test_a_registered_manager_is_replayed_its_shard_claimed_and_its_dictionary_a
     reg.release_all()
 
 
+def test_a_manager_registered_again_over_another_shard_lets_the_old_one_go(tmp_path):
+    """A manager served here again over another shard (moved away and back over a copy,
+    promoted anew) leaves no owner lock on its old shard: a sweep may take that one."""
+    reg = HostRegistry()
+    spec = _spec()
+    (old,) = _shards(tmp_path, 0)
+    reg.register(spec, "tcp://w", [old])
+    assert not hygiene.is_abandoned(old["store_path"])
+    new = {**old, "store_path": str(tmp_path / "shard-0-again")}
+    os.mkdir(new["store_path"])
+    reg.register(spec, "tcp://w", [new])
+    assert hygiene.is_abandoned(old["store_path"])
+    assert not hygiene.is_abandoned(new["store_path"])
+    reg.release_all()
+    assert hygiene.is_abandoned(new["store_path"])
+
+
 def test_a_manager_moving_out_is_not_replayed_until_its_move_is_aborted(tmp_path):
     reg = HostRegistry()
     spec = _spec()

@@ -127,7 +127,9 @@ class HostRegistry:
         for info in infos:
             mid, path = int(info["manager_id"]), info["store_path"]
             served.paths[mid] = path
-            self._locks[(spec.uid, mid)] = hygiene.claim(path)
+            held = self._locks.get((spec.uid, mid))  # (one it still held: let go, once
+            self._locks[(spec.uid, mid)] = hygiene.claim(path)  # the new one is claimed)
+            hygiene.release(held)
         self.revive(spec.uid)
 
     def revive(self, uid: str) -> None:
