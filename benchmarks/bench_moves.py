@@ -68,6 +68,7 @@ from common import Row, p99, print_table, verdict  # beside this script (sys.pat
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.host.moves import LET_GO_AFTER
 
@@ -521,7 +522,7 @@ def two_host_rows(fill: int) -> list[Row]:
         return [(name, "n/a", ">= 0.5x TCP", "skipped", f"two-host fixture: {why}")]
     with twohost.TwoHosts() as h, Client(h.scheduler_address) as c:
         c.wait_for_workers(2, timeout=90)
-        w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+        w1, w2 = sorted(scheduler_workers(c), key=lambda w: f"//{h.host2}:" in w)
         # host 2's /dev/shm is a 1 GiB tmpfs: one dictionary at a time, one manager, on
         # host 2 only; first nearly empty (the fixed cost of a copy: the new file
         # reserved, the link, the layout), then filled

@@ -46,6 +46,7 @@ from common import Row, print_table  # beside this script (sys.path[0])
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 
 
 def start_workers(address: str, n: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
@@ -84,7 +85,7 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
 
 
 def proc_of(c: Client, procs: list[subprocess.Popen[bytes]], worker: str) -> Any:
-    port = int(c.scheduler_info()["workers"][worker]["nanny"].rsplit(":", 1)[1])
+    port = int(scheduler_workers(c)[worker]["nanny"].rsplit(":", 1)[1])
     for p in procs:
         if p.poll() is None and any(
             s.status == "LISTEN" and s.laddr.port == port

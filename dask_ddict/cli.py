@@ -404,8 +404,10 @@ def restore(
         if not versions:
             raise click.ClickException(f"{name!r} has no checkpoint persisted on every manager")
         checkpoint = max(versions)
+    from .client.workers import scheduler_workers
+
     with _client(scheduler, timeout) as client:
-        workers = max(1, len(client.scheduler_info()["workers"]))
+        workers = max(1, len(scheduler_workers(client)))
         wrote = versions[checkpoint].managers if checkpoint in versions else 0
         if managers_per_worker is None and wrote and wrote % workers == 0:
             managers_per_worker = wrote // workers  # (as persisted: nothing to re-shard)

@@ -15,6 +15,7 @@ import pytest
 from distributed import Client, get_worker
 
 from dask_ddict import DDict, DDictTaskError
+from dask_ddict.client.workers import scheduler_workers
 from tests.support.cluster import local_cluster
 from tests.support.polling import poll_for
 
@@ -61,7 +62,7 @@ def _nothing_left(client: Client) -> None:
         0.1,
     )
     assert _filter_threads() == []
-    assert client.run(_filter_threads) == {w: [] for w in client.scheduler_info()["workers"]}
+    assert client.run(_filter_threads) == {w: [] for w in scheduler_workers(client)}
 
 
 # -- filter --------------------------------------------------------------------------
@@ -392,3 +393,14 @@ def test_a_receiver_refuses_strangers_before_allocating_and_closes_their_connect
         "no ddict-filter-greet thread",
         0.05,
     )
+
+
+def test_the_schedulers_workers_are_asked_not_read_from_the_clients_cache(client):
+    """``Client.scheduler_info()`` returns a cache that the client's periodic refresh
+    (``_update_scheduler_info()``, totals only) leaves without workers at any moment: a
+    worker looked up in it just then is missing (a state machine's step once failed so).
+    :func:`scheduler_workers` asks the scheduler."""
+    client.sync(client._update_scheduler_info)  # (what the periodic refresh does)
+    assert client._scheduler_identity["workers"] == {}  # (the cache, just then)
+    workers = client.run(lambda dask_worker: dask_worker.address)  # (each one answers)
+    assert sorted(scheduler_workers(client)) == sorted(workers) and len(workers) == 2

@@ -23,6 +23,7 @@ from dask_ddict import (
     DDictSerializationError,
     DDictTimeoutError,
 )
+from dask_ddict.client.workers import scheduler_workers
 
 
 def test_basic_put_get_types(ddict):
@@ -536,7 +537,7 @@ def test_constructor_validation(client, kwargs, exc):
 
 
 def test_managers_per_worker_and_workers(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(client))
     with DDict(managers_per_worker=2, workers=workers[:1], total_mem="32 MiB", client=client) as d:
         assert d.num_managers == 2
         assert d.manager_workers == [workers[0], workers[0]]

@@ -38,6 +38,7 @@ from dask_ddict.client.creation import (
     trace_logging,
 )
 from dask_ddict.client.handle import CREATE_ARGUMENTS, CREATE_SIGNATURE
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.errors import error_to_wire
 from dask_ddict.transport import timing
 from tests.support.processes import stop_process
@@ -198,7 +199,7 @@ def test_a_name_taken_is_unable_to_create_and_still_a_ddict_error(client):
 
 
 def test_managers_per_node_n_nodes_and_manager_nodes_on_a_cluster(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(client))
     with DDict(
         managers_per_node=2,
         n_nodes=1,
@@ -363,7 +364,9 @@ class System:
     def nnodes(self) -> int:
         from distributed import get_client
 
-        return len(get_client().scheduler_info()["workers"])
+        from dask_ddict.client.workers import scheduler_workers
+
+        return len(scheduler_workers(get_client()))
 
 
 def _smooth(segment: np.ndarray, left: float | None, right: float | None) -> np.ndarray:

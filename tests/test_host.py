@@ -33,6 +33,7 @@ from dask_ddict import (
     DDictTimeoutError,
 )
 from dask_ddict.client.core import ASK_EVERY
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.transport.shared import ALIVE_CHECK
 from tests.support.cluster import local_cluster
 from tests.support.handles import over_tcp
@@ -88,7 +89,7 @@ def _external_worker(
             proc,
             {
                 w
-                for w, info in c.scheduler_info()["workers"].items()
+                for w, info in scheduler_workers(c).items()
                 if info["nanny"] not in {n.address for n in cl.workers.values()}
             },
         )
@@ -158,7 +159,7 @@ def test_worker_sigkill_during_writes_loses_no_acknowledged_write():
         assert errors == []  # no writer saw an exception
         assert _check_acked(d, acked) > 100
         c.wait_for_workers(2, timeout=60)
-        assert victim not in c.scheduler_info()["workers"]  # the worker really restarted
+        assert victim not in scheduler_workers(c)  # the worker really restarted
 
         def read_back(h: DDict, acked: list[list[int]]) -> bool:
             return all(h[(i, ks[-1])] == ks[-1] for i, ks in enumerate(acked) if ks)
@@ -229,7 +230,7 @@ def test_client_restart_with_a_live_dict():
         assert c.submit(task, d, pure=False).result() == 52
         # the orchestrator follows the restarted workers (locality), losing nothing
         layout = c.sync(c.scheduler.ddict_attach, name=d.get_name())
-        assert {m["worker"] for m in layout["managers"]} <= set(c.scheduler_info()["workers"])
+        assert {m["worker"] for m in layout["managers"]} <= set(scheduler_workers(c))
         assert not any(m["lost"] for m in layout["managers"])
         d.destroy()
 
@@ -444,12 +445,12 @@ def test_small_worker_memory_limits_do_not_count_shard_pages():
         Client(cl) as c,
     ):
         d = DDict(total_mem="3 GiB", client=c)
-        workers = set(c.scheduler_info()["workers"])
+        workers = set(scheduler_workers(c))
         block = np.ones(1 << 17)  # 1 MiB
         for i in range(1200):
             d[i] = block
         time.sleep(1)
-        assert set(c.scheduler_info()["workers"]) == workers  # nobody was restarted
+        assert set(scheduler_workers(c)) == workers  # nobody was restarted
         statuses = c.run(lambda dask_worker: dask_worker.status.name)
         assert set(statuses.values()) == {"running"}  # nobody paused
         assert sum(s.num_keys for s in d.stats) == 1200
@@ -522,7 +523,7 @@ def test_host_loss_gives_clear_errors_and_the_rest_works(tmp_path):
             assert not psutil.pid_exists(host_pid)  # no orphan: it saw its supervisor go
             assert not os.path.exists(lost_shard)  # and removed its shard
             # repair: restart on the hosts that are left, then fill the lost manager
-            while external & set(c.scheduler_info()["workers"]) and time.monotonic() < deadline:
+            while external & set(scheduler_workers(c)) and time.monotonic() < deadline:
                 time.sleep(0.1)  # the scheduler notices the worker's end too
             twin = DDict(managers_per_worker=2, total_mem="32 MiB", client=c)
             twin[k_lost], twin[k_kept] = "lost", "kept"

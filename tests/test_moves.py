@@ -22,6 +22,7 @@ import pytest
 from distributed import Client, wait
 
 from dask_ddict import DDict, DDictError, DDictManagerUnavailableError
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.cluster.moves import Candidate, rebalance_plan, targets
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.layout import Layout, ManagerInfo
@@ -120,7 +121,7 @@ def test_scale_down_and_up_then_rebalance(cluster3):
             cl.scale(2)
             poll_for(
                 lambda: (
-                    len(c.scheduler_info()["workers"]) == 2
+                    len(scheduler_workers(c)) == 2
                     and len(set(d._core.fresh(force=True).manager_workers)) == 2
                 ),
                 60,
@@ -137,7 +138,7 @@ def test_scale_down_and_up_then_rebalance(cluster3):
         assert len(moves) == 2
         assert sorted(Counter(d.manager_workers).values()) == [2, 2, 2]
         assert all(d[i] == i for i in range(300))
-        new = set(c.scheduler_info()["workers"]) - {m["source"] for m in moves}
+        new = set(scheduler_workers(c)) - {m["source"] for m in moves}
         assert {m["target"] for m in moves} <= new | set(d.manager_workers)
         for m in range(d.num_managers):
             d.manager(m)["new"] = m
@@ -220,7 +221,7 @@ def test_sigterm_of_a_dask_worker_moves_its_managers(cluster3):
         c.wait_for_workers(4, timeout=60)
         mine = [
             w
-            for w, info in c.scheduler_info()["workers"].items()
+            for w, info in scheduler_workers(c).items()
             if info.get("nanny")
             and "127.0.0.1" in w
             and w not in {ws.worker_address for ws in cl.workers.values()}
@@ -267,7 +268,7 @@ def test_adaptive_scale_down_moves_managers(cluster3):
         ]
         for t in threads:
             t.start()
-        poll_for(lambda: len(c.scheduler_info()["workers"]) <= 1, 90, "adapt to scale down", 0.3)
+        poll_for(lambda: len(scheduler_workers(c)) <= 1, 90, "adapt to scale down", 0.3)
         time.sleep(1.0)
         stop.set()
         for t in threads:
@@ -456,7 +457,7 @@ def test_a_manager_no_worker_can_take_is_parked_then_taken_by_a_joining_worker()
             cl.scale(0)
             poll_for(
                 lambda: (
-                    not c.scheduler_info()["workers"]
+                    not scheduler_workers(c)
                     and all(m.parked for m in d._core.fresh(force=True).managers)
                 ),
                 60,
@@ -511,7 +512,7 @@ def test_scaling_to_zero_parks_every_manager_and_scaling_up_serves_them():
             cl.scale(0)
             poll_for(
                 lambda: (
-                    not c.scheduler_info()["workers"]
+                    not scheduler_workers(c)
                     and not any(m.lost and not m.parked for m in d._core.fresh(force=True).managers)
                 ),
                 60,

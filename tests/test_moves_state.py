@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+from dask_ddict.client.workers import scheduler_workers
 from tests.support.cluster import local_cluster
 from tests.support.moving_dict import MovingDict
 from tests.support.polling import poll_for
@@ -59,7 +60,7 @@ class ScalingDict(MovingDict):
         self.cluster.scale(2)
         poll_for(
             lambda: (
-                len(c.scheduler_info()["workers"]) == 2
+                len(scheduler_workers(c)) == 2
                 and len(set(self.d._core.fresh(force=True).manager_workers)) == 2
             ),
             60,
@@ -68,7 +69,7 @@ class ScalingDict(MovingDict):
         )
         self.cluster.scale(3)
         c.wait_for_workers(3, timeout=60)
-        self.workers = sorted(c.scheduler_info()["workers"])
+        self.workers = sorted(scheduler_workers(c))
         if rebalance:
             self.d.rebalance()
             assert len(set(self.d.manager_workers)) == 3

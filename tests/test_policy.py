@@ -10,6 +10,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictManagerUnavailableError, DDictUnableToCreateError, Policy
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.cluster.moves import Candidate
 from dask_ddict.layout import Layout, ManagerInfo
 from dask_ddict.options import DDictOptions
@@ -127,7 +128,7 @@ def _add_worker(cl: LocalCluster, name: str, **resources: float) -> None:
 
 
 def _by_name(c: Client) -> dict[str, str]:
-    return {str(w["name"]): a for a, w in c.scheduler_info()["workers"].items()}
+    return {str(w["name"]): a for a, w in scheduler_workers(c).items()}
 
 
 def _until(what: str, ok, seconds: float = 60) -> None:  # noqa: ANN001

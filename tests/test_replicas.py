@@ -19,6 +19,7 @@ import pytest
 from distributed import Client
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.cluster.moves import Candidate
 from dask_ddict.cluster.replicas import Replica, replica_targets
 from dask_ddict.errors import DDictManagerUnavailableError, raise_from_wire
@@ -189,7 +190,7 @@ def test_a_host_killed_under_writers_loses_nothing_acknowledged(workers3):
         d.update({i: i for i in range(300)})
         rng = random.Random()
         first = rng.choice(sorted(set(d.manager_workers)))
-        stay = sorted(set(c.scheduler_info()["workers"]) - {first})
+        stay = sorted(set(scheduler_workers(c)) - {first})
         proc = w.of(c, first)
 
         def kill() -> None:
@@ -341,13 +342,13 @@ def test_retirement_keeps_primaries_and_replicas_on_different_hosts(workers3):
     try:
         d.update({i: i for i in range(300)})
         leaving = d.manager_workers[0]
-        stay = sorted(set(c.scheduler_info()["workers"]) - {leaving})
+        stay = sorted(set(scheduler_workers(c)) - {leaving})
 
         def retire() -> None:
             c.retire_workers([leaving])
             poll_for(
                 lambda: (
-                    leaving not in c.scheduler_info()["workers"]
+                    leaving not in scheduler_workers(c)
                     and not any(leaving in ws for ws in _replica_workers(c, d).values())
                 ),
                 60,
@@ -404,9 +405,9 @@ def test_a_host_with_replicas_alone_killed_gets_them_made_again(workers3):
         _apart(c, d)
         primary = d.manager_workers[0]
         (keeper,) = _replica_workers(c, d)[0]
-        nanny = c.scheduler_info()["workers"][keeper]["nanny"]
+        nanny = scheduler_workers(c)[keeper]["nanny"]
         c.restart_workers([keeper])  # (the host process, and the replica, live on)
-        (keeper,) = [a for a, i in c.scheduler_info()["workers"].items() if i["nanny"] == nanny]
+        (keeper,) = [a for a, i in scheduler_workers(c).items() if i["nanny"] == nanny]
         assert _replica_workers(c, d)[0] == (keeper,)  # (kept for its new address)
         w.kill(w.of(c, keeper))  # (a host with the replica alone)
         poll_for(  # a new replica, on the third worker
@@ -443,7 +444,7 @@ def test_a_replica_its_primary_dropped_is_made_again_at_the_next_join(workers3):
         (old,) = _replica_workers(c, d)[0]
         layout = d._core.layout
         primary = layout.managers[0]
-        info = c.scheduler_info()["workers"][old]
+        info = scheduler_workers(c)[old]
         nanny = info["nanny"]
 
         async def drop() -> None:
@@ -489,7 +490,7 @@ def test_moves_on_one_machine_that_a_lease_renewal_meets_keep_the_shard_they_han
         d = DDict(managers_per_worker=1, total_mem="48 MiB", client=c, timeout=60, replicas=1)
         try:
             d.update({i: i for i in range(200)})
-            workers = sorted(c.scheduler_info()["workers"])
+            workers = sorted(scheduler_workers(c))
             for step in range(40):
                 for mid in range(d.num_managers):
                     reply = c.sync(

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 from tests.support.cluster import local_cluster
 from tests.support.moving_dict import MovingDict
 from tests.support.polling import poll_for
@@ -34,7 +35,7 @@ class ReplicatedDict(MovingDict):
         )
         self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
         self.model = {}
-        self.workers = sorted(self.client.scheduler_info()["workers"])
+        self.workers = sorted(scheduler_workers(self.client))
         self.killed = False
 
     def teardown(self) -> None:
@@ -62,7 +63,7 @@ class ReplicatedDict(MovingDict):
         now: list[str] = []
 
         def repaired() -> bool:
-            now[:] = sorted(c.scheduler_info()["workers"])
+            now[:] = sorted(scheduler_workers(c))
             layout = self.d._core.fresh(force=True)
             if (
                 len(now) == 3
@@ -89,7 +90,7 @@ def _ready(c: Client, worker: str) -> bool:
     """Whether ``worker`` runs and its nanny's ddict host answers (what a move needs)."""
     from distributed.core import rpc
 
-    info = c.scheduler_info()["workers"].get(worker)
+    info = scheduler_workers(c).get(worker)
     if info is None or info.get("status") != "running":
         return False
 

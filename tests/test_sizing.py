@@ -11,6 +11,7 @@ import pytest
 from distributed import Client
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.cluster.sizing import HostMemory, memory_warnings, pause_fraction
 from tests.support.cluster import local_cluster
 
@@ -30,7 +31,7 @@ def test_a_default_local_cluster_does_not_warn():
         local_cluster(2) as cl,
         Client(cl) as c,
     ):
-        limits = sum(w["memory_limit"] for w in c.scheduler_info()["workers"].values())
+        limits = sum(w["memory_limit"] for w in scheduler_workers(c).values())
         # What the old check compared: this alone made every dictionary warn.
         assert limits + (64 << 20) > psutil.virtual_memory().total
         with warnings.catch_warnings(record=True) as caught:

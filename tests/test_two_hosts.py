@@ -18,6 +18,7 @@ import pytest
 from distributed import Client, Security
 
 from dask_ddict import DDict, DDictError, Policy
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.errors import raise_from_wire
 from dask_ddict.transport.protocol import HELLO_MAGIC
 from tests.support import twohost
@@ -114,7 +115,7 @@ def test_core_dict_and_checkpoint_operations_span_both_hosts(hosts, tmp_path):
         d.update(data)
         assert {d.which_manager(k) for k in data} == {m1, m2}  # both hosts hold keys
         d["versioned"] = "old"
-        worker2 = [w for w in c.scheduler_info()["workers"] if f"//{h.host2}:" in w]
+        worker2 = [w for w in scheduler_workers(c) if f"//{h.host2}:" in w]
         got = c.submit(_in_a_task, d, 50, workers=worker2, pure=False).result(timeout=60)
         assert got == {"host": twohost.HOSTNAME2, "old": "old", "count": 0}
         assert d[("task", 7)] == 49 and d["n"] == 50 and d.fetch_add("n", 1) == 50
@@ -180,7 +181,7 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
     restarts them empty, and ``synchronize_ddicts`` refills them from a parallel dict
     whose copies of those managers lived on host 1."""
     h, c = hosts
-    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    w1, w2 = sorted(scheduler_workers(c), key=lambda w: f"//{h.host2}:" in w)
     data = {f"k{i}": i for i in range(300)}
     a = DDict(
         total_mem="64 MiB",
@@ -217,7 +218,7 @@ def test_losing_host2_then_repairing_from_a_parallel_dict(hosts):
         d.destroy(allow_restart=True)
     h.start_host2()  # a new machine at the same address, with an empty /dev/shm
     poll_for(
-        lambda: sum(f"//{h.host2}:" in w for w in c.scheduler_info()["workers"]) == 1,
+        lambda: sum(f"//{h.host2}:" in w for w in scheduler_workers(c)) == 1,
         90,
         lambda: f"host 2's worker to join: {h.log('worker2')}",
         0.5,
@@ -502,7 +503,7 @@ def test_retiring_host2_copies_its_managers_to_host1_and_rebalance_brings_them_b
     (writers on both hosts keep going), nothing acknowledged is lost; a new worker on
     host 2 then gets managers back with ``rebalance()``."""
     h, c = hosts
-    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    w1, w2 = sorted(scheduler_workers(c), key=lambda w: f"//{h.host2}:" in w)
     d = DDict(
         managers_per_worker=2,
         total_mem="128 MiB",
@@ -546,7 +547,7 @@ def test_retiring_host2_copies_its_managers_to_host1_and_rebalance_brings_them_b
             assert d.manager(m)["after"] == m
     finally:
         d.destroy()
-        if len(c.scheduler_info()["workers"]) < 2:
+        if len(scheduler_workers(c)) < 2:
             h.start_host2()
             c.wait_for_workers(2, timeout=90)
 
@@ -556,7 +557,7 @@ def test_a_manager_persisting_to_a_host_local_path_does_not_move_to_another_mach
     manager that persists there to the other host is refused (its persisted checkpoints
     would stay behind), saying why and what to do; the manager serves on where it was."""
     h, c = hosts
-    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    w1, w2 = sorted(scheduler_workers(c), key=lambda w: f"//{h.host2}:" in w)
     path = f"/dev/shm/persist-{os.getpid()}-{time.monotonic_ns()}"
     d = DDict(
         managers_per_worker=1,
@@ -591,7 +592,7 @@ def test_with_a_replica_on_the_other_host_losing_host2_loses_nothing(hosts):
     host 2's managers answer again from their replicas on host 1, with every key and
     the exact counters, and writers on this host keep going."""
     h, c = hosts
-    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    w1, w2 = sorted(scheduler_workers(c), key=lambda w: f"//{h.host2}:" in w)
     d = DDict(
         managers_per_worker=2,
         total_mem="128 MiB",
@@ -631,7 +632,7 @@ def test_managers_pinned_by_host_name_are_placed_and_kept_on_their_machine(hosts
     import socket
 
     h, c = hosts
-    w1, w2 = sorted(c.scheduler_info()["workers"], key=lambda w: f"//{h.host2}:" in w)
+    w1, w2 = sorted(scheduler_workers(c), key=lambda w: f"//{h.host2}:" in w)
     on2 = DDict(
         policy=Policy(host=twohost.HOSTNAME2),
         managers_per_worker=2,

@@ -55,6 +55,7 @@ from .creation import (
 )
 from .handle import CREATE_ARGUMENTS, CREATE_SIGNATURE, DDict
 from .layouts import forget, layout_reply
+from .workers import scheduler_workers_async
 
 if TYPE_CHECKING:
     import dask.bag
@@ -319,10 +320,10 @@ class AsyncDDict:
         with the orchestrator's layout now (managers move; the handle's
         :meth:`~dask_ddict.client.core.HandleCore.fresh` must not wait on the loop)."""
         client = self._client or self._d._core.client
-        identity, _ = await asyncio.gather(
-            client.scheduler.identity(n_workers=-1), self._d._core.fresh_async()
+        workers, _ = await asyncio.gather(
+            scheduler_workers_async(client), self._d._core.fresh_async()
         )
-        return dict(identity["workers"])
+        return workers
 
     async def map_shards(
         self,

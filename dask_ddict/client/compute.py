@@ -23,6 +23,7 @@ from ..filter.plan import by_placement, map_placed
 from ..layout import Layout
 from ..transport.protocol import WANT_ITEMS, WANT_KEYS, WANT_VALUES
 from .base import HandleBase
+from .workers import scheduler_workers
 
 if TYPE_CHECKING:
     import dask.bag
@@ -34,7 +35,7 @@ def placement(layout: Layout, workers: dict[str, Any]) -> list[list[str] | None]
     """Where each manager's tasks run: ``[its worker]``; if that worker is gone, the
     worker its nanny restarted, else the workers on its host; else anywhere (``None``).
 
-    ``workers`` is the scheduler's view (``client.scheduler_info()["workers"]``).
+    ``workers`` is the scheduler's view (``scheduler_workers(client)``).
     """
     by_nanny = {info.get("nanny"): addr for addr, info in workers.items() if info.get("nanny")}
     by_host: dict[str, list[str]] = defaultdict(list)
@@ -79,7 +80,7 @@ class Compute(HandleBase):
         """:func:`placement` of this handle's managers, from the scheduler's ``workers``
         (read here if not given: an asynchronous client's caller reads it first)."""
         if workers is None:
-            workers = self._core.client.scheduler_info(n_workers=-1)["workers"]
+            workers = scheduler_workers(self._core.client)
         everywhere = placement(self._core.fresh(), workers)
         return [everywhere[m] for m in self._managers()]
 

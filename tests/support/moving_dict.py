@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.errors import raise_from_wire
 
 keys = st.one_of(st.integers(-50, 50), st.text(max_size=4))
@@ -34,7 +35,7 @@ class MovingDict(RuleBasedStateMachine):
         self.stale = DDict.attach(self.d.serialize())  # never asks where managers are
         self.model: dict[Any, Any] = {}
         self.client.wait_for_workers(3, timeout=60)  # (a scaling step may have just run)
-        self.workers = sorted(self.client.scheduler_info()["workers"])
+        self.workers = sorted(scheduler_workers(self.client))
 
     def teardown(self) -> None:
         if hasattr(self, "d"):
@@ -84,7 +85,7 @@ class MovingDict(RuleBasedStateMachine):
     def evacuate(self, w: int) -> None:
         """A retirement's part here: every manager of worker ``w``'s host moves off it
         (the worker stays, to take managers again later)."""
-        nanny = self.client.scheduler_info()["workers"][self.workers[w]]["nanny"]
+        nanny = scheduler_workers(self.client)[self.workers[w]]["nanny"]
         said = self.client.sync(
             self.client.scheduler.ddict_evacuate,
             supervisor=nanny,

@@ -22,6 +22,7 @@ from typing import Any
 from distributed import Client
 
 from dask_ddict import DDict
+from dask_ddict.client.workers import scheduler_workers
 from dask_ddict.layout import ManagerInfo
 from tests.support.machines import Machines
 from tests.support.polling import poll_for
@@ -96,7 +97,7 @@ def hosts_ready(c: Client, n: int, bound: float = 120.0) -> None:
             return isinstance(await r.ddict_host_info(), dict)
 
     def ready() -> bool:
-        infos = c.scheduler_info()["workers"].values()
+        infos = scheduler_workers(c).values()
         try:
             return len(infos) >= n and all(
                 i.get("status") == "running" and c.sync(answers, i["nanny"]) for i in infos
@@ -110,7 +111,7 @@ def hosts_ready(c: Client, n: int, bound: float = 120.0) -> None:
 def where(c: Client, d: DDict) -> tuple[dict[str, str], dict[int, list[str]]]:
     """(worker -> machine, manager -> the workers of its replicas)."""
     machine_of = {
-        w: info["name"].removeprefix("worker-") for w, info in c.scheduler_info()["workers"].items()
+        w: info["name"].removeprefix("worker-") for w, info in scheduler_workers(c).items()
     }
     reps = {
         int(k): list(v) for k, v in c.sync(c.scheduler.ddict_replicas, name=d.get_name()).items()

@@ -16,6 +16,7 @@ import sys
 import psutil
 from distributed import Client
 
+from dask_ddict.client.workers import scheduler_workers
 from tests.support.paths import pythonpath
 
 
@@ -51,7 +52,7 @@ class Workers:
 
     def of(self, c: Client, worker: str) -> subprocess.Popen[bytes]:
         """The ``dask worker`` process (its nanny) of ``worker``."""
-        nanny = c.scheduler_info()["workers"][worker]["nanny"]
+        nanny = scheduler_workers(c)[worker]["nanny"]
         port = int(nanny.rsplit(":", 1)[1])
         for p in self.procs:
             if p.poll() is None and any(
