@@ -255,16 +255,21 @@ def remove(paths: list[str], kept: bool = False) -> int:
     return sum(_remove_abandoned(p, kept) for p in paths)
 
 
-def _remove_abandoned(path: str, kept: bool, record: dict[str, Any] | None = None) -> bool:
+def _remove_abandoned(
+    path: str, kept: bool, record: dict[str, Any] | None = None, whys: tuple[str, ...] = ()
+) -> bool:
     """Remove ``path`` if it is an abandoned ``ddict-*`` directory, holding its owner lock
     exclusively while it goes: a process that claims it meanwhile waits, then fails.
     ``record``: a kept shard's marker as its keeper was asked about (a shard kept again
-    since, by another keeper, stays)."""
+    since, by another keeper, stays); ``whys``: only a shard unmarked or kept for one of
+    these."""
     name = os.path.basename(path.rstrip("/"))
     if not name.startswith(PREFIX) or not os.path.isdir(path):
         return False
     with _abandoned(path, kept) as abandoned:
         if not abandoned or (record is not None and kept_record(path) != record):
+            return False
+        if whys and (kept_record(path) or {}).get("why", "") not in ("", *whys):
             return False
         return _remove_held(path)
 
@@ -274,14 +279,7 @@ def remove_aside(path: str) -> bool:
     claims it or it is kept for another reason now (parked, for a restart): a manager
     that moved to another host process of this machine was not copied, so its new host
     may serve that very shard.  Whether it went."""
-    name = os.path.basename(path.rstrip("/"))
-    if not name.startswith(PREFIX) or not os.path.isdir(path):
-        return False
-    with _abandoned(path, kept=True) as abandoned:
-        why = (kept_record(path) or {}).get("why", "")
-        if not abandoned or why not in ("", ASIDE):
-            return False
-        return _remove_held(path)
+    return _remove_abandoned(path, True, whys=(ASIDE,))
 
 
 def _remove_held(path: str) -> bool:

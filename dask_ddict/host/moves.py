@@ -100,11 +100,11 @@ def depose(host: Host, uid: str, manager: Manager, where: str) -> bool:
     """The orchestrator serves ``manager`` at ``where`` now (a replica took over: it took
     this host for lost; or a move that this host has not heard of yet is done): from
     now on its requests here are answered ``MOVED`` (not applied), as after a move; its
-    shard is closed after :data:`LET_GO_AFTER` and kept (see ``Host.depose``).  Called by the manager's own write (its lock held), or by the
-    lease's renewal.  Whether its shard is kept aside: not if it was not served here,
-    nor if it was paused for a move to another host process of this machine, whose
-    new host serves this very shard (the move is done: the renewal learned it before
-    :func:`move_done` came)."""
+    shard is closed after :data:`LET_GO_AFTER` and kept (see ``Host.depose``).  Called
+    by the manager's own write (its lock held), or by the lease's renewal.  Whether its
+    shard is kept aside: not if it was not served here, nor if it was paused for a move
+    to another host process of this machine, whose new host serves this very shard (the
+    move is done: the renewal learned it before :func:`move_done` came)."""
     hosted = host.dicts.get(bytes.fromhex(uid))
     if hosted is None or hosted.find(manager.manager_id) is not manager:
         return False

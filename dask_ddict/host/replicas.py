@@ -78,13 +78,7 @@ def seed(
     path, lock = moves.receive(spec, mid, source, used, map_size, tls)  # (claimed there)
     store = None
     try:
-        store = ShardStore(
-            path,
-            spec.capacity,
-            spec.options.manager_pool_full_thresh,
-            indexed=spec.options.wait_for_keys,
-            create=False,
-        )
+        store = _replica_store(spec, path)
         hosted = host.dicts[bytes.fromhex(spec.uid)] = host.hosted(spec)
     except BaseException:
         if store is not None:
@@ -161,23 +155,25 @@ def give_back(host: Host, spec: DictSpec, mid: int, path: str, lock: int | None)
     unclaimed shard) for the orchestrator's next try.  One that cannot be re-opened is
     marked kept before its owner lock goes: never swept."""
     try:
-        store = ShardStore(
-            path,
-            spec.capacity,
-            spec.options.manager_pool_full_thresh,
-            indexed=spec.options.wait_for_keys,
-            create=False,
-        )
+        store = _replica_store(spec, path)
     except Exception as e:  # noqa: BLE001 - the promotion's own failure is the one raised
         logger.error("ddict host: the replica of manager %d (%s) is kept: %r", mid, path, e)
         hygiene.mark_kept(path)
         hygiene.release(lock)
         return
-    key = bytes.fromhex(spec.uid)
-    hosted = host.dicts.get(key)
-    if hosted is None:
-        hosted = host.dicts[key] = host.hosted(spec)
+    hosted = host.dicts[bytes.fromhex(spec.uid)] = host.hosted(spec)
     hosted.replicas[mid] = Replica(mid, store, lock)
+
+
+def _replica_store(spec: DictSpec, path: str) -> ShardStore:
+    """The shard of a replica at ``path`` (a copy received, or one given back), opened."""
+    return ShardStore(
+        path,
+        spec.capacity,
+        spec.options.manager_pool_full_thresh,
+        indexed=spec.options.wait_for_keys,
+        create=False,
+    )
 
 
 # -- a primary's side ---------------------------------------------------------------------------
