@@ -226,8 +226,8 @@ class ControlCalls:
                 self.supervisor.call(control.MoveAbort(uid, mid))
             except DDictError:  # a new incarnation, which did not open it: open it now
                 paths = {mid: served.paths[mid]}
-                self.supervisor.call(
-                    control.OpenManagers(served.spec, (mid,), paths, served.worker)
+                self.supervisor.call(  # (under the term in its shard)
+                    control.OpenManagers(served.spec, (mid,), paths, served.worker, term=None)
                 )
 
     # -- replicas (see dask_ddict.host.replicas) --------------------------------------

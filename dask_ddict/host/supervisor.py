@@ -245,7 +245,8 @@ class HostSupervisor:
         for served in self.registry.replay():
             spec, paths = served.spec, served.paths
             try:
-                msg = control.OpenManagers(spec, tuple(paths), dict(paths), served.worker)
+                # (each under the term in its shard: a promoted manager's is not 0)
+                msg = control.OpenManagers(spec, tuple(paths), dict(paths), served.worker, None)
                 infos = pipe.exchange(msg)
             except Exception as e:
                 logger.error(
