@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from .. import config
 from ..options import DDictOptions
 
 _LEN = struct.Struct("<Q")
@@ -240,6 +241,22 @@ class Discarded:
 
     uid: str
     manager_id: int
+
+
+def answer_within(msg: Any) -> float | None:
+    """Seconds a supervisor waits for the answer to ``msg`` (``None``: no limit).
+
+    ``ddict.host.start-timeout`` for every message, and ``ddict.move.timeout`` more for
+    those that copy a shard from another host (a move to this machine, a new replica):
+    the copy gives up after that long itself, and a shard of gigabytes over a slow link
+    may need most of it.
+    """
+    wait = config.get_seconds("host.start-timeout")
+    copies = isinstance(msg, ReplicaSeed) or (isinstance(msg, MoveIn) and msg.source is not None)
+    if wait is None or not copies:
+        return wait
+    more = config.get_seconds("move.timeout")
+    return None if more is None else wait + more
 
 
 def send(f: BinaryIO, obj: Any) -> None:

@@ -7,6 +7,13 @@ that ends mid-exchange raises :class:`HostDiedError` (its pipe breaks, or reads 
 one that does not answer in time a ``TIMEOUT`` :class:`~dask_ddict.errors.DDictError`,
 and a reply ``(False, exception)`` raises that exception here.
 
+A host process that did not answer in time is killed: the answer it still owes would
+be read as the next message's, and what the late call did (a manager opened, a copy
+kept) is not in the supervisor's registry, so a new incarnation replayed from that
+registry (the supervisor's watcher starts it) is the one state both ends agree on.
+Killing also fences the late call: a move whose copy timed out is aborted at its old
+place, and the new place must never serve it too.
+
 The pipe takes no lock: one exchange at a time is its caller's to keep (the
 supervisor's lock), since what the supervisor records of an answer must change
 under the same lock as the exchange that brought it.
@@ -20,7 +27,6 @@ import subprocess
 import time
 from typing import Any
 
-from .. import config
 from ..errors import DDictError, DDictManagerUnavailableError
 from . import control
 
@@ -37,12 +43,18 @@ class HostPipe:
         assert proc.stdin is not None and proc.stdout is not None
         self.proc = proc
         self.label = label
+        #: An answer is owed that never came: the host process was killed (see above).
+        self.out_of_step = False
 
     def __repr__(self) -> str:
         return f"<HostPipe {self.label!r} host_pid={self.proc.pid}>"
 
     def send(self, msg: Any) -> None:
         """Write ``msg`` whole (:class:`HostDiedError` if the host process is gone)."""
+        if self.out_of_step:
+            raise HostDiedError(
+                f"the host process of {self.label} was killed: it did not answer in time"
+            )
         try:
             control.send(self.proc.stdin, msg)  # type: ignore[arg-type]
         except (BrokenPipeError, OSError) as e:
@@ -60,8 +72,11 @@ class HostPipe:
             while len(buf) < n:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not select.select([fd], [], [], wait)[0]:
+                    self.out_of_step = True
+                    self.proc.kill()
                     raise DDictError(
-                        f"the host process of {self.label} did not answer within {timeout} s",
+                        f"the host process of {self.label} did not answer within {timeout} s;"
+                        " it was killed (a new incarnation serves its shards)",
                         "TIMEOUT",
                     )
                 chunk = os.read(fd, n - len(buf))
@@ -76,10 +91,10 @@ class HostPipe:
         return value
 
     def exchange(self, msg: Any) -> Any:
-        """Send ``msg`` and return the reply, waited for at most
-        ``ddict.host.start-timeout``."""
+        """Send ``msg`` and return the reply, waited for at most as long as
+        :func:`.control.answer_within` says."""
         self.send(msg)
-        return self.recv(config.get_seconds("host.start-timeout"))
+        return self.recv(control.answer_within(msg))
 
     def close(self) -> None:
         """Close this end of the pipe (after the host process ended)."""

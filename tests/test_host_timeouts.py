@@ -1,0 +1,123 @@
+"""A supervisor's control calls and their deadlines: a host process that does not
+answer in time is killed and replayed, never left out of step; a copy is given the
+time a copy may take.
+
+Each test stops a real host process (SIGSTOP) under a short ``ddict.host.start-timeout``
+(read in this process: a local cluster's nannies, and so their supervisors, live here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict
+
+import dask
+import pytest
+from distributed import Client
+
+from dask_ddict import DDict, DDictError
+from dask_ddict.host import control
+from dask_ddict.host.control_calls import ControlCalls
+from dask_ddict.host.supervisor import HostSupervisor
+from tests.support.cluster import local_cluster
+from tests.support.polling import poll_for
+from tests.support.shards import shards, shm_entries
+
+
+def _supervisors(cluster, d: DDict, mid: int) -> tuple[HostSupervisor, HostSupervisor | None]:  # noqa: ANN001
+    """The supervisor that serves manager ``mid``, and another one (if any)."""
+    mine = d._core.layout.managers[mid].supervisor
+    sups = {n.address: n.plugins["ddict"].supervisor for n in cluster.workers.values()}
+    others = [s for a, s in sups.items() if a != mine]
+    return sups[mine], (others[0] if others else None)
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # (killed meanwhile)
+        pass
+
+
+def _answers(sup: HostSupervisor) -> bool:
+    try:
+        return bool(sup.call(control.Ping()) == sup.proc.pid)
+    except DDictError:  # (this incarnation may be starting, or be killed again)
+        return False
+
+
+def test_a_host_that_does_not_answer_in_time_is_restarted_never_left_out_of_step():
+    """Before, the timed-out call's late answer stayed in the pipe and answered the next
+    call (a shard-size table read as a process id), and whatever the late call did was
+    unknown to the supervisor's registry."""
+    with local_cluster(1) as cl, Client(cl) as c:
+        d = DDict(total_mem="16 MiB", client=c)
+        mine = shards(d)
+        for i in range(200):
+            d[i] = i
+        sup, _ = _supervisors(cl, d, 0)
+        uid = d._core.layout.uid
+        pid = sup.proc.pid
+        with dask.config.set({"ddict.host.start-timeout": "1 s"}):
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DDictError, match="did not answer within 1.0 s; it was killed"):
+                    sup.call(control.ShardBytes(uid))
+            finally:
+                _resume(pid)
+        # (a restart under the 1 s deadline may itself time out: the next one is not)
+        poll_for(
+            lambda: sup.restart_count >= 1 and _answers(sup), 30, "an incarnation that answers"
+        )
+        assert sup.proc.pid != pid
+        sizes = sup.call(control.ShardBytes(uid))  # each call its own answer
+        assert isinstance(sizes, dict) and set(sizes) == set(range(d._core.layout.num_managers))
+        assert [d[i] for i in range(200)] == list(range(200))  # the shards were replayed
+        d.destroy()
+        assert not (mine & shm_entries())
+
+
+def test_a_copy_of_a_shard_is_waited_for_past_the_start_timeout():
+    """A new replica's copy from a primary that is slow to send (stopped for 3 s here;
+    a shard of gigabytes over a slow link) gets ``ddict.move.timeout`` more than
+    ``host.start-timeout``: before, the supervisor gave up after ``start-timeout``."""
+    with local_cluster(2) as cl, Client(cl) as c:
+        d = DDict(total_mem="32 MiB", n_workers=2, client=c)
+        mine = shards(d)
+        for i in range(300):
+            d[i] = i
+        layout = d._core.layout
+        sup_a, sup_b = _supervisors(cl, d, 0)
+        assert sup_b is not None
+        a, b = ControlCalls(sup_a), ControlCalls(sup_b)
+        held = a.replica_hold(layout.uid, 0)
+        pid = sup_a.proc.pid
+        with dask.config.set({"ddict.host.start-timeout": "1 s"}):
+            os.kill(pid, signal.SIGSTOP)
+            timer = threading.Timer(3.0, _resume, (pid,))
+            timer.start()
+            t0 = time.monotonic()
+            try:
+                info = b.replica_seed(
+                    held["spec"],
+                    0,
+                    asdict(layout.managers[0]),
+                    held["used_bytes"],
+                    held["map_size"],
+                )
+            finally:
+                took = time.monotonic() - t0
+                timer.join()
+                _resume(pid)
+        assert took >= 2.5  # it waited for the copy, and the copy came
+        assert info["manager_id"] == 0
+        assert sup_a.restart_count == sup_b.restart_count == 0  # nobody was killed
+        a.replica_targets(layout.uid, 0, release=True)
+        assert b.replica_drop(layout.uid, 0)
+        assert [d[i] for i in range(300)] == list(range(300))
+        d[300] = 300  # writes resumed
+        d.destroy()
+        assert not (mine & shm_entries())
