@@ -41,8 +41,10 @@ def extensions() -> list[Any]:
         return []
     source = KERNELS.replace(".", "/") + ".pyx"
     here = os.path.dirname(source)
-    included = sorted(glob.glob(os.path.join(here, "*.pxi")))  # (its includes)
-    kernels = Extension(KERNELS, [source], depends=included, extra_compile_args=["-O2"])
+    included = sorted(glob.glob(os.path.join(here, "*.pxi")) + glob.glob(os.path.join(here, "*.h")))
+    kernels = Extension(
+        KERNELS, [source], include_dirs=[here], depends=included, extra_compile_args=["-O2"]
+    )
     return cythonize([kernels], quiet=True)
 
 

@@ -74,6 +74,7 @@ def test_the_compiled_set_is_built_and_chosen():
         "Record",
         "REPLY",
         "REQUEST",
+        "get_include",
         "group_table",
     } == set(kernels.__all__)
     if shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -265,6 +266,38 @@ def test_the_c_level_headers_are_the_structs(request, reply):
     assert _compiled.request_fields(pure.REQUEST.pack(*request)) == request
     assert _compiled.reply_head(reply) == pure.REPLY.pack(*reply)
     assert _compiled.reply_fields(pure.REPLY.pack(*reply)) == reply
+
+
+def test_the_c_headers_constants_are_the_python_declarations():
+    """``ddict_wire.h`` (what a C client includes) names the Python client's numbers: its
+    sizes, handshake, operations, answers and value formats are the declarations'."""
+    if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
+        return
+    from dask_ddict import _entry, _serialize
+    from dask_ddict.errors import Status
+    from dask_ddict.transport import handshake, protocol
+
+    declared = {
+        "REQUEST": pure.REQUEST.size,
+        "REPLY": pure.REPLY.size,
+        "DIGEST": _entry.DIGEST,
+        "HELLO": protocol.HELLO.size,
+        "NONCE": handshake.NONCE,
+        "VALUE_HEAD": _serialize._HEAD.size,
+        "HELLO_MAGIC": protocol.HELLO_MAGIC,
+        "Hello.OK": protocol.Hello.OK,
+        "FMT_PICKLE": _serialize.FMT_PICKLE,
+        "FMT_RAW": _serialize.FMT_RAW,
+        "FMT_BYTES": _serialize.FMT_BYTES,
+    }
+    declared |= {f"Op.{o}": protocol.Op[o] for o in ("PUT", "GET", "CONTAINS", "POP", "FETCH_ADD")}
+    declared |= {f"Status.{s}": Status[s] for s in ("OK", "KEY_NOT_FOUND", "TIMEOUT")}
+    assert _compiled.wire_constants() == declared
+    for n in (0, 1, 100, 1 << 40):  # a raw-bytes value's head, as dumps_value frames it
+        framed = dumps_value(b"x" * n) if n < 1 << 20 else None
+        if framed is not None:
+            assert _compiled.bytes_value_head(n) == bytes(framed.parts[0])[:16]
+        assert _compiled.bytes_value_head(n) == _serialize._HEAD.pack(_serialize.FMT_BYTES, 0, n)
 
 
 @settings(max_examples=100, deadline=None)

@@ -62,7 +62,11 @@ def _choose() -> tuple[ModuleType, bool]:
     # no particular order, and cannot be rebuilt in place anyway)
     tree = os.path.exists(os.path.join(here, os.pardir, os.pardir, "pyproject.toml"))
     built = getattr(_compiled, "__file__", None) if tree else None
-    sources = [os.path.join(here, "_compiled.pyx"), *glob.glob(os.path.join(here, "*.pxi"))]
+    sources = [
+        os.path.join(here, "_compiled.pyx"),
+        *glob.glob(os.path.join(here, "*.pxi")),
+        *glob.glob(os.path.join(here, "*.h")),
+    ]
     newest = max(((os.stat(p).st_mtime, p) for p in sources if os.path.exists(p)), default=None)
     if built and newest is not None and newest[0] > os.stat(built).st_mtime:
         source = newest[1]
@@ -76,6 +80,14 @@ def _choose() -> tuple[ModuleType, bool]:
 
 
 _impl, COMPILED = _choose()
+
+
+def get_include() -> str:
+    """The directory of ``ddict_wire.h``: the key path's framing and routing in C, for C
+    and C++ clients (``cc -I$(python -c 'import dask_ddict.kernels as k;
+    print(k.get_include())')``); the compiled kernels are built on the same header."""
+    return os.path.dirname(os.path.abspath(__file__))
+
 
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
@@ -145,6 +157,7 @@ __all__ = [
     "decode_values",
     "decoded",
     "digest_groups",
+    "get_include",
     "entries_bytes",
     "group",
     "leading_within",

@@ -24,11 +24,10 @@ from libc.errno cimport EAGAIN, EBADF, EINTR, errno
 import os
 import pickle
 import struct
-import sys
 import threading
 import time
 
-from .._hashing import _BLAKE2B, key_digest
+from .._hashing import key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
@@ -90,7 +89,6 @@ cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
 cdef object _new_tuple = tuple.__new__  # (a named tuple from its fields, without its __new__)
 cdef object _loads = pickle.loads
-cdef object _blake_copy = _BLAKE2B.copy
 cdef object _key_digest = key_digest
 cdef object _encode_key = encode_key
 cdef object _Entry = Entry
@@ -110,23 +108,7 @@ cdef int _FMT_PICKLE = FMT_PICKLE
 cdef int _FMT_BYTES = FMT_BYTES
 
 
-cdef inline uint64_t _le64(const unsigned char* p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int i
-    for i in range(7, -1, -1):
-        v = (v << 8) | p[i]
-    return v
-
-
-cdef inline uint32_t _le32(const unsigned char* p) noexcept nogil:
-    return p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline void _put_le64(unsigned char* p, uint64_t v) noexcept nogil:
-    cdef int i
-    for i in range(8):
-        p[i] = v & 0xFF
-        v >>= 8
+include "framing.pxi"  # (the header's C functions, named here as the kernels use them)
 
 
 cdef inline int64_t _aligned(int64_t n) noexcept nogil:
@@ -135,113 +117,18 @@ cdef inline int64_t _aligned(int64_t n) noexcept nogil:
     return n + (_ALIGN - n % _ALIGN) % _ALIGN
 
 
-cdef inline void _put_le32(char* p, uint32_t v) noexcept nogil:
-    p[0] = <char>(v & 0xFF)
-    p[1] = <char>((v >> 8) & 0xFF)
-    p[2] = <char>((v >> 16) & 0xFF)
-    p[3] = <char>((v >> 24) & 0xFF)
-
-
 # -- the key digest: BLAKE2b of 16 bytes (RFC 7693), as hashlib makes it ---------------
 #
 # hashlib's object per key (a copy of a primed one, ``update``, ``digest``) cost about as
-# much again as the hash itself: written here, a key's digest takes 180 ns where it took
-# 245 (a 20-byte key; ``tests/test_kernels.py`` checks it against hashlib's).
-
-cdef bint _LITTLE = sys.byteorder == "little"  # (the words are read and written in place)
-cdef uint64_t _IV[8]
-_IV[:] = [0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
-          0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
-          0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL]
-# RFC 7693's ten rows of SIGMA, the first two again for rounds 10 and 11 (indexing the
-# rows by r % 10 instead cost 27 ns per key).
-cdef unsigned char _SIGMA[12][16]
-_SIGMA[:] = [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
-             [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3],
-             [11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4],
-             [7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8],
-             [9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13],
-             [2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9],
-             [12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11],
-             [13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10],
-             [6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5],
-             [10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0],
-             [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
-             [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3]]
-
-
-cdef inline uint64_t _rotr(uint64_t x, int n) noexcept nogil:
-    return (x >> n) | (x << (64 - n))
-
-
-cdef inline void _mix(uint64_t* v, int a, int b, int c, int d, uint64_t x,
-                      uint64_t y) noexcept nogil:
-    v[a] = v[a] + v[b] + x
-    v[d] = _rotr(v[d] ^ v[a], 32)
-    v[c] = v[c] + v[d]
-    v[b] = _rotr(v[b] ^ v[c], 24)
-    v[a] = v[a] + v[b] + y
-    v[d] = _rotr(v[d] ^ v[a], 16)
-    v[c] = v[c] + v[d]
-    v[b] = _rotr(v[b] ^ v[c], 63)
-
-
-cdef void _compress(uint64_t* h, const unsigned char* block, uint64_t t,
-                    bint last) noexcept nogil:
-    cdef uint64_t v[16]
-    cdef uint64_t m[16]
-    cdef int i, r
-    cdef const unsigned char* s
-    memcpy(m, block, 128)
-    for i in range(8):
-        v[i] = h[i]
-        v[i + 8] = _IV[i]
-    v[12] ^= t  # (the byte counter's high word stays 0: keys are far shorter)
-    if last:
-        v[14] = ~v[14]
-    for r in range(12):
-        s = _SIGMA[r]
-        _mix(v, 0, 4, 8, 12, m[s[0]], m[s[1]])
-        _mix(v, 1, 5, 9, 13, m[s[2]], m[s[3]])
-        _mix(v, 2, 6, 10, 14, m[s[4]], m[s[5]])
-        _mix(v, 3, 7, 11, 15, m[s[6]], m[s[7]])
-        _mix(v, 0, 5, 10, 15, m[s[8]], m[s[9]])
-        _mix(v, 1, 6, 11, 12, m[s[10]], m[s[11]])
-        _mix(v, 2, 7, 8, 13, m[s[12]], m[s[13]])
-        _mix(v, 3, 4, 9, 14, m[s[14]], m[s[15]])
-    for i in range(8):
-        h[i] ^= v[i] ^ v[i + 8]
-
-
-cdef void _blake16_into(const unsigned char* p, Py_ssize_t n, unsigned char* out) noexcept nogil:
-    """BLAKE2b of ``p[:n]`` with a 16-byte digest, no key (``key_digest``), into ``out``
-    (a little-endian machine's: the state's words are its bytes)."""
-    cdef uint64_t h[8]
-    cdef unsigned char last[128]
-    cdef uint64_t t = 0
-    cdef int i
-    for i in range(8):
-        h[i] = _IV[i]
-    h[0] ^= 0x01010000ULL ^ 16  # (the parameter block: fanout 1, depth 1, 16-byte digest)
-    while n > 128:
-        t += 128
-        _compress(h, p, t, False)
-        p += 128
-        n -= 128
-    memset(last, 0, 128)
-    memcpy(last, p, n)
-    _compress(h, last, t + <uint64_t>n, True)
-    memcpy(out, h, 16)
-
+# much again as the hash itself: written in C (``ddict_digest``, ddict_wire.h), a key's
+# digest takes 180 ns where it took 245 (a 20-byte key; ``tests/test_kernels.py`` checks
+# it against hashlib's).
 
 cdef bytes _blake16(const unsigned char* p, Py_ssize_t n):
-    """:func:`_blake16_into` as ``bytes``."""
+    """:func:`ddict_digest` as ``bytes``."""
     out = PyBytes_FromStringAndSize(NULL, 16)
-    _blake16_into(p, n, <unsigned char*>PyBytes_AS_STRING(out))
+    ddict_digest(p, n, <unsigned char*>PyBytes_AS_STRING(out))
     return out
-
-
-include "framing.pxi"
 
 
 def blake16(bytes data not None):
@@ -251,73 +138,34 @@ def blake16(bytes data not None):
 
 cdef inline bytes _digest(bytes kb, object digest):
     if digest is _key_digest:
-        if _LITTLE:
-            return _blake16(<const unsigned char*>PyBytes_AS_STRING(kb), PyBytes_GET_SIZE(kb))
-        h = _blake_copy()
-        h.update(kb)
-        return h.digest()
+        return _blake16(<const unsigned char*>PyBytes_AS_STRING(kb), PyBytes_GET_SIZE(kb))
     return digest(kb)
 
 
 cdef object _pickled_str(str s):
-    """``pickle.dumps(s, 5)`` for a str of under 256 UTF-8 bytes, written here, or None
-    (a longer one, or one with lone surrogates: pickle writes it)::
-
-        PROTO 5 | FRAME <u64 n + 4> | SHORT_BINUNICODE <u8 n> utf-8 | MEMOIZE | STOP
-    """
+    """``pickle.dumps(s, 5)`` for a str of under 256 UTF-8 bytes, written by
+    :func:`ddict_str_key`, or None (a longer one, or one with lone surrogates: pickle
+    writes it)."""
     cdef Py_ssize_t n
     cdef const char* u
+    cdef unsigned char p[DDICT_KEY_BYTES_MOST]
     try:
         u = PyUnicode_AsUTF8AndSize(s, &n)
     except UnicodeEncodeError:
         return None
-    if n >= 256:
-        return None
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, n + 15)
-    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(out)
-    p[0] = 0x80
-    p[1] = 5
-    p[2] = 0x95
-    _put_le64(p + 3, <uint64_t>(n + 4))
-    p[11] = 0x8c
-    p[12] = <unsigned char>n
-    memcpy(p + 13, u, n)
-    p[13 + n] = 0x94
-    p[14 + n] = 0x2e
-    return out
+    n = ddict_str_key(u, n, p)
+    return None if n == 0 else PyBytes_FromStringAndSize(<char*>p, n)
 
 
 cdef object _pickled_int(object x):
-    """``pickle.dumps(x, 5)`` for an int of 32 bits, written here (pickle's own call costs
-    more than half a route: it makes a pickler), or None (a larger one: pickle writes it)::
-
-        PROTO 5 | BININT1 <u8> | STOP                           0 <= x < 256
-        PROTO 5 | FRAME <u64 4> | BININT2 <u16> | STOP          256 <= x < 65536
-        PROTO 5 | FRAME <u64 6> | BININT <i32> | STOP           the rest of 32 bits
-    """
+    """``pickle.dumps(x, 5)`` for an int of 32 bits, written by :func:`ddict_int_key`
+    (pickle's own call costs more than half a route: it makes a pickler), or None (a
+    larger one: pickle writes it)."""
     cdef int overflow = 0
     cdef long long v = PyLong_AsLongLongAndOverflow(x, &overflow)
-    cdef bytes out
-    cdef unsigned char* p
-    if overflow or v < -2147483648LL or v > 2147483647LL:
-        return None
-    if 0 <= v < 256:
-        out = PyBytes_FromStringAndSize(NULL, 5)
-        p = <unsigned char*>PyBytes_AS_STRING(out)
-        p[0], p[1], p[2], p[3], p[4] = 0x80, 5, 0x4b, <unsigned char>v, 0x2e
-        return out
-    cdef Py_ssize_t n = 2 if 0 <= v < 65536 else 4
-    out = PyBytes_FromStringAndSize(NULL, 13 + n)
-    p = <unsigned char*>PyBytes_AS_STRING(out)
-    p[0], p[1], p[2] = 0x80, 5, 0x95
-    _put_le64(p + 3, <uint64_t>(n + 2))
-    p[11] = 0x4d if n == 2 else 0x4a
-    cdef uint32_t u = <uint32_t>(<int64_t>v)
-    p[12], p[13] = u & 0xFF, (u >> 8) & 0xFF
-    if n == 4:
-        p[14], p[15] = (u >> 16) & 0xFF, (u >> 24) & 0xFF
-    p[12 + n] = 0x2e
-    return out
+    cdef unsigned char p[24]
+    cdef size_t n = 0 if overflow else ddict_int_key(v, p)
+    return None if n == 0 else PyBytes_FromStringAndSize(<char*>p, n)
 
 
 cdef inline object _encoded(object key, bint fast, object encode):

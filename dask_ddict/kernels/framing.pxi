@@ -3,105 +3,98 @@
 # Every request and reply of the key path starts with a fixed header
 # (``transport/protocol.py``: ``REQ`` and ``REP``, declared in ``pure.REQUEST`` and
 # ``pure.REPLY``; the import-time checks in _compiled.pyx hold them to these layouts),
-# and every key goes to the manager its digest names.  Here each is written once, as a
-# C struct and plain C functions that need no interpreter (``nogil``): the host's plain
-# server reads requests and writes replies with them, the client's key lane writes
-# requests and reads replies, and the Python-facing kernels (``take_request``,
-# ``send_reply``, ``receive_reply``, the router) go through the same ones.  They are
-# the layer a C or C++ client (Dragon ships both) would sit on: a key's canonical bytes
-# (``_keys.encode_key``'s) give its digest and manager, a request is a header, the key
-# section (digest, then the key's bytes) and the value; a reply is a header and a
-# payload.  Fields are little-endian whatever the machine.
+# and every key goes to the manager its digest names.  Each is written once, in C, in
+# ``ddict_wire.h`` (plain C functions that need no interpreter): the host's plain server
+# reads requests and writes replies with them, the client's key lane writes requests
+# and reads replies, and the Python-facing kernels (``take_request``, ``send_reply``,
+# ``receive_reply``, the router) go through the same ones.  It is the layer a C or C++
+# client (Dragon ships both) sits on: ``tests/c/wire_client.c`` is one.
 
-cdef enum:
-    DDICT_REQUEST_BYTES = 64  # (REQUEST.size)
-    DDICT_REPLY_BYTES = 24  # (REPLY.size)
-    DDICT_DIGEST_BYTES = 16  # (_entry.DIGEST)
+cdef extern from "ddict_wire.h" nogil:
+    enum:
+        DDICT_REQUEST_BYTES
+        DDICT_REPLY_BYTES
+        DDICT_DIGEST_BYTES
+        DDICT_HELLO_BYTES
+        DDICT_NONCE_BYTES
+        DDICT_VALUE_HEAD_BYTES
+        DDICT_KEY_BYTES_MOST
+        DDICT_HELLO_OK
+        DDICT_OP_PUT
+        DDICT_OP_GET
+        DDICT_OP_CONTAINS
+        DDICT_OP_POP
+        DDICT_OP_FETCH_ADD
+        DDICT_STATUS_OK
+        DDICT_STATUS_KEY_NOT_FOUND
+        DDICT_STATUS_TIMEOUT
+        DDICT_FMT_PICKLE
+        DDICT_FMT_RAW
+        DDICT_FMT_BYTES
+    const char* DDICT_HELLO_MAGIC
 
+    ctypedef struct ddict_request_head:
+        unsigned int op
+        unsigned int flags
+        unsigned int term
+        uint32_t klen
+        uint32_t manager
+        uint32_t tag
+        int64_t chkpt
+        int64_t arg
+        uint64_t client
+        double timeout
+        uint64_t vlen
+        uint64_t rid
 
-ctypedef struct ddict_request_head:
-    # REQUEST: op, flags, term, klen, manager, tag, chkpt, arg, client, timeout, vlen, rid
-    unsigned int op  # u8
-    unsigned int flags  # u8
-    unsigned int term  # u16: the manager's term as the client knows it (wire_term; 0: none)
-    uint32_t klen  # the key section's bytes: digest (16), then the key's bytes
-    uint32_t manager
-    uint32_t tag  # the client's number for the request, which its reply repeats
-    int64_t chkpt
-    int64_t arg
-    uint64_t client
-    double timeout  # seconds; negative: none
-    uint64_t vlen  # the value's bytes
-    uint64_t rid  # a request id (0: none): applied at most once
+    ctypedef struct ddict_reply_head:
+        unsigned int status
+        uint32_t tag
+        int64_t ival
+        uint64_t plen
 
-
-ctypedef struct ddict_reply_head:
-    # REPLY: status, (3 bytes of padding), tag, ival, payload length
-    unsigned int status  # u8 (errors.Status)
-    uint32_t tag
-    int64_t ival
-    uint64_t plen
-
-
-cdef inline void ddict_write_request(unsigned char* p, const ddict_request_head* h) noexcept nogil:
-    """The header of request ``h`` into ``p[:DDICT_REQUEST_BYTES]``."""
-    cdef uint64_t bits
-    p[0], p[1] = <unsigned char>h.op, <unsigned char>h.flags
-    p[2], p[3] = <unsigned char>(h.term & 0xFF), <unsigned char>((h.term >> 8) & 0xFF)
-    _put_le32(<char*>p + 4, h.klen)
-    _put_le32(<char*>p + 8, h.manager)
-    _put_le32(<char*>p + 12, h.tag)
-    _put_le64(p + 16, <uint64_t>h.chkpt)
-    _put_le64(p + 24, <uint64_t>h.arg)
-    _put_le64(p + 32, h.client)
-    memcpy(&bits, &h.timeout, 8)
-    _put_le64(p + 40, bits)
-    _put_le64(p + 48, h.vlen)
-    _put_le64(p + 56, h.rid)
-
-
-cdef inline void ddict_read_request(const unsigned char* p, ddict_request_head* h) noexcept nogil:
-    """The header at ``p[:DDICT_REQUEST_BYTES]`` into ``h``."""
-    cdef uint64_t bits
-    h.op, h.flags = p[0], p[1]
-    h.term = p[2] | (<unsigned int>p[3] << 8)
-    h.klen, h.manager, h.tag = _le32(p + 4), _le32(p + 8), _le32(p + 12)
-    h.chkpt, h.arg = <int64_t>_le64(p + 16), <int64_t>_le64(p + 24)
-    h.client = _le64(p + 32)
-    bits = _le64(p + 40)
-    memcpy(&h.timeout, &bits, 8)
-    h.vlen, h.rid = _le64(p + 48), _le64(p + 56)
-
-
-cdef inline void ddict_write_reply(unsigned char* p, const ddict_reply_head* h) noexcept nogil:
-    """The header of reply ``h`` into ``p[:DDICT_REPLY_BYTES]``."""
-    p[0], p[1], p[2], p[3] = <unsigned char>h.status, 0, 0, 0
-    _put_le32(<char*>p + 4, h.tag)
-    _put_le64(p + 8, <uint64_t>h.ival)
-    _put_le64(p + 16, h.plen)
-
-
-cdef inline void ddict_read_reply(const unsigned char* p, ddict_reply_head* h) noexcept nogil:
-    """The header at ``p[:DDICT_REPLY_BYTES]`` into ``h``."""
-    h.status, h.tag = p[0], _le32(p + 4)
-    h.ival, h.plen = <int64_t>_le64(p + 8), _le64(p + 16)
-
-
-cdef inline void ddict_digest(const unsigned char* key, size_t n,
-                              unsigned char* digest) noexcept nogil:
-    """The 16-byte digest of a key's canonical bytes ``key[:n]`` (``key_digest``: BLAKE2b
-    of 16 bytes, no key) into ``digest``."""
-    _blake16_into(key, <Py_ssize_t>n, digest)
-
-
-cdef inline uint64_t ddict_manager_of(const unsigned char* digest,
-                                      uint64_t managers) noexcept nogil:
-    """The manager of a key with ``digest`` among ``managers`` (``manager_for_digest``:
-    its first 8 bytes, little-endian, modulo the count); ``managers`` is at least 1."""
-    return _le64(digest) % managers
+    # (the kernels' own names for the little-endian fields)
+    uint32_t _le32 "ddict_le32"(const unsigned char* p)
+    uint64_t _le64 "ddict_le64"(const unsigned char* p)
+    void _put_le32 "ddict_put_le32"(void* p, uint32_t v)
+    void _put_le64 "ddict_put_le64"(void* p, uint64_t v)
+    void ddict_write_request(unsigned char* p, const ddict_request_head* h)
+    void ddict_read_request(const unsigned char* p, ddict_request_head* h)
+    void ddict_write_reply(unsigned char* p, const ddict_reply_head* h)
+    void ddict_read_reply(const unsigned char* p, ddict_reply_head* h)
+    void ddict_bytes_value_head(unsigned char* head, uint64_t n)
+    size_t ddict_str_key(const char* utf8, size_t n, unsigned char* out)
+    size_t ddict_int_key(int64_t v, unsigned char* out)
+    void ddict_digest(const unsigned char* key, size_t n, unsigned char* digest)
+    uint64_t ddict_manager_of(const unsigned char* digest, uint64_t managers)
 
 
 # -- the same, from Python: for the tests that compare them with the structs' own ---------
+
+def wire_constants():
+    """The header's constants, by their Python names (``tests/test_kernels.py`` holds
+    them to the declarations in ``transport/protocol.py``, ``errors.py`` and
+    ``_serialize.py``: a C client's numbers are the Python client's)."""
+    return {
+        "REQUEST": DDICT_REQUEST_BYTES, "REPLY": DDICT_REPLY_BYTES,
+        "DIGEST": DDICT_DIGEST_BYTES, "HELLO": DDICT_HELLO_BYTES,
+        "NONCE": DDICT_NONCE_BYTES, "VALUE_HEAD": DDICT_VALUE_HEAD_BYTES,
+        "HELLO_MAGIC": <bytes>DDICT_HELLO_MAGIC, "Hello.OK": DDICT_HELLO_OK,
+        "Op.PUT": DDICT_OP_PUT, "Op.GET": DDICT_OP_GET, "Op.CONTAINS": DDICT_OP_CONTAINS,
+        "Op.POP": DDICT_OP_POP, "Op.FETCH_ADD": DDICT_OP_FETCH_ADD,
+        "Status.OK": DDICT_STATUS_OK, "Status.KEY_NOT_FOUND": DDICT_STATUS_KEY_NOT_FOUND,
+        "Status.TIMEOUT": DDICT_STATUS_TIMEOUT,
+        "FMT_PICKLE": DDICT_FMT_PICKLE, "FMT_RAW": DDICT_FMT_RAW, "FMT_BYTES": DDICT_FMT_BYTES,
+    }
+
+
+def bytes_value_head(uint64_t n):
+    """The head of a raw-bytes value of ``n`` bytes, written by
+    :func:`ddict_bytes_value_head`."""
+    cdef unsigned char head[DDICT_VALUE_HEAD_BYTES]
+    ddict_bytes_value_head(head, n)
+    return PyBytes_FromStringAndSize(<char*>head, DDICT_VALUE_HEAD_BYTES)
+
 
 def request_head(tuple fields):
     """``REQUEST.pack(*fields)``, written by :func:`ddict_write_request`."""

@@ -1,0 +1,87 @@
+"""``ddict_wire.h``: the key path in C, for C and C++ clients (issue 53, item 5).
+
+A client written on the header alone (``tests/c/wire_client.c``, built here with the
+machine's C compiler, the one that builds the kernels) routes keys as the Python
+client does, and puts and gets values over a host process's Unix socket that the
+Python client then reads and wrote.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+from dask_ddict import DDict, kernels
+from dask_ddict._hashing import key_digest, manager_for_digest
+from dask_ddict._keys import encode_key
+from dask_ddict.errors import Status
+from tests.support.cluster import local_cluster
+from tests.support.shards import shards, shm_entries
+
+SOURCE = Path(__file__).parent / "c" / "wire_client.c"
+
+
+@pytest.fixture(scope="module")
+def wire_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The C client, built against the installed package's header."""
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:  # (then the kernels are pure Python, and this too)
+        pytest.skip(f"no C compiler ({cc[0]}) on this machine")
+    exe = tmp_path_factory.mktemp("wire") / "wire_client"
+    subprocess.run(
+        [*cc, "-std=c99", "-Wall", "-Werror", "-O2", "-I", kernels.get_include(), str(SOURCE)]
+        + ["-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
+    return exe
+
+
+def _run(exe: Path, *args: str) -> list[str]:
+    out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
+    return out.stdout.splitlines()
+
+
+def _arg(key: str | int) -> str:
+    return f"s:{key}" if isinstance(key, str) else f"i:{key}"
+
+
+def test_a_c_client_routes_keys_as_the_python_client(wire_client):
+    keys: list[str | int] = ["", "a", "key-17", "ключ", "x" * 255, "日本"]
+    keys += [0, 1, 255, 256, 65535, 65536, -1, -256, -(2**31), 2**31 - 1]
+    for managers in (1, 7, 64):
+        lines = _run(wire_client, "route", str(managers), *map(_arg, keys))
+        for key, line in zip(keys, lines, strict=True):
+            manager, digest, canonical = line.split()
+            kb = encode_key(key)
+            assert bytes.fromhex(canonical) == kb, key
+            assert bytes.fromhex(digest) == key_digest(kb), key
+            assert int(manager) == manager_for_digest(key_digest(kb), managers), key
+
+
+def test_a_c_client_puts_and_gets_over_a_hosts_unix_socket(wire_client):
+    with local_cluster(1) as cl, Client(cl) as c:
+        d = DDict(managers_per_worker=3, total_mem="24 MiB", client=c)
+        mine = shards(d)
+        layout = d._core.layout
+        (uds,) = {m.uds_path for m in layout.managers}  # (one host process serves all)
+        where = (uds, layout.uid, str(layout.num_managers))
+        ours = {f"py-{i}": f"from Python {i}".encode() for i in range(20)}
+        d.update(ours)
+        theirs = {f"c-{i}": f"from C {i}" for i in range(20)} | {7: "seven", -3: "minus"}
+        pairs = [a for k, v in theirs.items() for a in (_arg(k), v)]
+        assert _run(wire_client, "put", *where, *pairs) == [str(Status.OK.value)] * len(theirs)
+        assert {k: d[k] for k in theirs} == {k: v.encode() for k, v in theirs.items()}
+        asked = [*ours, "never-written"]
+        got = _run(wire_client, "get", *where, *map(_arg, asked))
+        assert got == [f"{Status.OK.value} {v.decode()}" for v in ours.values()] + [
+            f"{Status.KEY_NOT_FOUND.value} -"
+        ]
+        d.destroy()
+        assert not (mine & shm_entries())
