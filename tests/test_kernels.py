@@ -9,12 +9,14 @@ pure set, as a machine without a compiler would.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
 import shutil
 import socket
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import lmdb
@@ -622,17 +624,36 @@ def test_decode_frames_is_the_same(values, mids, as_views, damage):
         assert outcomes[0][1] == _comparable(list(enumerate(values)), "<absent>", "<wait>")
 
 
+@contextlib.contextmanager
+def _snapshot(
+    tmp_path_factory: Any, versions: list[Any], chkpt: int, buffers: bool
+) -> Iterator[tuple[Any, Any, bytes]]:
+    """A snapshot of a new shard that holds ``versions``: its transaction, data table,
+    and the seek tail of checkpoint ``chkpt``."""
+    env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
+    try:
+        db = env.open_db(b"data")
+        with env.begin(db=db, buffers=buffers) as txn:
+            yield txn, db, struct.pack(">Q", (1 << 64) - 1 - chkpt)
+    finally:
+        env.close()
+
+
+#: A shard's versions: (digest, checkpoint, flags, value).
+_STORED = st.lists(
+    st.tuples(
+        st.sampled_from([bytes([i]) * 16 for i in range(6)]),
+        st.integers(0, 4),
+        st.sampled_from([0, TOMBSTONE]),
+        values_st,
+    ),
+    max_size=16,
+)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    stored=st.lists(
-        st.tuples(
-            st.sampled_from([bytes([i]) * 16 for i in range(6)]),
-            st.integers(0, 4),
-            st.sampled_from([0, TOMBSTONE]),
-            values_st,
-        ),
-        max_size=16,
-    ),
+    stored=_STORED,
     asked=st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]), max_size=12),
     chkpt=st.integers(0, 5),
     buffers=st.booleans(),
@@ -653,33 +674,73 @@ def test_lookup_values_decodes_what_lookup_frames_and_decode_frames_give(
         broken = bytearray(frame)
         broken[damage % len(broken)] ^= 0xFF
         versions[0] = (d, c, flags, bytes(broken))
-    env = _shard(str(tmp_path_factory.mktemp("lmdb")), versions)
     absent = object()
-    try:
-        db = env.open_db(b"data")
-        tail = struct.pack(">Q", (1 << 64) - 1 - chkpt)
-        with env.begin(db=db, buffers=buffers) as txn:
-            frames = pure.lookup_frames(txn, db, asked, tail, small)
-            taken, nbytes, copies = pure.taken_out(frames, bytes)
-            routes = [(0, d) for d in asked]
-            kind, want = _outcome(
-                pure.decode_frames, asked, routes, {0: taken}, loads_value, absent, 0, False
-            )
-            for s in SETS:
-                got = _outcome(
-                    s.lookup_values, txn, db, asked, tail, small, absent, bytes, loads_value
+    with _snapshot(tmp_path_factory, versions, chkpt, buffers) as (txn, db, tail):
+        frames = pure.lookup_frames(txn, db, asked, tail, small)
+        taken, nbytes, copies = pure.taken_out(frames, bytes)
+        routes = [(0, d) for d in asked]
+        kind, want = _outcome(
+            pure.decode_frames, asked, routes, {0: taken}, loads_value, absent, 0, False
+        )
+        for s in SETS:
+            got = _outcome(s.lookup_values, txn, db, asked, tail, small, absent, bytes, loads_value)
+            if kind != "ok":
+                assert got[0] == "error" and got[1][0] is want[0], (got, want)
+                continue
+            assert got[0] == "ok", got
+            values, n, c = got[1]
+            assert type(values) is pure.Decoded and (n, c) == (nbytes, copies)
+            assert _comparable(list(zip(asked, values)), absent, 0) == _comparable(want, absent, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stored=_STORED,
+    mids=st.lists(st.integers(0, 3) | st.integers(250, 300), max_size=14),
+    asked=st.data(),
+    chkpt=st.integers(0, 5),
+    buffers=st.booleans(),
+    small=st.sampled_from([0, 40, 4096]),
+)
+def test_place_values_writes_each_managers_values_where_its_keys_are(
+    tmp_path_factory, stored, mids, asked, chkpt, buffers, small
+):
+    """A same-host ``get_many`` read in place (``group_positions``, then each manager's
+    ``place_values``, then ``marked``) gives, in both sets, what ``group`` and
+    ``lookup_values`` give, each value at its key's index; a ``positions`` that does not
+    fit is refused before anything is written."""
+    digests = asked.draw(
+        st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]), min_size=len(mids))
+    )[: len(mids)]
+    routes = list(zip(mids, digests))
+    versions = [(d, c, flags, dumps_value(v).join()) for d, c, flags, v in stored]
+    absent = object()
+    rest = (small, absent, bytes, loads_value)
+    with _snapshot(tmp_path_factory, versions, chkpt, buffers) as (txn, db, tail):
+        groups = pure.group(routes)
+        for s in SETS:
+            placed = s.group_positions(routes)
+            assert list(placed) == list(groups)
+            out = ["<unset>"] * len(routes)
+            for mid, (ds, positions) in placed.items():
+                assert ds == groups[mid]
+                at = struct.unpack(f"<{len(ds)}I", positions)
+                assert [routes[i] for i in at] == [(mid, d) for d in ds]
+                with pytest.raises(ValueError, match="positions"):
+                    s.place_values(txn, db, ds, positions + b"\0", out, tail, *rest)
+                if ds:
+                    with pytest.raises(ValueError, match="beyond"):
+                        s.place_values(txn, db, ds, positions, out[:0], tail, *rest)
+                assert all(_is(out[i], "<unset>") for i in at)  # (nothing written)
+                copied = s.place_values(txn, db, ds, positions, out, tail, *rest)
+                want, *counted = pure.lookup_values(txn, db, ds, tail, *rest)
+                assert list(copied) == counted
+                got = [out[i] for i in at]
+                assert _comparable(list(zip(ds, got)), absent, 0) == _comparable(
+                    list(zip(ds, want)), absent, 0
                 )
-                if kind != "ok":
-                    assert got[0] == "error" and got[1][0] is want[0], (got, want)
-                    continue
-                assert got[0] == "ok", got
-                values, n, c = got[1]
-                assert type(values) is pure.Decoded and (n, c) == (nbytes, copies)
-                assert _comparable(list(zip(asked, values)), absent, 0) == _comparable(
-                    want, absent, 0
-                )
-    finally:
-        env.close()
+            assert not any(_is(v, "<unset>") for v in out)
+            assert s.marked(out, absent) == [i for i, v in enumerate(out) if v is absent]
 
 
 @settings(max_examples=60, deadline=None)

@@ -200,6 +200,57 @@ def test_get_many_on_the_same_host_sends_nothing(client, requests):
         assert not [r for r in requests if r[0] is GetMany]
 
 
+@pytest.mark.one_host
+def test_a_same_host_get_many_reads_each_shard_in_place_or_leaves_it_to_the_request(
+    client, monkeypatch
+):
+    """Every shard mapped here: each manager's values are written in the keys' order as
+    its shard is walked (one ``place_many`` per manager, no request); absent keys give
+    the default, or ``DDictKeyError`` naming the first absent one in the keys' order; a
+    manager-directed handle reads its manager alone.  Where a shard declines (under
+    ``wait_for_keys``: a reader may have to wait) the whole read takes the ``GetMany``
+    path, and the values are the same."""
+    from dask_ddict.transport.shared import SharedChannel
+
+    placed: list[tuple[int, bool]] = []
+    place = SharedChannel.place_many
+
+    def spy(self, *args):  # noqa: ANN001, ANN002, ANN202
+        done = place(self, *args)
+        placed.append((self._mid, done))
+        return done
+
+    monkeypatch.setattr(SharedChannel, "place_many", spy)
+    with DDict(total_mem="64 MiB", client=client, managers_per_worker=2) as d:
+        want = {f"k{i}": (i, "v") if i % 3 else b"x" * i for i in range(300)}
+        d.update(want)
+        d.get_many(list(want))  # (the first read maps the shards; then they are read in place)
+        placed.clear()
+        asked = ["k7", "nope-1", *want, "nope-2"]
+        got = d.get_many(asked, default=None)
+        assert got == [want["k7"], None, *want.values(), None]
+        assert sorted(placed) == [(m, True) for m in range(d.num_managers)]
+        with pytest.raises(DDictKeyError, match="nope-1"):
+            d.get_many(asked)
+        m1 = d.manager(1)
+        mine = [k for k in want if d.which_manager(k) == 1]
+        placed.clear()
+        assert m1.get_many([*mine, "k0" if d.which_manager("k0") != 1 else "zz"], "-") == [
+            *(want[k] for k in mine),
+            "-",
+        ]
+        assert placed == [(1, True)]
+    with DDict(
+        total_mem="32 MiB", client=client, wait_for_keys=True, working_set_size=2, timeout=30
+    ) as w:
+        w.pput("p", "persistent")
+        w["a"] = 1
+        w.get_many(["p", "a"])
+        placed.clear()
+        assert w.get_many(["p", "a"]) == ["persistent", 1]
+        assert placed and not any(done for _, done in placed)  # (each declined: GetMany's)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     keys=st.lists(

@@ -103,10 +103,13 @@ class Reads(HandleBase):
         found = LANE.get_many(self, keys, ABSENT) if copy is True else NotImplemented
         if found is NotImplemented:  # (the common case over TCP in one call: lane.py)
             routes = self._routes(keys)
-            decode, small = self._decoder(None)  # (values in key order: no (key, value) pairs)
-            found = kernels.decode_values(
-                routes, self._fetched(routes, copy, None), decode, ABSENT, WAIT, small
-            )
+            if copy is True and self._vp is None:  # (every shard mapped here: read in place)
+                found = self._core.read_here(routes, self._chkpt, ABSENT)
+            if found is NotImplemented:
+                decode, small = self._decoder(None)  # (values in key order, no pairs)
+                found = kernels.decode_values(
+                    routes, self._fetched(routes, copy, None), decode, ABSENT, WAIT, small
+                )
         out, marked = found
         for i in marked:
             key, got = keys[i], out[i]

@@ -17,7 +17,8 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.list cimport PyList_Append, PyList_GET_SIZE
-from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
+from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.string cimport memcmp, memcpy, memset
 from libc.errno cimport EAGAIN, EBADF, EINTR, errno
 
@@ -295,6 +296,69 @@ def group(list routes):
         else:
             (<list>got).append(digest)
     return groups
+
+
+def group_positions(list routes):
+    cdef Py_ssize_t n = PyList_GET_SIZE(routes), i, g, ngroups = 0
+    cdef Py_ssize_t table[256]  # (a small manager id's group, or -1: the ids layouts use)
+    cdef Py_ssize_t* slot = <Py_ssize_t*>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t* fill = NULL
+    cdef long long m
+    cdef int overflow = 0
+    cdef dict index = {}  # (any other id's group)
+    cdef list mids = [], digs = [], places = []
+    cdef object route, mid, digest
+    if slot == NULL:
+        raise MemoryError()
+    memset(table, 0xFF, sizeof(table))
+    try:
+        for i in range(n):  # each key's group, its digest appended to the group's
+            route = (<list>routes)[i]
+            if type(route) is tuple and PyTuple_GET_SIZE(route) == 2:
+                mid, digest = (<tuple>route)[0], (<tuple>route)[1]
+            else:
+                mid, digest = route  # (as the pure loop unpacks it, with its errors)
+            g = -1
+            m = PyLong_AsLongLongAndOverflow(mid, &overflow) if type(mid) is int else -1
+            if 0 <= m < 256 and not overflow:
+                g = table[m]
+            else:
+                found = index.get(mid)
+                if found is not None:
+                    g = <Py_ssize_t>found
+            if g < 0:
+                g = ngroups
+                ngroups += 1
+                if 0 <= m < 256 and not overflow:
+                    table[m] = g
+                else:
+                    index[mid] = g
+                mids.append(mid)
+                digs.append([])
+            (<list>digs[g]).append(digest)
+            slot[i] = g
+        fill = <Py_ssize_t*>PyMem_Calloc(ngroups + 1, sizeof(Py_ssize_t))
+        if fill == NULL:
+            raise MemoryError()
+        for g in range(ngroups):  # each group's positions: u32s, in its keys' order
+            places.append(PyBytes_FromStringAndSize(NULL, 4 * PyList_GET_SIZE(digs[g])))
+        for i in range(n):
+            g = slot[i]
+            _put_le32(PyBytes_AS_STRING(<bytes>places[g]) + fill[g], <uint32_t>i)
+            fill[g] += 4
+        return {mids[g]: (digs[g], places[g]) for g in range(ngroups)}
+    finally:
+        PyMem_Free(slot)
+        PyMem_Free(fill)
+
+
+def marked(list values, object absent):
+    cdef Py_ssize_t i
+    cdef list out = []
+    for i in range(PyList_GET_SIZE(values)):
+        if (<list>values)[i] is absent:
+            out.append(i)
+    return out
 
 
 cdef inline Py_ssize_t _frame_len(object f) except? -3:

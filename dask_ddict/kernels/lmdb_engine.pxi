@@ -34,6 +34,7 @@ from .pure import (
     lookup_entry as _pure_lookup_entry,
     lookup_frames as _pure_lookup_frames,
     lookup_values as _pure_lookup_values,
+    place_values as _pure_place_values,
     put_entries as _pure_put_entries,
 )
 
@@ -478,17 +479,46 @@ def lookup_frames(txn, db, list digests, bytes tail, Py_ssize_t small=0):
 
 def lookup_values(txn, db, list digests, bytes tail, Py_ssize_t small, object absent,
                   object take, object decode):
-    cdef ddict_lmdb_txn* t
-    cdef unsigned char seek[64]
-    cdef Py_ssize_t n = 0, j, i, nbytes = 0, copies = 0
-    cdef const unsigned char* frame
-    cdef ddict_mdb_cursor* cur
     cdef list out
-    cdef Py_ssize_t* order
-    cdef bint own = decode is _loads_value  # (the frames' own decoder: small ones decoded here)
+    cdef Py_ssize_t nbytes = 0, copies = 0
     if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
         return _pure_lookup_values(txn, db, digests, tail, small, absent, take, decode)
     out = [absent] * len(digests)  # (absent, unless found)
+    _values_into(txn, db, digests, NULL, out, tail, small, take, decode, &nbytes, &copies)
+    return Decoded(out), nbytes, copies
+
+
+def place_values(txn, db, list digests, bytes positions not None, list out not None,
+                 bytes tail, Py_ssize_t small, object absent, object take, object decode):
+    cdef Py_ssize_t n = len(digests), j, nbytes = 0, copies = 0
+    cdef const unsigned char* at = <const unsigned char*>PyBytes_AS_STRING(positions)
+    if PyBytes_GET_SIZE(positions) != 4 * n:
+        raise ValueError(f"{PyBytes_GET_SIZE(positions)} bytes of positions for {n} digests")
+    for j in range(n):
+        if <Py_ssize_t>_le32(at + 4 * j) >= PyList_GET_SIZE(out):
+            raise ValueError(f"a position beyond the {PyList_GET_SIZE(out)} values")
+    if not _usable(txn, db) or not _all_digests(digests) or PyBytes_GET_SIZE(tail) != 8:
+        return _pure_place_values(txn, db, digests, positions, out, tail, small, absent, take,
+                                  decode)
+    for j in range(n):  # (absent, unless found)
+        out[_le32(at + 4 * j)] = absent
+    _values_into(txn, db, digests, at, out, tail, small, take, decode, &nbytes, &copies)
+    return nbytes, copies
+
+
+cdef int _values_into(txn, db, list digests, const unsigned char* at, list out, bytes tail,
+                      Py_ssize_t small, object take, object decode, Py_ssize_t* nbytes,
+                      Py_ssize_t* copies) except -1:
+    """:func:`lookup_values`' walk: the value of ``digests[i]`` into ``out[i]``, or (``at``
+    not NULL: :func:`place_values`) into ``out[at[i]]`` (``u32`` each); an absent key's
+    place is left as it is."""
+    cdef ddict_lmdb_txn* t
+    cdef unsigned char seek[64]
+    cdef Py_ssize_t n = 0, j, i
+    cdef const unsigned char* frame
+    cdef ddict_mdb_cursor* cur
+    cdef Py_ssize_t* order
+    cdef bint own = decode is _loads_value  # (the frames' own decoder: small ones decoded here)
     cur = _walk(txn, db, &t, seek, tail)
     order = NULL
     try:
@@ -499,22 +529,22 @@ def lookup_values(txn, db, list digests, bytes tail, Py_ssize_t small, object ab
             if frame == NULL:
                 continue
             if n < small:  # (decoded where it lies; else from a copy, as the pure one does)
-                nbytes += n
-                copies += 1
+                nbytes[0] += n
+                copies[0] += 1
                 value = _small_at(frame, n) if own else NotImplemented
                 if value is NotImplemented:
                     value = decode(PyBytes_FromStringAndSize(<char*>frame, n))
             elif t.flags & DDICT_TRANS_BUFFERS:
                 value = decode(take(_val(t, frame, 0, n)))
             else:  # (a copy already: as the pure walk gives it)
-                nbytes += n
-                copies += 1
+                nbytes[0] += n
+                copies[0] += 1
                 value = decode(PyBytes_FromStringAndSize(<char*>frame, n))
-            out[i] = value
+            out[i if at == NULL else <Py_ssize_t>_le32(at + 4 * i)] = value
     finally:
         t.libv.cursor_close(cur)
         PyMem_Free(order)
-    return Decoded(out), nbytes, copies
+    return 0
 
 
 def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,

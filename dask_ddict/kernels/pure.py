@@ -175,6 +175,23 @@ def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
     return groups
 
 
+def group_positions(routes: list[tuple[int, bytes]]) -> dict[int, tuple[list[bytes], bytes]]:
+    """:func:`group`, and where each digest's key is in ``routes``: by manager, its
+    digests and their indices (``u32`` each, little-endian) in order, which
+    :func:`place_values` writes a manager's values at."""
+    groups: dict[int, tuple[list[bytes], list[int]]] = {}
+    for i, (mid, digest) in enumerate(routes):
+        g = groups.setdefault(mid, ([], []))
+        g[0].append(digest)
+        g[1].append(i)
+    return {m: (d, struct.pack(f"<{len(p)}I", *p)) for m, (d, p) in groups.items()}
+
+
+def marked(values: list[Any], absent: Any) -> list[int]:
+    """The indices of the ``absent`` values (those ``get_many`` looks at again)."""
+    return [i for i, v in enumerate(values) if v is absent]
+
+
 #: A many-key read's table (``GetMany``): a ``u32`` count of groups, then this per group
 #: (manager, keys); every group's 16-byte digests follow, in order.
 GROUP = struct.Struct("<II")
@@ -425,6 +442,41 @@ def lookup_values(
         else:
             out.append(decode(take(f)))
     return out, nbytes, copies
+
+
+def place_values(
+    txn: Any,
+    db: Any,
+    digests: list[bytes],
+    positions: bytes,
+    out: list[Any],
+    tail: bytes,
+    small: int,
+    absent: Any,
+    take: Callable[[Any], Any],
+    decode: Callable[[Any], Any],
+) -> tuple[int, int]:
+    """:func:`lookup_values` written into ``out``: the value of ``digests[j]`` at
+    ``out[positions[j]]`` (``positions``: :func:`group_positions`' indices), so that a
+    same-host ``get_many`` puts every manager's values in the keys' order as it reads
+    them, without a list per manager to take apart.  Returns the bytes and the number of
+    the frames copied.
+
+    Raises
+    ------
+    ValueError
+        ``positions`` is not one index per digest, each within ``out``; nothing written.
+    """
+    n = len(digests)
+    if len(positions) != 4 * n:
+        raise ValueError(f"{len(positions)} bytes of positions for {n} digests")
+    at = struct.unpack(f"<{n}I", positions)
+    if n and max(at) >= len(out):
+        raise ValueError(f"a position beyond the {len(out)} values")
+    values, nbytes, copies = lookup_values(txn, db, digests, tail, small, absent, take, decode)
+    for i, v in zip(at, values, strict=True):
+        out[i] = v
+    return nbytes, copies
 
 
 def decode_frames(
@@ -1469,6 +1521,7 @@ __all__ = [
     "route",
     "Router",
     "group",
+    "group_positions",
     "digest_groups",
     "pack_frames",
     "unpack_frames",
@@ -1476,6 +1529,7 @@ __all__ = [
     "lookup_entry",
     "lookup_frames",
     "lookup_values",
+    "marked",
     "decoded",
     "taken_out",
     "decode_frames",
@@ -1484,6 +1538,7 @@ __all__ = [
     "leading_within",
     "put_entries",
     "pack_records",
+    "place_values",
     "unpack_records",
     "receive_reply",
     "KeyLane",

@@ -274,6 +274,25 @@ class ShardStore(Capacity, kernels.StoreState):
             txn, self._data, digests, tail, small, absent, take, loads_value
         )
 
+    def place_values(
+        self,
+        txn: lmdb.Transaction,
+        digests: list[bytes],
+        positions: bytes,
+        out: list[Any],
+        chkpt: int,
+        small: int,
+        absent: Any,
+        take: Callable[[Any], Any],
+    ) -> tuple[int, int]:
+        """:meth:`lookup_values` written into ``out`` at ``positions``
+        (:func:`~dask_ddict.kernels.place_values`): the bytes and number of the frames
+        copied."""
+        tail = _BE.pack(_MAXQ - chkpt)
+        return kernels.place_values(
+            txn, self._data, digests, positions, out, tail, small, absent, take, loads_value
+        )
+
     def exact(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
         """The version written at exactly ``chkpt``."""
         raw = txn.get(data_key(digest, chkpt), db=self._data)

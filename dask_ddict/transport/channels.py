@@ -422,6 +422,13 @@ class Channels:
         (:func:`.many_key_reads.get_many`)."""
         return many_key_reads.get_many(self, groups, chkpt, timeout, lend, follows, since, absent)
 
+    def read_here(
+        self, routes: list[tuple[int, bytes]], chkpt: int, absent: Any
+    ) -> tuple[list[Any], list[int]] | Any:
+        """``(values, marked)`` of ``routes`` when every manager's shard is read here, else
+        ``NotImplemented`` (:func:`.many_key_reads.read_here`)."""
+        return many_key_reads.read_here(self, routes, chkpt, absent)
+
     async def get_many_async(
         self,
         groups: dict[int, list[bytes]],

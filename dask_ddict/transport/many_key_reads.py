@@ -15,6 +15,7 @@ import asyncio
 import time
 from typing import Any
 
+from .. import kernels
 from ..errors import DDictError, DDictLeaseError, DDictManagerMovedError
 from . import timing
 from .many_key_ops import GetMany
@@ -120,6 +121,26 @@ def _get_many(
     if failure is not None:
         raise failure
     return out
+
+
+def read_here(
+    routing: Routing, routes: list[tuple[int, bytes]], chkpt: int, absent: Any
+) -> tuple[list[Any], list[int]] | Any:
+    """``(values, marked)`` of keys routed ``routes`` when every manager of them is read
+    on this host (``absent`` for an absent key, ``marked``: their indices), else
+    ``NotImplemented``: :func:`get_many`'s reads of shards mapped here, each manager's
+    values written in the keys' order as they are walked
+    (:meth:`~.shared.SharedChannel.place_many`), with no list of a manager's values to
+    take apart, no operation and no reply per manager.  A manager reached by socket, or
+    one whose shard declines (see ``place_many``), leaves every key to :func:`get_many`."""
+    if timing.on:  # (the timed path's: one operation, timed as such)
+        return NotImplemented
+    out = [absent] * len(routes)
+    for mid, (digests, positions) in kernels.group_positions(routes).items():
+        ch = routing.channel(mid)
+        if ch.kind != "shm" or not ch.place_many(digests, positions, out, chkpt, absent):
+            return NotImplemented
+    return out, kernels.marked(out, absent)
 
 
 async def get_many_async(

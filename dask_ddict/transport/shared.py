@@ -403,6 +403,34 @@ class SharedChannel:
         finally:
             self._exit(view)
 
+    def place_many(
+        self, digests: list[bytes], positions: bytes, out: list[Any], chkpt: int, absent: Any
+    ) -> bool:
+        """The values of ``digests`` copied from one snapshot of the shard into ``out`` at
+        ``positions`` (``absent`` for an absent key: see
+        :func:`~dask_ddict.kernels.place_values`), as :meth:`_get_many` reads a copying
+        group; ``False`` (part of ``out`` may be written): not read here, the caller's
+        :class:`~.many_key_ops.GetMany` reads them (no view of the shard, a key a reader
+        may have to wait for, or anything that raises, said there again)."""
+        view = self._enter()
+        if view is None:
+            return False
+        try:
+            self._check_alive()
+            with self._snapshot(view.store) as txn:
+                self._check_state(view.store, chkpt, txn)
+                if self._wfk:
+                    return False
+                nbytes, copies = view.store.place_values(
+                    txn, digests, positions, out, chkpt, SMALL_FRAME, absent, view.copy
+                )
+            touched(nbytes, copies)
+            return True
+        except Exception:  # noqa: BLE001 - the GetMany path meets it again and says it
+            return False
+        finally:
+            self._exit(view)
+
     def _many(
         self,
         view: _View,
