@@ -35,7 +35,8 @@ def wire_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(f"no C compiler ({cc[0]}) on this machine")
     exe = tmp_path_factory.mktemp("wire") / "wire_client"
     subprocess.run(
-        [*cc, "-std=c99", "-Wall", "-Werror", "-O2", "-I", kernels.get_include(), str(SOURCE)]
+        [*cc, "-std=c99", "-Wall", "-Wextra", "-Werror", "-O2", "-I", kernels.get_include()]
+        + [str(SOURCE)]
         + ["-o", str(exe)],
         check=True,
         capture_output=True,
@@ -85,3 +86,39 @@ def test_a_c_client_puts_and_gets_over_a_hosts_unix_socket(wire_client):
         ]
         d.destroy()
         assert not (mine & shm_entries())
+
+
+CPP_ROUTE = r"""
+#include <cstdio>
+#include <cstring>
+#include "ddict_wire.h"
+
+int main(int argc, char **argv) {
+    unsigned char kb[DDICT_KEY_BYTES_MOST], digest[DDICT_DIGEST_BYTES];
+    for (int i = 1; i < argc; i++) {
+        size_t n = ddict_str_key(argv[i], std::strlen(argv[i]), kb);
+        ddict_digest(kb, n, digest);
+        std::printf("%llu\n", (unsigned long long)ddict_manager_of(digest, 7));
+    }
+    return 0;
+}
+"""
+
+
+def test_the_header_serves_a_cpp_client_too(tmp_path):
+    """A C++ translation unit includes the header as it is (no ``extern "C"`` needed:
+    every function is inline in it) and routes as the Python client does."""
+    cxx = shlex.split(sysconfig.get_config_var("CXX") or "c++")
+    if shutil.which(cxx[0]) is None:
+        pytest.skip(f"no C++ compiler ({cxx[0]}) on this machine")
+    src, exe = tmp_path / "route.cc", tmp_path / "route"
+    src.write_text(CPP_ROUTE)
+    subprocess.run(
+        [*cxx, "-std=c++11", "-Wall", "-Wextra", "-Werror", "-I", kernels.get_include()]
+        + [str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
+    keys = ["a", "key-17", "ключ"]
+    want = [str(manager_for_digest(key_digest(encode_key(k)), 7)) for k in keys]
+    assert _run(exe, *keys) == want

@@ -67,9 +67,14 @@ static int connect_to(const char *path, const unsigned char *uid) {
     unsigned char hello[DDICT_HELLO_BYTES + DDICT_NONCE_BYTES], answer;
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     if (fd < 0) die("socket");
+    size_t n = strlen(path);
+    if (n >= sizeof addr.sun_path) {
+        fprintf(stderr, "a socket path of %zu bytes is too long\n", n);
+        exit(2);
+    }
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
-    strncpy(addr.sun_path, path, sizeof addr.sun_path - 1);
+    memcpy(addr.sun_path, path, n);
     if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) die("connect");
     memcpy(hello, DDICT_HELLO_MAGIC, 4);
     memcpy(hello + 4, uid, 16);
