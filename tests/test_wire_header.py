@@ -1,6 +1,6 @@
 """``ddict_wire.h``: the key path in C, for C and C++ clients (issue 53, item 5).
 
-A client written on the header alone (``tests/c/wire_client.c``, built here with the
+A client written on the header alone (``examples/c_client/wire_client.c``, built here with the
 machine's C compiler, the one that builds the kernels) routes keys as the Python
 client does, and puts and gets values over a host process's Unix socket that the
 Python client then reads and wrote.
@@ -24,7 +24,7 @@ from dask_ddict.errors import Status
 from tests.support.cluster import local_cluster
 from tests.support.shards import shards, shm_entries
 
-SOURCE = Path(__file__).parent / "c" / "wire_client.c"
+SOURCE = Path(__file__).parent.parent / "examples" / "c_client" / "wire_client.c"
 
 
 @pytest.fixture(scope="module")

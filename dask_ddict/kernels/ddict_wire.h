@@ -4,7 +4,7 @@
  * process that serves it, written once.  The compiled kernels (_compiled.pyx, through
  * framing.pxi) include it, so the Python clients and hosts frame, hash and route with
  * these very functions; `dask_ddict.kernels.get_include()` gives its directory, and
- * tests/c/wire_client.c is a client that uses nothing else (a put and a get over a
+ * examples/c_client/wire_client.c is a client that uses nothing else (a put and a get over a
  * host's Unix socket).  tests/test_kernels.py holds the constants to the Python
  * declarations (transport/protocol.py, errors.py, _serialize.py).
  *

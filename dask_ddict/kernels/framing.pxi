@@ -8,7 +8,7 @@
 # reads requests and writes replies with them, the client's key lane writes requests
 # and reads replies, and the Python-facing kernels (``take_request``, ``send_reply``,
 # ``receive_reply``, the router) go through the same ones.  It is the layer a C or C++
-# client (Dragon ships both) sits on: ``tests/c/wire_client.c`` is one.
+# client (Dragon ships both) sits on: ``examples/c_client/wire_client.c`` is one.
 
 cdef extern from "ddict_wire.h" nogil:
     enum:

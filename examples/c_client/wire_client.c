@@ -9,6 +9,12 @@
  *       the value (a raw-bytes value's text, "-" when absent)
  *
  * A KEY is "s:text" (a str key) or "i:number" (an int key of 32 bits).
+ *
+ * Build it against the installed package's header:
+ *   cc -std=c99 -O2 -I"$(python -c 'import dask_ddict.kernels as k; print(k.get_include())')" \
+ *      wire_client.c -o wire_client
+ * and give it what a handle's layout says (d._core.layout: uid, num_managers, and the
+ * managers' uds_path), from a process on the managers' machine, as the same user.
  */
 #include <stdio.h>
 #include <stdlib.h>
