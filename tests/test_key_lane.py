@@ -102,7 +102,7 @@ def _get_many(lane: Any, h: DDict, keys: list[Any]) -> tuple[list[Any], list[int
     """``h.get_many(keys)`` through ``lane`` (``None``: the Python path) as ``(values,
     indices of the absent keys)``, :data:`ABSENT` for an absent key."""
     got = NotImplemented if lane is None else lane.get_many(h, list(keys), ABSENT)
-    if got is NotImplemented:  # (as Reads.get_many: its own marker, which the reply carries)
+    if got is NotImplemented or type(got) is Resend:  # (as Reads.get_many: its own marker)
         routes = h._routes(list(keys))
         decode, small = h._decoder(None)
         values, marked = kernels.decode_values(
@@ -445,7 +445,7 @@ def test_the_lanes_serve_a_handle_with_a_timeout_and_cut_its_waits(client, tcp):
             assert lane.put(t, "k", b"v", False) is None
             assert lane.get(t, "k") == b"v" and lane.contains(t, "k") is True
         link = t._core.channel(m).link
-        for _ in range(3 * len(SERVING)):  # (one for each call below: each closes its own)
+        for _ in range(4 * len(SERVING)):  # (one for each call below: each closes its own)
             IDLE_POOL.give(link, link._connect(m, None, None))
         host = psutil.Process(t.stats[m].pid)
         stop_process(host)
@@ -458,6 +458,7 @@ def test_the_lanes_serve_a_handle_with_a_timeout_and_cut_its_waits(client, tcp):
                     (lambda: lane.get(t, "k"), "did not answer GET within 0.5 s"),
                     (lambda: lane.contains(t, "k"), "did not answer CONTAINS"),
                     (lambda: lane.put(t, "k", b"w", False), "may or may not have been"),
+                    (lambda: lane.get_many(t, ["k"], ABSENT), "did not answer GET_MANY"),
                 ):
                     with IDLE_POOL.lock:
                         idle = len(link.idle)
@@ -520,6 +521,61 @@ def test_a_timed_read_sent_again_keeps_its_first_deadline():
             t.detach()
         finally:
             d.destroy()
+
+
+def test_a_timed_get_many_read_again_keeps_its_first_deadline():
+    """A lane's timed ``get_many`` whose host stops answering and then is SIGKILLed (its
+    connection breaks) answers a :class:`Resend` of its start, in both sets; the handle
+    then reads again by the Python path within the same deadline: the whole read ends
+    within its timeout and the slack, with the values once the supervisor restarted the
+    host, or the Python path's error; never a second timeout later."""
+    from dask_ddict import DDictError
+    from tests.support.processes import stop_process
+
+    keys = list(range(50))
+
+    def broken_under(call: Callable[[], Any]) -> tuple[Any, float, float]:
+        """``call()`` while the host is stopped, then killed 1 s in: what it gave (or
+        raised), when it began and how long it took; the host back after."""
+        host = psutil.Process(d.stats[0].pid)
+        stop_process(host)
+        killer = threading.Timer(1.0, host.kill)
+        killer.start()
+        t0 = time.monotonic()
+        try:
+            got: Any = call()
+        except DDictError as e:  # (not back within the time: the Python path's error)
+            got = e
+        elapsed = time.monotonic() - t0
+        killer.join()
+        poll_for(lambda: _answers(t, keys), 60, "the host restarted")
+        return got, t0, elapsed
+
+    with local_cluster(1) as cl, Client(cl) as c:
+        d = DDict(total_mem="32 MiB", client=c)
+        try:
+            h = over_tcp(d)
+            h.update({i: i for i in keys})
+            t = _timed(h, 4.0)  # (slack 0.2 s)
+            assert t.get_many(keys) == keys  # (the lane's, warm)
+            for lane in SERVING:
+                got, t0, elapsed = broken_under(lambda: lane.get_many(t, keys, ABSENT))
+                assert type(got) is Resend and abs(got.began - t0) < 0.1, (lane, got)
+                assert 1.0 < elapsed < 4.0, elapsed
+            got, _, elapsed = broken_under(lambda: t.get_many(keys))
+            assert got == keys or isinstance(got, DDictError)
+            assert 1.0 < elapsed < 4.0 + 0.2 + 0.6, elapsed
+            t.detach()
+            h.detach()
+        finally:
+            d.destroy()
+
+
+def _answers(t: DDict, keys: list[Any]) -> bool:
+    try:
+        return t.get_many(keys) == keys
+    except Exception:  # noqa: BLE001 - (not back yet)
+        return False
 
 
 def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):

@@ -25,6 +25,7 @@ from ..errors import DDictTimeoutError, Status, error_for_status
 from ..transport import timing
 from ..transport.bounded_connection import Deadline
 from ..transport.idle_pool import IDLE_POOL
+from ..transport.many_key_ops import GetMany
 from ..transport.operation import Operation
 from ..transport.ops import Contains, Get, Put
 from ..transport.protocol import FLAG_PERSIST, SMALL, Op
@@ -36,6 +37,7 @@ _OPERATIONS: dict[int, Operation] = {
     int(Op.GET): Get(b"", 0),
     int(Op.CONTAINS): Contains(b"", 0),
     int(Op.PUT): Put(b"", b"", Framed((), 0), 0, 0),
+    int(Op.GET_MANY): GetMany((), 0),
 }
 
 

@@ -101,15 +101,17 @@ class Reads(HandleBase):
         """
         keys = list(check_keys("keys", keys))
         found = LANE.get_many(self, keys, ABSENT) if copy is True else NotImplemented
+        began = None
+        if type(found) is Resend:  # (sent, and to be read again within its deadline)
+            began, found = found.began, NotImplemented
         if found is NotImplemented:  # (the common case over TCP in one call: lane.py)
             routes = self._routes(keys)
             if copy is True and self._vp is None:  # (every shard mapped here: read in place)
                 found = self._core.read_here(routes, self._chkpt, ABSENT)
             if found is NotImplemented:
                 decode, small = self._decoder(None)  # (values in key order, no pairs)
-                found = kernels.decode_values(
-                    routes, self._fetched(routes, copy, None), decode, ABSENT, WAIT, small
-                )
+                got = self._fetched(routes, copy, None, began)
+                found = kernels.decode_values(routes, got, decode, ABSENT, WAIT, small)
         out, marked = found
         for i in marked:
             key, got = keys[i], out[i]
@@ -146,16 +148,20 @@ class Reads(HandleBase):
         routes: builtins.list[tuple[int, bytes]],
         copy: bool | None,
         decode: Callable[[Any], Any] | None,
+        began: float | None = None,
     ) -> dict[int, builtins.list[Any]]:
         """The answers for the keys of ``routes`` by manager, one request per host: frames,
         or (read on this host, to be decoded by the frames' own decoder, ``decode``
-        ``None``) values decoded in the shard's snapshot."""
+        ``None``) values decoded in the shard's snapshot.  ``began``: when the operation's
+        time began, if before (see :class:`~dask_ddict.kernels.Resend`)."""
         lend, groups = self._many_request(copy, routes)
         if not groups:
             return {}
         own = self._decoder(decode)[1]  # (the frames' own decoder: decodable where read)
         absent = ABSENT if lend is False and own else None
-        return self._core.get_many(groups, self._chkpt, self._timeout, lend, absent=absent)
+        return self._core.get_many(
+            groups, self._chkpt, self._timeout, lend, absent=absent, began=began
+        )
 
     async def _many_async(
         self,

@@ -422,7 +422,7 @@ cdef class KeyLane:
         cdef object routed = self._routed(h)
         cdef list mids = [], links = [], conns = [], states = [], replies = []
         cdef dict link_index = {}
-        if routed is None or n == 0 or h._timeout is not None or self.timing.on:
+        if routed is None or n == 0 or self.timing.on:
             return NotImplemented
         if not _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt):
             return NotImplemented
@@ -490,7 +490,7 @@ cdef class KeyLane:
                     links.append(link)
                 link_of[g] = <int>k
             nlinks = len(links)
-            return self._many(n, absent, routes, chkpt, mids, links, conns, states,
+            return self._many(h, n, absent, routes, chkpt, mids, links, conns, states,
                               replies, slot, link_of, place, count, bufs, ngroups, nlinks)
         finally:
             PyMem_Free(slot)
@@ -500,13 +500,17 @@ cdef class KeyLane:
             PyMem_Free(count)
             PyMem_Free(bufs)
 
-    cdef object _many(self, Py_ssize_t n, absent, list routes, long long chkpt, list mids,
+    cdef object _many(self, h, Py_ssize_t n, absent, list routes, long long chkpt, list mids,
                       list links, list conns, list states, list replies, int* slot,
                       int* link_of, Py_ssize_t* place, Py_ssize_t* count,
                       unsigned char** bufs, Py_ssize_t ngroups, Py_ssize_t nlinks):
         """:meth:`get_many`'s exchange of ``n`` keys, once grouped (``states``: each link's
         connection taken 0, its request sent 1, its reply received and the connection
-        given back 2; ``bufs``: room for each link's request buffer)."""
+        given back 2; ``bufs``: room for each link's request buffer).  A handle with a
+        timeout: each link's waits end at the operation's deadline (the time and the
+        link's slack from the start, as the Python path's exchange counts it); one that
+        passes raises the Python path's error for that link, and what would be
+        ``NotImplemented`` once sent is a :class:`Resend` (its time counted from here)."""
         cdef Py_ssize_t i, g, k, at, total, groups
         cdef Py_ssize_t vlen
         cdef unsigned char* p
@@ -514,7 +518,13 @@ cdef class KeyLane:
         cdef Py_ssize_t failing = -1
         cdef list out, marked, counts, values, cursor
         cdef bint unfit = False  # (a reply the Python path must take)
+        cdef bint late = False  # (a link's deadline passed: ``failing``'s)
+        cdef double began = _monotonic(), wire_timeout = _NO_TIMEOUT, deadline = -1.0
         error = None  # (a kept reply's decoding error)
+        timeout = h._timeout
+        if timeout is not None:
+            wire_timeout = timeout
+        again = NotImplemented if timeout is None else Resend(began)  # (once sent)
         # the requests: each link's size, then a connection that holds it
         sizes = []
         for k in range(nlinks):
@@ -543,7 +553,7 @@ cdef class KeyLane:
                 head.op, head.flags, head.term, head.klen = self.op_get_many, 0, 0, 0
                 head.manager, head.tag = 0, 0
                 head.chkpt, head.arg, head.client = chkpt, 0, 0
-                head.timeout, head.vlen, head.rid = _NO_TIMEOUT, <uint64_t>sizes[k], 0
+                head.timeout, head.vlen, head.rid = wire_timeout, <uint64_t>sizes[k], 0
                 groups, at = 0, _REQUEST + 4
                 for g in range(ngroups):
                     if link_of[g] == k:
@@ -568,16 +578,26 @@ cdef class KeyLane:
             for k in range(nlinks):
                 failing = k
                 conn = conns[k]
-                _move_all(conn.sock, <char*>bufs[k], _REQUEST + <Py_ssize_t>sizes[k], True,
-                          conn.timeout is None, -1.0)
+                if timeout is not None:
+                    deadline = began + wire_timeout + <double>(<object>links[k])._slack
+                if not _move_all(conn.sock, <char*>bufs[k], _REQUEST + <Py_ssize_t>sizes[k],
+                                 True, conn.timeout is None and deadline < 0, deadline):
+                    late = True  # (its error raised below: a DDictTimeoutError is an OSError)
+                    break
                 states[k] = 1
             # each reply: one in its connection's buffer decoded before the connection goes
             # back (an error decoding it raised once all are back), the others after
-            for k in range(nlinks):
+            for k in range(0 if late else nlinks):
                 failing = k
                 conn = conns[k]
                 buf = conn.reader._buf
-                status, _, payload = self._reply(conn, buf, conn.timeout is None, -1.0, True)
+                if timeout is not None:
+                    deadline = began + wire_timeout + <double>(<object>links[k])._slack
+                got = self._reply(conn, buf, conn.timeout is None and deadline < 0, deadline, True)
+                if got is None:
+                    late = True
+                    break
+                status, _, payload = got
                 if type(payload) is memoryview and payload.obj is conn.reader._buf:
                     got = NotImplemented
                     try:
@@ -596,14 +616,17 @@ cdef class KeyLane:
                 self._give(links[k], conn)
         except OSError:
             self._drop(links, conns, states, failing, True)
-            return NotImplemented
+            return again
         except BaseException:
             self._drop(links, conns, states, failing, False)
             raise
+        if late:  # (every connection with a request in flight closed, then the error)
+            self._drop(links, conns, states, failing, False)
+            raise self._late(h, links, failing, link_of, mids, ngroups)
         if error is not None:
             raise error
         if unfit:  # (the Python path's: it decodes every reply again)
-            return NotImplemented
+            return again
         # the values: each reply's, by group
         values = [None] * ngroups
         for k in range(nlinks):
@@ -612,7 +635,7 @@ cdef class KeyLane:
                 got = self._decoded((<tuple>got)[0], (<tuple>got)[1], k, link_of, count,
                                     ngroups, absent)
             if got is NotImplemented:
-                return NotImplemented
+                return again
             at = 0
             for g in range(ngroups):
                 if link_of[g] == k:
@@ -629,6 +652,17 @@ cdef class KeyLane:
             if v is absent:
                 marked.append(i)
         return out, marked
+
+    cdef object _late(self, h, list links, Py_ssize_t k, int* link_of, list mids,
+                      Py_ssize_t ngroups):
+        """The error of link ``k``, whose deadline passed, as the Python path raises it: no
+        answer from its first manager within the operation's time and slack (its caller
+        drops every connection with a request in flight first)."""
+        cdef Py_ssize_t g
+        for g in range(ngroups):
+            if link_of[g] == k:
+                return self.timed_out(h, None, self.op_get_many, links[k], mids[g], None)
+        return AssertionError("a link without a group")
 
     cdef object _decoded(self, int status, payload, Py_ssize_t k, int* link_of,
                          Py_ssize_t* count, Py_ssize_t ngroups, absent):

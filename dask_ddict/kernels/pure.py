@@ -991,25 +991,32 @@ class KeyLane:
     def get_many(self, h: Any, keys: list[Any], absent: Any) -> Any:
         """``h.get_many(keys)`` copying its values, as ``(values, marked)``: the values in
         the keys' order, ``absent`` for an absent key, and the indices of those; or
-        ``NotImplemented``.
+        ``NotImplemented``, or (a handle with a timeout, once sent) a :class:`Resend`.
 
         The common case of the handle's Python path (``Reads.get_many``: the keys'
         routes, one :class:`~dask_ddict.transport.many_key_ops.GetMany` per host process,
         every request sent before any reply is read, each reply's values decoded where
-        it was received): a handle the lane serves, without a timeout (a timed one is
-        the Python path's), whose keys route (a key's group is its manager's, the groups
-        in the order their first keys come), every manager's channel a plain TCP link's,
-        each link with an idle connection that holds its request whole.  It sends what
-        ``GetMany.encode`` and the link's exchange send (no term: a many-key request
-        follows no manager; the first group's manager in the header) and answers when
-        every reply is OK and decodes (:func:`unpack_values`).  Anything else answers
-        ``NotImplemented``: before anything was sent, or after (a reply not OK: a moved
-        or leased manager; one a reader must wait for; a broken connection, closed as
-        the link closes one, every other one with a request in flight closed too); the
-        caller then takes its Python path, which reads every key again."""
+        it was received): a handle the lane serves, whose keys route (a key's group is
+        its manager's, the groups in the order their first keys come), every manager's
+        channel a plain TCP link's, each link with an idle connection that holds its
+        request whole.  It sends what ``GetMany.encode`` and the link's exchange send (no
+        term: a many-key request follows no manager; the first group's manager in the
+        header; the handle's timeout) and answers when every reply is OK and decodes
+        (:func:`unpack_values`).  With a timeout, each link's waits end at the Python
+        path's deadline (the time and the link's slack from the start), and one that
+        passes raises its error (``GET_MANY`` unanswered by the link's first manager),
+        every connection with a request in flight closed.  Anything else answers
+        ``NotImplemented`` (a :class:`Resend` with a timeout, once sent: the Python path
+        reads again within the same deadline): before anything was sent, or after (a
+        reply not OK: a moved or leased manager; one a reader must wait for; a broken
+        connection, closed as the link closes one, every other one with a request in
+        flight closed too); the caller then takes its Python path, which reads every
+        key again."""
         routed = self._routed(h)
-        if routed is None or not keys or h._timeout is not None or self.timing.on:
+        if routed is None or not keys or self.timing.on:
             return NotImplemented
+        timeout = h._timeout
+        wire_timeout = -1.0 if timeout is None else float(timeout)
         try:
             routes = routed[0].many(keys)
         except KeyTooLong:
@@ -1039,7 +1046,7 @@ class KeyLane:
                 return NotImplemented
             try:
                 head = REQUEST.pack(
-                    self.wire.get_many, 0, 0, 0, mids[0], 0, h._chkpt, 0, 0, -1.0, vlen, 0
+                    self.wire.get_many, 0, 0, 0, mids[0], 0, h._chkpt, 0, 0, wire_timeout, vlen, 0
                 )
             except struct.error:  # (a field out of range: the Python path's to say)
                 return NotImplemented
@@ -1055,32 +1062,41 @@ class KeyLane:
         states = [0] * len(conns)  # (taken 0, sent 1, answered and given back 2)
         replies = []
         failing = 0
+        began = time.monotonic()
+        # (a timed one: each link's waits end at its deadline, the Python path's; once
+        # sent, what would be NotImplemented is a Resend, its time counted from here)
+        deadlines = [None if timeout is None else began + timeout + k._slack for k in links]
+        again = NotImplemented if timeout is None else Resend(began)
         try:
             for failing, ((_, _, request), conn) in enumerate(zip(requests, conns)):
-                conn.begin(None, None)
+                conn.begin(deadlines[failing], None)
                 conn.sendall(request)
                 states[failing] = 1
             for failing, ((link, mids, _), conn) in enumerate(zip(requests, conns)):
-                status, _, payload = self._reply(conn, None)
+                status, _, payload = self._reply(conn, deadlines[failing])
                 states[failing] = 2
                 self.pool.give(link, conn)
                 replies.append((status, payload, [len(members[mid]) for mid in mids]))
+        except self.deadline:
+            self._drop(requests, conns, states, failing, broken=False)
+            link, mids, _ = requests[failing]
+            raise self.timed_out(h, None, self.wire.get_many, link, mids[0], None) from None
         except OSError:
             self._drop(requests, conns, states, failing, broken=True)
-            return NotImplemented
+            return again
         except BaseException:
             self._drop(requests, conns, states, failing, broken=False)
             raise
         values: dict[int, list[Any]] = {}
         for (_, mids, _), (status, payload, counts) in zip(requests, replies):
             if status != 0:  # (a moved or leased manager, ...: the Python path's to follow)
-                return NotImplemented
+                return again
             try:
                 decoded = unpack_values(payload, counts, self.wire.small, absent, self.decode)
             except ValueError:  # (a reply that does not add up: the Python path says so)
-                return NotImplemented
+                return again
             if decoded is None:  # (a reader must wait for one: the Python path's)
-                return NotImplemented
+                return again
             values.update(zip(mids, decoded))
         out: list[Any] = [None] * len(keys)
         for mid, group in members.items():

@@ -416,11 +416,14 @@ class Channels:
         follows: int = 0,
         since: float = 0.0,
         absent: Any = None,
+        began: float | None = None,
     ) -> dict[int, list[Any]]:
         """The frames of many keys, by manager (values where ``absent`` asks a shard on
         this host to decode them): one request per host process
         (:func:`.many_key_reads.get_many`)."""
-        return many_key_reads.get_many(self, groups, chkpt, timeout, lend, follows, since, absent)
+        return many_key_reads.get_many(
+            self, groups, chkpt, timeout, lend, follows, since, absent, began
+        )
 
     def read_here(
         self, routes: list[tuple[int, bytes]], chkpt: int, absent: Any

@@ -33,6 +33,7 @@ def get_many(
     follows: int = 0,
     since: float = 0.0,
     absent: Any = None,
+    began: float | None = None,
 ) -> dict[int, list[Any]]:
     """The frames of many keys, by manager (``groups``: each manager's digests).
 
@@ -42,13 +43,24 @@ def get_many(
     a host's answer, decoded where it is received).
     The first failure is raised once every host answered.  ``follows`` and ``since``:
     the moves followed so far, and since when the read waits for a primary (see
-    :meth:`~.channels.Channels.settle`).
+    :meth:`~.channels.Channels.settle`).  ``began``: when the operation's time began, if
+    before (the key lane's, which sent it first: :class:`~dask_ddict.kernels.Resend`).
     """
     if timing.on:  # (one operation, however many hosts it goes to)
         return timing.timed(
-            "get_many", _get_many, routing, groups, chkpt, timeout, lend, follows, since, absent
+            "get_many",
+            _get_many,
+            routing,
+            groups,
+            chkpt,
+            timeout,
+            lend,
+            follows,
+            since,
+            absent,
+            began,
         )
-    return _get_many(routing, groups, chkpt, timeout, lend, follows, since, absent)
+    return _get_many(routing, groups, chkpt, timeout, lend, follows, since, absent, began)
 
 
 def _get_many(
@@ -60,6 +72,7 @@ def _get_many(
     follows: int,
     since: float,
     absent: Any,
+    began: float | None = None,
 ) -> dict[int, list[Any]]:
     """:func:`get_many`'s work."""
     out: dict[int, list[Any]] = {}
@@ -73,7 +86,7 @@ def _get_many(
         else:
             remote.setdefault(ch.link, []).append((mid, digests))
     pending = []
-    began = time.monotonic()  # (every host's time counts from here)
+    began = time.monotonic() if began is None else began  # (every host's from here)
     for link, gs in remote.items():
         op = GetMany(tuple(gs), chkpt, timeout, lend, absent)
         try:
@@ -115,7 +128,9 @@ def _get_many(
         except DDictError:
             raise failure from None
         out.update(
-            routing.get_many(rest, chkpt, timeout, lend, follows + (not lapsed), since, absent)
+            routing.get_many(
+                rest, chkpt, timeout, lend, follows + (not lapsed), since, absent, began
+            )
         )
         return out
     if failure is not None:

@@ -65,6 +65,7 @@ class Routing(Protocol):
         follows: int = 0,
         since: float = 0.0,
         absent: Any = None,
+        began: float | None = None,
     ) -> dict[int, list[Any]]:
         """The frames of many keys, by manager (see :mod:`.many_key_reads`)."""
         ...
