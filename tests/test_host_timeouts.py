@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import asdict
+from typing import Any
 
 import dask
 import pytest
@@ -121,3 +122,31 @@ def test_a_copy_of_a_shard_is_waited_for_past_the_start_timeout():
         d[300] = 300  # writes resumed
         d.destroy()
         assert not (mine & shm_entries())
+
+
+def test_each_control_message_is_given_the_time_it_may_take():
+    """``answer_within`` (the one declaration of a control message's deadline): what moves
+    a shard's bytes gets ``move.timeout`` more than ``start-timeout``; what waits on
+    storage as long as it takes (a close waits for its persists; an opening that
+    restores) is never cut short by a kill; the rest gets ``start-timeout``."""
+    from dask_ddict.options import DDictOptions
+
+    def spec(**options: Any) -> control.DictSpec:
+        return control.DictSpec("d", "ab" * 8, "s", DDictOptions(**options), 1 << 20, 2)
+
+    source = {"manager_id": 0}
+    with dask.config.set({"ddict.host.start-timeout": "7 s", "ddict.move.timeout": "100 s"}):
+        for msg, want in [
+            (control.Ping(), 7.0),
+            (control.ShardBytes("u"), 7.0),
+            (control.OpenManagers(spec(), (0,)), 7.0),
+            (control.MoveIn(spec(), 0, path="/p"), 7.0),  # (same machine: no copy)
+            (control.MoveIn(spec(), 0, source=source), 107.0),
+            (control.ReplicaSeed(spec(), 0, source, 1, 2), 107.0),
+            (control.MovePrepare("d", 0, 1 << 20, 1 << 10), 107.0),
+            (control.CloseManagers("u"), None),
+            (control.OpenManagers(spec(restore_from=3, persist_path="/p"), (0,)), None),
+        ]:
+            assert control.answer_within(msg) == want, msg
+    with dask.config.set({"ddict.move.timeout": None}):
+        assert control.answer_within(control.ReplicaSeed(spec(), 0, source, 1, 2)) is None

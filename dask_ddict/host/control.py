@@ -244,16 +244,26 @@ class Discarded:
 
 
 def answer_within(msg: Any) -> float | None:
-    """Seconds a supervisor waits for the answer to ``msg`` (``None``: no limit).
+    """Seconds a supervisor waits for the answer to ``msg`` (``None``: no limit); a host
+    that does not answer in time is killed (:mod:`.pipe`), so this is the most any
+    healthy host may take.
 
-    ``ddict.host.start-timeout`` for every message, and ``ddict.move.timeout`` more for
-    those that copy a shard from another host (a move to this machine, a new replica):
-    the copy gives up after that long itself, and a shard of gigabytes over a slow link
-    may need most of it.
+    ``ddict.host.start-timeout`` for most messages; ``ddict.move.timeout`` more for the
+    steps of a move or a new replica that move a shard's bytes (a copy from another
+    host, the room made for one: each gives up after ``move.timeout`` itself, and a shard
+    of gigabytes over a slow link may need most of it); no limit for what waits on
+    storage as long as it takes (a dictionary's close, which waits for its persists; an
+    opening that restores a checkpoint), where killing the host would cut that short.
     """
+    if isinstance(msg, CloseManagers) or (
+        isinstance(msg, OpenManagers) and msg.spec.options.restore_from is not None
+    ):
+        return None
     wait = config.get_seconds("host.start-timeout")
-    copies = isinstance(msg, ReplicaSeed) or (isinstance(msg, MoveIn) and msg.source is not None)
-    if wait is None or not copies:
+    moving = isinstance(msg, (ReplicaSeed, MovePrepare)) or (
+        isinstance(msg, MoveIn) and msg.source is not None
+    )
+    if wait is None or not moving:
         return wait
     more = config.get_seconds("move.timeout")
     return None if more is None else wait + more

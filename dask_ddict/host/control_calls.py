@@ -224,6 +224,8 @@ class ControlCalls:
                 return
             try:
                 self.supervisor.call(control.MoveAbort(uid, mid))
+            except HostDiedError:  # (ended or killed meanwhile: its next one re-opens it)
+                return
             except DDictError:  # a new incarnation, which did not open it: open it now
                 paths = {mid: served.paths[mid]}
                 self.supervisor.call(  # (under the term in its shard)
@@ -313,8 +315,8 @@ class ControlCalls:
 
 def _kept_again(e: BaseException) -> bool:
     """Whether a promotion that raised ``e`` left its replica kept by the host (its opening
-    failed: see ``replicas.give_back``), rather than refused it (none kept, or stale), ended
-    with the host process, or may still be under way (no answer in time)."""
+    failed: see ``replicas.give_back``), rather than refused it (none kept, or stale) or
+    ended with the host process (which was killed if it did not answer in time)."""
     if isinstance(e, DDictManagerUnavailableError):
         return False
     return not (isinstance(e, DDictError) and e.code == "TIMEOUT")

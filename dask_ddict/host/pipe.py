@@ -4,8 +4,8 @@ The supervisor speaks to each incarnation of its host process over that process'
 stdin and stdout (the messages, and why a pipe: :mod:`.control`).  An exchange is a
 message written whole, then a reply read whole within a deadline: a host process
 that ends mid-exchange raises :class:`HostDiedError` (its pipe breaks, or reads end),
-one that does not answer in time a ``TIMEOUT`` :class:`~dask_ddict.errors.DDictError`,
-and a reply ``(False, exception)`` raises that exception here.
+one that does not answer in time :class:`HostKilledError` (see below), and a reply
+``(False, exception)`` raises that exception here.
 
 A host process that did not answer in time is killed: the answer it still owes would
 be read as the next message's, and what the late call did (a manager opened, a copy
@@ -27,12 +27,18 @@ import subprocess
 import time
 from typing import Any
 
-from ..errors import DDictError, DDictManagerUnavailableError
+from ..errors import DDictManagerUnavailableError
 from . import control
 
 
 class HostDiedError(DDictManagerUnavailableError):
     """The host process ended while answering a control message."""
+
+
+class HostKilledError(HostDiedError):
+    """The host process did not answer a control message in time, and was killed: to
+    its caller, a host that ended while answering (its next incarnation serves what the
+    registry holds)."""
 
 
 class HostPipe:
@@ -74,10 +80,9 @@ class HostPipe:
                 if not select.select([fd], [], [], wait)[0]:
                     self.out_of_step = True
                     self.proc.kill()
-                    raise DDictError(
+                    raise HostKilledError(
                         f"the host process of {self.label} did not answer within {timeout} s;"
-                        " it was killed (a new incarnation serves its shards)",
-                        "TIMEOUT",
+                        " it was killed (a new incarnation serves its shards)"
                     )
                 chunk = os.read(fd, n - len(buf))
                 if not chunk:

@@ -244,6 +244,8 @@ class HostSupervisor:
         """Hand a new incarnation every dictionary of the registry, over its shards."""
         for served in self.registry.replay():
             spec, paths = served.spec, served.paths
+            if pipe.out_of_step:  # (killed: it did not answer; the next one replays all)
+                return
             try:
                 # (each under the term in its shard: a promoted manager's is not 0)
                 msg = control.OpenManagers(spec, tuple(paths), dict(paths), served.worker, None)
@@ -364,7 +366,7 @@ class HostSupervisor:
             if proc is not None and pipe is not None and proc.poll() is None:
                 try:
                     pipe.send(control.Shutdown())
-                    pipe.recv(timeout)
+                    pipe.recv(2 * timeout)  # (then killed: its wait below is the kill's)
                 except Exception as e:
                     logger.info("ddict: host of %s did not shut down cleanly: %r", self.label, e)
         if proc is not None:

@@ -412,6 +412,8 @@ class SharedChannel:
         group; ``False`` (part of ``out`` may be written): not read here, the caller's
         :class:`~.many_key_ops.GetMany` reads them (no view of the shard, a key a reader
         may have to wait for, or anything that raises, said there again)."""
+        if self._wfk:  # (a key may have to be waited for: GetMany's, with its rules)
+            return False
         view = self._enter()
         if view is None:
             return False
@@ -419,8 +421,6 @@ class SharedChannel:
             self._check_alive()
             with self._snapshot(view.store) as txn:
                 self._check_state(view.store, chkpt, txn)
-                if self._wfk:
-                    return False
                 nbytes, copies = view.store.place_values(
                     txn, digests, positions, out, chkpt, SMALL_FRAME, absent, view.copy
                 )

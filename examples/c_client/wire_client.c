@@ -33,8 +33,13 @@ static void die(const char *what) {
 /* A key's canonical bytes into `out`; their length. */
 static size_t key_bytes(const char *arg, unsigned char *out) {
     size_t n = 0;
+    char *end = NULL;
+    long long v;
     if (strncmp(arg, "s:", 2) == 0) n = ddict_str_key(arg + 2, strlen(arg + 2), out);
-    if (strncmp(arg, "i:", 2) == 0) n = ddict_int_key(strtoll(arg + 2, NULL, 10), out);
+    if (strncmp(arg, "i:", 2) == 0) {
+        v = strtoll(arg + 2, &end, 10);
+        if (end != arg + 2 && *end == 0) n = ddict_int_key(v, out);
+    }
     if (n == 0) {
         fprintf(stderr, "not a short str or 32-bit int key: %s\n", arg);
         exit(2);
