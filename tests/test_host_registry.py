@@ -127,9 +127,27 @@ def test_the_restart_policy_gives_a_host_up_after_its_most_restarts_within_the_w
     policy = RestartPolicy(lambda: now[0])
     assert policy.restart(2, 60.0) and policy.restart(2, 60.0)
     assert not policy.restart(2, 60.0) and policy.deaths == 3
+    assert policy.why(2, 60.0) == "died too often (3 times within 60 s)"
     now[0] = 61.0  # (the first two are out of the window now)
     assert policy.restart(2, 60.0) and policy.count == 3
     assert not RestartPolicy().restart(0, 60.0)  # ddict.host.max-restarts: 0
+
+
+def test_the_restart_policy_gives_up_a_host_that_fails_to_start_however_slowly():
+    """Incarnations killed one after another as their replay does not answer (each
+    taking ``start-timeout``, as long as the window) are given up after ``most`` failed
+    starts in a row; one that serves in between resets the count."""
+    now = [0.0]
+    policy = RestartPolicy(lambda: now[0])
+    for _ in range(3):
+        now[0] += 61.0  # (each death out of the window of the one before)
+        assert policy.restart(3, 60.0)
+        policy.started(False)
+    now[0] += 61.0
+    assert not policy.restart(3, 60.0)
+    assert policy.why(3, 60.0) == "failed to start 3 times in a row"
+    policy.started(True)  # (one that serves: the count starts over)
+    assert policy.restart(3, 60.0) and policy.failed_starts == 0
 
 
 def _kept(*where: tuple[str, str]) -> Layout:

@@ -55,12 +55,17 @@ class RestartPolicy:
 
     A host that dies again and again (a shard that crashes it as it opens, a machine
     out of memory) would otherwise be restarted forever, and its clients would wait
-    for it forever; given up, its managers are lost, and said so."""
+    for it forever; given up, its managers are lost, and said so.  So is one whose
+    incarnations fail to start ``most`` times in a row however slowly (each killed as
+    its replay does not answer within ``ddict.host.start-timeout``, which may be as long
+    as the window): :attr:`failed_starts`."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._times: collections.deque[float] = collections.deque()
         self.count = 0  # restarts since the supervisor started
+        #: Incarnations in a row that did not start (reset by one that serves).
+        self.failed_starts = 0
 
     def __repr__(self) -> str:
         return f"<RestartPolicy restarts={self.count} recent={len(self._times)}>"
@@ -70,16 +75,27 @@ class RestartPolicy:
         now = self._clock()
         while self._times and now - self._times[0] > window:
             self._times.popleft()
-        if len(self._times) >= most:
+        if len(self._times) >= most or self.failed_starts >= most:
             return False
         self._times.append(now)
         self.count += 1
         return True
 
+    def started(self, ok: bool) -> None:
+        """An incarnation started and serves (``ok``), or failed to start."""
+        self.failed_starts = 0 if ok else self.failed_starts + 1
+
     @property
     def deaths(self) -> int:
         """The deaths within the window, this one included (when it gives up)."""
         return len(self._times) + 1
+
+    def why(self, most: int, window: float) -> str:
+        """Why :meth:`restart` said no (for the log and the orchestrator)."""
+        if self.failed_starts >= most and len(self._times) < most:
+            return f"failed to start {self.failed_starts} times in a row"
+        n = self.deaths
+        return f"died too often ({n} time{'s' if n > 1 else ''} within {window:.0f} s)"
 
 
 class HostSupervisor:
@@ -276,8 +292,9 @@ class HostSupervisor:
                 if proc is not self.proc:  # already replaced
                     continue
                 window = config.get_seconds("host.restart-window") or 60.0
-                if not self.restarts.restart(int(config.get("host.max-restarts")), window):
-                    self._give_up(self.restarts.deaths, window)
+                most = int(config.get("host.max-restarts"))
+                if not self.restarts.restart(most, window):
+                    self._give_up(self.restarts.why(most, window))
                     return
                 logger.warning(
                     "ddict host process of %s ended (code %s); restarting it over its shards",
@@ -290,26 +307,22 @@ class HostSupervisor:
                     self._spawn()
                 except Exception:
                     logger.exception("ddict: restarting the host process of %s failed", self.label)
+                    self.restarts.started(False)
                     if self.proc is not None and self.proc.poll() is None:
                         self.proc.kill()
                     continue
+                self.restarts.started(True)
                 if replicated and self.on_restart is not None:
                     self.on_restart()
 
-    def _give_up(self, deaths: int, window: float) -> None:
-        """The host died ``deaths`` times within ``window`` seconds: not restarted."""
-        logger.error(
-            "ddict host of %s died %d times in %.0f s; not restarting: its managers are lost",
-            self.label,
-            deaths,
-            window,
-        )
+    def _give_up(self, why: str) -> None:
+        """The host died too often, or failed to start too many times in a row (``why``):
+        not restarted."""
+        logger.error("ddict host of %s %s; not restarting: its managers are lost", self.label, why)
         self._close_listeners()  # clients are refused now, instead of waiting
         if self.on_give_up is not None:
             self.on_give_up(
-                f"its host process died too often ({deaths} time"
-                f"{'s' if deaths > 1 else ''} within {window:.0f} s) and its "
-                "supervisor gave up restarting it "
+                f"its host process {why} and its supervisor gave up restarting it "
                 "(ddict.host.max-restarts)"
             )
 
