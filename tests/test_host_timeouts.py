@@ -150,3 +150,32 @@ def test_each_control_message_is_given_the_time_it_may_take():
             assert control.answer_within(msg) == want, msg
     with dask.config.set({"ddict.move.timeout": None}):
         assert control.answer_within(control.ReplicaSeed(spec(), 0, source, 1, 2)) is None
+
+
+def test_a_move_aborted_while_its_host_does_not_answer_is_served_by_the_next_one():
+    """A move's abort (its manager serves on here) whose host does not answer in time:
+    the host is killed, and the abort returns (before, it sent the manager's re-opening
+    to the killed pipe and failed); the next incarnation, replayed from the registry,
+    serves the manager with every key, and writes go on."""
+    with local_cluster(1) as cl, Client(cl) as c:
+        d = DDict(total_mem="16 MiB", client=c)
+        mine = shards(d)
+        for i in range(100):
+            d[i] = i
+        sup, _ = _supervisors(cl, d, 0)
+        calls, uid, pid = ControlCalls(sup), d._core.layout.uid, sup.proc.pid
+        calls.move_out(uid, 0, copy=False)  # (paused, as a move to this machine pauses it)
+        with dask.config.set({"ddict.host.start-timeout": "1 s"}):
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert calls.move_abort(uid, 0) is None
+            finally:
+                _resume(pid)
+        poll_for(
+            lambda: sup.restart_count >= 1 and _answers(sup), 30, "an incarnation that answers"
+        )
+        assert [d[i] for i in range(100)] == list(range(100))
+        d[100] = 100  # (manager 0's writes go on: it serves again, not paused)
+        assert all(d[i] == i for i in range(101))
+        d.destroy()
+        assert not (mine & shm_entries())
