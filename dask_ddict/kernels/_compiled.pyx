@@ -280,11 +280,9 @@ cdef class Router:
         if type(value) is not bytes or dumps is not _dumps_value:
             return route + (dumps(value),)
         n = PyBytes_GET_SIZE(value)  # (dumps_value's FMT_BYTES frame: the header, the bytes)
-        head = PyBytes_FromStringAndSize(NULL, _HEAD)
-        memset(PyBytes_AS_STRING(head), 0, _HEAD)
-        PyBytes_AS_STRING(head)[0] = <char>_FMT_BYTES
-        _put_le64(<unsigned char*>PyBytes_AS_STRING(head) + 8, <uint64_t>n)
-        return route + (_new_tuple(Framed, ((head, value), _HEAD + n)),)
+        head = PyBytes_FromStringAndSize(NULL, DDICT_VALUE_HEAD_BYTES)
+        ddict_bytes_value_head(<unsigned char*>PyBytes_AS_STRING(head), <uint64_t>n)
+        return route + (_new_tuple(Framed, ((head, value), DDICT_VALUE_HEAD_BYTES + n)),)
 
 
 def group(list routes):

@@ -524,6 +524,8 @@ cdef class KeyLane:
         timeout = h._timeout
         if timeout is not None:
             wire_timeout = timeout
+        deadlines = [-1.0 if timeout is None else began + wire_timeout + <double>link._slack
+                     for link in links]  # (each link's, as its exchange counts it)
         again = NotImplemented if timeout is None else Resend(began)  # (once sent)
         # the requests: each link's size, then a connection that holds it
         sizes = []
@@ -578,8 +580,7 @@ cdef class KeyLane:
             for k in range(nlinks):
                 failing = k
                 conn = conns[k]
-                if timeout is not None:
-                    deadline = began + wire_timeout + <double>(<object>links[k])._slack
+                deadline = <double>deadlines[k]
                 if not _move_all(conn.sock, <char*>bufs[k], _REQUEST + <Py_ssize_t>sizes[k],
                                  True, conn.timeout is None and deadline < 0, deadline):
                     late = True  # (its error raised below: a DDictTimeoutError is an OSError)
@@ -591,8 +592,7 @@ cdef class KeyLane:
                 failing = k
                 conn = conns[k]
                 buf = conn.reader._buf
-                if timeout is not None:
-                    deadline = began + wire_timeout + <double>(<object>links[k])._slack
+                deadline = <double>deadlines[k]
                 got = self._reply(conn, buf, conn.timeout is None and deadline < 0, deadline, True)
                 if got is None:
                     late = True

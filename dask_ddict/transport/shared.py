@@ -418,18 +418,15 @@ class SharedChannel:
         if view is None:
             return False
         try:
-            self._check_alive()
-            with self._snapshot(view.store) as txn:
+            with self._inside(view), self._snapshot(view.store) as txn:
                 self._check_state(view.store, chkpt, txn)
                 nbytes, copies = view.store.place_values(
                     txn, digests, positions, out, chkpt, SMALL_FRAME, absent, view.copy
                 )
-            touched(nbytes, copies)
-            return True
         except Exception:  # noqa: BLE001 - the GetMany path meets it again and says it
             return False
-        finally:
-            self._exit(view)
+        touched(nbytes, copies)
+        return True
 
     def _many(
         self,
