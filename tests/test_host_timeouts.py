@@ -8,10 +8,12 @@ Each test stops a real host process (SIGSTOP) under a short ``ddict.host.start-t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -50,6 +52,29 @@ def _answers(sup: HostSupervisor) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _stopped(pid: int, resume_after: float | None = None) -> Iterator[None]:
+    """Host process ``pid`` stopped (SIGSTOP) under a 1 s ``ddict.host.start-timeout``,
+    resumed ``resume_after`` seconds in, or at the end (unless it was killed)."""
+    with dask.config.set({"ddict.host.start-timeout": "1 s"}):
+        os.kill(pid, signal.SIGSTOP)
+        timer = None if resume_after is None else threading.Timer(resume_after, _resume, (pid,))
+        if timer is not None:
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.join()
+            _resume(pid)
+
+
+def _replaced(sup: HostSupervisor) -> None:
+    """Wait for an incarnation that answers (a restart under the 1 s deadline may itself
+    time out: the next one, under the usual one, does not)."""
+    poll_for(lambda: sup.restart_count >= 1 and _answers(sup), 30, "an incarnation that answers")
+
+
 def test_a_host_that_does_not_answer_in_time_is_restarted_never_left_out_of_step():
     """Before, the timed-out call's late answer stayed in the pipe and answered the next
     call (a shard-size table read as a process id), and whatever the late call did was
@@ -62,17 +87,10 @@ def test_a_host_that_does_not_answer_in_time_is_restarted_never_left_out_of_step
         sup, _ = _supervisors(cl, d, 0)
         uid = d._core.layout.uid
         pid = sup.proc.pid
-        with dask.config.set({"ddict.host.start-timeout": "1 s"}):
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(DDictError, match="did not answer within 1.0 s; it was killed"):
-                    sup.call(control.ShardBytes(uid))
-            finally:
-                _resume(pid)
-        # (a restart under the 1 s deadline may itself time out: the next one is not)
-        poll_for(
-            lambda: sup.restart_count >= 1 and _answers(sup), 30, "an incarnation that answers"
-        )
+        with _stopped(pid):
+            with pytest.raises(DDictError, match="did not answer within 1.0 s; it was killed"):
+                sup.call(control.ShardBytes(uid))
+        _replaced(sup)
         assert sup.proc.pid != pid
         sizes = sup.call(control.ShardBytes(uid))  # each call its own answer
         assert isinstance(sizes, dict) and set(sizes) == set(range(d._core.layout.num_managers))
@@ -96,23 +114,12 @@ def test_a_copy_of_a_shard_is_waited_for_past_the_start_timeout():
         a, b = ControlCalls(sup_a), ControlCalls(sup_b)
         held = a.replica_hold(layout.uid, 0)
         pid = sup_a.proc.pid
-        with dask.config.set({"ddict.host.start-timeout": "1 s"}):
-            os.kill(pid, signal.SIGSTOP)
-            timer = threading.Timer(3.0, _resume, (pid,))
-            timer.start()
+        with _stopped(pid, resume_after=3.0):
             t0 = time.monotonic()
-            try:
-                info = b.replica_seed(
-                    held["spec"],
-                    0,
-                    asdict(layout.managers[0]),
-                    held["used_bytes"],
-                    held["map_size"],
-                )
-            finally:
-                took = time.monotonic() - t0
-                timer.join()
-                _resume(pid)
+            info = b.replica_seed(
+                held["spec"], 0, asdict(layout.managers[0]), held["used_bytes"], held["map_size"]
+            )
+            took = time.monotonic() - t0
         assert took >= 2.5  # it waited for the copy, and the copy came
         assert info["manager_id"] == 0
         assert sup_a.restart_count == sup_b.restart_count == 0  # nobody was killed
@@ -165,15 +172,9 @@ def test_a_move_aborted_while_its_host_does_not_answer_is_served_by_the_next_one
         sup, _ = _supervisors(cl, d, 0)
         calls, uid, pid = ControlCalls(sup), d._core.layout.uid, sup.proc.pid
         calls.move_out(uid, 0, copy=False)  # (paused, as a move to this machine pauses it)
-        with dask.config.set({"ddict.host.start-timeout": "1 s"}):
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                assert calls.move_abort(uid, 0) is None
-            finally:
-                _resume(pid)
-        poll_for(
-            lambda: sup.restart_count >= 1 and _answers(sup), 30, "an incarnation that answers"
-        )
+        with _stopped(pid):
+            assert calls.move_abort(uid, 0) is None
+        _replaced(sup)
         assert [d[i] for i in range(100)] == list(range(100))
         d[100] = 100  # (manager 0's writes go on: it serves again, not paused)
         assert all(d[i] == i for i in range(101))
