@@ -73,7 +73,8 @@ async def _rates(
         t0, c0 = time.perf_counter(), os.times()
         await asyncio.gather(*(one(w, op) for w in range(c)))
         dt, c1 = time.perf_counter() - t0, os.times()
-        out[op] = (c * n / dt, (c1.user + c1.system - c0.user - c0.system) / (c * n))
+        cpu = max(0.0, c1.user + c1.system - c0.user - c0.system)  # (10 ms ticks: -0.0 once)
+        out[op] = (c * n / dt, cpu / (c * n))
     return out
 
 

@@ -301,3 +301,71 @@ def test_async_create_with_replicas(cluster):
             await ad.destroy()
 
     run(cluster, body)
+
+
+@pytest.mark.one_host
+def test_async_gets_of_shards_mapped_here_are_read_on_the_loop(cluster, monkeypatch):
+    """Gets awaited together whose shards are all mapped here are read on the event loop
+    itself (one ``place_many`` per manager, no worker thread, no request), the values
+    those of the sync handle; a read that may lend (``copy=None`` of a frozen dictionary,
+    ``copy=False``) and one whose channels are not made yet go the other way, with the
+    same answers; a ``copy`` that is not a bool is refused by name."""
+    from dask_ddict.transport.shared import SharedChannel
+
+    placed: list[tuple[int, object, bool]] = []
+    place = SharedChannel.place_many
+
+    def spy(self, digests, positions, out, chkpt, absent, lend=False):  # noqa: ANN001, ANN202
+        done = place(self, digests, positions, out, chkpt, absent, lend)
+        placed.append((self._mid, lend, done))
+        return done
+
+    monkeypatch.setattr(SharedChannel, "place_many", spy)
+    threads: list[object] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        threads.append(fn)
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+
+    async def body(client):
+        async with await AsyncDDict.create(total_mem="32 MiB", client=client) as ad:
+            want = {f"k{i}": (i, "v") if i % 3 else np.arange(i) for i in range(60)}
+            await ad.update(want)
+            fresh = AsyncDDict.attach(ad.serialize(), client=client)  # (no channel made yet)
+            try:
+                got = await asyncio.gather(*(fresh.get(k, "-") for k in [*want, "nope"]))
+                assert got[-1] == "-" and len(got) == len(want) + 1
+                assert not any(done for _, _, done in placed)  # (not made: not read here)
+            finally:
+                fresh.detach()
+            await asyncio.gather(*(ad.get(k) for k in want))  # (maps the shards here)
+            placed.clear()
+            threads.clear()
+            keys = ["nope-1", *want, "nope-2"]
+            got = await asyncio.gather(*(ad.get(k, None) for k in keys))
+            assert got[0] is None and got[-1] is None
+            for k, v in zip(want, got[1:-1], strict=True):
+                assert (v == want[k]).all() if isinstance(v, np.ndarray) else v == want[k]
+            assert sorted(placed) == [(m, None, True) for m in range(ad.num_managers)]
+            assert not threads, threads  # (read on the loop: no worker thread)
+            with pytest.raises(DDictKeyError, match="nope-1"):
+                await ad["nope-1"]
+            placed.clear()
+            assert (await ad.get("k3", copy=True)).tolist() == [0, 1, 2]
+            assert placed and all(lend is False and done for _, lend, done in placed)
+            placed.clear()
+            assert (await ad.get("k3", copy=False)).tolist() == [0, 1, 2]
+            assert not placed  # (lends: GetMany's, in a worker thread)
+            await ad.freeze()
+            placed.clear()
+            frozen = await ad.get("k3")
+            assert frozen.tolist() == [0, 1, 2] and not frozen.flags.writeable  # (lent)
+            assert placed and not any(done for _, _, done in placed)  # (declined)
+            await ad.unfreeze()
+            with pytest.raises(TypeError, match="copy"):
+                await ad.get("k3", copy="yes")
+
+    run(cluster, body)

@@ -6,7 +6,8 @@ joins the batch of its event-loop turn; at the end of the turn the batch is
 read as one :meth:`~dask_ddict.DDict.get_many`: one request per host process,
 written at once on the loop's own connections and answered while other
 batches are in flight (:mod:`~dask_ddict.transport.pipelined`), and same-host
-shards read directly in one worker thread.  A single get is a batch of one.
+shards read directly: on the loop itself where every shard of the batch is mapped
+here (microseconds), else in one worker thread.  A single get is a batch of one.
 
 A key whose reader must wait (``wait_for_keys``, not yet written at the
 reader's checkpoint) leaves the batch and waits in a thread of its own, so

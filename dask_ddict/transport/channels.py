@@ -293,6 +293,12 @@ class Channels:
                 ch = self._channels[mid] = self._make_channel(self.layout.managers[mid])
         return TimedChannel(ch) if timing.on else ch
 
+    def made(self, mid: int) -> Any:
+        """Manager ``mid``'s channel if it was made already, else ``None``: what an event
+        loop may use without waiting (making one may ask the orchestrator).  Never timed:
+        the timed path reads through :meth:`channel`."""
+        return None if self.closed else self._channels.get(mid)
+
     def _link(self, info: ManagerInfo, use_uds: bool, ssl_context: Any = None) -> HostLink:
         """The link to ``info``'s host process, shared by all managers it serves."""
         key = ("uds", info.uds_path) if use_uds else ("tcp", info.tcp_host, str(info.tcp_port))
@@ -426,11 +432,16 @@ class Channels:
         )
 
     def read_here(
-        self, routes: list[tuple[int, bytes]], chkpt: int, absent: Any
+        self,
+        routes: list[tuple[int, bytes]],
+        chkpt: int,
+        absent: Any,
+        lend: bool | None = False,
+        made: bool = False,
     ) -> tuple[list[Any], list[int]] | Any:
         """``(values, marked)`` of ``routes`` when every manager's shard is read here, else
         ``NotImplemented`` (:func:`.many_key_reads.read_here`)."""
-        return many_key_reads.read_here(self, routes, chkpt, absent)
+        return many_key_reads.read_here(self, routes, chkpt, absent, lend, made)
 
     async def get_many_async(
         self,

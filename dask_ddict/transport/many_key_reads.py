@@ -139,7 +139,12 @@ def _get_many(
 
 
 def read_here(
-    routing: Routing, routes: list[tuple[int, bytes]], chkpt: int, absent: Any
+    routing: Routing,
+    routes: list[tuple[int, bytes]],
+    chkpt: int,
+    absent: Any,
+    lend: bool | None = False,
+    made: bool = False,
 ) -> tuple[list[Any], list[int]] | Any:
     """``(values, marked)`` of keys routed ``routes`` when every manager of them is read
     on this host (``absent`` for an absent key, ``marked``: their indices), else
@@ -147,13 +152,18 @@ def read_here(
     values written in the keys' order as they are walked
     (:meth:`~.shared.SharedChannel.place_many`), with no list of a manager's values to
     take apart, no operation and no reply per manager.  A manager reached by socket, or
-    one whose shard declines (see ``place_many``), leaves every key to :func:`get_many`."""
+    one whose shard declines (see ``place_many``; ``lend``: the read's, as
+    :class:`~.many_key_ops.GetMany` takes it), leaves every key to :func:`get_many`;
+    so does, with ``made`` (an event loop's read, which must not wait), a manager whose
+    channel was not made yet."""
     if timing.on:  # (the timed path's: one operation, timed as such)
         return NotImplemented
     out = [absent] * len(routes)
     for mid, (digests, positions) in kernels.group_positions(routes).items():
-        ch = routing.channel(mid)
-        if ch.kind != "shm" or not ch.place_many(digests, positions, out, chkpt, absent):
+        ch = routing.made(mid) if made else routing.channel(mid)
+        if ch is None or ch.kind != "shm":
+            return NotImplemented
+        if not ch.place_many(digests, positions, out, chkpt, absent, lend):
             return NotImplemented
     return out, kernels.marked(out, absent)
 

@@ -32,6 +32,10 @@ class Routing(Protocol):
         """Manager ``mid``'s channel (made on first use)."""
         ...
 
+    def made(self, mid: int) -> Any:
+        """Manager ``mid``'s channel if it was made already, else ``None`` (never asks)."""
+        ...
+
     def routes(self, mids: list[int]) -> list[tuple[HostLink, list[int]]]:
         """``mids`` grouped by the host link that reaches them."""
         ...

@@ -404,15 +404,23 @@ class SharedChannel:
             self._exit(view)
 
     def place_many(
-        self, digests: list[bytes], positions: bytes, out: list[Any], chkpt: int, absent: Any
+        self,
+        digests: list[bytes],
+        positions: bytes,
+        out: list[Any],
+        chkpt: int,
+        absent: Any,
+        lend: bool | None = False,
     ) -> bool:
         """The values of ``digests`` copied from one snapshot of the shard into ``out`` at
         ``positions`` (``absent`` for an absent key: see
         :func:`~dask_ddict.kernels.place_values`), as :meth:`_get_many` reads a copying
         group; ``False`` (part of ``out`` may be written): not read here, the caller's
         :class:`~.many_key_ops.GetMany` reads them (no view of the shard, a key a reader
-        may have to wait for, or anything that raises, said there again)."""
-        if self._wfk:  # (a key may have to be waited for: GetMany's, with its rules)
+        may have to wait for, a read that lends, or anything that raises, said there
+        again).  ``lend=None`` (a read that lends only from a frozen shard) copies from
+        one that is not frozen."""
+        if self._wfk or lend:  # (a key may have to be waited for: GetMany's, with its rules)
             return False
         view = self._enter()
         if view is None:
@@ -420,6 +428,8 @@ class SharedChannel:
         try:
             with self._inside(view), self._snapshot(view.store) as txn:
                 self._check_state(view.store, chkpt, txn)
+                if lend is None and self._frozen(view.store, txn):
+                    return False  # (its large values are lent: GetMany's)
                 nbytes, copies = view.store.place_values(
                     txn, digests, positions, out, chkpt, SMALL_FRAME, absent, view.copy
                 )
