@@ -285,13 +285,17 @@ def test_the_c_headers_constants_are_the_python_declarations():
         "DIGEST": _entry.DIGEST,
         "HELLO": protocol.HELLO.size,
         "NONCE": handshake.NONCE,
+        "UID": protocol.HELLO.size - len(protocol.HELLO_MAGIC),
+        "INCARNATION": handshake.INCARNATION,
+        "PROOF": handshake.PROOF,
+        "VERSION": handshake.VERSION,
         "VALUE_HEAD": _serialize._HEAD.size,
         "HELLO_MAGIC": protocol.HELLO_MAGIC,
-        "Hello.OK": protocol.Hello.OK,
         "FMT_PICKLE": _serialize.FMT_PICKLE,
         "FMT_RAW": _serialize.FMT_RAW,
         "FMT_BYTES": _serialize.FMT_BYTES,
     }
+    declared |= {f"Hello.{h.name}": h for h in protocol.Hello}
     declared |= {f"Op.{o}": protocol.Op[o] for o in ("PUT", "GET", "CONTAINS", "POP", "FETCH_ADD")}
     declared |= {f"Status.{s}": Status[s] for s in ("OK", "KEY_NOT_FOUND", "TIMEOUT")}
     assert _compiled.wire_constants() == declared
@@ -300,6 +304,33 @@ def test_the_c_headers_constants_are_the_python_declarations():
         if framed is not None:
             assert _compiled.bytes_value_head(n) == bytes(framed.parts[0])[:16]
         assert _compiled.bytes_value_head(n) == _serialize._HEAD.pack(_serialize.FMT_BYTES, 0, n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    secret=st.text(max_size=200),
+    role=st.sampled_from([b"host", b"client"]),
+    uid=st.binary(min_size=16, max_size=16),
+    target=st.text(max_size=80),
+    incarnation=st.binary(min_size=16, max_size=16),
+    nonces=st.tuples(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32)),
+)
+def test_the_c_headers_handshake_proof_is_the_python_clients(
+    secret, role, uid, target, incarnation, nonces
+):
+    """``ddict_proof`` (SHA-256 and HMAC written in ``ddict_wire.h`` for a C client) gives
+    ``handshake.proof``'s bytes for any secret (shorter and longer than SHA-256's block),
+    target and nonces, and ``ddict_proofs_equal`` finds it equal to itself."""
+    if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
+        return
+    from dask_ddict.transport import handshake
+
+    key = secret.encode()
+    want = handshake.proof(key, role, uid, target, incarnation, *nonces)
+    assert _compiled.wire_proof(key, role, uid, target.encode(), incarnation, *nonces) == (
+        want,
+        True,
+    )
 
 
 @settings(max_examples=100, deadline=None)

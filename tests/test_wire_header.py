@@ -2,12 +2,13 @@
 
 A client written on the header alone (``examples/c_client/wire_client.c``, built here with the
 machine's C compiler, the one that builds the kernels) routes keys as the Python
-client does, and puts and gets values over a host process's Unix socket that the
-Python client then reads and wrote.
+client does, and puts and gets values over a host process's Unix socket, or over TCP
+after the handshake's proofs, that the Python client then reads and wrote.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -44,8 +45,8 @@ def wire_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
-def _run(exe: Path, *args: str) -> list[str]:
-    out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
+def _run(exe: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True, env=env)
     return out.stdout.splitlines()
 
 
@@ -86,6 +87,40 @@ def test_a_c_client_puts_and_gets_over_a_hosts_unix_socket(wire_client):
         ]
         d.destroy()
         assert not (mine & shm_entries())
+
+
+def test_a_c_client_puts_and_gets_over_tcp_after_the_handshake(wire_client):
+    """Over TCP the C client checks the host's proof of the dictionary's secret before it
+    proves the secret itself (``ddict_proof``: HMAC-SHA256 in the header, no crypto
+    library), then puts and gets as over the Unix socket.  With a wrong secret, or
+    dialling the host by another name than the layout's (the proofs are bound to it),
+    it stops at the host's proof, says so, and sends nothing."""
+    with local_cluster(1) as cl, Client(cl) as c:
+        d = DDict(managers_per_worker=2, total_mem="24 MiB", client=c)
+        layout = d._core.layout
+        ((host, port),) = {(m.tcp_host, m.tcp_port) for m in layout.managers}
+        where = (layout.uid, str(layout.num_managers))
+        env = os.environ | {"DDICT_SECRET": layout.secret}
+        theirs = {f"tcp-{i}": f"over TCP {i}" for i in range(12)} | {70000: "int key"}
+        pairs = [a for k, v in theirs.items() for a in (_arg(k), v)]
+        got = _run(wire_client, "put", f"tcp:{host}:{port}", *where, *pairs, env=env)
+        assert got == [str(Status.OK.value)] * len(theirs)
+        assert {k: d[k] for k in theirs} == {k: v.encode() for k, v in theirs.items()}
+        d["py"] = b"from Python"
+        got = _run(wire_client, "get", f"tcp:{host}:{port}", *where, "s:py", "s:none", env=env)
+        assert got == [f"{Status.OK.value} from Python", f"{Status.KEY_NOT_FOUND.value} -"]
+        wrong = env | {"DDICT_SECRET": "0" * len(layout.secret)}
+        for target, secrets_env in ((f"{host}:{port}", wrong), (f"localhost:{port}", env)):
+            failed = subprocess.run(
+                [str(wire_client), "put", f"tcp:{target}", *where, "s:never", "x"],
+                capture_output=True,
+                text=True,
+                env=secrets_env,
+            )
+            assert failed.returncode == 3, failed
+            assert f"the process at {target} did not prove" in failed.stderr
+        assert "never" not in d
+        d.destroy()
 
 
 CPP_ROUTE = r"""

@@ -16,11 +16,17 @@
  * a 16-byte head, then the payload); a reply is a 24-byte header and a payload.  Every
  * field is little-endian whatever the machine.
  *
- * A connection is bound to one dictionary by its handshake: over the host's Unix socket
- * (same machine, same user) `HELLO` (the magic and the dictionary's 16-byte uid) and a
- * 32-byte nonce, answered by one byte, DDICT_HELLO_OK.  Over TCP both sides then prove
- * the dictionary's secret with HMAC-SHA256 (transport/handshake.py), which this header
- * leaves to the client's crypto library.
+ * A connection is bound to one dictionary by its handshake: `HELLO` (the magic and the
+ * dictionary's 16-byte uid) and a 32-byte nonce.  Over the host's Unix socket (same
+ * machine, same user) the host answers one byte, DDICT_HELLO_OK.  Over TCP it answers
+ * DDICT_HELLO_PROVE, its incarnation, its nonce and its proof of the dictionary's secret;
+ * the client checks that proof (a process that is not the dictionary's host cannot make
+ * it) and sends its own, and the host answers DDICT_HELLO_OK or DDICT_HELLO_DENIED
+ * (transport/handshake.py).  A proof is HMAC-SHA256 under the secret (the ASCII of its
+ * hex string) of the version, the role, the uid, the target (the host's "tcp_host:port"
+ * as the layout names it), the incarnation and both nonces, joined by '|': ddict_proof
+ * writes it with the SHA-256 below (no crypto library; the nonces come from the
+ * caller's system entropy).  TLS needs a TLS library: not here.
  */
 #ifndef DDICT_WIRE_H
 #define DDICT_WIRE_H
@@ -34,14 +40,25 @@ enum {
     DDICT_REPLY_BYTES = 24,   /* protocol.REPLY.size */
     DDICT_DIGEST_BYTES = 16,  /* _entry.DIGEST */
     DDICT_HELLO_BYTES = 20,   /* protocol.HELLO.size: magic (4), dictionary uid (16) */
+    DDICT_UID_BYTES = 16,     /* the dictionary's uid, as HELLO carries it */
     DDICT_NONCE_BYTES = 32,   /* handshake.NONCE */
+    DDICT_INCARNATION_BYTES = 16, /* handshake.INCARNATION: the host process's */
+    DDICT_PROOF_BYTES = 32,   /* handshake.PROOF: an HMAC-SHA256 */
     DDICT_VALUE_HEAD_BYTES = 16, /* _serialize._HEAD.size: fmt, nbufs, payload length */
     DDICT_KEY_BYTES_MOST = 270,  /* a short str key's canonical bytes, at most */
 };
 
-/* protocol.HELLO_MAGIC, and the host's answer that binds the connection (Hello.OK). */
+/* protocol.HELLO_MAGIC, the host's one-byte answers (protocol.Hello), and the version
+ * that a handshake's proofs are bound to (handshake.VERSION). */
 #define DDICT_HELLO_MAGIC "DDK5"
-enum { DDICT_HELLO_OK = 1 };
+#define DDICT_HANDSHAKE_VERSION "ddict-key-path/3"
+enum {
+    DDICT_HELLO_OK = 1,
+    DDICT_HELLO_CLOSED = 2,  /* the dictionary was destroyed */
+    DDICT_HELLO_UNKNOWN = 3, /* this host serves no such dictionary */
+    DDICT_HELLO_DENIED = 4,  /* the client's proof was wrong */
+    DDICT_HELLO_PROVE = 5,   /* TCP: the host's proof follows */
+};
 
 /* The data plane's operations (protocol.Op) and answers (errors.Status). */
 enum {
@@ -322,6 +339,163 @@ static inline void ddict_digest(const unsigned char *key, size_t n, unsigned cha
 /* The manager of a key with `digest` among `managers` (at least 1). */
 static inline uint64_t ddict_manager_of(const unsigned char *digest, uint64_t managers) {
     return ddict_le64(digest) % managers;
+}
+
+/* -- the TCP handshake's proofs: SHA-256 (FIPS 180-4), HMAC (RFC 2104) -------------- */
+
+typedef struct {
+    uint32_t h[8];
+    uint64_t bytes;          /* hashed so far */
+    unsigned char block[64]; /* the open block, `fill` bytes of it */
+    size_t fill;
+} ddict_sha256;
+
+static const uint32_t ddict_sha256_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2,
+};
+
+static inline uint32_t ddict_rotr32(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static inline void ddict_sha256_compress(uint32_t *h, const unsigned char *block) {
+    uint32_t w[64], a, b, c, d, e, f, g, k, t1, t2;
+    int i;
+    for (i = 0; i < 16; i++)
+        w[i] = ((uint32_t)block[4 * i] << 24) | ((uint32_t)block[4 * i + 1] << 16) |
+               ((uint32_t)block[4 * i + 2] << 8) | (uint32_t)block[4 * i + 3];
+    for (i = 16; i < 64; i++)
+        w[i] = w[i - 16] +
+               (ddict_rotr32(w[i - 15], 7) ^ ddict_rotr32(w[i - 15], 18) ^ (w[i - 15] >> 3)) +
+               w[i - 7] +
+               (ddict_rotr32(w[i - 2], 17) ^ ddict_rotr32(w[i - 2], 19) ^ (w[i - 2] >> 10));
+    a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+    for (i = 0; i < 64; i++) {
+        t1 = k + (ddict_rotr32(e, 6) ^ ddict_rotr32(e, 11) ^ ddict_rotr32(e, 25)) +
+             ((e & f) ^ (~e & g)) + ddict_sha256_k[i] + w[i];
+        t2 = (ddict_rotr32(a, 2) ^ ddict_rotr32(a, 13) ^ ddict_rotr32(a, 22)) +
+             ((a & b) ^ (a & c) ^ (b & c));
+        k = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+    }
+    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+}
+
+static inline void ddict_sha256_init(ddict_sha256 *s) {
+    static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(s->h, iv, sizeof iv);
+    s->bytes = 0;
+    s->fill = 0;
+}
+
+static inline void ddict_sha256_update(ddict_sha256 *s, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    size_t take;
+    s->bytes += n;
+    while (n) {
+        take = 64 - s->fill < n ? 64 - s->fill : n;
+        memcpy(s->block + s->fill, p, take);
+        s->fill += take, p += take, n -= take;
+        if (s->fill == 64) {
+            ddict_sha256_compress(s->h, s->block);
+            s->fill = 0;
+        }
+    }
+}
+
+/* The digest of what was hashed into `s` (32 bytes into `out`); `s` is spent. */
+static inline void ddict_sha256_final(ddict_sha256 *s, unsigned char *out) {
+    uint64_t bits = s->bytes * 8;
+    int i;
+    s->block[s->fill++] = 0x80;
+    if (s->fill > 56) {
+        memset(s->block + s->fill, 0, 64 - s->fill);
+        ddict_sha256_compress(s->h, s->block);
+        s->fill = 0;
+    }
+    memset(s->block + s->fill, 0, 56 - s->fill);
+    for (i = 0; i < 8; i++) s->block[63 - i] = (unsigned char)(bits >> (8 * i));
+    ddict_sha256_compress(s->h, s->block);
+    for (i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(s->h[i] >> 24);
+        out[4 * i + 1] = (unsigned char)(s->h[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(s->h[i] >> 8);
+        out[4 * i + 3] = (unsigned char)s->h[i];
+    }
+}
+
+/* HMAC-SHA256 under `key[0:klen]`: `inner` is started (hash the message into it), `outer`
+ * holds the outer pad until ddict_hmac_sha256_final. */
+static inline void ddict_hmac_sha256_init(ddict_sha256 *inner, ddict_sha256 *outer,
+                                          const void *key, size_t klen) {
+    unsigned char k[64], pad[64];
+    int i;
+    memset(k, 0, sizeof k);
+    if (klen > 64) {
+        ddict_sha256_init(inner);
+        ddict_sha256_update(inner, key, klen);
+        ddict_sha256_final(inner, k);
+    } else if (klen) {
+        memcpy(k, key, klen);
+    }
+    for (i = 0; i < 64; i++) pad[i] = k[i] ^ 0x36;
+    ddict_sha256_init(inner);
+    ddict_sha256_update(inner, pad, 64);
+    for (i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5c;
+    ddict_sha256_init(outer);
+    ddict_sha256_update(outer, pad, 64);
+}
+
+static inline void ddict_hmac_sha256_final(ddict_sha256 *inner, ddict_sha256 *outer,
+                                           unsigned char *out) {
+    unsigned char mid[32];
+    ddict_sha256_final(inner, mid);
+    ddict_sha256_update(outer, mid, 32);
+    ddict_sha256_final(outer, out);
+}
+
+/* One side's proof of the dictionary's secret for this connection (handshake.proof):
+ * `role` is "host" (the proof a client checks) or "client" (the one it sends); `secret`
+ * is the dictionary's secret as its layout spells it (a hex string: its ASCII is the
+ * key), `target` the host's "tcp_host:tcp_port" as the layout names it (where the
+ * client dialled).  32 bytes into `out`. */
+static inline void ddict_proof(const char *secret, size_t slen, const char *role,
+                               const unsigned char *uid, const char *target, size_t tlen,
+                               const unsigned char *incarnation,
+                               const unsigned char *client_nonce,
+                               const unsigned char *host_nonce, unsigned char *out) {
+    ddict_sha256 inner, outer;
+    ddict_hmac_sha256_init(&inner, &outer, secret, slen);
+    ddict_sha256_update(&inner, DDICT_HANDSHAKE_VERSION, strlen(DDICT_HANDSHAKE_VERSION));
+    ddict_sha256_update(&inner, "|", 1);
+    ddict_sha256_update(&inner, role, strlen(role));
+    ddict_sha256_update(&inner, "|", 1);
+    ddict_sha256_update(&inner, uid, DDICT_UID_BYTES);
+    ddict_sha256_update(&inner, "|", 1);
+    ddict_sha256_update(&inner, target, tlen);
+    ddict_sha256_update(&inner, "|", 1);
+    ddict_sha256_update(&inner, incarnation, DDICT_INCARNATION_BYTES);
+    ddict_sha256_update(&inner, "|", 1);
+    ddict_sha256_update(&inner, client_nonce, DDICT_NONCE_BYTES);
+    ddict_sha256_update(&inner, "|", 1);
+    ddict_sha256_update(&inner, host_nonce, DDICT_NONCE_BYTES);
+    ddict_hmac_sha256_final(&inner, &outer, out);
+}
+
+/* Whether two proofs are the same, in a time that does not depend on where they differ
+ * (handshake.matches: how long a check takes tells a stranger nothing). */
+static inline int ddict_proofs_equal(const unsigned char *a, const unsigned char *b) {
+    unsigned char diff = 0;
+    int i;
+    for (i = 0; i < DDICT_PROOF_BYTES; i++) diff |= (unsigned char)(a[i] ^ b[i]);
+    return diff == 0;
 }
 
 #endif /* DDICT_WIRE_H */

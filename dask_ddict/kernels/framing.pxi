@@ -17,9 +17,16 @@ cdef extern from "ddict_wire.h" nogil:
         DDICT_DIGEST_BYTES
         DDICT_HELLO_BYTES
         DDICT_NONCE_BYTES
+        DDICT_UID_BYTES
+        DDICT_INCARNATION_BYTES
+        DDICT_PROOF_BYTES
         DDICT_VALUE_HEAD_BYTES
         DDICT_KEY_BYTES_MOST
         DDICT_HELLO_OK
+        DDICT_HELLO_CLOSED
+        DDICT_HELLO_UNKNOWN
+        DDICT_HELLO_DENIED
+        DDICT_HELLO_PROVE
         DDICT_OP_PUT
         DDICT_OP_GET
         DDICT_OP_CONTAINS
@@ -32,6 +39,7 @@ cdef extern from "ddict_wire.h" nogil:
         DDICT_FMT_RAW
         DDICT_FMT_BYTES
     const char* DDICT_HELLO_MAGIC
+    const char* DDICT_HANDSHAKE_VERSION
 
     ctypedef struct ddict_request_head:
         unsigned int op
@@ -67,6 +75,11 @@ cdef extern from "ddict_wire.h" nogil:
     size_t ddict_int_key(int64_t v, unsigned char* out)
     void ddict_digest(const unsigned char* key, size_t n, unsigned char* digest)
     uint64_t ddict_manager_of(const unsigned char* digest, uint64_t managers)
+    void ddict_proof(const char* secret, size_t slen, const char* role, const unsigned char* uid,
+                     const char* target, size_t tlen, const unsigned char* incarnation,
+                     const unsigned char* client_nonce, const unsigned char* host_nonce,
+                     unsigned char* out)
+    int ddict_proofs_equal(const unsigned char* a, const unsigned char* b)
 
 
 # -- the same, from Python: for the tests that compare them with the structs' own ---------
@@ -79,13 +92,37 @@ def wire_constants():
         "REQUEST": DDICT_REQUEST_BYTES, "REPLY": DDICT_REPLY_BYTES,
         "DIGEST": DDICT_DIGEST_BYTES, "HELLO": DDICT_HELLO_BYTES,
         "NONCE": DDICT_NONCE_BYTES, "VALUE_HEAD": DDICT_VALUE_HEAD_BYTES,
+        "UID": DDICT_UID_BYTES, "INCARNATION": DDICT_INCARNATION_BYTES,
+        "PROOF": DDICT_PROOF_BYTES, "VERSION": <bytes>DDICT_HANDSHAKE_VERSION,
         "HELLO_MAGIC": <bytes>DDICT_HELLO_MAGIC, "Hello.OK": DDICT_HELLO_OK,
+        "Hello.CLOSED": DDICT_HELLO_CLOSED, "Hello.UNKNOWN": DDICT_HELLO_UNKNOWN,
+        "Hello.DENIED": DDICT_HELLO_DENIED, "Hello.PROVE": DDICT_HELLO_PROVE,
         "Op.PUT": DDICT_OP_PUT, "Op.GET": DDICT_OP_GET, "Op.CONTAINS": DDICT_OP_CONTAINS,
         "Op.POP": DDICT_OP_POP, "Op.FETCH_ADD": DDICT_OP_FETCH_ADD,
         "Status.OK": DDICT_STATUS_OK, "Status.KEY_NOT_FOUND": DDICT_STATUS_KEY_NOT_FOUND,
         "Status.TIMEOUT": DDICT_STATUS_TIMEOUT,
         "FMT_PICKLE": DDICT_FMT_PICKLE, "FMT_RAW": DDICT_FMT_RAW, "FMT_BYTES": DDICT_FMT_BYTES,
     }
+
+
+def wire_proof(bytes secret not None, bytes role not None, bytes uid not None,
+               bytes target not None, bytes incarnation not None, bytes client_nonce not None,
+               bytes host_nonce not None):
+    """``handshake.proof``, written by :func:`ddict_proof` (a C client's HMAC-SHA256), and
+    whether :func:`ddict_proofs_equal` finds it equal to itself: ``(proof, equal)``."""
+    cdef unsigned char out[DDICT_PROOF_BYTES]
+    if (PyBytes_GET_SIZE(uid) != DDICT_UID_BYTES
+            or PyBytes_GET_SIZE(incarnation) != DDICT_INCARNATION_BYTES
+            or PyBytes_GET_SIZE(client_nonce) != DDICT_NONCE_BYTES
+            or PyBytes_GET_SIZE(host_nonce) != DDICT_NONCE_BYTES):  # fmt: skip
+        raise ValueError("a uid, an incarnation or a nonce of the wrong size")
+    ddict_proof(PyBytes_AS_STRING(secret), PyBytes_GET_SIZE(secret), role,
+                <const unsigned char*>PyBytes_AS_STRING(uid), PyBytes_AS_STRING(target),
+                PyBytes_GET_SIZE(target), <const unsigned char*>PyBytes_AS_STRING(incarnation),
+                <const unsigned char*>PyBytes_AS_STRING(client_nonce),
+                <const unsigned char*>PyBytes_AS_STRING(host_nonce), out)
+    proof = PyBytes_FromStringAndSize(<char*>out, DDICT_PROOF_BYTES)
+    return proof, bool(ddict_proofs_equal(out, <const unsigned char*>PyBytes_AS_STRING(proof)))
 
 
 def bytes_value_head(uint64_t n):

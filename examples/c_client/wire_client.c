@@ -1,21 +1,32 @@
 /* A DDict client in C on ddict_wire.h alone: routes keys, puts and gets raw-bytes values
- * over a host process's Unix socket.  tests/test_wire_header.py builds and runs it.
+ * over a host process's Unix socket, or over TCP with the handshake's proofs.
+ * tests/test_wire_header.py builds and runs it.
  *
  *   wire_client route MANAGERS KEY...
  *       each key's manager, digest and canonical bytes (hex), a line each
- *   wire_client put UDS_PATH UID_HEX MANAGERS KEY VALUE [KEY VALUE ...]
- *   wire_client get UDS_PATH UID_HEX MANAGERS KEY...
+ *   wire_client put HOST UID_HEX MANAGERS KEY VALUE [KEY VALUE ...]
+ *   wire_client get HOST UID_HEX MANAGERS KEY...
  *       one connection, one request per key; a line each: the status, then for a get
  *       the value (a raw-bytes value's text, "-" when absent)
  *
- * A KEY is "s:text" (a str key) or "i:number" (an int key of 32 bits).
+ * HOST is the host process's Unix socket path, or "tcp:HOST:PORT" (its tcp_host and
+ * tcp_port as the layout names them); over TCP the dictionary's secret is read from the
+ * environment variable DDICT_SECRET (never from the command line, which other users of
+ * the machine can read).  A KEY is "s:text" (a str key) or "i:number" (an int key of 32
+ * bits).  Exit status 3: the host refused, or did not prove that it is the dictionary's.
  *
  * Build it against the installed package's header:
  *   cc -std=c99 -O2 -I"$(python -c 'import dask_ddict.kernels as k; print(k.get_include())')" \
  *      wire_client.c -o wire_client
- * and give it what a handle's layout says (d._core.layout: uid, num_managers, and the
- * managers' uds_path), from a process on the managers' machine, as the same user.
+ * and give it what a handle's layout says (d._core.layout: uid, secret, num_managers, and
+ * the managers' uds_path or tcp_host and tcp_port); over the Unix socket, from a process
+ * on the managers' machine, as the same user.
  */
+#define _POSIX_C_SOURCE 200809L /* (getaddrinfo under -std=c99) */
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,13 +83,24 @@ static void recv_all(int fd, void *buf, size_t n) {
     }
 }
 
-/* A connection to the host at `path`, bound to dictionary `uid` by its handshake. */
-static int connect_to(const char *path, const unsigned char *uid) {
+static void refused(const char *why, int answer) {
+    fprintf(stderr, "%s (%d)\n", why, answer);
+    exit(3);
+}
+
+/* `n` bytes from the system's entropy into `out`. */
+static void entropy(unsigned char *out, size_t n) {
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (!f || fread(out, 1, n, f) != n) die("/dev/urandom");
+    fclose(f);
+}
+
+/* A Unix socket connected to `path`. */
+static int unix_socket(const char *path) {
     struct sockaddr_un addr;
-    unsigned char hello[DDICT_HELLO_BYTES + DDICT_NONCE_BYTES], answer;
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    if (fd < 0) die("socket");
     size_t n = strlen(path);
+    if (fd < 0) die("socket");
     if (n >= sizeof addr.sun_path) {
         fprintf(stderr, "a socket path of %zu bytes is too long\n", n);
         exit(2);
@@ -87,15 +109,74 @@ static int connect_to(const char *path, const unsigned char *uid) {
     addr.sun_family = AF_UNIX;
     memcpy(addr.sun_path, path, n);
     if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) die("connect");
+    return fd;
+}
+
+/* A TCP socket connected to `target` ("host:port"), without Nagle's delay. */
+static int tcp_socket(const char *target) {
+    struct addrinfo hints, *found, *a;
+    char host[256];
+    const char *colon = strrchr(target, ':');
+    int fd = -1, one = 1;
+    if (!colon || (size_t)(colon - target) >= sizeof host) {
+        fprintf(stderr, "not host:port: %s\n", target);
+        exit(2);
+    }
+    memcpy(host, target, (size_t)(colon - target));
+    host[colon - target] = 0;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host, colon + 1, &hints, &found) != 0) {
+        fprintf(stderr, "cannot resolve %s\n", target);
+        exit(2);
+    }
+    for (a = found; a; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd >= 0 && connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+        if (fd >= 0) close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(found);
+    if (fd < 0) die("connect");
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
+}
+
+/* A connection to the host at `where`, bound to dictionary `uid` by its handshake: over
+ * TCP, the host's proof of `secret` checked before this client sends its own. */
+static int connect_to(const char *where, const unsigned char *uid, const char *secret) {
+    unsigned char hello[DDICT_HELLO_BYTES + DDICT_NONCE_BYTES], answer;
+    unsigned char got[DDICT_INCARNATION_BYTES + DDICT_NONCE_BYTES + DDICT_PROOF_BYTES];
+    unsigned char proof[DDICT_PROOF_BYTES];
+    const unsigned char *incarnation = got, *host_nonce = got + DDICT_INCARNATION_BYTES;
+    const unsigned char *client_nonce = hello + DDICT_HELLO_BYTES;
+    const char *target = strncmp(where, "tcp:", 4) == 0 ? where + 4 : NULL;
+    int fd = target ? tcp_socket(target) : unix_socket(where);
     memcpy(hello, DDICT_HELLO_MAGIC, 4);
-    memcpy(hello + 4, uid, 16);
-    memset(hello + DDICT_HELLO_BYTES, 0x5a, DDICT_NONCE_BYTES); /* (unused on a Unix socket) */
+    memcpy(hello + 4, uid, DDICT_UID_BYTES);
+    entropy(hello + DDICT_HELLO_BYTES, DDICT_NONCE_BYTES);
     send_all(fd, hello, sizeof hello);
     recv_all(fd, &answer, 1);
-    if (answer != DDICT_HELLO_OK) {
-        fprintf(stderr, "the host answered HELLO with %d\n", answer);
-        exit(3);
+    if (target && answer == DDICT_HELLO_PROVE) {
+        if (!secret) {
+            fprintf(stderr, "over TCP the dictionary's secret comes from DDICT_SECRET\n");
+            exit(2);
+        }
+        recv_all(fd, got, sizeof got);
+        ddict_proof(secret, strlen(secret), "host", uid, target, strlen(target), incarnation,
+                    client_nonce, host_nonce, proof);
+        if (!ddict_proofs_equal(proof, got + DDICT_INCARNATION_BYTES + DDICT_NONCE_BYTES)) {
+            fprintf(stderr, "the process at %s did not prove that it serves the dictionary "
+                    "(a wrong secret, or not its host process)\n", target);
+            exit(3);
+        }
+        ddict_proof(secret, strlen(secret), "client", uid, target, strlen(target), incarnation,
+                    client_nonce, host_nonce, proof);
+        send_all(fd, proof, sizeof proof);
+        recv_all(fd, &answer, 1);
     }
+    if (answer != DDICT_HELLO_OK) refused("the host answered the handshake with", answer);
     return fd;
 }
 
@@ -138,7 +219,7 @@ static ddict_reply_head exchange(int fd, unsigned op, uint32_t manager, uint32_t
 }
 
 int main(int argc, char **argv) {
-    unsigned char kb[DDICT_KEY_BYTES_MOST], digest[DDICT_DIGEST_BYTES], uid[16];
+    unsigned char kb[DDICT_KEY_BYTES_MOST], digest[DDICT_DIGEST_BYTES], uid[DDICT_UID_BYTES];
     uint64_t managers;
     int i, fd, put;
     if (argc >= 3 && strcmp(argv[1], "route") == 0) {
@@ -159,9 +240,13 @@ int main(int argc, char **argv) {
         return 2;
     }
     put = strcmp(argv[1], "put") == 0;
-    for (i = 0; i < 16; i++) sscanf(argv[3] + 2 * i, "%2hhx", &uid[i]);
+    if (strlen(argv[3]) != 2 * DDICT_UID_BYTES) {
+        fprintf(stderr, "a uid is %d hex digits\n", 2 * DDICT_UID_BYTES);
+        return 2;
+    }
+    for (i = 0; i < DDICT_UID_BYTES; i++) sscanf(argv[3] + 2 * i, "%2hhx", &uid[i]);
     managers = strtoull(argv[4], NULL, 10);
-    fd = connect_to(argv[2], uid);
+    fd = connect_to(argv[2], uid, getenv("DDICT_SECRET"));
     for (i = 5; i < argc; i += put ? 2 : 1) {
         unsigned char *payload;
         size_t n = key_bytes(argv[i], kb);
