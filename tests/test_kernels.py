@@ -76,6 +76,7 @@ def test_the_compiled_set_is_built_and_chosen():
         "Record",
         "REPLY",
         "REQUEST",
+        "SPAN",
         "get_include",
         "group_table",
     } == set(kernels.__all__)

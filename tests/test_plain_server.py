@@ -175,6 +175,15 @@ def _digest(key: str) -> bytes:
     return key_digest(dumps_key(key))
 
 
+def _span(value: Any) -> tuple[int, int]:
+    """A byte range's bounds drawn from a request's value: from either end, past the
+    end, empty and reversed ones among them."""
+    if value == "large":
+        return LARGE - 9, -2
+    n = value if isinstance(value, int) else len(value) * 7 - 40
+    return n % 23 - 11, n % 19 - 4
+
+
 def _put(key: str, value: Any, chkpt: int) -> ops.Put:
     kb = dumps_key(key)
     return ops.Put(key_digest(kb), kb, dumps_value(value), chkpt, 1)
@@ -183,6 +192,7 @@ def _put(key: str, value: Any, chkpt: int) -> ops.Put:
 _request = st.tuples(
     st.sampled_from(
         ["get", "get", "in", "put", "put", "persist", "pop", "len", "newest", "many", "many2"]
+        + ["range", "range"]
     ),
     st.sampled_from(KEYS),
     st.one_of(st.integers(-1, 6), st.just("newest")),
@@ -218,6 +228,7 @@ class ThreeServers(RuleBasedStateMachine):
                 "pop": lambda: ops.Pop(_digest(key), max(c, 0), 1),
                 "len": lambda: ops.Length(max(c, 0)),
                 "newest": lambda: ops.Newest(),
+                "range": lambda: ops.GetRange(_digest(key), c, *_span(value)),
                 "many": lambda: lambda mid: GetMany(((mid, [_digest(k) for k in KEYS]),), c),
                 "many2": lambda: (
                     lambda mid: GetMany(
@@ -225,7 +236,7 @@ class ThreeServers(RuleBasedStateMachine):
                     )
                 ),
             }[what]()
-            kw = {"term": term[t]} if what in ("get", "in", "put") else {}
+            kw = {"term": term[t]} if what in ("get", "in", "put", "range") else {}
             if what == "persist":
                 kw["flags"] = FLAG_PERSIST
             batch.append((o, kw))
@@ -326,6 +337,30 @@ def test_a_put_whose_manager_is_busy_is_the_managers(shards):
     assert all([st for st, *_ in g] == [0, 0] for g in got), got
     assert all(g[1][3] == got[0][1][3] for g in got)
     assert shards.counts() == before  # (neither the put nor the get after it: the manager's)
+
+
+def test_byte_ranges_of_raw_bytes_values_are_the_plain_servers(shards):
+    """A byte range (``GetRange``: the size, and ``value[start:stop]``) of a raw-bytes
+    value is answered by the plain servers as the manager answers it, a large value's
+    too (only its part is sent, and read); a pickled value's (the manager's error), and a
+    part larger than a plain server sends, are the manager's."""
+    big = bytes(range(256)) * ((LARGE >> 8) + 1)
+    shards.same([(_put("raw", b"0123456789", 0), {}), (_put("big", big, 0), {})])
+    shards.same([(_put("pickled", 12345, 0), {})])
+    before = shards.counts()
+    spans = [(2, 5), (-3, 99), (0, 0), (7, 2), (-99, -8), (0, 10)]
+    got = shards.same([(ops.GetRange(_digest("raw"), 0, a, b), {}) for a, b in spans])
+    assert [(s, n, p) for s, _, n, p in got] == [(0, 10, b"0123456789"[a:b]) for a, b in spans]
+    got = shards.same([(ops.GetRange(_digest("big"), 0, -300, -44), {})])
+    assert got[0][2:] == (len(big), big[-300:-44])
+    missing = shards.same([(ops.GetRange(_digest("nothing"), 0, 0, 2), {})])
+    assert missing[0][0] == int(Status.KEY_NOT_FOUND)
+    assert shards.counts() == [b + len(spans) + 2 for b in before]
+    pickled = shards.same([(ops.GetRange(_digest("pickled"), 0, 0, 2), {})])
+    assert pickled[0][0] == int(Status.SERIALIZATION)
+    whole = shards.same([(ops.GetRange(_digest("big"), 0, 0, len(big)), {})])
+    assert whole[0][2:] == (len(big), big)
+    assert shards.counts() == [b + len(spans) + 2 for b in before]  # (the manager's)
 
 
 def test_plain_puts_keep_the_key_counts(shards):

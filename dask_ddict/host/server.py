@@ -214,6 +214,7 @@ class HostServer:
             int(Op.CONTAINS),
             int(Op.PUT),
             int(Op.GET_MANY),
+            int(Op.GET_RANGE),
             FLAG_PERSIST,
             int(_MISSING[0]),
             _MISSING[1],

@@ -33,7 +33,7 @@ from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, NO_KEY,
-                   PADS, QUIET, REPLY, REQUEST, WAIT, Decoded, KeyTooLong, Resend)
+                   PADS, QUIET, REPLY, REQUEST, SPAN, WAIT, Decoded, KeyTooLong, Resend)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
@@ -41,6 +41,9 @@ if REPLY.format != "<BxxxIqQ":  # (read here byte by byte: see receive_reply, se
     raise ImportError(f"kernels._compiled reads replies as <BxxxIqQ, not {REPLY.format}")
 if GROUP.format != "<II":  # (read here byte by byte: see digest_groups)
     raise ImportError(f"kernels._compiled reads many-key tables as <II, not {GROUP.format}")
+if SPAN.format != "<qq" or _HEAD_STRUCT.format != "<BxxxIQ":  # (read here: PlainServer._range)
+    raise ImportError(f"kernels._compiled reads ranges as <qq of <BxxxIQ frames, not "
+                      f"{SPAN.format} of {_HEAD_STRUCT.format}")
 if DIGEST != 16:  # (written here: see _blake16)
     raise ImportError(f"kernels._compiled writes 16-byte key digests, not {DIGEST}")
 if REQUEST.format != "<BBHIIIqqQdQQ":  # (read here byte by byte: see take_request)

@@ -1,5 +1,6 @@
 # A host's plain requests, served in C: pure.PlainServer's rules, without a Python object
-# per request.  Included by _compiled.pyx, after lmdb_engine.pxi (whose engine it calls).
+# per request (gets, ``in``s, puts, get_manys, byte ranges of raw-bytes values).  Included
+# by _compiled.pyx, after lmdb_engine.pxi (whose engine it calls).
 #
 # The interpreter lock is held while a request is read and answered, and the state read
 # of Python objects is their C fields (plain_state.pxi) and plain attributes (no Python
@@ -45,6 +46,8 @@ cdef extern from "<sys/epoll.h>" nogil:
 DEF _MOST_EVENTS = 256  # (at most this many events a call; the rest come with the next)
 
 cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a header and a digest
+cdef Py_ssize_t _RANGED = DIGEST + SPAN.size  # a byte range's key section: its digest, its bounds
+cdef Py_ssize_t _VALUE_HEAD = _HEAD_STRUCT.size  # (a value frame's head: fmt, nbufs, length)
 cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
 cdef Py_ssize_t _GROUP_MOST = 256  # puts of one transaction, at most (the lock held that long)
 cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
@@ -88,7 +91,7 @@ cdef ddict_lmdb_env* _open_env(object env, object db) except? NULL:
 cdef class PlainServer:
     cdef object _c, held, owed, hosted, served, sock
     cdef ReaderState reader
-    cdef int get, contains, put, get_many, persist, status, clock
+    cdef int get, contains, put, get_many, get_range, persist, status, clock
     cdef bytes missing
     cdef Py_ssize_t most, most_key
     cdef readonly Py_ssize_t count
@@ -111,8 +114,8 @@ cdef class PlainServer:
     cdef object _pure
 
     def __init__(self, c, rules):
-        (self.get, self.contains, self.put, self.get_many, self.persist, self.status, missing,
-         self.most, self.most_key, self.clock) = rules
+        (self.get, self.contains, self.put, self.get_many, self.get_range, self.persist,
+         self.status, missing, self.most, self.most_key, self.clock) = rules
         self._c, self.held, self.owed = c, c.held, c.owed
         self.reader = c.reader if isinstance(c.reader, ReaderState) else None
         self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
@@ -222,7 +225,7 @@ cdef class PlainServer:
 
     cdef int _read(self, ManagerState m, WindowState ws, int op, const unsigned char* p,
                    int64_t chkpt, uint32_t tag) except -1:
-        """A plain get or ``in`` answered (1), or the manager's (0)."""
+        """A plain get, ``in`` or byte range answered (1), or the manager's (0)."""
         cdef ddict_lmdb_env* e
         cdef ddict_mdb_cursor* cur
         cdef ddict_mdb_val k, v
@@ -251,18 +254,41 @@ cdef class PlainServer:
                 return 0  # (what no shard writes: the manager's path says so)
             live = not raw[0] & _TOMBSTONE
             if live:
-                if _le64(raw + 8) > <uint64_t>(size - _ENTRY_HEADER) or size >= PRELOADED:
-                    return 0
+                if _le64(raw + 8) > <uint64_t>(size - _ENTRY_HEADER) or (
+                        size >= PRELOADED and op != self.get_range):  # fmt: skip
+                    return 0  # (a range touches its own pages alone: see _range)
                 flen = <Py_ssize_t>_le64(raw + 8)
         if op == self.contains:
             self._reply(0, tag, live, NULL, 0)
         elif not live:
             self._reply(self.status, tag, 0, PyBytes_AS_STRING(self.missing),
                         PyBytes_GET_SIZE(self.missing))
+        elif op == self.get_range:
+            return self._range(raw + _ENTRY_HEADER, flen, p + _REQUEST + _DIGEST, tag)
         elif flen > self.most:
             return 0
         else:
             self._reply(0, tag, 0, raw + _ENTRY_HEADER, flen)
+        return 1
+
+    cdef int _range(self, const unsigned char* frame, Py_ssize_t flen,
+                    const unsigned char* span, uint32_t tag) except -1:
+        """A byte range of a raw-bytes value's ``frame`` answered as ``GetRange.serve``
+        answers it (1: the value's size, and ``value[start:stop]`` for the ``<qq`` bounds at
+        ``span``, a Python slice's), or the manager's (0: not a raw-bytes frame, or a part
+        of more than ``most`` bytes).  Only the frame's head and the part are touched,
+        whatever the value's size: a large value's other pages are never read."""
+        cdef Py_ssize_t n, start, stop
+        if flen < _VALUE_HEAD or frame[0] != _FMT_BYTES:
+            return 0
+        n = <Py_ssize_t>min(_le64(frame + 8), <uint64_t>(flen - _VALUE_HEAD))
+        start = _slice_bound(<int64_t>_le64(span), n)
+        stop = _slice_bound(<int64_t>_le64(span + 8), n)
+        if stop < start:
+            stop = start
+        if stop - start > self.most:
+            return 0
+        self._reply(0, tag, n, frame + _VALUE_HEAD + start, stop - start)
         return 1
 
     cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p,
@@ -544,7 +570,7 @@ cdef class PlainServer:
                         pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
                         break
                 if (op != self.get and op != self.contains and op != self.put
-                        and op != self.get_many):  # fmt: skip
+                        and op != self.get_many and op != self.get_range):  # fmt: skip
                     break
                 term, klen = head.term, <Py_ssize_t>head.klen
                 vlen = <Py_ssize_t>head.vlen if head.vlen < <uint64_t>_HUGE else _HUGE
@@ -589,11 +615,11 @@ cdef class PlainServer:
                         self._reply(0, tag, 0, NULL, 0)
                         size = _REQUEST + klen + vlen  # (counted once its group is committed)
                     else:
-                        if head.flags != 0 or klen != _DIGEST or vlen != 0:
+                        size = _REQUEST + (_RANGED if op == self.get_range else _DIGEST)
+                        if head.flags != 0 or klen != size - _REQUEST or vlen != 0:
                             break
-                        if not self._read(m, ws, op, p, chkpt, tag):
+                        if end - pos < size or not self._read(m, ws, op, p, chkpt, tag):
                             break
-                        size = _READ
                         _count(self.served, mid, op)
                 pos += size
                 served += 1
@@ -616,6 +642,15 @@ cdef class PlainServer:
         self.count += served  # (counted before they are answered: seen once they are)
         self._send()
         return pos == end and PyList_GET_SIZE(self.held) == 0
+
+
+cdef inline Py_ssize_t _slice_bound(int64_t i, Py_ssize_t n) noexcept:
+    """A slice's bound ``i`` on a sequence of ``n`` items, as Python adjusts it (a negative
+    one counts from the end; cut to ``[0, n]``)."""
+    if i < 0:
+        i += n
+        return 0 if i < 0 else <Py_ssize_t>i
+    return n if i > n else <Py_ssize_t>i
 
 
 cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,

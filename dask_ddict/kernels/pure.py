@@ -26,8 +26,13 @@ from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, ne
 from .._hashing import manager_for_digest
 from .._keys import encode_key
 from .._serialize import (
+    _HEAD as _HEAD_STRUCT,
+)
+from .._serialize import (
     ALIGN,  # (a many-key reply's frames start at multiples of it)
+    FMT_BYTES,
     frame_parts,
+    raw_range,
 )
 
 #: Frame lengths in a many-key reply that are not frames: an absent key, and one
@@ -1234,7 +1239,7 @@ class KeyLane:
 
 class PlainRequests(NamedTuple):
     """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
-    ``in``, ``put`` and ``get_many`` and the flag a put may carry (``persist``: under no
+    ``in``, ``put``, ``get_many`` and ``get_range`` and the flag a put may carry (``persist``: under no
     ``wait_for_keys``, every put persists), what a get of an absent key is answered (the
     status and message that the manager's ``DDictKeyError`` becomes on the wire), the
     largest value it sends or puts (a larger one is the manager's, which moves it in
@@ -1245,6 +1250,7 @@ class PlainRequests(NamedTuple):
     contains: int
     put: int
     get_many: int
+    get_range: int
     persist: int
     missing_status: int
     missing: bytes
@@ -1334,9 +1340,10 @@ class PlainServer:
     take: what :meth:`~dask_ddict.shard.working_set.WorkingSet.put_alone` writes in one
     transaction; a ``get_many`` of such managers' keys whose values are all under
     :data:`JOIN` bytes, framed as ``GetMany.serve_host`` frames it (each manager looked up
-    counts once).  :meth:`serve` answers the leading ones as the manager would (the
-    value's frame, ``DDictKeyError``'s reply, whether the key is seen, a put's empty
-    reply), counts them in the connection's table and takes them out of its buffer; it
+    counts once); a ``get_range`` of a raw-bytes value (``GetRange``: its size, and the
+    part asked for, of at most ``most`` bytes, whatever the value's).  :meth:`serve`
+    answers the leading ones as the manager would (the value's frame, ``DDictKeyError``'s
+    reply, whether the key is seen, a put's empty reply, a range), counts them in the connection's table and takes them out of its buffer; it
     stops at the first request that is anything else, or not whole, or a put that does
     not go through alone (nothing of it written), and leaves it to the server's Python
     path, which is the reference of everything here.  A read after a put sees it (the
@@ -1408,7 +1415,10 @@ class PlainServer:
                         break
                     out.append(REPLY.pack(0, tag, 0, 0))
                 else:
-                    if (op != rules.get and op != rules.contains) or flags or klen != DIGEST:
+                    ranged = op == rules.get_range
+                    if (op != rules.get and op != rules.contains and not ranged) or flags:
+                        break
+                    if klen != (DIGEST + SPAN.size if ranged else DIGEST) or end > r._end:
                         break
                     if vlen or chkpt < ws.newest - ws.size + 1:
                         break
@@ -1425,6 +1435,11 @@ class PlainServer:
                     elif not live:
                         missing = rules.missing
                         out.append(REPLY.pack(rules.missing_status, tag, 0, len(missing)) + missing)
+                    elif ranged:
+                        got = _range(e.frame, *SPAN.unpack_from(r._buf, at + DIGEST))
+                        if got is None or len(got[1]) > rules.most:
+                            break  # (not raw bytes, or a large part: the manager's)
+                        out.append(REPLY.pack(0, tag, got[0], len(got[1])) + bytes(got[1]))
                     elif len(e.frame) > rules.most:
                         break
                     else:
@@ -1447,6 +1462,20 @@ class PlainServer:
             if data:
                 c.held.append(data)
         return r._pos == r._end and not c.held
+
+
+#: A ranged read's bounds in its key section, after the digest (``ops.GetRange``'s,
+#: declared with the kernel that reads it; signed: a Python slice's, bounds beyond 64
+#: bits clamped, which cuts no value shorter than that).
+SPAN = struct.Struct("<qq")
+
+
+def _range(frame: Any, start: int, stop: int) -> tuple[int, Any] | None:
+    """:func:`~dask_ddict._serialize.raw_range` of a value's frame (its size and
+    ``value[start:stop]``), or ``None``: not a raw-bytes frame (the manager says so)."""
+    if len(frame) < _HEAD_STRUCT.size or frame[0] != FMT_BYTES:
+        return None
+    return raw_range(frame, start, stop)
 
 
 def _get_many(

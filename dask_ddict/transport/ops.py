@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._serialize import Framed, copy_frame, raw_range
 from ..errors import DDictManagerMovedError
-from ..kernels import pack_records, unpack_records
+from ..kernels import SPAN, pack_records, unpack_records
 from ..stats import DDictManagerStats
 from .operation import (
     Answered,
@@ -101,9 +101,7 @@ class Get(FrameReply):
         m.get(r.digest, r.chkpt, lambda frame: reply(0, frame), r.timeout)
 
 
-#: A :class:`GetRange`'s bounds in its key section, after the digest (signed: a Python
-#: slice's; bounds beyond 64 bits are clamped, which cuts no value shorter than that).
-_SPAN = struct.Struct("<qq")
+#: A :class:`GetRange`'s bounds: what ``kernels.SPAN`` holds, clamped to it.
 _BOUND = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -131,7 +129,7 @@ class GetRange(Operation):
 
     def encode(self) -> Encoded:
         low, high = _BOUND
-        span = _SPAN.pack(min(max(self.start, low), high), min(max(self.stop, low), high))
+        span = SPAN.pack(min(max(self.start, low), high), min(max(self.stop, low), high))
         return Encoded(keysec=self.digest + span, chkpt=self.chkpt, timeout=self.timeout)
 
     def result(self, ival: int, payload: Any) -> tuple[int, Any]:
@@ -139,7 +137,7 @@ class GetRange(Operation):
 
     @staticmethod
     def serve(m: Manager, r: Request, reply: Reply) -> None:
-        start, stop = _SPAN.unpack(r.key)
+        start, stop = SPAN.unpack(r.key)
         m.get(r.digest, r.chkpt, lambda frame: reply(*raw_range(frame, start, stop)), r.timeout)
 
 
