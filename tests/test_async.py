@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import dask
 import numpy as np
@@ -336,9 +338,13 @@ def test_async_gets_of_shards_mapped_here_are_read_on_the_loop(cluster, monkeypa
             await ad.update(want)
             fresh = AsyncDDict.attach(ad.serialize(), client=client)  # (no channel made yet)
             try:
-                got = await asyncio.gather(*(fresh.get(k, "-") for k in [*want, "nope"]))
-                assert got[-1] == "-" and len(got) == len(want) + 1
-                assert not any(done for _, _, done in placed)  # (not made: not read here)
+                first = next(k for k in want if fresh.which_manager(k) == 0)
+                await fresh.get(first)  # (manager 0's channel made, in a worker thread)
+                placed.clear()
+                asked = [first, *want, "nope"]
+                got = await asyncio.gather(*(fresh.get(k, "-") for k in asked))
+                assert got[-1] == "-" and len(got) == len(want) + 2
+                assert placed == []  # (manager 1's not made: none read here, not even 0's)
             finally:
                 fresh.detach()
             await asyncio.gather(*(ad.get(k) for k in want))  # (maps the shards here)
@@ -367,5 +373,52 @@ def test_async_gets_of_shards_mapped_here_are_read_on_the_loop(cluster, monkeypa
             await ad.unfreeze()
             with pytest.raises(TypeError, match="copy"):
                 await ad.get("k3", copy="yes")
+
+    run(cluster, body)
+
+
+def test_an_unavailable_manager_never_holds_the_loop_up(cluster, monkeypatch):
+    """A same-host get whose manager is unavailable (its supervisor gone, of a replicated
+    dictionary: the explanation waits up to ``failover-timeout`` for a replica to take
+    over) declines on the loop at once and is explained in a worker thread: the loop
+    keeps turning meanwhile, and the explanation is waited for once."""
+    import os
+
+    async def ticking(stop, gaps):  # noqa: ANN001, ANN202
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async def body(client):
+        ad = await AsyncDDict.create(total_mem="32 MiB", client=client, replicas=1)
+        try:
+            await ad.put("a", 1)
+            assert await ad.get("a") == 1  # (its channels made: the loop reads the shard)
+            real = os.kill
+
+            def gone(pid, sig):  # noqa: ANN001, ANN202
+                if sig == 0:
+                    raise ProcessLookupError(pid)
+                return real(pid, sig)
+
+            monkeypatch.setattr(os, "kill", gone)  # (every supervisor "ended")
+            stop, gaps = asyncio.Event(), []
+            ticker = asyncio.create_task(ticking(stop, gaps))
+            await asyncio.sleep(0.05)
+            began = time.perf_counter()
+            with dask.config.set({"ddict.failover-timeout": "2 s"}):
+                with contextlib.suppress(Exception):  # (unavailable, or read after all)
+                    await ad.get("a")
+            took = time.perf_counter() - began
+            stop.set()
+            await ticker
+            monkeypatch.setattr(os, "kill", real)
+            assert max(gaps) < 1.0, f"the loop stood still for {max(gaps):.2f} s"
+            assert took < 3.5, f"explained twice: {took:.2f} s"
+        finally:
+            await ad.destroy()
 
     run(cluster, body)

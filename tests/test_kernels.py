@@ -328,10 +328,28 @@ def test_the_c_headers_handshake_proof_is_the_python_clients(
 
     key = secret.encode()
     want = handshake.proof(key, role, uid, target, incarnation, *nonces)
-    assert _compiled.wire_proof(key, role, uid, target.encode(), incarnation, *nonces) == (
-        want,
-        True,
-    )
+    assert _compiled.wire_proof(key, role, uid, target.encode(), incarnation, *nonces) == want
+
+
+def test_the_c_headers_sha256_and_proof_comparison():
+    """``ddict_wire.h``'s SHA-256 is ``hashlib``'s for every length across a few blocks
+    (its padding's edges: 55, 56, 63, 64 bytes...), fed whole or in odd pieces; and
+    ``ddict_proofs_equal`` tells two proofs apart by any one byte."""
+    if _compiled is None:  # (no compiler: test_the_compiled_set_is_built_and_chosen)
+        return
+    import hashlib
+
+    data = bytes((i * 37 + 11) & 0xFF for i in range(300))
+    for n in range(len(data) + 1):
+        for chunk in (1, 7, 64, 1000):
+            assert _compiled.wire_sha256(data[:n], chunk) == hashlib.sha256(data[:n]).digest()
+    proof = hashlib.sha256(b"a proof").digest()
+    assert _compiled.wire_proofs_equal(proof, proof)
+    for i in range(32):
+        for bit in (1, 0x80):
+            other = bytearray(proof)
+            other[i] ^= bit
+            assert not _compiled.wire_proofs_equal(proof, bytes(other))
 
 
 @settings(max_examples=100, deadline=None)

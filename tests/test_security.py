@@ -90,11 +90,15 @@ def _with_port(d: DDict, client: Client, mid: int, port: int) -> DDict:
 class Squatter:
     """A process that took over a port: answers (or relays) and records what it is sent."""
 
-    def __init__(self, relay_to: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, relay_to: tuple[str, int] | None = None, answer: bytes | None = None
+    ) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.received = bytearray()
         self.relay_to = relay_to
+        #: What it answers a HELLO (default: PROVE, and a made-up proof).
+        self.answer = answer
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -118,7 +122,8 @@ class Squatter:
                     upstream.sendall(data)
                 elif len(self.received) == HELLO.size + handshake.NONCE:
                     # A made-up proof: it does not know the secret.
-                    conn.sendall(bytes([Hello.PROVE]) + secrets.token_bytes(80))
+                    answer = self.answer or bytes([Hello.PROVE]) + secrets.token_bytes(80)
+                    conn.sendall(answer)
         except OSError:
             pass
         finally:
@@ -151,6 +156,22 @@ def test_a_squatter_that_answers_gets_no_key_and_sends_no_pickle(guarded, caplog
     assert len(squatter.received) == HELLO.size + handshake.NONCE
     assert b"secret key" not in squatter.received
     assert d._core.layout.secret not in caplog.text
+
+
+@pytest.mark.parametrize("answer", [Hello.OK, Hello.DENIED, Hello.PROVE + 1])
+def test_a_squatter_that_skips_its_proof_gets_no_key(guarded, answer):
+    """Over TCP a host must prove the secret before anything else: one that answers the
+    HELLO with OK straight away (what a Unix socket's host answers), or anything but a
+    proof, or a refusal of a dictionary it does not know, is not the dictionary's host;
+    the client sends it nothing more."""
+    client, d = guarded
+    squatter = Squatter(answer=bytes([answer]))
+    h = _with_port(d, client, 0, squatter.port)
+    with pytest.raises(DDictManagerUnavailableError, match="without proving|not a DDict"):
+        h.manager(0)["secret key"] = "secret value"
+    squatter.thread.join(10)
+    assert len(squatter.received) == HELLO.size + handshake.NONCE
+    assert b"secret key" not in squatter.received
 
 
 # -- attack 2: a squatter relays a client to a live host ------------------------------------

@@ -8,11 +8,15 @@ after the handshake's proofs, that the Python client then reads and wrote.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sysconfig
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,9 @@ from dask_ddict import DDict, kernels
 from dask_ddict._hashing import key_digest, manager_for_digest
 from dask_ddict._keys import encode_key
 from dask_ddict.errors import Status
+from dask_ddict.transport import handshake
+from dask_ddict.transport.protocol import HELLO, REP, REQ, Hello
+from dask_ddict.transport.sockets import recv_exact
 from tests.support.cluster import local_cluster
 from tests.support.shards import shards, shm_entries
 
@@ -121,6 +128,91 @@ def test_a_c_client_puts_and_gets_over_tcp_after_the_handshake(wire_client):
             assert f"the process at {target} did not prove" in failed.stderr
         assert "never" not in d
         d.destroy()
+
+
+class FakeHost:
+    """A TCP listener on loopback that takes one client: ``behave(conn)`` answers it, and
+    ``received`` is what the client sent before the connection ended."""
+
+    def __init__(self, behave: Callable[[socket.socket, str], None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.received = bytearray()
+        self.thread = threading.Thread(target=self._run, args=(behave,), daemon=True)
+        self.thread.start()
+
+    def _run(self, behave: Callable[[socket.socket, str], None]) -> None:
+        self.listener.settimeout(20)
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn, self.listener:
+            conn.settimeout(10)
+            behave(conn, self.target)
+            with contextlib.suppress(OSError):
+                while data := conn.recv(65536):
+                    self.received += data
+
+    def read(self, conn: socket.socket, n: int) -> bytes:
+        got = bytes(recv_exact(conn, n, "a test"))
+        self.received += got
+        return got
+
+
+def test_a_c_client_refuses_a_tcp_host_that_skips_its_proof(wire_client):
+    """Over TCP the C client sends nothing past its HELLO to a process that answers it
+    with OK at once (what a Unix socket's host says), not with a proof."""
+    host = FakeHost(lambda conn, _: conn.sendall(bytes([Hello.OK])))
+    env = os.environ | {"DDICT_SECRET": "ab" * 32}
+    failed = subprocess.run(
+        [str(wire_client), "put", f"tcp:{host.target}", "cd" * 16, "1", "s:key", "value"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    host.thread.join(20)
+    assert failed.returncode == 3, failed
+    assert "without proving" in failed.stderr
+    assert len(host.received) == HELLO.size + handshake.NONCE
+
+
+def test_a_c_client_refuses_a_reply_longer_than_it_takes(wire_client):
+    """A reply's payload length comes from the host: one of 2**64 - 1 bytes (which a
+    ``malloc(plen + 1)`` would wrap to nothing) is refused, after a handshake the host
+    proved, before anything is allocated or read."""
+    secret = "5e" * 32
+    uid = bytes(range(16))
+
+    class Hosted:  # (what host_side finds: the dictionary's secret, as a host keeps it)
+        def __init__(self) -> None:
+            self.secret = secret.encode()
+
+    def behave(conn: socket.socket, target: str) -> None:
+        handshake.host_side(
+            conn,
+            lambda n: host.read(conn, n),
+            lambda u: Hosted() if u == uid else None,
+            lambda u: False,
+            tcp=True,
+            target=target,
+            incarnation=os.urandom(16),
+        )
+        head = REQ.unpack(host.read(conn, REQ.size))
+        host.read(conn, head[3])  # (its key section)
+        conn.sendall(REP.pack(0, head[5], 0, 2**64 - 1))
+
+    host = FakeHost(behave)
+    env = os.environ | {"DDICT_SECRET": secret}
+    failed = subprocess.run(
+        [str(wire_client), "get", f"tcp:{host.target}", uid.hex(), "1", "s:key"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    host.thread.join(20)
+    assert failed.returncode == 3, failed
+    assert f"a reply of {2**64 - 1} bytes" in failed.stderr
 
 
 CPP_ROUTE = r"""

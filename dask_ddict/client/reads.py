@@ -174,8 +174,8 @@ class Reads(HandleBase):
         pipelined where it can be (:meth:`~dask_ddict.transport.channels.Channels.
         get_many_async`), never blocking the loop.  Keys whose shards are all mapped here
         are read on the loop itself (:meth:`~dask_ddict.transport.channels.Channels.
-        read_here`, channels made already: a snapshot's read takes microseconds, a worker
-        thread's round trip tens of them)."""
+        read_here`, channels made already: a snapshot's read of small values takes
+        microseconds, a worker thread's round trip tens of them; nothing there waits)."""
         lend, groups = self._many_request(copy, routes)
         if decode is None and self._vp is None and not lend:
             found = self._core.read_here(routes, self._chkpt, ABSENT, lend, made=True)

@@ -80,6 +80,11 @@ cdef extern from "ddict_wire.h" nogil:
                      const unsigned char* client_nonce, const unsigned char* host_nonce,
                      unsigned char* out)
     int ddict_proofs_equal(const unsigned char* a, const unsigned char* b)
+    ctypedef struct ddict_sha256:
+        pass
+    void ddict_sha256_init(ddict_sha256* s)
+    void ddict_sha256_update(ddict_sha256* s, const void* data, size_t n)
+    void ddict_sha256_final(ddict_sha256* s, unsigned char* out)
 
 
 # -- the same, from Python: for the tests that compare them with the structs' own ---------
@@ -108,8 +113,7 @@ def wire_constants():
 def wire_proof(bytes secret not None, bytes role not None, bytes uid not None,
                bytes target not None, bytes incarnation not None, bytes client_nonce not None,
                bytes host_nonce not None):
-    """``handshake.proof``, written by :func:`ddict_proof` (a C client's HMAC-SHA256), and
-    whether :func:`ddict_proofs_equal` finds it equal to itself: ``(proof, equal)``."""
+    """``handshake.proof``, written by :func:`ddict_proof` (a C client's HMAC-SHA256)."""
     cdef unsigned char out[DDICT_PROOF_BYTES]
     if (PyBytes_GET_SIZE(uid) != DDICT_UID_BYTES
             or PyBytes_GET_SIZE(incarnation) != DDICT_INCARNATION_BYTES
@@ -121,8 +125,28 @@ def wire_proof(bytes secret not None, bytes role not None, bytes uid not None,
                 PyBytes_GET_SIZE(target), <const unsigned char*>PyBytes_AS_STRING(incarnation),
                 <const unsigned char*>PyBytes_AS_STRING(client_nonce),
                 <const unsigned char*>PyBytes_AS_STRING(host_nonce), out)
-    proof = PyBytes_FromStringAndSize(<char*>out, DDICT_PROOF_BYTES)
-    return proof, bool(ddict_proofs_equal(out, <const unsigned char*>PyBytes_AS_STRING(proof)))
+    return PyBytes_FromStringAndSize(<char*>out, DDICT_PROOF_BYTES)
+
+
+def wire_proofs_equal(bytes a not None, bytes b not None):
+    """Whether :func:`ddict_proofs_equal` finds two proofs the same."""
+    if PyBytes_GET_SIZE(a) != DDICT_PROOF_BYTES or PyBytes_GET_SIZE(b) != DDICT_PROOF_BYTES:
+        raise ValueError(f"a proof is {DDICT_PROOF_BYTES} bytes")
+    return bool(ddict_proofs_equal(<const unsigned char*>PyBytes_AS_STRING(a),
+                                   <const unsigned char*>PyBytes_AS_STRING(b)))
+
+
+def wire_sha256(bytes data not None, Py_ssize_t chunk=64):
+    """SHA-256 of ``data`` by the header's own (fed ``chunk`` bytes at a time)."""
+    cdef ddict_sha256 s
+    cdef unsigned char out[32]
+    cdef Py_ssize_t at = 0, n = PyBytes_GET_SIZE(data)
+    ddict_sha256_init(&s)
+    while at < n:
+        ddict_sha256_update(&s, PyBytes_AS_STRING(data) + at, <size_t>min(chunk, n - at))
+        at += chunk
+    ddict_sha256_final(&s, out)
+    return PyBytes_FromStringAndSize(<char*>out, 32)
 
 
 def bytes_value_head(uint64_t n):

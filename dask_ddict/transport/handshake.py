@@ -85,8 +85,13 @@ def client_side(sock: Any, uid: bytes, secret: bytes, target: str, *, tcp: bool)
         raise HandshakeError(f"the host process at {target} runs as another user")
     client_nonce = secrets.token_bytes(NONCE)
     sock.sendall(HELLO.pack(HELLO_MAGIC, uid) + client_nonce)
-    answer = Hello(recv_exact(sock, 1, _DURING)[0])
+    answer = _answer(sock, target)
     if answer != Hello.PROVE:
+        if tcp and answer not in (Hello.CLOSED, Hello.UNKNOWN):  # (nothing is sent after those)
+            raise HandshakeError(
+                f"the process at {target} answered {answer.name} without proving that it "
+                "serves this dictionary (not its host process)"
+            )
         return answer
     got = bytes(recv_exact(sock, INCARNATION + NONCE + PROOF, _DURING))
     incarnation, host_nonce, host_proof = (got[:INCARNATION], got[INCARNATION:-PROOF], got[-PROOF:])
@@ -97,7 +102,18 @@ def client_side(sock: Any, uid: bytes, secret: bytes, target: str, *, tcp: bool)
             "dictionary (not its host process: wrong secret or relayed)"
         )
     sock.sendall(proof(secret, b"client", *args))
-    return Hello(recv_exact(sock, 1, _DURING)[0])
+    return _answer(sock, target)
+
+
+def _answer(sock: Any, target: str) -> Hello:
+    """The host's one-byte answer; a byte that is none is no DDict host's."""
+    byte = recv_exact(sock, 1, _DURING)[0]
+    try:
+        return Hello(byte)
+    except ValueError:
+        raise HandshakeError(
+            f"the process at {target} is not a DDict host process (it answered {byte})"
+        ) from None
 
 
 def host_side(

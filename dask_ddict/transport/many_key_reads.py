@@ -158,11 +158,15 @@ def read_here(
     channel was not made yet."""
     if timing.on:  # (the timed path's: one operation, timed as such)
         return NotImplemented
-    out = [absent] * len(routes)
-    for mid, (digests, positions) in kernels.group_positions(routes).items():
+    groups = kernels.group_positions(routes)
+    chans = []
+    for mid in groups:  # (every manager first: none is read for a batch left to get_many)
         ch = routing.made(mid) if made else routing.channel(mid)
         if ch is None or ch.kind != "shm":
             return NotImplemented
+        chans.append(ch)
+    out = [absent] * len(routes)
+    for ch, (digests, positions) in zip(chans, groups.values(), strict=True):
         if not ch.place_many(digests, positions, out, chkpt, absent, lend):
             return NotImplemented
     return out, kernels.marked(out, absent)

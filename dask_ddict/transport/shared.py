@@ -77,7 +77,8 @@ _LEND: Any = object()  # (a read to serve from a lent snapshot)
 
 
 class _OverSocket(Exception):
-    """The shard is moving to another machine: this operation goes to its manager."""
+    """The shard is moving to another machine, or (a read that must not wait) its manager
+    is unavailable: this operation goes to its manager's socket, which says why."""
 
 
 class SharedChannel:
@@ -192,7 +193,7 @@ class SharedChannel:
         if last:  # it was closed while this operation was inside
             view.close()
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, quiet: bool = False) -> None:
         """A shard outlives its processes: a manager whose host is gone must read as
         unavailable, as it does over a socket.  ``info.pid`` is the supervisor's: while
         it lives the shard is served (its host process may be restarting, and the
@@ -200,6 +201,9 @@ class SharedChannel:
         :data:`ALIVE_CHECK` seconds tells.  A replicated manager whose host holds no
         lease now (see :mod:`~dask_ddict.shard.lease_word`) is asked over its socket.
         A manager that closed says so in the shard itself (see :meth:`_visible`).
+        ``quiet``: what is unavailable raises :class:`_OverSocket` at once, for the
+        socket's path to say, never the explanation (which may ask the orchestrator, or
+        wait for a failover).
         """
         now = time.monotonic()
         if now < self._alive_until:
@@ -209,6 +213,8 @@ class SharedChannel:
             os.kill(info.pid, 0)
             self._alive_until = now + self._alive_for
         except ProcessLookupError:
+            if quiet:
+                raise _OverSocket() from None
             raise self._sock.link.unavailable(
                 self._mid, f"is gone (its supervisor, process {info.pid}, ended)"
             ) from None
@@ -235,8 +241,9 @@ class SharedChannel:
             return e
         return unseen(e, chkpt, self._wfk)  # (False: the manager waits)
 
-    def _check_state(self, store: ShardStore, chkpt: int, txn: Any) -> None:
-        """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn``.
+    def _check_state(self, store: ShardStore, chkpt: int, txn: Any, quiet: bool = False) -> None:
+        """Raise if the shard is closed, or ``chkpt`` retired, as of ``txn`` (``quiet``:
+        as :meth:`_check_alive` says).
 
         The shard's state (its window, whether it closed or is frozen) changes only
         with a commit, and every commit has a new transaction id: while snapshots
@@ -254,6 +261,8 @@ class SharedChannel:
                 raise _OverSocket()
             if closed == CLOSED_DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed")
+            if quiet:
+                raise _OverSocket()
             raise self._sock.link.unavailable(self._mid, "is closed (its host shut down)")
         self._seen = (tid, newest, frozen(store, txn))
         check_window(chkpt, newest, self._size)
@@ -263,23 +272,25 @@ class SharedChannel:
         seen = self._seen
         return seen[2] if txn.id() == seen[0] else frozen(store, txn)
 
-    def _snapshot(self, store: ShardStore) -> Any:
+    def _snapshot(self, store: ShardStore, quiet: bool = False) -> Any:
         try:
             return store.read()
         except lmdb.Error as e:  # the view was closed (a restart reopened the shard here)
             if self._path in _DESTROYED:
                 raise DDictClosedError(f"DDict {self._sock.link.name!r} was destroyed") from None
+            if quiet:
+                raise _OverSocket() from e
             raise self._sock.link.unavailable(
                 self._mid, f"cannot be read: its shard closed ({e})"
             ) from e
 
     @contextlib.contextmanager
-    def _inside(self, view: _View) -> Iterator[None]:
+    def _inside(self, view: _View, quiet: bool = False) -> Iterator[None]:
         """One operation in ``view`` (from :meth:`_enter`): the host must live, and a
         dictionary found destroyed is forgotten here (after the operation's snapshot
-        ended: no reader is left in the map)."""
+        ended: no reader is left in the map).  ``quiet``: as :meth:`_check_alive`."""
         try:
-            self._check_alive()
+            self._check_alive(quiet)
             yield
         except DDictClosedError:
             _destroyed(self._path)
@@ -419,15 +430,17 @@ class SharedChannel:
         :class:`~.many_key_ops.GetMany` reads them (no view of the shard, a key a reader
         may have to wait for, a read that lends, or anything that raises, said there
         again).  ``lend=None`` (a read that lends only from a frozen shard) copies from
-        one that is not frozen."""
+        one that is not frozen.  It never waits for an answer: a manager that is
+        unavailable declines at once (an event loop reads here), and the ``GetMany`` path
+        explains it, once."""
         if self._wfk or lend:  # (a key may have to be waited for: GetMany's, with its rules)
             return False
         view = self._enter()
         if view is None:
             return False
         try:
-            with self._inside(view), self._snapshot(view.store) as txn:
-                self._check_state(view.store, chkpt, txn)
+            with self._inside(view, True), self._snapshot(view.store, True) as txn:
+                self._check_state(view.store, chkpt, txn, True)
                 if lend is None and self._frozen(view.store, txn):
                     return False  # (its large values are lent: GetMany's)
                 nbytes, copies = view.store.place_values(

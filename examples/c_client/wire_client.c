@@ -63,10 +63,13 @@ static void hex(const unsigned char *p, size_t n) {
     for (i = 0; i < n; i++) printf("%02x", p[i]);
 }
 
+/* The most a reply's payload may hold here: its length comes from the peer. */
+#define MOST_PAYLOAD ((uint64_t)1 << 30)
+
 static void send_all(int fd, const void *buf, size_t n) {
     const unsigned char *p = buf;
     while (n > 0) {
-        ssize_t k = send(fd, p, n, 0);
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL); /* (a closed peer: an error, no SIGPIPE) */
         if (k <= 0) die("send");
         p += k;
         n -= (size_t)k;
@@ -77,7 +80,11 @@ static void recv_all(int fd, void *buf, size_t n) {
     unsigned char *p = buf;
     while (n > 0) {
         ssize_t k = recv(fd, p, n, 0);
-        if (k <= 0) die("recv");
+        if (k == 0) {
+            fprintf(stderr, "recv: the host closed the connection\n");
+            exit(3);
+        }
+        if (k < 0) die("recv");
         p += k;
         n -= (size_t)k;
     }
@@ -158,7 +165,10 @@ static int connect_to(const char *where, const unsigned char *uid, const char *s
     entropy(hello + DDICT_HELLO_BYTES, DDICT_NONCE_BYTES);
     send_all(fd, hello, sizeof hello);
     recv_all(fd, &answer, 1);
-    if (target && answer == DDICT_HELLO_PROVE) {
+    if (target && answer != DDICT_HELLO_PROVE)  /* (a host proves the secret first) */
+        refused("over TCP the host answered without proving that it serves the dictionary",
+                answer);
+    if (target) {
         if (!secret) {
             fprintf(stderr, "over TCP the dictionary's secret comes from DDICT_SECRET\n");
             exit(2);
@@ -212,7 +222,12 @@ static ddict_reply_head exchange(int fd, unsigned op, uint32_t manager, uint32_t
         fprintf(stderr, "a reply tagged %u, not %u\n", r.tag, tag);
         exit(3);
     }
-    *payload = malloc(r.plen + 1);
+    if (r.plen > MOST_PAYLOAD) {
+        fprintf(stderr, "a reply of %llu bytes: more than this client takes\n",
+                (unsigned long long)r.plen);
+        exit(3);
+    }
+    *payload = malloc((size_t)r.plen + 1);
     if (!*payload) die("malloc");
     recv_all(fd, *payload, r.plen);
     return r;
@@ -224,6 +239,7 @@ int main(int argc, char **argv) {
     int i, fd, put;
     if (argc >= 3 && strcmp(argv[1], "route") == 0) {
         managers = strtoull(argv[2], NULL, 10);
+        if (managers == 0) return 2;
         for (i = 3; i < argc; i++) {
             size_t n = key_bytes(argv[i], kb);
             ddict_digest(kb, n, digest);
@@ -240,12 +256,18 @@ int main(int argc, char **argv) {
         return 2;
     }
     put = strcmp(argv[1], "put") == 0;
-    if (strlen(argv[3]) != 2 * DDICT_UID_BYTES) {
-        fprintf(stderr, "a uid is %d hex digits\n", 2 * DDICT_UID_BYTES);
+    for (i = 0; i < DDICT_UID_BYTES; i++) {
+        if (strlen(argv[3]) != 2 * DDICT_UID_BYTES ||
+            sscanf(argv[3] + 2 * i, "%2hhx", &uid[i]) != 1) {
+            fprintf(stderr, "a uid is %d hex digits\n", 2 * DDICT_UID_BYTES);
+            return 2;
+        }
+    }
+    managers = strtoull(argv[4], NULL, 10);
+    if (managers == 0) {
+        fprintf(stderr, "a dictionary has at least one manager\n");
         return 2;
     }
-    for (i = 0; i < DDICT_UID_BYTES; i++) sscanf(argv[3] + 2 * i, "%2hhx", &uid[i]);
-    managers = strtoull(argv[4], NULL, 10);
     fd = connect_to(argv[2], uid, getenv("DDICT_SECRET"));
     for (i = 5; i < argc; i += put ? 2 : 1) {
         unsigned char *payload;
