@@ -20,6 +20,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -30,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from dask_ddict import kernels
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
-from dask_ddict._serialize import dumps_value
+from dask_ddict._serialize import _HEAD, FMT_BYTES, FMT_PICKLE, FMT_RAW, Framed, dumps_value
 from dask_ddict.errors import Status
 from dask_ddict.host.hosted import HostedDict
 from dask_ddict.host.lease import LeaseKeeper
@@ -46,7 +47,7 @@ from dask_ddict.shard.working_set import WorkingSet
 from dask_ddict.transport import ops
 from dask_ddict.transport.many_key_ops import GetMany
 from dask_ddict.transport.operation import Operation
-from dask_ddict.transport.protocol import FLAG_NOREPLY, FLAG_PERSIST, REP, REQ, Op
+from dask_ddict.transport.protocol import FLAG_NOREPLY, FLAG_PERSIST, REP, REQ, SMALL, Op
 from dask_ddict.transport.socket_client import HostLink
 from tests.support.polling import poll_for
 from tests.support.wire import raw as _raw
@@ -363,6 +364,78 @@ def test_byte_ranges_of_raw_bytes_values_are_the_plain_servers(shards):
     assert shards.counts() == [b + len(spans) + 2 for b in before]  # (the manager's)
 
 
+#: Bounds of a byte range: the ends of 64 bits, around a short value's length, and past
+#: 64 bits (which the client clamps).
+EDGES = [-(2**63), -(2**62), -1000, -11, -10, -1, 0, 1, 9, 10, 11, 2**63 - 1, 2**70, -(2**70)]
+
+
+def _framed(key: str, frame: bytes, chkpt: int = 0) -> ops.Put:
+    """A put of ``frame`` as it is (a frame the client never makes, among them)."""
+    kb = dumps_key(key)
+    return ops.Put(key_digest(kb), kb, Framed([frame], len(frame)), chkpt, 1)
+
+
+def test_byte_ranges_of_any_frame_and_bounds_are_the_managers_answers(shards):
+    """Every bound at the edges of 64 bits, of every frame a shard may hold (a declared
+    payload longer or shorter than the frame, of 2**63 and 2**64 - 1 bytes, no payload,
+    frames shorter than their head, raw buffers, pickles, an unknown format): the same
+    answers from every server; the plain servers answer the raw-bytes frames' (whole
+    heads) and leave the others to the manager."""
+    payload = b"0123456789"
+    frames = {
+        "raw": _HEAD.pack(FMT_BYTES, 0, 10) + payload,
+        "longer": _HEAD.pack(FMT_BYTES, 0, 50) + payload,
+        "huge": _HEAD.pack(FMT_BYTES, 0, 2**64 - 1) + payload,
+        "sign": _HEAD.pack(FMT_BYTES, 0, 2**63) + payload,
+        "shorter": _HEAD.pack(FMT_BYTES, 0, 4) + payload,
+        "none": _HEAD.pack(FMT_BYTES, 0, 0),
+        "buffers": _HEAD.pack(FMT_BYTES, 3, 10) + payload,
+        "short": bytes([FMT_BYTES]) + bytes(7),
+        "empty": b"",
+        "rawbuffer": _HEAD.pack(FMT_RAW, 0, 10) + payload,
+        "pickle": _HEAD.pack(FMT_PICKLE, 0, 10) + payload,
+        "unknown": _HEAD.pack(9, 0, 10) + payload,
+    }
+    shards.same([(_framed(k, f), {}) for k, f in frames.items()])
+    plain = [k for k, f in frames.items() if len(f) >= _HEAD.size and f[0] == FMT_BYTES]
+    before = shards.counts()
+    asked = [(k, a, b) for k in frames for a in EDGES for b in EDGES]
+    for i in range(0, len(asked), 250):
+        shards.same([(ops.GetRange(_digest(k), 0, a, b), {}) for k, a, b in asked[i : i + 250]])
+    served = sum(k in plain for k, _, _ in asked)
+    assert shards.counts() == [b + served for b in before]
+
+
+def test_a_byte_range_split_across_receives_and_at_the_largest_part(shards):
+    """A range whose bounds arrive in a later receive than its header is answered once
+    whole; a part of exactly the largest a plain server sends is the plain servers', one
+    byte more the manager's."""
+    value = bytes(range(256)) * 1024  # (256 KiB)
+    shards.same([(_put("v", value, 0), {})])
+    before = shards.counts()
+    outs = []
+    for i, sock in enumerate(shards.socks):
+        data = b"".join(
+            _raw(ops.GetRange(_digest("v"), 0, 2, 9), t + 1, mid=3 + i) for t in range(3)
+        )
+        cut = len(data) // 3 + REQ.size + 16 + 4  # (inside the second one's bounds)
+        sock.sendall(data[:cut])
+        time.sleep(0.2)
+        sock.sendall(data[cut:])
+        outs.append(_replies(sock, 3))
+    assert all(o == outs[0] for o in outs)
+    assert [(s, n, p) for s, _, n, p in outs[0]] == [(0, len(value), value[2:9])] * 3
+    most = SMALL
+    got = shards.same(
+        [
+            (ops.GetRange(_digest("v"), 0, 5, 5 + most), {}),
+            (ops.GetRange(_digest("v"), 0, 5, 6 + most), {}),
+        ]
+    )
+    assert [p for *_, p in got] == [value[5 : 5 + most], value[5 : 6 + most]]
+    assert shards.counts() == [b + 4 for b in before]  # (3 split, the largest part)
+
+
 def test_plain_puts_keep_the_key_counts(shards):
     """Plain puts of new keys and of keys already there count each key once: ``len`` is
     the manager's count of the shard, and the same as if the manager had put them."""
@@ -518,14 +591,19 @@ def _table(mid: int, digests: list[bytes], cut: int) -> bytes:
 _fuzzed = st.lists(
     st.tuples(
         st.sampled_from(
-            [int(Op.GET), int(Op.CONTAINS), int(Op.PUT), int(Op.GET_MANY), int(Op.LEN), 99]
+            [int(Op.GET), int(Op.CONTAINS), int(Op.PUT), int(Op.GET_MANY), int(Op.GET_RANGE)]
+            + [int(Op.LEN), 99]
         ),
         st.sampled_from([0, 0, 0, FLAG_PERSIST, FLAG_NOREPLY, 255]),  # flags
         st.sampled_from([0, 0, 0, 1, 65535]),  # term
         st.sampled_from([None, None, 99]),  # manager: the connection's, or not hosted
         st.integers(-2, 2),  # checkpoint
         st.sampled_from([0, 0, 0, 7]),  # request id
-        st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40)),  # key section
+        st.one_of(
+            st.binary(min_size=16, max_size=16),
+            st.binary(max_size=40),
+            st.tuples(st.sampled_from(KEYS), st.binary(min_size=16, max_size=16)),
+        ),  # key section: a digest, anything, or a stored key's digest and a range's bounds
         st.one_of(
             st.binary(max_size=60),
             st.tuples(
@@ -547,6 +625,7 @@ def test_fuzzed_requests_get_the_same_answers_from_every_server(requests):
     is dropped at the same point, and the host serves on."""
     s = Shards()
     try:
+        s.same([(_put(KEYS[0], b"0123456789" * 3, 0), {}), (_put(KEYS[1], 12345, 0), {})])
         got = []
         for i, sock in enumerate(s.socks):
             own = 3 + i
@@ -554,6 +633,8 @@ def test_fuzzed_requests_get_the_same_answers_from_every_server(requests):
             for t, (op, flags, term, mid, chkpt, rid, keysec, value) in enumerate(requests):
                 if isinstance(value, tuple):
                     value = _table(own, *value)
+                if isinstance(keysec, tuple):
+                    keysec = _digest(keysec[0]) + keysec[1]
                 data += (
                     REQ.pack(
                         op,

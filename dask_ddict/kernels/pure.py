@@ -25,9 +25,7 @@ from typing import Any, NamedTuple, cast
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
 from .._keys import encode_key
-from .._serialize import (
-    _HEAD as _HEAD_STRUCT,
-)
+from .._serialize import _HEAD as _HEAD_STRUCT  # (a value frame's head)
 from .._serialize import (
     ALIGN,  # (a many-key reply's frames start at multiples of it)
     FMT_BYTES,
@@ -760,6 +758,11 @@ def send_reply(sock: Any, tag: int, ival: int, payload: Any, small: int) -> Any:
 #: payload's length (part of the protocol's version; :data:`~dask_ddict.transport.
 #: protocol.REP` is this).
 REPLY = struct.Struct("<BxxxIqQ")
+
+#: A ranged read's bounds in its key section, after the digest (``ops.GetRange``'s,
+#: declared with the kernel that reads it; signed: a Python slice's, bounds beyond 64
+#: bits clamped, which cuts no value shorter than that).
+SPAN = struct.Struct("<qq")
 #: What :func:`receive_reply` gives when a wait of ``wait`` seconds went by with no reply.
 QUIET = -1
 
@@ -1239,7 +1242,8 @@ class KeyLane:
 
 class PlainRequests(NamedTuple):
     """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
-    ``in``, ``put``, ``get_many`` and ``get_range`` and the flag a put may carry (``persist``: under no
+    ``in``, ``put``, ``get_many`` and ``get_range`` and the flag a put may carry
+    (``persist``: under no
     ``wait_for_keys``, every put persists), what a get of an absent key is answered (the
     status and message that the manager's ``DDictKeyError`` becomes on the wire), the
     largest value it sends or puts (a larger one is the manager's, which moves it in
@@ -1343,7 +1347,8 @@ class PlainServer:
     counts once); a ``get_range`` of a raw-bytes value (``GetRange``: its size, and the
     part asked for, of at most ``most`` bytes, whatever the value's).  :meth:`serve`
     answers the leading ones as the manager would (the value's frame, ``DDictKeyError``'s
-    reply, whether the key is seen, a put's empty reply, a range), counts them in the connection's table and takes them out of its buffer; it
+    reply, whether the key is seen, a put's empty reply, a range), counts them in the
+    connection's table and takes them out of its buffer; it
     stops at the first request that is anything else, or not whole, or a put that does
     not go through alone (nothing of it written), and leaves it to the server's Python
     path, which is the reference of everything here.  A read after a put sees it (the
@@ -1462,12 +1467,6 @@ class PlainServer:
             if data:
                 c.held.append(data)
         return r._pos == r._end and not c.held
-
-
-#: A ranged read's bounds in its key section, after the digest (``ops.GetRange``'s,
-#: declared with the kernel that reads it; signed: a Python slice's, bounds beyond 64
-#: bits clamped, which cuts no value shorter than that).
-SPAN = struct.Struct("<qq")
 
 
 def _range(frame: Any, start: int, stop: int) -> tuple[int, Any] | None:
