@@ -294,6 +294,10 @@ def test_what_only_the_manager_answers_is_left_to_it(shards):
     assert other[0][0] == int(Status.LEASE)
     large = shards.same([(ops.Get(_digest("big"), 3), {})])
     assert large[0][0] == 0 and len(large[0][3]) > LARGE
+    assert shards.counts() == before
+    seen = shards.same([(ops.Contains(_digest("big"), 3), {})])  # (its flags alone: plain)
+    assert seen[0][2] == 1
+    before = [b + 1 for b in before]
     assert shards.same([(_put("b", 1, 5), {})])[0][0] == 0  # (the window moves: the manager's)
     assert shards.counts() == before
     served = shards.same([(ops.Get(_digest("a"), 5), {}), (ops.Get(_digest("none"), 5), {})])

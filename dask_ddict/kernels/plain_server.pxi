@@ -255,8 +255,8 @@ cdef class PlainServer:
             live = not raw[0] & _TOMBSTONE
             if live:
                 if _le64(raw + 8) > <uint64_t>(size - _ENTRY_HEADER) or (
-                        size >= PRELOADED and op != self.get_range):  # fmt: skip
-                    return 0  # (a range touches its own pages alone: see _range)
+                        size >= PRELOADED and op == self.get):  # fmt: skip
+                    return 0  # (an ``in`` reads the flags alone, a range its own pages)
                 flen = <Py_ssize_t>_le64(raw + 8)
         if op == self.contains:
             self._reply(0, tag, live, NULL, 0)
