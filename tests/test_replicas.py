@@ -179,7 +179,12 @@ def _failed_over(d: DDict, worker: str, bound: float = 60.0) -> None:
         assert not any(m.lost for m in layout.managers), layout.managers
         return worker not in layout.manager_workers and all(s.replicas >= 1 for s in d.stats)
 
-    poll_for(repaired, bound, f"failover and repair from {worker}", 0.2)
+    def how() -> str:
+        layout = d._core.fresh(force=True)
+        stats = [(s.manager_id, s.worker, s.replicas) for s in d.stats]
+        return f"failover and repair from {worker}: {layout.manager_workers}, stats {stats}"
+
+    poll_for(repaired, bound, how, 0.2)
 
 
 def test_a_host_killed_under_writers_loses_nothing_acknowledged(workers3):
