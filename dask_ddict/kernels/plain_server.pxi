@@ -47,7 +47,6 @@ DEF _MOST_EVENTS = 256  # (at most this many events a call; the rest come with t
 
 cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a header and a digest
 cdef Py_ssize_t _RANGED = DIGEST + SPAN.size  # a byte range's key section: its digest, its bounds
-cdef Py_ssize_t _VALUE_HEAD = _HEAD_STRUCT.size  # (a value frame's head: fmt, nbufs, length)
 cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
 cdef Py_ssize_t _GROUP_MOST = 256  # puts of one transaction, at most (the lock held that long)
 cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
@@ -279,16 +278,16 @@ cdef class PlainServer:
         of more than ``most`` bytes).  Only the frame's head and the part are touched,
         whatever the value's size: a large value's other pages are never read."""
         cdef Py_ssize_t n, start, stop
-        if flen < _VALUE_HEAD or frame[0] != _FMT_BYTES:
+        if flen < _HEAD or frame[0] != _FMT_BYTES:
             return 0
-        n = <Py_ssize_t>min(_le64(frame + 8), <uint64_t>(flen - _VALUE_HEAD))
+        n = <Py_ssize_t>min(_le64(frame + 8), <uint64_t>(flen - _HEAD))
         start = _slice_bound(<int64_t>_le64(span), n)
         stop = _slice_bound(<int64_t>_le64(span + 8), n)
         if stop < start:
             stop = start
         if stop - start > self.most:
             return 0
-        self._reply(0, tag, n, frame + _VALUE_HEAD + start, stop - start)
+        self._reply(0, tag, n, frame + _HEAD + start, stop - start)
         return 1
 
     cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p,

@@ -1243,12 +1243,12 @@ class KeyLane:
 class PlainRequests(NamedTuple):
     """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
     ``in``, ``put``, ``get_many`` and ``get_range`` and the flag a put may carry
-    (``persist``: under no
-    ``wait_for_keys``, every put persists), what a get of an absent key is answered (the
-    status and message that the manager's ``DDictKeyError`` becomes on the wire), the
-    largest value it sends or puts (a larger one is the manager's, which moves it in
-    parts), the largest key section a host takes (a larger one is refused by the
-    server), and the clock a host's lease runs on (``time.clock_gettime``'s id)."""
+    (``persist``: under no ``wait_for_keys``, every put persists), what a get of an
+    absent key is answered (the status and message that the manager's ``DDictKeyError``
+    becomes on the wire), the largest value it sends or puts (a larger one is the
+    manager's, which moves it in parts), the largest key section a host takes (a larger
+    one is refused by the server), and the clock a host's lease runs on
+    (``time.clock_gettime``'s id)."""
 
     get: int
     contains: int
@@ -1348,8 +1348,8 @@ class PlainServer:
     part asked for, of at most ``most`` bytes, whatever the value's).  :meth:`serve`
     answers the leading ones as the manager would (the value's frame, ``DDictKeyError``'s
     reply, whether the key is seen, a put's empty reply, a range), counts them in the
-    connection's table and takes them out of its buffer; it
-    stops at the first request that is anything else, or not whole, or a put that does
+    connection's table and takes them out of its buffer; it stops at the first request
+    that is anything else, or not whole, or a put that does
     not go through alone (nothing of it written), and leaves it to the server's Python
     path, which is the reference of everything here.  A read after a put sees it (the
     snapshot of a run ends at a put).  Its replies go out in one send that does not
