@@ -223,6 +223,18 @@ def test_a_process_keeps_a_bounded_pool_of_idle_connections(served, use_uds):
     assert len(chans[0].link._all) == 1 and open_now() <= 2
 
 
+def _fan_out(o: Any, mids: tuple[int, ...], **host: Any) -> list[Any]:
+    """Broadcast ``o`` to managers ``mids`` as a host serves it (``fan_out.serve`` with
+    ``host``'s managers, words and kept answers); each manager's result."""
+    got: list = []
+    flags, keysec, value, vlen, chkpt, arg, client, timeout = ops.FanOut(o, mids).encode()
+    req = Request(
+        Op.FANOUT, flags, mids[0], chkpt, arg, client, timeout, keysec[:16], keysec[16:], b"", 0, 0
+    )
+    fan_out.serve(None, req, lambda ival=0, payload=b"": got.append(payload), **host)
+    return [o.result(ival, data) for _, _, ival, data in pickle.loads(got[0])]
+
+
 def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path, monkeypatch):
     """A host answers a repeated ``len``/``stats``/first-page broadcast from what it kept,
     until a commit (its own or a same-host client's) gives a manager a new word."""
@@ -239,20 +251,7 @@ def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path
     answers: dict = {}
 
     def broadcast(o):
-        got: list = []
-        flags, keysec, value, vlen, chkpt, arg, client, timeout = ops.FanOut(o, (1, 2)).encode()
-        req = Request(
-            Op.FANOUT, flags, 1, chkpt, arg, client, timeout, keysec[:16], keysec[16:], b"", 0, 0
-        )
-        fan_out.serve(
-            None,
-            req,
-            lambda ival=0, payload=b"": got.append(payload),
-            managers=managers,
-            generations=gens,
-            answers=answers,
-        )
-        return [o.result(ival, data) for _, _, ival, data in pickle.loads(got[0])]
+        return _fan_out(o, (1, 2), managers=managers, generations=gens, answers=answers)
 
     try:
         kb = dumps_key("k")
@@ -273,6 +272,65 @@ def test_broadcast_answers_are_kept_under_the_managers_generation_words(tmp_path
     finally:
         for manager in managers.values():
             manager.close()
+        gens.close()
+
+
+def test_a_kept_stats_answer_is_stale_once_a_primarys_replica_set_changed(tmp_path):
+    """``stats`` reports each manager's replicas, which change without a commit (a replica
+    made after a failover, one dropped): the host's kept answer is not reused after such
+    a change (it once answered ``replicas=0`` for good after a repair made the replica).
+    A unit test: a real shard and host dict, fake replica links."""
+    from dask_ddict.host import replicas
+    from dask_ddict.host.control import DictSpec
+    from dask_ddict.options import DDictOptions
+    from dask_ddict.shard.generations import Generations, path_for
+
+    class Link:
+        def close(self) -> None:
+            pass
+
+    uid = "cd" * 16
+    gens = Generations(path_for(str(tmp_path), uid), 1, create=True)
+    store = ShardStore(str(tmp_path / "s0"), 4 << 20)
+    manager = Manager(0, store, WorkingSet(store, 1))
+    manager.generations = gens
+    gens.bump(0)
+    hosted = HostedDict(uid, "d", "s", gens)
+    hosted.managers[0] = manager
+    spec = DictSpec("d", uid, "s", DDictOptions(replicas=2), 4 << 20, 1)
+    shipper = manager.shipper = replicas.Shipper(spec, 0, False, None, hosted, manager)
+
+    def info(port: int) -> ManagerInfo:
+        return ManagerInfo(0, "w", f"h{port}", "h:b", 1, "", "127.0.0.1", port, "")
+
+    def replicas_now() -> int:
+        (stats,) = _fan_out(
+            ops.Stats(),
+            (0,),
+            managers=hosted.managers,
+            generations=gens,
+            answers=hosted.answers,
+            pins=hosted.changes,
+        )
+        return stats.replicas
+
+    try:
+        assert replicas_now() == 0 and hosted.answers  # (kept)
+        shipper._retarget([replicas.Target(info(1), Link()), replicas.Target(info(2), Link())])
+        assert replicas_now() == 2  # (what Shipper.add ends with)
+        shipper.remove(info(2).address)
+        assert replicas_now() == 1
+        shipper.remove(info(2).address)  # (no change: the kept answer stands)
+        words = list(hosted.answers.values())[0][0]
+        assert replicas_now() == 1 and list(hosted.answers.values())[0][0] is words
+        shipper.dropped([info(1).address])
+        assert replicas_now() == 0
+        shipper._retarget([replicas.Target(info(3), Link())])
+        assert replicas_now() == 1
+        shipper.close()
+        assert replicas_now() == 0
+    finally:
+        manager.close()
         gens.close()
 
 

@@ -96,7 +96,7 @@ def _words(
         return None
     words = generations.words[list(mids)]
     if pins is not None and getattr(inner, "pinned", False):
-        words = np.append(words, pins() | 1)  # (| 1: never a word 0, see _keep)
+        words = np.append(words, (pins() << 1) | 1)  # (never a word 0, see _keep)
     return words
 
 

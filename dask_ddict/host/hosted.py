@@ -50,6 +50,7 @@ class HostedDict:
         "lease",
         "leased",
         "fenced",
+        "reshaped",
         "_fencing",
     )
 
@@ -86,6 +87,8 @@ class HostedDict:
         #: Its primaries that do not serve now, and why: waiting for the orchestrator to
         #: confirm them, or to drop a replica that failed a write (answered ``LEASE``).
         self.fenced: dict[int, tuple[Manager, str]] = {}
+        #: How many times one of its primaries' replica sets changed (``Shipper``).
+        self.reshaped = 0
         self._fencing = threading.Lock()  # (fence and confirm: a writer's, the lease's thread)
 
     def __repr__(self) -> str:
@@ -124,6 +127,7 @@ class HostedDict:
 
     def changes(self) -> int:
         """What a kept ``stats`` answer holds besides its shards: a number that moves
-        with the pin boards and with the requests served (``FanOut``'s ``pins``)."""
+        with the pin boards, with the requests served and with its primaries' replica
+        sets (``FanOut``'s ``pins``): a replica made or dropped commits nothing."""
         pinned = 0 if self.pins is None else int(self.pins.changes())
-        return (pinned + self.served.moves()) & ((1 << 62) - 1)
+        return (pinned + self.served.moves() + self.reshaped) & ((1 << 62) - 1)

@@ -256,7 +256,14 @@ class Shipper:
         except BaseException:
             link.close()
             raise
-        self.targets.append(Target(info, link))
+        self._retarget([*self.targets, Target(info, link)])
+
+    def _retarget(self, targets: list[Target]) -> None:
+        """Ship to ``targets`` from now on; the host's kept ``stats`` answers, which count
+        them, are stale (``HostedDict.changes``)."""
+        self.targets = targets
+        if self.hosted is not None:
+            self.hosted.reshaped += 1
 
     def remove(self, address: tuple[str, str, int] | list[Any]) -> None:
         """Stop shipping to the replica at ``address`` (the orchestrator's word)."""
@@ -266,7 +273,8 @@ class Shipper:
                 t.link.close()
             else:
                 keep.append(t)
-        self.targets = keep
+        if len(keep) != len(self.targets):
+            self._retarget(keep)
         if tuple(address) in self.doubts:
             self.dropped([tuple(address)])
 
@@ -337,7 +345,7 @@ class Shipper:
     def _drop(self, t: Target, e: BaseException) -> None:
         """Drop replica ``t`` here (no orchestrator to ask: see :attr:`keeper`)."""
         if t in self.targets:
-            self.targets.remove(t)
+            self._retarget([o for o in self.targets if o is not t])
         try:  # (and told so if it can hear it: it must never be promoted now)
             t.link.call(Replicate(-1, [], 0, 1.0), self.manager_id)
         except Exception:  # noqa: BLE001 - gone, or unreachable: said below
@@ -391,8 +399,10 @@ class Shipper:
         """The orchestrator took the replicas at ``addresses`` out of the replica set (a
         lease renewal's answer): they are dropped, and without doubts the manager serves."""
         gone = set(addresses)
-        for t in [t for t in self.targets if tuple(t.info.address) in gone]:
-            self.targets.remove(t)
+        out = [t for t in self.targets if tuple(t.info.address) in gone]
+        if out:
+            self._retarget([t for t in self.targets if all(t is not o for o in out)])
+        for t in out:
             t.pending.clear()
             t.link.close()
             logger.warning(
@@ -414,7 +424,7 @@ class Shipper:
         for t in self.targets:
             t.pending.clear()
             t.link.close()
-        self.targets = []
+        self._retarget([])
 
 
 def targets(
