@@ -56,6 +56,10 @@ rows, each against the reference its reference column names:
   brackets, the part spent in user space (the rest is the kernel's: the same
   three system calls per request for both, and the wake-ups).  The kernel
   counts CPU time in 10 ms ticks: +-1 us per operation at 10,000.
+* ``host CPU per fetch_add / pop 100 B (tcp)``: the same for ``fetch_add(key, 1)`` on
+  1,000 counters and for ``pop`` of as many 100 B keys as operations, against
+  redis-server's ``INCRBY`` and ``GETDEL`` (the at-most-once writes: each keeps its reply
+  under its request id in the same transaction).
 * ``p99 put 100 B``: the p99 latency of 100 B puts from the client while the
   manager's worker runs a CPU-bound pure-Python task on its thread (target:
   at most 2 ms; the manager's host process is not the worker).
@@ -432,6 +436,11 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
         refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS), max(n // 100, 10), cap=60.0)
     )
     tcp0.clear()
+    ours["fetch_add"] = refs.cpu_per_op(pid, lambda i: tcp0.fetch_add(i % 1000, 1), n, cap=60.0)
+    tcp0.clear()
+    tcp0.update({i: v for i in range(n)})  # (each popped once)
+    ours["pop"] = refs.cpu_per_op(pid, tcp0.pop, n, cap=60.0)
+    tcp0.clear()
     theirs: dict[str, tuple[float, int, float]] = {}
     if redis_ctx:
         rpid, r = redis_ctx[0].pid, redis_ctx[1]
@@ -444,18 +453,27 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
             refs.cpu_per_op(rpid, lambda i: r.mget(KEYS), max(n // 100, 10), cap=60.0)
         )
         r.flushall()
+        theirs["fetch_add"] = refs.cpu_per_op(rpid, lambda i: r.incrby(i % 1000, 1), n, cap=60.0)
+        r.flushall()
+        r.mset({i: v for i in range(n)})
+        theirs["pop"] = refs.cpu_per_op(rpid, r.getdel, n, cap=60.0)
+        r.flushall()
     rows = []
-    for op, rop in (("get", "GET"), ("put", "SET"), ("key of get_many", "key of MGET")):
+    for op, rop, what, target in (
+        ("get", "GET", "get 100 B", " (target <= 1.0)"),
+        ("put", "SET", "put 100 B", " (target <= 1.0)"),
+        ("key of get_many", "key of MGET", "key of get_many 100 B", ""),
+        ("fetch_add", "INCRBY", "fetch_add", ""),
+        ("pop", "GETDEL", "pop 100 B", ""),
+    ):
         (cpu, done, user), base = ours[op], theirs.get(op)
         rows.append(
             (
-                f"host CPU per {op} 100 B (tcp)",
+                f"host CPU per {what} (tcp)",
                 f"host process, {done:,} {op.split()[0]}s",
                 _us(cpu, user),
                 f"redis-server per {rop}: {_us(base[0], base[2])}" if base else "n/a",
-                (f"{cpu / base[0]:.2f}" + (" (target <= 1.0)" if " " not in op else ""))
-                if base
-                else "n/a",
+                f"{cpu / base[0]:.2f}{target}" if base else "n/a",
             )
         )
     return rows

@@ -21,6 +21,7 @@ import socket
 import struct
 import tempfile
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -31,7 +32,15 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from dask_ddict import kernels
 from dask_ddict._hashing import key_digest
 from dask_ddict._keys import dumps_key
-from dask_ddict._serialize import _HEAD, FMT_BYTES, FMT_PICKLE, FMT_RAW, Framed, dumps_value
+from dask_ddict._serialize import (
+    _HEAD,
+    FMT_BYTES,
+    FMT_PICKLE,
+    FMT_RAW,
+    Framed,
+    dumps_value,
+    loads_value,
+)
 from dask_ddict.errors import Status
 from dask_ddict.host.hosted import HostedDict
 from dask_ddict.host.lease import LeaseKeeper
@@ -164,6 +173,21 @@ class Shards:
         assert all(g == got[0] for g in got), list(zip(SERVERS, got, strict=True))
         return got[0]
 
+    def same_contents(self) -> None:
+        """Every shard holds the same keys and values, counts and kept replies (its data
+        and meta tables, but the manager's id)."""
+        seen = []
+        for m in self.managers:
+            store = m.store
+            with store.read() as txn:
+                tables = [
+                    [(bytes(k), bytes(v)) for k, v in txn.cursor(db).iternext()]
+                    for db in (store._data, store.meta_db)
+                ]
+            tables[1] = [(k, v) for k, v in tables[1] if k != b"manager"]
+            seen.append(tables)
+        assert all(t == seen[0] for t in seen), list(zip(SERVERS, seen, strict=True))
+
     def counts(self) -> list[int]:
         """Requests the plain servers answered, so far."""
         return [p.count for p in self.plain if p is not None]
@@ -190,16 +214,33 @@ def _put(key: str, value: Any, chkpt: int) -> ops.Put:
     return ops.Put(key_digest(kb), kb, dumps_value(value), chkpt, 1)
 
 
+#: Ints whose pickles differ in form (BININT1, BININT2, BININT, LONG1), at the edges of
+#: 64 bits (a ``fetch_add`` past them is the manager's).
+EDGES = [0, 255, 256, 65535, 65536, -1, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1]
+EDGES += [2**63 - 1, -(2**63), 2**40 + 7, -(2**48)]
+
 _request = st.tuples(
     st.sampled_from(
         ["get", "get", "in", "put", "put", "persist", "pop", "len", "newest", "many", "many2"]
-        + ["range", "range"]
+        + ["range", "range", "pop", "add", "add", "add"]
     ),
     st.sampled_from(KEYS),
     st.one_of(st.integers(-1, 6), st.just("newest")),
-    st.one_of(st.integers(-(2**40), 2**40), st.binary(max_size=40), st.just("large")),
+    st.one_of(
+        st.integers(-(2**40), 2**40),
+        st.sampled_from(EDGES),
+        st.booleans(),
+        st.binary(max_size=40),
+        st.just("large"),
+    ),
     st.sampled_from([0, 0, 0, 1, 2]),  # the term: none, this one, another
 )
+
+
+def _rid(value: Any) -> int:
+    """An at-most-once request's id drawn from its value: none, or one of a few (a request
+    id seen before is a resend: the reply kept of its first is the answer)."""
+    return zlib.crc32(repr(value).encode()) % 7
 
 
 class ThreeServers(RuleBasedStateMachine):
@@ -227,6 +268,9 @@ class ThreeServers(RuleBasedStateMachine):
                 "put": lambda: _put(key, v, max(c, 0)),
                 "persist": lambda: _put(key, v, max(c, 0)),
                 "pop": lambda: ops.Pop(_digest(key), max(c, 0), 1),
+                "add": lambda: ops.FetchAdd(
+                    _digest(key), dumps_key(key), max(c, 0), 1, v if type(v) is int else 1
+                ),
                 "len": lambda: ops.Length(max(c, 0)),
                 "newest": lambda: ops.Newest(),
                 "range": lambda: ops.GetRange(_digest(key), c, *_span(value)),
@@ -237,11 +281,14 @@ class ThreeServers(RuleBasedStateMachine):
                     )
                 ),
             }[what]()
-            kw = {"term": term[t]} if what in ("get", "in", "put", "range") else {}
+            kw = {"term": term[t]} if what in ("get", "in", "put", "range", "pop", "add") else {}
             if what == "persist":
                 kw["flags"] = FLAG_PERSIST
+            if what in ("pop", "add"):
+                kw["rid"] = _rid(value)
             batch.append((o, kw))
         self.shards.same(batch)
+        self.shards.same_contents()
 
     @precondition(lambda self: _compiled is not None)
     @rule(put=st.booleans())
@@ -318,6 +365,92 @@ def test_what_only_the_manager_answers_is_left_to_it(shards):
     closed = shards.same([(ops.Get(_digest("a"), 5), {})])
     assert closed[0][0] != 0
     assert shards.counts() == [b + 2 for b in before]
+
+
+def _more(before: list[int], pure_n: int, compiled_n: int) -> list[int]:
+    """The plain servers' counts after ``before``: ``pure_n`` more for the pure one,
+    ``compiled_n`` for the compiled one."""
+    served = [s for s in SERVERS if s is not None]
+    return [b + (pure_n if s is pure.PlainServer else compiled_n) for b, s in zip(before, served)]
+
+
+def _add(key: str, n: int, chkpt: int = 0) -> ops.FetchAdd:
+    return ops.FetchAdd(_digest(key), dumps_key(key), chkpt, 1, n)
+
+
+def test_pops_and_fetch_adds_are_plain_and_kept_as_the_manager_keeps_them(shards):
+    """A ``pop`` or ``fetch_add`` at the window's checkpoint of a key whose only version is
+    there, or absent, is the plain servers' (an absent key's pop the compiled one's), its
+    reply kept under its request id in the same transaction, byte for byte as the
+    manager keeps it; a resend of a request id, a value that is not an int of 64 bits (a
+    bool, bytes, a sum past 64 bits), a reply kept until read (a popped value over
+    ``BIG_REPLY`` bytes) or one over the largest a plain server sends are the manager's.
+    A connection whose last at-most-once reply was the manager's is the plain servers'
+    again once that reply is settled (a small one), not while a large one is kept."""
+    puts = [(_put(f"i{n}", n, 0), {}) for n in (5, 300, 70000, -5, 2**40, 2**31)]
+    shards.same(puts + [(_put("t", True, 0), {}), (_put("b", b"xy", 0), {})])
+    shards.same([(_put("top", 2**63 - 1, 0), {}), (_put("big", b"x" * 5000, 0), {})])
+    shards.same([(_put("huge", b"x" * LARGE, 0), {})])
+    before = shards.counts()
+    adds = [(_add(f"i{n}", 3), {"rid": 10 + i}) for i, n in enumerate((5, 300, 70000))]
+    adds += [(_add(f"i{n}", -(2**41)), {"rid": 20 + i}) for i, n in enumerate((-5, 2**40, 2**31))]
+    adds += [(_add("new", -7), {"rid": 30}), (_add("new", 2), {}), (_add("low", -(2**63)), {})]
+    got = shards.same(adds)
+    assert [loads_value(p) for *_, p in got] == [5, 300, 70000, -5, 2**40, 2**31, 0, -7, 0]
+    assert shards.counts() == [b + 9 for b in before]
+    shards.same_contents()
+    values = shards.same([(ops.Get(_digest(k), 0), {}) for k in ("i5", "i-5", "new", "low")])
+    assert [loads_value(p) for *_, p in values] == [8, -(2**41) - 5, -5, -(2**63)]
+
+    before = shards.counts()
+    again = shards.same([(_add("i5", 100), {"rid": 10})])  # (a resend: its first reply)
+    assert loads_value(again[0][3]) == 5 and shards.counts() == before
+    for key in ("t", "b", "top"):  # (refused, refused; past 64 bits: the pure one's too)
+        shards.same([(_add(key, 1), {"rid": 40 + len(key)})])
+    assert shards.counts() == _more(before, 1, 0)
+    assert loads_value(shards.same([(ops.Get(_digest("top"), 0), {})])[0][3]) == 2**63
+    shards.same_contents()
+
+    before = shards.counts()
+    pops = shards.same(
+        [(ops.Pop(_digest("i300"), 0, 1), {"rid": 50}), (ops.Pop(_digest("i-5"), 0, 1), {})]
+        + [(ops.Pop(_digest("never"), 0, 1), {"rid": 51})]
+    )
+    assert [loads_value(p) for *_, p in pops[:2]] == [303, -(2**41) - 5]
+    assert pops[2][0] == int(Status.KEY_NOT_FOUND)
+    assert shards.counts() == _more(before, 2, 3)  # (an absent key: the compiled one's)
+    shards.same_contents()
+    before = shards.counts()
+    resent = shards.same([(ops.Pop(_digest("i300"), 0, 1), {"rid": 50})])
+    assert loads_value(resent[0][3]) == 303 and shards.counts() == before
+
+    big = shards.same([(ops.Pop(_digest("big"), 0, 1), {"rid": 60})])  # (kept until read)
+    assert len(big[0][3]) > pure.BIG_REPLY and shards.counts() == before
+    big = shards.same([(ops.Get(_digest("i70000"), 0), {})])  # (the delivery: the server's)
+    assert shards.counts() == before
+    shards.same([(ops.Pop(_digest("huge"), 0, 1), {})])  # (over the largest sent: in parts)
+    shards.same([(ops.Pop(_digest("i70000"), 0, 1), {"rid": 61})])  # (settled: plain)
+    assert shards.counts() == [b + 1 for b in before]
+    shards.same_contents()
+
+
+def test_kept_replies_wrap_around_their_ring_as_the_managers_do(shards):
+    """Past ``RID_KEEP`` request ids, each new reply takes the oldest one's slot (its reply
+    dropped): the plain servers' rings wrap as the manager's, and a resend of an id that
+    fell out is applied again, one still kept is not."""
+    before = shards.counts()
+    n = pure.RID_KEEP + 5
+    for at in range(0, n, 500):
+        shards.same([(_add("c", 1), {"rid": 1 + i}) for i in range(at, min(n, at + 500))])
+    # (all of them plain but those split across receives: the manager's path reads them)
+    assert all(a - b >= n - 20 for a, b in zip(shards.counts(), before, strict=True))
+    shards.same_contents()
+    with shards.managers[0].store.read() as txn:
+        kept = [k for k, _ in txn.cursor(shards.managers[0].store.meta_db) if k[:4] == pure.RID]
+    assert len(kept) == pure.RID_KEEP
+    again = shards.same([(_add("c", 1), {"rid": 1}), (_add("c", 1), {"rid": n})])
+    assert [loads_value(p) for *_, p in again] == [n, n - 1]  # (applied again; kept)
+    shards.same_contents()
 
 
 def test_a_put_whose_manager_is_busy_is_the_managers(shards):

@@ -215,6 +215,8 @@ class HostServer:
             int(Op.PUT),
             int(Op.GET_MANY),
             int(Op.GET_RANGE),
+            int(Op.POP),
+            int(Op.FETCH_ADD),
             FLAG_PERSIST,
             int(_MISSING[0]),
             _MISSING[1],

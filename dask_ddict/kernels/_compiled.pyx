@@ -13,7 +13,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.list cimport PyList_Append, PyList_GET_SIZE
@@ -32,13 +32,16 @@ from .._hashing import key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
-from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, CACHED_KEY_BYTES, GROUP, JOIN, NO_KEY,
-                   PADS, QUIET, REPLY, REQUEST, SPAN, WAIT, Decoded, KeyTooLong, Resend)
+from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, BIG_REPLY, CACHED_KEY_BYTES, GROUP, JOIN,
+                   NO_KEY, PADS, QUIET, REPLY, REQUEST, RID, RID_ID, RID_KEEP, RID_SEQ, RID_SLOT,
+                   SPAN, WAIT, Decoded, KeyTooLong, Resend)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
 if REPLY.format != "<BxxxIqQ":  # (read here byte by byte: see receive_reply, send_reply)
     raise ImportError(f"kernels._compiled reads replies as <BxxxIqQ, not {REPLY.format}")
+if RID_ID.format != "<Q":  # (written here byte by byte: see _keep_reply)
+    raise ImportError(f"kernels._compiled keeps request ids as <Q, not {RID_ID.format}")
 if GROUP.format != "<II":  # (read here byte by byte: see digest_groups)
     raise ImportError(f"kernels._compiled reads many-key tables as <II, not {GROUP.format}")
 if SPAN.format != "<qq" or _HEAD_STRUCT.format != "<BxxxIQ":  # (read here: PlainServer._range)

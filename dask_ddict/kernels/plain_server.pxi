@@ -1,5 +1,6 @@
 # A host's plain requests, served in C: pure.PlainServer's rules, without a Python object
-# per request (gets, ``in``s, puts, get_manys, byte ranges of raw-bytes values).  Included
+# per request (gets, ``in``s, puts, get_manys, byte ranges of raw-bytes values, pops and
+# fetch_adds with their replies kept under their request ids).  Included
 # by _compiled.pyx, after lmdb_engine.pxi (whose engine it calls).
 #
 # The interpreter lock is held while a request is read and answered, and the state read
@@ -30,7 +31,7 @@ from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.list cimport PyList_GET_SIZE
 from cpython.mem cimport PyMem_Realloc
 
-from .pure import PlainServer as _PurePlainServer
+from .pure import PlainServer as _PurePlainServer, _settled as _pure_settled
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -52,6 +53,14 @@ cdef Py_ssize_t _GROUP_MOST = 256  # puts of one transaction, at most (the lock 
 cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
 cdef Py_ssize_t _HUGE = HUGE_BYTES
 cdef int _PERSISTENT = PERSISTENT
+cdef bytes _RID = RID, _RID_SLOT = RID_SLOT, _RID_SEQ = RID_SEQ
+cdef uint64_t _RID_KEEP = RID_KEEP
+cdef Py_ssize_t _BIG_REPLY = BIG_REPLY
+DEF _MOST_INT_FRAME = 48  # (a frame of an int of 64 bits: 16 + 2 + 9 + 11 bytes, at most)
+
+cdef extern from *:
+    bint __builtin_add_overflow(int64_t a, int64_t b, int64_t* out) nogil
+    int __builtin_clzll(unsigned long long x) nogil
 
 
 cdef int _count(object table, object mid, object op, Py_ssize_t times=1) except -1:
@@ -66,6 +75,13 @@ cdef int _count(object table, object mid, object op, Py_ssize_t times=1) except 
     n = PyDict_GetItem(counts, op)
     PyDict_SetItem(counts, op, times if n == NULL else <object>n + times)
     return 0
+
+
+cdef bint _settled(list owed) except -1:
+    """Whether a connection owes no delivery (``pure._settled``)."""
+    if owed[0] is None:
+        return True
+    return _pure_settled(owed)
 
 
 cdef inline bint _lmdb_object(object o, object kind, ddict_lmdb_env* e) except -1:
@@ -90,7 +106,7 @@ cdef ddict_lmdb_env* _open_env(object env, object db) except? NULL:
 cdef class PlainServer:
     cdef object _c, held, owed, hosted, served, sock
     cdef ReaderState reader
-    cdef int get, contains, put, get_many, get_range, persist, status, clock
+    cdef int get, contains, put, get_many, get_range, pop, fetch_add, persist, status, clock
     cdef bytes missing
     cdef Py_ssize_t most, most_key
     cdef readonly Py_ssize_t count
@@ -113,8 +129,9 @@ cdef class PlainServer:
     cdef object _pure
 
     def __init__(self, c, rules):
-        (self.get, self.contains, self.put, self.get_many, self.get_range, self.persist,
-         self.status, missing, self.most, self.most_key, self.clock) = rules
+        (self.get, self.contains, self.put, self.get_many, self.get_range, self.pop,
+         self.fetch_add, self.persist, self.status, missing, self.most, self.most_key,
+         self.clock) = rules
         self._c, self.held, self.owed = c, c.held, c.owed
         self.reader = c.reader if isinstance(c.reader, ReaderState) else None
         self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
@@ -290,6 +307,75 @@ cdef class PlainServer:
         self._reply(0, tag, n, frame + _HEAD + start, stop - start)
         return 1
 
+    cdef ddict_lmdb_env* _writable(self, ManagerState m, WindowState ws, int64_t chkpt,
+                                   Py_ssize_t nbytes) except? NULL:
+        """Manager ``m``'s shard's environment, where a write of about ``nbytes`` at
+        ``chkpt`` goes through alone by the rules that need no lock (``pure._alone``'s: a
+        window of one checkpoint, at it; a shard neither frozen, replicated nor indexed;
+        room by the running estimate, the open group's puts counted); NULL: the
+        manager's."""
+        cdef ddict_lmdb_env* e
+        cdef StoreState store
+        if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
+            return NULL
+        if not isinstance(m.store, StoreState):
+            return NULL
+        store = <StoreState>m.store
+        if store.replicate is not None or store.indexed:
+            return NULL
+        e = _open_env(store.env, store._data)
+        if e == NULL or not _lmdb_object(store._meta, _Database, e):
+            return NULL
+        if store._used_estimate + (self.gbytes if self.gw != NULL else 0) + nbytes > (
+                store.full_thresh * store.capacity):  # fmt: skip
+            return NULL
+        return e
+
+    cdef int _open_group(self, ManagerState m, ddict_lmdb_env* e, int64_t chkpt,
+                         uint32_t mid, Py_ssize_t pos) except -1:
+        """The run's group of writes of manager ``m`` begun (1): its write transaction,
+        under the manager's lock, which holds the counts of a window of one checkpoint
+        at ``chkpt``; or the manager's (0: its lock taken by another thread, a deferred
+        operation or a retirement waiting, another process's commit since its last, no
+        such counts).  ``pos``: the first request of the group (:meth:`serve` goes back
+        to it when the group is dropped)."""
+        cdef const ddict_mdb_api* api = e.libv
+        cdef ddict_mdb_txn* w = NULL
+        cdef StoreState store = <StoreState>m.store
+        cdef ManagerLock lock
+        cdef size_t tid
+        cdef int rc
+        cdef bint kept = False
+        cdef unsigned char counts[24]
+        if type(m._mutex) is not ManagerLock:
+            return 0
+        lock = <ManagerLock>m._mutex
+        if not lock.take():
+            return 0  # (another thread writes: the manager's path waits for it)
+        try:
+            if m.closed or m.frozen or m._deferred.waiting or m._retiring:
+                return 0
+            self._end_snapshot()  # (a read after the write sees it)
+            with nogil:  # (the writer may be another thread of this process)
+                rc = api.txn_begin(e.env, NULL, 0, &w)
+            if rc:
+                return 0
+            tid = api.txn_id(w)
+            if tid != <size_t>store._next_own or not _counts_at(
+                    api, w, (<ddict_lmdb_db*><PyObject*>store._meta).dbi, chkpt,
+                    counts):  # fmt: skip
+                api.txn_abort(w)  # (another process committed, or no window of one's
+                return 0  # counts at it: the manager counts)
+            kept = True
+        finally:
+            if not kept:
+                lock.give()
+        self.gw, self.gapi, self.gtid, self.gmid = w, api, tid, mid
+        self.gstore, self.glock = store, lock
+        self.gbytes = self.gputs = 0
+        self.gn0, self.gpos0 = self.n, pos
+        return 1
+
     cdef int _put(self, ManagerState m, WindowState ws, const unsigned char* p,
                   Py_ssize_t klen, Py_ssize_t vlen, int64_t chkpt, uint32_t mid,
                   Py_ssize_t pos) except -1:
@@ -297,68 +383,138 @@ cdef class PlainServer:
         the manager's (0: nothing of it written, the group as it was), or the group
         dropped with it (2: nothing of the group written; ``pos``: the put's request)."""
         cdef ddict_lmdb_env* e
-        cdef const ddict_mdb_api* api
-        cdef ddict_mdb_txn* w = NULL
-        cdef size_t tid
-        cdef int rc
-        cdef Py_ssize_t delta, nbytes
         cdef StoreState store
-        cdef ManagerLock lock
-        cdef bint kept = False
-        cdef unsigned char counts[24]
-        if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
-            return 0
-        if not isinstance(m.store, StoreState):
-            return 0
-        store = <StoreState>m.store
-        if store.replicate is not None or store.indexed:
-            return 0
-        db, meta = store._data, store._meta
-        e = _open_env(store.env, db)
-        if e == NULL or not _lmdb_object(meta, _Database, e):
-            return 0
+        cdef Py_ssize_t delta
         # the room: the running estimate (check_room's), else the manager counts
-        nbytes = 2 * (vlen + klen - _DIGEST + _ENTRY_HEADER + 64)
-        if store._used_estimate + (self.gbytes if self.gw != NULL else 0) + nbytes > (
-                store.full_thresh * store.capacity):  # fmt: skip
+        cdef Py_ssize_t nbytes = 2 * (vlen + klen - _DIGEST + _ENTRY_HEADER + 64)
+        e = self._writable(m, ws, chkpt, nbytes)
+        if e == NULL:
             return 0
-        if self.gw == NULL:  # the group's first put: the lock, the checks, the transaction
-            api = e.libv
-            if type(m._mutex) is not ManagerLock:
-                return 0
-            lock = <ManagerLock>m._mutex
-            if not lock.take():
-                return 0  # (another thread writes: the manager's path waits for it)
-            try:
-                if m.closed or m.frozen or m._deferred.waiting or m._retiring:
-                    return 0
-                self._end_snapshot()  # (a read after the put sees it)
-                with nogil:  # (the writer may be another thread of this process)
-                    rc = api.txn_begin(e.env, NULL, 0, &w)
-                if rc:
-                    return 0
-                tid = api.txn_id(w)
-                if tid != <size_t>store._next_own or not _counts_at(
-                        api, w, (<ddict_lmdb_db*><PyObject*>meta).dbi, chkpt, counts):  # fmt: skip
-                    api.txn_abort(w)  # (another process committed, or no window of one's
-                    return 0  # counts at it: the manager counts)
-                kept = True
-            finally:
-                if not kept:
-                    lock.give()
-            self.gw, self.gapi, self.gtid, self.gmid = w, api, tid, mid
-            self.gstore, self.glock = store, lock
-            self.gbytes = self.gputs = 0
-            self.gn0, self.gpos0 = self.n, pos
-        api = self.gapi
-        delta = _put_one(api, self.gw, (<ddict_lmdb_db*><PyObject*>db).dbi, p, klen, vlen,
-                         chkpt)
-        if delta < 0 or (delta and not _count_one(
-                api, self.gw, (<ddict_lmdb_db*><PyObject*>meta).dbi, chkpt)):  # fmt: skip
+        if self.gw == NULL and not self._open_group(m, e, chkpt, mid, pos):
+            return 0  # (the group's first put: the lock, the checks, the transaction)
+        store = <StoreState>m.store
+        delta = _put_one(self.gapi, self.gw, (<ddict_lmdb_db*><PyObject*>store._data).dbi,
+                         p + _REQUEST, klen, p + _REQUEST + klen, vlen, chkpt)
+        if delta < 0 or (delta and not _count_by(
+                self.gapi, self.gw, (<ddict_lmdb_db*><PyObject*>store._meta).dbi, chkpt,
+                1)):  # fmt: skip
             self._drop_group()  # (the transaction is only to abort: none of it written)
             return 2
         self.gbytes += nbytes
         self.gputs += 1
+        return 1
+
+    cdef int _once(self, ManagerState m, WindowState ws, bint pop, const unsigned char* p,
+                   Py_ssize_t klen, int64_t chkpt, int64_t n, uint64_t rid, uint32_t mid,
+                   uint32_t tag, Py_ssize_t pos) except -1:
+        """A ``pop``, or a ``fetch_add`` of ``n``, of manager ``m`` (``p``: its request)
+        written and committed in a transaction of its own and its reply gathered (1), as
+        ``Manager.pop_alone`` and ``fetch_add_alone`` write them, the reply kept under
+        request id ``rid`` as ``AtMostOnce._once`` keeps it; a pop of an absent key
+        answered as the manager's ``DDictKeyError`` (1, nothing written); or the
+        manager's (0, nothing written: see :meth:`_apply_once`)."""
+        cdef ddict_lmdb_env* e
+        cdef int rc
+        cdef Py_ssize_t nbytes = 0 if pop else 2 * (
+            _MOST_INT_FRAME + klen - _DIGEST + _ENTRY_HEADER + 64)
+        e = self._writable(m, ws, chkpt, nbytes)
+        if e == NULL or not self._open_group(m, e, chkpt, mid, pos):
+            return 0
+        try:
+            rc = self._apply_once(pop, p + _REQUEST, klen, chkpt, n, rid, tag)
+        except BaseException:
+            self._abandon_group()
+            raise
+        if rc == 1:
+            self.gbytes = nbytes
+            if self._commit_group():
+                return 1
+            self.n = self.gn0  # (refused: nothing written, its reply cut)
+            return 0
+        cdef Py_ssize_t n0 = self.gn0
+        self._abandon_group()
+        if rc == 0:
+            self.n = n0
+        return rc != 0
+
+    cdef int _apply_once(self, bint pop, const unsigned char* ks, Py_ssize_t klen,
+                         int64_t chkpt, int64_t n, uint64_t rid, uint32_t tag) except -1:
+        """:meth:`_once`'s change in the run's group (``ks``: the request's key section):
+        1, written and its reply gathered; 2, an absent key's pop answered (nothing
+        written); 0, the manager's, nothing of it written (a request id applied before,
+        a version of the key that is not its only one at ``chkpt`` or not live, a
+        value that is not an int as ``dumps_value`` pickles one of 64 bits, a sum that
+        is not, a reply over ``most`` bytes or one kept until read, LMDB's refusal)."""
+        cdef const ddict_mdb_api* api = self.gapi
+        cdef ddict_mdb_txn* w = self.gw
+        cdef StoreState store = <StoreState>self.gstore
+        cdef unsigned int data = (<ddict_lmdb_db*><PyObject*>store._data).dbi
+        cdef unsigned int meta = (<ddict_lmdb_db*><PyObject*>store._meta).dbi
+        cdef ddict_mdb_cursor* cur = NULL
+        cdef ddict_mdb_val k, v
+        cdef unsigned char seek[24]
+        cdef unsigned char frame[_MOST_INT_FRAME]
+        cdef const unsigned char* raw = NULL
+        cdef Py_ssize_t flen = 0, at, delta
+        cdef int64_t old = 0, new
+        cdef int rc
+        if rid and _kept_reply(api, w, meta, rid):
+            return 0  # (a resend: the manager answers what the first try got)
+        _seek_key(seek, ks, chkpt)
+        if api.cursor_open(w, data, &cur):
+            return 0
+        try:
+            k.mv_size, k.mv_data = _DIGEST + 8, seek
+            rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_RANGE)
+            if rc and rc != DDICT_MDB_NOTFOUND:
+                return 0
+            if rc == 0 and _digest_at(&k, seek, _DIGEST):
+                # (a window of one: a key with a version at its checkpoint has no other)
+                if k.mv_size != 24 or memcmp(k.mv_data, seek, 24) != 0:
+                    return 0  # (an older version: the manager moves it forward)
+                raw = <const unsigned char*>v.mv_data
+                if v.mv_size < <size_t>_ENTRY_HEADER or raw[0] & _TOMBSTONE:
+                    return 0
+                if _le64(raw + 8) > <uint64_t>(v.mv_size - _ENTRY_HEADER):
+                    return 0
+                flen = <Py_ssize_t>_le64(raw + 8)
+                raw += _ENTRY_HEADER
+            elif pop:
+                self._reply(self.status, tag, 0, PyBytes_AS_STRING(self.missing),
+                            PyBytes_GET_SIZE(self.missing))
+                return 2
+            if pop:
+                if flen > self.most or (rid and flen > _BIG_REPLY):
+                    return 0
+                at = self.n + _REPLY
+                self._reply(0, tag, 0, raw, flen)  # (copied out before the page changes)
+                if api.cursor_del(cur, 0):
+                    return 0
+                rc = api.cursor_get(cur, &k, &v, DDICT_MDB_GET_CURRENT)
+                if rc == 0 and _digest_at(&k, seek, _DIGEST):
+                    return 0  # (an older version after all: the manager's)
+                if not _count_by(api, w, meta, chkpt, -1):
+                    return 0
+            else:
+                if raw != NULL and not _int_of(raw, flen, &old):
+                    return 0  # (not an int of 64 bits: the manager reads it, or says so)
+                if __builtin_add_overflow(old, n, &new):
+                    return 0
+                at = self.n + _REPLY
+                if raw == NULL:  # (absent: 0, framed as dumps_value(0))
+                    flen = _int_frame(0, frame)
+                    raw = frame
+                self._reply(0, tag, 0, raw, flen)  # (copied out before the page changes)
+                api.cursor_close(cur)
+                cur = NULL
+                delta = _put_one(api, w, data, ks, klen, frame, _int_frame(new, frame), chkpt)
+                if delta < 0 or (delta and not _count_by(api, w, meta, chkpt, 1)):
+                    return 0
+        finally:
+            if cur != NULL:
+                api.cursor_close(cur)
+        if rid and not _keep_reply(api, w, meta, rid, self.out + at, flen):
+            return 0
         return 1
 
     cdef bint _commit_group(self) except -1:
@@ -380,7 +536,8 @@ cdef class PlainServer:
             self.alone = max(0, self.alone - self.gputs)
             store._next_own = self.gtid + 1
             store._used_estimate += self.gbytes
-            _count(self.served, self.gmid, self.put, self.gputs)  # (committed: counted)
+            if self.gputs:
+                _count(self.served, self.gmid, self.put, self.gputs)  # (committed: counted)
             hook = store.on_commit
             if type(hook) is GenerationBump:  # (the host's: no call)
                 (<GenerationBump>hook).bump()
@@ -393,13 +550,17 @@ cdef class PlainServer:
 
     cdef void _drop_group(self):
         """The run's group aborted: none of its puts written."""
-        cdef ManagerLock lock = <ManagerLock>self.glock
         if self.gw == NULL:
             return
-        self.gapi.txn_abort(self.gw)
-        self.gw = NULL
+        self._abandon_group()
         self.dropped += 1
         self.alone = self.gputs + 1  # (from its first put on, one transaction each)
+
+    cdef void _abandon_group(self):
+        """The run's group aborted, its lock given: nothing of it written."""
+        cdef ManagerLock lock = <ManagerLock>self.glock
+        self.gapi.txn_abort(self.gw)
+        self.gw = NULL
         lock.give()
         self.gstore = self.glock = None
 
@@ -541,6 +702,7 @@ cdef class PlainServer:
         cdef Py_ssize_t pos, end, size, klen, vlen
         cdef const unsigned char* p
         cdef int op, rc, served = 0
+        cdef bint once
         cdef uint32_t tag, mid
         cdef int64_t chkpt
         cdef unsigned int term
@@ -553,7 +715,7 @@ cdef class PlainServer:
             return self._pure.serve()
         hosted = self.hosted
         lease = hosted.lease if hosted.leased else None
-        if self.owed[0] is not None or (hosted.leased and lease is None):
+        if hosted.leased and lease is None or not _settled(self.owed):
             return False
         managers = hosted.managers
         buf = reader._buf
@@ -568,13 +730,15 @@ cdef class PlainServer:
                     if not self._commit_group():  # (before anything else is served)
                         pos, served, self.n = self.gpos0, served - self.gputs, self.gn0
                         break
+                once = op == self.pop or op == self.fetch_add  # (at most once: a request id)
                 if (op != self.get and op != self.contains and op != self.put
-                        and op != self.get_many and op != self.get_range):  # fmt: skip
+                        and op != self.get_many and op != self.get_range
+                        and not once):  # fmt: skip
                     break
                 term, klen = head.term, <Py_ssize_t>head.klen
                 vlen = <Py_ssize_t>head.vlen if head.vlen < <uint64_t>_HUGE else _HUGE
                 mid, tag, chkpt = head.manager, head.tag, head.chkpt
-                if chkpt < 0 or head.rid != 0:  # (a request id: at most once, the manager's)
+                if chkpt < 0 or (head.rid != 0 and not once):
                     break
                 if op == self.get_many:  # (several managers: its own checks and counts)
                     if head.flags != 0 or klen != 0 or term or end - pos < _REQUEST + vlen:
@@ -598,9 +762,21 @@ cdef class PlainServer:
                     ws = <WindowState>m.working_set
                     if ws.wait_for_keys:
                         break
-                    if lease is not None and (op == self.put or not self._leased(lease)):
-                        break  # (a primary's put goes to its replicas first; a lapsed lease)
-                    if op == self.put:
+                    if lease is not None and (op == self.put or once
+                                              or not self._leased(lease)):  # fmt: skip
+                        break  # (a primary's writes go to its replicas first; a lapsed lease)
+                    if once:
+                        if head.flags != 0 or vlen != 0 or klen < _DIGEST:
+                            break
+                        if klen > self.most_key or (op == self.pop and klen != _DIGEST):
+                            break
+                        if end - pos < _REQUEST + klen or not self._once(
+                                m, ws, op == self.pop, p, klen, chkpt, head.arg, head.rid,
+                                mid, tag, pos):  # fmt: skip
+                            break
+                        _count(self.served, mid, op)
+                        size = _REQUEST + klen
+                    elif op == self.put:
                         if head.flags & ~self.persist or klen < _DIGEST or klen > self.most_key:
                             break
                         if vlen > self.most or end - pos < _REQUEST + klen + vlen:
@@ -653,11 +829,12 @@ cdef inline Py_ssize_t _slice_bound(int64_t i, Py_ssize_t n) noexcept:
 
 
 cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
-                         const unsigned char* p, Py_ssize_t klen, Py_ssize_t vlen,
-                         int64_t chkpt) except -2:
-    """A plain put's version written in ``w`` (``p``: its request), its older versions
-    dropped, as :func:`put_entries` writes a record: the change in keys seen (0 or 1), or
-    -1 where LMDB refused it (the transaction is then only to abort)."""
+                         const unsigned char* ks, Py_ssize_t klen, const unsigned char* value,
+                         Py_ssize_t vlen, int64_t chkpt) except -2:
+    """A plain put's version written in ``w`` (``ks``: its key section, the digest then
+    the key; its value's frame), its older versions dropped, as :func:`put_entries`
+    writes a record: the change in keys seen (0 or 1), or -1 where LMDB refused it (the
+    transaction is then only to abort)."""
     cdef ddict_mdb_cursor* cur = NULL
     cdef ddict_mdb_val k, v, nk, nv
     cdef unsigned char seek[24]
@@ -665,7 +842,7 @@ cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned in
     cdef bint live, existed
     cdef char* q
     cdef int rc
-    _seek_key(seek, p + _REQUEST, chkpt)
+    _seek_key(seek, ks, chkpt)
     if api.cursor_open(w, dbi, &cur):
         return -1
     try:
@@ -685,8 +862,8 @@ cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned in
         q[1] = q[2] = q[3] = 0
         _put_le32(q + 4, <uint32_t>keylen)
         _put_le64(<unsigned char*>q + 8, <uint64_t>vlen)
-        memcpy(q + _ENTRY_HEADER, p + _REQUEST + klen, vlen)
-        memcpy(q + _ENTRY_HEADER + vlen, p + _REQUEST + _DIGEST, keylen)
+        memcpy(q + _ENTRY_HEADER, value, vlen)
+        memcpy(q + _ENTRY_HEADER + vlen, ks + _DIGEST, keylen)
         if not existed:  # new at this checkpoint: its older versions follow, newest first
             rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_NEXT)
             if rc == 0 and _digest_at(&nk, seek, _DIGEST):
@@ -717,10 +894,10 @@ cdef bint _counts_at(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int db
     return <int64_t>_le64(counts) == newest
 
 
-cdef bint _count_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
-                     int64_t newest) except -1:
-    """One key more seen at every slot of a window of one checkpoint ending at ``newest``:
-    whether it was counted (else the manager recounts)."""
+cdef bint _count_by(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
+                    int64_t newest, int64_t delta) except -1:
+    """``delta`` keys more seen at every slot of a window of one checkpoint ending at
+    ``newest``: whether it was counted (else the manager recounts)."""
     cdef ddict_mdb_val k, v
     cdef unsigned char counts[24]
     cdef int i
@@ -728,9 +905,155 @@ cdef bint _count_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int db
         return False
     k.mv_size, k.mv_data = PyBytes_GET_SIZE(_COUNTS), <void*>PyBytes_AS_STRING(_COUNTS)
     for i in range(1, 3):
-        _put_le64(counts + 8 * i, <uint64_t>(<int64_t>_le64(counts + 8 * i) + 1))
+        _put_le64(counts + 8 * i, <uint64_t>(<int64_t>_le64(counts + 8 * i) + delta))
     v.mv_size, v.mv_data = 24, counts
     return api.put(w, dbi, &k, &v, 0) == 0
+
+
+# -- at-most-once replies, as shard.replies keeps them (pure.RID...) ------------------
+
+
+cdef bint _kept_reply(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int meta,
+                      uint64_t rid) except -1:
+    """Whether the shard keeps a reply of request ``rid`` (or may: LMDB's error)."""
+    cdef unsigned char key[16]
+    cdef ddict_mdb_val k, v
+    memcpy(key, PyBytes_AS_STRING(_RID), 4)
+    _put_le64(key + 4, rid)
+    k.mv_size, k.mv_data = 12, key
+    return api.get(w, meta, &k, &v) != DDICT_MDB_NOTFOUND
+
+
+cdef bint _keep_reply(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int meta,
+                      uint64_t rid, const void* reply, Py_ssize_t n) except -1:
+    """Request ``rid``'s ``reply`` (``n`` bytes) kept in ``w`` as ``AtMostOnce._once``
+    keeps it: in the ring's next slot, whose request loses its reply: whether it was
+    (else the transaction is only to abort)."""
+    cdef unsigned char slot[16]
+    cdef unsigned char key[16]
+    cdef unsigned char word[8]
+    cdef ddict_mdb_val k, v
+    cdef ddict_mdb_cursor* cur = NULL
+    cdef uint64_t seq = 0
+    cdef int rc
+    k.mv_size, k.mv_data = PyBytes_GET_SIZE(_RID_SEQ), <void*>PyBytes_AS_STRING(_RID_SEQ)
+    rc = api.get(w, meta, &k, &v)
+    if rc == 0 and v.mv_size == 8:
+        seq = _le64(<const unsigned char*>v.mv_data)
+    elif rc != DDICT_MDB_NOTFOUND:
+        return False
+    memcpy(slot, PyBytes_AS_STRING(_RID_SLOT), 8)
+    _put_le64(slot + 8, seq % _RID_KEEP)
+    k.mv_size, k.mv_data = 16, slot
+    rc = api.get(w, meta, &k, &v)
+    memcpy(key, PyBytes_AS_STRING(_RID), 4)
+    if rc == 0 and v.mv_size == 8:  # (the slot's request: its reply goes)
+        memcpy(key + 4, v.mv_data, 8)
+        k.mv_size, k.mv_data = 12, key
+        if api.cursor_open(w, meta, &cur):
+            return False
+        rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_KEY)
+        if rc == 0:
+            rc = api.cursor_del(cur, 0)
+        api.cursor_close(cur)
+        if rc and rc != DDICT_MDB_NOTFOUND:
+            return False
+    elif rc != DDICT_MDB_NOTFOUND:
+        return False
+    _put_le64(word, rid)
+    k.mv_size, k.mv_data, v.mv_size, v.mv_data = 16, slot, 8, word
+    if api.put(w, meta, &k, &v, 0):
+        return False
+    _put_le64(word, seq + 1)
+    k.mv_size, k.mv_data = PyBytes_GET_SIZE(_RID_SEQ), <void*>PyBytes_AS_STRING(_RID_SEQ)
+    v.mv_size, v.mv_data = 8, word
+    if api.put(w, meta, &k, &v, 0):
+        return False
+    _put_le64(key + 4, rid)
+    k.mv_size, k.mv_data, v.mv_size, v.mv_data = 12, key, <size_t>n, <void*>reply
+    return api.put(w, meta, &k, &v, 0) == 0
+
+
+# -- fetch_add's values: ints pickled as dumps_value pickles them ----------------------
+
+
+cdef bint _int_of(const unsigned char* f, Py_ssize_t flen, int64_t* out) noexcept:
+    """The int of value frame ``f`` if it is one of 64 bits pickled in band with protocol 5
+    (``BININT1``, ``BININT2``, ``BININT`` or ``LONG1`` of at most 8 bytes, in a ``FRAME``
+    or not): whether it was (any other frame is the manager's to read)."""
+    cdef const unsigned char* q
+    cdef Py_ssize_t plen, nb, i
+    cdef uint64_t u = 0
+    if flen < _HEAD + 5 or f[0] != _FMT_PICKLE or f[1] or f[2] or f[3] or _le32(f + 4):
+        return False
+    if _le64(f + 8) != <uint64_t>(flen - _HEAD):
+        return False
+    q, plen = f + _HEAD + 2, flen - _HEAD - 2
+    if f[_HEAD] != 0x80 or f[_HEAD + 1] != 5:
+        return False
+    if plen >= 9 and q[0] == 0x95:  # FRAME: its length, then the frame
+        if _le64(q + 1) != <uint64_t>(plen - 9):
+            return False
+        q, plen = q + 9, plen - 9
+    if plen < 3 or q[plen - 1] != 0x2E:  # STOP
+        return False
+    if q[0] == 0x4B and plen == 3:  # BININT1
+        out[0] = q[1]
+    elif q[0] == 0x4D and plen == 4:  # BININT2
+        out[0] = q[1] | (<int64_t>q[2] << 8)
+    elif q[0] == 0x4A and plen == 6:  # BININT
+        out[0] = <int32_t>_le32(q + 1)
+    elif q[0] == 0x8A and 1 <= q[1] <= 8 and plen == 3 + q[1]:  # LONG1
+        nb = q[1]
+        for i in range(nb):
+            u |= (<uint64_t>q[2 + i]) << (8 * i)
+        if nb < 8 and q[1 + nb] & 0x80:  # (negative: its sign carried up)
+            u |= ~((<uint64_t>1 << (8 * nb)) - 1)
+        out[0] = <int64_t>u
+    else:
+        return False
+    return True
+
+
+cdef Py_ssize_t _int_frame(int64_t x, unsigned char* f) noexcept:
+    """``dumps_value(x).join()`` into ``f`` (at most ``_MOST_INT_FRAME`` bytes): the
+    frame's header, then ``pickle.dumps(x, 5)`` as CPython's pickler writes it (the
+    smallest of ``BININT1``, ``BININT2``, ``BININT``, else ``LONG1`` of the fewest
+    bytes; a ``FRAME`` around a body of 4 bytes or more); its length."""
+    cdef unsigned char body[12]
+    cdef Py_ssize_t nb, blen, at
+    cdef uint64_t a
+    cdef int i
+    if 0 <= x < 256:
+        body[0], body[1], blen = 0x4B, <unsigned char>x, 2
+    elif 0 <= x < 65536:
+        body[0], body[1], body[2], blen = 0x4D, x & 0xFF, (x >> 8) & 0xFF, 3
+    elif -2147483648 <= x <= 2147483647:
+        body[0] = 0x4A
+        _put_le32(body + 1, <uint32_t><int32_t>x)
+        blen = 5
+    else:  # LONG1: two's complement, little-endian, of (bit length // 8) + 1 bytes
+        a = <uint64_t>x if x >= 0 else <uint64_t>0 - <uint64_t>x
+        nb = ((64 - __builtin_clzll(a)) >> 3) + 1
+        for i in range(nb):
+            body[2 + i] = (<uint64_t>x >> (8 * i)) & 0xFF if i < 8 else (0xFF if x < 0 else 0)
+        if x < 0 and nb > 1 and body[1 + nb] == 0xFF and body[nb] & 0x80:
+            nb -= 1  # (a redundant sign byte)
+        body[0], body[1], blen = 0x8A, <unsigned char>nb, 2 + nb
+    body[blen] = 0x2E  # STOP
+    blen += 1
+    at = _HEAD
+    f[at], f[at + 1] = 0x80, 5  # PROTO 5
+    at += 2
+    if blen >= 4:
+        f[at] = 0x95
+        _put_le64(f + at + 1, <uint64_t>blen)
+        at += 9
+    memcpy(f + at, body, blen)
+    at += blen
+    memset(f, 0, 8)  # (fmt FMT_PICKLE, no buffers)
+    _put_le64(f + 8, <uint64_t>(at - _HEAD))
+    return at
 
 
 def poll_and_serve(ep, dict conns not None, int most):

@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
@@ -36,6 +36,9 @@ from .._serialize import (
 #: Frame lengths in a many-key reply that are not frames: an absent key, and one
 #: whose reader must wait (``wait_for_keys``: the client then asks for it alone).
 ABSENT, WAIT = -1, -2
+
+T = TypeVar("T")
+
 JOIN = 16 * 1024  # a many-key reply's frames under this are copied into one part
 
 _U32 = struct.Struct("<I")
@@ -763,6 +766,15 @@ REPLY = struct.Struct("<BxxxIqQ")
 #: declared with the kernel that reads it; signed: a Python slice's, bounds beyond 64
 #: bits clamped, which cuts no value shorter than that).
 SPAN = struct.Struct("<qq")
+
+#: The replies a shard keeps of at-most-once requests (``shard.replies``, whose layout is
+#: declared here with the kernel that writes it too): in its meta table, ``RID`` and the
+#: request id (``<Q``, as ``RID_ID`` packs it) -> the reply; a ring of ``RID_KEEP``
+#: slots, ``RID_SLOT`` and the slot's number -> the request id kept there, the next
+#: slot's number under ``RID_SEQ``; a reply over ``BIG_REPLY`` bytes kept only until
+#: its client read it.
+RID, RID_SLOT, RID_SEQ, RID_KEEP, BIG_REPLY = b"rid:", b"ridslot:", b"ridseq", 4096, 4096
+RID_ID = struct.Struct("<Q")
 #: What :func:`receive_reply` gives when a wait of ``wait`` seconds went by with no reply.
 QUIET = -1
 
@@ -1242,12 +1254,12 @@ class KeyLane:
 
 class PlainRequests(NamedTuple):
     """What a :class:`PlainServer` serves, as the host declares it: the codes of ``get``,
-    ``in``, ``put``, ``get_many`` and ``get_range`` and the flag a put may carry
-    (``persist``: under no ``wait_for_keys``, every put persists), what a get of an
-    absent key is answered (the status and message that the manager's ``DDictKeyError``
-    becomes on the wire), the largest value it sends or puts (a larger one is the
-    manager's, which moves it in parts), the largest key section a host takes (a larger
-    one is refused by the server), and the clock a host's lease runs on
+    ``in``, ``put``, ``get_many``, ``get_range``, ``pop`` and ``fetch_add`` and the flag a
+    put may carry (``persist``: under no ``wait_for_keys``, every put persists), what a
+    get of an absent key is answered (the status and message that the manager's
+    ``DDictKeyError`` becomes on the wire), the largest value it sends or puts (a larger
+    one is the manager's, which moves it in parts), the largest key section a host
+    takes (a larger one is refused by the server), and the clock a host's lease runs on
     (``time.clock_gettime``'s id)."""
 
     get: int
@@ -1255,6 +1267,8 @@ class PlainRequests(NamedTuple):
     put: int
     get_many: int
     get_range: int
+    pop: int
+    fetch_add: int
     persist: int
     missing_status: int
     missing: bytes
@@ -1335,7 +1349,7 @@ class PlainServer:
 
     A plain request is a ``get``, an ``in`` or a ``put`` of one key of a manager served
     here (not closed, under the term its client names, its dictionary without
-    ``wait_for_keys``), without a request id: a read at a checkpoint in the manager's
+    ``wait_for_keys``), without a request id (but a pop's or a ``fetch_add``'s): a read at a checkpoint in the manager's
     window, answered from one snapshot without ever waiting (of a leased dictionary, a
     replicated primary here, only while the host's lease is valid); a put of a value
     of at most ``most`` bytes at the window's checkpoint, in a window of one checkpoint,
@@ -1345,7 +1359,11 @@ class PlainServer:
     transaction; a ``get_many`` of such managers' keys whose values are all under
     :data:`JOIN` bytes, framed as ``GetMany.serve_host`` frames it (each manager looked up
     counts once); a ``get_range`` of a raw-bytes value (``GetRange``: its size, and the
-    part asked for, of at most ``most`` bytes, whatever the value's).  :meth:`serve`
+    part asked for, of at most ``most`` bytes, whatever the value's); a ``pop`` or a
+    ``fetch_add``, with its request id, by a put's rules, as ``Manager.pop_alone`` and
+    ``fetch_add_alone`` write them (its reply kept under its id in the same
+    transaction; a resend, a reply over ``most`` bytes or one kept until read are the
+    manager's).  :meth:`serve`
     answers the leading ones as the manager would (the value's frame, ``DDictKeyError``'s
     reply, whether the key is seen, a put's empty reply, a range), counts them in the
     connection's table and takes them out of its buffer; it stops at the first request
@@ -1357,7 +1375,7 @@ class PlainServer:
     them (``held``), for the server to send.
 
     ``c`` is the :class:`~dask_ddict.host.loop.Connection`: its ``reader``, ``sock``,
-    ``held``, ``owed`` (a connection that owes a delivery is the server's), ``hosted``
+    ``held``, ``owed`` (a connection that owes a delivery is the server's: :func:`_settled`), ``hosted``
     and ``served`` are read.
     """
 
@@ -1374,18 +1392,20 @@ class PlainServer:
         c, rules = self._c, self._rules
         r, hosted = c.reader, c.hosted
         lease = hosted.lease if hosted.leased else None
-        if c.owed[0] is not None or (hosted.leased and lease is None):
+        if hosted.leased and lease is None or not _settled(c.owed):
             return False
         out: list[bytes] = []
         snap: tuple[Any, Any] | None = None  # (environment, snapshot) of the last read
         try:
             while r._end - r._pos >= REQUEST.size + DIGEST:
-                op, flags, term, klen, mid, tag, chkpt, _, client, _, vlen, rid = (
+                op, flags, term, klen, mid, tag, chkpt, arg, client, _, vlen, rid = (
                     REQUEST.unpack_from(r._buf, r._pos)
                 )
                 at, end = r._pos + REQUEST.size, r._pos + REQUEST.size + klen + vlen
+                once = op == rules.pop or op == rules.fetch_add  # (a request id: at most once)
                 if lease is not None and (
-                    op == rules.put  # (a primary's: shipped to its replicas first)
+                    op == rules.put  # (a primary's writes: shipped to its replicas first)
+                    or once
                     or lease.required
                     and time.clock_gettime(rules.clock) >= lease.until
                 ):
@@ -1403,12 +1423,28 @@ class PlainServer:
                     r._pos = end
                     continue
                 m = hosted.managers.get(mid)
-                if m is None or m.closed or (term and term != m.wire) or chkpt < 0 or rid:
+                if m is None or m.closed or (term and term != m.wire) or chkpt < 0:
+                    break
+                if rid and not once:
                     break
                 ws = m.working_set
                 if ws.wait_for_keys:
                     break
-                if op == rules.put:
+                if once:
+                    if flags or vlen or not DIGEST <= klen <= rules.most_key or end > r._end:
+                        break
+                    if op == rules.pop and klen != DIGEST:
+                        break
+                    if snap is not None:  # (a read after the write sees it)
+                        snap[1].abort()
+                        snap = None
+                    reply = _once_alone(
+                        m, op == rules.pop, r._buf, at, klen, (chkpt, client, arg, rid), rules.most
+                    )
+                    if reply is None:
+                        break
+                    out.append(REPLY.pack(0, tag, 0, len(reply)) + reply)
+                elif op == rules.put:
                     if flags & ~rules.persist or not DIGEST <= klen <= rules.most_key:
                         break
                     if vlen > rules.most or end > r._end:
@@ -1506,28 +1542,69 @@ def _get_many(
     return b"".join(bytes(p) for p in pack_frames(frames))
 
 
+def _settled(owed: list[Any]) -> bool:
+    """Whether a connection owes no delivery: the last at-most-once reply it was sent
+    (``owed[0]``: its manager and request id, see ``HostServer._serve_request``) is read
+    whole once another request came, and a reply its manager keeps only until then is
+    the server's to drop (False); a small one, kept in the ring, asks nothing (settled
+    here)."""
+    last = owed[0]
+    if last is None:
+        return True
+    if last[0].keeps(last[1]):
+        return False
+    owed[0] = None
+    return True
+
+
+def _alone(m: Any, chkpt: int, write: Callable[[], T]) -> T | None:
+    """``write()`` under manager ``m``'s lock, where a write at ``chkpt`` goes through alone
+    (a window of one checkpoint, at it; a shard neither frozen, replicated, indexed nor
+    waited on) and the lock is free; else ``None``, nothing written."""
+    ws = m.working_set
+    store = ws.store
+    if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
+        return None
+    if store.replicate is not None or store.indexed:
+        return None
+    if not m._mutex.acquire(False):
+        return None
+    try:
+        if m.closed or m.frozen or m._deferred.waiting or m._retiring:
+            return None
+        return write()
+    finally:
+        m._mutex.release()
+
+
 def _put_alone(
     m: Any, buf: bytearray, at: int, klen: int, end: int, chkpt: int, client: int
 ) -> bool:
     """A plain put of manager ``m`` (its digest, key and value at ``buf[at:end]``), as
-    ``Manager.put`` writes it when it goes through alone, under the manager's lock if it
-    is free: whether it was written and committed (else nothing was)."""
-    ws = m.working_set
-    store = ws.store
-    if ws.size != 1 or ws.wait_for_writers or chkpt != ws.newest or m.frozen:
-        return False
-    if store.replicate is not None or store.indexed:
-        return False
-    if not m._mutex.acquire(False):
-        return False
-    try:
-        if m.closed or m.frozen or m._deferred.waiting or m._retiring:
-            return False
-        digest = bytes(buf[at : at + DIGEST])
-        key = bytes(buf[at + DIGEST : at + klen])
-        return bool(ws.put_alone(digest, chkpt, key, bytes(buf[at + klen : end]), client))
-    finally:
-        m._mutex.release()
+    ``Manager.put`` writes it when it goes through alone (:func:`_alone`): whether it was
+    written and committed (else nothing was)."""
+    digest = bytes(buf[at : at + DIGEST])
+    key = bytes(buf[at + DIGEST : at + klen])
+    value = bytes(buf[at + klen : end])
+    return bool(
+        _alone(m, chkpt, lambda: m.working_set.put_alone(digest, chkpt, key, value, client))
+    )
+
+
+def _once_alone(
+    m: Any, pop: bool, buf: bytearray, at: int, klen: int, head: tuple[int, ...], most: int
+) -> bytes | None:
+    """A ``pop`` (``pop``) or a ``fetch_add`` of manager ``m`` (its digest, and key, at
+    ``buf[at:at + klen]``; ``head``: its ``(checkpoint, client, n, request id)``), as the
+    manager applies it when it goes through alone (:func:`_alone`, ``Manager.pop_alone``),
+    its reply kept under its request id: the reply, or ``None`` (nothing written: the
+    manager's full way answers it, as it answers a reply over ``most`` bytes)."""
+    chkpt, client, n, rid = head
+    digest = bytes(buf[at : at + DIGEST])
+    if pop:
+        return _alone(m, chkpt, lambda: m.pop_alone(digest, chkpt, client, rid, most))
+    key = bytes(buf[at + DIGEST : at + klen])
+    return _alone(m, chkpt, lambda: m.fetch_add_alone(digest, key, chkpt, client, n, rid, most))
 
 
 def poll_and_serve(ep: Any, conns: dict[int, Any], most: int) -> list[tuple[int, Any]]:

@@ -528,25 +528,49 @@ class Manager(
 
         Applied at most once per request id ``rid`` (a retry after a host restart
         gets the first answer)."""
-        ws = self.working_set
-
-        def fn(txn: lmdb.Transaction) -> bytes:
-            e = self._current(txn, digest, chkpt, client)
-            if e is not None:
-                old = loads_value(e.frame)
-                if isinstance(old, bool) or not isinstance(old, int):
-                    raise DDictError(
-                        f"fetch_add needs an int value, the key holds a {type(old).__name__}",
-                        "INVALID_ARGUMENT",
-                    )
-                old_frame = bytes(e.frame)
-            else:
-                old, old_frame = 0, dumps_value(0).join()
-            ws.put(txn, digest, chkpt, key, dumps_value(old + n).join(), client, persistent=True)
-            return old_frame
-
         return self._write(
-            lambda txn: self._once(txn, rid, fn), timeout, "fetch_add", (chkpt, client)
+            lambda txn: self._once(
+                txn, rid, lambda t: self._fetch_add(t, digest, key, chkpt, client, n)
+            ),
+            timeout,
+            "fetch_add",
+            (chkpt, client),
+        )
+
+    def _fetch_add(
+        self, txn: lmdb.Transaction, digest: bytes, key: bytes, chkpt: int, client: int, n: int
+    ) -> bytes:
+        """:meth:`fetch_add`'s change in ``txn``: the old value's frame."""
+        e = self._current(txn, digest, chkpt, client)
+        if e is not None:
+            old = loads_value(e.frame)
+            if isinstance(old, bool) or not isinstance(old, int):
+                raise DDictError(
+                    f"fetch_add needs an int value, the key holds a {type(old).__name__}",
+                    "INVALID_ARGUMENT",
+                )
+            old_frame = bytes(e.frame)
+        else:
+            old, old_frame = 0, dumps_value(0).join()
+        self.working_set.put(
+            txn, digest, chkpt, key, dumps_value(old + n).join(), client, persistent=True
+        )
+        return old_frame
+
+    def pop_alone(
+        self, digest: bytes, chkpt: int, client: int, rid: int, most: int
+    ) -> bytes | None:
+        """:meth:`pop` where it is nothing more than the pop (see :meth:`once_alone`; the
+        plain server checked the rest, as for ``put_alone``): its reply, or ``None``."""
+        ws = self.working_set
+        return self.once_alone(rid, lambda txn: ws.pop(txn, digest, chkpt, client), most)
+
+    def fetch_add_alone(
+        self, digest: bytes, key: bytes, chkpt: int, client: int, n: int, rid: int, most: int
+    ) -> bytes | None:
+        """:meth:`fetch_add` where it is nothing more (see :meth:`pop_alone`)."""
+        return self.once_alone(
+            rid, lambda txn: self._fetch_add(txn, digest, key, chkpt, client, n), most
         )
 
     def _set_frozen(self, frozen: bool) -> None:

@@ -12,7 +12,6 @@ so that the popped value's bytes are free for other keys at once.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -20,20 +19,16 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from .._blocking import locked
+from ..kernels.pure import BIG_REPLY, RID, RID_ID, RID_KEEP, RID_SEQ, RID_SLOT
 
 if TYPE_CHECKING:
     from .store import ShardStore
 
 logger = logging.getLogger(__name__)
 
-_RID = b"rid:"
-_RID_SLOT = b"ridslot:"
-_RID_SEQ = b"ridseq"
-#: How many request ids' replies a shard keeps.
-RID_KEEP = 4096
-#: Replies larger than this are kept only until their client shows it read them.
-BIG_REPLY = 4096
-_Q = struct.Struct("<Q")
+
+class _FullWay(Exception):
+    """A request that :meth:`AtMostOnce.once_alone` leaves to the manager's full way."""
 
 
 class AtMostOnce:
@@ -54,25 +49,52 @@ class AtMostOnce:
         """
         if not rid:
             return fn(txn)
-        key = _RID + _Q.pack(rid)
+        key = RID + RID_ID.pack(rid)
         done = self.store.get_meta(txn, key)
         if done is not None:  # a resend: the reply its first try got, kept until read
             if len(done) > BIG_REPLY:
                 self._big_replies.add(rid)
             return done
         reply = fn(txn)
-        raw = self.store.get_meta(txn, _RID_SEQ)
-        seq = 0 if raw is None else _Q.unpack(raw)[0]
-        slot = _RID_SLOT + _Q.pack(seq % RID_KEEP)
+        raw = self.store.get_meta(txn, RID_SEQ)
+        seq = 0 if raw is None else RID_ID.unpack(raw)[0]
+        slot = RID_SLOT + RID_ID.pack(seq % RID_KEEP)
         old = self.store.get_meta(txn, slot)
         if old is not None:
-            txn.delete(_RID + old, db=self.store.meta_db)
-        self.store.put_meta(txn, slot, _Q.pack(rid))
-        self.store.put_meta(txn, _RID_SEQ, _Q.pack(seq + 1))
+            txn.delete(RID + old, db=self.store.meta_db)
+        self.store.put_meta(txn, slot, RID_ID.pack(rid))
+        self.store.put_meta(txn, RID_SEQ, RID_ID.pack(seq + 1))
         self.store.put_meta(txn, key, reply)
         if len(reply) > BIG_REPLY:
             self._big_replies.add(rid)
         return reply
+
+    def once_alone(
+        self, rid: int, fn: Callable[[lmdb.Transaction], bytes], most: int
+    ) -> bytes | None:
+        """:meth:`_once` of ``fn`` in a write transaction of its own (``store.attempt``: the
+        caller holds the lock and checked that ``fn`` is nothing more there): its reply,
+        or ``None`` with nothing written, for the caller to write it the full way (the
+        manager's ``_write``): ``fn`` raised (the full way raises it, or does more),
+        ``rid`` was applied before (the full way answers its kept reply), the reply is
+        one kept only until its client read it (the full way tracks it), or it is over
+        ``most`` bytes (the largest the caller sends)."""
+        got: list[bytes] = []
+
+        def apply(txn: lmdb.Transaction) -> None:
+            if rid and self.store.get_meta(txn, RID + RID_ID.pack(rid)) is not None:
+                raise _FullWay
+            reply = fn(txn)
+            if len(reply) > most or (rid and len(reply) > BIG_REPLY):
+                raise _FullWay
+            got.append(self._once(txn, rid, lambda t: reply))
+
+        return got[0] if self.store.attempt(apply) else None
+
+    def keeps(self, rid: int) -> bool:
+        """Whether request ``rid``'s reply is kept only until its client read it (then
+        :meth:`delivered` drops it)."""
+        return rid in self._big_replies
 
     def delivered(self, rid: int) -> None:
         """Request ``rid``'s client read its reply: a large kept reply is dropped now.
@@ -90,7 +112,7 @@ class AtMostOnce:
                 return
             try:
                 self.store.transact(
-                    lambda txn: txn.delete(_RID + _Q.pack(rid), db=self.store.meta_db)
+                    lambda txn: txn.delete(RID + RID_ID.pack(rid), db=self.store.meta_db)
                 )
             except Exception:  # (the ring drops it later: never the connection's failure)
                 logger.debug("kept reply %d not dropped", rid, exc_info=True)
