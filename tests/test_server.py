@@ -34,6 +34,7 @@ from dask_ddict.transport.operation import Kind, Request
 from dask_ddict.transport.protocol import FLAG_NOREPLY, REP, REQ, Op
 from dask_ddict.transport.socket_client import HostLink, SocketChannel
 from dask_ddict.transport.whole_checkpoints import Persist
+from tests.support.polling import poll_for
 from tests.support.wire import raw as _raw
 from tests.support.wire import replies as _replies
 
@@ -329,6 +330,45 @@ def test_a_kept_stats_answer_is_stale_once_a_primarys_replica_set_changed(tmp_pa
         assert replicas_now() == 1
         shipper.close()
         assert replicas_now() == 0
+    finally:
+        manager.close()
+        gens.close()
+
+
+def test_a_kept_stats_answer_is_stale_once_a_deferred_operation_timed_out(tmp_path):
+    """``stats`` reports the operations a manager defers (a read under ``wait_for_keys`` of
+    a key not written yet); one that times out commits nothing and is no request: the
+    host's kept answer is not reused after it (a unit test: a real shard and host dict)."""
+    import threading
+
+    from dask_ddict.errors import DDictTimeoutError
+    from dask_ddict.shard.generations import Generations, path_for
+
+    uid = "ce" * 16
+    gens = Generations(path_for(str(tmp_path), uid), 1, create=True)
+    store = ShardStore(str(tmp_path / "s0"), 4 << 20, indexed=True)
+    manager = Manager(0, store, WorkingSet(store, 1, wait_for_keys=True))
+    manager.generations = gens
+    gens.bump(0)
+    hosted = HostedDict(uid, "d", "s", gens)
+    hosted.managers[0] = manager
+    host = {"managers": hosted.managers, "generations": gens, "answers": hosted.answers}
+
+    def deferred() -> int:
+        (stats,) = _fan_out(ops.Stats(), (0,), pins=hosted.changes, **host)
+        return stats.deferred_ops
+
+    def wait() -> None:
+        with pytest.raises(DDictTimeoutError):
+            manager.get(key_digest(dumps_key("later")), 0, bytes, timeout=1.0)
+
+    try:
+        assert deferred() == 0 and hosted.answers  # (kept)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        poll_for(lambda: deferred() == 1, 10, "the get deferred")
+        waiter.join(10)
+        assert not waiter.is_alive() and deferred() == 0
     finally:
         manager.close()
         gens.close()

@@ -127,7 +127,10 @@ class HostedDict:
 
     def changes(self) -> int:
         """What a kept ``stats`` answer holds besides its shards: a number that moves
-        with the pin boards, with the requests served and with its primaries' replica
-        sets (``FanOut``'s ``pins``): a replica made or dropped commits nothing."""
+        with the pin boards, the requests served, its primaries' replica sets and the
+        operations their deferred queues hold (``FanOut``'s ``pins``), none of which
+        commits (a replica made or dropped, a deferred operation that timed out).  A
+        hash of them, not a sum: one that goes up as another goes down moves it too."""
         pinned = 0 if self.pins is None else int(self.pins.changes())
-        return (pinned + self.served.moves() + self.reshaped) & ((1 << 62) - 1)
+        waiting = tuple(len(m._deferred) for m in list(self.managers.values()))
+        return hash((pinned, self.served.moves(), self.reshaped, waiting)) & ((1 << 62) - 1)
