@@ -401,6 +401,8 @@ def test_pops_and_fetch_adds_are_plain_and_kept_as_the_manager_keeps_them(shards
     shards.same_contents()
     values = shards.same([(ops.Get(_digest(k), 0), {}) for k in ("i5", "i-5", "new", "low")])
     assert [loads_value(p) for *_, p in values] == [8, -(2**41) - 5, -5, -(2**63)]
+    stores = [m.store for m in shards.managers]  # (each added what the manager's path adds)
+    assert {s._used_estimate for s in stores} == {stores[0]._used_estimate}
 
     before = shards.counts()
     again = shards.same([(_add("i5", 100), {"rid": 10})])  # (a resend: its first reply)

@@ -56,7 +56,7 @@ cdef int _PERSISTENT = PERSISTENT
 cdef bytes _RID = RID, _RID_SLOT = RID_SLOT, _RID_SEQ = RID_SEQ
 cdef uint64_t _RID_KEEP = RID_KEEP
 cdef Py_ssize_t _BIG_REPLY = BIG_REPLY
-DEF _MOST_INT_FRAME = 48  # (a frame of an int of 64 bits: 16 + 2 + 9 + 11 bytes, at most)
+DEF _MOST_INT_FRAME = 38  # (a frame of an int of 64 bits: 16 + 2 + 9 + 11 bytes, at most)
 
 cdef extern from *:
     bint __builtin_add_overflow(int64_t a, int64_t b, int64_t* out) nogil
@@ -426,7 +426,6 @@ cdef class PlainServer:
             self._abandon_group()
             raise
         if rc == 1:
-            self.gbytes = nbytes
             if self._commit_group():
                 return 1
             self.n = self.gn0  # (refused: nothing written, its reply cut)
@@ -455,7 +454,7 @@ cdef class PlainServer:
         cdef unsigned char seek[24]
         cdef unsigned char frame[_MOST_INT_FRAME]
         cdef const unsigned char* raw = NULL
-        cdef Py_ssize_t flen = 0, at, delta
+        cdef Py_ssize_t flen = 0, at, delta, size
         cdef int64_t old = 0, new
         cdef int rc
         if rid and _kept_reply(api, w, meta, rid):
@@ -486,6 +485,8 @@ cdef class PlainServer:
             if pop:
                 if flen > self.most or (rid and flen > _BIG_REPLY):
                     return 0
+                if v.mv_size >= <size_t>PRELOADED:
+                    return 0  # (a large value: copied with the interpreter lock released)
                 at = self.n + _REPLY
                 self._reply(0, tag, 0, raw, flen)  # (copied out before the page changes)
                 if api.cursor_del(cur, 0):
@@ -507,9 +508,11 @@ cdef class PlainServer:
                 self._reply(0, tag, 0, raw, flen)  # (copied out before the page changes)
                 api.cursor_close(cur)
                 cur = NULL
-                delta = _put_one(api, w, data, ks, klen, frame, _int_frame(new, frame), chkpt)
+                size = _int_frame(new, frame)
+                delta = _put_one(api, w, data, ks, klen, frame, size, chkpt)
                 if delta < 0 or (delta and not _count_by(api, w, meta, chkpt, 1)):
                     return 0
+                self.gbytes = 2 * (size + klen - _DIGEST + _ENTRY_HEADER + 64)  # (put's)
         finally:
             if cur != NULL:
                 api.cursor_close(cur)
@@ -530,8 +533,9 @@ cdef class PlainServer:
             with nogil:
                 rc = self.gapi.txn_commit(w)
             if rc:
-                self.dropped += 1
-                self.alone = self.gputs + 1
+                if self.gputs:  # (a group of puts: from its first on, one at a time)
+                    self.dropped += 1
+                    self.alone = self.gputs + 1
                 return False
             self.alone = max(0, self.alone - self.gputs)
             store._next_own = self.gtid + 1
