@@ -30,6 +30,7 @@ from dask_ddict.errors import Status
 from dask_ddict.transport import handshake, sockets
 from dask_ddict.transport.protocol import HELLO, HELLO_MAGIC, REP, REQ, Hello, Op
 from tests.support.cluster import local_cluster
+from tests.support.one_client import OneClient
 
 HANDSHAKE_TIMEOUT = 1.0
 MAX_CONNECTIONS = 40
@@ -87,50 +88,30 @@ def _with_port(d: DDict, client: Client, mid: int, port: int) -> DDict:
     return DDict._from_core(core, creator=False, chkpt=0, timeout=5)
 
 
-class Squatter:
-    """A process that took over a port: answers (or relays) and records what it is sent."""
+def squat(relay_to: tuple[str, int] | None = None, answer: bytes | None = None) -> OneClient:
+    """A process that took over a port: relays its client to ``relay_to``, or answers its
+    HELLO with ``answer`` (default: PROVE, and a made-up proof), and records what it is
+    sent."""
 
-    def __init__(
-        self, relay_to: tuple[str, int] | None = None, answer: bytes | None = None
-    ) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.received = bytearray()
-        self.relay_to = relay_to
-        #: What it answers a HELLO (default: PROVE, and a made-up proof).
-        self.answer = answer
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        self.listener.settimeout(20)
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        conn.settimeout(5)
-        upstream = socket.create_connection(self.relay_to) if self.relay_to else None
+    def behave(conn: socket.socket, host: OneClient) -> None:
+        upstream = socket.create_connection(relay_to) if relay_to else None
         if upstream is not None:
             threading.Thread(target=_pump, args=(upstream, conn), daemon=True).start()
         try:
-            while True:
-                data = conn.recv(65536)
-                if not data:
-                    break
-                self.received += data
+            while data := conn.recv(65536):
+                host.received += data
                 if upstream is not None:
                     upstream.sendall(data)
-                elif len(self.received) == HELLO.size + handshake.NONCE:
+                elif len(host.received) == HELLO.size + handshake.NONCE:
                     # A made-up proof: it does not know the secret.
-                    answer = self.answer or bytes([Hello.PROVE]) + secrets.token_bytes(80)
-                    conn.sendall(answer)
+                    conn.sendall(answer or bytes([Hello.PROVE]) + secrets.token_bytes(80))
         except OSError:
             pass
         finally:
-            conn.close()
             if upstream is not None:
                 upstream.close()
-            self.listener.close()
+
+    return OneClient(behave, timeout=5)
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
@@ -146,7 +127,7 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 def test_a_squatter_that_answers_gets_no_key_and_sends_no_pickle(guarded, caplog):
     client, d = guarded
-    squatter = Squatter()
+    squatter = squat()
     h = _with_port(d, client, 0, squatter.port)
     caplog.set_level(logging.DEBUG, logger="dask_ddict")
     with pytest.raises(DDictManagerUnavailableError, match="did not prove"):
@@ -165,7 +146,7 @@ def test_a_squatter_that_skips_its_proof_gets_no_key(guarded, answer):
     proof, or a refusal of a dictionary it does not know, is not the dictionary's host;
     the client sends it nothing more."""
     client, d = guarded
-    squatter = Squatter(answer=bytes([answer]))
+    squatter = squat(answer=bytes([answer]))
     h = _with_port(d, client, 0, squatter.port)
     with pytest.raises(DDictManagerUnavailableError, match="without proving|not a DDict"):
         h.manager(0)["secret key"] = "secret value"
@@ -180,7 +161,7 @@ def test_a_squatter_that_skips_its_proof_gets_no_key(guarded, answer):
 def test_a_relayed_handshake_fails_before_the_client_proves_anything(guarded):
     client, d = guarded
     real = d._core.layout.managers[0]
-    squatter = Squatter(relay_to=(real.tcp_host, real.tcp_port))
+    squatter = squat(relay_to=(real.tcp_host, real.tcp_port))
     h = _with_port(d, client, 0, squatter.port)
     with pytest.raises(DDictManagerUnavailableError, match="did not prove"):
         h.manager(0)["k"] = 1

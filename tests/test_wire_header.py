@@ -8,15 +8,12 @@ after the handshake's proofs, that the Python client then reads and wrote.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import shutil
 import socket
 import subprocess
 import sysconfig
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,8 +25,8 @@ from dask_ddict._keys import encode_key
 from dask_ddict.errors import Status
 from dask_ddict.transport import handshake
 from dask_ddict.transport.protocol import HELLO, REP, REQ, Hello
-from dask_ddict.transport.sockets import recv_exact
 from tests.support.cluster import local_cluster
+from tests.support.one_client import OneClient
 from tests.support.shards import shards, shm_entries
 
 SOURCE = Path(__file__).parent.parent / "examples" / "c_client" / "wire_client.c"
@@ -130,40 +127,10 @@ def test_a_c_client_puts_and_gets_over_tcp_after_the_handshake(wire_client):
         d.destroy()
 
 
-class FakeHost:
-    """A TCP listener on loopback that takes one client: ``behave(conn)`` answers it, and
-    ``received`` is what the client sent before the connection ended."""
-
-    def __init__(self, behave: Callable[[socket.socket, str], None]) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.target = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.received = bytearray()
-        self.thread = threading.Thread(target=self._run, args=(behave,), daemon=True)
-        self.thread.start()
-
-    def _run(self, behave: Callable[[socket.socket, str], None]) -> None:
-        self.listener.settimeout(20)
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        with conn, self.listener:
-            conn.settimeout(10)
-            behave(conn, self.target)
-            with contextlib.suppress(OSError):
-                while data := conn.recv(65536):
-                    self.received += data
-
-    def read(self, conn: socket.socket, n: int) -> bytes:
-        got = bytes(recv_exact(conn, n, "a test"))
-        self.received += got
-        return got
-
-
 def test_a_c_client_refuses_a_tcp_host_that_skips_its_proof(wire_client):
     """Over TCP the C client sends nothing past its HELLO to a process that answers it
     with OK at once (what a Unix socket's host says), not with a proof."""
-    host = FakeHost(lambda conn, _: conn.sendall(bytes([Hello.OK])))
+    host = OneClient(lambda conn, _: conn.sendall(bytes([Hello.OK])))
     env = os.environ | {"DDICT_SECRET": "ab" * 32}
     failed = subprocess.run(
         [str(wire_client), "put", f"tcp:{host.target}", "cd" * 16, "1", "s:key", "value"],
@@ -188,21 +155,21 @@ def test_a_c_client_refuses_a_reply_longer_than_it_takes(wire_client):
         def __init__(self) -> None:
             self.secret = secret.encode()
 
-    def behave(conn: socket.socket, target: str) -> None:
+    def behave(conn: socket.socket, host: OneClient) -> None:
         handshake.host_side(
             conn,
             lambda n: host.read(conn, n),
             lambda u: Hosted() if u == uid else None,
             lambda u: False,
             tcp=True,
-            target=target,
+            target=host.target,
             incarnation=os.urandom(16),
         )
         head = REQ.unpack(host.read(conn, REQ.size))
         host.read(conn, head[3])  # (its key section)
         conn.sendall(REP.pack(0, head[5], 0, 2**64 - 1))
 
-    host = FakeHost(behave)
+    host = OneClient(behave)
     env = os.environ | {"DDICT_SECRET": secret}
     failed = subprocess.run(
         [str(wire_client), "get", f"tcp:{host.target}", uid.hex(), "1", "s:key"],
