@@ -1,9 +1,10 @@
 """A handle's single-key operations over TCP in one call (``kernels.KeyLane``) answer as
 its Python path.
 
-The lane serves ``d[key]``, ``d.get``, ``key in d`` and ``d[key] = value`` of an open
-handle over a plain TCP link with an idle connection, and answers ``NotImplemented`` for
-anything else, before sending or after a reply that is not OK or a broken connection;
+The lane serves ``d[key]``, ``d.get``, ``key in d``, ``d[key] = value``, ``d.pop`` and
+``d.fetch_add`` of an open handle over a plain TCP link with an idle connection, and
+answers ``NotImplemented`` for anything else, before sending or after a reply that is
+not OK or a broken connection (an at-most-once operation's, a ``Resend`` with its id);
 the handle's Python path is the reference.  Here the compiled lane, the pure lane and
 the Python path run side by side against one dictionary of a real cluster, a model of
 it says what each answer must be, and every way the lane declines is checked to leave
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from dask_ddict import DDict, DDictClosedError, DDictKeyError, kernels
+from dask_ddict._serialize import loads_value
 from dask_ddict.client.lane import LANE, wired
 from dask_ddict.client.reads import ABSENT as READS_ABSENT
 from dask_ddict.client.reads import WAIT
@@ -38,7 +40,7 @@ from dask_ddict.errors import DDictSerializationError
 from dask_ddict.kernels import NO_KEY, Resend, pure
 from dask_ddict.transport import timing
 from dask_ddict.transport.idle_pool import IDLE_POOL
-from dask_ddict.transport.ops import Contains
+from dask_ddict.transport.ops import Contains, FetchAdd, Pop
 from tests.support.cluster import local_cluster
 from tests.support.handles import over_tcp
 from tests.support.polling import poll_for
@@ -56,6 +58,7 @@ LANES: list[Any] = [None, wired(pure.KeyLane)] + (
 #: router's routes: under ``DASK_DDICT__COMPILED=false`` it declines every call).
 SERVING = [lane for lane in LANES[1:] if type(lane) is pure.KeyLane or kernels.COMPILED]
 KEYS = ["a", "b", 7, ("t", 1), b"raw", 3.5]
+COUNTERS = ["n", ("n", 2)]  # (fetch_add's: ints alone)
 ABSENT = "<absent>"
 
 values_st = st.one_of(
@@ -98,6 +101,36 @@ def _put(lane: Any, h: DDict, key: Any, value: Any, persistent: bool) -> None:
         h._put(key, value, persistent, _began(got))
 
 
+def _pop(lane: Any, h: DDict, key: Any) -> tuple[Any, bool]:
+    """``h.pop(key)`` through ``lane`` (``None``: the Python path), or :data:`ABSENT`, and
+    whether the lane answered it; once a lane sent it, the Python path sends it again
+    with the lane's request id."""
+    got = NotImplemented if lane is None else lane.pop(h, key)
+    if got is NotImplemented or type(got) is Resend:
+        began, rid = (None, 0) if got is NotImplemented else got
+        mid, digest, _ = h._route(key)
+        try:
+            frame = h._core.channel(mid).call(
+                Pop(digest, h._chkpt, h._client_id, h.timeout, began, rid)
+            )
+        except DDictKeyError:
+            return ABSENT, False
+        return loads_value(frame), False
+    return ABSENT if got is NO_KEY else got, True
+
+
+def _fetch_add(lane: Any, h: DDict, key: Any, n: int) -> tuple[Any, bool]:
+    """``h.fetch_add(key, n)`` through ``lane`` (``None``: the Python path), and whether
+    the lane answered it (see :func:`_pop`)."""
+    got = NotImplemented if lane is None else lane.fetch_add(h, key, n)
+    if got is NotImplemented or type(got) is Resend:
+        began, rid = (None, 0) if got is NotImplemented else got
+        mid, digest, kb = h._route(key)
+        op = FetchAdd(digest, kb, h._chkpt, h._client_id, n, h.timeout, began, rid)
+        return loads_value(h._core.write(mid, op)), False
+    return got, True
+
+
 def _get_many(lane: Any, h: DDict, keys: list[Any]) -> tuple[list[Any], list[int]]:
     """``h.get_many(keys)`` through ``lane`` (``None``: the Python path) as ``(values,
     indices of the absent keys)``, :data:`ABSENT` for an absent key."""
@@ -130,14 +163,16 @@ def tcp(client: Client) -> Any:
 
 def test_the_lanes_answer_as_the_python_path(tcp):
     """A history of gets, ``in``s, puts and persistent puts (values of every kind, some
-    past what one send carries), each by one of the three paths through a handle without
-    a timeout or one with, and every read (``get_many`` too) by all three, answered as the
-    model says; the lanes really served most of them."""
+    past what one send carries), pops and ``fetch_add``s (past 64 bits too), each by one
+    of the three paths through a handle without a timeout or one with, and every read
+    (``get_many`` too) by all three, answered as the model says; the lanes really served
+    most of them."""
     h = tcp
     h[KEYS[0]] = 0  # (routed, the room known, connections in the pool: the lanes' case)
     handles = [h, _timed(h, 30)]
     served = {id(lane): 0 for lane in LANES if lane is not None}
     served_many = dict.fromkeys(served, 0)  # (untimed get_manys of at least one key)
+    served_once = dict.fromkeys(served, 0)  # (pops and fetch_adds)
 
     class History(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -160,6 +195,29 @@ def test_the_lanes_answer_as_the_python_path(tcp):
             else:
                 _put(None, at, key, value, persistent)
             self.model[key] = value
+
+        @rule(key=st.sampled_from(KEYS), by=st.sampled_from(range(len(LANES))), timed=st.booleans())
+        def pop(self, key: Any, by: int, timed: bool) -> None:
+            lane, at = LANES[by], handles[timed]
+            got = _pop(lane, at, key)
+            if lane is not None and got[1]:
+                served_once[id(lane)] += 1
+            assert _same(got[0], self.model.pop(key, ABSENT)), (lane, key, got)
+
+        @rule(
+            key=st.sampled_from(COUNTERS),
+            n=st.one_of(st.integers(-(2**40), 2**40), st.sampled_from([2**63 - 1, -(2**63)])),
+            by=st.sampled_from(range(len(LANES))),
+            timed=st.booleans(),
+        )
+        def fetch_add(self, key: Any, n: int, by: int, timed: bool) -> None:
+            lane, at = LANES[by], handles[timed]
+            old = self.model.get(key, 0)
+            self.model[key] = old + n
+            got = _fetch_add(lane, at, key, n)
+            if lane is not None and got[1]:
+                served_once[id(lane)] += 1
+            assert type(got[0]) is int and got[0] == old, (lane, key, n, got)
 
         @rule(key=st.sampled_from(KEYS), timed=st.booleans())
         def get(self, key: Any, timed: bool) -> None:
@@ -210,6 +268,7 @@ def test_the_lanes_answer_as_the_python_path(tcp):
     finally:
         handles[1].detach()
     assert all(served[id(lane)] > 20 for lane in SERVING), served
+    assert all(served_once[id(lane)] > 5 for lane in SERVING), served_once
     assert all(served_many[id(lane)] > 3 for lane in SERVING), served_many
 
 
@@ -621,6 +680,41 @@ def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):
         h.detach()
 
 
+def _under_a_host_kill(d: DDict, step: Callable[[int], None], done: list[list[Any]]) -> None:
+    """Three threads call ``step(i)`` (which adds to ``done[i]``) while the host process
+    of manager 0 is SIGKILLed, once each did 50, and restarted; they stop once each did
+    50 more after it.  None of them failed."""
+    host = d.stats[0].pid
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            while not stop.is_set() and len(done[i]) < 100_000:
+                step(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(done))]
+    for t in threads:
+        t.start()
+    try:
+        poll_for(lambda: min(len(x) for x in done) > 50, 30, "the threads under way")
+        os.kill(host, signal.SIGKILL)
+        poll_for(lambda: d.stats[0].pid != host, 60, "the host restarted")
+        at = [len(x) for x in done]
+        poll_for(
+            lambda: all(len(x) > a + 50 for x, a in zip(done, at, strict=True)) or errors,
+            30,
+            "the threads after the restart",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+
+
 def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
     """Writers and readers (of single keys and ``get_many``s) over TCP (the lane's) while
     the host process of one manager is SIGKILLed and restarted: the lane closes the
@@ -631,40 +725,43 @@ def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
         try:
             h = over_tcp(d)
             h["warm"] = 1
-            host = d.stats[0].pid
-            stop = threading.Event()
             acked: list[list[int]] = [[] for _ in range(3)]
-            errors: list[BaseException] = []
 
-            def run(i: int) -> None:
-                k = 0
-                try:
-                    while not stop.is_set() and k < 100_000:
-                        h[(i, k)] = k
-                        acked[i].append(k)
-                        assert h[(i, k)] == k
-                        if k % 5 == 0:  # (a get_many's two links: one may break under it)
-                            assert h.get_many([(i, k), "warm", (i, k // 2)]) == [k, 1, k // 2]
-                        k += 1
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
+            def step(i: int) -> None:
+                k = len(acked[i])
+                h[(i, k)] = k
+                acked[i].append(k)
+                assert h[(i, k)] == k
+                if k % 5 == 0:  # (a get_many's two links: one may break under it)
+                    assert h.get_many([(i, k), "warm", (i, k // 2)]) == [k, 1, k // 2]
 
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-            for t in threads:
-                t.start()
-            poll_for(lambda: min(len(a) for a in acked) > 50, 30, "writers under way")
-            os.kill(host, signal.SIGKILL)
-            poll_for(lambda: d.stats[0].pid != host, 60, "the host restarted")
-            time.sleep(0.5)
-            stop.set()
-            for t in threads:
-                t.join(60)
-            assert errors == []
+            _under_a_host_kill(d, step, acked)
             held = dict(d.items())
             for i, ks in enumerate(acked):
                 for k in ks:
                     assert held.get((i, k)) == k, f"acknowledged write ({i}, {k}) lost"
             assert LANE.get(h, (0, 0)) == 0  # (the lane serves the new host's connections)
+        finally:
+            d.destroy()
+
+
+def test_a_host_killed_under_lane_fetch_adds_applies_each_once():
+    """Three threads take tickets (``fetch_add(key, 1)`` over TCP, the lane's) of one
+    counter while its manager's host process is SIGKILLed and restarted: a ticket whose
+    reply was lost is sent again by the Python path with the lane's request id, and the
+    restarted host answers it with the reply it kept, not a second addition; every
+    ticket is taken once, and the counter is the number of tickets."""
+    with local_cluster(2) as cl, Client(cl) as c:
+        d = DDict(total_mem="64 MiB", client=c)
+        try:
+            h = over_tcp(d).manager(0)
+            assert h.fetch_add("tickets", 1) == 0
+            taken: list[list[int]] = [[] for _ in range(3)]
+            _under_a_host_kill(d, lambda i: taken[i].append(h.fetch_add("tickets", 1)), taken)
+            tickets = sorted(t for ts in taken for t in ts)
+            assert tickets == list(range(1, len(tickets) + 1)), "a ticket taken twice, or lost"
+            assert h["tickets"] == len(tickets) + 1
+            assert type(LANE.fetch_add(h, "tickets", 0)) is int  # (the new host's: the lane's)
         finally:
             d.destroy()
 

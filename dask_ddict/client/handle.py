@@ -458,16 +458,23 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
 
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
         """Remove ``key`` and return its value (``default`` if absent and given)."""
-        mid, digest, _ = self._route(key)
-        try:
-            frame = self._core.channel(mid).call(
-                Pop(digest, self._chkpt, self._client_id, self._timeout)
-            )
-        except DDictKeyError:
+        got = LANE.pop(self, key)  # (the common case over TCP in one call: lane.py)
+        if got is NotImplemented or type(got) is kernels.Resend:
+            began, rid = (None, 0) if got is NotImplemented else got  # (sent: its id again)
+            mid, digest, _ = self._route(key)
+            try:
+                frame = self._core.channel(mid).call(
+                    Pop(digest, self._chkpt, self._client_id, self._timeout, began, rid)
+                )
+            except DDictKeyError:
+                got = kernels.NO_KEY
+            else:
+                return loads_value(frame, self._vp)
+        if got is kernels.NO_KEY:
             if default is not _MISSING:
                 return default
-            raise DDictKeyError(key) from None
-        return loads_value(frame, self._vp)
+            raise DDictKeyError(key)
+        return got
 
     def __delitem__(self, key: Any) -> None:
         self.pop(key)
@@ -553,9 +560,13 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
             n = check_int("val", val)
         else:
             n = 1 if n is _MISSING else check_int("n", n)
+        got = LANE.fetch_add(self, key, n)  # (the common case over TCP in one call: lane.py)
+        if got is not NotImplemented and type(got) is not kernels.Resend:
+            return got
+        began, rid = (None, 0) if got is NotImplemented else got  # (sent: its id again)
         mid, digest, kb = self._route(key)
         frame = self._core.write(
-            mid, FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout)
+            mid, FetchAdd(digest, kb, self._chkpt, self._client_id, n, self._timeout, began, rid)
         )
         return loads_value(frame)
 

@@ -1,8 +1,8 @@
-"""The process's key lane: a handle's single-key gets, ``in``s and puts, and its
-``get_many``s, over TCP in one call.
+"""The process's key lane: a handle's single-key gets, ``in``s, puts, pops and
+``fetch_add``s, and its ``get_many``s, over TCP in one call.
 
-``d[key]``, ``d.get(key)``, ``key in d``, ``d[key] = value`` and ``d.get_many(keys)``
-first ask :data:`LANE` (:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels
+``d[key]``, ``d.get(key)``, ``key in d``, ``d[key] = value``, ``d.pop(key)``,
+``d.fetch_add(key, n)`` and ``d.get_many(keys)`` first ask :data:`LANE` (:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels
 were built), which routes the keys, finds their managers' links, and exchanges the
 requests on the process's pooled connections without a Python frame (a ``get_many``:
 one request per link, all sent before any reply is read; a put inside a batch: buffered
@@ -27,7 +27,7 @@ from ..transport.bounded_connection import Deadline
 from ..transport.idle_pool import IDLE_POOL
 from ..transport.many_key_ops import GetMany
 from ..transport.operation import Operation
-from ..transport.ops import Contains, Get, Put
+from ..transport.ops import Contains, FetchAdd, Get, Pop, Put
 from ..transport.protocol import FLAG_PERSIST, SMALL, Op
 from ..transport.socket_client import SocketChannel
 from .batch import RECORD_FRAMING
@@ -38,6 +38,8 @@ _OPERATIONS: dict[int, Operation] = {
     int(Op.CONTAINS): Contains(b"", 0),
     int(Op.PUT): Put(b"", b"", Framed((), 0), 0, 0),
     int(Op.GET_MANY): GetMany((), 0),
+    int(Op.POP): Pop(b"", 0, 0),
+    int(Op.FETCH_ADD): FetchAdd(b"", b"", 0, 0, 0),
 }
 
 
@@ -63,6 +65,8 @@ def wired(kind: type[kernels.KeyLane] = kernels.KeyLane) -> kernels.KeyLane:
         int(Op.CONTAINS),
         int(Op.PUT),
         int(Op.GET_MANY),
+        int(Op.POP),
+        int(Op.FETCH_ADD),
         FLAG_PERSIST,
         int(Status.KEY_NOT_FOUND),
         int(Status.TIMEOUT),

@@ -24,6 +24,7 @@ from libc.errno cimport EAGAIN, EBADF, EINTR, errno
 
 import os
 import pickle
+import secrets
 import struct
 import threading
 import time

@@ -20,6 +20,7 @@
 cdef double _NO_TIMEOUT = -1.0  # (encode_timeout(None): a request that never times out)
 cdef long long _MOST_MANAGER = 0xFFFFF  # (a get_many's manager ids index a table of ints)
 cdef double _LONG_WAIT = 3600.0  # (a slice of an endless wait on a non-blocking socket)
+cdef object _randbits = secrets.randbits
 cdef Py_ssize_t _KEPT_REPLY = 256 << 10  # (a many-key reply of small frames, at most: _kept)
 
 
@@ -43,6 +44,15 @@ cdef inline bint _small_int(object v, long long most, long long* out):
         return False
     out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
     return overflow == 0 and 0 <= out[0] <= most
+
+
+cdef inline bint _signed_int(object v, long long* out):
+    """Whether ``v`` is an ``int`` of 64 bits, signed (put in ``out``)."""
+    cdef int overflow
+    if type(v) is not int:
+        return False
+    out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
+    return overflow == 0
 
 
 cdef int _move_all(sock, char* p, Py_ssize_t n, bint sending, bint blocking,
@@ -82,13 +92,14 @@ cdef class KeyLane:
     cdef readonly object wire
     cdef object channel, pool, timing, buffer, decode, timed_out, deadline
     cdef object _acquire, _release, _idle
-    cdef int op_get, op_contains, op_put, op_get_many, persist, missing, timeout_status
+    cdef int op_get, op_contains, op_put, op_get_many, op_pop, op_fetch_add
+    cdef int persist, missing, timeout_status
     cdef Py_ssize_t most, small, record_framing
 
     def __init__(self, wire, channel, pool, timing, buffer, decode, timed_out, deadline):
         self.wire = wire
         self.op_get, self.op_contains, self.op_put = wire.get, wire.contains, wire.put
-        self.op_get_many = wire.get_many
+        self.op_get_many, self.op_pop, self.op_fetch_add = wire.get_many, wire.pop, wire.fetch_add
         self.persist, self.missing = wire.persist, wire.missing_status
         self.timeout_status = wire.timeout_status
         self.most, self.small = wire.most, wire.small
@@ -114,6 +125,42 @@ cdef class KeyLane:
     def contains(self, h, key):
         cdef object got = self._read(h, key, self.op_contains)
         return bool((<tuple>got)[1]) if type(got) is tuple else got
+
+    def pop(self, h, key):
+        cdef object got = self._once(h, key, self.op_pop, 0)
+        if type(got) is not tuple:
+            return got
+        if (<tuple>got)[0] == 0:
+            value = _small((<tuple>got)[2])
+            return self.decode((<tuple>got)[2]) if value is NotImplemented else value
+        return NO_KEY
+
+    def fetch_add(self, h, key, n):
+        cdef object got = self._once(h, key, self.op_fetch_add, n)
+        if type(got) is not tuple:
+            return got
+        value = _small((<tuple>got)[2])
+        return self.decode((<tuple>got)[2]) if value is NotImplemented else value
+
+    cdef object _once(self, h, key, int op, object n):
+        """``_exchange`` of an at-most-once operation on ``key`` (``pure.KeyLane._once``)."""
+        cdef tuple route
+        cdef object routed = self._routed(h)
+        if routed is None or h._batch is not None:
+            return NotImplemented
+        try:
+            route = (<Router>routed).one(key)
+        except KeyTooLong:
+            return NotImplemented
+        kb = route[2]
+        if op == self.op_pop:
+            keysec = route[1]
+        elif type(kb) is bytes:
+            keysec = route[1] + kb
+        else:
+            return NotImplemented
+        return self._exchange(h, key, route[0], op, 0, keysec, None, 0, h._client_id, n,
+                              _randbits(63) + 1)  # (a new request id, as the link draws one)
 
     cdef object _read(self, h, key, int op):
         """``_exchange`` of a read of ``key``."""
@@ -312,9 +359,10 @@ cdef class KeyLane:
         return memoryview(buf)[_REPLY:need]
 
     cdef object _exchange(self, h, key, object mid, int op, int flags, bytes keysec,
-                          object parts, object vlen_, object client):
+                          object parts, object vlen_, object client, object arg_=0,
+                          uint64_t rid=0):
         """``(status, ival, payload)``, ``NotImplemented`` or a ``Resend`` (``pure.KeyLane``)."""
-        cdef long long m, term, chkpt, cid, vlen
+        cdef long long m, term, chkpt, cid, vlen, arg
         cdef Py_ssize_t klen = PyBytes_GET_SIZE(keysec), total, at
         cdef bytearray buf
         cdef unsigned char* p
@@ -336,6 +384,8 @@ cdef class KeyLane:
                 and _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt)
                 and _small_int(client, 0x7FFFFFFFFFFFFFFF, &cid)):
             return NotImplemented
+        if not _signed_int(arg_, &arg):  # (past 64 bits: the Python path says so)
+            return NotImplemented
         total = _REQUEST + klen + <Py_ssize_t>vlen
         if total > self.most or not (vlen <= link._max_value):
             return NotImplemented
@@ -356,8 +406,8 @@ cdef class KeyLane:
         p = <unsigned char*>PyByteArray_AS_STRING(buf)
         head.op, head.flags, head.term = op, flags, <unsigned int>term
         head.klen, head.manager, head.tag = <uint32_t>klen, <uint32_t>m, 0
-        head.chkpt, head.arg, head.client = chkpt, 0, <uint64_t>cid
-        head.timeout, head.vlen, head.rid = wire_timeout, <uint64_t>vlen, 0
+        head.chkpt, head.arg, head.client = chkpt, arg, <uint64_t>cid
+        head.timeout, head.vlen, head.rid = wire_timeout, <uint64_t>vlen, rid
         ddict_write_request(p, &head)
         memcpy(p + _REQUEST, PyBytes_AS_STRING(keysec), klen)
         at = _REQUEST + klen
@@ -379,7 +429,8 @@ cdef class KeyLane:
         if at != total:  # (parts that do not add up to the value's length: not for here)
             self._give(link, conn)
             return NotImplemented
-        again = NotImplemented if deadline < 0 else Resend(began)  # (once sent)
+        # (once sent: a request id is sent again with it, never a new one)
+        again = NotImplemented if deadline < 0 and rid == 0 else Resend(began, rid)
         try:
             late = not _move_all(conn.sock, <char*>p, total, True, blocking, deadline)
             if not late:
@@ -396,7 +447,7 @@ cdef class KeyLane:
             raise self.timed_out(h, key, op, link, mid, None)
         self._give(link, conn)
         status, ival, payload = reply
-        if status == 0 or (status == self.missing and op == self.op_get):
+        if status == 0 or (status == self.missing and (op == self.op_get or op == self.op_pop)):
             return status, ival, payload
         if status == self.timeout_status and deadline >= 0:
             raise self.timed_out(h, key, op, link, mid, bytes(payload))

@@ -15,6 +15,7 @@ every rule lives here, readable, and the compiled module is only a faster spelli
 
 from __future__ import annotations
 
+import secrets
 import socket
 import struct
 import threading
@@ -819,7 +820,8 @@ def receive_reply(
 
 class LaneWire(NamedTuple):
     """What a :class:`KeyLane` sends and reads, as the transport declares it: the codes of
-    ``get``, ``in``, ``put`` and ``get_many``, the flag of a persistent put, the status of
+    ``get``, ``in``, ``put``, ``get_many``, ``pop`` and ``fetch_add``, the flag of a
+    persistent put, the status of
     an absent key and of a host's wait that ran out, the largest request it sends (one piece: a
     connection's buffer holds it), the smallest reply payload received into a buffer
     of its own (``receive_reply``'s ``small``), and a batch record's bytes beyond its
@@ -829,6 +831,8 @@ class LaneWire(NamedTuple):
     contains: int
     put: int
     get_many: int
+    pop: int
+    fetch_add: int
     persist: int
     missing_status: int
     timeout_status: int
@@ -850,12 +854,14 @@ NO_KEY: Any = _NoKey()
 
 
 class Resend(NamedTuple):
-    """What a :class:`KeyLane` answers for an operation with a timeout that it sent and
-    then leaves to the Python path (a broken connection, a reply that is not OK): send it
-    again within the same deadline, whose time counts from ``began``
-    (``time.monotonic()``), not from the resend."""
+    """What a :class:`KeyLane` answers for an operation with a timeout, or an at-most-once
+    one, that it sent and then leaves to the Python path (a broken connection, a reply
+    that is not OK): send it again within the same deadline, whose time counts from
+    ``began`` (``time.monotonic()``), not from the resend, and with the same request id
+    ``rid`` (an at-most-once operation's: its host applies it once; 0: none)."""
 
     began: float
+    rid: int = 0
 
 
 #: ``timed_out(handle, key, op, link, manager, message)``: the error of an operation
@@ -865,10 +871,14 @@ TimedOut = Callable[[Any, Any, int, Any, int, "bytes | None"], BaseException]
 
 
 class KeyLane:
-    """A handle's ``d[key]``, ``key in d`` and ``d[key] = value`` over a TCP link, each in
-    one call: the common case of the handle's Python path (routing the key, the manager's
-    channel, the operation, its link's exchange, the reply's result), which is the
-    reference of everything here.
+    """A handle's ``d[key]``, ``key in d``, ``d[key] = value``, ``d.pop(key)`` and
+    ``d.fetch_add(key, n)`` over a TCP link, each in one call: the common case of the
+    handle's Python path (routing the key, the manager's channel, the operation, its
+    link's exchange, the reply's result), which is the reference of everything here.
+    A pop or a ``fetch_add`` (at most once) goes with a new request id, as the link
+    draws one, and once sent it is never ``NotImplemented``: a broken connection or a
+    reply that is not OK is a :class:`Resend` with that id, which the Python path sends
+    again (its host applies it once).
 
     The common case: a handle open and attached whose core has a TCP link's channel
     (``tcp``: a handle on the managers' host is never asked for more), not in a batch,
@@ -933,6 +943,35 @@ class KeyLane:
         """``key in h``, a :class:`Resend`, or ``NotImplemented``."""
         got = self._read(h, key, self.wire.contains)
         return bool(got[1]) if type(got) is tuple else got
+
+    def pop(self, h: Any, key: Any) -> Any:
+        """``h.pop(key)``'s value, :data:`NO_KEY`, a :class:`Resend` (once sent: with its
+        request id), or ``NotImplemented``."""
+        got = self._once(h, key, self.wire.pop, 0)
+        if type(got) is not tuple:
+            return got
+        status, _, payload = got
+        return decoded(payload, self.decode) if status == 0 else NO_KEY
+
+    def fetch_add(self, h: Any, key: Any, n: int) -> Any:
+        """``h.fetch_add(key, n)``'s value, a :class:`Resend` (once sent: with its request
+        id), or ``NotImplemented``."""
+        got = self._once(h, key, self.wire.fetch_add, n)
+        return decoded(got[2], self.decode) if type(got) is tuple else got
+
+    def _once(self, h: Any, key: Any, op: int, n: int) -> Any:
+        """:meth:`_exchange` of an at-most-once operation on ``key`` (not in a batch: the
+        Python path's), with a new request id: the one its Python path would draw."""
+        routed = self._routed(h)
+        if routed is None or h._batch is not None:
+            return NotImplemented
+        try:
+            mid, digest, kb = routed[0].one(key)
+        except KeyTooLong:  # (the Python path says why)
+            return NotImplemented
+        keysec = digest if op == self.wire.pop else digest + kb
+        rid = secrets.randbits(63) + 1
+        return self._exchange(h, key, mid, op, 0, keysec, (), 0, h._client_id, n, rid)
 
     def _read(self, h: Any, key: Any, op: int) -> Any:
         """:meth:`_exchange` of a read of ``key``."""
@@ -1198,13 +1237,15 @@ class KeyLane:
         parts: tuple[Any, ...],
         vlen: int,
         client: int,
+        arg: int = 0,
+        rid: int = 0,
     ) -> Any:
         """``(status, ival, payload)`` of one request to manager ``mid`` (the handle's own,
-        or its target) on an idle connection of its link, answered OK (or, for a get,
-        with its key absent); else ``NotImplemented`` (not for the lane, nothing sent; or,
-        without a timeout, sent and then a broken connection, closed here, or another
-        reply) or, with one, a :class:`Resend`.  Raises what the Python path raises when
-        the operation's time runs out."""
+        or its target) on an idle connection of its link, answered OK (or, for a get or
+        a pop, with its key absent); else ``NotImplemented`` (not for the lane, nothing
+        sent; or, without a timeout or a request id ``rid``, sent and then a broken
+        connection, closed here, or another reply) or, with one, a :class:`Resend`.
+        Raises what the Python path raises when the operation's time runs out."""
         if h._target is not None:
             mid = h._target
         ch = h._core._channels.get(mid)
@@ -1220,7 +1261,7 @@ class KeyLane:
         term = link.terms.get(mid, 0)
         try:
             head = REQUEST.pack(
-                op, flags, term, len(keysec), mid, 0, h._chkpt, 0, client, wire_timeout, vlen, 0
+                op, flags, term, len(keysec), mid, 0, h._chkpt, arg, client, wire_timeout, vlen, rid
             )
         except struct.error:  # (a field out of range: the Python path's to say)
             return NotImplemented
@@ -1230,7 +1271,8 @@ class KeyLane:
         conn = self._take(link)
         if conn is None:
             return NotImplemented
-        again = NotImplemented if timeout is None else Resend(began)  # (once sent)
+        # (once sent: a request id is sent again with it, never a new one)
+        again = NotImplemented if timeout is None and not rid else Resend(began, rid)
         try:
             conn.begin(deadline, None)  # (the socket's waits cut at the deadline, if any)
             conn.sendall(b"".join((head, keysec, *parts)))
@@ -1245,7 +1287,9 @@ class KeyLane:
             link.forget(conn)
             raise
         pool.give(link, conn)
-        if status == 0 or (status == self.wire.missing_status and op == self.wire.get):
+        if status == 0 or (
+            status == self.wire.missing_status and (op == self.wire.get or op == self.wire.pop)
+        ):
             return status, ival, payload
         if status == self.wire.timeout_status and timeout is not None:
             raise self.timed_out(h, key, op, link, mid, bytes(payload))

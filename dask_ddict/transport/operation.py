@@ -81,6 +81,9 @@ class Operation:
     #: request the key lane sent first (``client/lane.py``) is sent again within the same
     #: deadline.  ``None``: when the link takes it.
     began: float | None = None
+    #: An at-most-once operation's request id, if the key lane sent it first: sent again
+    #: with it (its host applies it once).  0: the link draws one.
+    rid: int = 0
 
     def encode(self) -> Encoded:
         return Encoded()

@@ -218,6 +218,8 @@ class Pop(FrameReply):
     chkpt: int
     client: int
     timeout: float | None = None
+    began: float | None = None
+    rid: int = 0
 
     def encode(self) -> Encoded:
         return Encoded(
@@ -338,6 +340,8 @@ class FetchAdd(FrameReply):
     client: int
     n: int
     timeout: float | None = None
+    began: float | None = None
+    rid: int = 0
 
     def encode(self) -> Encoded:
         return Encoded(

@@ -524,7 +524,7 @@ class HostLink:
             deadline, wire_timeout = start + timeout + self._slack, float(timeout)
         check = None if self._every is None else self._checker(mid)
         if not rid and kind is _ONCE:
-            rid = secrets.randbits(63) + 1
+            rid = o.rid or secrets.randbits(63) + 1  # (the key lane's, sent before)
         term = self.terms.get(mid, 0) if o.follows else 0  # (not several managers')
         head = REQ.pack(
             op, flags, term, len(keysec), mid, 0, chkpt, arg, client, wire_timeout, vlen, rid
