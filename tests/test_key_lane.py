@@ -68,6 +68,7 @@ values_st = st.one_of(
     st.none(),
     st.integers(0, 40).map(np.arange),
     st.sampled_from([4000, 5000, 60_000, 70_000]).map(b"v".__mul__),  # (around the limits)
+    st.just(NotImplemented),  # (a value, not the lanes' "not mine": a pop never twice)
 )
 
 
@@ -106,6 +107,8 @@ def _pop(lane: Any, h: DDict, key: Any) -> tuple[Any, bool]:
     whether the lane answered it; once a lane sent it, the Python path sends it again
     with the lane's request id."""
     got = NotImplemented if lane is None else lane.pop(h, key)
+    if type(got) is tuple:  # (the value, whatever it is)
+        return got[0], True
     if got is NotImplemented or type(got) is Resend:
         began, rid = (None, 0) if got is NotImplemented else got
         mid, digest, _ = h._route(key)
@@ -116,7 +119,8 @@ def _pop(lane: Any, h: DDict, key: Any) -> tuple[Any, bool]:
         except DDictKeyError:
             return ABSENT, False
         return loads_value(frame), False
-    return ABSENT if got is NO_KEY else got, True
+    assert got is NO_KEY, got
+    return ABSENT, True
 
 
 def _fetch_add(lane: Any, h: DDict, key: Any, n: int) -> tuple[Any, bool]:
@@ -678,6 +682,80 @@ def test_the_lane_keeps_the_pool_bounded_and_whole(client, tcp):
     finally:
         IDLE_POOL.most = old
         h.detach()
+
+
+def test_a_broken_at_most_once_request_is_sent_again_with_its_request_id(tcp):
+    """A pop or ``fetch_add`` that a lane sent on a connection that then broke (its host
+    read it and closed: it may have applied it) is answered as a :class:`Resend` with
+    the request id it went with, never ``NotImplemented`` (which the Python path would
+    send with a new id: applied twice); sent again with that id, the host applies it
+    once (a fake host here reads the lane's request, then the real one answers).  A
+    ``Resend`` is no value a dictionary holds (a handle would misread it)."""
+    import socket
+
+    from dask_ddict.errors import DDictSerializationError
+    from dask_ddict.transport.bounded_connection import BoundedConnection
+    from dask_ddict.transport.protocol import REQ
+    from tests.support.one_client import OneClient
+
+    h = tcp.manager(0)
+    h["warm"] = 1  # (the link's connections in the pool)
+    link = h._core._channels[0].link
+    for lane in SERVING:
+        for op in ("pop", "fetch_add"):
+            rids: list[int] = []
+
+            def behave(conn: socket.socket, host: OneClient) -> None:
+                head = REQ.unpack(host.read(conn, REQ.size))
+                host.read(conn, head[3] + head[10])
+                rids.append(head[11])
+                conn.shutdown(socket.SHUT_RDWR)  # (no reply: gone, it may have applied it)
+
+            fake = OneClient(behave)
+            sock = socket.create_connection(("127.0.0.1", fake.port))
+            IDLE_POOL.give(link, BoundedConnection(sock, None))  # (the next one taken)
+            got = lane.pop(h, "k") if op == "pop" else lane.fetch_add(h, "k", 5)
+            fake.thread.join(10)
+            assert type(got) is Resend and rids and got.rid == rids[0] != 0, (lane, op, got)
+            if op == "fetch_add":  # (the fake applied nothing: the real host, once)
+                before = h.fetch_add("k", 0)
+                mid, digest, kb = h._route("k")
+                again = FetchAdd(digest, kb, h._chkpt, h._client_id, 5, None, got.began, got.rid)
+                for _ in range(2):  # (the second: answered with the first's kept reply)
+                    assert loads_value(h._core.write(mid, again)) == before
+                assert h["k"] == before + 5
+    with pytest.raises(DDictSerializationError, match="Resend"):
+        h["r"] = Resend(1.0, 7)
+    h["n"] = NotImplemented  # (a value: the lanes' pop hands it back in a tuple)
+    assert h.pop("n") is NotImplemented and "n" not in h
+
+
+def test_a_timed_resend_that_runs_out_says_it_may_have_been_applied(tcp):
+    """A lane's timed ``fetch_add`` sent again by the Python path (a :class:`Resend`), whose
+    reconnection then runs out of time, says it may or may not have been applied (the
+    lane sent it), never "nothing was sent": a caller told that would send it again
+    with a new id."""
+    from dask_ddict import DDictTimeoutError
+    from dask_ddict.transport.bounded_connection import Deadline
+
+    t = _timed(tcp, 1.0)
+    t["warm"] = 1
+    mid, digest, kb = t._route("ctr")
+    link = t._core._channels[mid].link
+    link._broken(None)  # (as the lane's broken connection leaves it)
+
+    def connect(*args: Any) -> Any:
+        raise Deadline()  # (a restarting host: no handshake in time)
+
+    link._connect = connect
+    try:
+        op = FetchAdd(digest, kb, t._chkpt, t._client_id, 1, 1.0, time.monotonic(), 98765)
+        with pytest.raises(DDictTimeoutError) as e:
+            t._core.write(mid, op)
+        assert "nothing was sent" not in str(e.value), e.value
+    finally:
+        del link._connect
+        t.detach()
 
 
 def _under_a_host_kill(d: DDict, step: Callable[[int], None], done: list[list[Any]]) -> None:

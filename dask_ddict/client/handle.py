@@ -459,6 +459,8 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
     def pop(self, key: Any, default: Any = _MISSING) -> Any:
         """Remove ``key`` and return its value (``default`` if absent and given)."""
         got = LANE.pop(self, key)  # (the common case over TCP in one call: lane.py)
+        if type(got) is tuple:  # (the value, in a tuple of one: whatever it is)
+            return got[0]
         if got is NotImplemented or type(got) is kernels.Resend:
             began, rid = (None, 0) if got is NotImplemented else got  # (sent: its id again)
             mid, digest, _ = self._route(key)
@@ -467,14 +469,12 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
                     Pop(digest, self._chkpt, self._client_id, self._timeout, began, rid)
                 )
             except DDictKeyError:
-                got = kernels.NO_KEY
+                pass  # (absent: as NO_KEY)
             else:
                 return loads_value(frame, self._vp)
-        if got is kernels.NO_KEY:
-            if default is not _MISSING:
-                return default
-            raise DDictKeyError(key)
-        return got
+        if default is not _MISSING:  # (NO_KEY, or absent)
+            return default
+        raise DDictKeyError(key)
 
     def __delitem__(self, key: Any) -> None:
         self.pop(key)

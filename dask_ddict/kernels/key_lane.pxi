@@ -130,9 +130,9 @@ cdef class KeyLane:
         cdef object got = self._once(h, key, self.op_pop, 0)
         if type(got) is not tuple:
             return got
-        if (<tuple>got)[0] == 0:
+        if (<tuple>got)[0] == 0:  # (in a tuple of one: pure.KeyLane.pop)
             value = _small((<tuple>got)[2])
-            return self.decode((<tuple>got)[2]) if value is NotImplemented else value
+            return (self.decode((<tuple>got)[2]) if value is NotImplemented else value,)
         return NO_KEY
 
     def fetch_add(self, h, key, n):

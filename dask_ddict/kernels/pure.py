@@ -863,6 +863,11 @@ class Resend(NamedTuple):
     began: float
     rid: int = 0
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Never a value: a handle reads a lane's answer of this type as "send it again",
+        so a dictionary could not hold one without being misread (pickling refuses)."""
+        raise TypeError("a key lane's Resend is not a value to store")
+
 
 #: ``timed_out(handle, key, op, link, manager, message)``: the error of an operation
 #: whose time ran out, as the handle's Python path raises it (``message``: the host's,
@@ -945,13 +950,15 @@ class KeyLane:
         return bool(got[1]) if type(got) is tuple else got
 
     def pop(self, h: Any, key: Any) -> Any:
-        """``h.pop(key)``'s value, :data:`NO_KEY`, a :class:`Resend` (once sent: with its
-        request id), or ``NotImplemented``."""
+        """``h.pop(key)``'s value in a tuple of one (a value of its own may be anything,
+        ``NotImplemented`` too: never read as the lane's answer, a pop is not done twice),
+        :data:`NO_KEY`, a :class:`Resend` (once sent: with its request id), or
+        ``NotImplemented``."""
         got = self._once(h, key, self.wire.pop, 0)
         if type(got) is not tuple:
             return got
         status, _, payload = got
-        return decoded(payload, self.decode) if status == 0 else NO_KEY
+        return (decoded(payload, self.decode),) if status == 0 else NO_KEY
 
     def fetch_add(self, h: Any, key: Any, n: int) -> Any:
         """``h.fetch_add(key, n)``'s value, a :class:`Resend` (once sent: with its request

@@ -530,7 +530,7 @@ class HostLink:
             op, flags, term, len(keysec), mid, 0, chkpt, arg, client, wire_timeout, vlen, rid
         )
         total = REQ.size + len(keysec) + vlen
-        attempt, sent = 0, False
+        attempt, sent = 0, o.began is not None  # (the key lane's: it sent it first)
         while True:
             conn = None
             try:
