@@ -2,7 +2,8 @@
 ``fetch_add``s, and its ``get_many``s, over TCP in one call.
 
 ``d[key]``, ``d.get(key)``, ``key in d``, ``d[key] = value``, ``d.pop(key)``,
-``d.fetch_add(key, n)`` and ``d.get_many(keys)`` first ask :data:`LANE` (:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels
+``d.fetch_add(key, n)`` and ``d.get_many(keys)`` first ask :data:`LANE`
+(:class:`~dask_ddict.kernels.KeyLane`, compiled where the kernels
 were built), which routes the keys, finds their managers' links, and exchanges the
 requests on the process's pooled connections without a Python frame (a ``get_many``:
 one request per link, all sent before any reply is read; a put inside a batch: buffered

@@ -1400,8 +1400,9 @@ class PlainServer:
 
     A plain request is a ``get``, an ``in`` or a ``put`` of one key of a manager served
     here (not closed, under the term its client names, its dictionary without
-    ``wait_for_keys``), without a request id (but a pop's or a ``fetch_add``'s): a read at a checkpoint in the manager's
-    window, answered from one snapshot without ever waiting (of a leased dictionary, a
+    ``wait_for_keys``), without a request id (but a pop's or a ``fetch_add``'s): a read
+    at a checkpoint in the manager's window, answered from one snapshot without ever
+    waiting (of a leased dictionary, a
     replicated primary here, only while the host's lease is valid); a put of a value
     of at most ``most`` bytes at the window's checkpoint, in a window of one checkpoint,
     to a shard neither frozen, replicated, nor waited on (no deferred operation, no
@@ -1426,8 +1427,8 @@ class PlainServer:
     them (``held``), for the server to send.
 
     ``c`` is the :class:`~dask_ddict.host.loop.Connection`: its ``reader``, ``sock``,
-    ``held``, ``owed`` (a connection that owes a delivery is the server's: :func:`_settled`), ``hosted``
-    and ``served`` are read.
+    ``held``, ``owed`` (a connection that owes a delivery is the server's:
+    :func:`_settled`), ``hosted`` and ``served`` are read.
     """
 
     __slots__ = ("_c", "_rules", "count", "dropped")
