@@ -371,7 +371,10 @@ def _more(before: list[int], pure_n: int, compiled_n: int) -> list[int]:
     """The plain servers' counts after ``before``: ``pure_n`` more for the pure one,
     ``compiled_n`` for the compiled one."""
     served = [s for s in SERVERS if s is not None]
-    return [b + (pure_n if s is pure.PlainServer else compiled_n) for b, s in zip(before, served)]
+    return [
+        b + (pure_n if s is pure.PlainServer else compiled_n)
+        for b, s in zip(before, served, strict=True)
+    ]
 
 
 def _add(key: str, n: int, chkpt: int = 0) -> ops.FetchAdd:
@@ -428,7 +431,7 @@ def test_pops_and_fetch_adds_are_plain_and_kept_as_the_manager_keeps_them(shards
 
     big = shards.same([(ops.Pop(_digest("big"), 0, 1), {"rid": 60})])  # (kept until read)
     assert len(big[0][3]) > pure.BIG_REPLY and shards.counts() == before
-    big = shards.same([(ops.Get(_digest("i70000"), 0), {})])  # (the delivery: the server's)
+    shards.same([(ops.Get(_digest("i70000"), 0), {})])  # (the delivery: the server's)
     assert shards.counts() == before
     shards.same([(ops.Pop(_digest("huge"), 0, 1), {})])  # (over the largest sent: in parts)
     shards.same([(ops.Pop(_digest("i70000"), 0, 1), {"rid": 61})])  # (settled: plain)
