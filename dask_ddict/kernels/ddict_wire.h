@@ -188,12 +188,18 @@ static inline void ddict_read_reply(const unsigned char *p, ddict_reply_head *h)
     h->plen = ddict_le64(p + 16);
 }
 
-/* The 16-byte head of a raw-bytes value of `n` bytes (what dumps_value frames `bytes`
- * with); the payload follows it. */
-static inline void ddict_bytes_value_head(unsigned char *head, uint64_t n) {
+/* The 16-byte head of a value frame of format `fmt` (a DDICT_FMT_*) whose payload of `n`
+ * bytes follows it, with no out-of-band buffers (_serialize._HEAD: fmt, 3 bytes of
+ * padding, nbufs, the payload's length). */
+static inline void ddict_value_head(unsigned char *head, unsigned int fmt, uint64_t n) {
     memset(head, 0, DDICT_VALUE_HEAD_BYTES);
-    head[0] = DDICT_FMT_BYTES;
+    head[0] = (unsigned char)fmt;
     ddict_put_le64(head + 8, n);
+}
+
+/* The head of a raw-bytes value of `n` bytes (what dumps_value frames `bytes` with). */
+static inline void ddict_bytes_value_head(unsigned char *head, uint64_t n) {
+    ddict_value_head(head, DDICT_FMT_BYTES, n);
 }
 
 /* -- keys: canonical bytes, digest, manager ----------------------------------------- */

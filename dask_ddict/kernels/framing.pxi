@@ -70,6 +70,7 @@ cdef extern from "ddict_wire.h" nogil:
     void ddict_read_request(const unsigned char* p, ddict_request_head* h)
     void ddict_write_reply(unsigned char* p, const ddict_reply_head* h)
     void ddict_read_reply(const unsigned char* p, ddict_reply_head* h)
+    void ddict_value_head(unsigned char* head, unsigned int fmt, uint64_t n)
     void ddict_bytes_value_head(unsigned char* head, uint64_t n)
     size_t ddict_str_key(const char* utf8, size_t n, unsigned char* out)
     size_t ddict_int_key(int64_t v, unsigned char* out)

@@ -917,13 +917,21 @@ cdef bint _count_by(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi
 # -- at-most-once replies, as shard.replies keeps them (pure.RID...) ------------------
 
 
+cdef inline void _rid_key(unsigned char* key, const void* rid) noexcept:
+    """``key`` (12 bytes): where the reply of the request whose id is the 8 bytes at
+    ``rid`` (``RID_ID``'s) is kept, ``RID`` then the id."""
+    memcpy(key, PyBytes_AS_STRING(_RID), 4)
+    memcpy(key + 4, rid, 8)
+
+
 cdef bint _kept_reply(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int meta,
                       uint64_t rid) except -1:
     """Whether the shard keeps a reply of request ``rid`` (or may: LMDB's error)."""
-    cdef unsigned char key[16]
+    cdef unsigned char key[12]
+    cdef unsigned char word[8]
     cdef ddict_mdb_val k, v
-    memcpy(key, PyBytes_AS_STRING(_RID), 4)
-    _put_le64(key + 4, rid)
+    _put_le64(word, rid)
+    _rid_key(key, word)
     k.mv_size, k.mv_data = 12, key
     return api.get(w, meta, &k, &v) != DDICT_MDB_NOTFOUND
 
@@ -934,7 +942,7 @@ cdef bint _keep_reply(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int m
     keeps it: in the ring's next slot, whose request loses its reply: whether it was
     (else the transaction is only to abort)."""
     cdef unsigned char slot[16]
-    cdef unsigned char key[16]
+    cdef unsigned char key[12]
     cdef unsigned char word[8]
     cdef ddict_mdb_val k, v
     cdef ddict_mdb_cursor* cur = NULL
@@ -950,9 +958,8 @@ cdef bint _keep_reply(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int m
     _put_le64(slot + 8, seq % _RID_KEEP)
     k.mv_size, k.mv_data = 16, slot
     rc = api.get(w, meta, &k, &v)
-    memcpy(key, PyBytes_AS_STRING(_RID), 4)
     if rc == 0 and v.mv_size == 8:  # (the slot's request: its reply goes)
-        memcpy(key + 4, v.mv_data, 8)
+        _rid_key(key, v.mv_data)
         k.mv_size, k.mv_data = 12, key
         if api.cursor_open(w, meta, &cur):
             return False
@@ -973,7 +980,8 @@ cdef bint _keep_reply(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int m
     v.mv_size, v.mv_data = 8, word
     if api.put(w, meta, &k, &v, 0):
         return False
-    _put_le64(key + 4, rid)
+    _put_le64(word, rid)
+    _rid_key(key, word)
     k.mv_size, k.mv_data, v.mv_size, v.mv_data = 12, key, <size_t>n, <void*>reply
     return api.put(w, meta, &k, &v, 0) == 0
 
@@ -1055,8 +1063,7 @@ cdef Py_ssize_t _int_frame(int64_t x, unsigned char* f) noexcept:
         at += 9
     memcpy(f + at, body, blen)
     at += blen
-    memset(f, 0, 8)  # (fmt FMT_PICKLE, no buffers)
-    _put_le64(f + 8, <uint64_t>(at - _HEAD))
+    ddict_value_head(f, _FMT_PICKLE, <uint64_t>(at - _HEAD))
     return at
 
 

@@ -49,13 +49,20 @@ class AtMostOnce:
         """
         if not rid:
             return fn(txn)
-        key = RID + RID_ID.pack(rid)
-        done = self.store.get_meta(txn, key)
+        done = self.store.get_meta(txn, RID + RID_ID.pack(rid))
         if done is not None:  # a resend: the reply its first try got, kept until read
             if len(done) > BIG_REPLY:
                 self._big_replies.add(rid)
             return done
         reply = fn(txn)
+        self._keep(txn, rid, reply)
+        if len(reply) > BIG_REPLY:
+            self._big_replies.add(rid)
+        return reply
+
+    def _keep(self, txn: lmdb.Transaction, rid: int, reply: bytes) -> None:
+        """Keep ``reply`` under request id ``rid`` in the ring's next slot, whose request's
+        reply goes."""
         raw = self.store.get_meta(txn, RID_SEQ)
         seq = 0 if raw is None else RID_ID.unpack(raw)[0]
         slot = RID_SLOT + RID_ID.pack(seq % RID_KEEP)
@@ -64,10 +71,7 @@ class AtMostOnce:
             txn.delete(RID + old, db=self.store.meta_db)
         self.store.put_meta(txn, slot, RID_ID.pack(rid))
         self.store.put_meta(txn, RID_SEQ, RID_ID.pack(seq + 1))
-        self.store.put_meta(txn, key, reply)
-        if len(reply) > BIG_REPLY:
-            self._big_replies.add(rid)
-        return reply
+        self.store.put_meta(txn, RID + RID_ID.pack(rid), reply)
 
     def once_alone(
         self, rid: int, fn: Callable[[lmdb.Transaction], bytes], most: int
@@ -87,7 +91,9 @@ class AtMostOnce:
             reply = fn(txn)
             if len(reply) > most or (rid and len(reply) > BIG_REPLY):
                 raise _FullWay
-            got.append(self._once(txn, rid, lambda t: reply))
+            if rid:
+                self._keep(txn, rid, reply)
+            got.append(reply)
 
         return got[0] if self.store.attempt(apply) else None
 
