@@ -176,6 +176,8 @@ def test_pinned_managers_move_only_to_workers_that_satisfy_their_policy_else_par
             assert all(d[i] == i for i in range(200))
             c.retire_workers([gpu1])
             _until("not parked", lambda: all(m.parked for m in d._core.fresh(force=True).managers))
+            # (a park is in the layout before its host confirmed it, and in moves after)
+            _until("parks recorded", lambda: len([m for m in d.moves if not m["target"]]) >= 2)
             parked = [m for m in d.moves if not m["target"]]
             assert len(parked) == 2 and all(
                 "no other worker satisfies its placement policy Policy(resources={'GPU': 1.0})"
