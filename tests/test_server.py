@@ -34,6 +34,7 @@ from dask_ddict.transport.operation import Kind, Request
 from dask_ddict.transport.protocol import FLAG_NOREPLY, REP, REQ, Op
 from dask_ddict.transport.socket_client import HostLink, SocketChannel
 from dask_ddict.transport.whole_checkpoints import Persist
+from tests.support.manager_calls import put
 from tests.support.polling import poll_for
 from tests.support.wire import raw as _raw
 from tests.support.wire import replies as _replies
@@ -371,6 +372,46 @@ def test_a_kept_stats_answer_is_stale_once_a_deferred_operation_timed_out(tmp_pa
         assert not waiter.is_alive() and deferred() == 0
     finally:
         manager.close()
+        gens.close()
+
+
+def test_a_kept_stats_answer_is_stale_once_another_host_completed_a_persist(tmp_path):
+    """``stats`` reports the checkpoints persisted by every manager; the last manager's part
+    may be committed by another host, which commits nothing here: the host's kept answer
+    is not reused after it (a unit test: real shards and persisters, a real host dict)."""
+    from dask_ddict.persist import Persister, ZarrPersister
+    from dask_ddict.shard.generations import Generations, path_for
+
+    uid = "cf" * 16
+    gens = Generations(path_for(str(tmp_path), uid), 2, create=True)
+    managers = []
+    for mid in range(2):
+        store = ShardStore(str(tmp_path / f"s{mid}"), 4 << 20, indexed=True)
+        persister = Persister(ZarrPersister(str(tmp_path / "store"), "d", mid, 2), 1, -1)
+        managers.append(Manager(mid, store, WorkingSet(store, 1), persister=persister))
+    here, there = managers  # (manager 1 is another host's)
+    here.generations = gens
+    gens.bump(0)
+    hosted = HostedDict(uid, "d", "s", gens)
+    hosted.managers[0] = here
+    host = {"managers": hosted.managers, "generations": gens, "answers": hosted.answers}
+
+    def persisted() -> tuple[int, ...]:
+        (stats,) = _fan_out(ops.Stats(), (0,), pins=hosted.changes, **host)
+        return stats.persisted_ids
+
+    try:
+        for m in managers:
+            put(m, f"k{m.manager_id}", m.manager_id)
+        here.persist(0)
+        assert here.sync() == [] and here.persisted_ids() == []
+        assert persisted() == () and hosted.answers  # (kept)
+        there.persist(0)
+        assert there.sync() == [] and here.persisted_ids() == [0]
+        assert persisted() == (0,)
+    finally:
+        for m in managers:
+            m.close()
         gens.close()
 
 

@@ -15,7 +15,9 @@ manager answers.  Every commit to a shard, its manager's or a same-host client's
 put, changes the manager's word before the write is acknowledged, so an answer kept
 under words that are still current misses nothing acknowledged: a repeated broadcast
 on an unchanged dictionary is one comparison.  An answer that reports pinned memory
-(``stats``) is kept under the host's pin boards and requests served too (``pins``).  A
+(``stats``) is kept under what else it reports and no commit here changes too (``pins``:
+``HostedDict.changes``, the host's pin boards, requests served, replica sets, deferred
+operations and the checkpoints persisted by every manager).  A
 word 0 (a manager not hosted here) keeps nothing.  A dictionary's answers are kept in
 its ``HostedDict.answers``, at most :data:`ANSWERS_KEPT` of them, each at most
 :data:`ANSWER_KEEP_BYTES`.

@@ -127,10 +127,17 @@ class HostedDict:
 
     def changes(self) -> int:
         """What a kept ``stats`` answer holds besides its shards: a number that moves
-        with the pin boards, the requests served, its primaries' replica sets and the
-        operations their deferred queues hold (``FanOut``'s ``pins``), none of which
-        commits (a replica made or dropped, a deferred operation that timed out).  A
-        hash of them, not a sum: one that goes up as another goes down moves it too."""
+        with the pin boards, the requests served, its primaries' replica sets, the
+        operations their deferred queues hold and the checkpoints persisted by every
+        manager (``FanOut``'s ``pins``), none of which commits here (a replica made or
+        dropped, a deferred operation that timed out, the last manager's part of a
+        persist committed by another host).  A hash of them, not a sum: one that goes
+        up as another goes down moves it too.  The persisted ids are read from each
+        persisting manager's store, as its ``stats`` reads them: a kept answer then
+        saves the rest of the answer, not that listing."""
         pinned = 0 if self.pins is None else int(self.pins.changes())
-        waiting = tuple(len(m._deferred) for m in list(self.managers.values()))
-        return hash((pinned, self.served.moves(), self.reshaped, waiting)) & ((1 << 62) - 1)
+        managers = list(self.managers.values())
+        waiting = tuple(len(m._deferred) for m in managers)
+        persisted = tuple(tuple(m.persisted_ids()) for m in managers if m.persister is not None)
+        parts = (pinned, self.served.moves(), self.reshaped, waiting, persisted)
+        return hash(parts) & ((1 << 62) - 1)
