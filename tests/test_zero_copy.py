@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import DDict, _memory
-from dask_ddict.transport import lending, mapped
+from dask_ddict.transport import lending, mapped, shared
+from dask_ddict.transport.many_key_ops import GetMany
 from tests.support.lent import in_shard
 from tests.support.polling import poll_for
 
@@ -60,6 +61,46 @@ def test_a_zero_copy_get_is_a_read_only_view_of_the_shard(client):
         del v, v2
         _settled(d)
         assert d.stats[m].pinned_views == 0 and d.stats[m].pinned_bytes == 0
+
+
+@one_host
+def test_values_under_a_page_are_copied_read_only_and_larger_ones_lent(client, monkeypatch):
+    """A value under ``LEND_MIN`` bytes read to be lent (``copy=False``, or from a frozen
+    dictionary) is copied instead (a mapping of its own would cost several times the
+    copy and pin a page for it): its arrays are read-only, as lent ones are, and nothing
+    is pinned for it; larger ones are lent.  A same-host ``get_many`` with ``copy=False``
+    reads them in its walk of each shard (no ``GetMany`` of its own), as it copies."""
+    small, big = np.arange(12), np.arange(4096)  # a frame of ~250 B; one of 32 KiB
+    assert lending.LEND_MIN > 1000 and big.nbytes > lending.LEND_MIN
+    want: dict[str, object] = {f"s{i}": small + i for i in range(20)}
+    want |= {f"b{i}": big + i for i in range(20)}
+    want |= {"raw": b"x" * 100, "obj": {"x": 1}}
+    keys = list(want)
+    own_walks: list[object] = []
+    walk = shared._LOCAL[GetMany]
+    monkeypatch.setitem(shared._LOCAL, GetMany, lambda ch, o: own_walks.append(o) or walk(ch, o))
+
+    def check(got: list[object]) -> None:
+        for k, v in zip(keys, got, strict=True):
+            if isinstance(v, np.ndarray):
+                assert (v == want[k]).all() and not v.flags.writeable, k
+                assert in_shard(d, k, v) == k.startswith("b"), k
+            else:
+                assert v == want[k]
+        _settled(d)
+        assert sum(s.pinned_views for s in d.stats) == 20
+        assert lending.lent_bytes() >= 20 * big.nbytes
+
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d.update(want)
+        check(d.get_many(keys, copy=False))
+        assert not own_walks  # (every shard read in place)
+        check([d.get(k, copy=False) for k in keys])
+        d.freeze()
+        check([d[k] for k in keys])
+        check(d.get_many(keys, copy=None))
+        _settled(d)
+        assert sum(s.pinned_views for s in d.stats) == 0 and lending.lent_bytes() == 0
 
 
 @one_host

@@ -106,8 +106,8 @@ class Reads(HandleBase):
             began, found = found.began, NotImplemented
         if found is NotImplemented:  # (the common case over TCP in one call: lane.py)
             routes = self._routes(keys)
-            if copy is True and self._vp is None:  # (every shard mapped here: read in place)
-                found = self._core.read_here(routes, self._chkpt, ABSENT)
+            if self._vp is None:  # (every shard mapped here: read in place)
+                found = self._core.read_here(routes, self._chkpt, ABSENT, self._lending(copy))
             if found is NotImplemented:
                 decode, small = self._decoder(None)  # (values in key order, no pairs)
                 got = self._fetched(routes, copy, None, began)
@@ -188,10 +188,13 @@ class Reads(HandleBase):
         self, copy: bool | None, routes: builtins.list[tuple[int, bytes]]
     ) -> tuple[bool | None, dict[int, builtins.list[bytes]]]:
         """What to lend (see :meth:`get`), and the digests to read, by manager."""
+        return self._lending(copy), kernels.group(routes)
+
+    def _lending(self, copy: bool | None) -> bool | None:
+        """What a read with ``copy`` lends (see :meth:`get`): never with a value pickler
+        of the handle's own, whose values are not pickle-5 frames."""
         lend = None if copy is None else not check_bool("copy", copy)
-        if self._vp is not None:
-            lend = False
-        return lend, kernels.group(routes)
+        return False if self._vp is not None else lend
 
     def _decoded(
         self,

@@ -55,7 +55,7 @@ import lmdb
 import numpy as np
 
 from .. import _memory, config
-from .._serialize import FMT_BYTES, FMT_PICKLE
+from .._serialize import FMT_BYTES, FMT_PICKLE, SMALL_FRAME
 from ..shard.pinboard import PinBoard, board_path, decode_request, encode_answer, request_path
 from ..shard.store import ShardStore
 
@@ -413,15 +413,24 @@ def _stop_listening() -> None:
 os.register_at_fork(after_in_child=_LISTENERS.clear)  # (the parent's sockets, not ours)
 
 
+#: Frames under this many bytes are never lent: a view maps whole pages of its own and
+#: holds a snapshot, which for a value under a page costs several times its copy (the
+#: mapping, the first touch of its page, the unmapping) and pins more than it saves.  A
+#: same-host ``get_many`` copies them in its walk of the shard (``SMALL_FRAME``: the
+#: same bound, so every way of reading agrees), a single read into ``bytes``, so that
+#: their arrays are read-only as lent ones are.
+LEND_MIN = SMALL_FRAME
+
 #: Raw bytes frames (:data:`~dask_ddict._serialize.FMT_BYTES`, zarr chunks) at least this
 #: big are lent: below it a copy costs less than a pin.
 LEND_BYTES_MIN = 64 << 10
 
 
 def lendable(frame: Any) -> bool:
-    """Whether lending ``frame`` saves a copy: a pickle with out-of-band buffers, or large
-    raw bytes (which :func:`~dask_ddict._serialize.bytes_view` readers use as they are)."""
-    if frame.nbytes < 16:
+    """Whether lending ``frame`` saves a copy: a pickle with out-of-band buffers of at
+    least :data:`LEND_MIN` bytes, or large raw bytes (which
+    :func:`~dask_ddict._serialize.bytes_view` readers use as they are)."""
+    if frame.nbytes < LEND_MIN:
         return False
     fmt = frame[0]
     return (fmt == FMT_PICKLE and frame[4:8] != b"\0\0\0\0") or (

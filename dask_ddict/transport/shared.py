@@ -50,7 +50,7 @@ from ..shard.direct import puts_in_window
 from ..shard.reader_marks import CLOSED_DESTROYED, CLOSED_MOVED, OPEN, frozen, saved_newest
 from ..shard.store import ShardStore
 from ..shard.visibility import check_window, entry_visible, take_page, unseen, visible_entries
-from .lending import Lender, Snapshot, lendable
+from .lending import LEND_MIN, Lender, Snapshot, lendable
 from .many_key_ops import GetMany
 from .mapped import (
     _DESTROYED,
@@ -299,10 +299,12 @@ class SharedChannel:
             self._exit(view)
 
     @contextlib.contextmanager
-    def _reading(self, view: _View, lend: bool) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
+    def _reading(
+        self, view: _View, lend: bool, quiet: bool = False
+    ) -> Iterator[tuple[Any, Callable[[Any], Any]]]:
         """A snapshot of the shard and how a value's frame leaves it: lent from a shared
         lending snapshot (``lend``, see :mod:`.lending`), or copied (without ``lend``, or
-        when ``max-snapshots`` are open)."""
+        when ``max-snapshots`` are open; ``quiet``: as :meth:`_snapshot`)."""
         if lend:
             lender = view.lender or self._lender(view)
             snap = lender.begin(self._word())
@@ -312,7 +314,7 @@ class SharedChannel:
                 finally:
                     lender.end(snap)
                 return
-        with self._snapshot(view.store) as txn:
+        with self._snapshot(view.store, quiet) as txn:
             yield txn, view.copy
 
     def call(self, o: Operation) -> Any:
@@ -337,10 +339,10 @@ class SharedChannel:
                     e = self._visible(view.store, o.digest, o.chkpt, txn)
                     if not e:
                         got = e
-                    elif not (
-                        o.lend is None and self._frozen(view.store, txn) and lendable(e.frame)
-                    ):
-                        return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
+                    elif o.lend is not None or not self._frozen(view.store, txn):
+                        return view.copy(e.frame)
+                    elif not lendable(e.frame):  # (else a frozen shard's: lent, as Dragon)
+                        return _unlent(view, e.frame)
             if got is _LEND:
                 got = self._lend(view, o.digest, o.chkpt)
                 if got is not None and got is not False:
@@ -423,28 +425,31 @@ class SharedChannel:
         absent: Any,
         lend: bool | None = False,
     ) -> bool:
-        """The values of ``digests`` copied from one snapshot of the shard into ``out`` at
+        """The values of ``digests`` read from one snapshot of the shard into ``out`` at
         ``positions`` (``absent`` for an absent key: see
-        :func:`~dask_ddict.kernels.place_values`), as :meth:`_get_many` reads a copying
-        group; ``False`` (part of ``out`` may be written): not read here, the caller's
+        :func:`~dask_ddict.kernels.place_values`), as :meth:`_get_many` reads a group;
+        ``False`` (part of ``out`` may be written): not read here, the caller's
         :class:`~.many_key_ops.GetMany` reads them (no view of the shard, a key a reader
-        may have to wait for, a read that lends, or anything that raises, said there
-        again).  ``lend=None`` (a read that lends only from a frozen shard) copies from
-        one that is not frozen.  It never waits for an answer: a manager that is
-        unavailable declines at once (an event loop reads here), and the ``GetMany`` path
-        explains it, once."""
-        if self._wfk or lend:  # (a key may have to be waited for: GetMany's, with its rules)
+        may have to wait for, or anything that raises, said there again).  ``lend``: a
+        frame of ``SMALL_FRAME`` bytes or more is lent from a shared lending snapshot
+        (:meth:`_reading`), a smaller one copied by the walk, as a copying read copies
+        it (lending costs more than such a copy, and the value is as read-only: its
+        buffers are those of a ``bytes``).  ``lend=None`` (a read that lends only from a
+        frozen shard) copies from one that is not frozen.  It never waits for an answer:
+        a manager that is unavailable declines at once (an event loop reads here), and
+        the ``GetMany`` path explains it, once."""
+        if self._wfk:  # (a key may have to be waited for: GetMany's, with its rules)
             return False
         view = self._enter()
         if view is None:
             return False
         try:
-            with self._inside(view, True), self._snapshot(view.store, True) as txn:
+            with self._inside(view, True), self._reading(view, bool(lend), True) as (txn, take):
                 self._check_state(view.store, chkpt, txn, True)
                 if lend is None and self._frozen(view.store, txn):
                     return False  # (its large values are lent: GetMany's)
                 nbytes, copies = view.store.place_values(
-                    txn, digests, positions, out, chkpt, SMALL_FRAME, absent, view.copy
+                    txn, digests, positions, out, chkpt, SMALL_FRAME, absent, take
                 )
         except Exception:  # noqa: BLE001 - the GetMany path meets it again and says it
             return False
@@ -598,7 +603,17 @@ def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> 
     """``frame`` lent from ``snap`` (see :mod:`.lending`), or copied when lending it saves
     nothing or is past ``max-pinned``."""
     lent = lender.lend(snap, frame) if lendable(frame) else None
-    return view.copy(frame) if lent is None else lent
+    return _unlent(view, frame) if lent is None else lent
+
+
+def _unlent(view: _View, frame: Any) -> Any:
+    """A copy of ``frame``, read to be lent and not lent: one under
+    :data:`~.lending.LEND_MIN` bytes into ``bytes`` (its arrays read-only, as lent ones
+    and a ``get_many``'s copies of it are), a larger one as any copy."""
+    if frame.nbytes >= LEND_MIN:
+        return view.copy(frame)
+    touched(frame.nbytes)
+    return bytes(frame)
 
 
 #: What a same-host channel serves from the shard itself (everything else: the socket).
