@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,58 @@ def test_a_c_client_refuses_a_tcp_host_that_skips_its_proof(wire_client):
     assert failed.returncode == 3, failed
     assert "without proving" in failed.stderr
     assert len(host.received) == HELLO.size + handshake.NONCE
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="listening as another user takes root")
+def test_a_c_client_refuses_a_unix_socket_of_another_user(wire_client):
+    """Over a Unix socket the C client checks the host process's uid (``SO_PEERCRED``)
+    before it sends anything, as the Python client does: a socket that another user
+    listens on gets nothing, and the client says why (exit status 3)."""
+    where = tempfile.mkdtemp(prefix="ddict-peer-")
+    path = os.path.join(where, "host.sock")
+    os.chmod(where, 0o777)  # (the other user binds in it)
+    ready_r, ready_w = os.pipe()
+    got_r, got_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the other user's process: plain system calls, then out)
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(path)
+            listener.listen(1)
+            os.write(ready_w, b"r")
+            listener.settimeout(20)
+            conn, _ = listener.accept()
+            conn.settimeout(20)
+            received = conn.recv(1024)
+            os.write(got_w, str(len(received)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        os.close(ready_w)
+        os.close(got_w)
+        assert os.read(ready_r, 1) == b"r"
+        failed = subprocess.run(
+            [str(wire_client), "put", path, "cd" * 16, "1", "s:key", "value"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        assert failed.returncode == 3, failed
+        assert f"the host process at {path} runs as another user (uid {NOBODY})" in failed.stderr
+        assert os.read(got_r, 16) == b"0"  # (nothing sent to it)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(got_r)
+        shutil.rmtree(where)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_c_client_refuses_a_reply_longer_than_it_takes(wire_client):

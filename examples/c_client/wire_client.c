@@ -13,7 +13,8 @@
  * tcp_port as the layout names them); over TCP the dictionary's secret is read from the
  * environment variable DDICT_SECRET (never from the command line, which other users of
  * the machine can read).  A KEY is "s:text" (a str key) or "i:number" (an int key of 32
- * bits).  Exit status 3: the host refused, or did not prove that it is the dictionary's.
+ * bits).  Exit status 3: the host refused, did not prove that it is the dictionary's,
+ * or (a Unix socket) runs as another user.
  *
  * Build it against the installed package's header:
  *   cc -std=c99 -O2 -I"$(python -c 'import dask_ddict.kernels as k; print(k.get_include())')" \
@@ -22,7 +23,7 @@
  * the managers' uds_path or tcp_host and tcp_port); over the Unix socket, from a process
  * on the managers' machine, as the same user.
  */
-#define _POSIX_C_SOURCE 200809L /* (getaddrinfo under -std=c99) */
+#define _GNU_SOURCE /* (getaddrinfo under -std=c99; struct ucred for SO_PEERCRED) */
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -119,6 +120,21 @@ static int unix_socket(const char *path) {
     return fd;
 }
 
+/* Refuse a Unix socket whose host process runs as another user (SO_PEERCRED), as the
+ * Python client does: the socket's private directory keeps other users out, but a
+ * path given on the command line may lie anywhere, and a value put there would go to
+ * whoever listens. */
+static void check_peer(int fd, const char *path) {
+    struct ucred cred;
+    socklen_t n = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &n) < 0) die("SO_PEERCRED");
+    if (cred.uid != getuid()) {
+        fprintf(stderr, "the host process at %s runs as another user (uid %u)\n", path,
+                (unsigned)cred.uid);
+        exit(3);
+    }
+}
+
 /* A TCP socket connected to `target` ("host:port"), without Nagle's delay. */
 static int tcp_socket(const char *target) {
     struct addrinfo hints, *found, *a;
@@ -160,6 +176,7 @@ static int connect_to(const char *where, const unsigned char *uid, const char *s
     const unsigned char *client_nonce = hello + DDICT_HELLO_BYTES;
     const char *target = strncmp(where, "tcp:", 4) == 0 ? where + 4 : NULL;
     int fd = target ? tcp_socket(target) : unix_socket(where);
+    if (!target) check_peer(fd, where); /* (before anything is sent) */
     memcpy(hello, DDICT_HELLO_MAGIC, 4);
     memcpy(hello + 4, uid, DDICT_UID_BYTES);
     entropy(hello + DDICT_HELLO_BYTES, DDICT_NONCE_BYTES);
