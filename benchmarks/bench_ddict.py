@@ -37,6 +37,8 @@ rows, each against the reference its reference column names:
 * ``get_many 1000 x 100 B``: keys/s of ``d.get_many(keys)``, 1,000 keys of
   100 B spread over both managers, from the client (same host) and over TCP,
   against redis-py ``r.mget`` of 1,000 keys.
+  ``get_many 1000 x 100 B, copy=False`` is the same-host row read to lend (values under
+  a page are copied, in the same walk of the shard).
   The client keeps the routes of keys it read before (``ddict.transport.route-cache``);
   ``get_many 1000 x 100 B, no routes kept`` is the same-host row with none kept (each
   key pickled and hashed on every read, as the first read of a key is).
@@ -201,15 +203,16 @@ def has_copy_false() -> bool:
     return "copy" in inspect.signature(DDict.get).parameters
 
 
-def run_get_many(d: DDict, seconds: float) -> float:
-    """keys/s of ``d.get_many(KEYS)`` (1,000 keys of 100 B over all of ``d``'s managers)."""
+def run_get_many(d: DDict, seconds: float, copy: bool = True) -> float:
+    """keys/s of ``d.get_many(KEYS, copy=copy)`` (1,000 keys of 100 B over all of ``d``'s
+    managers)."""
     v = _value(100)
     d.start_batch_put()
     for k in KEYS:
         d[k] = v
     d.end_batch_put()
-    assert len(d.get_many(KEYS)) == len(KEYS)
-    keys_per_s = items_per_second(lambda: d.get_many(KEYS), len(KEYS), seconds)
+    assert len(d.get_many(KEYS, copy=copy)) == len(KEYS)
+    keys_per_s = items_per_second(lambda: d.get_many(KEYS, copy=copy), len(KEYS), seconds)
     d.clear()
     return keys_per_s
 
@@ -257,6 +260,17 @@ def bulk_rows(c: Client, handles: dict[str, DDict], r: Any, secs: float) -> list
                 f"{rate / pipe:.2f}x" if pipe else "n/a",
             )
         )
+    with _paths(SAME):  # (a read that lends: small values copied in the same walk)
+        rate = run_get_many(handles[SAME], secs, copy=False)
+    rows.append(
+        (
+            "get_many 1000 x 100 B, copy=False",
+            SAME,
+            f"{rate:,.0f} keys/s",
+            f"mget: {mget:,.0f} keys/s" if mget else "n/a",
+            f"{rate / mget:.2f}x" if mget else "n/a",
+        )
+    )
     # Every key routed anew, on this host.
     with _paths(SAME), dask.config.set({"ddict.transport.route-cache": 0}):
         cold = DDict.attach(handles[SAME].serialize(), client=c)
