@@ -22,7 +22,7 @@ from dask_ddict._keys import dumps_key
 from dask_ddict._serialize import dumps_value, loads_value
 from dask_ddict.errors import DDictClosedError, DDictError, DDictKeyError, Status
 from dask_ddict.host import fan_out
-from dask_ddict.host.hosted import HostedDict
+from dask_ddict.host.hosted import PERSISTED_FRESH, HostedDict
 from dask_ddict.host.server import HostServer
 from dask_ddict.layout import ManagerInfo, term_is_newer, wire_term
 from dask_ddict.shard.manager import Manager
@@ -378,7 +378,9 @@ def test_a_kept_stats_answer_is_stale_once_a_deferred_operation_timed_out(tmp_pa
 def test_a_kept_stats_answer_is_stale_once_another_host_completed_a_persist(tmp_path):
     """``stats`` reports the checkpoints persisted by every manager; the last manager's part
     may be committed by another host, which commits nothing here: the host's kept answer
-    is not reused after it (a unit test: real shards and persisters, a real host dict)."""
+    is not reused once it listed them again (at most ``PERSISTED_FRESH`` seconds later),
+    and a listing that fails keeps no answer and raises nothing there (a unit test: real
+    shards and persisters, a real host dict)."""
     from dask_ddict.persist import Persister, ZarrPersister
     from dask_ddict.shard.generations import Generations, path_for
 
@@ -408,7 +410,18 @@ def test_a_kept_stats_answer_is_stale_once_another_host_completed_a_persist(tmp_
         assert persisted() == () and hosted.answers  # (kept)
         there.persist(0)
         assert there.sync() == [] and here.persisted_ids() == [0]
-        assert persisted() == (0,)
+        poll_for(lambda: persisted() == (0,), 2 + 2 * PERSISTED_FRESH, "the persist seen")
+        listed = 0
+
+        def unlistable() -> list[int]:
+            nonlocal listed
+            listed += 1
+            raise OSError("the store is unreachable")
+
+        here.persisted_ids = unlistable  # type: ignore[method-assign]
+        hosted._persisted = (-PERSISTED_FRESH, ())  # (listed again at once)
+        words = {hosted.changes() for _ in range(3)}
+        assert len(words) == 3 and listed == 3  # (no kept answer reused; nothing raised)
     finally:
         for m in managers:
             m.close()

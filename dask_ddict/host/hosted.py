@@ -20,6 +20,7 @@ here, so that the serving loop looks up nothing else.  It holds
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from .served import Served
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from ..shard.pinboard import BoardReader
     from .lease import LeaseKeeper
     from .replica_store import Replica
+
+
+#: Seconds a host reuses the persisted ids it listed for its kept stats answers.
+PERSISTED_FRESH = 1.0
 
 
 class HostedDict:
@@ -52,6 +57,7 @@ class HostedDict:
         "fenced",
         "reshaped",
         "_fencing",
+        "_persisted",
     )
 
     def __init__(
@@ -90,6 +96,7 @@ class HostedDict:
         #: How many times one of its primaries' replica sets changed (``Shipper``).
         self.reshaped = 0
         self._fencing = threading.Lock()  # (fence and confirm: a writer's, the lease's thread)
+        self._persisted: tuple[float, tuple[int, ...]] = (-PERSISTED_FRESH, ())  # (read at, ids)
 
     def __repr__(self) -> str:
         return f"<HostedDict {self.name!r} managers={sorted(self.managers)}>"
@@ -132,12 +139,30 @@ class HostedDict:
         manager (``FanOut``'s ``pins``), none of which commits here (a replica made or
         dropped, a deferred operation that timed out, the last manager's part of a
         persist committed by another host).  A hash of them, not a sum: one that goes
-        up as another goes down moves it too.  The persisted ids are read from each
-        persisting manager's store, as its ``stats`` reads them: a kept answer then
-        saves the rest of the answer, not that listing."""
+        up as another goes down moves it too."""
         pinned = 0 if self.pins is None else int(self.pins.changes())
         managers = list(self.managers.values())
         waiting = tuple(len(m._deferred) for m in managers)
-        persisted = tuple(tuple(m.persisted_ids()) for m in managers if m.persister is not None)
-        parts = (pinned, self.served.moves(), self.reshaped, waiting, persisted)
+        parts = (pinned, self.served.moves(), self.reshaped, waiting, self._persisted_ids(managers))
         return hash(parts) & ((1 << 62) - 1)
+
+    def _persisted_ids(self, managers: list[Manager]) -> Any:
+        """The checkpoints persisted by every manager, as one persisting manager's store
+        lists them (every manager's lists the same), read again once
+        :data:`PERSISTED_FRESH` seconds passed: a listing is real I/O (an object store's
+        request), which a stats poll answered from a kept answer would otherwise pay
+        each time.  Any other request served here moves the served count, so only an
+        answer polled with nothing else served between can be that much older.  A
+        listing that fails gives a word never seen before: no kept answer is reused,
+        and each manager's own ``stats`` says what failed."""
+        now = time.monotonic()
+        at, ids = self._persisted
+        if now - at < PERSISTED_FRESH:
+            return ids
+        persisting = next((m for m in managers if m.persister is not None), None)
+        try:
+            ids = () if persisting is None else tuple(persisting.persisted_ids())
+        except Exception:  # noqa: BLE001 - reported by the manager's own stats
+            return ("unread", now)
+        self._persisted = (now, ids)
+        return ids
