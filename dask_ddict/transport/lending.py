@@ -417,8 +417,9 @@ os.register_at_fork(after_in_child=_LISTENERS.clear)  # (the parent's sockets, n
 #: holds a snapshot, which for a value under a page costs several times its copy (the
 #: mapping, the first touch of its page, the unmapping) and pins more than it saves.  A
 #: same-host ``get_many`` copies them in its walk of the shard (``SMALL_FRAME``: the
-#: same bound, so every way of reading agrees), a single read into ``bytes``, so that
-#: their arrays are read-only as lent ones are.
+#: same bound, so every way of reading agrees), a single read into ``bytes``
+#: (:func:`~dask_ddict._serialize.copy_frame`'s copy of a frame under it), so that their
+#: arrays are read-only as lent ones are.
 LEND_MIN = SMALL_FRAME
 
 #: Raw bytes frames (:data:`~dask_ddict._serialize.FMT_BYTES`, zarr chunks) at least this

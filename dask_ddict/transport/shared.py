@@ -50,7 +50,7 @@ from ..shard.direct import puts_in_window
 from ..shard.reader_marks import CLOSED_DESTROYED, CLOSED_MOVED, OPEN, frozen, saved_newest
 from ..shard.store import ShardStore
 from ..shard.visibility import check_window, entry_visible, take_page, unseen, visible_entries
-from .lending import LEND_MIN, Lender, Snapshot, lendable
+from .lending import Lender, Snapshot, lendable
 from .many_key_ops import GetMany
 from .mapped import (
     _DESTROYED,
@@ -339,10 +339,10 @@ class SharedChannel:
                     e = self._visible(view.store, o.digest, o.chkpt, txn)
                     if not e:
                         got = e
-                    elif o.lend is not None or not self._frozen(view.store, txn):
-                        return view.copy(e.frame)
-                    elif not lendable(e.frame):  # (else a frozen shard's: lent, as Dragon)
-                        return _unlent(view, e.frame)
+                    elif not (
+                        o.lend is None and self._frozen(view.store, txn) and lendable(e.frame)
+                    ):
+                        return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
             if got is _LEND:
                 got = self._lend(view, o.digest, o.chkpt)
                 if got is not None and got is not False:
@@ -603,17 +603,7 @@ def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> 
     """``frame`` lent from ``snap`` (see :mod:`.lending`), or copied when lending it saves
     nothing or is past ``max-pinned``."""
     lent = lender.lend(snap, frame) if lendable(frame) else None
-    return _unlent(view, frame) if lent is None else lent
-
-
-def _unlent(view: _View, frame: Any) -> Any:
-    """A copy of ``frame``, read to be lent and not lent: one under
-    :data:`~.lending.LEND_MIN` bytes into ``bytes`` (its arrays read-only, as lent ones
-    and a ``get_many``'s copies of it are), a larger one as any copy."""
-    if frame.nbytes >= LEND_MIN:
-        return view.copy(frame)
-    touched(frame.nbytes)
-    return bytes(frame)
+    return view.copy(frame) if lent is None else lent
 
 
 #: What a same-host channel serves from the shard itself (everything else: the socket).
