@@ -17,7 +17,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -165,6 +165,21 @@ class Lent(_Mapping):
         """Map ``nbytes`` of file ``fd`` from ``offset`` (both multiples of :data:`PAGE`)."""
         super().__init__(fd, nbytes, offset, writable=False)
         self.private = False
+        #: Set once the last view is gone and the mapping is being unmapped (it is not
+        #: to be privatized then: a weak reference still finds it while ``__del__`` runs).
+        self.gone = False
+        #: Called with :attr:`private` once the last view is gone, before the unmapping
+        #: (the lender's count of what it lends: no finalizer object per value).
+        self.on_gone: Callable[[bool], None] | None = None
+
+    def __del__(self) -> None:
+        self.gone = True
+        gone, self.on_gone = self.on_gone, None
+        try:
+            if gone is not None:
+                gone(self.private)
+        finally:
+            super().__del__()
 
     def __repr__(self) -> str:
         return f"<Lent {self.nbytes} bytes at {self.addr:#x}{' (private)' if self.private else ''}>"

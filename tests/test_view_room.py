@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -330,6 +331,34 @@ def test_a_privatized_mapping_keeps_its_bytes_when_the_file_changes(tmp_path):
         os.close(fd)
     del view, lent
     gc.collect()
+
+
+def test_a_lent_mapping_says_once_when_its_last_view_is_gone_and_if_it_was_copied(tmp_path):
+    """``Lent.on_gone`` is the lender's count of what it lends: called once, when the last
+    array made from the mapping is gone, with whether it had been privatized (then counted
+    off already), and marked ``gone`` first, so that a release that still finds it through
+    a weak reference while it is unmapped leaves it alone."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(16384))
+    fd = os.open(path, os.O_RDONLY)
+    said: list[tuple[bool, bool]] = []
+    try:
+        for privatize in (False, True):
+            lent = _memory.Lent(fd, 0, 16384)
+            ref = weakref.ref(lent)
+            lent.on_gone = lambda private, r=ref: said.append((private, r().gone))
+            view = np.asarray(lent)[10:20]
+            part = view[2:5]
+            if privatize:
+                lent.privatize()
+            del lent, view
+            assert not said  # (a view is left)
+            del part
+            gc.collect()
+            assert said == [(privatize, True)] and ref() is None
+            said.clear()
+    finally:
+        os.close(fd)
 
 
 def test_release_requests_are_answered_and_silent_holders_named(tmp_path):

@@ -29,8 +29,8 @@ bounded too:
   process at once.
 
 Past either bound, reads copy.  A snapshot ends as soon as its last view is
-gone (a weak-reference finalizer on the lent buffer, which every array made
-from it refers to), and the host learns what each process holds from its
+gone (its mapping's ``on_gone``, called as the last array made from it, and so
+the mapping, is gone), and the host learns what each process holds from its
 pin board (:mod:`~dask_ddict.shard.pinboard`), shown in ``d.stats``.
 
 Finalizers run in whichever thread drops the last view, possibly inside the
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -146,6 +147,7 @@ class Lender:
         self.max_bytes = config.get_bytes("zero-copy.max-pinned")
         self.snapshots: set[Snapshot] = set()  # (open ones: what release() looks through)
         self._span: tuple[int, int, int, str] | None = None  # (the environment's map)
+        self._pinned_at: tuple[int, PinBoard | None] = (0, None)  # (pid, its board: _board)
         with _LOCK:
             _LENDERS.add(self)
         listen(board[0])
@@ -227,10 +229,10 @@ class Lender:
                 board = self._board()
                 if board is not None:
                     board.add(self.mid, n, 1)  # (under the lock: one writer of the board)
+                m.on_gone = functools.partial(self._returned, s, n, board)
         finally:
             _drain()
         arr = np.asarray(m)[skip : skip + n]  # (read-only: it cannot be made writable)
-        weakref.finalize(arr, self._returned, s, m, n, board)
         if frame[0] == FMT_BYTES:
             # Reading a large value through LMDB maps its pages into the environment's
             # map here too.  Raw bytes (a zarr chunk) are lent to readers that copy them
@@ -263,12 +265,13 @@ class Lender:
         finally:
             os.close(fd)
 
-    def _returned(self, s: Snapshot, m: _memory.Lent, n: int, board: PinBoard | None) -> None:
-        """The last view of a lent value is gone (a finalizer: any thread, any time)."""
+    def _returned(self, s: Snapshot, n: int, board: PinBoard | None, private: bool) -> None:
+        """The last view of a lent value is gone (its mapping's ``on_gone``, called as it
+        is unmapped: any thread, any time); ``private``: :meth:`release` had copied it."""
 
         def back() -> Follow:
             global _lent
-            if m.private:  # (released: it was counted off then)
+            if private:  # (released: it was counted off then)
                 return None
             _lent -= n
             s.lent -= 1
@@ -292,8 +295,8 @@ class Lender:
                 for s in list(self.snapshots):
                     for ref, n in s.maps:
                         m = ref()
-                        if m is None or m.private:
-                            continue
+                        if m is None or m.private or m.gone:
+                            continue  # (gone: counted off by its on_gone)
                         m.privatize()
                         _lent -= n
                         s.lent -= 1
@@ -338,14 +341,20 @@ class Lender:
         return after
 
     def _board(self) -> PinBoard | None:
+        """(Under the lock.)  This process's pin board of the shard's host and dictionary
+        (kept per lender and process: its path is joined once, not per value)."""
+        pid = os.getpid()
+        if self._pinned_at[0] == pid:
+            return self._pinned_at[1]
         socket_dir, uid, managers = self._board_at
-        path = board_path(socket_dir, uid, os.getpid())
+        path = board_path(socket_dir, uid, pid)
         board = _BOARDS.get(path)
         if board is None:
             try:
                 board = _BOARDS[path] = PinBoard(socket_dir, uid, managers)
             except OSError:  # (the host's directory is gone: nothing to tell it)
                 return None
+        self._pinned_at = (pid, board)
         return board
 
 
