@@ -334,16 +334,17 @@ class SharedChannel:
         try:
             self._check_alive()
             got: Any = _LEND
-            if not o.lend:
-                with self._snapshot(view.store) as txn:
-                    e = self._visible(view.store, o.digest, o.chkpt, txn)
-                    if not e:
-                        got = e
-                    elif not (
-                        o.lend is None and self._frozen(view.store, txn) and lendable(e.frame)
-                    ):
-                        return view.copy(e.frame)  # (else a frozen shard's: lent, as Dragon)
-            if got is _LEND:
+            with self._snapshot(view.store) as txn:  # (a value not lent is copied from here)
+                e = self._visible(view.store, o.digest, o.chkpt, txn)
+                if not e:
+                    got = e
+                elif (
+                    o.lend is False
+                    or not lendable(e.frame)
+                    or not (o.lend or self._frozen(view.store, txn))
+                ):
+                    return view.copy(e.frame)  # (else lent: a frozen shard's, as Dragon)
+            if got is _LEND:  # (read again in a lending snapshot: it may have changed since)
                 got = self._lend(view, o.digest, o.chkpt)
                 if got is not None and got is not False:
                     return got
