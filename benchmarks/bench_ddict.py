@@ -78,7 +78,6 @@ runs Dragon's DDict on the 100 B rows in the same run.  Absolute numbers on
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
@@ -93,7 +92,7 @@ from typing import Any
 import _bench_refs as refs  # beside this script (sys.path[0])
 import dask
 import numpy as np
-from common import Row, best_of, p99, print_aligned, python_build
+from common import Row, best_of, items_per_second, p99, print_aligned, python_build, timed_cells
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictFullError
@@ -128,17 +127,6 @@ def run_ddict(d: DDict, nbytes: int, seconds: float) -> dict[str, float]:
     get = m / (time.perf_counter() - t0)
     d.clear()
     return {"put": put, "get": get}
-
-
-def items_per_second(call: Callable[[], object], per_call: int, seconds: float) -> float:
-    """Items per second of ``call()`` (``per_call`` items each), repeated for ``seconds``
-    and at least 3 times."""
-    n = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 3:
-        call()
-        n += 1
-    return n * per_call / (time.perf_counter() - t0)
 
 
 def run_batch(d: DDict, seconds: float) -> float:
@@ -702,11 +690,7 @@ def cluster_rows(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
-    ap.add_argument("--seconds", type=float, default=None)
-    args = ap.parse_args()
-    secs = args.seconds or (0.5 if args.quick else 2.0)
+    args, secs = timed_cells(__doc__)
 
     reps = 5 if args.quick else 10  # best-of / median counts of the 64 MiB rows
     n_cpu = 10_000 if args.quick else 30_000  # operations per host-CPU cell

@@ -9,6 +9,7 @@ Written once here so that every ``bench_*.py`` prints the same shape and says "m
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -78,3 +79,24 @@ def print_table(rows: Sequence[Row], tail: str) -> None:
     """The rows ``measurement | value | target | result | notes``, aligned, then ``tail``."""
     print_aligned(("measurement", "value", "target", "result", "notes"), rows, pad_last=False)
     print(tail)
+
+
+def items_per_second(call: Callable[[], object], per_call: int, seconds: float) -> float:
+    """Items per second of ``call()`` (``per_call`` items each), repeated for ``seconds``
+    and at least 3 times."""
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n < 3:
+        call()
+        n += 1
+    return n * per_call / (time.perf_counter() - t0)
+
+
+def timed_cells(doc: str | None) -> tuple[argparse.Namespace, float]:
+    """The command line of a benchmark whose cells each run for a time (``--quick``,
+    ``--seconds``; ``doc``: its help): the arguments, and the seconds of a cell."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter runs (noisier)")
+    ap.add_argument("--seconds", type=float, default=None)
+    args = ap.parse_args()
+    return args, args.seconds or (0.5 if args.quick else 2.0)
