@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,7 +71,8 @@ class _Mapping:
         }
 
     def __del__(self) -> None:
-        _libc.munmap(self.addr, self.nbytes)
+        if hasattr(self, "addr"):  # (else its mmap failed: nothing to unmap)
+            _libc.munmap(self.addr, self.nbytes)
 
 
 def map_file(fd: int, nbytes: int) -> np.ndarray:
@@ -163,33 +165,46 @@ class Lent(_Mapping):
 
     def __init__(self, fd: int, offset: int, nbytes: int) -> None:
         """Map ``nbytes`` of file ``fd`` from ``offset`` (both multiples of :data:`PAGE`)."""
-        super().__init__(fd, nbytes, offset, writable=False)
         self.private = False
-        #: Set once the last view is gone and the mapping is being unmapped (it is not
-        #: to be privatized then: a weak reference still finds it while ``__del__`` runs).
+        #: Set once the last view is gone and the mapping is being unmapped: it is not to
+        #: be privatized then (a weak reference still finds it while ``__del__`` runs).
         self.gone = False
         #: Called with :attr:`private` once the last view is gone, before the unmapping
         #: (the lender's count of what it lends: no finalizer object per value).
         self.on_gone: Callable[[bool], None] | None = None
+        #: :meth:`privatize` against ``__del__``: exactly one of them counts the value
+        #: off (``privatize`` releases the interpreter lock in its system calls, and
+        #: ``__del__`` may begin in another thread before it says ``gone``).
+        self._turn = threading.Lock()
+        super().__init__(fd, nbytes, offset, writable=False)
 
     def __del__(self) -> None:
-        self.gone = True
+        with self._turn:  # (a privatize under way ends first: it never waits for us)
+            self.gone = True
+            private = self.private
         gone, self.on_gone = self.on_gone, None
         try:
             if gone is not None:
-                gone(self.private)
+                gone(private)
         finally:
             super().__del__()
 
     def __repr__(self) -> str:
         return f"<Lent {self.nbytes} bytes at {self.addr:#x}{' (private)' if self.private else ''}>"
 
-    def privatize(self) -> None:
+    def privatize(self) -> bool:
         """Swap the mapped pages for a private copy of them at the same addresses, in one
         step (``mremap``): a reader never sees the range unmapped or different, and the
-        file's pages are no longer held by this mapping."""
-        if self.private:
-            return
+        file's pages are no longer held by this mapping.  Whether it did so now (not: it
+        was private already, or its last view is gone and it is being unmapped)."""
+        with self._turn:
+            if self.private or self.gone:
+                return False
+            self._privatize()
+            self.private = True
+            return True
+
+    def _privatize(self) -> None:
         rw = mmap.PROT_READ | mmap.PROT_WRITE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         new = _check(_libc.mmap(None, self.nbytes, rw, flags, -1, 0), "mmap")
@@ -206,7 +221,6 @@ class Lent(_Mapping):
         except BaseException:
             _libc.munmap(new, self.nbytes)
             raise
-        self.private = True
 
 
 def file_span(addr: int) -> tuple[int, int, int, str] | None:

@@ -337,7 +337,8 @@ def test_a_lent_mapping_says_once_when_its_last_view_is_gone_and_if_it_was_copie
     """``Lent.on_gone`` is the lender's count of what it lends: called once, when the last
     array made from the mapping is gone, with whether it had been privatized (then counted
     off already), and marked ``gone`` first, so that a release that still finds it through
-    a weak reference while it is unmapped leaves it alone."""
+    a weak reference while it is unmapped leaves it alone (``privatize`` says it did
+    nothing, so the release does not count it off a second time)."""
     path = tmp_path / "f"
     path.write_bytes(bytes(16384))
     fd = os.open(path, os.O_RDONLY)
@@ -346,7 +347,13 @@ def test_a_lent_mapping_says_once_when_its_last_view_is_gone_and_if_it_was_copie
         for privatize in (False, True):
             lent = _memory.Lent(fd, 0, 16384)
             ref = weakref.ref(lent)
-            lent.on_gone = lambda private, r=ref: said.append((private, r().gone))
+
+            def gone(private: bool, r: weakref.ref[_memory.Lent] = ref) -> None:
+                m = r()  # (as a release finds it while it is unmapped)
+                assert m is not None and not m.privatize() and m.private == private  # (as is)
+                said.append((private, m.gone))
+
+            lent.on_gone = gone
             view = np.asarray(lent)[10:20]
             part = view[2:5]
             if privatize:

@@ -295,9 +295,8 @@ class Lender:
                 for s in list(self.snapshots):
                     for ref, n in s.maps:
                         m = ref()
-                        if m is None or m.private or m.gone:
-                            continue  # (gone: counted off by its on_gone)
-                        m.privatize()
+                        if m is None or not m.privatize():
+                            continue  # (private already, or gone: counted off by on_gone)
                         _lent -= n
                         s.lent -= 1
                         s.nbytes -= n
