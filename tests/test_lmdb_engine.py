@@ -104,6 +104,50 @@ def test_a_walk_seeks_in_the_trees_order_and_answers_in_the_callers(tmp_path, as
         env.close()
 
 
+def _resident_kib(addr: int) -> int:
+    """This process's resident KiB of the mapping that holds ``addr`` (``smaps``' Rss)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # (a mapping's first line: lo-hi perms ...)
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@compiled
+def test_a_large_value_sought_for_a_part_is_not_touched_whole(tmp_path):
+    """``lookup_entry(..., whole=False)`` (a byte range's seek on the manager's host): the
+    compiled seek hands out views of a large value's pages without touching them, where
+    py-lmdb's preload, which ``whole`` keeps, maps every page of it into the reader's
+    resident set; reading a part then maps the part's pages alone."""
+    from dask_ddict import _memory
+    from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]
+
+    env = lmdb.open(str(tmp_path / "s"), map_size=1 << 26, max_dbs=2)
+    db = env.open_db(b"data")
+    digest, n = b"\x07" * 16, 8 << 20
+    with env.begin(write=True, db=db) as txn:
+        txn.put(digest + struct.pack(">Q", (1 << 64) - 1 - 3), ENTRY.pack(0, 0, n) + b"x" * n)
+    try:
+        grew = {}
+        for whole in (False, True):
+            with env.begin(db=db, buffers=True) as txn:
+                e = _compiled.lookup_entry(txn, db, digest, 3, whole)
+                addr = _memory.address_of(e.frame)
+                _memory.release(addr, n)  # (this process's pages of it given back)
+                before = _resident_kib(addr)
+                e = _compiled.lookup_entry(txn, db, digest, 3, whole)
+                assert bytes(e.frame[1000:1010]) == b"x" * 10 and e.frame.nbytes == n
+                grew[whole] = _resident_kib(addr) - before
+        assert grew[False] < 256 and grew[True] >= n >> 10, grew
+    finally:
+        env.close()
+
+
 @compiled
 def test_a_closed_transaction_or_a_foreign_object_is_refused_as_lmdb_refuses_it(tmp_path):
     from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]

@@ -645,7 +645,7 @@ def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
 PRELOADED = 64 << 10
 
 
-def lookup_entry(txn, db, digest, chkpt):
+def lookup_entry(txn, db, digest, chkpt, bint whole=True):
     cdef unsigned int dbi
     cdef ddict_lmdb_txn* t
     cdef const ddict_mdb_api* api
@@ -659,7 +659,7 @@ def lookup_entry(txn, db, digest, chkpt):
     if (not _usable(txn, db) or type(digest) is not bytes
             or PyBytes_GET_SIZE(digest) != _DIGEST or type(chkpt) is not int
             or not 0 <= chkpt <= _MAXQ):  # (the pure seek, with its errors)
-        return _pure_lookup_entry(txn, db, digest, chkpt)
+        return _pure_lookup_entry(txn, db, digest, chkpt, whole)
     t = _txn_of(txn, db, &dbi)
     api = t.libv
     _seek_key(seek, <const unsigned char*>PyBytes_AS_STRING(digest), chkpt)
@@ -676,7 +676,7 @@ def lookup_entry(txn, db, digest, chkpt):
         if not _digest_at(&k, seek, _DIGEST):
             return None
         if (k.mv_size < <size_t>_DIGEST + 8 or v.mv_size < <size_t>_ENTRY_HEADER
-                or v.mv_size >= <size_t>PRELOADED):
+                or (whole and v.mv_size >= <size_t>PRELOADED)):
             pass  # (what no shard writes, or a value to preload: the pure seek, below)
         else:
             p = <const unsigned char*>k.mv_data + _DIGEST
@@ -693,4 +693,4 @@ def lookup_entry(txn, db, digest, chkpt):
                                        _val(t, p, end, stop)))
     finally:
         api.cursor_close(cur)
-    return _pure_lookup_entry(txn, db, digest, chkpt)
+    return _pure_lookup_entry(txn, db, digest, chkpt, whole)

@@ -339,11 +339,16 @@ def unpack_values(
     return out
 
 
-def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int) -> Entry | None:
+def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int, whole: bool = True) -> Entry | None:
     """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
     :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or
     ``None``: a single-key read's seek, on a cursor of database ``db`` (the shard's
     data table) in transaction ``txn``.
+
+    ``whole``: the reader reads all of a large value (of ``PRELOADED`` bytes or more),
+    whose pages are then touched here with the interpreter lock released (py-lmdb's
+    preload); else it reads a part (a byte range), and the compiled kernel touches none
+    of them.  Here py-lmdb preloads every value it hands out, either way.
 
     A data key is the digest, then the checkpoint's big-endian complement
     (:func:`~dask_ddict._entry.data_key`): the first key at or after

@@ -225,9 +225,12 @@ class ShardStore(Capacity, kernels.StoreState):
 
     # -- versions -------------------------------------------------------------
 
-    def lookup(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> Entry | None:
-        """The newest version of a key at or below ``chkpt``."""
-        return kernels.lookup_entry(txn, self._data, digest, chkpt)
+    def lookup(
+        self, txn: lmdb.Transaction, digest: bytes, chkpt: int, whole: bool = True
+    ) -> Entry | None:
+        """The newest version of a key at or below ``chkpt`` (``whole``: to be read whole,
+        see :func:`~dask_ddict.kernels.lookup_entry`)."""
+        return kernels.lookup_entry(txn, self._data, digest, chkpt, whole)
 
     def lookup_many(
         self,

@@ -93,7 +93,9 @@ class _View:
         py-lmdb touches each page of a value it hands out (its ``preload``, with
         the interpreter lock released), so mapping them again in one call
         (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold 1 MiB
-        read's time).  So a part's read counts the whole frame's pages too.
+        read's time).  So a part's read counts the whole frame's pages too (the
+        compiled seek of a byte range touches only the part's, ``whole=False``: then
+        the pages are only given back sooner than they need be).
         """
         n = frame.nbytes
         out = copy_frame(frame if part is None else part)

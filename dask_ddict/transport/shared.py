@@ -229,12 +229,15 @@ class SharedChannel:
         gens = self._gens
         return 0 if gens is None else gens.words.item(self._mid)
 
-    def _visible(self, store: ShardStore, digest: bytes, chkpt: int, txn: Any) -> Any:
-        """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait."""
+    def _visible(
+        self, store: ShardStore, digest: bytes, chkpt: int, txn: Any, whole: bool = True
+    ) -> Any:
+        """The entry visible at ``chkpt``, ``None`` if absent, ``False`` if a reader must wait
+        (``whole``: its value is read whole, see :meth:`ShardStore.lookup`)."""
         seen = self._seen  # (_check_state's common case, inlined: every read passes here)
         if txn.id() != seen[0] or chkpt < 0 or chkpt <= seen[1] - self._size:
             self._check_state(store, chkpt, txn)
-        e = store.lookup(txn, digest, chkpt)
+        e = store.lookup(txn, digest, chkpt, whole)
         if e is not None and not (e.flags & TOMBSTONE or self._wfk):  # (entry_visible's
             return e  # common case: then every version but a deletion is seen)
         if entry_visible(e, chkpt, self._wfk):
@@ -389,10 +392,10 @@ class SharedChannel:
         if view is None:
             return self._sock.call(o)
         with self._inside(view), self._reading(view, False) as (txn, _):
-            e = self._visible(view.store, o.digest, o.chkpt, txn)
+            e = self._visible(view.store, o.digest, o.chkpt, txn, whole=False)
             if e:
                 size, part = raw_range(e.frame, o.start, o.stop)
-                return size, view.copy(e.frame, part)  # (py-lmdb mapped all of the frame)
+                return size, view.copy(e.frame, part)  # (counted whole: see _View.copy)
         if e is None:
             raise DDictKeyError()
         return self._sock.call(o)  # the manager waits for the writer
