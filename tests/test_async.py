@@ -12,6 +12,7 @@ import pytest
 from distributed import Client
 
 from dask_ddict import AsyncDDict, DDict, DDictClosedError, DDictKeyError, DDictTimeoutError
+from tests.support.threads import count_to_thread
 
 
 def run(cluster, body):
@@ -323,14 +324,7 @@ def test_async_gets_of_shards_mapped_here_are_read_on_the_loop(cluster, monkeypa
         return done
 
     monkeypatch.setattr(SharedChannel, "place_many", spy)
-    threads: list[object] = []
-    to_thread = asyncio.to_thread
-
-    async def counted(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        threads.append(fn)
-        return await to_thread(fn, *args, **kwargs)
-
-    monkeypatch.setattr(asyncio, "to_thread", counted)
+    threads = count_to_thread(monkeypatch)
 
     async def body(client):
         async with await AsyncDDict.create(total_mem="32 MiB", client=client) as ad:

@@ -33,6 +33,7 @@ from zarr.testing.store import StoreTests
 
 from dask_ddict import AsyncDDict, DDict, DDictSerializationError, DDictStore
 from dask_ddict.stores.names import byte_slice, children, dir_base, store_names
+from tests.support.threads import count_to_thread
 
 _ids = itertools.count()
 #: Keys of the same dictionary that are not any store's: listing must skip them.
@@ -429,6 +430,38 @@ def test_a_byte_range_moves_its_bytes_only_and_getsize_none(zd, paths, wire, mon
         assert wire == expected, kind
         assert copied == ([100, 5, 0] if kind == "shm" else []), kind
     zd.pop("moved/v")
+
+
+@pytest.mark.one_host
+def test_a_byte_range_of_a_shard_mapped_here_is_read_on_the_event_loop(
+    zd, paths, client, monkeypatch
+):
+    """A byte range, and ``getsize``, of a value whose shard is mapped here, through a
+    channel made already, is read on the event loop itself as zarr awaits it (a part's
+    copy, where a worker thread's round trip costs more than the read); a value that is
+    not raw bytes, a handle whose channel is not made yet, and every read through a
+    socket go to a worker thread, with the same answers."""
+    threads = count_to_thread(monkeypatch)
+    value = _value(70_000)
+    zd["loop/v"] = value
+    zd["loop/ba"] = bytearray(b"0123456789")  # (pickled: read whole, and cut here)
+    fresh = DDict.attach(zd.serialize(), client=client)  # (no channel made yet)
+    try:
+        for kind, h in {**paths, "fresh": fresh}.items():
+            store = DDictStore(h, prefix="loop/")
+            threads.clear()
+            got = zarr.core.sync.sync(store.get("v", _proto, RangeByteRequest(10, 20)))
+            assert got.to_bytes() == value[10:20], kind
+            assert zarr.core.sync.sync(store.getsize("v")) == len(value), kind
+            assert zarr.core.sync.sync(store.get("nope", _proto, OffsetByteRequest(1))) is None
+            assert (not threads) == (kind == "shm"), (kind, threads)
+            threads.clear()
+            got = zarr.core.sync.sync(store.get("ba", _proto, RangeByteRequest(2, 5)))
+            assert got.to_bytes() == b"234" and len(threads) == 1, kind
+    finally:
+        fresh.detach()
+    zd.pop("loop/v")
+    zd.pop("loop/ba")
 
 
 @pytest.mark.one_host

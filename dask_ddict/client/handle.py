@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..placement import Policy
+from ..transport import timing
 from ..transport.ops import (
     Clear,
     Contains,
@@ -447,6 +448,17 @@ class DDict(Reads, Checkpoints, Introspection, MappingMethods, Cloning, Bulk, Co
         return self._core.channel(mid).call(
             GetRange(digest, self._chkpt, start, stop, self._timeout)
         )
+
+    def _range_here(self, key: Any, start: int, stop: int) -> Any:
+        """:meth:`_get_range` from an event loop, where the key's shard is read on this
+        host through a channel made already: ``(size, part)``, ``None`` if absent, or
+        ``NotImplemented`` (read it in a thread by :meth:`_get_range`; see
+        :meth:`~dask_ddict.transport.shared.SharedChannel.range_here`)."""
+        mid, digest, _ = self._route(key)
+        ch = self._core.made(mid)
+        if timing.on or ch is None or ch.kind != "shm":  # (timed: one operation, timed)
+            return NotImplemented
+        return ch.range_here(GetRange(digest, self._chkpt, start, stop, self._timeout))
 
     def __contains__(self, key: Any) -> bool:
         got = LANE.contains(self, key)  # (lane.py)

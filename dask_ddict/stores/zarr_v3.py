@@ -192,11 +192,20 @@ class DDictStore(Store):
         """
         name = self._name(key)
         if (ranged := check_byte_range(byte_range)) is not None:
-            return _buffer(prototype, await asyncio.to_thread(self._part, name, ranged))
+            return _buffer(prototype, await self._part_async(name, ranged))
         got = await self._reads.get(name, ABSENT, False)
         if got is ABSENT:
             return None
         return prototype.buffer.from_bytes(as_bytes(name, got))
+
+    async def _part_async(self, name: str, byte_range: ByteRequest) -> tuple[int, Any] | None:
+        """:meth:`_part` from the event loop: read on the loop itself where the value's
+        shard is mapped here and nothing waits (a part's copy takes microseconds, a
+        worker thread's round trip tens of them), else in a worker thread."""
+        got = self._d._range_here(name, *byte_span(byte_range))
+        if got is NotImplemented:
+            got = await asyncio.to_thread(self._part, name, byte_range)
+        return got
 
     def _part(self, name: str, byte_range: ByteRequest) -> tuple[int, Any] | None:
         """``(size, bytes)`` of dictionary key ``name``'s value: how many it has, and those
@@ -238,7 +247,7 @@ class DDictStore(Store):
 
     async def getsize(self, key: str) -> int:
         """Bytes of ``key``'s value: its host answers the size, none of the value moves."""
-        got = await asyncio.to_thread(self._part, self._name(key), _SIZE)
+        got = await self._part_async(self._name(key), _SIZE)
         if got is None:
             raise FileNotFoundError(key)
         return got[0]

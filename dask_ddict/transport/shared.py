@@ -400,6 +400,27 @@ class SharedChannel:
             raise DDictKeyError()
         return self._sock.call(o)  # the manager waits for the writer
 
+    def range_here(self, o: GetRange) -> Any:
+        """:meth:`_get_range` from an event loop, which must not wait: ``(size, part)``,
+        ``None`` for an absent key, or ``NotImplemented`` (no view of the shard here, a
+        reader who must wait for a writer, a value that is not raw bytes, anything that
+        raises: the caller's thread reads it by :meth:`call`, which says what happened).
+        A part is a copy of microseconds (the rest of the value is not touched), a
+        thread's round trip tens of them."""
+        view = self._enter()
+        if view is None:
+            return NotImplemented
+        try:
+            with self._inside(view, True), self._snapshot(view.store, True) as txn:
+                self._check_state(view.store, o.chkpt, txn, True)
+                e = self._visible(view.store, o.digest, o.chkpt, txn, whole=False)
+                if not e:
+                    return None if e is None else NotImplemented
+                size, part = raw_range(e.frame, o.start, o.stop)
+                return size, view.copy(e.frame, part)
+        except Exception:  # noqa: BLE001 - the thread's read meets it again and says it
+            return NotImplemented
+
     def _get_many(self, o: GetMany) -> list[list[Any]]:
         """This manager's keys of ``o`` (one group) from one snapshot of the shard."""
         view = self._enter()
