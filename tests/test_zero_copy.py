@@ -192,6 +192,47 @@ def test_ten_thousand_views_taken_and_dropped_leave_nothing_pinned(client):
 
 
 @one_host
+def test_views_dropped_while_another_thread_releases_them_are_counted_off_once(client):
+    """One thread takes and drops zero-copy views while another releases every view of the
+    shard (as the host asks when a write needs the room), over and over: each value is
+    counted off once, by its release or by its last view's going (never both, never
+    neither), so that nothing stays pinned, nothing goes below zero, and every value
+    read is the one written."""
+    import threading
+
+    with DDict(total_mem="64 MiB", client=client) as d:
+        m = d.manager(0)
+        m["a"] = np.arange(1 << 14)  # 128 KiB: lent
+        first = m.get("a", copy=False)
+        lender = d._core.channel(0)._view.lender
+        stop, released = threading.Event(), []
+
+        def release() -> None:
+            while not stop.is_set() and len(released) < 20_000:
+                released.append(lender.release())
+
+        t = threading.Thread(target=release)
+        t.start()
+        try:
+            deadline = time.monotonic() + 3
+            views = 0
+            while time.monotonic() < deadline and views < 5_000:
+                v = m.get("a", copy=False)
+                assert v[-1] == (1 << 14) - 1 and not v.flags.writeable
+                del v
+                views += 1
+        finally:
+            stop.set()
+            t.join(30)
+        assert not t.is_alive() and views > 100 and any(released)
+        del first
+        _settled(d)
+        assert lending.lent_bytes() == 0 and lender.open == 0
+        s = d.stats[0]
+        assert s.pinned_views == 0 and s.pinned_bytes == 0
+
+
+@one_host
 def test_pinned_memory_is_bounded_past_it_reads_copy(client):
     with (
         dask.config.set({"ddict.zero-copy.max-pinned": "1 MiB"}),
