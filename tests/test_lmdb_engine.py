@@ -24,6 +24,7 @@ from dask_ddict import kernels
 from dask_ddict._entry import ENTRY, TOMBSTONE
 from dask_ddict.kernels import pure
 from dask_ddict.shard.store import ShardStore
+from tests.support.lent import resident_kib
 
 compiled = pytest.mark.skipif(not kernels.COMPILED, reason="the kernels are not compiled here")
 
@@ -104,20 +105,6 @@ def test_a_walk_seeks_in_the_trees_order_and_answers_in_the_callers(tmp_path, as
         env.close()
 
 
-def _resident_kib(addr: int) -> int:
-    """This process's resident KiB of the mapping that holds ``addr`` (``smaps``' Rss)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5:  # (a mapping's first line: lo-hi perms ...)
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                inside = lo <= addr < hi
-            elif inside and head[0] == "Rss:":
-                return int(head[1])
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
 @compiled
 def test_a_large_value_sought_for_a_part_is_not_touched_whole(tmp_path):
     """``lookup_entry(..., whole=False)`` (a byte range's seek on the manager's host): the
@@ -139,10 +126,10 @@ def test_a_large_value_sought_for_a_part_is_not_touched_whole(tmp_path):
                 e = _compiled.lookup_entry(txn, db, digest, 3, whole)
                 addr = _memory.address_of(e.frame)
                 _memory.release(addr, n)  # (this process's pages of it given back)
-                before = _resident_kib(addr)
+                before = resident_kib(addr, addr + n)
                 e = _compiled.lookup_entry(txn, db, digest, 3, whole)
                 assert bytes(e.frame[1000:1010]) == b"x" * 10 and e.frame.nbytes == n
-                grew[whole] = _resident_kib(addr) - before
+                grew[whole] = resident_kib(addr, addr + n) - before
         assert grew[False] < 256 and grew[True] >= n >> 10, grew
     finally:
         env.close()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dask_ddict import DDict, _memory
 from dask_ddict.transport import lending, mapped, shared
 from dask_ddict.transport.many_key_ops import GetMany
-from tests.support.lent import in_shard
+from tests.support.lent import in_shard, resident_kib
 from tests.support.polling import poll_for
 
 #: Views of the shard need the shard on this host (the TCP test below does not).
@@ -101,6 +101,33 @@ def test_values_under_a_page_are_copied_read_only_and_larger_ones_lent(client, m
         check(d.get_many(keys, copy=None))
         _settled(d)
         assert sum(s.pinned_views for s in d.stats) == 0 and lending.lent_bytes() == 0
+
+
+@one_host
+def test_a_lent_value_is_not_touched_in_the_readers_map_of_the_shard(client, monkeypatch):
+    """A zero-copy read maps the value's pages apart for its view and touches none of them
+    in this process's map of the shard, where a copying read has them all touched first
+    (py-lmdb's preload, with the interpreter lock released): a 32 MiB get with
+    ``copy=False`` grows the map's resident pages by a few, a copying one by the value
+    (the pure kernels preload every value they hand out, lent or not)."""
+    from dask_ddict.kernels import COMPILED
+
+    monkeypatch.setattr(mapped, "_unreleased", 0)  # (no release of every map meanwhile)
+    with DDict(total_mem="256 MiB", client=client) as d:
+        d["big"] = np.ones(4 << 20)  # 32 MiB
+        d.get("big", copy=False)  # (the channel and its map made)
+        path = d._core.layout.managers[d.which_manager("big")].store_path + "/data.mdb"
+        span = _memory.mapping_of(path)
+        assert span is not None
+        for copy in (False, True, None):
+            _memory.release(span[0], span[1] - span[0])
+            before = resident_kib(*span)
+            v = d.get("big", copy=copy)
+            grew = resident_kib(*span) - before
+            assert (v == 1).all() and in_shard(d, "big", v) == (copy is False)
+            assert (grew >= 16 << 10) == (copy is not False or not COMPILED), (copy, grew)
+            del v
+            _settled(d)
 
 
 @one_host

@@ -337,8 +337,11 @@ class SharedChannel:
         try:
             self._check_alive()
             got: Any = _LEND
+            # A read that may lend touches none of a large value's pages here (a lent one is
+            # mapped apart); a copying one has them touched first with the lock released.
+            whole = not (o.lend or (o.lend is None and self._seen[2]))  # (frozen, last seen)
             with self._snapshot(view.store) as txn:  # (a value not lent is copied from here)
-                e = self._visible(view.store, o.digest, o.chkpt, txn)
+                e = self._visible(view.store, o.digest, o.chkpt, txn, whole)
                 if not e:
                     got = e
                 elif (
@@ -380,7 +383,7 @@ class SharedChannel:
         """The value's frame lent from a snapshot (see :mod:`.lending`), else copied; ``None``:
         absent, ``False``: a reader must wait (the manager's)."""
         with self._reading(view, True) as (txn, out):
-            e = self._visible(view.store, digest, chkpt, txn)
+            e = self._visible(view.store, digest, chkpt, txn, whole=False)  # (mapped apart)
             return out(e.frame) if e else e
 
     def _get_range(self, o: GetRange) -> Any:
