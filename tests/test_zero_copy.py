@@ -108,8 +108,8 @@ def test_a_lent_value_is_not_touched_in_the_readers_map_of_the_shard(client, mon
     """A zero-copy read maps the value's pages apart for its view and touches none of them
     in this process's map of the shard, where a copying read has them all touched first
     (py-lmdb's preload, with the interpreter lock released): a 32 MiB get with
-    ``copy=False`` grows the map's resident pages by a few, a copying one by the value
-    (the pure kernels preload every value they hand out, lent or not)."""
+    ``copy=False`` grows the map's resident pages by a few, a copying one by the value,
+    and ``in`` by a few (the pure kernels preload every value they hand out)."""
     from dask_ddict.kernels import COMPILED
 
     monkeypatch.setattr(mapped, "_unreleased", 0)  # (no release of every map meanwhile)
@@ -128,6 +128,10 @@ def test_a_lent_value_is_not_touched_in_the_readers_map_of_the_shard(client, mon
             assert (grew >= 16 << 10) == (copy is not False or not COMPILED), (copy, grew)
             del v
             _settled(d)
+        _memory.release(span[0], span[1] - span[0])
+        before = resident_kib(*span)
+        assert "big" in d  # (and a membership test reads its flags alone)
+        assert (resident_kib(*span) - before >= 16 << 10) == (not COMPILED)
 
 
 @one_host

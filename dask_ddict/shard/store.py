@@ -416,7 +416,7 @@ class ShardStore(Capacity, kernels.StoreState):
         if raw is not None:
             live = not raw[0] & TOMBSTONE
         else:  # an older version (the window moved since the key was written), or none
-            e = self.lookup(txn, digest, chkpt)
+            e = self.lookup(txn, digest, chkpt, whole=False)  # (its flags alone)
             live = e is not None and not e.tombstone
             if e is not None:
                 self.delete_below(txn, digest, chkpt)

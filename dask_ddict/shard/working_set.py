@@ -304,7 +304,7 @@ class WorkingSet(kernels.WindowState):
     def contains(self, txn: lmdb.Transaction, digest: bytes, chkpt: int) -> bool:
         """Membership at ``chkpt``; never waits."""
         self.check_retired(chkpt)
-        return self.is_visible(self.store.lookup(txn, digest, chkpt), chkpt)
+        return self.is_visible(self.store.lookup(txn, digest, chkpt, whole=False), chkpt)
 
     def visible(
         self, txn: lmdb.Transaction, chkpt: int, after: bytes | None = None
@@ -443,7 +443,9 @@ class WorkingSet(kernels.WindowState):
         def change() -> None:
             if at == chkpt and not self.wait_for_keys:  # (under it: always a tombstone)
                 self.store.delete(txn, digest, chkpt)
-                older = self.store.lookup(txn, digest, chkpt - 1) if chkpt > 0 else None
+                older = (  # (its flags alone)
+                    self.store.lookup(txn, digest, chkpt - 1, whole=False) if chkpt > 0 else None
+                )
                 if older is None or older.tombstone:
                     return
             self.store.put(txn, digest, chkpt, key, None, TOMBSTONE)  # (replaces one at chkpt)

@@ -585,7 +585,7 @@ class SharedChannel:
         if view is None:
             return bool(self._sock.call(o))
         with self._inside(view), self._snapshot(view.store) as txn:
-            return bool(self._visible(view.store, o.digest, o.chkpt, txn))
+            return bool(self._visible(view.store, o.digest, o.chkpt, txn, whole=False))
 
     def _page(self, o: Page) -> Any:
         """One page of a view scanned from a snapshot of the shard: iterating a same-host
