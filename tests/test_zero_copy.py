@@ -103,6 +103,50 @@ def test_values_under_a_page_are_copied_read_only_and_larger_ones_lent(client, m
         assert sum(s.pinned_views for s in d.stats) == 0 and lending.lent_bytes() == 0
 
 
+def _shard_files() -> int:
+    """How many descriptors of shard files (``data.mdb``) this process holds."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").endswith("data.mdb")
+        except OSError:  # (the listing's own descriptor, closed since)
+            pass
+    return n
+
+
+@one_host
+def test_a_get_many_that_lends_opens_each_shard_once(client, monkeypatch):
+    """A lent value is a mapping of the shard's file of its own, which needs the file open
+    only while it is made: a ``get_many(copy=False)`` opens each shard's file once for
+    all the values it lends there (a single get once for its one), and closes it when
+    its read ends."""
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if str(path).endswith("data.mdb"):
+            opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    with DDict(total_mem="64 MiB", client=client) as d:
+        keys = [f"k{i}" for i in range(40)]
+        d.update({k: np.full(1 << 12, i) for i, k in enumerate(keys)})  # 32 KiB: lent
+        d.get_many(keys[:1], copy=False)  # (every channel and map made)
+        held = _shard_files()  # (LMDB's own: its environments keep theirs open)
+        monkeypatch.setattr(os, "open", counting)
+        views = d.get_many(keys, copy=False)
+        assert all(in_shard(d, k, v) and v[0] == i for i, (k, v) in enumerate(zip(keys, views)))
+        shards = {d.which_manager(k) for k in keys}
+        assert len(opened) == len(set(opened)) == len(shards), opened
+        opened.clear()
+        one = d.get(keys[0], copy=False)
+        assert in_shard(d, keys[0], one) and len(opened) == 1
+        monkeypatch.undo()
+        assert _shard_files() == held  # (each closed when its read ended)
+        del views, one
+        _settled(d)
+
+
 @one_host
 def test_a_lent_value_is_not_touched_in_the_readers_map_of_the_shard(client, monkeypatch):
     """A zero-copy read maps the value's pages apart for its view and touches none of them

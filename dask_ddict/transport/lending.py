@@ -104,7 +104,7 @@ def _queue(work: Callable[[], Follow]) -> None:
 class Snapshot:
     """One open read transaction of a shard and what is lent from it."""
 
-    __slots__ = ("txn", "word", "uses", "lent", "nbytes", "maps")
+    __slots__ = ("txn", "word", "uses", "lent", "nbytes", "maps", "file")
 
     def __init__(self, word: int) -> None:
         self.txn: lmdb.Transaction | None = None
@@ -114,6 +114,9 @@ class Snapshot:
         self.nbytes = 0
         #: The mappings lent from it, with their values' sizes (see Lender.release).
         self.maps: list[tuple[weakref.ref[_memory.Lent], int]] = []
+        #: The shard's file, open while the read using it lends: ``(path, descriptor)``
+        #: (a ``get_many`` that lends many values opens it once; closed by ``end``).
+        self.file: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         return f"<Snapshot word={self.word:#x} uses={self.uses} lent={self.lent}>"
@@ -194,6 +197,9 @@ class Lender:
 
     def end(self, s: Snapshot) -> None:
         """The read in ``s`` is over (what it lent lives on)."""
+        file, s.file = s.file, None  # (the read's own: it is the snapshot's one user)
+        if file is not None:
+            os.close(file[1])
         with _LOCK:
             s.uses -= 1
             follow = self._close_if_idle(s)
@@ -213,7 +219,7 @@ class Lender:
         global _lent
         n = frame.nbytes
         addr = _memory.address_of(frame)
-        m, skip = self._map(addr, n)
+        m, skip = self._map(s, addr, n)
         if m is None:
             return None
         try:
@@ -243,10 +249,12 @@ class Lender:
             _memory.release(addr, n)
         return arr
 
-    def _map(self, addr: int, n: int) -> tuple[_memory.Lent | None, int]:
+    def _map(self, s: Snapshot, addr: int, n: int) -> tuple[_memory.Lent | None, int]:
         """A mapping of the pages of the shard's file that hold the ``n`` bytes at ``addr``
-        (a value in the environment's map), and where in it the value starts; ``None`` if
-        the file is not found (a dictionary destroyed meanwhile: the read copies)."""
+        (a value in the environment's map, read in ``s``), and where in it the value
+        starts; ``None`` if the file is not found (a dictionary destroyed meanwhile: the
+        read copies).  The file stays open until the read ends (:meth:`end`): a mapping
+        needs no descriptor, and one held longer would keep a destroyed shard's pages."""
         span = self._span
         if span is None or not span[0] <= addr < span[1]:
             span = self._span = _memory.file_span(addr)
@@ -256,14 +264,15 @@ class Lender:
         at = offset + addr - lo
         start = at & ~(_memory.PAGE - 1)
         end = (at + n + _memory.PAGE - 1) & ~(_memory.PAGE - 1)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None, 0
-        try:
-            return _memory.Lent(fd, start, end - start), at - start
-        finally:
-            os.close(fd)
+        if s.file is None or s.file[0] != path:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None, 0
+            if s.file is not None:
+                os.close(s.file[1])
+            s.file = (path, fd)
+        return _memory.Lent(s.file[1], start, end - start), at - start
 
     def _returned(self, s: Snapshot, n: int, board: PinBoard | None, private: bool) -> None:
         """The last view of a lent value is gone (its mapping's ``on_gone``, called as it
