@@ -71,6 +71,7 @@ def test_the_compiled_set_is_built_and_chosen():
         "LaneWire",
         "NO_KEY",
         "PlainRequests",
+        "PRELOADED",
         "QUIET",
         "Resend",
         "Record",

@@ -176,6 +176,11 @@ def test_a_lent_value_is_not_touched_in_the_readers_map_of_the_shard(client, mon
         before = resident_kib(*span)
         assert "big" in d  # (and a membership test reads its flags alone)
         assert (resident_kib(*span) - before >= 16 << 10) == (not COMPILED)
+        d["obj"] = list(range(50_000))  # (a large pickle without buffers: never lent)
+        for _ in range(2):  # (copied: sought again, to be touched before the copy)
+            assert d.get("obj", copy=False) == list(range(50_000))
+            d.freeze()
+        d.unfreeze()
 
 
 @one_host

@@ -31,6 +31,7 @@ import logging
 
 from .._serialize import loads_value as _loads_value
 from .pure import (
+    PRELOADED,
     lookup_entry as _pure_lookup_entry,
     lookup_frames as _pure_lookup_frames,
     lookup_values as _pure_lookup_values,
@@ -639,10 +640,6 @@ def put_entries(txn, db, list records, Py_ssize_t start, bytes tail, int flags,
         api.cursor_close(cur)
 
 
-#: A value at least this big is read by lmdb's own cursor, which touches its pages with
-#: the interpreter lock released (py-lmdb's ``preload``): a copying read of a large value
-#: relies on that (docs/design/kernels.md, "A cold large read on the same host").
-PRELOADED = 64 << 10
 
 
 def lookup_entry(txn, db, digest, chkpt, bint whole=True):

@@ -339,6 +339,14 @@ def unpack_values(
     return out
 
 
+#: A value at least this big, sought to be read whole, is read by lmdb's own cursor,
+#: which touches its pages with the interpreter lock released (py-lmdb's ``preload``): a
+#: copying read of a large value relies on that (docs/design/kernels.md, "A cold large
+#: read on the same host"); one sought without (``whole=False``) is re-sought before it
+#: is copied whole.
+PRELOADED = 64 << 10
+
+
 def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int, whole: bool = True) -> Entry | None:
     """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
     :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or

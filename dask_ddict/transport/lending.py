@@ -240,12 +240,11 @@ class Lender:
             _drain()
         arr = np.asarray(m)[skip : skip + n]  # (read-only: it cannot be made writable)
         if frame[0] == FMT_BYTES:
-            # Reading a large value through LMDB maps its pages into the environment's
-            # map here too.  Raw bytes (a zarr chunk) are lent to readers that copy them
-            # out and drop them, so those pages are given back now, and a task reading
-            # many chunks does not grow its resident memory by them.  Arrays lent to user
-            # code keep them: a value lent again then maps nothing (giving them back makes
-            # the next lend of the value several times slower here).
+            # A value sought to be lent is not touched in the environment's map (its view
+            # maps it apart), but an earlier copying read of it may have mapped its pages
+            # there.  Raw bytes (a zarr chunk) are lent to readers that copy them out and
+            # drop them, so those pages are given back now, and a task reading many
+            # chunks does not grow its resident memory by them.
             _memory.release(addr, n)
         return arr
 

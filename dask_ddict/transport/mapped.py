@@ -89,13 +89,16 @@ class _View:
         at half the speed of this copy here.)  A large value's pages stay mapped
         until the process has touched :data:`RELEASE_EVERY` bytes of distinct
         pages: reading a hot value again then faults nothing, and its resident
-        set stays bounded.  They are mapped already when the frame comes here:
-        py-lmdb touches each page of a value it hands out (its ``preload``, with
-        the interpreter lock released), so mapping them again in one call
-        (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold 1 MiB
-        read's time).  So a part's read counts the whole frame's pages too (the
-        compiled seek of a byte range touches only the part's, ``whole=False``: then
-        the pages are only given back sooner than they need be).
+        set stays bounded.  A single read's large value is mapped already when the
+        frame comes here: py-lmdb touches each page of a value it hands out (its
+        ``preload``, with the interpreter lock released), so mapping them again in
+        one call (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold
+        1 MiB read's time); a single read that sought one untouched (to lend it:
+        ``whole=False``) seeks it again before copying it, and a many-key walk's
+        frames (never preloaded) and a lend refused past ``max-pinned`` fault their
+        pages in this copy.  A part's read counts the whole frame's pages too (the
+        compiled seek of a byte range touches only the part's: then the pages are
+        only given back sooner than they need be).
         """
         n = frame.nbytes
         out = copy_frame(frame if part is None else part)

@@ -349,7 +349,7 @@ class SharedChannel:
                     or not lendable(e.frame)
                     or not (o.lend or self._frozen(view.store, txn))
                 ):
-                    return view.copy(e.frame)  # (else lent: a frozen shard's, as Dragon)
+                    return self._copied(view, e, o, txn, whole)  # (else lent, as Dragon)
             if got is _LEND:  # (read again in a lending snapshot: it may have changed since)
                 got = self._lend(view, o.digest, o.chkpt)
                 if got is not None and got is not False:
@@ -379,11 +379,21 @@ class SharedChannel:
                 )
             return view.lender
 
+    def _copied(self, view: _View, e: Any, o: Get, txn: Any, whole: bool) -> Any:
+        """A copy of entry ``e``'s value, read for ``o`` in ``txn``: a large one sought
+        untouched (``whole`` false: to be lent) is sought again, so that its pages are
+        touched with the interpreter lock released before the copy, which holds it."""
+        if not whole and e.frame.nbytes >= kernels.PRELOADED:
+            e = self._visible(view.store, o.digest, o.chkpt, txn)  # (the same version)
+        return view.copy(e.frame)
+
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
         """The value's frame lent from a snapshot (see :mod:`.lending`), else copied; ``None``:
         absent, ``False``: a reader must wait (the manager's)."""
         with self._reading(view, True) as (txn, out):
-            e = self._visible(view.store, digest, chkpt, txn, whole=False)  # (mapped apart)
+            # (sought untouched when it is lent: its view maps it apart; with no lending
+            # snapshot free, it is copied: touched first, with the lock released)
+            e = self._visible(view.store, digest, chkpt, txn, whole=out == view.copy)
             return out(e.frame) if e else e
 
     def _get_range(self, o: GetRange) -> Any:
