@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _reply_key(rid: int) -> bytes:
+    """Where the reply of request ``rid`` is kept (the compiled servers' ``_rid_key``)."""
+    return RID + RID_ID.pack(rid)
+
+
 class _FullWay(Exception):
     """A request that :meth:`AtMostOnce.once_alone` leaves to the manager's full way."""
 
@@ -49,7 +54,7 @@ class AtMostOnce:
         """
         if not rid:
             return fn(txn)
-        done = self.store.get_meta(txn, RID + RID_ID.pack(rid))
+        done = self.store.get_meta(txn, _reply_key(rid))
         if done is not None:  # a resend: the reply its first try got, kept until read
             if len(done) > BIG_REPLY:
                 self._big_replies.add(rid)
@@ -71,7 +76,7 @@ class AtMostOnce:
             txn.delete(RID + old, db=self.store.meta_db)
         self.store.put_meta(txn, slot, RID_ID.pack(rid))
         self.store.put_meta(txn, RID_SEQ, RID_ID.pack(seq + 1))
-        self.store.put_meta(txn, RID + RID_ID.pack(rid), reply)
+        self.store.put_meta(txn, _reply_key(rid), reply)
 
     def once_alone(
         self, rid: int, fn: Callable[[lmdb.Transaction], bytes], most: int
@@ -86,7 +91,7 @@ class AtMostOnce:
         got: list[bytes] = []
 
         def apply(txn: lmdb.Transaction) -> None:
-            if rid and self.store.get_meta(txn, RID + RID_ID.pack(rid)) is not None:
+            if rid and self.store.get_meta(txn, _reply_key(rid)) is not None:
                 raise _FullWay
             reply = fn(txn)
             if len(reply) > most or (rid and len(reply) > BIG_REPLY):
@@ -117,8 +122,6 @@ class AtMostOnce:
             if self.closed:
                 return
             try:
-                self.store.transact(
-                    lambda txn: txn.delete(RID + RID_ID.pack(rid), db=self.store.meta_db)
-                )
+                self.store.transact(lambda txn: txn.delete(_reply_key(rid), db=self.store.meta_db))
             except Exception:  # (the ring drops it later: never the connection's failure)
                 logger.debug("kept reply %d not dropped", rid, exc_info=True)

@@ -407,8 +407,7 @@ class SharedChannel:
         with self._inside(view), self._reading(view, False) as (txn, _):
             e = self._visible(view.store, o.digest, o.chkpt, txn, whole=False)
             if e:
-                size, part = raw_range(e.frame, o.start, o.stop)
-                return size, view.copy(e.frame, part)  # (counted whole: see _View.copy)
+                return self._part(view, e, o)
         if e is None:
             raise DDictKeyError()
         return self._sock.call(o)  # the manager waits for the writer
@@ -429,10 +428,16 @@ class SharedChannel:
                 e = self._visible(view.store, o.digest, o.chkpt, txn, whole=False)
                 if not e:
                     return None if e is None else NotImplemented
-                size, part = raw_range(e.frame, o.start, o.stop)
-                return size, view.copy(e.frame, part)
+                return self._part(view, e, o)
         except Exception:  # noqa: BLE001 - the thread's read meets it again and says it
             return NotImplemented
+
+    @staticmethod
+    def _part(view: _View, e: Any, o: GetRange) -> tuple[int, Any]:
+        """``(size, a copy of part o.start:o.stop)`` of entry ``e``'s raw-bytes value (sought
+        untouched: only the part's pages are read; counted whole, see ``_View.copy``)."""
+        size, part = raw_range(e.frame, o.start, o.stop)
+        return size, view.copy(e.frame, part)
 
     def _get_many(self, o: GetMany) -> list[list[Any]]:
         """This manager's keys of ``o`` (one group) from one snapshot of the shard."""
