@@ -204,6 +204,14 @@ class Lent(_Mapping):
             self.private = True
             return True
 
+    def forked(self) -> None:
+        """In a forked child: this process's copy of the mapping made private now (the
+        parent's snapshot, which keeps the file's pages unchanged, is the parent's), and
+        its lender, the parent's, told nothing when its last view here is gone."""
+        self._turn = threading.Lock()  # (another thread of the parent may have held it)
+        self.on_gone = None  # (whether or not the copy is made: the count is not ours)
+        self.privatize()
+
     def _privatize(self) -> None:
         rw = mmap.PROT_READ | mmap.PROT_WRITE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS

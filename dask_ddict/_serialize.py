@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 import pickle
 import struct
 import threading
@@ -36,6 +37,7 @@ from typing import Any, NamedTuple, Protocol
 import cloudpickle
 import numpy as np
 
+from ._forking import reinit_lock
 from .errors import DDictSerializationError
 
 ALIGN = 64
@@ -377,6 +379,14 @@ class BufferPool:
 
 
 _POOL: BufferPool | None = None
+
+
+def _forked() -> None:
+    if _POOL is not None:  # (another thread of the parent may have held its lock)
+        reinit_lock(_POOL._lock)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _pool() -> BufferPool:

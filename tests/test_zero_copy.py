@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_ddict import DDict, _memory
+from dask_ddict.shard.store import ShardStore
 from dask_ddict.transport import lending, mapped, shared
 from dask_ddict.transport.many_key_ops import GetMany
 from tests.support.lent import in_shard, resident_kib
@@ -32,6 +33,37 @@ def _settled(d: DDict) -> None:
     """Drop the test's garbage and let the host's pin boards be read afresh."""
     gc.collect()
     time.sleep(0.01)
+
+
+def test_an_interrupted_end_of_a_lending_read_still_ends_it(tmp_path, monkeypatch):
+    """A lending read ends by closing the shard's file, then counting itself off its
+    snapshot; an interrupt in between left the snapshot open, its reader slot held, for
+    the process's life.  (The interrupt is raised where a signal's handler would: as
+    the file's close returns.)"""
+    store = ShardStore(str(tmp_path / "shard"), 1 << 20)
+    idle: list[int] = []
+    lender = lending.Lender(store, 0, (str(tmp_path), "uid", 1), lambda: idle.append(1))
+    try:
+        s = lender.begin(0)
+        assert s is not None and s.txn is not None
+        s.file = (os.devnull, os.open(os.devnull, os.O_RDONLY))
+        close = os.close
+
+        def interrupted(fd: int) -> None:
+            close(fd)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(lending.os, "close", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            lender.end(s)
+        monkeypatch.undo()
+        assert (s.uses, s.txn, s.file, lender.open, idle) == (0, None, None, 0, [1])
+        assert "(no active readers)" in store.env.readers()
+    finally:
+        store.close()
+        listener = lending._LISTENERS.pop(str(tmp_path), None)  # (its thread ends with it)
+        if listener is not None:
+            listener.close()
 
 
 @one_host

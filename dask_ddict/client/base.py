@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import builtins  # (the handle's ``list`` method shadows the builtin in its parts)
 import functools
+import os
 import secrets
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Self
@@ -32,6 +34,22 @@ from ..errors import DDictClosedError, DDictError
 from ..stats import DDictManagerStats
 from .batch import BatchPut
 from .core import HandleCore
+
+#: Every handle of this process, by id (handles are mappings, not hashable): what a
+#: forked child gives writer ids of its own.
+_HANDLES: weakref.WeakValueDictionary[int, HandleBase] = weakref.WeakValueDictionary()
+
+
+def _forked() -> None:
+    """In a forked child: each writer id becomes one of its own (the same new id for
+    the handles that shared one), so that the hosts count the child apart from its
+    parent as a writer (``wait_for_writers``), as they would a handle made here."""
+    ids: dict[int, int] = {}
+    for h in list(_HANDLES.values()):
+        h._client_id = ids.setdefault(h._client_id, secrets.randbits(63))
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class HandleBase(ABC):
@@ -70,6 +88,7 @@ class HandleBase(ABC):
         self._chkpt = chkpt
         self._timeout = timeout
         self._client_id = secrets.randbits(63) if client_id is None else client_id
+        _HANDLES[id(self)] = self
         self._aim(None, None, None)
         self._batch = None
         self._derived = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import os
 import threading
 import time
 import warnings
@@ -23,6 +24,7 @@ from dask.utils import format_bytes
 from distributed import Client, LocalCluster
 
 from .. import config, kernels
+from .._forking import reinit_lock
 from .._hashing import custom_placement, key_digest, manager_for_digest, seed_warning
 from .._keys import PLAIN_KEYS, dumps_key, encode_key
 from .._serialize import KeyPickler
@@ -84,6 +86,8 @@ class HandleCore(Channels):
             remember(layout)  # handles pickled here and unpickled here need no fetch
             super().__init__(layout)
         self._client = client
+        self._pid = os.getpid()  # (the process whose client it is: see forked)
+        self._forked_from = 0
         self.cluster = cluster
         if cluster is not None and client is not None and isinstance(layout, Layout):
             embedded.own(client, cluster, layout.name, layout.uid)
@@ -331,12 +335,29 @@ class HandleCore(Channels):
     def close_cluster(self) -> None:
         """Close the embedded cluster this core owns, if any (its dictionary destroyed)."""
         cluster, self.cluster = self.cluster, None
-        if cluster is not None:
+        if cluster is not None and not self._forked_from:  # (else the parent's: see forked)
             embedded.close(self.client, cluster, self.name, self.ref.uid)
+
+    def forked(self) -> None:
+        """In a forked child: the Dask client is the parent's (its event loop is a thread
+        of the parent's, which does not run here), so control operations say so rather
+        than wait for it forever."""
+        super().forked()
+        reinit_lock(self._asking)
+        if self._client is not None:
+            self._client, self._forked_from = None, self._pid
+        self._pid = os.getpid()
 
     @property
     def client(self) -> Client:
         """A Dask client for control operations, found lazily."""
+        if self._client is None and self._forked_from:
+            raise DDictError(
+                f"this handle's Dask client is in process {self._forked_from}, which "
+                f"forked this one: attach with a client of this process's "
+                f"(DDict.attach(d.serialize(), client=...)) for this operation",
+                "INVALID_OPERATION",
+            )
         if self._client is None:
             self._client = current_client()
             if self._client is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import threading
 
 from distributed import Client, LocalCluster
@@ -45,6 +46,7 @@ def start(total_mem: int) -> tuple[Client, LocalCluster]:
         memory_limit=memory_limit,
     )
     _close_embedded_at_exit()
+    _STARTED[id(cluster)] = os.getpid()
     return Client(cluster, set_as_default=False), cluster
 
 
@@ -59,9 +61,14 @@ class _Embedded:
 
     def __init__(self, client: Client, cluster: LocalCluster, name: str, uid: str) -> None:
         self.client, self.cluster, self.name, self.uid = client, cluster, name, uid
+        #: The process whose cluster it is (the one that started it: see _forked).
+        self.pid = _STARTED.get(id(cluster), os.getpid())
 
     def close(self) -> None:
+        if self.pid != os.getpid():  # (a forked child's copy: see _forked)
+            return
         _EMBEDDED.pop(id(self.cluster), None)
+        _STARTED.pop(id(self.cluster), None)
         try:
             self.client.close()
         finally:
@@ -71,6 +78,8 @@ class _Embedded:
         """The interpreter exits and the dictionary was not destroyed: say so in one line,
         destroy it, then close the cluster (quietly: nothing that goes wrong now could be
         acted on)."""
+        if self.pid != os.getpid():
+            return
         if self.cluster.status.name in ("closing", "closed"):
             _EMBEDDED.pop(id(self.cluster), None)
             return
@@ -95,6 +104,8 @@ class _Embedded:
 
 #: The embedded clusters (by id) whose dictionary was not destroyed yet.
 _EMBEDDED: dict[int, _Embedded] = {}
+#: The embedded clusters (by id) that are open, and the process that started each.
+_STARTED: dict[int, int] = {}
 _EXIT_HOOKED = False
 
 
@@ -134,6 +145,18 @@ def _at_exit() -> None:
     destroyed (see :meth:`_Embedded.drop`)."""
     for owned in list(_EMBEDDED.values()):
         owned.drop()
+
+
+def _forked() -> None:
+    """In a forked child: the embedded clusters are the parent's, to close when it
+    destroys their dictionaries or exits; neither this process's exit nor a
+    ``destroy()`` here closes them, nor ``distributed``'s exit hook (the child's copy of
+    each says not to: it would wait for worker processes that are not its own)."""
+    for owned in _EMBEDDED.values():
+        owned.cluster.shutdown_on_close = False
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def own(client: Client, cluster: LocalCluster, name: str, uid: str) -> None:

@@ -13,18 +13,30 @@ self-contained, for processes outside the cluster's Dask context.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from distributed import Client, get_client, get_worker
 
+from .._forking import reinit_lock
 from ..errors import DDictClosedError, DDictError, raise_from_wire
 from ..layout import Layout
 
 _KNOWN: dict[str, Layout] = {}  # uid -> the newest layout seen in this process
 _FETCHING: dict[str, threading.Lock] = {}  # uid -> held while its layout is fetched
 _LOCK = threading.Lock()  # guards the two tables only: never held across a call
+
+
+def _forked() -> None:
+    """In a forked child: no fetch is under way (another thread of the parent may have
+    been in one, holding its lock; see :mod:`dask_ddict._forking`)."""
+    reinit_lock(_LOCK)
+    _FETCHING.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 #: Layouts this process fetched from the orchestrator (the scale benchmark counts them).
 fetches = 0
 

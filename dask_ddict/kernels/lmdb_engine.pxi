@@ -26,6 +26,7 @@
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cpython.ref cimport PyObject
+from posix.unistd cimport getpid
 
 import logging
 
@@ -90,6 +91,15 @@ cdef extern from *:
         PyObject *weaklist;
         void *env;
         const ddict_mdb_api *libv;
+        void *main_db;
+        int readonly;
+        ddict_mdb_txn *spare_txn;
+        int max_spare_txns;
+        int pid;  /* (pid_t: the process that opened it) */
+        unsigned long write_txn_tid;
+        PyObject *open_keys;
+        int active_ops, ops_waiters, write_begins, resizing;
+        unsigned long resize_tid;
     } ddict_lmdb_env;
     typedef struct {
         PyObject_HEAD
@@ -151,9 +161,15 @@ cdef extern from *:
         char* (*strerror_fn)(int err)
         char* (*version_fn)(int* major, int* minor, int* patch)
     ctypedef struct ddict_lmdb_env:
+        void* siblings[2]  # (prev, next: every py-lmdb object's place in its parent's list)
+        void* children[2]  # (its own list of dependants: [1] is the head)
         int valid
         void* env
         const ddict_mdb_api* libv
+        ddict_mdb_txn* spare_txn
+        int pid
+        unsigned long write_txn_tid
+        int active_ops, ops_waiters, write_begins, resizing
     ctypedef struct ddict_lmdb_txn:
         int valid
         ddict_lmdb_env* env
@@ -306,6 +322,36 @@ def engine_refusal():
     except LmdbEngineError as e:
         return str(e)
     return None
+
+
+def disown_transactions(env):
+    """Let go of every transaction of py-lmdb's environment ``env`` without ending it
+    (``pure.disown_transactions``), in a process forked from the one that opened it:
+    each one's LMDB transaction (and the environment's spare one) is forgotten by its
+    Python object, so that closing ``env`` aborts none of them.  Whether it did so (not:
+    the engine is not usable here, ``env`` is not its CPython flavour's, this process
+    opened it, or a thread of the parent was inside it at the fork: py-lmdb's close
+    would wait for that thread, which does not exist here, forever)."""
+    cdef ddict_lmdb_env* e
+    cdef void* child
+    try:
+        _engines()
+    except LmdbEngineError:
+        return False
+    if type(env) is not _Environment:
+        return False
+    e = <ddict_lmdb_env*><PyObject*>env
+    if not e.valid or e.pid == getpid():
+        return False
+    if e.active_ops or e.ops_waiters or e.write_begins or e.resizing or e.write_txn_tid:
+        return False
+    e.spare_txn = NULL  # (its reader slot is the parent's)
+    child = e.children[1]  # (py-lmdb's list of what the environment closes: its head)
+    while child != NULL:
+        if type(<object>child) is _Transaction:
+            (<ddict_lmdb_txn*>child).txn = NULL
+        child = (<ddict_lmdb_env*>child).siblings[1]  # (the next one: every object's head)
+    return True
 
 
 cdef inline str _said_by(const ddict_mdb_api* api, str call, int rc):

@@ -347,6 +347,16 @@ def unpack_values(
 PRELOADED = 64 << 10
 
 
+def disown_transactions(env: Any) -> bool:
+    """Let go of every transaction of py-lmdb's environment ``env`` without ending it,
+    so that closing ``env`` ends none: what a forked child does with an environment its
+    parent opened (:mod:`dask_ddict._forking`; its reader slots are the parent's, shared
+    memory, and ending a transaction frees its slot).  Whether it did so: not here, where
+    py-lmdb's objects are reached only through its Python API, which ends what it lets go.
+    """
+    return False
+
+
 def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int, whole: bool = True) -> Entry | None:
     """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
     :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or
@@ -1712,6 +1722,7 @@ __all__ = [
     "pack_frames",
     "unpack_frames",
     "unpack_values",
+    "disown_transactions",
     "lookup_entry",
     "lookup_frames",
     "lookup_values",

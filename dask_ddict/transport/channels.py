@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import config
+from .._forking import reinit_lock
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -95,6 +96,19 @@ def _weak_explain(method: Explain) -> Explain:
     return explain
 
 
+#: Every dictionary's channels in this process (a forked child frees their locks: a
+#: channel made by another thread of its parent holds one while it connects).
+_CHANNELS: weakref.WeakSet[Channels] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for channels in list(_CHANNELS):
+        channels.forked()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class Channels:
     """The channels of one attached dictionary, created on first use.
 
@@ -123,6 +137,7 @@ class Channels:
         self._links: dict[tuple[str, ...], HostLink] = {}
         self._groups: dict[tuple[int, ...], list[tuple[HostLink, list[int]]]] = {}
         self._lock = threading.Lock()
+        _CHANNELS.add(self)
         # A handle that is dropped (e.g. at the end of a task) releases its
         # connections and shard views, also without detach().
         self._finalizer = weakref.finalize(self, Channels._release, self._channels, self._links)
@@ -474,6 +489,12 @@ class Channels:
             self.closed = True
             self._groups.clear()
         self._finalizer()
+
+    def forked(self) -> None:
+        """In a forked child (see :mod:`dask_ddict._forking`): the lock free again (a
+        thread of the parent may have held it, making a channel); the links and views
+        are forgotten by their own modules' handlers."""
+        reinit_lock(self._lock)
 
     @staticmethod
     def _release(channels: dict[int, Any], links: dict[tuple[str, ...], HostLink]) -> None:

@@ -9,11 +9,13 @@ grow with them.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from typing import Protocol
 
 from .. import config
+from .._forking import reinit_lock
 from .bounded_connection import BoundedConnection
 
 
@@ -83,6 +85,16 @@ class IdlePool:
                 self.idle.pop(conn, None)
         return idle
 
+    def forked(self) -> None:
+        """In a forked child: the parent's idle connections are the parent's (see
+        :mod:`dask_ddict._forking`); this process's copies of them close, unused."""
+        reinit_lock(self.lock)
+        for conn, link in self.idle.items():
+            link.idle.clear()
+            conn.close()
+        self.idle.clear()  # (in place: the key lane keeps this table)
+
 
 #: This process's pool.
 IDLE_POOL = IdlePool()
+os.register_at_fork(after_in_child=IDLE_POOL.forked)

@@ -56,6 +56,7 @@ import lmdb
 import numpy as np
 
 from .. import _memory, config
+from .._forking import keep_forever, reinit_lock
 from .._serialize import FMT_BYTES, FMT_PICKLE, SMALL_FRAME
 from ..shard.pinboard import PinBoard, board_path, decode_request, encode_answer, request_path
 from ..shard.store import ShardStore
@@ -196,16 +197,22 @@ class Lender:
         return s
 
     def end(self, s: Snapshot) -> None:
-        """The read in ``s`` is over (what it lent lives on)."""
-        file, s.file = s.file, None  # (the read's own: it is the snapshot's one user)
-        if file is not None:
-            os.close(file[1])
-        with _LOCK:
-            s.uses -= 1
-            follow = self._close_if_idle(s)
-        _drain()
-        if follow is not None:
-            follow()
+        """The read in ``s`` is over (what it lent lives on).  The read is counted off in
+        a ``finally``: an interrupt raised while the file closes (a ``KeyboardInterrupt``
+        comes between any two calls) must not leave the snapshot counted as read in,
+        which would hold its reader slot, and every page freed after it began, for as
+        long as the process lives."""
+        try:
+            file, s.file = s.file, None  # (the read's own: it is the snapshot's one user)
+            if file is not None:
+                os.close(file[1])
+        finally:
+            with _LOCK:
+                s.uses -= 1
+                follow = self._close_if_idle(s)
+            _drain()
+            if follow is not None:
+                follow()
 
     def lend(self, s: Snapshot, frame: memoryview) -> np.ndarray | None:
         """``frame`` as a read-only array of the shard's pages, held by ``s`` until the
@@ -426,7 +433,62 @@ def _stop_listening() -> None:
     _LISTENERS.clear()
 
 
-os.register_at_fork(after_in_child=_LISTENERS.clear)  # (the parent's sockets, not ours)
+def _forking() -> None:
+    """Before a fork: every value this process lends is swapped for a private copy
+    (:meth:`Lender.release`), which the child then shares copy-on-write.  A view of the
+    shard's pages in the child would hold them only while the parent's snapshot does,
+    which may end as soon as the fork returns; copied here, once, before it, the copy
+    is whole however soon that is, and a pool of forked workers does not copy the lent
+    values once each."""
+    with _LOCK:
+        lenders = list(_LENDERS)
+    for lender in lenders:
+        try:
+            lender.release()
+        except Exception:  # (a view left shared: the child copies it, see _forked)
+            logger.exception("ddict: a lent value could not be copied before a fork")
+
+
+def _forked() -> None:
+    """In a forked child (see :mod:`dask_ddict._forking`): what the parent lends is its
+    own.  A value lent between :func:`_forking` and the fork is copied into this
+    process's memory now, at the same addresses; the snapshots are left as they are
+    (their transactions are the parent's: ``transport.mapped`` lets them go without
+    ending them), their files' descriptors close, and this process lends nothing and
+    listens to nobody until it reads anew."""
+    global _lent
+    reinit_lock(_LOCK)
+    _PENDING.clear()
+    for lender in list(_LENDERS):
+        for s in lender.snapshots:
+            for ref, _ in s.maps:
+                m = ref()
+                if m is None:
+                    continue
+                try:
+                    m.forked()
+                except Exception:  # (ENOMEM: one value left shared, the others copied)
+                    logger.exception("ddict: a lent value could not be copied in a fork")
+            s.maps = []
+            file, s.file = s.file, None
+            if file is not None:
+                with contextlib.suppress(OSError):
+                    os.close(file[1])
+            if s.txn is not None:
+                keep_forever(s.txn)  # (never ended here, whatever closes what)
+                s.txn = None
+        lender.snapshots.clear()
+        lender.current = None
+        lender.open = 0
+    _LENDERS.clear()
+    _BOARDS.clear()
+    for sock in _LISTENERS.values():  # (the parent's sockets: this process's copies close)
+        sock.close()
+    _LISTENERS.clear()
+    _lent = 0
+
+
+os.register_at_fork(before=_forking, after_in_child=_forked)
 
 
 #: Frames under this many bytes are never lent: a view maps whole pages of its own and

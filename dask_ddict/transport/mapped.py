@@ -25,11 +25,14 @@ process that reads a lot and drops it does not keep the shards in its RSS.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
-from .. import _memory, config
+from .. import _memory, config, kernels
+from .._forking import keep_forever, reinit_lock
 from .._serialize import copy_frame
 from ..shard.store import ShardStore
 from .lending import Lender
@@ -64,7 +67,17 @@ class _View:
     it was last used (for the least-recently-used rotation).
     """
 
-    __slots__ = ("store", "users", "span", "active", "used", "evicted", "lender", "closed")
+    __slots__ = (
+        "store",
+        "users",
+        "span",
+        "active",
+        "used",
+        "evicted",
+        "lender",
+        "closed",
+        "__weakref__",
+    )
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
@@ -75,6 +88,7 @@ class _View:
         self.evicted = False
         self.closed = False
         self.lender: Lender | None = None  # its zero-copy snapshots (see .lending), once lent
+        _VIEWS.add(self)
 
     @property
     def lending(self) -> bool:
@@ -151,16 +165,48 @@ class _View:
             self.close()
 
 
+#: Every view of this process, open or not (what a forked child closes: see _forked).
+_VIEWS: weakref.WeakSet[_View] = weakref.WeakSet()
 _unreleased = 0  # bytes of pages possibly touched since the last release (process-wide)
 #: path -> the process's view of it.
 _ENVS: dict[str, _View] = {}
 _DESTROYED: dict[str, None] = {}  # paths of shards this process saw destroyed (bounded)
 _MANAGED: dict[str, None] = {}  # paths of shards this process opened as their manager
+#: Paths of shards whose environments this process inherited from its parent (a fork)
+#: and cannot close: read over their sockets (see _forked).
+_INHERITED: dict[str, None] = {}
 #: Views closed while values lent from them live (open until the last is gone).
 _LENDING: dict[str, _View] = {}
 # Reentrant: a dropped handle's finalizer may close its channels from inside _acquire
 # (the cyclic GC runs at any allocation, e.g. while LMDB opens an environment).
 _ENVS_LOCK = threading.RLock()
+
+
+def _forked() -> None:
+    """In a forked child (see :mod:`dask_ddict._forking`): the environments are the
+    parent's, and so are their reader slots.  Every view this process inherited (open,
+    kept for lent values, or closed for its channels but not yet for those) is closed
+    for it: where the compiled kernels reach py-lmdb's objects, its transactions are let
+    go without ending them and the environment closes, so that its channels map their
+    shards anew, as this process; elsewhere (or where a thread of the parent was inside
+    it) it is never freed here, and that shard is read over its host's socket (py-lmdb
+    opens an environment once per process)."""
+    reinit_lock(_ENVS_LOCK)
+    for view in list(_VIEWS):
+        if view.closed:  # (its environment closed in the parent already)
+            continue
+        view.closed = view.evicted = True
+        if kernels.disown_transactions(view.store.env):
+            view.store.close()
+        else:
+            keep_forever(view.store)
+            _INHERITED[view.store.path] = None
+    _ENVS.clear()
+    _LENDING.clear()
+    _memory.MAPPED.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class ViewLimit(Exception):
@@ -176,6 +222,8 @@ def _acquire(path: str, capacity: int) -> _View:
         if view is None:
             if path in _MANAGED:
                 raise ViewLimit(f"{path} is served by this process: read over its socket")
+            if path in _INHERITED:
+                raise ViewLimit(f"{path} is mapped by this process's parent: read over its socket")
             most = int(config.get("transport.max-shard-views"))
             if len(_ENVS) >= most and not _evict_idle():
                 # bounded descriptors: this manager is read over its socket for now

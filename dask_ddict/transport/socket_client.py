@@ -56,6 +56,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from .. import config
+from .._forking import reinit_lock
 from .._serialize import SMALL_FRAME
 from ..errors import (
     DDictClosedError,
@@ -101,6 +102,17 @@ Explain = Callable[[int, DDictManagerUnavailableError, "tuple[str, str, int] | N
 _ONCE = Kind.ONCE  # (an enum member's lookup costs more than the comparison)
 _MOVED = int(Status.MOVED)
 _LEASE = int(Status.LEASE)
+
+#: Every link of this process (what a forked child closes its copies of).
+_LINKS: weakref.WeakSet[HostLink] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for link in list(_LINKS):
+        link.forked()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class HostLink:
@@ -169,6 +181,7 @@ class HostLink:
         self.terms: dict[int, int] = {}
         #: Each event loop's pipelined connections to this host (:mod:`.pipelined`).
         self.pipes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        _LINKS.add(self)
 
     def __repr__(self) -> str:
         info = self.info
@@ -350,6 +363,21 @@ class HostLink:
             c.close()
         for pipes in list(self.pipes.values()):
             pipes.close()
+
+    def forked(self) -> None:
+        """In a forked child (see :mod:`dask_ddict._forking`): the parent's connections,
+        idle, in use by its other threads or pipelined on its event loops, are the
+        parent's; this process's copies of them close, and it connects anew."""
+        reinit_lock(self._lock)
+        self.idle.clear()  # (the pool's table of them is cleared by its own handler)
+        conns, self._all = self._all, []
+        for c in conns:
+            c.close()
+        loops, self.pipes = list(self.pipes.values()), weakref.WeakKeyDictionary()
+        for pipes in loops:  # (their loops run in the parent: nothing is closed there)
+            for p in pipes.pipes:
+                p.sock.close()
+            pipes.pipes = []
 
     # -- requests -------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import config
+from .._forking import reinit_lock
 from .operation import Operation
 
 R = TypeVar("R")
@@ -59,6 +60,7 @@ class _Inside(threading.local):
 
 _table: dict[str, _Times] = {}
 _lock = threading.Lock()
+os.register_at_fork(after_in_child=lambda: reinit_lock(_lock))  # (see dask_ddict._forking)
 _inside = _Inside()
 _random = random.Random().random
 _clock = time.perf_counter

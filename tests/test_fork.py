@@ -1,0 +1,280 @@
+"""A handle in a forked child: it shares nothing of its parent's key path.
+
+``multiprocessing``'s fork context (Linux's default; a PyTorch ``DataLoader``'s workers)
+copies the process with its handles.  Each test forks a real child of a process that
+used a real dictionary (pooled connections, mapped shards, lent values), has both use
+it at once, and checks every answer on both sides and what the child leaves behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+
+from dask_ddict import DDict, kernels
+from dask_ddict.errors import DDictError
+from dask_ddict.transport import lending, mapped
+from tests.support.lent import in_shard
+
+_FORK = mp.get_context("fork")
+#: A child's work is short: one that runs this long is stuck.
+_CHILD_TIMEOUT = 60.0
+
+
+def _in_child(work: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+    """Start ``work`` in a forked child; returns what waits for its answer (what it
+    returned, or its exception's repr) and the child process."""
+    here, there = _FORK.Pipe(duplex=False)
+
+    def run() -> None:
+        try:
+            there.send(work())
+        except BaseException as e:  # (said to the parent, which fails the test)
+            there.send(f"child raised {e!r}")
+
+    p = _FORK.Process(target=run, daemon=True)
+    p.start()
+    there.close()
+
+    def answer() -> Any:
+        try:
+            if not here.poll(_CHILD_TIMEOUT):
+                raise AssertionError(f"the child said nothing in {_CHILD_TIMEOUT} s")
+            return here.recv()
+        finally:
+            p.join(_CHILD_TIMEOUT)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            here.close()
+
+    return answer, p
+
+
+def _wrong(d: DDict, prefix: str, n: int, rounds: int) -> list[int]:
+    """The keys of ``prefix`` whose value read back is not what was written."""
+    return [i for _ in range(rounds) for i in range(n) if d.get(f"{prefix}{i}") != (prefix, i)]
+
+
+def _store_of(d: DDict, key: Any) -> str:
+    return d._core.layout.managers[d.which_manager(key)].store_path
+
+
+def _remaps() -> bool:
+    """Whether a forked child maps its parent's shards anew (the compiled kernels, with
+    lmdb's engine), rather than reading them over their hosts' sockets."""
+    if not kernels.COMPILED:
+        return False
+    from dask_ddict.kernels import _compiled
+
+    return _compiled.engine_refusal() is None
+
+
+def _readers(env: Any) -> set[int]:
+    """The pids of ``env``'s reader slots that hold a snapshot (LMDB's reader table)."""
+    rows = [line.split() for line in env.readers().splitlines()[1:]]
+    return {int(row[0]) for row in rows if len(row) == 3 and row[2] != "-"}
+
+
+@pytest.mark.parametrize("transport", ["uds", "tcp"])
+def test_a_forked_child_reads_on_connections_of_its_own(client, transport):
+    """Over sockets, a child that wrote its requests on its parent's pooled connections
+    could read the parent's replies as its own, and the parent the child's."""
+    settings = {"ddict.local-read": False, "ddict.local-transport": transport == "uds"}
+    with dask.config.set(settings):
+        with DDict(total_mem="64 MiB", client=client, timeout=20) as d:
+            n = 200
+            for prefix in "pc":
+                for i in range(n):
+                    d[f"{prefix}{i}"] = (prefix, i)
+            assert _wrong(d, "p", n, 1) == []  # (the pool holds warm connections now)
+            answer, p = _in_child(lambda: _wrong(d, "c", n, 5))
+            mine = _wrong(d, "p", n, 5)
+            theirs = answer()
+            assert (mine, theirs) == ([], [])
+            assert p.exitcode == 0
+            d["after"] = 1  # the parent's connections still work
+            assert d["after"] == 1
+
+
+def test_a_forked_child_exits_without_touching_the_embedded_cluster():
+    """A child's exit ran the embedded cluster's exit hook: it destroyed its parent's
+    dictionary and waited for worker processes that were not its own.  And the child is
+    a writer of its own, and says why it cannot reach the scheduler rather than wait for
+    its parent's client forever."""
+    with dask.config.set({"ddict.embedded.n-workers": 1}):
+        d = DDict(total_mem="32 MiB")
+    try:
+        d["k"] = np.arange(10)
+        m = d.manager(0)  # (a derived handle: the same writer as d)
+        ids = (d._client_id, m._client_id)
+
+        def child() -> list[Any]:
+            seen = [int(d["k"].sum()), d._client_id, m._client_id]
+            try:
+                d.destroy()  # (closes the child's handle, and asks the scheduler)
+                return [*seen, "destroyed"]
+            except DDictError as e:
+                return [*seen, str(e)]
+
+        answer, p = _in_child(child)
+        started = time.monotonic()
+        total, mine, derived, said = answer()
+        assert f"in process {os.getpid()}, which forked this one" in said
+        # (a writer of its own, as a handle made there: wait_for_writers counts it apart)
+        assert total == 45 and mine == derived and mine not in ids
+        assert (d._client_id, m._client_id) == ids
+        assert p.exitcode == 0 and time.monotonic() - started < 20
+        assert int(d["k"].sum()) == 45  # not destroyed
+        d["k2"] = 2
+        assert d["k2"] == 2
+    finally:
+        d.destroy()
+
+
+one_host = pytest.mark.one_host
+
+
+@one_host
+def test_a_value_lent_to_the_parent_is_copied_once_before_it_forks(client):
+    """A lent value maps the shard's pages, kept unchanged by the parent's snapshot,
+    which may end as soon as the fork returns: the parent copies what it lends before
+    the fork (its views stay as they are, at the same addresses), the child shares that
+    copy, and the child lends from snapshots of its own."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        a = np.arange(1 << 18, dtype="f8")  # 2 MiB
+        d["a"] = a
+        held = [d.get("a", copy=False)]
+        assert in_shard(d, "a", held[0])
+
+        def child() -> list[Any]:
+            v = held.pop()
+            said = [in_shard(d, "a", v), bool((v == a).all())]
+            w = d.get("a", copy=False)
+            said += [in_shard(d, "a", w), bool((w == a).all()), sorted(mapped._INHERITED)]
+            del v, w
+            gc.collect()
+            return said
+
+        answer, p = _in_child(child)
+        *said, inherited = answer()
+        assert said == [False, True, _remaps(), True]
+        assert inherited == ([] if _remaps() else [_store_of(d, "a")])
+        assert p.exitcode == 0
+        assert not in_shard(d, "a", held[0]) and (held[0] == a).all()
+        for i in range(6):
+            d["a"] = a + i + 1
+        assert (held[0] == a).all() and (d["a"] == a + 6).all()
+
+
+@one_host
+def test_a_child_forked_inside_a_lending_read_keeps_no_shard_descriptor(client):
+    """A lending read holds the shard's file open while it maps values, in a snapshot; a
+    child forked meanwhile (by another thread) must not keep its copy of that descriptor,
+    count the parent's lent bytes or views as its own, nor end the parent's snapshot
+    (its reader slot is shared memory)."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d["a"] = np.arange(1 << 16, dtype="f8")
+        mid, digest, _ = d._route("a")
+        ch = d._core.channel(mid)
+        view = ch._enter()
+        assert view is not None
+        try:
+            with ch._reading(view, True) as (txn, out):
+                v = out(ch._visible(view.store, digest, 0, txn, whole=False).frame)
+                assert in_shard(d, "a", v)
+                before = bytes(v)
+                fd = view.lender.current.file[1]
+
+                data = os.stat(_store_of(d, "a") + "/data.mdb")
+                reading = _readers(view.store.env)
+                assert os.getpid() in reading
+
+                def child() -> list[Any]:
+                    try:
+                        held = os.path.samestat(os.fstat(fd), data)
+                    except OSError:
+                        held = False
+                    gc.collect()
+                    return [held, lending.lent_bytes(), len(mapped._ENVS), in_shard(d, "a", v)]
+
+                answer, _ = _in_child(child)
+                assert answer() == [False, 0, 0, False]
+                assert os.path.samestat(os.fstat(fd), data)  # open until the read ends
+                assert _readers(view.store.env) == reading  # the child ended none of them
+        finally:
+            ch._exit(view)
+        assert bytes(v) == before
+
+
+@one_host
+def test_a_child_forked_while_another_thread_reads_and_writes_the_shard(client):
+    """py-lmdb counts the operations inside an environment; a child forked while a
+    thread of its parent was inside one would wait forever for that thread to leave (it
+    does not exist in the child) if it closed its copy of the environment: it reads that
+    shard over the socket instead."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d["x"] = np.zeros(1 << 14)
+        stop, errors = threading.Event(), []
+
+        def busy() -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    d["x"] = np.full(1 << 14, i)
+                    got = d["x"]
+                    if got[0] != got[-1]:
+                        errors.append(f"torn read {got[0]} {got[-1]}")
+                except Exception as e:  # noqa: BLE001 - (said by the assertion below)
+                    errors.append(repr(e))
+                i += 1
+
+        thread = threading.Thread(target=busy)
+        thread.start()
+        try:
+            for _ in range(4):
+                answer, p = _in_child(lambda: [float(d["x"].sum()) >= 0, d.get("y", 7)])
+                assert answer() == [True, 7]
+                assert p.exitcode == 0
+        finally:
+            stop.set()
+            thread.join()
+        assert errors == []
+
+
+@one_host
+def test_a_child_forked_inside_a_write_of_the_parent_reads_over_the_socket(client):
+    """The deterministic case of the test above: a thread of the parent inside a write
+    transaction of the shard (a same-host put copying a large value) at the fork."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d["x"] = 1
+        mid = d.which_manager("x")
+        view = d._core.channel(mid)._enter()
+        assert view is not None
+        inside, leave = threading.Event(), threading.Event()
+
+        def writer() -> None:
+            with view.store.env.begin(write=True):
+                inside.set()
+                leave.wait(_CHILD_TIMEOUT)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            assert inside.wait(10)
+            answer, p = _in_child(lambda: [d["x"], sorted(mapped._INHERITED)])
+            assert answer() == [1, [_store_of(d, "x")]]
+            assert p.exitcode == 0
+        finally:
+            leave.set()
+            thread.join()
+            d._core.channel(mid)._exit(view)
