@@ -266,6 +266,25 @@ def test_get_many_agrees_with_get_key_by_key(ddict, keys):
     ddict.clear()
 
 
+@pytest.mark.parametrize("per_host", [1, 3])
+def test_a_tcp_get_many_of_one_or_several_managers_per_host_reads_every_value(client, per_host):
+    """A host answers a many-key read in its compiled loop: the frames of one manager
+    straight from its snapshot, those of several (whose snapshots end one another)
+    through a copy; values of every size it answers there, and absent keys, in the keys'
+    order."""
+    with DDict(total_mem="64 MiB", managers_per_worker=per_host, client=client) as d:
+        values = {f"k{i}": bytes([i % 251]) * (i * 37 % 3000) for i in range(300)}
+        values.update({f"a{i}": np.full(i % 50 + 1, i) for i in range(100)})
+        d.update(values)
+        keys = [*values, "absent-1", *reversed(list(values)), "absent-2"]
+        got = _tcp(d, client).get_many(keys, default=None)
+        for k, v in zip(keys, got, strict=True):
+            if isinstance(v, np.ndarray):
+                assert (v == values[k]).all()
+            else:
+                assert v == values.get(k)
+
+
 def test_get_many_under_wait_for_keys_waits_for_the_writer(client):
     with DDict(
         total_mem="32 MiB", client=client, wait_for_keys=True, working_set_size=2, timeout=30

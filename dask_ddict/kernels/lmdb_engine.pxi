@@ -40,6 +40,7 @@ from .pure import (
     put_entries as _pure_put_entries,
 )
 
+cdef Py_ssize_t _PRELOADED = PRELOADED  # (compared with C sizes: no int object per key)
 _logger = logging.getLogger("dask_ddict.kernels")
 
 cdef extern from "<dlfcn.h>" nogil:
@@ -719,7 +720,7 @@ def lookup_entry(txn, db, digest, chkpt, bint whole=True):
         if not _digest_at(&k, seek, _DIGEST):
             return None
         if (k.mv_size < <size_t>_DIGEST + 8 or v.mv_size < <size_t>_ENTRY_HEADER
-                or (whole and v.mv_size >= <size_t>PRELOADED)):
+                or (whole and v.mv_size >= <size_t>_PRELOADED)):
             pass  # (what no shard writes, or a value to preload: the pure seek, below)
         else:
             p = <const unsigned char*>k.mv_data + _DIGEST

@@ -271,7 +271,7 @@ cdef class PlainServer:
             live = not raw[0] & _TOMBSTONE
             if live:
                 if _le64(raw + 8) > <uint64_t>(size - _ENTRY_HEADER) or (
-                        size >= PRELOADED and op == self.get):  # fmt: skip
+                        size >= _PRELOADED and op == self.get):  # fmt: skip
                     return 0  # (an ``in`` reads the flags alone, a range its own pages)
                 flen = <Py_ssize_t>_le64(raw + 8)
         if op == self.contains:
@@ -485,7 +485,7 @@ cdef class PlainServer:
             if pop:
                 if flen > self.most or (rid and flen > _BIG_REPLY):
                     return 0
-                if v.mv_size >= <size_t>PRELOADED:
+                if v.mv_size >= <size_t>_PRELOADED:
                     return 0  # (a large value: copied with the interpreter lock released)
                 at = self.n + _REPLY
                 self._reply(0, tag, 0, raw, flen)  # (copied out before the page changes)
@@ -578,6 +578,7 @@ cdef class PlainServer:
         cdef Py_ssize_t* order = NULL
         cdef int64_t* lens = NULL
         cdef Py_ssize_t* offs = NULL
+        cdef const unsigned char** frames
         cdef ddict_lmdb_env* e
         cdef ddict_mdb_cursor* cur
         cdef const unsigned char* frame
@@ -612,6 +613,7 @@ cdef class PlainServer:
             ms.append(m)
         lens = <int64_t*>PyMem_Malloc((total + 1) * sizeof(int64_t))
         offs = <Py_ssize_t*>PyMem_Malloc((total + 1) * sizeof(Py_ssize_t))
+        frames = <const unsigned char**>offs  # (one manager's: where each frame is in its map)
         if lens == NULL or offs == NULL:
             PyMem_Free(lens)
             PyMem_Free(offs)
@@ -640,12 +642,16 @@ cdef class PlainServer:
                         if frame == NULL:
                             lens[at + order[j]] = _ABSENT
                             continue
-                        if flen >= _JOIN or size >= PRELOADED:
+                        if flen >= _JOIN or size >= _PRELOADED:
                             return 0
-                        self._hold(stored + flen)
-                        memcpy(self.scratch + stored, frame, flen)
-                        lens[at + order[j]], offs[at + order[j]] = flen, stored
-                        stored += flen
+                        if groups == 1:  # (its snapshot is still open as the reply is written)
+                            frames[order[j]] = frame
+                        else:  # (the next manager's snapshot ends this one's)
+                            self._hold(stored + flen)
+                            memcpy(self.scratch + stored, frame, flen)
+                            offs[at + order[j]] = stored
+                            stored += flen
+                        lens[at + order[j]] = flen
                 finally:
                     e.libv.cursor_close(cur)
                     PyMem_Free(order)
@@ -661,14 +667,16 @@ cdef class PlainServer:
             ddict_write_reply(<unsigned char*>self.out + self.n, &reply)
             self.n += _REPLY
             w = <unsigned char*>self.out + self.n
-            memset(w, 0, size)
             _put_le32(<char*>w, <uint32_t>total)
             for j in range(total):
                 _put_le64(w + 4 + 8 * j, <uint64_t>lens[j])
             at = _aligned(head)
+            memset(w + head, 0, at - head)  # (the pads are zeros: nothing else is written)
             for j in range(total):
                 if lens[j] >= 0:
-                    memcpy(w + at, self.scratch + offs[j], lens[j])
+                    memcpy(w + at, frames[j] if groups == 1 else self.scratch + offs[j],
+                           lens[j])
+                    memset(w + at + lens[j], 0, _aligned(lens[j]) - lens[j])
                     at += _aligned(lens[j])
             self.n += size
         finally:
