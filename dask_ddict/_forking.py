@@ -23,19 +23,33 @@ one made there.  What the parent had open is the parent's:
 * an embedded cluster is the parent's to close, also at the child's exit, and the
   parent's Dask client does not work in the child (its event loop is a thread of the
   parent's): control operations say so;
-* a writer id is the parent's: the child's handles get their own;
+* a writer id is the parent's, and so is an open batch put: the child's handles get
+  their own;
 * a lock that another thread of the parent held is held forever in the child, whose
   copy of that thread does not exist: the child's locks start free
   (:func:`reinit_lock`).
 
-Each module that keeps such state registers its own handler with
-``os.register_at_fork`` and uses the two tools here.
+Each module that keeps such state registers its own hooks here (:func:`in_child`,
+:func:`before_fork`), not with ``os.register_at_fork``: they run in one fixed order
+(the modules' import order: a module's before those that import it), each item's error
+logged without stopping the rest, and with the cyclic GC off from before the fork
+until the child's hooks are done.  A finalizer the GC ran in the middle (a dropped
+handle closing its channels and views) would take locks not yet freed, and close an
+environment not yet let go of; or, in the parent, wait for a lock that the thread
+forking holds.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+import gc
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _incref = ctypes.pythonapi.Py_IncRef
 _incref.argtypes = [ctypes.py_object]
@@ -53,3 +67,66 @@ def reinit_lock(lock: Any) -> None:
     """``lock`` (a ``threading.Lock`` or ``RLock``) free again, in a forked child: what
     the standard library does with its own locks after a fork."""
     lock._at_fork_reinit()
+
+
+_BEFORE: list[Callable[[], None]] = []
+_AFTER_IN_PARENT: list[Callable[[], None]] = []
+_IN_CHILD: list[Callable[[], None]] = []
+_collecting = False  # (the GC's state before the fork, restored after it)
+
+
+def before_fork(
+    hook: Callable[[], None], after_in_parent: Callable[[], None] | None = None
+) -> None:
+    """Run ``hook`` in the parent just before each fork (in registration order) and
+    ``after_in_parent`` just after it there."""
+    _BEFORE.append(hook)
+    if after_in_parent is not None:
+        _AFTER_IN_PARENT.append(after_in_parent)
+
+
+def in_child(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in each forked child, first thing (in registration order)."""
+    _IN_CHILD.append(hook)
+
+
+def each(items: Iterable[T], forked: Callable[[T], object]) -> None:
+    """``forked(item)`` for each item, one's error logged without stopping the others
+    (a child's hooks must leave nothing of its parent's half done)."""
+    for item in list(items):
+        try:
+            forked(item)
+        except Exception:
+            logger.exception("ddict: after a fork, %r", item)
+
+
+def _run(hooks: list[Callable[[], None]]) -> None:
+    each(hooks, lambda hook: hook())
+
+
+def _before() -> None:
+    global _collecting
+    _collecting = gc.isenabled()
+    gc.disable()
+    _run(_BEFORE)
+
+
+def _after_in_parent() -> None:
+    try:
+        _run(_AFTER_IN_PARENT)
+    finally:
+        if _collecting:
+            gc.enable()
+
+
+def _after_in_child() -> None:
+    try:
+        _run(_IN_CHILD)
+    finally:
+        if _collecting:
+            gc.enable()
+
+
+os.register_at_fork(
+    before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
+)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import io
 import mmap
-import os
 import pickle
 import struct
 import threading
@@ -37,7 +36,7 @@ from typing import Any, NamedTuple, Protocol
 import cloudpickle
 import numpy as np
 
-from ._forking import reinit_lock
+from ._forking import in_child, reinit_lock
 from .errors import DDictSerializationError
 
 ALIGN = 64
@@ -386,7 +385,7 @@ def _forked() -> None:
         reinit_lock(_POOL._lock)
 
 
-os.register_at_fork(after_in_child=_forked)
+in_child(_forked)
 
 
 def _pool() -> BufferPool:

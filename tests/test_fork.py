@@ -79,10 +79,11 @@ def _remaps() -> bool:
     return _compiled.engine_refusal() is None
 
 
-def _readers(env: Any) -> set[int]:
-    """The pids of ``env``'s reader slots that hold a snapshot (LMDB's reader table)."""
+def _readers(env: Any) -> list[tuple[int, int]]:
+    """``(pid, transaction id)`` of each of ``env``'s reader slots that holds a
+    snapshot (LMDB's reader table), sorted."""
     rows = [line.split() for line in env.readers().splitlines()[1:]]
-    return {int(row[0]) for row in rows if len(row) == 3 and row[2] != "-"}
+    return sorted((int(row[0]), int(row[2])) for row in rows if len(row) == 3 and row[2] != "-")
 
 
 @pytest.mark.parametrize("transport", ["uds", "tcp"])
@@ -197,7 +198,7 @@ def test_a_child_forked_inside_a_lending_read_keeps_no_shard_descriptor(client):
 
                 data = os.stat(_store_of(d, "a") + "/data.mdb")
                 reading = _readers(view.store.env)
-                assert os.getpid() in reading
+                assert os.getpid() in [pid for pid, _ in reading]
 
                 def child() -> list[Any]:
                     try:
@@ -278,3 +279,72 @@ def test_a_child_forked_inside_a_write_of_the_parent_reads_over_the_socket(clien
             leave.set()
             thread.join()
             d._core.channel(mid)._exit(view)
+
+
+@one_host
+def test_a_value_lent_as_the_parent_forks_is_copied_by_the_child(client, monkeypatch):
+    """The parent copies what it lends before the fork; a value it could not copy (lent
+    by another thread meanwhile: here, the parent's copy is skipped) is copied by the
+    child as the fork returns, so that it never changes there."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        a = np.arange(1 << 16, dtype="f8")
+        d["a"] = a
+        v = d.get("a", copy=False)
+        monkeypatch.setattr(lending.Lender, "release", lambda self: 0)
+        answer, _ = _in_child(lambda: [in_shard(d, "a", v), bool((v == a).all())])
+        assert answer() == [False, True]
+        assert in_shard(d, "a", v)  # (the parent's own is still lent)
+
+
+def test_a_forked_child_of_a_lazy_handle_does_not_reach_the_parents_client(client):
+    """A handle attached without ``client=`` finds its Dask client when it needs one; in
+    a forked child it must not find the parent's (whose event loop does not run there)."""
+    with DDict(total_mem="32 MiB", client=client) as d:
+        e = DDict.attach(d.serialize())
+        e["k"] = 1
+
+        def child() -> list[Any]:
+            started = time.monotonic()
+            try:
+                e.destroy()
+                said = "destroyed"
+            except DDictError as err:
+                said = str(err)
+            return [said, time.monotonic() - started < 5]
+
+        said, quick = answer_of(child)
+        assert "which forked this one" in said and quick
+        assert d["k"] == 1
+
+
+def test_a_batch_open_in_the_parent_is_its_own_in_the_child(client):
+    """An open batch put is the parent's: its puts (buffered, or sent under its id) are
+    the parent's to end; the child's handle holds a batch of its own."""
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d.start_batch_put()
+        for i in range(50):
+            d[f"p{i}"] = i
+        for i in range(64):  # (past ddict.batch.flush-bytes: some sent under its id)
+            d[f"big{i}"] = b"x" * (4 << 10)
+
+        def child() -> list[Any]:
+            for i in range(50):
+                d[f"c{i}"] = i
+            d.end_batch_put()
+            return [d[f"c{i}"] for i in range(50)]
+
+        assert answer_of(child) == list(range(50))
+        for i in range(50, 100):
+            d[f"p{i}"] = i
+        d.end_batch_put()
+        assert d.get_many([f"p{i}" for i in range(100)]) == list(range(100))
+        assert d.get_many([f"c{i}" for i in range(50)]) == list(range(50))
+        assert len(d) == 214
+
+
+def answer_of(work: Callable[[], Any]) -> Any:
+    """What ``work`` returned in a forked child that then exited cleanly."""
+    answer, p = _in_child(work)
+    got = answer()
+    assert p.exitcode == 0
+    return got

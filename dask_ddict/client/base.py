@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import builtins  # (the handle's ``list`` method shadows the builtin in its parts)
 import functools
-import os
 import secrets
 import weakref
 from abc import ABC, abstractmethod
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from .. import kernels
+from .._forking import each, in_child
 from .._serialize import Framed, KeyPickler, ValuePickler, dumps_value
 from ..errors import DDictClosedError, DDictError
 from ..stats import DDictManagerStats
@@ -43,13 +43,21 @@ _HANDLES: weakref.WeakValueDictionary[int, HandleBase] = weakref.WeakValueDictio
 def _forked() -> None:
     """In a forked child: each writer id becomes one of its own (the same new id for
     the handles that shared one), so that the hosts count the child apart from its
-    parent as a writer (``wait_for_writers``), as they would a handle made here."""
+    parent as a writer (``wait_for_writers``), as they would a handle made here; and an
+    open batch put is the parent's (its id, and the puts it holds, which the parent
+    sends): the child's handle holds a new, empty one, its puts a batch of their own."""
     ids: dict[int, int] = {}
-    for h in list(_HANDLES.values()):
+
+    def forked(h: HandleBase) -> None:
         h._client_id = ids.setdefault(h._client_id, secrets.randbits(63))
+        if h._batch is not None:
+            b = h._batch
+            h._batch = BatchPut(b.persist, b._channel, h._client_id, b._named)
+
+    each(_HANDLES.values(), forked)
 
 
-os.register_at_fork(after_in_child=_forked)
+in_child(_forked)
 
 
 class HandleBase(ABC):

@@ -88,6 +88,7 @@ class HandleCore(Channels):
         self._client = client
         self._pid = os.getpid()  # (the process whose client it is: see forked)
         self._forked_from = 0
+        self._security: Any = None  # (a forked child's: its parent's client's, see forked)
         self.cluster = cluster
         if cluster is not None and client is not None and isinstance(layout, Layout):
             embedded.own(client, cluster, layout.name, layout.uid)
@@ -339,13 +340,16 @@ class HandleCore(Channels):
             embedded.close(self.client, cluster, self.name, self.ref.uid)
 
     def forked(self) -> None:
-        """In a forked child: the Dask client is the parent's (its event loop is a thread
-        of the parent's, which does not run here), so control operations say so rather
-        than wait for it forever."""
+        """In a forked child: the Dask client is the parent's, also one found lazily
+        (its event loop is a thread of the parent's, which does not run here), so
+        control operations say so rather than wait for it forever; its TLS settings
+        stay, for the links the child makes."""
         super().forked()
         reinit_lock(self._asking)
         if self._client is not None:
-            self._client, self._forked_from = None, self._pid
+            self._security = self._client.security
+        self._client = None
+        self._forked_from = self._forked_from or self._pid
         self._pid = os.getpid()
 
     @property
@@ -353,9 +357,9 @@ class HandleCore(Channels):
         """A Dask client for control operations, found lazily."""
         if self._client is None and self._forked_from:
             raise DDictError(
-                f"this handle's Dask client is in process {self._forked_from}, which "
-                f"forked this one: attach with a client of this process's "
-                f"(DDict.attach(d.serialize(), client=...)) for this operation",
+                f"this handle was made in process {self._forked_from}, which forked this "
+                f"one, and its Dask client is that process's: attach with a client of this "
+                f"process's (DDict.attach(d.serialize(), client=...)) for this operation",
                 "INVALID_OPERATION",
             )
         if self._client is None:
@@ -371,7 +375,9 @@ class HandleCore(Channels):
     def security(self) -> Any:
         # No reference cycle through a stored bound method: the core must be freed as soon
         # as its last handle is (its finalizer closes channels), not by the cyclic GC.
-        return self._client.security if self._client is not None else default_security()
+        if self._client is not None:
+            return self._client.security
+        return self._security if self._security is not None else default_security()
 
 
 def _placer(core: weakref.ref[HandleCore]) -> Callable[[Any, bytes, int], int]:

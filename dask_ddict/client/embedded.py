@@ -17,6 +17,7 @@ import threading
 from distributed import Client, LocalCluster
 
 from .. import config
+from .._forking import in_child
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def _forked() -> None:
         owned.cluster.shutdown_on_close = False
 
 
-os.register_at_fork(after_in_child=_forked)
+in_child(_forked)
 
 
 def own(client: Client, cluster: LocalCluster, name: str, uid: str) -> None:

@@ -13,14 +13,13 @@ self-contained, for processes outside the cluster's Dask context.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from distributed import Client, get_client, get_worker
 
-from .._forking import reinit_lock
+from .._forking import in_child, reinit_lock
 from ..errors import DDictClosedError, DDictError, raise_from_wire
 from ..layout import Layout
 
@@ -36,7 +35,7 @@ def _forked() -> None:
     _FETCHING.clear()
 
 
-os.register_at_fork(after_in_child=_forked)
+in_child(_forked)
 #: Layouts this process fetched from the orchestrator (the scale benchmark counts them).
 fetches = 0
 

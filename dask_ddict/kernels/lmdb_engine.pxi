@@ -329,10 +329,11 @@ def disown_transactions(env):
     """Let go of every transaction of py-lmdb's environment ``env`` without ending it
     (``pure.disown_transactions``), in a process forked from the one that opened it:
     each one's LMDB transaction (and the environment's spare one) is forgotten by its
-    Python object, so that closing ``env`` aborts none of them.  Whether it did so (not:
-    the engine is not usable here, ``env`` is not its CPython flavour's, this process
-    opened it, or a thread of the parent was inside it at the fork: py-lmdb's close
-    would wait for that thread, which does not exist here, forever)."""
+    Python object, so that closing ``env`` aborts none of them.  Whether it may be
+    closed now (so: also when it is closed already; not: the engine is not usable here,
+    ``env`` is not its CPython flavour's, this process opened it, or a thread of the
+    parent was inside it at the fork: py-lmdb's close would wait for that thread, which
+    does not exist here, forever)."""
     cdef ddict_lmdb_env* e
     cdef void* child
     try:
@@ -342,7 +343,9 @@ def disown_transactions(env):
     if type(env) is not _Environment:
         return False
     e = <ddict_lmdb_env*><PyObject*>env
-    if not e.valid or e.pid == getpid():
+    if not e.valid:
+        return True  # (closed already: nothing of it is left to end)
+    if e.pid == getpid():
         return False
     if e.active_ops or e.ops_waiters or e.write_begins or e.resizing or e.write_txn_tid:
         return False

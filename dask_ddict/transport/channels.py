@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import config
-from .._forking import reinit_lock
+from .._forking import each, in_child, reinit_lock
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -101,12 +101,7 @@ def _weak_explain(method: Explain) -> Explain:
 _CHANNELS: weakref.WeakSet[Channels] = weakref.WeakSet()
 
 
-def _forked() -> None:
-    for channels in list(_CHANNELS):
-        channels.forked()
-
-
-os.register_at_fork(after_in_child=_forked)
+in_child(lambda: each(_CHANNELS, lambda c: c.forked()))  # (a subclass may add to it)
 
 
 class Channels:

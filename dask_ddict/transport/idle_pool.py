@@ -9,13 +9,12 @@ grow with them.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from typing import Protocol
 
 from .. import config
-from .._forking import reinit_lock
+from .._forking import in_child, reinit_lock
 from .bounded_connection import BoundedConnection
 
 
@@ -97,4 +96,4 @@ class IdlePool:
 
 #: This process's pool.
 IDLE_POOL = IdlePool()
-os.register_at_fork(after_in_child=IDLE_POOL.forked)
+in_child(IDLE_POOL.forked)

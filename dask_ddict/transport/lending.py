@@ -56,7 +56,7 @@ import lmdb
 import numpy as np
 
 from .. import _memory, config
-from .._forking import keep_forever, reinit_lock
+from .._forking import before_fork, each, in_child, keep_forever, reinit_lock
 from .._serialize import FMT_BYTES, FMT_PICKLE, SMALL_FRAME
 from ..shard.pinboard import PinBoard, board_path, decode_request, encode_answer, request_path
 from ..shard.store import ShardStore
@@ -435,40 +435,40 @@ def _stop_listening() -> None:
 
 def _forking() -> None:
     """Before a fork: every value this process lends is swapped for a private copy
-    (:meth:`Lender.release`), which the child then shares copy-on-write.  A view of the
-    shard's pages in the child would hold them only while the parent's snapshot does,
-    which may end as soon as the fork returns; copied here, once, before it, the copy
-    is whole however soon that is, and a pool of forked workers does not copy the lent
-    values once each."""
+    (:meth:`Lender.release`), which the child then shares copy-on-write, and the lock is
+    held until the fork is done (:func:`_forked_parent`), so that no value is lent in
+    between.  A view of the shard's pages in the child would hold them only while the
+    parent's snapshot does, which may end as soon as the fork returns; copied here, once,
+    before it, the copy is whole however soon that is, and a pool of forked workers does
+    not copy the lent values once each."""
     with _LOCK:
         lenders = list(_LENDERS)
-    for lender in lenders:
-        try:
-            lender.release()
-        except Exception:  # (a view left shared: the child copies it, see _forked)
-            logger.exception("ddict: a lent value could not be copied before a fork")
+    each(lenders, lambda lender: lender.release())
+    _LOCK.acquire()  # (released by _forked_parent; a child's starts free: _forked)
+
+
+def _forked_parent() -> None:
+    _LOCK.release()
+    _drain()  # (what a finalizer queued meanwhile)
 
 
 def _forked() -> None:
     """In a forked child (see :mod:`dask_ddict._forking`): what the parent lends is its
-    own.  A value lent between :func:`_forking` and the fork is copied into this
-    process's memory now, at the same addresses; the snapshots are left as they are
-    (their transactions are the parent's: ``transport.mapped`` lets them go without
-    ending them), their files' descriptors close, and this process lends nothing and
-    listens to nobody until it reads anew."""
+    own.  A value that :func:`_forking` could not copy is copied into this process's
+    memory now, at the same addresses; the snapshots are left as they are (their
+    transactions are the parent's: ``transport.mapped`` lets them go without ending
+    them), their files' descriptors close, and this process lends nothing and listens
+    to nobody until it reads anew."""
     global _lent
     reinit_lock(_LOCK)
     _PENDING.clear()
-    for lender in list(_LENDERS):
+
+    def forked(lender: Lender) -> None:
         for s in lender.snapshots:
             for ref, _ in s.maps:
                 m = ref()
-                if m is None:
-                    continue
-                try:
-                    m.forked()
-                except Exception:  # (ENOMEM: one value left shared, the others copied)
-                    logger.exception("ddict: a lent value could not be copied in a fork")
+                if m is not None:
+                    each([m], _memory.Lent.forked)
             s.maps = []
             file, s.file = s.file, None
             if file is not None:
@@ -480,15 +480,17 @@ def _forked() -> None:
         lender.snapshots.clear()
         lender.current = None
         lender.open = 0
+
+    each(_LENDERS, forked)
     _LENDERS.clear()
     _BOARDS.clear()
-    for sock in _LISTENERS.values():  # (the parent's sockets: this process's copies close)
-        sock.close()
+    each(_LISTENERS.values(), socket.socket.close)  # (the parent's: our copies close)
     _LISTENERS.clear()
     _lent = 0
 
 
-os.register_at_fork(before=_forking, after_in_child=_forked)
+before_fork(_forking, _forked_parent)
+in_child(_forked)
 
 
 #: Frames under this many bytes are never lent: a view maps whole pages of its own and

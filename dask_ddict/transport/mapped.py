@@ -25,14 +25,13 @@ process that reads a lot and drops it does not keep the shards in its RSS.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
 from typing import Any
 
 from .. import _memory, config, kernels
-from .._forking import keep_forever, reinit_lock
+from .._forking import each, in_child, keep_forever, reinit_lock
 from .._serialize import copy_frame
 from ..shard.store import ShardStore
 from .lending import Lender
@@ -184,29 +183,31 @@ _ENVS_LOCK = threading.RLock()
 
 def _forked() -> None:
     """In a forked child (see :mod:`dask_ddict._forking`): the environments are the
-    parent's, and so are their reader slots.  Every view this process inherited (open,
-    kept for lent values, or closed for its channels but not yet for those) is closed
-    for it: where the compiled kernels reach py-lmdb's objects, its transactions are let
-    go without ending them and the environment closes, so that its channels map their
-    shards anew, as this process; elsewhere (or where a thread of the parent was inside
-    it) it is never freed here, and that shard is read over its host's socket (py-lmdb
-    opens an environment once per process)."""
+    parent's, and so are their reader slots.  Every view this process inherited is
+    closed for it (open, kept for lent values, closed for its channels but not yet for
+    those, or being closed by a thread of the parent): where the compiled kernels reach
+    py-lmdb's objects, its transactions are let go without ending them and the
+    environment closes, so that its channels map their shards anew, as this process;
+    elsewhere (or where a thread of the parent was inside it) an open one is never freed
+    here, and that shard is read over its host's socket (py-lmdb opens an environment
+    once per process)."""
     reinit_lock(_ENVS_LOCK)
-    for view in list(_VIEWS):
-        if view.closed:  # (its environment closed in the parent already)
-            continue
-        view.closed = view.evicted = True
+
+    def forked(view: _View) -> None:
+        was_closed, view.closed, view.evicted = view.closed, True, True
         if kernels.disown_transactions(view.store.env):
             view.store.close()
-        else:
+        elif not was_closed:
             keep_forever(view.store)
             _INHERITED[view.store.path] = None
+
+    each(_VIEWS, forked)
     _ENVS.clear()
     _LENDING.clear()
     _memory.MAPPED.clear()
 
 
-os.register_at_fork(after_in_child=_forked)
+in_child(_forked)
 
 
 class ViewLimit(Exception):

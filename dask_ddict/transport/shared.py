@@ -364,19 +364,27 @@ class SharedChannel:
         return self._sock.call(o)  # the manager waits for the writer
 
     def _lender(self, view: _View) -> Lender:
+        """The view's lender, made on first use: outside ``_ENVS_LOCK``, since a lender
+        takes the lending lock as it is made, and a finalizer that the cyclic GC runs
+        under the lending lock (a dropped handle's channels closing) takes
+        ``_ENVS_LOCK``.  Two threads may make one each: the first installed is kept."""
+        lender = view.lender
+        if lender is not None:
+            return lender
+        gens = self._gens
+        made = Lender(
+            view.store,
+            self._sock.info.manager_id,
+            (
+                os.path.dirname(self._sock.info.uds_path),
+                self._sock.link.uid,
+                len(gens.words) if gens is not None else 0,
+            ),
+            view.idle,
+        )
         with _ENVS_LOCK:
             if view.lender is None:
-                gens = self._gens
-                view.lender = Lender(
-                    view.store,
-                    self._sock.info.manager_id,
-                    (
-                        os.path.dirname(self._sock.info.uds_path),
-                        self._sock.link.uid,
-                        len(gens.words) if gens is not None else 0,
-                    ),
-                    view.idle,
-                )
+                view.lender = made
             return view.lender
 
     def _copied(self, view: _View, e: Any, o: Get, txn: Any, whole: bool) -> Any:

@@ -56,7 +56,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from .. import config
-from .._forking import reinit_lock
+from .._forking import each, in_child, reinit_lock
 from .._serialize import SMALL_FRAME
 from ..errors import (
     DDictClosedError,
@@ -107,12 +107,7 @@ _LEASE = int(Status.LEASE)
 _LINKS: weakref.WeakSet[HostLink] = weakref.WeakSet()
 
 
-def _forked() -> None:
-    for link in list(_LINKS):
-        link.forked()
-
-
-os.register_at_fork(after_in_child=_forked)
+in_child(lambda: each(_LINKS, lambda link: link.forked()))
 
 
 class HostLink:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import config
-from .._forking import reinit_lock
+from .._forking import in_child, reinit_lock
 from .operation import Operation
 
 R = TypeVar("R")
@@ -60,7 +60,14 @@ class _Inside(threading.local):
 
 _table: dict[str, _Times] = {}
 _lock = threading.Lock()
-os.register_at_fork(after_in_child=lambda: reinit_lock(_lock))  # (see dask_ddict._forking)
+
+
+def _forked() -> None:
+    reinit_lock(_lock)
+    _table.clear()  # (the parent's timings are the parent's)
+
+
+in_child(_forked)
 _inside = _Inside()
 _random = random.Random().random
 _clock = time.perf_counter
