@@ -111,22 +111,17 @@ def _before() -> None:
     _run(_BEFORE)
 
 
-def _after_in_parent() -> None:
+def _after(hooks: list[Callable[[], None]]) -> None:
+    """The fork is done (in the parent, or in the child): ``hooks``, then the GC on."""
     try:
-        _run(_AFTER_IN_PARENT)
-    finally:
-        if _collecting:
-            gc.enable()
-
-
-def _after_in_child() -> None:
-    try:
-        _run(_IN_CHILD)
+        _run(hooks)
     finally:
         if _collecting:
             gc.enable()
 
 
 os.register_at_fork(
-    before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
+    before=_before,
+    after_in_parent=lambda: _after(_AFTER_IN_PARENT),
+    after_in_child=lambda: _after(_IN_CHILD),
 )
