@@ -302,30 +302,43 @@ class Lender:
         copy (:meth:`~dask_ddict._memory.Lent.privatize`): the views stay as they are, at
         the same addresses, but no longer hold a snapshot, which then ends.  The host asks
         for it when a write needs the room (:func:`listen`); the bytes released."""
+        try:
+            with _LOCK:
+                swapped = self._swap_out()
+        finally:
+            _drain()
+        self._swapped(*swapped)
+        return swapped[0]
+
+    def _swap_out(self) -> tuple[int, int, list[Callable[[], None]]]:
+        """(Under the lock.)  :meth:`release`'s copies, and the snapshots they leave idle:
+        ``(bytes, views, what ends those snapshots)``, the last to run once the lock is
+        released (:meth:`_swapped`)."""
         global _lent
         freed = views = 0
         follows: list[Callable[[], None]] = []
-        try:
-            with _LOCK:
-                for s in list(self.snapshots):
-                    for ref, n in s.maps:
-                        m = ref()
-                        if m is None or not m.privatize():
-                            continue  # (private already, or gone: counted off by on_gone)
-                        _lent -= n
-                        s.lent -= 1
-                        s.nbytes -= n
-                        freed += n
-                        views += 1
-                    s.maps = []
-                    follow = self._close_if_idle(s)
-                    if follow is not None:
-                        follows.append(follow)
-        finally:
-            _drain()
+        for s in list(self.snapshots):
+            for ref, n in s.maps:
+                m = ref()
+                if m is None or not m.privatize():
+                    continue  # (private already, or gone: counted off by on_gone)
+                _lent -= n
+                s.lent -= 1
+                s.nbytes -= n
+                freed += n
+                views += 1
+            s.maps = []
+            follow = self._close_if_idle(s)
+            if follow is not None:
+                follows.append(follow)
+        return freed, views, follows
+
+    def _swapped(self, freed: int, views: int, follows: list[Callable[[], None]]) -> None:
+        """(The lock released.)  End the snapshots :meth:`_swap_out` left idle, then tell
+        the pin board: only now that they ended does a board at 0 mean the room is free."""
         for follow in follows:
             follow()
-        if views:  # (only now that the snapshots ended: a board at 0 means the room is free)
+        if views:
             try:
                 with _LOCK:
                     board = self._board()
@@ -333,7 +346,6 @@ class Lender:
                         board.add(self.mid, -freed, -views)
             finally:
                 _drain()
-        return freed
 
     def _close_if_idle(self, s: Snapshot) -> Follow:
         """(Under the lock.) End ``s`` if nothing reads in it or holds a view of it;
@@ -348,9 +360,11 @@ class Lender:
         idle = self.open == 0
 
         def after() -> None:
-            txn.abort()
-            if idle:
-                self._on_idle()
+            try:
+                txn.abort()
+            finally:  # (an interrupt as the abort returns must not keep the view open)
+                if idle:
+                    self._on_idle()
 
         return after
 
@@ -433,22 +447,32 @@ def _stop_listening() -> None:
     _LISTENERS.clear()
 
 
+#: What :func:`_forking` swapped out, to finish in the parent once the fork is done.
+_SWAPPED: list[tuple[Lender, tuple[int, int, list[Callable[[], None]]]]] = []
+
+
 def _forking() -> None:
-    """Before a fork: every value this process lends is swapped for a private copy
-    (:meth:`Lender.release`), which the child then shares copy-on-write, and the lock is
-    held until the fork is done (:func:`_forked_parent`), so that no value is lent in
-    between.  A view of the shard's pages in the child would hold them only while the
-    parent's snapshot does, which may end as soon as the fork returns; copied here, once,
-    before it, the copy is whole however soon that is, and a pool of forked workers does
-    not copy the lent values once each."""
-    with _LOCK:
-        lenders = list(_LENDERS)
-    each(lenders, lambda lender: lender.release())
+    """Before a fork: every value this process lends is swapped for a private copy (as
+    :meth:`Lender.release` does), which the child then shares copy-on-write, under the
+    lending lock, held until the fork is done (:func:`_forked_parent`), so that no value
+    is lent in between.  A view of the shard's pages in the child would hold them only
+    while the parent's snapshot does, which may end as soon as the fork returns; copied
+    here, once, before it, the copy is whole however soon that is, and a pool of forked
+    workers does not copy the lent values once each.  What ends the snapshots left idle
+    runs in the parent after the fork (in the child it would end the parent's)."""
     _LOCK.acquire()  # (released by _forked_parent; a child's starts free: _forked)
+    for lender in list(_LENDERS):
+        try:
+            _SWAPPED.append((lender, lender._swap_out()))
+        except Exception:  # (a value left shared: the child copies it, see _forked)
+            logger.exception("ddict: lent values could not be copied before a fork")
 
 
 def _forked_parent() -> None:
+    swapped = list(_SWAPPED)
+    _SWAPPED.clear()
     _LOCK.release()
+    each(swapped, lambda done: done[0]._swapped(*done[1]))
     _drain()  # (what a finalizer queued meanwhile)
 
 
@@ -462,6 +486,7 @@ def _forked() -> None:
     global _lent
     reinit_lock(_LOCK)
     _PENDING.clear()
+    _SWAPPED.clear()  # (ending those snapshots here would end the parent's)
 
     def forked(lender: Lender) -> None:
         for s in lender.snapshots:
