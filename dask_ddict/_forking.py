@@ -86,7 +86,8 @@ def before_fork(
 
 
 def in_child(hook: Callable[[], None]) -> None:
-    """Run ``hook`` in each forked child, first thing (in registration order)."""
+    """Run ``hook`` in each forked child, with the others registered here (in
+    registration order), before the GC runs again."""
     _IN_CHILD.append(hook)
 
 
@@ -97,7 +98,7 @@ def each(items: Iterable[T], forked: Callable[[T], object]) -> None:
         try:
             forked(item)
         except Exception:
-            logger.exception("ddict: after a fork, %r", item)
+            logger.exception("ddict: around a fork, %r", item)
 
 
 def _run(hooks: list[Callable[[], None]]) -> None:

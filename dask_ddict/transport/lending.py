@@ -486,7 +486,9 @@ def _forked() -> None:
     global _lent
     reinit_lock(_LOCK)
     _PENDING.clear()
-    _SWAPPED.clear()  # (ending those snapshots here would end the parent's)
+    for _, (_, _, follows) in _SWAPPED:  # (ending those snapshots here would end the
+        each(follows, keep_forever)  # parent's: what would end them is never freed here)
+    _SWAPPED.clear()
 
     def forked(lender: Lender) -> None:
         for s in lender.snapshots:
