@@ -578,7 +578,6 @@ cdef class PlainServer:
         cdef Py_ssize_t* order = NULL
         cdef int64_t* lens = NULL
         cdef Py_ssize_t* offs = NULL
-        cdef const unsigned char** frames
         cdef ddict_lmdb_env* e
         cdef ddict_mdb_cursor* cur
         cdef const unsigned char* frame
@@ -613,7 +612,6 @@ cdef class PlainServer:
             ms.append(m)
         lens = <int64_t*>PyMem_Malloc((total + 1) * sizeof(int64_t))
         offs = <Py_ssize_t*>PyMem_Malloc((total + 1) * sizeof(Py_ssize_t))
-        frames = <const unsigned char**>offs  # (one manager's: where each frame is in its map)
         if lens == NULL or offs == NULL:
             PyMem_Free(lens)
             PyMem_Free(offs)
@@ -644,14 +642,10 @@ cdef class PlainServer:
                             continue
                         if flen >= _JOIN or size >= _PRELOADED:
                             return 0
-                        if groups == 1:  # (its snapshot is still open as the reply is written)
-                            frames[order[j]] = frame
-                        else:  # (the next manager's snapshot ends this one's)
-                            self._hold(stored + flen)
-                            memcpy(self.scratch + stored, frame, flen)
-                            offs[at + order[j]] = stored
-                            stored += flen
-                        lens[at + order[j]] = flen
+                        self._hold(stored + flen)
+                        memcpy(self.scratch + stored, frame, flen)
+                        lens[at + order[j]], offs[at + order[j]] = flen, stored
+                        stored += flen
                 finally:
                     e.libv.cursor_close(cur)
                     PyMem_Free(order)
@@ -674,8 +668,7 @@ cdef class PlainServer:
             memset(w + head, 0, at - head)  # (the pads are zeros: nothing else is written)
             for j in range(total):
                 if lens[j] >= 0:
-                    memcpy(w + at, frames[j] if groups == 1 else self.scratch + offs[j],
-                           lens[j])
+                    memcpy(w + at, self.scratch + offs[j], lens[j])
                     memset(w + at + lens[j], 0, _aligned(lens[j]) - lens[j])
                     at += _aligned(lens[j])
             self.n += size
