@@ -342,6 +342,33 @@ def test_a_batch_open_in_the_parent_is_its_own_in_the_child(client):
         assert len(d) == 214
 
 
+def test_a_child_forked_with_commits_behind_its_parents_batch(client):
+    """A parent forks while its same-host batch's flushes are being committed behind it
+    (``ddict.batch.commit-behind``): the child has no commit thread of the parent's and
+    does not wait for the parent's commits; its own batch starts a thread of its own.
+    Both batches land whole."""
+    small = {"ddict.batch.flush-bytes": "2 KiB", "ddict.local-transport": True}
+    with dask.config.set(small), DDict(total_mem="64 MiB", client=client) as d:
+        d.start_batch_put()
+        for i in range(2000):
+            d[f"p{i}"] = i
+
+        def child() -> list[Any]:
+            before = kernels.commits_behind()
+            assert not any(f"c{i}" in d for i in range(20))  # (its shards mapped anew)
+            for i in range(2000):
+                d[f"c{i}"] = i
+            d.end_batch_put()
+            gc.collect()  # (the parent's commits, as copied: dropped without a wait)
+            return [d.get_many([f"c{i}" for i in range(2000)]), kernels.commits_behind() > before]
+
+        got, counted = answer_of(child)
+        assert got == list(range(2000)) and counted == kernels.COMPILED
+        d.end_batch_put()
+        assert d.get_many([f"p{i}" for i in range(2000)]) == list(range(2000))
+        assert len(d) == 4000
+
+
 def answer_of(work: Callable[[], Any]) -> Any:
     """What ``work`` returned in a forked child that then exited cleanly."""
     answer, p = _in_child(work)

@@ -64,7 +64,10 @@ def test_the_compiled_set_is_built_and_chosen():
     package runs them unless ``ddict.compiled`` is false."""
     assert set(pure.__all__) | {
         "BATCH_RECORD",
+        "COMMITTED",
         "COMPILED",
+        "FORKED",
+        "LEFT",
         "GROUP",
         "JOIN",
         "KeyTooLong",

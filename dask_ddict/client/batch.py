@@ -7,8 +7,10 @@ chunk, whatever the number of its managers.  The host applies each
 manager's records in one transaction and keeps the batch's state under its
 id.  On the manager's host, in-window records are committed by the client
 itself, in one LMDB transaction per shard and chunk (as a single small put
-is, see :mod:`~dask_ddict.transport.shared`); only what it may not commit
-goes to the manager.  The end asks every manager that received records how
+is, see :mod:`~dask_ddict.transport.shared`), by the compiled kernels' commit
+thread while the next chunk is routed and framed where it can
+(``ddict.batch.commit-behind``); only what it may not commit goes to the
+manager, after what was committed.  The end asks every manager that received records how
 many it stored, so a batch cut by a host restart is reported, never
 half-applied in silence.  A manager that moved during the batch stored a prefix
 of its records where it was (its old host stores none after the move, and keeps
@@ -87,6 +89,9 @@ class BatchPut:
         self._kept: dict[int, list[Record]] | None = {}
         self._kept_bytes = 0
         self._sent_via: dict[int, Any] = {}  # the link that took each manager's latest records
+        # A same-host shard's latest flush, committed behind the batch (by manager): its
+        # outcome is taken before anything more of that manager is committed or sent.
+        self._behind: dict[int, Any] = {}
         self._resend_bytes = config.get_bytes("batch.resend-bytes")
 
     def __repr__(self) -> str:
@@ -127,15 +132,29 @@ class BatchPut:
             if records:
                 self._send(self._channel(mid).link, {mid: records}, size)
             return
-        self._send(route, {m: self.records.pop(m) for m in mids}, size)
+        by_mid = {m: self._left_behind(m) + self.records.pop(m) for m in mids}
+        self._send(route, by_mid, size)
 
     def _direct(self, mid: int, records: list[Record]) -> list[Record]:
-        """Commit ``records`` into ``mid``'s shard here; the ones left are the manager's."""
+        """Commit ``records`` into ``mid``'s shard here (or queue their commit behind the
+        batch); the ones left are the manager's, after those its last commit left."""
+        left = self._left_behind(mid)
         if mid in self._failed_mids:
             return []
         if mid in self._managed:
-            return records
-        done, error = self._channel(mid).put_batch(records, self._chkpt)
+            return left + records
+        ch = self._channel(mid)
+        behind = ch.put_batch_behind(records, self._chkpt)
+        if behind is not None:
+            self._behind[mid] = behind
+            return []
+        return self._committed(mid, records, *ch.put_batch(records, self._chkpt))
+
+    def _committed(
+        self, mid: int, records: list[Record], done: int, error: DDictError | None
+    ) -> list[Record]:
+        """What ``put_batch`` said of ``records``: those left, the manager's (none after
+        an error, which the batch keeps)."""
         if error is not None:
             self._failed_mids.add(mid)
             self._failed(error, mid)
@@ -143,6 +162,14 @@ class BatchPut:
         if done < len(records):
             self._managed.add(mid)
         return records[done:]
+
+    def _left_behind(self, mid: int) -> list[Record]:
+        """The records of ``mid``'s commit behind the batch (if one is out) that it left
+        to the manager, once it is done."""
+        behind = self._behind.pop(mid, None)
+        if behind is None:
+            return []
+        return self._committed(mid, behind.records, *behind.collect())
 
     def _send(self, link: Any, by_mid: dict[int, list[Record]], keep: int | None = None) -> None:
         """One request to ``link``'s host with the records of its managers (``keep``: their
@@ -267,9 +294,15 @@ class BatchPut:
         self.error = self.error or e
 
     def flush_all(self) -> None:
-        """Send (or commit) everything buffered."""
+        """Send (or commit) everything buffered, and wait for the commits behind it."""
         for route in {self._route(m) for m in self.records}:
             self.flush(route)
+        for mid in list(self._behind):
+            left = self._left_behind(mid)
+            if left:
+                self._send(
+                    self._channel(mid).link, {mid: left}, sum(_cost(r[1], r[2]) for r in left)
+                )
 
     def end(self) -> None:
         """Send what is buffered, check every manager's count, raise the first error."""

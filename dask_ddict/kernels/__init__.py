@@ -29,11 +29,15 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from .. import config
+from .._forking import in_child
 from . import pure
 from .pure import (
     BATCH_RECORD,
+    COMMITTED,
+    FORKED,
     GROUP,
     JOIN,
+    LEFT,
     NO_KEY,
     PRELOADED,
     QUIET,
@@ -82,6 +86,7 @@ def _choose() -> tuple[ModuleType, bool]:
 
 
 _impl, COMPILED = _choose()
+in_child(_impl.commits_behind_forked)  # (a forked child has no commit thread of its own)
 
 
 def get_include() -> str:
@@ -94,6 +99,7 @@ def get_include() -> str:
 if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
     from .pure import (
         Decoded,
+        DirectCommit,
         GenerationBump,
         KeyLane,
         ManagerLock,
@@ -103,6 +109,8 @@ if TYPE_CHECKING:  # (the pure functions' signatures; both sets have the same)
         Router,
         StoreState,
         WindowState,
+        commits_behind,
+        commits_behind_forked,
         decode_frames,
         decode_values,
         decoded,
@@ -136,7 +144,9 @@ else:
 
 __all__ = [
     "BATCH_RECORD",
+    "COMMITTED",
     "COMPILED",
+    "FORKED",
     "GROUP",
     "JOIN",
     "PRELOADED",
@@ -145,9 +155,11 @@ __all__ = [
     "REQUEST",
     "SPAN",
     "Decoded",
+    "DirectCommit",
     "GenerationBump",
     "KeyLane",
     "KeyTooLong",
+    "LEFT",
     "LaneWire",
     "ManagerLock",
     "ManagerState",
@@ -161,6 +173,8 @@ __all__ = [
     "Router",
     "StoreState",
     "WindowState",
+    "commits_behind",
+    "commits_behind_forked",
     "decode_frames",
     "decode_values",
     "decoded",

@@ -1045,8 +1045,10 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
 
 
 include "lmdb_engine.pxi"
+include "shard_writes.pxi"
 include "generation_bump.pxi"
 include "manager_lock.pxi"
 include "plain_state.pxi"
 include "plain_server.pxi"
+include "commit_behind.pxi"
 include "key_lane.pxi"

@@ -55,12 +55,19 @@ cdef extern from *:
        entry points in this order.  Only the types this module calls are spelled out;
        the others keep their slots. */
     typedef struct { size_t mv_size; void *mv_data; } ddict_mdb_val;
+    typedef struct {  /* LMDB's MDB_envinfo, the same in both engines */
+        void *me_mapaddr;
+        size_t me_mapsize, me_last_pgno, me_last_txnid;
+        unsigned int me_maxreaders, me_numreaders;
+    } ddict_mdb_envinfo;
     typedef struct ddict_mdb_txn_s ddict_mdb_txn;        /* opaque: LMDB's MDB_txn */
     typedef struct ddict_mdb_cursor_s ddict_mdb_cursor;  /* opaque: LMDB's MDB_cursor */
     typedef struct {
         int major, minor, patch;
         unsigned int data_version;
-        void *env_fns[20];   /* env_create .. reader_list */
+        void *env_fns[9];    /* env_create .. env_stat */
+        int (*env_info)(void *env, ddict_mdb_envinfo *info);
+        void *env_fns_after[10];  /* env_get_flags .. reader_list */
         int (*txn_begin)(void *env, ddict_mdb_txn *parent, unsigned int flags,
                          ddict_mdb_txn **txn);
         int (*txn_commit)(ddict_mdb_txn *txn);
@@ -136,6 +143,8 @@ cdef extern from *:
     ctypedef struct ddict_mdb_val:
         size_t mv_size
         void* mv_data
+    ctypedef struct ddict_mdb_envinfo:
+        size_t me_last_pgno
     ctypedef struct ddict_mdb_txn:
         pass
     ctypedef struct ddict_mdb_cursor:
@@ -143,22 +152,24 @@ cdef extern from *:
     ctypedef struct ddict_mdb_api:
         int major, minor, patch
         unsigned int data_version
+        int (*env_info)(void* env, ddict_mdb_envinfo* info) nogil
         int (*txn_begin)(void* env, ddict_mdb_txn* parent, unsigned int flags,
                          ddict_mdb_txn** txn) nogil
         int (*txn_commit)(ddict_mdb_txn* txn) nogil
-        void (*txn_abort)(ddict_mdb_txn* txn)
-        size_t (*txn_id)(ddict_mdb_txn* txn)
+        void (*txn_abort)(ddict_mdb_txn* txn) nogil
+        size_t (*txn_id)(ddict_mdb_txn* txn) nogil
         int (*get)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_val* key,
-                   ddict_mdb_val* data)
+                   ddict_mdb_val* data) nogil
         int (*put)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_val* key,
-                   ddict_mdb_val* data, unsigned int flags)
-        int (*cursor_open)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_cursor** cursor)
-        void (*cursor_close)(ddict_mdb_cursor* cursor)
+                   ddict_mdb_val* data, unsigned int flags) nogil
+        int (*cursor_open)(ddict_mdb_txn* txn, unsigned int dbi,
+                           ddict_mdb_cursor** cursor) nogil
+        void (*cursor_close)(ddict_mdb_cursor* cursor) nogil
         int (*cursor_get)(ddict_mdb_cursor* cursor, ddict_mdb_val* key, ddict_mdb_val* data,
-                          int op)
+                          int op) nogil
         int (*cursor_put)(ddict_mdb_cursor* cursor, ddict_mdb_val* key, ddict_mdb_val* data,
-                          unsigned int flags)
-        int (*cursor_del)(ddict_mdb_cursor* cursor, unsigned int flags)
+                          unsigned int flags) nogil
+        int (*cursor_del)(ddict_mdb_cursor* cursor, unsigned int flags) nogil
         char* (*strerror_fn)(int err)
         char* (*version_fn)(int* major, int* minor, int* patch)
     ctypedef struct ddict_lmdb_env:
@@ -375,13 +386,14 @@ cdef inline bint _live(const ddict_mdb_val* v) except -1:
     return not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
 
 
-cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest, Py_ssize_t n):
+cdef inline bint _digest_at(const ddict_mdb_val* k, const unsigned char* digest,
+                            Py_ssize_t n) noexcept nogil:
     """Whether the key ``k`` starts with ``digest`` (``k[:DIGEST] == digest``)."""
     return n == _DIGEST and k.mv_size >= <size_t>_DIGEST and memcmp(k.mv_data, digest, n) == 0
 
 
 cdef inline void _seek_key(unsigned char* seek, const unsigned char* digest,
-                           uint64_t chkpt) noexcept:
+                           uint64_t chkpt) noexcept nogil:
     """``seek`` (24 bytes): the data key of ``digest`` at ``chkpt``, the digest then
     ``MAXQ - chkpt`` big-endian (:func:`~dask_ddict._entry.data_key`): the first key at or
     after it with the digest is the newest version ``chkpt`` sees."""

@@ -50,9 +50,7 @@ cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a heade
 cdef Py_ssize_t _RANGED = DIGEST + SPAN.size  # a byte range's key section: its digest, its bounds
 cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
 cdef Py_ssize_t _GROUP_MOST = 256  # puts of one transaction, at most (the lock held that long)
-cdef bytes _COUNTS = b"counts"  # (key_counts.COUNTS: a window of one's counts, <qqq)
 cdef Py_ssize_t _HUGE = HUGE_BYTES
-cdef int _PERSISTENT = PERSISTENT
 cdef bytes _RID = RID, _RID_SLOT = RID_SLOT, _RID_SEQ = RID_SEQ
 cdef uint64_t _RID_KEEP = RID_KEEP
 cdef Py_ssize_t _BIG_REPLY = BIG_REPLY
@@ -831,88 +829,6 @@ cdef inline Py_ssize_t _slice_bound(int64_t i, Py_ssize_t n) noexcept:
         i += n
         return 0 if i < 0 else <Py_ssize_t>i
     return n if i > n else <Py_ssize_t>i
-
-
-cdef Py_ssize_t _put_one(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
-                         const unsigned char* ks, Py_ssize_t klen, const unsigned char* value,
-                         Py_ssize_t vlen, int64_t chkpt) except -2:
-    """A plain put's version written in ``w`` (``ks``: its key section, the digest then
-    the key; its value's frame), its older versions dropped, as :func:`put_entries`
-    writes a record: the change in keys seen (0 or 1), or -1 where LMDB refused it (the
-    transaction is then only to abort)."""
-    cdef ddict_mdb_cursor* cur = NULL
-    cdef ddict_mdb_val k, v, nk, nv
-    cdef unsigned char seek[24]
-    cdef Py_ssize_t keylen = klen - _DIGEST, total = _ENTRY_HEADER + vlen + klen - _DIGEST
-    cdef bint live, existed
-    cdef char* q
-    cdef int rc
-    _seek_key(seek, ks, chkpt)
-    if api.cursor_open(w, dbi, &cur):
-        return -1
-    try:
-        k.mv_size, k.mv_data = _DIGEST + 8, seek
-        rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_KEY)
-        if rc and rc != DDICT_MDB_NOTFOUND:
-            return -1
-        existed = rc == 0
-        live = existed and v.mv_size >= 1 and not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
-        k.mv_size, k.mv_data = _DIGEST + 8, seek
-        v.mv_size, v.mv_data = total, NULL
-        if api.cursor_put(cur, &k, &v,  # (over the version found: no second search)
-                          DDICT_MDB_RESERVE | (DDICT_MDB_CURRENT if existed else 0)):
-            return -1
-        q = <char*>v.mv_data
-        q[0] = <char>_PERSISTENT
-        q[1] = q[2] = q[3] = 0
-        _put_le32(q + 4, <uint32_t>keylen)
-        _put_le64(<unsigned char*>q + 8, <uint64_t>vlen)
-        memcpy(q + _ENTRY_HEADER, value, vlen)
-        memcpy(q + _ENTRY_HEADER + vlen, ks + _DIGEST, keylen)
-        if not existed:  # new at this checkpoint: its older versions follow, newest first
-            rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_NEXT)
-            if rc == 0 and _digest_at(&nk, seek, _DIGEST):
-                live = nv.mv_size >= 1 and not (<const unsigned char*>nv.mv_data)[0] & _TOMBSTONE
-                while True:
-                    if api.cursor_del(cur, 0):
-                        return -1
-                    rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_GET_CURRENT)
-                    if rc or not _digest_at(&nk, seek, _DIGEST):
-                        break
-            elif rc and rc != DDICT_MDB_NOTFOUND:
-                return -1
-        return 0 if live else 1
-    finally:
-        api.cursor_close(cur)
-
-
-cdef bint _counts_at(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
-                     int64_t newest, unsigned char* counts) except -1:
-    """Whether ``w`` holds the counts of a window of one checkpoint ending at ``newest``
-    (key_counts' counts, ``<qqq``: newest, then the checkpoint's and the ones beyond's),
-    copied to ``counts`` (else the manager recounts)."""
-    cdef ddict_mdb_val k, v
-    k.mv_size, k.mv_data = PyBytes_GET_SIZE(_COUNTS), <void*>PyBytes_AS_STRING(_COUNTS)
-    if api.get(w, dbi, &k, &v) or v.mv_size != 24:
-        return False
-    memcpy(counts, v.mv_data, 24)
-    return <int64_t>_le64(counts) == newest
-
-
-cdef bint _count_by(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int dbi,
-                    int64_t newest, int64_t delta) except -1:
-    """``delta`` keys more seen at every slot of a window of one checkpoint ending at
-    ``newest``: whether it was counted (else the manager recounts)."""
-    cdef ddict_mdb_val k, v
-    cdef unsigned char counts[24]
-    cdef int i
-    if not _counts_at(api, w, dbi, newest, counts):
-        return False
-    k.mv_size, k.mv_data = PyBytes_GET_SIZE(_COUNTS), <void*>PyBytes_AS_STRING(_COUNTS)
-    for i in range(1, 3):
-        _put_le64(counts + 8 * i, <uint64_t>(<int64_t>_le64(counts + 8 * i) + delta))
-    v.mv_size, v.mv_data = 24, counts
-    return api.put(w, dbi, &k, &v, 0) == 0
 
 
 # -- at-most-once replies, as shard.replies keeps them (pure.RID...) ------------------

@@ -357,6 +357,46 @@ def disown_transactions(env: Any) -> bool:
     return False
 
 
+#: What a :class:`DirectCommit` came to: committed; left to its caller (nothing of it
+#: written); or queued by the process this one was forked from (committed there).
+COMMITTED, LEFT, FORKED = 0, 1, 2
+
+
+class DirectCommit:
+    """One flush of a same-host batch's records committed into its shard behind the
+    client's thread, by a C thread that never takes the interpreter lock (the compiled
+    set's; see ``commit_behind.pxi``).  Here no commit is ever queued: :meth:`start`
+    says so, and the caller commits the records itself, as the compiled set's caller
+    does with any commit left to it: one set of rules, the caller's."""
+
+    def start(
+        self,
+        env: Any,
+        data_db: Any,
+        meta_db: Any,
+        records: list[Record],
+        chkpt: int,
+        owner: bytes,
+        limit: float,
+        psize: int,
+    ) -> bool:
+        """Whether the commit of ``records`` was queued: never, here."""
+        return False
+
+    def wait(self) -> int:
+        """What the commit came to: :data:`LEFT`, as it was never queued."""
+        return LEFT
+
+
+def commits_behind() -> tuple[int, int]:
+    """How many commits this process's commit thread committed, and left: none here."""
+    return 0, 0
+
+
+def commits_behind_forked() -> None:
+    """(A forked child's hook: the compiled set forgets its parent's commit thread.)"""
+
+
 def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int, whole: bool = True) -> Entry | None:
     """The newest version of ``digest`` at or before checkpoint ``chkpt`` (an
     :class:`~dask_ddict._entry.Entry` of views of the cursor's key and value), or
@@ -799,6 +839,12 @@ SPAN = struct.Struct("<qq")
 #: its client read it.
 RID, RID_SLOT, RID_SEQ, RID_KEEP, BIG_REPLY = b"rid:", b"ridslot:", b"ridseq", 4096, 4096
 RID_ID = struct.Struct("<Q")
+#: The shard's marks that a same-host client's commit reads (``shard.reader_marks`` and
+#: ``shard.direct`` write them; declared here with the kernel that reads them too): its
+#: newest checkpoint and closed mark (``<qB``), frozen (``b"\x01"``), operations waiting
+#: at the manager (``<q``), the host process that serves it; and a window of one's key
+#: counts (``shard.key_counts``: ``<qqq``, newest, then the keys seen at it and beyond).
+NEWEST, FROZEN, WAITERS, OWNER, COUNTS = b"newest", b"frozen", b"waiters", b"owner", b"counts"
 #: What :func:`receive_reply` gives when a wait of ``wait`` seconds went by with no reply.
 QUIET = -1
 
@@ -1723,6 +1769,9 @@ __all__ = [
     "unpack_frames",
     "unpack_values",
     "disown_transactions",
+    "DirectCommit",
+    "commits_behind",
+    "commits_behind_forked",
     "lookup_entry",
     "lookup_frames",
     "lookup_values",

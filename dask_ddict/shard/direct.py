@@ -15,6 +15,7 @@ from typing import Any
 import lmdb
 
 from ..errors import DDictError
+from ..kernels.pure import OWNER
 from . import key_counts
 from .reader_marks import OPEN, frozen, saved_newest, waiters
 from .store import PERSISTENT, ShardStore
@@ -47,9 +48,9 @@ def put_in_window(
     return bool(done)
 
 
-#: Which host process serves the shard (its socket directory): a client that commits
-#: into a shard itself does so only for the host it knows (a manager may have moved).
-OWNER = b"owner"
+# OWNER: which host process serves the shard (its socket directory): a client that
+# commits into a shard itself does so only for the host it knows (a manager may have
+# moved).
 
 
 def set_owner(store: ShardStore, owner: str) -> None:

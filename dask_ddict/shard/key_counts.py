@@ -39,9 +39,8 @@ from .. import kernels
 from .._serialize import frame_parts
 from ..errors import DDictError
 from ..kernels import Record
+from ..kernels.pure import COUNTS  # (meta: newest, then keys seen at oldest .. newest and beyond)
 from .store import PERSISTENT, TOMBSTONE, ShardStore
-
-COUNTS = b"counts"  # meta: newest, then keys seen at oldest .. newest and beyond
 
 T = TypeVar("T")
 

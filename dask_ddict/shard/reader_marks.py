@@ -16,12 +16,12 @@ import struct
 
 import lmdb
 
+from ..kernels.pure import FROZEN, NEWEST, WAITERS
 from .store import ShardStore
 
-NEWEST = b"newest"
 _NEWEST = struct.Struct("<qB")  # newest checkpoint, closed flag
-FROZEN = b"frozen"  # b"\x01" while frozen
-WAITERS = b"waiters"  # how many operations wait at the manager for other writes
+# (FROZEN: b"\x01" while frozen; WAITERS: how many operations wait at the manager for
+# other writes)
 _COUNT = struct.Struct("<q")
 
 

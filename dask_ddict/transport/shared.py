@@ -603,6 +603,39 @@ class SharedChannel:
                 touched(large)
         return done, error
 
+    def put_batch_behind(
+        self, records: list[tuple[bytes, bytes, Framed]], chkpt: int
+    ) -> CommitBehind | None:
+        """:meth:`put_batch` of ``records`` queued for this process's commit thread, which
+        commits them without the interpreter lock while the caller goes on (a batch's
+        next flush is routed and framed meanwhile); :meth:`CommitBehind.collect` then
+        says what :meth:`put_batch` would have said.  ``None``: not queued (pure
+        kernels, ``ddict.batch.commit-behind`` off, a window of more than one
+        checkpoint, a large value, a value whose frame is not all ``bytes``...): the
+        caller calls :meth:`put_batch`."""
+        if not self._direct or self._size != 1 or not config.get("batch.commit-behind"):
+            return None
+        if kernels.leading_within(records, DIRECT_PUT_MAX) != len(records):
+            return None
+        view = self._enter()
+        if view is None:
+            return None
+        try:
+            self._check_alive()
+            store = view.store
+            if store.indexed:
+                return None
+            commit = kernels.DirectCommit()
+            shard = (store.env, store._data, store._meta)
+            limit = store.full_thresh * store.capacity
+            if not commit.start(*shard, records, chkpt, self._owner, limit, store._psize):
+                return None
+            behind, view = CommitBehind(self, view, commit, records, chkpt), None
+            return behind
+        finally:
+            if view is not None:
+                self._exit(view)
+
     def _contains(self, o: Contains) -> bool:
         view = self._enter()
         if view is None:
@@ -666,3 +699,59 @@ _LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
     Page: SharedChannel._page,
     GetRange: SharedChannel._get_range,
 }
+
+
+class CommitBehind:
+    """A flush of a same-host batch committed behind it (:meth:`SharedChannel.
+    put_batch_behind`): the shard's view stays open for the commit thread until
+    :meth:`collect`."""
+
+    __slots__ = ("_channel", "_view", "_commit", "records", "_chkpt", "_pid")
+
+    def __init__(
+        self,
+        channel: SharedChannel,
+        view: _View,
+        commit: Any,
+        records: list[tuple[bytes, bytes, Framed]],
+        chkpt: int,
+    ) -> None:
+        self._channel, self._commit = channel, commit
+        self._view: _View | None = view
+        self.records, self._chkpt, self._pid = records, chkpt, os.getpid()
+
+    def __del__(self) -> None:
+        # (a batch dropped without its end: its commit runs out, its view is let go)
+        if self._view is not None:
+            self._done()
+
+    def _done(self) -> int:
+        """What the commit came to, once it did; the view let go (in a forked child, the
+        parent's view and commit are the parent's: left as they are)."""
+        if self._pid != os.getpid():
+            self._view = None
+            return int(kernels.FORKED)
+        try:
+            return int(self._commit.wait())
+        finally:
+            view, self._view = self._view, None
+            if view is not None:
+                SharedChannel._exit(view)
+
+    def collect(self) -> tuple[int, DDictError | None]:
+        """What :meth:`SharedChannel.put_batch` of the records says: all of them put, or,
+        where the commit thread left them (nothing of them written), what the channel's
+        own commit of them says now (in the same order: nothing of the batch went to the
+        manager meanwhile)."""
+        outcome = self._done()
+        ch = self._channel
+        if outcome == kernels.COMMITTED:
+            ch._words.bump(ch._mid)  # type: ignore[union-attr]
+            return len(self.records), None
+        if outcome == kernels.FORKED:
+            raise DDictError(
+                f"a batch's commit queued in process {self._pid}, which forked this one: "
+                "its puts are that process's",
+                "INVALID_OPERATION",
+            )
+        return ch.put_batch(self.records, self._chkpt)

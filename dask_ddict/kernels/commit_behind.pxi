@@ -1,0 +1,362 @@
+# A same-host client's batch committed behind it: each flush of a batch's records into a
+# shard mapped here is one write transaction, run by a C thread of this process that
+# never takes the interpreter lock, while the client's thread routes and frames the next
+# flush (the overlap a batch over TCP gets from its host process).  Included by
+# _compiled.pyx, after plain_server.pxi (whose checks of py-lmdb's objects it uses).
+#
+# A commit runs the rules of shard.direct.puts_in_window, read from the shard's marks in
+# its own write transaction (the host process that serves the shard, the window, frozen,
+# operations waiting at the manager, the room below the high-water mark, the key
+# counts), for a window of one checkpoint; it writes all of its records or none.  Any
+# other outcome (a rule not met, LMDB's refusal, a full map) leaves nothing written,
+# and the caller puts the same records as it did before this existed (its own
+# transaction, then the manager), in the same order: whatever is left, and why, is the
+# Python path's to find and say.
+#
+# A thread that could take the interpreter lock would wait for it behind the client's
+# thread, which holds it while it runs Python: up to the switch interval (5 ms) a time,
+# far more than a commit.  Here the records are read as C pointers into the bytes
+# objects the commit keeps alive (taken with the lock, when it is queued), and the
+# shard's environment is kept open by the caller (a view's count of operations inside)
+# until it has waited for the commit.
+
+from posix.unistd cimport getpid
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t* m, const void* attr)
+    int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_unlock(pthread_mutex_t* m)
+    int pthread_cond_init(pthread_cond_t* c, const void* attr)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
+    int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_signal(pthread_cond_t* c)
+    int pthread_create(pthread_t* t, const void* attr, void* (*start)(void*) noexcept nogil,
+                       void* arg)
+    int pthread_detach(pthread_t t)
+
+cdef extern from "<signal.h>" nogil:
+    ctypedef struct sigset_t:
+        pass
+    int sigfillset(sigset_t* s)
+    int pthread_sigmask(int how, const sigset_t* s, sigset_t* old)
+    int SIG_BLOCK
+
+from .pure import FROZEN, NEWEST, OWNER, WAITERS
+
+ctypedef struct _Name:  # (a mark's name, as C reads it: the module keeps the bytes alive)
+    const char* p
+    size_t n
+
+cdef bytes _NEWEST_B = NEWEST, _FROZEN_B = FROZEN, _WAITERS_B = WAITERS, _OWNER_B = OWNER
+cdef _Name _NEWEST_MARK, _FROZEN_MARK, _WAITERS_MARK, _OWNER_MARK
+_NEWEST_MARK.p, _NEWEST_MARK.n = _NEWEST_B, len(_NEWEST_B)
+_FROZEN_MARK.p, _FROZEN_MARK.n = _FROZEN_B, len(_FROZEN_B)
+_WAITERS_MARK.p, _WAITERS_MARK.n = _WAITERS_B, len(_WAITERS_B)
+_OWNER_MARK.p, _OWNER_MARK.n = _OWNER_B, len(_OWNER_B)
+
+# What a commit came to (:meth:`DirectCommit.wait`, as pure.COMMITTED... say it).
+cdef enum:
+    _COMMITTED = 0
+    _LEFT = 1
+    _FORKED = 2
+
+from .pure import COMMITTED, FORKED, LEFT
+
+assert (COMMITTED, LEFT, FORKED) == (_COMMITTED, _LEFT, _FORKED)  # (one meaning each)
+
+ctypedef struct _Rec:  # (one record: its digest, its key, its value's parts)
+    const unsigned char* digest
+    const char* key
+    Py_ssize_t klen, vlen, first, nparts
+
+ctypedef struct _Job:
+    _Job* next
+    int state  # 0: not queued; 1: queued or running; 2: done
+    int outcome
+    int pid  # (the process that queued it)
+    void* env
+    const ddict_mdb_api* api
+    unsigned int data, meta
+    int64_t chkpt
+    const char* owner
+    Py_ssize_t owner_len
+    double limit  # (the shard's full threshold, in bytes)
+    size_t psize
+    Py_ssize_t n, total  # (records, and their values' and keys' bytes)
+    _Rec* recs
+    _Part* parts
+
+cdef pthread_mutex_t _behind_lock
+cdef pthread_cond_t _behind_ready, _behind_done
+cdef _Job* _behind_head = NULL
+cdef _Job* _behind_tail = NULL
+cdef bint _behind_started = False
+cdef Py_ssize_t _behind_counts[2]  # (committed, left)
+
+
+cdef void _behind_reset() noexcept:
+    """The thread's state as at import (in a forked child, whose copy of the lock may be
+    held, and which has no such thread)."""
+    global _behind_head, _behind_tail, _behind_started
+    pthread_mutex_init(&_behind_lock, NULL)
+    pthread_cond_init(&_behind_ready, NULL)
+    pthread_cond_init(&_behind_done, NULL)
+    _behind_head = _behind_tail = NULL
+    _behind_started = False
+    _behind_counts[0] = _behind_counts[1] = 0
+
+
+_behind_reset()
+
+
+def commits_behind_forked():
+    """(A forked child's hook.)  No commit thread here: the parent's queued commits are
+    the parent's, the next one starts a thread of this process."""
+    _behind_reset()
+
+
+def commits_behind():
+    """How many commits this process's thread committed, and left to their callers."""
+    return _behind_counts[0], _behind_counts[1]
+
+
+cdef bint _mark(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned int meta, _Name name,
+                ddict_mdb_val* v, int* rc) noexcept nogil:
+    """The shard's mark ``name`` in ``v`` (True), absent (False, ``rc`` 0), or LMDB's
+    error (False, ``rc``)."""
+    cdef ddict_mdb_val k
+    k.mv_size, k.mv_data = name.n, <void*>name.p
+    rc[0] = api.get(w, meta, &k, v)
+    if rc[0] == DDICT_MDB_NOTFOUND:
+        rc[0] = 0
+        return False
+    return rc[0] == 0
+
+
+cdef bint _commit_rules(_Job* j, ddict_mdb_txn* w) noexcept nogil:
+    """Whether ``j`` may be committed in ``w`` as ``puts_in_window`` allows it, its
+    records written there (else the transaction is only to abort)."""
+    cdef const ddict_mdb_api* api = j.api
+    cdef ddict_mdb_val v
+    cdef ddict_mdb_envinfo info
+    cdef int rc = 0
+    cdef int64_t newest = 0, delta = 0
+    cdef Py_ssize_t i, d
+    cdef _Rec* r
+    if _mark(api, w, j.meta, _OWNER_MARK, &v, &rc):  # (moved to another host process)
+        if <Py_ssize_t>v.mv_size != j.owner_len or memcmp(v.mv_data, j.owner, j.owner_len):
+            return False
+    if rc:
+        return False
+    if _mark(api, w, j.meta, _NEWEST_MARK, &v, &rc):  # the window, and the closed mark
+        if v.mv_size != 9 or (<const unsigned char*>v.mv_data)[8] != 0:
+            return False
+        newest = <int64_t>_le64(<const unsigned char*>v.mv_data)
+    elif rc:
+        return False
+    if j.chkpt != newest:  # (a window of one: any other checkpoint is the caller's)
+        return False
+    if _mark(api, w, j.meta, _FROZEN_MARK, &v, &rc):
+        if v.mv_size == 1 and (<const unsigned char*>v.mv_data)[0] == 1:
+            return False
+    if rc:
+        return False
+    if _mark(api, w, j.meta, _WAITERS_MARK, &v, &rc):  # (only the manager wakes them)
+        if v.mv_size != 8 or _le64(<const unsigned char*>v.mv_data) != 0:
+            return False
+    if rc:
+        return False
+    if api.env_info(j.env, &info):  # the room: ShardStore.below_high_water's
+        return False
+    if (<double>(info.me_last_pgno + 4) * j.psize
+            + 2.0 * (j.total + j.n * (_ENTRY_HEADER + 64)) > j.limit):  # fmt: skip
+        return False
+    for i in range(j.n):
+        r = &j.recs[i]
+        d = _put_parts(api, w, j.data, r.digest, r.key, r.klen, j.parts + r.first, r.nparts,
+                       r.vlen, j.chkpt)
+        if d < 0:
+            return False
+        delta += d
+    return delta == 0 or _count_by(api, w, j.meta, newest, delta)
+
+
+cdef int _commit_job(_Job* j) noexcept nogil:
+    """``j`` committed in a write transaction of its own (``COMMITTED``), or nothing of
+    it written (``LEFT``)."""
+    cdef ddict_mdb_txn* w = NULL
+    if j.api.txn_begin(j.env, NULL, 0, &w):  # (waits for LMDB's writer lock)
+        return _LEFT
+    if not _commit_rules(j, w):
+        j.api.txn_abort(w)
+        return _LEFT
+    if j.api.txn_commit(w):  # (a failed commit frees the transaction too)
+        return _LEFT
+    return _COMMITTED
+
+
+cdef void* _commit_thread(void* arg) noexcept nogil:
+    """The process's commit thread: each queued commit in turn, for ever (it holds no
+    Python object, and the process's exit does not wait for it)."""
+    cdef sigset_t every
+    cdef _Job* j
+    cdef int outcome
+    global _behind_head, _behind_tail
+    sigfillset(&every)  # (a signal is the interpreter's threads' to take)
+    pthread_sigmask(SIG_BLOCK, &every, NULL)
+    pthread_mutex_lock(&_behind_lock)
+    while True:
+        while _behind_head == NULL:
+            pthread_cond_wait(&_behind_ready, &_behind_lock)
+        j = _behind_head
+        _behind_head = j.next
+        if _behind_head == NULL:
+            _behind_tail = NULL
+        pthread_mutex_unlock(&_behind_lock)
+        outcome = _commit_job(j)
+        pthread_mutex_lock(&_behind_lock)
+        j.outcome, j.state = outcome, 2
+        _behind_counts[0 if outcome == _COMMITTED else 1] += 1
+        pthread_cond_broadcast(&_behind_done)
+    return NULL
+
+
+cdef bint _queue(_Job* j) noexcept nogil:
+    """``j`` queued for the commit thread (started here the first time): whether it was
+    (no thread to be had: the caller commits it itself)."""
+    cdef pthread_t t
+    global _behind_head, _behind_tail, _behind_started
+    pthread_mutex_lock(&_behind_lock)
+    if not _behind_started:
+        if pthread_create(&t, NULL, _commit_thread, NULL):
+            pthread_mutex_unlock(&_behind_lock)
+            return False
+        pthread_detach(t)
+        _behind_started = True
+    j.next, j.state = NULL, 1
+    if _behind_tail == NULL:
+        _behind_head = j
+    else:
+        _behind_tail.next = j
+    _behind_tail = j
+    pthread_cond_signal(&_behind_ready)
+    pthread_mutex_unlock(&_behind_lock)
+    return True
+
+
+cdef void _wait_for(_Job* j) noexcept nogil:
+    pthread_mutex_lock(&_behind_lock)
+    while j.state == 1:
+        pthread_cond_wait(&_behind_done, &_behind_lock)
+    pthread_mutex_unlock(&_behind_lock)
+
+
+@cython.final
+@cython.no_gc_clear  # (what it keeps is the commit thread's until it is done: see __dealloc__)
+cdef class DirectCommit:
+    """One flush of a same-host batch's records, committed into its shard by this
+    process's commit thread (see the module's comment): :meth:`start` queues it,
+    :meth:`wait` says what it came to.  Its records and the shard's objects are kept
+    alive until then; the caller keeps the shard's environment open."""
+
+    cdef _Job job
+    cdef object keep
+
+    def __cinit__(self):
+        memset(&self.job, 0, sizeof(_Job))
+
+    def __dealloc__(self):
+        if self.job.state == 1 and self.job.pid == getpid():
+            with nogil:  # (the thread reads its records: they go after it is done)
+                _wait_for(&self.job)
+        PyMem_Free(self.job.recs)
+        PyMem_Free(self.job.parts)
+
+    def start(self, env, data_db, meta_db, list records, int64_t chkpt, bytes owner,
+              double limit, Py_ssize_t psize):
+        """Queue the commit of ``records`` (``(digest, key, frame)`` each, a frame's parts
+        all ``bytes``) at ``chkpt`` into the shard of py-lmdb's ``env`` and its open
+        ``data_db`` and ``meta_db``, for the host process ``owner`` (the shard's owner
+        mark), below ``limit`` bytes used (pages of ``psize`` bytes): whether it was
+        queued (else nothing was: records or objects this cannot commit, or no thread)."""
+        cdef ddict_lmdb_env* e
+        cdef tuple recs = tuple(records)  # (its own: the caller's list may change)
+        cdef Py_ssize_t n = len(recs), nparts = 0, i, at = 0, vlen
+        cdef _Rec* r
+        if self.keep is not None or self.job.recs != NULL:
+            raise RuntimeError("a DirectCommit commits once")
+        if n == 0:
+            return False
+        try:
+            _engines()
+        except LmdbEngineError:
+            return False
+        e = _open_env(env, data_db)
+        if e == NULL or not _lmdb_object(meta_db, _Database, e):
+            return False
+        for rec in recs:  # (each record's parts: all bytes, adding up)
+            if type(rec) is not tuple or PyTuple_GET_SIZE(rec) != 3:
+                return False
+            digest, kb, frame = rec
+            if type(digest) is not bytes or PyBytes_GET_SIZE(digest) != _DIGEST:
+                return False
+            if type(kb) is not bytes or type(frame) is not Framed:
+                return False
+            parts = (<tuple>frame)[0]
+            if type(parts) is not tuple:
+                return False
+            vlen = 0
+            for part in <tuple>parts:
+                if type(part) is not bytes:
+                    return False
+                vlen += PyBytes_GET_SIZE(part)
+            if vlen != (<tuple>frame)[1] or vlen + PyBytes_GET_SIZE(kb) + _ENTRY_HEADER >= _HUGE:
+                return False
+            nparts += PyTuple_GET_SIZE(parts)
+        self.job.recs = <_Rec*>PyMem_Malloc(n * sizeof(_Rec))
+        self.job.parts = <_Part*>PyMem_Malloc(max(nparts, 1) * sizeof(_Part))
+        if self.job.recs == NULL or self.job.parts == NULL:
+            raise MemoryError()
+        self.job.total = 0
+        for i in range(n):
+            digest, kb, frame = <tuple>recs[i]
+            parts = (<tuple>frame)[0]
+            r = &self.job.recs[i]
+            r.digest = <const unsigned char*>PyBytes_AS_STRING(digest)
+            r.key, r.klen = PyBytes_AS_STRING(kb), PyBytes_GET_SIZE(kb)
+            r.first, r.nparts, r.vlen = at, PyTuple_GET_SIZE(parts), 0
+            for part in <tuple>parts:
+                self.job.parts[at].p = PyBytes_AS_STRING(part)
+                self.job.parts[at].n = PyBytes_GET_SIZE(part)
+                r.vlen += PyBytes_GET_SIZE(part)
+                at += 1
+            self.job.total += r.vlen + r.klen
+        self.job.n, self.job.env, self.job.api = n, e.env, e.libv
+        self.job.data = (<ddict_lmdb_db*><PyObject*>data_db).dbi
+        self.job.meta = (<ddict_lmdb_db*><PyObject*>meta_db).dbi
+        self.job.chkpt, self.job.limit, self.job.psize = chkpt, limit, <size_t>psize
+        self.job.owner, self.job.owner_len = PyBytes_AS_STRING(owner), PyBytes_GET_SIZE(owner)
+        self.job.pid = getpid()
+        self.keep = (recs, env, data_db, meta_db, owner)
+        if not _queue(&self.job):
+            self.keep = None
+            return False
+        return True
+
+    def wait(self):
+        """What the commit came to (``COMMITTED``, ``LEFT``: nothing written, or
+        ``FORKED``: queued by the process this one was forked from), once it is done."""
+        if self.job.state == 0:
+            return _LEFT
+        if self.job.pid != getpid():
+            return _FORKED
+        with nogil:
+            _wait_for(&self.job)
+        self.job.state = 0
+        self.keep = None
+        return self.job.outcome
