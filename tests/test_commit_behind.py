@@ -10,6 +10,7 @@ refusal in their middle (a waiter at the manager, a full shard) and must land in
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -22,10 +23,10 @@ from typing import Any
 
 import dask
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_ddict import DDict, DDictFullError, kernels
+from dask_ddict import DDict, DDictFullError, DDictManagerUnavailableError, kernels
 from dask_ddict._hashing import key_digest
 from dask_ddict._serialize import Framed, dumps_value
 from dask_ddict.kernels import pure
@@ -33,6 +34,7 @@ from dask_ddict.shard.direct import puts_in_window, set_owner
 from dask_ddict.shard.key_counts import COUNTS
 from dask_ddict.shard.reader_marks import FROZEN, WAITERS, put_newest
 from dask_ddict.shard.store import ShardStore
+from dask_ddict.transport import mapped, shared
 
 try:
     from dask_ddict.kernels import _compiled
@@ -54,8 +56,8 @@ def _shard() -> tuple[str, ShardStore]:
     return path, ShardStore(path, 8 << 20)
 
 
-@pytest.fixture
-def twins() -> Iterator[tuple[ShardStore, ShardStore]]:
+@contextlib.contextmanager
+def _twins() -> Iterator[tuple[ShardStore, ShardStore]]:
     """Two empty shards of one checkpoint, each with its owner mark and its key counts
     (as a host serves them: a commit that finds no counts leaves the recount to its
     caller)."""
@@ -71,6 +73,12 @@ def twins() -> Iterator[tuple[ShardStore, ShardStore]]:
         for path, store in made:
             store.close()
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def twins() -> Iterator[tuple[ShardStore, ShardStore]]:
+    with _twins() as made:
+        yield made
 
 
 def _behind(store: ShardStore, records: list[Any], chkpt: int = 0, owner: bytes = OWNER) -> int:
@@ -92,33 +100,54 @@ def _contents(store: ShardStore) -> tuple[list[tuple[bytes, bytes]], bytes | Non
 
 
 @needs_compiled
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=40, deadline=None)
 @given(
     batches=st.lists(
-        st.lists(
-            st.tuples(
-                st.integers(0, 30),
-                st.one_of(st.binary(max_size=200), st.integers(), st.text(max_size=50)),
+        st.tuples(
+            st.booleans(),  # the window moves first (older versions then go with each put)
+            st.lists(
+                st.tuples(
+                    st.integers(0, 30),
+                    st.one_of(
+                        st.binary(max_size=200),
+                        st.binary(min_size=2000, max_size=9000),  # (overflow pages)
+                        st.integers(),
+                        st.text(max_size=50),
+                    ),
+                ),
+                min_size=1,
+                max_size=40,
             ),
-            min_size=1,
-            max_size=40,
         ),
         min_size=1,
         max_size=4,
     )
 )
-def test_the_thread_writes_what_the_clients_commit_writes(twins, batches):
+def test_the_thread_writes_what_the_clients_commit_writes(batches):
     """Twin shards, one written by the commit thread and one by ``puts_in_window`` (the
     client's own commit, through py-lmdb and the kernels the process runs): the same
-    bytes in every record, the same key counts, after every flush."""
-    ours, theirs = twins
-    for batch in batches:
+    bytes in every record, the same key counts, after every flush; the window moved now
+    and then (by a new key put through ``puts_in_window`` on both, whose count saves the
+    new window's: a commit that finds the counts of another window is left, as the
+    rules test below checks)."""
+    with _twins() as (ours, theirs):
+        _same_writes(ours, theirs, batches)
+
+
+def _same_writes(ours: ShardStore, theirs: ShardStore, batches: list[Any]) -> None:
+    newest = 0
+    for moves, batch in batches:
+        if moves:
+            newest += 1
+            for store in (ours, theirs):
+                with store.write() as txn:
+                    put_newest(store, txn, newest)
+                    seed = _records([(b"seed%d" % newest, 0)])  # (new: counted anew)
+                    assert puts_in_window(store, txn, 1, newest, seed, OWNER) == (1, None)
         records = _records([(b"key%d" % k, v) for k, v in batch])
-        assert _behind(ours, records) == kernels.COMMITTED
+        assert _behind(ours, records, newest) == kernels.COMMITTED
         with theirs.write() as txn:
-            assert puts_in_window(theirs, txn, 1, 0, records, OWNER) == (len(records), None)
+            assert puts_in_window(theirs, txn, 1, newest, records, OWNER) == (len(records), None)
         assert _contents(ours) == _contents(theirs)
 
 
@@ -166,6 +195,39 @@ def test_records_the_thread_cannot_read_are_not_queued(twins):
         assert not s.DirectCommit().start(*args, [], 0, OWNER, 1e9, 4096)
         assert s.DirectCommit().wait() == kernels.LEFT
     assert not pure.DirectCommit().start(*args, _records([(b"k", 1)]), 0, OWNER, 1e9, 4096)
+
+
+@needs_compiled
+@pytest.mark.timeout(60)
+def test_a_commit_dropped_inside_a_write_transaction_is_not_waited_for(twins):
+    """The collector may drop a batch's commit while this thread holds the shard's
+    writer lock (a put of its own), which the commit waits for: nothing waits then (it
+    would wait for ever); the commit lands once the lock is free, and its view is let go
+    at a later same-host operation."""
+    store, _ = twins
+    view = mapped._View(store)
+    view.active = 1  # (the flush's operation inside the view, as put_batch_behind counts it)
+    records = _records([(b"late", 1)])
+    txn = store.write()  # (this thread holds the writer lock)
+    try:
+        commit = _compiled.DirectCommit()
+        limit = store.full_thresh * store.capacity
+        shard = (store.env, store._data, store._meta)
+        assert commit.start(*shard, records, 0, OWNER, limit, store._psize)
+        cycle: list[Any] = [shared.CommitBehind(None, view, commit, records, 0)]  # type: ignore[arg-type]
+        cycle.append(cycle)
+        del cycle, commit
+        gc.collect()
+        assert view.active == 1 and len(shared._ORPHANS) == 1
+    finally:
+        txn.abort()
+    deadline = time.monotonic() + 30
+    while shared._ORPHANS and time.monotonic() < deadline:
+        shared._let_go_orphans()
+        time.sleep(0.01)
+    assert view.active == 0 and not shared._ORPHANS
+    with store.read() as txn:
+        assert store.lookup(txn, key_digest(b"late"), 0) is not None
 
 
 # -- on a cluster ----------------------------------------------------------------------
@@ -258,11 +320,34 @@ def test_a_full_shard_mid_batch_is_reported_and_keeps_what_it_stored(client):
         assert len(d) == 100
 
 
+def test_an_error_at_the_end_still_waits_for_every_commit(client, monkeypatch):
+    """A batch's end that fails on one manager (its host gone, injected here) still
+    waits for the commits behind the batch on the others before it raises: none is left
+    running with the batch closed, none keeps its shard's view."""
+    with dask.config.set(SMALL_FLUSHES), DDict(total_mem="64 MiB", client=client) as d:
+        d.start_batch_put()
+        for i in range(1000):
+            d[i] = b"v" * 100
+        batch = d._batch
+        assert batch is not None
+        channels = [d._core.channel(m) for m in range(2)]
+
+        def gone(quiet: bool = False) -> None:
+            raise DDictManagerUnavailableError("manager 0 is gone (injected)")
+
+        monkeypatch.setattr(channels[0], "_check_alive", gone)
+        with pytest.raises(DDictManagerUnavailableError, match="injected"):
+            d.end_batch_put()
+        assert not batch._behind
+        assert all(ch._view is None or ch._view.active == 0 for ch in channels)
+
+
 def test_a_batch_dropped_without_its_end_lets_its_shard_go(client):
     """A batch whose handle is dropped with commits behind it: they run out, and the
     shard's view is not held for them (its count of operations inside goes back)."""
     with dask.config.set(SMALL_FLUSHES), DDict(total_mem="64 MiB", client=client) as d:
         h = DDict.attach(d.serialize())
+        assert len(d) == 0  # (its answer kept by the hosts under the generation words)
         h.start_batch_put()
         for i in range(1000):
             h[i] = b"v" * 100
@@ -271,7 +356,10 @@ def test_a_batch_dropped_without_its_end_lets_its_shard_go(client):
         gc.collect()
         deadline = time.monotonic() + 10
         while any(v is not None and v.active for v in views) and time.monotonic() < deadline:
+            assert "x" not in d  # (a same-host operation: lets go of what is done)
             time.sleep(0.05)
         assert all(v is None or v.active == 0 for v in views)
+        stored = sum(1 for _ in d.keys())
+        assert stored > 0 and len(d) == stored  # (each commit changed its manager's word)
         d[0] = 1  # (the shards take writes: no lock held for the dropped batch)
         assert d[0] == 1

@@ -45,6 +45,10 @@ def _cost(kb: bytes, framed: Framed) -> int:
     return framed.nbytes + len(kb) + RECORD_FRAMING
 
 
+def _costs(records: list[Record]) -> int:
+    return sum(_cost(r[1], r[2]) for r in records)
+
+
 class BatchPut:
     """One open batch of a handle: client-side buffers, one list of records per manager.
 
@@ -130,10 +134,11 @@ class BatchPut:
             mid = mids[0]
             records = self._direct(mid, self.records.pop(mid))
             if records:
-                self._send(self._channel(mid).link, {mid: records}, size)
+                self._send(self._channel(mid).link, {mid: records}, _costs(records))
             return
-        by_mid = {m: self._left_behind(m) + self.records.pop(m) for m in mids}
-        self._send(route, by_mid, size)
+        left = {m: self._left_behind(m) for m in mids if m in self._behind}  # (before any pop)
+        by_mid = {m: left.get(m, []) + self.records.pop(m) for m in mids}
+        self._send(route, by_mid, size + sum(_costs(rs) for rs in left.values()))
 
     def _direct(self, mid: int, records: list[Record]) -> list[Record]:
         """Commit ``records`` into ``mid``'s shard here (or queue their commit behind the
@@ -181,6 +186,7 @@ class BatchPut:
         for mid, rs in by_mid.items():
             self.sent[mid] = self.sent.get(mid, 0) + len(rs)
             self._sent_via[mid] = link
+            self._managed.add(mid)  # (its later records follow these: never committed here)
         if keep is not None:
             self._keep(by_mid, keep)
         first = records[0][0]
@@ -294,15 +300,30 @@ class BatchPut:
         self.error = self.error or e
 
     def flush_all(self) -> None:
-        """Send (or commit) everything buffered, and wait for the commits behind it."""
-        for route in {self._route(m) for m in self.records}:
-            self.flush(route)
+        """Send (or commit) everything buffered, and wait for the commits behind it: all
+        of them, whatever the flushes raised."""
+        try:
+            for route in {self._route(m) for m in self.records}:
+                self.flush(route)
+        except BaseException:
+            self._settle_behind(quiet=True)
+            raise
+        self._settle_behind()
+
+    def _settle_behind(self, quiet: bool = False) -> None:
+        """Wait for every commit behind the batch and send what each left to its manager;
+        the first error raised once all are done (``quiet``: none, another is on its
+        way)."""
+        first: BaseException | None = None
         for mid in list(self._behind):
-            left = self._left_behind(mid)
-            if left:
-                self._send(
-                    self._channel(mid).link, {mid: left}, sum(_cost(r[1], r[2]) for r in left)
-                )
+            try:
+                left = self._left_behind(mid)
+                if left:
+                    self._send(self._channel(mid).link, {mid: left}, _costs(left))
+            except BaseException as e:  # noqa: BLE001 - raised once the others are done
+                first = first or e
+        if first is not None and not quiet:
+            raise first
 
     def end(self) -> None:
         """Send what is buffered, check every manager's count, raise the first error."""

@@ -2,7 +2,8 @@
 # shard mapped here is one write transaction, run by a C thread of this process that
 # never takes the interpreter lock, while the client's thread routes and frames the next
 # flush (the overlap a batch over TCP gets from its host process).  Included by
-# _compiled.pyx, after plain_server.pxi (whose checks of py-lmdb's objects it uses).
+# _compiled.pyx, after plain_server.pxi (whose checks of py-lmdb's objects it uses); it
+# writes with shard_writes.pxi's functions, as the host's plain server does.
 #
 # A commit runs the rules of shard.direct.puts_in_window, read from the shard's marks in
 # its own write transaction (the host process that serves the shard, the window, frozen,
@@ -18,8 +19,18 @@
 # far more than a commit.  Here the records are read as C pointers into the bytes
 # objects the commit keeps alive (taken with the lock, when it is queued), and the
 # shard's environment is kept open by the caller (a view's count of operations inside)
-# until it has waited for the commit.
+# until the commit is done.  After it commits, the thread writes the manager's new
+# generation word itself (shard.generations: before any wait for the commit returns,
+# and whether or not one ever does), into the client's mapping of the words, which a
+# client never closes (the commit keeps the array, and a buffer of it, until it is done).
+#
+# Nothing that waits for a commit may hold a write transaction of the process (the
+# thread may be waiting for LMDB's writer lock): a commit is waited for only by its
+# caller's next step (the shard's next flush, the batch's end), never by a finalizer, and
+# one dropped before it is done is kept, with what it reads, until it is (or for ever,
+# at the interpreter's exit).
 
+from cpython.ref cimport Py_INCREF
 from posix.unistd cimport getpid
 
 cdef extern from "<pthread.h>" nogil:
@@ -45,19 +56,27 @@ cdef extern from "<signal.h>" nogil:
     int sigfillset(sigset_t* s)
     int pthread_sigmask(int how, const sigset_t* s, sigset_t* old)
     int SIG_BLOCK
+    int SIG_SETMASK
 
 from .pure import FROZEN, NEWEST, OWNER, WAITERS
 
-ctypedef struct _Name:  # (a mark's name, as C reads it: the module keeps the bytes alive)
-    const char* p
+ctypedef struct _Name:  # (a mark's name, copied: the thread may outlive the module)
+    char p[16]
     size_t n
 
-cdef bytes _NEWEST_B = NEWEST, _FROZEN_B = FROZEN, _WAITERS_B = WAITERS, _OWNER_B = OWNER
 cdef _Name _NEWEST_MARK, _FROZEN_MARK, _WAITERS_MARK, _OWNER_MARK
-_NEWEST_MARK.p, _NEWEST_MARK.n = _NEWEST_B, len(_NEWEST_B)
-_FROZEN_MARK.p, _FROZEN_MARK.n = _FROZEN_B, len(_FROZEN_B)
-_WAITERS_MARK.p, _WAITERS_MARK.n = _WAITERS_B, len(_WAITERS_B)
-_OWNER_MARK.p, _OWNER_MARK.n = _OWNER_B, len(_OWNER_B)
+
+
+cdef void _name(_Name* to, bytes name) except *:
+    assert len(name) <= 16
+    memcpy(to.p, PyBytes_AS_STRING(name), len(name))
+    to.n = len(name)
+
+
+_name(&_NEWEST_MARK, NEWEST)
+_name(&_FROZEN_MARK, FROZEN)
+_name(&_WAITERS_MARK, WAITERS)
+_name(&_OWNER_MARK, OWNER)
 
 # What a commit came to (:meth:`DirectCommit.wait`, as pure.COMMITTED... say it).
 cdef enum:
@@ -90,6 +109,7 @@ ctypedef struct _Job:
     Py_ssize_t n, total  # (records, and their values' and keys' bytes)
     _Rec* recs
     _Part* parts
+    int64_t* word  # (the manager's generation word, new after a commit; NULL: none)
 
 cdef pthread_mutex_t _behind_lock
 cdef pthread_cond_t _behind_ready, _behind_done
@@ -97,27 +117,41 @@ cdef _Job* _behind_head = NULL
 cdef _Job* _behind_tail = NULL
 cdef bint _behind_started = False
 cdef Py_ssize_t _behind_counts[2]  # (committed, left)
+cdef uint64_t _behind_words = 0  # (the thread's generator of words: Generations.bump's)
 
 
-cdef void _behind_reset() noexcept:
+cdef void _behind_reset(uint64_t seed) noexcept:
     """The thread's state as at import (in a forked child, whose copy of the lock may be
     held, and which has no such thread)."""
-    global _behind_head, _behind_tail, _behind_started
+    global _behind_head, _behind_tail, _behind_started, _behind_words
     pthread_mutex_init(&_behind_lock, NULL)
     pthread_cond_init(&_behind_ready, NULL)
     pthread_cond_init(&_behind_done, NULL)
     _behind_head = _behind_tail = NULL
     _behind_started = False
     _behind_counts[0] = _behind_counts[1] = 0
-
-
-_behind_reset()
+    _behind_words = seed
 
 
 def commits_behind_forked():
     """(A forked child's hook.)  No commit thread here: the parent's queued commits are
-    the parent's, the next one starts a thread of this process."""
-    _behind_reset()
+    the parent's, the next one starts a thread of this process (and draws other words)."""
+    _behind_reset(int.from_bytes(os.urandom(8), "little"))
+
+
+commits_behind_forked()
+
+
+cdef inline int64_t _behind_word() noexcept nogil:
+    """A new generation word (63 random bits and a one, as Generations.bump draws them:
+    splitmix64, the thread's own state)."""
+    global _behind_words
+    cdef uint64_t z
+    _behind_words += <uint64_t>0x9E3779B97F4A7C15
+    z = _behind_words
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
+    return <int64_t>(((z ^ (z >> 31)) >> 1) | 1)
 
 
 def commits_behind():
@@ -197,18 +231,17 @@ cdef int _commit_job(_Job* j) noexcept nogil:
         return _LEFT
     if j.api.txn_commit(w):  # (a failed commit frees the transaction too)
         return _LEFT
+    if j.word != NULL:  # (before the commit is said done: shard.generations)
+        j.word[0] = _behind_word()
     return _COMMITTED
 
 
 cdef void* _commit_thread(void* arg) noexcept nogil:
     """The process's commit thread: each queued commit in turn, for ever (it holds no
     Python object, and the process's exit does not wait for it)."""
-    cdef sigset_t every
     cdef _Job* j
     cdef int outcome
     global _behind_head, _behind_tail
-    sigfillset(&every)  # (a signal is the interpreter's threads' to take)
-    pthread_sigmask(SIG_BLOCK, &every, NULL)
     pthread_mutex_lock(&_behind_lock)
     while True:
         while _behind_head == NULL:
@@ -230,10 +263,16 @@ cdef bint _queue(_Job* j) noexcept nogil:
     """``j`` queued for the commit thread (started here the first time): whether it was
     (no thread to be had: the caller commits it itself)."""
     cdef pthread_t t
+    cdef sigset_t every, before
+    cdef int rc
     global _behind_head, _behind_tail, _behind_started
     pthread_mutex_lock(&_behind_lock)
     if not _behind_started:
-        if pthread_create(&t, NULL, _commit_thread, NULL):
+        sigfillset(&every)  # (born with every signal blocked: the interpreter's to take)
+        pthread_sigmask(SIG_BLOCK, &every, &before)
+        rc = pthread_create(&t, NULL, _commit_thread, NULL)
+        pthread_sigmask(SIG_SETMASK, &before, NULL)
+        if rc:
             pthread_mutex_unlock(&_behind_lock)
             return False
         pthread_detach(t)
@@ -256,39 +295,68 @@ cdef void _wait_for(_Job* j) noexcept nogil:
     pthread_mutex_unlock(&_behind_lock)
 
 
+cdef bint _running(_Job* j) noexcept nogil:
+    """Whether ``j`` is queued or being committed (read under the thread's lock)."""
+    cdef bint running
+    pthread_mutex_lock(&_behind_lock)
+    running = j.state == 1
+    pthread_mutex_unlock(&_behind_lock)
+    return running
+
+
 @cython.final
 @cython.no_gc_clear  # (what it keeps is the commit thread's until it is done: see __dealloc__)
 cdef class DirectCommit:
     """One flush of a same-host batch's records, committed into its shard by this
     process's commit thread (see the module's comment): :meth:`start` queues it,
-    :meth:`wait` says what it came to.  Its records and the shard's objects are kept
-    alive until then; the caller keeps the shard's environment open."""
+    :meth:`done` says whether it is done, :meth:`wait` what it came to.  Its records,
+    the shard's objects and the generation words are kept alive until then; the
+    caller keeps the shard's environment open."""
 
-    cdef _Job job
+    cdef _Job* job  # (its own allocation: kept, not freed, if dropped while it runs)
     cdef object keep
+    cdef Py_buffer words
+    cdef bint has_words
 
     def __cinit__(self):
-        memset(&self.job, 0, sizeof(_Job))
+        self.job = <_Job*>PyMem_Calloc(1, sizeof(_Job))
+        if self.job == NULL:
+            raise MemoryError()
+        self.has_words = False
 
     def __dealloc__(self):
-        if self.job.state == 1 and self.job.pid == getpid():
-            with nogil:  # (the thread reads its records: they go after it is done)
-                _wait_for(&self.job)
-        PyMem_Free(self.job.recs)
-        PyMem_Free(self.job.parts)
+        cdef _Job* j = self.job
+        if j == NULL:
+            return
+        if j.pid == getpid() and _running(j):  # (the thread still reads it: kept for ever)
+            Py_INCREF(self.keep)
+            return
+        self._release()
+        PyMem_Free(j.recs)
+        PyMem_Free(j.parts)
+        PyMem_Free(j)
+
+    cdef void _release(self):
+        if self.has_words:
+            PyBuffer_Release(&self.words)
+            self.has_words = False
+        self.keep = None
 
     def start(self, env, data_db, meta_db, list records, int64_t chkpt, bytes owner,
-              double limit, Py_ssize_t psize):
+              double limit, Py_ssize_t psize, words=None, Py_ssize_t mid=0):
         """Queue the commit of ``records`` (``(digest, key, frame)`` each, a frame's parts
         all ``bytes``) at ``chkpt`` into the shard of py-lmdb's ``env`` and its open
         ``data_db`` and ``meta_db``, for the host process ``owner`` (the shard's owner
-        mark), below ``limit`` bytes used (pages of ``psize`` bytes): whether it was
-        queued (else nothing was: records or objects this cannot commit, or no thread)."""
+        mark), below ``limit`` bytes used (pages of ``psize`` bytes); once committed, a
+        new word in ``words[mid]`` (``words``: the generations' writable int64 array, or
+        ``None``).  Whether it was queued (else nothing was: records or objects this
+        cannot commit, or no thread)."""
         cdef ddict_lmdb_env* e
+        cdef _Job* j = self.job
         cdef tuple recs = tuple(records)  # (its own: the caller's list may change)
         cdef Py_ssize_t n = len(recs), nparts = 0, i, at = 0, vlen
         cdef _Rec* r
-        if self.keep is not None or self.job.recs != NULL:
+        if self.keep is not None or j.recs != NULL:
             raise RuntimeError("a DirectCommit commits once")
         if n == 0:
             return False
@@ -318,45 +386,60 @@ cdef class DirectCommit:
             if vlen != (<tuple>frame)[1] or vlen + PyBytes_GET_SIZE(kb) + _ENTRY_HEADER >= _HUGE:
                 return False
             nparts += PyTuple_GET_SIZE(parts)
-        self.job.recs = <_Rec*>PyMem_Malloc(n * sizeof(_Rec))
-        self.job.parts = <_Part*>PyMem_Malloc(max(nparts, 1) * sizeof(_Part))
-        if self.job.recs == NULL or self.job.parts == NULL:
+        if words is not None:
+            PyObject_GetBuffer(words, &self.words, PyBUF_WRITABLE)
+            self.has_words = True
+            if self.words.itemsize != 8 or mid < 0 or (mid + 1) * 8 > self.words.len:
+                self._release()
+                return False
+            j.word = <int64_t*>self.words.buf + mid
+        j.recs = <_Rec*>PyMem_Malloc(n * sizeof(_Rec))
+        j.parts = <_Part*>PyMem_Malloc(max(nparts, 1) * sizeof(_Part))
+        if j.recs == NULL or j.parts == NULL:
+            self._release()
             raise MemoryError()
-        self.job.total = 0
+        j.total = 0
         for i in range(n):
             digest, kb, frame = <tuple>recs[i]
             parts = (<tuple>frame)[0]
-            r = &self.job.recs[i]
+            r = &j.recs[i]
             r.digest = <const unsigned char*>PyBytes_AS_STRING(digest)
             r.key, r.klen = PyBytes_AS_STRING(kb), PyBytes_GET_SIZE(kb)
             r.first, r.nparts, r.vlen = at, PyTuple_GET_SIZE(parts), 0
             for part in <tuple>parts:
-                self.job.parts[at].p = PyBytes_AS_STRING(part)
-                self.job.parts[at].n = PyBytes_GET_SIZE(part)
+                j.parts[at].p = PyBytes_AS_STRING(part)
+                j.parts[at].n = PyBytes_GET_SIZE(part)
                 r.vlen += PyBytes_GET_SIZE(part)
                 at += 1
-            self.job.total += r.vlen + r.klen
-        self.job.n, self.job.env, self.job.api = n, e.env, e.libv
-        self.job.data = (<ddict_lmdb_db*><PyObject*>data_db).dbi
-        self.job.meta = (<ddict_lmdb_db*><PyObject*>meta_db).dbi
-        self.job.chkpt, self.job.limit, self.job.psize = chkpt, limit, <size_t>psize
-        self.job.owner, self.job.owner_len = PyBytes_AS_STRING(owner), PyBytes_GET_SIZE(owner)
-        self.job.pid = getpid()
-        self.keep = (recs, env, data_db, meta_db, owner)
-        if not _queue(&self.job):
-            self.keep = None
+            j.total += r.vlen + r.klen
+        j.n, j.env, j.api = n, e.env, e.libv
+        j.data = (<ddict_lmdb_db*><PyObject*>data_db).dbi
+        j.meta = (<ddict_lmdb_db*><PyObject*>meta_db).dbi
+        j.chkpt, j.limit, j.psize = chkpt, limit, <size_t>psize
+        self.keep = (recs, env, data_db, meta_db, owner, words)
+        j.owner, j.owner_len = PyBytes_AS_STRING(owner), PyBytes_GET_SIZE(owner)
+        j.pid = getpid()
+        if not _queue(j):
+            self._release()
             return False
         return True
 
+    def done(self):
+        """Whether :meth:`wait` would return at once (never queued, done, or queued by
+        the process this one was forked from)."""
+        return self.job.pid != getpid() or not _running(self.job)
+
     def wait(self):
         """What the commit came to (``COMMITTED``, ``LEFT``: nothing written, or
-        ``FORKED``: queued by the process this one was forked from), once it is done."""
-        if self.job.state == 0:
+        ``FORKED``: queued by the process this one was forked from), once it is done.
+        Never from a finalizer, nor while this thread holds a write transaction (see the
+        module's comment)."""
+        cdef _Job* j = self.job
+        if j.state == 0:
             return _LEFT
-        if self.job.pid != getpid():
+        if j.pid != getpid():
             return _FORKED
         with nogil:
-            _wait_for(&self.job)
-        self.job.state = 0
-        self.keep = None
-        return self.job.outcome
+            _wait_for(j)
+        self._release()
+        return j.outcome

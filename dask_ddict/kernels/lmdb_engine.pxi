@@ -22,7 +22,8 @@
 # with LmdbEngineError, and the caller runs the pure kernel instead.
 #
 # The GIL is held throughout: a transaction or an environment is closed by Python
-# code, which therefore cannot run while a walk is inside LMDB.
+# code, which therefore cannot run while a walk is inside LMDB.  (The one exception is
+# commit_behind.pxi's thread, whose caller keeps the environment open until it is done.)
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cpython.ref cimport PyObject

@@ -379,9 +379,15 @@ class DirectCommit:
         owner: bytes,
         limit: float,
         psize: int,
+        words: Any = None,
+        mid: int = 0,
     ) -> bool:
         """Whether the commit of ``records`` was queued: never, here."""
         return False
+
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return at once: always, here."""
+        return True
 
     def wait(self) -> int:
         """What the commit came to: :data:`LEFT`, as it was never queued."""

@@ -26,6 +26,7 @@ The process's mappings of shards are :mod:`.mapped`'s.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -169,6 +170,8 @@ class SharedChannel:
 
     def _enter(self) -> _View | None:
         """The view for one operation (counted as active), or ``None``: use the socket."""
+        if _ORPHANS:
+            _let_go_orphans()
         with _ENVS_LOCK:
             view = self._view
             if view is not None and not view.evicted:
@@ -628,7 +631,10 @@ class SharedChannel:
             commit = kernels.DirectCommit()
             shard = (store.env, store._data, store._meta)
             limit = store.full_thresh * store.capacity
-            if not commit.start(*shard, records, chkpt, self._owner, limit, store._psize):
+            words = self._words.words  # type: ignore[union-attr]
+            if not commit.start(
+                *shard, records, chkpt, self._owner, limit, store._psize, words, self._mid
+            ):
                 return None
             behind, view = CommitBehind(self, view, commit, records, chkpt), None
             return behind
@@ -703,8 +709,8 @@ _LOCAL: dict[type[Operation], Callable[[SharedChannel, Any], Any]] = {
 
 class CommitBehind:
     """A flush of a same-host batch committed behind it (:meth:`SharedChannel.
-    put_batch_behind`): the shard's view stays open for the commit thread until
-    :meth:`collect`."""
+    put_batch_behind`): the shard's view stays open for the commit thread until the
+    commit is done (the thread changes the manager's generation word itself)."""
 
     __slots__ = ("_channel", "_view", "_commit", "records", "_chkpt", "_pid")
 
@@ -721,9 +727,15 @@ class CommitBehind:
         self.records, self._chkpt, self._pid = records, chkpt, os.getpid()
 
     def __del__(self) -> None:
-        # (a batch dropped without its end: its commit runs out, its view is let go)
-        if self._view is not None:
+        # A batch dropped without its end.  Never waits here: the collector may run this
+        # inside a write transaction of this thread, which the commit may be waiting
+        # for; one not done yet is kept and let go later (_let_go_orphans).
+        if self._view is None:
+            return
+        if self._pid != os.getpid() or self._commit.done():
             self._done()
+        else:
+            _ORPHANS.append(self)
 
     def _done(self) -> int:
         """What the commit came to, once it did; the view let go (in a forked child, the
@@ -742,11 +754,9 @@ class CommitBehind:
         """What :meth:`SharedChannel.put_batch` of the records says: all of them put, or,
         where the commit thread left them (nothing of them written), what the channel's
         own commit of them says now (in the same order: nothing of the batch went to the
-        manager meanwhile)."""
+        manager meanwhile).  Never inside a write transaction of this thread."""
         outcome = self._done()
-        ch = self._channel
         if outcome == kernels.COMMITTED:
-            ch._words.bump(ch._mid)  # type: ignore[union-attr]
             return len(self.records), None
         if outcome == kernels.FORKED:
             raise DDictError(
@@ -754,4 +764,24 @@ class CommitBehind:
                 "its puts are that process's",
                 "INVALID_OPERATION",
             )
-        return ch.put_batch(self.records, self._chkpt)
+        return self._channel.put_batch(self.records, self._chkpt)
+
+
+#: Commits behind a batch that was dropped before they were done (its views still open).
+_ORPHANS: list[CommitBehind] = []
+
+
+def _let_go_orphans() -> None:
+    """Let go of the views of the dropped batches' commits that are done by now (at the
+    next same-host operation, and at exit: never waiting)."""
+    for orphan in list(_ORPHANS):
+        if orphan._pid == os.getpid() and not orphan._commit.done():
+            continue
+        try:
+            _ORPHANS.remove(orphan)
+        except ValueError:
+            continue  # (another thread's)
+        orphan._done()
+
+
+atexit.register(_let_go_orphans)
