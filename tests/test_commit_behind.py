@@ -35,6 +35,7 @@ from dask_ddict.shard.key_counts import COUNTS
 from dask_ddict.shard.reader_marks import FROZEN, WAITERS, put_newest
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.transport import mapped, shared
+from tests.support.forked import answer_of
 
 try:
     from dask_ddict.kernels import _compiled
@@ -81,14 +82,18 @@ def twins() -> Iterator[tuple[ShardStore, ShardStore]]:
         yield made
 
 
-def _behind(store: ShardStore, records: list[Any], chkpt: int = 0, owner: bytes = OWNER) -> int:
-    """The commit thread's commit of ``records`` into ``store``: what it came to."""
+def _behind(
+    store: ShardStore, records: list[Any], chkpt: int = 0, owner: bytes = OWNER, now: bool = False
+) -> int:
+    """The commit thread's commit of ``records`` into ``store`` (``now``: the same commit
+    made by this thread, as a same-host put makes it): what it came to."""
     assert _compiled is not None
     commit = _compiled.DirectCommit()
-    limit = store.full_thresh * store.capacity
-    assert commit.start(
-        store.env, store._data, store._meta, records, chkpt, owner, limit, store._psize
-    )
+    args = (store.env, store._data, store._meta, records, chkpt, owner)
+    room = (store.full_thresh * store.capacity, store._psize)
+    if now:
+        return int(commit.commit(*args, *room))
+    assert commit.start(*args, *room)
     return int(commit.wait())
 
 
@@ -123,7 +128,8 @@ def _contents(store: ShardStore) -> tuple[list[tuple[bytes, bytes]], bytes | Non
         max_size=4,
     )
 )
-def test_the_thread_writes_what_the_clients_commit_writes(batches):
+@pytest.mark.parametrize("now", [False, True])
+def test_the_thread_writes_what_the_clients_commit_writes(now, batches):
     """Twin shards, one written by the commit thread and one by ``puts_in_window`` (the
     client's own commit, through py-lmdb and the kernels the process runs): the same
     bytes in every record, the same key counts, after every flush; the window moved now
@@ -131,10 +137,10 @@ def test_the_thread_writes_what_the_clients_commit_writes(batches):
     new window's: a commit that finds the counts of another window is left, as the
     rules test below checks)."""
     with _twins() as (ours, theirs):
-        _same_writes(ours, theirs, batches)
+        _same_writes(ours, theirs, batches, now)
 
 
-def _same_writes(ours: ShardStore, theirs: ShardStore, batches: list[Any]) -> None:
+def _same_writes(ours: ShardStore, theirs: ShardStore, batches: list[Any], now: bool) -> None:
     newest = 0
     for moves, batch in batches:
         if moves:
@@ -145,7 +151,7 @@ def _same_writes(ours: ShardStore, theirs: ShardStore, batches: list[Any]) -> No
                     seed = _records([(b"seed%d" % newest, 0)])  # (new: counted anew)
                     assert puts_in_window(store, txn, 1, newest, seed, OWNER) == (1, None)
         records = _records([(b"key%d" % k, v) for k, v in batch])
-        assert _behind(ours, records, newest) == kernels.COMMITTED
+        assert _behind(ours, records, newest, now=now) == kernels.COMMITTED
         with theirs.write() as txn:
             assert puts_in_window(theirs, txn, 1, newest, records, OWNER) == (len(records), None)
         assert _contents(ours) == _contents(theirs)
@@ -181,6 +187,7 @@ def test_a_rule_not_met_leaves_the_shard_untouched(twins, rule):
         records = _records([(b"big%d" % i, b"x" * 60_000) for i in range(200)])  # 12 MB
     before = _contents(store)
     assert _behind(store, records, chkpt, owner) == kernels.LEFT
+    assert _behind(store, records, chkpt, owner, now=True) == kernels.LEFT
     assert _contents(store) == before
 
 
@@ -192,22 +199,22 @@ def test_records_the_thread_cannot_read_are_not_queued(twins):
     view = (key_digest(b"k"), b"k", Framed((memoryview(b"abc"),), 3))
     for s in [pure] if _compiled is None else [pure, _compiled]:
         assert not s.DirectCommit().start(*args, [view], 0, OWNER, 1e9, 4096)
+        assert s.DirectCommit().commit(*args, [view], 0, OWNER, 1e9, 4096) == kernels.LEFT
         assert not s.DirectCommit().start(*args, [], 0, OWNER, 1e9, 4096)
         assert s.DirectCommit().wait() == kernels.LEFT
     assert not pure.DirectCommit().start(*args, _records([(b"k", 1)]), 0, OWNER, 1e9, 4096)
 
 
-@needs_compiled
-@pytest.mark.timeout(60)
-def test_a_commit_dropped_inside_a_write_transaction_is_not_waited_for(twins):
-    """The collector may drop a batch's commit while this thread holds the shard's
-    writer lock (a put of its own), which the commit waits for: nothing waits then (it
-    would wait for ever); the commit lands once the lock is free, and its view is let go
-    at a later same-host operation."""
-    store, _ = twins
+@contextlib.contextmanager
+def _dropped_while_it_waits(store: ShardStore, key: bytes) -> Iterator[mapped._View]:
+    """A batch's commit of ``key`` into ``store`` dropped (in a reference cycle, by the
+    collector) while this thread holds the shard's writer lock, which the commit waits
+    for; the view it keeps (counted as inside) is yielded while the lock is held.  Once
+    the lock is free the commit lands, and a later same-host operation lets its view go:
+    both checked on the way out."""
     view = mapped._View(store)
     view.active = 1  # (the flush's operation inside the view, as put_batch_behind counts it)
-    records = _records([(b"late", 1)])
+    records = _records([(key, 1)])
     txn = store.write()  # (this thread holds the writer lock)
     try:
         commit = _compiled.DirectCommit()
@@ -217,8 +224,9 @@ def test_a_commit_dropped_inside_a_write_transaction_is_not_waited_for(twins):
         cycle: list[Any] = [shared.CommitBehind(None, view, commit, records, 0)]  # type: ignore[arg-type]
         cycle.append(cycle)
         del cycle, commit
-        gc.collect()
+        gc.collect()  # (a wait here would be for ever)
         assert view.active == 1 and len(shared._ORPHANS) == 1
+        yield view
     finally:
         txn.abort()
     deadline = time.monotonic() + 30
@@ -227,7 +235,32 @@ def test_a_commit_dropped_inside_a_write_transaction_is_not_waited_for(twins):
         time.sleep(0.01)
     assert view.active == 0 and not shared._ORPHANS
     with store.read() as txn:
-        assert store.lookup(txn, key_digest(b"late"), 0) is not None
+        assert store.lookup(txn, key_digest(key), 0) is not None
+
+
+@needs_compiled
+@pytest.mark.timeout(60)
+def test_a_commit_dropped_inside_a_write_transaction_is_not_waited_for(twins):
+    """The collector may drop a batch's commit while this thread holds the shard's
+    writer lock (a put of its own), which the commit waits for: nothing waits then (it
+    would wait for ever); the commit lands once the lock is free, and its view is let go
+    at a later same-host operation."""
+    with _dropped_while_it_waits(twins[0], b"late"):
+        pass
+
+
+@needs_compiled
+@pytest.mark.timeout(120)
+def test_a_child_forked_with_a_dropped_commit_closes_its_view(twins):
+    """A commit dropped before it was done, then a fork: the child closes its copy of
+    the commit's view at once (as it closes every view it inherits), waits for nothing,
+    and leaves no dropped commit of its parent's; the parent's lands as ever."""
+    with _dropped_while_it_waits(twins[0], b"forked") as view:
+
+        def child() -> list[Any]:
+            return [len(shared._ORPHANS), view.closed, kernels.commits_behind()]
+
+        assert answer_of(child) == [0, True, (0, 0)]
 
 
 # -- on a cluster ----------------------------------------------------------------------
@@ -340,6 +373,33 @@ def test_an_error_at_the_end_still_waits_for_every_commit(client, monkeypatch):
             d.end_batch_put()
         assert not batch._behind
         assert all(ch._view is None or ch._view.active == 0 for ch in channels)
+
+
+def test_an_error_in_a_flush_fails_the_batch(client, monkeypatch):
+    """A flush that fails on its way (the manager's host found gone, injected here)
+    raises from the put that made it, and the batch's end raises it again: the records
+    of that flush were never stored, so the batch is not whole."""
+    with dask.config.set(SMALL_FLUSHES), DDict(total_mem="64 MiB", client=client) as d:
+        d.start_batch_put()
+        channel = d._core.channel(0)
+        real, calls = channel._check_alive, [0]
+
+        def flaky(quiet: bool = False) -> None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise DDictManagerUnavailableError("manager 0 is gone (injected)")
+            real(quiet)
+
+        monkeypatch.setattr(channel, "_check_alive", flaky)
+        raised = 0
+        for i in range(2000):
+            try:
+                d[i] = b"v" * 100
+            except DDictManagerUnavailableError:
+                raised += 1
+        assert raised == 1
+        with pytest.raises(DDictManagerUnavailableError, match="injected"):
+            d.end_batch_put()
 
 
 def test_a_batch_dropped_without_its_end_lets_its_shard_go(client):

@@ -9,11 +9,9 @@ it at once, and checks every answer on both sides and what the child leaves behi
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import dask
@@ -23,41 +21,8 @@ import pytest
 from dask_ddict import DDict, kernels
 from dask_ddict.errors import DDictError
 from dask_ddict.transport import lending, mapped
+from tests.support.forked import _CHILD_TIMEOUT, _in_child, answer_of
 from tests.support.lent import in_shard
-
-_FORK = mp.get_context("fork")
-#: A child's work is short: one that runs this long is stuck.
-_CHILD_TIMEOUT = 60.0
-
-
-def _in_child(work: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
-    """Start ``work`` in a forked child; returns what waits for its answer (what it
-    returned, or its exception's repr) and the child process."""
-    here, there = _FORK.Pipe(duplex=False)
-
-    def run() -> None:
-        try:
-            there.send(work())
-        except BaseException as e:  # (said to the parent, which fails the test)
-            there.send(f"child raised {e!r}")
-
-    p = _FORK.Process(target=run, daemon=True)
-    p.start()
-    there.close()
-
-    def answer() -> Any:
-        try:
-            if not here.poll(_CHILD_TIMEOUT):
-                raise AssertionError(f"the child said nothing in {_CHILD_TIMEOUT} s")
-            return here.recv()
-        finally:
-            p.join(_CHILD_TIMEOUT)
-            if p.is_alive():
-                p.kill()
-                p.join()
-            here.close()
-
-    return answer, p
 
 
 def _wrong(d: DDict, prefix: str, n: int, rounds: int) -> list[int]:
@@ -368,11 +333,3 @@ def test_a_child_forked_with_commits_behind_its_parents_batch(client):
         d.end_batch_put()
         assert d.get_many([f"p{i}" for i in range(2000)]) == list(range(2000))
         assert len(d) == 4000
-
-
-def answer_of(work: Callable[[], Any]) -> Any:
-    """What ``work`` returned in a forked child that then exited cleanly."""
-    answer, p = _in_child(work)
-    got = answer()
-    assert p.exitcode == 0
-    return got

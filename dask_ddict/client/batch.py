@@ -149,11 +149,15 @@ class BatchPut:
         if mid in self._managed:
             return left + records
         ch = self._channel(mid)
-        behind = ch.put_batch_behind(records, self._chkpt)
-        if behind is not None:
-            self._behind[mid] = behind
-            return []
-        return self._committed(mid, records, *ch.put_batch(records, self._chkpt))
+        try:
+            behind = ch.put_batch_behind(records, self._chkpt)
+            if behind is None:
+                return self._committed(mid, records, *ch.put_batch(records, self._chkpt))
+        except BaseException as e:
+            self._broke(mid, e)
+            raise
+        self._behind[mid] = behind
+        return []
 
     def _committed(
         self, mid: int, records: list[Record], done: int, error: DDictError | None
@@ -174,7 +178,19 @@ class BatchPut:
         behind = self._behind.pop(mid, None)
         if behind is None:
             return []
-        return self._committed(mid, behind.records, *behind.collect())
+        try:
+            return self._committed(mid, behind.records, *behind.collect())
+        except BaseException as e:
+            self._broke(mid, e)
+            raise
+
+    def _broke(self, mid: int, e: BaseException) -> None:
+        """A commit of ``mid``'s records raised ``e`` (its host gone, ...): none of them
+        is known stored, so the batch fails, and nothing more of it goes to ``mid``."""
+        self._failed_mids.add(mid)
+        if not isinstance(e, Exception):  # (an interrupt: the batch is still not whole)
+            e = DDictError(f"batch put: manager {mid}'s puts were interrupted ({e!r})")
+        self.error = self.error or e
 
     def _send(self, link: Any, by_mid: dict[int, list[Record]], keep: int | None = None) -> None:
         """One request to ``link``'s host with the records of its managers (``keep``: their
@@ -186,7 +202,6 @@ class BatchPut:
         for mid, rs in by_mid.items():
             self.sent[mid] = self.sent.get(mid, 0) + len(rs)
             self._sent_via[mid] = link
-            self._managed.add(mid)  # (its later records follow these: never committed here)
         if keep is not None:
             self._keep(by_mid, keep)
         first = records[0][0]

@@ -55,8 +55,10 @@ cdef extern from "<signal.h>" nogil:
         pass
     int sigfillset(sigset_t* s)
     int pthread_sigmask(int how, const sigset_t* s, sigset_t* old)
+    int sigdelset(sigset_t* s, int sig)
     int SIG_BLOCK
     int SIG_SETMASK
+    int SIGBUS, SIGSEGV, SIGFPE, SIGILL
 
 from .pure import FROZEN, NEWEST, OWNER, WAITERS
 
@@ -220,9 +222,10 @@ cdef bint _commit_rules(_Job* j, ddict_mdb_txn* w) noexcept nogil:
     return delta == 0 or _count_by(api, w, j.meta, newest, delta)
 
 
-cdef int _commit_job(_Job* j) noexcept nogil:
+cdef int _commit_job(_Job* j, int64_t word) noexcept nogil:
     """``j`` committed in a write transaction of its own (``COMMITTED``), or nothing of
-    it written (``LEFT``)."""
+    it written (``LEFT``); its manager's new generation word is ``word``, or one of the
+    commit thread's own (0: only that thread draws them)."""
     cdef ddict_mdb_txn* w = NULL
     if j.api.txn_begin(j.env, NULL, 0, &w):  # (waits for LMDB's writer lock)
         return _LEFT
@@ -232,7 +235,7 @@ cdef int _commit_job(_Job* j) noexcept nogil:
     if j.api.txn_commit(w):  # (a failed commit frees the transaction too)
         return _LEFT
     if j.word != NULL:  # (before the commit is said done: shard.generations)
-        j.word[0] = _behind_word()
+        j.word[0] = word if word else _behind_word()
     return _COMMITTED
 
 
@@ -251,7 +254,7 @@ cdef void* _commit_thread(void* arg) noexcept nogil:
         if _behind_head == NULL:
             _behind_tail = NULL
         pthread_mutex_unlock(&_behind_lock)
-        outcome = _commit_job(j)
+        outcome = _commit_job(j, 0)
         pthread_mutex_lock(&_behind_lock)
         j.outcome, j.state = outcome, 2
         _behind_counts[0 if outcome == _COMMITTED else 1] += 1
@@ -268,7 +271,13 @@ cdef bint _queue(_Job* j) noexcept nogil:
     global _behind_head, _behind_tail, _behind_started
     pthread_mutex_lock(&_behind_lock)
     if not _behind_started:
-        sigfillset(&every)  # (born with every signal blocked: the interpreter's to take)
+        # (born with every signal blocked, the interpreter's to take; but its own faults,
+        # e.g. a full /dev/shm's SIGBUS, are the process's to die of, loudly)
+        sigfillset(&every)
+        sigdelset(&every, SIGBUS)
+        sigdelset(&every, SIGSEGV)
+        sigdelset(&every, SIGFPE)
+        sigdelset(&every, SIGILL)
         pthread_sigmask(SIG_BLOCK, &every, &before)
         rc = pthread_create(&t, NULL, _commit_thread, NULL)
         pthread_sigmask(SIG_SETMASK, &before, NULL)
@@ -351,6 +360,37 @@ cdef class DirectCommit:
         new word in ``words[mid]`` (``words``: the generations' writable int64 array, or
         ``None``).  Whether it was queued (else nothing was: records or objects this
         cannot commit, or no thread)."""
+        if not self._prepare(env, data_db, meta_db, records, chkpt, owner, limit, psize,
+                             words, mid):  # fmt: skip (Cython's argument list)
+            return False
+        if not _queue(self.job):
+            self._release()
+            return False
+        return True
+
+    def commit(self, env, data_db, meta_db, list records, int64_t chkpt, bytes owner,
+               double limit, Py_ssize_t psize, words=None, Py_ssize_t mid=0):
+        """:meth:`start`'s commit, made by the calling thread now, with the interpreter
+        lock released (a same-host client's single put: one C call where
+        ``puts_in_window`` makes a dozen Python ones): ``COMMITTED``, or ``LEFT``
+        (nothing written: the caller commits them itself, by the Python rules)."""
+        cdef _Job* j = self.job
+        cdef int outcome
+        cdef int64_t word = _next_word()  # (GenerationBump's, drawn with the lock held)
+        if not self._prepare(env, data_db, meta_db, records, chkpt, owner, limit, psize,
+                             words, mid):  # fmt: skip (Cython's argument list)
+            return _LEFT
+        with nogil:
+            outcome = _commit_job(j, word)
+        j.outcome, j.state = outcome, 2
+        self._release()
+        return outcome
+
+    cdef bint _prepare(self, env, data_db, meta_db, list records, int64_t chkpt,
+                       bytes owner, double limit, Py_ssize_t psize, words,
+                       Py_ssize_t mid) except -1:
+        """The job of :meth:`start` and :meth:`commit` (``self.job``), what it reads kept
+        alive: whether it could be made."""
         cdef ddict_lmdb_env* e
         cdef _Job* j = self.job
         cdef tuple recs = tuple(records)  # (its own: the caller's list may change)
@@ -419,9 +459,6 @@ cdef class DirectCommit:
         self.keep = (recs, env, data_db, meta_db, owner, words)
         j.owner, j.owner_len = PyBytes_AS_STRING(owner), PyBytes_GET_SIZE(owner)
         j.pid = getpid()
-        if not _queue(j):
-            self._release()
-            return False
         return True
 
     def done(self):

@@ -364,10 +364,11 @@ COMMITTED, LEFT, FORKED = 0, 1, 2
 
 class DirectCommit:
     """One flush of a same-host batch's records committed into its shard behind the
-    client's thread, by a C thread that never takes the interpreter lock (the compiled
-    set's; see ``commit_behind.pxi``).  Here no commit is ever queued: :meth:`start`
-    says so, and the caller commits the records itself, as the compiled set's caller
-    does with any commit left to it: one set of rules, the caller's."""
+    client's thread, by a C thread that never takes the interpreter lock, or a
+    same-host put's records committed now in one C call (the compiled set's; see
+    ``commit_behind.pxi``).  Here no commit is ever queued or made: :meth:`start` and
+    :meth:`commit` say so, and the caller commits the records itself, as the compiled
+    set's caller does with any commit left to it: one set of rules, the caller's."""
 
     def start(
         self,
@@ -384,6 +385,11 @@ class DirectCommit:
     ) -> bool:
         """Whether the commit of ``records`` was queued: never, here."""
         return False
+
+    def commit(self, *args: Any) -> int:
+        """:meth:`start`'s commit (the same arguments) made now: :data:`LEFT` here
+        (nothing written: the caller commits them by the same rules in Python)."""
+        return LEFT
 
     def done(self) -> bool:
         """Whether :meth:`wait` would return at once: always, here."""

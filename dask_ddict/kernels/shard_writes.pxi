@@ -7,9 +7,10 @@
 
 from .pure import COUNTS
 
-cdef bytes _COUNTS = COUNTS  # (a window of one's counts, <qqq: see _counts_at)
-cdef const char* _counts_key = _COUNTS  # (the module keeps the bytes alive)
-cdef size_t _counts_len = len(COUNTS)
+cdef char _counts_key[16]  # (a window of one's counts, <qqq: see _counts_at; copied here,
+cdef size_t _counts_len = len(COUNTS)  # read by a thread that may outlive the module)
+assert _counts_len <= 16
+memcpy(_counts_key, PyBytes_AS_STRING(COUNTS), _counts_len)
 cdef int _PERSISTENT = PERSISTENT
 
 

@@ -192,19 +192,23 @@ def _forked() -> None:
     here, and that shard is read over its host's socket (py-lmdb opens an environment
     once per process)."""
     reinit_lock(_ENVS_LOCK)
-
-    def forked(view: _View) -> None:
-        was_closed, view.closed, view.evicted = view.closed, True, True
-        if kernels.disown_transactions(view.store.env):
-            view.store.close()
-        elif not was_closed:
-            keep_forever(view.store)
-            _INHERITED[view.store.path] = None
-
-    each(_VIEWS, forked)
+    each(_VIEWS, inherited)
     _ENVS.clear()
     _LENDING.clear()
     _memory.MAPPED.clear()
+
+
+def inherited(view: _View) -> None:
+    """(In a forked child.)  ``view``, the parent's, closed for this process: its
+    transactions let go and its environment closed, or never freed and its shard read
+    over the socket (see :func:`_forked`); also for views that only something other
+    than :data:`_VIEWS` still holds (``shared``'s dropped commits)."""
+    was_closed, view.closed, view.evicted = view.closed, True, True
+    if kernels.disown_transactions(view.store.env):
+        view.store.close()
+    elif not was_closed:
+        keep_forever(view.store)
+        _INHERITED[view.store.path] = None
 
 
 in_child(_forked)

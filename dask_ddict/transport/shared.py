@@ -38,6 +38,7 @@ import lmdb
 
 from .. import config, kernels
 from .._entry import TOMBSTONE
+from .._forking import each, in_child
 from .._serialize import SMALL_FRAME, Framed, raw_range
 from ..errors import (
     DDictClosedError,
@@ -61,6 +62,7 @@ from .mapped import (
     _destroyed,
     _release,
     _View,
+    inherited,
     touched,
 )
 from .operation import Operation
@@ -195,6 +197,8 @@ class SharedChannel:
             last = view.active == 0 and view.evicted
         if last:  # it was closed while this operation was inside
             view.close()
+        if _ORPHANS:  # (a dropped batch's commit done by now: its view too)
+            _let_go_orphans()
 
     def _check_alive(self, quiet: bool = False) -> None:
         """A shard outlives its processes: a manager whose host is gone must read as
@@ -578,6 +582,8 @@ class SharedChannel:
         try:
             self._check_alive()
             store = view.store
+            if most is None and self._compiled_commit(store, records, chkpt, queue=False):
+                return len(records), None  # (one C call: else the same rules in Python)
             try:
                 txn = store.write()
             except lmdb.Error:
@@ -616,31 +622,45 @@ class SharedChannel:
         kernels, ``ddict.batch.commit-behind`` off, a window of more than one
         checkpoint, a large value, a value whose frame is not all ``bytes``...): the
         caller calls :meth:`put_batch`."""
-        if not self._direct or self._size != 1 or not config.get("batch.commit-behind"):
-            return None
-        if kernels.leading_within(records, DIRECT_PUT_MAX) != len(records):
+        if not self._direct or not config.get("batch.commit-behind"):
             return None
         view = self._enter()
         if view is None:
             return None
         try:
             self._check_alive()
-            store = view.store
-            if store.indexed:
-                return None
-            commit = kernels.DirectCommit()
-            shard = (store.env, store._data, store._meta)
-            limit = store.full_thresh * store.capacity
-            words = self._words.words  # type: ignore[union-attr]
-            if not commit.start(
-                *shard, records, chkpt, self._owner, limit, store._psize, words, self._mid
-            ):
+            commit = self._compiled_commit(view.store, records, chkpt, queue=True)
+            if commit is None:
                 return None
             behind, view = CommitBehind(self, view, commit, records, chkpt), None
             return behind
         finally:
             if view is not None:
                 self._exit(view)
+
+    def _compiled_commit(
+        self,
+        store: ShardStore,
+        records: list[tuple[bytes, bytes, Framed]],
+        chkpt: int,
+        queue: bool,
+    ) -> Any:
+        """A :class:`~dask_ddict.kernels.DirectCommit` of ``records`` into ``store`` (a
+        window of one checkpoint, frames up to :data:`DIRECT_PUT_MAX`): queued for the
+        commit thread (``queue``) or committed now, in C, by the rules of
+        ``puts_in_window``; ``None``: not queued, or not committed (nothing written: the
+        caller commits them by those rules in Python)."""
+        if self._size != 1 or store.indexed:
+            return None
+        if kernels.leading_within(records, DIRECT_PUT_MAX) != len(records):
+            return None
+        commit = kernels.DirectCommit()
+        shard = (store.env, store._data, store._meta, records, chkpt, self._owner)
+        room = (store.full_thresh * store.capacity, store._psize)
+        words = (self._words.words, self._mid)  # type: ignore[union-attr]
+        if queue:
+            return commit if commit.start(*shard, *room, *words) else None
+        return commit if commit.commit(*shard, *room, *words) == kernels.COMMITTED else None
 
     def _contains(self, o: Contains) -> bool:
         view = self._enter()
@@ -687,6 +707,8 @@ class SharedChannel:
         if view is not None:
             _release(self._path, view)
         self._sock.close()
+        if _ORPHANS:  # (a dropped batch's commit done by now: its view too)
+            _let_go_orphans()
 
 
 def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> Any:
@@ -769,6 +791,21 @@ class CommitBehind:
 
 #: Commits behind a batch that was dropped before they were done (its views still open).
 _ORPHANS: list[CommitBehind] = []
+
+
+def _forked() -> None:
+    """(In a forked child.)  The dropped commits are the parent's; their views, which
+    the collector may have taken out of ``mapped``'s books before it resurrected them,
+    are closed for this process as ``mapped`` closes the others (never left to close
+    later, after a channel here may have mapped the same shard again)."""
+    views = [o._view for o in _ORPHANS if o._view is not None]
+    for orphan in _ORPHANS:
+        orphan._view = None
+    _ORPHANS.clear()
+    each(views, inherited)
+
+
+in_child(_forked)
 
 
 def _let_go_orphans() -> None:
