@@ -10,8 +10,8 @@ itself, in one LMDB transaction per shard and chunk (as a single small put
 is, see :mod:`~dask_ddict.transport.shared`), by the compiled kernels' commit
 thread while the next chunk is routed and framed where it can
 (``ddict.batch.commit-behind``); only what it may not commit goes to the
-manager, after what was committed.  The end asks every manager that received records how
-many it stored, so a batch cut by a host restart is reported, never
+manager, after what was committed.  The end asks every manager that received
+records how many it stored, so a batch cut by a host restart is reported, never
 half-applied in silence.  A manager that moved during the batch stored a prefix
 of its records where it was (its old host stores none after the move, and keeps
 the connection for the others'): the rest are sent again where it went.

@@ -24,6 +24,10 @@
 # and whether or not one ever does), into the client's mapping of the words, which a
 # client never closes (the commit keeps the array, and a buffer of it, until it is done).
 #
+# The same commit can be made by the calling thread (DirectCommit.commit, the lock
+# released while it runs): a same-host client's single put, one C call where
+# puts_in_window makes a dozen Python ones.
+#
 # Nothing that waits for a commit may hold a write transaction of the process (the
 # thread may be waiting for LMDB's writer lock): a commit is waited for only by its
 # caller's next step (the shard's next flush, the batch's end), never by a finalizer, and
