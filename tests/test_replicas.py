@@ -311,6 +311,31 @@ def test_failover_during_a_wait_a_batch_and_a_persist(workers3, tmp_path):
         d.destroy()
 
 
+def test_a_batch_across_a_failover_lands_whole_and_in_order(workers3):
+    """A batch whose manager's host is lost in its middle, each key written again on
+    both sides of the loss: the records its old host never stored and every later one
+    are sent where the manager went, in their order (held until the end, not sent ahead
+    of the older ones), so the batch ends without an error and each key reads its last
+    value."""
+    c, w = workers3
+    d = DDict(managers_per_worker=1, total_mem="96 MiB", client=c, timeout=60, replicas=1)
+    try:
+        victim = d.manager_workers[0]
+        keys = [_key_on(d, 0, f"k{j}-") for j in range(50)]
+        d.start_batch_put()
+        for rnd in range(40):
+            for k in keys:
+                d[k] = (rnd, "x" * 200)  # (about 13 KB a round: many messages)
+            if rnd == 20:
+                time.sleep(0.3)
+                w.kill(w.of(c, victim))
+        d.end_batch_put()
+        assert {k: d[k][0] for k in keys} == dict.fromkeys(keys, 39)
+        assert victim not in d.manager_workers
+    finally:
+        d.destroy()
+
+
 @pytest.mark.slow
 def test_a_restarted_host_process_gets_its_replicas_again(workers3):
     """The host process alone dies (its supervisor restarts it over its shards): the

@@ -96,6 +96,10 @@ class BatchPut:
         # A same-host shard's latest flush, committed behind the batch (by manager): its
         # outcome is taken before anything more of that manager is committed or sent.
         self._behind: dict[int, Any] = {}
+        # Managers whose host was found gone while a message of this batch went to it:
+        # their later records are held, not sent, so that the end sends them again where
+        # they went after the ones that host never stored, in their order.
+        self._moved: set[int] = set()
         self._resend_bytes = config.get_bytes("batch.resend-bytes")
 
     def __repr__(self) -> str:
@@ -136,15 +140,22 @@ class BatchPut:
             if records:
                 self._send(self._channel(mid).link, {mid: records}, _costs(records))
             return
+        for m in [m for m in mids if m in self._moved]:
+            self._hold(m, self.records.pop(m))
+        mids = [m for m in mids if m in self.records]
         left = {m: self._left_behind(m) for m in mids if m in self._behind}  # (before any pop)
         by_mid = {m: left.get(m, []) + self.records.pop(m) for m in mids}
-        self._send(route, by_mid, size + sum(_costs(rs) for rs in left.values()))
+        if by_mid:
+            self._send(route, by_mid, size + sum(_costs(rs) for rs in left.values()))
 
     def _direct(self, mid: int, records: list[Record]) -> list[Record]:
         """Commit ``records`` into ``mid``'s shard here (or queue their commit behind the
         batch); the ones left are the manager's, after those its last commit left."""
         left = self._left_behind(mid)
         if mid in self._failed_mids:
+            return []
+        if mid in self._moved:  # (moved here while its records were sent: held, see _hold)
+            self._hold(mid, left + records)
             return []
         if mid in self._managed:
             return left + records
@@ -184,6 +195,15 @@ class BatchPut:
             self._broke(mid, e)
             raise
 
+    def _hold(self, mid: int, records: list[Record]) -> None:
+        """Keep ``records`` of ``mid``, a manager that moved while the batch's records went
+        to it, for the end to send after the ones its old host never stored (as if sent:
+        :meth:`_resend` sends everything kept from the count where it went)."""
+        if not records:
+            return
+        self.sent[mid] = self.sent.get(mid, 0) + len(records)
+        self._keep({mid: records}, _costs(records))
+
     def _broke(self, mid: int, e: BaseException) -> None:
         """A commit of ``mid``'s records raised ``e`` (its host gone, ...): none of them
         is known stored, so the batch fails, and nothing more of it goes to ``mid``."""
@@ -216,13 +236,14 @@ class BatchPut:
         except DDictManagerMovedError as e:
             # Its host is gone and its managers moved (a retired worker, a replica that
             # took over from a lost host): this message is sent again where they went, at
-            # the end (kept), and the next ones too.
+            # the end (kept), and the next ones too (held until then, see _hold).
             for mid in by_mid:
                 self._routes.pop(mid, None)
             try:
                 if self._kept is None:
                     raise e
                 link.follow(first, None)
+                self._moved.update(by_mid)
             except DDictError as gone:
                 self._failed(gone, first)
         except DDictError as e:
