@@ -89,12 +89,17 @@ def _behind(
     made by this thread, as a same-host put makes it): what it came to."""
     assert _compiled is not None
     commit = _compiled.DirectCommit()
-    args = (store.env, store._data, store._meta, records, chkpt, owner)
-    room = (store.full_thresh * store.capacity, store._psize)
     if now:
-        return int(commit.commit(*args, *room))
-    assert commit.start(*args, *room)
+        return int(commit.commit(*_args(store, records, chkpt, owner)))
+    assert commit.start(*_args(store, records, chkpt, owner))
     return int(commit.wait())
+
+
+def _args(store: ShardStore, records: list[Any], chkpt: int, owner: bytes) -> tuple[Any, ...]:
+    """``DirectCommit.start``'s and ``commit``'s arguments, as the client's channel
+    gives them (no generation words)."""
+    room = (store.full_thresh * store.capacity, store._psize)
+    return (store.env, store._data, store._meta, records, chkpt, owner, *room)
 
 
 def _contents(store: ShardStore) -> tuple[list[tuple[bytes, bytes]], bytes | None]:
@@ -218,9 +223,7 @@ def _dropped_while_it_waits(store: ShardStore, key: bytes) -> Iterator[mapped._V
     txn = store.write()  # (this thread holds the writer lock)
     try:
         commit = _compiled.DirectCommit()
-        limit = store.full_thresh * store.capacity
-        shard = (store.env, store._data, store._meta)
-        assert commit.start(*shard, records, 0, OWNER, limit, store._psize)
+        assert commit.start(*_args(store, records, 0, OWNER))
         cycle: list[Any] = [shared.CommitBehind(None, view, commit, records, 0)]  # type: ignore[arg-type]
         cycle.append(cycle)
         del cycle, commit

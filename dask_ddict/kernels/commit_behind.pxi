@@ -148,18 +148,6 @@ def commits_behind_forked():
 commits_behind_forked()
 
 
-cdef inline int64_t _behind_word() noexcept nogil:
-    """A new generation word (63 random bits and a one, as Generations.bump draws them:
-    splitmix64, the thread's own state)."""
-    global _behind_words
-    cdef uint64_t z
-    _behind_words += <uint64_t>0x9E3779B97F4A7C15
-    z = _behind_words
-    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
-    return <int64_t>(((z ^ (z >> 31)) >> 1) | 1)
-
-
 def commits_behind():
     """How many commits this process's thread committed, and left to their callers."""
     return _behind_counts[0], _behind_counts[1]
@@ -239,7 +227,7 @@ cdef int _commit_job(_Job* j, int64_t word) noexcept nogil:
     if j.api.txn_commit(w):  # (a failed commit frees the transaction too)
         return _LEFT
     if j.word != NULL:  # (before the commit is said done: shard.generations)
-        j.word[0] = word if word else _behind_word()
+        j.word[0] = word if word else _word_of(&_behind_words)  # (the thread's own state)
     return _COMMITTED
 
 

@@ -9,14 +9,18 @@
 cdef uint64_t _word_state = 0
 
 
-cdef inline int64_t _next_word() noexcept nogil:
-    global _word_state
+cdef inline int64_t _word_of(uint64_t* state) noexcept nogil:
+    """The next word of the splitmix64 generator whose state is ``state``."""
     cdef uint64_t z
-    _word_state += <uint64_t>0x9E3779B97F4A7C15
-    z = _word_state
+    state[0] += <uint64_t>0x9E3779B97F4A7C15
+    z = state[0]
     z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
     return <int64_t>(((z ^ (z >> 31)) >> 1) | 1)
+
+
+cdef inline int64_t _next_word() noexcept nogil:
+    return _word_of(&_word_state)
 
 
 def _reseed_words():

@@ -28,6 +28,19 @@ cdef Py_ssize_t _put_parts(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned 
     record: the change in keys seen (0 or 1), or -1 where LMDB refused it (the
     transaction is then only to abort)."""
     cdef ddict_mdb_cursor* cur = NULL
+    cdef Py_ssize_t delta
+    if api.cursor_open(w, dbi, &cur):
+        return -1
+    delta = _put_at(api, cur, digest, key, keylen, parts, nparts, vlen, chkpt)
+    api.cursor_close(cur)
+    return delta
+
+
+cdef Py_ssize_t _put_at(const ddict_mdb_api* api, ddict_mdb_cursor* cur,
+                        const unsigned char* digest, const char* key, Py_ssize_t keylen,
+                        const _Part* parts, Py_ssize_t nparts, Py_ssize_t vlen,
+                        int64_t chkpt) noexcept nogil:
+    """:func:`_put_parts` on an open cursor of the data table."""
     cdef ddict_mdb_val k, v, nk, nv
     cdef unsigned char seek[24]
     cdef Py_ssize_t total = _ENTRY_HEADER + vlen + keylen, off, i
@@ -35,12 +48,9 @@ cdef Py_ssize_t _put_parts(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned 
     cdef char* q
     cdef int rc
     _seek_key(seek, digest, chkpt)
-    if api.cursor_open(w, dbi, &cur):
-        return -1
     k.mv_size, k.mv_data = _DIGEST + 8, seek
     rc = api.cursor_get(cur, &k, &v, DDICT_MDB_SET_KEY)
     if rc and rc != DDICT_MDB_NOTFOUND:
-        api.cursor_close(cur)
         return -1
     existed = rc == 0
     live = existed and v.mv_size >= 1 and not (<const unsigned char*>v.mv_data)[0] & _TOMBSTONE
@@ -48,7 +58,6 @@ cdef Py_ssize_t _put_parts(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned 
     v.mv_size, v.mv_data = total, NULL
     if api.cursor_put(cur, &k, &v,  # (over the version found: no second search)
                       DDICT_MDB_RESERVE | (DDICT_MDB_CURRENT if existed else 0)):
-        api.cursor_close(cur)
         return -1
     q = <char*>v.mv_data
     q[0] = <char>_PERSISTENT
@@ -66,15 +75,12 @@ cdef Py_ssize_t _put_parts(const ddict_mdb_api* api, ddict_mdb_txn* w, unsigned 
             live = nv.mv_size >= 1 and not (<const unsigned char*>nv.mv_data)[0] & _TOMBSTONE
             while True:
                 if api.cursor_del(cur, 0):
-                    api.cursor_close(cur)
                     return -1
                 rc = api.cursor_get(cur, &nk, &nv, DDICT_MDB_GET_CURRENT)
                 if rc or not _digest_at(&nk, seek, _DIGEST):
                     break
         elif rc and rc != DDICT_MDB_NOTFOUND:
-            api.cursor_close(cur)
             return -1
-    api.cursor_close(cur)
     return 0 if live else 1
 
 

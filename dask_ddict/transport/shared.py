@@ -172,8 +172,6 @@ class SharedChannel:
 
     def _enter(self) -> _View | None:
         """The view for one operation (counted as active), or ``None``: use the socket."""
-        if _ORPHANS:
-            _let_go_orphans()
         with _ENVS_LOCK:
             view = self._view
             if view is not None and not view.evicted:
@@ -810,7 +808,7 @@ in_child(_forked)
 
 def _let_go_orphans() -> None:
     """Let go of the views of the dropped batches' commits that are done by now (at the
-    next same-host operation, and at exit: never waiting)."""
+    end of each same-host operation, a channel's close, and exit: never waiting)."""
     for orphan in list(_ORPHANS):
         if orphan._pid == os.getpid() and not orphan._commit.done():
             continue
