@@ -120,7 +120,11 @@ def _contents(store: ShardStore) -> tuple[list[tuple[bytes, bytes]], bytes | Non
                     st.integers(0, 30),
                     st.one_of(
                         st.binary(max_size=200),
-                        st.binary(min_size=2000, max_size=9000),  # (overflow pages)
+                        # overflow pages, drawn as a length and a fill: random bytes this
+                        # long exhaust hypothesis's entropy budget (its data_too_large check)
+                        st.builds(
+                            bytes.__mul__, st.binary(min_size=1, max_size=4), st.integers(500, 2250)
+                        ),
                         st.integers(),
                         st.text(max_size=50),
                     ),
