@@ -1209,6 +1209,8 @@ def test_a_router_frames_a_put_as_dumps_value_does(key, value, custom):
                 else got,
             )
         )
+        if kind == "ok":  # (a Framed, made as tuple.__new__ makes it: its fields in place)
+            assert type(got[3]) is Framed and tuple(got[3]) == (got[3].parts, got[3].nbytes)
     assert all(o == outcomes[0] for o in outcomes), outcomes
     if outcomes[0][0] == "ok":
         want = dumps(value)
@@ -1457,6 +1459,45 @@ def test_take_request_reads_odd_timeouts_and_refuses_a_tag_list_without_an_item(
                 r._pos = 0
                 with pytest.raises(TypeError):
                     s.take_request(100, Request, r, None)
+
+
+class _Wrapped:
+    """A socket behind an object of another type: its descriptor is asked for."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.asked = sock, 0
+
+    def fileno(self) -> int:
+        self.asked += 1
+        return self.sock.fileno()
+
+    def recv_into(self, *args: Any) -> int:
+        return self.sock.recv_into(*args)
+
+
+class _Socket(socket.socket):
+    """A subclass of the standard library's socket: its descriptor is read in place."""
+
+
+def test_receive_nowait_reads_the_descriptor_of_any_socket_and_refuses_a_closed_one():
+    """The compiled set reads a socket's descriptor in place (``socket.socket`` and its
+    subclasses), and asks any other object for it: both sets receive the same bytes
+    through each, and both raise ``EBADF`` once the socket is closed (never a read of
+    a descriptor another file may have taken)."""
+    for s in SETS:
+        for make in (lambda x: x, _Wrapped, lambda x: _Socket(fileno=x.detach())):
+            a, b = socket.socketpair()
+            sock = make(a)
+            with b:
+                r = Reader(sock, 64)
+                b.sendall(b"hello")
+                assert s.receive_nowait(r) == 5 and bytes(r._buf[r._pos : r._end]) == b"hello"
+                if type(sock) is _Wrapped and s is not pure:
+                    assert sock.asked == 1
+                (sock.sock if type(sock) is _Wrapped else sock).close()
+                with pytest.raises(OSError) as e:
+                    s.receive_nowait(r)
+                assert e.value.errno == errno.EBADF, (s, make)
 
 
 @settings(max_examples=60, deadline=None)

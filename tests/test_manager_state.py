@@ -11,6 +11,7 @@ code and by the server alike, never shadowed by a copy in an instance's ``__dict
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import socket
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from dask_ddict import kernels
+from dask_ddict import _forking, kernels
 from dask_ddict.kernels import pure
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
@@ -71,6 +72,41 @@ def test_the_compiled_lock_answers_as_threading_lock():
     assert [_outcome(lambda: c(ours)) for c in calls] == [
         _outcome(lambda: c(theirs)) for c in calls
     ]
+
+
+@pytest.mark.parametrize("make", LOCKS)
+def test_a_forked_child_has_it_free_whoever_held_it(make):
+    """``_forking.reinit_lock`` (what a forked child does with the idle connections'
+    pool's lock): a lock that a thread of the parent held at the fork is free in the
+    child, and works there as a lock; the parent's is held still."""
+    lock = make()
+    held, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            go.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # (the child: no Python error may escape into the test runner)
+            try:
+                _forking.reinit_lock(lock)
+                ok = not lock.locked() and lock.acquire(False) and not lock.acquire(False)
+                lock.release()
+                os._exit(0 if ok and not lock.locked() else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert lock.locked()  # (the parent's thread holds it still)
+    finally:
+        go.set()
+        t.join(30)
+    assert not lock.locked()
 
 
 @pytest.mark.parametrize("make", LOCKS)

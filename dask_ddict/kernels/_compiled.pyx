@@ -13,6 +13,8 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory
+from cpython.object cimport PyObject_TypeCheck, PyTypeObject
+from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
@@ -22,6 +24,7 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.string cimport memcmp, memcpy, memset
 from libc.errno cimport EAGAIN, EBADF, EINTR, errno
 
+import _socket
 import os
 import pickle
 import secrets
@@ -85,6 +88,26 @@ cdef extern from "<poll.h>" nogil:
 
 cdef clockid_t _MONOTONIC = time.CLOCK_MONOTONIC  # (time.monotonic()'s clock)
 
+cdef extern from *:
+    """
+    /* The head of CPython's socket object (socketmodule.h's PySocketSockObject, whose
+       first field has been its descriptor since Python 2): socket.fileno()'s answer. */
+    typedef struct { PyObject_HEAD int sock_fd; } ddict_socket_head;
+    """
+    ctypedef struct ddict_socket_head:
+        int sock_fd
+
+cdef type _SOCKET = _socket.socket
+
+
+cdef inline int _fd_of(object sock) except? -2:
+    """``sock.fileno()``: -1 once it is closed.  A socket of the standard library's (or of
+    a subclass: ``socket.socket``, ``ssl.SSLSocket``) is read in place, as ``fileno``
+    reads it, without a method call on every request; any other object is asked."""
+    if PyObject_TypeCheck(sock, <PyTypeObject*>_SOCKET):
+        return (<ddict_socket_head*><PyObject*>sock).sock_fd
+    return sock.fileno()
+
 
 cdef inline double _monotonic() noexcept nogil:
     """``time.monotonic()``."""
@@ -95,7 +118,42 @@ cdef inline double _monotonic() noexcept nogil:
 
 cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
-cdef object _new_tuple = tuple.__new__  # (a named tuple from its fields, without its __new__)
+cdef object _tuple_new = tuple.__new__
+
+
+cdef extern from *:
+    """
+    /* Whether t is a subtype of tuple with a tuple's layout (a named tuple's). */
+    static int ddict_tuple_layout(PyTypeObject* t) {
+        return t->tp_base == &PyTuple_Type && t->tp_basicsize == PyTuple_Type.tp_basicsize
+            && t->tp_itemsize == PyTuple_Type.tp_itemsize;
+    }
+    /* An instance of such a t from a tuple of its fields, as tuple.__new__(t, fields)
+       makes one of a subtype (tuple_subtype_new: the subtype's allocation, the fields
+       set in it), without that call's wrapper and argument parsing. */
+    static PyObject* ddict_new_tuple(PyTypeObject* t, PyObject* fields) {
+        Py_ssize_t n = PyTuple_GET_SIZE(fields), i;
+        PyObject* o = t->tp_alloc(t, n);
+        if (o == NULL)
+            return NULL;
+        for (i = 0; i < n; i++) {
+            PyObject* x = PyTuple_GET_ITEM(fields, i);
+            Py_INCREF(x);
+            PyTuple_SET_ITEM(o, i, x);
+        }
+        return o;
+    }
+    """
+    bint ddict_tuple_layout(PyTypeObject* t)
+    object ddict_new_tuple(PyTypeObject* t, tuple fields)
+
+
+cdef inline object _new_tuple(type cls, tuple fields):
+    """``tuple.__new__(cls, fields)``: a named tuple from its fields, without its
+    ``__new__`` (a Python function) nor ``tuple.__new__``'s call."""
+    if ddict_tuple_layout(<PyTypeObject*>cls):
+        return ddict_new_tuple(<PyTypeObject*>cls, fields)
+    return _tuple_new(cls, fields)  # (another layout: the general call)
 cdef object _loads = pickle.loads
 cdef object _key_digest = key_digest
 cdef object _encode_key = encode_key
@@ -220,6 +278,7 @@ def route(list keys, Py_ssize_t n, Py_ssize_t most, object encode, object placed
 cdef Py_ssize_t _CACHED_KEY = CACHED_KEY_BYTES
 
 
+@cython.final  # (the key lane calls one and record in C)
 cdef class Router:
     cdef readonly Py_ssize_t n, most, cached
     cdef readonly object encode, placed, digest
@@ -280,7 +339,7 @@ cdef class Router:
             return _by_digest(d, self.n), d, kb
         return self.placed(key, d, self.n), d, kb
 
-    def record(self, object key, object value, object dumps):
+    cpdef tuple record(self, object key, object value, object dumps):
         cdef tuple route = self.one(key)
         cdef Py_ssize_t n
         cdef bytes head
@@ -916,7 +975,7 @@ cdef tuple _receive_reply(sock, bytearray buf, Py_ssize_t got, object wait, Py_s
                 if <uint64_t>(got - _REPLY) >= plen:
                     return (head.status, head.ival, plen,
                             PyBytes_FromStringAndSize(p + _REPLY, <Py_ssize_t>plen), got)
-            fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
+            fd = _fd_of(sock)  # (each time: another thread may have closed it meanwhile)
             if fd < 0:
                 raise OSError(EBADF, os.strerror(EBADF))
             if flags and not _wait_fd(fd, POLLIN, end):  # (a signal does not lengthen it)
@@ -955,7 +1014,7 @@ cdef Py_ssize_t _receive_nowait(reader) except -1:
     if end == PyByteArray_GET_SIZE(buf):
         reader.reserve(PyByteArray_GET_SIZE(buf) - pos + 1)  # (moved down, or grown)
         buf, end = reader._buf, reader._end
-    fd = (reader.sock if r is None else r.sock).fileno()
+    fd = _fd_of(reader.sock if r is None else r.sock)
     while True:
         n = recv(fd, PyByteArray_AS_STRING(buf) + end,
                  <size_t>(PyByteArray_GET_SIZE(buf) - end), MSG_DONTWAIT)  # fmt: skip
@@ -1029,7 +1088,7 @@ def send_reply(sock, object tag, object ival, payload, Py_ssize_t small):
         memcpy(w + _REPLY, pv.buf, n)
     finally:
         PyBuffer_Release(&pv)
-    fd = sock.fileno()
+    fd = _fd_of(sock)
     while True:
         sent = send(fd, w, <size_t>(_REPLY + n), MSG_DONTWAIT)
         if sent >= 0:

@@ -64,7 +64,7 @@ cdef int _move_all(sock, char* p, Py_ssize_t n, bint sending, bint blocking,
     cdef ssize_t k
     cdef int fd, err = 0, flags = 0 if blocking else MSG_DONTWAIT
     while done < n:
-        fd = sock.fileno()  # (each time: another thread may have closed it meanwhile)
+        fd = _fd_of(sock)  # (each time: another thread may have closed it meanwhile)
         if fd < 0:
             raise OSError(EBADF, os.strerror(EBADF))
         with nogil:
@@ -92,6 +92,7 @@ cdef class KeyLane:
     cdef readonly object wire
     cdef object channel, pool, timing, buffer, decode, timed_out, deadline
     cdef object _acquire, _release, _idle
+    cdef ManagerLock _lock  # (the pool's lock, when it is the compiled one: no call)
     cdef int op_get, op_contains, op_put, op_get_many, op_pop, op_fetch_add
     cdef int persist, missing, timeout_status
     cdef Py_ssize_t most, small, record_framing
@@ -108,6 +109,7 @@ cdef class KeyLane:
         self.buffer, self.decode = buffer, decode
         self.timed_out, self.deadline = timed_out, deadline
         self._acquire, self._release = pool.lock.acquire, pool.lock.release
+        self._lock = pool.lock if type(pool.lock) is ManagerLock else None
         self._idle = pool.idle  # (the pool's own table of idle connections: never replaced)
 
     def __repr__(self):
@@ -258,7 +260,7 @@ cdef class KeyLane:
         buffer is empty and holds a request of ``total`` bytes, its waits the lane's own
         (``BoundedConnection.begin(None, None)``); ``None``: none idle, the pool's lock
         busy, or one that does not fit (given back as it was)."""
-        if not self._acquire(False):
+        if not self._take_lock():
             return None
         try:
             idle = link.idle
@@ -267,7 +269,7 @@ cdef class KeyLane:
             conn = idle.pop()
             del self._idle[conn]
         finally:
-            self._release()
+            self._give_lock()
         reader = conn.reader
         if reader._pos != reader._end or PyByteArray_GET_SIZE(reader._buf) < total:
             self._give(link, conn)
@@ -280,15 +282,28 @@ cdef class KeyLane:
         """``conn`` back to the pool, as ``IdlePool.give`` gives it (which does it, past
         the pool's bound or a closed link, or with its lock busy)."""
         conn.check = None
-        if self._acquire(False):
+        if self._take_lock():
             try:
                 if not link.closed and len(self._idle) < self.pool.most:
                     link.idle.append(conn)
                     self._idle[conn] = link
                     return 0
             finally:
-                self._release()
+                self._give_lock()
         self.pool.give(link, conn)
+        return 0
+
+    cdef inline bint _take_lock(self) except -1:
+        """The pool's lock taken now (else busy: nothing waited for)."""
+        if self._lock is not None:
+            return self._lock.take()
+        return bool(self._acquire(False))
+
+    cdef inline int _give_lock(self) except -1:
+        if self._lock is not None:
+            self._lock.give()
+        else:
+            self._release()
         return 0
 
     cdef object _reply(self, conn, bytearray buf, bint blocking, double deadline,

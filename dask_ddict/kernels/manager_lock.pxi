@@ -1,5 +1,6 @@
-# A manager's lock in C: threading.Lock's interface for Python, and a take and a give
-# that the plain server makes without a call.  Included by _compiled.pyx, before
+# A lock in C: threading.Lock's interface for Python, and a take and a give that compiled
+# callers make without a call (the plain server's of a manager's lock, the key lane's of
+# the idle connections' pool).  Included by _compiled.pyx, before
 # plain_server.pxi (which takes it).
 #
 # A Python lock's non-blocking acquire costs a call, its arguments' parsing and a clock
@@ -93,6 +94,15 @@ cdef class ManagerLock:
 
     def locked(self):
         return self.held
+
+    def _at_fork_reinit(self):
+        """Free again in a forked child, as ``threading.Lock._at_fork_reinit`` does it: a
+        new lock, the old one left as it was (a thread of the parent may have held it;
+        freeing a semaphore in that state is undefined)."""
+        cdef PyThread_type_lock fresh = PyThread_allocate_lock()
+        if fresh == NULL:
+            raise MemoryError()
+        self.lock, self.held = fresh, False
 
     def __enter__(self):
         return self.acquire()

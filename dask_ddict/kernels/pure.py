@@ -1470,10 +1470,11 @@ class ReaderState:
 
 
 ManagerLock = threading.Lock
-"""A manager's lock (``Manager._mutex``): ``threading.Lock``.  The compiled one has the
-same interface, and a non-blocking take and a release that the compiled plain server
-makes without a call (a Python lock's costs a call, its arguments' parsing and a clock
-read: a fifth of a plain put's time in the host)."""
+"""A lock taken on the key path (``Manager._mutex``, ``IdlePool.lock``):
+``threading.Lock``.  The compiled one has the same interface, and a non-blocking take
+and a release that the compiled plain server and key lane make without a call (a Python
+lock's costs a call, its arguments' parsing and a clock read: a fifth of a plain put's
+time in the host)."""
 
 
 class PlainServer:

@@ -9,11 +9,9 @@ grow with them.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Protocol
 
-from .. import config
+from .. import config, kernels
 from .._forking import in_child, reinit_lock
 from .bounded_connection import BoundedConnection
 
@@ -43,8 +41,10 @@ class IdlePool:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.idle: OrderedDict[BoundedConnection, PooledLink] = OrderedDict()
+        self.lock = kernels.ManagerLock()  # (the key lane takes it without a call)
+        # (a plain dict: in the order given, least recently used first; cheaper to change
+        # than an OrderedDict, twice on every operation)
+        self.idle: dict[BoundedConnection, PooledLink] = {}
         # ddict.transport.kept-connections (each link sets it again when it connects)
         self.most = int(config.get("transport.kept-connections"))
 
@@ -68,7 +68,8 @@ class IdlePool:
                     return
                 over = []
                 while len(self.idle) > self.most:
-                    old, owner = self.idle.popitem(last=False)
+                    old = next(iter(self.idle))
+                    owner = self.idle.pop(old)
                     owner.idle.remove(old)
                     over.append((old, owner))
         for old, owner in over:
