@@ -14,6 +14,12 @@ put/get of 100 B values (ops/s) and of 1 MiB / 64 MiB numpy arrays (MB/s):
 against redis-py doing the same operations (the reference column), and these
 rows, each against the reference its reference column names:
 
+* ``put/get 100 B`` over TCP ``alternated with redis-py``: the same TCP put and
+  get, measured in five slices alternated with redis-py's (``common.alternated``):
+  the median of the five pairs' ratios, with the least and the most.  The rows
+  above measure each side once, seconds apart, and carry the machine's drift
+  between them into their ratio; these are the ones the 1.5x target reads.
+
 * ``round trip 100 B (tcp)``: sequential round trips of a 1-byte request and a
   100 B answer between this process and a child over raw loopback TCP, one
   ``recv`` and one ``send`` each (the loopback row's child): the ceiling of any
@@ -57,7 +63,11 @@ rows, each against the reference its reference column names:
   many redis-py calls; ratio = ours / redis-server's (target <= 1.0).  In
   brackets, the part spent in user space (the rest is the kernel's: the same
   three system calls per request for both, and the wake-ups).  The kernel
-  counts CPU time in 10 ms ticks: +-1 us per operation at 10,000.
+  counts CPU time in 10 ms ticks: +-1 us per operation at 10,000.  The rows
+  ``alternated with redis-server`` measure the same in five slices of a fifth of
+  the operations each, alternated with redis-server's (``common.alternated``), by the
+  scheduler's exact count of each process's threads' time (user and system
+  together): the median of the five pairs' ratios, with the least and the most.
 * ``host CPU per fetch_add / pop 100 B (tcp)``: the same for ``fetch_add(key, 1)`` on
   1,000 counters and for ``pop`` of as many 100 B keys as operations, against
   redis-server's ``INCRBY`` and ``GETDEL`` (the at-most-once writes: each keeps its reply
@@ -92,7 +102,16 @@ from typing import Any
 import _bench_refs as refs  # beside this script (sys.path[0])
 import dask
 import numpy as np
-from common import Row, best_of, items_per_second, p99, print_aligned, python_build, timed_cells
+from common import (
+    Row,
+    alternated,
+    best_of,
+    items_per_second,
+    p99,
+    print_aligned,
+    python_build,
+    timed_cells,
+)
 from distributed import Client, LocalCluster
 
 from dask_ddict import DDict, DDictFullError
@@ -103,6 +122,7 @@ KEYS = [f"k{i}" for i in range(1000)]  # the get_many / mget keys
 NEW_KEYS = 20_000  # the keys of one batch put of new keys
 DRAGON_ROWS = {"batch put 100 B": "batch put 1000 x 100 B"}  # bench_dragon's name -> ours
 SAME, TCP = "client (same host)", "client (tcp, as from another host)"
+PAIRS = 5  # slices of each side of an alternated row (common.alternated)
 
 
 def _value(nbytes: int) -> Any:
@@ -433,6 +453,22 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
         "put": refs.cpu_per_op(pid, put, n, cap=60.0),
         "get": refs.cpu_per_op(pid, lambda i: tcp0[i % 1000], n, cap=60.0),
     }
+    paired = None
+    if redis_ctx:  # (the rows with a target: also in slices alternated with redis-server's)
+        rpid, r = redis_ctx[0].pid, redis_ctx[1]
+        cut = max(n // PAIRS, 1000)
+
+        def cpu(p: int, op: Callable[[int], Any]) -> float:
+            return refs.cpu_per_op_exact(p, op, cut)
+
+        paired = alternated(
+            lambda: {"put": cpu(pid, put), "get": cpu(pid, lambda i: tcp0[i % 1000])},
+            lambda: {
+                "put": cpu(rpid, lambda i: r.set(i % 1000, v)),
+                "get": cpu(rpid, lambda i: r.get(i % 1000)),
+            },
+            PAIRS,
+        )
     tcp0.update({k: v for k in KEYS})  # (get_many: CPU per key, of 1,000-key requests)
     ours["key of get_many"] = _per_key(
         refs.cpu_per_op(pid, lambda i: tcp0.get_many(KEYS), max(n // 100, 10), cap=60.0)
@@ -461,6 +497,19 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
         theirs["pop"] = refs.cpu_per_op(rpid, r.getdel, n, cap=60.0)
         r.flushall()
     rows = []
+    if paired is not None:
+        med, ref, ratios = paired
+        for op, rop in (("get", "GET"), ("put", "SET")):
+            mid, low, high = ratios[op]
+            rows.append(
+                (
+                    f"host CPU per {op} 100 B (tcp)",
+                    "host process, alternated with redis-server",
+                    _us(med[op]),
+                    f"redis-server per {rop}: {_us(ref[op])}",
+                    f"{mid:.2f} ({low:.2f}-{high:.2f} over {PAIRS} pairs; target <= 1.0)",
+                )
+            )
     for op, rop, what, target in (
         ("get", "GET", "get 100 B", " (target <= 1.0)"),
         ("put", "SET", "put 100 B", " (target <= 1.0)"),
@@ -642,10 +691,18 @@ def cluster_rows(
                 task_bench, m0, nbytes, s, workers=[w1], pure=False
             ).result(),
         }
+        paired: tuple[Any, ...] | None = None
         with dask.config.set({"ddict.local-transport": False}):
             tcp = DDict.attach(d.serialize(), client=c)
             try:
                 res[TCP] = run_ddict(tcp.manager(0), nbytes, s)
+                if r_py is not None and nbytes < 1024:  # (the rows with a 1.5x target)
+                    m, n, t = tcp.manager(0), nbytes, max(2 * s, 2.0) / PAIRS
+                    paired = alternated(
+                        lambda m=m, n=n, t=t: run_ddict(m, n, t),
+                        lambda n=n, t=t: run_redis(r_py, n, t),
+                        PAIRS,
+                    )
             finally:
                 tcp.detach()
         base = bases[label] = run_redis(r_py, nbytes, s) if r_py else None
@@ -659,6 +716,19 @@ def cluster_rows(
                         fmt(nbytes, r[op]),
                         fmt(nbytes, base[op]) if base else "n/a",
                         ratio,
+                    )
+                )
+        if paired is not None:
+            med, ref, ratios = paired
+            for op in ("put", "get"):
+                mid, low, high = ratios[op]
+                rows.append(
+                    (
+                        f"{op} {label}",
+                        f"{TCP}, alternated with redis-py",
+                        fmt(nbytes, med[op]),
+                        fmt(nbytes, ref[op]),
+                        f"{mid:.2f}x ({low:.2f}-{high:.2f} over {PAIRS} pairs; target >= 1.5x)",
                     )
                 )
     rows.append(floor_row(bases.get("100 B"), secs))

@@ -92,6 +92,34 @@ def items_per_second(call: Callable[[], object], per_call: int, seconds: float) 
     return n * per_call / (time.perf_counter() - t0)
 
 
+def alternated(
+    ours: Callable[[], dict[str, float]],
+    theirs: Callable[[], dict[str, float]],
+    pairs: int = 5,
+) -> tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float, float]]]:
+    """``ours()`` and ``theirs()`` (each measures one slice: a figure per operation, a
+    rate or a cost) run in turn, ``pairs`` times: each side's median figure per
+    operation, and per operation the median, least and most of the pairs' ratios
+    (ours / theirs).
+
+    Why in turn: on a shared 2-core VM the machine's speed drifts over seconds (other
+    processes, the hypervisor's neighbours), by a fifth between runs of the same
+    build; two cells measured seconds apart carry that drift whole into their ratio,
+    two slices measured back to back share it, and the ratio cancels it."""
+    mine = []
+    other = []
+    for _ in range(pairs):
+        mine.append(ours())
+        other.append(theirs())
+    med = {op: float(np.median([m[op] for m in mine])) for op in mine[0]}
+    ref = {op: float(np.median([o[op] for o in other])) for op in mine[0]}
+    ratios = {}
+    for op in mine[0]:
+        r = [m[op] / o[op] for m, o in zip(mine, other)]
+        ratios[op] = (float(np.median(r)), min(r), max(r))
+    return med, ref, ratios
+
+
 def timed_cells(doc: str | None) -> tuple[argparse.Namespace, float]:
     """The command line of a benchmark whose cells each run for a time (``--quick``,
     ``--seconds``; ``doc``: its help): the arguments, and the seconds of a cell."""
