@@ -86,6 +86,8 @@ def _choose() -> tuple[ModuleType, bool]:
 
 
 _impl, COMPILED = _choose()
+if COMPILED:  # (the pure set's words come from random, which reseeds itself in a child)
+    in_child(_impl.generation_words_forked)
 in_child(_impl.commits_behind_forked)  # (a forked child has no commit thread of its own)
 
 

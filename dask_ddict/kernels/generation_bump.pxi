@@ -23,13 +23,14 @@ cdef inline int64_t _next_word() noexcept nogil:
     return _word_of(&_word_state)
 
 
-def _reseed_words():
+def generation_words_forked():
+    """(A forked child's hook, registered by ``kernels``: ``_forking.in_child``.)  A new
+    seed for the generation words: the parent's state would draw the parent's words."""
     global _word_state
     _word_state = int.from_bytes(os.urandom(8), "little")
 
 
-_reseed_words()
-os.register_at_fork(after_in_child=_reseed_words)
+generation_words_forked()
 
 
 cdef class GenerationBump:

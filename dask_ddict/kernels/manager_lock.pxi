@@ -1,54 +1,92 @@
 # A lock in C: threading.Lock's interface for Python, and a take and a give that compiled
 # callers make without a call (the plain server's of a manager's lock, the key lane's of
-# the idle connections' pool).  Included by _compiled.pyx, before
-# plain_server.pxi (which takes it).
+# the idle connections' pool).  Included by _compiled.pyx, before plain_server.pxi (which
+# takes it).
 #
 # A Python lock's non-blocking acquire costs a call, its arguments' parsing and a clock
-# read; the plain server's put takes and gives its manager's lock once each.  This is the
-# same PyThread lock (a semaphore: any thread may release it, as threading.Lock allows),
-# taken with one PyThread_acquire_lock(lock, 0).
+# read; so does CPython's PyThread_acquire_lock(lock, 0), which reads the monotonic clock
+# and converts a deadline even when it does not wait (a tenth of a TCP put's user time in
+# the client, which takes and gives the pool's lock twice).  This lock is a POSIX
+# semaphore of its own (any thread may release it, as threading.Lock allows): a take is
+# one sem_trywait, a give one sem_post.
 
-cdef extern from "pythread.h":
-    ctypedef void* PyThread_type_lock
-    ctypedef enum PyLockStatus:
-        PY_LOCK_FAILURE
-        PY_LOCK_ACQUIRED
-        PY_LOCK_INTR
-    PyThread_type_lock PyThread_allocate_lock()
-    void PyThread_free_lock(PyThread_type_lock lock)
-    int PyThread_acquire_lock(PyThread_type_lock lock, int waitflag) nogil
-    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
-                                             int intr_flag) nogil
-    void PyThread_release_lock(PyThread_type_lock lock) nogil
+cdef extern from "<semaphore.h>" nogil:
+    ctypedef struct sem_t:
+        pass
+    int sem_init(sem_t* sem, int pshared, unsigned int value)
+    int sem_destroy(sem_t* sem)
+    int sem_trywait(sem_t* sem)
+    int sem_wait(sem_t* sem)
+    int sem_timedwait(sem_t* sem, const timespec* abstime)
+    int sem_post(sem_t* sem)
+
+cdef extern from "<time.h>" nogil:
+    clockid_t CLOCK_REALTIME
+
+cdef extern from "<errno.h>":
+    int ETIMEDOUT
+
+cdef extern from "Python.h":
+    void* PyMem_RawMalloc(size_t n) nogil
+    void PyMem_RawFree(void* p) nogil
 
 cdef double _MOST_WAIT = threading.TIMEOUT_MAX  # (seconds: threading.Lock's bound)
+# a timed wait's slices (sem_timedwait counts on the wall clock; a jump of it moves the end
+# of one slice at most, the deadline is the monotonic clock's)
+cdef double _WAIT_SLICE = 1.0
+
+
+cdef sem_t* _new_semaphore() except NULL:
+    """A free semaphore of this process (PyMem_RawFree'd after sem_destroy)."""
+    cdef sem_t* sem = <sem_t*>PyMem_RawMalloc(sizeof(sem_t))
+    cdef int err
+    if sem == NULL:
+        raise MemoryError()
+    if sem_init(sem, 0, 1):
+        err = errno
+        PyMem_RawFree(sem)
+        raise OSError(err, os.strerror(err))
+    return sem
+
+
+cdef int _timed_wait(sem_t* sem, double seconds) noexcept nogil:
+    """``sem_timedwait`` for at most ``seconds`` (of the wall clock, as it counts): 0 taken,
+    else its errno (``ETIMEDOUT``, ``EINTR``)."""
+    cdef timespec t
+    cdef double end
+    clock_gettime(CLOCK_REALTIME, &t)
+    end = t.tv_sec + t.tv_nsec * 1e-9 + seconds
+    t.tv_sec = <long>end
+    t.tv_nsec = <long>((end - <double>t.tv_sec) * 1e9)
+    if t.tv_nsec >= 1000000000:
+        t.tv_sec, t.tv_nsec = t.tv_sec + 1, t.tv_nsec - 1000000000
+    if sem_timedwait(sem, &t) == 0:
+        return 0
+    return errno
 
 
 @cython.final  # (the plain server takes it by its exact type)
 cdef class ManagerLock:
     """``threading.Lock``, whose non-blocking take is a C call for compiled callers."""
 
-    cdef PyThread_type_lock lock
+    cdef sem_t* sem
     cdef bint held
 
     def __cinit__(self):
-        self.lock = PyThread_allocate_lock()
-        if self.lock == NULL:
-            raise MemoryError()
+        self.sem = _new_semaphore()
         self.held = False
 
     def __dealloc__(self):
-        if self.lock != NULL:
-            if self.held:  # (as CPython's lock does: a semaphore is freed released)
-                PyThread_release_lock(self.lock)
-            PyThread_free_lock(self.lock)
+        if self.sem != NULL:
+            sem_destroy(self.sem)
+            PyMem_RawFree(self.sem)
 
     def __repr__(self):
         return f"<{'locked' if self.held else 'unlocked'} dask_ddict ManagerLock>"
 
     cdef inline bint take(self) noexcept:
         """Taken now (else held by some thread: nothing waited for)."""
-        if PyThread_acquire_lock(self.lock, 0):
+        if sem_trywait(self.sem) == 0:
             self.held = True
             return True
         return False
@@ -56,12 +94,11 @@ cdef class ManagerLock:
     cdef inline void give(self) noexcept:
         """Released (the caller holds it)."""
         self.held = False
-        PyThread_release_lock(self.lock)
+        sem_post(self.sem)
 
     def acquire(self, bint blocking=True, double timeout=-1):
-        cdef PyLockStatus r
-        cdef long long us
-        cdef double deadline = 0
+        cdef int err
+        cdef double deadline = 0, left
         if timeout != timeout:
             raise ValueError("Invalid value NaN (not a number)")
         if not blocking and timeout != -1:
@@ -75,17 +112,29 @@ cdef class ManagerLock:
         if not blocking:
             return False
         if timeout >= 0:
-            deadline = time.monotonic() + timeout
+            deadline = _monotonic() + timeout
         while True:  # (a signal's handler runs between waits, as CPython's lock does it)
-            us = -1 if timeout < 0 else <long long>(max(0.0, deadline - time.monotonic()) * 1e6)
             with nogil:
-                r = PyThread_acquire_lock_timed(self.lock, us, 1)
-            if r == PY_LOCK_ACQUIRED:
+                if timeout < 0:
+                    err = 0 if sem_wait(self.sem) == 0 else errno
+                else:
+                    left = deadline - _monotonic()
+                    if left <= 0:
+                        err = 0 if sem_trywait(self.sem) == 0 else ETIMEDOUT
+                    else:
+                        err = _timed_wait(self.sem, min(left, _WAIT_SLICE))
+            if err == 0:
                 self.held = True
                 return True
-            if r != PY_LOCK_INTR:
+            if err == EINTR:
+                PyErr_CheckSignals()
+            elif err != ETIMEDOUT:
+                raise OSError(err, os.strerror(err))
+            elif deadline - _monotonic() <= 0:
+                if sem_trywait(self.sem) == 0:  # (given just at the end: taken, as CPython
+                    self.held = True  # takes a lock released as its wait times out)
+                    return True
                 return False
-            PyErr_CheckSignals()
 
     def release(self):
         if not self.held:
@@ -97,12 +146,9 @@ cdef class ManagerLock:
 
     def _at_fork_reinit(self):
         """Free again in a forked child, as ``threading.Lock._at_fork_reinit`` does it: a
-        new lock, the old one left as it was (a thread of the parent may have held it;
-        freeing a semaphore in that state is undefined)."""
-        cdef PyThread_type_lock fresh = PyThread_allocate_lock()
-        if fresh == NULL:
-            raise MemoryError()
-        self.lock, self.held = fresh, False
+        new semaphore, the old one left as it was (a thread of the parent may have held
+        it or waited on it: destroying it then is undefined)."""
+        self.sem, self.held = _new_semaphore(), False
 
     def __enter__(self):
         return self.acquire()
