@@ -1211,6 +1211,9 @@ def test_a_router_frames_a_put_as_dumps_value_does(key, value, custom):
         )
         if kind == "ok":  # (a Framed, made as tuple.__new__ makes it: its fields in place)
             assert type(got[3]) is Framed and tuple(got[3]) == (got[3].parts, got[3].nbytes)
+            parts = got[3].parts
+            if type(parts) is tuple and all(type(p) is bytes for p in parts):  # (hashable)
+                assert hash(got[3]) == hash(tuple(got[3]))
     assert all(o == outcomes[0] for o in outcomes), outcomes
     if outcomes[0][0] == "ok":
         want = dumps(value)

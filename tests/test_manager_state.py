@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -67,6 +68,7 @@ def test_the_compiled_lock_answers_as_threading_lock():
         lambda lk: lk.__exit__(None, None, None),
         lambda lk: lk.__enter__(),
         lambda lk: lk.__exit__(None, None, None),
+        lambda lk: weakref.ref(lk)() is lk,
     ]
     theirs, ours = threading.Lock(), _compiled.ManagerLock()
     assert [_outcome(lambda: c(ours)) for c in calls] == [

@@ -123,10 +123,18 @@ cdef object _tuple_new = tuple.__new__
 
 cdef extern from *:
     """
-    /* Whether t is a subtype of tuple with a tuple's layout (a named tuple's). */
+    /* Whether t is a subtype of tuple with a tuple's layout (a named tuple's), on a
+       Python whose tuples keep nothing but their items: 3.14 caches a tuple's hash in
+       it (ob_hash, -1 until computed), which tuple_subtype_new resets and a zeroed
+       allocation would leave at 0, a wrong hash; there tuple.__new__ is called. */
     static int ddict_tuple_layout(PyTypeObject* t) {
+    #if PY_VERSION_HEX >= 0x030E0000
+        (void)t;
+        return 0;
+    #else
         return t->tp_base == &PyTuple_Type && t->tp_basicsize == PyTuple_Type.tp_basicsize
             && t->tp_itemsize == PyTuple_Type.tp_itemsize;
+    #endif
     }
     /* An instance of such a t from a tuple of its fields, as tuple.__new__(t, fields)
        makes one of a subtype (tuple_subtype_new: the subtype's allocation, the fields

@@ -8,7 +8,8 @@
 # and converts a deadline even when it does not wait (a tenth of a TCP put's user time in
 # the client, which takes and gives the pool's lock twice).  This lock is a POSIX
 # semaphore of its own (any thread may release it, as threading.Lock allows): a take is
-# one sem_trywait, a give one sem_post.
+# one sem_trywait, a give one sem_post; a timed wait counts on the monotonic clock
+# (sem_clockwait) where the C library has it, as CPython's lock does.
 
 cdef extern from "<semaphore.h>" nogil:
     ctypedef struct sem_t:
@@ -17,23 +18,54 @@ cdef extern from "<semaphore.h>" nogil:
     int sem_destroy(sem_t* sem)
     int sem_trywait(sem_t* sem)
     int sem_wait(sem_t* sem)
-    int sem_timedwait(sem_t* sem, const timespec* abstime)
     int sem_post(sem_t* sem)
-
-cdef extern from "<time.h>" nogil:
-    clockid_t CLOCK_REALTIME
 
 cdef extern from "<errno.h>":
     int ETIMEDOUT
+
+cdef extern from *:
+    """
+    #include <semaphore.h>
+    #include <time.h>
+    #include <errno.h>
+    /* sem_timedwait for at most `seconds`: 0 taken, else its errno (ETIMEDOUT, EINTR).
+       Counted on the monotonic clock where the C library has sem_clockwait (glibc 2.30),
+       as CPython's own lock counts it; else on the wall clock, whose jump then moves
+       the end of this wait (the caller waits in slices of at most DDICT_WALL_SLICE). */
+    #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    #define DDICT_WALL_SLICE 1e300
+    #define DDICT_SEM_CLOCK CLOCK_MONOTONIC
+    #define DDICT_SEM_WAIT(sem, t) sem_clockwait((sem), CLOCK_MONOTONIC, (t))
+    #else
+    #define DDICT_WALL_SLICE 1.0
+    #define DDICT_SEM_CLOCK CLOCK_REALTIME
+    #define DDICT_SEM_WAIT(sem, t) sem_timedwait((sem), (t))
+    #endif
+    static int ddict_sem_wait_for(sem_t* sem, double seconds) {
+        struct timespec t;
+        double end;
+        if (seconds > DDICT_WALL_SLICE)
+            seconds = DDICT_WALL_SLICE;
+        clock_gettime(DDICT_SEM_CLOCK, &t);
+        end = (double)t.tv_sec + t.tv_nsec * 1e-9 + seconds;
+        t.tv_sec = (time_t)end;
+        t.tv_nsec = (long)((end - (double)t.tv_sec) * 1e9);
+        if (t.tv_nsec >= 1000000000L) {
+            t.tv_sec += 1;
+            t.tv_nsec -= 1000000000L;
+        }
+        if (DDICT_SEM_WAIT(sem, &t) == 0)
+            return 0;
+        return errno;
+    }
+    """
+    int ddict_sem_wait_for(sem_t* sem, double seconds) nogil
 
 cdef extern from "Python.h":
     void* PyMem_RawMalloc(size_t n) nogil
     void PyMem_RawFree(void* p) nogil
 
 cdef double _MOST_WAIT = threading.TIMEOUT_MAX  # (seconds: threading.Lock's bound)
-# a timed wait's slices (sem_timedwait counts on the wall clock; a jump of it moves the end
-# of one slice at most, the deadline is the monotonic clock's)
-cdef double _WAIT_SLICE = 1.0
 
 
 cdef sem_t* _new_semaphore() except NULL:
@@ -49,28 +81,13 @@ cdef sem_t* _new_semaphore() except NULL:
     return sem
 
 
-cdef int _timed_wait(sem_t* sem, double seconds) noexcept nogil:
-    """``sem_timedwait`` for at most ``seconds`` (of the wall clock, as it counts): 0 taken,
-    else its errno (``ETIMEDOUT``, ``EINTR``)."""
-    cdef timespec t
-    cdef double end
-    clock_gettime(CLOCK_REALTIME, &t)
-    end = t.tv_sec + t.tv_nsec * 1e-9 + seconds
-    t.tv_sec = <long>end
-    t.tv_nsec = <long>((end - <double>t.tv_sec) * 1e9)
-    if t.tv_nsec >= 1000000000:
-        t.tv_sec, t.tv_nsec = t.tv_sec + 1, t.tv_nsec - 1000000000
-    if sem_timedwait(sem, &t) == 0:
-        return 0
-    return errno
-
-
 @cython.final  # (the plain server takes it by its exact type)
 cdef class ManagerLock:
     """``threading.Lock``, whose non-blocking take is a C call for compiled callers."""
 
     cdef sem_t* sem
     cdef bint held
+    cdef object __weakref__  # (as threading.Lock's)
 
     def __cinit__(self):
         self.sem = _new_semaphore()
@@ -122,7 +139,7 @@ cdef class ManagerLock:
                     if left <= 0:
                         err = 0 if sem_trywait(self.sem) == 0 else ETIMEDOUT
                     else:
-                        err = _timed_wait(self.sem, min(left, _WAIT_SLICE))
+                        err = ddict_sem_wait_for(self.sem, left)
             if err == 0:
                 self.held = True
                 return True

@@ -50,9 +50,11 @@ cdef Py_ssize_t _READ = REQUEST.size + DIGEST  # a plain read's request: a heade
 cdef Py_ssize_t _RANGED = DIGEST + SPAN.size  # a byte range's key section: its digest, its bounds
 cdef Py_ssize_t _SENT_AT_ONCE = 256 << 10  # replies gathered before one is sent
 cdef Py_ssize_t _GROUP_MOST = 256  # puts of one transaction, at most (the lock held that long)
-# puts of a group committed holding the interpreter lock: a commit waits for nothing (the
-# writer's lock is held, a shard's map is written in place and never synced) and takes a
-# few microseconds for a few puts, less than the lock's release and retake
+# puts of a group committed holding the interpreter lock: a commit waits for no other
+# writer nor any I/O call (the writer's lock is held, a shard's map is written in place
+# and never synced; the kernel may still stall a write to the map, as it may the group's
+# puts, made under the interpreter lock too) and takes a few microseconds for a few puts,
+# less than the lock's release and retake
 cdef Py_ssize_t _COMMIT_HELD = 16
 cdef Py_ssize_t _HUGE = HUGE_BYTES
 cdef bytes _RID = RID, _RID_SLOT = RID_SLOT, _RID_SEQ = RID_SEQ
