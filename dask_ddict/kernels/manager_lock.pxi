@@ -28,10 +28,12 @@ cdef extern from *:
     #include <semaphore.h>
     #include <time.h>
     #include <errno.h>
-    /* sem_timedwait for at most `seconds`: 0 taken, else its errno (ETIMEDOUT, EINTR).
-       Counted on the monotonic clock where the C library has sem_clockwait (glibc 2.30),
-       as CPython's own lock counts it; else on the wall clock, whose jump then moves
-       the end of this wait (the caller waits in slices of at most DDICT_WALL_SLICE). */
+    /* A wait for the semaphore of at most `seconds`: 0 taken, else its errno
+       (ETIMEDOUT, EINTR). Counted on the monotonic clock where the C library has
+       sem_clockwait (glibc 2.30), as CPython's own lock counts it; else on the wall
+       clock (sem_timedwait), a wait then cut to DDICT_WALL_SLICE, so that a jump of
+       that clock moves the end of one slice only: the caller waits again until its
+       monotonic deadline. */
     #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
     #define DDICT_WALL_SLICE 1e300
     #define DDICT_SEM_CLOCK CLOCK_MONOTONIC
