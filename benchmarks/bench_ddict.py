@@ -350,14 +350,20 @@ def _alternated_row(
             return {"keys": ours(h, t)}
 
     med, ref, ratios = alternated(mine, lambda: {"keys": theirs(r, t)}, PAIRS)
-    mid, low, high = ratios["keys"]
     return (
         what,
         f"{where}, alternated with {peer}",
         f"{med['keys']:,.0f} keys/s",
         f"{peer}: {ref['keys']:,.0f} keys/s",
-        f"{mid:.2f}x ({low:.2f}-{high:.2f} over {PAIRS} pairs; target {target})",
+        _pairs_cell(ratios["keys"], "x", f"target {target}"),
     )
+
+
+def _pairs_cell(ratio: tuple[float, float, float], unit: str, target: str) -> str:
+    """An alternated row's result: the median of its pairs' ratios (``unit`` after it),
+    the least and the most, and ``target`` if there is one."""
+    mid, low, high = ratio
+    return f"{mid:.2f}{unit} ({low:.2f}-{high:.2f} over {PAIRS} pairs{'; ' + target if target else ''})"
 
 
 def big_get_rows(m0: DDict, reps: int) -> list[Row]:
@@ -549,14 +555,13 @@ def host_cpu_rows(tcp0: DDict, redis_ctx: Any, n: int) -> list[Row]:
     if paired is not None:
         med, ref, ratios = paired
         for op, rop in (("get", "GET"), ("put", "SET")):
-            mid, low, high = ratios[op]
             rows.append(
                 (
                     f"host CPU per {op} 100 B (tcp)",
                     "host process, alternated with redis-server",
                     _us(med[op]),
                     f"redis-server per {rop}: {_us(ref[op])}",
-                    f"{mid:.2f} ({low:.2f}-{high:.2f} over {PAIRS} pairs; target <= 1.0)",
+                    _pairs_cell(ratios[op], "", "target <= 1.0"),
                 )
             )
     for op, rop, what, target in (
@@ -775,15 +780,14 @@ def cluster_rows(
                 )
         for where, (med, ref, ratios) in paired.items():
             for op in ("put", "get"):
-                mid, low, high = ratios[op]
-                target = {TCP: "; target >= 1.5x", SAME: "; target >= 3x" if op == "get" else ""}
+                target = {TCP: "target >= 1.5x", SAME: "target >= 3x" if op == "get" else ""}
                 rows.append(
                     (
                         f"{op} {label}",
                         f"{where}, alternated with redis-py",
                         fmt(nbytes, med[op]),
                         fmt(nbytes, ref[op]),
-                        f"{mid:.2f}x ({low:.2f}-{high:.2f} over {PAIRS} pairs{target[where]})",
+                        _pairs_cell(ratios[op], "x", target[where]),
                     )
                 )
     rows.append(floor_row(bases.get("100 B"), secs))

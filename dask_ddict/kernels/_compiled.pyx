@@ -118,6 +118,26 @@ cdef inline double _monotonic() noexcept nogil:
 
 cdef object _dumps = pickle.dumps
 cdef object _dumps_value = dumps_value
+cdef object _loads = pickle.loads
+cdef object _key_digest = key_digest
+cdef object _encode_key = encode_key
+cdef object _Entry = Entry
+cdef object _MAXQ = MAXQ
+cdef frozenset _atoms = _ATOMS
+cdef Py_ssize_t _DIGEST = DIGEST
+cdef Py_ssize_t _ENTRY_HEADER = ENTRY_HEADER
+cdef int _TOMBSTONE = TOMBSTONE
+cdef Py_ssize_t _ALIGN = ALIGN
+cdef int64_t _ABSENT = ABSENT
+cdef int64_t _WAIT = WAIT
+cdef list _PADS = PADS
+cdef Py_ssize_t _JOIN = JOIN
+cdef bytes _EMPTY = b""
+cdef Py_ssize_t _HEAD = _HEAD_STRUCT.size  # a value frame's header: fmt, nbufs, plen
+cdef int _FMT_PICKLE = FMT_PICKLE
+cdef int _FMT_BYTES = FMT_BYTES
+
+
 cdef object _tuple_new = tuple.__new__
 
 
@@ -162,24 +182,6 @@ cdef inline object _new_tuple(type cls, tuple fields):
     if ddict_tuple_layout(<PyTypeObject*>cls):
         return ddict_new_tuple(<PyTypeObject*>cls, fields)
     return _tuple_new(cls, fields)  # (another layout: the general call)
-cdef object _loads = pickle.loads
-cdef object _key_digest = key_digest
-cdef object _encode_key = encode_key
-cdef object _Entry = Entry
-cdef object _MAXQ = MAXQ
-cdef frozenset _atoms = _ATOMS
-cdef Py_ssize_t _DIGEST = DIGEST
-cdef Py_ssize_t _ENTRY_HEADER = ENTRY_HEADER
-cdef int _TOMBSTONE = TOMBSTONE
-cdef Py_ssize_t _ALIGN = ALIGN
-cdef int64_t _ABSENT = ABSENT
-cdef int64_t _WAIT = WAIT
-cdef list _PADS = PADS
-cdef Py_ssize_t _JOIN = JOIN
-cdef bytes _EMPTY = b""
-cdef Py_ssize_t _HEAD = _HEAD_STRUCT.size  # a value frame's header: fmt, nbufs, plen
-cdef int _FMT_PICKLE = FMT_PICKLE
-cdef int _FMT_BYTES = FMT_BYTES
 
 
 include "framing.pxi"  # (the header's C functions, named here as the kernels use them)

@@ -117,7 +117,7 @@ cdef class ManagerLock:
 
     def acquire(self, bint blocking=True, double timeout=-1):
         cdef int err
-        cdef double deadline = 0, left
+        cdef double deadline = 0, left = 1
         if timeout != timeout:
             raise ValueError("Invalid value NaN (not a number)")
         if not blocking and timeout != -1:
@@ -149,11 +149,8 @@ cdef class ManagerLock:
                 PyErr_CheckSignals()
             elif err != ETIMEDOUT:
                 raise OSError(err, os.strerror(err))
-            elif deadline - _monotonic() <= 0:
-                if sem_trywait(self.sem) == 0:  # (given just at the end: taken, as CPython
-                    self.held = True  # takes a lock released as its wait times out)
-                    return True
-                return False
+            elif left <= 0:  # (else a wait timed out at or before the deadline: once more,
+                return False  # a last take there, as CPython takes a lock given at the end)
 
     def release(self):
         if not self.held:
