@@ -16,6 +16,7 @@ import pickle
 import shutil
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -1615,3 +1616,75 @@ def test_send_reply_gives_back_what_a_full_socket_did_not_take():
                 for _ in range(100):
                     s.send_reply(a, 3, 4, payload, 1 << 20)
             assert info.value.errno in (errno.EPIPE, errno.ECONNRESET)
+
+
+_COUNTS = st.lists(
+    st.tuples(
+        st.one_of(st.integers(0, 5), st.integers(0, 0xFFFFFFFF), st.integers(-2, 1 << 33)),
+        st.one_of(st.integers(0, kernels.pure.SERVED_OPS - 1), st.integers(-1, 70)),
+        st.one_of(st.integers(1, 3), st.integers(0, 1 << 40), st.just(-1)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_COUNTS)
+def test_served_tables_count_alike(counts):
+    """A connection's served counts: every set's table gives the same rows as a plain
+    count of the calls that were taken, and refuses the same calls (a manager id off 32
+    bits, an operation off the table, a negative count) with the same error type, having
+    counted none of them."""
+    tables = [s.ServedTable() for s in SETS]
+    want: dict[int, dict[int, int]] = {}
+    for mid, op, times in counts:
+        outcomes = []
+        for t in tables:
+            try:
+                t.count(mid, op, times)
+                outcomes.append("ok")
+            except (OverflowError, ValueError) as e:
+                outcomes.append(type(e))
+        assert all(o == outcomes[0] for o in outcomes), (mid, op, times, outcomes)
+        if outcomes[0] == "ok":
+            row = want.setdefault(mid, {})
+            row[op] = row.get(op, 0) + times
+    expect = sorted((mid, {op: n for op, n in row.items() if n}) for mid, row in want.items())
+    expect = [(mid, row) for mid, row in expect if row]
+    for t in tables:
+        assert sorted(t.items()) == expect
+        assert repr(t).startswith("<ServedTable managers=")
+
+
+@pytest.mark.parametrize("s", SETS)
+def test_a_served_table_read_while_its_thread_counts_is_never_torn(s):
+    """A ``stats`` reader copies a table that its connection's thread keeps counting
+    in, rows being added meanwhile: every copy is a count the thread had reached (each
+    row's counts no lower than an earlier copy's, never above the final ones), and the
+    final one is exact."""
+    table = s.ServedTable()
+    stop = threading.Event()
+    n = 20_000
+
+    def counting() -> None:
+        for i in range(n):
+            table.count(i % 40, 2)  # (a new row for each of the first 40)
+            table.count(i % 40, 28, 3)
+        stop.set()
+
+    t = threading.Thread(target=counting)
+    t.start()
+    last: dict[int, dict[int, int]] = {}
+    reads = 0
+    while not stop.is_set() or reads == 0:
+        seen = dict(table.items())
+        for mid, row in seen.items():
+            before = last.get(mid, {})
+            assert all(row.get(op, 0) >= k for op, k in before.items()), (mid, row, before)
+            assert set(row) <= {2, 28} and row.get(2, 0) <= n // 40
+        last, reads = seen, reads + 1
+        if reads > 100_000:  # (bounded: the thread is done long before)
+            break
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert dict(table.items()) == {mid: {2: n // 40, 28: 3 * n // 40} for mid in range(40)}

@@ -1,6 +1,6 @@
 """A manager's lock and the state its plain requests are checked against, as the compiled
 plain server reads them (``kernels.ManagerLock``, ``ManagerState``, ``WindowState``,
-``StoreState``).
+``StoreState``, and the other ``*State`` bases).
 
 The lock must be ``threading.Lock`` to every Python caller (the manager's conditions,
 its deferred operations and moves use it as one), and the state bases must leave the
@@ -22,7 +22,12 @@ from typing import Any
 import pytest
 
 from dask_ddict import _forking, kernels
+from dask_ddict._serialize import Scratch
+from dask_ddict.host.hosted import HostedDict
+from dask_ddict.host.lease import LeaseKeeper
+from dask_ddict.host.loop import Connection
 from dask_ddict.kernels import pure
+from dask_ddict.shard.generations import Generations, path_for
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
@@ -210,24 +215,45 @@ def _fields(base: type) -> list[str]:
 
 
 def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
-    """Each field of a compiled base is the attribute of the real object: set by its
-    Python code, read back through the base's field (no copy in ``__dict__``, no class
+    """Each field of a base is the attribute of the real object: set by its Python code,
+    read back through the base's field (no copy in ``__dict__``, no slot or class
     attribute of a subclass or mixin shadowing it), and a write from Python is what the
-    field then holds.  With the pure set, the bases add nothing."""
+    field then holds.  The pure bases' slots, where they have any, are not shadowed
+    either."""
     store = ShardStore(str(tmp_path / "shard"), 16 << 20)
     ws = WorkingSet(store, 2, wait_for_writers=True)
     m = Manager(7, store, ws)
+    gens = Generations(path_for(str(tmp_path), "ab" * 16), 2, create=True)
+    hosted = HostedDict("ab" * 16, "d", "secret", gens)
+    lease = LeaseKeeper("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", None, None, None)  # type: ignore[arg-type]
     a, b = socket.socketpair()
     try:
         reader = Reader(a, 64)
-        objs = {"ManagerState": m, "WindowState": ws, "StoreState": store, "ReaderState": reader}
+        conn = Connection(a, hosted, reader, Scratch(64), hosted.served.connection())
+        objs = {
+            "ManagerState": m,
+            "WindowState": ws,
+            "StoreState": store,
+            "ReaderState": reader,
+            "ConnectionState": conn,
+            "HostedState": hosted,
+            "LeaseState": lease,
+            "DeferredState": m._deferred,
+            "GenerationsState": gens,
+        }
+        assert set(objs) == {n for n in pure.__all__ if n.endswith("State")}
         b.sendall(b"x" * 100)  # (the reader's own methods, over its base's fields)
         assert bytes(reader.read(100)) == b"x" * 100 and len(reader._buf) >= 100
         assert reader._pos == reader._end == 100 and not hasattr(reader, "__dict__")
-        if not kernels.COMPILED:  # (empty bases, but the reader's slots)
+        assert (conn.reader, conn.plain, hosted.managers, hosted.lease) == (reader, None, {}, None)
+        assert (lease.required, lease.until) == (True, 0.0)
+        assert m._deferred.waiting == [] and len(gens.words) == 2
+        if not kernels.COMPILED:  # (empty bases, but the slots of some)
             for name, obj in objs.items():
-                assert getattr(pure, name) in type(obj).__mro__
-                assert (getattr(pure, name).__slots__ == ()) is (name != "ReaderState")
+                base = getattr(pure, name)
+                assert base in type(obj).__mro__
+                for f in base.__slots__:
+                    assert inspect.getattr_static(type(obj), f) is vars(base)[f], (name, f)
             return
         assert _compiled is not None
         for name, obj in objs.items():
@@ -244,8 +270,11 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
         m.frozen, ws.newest, store._used_estimate = True, 9, 1234
         assert (m.frozen, ws.newest, store._used_estimate) == (True, 9, 1234)
         m.frozen, ws.newest = False, 1
+        hosted.leased, lease.until = True, 5.5
+        assert (hosted.leased, lease.until) == (True, 5.5)
     finally:
         a.close()
         b.close()
         m.close()
+        gens.close()
     assert m.closed

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import kernels
 from .served import Served
 
 if TYPE_CHECKING:
@@ -37,23 +38,22 @@ if TYPE_CHECKING:
 PERSISTED_FRESH = 1.0
 
 
-class HostedDict:
-    """One dictionary's managers on this host, and the secret that admits its clients."""
+class HostedDict(kernels.HostedState):
+    """One dictionary's managers on this host, and the secret that admits its clients
+    (``managers``, ``lease`` and ``leased`` are fields of its base, which the plain
+    server reads as such: :class:`~dask_ddict.kernels.HostedState`)."""
 
     __slots__ = (
         "uid",
         "key",
         "name",
         "secret",
-        "managers",
         "generations",
         "answers",
         "pins",
         "served",
         "moved",
         "replicas",
-        "lease",
-        "leased",
         "fenced",
         "reshaped",
         "_fencing",

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .. import kernels
 from ..errors import DDictLeaseError
 from ..shard.lease_word import LeaseWord, lease_clock
 
@@ -121,8 +122,10 @@ def apply(host: Host, answer: dict[str, Any]) -> None:
         host.discard(uid, mid, path)
 
 
-class LeaseKeeper:
-    """This host process's lease, renewed in a thread of its own.
+class LeaseKeeper(kernels.LeaseState):
+    """This host process's lease, renewed in a thread of its own (``required`` and
+    ``until`` are fields of its base, which the plain server reads as such:
+    :class:`~dask_ddict.kernels.LeaseState`).
 
     Parameters
     ----------

@@ -41,14 +41,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import _blocking
-from ..kernels import poll_and_serve, receive_nowait
+from ..kernels import ConnectionState, poll_and_serve, receive_nowait
 from ..transport.protocol import REQ
 
 if TYPE_CHECKING:
     from .._serialize import Scratch
-    from ..kernels import PlainServer
+    from ..kernels import PlainServer, ServedTable
     from ..transport.protocol import Reader
-    from .served import Table
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +63,15 @@ def _unset(ival: int = 0, payload: Any = b"") -> None:
     raise RuntimeError("a connection's reply function was not set")
 
 
-class Connection:
-    """One client connection's serving state, bound to a dictionary by its handshake."""
+class Connection(ConnectionState):
+    """One client connection's serving state, bound to a dictionary by its handshake
+    (``plain`` and ``reader`` are fields of its base, which the event loop reads as
+    such: :class:`~dask_ddict.kernels.ConnectionState`)."""
 
     __slots__ = (
         "sock",
         "fd",
         "hosted",
-        "reader",
         "scratch",
         "served",
         "owed",
@@ -82,11 +82,15 @@ class Connection:
         "holding",
         "batching",
         "sending",
-        "plain",
     )
 
     def __init__(
-        self, sock: socket.socket, hosted: Any, reader: Reader, scratch: Scratch, served: Table
+        self,
+        sock: socket.socket,
+        hosted: Any,
+        reader: Reader,
+        scratch: Scratch,
+        served: ServedTable,
     ) -> None:
         self.sock = sock
         self.fd = sock.fileno()

@@ -10,9 +10,9 @@ for each manager it reaches.  Reads and small puts that a same-host client serve
 from the shard itself never reach the host process and are not counted: these are
 the host's requests, not every access to the dictionary.
 
-Each connection counts in a table of its own that only its thread writes, so the key
-path takes no lock and stays two lookups and a store per request (plain dictionaries:
-a ``Counter``'s increment costs three times as much); the table
+Each connection counts in a table of its own that only its thread writes
+(:class:`~dask_ddict.kernels.ServedTable`: C counters in the compiled set, which its
+plain server adds to without an object), so the key path takes no lock; the table
 joins the closed connections' total when its connection ends.  Reading (a ``stats``
 request, rare) copies the tables under a lock.  The counts start at zero with each
 host process: the scheduler reports them as Prometheus counters, which expect such
@@ -22,32 +22,19 @@ resets.
 from __future__ import annotations
 
 import threading
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
+from ..kernels import ServedTable
 from ..transport.ops import unpack_fan_out
 from ..transport.protocol import Op
 
 if TYPE_CHECKING:
     from ..shard.manager import Manager
 
-#: One connection's counts: manager id -> operation code -> requests.
-Table: TypeAlias = "defaultdict[int, dict[int, int]]"
-
 _NAMES = {int(op): op.name.lower() for op in Op}
 _STATS = int(Op.STATS)
-
-
-def new_table() -> Table:
-    """An empty table (a manager's row appears with its first request)."""
-    return defaultdict(dict)
-
-
-def count(table: Table, mid: int, op: int) -> None:
-    """One request for manager ``mid`` (the server's own path inlines this)."""
-    counts = table[mid]
-    counts[op] = counts.get(op, 0) + 1
 
 
 class Served:
@@ -57,34 +44,32 @@ class Served:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[int, Table] = {}  # id(table) -> the table of a live connection
-        self._done = new_table()  # what the connections that ended counted
+        self._open: dict[int, ServedTable] = {}  # id(table) -> a live connection's table
+        self._done = ServedTable()  # what the connections that ended counted
 
     def __repr__(self) -> str:
         return f"<Served connections={len(self._open)}>"
 
-    def connection(self) -> Table:
+    def connection(self) -> ServedTable:
         """A new connection's table (written by its thread alone until :meth:`release`)."""
-        table = new_table()
+        table = ServedTable()
         with self._lock:
             self._open[id(table)] = table
         return table
 
-    def release(self, table: Table) -> None:
+    def release(self, table: ServedTable) -> None:
         """Keep what an ended connection counted."""
         with self._lock:
             del self._open[id(table)]
             for mid, counts in table.items():
-                done = self._done[mid]
                 for op, n in counts.items():
-                    done[op] = done.get(op, 0) + n
+                    self._done.count(mid, op, n)
 
     def _counts(self) -> Iterator[tuple[int, dict[int, int]]]:
-        """``(manager, {operation: requests})`` of every table (lock held): copies, made
-        in one C call each, of tables that their threads keep writing meanwhile."""
+        """``(manager, {operation: requests})`` of every table (lock held): copies of
+        tables that their threads keep writing meanwhile (:meth:`ServedTable.items`)."""
         for table in (self._done, *self._open.values()):
-            for mid, counts in list(table.items()):
-                yield mid, dict(counts)
+            yield from table.items()
 
     def of(self, mid: int) -> dict[str, int]:
         """Requests served for manager ``mid``, by operation name (``{"get": 3}``)."""
@@ -115,12 +100,12 @@ class Counting(Mapping[int, "Manager"]):
 
     __slots__ = ("_managers", "_table", "_op")
 
-    def __init__(self, managers: Mapping[int, Manager], table: Table, op: int) -> None:
+    def __init__(self, managers: Mapping[int, Manager], table: ServedTable, op: int) -> None:
         self._managers, self._table, self._op = managers, table, op
 
     def __getitem__(self, mid: int) -> Manager:
         manager = self._managers[mid]
-        count(self._table, mid, self._op)
+        self._table.count(mid, self._op)
         return manager
 
     def __iter__(self) -> Iterator[int]:
@@ -130,10 +115,10 @@ class Counting(Mapping[int, "Manager"]):
         return len(self._managers)
 
 
-def count_fanout(table: Table, managers: Mapping[int, Manager], keysec: Any, op: int) -> None:
+def count_fanout(table: ServedTable, managers: Mapping[int, Manager], keysec: Any, op: int) -> None:
     """Count a broadcast (``keysec``: its key section) once for each of its managers
     hosted here, under its inner operation ``op``: from the request itself, so that a
     broadcast the host answers from a kept answer counts too."""
     for mid in unpack_fan_out(keysec)[1]:
         if mid in managers:
-            count(table, mid, op)
+            table.count(mid, op)

@@ -455,8 +455,7 @@ class HostServer:
                 else:
                     if req[11] and req[11] != manager.wire:  # (its client's term, and this one's)
                         raise self._other_term(hosted, manager, req[11])
-                    counts = served[mid]  # (served.count, inlined: every request)
-                    counts[op] = counts.get(op, 0) + 1
+                    served.count(mid, op)
                     handler(manager, req, reply)
                     if req[10]:  # (its request id)
                         owed[0] = (manager, req[10])

@@ -28,6 +28,7 @@ import _socket
 import os
 import pickle
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -38,7 +39,7 @@ from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTE
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, BIG_REPLY, CACHED_KEY_BYTES, GROUP, JOIN,
                    NO_KEY, PADS, QUIET, REPLY, REQUEST, RID, RID_ID, RID_KEEP, RID_SEQ, RID_SLOT,
-                   SPAN, WAIT, Decoded, KeyTooLong, Resend)
+                   SERVED_OPS, SPAN, WAIT, Decoded, KeyTooLong, Resend)
 
 if BATCH_RECORD.format != "<IIQ":  # (written here byte by byte: see pack_records)
     raise ImportError(f"kernels._compiled writes batch records as <IIQ, not {BATCH_RECORD.format}")
@@ -98,14 +99,15 @@ cdef extern from *:
         int sock_fd
 
 cdef type _SOCKET = _socket.socket
+cdef type _SOCKET_SOCKET = socket.socket  # (its subclass that most sockets are)
 
 
 cdef inline int _fd_of(object sock) except? -2:
     """``sock.fileno()``: -1 once it is closed.  A socket of the standard library's (or of
     a subclass: ``socket.socket``, ``ssl.SSLSocket``) is read in place, as ``fileno``
     reads it, without a method call on every request; any other object is asked."""
-    if PyObject_TypeCheck(sock, <PyTypeObject*>_SOCKET):
-        return (<ddict_socket_head*><PyObject*>sock).sock_fd
+    if type(sock) is _SOCKET_SOCKET or PyObject_TypeCheck(sock, <PyTypeObject*>_SOCKET):
+        return (<ddict_socket_head*><PyObject*>sock).sock_fd  # (socket.socket's first)
     return sock.fileno()
 
 
@@ -1118,6 +1120,7 @@ include "shard_writes.pxi"
 include "generation_bump.pxi"
 include "manager_lock.pxi"
 include "plain_state.pxi"
+include "served_table.pxi"
 include "plain_server.pxi"
 include "commit_behind.pxi"
 include "key_lane.pxi"

@@ -27,7 +27,7 @@
 # group that LMDB refuses is dropped whole (nothing of it written) and the run goes back
 # to its first put, which the manager's path then serves, and every one after it.
 
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_GetItemWithError
 from cpython.list cimport PyList_GET_SIZE
 from cpython.mem cimport PyMem_Realloc
 
@@ -67,18 +67,11 @@ cdef extern from *:
     int __builtin_clzll(unsigned long long x) nogil
 
 
-cdef int _count(object table, object mid, object op, Py_ssize_t times=1) except -1:
-    """``times`` requests ``op`` for manager ``mid`` in a connection's ``table``
-    (served.count's rule; a row's dictionary is its defaultdict's)."""
-    cdef PyObject* found = PyDict_GetItem(table, mid)
-    cdef PyObject* n
-    counts = table[mid] if found == NULL else <object>found
-    if type(counts) is not dict:
-        counts[op] = counts.get(op, 0) + times
-        return 0
-    n = PyDict_GetItem(counts, op)
-    PyDict_SetItem(counts, op, times if n == NULL else <object>n + times)
-    return 0
+cdef inline bint _waiting(object deferred) except -1:
+    """Whether a manager's ``deferred`` operations wait (``DeferredQueue.waiting``)."""
+    if isinstance(deferred, DeferredState):
+        return bool((<DeferredState>deferred).waiting)
+    return bool(deferred.waiting)
 
 
 cdef bint _settled(list owed) except -1:
@@ -108,7 +101,9 @@ cdef ddict_lmdb_env* _open_env(object env, object db) except? NULL:
 
 
 cdef class PlainServer:
-    cdef object _c, held, owed, hosted, served, sock
+    cdef object _c, held, owed, sock
+    cdef HostedState hosted
+    cdef ServedTable served
     cdef ReaderState reader
     cdef int get, contains, put, get_many, get_range, pop, fetch_add, persist, status, clock
     cdef bytes missing
@@ -138,7 +133,9 @@ cdef class PlainServer:
          self.clock) = rules
         self._c, self.held, self.owed = c, c.held, c.owed
         self.reader = c.reader if isinstance(c.reader, ReaderState) else None
-        self.hosted, self.served, self.sock = c.hosted, c.served, c.sock
+        self.sock = c.sock
+        self.hosted = c.hosted if isinstance(c.hosted, HostedState) else None
+        self.served = c.served if isinstance(c.served, ServedTable) else None
         self.missing = bytes(missing)
         self.count = self.dropped = 0
         self.txn, self.txn_env = NULL, None
@@ -147,7 +144,7 @@ cdef class PlainServer:
         self._pure = None
         try:
             _engines()
-            pure = self.reader is None  # (the pure set's reader: the pure server reads it)
+            pure = self.reader is None or self.hosted is None or self.served is None
         except LmdbEngineError:  # (lmdb's own objects, as the pure server reads them)
             pure = True
         if pure:
@@ -357,7 +354,7 @@ cdef class PlainServer:
         if not lock.take():
             return 0  # (another thread writes: the manager's path waits for it)
         try:
-            if m.closed or m.frozen or m._deferred.waiting or m._retiring:
+            if m.closed or m.frozen or m._retiring or _waiting(m._deferred):
                 return 0
             self._end_snapshot()  # (a read after the write sees it)
             with nogil:  # (the writer may be another thread of this process)
@@ -548,7 +545,7 @@ cdef class PlainServer:
             store._next_own = self.gtid + 1
             store._used_estimate += self.gbytes
             if self.gputs:
-                _count(self.served, self.gmid, self.put, self.gputs)  # (committed: counted)
+                self.served.add(self.gmid, self.put, self.gputs)  # (committed: counted)
             hook = store.on_commit
             if type(hook) is GenerationBump:  # (the host's: no call)
                 (<GenerationBump>hook).bump()
@@ -607,7 +604,7 @@ cdef class PlainServer:
         if 4 + 8 * groups + _DIGEST * total != vlen:
             return 0  # (the manager's path says where it does not add up)
         for i in range(groups):  # the managers: each served here, plain
-            found = PyDict_GetItem(managers, _le32(v + 4 + 8 * i))
+            found = PyDict_GetItemWithError(managers, _le32(v + 4 + 8 * i))
             if found == NULL:
                 return 0
             if not isinstance(<object>found, ManagerState):
@@ -683,7 +680,7 @@ cdef class PlainServer:
             PyMem_Free(lens)
             PyMem_Free(offs)
         for i in range(groups):  # (each manager looked up counts once, as Counting counts)
-            _count(self.served, _le32(v + 4 + 8 * i), self.get_many)
+            self.served.add(_le32(v + 4 + 8 * i), self.get_many, 1)
         return 1
 
     cdef int _hold(self, Py_ssize_t need) except -1:
@@ -703,11 +700,15 @@ cdef class PlainServer:
     cdef bint _leased(self, object lease) except -1:
         """Whether the host's ``lease`` lets it serve its primaries now (``Lease.valid``)."""
         cdef timespec now
-        if not lease.required:
+        cdef LeaseState state
+        if not isinstance(lease, LeaseState):
+            return False  # (the manager's path says why)
+        state = <LeaseState>lease
+        if not state.required:
             return True
         if clock_gettime(self.clock, &now):
             return False
-        return now.tv_sec + now.tv_nsec * 1e-9 < <double>lease.until
+        return now.tv_sec + now.tv_nsec * 1e-9 < state.until
 
     cpdef bint serve(self) except -1:
         cdef bytearray buf
@@ -723,13 +724,15 @@ cdef class PlainServer:
         cdef ManagerState m
         cdef WindowState ws
         cdef ReaderState reader = self.reader
+        cdef HostedState hosted = self.hosted
         if self._pure is not None:
             return self._pure.serve()
-        hosted = self.hosted
         lease = hosted.lease if hosted.leased else None
         if hosted.leased and lease is None or not _settled(self.owed):
             return False
         managers = hosted.managers
+        if type(managers) is not dict:
+            return False  # (the manager's path's)
         buf = reader._buf
         pos, end = reader._pos, reader._end
         try:
@@ -763,7 +766,7 @@ cdef class PlainServer:
                     size = _REQUEST + vlen
                 else:
                     # the manager's state: its C fields (no Python code runs)
-                    found = PyDict_GetItem(managers, mid)
+                    found = PyDict_GetItemWithError(managers, mid)
                     if found == NULL or not isinstance(<object>found, ManagerState):
                         break
                     m = <ManagerState>found
@@ -786,7 +789,7 @@ cdef class PlainServer:
                                 m, ws, op == self.pop, p, klen, chkpt, head.arg, head.rid,
                                 mid, tag, pos):  # fmt: skip
                             break
-                        _count(self.served, mid, op)
+                        self.served.add(mid, op, 1)
                         size = _REQUEST + klen
                     elif op == self.put:
                         if head.flags & ~self.persist or klen < _DIGEST or klen > self.most_key:
@@ -807,7 +810,7 @@ cdef class PlainServer:
                             break
                         if end - pos < size or not self._read(m, ws, op, p, chkpt, tag):
                             break
-                        _count(self.served, mid, op)
+                        self.served.add(mid, op, 1)
                 pos += size
                 served += 1
                 if self.n >= _SENT_AT_ONCE:
@@ -1011,14 +1014,19 @@ def poll_and_serve(ep, dict conns not None, int most):
             raise OSError(err, os.strerror(err))
         for i in range(n):
             fd = events[i].data.fd
-            found = PyDict_GetItem(conns, fd)
+            found = PyDict_GetItemWithError(conns, fd)
             c = None if found == NULL else <object>found  # (a reference of its own)
-            plain = None if c is None else c.plain
+            if c is None:
+                plain = reader = None
+            elif isinstance(c, ConnectionState):  # (the loop's: its fields, no lookups)
+                plain, reader = (<ConnectionState>c).plain, (<ConnectionState>c).reader
+            else:
+                plain, reader = c.plain, c.reader
             if plain is None:
                 left.append((fd, None))
                 continue
             try:
-                _receive_nowait(c.reader)
+                _receive_nowait(reader)
                 if (<PlainServer>plain).serve() if type(plain) is PlainServer else plain.serve():
                     continue
             except Exception as e:  # (the connection's end: the caller's to say)

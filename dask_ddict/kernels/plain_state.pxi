@@ -41,3 +41,34 @@ cdef class ReaderState:
     cdef public object sock, _mv
     cdef public bytearray _buf
     cdef public Py_ssize_t _pos, _end
+
+
+cdef class ConnectionState:
+    """What the event loop reads of a connection at each of its wake-ups: its plain
+    server and its socket's reader (``host.loop.Connection``'s base)."""
+
+    cdef public object plain, reader
+
+
+cdef class HostedState:
+    """What the plain server reads of a dictionary at each run of requests: its managers
+    here, and whether its primaries need this host's lease, and the lease
+    (``host.hosted.HostedDict``'s base)."""
+
+    cdef public object managers, lease
+    cdef public bint leased
+
+
+cdef class LeaseState:
+    """Whether a host's lease is kept at all, and its end (of ``lease_clock``), as the
+    plain server checks them (``host.lease.LeaseKeeper``'s base)."""
+
+    cdef public bint required
+    cdef public double until
+
+
+cdef class DeferredState:
+    """A manager's operations waiting to be retried, oldest first, which a plain put
+    checks for (``shard.deferred.DeferredQueue``'s base)."""
+
+    cdef public list waiting

@@ -1469,6 +1469,84 @@ class ReaderState:
     __slots__ = ("sock", "_buf", "_mv", "_pos", "_end")
 
 
+class ConnectionState:
+    """What the event loop reads of a connection at each of its wake-ups: its plain
+    server and its socket's reader (a base of ``host.loop.Connection``; see
+    :class:`ManagerState`)."""
+
+    __slots__ = ("plain", "reader")
+
+
+class HostedState:
+    """What the plain server reads of a dictionary at each run of requests: its managers
+    here, and whether its primaries need this host's lease, and the lease (a base of
+    ``host.hosted.HostedDict``; see :class:`ManagerState`)."""
+
+    __slots__ = ("managers", "lease", "leased")
+
+
+class DeferredState:
+    """A manager's operations waiting to be retried, oldest first, which a plain put
+    checks for (a base of ``shard.deferred.DeferredQueue``; see :class:`ManagerState`)."""
+
+    __slots__ = ("waiting",)
+
+
+class GenerationsState:
+    """A generations file's words (a base of ``shard.generations.Generations``): the
+    compiled one holds their buffer while they stay, which its commit hook writes
+    through (see :class:`ManagerState`)."""
+
+    __slots__ = ("words",)
+
+
+class LeaseState:
+    """Whether a host's lease is kept at all, and its end (of ``lease_clock``), as the
+    plain server checks them (a base of ``host.lease.LeaseKeeper``; see
+    :class:`ManagerState`)."""
+
+    __slots__ = ("required", "until")
+
+
+SERVED_OPS = 64
+"""Operation codes a :class:`ServedTable` counts: ``0 .. SERVED_OPS - 1`` (the wire's
+are under 40)."""
+
+
+class ServedTable:
+    """One connection's requests served, by manager and operation
+    (``host.served``): written by the connection's thread alone, copied by
+    :meth:`items` for a reader on another thread.  The compiled one keeps a row of C
+    counters per manager, which the compiled plain server adds to without an object."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self) -> None:
+        self._rows: dict[int, dict[int, int]] = {}
+
+    def __repr__(self) -> str:
+        return f"<ServedTable managers={len(self._rows)}>"
+
+    def count(self, mid: int, op: int, times: int = 1) -> None:
+        """``times`` requests ``op`` for manager ``mid``."""
+        if not 0 <= mid <= 0xFFFFFFFF or not 0 <= times <= 0xFFFFFFFFFFFFFFFF or op < 0:
+            raise OverflowError(f"manager {mid}, operation {op}, {times} times: out of range")
+        if op >= SERVED_OPS:
+            raise ValueError(f"operation {op}: not under {SERVED_OPS}")
+        counts = self._rows.get(mid)
+        if counts is None:
+            counts = self._rows[mid] = {}
+        counts[op] = counts.get(op, 0) + times
+
+    def items(self) -> list[tuple[int, dict[int, int]]]:
+        """``[(manager, {operation: requests})]``, copies of the rows counted so far (a
+        manager none of whose requests counted yet has no row)."""
+        # (each row copied in one C call: the thread that counts may run meanwhile)
+        rows = [(mid, dict(counts)) for mid, counts in list(self._rows.items())]
+        rows = [(mid, {op: n for op, n in counts.items() if n}) for mid, counts in rows]
+        return [(mid, counts) for mid, counts in rows if counts]
+
+
 ManagerLock = threading.Lock
 """A lock taken on the key path (``Manager._mutex``, ``IdlePool.lock``):
 ``threading.Lock``.  The compiled one has the same interface, and a non-blocking take
@@ -1619,8 +1697,7 @@ class PlainServer:
                         break
                     else:
                         out.append(REPLY.pack(0, tag, 0, len(e.frame)) + bytes(e.frame))
-                counts = c.served[mid]
-                counts[op] = counts.get(op, 0) + 1
+                c.served.count(mid, op)
                 r._pos = end
         finally:
             if snap is not None:
@@ -1671,8 +1748,7 @@ def _get_many(
                 return None
             frames += [None if f is None else bytes(f) for f in got]
     for mid, _ in groups:
-        counts = served[mid]
-        counts[op] = counts.get(op, 0) + 1
+        served.count(mid, op)
     return b"".join(bytes(p) for p in pack_frames(frames))
 
 
@@ -1810,6 +1886,12 @@ __all__ = [
     "WindowState",
     "StoreState",
     "ReaderState",
+    "ConnectionState",
+    "DeferredState",
+    "GenerationsState",
+    "HostedState",
+    "LeaseState",
+    "ServedTable",
     "PlainServer",
     "poll_and_serve",
 ]

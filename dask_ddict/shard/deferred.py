@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .. import kernels
 from .._blocking import will_block
 from ..errors import DDictError, DDictTimeoutError
 from .working_set import MustWait
@@ -67,8 +68,9 @@ class Deferred(Generic[T]):
         self.wake.notify()
 
 
-class DeferredQueue:
-    """The deferred operations of one manager, oldest first.
+class DeferredQueue(kernels.DeferredState):
+    """The deferred operations of one manager, oldest first (``waiting`` is a field of
+    its base, which the plain server reads as such: :class:`~dask_ddict.kernels.DeferredState`).
 
     Parameters
     ----------

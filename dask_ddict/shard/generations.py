@@ -30,6 +30,7 @@ import random
 
 import numpy as np
 
+from .. import kernels
 from .._memory import map_file
 
 
@@ -38,8 +39,10 @@ def path_for(socket_dir: str, uid: str) -> str:
     return os.path.join(socket_dir, f"gen-{uid}")
 
 
-class Generations:
-    """A mapped generations file: ``words[mid]`` for every manager of one dictionary.
+class Generations(kernels.GenerationsState):
+    """A mapped generations file: ``words[mid]`` for every manager of one dictionary
+    (a field of its base, whose buffer the host's commit hook writes through:
+    :class:`~dask_ddict.kernels.GenerationsState`).
 
     Parameters
     ----------
