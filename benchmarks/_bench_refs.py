@@ -31,12 +31,12 @@ def memcpy_seconds(nbytes: int, reps: int) -> float:
     return best_of(lambda: np.copyto(dst, src), reps, budget=5.0)
 
 
-#: The child of loopback_seconds (see its docstring).
+#: The child of loopback (see its docstring).
 _CHILD = Path(__file__).parent / "children" / "loopback_child.py"
 
 
 @contextlib.contextmanager
-def _loopback(nbytes: int) -> Iterator[Callable[[], None]]:
+def loopback(nbytes: int) -> Iterator[Callable[[], None]]:
     """``one()``: a 1-byte request to a child process over 127.0.0.1 TCP, and its
     ``nbytes`` answer received with ``recv_into`` into a preallocated, warm buffer."""
     lsock = socket.socket()
@@ -75,7 +75,7 @@ def _loopback(nbytes: int) -> Iterator[Callable[[], None]]:
 
 def loopback_seconds(nbytes: int, reps: int) -> float:
     """Best time to receive one ``nbytes`` message over 127.0.0.1 TCP from a child process."""
-    with _loopback(nbytes) as one:
+    with loopback(nbytes) as one:
         return best_of(one, reps, budget=10.0)
 
 
@@ -83,7 +83,7 @@ def loopback_rate(nbytes: int, seconds: float) -> float:
     """Round trips per second of a 1-byte request and an ``nbytes`` answer between two
     Python processes over 127.0.0.1 TCP, one after the other: what any Python client
     and server doing one ``recv`` and one ``send`` each per request can reach at most."""
-    with _loopback(nbytes) as one:
+    with loopback(nbytes) as one:
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds or n < 3:
             one()

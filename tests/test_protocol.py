@@ -6,6 +6,7 @@ import socket
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -71,3 +72,42 @@ def test_frames_small_and_large_arrive_whole_and_in_order():
     else:
         raise AssertionError("a closed peer must be reported")
     b.close()
+
+
+def test_send_waiting_sends_everything_in_order_to_a_slow_reader():
+    """A large buffer sent to a peer that reads slowly, through a small send buffer, in
+    pieces that do not wait: every byte arrives in order (an array of 8-byte items
+    sent as its bytes), and the sender's socket stays blocking."""
+    from dask_ddict.transport.sockets import send_waiting
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        data = np.arange(1 << 20, dtype=np.int64)  # 8 MiB
+        got = bytearray()
+
+        def read() -> None:
+            while len(got) < data.nbytes:
+                chunk = b.recv(200_000)
+                if not chunk:
+                    return
+                got.extend(chunk)
+                threading.Event().wait(0.0005)  # (a slow reader)
+
+        t = threading.Thread(target=read)
+        t.start()
+        send_waiting(a, data)
+        t.join(timeout=60)
+        assert not t.is_alive() and bytes(got) == data.tobytes()
+        assert a.getblocking()
+
+
+def test_send_waiting_raises_when_the_peer_goes_away_instead_of_waiting():
+    from dask_ddict.transport.sockets import send_waiting
+
+    a, b = socket.socketpair()
+    with a:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        threading.Timer(0.2, b.close).start()  # (gone while the sender waits for room)
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            send_waiting(a, b"x" * (16 << 20))

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _blocking
 from ..kernels import ConnectionState, poll_and_serve, receive_nowait
 from ..transport.protocol import REQ
+from ..transport.sockets import send_waiting
 
 if TYPE_CHECKING:
     from .._serialize import Scratch
@@ -178,7 +179,7 @@ class Connection(ConnectionState):
 def _send_rest(sock: socket.socket, data: bytes, sent: int) -> None:
     """(A :meth:`Connection.hand_off`'s thread.)  Send ``data[sent:]``, waiting."""
     try:
-        sock.sendall(memoryview(data)[sent:])
+        send_waiting(sock, memoryview(data)[sent:])
     except OSError:
         pass  # (the peer is gone: the connection's next write says so)
 
@@ -200,8 +201,9 @@ class NoWait:
         if sent < (len(data) if type(data) is bytes else memoryview(data).nbytes):
             _blocking.will_block()
             view = memoryview(data)
-            self.sock.sendall(
-                (view if view.ndim == 1 and view.itemsize == 1 else view.cast("B"))[sent:]
+            send_waiting(
+                self.sock,
+                (view if view.ndim == 1 and view.itemsize == 1 else view.cast("B"))[sent:],
             )
 
 

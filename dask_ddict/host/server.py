@@ -73,6 +73,7 @@ from ..transport.protocol import (
     send_parts,
     value_limit,
 )
+from ..transport.sockets import send_waiting
 from ..transport.table import ANSWERERS, HANDLERS, HOST_WIDE, INLINE
 from . import fan_out
 from .forward import serve_tree
@@ -665,7 +666,7 @@ def _loop_replier(c: Connection) -> Reply:
             general(ival, payload)
             return
         _blocking.will_block()
-        sock.sendall(rest)
+        send_waiting(sock, rest)
 
     return reply
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from .protocol import Reader
+from .sockets import send_waiting
 
 
 class Deadline(Exception):
@@ -85,7 +86,7 @@ class BoundedConnection:
 
     def sendall(self, data: Any) -> None:
         if self.timeout is None:  # a blocking socket: nothing to cut
-            self.sock.sendall(data)
+            send_waiting(self.sock, data)
             return
         view = memoryview(data).cast("B")
         sent, n = 0, view.nbytes
