@@ -434,31 +434,45 @@ def test_large_values_travel_the_pipes_whole_and_aligned(client, monkeypatch):
 
 
 def test_pipes_close_with_the_loop_and_with_the_handle(client):
-    """No descriptor outlives ``asyncio.run`` or ``detach()``."""
-    proc = psutil.Process()
+    """No descriptor outlives ``asyncio.run`` or ``detach()``: each socket the loop's
+    pipes opened is closed when the loop ends, and the blocking path's pooled ones and
+    a later loop's pipes when the handle is detached.  (The sockets themselves, not
+    the process's count of descriptors: the test cluster's own connections open and
+    close meanwhile.)"""
     with DDict(total_mem="32 MiB", client=client) as d:
         d["k"] = 1
         t = _tcp(d)
         t.ddict["k"]  # (channels made; the blocking connections pooled)
-        before = proc.num_fds()
+        links = {t.ddict._core.channel(m).link for m in range(d.num_managers)}
+        pooled = [c.sock for link in links for c in link.idle]
+        assert pooled and all(s.fileno() >= 0 for s in pooled)
+
+        def piped() -> list[Any]:
+            loop = asyncio.get_running_loop()
+            return [p.sock for link in links if loop in link.pipes for p in link.pipes[loop].pipes]
 
         async def use() -> Any:
-            return await asyncio.gather(*(t.get("k") for _ in range(10)))
+            got = await asyncio.gather(*(t.get("k") for _ in range(10)))
+            return got, piped()
 
-        assert asyncio.run(use()) == [1] * 10
-        # the loop's pipes closed as it ended (fewer: the cluster's own, closed meanwhile)
-        assert proc.num_fds() <= before
+        got, opened = asyncio.run(use())
+        assert got == [1] * 10 and opened
+        assert all(s.fileno() == -1 for s in opened)  # (closed as the loop ended)
+        assert all(s.fileno() >= 0 for s in pooled)  # (the blocking path's: kept)
 
-        async def detach() -> None:
+        async def detach() -> list[Any]:
             assert await t.get("k") == 1
             link = t.ddict._core.channel(d.which_manager("k")).link
             assert link.pipes[asyncio.get_running_loop()].pipes
+            socks = piped()
             t.detach()
             await asyncio.sleep(0.05)
             assert asyncio.get_running_loop() not in link.pipes  # (nor kept for the loop)
+            return socks
 
-        asyncio.run(detach())
-        assert proc.num_fds() < before  # (the blocking path's pooled ones closed too)
+        later = asyncio.run(detach())
+        assert later and all(s.fileno() == -1 for s in later)
+        assert all(s.fileno() == -1 for s in pooled)  # (the blocking path's pooled ones too)
 
 
 def test_a_stopped_host_times_out_once_and_its_late_replies_are_dropped(client):
