@@ -17,6 +17,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -1621,7 +1622,11 @@ def test_send_reply_gives_back_what_a_full_socket_did_not_take():
 _COUNTS = st.lists(
     st.tuples(
         st.one_of(st.integers(0, 5), st.integers(0, 0xFFFFFFFF), st.integers(-2, 1 << 33)),
-        st.one_of(st.integers(0, kernels.pure.SERVED_OPS - 1), st.integers(-1, 70)),
+        st.one_of(
+            st.integers(0, kernels.pure.SERVED_OPS - 1),
+            st.integers(-1, 70),
+            st.integers((1 << 32) - 2, (1 << 32) + 2),
+        ),
         st.one_of(st.integers(1, 3), st.integers(0, 1 << 40), st.just(-1)),
     ),
     max_size=60,
@@ -1659,32 +1664,36 @@ def test_served_tables_count_alike(counts):
 @pytest.mark.parametrize("s", SETS)
 def test_a_served_table_read_while_its_thread_counts_is_never_torn(s):
     """A ``stats`` reader copies a table that its connection's thread keeps counting
-    in, rows being added meanwhile: every copy is a count the thread had reached (each
-    row's counts no lower than an earlier copy's, never above the final ones), and the
-    final one is exact."""
+    in, a new row added every 50 counts (the rows grown and moved meanwhile), the
+    threads switching as often as the interpreter lets them: every copy is a count the
+    thread had reached (each row's counts no lower than an earlier copy's, never above
+    the final ones), and the final one is exact."""
     table = s.ServedTable()
     stop = threading.Event()
-    n = 20_000
+    n, per = 20_000, 50
 
     def counting() -> None:
         for i in range(n):
-            table.count(i % 40, 2)  # (a new row for each of the first 40)
-            table.count(i % 40, 28, 3)
+            table.count(i // per, 2)
+            table.count(i // per, 28, 3)
+            if i % 70 == 0:
+                time.sleep(0)  # (the reader's turn, mid-row and mid-growth)
         stop.set()
 
     t = threading.Thread(target=counting)
     t.start()
     last: dict[int, dict[int, int]] = {}
-    reads = 0
+    reads = grew = 0
     while not stop.is_set() or reads == 0:
         seen = dict(table.items())
         for mid, row in seen.items():
             before = last.get(mid, {})
             assert all(row.get(op, 0) >= k for op, k in before.items()), (mid, row, before)
-            assert set(row) <= {2, 28} and row.get(2, 0) <= n // 40
+            assert set(row) <= {2, 28} and row.get(2, 0) <= per
+        grew += len(seen) > len(last)
         last, reads = seen, reads + 1
         if reads > 100_000:  # (bounded: the thread is done long before)
             break
     t.join(timeout=60)
-    assert not t.is_alive()
-    assert dict(table.items()) == {mid: {2: n // 40, 28: 3 * n // 40} for mid in range(40)}
+    assert not t.is_alive() and grew > 10  # (rows were added between reads)
+    assert dict(table.items()) == {mid: {2: per, 28: 3 * per} for mid in range(n // per)}

@@ -111,3 +111,33 @@ def test_send_waiting_raises_when_the_peer_goes_away_instead_of_waiting():
         threading.Timer(0.2, b.close).start()  # (gone while the sender waits for room)
         with pytest.raises((BrokenPipeError, ConnectionResetError)):
             send_waiting(a, b"x" * (16 << 20))
+
+
+def test_send_waiting_on_a_socket_closed_by_another_thread_raises_ebadf():
+    """Another thread closes the socket while the sender waits for room (the event
+    loop drops a connection whose reply a thread still sends): the sender sees it
+    within ``ROOM_CHECK`` and raises ``EBADF``, instead of waiting on a descriptor
+    number that another file may take next."""
+    import errno
+
+    from dask_ddict.transport import sockets
+
+    a, b = socket.socketpair()
+    with b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        threading.Timer(0.2, a.close).start()
+        with pytest.raises(OSError) as info:
+            sockets.send_waiting(a, b"x" * (16 << 20))
+        assert info.value.errno == errno.EBADF
+
+
+def test_send_waiting_keeps_a_socket_timeout_for_the_whole_send():
+    """A socket with a timeout is sent to as ``sendall`` sends (its timeout bounds the
+    send): a peer that does not read makes it time out, not wait forever."""
+    from dask_ddict.transport.sockets import send_waiting
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            send_waiting(a, b"x" * (16 << 20))

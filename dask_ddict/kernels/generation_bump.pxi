@@ -33,6 +33,7 @@ def generation_words_forked():
 generation_words_forked()
 
 
+@cython.auto_pickle(False)  # (a held buffer: nothing to pickle it as)
 cdef class GenerationsState:
     """A generations file's words (``shard.generations.Generations``'s base), and their
     buffer, taken when they are set and held while they stay: the commit hook writes a

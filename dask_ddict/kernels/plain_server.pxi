@@ -544,13 +544,13 @@ cdef class PlainServer:
             self.alone = max(0, self.alone - self.gputs)
             store._next_own = self.gtid + 1
             store._used_estimate += self.gbytes
-            if self.gputs:
-                self.served.add(self.gmid, self.put, self.gputs)  # (committed: counted)
-            hook = store.on_commit
+            hook = store.on_commit  # (its new generation word first: nothing may skip it)
             if type(hook) is GenerationBump:  # (the host's: no call)
                 (<GenerationBump>hook).bump()
             elif hook is not None:
                 hook()
+            if self.gputs:
+                self.served.add(self.gmid, self.put, self.gputs)  # (committed: counted)
         finally:
             lock.give()
             self.gstore = self.glock = None
@@ -1021,12 +1021,12 @@ def poll_and_serve(ep, dict conns not None, int most):
             elif isinstance(c, ConnectionState):  # (the loop's: its fields, no lookups)
                 plain, reader = (<ConnectionState>c).plain, (<ConnectionState>c).reader
             else:
-                plain, reader = c.plain, c.reader
+                plain, reader = c.plain, None  # (its reader read as the pure set reads it)
             if plain is None:
                 left.append((fd, None))
                 continue
             try:
-                _receive_nowait(reader)
+                _receive_nowait(c.reader if reader is None else reader)
                 if (<PlainServer>plain).serve() if type(plain) is PlainServer else plain.serve():
                     continue
             except Exception as e:  # (the connection's end: the caller's to say)

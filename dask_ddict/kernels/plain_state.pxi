@@ -43,6 +43,7 @@ cdef class ReaderState:
     cdef public Py_ssize_t _pos, _end
 
 
+@cython.auto_pickle(False)  # (a copy would drop its subclass's slots)
 cdef class ConnectionState:
     """What the event loop reads of a connection at each of its wake-ups: its plain
     server and its socket's reader (``host.loop.Connection``'s base)."""
@@ -50,6 +51,7 @@ cdef class ConnectionState:
     cdef public object plain, reader
 
 
+@cython.auto_pickle(False)  # (a copy would drop its subclass's slots)
 cdef class HostedState:
     """What the plain server reads of a dictionary at each run of requests: its managers
     here, and whether its primaries need this host's lease, and the lease
@@ -59,6 +61,7 @@ cdef class HostedState:
     cdef public bint leased
 
 
+@cython.auto_pickle(False)  # (a copy would drop its subclass's slots)
 cdef class LeaseState:
     """Whether a host's lease is kept at all, and its end (of ``lease_clock``), as the
     plain server checks them (``host.lease.LeaseKeeper``'s base)."""
@@ -67,6 +70,7 @@ cdef class LeaseState:
     cdef public double until
 
 
+@cython.auto_pickle(False)  # (a copy would drop its subclass's slots)
 cdef class DeferredState:
     """A manager's operations waiting to be retried, oldest first, which a plain put
     checks for (``shard.deferred.DeferredQueue``'s base)."""

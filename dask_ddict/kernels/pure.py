@@ -1529,7 +1529,7 @@ class ServedTable:
 
     def count(self, mid: int, op: int, times: int = 1) -> None:
         """``times`` requests ``op`` for manager ``mid``."""
-        if not 0 <= mid <= 0xFFFFFFFF or not 0 <= times <= 0xFFFFFFFFFFFFFFFF or op < 0:
+        if not (0 <= mid <= 0xFFFFFFFF and 0 <= op <= 0xFFFFFFFF and 0 <= times < 1 << 64):
             raise OverflowError(f"manager {mid}, operation {op}, {times} times: out of range")
         if op >= SERVED_OPS:
             raise ValueError(f"operation {op}: not under {SERVED_OPS}")

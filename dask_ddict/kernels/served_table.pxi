@@ -15,6 +15,7 @@ cdef Py_ssize_t _SERVED_ROW = 1 + _SERVED_OPS  # (a row's words: its manager, it
 
 
 @cython.final
+@cython.auto_pickle(False)  # (C counters: nothing to pickle them as)
 cdef class ServedTable:
     """One connection's counts (``pure.ServedTable``): written by the connection's
     thread, read by :meth:`items` under the interpreter lock, so a read never sees a row

@@ -19,6 +19,7 @@ decision.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import select
@@ -60,6 +61,12 @@ def recv_exact(sock: Any, n: int, during: str = "") -> bytearray:
     return buf
 
 
+#: Seconds a :func:`send_waiting` waits for room before it checks that its socket is
+#: still open (another thread may close it: a wait on its descriptor alone would not
+#: see that, and could wait on whatever file took the number next).
+ROOM_CHECK = 1.0
+
+
 def send_waiting(sock: socket.socket, data: Any) -> None:
     """``sock.sendall(data)`` on a blocking socket, sent in pieces that do not wait, with
     a wait for room in the socket's buffer between them.
@@ -68,10 +75,11 @@ def send_waiting(sock: socket.socket, data: Any) -> None:
     waits and copies again, so the peer's acknowledgements wait in the socket's backlog
     and the sender's buffer empties in bursts: a 64 MiB reply over loopback TCP took
     21-22 ms that way on the 2-core VM and 16-17 ms sent as Python's ``sendall`` sends
-    on a socket with a timeout (2026-11-30).  A TLS socket (whose ``send`` takes no
-    flags) is sent to as it is.
+    on a socket with a timeout (2026-11-30).  A socket with a timeout (whose
+    ``sendall`` bounds the whole send) and a TLS socket (whose ``send`` takes no flags)
+    are sent to as they are.  A socket closed meanwhile raises ``OSError(EBADF)``.
     """
-    if isinstance(sock, ssl.SSLSocket):
+    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is not None:
         sock.sendall(data)
         return
     view = memoryview(data)
@@ -86,10 +94,15 @@ def send_waiting(sock: socket.socket, data: Any) -> None:
         if sent:
             view = view[sent:]
             continue
+        fd = sock.fileno()
+        if fd < 0:
+            raise OSError(errno.EBADF, "the socket was closed while sending to it")
         if waiter is None:
             waiter = select.poll()
-            waiter.register(sock.fileno(), select.POLLOUT)
-        waiter.poll()  # (room, or an error, which the next send raises)
+            waiter.register(fd, select.POLLOUT)
+        waiter.poll(ROOM_CHECK * 1000)  # (room, an error the next send raises, or a check)
+        if sock.fileno() != fd:
+            raise OSError(errno.EBADF, "the socket was closed while sending to it")
 
 
 def connect(
