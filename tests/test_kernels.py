@@ -402,6 +402,43 @@ def test_group_is_the_same(routes):
     assert [list(v) for v in got.values()] == [[d for m, d in routes if m == mid] for mid in got]
 
 
+_ODD_DIGESTS = st.one_of(
+    st.binary(min_size=16, max_size=16),
+    st.binary(max_size=2),
+    st.builds(bytearray, st.binary(min_size=1, max_size=3)),
+    st.integers(0, 3),
+)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.integers(0, 5) | st.integers(250, 2**40), _ODD_DIGESTS),
+            st.lists(st.integers(0, 3), max_size=3),
+        ),
+        max_size=50,
+    )
+)
+def test_group_positions_is_the_same_and_orders_each_managers_digests_by_prefix(routes):
+    """Both sets group alike (the same managers in the order of their first keys, each
+    one's digests in the order of their first two bytes, keys of one prefix in their
+    order, and each digest's index in ``routes``), and refuse the same routes (a route
+    that is not a pair, a digest that cannot be sliced or compared) with the same type
+    of error (Cython words an unpacking's error its own way)."""
+    outcomes = [_outcome(s.group_positions, routes) for s in SETS]
+    kinds = [o if o[0] == "ok" else ("error", o[1][0]) for o in outcomes]
+    assert all(k == kinds[0] for k in kinds), outcomes
+    kind, got = outcomes[0]
+    if kind == "error":
+        return
+    assert list(got) == list(dict.fromkeys(m for m, _ in routes))
+    for mid, (ds, positions) in got.items():
+        at = struct.unpack(f"<{len(ds)}I", positions)
+        assert [routes[i] for i in at] == [(mid, d) for d in ds]
+        assert sorted(at) == [i for i, (m, _) in enumerate(routes) if m == mid]
+        assert [(d[:2], i) for d, i in zip(ds, at)] == sorted((d[:2], i) for d, i in zip(ds, at))
+
+
 frames_st = st.lists(
     st.one_of(
         st.none(),
@@ -779,7 +816,7 @@ def test_place_values_writes_each_managers_values_where_its_keys_are(
             assert list(placed) == list(groups)
             out = ["<unset>"] * len(routes)
             for mid, (ds, positions) in placed.items():
-                assert ds == groups[mid]
+                assert ds == sorted(groups[mid], key=lambda d: d[:2])  # (stable: by prefix)
                 at = struct.unpack(f"<{len(ds)}I", positions)
                 assert [routes[i] for i in at] == [(mid, d) for d in ds]
                 with pytest.raises(ValueError, match="positions"):
