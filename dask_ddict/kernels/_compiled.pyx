@@ -14,11 +14,11 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from cpython.object cimport PyObject_TypeCheck, PyTypeObject
-from cpython.ref cimport Py_INCREF, PyObject
+from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow
-from cpython.list cimport PyList_Append, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_Append, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
 from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.string cimport memcmp, memcpy, memset
@@ -37,7 +37,6 @@ from .._hashing import key_digest
 from .._keys import _ATOMS, encode_key
 from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
-from .pure import group_positions as _pure_group_positions
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, BIG_REPLY, CACHED_KEY_BYTES, GROUP, JOIN,
                    NO_KEY, PADS, QUIET, REPLY, REQUEST, RID, RID_ID, RID_KEEP, RID_SEQ, RID_SLOT,
                    SERVED_OPS, SPAN, WAIT, Decoded, KeyTooLong, Resend)
@@ -364,7 +363,7 @@ cdef class Router:
         return route + (_new_tuple(Framed, ((head, value), DDICT_VALUE_HEAD_BYTES + n)),)
 
 
-def group(list routes):
+def group(list routes not None):
     cdef dict groups = {}
     for mid, digest in routes:
         got = groups.get(mid)
@@ -375,123 +374,62 @@ def group(list routes):
     return groups
 
 
-cdef void _by_prefix(const uint16_t* prefix, Py_ssize_t n, Py_ssize_t* order,
-                     Py_ssize_t* spare) noexcept nogil:
-    """``order``: ``0 .. n - 1`` by ``prefix[i]`` (a digest's first two bytes, big-endian),
-    stably (keys of one prefix in their order): a counting sort by the low byte, then one
-    by the high byte.  A many-key walk that seeks its digests in this order finds the
-    next one on the leaf page it is on far more often, where LMDB skips the search from
-    the root."""
-    cdef Py_ssize_t start[257]
-    cdef Py_ssize_t i, j, k
-    memset(start, 0, sizeof(start))
-    for i in range(n):
-        start[(prefix[i] & 0xFF) + 1] += 1
-    for k in range(256):
-        start[k + 1] += start[k]
-    for i in range(n):
-        spare[start[prefix[i] & 0xFF]] = i
-        start[prefix[i] & 0xFF] += 1
-    memset(start, 0, sizeof(start))
-    for i in range(n):
-        start[(prefix[i] >> 8) + 1] += 1
-    for k in range(256):
-        start[k + 1] += start[k]
-    for j in range(n):
-        i = spare[j]
-        order[start[prefix[i] >> 8]] = i
-        start[prefix[i] >> 8] += 1
-
-
-cdef inline uint16_t _prefix_of(bytes digest) noexcept:
-    """A digest's first two bytes, big-endian (it has two at least)."""
-    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(digest)
-    return <uint16_t>((p[0] << 8) | p[1])
-
-
-def group_positions(list routes):
-    cdef Py_ssize_t n = PyList_GET_SIZE(routes), i, j, g, k, ngroups = 0
+def group_positions(list routes not None):
+    cdef Py_ssize_t n = PyList_GET_SIZE(routes), i, g, ngroups = 0
     cdef Py_ssize_t table[256]  # (a small manager id's group, or -1: the ids layouts use)
     cdef Py_ssize_t* slot = <Py_ssize_t*>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
-    cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((2 * n + 1) * sizeof(Py_ssize_t))
-    cdef Py_ssize_t* fill = NULL  # (each group's keys, then how many are placed)
-    cdef uint16_t* first = <uint16_t*>PyMem_Malloc((n + 1) * sizeof(uint16_t))
-    cdef PyObject** dptr = <PyObject**>PyMem_Malloc((n + 1) * sizeof(PyObject*))
-    cdef PyObject** glist = NULL  # (each group's list of digests)
-    cdef char** gpos = NULL  # (each group's positions)
+    cdef Py_ssize_t* fill = NULL
     cdef long long m
     cdef int overflow = 0
     cdef dict index = {}  # (any other id's group)
     cdef list mids = [], digs = [], places = []
-    cdef object route, mid, digest, ds
-    if slot == NULL or order == NULL or first == NULL or dptr == NULL:
-        PyMem_Free(slot)
-        PyMem_Free(order)
-        PyMem_Free(first)
-        PyMem_Free(dptr)
+    cdef object route, mid, digest
+    if slot == NULL:
         raise MemoryError()
     memset(table, 0xFF, sizeof(table))
     try:
-        for i in range(n):  # each key's group (in the order of their first keys)
+        for i in range(n):  # each key's group, its digest appended to the group's
+            if i >= PyList_GET_SIZE(routes):  # (shrunk by a manager id's __hash__: as the
+                n = i  # pure loop's iterator, the routes left are not read)
+                break
             route = (<list>routes)[i]
-            if type(route) is not tuple or PyTuple_GET_SIZE(route) != 2:
-                return _pure_group_positions(routes)  # (its unpacking, with its errors)
-            digest = (<tuple>route)[1]
-            if type(digest) is not bytes or PyBytes_GET_SIZE(digest) < 2:
-                return _pure_group_positions(routes)  # (its slicing and comparing)
-            first[i] = _prefix_of(<bytes>digest)
-            dptr[i] = <PyObject*>digest  # (borrowed: routes holds it)
-            mid = (<tuple>route)[0]
+            if type(route) is tuple and PyTuple_GET_SIZE(route) == 2:
+                mid, digest = (<tuple>route)[0], (<tuple>route)[1]
+            else:
+                mid, digest = route  # (as the pure loop unpacks it, with its errors)
             g = -1
             m = PyLong_AsLongLongAndOverflow(mid, &overflow) if type(mid) is int else -1
             if 0 <= m < 256 and not overflow:
                 g = table[m]
-            else:
-                found = index.get(mid)
+            if g < 0:  # (every group is in index too: an equal id of another type, True
+                found = index.get(mid)  # for 1, finds the group as the pure dict does)
                 if found is not None:
                     g = <Py_ssize_t>found
+                    if 0 <= m < 256 and not overflow:
+                        table[m] = g
             if g < 0:
                 g = ngroups
                 ngroups += 1
                 if 0 <= m < 256 and not overflow:
                     table[m] = g
-                else:
-                    index[mid] = g
+                index[mid] = g
                 mids.append(mid)
+                digs.append([])
+            (<list>digs[g]).append(digest)
             slot[i] = g
-        _by_prefix(first, n, order, order + n)
         fill = <Py_ssize_t*>PyMem_Calloc(ngroups + 1, sizeof(Py_ssize_t))
-        glist = <PyObject**>PyMem_Malloc((ngroups + 1) * sizeof(PyObject*))
-        gpos = <char**>PyMem_Malloc((ngroups + 1) * sizeof(char*))
-        if fill == NULL or glist == NULL or gpos == NULL:
+        if fill == NULL:
             raise MemoryError()
+        for g in range(ngroups):  # each group's positions: u32s, in its keys' order
+            places.append(PyBytes_FromStringAndSize(NULL, 4 * PyList_GET_SIZE(digs[g])))
         for i in range(n):
-            fill[slot[i]] += 1
-        for g in range(ngroups):  # each group's digests and positions (u32s), made whole
-            ds = PyList_New(fill[g])
-            digs.append(ds)
-            glist[g] = <PyObject*>ds
-            ds = PyBytes_FromStringAndSize(NULL, 4 * fill[g])
-            places.append(ds)
-            gpos[g] = PyBytes_AS_STRING(ds)
-            fill[g] = 0
-        for j in range(n):  # filled in the digests' order
-            i = order[j]
             g = slot[i]
-            k = fill[g]
-            fill[g] = k + 1
-            Py_INCREF(<object>dptr[i])  # (the list's reference: PyList_SET_ITEM takes it)
-            PyList_SET_ITEM(<object>glist[g], k, <object>dptr[i])
-            _put_le32(gpos[g] + 4 * k, <uint32_t>i)
+            _put_le32(PyBytes_AS_STRING(<bytes>places[g]) + fill[g], <uint32_t>i)
+            fill[g] += 4
         return {mids[g]: (digs[g], places[g]) for g in range(ngroups)}
     finally:
-        PyMem_Free(glist)
-        PyMem_Free(gpos)
-        PyMem_Free(dptr)
-        PyMem_Free(fill)
         PyMem_Free(slot)
-        PyMem_Free(order)
-        PyMem_Free(first)
+        PyMem_Free(fill)
 
 
 def marked(list values, object absent):

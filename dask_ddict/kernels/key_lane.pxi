@@ -475,12 +475,8 @@ cdef class KeyLane:
         request is written into its connection's buffer (the table, then each key's
         digest at its group's place), every request is sent before any reply is read,
         and each reply is decoded where it was received and its values put back in the
-        keys' order.  A group's digests go in the order of their first two bytes (keys of
-        one prefix in their order), as ``group_positions`` orders a same-host read's: the
-        host's walk then finds the next key on the leaf page it is on more often."""
+        keys' order."""
         cdef Py_ssize_t n = PyList_GET_SIZE(keys), i, g, k, ngroups = 0, nlinks
-        cdef Py_ssize_t* order = NULL  # (the keys by their digests' first two bytes)
-        cdef uint16_t* prefix = NULL
         cdef long mid, most_mid = -1, target_mid = -1
         cdef long long chkpt, field
         cdef int* slot = NULL  # (each key's group; first its manager)
@@ -509,12 +505,7 @@ cdef class KeyLane:
             return NotImplemented
         chans = <dict>h._core._channels
         slot = <int*>PyMem_Malloc(n * sizeof(int))
-        order = <Py_ssize_t*>PyMem_Malloc(2 * n * sizeof(Py_ssize_t))
-        prefix = <uint16_t*>PyMem_Malloc(n * sizeof(uint16_t))
-        if slot == NULL or order == NULL or prefix == NULL:
-            PyMem_Free(slot)
-            PyMem_Free(order)
-            PyMem_Free(prefix)
+        if slot == NULL:
             raise MemoryError()
         try:
             for i in range(n):  # each key's manager, checked
@@ -530,11 +521,9 @@ cdef class KeyLane:
                 d = (<tuple>route)[1]
                 if type(d) is not bytes or PyBytes_GET_SIZE(d) != _DIGEST:
                     return NotImplemented
-                prefix[i] = _prefix_of(<bytes>d)
                 slot[i] = <int>mid
                 if mid > most_mid:
                     most_mid = mid
-            _by_prefix(prefix, n, order, order + n)
             slot_of = <int*>PyMem_Malloc((most_mid + 1) * sizeof(int))
             count = <Py_ssize_t*>PyMem_Calloc(min(n, most_mid + 1), sizeof(Py_ssize_t))
             if slot_of == NULL or count == NULL:
@@ -568,12 +557,9 @@ cdef class KeyLane:
                 link_of[g] = <int>k
             nlinks = len(links)
             return self._many(h, n, absent, routes, chkpt, mids, links, conns, states,
-                              replies, slot, order, link_of, place, count, bufs, ngroups,
-                              nlinks)
+                              replies, slot, link_of, place, count, bufs, ngroups, nlinks)
         finally:
             PyMem_Free(slot)
-            PyMem_Free(order)
-            PyMem_Free(prefix)
             PyMem_Free(slot_of)
             PyMem_Free(link_of)
             PyMem_Free(place)
@@ -582,7 +568,7 @@ cdef class KeyLane:
 
     cdef object _many(self, h, Py_ssize_t n, absent, list routes, long long chkpt, list mids,
                       list links, list conns, list states, list replies, int* slot,
-                      Py_ssize_t* order, int* link_of, Py_ssize_t* place, Py_ssize_t* count,
+                      int* link_of, Py_ssize_t* place, Py_ssize_t* count,
                       unsigned char** bufs, Py_ssize_t ngroups, Py_ssize_t nlinks):
         """:meth:`get_many`'s exchange of ``n`` keys, once grouped (``states``: each link's
         connection taken 0, its request sent 1, its reply received and the connection
@@ -591,7 +577,7 @@ cdef class KeyLane:
         link's slack from the start, as the Python path's exchange counts it); one that
         passes raises the Python path's error for that link, and what would be
         ``NotImplemented`` once sent is a :class:`Resend` (its time counted from here)."""
-        cdef Py_ssize_t i, j, g, k, at, total, groups
+        cdef Py_ssize_t i, g, k, at, total, groups
         cdef Py_ssize_t vlen
         cdef unsigned char* p
         cdef ddict_request_head head
@@ -652,8 +638,7 @@ cdef class KeyLane:
                         place[g] = at
                         at += _DIGEST * count[g]
                 bufs[k] = p  # (each request's buffer: not resized until they are sent)
-            for j in range(n):  # each key's digest, in its group's place, by first byte
-                i = order[j]
+            for i in range(n):  # each key's digest, in its group's place
                 g = slot[i]
                 memcpy(bufs[link_of[g]] + place[g],
                        PyBytes_AS_STRING((<tuple>(<list>routes)[i])[1]), _DIGEST)
@@ -724,14 +709,13 @@ cdef class KeyLane:
                     at += 1
         out, marked = [None] * n, []
         cursor = [0] * ngroups
-        for j in range(n):  # (a group's values are in its digests' order)
-            i = order[j]
+        for i in range(n):  # (a group's values are in its keys' order)
             g = slot[i]
             at = cursor[g]
-            out[i] = (<list>values[g])[at]
+            v = (<list>values[g])[at]
             cursor[g] = at + 1
-        for i in range(n):
-            if out[i] is absent:
+            out[i] = v
+            if v is absent:
                 marked.append(i)
         return out, marked
 

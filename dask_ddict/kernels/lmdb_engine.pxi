@@ -413,44 +413,59 @@ cdef inline object _val(ddict_lmdb_txn* t, const unsigned char* p, Py_ssize_t a,
 
 
 cdef Py_ssize_t* _seek_order(list digests) except NULL:
-    """The indices of ``digests`` (16-byte bytes each) by their leading bits, ascending (a
-    counting sort, linear): seeks in that order walk the B-tree from left to right, and
-    LMDB answers a seek whose key is within the cursor's current leaf page from that page
-    alone, without descending from the root again (a third less time per key for a
-    thousand random keys).  Within one leading value the order is the callers'; the
-    order of the answers is never changed by it.  To be freed by the caller."""
+    """The indices of ``digests`` (16-byte bytes each) by their first two bytes, ascending
+    (two counting sorts of 256 buckets, linear): seeks in that order walk the B-tree from
+    left to right, and LMDB answers a seek whose key is within the cursor's current leaf
+    page from that page alone, without descending from the root again.  Within one
+    prefix the order is the callers'; the order of the answers is never changed by it.
+    To be freed by the caller."""
     return _order_of(digests, NULL, len(digests))
 
 
 cdef Py_ssize_t* _order_of(list digests, const unsigned char* packed,
                            Py_ssize_t n) except NULL:
     """:func:`_seek_order` of ``digests``, or (``digests`` None) of the ``n`` digests
-    packed one after another at ``packed`` (a many-key request's)."""
-    cdef Py_ssize_t i, at, bits = 8 if n <= 4096 else 16
-    cdef Py_ssize_t buckets = 1 << bits
-    cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
-    cdef Py_ssize_t* starts = <Py_ssize_t*>PyMem_Calloc(buckets + 1, sizeof(Py_ssize_t))
-    cdef unsigned int* lead = <unsigned int*>PyMem_Malloc((n + 1) * sizeof(unsigned int))
+    packed one after another at ``packed`` (a many-key request's).
+
+    By two bytes for any number of keys: by the first alone (what a thousand keys were
+    sorted by until 2026-11-30), a leaf page's keys came in the order of their second
+    byte within each first one, and a same-host ``get_many`` of 1,000 keys ran 5.05 M
+    keys/s against 5.76 M with the keys sorted whole."""
+    cdef Py_ssize_t i, j, k
+    cdef Py_ssize_t starts[257]
+    cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((2 * n + 1) * sizeof(Py_ssize_t))
+    cdef uint16_t* lead = <uint16_t*>PyMem_Malloc((n + 1) * sizeof(uint16_t))
+    cdef Py_ssize_t* spare
     cdef const unsigned char* p
-    if order == NULL or starts == NULL or lead == NULL:
+    if order == NULL or lead == NULL:
         PyMem_Free(order)
-        PyMem_Free(starts)
         PyMem_Free(lead)
         raise MemoryError()
-    for i in range(n):
+    spare = order + n
+    memset(starts, 0, sizeof(starts))
+    for i in range(n):  # (the prefixes, and the counts of their second bytes)
         if digests is None:
             p = packed + _DIGEST * i
         else:
             p = <const unsigned char*>PyBytes_AS_STRING(<bytes>digests[i])
-        lead[i] = p[0] if bits == 8 else (<unsigned int>p[0] << 8) | p[1]
-        starts[lead[i] + 1] += 1
-    for i in range(buckets):
-        starts[i + 1] += starts[i]
+        lead[i] = <uint16_t>((p[0] << 8) | p[1])
+        starts[p[1] + 1] += 1
+    for k in range(256):
+        starts[k + 1] += starts[k]
+    for i in range(n):  # by the second byte
+        k = lead[i] & 0xFF
+        spare[starts[k]] = i
+        starts[k] += 1
+    memset(starts, 0, sizeof(starts))
     for i in range(n):
-        at = starts[lead[i]]
-        starts[lead[i]] = at + 1
-        order[at] = i
-    PyMem_Free(starts)
+        starts[(lead[i] >> 8) + 1] += 1
+    for k in range(256):
+        starts[k + 1] += starts[k]
+    for j in range(n):  # then by the first, stably
+        i = spare[j]
+        k = lead[i] >> 8
+        order[starts[k]] = i
+        starts[k] += 1
     PyMem_Free(lead)
     return order
 

@@ -183,21 +183,12 @@ def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
 
 
 def group_positions(routes: list[tuple[int, bytes]]) -> dict[int, tuple[list[bytes], bytes]]:
-    """:func:`group`'s managers, and where each digest's key is in ``routes``: by manager
-    (in the order of their first keys), its digests and their indices (``u32`` each,
-    little-endian), which :func:`place_values` writes a manager's values at.
-
-    A manager's digests are in the order of their first two bytes (keys of one prefix in
-    their order): a walk that seeks them in that order finds the next one on the leaf
-    page it is on far more often, where LMDB skips the search from the root."""
-    unpacked = []
+    """:func:`group`, and where each digest's key is in ``routes``: by manager, its
+    digests and their indices (``u32`` each, little-endian) in order, which
+    :func:`place_values` writes a manager's values at."""
     groups: dict[int, tuple[list[bytes], list[int]]] = {}
-    for mid, digest in routes:
-        groups.setdefault(mid, ([], []))
-        unpacked.append((mid, digest))
-    for i in sorted(range(len(unpacked)), key=lambda i: unpacked[i][1][:2]):
-        mid, digest = unpacked[i]
-        g = groups[mid]
+    for i, (mid, digest) in enumerate(routes):
+        g = groups.setdefault(mid, ([], []))
         g[0].append(digest)
         g[1].append(i)
     return {m: (d, struct.pack(f"<{len(p)}I", *p)) for m, (d, p) in groups.items()}
