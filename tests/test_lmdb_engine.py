@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import Any
 
 import lmdb
 import pytest
@@ -73,11 +74,11 @@ def test_a_walk_over_many_keys_reads_views_of_the_pages_in_a_buffers_transaction
 
 
 @compiled
-@pytest.mark.parametrize("asked_n", [1_000, 6_000])  # (seeks ordered by 8 bits, by 16)
+@pytest.mark.parametrize("asked_n", [1_000, 6_000])
 def test_a_walk_seeks_in_the_trees_order_and_answers_in_the_callers(tmp_path, asked_n):
-    """Seeks go left to right through the B-tree (by the digests' leading bits), and the
-    frames come back in the order asked, duplicates and absent keys included, exactly as
-    the pure walk answers them."""
+    """Seeks go left to right through the B-tree (by the digests' first two bytes), and
+    the frames come back in the order asked, duplicates and absent keys included,
+    exactly as the pure walk answers them."""
     import hashlib
     import random
 
@@ -101,6 +102,51 @@ def test_a_walk_seeks_in_the_trees_order_and_answers_in_the_callers(tmp_path, as
         assert got == want and len(got) == asked_n
         assert all((f is None) == (d in absent) for d, f in zip(asked, got))
         assert all(f.endswith(b"v05") for f in got if f is not None)
+    finally:
+        env.close()
+
+
+@compiled
+@pytest.mark.parametrize("asked_n", [0, 1, 257, 1_000, 5_000])
+def test_a_walk_seeks_by_the_digests_first_two_bytes_stably(tmp_path, asked_n):
+    """The order the compiled walk seeks in (each found value is decoded as it is
+    reached): by the digests' first two bytes, keys of one prefix in the order asked
+    (many share a first byte, or both), for any number of keys; the values still
+    answer in the order asked."""
+    import random
+
+    from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]
+
+    rng = random.Random(asked_n)
+    stored = list(
+        dict.fromkeys(
+            bytes([rng.randrange(3), rng.randrange(3)]) + rng.randbytes(14)
+            if i % 3 == 0
+            else rng.randbytes(16)
+            for i in range(3_000)
+        )
+    )
+    index = {d: i for i, d in enumerate(stored)}
+    absent = [rng.randbytes(16) for _ in range(20)]
+    asked = [rng.choice(stored + absent) for _ in range(asked_n)]
+    env = lmdb.open(str(tmp_path / "s"), map_size=1 << 26, max_dbs=2)
+    db = env.open_db(b"data")
+    try:
+        with env.begin(write=True, db=db) as txn:
+            for i, d in enumerate(stored):
+                v = b"%08d" % i
+                txn.put(d + struct.pack(">Q", (1 << 64) - 1 - 3), ENTRY.pack(0, 0, 8) + v, db=db)
+        walked: list[int] = []
+
+        def decode(frame: Any) -> int:
+            walked.append(int(bytes(frame)))
+            return walked[-1]
+
+        with env.begin(db=db) as txn:
+            values, *_ = _compiled.lookup_values(txn, db, asked, TAIL, 0, None, bytes, decode)
+        order = sorted(range(asked_n), key=lambda i: asked[i][:2])  # (stable)
+        assert walked == [index[asked[i]] for i in order if asked[i] in index]
+        assert list(values) == [index.get(d) for d in asked]
     finally:
         env.close()
 

@@ -390,8 +390,8 @@ def group_positions(list routes not None):
     try:
         for i in range(n):  # each key's group, its digest appended to the group's
             if i >= PyList_GET_SIZE(routes):  # (shrunk by a manager id's __hash__: as the
-                n = i  # pure loop's iterator, the routes left are not read)
-                break
+                n = i  # pure loop's iterator, the routes left are not read; routes that
+                break  # one appends are not read here, where the pure loop reads them)
             route = (<list>routes)[i]
             if type(route) is tuple and PyTuple_GET_SIZE(route) == 2:
                 mid, digest = (<tuple>route)[0], (<tuple>route)[1]
