@@ -141,3 +141,30 @@ def test_send_waiting_keeps_a_socket_timeout_for_the_whole_send():
         a.settimeout(0.3)
         with pytest.raises(TimeoutError):
             send_waiting(a, b"x" * (16 << 20))
+
+
+def test_send_waiting_waits_for_room_on_a_non_blocking_socket():
+    """A non-blocking socket (timeout 0), whose ``sendall`` would raise partway, is sent
+    to in pieces with waits for room, as a blocking one."""
+    from dask_ddict.transport.sockets import send_waiting
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        data = b"y" * (8 << 20)
+        got = bytearray()
+        t = threading.Thread(target=lambda: got.extend(_read_all(b, len(data))))
+        t.start()
+        send_waiting(a, data)
+        t.join(timeout=60)
+        assert bytes(got) == data
+
+
+def _read_all(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)

@@ -77,9 +77,10 @@ def send_waiting(sock: socket.socket, data: Any) -> None:
     21-22 ms that way on the 2-core VM and 16-17 ms sent as Python's ``sendall`` sends
     on a socket with a timeout (2026-11-30).  A socket with a timeout (whose
     ``sendall`` bounds the whole send) and a TLS socket (whose ``send`` takes no flags)
-    are sent to as they are.  A socket closed meanwhile raises ``OSError(EBADF)``.
+    are sent to as they are; a non-blocking one (timeout 0) is waited for here.  A
+    socket closed meanwhile raises ``OSError(EBADF)``.
     """
-    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is not None:
+    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout():
         sock.sendall(data)
         return
     view = memoryview(data)
