@@ -179,7 +179,7 @@ class Connection(ConnectionState):
 def _send_rest(sock: socket.socket, data: bytes, sent: int) -> None:
     """(A :meth:`Connection.hand_off`'s thread.)  Send ``data[sent:]``, waiting."""
     try:
-        send_waiting(sock, memoryview(data)[sent:])
+        send_waiting(sock, data, sent)
     except OSError:
         pass  # (the peer is gone: the connection's next write says so)
 
@@ -200,11 +200,7 @@ class NoWait:
             sent = 0
         if sent < (len(data) if type(data) is bytes else memoryview(data).nbytes):
             _blocking.will_block()
-            view = memoryview(data)
-            send_waiting(
-                self.sock,
-                (view if view.ndim == 1 and view.itemsize == 1 else view.cast("B"))[sent:],
-            )
+            send_waiting(self.sock, data, sent)
 
 
 class EventLoop:

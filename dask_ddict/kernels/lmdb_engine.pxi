@@ -431,8 +431,7 @@ cdef Py_ssize_t* _order_of(list digests, const unsigned char* packed,
     sorted by until 2026-11-30), a leaf page's keys came in the order of their second
     byte within each first one, and a same-host ``get_many`` of 1,000 keys ran 5.05 M
     keys/s against 5.76 M with the keys sorted whole."""
-    cdef Py_ssize_t i, j, k
-    cdef Py_ssize_t starts[257]
+    cdef Py_ssize_t i
     cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((2 * n + 1) * sizeof(Py_ssize_t))
     cdef uint16_t* lead = <uint16_t*>PyMem_Malloc((n + 1) * sizeof(uint16_t))
     cdef Py_ssize_t* spare
@@ -442,32 +441,36 @@ cdef Py_ssize_t* _order_of(list digests, const unsigned char* packed,
         PyMem_Free(lead)
         raise MemoryError()
     spare = order + n
-    memset(starts, 0, sizeof(starts))
-    for i in range(n):  # (the prefixes, and the counts of their second bytes)
+    for i in range(n):
         if digests is None:
             p = packed + _DIGEST * i
         else:
             p = <const unsigned char*>PyBytes_AS_STRING(<bytes>digests[i])
         lead[i] = <uint16_t>((p[0] << 8) | p[1])
-        starts[p[1] + 1] += 1
-    for k in range(256):
-        starts[k + 1] += starts[k]
-    for i in range(n):  # by the second byte
-        k = lead[i] & 0xFF
-        spare[starts[k]] = i
-        starts[k] += 1
-    memset(starts, 0, sizeof(starts))
-    for i in range(n):
-        starts[(lead[i] >> 8) + 1] += 1
-    for k in range(256):
-        starts[k + 1] += starts[k]
-    for j in range(n):  # then by the first, stably
-        i = spare[j]
-        k = lead[i] >> 8
-        order[starts[k]] = i
-        starts[k] += 1
+    _by_byte(lead, 0, NULL, spare, n)  # by the second byte,
+    _by_byte(lead, 8, spare, order, n)  # then by the first, stably
     PyMem_Free(lead)
     return order
+
+
+cdef void _by_byte(const uint16_t* lead, unsigned int shift, const Py_ssize_t* source,
+                   Py_ssize_t* dest, Py_ssize_t n) noexcept nogil:
+    """``dest``: the indices of ``source`` (``0 .. n - 1`` where NULL) by the byte
+    ``lead[i] >> shift`` of each, stably (a counting sort, one of :func:`_order_of`'s
+    two)."""
+    cdef Py_ssize_t starts[257]
+    cdef Py_ssize_t i, j, k
+    memset(starts, 0, sizeof(starts))
+    for j in range(n):
+        i = j if source == NULL else source[j]
+        starts[((lead[i] >> shift) & 0xFF) + 1] += 1
+    for k in range(256):
+        starts[k + 1] += starts[k]
+    for j in range(n):
+        i = j if source == NULL else source[j]
+        k = (lead[i] >> shift) & 0xFF
+        dest[starts[k]] = i
+        starts[k] += 1
 
 
 cdef const unsigned char* _newest(const ddict_mdb_api* api, ddict_mdb_cursor* cur,

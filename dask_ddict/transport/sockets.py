@@ -67,9 +67,10 @@ def recv_exact(sock: Any, n: int, during: str = "") -> bytearray:
 ROOM_CHECK = 1.0
 
 
-def send_waiting(sock: socket.socket, data: Any) -> None:
-    """``sock.sendall(data)`` on a blocking socket, sent in pieces that do not wait, with
-    a wait for room in the socket's buffer between them.
+def send_waiting(sock: socket.socket, data: Any, start: int = 0) -> None:
+    """``sock.sendall(data)`` on a blocking socket (from byte ``start`` of ``data`` on),
+    sent in pieces that do not wait, with a wait for room in the socket's buffer between
+    them.
 
     One blocking ``send`` of a large buffer keeps the socket locked while it copies,
     waits and copies again, so the peer's acknowledgements wait in the socket's backlog
@@ -80,12 +81,13 @@ def send_waiting(sock: socket.socket, data: Any) -> None:
     are sent to as they are; a non-blocking one (timeout 0) is waited for here.  A
     socket closed meanwhile raises ``OSError(EBADF)``.
     """
-    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout():
-        sock.sendall(data)
-        return
     view = memoryview(data)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
+    view = view[start:]
+    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout():
+        sock.sendall(view)
+        return
     waiter: select.poll | None = None
     while view.nbytes:
         try:
