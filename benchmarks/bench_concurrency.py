@@ -32,6 +32,15 @@ The phases, in each client process:
 * ``batch``: ``start_batch_put()``, 1,000 puts of 100 B, ``end_batch_put()`` in
   a loop for ``--seconds`` / a pipeline of 1,000 SETs (``transaction=False``).
 
+Each phase begins on the same keys at every P: the keys the largest group's other
+clients would have written by then (their get_many keys, then their puts' before the
+gets, their batches' before the batches) are written first, untimed, by the clients
+there are (client ``j`` for ``j + P``, ``j + 2P``...), for every peer.  Without it a
+group of 4 read a store 4 times as large as a group of 1, and a shard's B-tree costs
+more per key as it grows (host CPU per key of a TCP ``get_many``, one client:
+0.21-0.23 us on a store of one client's keys, 0.27-0.28 us on four's, the same as
+four clients' on it).
+
 Rows:
 
 * ``<phase>, <transport>, P=<p>``: the aggregate rate (operations or keys over
@@ -171,14 +180,29 @@ def client_phases(
     keys = [f"c{j}:{i}" for i in range(n)]
     mkeys = [f"c{j}:m{i}" for i in range(MANY)]
     bkeys = [f"c{j}:b{i}" for i in range(MANY)]
+    # the clients of the largest group that this one lacks, filled in by j: each phase
+    # begins on the keys it begins on there (a B-tree's cost per key grows with its keys)
+    absent = range(j + cfg["p"], cfg["most"], cfg["p"])
+
+    def fill(name: Callable[[int, int], str], count: int) -> None:
+        for a in absent:
+            for start in range(0, count, MANY):
+                batch([name(a, i) for i in range(start, min(count, start + MANY))], v)
+
     batch(mkeys, v)  # (untimed: the get_many keys; every connection opened)
     assert get_many(mkeys)[-1] == v
     put(f"c{j}:warm", v)
     assert get(f"c{j}:warm") == v
+    fill(lambda a, i: f"c{a}:m{i}", MANY)
     barrier.wait(CHILD_TIMEOUT)  # ready
     out = {}
     n_put = 0
     for ph in PHASES:
+        if ph == "get":  # (what the absent clients' put phases left)
+            fill(lambda a, i: f"c{a}:{i}", n_put)
+        elif ph == "batch":  # (their batches' keys, there after their first batch)
+            fill(lambda a, i: f"c{a}:b{i}", MANY)
+        barrier.wait(CHILD_TIMEOUT)  # filled (untimed)
         barrier.wait(CHILD_TIMEOUT)  # start
         t0, c0 = time.perf_counter(), time.process_time()
         t_end = t0 + cap
@@ -277,7 +301,9 @@ def run_group(
     results = ctx.Queue()
     child_peers = [(name, kind, spec, local) for name, kind, spec, local, _, _ in peers]
     procs = [
-        ctx.Process(target=client_main, args=(j, child_peers, cfg, barrier, results), daemon=True)
+        ctx.Process(
+            target=client_main, args=(j, child_peers, dict(cfg, p=p), barrier, results), daemon=True
+        )
         for j in range(p)
     ]
     phase_timeout = cfg["cap"] + cfg["seconds"] + 120.0
@@ -290,6 +316,7 @@ def run_group(
                 barrier.wait(SETUP_TIMEOUT)  # ready (set up, untimed)
                 host[name] = {}
                 for ph in PHASES:
+                    barrier.wait(SETUP_TIMEOUT)  # filled (untimed)
                     c0 = cpu_seconds(servers)
                     barrier.wait(SETUP_TIMEOUT)  # start
                     barrier.wait(phase_timeout)  # done
@@ -565,6 +592,7 @@ def main() -> None:
         "n": max(MANY, args.ops or (5000 if args.quick else 20_000)),
         "seconds": args.seconds or (0.75 if args.quick else 2.0),
         "cap": args.cap or (15.0 if args.quick else 60.0),
+        "most": ps[-1],
     }
 
     started = time.perf_counter()
