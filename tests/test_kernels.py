@@ -1736,3 +1736,32 @@ def test_a_served_table_read_while_its_thread_counts_is_never_torn(s):
     t.join(timeout=60)
     assert not t.is_alive() and grew > 10  # (rows were added between reads)
     assert dict(table.items()) == {mid: {2: per, 28: 3 * per} for mid in range(n // per)}
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [b"", b"x", bytearray(10_000), memoryview(b"y" * 9000), np.ones((3, 4)), bytes(1 << 16)],
+)
+def test_touch_pages_reads_a_contiguous_buffer_and_changes_nothing(frame):
+    """Both sets read a byte of every page of any C-contiguous buffer and leave it as it was."""
+    before = bytes(memoryview(frame).cast("B"))
+    assert [s.touch_pages(frame) for s in SETS] == [None] * len(SETS)
+    assert bytes(memoryview(frame).cast("B")) == before
+
+
+@pytest.mark.parametrize(
+    ("frame", "error"),
+    [
+        (5, TypeError),
+        (None, TypeError),
+        ("text", TypeError),
+        (np.arange(10)[::2], BufferError),
+        (memoryview(b"xy" * 10)[::2], BufferError),
+        (np.ones((3, 4)).T, BufferError),
+    ],
+)
+def test_touch_pages_refuses_what_is_no_contiguous_buffer_alike(frame, error):
+    """Not a buffer: ``TypeError``; not C-contiguous: ``BufferError``, in both sets."""
+    for s in SETS:
+        with pytest.raises(error):
+            s.touch_pages(frame)

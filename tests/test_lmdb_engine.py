@@ -182,6 +182,36 @@ def test_a_large_value_sought_for_a_part_is_not_touched_whole(tmp_path):
 
 
 @compiled
+def test_touch_pages_maps_every_page_of_a_value_sought_untouched(tmp_path):
+    """A copying same-host read seeks a large value without touching it, then has
+    ``touch_pages`` map its pages with the interpreter lock released (py-lmdb's preload,
+    done apart): every page the value spans is then in the reader's resident set, and its
+    bytes are what was written."""
+    from dask_ddict import _memory
+    from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]
+
+    env = lmdb.open(str(tmp_path / "s"), map_size=1 << 26, max_dbs=2)
+    db = env.open_db(b"data")
+    digest, n = b"\x07" * 16, (8 << 20) + 4090
+    payload = bytes(range(256)) * (n // 256) + b"z" * (n % 256)
+    with env.begin(write=True, db=db) as txn:
+        txn.put(digest + struct.pack(">Q", (1 << 64) - 1 - 3), ENTRY.pack(0, 0, n) + payload)
+    try:
+        with env.begin(db=db, buffers=True) as txn:
+            frame = _compiled.lookup_entry(txn, db, digest, 3, False).frame
+            addr = _memory.address_of(frame)
+            _memory.release(addr, n)
+            before = resident_kib(addr, addr + n)
+            _compiled.touch_pages(frame)
+            spanned = ((addr + n + 4095) & ~4095) - (addr & ~4095)  # (its first to its last)
+            assert resident_kib(addr, addr + n) - before >= spanned >> 10
+            assert bytes(frame) == payload
+            del frame
+    finally:
+        env.close()
+
+
+@compiled
 def test_a_closed_transaction_or_a_foreign_object_is_refused_as_lmdb_refuses_it(tmp_path):
     from dask_ddict.kernels import _compiled  # type: ignore[attr-defined]
 

@@ -209,10 +209,45 @@ def test_a_lent_value_is_not_touched_in_the_readers_map_of_the_shard(client, mon
         assert "big" in d  # (and a membership test reads its flags alone)
         assert (resident_kib(*span) - before >= 16 << 10) == (not COMPILED)
         d["obj"] = list(range(50_000))  # (a large pickle without buffers: never lent)
-        for _ in range(2):  # (copied: sought again, to be touched before the copy)
+        for _ in range(2):  # (copied: its pages touched before the copy)
             assert d.get("obj", copy=False) == list(range(50_000))
             d.freeze()
         d.unfreeze()
+
+
+@one_host
+def test_a_copied_value_is_touched_first_unless_this_process_mapped_it(client, monkeypatch):
+    """A same-host copying read seeks a large value untouched and has
+    ``kernels.touch_pages`` fault its pages in (the interpreter lock released) before the
+    copy: at its first read and after its pages were given back, not when it is read
+    again meanwhile (its pages are mapped: a second walk would fault nothing); a value
+    under ``RELEASE_LARGE`` is never recorded as mapped, and one under ``PRELOADED`` is
+    copied as it is."""
+    from dask_ddict import kernels
+
+    touched: list[int] = []
+    real = kernels.touch_pages
+
+    def counting(frame: memoryview) -> None:
+        touched.append(frame.nbytes)
+        real(frame)
+
+    monkeypatch.setattr(kernels, "touch_pages", counting)
+    monkeypatch.setattr(mapped, "_unreleased", 0)  # (no release of every map meanwhile)
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d["big"], d["mid"], d["small"] = np.ones(1 << 18), np.ones(1 << 14), b"x" * 100
+        for copy in (True, None, True):  # (not frozen: copy=None copies too)
+            assert (d.get("big", copy=copy) == 1).all()
+        assert len(touched) == 1 and touched[0] >= 2 << 20, touched
+        path = d._core.layout.managers[d.which_manager("big")].store_path + "/data.mdb"
+        span = _memory.mapping_of(path)
+        assert span is not None
+        _memory.release(span[0], span[1] - span[0])  # (its pages given back, and forgotten)
+        assert (d["big"] == 1).all() and len(touched) == 2
+        for _ in range(2):
+            assert (d["mid"] == 1).all()
+        assert d["small"] == b"x" * 100
+        assert len(touched) == 4 and 128 << 10 <= touched[-1] < 1 << 20, touched
 
 
 @one_host

@@ -9,7 +9,13 @@ digest and value decoding are called without the Python functions that wrap them
 """
 
 cimport cython
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_FULL_RO,
+    PyBUF_SIMPLE,
+    PyBuffer_IsContiguous,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromMemory

@@ -34,6 +34,7 @@ import logging
 from .._serialize import loads_value as _loads_value
 from .pure import (
     PRELOADED,
+    TOUCH_STRIDE,
     lookup_entry as _pure_lookup_entry,
     lookup_frames as _pure_lookup_frames,
     lookup_values as _pure_lookup_values,
@@ -772,3 +773,37 @@ def lookup_entry(txn, db, digest, chkpt, bint whole=True):
     finally:
         api.cursor_close(cur)
     return _pure_lookup_entry(txn, db, digest, chkpt, whole)
+
+
+cdef extern from *:
+    """
+    /* A byte of every page of p[:n] read (a volatile read: never optimised away), as
+       py-lmdb's preload reads one, and the last byte (a value may end in a page its
+       stride does not reach). */
+    static void ddict_touch(const unsigned char *p, size_t n, size_t stride) {
+        const volatile unsigned char *c = p;
+        size_t i;
+        for (i = 0; i < n; i += stride)
+            (void)c[i];
+        if (n)
+            (void)c[n - 1];
+    }
+    """
+    void ddict_touch(const unsigned char* p, size_t n, size_t stride) nogil
+
+
+cdef size_t _TOUCH_STRIDE = TOUCH_STRIDE
+
+
+def touch_pages(frame):
+    """``pure.touch_pages``: here with the interpreter lock released while the pages are
+    read (their faults wait for the kernel, not for the lock)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(frame, &view, PyBUF_FULL_RO)
+    try:
+        if not PyBuffer_IsContiguous(&view, b'C'):
+            raise BufferError("touch_pages: the frame is not C-contiguous")
+        with nogil:
+            ddict_touch(<const unsigned char*>view.buf, <size_t>view.len, _TOUCH_STRIDE)
+    finally:
+        PyBuffer_Release(&view)

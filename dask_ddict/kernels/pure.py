@@ -342,9 +342,11 @@ def unpack_values(
 #: A value at least this big, sought to be read whole, is read by lmdb's own cursor,
 #: which touches its pages with the interpreter lock released (py-lmdb's ``preload``): a
 #: copying read of a large value relies on that (docs/design/kernels.md, "A cold large
-#: read on the same host"); one sought without (``whole=False``) is re-sought before it
-#: is copied whole.
+#: read on the same host"); one sought without (``whole=False``) has its pages touched
+#: by :func:`touch_pages` before it is copied whole.
 PRELOADED = 64 << 10
+#: The stride of :func:`touch_pages` (py-lmdb's preload reads a byte every 4 KiB).
+TOUCH_STRIDE = 4096
 
 
 def disown_transactions(env: Any) -> bool:
@@ -436,6 +438,22 @@ def lookup_entry(txn: Any, db: Any, digest: bytes, chkpt: int, whole: bool = Tru
         Entry,
         (MAXQ - BE.unpack_from(k, DIGEST)[0], flags, raw[ENTRY_HEADER:end], raw[end : end + klen]),
     )
+
+
+def touch_pages(frame: Any) -> None:
+    """Read a byte of every page of ``frame`` (a buffer; a large value's frame sought
+    with ``lookup_entry(..., whole=False)``), as py-lmdb's ``preload`` does: the value's
+    page faults are then taken here, with the interpreter lock released, rather than in
+    the copy that follows, which holds it.  The caller keeps the buffer's mapping open
+    throughout (its snapshot and its shard's view).  Here the lock is held: the pure set
+    only reads the bytes (and its seeks preload every value they hand out anyway)."""
+    view = memoryview(frame)
+    if not view.c_contiguous:
+        raise BufferError("touch_pages: the frame is not C-contiguous")
+    view = view.cast("B")
+    if view.nbytes:
+        view[::TOUCH_STRIDE].tobytes()
+        view[-1]
 
 
 def decoded(frame: Any, decode: Callable[[Any], Any]) -> Any:
@@ -1862,6 +1880,7 @@ __all__ = [
     "commits_behind",
     "commits_behind_forked",
     "lookup_entry",
+    "touch_pages",
     "lookup_frames",
     "lookup_values",
     "marked",

@@ -103,13 +103,12 @@ class _View:
         until the process has touched :data:`RELEASE_EVERY` bytes of distinct
         pages: reading a hot value again then faults nothing, and its resident
         set stays bounded.  A single read's large value is mapped already when the
-        frame comes here: py-lmdb touches each page of a value it hands out (its
-        ``preload``, with the interpreter lock released), so mapping them again in
-        one call (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold
-        1 MiB read's time); a single read that sought one untouched (to lend it:
-        ``whole=False``) seeks it again before copying it, and a many-key walk's
-        frames (never preloaded) and a lend refused past ``max-pinned`` fault their
-        pages in this copy.  A part's read counts the whole frame's pages too (the
+        frame comes here: its pages were touched with the interpreter lock released
+        (``kernels.touch_pages``, unless :meth:`mapped` says they are still mapped,
+        or py-lmdb's ``preload`` of a value sought ``whole``), so mapping them again
+        in one call (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold
+        1 MiB read's time); a many-key walk's frames (never preloaded) and a lend
+        refused past ``max-pinned`` fault their pages in this copy.  A part's read counts the whole frame's pages too (the
         compiled seek of a byte range touches only the part's: then the pages are
         only given back sooner than they need be).
         """
@@ -122,6 +121,12 @@ class _View:
             _memory.MAPPED[addr] = n
         touched(n)
         return out
+
+    def mapped(self, frame: memoryview) -> bool:
+        """Whether this process mapped the pages of ``frame`` (a large value's) since it
+        last gave them back (:meth:`copy` records them): copying it again faults nothing."""
+        n = frame.nbytes
+        return n >= RELEASE_LARGE and _memory.MAPPED.get(_memory.address_of(frame)) == n
 
     def release(self) -> None:
         """Give back every page of this mapping (they stay in the shard)."""

@@ -342,11 +342,10 @@ class SharedChannel:
         try:
             self._check_alive()
             got: Any = _LEND
-            # A read that may lend touches none of a large value's pages here (a lent one is
-            # mapped apart); a copying one has them touched first with the lock released.
-            whole = not (o.lend or (o.lend is None and self._seen[2]))  # (frozen, last seen)
+            # A read touches none of a large value's pages as it seeks it: a lent one is
+            # mapped apart, a copied one has them touched before the copy (_copied).
             with self._snapshot(view.store) as txn:  # (a value not lent is copied from here)
-                e = self._visible(view.store, o.digest, o.chkpt, txn, whole)
+                e = self._visible(view.store, o.digest, o.chkpt, txn, whole=False)
                 if not e:
                     got = e
                 elif (
@@ -354,7 +353,7 @@ class SharedChannel:
                     or not lendable(e.frame)
                     or not (o.lend or self._frozen(view.store, txn))
                 ):
-                    return self._copied(view, e, o, txn, whole)  # (else lent, as Dragon)
+                    return _copied(view, e.frame)  # (else lent, as Dragon)
             if got is _LEND:  # (read again in a lending snapshot: it may have changed since)
                 got = self._lend(view, o.digest, o.chkpt)
                 if got is not None and got is not False:
@@ -391,14 +390,6 @@ class SharedChannel:
             if view.lender is None:
                 view.lender = made
             return view.lender
-
-    def _copied(self, view: _View, e: Any, o: Get, txn: Any, whole: bool) -> Any:
-        """A copy of entry ``e``'s value, read for ``o`` in ``txn``: a large one sought
-        untouched (``whole`` false: to be lent) is sought again, so that its pages are
-        touched with the interpreter lock released before the copy, which holds it."""
-        if not whole and e.frame.nbytes >= kernels.PRELOADED:
-            e = self._visible(view.store, o.digest, o.chkpt, txn)  # (the same version)
-        return view.copy(e.frame)
 
     def _lend(self, view: _View, digest: bytes, chkpt: int) -> Any:
         """The value's frame lent from a snapshot (see :mod:`.lending`), else copied; ``None``:
@@ -707,6 +698,16 @@ class SharedChannel:
         self._sock.close()
         if _ORPHANS:  # (a dropped batch's commit done by now: its view too)
             _let_go_orphans()
+
+
+def _copied(view: _View, frame: Any) -> Any:
+    """A copy of a value's ``frame``, sought without its pages touched: a large one has
+    them touched first, with the interpreter lock released (``kernels.touch_pages``, as
+    py-lmdb's preload would have), unless this process mapped them since it last gave
+    them back (a value read again: nothing to fault, and no second walk of its pages)."""
+    if frame.nbytes >= kernels.PRELOADED and not view.mapped(frame):
+        kernels.touch_pages(frame)
+    return view.copy(frame)
 
 
 def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> Any:
