@@ -36,8 +36,10 @@ from .._serialize import copy_frame
 from ..shard.store import ShardStore
 from .lending import Lender
 
-#: Values this big count their own pages once until the next release (see _View.copy).
-RELEASE_LARGE = 1 << 20
+#: Values this big count their own pages once until the next release (see _View.copy),
+#: and are remembered as mapped meanwhile: those whose pages a copying read touches with
+#: the interpreter lock released first, which a value read again skips (``_View.mapped``).
+RELEASE_LARGE = kernels.PRELOADED
 #: Every mapping of the process is released after reads that may have touched this
 #: many bytes of distinct pages (each small read counts at least one page).
 RELEASE_EVERY = 96 << 20
