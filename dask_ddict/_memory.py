@@ -81,11 +81,6 @@ def map_file(fd: int, nbytes: int) -> np.ndarray:
     return np.asarray(_Mapping(fd, nbytes))
 
 
-def address_of(buf: Any) -> int:
-    """Start address of a (read-only) buffer."""
-    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
-
-
 #: Large values whose pages this process mapped since they were last given back (address
 #: -> bytes): read again, they map nothing and count nothing (``transport/mapped.py``).
 #: :func:`forget` drops those of a range whose pages were given back or unmapped (an

@@ -24,6 +24,7 @@ Keys have their own canonical encoding (:mod:`dask_ddict._keys`).
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import pickle
@@ -405,8 +406,10 @@ def aligned_empty(nbytes: int) -> memoryview:
     :class:`BufferPool`.
     """
     raw = _pool().get(nbytes + ALIGN) if nbytes >= BufferPool.MIN else empty_buffer(nbytes + ALIGN)
-    addr = np.frombuffer(raw, dtype=np.uint8).__array_interface__["data"][0]
-    start = (FRAME_BASE - addr) % ALIGN
+    # (a writable buffer's address, through ctypes: a seventh of numpy's
+    # ``__array_interface__``; ``kernels.address_of`` reads any buffer's, but the
+    # kernels import this module)
+    start = (FRAME_BASE - ctypes.addressof(ctypes.c_char.from_buffer(raw))) % ALIGN
     return raw[start : start + nbytes]
 
 

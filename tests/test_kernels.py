@@ -1765,3 +1765,16 @@ def test_touch_pages_refuses_what_is_no_contiguous_buffer_alike(frame, error):
     for s in SETS:
         with pytest.raises(error):
             s.touch_pages(frame)
+
+
+def test_address_of_is_the_same_and_refuses_what_touch_pages_refuses():
+    """Both sets give a C-contiguous buffer's start address (a view's, past its offset;
+    a read-only one's too) and refuse the rest alike."""
+    data = np.arange(64, dtype=np.uint8)
+    start = data.__array_interface__["data"][0]
+    for buf, at in ((data, 0), (memoryview(data)[5:], 5), (data.data.toreadonly()[9:], 9)):
+        assert [s.address_of(buf) for s in SETS] == [start + at] * len(SETS)
+    for bad, error in ((data[::2], BufferError), (None, TypeError), ("text", TypeError)):
+        for s in SETS:
+            with pytest.raises(error):
+                s.address_of(bad)

@@ -170,7 +170,7 @@ def test_a_large_value_sought_for_a_part_is_not_touched_whole(tmp_path):
         for whole in (False, True):
             with env.begin(db=db, buffers=True) as txn:
                 e = _compiled.lookup_entry(txn, db, digest, 3, whole)
-                addr = _memory.address_of(e.frame)
+                addr = kernels.address_of(e.frame)
                 _memory.release(addr, n)  # (this process's pages of it given back)
                 before = resident_kib(addr, addr + n)
                 e = _compiled.lookup_entry(txn, db, digest, 3, whole)
@@ -199,7 +199,7 @@ def test_touch_pages_maps_every_page_of_a_value_sought_untouched(tmp_path):
     try:
         with env.begin(db=db, buffers=True) as txn:
             frame = _compiled.lookup_entry(txn, db, digest, 3, False).frame
-            addr = _memory.address_of(frame)
+            addr = kernels.address_of(frame)
             _memory.release(addr, n)
             before = resident_kib(addr, addr + n)
             _compiled.touch_pages(frame)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dask_ddict import DDict, _memory
+from dask_ddict import DDict, _memory, kernels
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.transport import lending, mapped, shared
 from dask_ddict.transport.many_key_ops import GetMany
@@ -222,7 +222,6 @@ def test_a_copied_value_is_touched_first_unless_this_process_mapped_it(client, m
     copy: at its first read and after its pages were given back, not when it is read
     again meanwhile (its pages are mapped: a second walk would fault nothing); a value
     under ``PRELOADED`` is copied as it is."""
-    from dask_ddict import kernels
 
     touched: list[int] = []
     real = kernels.touch_pages
@@ -506,7 +505,7 @@ def test_a_part_read_counts_its_whole_values_pages_once_and_a_release_forgets_th
             assert mapped._unreleased == counted
             assert bytes(view.copy(frame, frame[:10])) == bytes(frame[:10])
             assert mapped._unreleased == counted  # (still mapped: nothing more)
-            _memory.release(_memory.address_of(frame), n)
+            _memory.release(kernels.address_of(frame), n)
             view.copy(frame, frame[5:6])
             assert mapped._unreleased == 2 * counted
             assert list(_memory.MAPPED.values()) == [n]

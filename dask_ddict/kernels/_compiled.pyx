@@ -622,6 +622,17 @@ def taken_out(list frames, object out):
     return taken, nbytes, copies
 
 
+def address_of(buf):
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_FULL_RO)
+    try:
+        if not PyBuffer_IsContiguous(&view, b'C'):
+            raise BufferError("address_of: the buffer is not C-contiguous")
+        return <size_t>view.buf
+    finally:
+        PyBuffer_Release(&view)
+
+
 cdef object _small(object frame):
     """The value of a small frame (bytes, or a pickle without out-of-band buffers), or
     NotImplemented (decode it the general way)."""

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
+import numpy as np
+
 from .._entry import BE, DIGEST, ENTRY, ENTRY_HEADER, MAXQ, TOMBSTONE, Entry, new_entry
 from .._hashing import manager_for_digest
 from .._keys import encode_key
@@ -454,6 +456,15 @@ def touch_pages(frame: Any) -> None:
     if view.nbytes:
         view[::TOUCH_STRIDE].tobytes()
         view[-1]
+
+
+def address_of(buf: Any) -> int:
+    """The start address of a C-contiguous buffer (a read-only one too: a value's frame
+    in a shard's map), as an ``int``; ``BufferError`` for any other buffer."""
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise BufferError("address_of: the buffer is not C-contiguous")
+    return int(np.frombuffer(view.cast("B"), dtype=np.uint8).__array_interface__["data"][0])
 
 
 def decoded(frame: Any, decode: Callable[[Any], Any]) -> Any:
@@ -1881,6 +1892,7 @@ __all__ = [
     "commits_behind_forked",
     "lookup_entry",
     "touch_pages",
+    "address_of",
     "lookup_frames",
     "lookup_values",
     "marked",

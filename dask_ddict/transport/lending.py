@@ -55,7 +55,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .. import _memory, config
+from .. import _memory, config, kernels
 from .._forking import before_fork, each, in_child, keep_forever, reinit_lock
 from .._serialize import FMT_BYTES, FMT_PICKLE, SMALL_FRAME
 from ..shard.pinboard import PinBoard, board_path, decode_request, encode_answer, request_path
@@ -225,7 +225,7 @@ class Lender:
         """
         global _lent
         n = frame.nbytes
-        addr = _memory.address_of(frame)
+        addr = kernels.address_of(frame)
         m, skip = self._map(s, addr, n)
         if m is None:
             return None

@@ -117,7 +117,7 @@ class _View:
         n = frame.nbytes
         out = copy_frame(frame if part is None else part)
         if n >= RELEASE_LARGE:
-            addr = _memory.address_of(frame)
+            addr = kernels.address_of(frame)
             if _memory.MAPPED.get(addr) == n:
                 return out  # (still mapped from an earlier read)
             _memory.MAPPED[addr] = n
@@ -128,7 +128,7 @@ class _View:
         """Whether this process mapped the pages of ``frame`` (a large value's) since it
         last gave them back (:meth:`copy` records them): copying it again faults nothing."""
         n = frame.nbytes
-        return n >= RELEASE_LARGE and _memory.MAPPED.get(_memory.address_of(frame)) == n
+        return n >= RELEASE_LARGE and _memory.MAPPED.get(kernels.address_of(frame)) == n
 
     def release(self) -> None:
         """Give back every page of this mapping (they stay in the shard)."""
