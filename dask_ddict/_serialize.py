@@ -174,8 +174,22 @@ def _bytes_frame(obj: bytes | memoryview) -> Framed:
     return _new_framed(Framed, ((_HEAD.pack(FMT_BYTES, 0, n), obj), _HEAD.size + n))
 
 
+class Taken:
+    """A value a reader took out of its frame as it copied the frame out of a shard (raw
+    bytes: copied once into the ``bytes`` that is the value, where a copy of the frame
+    was copied again by :func:`loads_value`).  What decodes a frame returns it as it is;
+    raw bytes are the same under any value pickler."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
     """Deserialize a value frame; numpy buffers become views of ``frame``."""
+    if type(frame) is Taken:
+        return frame.value
     if type(frame) is bytes and pickler is None:  # a small frame as received: the common case
         fmt, nbufs, plen = _HEAD.unpack_from(frame, 0)
         if not nbufs and fmt == FMT_PICKLE:
@@ -218,7 +232,7 @@ def loads_value(frame: Any, pickler: ValuePickler | None = None) -> Any:
         raise DDictSerializationError(f"cannot deserialize value: {e}") from e
 
 
-def _raw_payload(frame: Any) -> memoryview | None:
+def raw_payload(frame: Any) -> memoryview | None:
     """The bytes of a :data:`FMT_BYTES` frame as a view of ``frame``; ``None`` for any
     other frame."""
     mv = memoryview(frame)
@@ -235,7 +249,7 @@ def bytes_view(frame: Any) -> Any:
     What a reader that wants buffers, not ``bytes`` objects, decodes frames with:
     the view keeps ``frame`` (and so a lent snapshot) alive as long as it lives.
     """
-    payload = _raw_payload(frame)
+    payload = raw_payload(frame)
     return loads_value(frame) if payload is None else payload.toreadonly()
 
 
@@ -254,7 +268,7 @@ def raw_range(frame: Any, start: int, stop: int) -> tuple[int, memoryview]:
         If the frame is not raw bytes: a pickle's bytes are not the value's, and the
         host that serves the range never unpickles (the caller reads the value whole).
     """
-    payload = _raw_payload(frame)
+    payload = raw_payload(frame)
     if payload is None:
         raise DDictSerializationError(
             "a byte range of a value that is not raw bytes (a pickled value): read it whole"

@@ -31,7 +31,7 @@ from dask_ddict import config, kernels
 from dask_ddict._entry import ENTRY, TOMBSTONE, Entry
 from dask_ddict._hashing import key_digest, manager_for_digest
 from dask_ddict._keys import PLAIN_KEYS, dumps_key, encode_key
-from dask_ddict._serialize import Framed, dumps_value, loads_value
+from dask_ddict._serialize import Framed, Taken, dumps_value, loads_value
 from dask_ddict.kernels import pure
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.transport.operation import Request
@@ -999,6 +999,18 @@ def test_decoded_is_the_frames_decoder(value, as_view, damage):
             "ok",
             ("array", value.tolist()) if isinstance(value, np.ndarray) else value,
         )
+
+
+def test_decoded_returns_a_taken_value_as_it_is():
+    """A value a same-host reader took out of its frame (``Taken``) is what both sets
+    give back, the same object, with or without the frames' decoder; anything else
+    that is no buffer is the decoder's to refuse, as it was."""
+    value = b"x" * 5000
+    for s in SETS:
+        assert s.decoded(Taken(value), loads_value) is value
+        assert s.decoded(Taken(value), lambda f: loads_value(f, None)) is value
+        with pytest.raises(TypeError):
+            s.decoded(object(), loads_value)
 
 
 def _is(v: Any, marker: str) -> bool:

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from dask_ddict import DDict, DDictCheckpointSyncError, DDictError, DDictFullError
+from dask_ddict._serialize import Taken
 from dask_ddict.shard.generations import path_for
+from dask_ddict.transport import shared
 
 
 def _over_socket(d: DDict) -> DDict:
@@ -128,3 +130,46 @@ def test_every_acknowledged_direct_put_is_in_the_next_broadcast(client):
     finally:
         d.destroy()
     assert not any(os.path.exists(w) for w in words)  # removed with the dictionary
+
+
+def test_raw_bytes_read_on_the_managers_host_are_the_values_bytes(client, monkeypatch):
+    """A same-host get of raw bytes copies a large value once, straight into the ``bytes``
+    it returns (``_serialize.Taken``): each size around the thresholds (a small frame,
+    the touched pages' ``PRELOADED``, 1 MiB) reads back as exact ``bytes`` equal to what
+    was put, the first read and again, through ``get``, ``get(copy=...)``, a handle with
+    a value pickler (raw bytes are the same under any), ``bget``, and over the socket."""
+
+    class Pickler:
+        @staticmethod
+        def dump(obj, f):
+            f.write(repr(obj).encode())
+
+        @staticmethod
+        def load(f):
+            return eval(f.read())  # noqa: S307 - the test's own values
+
+    taken: list[int] = []
+
+    def counted(value):
+        taken.append(len(value))
+        return Taken(value)
+
+    monkeypatch.setattr(shared, "Taken", counted)
+    sizes = [0, 4000, 4200, (64 << 10) - 100, (64 << 10) + 100, (1 << 20) + 7]
+    values = {n: os.urandom(n) for n in sizes}
+    with DDict(total_mem="64 MiB", client=client) as d:
+        d.update(values)
+        d.bput("b", values[sizes[-1]])
+        sock = _over_socket(d)
+        picky = d.pickler(value_pickler=Pickler)
+        for _ in range(2):
+            for n, v in values.items():
+                for got in (d[n], d.get(n, copy=True), d.get(n, copy=False), picky[n], sock[n]):
+                    assert type(got) is bytes and got == v, n
+            assert d.bget("b") == values[sizes[-1]]
+        picky["obj"] = {"a": 1}  # (its frame no raw bytes: the pickler's to decode)
+        assert picky["obj"] == {"a": 1}
+        sock.detach()
+    # (d[n], get(copy=True) and the pickler's handle's read of each value past a small
+    # frame, twice; the small frame and the socket's reads are decoded as before)
+    assert len(taken) >= 2 * 3 * 4 and min(taken) >= 4200, taken

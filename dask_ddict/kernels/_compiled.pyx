@@ -11,6 +11,7 @@ digest and value decoding are called without the Python functions that wrap them
 cimport cython
 from cpython.buffer cimport (
     PyBUF_FULL_RO,
+    PyObject_CheckBuffer,
     PyBUF_SIMPLE,
     PyBuffer_IsContiguous,
     PyBuffer_Release,
@@ -605,7 +606,8 @@ def unpack_values(payload, list counts, Py_ssize_t small, object absent, object 
 
 
 def decoded(frame, decode):
-    cdef object value = _small(frame)
+    # (not a buffer: a value already taken out of its frame, ``_serialize.Taken``, decode's)
+    cdef object value = _small(frame) if PyObject_CheckBuffer(frame) else NotImplemented
     return decode(frame) if value is NotImplemented else value
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .. import _memory, config, kernels
@@ -96,9 +97,14 @@ class _View:
         """Whether values lent from this mapping live on (it must stay open)."""
         return self.lender is not None and self.lender.open > 0
 
-    def copy(self, frame: memoryview, part: memoryview | None = None) -> Any:
-        """A private copy of a value frame (or of ``part`` of it); gives back the pages
-        it touched when due.
+    def copy(
+        self,
+        frame: memoryview,
+        part: memoryview | None = None,
+        copy: Callable[[Any], Any] = copy_frame,
+    ) -> Any:
+        """A private copy of a value frame (or of ``part`` of it), made by ``copy``; gives
+        back the pages it touched when due.
 
         (Reading a large value with ``preadv`` instead, which maps nothing, ran
         at half the speed of this copy here.)  A large value's pages stay mapped
@@ -115,7 +121,7 @@ class _View:
         only given back sooner than they need be).
         """
         n = frame.nbytes
-        out = copy_frame(frame if part is None else part)
+        out = copy(frame if part is None else part)
         if n >= RELEASE_LARGE:
             addr = kernels.address_of(frame)
             if _memory.MAPPED.get(addr) == n:

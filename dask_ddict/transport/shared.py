@@ -39,7 +39,7 @@ import lmdb
 from .. import config, kernels
 from .._entry import TOMBSTONE
 from .._forking import each, in_child
-from .._serialize import SMALL_FRAME, Framed, raw_range
+from .._serialize import SMALL_FRAME, Framed, Taken, raw_payload, raw_range
 from ..errors import (
     DDictClosedError,
     DDictError,
@@ -704,10 +704,13 @@ def _copied(view: _View, frame: Any) -> Any:
     """A copy of a value's ``frame``, sought without its pages touched: a large one has
     them touched first, with the interpreter lock released (``kernels.touch_pages``, as
     py-lmdb's preload would have), unless this process mapped them since it last gave
-    them back (a value read again: nothing to fault, and no second walk of its pages)."""
-    if frame.nbytes >= kernels.PRELOADED and not view.mapped(frame):
+    them back (a value read again: nothing to fault, and no second walk of its pages).
+    Raw bytes past a small frame come as the value itself (:class:`Taken`), copied once."""
+    n = frame.nbytes
+    if n >= kernels.PRELOADED and not view.mapped(frame):
         kernels.touch_pages(frame)
-    return view.copy(frame)
+    raw = raw_payload(frame) if n >= SMALL_FRAME else None
+    return view.copy(frame) if raw is None else Taken(view.copy(frame, raw, bytes))
 
 
 def _lent_or_copied(view: _View, lender: Lender, snap: Snapshot, frame: Any) -> Any:
