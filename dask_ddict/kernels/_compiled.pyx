@@ -42,7 +42,7 @@ import time
 
 from .._hashing import key_digest
 from .._keys import _ATOMS, encode_key
-from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, dumps_value, frame_parts
+from .._serialize import _HEAD as _HEAD_STRUCT, FMT_BYTES, FMT_PICKLE, HUGE_BYTES, Framed, Taken, dumps_value, frame_parts
 from .._entry import BE, DIGEST, ENTRY_HEADER, MAXQ, PERSISTENT, TOMBSTONE, Entry
 from .pure import (_UNEVEN, ABSENT, ALIGN, BATCH_RECORD, BIG_REPLY, CACHED_KEY_BYTES, GROUP, JOIN,
                    NO_KEY, PADS, QUIET, REPLY, REQUEST, RID, RID_ID, RID_KEEP, RID_SEQ, RID_SLOT,

@@ -120,6 +120,8 @@ cdef class KeyLane:
         if type(got) is not tuple:
             return got
         if (<tuple>got)[0] == 0:
+            if type((<tuple>got)[2]) is Taken:  # (raw bytes received into the value)
+                return (<tuple>got)[2].value
             value = _small((<tuple>got)[2])
             return self.decode((<tuple>got)[2]) if value is NotImplemented else value
         return NO_KEY
@@ -133,6 +135,8 @@ cdef class KeyLane:
         if type(got) is not tuple:
             return got
         if (<tuple>got)[0] == 0:  # (in a tuple of one: pure.KeyLane.pop)
+            if type((<tuple>got)[2]) is Taken:
+                return ((<tuple>got)[2].value,)
             value = _small((<tuple>got)[2])
             return (self.decode((<tuple>got)[2]) if value is NotImplemented else value,)
         return NO_KEY
@@ -328,6 +332,10 @@ cdef class KeyLane:
             payload = self._kept(conn, buf, got, plen, blocking, deadline)
             if payload is False:
                 return None
+        elif payload is None and status == 0:
+            payload = self._raw(sock, buf, got, plen, blocking, deadline)
+            if payload is False:
+                return None
         if payload is None:  # (a large one: into a buffer of its own)
             payload = self.buffer(plen)
             PyObject_GetBuffer(payload, &view, PyBUF_WRITABLE)
@@ -372,6 +380,25 @@ cdef class KeyLane:
                          blocking, deadline):  # fmt: skip
             return False
         return memoryview(buf)[_REPLY:need]
+
+    cdef object _raw(self, sock, bytearray buf, Py_ssize_t got, uint64_t plen, bint blocking,
+                     double deadline):
+        """A large reply that is one raw-bytes value's frame (its head among the ``got``
+        bytes received into ``buf``), received straight into the ``bytes`` that is the
+        value: a ``Taken``, copied once where a buffer of the frame was copied again by
+        its decoding.  ``None``: not such a reply; ``False``: ``deadline`` passed first."""
+        cdef const unsigned char* p = <const unsigned char*>PyByteArray_AS_STRING(buf) + _REPLY
+        cdef Py_ssize_t have = got - _REPLY, n
+        if have < _HEAD or p[0] != _FMT_BYTES or _le64(p + 8) != plen - <uint64_t>_HEAD:
+            return None
+        n = <Py_ssize_t>(plen - <uint64_t>_HEAD)
+        value = PyBytes_FromStringAndSize(NULL, n)
+        have = min(have - _HEAD, n)
+        memcpy(PyBytes_AS_STRING(value), p + _HEAD, have)
+        if not _move_all(sock, PyBytes_AS_STRING(value) + have, n - have, False, blocking,
+                         deadline):
+            return False
+        return Taken(value)
 
     cdef object _exchange(self, h, key, object mid, int op, int flags, bytes keysec,
                           object parts, object vlen_, object client, object arg_=0,
