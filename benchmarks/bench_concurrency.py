@@ -316,7 +316,7 @@ def run_group(
                 barrier.wait(SETUP_TIMEOUT)  # ready (set up, untimed)
                 host[name] = {}
                 for ph in PHASES:
-                    barrier.wait(SETUP_TIMEOUT)  # filled (untimed)
+                    barrier.wait(phase_timeout)  # filled (untimed: as long as a phase's writes)
                     c0 = cpu_seconds(servers)
                     barrier.wait(SETUP_TIMEOUT)  # start
                     barrier.wait(phase_timeout)  # done

@@ -82,15 +82,17 @@ def map_file(fd: int, nbytes: int) -> np.ndarray:
 
 
 #: Large values whose pages this process mapped since they were last given back (address
-#: -> bytes): read again, they map nothing and count nothing (``transport/mapped.py``).
+#: -> bytes; minus the bytes: counted by a part's read, not known mapped): read again,
+#: they map nothing and count nothing (``transport/mapped.py``).
 #: :func:`forget` drops those of a range whose pages were given back or unmapped (an
 #: address may be mapped again later, to other pages).
 MAPPED: dict[int, int] = {}
 
 
 def forget(start: int, nbytes: int) -> None:
-    """Drop the values of :data:`MAPPED` that start in ``[start, start + nbytes)``."""
-    for addr in [a for a in MAPPED if start <= a < start + nbytes]:
+    """Drop the values of :data:`MAPPED` that start in ``[start, start + nbytes)``
+    (its keys listed in one call first: another thread's read may add one meanwhile)."""
+    for addr in [a for a in list(MAPPED) if start <= a < start + nbytes]:
         MAPPED.pop(addr, None)
 
 

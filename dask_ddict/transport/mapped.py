@@ -116,23 +116,27 @@ class _View:
         or py-lmdb's ``preload`` of a value sought ``whole``), so mapping them again
         in one call (``MADV_POPULATE_READ``) only walked them twice (a fifth of a cold
         1 MiB read's time); a many-key walk's frames (never preloaded) and a lend
-        refused past ``max-pinned`` fault their pages in this copy.  A part's read counts the whole frame's pages too (the
-        compiled seek of a byte range touches only the part's: then the pages are
-        only given back sooner than they need be).
+        refused past ``max-pinned`` fault their pages in this copy.  A part's read
+        counts the whole frame's pages too, once (the compiled seek of a byte range
+        touches only the part's: then the pages are only given back sooner than they
+        need be), but records them as counted, not mapped (``-n``): a whole read after
+        it still has its pages touched with the lock released first.
         """
         n = frame.nbytes
         out = copy(frame if part is None else part)
         if n >= RELEASE_LARGE:
             addr = kernels.address_of(frame)
-            if _memory.MAPPED.get(addr) == n:
-                return out  # (still mapped from an earlier read)
-            _memory.MAPPED[addr] = n
+            seen = _memory.MAPPED.get(addr)
+            if seen == n or (seen == -n and part is not None):
+                return out  # (still mapped, or counted, from an earlier read)
+            _memory.MAPPED[addr] = n if part is None else -n
         touched(n)
         return out
 
     def mapped(self, frame: memoryview) -> bool:
         """Whether this process mapped the pages of ``frame`` (a large value's) since it
-        last gave them back (:meth:`copy` records them): copying it again faults nothing."""
+        last gave them back (:meth:`copy` records those of whole reads): copying it again
+        faults nothing."""
         n = frame.nbytes
         return n >= RELEASE_LARGE and _memory.MAPPED.get(kernels.address_of(frame)) == n
 
