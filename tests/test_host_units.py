@@ -262,6 +262,24 @@ def test_buffer_pool_gives_buffers_back_when_the_last_view_dies():
     del big, b
     gc.collect()
     assert pool.held <= pool.keep
+    assert pool._out == {}  # (no reference to a buffer given back is kept)
+
+
+def test_buffer_pool_takes_buffers_back_from_any_thread():
+    """Views dropped by other threads (a task's, a loop's) give their buffers back, each
+    once: every buffer handed out is free again, and nothing stays outstanding."""
+    pool = BufferPool(64 << 20)
+    held = [[pool.get(100 << 10) for _ in range(16)] for _ in range(4)]
+    threads = [threading.Thread(target=h.clear) for h in held]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert pool._out == {}
+    free = [b for bufs in pool._free.values() for b in bufs]
+    assert len(free) == 64 and len({id(b) for b in free}) == 64
+    assert pool.held == sum(b.nbytes for b in free)
 
 
 def test_a_prepared_copy_is_mapped_ahead_and_removed_if_no_move_takes_it(tmp_path):
