@@ -606,7 +606,12 @@ def unpack_values(payload, list counts, Py_ssize_t small, object absent, object 
 
 
 def decoded(frame, decode):
-    # (not a buffer: a value already taken out of its frame, ``_serialize.Taken``, decode's)
+    return _frame_value(frame, decode)
+
+
+cdef inline object _frame_value(object frame, object decode):
+    """One value's frame decoded: a small one here, any other by ``decode`` (which takes
+    a value already taken out of its frame, ``_serialize.Taken``, no buffer, as it is)."""
     cdef object value = _small(frame) if PyObject_CheckBuffer(frame) else NotImplemented
     return decode(frame) if value is NotImplemented else value
 
@@ -626,13 +631,21 @@ def taken_out(list frames, object out):
 
 def address_of(buf):
     cdef Py_buffer view
-    PyObject_GetBuffer(buf, &view, PyBUF_FULL_RO)
+    _get_contiguous(buf, &view, "address_of")
     try:
-        if not PyBuffer_IsContiguous(&view, b'C'):
-            raise BufferError("address_of: the buffer is not C-contiguous")
         return <size_t>view.buf
     finally:
         PyBuffer_Release(&view)
+
+
+cdef int _get_contiguous(object buf, Py_buffer* view, str caller) except -1:
+    """``view`` of ``buf`` if it is a C-contiguous buffer (released again, and
+    ``BufferError`` naming ``caller``, if not): ``pure._bytes_of``."""
+    PyObject_GetBuffer(buf, view, PyBUF_FULL_RO)
+    if not PyBuffer_IsContiguous(view, b'C'):
+        PyBuffer_Release(view)
+        raise BufferError(f"{caller}: the buffer is not C-contiguous")
+    return 0
 
 
 cdef object _small(object frame):

@@ -119,11 +119,8 @@ cdef class KeyLane:
         cdef object got = self._read(h, key, self.op_get)
         if type(got) is not tuple:
             return got
-        if (<tuple>got)[0] == 0:
-            if type((<tuple>got)[2]) is Taken:  # (raw bytes received into the value)
-                return (<tuple>got)[2].value
-            value = _small((<tuple>got)[2])
-            return self.decode((<tuple>got)[2]) if value is NotImplemented else value
+        if (<tuple>got)[0] == 0:  # (raw bytes received into the value: a Taken, decode's)
+            return _frame_value((<tuple>got)[2], self.decode)
         return NO_KEY
 
     def contains(self, h, key):
@@ -135,18 +132,14 @@ cdef class KeyLane:
         if type(got) is not tuple:
             return got
         if (<tuple>got)[0] == 0:  # (in a tuple of one: pure.KeyLane.pop)
-            if type((<tuple>got)[2]) is Taken:
-                return ((<tuple>got)[2].value,)
-            value = _small((<tuple>got)[2])
-            return (self.decode((<tuple>got)[2]) if value is NotImplemented else value,)
+            return (_frame_value((<tuple>got)[2], self.decode),)
         return NO_KEY
 
     def fetch_add(self, h, key, n):
         cdef object got = self._once(h, key, self.op_fetch_add, n)
         if type(got) is not tuple:
             return got
-        value = _small((<tuple>got)[2])
-        return self.decode((<tuple>got)[2]) if value is NotImplemented else value
+        return _frame_value((<tuple>got)[2], self.decode)
 
     cdef object _once(self, h, key, int op, object n):
         """``_exchange`` of an at-most-once operation on ``key`` (``pure.KeyLane._once``)."""

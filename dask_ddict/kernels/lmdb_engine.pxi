@@ -799,10 +799,8 @@ def touch_pages(frame):
     """``pure.touch_pages``: here with the interpreter lock released while the pages are
     read (their faults wait for the kernel, not for the lock)."""
     cdef Py_buffer view
-    PyObject_GetBuffer(frame, &view, PyBUF_FULL_RO)
+    _get_contiguous(frame, &view, "touch_pages")
     try:
-        if not PyBuffer_IsContiguous(&view, b'C'):
-            raise BufferError("touch_pages: the frame is not C-contiguous")
         with nogil:
             ddict_touch(<const unsigned char*>view.buf, <size_t>view.len, _TOUCH_STRIDE)
     finally:

@@ -449,10 +449,7 @@ def touch_pages(frame: Any) -> None:
     the copy that follows, which holds it.  The caller keeps the buffer's mapping open
     throughout (its snapshot and its shard's view).  Here the lock is held: the pure set
     only reads the bytes (and its seeks preload every value they hand out anyway)."""
-    view = memoryview(frame)
-    if not view.c_contiguous:
-        raise BufferError("touch_pages: the frame is not C-contiguous")
-    view = view.cast("B")
+    view = _bytes_of(frame, "touch_pages")
     if view.nbytes:
         view[::TOUCH_STRIDE].tobytes()
         view[-1]
@@ -461,10 +458,17 @@ def touch_pages(frame: Any) -> None:
 def address_of(buf: Any) -> int:
     """The start address of a C-contiguous buffer (a read-only one too: a value's frame
     in a shard's map), as an ``int``; ``BufferError`` for any other buffer."""
+    view = _bytes_of(buf, "address_of")
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def _bytes_of(buf: Any, caller: str) -> memoryview:
+    """``buf``'s bytes, if it is a C-contiguous buffer (``BufferError`` naming
+    ``caller`` if not; ``TypeError`` if it is no buffer)."""
     view = memoryview(buf)
     if not view.c_contiguous:
-        raise BufferError("address_of: the buffer is not C-contiguous")
-    return int(np.frombuffer(view.cast("B"), dtype=np.uint8).__array_interface__["data"][0])
+        raise BufferError(f"{caller}: the buffer is not C-contiguous")
+    return view.cast("B")
 
 
 def decoded(frame: Any, decode: Callable[[Any], Any]) -> Any:
