@@ -23,6 +23,7 @@ from dask_ddict.errors import DDictError
 from dask_ddict.transport import lending, mapped
 from tests.support.forked import _CHILD_TIMEOUT, _in_child, answer_of
 from tests.support.lent import in_shard
+from tests.support.shards import snapshots
 
 
 def _wrong(d: DDict, prefix: str, n: int, rounds: int) -> list[int]:
@@ -42,13 +43,6 @@ def _remaps() -> bool:
     from dask_ddict.kernels import _compiled
 
     return _compiled.engine_refusal() is None
-
-
-def _readers(env: Any) -> list[tuple[int, int]]:
-    """``(pid, transaction id)`` of each of ``env``'s reader slots that holds a
-    snapshot (LMDB's reader table), sorted."""
-    rows = [line.split() for line in env.readers().splitlines()[1:]]
-    return sorted((int(row[0]), int(row[2])) for row in rows if len(row) == 3 and row[2] != "-")
 
 
 @pytest.mark.parametrize("transport", ["uds", "tcp"])
@@ -162,7 +156,7 @@ def test_a_child_forked_inside_a_lending_read_keeps_no_shard_descriptor(client):
                 fd = view.lender.current.file[1]
 
                 data = os.stat(_store_of(d, "a") + "/data.mdb")
-                reading = _readers(view.store.env)
+                reading = snapshots(view.store.env)
                 assert os.getpid() in [pid for pid, _ in reading]
 
                 def child() -> list[Any]:
@@ -176,7 +170,7 @@ def test_a_child_forked_inside_a_lending_read_keeps_no_shard_descriptor(client):
                 answer, _ = _in_child(child)
                 assert answer() == [False, 0, 0, False]
                 assert os.path.samestat(os.fstat(fd), data)  # open until the read ends
-                assert _readers(view.store.env) == reading  # the child ended none of them
+                assert snapshots(view.store.env) == reading  # the child ended none of them
         finally:
             ch._exit(view)
         assert bytes(v) == before

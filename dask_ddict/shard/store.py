@@ -131,6 +131,10 @@ class ShardStore(Capacity, kernels.StoreState):
             mode=0o600,  # data.mdb and lock.mdb: the cluster's user only
             readahead=False,
             meminit=False,
+            # a read snapshot ended is kept (reset: it holds no pages) and renewed by the
+            # next one, not begun: no lock and scan of the reader table per read (the
+            # key lane's same-host read takes the same one)
+            max_spare_txns=1,
         )
         self.env.reader_check()  # free reader slots of processes that died
         self._data = self.env.open_db(b"data", create=create)

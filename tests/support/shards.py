@@ -18,3 +18,18 @@ def shm_entries() -> set[str]:
 def shards(d: Any) -> set[str]:
     """The shard directories of a DDict ``d``."""
     return {m.store_path for m in d._core.layout.managers}
+
+
+def snapshots(env: Any) -> list[tuple[int, int]]:
+    """``(pid, transaction id)`` of each of an LMDB environment's reader slots that holds
+    a snapshot (LMDB's reader table), sorted: a slot kept for a process's next snapshot
+    (py-lmdb's spare transaction, reset) holds none."""
+    rows = [line.split() for line in env.readers().splitlines()[1:]]
+    return sorted((int(row[0]), int(row[2])) for row in rows if len(row) == 3 and row[2] != "-")
+
+
+def slots_of(env: Any, pid: int) -> int:
+    """How many of an LMDB environment's reader slots process ``pid`` holds (with a
+    snapshot or kept for its next one)."""
+    rows = [line.split() for line in env.readers().splitlines()[1:]]
+    return sum(1 for row in rows if row and row[0] == str(pid))
