@@ -44,6 +44,7 @@ from dask_ddict.transport.ops import Contains, FetchAdd, Pop
 from tests.support.cluster import local_cluster
 from tests.support.handles import over_tcp
 from tests.support.polling import poll_for
+from tests.support.values import same, values
 
 try:
     from dask_ddict.kernels import _compiled
@@ -62,12 +63,7 @@ COUNTERS = ["n", ("n", 2)]  # (fetch_add's: ints alone)
 ABSENT = "<absent>"
 
 values_st = st.one_of(
-    st.integers(),
-    st.text(max_size=20),
-    st.binary(max_size=200),
-    st.none(),
-    st.integers(0, 40).map(np.arange),
-    st.sampled_from([4000, 5000, 60_000, 70_000]).map(b"v".__mul__),  # (around the limits)
+    values(4000, 5000, 60_000, 70_000),  # (around the limits)
     st.just(NotImplemented),  # (a value, not the lanes' "not mine": a pop never twice)
 )
 
@@ -149,12 +145,6 @@ def _get_many(lane: Any, h: DDict, keys: list[Any]) -> tuple[list[Any], list[int
     return got
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and (a == b).all()
-    return type(a) is type(b) and a == b
-
-
 @pytest.fixture
 def tcp(client: Client) -> Any:
     d = DDict(total_mem="64 MiB", client=client)
@@ -206,7 +196,7 @@ def test_the_lanes_answer_as_the_python_path(tcp):
             got = _pop(lane, at, key)
             if lane is not None and got[1]:
                 served_once[id(lane)] += 1
-            assert _same(got[0], self.model.pop(key, ABSENT)), (lane, key, got)
+            assert same(got[0], self.model.pop(key, ABSENT)), (lane, key, got)
 
         @rule(
             key=st.sampled_from(COUNTERS),
@@ -230,7 +220,7 @@ def test_the_lanes_answer_as_the_python_path(tcp):
                 if lane is not None and lane.get(at, key) is not NotImplemented:
                     served[id(lane)] += 1
                 got = _get(lane, at, key)
-                assert _same(got, want), (lane, key, got, want)
+                assert same(got, want), (lane, key, got, want)
                 assert _contains(lane, at, key) is (key in self.model)
 
         @rule(keys=st.lists(st.sampled_from([*KEYS, "never"]), max_size=8), timed=st.booleans())
@@ -243,23 +233,23 @@ def test_the_lanes_answer_as_the_python_path(tcp):
                     served_many[id(lane)] += 1
                 got, marked = _get_many(lane, at, keys)
                 assert len(got) == len(want), (lane, keys, got, want)
-                assert all(_same(g, w) for g, w in zip(got, want)), (lane, keys, got, want)
+                assert all(same(g, w) for g, w in zip(got, want)), (lane, keys, got, want)
                 assert list(marked) == [i for i, w in enumerate(want) if w is ABSENT]
             if keys and all(k in self.model for k in keys):
-                assert all(_same(g, w) for g, w in zip(at.get_many(keys), want))
+                assert all(same(g, w) for g, w in zip(at.get_many(keys), want))
             else:
-                assert all(_same(g, w) for g, w in zip(at.get_many(keys, ABSENT), want))
+                assert all(same(g, w) for g, w in zip(at.get_many(keys, ABSENT), want))
 
         @rule(key=st.sampled_from(KEYS), timed=st.booleans())
         def handle(self, key: Any, timed: bool) -> None:  # (the handle's own: LANE's)
             want, at = self.model.get(key, ABSENT), handles[timed]
-            assert _same(at.get(key, ABSENT), want)
+            assert same(at.get(key, ABSENT), want)
             assert (key in at) is (key in self.model)
             if want is ABSENT:
                 with pytest.raises(DDictKeyError):
                     at[key]
             else:
-                assert _same(at[key], want)
+                assert same(at[key], want)
 
         @invariant()
         def same_length(self) -> None:
@@ -276,7 +266,10 @@ def test_the_lanes_answer_as_the_python_path(tcp):
     assert all(served_many[id(lane)] > 3 for lane in SERVING), served_many
 
 
-def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_is_not(client, tcp):
+def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_reads_here(client, tcp):
+    """Over TCP the lane sends; on the managers' host it reads the shard mapped here
+    (the channels' own set's read: ``tests/test_same_host_lane.py``), and leaves puts and
+    ``get_many``s to the Python path (which commits or reads them here itself)."""
     d = DDict.attach(tcp.serialize())  # (on the managers' host: the shard read directly)
     try:
         for h in (tcp, d):
@@ -287,8 +280,15 @@ def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_is_not(client, tcp):
             assert lane.get(tcp, "k") == b"w" and lane.contains(tcp, "k") is True
             assert lane.get(tcp, "gone") is NO_KEY and lane.contains(tcp, "gone") is False
             assert lane.get_many(tcp, ["k", "gone", "k"], ABSENT) == ([b"w", ABSENT, b"w"], [1])
-            for call in _calls(lane, d):
+            for call in _calls(lane, d)[2:]:
                 assert call() is NotImplemented
+            for m in range(d.num_managers):  # (the hosts known alive: else the path checks)
+                d._core.channel(m)._alive_until = time.monotonic() + 60
+            here = isinstance(lane, kernels.KeyLane)  # (the set the channels' bases are of)
+            assert lane.get(d, "k") == (b"w" if here else NotImplemented)
+            assert lane.contains(d, "k") is (True if here else NotImplemented)
+            assert lane.get(d, "gone") is (NO_KEY if here else NotImplemented)
+            assert lane.contains(d, "gone") is (False if here else NotImplemented)
     finally:
         d.detach()
 
@@ -460,7 +460,7 @@ def test_the_lanes_buffer_a_batchs_puts_as_the_python_path(client, tcp, where):
             assert all(served[id(lane)] > 150 for lane in SERVING), served
         held = dict(h.items())
         for key, value in model.items():
-            assert _same(held[key], value), (key, held.get(key), value)
+            assert same(held[key], value), (key, held.get(key), value)
     finally:
         h.clear()
         if h is not tcp:

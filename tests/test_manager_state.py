@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,11 +28,14 @@ from dask_ddict.host.hosted import HostedDict
 from dask_ddict.host.lease import LeaseKeeper
 from dask_ddict.host.loop import Connection
 from dask_ddict.kernels import pure
+from dask_ddict.options import DDictOptions
 from dask_ddict.shard.generations import Generations, path_for
 from dask_ddict.shard.manager import Manager
 from dask_ddict.shard.store import ShardStore
 from dask_ddict.shard.working_set import WorkingSet
+from dask_ddict.transport import mapped
 from dask_ddict.transport.protocol import Reader
+from dask_ddict.transport.shared import SharedChannel
 
 try:
     from dask_ddict.kernels import _compiled
@@ -227,10 +231,16 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
     hosted = HostedDict("ab" * 16, "d", "secret", gens)
     lease = LeaseKeeper("tcp://127.0.0.1:9", "tcp://127.0.0.1:9", None, None, None)  # type: ignore[arg-type]
     a, b = socket.socketpair()
+    path = str(tmp_path / "shard")
+    view = mapped._View(store)  # (a view of the test's own store: never closed here)
+    mapped._MANAGED[path] = None  # (the channel maps no view of its own: opened here)
     try:
+        channel = _channel_without_a_host(path, store.capacity)
         reader = Reader(a, 64)
         conn = Connection(a, hosted, reader, Scratch(64), hosted.served.connection())
         objs = {
+            "ViewState": view,
+            "SharedState": channel,
             "ManagerState": m,
             "WindowState": ws,
             "StoreState": store,
@@ -248,6 +258,14 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
         assert (conn.reader, conn.plain, hosted.managers, hosted.lease) == (reader, None, {}, None)
         assert (lease.required, lease.until) == (True, 0.0)
         assert m._deferred.waiting == [] and len(gens.words) == 2
+        assert (view.store, view.evicted, view.closed, view.active) == (store, False, False, 0)
+        assert (channel._view, channel._seen, channel._size, channel._wfk) == (
+            None,
+            (-1, 0, False),
+            1,
+            False,
+        )
+        assert (channel._closed, channel._alive_until, channel._orphans) == (False, 0.0, [])
         if not kernels.COMPILED:  # (empty bases, but the slots of some)
             for name, obj in objs.items():
                 base = getattr(pure, name)
@@ -272,9 +290,23 @@ def test_the_state_bases_hold_the_fields_the_python_classes_use(tmp_path):
         m.frozen, ws.newest = False, 1
         hosted.leased, lease.until = True, 5.5
         assert (hosted.leased, lease.until) == (True, 5.5)
+        view.evicted, channel._seen, channel._alive_until = True, (3, 1, True), 2.5
+        assert (view.evicted, channel._seen, channel._alive_until) == (True, (3, 1, True), 2.5)
     finally:
+        mapped._MANAGED.pop(path, None)
         a.close()
         b.close()
         m.close()
         gens.close()
     assert m.closed
+
+
+def _channel_without_a_host(path: str, capacity: int) -> SharedChannel:
+    """A same-host channel of manager 7 whose socket is a stand-in (its fields are what
+    is checked: it never serves)."""
+    sock = SimpleNamespace(
+        info=SimpleNamespace(manager_id=7, uds_path="/nowhere/sock"),
+        link=SimpleNamespace(generations=lambda: None, lease_word=lambda: None),
+        close=lambda: None,
+    )
+    return SharedChannel(sock, path, capacity, DDictOptions(), True)  # type: ignore[arg-type]

@@ -118,6 +118,25 @@ cdef inline int _fd_of(object sock) except? -2:
     return sock.fileno()
 
 
+cdef inline bint _small_int(object v, long long most, long long* out):
+    """Whether ``v`` is an ``int`` in ``[0, most]`` (put in ``out``): what a request
+    header's field takes (anything else, the Python path packs or refuses)."""
+    cdef int overflow
+    if type(v) is not int:
+        return False
+    out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
+    return overflow == 0 and 0 <= out[0] <= most
+
+
+cdef inline bint _signed_int(object v, long long* out):
+    """Whether ``v`` is an ``int`` of 64 bits, signed (put in ``out``)."""
+    cdef int overflow
+    if type(v) is not int:
+        return False
+    out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
+    return overflow == 0
+
+
 cdef inline double _monotonic() noexcept nogil:
     """``time.monotonic()``."""
     cdef timespec t
@@ -1159,4 +1178,5 @@ include "plain_state.pxi"
 include "served_table.pxi"
 include "plain_server.pxi"
 include "commit_behind.pxi"
+include "same_host.pxi"
 include "key_lane.pxi"

@@ -36,25 +36,6 @@ cdef inline bint _all_bytes(tuple t):
     return True
 
 
-cdef inline bint _small_int(object v, long long most, long long* out):
-    """Whether ``v`` is an ``int`` in ``[0, most]`` (put in ``out``): what the request
-    header's field takes here (anything else, the Python path packs or refuses)."""
-    cdef int overflow
-    if type(v) is not int:
-        return False
-    out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
-    return overflow == 0 and 0 <= out[0] <= most
-
-
-cdef inline bint _signed_int(object v, long long* out):
-    """Whether ``v`` is an ``int`` of 64 bits, signed (put in ``out``)."""
-    cdef int overflow
-    if type(v) is not int:
-        return False
-    out[0] = PyLong_AsLongLongAndOverflow(v, &overflow)
-    return overflow == 0
-
-
 cdef int _move_all(sock, char* p, Py_ssize_t n, bint sending, bint blocking,
                    double deadline) except -1:
     """``p[:n]`` sent on ``sock`` (``sending``), or ``n`` bytes received into ``p`` (a large
@@ -116,15 +97,19 @@ cdef class KeyLane:
         return f"<KeyLane most={self.most}>"
 
     def get(self, h, key):
-        cdef object got = self._read(h, key, self.op_get)
-        if type(got) is not tuple:
+        cdef bint here = False
+        cdef object got = self._read(h, key, self.op_get, &here)
+        if here or type(got) is not tuple:
             return got
         if (<tuple>got)[0] == 0:  # (raw bytes received into the value: a Taken, decode's)
             return _frame_value((<tuple>got)[2], self.decode)
         return NO_KEY
 
     def contains(self, h, key):
-        cdef object got = self._read(h, key, self.op_contains)
+        cdef bint here = False
+        cdef object got = self._read(h, key, self.op_contains, &here)
+        if here:
+            return got
         return bool((<tuple>got)[1]) if type(got) is tuple else got
 
     def pop(self, h, key):
@@ -161,15 +146,30 @@ cdef class KeyLane:
         return self._exchange(h, key, route[0], op, 0, keysec, None, 0, h._client_id, n,
                               _randbits(63) + 1)  # (a new request id, as the link draws one)
 
-    cdef object _read(self, h, key, int op):
-        """``_exchange`` of a read of ``key``."""
+    cdef object _read(self, h, key, int op, bint* here):
+        """``_exchange`` of a read of ``key``; or (``here[0]`` set: the answer as it is) a
+        read of a shard mapped here, ``SharedState._here`` (``pure.KeyLane._read``)."""
         cdef tuple route
-        cdef object routed = self._routed(h)
+        cdef long long chkpt
+        cdef object routed = self._routed(h, False)
         if routed is None:
             return NotImplemented
         try:
             route = (<Router>routed).one(key)
         except KeyTooLong:  # (the Python path says why)
+            return NotImplemented
+        core = h._core
+        target = h._target
+        ch = (<dict>core._channels).get(route[0] if target is None else target)
+        if isinstance(ch, SharedState):
+            here[0] = True
+            digest = route[1]
+            if (self.timing.on or type(digest) is not bytes
+                    or not _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt)):  # fmt: skip
+                return NotImplemented
+            return (<SharedState>ch)._here(<bytes>digest, chkpt, op == self.op_contains,
+                                           self.decode)
+        if not core.tcp:
             return NotImplemented
         return self._exchange(h, key, route[0], op, 0, route[1], None, 0, 0)
 
@@ -242,10 +242,11 @@ cdef class KeyLane:
             batch.filled(route)
         return None
 
-    cdef object _routed(self, h):
-        """The handle's router, if it is one the lane serves now (else ``None``)."""
+    cdef object _routed(self, h, bint tcp=True):
+        """The handle's router, if it is one the lane serves now (else ``None``; ``tcp``:
+        over a TCP link, so not for a core that has none)."""
         core = h._core
-        if not core.tcp or core.closed or h._detached or h._vp is not None:
+        if (tcp and not core.tcp) or core.closed or h._detached or h._vp is not None:
             return None
         routed = h._routed
         if type(routed) is not tuple or type((<tuple>routed)[0]) is not Router:

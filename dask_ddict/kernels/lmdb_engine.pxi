@@ -74,7 +74,8 @@ cdef extern from *:
                          ddict_mdb_txn **txn);
         int (*txn_commit)(ddict_mdb_txn *txn);
         void (*txn_abort)(ddict_mdb_txn *txn);
-        void *txn_reset, *txn_renew;
+        void (*txn_reset)(ddict_mdb_txn *txn);
+        int (*txn_renew)(ddict_mdb_txn *txn);
         size_t (*txn_id)(ddict_mdb_txn *txn);
         void *dbi_open, *dbi_flags, *dbi_close, *drop;
         int (*get)(ddict_mdb_txn *txn, unsigned int dbi, ddict_mdb_val *key,
@@ -159,6 +160,8 @@ cdef extern from *:
                          ddict_mdb_txn** txn) nogil
         int (*txn_commit)(ddict_mdb_txn* txn) nogil
         void (*txn_abort)(ddict_mdb_txn* txn) nogil
+        void (*txn_reset)(ddict_mdb_txn* txn) nogil
+        int (*txn_renew)(ddict_mdb_txn* txn) nogil
         size_t (*txn_id)(ddict_mdb_txn* txn) nogil
         int (*get)(ddict_mdb_txn* txn, unsigned int dbi, ddict_mdb_val* key,
                    ddict_mdb_val* data) nogil
@@ -181,6 +184,7 @@ cdef extern from *:
         void* env
         const ddict_mdb_api* libv
         ddict_mdb_txn* spare_txn
+        int max_spare_txns
         int pid
         unsigned long write_txn_tid
         int active_ops, ops_waiters, write_begins, resizing

@@ -32,6 +32,7 @@ from .._serialize import _HEAD as _HEAD_STRUCT  # (a value frame's head)
 from .._serialize import (
     ALIGN,  # (a many-key reply's frames start at multiples of it)
     FMT_BYTES,
+    SMALL_FRAME,
     frame_parts,
     raw_range,
 )
@@ -989,6 +990,12 @@ class Resend(NamedTuple):
 TimedOut = Callable[[Any, Any, int, Any, int, "bytes | None"], BaseException]
 
 
+class _Here(NamedTuple):
+    """A read's answer from a shard mapped here (:meth:`KeyLane._read`)."""
+
+    answer: Any
+
+
 class KeyLane:
     """A handle's ``d[key]``, ``key in d``, ``d[key] = value``, ``d.pop(key)`` and
     ``d.fetch_add(key, n)`` over a TCP link, each in one call: the common case of the
@@ -999,8 +1006,12 @@ class KeyLane:
     reply that is not OK is a :class:`Resend` with that id, which the Python path sends
     again (its host applies it once).
 
-    The common case: a handle open and attached whose core has a TCP link's channel
-    (``tcp``: a handle on the managers' host is never asked for more), not in a batch,
+    A get or an ``in`` of a manager whose channel reads its shard on this host is that
+    channel's :meth:`SharedState.read_here` (its own set's: the lane of the other set
+    finds no channel of its kind and declines), with no timings on.
+
+    Over TCP, the common case: a handle open and attached whose core has a TCP link's
+    channel (``tcp``: a handle on the managers' host has none), not in a batch,
     without a value pickler, routed before (``_routed``), whose key routes (a key too
     long, or whose routing fails otherwise, is the Python path's to say); a manager whose
     channel exists and is a plain TCP link's (not TLS, not on this host, no timings on)
@@ -1053,6 +1064,8 @@ class KeyLane:
     def get(self, h: Any, key: Any) -> Any:
         """``h[key]``'s value, :data:`NO_KEY`, a :class:`Resend`, or ``NotImplemented``."""
         got = self._read(h, key, self.wire.get)
+        if type(got) is _Here:
+            return got.answer
         if type(got) is not tuple:
             return got
         status, _, payload = got
@@ -1061,6 +1074,8 @@ class KeyLane:
     def contains(self, h: Any, key: Any) -> Any:
         """``key in h``, a :class:`Resend`, or ``NotImplemented``."""
         got = self._read(h, key, self.wire.contains)
+        if type(got) is _Here:
+            return got.answer
         return bool(got[1]) if type(got) is tuple else got
 
     def pop(self, h: Any, key: Any) -> Any:
@@ -1095,13 +1110,23 @@ class KeyLane:
         return self._exchange(h, key, mid, op, 0, keysec, (), 0, h._client_id, n, rid)
 
     def _read(self, h: Any, key: Any, op: int) -> Any:
-        """:meth:`_exchange` of a read of ``key``."""
-        routed = self._routed(h)
+        """:meth:`_exchange` of a read of ``key``; or, for a manager whose channel reads
+        its shard on this host, the channel's :meth:`SharedState.read_here` (no timings
+        on), its answer in a :class:`_Here`."""
+        routed = self._routed(h, False)
         if routed is None:
             return NotImplemented
         try:
             mid, digest, _ = routed[0].one(key)
         except KeyTooLong:  # (the Python path says why)
+            return NotImplemented
+        core = h._core
+        ch = core._channels.get(mid if h._target is None else h._target)
+        if isinstance(ch, SharedState):
+            if self.timing.on:  # (the timed path's: one operation, timed as such)
+                return _Here(NotImplemented)
+            return _Here(ch.read_here(digest, h._chkpt, op == self.wire.contains, self.decode))
+        if not core.tcp:
             return NotImplemented
         return self._exchange(h, key, mid, op, 0, digest, (), 0, 0)
 
@@ -1340,10 +1365,11 @@ class KeyLane:
                 self.pool.give(link, conn)
 
     @staticmethod
-    def _routed(h: Any) -> Any:
-        """The handle's router and framer, if it is one the lane serves now."""
+    def _routed(h: Any, tcp: bool = True) -> Any:
+        """The handle's router and framer, if it is one the lane serves now (``tcp``:
+        over a TCP link, so not for a core that has none)."""
         core = h._core
-        if not core.tcp or core.closed or h._detached or h._vp is not None:
+        if (tcp and not core.tcp) or core.closed or h._detached or h._vp is not None:
             return None
         return h._routed
 
@@ -1539,6 +1565,105 @@ class LeaseState:
     :class:`ManagerState`)."""
 
     __slots__ = ("required", "until")
+
+
+class ViewState:
+    """What the same-host read checks of a process's view of a shard: a base of
+    ``transport.mapped._View`` (``store``, ``evicted``, ``closed``, ``used``; see
+    :class:`ManagerState`)."""
+
+    __slots__ = ("store", "evicted", "closed", "used")
+
+
+class SharedState:
+    """What the same-host read checks of a manager's same-host channel: a base of
+    ``transport.shared.SharedChannel`` (``_view``, ``_seen``, ``_orphans``, ``_touched``,
+    ``_alive_until``, ``_size``, ``_wfk``, ``_closed``; see :class:`ManagerState`), and
+    the read itself.
+
+    ``SharedChannel._get`` and ``_contains`` are the reference: about twenty Python
+    calls around one seek.  :meth:`read_here` is their common case in one call (the key
+    lane's, ``KeyLane.get`` and ``contains``), and declines (``NotImplemented``, before
+    anything is counted) whatever else, which the Python path then serves and explains.
+    """
+
+    __slots__ = ()
+
+    def read_here(
+        self, digest: bytes, chkpt: int, contains: bool, decode: Callable[[Any], Any]
+    ) -> Any:
+        """The value of ``digest`` at checkpoint ``chkpt`` in the channel's view of its
+        shard (``contains``: whether one is seen), :data:`NO_KEY` for none, or
+        ``NotImplemented``.
+
+        The common case: the channel open with its view (not evicted, not closed), no
+        dropped batch's commit to let go (``_orphans``), not ``wait_for_keys`` (a reader
+        that may wait), the host known alive within ``ALIVE_CHECK`` (``_alive_until``:
+        never for a replicated manager, whose lease is checked at every read), the shard
+        open and ``chkpt`` in its window, as of the snapshot (the marks are read again
+        after a commit, ``_seen`` then written as ``_check_state`` writes it), and the
+        newest version at ``chkpt`` absent, deleted, or live with a frame under
+        ``SMALL_FRAME`` (which no read lends: the copy is the value's); a live one is
+        counted as touched (``_touched``, ``_View.copy``'s count) and decoded.  Here
+        the read counts itself inside the view (``_View.enter``, then the channel's
+        ``_exit``), as the Python path does: the snapshot's buffers are views of the
+        map, which a close would unmap under them.  The compiled read holds the
+        interpreter lock from the view's check to the snapshot's end and makes no Python
+        object meanwhile, so no close can come between and it counts nothing (see
+        ``same_host.pxi``)."""
+        ch: Any = self  # (its fields are the subclass's)
+        view = ch._view
+        if (
+            view is None
+            or ch._closed
+            or ch._wfk
+            or ch._orphans
+            or type(digest) is not bytes
+            or len(digest) != DIGEST
+            or type(chkpt) is not int
+            or chkpt < 0
+        ):
+            return NotImplemented
+        now = time.monotonic()
+        if now >= ch._alive_until or not view.enter():  # (counted inside, as _enter does)
+            return NotImplemented
+        store, (seen_tid, newest, frozen) = view.store, ch._seen
+        try:
+            with store.env.begin(buffers=True) as txn:
+                tid = txn.id()
+                if tid != seen_tid:  # (a commit since: the window and marks read again)
+                    raw = txn.get(NEWEST, db=store._meta)
+                    if raw is None:
+                        newest = ch._size - 1
+                    elif len(raw) != 9 or raw[8] != 0:
+                        return NotImplemented  # (closed: the Python path says how)
+                    else:
+                        newest = int.from_bytes(raw[:8], "little", signed=True)
+                    mark = txn.get(FROZEN, db=store._meta)
+                    frozen = mark is not None and bytes(mark) == b"\x01"
+                if chkpt < max(0, newest - ch._size + 1):
+                    return NotImplemented  # (retired: the Python path says so)
+                e = lookup_entry(txn, store._data, digest, chkpt, whole=False)
+                found: Any = None
+                if e is not None and not e.flags & TOMBSTONE:
+                    if contains:
+                        found = True
+                    elif len(e.frame) >= SMALL_FRAME:
+                        return NotImplemented
+                    else:
+                        found = bytes(e.frame)
+        except Exception:  # noqa: BLE001 - the Python path meets it again and says it
+            return NotImplemented
+        finally:
+            ch._exit(view)  # (the last one out of a view closed meanwhile closes it)
+        if tid != seen_tid:
+            ch._seen = (tid, newest, frozen)
+        if contains:
+            return found is not None
+        if found is None:
+            return NO_KEY
+        ch._touched(len(found))
+        return decoded(found, decode)
 
 
 SERVED_OPS = 64
@@ -1920,6 +2045,8 @@ __all__ = [
     "ManagerState",
     "WindowState",
     "StoreState",
+    "SharedState",
+    "ViewState",
     "ReaderState",
     "ConnectionState",
     "DeferredState",

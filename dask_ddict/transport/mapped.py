@@ -61,25 +61,17 @@ def touched(nbytes: int, reads: int = 1) -> None:
                     view.release()
 
 
-class _View:
+class _View(kernels.ViewState):
     """A process's mapping of one shard, shared by its channels.
 
     ``users`` counts the channels that hold it, ``active`` the operations inside
     it right now (an evicted view is never closed under one), ``used`` is when
-    it was last used (for the least-recently-used rotation).
+    it was last used (for the least-recently-used rotation).  Its base holds what the
+    key lane's same-host read checks (``store``, ``evicted``, ``closed``, ``used``:
+    C fields in the compiled kernels).
     """
 
-    __slots__ = (
-        "store",
-        "users",
-        "span",
-        "active",
-        "used",
-        "evicted",
-        "lender",
-        "closed",
-        "__weakref__",
-    )
+    __slots__ = ("users", "span", "active", "lender", "__weakref__")
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
@@ -91,6 +83,17 @@ class _View:
         self.closed = False
         self.lender: Lender | None = None  # its zero-copy snapshots (see .lending), once lent
         _VIEWS.add(self)
+
+    def enter(self) -> bool:
+        """Count one operation inside, unless the view was closed for its channels
+        (decided under the lock that :meth:`close` decides under: a close then waits
+        for the operation to leave, ``SharedChannel._exit``)."""
+        with _ENVS_LOCK:
+            if self.evicted:
+                return False
+            self.active += 1
+            self.used = time.monotonic()  # (the eviction's order: see _evict_idle)
+            return True
 
     @property
     def lending(self) -> bool:

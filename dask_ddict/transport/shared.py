@@ -84,7 +84,7 @@ class _OverSocket(Exception):
     is unavailable: this operation goes to its manager's socket, which says why."""
 
 
-class SharedChannel:
+class SharedChannel(kernels.SharedState):
     """A :class:`SocketChannel` whose reads, and small in-window puts, use the shard directly.
 
     Parameters
@@ -138,6 +138,10 @@ class SharedChannel:
         self._lease = sock.link.lease_word() if options.replicas else None
         self._closed = False
         self._alive_until = 0.0
+        # (what the key lane's read of a small value here checks and calls, see
+        # kernels.SharedState: the dropped batches' commits, and the pages' count)
+        self._orphans = _ORPHANS
+        self._touched = touched
         try:
             self._attach()
         except ViewLimit:  # over the socket until a view is free (see _enter)
@@ -174,9 +178,7 @@ class SharedChannel:
         """The view for one operation (counted as active), or ``None``: use the socket."""
         with _ENVS_LOCK:
             view = self._view
-            if view is not None and not view.evicted:
-                view.active += 1
-                view.used = time.monotonic()  # (the eviction's order: see mapped._evict_idle)
+            if view is not None and view.enter():
                 return view
         now = time.monotonic()
         if self._closed or now < self._retry_at:
