@@ -45,6 +45,7 @@ from tests.support.cluster import local_cluster
 from tests.support.handles import over_tcp
 from tests.support.polling import poll_for
 from tests.support.values import same, values
+from tests.support.writers import under_a_host_kill
 
 try:
     from dask_ddict.kernels import _compiled
@@ -267,9 +268,9 @@ def test_the_lanes_answer_as_the_python_path(tcp):
 
 
 def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_reads_here(client, tcp):
-    """Over TCP the lane sends; on the managers' host it reads the shard mapped here
-    (the channels' own set's read: ``tests/test_same_host_lane.py``), and leaves puts and
-    ``get_many``s to the Python path (which commits or reads them here itself)."""
+    """Over TCP the lane sends; on the managers' host it reads and commits in the shard
+    mapped here (the channels' own set's read and put: ``tests/test_same_host_lane.py``),
+    and leaves ``get_many``s to the Python path (which reads them here itself)."""
     d = DDict.attach(tcp.serialize())  # (on the managers' host: the shard read directly)
     try:
         for h in (tcp, d):
@@ -280,11 +281,15 @@ def test_a_warm_tcp_handle_is_the_lanes_and_a_same_host_one_reads_here(client, t
             assert lane.get(tcp, "k") == b"w" and lane.contains(tcp, "k") is True
             assert lane.get(tcp, "gone") is NO_KEY and lane.contains(tcp, "gone") is False
             assert lane.get_many(tcp, ["k", "gone", "k"], ABSENT) == ([b"w", ABSENT, b"w"], [1])
-            for call in _calls(lane, d)[2:]:
-                assert call() is NotImplemented
+            assert lane.get_many(d, ["k", "other"], ABSENT) is NotImplemented  # (read_here's)
             for m in range(d.num_managers):  # (the hosts known alive: else the path checks)
                 d._core.channel(m)._alive_until = time.monotonic() + 60
             here = isinstance(lane, kernels.KeyLane)  # (the set the channels' bases are of)
+            assert lane.put(d, "k", b"x", False) is (None if here else NotImplemented)
+            if not here:
+                d["k"] = b"x"
+            assert d["k"] == b"x"
+            d["k"] = b"w"
             assert lane.get(d, "k") == (b"w" if here else NotImplemented)
             assert lane.contains(d, "k") is (True if here else NotImplemented)
             assert lane.get(d, "gone") is (NO_KEY if here else NotImplemented)
@@ -758,41 +763,6 @@ def test_a_timed_resend_that_runs_out_says_it_may_have_been_applied(tcp):
         t.detach()
 
 
-def _under_a_host_kill(d: DDict, step: Callable[[int], None], done: list[list[Any]]) -> None:
-    """Three threads call ``step(i)`` (which adds to ``done[i]``) while the host process
-    of manager 0 is SIGKILLed, once each did 50, and restarted; they stop once each did
-    50 more after it.  None of them failed."""
-    host = d.stats[0].pid
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            while not stop.is_set() and len(done[i]) < 100_000:
-                step(i)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(done))]
-    for t in threads:
-        t.start()
-    try:
-        poll_for(lambda: min(len(x) for x in done) > 50, 30, "the threads under way")
-        os.kill(host, signal.SIGKILL)
-        poll_for(lambda: d.stats[0].pid != host, 60, "the host restarted")
-        at = [len(x) for x in done]
-        poll_for(
-            lambda: all(len(x) > a + 50 for x, a in zip(done, at, strict=True)) or errors,
-            30,
-            "the threads after the restart",
-        )
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    assert errors == []
-
-
 def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
     """Writers and readers (of single keys and ``get_many``s) over TCP (the lane's) while
     the host process of one manager is SIGKILLed and restarted: the lane closes the
@@ -813,7 +783,7 @@ def test_a_host_killed_under_lane_writers_loses_no_acknowledged_write():
                 if k % 5 == 0:  # (a get_many's two links: one may break under it)
                     assert h.get_many([(i, k), "warm", (i, k // 2)]) == [k, 1, k // 2]
 
-            _under_a_host_kill(d, step, acked)
+            under_a_host_kill(d, step, acked)
             held = dict(d.items())
             for i, ks in enumerate(acked):
                 for k in ks:
@@ -835,7 +805,7 @@ def test_a_host_killed_under_lane_fetch_adds_applies_each_once():
             h = over_tcp(d).manager(0)
             assert h.fetch_add("tickets", 1) == 0
             taken: list[list[int]] = [[] for _ in range(3)]
-            _under_a_host_kill(d, lambda i: taken[i].append(h.fetch_add("tickets", 1)), taken)
+            under_a_host_kill(d, lambda i: taken[i].append(h.fetch_add("tickets", 1)), taken)
             tickets = sorted(t for ts in taken for t in ts)
             assert tickets == list(range(1, len(tickets) + 1)), "a ticket taken twice, or lost"
             assert h["tickets"] == len(tickets) + 1

@@ -12,6 +12,7 @@ import pytest
 
 from dask_ddict import DDict, DDictCheckpointSyncError, DDictError, DDictFullError
 from dask_ddict._serialize import Taken
+from dask_ddict.client.lane import LANE
 from dask_ddict.shard.generations import path_for
 from dask_ddict.transport import shared
 
@@ -57,6 +58,9 @@ def test_a_waiter_at_the_manager_gets_puts_sent_there(client):
         t = threading.Thread(target=wait)
         t.start()
         time.sleep(0.5)  # the waiter is registered in the shard
+        for m in range(d.num_managers):  # (the hosts known alive: the lane's case)
+            d._core.channel(m)._alive_until = time.monotonic() + 60
+        assert LANE.put(d, "flag", True, False) is NotImplemented  # (the commit refuses it)
         t0 = time.monotonic()
         d["flag"] = True  # would be direct, but a waiter needs the manager to see it
         assert done.wait(5) and time.monotonic() - t0 < 5

@@ -1,6 +1,7 @@
-"""A same-host client's single reads in one call (``SharedState.read_here``: the key
-lane's ``d[key]``, ``d.get`` and ``key in d`` on the managers' host) answer as the
-channel's Python path (``SharedChannel._get`` and ``_contains``, the reference).
+"""A same-host client's single reads and puts in one call (``SharedState.read_here`` and
+``put_here``: the key lane's ``d[key]``, ``d.get``, ``key in d`` and ``d[key] = value``
+on the managers' host) answer as the channel's Python path (``SharedChannel._get``,
+``_contains`` and ``_put``, the reference).
 
 The read serves the common case (a small value, the view open, the host known alive,
 the shard open and the checkpoint in its window) and declines everything else with
@@ -20,19 +21,29 @@ from typing import Any
 
 import dask
 import pytest
+from distributed import Client
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from dask_ddict import DDict, DDictCheckpointSyncError, DDictClosedError, DDictKeyError, kernels
+from dask_ddict import (
+    DDict,
+    DDictCheckpointSyncError,
+    DDictClosedError,
+    DDictError,
+    DDictKeyError,
+    kernels,
+)
 from dask_ddict._serialize import SMALL_FRAME, dumps_value, loads_value
 from dask_ddict.client.lane import LANE
 from dask_ddict.kernels import NO_KEY, pure
 from dask_ddict.transport import mapped, shared, timing
 from dask_ddict.transport.ops import Contains, Get
 from dask_ddict.transport.shared import SharedChannel
+from tests.support.cluster import local_cluster
 from tests.support.shards import slots_of, snapshots
 from tests.support.values import same, values
+from tests.support.writers import under_a_host_kill
 
 try:
     from dask_ddict.kernels import _compiled
@@ -44,6 +55,13 @@ except ImportError:  # (a machine without a compiler: test_kernels says so)
 READS: list[Any] = [pure.SharedState.read_here] + (
     [_compiled.SharedState.read_here] if _compiled is not None and kernels.COMPILED else []
 )
+#: The puts compared with the Python path, as the reads.
+PUTS: dict[str, Any] = {"pure": pure.SharedState.put_here} | (
+    {"compiled": _compiled.SharedState.put_here}
+    if _compiled is not None and kernels.COMPILED
+    else {}
+)
+PUTTERS = ["manager", "python", *PUTS]
 KEYS = ["a", "b", 7, ("t", 1), b"raw", 3.5]
 ABSENT = "<absent>"
 
@@ -80,6 +98,13 @@ def _here(read: Any, h: DDict, key: Any, contains: bool = False) -> Any:
     return ABSENT if got is NO_KEY else got
 
 
+def _put_here(put: Any, h: DDict, key: Any, value: Any) -> Any:
+    """``put``'s answer for ``h[key] = value`` (routed and framed as the lane does)."""
+    router, dumps = h._routed or h._routing()
+    mid, digest, kb, framed = router.record(key, value, dumps)
+    return put(h._core.channel(mid), digest, kb, framed, h._chkpt)
+
+
 def _alive(h: DDict) -> None:
     """Every channel's host known alive for a while (the Python path's check, done)."""
     for m in range(h.num_managers):
@@ -105,7 +130,7 @@ def test_the_reads_here_answer_as_the_python_path(here, client):
     d = here
     with dask.config.set({"ddict.local-read": False}):
         sock = DDict.attach(d.serialize())
-    served = {id(read): 0 for read in READS}
+    served = {id(read): 0 for read in READS} | dict.fromkeys(PUTS, 0)
 
     class History(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -113,9 +138,26 @@ def test_the_reads_here_answer_as_the_python_path(here, client):
             d.clear()
             self.model: dict[Any, Any] = {}
 
-        @rule(key=st.sampled_from(KEYS), value=values_st, by_manager=st.booleans())
-        def put(self, key: Any, value: Any, by_manager: bool) -> None:
-            (sock if by_manager else d)[key] = value
+        @rule(key=st.sampled_from(KEYS), value=values_st, by=st.sampled_from(PUTTERS))
+        def put(self, key: Any, value: Any, by: str) -> None:
+            """Put by the manager (a handle over its socket), this process's Python path,
+            or a put_here (declined: the Python path's); a large value is always
+            declined, a small one committed here unless the commit's rules leave it to
+            the Python path (a shard's first put after ``clear``, which has no key
+            counts yet, say)."""
+            if by == "manager":
+                sock[key] = value
+            elif by == "python":
+                d._put(key, value, False)
+            else:
+                _alive(d)
+                got = _put_here(PUTS[by], d, key, value)
+                if got is None:
+                    served[by] += 1
+                    assert dumps_value(value).nbytes <= kernels.DIRECT_PUT_MAX
+                else:
+                    assert got is NotImplemented, (by, key, got)
+                    d._put(key, value, False)
             self.model[key] = value
 
         @rule(key=st.sampled_from(KEYS), by_manager=st.booleans())
@@ -160,7 +202,13 @@ def test_the_reads_here_answer_as_the_python_path(here, client):
             for read in READS:
                 assert _here(read, d, key) is NotImplemented
                 assert _here(read, d, key, True) is NotImplemented
-            assert same(d.get(key, ABSENT), want)  # (over the socket meanwhile)
+            mid = d.which_manager(key)
+            never = next(("never", i) for i in range(100) if d.which_manager(("never", i)) == mid)
+            if "compiled" in PUTS:  # (the pure put commits by put_batch, which maps it again)
+                assert _put_here(PUTS["compiled"], d, never, 1) is NotImplemented
+            ch._retry_at = 0.0  # (its next Python path maps the shard again, at once)
+            assert same(d.get(key, ABSENT), want) and never not in d
+            assert ch._view is not view and not ch._view.evicted
 
         @rule()
         def frozen(self) -> None:
@@ -187,7 +235,8 @@ def test_the_reads_here_answer_as_the_python_path(here, client):
         )
     finally:
         sock.detach()
-    assert all(n > 20 for n in served.values()), served
+    assert all(served[id(read)] > 20 for read in READS), served
+    assert all(served[name] > 3 for name in PUTS), served  # (a third of the puts, or less)
 
 
 def test_the_key_lane_reads_here_and_the_python_path_is_not_called(here, monkeypatch):
@@ -401,3 +450,116 @@ def test_reads_here_while_other_threads_close_the_views(client):
         assert not errors, errors
         assert served[0] > 1000
         assert all(d[i] == want[i] for i in want)
+
+
+def test_puts_here_decline_what_the_python_path_must_say(client):
+    """Each put the channel may not commit itself answers ``NotImplemented`` with nothing
+    written, and the handle's own put then does what the Python path does."""
+    with DDict(total_mem="32 MiB", client=client) as d:
+        d["k"] = 0
+        _alive(d)
+        for name, put in PUTS.items():
+            assert _put_here(put, d, "k", name) is None and d["k"] == name
+            assert _put_here(put, d, "big", b"x" * (70 << 10)) is NotImplemented
+            assert d.get("big") is None  # (nothing written: the manager's to put)
+        d["big"] = b"x" * (70 << 10)
+        assert d["big"] == b"x" * (70 << 10)
+        # frozen: refused by the commit's rules, and by the Python path, which says so
+        d.freeze()
+        assert all(_put_here(put, d, "k", 1) is NotImplemented for put in PUTS.values())
+        with pytest.raises(DDictError, match="frozen"):
+            d["k"] = 1
+        d.unfreeze()
+        # (a waiter at the manager: tests/test_same_host.py, whose put the lane leaves)
+        # the host's liveness due for its check; a dropped batch's commit to let go
+        ch, _ = _channel(d, "k")
+        ch._alive_until = 0.0
+        assert all(_put_here(put, d, "k", 2) is NotImplemented for put in PUTS.values())
+        _alive(d)
+        ch._orphans = [None]
+        try:
+            assert all(_put_here(put, d, "k", 2) is NotImplemented for put in PUTS.values())
+        finally:
+            ch._orphans = shared._ORPHANS
+        assert d["k"] == list(PUTS)[-1]  # (the last put committed here: nothing since)
+        # through the lane itself: a manager-directed handle, timings, a value pickler, a
+        # key too long
+        mid = d.which_manager("k")
+        to, other = d.manager(mid), d.manager(1 - mid)
+        to["k"], other["k"] = 4, 5  # (routed by their first puts; "k" is mid's key)
+        _alive(to)
+        _alive(other)
+        assert LANE.put(to, "k", 6, False) is None and to["k"] == 6 and d["k"] == 6
+        assert LANE.put(other, "k", 7, False) is None and other["k"] == 7 and d["k"] == 6
+        timing.reset(True)
+        try:
+            assert LANE.put(d, "k", 8, False) is NotImplemented
+        finally:
+            timing.reset(False)
+        pickled = d.pickler(value_pickler=_Pickler())
+        assert LANE.put(pickled, "k", 9, False) is NotImplemented
+        assert LANE.put(d, "x" * (d._core.max_key_bytes + 1), 1, False) is NotImplemented
+        assert d["k"] == 6
+        # a checkpoint past the window: the manager's, which moves the window
+        d.checkpoint_id = 1
+        assert all(_put_here(put, d, "k", 3) is NotImplemented for put in PUTS.values())
+        d["k"] = 3
+        assert d.stats[d.which_manager("k")].newest_checkpoint == 1 and d["k"] == 3
+        # a retired checkpoint: the Python path raises
+        old = DDict.attach(d.serialize())
+        old.checkpoint_id = 1
+        old["k"]  # (routed, its channels made)
+        d.checkpoint_id = 2
+        d["k"] = 10  # (the window of one is now [2])
+        _alive(old)
+        assert all(_put_here(put, old, "k", 11) is NotImplemented for put in PUTS.values())
+        with pytest.raises(DDictCheckpointSyncError):
+            old["k"] = 11
+        gone, _ = _channel(old, "k")
+        old.detach()  # (a closed channel)
+        router, dumps = d._routed
+        _, digest, kb, framed = router.record("k", 12, dumps)
+        assert all(put(gone, digest, kb, framed, 2) is NotImplemented for put in PUTS.values())
+        assert d["k"] == 10
+    for options in (
+        {"working_set_size": 2},
+        {"wait_for_keys": True, "working_set_size": 2},
+        {"local_write": False},
+    ):
+        config = {"ddict.local-write": options.pop("local_write", True)}
+        with dask.config.set(config), DDict(total_mem="32 MiB", client=client, **options) as d:
+            d["k"] = 0
+            _alive(d)
+            assert all(_put_here(put, d, "k", 1) is NotImplemented for put in PUTS.values())
+            d["k"] = 1
+            assert d["k"] == 1
+
+
+def test_a_host_killed_under_same_host_writers_loses_no_acknowledged_write():
+    """Writers on the managers' host (their puts committed by the lane, in this process)
+    and readers while the host process of one manager is SIGKILLed and restarted: every
+    acknowledged write reads back, and the lane committed most of them."""
+    with local_cluster(2) as cl, Client(cl) as c:
+        d = DDict(total_mem="64 MiB", client=c)
+        try:
+            d["warm"] = 1
+            acked: list[list[int]] = [[] for _ in range(3)]
+            committed = [0]
+
+            def step(i: int) -> None:
+                k = len(acked[i])
+                if LANE.put(d, (i, k), k, False) is None:
+                    committed[0] += 1
+                else:
+                    d[(i, k)] = k
+                acked[i].append(k)
+                assert d[(i, k)] == k
+
+            under_a_host_kill(d, step, acked)
+            held = dict(d.items())
+            for i, ks in enumerate(acked):
+                for k in ks:
+                    assert held.get((i, k)) == k, f"acknowledged write ({i}, {k}) lost"
+            assert committed[0] > sum(len(ks) for ks in acked) // 2
+        finally:
+            d.destroy()

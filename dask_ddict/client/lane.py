@@ -1,7 +1,7 @@
 """The process's key lane: a handle's single-key gets, ``in``s, puts, pops and
-``fetch_add``s, and its ``get_many``s, over TCP in one call; and its gets and ``in``s
-of a manager on this host, read from the shard in one call (the channel's
-``kernels.SharedState.read_here``).
+``fetch_add``s, and its ``get_many``s, over TCP in one call; and its gets, ``in``s and
+puts of a manager on this host, read from the shard or committed into it in one call
+(the channel's ``kernels.SharedState.read_here`` and ``put_here``).
 
 ``d[key]``, ``d.get(key)``, ``key in d``, ``d[key] = value``, ``d.pop(key)``,
 ``d.fetch_add(key, n)`` and ``d.get_many(keys)`` first ask :data:`LANE`

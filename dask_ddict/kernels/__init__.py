@@ -34,6 +34,7 @@ from . import pure
 from .pure import (
     BATCH_RECORD,
     COMMITTED,
+    DIRECT_PUT_MAX,
     FORKED,
     GROUP,
     JOIN,
@@ -158,6 +159,7 @@ __all__ = [
     "BATCH_RECORD",
     "COMMITTED",
     "COMPILED",
+    "DIRECT_PUT_MAX",
     "FORKED",
     "GROUP",
     "JOIN",

@@ -175,18 +175,37 @@ cdef class KeyLane:
 
     def put(self, h, key, value, bint persistent):
         cdef tuple rec
-        cdef object routed = self._routed(h)
+        cdef long long chkpt
+        cdef object routed = self._routed(h, False)
         if routed is None or h._batch is not None:
             return NotImplemented
         if type(value) is bytes and PyBytes_GET_SIZE(value) > self.most:  # (not framed twice)
             return NotImplemented
+        core = h._core
+        target = h._target
+        if not core.tcp:  # (only a channel that commits here takes it: found before framing)
+            try:
+                route = (<Router>routed).one(key)
+            except KeyTooLong:
+                return NotImplemented
+            ch = (<dict>core._channels).get(route[0] if target is None else target)
+            if not isinstance(ch, SharedState) or not (<SharedState>ch)._may_put():
+                return NotImplemented
         try:
             rec = (<Router>routed).record(key, value, h._routed[1])
         except KeyTooLong:
             return NotImplemented
         framed, kb = rec[3], rec[2]
-        room = h._core._room  # (None: not known yet; a value too large: the Python path's)
+        room = core._room  # (None: not known yet; a value too large: the Python path's)
         if room is None or type(framed) is not Framed or framed.nbytes + len(kb) > room:
+            return NotImplemented
+        ch = (<dict>core._channels).get(rec[0] if target is None else target)
+        if isinstance(ch, SharedState):  # (committed here, or the Python path's)
+            if (self.timing.on or type(kb) is not bytes or type(rec[1]) is not bytes
+                    or not _small_int(h._chkpt, 0x7FFFFFFFFFFFFFFF, &chkpt)):  # fmt: skip
+                return NotImplemented
+            return (<SharedState>ch)._put_here(<bytes>rec[1], <bytes>kb, framed, chkpt)
+        if not core.tcp:
             return NotImplemented
         got = self._exchange(h, key, rec[0], self.op_put, self.persist if persistent else 0,
                              rec[1] + kb, framed.parts, framed.nbytes, h._client_id)

@@ -342,6 +342,8 @@ def unpack_values(
     return out
 
 
+#: Puts of frames up to this size may be committed by a same-host client itself.
+DIRECT_PUT_MAX = 64 << 10
 #: A value at least this big, sought to be read whole, is read by lmdb's own cursor,
 #: which touches its pages with the interpreter lock released (py-lmdb's ``preload``): a
 #: copying read of a large value relies on that (docs/design/kernels.md, "A cold large
@@ -1006,9 +1008,10 @@ class KeyLane:
     reply that is not OK is a :class:`Resend` with that id, which the Python path sends
     again (its host applies it once).
 
-    A get or an ``in`` of a manager whose channel reads its shard on this host is that
-    channel's :meth:`SharedState.read_here` (its own set's: the lane of the other set
-    finds no channel of its kind and declines), with no timings on.
+    A get, an ``in`` or a put of a manager whose channel reads its shard on this host is
+    that channel's :meth:`SharedState.read_here` or :meth:`~SharedState.put_here` (its
+    own set's: the lane of the other set finds no channel of its kind and declines),
+    with no timings on.
 
     Over TCP, the common case: a handle open and attached whose core has a TCP link's
     channel (``tcp``: a handle on the managers' host has none), not in a batch,
@@ -1132,19 +1135,36 @@ class KeyLane:
 
     def put(self, h: Any, key: Any, value: Any, persistent: bool) -> Any:
         """``h[key] = value`` (``None`` once acknowledged), a :class:`Resend`, or
-        ``NotImplemented``."""
-        routed = self._routed(h)
+        ``NotImplemented``; to a manager whose channel reads its shard on this host, the
+        channel's :meth:`SharedState.put_here` (no timings on)."""
+        routed = self._routed(h, False)
         if routed is None or h._batch is not None:
             return NotImplemented
         if type(value) is bytes and len(value) > self.wire.most:  # (not framed twice)
             return NotImplemented
         router, dumps = routed
+        core = h._core
+        if not core.tcp:  # (only a channel that commits here takes it: found before framing)
+            try:
+                mid = router.one(key)[0]
+            except KeyTooLong:
+                return NotImplemented
+            ch = core._channels.get(mid if h._target is None else h._target)
+            if not isinstance(ch, SharedState) or not ch.may_put():
+                return NotImplemented
         try:
             mid, digest, kb, framed = router.record(key, value, dumps)
         except KeyTooLong:
             return NotImplemented
-        room = h._core._room  # (None: not known yet; a value too large: the Python path's)
+        room = core._room  # (None: not known yet; a value too large: the Python path's)
         if room is None or framed.nbytes + len(kb) > room:
+            return NotImplemented
+        ch = core._channels.get(mid if h._target is None else h._target)
+        if isinstance(ch, SharedState):  # (committed here, or the Python path's)
+            if self.timing.on:
+                return NotImplemented
+            return ch.put_here(digest, kb, framed, h._chkpt)
+        if not core.tcp:
             return NotImplemented
         flags = self.wire.persist if persistent else 0
         parts = tuple(framed.parts)
@@ -1588,6 +1608,60 @@ class SharedState:
     """
 
     __slots__ = ()
+
+    def may_put(self) -> bool:
+        """Whether a put may be committed here at all, as far as the channel and its view
+        say: what the key lane checks before it frames a value (a value framed and then
+        left to the Python path would be framed twice)."""
+        ch: Any = self
+        view = ch._view
+        return bool(
+            ch._direct
+            and ch._size == 1
+            and not ch._closed
+            and not ch._orphans
+            and view is not None
+            and not view.evicted
+        )
+
+    def put_here(self, digest: bytes, kb: bytes, framed: Any, chkpt: int) -> Any:
+        """``None`` once a put of ``digest`` (key bytes ``kb``, value frame ``framed``) at
+        checkpoint ``chkpt`` is committed by this process into the channel's shard, or
+        ``NotImplemented`` (nothing written): the Python path's ``SharedChannel._put``
+        then puts it, or sends it to the manager, and says what happened.
+
+        The common case: a channel that may commit (``_direct``: no ``wait_for_*``, not
+        read-only, no replicas, direct writes on), open with its view, no dropped batch's
+        commit to let go, a window of one checkpoint, an unindexed shard, a frame of at
+        most :data:`DIRECT_PUT_MAX` bytes, the host known alive within ``ALIVE_CHECK``;
+        then the channel's commit of it (``put_batch``: its rules refuse a moved, closed,
+        frozen or full shard, another checkpoint than the newest, and waiters at the
+        manager; what it refuses, the Python path meets again; what it raises, it may
+        raise after its commit: it is the put's).  The
+        compiled one makes ``put_batch``'s one C call (``DirectCommit.commit``) itself,
+        the view counted inside meanwhile, as ``put_batch`` counts it."""
+        ch: Any = self  # (its fields are the subclass's)
+        view = ch._view
+        if (
+            not ch._direct
+            or ch._size != 1
+            or ch._closed
+            or ch._orphans
+            or view is None
+            or type(digest) is not bytes
+            or len(digest) != DIGEST
+            or type(kb) is not bytes
+            or type(chkpt) is not int
+            or chkpt < 0
+            or framed.nbytes > DIRECT_PUT_MAX
+            or time.monotonic() >= ch._alive_until
+        ):
+            return NotImplemented
+        if view.store.indexed:
+            return NotImplemented
+        # (what it raises is the put's: it may have been committed, and is never made again)
+        done, error = ch.put_batch([(digest, kb, framed)], chkpt)
+        return None if done == 1 and error is None else NotImplemented
 
     def read_here(
         self, digest: bytes, chkpt: int, contains: bool, decode: Callable[[Any], Any]
@@ -2046,6 +2120,7 @@ __all__ = [
     "WindowState",
     "StoreState",
     "SharedState",
+    "DIRECT_PUT_MAX",
     "ViewState",
     "ReaderState",
     "ConnectionState",

@@ -1,10 +1,13 @@
-# A same-host client's single read of a small value (``pure.SharedState.read_here``): the
-# state of a process's view of a shard and of a manager's same-host channel in C fields
-# (bases of ``transport.mapped._View`` and ``transport.shared.SharedChannel``), and the
-# read in one call.  Included by _compiled.pyx, after commit_behind.pxi (whose marks it
-# reads) and before key_lane.pxi (which calls it).
+# A same-host client's single read of a small value (``pure.SharedState.read_here``), and
+# its single small put (``put_here``): the state of a process's view of a shard and of a
+# manager's same-host channel in C fields (bases of ``transport.mapped._View`` and
+# ``transport.shared.SharedChannel``), and each in one call.  Included by _compiled.pyx,
+# after commit_behind.pxi (whose marks and commit it uses) and before key_lane.pxi (which
+# calls them).
 #
-# Why no count of the operations inside the view (``_View.active``) and no ``_ENVS_LOCK``:
+# A put counts itself inside the view, as the Python path does: its commit releases the
+# interpreter lock.  Why a read needs no count of the operations inside the view
+# (``_View.active``) and no ``_ENVS_LOCK``:
 # the interpreter lock is held from the look at the view's ``evicted`` and ``closed`` to
 # the end of the snapshot, and no Python code runs in between (nothing is allocated
 # there: the frame is copied to the stack and decoded after the snapshot ended).  A view
@@ -19,6 +22,9 @@
 DEF DDICT_HERE_FRAME = 4096  # (the largest frame read here, SMALL_FRAME: copied to the stack)
 
 from .._serialize import SMALL_FRAME as _SMALL_FRAME_PY
+from .pure import DIRECT_PUT_MAX
+
+cdef Py_ssize_t _DIRECT_PUT_MAX = DIRECT_PUT_MAX
 
 if _SMALL_FRAME_PY != DDICT_HERE_FRAME:  # (the stack's copy is sized by it)
     raise ImportError(f"kernels._compiled reads same-host frames under {DDICT_HERE_FRAME} "
@@ -41,10 +47,10 @@ cdef class SharedState:
     """What the same-host read checks of a manager's same-host channel
     (``SharedChannel``'s base; ``pure.SharedState`` says the rules)."""
 
-    cdef public object _view, _seen, _orphans, _touched
+    cdef public object _view, _seen, _orphans, _touched, _owner, _words
     cdef public double _alive_until
-    cdef public long long _size
-    cdef public bint _wfk, _closed
+    cdef public long long _size, _mid
+    cdef public bint _wfk, _closed, _direct
 
     def read_here(self, digest, chkpt, bint contains, decode):
         """``pure.SharedState.read_here``."""
@@ -52,6 +58,53 @@ cdef class SharedState:
         if type(digest) is not bytes or not _signed_int(chkpt, &c):
             return NotImplemented
         return self._here(<bytes>digest, c, contains, decode)
+
+    def put_here(self, digest, kb, framed, chkpt):
+        """``pure.SharedState.put_here``."""
+        cdef long long c
+        if (type(digest) is not bytes or type(kb) is not bytes or type(framed) is not Framed
+                or not _signed_int(chkpt, &c)):  # fmt: skip
+            return NotImplemented
+        return self._put_here(<bytes>digest, <bytes>kb, framed, c)
+
+    def may_put(self):
+        """``pure.SharedState.may_put``."""
+        return self._may_put()
+
+    cdef bint _may_put(self):
+        return (self._direct and self._size == 1 and not self._closed and not self._orphans
+                and isinstance(self._view, ViewState) and not (<ViewState>self._view).evicted)
+
+    cdef object _put_here(self, bytes digest, bytes kb, object framed, long long chkpt):
+        """A small put committed here, in one C call (``DirectCommit.commit``, the
+        interpreter lock released while it waits for LMDB's writer and commits): the
+        view is counted inside as the Python path counts it (``_View.enter``, then the
+        channel's ``_exit``), since other threads run meanwhile."""
+        cdef ViewState view
+        cdef StoreState store
+        cdef object got
+        if (not self._direct or self._size != 1 or self._closed or self._orphans
+                or chkpt < 0 or PyBytes_GET_SIZE(digest) != _DIGEST
+                or not isinstance(self._view, ViewState)):  # fmt: skip
+            return NotImplemented
+        view = <ViewState>self._view
+        if view.evicted or not isinstance(view.store, StoreState):
+            return NotImplemented
+        store = <StoreState>view.store
+        if store.indexed or (<tuple>framed)[1] > _DIRECT_PUT_MAX or self._words is None:
+            return NotImplemented
+        if not view.enter():
+            return NotImplemented
+        try:
+            if _monotonic() >= self._alive_until:  # (after the wait to enter, as put_batch)
+                return NotImplemented
+            got = DirectCommit().commit(
+                store.env, store._data, store._meta, [(digest, kb, framed)], chkpt,
+                self._owner, store.full_thresh * store.capacity, store._psize,
+                self._words.words, self._mid)
+        finally:
+            self._exit(view)  # (the last one out of a view closed meanwhile closes it)
+        return None if got == _COMMITTED else NotImplemented
 
     cdef object _here(self, bytes digest, long long chkpt, bint contains, object decode):
         cdef ViewState view

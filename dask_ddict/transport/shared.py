@@ -47,6 +47,7 @@ from ..errors import (
     DDictKeyError,
     DDictManagerMovedError,
 )
+from ..kernels import DIRECT_PUT_MAX
 from ..options import DDictOptions
 from ..shard.direct import puts_in_window
 from ..shard.reader_marks import CLOSED_DESTROYED, CLOSED_MOVED, OPEN, frozen, saved_newest
@@ -74,8 +75,6 @@ from .socket_client import SocketChannel
 ALIVE_CHECK = 0.02
 #: Seconds between a channel's attempts to map its shard again after its view was taken.
 VIEW_RETRY = 0.05
-#: Puts of frames up to this size may be committed by a same-host client itself.
-DIRECT_PUT_MAX = 64 << 10
 _LEND: Any = object()  # (a read to serve from a lent snapshot)
 
 

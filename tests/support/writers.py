@@ -1,11 +1,15 @@
-"""Writers for the elastic tests: client threads and tasks that put and ``fetch_add``
-while the cluster changes shape, and the check that nothing they were told was
-written is lost (shared by the moves' and the replicas' tests)."""
+"""Writers for the elastic and fault tests: client threads and tasks that put and
+``fetch_add`` while the cluster changes shape or a host process is killed, and the
+check that nothing they were told was written is lost (shared by the moves', the
+replicas' and the key lanes' tests)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from distributed import Client
@@ -83,3 +87,38 @@ def with_writers(c: Client, d: DDict, stay: list[str], change: Any) -> None:
         t.join(90)
     task_results = c.gather(futures)
     check_writes(d, [*results, *task_results], ["t0", "t1", "task0", "task1"])
+
+
+def under_a_host_kill(d: DDict, step: Callable[[int], None], done: list[list[Any]]) -> None:
+    """Three threads call ``step(i)`` (which adds to ``done[i]``) while the host process
+    of manager 0 is SIGKILLed, once each did 50, and restarted; they stop once each did
+    50 more after it.  None of them failed."""
+    host = d.stats[0].pid
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            while not stop.is_set() and len(done[i]) < 100_000:
+                step(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(done))]
+    for t in threads:
+        t.start()
+    try:
+        poll_for(lambda: min(len(x) for x in done) > 50, 30, "the threads under way")
+        os.kill(host, signal.SIGKILL)
+        poll_for(lambda: d.stats[0].pid != host, 60, "the host restarted")
+        at = [len(x) for x in done]
+        poll_for(
+            lambda: all(len(x) > a + 50 for x, a in zip(done, at, strict=True)) or errors,
+            30,
+            "the threads after the restart",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert errors == []
