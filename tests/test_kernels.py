@@ -1247,13 +1247,19 @@ class _Pickler:
 )
 def test_a_router_frames_a_put_as_dumps_value_does(key, value, custom):
     """``Router.record``: the key's route and the value's frame, byte for byte what
-    ``dumps_value`` gives (the compiled set frames ``bytes`` itself), in both sets."""
+    ``dumps_value`` gives (the compiled set frames ``bytes`` itself), in both sets; and
+    ``Router.framed``, the frame alone (a lane that routed the key already), the same."""
     dumps = dumps_value if not custom else (lambda v: dumps_value(v, _Pickler()))
     outcomes = []
     for s in SETS:
-        kind, got = _outcome(
-            s.Router(5, 64, encode_key, None, PLAIN_KEYS, key_digest).record, key, value, dumps
-        )
+        router = s.Router(5, 64, encode_key, None, PLAIN_KEYS, key_digest)
+        kind, got = _outcome(router.record, key, value, dumps)
+        if kind == "ok":
+            alone = router.framed(value, dumps)
+            assert type(alone) is Framed and alone.nbytes == got[3].nbytes
+            assert b"".join(bytes(p) for p in alone.parts) == b"".join(
+                bytes(p) for p in got[3].parts
+            )
         outcomes.append(
             (
                 kind,

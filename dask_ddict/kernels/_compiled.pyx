@@ -378,15 +378,17 @@ cdef class Router:
         return self.placed(key, d, self.n), d, kb
 
     cpdef tuple record(self, object key, object value, object dumps):
-        cdef tuple route = self.one(key)
+        return self.one(key) + (self.framed(value, dumps),)
+
+    cpdef object framed(self, object value, object dumps):
         cdef Py_ssize_t n
         cdef bytes head
         if type(value) is not bytes or dumps is not _dumps_value:
-            return route + (dumps(value),)
+            return dumps(value)
         n = PyBytes_GET_SIZE(value)  # (dumps_value's FMT_BYTES frame: the header, the bytes)
         head = PyBytes_FromStringAndSize(NULL, DDICT_VALUE_HEAD_BYTES)
         ddict_bytes_value_head(<unsigned char*>PyBytes_AS_STRING(head), <uint64_t>n)
-        return route + (_new_tuple(Framed, ((head, value), DDICT_VALUE_HEAD_BYTES + n)),)
+        return _new_tuple(Framed, ((head, value), DDICT_VALUE_HEAD_BYTES + n))
 
 
 def group(list routes not None):

@@ -183,16 +183,15 @@ cdef class KeyLane:
             return NotImplemented
         core = h._core
         target = h._target
-        if not core.tcp:  # (only a channel that commits here takes it: found before framing)
-            try:
-                route = (<Router>routed).one(key)
-            except KeyTooLong:
-                return NotImplemented
-            ch = (<dict>core._channels).get(route[0] if target is None else target)
-            if not isinstance(ch, SharedState) or not (<SharedState>ch)._may_put():
-                return NotImplemented
         try:
-            rec = (<Router>routed).record(key, value, h._routed[1])
+            if core.tcp:
+                rec = (<Router>routed).record(key, value, h._routed[1])
+            else:  # (only a channel that commits here takes it: found before framing)
+                rec = (<Router>routed).one(key)
+                ch = (<dict>core._channels).get(rec[0] if target is None else target)
+                if not isinstance(ch, SharedState) or not (<SharedState>ch)._may_put():
+                    return NotImplemented
+                rec = rec + ((<Router>routed).framed(value, h._routed[1]),)
         except KeyTooLong:
             return NotImplemented
         framed, kb = rec[3], rec[2]

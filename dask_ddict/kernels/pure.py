@@ -171,10 +171,15 @@ class Router:
         dumps: Callable[[Any], Any],
     ) -> tuple[int, bytes, bytes, Any]:
         """A put's ``(manager, digest, key bytes, value frame)``: :meth:`one` and
-        ``dumps(value)`` (the compiled set frames a ``bytes`` value itself when ``dumps``
-        is :func:`~dask_ddict._serialize.dumps_value`, exactly as it would)."""
+        :meth:`framed`."""
         mid, d, kb = self.one(key)
-        return mid, d, kb, dumps(value)
+        return mid, d, kb, self.framed(value, dumps)
+
+    def framed(self, value: Any, dumps: Callable[[Any], Any]) -> Any:
+        """``dumps(value)``: a put's value frame (the compiled set frames a ``bytes`` value
+        itself when ``dumps`` is :func:`~dask_ddict._serialize.dumps_value`, exactly as it
+        would); for a lane that routed the key already."""
+        return dumps(value)
 
 
 def group(routes: list[tuple[int, bytes]]) -> dict[int, list[bytes]]:
@@ -1144,16 +1149,15 @@ class KeyLane:
             return NotImplemented
         router, dumps = routed
         core = h._core
-        if not core.tcp:  # (only a channel that commits here takes it: found before framing)
-            try:
-                mid = router.one(key)[0]
-            except KeyTooLong:
-                return NotImplemented
-            ch = core._channels.get(mid if h._target is None else h._target)
-            if not isinstance(ch, SharedState) or not ch.may_put():
-                return NotImplemented
         try:
-            mid, digest, kb, framed = router.record(key, value, dumps)
+            if core.tcp:
+                mid, digest, kb, framed = router.record(key, value, dumps)
+            else:  # (only a channel that commits here takes it: found before framing)
+                mid, digest, kb = router.one(key)
+                ch = core._channels.get(mid if h._target is None else h._target)
+                if not isinstance(ch, SharedState) or not ch.may_put():
+                    return NotImplemented
+                framed = router.framed(value, dumps)
         except KeyTooLong:
             return NotImplemented
         room = core._room  # (None: not known yet; a value too large: the Python path's)
@@ -1588,7 +1592,7 @@ class LeaseState:
 
 
 class ViewState:
-    """What the same-host read checks of a process's view of a shard: a base of
+    """What the same-host read and put check of a process's view of a shard: a base of
     ``transport.mapped._View`` (``store``, ``evicted``, ``closed``, ``used``; see
     :class:`ManagerState`)."""
 
@@ -1596,7 +1600,7 @@ class ViewState:
 
 
 class SharedState:
-    """What the same-host read checks of a manager's same-host channel: a base of
+    """What the same-host read and put check of a manager's same-host channel: a base of
     ``transport.shared.SharedChannel`` (``_view``, ``_seen``, ``_orphans``, ``_touched``,
     ``_alive_until``, ``_size``, ``_wfk``, ``_closed``; see :class:`ManagerState`), and
     the read itself.

@@ -15,9 +15,10 @@
 # lock) and closes its environment after: a close then either comes after the whole read
 # or is seen by it.  py-lmdb marks an environment it closes not ``valid``, holding the
 # interpreter lock, before it waits for anything but another thread's resize (whose
-# ``resizing`` mark declines too), and that is checked as well.  The snapshot is py-lmdb's spare read transaction (a shard's
-# environment keeps one: ``ShardStore``), renewed and reset again, as py-lmdb's own
-# ``Environment.begin`` takes it; else one begun, and kept as the spare or ended.
+# ``resizing`` mark declines too), and that is checked as well.  The snapshot is
+# py-lmdb's spare read transaction (a shard's environment keeps one: ``ShardStore``),
+# renewed and reset again, as py-lmdb's own ``Environment.begin`` takes it; else one
+# begun, and kept as the spare or ended.
 
 DEF DDICT_HERE_FRAME = 4096  # (the largest frame read here, SMALL_FRAME: copied to the stack)
 
@@ -33,9 +34,9 @@ if _SMALL_FRAME_PY != DDICT_HERE_FRAME:  # (the stack's copy is sized by it)
 
 @cython.auto_pickle(False)  # (a copy would drop its subclass's slots)
 cdef class ViewState:
-    """What the same-host read checks of a process's view of a shard (``_View``'s base):
-    its shard's store, whether it was closed for its channels (``evicted``) or closed,
-    and when it was last used."""
+    """What the same-host read and put check of a process's view of a shard (``_View``'s
+    base): its shard's store, whether it was closed for its channels (``evicted``) or
+    closed, and when it was last used."""
 
     cdef public object store
     cdef public bint evicted, closed
@@ -44,7 +45,7 @@ cdef class ViewState:
 
 @cython.auto_pickle(False)  # (a copy would drop its subclass's slots)
 cdef class SharedState:
-    """What the same-host read checks of a manager's same-host channel
+    """What the same-host read and put check of a manager's same-host channel
     (``SharedChannel``'s base; ``pure.SharedState`` says the rules)."""
 
     cdef public object _view, _seen, _orphans, _touched, _owner, _words
@@ -136,7 +137,8 @@ cdef class SharedState:
             return NotImplemented
         seen = self._seen
         if type(seen) is not tuple or PyTuple_GET_SIZE(seen) != 3 or not (
-                _signed_int((<tuple>seen)[0], &seen_tid) and _signed_int((<tuple>seen)[1], &seen_newest)):
+                _signed_int((<tuple>seen)[0], &seen_tid)
+                and _signed_int((<tuple>seen)[1], &seen_newest)):  # fmt: skip
             return NotImplemented
         store = <StoreState>view.store
         e = _open_env(store.env, store._data)
@@ -182,7 +184,9 @@ cdef class SharedState:
             return NO_KEY
         self._touched(n)
         value = _small_at(frame, n)
-        return decode(PyBytes_FromStringAndSize(<char*>frame, n)) if value is NotImplemented else value
+        if value is NotImplemented:
+            value = decode(PyBytes_FromStringAndSize(<char*>frame, n))
+        return value
 
 
 cdef int _marks_here(const ddict_mdb_api* api, ddict_mdb_txn* txn, unsigned int meta,
